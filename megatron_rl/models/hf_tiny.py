@@ -1,0 +1,92 @@
+"""Tiny HF models with random weights, built locally.
+
+There is no model hub on CI machines, so tests, the CPU demo and the benchmarks
+build small models from a ``transformers`` config and ``save_pretrained`` them.
+Only ``transformers`` is imported here (no megatron-core), so this is cheap.
+
+The defaults are chosen so every parallel layout we test divides them: 4 query
+heads and 2 KV groups (TP 1/2), 4 layers (PP 2, VPP 2), 4 experts (EP 2/4), and
+a vocab that is *not* a multiple of 128 so vocab padding is exercised.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=250,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rope_theta=10000.0, attention_bias=False, mlp_bias=False),
+    "qwen2": dict(rope_theta=10000.0),
+    "qwen3": dict(rope_theta=10000.0, head_dim=16, attention_bias=False),
+    "qwen3_moe": dict(
+        rope_theta=10000.0,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+    ),
+}
+
+
+def tiny_config(family: str, **overrides: Any):
+    """Return a ``transformers`` config object for a tiny model of ``family``."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }[family]
+    kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
+    return cls(**kwargs)
+
+
+def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Create a random-weight tiny HF model of ``family`` and save it to ``path``.
+
+    Returns ``path`` as a string. Weights are written as safetensors with a
+    ``config.json`` beside them, exactly as a hub checkpoint would be.
+    """
+    import torch
+    import transformers
+
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # HF initialises with std=initializer_range (0.02): logits are then nearly
+    # uniform and parity tests would compare near-constants. A wider init makes
+    # every layer matter to the output.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.02)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)

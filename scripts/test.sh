@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and run the whole test suite, multi-rank cases included.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_cpu.sh || exit 1
+.venv/bin/python -m pytest -q tests "$@"
+rc=$?
+# pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
+if [ $rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+exit $rc
