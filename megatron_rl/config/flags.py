@@ -1,0 +1,192 @@
+"""Megatron-style command line (and YAML) -> one frozen ``Config``.
+
+The parser is generated from ``schema.py``. Precedence: field defaults < the
+``--config FILE.yaml`` keys < flags on the command line. Unknown flags are
+errors (with the closest known flag suggested) except ``--sglang-*``, which are
+passed through verbatim to the rollout engine. Validation lives in
+``validate.py`` and runs once, on the finished object; nothing here mutates a
+value after parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any, Optional, Sequence
+
+from megatron_rl.errors import ConfigError
+
+from .schema import GROUPS, Config, flag_name, iter_fields
+
+PASS_THROUGH_PREFIX = "--sglang-"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message):  # noqa: D102 - argparse hook
+        raise ConfigError(f"{message} (see --help or docs/flags.md)")
+
+
+def _base_type(f: dataclasses.Field):
+    hint = f.type
+    if isinstance(hint, str):
+        hint = eval(hint, vars(typing), {})  # noqa: S307 - our own annotations
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    return hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m megatron_rl.train",
+        description="RL post-training on megatron-core. Flags follow Megatron-LM / slime names.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE.yaml", default=None,
+                        help="YAML file whose keys are flag names (dashes or underscores); CLI flags win.")
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    for group_name, _, f in iter_fields():
+        if f.name == "sglang_args":
+            continue
+        meta = f.metadata
+        names = [flag_name(f), *meta["aliases"]]
+        kwargs: dict[str, Any] = {"dest": f"{group_name}.{f.name}", "help": meta["help"]}
+        base = _base_type(f)
+        if base is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = meta["type"] or base
+            if meta["choices"]:
+                kwargs["choices"] = meta["choices"]
+            if meta["nargs"]:
+                kwargs["nargs"] = meta["nargs"]
+            if meta["metavar"]:
+                kwargs["metavar"] = meta["metavar"]
+        groups[group_name].add_argument(*names, **kwargs)
+    return parser
+
+
+def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Pull ``--sglang-KEY [VALUE]`` out of argv; ``--sglang-KEY=VALUE`` works too."""
+    rest: list[str] = []
+    passed: dict[str, Any] = {}
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith(PASS_THROUGH_PREFIX):
+            key, eq, value = tok[len(PASS_THROUGH_PREFIX):].partition("=")
+            key = key.replace("-", "_")
+            if not key:
+                raise ConfigError(f"{tok!r}: a pass-through flag needs a name, e.g. --sglang-mem-fraction-static 0.8")
+            if eq:
+                passed[key] = value
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                passed[key] = argv[i + 1]
+                i += 1
+            else:
+                passed[key] = True
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, passed
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values at the top level")
+    return data
+
+
+def _yaml_to_dests(data: dict[str, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Map YAML keys to parser dests, converting values with each flag's type."""
+    by_name = {f.name: (g, f) for g, _, f in iter_fields()}
+    dests: dict[str, Any] = {}
+    passed: dict[str, Any] = {}
+    for key, value in data.items():
+        norm = str(key).lstrip("-").replace("-", "_")
+        if norm.startswith("sglang_") and norm != "sglang_args":
+            passed[norm[len("sglang_"):]] = value
+            continue
+        if norm == "sglang_args":
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config {path}: 'sglang_args' must be a mapping")
+            passed.update(value)
+            continue
+        if norm not in by_name:
+            close = difflib.get_close_matches(norm, by_name, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"--config {path}: unknown key '{key}'{hint}")
+        group, f = by_name[norm]
+        conv = f.metadata["type"] or _base_type(f)
+        if value is not None and conv is not bool and not isinstance(value, list):
+            try:
+                value = conv(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"--config {path}: key '{key}' = {value!r}: {exc}") from None
+        if conv is bool and not isinstance(value, bool):
+            raise ConfigError(f"--config {path}: key '{key}' must be true or false, got {value!r}")
+        dests[f"{group}.{f.name}"] = value
+    return dests, passed
+
+
+def _unknown_flag_error(unknown: list[str], parser: argparse.ArgumentParser) -> ConfigError:
+    known = [s for a in parser._actions for s in a.option_strings]
+    parts = []
+    prev_was_flag = False
+    for tok in unknown:
+        if not tok.startswith("-"):
+            if not prev_was_flag:  # a value right after an unknown flag belongs to it
+                parts.append(f"unexpected value {tok!r}")
+            prev_was_flag = False
+            continue
+        prev_was_flag = "=" not in tok
+        name = tok.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return ConfigError("; ".join(parts))
+
+
+def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True) -> Config:
+    """Parse flags (and an optional YAML file) into a validated frozen ``Config``.
+
+    Raises ``ConfigError`` naming the flag, value and fix; never exits the process.
+    """
+    from .validate import validate_config
+
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    argv, passed = _split_pass_through(argv)
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)  # only to find --config
+    yaml_passed: dict[str, Any] = {}
+    if pre.config:
+        dests, yaml_passed = _yaml_to_dests(_load_yaml(pre.config), pre.config)
+        parser.set_defaults(**dests)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise _unknown_flag_error(unknown, parser)
+    values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+    for dest, value in vars(ns).items():
+        if "." in dest and value is not None:
+            group, name = dest.split(".", 1)
+            values[group][name] = value
+    values["rollout"]["sglang_args"] = {**yaml_passed, **passed}
+    cfg = Config(**{g: cls(**values[g]) for g, cls in GROUPS.items()})
+    if validate:
+        validate_config(cfg)
+    return cfg

@@ -1,0 +1,339 @@
+"""Frozen, typed configuration grouped by concern.
+
+Every field is declared once, here, with its flag name, help and choices in the
+field metadata. The argparse parser (``flags.py``), the YAML loader and
+``docs/flags.md`` are all generated from these declarations, so a flag cannot
+exist in one and not the others.
+
+Field names are the Megatron/slime flag names with dashes turned into
+underscores, so a YAML file uses the same keys as the command line. Values that
+follow from others (data-parallel size, GPU demand, whether a rollout engine is
+started) are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def flag(default: Any, help: str, *, choices: tuple | None = None, type: Any = None,
+         aliases: tuple[str, ...] = (), metavar: str | None = None, nargs: str | None = None):
+    """Declare a config field together with its command-line flag."""
+    meta = {"help": help, "choices": choices, "type": type, "aliases": aliases,
+            "metavar": metavar, "nargs": nargs}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type_copy(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def type_copy(value):
+    return list(value) if isinstance(value, list) else dict(value)
+
+
+def parse_duration(text: str | int | float | None) -> Optional[float]:
+    """'7d', '12h', '90m', '45s' or a plain number of seconds -> seconds."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    s = str(text).strip().lower()
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    try:
+        if s and s[-1] in units:
+            return float(s[:-1]) * units[s[-1]]
+        return float(s)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration; write e.g. 7d, 12h, 90m or a number of seconds") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_checkpoint: Optional[str] = flag(None, "HF model directory (config.json + safetensors). The model "
+                                        "architecture, tokenizer and initial weights come from here.")
+    seq_length: Optional[int] = flag(None, "Longest prompt+response the trainer must hold; defaults to "
+                                     "--rollout-max-prompt-len + --rollout-max-response-len.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = flag(1, "Tensor-parallel size (TP) of the training model.")
+    pipeline_model_parallel_size: int = flag(1, "Pipeline-parallel size (PP).")
+    virtual_pipeline_model_parallel_size: Optional[int] = flag(
+        None, "Virtual pipeline stages per PP rank (interleaved schedule); needs PP > 1.")
+    context_parallel_size: int = flag(1, "Context-parallel size (CP): each sequence is split over CP ranks.")
+    expert_model_parallel_size: int = flag(1, "Expert-parallel size (EP) for MoE models.")
+    expert_tensor_parallel_size: Optional[int] = flag(
+        None, "Tensor-parallel size inside each expert (ETP); defaults to TP as in megatron-core.")
+    sequence_parallel: bool = flag(False, "Shard norm/dropout activations over the TP group (needs TP > 1).")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: str = flag("adam", "Optimizer.", choices=("adam", "sgd"))
+    lr: float = flag(1e-6, "Peak learning rate.")
+    min_lr: float = flag(0.0, "Learning rate floor for decaying schedules.")
+    lr_decay_style: str = flag("constant", "Learning-rate schedule after warm-up.",
+                               choices=("constant", "linear", "cosine", "inverse-square-root"))
+    lr_warmup_iters: int = flag(0, "Optimizer steps of linear warm-up from 0 to --lr.")
+    lr_decay_iters: Optional[int] = flag(None, "Optimizer steps over which the LR decays (default: all steps).")
+    weight_decay: float = flag(0.0, "Decoupled weight decay.")
+    adam_beta1: float = flag(0.9, "Adam beta1.")
+    adam_beta2: float = flag(0.98, "Adam beta2.")
+    adam_eps: float = flag(1e-8, "Adam epsilon.")
+    grad_clip: float = flag(1.0, "Clip the global gradient norm to this value (0 disables).",
+                            aliases=("--clip-grad",))
+    use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU (GPU runs only; "
+                                       "needs --use-distributed-optimizer).")
+    use_precision_aware_optimizer: bool = flag(False, "Let the optimizer hold bf16/fp16 moments or master "
+                                               "weights (megatron-core precision-aware optimizer; GPU only).")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    rollout_batch_size: int = flag(32, "Prompts per rollout step.")
+    n_samples_per_prompt: int = flag(8, "Responses sampled per prompt (the GRPO group size).")
+    global_batch_size: Optional[int] = flag(
+        None, "Samples per optimizer step; default: all samples of a rollout in one step "
+        "(rollout-batch-size x n-samples-per-prompt).")
+    micro_batch_size: int = flag(1, "Samples per micro-batch when --use-dynamic-batch-size is off.")
+    use_dynamic_batch_size: bool = flag(False, "Pack samples into micro-batches by token count "
+                                        "(--max-tokens-per-gpu) instead of a fixed sample count.")
+    max_tokens_per_gpu: Optional[int] = flag(None, "Token budget of one packed micro-batch on one GPU "
+                                             "(needs --use-dynamic-batch-size).")
+    log_probs_chunk_size: Optional[int] = flag(
+        None, "Tokens per chunk when computing log-probs/entropy from logits (bounds the fp32 working set).")
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        return self.global_batch_size or self.samples_per_rollout
+
+    @property
+    def num_steps_per_rollout(self) -> int:
+        return self.samples_per_rollout // self.effective_global_batch_size
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    recompute_granularity: Optional[str] = flag(None, "Activation recomputation.", choices=("full", "selective"))
+    recompute_method: Optional[str] = flag(None, "With full recompute: which layers.", choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = flag(None, "With full recompute: layers per recompute unit.")
+    colocate: bool = flag(False, "Run the rollout engine on the training GPUs (implies offloading both sides).")
+    offload_train: bool = flag(False, "Release the trainer's GPU memory while the rollout engine runs.")
+    offload_rollout: bool = flag(False, "Release the rollout engine's GPU memory while training.")
+
+    # slime semantics: --colocate implies both offloads. Derived, never written back.
+    @property
+    def effective_offload_train(self) -> bool:
+        return self.offload_train or self.colocate
+
+    @property
+    def effective_offload_rollout(self) -> bool:
+        return self.offload_rollout or self.colocate
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    train_backend: str = flag("megatron", "Training backend.", choices=("megatron", "fsdp"))
+    bf16: bool = flag(False, "Train in bf16 with fp32 master weights.")
+    fp16: bool = flag(False, "Train in fp16 with loss scaling.")
+    fp8_format: Optional[str] = flag(None, "FP8 training through transformer-engine.", choices=("e4m3", "hybrid"))
+
+    @property
+    def params_dtype(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    load: Optional[str] = flag(None, "Checkpoint root to resume from (torch_dist); defaults to --save when "
+                               "that holds a complete checkpoint.")
+    save: Optional[str] = flag(None, "Checkpoint root: iter_NNNNNNN/ dirs, resume_state.json, rollout_ckpts/.")
+    save_interval: Optional[int] = flag(None, "Save every N rollout steps (needs --save).")
+    save_max_to_keep: Optional[int] = flag(None, "Keep only the newest N checkpoints under --save.")
+    no_auto_resume: bool = flag(False, "Start from --hf-checkpoint even if --save holds a checkpoint.")
+    ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
+                                   "default: the initial policy.")
+    opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation.")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    rollout_backend: str = flag("embedded", "Rollout engine: in-process torch engine or SGLang servers.",
+                                choices=("embedded", "sglang"))
+    rollout_num_gpus: Optional[int] = flag(None, "GPUs for rollout engines (default with --colocate: the actor's).")
+    rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
+    num_rollout: int = flag(100, "Rollout steps to run.")
+    rollout_temperature: float = flag(1.0, "Sampling temperature.")
+    rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")
+    rollout_top_k: int = flag(-1, "Top-k sampling (-1 disables).")
+    rollout_max_prompt_len: int = flag(1024, "Prompts longer than this many tokens are refused.")
+    rollout_max_response_len: int = flag(1024, "Maximum new tokens per response.")
+    rollout_stop_token_ids: list = flag([], "Extra stop token ids (the tokenizer's EOS always stops).",
+                                        type=int, nargs="*")
+    rollout_seed: int = flag(42, "Base seed for sampling.")
+    sglang_args: dict = flag({}, "Pass-through: every --sglang-KEY VALUE flag lands here as {KEY: VALUE}.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompt_data: Optional[str] = flag(None, "JSONL file of prompts.")
+    input_key: str = flag("prompt", "JSON key of the prompt text.")
+    label_key: Optional[str] = flag("label", "JSON key of the ground-truth label used by the reward.")
+    apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")
+    rollout_shuffle: bool = flag(False, "Shuffle prompts each epoch (seeded).")
+    eval_prompt_data: Optional[str] = flag(None, "JSONL file of evaluation prompts.")
+    eval_interval: Optional[int] = flag(None, "Evaluate every N rollout steps (needs --eval-prompt-data).")
+    n_samples_per_eval_prompt: int = flag(1, "Responses per evaluation prompt.")
+    rm_type: Optional[str] = flag(None, "Built-in reward function (e.g. exact_match, math).")
+    custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage_estimator: str = flag("grpo", "How rewards become advantages.",
+                                    choices=("grpo", "gspo", "reinforce_plus_plus", "rloo"))
+    disable_grpo_std_normalization: bool = flag(False, "GRPO without dividing by the group std (Dr.GRPO).")
+    loss_agg_mode: str = flag("token_mean", "How per-token losses aggregate.",
+                              choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+    eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).")
+    eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).")
+    eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.")
+    use_kl_loss: bool = flag(False, "Add a KL penalty to the reference model to the loss.")
+    kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty.")
+    kl_loss_type: str = flag("k3", "KL estimator.", choices=("k1", "k2", "k3"))
+    entropy_coef: float = flag(0.0, "Entropy bonus coefficient.")
+    use_tis: bool = flag(False, "Truncated importance sampling against rollout log-probs.")
+    tis_cap: float = flag(2.0, "Upper bound of the TIS weight.")
+    opd_kl_coef: float = flag(0.0, "On-policy distillation: reverse-KL coefficient to the teacher "
+                              "(needs --opd-teacher-load).")
+    num_steps_per_rollout_updates: int = flag(1, "Passes of optimizer updates over each rollout "
+                                              "(PPO epochs).")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    update_weight_transport: str = flag("tensor", "How trained weights reach the rollout engine.",
+                                        choices=("disk", "tensor", "distributed"))
+    update_weight_buffer_size: int = flag(512 * 1024 * 1024, "Bytes per weight-update bucket.")
+    update_weight_disk_dir: Optional[str] = flag(None, "Directory for the disk transport (default: under --save).")
+    check_weight_update_equal: bool = flag(False, "After each sync, verify every engine tensor equals the trainer's.")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    allocation: Optional[str] = flag(None, "Allocation string, e.g. sglang:d2t4+megatron:d2p2t2 "
+                                     "(alternative to the num-gpus flags).")
+    actor_num_nodes: int = flag(1, "Nodes for the training actor.")
+    actor_num_gpus_per_node: int = flag(1, "GPUs (or CPU ranks) per node for the training actor.")
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    debug_train_only: bool = flag(False, "Train without a rollout engine (needs --load-debug-rollout-data).")
+    debug_rollout_only: bool = flag(False, "Generate and save rollouts without training.")
+    load_debug_rollout_data: Optional[str] = flag(
+        None, "Rollout file pattern with {rollout_id} to train from (implies --debug-train-only).")
+    save_debug_rollout_data: Optional[str] = flag(None, "Save each rollout to this pattern with {rollout_id}.")
+    dry_run: bool = flag(False, "Validate everything, print the plan and exit without starting work.")
+
+    # slime semantics: loading saved rollouts means there is nothing to generate.
+    @property
+    def train_only(self) -> bool:
+        return self.debug_train_only or self.load_debug_rollout_data is not None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    seed: int = flag(1234, "Global seed for model init, data order and dropout.")
+    output_dir: str = flag("runs/latest", "Run directory: metrics.jsonl, plots, logs.")
+    wall_time_limit: Optional[float] = flag(None, "Stop (after saving) before this much time has passed: "
+                                            "7d, 12h, 90m or seconds.", type=parse_duration)
+    wall_time_reserve: float = flag(600.0, "Time kept in hand at the end for the final save (and 2x for eval).",
+                                    type=parse_duration)
+    wandb_project: Optional[str] = flag(None, "Log to this W&B project.")
+    wandb_group: Optional[str] = flag(None, "W&B group.")
+    wandb_mode: str = flag("online", "W&B mode (offline works without network).",
+                           choices=("online", "offline", "disabled"))
+    wandb_resume_id: Optional[str] = flag(None, "Continue this W&B run id.")
+    tensorboard_dir: Optional[str] = flag(None, "Write TensorBoard scalars here.")
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "batching": BatchingConfig,
+    "memory": MemoryConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "rollout": RolloutConfig,
+    "data": DataConfig,
+    "algorithm": AlgorithmConfig,
+    "sync": SyncConfig,
+    "placement": PlacementConfig,
+    "mode": ModeConfig,
+    "runtime": RuntimeConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration of one run (built by ``config.parse_config``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def actor_world_size(self) -> int:
+        return self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.actor_world_size // self.parallel.model_parallel_size
+
+    @property
+    def has_rollout_engine(self) -> bool:
+        return not self.mode.train_only
+
+    @property
+    def has_training(self) -> bool:
+        return not self.mode.debug_rollout_only
+
+    @property
+    def seq_length(self) -> int:
+        return self.model.seq_length or (self.rollout.rollout_max_prompt_len + self.rollout.rollout_max_response_len)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def iter_fields():
+    """Yield (group_name, group_cls, dataclass Field) for every declared flag, in declaration order."""
+    for group_name, cls in GROUPS.items():
+        for f in dataclasses.fields(cls):
+            yield group_name, cls, f
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")

@@ -1,0 +1,216 @@
+"""All cross-flag validation, in one place, on the finished frozen ``Config``.
+
+Every problem found is collected and reported together (a user fixing a launch
+script wants the whole list, not one error per attempt). Each message names the
+flag(s), the value(s) and the fix. Nothing here touches a GPU, a file's content
+beyond small JSON configs, or a process group, so it runs before any worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from megatron_rl.errors import ConfigError
+
+from .schema import Config
+
+
+def _check_positive(errors: list[str], cfg: Config) -> None:
+    p, b = cfg.parallel, cfg.batching
+    for flag, value in [
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+        ("--actor-num-nodes", cfg.placement.actor_num_nodes),
+        ("--actor-num-gpus-per-node", cfg.placement.actor_num_gpus_per_node),
+        ("--rollout-batch-size", b.rollout_batch_size),
+        ("--n-samples-per-prompt", b.n_samples_per_prompt),
+        ("--micro-batch-size", b.micro_batch_size),
+        ("--num-rollout", cfg.rollout.num_rollout),
+        ("--rollout-max-response-len", cfg.rollout.rollout_max_response_len),
+        ("--rollout-max-prompt-len", cfg.rollout.rollout_max_prompt_len),
+        ("--update-weight-buffer-size", cfg.sync.update_weight_buffer_size),
+    ]:
+        if value < 1:
+            errors.append(f"{flag} {value} must be >= 1")
+    for flag, value in [
+        ("--expert-tensor-parallel-size", p.expert_tensor_parallel_size),
+        ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size),
+        ("--global-batch-size", b.global_batch_size),
+        ("--max-tokens-per-gpu", b.max_tokens_per_gpu),
+        ("--log-probs-chunk-size", b.log_probs_chunk_size),
+        ("--save-interval", cfg.checkpoint.save_interval),
+        ("--save-max-to-keep", cfg.checkpoint.save_max_to_keep),
+        ("--eval-interval", cfg.data.eval_interval),
+    ]:
+        if value is not None and value < 1:
+            errors.append(f"{flag} {value} must be >= 1 (or left unset)")
+
+
+def _check_parallel(errors: list[str], cfg: Config) -> None:
+    p = cfg.parallel
+    world = cfg.actor_world_size
+    mp = p.model_parallel_size
+    if cfg.has_training and world % mp:
+        errors.append(
+            f"training world size {world} (--actor-num-nodes {cfg.placement.actor_num_nodes} x "
+            f"--actor-num-gpus-per-node {cfg.placement.actor_num_gpus_per_node}) is not divisible by "
+            f"TP x PP x CP = {p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
+            f"{p.context_parallel_size} = {mp}; change the GPU count or the parallel sizes")
+    if p.virtual_pipeline_model_parallel_size is not None and p.pipeline_model_parallel_size < 2:
+        errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1 "
+                      f"(got {p.pipeline_model_parallel_size}); drop the VPP flag or raise PP")
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); "
+                      "drop --sequence-parallel or raise TP")
+    ep = p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if ep > 1 and cfg.has_training and world % mp == 0:
+        # megatron-core builds expert groups from the ranks of one PP stage: EP x ETP must divide them.
+        per_stage = world // p.pipeline_model_parallel_size
+        if per_stage % (ep * etp):
+            errors.append(f"--expert-model-parallel-size {ep} x expert TP {etp} = {ep * etp} does not divide "
+                          f"the {per_stage} ranks of a pipeline stage; choose EP x ETP dividing {per_stage}")
+    if cfg.precision.train_backend == "fsdp":
+        for flag, value in [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+                            ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+                            ("--context-parallel-size", p.context_parallel_size),
+                            ("--expert-model-parallel-size", ep)]:
+            if value != 1:
+                errors.append(f"--train-backend fsdp shards over data parallelism only; {flag} {value} "
+                              "must be 1 (use --train-backend megatron for TP/PP/CP/EP)")
+
+
+def _check_batching(errors: list[str], cfg: Config) -> None:
+    b = cfg.batching
+    if b.use_dynamic_batch_size and b.max_tokens_per_gpu is None:
+        errors.append("--use-dynamic-batch-size needs --max-tokens-per-gpu N (the packed token budget per GPU)")
+    if b.max_tokens_per_gpu is not None and not b.use_dynamic_batch_size:
+        errors.append("--max-tokens-per-gpu only applies with --use-dynamic-batch-size; add that flag "
+                      "or drop --max-tokens-per-gpu")
+    n = b.samples_per_rollout
+    gbs = b.effective_global_batch_size
+    if n % gbs:
+        errors.append(f"--rollout-batch-size {b.rollout_batch_size} x --n-samples-per-prompt "
+                      f"{b.n_samples_per_prompt} = {n} samples per rollout is not divisible by "
+                      f"--global-batch-size {gbs}; choose a global batch size that divides {n}")
+    dp = max(cfg.data_parallel_size, 1)
+    if cfg.has_training and not b.use_dynamic_batch_size and gbs % (b.micro_batch_size * dp):
+        errors.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {b.micro_batch_size} x "
+                      f"data-parallel size {dp}; adjust one of them or use --use-dynamic-batch-size")
+    if cfg.has_training and gbs < dp:
+        errors.append(f"--global-batch-size {gbs} is smaller than the data-parallel size {dp}: "
+                      "some ranks would get no sample")
+
+
+def _check_precision(errors: list[str], cfg: Config) -> None:
+    pr, opt = cfg.precision, cfg.optimizer
+    if pr.bf16 and pr.fp16:
+        errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
+    if pr.fp8_format and importlib.util.find_spec("transformer_engine") is None:
+        errors.append(f"--fp8-format {pr.fp8_format} needs transformer-engine, which is not installed "
+                      "(pip install 'megatron_rl[fp8]' on a GPU machine), or drop --fp8-format")
+    if pr.fp8_format and pr.train_backend == "fsdp":
+        errors.append("--fp8-format is only supported with --train-backend megatron")
+    if opt.optimizer_cpu_offload and not opt.use_distributed_optimizer:
+        errors.append("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's hybrid "
+                      "CPU optimizer shards state over data parallelism)")
+    if opt.grad_clip < 0:
+        errors.append(f"--grad-clip {opt.grad_clip} must be >= 0 (0 disables clipping)")
+    if opt.lr <= 0:
+        errors.append(f"--lr {opt.lr} must be > 0")
+    if opt.min_lr > opt.lr:
+        errors.append(f"--min-lr {opt.min_lr} is above --lr {opt.lr}")
+
+
+def _check_modes(errors: list[str], cfg: Config) -> None:
+    m = cfg.mode
+    if m.train_only and m.debug_rollout_only:
+        errors.append("--debug-train-only (or --load-debug-rollout-data) and --debug-rollout-only are mutually "
+                      "exclusive: one trains without an engine, the other generates without training")
+    if m.debug_train_only and not m.load_debug_rollout_data:
+        errors.append("--debug-train-only has no engine to generate with: give --load-debug-rollout-data "
+                      "PATTERN (saved earlier with --save-debug-rollout-data)")
+    for flag, pattern in [("--load-debug-rollout-data", m.load_debug_rollout_data),
+                          ("--save-debug-rollout-data", m.save_debug_rollout_data)]:
+        if pattern is not None and "{rollout_id}" not in pattern:
+            errors.append(f"{flag} {pattern} must contain '{{rollout_id}}' (e.g. rollouts/{{rollout_id}}.pt)")
+
+
+def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
+    c, d, a = cfg.checkpoint, cfg.data, cfg.algorithm
+    if c.save_interval is not None and not c.save:
+        errors.append("--save-interval needs --save ROOT (where checkpoints go)")
+    if c.save_max_to_keep is not None and not c.save:
+        errors.append("--save-max-to-keep needs --save ROOT")
+    if cfg.has_training and not c.load and not c.save and not cfg.model.hf_checkpoint:
+        errors.append("no model to train: give --hf-checkpoint DIR (or --load a checkpoint)")
+    if cfg.model.hf_checkpoint and not os.path.isfile(os.path.join(cfg.model.hf_checkpoint, "config.json")):
+        errors.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no config.json there; point it at an HF model "
+                      "directory (config.json + *.safetensors)")
+    if c.opd_teacher_load is None and a.opd_kl_coef > 0:
+        errors.append(f"--opd-kl-coef {a.opd_kl_coef} needs a teacher: give --opd-teacher-load PATH")
+    if d.eval_interval is not None and not d.eval_prompt_data:
+        errors.append("--eval-interval needs --eval-prompt-data FILE")
+    if d.rm_type and d.custom_rm_path:
+        errors.append("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
+    if cfg.has_rollout_engine and d.custom_rm_path and ":" not in d.custom_rm_path:
+        errors.append(f"--custom-rm-path {d.custom_rm_path} must be module:function (e.g. my_rewards:score)")
+    if cfg.has_rollout_engine and d.prompt_data and not os.path.isfile(d.prompt_data):
+        errors.append(f"--prompt-data {d.prompt_data}: no such file")
+    if a.use_kl_loss and a.kl_loss_coef <= 0:
+        errors.append("--use-kl-loss with --kl-loss-coef 0 adds nothing; set --kl-loss-coef > 0 or drop --use-kl-loss")
+    if a.eps_clip <= 0:
+        errors.append(f"--eps-clip {a.eps_clip} must be > 0")
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        errors.append(f"--eps-clip-c {a.eps_clip_c} must be > 1 (dual-clip bound on the ratio)")
+    if a.tis_cap <= 0:
+        errors.append(f"--tis-cap {a.tis_cap} must be > 0")
+    rt = cfg.runtime
+    if rt.wall_time_limit is not None and rt.wall_time_reserve >= rt.wall_time_limit:
+        errors.append(f"--wall-time-reserve {rt.wall_time_reserve:g}s leaves no time inside "
+                      f"--wall-time-limit {rt.wall_time_limit:g}s; lower the reserve or raise the limit")
+
+
+def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
+    r, s = cfg.rollout, cfg.sync
+    if not cfg.has_rollout_engine:
+        return
+    if r.rollout_temperature < 0:
+        errors.append(f"--rollout-temperature {r.rollout_temperature} must be >= 0 (0 = greedy)")
+    if not 0 < r.rollout_top_p <= 1:
+        errors.append(f"--rollout-top-p {r.rollout_top_p} must be in (0, 1]")
+    if r.rollout_backend == "sglang" and importlib.util.find_spec("sglang") is None and not cfg.mode.dry_run:
+        errors.append("--rollout-backend sglang needs the sglang package (pip install 'megatron_rl[sglang]') "
+                      "or --rollout-backend embedded")
+    if r.rollout_backend == "sglang" and s.update_weight_transport == "tensor" and not cfg.memory.colocate:
+        errors.append("--update-weight-transport tensor hands CUDA IPC handles to engines on the SAME GPUs: "
+                      "it needs --colocate; use --update-weight-transport distributed (or disk) for separate GPUs")
+    if r.rollout_num_gpus is not None and r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
+        errors.append(f"--rollout-num-gpus {r.rollout_num_gpus} is not divisible by --rollout-num-gpus-per-engine "
+                      f"{r.rollout_num_gpus_per_engine}")
+
+
+CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes,
+          _check_checkpoint_and_data, _check_sync_and_rollout)
+
+
+def collect_errors(cfg: Config) -> list[str]:
+    errors: list[str] = []
+    _check_positive(errors, cfg)
+    if errors:  # later checks divide by these sizes; report the non-positive ones first
+        return errors
+    for check in CHECKS[1:]:
+        check(errors, cfg)
+    return errors
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise one ``ConfigError`` listing every problem, or return None."""
+    errors = collect_errors(cfg)
+    if errors:
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

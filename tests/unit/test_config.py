@@ -1,0 +1,191 @@
+"""Flag parsing, YAML merging, pass-through and every validation error path."""
+
+import pytest
+
+from megatron_rl.config import build_parser, collect_errors, parse_config, parse_duration
+from megatron_rl.config import docs as config_docs
+from megatron_rl.errors import ConfigError
+
+
+@pytest.fixture
+def hf_dir(tiny_hf_models):
+    return tiny_hf_models("qwen2")
+
+
+def base(hf_dir, *extra):
+    return ["--hf-checkpoint", hf_dir, *extra]
+
+
+def test_design_flag_names_are_accepted_verbatim(hf_dir):
+    """Every flag DESIGN.md lists must parse with its Megatron/slime spelling."""
+    parser = build_parser()
+    known = {s for a in parser._actions for s in a.option_strings}
+    design_flags = """--tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size
+    --expert-model-parallel-size --expert-tensor-parallel-size --sequence-parallel --optimizer --lr
+    --optimizer-cpu-offload --use-precision-aware-optimizer --use-distributed-optimizer --use-dynamic-batch-size
+    --max-tokens-per-gpu --micro-batch-size --global-batch-size --recompute-granularity --offload-train
+    --offload-rollout --colocate --hf-checkpoint --load --save --save-interval --save-max-to-keep --ref-load
+    --opd-teacher-load --train-backend --fp8-format --fp16 --bf16 --grad-clip --rollout-num-gpus
+    --rollout-num-gpus-per-engine --update-weight-transport --update-weight-buffer-size --debug-train-only
+    --debug-rollout-only --load-debug-rollout-data --wall-time-limit --wall-time-reserve --wandb-project
+    --wandb-resume-id --tensorboard-dir --allocation""".split()
+    assert not [f for f in design_flags if f not in known]
+
+
+def test_parse_values_and_derived(hf_dir):
+    cfg = parse_config(base(hf_dir, "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "8",
+                            "--pipeline-model-parallel-size", "2", "--lr", "3e-6", "--clip-grad", "0.5",
+                            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+                            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--bf16"))
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.data_parallel_size == 2  # 8 / (2*2*1)
+    assert cfg.optimizer.lr == 3e-6 and cfg.optimizer.grad_clip == 0.5
+    assert cfg.batching.num_steps_per_rollout == 2
+    assert cfg.precision.params_dtype == "bfloat16"
+    assert cfg.has_rollout_engine and cfg.has_training
+    with pytest.raises(Exception):  # frozen
+        cfg.parallel.tensor_model_parallel_size = 4
+
+
+def test_sglang_pass_through(hf_dir):
+    cfg = parse_config(base(hf_dir, "--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention",
+                            "--sglang-log-level=warning"))
+    assert cfg.rollout.sglang_args == {"mem_fraction_static": "0.7", "enable_dp_attention": True,
+                                       "log_level": "warning"}
+
+
+def test_yaml_config_and_cli_precedence(hf_dir, tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text(f"hf-checkpoint: {hf_dir}\ntensor_model_parallel_size: 2\nactor-num-gpus-per-node: 4\n"
+                 "lr: 1.0e-5\nsglang-mem-fraction-static: 0.5\nsequence_parallel: true\n")
+    cfg = parse_config(["--config", str(y), "--lr", "2e-5"])
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.optimizer.lr == 2e-5  # CLI wins
+    assert cfg.rollout.sglang_args == {"mem_fraction_static": 0.5}
+
+
+@pytest.mark.parametrize("text,match", [
+    ("tensor-model-parallel-sise: 2\n", "unknown key 'tensor-model-parallel-sise'; did you mean 'tensor_model_parallel_size'"),
+    ("lr: fast\n", "key 'lr' = 'fast'"),
+    ("colocate: 3\n", "key 'colocate' must be true or false"),
+    ("- a\n- b\n", "expected a mapping"),
+])
+def test_yaml_errors(tmp_path, text, match):
+    y = tmp_path / "bad.yaml"
+    y.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        parse_config(["--config", str(y)])
+
+
+def test_yaml_missing_file():
+    with pytest.raises(ConfigError, match="--config /no/such.yaml: no such file"):
+        parse_config(["--config", "/no/such.yaml"])
+
+
+def test_unknown_flag_suggests(hf_dir):
+    with pytest.raises(ConfigError, match=r"unknown flag --tensor-model-parall-size \(did you mean "
+                                          r"--tensor-model-parallel-size\?\)$"):
+        parse_config(base(hf_dir, "--tensor-model-parall-size", "2"))
+
+
+def test_bad_choice_and_type(hf_dir):
+    with pytest.raises(ConfigError, match="--train-backend: invalid choice: 'deepspeed'"):
+        parse_config(base(hf_dir, "--train-backend", "deepspeed"))
+    with pytest.raises(ConfigError, match="--lr: invalid float value: 'x'"):
+        parse_config(base(hf_dir, "--lr", "x"))
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--tensor-model-parallel-size", "3"], "world size 1 .* not divisible by TP x PP x CP = 3 x 1 x 1 = 3"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0 must be >= 1"),
+    (["--virtual-pipeline-model-parallel-size", "2"], "needs --pipeline-model-parallel-size > 1"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "3"],
+     "--expert-model-parallel-size 3 x expert TP 1 = 3 does not divide the 4 ranks"),
+    (["--train-backend", "fsdp", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"],
+     "--train-backend fsdp shards over data parallelism only; --tensor-model-parallel-size 2 must be 1"),
+    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+    (["--max-tokens-per-gpu", "100"], "--max-tokens-per-gpu only applies with --use-dynamic-batch-size"),
+    (["--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+     "= 6 samples per rollout is not divisible by --global-batch-size 4"),
+    (["--actor-num-gpus-per-node", "4", "--rollout-batch-size", "6", "--n-samples-per-prompt", "1",
+      "--global-batch-size", "6", "--micro-batch-size", "1"],
+     "--global-batch-size 6 is not divisible by --micro-batch-size 1 x data-parallel size 4"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
+    (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs transformer-engine"),
+    (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer"),
+    (["--lr", "0"], "--lr 0.0 must be > 0"),
+    (["--grad-clip", "-1"], "--grad-clip -1.0 must be >= 0"),
+    (["--debug-train-only"], "--debug-train-only has no engine to generate with"),
+    (["--debug-rollout-only", "--load-debug-rollout-data", "r/{rollout_id}.pt"], "mutually exclusive"),
+    (["--load-debug-rollout-data", "r/data.pt"], "must contain '{rollout_id}'"),
+    (["--save-interval", "5"], "--save-interval needs --save ROOT"),
+    (["--save-max-to-keep", "2"], "--save-max-to-keep needs --save ROOT"),
+    (["--opd-kl-coef", "0.5"], "--opd-kl-coef 0.5 needs a teacher"),
+    (["--eval-interval", "5"], "--eval-interval needs --eval-prompt-data"),
+    (["--rm-type", "math", "--custom-rm-path", "m:f"], "mutually exclusive; pick one reward"),
+    (["--custom-rm-path", "my_rewards"], "must be module:function"),
+    (["--prompt-data", "/no/prompts.jsonl"], "--prompt-data /no/prompts.jsonl: no such file"),
+    (["--use-kl-loss"], "--use-kl-loss with --kl-loss-coef 0 adds nothing"),
+    (["--eps-clip", "0"], "--eps-clip 0.0 must be > 0"),
+    (["--eps-clip-c", "0.5"], "--eps-clip-c 0.5 must be > 1"),
+    (["--wall-time-limit", "10m", "--wall-time-reserve", "15m"], "leaves no time inside --wall-time-limit 600s"),
+    (["--rollout-top-p", "0"], "--rollout-top-p 0.0 must be in"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "not divisible by --rollout-num-gpus-per-engine 2"),
+    (["--rollout-backend", "sglang", "--update-weight-transport", "tensor"], "sglang"),
+])
+def test_validation_errors_name_the_flag(hf_dir, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(base(hf_dir, *extra))
+
+
+def test_all_errors_are_reported_together(hf_dir):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(base(hf_dir, "--bf16", "--fp16", "--save-interval", "3"))
+    msg = str(exc.value)
+    assert msg.startswith("invalid configuration:")
+    assert "--bf16 and --fp16" in msg and "--save-interval needs --save" in msg
+
+
+def test_missing_model_and_bad_hf_dir(tmp_path):
+    with pytest.raises(ConfigError, match="no model to train: give --hf-checkpoint"):
+        parse_config([])
+    with pytest.raises(ConfigError, match=f"--hf-checkpoint {tmp_path}: no config.json there"):
+        parse_config(["--hf-checkpoint", str(tmp_path)])
+
+
+def test_slime_mode_semantics(hf_dir):
+    cfg = parse_config(base(hf_dir, "--load-debug-rollout-data", "r/{rollout_id}.pt"))
+    assert cfg.mode.train_only and not cfg.has_rollout_engine and cfg.has_training
+    cfg = parse_config(base(hf_dir, "--colocate"))
+    assert cfg.memory.effective_offload_train and cfg.memory.effective_offload_rollout
+    assert cfg.memory.offload_train is False  # derived, not written back
+    cfg = parse_config(base(hf_dir, "--debug-rollout-only"))
+    assert cfg.has_rollout_engine and not cfg.has_training
+
+
+def test_parse_duration():
+    assert parse_duration("7d") == 7 * 86400
+    assert parse_duration("90m") == 5400
+    assert parse_duration("12h") == 43200
+    assert parse_duration("30") == 30.0
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("soon")
+
+
+def test_input_is_not_mutated(hf_dir):
+    argv = base(hf_dir, "--sglang-x", "1", "--colocate")
+    before = list(argv)
+    parse_config(argv)
+    assert argv == before
+
+
+def test_collect_errors_is_empty_for_defaults(hf_dir):
+    assert collect_errors(parse_config(base(hf_dir))) == []
+
+
+def test_flags_doc_is_current():
+    """docs/flags.md must be regenerated (python -m megatron_rl.config.docs) whenever a flag changes."""
+    assert config_docs.DOC_PATH.read_text() == config_docs.render(), \
+        "docs/flags.md is stale: run python -m megatron_rl.config.docs"
