@@ -1,0 +1,97 @@
+"""Metrics: one dict per step to the console, JSONL, TensorBoard and W&B.
+
+Only the driver rank (global rank 0) constructs real sinks; other ranks get a
+tracker whose ``log`` does nothing, so call sites never branch on rank. W&B is
+optional: asked for (``--wandb-project``) but not installed is a ConfigError
+raised at start-up, not a crash at step 1. ``offline`` mode needs no network.
+The W&B run id is returned so ``resume_state.json`` can continue the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Optional
+
+from megatron_rl.errors import ConfigError
+
+
+def _scalar_items(metrics: dict[str, Any]):
+    for key, value in metrics.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            yield key, value
+
+
+def format_metrics(step: int, metrics: dict[str, Any], keys: Optional[list[str]] = None) -> str:
+    items = dict(_scalar_items(metrics))
+    shown = keys or sorted(items)
+    parts = [f"{k}={items[k]:.4g}" for k in shown if k in items]
+    return f"step {step}: " + " ".join(parts)
+
+
+class Tracker:
+    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard_dir: Optional[str] = None,
+                 wandb_project: Optional[str] = None, wandb_group: Optional[str] = None,
+                 wandb_mode: str = "online", wandb_resume_id: Optional[str] = None,
+                 config: Optional[dict] = None, console_keys: Optional[list[str]] = None):
+        self.enabled = enabled
+        self.console_keys = console_keys
+        self.wandb_run_id: Optional[str] = wandb_resume_id
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError(f"--tensorboard-dir needs the tensorboard package ({exc}); "
+                                  "pip install tensorboard") from None
+            self._tb = SummaryWriter(tensorboard_dir)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("--wandb-project needs the wandb package: pip install 'megatron_rl[wandb]'") from None
+            run = wandb.init(project=wandb_project, group=wandb_group, mode=wandb_mode, dir=run_dir,
+                             id=wandb_resume_id, resume="allow" if wandb_resume_id else None,
+                             config=config or {})
+            self._wandb = run
+            self.wandb_run_id = run.id
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        scalars = dict(_scalar_items(metrics))
+        record = {"step": step, "time": time.time(), **scalars}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        print(format_metrics(step, scalars, self.console_keys), flush=True)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

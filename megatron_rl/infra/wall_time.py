@@ -1,0 +1,54 @@
+"""Wall-time budget and graceful stop (slime-style ``--wall-time-limit/--wall-time-reserve``).
+
+The loop asks ``should_stop()`` after each step: true when the time left is under
+the reserve (enough for the final save) or when SIGTERM/SIGINT arrived. Eval is
+skipped when less than two reserves remain, so a run is never killed mid-eval.
+The start time is carried across resumes through ``resume_state.json`` so a
+limit means the whole job, not each restart.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+EXIT_WALL_TIME = 3  # distinct exit code: "stopped on purpose, relaunch to continue"
+
+
+class WallClock:
+    def __init__(self, limit_s: Optional[float], reserve_s: float, elapsed_before_s: float = 0.0):
+        self.limit_s = limit_s
+        self.reserve_s = reserve_s
+        self.elapsed_before_s = elapsed_before_s
+        self._t0 = time.monotonic()
+        self.signal_received: Optional[int] = None
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.elapsed_before_s + (time.monotonic() - self._t0)
+
+    @property
+    def remaining_s(self) -> float:
+        return float("inf") if self.limit_s is None else self.limit_s - self.elapsed_s
+
+    def install_signal_handlers(self) -> None:
+        def _handler(signum, _frame):
+            self.signal_received = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _handler)
+
+    def stop_reason(self) -> Optional[str]:
+        if self.signal_received is not None:
+            return f"received signal {signal.Signals(self.signal_received).name}"
+        if self.remaining_s < self.reserve_s:
+            return (f"wall time: {self.remaining_s:.0f}s left of --wall-time-limit {self.limit_s:.0f}s, "
+                    f"under --wall-time-reserve {self.reserve_s:.0f}s")
+        return None
+
+    def should_stop(self) -> bool:
+        return self.stop_reason() is not None
+
+    def can_eval(self) -> bool:
+        return self.remaining_s >= 2 * self.reserve_s

@@ -1,0 +1,102 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.errors import ConfigError
+from megatron_rl.infra.atomic import atomic_write_json, atomic_write_text, publish_dir
+from megatron_rl.infra.tracking import Tracker, format_metrics, read_jsonl
+from megatron_rl.infra.wall_time import WallClock
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
+    p = tmp_path / "state.json"
+    atomic_write_json(str(p), {"step": 1})
+    atomic_write_json(str(p), {"step": 2})
+    assert json.loads(p.read_text()) == {"step": 2}
+    assert os.listdir(tmp_path) == ["state.json"]
+
+
+def test_atomic_write_failure_keeps_old_content(tmp_path, monkeypatch):
+    p = tmp_path / "f.txt"
+    atomic_write_text(str(p), "old")
+
+    def crash(*_):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", crash)  # die after the temp file is fully written
+    with pytest.raises(OSError, match="disk gone"):
+        atomic_write_text(str(p), "new")
+    monkeypatch.undo()
+    assert p.read_text() == "old"
+    assert os.listdir(tmp_path) == ["f.txt"]
+
+
+def test_publish_dir_replaces_whole(tmp_path):
+    final = tmp_path / "iter_0000001"
+    for content in ("a", "b"):
+        tmp = tmp_path / ".iter_tmp"
+        tmp.mkdir()
+        (tmp / "x").write_text(content)
+        publish_dir(str(tmp), str(final))
+    assert (final / "x").read_text() == "b"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001"]
+
+
+def test_wall_clock_reserve_and_eval_gate():
+    clock = WallClock(limit_s=100.0, reserve_s=10.0, elapsed_before_s=85.0)
+    assert not clock.should_stop() and not clock.can_eval()  # 15 s left: < 2 reserves
+    clock = WallClock(limit_s=100.0, reserve_s=10.0, elapsed_before_s=91.0)
+    assert clock.should_stop() and "under --wall-time-reserve" in clock.stop_reason()
+    assert not WallClock(None, 600).should_stop()
+
+
+def test_wall_clock_sigterm():
+    clock = WallClock(None, 1.0)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        clock.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert clock.should_stop() and "SIGTERM" in clock.stop_reason()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_tracker_jsonl_tensorboard_and_plot(tmp_path, capsys):
+    tb = tmp_path / "tb"
+    tr = Tracker(str(tmp_path / "run"), tensorboard_dir=str(tb))
+    for step in range(3):
+        tr.log(step, {"rollout/reward_mean": 0.1 * step, "train/kl": 0.01, "nan_metric": float("nan"), "s": "x"})
+    tr.close()
+    recs = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["rollout/reward_mean"] for r in recs] == pytest.approx([0.0, 0.1, 0.2])
+    assert "nan_metric" not in recs[0] and "s" not in recs[0]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
+    assert "step 2: rollout/reward_mean=0.2" in capsys.readouterr().out
+    out = tmp_path / "c.png"
+    proc = subprocess.run([sys.executable, "tools/plot_run.py", str(tmp_path / "run" / "metrics.jsonl"),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tracker_disabled_on_non_driver(tmp_path):
+    tr = Tracker(str(tmp_path / "run"), enabled=False)
+    tr.log(0, {"a": 1})
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ConfigError, match="--wandb-project needs the wandb package"):
+        Tracker(str(tmp_path), wandb_project="p")
+
+
+def test_format_metrics_selects_keys():
+    assert format_metrics(4, {"a": 1.0, "b": 2.0}, ["b"]) == "step 4: b=2"
