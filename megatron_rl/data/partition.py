@@ -101,3 +101,46 @@ def first_fit_decreasing(weights: Sequence[int], capacity: int) -> list[list[int
             bins.append([i])
             room.append(capacity - w)
     return [sorted(b) for b in bins]
+
+
+def refine_by_swaps(parts: list[list[int]], weights: Sequence[int], max_rounds: int = 64) -> list[list[int]]:
+    """Improve a k-way split by swapping one item between the heaviest and lightest part.
+
+    Each round swaps the pair (a from heaviest, b from lightest) whose weight
+    difference is closest to half the gap, if that strictly shrinks the gap;
+    part sizes are unchanged (so an equal-size split stays equal-size). Stops
+    when no swap helps or after ``max_rounds``. Deterministic.
+    """
+    import bisect
+
+    parts = [sorted(p) for p in parts]
+    if len(parts) < 2:
+        return parts
+    for _ in range(max_rounds):
+        sums = [sum(weights[i] for i in p) for p in parts]
+        hi = max(range(len(parts)), key=lambda j: (sums[j], -j))
+        lo = min(range(len(parts)), key=lambda j: (sums[j], j))
+        gap = sums[hi] - sums[lo]
+        if gap <= 0:
+            break
+        b_sorted = sorted(parts[lo], key=lambda i: (weights[i], i))
+        b_w = [weights[i] for i in b_sorted]
+        best = None  # (new_gap_between_the_two, a, b)
+        for a in parts[hi]:
+            want = weights[a] - gap / 2  # ideal weight of b
+            pos = bisect.bisect_left(b_w, want)
+            for q in (pos - 1, pos):
+                if 0 <= q < len(b_sorted):
+                    delta = weights[a] - b_w[q]
+                    if 0 < delta < gap:
+                        cand = (abs(gap - 2 * delta), a, b_sorted[q])
+                        if best is None or cand < best:
+                            best = cand
+        if best is None:
+            break
+        _, a, b = best
+        parts[hi].remove(a)
+        parts[lo].remove(b)
+        parts[hi] = sorted(parts[hi] + [b])
+        parts[lo] = sorted(parts[lo] + [a])
+    return parts

@@ -63,3 +63,14 @@ def test_ffd_respects_capacity_and_is_tight_on_known_case():
 def test_ffd_rejects_oversized_item():
     with pytest.raises(ValueError, match="item 1 has weight 11 > bin capacity 10"):
         first_fit_decreasing([3, 11], 10)
+
+
+def test_refine_by_swaps_closes_gap_and_keeps_sizes():
+    from megatron_rl.data.partition import refine_by_swaps
+    w = [10, 9, 1, 1]
+    parts = refine_by_swaps([[0, 1], [2, 3]], w)  # 19 vs 2 -> swap to 11 vs 10
+    assert sorted(len(p) for p in parts) == [2, 2]
+    assert sorted(_sums(parts, w)) == [10, 11]
+    assert sorted(itertools.chain(*parts)) == [0, 1, 2, 3]
+    # already balanced: unchanged
+    assert refine_by_swaps([[0], [1]], [5, 5]) == [[0], [1]]

@@ -1,0 +1,472 @@
+"""Pack rollout samples into THD micro-batches for megatron-core.
+
+A training step receives a rollout batch (a list of ``Sample``). This module
+decides which samples each data-parallel (DP) rank trains on in which
+micro-batch (a ``MicroBatchPlan``), lays one micro-batch out as a padding-free
+packed sequence (a ``PackedBatch``: tokens back to back, ``cu_seqlens`` marks
+the boundaries), and counts the loss denominators of the whole step.
+
+Two batching modes, named after their flags:
+
+* dynamic (``--use-dynamic-batch-size --max-tokens-per-gpu N``): a micro-batch
+  holds at most ``N`` tokens per GPU. With context parallelism every CP rank
+  holds ``1/cp_size`` of each sequence, so the budget for the *global*
+  (unsharded, padded) sequences of one micro-batch is ``N * cp_size``.
+  Samples are first split across DP ranks with token sums balanced
+  (Karmarkar-Karp with equal sample counts, refined by pairwise swaps; equal
+  counts guarantee every rank can reach the common micro-batch count), then each rank's samples are packed
+  first-fit-decreasing into micro-batches, then micro-batch counts are made
+  equal across DP ranks by splitting the heaviest micro-batches of ranks that
+  have fewer (pipeline schedules need every DP rank to run the same number).
+* fixed (``--micro-batch-size M``): ``M`` samples per micro-batch, sharded
+  across DP ranks the way megatron's pretraining sampler does it.
+
+Invariants of a plan: every sample index appears in exactly one micro-batch;
+every DP rank has exactly ``num_micro_batches`` micro-batches; in dynamic mode
+each micro-batch's padded token count is <= ``token_budget``. A micro-batch is
+empty only when the step has too few samples to give every rank that many
+(fewer samples than ``dp_size * num_micro_batches``); ``pack_samples`` turns
+an empty micro-batch into one all-pad sequence with no loss tokens, so the
+schedule still runs it and it contributes zero loss and zero gradient.
+
+Loss normalisation: the denominators (loss-masked response tokens, samples)
+are counted for the whole step *before* micro-batching and all-reduced over
+DP, so a token's loss weight does not depend on which micro-batch or rank it
+landed in. See ``compute_loss_denominators``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_rl.data.partition import first_fit_decreasing, karmarkar_karp, refine_by_swaps
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError
+
+# --------------------------------------------------------------------------- planning
+
+
+def padded_length(length: int, pad_to_multiple: int = 1) -> int:
+    """Length of a sequence after padding it up to a multiple of ``pad_to_multiple``."""
+    return -(-length // pad_to_multiple) * pad_to_multiple
+
+
+def pad_multiple_for(tp_size: int = 1, cp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Per-sequence padding multiple that THD needs under the given parallelism.
+
+    Context parallelism splits each sequence into ``2 * cp_size`` chunks (load
+    balancing for causal attention), so its length must divide by that;
+    sequence parallelism splits the token dimension over TP ranks, so every
+    CP rank's share must divide by ``tp_size``. Both at once need the product.
+    """
+    cp_multiple = 2 * cp_size if cp_size > 1 else 1
+    tp_multiple = tp_size if sequence_parallel else 1
+    return cp_multiple * tp_multiple
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Which samples each DP rank trains on in each micro-batch of one step.
+
+    ``micro_batches[dp_rank][mb]`` is a tuple of indices into the rollout batch.
+    ``token_budget`` is the padded-token cap of one micro-batch's global
+    sequences (``max_tokens_per_gpu * cp_size``), or None in fixed mode.
+    """
+
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    token_budget: int | None
+    pad_to_multiple: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches[0]) if self.micro_batches else 0
+
+    def rank(self, dp_rank: int) -> tuple[tuple[int, ...], ...]:
+        """The micro-batches (sample index tuples) of one DP rank."""
+        return self.micro_batches[dp_rank]
+
+    def rank_samples(self, dp_rank: int) -> list[int]:
+        """All sample indices one DP rank trains on this step, ascending."""
+        return sorted(i for mb in self.micro_batches[dp_rank] for i in mb)
+
+
+def _check_positive(name: str, value: int, flag: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {name}={value!r}")
+
+
+def plan_dynamic_micro_batches(
+    seq_lengths: Sequence[int],
+    *,
+    dp_size: int,
+    max_tokens_per_gpu: int,
+    cp_size: int = 1,
+    pad_to_multiple: int = 1,
+) -> MicroBatchPlan:
+    """Plan token-budgeted micro-batches balanced across DP ranks (``--use-dynamic-batch-size``).
+
+    ``seq_lengths[i]`` is the full length (prompt + response) of rollout sample
+    ``i``. Each sequence counts as ``padded_length(L, pad_to_multiple)`` tokens.
+    The budget per micro-batch is ``max_tokens_per_gpu * cp_size`` because each
+    CP rank holds ``1/cp_size`` of every sequence.
+
+    Raises ConfigError naming ``--max-tokens-per-gpu`` if one sequence alone is
+    over budget (sequences are never split across micro-batches).
+    """
+    _check_positive("dp_size", dp_size, "data-parallel size")
+    _check_positive("max_tokens_per_gpu", max_tokens_per_gpu, "--max-tokens-per-gpu")
+    _check_positive("cp_size", cp_size, "--context-parallel-size")
+    _check_positive("pad_to_multiple", pad_to_multiple, "pad_to_multiple")
+    budget = max_tokens_per_gpu * cp_size
+    padded = []
+    for i, length in enumerate(seq_lengths):
+        if length < 1:
+            raise ConfigError(f"rollout sample {i} has length {length}; every sample needs at least one token")
+        p = padded_length(int(length), pad_to_multiple)
+        if p > budget:
+            need = -(-p // cp_size)
+            raise ConfigError(
+                f"rollout sample {i} has {length} tokens ({p} after padding to a multiple of "
+                f"{pad_to_multiple}), more than one micro-batch may hold: --max-tokens-per-gpu "
+                f"{max_tokens_per_gpu} x --context-parallel-size {cp_size} = {budget}. Sequences are "
+                f"never split across micro-batches; raise --max-tokens-per-gpu to at least {need}, "
+                f"raise --context-parallel-size, or cap prompt/response lengths in rollout.")
+        padded.append(p)
+
+    rank_parts = refine_by_swaps(karmarkar_karp(padded, dp_size, equal_size=True), padded)
+    per_rank: list[list[list[int]]] = []
+    for part in rank_parts:
+        bins = first_fit_decreasing([padded[i] for i in part], budget)
+        per_rank.append([[part[j] for j in b] for b in bins])
+
+    target = max(len(mbs) for mbs in per_rank)
+    for mbs in per_rank:
+        _split_to_count(mbs, target, padded)
+
+    def mb_key(mb):
+        return (-sum(padded[i] for i in mb), mb[0] if mb else len(padded))
+
+    ordered = tuple(tuple(tuple(sorted(mb)) for mb in sorted(mbs, key=mb_key)) for mbs in per_rank)
+    return MicroBatchPlan(micro_batches=ordered, token_budget=budget, pad_to_multiple=pad_to_multiple)
+
+
+def _split_to_count(mbs: list[list[int]], target: int, padded: Sequence[int]) -> None:
+    """Split the heaviest multi-sample micro-batches in two until there are ``target``.
+
+    Splitting only removes tokens from a micro-batch, so the budget still holds.
+    When every micro-batch has one sample left, empty micro-batches make up the
+    count (only possible when the rank has fewer samples than ``target``).
+    """
+    while len(mbs) < target:
+        splittable = [j for j, mb in enumerate(mbs) if len(mb) >= 2]
+        if not splittable:
+            mbs.append([])
+            continue
+        j = max(splittable, key=lambda j: (sum(padded[i] for i in mbs[j]), -j))
+        mb = mbs.pop(j)
+        halves = karmarkar_karp([padded[i] for i in mb], 2)
+        if not all(halves):  # cannot happen for >= 2 items, kept as a guard
+            halves = [list(range(len(mb) // 2)), list(range(len(mb) // 2, len(mb)))]
+        mbs.extend([mb[x] for x in h] for h in halves)
+
+
+def plan_fixed_micro_batches(
+    num_samples: int,
+    *,
+    dp_size: int,
+    micro_batch_size: int,
+    global_batch_size: int | None = None,
+) -> MicroBatchPlan:
+    """Plan ``micro_batch_size`` samples per micro-batch (``--micro-batch-size``).
+
+    Sharding follows megatron's pretraining sampler: the step is cut into
+    chunks of ``micro_batch_size * dp_size`` consecutive samples and DP rank
+    ``r`` takes the ``r``-th slice of each chunk.
+    """
+    _check_positive("dp_size", dp_size, "data-parallel size")
+    _check_positive("micro_batch_size", micro_batch_size, "--micro-batch-size")
+    if global_batch_size is not None and global_batch_size != num_samples:
+        raise ConfigError(
+            f"the rollout batch has {num_samples} samples but --global-batch-size is "
+            f"{global_batch_size}; set --global-batch-size to the number of samples per step "
+            f"(rollout batch size x samples per prompt).")
+    per_step = micro_batch_size * dp_size
+    if num_samples < 1 or num_samples % per_step:
+        raise ConfigError(
+            f"--global-batch-size {num_samples} is not a positive multiple of --micro-batch-size "
+            f"{micro_batch_size} x data-parallel size {dp_size} = {per_step}; choose "
+            f"--global-batch-size as a multiple of {per_step} (e.g. "
+            f"{max(per_step, num_samples // per_step * per_step)}) or change --micro-batch-size.")
+    num_mb = num_samples // per_step
+    ranks = tuple(
+        tuple(tuple(range(j * per_step + r * micro_batch_size, j * per_step + (r + 1) * micro_batch_size))
+              for j in range(num_mb))
+        for r in range(dp_size))
+    return MicroBatchPlan(micro_batches=ranks, token_budget=None, pad_to_multiple=1)
+
+
+# --------------------------------------------------------------------------- packed layout
+
+@dataclass
+class PackedBatch:
+    """One THD micro-batch: sequences back to back, no padding between them.
+
+    Packed (position) tensors, length ``T = cu_seqlens[-1]``:
+      ``tokens``, ``position_ids`` (restart at 0 per sequence and keep counting
+      through the sequence's pad tail).
+    Per sequence (``n = len(sample_indices)``):
+      ``cu_seqlens`` int32 [n+1] boundaries of the *padded* sequences in ``tokens``;
+      ``cu_seqlens_unpadded`` int32 [n+1] cumulative real lengths (what attention
+      must see: TE's ``cu_seqlens_q`` vs ``cu_seqlens_q_padded``);
+      ``prompt_lengths``, ``response_lengths``, ``sample_indices`` (into the rollout batch).
+    Response-aligned flat tensors, length ``R = response_lengths.sum()``
+    (see ``data.types``: entry ``i`` of a sample belongs to ``response_ids[i]``):
+      ``loss_mask`` float32, optional ``advantages``, ``old_logprobs``,
+      ``ref_logprobs``, ``rollout_logprobs``, ``teacher_logprobs`` float32;
+      ``response_positions`` int64: packed position whose output predicts that
+      token; ``response_target_ids``: the token it predicts.
+    Pad tokens never appear in the response-aligned tensors, so they carry no
+    loss. An empty micro-batch (``is_empty``) is one all-pad sequence with
+    ``n = 0`` samples: ``cu_seqlens`` then has two entries.
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_unpadded: torch.Tensor
+    max_seqlen: int
+    sample_indices: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    response_positions: torch.Tensor
+    response_target_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def is_empty(self) -> bool:
+        return self.sample_indices.numel() == 0
+
+    def gather_response(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Pick, from per-position model outputs over the packed tokens, the response-aligned rows.
+
+        ``per_position`` has ``T`` in dim 0 (or shape ``[1, T, ...]``, megatron's
+        batch-of-one THD layout); output at position ``t`` is the model's
+        prediction for token ``t + 1`` of the same sequence. Returns ``[R, ...]``
+        in the order of the flat response-aligned tensors. Needs the full
+        packed sequence: gather CP shards first.
+        """
+        if per_position.dim() >= 2 and per_position.shape[0] == 1 and per_position.shape[1] == self.num_tokens:
+            per_position = per_position[0]
+        if per_position.shape[0] != self.num_tokens:
+            raise ValueError(f"gather_response expects {self.num_tokens} positions in dim 0, "
+                             f"got shape {tuple(per_position.shape)}")
+        return per_position.index_select(0, self.response_positions.to(per_position.device))
+
+    def split_response(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Split a flat response-aligned tensor back into one piece per sample."""
+        return list(torch.split(flat, self.response_lengths.tolist()))
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        moved = {f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                 for f in fields(self)}
+        return replace(self, **moved)
+
+    def packed_seq_params(self):
+        """megatron-core ``PackedSeqParams`` for this layout (THD, padded boundaries kept apart)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens_unpadded, cu_seqlens_kv=self.cu_seqlens_unpadded,
+            cu_seqlens_q_padded=self.cu_seqlens, cu_seqlens_kv_padded=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+
+def _response_field(name: str, values, idx: int, expected: int) -> list[float]:
+    v = values[idx]
+    v = v.tolist() if isinstance(v, torch.Tensor) else list(v)
+    if len(v) != expected:
+        raise ValueError(f"{name} of rollout sample {idx} has {len(v)} entries but its response has "
+                         f"{expected} tokens; per-token fields are response-aligned (one entry per "
+                         f"response token, see megatron_rl.data.types)")
+    return v
+
+
+def pack_samples(
+    samples: Sequence[Sample],
+    sample_indices: Sequence[int],
+    *,
+    pad_to_multiple: int = 1,
+    pad_token_id: int = 0,
+    advantages: Sequence | None = None,
+    old_logprobs: Sequence | None = None,
+    ref_logprobs: Sequence | None = None,
+    teacher_logprobs: Sequence | None = None,
+) -> PackedBatch:
+    """Lay out ``samples[i] for i in sample_indices`` as one THD ``PackedBatch``.
+
+    ``advantages`` / ``*_logprobs`` are indexed like ``samples`` (the whole
+    rollout batch); entry ``i`` is a list or tensor of ``samples[i].response_length``
+    response-aligned values. ``rollout_logprobs`` and ``loss_mask`` come from the
+    samples themselves (``rollout_logprobs`` is kept only if every sample has it).
+    Each sequence is padded with ``pad_token_id`` up to a multiple of
+    ``pad_to_multiple`` (see ``pad_multiple_for``).
+    """
+    _check_positive("pad_to_multiple", pad_to_multiple, "pad_to_multiple")
+    extra = {"advantages": advantages, "old_logprobs": old_logprobs,
+             "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
+    chosen = [samples[i] for i in sample_indices]
+    have_rollout = [bool(s.rollout_logprobs) for s in chosen]
+    if any(have_rollout) and not all(have_rollout):
+        missing = [i for i, h in zip(sample_indices, have_rollout) if not h]
+        raise ValueError(f"rollout samples {missing[:8]} have no rollout_logprobs while others in the "
+                         f"micro-batch do; the engine must return token log-probs for every sample")
+    if all(have_rollout) and chosen:
+        extra["rollout_logprobs"] = {i: samples[i].rollout_logprobs for i in sample_indices}
+
+    tokens: list[int] = []
+    positions: list[int] = []
+    cu, cu_real = [0], [0]
+    resp_pos: list[int] = []
+    targets: list[int] = []
+    loss_mask: list[float] = []
+    flat = {k: [] for k, v in extra.items() if v is not None}
+    prompt_lengths, response_lengths = [], []
+    for idx, s in zip(sample_indices, chosen):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if p < 1:
+            raise ConfigError(f"rollout sample {idx} has an empty prompt; the first response token then has no "
+                              f"position that predicts it. Give every prompt at least one token (e.g. a BOS "
+                              f"token / the chat template).")
+        length = p + r
+        plen = padded_length(length, pad_to_multiple)
+        start = cu[-1]
+        tokens.extend(s.prompt_ids)
+        tokens.extend(s.response_ids)
+        tokens.extend([pad_token_id] * (plen - length))
+        positions.extend(range(plen))
+        resp_pos.extend(range(start + p - 1, start + p - 1 + r))
+        targets.extend(s.response_ids)
+        mask = s.effective_loss_mask()
+        if len(mask) != r:
+            raise ValueError(f"loss_mask of rollout sample {idx} has {len(mask)} entries but its response "
+                             f"has {r} tokens; loss_mask is response-aligned")
+        loss_mask.extend(float(m) for m in mask)
+        for name in flat:
+            flat[name].extend(_response_field(name, extra[name], idx, r))
+        cu.append(start + plen)
+        cu_real.append(cu_real[-1] + length)
+        prompt_lengths.append(p)
+        response_lengths.append(r)
+
+    if not chosen:  # empty micro-batch: one all-pad sequence, no loss tokens
+        tokens = [pad_token_id] * pad_to_multiple
+        positions = list(range(pad_to_multiple))
+        cu, cu_real = [0, pad_to_multiple], [0, pad_to_multiple]
+    seq_lens = [b - a for a, b in zip(cu, cu[1:])]
+    f32 = torch.float32
+    return PackedBatch(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_unpadded=torch.tensor(cu_real, dtype=torch.int32),
+        max_seqlen=max(seq_lens),
+        sample_indices=torch.tensor(list(sample_indices), dtype=torch.long),
+        prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.long),
+        response_lengths=torch.tensor(response_lengths, dtype=torch.long),
+        response_positions=torch.tensor(resp_pos, dtype=torch.long),
+        response_target_ids=torch.tensor(targets, dtype=torch.long),
+        loss_mask=torch.tensor(loss_mask, dtype=f32),
+        **{name: torch.tensor(vals, dtype=f32) for name, vals in flat.items()},
+    )
+
+
+def pack_plan_rank(samples: Sequence[Sample], plan: MicroBatchPlan, dp_rank: int, **kwargs) -> list[PackedBatch]:
+    """Pack every micro-batch of one DP rank (kwargs as for ``pack_samples``; padding from the plan)."""
+    kwargs.setdefault("pad_to_multiple", plan.pad_to_multiple)
+    return [pack_samples(samples, mb, **kwargs) for mb in plan.rank(dp_rank)]
+
+
+# --------------------------------------------------------------------------- loss denominators
+
+
+@dataclass(frozen=True)
+class LossDenominators:
+    """Token and sample counts that normalise the loss of one whole training step.
+
+    ``local_*`` count this DP rank's samples, ``global_*`` all DP ranks'.
+    ``*_tokens`` counts loss-masked response tokens (mask != 0); ``*_samples``
+    counts every sample, including ones whose mask is all zero. Dividing a
+    micro-batch's summed token loss by ``global_tokens`` makes the step loss a
+    token mean over the whole step whatever the packing; with megatron's DP
+    gradient *averaging* (divide by ``dp_size``) multiply by ``dp_size`` as well.
+    """
+
+    local_tokens: int
+    local_samples: int
+    global_tokens: int
+    global_samples: int
+
+
+def compute_loss_denominators(loss_masks: Iterable, group=None) -> LossDenominators:
+    """Count this rank's loss tokens and samples for the step; all-reduce over ``group``.
+
+    ``loss_masks`` holds one response-aligned mask (list or tensor) per sample
+    this DP rank owns this step. Call it once per step, before micro-batching.
+    With ``group`` (the DP process group) the counts are summed over its ranks
+    (a collective: every rank of the group must call it); without, global = local.
+    """
+    tokens = samples = 0
+    for mask in loss_masks:
+        m = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(list(mask))
+        tokens += int((m != 0).sum())
+        samples += 1
+    if group is None:
+        return LossDenominators(tokens, samples, tokens, samples)
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    counts = torch.tensor([tokens, samples], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return LossDenominators(tokens, samples, int(counts[0]), int(counts[1]))
+
+
+def plan_loss_denominators(samples: Sequence[Sample], plan: MicroBatchPlan) -> list[LossDenominators]:
+    """Denominators of every DP rank from the plan alone (no communication; same result
+    as ``compute_loss_denominators`` with the DP group, since every rank sees the plan)."""
+    local = [compute_loss_denominators(samples[i].effective_loss_mask() for i in plan.rank_samples(r))
+             for r in range(plan.dp_size)]
+    g_tok = sum(d.local_tokens for d in local)
+    g_smp = sum(d.local_samples for d in local)
+    return [LossDenominators(d.local_tokens, d.local_samples, g_tok, g_smp) for d in local]
+
+
+def micro_batch_tokens(plan: MicroBatchPlan, seq_lengths: Sequence[int]) -> list[list[int]]:
+    """Padded token count of every micro-batch, ``[dp_rank][mb]`` (for metrics and benchmarks)."""
+    m = plan.pad_to_multiple
+    return [[sum(padded_length(seq_lengths[i], m) for i in mb) for mb in mbs] for mbs in plan.micro_batches]
+
+
+__all__ = [
+    "MicroBatchPlan", "PackedBatch", "LossDenominators", "padded_length", "pad_multiple_for",
+    "plan_dynamic_micro_batches", "plan_fixed_micro_batches", "pack_samples", "pack_plan_rank",
+    "compute_loss_denominators", "plan_loss_denominators", "micro_batch_tokens",
+]
