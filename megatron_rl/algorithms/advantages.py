@@ -1,0 +1,185 @@
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE.
+
+All functions are pure tensor maths on the RESPONSE-ALIGNED convention of
+``megatron_rl.data.types``: per-sample scalars are ``[B]``; per-token tensors are
+flat ``[sum(response_lengths)]`` concatenations of the per-sample pieces.
+
+Invariants:
+* No NaN on degenerate input: all-equal group rewards give advantage 0; a group of
+  size 1 gives 0 (it has no within-group contrast, and leaving the raw reward
+  would mix an un-baselined REINFORCE term into a group-relative batch); empty
+  responses contribute no tokens.
+* Token advantages are 0 where ``loss_mask`` is 0.
+* Batch-level statistics (REINFORCE++ whitening) are over the tensors passed in:
+  call these on the WHOLE rollout batch, before it is sharded over DP ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _as_tensor(x, dtype=torch.float32) -> torch.Tensor:
+    return x.to(dtype) if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=dtype)
+
+
+def _lengths(response_lengths) -> torch.Tensor:
+    return _as_tensor(response_lengths, torch.long)
+
+
+def segment_ids(response_lengths) -> torch.Tensor:
+    """``[T]`` sample index of every flat response token."""
+    lengths = _lengths(response_lengths)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def broadcast_to_tokens(per_sample: torch.Tensor, response_lengths, loss_mask: torch.Tensor | None = None):
+    """Repeat one value per sample over that sample's response tokens (0 where masked)."""
+    out = per_sample.repeat_interleave(_lengths(response_lengths).to(per_sample.device))
+    return out if loss_mask is None else out * loss_mask.to(out.dtype)
+
+
+def _group_stats(rewards: torch.Tensor, group_index):
+    """Per-sample group sum, count and unbiased std (0 for groups of size 1)."""
+    _, inverse = torch.unique(_as_tensor(group_index, torch.long), return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    r = rewards.to(torch.float64)
+    g_sum = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, r)
+    g_cnt = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(r))
+    mean = g_sum / g_cnt
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, (r - mean[inverse]) ** 2)
+    std = torch.where(g_cnt > 1, (sq / (g_cnt - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
+    return g_sum[inverse], g_cnt[inverse], std[inverse]
+
+
+def grpo_advantages(rewards, group_index, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO per-sample advantage ``(r - mean_g) / (std_g + eps)``; Dr.GRPO when ``normalize_std=False``.
+
+    ``std_g`` is the unbiased (n-1) std of the group, as in the GRPO paper's
+    reference implementations. Groups are identified by ``group_index`` and need
+    not be contiguous.
+    """
+    r = _as_tensor(rewards)
+    if r.numel() == 0:
+        return r
+    g_sum, g_cnt, std = _group_stats(r, group_index)
+    adv = r.double() - g_sum / g_cnt
+    if normalize_std:
+        adv = adv / (std + eps)
+    return torch.where(g_cnt > 1, adv, torch.zeros_like(adv)).to(r.dtype)
+
+
+def rloo_advantages(rewards, group_index) -> torch.Tensor:
+    """RLOO per-sample advantage ``r_i - mean_{j != i in group} r_j`` (0 for groups of size 1)."""
+    r = _as_tensor(rewards)
+    if r.numel() == 0:
+        return r
+    g_sum, g_cnt, _ = _group_stats(r, group_index)
+    baseline = (g_sum - r.double()) / (g_cnt - 1).clamp(min=1)
+    return torch.where(g_cnt > 1, r.double() - baseline, torch.zeros_like(baseline)).to(r.dtype)
+
+
+def _masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` over masked entries (biased std: defined for one token)."""
+    m = mask.to(x.dtype)
+    cnt = m.sum()
+    if cnt == 0:
+        return torch.zeros_like(x)
+    mean = (x * m).sum() / cnt
+    var = (((x - mean) * m) ** 2).sum() / cnt
+    return (x - mean) / (var.sqrt() + eps) * m
+
+
+def _to_padded(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Flat response-aligned ``[T]`` -> right-padded ``[B, max_len]`` (zeros past each length)."""
+    n = len(lengths)
+    width = int(lengths.max()) if n else 0
+    out = flat.new_zeros(n, width)
+    if flat.numel():
+        col = torch.arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        out[segment_ids(lengths), col] = flat
+    return out
+
+
+def _from_padded(padded: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    valid = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    return padded[valid]
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_lengths, gamma: float = 1.0) -> torch.Tensor:
+    """Per-sample reverse cumulative sum ``G_t = r_t + gamma * G_{t+1}`` over flat tokens."""
+    lengths = _lengths(response_lengths)
+    padded = _to_padded(token_rewards, lengths)
+    running = padded.new_zeros(padded.shape[0])
+    for t in range(padded.shape[1] - 1, -1, -1):  # right padding is all zeros, so it adds nothing
+        running = padded[:, t] + gamma * running
+        padded[:, t] = running
+    return _from_padded(padded, lengths)
+
+
+def reinforce_plus_plus_advantages(rewards, response_lengths, loss_mask: torch.Tensor, *,
+                                   kl: torch.Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
+                                   group_index=None, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ token advantages: whitened returns of KL-penalised token rewards.
+
+    Token reward = ``-kl_coef * kl_t`` on every loss token, plus the sample reward
+    on its LAST loss token (the reward is for the finished response). Returns are
+    discounted with ``gamma`` per sample and whitened over all loss tokens of the
+    batch. ``kl`` is the per-token KL estimate of the policy to the reference
+    (e.g. ``old_logprobs - ref_logprobs``), flat and response-aligned. With
+    ``group_index`` the group mean reward is subtracted first (REINFORCE++-baseline).
+    """
+    r = _as_tensor(rewards)
+    mask = loss_mask.to(torch.float32)
+    lengths = _lengths(response_lengths)
+    if group_index is not None and r.numel():
+        g_sum, g_cnt, _ = _group_stats(r, group_index)
+        r = (r.double() - g_sum / g_cnt).to(r.dtype)
+    token_rewards = torch.zeros_like(mask)
+    if kl is not None and kl_coef:
+        token_rewards = token_rewards - kl_coef * kl.detach().to(torch.float32) * mask
+    seg = segment_ids(lengths)
+    if mask.numel():
+        pos = torch.arange(mask.numel())
+        last = torch.full((len(lengths),), -1, dtype=torch.long).scatter_reduce(
+            0, seg, torch.where(mask > 0, pos, torch.full_like(pos, -1)), reduce="amax")
+        has = last >= 0
+        token_rewards = token_rewards.index_add(0, last[has], r[has].to(torch.float32))
+    returns = discounted_returns(token_rewards, lengths, gamma)
+    return _masked_whiten(returns, mask, eps)
+
+
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_lengths, *,
+                   gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation per sample; returns ``(advantages, returns)``.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` past the last response token
+    = 0 (the episode ends), ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    ``returns = A + V``. Inputs are flat, response-aligned and detached from any
+    graph; whitening, if wanted, is the caller's choice.
+    """
+    lengths = _lengths(response_lengths)
+    rewards = _to_padded(token_rewards.detach().to(torch.float32), lengths)
+    vals = _to_padded(values.detach().to(torch.float32), lengths)
+    adv = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(rewards.shape[0])
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in range(rewards.shape[1] - 1, -1, -1):  # padding: r = V = 0, so A stays 0 there
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        running = delta + gamma * lam * running
+        adv[:, t] = running
+        next_value = vals[:, t]
+    adv = _from_padded(adv, lengths)
+    return adv, adv + values.detach().to(torch.float32)
+
+
+def per_sample(flat: torch.Tensor, response_lengths) -> list[torch.Tensor]:
+    """Split a flat response-aligned tensor back into per-sample pieces."""
+    return list(torch.split(flat, _lengths(response_lengths).tolist()))
+
+
+def flat_loss_mask(loss_masks: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Concatenate per-sample loss masks into the flat response-aligned ``[T]`` float mask."""
+    return torch.tensor([v for m in loss_masks for v in m], dtype=torch.float32)

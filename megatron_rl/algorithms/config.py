@@ -1,0 +1,90 @@
+"""The policy-gradient algorithm knobs as one frozen, validated dataclass.
+
+Field names follow the slime/Megatron flag names (``--eps-clip`` ->
+``eps_clip``) so ``config/`` can map flags one-to-one; every validation error
+names the flag and the fix. Validation happens at construction, so a Spec never
+sees an inconsistent config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.errors import ConfigError
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "none")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(frozen=True)
+class PolicyGradientConfig:
+    """Advantage estimator + policy loss. Defaults are plain GRPO with token-mean loss.
+
+    ``advantage_estimator="none"`` drops the policy-gradient term: with
+    ``opd_coef > 0`` that is pure on-policy distillation.
+    """
+
+    advantage_estimator: str = "grpo"  # --advantage-estimator
+    grpo_std_normalization: bool = True  # --disable-grpo-std-normalization sets False (Dr.GRPO)
+    advantage_eps: float = 1e-6
+    gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
+    kl_coef: float = 0.0  # --kl-coef: KL penalty folded into REINFORCE++ token rewards
+    loss_agg_mode: str = "token_mean"  # --loss-agg-mode
+    max_response_length: int = 0  # --rollout-max-response-len: Dr.GRPO's constant normaliser
+    eps_clip: float = 0.2  # --eps-clip
+    eps_clip_high: float | None = None  # --eps-clip-high (DAPO clip-higher); None = eps_clip
+    eps_clip_c: float | None = None  # --eps-clip-c: dual-clip bound for negative advantages (> 1)
+    use_gspo: bool = False  # --use-gspo: sequence-level geometric-mean ratio
+    gspo_eps_clip: float = 3e-4  # --gspo-eps-clip
+    gspo_eps_clip_high: float = 4e-4  # --gspo-eps-clip-high
+    kl_loss_coef: float = 0.0  # --kl-loss-coef: KL-to-reference term in the loss
+    kl_loss_type: str = "k3"  # --kl-loss-type: k1 | k2 | k3 (low-variance)
+    entropy_coef: float = 0.0  # --entropy-coef: entropy bonus (subtracted from the loss)
+    use_tis: bool = False  # --use-tis: truncated importance sampling vs rollout log-probs
+    tis_cap: float = 2.0  # --tis-cap: C in min(exp(old - rollout), C)
+    opd_coef: float = 0.0  # --opd-coef: on-policy distillation (reverse KL to teacher)
+    temperature: float = 1.0  # --rollout-temperature: log-probs are taken at the sampling temperature
+
+    def __post_init__(self):
+        def bad(flag, value, fix):
+            raise ConfigError(f"{flag}={value!r} is invalid: {fix}")
+
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            bad("--advantage-estimator", self.advantage_estimator, f"choose one of {ADVANTAGE_ESTIMATORS}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            bad("--loss-agg-mode", self.loss_agg_mode, f"choose one of {LOSS_AGG_MODES}")
+        if self.kl_loss_type not in KL_ESTIMATORS:
+            bad("--kl-loss-type", self.kl_loss_type, f"choose one of {KL_ESTIMATORS} (k3 is the low-variance one)")
+        if self.loss_agg_mode == "seq_mean_token_sum_norm" and self.max_response_length <= 0:
+            bad("--rollout-max-response-len", self.max_response_length,
+                "--loss-agg-mode seq_mean_token_sum_norm (Dr.GRPO) divides by this constant; set it > 0")
+        if not 0 < self.eps_clip < 1:
+            bad("--eps-clip", self.eps_clip, "use a value in (0, 1), e.g. 0.2")
+        if self.eps_clip_high is not None and not self.eps_clip_high > 0:
+            bad("--eps-clip-high", self.eps_clip_high, "use a value > 0, e.g. 0.28, or leave it unset")
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1:
+            bad("--eps-clip-c", self.eps_clip_c, "the dual-clip bound must be > 1, e.g. 3.0, or unset")
+        if not (0 < self.gspo_eps_clip < 1 and self.gspo_eps_clip_high > 0):
+            bad("--gspo-eps-clip", (self.gspo_eps_clip, self.gspo_eps_clip_high),
+                "GSPO clips the sequence ratio tightly: use small positive values such as 3e-4 / 4e-4")
+        if self.use_tis and not self.tis_cap >= 1:
+            bad("--tis-cap", self.tis_cap, "the truncation cap must be >= 1, e.g. 2.0")
+        for flag, v in (("--kl-loss-coef", self.kl_loss_coef), ("--kl-coef", self.kl_coef),
+                        ("--entropy-coef", self.entropy_coef), ("--opd-coef", self.opd_coef)):
+            if v < 0:
+                bad(flag, v, "coefficients are magnitudes; use a value >= 0")
+        if not 0 < self.gamma <= 1:
+            bad("--gamma", self.gamma, "use a discount in (0, 1]")
+        if not self.temperature > 0:
+            bad("--rollout-temperature", self.temperature, "log-probs need a sampling temperature > 0")
+        if self.advantage_estimator == "none" and self.opd_coef == 0:
+            bad("--advantage-estimator", "none", "with no policy-gradient term set --opd-coef > 0 (pure "
+                "on-policy distillation) or pick grpo / rloo / reinforce_plus_plus")
+        if self.kl_coef and self.advantage_estimator != "reinforce_plus_plus":
+            bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s; for GRPO/RLOO use "
+                "--kl-loss-coef (KL term in the loss) instead")
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high

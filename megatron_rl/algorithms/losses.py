@@ -1,0 +1,299 @@
+"""Policy losses with EXACT global normalisation across micro-batches and DP ranks.
+
+Why: a loss averaged per micro-batch and then averaged over micro-batches/DP
+ranks weights tokens unequally whenever micro-batches differ in token count
+(dynamic batching always makes them differ). Here every per-micro-batch loss is a
+SUM divided by a GLOBAL denominator (``LossDenominators``, counted over the
+whole step on every DP rank before training). So:
+
+    sum over micro-batches and DP ranks of loss_mb == the one-big-batch loss
+
+and the gradients match when the trainer SUMS gradients over micro-batches and
+DP ranks (a DDP that averages over DP must have its loss scaled by dp_size).
+The same holds for metrics: each is returned as ``(sum, count)`` and only
+divided after ``reduce_metrics`` has summed both across micro-batches and ranks.
+
+Invariant: a sample is never split across micro-batches (packing keeps samples
+whole), so per-sample quantities (sequence means, GSPO ratios) are local.
+All tensors follow the flat response-aligned convention of ``data.types``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms.advantages import segment_ids
+from megatron_rl.algorithms.config import PolicyGradientConfig
+
+Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count), both detached float64
+
+_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a wild stale log-prob from overflowing the ratio
+
+
+@dataclass(frozen=True)
+class LossDenominators:
+    """Global counts over ALL micro-batches and DP ranks of one optimizer step.
+
+    ``num_tokens``: loss tokens (``loss_mask == 1``). ``num_samples``: samples with
+    at least one loss token (an empty or fully masked response adds nothing to any
+    numerator, so it does not dilute the sequence means either).
+    """
+
+    num_tokens: float
+    num_samples: float
+
+    @classmethod
+    def count(cls, loss_mask: torch.Tensor, response_lengths) -> "LossDenominators":
+        """Local counts of one micro-batch; sum them (``+``) and ``all_reduce`` over DP."""
+        mask = loss_mask.to(torch.float64)
+        per_sample = _segment_sum(mask, response_lengths)
+        return cls(float(mask.sum()), float((per_sample > 0).sum()))
+
+    def __add__(self, other: "LossDenominators") -> "LossDenominators":
+        return LossDenominators(self.num_tokens + other.num_tokens, self.num_samples + other.num_samples)
+
+    def all_reduce(self, group=None) -> "LossDenominators":
+        """Sum the counts over a process group (the DP group)."""
+        t = torch.tensor([self.num_tokens, self.num_samples], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        return LossDenominators(float(t[0]), float(t[1]))
+
+
+@dataclass
+class LossInputs:
+    """Flat per-token tensors of one micro-batch (response-aligned) + the per-sample split.
+
+    ``logprobs`` (and ``entropy``) carry the graph; everything else is treated as
+    constant. ``old_logprobs`` None means on-policy (ratio 1, taken as
+    ``logprobs.detach()``).
+    """
+
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    response_lengths: torch.Tensor | list[int]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+    def __post_init__(self):
+        lengths = torch.as_tensor(self.response_lengths, dtype=torch.long)
+        total = int(lengths.sum())
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "response_lengths" and v is not None and tuple(v.shape) != (total,):
+                raise ValueError(
+                    f"LossInputs.{f.name} has shape {tuple(v.shape)} but sum(response_lengths) = {total}: "
+                    f"per-token fields must be flat, response-aligned concatenations of the samples")
+        self.response_lengths = lengths
+
+
+def _segment_sum(values: torch.Tensor, response_lengths) -> torch.Tensor:
+    lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+    out = values.new_zeros(len(lengths))
+    return out.index_add(0, segment_ids(lengths).to(values.device), values)
+
+
+def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths, mode: str,
+              denoms: LossDenominators, max_response_length: int = 0) -> torch.Tensor:
+    """Reduce a per-token loss to this micro-batch's share of the global loss.
+
+    * ``token_mean``: ``sum(x * mask) / num_tokens``.
+    * ``seq_mean_token_mean``: ``sum_i mean_{t in i}(x) / num_samples``.
+    * ``seq_mean_token_sum_norm`` (Dr.GRPO): ``sum(x * mask) / (num_samples * max_response_length)``.
+    """
+    masked = per_token * loss_mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return masked.sum() / max(denoms.num_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        tok = _segment_sum(loss_mask.to(per_token.dtype), response_lengths)
+        seq = _segment_sum(masked, response_lengths) / tok.clamp(min=1.0)
+        return seq.sum() / max(denoms.num_samples, 1.0)
+    if mode == "seq_mean_token_sum_norm":
+        if max_response_length <= 0:
+            raise ValueError("seq_mean_token_sum_norm needs max_response_length > 0 (--rollout-max-response-len)")
+        return masked.sum() / (max(denoms.num_samples, 1.0) * max_response_length)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; use token_mean, seq_mean_token_mean or "
+                     f"seq_mean_token_sum_norm")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) on tokens sampled from the policy.
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (unbiased, >= 0,
+    low variance), with ``log r = logprobs - ref_logprobs``.
+    """
+    log_r = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_r
+    if kind == "k2":
+        return 0.5 * log_r.square()
+    if kind == "k3":
+        return torch.exp(-log_r) - 1.0 + log_r
+    raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use k1, k2 or k3")
+
+
+def ppo_clip_per_token(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                       dual_clip_c: float | None = None):
+    """PPO clipped surrogate per token: ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``.
+
+    With ``dual_clip_c`` the loss of negative-advantage tokens is capped at
+    ``-A c`` (dual-clip PPO). Returns ``(loss, ratio, clipped, dual_clipped)``;
+    the masks are bool tensors for metrics.
+    """
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    dual = torch.zeros_like(clipped)
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+    return loss, ratio, clipped, dual
+
+
+def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                   response_lengths) -> torch.Tensor:
+    """GSPO-token log-ratio: value = the sequence's mean log-ratio, gradient = that of ``logprobs_t``.
+
+    ``s_i = exp(mean_{t in i} (logp_t - old_t))``; per token ``sg[log s_i] + logp_t - sg[logp_t]``.
+    Under ``seq_mean_token_mean`` its gradient equals that of the sequence-level
+    GSPO objective; clipping acts on ``s_i``.
+    """
+    lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+    mask = loss_mask.to(logprobs.dtype)
+    delta = (logprobs.detach() - old_logprobs) * mask
+    seq = _segment_sum(delta, lengths) / _segment_sum(mask, lengths).clamp(min=1.0)
+    seq_tok = seq.repeat_interleave(lengths.to(seq.device))
+    return seq_tok + logprobs - logprobs.detach()
+
+
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float):
+    """Truncated importance weights ``min(exp(old - rollout), cap)`` (detached) and the capped mask.
+
+    Corrects for the rollout engine's numerics differing from the trainer's:
+    tokens were sampled from the engine's distribution but are trained under the
+    trainer's (old) one.
+    """
+    raw = torch.exp((old_logprobs - rollout_logprobs).detach().clamp(max=_LOG_RATIO_CLAMP))
+    return raw.clamp(max=cap), raw > cap
+
+
+def _msum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = mask.detach().to(torch.float64)
+    return (values.detach().to(torch.float64) * m).sum(), m.sum()
+
+
+def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> Metrics:
+    """Train-vs-rollout log-prob mismatch: mean |diff| and k3 KL(rollout || train) over loss tokens."""
+    diff = (train_logprobs - rollout_logprobs).detach().double()
+    return {"mismatch_abs_logprob": _msum(diff.abs(), loss_mask),
+            "mismatch_k3_kl": _msum(torch.exp(diff) - 1.0 - diff, loss_mask)}
+
+
+def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
+                        cfg: PolicyGradientConfig) -> tuple[torch.Tensor, Metrics]:
+    """The full RL loss of one micro-batch and its metric sums.
+
+    ``loss = agg(w * pg) + kl_loss_coef * agg(kl) - entropy_coef * agg(H) + opd_coef * agg(w * opd)``
+    where ``w`` is the TIS weight (1 without ``use_tis``), ``pg`` the PPO/GSPO
+    clipped surrogate and ``opd = sg[logp - teacher_logp] * ratio`` the
+    policy-gradient form of the per-token reverse KL to the teacher (its gradient
+    is ``(logp - teacher) * grad logp``; the plain k1 sample would have expectation-zero gradient).
+    """
+    x, mask, lengths = inputs, inputs.loss_mask, inputs.response_lengths
+
+    def agg(v):
+        return aggregate(v, mask, lengths, cfg.loss_agg_mode, denoms, cfg.max_response_length)
+
+    def need(name, flag):
+        if getattr(x, name) is None:
+            raise ValueError(f"LossInputs.{name} is None but {flag} needs it: have the trainer compute it "
+                             f"(see Spec.prepare_batch requirements)")
+        return getattr(x, name)
+
+    old = x.old_logprobs if x.old_logprobs is not None else x.logprobs.detach()
+    metrics: Metrics = {"loss_tokens": (mask.detach().double().sum(), torch.ones((), dtype=torch.float64))}
+    weight = torch.ones_like(x.logprobs)
+    if cfg.use_tis:
+        rollout = need("rollout_logprobs", "--use-tis")
+        weight, capped = tis_weights(old, rollout, cfg.tis_cap)
+        metrics["tis_weight"] = _msum(weight, mask)
+        metrics["tis_capped_frac"] = _msum(capped.double(), mask)
+    if x.rollout_logprobs is not None:
+        metrics.update(mismatch_metrics(old, x.rollout_logprobs, mask))
+
+    token_log_ratio = x.logprobs - old
+    loss = x.logprobs.new_zeros(())
+    if cfg.advantage_estimator != "none":
+        if cfg.use_gspo:
+            log_ratio = gspo_log_ratio(x.logprobs, old, mask, lengths)
+            pg, ratio, clipped, dual = ppo_clip_per_token(log_ratio, x.advantages, cfg.gspo_eps_clip,
+                                                          cfg.gspo_eps_clip_high)
+        else:
+            pg, ratio, clipped, dual = ppo_clip_per_token(token_log_ratio, x.advantages, cfg.eps_clip,
+                                                          cfg.clip_high, cfg.eps_clip_c)
+        loss = loss + agg(weight * pg)
+        metrics["pg_loss"] = _msum(pg, mask)
+        metrics["clip_frac"] = _msum(clipped.double(), mask)
+        metrics["dual_clip_frac"] = _msum(dual.double(), mask)
+        metrics["ratio"] = _msum(ratio, mask)
+        metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
+    if cfg.kl_loss_coef or x.ref_logprobs is not None:
+        kl = kl_estimate(x.logprobs, need("ref_logprobs", "--kl-loss-coef"), cfg.kl_loss_type)
+        metrics["kl"] = _msum(kl, mask)
+        if cfg.kl_loss_coef:
+            loss = loss + cfg.kl_loss_coef * agg(kl)
+    if cfg.entropy_coef or x.entropy is not None:
+        entropy = need("entropy", "--entropy-coef")
+        metrics["entropy"] = _msum(entropy, mask)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * agg(entropy)
+    if cfg.opd_coef or x.teacher_logprobs is not None:
+        reverse_kl = (x.logprobs - need("teacher_logprobs", "--opd-coef")).detach()
+        metrics["opd_reverse_kl"] = _msum(reverse_kl, mask)
+        if cfg.opd_coef:
+            opd = reverse_kl * torch.exp(token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+            loss = loss + cfg.opd_coef * agg(weight * opd)
+    return loss, metrics
+
+
+def merge_metrics(parts: Iterable[Metrics]) -> Metrics:
+    """Sum ``(sum, count)`` pairs of several micro-batches, name by name."""
+    out: Metrics = {}
+    for part in parts:
+        for k, (s, c) in part.items():
+            if k in out:
+                out[k] = (out[k][0] + s, out[k][1] + c)
+            else:
+                out[k] = (s.detach().double(), c.detach().double())
+    return out
+
+
+def reduce_metrics(parts: Iterable[Metrics], group=None) -> dict[str, float]:
+    """Exact means: sum over micro-batches, all-reduce over ``group`` (the DP group), then divide.
+
+    ``group=None`` reduces locally only (TP ranks hold duplicate metrics, so never
+    reduce over the whole world). Metric names depend on the config and on which
+    optional inputs are given; every rank of ``group`` must give the same ones.
+    ``loss_tokens`` is reported as a total, everything else as a mean.
+    """
+    merged = merge_metrics(parts)
+    names = sorted(merged)
+    if not names:
+        return {}
+    stacked = torch.stack([torch.stack(merged[k]) for k in names])
+    if group is not None:
+        dist.all_reduce(stacked, group=group)
+    out = {}
+    for k, (s, c) in zip(names, stacked.tolist()):
+        out[k] = s if k == "loss_tokens" else (s / c if c > 0 else 0.0)
+    return out

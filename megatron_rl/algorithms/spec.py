@@ -1,0 +1,152 @@
+"""The algorithm Spec: the only seam between a training backend and an RL algorithm.
+
+A backend calls, in order, and never branches on the algorithm:
+
+1. ``compute_advantages(samples, ...)`` on the WHOLE rollout batch (before DP
+   sharding; batch statistics need every sample) -> per-sample, response-aligned
+   advantage tensors. If ``prepare_batch(samples).advantages_need_logprobs`` the
+   backend computes the old/ref log-probs first and passes them in.
+2. ``prepare_batch(samples)`` -> which per-token
+   fields the backend must produce with ``forward_only`` (old / ref / teacher
+   log-probs) or carry from the samples (rollout log-probs), and whether the
+   model output must include entropy. Also validates the samples.
+3. ``extract_model_output(logits, target_ids, ...)`` inside the training forward
+   -> log-probs (+ entropy) from the (vocab-parallel) logits.
+4. ``compute_loss(LossInputs, LossDenominators)`` -> ``(loss, metric sums)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.algorithms import advantages as adv
+from megatron_rl.algorithms.config import PolicyGradientConfig
+from megatron_rl.algorithms.losses import LossDenominators, LossInputs, Metrics, compute_policy_loss
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError
+from megatron_rl.ops import logprobs_and_entropy
+
+
+@dataclass(frozen=True)
+class BatchRequirements:
+    """Per-token fields the trainer must put into ``LossInputs`` for this algorithm."""
+
+    old_logprobs: bool  # forward_only under the pre-update weights (needed when ratios can differ from 1)
+    ref_logprobs: bool  # forward_only under the reference model
+    teacher_logprobs: bool  # forward_only under the OPD teacher
+    rollout_logprobs: bool  # from Sample.rollout_logprobs (TIS)
+    entropy: bool  # extract_model_output must also return entropy
+    advantages_need_logprobs: bool  # compute old/ref log-probs BEFORE compute_advantages
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    logprobs: torch.Tensor  # [T] float32, differentiable
+    entropy: torch.Tensor | None  # [T] float32 or None
+
+
+class Spec(abc.ABC):
+    """Algorithm hooks; see the module docstring for the call order."""
+
+    @abc.abstractmethod
+    def compute_advantages(self, samples: Sequence[Sample], *, old_logprobs: Sequence[torch.Tensor] | None = None,
+                           ref_logprobs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Per-sample response-aligned advantages (0 on masked tokens)."""
+
+    @abc.abstractmethod
+    def prepare_batch(self, samples: Sequence[Sample]) -> BatchRequirements:
+        """What the trainer must compute for this batch (``BatchRequirements``); validates the samples."""
+
+    @abc.abstractmethod
+    def extract_model_output(self, logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
+                             vocab_start_index: int | None = None) -> ModelOutput:
+        """Log-probs (and entropy if required) of response tokens from this rank's logits shard."""
+
+    @abc.abstractmethod
+    def compute_loss(self, inputs: LossInputs, denoms: LossDenominators) -> tuple[torch.Tensor, Metrics]:
+        """This micro-batch's share of the globally normalised loss, and metric sums."""
+
+
+class PolicyGradientSpec(Spec):
+    """GRPO / Dr.GRPO / RLOO / REINFORCE++ with PPO-clip or GSPO, KL, entropy, TIS and OPD terms."""
+
+    def __init__(self, cfg: PolicyGradientConfig):
+        self.cfg = cfg
+
+    def prepare_batch(self, samples: Sequence[Sample]) -> BatchRequirements:
+        cfg = self.cfg
+        if cfg.use_tis:
+            for i, s in enumerate(samples):
+                if len(s.rollout_logprobs) != len(s.response_ids):
+                    raise ConfigError(
+                        f"--use-tis needs rollout log-probs for every response token, but sample {i} "
+                        f"(group {s.group_index}) has {len(s.rollout_logprobs)} for {len(s.response_ids)} "
+                        f"tokens: have the rollout engine return token log-probs, or drop --use-tis")
+        kl_in_reward = cfg.advantage_estimator == "reinforce_plus_plus" and cfg.kl_coef > 0
+        return BatchRequirements(
+            # GSPO and TIS read old log-probs even on the first update; PPO ratios too.
+            old_logprobs=True,
+            ref_logprobs=cfg.kl_loss_coef > 0 or kl_in_reward,
+            teacher_logprobs=cfg.opd_coef > 0,
+            rollout_logprobs=cfg.use_tis,
+            entropy=True,  # cheap (same pass); always logged to watch for entropy collapse
+            advantages_need_logprobs=kl_in_reward,
+        )
+
+    def compute_advantages(self, samples, *, old_logprobs=None, ref_logprobs=None):
+        cfg = self.cfg
+        lengths = [s.response_length for s in samples]
+        mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples])
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+        groups = [s.group_index for s in samples]
+        if cfg.advantage_estimator == "none":
+            return adv.per_sample(torch.zeros_like(mask), lengths)
+        if cfg.advantage_estimator == "grpo":
+            per_seq = adv.grpo_advantages(rewards, groups, normalize_std=cfg.grpo_std_normalization,
+                                          eps=cfg.advantage_eps)
+            return adv.per_sample(adv.broadcast_to_tokens(per_seq, lengths, mask), lengths)
+        if cfg.advantage_estimator == "rloo":
+            per_seq = adv.rloo_advantages(rewards, groups)
+            return adv.per_sample(adv.broadcast_to_tokens(per_seq, lengths, mask), lengths)
+        kl = None
+        if cfg.kl_coef > 0:
+            if old_logprobs is None or ref_logprobs is None:
+                raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
+                                  "rewards: compute old and ref log-probs before compute_advantages and pass them")
+            kl = torch.cat(list(old_logprobs)).float() - torch.cat(list(ref_logprobs)).float()
+        flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=cfg.kl_coef,
+                                                  gamma=cfg.gamma)
+        return adv.per_sample(flat, lengths)
+
+    def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None):
+        logprobs, entropy = logprobs_and_entropy(logits, target_ids, tp_group=tp_group,
+                                                 vocab_start_index=vocab_start_index,
+                                                 temperature=self.cfg.temperature, with_entropy=True)
+        return ModelOutput(logprobs, entropy)
+
+    def compute_loss(self, inputs, denoms):
+        return compute_policy_loss(inputs, denoms, self.cfg)
+
+
+_REGISTRY: dict[str, tuple[Callable[..., Spec], type]] = {
+    "policy_gradient": (PolicyGradientSpec, PolicyGradientConfig),
+}
+
+
+def register_spec(name: str, factory: Callable[..., Spec], config_cls: type) -> None:
+    """Make ``get_spec(name, cfg)`` build ``factory(cfg)`` for configs of ``config_cls``."""
+    _REGISTRY[name] = (factory, config_cls)
+
+
+def get_spec(name: str, cfg) -> Spec:
+    """Build the registered Spec ``name`` from its frozen config."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"--algorithm {name!r} is not registered; choose one of {sorted(_REGISTRY)}")
+    factory, config_cls = _REGISTRY[name]
+    if not isinstance(cfg, config_cls):
+        raise ConfigError(f"--algorithm {name!r} needs a {config_cls.__name__}, got {type(cfg).__name__}")
+    return factory(cfg)
