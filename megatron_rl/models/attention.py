@@ -1,0 +1,294 @@
+"""Core attention for megatron-core's local spec with packed (THD) sequences and CP.
+
+megatron-core's local ``DotProductAttention`` refuses packed sequences and context
+parallelism (both are TE-only). :class:`PackedCoreAttention` is a drop-in
+``core_attention`` submodule (same constructor and forward signature) that does
+both with ``torch.nn.functional.scaled_dot_product_attention``, so CPU runs and
+GPUs without transformer-engine can train on packed RL batches.
+
+Layouts (those ``Attention.forward`` hands to ``core_attention``):
+
+* SBHD: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
+* THD (``packed_seq_params.qkv_format == "thd"``): query ``[t, np, hn]``,
+  key/value ``[t, ng, hn]`` -> ``[t, np*hn]`` (``Attention`` reshapes to ``[t, 1, h]``).
+
+Invariants:
+
+* A token never attends across a sequence boundary of ``cu_seqlens``; under a
+  causal mask it attends to positions ``<=`` its own position in its sequence.
+* Under CP (``config.context_parallel_size > 1``) inputs follow megatron's
+  load-balanced chunking and GLOBAL cu_seqlens (see :mod:`.cp_utils`); K/V are
+  all-gathered over the CP group (backward: reduce-scatter) and each local query
+  chunk is masked with its true global positions, so outputs and gradients equal
+  the single-process result up to fp32 summation order.
+* Padding rows (positions ``>= real length`` when ``cu_seqlens_q_padded`` is set)
+  output exactly 0 and are never attended to.
+* Softmax in fp32 or better (SDPA accumulates in fp32 for bf16/fp16 on CPU);
+  ``apply_query_key_layer_scaling`` is a numerical no-op here (megatron divides
+  the scale by the layer number and multiplies it back inside the softmax).
+
+Mask semantics for SBHD follow megatron: ``attention_mask`` is boolean with
+``True`` = masked out, broadcastable to ``[b, np, sq, sk]``. For causal mask types
+a given mask is combined with the causal mask (both apply). Causal with ``sq <
+sk`` aligns queries to the last ``sq`` keys (KV-cache decode). Rows with every key
+masked output 0 (megatron's ``-10000`` fill would give a uniform average).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide
+
+from megatron_rl.errors import ConfigError
+from megatron_rl.models import cp_utils
+
+__all__ = ["PackedCoreAttention"]
+
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+class PackedCoreAttention(MegatronModule):
+    """SDPA core attention with THD packing, GQA and context parallelism.
+
+    Built by ``SelfAttention`` from a ``ModuleSpec`` exactly like
+    ``DotProductAttention``; holds no parameters.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        # K/V are all-gathered whatever cp_comm_type names (p2p, a2a, ...): the
+        # maths is identical, only the communication schedule differs on GPUs.
+        self.cp_comm_type = cp_comm_type
+
+        if config.softmax_type != "vanilla":
+            raise ConfigError(f"PackedCoreAttention supports softmax_type='vanilla' only, got "
+                              f"{config.softmax_type!r}; use the TE spec for off-by-one/learnable softmax")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise ConfigError(f"PackedCoreAttention does not implement sliding-window attention "
+                              f"(window_size={config.window_size}); unset it or use the TE spec")
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        elif not hasattr(pg_collection, "tp"):
+            raise ConfigError("PackedCoreAttention pg_collection must have a 'tp' process group")
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is None and config.context_parallel_size > 1:
+            cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group
+        self.cp_size = cp_group.size() if cp_group is not None else 1
+        if self.cp_size != config.context_parallel_size:
+            raise ConfigError(f"context_parallel_size={config.context_parallel_size} "
+                              f"(--context-parallel-size) but the CP process group has "
+                              f"{self.cp_size} ranks; initialise parallel_state with the same value")
+
+        tp_size = self.tp_group.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
+                              if softmax_scale is None else softmax_scale)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        """Attention over SBHD or THD inputs; see the module docstring for layouts."""
+        if attention_bias is not None:
+            raise ConfigError("PackedCoreAttention does not support attention_bias; use the TE spec")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        causal = mask_type in _CAUSAL_TYPES
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self._forward(query, key, value, attention_mask, causal, dropout_p,
+                                     packed_seq_params)
+        return self._forward(query, key, value, attention_mask, causal, dropout_p, packed_seq_params)
+
+    def _forward(self, query, key, value, attention_mask, causal, dropout_p, packed_seq_params):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_thd(query, key, value, causal, dropout_p, packed_seq_params)
+        if packed_seq_params is not None and packed_seq_params.qkv_format not in (None, "sbhd"):
+            raise ConfigError(f"PackedSeqParams.qkv_format={packed_seq_params.qkv_format!r} is not "
+                              f"supported; use 'thd' (packed) or 'sbhd'")
+        if self.cp_size > 1:
+            return self._forward_sbhd_cp(query, key, value, attention_mask, causal, dropout_p)
+        return self._forward_sbhd(query, key, value, attention_mask, causal, dropout_p)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], is_causal: bool,
+              dropout_p: float) -> Tensor:
+        """SDPA on ``[..., heads, seq, dim]`` with GQA; ``keep`` is True where attention is allowed."""
+        enable_gqa = q.size(-3) != k.size(-3)
+        if keep is not None:
+            # Rows with no allowed key must give 0, not NaN, in value and gradient: let them
+            # see key 0 and zero their output afterwards.
+            empty = ~keep.any(dim=-1, keepdim=True)
+            if bool(empty.any()):
+                first = torch.zeros_like(keep)
+                first[..., 0] = True
+                keep = keep | (empty & first)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                                     scale=self.softmax_scale, enable_gqa=enable_gqa)
+                return out.masked_fill(empty, 0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=self.softmax_scale,
+                                              enable_gqa=enable_gqa)
+
+    def _forward_sbhd(self, query, key, value, attention_mask, causal, dropout_p):
+        sq, sk = query.size(0), key.size(0)
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        keep = None
+        is_causal = causal and attention_mask is None and sq == sk
+        if causal and not is_causal:
+            q_pos = torch.arange(sk - sq, sk, device=q.device)
+            keep = torch.arange(sk, device=q.device)[None, :] <= q_pos[:, None]
+        if attention_mask is not None:
+            allowed = ~attention_mask.to(torch.bool)
+            keep = allowed if keep is None else (keep & allowed)
+        out = self._sdpa(q, k, v, keep, is_causal, dropout_p)  # [b, np, sq, hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, query.size(1), self.hidden_size_per_partition)
+
+    def _gather_kv(self, key: Tensor, value: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+        """One differentiable all-gather of K and V over the CP group (rank-major)."""
+        kv = torch.cat([key, value], dim=-1)
+        kv = cp_utils.all_gather_cp(kv, self.cp_group, dim)
+        return kv.split([key.size(-1), value.size(-1)], dim=-1)
+
+    def _forward_sbhd_cp(self, query, key, value, attention_mask, causal, dropout_p):
+        if attention_mask is not None:
+            raise ConfigError("PackedCoreAttention with context parallelism takes no attention_mask "
+                              "for SBHD inputs (pass attention_mask=None with a causal/no_mask type, "
+                              "or use packed THD sequences)")
+        s_local, b = query.size(0), query.size(1)
+        seq = s_local * self.cp_size
+        if s_local % 2:
+            raise ConfigError(f"local sequence length {s_local} under CP must be even (two chunks per "
+                              f"rank); pad sequences to a multiple of 2*cp_size={2 * self.cp_size}")
+        cu = torch.tensor([0, seq], dtype=torch.int64)
+        key, value = self._gather_kv(key, value, dim=0)
+        perm = cp_utils.cp_gather_permutation(cu, self.cp_size).to(key.device)
+        key, value = key.index_select(0, perm), value.index_select(0, perm)
+        q_pos = cp_utils.cp_local_index(cu, self.cp_group.rank(), self.cp_size).to(query.device)
+        keep = None
+        if causal:
+            keep = torch.arange(seq, device=query.device)[None, :] <= q_pos[:, None]
+        out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                         keep, False, dropout_p)
+        return out.permute(2, 0, 1, 3).reshape(s_local, b, self.hidden_size_per_partition)
+
+    def _forward_thd(self, query, key, value, causal, dropout_p, params: PackedSeqParams):
+        cu_q = params.cu_seqlens_q
+        if cu_q is None:
+            raise ConfigError("PackedSeqParams(qkv_format='thd') needs cu_seqlens_q")
+        cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else cu_q
+        layout = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
+        layout_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else cu_kv
+        if not (torch.equal(cu_q.cpu(), cu_kv.cpu()) and torch.equal(layout.cpu(), layout_kv.cpu())):
+            raise ConfigError("PackedCoreAttention implements self-attention only: cu_seqlens_q and "
+                              "cu_seqlens_kv (and their _padded twins) must be equal")
+        pad = layout.tolist()
+        real = cu_q.tolist()
+        if len(real) != len(pad):
+            raise ConfigError(f"cu_seqlens_q has {len(real) - 1} sequences but cu_seqlens_q_padded has "
+                              f"{len(pad) - 1}")
+        lengths = [b - a for a, b in zip(pad, pad[1:])]
+        valid = [b - a for a, b in zip(real, real[1:])]
+        if any(v > p for v, p in zip(valid, lengths)):
+            raise ConfigError(f"a real sequence length exceeds its padded length: real={valid}, "
+                              f"padded={lengths} (cu_seqlens_q vs cu_seqlens_q_padded)")
+        cp, t_local = self.cp_size, query.size(0)
+        if t_local * cp != pad[-1]:
+            raise ConfigError(
+                f"THD query has {t_local} tokens on this rank but the GLOBAL padded cu_seqlens end at "
+                f"{pad[-1]} with cp_size={cp}; expected {pad[-1]} / {cp} tokens (pass global "
+                f"cu_seqlens and shard with megatron_rl.models.cp_utils.shard_packed_for_cp)")
+
+        if cp > 1:
+            key, value = self._gather_kv(key, value, dim=0)
+            perm = cp_utils.cp_gather_permutation(layout, cp).to(key.device)
+            key, value = key.index_select(0, perm), value.index_select(0, perm)
+            cp_rank = self.cp_group.rank()
+            chunk_first = [p // (2 * cp) * cp_rank for p in lengths]
+            chunk_second = [p // (2 * cp) * (2 * cp - 1 - cp_rank) for p in lengths]
+
+        q_all = query.transpose(0, 1)  # [np, t_local, hn]
+        k_all = key.transpose(0, 1)  # [ng, t, hn]
+        v_all = value.transpose(0, 1)
+        pieces = []
+        q_start = 0
+        for i, (length, n_valid) in enumerate(zip(lengths, valid)):
+            n_local = length // cp
+            k_start = pad[i]
+            if n_local == 0:
+                continue
+            if cp == 1:
+                q_pos = None
+                n_q = n_valid  # rows beyond the real length are padding
+            else:
+                c = length // (2 * cp)
+                q_pos = torch.cat([torch.arange(chunk_first[i], chunk_first[i] + c),
+                                   torch.arange(chunk_second[i], chunk_second[i] + c)])
+                n_q = int((q_pos < n_valid).sum())  # positions ascend: valid rows are a prefix
+            if n_q > 0:
+                q = q_all[:, q_start:q_start + n_q]
+                if cp == 1 or not causal:
+                    n_k = n_valid
+                else:
+                    n_k = min(n_valid, int(q_pos[n_q - 1]) + 1)
+                k = k_all[:, k_start:k_start + n_k]
+                v = v_all[:, k_start:k_start + n_k]
+                keep, is_causal = None, False
+                if causal and cp == 1:
+                    is_causal = n_q > 1
+                elif causal:
+                    keep = torch.arange(n_k)[None, :] <= q_pos[:n_q, None]
+                    keep = keep.to(q.device)
+                pieces.append(self._sdpa(q, k, v, keep, is_causal, dropout_p))
+            if n_local > n_q:
+                pieces.append(q_all.new_zeros(q_all.size(0), n_local - n_q, value.size(-1)))
+            q_start += n_local
+        if not pieces:
+            return query.new_zeros(0, self.hidden_size_per_partition)
+        out = torch.cat(pieces, dim=1)  # [np, t_local, hn]
+        return out.transpose(0, 1).reshape(t_local, self.hidden_size_per_partition)

@@ -1,0 +1,259 @@
+"""PackedCoreAttention (single process): THD / SBHD / GQA / padding, values and grads.
+
+References are written out here (eager fp64 softmax attention per sequence) and
+megatron-core's own DotProductAttention on a padded SBHD batch, so the module is
+checked against both the maths and the implementation it replaces.
+"""
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _util import free_port
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.errors import ConfigError
+from megatron_rl.models import cp_utils
+from megatron_rl.models.attention import PackedCoreAttention
+
+NP, NG, HN = 4, 2, 16  # heads, KV groups (GQA), head dim
+TOL = dict(rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    """World-size-1 gloo + megatron parallel_state, torn down only if we made them."""
+    made_pg = not dist.is_initialized()
+    if made_pg:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    made_mp = not parallel_state.model_parallel_is_initialized()
+    if made_mp:
+        parallel_state.initialize_model_parallel()
+    yield
+    if made_mp:
+        parallel_state.destroy_model_parallel()
+    if made_pg:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def megatron_on_cpu(monkeypatch):
+    """The two CUDA-only pieces DotProductAttention touches, made CPU-safe for one test.
+
+    Its score buffer comes from a CUDA global memory buffer and it always forks the
+    CUDA RNG tracker (a no-op at dropout 0). megatron_rl.compat does this for real
+    model runs; these tests only need eval-mode attention.
+    """
+    from megatron.core import tensor_parallel
+
+    class CpuBuffer:
+        def get_tensor(self, shape, dtype, name):
+            return torch.empty(shape, dtype=dtype)
+
+    class NoForkTracker:
+        def fork(self, name="model-parallel-rng"):
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: CpuBuffer())
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: NoForkTracker())
+
+
+def make_config(**kw):
+    base = dict(num_layers=1, hidden_size=NP * HN, num_attention_heads=NP, num_query_groups=NG,
+                use_cpu_initialization=True, attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def make_attn(mask_type=AttnMaskType.causal, **kw):
+    return PackedCoreAttention(make_config(**kw), 1, mask_type, "self").eval()
+
+
+def ref_attention(q, k, v, causal, scale=None, valid=None):
+    """Eager fp64 attention for ONE sequence: q [s, np, hn], k/v [s, ng, hn] -> [s, np*hn]."""
+    s = q.size(0)
+    rep = q.size(1) // k.size(1)
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = torch.einsum("qhd,khd->hqk", q64, k64) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v64)
+    return out.reshape(s, -1).to(q.dtype)
+
+
+def rand_qkv(t, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, NP, HN, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(t, NG, HN, generator=g, dtype=dtype).requires_grad_()
+    v = torch.randn(t, NG, HN, generator=g, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+def grads(out, upstream, *inputs):
+    return torch.autograd.grad(out, inputs, upstream)
+
+
+LENGTHS = [5, 1, 8, 3, 1, 13]
+
+
+def cu_of(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_thd_matches_per_sequence_reference(causal):
+    attn = make_attn(AttnMaskType.causal if causal else AttnMaskType.no_mask)
+    cu = cu_of(LENGTHS)
+    q, k, v = rand_qkv(int(cu[-1]))
+    params = cp_utils.make_packed_seq_params(cu)
+    out = attn(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (int(cu[-1]), NP * HN)
+    upstream = torch.randn_like(out)
+    got = grads(out, upstream, q, k, v)
+
+    refs = [ref_attention(q[a:b], k[a:b], v[a:b], causal) for a, b in zip(cu[:-1], cu[1:])]
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, **TOL)
+    want = grads(ref, upstream, q, k, v)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_thd_equals_padded_sbhd_and_megatron_dot_product_attention(megatron_on_cpu):
+    """THD == our SBHD path on a right-padded batch == megatron's DotProductAttention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cu = cu_of(LENGTHS)
+    q, k, v = rand_qkv(int(cu[-1]), seed=1)
+    attn = make_attn()
+    out_thd = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+
+    s, b = max(LENGTHS), len(LENGTHS)
+
+    def to_sbhd(x):
+        pad = x.new_zeros(s, b, *x.shape[1:])
+        for i, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            pad[: e - a, i] = x[a:e]
+        return pad
+
+    qp, kp, vp = (to_sbhd(x.detach()).requires_grad_() for x in (q, k, v))
+    out_ours = attn(qp, kp, vp, None)
+    megatron = DotProductAttention(make_config(), 1, AttnMaskType.causal, "self").eval()
+    causal_mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True = masked (megatron)
+    out_meg = megatron(qp, kp, vp, causal_mask)  # its default mask is built on CUDA
+    assert out_ours.shape == out_meg.shape == (s, b, NP * HN)
+    valid = torch.zeros(s, b, 1, dtype=torch.bool)
+    for i, n in enumerate(LENGTHS):
+        valid[:n, i] = True
+    torch.testing.assert_close(out_ours, out_meg, **TOL)
+    torch.testing.assert_close(to_sbhd(out_thd.detach()) * valid, out_ours.detach() * valid, **TOL)
+
+    upstream = torch.randn_like(out_ours) * valid
+    g_ours = grads(out_ours, upstream, qp, kp, vp)
+    g_meg = grads(out_meg, upstream, qp, kp, vp)
+    g_thd = grads(out_thd, torch.cat([upstream[:n, i] for i, n in enumerate(LENGTHS)]), q, k, v)
+    for go, gm, gt in zip(g_ours, g_meg, g_thd):
+        torch.testing.assert_close(go, gm, **TOL)
+        torch.testing.assert_close(to_sbhd(gt), go * valid.unsqueeze(-1), **TOL)
+
+
+def test_sbhd_padding_mask_matches_megatron(megatron_on_cpu):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    s, b = 6, 3
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(s, b, NP, HN, generator=g)
+    k = torch.randn(s, b, NG, HN, generator=g)
+    v = torch.randn(s, b, NG, HN, generator=g)
+    lengths = torch.tensor([6, 4, 2])
+    mask = (torch.arange(s)[None, :] >= lengths[:, None])[:, None, None, :]  # [b,1,1,sk] True=masked
+    ours = make_attn(AttnMaskType.padding)(q, k, v, mask)
+    meg = DotProductAttention(make_config(), 1, AttnMaskType.padding, "self").eval()(q, k, v, mask)
+    torch.testing.assert_close(ours, meg, **TOL)
+
+
+def test_thd_padded_layout_zero_rows_and_equal_valid_rows():
+    """cu_seqlens_q_padded (TE convention): padding rows output 0 and change nothing else."""
+    cu = cu_of(LENGTHS)
+    q, k, v = rand_qkv(int(cu[-1]), seed=2)
+    attn = make_attn()
+    ref = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    multiple = 4
+    (qp, kp, vp), cu_pad = zip(*[cp_utils.pad_packed(x, cu, multiple, pad_value=7.0) for x in (q, k, v)])
+    cu_pad = cu_pad[0]
+    params = cp_utils.make_packed_seq_params(cu_pad, cu)
+    assert params.cu_seqlens_q_padded is not None
+    out = attn(qp, kp, vp, None, packed_seq_params=params)
+    index = torch.cat([torch.arange(a, a + n) for a, n in zip(cu_pad[:-1].tolist(), LENGTHS)])
+    torch.testing.assert_close(out[index], ref, **TOL)
+    pad_rows = torch.ones(out.size(0), dtype=torch.bool)
+    pad_rows[index] = False
+    assert torch.equal(out[pad_rows], torch.zeros_like(out[pad_rows]))
+    upstream = torch.randn_like(out)
+    gq, gk, gv = grads(out, upstream, q, k, v)
+    wq, wk, wv = grads(ref, upstream[index], q, k, v)
+    for got, want in ((gq, wq), (gk, wk), (gv, wv)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_thd_zero_length_and_single_token_sequences():
+    lengths = [0, 1, 4, 0, 1]
+    cu = cu_of(lengths)
+    q, k, v = rand_qkv(int(cu[-1]), seed=4)
+    out = make_attn()(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    rep = NP // NG
+    # A length-1 sequence attends only to itself: output is its own value.
+    torch.testing.assert_close(out[0].view(NP, HN), v[0].repeat_interleave(rep, 0), **TOL)
+    torch.testing.assert_close(out[5].view(NP, HN), v[5].repeat_interleave(rep, 0), **TOL)
+    torch.testing.assert_close(out[1:5], ref_attention(q[1:5], k[1:5], v[1:5], True), **TOL)
+
+
+def test_softmax_scale_and_bf16():
+    cu = cu_of([7, 9])
+    q, k, v = rand_qkv(16, seed=5)
+    attn = PackedCoreAttention(make_config(), 1, AttnMaskType.causal, "self", softmax_scale=0.3).eval()
+    out = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    ref = torch.cat([ref_attention(q[:7], k[:7], v[:7], True, 0.3), ref_attention(q[7:], k[7:], v[7:], True, 0.3)])
+    torch.testing.assert_close(out, ref, **TOL)
+    qb, kb, vb = (x.detach().bfloat16() for x in (q, k, v))
+    out_b = attn(qb, kb, vb, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    assert out_b.dtype == torch.bfloat16
+    torch.testing.assert_close(out_b.float(), ref.detach(), rtol=0, atol=3e-2)
+
+
+def test_dropout_only_in_training(megatron_on_cpu):
+    cu = cu_of([6, 6])
+    q, k, v = rand_qkv(12, seed=6)
+    attn = PackedCoreAttention(make_config(attention_dropout=0.5), 1, AttnMaskType.causal, "self")
+    params = cp_utils.make_packed_seq_params(cu)
+    ref = torch.cat([ref_attention(q[:6], k[:6], v[:6], True), ref_attention(q[6:], k[6:], v[6:], True)])
+    torch.testing.assert_close(attn.eval()(q, k, v, None, packed_seq_params=params), ref, **TOL)
+    attn.train()
+    torch.manual_seed(0)
+    a = attn(q, k, v, None, packed_seq_params=params)
+    torch.manual_seed(0)
+    b = attn(q, k, v, None, packed_seq_params=params)
+    assert torch.equal(a, b)
+    assert (a - ref).abs().max() > 1e-2
+
+
+def test_bad_inputs_name_the_fix():
+    attn = make_attn()
+    q, k, v = rand_qkv(10)
+    with pytest.raises(ConfigError, match="cu_seqlens"):
+        attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu_of([4, 4])))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        attn(q, k, v, None, attention_bias=torch.zeros(1))
+    with pytest.raises(ConfigError, match="window"):
+        PackedCoreAttention(make_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ConfigError, match="context-parallel-size"):
+        PackedCoreAttention(make_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
