@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Check a placement plan before launching anything.
+
+State the placement one of three ways:
+
+    python tools/check_plan.py 'sglang:d4t2+megatron:d2p2t2' --n-nodes 2 --n-gpus-per-node 8
+    python tools/check_plan.py --actor-num-nodes 1 --actor-num-gpus-per-node 8 \\
+        --rollout-num-gpus 8 --rollout-num-gpus-per-engine 2 --colocate --tensor-model-parallel-size 2
+    python tools/check_plan.py rollout.backend=sglang:d2t4 actor.backend=fsdp:d8 \\
+        cluster.n_nodes=2 cluster.n_gpus_per_node=8 actor.weight_update_mode=xccl
+
+Add ``--hf-checkpoint DIR`` (or ``--model-config config.json``), ``--seq-length``
+and ``--virtual-pipeline-model-parallel-size`` to check the layout against the
+model. Prints a table (or one JSON object with ``--json``). Exit status: 0 valid,
+2 invalid (reason on stderr). Never launches anything and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_rl.errors import PlanError  # noqa: E402
+from megatron_rl.plan import (  # noqa: E402
+    Cluster, ModelShape, format_table, parse_allocation, plan_from_areal_args,
+    plan_from_slime_flags, report_dict, validate_plan,
+)
+
+# flag dest -> plan_from_slime_flags keyword (identical names)
+_SLIME_INT = ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
+              "rollout_num_gpus_per_engine", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "context_parallel_size",
+              "expert_model_parallel_size", "expert_tensor_parallel_size")
+_SLIME_BOOL = ("colocate", "debug_train_only", "debug_rollout_only")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="check_plan.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Unknown flags are refused: only placement flags are read.")
+    ap.add_argument("items", nargs="*", metavar="ALLOCATION | key=value",
+                    help="an allocation string, or AReaL key=value arguments")
+    c = ap.add_argument_group("cluster (default: none, so no fit check)")
+    c.add_argument("--n-nodes", type=int)
+    c.add_argument("--n-gpus-per-node", type=int, help="default 8 when only --n-nodes is given")
+    m = ap.add_argument_group("model")
+    m.add_argument("--hf-checkpoint", metavar="DIR", help="HF checkpoint directory with config.json")
+    m.add_argument("--model-config", metavar="CONFIG_JSON", help="an HF config.json")
+    m.add_argument("--seq-length", type=int)
+    m.add_argument("--virtual-pipeline-model-parallel-size", type=int, dest="vpp")
+    s = ap.add_argument_group("slime / Megatron flags")
+    for dest in _SLIME_INT:
+        s.add_argument("--" + dest.replace("_", "-"), type=int, dest=dest)
+    for dest in _SLIME_BOOL:
+        s.add_argument("--" + dest.replace("_", "-"), action="store_true", dest=dest)
+    s.add_argument("--train-backend", choices=("megatron", "fsdp"))
+    s.add_argument("--update-weight-transport", metavar="disk|tensor|distributed",
+                   help="also applies to an allocation string")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def resolve(ns: argparse.Namespace) -> tuple:
+    """Return (plan, cluster, notes) from whichever placement form was given."""
+    notes: list[str] = []
+    strings = [x for x in ns.items if "=" not in x]
+    keyvals = [x for x in ns.items if "=" in x]
+    slime = {k: getattr(ns, k) for k in _SLIME_INT if getattr(ns, k) is not None}
+    slime.update({k: True for k in _SLIME_BOOL if getattr(ns, k)})
+    if ns.train_backend:
+        slime["train_backend"] = ns.train_backend
+    if len(strings) > 1:
+        raise PlanError(f"got {len(strings)} allocation strings {strings}; give one and join its "
+                        f"components with '+' (separate GPUs) or '|' (shared GPUs)")
+    forms = [name for name, given in (("an allocation string", strings),
+                                      ("AReaL key=value arguments", keyvals),
+                                      ("slime flags", slime)) if given]
+    if not forms:
+        raise PlanError("no placement given: pass an allocation string (e.g. sglang:d2t4+megatron:d4), "
+                        "AReaL key=value arguments, or slime flags (--actor-num-nodes ...)")
+    if len(forms) > 1:
+        raise PlanError(f"placement is stated twice ({' and '.join(forms)}); use one form")
+
+    cluster = None
+    if strings:
+        plan = parse_allocation(strings[0], weight_update=ns.update_weight_transport)
+    elif keyvals:
+        plan, cluster = plan_from_areal_args(keyvals)
+        if ns.update_weight_transport:
+            plan = dataclasses.replace(plan, weight_update=ns.update_weight_transport)
+    else:
+        plan = plan_from_slime_flags(update_weight_transport=ns.update_weight_transport, **slime)
+
+    if ns.n_nodes is not None or ns.n_gpus_per_node is not None:
+        flag_cluster = Cluster(ns.n_nodes if ns.n_nodes is not None else 1,
+                               ns.n_gpus_per_node if ns.n_gpus_per_node is not None else 8)
+        if cluster is not None and cluster != flag_cluster:
+            raise PlanError(f"cluster stated twice and differently: --n-nodes/--n-gpus-per-node give "
+                            f"{flag_cluster.n_nodes}x{flag_cluster.gpus_per_node}, cluster.* keys "
+                            f"give {cluster.n_nodes}x{cluster.gpus_per_node}; keep one")
+        cluster = flag_cluster
+    elif slime:
+        gpn = slime.get("actor_num_gpus_per_node", 8)
+        cluster = Cluster(max(1, -(-plan.total_gpus // gpn)), gpn)
+        notes.append(f"no cluster given; assuming {cluster.n_nodes} node(s) x {gpn} GPUs "
+                     f"(--actor-num-gpus-per-node) to check that TP groups stay inside a node")
+    return plan, cluster, notes
+
+
+def load_model(ns: argparse.Namespace):
+    if ns.hf_checkpoint and ns.model_config:
+        raise PlanError("pass --hf-checkpoint or --model-config, not both")
+    path = ns.hf_checkpoint or ns.model_config
+    return ModelShape.from_hf_config(path) if path else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        plan, cluster, notes = resolve(ns)
+        model = load_model(ns)
+    except PlanError as exc:
+        if ns.json:
+            print(json.dumps({"valid": False, "total_gpus": None, "components": [],
+                              "errors": [str(exc)], "warnings": [], "info": [],
+                              "has_rollout": None, "has_training": None}, indent=2))
+        print(f"check_plan: {exc}", file=sys.stderr)
+        return 2
+    report = validate_plan(plan, cluster, model, seq_length=ns.seq_length, vpp=ns.vpp)
+    report = dataclasses.replace(report, info=tuple(notes) + report.info)
+    if ns.json:
+        print(json.dumps(report_dict(plan, report, cluster), indent=2))
+    else:
+        print(format_table(plan, report, cluster))
+    if not report.ok:
+        print("check_plan: invalid plan:\n  - " + "\n  - ".join(report.errors), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
