@@ -124,12 +124,15 @@ def pad_packed(tensor: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int, pa
 def cp_local_index(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
     """Global packed-token indices held by ``cp_rank``, in its local order (int64).
 
-    For each sequence: chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``.
+    For each sequence: chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank``
+    (with ``cp_size == 1``: every token, lengths unconstrained).
     """
     _check_cp(cp_rank, cp_size)
     cu = _check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded")
-    _check_divisible(cu, cp_size, "cu_seqlens_padded")
     device = cu_seqlens_padded.device
+    if cp_size == 1:  # no chunking: any lengths, identity order
+        return torch.arange(cu[-1], device=device)
+    _check_divisible(cu, cp_size, "cu_seqlens_padded")
     cu_t = torch.tensor(cu, dtype=torch.int64, device=device)
     lengths = cu_t[1:] - cu_t[:-1]
     chunk = lengths // (2 * cp_size)
