@@ -5,11 +5,11 @@ advantage functions are public for tests and for new Specs.
 """
 
 from megatron_rl.algorithms.config import PolicyGradientConfig
-from megatron_rl.algorithms.losses import (LossDenominators, LossInputs, Metrics, compute_policy_loss,
+from megatron_rl.algorithms.losses import (LossInputs, Metrics, compute_policy_loss,
                                            reduce_metrics)
 from megatron_rl.algorithms.spec import (BatchRequirements, ModelOutput, PolicyGradientSpec, Spec, get_spec,
                                          register_spec)
 
-__all__ = ["PolicyGradientConfig", "LossDenominators", "LossInputs", "Metrics", "compute_policy_loss",
+__all__ = ["PolicyGradientConfig", "LossInputs", "Metrics", "compute_policy_loss",
            "reduce_metrics", "BatchRequirements", "ModelOutput", "PolicyGradientSpec", "Spec", "get_spec",
            "register_spec"]

@@ -42,7 +42,9 @@ def broadcast_to_tokens(per_sample: torch.Tensor, response_lengths, loss_mask: t
 
 
 def _group_stats(rewards: torch.Tensor, group_index):
-    """Per-sample group sum, count and unbiased std (0 for groups of size 1)."""
+    """Per-sample group sum, count, unbiased std (0 for groups of size 1) and whether the group
+    has any contrast (size > 1 and not all rewards equal: float rounding of the mean must not
+    turn an all-equal group into tiny nonzero advantages)."""
     _, inverse = torch.unique(_as_tensor(group_index, torch.long), return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     r = rewards.to(torch.float64)
@@ -51,7 +53,10 @@ def _group_stats(rewards: torch.Tensor, group_index):
     mean = g_sum / g_cnt
     sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, (r - mean[inverse]) ** 2)
     std = torch.where(g_cnt > 1, (sq / (g_cnt - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
-    return g_sum[inverse], g_cnt[inverse], std[inverse]
+    g_max = torch.full((n_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amax")
+    g_min = torch.full((n_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amin")
+    contrast = (g_cnt > 1) & (g_max > g_min)
+    return g_sum[inverse], g_cnt[inverse], std[inverse], contrast[inverse]
 
 
 def grpo_advantages(rewards, group_index, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -64,11 +69,11 @@ def grpo_advantages(rewards, group_index, *, normalize_std: bool = True, eps: fl
     r = _as_tensor(rewards)
     if r.numel() == 0:
         return r
-    g_sum, g_cnt, std = _group_stats(r, group_index)
+    g_sum, g_cnt, std, contrast = _group_stats(r, group_index)
     adv = r.double() - g_sum / g_cnt
     if normalize_std:
-        adv = adv / (std + eps)
-    return torch.where(g_cnt > 1, adv, torch.zeros_like(adv)).to(r.dtype)
+        adv = adv / torch.where(contrast, std + eps, torch.ones_like(std))
+    return torch.where(contrast, adv, torch.zeros_like(adv)).to(r.dtype)
 
 
 def rloo_advantages(rewards, group_index) -> torch.Tensor:
@@ -76,9 +81,9 @@ def rloo_advantages(rewards, group_index) -> torch.Tensor:
     r = _as_tensor(rewards)
     if r.numel() == 0:
         return r
-    g_sum, g_cnt, _ = _group_stats(r, group_index)
+    g_sum, g_cnt, _, contrast = _group_stats(r, group_index)
     baseline = (g_sum - r.double()) / (g_cnt - 1).clamp(min=1)
-    return torch.where(g_cnt > 1, r.double() - baseline, torch.zeros_like(baseline)).to(r.dtype)
+    return torch.where(contrast, r.double() - baseline, torch.zeros_like(baseline)).to(r.dtype)
 
 
 def _masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,8 +140,8 @@ def reinforce_plus_plus_advantages(rewards, response_lengths, loss_mask: torch.T
     mask = loss_mask.to(torch.float32)
     lengths = _lengths(response_lengths)
     if group_index is not None and r.numel():
-        g_sum, g_cnt, _ = _group_stats(r, group_index)
-        r = (r.double() - g_sum / g_cnt).to(r.dtype)
+        g_sum, g_cnt, _, contrast = _group_stats(r, group_index)
+        r = torch.where(contrast, r.double() - g_sum / g_cnt, torch.zeros_like(g_sum)).to(r.dtype)
     token_rewards = torch.zeros_like(mask)
     if kl is not None and kl_coef:
         token_rewards = token_rewards - kl_coef * kl.detach().to(torch.float32) * mask

@@ -3,8 +3,9 @@
 Why: a loss averaged per micro-batch and then averaged over micro-batches/DP
 ranks weights tokens unequally whenever micro-batches differ in token count
 (dynamic batching always makes them differ). Here every per-micro-batch loss is a
-SUM divided by a GLOBAL denominator (``LossDenominators``, counted over the
-whole step on every DP rank before training). So:
+SUM divided by a GLOBAL denominator (``data.packing.LossDenominators``: its
+``global_tokens`` / ``global_samples``, counted over the whole step on every DP
+rank before training). So:
 
     sum over micro-batches and DP ranks of loss_mb == the one-big-batch loss
 
@@ -28,39 +29,11 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.advantages import segment_ids
 from megatron_rl.algorithms.config import PolicyGradientConfig
+from megatron_rl.data.packing import LossDenominators, PackedBatch
 
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count), both detached float64
 
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a wild stale log-prob from overflowing the ratio
-
-
-@dataclass(frozen=True)
-class LossDenominators:
-    """Global counts over ALL micro-batches and DP ranks of one optimizer step.
-
-    ``num_tokens``: loss tokens (``loss_mask == 1``). ``num_samples``: samples with
-    at least one loss token (an empty or fully masked response adds nothing to any
-    numerator, so it does not dilute the sequence means either).
-    """
-
-    num_tokens: float
-    num_samples: float
-
-    @classmethod
-    def count(cls, loss_mask: torch.Tensor, response_lengths) -> "LossDenominators":
-        """Local counts of one micro-batch; sum them (``+``) and ``all_reduce`` over DP."""
-        mask = loss_mask.to(torch.float64)
-        per_sample = _segment_sum(mask, response_lengths)
-        return cls(float(mask.sum()), float((per_sample > 0).sum()))
-
-    def __add__(self, other: "LossDenominators") -> "LossDenominators":
-        return LossDenominators(self.num_tokens + other.num_tokens, self.num_samples + other.num_samples)
-
-    def all_reduce(self, group=None) -> "LossDenominators":
-        """Sum the counts over a process group (the DP group)."""
-        t = torch.tensor([self.num_tokens, self.num_samples], dtype=torch.float64)
-        dist.all_reduce(t, group=group)
-        return LossDenominators(float(t[0]), float(t[1]))
 
 
 @dataclass
@@ -93,6 +66,18 @@ class LossInputs:
                     f"per-token fields must be flat, response-aligned concatenations of the samples")
         self.response_lengths = lengths
 
+    @classmethod
+    def from_packed_batch(cls, batch: PackedBatch, logprobs: torch.Tensor,
+                          entropy: torch.Tensor | None = None) -> "LossInputs":
+        """Loss inputs of one THD micro-batch from the model's response-aligned outputs."""
+        if batch.advantages is None:
+            raise ValueError("PackedBatch.advantages is None: pass the Spec.compute_advantages output to "
+                             "pack_samples before training")
+        return cls(logprobs=logprobs, advantages=batch.advantages, loss_mask=batch.loss_mask,
+                   response_lengths=batch.response_lengths, old_logprobs=batch.old_logprobs,
+                   ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                   teacher_logprobs=batch.teacher_logprobs, entropy=entropy)
+
 
 def _segment_sum(values: torch.Tensor, response_lengths) -> torch.Tensor:
     lengths = torch.as_tensor(response_lengths, dtype=torch.long)
@@ -104,21 +89,24 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
               denoms: LossDenominators, max_response_length: int = 0) -> torch.Tensor:
     """Reduce a per-token loss to this micro-batch's share of the global loss.
 
-    * ``token_mean``: ``sum(x * mask) / num_tokens``.
-    * ``seq_mean_token_mean``: ``sum_i mean_{t in i}(x) / num_samples``.
-    * ``seq_mean_token_sum_norm`` (Dr.GRPO): ``sum(x * mask) / (num_samples * max_response_length)``.
+    * ``token_mean``: ``sum(x * mask) / global_tokens``.
+    * ``seq_mean_token_mean``: ``sum_i mean_{t in i}(x) / global_samples``.
+    * ``seq_mean_token_sum_norm`` (Dr.GRPO): ``sum(x * mask) / (global_samples * max_response_length)``.
+
+    ``global_samples`` counts every sample, fully masked ones included (they add 0
+    to the numerator); a sample with no loss tokens has sequence mean 0.
     """
     masked = per_token * loss_mask.to(per_token.dtype)
     if mode == "token_mean":
-        return masked.sum() / max(denoms.num_tokens, 1.0)
+        return masked.sum() / max(denoms.global_tokens, 1)
     if mode == "seq_mean_token_mean":
         tok = _segment_sum(loss_mask.to(per_token.dtype), response_lengths)
         seq = _segment_sum(masked, response_lengths) / tok.clamp(min=1.0)
-        return seq.sum() / max(denoms.num_samples, 1.0)
+        return seq.sum() / max(denoms.global_samples, 1)
     if mode == "seq_mean_token_sum_norm":
         if max_response_length <= 0:
             raise ValueError("seq_mean_token_sum_norm needs max_response_length > 0 (--rollout-max-response-len)")
-        return masked.sum() / (max(denoms.num_samples, 1.0) * max_response_length)
+        return masked.sum() / (max(denoms.global_samples, 1) * max_response_length)
     raise ValueError(f"unknown loss aggregation mode {mode!r}; use token_mean, seq_mean_token_mean or "
                      f"seq_mean_token_sum_norm")
 

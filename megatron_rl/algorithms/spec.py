@@ -25,7 +25,8 @@ import torch
 
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.config import PolicyGradientConfig
-from megatron_rl.algorithms.losses import LossDenominators, LossInputs, Metrics, compute_policy_loss
+from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss
+from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
 from megatron_rl.ops import logprobs_and_entropy

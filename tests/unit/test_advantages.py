@@ -1,0 +1,94 @@
+"""Advantage estimators against values worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_rl.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae_advantages,
+                                               grpo_advantages, reinforce_plus_plus_advantages, rloo_advantages)
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+                          atol=tol)
+
+
+def test_grpo_group_normalised_with_degenerate_groups():
+    # group 0: {1, 0} mean .5, unbiased std sqrt(.5); group 1 all equal; groups 2 and 3 have one sample.
+    adv = grpo_advantages([1.0, 0.0, 1.0, 1.0, 5.0, 2.0], [0, 0, 1, 1, 2, 3], eps=0.0)
+    s = math.sqrt(0.5)
+    assert close(adv, [0.5 / s, -0.5 / s, 0, 0, 0, 0])
+    assert not torch.isnan(adv).any()
+
+
+def test_grpo_non_contiguous_groups_and_eps():
+    adv = grpo_advantages([1.0, 2.0, 3.0, 6.0], [7, 9, 7, 9], eps=1e-6)
+    assert close(adv, [-1 / (math.sqrt(2) + 1e-6), -2 / (math.sqrt(8) + 1e-6),
+                       1 / (math.sqrt(2) + 1e-6), 2 / (math.sqrt(8) + 1e-6)])
+
+
+def test_dr_grpo_skips_std():
+    adv = grpo_advantages([1.0, 2.0, 3.0, 6.0, 4.0], [7, 9, 7, 9, 5], normalize_std=False)
+    assert close(adv, [-1, -2, 1, 2, 0])
+
+
+def test_rloo_leave_one_out_baseline():
+    adv = rloo_advantages([1.0, 0.0, 2.0, 3.0, 3.0, 9.0], [0, 0, 0, 1, 1, 2])
+    assert close(adv, [1 - 1.0, 0 - 1.5, 2 - 0.5, 0, 0, 0])
+    assert rloo_advantages([], []).numel() == 0
+
+
+def test_broadcast_masks_tokens_and_handles_empty_responses():
+    out = broadcast_to_tokens(torch.tensor([2.0, 5.0, -1.0]), [2, 0, 3], torch.tensor([1.0, 0, 1, 1, 0]))
+    assert close(out, [2, 0, -1, -1, 0])
+
+
+def test_reinforce_plus_plus_kl_in_reward_and_whitening():
+    # lengths [2, 3]; last token of sample 1 is masked so its reward lands on token 3.
+    mask = torch.tensor([1.0, 1, 1, 1, 0])
+    kl = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    adv = reinforce_plus_plus_advantages([1.0, 0.0], [2, 3], mask, kl=kl, kl_coef=0.1)
+    # token rewards: [-.01, .98 | -.03, -.04, 0]; returns (gamma 1): [.97, .98 | -.07, -.04, 0]
+    returns = [0.97, 0.98, -0.07, -0.04]
+    mean = sum(returns) / 4
+    std = math.sqrt(sum((r - mean) ** 2 for r in returns) / 4)
+    assert close(adv, [(r - mean) / (std + 1e-8) for r in returns] + [0.0])
+
+
+def test_reinforce_plus_plus_baseline_gamma_and_empty():
+    mask = torch.tensor([1.0, 1, 1])
+    # REINFORCE++-baseline: group mean subtracted first: rewards {3, 1} -> {1, -1}; empty sample ignored.
+    adv = reinforce_plus_plus_advantages([3.0, 7.0, 1.0], [2, 0, 1], mask, gamma=0.5, group_index=[0, 1, 0])
+    returns = [0.5, 1.0, -1.0]  # sample 0: reward 1 on token 1, discounted .5 to token 0
+    mean = sum(returns) / 3
+    std = math.sqrt(sum((r - mean) ** 2 for r in returns) / 3)
+    assert close(adv, [(r - mean) / (std + 1e-8) for r in returns])
+    # All-equal returns: whitening gives 0, not NaN. No loss tokens at all: zeros.
+    assert close(reinforce_plus_plus_advantages([1.0, 1.0], [1, 1], torch.ones(2)), [0, 0])
+    assert close(reinforce_plus_plus_advantages([1.0], [2], torch.zeros(2)), [0, 0])
+
+
+def test_discounted_returns_per_sample():
+    out = discounted_returns(torch.tensor([1.0, 2, 3, 4, 5, 6]), [2, 0, 4], gamma=0.5)
+    assert close(out, [2, 2, 7, 8, 8, 6])
+
+
+def test_gae_hand_values_and_monte_carlo_limit():
+    rewards = torch.tensor([0.0, 1, 0, 0, 2])
+    values = torch.tensor([0.5, 0.5, 0.1, 0.2, 0.3])
+    adv, ret = gae_advantages(rewards, values, [2, 0, 3], gamma=0.9, lam=0.8)
+    # sample 0: A1 = 1 - .5 = .5; A0 = (.9*.5 - .5) + .72*.5 = .31
+    # sample 2: A2 = 2 - .3 = 1.7; A1 = (.9*.3 - .2) + .72*1.7 = 1.294; A0 = (.9*.2 - .1) + .72*1.294
+    a0 = 0.08 + 0.72 * 1.294
+    assert close(adv, [0.31, 0.5, a0, 1.294, 1.7])
+    assert close(ret, adv + values)
+    # gamma = lam = 1: A = Monte-Carlo return - V.
+    adv1, _ = gae_advantages(rewards, values, [2, 3], gamma=1.0, lam=1.0)
+    assert close(adv1, discounted_returns(rewards, [2, 3]) - values)
+
+
+@pytest.mark.parametrize("fn", [grpo_advantages, rloo_advantages])
+def test_all_equal_rewards_give_zero(fn):
+    adv = fn([0.1] * 3 + [0.7] * 5, [0] * 3 + [1] * 5)
+    assert (adv == 0).all()  # exactly 0, although float means of 0.1s are not exactly 0.1
