@@ -1,1 +1,28 @@
+"""HF <-> megatron-core bridges (config mapping, layer spec, weight load/export).
 
+Entry point: :func:`get_bridge`. See :mod:`megatron_rl.models.bridge` for the
+Bridge API and :mod:`megatron_rl.models.weights` for streaming load/export.
+Importing this package does not import megatron-core (hf_tiny stays cheap).
+"""
+
+from __future__ import annotations
+
+from megatron_rl.errors import BridgeError
+
+
+def get_bridge(hf_dir_or_config):
+    """Return the Bridge for an HF checkpoint dir, ``config.json`` path, dict or config object.
+
+    Raises BridgeError for an unknown ``model_type`` or an unsupported config feature.
+    """
+    from megatron_rl.models.bridge import read_hf_config
+    from megatron_rl.models.families import BRIDGES
+
+    config = read_hf_config(hf_dir_or_config)
+    model_type = config.get("model_type")
+    if model_type not in BRIDGES:
+        raise BridgeError(f"no bridge for HF model_type={model_type!r}; supported: {', '.join(sorted(BRIDGES))}")
+    return BRIDGES[model_type](config)
+
+
+__all__ = ["get_bridge"]

@@ -1,0 +1,283 @@
+"""Labelled patches that let real megatron-core 0.16 run on CPU under gloo.
+
+Each patch is one small function answering one megatron-core behaviour. Patches
+are guarded by the megatron-core version they were written against
+(:data:`SUPPORTED_VERSION_PREFIX`): on another version a patch whose target has
+moved warns and is skipped instead of failing, so a version bump shows up as a
+warning list, not a crash deep inside a forward pass.
+
+Two groups:
+
+* ``CPU_PATCHES``: only when ``torch.cuda.is_available()`` is False. On a GPU host
+  megatron runs unchanged.
+* ``NO_TE_PATCHES``: gaps of 0.16.1 that also hit GPU hosts *without*
+  transformer-engine (e.g. the MoE router's ``te_general_gemm`` NameError).
+
+Configuration beats patching: everything a ``TransformerConfig`` flag can switch
+off (fusions, ``batch_p2p_comm``, ``gradient_accumulation_fusion``, CPU init) is
+set in :func:`megatron_rl.compat.cpu_config_overrides` instead of here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+SUPPORTED_VERSION_PREFIX = "0.16."
+
+# megatron.core modules the shim imports up front so that the module-level
+# ``torch`` rebinding (cpu_torch.install) reaches every module we execute.
+MEGATRON_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.mlp",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.fusions.fused_bias_swiglu",
+    "megatron.core.fusions.fused_bias_dropout",
+)
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    answers: str  # the megatron-core behaviour this patch answers
+    apply: Callable[[], None]
+
+
+class TargetMoved(Exception):
+    """A patch target does not exist in this megatron-core version."""
+
+
+def _require(module, attr: str):
+    if not hasattr(module, attr):
+        raise TargetMoved(f"{module.__name__}.{attr}")
+    return getattr(module, attr)
+
+
+def _megatron_modules():
+    return [m for n, m in list(sys.modules.items())
+            if m is not None and (n == "megatron.core" or n.startswith("megatron.core."))]
+
+
+def _rebind_everywhere(original, replacement) -> int:
+    """Point every megatron.core module global bound to ``original`` at ``replacement``.
+
+    Needed because megatron imports helpers by name (``from x import f``), so
+    patching ``x.f`` alone would miss the copies.
+    """
+    count = 0
+    for module in _megatron_modules():
+        for key, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, key, replacement)
+                count += 1
+    return count
+
+
+def import_megatron_modules() -> None:
+    for name in MEGATRON_MODULES:
+        importlib.import_module(name)
+
+
+# --------------------------------------------------------------------------- CPU
+def patch_module_torch() -> None:
+    """``torch.cuda.current_device()``, ``device="cuda"``, streams, events, NVTX,
+    ``synchronize`` and ``pin_memory=True`` at ~200 megatron call sites."""
+    from megatron_rl.compat import cpu_torch
+
+    cpu_torch.install("megatron.core")
+
+
+_MEGATRON_CALLER_PREFIX = "megatron.core"
+
+
+def _called_from_megatron(depth: int = 2) -> bool:
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith(_MEGATRON_CALLER_PREFIX)
+
+
+_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def patch_tensor_methods() -> None:
+    """Tensor methods megatron calls assuming CUDA: ``.cuda()`` / ``.pin_memory()``
+    (return the CPU tensor) and ``param.type() == 'torch.cuda.FloatTensor'``
+    checks in the optimizers and grad clipping (answer with the CUDA spelling).
+
+    Scoped: the replacement looks at the caller's module and behaves exactly like
+    torch for every caller outside ``megatron.core``.
+    """
+    if getattr(torch.Tensor.cuda, "_megatron_rl_compat", False):
+        return
+    orig_cuda, orig_pin, orig_type = torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type
+
+    def cuda(self, *args, **kwargs):
+        if _called_from_megatron():
+            return self
+        return orig_cuda(self, *args, **kwargs)
+
+    def pin_memory(self, *args, **kwargs):
+        if _called_from_megatron():
+            return self
+        return orig_pin(self, *args, **kwargs)
+
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and _called_from_megatron():
+            name = orig_type(self)
+            return _TYPE_NAMES.get(name, name)
+        return orig_type(self, *args, **kwargs)
+
+    for fn in (cuda, pin_memory, type_):
+        fn._megatron_rl_compat = True
+    torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type = cuda, pin_memory, type_
+
+
+def patch_rng_tracker() -> None:
+    """``CudaRNGStatesTracker`` / ``model_parallel_cuda_manual_seed`` read and write
+    CUDA generator state; on CPU they fork the CPU default generator instead, so
+    TP-region dropout/init still get per-rank streams."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _require(mrandom, "_get_cuda_rng_state")
+    _require(mrandom, "_set_cuda_rng_state")
+    if getattr(mrandom._get_cuda_rng_state, "_megatron_rl_compat", False):
+        return
+
+    def _get_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def _set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    _get_rng_state._megatron_rl_compat = _set_rng_state._megatron_rl_compat = True
+    _rebind_everywhere(mrandom._get_cuda_rng_state, _get_rng_state)
+    _rebind_everywhere(mrandom._set_cuda_rng_state, _set_rng_state)
+
+
+def patch_jit_fuser() -> None:
+    """``jit_fuser`` is ``torch.compile``: tens of seconds of dynamo tracing per
+    shape on CPU for no gain. Later decorations become no-ops, and functions
+    already compiled at import time are unwrapped to their Python originals."""
+    from megatron.core import jit
+
+    _require(jit, "disable_jit_fuser")
+    jit.disable_jit_fuser()
+    for module in _megatron_modules():
+        for key, value in list(vars(module).items()):
+            orig = getattr(value, "_torchdynamo_orig_callable", None)
+            if callable(value) and orig is not None:
+                setattr(module, key, orig)
+
+
+def patch_moe_split_sizes() -> None:
+    """MoE alltoall dispatcher: ``maybe_move_tensor_to_cpu`` only converts CUDA
+    tensors, so on CPU the split sizes stay tensors and gloo's
+    ``all_to_all_single`` rejects them. Convert CPU tensors to numpy too."""
+    from megatron.core.transformer.moe import moe_utils
+
+    original = _require(moe_utils, "maybe_move_tensor_to_cpu")
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.detach().cpu()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    maybe_move_tensor_to_cpu._megatron_rl_compat = True
+    _rebind_everywhere(original, maybe_move_tensor_to_cpu)
+
+
+# ------------------------------------------------------------------------ no-TE
+def patch_router_gemm() -> None:
+    """``moe_utils.te_general_gemm`` is only defined when transformer-engine
+    imports; the router's fp32 gemm then dies with NameError. Define it as None
+    so the router takes its torch matmul path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+
+
+CPU_PATCHES: tuple[Patch, ...] = (
+    Patch("module_torch", "torch.cuda.* / device='cuda' / pin_memory at allocation, "
+          "stream, event, nvtx and synchronize sites", patch_module_torch),
+    Patch("tensor_methods", "Tensor.cuda(), Tensor.pin_memory(), Tensor.type()=='torch.cuda.*' "
+          "checks in optimizer / clip_grads", patch_tensor_methods),
+    Patch("rng_tracker", "CudaRNGStatesTracker and model_parallel_cuda_manual_seed use CUDA "
+          "generator state", patch_rng_tracker),
+    Patch("jit_fuser", "jit_fuser = torch.compile (slow dynamo tracing on CPU)", patch_jit_fuser),
+    Patch("moe_split_sizes", "MoE alltoall split sizes stay tensors on CPU; gloo "
+          "all_to_all_single rejects them", patch_moe_split_sizes),
+)
+
+NO_TE_PATCHES: tuple[Patch, ...] = (
+    Patch("router_gemm", "moe_utils.te_general_gemm undefined without transformer-engine",
+          patch_router_gemm),
+)
+
+
+def run_patches(patches, applied: dict[str, str]) -> None:
+    """Apply ``patches`` in order, recording each outcome in ``applied``.
+
+    Values: ``"applied"`` or ``"skipped: <reason>"``. Patches are individually
+    idempotent, so re-running (e.g. after more megatron modules were imported)
+    only reaches the new modules.
+    """
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    for patch in patches:
+        try:
+            patch.apply()
+            applied[patch.name] = "applied"
+        except (TargetMoved, ImportError) as exc:
+            if version.startswith(SUPPORTED_VERSION_PREFIX):
+                raise  # on the version we target a moved target is a bug here
+            warnings.warn(f"megatron_rl.compat: patch {patch.name!r} ({patch.answers}) skipped on "
+                          f"megatron-core {version}: target {exc} not found", RuntimeWarning)
+            applied[patch.name] = f"skipped: {exc}"

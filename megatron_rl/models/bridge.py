@@ -1,0 +1,422 @@
+"""HF <-> megatron-core bridge: config mapping, layer spec, model building, name maps.
+
+A :class:`Bridge` is built from an HF ``config.json`` (a dict; no ``transformers``
+import needed) and is the one object the MegatronBackend asks about a model:
+
+* ``Bridge.transformer_config(layout, params_dtype=torch.float32, **overrides)``
+  -> ``TransformerConfig`` (CPU-required flags from the compat shim included);
+* ``Bridge.layer_spec(config, moe=...)`` / ``Bridge.block_spec(config, vp_stage)``:
+  transformer-engine spec where TE imports, megatron's local spec otherwise, with
+  our SP-aware :class:`~megatron_rl.models.norm.RMSNorm` and, when present,
+  ``megatron_rl.models.attention.PackedCoreAttention`` as ``core_attention``;
+* ``Bridge.build_model(layout, params_dtype=torch.float32, **overrides)`` -> one
+  ``GPTModel`` per virtual pipeline stage held by this rank (needs
+  :func:`~megatron_rl.backends.megatron.parallel.initialize_parallel` first);
+* ``Bridge.load_hf_weights(chunks, hf_dir)`` / ``Bridge.export_hf_weights(chunks,
+  bucket_bytes=None)``: see :mod:`megatron_rl.models.weights`;
+* ``Bridge.hf_param_shapes()`` and ``Bridge.rule_for(canonical_name)``: the pure
+  name/shape map (what :mod:`weights` and ``tools/convert_ckpt.py`` consume).
+
+Canonical megatron names use *global* indices:
+``decoder.layers.{layer}.…`` and ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}.…``
+where megatron's module tree uses per-chunk layer and per-rank expert indices;
+:func:`megatron_rl.models.weights.canonical_parameters` does the renaming.
+
+Logits of a built model have ``padded_vocab_size`` columns; only the first
+``bridge.vocab_size`` are real tokens (slice before a softmax).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megatron_rl.errors import BridgeError
+from megatron_rl.models import weight_maps
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """How one megatron parameter is made from HF tensors.
+
+    ``kind``: ``copy`` (one HF tensor, same layout), ``vocab`` (one HF tensor,
+    rows padded to the padded vocab), ``qkv`` (q, k, v fused per query group),
+    ``gate_up`` (gate, up concatenated). TP slicing follows the megatron
+    parameter's own ``partition_dim``.
+    """
+
+    kind: str
+    hf_names: tuple[str, ...]
+
+
+class Bridge:
+    """Base bridge for Llama-like decoder-only families. Subclasses set the flags."""
+
+    family: str = ""
+    model_types: tuple[str, ...] = ()
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    moe: bool = False
+
+    def __init__(self, hf_config: dict):
+        self.hf_config = dict(hf_config)
+        self.validate()
+
+    # ------------------------------------------------------------------ config
+    def cfg(self, key: str, default: Any = _MISSING) -> Any:
+        if key in self.hf_config and self.hf_config[key] is not None:
+            return self.hf_config[key]
+        if default is _MISSING:
+            raise BridgeError(f"HF config for {self.family} has no {key!r}; is this a {self.family} checkpoint?")
+        return default
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.cfg("num_hidden_layers"))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.cfg("hidden_size"))
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.cfg("num_attention_heads"))
+
+    @property
+    def num_query_groups(self) -> int:
+        return int(self.cfg("num_key_value_heads", self.num_heads))
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.cfg("head_dim", self.hidden_size // self.num_heads))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.cfg("vocab_size"))
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.cfg("tie_word_embeddings", False))
+
+    @property
+    def rope_theta(self) -> float:
+        rope = self.cfg("rope_parameters", {}) or {}
+        return float(self.cfg("rope_theta", rope.get("rope_theta", 10000.0)))
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.cfg("num_experts", self.cfg("num_local_experts", 0)))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.moe:
+            return False
+        step = int(self.cfg("decoder_sparse_step", 1))
+        return layer not in set(self.cfg("mlp_only_layers", []) or []) and (layer + 1) % step == 0
+
+    def unsupported(self) -> list[str]:
+        """Every HF config feature this bridge cannot reproduce exactly."""
+        problems = []
+        model_type = self.cfg("model_type", None)
+        if self.model_types and model_type not in self.model_types:
+            problems.append(f"model_type={model_type!r} (this bridge handles {', '.join(self.model_types)})")
+        act = self.cfg("hidden_act", "silu")
+        if act != "silu":
+            problems.append(f"hidden_act={act!r} (only 'silu' gated MLPs)")
+        rope = dict(self.cfg("rope_parameters", {}) or {})
+        rope.update(self.cfg("rope_scaling", {}) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in (None, "default"):
+            problems.append(f"rope scaling type {rope_type!r} (only default RoPE)")
+        partial = rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            problems.append(f"partial_rotary_factor={partial} (only full rotary)")
+        if self.cfg("use_sliding_window", False):
+            problems.append("use_sliding_window=true (sliding-window attention)")
+        if self.family == "llama" and self.cfg("sliding_window", None):
+            problems.append(f"sliding_window={self.cfg('sliding_window')}")
+        layer_types = self.cfg("layer_types", None) or []
+        odd = sorted({t for t in layer_types if t != "full_attention"})
+        if odd:
+            problems.append(f"layer_types {odd} (only full_attention)")
+        if self.cfg("attention_bias", False) and not self.qkv_bias:
+            problems.append("attention_bias=true (this family maps no attention bias)")
+        if self.cfg("mlp_bias", False):
+            problems.append("mlp_bias=true (MLP biases are not mapped)")
+        if self.num_heads % self.num_query_groups:
+            problems.append(f"num_attention_heads={self.num_heads} not a multiple of "
+                            f"num_key_value_heads={self.num_query_groups}")
+        if self.moe:
+            if not self.num_experts:
+                problems.append("num_experts missing or 0 for an MoE family")
+            if self.cfg("shared_expert_intermediate_size", 0):
+                problems.append("shared_expert_intermediate_size>0 (shared experts are not mapped for "
+                                f"{self.family})")
+        return problems
+
+    def validate(self) -> None:
+        problems = self.unsupported()
+        if problems:
+            raise BridgeError(f"{self.family} bridge cannot map this HF config exactly; unsupported: "
+                              + "; ".join(problems)
+                              + ". Use a checkpoint without these features or extend the bridge.")
+
+    def transformer_config(self, layout, params_dtype: torch.dtype = torch.float32, **overrides):
+        """Map the HF config (plus ``layout``) to a megatron ``TransformerConfig``.
+
+        ``overrides`` win over everything (e.g. ``recompute_granularity``).
+        """
+        import torch.nn.functional as F
+        from megatron.core.transformer import TransformerConfig
+
+        from megatron_rl.compat import cpu_config_overrides
+
+        layout.validate(layout.tp * layout.pp * layout.cp, self.num_layers)
+        kw: dict[str, Any] = dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=int(self.cfg("intermediate_size")),
+            num_attention_heads=self.num_heads,
+            num_query_groups=self.num_query_groups,
+            kv_channels=self.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=float(self.cfg("rms_norm_eps", 1e-6)),
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_norm,
+            hidden_dropout=0.0,
+            attention_dropout=float(self.cfg("attention_dropout", 0.0)),
+            attention_softmax_in_fp32=True,
+            apply_query_key_layer_scaling=False,
+            params_dtype=params_dtype,
+            pipeline_dtype=params_dtype,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
+            sequence_parallel=layout.sequence_parallel,
+            variable_seq_lengths=True,
+            # megatron checks the dispatcher against variable_seq_lengths even for
+            # dense models; alltoall is the one that supports it.
+            moe_token_dispatcher_type="alltoall",
+        )
+        if self.moe:
+            aux = float(self.cfg("router_aux_loss_coef", 0.0))
+            kw.update(
+                num_moe_experts=self.num_experts,
+                moe_ffn_hidden_size=int(self.cfg("moe_intermediate_size")),
+                moe_router_topk=int(self.cfg("num_experts_per_tok")),
+                # norm_topk_prob: softmax over the top-k logits == renormalised top-k
+                # of the full softmax; otherwise softmax over all experts first.
+                moe_router_pre_softmax=not bool(self.cfg("norm_topk_prob", True)),
+                moe_router_score_function="softmax",
+                moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+                moe_aux_loss_coeff=aux,
+                moe_router_dtype="fp32",
+                moe_layer_freq=[1 if self.is_moe_layer(i) else 0 for i in range(self.num_layers)],
+            )
+        kw.update(cpu_config_overrides())
+        kw.update(overrides)
+        try:
+            return TransformerConfig(**kw)
+        except (AssertionError, ValueError) as exc:
+            raise BridgeError(f"megatron TransformerConfig rejected the {self.family} config for layout "
+                              f"{layout.describe()}: {exc}") from exc
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        """ModuleSpec of one transformer layer (MoE or dense MLP)."""
+        from megatron_rl.compat import have_transformer_engine
+        from megatron_rl.models.spec import local_layer_spec, te_layer_spec
+
+        moe = self.moe if moe is None else moe
+        num_experts = config.num_moe_experts if moe else None
+        if have_transformer_engine():
+            return te_layer_spec(num_experts=num_experts, qk_layernorm=self.qk_norm)
+        return local_layer_spec(num_experts=num_experts, qk_layernorm=self.qk_norm)
+
+    def block_spec(self, config, vp_stage: Optional[int] = None):
+        """``TransformerBlockSubmodules`` for the layers of this rank's ``vp_stage``."""
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules, get_num_layers_to_build)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from megatron_rl.models.spec import final_norm_module
+
+        n = get_num_layers_to_build(config, vp_stage=vp_stage)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        specs = {m: self.layer_spec(config, moe=m) for m in {self.is_moe_layer(offset + i) for i in range(n)}}
+        return TransformerBlockSubmodules(
+            layer_specs=[specs[self.is_moe_layer(offset + i)] for i in range(n)],
+            layer_norm=final_norm_module())
+
+    def padded_vocab_size(self, tp_size: int, divisible_by: int = 128) -> int:
+        return weight_maps.padded_vocab_size(self.vocab_size, tp_size, divisible_by)
+
+    def build_model(self, layout, params_dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
+                    **overrides) -> list:
+        """Build this rank's model chunks (one ``GPTModel`` per virtual stage).
+
+        Needs :func:`initialize_parallel` with the same ``layout``. Pre/post-process
+        follow the (virtual) pipeline stage; with tied embeddings megatron shares the
+        first stage's embedding with the last stage's output layer (it syncs them
+        through the embedding group; after :meth:`load_hf_weights` both hold the same
+        values). Parameters are on CPU on a CPU host, on the current GPU otherwise.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+
+        from megatron_rl.compat import apply_cpu_compat
+
+        apply_cpu_compat()
+        config = self.transformer_config(layout, params_dtype=params_dtype, **overrides)
+        vpp = layout.num_model_chunks
+        chunks = []
+        for vp_stage in range(vpp):
+            stage = vp_stage if vpp > 1 else None
+            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=self.block_spec(config, vp_stage=stage),
+                vocab_size=self.padded_vocab_size(layout.tp, make_vocab_size_divisible_by),
+                max_sequence_length=int(self.cfg("max_position_embeddings", 4096)),
+                pre_process=pre,
+                post_process=post,
+                share_embeddings_and_output_weights=self.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=self.rope_theta,
+                parallel_output=True,
+                vp_stage=stage,
+            )
+            if torch.cuda.is_available() and not config.use_cpu_initialization:
+                model.cuda(torch.cuda.current_device())
+            chunks.append(model)
+        return chunks
+
+    # --------------------------------------------------------------- name maps
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor an HF checkpoint of this config holds, with its shape."""
+        h, d = self.hidden_size, self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
+                                              "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (self.num_heads * d, h)
+            shapes[p + "self_attn.k_proj.weight"] = (self.num_query_groups * d, h)
+            shapes[p + "self_attn.v_proj.weight"] = (self.num_query_groups * d, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.num_heads * d)
+            if self.qkv_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (self.num_heads * d,)
+                shapes[p + "self_attn.k_proj.bias"] = (self.num_query_groups * d,)
+                shapes[p + "self_attn.v_proj.bias"] = (self.num_query_groups * d,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            if self.is_moe_layer(i):
+                f = int(self.cfg("moe_intermediate_size"))
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (f, h)
+                    shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (f, h)
+                    shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, f)
+            else:
+                f = int(self.cfg("intermediate_size"))
+                shapes[p + "mlp.gate_proj.weight"] = (f, h)
+                shapes[p + "mlp.up_proj.weight"] = (f, h)
+                shapes[p + "mlp.down_proj.weight"] = (h, f)
+        return shapes
+
+    def ignorable_hf_names(self) -> set[str]:
+        """HF tensors that may legitimately be present but map to nothing."""
+        return {"lm_head.weight"} if self.tie_word_embeddings else set()
+
+    _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+    _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+    def rule_for(self, name: str) -> ParamRule:
+        """The HF source of the megatron parameter with canonical (global-index) ``name``."""
+        if name == "embedding.word_embeddings.weight":
+            return ParamRule("vocab", ("model.embed_tokens.weight",))
+        if name == "output_layer.weight":
+            src = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+            return ParamRule("vocab", (src,))
+        if name == "decoder.final_layernorm.weight":
+            return ParamRule("copy", ("model.norm.weight",))
+        m = self._LAYER.match(name)
+        if m:
+            layer, rest = int(m.group(1)), m.group(2)
+            p = f"model.layers.{layer}."
+            attn = p + "self_attn."
+            table = {
+                "input_layernorm.weight": ("copy", (p + "input_layernorm.weight",)),
+                "self_attention.linear_qkv.layer_norm_weight": ("copy", (p + "input_layernorm.weight",)),
+                "self_attention.linear_qkv.weight": ("qkv", tuple(attn + f"{x}_proj.weight" for x in "qkv")),
+                "self_attention.linear_qkv.bias": ("qkv", tuple(attn + f"{x}_proj.bias" for x in "qkv")),
+                "self_attention.linear_proj.weight": ("copy", (attn + "o_proj.weight",)),
+                "self_attention.q_layernorm.weight": ("copy", (attn + "q_norm.weight",)),
+                "self_attention.k_layernorm.weight": ("copy", (attn + "k_norm.weight",)),
+                "pre_mlp_layernorm.weight": ("copy", (p + "post_attention_layernorm.weight",)),
+                "mlp.linear_fc1.layer_norm_weight": ("copy", (p + "post_attention_layernorm.weight",)),
+                "mlp.linear_fc1.weight": ("gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                "mlp.linear_fc2.weight": ("copy", (p + "mlp.down_proj.weight",)),
+                "mlp.router.weight": ("copy", (p + "mlp.gate.weight",)),
+            }
+            if rest in table:
+                kind, names = table[rest]
+                return ParamRule(kind, names)
+            e = self._EXPERT.match(rest)
+            if e:
+                ex = f"{p}mlp.experts.{int(e.group(1))}."
+                if e.group(2) == "linear_fc1":
+                    return ParamRule("gate_up", (ex + "gate_proj.weight", ex + "up_proj.weight"))
+                return ParamRule("copy", (ex + "down_proj.weight",))
+        raise BridgeError(f"{self.family} bridge has no HF mapping for megatron parameter {name!r}")
+
+    def exported_names(self, name: str) -> tuple[str, ...]:
+        """HF names produced on export by canonical parameter ``name`` (none for the
+        tied output layer, whose values the embedding already exports)."""
+        if name == "output_layer.weight" and self.tie_word_embeddings:
+            return ()
+        return self.rule_for(name).hf_names
+
+    # ---------------------------------------------------------------- weights
+    def load_hf_weights(self, model_chunks, hf_dir: str | os.PathLike) -> None:
+        from megatron_rl.models.weights import load_hf_weights
+
+        load_hf_weights(self, model_chunks, hf_dir)
+
+    def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        from megatron_rl.models.weights import export_hf_weights
+
+        return export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes)
+
+
+def read_hf_config(hf_dir_or_config) -> dict:
+    """``config.json`` of a checkpoint dir, a dict, or a ``transformers`` config object."""
+    if isinstance(hf_dir_or_config, dict):
+        return dict(hf_dir_or_config)
+    if hasattr(hf_dir_or_config, "to_dict"):
+        return hf_dir_or_config.to_dict()
+    path = os.fspath(hf_dir_or_config)
+    config_path = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise BridgeError(f"no HF config at {config_path}; pass an HF checkpoint directory (with config.json)")
+    with open(config_path) as f:
+        return json.load(f)

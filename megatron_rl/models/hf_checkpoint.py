@@ -1,0 +1,71 @@
+"""Read-only view of an HF safetensors checkpoint that serves slices.
+
+Handles a sharded checkpoint (``model.safetensors.index.json``) or a single
+``model.safetensors``. Only headers are read up front; :meth:`read` pulls exactly
+the requested rows/columns through ``safe_open(...).get_slice``, so a rank never
+materialises tensors it does not own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+
+from megatron_rl.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class HFCheckpoint:
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.hf_dir = os.fspath(hf_dir)
+        index_path = os.path.join(self.hf_dir, INDEX_FILE)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path} has no 'weight_map'; re-save the checkpoint")
+            self.file_of = dict(weight_map)
+        elif os.path.isfile(os.path.join(self.hf_dir, SINGLE_FILE)):
+            with safe_open(os.path.join(self.hf_dir, SINGLE_FILE), framework="pt") as f:
+                self.file_of = {k: SINGLE_FILE for k in f.keys()}
+        else:
+            raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {self.hf_dir}; pass an HF checkpoint "
+                                  "directory saved with safe_serialization=True")
+        for fname in set(self.file_of.values()):
+            if not os.path.isfile(os.path.join(self.hf_dir, fname)):
+                raise CheckpointError(f"{INDEX_FILE} in {self.hf_dir} names missing shard {fname}")
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def _handle(self, name: str):
+        if name not in self.file_of:
+            raise CheckpointError(f"tensor {name!r} is not in the HF checkpoint {self.hf_dir}")
+        fname = self.file_of[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.hf_dir, fname), framework="pt")
+        return self._handles[fname]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """The whole tensor, or ``[start:stop]`` along ``dim`` (0 or 1)."""
+        sl = self._handle(name).get_slice(name)
+        if dim is None:
+            return sl[:]
+        if dim == 0:
+            return sl[start:stop]
+        if dim == 1:
+            return sl[:, start:stop]
+        raise ValueError(f"slicing along dim {dim} is not supported")
+
+    def close(self) -> None:
+        self._handles.clear()

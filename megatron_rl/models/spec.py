@@ -1,0 +1,71 @@
+"""Layer specs: megatron's own specs with our swaps, chosen per host.
+
+* With transformer-engine: megatron's TE spec, unchanged.
+* Without it (CPU, or GPUs without TE): megatron's local spec with
+  - every norm replaced by :class:`megatron_rl.models.norm.RMSNorm` (the torch
+    wrapper refuses sequence parallelism), and
+  - ``core_attention`` = ``PackedCoreAttention`` from
+    :mod:`megatron_rl.models.attention` when that module exists (packed THD
+    sequences and context parallelism), megatron's ``DotProductAttention``
+    otherwise. :func:`core_attention_module` is the single switch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+def core_attention_module():
+    """PackedCoreAttention when available, else megatron's DotProductAttention."""
+    try:
+        from megatron_rl.models.attention import PackedCoreAttention
+    except ImportError:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention
+    return PackedCoreAttention
+
+
+def supports_packed_sequences() -> bool:
+    return core_attention_module().__name__ == "PackedCoreAttention"
+
+
+def final_norm_module():
+    from megatron_rl.compat import have_transformer_engine
+
+    if have_transformer_engine():
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron_rl.models.norm import RMSNorm
+
+    return RMSNorm
+
+
+def te_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                      qk_layernorm=qk_layernorm)
+
+
+def local_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_rl.models.norm import RMSNorm
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    layer = spec.submodules
+    attn = layer.self_attention.submodules
+    attn = dataclasses.replace(
+        attn,
+        core_attention=core_attention_module(),
+        q_layernorm=RMSNorm if qk_layernorm else attn.q_layernorm,
+        k_layernorm=RMSNorm if qk_layernorm else attn.k_layernorm,
+    )
+    self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
+    layer = dataclasses.replace(layer, self_attention=self_attention, input_layernorm=RMSNorm,
+                                pre_mlp_layernorm=RMSNorm)
+    return dataclasses.replace(spec, submodules=layer)

@@ -1,0 +1,82 @@
+"""Pure tensor transforms between HF layouts and megatron-core parameter layouts.
+
+Every function here works on whole tensors and knows nothing about process
+groups, so ``tools/convert_ckpt.py`` can reuse them for a single-process
+streaming conversion. The loaders apply the *same* functions to one TP rank's
+slices with that rank's local counts: megatron's shard of a fused tensor is
+exactly ``fuse(local slices)`` because each TP rank owns whole query groups and
+contiguous halves of gate/up.
+
+Layouts (rows = dim 0):
+
+* fused QKV (``linear_qkv``): for each query group g, the rows of its
+  ``heads_per_group`` query heads, then its key head, then its value head:
+  ``[q_g0 (hpg*d), k_g0 (d), v_g0 (d), q_g1, ...]``. HF keeps q, k, v separate.
+* fused gate/up (``linear_fc1`` with a gated linear unit): ``[gate; up]``.
+* vocab padding: megatron's embedding / output layer have
+  ``padded_vocab_size >= vocab_size`` rows; extra rows are zero on load and
+  dropped on export.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """HF q/k/v (weights ``[rows, hidden]`` or biases ``[rows]``) -> megatron fused QKV.
+
+    ``num_query_groups`` is the number of KV heads present in ``k`` / ``v``
+    (the local count when fusing one TP rank's slice).
+    """
+    if q.shape[0] % num_query_groups or k.shape[0] % num_query_groups or k.shape != v.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not split into "
+                         f"{num_query_groups} query groups")
+    tail = q.shape[1:]
+    qg = q.reshape(num_query_groups, -1, *tail)
+    kg = k.reshape(num_query_groups, -1, *tail)
+    vg = v.reshape(num_query_groups, -1, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, num_query_groups: int, heads_per_group: int, head_dim: int):
+    """Inverse of :func:`fuse_qkv`: megatron fused QKV -> (q, k, v) in HF row order."""
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(num_query_groups, (heads_per_group + 2) * head_dim, *tail)
+    q, k, v = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(),
+            v.reshape(-1, *tail).contiguous())
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF gate_proj / up_proj -> megatron ``linear_fc1`` ([gate; up])."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gate_up(fc1: torch.Tensor):
+    """Inverse of :func:`fuse_gate_up`."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    """Append zero rows so ``weight`` has ``padded_vocab_size`` rows."""
+    extra = padded_vocab_size - weight.shape[0]
+    if extra < 0:
+        raise ValueError(f"vocab {weight.shape[0]} is larger than the padded size {padded_vocab_size}")
+    if extra == 0:
+        return weight
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])], dim=0)
+
+
+def unpad_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Drop megatron's padding rows."""
+    return weight[:vocab_size].contiguous()
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
+    """Megatron's rule: round up to a multiple of ``divisible_by * tp_size``."""
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple

@@ -1,0 +1,328 @@
+"""Streaming HF weight load into, and export out of, megatron-core model chunks.
+
+``load_hf_weights(bridge, model_chunks, hf_dir)``
+    Every rank reads only the rows/columns its parameters own (TP shard, PP stage,
+    virtual stage, EP experts) with ``safe_open(...).get_slice``; no rank holds a
+    full-model copy. Refuses, with the names: checkpoint tensors the bridge does
+    not map, mapped tensors the checkpoint lacks, HF shapes that differ from the
+    config, and model parameters no HF tensor fills. Not collective (no
+    communication); call it on every rank.
+
+``export_hf_weights(bridge, model_chunks, bucket_bytes=None)``
+    Inverse. COLLECTIVE: every rank of the job must iterate the generator to the
+    end. TP shards are all-gathered in the TP (expert-TP) group, experts in the EP
+    group, and each pipeline stage's tensors are broadcast to the whole PP group,
+    so **every rank yields the same full HF-layout tensors in the same order**
+    (DP / CP replicas do the same work independently). ``bucket_bytes`` groups
+    consecutive tensors of one dtype into one PP broadcast; ``None`` means one
+    broadcast per tensor. Tied output layers are not exported twice.
+
+Round trip: load -> export gives back the checkpoint's tensors bit-exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_rl.errors import BridgeError, CheckpointError
+from megatron_rl.models import weight_maps
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def unwrap(model):
+    """Strip DDP / Float16Module wrappers (``.module`` chains)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+@dataclass
+class ParamSlot:
+    """One local megatron parameter and where it sits in the full model."""
+
+    canonical_name: str  # global layer / expert indices
+    param: torch.nn.Parameter
+    is_expert: bool
+    local_expert: Optional[int]  # index within this EP rank
+    layer: Optional[int]
+
+    @property
+    def tp_partition_dim(self) -> Optional[int]:
+        if getattr(self.param, "tensor_model_parallel", False):
+            return int(self.param.partition_dim)
+        return None
+
+
+def canonical_parameters(model_chunk) -> list[ParamSlot]:
+    """This chunk's parameters, renamed to global layer and expert indices."""
+    model = unwrap(model_chunk)
+    slots = []
+    for name, param in model.named_parameters():
+        layer = None
+        local_expert = None
+        m = _LAYER_RE.match(name)
+        if m:
+            local_layer = int(m.group(1))
+            module = model.decoder.layers[local_layer]
+            layer = module.layer_number - 1
+            rest = m.group(2)
+            e = _EXPERT_RE.match(rest)
+            if e:
+                local_expert = int(e.group(2))
+                rest = f"{e.group(1)}{module.mlp.local_expert_indices[local_expert]}{e.group(3)}"
+            name = f"decoder.layers.{layer}.{rest}"
+        slots.append(ParamSlot(name, param, local_expert is not None, local_expert, layer))
+    return slots
+
+
+def _tp_group(slot: ParamSlot):
+    from megatron.core import parallel_state as ps
+
+    if slot.is_expert:
+        return ps.get_expert_tensor_parallel_group()
+    return ps.get_tensor_model_parallel_group()
+
+
+def _group_rank_size(group) -> tuple[int, int]:
+    if group is None or not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+# ----------------------------------------------------------------------- load
+def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:
+    dim = slot.tp_partition_dim
+    rank, size = _group_rank_size(_tp_group(slot)) if dim is not None else (0, 1)
+    local_shape = tuple(slot.param.shape)
+    if rule.kind == "vocab":
+        (src,) = rule.hf_names
+        rows = local_shape[0]
+        start = rank * rows
+        stop = min(start + rows, bridge.vocab_size)
+        part = ckpt.read(src, 0, start, stop) if start < stop else ckpt.read(src, 0, 0, 0)
+        return weight_maps.pad_vocab(part, rows)
+    if rule.kind == "copy":
+        (src,) = rule.hf_names
+        if dim is None or size == 1:
+            return ckpt.read(src)
+        n = local_shape[dim]
+        return ckpt.read(src, dim, rank * n, (rank + 1) * n)
+    if rule.kind == "qkv":
+        groups = bridge.num_query_groups // size
+        hpg = bridge.num_heads // bridge.num_query_groups
+        q_rows, kv_rows = groups * hpg * bridge.head_dim, groups * bridge.head_dim
+        q = ckpt.read(rule.hf_names[0], 0, rank * q_rows, (rank + 1) * q_rows)
+        k = ckpt.read(rule.hf_names[1], 0, rank * kv_rows, (rank + 1) * kv_rows)
+        v = ckpt.read(rule.hf_names[2], 0, rank * kv_rows, (rank + 1) * kv_rows)
+        return weight_maps.fuse_qkv(q, k, v, groups)
+    if rule.kind == "gate_up":
+        n = local_shape[0] // 2
+        gate = ckpt.read(rule.hf_names[0], 0, rank * n, (rank + 1) * n)
+        up = ckpt.read(rule.hf_names[1], 0, rank * n, (rank + 1) * n)
+        return weight_maps.fuse_gate_up(gate, up)
+    raise BridgeError(f"unknown rule kind {rule.kind!r} for {slot.canonical_name}")
+
+
+def check_checkpoint_names(bridge, ckpt: HFCheckpoint) -> None:
+    """Refuse a checkpoint whose tensor set or shapes differ from the bridge's config."""
+    expected = bridge.hf_param_shapes()
+    present = ckpt.names()
+    extra = sorted(present - set(expected) - bridge.ignorable_hf_names())
+    missing = sorted(set(expected) - present)
+    problems = []
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) in the checkpoint map to no megatron parameter: {extra}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the {bridge.family} config needs are missing: {missing}")
+    bad = [f"{n}: checkpoint {ckpt.shape(n)} vs config {expected[n]}"
+           for n in sorted(set(expected) & present) if ckpt.shape(n) != tuple(expected[n])]
+    if bad:
+        problems.append(f"shape mismatch: {bad}")
+    if problems:
+        raise CheckpointError(f"HF checkpoint {ckpt.hf_dir} does not match its config.json: "
+                              + "; ".join(problems) + ". Fix the checkpoint or its config.json.")
+
+
+@torch.no_grad()
+def load_hf_weights(bridge, model_chunks, hf_dir: str | os.PathLike) -> None:
+    ckpt = HFCheckpoint(hf_dir)
+    try:
+        check_checkpoint_names(bridge, ckpt)
+        unfilled, mismatched = [], []
+        for chunk in model_chunks:
+            for slot in canonical_parameters(chunk):
+                try:
+                    rule = bridge.rule_for(slot.canonical_name)
+                except BridgeError:
+                    unfilled.append(slot.canonical_name)
+                    continue
+                value = _read_local(bridge, rule, slot, ckpt)
+                if tuple(value.shape) != tuple(slot.param.shape):
+                    mismatched.append(f"{slot.canonical_name}: built {tuple(value.shape)} from {rule.hf_names}, "
+                                      f"parameter is {tuple(slot.param.shape)}")
+                    continue
+                slot.param.data.copy_(value.to(dtype=slot.param.dtype))
+        if unfilled or mismatched:
+            raise CheckpointError(
+                f"loading {ckpt.hf_dir}: model parameters left unfilled (no HF mapping): {unfilled}; "
+                f"shape mismatches: {mismatched}. The model was built for another config than this checkpoint.")
+    finally:
+        ckpt.close()
+
+
+# --------------------------------------------------------------------- export
+def _split_shard(bridge, kind: str, shard: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+    """One TP shard of a megatron parameter -> its pieces, one per HF tensor."""
+    if kind == "qkv":
+        groups = bridge.num_query_groups // tp_size
+        hpg = bridge.num_heads // bridge.num_query_groups
+        return list(weight_maps.split_qkv(shard, groups, hpg, bridge.head_dim))
+    if kind == "gate_up":
+        return list(weight_maps.split_gate_up(shard))
+    return [shard]
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    size = torch.distributed.get_world_size(group)
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def _full_tensors(bridge, slot: ParamSlot) -> list[torch.Tensor]:
+    """Gather ``slot`` over TP and return its full HF tensors (rule order)."""
+    rule = bridge.rule_for(slot.canonical_name)
+    data = slot.param.detach()
+    dim = slot.tp_partition_dim
+    group = _tp_group(slot) if dim is not None else None
+    _, tp_size = _group_rank_size(group) if dim is not None else (0, 1)
+    shards = _all_gather(data, group) if tp_size > 1 else [data]
+    pieces = [_split_shard(bridge, rule.kind, s, tp_size) for s in shards]
+    cat_dim = dim if dim is not None else 0
+    full = [torch.cat([p[i] for p in pieces], dim=cat_dim) if len(pieces) > 1 else pieces[0][i].clone()
+            for i in range(len(rule.hf_names))]
+    if rule.kind == "vocab":
+        full = [weight_maps.unpad_vocab(t, bridge.vocab_size) for t in full]
+    return full
+
+
+def _ep_layout():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(), \
+        ps.get_expert_model_parallel_group()
+
+
+def _stage_items(bridge, model_chunks):
+    """[(slot, [hf names in yield order])] for this rank's pipeline stage."""
+    ep_rank, ep_size, _ = _ep_layout()
+    items = []
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        for slot in canonical_parameters(chunk):
+            if slot.is_expert:
+                num_local = model.decoder.layers[_local_layer_index(model, slot.layer)].mlp.num_local_experts
+                local = slot.local_expert
+                names = []
+                for r in range(ep_size):
+                    canonical = re.sub(r"local_experts\.\d+\.", f"local_experts.{r * num_local + local}.",
+                                       slot.canonical_name)
+                    names.extend(bridge.exported_names(canonical))
+            else:
+                names = list(bridge.exported_names(slot.canonical_name))
+            if names:
+                items.append((slot, names))
+    return items
+
+
+def _local_layer_index(model, global_layer: int) -> int:
+    for i, layer in enumerate(model.decoder.layers):
+        if layer.layer_number - 1 == global_layer:
+            return i
+    raise BridgeError(f"layer {global_layer} is not in this model chunk")
+
+
+def _produce(bridge, items) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors of this stage, in ``items`` order (collective in TP/EP groups)."""
+    _, ep_size, ep_group = _ep_layout()
+    for slot, names in items:
+        tensors = _full_tensors(bridge, slot)
+        if slot.is_expert and ep_size > 1:
+            gathered = [_all_gather(t, ep_group) for t in tensors]  # [hf piece][ep rank]
+            tensors = [gathered[i][r] for r in range(ep_size) for i in range(len(tensors))]
+        if len(tensors) != len(names):
+            raise BridgeError(f"export of {slot.canonical_name}: {len(tensors)} tensors for names {names}")
+        yield from zip(names, tensors)
+
+
+def _buckets(meta, bucket_bytes: Optional[int]):
+    """Split ``meta`` [(name, shape, dtype)] into consecutive same-dtype buckets."""
+    buckets, current, size = [], [], 0
+    for entry in meta:
+        nbytes = _numel(entry[1]) * getattr(torch, entry[2]).itemsize
+        if current and (bucket_bytes is None or size + nbytes > bucket_bytes or current[-1][2] != entry[2]):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    from megatron.core import parallel_state as ps
+
+    items = _stage_items(bridge, model_chunks)
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        yield from _produce(bridge, items)
+        return
+    shapes = bridge.hf_param_shapes()
+    my_meta = [(name, tuple(shapes[name]), str(slot.param.dtype).replace("torch.", ""))
+               for slot, names in items for name in names]
+    pp_group = ps.get_pipeline_model_parallel_group()
+    all_meta = [None] * pp_size
+    torch.distributed.all_gather_object(all_meta, my_meta, group=pp_group)
+    pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    device = items[0][0].param.device if items else torch.device("cpu")
+    for stage in range(pp_size):
+        producer = _produce(bridge, items) if stage == my_stage else None
+        for bucket in _buckets(all_meta[stage], bucket_bytes):
+            dtype = getattr(torch, bucket[0][2])
+            if producer is not None:
+                parts = []
+                for name, shape, _ in bucket:
+                    got_name, tensor = next(producer)
+                    if got_name != name or tuple(tensor.shape) != tuple(shape):
+                        raise BridgeError(f"export order mismatch on stage {stage}: expected {name} {shape}, "
+                                          f"produced {got_name} {tuple(tensor.shape)}")
+                    parts.append(tensor.reshape(-1))
+                flat = torch.cat(parts)
+            else:
+                flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=dtype, device=device)
+            torch.distributed.broadcast(flat, src=pp_ranks[stage], group=pp_group)
+            offset = 0
+            for name, shape, _ in bucket:
+                n = _numel(shape)
+                yield name, flat[offset:offset + n].view(shape)
+                offset += n
+        if producer is not None:
+            for leftover in producer:
+                raise BridgeError(f"export produced unexpected tensor {leftover[0]} on stage {stage}")
