@@ -1,0 +1,198 @@
+"""The training-backend contract and the machinery every backend shares.
+
+A ``TrainBackend`` owns one policy model spread over this process's ranks. The
+RL loop talks to it only through the abstract methods below plus the shared
+concretes (``forward_only``, ``maybe_compute_ref_log_probs``,
+``maybe_compute_teacher_log_probs``, ``switch_weights``); it never sees
+megatron-core or FSDP types.
+
+Invariants:
+* Every rank of the training world calls every method, in the same order, with
+  the same ``samples`` (collectives inside). ``broadcast_samples`` gets the
+  driver rank's rollout to all ranks.
+* Per-sample per-token results are response-aligned (see ``data.types``) and
+  returned for the WHOLE batch on every rank, so algorithm code never needs to
+  know how samples were sharded over data parallelism.
+* The backend never knows the algorithm: losses and advantages come from the
+  ``Spec`` it is handed.
+* Reference / teacher weights are *tags* held by a ``WeightManager``: a frozen
+  copy of this rank's parameter shards swapped in place, so no second model is
+  built and the same code serves every parallel layout.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import BackendError, ConfigError
+
+
+@dataclass
+class TrainBatch:
+    """One rollout batch with every per-token field the loss needs (whole batch, all ranks)."""
+
+    samples: list[Sample]
+    advantages: list[torch.Tensor]
+    old_logprobs: Optional[list[torch.Tensor]] = None
+    ref_logprobs: Optional[list[torch.Tensor]] = None
+    teacher_logprobs: Optional[list[torch.Tensor]] = None
+
+
+class WeightManager:
+    """Named copies of this rank's parameter shards, swapped in place by tag.
+
+    ``backup(tag)`` snapshots the current values; ``switch(tag)`` copies a
+    snapshot into the live parameters (after saving the live values under
+    ``"actor"`` if nothing holds them yet); ``restore()`` puts the actor back.
+    Copies live on CPU so a reference model costs host memory, not GPU memory.
+    """
+
+    ACTOR = "actor"
+
+    def __init__(self, named_params: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
+        self._named_params = named_params
+        self._tags: dict[str, dict[str, torch.Tensor]] = {}
+        self.active = self.ACTOR
+
+    @property
+    def tags(self) -> list[str]:
+        return sorted(self._tags)
+
+    def backup(self, tag: str) -> None:
+        self._tags[tag] = {n: p.detach().to("cpu", copy=True) for n, p in self._named_params()}
+
+    def has(self, tag: str) -> bool:
+        return tag in self._tags
+
+    def _load(self, tag: str) -> None:
+        stored = self._tags[tag]
+        with torch.no_grad():
+            for name, p in self._named_params():
+                if name not in stored:
+                    raise BackendError(f"weight tag {tag!r} has no copy of parameter {name!r}; "
+                                       "it was backed up from a different model layout")
+                p.copy_(stored[name].to(p.device, non_blocking=True))
+
+    def switch(self, tag: str) -> None:
+        if tag == self.active:
+            return
+        if tag not in self._tags:
+            raise BackendError(f"no weights are stored under tag {tag!r} (have: {self.tags}); "
+                               "load them first (--ref-load / --opd-teacher-load)")
+        if self.active == self.ACTOR:
+            self.backup(self.ACTOR)  # the live values are the trained actor: keep them
+        self._load(tag)
+        self.active = tag
+
+    def restore(self) -> None:
+        if self.active != self.ACTOR:
+            self._load(self.ACTOR)
+            self.active = self.ACTOR
+
+    @contextlib.contextmanager
+    def use(self, tag: str):
+        self.switch(tag)
+        try:
+            yield
+        finally:
+            self.restore()
+
+
+class TrainBackend(abc.ABC):
+    """One policy model on this process's ranks; see the module docstring for invariants."""
+
+    weights: WeightManager
+
+    @abc.abstractmethod
+    def initialize(self, cfg, spec) -> None:
+        """Build model + optimizer from the frozen ``Config``; load HF or checkpoint weights."""
+
+    @abc.abstractmethod
+    def forward(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """No-grad response-aligned log-probs of every sample under the live weights."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over ``batch`` (split into micro-batches); returns reduced metrics."""
+
+    @abc.abstractmethod
+    def save(self, path: str, extra_state: dict) -> None:
+        """Write model, optimizer, scheduler and RNG state (plus ``extra_state``) to ``path``."""
+
+    @abc.abstractmethod
+    def load(self, path: str) -> dict:
+        """Restore everything ``save`` wrote; return its ``extra_state``."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release accelerator memory (colocated rollout is about to run)."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Undo ``sleep`` before the next forward/train."""
+
+    @abc.abstractmethod
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-layout tensors in buckets of about ``bucket_bytes`` (collective on all ranks)."""
+
+    # ---- shared concretes -------------------------------------------------
+
+    def forward_only(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return self.forward(samples)
+
+    def switch_weights(self, tag: str) -> contextlib.AbstractContextManager:
+        return self.weights.use(tag)
+
+    def maybe_compute_ref_log_probs(self, samples: Sequence[Sample], needed: bool) -> Optional[list[torch.Tensor]]:
+        if not needed:
+            return None
+        if not self.weights.has("ref"):
+            raise ConfigError("the algorithm needs reference log-probs (KL term) but no reference weights are "
+                              "loaded; the initial policy is used unless --ref-load is given")
+        with self.switch_weights("ref"):
+            return self.forward_only(samples)
+
+    def maybe_compute_teacher_log_probs(self, samples: Sequence[Sample], needed: bool) -> Optional[list[torch.Tensor]]:
+        if not needed:
+            return None
+        if not self.weights.has("teacher"):
+            raise ConfigError("on-policy distillation needs teacher weights: give --opd-teacher-load PATH")
+        with self.switch_weights("teacher"):
+            return self.forward_only(samples)
+
+
+def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None) -> list[Sample]:
+    """Give every rank the driver's rollout batch (a no-op without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if samples is None:
+            raise BackendError("broadcast_samples: the driver rank passed no samples")
+        return list(samples)
+    box = [samples if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return list(box[0])
+
+
+_BACKENDS: dict[str, Callable[[], TrainBackend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], TrainBackend]) -> None:
+    _BACKENDS[name] = factory
+
+
+def make_backend(name: str) -> TrainBackend:
+    """Pick the backend named by ``--train-backend`` (imports it lazily: megatron is slow to import)."""
+    if name == "megatron" and name not in _BACKENDS:
+        from megatron_rl.backends.megatron import backend as _  # noqa: F401  (registers itself)
+    if name not in _BACKENDS:
+        known = sorted({"megatron", *_BACKENDS})
+        raise ConfigError(f"--train-backend {name!r} is not available here; choose one of {known}")
+    return _BACKENDS[name]()

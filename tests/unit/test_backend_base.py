@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from megatron_rl.backends.base import WeightManager, broadcast_samples, make_backend
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import BackendError, ConfigError
+
+
+def test_weight_manager_swaps_tags_in_place():
+    model = torch.nn.Linear(3, 2)
+    wm = WeightManager(model.named_parameters)
+    wm.backup("ref")
+    ref_w = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # "training"
+    actor_w = model.weight.detach().clone()
+    with wm.use("ref"):
+        assert wm.active == "ref"
+        assert torch.equal(model.weight, ref_w)
+    assert wm.active == "actor"
+    assert torch.equal(model.weight, actor_w)
+    # a second switch must not overwrite the actor snapshot with ref values
+    wm.switch("ref")
+    wm.switch("ref")
+    wm.restore()
+    assert torch.equal(model.weight, actor_w)
+
+
+def test_weight_manager_unknown_tag():
+    wm = WeightManager(torch.nn.Linear(2, 2).named_parameters)
+    with pytest.raises(BackendError, match="no weights are stored under tag 'teacher'"):
+        wm.switch("teacher")
+
+
+def test_broadcast_samples_single_process():
+    s = [Sample(group_index=0, prompt_ids=[1], response_ids=[2])]
+    assert broadcast_samples(s) == s
+
+
+def test_unknown_backend():
+    with pytest.raises(ConfigError, match="--train-backend 'deepspeed' is not available"):
+        make_backend("deepspeed")
