@@ -46,14 +46,20 @@ DIM_NAMES = {
     "e": "expert parallel",
 }
 
-#: Canonical roles and the names that select them. A name outside this table is
-#: a custom role (the name itself), e.g. ``fsdp[reward_model]:d2``.
+#: Roles the runtime knows. Inference components may be rollout engines or serve a
+#: reward/teacher model; training components anything but rollout.
+ROLES = ("rollout", "actor", "critic", "ref", "teacher", "reward")
+INFERENCE_ROLES = ("rollout", "reward", "teacher")
+
+#: Names that select a role. A full role name is binding (``sglang[actor]`` is an
+#: error); a short alias that does not fit the backend kind is just a custom name
+#: (``sglang[a]`` is a rollout engine called ``a``).
 ROLE_ALIASES = {
-    "rollout": "rollout", "gen": "rollout", "r": "rollout", "inf": "rollout",
-    "actor": "actor", "policy": "actor", "a": "actor", "train": "actor",
+    "rollout": "rollout", "gen": "rollout", "r": "rollout",
+    "actor": "actor", "policy": "actor", "a": "actor",
     "critic": "critic", "c": "critic", "value": "critic",
     "ref": "ref", "reference": "ref",
-    "teacher": "teacher", "t": "teacher",
+    "teacher": "teacher",
     "reward": "reward", "rm": "reward",
 }
 
@@ -328,7 +334,8 @@ class Allocation:
 
     @property
     def rollout(self) -> tuple[Component, ...]:
-        return tuple(c for c in self.components if c.is_inference)
+        """Inference engines that generate rollouts (role ``rollout``; not reward/teacher servers)."""
+        return tuple(c for c in self.components if c.is_inference and c.role == "rollout")
 
     @property
     def training(self) -> tuple[Component, ...]:
@@ -373,13 +380,29 @@ class Allocation:
         return self.to_string()
 
 
+def _named_role(comp: Component) -> str:
+    key = comp.name.lower()
+    role = ROLE_ALIASES.get(key)
+    fits = role is not None and (role in INFERENCE_ROLES if comp.is_inference else role != "rollout")
+    if fits:
+        return role
+    if role is not None and key in ROLES:
+        if comp.is_inference:
+            raise PlanError(f"{comp.spec()}: an inference backend cannot be the {role}; use "
+                            f"megatron/fsdp for it, or name this engine rollout")
+        raise PlanError(f"{comp.spec()}: a training backend cannot be the rollout engine; use "
+                        f"sglang/vllm for rollout or name this component actor")
+    return "rollout" if comp.is_inference else comp.name
+
+
 def assign_roles(groups: list[list[Component]]) -> tuple[Group, ...]:
     """Resolve each component's role and freeze the groups.
 
-    A known name (see ``ROLE_ALIASES``) picks its role; a custom name is its own
-    role. Unnamed inference components are ``rollout``. The first unnamed training
-    component is ``actor`` unless a named one already is; a second unnamed training
-    component is ambiguous and refused (which one receives the gradients?).
+    A name picks its role through ``ROLE_ALIASES``; other names are custom roles
+    for training components and rollout engines for inference components.
+    Unnamed inference components are ``rollout``. The first unnamed training
+    component is ``actor`` unless a named one already is; a second unnamed
+    training component is ambiguous and refused (which one gets the gradients?).
     """
     flat = [c for g in groups for c in g]
     roles: dict[int, str] = {}
@@ -387,7 +410,7 @@ def assign_roles(groups: list[list[Component]]) -> tuple[Group, ...]:
         if c.role is not None:
             roles[i] = c.role
         elif c.name is not None:
-            roles[i] = ROLE_ALIASES.get(c.name.lower(), c.name)
+            roles[i] = _named_role(c)
     have_actor = "actor" in roles.values()
     for i, c in enumerate(flat):
         if i in roles:
@@ -407,13 +430,6 @@ def assign_roles(groups: list[list[Component]]) -> tuple[Group, ...]:
         raise PlanError(
             "two components resolve to role 'actor' (" + ", ".join(a.spec() for a in actors)
             + "); give the others distinct names such as critic, ref or teacher")
-    for i, r in roles.items():
-        if r == "actor" and flat[i].is_inference:
-            raise PlanError(f"{flat[i].spec()}: an inference backend cannot be the actor; "
-                            f"name it rollout or use megatron/fsdp for the actor")
-        if r == "rollout" and flat[i].is_training:
-            raise PlanError(f"{flat[i].spec()}: a training backend cannot be the rollout engine; "
-                            f"use sglang/vllm for rollout or name this component actor")
     out, k = [], 0
     for g in groups:
         members = []

@@ -231,9 +231,11 @@ class _Parser:
                                  f"unknown degree letter '{letter}'; {owner} takes "
                                  f"{', '.join(f'{k} ({DIM_NAMES[k]})' for k in allowed)}")
             if letter not in allowed:
+                move = {("attn section", "e"): "; move it to the ffn section",
+                        ("ffn section", "c"): "; move it to the attn section"}.get((owner, letter), "")
                 raise self._fail(at, j,
                                  f"{owner} does not take '{letter}' ({DIM_NAMES[letter]}); it takes "
-                                 f"only {', '.join(allowed)}")
+                                 f"only {', '.join(allowed)}{move}")
             if not digits:
                 raise self._fail(at, at + 1, f"'{letter}' needs a size, e.g. {letter}2")
             if letter in values:

@@ -110,7 +110,7 @@ def _check_roles(plan: Allocation, errors, warnings, info):
 
 def _actor_colocated(plan: Allocation) -> bool:
     actor = plan.actor
-    return actor is not None and any(m.is_inference for m in plan.group_of(actor).members)
+    return actor is not None and any(m is r for m in plan.group_of(actor).members for r in plan.rollout)
 
 
 def _check_weight_update(plan: Allocation, errors, warnings, info):
@@ -123,7 +123,8 @@ def _check_weight_update(plan: Allocation, errors, warnings, info):
     if plan.actor is None:
         return
     colocated = _actor_colocated(plan)
-    separate = any(r not in plan.group_of(plan.actor).members for r in plan.rollout)
+    actor_group = plan.group_of(plan.actor).members
+    separate = any(all(r is not m for m in actor_group) for r in plan.rollout)
     if mode is None:
         default = "tensor" if colocated and not separate else "distributed"
         info.append(f"weight update mode not stated; the default for this placement is {default!r}")
