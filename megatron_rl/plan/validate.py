@@ -94,7 +94,7 @@ def validate_plan(plan: Allocation, cluster: Cluster | None = None, model: Model
 def _check_roles(plan: Allocation, errors, warnings, info):
     if not plan.has_rollout:
         info.append("training only: no rollout engine will be started (rollouts come from "
-                    "--load-debug-rollout-data); this is a valid plan")
+                    "--load-debug-rollout-data)")
     if not plan.has_training:
         info.append("rollout only: no training backend; the engines serve the weights they load")
     if plan.has_rollout and plan.has_training and plan.actor is None:
