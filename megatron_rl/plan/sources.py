@@ -19,7 +19,7 @@ from typing import Sequence
 
 from megatron_rl.errors import PlanError
 from megatron_rl.plan.allocation import (
-    BACKENDS, INFERENCE_BACKENDS, TRAINING_BACKENDS, Allocation, Component, Dims, assign_roles,
+    INFERENCE_BACKENDS, TRAINING_BACKENDS, Allocation, Component, Dims, assign_roles,
     canonical_weight_update,
 )
 from megatron_rl.plan.grammar import parse_allocation
@@ -222,4 +222,4 @@ def _int_arg(values: dict[str, str], key: str, default: int) -> int:
         raise PlanError(f"{key}={raw!r} is not an integer") from None
 
 
-__all__ = ["plan_from_slime_flags", "plan_from_areal_args", "AREAL_ROLES", "BACKENDS"]
+__all__ = ["plan_from_slime_flags", "plan_from_areal_args", "AREAL_ROLES"]
