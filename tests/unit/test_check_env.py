@@ -1,0 +1,117 @@
+"""tools/check_env.py: JSON shape on this CPU machine, broken/hanging/unrelated packages, human output."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from _util import REPO
+
+TOOL = REPO / "tools" / "check_env.py"
+
+
+def _run(*args, pythonpath=None, timeout=180):
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = str(pythonpath) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def full_report():
+    proc = _run("--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_json_shape_and_content_on_cpu_machine(full_report):
+    r = full_report
+    assert set(r) == {"python", "platform", "torch", "accelerators", "backends", "exit_code"}
+    assert r["exit_code"] == 0
+    assert r["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    assert r["platform"]["cpu_count"] == os.cpu_count()
+    import importlib.metadata
+    assert r["torch"]["status"] == "ok" and r["torch"]["version"] == importlib.metadata.version("torch")
+    assert r["torch"]["cuda_build"] is False and r["torch"]["cuda_version"] is None
+    assert r["accelerators"] == {"kind": "none", "count": 0, "devices": []}
+    b = r["backends"]
+    assert set(b) >= {"megatron-core", "transformer-engine", "apex", "flash-attn", "triton", "sglang",
+                      "vllm", "torch_memory_saver", "ray", "wandb", "tensorboard", "deepspeed",
+                      "liger-kernel", "mbridge"}
+    for entry in b.values():
+        assert set(entry) == {"status", "module", "version", "enables", "note", "error", "seconds"}
+        assert entry["status"] in {"ok", "missing", "broken", "timeout", "unrelated"}
+    assert b["megatron-core"]["status"] == "ok" and b["megatron-core"]["version"] == "0.16.1"
+    te = b["transformer-engine"]
+    assert te["status"] == "missing" and te["version"] is None
+    assert te["note"] == "not installed -> FP8 and TE layer specs unavailable; local spec is used"
+    assert b["tensorboard"]["status"] == "ok" and b["tensorboard"]["version"]
+
+
+def test_human_table_from_full_report(full_report):
+    spec = importlib.util.spec_from_file_location("check_env_tool", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["check_env_tool"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    text = mod.format_report(full_report)
+    assert "accelerators  none" in text and "CPU-only build" in text
+    row = next(l for l in text.splitlines() if l.startswith("megatron-core"))
+    assert " ok " in row and "0.16.1" in row
+    assert any(l.startswith("transformer-engine") and "local spec is used" in l for l in text.splitlines())
+
+
+def test_human_output_from_cli():
+    proc = _run("--only", "tensorboard")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("python ")
+    assert "backend" in proc.stdout and "tensorboard" in proc.stdout and "megatron-core" not in proc.stdout
+
+
+def _write(root, rel, body):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(body))
+
+
+def test_broken_hanging_dying_packages_are_reported_not_fatal(tmp_path):
+    _write(tmp_path, "ray/__init__.py", "raise RuntimeError('ray is broken on purpose')\n")
+    _write(tmp_path, "wandb/__init__.py", "import time\ntime.sleep(120)\n")
+    _write(tmp_path, "deepspeed/__init__.py", "import os\nos._exit(3)\n")
+    _write(tmp_path, "mbridge/__init__.py", "import not_a_real_dependency_xyz\n")
+    t0 = time.monotonic()
+    proc = _run("--json", "--timeout", "4", "--only", "ray,wandb,deepspeed,mbridge", pythonpath=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    b = json.loads(proc.stdout)["backends"]
+    assert b["ray"]["status"] == "broken"
+    assert b["ray"]["error"] == "RuntimeError: ray is broken on purpose"
+    assert b["ray"]["note"] == "broken on import -> placement uses torchrun only"
+    assert b["wandb"]["status"] == "timeout" and "within 4s" in b["wandb"]["error"]
+    assert b["deepspeed"]["status"] == "broken" and "import process died" in b["deepspeed"]["error"]
+    assert b["mbridge"]["status"] == "broken" and "not_a_real_dependency_xyz" in b["mbridge"]["error"]
+    assert elapsed < 60  # probes ran concurrently and the hang was cut at the timeout
+
+
+def test_pypi_apex_is_unrelated_and_nvidia_apex_is_recognised(tmp_path):
+    pypi = tmp_path / "pypi"
+    _write(pypi, "apex/__init__.py", "__version__ = '0.9.10dev'\n")
+    b = json.loads(_run("--json", "--only", "apex", pythonpath=pypi).stdout)["backends"]["apex"]
+    assert b["status"] == "unrelated" and b["version"] == "0.9.10dev"
+    assert "unrelated project" in b["note"]
+    nvidia = tmp_path / "nvidia"
+    _write(nvidia, "apex/__init__.py", "")
+    _write(nvidia, "apex/optimizers/__init__.py", "class FusedAdam: pass\n")
+    _write(nvidia, "amp_C.py", "")
+    b = json.loads(_run("--json", "--only", "apex", pythonpath=nvidia).stdout)["backends"]["apex"]
+    assert b["status"] == "ok" and "NVIDIA apex: apex.optimizers, amp_C" in b["note"]
+
+
+def test_unknown_only_name_is_a_clear_error():
+    proc = _run("--only", "tensorflow")
+    assert proc.returncode != 0 and "unknown --only name(s) ['tensorflow']" in proc.stderr
