@@ -37,6 +37,7 @@ landed in. See ``compute_loss_denominators``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, fields, replace
 from typing import Iterable, Sequence
 
@@ -97,8 +98,12 @@ class MicroBatchPlan:
         return sorted(i for mb in self.micro_batches[dp_rank] for i in mb)
 
 
-def _check_positive(name: str, value: int, flag: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def _check_positive(name: str, value, flag: str) -> None:
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        ok = False
+    if not ok:
         raise ConfigError(f"{flag} must be a positive integer, got {name}={value!r}")
 
 

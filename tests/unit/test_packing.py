@@ -90,6 +90,8 @@ def test_over_long_sequence_error_names_flag_length_and_fix():
     (dict(dp_size=0, max_tokens_per_gpu=10), "data-parallel size"),
     (dict(dp_size=1, max_tokens_per_gpu=0), "--max-tokens-per-gpu"),
     (dict(dp_size=1, max_tokens_per_gpu=10, cp_size=0), "--context-parallel-size"),
+    (dict(dp_size=1, max_tokens_per_gpu=2.5), r"--max-tokens-per-gpu must be a positive integer, got max_tokens_per_gpu=2\.5"),
+    (dict(dp_size=True, max_tokens_per_gpu=10), "data-parallel size"),
 ])
 def test_dynamic_rejects_bad_sizes(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
