@@ -1,0 +1,311 @@
+"""MegatronBackend: the policy on real megatron-core (DDP, optimizer, PP schedules).
+
+The backend talks to megatron-core only through its public seams:
+``initialize_parallel`` (our wrapper of ``parallel_state``), a bridge-built
+``GPTModel`` per virtual stage, ``DistributedDataParallel``,
+``get_megatron_optimizer`` + ``OptimizerParamScheduler`` and
+``get_forward_backward_func``. Everything algorithmic comes from the ``Spec``.
+
+Loss normalisation (why ``calculate_per_token_loss=True``): each micro-batch's
+loss is already a SUM divided by the step's GLOBAL denominator (see
+``algorithms.losses``), so gradients must be *summed* over micro-batches and DP
+ranks, never averaged. With ``calculate_per_token_loss`` megatron-core 0.16
+(a) does not divide a loss by the number of micro-batches when the loss
+function returns ``(loss, num_tokens, metrics)`` and (b) makes DDP sum rather
+than average over data parallelism; we return ``num_tokens = 0`` so
+``finalize_model_grads`` finds a zero token total and applies no further scaling.
+The result is independent of how samples were packed (tested).
+
+Vocab padding: megatron pads the vocab to a multiple of 128 x TP; those extra
+logits are masked to -inf before log-probs so the distribution is over the real
+vocab exactly as in HF and in the rollout engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from functools import partial
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
+from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, register_backend
+from megatron_rl.data.packing import (MicroBatchPlan, PackedBatch, pack_plan_rank, pad_multiple_for,
+                                      plan_dynamic_micro_batches, plan_fixed_micro_batches,
+                                      plan_loss_denominators)
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import BackendError, ConfigError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def layout_from_config(cfg):
+    from megatron_rl.backends.megatron.parallel import ParallelLayout
+
+    p = cfg.parallel
+    return ParallelLayout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
+                          ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+                          sequence_parallel=p.sequence_parallel)
+
+
+def check_backend_config(cfg) -> None:
+    """Refuse, before any process group exists, what megatron-core cannot do on this machine."""
+    cuda = torch.cuda.is_available()
+    opt = cfg.optimizer
+    if not cuda and opt.optimizer_cpu_offload:
+        raise ConfigError("--optimizer-cpu-offload offloads CUDA optimizer state to the host; this machine has "
+                          "no GPU (the state already lives in CPU memory). Drop the flag on CPU runs.")
+    if not cuda and opt.use_precision_aware_optimizer:
+        raise ConfigError("--use-precision-aware-optimizer needs transformer-engine's fused Adam on a GPU; "
+                          "drop the flag on CPU runs.")
+    if cfg.precision.fp8_format and not cuda:
+        raise ConfigError(f"--fp8-format {cfg.precision.fp8_format} needs an FP8-capable GPU "
+                          "(Hopper or newer) with transformer-engine; drop it on CPU runs.")
+    if cfg.parallel.context_parallel_size > 1:
+        raise ConfigError("--context-parallel-size > 1 is not wired into MegatronBackend training yet "
+                          "(the CP attention exists and is parity-tested; the sharded log-prob path is not). "
+                          "Use CP 1 for now.")
+
+
+class MegatronBackend(TrainBackend):
+    def initialize(self, cfg, spec) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_rl.backends.megatron.parallel import initialize_parallel
+        from megatron_rl.models import get_bridge
+
+        check_backend_config(cfg)
+        self.cfg = cfg
+        self.spec = spec
+        self.layout = layout_from_config(cfg)
+        self.dp_size = initialize_parallel(self.layout, seed=cfg.runtime.seed)
+        self.ps = ps
+        self.bridge = get_bridge(cfg.model.hf_checkpoint)
+        self.params_dtype = _DTYPES[cfg.precision.params_dtype]
+        mem = cfg.memory
+        overrides = dict(calculate_per_token_loss=True)
+        if mem.recompute_granularity:
+            overrides.update(recompute_granularity=mem.recompute_granularity)
+            if mem.recompute_granularity == "full":
+                overrides.update(recompute_method=mem.recompute_method or "uniform",
+                                 recompute_num_layers=mem.recompute_num_layers or 1)
+        self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype, **overrides)
+        self.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
+        self.model_config = self.chunks[0].config
+        self.vocab_size = self.bridge.vocab_size
+        self.padded_vocab_size = self.bridge.padded_vocab_size(self.layout.tp)
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+        self.model = [DistributedDataParallel(config=self.model_config, ddp_config=ddp_config, module=chunk,
+                                              disable_bucketing=i > 0)
+                      for i, chunk in enumerate(self.chunks)]
+        opt = cfg.optimizer
+        opt_config = OptimizerConfig(
+            optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+            clip_grad=opt.grad_clip, bf16=cfg.precision.bf16, fp16=cfg.precision.fp16,
+            params_dtype=self.params_dtype, use_distributed_optimizer=opt.use_distributed_optimizer,
+            optimizer_cpu_offload=opt.optimizer_cpu_offload,
+            use_precision_aware_optimizer=opt.use_precision_aware_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        total_steps = max(1, cfg.rollout.num_rollout * cfg.batching.num_steps_per_rollout
+                          * cfg.algorithm.num_steps_per_rollout_updates)
+        decay = opt.lr_decay_iters or total_steps
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if opt.lr_warmup_iters else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
+            lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=max(decay, opt.lr_warmup_iters + 1),
+            lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant")
+        self.model_config.finalize_model_grads_func = finalize_model_grads
+        self.model_config.grad_scale_func = self.optimizer.scale_loss
+        self.weights = WeightManager(self._named_local_params)
+        self.optimizer_steps = 0
+        self.pad_token_id = 0
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _named_local_params(self):
+        for i, chunk in enumerate(self.chunks):
+            for name, p in chunk.named_parameters():
+                yield f"{i}.{name}", p
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _plan(self, samples: Sequence[Sample]) -> MicroBatchPlan:
+        b = self.cfg.batching
+        lengths = [s.total_length for s in samples]
+        pad = pad_multiple_for(self.layout.tp, self.layout.cp, self.layout.sequence_parallel)
+        if b.use_dynamic_batch_size:
+            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
+                                              cp_size=self.layout.cp, pad_to_multiple=pad)
+        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
+        return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=pad)
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf on the vocab-padding columns this TP rank holds (none on most ranks)."""
+        per_rank = logits.shape[-1]
+        start = self.ps.get_tensor_model_parallel_rank() * per_rank
+        real_local = self.vocab_size - start
+        if real_local >= per_rank:
+            return logits
+        col = torch.arange(per_rank, device=logits.device)
+        return logits.masked_fill(col >= max(real_local, 0), float("-inf"))
+
+    def _model_output(self, mb: PackedBatch, output: torch.Tensor):
+        logits = output[0] if output.dim() == 3 else output  # [T, V/tp]
+        rows = mb.gather_response(logits)
+        rows = self._mask_padded_vocab(rows)
+        tp_group = self.ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
+        start = self.ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+        return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
+                                              vocab_start_index=start)
+
+    def _forward_step(self, loss_fn, data_iterator, model):
+        mb: PackedBatch = next(data_iterator)
+        device = next(model.parameters()).device
+        mb = mb.to(device)
+        output = model(mb.tokens[None], mb.position_ids[None], None, packed_seq_params=mb.packed_seq_params())
+        return output, partial(loss_fn, mb)
+
+    def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        n = len(micro_batches)
+        vpp = self.layout.num_model_chunks
+        iterators = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+        max_len = max(mb.num_tokens for mb in micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iterators,
+            model=self.model, num_microbatches=n, seq_length=max_len, micro_batch_size=1,
+            forward_only=forward_only)
+
+    def _gather_per_sample(self, local: dict[int, torch.Tensor], num_samples: int) -> list[torch.Tensor]:
+        """Every rank gets every sample's tensor (from last-stage, TP-rank-0 holders)."""
+        holders = local if (self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0) else {}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {k: v.cpu() for k, v in holders.items()})
+        merged: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        missing = [i for i in range(num_samples) if i not in merged]
+        if missing:
+            raise BackendError(f"forward produced no log-probs for samples {missing[:8]}")
+        return [merged[i] for i in range(num_samples)]
+
+    # ---- TrainBackend --------------------------------------------------------
+
+    def forward(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        plan = self._plan(samples)
+        mbs = pack_plan_rank(samples, plan, self.ps.get_data_parallel_rank(), pad_token_id=self.pad_token_id)
+
+        def loss_fn(mb, output):
+            out = self._model_output(mb, output)
+            lp = out.logprobs.detach().float()
+            return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {
+                "logprobs": dict(zip(mb.sample_indices.tolist(), mb.split_response(lp.cpu())))}
+
+        for m in self.model:
+            m.eval()
+        with torch.no_grad():
+            store = self._run_schedule(mbs, loss_fn, forward_only=True)
+        local: dict[int, torch.Tensor] = {}
+        for item in store:
+            local.update(item["logprobs"])
+        return self._gather_per_sample(local, len(samples))
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        samples = batch.samples
+        t0 = time.perf_counter()
+        plan = self._plan(samples)
+        dp_rank = self.ps.get_data_parallel_rank()
+        denoms = plan_loss_denominators(samples, plan)[dp_rank]
+        mbs = pack_plan_rank(samples, plan, dp_rank, pad_token_id=self.pad_token_id,
+                             advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+                             ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs)
+
+        def loss_fn(mb, output):
+            out = self._model_output(mb, output)
+            inputs = LossInputs.from_packed_batch(mb, out.logprobs, out.entropy)
+            loss, metrics = self.spec.compute_loss(inputs, denoms)
+            return loss, torch.tensor(0, dtype=torch.int), {"metrics": metrics}
+
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+            self.optimizer_steps += 1
+        metrics: dict[str, float] = {}
+        if self.is_last_stage:
+            metrics = reduce_metrics([item["metrics"] for item in store],
+                                     group=self.ps.get_data_parallel_group())
+        # everyone (the driver especially, which may be a first-stage rank) gets the last stage's view
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, metrics)
+        metrics = next(m for m in gathered if m)
+        metrics = {f"train/{k}": v for k, v in metrics.items()}
+        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["train/update_skipped"] = float(not update_ok)
+        metrics["train/micro_batches"] = float(plan.num_micro_batches)
+        metrics["train/step_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes):
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def save(self, path: str, extra_state: dict) -> None:
+        from megatron_rl.backends.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, extra_state)
+
+    def load(self, path: str) -> dict:
+        from megatron_rl.backends.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
+    def sleep(self) -> None:
+        """Free accelerator memory for a colocated engine: offload grad buffers (GPU only)."""
+        if torch.cuda.is_available():
+            for m in self.model:
+                m.offload_grad_buffers()
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if torch.cuda.is_available():
+            for m in self.model:
+                m.restore_grad_buffers()
+
+    def backup_reference(self, tag: str = "ref") -> None:
+        """Snapshot the current weights as a frozen tag (the initial policy as KL reference)."""
+        self.weights.backup(tag)
+
+
+register_backend("megatron", MegatronBackend)

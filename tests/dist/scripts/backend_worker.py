@@ -1,0 +1,76 @@
+"""Worker for tests/dist/test_backend.py: train a few steps under several layouts.
+
+Usage (under torchrun): backend_worker.py HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
+LAYOUT is a comma list of extra flags, e.g. "--tensor-model-parallel-size=2".
+For each layout it records: no-grad log-probs of a fixed batch, then per step the
+loss metrics, grad norm and the exported HF weights after the step.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+
+def make_samples(vocab: int, n: int = 6, seed: int = 0):
+    from megatron_rl.data.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        p = int(torch.randint(2, 7, (1,), generator=g))
+        r = int(torch.randint(1, 9, (1,), generator=g))
+        ids = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        samples.append(Sample(group_index=i // 3, prompt_ids=ids[:p], response_ids=ids[p:],
+                              reward=float(torch.rand(1, generator=g)),
+                              rollout_logprobs=[-1.0] * r))
+    return samples
+
+
+def main():
+    import torch.distributed as dist
+
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.megatron.backend import MegatronBackend
+    from megatron_rl.backends.megatron.parallel import destroy_parallel
+    from megatron_rl.config import parse_config
+
+    hf_dir, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    world = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for layout in layouts:
+        flags = [f for f in layout.split(",") if f]
+        dynamic = any(f.startswith("--max-tokens-per-gpu") for f in flags)
+        argv = ["--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node", str(world), "--lr", "1e-2",
+                "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--grad-clip", "1.0",
+                "--kl-loss-coef", "0.1", "--use-kl-loss", "--seed", "7", "--adam-eps", "1e-4"]
+        argv += [] if dynamic else ["--micro-batch-size", "1"]
+        argv += sum((f.split("=", 1) for f in flags), [])
+        cfg = parse_config(argv)
+        spec = PolicyGradientSpec(PolicyGradientConfig(kl_loss_coef=0.1, entropy_coef=0.01))
+        backend = MegatronBackend()
+        backend.initialize(cfg, spec)
+        backend.backup_reference("ref")
+        samples = make_samples(backend.vocab_size)
+        rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
+        for step in range(3):
+            old = backend.forward_only(samples)
+            ref = backend.maybe_compute_ref_log_probs(samples, True)
+            adv = spec.compute_advantages(samples)
+            m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref))
+            weights = {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+            rec["steps"].append({"metrics": m})
+            if dist.get_rank() == 0:
+                torch.save(weights, os.path.join(out_dir, f"{layout or 'base'}_step{step}.pt".replace("/", "_")))
+        results[layout or "base"] = rec
+        destroy_parallel()
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
