@@ -34,9 +34,14 @@ from megatron_rl.ops import logprobs_and_entropy
 
 @dataclass(frozen=True)
 class BatchRequirements:
-    """Per-token fields the trainer must put into ``LossInputs`` for this algorithm."""
+    """Per-token fields the trainer must put into ``LossInputs`` for this algorithm.
 
-    old_logprobs: bool  # forward_only under the pre-update weights (needed when ratios can differ from 1)
+    ``old_logprobs``: a backend that takes exactly ONE optimizer step per rollout
+    batch may skip the extra forward and leave it None: weights only change after
+    the step, so the training forward's detached log-probs are the old ones exactly.
+    """
+
+    old_logprobs: bool  # forward_only under the pre-update weights
     ref_logprobs: bool  # forward_only under the reference model
     teacher_logprobs: bool  # forward_only under the OPD teacher
     rollout_logprobs: bool  # from Sample.rollout_logprobs (TIS)
@@ -100,6 +105,7 @@ class PolicyGradientSpec(Spec):
 
     def compute_advantages(self, samples, *, old_logprobs=None, ref_logprobs=None):
         cfg = self.cfg
+        _check_loss_masks(samples)
         lengths = [s.response_length for s in samples]
         mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples])
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
@@ -131,6 +137,14 @@ class PolicyGradientSpec(Spec):
 
     def compute_loss(self, inputs, denoms):
         return compute_policy_loss(inputs, denoms, self.cfg)
+
+
+def _check_loss_masks(samples: Sequence[Sample]) -> None:
+    for i, s in enumerate(samples):
+        if s.loss_mask and len(s.loss_mask) != len(s.response_ids):
+            raise ValueError(f"sample {i} (group {s.group_index}) has {len(s.loss_mask)} loss_mask entries for "
+                             f"{len(s.response_ids)} response tokens: the mask is response-aligned (one entry "
+                             f"per response token, or empty for all ones)")
 
 
 _REGISTRY: dict[str, tuple[Callable[..., Spec], type]] = {

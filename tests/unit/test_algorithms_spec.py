@@ -39,6 +39,10 @@ def test_grpo_advantages_per_sample_and_masked():
     a = 0.5 / math.sqrt(0.5)
     assert [len(t) for t in adv] == [3, 2, 0, 1]
     assert torch.cat(adv).tolist() == pytest.approx([a, 0.0, a, -a, -a, 0.0], abs=1e-6)
+    bad = _samples()
+    bad[0].loss_mask = [1, 1]
+    with pytest.raises(ValueError, match="sample 0 .* 2 loss_mask entries for 3 response tokens"):
+        spec.compute_advantages(bad)
     rloo = get_spec("policy_gradient", PolicyGradientConfig(advantage_estimator="rloo")).compute_advantages(
         _samples())
     assert [t.tolist() for t in rloo] == [[1.0, 0.0, 1.0], [-1.0, -1.0], [], [0.0]]
