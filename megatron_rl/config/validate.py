@@ -204,6 +204,10 @@ def collect_errors(cfg: Config) -> list[str]:
         return errors
     for check in CHECKS[1:]:
         check(errors, cfg)
+    if not errors:  # the planner re-derives placement; only meaningful once the flags are consistent
+        from .placement import plan_errors
+
+        errors.extend(plan_errors(cfg))
     return errors
 
 

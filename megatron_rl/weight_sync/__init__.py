@@ -1,1 +1,16 @@
+"""Trainer -> rollout-engine weight synchronisation, one module per transport.
 
+Invariants every transport keeps (see ``base.WeightSynchronizer``):
+* A sync is collective over the training world (every rank iterates the
+  backend's export) and the engine adopts the new ``weight_version`` only after
+  every tensor of the update arrived (the engine's own invariant).
+* Versions only move forward; ``weight_version`` on each sample says which
+  weights produced it.
+* ``check_equal`` (``--check-weight-update-equal``) compares every engine tensor
+  with the trainer's exported tensor bit for bit and raises ``SyncError``
+  naming the ones that differ.
+"""
+
+from .base import WeightSynchronizer, make_synchronizer
+
+__all__ = ["WeightSynchronizer", "make_synchronizer"]

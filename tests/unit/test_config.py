@@ -189,3 +189,22 @@ def test_flags_doc_is_current():
     """docs/flags.md must be regenerated (python -m megatron_rl.config.docs) whenever a flag changes."""
     assert config_docs.DOC_PATH.read_text() == config_docs.render(), \
         "docs/flags.md is stale: run python -m megatron_rl.config.docs"
+
+
+def test_model_shape_is_checked_through_the_planner(tiny_hf_models):
+    hf = tiny_hf_models("qwen3_moe")  # 4 heads, 2 KV groups, 4 layers, 4 experts
+    ok = parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"])
+    assert ok.parallel.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="4"):  # 2 KV groups are not divisible by TP 4
+        parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4"])
+    with pytest.raises(ConfigError, match="layers"):
+        parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "3", "--pipeline-model-parallel-size", "3",
+                      "--rollout-batch-size", "3", "--n-samples-per-prompt", "1"])
+
+
+def test_allocation_string_errors_name_the_flag(hf_dir):
+    with pytest.raises(ConfigError, match="--allocation"):
+        parse_config(base(hf_dir, "--allocation", "sglang:d0"))
+    cfg = parse_config(base(hf_dir, "--allocation", "sglang:d2t4+megatron:d2t2", "--update-weight-transport",
+                            "distributed"))
+    assert cfg.placement.allocation.startswith("sglang")

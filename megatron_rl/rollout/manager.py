@@ -1,0 +1,90 @@
+"""RolloutManager: what the driver rank does to produce one rollout batch.
+
+It owns the prompt iterator, the engine and the reward function, and nothing
+about training. One call, ``generate(rollout_id)``, returns rewarded ``Sample``s
+(request-major: the n samples of one prompt share a ``group_index``). Rollouts
+can be saved and reloaded by id (``--save-debug-rollout-data`` /
+``--load-debug-rollout-data``, and ``rollout_ckpts/`` for resume), so a resumed
+or train-only run sees exactly the samples the original run trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError
+from megatron_rl.infra.atomic import atomic_write_bytes
+
+
+def sampling_params(cfg, *, n: int, seed: int, temperature: Optional[float] = None):
+    from megatron_rl.rollout.base import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(temperature=r.rollout_temperature if temperature is None else temperature,
+                          top_p=r.rollout_top_p, top_k=r.rollout_top_k, max_new_tokens=r.rollout_max_response_len,
+                          stop_token_ids=tuple(r.rollout_stop_token_ids), seed=seed, n=n)
+
+
+def save_rollout(path: str, rollout_id: int, samples: list[Sample]) -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"rollout_id": rollout_id, "samples": [vars(s) for s in samples]}, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_rollout(path: str) -> list[Sample]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"rollout file {path} does not exist (--load-debug-rollout-data expects files written by "
+                          "--save-debug-rollout-data with the same {rollout_id} pattern)")
+    data = torch.load(path, weights_only=False)
+    return [Sample(**d) for d in data["samples"]]
+
+
+class RolloutManager:
+    def __init__(self, cfg, engine, dataset, reward_fn, eval_dataset=None):
+        self.cfg = cfg
+        self.engine = engine
+        self.dataset = dataset
+        self.eval_dataset = eval_dataset
+        self.reward_fn = reward_fn
+
+    def _run(self, requests, sampling) -> list[Sample]:
+        samples = self.engine.generate(requests, sampling)
+        tok = getattr(self.engine, "tokenizer", None)
+        for s in samples:
+            if s.response_text is None and tok is not None:
+                s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
+            s.reward = float(self.reward_fn(s))
+        return samples
+
+    def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        t0 = time.perf_counter()
+        b = self.cfg.batching
+        requests = self.dataset.next_requests(b.rollout_batch_size)
+        sampling = sampling_params(self.cfg, n=b.n_samples_per_prompt,
+                                   seed=self.cfg.rollout.rollout_seed + rollout_id)
+        samples = self._run(requests, sampling)
+        rewards = torch.tensor([s.reward for s in samples])
+        lengths = torch.tensor([float(s.response_length) for s in samples])
+        metrics = {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+                   "rollout/response_len_mean": lengths.mean().item(),
+                   "rollout/response_len_max": lengths.max().item(),
+                   "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                   "rollout/time_s": time.perf_counter() - t0,
+                   "rollout/weight_version": float(samples[0].weight_version)}
+        return samples, metrics
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        if self.eval_dataset is None:
+            return {}
+        requests = self.eval_dataset.all_requests()
+        sampling = sampling_params(self.cfg, n=self.cfg.data.n_samples_per_eval_prompt,
+                                   seed=self.cfg.rollout.rollout_seed, temperature=0.0)
+        samples = self._run(requests, sampling)
+        return {"eval/reward_mean": sum(s.reward for s in samples) / len(samples)}

@@ -1,0 +1,96 @@
+"""The RL loop: ``python -m megatron_rl.train [flags]`` (one process per rank, under torchrun).
+
+    place + build -> sync weights -> per step: generate -> reward -> advantages
+    -> old/ref/teacher log-probs -> train -> sync weights -> eval -> save
+
+Every piece lives in its module; this file only orders them. Rank 0 is the
+driver: it holds the rollout engine, the prompt data and the trackers; every
+rank trains (collectives inside the backend and the weight sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch.distributed as dist
+
+from megatron_rl.backends.base import TrainBatch, broadcast_samples, make_backend
+from megatron_rl.config import parse_config
+from megatron_rl.errors import MegatronRLError
+from megatron_rl.infra.run import RunContext, build_rollout, build_spec, print_plan
+from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+from megatron_rl.weight_sync import make_synchronizer
+
+log = logging.getLogger("megatron_rl")
+
+
+def train_on_rollout(backend, spec, samples, cfg) -> dict[str, float]:
+    needs = spec.prepare_batch(samples)
+    old = backend.forward_only(samples) if needs.old_logprobs else None
+    ref = backend.maybe_compute_ref_log_probs(samples, needs.ref_logprobs)
+    teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs)
+    advantages = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)
+    gbs = cfg.batching.effective_global_batch_size
+    metrics: dict[str, float] = {}
+    for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
+        for start in range(0, len(samples), gbs):
+            sl = slice(start, start + gbs)
+            pick = (lambda xs: None if xs is None else xs[sl])
+            metrics = backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref), pick(teacher)))
+    return metrics
+
+
+def run(cfg) -> int:
+    ctx = RunContext.create(cfg)
+    spec = build_spec(cfg)
+    backend = make_backend(cfg.precision.train_backend)
+    backend.initialize(cfg, spec)
+    rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
+    sync = make_synchronizer(cfg.sync.update_weight_transport, bucket_bytes=cfg.sync.update_weight_buffer_size,
+                             check_equal=cfg.sync.check_weight_update_equal)
+    start = ctx.resume_or_init(backend, rollout)
+    if cfg.has_rollout_engine:
+        ctx.log(start, sync.sync(backend, rollout and rollout.engine, version=start))
+    for rollout_id in range(start, cfg.rollout.num_rollout):
+        t0 = time.perf_counter()
+        samples, metrics = ctx.get_rollout(rollout_id, rollout)
+        samples = broadcast_samples(samples)
+        if cfg.has_training:
+            ctx.colocation.before_train(backend, rollout)
+            metrics.update(train_on_rollout(backend, spec, samples, cfg))
+            ctx.colocation.before_rollout(backend, rollout)
+            if cfg.has_rollout_engine:
+                metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
+        if rollout and ctx.eval_due(rollout_id):
+            metrics.update(rollout.evaluate(rollout_id))
+        metrics["perf/step_time_s"] = time.perf_counter() - t0
+        ctx.log(rollout_id + 1, metrics)
+        if ctx.save_due(rollout_id):
+            ctx.save(backend, rollout, rollout_id + 1)
+        if ctx.should_stop():
+            ctx.save(backend, rollout, rollout_id + 1)
+            log.warning("stopping early: %s; relaunch the same command to resume", ctx.clock.stop_reason())
+            return EXIT_WALL_TIME
+    ctx.finish(backend, rollout)
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = parse_config(argv)
+        if cfg.mode.dry_run:
+            return print_plan(cfg)
+        return run(cfg)
+    except MegatronRLError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
