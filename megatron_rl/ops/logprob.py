@@ -15,7 +15,7 @@ parallelism it needs the vocab gathered first. Here each TP rank keeps its shard
 Invariants:
 * Temporaries are bounded by two float32 ``[chunk, V/tp]`` buffers; the only
   ``[N, V/tp]`` allocation is the gradient itself (in the logits' dtype).
-* bf16/fp16 logits are upcast per chunk; statistics accumulate in float32.
+* bf16/fp16 logits are upcast per chunk; all arithmetic is float32 (float64 logits too).
 * Outputs are float32 ``[*target_ids.shape]`` and identical on every TP rank.
 * ``-inf`` logits (masked vocab) are allowed: they get probability 0 and no NaN.
 """
