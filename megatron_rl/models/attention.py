@@ -244,51 +244,106 @@ class PackedCoreAttention(MegatronModule):
                 f"{pad[-1]} with cp_size={cp}; expected {pad[-1]} / {cp} tokens (pass global "
                 f"cu_seqlens and shard with megatron_rl.models.cp_utils.shard_packed_for_cp)")
 
+        segments = []  # (local q row start, n_q, key row start, n_k, first position of each chunk)
+        q_start = 0
+        for i, (length, n_valid) in enumerate(zip(lengths, valid)):
+            n_local = length // cp
+            if cp == 1:
+                n_q, chunks = n_valid, None  # rows past the real length are padding
+            else:
+                c = length // (2 * cp)
+                chunks = (c, c * self.cp_group.rank(), c * (2 * cp - 1 - self.cp_group.rank()))
+                # positions ascend over the local rows, so the valid rows are a prefix
+                n_q = min(c, max(0, n_valid - chunks[1])) + min(c, max(0, n_valid - chunks[2]))
+            if n_q > 0:
+                last_pos = (n_q - 1 if cp == 1 else
+                            (chunks[1] + n_q - 1 if n_q <= chunks[0] else chunks[2] + n_q - 1 - chunks[0]))
+                n_k = min(n_valid, last_pos + 1) if causal else n_valid
+                segments.append((q_start, n_q, pad[i], n_k, chunks))
+            q_start += n_local
+
         if cp > 1:
             key, value = self._gather_kv(key, value, dim=0)
             perm = cp_utils.cp_gather_permutation(layout, cp).to(key.device)
             key, value = key.index_select(0, perm), value.index_select(0, perm)
-            cp_rank = self.cp_group.rank()
-            chunk_first = [p // (2 * cp) * cp_rank for p in lengths]
-            chunk_second = [p // (2 * cp) * (2 * cp - 1 - cp_rank) for p in lengths]
 
-        q_all = query.transpose(0, 1)  # [np, t_local, hn]
-        k_all = key.transpose(0, 1)  # [ng, t, hn]
-        v_all = value.transpose(0, 1)
-        pieces = []
-        q_start = 0
-        for i, (length, n_valid) in enumerate(zip(lengths, valid)):
-            n_local = length // cp
-            k_start = pad[i]
-            if n_local == 0:
+        rows, dest = [], []
+        for group in _bucket(segments):
+            out_rows, out_dest = self._attend_group(query, key, value, group, causal, dropout_p)
+            rows.append(out_rows)
+            dest.append(out_dest)
+        out = query.new_zeros(t_local, self.hidden_size_per_partition)
+        if not rows:
+            return out
+        return out.index_copy(0, torch.cat(dest).to(query.device), torch.cat(rows))
+
+    def _attend_group(self, query, key, value, group, causal, dropout_p):
+        """One SDPA call for a bucket of sequences, right-padded to the bucket's longest.
+
+        Padded query rows are computed and dropped; padded key slots repeat a real
+        row and are masked out (causal masking alone excludes them when query and
+        key positions coincide, i.e. without CP). Returns ``(rows [n, np*hn],
+        local row indices [n])`` for the valid query rows only.
+        """
+        device = query.device
+        n_q = torch.tensor([g[1] for g in group])
+        n_k = torch.tensor([g[3] for g in group])
+        max_q, max_k = int(n_q.max()), int(n_k.max())
+        ar_q, ar_k = torch.arange(max_q), torch.arange(max_k)
+        q_valid = ar_q[None, :] < n_q[:, None]  # [G, Mq]
+        k_valid = ar_k[None, :] < n_k[:, None]
+        q_idx = torch.where(q_valid, torch.tensor([g[0] for g in group])[:, None] + ar_q, 0)
+        k_idx = torch.where(k_valid, torch.tensor([g[2] for g in group])[:, None] + ar_k, 0)
+        G = len(group)
+
+        def take(x, idx, m):  # [t, h, d] -> [G, h, m, d]
+            return x.index_select(0, idx.flatten().to(device)).view(G, m, x.size(1), x.size(2)).transpose(1, 2)
+
+        q, k, v = take(query, q_idx, max_q), take(key, k_idx, max_k), take(value, k_idx, max_k)
+        keep, is_causal = None, False
+        uniform_k = bool((n_k == max_k).all())
+        if self.cp_size == 1:
+            if causal:
+                is_causal = max_q > 1
+            elif not uniform_k:
+                keep = k_valid[:, None, None, :]
+        else:
+            q_pos = torch.zeros(G, max_q, dtype=torch.long)
+            for j, (_, nq, _, _, (c, first, second)) in enumerate(group):
+                pos = torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+                q_pos[j, :nq] = pos[:nq]
+            keep = k_valid[:, None, :]
+            if causal:
+                keep = keep & (ar_k[None, None, :] <= q_pos[:, :, None])
+            keep = keep[:, None]  # [G, 1, Mq, Mk]
+        if keep is not None:
+            keep = keep.to(device)
+        out = self._sdpa(q, k, v, keep, is_causal, dropout_p)  # [G, np, Mq, hn]
+        out = out.transpose(1, 2).reshape(G * max_q, self.hidden_size_per_partition)
+        flat_valid = q_valid.flatten().nonzero().squeeze(1)
+        return out.index_select(0, flat_valid.to(device)), q_idx.flatten()[flat_valid]
+
+
+def _bucket(segments, slack: float = 1.25, call_cost: int = 2048):
+    """Group sequences into SDPA calls: padding waste for fewer kernel launches.
+
+    Sorted by key length; a sequence joins the current bucket while the padded
+    score area stays within ``slack`` x the real area plus ``call_cost`` score
+    entries per sequence merged (the rough price of one extra SDPA call on CPU).
+    Only speed depends on this; values do not.
+    """
+    order = sorted(segments, key=lambda g: (g[3], g[1]), reverse=True)
+    buckets, current, real_area, max_q = [], [], 0, 0
+    for seg in order:
+        if current:
+            area = real_area + seg[1] * seg[3]
+            grown_q = max(max_q, seg[1])
+            if (len(current) + 1) * grown_q * current[0][3] <= slack * area + call_cost * len(current):
+                current.append(seg)
+                real_area, max_q = area, grown_q
                 continue
-            if cp == 1:
-                q_pos = None
-                n_q = n_valid  # rows beyond the real length are padding
-            else:
-                c = length // (2 * cp)
-                q_pos = torch.cat([torch.arange(chunk_first[i], chunk_first[i] + c),
-                                   torch.arange(chunk_second[i], chunk_second[i] + c)])
-                n_q = int((q_pos < n_valid).sum())  # positions ascend: valid rows are a prefix
-            if n_q > 0:
-                q = q_all[:, q_start:q_start + n_q]
-                if cp == 1 or not causal:
-                    n_k = n_valid
-                else:
-                    n_k = min(n_valid, int(q_pos[n_q - 1]) + 1)
-                k = k_all[:, k_start:k_start + n_k]
-                v = v_all[:, k_start:k_start + n_k]
-                keep, is_causal = None, False
-                if causal and cp == 1:
-                    is_causal = n_q > 1
-                elif causal:
-                    keep = torch.arange(n_k)[None, :] <= q_pos[:n_q, None]
-                    keep = keep.to(q.device)
-                pieces.append(self._sdpa(q, k, v, keep, is_causal, dropout_p))
-            if n_local > n_q:
-                pieces.append(q_all.new_zeros(q_all.size(0), n_local - n_q, value.size(-1)))
-            q_start += n_local
-        if not pieces:
-            return query.new_zeros(0, self.hidden_size_per_partition)
-        out = torch.cat(pieces, dim=1)  # [np, t_local, hn]
-        return out.transpose(0, 1).reshape(t_local, self.hidden_size_per_partition)
+            buckets.append(current)
+        current, real_area, max_q = [seg], seg[1] * seg[3], seg[1]
+    if current:
+        buckets.append(current)
+    return buckets

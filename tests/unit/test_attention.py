@@ -109,23 +109,33 @@ def cu_of(lengths):
     return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
 
 
+@pytest.mark.parametrize("lengths,dtype,tol", [
+    (LENGTHS, torch.float32, TOL),
+    # long rows: fp32 accumulation over 140 keys alone is ~1e-6, so prove exactness in fp64
+    ([140, 2, 1, 3, 60, 140, 7], torch.float64, dict(rtol=0, atol=1e-12)),
+], ids=["short_fp32", "mixed_fp64"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_thd_matches_per_sequence_reference(causal):
+def test_thd_matches_per_sequence_reference(causal, lengths, dtype, tol):
+    """Values and grads per sequence; "mixed" lengths split into several SDPA buckets."""
+    from megatron_rl.models.attention import _bucket
+
+    segments = [(0, n, 0, n, None) for n in lengths]
+    assert (len(_bucket(segments)) > 1) == (lengths != LENGTHS)
     attn = make_attn(AttnMaskType.causal if causal else AttnMaskType.no_mask)
-    cu = cu_of(LENGTHS)
-    q, k, v = rand_qkv(int(cu[-1]))
+    cu = cu_of(lengths)
+    q, k, v = rand_qkv(int(cu[-1]), dtype=dtype)
     params = cp_utils.make_packed_seq_params(cu)
     out = attn(q, k, v, None, packed_seq_params=params)
-    assert out.shape == (int(cu[-1]), NP * HN)
+    assert out.shape == (int(cu[-1]), NP * HN) and out.dtype == dtype
     upstream = torch.randn_like(out)
     got = grads(out, upstream, q, k, v)
 
     refs = [ref_attention(q[a:b], k[a:b], v[a:b], causal) for a, b in zip(cu[:-1], cu[1:])]
     ref = torch.cat(refs)
-    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(out, ref, **tol)
     want = grads(ref, upstream, q, k, v)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **TOL)
+        torch.testing.assert_close(g, w, **tol)
 
 
 def test_thd_equals_padded_sbhd_and_megatron_dot_product_attention(megatron_on_cpu):
