@@ -1,0 +1,451 @@
+"""torch_dist checkpoints of a MegatronBackend: exact resume, resharding, atomic publication.
+
+What one ``iter_NNNNNNN`` dir holds (megatron-core ``dist_checkpointing``, torch_dist):
+
+* ``model`` (or ``model0``, ``model1`` ... with virtual pipeline stages, as
+  megatron names them): every chunk's ``sharded_state_dict()``;
+* ``optimizer``: ``sharded_state_dict(..., metadata={"distrib_optim_sharding_type":
+  "fully_reshardable"})``. Why that type: megatron-core 0.16's default for the
+  distributed optimizer fails on our models ("ShardedTensor.flattened_range is not
+  supported"), and fully_reshardable stores model-shaped optimizer tensors, so a
+  checkpoint reloads at any TP/PP/DP;
+* ``opt_param_scheduler``, ``optimizer_steps``, ``iteration`` (common state, rank 0);
+* ``rng_state``: one ``ShardedObject`` per global rank (python, numpy, torch, CUDA
+  and megatron's model-parallel RNG tracker states);
+* ``extra_state.json``: the caller's small JSON dict (rollout id, data iterator);
+* ``COMPLETE.json``: format, layout, model fingerprint, megatron-core version and
+  every file with its size. Written last, inside the temp dir.
+
+Atomicity: all ranks write ``.iter_NNNNNNN.tmp`` (a collective save), barrier,
+then rank 0 writes ``extra_state.json`` + ``COMPLETE.json``, fsyncs the tree and
+renames it into place (:func:`~megatron_rl.infra.atomic.publish_dir`); barrier.
+A reader therefore sees a complete checkpoint or none; a crash leaves only a temp
+dir, which :func:`load_checkpoint` and ``find_latest_complete`` refuse/skip.
+
+Exact resume (measured: losses, grad norms, parameters and optimizer state
+bitwise equal to an uninterrupted run) needs one fix on top of megatron-core,
+:func:`untie_optimizer_step_tensors`; see its docstring.
+
+Resharding: model and optimizer load at any layout. RNG states are per rank and
+restored only when the layout (tp/pp/vpp/cp/ep/etp, dp, world size) is identical;
+otherwise a log line says they were left as seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.errors import CheckpointError
+from megatron_rl.infra.atomic import atomic_write_json, publish_dir
+from megatron_rl.infra.checkpoint_root import MARKER_NAME, is_temp_dir, list_iterations, temp_dir_for
+
+log = logging.getLogger(__name__)
+
+FORMAT = "megatron_rl.torch_dist.v1"
+EXTRA_STATE_NAME = "extra_state.json"
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Model-shape fields that must match for a checkpoint to load (TP/PP-independent).
+FINGERPRINT_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                      "ffn_hidden_size", "vocab_size")
+
+
+# ---- small helpers ----------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank0_do(fn, what: str):
+    """Run ``fn`` on rank 0 only; every rank raises if it failed there (no rank hangs in a barrier)."""
+    err: Optional[str] = None
+    result = None
+    if _rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            err = f"{type(e).__name__}: {e}"
+    box = [err]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(f"{what} failed on rank 0: {box[0]}")
+    return result
+
+
+def _dist_checkpointing():
+    """``megatron.core.dist_checkpointing`` with the CPU shim extended to its lazily imported strategies.
+
+    Why: the CPU compat layer rebinds ``torch`` only in megatron modules already
+    imported; the torch_dist writer (``filesystem_async``: ``torch.cuda.synchronize``)
+    is imported on first save, after the backend applied the shim. Re-applying after
+    importing them is a no-op on a CUDA host.
+    """
+    import importlib
+    import pkgutil
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import strategies
+
+    from megatron_rl.compat import apply_cpu_compat
+
+    for info in pkgutil.iter_modules(strategies.__path__):
+        try:
+            importlib.import_module(f"{strategies.__name__}.{info.name}")
+        except ImportError:  # optional backends (zarr, msc) absent here
+            pass
+
+    apply_cpu_compat()
+    return dist_checkpointing
+
+
+def _mcore_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001
+        import megatron.core
+
+        return getattr(megatron.core, "__version__", "unknown")
+
+
+def model_fingerprint(backend) -> dict:
+    """The model-shape facts a checkpoint must agree on, whatever the parallel layout."""
+    c = backend.model_config
+    return {"hidden_size": c.hidden_size, "num_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_query_groups": c.num_query_groups or c.num_attention_heads,
+            "ffn_hidden_size": c.ffn_hidden_size, "vocab_size": int(backend.vocab_size)}
+
+
+def layout_record(backend) -> dict:
+    """Everything that decides which rank holds which shard (RNG is restored only if this matches)."""
+    return {**backend.layout.describe(), "dp": int(backend.ps.get_data_parallel_world_size()),
+            "world_size": _world(),
+            "use_distributed_optimizer": bool(backend.cfg.optimizer.use_distributed_optimizer)}
+
+
+def _chained(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+# ---- RNG ------------------------------------------------------------------------------------------------
+
+
+def collect_rng_state() -> dict:
+    """This rank's RNG states, as plain ints/lists/tensors (loadable with ``weights_only``)."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "random": random.getstate(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    r = state["random"]
+    random.setstate((r[0], tuple(r[1]), r[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+
+
+# ---- the sharded state dict -------------------------------------------------------------------------
+
+
+def _model_sharded_state_dict(backend) -> dict:
+    """``model`` / ``model{i}`` keys exactly as megatron's trainer writes them (VPP-aware)."""
+    ps = backend.ps
+    chunks = backend.chunks
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    out = {}
+    previous = ps.get_virtual_pipeline_model_parallel_rank()
+    try:
+        for i, chunk in enumerate(chunks):
+            ps.set_virtual_pipeline_model_parallel_rank(i)
+            out[f"model{i}"] = chunk.sharded_state_dict()
+    finally:
+        ps.set_virtual_pipeline_model_parallel_rank(previous)
+    return out
+
+
+def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd: dict[str, Any] = _model_sharded_state_dict(backend)
+    sd["optimizer"] = backend.optimizer.sharded_state_dict(sd, is_loading=is_loading,
+                                                           metadata=dict(SHARDING_METADATA))
+    sd["opt_param_scheduler"] = backend.scheduler.state_dict()
+    sd["optimizer_steps"] = int(backend.optimizer_steps)
+    sd["iteration"] = int(backend.optimizer_steps)
+    sd["checkpoint_format"] = FORMAT
+    if with_rng:
+        sd["rng_state"] = ShardedObject("megatron_rl.rng_state", collect_rng_state() if not is_loading else None,
+                                        (_world(),), (_rank(),), replica_id=0)
+    return sd
+
+
+# ---- the step fix -----------------------------------------------------------------------------------
+
+
+def untie_optimizer_step_tensors(optimizer) -> int:
+    """Give every parameter its own AdamW ``step`` tensor; returns how many were re-allocated.
+
+    Why: without transformer-engine/apex fused optimizers, megatron-core 0.16's
+    ``DistributedOptimizer.load_state_dict`` (which also runs inside
+    ``sharded_state_dict(is_loading=True)``) sets ``state[p]["step"] = step`` with
+    ONE tensor for all parameters. torch's AdamW increments ``step`` *in place* once
+    per parameter, so after a resume the shared counter jumps by the number of
+    parameters per optimizer step (measured 3 -> 29 -> 55) and bias correction is
+    wrong: the run silently diverges from the uninterrupted one. A private copy per
+    parameter makes resume bitwise exact. Idempotent; harmless when steps are
+    already distinct.
+    """
+    fixed = 0
+    for opt in _chained(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        seen: set[int] = set()
+        for state in inner.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.detach().clone()
+                    fixed += 1
+                seen.add(id(state["step"]))
+    return fixed
+
+
+def _pop_steps(inner) -> dict:
+    return {p: st.pop("step") for p, st in inner.state.items() if isinstance(st, dict) and "step" in st}
+
+
+def _load_optimizer_state(optimizer, state) -> None:
+    """``optimizer.load_state_dict`` that survives torch AdamW's ``step`` key.
+
+    Why not just ``load_state_dict``: for the distributed optimizer megatron-core
+    copies ``{"param", **optimizer.state[p]}`` from the checkpoint's fully
+    reshardable tensors, and with torch AdamW ``state[p]`` holds ``step``, which the
+    checkpoint does not (it stores step in the param groups) -> KeyError. We load
+    the param-group part (which sets ``step``), set the steps aside while the
+    parameter state is copied (so only keys the checkpoint has are copied), then
+    put them back, one private tensor per parameter.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = _chained(optimizer)
+    states = [state] if len(chained) == 1 else [v for _, v in sorted(state.items())]
+    if len(states) != len(chained):
+        raise CheckpointError(f"checkpoint holds {len(states)} optimizer(s), the model has {len(chained)}; "
+                              "resume with the same optimizer flags it was saved with")
+    for opt, st in zip(chained, states):
+        if isinstance(opt, DistributedOptimizer) and isinstance(st, dict) and "param_state" in st:
+            param_state = st.pop("param_state")
+            kind = st.pop("param_state_sharding_type")
+            if kind != "fully_reshardable":
+                raise CheckpointError(f"optimizer state saved as {kind!r}; this loader reads 'fully_reshardable'")
+            opt.load_state_dict(st)
+            steps = _pop_steps(opt.optimizer)
+            try:
+                opt.load_parameter_state_from_fully_reshardable(param_state)
+            finally:
+                for p, s in steps.items():
+                    opt.optimizer.state[p]["step"] = s
+        else:
+            opt.load_state_dict(st)
+    if len(chained) > 1 and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+    untie_optimizer_step_tensors(optimizer)
+
+
+# ---- save -------------------------------------------------------------------------------------------------
+
+
+def _file_list(root: str) -> list[dict]:
+    out = []
+    for d, _, files in os.walk(root):
+        for name in sorted(files):
+            full = os.path.join(d, name)
+            out.append({"path": os.path.relpath(full, root), "bytes": os.path.getsize(full)})
+    return sorted(out, key=lambda e: e["path"])
+
+
+def save_checkpoint(backend, path: str, extra_state: dict) -> None:
+    """Collective: write ``path`` (an ``iter_NNNNNNN`` dir) atomically; every rank must call it.
+
+    ``extra_state`` must be JSON-serialisable (checked before any collective, so a bad
+    value fails on every rank alike). An existing ``path`` is replaced atomically.
+    """
+    dist_checkpointing = _dist_checkpointing()
+    path = os.path.abspath(path)
+    if is_temp_dir(path):
+        raise CheckpointError(f"{path} is a temp-dir name; pass the final iter_NNNNNNN dir")
+    try:
+        extra_json = json.loads(json.dumps(extra_state if extra_state is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra_state for {path} must be a JSON-serialisable dict: {e}") from e
+    tmp = temp_dir_for(path)
+
+    def prepare():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+        os.makedirs(tmp)
+
+    _rank0_do(prepare, f"creating {tmp}")
+    sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True)
+    dist_checkpointing.save(sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
+    _barrier()  # every rank's shards are on disk
+
+    def publish():
+        atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
+        meta = {"format": FORMAT, "megatron_core": _mcore_version(), "torch": torch.__version__,
+                "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
+                "model": model_fingerprint(backend),
+                "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"],
+                "files": _file_list(tmp)}
+        atomic_write_json(os.path.join(tmp, MARKER_NAME), meta)
+        publish_dir(tmp, path)
+
+    _rank0_do(publish, f"publishing {path}")
+    _barrier()
+    if _rank() == 0:
+        log.info("saved checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
+
+
+# ---- load -------------------------------------------------------------------------------------------------
+
+
+def read_checkpoint_metadata(path: str) -> dict:
+    """Validate ``path`` as a complete checkpoint and return its ``COMPLETE.json``.
+
+    Refuses (CheckpointError naming the path and the fix): a missing dir, a temp dir,
+    a checkpoint root instead of an iteration dir, a dir without the marker, a file
+    listed in the marker that is missing or has a different size.
+    """
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist; check --load, or start without it")
+    if is_temp_dir(path):
+        raise CheckpointError(f"{path} is an unpublished temp dir of an interrupted save; it is never loaded. "
+                              f"Load a complete iter_NNNNNNN dir (find_latest_complete) and delete this one")
+    marker = os.path.join(path, MARKER_NAME)
+    if not os.path.isfile(marker):
+        if list_iterations(path):
+            raise CheckpointError(f"{path} is a checkpoint root, not an iteration dir; pass "
+                                  f"iter_dir(root, find_latest_complete(root))")
+        raise CheckpointError(f"checkpoint {path} has no {MARKER_NAME}: it is incomplete (the save was "
+                              f"interrupted) or not written by megatron_rl. Resume from an older complete "
+                              f"checkpoint (find_latest_complete skips this one) or delete it")
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{marker} is corrupt ({e}); resume from another checkpoint") from e
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}, this loader reads {FORMAT!r}")
+    bad = []
+    for entry in meta.get("files", []):
+        full = os.path.join(path, entry["path"])
+        if not os.path.isfile(full):
+            bad.append(f"{entry['path']} missing")
+        elif os.path.getsize(full) != entry["bytes"]:
+            bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, expected {entry['bytes']}")
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}. Resume from another "
+                              f"checkpoint or restore the files")
+    return meta
+
+
+def check_model_matches(path: str, meta: dict, backend) -> None:
+    """Refuse a checkpoint of a differently shaped model (names each differing field)."""
+    saved = meta.get("model", {})
+    current = model_fingerprint(backend)
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {current[k]!r}" for k in FINGERPRINT_FIELDS
+            if saved.get(k) != current[k]]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} is of a different model ({'; '.join(diff)}); pass the "
+                              f"--hf-checkpoint it was trained from, or a --load of this model")
+
+
+def load_checkpoint(backend, path: str) -> dict:
+    """Collective: restore model, optimizer, scheduler, step count and (same layout) RNG; return extra_state.
+
+    Validation happens before any collective and is deterministic from the files,
+    so a refused checkpoint fails on every rank alike.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    path = os.path.abspath(path)
+    meta = read_checkpoint_metadata(path)
+    check_model_matches(path, meta, backend)
+    same_layout = meta.get("layout") == layout_record(backend)
+    if not same_layout and _rank() == 0:
+        log.warning("checkpoint %s was saved at layout %s, loading at %s: model and optimizer are resharded; "
+                    "RNG states are NOT restored (they are per rank); runs continue from the seeded RNG",
+                    path, meta.get("layout"), layout_record(backend))
+
+    # The distributed optimizer's loading state dict needs allocated state (see megatron's trainer).
+    for opt in _chained(backend.optimizer):
+        if isinstance(opt, DistributedOptimizer):
+            opt._init_optimizer_states_with_dummy_values()
+    dist_checkpointing = _dist_checkpointing()
+    sd = _build_sharded_state_dict(backend, is_loading=True, with_rng=same_layout)
+    try:
+        loaded = dist_checkpointing.load(sd, path)
+    except Exception as e:  # noqa: BLE001 - surfaced with the path
+        raise CheckpointError(f"loading checkpoint {path} failed ({type(e).__name__}: {e}); the files are "
+                              f"corrupt or were written for another model/optimizer. Resume from another "
+                              f"checkpoint") from e
+
+    try:
+        if len(backend.chunks) == 1:
+            backend.chunks[0].load_state_dict(loaded["model"], strict=True)
+        else:
+            for i, chunk in enumerate(backend.chunks):
+                chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+        _load_optimizer_state(backend.optimizer, loaded["optimizer"])
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"applying checkpoint {path} failed ({type(e).__name__}: {e})") from e
+    backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    backend.optimizer_steps = int(loaded["optimizer_steps"])
+    if same_layout:
+        restore_rng_state(loaded["rng_state"])
+    with open(os.path.join(path, EXTRA_STATE_NAME)) as f:
+        extra = json.load(f)
+    _barrier()
+    if _rank() == 0:
+        log.info("loaded checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
+    return extra
