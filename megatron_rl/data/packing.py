@@ -337,7 +337,8 @@ def pack_samples(
     extra = {"advantages": advantages, "old_logprobs": old_logprobs,
              "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
     chosen = [samples[i] for i in sample_indices]
-    have_rollout = [bool(s.rollout_logprobs) for s in chosen]
+    # an empty response has (vacuously) all its rollout log-probs
+    have_rollout = [len(s.rollout_logprobs) == len(s.response_ids) for s in chosen]
     if any(have_rollout) and not all(have_rollout):
         missing = [i for i, h in zip(sample_indices, have_rollout) if not h]
         raise ValueError(f"rollout samples {missing[:8]} have no rollout_logprobs while others in the "

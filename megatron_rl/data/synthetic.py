@@ -48,11 +48,11 @@ def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int 
     config = transformers.Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=True, torch_dtype="float32",
+        rope_theta=10000.0, tie_word_embeddings=True, dtype="float32",
         bos_token_id=VOCAB.index(BOS), eos_token_id=VOCAB.index(EOS), pad_token_id=VOCAB.index(PAD),
     )
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = VOCAB.index(EOS)
     model.generation_config.pad_token_id = VOCAB.index(PAD)
     os.makedirs(path, exist_ok=True)
@@ -98,3 +98,28 @@ def digit_reward(sample) -> float:
 
 def batch_scores(responses: Iterable[str], labels: Iterable[str]) -> list[float]:
     return [score(r, lab) for r, lab in zip(responses, labels)]
+
+
+def prepare(out_dir: str, *, num_prompts: int = 4096, num_eval: int = 64, num_digits: int = 4, seed: int = 0) -> dict:
+    """Model + train/eval prompt files for the demo under ``out_dir`` (kept if already there)."""
+    paths = {"model": os.path.join(out_dir, "model"), "prompts": os.path.join(out_dir, "prompts.jsonl"),
+             "eval": os.path.join(out_dir, "eval.jsonl")}
+    if not os.path.isfile(os.path.join(paths["model"], "config.json")):
+        build_demo_model(paths["model"], seed=seed)
+    if not os.path.isfile(paths["prompts"]):
+        write_prompt_file(paths["prompts"], num_prompts, num_digits, seed=seed + 1)
+    if not os.path.isfile(paths["eval"]):
+        write_prompt_file(paths["eval"], num_eval, num_digits, seed=seed + 2)
+    return paths
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Prepare the CPU demo's tiny model and digit-task prompts.")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--num-digits", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    for k, v in prepare(args.out, num_digits=args.num_digits, seed=args.seed).items():
+        print(f"{k}: {v}")

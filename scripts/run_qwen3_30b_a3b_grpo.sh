@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GRPO on Qwen3-30B-A3B (MoE, 128 experts), multi-node: each node runs this script with
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node0 host> MASTER_PORT=29500 \
+#   HF_CKPT=/models/Qwen3-30B-A3B PROMPTS=/data/prompts.jsonl SAVE=/ckpt/q30b \
+#     bash scripts/run_qwen3_30b_a3b_grpo.sh [--dry-run] [extra flags]
+# Actor: 4 nodes x 8 GPUs, TP4 x PP2 x EP8 (expert TP 1), CP1; SGLang engines on 2 more nodes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+HF_CKPT=${HF_CKPT:?set HF_CKPT to the Qwen3-30B-A3B HF directory}
+PROMPTS=${PROMPTS:?set PROMPTS to a JSONL prompt file}
+SAVE=${SAVE:-runs/qwen3-30b-a3b-grpo}
+NNODES=${NNODES:-4}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+
+LAUNCH=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
+  --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+[[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
+exec "${LAUNCH[@]}" -m megatron_rl.train \
+  --hf-checkpoint "$HF_CKPT" --bf16 \
+  --actor-num-nodes "$NNODES" --actor-num-gpus-per-node "$GPUS_PER_NODE" \
+  --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 2 \
+  --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 \
+  --use-dynamic-batch-size --max-tokens-per-gpu 16384 \
+  --rollout-batch-size 128 --n-samples-per-prompt 8 --global-batch-size 1024 \
+  --optimizer adam --lr 1e-6 --weight-decay 0.1 --grad-clip 1.0 --use-distributed-optimizer \
+  --recompute-granularity full \
+  --rollout-backend sglang --rollout-num-gpus 16 --rollout-num-gpus-per-engine 8 \
+  --rollout-max-response-len 16384 --prompt-data "$PROMPTS" --apply-chat-template --rm-type math \
+  --num-rollout 2000 --sglang-mem-fraction-static 0.8 --sglang-enable-ep-moe \
+  --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --use-tis \
+  --update-weight-transport distributed --update-weight-buffer-size $((1024 * 1024 * 1024)) \
+  --save "$SAVE" --save-interval 10 --save-max-to-keep 2 --wall-time-limit 7d --wall-time-reserve 1h \
+  --output-dir "$SAVE/run" "$@"
