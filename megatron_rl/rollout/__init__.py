@@ -1,1 +1,25 @@
+"""Rollout: the engine boundary (``base``), the embedded torch engine, sampling and rewards.
 
+Importing this package does not import ``transformers``; ``EmbeddedEngine`` is
+loaded on first use.
+"""
+
+from megatron_rl.rollout.base import (
+    EngineHealth,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+    make_engine,
+    register_engine,
+)
+
+__all__ = ["EngineHealth", "GenerateRequest", "RolloutEngine", "SamplingParams", "make_engine",
+           "register_engine", "EmbeddedEngine"]
+
+
+def __getattr__(name: str):
+    if name == "EmbeddedEngine":
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine
+    raise AttributeError(f"module 'megatron_rl.rollout' has no attribute {name!r}")

@@ -1,0 +1,290 @@
+"""The embedded rollout engine: in-process torch generation over an HF model.
+
+Needs no server and runs on CPU, so tests, the CPU demo and training-on-one-box
+use it; it is also the numerical reference the SGLang engine is checked against.
+
+How a ``generate`` call runs (per chunk of at most ``max_batch_size`` rows, a
+row being one (request, sample) pair):
+
+1. prefill each distinct prompt of the chunk once, left-padded, with an
+   attention mask and position ids ``cumsum(mask) - 1`` so padding changes
+   nothing; only the last position's logits are computed;
+2. copy the KV cache rows so each of the ``n`` samples of a prompt gets its own;
+3. decode one token per step for every unfinished row; a row that emits a stop
+   token or reaches its length limit is dropped from the batch and its KV cache
+   (finished sequences stop growing and cost nothing).
+
+Reproducibility: each row owns a ``torch.Generator`` seeded from
+``(seed, request index, sample index)`` that supplies one uniform number per
+step, so a row's tokens do not depend on which other rows share its batch or on
+``max_batch_size``, and a shorter ``max_new_tokens`` yields a prefix of the
+longer response.
+
+Memory: the engine keeps no KV cache between calls. ``release()`` drops the
+parameter storage; with ``weight_backup=True`` it is kept on the CPU and
+``resume()`` restores it (on a CPU engine that backup *is* the storage, so only
+the bookkeeping changes); without a backup ``resume()`` allocates uninitialised
+storage and ``generate`` refuses until an ``update_weights`` covering every
+tensor arrives, which is what a colocated trainer sends next anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams
+from megatron_rl.rollout.hf_layout import HFParamMap
+from megatron_rl.rollout.sampling import sample_next_tokens
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def row_seed(seed: int, request_index: int, sample_index: int) -> int:
+    """The generator seed of one row: a hash, so nearby seeds give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{request_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe)."""
+
+    def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: int = 64,
+                 weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 attn_implementation: str = "sdpa"):
+        import transformers
+
+        if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):
+            raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: no config.json there; point it at a directory "
+                              "written by save_pretrained (config.json + *.safetensors)")
+        if max_batch_size < 1:
+            raise ConfigError(f"EmbeddedEngine max_batch_size={max_batch_size}: use a value >= 1")
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation).to(device).eval()
+        self.model.requires_grad_(False)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.weight_backup = weight_backup
+        if tokenizer is None and any(os.path.exists(os.path.join(str(hf_checkpoint), f)) for f in _TOKENIZER_FILES):
+            tokenizer = str(hf_checkpoint)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+        self.tokenizer = tokenizer
+        self.eos_token_ids = sorted(set(
+            _as_id_list(getattr(self.model.generation_config, "eos_token_id", None))
+            + _as_id_list(getattr(self.model.config, "eos_token_id", None))
+            + _as_id_list(getattr(tokenizer, "eos_token_id", None))))
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.param_map = HFParamMap(self.model)
+        self._weight_version = 0
+        self._released = False
+        self._weights_loaded = True
+        self._backup: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def health(self) -> EngineHealth:
+        if self._released:
+            detail = "released: call resume()"
+        elif not self._weights_loaded:
+            detail = "weights incomplete: send an update_weights covering every tensor"
+        else:
+            detail = "ready"
+        return EngineHealth(ok=not self._released and self._weights_loaded, weight_version=self._weight_version,
+                            released=self._released, weights_loaded=self._weights_loaded, detail=detail)
+
+    def _check_ready(self, action: str) -> None:
+        health = self.health()
+        if not health.ok:
+            raise EngineError(f"embedded engine cannot {action}: {health.detail}")
+
+    def release(self) -> None:
+        if self._released:
+            return
+        for name, param in self.model.named_parameters():
+            self._shapes[name] = (param.shape, param.dtype)
+            if self.weight_backup:
+                self._backup[name] = param.data.to("cpu")
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._released = True
+
+    def resume(self) -> None:
+        if not self._released:
+            return
+        for name, param in self.model.named_parameters():
+            shape, dtype = self._shapes[name]
+            if self.weight_backup:
+                param.data = self._backup.pop(name).to(self.device)
+            else:
+                param.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._released = False
+        self._weights_loaded = self.weight_backup
+
+    # ---------------------------------------------------------------- weights
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Read-only views of the live weights by HF checkpoint name (no copies)."""
+        if self._released:
+            raise EngineError("embedded engine cannot list weights: released: call resume()")
+        return self.param_map.items()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy each tensor into the live weights, then adopt ``version`` (see the invariants in ``base``).
+
+        The whole stream is consumed even after a bad entry, so one error lists
+        every unknown name and shape mismatch. Tensors may have another dtype
+        (e.g. bf16 from the trainer); they are cast to the engine's dtype. When
+        the engine's weights are incomplete (after a failed update, or
+        ``resume()`` without backup) the update must cover every tensor.
+        """
+        if self._released:
+            raise EngineError("embedded engine cannot update weights: released: call resume() first")
+        if version < self._weight_version:
+            raise SyncError(f"update_weights(version={version}) is older than the engine's weight_version "
+                            f"{self._weight_version}; versions only move forward (check the trainer's step counter)")
+        unknown: list[str] = []
+        mismatched: list[str] = []
+        applied: set[str] = set()
+        try:
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    if name not in self.param_map:
+                        unknown.append(name)
+                        continue
+                    dst = self.param_map.view(name)
+                    if tuple(tensor.shape) != tuple(dst.shape):
+                        mismatched.append(f"{name} (sent {tuple(tensor.shape)}, engine has {tuple(dst.shape)})")
+                        continue
+                    dst.copy_(tensor)
+                    applied.add(self.param_map.canonical(name))
+        except BaseException:
+            self._weights_loaded = False
+            raise
+        problems = []
+        if unknown:
+            problems.append(f"{len(unknown)} unknown name(s): {', '.join(unknown[:10])}")
+        if mismatched:
+            problems.append(f"{len(mismatched)} shape mismatch(es): {', '.join(mismatched[:10])}")
+        if not problems and not self._weights_loaded:
+            missing = [n for n in self.param_map.names() if n not in applied]
+            if missing:
+                problems.append(f"the engine's weights are incomplete and this update lacks {len(missing)} "
+                                f"tensor(s): {', '.join(missing[:10])}")
+        if problems:
+            self._weights_loaded = False
+            raise SyncError(f"weight update to version {version} failed; engine stays at version "
+                            f"{self._weight_version} and refuses to generate until a complete update: "
+                            + "; ".join(problems)
+                            + ". Send HF checkpoint names and shapes (as in model.safetensors) for this model.")
+        self._weights_loaded = True
+        self._weight_version = version
+
+    # ------------------------------------------------------------- generation
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
+        self._check_ready("generate")
+        if not requests:
+            return []
+        for req in requests:
+            bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ConfigError(f"prompt of group_index {req.group_index} has token id {bad[0]} outside the "
+                                  f"model's vocab [0, {self.vocab_size}); the tokenizer does not match --hf-checkpoint")
+            if len(req.prompt_ids) >= self.context_length:
+                raise ConfigError(f"prompt of group_index {req.group_index} has {len(req.prompt_ids)} tokens, not "
+                                  f"below the model's context length {self.context_length}; lower "
+                                  "--rollout-max-prompt-len")
+        base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        rows = [(i, j) for i in range(len(requests)) for j in range(sampling.n)]
+        results: dict[tuple[int, int], tuple[list[int], list[float], str]] = {}
+        with torch.inference_mode():
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start:start + self.max_batch_size]
+                results.update(self._generate_chunk(requests, chunk, sampling, base_seed, stop_ids))
+        samples = []
+        for i, j in rows:
+            req = requests[i]
+            response_ids, logprobs, finish_reason = results[(i, j)]
+            text = self.tokenizer.decode(response_ids, skip_special_tokens=True) if self.tokenizer else None
+            samples.append(Sample(
+                group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=response_ids,
+                rollout_logprobs=logprobs, finish_reason=finish_reason, weight_version=self._weight_version,
+                label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata)))
+        return samples
+
+    def _generate_chunk(self, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
+                        sampling: SamplingParams, base_seed: int, stop_ids: set[int]):
+        from transformers import DynamicCache
+
+        prompt_order = list(dict.fromkeys(i for i, _ in chunk))
+        prompts = [requests[i].prompt_ids for i in prompt_order]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        # Expand prompts to rows: each (request, sample) row gets its own copy of the prompt's cache.
+        expand = torch.tensor([prompt_order.index(i) for i, _ in chunk], dtype=torch.long)
+        cache.batch_select_indices(expand.to(self.device))
+        logits = out.logits[:, -1, :][expand.to(self.device)]
+        mask = mask[expand].to(self.device)
+
+        prompt_lens = [len(requests[i].prompt_ids) for i, _ in chunk]
+        limits = [min(sampling.max_new_tokens, self.context_length - n) for n in prompt_lens]
+        uniforms = torch.empty(len(chunk), max(limits), dtype=torch.float64)
+        if not sampling.greedy:
+            for r, (i, j) in enumerate(chunk):
+                gen = torch.Generator().manual_seed(row_seed(base_seed, i, j))
+                uniforms[r] = torch.rand(max(limits), generator=gen, dtype=torch.float64)
+        alive = list(range(len(chunk)))  # batch row -> chunk row
+        responses: list[list[int]] = [[] for _ in chunk]
+        logprobs: list[list[float]] = [[] for _ in chunk]
+        finish: list[str] = ["length"] * len(chunk)
+        step = 0
+        while True:
+            tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[alive, step].to(self.device))
+            keep = []
+            for b, (tok, lp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
+                r = alive[b]
+                responses[r].append(tok)
+                logprobs[r].append(lp)
+                if tok in stop_ids:
+                    finish[r] = "stop"
+                elif len(responses[r]) < limits[r]:
+                    keep.append(b)
+            step += 1
+            if not keep:
+                break
+            if len(keep) < len(alive):
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                cache.batch_select_indices(index)
+                mask, tokens = mask[index], tokens[index]
+                alive = [alive[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            positions = torch.tensor([[prompt_lens[r] + step - 1] for r in alive], device=self.device)
+            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+        return {row: (responses[r], logprobs[r], finish[r]) for r, row in enumerate(chunk)}
