@@ -118,14 +118,18 @@ if __name__ == "__main__":
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    big = dict(heads=16, groups=4, head_dim=64)
     cases = {
-        "uniform 8x256": [256] * 8,
-        "RL-like 16 seqs (32..512)": [32, 480, 64, 512, 96, 200, 40, 300, 128, 256, 70, 400, 33, 150, 90, 310],
-        "many short 64x24": [24] * 64,
+        "uniform 8x256": ([256] * 8, big),
+        "RL-like 16 seqs (32..512)": ([32, 480, 64, 512, 96, 200, 40, 300, 128, 256, 70, 400, 33, 150, 90, 310],
+                                      big),
+        "many short 64x24": ([24] * 64, big),
+        "CPU demo 256 seqs 6..14, 4h x 16": ([6 + (7 * i) % 9 for i in range(256)],
+                                             dict(heads=4, groups=2, head_dim=16)),
     }
     with _cpu_megatron():
-        for name, lengths in cases.items():
+        for name, (lengths, shape) in cases.items():
             for backward in (False, True):
-                timings, diff = bench(lengths, backward=backward)
-                print(f"{name:28s} tokens={sum(lengths):5d} {'fwd+bwd' if backward else 'fwd    '} "
+                timings, diff = bench(lengths, backward=backward, repeats=9, **shape)
+                print(f"{name:34s} tokens={sum(lengths):5d} {'fwd+bwd' if backward else 'fwd    '} "
                       + "  ".join(f"{k}={v * 1e3:8.1f}ms" for k, v in timings.items()) + f"  maxdiff={diff:.1e}")
