@@ -308,7 +308,6 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
     ``extra_state`` must be JSON-serialisable (checked before any collective, so a bad
     value fails on every rank alike). An existing ``path`` is replaced atomically.
     """
-    dist_checkpointing = _dist_checkpointing()
     path = os.path.abspath(path)
     if is_temp_dir(path):
         raise CheckpointError(f"{path} is a temp-dir name; pass the final iter_NNNNNNN dir")
@@ -317,6 +316,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra_state for {path} must be a JSON-serialisable dict: {e}") from e
     tmp = temp_dir_for(path)
+    dist_checkpointing = _dist_checkpointing()
 
     def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
@@ -404,11 +404,10 @@ def load_checkpoint(backend, path: str) -> dict:
     Validation happens before any collective and is deterministic from the files,
     so a refused checkpoint fails on every rank alike.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     path = os.path.abspath(path)
     meta = read_checkpoint_metadata(path)
     check_model_matches(path, meta, backend)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     same_layout = meta.get("layout") == layout_record(backend)
     if not same_layout and _rank() == 0:
         log.warning("checkpoint %s was saved at layout %s, loading at %s: model and optimizer are resharded; "

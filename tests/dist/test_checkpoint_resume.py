@@ -1,0 +1,152 @@
+"""torch_dist checkpoints of MegatronBackend: exact resume, resharding, refusal of bad dirs.
+
+Three launches (tests/dist/scripts/ckpt_worker.py):
+
+1. 2 ranks: for DP2 + ``--use-distributed-optimizer`` and for TP2 (plain
+   optimizer): 4 uninterrupted steps, and 2 steps + save.
+2. 2 ranks, a FRESH process: load each checkpoint + 2 steps. Must equal the
+   uninterrupted run BITWISE: per-step metrics (loss, grad norm, lr...), exported
+   HF weights, every rank's optimizer state (param, exp_avg, exp_avg_sq, step) and
+   the RNG streams (python, numpy, torch, megatron tracker) on every rank.
+3. 1 rank (TP1): the TP2 checkpoint loads (model + optimizer resharded) with
+   forward log-probs equal to TP2's at save time, and the next 2 steps match the
+   TP2 run; temp / unmarked / truncated / garbage checkpoints are refused first.
+
+The schedule (warm-up 2, cosine decay), weight decay, grad clipping, KL against a
+reference snapshot and per-step RNG use make every piece of state matter.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from _util import torchrun
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
+LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-parallel-size", "2"]}
+SKIP = {"train/step_time_s"}
+
+
+def _job(**kw):
+    return json.dumps(kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny_hf_models):
+    hf = tiny_hf_models("qwen2")
+    out = tmp_path_factory.mktemp("ckpt_out")
+    roots = {k: out / f"root_{k}" for k in LAYOUTS}
+    saves = {k: str(roots[k] / "iter_0000002") for k in LAYOUTS}
+    jobs = []
+    for k, flags in LAYOUTS.items():
+        jobs += [_job(tag=f"straight_{k}", flags=flags, steps=4),
+                 _job(tag=f"save_{k}", flags=flags, steps=2, save=saves[k])]
+    torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=400)
+    jobs = [_job(tag=f"resume_{k}", flags=flags, steps=2, load=saves[k]) for k, flags in LAYOUTS.items()]
+    torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=300)
+
+    # damaged copies of the TP2 checkpoint, next to it (root_tp) and apart (bad*)
+    good = saves["tp"]
+    temp = str(roots["tp"] / ".iter_0000004.tmp")
+    shutil.copytree(good, temp)
+    unmarked = str(roots["tp"] / "iter_0000003")
+    shutil.copytree(good, unmarked)
+    os.remove(os.path.join(unmarked, "COMPLETE.json"))
+    truncated = str(out / "bad_trunc" / "iter_0000002")
+    shutil.copytree(good, truncated)
+    shard = sorted(f for f in os.listdir(truncated) if f.endswith(".distcp"))[0]
+    with open(os.path.join(truncated, shard), "r+b") as f:
+        f.truncate(100)
+    garbage = str(out / "bad_garbage" / "iter_0000002")
+    shutil.copytree(good, garbage)
+    common = os.path.join(garbage, "common.pt")
+    size = os.path.getsize(common)
+    with open(common, "wb") as f:
+        f.write(b"\0" * size)  # same size: only the reader can tell
+    bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage}
+    proc = torchrun(SCRIPT, 1, [hf, str(out), _job(tag="reshard_tp1", steps=2, load=good,
+                                                    refuse=list(bad.values()))], timeout=300)
+    return out, roots, bad, proc
+
+
+def _rec(out, tag):
+    return json.load(open(out / f"{tag}.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_bitwise_exact(ckpt, layout):
+    out, *_ = ckpt
+    straight, saved, resumed = (_rec(out, f"{p}_{layout}") for p in ("straight", "save", "resume"))
+    assert resumed["extra_state"] == {"next_step": 2, "rollout_id": 1, "data": {"epoch": 0, "offset": 12}}
+    assert (saved["end_step"], resumed["start_step"], resumed["end_step"], straight["end_step"]) == (2, 2, 4, 4)
+    # the first half of the uninterrupted run is the saving run, exactly
+    assert [s["metrics"] for s in saved["steps"]] == [s["metrics"] for s in straight["steps"][:2]]
+    # per-step metrics after resume equal the uninterrupted run's exactly (loss, kl, grad norm, lr, ...)
+    for s0, s1 in zip(straight["steps"][2:], resumed["steps"], strict=True):
+        assert s0["global_step"] == s1["global_step"]
+        m0 = {k: v for k, v in s0["metrics"].items() if k not in SKIP}
+        m1 = {k: v for k, v in s1["metrics"].items() if k not in SKIP}
+        assert m0 == m1, (layout, s0["global_step"])
+    assert straight["lr"] == resumed["lr"] and straight["scheduler"] == resumed["scheduler"]
+    assert straight["logprobs_end"] == resumed["logprobs_end"]
+    # RNG streams continue exactly on every rank (the worker draws from all of them each step)
+    assert straight["rng_probes"] == resumed["rng_probes"]
+    assert straight["rng_probes"][0] != saved["rng_probes"][0]  # and the probe does move with the steps
+
+    w0 = torch.load(out / f"straight_{layout}_weights.pt")
+    w1 = torch.load(out / f"resume_{layout}_weights.pt")
+    assert set(w0) == set(w1)
+    for name in w0:
+        assert torch.equal(w0[name], w1[name]), (layout, name)
+    first = torch.load(out / f"save_{layout}_weights.pt")
+    assert max((first[n] - w0[n]).abs().max().item() for n in w0) > 1e-4  # steps 3-4 changed the weights
+
+    for rank in range(2):
+        o0 = torch.load(out / f"straight_{layout}_opt_rank{rank}.pt")
+        o1 = torch.load(out / f"resume_{layout}_opt_rank{rank}.pt")
+        assert len(o0["tensors"]) == len(o1["tensors"]) > 0
+        for i, (a, b) in enumerate(zip(o0["tensors"], o1["tensors"])):
+            assert set(a) == set(b) == {"param", "exp_avg", "exp_avg_sq", "step"}, (layout, rank, i, set(b))
+            for k in a:
+                assert torch.equal(a[k], b[k]), (layout, rank, i, k)
+            assert float(b["step"]) == 4.0
+        # the step fix: one private step tensor per parameter after the load
+        assert o1["distinct_step_tensors"] == o1["num_states"] == len(o1["tensors"])
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_loads_at_tp1(ckpt):
+    out, _, _, proc = ckpt
+    saved, straight, reshard = _rec(out, "save_tp"), _rec(out, "straight_tp"), _rec(out, "reshard_tp1")
+    assert reshard["start_step"] == 2 and reshard["extra_state"]["next_step"] == 2
+    worst = max(abs(a - b) for x, y in zip(saved["logprobs_end"], reshard["logprobs_start"]) for a, b in zip(x, y))
+    assert worst <= 1e-6
+    # optimizer state and schedule resharded too: the next steps follow the TP2 run
+    for s0, s1 in zip(straight["steps"][2:], reshard["steps"], strict=True):
+        for k in set(s0["metrics"]) - SKIP:
+            assert s1["metrics"][k] == pytest.approx(s0["metrics"][k], rel=1e-4, abs=1e-5), k
+    assert reshard["lr"] == pytest.approx(straight["lr"], rel=1e-12)
+    w0 = torch.load(out / "straight_tp_weights.pt")
+    w1 = torch.load(out / "reshard_tp1_weights.pt")
+    assert max((w0[n] - w1[n]).abs().max().item() for n in w0) < 2e-5
+    assert "RNG states are NOT restored" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
+    from megatron_rl.infra.checkpoint_root import find_latest_complete
+
+    out, roots, bad, _ = ckpt
+    msgs = _rec(out, "reshard_tp1")["refusals"]
+    assert set(msgs) == set(bad.values())
+    assert "unpublished temp dir" in msgs[bad["temp"]] and bad["temp"] in msgs[bad["temp"]]
+    assert "no COMPLETE.json" in msgs[bad["unmarked"]] and "find_latest_complete" in msgs[bad["unmarked"]]
+    assert "corrupt" in msgs[bad["truncated"]] and "expected" in msgs[bad["truncated"]]
+    assert "loading checkpoint" in msgs[bad["garbage"]] and bad["garbage"] in msgs[bad["garbage"]]
+    # the newest complete checkpoint skips the unmarked iter_0000003 and the temp dir
+    assert find_latest_complete(str(roots["tp"])) == 2
+    assert find_latest_complete(str(roots["do"])) == 2

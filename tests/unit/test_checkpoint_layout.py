@@ -1,0 +1,167 @@
+"""Checkpoint root bookkeeping and checkpoint-dir validation, without torch.distributed.
+
+The validation in ``load_checkpoint`` runs before any collective, so it is tested
+here on hand-made dirs; the real torch_dist round trips are in
+tests/dist/test_checkpoint_resume.py.
+"""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.backends.megatron import checkpoint as ck
+from megatron_rl.errors import CheckpointError
+from megatron_rl.infra import checkpoint_root as cr
+
+
+def _fake_ckpt(root, step, files=None, marker=True, model=None):
+    path = cr.iter_dir(str(root), step)
+    os.makedirs(path)
+    files = files if files is not None else {"common.pt": b"abc", "__0_0.distcp": b"x" * 10}
+    for name, data in files.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    if marker:
+        meta = {"format": ck.FORMAT, "model": model or _fingerprint(),
+                "files": [{"path": n, "bytes": len(d)} for n, d in sorted(files.items())]}
+        with open(os.path.join(path, cr.MARKER_NAME), "w") as f:
+            json.dump(meta, f)
+    return path
+
+
+def _fingerprint(**over):
+    fp = {"hidden_size": 64, "num_layers": 4, "num_attention_heads": 4, "num_query_groups": 2,
+          "ffn_hidden_size": 128, "vocab_size": 250}
+    fp.update(over)
+    return fp
+
+
+def _backend(**over):
+    fp = _fingerprint(**over)
+    cfg = SimpleNamespace(**{k: v for k, v in fp.items() if k != "vocab_size"})
+    return SimpleNamespace(model_config=cfg, vocab_size=fp["vocab_size"])
+
+
+def test_iter_dir_naming(tmp_path):
+    assert cr.iter_dir(str(tmp_path), 3) == os.path.join(str(tmp_path), "iter_0000003")
+    assert cr.temp_dir_for(cr.iter_dir("/r", 12)) == "/r/.iter_0000012.tmp"
+    for bad in (-1, 1.0, True, "3"):
+        with pytest.raises(CheckpointError):
+            cr.iter_dir(str(tmp_path), bad)
+
+
+def test_find_latest_complete_skips_incomplete_and_temp(tmp_path):
+    assert cr.find_latest_complete(str(tmp_path / "absent")) is None
+    assert cr.find_latest_complete(str(tmp_path)) is None
+    _fake_ckpt(tmp_path, 2)
+    _fake_ckpt(tmp_path, 5)
+    _fake_ckpt(tmp_path, 7, marker=False)                 # published but incomplete
+    os.makedirs(tmp_path / ".iter_0000009.tmp")           # save in progress
+    (tmp_path / ".iter_0000009.tmp" / cr.MARKER_NAME).write_text("{}")
+    os.makedirs(tmp_path / "iter_0000011.old")            # publish_dir's trash name
+    (tmp_path / "notes.txt").write_text("x")
+    assert cr.list_iterations(str(tmp_path)) == [2, 5, 7]
+    assert cr.find_latest_complete(str(tmp_path)) == 5
+    assert not cr.is_complete(str(tmp_path / ".iter_0000009.tmp"))
+
+
+def test_latest_tracker_roundtrip_and_malformed(tmp_path):
+    assert cr.read_latest(str(tmp_path)) is None
+    cr.write_latest(str(tmp_path), 6)
+    assert (tmp_path / cr.TRACKER_NAME).read_text() == "6\n"
+    assert cr.read_latest(str(tmp_path)) == 6
+    cr.write_latest(str(tmp_path), 12)
+    assert cr.read_latest(str(tmp_path)) == 12
+    (tmp_path / cr.TRACKER_NAME).write_text("release\n")
+    with pytest.raises(CheckpointError, match=cr.TRACKER_NAME):
+        cr.read_latest(str(tmp_path))
+
+
+def test_prune_keeps_newest_complete(tmp_path):
+    for s in (1, 2, 3, 4):
+        _fake_ckpt(tmp_path, s)
+    _fake_ckpt(tmp_path, 0, marker=False)   # old incomplete: never resumable, goes
+    _fake_ckpt(tmp_path, 9, marker=False)   # newer than every complete one: left for a human
+    os.makedirs(tmp_path / ".iter_0000010.tmp")
+    assert cr.prune(str(tmp_path), None) == [] and cr.prune(str(tmp_path), 0) == []
+    assert cr.prune(str(tmp_path), 2) == [0, 1, 2]
+    assert cr.list_iterations(str(tmp_path)) == [3, 4, 9]
+    assert os.path.isdir(tmp_path / ".iter_0000010.tmp")
+    assert cr.find_latest_complete(str(tmp_path)) == 4
+    assert cr.prune(str(tmp_path), 5) == []
+
+
+def test_resume_state_roundtrip(tmp_path):
+    root = str(tmp_path / "root")
+    assert cr.read_resume_state(root) is None
+    state = {"rollout_id": 7, "data": {"epoch": 1, "offset": 96}, "wandb_run_id": "abc"}
+    cr.write_resume_state(root, state)
+    assert cr.read_resume_state(root) == state
+    assert [f for f in os.listdir(root) if f != cr.RESUME_STATE_NAME] == []  # no temp files left behind
+    with pytest.raises(CheckpointError, match="JSON"):
+        cr.write_resume_state(root, {"bad": object()})
+    assert cr.read_resume_state(root) == state  # a failed write leaves the old state
+    (tmp_path / "root" / cr.RESUME_STATE_NAME).write_text("{trunc")
+    with pytest.raises(CheckpointError, match="resume_state.json"):
+        cr.read_resume_state(root)
+
+
+def test_metadata_refuses_missing_temp_root_unmarked(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ck.read_checkpoint_metadata(str(tmp_path / "iter_0000001"))
+    good = _fake_ckpt(tmp_path, 1)
+    assert ck.read_checkpoint_metadata(good)["format"] == ck.FORMAT
+    temp = tmp_path / ".iter_0000002.tmp"
+    os.makedirs(temp)
+    with pytest.raises(CheckpointError, match="unpublished temp dir") as e:
+        ck.read_checkpoint_metadata(str(temp))
+    assert str(temp) in str(e.value)
+    with pytest.raises(CheckpointError, match="checkpoint root"):
+        ck.read_checkpoint_metadata(str(tmp_path))
+    unmarked = _fake_ckpt(tmp_path, 3, marker=False)
+    with pytest.raises(CheckpointError, match="no COMPLETE.json") as e:
+        ck.read_checkpoint_metadata(unmarked)
+    assert unmarked in str(e.value)
+
+
+def test_metadata_refuses_missing_or_resized_files_and_bad_marker(tmp_path):
+    p = _fake_ckpt(tmp_path, 1)
+    os.remove(os.path.join(p, "common.pt"))
+    with pytest.raises(CheckpointError, match="common.pt missing"):
+        ck.read_checkpoint_metadata(p)
+    p = _fake_ckpt(tmp_path, 2)
+    with open(os.path.join(p, "__0_0.distcp"), "ab") as f:
+        f.write(b"more")
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp has 14 bytes, expected 10"):
+        ck.read_checkpoint_metadata(p)
+    p = _fake_ckpt(tmp_path, 3)
+    with open(os.path.join(p, cr.MARKER_NAME), "w") as f:
+        f.write("{")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        ck.read_checkpoint_metadata(p)
+    p = _fake_ckpt(tmp_path, 4)
+    meta = json.load(open(os.path.join(p, cr.MARKER_NAME)))
+    meta["format"] = "megatron.legacy"
+    json.dump(meta, open(os.path.join(p, cr.MARKER_NAME), "w"))
+    with pytest.raises(CheckpointError, match="format"):
+        ck.read_checkpoint_metadata(p)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", 32), ("num_layers", 2), ("vocab_size", 300)])
+def test_load_refuses_other_model_before_any_collective(tmp_path, field, value):
+    p = _fake_ckpt(tmp_path, 1)
+    with pytest.raises(CheckpointError) as e:
+        ck.load_checkpoint(_backend(**{field: value}), p)  # a fake backend: no process group needed
+    msg = str(e.value)
+    assert p in msg and field in msg and "--hf-checkpoint" in msg
+    ck.check_model_matches(p, ck.read_checkpoint_metadata(p), _backend())  # the same model passes
+
+
+def test_save_refuses_temp_path_and_unserialisable_extra_state(tmp_path):
+    with pytest.raises(CheckpointError, match="temp-dir"):
+        ck.save_checkpoint(_backend(), str(tmp_path / ".iter_0000001.tmp"), {})
+    with pytest.raises(CheckpointError, match="JSON-serialisable"):
+        ck.save_checkpoint(_backend(), str(tmp_path / "iter_0000001"), {"x": object()})
+    assert os.listdir(tmp_path) == []
