@@ -177,7 +177,8 @@ class Bridge:
 
         from megatron_rl.compat import cpu_config_overrides
 
-        layout.validate(layout.tp * layout.pp * layout.cp, self.num_layers)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
+        layout.validate(world, self.num_layers)
         kw: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,

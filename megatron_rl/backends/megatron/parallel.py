@@ -59,8 +59,9 @@ class ParallelLayout:
         self.validate(world_size)
         return world_size // (self.tp * self.pp * self.cp)
 
-    def validate(self, world_size: int, num_layers: Optional[int] = None) -> None:
-        """Raise ConfigError naming the flag if this layout cannot run on ``world_size`` ranks."""
+    def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
+        """Raise ConfigError naming the flag if this layout cannot run on ``world_size`` ranks
+        (world checks skipped when None) or cannot split ``num_layers``."""
         problems = []
         for flag, value in (("--tensor-model-parallel-size", self.tp),
                             ("--pipeline-model-parallel-size", self.pp),
@@ -72,13 +73,13 @@ class ParallelLayout:
         if problems:
             raise ConfigError("; ".join(problems))
         model_parallel = self.tp * self.pp * self.cp
-        if world_size % model_parallel:
+        if world_size is not None and world_size % model_parallel:
             raise ConfigError(
                 f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
                 f"= {model_parallel}; change --tensor-model-parallel-size / "
                 f"--pipeline-model-parallel-size / --context-parallel-size or the number of ranks")
         expert_parallel = self.expert_tp * self.ep * self.pp
-        if world_size % expert_parallel:
+        if world_size is not None and world_size % expert_parallel:
             raise ConfigError(
                 f"world size {world_size} is not divisible by etp*ep*pp = {self.expert_tp}*{self.ep}*"
                 f"{self.pp}; change --expert-model-parallel-size / --expert-tensor-parallel-size")
