@@ -1,0 +1,230 @@
+"""Reward functions: built-in verifiable rewards (``--rm-type``) and user ones (``--custom-rm-path``).
+
+Every reward is used through one batched form, ``RewardFn = (samples) -> list[float]``,
+so the RL loop calls one thing. A user function may be per-sample
+``(sample) -> float`` or batched ``(samples) -> list[float]``; it is taken as
+batched when it carries ``batched = True`` (see ``batched_reward``) or its first
+parameter is named ``samples``.
+
+Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
+``sample.label``:
+
+* ``exact_match``: 1.0 when the response equals the label after case folding,
+  whitespace collapsing and dropping a trailing period;
+* ``math``: extracts the final answer (last ``\\boxed{...}``, else the text after
+  the last ``####``, else the last number) from the response (and from the label
+  when it has such a marker), compares numerically (integers, decimals, ``1,000``,
+  ``a/b``, ``\\frac{a}{b}``, a trailing ``%``) with relative tolerance 1e-6, and
+  falls back to comparing normalised strings (e.g. ``x+1``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+from typing import Any, Callable
+
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError
+
+RewardFn = Callable[[list[Sample]], list[float]]
+
+
+def batched_reward(fn: Callable[[list[Sample]], list[float]]) -> Callable[[list[Sample]], list[float]]:
+    """Mark a user reward function as batched: ``(samples) -> list[float]``."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+# ----------------------------------------------------------------- built-ins
+def _response_text(sample: Sample, reward: str) -> str:
+    if sample.response_text is None:
+        raise ConfigError(f"reward {reward!r} needs sample.response_text but it is None; give the rollout engine "
+                          "a tokenizer (an --hf-checkpoint directory with tokenizer files)")
+    return sample.response_text
+
+
+def _label(sample: Sample, reward: str) -> Any:
+    if sample.label is None:
+        raise ConfigError(f"reward {reward!r} needs a label but sample (group_index {sample.group_index}) has none; "
+                          "set --label-key to the JSON key holding the ground truth")
+    return sample.label
+
+
+def normalize_text(text: str) -> str:
+    """Case-folded, whitespace-collapsed, without a trailing period."""
+    return " ".join(str(text).split()).casefold().rstrip(".").strip()
+
+
+def exact_match(sample: Sample) -> float:
+    return float(normalize_text(_response_text(sample, "exact_match")) == normalize_text(_label(sample, "exact_match")))
+
+
+_NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
+_LAST_NUMBER = re.compile(rf"{_NUMBER}(?:\s*/\s*{_NUMBER})?")
+
+
+def _boxed_contents(text: str) -> str | None:
+    """Contents of the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces), or of ``\\boxed x``."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    rest = text[start:]
+    rest = rest[len("\\boxed"):] if rest.startswith("\\boxed") else rest[len("\\fbox"):]
+    stripped = rest.lstrip()
+    if not stripped.startswith("{"):
+        match = re.match(r"\s+([^\s$]+)", rest)
+        return match.group(1) if match else None
+    depth = 0
+    for i, ch in enumerate(stripped):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if depth == 0:
+            return stripped[1:i]
+    return None  # unbalanced: no answer
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in ``text``: last boxed, else after the last ``####``, else the last number."""
+    boxed = _boxed_contents(text)
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return tail.splitlines()[0].strip() if tail else None
+    numbers = _LAST_NUMBER.findall(text)
+    return numbers[-1].rstrip(",") if numbers else None
+
+
+def _normalize_math(text: str) -> str:
+    s = str(text).strip()
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\dfrac", "\\frac"),
+                     ("\\tfrac", "\\frac"), ("$", ""), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", "%")):
+        s = s.replace(old, new)
+    return s.replace(" ", "").rstrip(".")
+
+
+def parse_number(text: str) -> float | None:
+    """A number from an answer string, or None when it is not a plain number or fraction."""
+    s = _normalize_math(text).rstrip("%")
+    frac = re.fullmatch(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}", s) or re.fullmatch(r"(-?)\\frac(\d)(\d)", s)
+    if frac:
+        num, den = parse_number(frac.group(2)), parse_number(frac.group(3))
+        if num is None or not den:
+            return None
+        return (-1 if frac.group(1) else 1) * num / den
+    if "/" in s:
+        parts = s.split("/")
+        if len(parts) == 2:
+            num, den = parse_number(parts[0]), parse_number(parts[1])
+            return num / den if num is not None and den else None
+        return None
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    if re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?", s):
+        return float(s)
+    return None
+
+
+def math_equal(prediction: str | None, reference: Any) -> bool:
+    if prediction is None:
+        return False
+    reference = str(reference)
+    if "\\boxed" in reference or "\\fbox" in reference or "####" in reference:
+        reference = extract_answer(reference) or reference
+    pred_value, ref_value = parse_number(prediction), parse_number(reference)
+    if pred_value is not None and ref_value is not None:
+        return math.isclose(pred_value, ref_value, rel_tol=1e-6, abs_tol=1e-9)
+    return _normalize_math(prediction) == _normalize_math(reference)
+
+
+def math_reward(sample: Sample) -> float:
+    return float(math_equal(extract_answer(_response_text(sample, "math")), _label(sample, "math")))
+
+
+BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {"exact_match": exact_match, "math": math_reward}
+
+
+# ---------------------------------------------------------------- selection
+def _is_batched(fn: Callable) -> bool:
+    if getattr(fn, "batched", False):
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] == "samples"
+
+
+def _as_batched(fn: Callable, batched: bool) -> RewardFn:
+    if batched:
+        return fn
+    return lambda samples: [fn(s) for s in samples]
+
+
+def load_custom_reward(custom_rm_path: str) -> RewardFn:
+    """Import ``module:function`` (or ``path/to/file.py:function``) and return it in batched form."""
+    flag = f"--custom-rm-path {custom_rm_path}"
+    module_name, sep, func_name = str(custom_rm_path).rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise ConfigError(f"{flag} must be module:function (e.g. my_rewards:score)")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no such file {module_name}")
+            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module; report it whole
+        raise ConfigError(f"{flag}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); put the module on "
+                          "PYTHONPATH or give a file path like path/to/my_rewards.py:score") from exc
+    fn = getattr(module, func_name, None)
+    if fn is None:
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"{flag}: module {module_name!r} has no {func_name!r}; callables there: "
+                          f"{', '.join(names) or 'none'}")
+    if not callable(fn):
+        raise ConfigError(f"{flag}: {func_name!r} in {module_name!r} is a {type(fn).__name__}, not a function")
+    return _as_batched(fn, _is_batched(fn))
+
+
+def get_reward_fn(rm_type: str | None = None, custom_rm_path: str | None = None) -> RewardFn:
+    """The reward selected by ``--rm-type`` or ``--custom-rm-path`` (exactly one), in batched form."""
+    if rm_type and custom_rm_path:
+        raise ConfigError("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
+    if custom_rm_path:
+        return load_custom_reward(custom_rm_path)
+    if not rm_type:
+        raise ConfigError(f"no reward function: pass --rm-type ({', '.join(BUILTIN_REWARDS)}) "
+                          "or --custom-rm-path module:function")
+    if rm_type not in BUILTIN_REWARDS:
+        raise ConfigError(f"--rm-type {rm_type} is not a built-in reward; choose one of "
+                          f"{', '.join(BUILTIN_REWARDS)} or pass --custom-rm-path module:function")
+    return _as_batched(BUILTIN_REWARDS[rm_type], batched=False)
+
+
+def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "reward function") -> list[float]:
+    """Score ``samples`` with ``reward_fn``, check the result and store it in ``sample.reward``."""
+    rewards = list(reward_fn(samples))
+    if len(rewards) != len(samples):
+        raise ConfigError(f"{source} returned {len(rewards)} rewards for {len(samples)} samples; a batched reward "
+                          "must return one float per sample, in order")
+    values = []
+    for i, r in enumerate(rewards):
+        try:
+            value = float(r)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source} returned {r!r} for sample {i}; rewards must be numbers") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{source} returned {value} for sample {i}; rewards must be finite")
+        values.append(value)
+    for sample, value in zip(samples, values):
+        sample.reward = value
+    return values

@@ -1,0 +1,147 @@
+"""Built-in verifiable rewards and the --custom-rm-path loader."""
+
+import sys
+import textwrap
+
+import pytest
+
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.rewards import (
+    compute_rewards,
+    exact_match,
+    extract_answer,
+    get_reward_fn,
+    math_reward,
+    parse_number,
+)
+
+
+def sample(text, label, group_index=0):
+    return Sample(group_index=group_index, prompt_ids=[1], response_ids=[2], response_text=text, label=label)
+
+
+@pytest.mark.parametrize("text,label,expected", [
+    ("Paris", "paris", 1.0),
+    ("  The   Answer is\nyes. ", "the answer is yes", 1.0),
+    ("Paris!", "Paris", 0.0),
+    ("Lyon", "Paris", 0.0),
+])
+def test_exact_match(text, label, expected):
+    assert exact_match(sample(text, label)) == expected
+
+
+@pytest.mark.parametrize("text,answer", [
+    (r"so the result is \boxed{\frac{1}{2}} and we are done", r"\frac{1}{2}"),
+    (r"first \boxed{3} then \boxed{ {4}+1 }", "{4}+1"),
+    (r"\fbox{7}", "7"),
+    (r"\boxed 12$", "12"),
+    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),
+    ("#### -3.5\nextra text", "-3.5"),
+    ("total is 1,000 apples, then 12 pears.", "12"),
+    ("We get 3/4 of it", "3/4"),
+    ("no digits here", None),
+    (r"\boxed{unbalanced", None),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("text,value", [
+    ("42", 42.0), ("-3.5", -3.5), ("1,000", 1000.0), ("1,234.5", 1234.5), ("3/4", 0.75),
+    (r"\frac{1}{8}", 0.125), (r"-\dfrac{3}{2}", -1.5), (r"\frac12", 0.5), ("50%", 50.0), (r"50\%", 50.0),
+    ("$12$", 12.0), ("1e-3", 0.001), (".5", 0.5), ("x+1", None), ("1,2,3", None), ("1/0", None),
+])
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize("text,label,expected", [
+    (r"The answer is \boxed{0.5}.", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    ("so 6 * 12 = 72\n#### 72", "Natalia ... 48+24 = 72\n#### 72", 1.0),  # GSM8K-style label
+    ("I think it is 72.", 72, 1.0),  # integer label
+    ("answer: 1,000", "1000", 1.0),
+    ("answer: 71", "72", 0.0),
+    (r"\boxed{x + 1}", "x+1", 1.0),
+    (r"\boxed{x+2}", "x+1", 0.0),
+    ("nothing numeric", "5", 0.0),
+    ("0.3333334", "1/3", 1.0),  # relative tolerance 1e-6
+    ("0.3334", "1/3", 0.0),
+])
+def test_math_reward(text, label, expected):
+    assert math_reward(sample(text, label)) == expected
+
+
+def test_builtins_need_text_and_label():
+    with pytest.raises(ConfigError, match="needs sample.response_text but it is None; give the rollout engine a tok"):
+        math_reward(sample(None, "1"))
+    with pytest.raises(ConfigError, match="set --label-key"):
+        exact_match(sample("a", None))
+
+
+def test_registry_selection_and_errors():
+    samples = [sample(r"\boxed{2}", "2"), sample("3", "2")]
+    assert compute_rewards(samples, get_reward_fn("math")) == [1.0, 0.0]
+    assert [s.reward for s in samples] == [1.0, 0.0]
+    with pytest.raises(ConfigError, match="--rm-type f1 is not a built-in reward; choose one of exact_match, math"):
+        get_reward_fn("f1")
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        get_reward_fn("math", "m:f")
+    with pytest.raises(ConfigError, match="no reward function: pass --rm-type"):
+        get_reward_fn()
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        from megatron_rl.rollout.rewards import batched_reward
+
+        def length_bonus(sample):
+            return len(sample.response_text) / 10
+
+        def by_group(samples):
+            return [float(s.group_index) for s in samples]
+
+        @batched_reward
+        def marked(batch):
+            return [1.0] * len(batch)
+
+        def short(samples):
+            return [1.0]
+
+        def nan_reward(sample):
+            return float("nan")
+
+        NOT_A_FUNCTION = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("my_rewards", None)
+
+
+def test_custom_rewards_per_sample_and_batched(user_module):
+    samples = [sample("abcd", None, 0), sample("ab", None, 5)]
+    assert compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:length_bonus")) == [0.4, 0.2]
+    assert compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:by_group")) == [0.0, 5.0]
+    assert compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:marked")) == [1.0, 1.0]
+    by_file = get_reward_fn(custom_rm_path=f"{user_module}/my_rewards.py:length_bonus")
+    assert compute_rewards(samples, by_file) == [0.4, 0.2]
+
+
+def test_custom_reward_errors_name_the_flag_and_fix(user_module):
+    with pytest.raises(ConfigError, match="--custom-rm-path my_rewards must be module:function"):
+        get_reward_fn(custom_rm_path="my_rewards")
+    with pytest.raises(ConfigError, match=r"cannot import 'no_such_mod' \(ModuleNotFoundError.*PYTHONPATH"):
+        get_reward_fn(custom_rm_path="no_such_mod:f")
+    with pytest.raises(ConfigError, match="cannot import '/nope/r.py'"):
+        get_reward_fn(custom_rm_path="/nope/r.py:f")
+    with pytest.raises(ConfigError, match="has no 'scroe'; callables there: batched_reward, by_group, length_bonus"):
+        get_reward_fn(custom_rm_path="my_rewards:scroe")
+    with pytest.raises(ConfigError, match="'NOT_A_FUNCTION' in 'my_rewards' is a int, not a function"):
+        get_reward_fn(custom_rm_path="my_rewards:NOT_A_FUNCTION")
+    samples = [sample("a", None), sample("b", None)]
+    with pytest.raises(ConfigError, match="returned 1 rewards for 2 samples"):
+        compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:short"), "--custom-rm-path my_rewards:short")
+    with pytest.raises(ConfigError, match="returned nan for sample 0; rewards must be finite"):
+        compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:nan_reward"))
