@@ -1,0 +1,17 @@
+"""Checkpoint conversion between HF safetensors and megatron-core torch_dist.
+
+* :func:`megatron_rl.convert.hf_to_dist.convert_hf_to_dist` - HF dir -> torch_dist
+  dir (model sharded state dict exactly as ``GPTModel.sharded_state_dict()``
+  writes it, so training can load it and a training checkpoint's model part can
+  be exported back);
+* :func:`megatron_rl.convert.dist_to_hf.convert_dist_to_hf` - torch_dist dir (ours
+  or a training ``iter_NNNNNNN`` dir) -> HF dir (config, tokenizer files,
+  ``--max-shard-size`` safetensors shards with ``model.safetensors.index.json``);
+* :class:`megatron_rl.convert.safetensors_writer.ShardedSafetensorsWriter` -
+  writes HF shards as tensors stream in (one shard in memory at a time).
+
+Both conversions run in one process or under torchrun with a parallel layout;
+the name/shape maps and the load/export code are the bridges' own
+(:mod:`megatron_rl.models`), never a second copy. CLI: ``tools/convert_ckpt.py``;
+guide and measured figures: ``docs/convert.md``.
+"""

@@ -1,0 +1,246 @@
+"""Shared pieces of the HF <-> torch_dist converters: dtypes, markers, rank-0 work, files.
+
+The converted torch_dist dir (``convert_hf_to_dist``)::
+
+    out/
+      __0_0.distcp ... .metadata metadata.json common.pt   megatron-core torch_dist, key "model"
+      hf_config/      config.json, tokenizer and generation files of the source
+      COMPLETE.json   written last; format FORMAT, model fingerprint, dtype, files
+
+``COMPLETE.json`` follows the training checkpoints' marker convention
+(:mod:`megatron_rl.backends.megatron.checkpoint`: same file name, same
+``model`` fingerprint fields, same ``files`` list) with its own ``format`` value,
+because a converted dir holds a model and nothing else (no optimizer, RNG or
+scheduler): a loader must treat it as "weights only".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.errors import CheckpointError
+
+FORMAT = "megatron_rl.torch_dist_model.v1"
+TRAINING_FORMAT = "megatron_rl.torch_dist.v1"  # backends.megatron.checkpoint.FORMAT
+MARKER_NAME = "COMPLETE.json"
+HF_CONFIG_SUBDIR = "hf_config"
+FINGERPRINT_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                      "ffn_hidden_size", "vocab_size")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt", ".part")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """``--dtype``: None / "keep" keeps the source dtype; otherwise float32 / bfloat16 / float16."""
+    if name is None or name == "keep":
+        return None
+    if name not in _DTYPES:
+        raise CheckpointError(f"--dtype {name!r} is not supported; use keep, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def uniform_dtype(dtypes: dict[str, torch.dtype], where: str) -> torch.dtype:
+    """The one dtype of all tensors, or a refusal naming an example tensor per dtype."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, dt in sorted(dtypes.items()):
+        by_dtype.setdefault(dt, []).append(name)
+    if len(by_dtype) != 1:
+        found = "; ".join(f"{dtype_name(dt)}: {len(ns)} tensor(s), e.g. {ns[:3]}" for dt, ns in by_dtype.items())
+        raise CheckpointError(f"{where} mixes dtypes ({found}); pass --dtype float32|bfloat16|float16 to "
+                              "convert everything to one")
+    return next(iter(by_dtype))
+
+
+def safetensors_dtypes(ckpt) -> dict[str, torch.dtype]:
+    """Dtype of every tensor of an :class:`HFCheckpoint`, from the headers only."""
+    out = {}
+    for name in ckpt.names():
+        code = ckpt._handle(name).get_slice(name).get_dtype()
+        if code not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {ckpt.hf_dir} has dtype {code}; only F32/BF16/F16 "
+                                  "checkpoints are converted")
+        out[name] = _ST_DTYPES[code]
+    return out
+
+
+def fingerprint(bridge) -> dict:
+    """The model-shape facts the training checkpoints record (``checkpoint.model_fingerprint``)."""
+    return {"hidden_size": bridge.hidden_size, "num_layers": bridge.num_layers,
+            "num_attention_heads": bridge.num_heads, "num_query_groups": bridge.num_query_groups,
+            "ffn_hidden_size": int(bridge.cfg("intermediate_size")), "vocab_size": bridge.vocab_size}
+
+
+def check_fingerprint(path: str, meta: dict, bridge, config_dir: str) -> None:
+    saved = meta.get("model") or {}
+    current = fingerprint(bridge)
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs config {current[k]!r}" for k in FINGERPRINT_FIELDS
+            if k in saved and saved.get(k) != current[k]]
+    if diff:
+        raise CheckpointError(f"torch_dist checkpoint {path} is of a different model than {config_dir}/config.json "
+                              f"({'; '.join(diff)}); pass --hf-config with the config it was converted/trained from")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rank0_do(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on rank 0; if it fails there every rank raises (no rank waits forever in a barrier)."""
+    err, result = None, None
+    if rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank
+            err = e if isinstance(e, CheckpointError) else CheckpointError(f"{what} failed: {type(e).__name__}: {e}")
+    box = [None if err is None else str(err)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+    return result
+
+
+def all_ranks_ok(error: Optional[Exception]) -> None:
+    """Collective: raise on every rank if any rank hit ``error`` (first message wins)."""
+    msgs = [None if error is None else str(error)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, msgs[0])
+        msgs = [m for m in gathered if m is not None] or [None]
+    if msgs[0] is not None:
+        raise CheckpointError(msgs[0])
+
+
+def dist_checkpointing():
+    """``megatron.core.dist_checkpointing`` with the CPU shim applied to its lazily imported strategies.
+
+    Why: the compat shim rebinds ``torch.cuda`` calls only in megatron modules already
+    imported; the torch_dist writer imports ``filesystem_async`` on first use.
+    """
+    import importlib
+    import pkgutil
+
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import strategies
+
+    from megatron_rl.compat import apply_cpu_compat
+
+    for info in pkgutil.iter_modules(strategies.__path__):
+        try:
+            importlib.import_module(f"{strategies.__name__}.{info.name}")
+        except ImportError:  # optional backends (zarr, msc)
+            pass
+    apply_cpu_compat()
+    return dc
+
+
+def aux_files(hf_dir: str) -> list[str]:
+    """Top-level non-weight files of an HF dir: config, tokenizer, generation config, templates."""
+    out = []
+    for name in sorted(os.listdir(hf_dir)):
+        full = os.path.join(hf_dir, name)
+        if not os.path.isfile(full) or name.startswith("."):
+            continue
+        if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name == MARKER_NAME:
+            continue
+        out.append(name)
+    return out
+
+
+def copy_aux_files(src_dir: str, dst_dir: str, config_update: Optional[dict] = None) -> list[str]:
+    """Copy :func:`aux_files` byte for byte; ``config_update`` rewrites keys of config.json."""
+    os.makedirs(dst_dir, exist_ok=True)
+    names = aux_files(src_dir)
+    if "config.json" not in names:
+        raise CheckpointError(f"no config.json in {src_dir}; pass an HF checkpoint dir (or --hf-config DIR)")
+    for name in names:
+        if name == "config.json" and config_update:
+            with open(os.path.join(src_dir, name)) as f:
+                cfg = json.load(f)
+            cfg.update(config_update)
+            with open(os.path.join(dst_dir, name), "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
+                f.write("\n")
+        else:
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return names
+
+
+def file_list(root: str) -> list[dict]:
+    out = []
+    for d, _, files in os.walk(root):
+        for name in sorted(files):
+            full = os.path.join(d, name)
+            out.append({"path": os.path.relpath(full, root), "bytes": os.path.getsize(full)})
+    return sorted(out, key=lambda e: e["path"])
+
+
+def read_marker(path: str) -> dict:
+    """``COMPLETE.json`` of a torch_dist dir; refuses incomplete / temp / corrupt dirs by name."""
+    from megatron_rl.infra.checkpoint_root import is_temp_dir
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"torch_dist checkpoint {path} does not exist")
+    if is_temp_dir(path):
+        raise CheckpointError(f"{path} is a temporary dir of an unfinished write; convert a published dir")
+    marker = os.path.join(path, MARKER_NAME)
+    if not os.path.isfile(marker):
+        raise CheckpointError(f"torch_dist checkpoint {path} has no {MARKER_NAME}: it is incomplete (a crashed "
+                              f"write) or was not written by megatron_rl; re-run the conversion/save, or write "
+                              f"{MARKER_NAME} by hand if you know the dir is complete")
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{marker} is corrupt ({e}); re-run the conversion") from e
+    if meta.get("format") not in (FORMAT, TRAINING_FORMAT):
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}; this converter reads {FORMAT!r} and "
+                              f"{TRAINING_FORMAT!r}")
+    bad = []
+    for entry in meta.get("files", []):
+        full = os.path.join(path, entry["path"])
+        if not os.path.isfile(full):
+            bad.append(f"{entry['path']} missing")
+        elif os.path.getsize(full) != entry["bytes"]:
+            bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, {MARKER_NAME} says {entry['bytes']}")
+    if bad:
+        raise CheckpointError(f"torch_dist checkpoint {path} is corrupt: {'; '.join(bad[:10])}; re-run the "
+                              "conversion or restore the files")
+    return meta
+
+
+def resolve_dist_dir(path: str) -> str:
+    """A checkpoint ROOT (with ``iter_*`` dirs) -> its newest complete iteration; any other dir as is."""
+    from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir, list_iterations
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MARKER_NAME)) and list_iterations(path):
+        step = find_latest_complete(path)
+        if step is None:
+            raise CheckpointError(f"checkpoint root {path} has iter_* dirs but none is complete "
+                                  f"(no {MARKER_NAME}); nothing to convert")
+        return iter_dir(path, step)
+    return path
+
+
+def progress(total: Optional[int], desc: str, enabled: bool, unit: str = "tensor"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled or rank() != 0, dynamic_ncols=True,
+                leave=False)

@@ -1,0 +1,152 @@
+"""megatron-core torch_dist (a converted dir or a training ``iter_NNNNNNN`` dir) -> HF safetensors.
+
+Steps (every rank, one process or under torchrun):
+
+1. resolve the input (a checkpoint ROOT -> its newest complete ``iter_*``) and
+   refuse incomplete, temp or corrupt dirs (``COMPLETE.json`` and its file list);
+2. read the HF config (``<input>/hf_config`` as the converter wrote it, or
+   ``--hf-config DIR``), refuse a fingerprint (hidden size, layers, heads, vocab...)
+   that differs from the checkpoint's;
+3. build this rank's model in the checkpoint's stored dtype, compare the stored
+   tensor keys and global shapes with the model's (refusal names missing, extra
+   and mis-shaped tensors), load the model part (optimizer/RNG entries of a
+   training checkpoint are not read);
+4. export with ``Bridge.export_hf_weights`` (collective; every rank gets full HF
+   tensors) and rank 0 writes ``--max-shard-size`` shards as they fill
+   (:class:`ShardedSafetensorsWriter`), so at most one shard of HF tensors is
+   held beside the model; every tensor the config needs must come out;
+5. config/tokenizer files are copied (``dtype`` in config.json updated only when
+   ``--dtype`` changes it), ``--verify`` re-exports and compares every tensor with
+   the written files, and the temp dir is renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Optional
+
+import torch
+
+from megatron_rl.convert import common, model_io
+from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
+from megatron_rl.errors import CheckpointError
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None, layout=None,
+                       dtype: Optional[torch.dtype] = None, max_shard_size: str | int = "5GB",
+                       verify: bool = False, overwrite: bool = False, show_progress: bool = True,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    """Convert a torch_dist dir to an HF dir ``out_dir``; returns a summary dict (rank 0's is complete)."""
+    from megatron_rl.backends.megatron.parallel import ParallelLayout
+    from megatron_rl.infra.atomic import publish_dir
+    from megatron_rl.infra.checkpoint_root import temp_dir_for
+    from megatron_rl.models import get_bridge
+
+    t0 = time.time()
+    layout = layout or ParallelLayout()
+    max_shard_bytes = parse_size(max_shard_size)
+    dist_dir = common.resolve_dist_dir(os.path.abspath(dist_dir))
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not overwrite:
+        raise CheckpointError(f"output {out_dir} exists; pass --overwrite to replace it or choose another --output")
+    meta = common.read_marker(dist_dir)
+    config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, common.HF_CONFIG_SUBDIR))
+    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+        raise CheckpointError(f"no HF config for {dist_dir}: {config_dir}/config.json does not exist; pass "
+                              "--hf-config DIR (the HF dir the model was converted or trained from)")
+    bridge = get_bridge(config_dir)
+    common.check_fingerprint(dist_dir, meta, bridge, config_dir)
+    stored = model_io.checkpoint_model_tensors(dist_dir)
+    if not stored:
+        raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no model tensors (keys under "
+                              f"{', '.join(model_io.MODEL_KEY_ROOTS)})")
+    stored_dtype = common.uniform_dtype({k: v[1] for k, v in stored.items()}, f"torch_dist checkpoint {dist_dir}")
+    out_dtype = dtype or stored_dtype
+    layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                    else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
+
+    model_io.setup(layout)
+    chunks = bridge.build_model(layout, params_dtype=stored_dtype)
+    model_io.check_checkpoint_matches_model(dist_dir, stored, model_io.model_tensor_shapes(chunks), config_dir)
+    model_io.load_dist_into(chunks, dist_dir)
+
+    tmp = temp_dir_for(out_dir)
+
+    def prepare():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+
+    common.rank0_do(prepare, f"creating {tmp}")
+    expected = bridge.hf_param_shapes()
+    writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if common.rank() == 0 else None
+    error: Optional[Exception] = None
+    seen: set[str] = set()
+    bar = common.progress(len(expected), "torch_dist->hf", show_progress)
+    for name, tensor in bridge.export_hf_weights(chunks, bucket_bytes=bucket_bytes):
+        if writer is None or error is not None:
+            continue  # keep draining: the export is collective
+        try:
+            if name not in expected or tuple(tensor.shape) != tuple(expected[name]):
+                raise CheckpointError(f"export produced {name} {tuple(tensor.shape)}, which {config_dir}/config.json "
+                                      f"does not have with that shape (expects {expected.get(name)})")
+            writer.add(name, tensor.to(out_dtype) if tensor.dtype != out_dtype else tensor)
+            seen.add(name)
+            bar.update(1)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = e
+    bar.close()
+    if writer is not None and error is None and set(expected) - seen:
+        error = CheckpointError(f"HF tensors left unfilled by the export: {sorted(set(expected) - seen)}; the "
+                                f"checkpoint {dist_dir} lacks parameters {config_dir}/config.json needs")
+    common.all_ranks_ok(error)
+    model_io.free(chunks)
+
+    summary: dict = {}
+
+    def finish():
+        index = writer.finish()
+        update = None
+        if dtype is not None:
+            update = {"dtype": common.dtype_name(out_dtype)}
+        common.copy_aux_files(config_dir, tmp, update)
+        summary.update(files=len(set(index["weight_map"].values())), total_bytes=index["metadata"]["total_size"],
+                       peak_pending_bytes=writer.peak_pending_bytes)
+
+    common.rank0_do(finish, f"writing {tmp}")
+    if verify:
+        verify_hf_against_dist(bridge, tmp, dist_dir, layout, stored_dtype, dtype, show_progress)
+    common.rank0_do(lambda: publish_dir(tmp, out_dir), f"publishing {out_dir}")
+    common.barrier()
+    summary.update(output=out_dir, source=dist_dir, dtype=common.dtype_name(out_dtype),
+                   tensors=len(expected), seconds=round(time.time() - t0, 3), verified=bool(verify))
+    return summary
+
+
+def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dtype: torch.dtype,
+                           cast: Optional[torch.dtype], show_progress: bool = True) -> None:
+    """Collective: reload ``dist_dir``, export again, compare every tensor with the files in ``hf_dir``."""
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+    chunks = bridge.build_model(layout, params_dtype=model_dtype)
+    model_io.load_dist_into(chunks, dist_dir)
+    ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None
+    try:
+        err = None
+        if ref is not None:
+            names = ref.names()
+            expected = set(bridge.hf_param_shapes())
+            if names != expected:
+                err = (f"written names differ: missing {sorted(expected - names)}, extra {sorted(names - expected)}")
+        exported = ((n, t.to(cast) if cast is not None else t) for n, t in bridge.export_hf_weights(chunks))
+        err2 = model_io.compare_stream(exported, ref, bridge.hf_param_shapes(), None, "written HF",
+                                       show_progress, compare=ref is not None)
+        err = "; ".join(e for e in (err, err2) if e) or None
+    finally:
+        if ref is not None:
+            ref.close()
+        model_io.free(chunks)
+    common.all_ranks_ok(CheckpointError(f"--verify: written {hf_dir} differs from {dist_dir}: {err}") if err else None)

@@ -1,0 +1,143 @@
+"""HF safetensors (sharded with an index, or one file) -> megatron-core torch_dist.
+
+Steps (every rank, one process or under torchrun):
+
+1. refuse before any collective, naming tensors: configs the bridge cannot map,
+   checkpoint tensors no megatron parameter takes, tensors the config needs that
+   are missing, shapes that differ from ``config.json``
+   (:func:`megatron_rl.models.weights.check_checkpoint_names`), mixed dtypes
+   without ``--dtype``;
+2. build this rank's ``GPTModel`` chunks for the layout in the target dtype and
+   stream the HF tensors in (each rank reads only its slices;
+   ``Bridge.load_hf_weights`` refuses parameters left unfilled);
+3. ``dist_checkpointing.save`` of ``model`` into a hidden temp dir;
+4. ``--verify``: free the model, build a fresh one, load the temp dir, export it
+   back to HF tensors and compare every one with the source (bit-exact; with
+   ``--dtype``, with the source cast to it);
+5. rank 0 copies config/tokenizer files to ``hf_config/``, writes ``COMPLETE.json``
+   and renames the temp dir into place, so the output exists only when complete.
+
+Memory: a rank holds its model shard once in the target dtype (the torch_dist
+writer writes CPU tensors in place, forked writers share pages); see
+``docs/convert.md`` for the measured peak.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Optional
+
+import torch
+
+from megatron_rl.convert import common, model_io
+from megatron_rl.errors import CheckpointError
+
+
+def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[torch.dtype] = None,
+                       verify: bool = False, overwrite: bool = False, show_progress: bool = True) -> dict:
+    """Convert ``hf_dir`` to a torch_dist dir ``out_dir``; returns the ``COMPLETE.json`` dict.
+
+    Collective when ``torch.distributed`` is initialised (every rank calls it with
+    the same arguments). ``layout``: a ``ParallelLayout`` (default: all 1).
+    """
+    from megatron_rl.backends.megatron.parallel import ParallelLayout
+    from megatron_rl.infra.atomic import atomic_write_json, publish_dir
+    from megatron_rl.infra.checkpoint_root import temp_dir_for
+    from megatron_rl.models import get_bridge
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
+    from megatron_rl.models.weights import check_checkpoint_names
+
+    t0 = time.time()
+    layout = layout or ParallelLayout()
+    hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not overwrite:
+        raise CheckpointError(f"output {out_dir} exists; pass --overwrite to replace it or choose another --output")
+    bridge = get_bridge(hf_dir)
+    ckpt = HFCheckpoint(hf_dir)
+    try:
+        check_checkpoint_names(bridge, ckpt)
+        dtypes = {n: dt for n, dt in common.safetensors_dtypes(ckpt).items() if n in bridge.hf_param_shapes()}
+        source_dtype = common.uniform_dtype(dtypes, f"HF checkpoint {hf_dir}") if dtype is None else None
+    finally:
+        ckpt.close()
+    target = dtype or source_dtype
+    layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                    else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
+
+    bar = common.progress(4 if verify else 3, "hf->torch_dist", show_progress, unit="step")
+    model_io.setup(layout)
+    chunks = bridge.build_model(layout, params_dtype=target)
+    bar.set_postfix_str("load HF")
+    bridge.load_hf_weights(chunks, hf_dir)
+    bar.update(1)
+
+    tmp = temp_dir_for(out_dir)
+
+    def prepare():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+        os.makedirs(tmp)
+
+    common.rank0_do(prepare, f"creating {tmp}")
+    bar.set_postfix_str("save torch_dist")
+    dc = common.dist_checkpointing()
+    dc.save(model_io.model_sharded_state_dict(chunks), tmp, content_metadata={"megatron_rl_format": common.FORMAT})
+    common.barrier()
+    bar.update(1)
+    model_io.free(chunks)
+
+    if verify:
+        bar.set_postfix_str("verify")
+        verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress)
+        bar.update(1)
+
+    meta = {"format": common.FORMAT, "source": {"kind": "hf", "path": hf_dir},
+            "model_type": bridge.cfg("model_type"), "family": bridge.family, "dtype": common.dtype_name(target),
+            "layout": layout.describe(), "model": common.fingerprint(bridge),
+            "megatron_core": _mcore_version(), "torch": torch.__version__, "verified": bool(verify)}
+
+    def publish():
+        update = {"dtype": common.dtype_name(target)} if dtype is not None else None
+        common.copy_aux_files(hf_dir, os.path.join(tmp, common.HF_CONFIG_SUBDIR), update)
+        meta["files"] = common.file_list(tmp)
+        atomic_write_json(os.path.join(tmp, common.MARKER_NAME), meta)
+        publish_dir(tmp, out_dir)
+
+    bar.set_postfix_str("publish")
+    common.rank0_do(publish, f"publishing {out_dir}")
+    common.barrier()
+    bar.update(1)
+    bar.close()
+    meta["seconds"] = round(time.time() - t0, 3)
+    return meta
+
+
+def verify_dist_against_hf(bridge, dist_dir: str, hf_dir: str, layout, model_dtype: torch.dtype,
+                           cast: Optional[torch.dtype], show_progress: bool = True) -> None:
+    """Collective: load ``dist_dir`` into a fresh model, export, compare with ``hf_dir`` tensor by tensor."""
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+    chunks = bridge.build_model(layout, params_dtype=model_dtype)
+    model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
+                                            model_io.model_tensor_shapes(chunks), hf_dir)
+    model_io.load_dist_into(chunks, dist_dir)
+    ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None
+    try:
+        err = model_io.compare_stream(bridge.export_hf_weights(chunks), ref, bridge.hf_param_shapes(),
+                                      cast, "HF source", show_progress, compare=common.rank() == 0)
+    finally:
+        if ref is not None:
+            ref.close()
+        model_io.free(chunks)
+    common.all_ranks_ok(CheckpointError(f"--verify: torch_dist {dist_dir} reloaded differs from {hf_dir}: {err}")
+                        if err else None)
+
+
+def _mcore_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001
+        return "unknown"

@@ -1,0 +1,153 @@
+"""Megatron-side pieces both converters share: build, sharded state dict, checks, load, compare.
+
+Why build a real ``GPTModel`` instead of writing ShardedTensors by hand from the
+name maps: the torch_dist keys, global shapes, offsets, replica ids and the
+``ShardedTensorFactory`` that splits a gated ``linear_fc1`` are whatever
+``GPTModel.sharded_state_dict()`` of this megatron-core says they are. Reusing
+it is the only way a converted checkpoint is guaranteed to ``--load`` in
+training, and a training checkpoint's model part to export here. The cost is
+that a rank holds its model shard (the whole model in one process); see
+``docs/convert.md`` for the measured peak.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterable, Optional
+
+import torch
+
+from megatron_rl.convert.common import dist_checkpointing, progress
+from megatron_rl.errors import CheckpointError
+
+MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.")
+
+
+def setup(layout) -> None:
+    """``initialize_parallel(layout)`` (gloo on CPU; one process needs no torchrun)."""
+    from megatron_rl.backends.megatron.parallel import initialize_parallel
+
+    initialize_parallel(layout)
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """``model`` / ``model{i}`` exactly as megatron's trainer (and our training checkpoints) write them."""
+    from megatron.core import parallel_state as ps
+
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    out, previous = {}, ps.get_virtual_pipeline_model_parallel_rank()
+    try:
+        for i, chunk in enumerate(chunks):
+            ps.set_virtual_pipeline_model_parallel_rank(i)
+            out[f"model{i}"] = chunk.sharded_state_dict()
+    finally:
+        ps.set_virtual_pipeline_model_parallel_rank(previous)
+    return out
+
+
+def _tensor_shapes(sd) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    values = [sd] if isinstance(sd, (ShardedTensor, ShardedTensorFactory)) else nested_values(sd)
+    for v in values:
+        if isinstance(v, ShardedTensorFactory):
+            out.update(_tensor_shapes(v.build()))
+        elif isinstance(v, ShardedTensor):
+            out[v.key] = (tuple(v.global_shape), v.dtype)
+    return out
+
+
+def model_tensor_shapes(chunks) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every torch_dist tensor key this model (at this layout) reads/writes."""
+    return _tensor_shapes(model_sharded_state_dict(chunks))
+
+
+def checkpoint_model_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Model tensors stored in a torch_dist dir (optimizer / RNG entries of training checkpoints skipped)."""
+    dc = dist_checkpointing()
+    try:
+        md = dc.load_tensors_metadata(path)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read torch_dist metadata of {path} ({type(e).__name__}: {e}); is it a "
+                              "megatron-core torch_dist checkpoint?") from e
+    return {k: (tuple(v.global_shape), v.dtype) for k, v in md.items() if k.startswith(MODEL_KEY_ROOTS)}
+
+
+def check_checkpoint_matches_model(path: str, stored: dict, expected: dict, config_dir: str) -> None:
+    """Refuse, naming tensors: model keys the checkpoint lacks, stored keys the model has no
+    parameter for, and global-shape mismatches (e.g. another vocab padding)."""
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    bad = [f"{k}: checkpoint {stored[k][0]} vs model {expected[k][0]}" for k in sorted(set(expected) & set(stored))
+           if stored[k][0] != expected[k][0]]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the model needs are not in the checkpoint: {missing}")
+    if extra:
+        problems.append(f"{len(extra)} checkpoint tensor(s) map to no parameter of this model: {extra}")
+    if bad:
+        problems.append(f"shape mismatch: {bad}")
+    if problems:
+        raise CheckpointError(f"torch_dist checkpoint {path} does not match the model of {config_dir}/config.json: "
+                              + "; ".join(problems) + ". Pass the --hf-config it was written from; for a padded-"
+                              "vocab mismatch convert at the --tensor-model-parallel-size it was saved with.")
+
+
+def load_dist_into(chunks, path: str) -> None:
+    """Collective: fill ``chunks`` from the torch_dist dir ``path`` (model part only, strict)."""
+    dc = dist_checkpointing()
+    sd = model_sharded_state_dict(chunks)
+    try:
+        loaded = dc.load(sd, path)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"loading the model from torch_dist checkpoint {path} failed ({type(e).__name__}: "
+                              f"{e}); the files are corrupt or of another model") from e
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for chunk, key in zip(chunks, keys):
+        chunk.load_state_dict(loaded[key], strict=True)
+
+
+def free(chunks: Optional[list]) -> None:
+    if chunks is not None:
+        chunks.clear()
+    gc.collect()
+
+
+def compare_stream(exported: Iterable[tuple[str, torch.Tensor]], reference, expected_names: Iterable[str],
+                   cast: Optional[torch.dtype], what: str, show_progress: bool, compare: bool) -> Optional[str]:
+    """Drain the (collective) export; if ``compare``, check each tensor is bit-equal to
+    ``reference.read(name)`` (cast to ``cast`` first, when given) and that exactly
+    ``expected_names`` came out. Returns a message naming every difference, or None.
+    """
+    expected = set(expected_names)
+    seen, diffs = set(), []
+    bar = progress(len(expected), f"verify {what}", show_progress and compare)
+    for name, tensor in exported:
+        if not compare:
+            continue
+        seen.add(name)
+        bar.update(1)
+        if name not in reference.names():
+            diffs.append(f"{name}: not in the {what} side")
+            continue
+        ref = reference.read(name)
+        if cast is not None:
+            ref = ref.to(cast)
+        if ref.dtype != tensor.dtype or tuple(ref.shape) != tuple(tensor.shape):
+            diffs.append(f"{name}: {tuple(tensor.shape)} {tensor.dtype} vs {tuple(ref.shape)} {ref.dtype}")
+        elif not torch.equal(ref.view(torch.uint8) if ref.dtype.is_floating_point and ref.numel() else ref,
+                             tensor.contiguous().view(torch.uint8) if tensor.numel() else tensor):
+            diffs.append(f"{name}: values differ (max abs {float((ref.float() - tensor.float()).abs().max()):.3g})")
+    bar.close()
+    if not compare:
+        return None
+    missing = sorted(expected - seen)
+    extra = sorted(seen - expected)
+    if missing:
+        diffs.append(f"not exported: {missing}")
+    if extra:
+        diffs.append(f"exported but not expected: {extra}")
+    return "; ".join(diffs) if diffs else None

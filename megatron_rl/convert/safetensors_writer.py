@@ -1,0 +1,105 @@
+"""Write HF safetensors shards while tensors stream in.
+
+Why streaming: an export yields full HF tensors one (bucket) at a time; holding
+them all before writing would make the peak memory the whole model again. The
+writer keeps at most one shard (``max_shard_bytes``, HF's ``max_shard_size``
+semantics: a shard is closed when the next tensor would overflow it; a tensor
+bigger than the limit gets a shard of its own) and writes it as soon as it is
+full. Shard file names need the total count (``model-00001-of-00003``), which is
+only known at the end, so shards are written under ``.part`` names and renamed by
+:meth:`finish`, which then writes ``model.safetensors.index.json``. Callers write
+into a temporary directory and publish it (:func:`~megatron_rl.infra.atomic.publish_dir`),
+so a half-written output never appears under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_rl.errors import CheckpointError
+from megatron_rl.infra.atomic import atomic_write_json
+
+INDEX_FILE = "model.safetensors.index.json"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` / ``"500MiB"`` / ``"1000"`` -> bytes (HF's decimal units for ``GB``)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m:
+            raise CheckpointError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB, 2GiB or bytes")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if value <= 0:
+        raise CheckpointError(f"--max-shard-size must be positive, got {text!r}")
+    return value
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that owns its storage (safetensors refuses shared storage,
+    and exported tensors can be views into one broadcast bucket)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.contiguous().clone()
+    return t
+
+
+class ShardedSafetensorsWriter:
+    """``add(name, tensor)`` until done, then ``finish()`` -> the index dict."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int, metadata: Optional[dict] = None):
+        self.out_dir = out_dir
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._parts: list[tuple[str, list[str]]] = []  # (part file, names)
+        self.total_bytes = 0
+        self.peak_pending_bytes = 0
+        os.makedirs(out_dir, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._pending or any(name in names for _, names in self._parts):
+            raise CheckpointError(f"tensor {name!r} was written twice; the export is inconsistent")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = _own_storage(tensor)
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        part = f"model-{len(self._parts) + 1:05d}.safetensors.part"
+        save_file(self._pending, os.path.join(self.out_dir, part), metadata=self.metadata)
+        self._parts.append((part, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> dict:
+        """Write the last shard, give shards their final names, write the index."""
+        self._flush()
+        if not self._parts:
+            raise CheckpointError("no tensors were exported; nothing to write")
+        n = len(self._parts)
+        weight_map = {}
+        for i, (part, names) in enumerate(self._parts, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, part), os.path.join(self.out_dir, final))
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        atomic_write_json(os.path.join(self.out_dir, INDEX_FILE), index)
+        return index

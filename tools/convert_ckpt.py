@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Convert checkpoints between HF safetensors and megatron-core torch_dist.
+
+    # HF -> torch_dist (one process; the output reloads at any TP/PP/EP)
+    python tools/convert_ckpt.py hf-to-dist --input HF_DIR --output DIST_DIR [--dtype bfloat16] [--verify]
+
+    # torch_dist (converted dir, training iter_NNNNNNN dir or checkpoint root) -> HF
+    python tools/convert_ckpt.py dist-to-hf --input DIST_DIR --output HF_DIR [--hf-config HF_DIR] \\
+        [--max-shard-size 5GB] [--dtype keep] [--verify]
+
+    # big models: the same under torchrun, each rank holding its shard
+    torchrun --nproc-per-node 8 tools/convert_ckpt.py hf-to-dist --input HF --output DIST \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
+
+Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe).
+Refusals (unmapped / missing / mis-shaped tensors, config mismatches, incomplete
+inputs, an existing output without --overwrite) print one message naming the
+tensors and the fix on stderr and exit 2. Outputs appear only when complete.
+See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="convert_ckpt.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="direction", required=True)
+    for name, help_ in (("hf-to-dist", "HF safetensors dir -> torch_dist dir"),
+                        ("dist-to-hf", "torch_dist dir (or checkpoint root) -> HF safetensors dir")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--input", required=True, metavar="DIR")
+        p.add_argument("--output", required=True, metavar="DIR")
+        p.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
+                       help="convert every tensor to this dtype (default: keep the source dtype)")
+        p.add_argument("--verify", action="store_true",
+                       help="reload the output and compare every tensor (bit-exact; with --dtype against the "
+                            "source cast to it)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
+        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+        p.add_argument("--tensor-model-parallel-size", type=int, default=1, dest="tp")
+        p.add_argument("--pipeline-model-parallel-size", type=int, default=1, dest="pp")
+        p.add_argument("--expert-model-parallel-size", type=int, default=1, dest="ep")
+        p.add_argument("--expert-tensor-parallel-size", type=int, default=None, dest="etp")
+        if name == "dist-to-hf":
+            p.add_argument("--hf-config", metavar="DIR",
+                           help="dir with config.json + tokenizer files (default: INPUT/hf_config)")
+            p.add_argument("--max-shard-size", default="5GB", help="HF shard size limit (default 5GB)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_rl.errors import MegatronRLError
+
+    try:
+        from megatron_rl.backends.megatron.parallel import ParallelLayout
+        from megatron_rl.convert.common import parse_dtype
+
+        layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+        kw = dict(layout=layout, dtype=parse_dtype(args.dtype), verify=args.verify, overwrite=args.overwrite,
+                  show_progress=not args.no_progress)
+        if args.direction == "hf-to-dist":
+            from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
+
+            summary = convert_hf_to_dist(args.input, args.output, **kw)
+            summary = {k: summary[k] for k in ("format", "family", "dtype", "seconds", "verified")} | \
+                {"output": os.path.abspath(args.output), "files": len(summary.get("files", []))}
+        else:
+            from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
+
+            summary = convert_dist_to_hf(args.input, args.output, hf_config_dir=args.hf_config,
+                                         max_shard_size=args.max_shard_size, **kw)
+    except MegatronRLError as e:
+        print(f"convert_ckpt.py {args.direction}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        _shutdown()
+    if _is_rank0():
+        if args.json:
+            print(json.dumps(summary, sort_keys=True))
+        else:
+            print(f"{args.direction}: wrote {summary.get('output')} ({summary.get('dtype')}, "
+                  f"{summary.get('seconds')} s{', verified bit-exact' if summary.get('verified') else ''})")
+    return 0
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            from megatron_rl.backends.megatron.parallel import destroy_parallel
+
+            destroy_parallel()
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the torch_dist writer spawns helpers: keep module import side-effect free
+    sys.exit(main())
