@@ -1,0 +1,162 @@
+"""JSONL prompt datasets, chat templates, shuffling and exact resume of the prompt iterator."""
+
+import json
+import string
+
+import pytest
+
+from megatron_rl.data.prompts import PromptDataset, PromptIterator
+from megatron_rl.errors import ConfigError
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def build_char_tokenizer(path, chat_template=CHAT_TEMPLATE):
+    """A real (tiny) HF fast tokenizer: one token per printable character, ids < 110, saved to ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                                   additional_special_tokens=SPECIAL[3:])
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_char_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_text_prompts_and_labels(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"question": "1+1=", "answer": 2}, "", {"question": "hi", "answer": "x"}])
+    ds = PromptDataset(data, tokenizer=tokenizer, input_key="question", label_key="answer")
+    assert len(ds) == 2
+    assert ds[0].prompt_ids == tokenizer("1+1=")["input_ids"] and tokenizer.decode(ds[0].prompt_ids) == "1+1="
+    assert (ds[0].label, ds[0].prompt_text, ds[0].line) == (2, "1+1=", 1)
+    assert ds[1].line == 3  # blank lines are skipped but line numbers stay true
+
+
+def test_chat_template(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "What is 2+2?", "label": "4"},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "label": "x"},
+    ])
+    ds = PromptDataset(data, tokenizer=tokenizer, apply_chat_template=True)
+    assert ds[0].prompt_text == "<|user|>What is 2+2?\n<|assistant|>"
+    assert ds[0].prompt_ids[0] == SPECIAL.index("<|user|>") and ds[0].prompt_ids[-1] == SPECIAL.index("<|assistant|>")
+    assert tokenizer.decode(ds[0].prompt_ids) == ds[0].prompt_text
+    assert ds[1].prompt_text == "<|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
+
+
+def test_chat_template_errors(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "Hi"}], "label": 1}])
+    with pytest.raises(ConfigError, match="line 1: --input-key 'prompt' holds chat messages; pass --apply-chat-templ"):
+        PromptDataset(data, tokenizer=tokenizer)
+    plain = build_char_tokenizer(tmp_path / "plain", chat_template=None)
+    with pytest.raises(ConfigError, match="--apply-chat-template was given but the tokenizer .* has no chat template; "
+                                          "drop --apply-chat-template"):
+        PromptDataset(data, tokenizer=plain, apply_chat_template=True)
+    with pytest.raises(ConfigError, match="--apply-chat-template needs a tokenizer"):
+        PromptDataset(data, apply_chat_template=True)
+
+
+def test_token_id_prompts_need_no_tokenizer(tmp_path):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [5, 6, 7], "label": [1]}])
+    ds = PromptDataset(data)
+    assert ds[0].prompt_ids == [5, 6, 7] and ds[0].prompt_text is None and ds[0].label == [1]
+
+
+@pytest.mark.parametrize("lines,kwargs,message", [
+    (['{"prompt": "a", "label": 1}', '{"prompt": "b", "label": 2'], {},
+     r"--prompt-data .*p.jsonl line 2: not valid JSON .*; each line must be one JSON object"),
+    (['["a"]'], {}, "line 1: expected a JSON object, got list"),
+    (['{"prompt": "a", "label": 1}', '{"text": "b", "label": 2}'], {},
+     "line 2: no key 'prompt' \\(--input-key\\); keys there: 'text', 'label'; pass --input-key with one of them"),
+    (['{"prompt": "a"}'], {}, "line 1: no key 'label' \\(--label-key\\).*--label-key '' for data without labels"),
+    (['{"prompt": 3, "label": 1}'], {}, "line 1: --input-key 'prompt' holds a int"),
+    (['{"prompt": "", "label": 1}'], {}, "line 1: the prompt is empty"),
+    (['{"prompt": "abcdef", "label": 1}'], {"max_prompt_len": 4},
+     "line 1: prompt has 6 tokens, more than --rollout-max-prompt-len 4"),
+    ([], {}, "the file has no prompts"),
+])
+def test_bad_files_name_flag_line_and_fix(tmp_path, tokenizer, lines, kwargs, message):
+    data = write_jsonl(tmp_path / "p.jsonl", lines)
+    with pytest.raises(ConfigError, match=message):
+        PromptDataset(data, tokenizer=tokenizer, **kwargs)
+
+
+def test_missing_file_and_missing_tokenizer(tmp_path):
+    with pytest.raises(ConfigError, match="--prompt-data /no/such.jsonl: no such file"):
+        PromptDataset("/no/such.jsonl")
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "text", "label": 1}])
+    with pytest.raises(ConfigError, match="line 1: a text prompt needs a tokenizer"):
+        PromptDataset(data)
+    unlabeled = write_jsonl(tmp_path / "u.jsonl", [{"prompt": [3, 4]}])
+    assert PromptDataset(unlabeled, label_key="")[0].label is None  # --label-key '': data without labels
+
+
+def numbered_dataset(tmp_path, n=7):
+    return PromptDataset(write_jsonl(tmp_path / "p.jsonl", [{"prompt": [i + 1], "label": i} for i in range(n)]))
+
+
+def labels(batch):
+    return [r.label for r in batch.requests]
+
+
+def test_batches_cross_epochs_without_dropping(tmp_path):
+    it = PromptIterator(numbered_dataset(tmp_path), rollout_batch_size=3, n_samples_per_prompt=4)
+    batches = [next(it) for _ in range(3)]
+    assert [labels(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 0, 1]]
+    assert [b.epoch for b in batches] == [0, 0, 0] and batches[2].requests[1].metadata["epoch"] == 1
+    assert [r.group_index for r in batches[2].requests] == [0, 1, 2]
+    assert batches[2].rollout_id == 2 and batches[2].n_samples_per_prompt == 4
+    assert batches[0].requests[2].metadata == {"prompt_index": 2, "line": 3, "epoch": 0}
+
+
+def test_shuffle_is_a_seeded_permutation_per_epoch(tmp_path):
+    ds = numbered_dataset(tmp_path)
+    it = PromptIterator(ds, rollout_batch_size=7, shuffle=True, seed=5)
+    e0, e1 = labels(next(it)), labels(next(it))
+    assert sorted(e0) == sorted(e1) == list(range(7)) and e0 != e1
+    again = PromptIterator(ds, rollout_batch_size=7, shuffle=True, seed=5)
+    assert labels(next(again)) == e0
+    assert labels(next(PromptIterator(ds, rollout_batch_size=7, shuffle=True, seed=6))) != e0
+
+
+def test_state_dict_resumes_exactly(tmp_path):
+    ds = numbered_dataset(tmp_path)
+    straight = PromptIterator(ds, rollout_batch_size=3, shuffle=True, seed=1)
+    expected = [labels(next(straight)) for _ in range(8)]
+    first = PromptIterator(ds, rollout_batch_size=3, shuffle=True, seed=1)
+    head = [labels(next(first)) for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON round trip (resume_state.json)
+    resumed = PromptIterator(numbered_dataset(tmp_path), rollout_batch_size=3, shuffle=True, seed=1)
+    resumed.load_state_dict(state)
+    tail = [next(resumed) for _ in range(5)]
+    assert head + [labels(b) for b in tail] == expected
+    assert tail[0].rollout_id == 3
+    with pytest.raises(ConfigError, match="seed was 1 when saved and is 2 now \\(--rollout-seed changed\\)"):
+        PromptIterator(ds, rollout_batch_size=3, shuffle=True, seed=2).load_state_dict(state)
+    with pytest.raises(ConfigError, match="num_prompts was 7 when saved and is 5 now \\(--prompt-data changed\\)"):
+        PromptIterator(numbered_dataset(tmp_path, 5), rollout_batch_size=3, shuffle=True, seed=1).load_state_dict(state)
+
+
+def test_iterator_flags_are_checked(tmp_path):
+    ds = numbered_dataset(tmp_path)
+    with pytest.raises(ConfigError, match="--rollout-batch-size=0 is invalid"):
+        PromptIterator(ds, rollout_batch_size=0)
+    with pytest.raises(ConfigError, match="--n-samples-per-prompt=0 is invalid"):
+        PromptIterator(ds, rollout_batch_size=2, n_samples_per_prompt=0)
