@@ -8,9 +8,11 @@ Three launches (tests/dist/scripts/ckpt_worker.py):
    uninterrupted run BITWISE: per-step metrics (loss, grad norm, lr...), exported
    HF weights, every rank's optimizer state (param, exp_avg, exp_avg_sq, step) and
    the RNG streams (python, numpy, torch, megatron tracker) on every rank.
+   Also: the TP2 checkpoint is loaded at PP2 x VPP2 (model0/model1) and re-saved.
 3. 1 rank (TP1): the TP2 checkpoint loads (model + optimizer resharded) with
    forward log-probs equal to TP2's at save time, and the next 2 steps match the
-   TP2 run; temp / unmarked / truncated / garbage checkpoints are refused first.
+   TP2 run; so does the PP2 x VPP2 re-save. Temp / unmarked / truncated / garbage
+   checkpoints and one of the other optimizer kind are refused first.
 
 The schedule (warm-up 2, cosine decay), weight decay, grad clipping, KL against a
 reference snapshot and per-step RNG use make every piece of state matter.
@@ -28,6 +30,7 @@ from _util import torchrun
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
 LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-parallel-size", "2"]}
 SKIP = {"train/step_time_s"}
+VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
 
 
 def _job(**kw):
@@ -46,6 +49,9 @@ def ckpt(tmp_path_factory, tiny_hf_models):
                  _job(tag=f"save_{k}", flags=flags, steps=2, save=saves[k])]
     torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=400)
     jobs = [_job(tag=f"resume_{k}", flags=flags, steps=2, load=saves[k]) for k, flags in LAYOUTS.items()]
+    # interleaved pipeline (model0/model1 keys): load the TP2 checkpoint at PP2 x VPP2 and save it again
+    vpp_save = str(out / "root_vpp" / "iter_0000002")
+    jobs.append(_job(tag="vpp", flags=VPP, steps=0, load=saves["tp"], save=vpp_save))
     torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=300)
 
     # damaged copies of the TP2 checkpoint, next to it (root_tp) and apart (bad*)
@@ -66,9 +72,10 @@ def ckpt(tmp_path_factory, tiny_hf_models):
     size = os.path.getsize(common)
     with open(common, "wb") as f:
         f.write(b"\0" * size)  # same size: only the reader can tell
-    bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage}
-    proc = torchrun(SCRIPT, 1, [hf, str(out), _job(tag="reshard_tp1", steps=2, load=good,
-                                                    refuse=list(bad.values()))], timeout=300)
+    bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage,
+           "dist_opt": saves["do"]}  # saved with --use-distributed-optimizer, loaded without
+    proc = torchrun(SCRIPT, 1, [hf, str(out), _job(tag="reshard_tp1", steps=2, load=good, refuse=list(bad.values())),
+                                _job(tag="vpp_to_tp1", steps=0, load=vpp_save)], timeout=300)
     return out, roots, bad, proc
 
 
@@ -136,6 +143,22 @@ def test_tp2_checkpoint_loads_at_tp1(ckpt):
     assert "RNG states are NOT restored" in proc.stdout + proc.stderr
 
 
+def _max_diff(a, b):
+    return max(abs(x - y) for r, s in zip(a, b, strict=True) for x, y in zip(r, s, strict=True))
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_checkpoint_roundtrip(ckpt):
+    """TP2 -> PP2 x VPP2 (loads into model0/model1, saves them) -> TP1: the same model throughout."""
+    out, *_ = ckpt
+    saved, vpp, tp1 = _rec(out, "save_tp"), _rec(out, "vpp"), _rec(out, "vpp_to_tp1")
+    assert vpp["start_step"] == tp1["start_step"] == 2 and tp1["extra_state"]["next_step"] == 2
+    assert _max_diff(saved["logprobs_end"], vpp["logprobs_start"]) <= 1e-6
+    assert _max_diff(saved["logprobs_end"], tp1["logprobs_start"]) <= 1e-6
+    meta = json.load(open(out / "root_vpp" / "iter_0000002" / "COMPLETE.json"))
+    assert (meta["layout"]["pp"], meta["layout"]["vpp"], meta["optimizer_steps"]) == (2, 2, 2)
+
+
 @pytest.mark.slow
 def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
     from megatron_rl.infra.checkpoint_root import find_latest_complete
@@ -147,6 +170,7 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
     assert "no COMPLETE.json" in msgs[bad["unmarked"]] and "find_latest_complete" in msgs[bad["unmarked"]]
     assert "corrupt" in msgs[bad["truncated"]] and "expected" in msgs[bad["truncated"]]
     assert "loading checkpoint" in msgs[bad["garbage"]] and bad["garbage"] in msgs[bad["garbage"]]
+    assert "--use-distributed-optimizer" in msgs[bad["dist_opt"]] and bad["dist_opt"] in msgs[bad["dist_opt"]]
     # the newest complete checkpoint skips the unmarked iter_0000003 and the temp dir
     assert find_latest_complete(str(roots["tp"])) == 2
     assert find_latest_complete(str(roots["do"])) == 2

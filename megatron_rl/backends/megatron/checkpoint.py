@@ -408,6 +408,12 @@ def load_checkpoint(backend, path: str) -> dict:
     meta = read_checkpoint_metadata(path)
     check_model_matches(path, meta, backend)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    saved_dist = (meta.get("layout") or {}).get("use_distributed_optimizer")
+    now_dist = bool(backend.cfg.optimizer.use_distributed_optimizer)
+    if saved_dist is not None and saved_dist != now_dist:
+        flag = "with" if saved_dist else "without"
+        raise CheckpointError(f"checkpoint {path} was saved {flag} --use-distributed-optimizer; megatron-core "
+                              f"0.16 cannot convert optimizer state between the two. Resume {flag} the flag")
     same_layout = meta.get("layout") == layout_record(backend)
     if not same_layout and _rank() == 0:
         log.warning("checkpoint %s was saved at layout %s, loading at %s: model and optimizer are resharded; "
