@@ -79,6 +79,7 @@ def run(cfg) -> int:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter of every bucket
     try:
         cfg = parse_config(argv)
         if cfg.mode.dry_run:

@@ -49,7 +49,7 @@ def build_spec(cfg):
 
 def build_rollout(cfg):
     """The driver's rollout side: engine, prompt data, reward."""
-    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.data.prompts import PromptDataset, PromptIterator
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.manager import RolloutManager
     from megatron_rl.rollout.rewards import get_reward_fn
@@ -58,14 +58,16 @@ def build_rollout(cfg):
         raise ConfigError("--rollout-backend sglang is not wired into the loop yet; use --rollout-backend embedded")
     if not cfg.data.prompt_data:
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
+    reward_fn = get_reward_fn(rm_type=cfg.data.rm_type, custom_rm_path=cfg.data.custom_rm_path)  # fail fast
     engine = EmbeddedEngine(cfg.model.hf_checkpoint)
-    d = cfg.data
+    d, b = cfg.data, cfg.batching
     common = dict(tokenizer=engine.tokenizer, input_key=d.input_key, label_key=d.label_key,
                   apply_chat_template=d.apply_chat_template, max_prompt_len=cfg.rollout.rollout_max_prompt_len)
-    dataset = PromptDataset(d.prompt_data, shuffle=d.rollout_shuffle, seed=cfg.runtime.seed, **common)
-    eval_dataset = PromptDataset(d.eval_prompt_data, shuffle=False, seed=0, **common) if d.eval_prompt_data else None
-    reward_fn = get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path)
-    return RolloutManager(cfg, engine, dataset, reward_fn, eval_dataset)
+    prompts = PromptIterator(PromptDataset(d.prompt_data, **common), rollout_batch_size=b.rollout_batch_size,
+                             n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,
+                             seed=cfg.rollout.rollout_seed)
+    eval_dataset = PromptDataset(d.eval_prompt_data, **common) if d.eval_prompt_data else None
+    return RolloutManager(cfg, engine, prompts, reward_fn, eval_dataset)
 
 
 @dataclass
@@ -107,7 +109,10 @@ class RunContext:
     def create(cls, cfg) -> "RunContext":
         rank = int(os.environ.get("RANK", "0"))
         rt = cfg.runtime
-        state = read_resume_state(cfg.checkpoint.save) if cfg.checkpoint.save and not cfg.checkpoint.no_auto_resume else {}
+        from megatron_rl.infra.checkpoint_root import read_resume_state
+
+        resumable = cfg.checkpoint.save and not cfg.checkpoint.no_auto_resume
+        state = (read_resume_state(cfg.checkpoint.save) or {}) if resumable else {}
         clock = WallClock(rt.wall_time_limit, rt.wall_time_reserve, elapsed_before_s=state.get("elapsed_s", 0.0))
         clock.install_signal_handlers()
         tracker = Tracker(rt.output_dir, enabled=rank == 0, tensorboard_dir=rt.tensorboard_dir,
@@ -159,7 +164,7 @@ class RunContext:
     # ---- checkpoints -------------------------------------------------------------
     def resume_or_init(self, backend, rollout) -> int:
         """Snapshot the reference policy, then continue from the newest complete checkpoint if any."""
-        from megatron_rl.backends.megatron import checkpoint as ckpt
+        from megatron_rl.infra import checkpoint_root as ckpt
 
         cfg = self.cfg
         if cfg.algorithm.use_kl_loss:
@@ -167,28 +172,29 @@ class RunContext:
         root = cfg.checkpoint.load or cfg.checkpoint.save
         if not root or cfg.checkpoint.no_auto_resume:
             return 0
-        path = ckpt.find_latest_complete(root)
-        if path is None:
+        latest = ckpt.find_latest_complete(root)
+        if latest is None:
             if cfg.checkpoint.load:
                 raise ConfigError(f"--load {root}: no complete checkpoint there (iter_NNNNNNN dirs with a "
                                   "COMPLETE marker); drop --load to start from --hf-checkpoint")
             return 0
+        path = ckpt.iter_dir(root, latest)
         extra = backend.load(path)
         if rollout is not None and extra.get("dataset_state"):
-            rollout.dataset.load_state_dict(extra["dataset_state"])
+            rollout.prompts.load_state_dict(extra["dataset_state"])
         step = int(extra["rollout_id"])
         log.info("resumed from %s at rollout %d", path, step)
         return step
 
     def save(self, backend, rollout, step: int) -> None:
-        from megatron_rl.backends.megatron import checkpoint as ckpt
+        from megatron_rl.infra import checkpoint_root as ckpt
 
         root = self.cfg.checkpoint.save
         if not root:
             return
         extra = {"rollout_id": step}
         if rollout is not None:
-            extra["dataset_state"] = rollout.dataset.state_dict()
+            extra["dataset_state"] = rollout.prompts.state_dict()
         # the driver's dataset state must reach every rank's copy of extra_state
         box = [extra]
         if dist.is_initialized():
@@ -196,7 +202,7 @@ class RunContext:
         path = ckpt.iter_dir(root, step)
         backend.save(path, box[0])
         if self.is_driver:
-            ckpt.write_latest_iteration(root, step)
+            ckpt.write_latest(root, step)
             ckpt.write_resume_state(root, {"rollout_id": step, "checkpoint": path, "elapsed_s": self.clock.elapsed_s,
                                            "wandb_run_id": self.tracker.wandb_run_id})
             if self.cfg.checkpoint.save_max_to_keep:
@@ -216,16 +222,6 @@ class RunContext:
             out = os.path.join(self.cfg.runtime.output_dir, "curves.png")
             plot_metrics(read_jsonl(self.tracker.jsonl_path), DEFAULT_KEYS, out, title=self.cfg.runtime.output_dir)
             log.info("wrote %s", out)
-
-
-def read_resume_state(root: Optional[str]) -> dict:
-    if not root:
-        return {}
-    path = os.path.join(root, "resume_state.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as fh:
-        return json.load(fh)
 
 
 def print_plan(cfg) -> int:

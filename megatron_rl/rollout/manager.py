@@ -47,26 +47,28 @@ def load_rollout(path: str) -> list[Sample]:
 
 
 class RolloutManager:
-    def __init__(self, cfg, engine, dataset, reward_fn, eval_dataset=None):
+    def __init__(self, cfg, engine, prompts, reward_fn, eval_dataset=None):
         self.cfg = cfg
         self.engine = engine
-        self.dataset = dataset
+        self.prompts = prompts  # a resumable data.prompts.PromptIterator
         self.eval_dataset = eval_dataset
         self.reward_fn = reward_fn
 
     def _run(self, requests, sampling) -> list[Sample]:
+        from megatron_rl.rollout.rewards import compute_rewards
+
         samples = self.engine.generate(requests, sampling)
         tok = getattr(self.engine, "tokenizer", None)
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
-            s.reward = float(self.reward_fn(s))
+        compute_rewards(samples, self.reward_fn, source=self.cfg.data.custom_rm_path or f"--rm-type {self.cfg.data.rm_type}")
         return samples
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         t0 = time.perf_counter()
         b = self.cfg.batching
-        requests = self.dataset.next_requests(b.rollout_batch_size)
+        requests = next(self.prompts).requests
         sampling = sampling_params(self.cfg, n=b.n_samples_per_prompt,
                                    seed=self.cfg.rollout.rollout_seed + rollout_id)
         samples = self._run(requests, sampling)
@@ -83,7 +85,10 @@ class RolloutManager:
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         if self.eval_dataset is None:
             return {}
-        requests = self.eval_dataset.all_requests()
+        from megatron_rl.rollout.base import GenerateRequest
+
+        requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
+                                    prompt_text=p.prompt_text) for i, p in enumerate(self.eval_dataset.prompts)]
         sampling = sampling_params(self.cfg, n=self.cfg.data.n_samples_per_eval_prompt,
                                    seed=self.cfg.rollout.rollout_seed, temperature=0.0)
         samples = self._run(requests, sampling)
