@@ -45,13 +45,14 @@ def train_on_rollout(backend, spec, samples, cfg) -> dict[str, float]:
 def run(cfg) -> int:
     ctx = RunContext.create(cfg)
     spec = build_spec(cfg)
-    backend = make_backend(cfg.precision.train_backend)
-    backend.initialize(cfg, spec)
+    backend = make_backend(cfg.precision.train_backend) if cfg.has_training else None  # rollout-only: no trainer
+    if backend:
+        backend.initialize(cfg, spec)
     rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
     sync = make_synchronizer(cfg.sync.update_weight_transport, bucket_bytes=cfg.sync.update_weight_buffer_size,
                              check_equal=cfg.sync.check_weight_update_equal)
-    start = ctx.resume_or_init(backend, rollout)
-    if cfg.has_rollout_engine:
+    start = ctx.resume_or_init(backend, rollout) if backend else 0
+    if backend and cfg.has_rollout_engine:
         ctx.log(start, sync.sync(backend, rollout and rollout.engine, version=start))
     for rollout_id in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
@@ -67,10 +68,11 @@ def run(cfg) -> int:
             metrics.update(rollout.evaluate(rollout_id))
         metrics["perf/step_time_s"] = time.perf_counter() - t0
         ctx.log(rollout_id + 1, metrics)
-        if ctx.save_due(rollout_id):
+        if backend and ctx.save_due(rollout_id):
             ctx.save(backend, rollout, rollout_id + 1)
         if ctx.should_stop():
-            ctx.save(backend, rollout, rollout_id + 1)
+            if backend:
+                ctx.save(backend, rollout, rollout_id + 1)
             log.warning("stopping early: %s; relaunch the same command to resume", ctx.clock.stop_reason())
             return EXIT_WALL_TIME
     ctx.finish(backend, rollout)

@@ -212,7 +212,7 @@ class RunContext:
 
     def finish(self, backend, rollout) -> None:
         n = self.cfg.rollout.num_rollout
-        if self.cfg.checkpoint.save and not self.save_due(n - 1):
+        if backend is not None and self.cfg.checkpoint.save and not self.save_due(n - 1):
             self.save(backend, rollout, n)
         self.tracker.close()
         if self.is_driver:

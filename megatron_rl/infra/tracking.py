@@ -30,8 +30,8 @@ def _scalar_items(metrics: dict[str, Any]):
 
 def format_metrics(step: int, metrics: dict[str, Any], keys: Optional[list[str]] = None) -> str:
     items = dict(_scalar_items(metrics))
-    shown = keys or sorted(items)
-    parts = [f"{k}={items[k]:.4g}" for k in shown if k in items]
+    shown = [k for k in (keys or []) if k in items] or sorted(items)  # nothing selected: show all
+    parts = [f"{k}={items[k]:.4g}" for k in shown]
     return f"step {step}: " + " ".join(parts)
 
 
