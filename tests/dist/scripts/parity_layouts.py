@@ -1,0 +1,149 @@
+"""Worker: loop over parallel layouts in ONE torchrun launch (re-initialising megatron's
+groups each time) and record logits / grads / one optimizer step against HF.
+
+argv: OUT_JSON then entries ``name:family:hf_dir:tp,pp,vpp,cp,ep,etp,sp:checks`` where
+checks is a '+'-joined subset of {logits, grads, optim, distopt}.
+Per layout (rank 0 writes): max |dlogit| vs HF transformers, vs the first layout of the same
+family (the TP1/PP1 reference), max |dgrad| vs HF autograd of the same loss (mean over DP
+ranks, each with its own batch), and max |dparam| after one Adam step vs torch.optim.Adam on HF.
+"""
+
+import json
+import sys
+
+import torch
+
+from megatron_rl.backends.megatron.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from megatron_rl.models import get_bridge, parity
+
+LENGTHS = [11, 6, 16, 4]
+
+
+def parse(entry):
+    name, family, hf_dir, dims, checks = entry.split(":")
+    tp, pp, vpp, cp, ep, etp, sp = dims.split(",")
+    layout = ParallelLayout(tp=int(tp), pp=int(pp), vpp=int(vpp) or None, cp=int(cp), ep=int(ep),
+                            etp=int(etp) or None, sequence_parallel=sp == "1")
+    return name, family, hf_dir, layout, set(checks.split("+"))
+
+
+def wrap_ddp(chunks, use_distributed_optimizer):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                               overlap_grad_reduce=False)
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)]
+
+
+def export_of(bridge, chunks, source):
+    """Export HF-layout tensors of ``source(param)`` (e.g. main_grad) via the weight exporter."""
+    params = [p for c in chunks for p in c.parameters()]
+    saved = [p.data.clone() for p in params]
+    for p in params:
+        p.data.copy_(source(p))
+    out = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
+    for p, s in zip(params, saved):
+        p.data.copy_(s)
+    return out
+
+
+def checkpoint_layout(named):
+    """transformers 5 keeps MoE experts fused in memory (``experts.gate_up_proj``
+    [E, 2f, h], ``experts.down_proj`` [E, h, f]); checkpoints hold one tensor per
+    expert. Expand to checkpoint names (gate rows first, as HF's chunk(2) reads them)."""
+    out = {}
+    for name, t in named:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def main():
+    out_path, entries = sys.argv[1], sys.argv[2:]
+    results, reference_logits, hf_cache = {}, {}, {}
+    for entry in entries:
+        name, family, hf_dir, layout, checks = parse(entry)
+        dp = initialize_parallel(layout, seed=0)
+        from megatron.core import parallel_state as ps
+
+        bridge = get_bridge(hf_dir)
+        chunks = bridge.build_model(layout)
+        bridge.load_hf_weights(chunks, hf_dir)
+        num_mb = layout.pp if (layout.vpp or 1) > 1 else 2
+        dp_rank = ps.get_data_parallel_rank()
+        all_mbs = [parity.random_microbatches(bridge.vocab_size, LENGTHS, num_mb, seed=100 + r) for r in range(dp)]
+        if hf_dir not in hf_cache:
+            hf_cache[hf_dir] = parity.load_hf_model(hf_dir)
+        hf = hf_cache[hf_dir]
+        rec = {"layout": layout.describe(), "dp": dp}
+        train = bool(checks & {"grads", "optim", "distopt"})
+        if train:
+            model = wrap_ddp(chunks, "distopt" in checks)
+            for m in model:
+                m.zero_grad_buffer()
+            logits = parity.megatron_run(model, all_mbs[dp_rank], bridge.vocab_size, packed=True, forward_only=False)
+        else:
+            for c in chunks:
+                c.eval()
+            with torch.no_grad():
+                logits = parity.megatron_run(chunks, all_mbs[dp_rank], bridge.vocab_size, packed=True)
+        ref = parity.hf_logits(hf, all_mbs[dp_rank])
+        seqs = [s for mb in all_mbs[dp_rank] for s in mb.seqs]
+        rec["vs_hf"] = parity.compare(logits, ref, seqs)["max_abs_logit_diff"]
+        key = (family, dp_rank)
+        if key not in reference_logits:
+            reference_logits[key] = logits
+        rec["vs_reference_layout"] = max((a - b).abs().max().item() for a, b in zip(logits, reference_logits[key]))
+        if train:
+            hf.zero_grad()
+            parity.hf_loss(hf, all_mbs).backward()
+            hf_grads = checkpoint_layout((n, p.grad) for n, p in hf.named_parameters())
+            if bridge.tie_word_embeddings:
+                hf_grads.pop("lm_head.weight", None)
+            got = export_of(bridge, chunks, lambda p: p.main_grad)
+            assert set(got) == set(hf_grads), set(got) ^ set(hf_grads)
+            rec["grad_max_abs_diff"] = max((got[n] - hf_grads[n]).abs().max().item() for n in got)
+            rec["grad_max_abs"] = max(g.abs().max().item() for g in hf_grads.values())
+        if checks & {"optim", "distopt"}:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            # adam_eps=1 keeps the check smooth: a first Adam step is g/(|g|+eps), and with a
+            # tiny eps it would amplify 1e-6 grad noise on near-zero grads to lr-sized steps.
+            opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0,
+                                         adam_eps=1.0, use_distributed_optimizer="distopt" in checks,
+                                         bf16=False, fp16=False)
+            optimizer = get_megatron_optimizer(opt_config, model)
+            ok, grad_norm, _ = optimizer.step()
+            hf_grad_norm = float(torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0))
+            hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.0, eps=1.0)
+            hf_opt.step()
+            got = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
+            want = checkpoint_layout((n, p.detach()) for n, p in hf.named_parameters())
+            rec["optim_ok"] = bool(ok)
+            rec["grad_norm"] = [float(grad_norm), hf_grad_norm]
+            rec["param_max_abs_diff_after_step"] = max((got[n] - want[n].detach()).abs().max().item() for n in got)
+            hf_cache.pop(hf_dir)  # its weights moved
+        results[name] = rec
+        destroy_parallel()
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
