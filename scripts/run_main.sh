@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The README's main command: set up, then run the main job.
-# (Until the CPU RL demo lands this checks a real placement plan and the environment.)
+# The README's main command: set up .venv, then run the CPU RL demo
+# (GRPO on a tiny model, real megatron-core on 2 gloo ranks; ~5-10 min on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
-.venv/bin/python tools/check_env.py
-.venv/bin/python tools/check_plan.py 'sglang:d4t4+megatron:(attn:d1p4t2c2|ffn:d1p4t1e4)' --n-nodes 4 --n-gpus-per-node 8
+PY=.venv/bin/python bash scripts/run_demo_cpu.sh "$@"
