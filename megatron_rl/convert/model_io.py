@@ -61,8 +61,18 @@ def _tensor_shapes(sd) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 def model_tensor_shapes(chunks) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Global shape and dtype of every torch_dist tensor key this model (at this layout) reads/writes."""
-    return _tensor_shapes(model_sharded_state_dict(chunks))
+    """Collective: global shape and dtype of every torch_dist key the whole model (all ranks:
+    every pipeline stage) reads/writes at this layout. Why gathered: a PP rank's chunks
+    hold only its stage's keys, but a checkpoint must match the union."""
+    local = _tensor_shapes(model_sharded_state_dict(chunks))
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return local
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    merged: dict = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
 
 
 def checkpoint_model_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

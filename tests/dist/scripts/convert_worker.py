@@ -1,0 +1,131 @@
+"""Conversion worker for tests/unit/test_convert_roundtrip.py and tests/dist/test_convert.py.
+
+One process runs many conversions (imports and the torch_dist writer's helper
+start once), writes ``results.json`` into ``--out`` and leaves the produced dirs
+there for the test to compare with the sources.
+
+``--mode roundtrip`` (plain python, one process): for every ``--family``
+HF -> torch_dist -> HF with --verify (small shards), a bfloat16 conversion, and
+the dist->HF refusals that need a real torch_dist dir.
+
+``--mode layouts`` (torchrun, 2 ranks): HF -> torch_dist written at TP1 (DP2) and
+TP2, each exported back to HF at other layouts (TP2 / TP1 / PP2, EP2 for MoE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _expect_refusal(fn, *needles) -> str:
+    from megatron_rl.errors import MegatronRLError
+
+    try:
+        fn()
+    except MegatronRLError as e:
+        msg = str(e)
+        missing = [n for n in needles if n not in msg]
+        if missing:
+            raise AssertionError(f"refusal does not name {missing}: {msg}") from e
+        return msg
+    raise AssertionError("conversion was not refused")
+
+
+def roundtrip(args) -> dict:
+    import torch
+
+    from megatron_rl.backends.megatron.parallel import ParallelLayout
+    from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
+    from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    out = {}
+    lay = ParallelLayout()
+    for fam in args.family:
+        hf = build_tiny_hf_model(fam, os.path.join(args.out, f"{fam}_hf"))
+        d = os.path.join(args.out, f"{fam}_dist")
+        back = os.path.join(args.out, f"{fam}_back")
+        convert_hf_to_dist(hf, d, layout=lay, verify=True, show_progress=False)
+        s = convert_dist_to_hf(d, back, layout=lay, verify=True, max_shard_size="200KB", show_progress=False)
+        out[fam] = {"hf": hf, "dist": d, "back": back, "shards": s["files"]}
+    fam = args.family[0]
+    hf = out[fam]["hf"]
+    d16 = os.path.join(args.out, f"{fam}_dist_bf16")
+    convert_hf_to_dist(hf, d16, layout=lay, dtype=torch.bfloat16, verify=True, show_progress=False)
+    back16 = os.path.join(args.out, f"{fam}_back_bf16")
+    convert_dist_to_hf(d16, back16, layout=lay, verify=True, show_progress=False)
+    back32 = os.path.join(args.out, f"{fam}_back_bf16_to_fp32")
+    convert_dist_to_hf(d16, back32, layout=lay, dtype=torch.float32, verify=True, show_progress=False)
+    out["bf16"] = {"hf": hf, "back": back16, "back_fp32": back32}
+
+    # refusals that need a real torch_dist dir
+    other = build_tiny_hf_model(fam, os.path.join(args.out, "other_hidden"), hidden_size=32)
+    refusals = {}
+    refusals["fingerprint"] = _expect_refusal(
+        lambda: convert_dist_to_hf(out[fam]["dist"], os.path.join(args.out, "x1"), hf_config_dir=other,
+                                   show_progress=False), "hidden_size", "64", "32", "--hf-config")
+    if "qwen3" in out and "llama" in out:
+        refusals["keys"] = _expect_refusal(
+            lambda: convert_dist_to_hf(out["qwen3"]["dist"], os.path.join(args.out, "x2"),
+                                       hf_config_dir=out["llama"]["hf"], show_progress=False),
+            "self_attention.q_layernorm.weight", "map to no parameter")
+    refusals["exists"] = _expect_refusal(
+        lambda: convert_dist_to_hf(out[fam]["dist"], out[fam]["back"], show_progress=False), "--overwrite")
+    for x in ("x1", "x2"):
+        assert not os.path.exists(os.path.join(args.out, x)), f"refused conversion left output {x}"
+    out["refusals"] = refusals
+    return out
+
+
+def layouts(args) -> dict:
+    import torch.distributed as dist
+
+    from megatron_rl.backends.megatron.parallel import ParallelLayout
+    from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
+    from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    from megatron_rl.backends.megatron.parallel import initialize_parallel
+
+    initialize_parallel(ParallelLayout())  # the process group, for the barrier below
+    rank = int(os.environ.get("RANK", "0"))
+    out = {}
+    for fam in args.family:
+        hf = os.path.join(args.out, f"{fam}_hf")
+        if rank == 0:
+            build_tiny_hf_model(fam, hf, seed=3)
+        dist.barrier()
+        d1 = os.path.join(args.out, f"{fam}_dist_tp1")
+        d2 = os.path.join(args.out, f"{fam}_dist_tp2")
+        convert_hf_to_dist(hf, d1, layout=ParallelLayout(), show_progress=False)  # TP1 x DP2
+        convert_hf_to_dist(hf, d2, layout=ParallelLayout(tp=2), verify=True, show_progress=False)
+        exports = {"tp1_to_tp2": (d1, ParallelLayout(tp=2)), "tp2_to_pp2": (d2, ParallelLayout(pp=2)),
+                   "tp2_to_tp1": (d2, ParallelLayout())}
+        if fam == "qwen3_moe":
+            exports["tp2_to_ep2"] = (d2, ParallelLayout(ep=2))
+            exports["tp1_to_tp2ep2"] = (d1, ParallelLayout(tp=2, ep=2, etp=1))
+        got = {}
+        for name, (src, lay) in exports.items():
+            dst = os.path.join(args.out, f"{fam}_{name}")
+            convert_dist_to_hf(src, dst, layout=lay, verify=True, max_shard_size="300KB", show_progress=False)
+            got[name] = dst
+        out[fam] = {"hf": hf, "exports": got}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["roundtrip", "layouts"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--family", nargs="+", required=True)
+    args = ap.parse_args()
+    result = roundtrip(args) if args.mode == "roundtrip" else layouts(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":  # the torch_dist writer spawns helper processes
+    main()
