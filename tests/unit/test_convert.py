@@ -1,0 +1,245 @@
+"""Converter pieces that need no megatron model, and the CLI's refusals (exit 2, names).
+
+Refusals here all happen before a model is built, so they run in-process and fast.
+The end-to-end CLI round trip (one llama) runs the real tool in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.convert import common
+from megatron_rl.convert.safetensors_writer import INDEX_FILE, ShardedSafetensorsWriter, parse_size
+from megatron_rl.errors import CheckpointError
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(REPO, "tools", "convert_ckpt.py")
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import convert_ckpt  # noqa: E402
+
+
+def _tensors(hf_dir) -> dict[str, torch.Tensor]:
+    ck = HFCheckpoint(hf_dir)
+    try:
+        return {n: ck.read(n) for n in sorted(ck.names())}
+    finally:
+        ck.close()
+
+
+def assert_same_tensors(a_dir, b_dir, cast=None):
+    a, b = _tensors(a_dir), _tensors(b_dir)
+    assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))
+    for n in a:
+        ref = a[n].to(cast) if cast is not None else a[n]
+        assert ref.dtype == b[n].dtype, n
+        assert ref.shape == b[n].shape, n
+        assert torch.equal(ref.view(torch.uint8), b[n].view(torch.uint8)), f"{n} differs"
+
+
+# ------------------------------------------------------------------------------------------ writer
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1000") == 1000
+    assert parse_size(7) == 7
+    for bad in ("five", "-1MB", "0"):
+        with pytest.raises(CheckpointError, match="max-shard-size"):
+            parse_size(bad)
+
+
+def test_writer_shards_by_size_and_indexes(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(10)}  # ~400 B each
+    tensors["big"] = torch.randn(1000, generator=g)  # 4000 B > limit: a shard of its own
+    flat = torch.arange(20, dtype=torch.float32)
+    views = {"v0": flat[:10].view(2, 5), "v1": flat[10:].view(2, 5)}  # share storage (like a PP bucket)
+    w = ShardedSafetensorsWriter(str(tmp_path), max_shard_bytes=1000)
+    for n, t in {**tensors, **views}.items():
+        w.add(n, t)
+    index = w.finish()
+    files = sorted(set(index["weight_map"].values()))
+    assert all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".part")]
+    for f in files:
+        size = sum(t.numel() * 4 for t in load_file(str(tmp_path / f)).values())
+        assert size <= 1000 or len(load_file(str(tmp_path / f))) == 1
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in {**tensors, **views}.values())
+    got = _tensors(tmp_path)
+    assert sorted(got) == sorted({**tensors, **views})
+    for n, t in {**tensors, **views}.items():
+        assert torch.equal(got[n], t)
+    assert w.peak_pending_bytes <= 4000
+
+
+def test_writer_refuses_duplicates_and_empty(tmp_path):
+    w = ShardedSafetensorsWriter(str(tmp_path / "a"), 10**6)
+    w.add("x", torch.zeros(2))
+    with pytest.raises(CheckpointError, match="'x' was written twice"):
+        w.add("x", torch.zeros(2))
+    with pytest.raises(CheckpointError, match="no tensors"):
+        ShardedSafetensorsWriter(str(tmp_path / "b"), 10).finish()
+
+
+# ------------------------------------------------------------------------------------------ common
+def test_dtype_helpers():
+    assert common.parse_dtype("keep") is None and common.parse_dtype(None) is None
+    assert common.parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(CheckpointError, match="--dtype 'int8'"):
+        common.parse_dtype("int8")
+    assert common.uniform_dtype({"a": torch.float32, "b": torch.float32}, "x") is torch.float32
+    with pytest.raises(CheckpointError, match=r"mixes dtypes.*bfloat16: 1 tensor\(s\), e.g. \['b'\].*--dtype"):
+        common.uniform_dtype({"a": torch.float32, "b": torch.bfloat16}, "x")
+
+
+def test_aux_files_copy(tmp_path, tiny_hf_models):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf_models("llama"), src)
+    (src / "tokenizer.json").write_text('{"x": 1}')
+    (src / "tokenizer_config.json").write_text("{}")
+    assert common.aux_files(str(src)) == ["config.json", "generation_config.json", "tokenizer.json",
+                                          "tokenizer_config.json"]
+    dst = tmp_path / "dst"
+    common.copy_aux_files(str(src), str(dst), {"dtype": "bfloat16"})
+    assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json in .*empty"):
+        common.copy_aux_files(str(tmp_path / "empty"), str(dst))
+
+
+def _fake_dist(path, files=None, fmt=common.FORMAT):
+    os.makedirs(path)
+    (path / "a.distcp").write_bytes(b"12345")
+    meta = {"format": fmt, "files": files if files is not None else [{"path": "a.distcp", "bytes": 5}]}
+    (path / common.MARKER_NAME).write_text(json.dumps(meta))
+    return path
+
+
+def test_read_marker_refuses_incomplete_dirs(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        common.read_marker(str(tmp_path / "nope"))
+    (tmp_path / "nomarker").mkdir()
+    with pytest.raises(CheckpointError, match=f"nomarker has no {common.MARKER_NAME}: it is incomplete"):
+        common.read_marker(str(tmp_path / "nomarker"))
+    (tmp_path / ".x.tmp").mkdir()
+    with pytest.raises(CheckpointError, match="temporary dir of an unfinished write"):
+        common.read_marker(str(tmp_path / ".x.tmp"))
+    ok = _fake_dist(tmp_path / "ok")
+    assert common.read_marker(str(ok))["format"] == common.FORMAT
+    assert common.read_marker(str(_fake_dist(tmp_path / "train", fmt=common.TRAINING_FORMAT)))
+    bad = _fake_dist(tmp_path / "bad", files=[{"path": "a.distcp", "bytes": 9}, {"path": "gone", "bytes": 1}])
+    with pytest.raises(CheckpointError, match=r"corrupt: a.distcp has 5 bytes, COMPLETE.json says 9; gone missing"):
+        common.read_marker(str(bad))
+    other = _fake_dist(tmp_path / "other", fmt="something.else")
+    with pytest.raises(CheckpointError, match="format 'something.else'"):
+        common.read_marker(str(other))
+
+
+def test_resolve_checkpoint_root(tmp_path):
+    root = tmp_path / "root"
+    _fake_dist(root / "iter_0000002")
+    (root / "iter_0000005").mkdir()  # incomplete, newer: skipped
+    assert common.resolve_dist_dir(str(root)) == str(root / "iter_0000002")
+    empty_root = tmp_path / "r2"
+    (empty_root / "iter_0000001").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="none is complete"):
+        common.resolve_dist_dir(str(empty_root))
+
+
+# ------------------------------------------------------------------------------------------ CLI refusals
+def _edited_copy(src, dst, edit_tensors=None, edit_config=None):
+    shutil.copytree(src, dst)
+    if edit_tensors:
+        path = os.path.join(dst, "model.safetensors")
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    if edit_config:
+        cfg = json.load(open(os.path.join(dst, "config.json")))
+        edit_config(cfg)
+        json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return str(dst)
+
+
+def _run_cli(argv, capsys) -> tuple[int, str]:
+    capsys.readouterr()  # drop fixture output
+    rc = convert_ckpt.main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["extra", "missing", "shape", "config", "mixed_dtype"])
+def test_hf_to_dist_refusals_name_tensors(case, tmp_path, tiny_hf_models, capsys):
+    src = tiny_hf_models("qwen2")
+    edits = {
+        "extra": (lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(2, 2)), None,
+                  ["model.layers.0.mlp.extra_proj.weight", "map to no megatron parameter"]),
+        "missing": (lambda t: t.pop("model.layers.2.self_attn.k_proj.bias"), None,
+                    ["model.layers.2.self_attn.k_proj.bias", "are missing"]),
+        "shape": (lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight", torch.zeros(100, 64)), None,
+                  ["model.layers.1.mlp.up_proj.weight: checkpoint (100, 64) vs config (128, 64)"]),
+        "config": (None, lambda c: c.update(num_hidden_layers=3),
+                   ["model.layers.3.input_layernorm.weight", "map to no megatron parameter", "config.json"]),
+        "mixed_dtype": (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].bfloat16()), None,
+                        ["mixes dtypes", "model.norm.weight", "--dtype"]),
+    }
+    edit_t, edit_c, needles = edits[case]
+    bad = _edited_copy(src, tmp_path / "bad", edit_t, edit_c)
+    out = tmp_path / "out"
+    rc, err = _run_cli(["hf-to-dist", "--input", bad, "--output", str(out), "--no-progress"], capsys)
+    assert rc == 2, err
+    assert err.startswith("convert_ckpt.py hf-to-dist: ")
+    for n in needles:
+        assert n in err, (n, err)
+    assert not out.exists() and not (tmp_path / ".out.tmp").exists()
+
+
+def test_cli_refuses_unsupported_config_existing_output_and_incomplete_input(tmp_path, tiny_hf_models, capsys):
+    src = tiny_hf_models("llama")
+    bad = _edited_copy(src, tmp_path / "act", edit_config=lambda c: c.update(hidden_act="gelu"))
+    rc, err = _run_cli(["hf-to-dist", "--input", bad, "--output", str(tmp_path / "o1")], capsys)
+    assert rc == 2 and "hidden_act='gelu'" in err
+    (tmp_path / "exists").mkdir()
+    rc, err = _run_cli(["hf-to-dist", "--input", src, "--output", str(tmp_path / "exists")], capsys)
+    assert rc == 2 and "exists; pass --overwrite" in err
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "__0_0.distcp").write_bytes(b"x")
+    rc, err = _run_cli(["dist-to-hf", "--input", str(tmp_path / "half"), "--output", str(tmp_path / "o2")], capsys)
+    assert rc == 2 and "half has no COMPLETE.json: it is incomplete" in err
+    rc, err = _run_cli(["dist-to-hf", "--input", str(_fake_dist(tmp_path / "noconf")),
+                        "--output", str(tmp_path / "o3")], capsys)
+    assert rc == 2 and "noconf/hf_config/config.json does not exist; pass --hf-config" in err
+    rc, err = _run_cli(["dist-to-hf", "--input", str(tmp_path / "half"), "--output", str(tmp_path / "o4"),
+                        "--max-shard-size", "lots"], capsys)
+    assert rc == 2 and "--max-shard-size 'lots'" in err
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3", "o4"))
+
+
+# ------------------------------------------------------------------------------------------ CLI round trip
+def test_cli_round_trip_llama_bit_exact(tmp_path, tiny_hf_models):
+    """The real tool, two processes: HF -> torch_dist -> HF (3 shards), --verify on both legs."""
+    src = tiny_hf_models("llama")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    d, back = tmp_path / "dist", tmp_path / "back"
+    for argv in (["hf-to-dist", "--input", src, "--output", str(d)],
+                 ["dist-to-hf", "--input", str(d), "--output", str(back), "--max-shard-size", "150KB"]):
+        p = subprocess.run([sys.executable, TOOL, *argv, "--verify", "--json", "--no-progress"], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-4000:]
+        summary = json.loads(p.stdout.strip().splitlines()[-1])
+        assert summary["verified"] is True
+    meta = json.load(open(d / common.MARKER_NAME))
+    assert meta["format"] == common.FORMAT and meta["model"]["hidden_size"] == 64
+    assert (d / "hf_config" / "config.json").read_bytes() == open(os.path.join(src, "config.json"), "rb").read()
+    index = json.load(open(back / INDEX_FILE))
+    assert len(set(index["weight_map"].values())) == summary["files"] >= 3
+    assert (back / "config.json").read_bytes() == open(os.path.join(src, "config.json"), "rb").read()
+    assert_same_tensors(src, back)
