@@ -1,0 +1,34 @@
+"""torch_dist written at one layout exports bit-exactly at others (one 2-rank launch).
+
+HF -> torch_dist at TP1 (x DP2) and at TP2 (with --verify), then torch_dist -> HF
+at TP2 / TP1 / PP2 and, for qwen3_moe, EP2 and TP2xEP2(ETP1). Every exported
+tensor must equal the HF source bit for bit (stronger than equal logits).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from _util import REPO, read_json, torchrun
+
+WORKER = REPO / "tests" / "dist" / "scripts" / "convert_worker.py"
+
+
+@pytest.mark.slow
+def test_torch_dist_reshards_across_layouts(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "unit"))
+    from test_convert import assert_same_tensors
+
+    torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", "qwen3_moe"],
+             timeout=900)
+    res = read_json(tmp_path / "results.json")
+    assert set(res["llama"]["exports"]) == {"tp1_to_tp2", "tp2_to_pp2", "tp2_to_tp1"}
+    assert set(res["qwen3_moe"]["exports"]) >= {"tp2_to_ep2", "tp1_to_tp2ep2"}
+    for fam, r in res.items():
+        for name, out in r["exports"].items():
+            assert os.path.isfile(os.path.join(out, "model.safetensors.index.json")), (fam, name)
+            assert_same_tensors(r["hf"], out)
