@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from _util import REPO, read_json, torchrun
 
@@ -18,11 +19,6 @@ WORKER = REPO / "tests" / "dist" / "scripts" / "convert_worker.py"
 
 @pytest.mark.slow
 def test_torch_dist_reshards_across_layouts(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(REPO / "tests" / "unit"))
-    from test_convert import assert_same_tensors
-
     torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", "qwen3_moe"],
              timeout=900)
     res = read_json(tmp_path / "results.json")
@@ -32,3 +28,19 @@ def test_torch_dist_reshards_across_layouts(tmp_path):
         for name, out in r["exports"].items():
             assert os.path.isfile(os.path.join(out, "model.safetensors.index.json")), (fam, name)
             assert_same_tensors(r["hf"], out)
+
+
+def assert_same_tensors(a_dir, b_dir):
+    """Same names, dtypes, shapes and bytes (compared as raw bytes, so -0.0/NaN count too)."""
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+    a, b = HFCheckpoint(a_dir), HFCheckpoint(b_dir)
+    try:
+        assert a.names() == b.names(), sorted(a.names() ^ b.names())
+        for n in sorted(a.names()):
+            x, y = a.read(n), b.read(n)
+            assert x.dtype == y.dtype and x.shape == y.shape, n
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{n} differs in {b_dir}"
+    finally:
+        a.close()
+        b.close()
