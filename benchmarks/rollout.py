@@ -5,7 +5,8 @@ same prompts (ragged lengths), same number of new tokens per row (EOS ignored
 on both sides), temperature-1 sampling. HF generate is run with
 ``output_scores=True`` so it also produces per-token scores, which the engine
 always returns (log-probs); both use a KV cache. Each setting is timed after
-one warm-up run, best of ``--repeats``.
+one warm-up run, best of ``--repeats``, the two
+sides interleaved so a shared machine's load affects both alike.
 
     python benchmarks/rollout.py [--threads 2] [--repeats 3]
 """
@@ -26,13 +27,16 @@ def _prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
+def _time_interleaved(fns: list, repeats: int) -> list[float]:
+    """Best-of-``repeats`` wall time of each function, runs interleaved so machine load hits all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
     return best
 
 
@@ -60,8 +64,7 @@ def run_setting(engine, hf_model, prompts: list[list[int]], new_tokens: int, rep
                                     pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         assert out.sequences.shape[1] == width + new_tokens
 
-    t_ours = _time(ours, repeats)
-    t_hf = _time(hf, repeats)
+    t_ours, t_hf = _time_interleaved([ours, hf], repeats)
     tokens = len(prompts) * new_tokens
     return dict(tokens=tokens, ours_s=t_ours, hf_s=t_hf, ours_tps=tokens / t_ours, hf_tps=tokens / t_hf,
                 ratio=t_hf / t_ours)
@@ -85,7 +88,8 @@ def main() -> None:
         path = build_tiny_hf_model("qwen2", os.path.join(tmp, "qwen2"), **overrides)
         engine = EmbeddedEngine(path, max_batch_size=64)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        print(f"model: qwen2 {overrides}, fp32, CPU, torch threads={args.threads}")
+        print(f"model: qwen2 {overrides}, fp32, CPU, torch threads={args.threads}, "
+              f"load average at start {os.getloadavg()[0]:.1f}")
         print(f"{'setting':>18} {'tokens':>7} {'engine s':>9} {'HF s':>8} {'engine tok/s':>13} "
               f"{'HF tok/s':>9} {'HF/engine time':>15}")
         for batch, new_tokens in [(16, 32), (64, 128)]:

@@ -230,7 +230,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _generate_chunk(self, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
                         sampling: SamplingParams, base_seed: int, stop_ids: set[int]):
-        from transformers import DynamicCache
+        from megatron_rl.rollout.kv_cache import make_kv_cache
 
         prompt_order = list(dict.fromkeys(i for i, _ in chunk))
         prompts = [requests[i].prompt_ids for i in prompt_order]
@@ -241,7 +241,9 @@ class EmbeddedEngine(RolloutEngine):
             input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[r, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        prompt_lens = [len(requests[i].prompt_ids) for i, _ in chunk]
+        limits = [min(sampling.max_new_tokens, self.context_length - n) for n in prompt_lens]
+        cache = make_kv_cache(self.model.config, capacity=width + max(limits))
         out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), cache=cache, use_cache=True,
                          logits_to_keep=1)
@@ -251,8 +253,6 @@ class EmbeddedEngine(RolloutEngine):
         logits = out.logits[:, -1, :][expand.to(self.device)]
         mask = mask[expand].to(self.device)
 
-        prompt_lens = [len(requests[i].prompt_ids) for i, _ in chunk]
-        limits = [min(sampling.max_new_tokens, self.context_length - n) for n in prompt_lens]
         uniforms = torch.empty(len(chunk), max(limits), dtype=torch.float64)
         if not sampling.greedy:
             for r, (i, j) in enumerate(chunk):

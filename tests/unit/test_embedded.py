@@ -191,3 +191,21 @@ def test_bad_requests_and_params_name_the_fix(tiny_hf_models):
     with pytest.raises(ConfigError, match="--hf-checkpoint /nonexistent: no config.json"):
         EmbeddedEngine("/nonexistent")
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_preallocated_kv_cache_layers(tiny_hf_models, family):
+    from transformers import AutoConfig
+
+    from megatron_rl.rollout.kv_cache import PreallocatedLayer, make_kv_cache
+
+    cache = make_kv_cache(AutoConfig.from_pretrained(tiny_hf_models(family)), capacity=5)
+    assert len(cache.layers) == 4 and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    layer = cache.layers[0]
+    k = torch.randn(3, 2, 4, 16)
+    keys, values = layer.update(k, -k)
+    assert torch.equal(keys, k) and torch.equal(values, -k)
+    layer.batch_select_indices(torch.tensor([2, 2, 0]))
+    keys, _ = layer.update(torch.ones(3, 2, 1, 16), torch.ones(3, 2, 1, 16))
+    assert torch.equal(keys[:, :, :4], k[[2, 2, 0]]) and layer.get_seq_length() == 5
+    with pytest.raises(RuntimeError, match="KV cache capacity 5 exceeded"):
+        layer.update(k[:, :, :1], k[:, :, :1])

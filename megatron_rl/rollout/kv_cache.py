@@ -1,0 +1,72 @@
+"""A preallocated KV cache for the embedded engine's decode loop.
+
+``transformers``' ``DynamicLayer`` appends with ``torch.cat``, copying the whole
+cache of every layer at every step (quadratic traffic in the response length).
+The engine knows the longest sequence a chunk can reach (prompt width +
+``max_new_tokens``), so ``PreallocatedLayer`` allocates that once and writes
+each step's keys/values in place, returning views of the filled prefix. It
+keeps ``DynamicLayer``'s contract (shape ``[batch, kv_heads, seq, head_dim]``,
+``batch_select_indices`` for dropping finished rows and fanning prompts out
+to samples), so the model code sees an ordinary cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's K/V in a fixed-capacity buffer; ``length`` positions are filled."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self._k = key_states.new_empty(batch, heads, self.capacity, dim)
+        self._v = value_states.new_empty(batch, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} positions); the engine sized it "
+                               "from prompt width + max_new_tokens")
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self._k.shape[0], device=self._k.device).repeat_interleave(repeats))
+
+
+def make_kv_cache(config, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` whose full-attention layers are preallocated to ``capacity`` positions.
+
+    Models with other layer kinds (sliding window, linear attention) keep
+    ``transformers``' own layers, which stay correct, just slower.
+    """
+    cache = DynamicCache(config=config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
+    return cache
