@@ -209,3 +209,14 @@ def test_preallocated_kv_cache_layers(tiny_hf_models, family):
     assert torch.equal(keys[:, :, :4], k[[2, 2, 0]]) and layer.get_seq_length() == 5
     with pytest.raises(RuntimeError, match="KV cache capacity 5 exceeded"):
         layer.update(k[:, :, :1], k[:, :, :1])
+
+
+def test_context_length_caps_responses(tiny_hf_models):
+    engine = EmbeddedEngine(tiny_hf_models("llama", max_position_embeddings=16))
+    requests = ragged_requests([12, 3])
+    samples = engine.generate(requests, SamplingParams(max_new_tokens=10, seed=0, ignore_eos=True))
+    assert [len(s.response_ids) for s in samples] == [4, 10]  # 12 + 4 = the 16 positions the model has
+    assert all(s.finish_reason == "length" for s in samples)
+    with pytest.raises(ConfigError, match="has 16 tokens, not below the model's context length 16; lower "
+                                          "--rollout-max-prompt-len"):
+        engine.generate(ragged_requests([16]), SamplingParams())
