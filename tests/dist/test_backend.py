@@ -18,7 +18,8 @@ import torch
 from _util import torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "backend_worker.py")
-LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2", "--use-distributed-optimizer",
+LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2", "--context-parallel-size=2",
+           "--use-distributed-optimizer",
            "--use-dynamic-batch-size,--max-tokens-per-gpu=24"]
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 

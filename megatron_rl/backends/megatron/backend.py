@@ -68,10 +68,6 @@ def check_backend_config(cfg) -> None:
     if cfg.precision.fp8_format and not cuda:
         raise ConfigError(f"--fp8-format {cfg.precision.fp8_format} needs an FP8-capable GPU "
                           "(Hopper or newer) with transformer-engine; drop it on CPU runs.")
-    if cfg.parallel.context_parallel_size > 1:
-        raise ConfigError("--context-parallel-size > 1 is not wired into MegatronBackend training yet "
-                          "(the CP attention exists and is parity-tested; the sharded log-prob path is not). "
-                          "Use CP 1 for now.")
 
 
 class MegatronBackend(TrainBackend):
@@ -167,19 +163,44 @@ class MegatronBackend(TrainBackend):
         return logits.masked_fill(col >= max(real_local, 0), float("-inf"))
 
     def _model_output(self, mb: PackedBatch, output: torch.Tensor):
-        logits = output[0] if output.dim() == 3 else output  # [T, V/tp]
-        rows = mb.gather_response(logits)
-        rows = self._mask_padded_vocab(rows)
+        """Response-aligned log-probs (+ entropy) of one micro-batch from this rank's logits shard.
+
+        Without CP only the response rows of the logits are touched. With CP each
+        rank holds 2 chunks of every sequence: it computes per-position log-probs
+        for its own tokens (target = the next token of the full packed sequence),
+        then a differentiable all-gather over the CP group reassembles the full
+        sequence on every CP rank (see ``cp_utils.gather_packed_from_cp``).
+        """
+        logits = output[0] if output.dim() == 3 else output  # [T or T/cp, V/tp]
         tp_group = self.ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
         start = self.ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-        return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
-                                              vocab_start_index=start)
+        if self.layout.cp == 1:
+            rows = self._mask_padded_vocab(mb.gather_response(logits))
+            return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
+                                                  vocab_start_index=start)
+        from megatron_rl.algorithms.spec import ModelOutput
+        from megatron_rl.models import cp_utils
+
+        cp_rank = self.ps.get_context_parallel_rank()
+        targets = cp_utils.shard_packed_for_cp(torch.roll(mb.tokens, -1), mb.cu_seqlens, cp_rank, self.layout.cp).tensor
+        out = self.spec.extract_model_output(self._mask_padded_vocab(logits), targets.to(logits.device),
+                                             tp_group=tp_group, vocab_start_index=start)
+        full = [mb.gather_response(cp_utils.gather_packed_from_cp(t, mb.cu_seqlens)) if t is not None else None
+                for t in (out.logprobs, out.entropy)]
+        return ModelOutput(*full)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb: PackedBatch = next(data_iterator)
         device = next(model.parameters()).device
         mb = mb.to(device)
-        output = model(mb.tokens[None], mb.position_ids[None], None, packed_seq_params=mb.packed_seq_params())
+        tokens, positions = mb.tokens, mb.position_ids
+        if self.layout.cp > 1:
+            from megatron_rl.models import cp_utils
+
+            shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, self.ps.get_context_parallel_rank(),
+                                                 self.layout.cp)
+            tokens, positions = shard.tensor, shard.position_ids
+        output = model(tokens[None], positions[None], None, packed_seq_params=mb.packed_seq_params())
         return output, partial(loss_fn, mb)
 
     def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool) -> list:
@@ -242,7 +263,9 @@ class MegatronBackend(TrainBackend):
             out = self._model_output(mb, output)
             inputs = LossInputs.from_packed_batch(mb, out.logprobs, out.entropy)
             loss, metrics = self.spec.compute_loss(inputs, denoms)
-            return loss, torch.tensor(0, dtype=torch.int), {"metrics": metrics}
+            # Under CP every CP rank computes the same full-sequence loss and the all-gather's
+            # backward sums their gradients; DDP then sums over CP too: divide by cp once.
+            return loss / self.layout.cp, torch.tensor(0, dtype=torch.int), {"metrics": metrics}
 
         for m in self.model:
             m.train()
