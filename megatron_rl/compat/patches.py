@@ -232,6 +232,45 @@ def patch_moe_split_sizes() -> None:
     _rebind_everywhere(original, maybe_move_tensor_to_cpu)
 
 
+def patch_p2p_shape_exchange() -> None:
+    """``P2PCommunicator._communicate_shapes`` (used with ``variable_seq_lengths``,
+    i.e. every packed-sequence run) posts one ``batch_isend_irecv`` in the order
+    send_prev, recv_prev, send_next, recv_next. With PP=2 both neighbours are the
+    same rank, and gloo matches one pair's messages in posting order, so under the
+    interleaved (VPP) schedule, which sends and receives in both directions at
+    once, the shape messages cross and the next data exchange fails with
+    "Received data size doesn't match expected size". Exchange shapes through
+    megatron's own parity-ordered ``_p2p_ops`` (what it already uses for the data
+    when ``batch_p2p_comm=False``)."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    cls = _require(p2p, "P2PCommunicator")
+    p2p_ops = _require(p2p, "_p2p_ops")
+    original = _require(cls, "_communicate_shapes")
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        if self.config.use_ring_exchange_p2p:
+            return original(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+
+        def shape_of(t):
+            return None if t is None else torch.tensor(t.size(), dtype=torch.int64)
+
+        recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
+        reqs = p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=recv_prev_shape,
+                       tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=recv_next_shape,
+                       group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank)
+        for req in (reqs.values() if isinstance(reqs, dict) else reqs):
+            req.wait()
+        return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+                [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
+
+    _communicate_shapes._megatron_rl_compat = True
+    cls._communicate_shapes = _communicate_shapes
+
+
 # ------------------------------------------------------------------------ no-TE
 def patch_router_gemm() -> None:
     """``moe_utils.te_general_gemm`` is only defined when transformer-engine
@@ -253,6 +292,8 @@ CPU_PATCHES: tuple[Patch, ...] = (
     Patch("jit_fuser", "jit_fuser = torch.compile (slow dynamo tracing on CPU)", patch_jit_fuser),
     Patch("moe_split_sizes", "MoE alltoall split sizes stay tensors on CPU; gloo "
           "all_to_all_single rejects them", patch_moe_split_sizes),
+    Patch("p2p_shape_exchange", "batched shape exchange crosses messages between the two "
+          "directions of one rank pair under gloo (PP=2 with VPP)", patch_p2p_shape_exchange),
 )
 
 NO_TE_PATCHES: tuple[Patch, ...] = (

@@ -80,11 +80,18 @@ def write_prompt_file(path: str, n: int, num_digits: int = 4, seed: int = 0) -> 
 
 
 def score(response_text: str, label: str) -> float:
-    """Fraction of label positions answered right; extra tokens count as wrong positions."""
-    # Compare digit characters: tokenizer classes differ in whether decode puts
-    # spaces between word-level tokens ("4 2 5 2" vs "4252"); the digits do not.
-    want = [c for c in label if c.isdigit()]
-    got = [c for c in response_text.replace(EOS, "").replace(PAD, "").replace(BOS, "") if c.isdigit()]
+    """Fraction of label positions answered right; every extra or non-digit token counts as wrong.
+
+    Each token of this vocabulary is one character, so positions are the
+    non-space characters of the decoded text (tokenizer classes differ in
+    whether decode puts spaces between word-level tokens: "4 2 5 2" vs "4252").
+    Special tokens are dropped first, so stopping with EOS costs nothing and
+    padding the answer with '=' or extra digits does.
+    """
+    for special in (EOS, PAD, BOS):
+        response_text = response_text.replace(special, " ")
+    want = [c for c in label if not c.isspace()]
+    got = [c for c in response_text if not c.isspace()]
     if not want:
         return 0.0
     right = sum(1 for w, g in zip(want, got) if w == g)

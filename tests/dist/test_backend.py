@@ -19,8 +19,10 @@ from _util import torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "backend_worker.py")
 LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2", "--context-parallel-size=2",
+           "--pipeline-model-parallel-size=2,--virtual-pipeline-model-parallel-size=2",
            "--use-distributed-optimizer",
            "--use-dynamic-batch-size,--max-tokens-per-gpu=24"]
+MOE_LAYOUTS = ["", "--expert-model-parallel-size=2"]  # qwen3_moe: DP2 and EP2 vs one process
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 
 
@@ -31,6 +33,18 @@ def runs(tmp_path_factory, tiny_hf_models):
     par_dir = tmp_path_factory.mktemp("par")
     torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
     torchrun(SCRIPT, 2, [hf, str(par_dir), *LAYOUTS], timeout=900)
+    ref = json.load(open(ref_dir / "results_w1.json"))["base"]
+    par = json.load(open(par_dir / "results_w2.json"))
+    return hf, ref, ref_dir, par, par_dir
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory, tiny_hf_models):
+    hf = tiny_hf_models("qwen3_moe")
+    ref_dir = tmp_path_factory.mktemp("moe_ref")
+    par_dir = tmp_path_factory.mktemp("moe_par")
+    torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
+    torchrun(SCRIPT, 2, [hf, str(par_dir), *MOE_LAYOUTS], timeout=900)
     ref = json.load(open(ref_dir / "results_w1.json"))["base"]
     par = json.load(open(par_dir / "results_w2.json"))
     return hf, ref, ref_dir, par, par_dir
@@ -53,10 +67,7 @@ def test_reference_logprobs_match_hf(runs):
     assert worst < 1e-5
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_process(runs, layout):
-    _, ref, ref_dir, par, par_dir = runs
+def _compare(ref, ref_dir, par, par_dir, layout):
     rec = par[layout or "base"]
     lp = max(abs(a - b) for x, y in zip(ref["logprobs"], rec["logprobs"]) for a, b in zip(x, y))
     assert lp < 1e-5
@@ -74,3 +85,15 @@ def test_layout_matches_single_process(runs, layout):
     first = torch.load(ref_dir / "base_step0.pt")
     last = torch.load(ref_dir / "base_step2.pt")
     assert max((first[n] - last[n]).abs().max().item() for n in first) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process(runs, layout):
+    _compare(*runs[1:], layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_layout_matches_single_process(moe_runs, layout):
+    _compare(*moe_runs[1:], layout)

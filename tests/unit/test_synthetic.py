@@ -11,6 +11,7 @@ def test_score_positions():
     assert synthetic.score("4 2", "4 2 5 2") == 0.5
     assert synthetic.score("4 2 5 2 7 7", "4 2 5 2") == 4 / 6
     assert synthetic.score("4252<eos>", "4 2 5 2") == 1.0
+    assert synthetic.score("4252=", "4 2 5 2") == 0.8  # a non-digit filler token is a wrong position
     assert synthetic.score("", "4 2 5 2") == 0.0
 
 
