@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/demo}
 NPROC=${NPROC:-2}
-NUM_ROLLOUT=${NUM_ROLLOUT:-200}
+NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 "$PY" -m megatron_rl.data.synthetic --out "$OUT"

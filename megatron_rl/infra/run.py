@@ -167,8 +167,12 @@ class RunContext:
         from megatron_rl.infra import checkpoint_root as ckpt
 
         cfg = self.cfg
-        if cfg.algorithm.use_kl_loss:
+        if cfg.checkpoint.ref_load:
+            backend.load_frozen_weights("ref", cfg.checkpoint.ref_load)
+        elif cfg.algorithm.use_kl_loss:
             backend.weights.backup("ref")  # the initial policy, before any resumed weights are loaded
+        if cfg.checkpoint.opd_teacher_load:
+            backend.load_frozen_weights("teacher", cfg.checkpoint.opd_teacher_load)
         root = cfg.checkpoint.load or cfg.checkpoint.save
         if not root or cfg.checkpoint.no_auto_resume:
             return 0

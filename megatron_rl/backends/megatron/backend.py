@@ -330,5 +330,38 @@ class MegatronBackend(TrainBackend):
         """Snapshot the current weights as a frozen tag (the initial policy as KL reference)."""
         self.weights.backup(tag)
 
+    def load_frozen_weights(self, tag: str, path: str) -> None:
+        """Store the weights at ``path`` under ``tag`` (``--ref-load`` / ``--opd-teacher-load``).
+
+        ``path`` is an HF directory (config.json + safetensors) or a torch_dist
+        checkpoint (a converted model dir, an ``iter_NNNNNNN`` dir or a checkpoint
+        root). The weights pass through the live model once (so every layout and
+        every strictness check of the loaders applies) and the live actor weights
+        are put back afterwards. The architecture must be the policy's: a tag is
+        a swap of the same parameters, not a second model.
+        """
+        import os
+
+        from megatron_rl.errors import CheckpointError
+
+        flag = {"ref": "--ref-load", "teacher": "--opd-teacher-load"}.get(tag, tag)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{flag} {path}: no such directory")
+        actor = {n: p.detach().clone() for n, p in self._named_local_params()}
+        is_hf = os.path.isfile(os.path.join(path, "config.json")) and any(
+            f.endswith(".safetensors") for f in os.listdir(path))
+        if is_hf:
+            self.bridge.load_hf_weights(self.chunks, path)
+        else:
+            from megatron_rl.convert.common import resolve_dist_dir
+            from megatron_rl.convert.model_io import load_dist_into
+
+            load_dist_into(self.chunks, resolve_dist_dir(path))
+        self.weights.backup(tag)
+        with torch.no_grad():
+            for name, p in self._named_local_params():
+                p.copy_(actor[name])
+        log.info("loaded frozen %s weights from %s (%s)", tag, path, "HF" if is_hf else "torch_dist")
+
 
 register_backend("megatron", MegatronBackend)
