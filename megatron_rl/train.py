@@ -45,7 +45,9 @@ def train_on_rollout(backend, spec, samples, cfg) -> dict[str, float]:
 def run(cfg) -> int:
     ctx = RunContext.create(cfg)
     spec = build_spec(cfg)
-    backend = make_backend(cfg.precision.train_backend) if cfg.has_training else None  # rollout-only: no trainer
+    if not cfg.has_training and not ctx.is_driver:
+        return 0  # rollout-only: the driver's engine does all the work; no trainer ranks
+    backend = make_backend(cfg.precision.train_backend) if cfg.has_training else None
     if backend:
         backend.initialize(cfg, spec)
     rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
@@ -57,8 +59,8 @@ def run(cfg) -> int:
     for rollout_id in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         samples, metrics = ctx.get_rollout(rollout_id, rollout)
-        samples = broadcast_samples(samples)
         if cfg.has_training:
+            samples = broadcast_samples(samples)
             ctx.colocation.before_train(backend, rollout)
             metrics.update(train_on_rollout(backend, spec, samples, cfg))
             ctx.colocation.before_rollout(backend, rollout)

