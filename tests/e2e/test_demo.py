@@ -68,3 +68,17 @@ def test_rollout_only_feeds_train_only_and_resume_continues(tmp_path):
     assert [r["step"] for r in recs if "train/pg_loss" in r] == [1, 2, 3]
     state = json.loads((out / "ckpt" / "resume_state.json").read_text())
     assert state["rollout_id"] == 3
+
+
+@pytest.mark.slow
+def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
+    """--colocate: the engine drops its weights before every train step and gets a full,
+    verified weight update before the next rollout (the GPU choreography, run on CPU)."""
+    out = tmp_path / "colo"
+    proc = run_demo(out, 3, "--colocate", "--no-auto-resume")
+    recs = metrics(out)
+    train = [r for r in recs if "train/pg_loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["sync/checked_tensors"] == 26 for r in train)
+    assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
+    del proc
