@@ -1,14 +1,24 @@
 """Tokens/s of the embedded rollout engine vs ``transformers`` ``generate``.
 
 Same model (random-weight Qwen2, hidden 256, 4 layers, vocab 1000, fp32, CPU),
-same prompts (ragged lengths), same number of new tokens per row (EOS ignored
-on both sides), temperature-1 sampling. HF generate is run with
-``output_scores=True`` so it also produces per-token scores, which the engine
-always returns (log-probs); both use a KV cache. Each setting is timed after
-one warm-up run, best of ``--repeats``, the two
-sides interleaved so a shared machine's load affects both alike.
+same prompts (ragged lengths 8-32), temperature-1 sampling, both with a KV
+cache; HF generate also returns per-token scores (``output_scores``) since the
+engine always returns log-probs. Settings:
 
-    python benchmarks/rollout.py [--threads 2] [--repeats 3]
+* ``B x T``: B prompts, exactly T new tokens each (EOS ignored on both sides);
+* ``RL``: 8 prompts x 8 samples, up to 128 new tokens, 20 stop tokens (so
+  responses end at different lengths, as in RL): HF uses
+  ``num_return_sequences`` and keeps finished rows in the batch; the engine
+  prefills each prompt once and drops finished rows. Tokens counted are the
+  generated ones up to and including the stop token.
+
+Each side is timed after a warm-up, best of ``--repeats``, the two sides
+interleaved so a shared machine's load affects both alike. Wall time and
+process CPU time are printed; on a loaded machine the CPU-time ratio is the
+steadier one. The default is one torch thread: with two threads on a busy
+2-core box, OpenMP spin-waits made single runs vary 1.2 s - 8.4 s.
+
+    python benchmarks/rollout.py [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ import time
 
 import torch
 
+STOP_IDS = list(range(100, 120))
+
 
 def _prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
@@ -27,28 +39,30 @@ def _prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _time_interleaved(fns: list, repeats: int) -> list[float]:
-    """Best-of-``repeats`` wall time of each function, runs interleaved so machine load hits all alike."""
+def _timed(fns: list, repeats: int) -> list[tuple[float, float, int]]:
+    """(best wall s, best CPU s, tokens) per function; runs interleaved, after one warm-up each."""
     for fn in fns:
-        fn()  # warm-up
-    best = [float("inf")] * len(fns)
+        fn()
+    best = [(float("inf"), float("inf"), 0)] * len(fns)
     for _ in range(repeats):
         for k, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
+            wall, cpu = time.perf_counter(), time.process_time()
+            tokens = fn()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            best[k] = (min(best[k][0], wall), min(best[k][1], cpu), tokens)
     return best
 
 
-def run_setting(engine, hf_model, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+def run_setting(engine, hf_model, prompts: list[list[int]], n: int, new_tokens: int, stop: bool,
+                repeats: int) -> dict:
     from megatron_rl.rollout import GenerateRequest, SamplingParams
 
     requests = [GenerateRequest(prompt_ids=p, group_index=i) for i, p in enumerate(prompts)]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0, ignore_eos=True)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0, n=n, ignore_eos=True,
+                              stop_token_ids=STOP_IDS if stop else ())
 
-    def ours():
-        out = engine.generate(requests, sampling)
-        assert all(len(s.response_ids) == new_tokens for s in out)
+    def ours() -> int:
+        return sum(len(s.response_ids) for s in engine.generate(requests, sampling))
 
     width = max(len(p) for p in prompts)
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -56,23 +70,30 @@ def run_setting(engine, hf_model, prompts: list[list[int]], new_tokens: int, rep
     for r, p in enumerate(prompts):
         input_ids[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p):] = 1
+    stop_kwargs = dict(eos_token_id=STOP_IDS) if stop else dict(min_new_tokens=new_tokens)
 
-    def hf():
+    def hf() -> int:
         with torch.inference_mode():
             out = hf_model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                                    top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        assert out.sequences.shape[1] == width + new_tokens
+                                    top_k=0, top_p=1.0, max_new_tokens=new_tokens, num_return_sequences=n,
+                                    pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                                    **stop_kwargs)
+        generated = out.sequences[:, width:]
+        if not stop:
+            return generated.numel()
+        is_stop = torch.isin(generated, torch.tensor(STOP_IDS))
+        first = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, torch.full_like(is_stop[:, 0], new_tokens,
+                                                                                          dtype=torch.long))
+        return int(first.sum())
 
-    t_ours, t_hf = _time_interleaved([ours, hf], repeats)
-    tokens = len(prompts) * new_tokens
-    return dict(tokens=tokens, ours_s=t_ours, hf_s=t_hf, ours_tps=tokens / t_ours, hf_tps=tokens / t_hf,
-                ratio=t_hf / t_ours)
+    (ours_wall, ours_cpu, ours_tokens), (hf_wall, hf_cpu, hf_tokens) = _timed([ours, hf], repeats)
+    return dict(ours_tokens=ours_tokens, hf_tokens=hf_tokens, ours_wall=ours_wall, hf_wall=hf_wall,
+                ours_cpu=ours_cpu, hf_cpu=hf_cpu)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,13 +111,17 @@ def main() -> None:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         print(f"model: qwen2 {overrides}, fp32, CPU, torch threads={args.threads}, "
               f"load average at start {os.getloadavg()[0]:.1f}")
-        print(f"{'setting':>18} {'tokens':>7} {'engine s':>9} {'HF s':>8} {'engine tok/s':>13} "
-              f"{'HF tok/s':>9} {'HF/engine time':>15}")
-        for batch, new_tokens in [(16, 32), (64, 128)]:
-            r = run_setting(engine, hf_model, _prompts(batch, overrides["vocab_size"], seed=batch), new_tokens,
-                            args.repeats)
-            print(f"{f'{batch} x {new_tokens} new':>18} {r['tokens']:>7} {r['ours_s']:>9.3f} {r['hf_s']:>8.3f} "
-                  f"{r['ours_tps']:>13.0f} {r['hf_tps']:>9.0f} {r['ratio']:>14.2f}x")
+        print(f"{'setting':>24} {'tokens eng/HF':>13} {'tok/s eng':>10} {'tok/s HF':>9} {'wall ratio':>11} "
+              f"{'CPU-time tok/s eng':>19} {'HF':>6} {'CPU ratio':>10}")
+        settings = [(16, 1, 32, False), (64, 1, 128, False), (8, 8, 128, True)]
+        for batch, n, new_tokens, stop in settings:
+            r = run_setting(engine, hf_model, _prompts(batch, overrides["vocab_size"], seed=batch), n, new_tokens,
+                            stop, args.repeats)
+            name = f"RL {batch} x n{n}, <= {new_tokens}, stops" if stop else f"{batch} x {new_tokens} new"
+            wall = (r["ours_tokens"] / r["ours_wall"], r["hf_tokens"] / r["hf_wall"])
+            cpu = (r["ours_tokens"] / r["ours_cpu"], r["hf_tokens"] / r["hf_cpu"])
+            print(f"{name:>24} {r['ours_tokens']:>6}/{r['hf_tokens']:<6} {wall[0]:>10.0f} {wall[1]:>9.0f} "
+                  f"{wall[0] / wall[1]:>10.2f}x {cpu[0]:>19.0f} {cpu[1]:>6.0f} {cpu[0] / cpu[1]:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -30,10 +30,13 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """
     cdf = weights.double().cumsum(dim=-1)
     target = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     vocab = weights.shape[-1]
-    last_positive = (vocab - 1) - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(idx, last_positive)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=vocab - 1)
+    stray = weights.gather(-1, idx.unsqueeze(-1)).squeeze(-1) <= 0
+    if stray.any():  # target rounded up to the total: take the last token with positive weight
+        last_positive = (vocab - 1) - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        idx = torch.where(stray, last_positive, idx)
+    return idx
 
 
 def sample_next_tokens(logits: torch.Tensor, sampling: SamplingParams,

@@ -220,3 +220,14 @@ def test_context_length_caps_responses(tiny_hf_models):
     with pytest.raises(ConfigError, match="has 16 tokens, not below the model's context length 16; lower "
                                           "--rollout-max-prompt-len"):
         engine.generate(ragged_requests([16]), SamplingParams())
+
+
+def test_inverse_cdf_edges():
+    from megatron_rl.rollout.sampling import inverse_cdf
+
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0]])
+    assert inverse_cdf(weights, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert inverse_cdf(weights, torch.tensor([0.2499, 0.4999])).tolist() == [1, 0]
+    assert inverse_cdf(weights, torch.tensor([0.25, 0.5])).tolist() == [3, 1]
+    # u = 1 can only arise from rounding; it must still land on a token with positive weight
+    assert inverse_cdf(weights, torch.tensor([1.0, 1.0])).tolist() == [3, 1]
