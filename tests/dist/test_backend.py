@@ -23,6 +23,7 @@ LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size
            "--use-distributed-optimizer",
            "--use-dynamic-batch-size,--max-tokens-per-gpu=24"]
 MOE_LAYOUTS = ["", "--expert-model-parallel-size=2"]  # qwen3_moe: DP2 and EP2 vs one process
+FOUR_RANK_LAYOUTS = ["--tensor-model-parallel-size=2,--pipeline-model-parallel-size=2"]
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 
 
@@ -33,8 +34,9 @@ def runs(tmp_path_factory, tiny_hf_models):
     par_dir = tmp_path_factory.mktemp("par")
     torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
     torchrun(SCRIPT, 2, [hf, str(par_dir), *LAYOUTS], timeout=900)
+    torchrun(SCRIPT, 4, [hf, str(par_dir), *FOUR_RANK_LAYOUTS], timeout=900)
     ref = json.load(open(ref_dir / "results_w1.json"))["base"]
-    par = json.load(open(par_dir / "results_w2.json"))
+    par = {**json.load(open(par_dir / "results_w2.json")), **json.load(open(par_dir / "results_w4.json"))}
     return hf, ref, ref_dir, par, par_dir
 
 
@@ -88,7 +90,7 @@ def _compare(ref, ref_dir, par, par_dir, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + FOUR_RANK_LAYOUTS)
 def test_layout_matches_single_process(runs, layout):
     _compare(*runs[1:], layout)
 
