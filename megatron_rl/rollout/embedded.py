@@ -221,7 +221,7 @@ class EmbeddedEngine(RolloutEngine):
         for i, j in rows:
             req = requests[i]
             response_ids, logprobs, finish_reason = results[(i, j)]
-            text = self.tokenizer.decode(response_ids, skip_special_tokens=True) if self.tokenizer else None
+            text = self.tokenizer.decode(response_ids, skip_special_tokens=True) if self.tokenizer is not None else None
             samples.append(Sample(
                 group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=response_ids,
                 rollout_logprobs=logprobs, finish_reason=finish_reason, weight_version=self._weight_version,
