@@ -290,6 +290,32 @@ def _load_optimizer_state(optimizer, state) -> None:
     untie_optimizer_step_tensors(optimizer)
 
 
+def load_scheduler_state(scheduler, state: dict, path: str = "") -> None:
+    """The checkpoint's step count with the resumed run's own schedule (its flags win).
+
+    Why not plain ``load_state_dict``: megatron-core's default
+    (``use_checkpoint_opt_param_scheduler=True``) takes max/min LR, warm-up, decay
+    steps and decay style from the checkpoint. The decay length defaults to all
+    optimizer steps of the run (``--num-rollout``), so a run extended by relaunching
+    with a larger ``--num-rollout`` kept the old length and, with cosine/linear
+    decay, resumed at ``--min-lr`` (measured: 2 -> 4 rollouts, cosine: LR 0 on every
+    resumed step). Here the scheduler keeps the values built from the current flags
+    (megatron's ``override_opt_param_scheduler``) and is advanced to the saved step;
+    an unchanged command line resumes bitwise as before. Changed values are logged.
+    """
+    current = scheduler.state_dict()
+    changed = {k: (state.get(k), v) for k, v in current.items() if k != "num_steps" and state.get(k) != v}
+    if changed and _rank() == 0:
+        log.info("checkpoint %s: LR schedule from the current flags, not the checkpoint (%s)", path,
+                 "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+    previous = scheduler.override_opt_param_scheduler
+    scheduler.override_opt_param_scheduler = True
+    try:
+        scheduler.load_state_dict(state)
+    finally:
+        scheduler.override_opt_param_scheduler = previous
+
+
 # ---- save -------------------------------------------------------------------------------------------------
 
 
@@ -444,7 +470,7 @@ def load_checkpoint(backend, path: str) -> dict:
         raise
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"applying checkpoint {path} failed ({type(e).__name__}: {e})") from e
-    backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    load_scheduler_state(backend.scheduler, loaded["opt_param_scheduler"], path)
     backend.optimizer_steps = int(loaded["optimizer_steps"])
     if same_layout:
         restore_rng_state(loaded["rng_state"])
