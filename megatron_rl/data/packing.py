@@ -337,13 +337,14 @@ def pack_samples(
     extra = {"advantages": advantages, "old_logprobs": old_logprobs,
              "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
     chosen = [samples[i] for i in sample_indices]
-    # an empty response has (vacuously) all its rollout log-probs
-    have_rollout = [len(s.rollout_logprobs) == len(s.response_ids) for s in chosen]
+    # Samples with an empty response need no rollout log-probs and decide nothing either way.
+    with_tokens = [(i, s) for i, s in zip(sample_indices, chosen) if s.response_ids]
+    have_rollout = [len(s.rollout_logprobs) == len(s.response_ids) for _, s in with_tokens]
     if any(have_rollout) and not all(have_rollout):
-        missing = [i for i, h in zip(sample_indices, have_rollout) if not h]
+        missing = [i for (i, _), h in zip(with_tokens, have_rollout) if not h]
         raise ValueError(f"rollout samples {missing[:8]} have no rollout_logprobs while others in the "
                          f"micro-batch do; the engine must return token log-probs for every sample")
-    if all(have_rollout) and chosen:
+    if have_rollout and all(have_rollout):
         extra["rollout_logprobs"] = {i: samples[i].rollout_logprobs for i in sample_indices}
 
     tokens: list[int] = []

@@ -125,11 +125,12 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
         backend = backend or _default_backend()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "MASTER_ADDR" not in os.environ:  # plain single-process run, no torchrun
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
+        if "RANK" not in os.environ:  # plain single-process run, not launched by torchrun
+            # a MASTER_ADDR/PORT left in the environment by something else is not ours to join
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["RANK"] = "0"
+            os.environ["WORLD_SIZE"] = "1"
         torch.distributed.init_process_group(backend=backend, init_method="env://")
 
     from megatron.core import parallel_state, tensor_parallel
