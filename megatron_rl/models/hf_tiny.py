@@ -26,7 +26,7 @@ _COMMON: dict[str, Any] = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
-    torch_dtype="float32",
+    dtype="float32",
 )
 
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -75,7 +75,7 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **o
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF initialises with std=initializer_range (0.02): logits are then nearly
     # uniform and parity tests would compare near-constants. A wider init makes
     # every layer matter to the output.
