@@ -1,0 +1,62 @@
+"""tools/check_parity.py, the user-facing "is my conversion and layout right?" tool.
+
+Every family at a different layout, packed THD and padded input, through the real
+CLI under torchrun; plus the non-zero exit above --tolerance and the refusal (exit 2)
+of a layout that does not fit the world size.
+"""
+
+import json
+import os
+
+import pytest
+
+from _util import REPO, torchrun
+
+TOOL = os.path.join(REPO, "tools", "check_parity.py")
+
+CASES = [
+    ("llama", ["--tensor-model-parallel-size", "2", "--padded"]),
+    ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("qwen2", ["--context-parallel-size", "2"]),
+    ("qwen3", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+    ("qwen3_moe", ["--expert-model-parallel-size", "2", "--padded"]),
+]
+
+
+def _run(hf, args, nproc=2):
+    proc = torchrun(TOOL, nproc, ["--hf-checkpoint", hf, "--json", *args], timeout=600)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}:{' '.join(a)}" for f, a in CASES])
+def test_tool_reports_parity(tiny_hf_models, family, args):
+    out = _run(tiny_hf_models(family), args)
+    assert out["ok"] is True
+    assert out["max_abs_logit_diff"] <= 1e-5 and out["max_abs_logprob_diff"] <= 1e-5
+    assert out["packed"] is ("--padded" not in args)
+    assert out["family"] == family and out["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_tool_fails_above_tolerance_and_refuses_bad_layout(tiny_hf_models):
+    import subprocess
+    import sys
+
+    from _util import free_port
+
+    hf = tiny_hf_models("qwen2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               f"--master-port={free_port()}", TOOL, "--hf-checkpoint", hf, *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    strict = launch("--tensor-model-parallel-size", "2", "--tolerance", "1e-12")
+    # fp32 differences (~1e-6) exceed a 1e-12 tolerance: the tool says so and exits 1
+    assert strict.returncode == 1
+    assert "tolerance 1e-12  FAIL" in strict.stdout
+    bad = launch("--tensor-model-parallel-size", "3")
+    assert bad.returncode != 0
+    assert "--tensor-model-parallel-size" in bad.stdout + bad.stderr
