@@ -11,6 +11,7 @@ rank trains (collectives inside the backend and the weight sync).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -70,13 +71,13 @@ def run(cfg) -> int:
             metrics.update(rollout.evaluate(rollout_id))
         metrics["perf/step_time_s"] = time.perf_counter() - t0
         ctx.log(rollout_id + 1, metrics)
-        if backend and ctx.save_due(rollout_id):
+        saved = backend is not None and ctx.save_due(rollout_id)
+        if saved:
             ctx.save(backend, rollout, rollout_id + 1)
         if ctx.should_stop():
-            if backend:
+            if backend and not saved:
                 ctx.save(backend, rollout, rollout_id + 1)
-            log.warning("stopping early: %s; relaunch the same command to resume", ctx.clock.stop_reason())
-            return EXIT_WALL_TIME
+            return ctx.stop_early(rollout_id + 1)
     ctx.finish(backend, rollout)
     return 0
 
@@ -88,7 +89,10 @@ def main(argv=None) -> int:
         cfg = parse_config(argv)
         if cfg.mode.dry_run:
             return print_plan(cfg)
-        return run(cfg)
+        rc = run(cfg)
+        # torchrun treats any non-zero worker exit as a crash and kills the others: on a planned
+        # stop the workers exit 0 and run_status.json tells the launch script to exit 3.
+        return 0 if rc == EXIT_WALL_TIME and "TORCHELASTIC_RUN_ID" in os.environ else rc
     except MegatronRLError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

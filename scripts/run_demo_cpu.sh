@@ -29,4 +29,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   --output-dir "$OUT" --tensorboard-dir "$OUT/tb" \
   --check-weight-update-equal \
   "$@"
-echo "curves: $OUT/curves.png  metrics: $OUT/metrics.jsonl"
+# 3 = stopped early on purpose (wall time / SIGTERM): relaunch the same command to resume
+rc=0
+"$PY" -m megatron_rl.infra.wall_time --exit-code "$OUT" || rc=$?
+if [ "$rc" -eq 0 ]; then
+  echo "curves: $OUT/curves.png  metrics: $OUT/metrics.jsonl"
+else
+  echo "stopped early (exit $rc); relaunch the same command to resume"
+fi
+exit "$rc"

@@ -19,7 +19,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 LAUNCH=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 [[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
-exec "${LAUNCH[@]}" -m megatron_rl.train \
+"${LAUNCH[@]}" -m megatron_rl.train \
   --hf-checkpoint "$HF_CKPT" --bf16 \
   --actor-num-nodes "$NNODES" --actor-num-gpus-per-node "$GPUS_PER_NODE" \
   --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 2 \
@@ -35,3 +35,6 @@ exec "${LAUNCH[@]}" -m megatron_rl.train \
   --update-weight-transport distributed --update-weight-buffer-size $((1024 * 1024 * 1024)) \
   --save "$SAVE" --save-interval 10 --save-max-to-keep 2 --wall-time-limit 7d --wall-time-reserve 1h \
   --output-dir "$SAVE/run" "$@"
+[[ " $* " == *" --dry-run "* ]] && exit 0
+# 3 = stopped early on purpose (wall time / SIGTERM): relaunch the same command to resume
+exec "$PY" -m megatron_rl.infra.wall_time --exit-code "$SAVE/run"

@@ -29,6 +29,9 @@ CKPT_ARGS=(--save "$SAVE" --save-interval 20 --save-max-to-keep 3 --recompute-gr
 
 LAUNCH=("$PY" -m torch.distributed.run --nproc-per-node "$NPROC")
 [[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
-exec "${LAUNCH[@]}" -m megatron_rl.train \
+"${LAUNCH[@]}" -m megatron_rl.train \
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${OPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
   "${ALGO_ARGS[@]}" "${SYNC_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"
+[[ " $* " == *" --dry-run "* ]] && exit 0
+# 3 = stopped early on purpose (wall time / SIGTERM): relaunch the same command to resume
+exec "$PY" -m megatron_rl.infra.wall_time --exit-code "$SAVE/run"

@@ -214,11 +214,26 @@ class RunContext:
         if dist.is_initialized():
             dist.barrier()
 
+    def stop_early(self, step: int) -> int:
+        """A planned stop (wall time / SIGTERM): say why, record it for the launcher, return EXIT_WALL_TIME."""
+        from megatron_rl.infra.wall_time import EXIT_WALL_TIME, write_run_status
+
+        reason = self.clock.stop_reason() or "stop requested"
+        log.warning("stopping early: %s; relaunch the same command to resume", reason)
+        self.tracker.close()
+        if self.is_driver:
+            write_run_status(self.cfg.runtime.output_dir, "stopped_early", reason=reason, rollout_id=step)
+        return EXIT_WALL_TIME
+
     def finish(self, backend, rollout) -> None:
+        from megatron_rl.infra.wall_time import write_run_status
+
         n = self.cfg.rollout.num_rollout
         if backend is not None and self.cfg.checkpoint.save and not self.save_due(n - 1):
             self.save(backend, rollout, n)
         self.tracker.close()
+        if self.is_driver:
+            write_run_status(self.cfg.runtime.output_dir, "finished", rollout_id=n)
         if self.is_driver:
             from megatron_rl.infra.plot import DEFAULT_KEYS, plot_metrics
             from megatron_rl.infra.tracking import read_jsonl

@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 EXIT_WALL_TIME = 3  # distinct exit code: "stopped on purpose, relaunch to continue"
+RUN_STATUS_FILE = "run_status.json"  # in --output-dir: {"status": "finished" | "stopped_early", ...}
 
 
 class WallClock:
@@ -52,3 +53,38 @@ class WallClock:
 
     def can_eval(self) -> bool:
         return self.remaining_s >= 2 * self.reserve_s
+
+
+def write_run_status(output_dir: str, status: str, **info) -> None:
+    """Record how the run ended (driver rank), so a launcher can tell a planned stop from a crash.
+
+    Under torchrun a worker's non-zero exit is reported as a failure (and the other
+    workers are killed), so on a planned stop the workers exit 0 and the launch
+    script turns ``stopped_early`` into ``EXIT_WALL_TIME`` with ``--exit-code``.
+    """
+    import os
+
+    from megatron_rl.infra.atomic import atomic_write_json
+
+    atomic_write_json(os.path.join(output_dir, RUN_STATUS_FILE), {"status": status, **info})
+
+
+def launcher_exit_code(output_dir: str) -> int:
+    """EXIT_WALL_TIME if the last run in ``output_dir`` stopped early on purpose, else 0."""
+    import json
+    import os
+
+    path = os.path.join(output_dir, RUN_STATUS_FILE)
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as fh:
+        return EXIT_WALL_TIME if json.load(fh).get("status") == "stopped_early" else 0
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="Exit with the run's status code (3 = stopped early on purpose).")
+    ap.add_argument("--exit-code", metavar="OUTPUT_DIR", required=True, help="the run's --output-dir")
+    sys.exit(launcher_exit_code(ap.parse_args().exit_code))

@@ -25,6 +25,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from megatron_rl.errors import ConfigError
@@ -146,6 +147,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
         expert_tensor_parallel_size=layout.expert_tp,
     )
     random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return parallel_state.get_data_parallel_world_size()
