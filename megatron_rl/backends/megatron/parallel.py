@@ -126,13 +126,14 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
         backend = backend or _default_backend()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "RANK" not in os.environ:  # plain single-process run, not launched by torchrun
-            # a MASTER_ADDR/PORT left in the environment by something else is not ours to join
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
-            os.environ["RANK"] = "0"
-            os.environ["WORLD_SIZE"] = "1"
-        torch.distributed.init_process_group(backend=backend, init_method="env://")
+        if "RANK" not in os.environ:
+            # A plain single-process run, not launched by torchrun. Use a private TCP store and
+            # leave os.environ alone: subprocesses started later (a converter, a test's torchrun)
+            # must not inherit a RANK/MASTER_PORT that points at this process's store.
+            torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                                 rank=0, world_size=1)
+        else:
+            torch.distributed.init_process_group(backend=backend, init_method="env://")
 
     from megatron.core import parallel_state, tensor_parallel
 
