@@ -21,7 +21,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "backend_worker.py")
 LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2", "--context-parallel-size=2",
            "--pipeline-model-parallel-size=2,--virtual-pipeline-model-parallel-size=2",
            "--use-distributed-optimizer",
-           "--use-dynamic-batch-size,--max-tokens-per-gpu=24"]
+           "--use-dynamic-batch-size,--max-tokens-per-gpu=24",
+           "--recompute-granularity=full", "--recompute-granularity=selective"]
 MOE_LAYOUTS = ["", "--expert-model-parallel-size=2"]  # qwen3_moe: DP2 and EP2 vs one process
 # bf16 params with fp32 main params (megatron's Float16Module + mixed-precision optimizer)
 BF16_LAYOUTS = ["--bf16", "--bf16,--use-distributed-optimizer"]
