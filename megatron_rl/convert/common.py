@@ -213,13 +213,9 @@ def read_marker(path: str) -> dict:
     if meta.get("format") not in (FORMAT, TRAINING_FORMAT):
         raise CheckpointError(f"{path} has format {meta.get('format')!r}; this converter reads {FORMAT!r} and "
                               f"{TRAINING_FORMAT!r}")
-    bad = []
-    for entry in meta.get("files", []):
-        full = os.path.join(path, entry["path"])
-        if not os.path.isfile(full):
-            bad.append(f"{entry['path']} missing")
-        elif os.path.getsize(full) != entry["bytes"]:
-            bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, {MARKER_NAME} says {entry['bytes']}")
+    from megatron_rl.infra.checkpoint_root import listed_file_problems
+
+    bad = listed_file_problems(path, meta)
     if bad:
         raise CheckpointError(f"torch_dist checkpoint {path} is corrupt: {'; '.join(bad[:10])}; re-run the "
                               "conversion or restore the files")

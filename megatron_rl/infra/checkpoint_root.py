@@ -152,3 +152,15 @@ def read_resume_state(root: str) -> Optional[dict]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); it is written atomically, so this is outside "
                               f"damage: delete it to resume from the checkpoint alone") from e
+
+
+def listed_file_problems(path: str, meta: dict) -> list[str]:
+    """Files a completion marker lists (``meta["files"]``: path + bytes) that are missing or of another size."""
+    bad = []
+    for entry in meta.get("files", []):
+        full = os.path.join(path, entry["path"])
+        if not os.path.isfile(full):
+            bad.append(f"{entry['path']} missing")
+        elif os.path.getsize(full) != entry["bytes"]:
+            bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, {MARKER_NAME} says {entry['bytes']}")
+    return bad

@@ -201,12 +201,7 @@ class Bridge:
             pipeline_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,
             fp16=params_dtype == torch.float16,
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.expert_tp,
+            **layout.megatron_sizes(),
             sequence_parallel=layout.sequence_parallel,
             variable_seq_lengths=True,
             # megatron checks the dispatcher against variable_seq_lengths even for

@@ -134,7 +134,7 @@ def test_metadata_refuses_missing_or_resized_files_and_bad_marker(tmp_path):
     p = _fake_ckpt(tmp_path, 2)
     with open(os.path.join(p, "__0_0.distcp"), "ab") as f:
         f.write(b"more")
-    with pytest.raises(CheckpointError, match=r"__0_0.distcp has 14 bytes, expected 10"):
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp has 14 bytes, COMPLETE.json says 10"):
         ck.read_checkpoint_metadata(p)
     p = _fake_ckpt(tmp_path, 3)
     with open(os.path.join(p, cr.MARKER_NAME), "w") as f:

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-from megatron_rl.infra.checkpoint_root import MARKER_NAME, is_temp_dir, list_iterations, temp_dir_for
+from megatron_rl.infra.checkpoint_root import (MARKER_NAME, is_temp_dir, list_iterations, listed_file_problems,
+                                             temp_dir_for)
 
 log = logging.getLogger(__name__)
 
@@ -185,19 +186,9 @@ def restore_rng_state(state: dict) -> None:
 
 def _model_sharded_state_dict(backend) -> dict:
     """``model`` / ``model{i}`` keys exactly as megatron's trainer writes them (VPP-aware)."""
-    ps = backend.ps
-    chunks = backend.chunks
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    out = {}
-    previous = ps.get_virtual_pipeline_model_parallel_rank()
-    try:
-        for i, chunk in enumerate(chunks):
-            ps.set_virtual_pipeline_model_parallel_rank(i)
-            out[f"model{i}"] = chunk.sharded_state_dict()
-    finally:
-        ps.set_virtual_pipeline_model_parallel_rank(previous)
-    return out
+    from megatron_rl.convert.model_io import model_sharded_state_dict
+
+    return model_sharded_state_dict(backend.chunks)
 
 
 def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict:
@@ -400,13 +391,7 @@ def read_checkpoint_metadata(path: str) -> dict:
         raise CheckpointError(f"{marker} is corrupt ({e}); resume from another checkpoint") from e
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {meta.get('format')!r}, this loader reads {FORMAT!r}")
-    bad = []
-    for entry in meta.get("files", []):
-        full = os.path.join(path, entry["path"])
-        if not os.path.isfile(full):
-            bad.append(f"{entry['path']} missing")
-        elif os.path.getsize(full) != entry["bytes"]:
-            bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, expected {entry['bytes']}")
+    bad = listed_file_problems(path, meta)
     if bad:
         raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}. Resume from another "
                               f"checkpoint or restore the files")

@@ -98,6 +98,18 @@ class ParallelLayout:
                 f"{self.pp}*{self.num_model_chunks}; change --pipeline-model-parallel-size / "
                 f"--virtual-pipeline-model-parallel-size")
 
+    def megatron_sizes(self) -> dict:
+        """The parallel sizes as megatron-core's keyword arguments (``initialize_model_parallel``
+        and ``TransformerConfig`` take the same names)."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if (self.vpp or 1) > 1 else None,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
+
     def describe(self) -> dict:
         return asdict(self)
 
@@ -139,14 +151,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-    )
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes())
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
