@@ -33,7 +33,7 @@ EXTRAS = {
     "ray": ["ray"],
     "tensorboard": ["tensorboard"],
     "plot": ["matplotlib"],
-    "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib"],
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb"],
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.
 

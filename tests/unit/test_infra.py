@@ -100,3 +100,19 @@ def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
 
 def test_format_metrics_selects_keys():
     assert format_metrics(4, {"a": 1.0, "b": 2.0}, ["b"]) == "step 4: b=2"
+
+
+def test_wandb_offline_run_and_resume_id(tmp_path, monkeypatch):
+    """--wandb-mode offline needs no network; --wandb-resume-id continues the same run id."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    first = Tracker(str(tmp_path / "run"), wandb_project="demo", wandb_mode="offline", config={"lr": 1e-3})
+    run_id = first.wandb_run_id
+    first.log(1, {"rollout/reward_mean": 0.1})
+    first.close()
+    again = Tracker(str(tmp_path / "run"), wandb_project="demo", wandb_mode="offline", wandb_resume_id=run_id)
+    again.log(2, {"rollout/reward_mean": 0.2})
+    again.close()
+    assert again.wandb_run_id == run_id
+    runs = sorted(os.listdir(tmp_path / "run" / "wandb"))
+    assert any(r.startswith("offline-run-") and r.endswith(run_id) for r in runs)
