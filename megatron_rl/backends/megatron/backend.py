@@ -315,16 +315,28 @@ class MegatronBackend(TrainBackend):
         return load_checkpoint(self, path)
 
     def sleep(self) -> None:
-        """Free accelerator memory for a colocated engine: offload grad buffers (GPU only)."""
-        if torch.cuda.is_available():
-            for m in self.model:
-                m.offload_grad_buffers()
-            torch.cuda.empty_cache()
+        """Free accelerator memory for a colocated engine (megatron's own RL offload hooks).
+
+        GPU: gradient buffers are released and optimizer state moves to host memory
+        (``offload_grad_buffers`` / ``offload_to_cpu``); parameters stay, the engine
+        gets them by weight sync anyway. CPU: nothing to free (host memory is the
+        only memory), so this is a no-op that the colocated loop still calls.
+        """
+        if not torch.cuda.is_available():
+            return
+        for m in self.model:
+            m.offload_grad_buffers()
+        if hasattr(self.optimizer, "offload_to_cpu"):
+            self.optimizer.offload_to_cpu()
+        torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        if torch.cuda.is_available():
-            for m in self.model:
-                m.restore_grad_buffers()
+        if not torch.cuda.is_available():
+            return
+        for m in self.model:
+            m.restore_grad_buffers()
+        if hasattr(self.optimizer, "restore_from_cpu"):
+            self.optimizer.restore_from_cpu()
 
     def backup_reference(self, tag: str = "ref") -> None:
         """Snapshot the current weights as a frozen tag (the initial policy as KL reference)."""
