@@ -48,6 +48,33 @@ def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(os.listdir(out / "ckpt")) == ["iter_0000025", "iter_0000050", "latest_checkpointed_iteration.txt",
                                                 "resume_state.json"]
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+    _exported_checkpoint_reproduces_the_policy(out, recs)
+
+
+def _exported_checkpoint_reproduces_the_policy(out, recs):
+    """The final training checkpoint, exported to HF with tools/convert_ckpt.py (no --hf-config: the
+    checkpoint carries it), behaves exactly like the trained policy: greedy eval with a fresh
+    engine on the exported files gives the eval reward the run logged at that step."""
+    from megatron_rl.data import synthetic
+    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.rollout.base import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    hf_out = out / "exported_hf"
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-hf", "--input", str(out / "ckpt"),
+                           "--output", str(hf_out), "--no-progress"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = EmbeddedEngine(str(hf_out))
+    data = PromptDataset(str(out / "eval.jsonl"), tokenizer=engine.tokenizer)
+    requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label)
+                for i, p in enumerate(data.prompts)]
+    samples = engine.generate(requests, SamplingParams(temperature=0.0, max_new_tokens=6, seed=42))
+    reward = sum(synthetic.score(engine.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.label)
+                 for s in samples) / len(samples)
+    logged = next(r["eval/reward_mean"] for r in recs if r["step"] == 50 and "eval/reward_mean" in r)
+    assert reward == pytest.approx(logged, abs=1e-12)
 
 
 @pytest.mark.slow

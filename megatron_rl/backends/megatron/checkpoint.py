@@ -13,6 +13,9 @@ What one ``iter_NNNNNNN`` dir holds (megatron-core ``dist_checkpointing``, torch
 * ``rng_state``: one ``ShardedObject`` per global rank (python, numpy, torch, CUDA
   and megatron's model-parallel RNG tracker states);
 * ``extra_state.json``: the caller's small JSON dict (rollout id, data iterator);
+* ``hf_config/``: the HF ``config.json``, tokenizer and generation files of
+  ``--hf-checkpoint``, so ``tools/convert_ckpt.py dist-to-hf`` exports the
+  checkpoint without being told the model;
 * ``COMPLETE.json``: format, layout, model fingerprint, megatron-core version and
   every file with its size. Written last, inside the temp dir.
 
@@ -346,6 +349,11 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
 
     def publish():
         atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
+        hf_dir = getattr(getattr(getattr(backend, "cfg", None), "model", None), "hf_checkpoint", None)
+        if hf_dir:  # config + tokenizer beside the weights: dist-to-hf then needs no --hf-config
+            from megatron_rl.convert.common import copy_aux_files
+
+            copy_aux_files(hf_dir, os.path.join(tmp, "hf_config"))
         meta = {"format": FORMAT, "megatron_core": _mcore_version(), "torch": torch.__version__,
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
                 "model": model_fingerprint(backend),
