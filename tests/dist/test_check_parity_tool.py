@@ -1,7 +1,7 @@
 """tools/check_parity.py, the user-facing "is my conversion and layout right?" tool.
 
-Every family at a different layout, packed THD and padded input, through the real
-CLI under torchrun; plus the non-zero exit above --tolerance and the refusal (exit 2)
+Every family at three layouts, packed THD and padded input, through the real CLI
+under torchrun; plus the non-zero exit above --tolerance and the refusal (exit 2)
 of a layout that does not fit the world size.
 """
 
@@ -14,12 +14,19 @@ from _util import REPO, torchrun
 
 TOOL = os.path.join(REPO, "tools", "check_parity.py")
 
-CASES = [
+CASES = [  # every family at three layouts (2 ranks each), packed THD unless --padded
     ("llama", ["--tensor-model-parallel-size", "2", "--padded"]),
     ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("llama", ["--pipeline-model-parallel-size", "2"]),
     ("qwen2", ["--context-parallel-size", "2"]),
+    ("qwen2", ["--tensor-model-parallel-size", "2"]),
+    ("qwen2", ["--pipeline-model-parallel-size", "2", "--padded"]),
     ("qwen3", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+    ("qwen3", ["--tensor-model-parallel-size", "2"]),
+    ("qwen3", ["--context-parallel-size", "2"]),
     ("qwen3_moe", ["--expert-model-parallel-size", "2", "--padded"]),
+    ("qwen3_moe", ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
+    ("qwen3_moe", []),  # data parallel only
 ]
 
 
