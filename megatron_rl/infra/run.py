@@ -7,11 +7,9 @@ the wall clock, the checkpoint root and the colocation choreography.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch.distributed as dist
 

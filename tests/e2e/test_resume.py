@@ -37,7 +37,7 @@ import torch
 
 from _util import free_port
 from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_checkpoint_metadata
-from megatron_rl.infra.checkpoint_root import (MARKER_NAME, RESUME_STATE_NAME, find_latest_complete, is_temp_dir,
+from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
                                                iter_dir, list_iterations, read_latest, read_resume_state)
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
 

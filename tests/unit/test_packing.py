@@ -1,6 +1,5 @@
 """Micro-batch planning (dynamic / fixed), THD packing, response-aligned gather, loss denominators."""
 
-import itertools
 
 import pytest
 import torch

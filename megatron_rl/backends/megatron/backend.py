@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from functools import partial
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
