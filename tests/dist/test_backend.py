@@ -30,29 +30,28 @@ FOUR_RANK_LAYOUTS = ["--tensor-model-parallel-size=2,--pipeline-model-parallel-s
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 
 
+def _launch(tmp_path_factory, hf, name, layouts_by_nproc):
+    """One single-process reference run plus one launch per rank count; results of all layouts."""
+    ref_dir = tmp_path_factory.mktemp(f"{name}_ref")
+    par_dir = tmp_path_factory.mktemp(f"{name}_par")
+    torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
+    par = {}
+    for nproc, layouts in layouts_by_nproc.items():
+        torchrun(SCRIPT, nproc, [hf, str(par_dir), *layouts], timeout=900)
+        par.update(json.load(open(par_dir / f"results_w{nproc}.json")))
+    ref = json.load(open(ref_dir / "results_w1.json"))["base"]
+    return hf, ref, ref_dir, par, par_dir
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_hf_models):
-    hf = tiny_hf_models("qwen2")
-    ref_dir = tmp_path_factory.mktemp("ref")
-    par_dir = tmp_path_factory.mktemp("par")
-    torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
-    torchrun(SCRIPT, 2, [hf, str(par_dir), *LAYOUTS, *BF16_LAYOUTS], timeout=900)
-    torchrun(SCRIPT, 4, [hf, str(par_dir), *FOUR_RANK_LAYOUTS], timeout=900)
-    ref = json.load(open(ref_dir / "results_w1.json"))["base"]
-    par = {**json.load(open(par_dir / "results_w2.json")), **json.load(open(par_dir / "results_w4.json"))}
-    return hf, ref, ref_dir, par, par_dir
+    return _launch(tmp_path_factory, tiny_hf_models("qwen2"), "dense",
+                   {2: LAYOUTS + BF16_LAYOUTS, 4: FOUR_RANK_LAYOUTS})
 
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory, tiny_hf_models):
-    hf = tiny_hf_models("qwen3_moe")
-    ref_dir = tmp_path_factory.mktemp("moe_ref")
-    par_dir = tmp_path_factory.mktemp("moe_par")
-    torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
-    torchrun(SCRIPT, 2, [hf, str(par_dir), *MOE_LAYOUTS], timeout=900)
-    ref = json.load(open(ref_dir / "results_w1.json"))["base"]
-    par = json.load(open(par_dir / "results_w2.json"))
-    return hf, ref, ref_dir, par, par_dir
+    return _launch(tmp_path_factory, tiny_hf_models("qwen3_moe"), "moe", {2: MOE_LAYOUTS})
 
 
 def test_reference_logprobs_match_hf(runs):
