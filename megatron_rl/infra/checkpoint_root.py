@@ -29,7 +29,7 @@ import shutil
 from typing import Optional
 
 from megatron_rl.errors import CheckpointError
-from megatron_rl.infra.atomic import atomic_write_json, atomic_write_text
+from megatron_rl.infra.atomic import atomic_write_json, atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,9 @@ def prune(root: str, keep: Optional[int]) -> list[int]:
     """
     if keep is None or keep <= 0:
         return []
+    for name in os.listdir(root):  # trash of a prune that was killed half-way
+        if name.startswith(".iter_") and name.endswith(".deleting"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     steps = list_iterations(root)
     complete = [s for s in steps if is_complete(iter_dir(root, s))]
     kept = set(complete[-keep:])
@@ -124,11 +127,26 @@ def prune(root: str, keep: Optional[int]) -> list[int]:
             continue
         if s not in complete and (newest is None or s > newest):
             continue  # an incomplete dir newer than every complete one: leave it for a human to look at
-        shutil.rmtree(iter_dir(root, s), ignore_errors=True)
+        _remove_atomically(iter_dir(root, s))
         deleted.append(s)
     if deleted:
         log.info("pruned checkpoints %s under %s (--save-max-to-keep %d)", deleted, root, keep)
     return deleted
+
+
+def _remove_atomically(path: str) -> None:
+    """Take a checkpoint out of sight in one rename, then delete it.
+
+    ``rmtree`` removes files one by one: killed half-way it would leave an
+    ``iter_N`` dir that still holds its completion marker but lacks shards, i.e. a
+    checkpoint that claims to be complete and is not. Renaming to a hidden name
+    first makes the dir vanish from ``list_iterations`` atomically.
+    """
+    trash = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.deleting")
+    shutil.rmtree(trash, ignore_errors=True)  # left by an earlier interrupted prune
+    os.replace(path, trash)
+    fsync_dir(os.path.dirname(path))
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def write_resume_state(root: str, state: dict) -> None:

@@ -93,6 +93,30 @@ def test_prune_keeps_newest_complete(tmp_path):
     assert cr.prune(str(tmp_path), 5) == []
 
 
+def test_prune_killed_mid_delete_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """A prune killed while deleting must not leave an iter_N dir that holds its marker but
+    lacks shards (seen in the SIGKILL e2e test): the dir is renamed out of sight first."""
+    for s in (1, 2, 3):
+        _fake_ckpt(tmp_path, s)
+    real_rmtree = cr.shutil.rmtree
+
+    def dies_after_first_file(path, ignore_errors=False):
+        if os.path.isfile(os.path.join(path, "__0_0.distcp")):  # deleting a checkpoint's files
+            os.remove(os.path.join(path, "__0_0.distcp"))
+            raise KeyboardInterrupt("killed mid-delete")  # the process dies here
+        return real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(cr.shutil, "rmtree", dies_after_first_file)
+    with pytest.raises(KeyboardInterrupt):
+        cr.prune(str(tmp_path), 2)
+    monkeypatch.undo()
+    assert cr.list_iterations(str(tmp_path)) == [2, 3]  # iter_1 vanished in one rename
+    for s in (2, 3):
+        ck.read_checkpoint_metadata(cr.iter_dir(str(tmp_path), s))  # every visible one is whole
+    cr.prune(str(tmp_path), 1)  # a later prune also clears the leftover trash of the killed one
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003"]
+
+
 def test_resume_state_roundtrip(tmp_path):
     root = str(tmp_path / "root")
     assert cr.read_resume_state(root) is None
