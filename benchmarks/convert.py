@@ -5,17 +5,20 @@ intermediate 1024, vocab 32000, fp32: ~112M parameters, ~450 MB), then in one
 run measures on the same disk:
 
 * ``copy``: ``shutil.copy`` of the safetensors file(s) (the I/O floor);
-* ``hf->dist`` and ``dist->hf``: ``tools/convert_ckpt.py`` as fresh processes
-  (``--max-shard-size`` 100MB for the HF output), each with and without ``--verify``
-  left out so the figure is the conversion alone;
-* ``baseline``: a process that only imports what the tool imports (its RSS is the
-  interpreter + torch + megatron floor, not the model).
+* ``hf->dist`` (once per ``--bucket-sizes`` value) and ``dist->hf``:
+  ``tools/convert_ckpt.py`` as fresh processes (``--max-shard-size`` 100MB for
+  the HF output), without ``--verify`` so the figure is the conversion alone;
+* peak memory *of the conversion*: each tool run goes through ``--probe``, which
+  imports what the tool imports, then resets the kernel's RSS high-water mark
+  (``/proc/self/clear_refs`` 5), records ``VmRSS`` (the floor: interpreter +
+  torch + megatron, whose import alone peaks higher than a streaming
+  conversion does) and, when the tool returns, ``VmHWM``. The figure is
+  ``VmHWM - floor``: what the conversion itself added at its peak. Forked
+  helpers of megatron's torch_dist writer (``dist->hf`` loads through it) are
+  separate processes and not included.
 
-Peak RSS is the converter process's ``ru_maxrss`` (from ``wait4``; the torch_dist
-writer's forked helpers share the parent's pages and are counted separately by
-the kernel, so the figure is the largest single process). Ratios: conversion
-time / copy time, and peak RSS (minus the import floor) / the largest tensor
-and / the model bytes. Page cache is warm for every step alike.
+Ratios: conversion time / copy time, and the conversion's peak RSS / the largest
+tensor and / the model bytes. Page cache is warm for every step alike.
 
     python benchmarks/convert.py [--hidden 1024 --layers 8 --vocab 32000] [--workdir DIR] [--keep]
 """
@@ -35,21 +38,57 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "convert_ckpt.py")
 
 
-def run_rss(cmd: list[str]) -> tuple[float, int, str]:
-    """Like run_measured, but reaps with os.wait4 to get the child's own ru_maxrss."""
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def probe(tool_argv: list[str]) -> None:
+    """Run the tool in this process and write {floor, hwm} (bytes) to $RSS_PROBE_OUT."""
+    import runpy
+
+    import megatron.core.dist_checkpointing  # noqa: F401  the floor: what the tool imports anyway
+    import megatron.core.models.gpt  # noqa: F401
+
+    import megatron_rl.convert.dist_to_hf  # noqa: F401
+    import megatron_rl.convert.hf_to_dist  # noqa: F401
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    floor = _status_kb("VmRSS")
+    sys.argv = [TOOL, *tool_argv]
+    try:
+        runpy.run_path(TOOL, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    with open(os.environ["RSS_PROBE_OUT"], "w") as f:
+        json.dump({"floor": floor, "hwm": _status_kb("VmHWM")}, f)
+
+
+def run_rss(tool_argv: list[str]) -> tuple[float, int, int, str]:
+    """Run the tool through ``--probe``: (wall s, floor bytes, conversion peak above the floor, stdout)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": REPO}
     out_f = tempfile.TemporaryFile(mode="w+")
     err_f = tempfile.TemporaryFile(mode="w+")
+    fd, probe_out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    env["RSS_PROBE_OUT"] = probe_out
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True)
-    _, status, usage = os.wait4(p.pid, 0)
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", *tool_argv], env=env, stdout=out_f,
+                       stderr=err_f, text=True)
     wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
     out_f.seek(0)
     err_f.seek(0)
     if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err_f.read()[-4000:]}")
-    return wall, usage.ru_maxrss * 1024, out_f.read()
+        raise SystemExit(f"{' '.join(tool_argv)} failed ({p.returncode}):\n{err_f.read()[-4000:]}")
+    with open(probe_out) as f:
+        r = json.load(f)
+    os.remove(probe_out)
+    return wall, r["floor"], r["hwm"] - r["floor"], out_f.read()
 
 
 def weight_files(d: str) -> list[str]:
@@ -57,6 +96,9 @@ def weight_files(d: str) -> list[str]:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--probe":
+        probe(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -65,6 +107,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--max-shard-size", default="100MB")
+    ap.add_argument("--bucket-sizes", default="32MB,1GB",
+                    help="hf->torch_dist --bucket-size values to run, comma-separated (one row each)")
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir; same disk for all)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -108,16 +152,16 @@ def main() -> None:
         copy_s = time.perf_counter() - t0
         copied = sum(os.path.getsize(os.path.join(copy_dir, f)) for f in files)
 
-        py = sys.executable
-        base_s, base_rss, _ = run_rss([py, "-c", "import megatron_rl.convert.hf_to_dist, megatron_rl.convert."
-                                       "dist_to_hf, megatron.core.models.gpt, megatron.core.dist_checkpointing"])
-        d = os.path.join(work, "dist")
-        h2d_s, h2d_rss, out = run_rss([py, TOOL, "hf-to-dist", "--input", hf, "--output", d, "--json",
-                                       "--no-progress"])
-        h2d_in = json.loads(out.strip().splitlines()[-1])["seconds"]
+        h2d_rows = []
+        for i, bucket in enumerate(args.bucket_sizes.split(",")):
+            d = os.path.join(work, f"dist{i}")
+            h2d_s, floor, h2d_rss, out = run_rss(["hf-to-dist", "--input", hf, "--output", d, "--json",
+                                                  "--no-progress", "--bucket-size", bucket])
+            h2d_in = json.loads(out.strip().splitlines()[-1])["seconds"]
+            h2d_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, h2d_in, h2d_rss))
         back = os.path.join(work, "back")
-        d2h_s, d2h_rss, out = run_rss([py, TOOL, "dist-to-hf", "--input", d, "--output", back, "--json",
-                                       "--no-progress", "--max-shard-size", args.max_shard_size])
+        d2h_s, _, d2h_rss, out = run_rss(["dist-to-hf", "--input", d, "--output", back, "--json", "--no-progress",
+                                          "--max-shard-size", args.max_shard_size])
         d2h_in = json.loads(out.strip().splitlines()[-1])["seconds"]
 
         # the round trip must be exact for the figures to mean anything
@@ -129,36 +173,34 @@ def main() -> None:
         b.close()
 
         mb = 1e6
-        rows = [("copy (shutil.copy + fsync)", copy_s, None, None),
-                ("hf->torch_dist (process)", h2d_s, h2d_in, h2d_rss),
-                ("torch_dist->hf (process)", d2h_s, d2h_in, d2h_rss)]
+        rows = [("copy (shutil.copy + fsync)", copy_s, None, None), *h2d_rows,
+                ("torch_dist->hf", d2h_s, d2h_in, d2h_rss)]
         result = {"model_bytes": model_bytes, "largest_tensor": largest_name, "largest_bytes": largest,
-                  "copied_bytes": copied, "import_floor_rss": base_rss, "import_floor_s": base_s, "rows": []}
+                  "copied_bytes": copied, "import_floor_rss": floor, "rows": []}
         if not args.json:
             print(f"llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
                   f"intermediate={args.intermediate} fp32: model {model_bytes / mb:.0f} MB, largest tensor "
-                  f"{largest_name} {largest / mb:.0f} MB; import floor: {base_rss / mb:.0f} MB RSS, {base_s:.1f} s")
-            print(f"{'step':28s} {'wall s':>7s} {'in-tool s':>9s} {'MB/s':>7s} {'x copy':>7s} {'peak RSS MB':>11s} "
-                  f"{'RSS/largest':>11s} {'(RSS-floor)/largest':>19s} {'(RSS-floor)/model':>17s}")
+                  f"{largest_name} {largest / mb:.0f} MB; RSS after imports (floor): {floor / mb:.0f} MB")
+            print(f"{'step':31s} {'wall s':>7s} {'in-tool s':>9s} {'MB/s':>7s} {'x copy':>7s} "
+                  f"{'peak MB':>8s} {'peak/largest':>12s} {'peak/model':>10s}")
         for name, wall, inner, rss in rows:
             row = {"step": name, "wall_s": round(wall, 3), "in_tool_s": inner,
                    "mb_per_s": round(model_bytes / mb / (inner or wall), 1),
                    "x_copy": round((inner or wall) / copy_s, 2),
-                   "peak_rss": rss,
-                   "rss_over_largest": round(rss / largest, 2) if rss else None,
-                   "extra_rss_over_largest": round((rss - base_rss) / largest, 2) if rss else None,
-                   "extra_rss_over_model": round((rss - base_rss) / model_bytes, 2) if rss else None}
+                   "peak_rss_above_floor": rss,
+                   "peak_over_largest": round(rss / largest, 2) if rss is not None else None,
+                   "peak_over_model": round(rss / model_bytes, 2) if rss is not None else None}
             result["rows"].append(row)
             if not args.json:
                 f = (lambda v, fmt: format(v, fmt) if v is not None else "-")
-                print(f"{name:28s} {wall:7.2f} {f(inner, '9.2f'):>9s} {row['mb_per_s']:7.1f} {row['x_copy']:7.2f} "
-                      f"{f(rss and rss / mb, '11.0f'):>11s} {f(row['rss_over_largest'], '11.2f'):>11s} "
-                      f"{f(row['extra_rss_over_largest'], '19.2f'):>19s} {f(row['extra_rss_over_model'], '17.2f'):>17s}")
+                print(f"{name:31s} {wall:7.2f} {f(inner, '9.2f'):>9s} {row['mb_per_s']:7.1f} {row['x_copy']:7.2f} "
+                      f"{f(rss is not None and rss / mb or None, '8.0f'):>8s} {f(row['peak_over_largest'], '12.2f'):>12s} "
+                      f"{f(row['peak_over_model'], '10.2f'):>10s}")
         if args.json:
             print(json.dumps(result, indent=2))
         else:
-            print("x copy and MB/s use the in-tool time (after imports); wall includes interpreter + megatron imports "
-                  "and the torch_dist writer's helper start.")
+            print("peak = the conversion's RSS high-water mark above the floor (see --probe); x copy and MB/s use the "
+                  "in-tool time (after imports); wall includes the interpreter and imports.")
     finally:
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

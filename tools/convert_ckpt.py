@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Convert checkpoints between HF safetensors and megatron-core torch_dist.
 
-    # HF -> torch_dist (one process; the output reloads at any TP/PP/EP)
-    python tools/convert_ckpt.py hf-to-dist --input HF_DIR --output DIST_DIR [--dtype bfloat16] [--verify]
+    # HF -> torch_dist (one process, streaming: peak memory ~ largest tensor + --bucket-size;
+    # the output reloads at any TP/PP/EP)
+    python tools/convert_ckpt.py hf-to-dist --input HF_DIR --output DIST_DIR [--dtype bfloat16] [--verify] \\
+        [--bucket-size 1GB]
 
     # torch_dist (converted dir, training iter_NNNNNNN dir or checkpoint root) -> HF
     python tools/convert_ckpt.py dist-to-hf --input DIST_DIR --output HF_DIR [--hf-config HF_DIR] \\
         [--max-shard-size 5GB] [--dtype keep] [--verify]
 
-    # big models: the same under torchrun, each rank holding its shard
+    # the same under torchrun: each rank writes its shard (faster; --verify then holds 1/(TP*PP) per rank)
     torchrun --nproc-per-node 8 tools/convert_ckpt.py hf-to-dist --input HF --output DIST \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
 
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--hf-config", metavar="DIR",
                            help="dir with config.json + tokenizer files (default: INPUT/hf_config)")
             p.add_argument("--max-shard-size", default="5GB", help="HF shard size limit (default 5GB)")
+        else:
+            p.add_argument("--bucket-size", default="1GB",
+                           help="torch_dist file size per rank (default 1GB): the writer holds at most one "
+                                "file's tensors, so peak memory is about the largest tensor plus this")
     return ap
 
 
@@ -71,7 +77,10 @@ def main(argv=None) -> int:
         if args.direction == "hf-to-dist":
             from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
 
-            summary = convert_hf_to_dist(args.input, args.output, **kw)
+            from megatron_rl.convert.safetensors_writer import parse_size
+
+            summary = convert_hf_to_dist(args.input, args.output, bucket_bytes=parse_size(args.bucket_size, "--bucket-size"),
+                                         **kw)
             summary = {k: summary[k] for k in ("format", "family", "dtype", "seconds", "verified")} | \
                 {"output": os.path.abspath(args.output), "files": len(summary.get("files", []))}
         else:

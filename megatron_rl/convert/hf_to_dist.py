@@ -31,12 +31,13 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, model_io
-from megatron_rl.errors import CheckpointError
+from megatron_rl.convert import common, model_io, streaming_save
+from megatron_rl.errors import BridgeError, CheckpointError
 
 
 def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[torch.dtype] = None,
-                       verify: bool = False, overwrite: bool = False, show_progress: bool = True) -> dict:
+                       verify: bool = False, overwrite: bool = False, show_progress: bool = True,
+                       bucket_bytes: int = 10**9) -> dict:
     """Convert ``hf_dir`` to a torch_dist dir ``out_dir``; returns the ``COMPLETE.json`` dict.
 
     Collective when ``torch.distributed`` is initialised (every rank calls it with
@@ -47,7 +48,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     from megatron_rl.infra.checkpoint_root import temp_dir_for
     from megatron_rl.models import get_bridge
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
-    from megatron_rl.models.weights import check_checkpoint_names
+    from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_value
 
     t0 = time.time()
     layout = layout or ParallelLayout()
@@ -66,12 +67,20 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
-    bar = common.progress(4 if verify else 3, "hf->torch_dist", show_progress, unit="step")
     model_io.setup(layout)
-    chunks = bridge.build_model(layout, params_dtype=target)
-    bar.set_postfix_str("load HF")
-    bridge.load_hf_weights(chunks, hf_dir)
-    bar.update(1)
+    with torch.device("meta"):  # shapes and sharding only; the values are streamed in by the writer
+        # perform_initialization stays on: megatron sets the TP attributes (partition_dim) of
+        # CPU-initialised weights in its init path; on meta it allocates and computes nothing.
+        chunks = bridge.build_model(layout, params_dtype=target, use_cpu_initialization=True)
+    slots = {id(s.param): s for chunk in chunks for s in canonical_parameters(chunk)}
+    unmapped = []
+    for slot in slots.values():
+        try:
+            bridge.rule_for(slot.canonical_name)
+        except BridgeError:
+            unmapped.append(slot.canonical_name)
+    common.all_ranks_ok(CheckpointError(f"model parameters no HF tensor fills: {sorted(unmapped)}; the bridge does "
+                                        "not map this config") if unmapped else None)
 
     tmp = temp_dir_for(out_dir)
 
@@ -80,17 +89,29 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
         os.makedirs(tmp)
 
     common.rank0_do(prepare, f"creating {tmp}")
-    bar.set_postfix_str("save torch_dist")
-    dc = common.dist_checkpointing()
-    dc.save(model_io.model_sharded_state_dict(chunks), tmp, content_metadata={"megatron_rl_format": common.FORMAT})
+    bar = common.progress(len(slots), "hf->torch_dist", show_progress, unit="param")
+    ckpt = HFCheckpoint(hf_dir)
+
+    def materialize(param: torch.nn.Parameter) -> torch.Tensor:
+        try:
+            return local_value(bridge, slots[id(param)], ckpt).to(target)
+        finally:
+            ckpt.close()  # unmap the shard files: their pages would otherwise stay in this process's RSS
+            bar.update(1)
+
+    index = streaming_save.StorageIndex.for_chunks(chunks, materialize)
+    try:
+        common.dist_checkpointing().save(model_io.model_sharded_state_dict(chunks), tmp,
+                                         sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes),
+                                         content_metadata={"megatron_rl_format": common.FORMAT})
+    finally:
+        ckpt.close()
+        bar.close()
     common.barrier()
-    bar.update(1)
     model_io.free(chunks)
 
     if verify:
-        bar.set_postfix_str("verify")
         verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress)
-        bar.update(1)
 
     meta = {"format": common.FORMAT, "source": {"kind": "hf", "path": hf_dir},
             "model_type": bridge.cfg("model_type"), "family": bridge.family, "dtype": common.dtype_name(target),
@@ -104,11 +125,8 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
         atomic_write_json(os.path.join(tmp, common.MARKER_NAME), meta)
         publish_dir(tmp, out_dir)
 
-    bar.set_postfix_str("publish")
     common.rank0_do(publish, f"publishing {out_dir}")
     common.barrier()
-    bar.update(1)
-    bar.close()
     meta["seconds"] = round(time.time() - t0, 3)
     return meta
 

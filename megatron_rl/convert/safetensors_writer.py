@@ -30,17 +30,17 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str | int) -> int:
-    """``"5GB"`` / ``"500MiB"`` / ``"1000"`` -> bytes (HF's decimal units for ``GB``)."""
+def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
+    """``"5GB"`` / ``"500MiB"`` / ``"1000"`` -> bytes (HF's decimal units for ``GB``); errors name ``flag``."""
     if isinstance(text, int):
         value = text
     else:
         m = _SIZE_RE.match(str(text))
         if not m:
-            raise CheckpointError(f"--max-shard-size {text!r} is not a size; use e.g. 5GB, 500MB, 2GiB or bytes")
+            raise CheckpointError(f"{flag} {text!r} is not a size; use e.g. 5GB, 500MB, 2GiB or bytes")
         value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     if value <= 0:
-        raise CheckpointError(f"--max-shard-size must be positive, got {text!r}")
+        raise CheckpointError(f"{flag} must be positive, got {text!r}")
     return value
 
 

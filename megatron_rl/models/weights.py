@@ -131,6 +131,16 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
     raise BridgeError(f"unknown rule kind {rule.kind!r} for {slot.canonical_name}")
 
 
+def local_value(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:
+    """This rank's value of ``slot`` read from ``ckpt`` (in the checkpoint's dtype).
+
+    What :func:`load_hf_weights` copies into the parameter; the streaming
+    converter (``megatron_rl.convert.hf_to_dist``) writes it without a model.
+    Raises ``BridgeError`` for a parameter no HF tensor maps to.
+    """
+    return _read_local(bridge, bridge.rule_for(slot.canonical_name), slot, ckpt)
+
+
 def check_checkpoint_names(bridge, ckpt: HFCheckpoint) -> None:
     """Refuse a checkpoint whose tensor set or shapes differ from the bridge's config."""
     expected = bridge.hf_param_shapes()
@@ -164,7 +174,7 @@ def load_hf_weights(bridge, model_chunks, hf_dir: str | os.PathLike) -> None:
                 except BridgeError:
                     unfilled.append(slot.canonical_name)
                     continue
-                value = _read_local(bridge, rule, slot, ckpt)
+                value = local_value(bridge, slot, ckpt)
                 if tuple(value.shape) != tuple(slot.param.shape):
                     mismatched.append(f"{slot.canonical_name}: built {tuple(value.shape)} from {rule.hf_names}, "
                                       f"parameter is {tuple(slot.param.shape)}")

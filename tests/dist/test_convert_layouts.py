@@ -2,7 +2,9 @@
 
 HF -> torch_dist at TP1 (x DP2) and at TP2 (with --verify), then torch_dist -> HF
 at TP2 / TP1 / PP2 and, for qwen3_moe, EP2 and TP2xEP2(ETP1). Every exported
-tensor must equal the HF source bit for bit (stronger than equal logits).
+tensor must equal the HF source bit for bit (stronger than equal logits). The
+streaming HF -> torch_dist writer's output at TP2, PP2 (llama) and EP2 (MoE)
+must equal ``dist_checkpointing.save`` of the loaded model byte for byte.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ def test_torch_dist_reshards_across_layouts(tmp_path):
     res = read_json(tmp_path / "results.json")
     assert set(res["llama"]["exports"]) == {"tp1_to_tp2", "tp2_to_pp2", "tp2_to_tp1"}
     assert set(res["qwen3_moe"]["exports"]) >= {"tp2_to_ep2", "tp1_to_tp2ep2"}
+    assert set(res["llama"]["vs_megatron_save"]) == {"tp2", "pp2"}
+    assert set(res["qwen3_moe"]["vs_megatron_save"]) == {"tp2", "ep2"}
     for fam, r in res.items():
+        for lay, diffs in r["vs_megatron_save"].items():
+            assert diffs == [], (fam, lay, diffs)  # streaming writer == dist_checkpointing.save, per rank shard
         for name, out in r["exports"].items():
             assert os.path.isfile(os.path.join(out, "model.safetensors.index.json")), (fam, name)
             assert_same_tensors(r["hf"], out)

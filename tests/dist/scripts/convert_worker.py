@@ -10,6 +10,11 @@ the dist->HF refusals that need a real torch_dist dir.
 
 ``--mode layouts`` (torchrun, 2 ranks): HF -> torch_dist written at TP1 (DP2) and
 TP2, each exported back to HF at other layouts (TP2 / TP1 / PP2, EP2 for MoE).
+
+Both modes also check that the streaming writer's output is the checkpoint
+``dist_checkpointing.save`` writes for the same model loaded in memory
+(:func:`same_as_megatron_save`), at TP1 in one process and at TP2 / PP2 / EP2
+under torchrun.
 """
 
 from __future__ import annotations
@@ -33,6 +38,69 @@ def _expect_refusal(fn, *needles) -> str:
     raise AssertionError("conversion was not refused")
 
 
+def _dcp_contents(path: str) -> dict:
+    """Every entry of a torch_dist dir as full tensors / bytes (no process group needed)."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = os.path.join(path + ".contents.pt")
+    dcp_to_torch_save(path, target)
+    sd = torch.load(target, weights_only=False)
+    os.remove(target)
+    meta = FileSystemReader(path).read_metadata()
+    return {"entries": {k: (v.getvalue() if isinstance(v, io.BytesIO) else v) for k, v in sd.items()},
+            "metadata": meta.state_dict_metadata,
+            "common": torch.load(os.path.join(path, "common.pt"), weights_only=False),
+            "metadata.json": open(os.path.join(path, "metadata.json")).read()}
+
+
+def same_as_megatron_save(hf: str, streamed: str, layout, scratch: str) -> list:
+    """Collective. Save ``hf`` loaded into a real model with ``dist_checkpointing.save`` at
+    ``layout`` and compare with ``streamed`` (written at the same layout): same .metadata
+    (keys, global shapes, chunk offsets/sizes, dtypes), common.pt, metadata.json and every
+    byte of every tensor and ShardedObject. Returns the differences (rank 0; [] elsewhere)."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.convert import common, model_io
+    from megatron_rl.models import get_bridge
+
+    bridge = get_bridge(hf)
+    model_io.setup(layout)
+    chunks = bridge.build_model(layout)
+    bridge.load_hf_weights(chunks, hf)
+    if common.rank() == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.makedirs(scratch)
+    common.barrier()
+    common.dist_checkpointing().save(model_io.model_sharded_state_dict(chunks), scratch,
+                                     content_metadata={"megatron_rl_format": common.FORMAT})
+    model_io.free(chunks)
+    common.barrier()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    a, b = _dcp_contents(streamed), _dcp_contents(scratch)
+    diffs = [f"{what} differs" for what in ("metadata", "common", "metadata.json") if a[what] != b[what]]
+    if set(a["entries"]) != set(b["entries"]):
+        diffs.append(f"entries differ: {sorted(set(a['entries']) ^ set(b['entries']))}")
+    for k in sorted(set(a["entries"]) & set(b["entries"])):
+        x, y = a["entries"][k], b["entries"][k]
+        if isinstance(x, torch.Tensor):
+            same = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+                x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        else:
+            same = x == y
+        if not same:
+            diffs.append(f"{k} differs")
+    shutil.rmtree(scratch)
+    return diffs
+
+
 def roundtrip(args) -> dict:
     import torch
 
@@ -49,9 +117,14 @@ def roundtrip(args) -> dict:
         back = os.path.join(args.out, f"{fam}_back")
         convert_hf_to_dist(hf, d, layout=lay, verify=True, show_progress=False)
         s = convert_dist_to_hf(d, back, layout=lay, verify=True, max_shard_size="200KB", show_progress=False)
-        out[fam] = {"hf": hf, "dist": d, "back": back, "shards": s["files"]}
+        out[fam] = {"hf": hf, "dist": d, "back": back, "shards": s["files"],
+                    "vs_megatron_save": same_as_megatron_save(hf, d, lay, os.path.join(args.out, "ref"))}
     fam = args.family[0]
     hf = out[fam]["hf"]
+    small = os.path.join(args.out, f"{fam}_dist_small_buckets")  # many .distcp files per rank
+    convert_hf_to_dist(hf, small, layout=lay, show_progress=False, bucket_bytes=20_000)
+    out["small_buckets"] = {"files": len([f for f in os.listdir(small) if f.endswith(".distcp")]),
+                            "vs_megatron_save": same_as_megatron_save(hf, small, lay, os.path.join(args.out, "ref"))}
     d16 = os.path.join(args.out, f"{fam}_dist_bf16")
     convert_hf_to_dist(hf, d16, layout=lay, dtype=torch.bfloat16, verify=True, show_progress=False)
     back16 = os.path.join(args.out, f"{fam}_back_bf16")
@@ -101,6 +174,17 @@ def layouts(args) -> dict:
         d2 = os.path.join(args.out, f"{fam}_dist_tp2")
         convert_hf_to_dist(hf, d1, layout=ParallelLayout(), show_progress=False)  # TP1 x DP2
         convert_hf_to_dist(hf, d2, layout=ParallelLayout(tp=2), verify=True, show_progress=False)
+        # the streaming writer at parallel layouts vs megatron's save of the loaded model
+        written = {"tp2": (d2, ParallelLayout(tp=2))}
+        if fam == "qwen3_moe":
+            written["ep2"] = (os.path.join(args.out, f"{fam}_dist_ep2"), ParallelLayout(ep=2))
+        else:
+            written["pp2"] = (os.path.join(args.out, f"{fam}_dist_pp2"), ParallelLayout(pp=2))
+        vs_megatron = {}
+        for name, (dst, lay) in written.items():
+            if dst != d2:
+                convert_hf_to_dist(hf, dst, layout=lay, show_progress=False)
+            vs_megatron[name] = same_as_megatron_save(hf, dst, lay, os.path.join(args.out, "ref"))
         exports = {"tp1_to_tp2": (d1, ParallelLayout(tp=2)), "tp2_to_pp2": (d2, ParallelLayout(pp=2)),
                    "tp2_to_tp1": (d2, ParallelLayout())}
         if fam == "qwen3_moe":
@@ -111,7 +195,7 @@ def layouts(args) -> dict:
             dst = os.path.join(args.out, f"{fam}_{name}")
             convert_dist_to_hf(src, dst, layout=lay, verify=True, max_shard_size="300KB", show_progress=False)
             got[name] = dst
-        out[fam] = {"hf": hf, "exports": got}
+        out[fam] = {"hf": hf, "exports": got, "vs_megatron_save": vs_megatron}
     return out
 
 
