@@ -152,29 +152,33 @@ def main() -> None:
         copy_s = time.perf_counter() - t0
         copied = sum(os.path.getsize(os.path.join(copy_dir, f)) for f in files)
 
-        h2d_rows = []
+        conv_rows, backs = [], []
         for i, bucket in enumerate(args.bucket_sizes.split(",")):
             d = os.path.join(work, f"dist{i}")
             h2d_s, floor, h2d_rss, out = run_rss(["hf-to-dist", "--input", hf, "--output", d, "--json",
                                                   "--no-progress", "--bucket-size", bucket])
             h2d_in = json.loads(out.strip().splitlines()[-1])["seconds"]
-            h2d_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, h2d_in, h2d_rss))
-        back = os.path.join(work, "back")
-        d2h_s, _, d2h_rss, out = run_rss(["dist-to-hf", "--input", d, "--output", back, "--json", "--no-progress",
-                                          "--max-shard-size", args.max_shard_size])
-        d2h_in = json.loads(out.strip().splitlines()[-1])["seconds"]
+            conv_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, h2d_in, h2d_rss))
+            back = os.path.join(work, f"back{i}")
+            d2h_s, _, d2h_rss, out = run_rss(["dist-to-hf", "--input", d, "--output", back, "--json",
+                                              "--no-progress", "--max-shard-size", args.max_shard_size,
+                                              "--bucket-size", bucket])
+            d2h_in = json.loads(out.strip().splitlines()[-1])["seconds"]
+            conv_rows.append((f"torch_dist->hf --bucket {bucket}", d2h_s, d2h_in, d2h_rss))
+            backs.append(back)
 
         # the round trip must be exact for the figures to mean anything
-        a, b = HFCheckpoint(hf), HFCheckpoint(back)
-        assert a.names() == b.names()
-        for n in a.names():
-            assert torch.equal(a.read(n), b.read(n)), n
+        a = HFCheckpoint(hf)
+        for back in backs:
+            b = HFCheckpoint(back)
+            assert a.names() == b.names()
+            for n in a.names():
+                assert torch.equal(a.read(n), b.read(n)), n
+            b.close()
         a.close()
-        b.close()
 
         mb = 1e6
-        rows = [("copy (shutil.copy + fsync)", copy_s, None, None), *h2d_rows,
-                ("torch_dist->hf", d2h_s, d2h_in, d2h_rss)]
+        rows = [("copy (shutil.copy + fsync)", copy_s, None, None), *conv_rows]
         result = {"model_bytes": model_bytes, "largest_tensor": largest_name, "largest_bytes": largest,
                   "copied_bytes": copied, "import_floor_rss": floor, "rows": []}
         if not args.json:

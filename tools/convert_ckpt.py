@@ -56,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--hf-config", metavar="DIR",
                            help="dir with config.json + tokenizer files (default: INPUT/hf_config)")
             p.add_argument("--max-shard-size", default="5GB", help="HF shard size limit (default 5GB)")
-        else:
-            p.add_argument("--bucket-size", default="1GB",
-                           help="torch_dist file size per rank (default 1GB): the writer holds at most one "
-                                "file's tensors, so peak memory is about the largest tensor plus this")
+        p.add_argument("--bucket-size", default="1GB",
+                       help="how much the conversion holds at a time (default 1GB): hf-to-dist writes torch_dist "
+                            "files of this size, dist-to-hf loads this many bytes of parameters per read; peak "
+                            "memory is about the largest tensor plus this (dist-to-hf: plus one HF shard)")
     return ap
 
 
@@ -86,8 +86,11 @@ def main(argv=None) -> int:
         else:
             from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
 
+            from megatron_rl.convert.safetensors_writer import parse_size
+
             summary = convert_dist_to_hf(args.input, args.output, hf_config_dir=args.hf_config,
-                                         max_shard_size=args.max_shard_size, **kw)
+                                         max_shard_size=args.max_shard_size,
+                                         bucket_bytes=parse_size(args.bucket_size, "--bucket-size"), **kw)
     except MegatronRLError as e:
         print(f"convert_ckpt.py {args.direction}: {e}", file=sys.stderr)
         return 2

@@ -7,14 +7,15 @@ Steps (every rank, one process or under torchrun):
 2. read the HF config (``<input>/hf_config`` as the converter wrote it, or
    ``--hf-config DIR``), refuse a fingerprint (hidden size, layers, heads, vocab...)
    that differs from the checkpoint's;
-3. build this rank's model in the checkpoint's stored dtype, compare the stored
-   tensor keys and global shapes with the model's (refusal names missing, extra
-   and mis-shaped tensors), load the model part (optimizer/RNG entries of a
-   training checkpoint are not read);
-4. export with ``Bridge.export_hf_weights`` (collective; every rank gets full HF
-   tensors) and rank 0 writes ``--max-shard-size`` shards as they fill
-   (:class:`ShardedSafetensorsWriter`), so at most one shard of HF tensors is
-   held beside the model; every tensor the config needs must come out;
+3. compare the stored tensor keys and global shapes with the model's at the
+   checkpoint's dtype (refusal names missing, extra and mis-shaped tensors);
+   optimizer/RNG entries of a training checkpoint are never read;
+4. one process: stream (:mod:`megatron_rl.convert.streaming_load`) a bucket of
+   parameters (``--bucket-size``) at a time into HF tensors; under torchrun:
+   every rank loads its model shard and ``Bridge.export_hf_weights`` gathers
+   (collective, every rank gets full HF tensors). Rank 0 writes
+   ``--max-shard-size`` shards as they fill (:class:`ShardedSafetensorsWriter`);
+   every tensor the config needs must come out;
 5. config/tokenizer files are copied (``dtype`` in config.json updated only when
    ``--dtype`` changes it), ``--verify`` re-exports and compares every tensor with
    the written files, and the temp dir is renamed into place.
@@ -29,11 +30,11 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, model_io
+from megatron_rl.convert import common, model_io, streaming_load
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.errors import CheckpointError
 
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_BUCKET_BYTES = 10**9
 
 
 def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None, layout=None,
@@ -69,10 +70,22 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    streaming = world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
     model_io.setup(layout)
-    chunks = bridge.build_model(layout, params_dtype=stored_dtype)
-    model_io.check_checkpoint_matches_model(dist_dir, stored, model_io.model_tensor_shapes(chunks), config_dir)
-    model_io.load_dist_into(chunks, dist_dir)
+    if streaming:  # one process: read a bucket of parameters at a time (streaming_load)
+        with torch.device("meta"):
+            chunks = bridge.build_model(layout, params_dtype=stored_dtype, use_cpu_initialization=True)
+        model_io.check_checkpoint_matches_model(dist_dir, stored, model_io.model_tensor_shapes(chunks), config_dir)
+        model_io.free(chunks)
+        chunks = None
+        exported = streaming_load.iter_hf_tensors(bridge, dist_dir, stored_dtype, bucket_bytes)
+    else:  # torchrun: every rank loads its shard, the export gathers (collective)
+        chunks = bridge.build_model(layout, params_dtype=stored_dtype)
+        model_io.check_checkpoint_matches_model(dist_dir, stored, model_io.model_tensor_shapes(chunks), config_dir)
+        model_io.load_dist_into(chunks, dist_dir)
+        exported = bridge.export_hf_weights(chunks, bucket_bytes=bucket_bytes)
 
     tmp = temp_dir_for(out_dir)
 
@@ -86,7 +99,9 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     error: Optional[Exception] = None
     seen: set[str] = set()
     bar = common.progress(len(expected), "torch_dist->hf", show_progress)
-    for name, tensor in bridge.export_hf_weights(chunks, bucket_bytes=bucket_bytes):
+    for name, tensor in exported:
+        if error is not None and streaming:
+            break  # one process: nothing to keep in step with
         if writer is None or error is not None:
             continue  # keep draining: the export is collective
         try:
@@ -118,7 +133,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
 
     common.rank0_do(finish, f"writing {tmp}")
     if verify:
-        verify_hf_against_dist(bridge, tmp, dist_dir, layout, stored_dtype, dtype, show_progress)
+        verify_hf_against_dist(bridge, tmp, dist_dir, layout, stored_dtype, dtype, show_progress,
+                               streaming_bucket_bytes=bucket_bytes if streaming else None)
     common.rank0_do(lambda: publish_dir(tmp, out_dir), f"publishing {out_dir}")
     common.barrier()
     summary.update(output=out_dir, source=dist_dir, dtype=common.dtype_name(out_dtype),
@@ -127,12 +143,19 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
 
 
 def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dtype: torch.dtype,
-                           cast: Optional[torch.dtype], show_progress: bool = True) -> None:
-    """Collective: reload ``dist_dir``, export again, compare every tensor with the files in ``hf_dir``."""
+                           cast: Optional[torch.dtype], show_progress: bool = True,
+                           streaming_bucket_bytes: Optional[int] = None) -> None:
+    """Collective: reload ``dist_dir``, export again, compare every tensor with the files in ``hf_dir``.
+    With ``streaming_bucket_bytes`` (one process) the reload streams too."""
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
 
-    chunks = bridge.build_model(layout, params_dtype=model_dtype)
-    model_io.load_dist_into(chunks, dist_dir)
+    if streaming_bucket_bytes is not None:
+        chunks = None
+        source = streaming_load.iter_hf_tensors(bridge, dist_dir, model_dtype, streaming_bucket_bytes)
+    else:
+        chunks = bridge.build_model(layout, params_dtype=model_dtype)
+        model_io.load_dist_into(chunks, dist_dir)
+        source = bridge.export_hf_weights(chunks)
     ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None
     try:
         err = None
@@ -141,7 +164,7 @@ def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dty
             expected = set(bridge.hf_param_shapes())
             if names != expected:
                 err = (f"written names differ: missing {sorted(expected - names)}, extra {sorted(names - expected)}")
-        exported = ((n, t.to(cast) if cast is not None else t) for n, t in bridge.export_hf_weights(chunks))
+        exported = ((n, t.to(cast) if cast is not None else t) for n, t in source)
         err2 = model_io.compare_stream(exported, ref, bridge.hf_param_shapes(), None, "written HF",
                                        show_progress, compare=ref is not None)
         err = "; ".join(e for e in (err, err2) if e) or None

@@ -10,16 +10,21 @@ only known at the end, so shards are written under ``.part`` names and renamed b
 :meth:`finish`, which then writes ``model.safetensors.index.json``. Callers write
 into a temporary directory and publish it (:func:`~megatron_rl.infra.atomic.publish_dir`),
 so a half-written output never appears under the final name.
+
+Shards are serialised by :func:`save_safetensors`, which writes each tensor's
+bytes straight from its storage: ``safetensors.torch.save_file`` first copies
+every tensor into a ``bytes`` object, doubling the shard in memory at flush.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
@@ -55,6 +60,36 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Optional[dict] = None) -> None:
+    """Write a safetensors file (the documented format: u64-LE header length, JSON
+    header with dtype / shape / data_offsets per tensor and ``__metadata__``, padded
+    with spaces to 8 bytes, then the data) without copying the tensors; fsynced.
+    Tensors must be contiguous CPU tensors that own their storage (``_own_storage``)."""
+    header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class ShardedSafetensorsWriter:
     """``add(name, tensor)`` until done, then ``finish()`` -> the index dict."""
 
@@ -84,7 +119,7 @@ class ShardedSafetensorsWriter:
         if not self._pending:
             return
         part = f"model-{len(self._parts) + 1:05d}.safetensors.part"
-        save_file(self._pending, os.path.join(self.out_dir, part), metadata=self.metadata)
+        save_safetensors(self._pending, os.path.join(self.out_dir, part), metadata=self.metadata)
         self._parts.append((part, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 

@@ -68,7 +68,7 @@ def release_free_memory() -> None:
 _malloc_trim = None
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     # Why storage identity: views of a meta tensor (detach, chunk, view) share its
     # StorageImpl, and meta tensors have no data pointer to compare.
     return t.untyped_storage()._cdata
@@ -91,12 +91,12 @@ class StorageIndex:
                 if not p.is_meta:
                     raise CheckpointError(f"streaming save needs a model built on the meta device; {name} is on "
                                           f"{p.device}")
-                params[_storage_key(p)] = (name, p)
+                params[storage_key(p)] = (name, p)
         return cls(params, materialize)
 
     def resolve(self, view: torch.Tensor) -> torch.Tensor:
         """Values for ``view`` (a meta tensor that views one model parameter)."""
-        key = _storage_key(view)
+        key = storage_key(view)
         if key not in self._params:
             raise CheckpointError(f"streaming save: a {tuple(view.shape)} tensor of the sharded state dict views no "
                                   "model parameter (a buffer?); it cannot be produced from the HF checkpoint")

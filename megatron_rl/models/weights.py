@@ -207,8 +207,9 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def _full_tensors(bridge, slot: ParamSlot) -> list[torch.Tensor]:
-    """Gather ``slot`` over TP and return its full HF tensors (rule order)."""
+def _full_tensors(bridge, slot: ParamSlot, copy: bool = True) -> list[torch.Tensor]:
+    """Gather ``slot`` over TP and return its full HF tensors (rule order). ``copy=False``
+    lets a TP1 piece be a view of the parameter (for a caller that never modifies it)."""
     rule = bridge.rule_for(slot.canonical_name)
     data = slot.param.detach()
     dim = slot.tp_partition_dim
@@ -217,8 +218,8 @@ def _full_tensors(bridge, slot: ParamSlot) -> list[torch.Tensor]:
     shards = _all_gather(data, group) if tp_size > 1 else [data]
     pieces = [_split_shard(bridge, rule.kind, s, tp_size) for s in shards]
     cat_dim = dim if dim is not None else 0
-    full = [torch.cat([p[i] for p in pieces], dim=cat_dim) if len(pieces) > 1 else pieces[0][i].clone()
-            for i in range(len(rule.hf_names))]
+    full = [torch.cat([p[i] for p in pieces], dim=cat_dim) if len(pieces) > 1
+            else (pieces[0][i].clone() if copy else pieces[0][i]) for i in range(len(rule.hf_names))]
     if rule.kind == "vocab":
         full = [weight_maps.unpad_vocab(t, bridge.vocab_size) for t in full]
     return full
@@ -260,11 +261,11 @@ def _local_layer_index(model, global_layer: int) -> int:
     raise BridgeError(f"layer {global_layer} is not in this model chunk")
 
 
-def _produce(bridge, items) -> Iterator[tuple[str, torch.Tensor]]:
+def _produce(bridge, items, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors of this stage, in ``items`` order (collective in TP/EP groups)."""
     _, ep_size, ep_group = _ep_layout()
     for slot, names in items:
-        tensors = _full_tensors(bridge, slot)
+        tensors = _full_tensors(bridge, slot, copy)
         if slot.is_expert and ep_size > 1:
             gathered = [_all_gather(t, ep_group) for t in tensors]  # [hf piece][ep rank]
             tensors = [gathered[i][r] for r in range(ep_size) for i in range(len(tensors))]
@@ -293,6 +294,21 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def export_items(bridge, model_chunks) -> list[tuple[ParamSlot, list[str]]]:
+    """[(slot, HF names it exports to)] of this rank's chunks, in export order."""
+    return _stage_items(bridge, model_chunks)
+
+
+def export_slot(bridge, slot: ParamSlot, names: list[str], copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full HF tensors of one slot (collective in its TP/EP groups; local at TP1/EP1).
+
+    ``slot.param`` may be any tensor holding the parameter's local value: the
+    streaming ``dist-to-hf`` passes a loaded copy of a meta model's parameter
+    (and ``copy=False``: that copy is never modified, so views of it are safe).
+    """
+    return _produce(bridge, [(slot, names)], copy)
 
 
 def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:

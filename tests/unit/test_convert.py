@@ -243,3 +243,26 @@ def test_cli_round_trip_llama_bit_exact(tmp_path, tiny_hf_models):
     assert len(set(index["weight_map"].values())) == summary["files"] >= 3
     assert (back / "config.json").read_bytes() == open(os.path.join(src, "config.json"), "rb").read()
     assert_same_tensors(src, back)
+
+
+def test_save_safetensors_reads_back_with_safetensors(tmp_path):
+    """Our zero-copy serialiser writes files safetensors (and so transformers) reads exactly."""
+    from safetensors import safe_open
+
+    from megatron_rl.convert.safetensors_writer import save_safetensors
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"w.bf16": torch.randn(5, 3, generator=g).to(torch.bfloat16), "b.f32": torch.randn(7, generator=g),
+               "h.f16": torch.randn(2, 2, 2, generator=g).half(), "scalar": torch.tensor(3.5),
+               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False, True]),
+               "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3), "odd": torch.arange(3, dtype=torch.int8)}
+    path = str(tmp_path / "x.safetensors")
+    save_safetensors(tensors, path, metadata={"format": "pt"})
+    back = load_file(path)
+    assert sorted(back) == sorted(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    with pytest.raises(CheckpointError, match="complex"):
+        save_safetensors({"c": torch.zeros(2, dtype=torch.complex64)}, str(tmp_path / "c.safetensors"))

@@ -116,7 +116,9 @@ def roundtrip(args) -> dict:
         d = os.path.join(args.out, f"{fam}_dist")
         back = os.path.join(args.out, f"{fam}_back")
         convert_hf_to_dist(hf, d, layout=lay, verify=True, show_progress=False)
-        s = convert_dist_to_hf(d, back, layout=lay, verify=True, max_shard_size="200KB", show_progress=False)
+        # 30KB buckets: the streaming reader loads a few parameters per dist_checkpointing.load
+        s = convert_dist_to_hf(d, back, layout=lay, verify=True, max_shard_size="200KB", show_progress=False,
+                               bucket_bytes=30_000)
         out[fam] = {"hf": hf, "dist": d, "back": back, "shards": s["files"],
                     "vs_megatron_save": same_as_megatron_save(hf, d, lay, os.path.join(args.out, "ref"))}
     fam = args.family[0]

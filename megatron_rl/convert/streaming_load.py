@@ -1,0 +1,128 @@
+"""Read a torch_dist model one bucket of parameters at a time and export it to HF.
+
+The single-process ``dist-to-hf`` path. Like the streaming writer
+(:mod:`megatron_rl.convert.streaming_save`), the model is built on the ``meta``
+device so its ``sharded_state_dict()`` names every key, chunk and
+``ShardedTensorFactory`` exactly as megatron-core would, without storage. Then,
+for each bucket of consecutive parameters (export order, at most
+``bucket_bytes``):
+
+1. allocate real tensors for the bucket's parameters only;
+2. ``dist_checkpointing.load`` the chunks of the state-dict entries that view
+   them (the two halves of a gated ``linear_fc1`` included; other layers and
+   keys are not read), with access validation off because the subset is
+   deliberate, as plain (non-prepended) ShardedTensors whose data are views of
+   the real tensors, so the load fills them;
+3. export those parameters to full HF tensors with the bridge's maps
+   (``weights.export_slot``) and hand them to the caller; free the bucket.
+
+Memory: one bucket of parameters plus the HF tensors made from them, not the
+model. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
+each rank's whole shard (the collective export needs every rank's model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+
+from megatron_rl.convert import common, model_io
+from megatron_rl.convert.streaming_save import storage_key, release_free_memory
+from megatron_rl.errors import CheckpointError
+
+
+def _entries_by_parameter(sharded_state_dict: dict) -> dict[int, list[tuple[str, str, object]]]:
+    """State-dict entries (ShardedTensor / ShardedTensorFactory) grouped by the parameter they view."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out: dict[int, list] = {}
+    for top, sub in sharded_state_dict.items():
+        for key, entry in sub.items():
+            if isinstance(entry, ShardedObject):
+                continue  # _extra_state: nothing an HF checkpoint holds
+            if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+                raise CheckpointError(f"unexpected {type(entry).__name__} at {top}.{key} in the model's sharded "
+                                      "state dict; the streaming reader does not know how to load it")
+            out.setdefault(storage_key(entry.data), []).append((top, key, entry))
+    return out
+
+
+def _same_view(value: torch.Tensor, meta_param: torch.Tensor, meta_view: torch.Tensor) -> torch.Tensor:
+    """The view of ``value`` that ``meta_view`` is of ``meta_param``."""
+    return value.as_strided(meta_view.size(), meta_view.stride(),
+                            value.storage_offset() + meta_view.storage_offset() - meta_param.storage_offset())
+
+
+def _without_prepended_axes(sh):
+    """The same chunk as a plain ShardedTensor (``prepend_axis_num`` 0, shape ``[1, ..., *local]``).
+
+    Why: megatron translates a ShardedTensor with prepended (stacked-layer) axes to
+    a legacy torch ShardedTensor that must hold every chunk of the key this rank
+    owns (all its layers); a bucket holds only some layers. The plain form goes
+    through megatron's ``CheckpointableShardedTensor``, which reads any chunk.
+    """
+    p = sh.prepend_axis_num
+    if not p:
+        return sh
+    local = (1,) * p + tuple(sh.local_shape)
+    return dataclasses.replace(sh, data=sh.data.view(local), local_shape=local, prepend_axis_num=0)
+
+
+def _buckets(items, bucket_bytes: int):
+    bucket, size = [], 0
+    for slot, names in items:
+        n = slot.param.numel() * slot.param.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((slot, names))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def iter_hf_tensors(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for the whole model of ``dist_dir`` (one process, TP=PP=EP=1)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_rl.backends.megatron.parallel import ParallelLayout
+    from megatron_rl.models.weights import export_items, export_slot
+
+    layout = ParallelLayout()
+    model_io.setup(layout)
+    with torch.device("meta"):
+        chunks = bridge.build_model(layout, params_dtype=dtype, use_cpu_initialization=True)
+    entries = _entries_by_parameter(model_io.model_sharded_state_dict(chunks))
+    dc = common.dist_checkpointing()
+    for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):
+        values, request = [], {}
+        for slot, _ in bucket:
+            meta = slot.param
+            value = torch.empty(meta.shape, dtype=meta.dtype)
+            values.append(value)
+            for top, key, entry in entries.get(storage_key(meta), []):
+                if isinstance(entry, ShardedTensor):
+                    pieces = [dataclasses.replace(entry, data=_same_view(value, meta, entry.data))]
+                else:  # a factory (gated linear_fc1): let it split a real tensor into its entries
+                    built = dataclasses.replace(entry, data=value).build()
+                    pieces = [built] if isinstance(built, ShardedTensor) else list(nested_values(built))
+                for i, piece in enumerate(pieces):
+                    request[f"{top}/{key}/{i}"] = _without_prepended_axes(piece)
+        try:
+            loaded = dc.load(request, dist_dir, validate_access_integrity=False)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"loading {[s.canonical_name for s, _ in bucket]} from torch_dist checkpoint "
+                                  f"{dist_dir} failed ({type(e).__name__}: {e}); the files are corrupt or of "
+                                  "another model") from e
+        for name, sh in request.items():
+            if loaded[name].data_ptr() != sh.data.data_ptr():
+                sh.data.copy_(loaded[name])  # every piece views `value`; fill it if the load did not in place
+        del loaded, request
+        for (slot, names), value in zip(bucket, values):
+            yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
+        del values, bucket
+        release_free_memory()
+    model_io.free(chunks)
