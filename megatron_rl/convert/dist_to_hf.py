@@ -70,9 +70,7 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
-        else int(os.environ.get("WORLD_SIZE", "1"))
-    streaming = world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
+    streaming = streaming_load.can_stream(layout)
     model_io.setup(layout)
     if streaming:  # one process: read a bucket of parameters at a time (streaming_load)
         with torch.device("meta"):

@@ -7,19 +7,21 @@ Steps (every rank, one process or under torchrun):
    are missing, shapes that differ from ``config.json``
    (:func:`megatron_rl.models.weights.check_checkpoint_names`), mixed dtypes
    without ``--dtype``;
-2. build this rank's ``GPTModel`` chunks for the layout in the target dtype and
-   stream the HF tensors in (each rank reads only its slices;
-   ``Bridge.load_hf_weights`` refuses parameters left unfilled);
-3. ``dist_checkpointing.save`` of ``model`` into a hidden temp dir;
-4. ``--verify``: free the model, build a fresh one, load the temp dir, export it
-   back to HF tensors and compare every one with the source (bit-exact; with
-   ``--dtype``, with the source cast to it);
+2. build this rank's ``GPTModel`` chunks for the layout on the ``meta`` device
+   (shapes and sharding, no storage);
+3. ``dist_checkpointing.save`` of ``model`` into a hidden temp dir with the
+   streaming strategy (:mod:`megatron_rl.convert.streaming_save`): each write item
+   is produced from the safetensors when the writer reaches it (each rank reads
+   only its slices), in ``.distcp`` files of ``bucket_bytes``;
+4. ``--verify``: reload the temp dir (one process: streamed a bucket at a time by
+   :mod:`megatron_rl.convert.streaming_load`; torchrun: into each rank's model
+   shard), export it back to HF tensors and compare every one with the source
+   (bit-exact; with ``--dtype``, with the source cast to it);
 5. rank 0 copies config/tokenizer files to ``hf_config/``, writes ``COMPLETE.json``
    and renames the temp dir into place, so the output exists only when complete.
 
-Memory: a rank holds its model shard once in the target dtype (the torch_dist
-writer writes CPU tensors in place, forked writers share pages); see
-``docs/convert.md`` for the measured peak.
+Memory: about the largest local parameter plus one bucket (measured in
+``docs/convert.md``); under torchrun ``--verify`` holds the rank's model shard.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, model_io, streaming_save
+from megatron_rl.convert import common, model_io, streaming_load, streaming_save
 from megatron_rl.errors import BridgeError, CheckpointError
 
 
@@ -111,7 +113,8 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     model_io.free(chunks)
 
     if verify:
-        verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress)
+        verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress,
+                               streaming_bucket_bytes=bucket_bytes if streaming_load.can_stream(layout) else None)
 
     meta = {"format": common.FORMAT, "source": {"kind": "hf", "path": hf_dir},
             "model_type": bridge.cfg("model_type"), "family": bridge.family, "dtype": common.dtype_name(target),
@@ -132,17 +135,28 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
 
 
 def verify_dist_against_hf(bridge, dist_dir: str, hf_dir: str, layout, model_dtype: torch.dtype,
-                           cast: Optional[torch.dtype], show_progress: bool = True) -> None:
-    """Collective: load ``dist_dir`` into a fresh model, export, compare with ``hf_dir`` tensor by tensor."""
+                           cast: Optional[torch.dtype], show_progress: bool = True,
+                           streaming_bucket_bytes: Optional[int] = None) -> None:
+    """Collective: load ``dist_dir`` into a fresh model, export, compare with ``hf_dir`` tensor by tensor.
+    With ``streaming_bucket_bytes`` (one process) the reload streams a bucket at a time instead."""
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
 
-    chunks = bridge.build_model(layout, params_dtype=model_dtype)
+    if streaming_bucket_bytes is not None:
+        with torch.device("meta"):
+            chunks = bridge.build_model(layout, params_dtype=model_dtype, use_cpu_initialization=True)
+    else:
+        chunks = bridge.build_model(layout, params_dtype=model_dtype)
     model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
                                             model_io.model_tensor_shapes(chunks), hf_dir)
-    model_io.load_dist_into(chunks, dist_dir)
+    if streaming_bucket_bytes is not None:
+        model_io.free(chunks)
+        source = streaming_load.iter_hf_tensors(bridge, dist_dir, model_dtype, streaming_bucket_bytes)
+    else:
+        model_io.load_dist_into(chunks, dist_dir)
+        source = bridge.export_hf_weights(chunks)
     ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None
     try:
-        err = model_io.compare_stream(bridge.export_hf_weights(chunks), ref, bridge.hf_param_shapes(),
+        err = model_io.compare_stream(source, ref, bridge.hf_param_shapes(),
                                       cast, "HF source", show_progress, compare=common.rank() == 0)
     finally:
         if ref is not None:

@@ -5,9 +5,9 @@ name maps: the torch_dist keys, global shapes, offsets, replica ids and the
 ``ShardedTensorFactory`` that splits a gated ``linear_fc1`` are whatever
 ``GPTModel.sharded_state_dict()`` of this megatron-core says they are. Reusing
 it is the only way a converted checkpoint is guaranteed to ``--load`` in
-training, and a training checkpoint's model part to export here. The cost is
-that a rank holds its model shard (the whole model in one process); see
-``docs/convert.md`` for the measured peak.
+training, and a training checkpoint's model part to export here. The one-process
+converters build it on the ``meta`` device and stream the values
+(``streaming_save`` / ``streaming_load``), so they do not hold the model.
 """
 
 from __future__ import annotations

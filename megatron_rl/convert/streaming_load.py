@@ -33,6 +33,16 @@ from megatron_rl.convert.streaming_save import storage_key, release_free_memory
 from megatron_rl.errors import CheckpointError
 
 
+def can_stream(layout) -> bool:
+    """One process at TP=PP=EP=1: the streaming reader applies (under torchrun the
+    collective in-memory export is used)."""
+    import os
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    return world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
+
+
 def _entries_by_parameter(sharded_state_dict: dict) -> dict[int, list[tuple[str, str, object]]]:
     """State-dict entries (ShardedTensor / ShardedTensorFactory) grouped by the parameter they view."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
