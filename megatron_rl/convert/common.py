@@ -194,32 +194,15 @@ def file_list(root: str) -> list[dict]:
 
 def read_marker(path: str) -> dict:
     """``COMPLETE.json`` of a torch_dist dir; refuses incomplete / temp / corrupt dirs by name."""
-    from megatron_rl.infra.checkpoint_root import is_temp_dir
+    from megatron_rl.infra.checkpoint_root import read_complete_marker
 
-    if not os.path.isdir(path):
-        raise CheckpointError(f"torch_dist checkpoint {path} does not exist")
-    if is_temp_dir(path):
-        raise CheckpointError(f"{path} is a temporary dir of an unfinished write; convert a published dir")
-    marker = os.path.join(path, MARKER_NAME)
-    if not os.path.isfile(marker):
-        raise CheckpointError(f"torch_dist checkpoint {path} has no {MARKER_NAME}: it is incomplete (a crashed "
-                              f"write) or was not written by megatron_rl; re-run the conversion/save, or write "
-                              f"{MARKER_NAME} by hand if you know the dir is complete")
-    try:
-        with open(marker) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{marker} is corrupt ({e}); re-run the conversion") from e
-    if meta.get("format") not in (FORMAT, TRAINING_FORMAT):
-        raise CheckpointError(f"{path} has format {meta.get('format')!r}; this converter reads {FORMAT!r} and "
-                              f"{TRAINING_FORMAT!r}")
-    from megatron_rl.infra.checkpoint_root import listed_file_problems
-
-    bad = listed_file_problems(path, meta)
-    if bad:
-        raise CheckpointError(f"torch_dist checkpoint {path} is corrupt: {'; '.join(bad[:10])}; re-run the "
-                              "conversion or restore the files")
-    return meta
+    return read_complete_marker(path, (FORMAT, TRAINING_FORMAT), "torch_dist checkpoint", {
+        "temp": "convert a published dir",
+        "root": "pass the root itself (its newest complete iter_* is used) or one iter_NNNNNNN dir",
+        "unmarked": f"Re-run the conversion/save, or write {MARKER_NAME} by hand if you know the dir is complete",
+        "json": "re-run the conversion",
+        "format": f"this converter reads {FORMAT!r} and {TRAINING_FORMAT!r}",
+        "files": "Re-run the conversion or restore the files"})
 
 
 def resolve_dist_dir(path: str) -> str:

@@ -182,3 +182,36 @@ def listed_file_problems(path: str, meta: dict) -> list[str]:
         elif os.path.getsize(full) != entry["bytes"]:
             bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, {MARKER_NAME} says {entry['bytes']}")
     return bad
+
+
+def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: dict[str, str]) -> dict:
+    """Validate ``path`` as a published dir and return its ``COMPLETE.json``.
+
+    The one check both the training loader and the converter run, in the same order:
+    the dir exists, is not an unpublished temp dir, is not a checkpoint root, holds the
+    marker, the marker parses, its ``format`` is one of ``formats``, and every file it
+    lists exists with its size. ``kind`` names the thing in messages ("checkpoint",
+    "torch_dist checkpoint"); ``fixes`` holds the caller's advice per failure
+    (keys: missing, temp, root, unmarked, json, format, files).
+    """
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{kind} {path} does not exist{fixes.get('missing', '')}")
+    if is_temp_dir(path):
+        raise CheckpointError(f"{path} is an unpublished temp dir of an interrupted write; {fixes['temp']}")
+    marker = os.path.join(path, MARKER_NAME)
+    if not os.path.isfile(marker):
+        if list_iterations(path):
+            raise CheckpointError(f"{path} is a checkpoint root, not an iteration dir; {fixes['root']}")
+        raise CheckpointError(f"{kind} {path} has no {MARKER_NAME}: it is incomplete (an interrupted write) or "
+                              f"not written by megatron_rl. {fixes['unmarked']}")
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{marker} is corrupt ({e}); {fixes['json']}") from e
+    if meta.get("format") not in formats:
+        raise CheckpointError(f"{path} has format {meta.get('format')!r}; {fixes['format']}")
+    bad = listed_file_problems(path, meta)
+    if bad:
+        raise CheckpointError(f"{kind} {path} is corrupt: {'; '.join(bad[:10])}. {fixes['files']}")
+    return meta

@@ -131,7 +131,7 @@ def test_read_marker_refuses_incomplete_dirs(tmp_path):
     with pytest.raises(CheckpointError, match=f"nomarker has no {common.MARKER_NAME}: it is incomplete"):
         common.read_marker(str(tmp_path / "nomarker"))
     (tmp_path / ".x.tmp").mkdir()
-    with pytest.raises(CheckpointError, match="temporary dir of an unfinished write"):
+    with pytest.raises(CheckpointError, match="unpublished temp dir of an interrupted write"):
         common.read_marker(str(tmp_path / ".x.tmp"))
     ok = _fake_dist(tmp_path / "ok")
     assert common.read_marker(str(ok))["format"] == common.FORMAT

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-from megatron_rl.infra.checkpoint_root import (MARKER_NAME, is_temp_dir, list_iterations, listed_file_problems,
+from megatron_rl.infra.checkpoint_root import (MARKER_NAME, is_temp_dir, read_complete_marker,
                                              temp_dir_for)
 
 log = logging.getLogger(__name__)
@@ -378,32 +378,14 @@ def read_checkpoint_metadata(path: str) -> dict:
     a checkpoint root instead of an iteration dir, a dir without the marker, a file
     listed in the marker that is missing or has a different size.
     """
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist; check --load, or start without it")
-    if is_temp_dir(path):
-        raise CheckpointError(f"{path} is an unpublished temp dir of an interrupted save; it is never loaded. "
-                              f"Load a complete iter_NNNNNNN dir (find_latest_complete) and delete this one")
-    marker = os.path.join(path, MARKER_NAME)
-    if not os.path.isfile(marker):
-        if list_iterations(path):
-            raise CheckpointError(f"{path} is a checkpoint root, not an iteration dir; pass "
-                                  f"iter_dir(root, find_latest_complete(root))")
-        raise CheckpointError(f"checkpoint {path} has no {MARKER_NAME}: it is incomplete (the save was "
-                              f"interrupted) or not written by megatron_rl. Resume from an older complete "
-                              f"checkpoint (find_latest_complete skips this one) or delete it")
-    try:
-        with open(marker) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{marker} is corrupt ({e}); resume from another checkpoint") from e
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {meta.get('format')!r}, this loader reads {FORMAT!r}")
-    bad = listed_file_problems(path, meta)
-    if bad:
-        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}. Resume from another "
-                              f"checkpoint or restore the files")
-    return meta
+    return read_complete_marker(os.path.abspath(path), (FORMAT,), "checkpoint", {
+        "missing": "; check --load, or start without it",
+        "temp": "it is never loaded. Load a complete iter_NNNNNNN dir (find_latest_complete) and delete this one",
+        "root": "pass iter_dir(root, find_latest_complete(root))",
+        "unmarked": "Resume from an older complete checkpoint (find_latest_complete skips this one) or delete it",
+        "json": "resume from another checkpoint",
+        "format": f"this loader reads {FORMAT!r}",
+        "files": "Resume from another checkpoint or restore the files"})
 
 
 def check_model_matches(path: str, meta: dict, backend) -> None:
