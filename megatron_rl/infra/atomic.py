@@ -65,15 +65,46 @@ def fsync_tree(path: str) -> None:
         fsync_dir(root)
 
 
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the call or the filesystem does not support it (the
+    caller then falls back to two renames).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: not supported here
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
 def publish_dir(tmp_dir: str, final_dir: str) -> None:
-    """Atomically move a fully written directory into place (replacing an old one)."""
+    """Atomically move a fully written directory into place (replacing an old one).
+
+    Replacing swaps the two dirs in one ``renameat2(RENAME_EXCHANGE)``, so there is
+    no moment without ``final_dir``; the old content is then under the temp name
+    (never loaded) and deleted. Without that call: rename the old dir to
+    ``<final>.old`` first, which leaves a short window where ``final_dir`` is absent.
+    """
     fsync_tree(tmp_dir)
     if os.path.exists(final_dir):
-        trash = final_dir + ".old"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(final_dir, trash)
-        os.replace(tmp_dir, final_dir)
-        shutil.rmtree(trash, ignore_errors=True)
+        if exchange_paths(tmp_dir, final_dir):
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # the old content, under the temp name
+        else:
+            trash = final_dir + ".old"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final_dir, trash)
+            os.replace(tmp_dir, final_dir)
+            shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp_dir, final_dir)
     fsync_dir(os.path.dirname(os.path.abspath(final_dir)))

@@ -48,6 +48,31 @@ def test_publish_dir_replaces_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001"]
 
 
+def test_publish_dir_swaps_in_one_step(tmp_path, monkeypatch):
+    """Replacing an existing dir never renames it away first (renameat2 RENAME_EXCHANGE)."""
+    from megatron_rl.infra import atomic
+
+    final = tmp_path / "iter_0000002"
+    final.mkdir()
+    (final / "x").write_text("old")
+    tmp = tmp_path / ".iter_0000002.tmp"
+    tmp.mkdir()
+    (tmp / "x").write_text("new")
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(atomic.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b)))
+    atomic.publish_dir(str(tmp), str(final))
+    assert (final / "x").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002"]
+    assert renames == []  # one exchange, no two-step replace
+    # the fallback (no renameat2) still replaces the whole dir
+    monkeypatch.setattr(atomic, "exchange_paths", lambda a, b: False)
+    tmp.mkdir()
+    (tmp / "y").write_text("newer")
+    atomic.publish_dir(str(tmp), str(final))
+    assert sorted(os.listdir(final)) == ["y"] and len(renames) == 2
+
+
 def test_wall_clock_reserve_and_eval_gate():
     clock = WallClock(limit_s=100.0, reserve_s=10.0, elapsed_before_s=85.0)
     assert not clock.should_stop() and not clock.can_eval()  # 15 s left: < 2 reserves
