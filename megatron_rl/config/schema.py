@@ -155,7 +155,9 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     load: Optional[str] = flag(None, "Checkpoint root to resume from (torch_dist); defaults to --save when "
-                               "that holds a complete checkpoint.")
+                               "that holds a complete checkpoint. A model-only dir from convert_ckpt.py "
+                               "hf-to-dist gives the initial weights instead (fresh optimizer, step 0; "
+                               "resuming is then from --save).")
     save: Optional[str] = flag(None, "Checkpoint root: iter_NNNNNNN/ dirs, resume_state.json, rollout_ckpts/.")
     save_interval: Optional[int] = flag(None, "Save every N rollout steps (needs --save).")
     save_max_to_keep: Optional[int] = flag(None, "Keep only the newest N checkpoints under --save.")

@@ -192,6 +192,18 @@ def file_list(root: str) -> list[dict]:
     return sorted(out, key=lambda e: e["path"])
 
 
+def is_model_dir(path: Optional[str]) -> bool:
+    """``path`` is a model-only torch_dist dir (written by ``convert_ckpt.py hf-to-dist``)
+    rather than a training checkpoint root; ``--load`` then means the initial weights."""
+    if not path:
+        return False
+    try:
+        with open(os.path.join(path, MARKER_NAME)) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def read_marker(path: str) -> dict:
     """``COMPLETE.json`` of a torch_dist dir; refuses incomplete / temp / corrupt dirs by name."""
     from megatron_rl.infra.checkpoint_root import read_complete_marker

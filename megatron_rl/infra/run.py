@@ -162,6 +162,7 @@ class RunContext:
     # ---- checkpoints -------------------------------------------------------------
     def resume_or_init(self, backend, rollout) -> int:
         """Snapshot the reference policy, then continue from the newest complete checkpoint if any."""
+        from megatron_rl.convert.common import is_model_dir
         from megatron_rl.infra import checkpoint_root as ckpt
 
         cfg = self.cfg
@@ -171,12 +172,14 @@ class RunContext:
             backend.weights.backup("ref")  # the initial policy, before any resumed weights are loaded
         if cfg.checkpoint.opd_teacher_load:
             backend.load_frozen_weights("teacher", cfg.checkpoint.opd_teacher_load)
-        root = cfg.checkpoint.load or cfg.checkpoint.save
+        # a model-only --load gave the initial weights (backend.initialize); resuming is from --save
+        load_root = None if is_model_dir(cfg.checkpoint.load) else cfg.checkpoint.load
+        root = load_root or cfg.checkpoint.save
         if not root or cfg.checkpoint.no_auto_resume:
             return 0
         latest = ckpt.find_latest_complete(root)
         if latest is None:
-            if cfg.checkpoint.load:
+            if load_root:
                 raise ConfigError(f"--load {root}: no complete checkpoint there (iter_NNNNNNN dirs with a "
                                   "COMPLETE marker); drop --load to start from --hf-checkpoint")
             return 0

@@ -56,3 +56,34 @@ def test_ref_and_teacher_tags_from_hf_and_torch_dist(tmp_path):
     # the three models really differ, so the tags are not all the same weights
     assert abs(got["actor"][0][0] - got["ref"][0][0]) > 1e-3
     assert abs(got["ref"][0][0] - got["teacher"][0][0]) > 1e-3
+
+
+@pytest.mark.slow
+def test_load_of_a_converted_model_dir_gives_the_initial_weights(tmp_path):
+    """--load of a model-only torch_dist dir (convert_ckpt.py hf-to-dist) initialises the policy from
+    it, not from --hf-checkpoint, in bf16 at TP2, and a train step from there moves the weights."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from backend_worker import make_samples
+
+    actor = build_tiny_hf_model("qwen2", tmp_path / "actor", seed=0)
+    start_hf = build_tiny_hf_model("qwen2", tmp_path / "start_hf", seed=5)
+    conv = subprocess.run([sys.executable, "tools/convert_ckpt.py", "hf-to-dist", "--input", start_hf,
+                           "--output", str(tmp_path / "start_dist"), "--no-progress", "--dtype", "bfloat16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    out, ref_out = tmp_path / "out.json", tmp_path / "ref.json"
+    torchrun(SCRIPT, 2, ["--init", actor, str(tmp_path / "start_dist"), str(out)], timeout=600)
+    # the same run started from start_hf itself (bf16 params are the same values as the bf16 dir)
+    torchrun(SCRIPT, 2, ["--init", start_hf, "-", str(ref_out)], timeout=600)
+    got, ref = json.loads(out.read_text()), json.loads(ref_out.read_text())
+    samples = make_samples(250)
+    want_start, want_actor = hf_logprobs(start_hf, samples), hf_logprobs(actor, samples)
+    err = (lambda want, g: max((w - torch.tensor(x, dtype=torch.float64)).abs().max().item()
+                               for w, x in zip(want, g)))
+    assert err(want_start, got["before"]) < 0.05  # bf16 weights of start_hf
+    assert err(want_actor, got["before"]) > 0.5  # ... and not --hf-checkpoint's
+    assert err(want_start, got["after"]) > 1e-3  # the optimizer stepped
+    # ... from exactly those weights, with master weights made from them: bitwise the HF-started run
+    assert got["before"] == ref["before"] and got["after"] == ref["after"]
+    untimed = (lambda m: {k: v for k, v in m.items() if not k.endswith("_time_s")})
+    assert untimed(got["metrics"]) == untimed(ref["metrics"]) and got["metrics"]["train/grad_norm"] > 0

@@ -64,6 +64,14 @@ def test_streaming_writer_equals_megatron_save(roundtrip, fam):
 
 
 @pytest.mark.slow
+def test_tied_embeddings_round_trip(roundtrip):
+    r = roundtrip["tied"]
+    assert r["vs_megatron_save"] == []
+    assert_same_tensors(r["hf"], r["back"])
+    assert "lm_head.weight" not in _tensors(r["back"])
+
+
+@pytest.mark.slow
 def test_streaming_writer_small_buckets_still_equal_megatron_save(roundtrip):
     r = roundtrip["small_buckets"]
     assert r["files"] >= 5  # --bucket-size 20KB split the rank's data into many files

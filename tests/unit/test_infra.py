@@ -141,3 +141,56 @@ def test_wandb_offline_run_and_resume_id(tmp_path, monkeypatch):
     assert again.wandb_run_id == run_id
     runs = sorted(os.listdir(tmp_path / "run" / "wandb"))
     assert any(r.startswith("offline-run-") and r.endswith(run_id) for r in runs)
+
+
+class _RecordingBackend:
+    """Stands in for a backend in RunContext.resume_or_init (which only calls these)."""
+
+    def __init__(self):
+        self.calls = []
+
+        class _Weights:
+            def backup(inner, tag):
+                self.calls.append(("backup", tag))
+
+        self.weights = _Weights()
+
+    def load_frozen_weights(self, tag, path):
+        self.calls.append(("frozen", tag, path))
+
+    def load(self, path):
+        self.calls.append(("load", path))
+        return {"rollout_id": 7}
+
+
+def test_resume_or_init_with_a_model_only_load(tmp_path, tiny_hf_models):
+    """--load of a converted model dir is the initial weights (backend.initialize reads it), so
+    resume_or_init neither loads it as a checkpoint nor refuses it; resuming is from --save."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.convert import common
+    from megatron_rl.infra.checkpoint_root import MARKER_NAME, iter_dir
+    from megatron_rl.infra.run import RunContext
+
+    hf = tiny_hf_models("llama")
+    model_dir, save = tmp_path / "converted", tmp_path / "save"
+    model_dir.mkdir()
+    (model_dir / MARKER_NAME).write_text(json.dumps({"format": common.FORMAT, "files": []}))
+    assert common.is_model_dir(str(model_dir)) and not common.is_model_dir(str(save))
+
+    def ctx(*flags):
+        cfg = parse_config(["--hf-checkpoint", hf, "--use-kl-loss", "--kl-loss-coef", "0.01", *flags])
+        return RunContext(cfg, tracker=None, clock=None, colocation=None, is_driver=True)
+
+    backend = _RecordingBackend()
+    assert ctx("--load", str(model_dir), "--save", str(save)).resume_or_init(backend, None) == 0
+    assert backend.calls == [("backup", "ref")]  # the KL reference = the loaded initial weights
+
+    done = iter_dir(str(save), 7)
+    os.makedirs(done)
+    (tmp_path / "save" / os.path.basename(done) / MARKER_NAME).write_text("{}")
+    backend = _RecordingBackend()
+    assert ctx("--load", str(model_dir), "--save", str(save)).resume_or_init(backend, None) == 7
+    assert backend.calls == [("backup", "ref"), ("load", done)]
+
+    with pytest.raises(ConfigError, match="no complete checkpoint there"):  # a root with nothing in it
+        ctx("--load", str(tmp_path / "empty_root")).resume_or_init(_RecordingBackend(), None)

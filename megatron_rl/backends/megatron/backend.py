@@ -97,7 +97,7 @@ class MegatronBackend(TrainBackend):
                 overrides.update(recompute_method=mem.recompute_method or "uniform",
                                  recompute_num_layers=mem.recompute_num_layers or 1)
         self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype, **overrides)
-        self.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
+        self._load_initial_weights(cfg)
         self.model_config = self.chunks[0].config
         self.vocab_size = self.bridge.vocab_size
         self.padded_vocab_size = self.bridge.padded_vocab_size(self.layout.tp)
@@ -341,6 +341,23 @@ class MegatronBackend(TrainBackend):
     def backup_reference(self, tag: str = "ref") -> None:
         """Snapshot the current weights as a frozen tag (the initial policy as KL reference)."""
         self.weights.backup(tag)
+
+    def _load_initial_weights(self, cfg) -> None:
+        """``--hf-checkpoint``, or a model-only torch_dist dir given as ``--load`` (what
+        ``convert_ckpt.py hf-to-dist`` writes; Megatron's ``--finetune`` start: weights only,
+        fresh optimizer, step 0). Before the optimizer exists, so its master weights copy them."""
+        from megatron_rl.convert import common, model_io
+
+        path = cfg.checkpoint.load
+        if not common.is_model_dir(path):
+            self.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
+            return
+        meta = common.read_marker(path)
+        common.check_fingerprint(path, meta, self.bridge, cfg.model.hf_checkpoint)
+        model_io.check_checkpoint_matches_model(path, model_io.checkpoint_model_tensors(path),
+                                                model_io.model_tensor_shapes(self.chunks), cfg.model.hf_checkpoint)
+        model_io.load_dist_into(self.chunks, path)
+        log.info("initial weights from the torch_dist model dir %s (--load); optimizer starts fresh", path)
 
     def load_frozen_weights(self, tag: str, path: str) -> None:
         """Store the weights at ``path`` under ``tag`` (``--ref-load`` / ``--opd-teacher-load``).

@@ -127,6 +127,12 @@ def roundtrip(args) -> dict:
     convert_hf_to_dist(hf, small, layout=lay, show_progress=False, bucket_bytes=20_000)
     out["small_buckets"] = {"files": len([f for f in os.listdir(small) if f.endswith(".distcp")]),
                             "vs_megatron_save": same_as_megatron_save(hf, small, lay, os.path.join(args.out, "ref"))}
+    tied_hf = build_tiny_hf_model(fam, os.path.join(args.out, "tied_hf"), tie_word_embeddings=True)
+    tied_dist, tied_back = os.path.join(args.out, "tied_dist"), os.path.join(args.out, "tied_back")
+    convert_hf_to_dist(tied_hf, tied_dist, layout=lay, verify=True, show_progress=False)
+    convert_dist_to_hf(tied_dist, tied_back, layout=lay, verify=True, show_progress=False, bucket_bytes=30_000)
+    out["tied"] = {"hf": tied_hf, "back": tied_back,
+                   "vs_megatron_save": same_as_megatron_save(tied_hf, tied_dist, lay, os.path.join(args.out, "ref"))}
     d16 = os.path.join(args.out, f"{fam}_dist_bf16")
     convert_hf_to_dist(hf, d16, layout=lay, dtype=torch.bfloat16, verify=True, show_progress=False)
     back16 = os.path.join(args.out, f"{fam}_back_bf16")
@@ -182,6 +188,14 @@ def layouts(args) -> dict:
             written["ep2"] = (os.path.join(args.out, f"{fam}_dist_ep2"), ParallelLayout(ep=2))
         else:
             written["pp2"] = (os.path.join(args.out, f"{fam}_dist_pp2"), ParallelLayout(pp=2))
+            # tied embeddings at PP2: the last stage's output layer shares the first stage's embedding
+            tied_hf = os.path.join(args.out, f"{fam}_tied_hf")
+            if rank == 0:
+                build_tiny_hf_model(fam, tied_hf, seed=4, tie_word_embeddings=True)
+            dist.barrier()
+            tied_dist = os.path.join(args.out, f"{fam}_tied_dist_pp2")
+            convert_hf_to_dist(tied_hf, tied_dist, layout=ParallelLayout(pp=2), verify=True, show_progress=False)
+            vs_tied = same_as_megatron_save(tied_hf, tied_dist, ParallelLayout(pp=2), os.path.join(args.out, "ref"))
         vs_megatron = {}
         for name, (dst, lay) in written.items():
             if dst != d2:
@@ -197,6 +211,8 @@ def layouts(args) -> dict:
             dst = os.path.join(args.out, f"{fam}_{name}")
             convert_dist_to_hf(src, dst, layout=lay, verify=True, max_shard_size="300KB", show_progress=False)
             got[name] = dst
+        if fam != "qwen3_moe":
+            vs_megatron["pp2_tied"] = vs_tied
         out[fam] = {"hf": hf, "exports": got, "vs_megatron_save": vs_megatron}
     return out
 

@@ -1,6 +1,8 @@
 """Worker for tests/dist/test_frozen_weights.py: --ref-load / --opd-teacher-load tags under TP2.
 
 Usage: frozen_worker.py ACTOR_HF REF_HF TEACHER_DIST OUT.json
+       frozen_worker.py --init HF MODEL_DIST|- OUT.json   (--load of a model-only dir: initial weights;
+                                                         "-": no --load, start from HF)
 """
 
 import json
@@ -19,8 +21,10 @@ def main():
     from megatron_rl.backends.megatron.backend import MegatronBackend
     from megatron_rl.config import parse_config
 
-    actor, ref, teacher, out = sys.argv[1:5]
     world = os.environ["WORLD_SIZE"]
+    if sys.argv[1] == "--init":
+        return init_from_model_dir(*sys.argv[2:5])
+    actor, ref, teacher, out = sys.argv[1:5]
     cfg = parse_config(["--hf-checkpoint", actor, "--actor-num-gpus-per-node", world,
                         "--tensor-model-parallel-size", world, "--rollout-batch-size", "2",
                         "--n-samples-per-prompt", "3", "--micro-batch-size", "1"])
@@ -36,6 +40,38 @@ def main():
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump({k: [t.tolist() for t in v] for k, v in result.items()}, fh)
+
+
+def init_from_model_dir(actor, model_dist, out):
+    """--hf-checkpoint ACTOR --load MODEL_DIST: the live weights are MODEL_DIST's, and training
+    from them works (the optimizer's master weights were made from them)."""
+    import torch.distributed as dist
+
+    from backend_worker import make_samples
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.megatron.backend import MegatronBackend
+    from megatron_rl.config import parse_config
+
+    world = os.environ["WORLD_SIZE"]
+    load = ["--load", model_dist] if model_dist != "-" else []
+    cfg = parse_config(["--hf-checkpoint", actor, *load, "--actor-num-gpus-per-node", world,
+                        "--tensor-model-parallel-size", world, "--rollout-batch-size", "2",
+                        "--n-samples-per-prompt", "3", "--micro-batch-size", "1", "--bf16", "--lr", "1e-3"])
+    backend = MegatronBackend()
+    backend.initialize(cfg, PolicyGradientSpec(PolicyGradientConfig()))
+    samples = make_samples(backend.vocab_size)
+    before = backend.forward_only(samples)
+    import torch
+
+    advantages = [torch.full((len(s.response_ids),), 1.0 if i % 2 else -1.0) for i, s in enumerate(samples)]
+    metrics = backend.train_step(TrainBatch(samples, advantages, before, None, None))
+    after = backend.forward_only(samples)
+    if dist.get_rank() == 0:
+        with open(out, "w") as fh:
+            json.dump({"before": [t.tolist() for t in before], "after": [t.tolist() for t in after],
+                       "metrics": metrics}, fh)
 
 
 if __name__ == "__main__":
