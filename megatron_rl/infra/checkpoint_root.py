@@ -53,8 +53,10 @@ def temp_dir_for(final_dir: str) -> str:
 
 
 def is_temp_dir(path: str) -> bool:
+    """A hidden dir that is never loaded: a save in progress (``.NAME.tmp``) or a checkpoint
+    a prune is deleting (``.NAME.deleting``; it may still hold its marker, not its shards)."""
     name = os.path.basename(os.path.normpath(path))
-    return name.startswith(".") and name.endswith(".tmp")
+    return name.startswith(".") and name.endswith((".tmp", ".deleting"))
 
 
 def is_complete(path: str) -> bool:
@@ -197,7 +199,8 @@ def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: 
     if not os.path.isdir(path):
         raise CheckpointError(f"{kind} {path} does not exist{fixes.get('missing', '')}")
     if is_temp_dir(path):
-        raise CheckpointError(f"{path} is an unpublished temp dir of an interrupted write; {fixes['temp']}")
+        raise CheckpointError(f"{path} is an unpublished temp dir of an interrupted write or prune; "
+                              f"{fixes['temp']}")
     marker = os.path.join(path, MARKER_NAME)
     if not os.path.isfile(marker):
         if list_iterations(path):

@@ -111,6 +111,11 @@ def test_prune_killed_mid_delete_leaves_no_half_checkpoint(tmp_path, monkeypatch
         cr.prune(str(tmp_path), 2)
     monkeypatch.undo()
     assert cr.list_iterations(str(tmp_path)) == [2, 3]  # iter_1 vanished in one rename
+    trash = tmp_path / ".iter_0000001.deleting"
+    assert (trash / cr.MARKER_NAME).is_file()  # the half-deleted dir still holds its marker ...
+    assert cr.is_temp_dir(str(trash)) and not cr.is_complete(str(trash))  # ... and is never loaded
+    with pytest.raises(CheckpointError, match="unpublished temp dir of an interrupted write or prune"):
+        ck.read_checkpoint_metadata(str(trash))
     for s in (2, 3):
         ck.read_checkpoint_metadata(cr.iter_dir(str(tmp_path), s))  # every visible one is whole
     cr.prune(str(tmp_path), 1)  # a later prune also clears the leftover trash of the killed one
