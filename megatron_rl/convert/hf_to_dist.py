@@ -70,10 +70,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
     model_io.setup(layout)
-    with torch.device("meta"):  # shapes and sharding only; the values are streamed in by the writer
-        # perform_initialization stays on: megatron sets the TP attributes (partition_dim) of
-        # CPU-initialised weights in its init path; on meta it allocates and computes nothing.
-        chunks = bridge.build_model(layout, params_dtype=target, use_cpu_initialization=True)
+    chunks = model_io.build_meta_model(bridge, layout, target)  # the values are streamed in by the writer
     slots = {id(s.param): s for chunk in chunks for s in canonical_parameters(chunk)}
     unmapped = []
     for slot in slots.values():
@@ -142,16 +139,12 @@ def verify_dist_against_hf(bridge, dist_dir: str, hf_dir: str, layout, model_dty
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
 
     if streaming_bucket_bytes is not None:
-        with torch.device("meta"):
-            chunks = bridge.build_model(layout, params_dtype=model_dtype, use_cpu_initialization=True)
+        chunks = None
+        source = streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype, streaming_bucket_bytes, hf_dir)
     else:
         chunks = bridge.build_model(layout, params_dtype=model_dtype)
-    model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
-                                            model_io.model_tensor_shapes(chunks), hf_dir)
-    if streaming_bucket_bytes is not None:
-        model_io.free(chunks)
-        source = streaming_load.iter_hf_tensors(bridge, dist_dir, model_dtype, streaming_bucket_bytes)
-    else:
+        model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
+                                                model_io.model_tensor_shapes(chunks), hf_dir)
         model_io.load_dist_into(chunks, dist_dir)
         source = bridge.export_hf_weights(chunks)
     ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None

@@ -30,6 +30,17 @@ def setup(layout) -> None:
     initialize_parallel(layout)
 
 
+def build_meta_model(bridge, layout, dtype: torch.dtype) -> list:
+    """This rank's model chunks on the ``meta`` device: every shape, TP/EP attribute and
+    ``sharded_state_dict()`` entry of the real model, no storage (the streaming converters).
+
+    ``perform_initialization`` stays on: megatron sets the TP attributes (``partition_dim``)
+    of CPU-initialised weights in its init path; on meta it allocates and computes nothing.
+    """
+    with torch.device("meta"):
+        return bridge.build_model(layout, params_dtype=dtype, use_cpu_initialization=True)
+
+
 def model_sharded_state_dict(chunks) -> dict:
     """``model`` / ``model{i}`` exactly as megatron's trainer (and our training checkpoints) write them."""
     from megatron.core import parallel_state as ps

@@ -24,6 +24,7 @@ each rank's whole shard (the collective export needs every rank's model).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Iterator
 
 import torch
@@ -36,8 +37,6 @@ from megatron_rl.errors import CheckpointError
 def can_stream(layout) -> bool:
     """One process at TP=PP=EP=1: the streaming reader applies (under torchrun the
     collective in-memory export is used)."""
-    import os
-
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
         else int(os.environ.get("WORLD_SIZE", "1"))
     return world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
@@ -93,18 +92,29 @@ def _buckets(items, bucket_bytes: int):
         yield bucket
 
 
-def iter_hf_tensors(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for the whole model of ``dist_dir`` (one process, TP=PP=EP=1)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: int,
+                     config_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for the whole model of ``dist_dir`` (one process, TP=PP=EP=1).
 
+    Not lazy in its checks: the stored keys and global shapes are compared with the
+    model of ``config_dir`` here (refusal names the tensors), before anything is read.
+    """
     from megatron_rl.backends.megatron.parallel import ParallelLayout
-    from megatron_rl.models.weights import export_items, export_slot
 
     layout = ParallelLayout()
     model_io.setup(layout)
-    with torch.device("meta"):
-        chunks = bridge.build_model(layout, params_dtype=dtype, use_cpu_initialization=True)
+    chunks = model_io.build_meta_model(bridge, layout, dtype)
+    model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
+                                            model_io.model_tensor_shapes(chunks), config_dir)
+    return _stream(bridge, chunks, dist_dir, bucket_bytes)
+
+
+def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_rl.models.weights import export_items, export_slot
+
     entries = _entries_by_parameter(model_io.model_sharded_state_dict(chunks))
     dc = common.dist_checkpointing()
     for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):

@@ -28,8 +28,9 @@ everything that decides the *layout* and swaps in a lazy source only for the
 
 Peak memory is therefore about one local parameter plus one bucket (plus
 torch's copy-ahead of at most ``per_thread_copy_ahead`` bytes on a GPU host),
-not the model; ``benchmarks/convert.py`` measures it. The output is the format ``dist_checkpointing.load`` reads; the tests
-compare it with a ``dist_checkpointing.save`` of the materialised model.
+not the model; ``benchmarks/convert.py`` measures it. The output is what
+``dist_checkpointing.load`` reads; the tests compare it byte for byte with a
+``dist_checkpointing.save`` of the loaded model.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ import torch
 from megatron_rl.errors import CheckpointError
 
 Materialize = Callable[[torch.nn.Parameter], torch.Tensor]
+
+_malloc_trim = None  # resolved on first use: libc's malloc_trim, or False where there is none
 
 
 def release_free_memory() -> None:
@@ -65,9 +68,6 @@ def release_free_memory() -> None:
         _malloc_trim(0)
 
 
-_malloc_trim = None
-
-
 def storage_key(t: torch.Tensor) -> int:
     # Why storage identity: views of a meta tensor (detach, chunk, view) share its
     # StorageImpl, and meta tensors have no data pointer to compare.
@@ -81,7 +81,7 @@ class StorageIndex:
         self._params = params
         self._materialize = materialize
         self._cached: Optional[tuple[int, torch.Tensor]] = None
-        self.materialized = 0  # parameters read (a cache miss each); the benchmark reports it
+        self.materialized = 0  # parameters read (one per cache miss)
 
     @classmethod
     def for_chunks(cls, chunks, materialize: Materialize) -> "StorageIndex":
