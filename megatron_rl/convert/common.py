@@ -183,15 +183,6 @@ def copy_aux_files(src_dir: str, dst_dir: str, config_update: Optional[dict] = N
     return names
 
 
-def file_list(root: str) -> list[dict]:
-    out = []
-    for d, _, files in os.walk(root):
-        for name in sorted(files):
-            full = os.path.join(d, name)
-            out.append({"path": os.path.relpath(full, root), "bytes": os.path.getsize(full)})
-    return sorted(out, key=lambda e: e["path"])
-
-
 def is_model_dir(path: Optional[str]) -> bool:
     """``path`` is a model-only torch_dist dir (written by ``convert_ckpt.py hf-to-dist``)
     rather than a training checkpoint root; ``--load`` then means the initial weights."""

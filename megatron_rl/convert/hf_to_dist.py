@@ -47,7 +47,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     """
     from megatron_rl.backends.megatron.parallel import ParallelLayout
     from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-    from megatron_rl.infra.checkpoint_root import temp_dir_for
+    from megatron_rl.infra.checkpoint_root import file_list, temp_dir_for
     from megatron_rl.models import get_bridge
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
     from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_value
@@ -121,7 +121,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     def publish():
         update = {"dtype": common.dtype_name(target)} if dtype is not None else None
         common.copy_aux_files(hf_dir, os.path.join(tmp, common.HF_CONFIG_SUBDIR), update)
-        meta["files"] = common.file_list(tmp)
+        meta["files"] = file_list(tmp)
         atomic_write_json(os.path.join(tmp, common.MARKER_NAME), meta)
         publish_dir(tmp, out_dir)
 

@@ -174,6 +174,17 @@ def read_resume_state(root: str) -> Optional[dict]:
                               f"damage: delete it to resume from the checkpoint alone") from e
 
 
+def file_list(root: str) -> list[dict]:
+    """Every file under ``root`` with its size, for a completion marker's ``files``
+    (checked back by :func:`listed_file_problems`)."""
+    out = []
+    for d, _, files in os.walk(root):
+        for name in sorted(files):
+            full = os.path.join(d, name)
+            out.append({"path": os.path.relpath(full, root), "bytes": os.path.getsize(full)})
+    return sorted(out, key=lambda e: e["path"])
+
+
 def listed_file_problems(path: str, meta: dict) -> list[str]:
     """Files a completion marker lists (``meta["files"]``: path + bytes) that are missing or of another size."""
     bad = []

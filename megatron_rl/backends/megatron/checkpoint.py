@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-from megatron_rl.infra.checkpoint_root import (MARKER_NAME, is_temp_dir, read_complete_marker,
+from megatron_rl.infra.checkpoint_root import (MARKER_NAME, file_list, is_temp_dir, read_complete_marker,
                                              temp_dir_for)
 
 log = logging.getLogger(__name__)
@@ -313,15 +313,6 @@ def load_scheduler_state(scheduler, state: dict, path: str = "") -> None:
 # ---- save -------------------------------------------------------------------------------------------------
 
 
-def _file_list(root: str) -> list[dict]:
-    out = []
-    for d, _, files in os.walk(root):
-        for name in sorted(files):
-            full = os.path.join(d, name)
-            out.append({"path": os.path.relpath(full, root), "bytes": os.path.getsize(full)})
-    return sorted(out, key=lambda e: e["path"])
-
-
 def save_checkpoint(backend, path: str, extra_state: dict) -> None:
     """Collective: write ``path`` (an ``iter_NNNNNNN`` dir) atomically; every rank must call it.
 
@@ -358,7 +349,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
                 "model": model_fingerprint(backend),
                 "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"],
-                "files": _file_list(tmp)}
+                "files": file_list(tmp)}
         atomic_write_json(os.path.join(tmp, MARKER_NAME), meta)
         publish_dir(tmp, path)
 
