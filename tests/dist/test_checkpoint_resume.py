@@ -25,16 +25,13 @@ import shutil
 import pytest
 import torch
 
+from _resume_checks import SCRIPT, SKIP, assert_resume_bitwise
+from _resume_checks import job as _job
+from _resume_checks import rec as _rec
 from _util import torchrun
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
 LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-parallel-size", "2"]}
-SKIP = {"train/step_time_s"}
 VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
-
-
-def _job(**kw):
-    return json.dumps(kw)
 
 
 @pytest.fixture(scope="module")
@@ -79,50 +76,11 @@ def ckpt(tmp_path_factory, tiny_hf_models):
     return out, roots, bad, proc
 
 
-def _rec(out, tag):
-    return json.load(open(out / f"{tag}.json"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resume_is_bitwise_exact(ckpt, layout):
     out, *_ = ckpt
-    straight, saved, resumed = (_rec(out, f"{p}_{layout}") for p in ("straight", "save", "resume"))
-    assert resumed["extra_state"] == {"next_step": 2, "rollout_id": 1, "data": {"epoch": 0, "offset": 12}}
-    assert (saved["end_step"], resumed["start_step"], resumed["end_step"], straight["end_step"]) == (2, 2, 4, 4)
-    # the first half of the uninterrupted run is the saving run, exactly
-    assert [s["metrics"] for s in saved["steps"]] == [s["metrics"] for s in straight["steps"][:2]]
-    # per-step metrics after resume equal the uninterrupted run's exactly (loss, kl, grad norm, lr, ...)
-    for s0, s1 in zip(straight["steps"][2:], resumed["steps"], strict=True):
-        assert s0["global_step"] == s1["global_step"]
-        m0 = {k: v for k, v in s0["metrics"].items() if k not in SKIP}
-        m1 = {k: v for k, v in s1["metrics"].items() if k not in SKIP}
-        assert m0 == m1, (layout, s0["global_step"])
-    assert straight["lr"] == resumed["lr"] and straight["scheduler"] == resumed["scheduler"]
-    assert straight["logprobs_end"] == resumed["logprobs_end"]
-    # RNG streams continue exactly on every rank (the worker draws from all of them each step)
-    assert straight["rng_probes"] == resumed["rng_probes"]
-    assert straight["rng_probes"][0] != saved["rng_probes"][0]  # and the probe does move with the steps
-
-    w0 = torch.load(out / f"straight_{layout}_weights.pt")
-    w1 = torch.load(out / f"resume_{layout}_weights.pt")
-    assert set(w0) == set(w1)
-    for name in w0:
-        assert torch.equal(w0[name], w1[name]), (layout, name)
-    first = torch.load(out / f"save_{layout}_weights.pt")
-    assert max((first[n] - w0[n]).abs().max().item() for n in w0) > 1e-4  # steps 3-4 changed the weights
-
-    for rank in range(2):
-        o0 = torch.load(out / f"straight_{layout}_opt_rank{rank}.pt")
-        o1 = torch.load(out / f"resume_{layout}_opt_rank{rank}.pt")
-        assert len(o0["tensors"]) == len(o1["tensors"]) > 0
-        for i, (a, b) in enumerate(zip(o0["tensors"], o1["tensors"])):
-            assert set(a) == set(b) == {"param", "exp_avg", "exp_avg_sq", "step"}, (layout, rank, i, set(b))
-            for k in a:
-                assert torch.equal(a[k], b[k]), (layout, rank, i, k)
-            assert float(b["step"]) == 4.0
-        # the step fix: one private step tensor per parameter after the load
-        assert o1["distinct_step_tensors"] == o1["num_states"] == len(o1["tensors"])
+    assert_resume_bitwise(out, layout, nproc=2)
 
 
 @pytest.mark.slow
