@@ -99,7 +99,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--probe":
         probe(sys.argv[2:])
         return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)

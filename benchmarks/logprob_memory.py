@@ -96,7 +96,7 @@ def _measure(method: str, n_tok: int, vocab: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)

@@ -72,7 +72,7 @@ def measure(mb_lengths: list[list[list[int]]], padded: bool, real: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--samples-per-prompt", type=int, default=8)
     ap.add_argument("--max-response-len", type=int, default=8192)

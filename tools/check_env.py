@@ -306,7 +306,7 @@ def format_report(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Report the environment megatron_rl would run in "
+    ap = argparse.ArgumentParser(allow_abbrev=False, description="Report the environment megatron_rl would run in "
                                              "(imports each optional package in a subprocess).")
     ap.add_argument("--json", action="store_true", help="print one JSON object (keys in the module docstring)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for each optional import (default 60; torch always gets >= 60)")

@@ -41,7 +41,7 @@ _SLIME_BOOL = ("colocate", "debug_train_only", "debug_rollout_only")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="check_plan.py", description=__doc__.split("\n\n")[0],
+        prog="check_plan.py", allow_abbrev=False, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Unknown flags are refused: only placement flags are read.")
     ap.add_argument("items", nargs="*", metavar="ALLOCATION | key=value",

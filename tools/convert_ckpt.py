@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="convert_ckpt.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="convert_ckpt.py", allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="direction", required=True)
     for name, help_ in (("hf-to-dist", "HF safetensors dir -> torch_dist dir"),
                         ("dist-to-hf", "torch_dist dir (or checkpoint root) -> HF safetensors dir")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, allow_abbrev=False)
         p.add_argument("--input", required=True, metavar="DIR")
         p.add_argument("--output", required=True, metavar="DIR")
         p.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],

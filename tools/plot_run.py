@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("metrics", help="path to metrics.jsonl")
     ap.add_argument("--out", help="PNG path (default: beside the JSONL, curves.png)")
     ap.add_argument("--keys", nargs="*", default=None, help="metric names (default: reward, KL, entropy, lengths, step time)")

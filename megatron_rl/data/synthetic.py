@@ -123,7 +123,7 @@ def prepare(out_dir: str, *, num_prompts: int = 4096, num_eval: int = 64, num_di
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="Prepare the CPU demo's tiny model and digit-task prompts.")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description="Prepare the CPU demo's tiny model and digit-task prompts.")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-digits", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
