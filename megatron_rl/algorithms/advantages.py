@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE.
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline), GAE, batch whitening.
 
 All functions are pure tensor maths on the RESPONSE-ALIGNED convention of
 ``megatron_rl.data.types``: per-sample scalars are ``[B]``; per-token tensors are
@@ -10,8 +10,13 @@ Invariants:
   would mix an un-baselined REINFORCE term into a group-relative batch); empty
   responses contribute no tokens.
 * Token advantages are 0 where ``loss_mask`` is 0.
-* Batch-level statistics (REINFORCE++ whitening) are over the tensors passed in:
-  call these on the WHOLE rollout batch, before it is sharded over DP ranks.
+* Batch-level statistics (REINFORCE++ whitening, ``--normalize-advantages``) are
+  over the tensors passed in: call these on the WHOLE rollout batch, before it is
+  sharded over DP ranks. They are float64 with the peers' conventions (Bessel
+  variance, eps inside the square root); a constant batch whitens to exactly 0.
+
+docs/algorithms.md lists every formula and the peer convention it follows;
+tests/unit/vectors/ holds expected values computed independently from them.
 """
 
 from __future__ import annotations
@@ -86,15 +91,24 @@ def rloo_advantages(rewards, group_index) -> torch.Tensor:
     return torch.where(contrast, r.double() - baseline, torch.zeros_like(baseline)).to(r.dtype)
 
 
-def _masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(x - mean) / (std + eps)`` over masked entries (biased std: defined for one token)."""
-    m = mask.to(x.dtype)
-    cnt = m.sum()
-    if cnt == 0:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the masked entries, 0 elsewhere (verl's ``masked_whiten``).
+
+    Why this exact form: statistics are float64 and ``eps`` sits INSIDE the square
+    root with the unbiased (Bessel, n-1) variance, as the peers compute it. The old
+    float32 ``/ (std + eps)`` turned a constant batch into large same-sign
+    advantages (the float32 mean of six 0.1s is 1 ulp off and was divided by
+    ~1e-8). A batch whose masked values are all equal, or that has fewer than two
+    masked entries (no variance to divide by), gives exactly 0. The result has
+    ``x``'s dtype.
+    """
+    m = mask.to(torch.float64)
+    sel = x.detach().to(torch.float64)[m > 0]
+    if sel.numel() < 2 or bool(sel.max() == sel.min()):
         return torch.zeros_like(x)
-    mean = (x * m).sum() / cnt
-    var = (((x - mean) * m) ** 2).sum() / cnt
-    return (x - mean) / (var.sqrt() + eps) * m
+    mean = sel.mean()
+    var = ((sel - mean) ** 2).sum() / (sel.numel() - 1)
+    return ((x.detach().to(torch.float64) - mean) / torch.sqrt(var + eps) * m).to(x.dtype)
 
 
 def _to_padded(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -132,52 +146,63 @@ def reinforce_plus_plus_advantages(rewards, response_lengths, loss_mask: torch.T
     Token reward = ``-kl_coef * kl_t`` on every loss token, plus the sample reward
     on its LAST loss token (the reward is for the finished response). Returns are
     discounted with ``gamma`` per sample and whitened over all loss tokens of the
-    batch. ``kl`` is the per-token KL estimate of the policy to the reference
+    batch (``masked_whiten``). ``kl`` is the per-token KL estimate of the policy to the reference
     (e.g. ``old_logprobs - ref_logprobs``), flat and response-aligned. With
     ``group_index`` the group mean reward is subtracted first (REINFORCE++-baseline).
     """
-    r = _as_tensor(rewards)
-    mask = loss_mask.to(torch.float32)
+    r = _as_tensor(rewards, torch.float64)
+    mask = loss_mask.to(torch.float64)
     lengths = _lengths(response_lengths)
     if group_index is not None and r.numel():
         g_sum, g_cnt, _, contrast = _group_stats(r, group_index)
-        r = torch.where(contrast, r.double() - g_sum / g_cnt, torch.zeros_like(g_sum)).to(r.dtype)
+        r = torch.where(contrast, r - g_sum / g_cnt, torch.zeros_like(g_sum))
     token_rewards = torch.zeros_like(mask)
     if kl is not None and kl_coef:
-        token_rewards = token_rewards - kl_coef * kl.detach().to(torch.float32) * mask
+        token_rewards = token_rewards - kl_coef * kl.detach().to(torch.float64) * mask
     seg = segment_ids(lengths)
     if mask.numel():
         pos = torch.arange(mask.numel())
         last = torch.full((len(lengths),), -1, dtype=torch.long).scatter_reduce(
             0, seg, torch.where(mask > 0, pos, torch.full_like(pos, -1)), reduce="amax")
         has = last >= 0
-        token_rewards = token_rewards.index_add(0, last[has], r[has].to(torch.float32))
+        token_rewards = token_rewards.index_add(0, last[has], r[has])
     returns = discounted_returns(token_rewards, lengths, gamma)
-    return _masked_whiten(returns, mask, eps)
+    return masked_whiten(returns, mask, eps).to(torch.float32)
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_lengths, *,
-                   gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+                   loss_mask: torch.Tensor | None = None, gamma: float = 1.0,
+                   lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation per sample; returns ``(advantages, returns)``.
 
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` past the last response token
-    = 0 (the episode ends), ``A_t = delta_t + gamma * lam * A_{t+1}``,
-    ``returns = A + V``. Inputs are flat, response-aligned and detached from any
-    graph; whitening, if wanted, is the caller's choice.
+    ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``
+    and ``returns = A + V``, where "next" is the next UNMASKED token of the same
+    sample (``V`` = 0 and ``A`` = 0 past its last one: the episode ends). Why:
+    masked spans of multi-turn samples (tool output, observations) are not the
+    policy's actions, so they are skipped rather than counted as timesteps (verl's
+    multi-turn GAE). Masked positions get advantage and return 0, and a reward put
+    on a masked token is dropped (verl does the same): put rewards on loss tokens.
+    ``loss_mask`` None means every token counts. Statistics are float64; inputs
+    are flat, response-aligned and detached from any graph; outputs are float32;
+    whitening, if wanted, is the caller's choice.
     """
     lengths = _lengths(response_lengths)
-    rewards = _to_padded(token_rewards.detach().to(torch.float32), lengths)
-    vals = _to_padded(values.detach().to(torch.float32), lengths)
+    flat_mask = torch.ones_like(token_rewards, dtype=torch.float64) if loss_mask is None else loss_mask
+    rewards = _to_padded(token_rewards.detach().to(torch.float64), lengths)
+    vals = _to_padded(values.detach().to(torch.float64), lengths)
+    live = _to_padded(flat_mask.detach().to(torch.float64), lengths) > 0  # padding is never live
     adv = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(rewards.shape[0])
     running = rewards.new_zeros(rewards.shape[0])
-    for t in range(rewards.shape[1] - 1, -1, -1):  # padding: r = V = 0, so A stays 0 there
+    for t in range(rewards.shape[1] - 1, -1, -1):
         delta = rewards[:, t] + gamma * next_value - vals[:, t]
-        running = delta + gamma * lam * running
-        adv[:, t] = running
-        next_value = vals[:, t]
-    adv = _from_padded(adv, lengths)
-    return adv, adv + values.detach().to(torch.float32)
+        step = delta + gamma * lam * running
+        on = live[:, t]
+        adv[:, t] = torch.where(on, step, torch.zeros_like(step))
+        running = torch.where(on, step, running)  # a masked token passes the future through unchanged
+        next_value = torch.where(on, vals[:, t], next_value)
+    ret = torch.where(live, adv + vals, torch.zeros_like(adv))
+    return _from_padded(adv, lengths).to(torch.float32), _from_padded(ret, lengths).to(torch.float32)
 
 
 def per_sample(flat: torch.Tensor, response_lengths) -> list[torch.Tensor]:

@@ -52,8 +52,8 @@ def test_reinforce_plus_plus_kl_in_reward_and_whitening():
     # token rewards: [-.01, .98 | -.03, -.04, 0]; returns (gamma 1): [.97, .98 | -.07, -.04, 0]
     returns = [0.97, 0.98, -0.07, -0.04]
     mean = sum(returns) / 4
-    std = math.sqrt(sum((r - mean) ** 2 for r in returns) / 4)
-    assert close(adv, [(r - mean) / (std + 1e-8) for r in returns] + [0.0])
+    var = sum((r - mean) ** 2 for r in returns) / 3  # Bessel (n-1), eps inside the sqrt, as verl/slime
+    assert close(adv, [(r - mean) / math.sqrt(var + 1e-8) for r in returns] + [0.0])
 
 
 def test_reinforce_plus_plus_baseline_gamma_and_empty():
@@ -62,8 +62,8 @@ def test_reinforce_plus_plus_baseline_gamma_and_empty():
     adv = reinforce_plus_plus_advantages([3.0, 7.0, 1.0], [2, 0, 1], mask, gamma=0.5, group_index=[0, 1, 0])
     returns = [0.5, 1.0, -1.0]  # sample 0: reward 1 on token 1, discounted .5 to token 0
     mean = sum(returns) / 3
-    std = math.sqrt(sum((r - mean) ** 2 for r in returns) / 3)
-    assert close(adv, [(r - mean) / (std + 1e-8) for r in returns])
+    var = sum((r - mean) ** 2 for r in returns) / 2
+    assert close(adv, [(r - mean) / math.sqrt(var + 1e-8) for r in returns])
     # All-equal returns: whitening gives 0, not NaN. No loss tokens at all: zeros.
     assert close(reinforce_plus_plus_advantages([1.0, 1.0], [1, 1], torch.ones(2)), [0, 0])
     assert close(reinforce_plus_plus_advantages([1.0], [2], torch.zeros(2)), [0, 0])
@@ -92,3 +92,36 @@ def test_gae_hand_values_and_monte_carlo_limit():
 def test_all_equal_rewards_give_zero(fn):
     adv = fn([0.1] * 3 + [0.7] * 5, [0] * 3 + [1] * 5)
     assert (adv == 0).all()  # exactly 0, although float means of 0.1s are not exactly 0.1
+
+
+def test_reinforce_plus_plus_constant_rewards_whiten_to_exactly_zero():
+    # issue 10: six samples rewarded 0.1 gave -0.427 on every token (float32 mean 1 ulp off / (1e-8 + eps)).
+    lengths = [3, 1, 4, 2, 5, 2]
+    mask = torch.ones(sum(lengths))
+    assert (reinforce_plus_plus_advantages([0.1] * 6, lengths, mask) == 0).all()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(54):
+        n = int(torch.randint(2, 12, (1,), generator=g))
+        lengths = torch.randint(1, 6, (n,), generator=g).tolist()
+        value = float(torch.randn((), generator=g)) * 10 ** int(torch.randint(-3, 3, (1,), generator=g))
+        adv = reinforce_plus_plus_advantages([value] * n, lengths, torch.ones(sum(lengths)))
+        assert (adv == 0).all(), value
+    # One loss token in the whole batch: no variance to divide by, so 0 (not NaN, not the raw return).
+    assert (reinforce_plus_plus_advantages([2.0], [3], torch.tensor([0.0, 1, 0])) == 0).all()
+
+
+def test_gae_skips_masked_spans():
+    # turn 1 (2 tokens), a tool observation (2 masked tokens), turn 2 (1 token) with the reward.
+    rewards = torch.tensor([0.0, 0, 5.0, 5.0, 1.0])  # rewards on masked tokens are dropped (verl)
+    values = torch.tensor([0.2, 0.4, 9.0, 9.0, 0.5])
+    mask = torch.tensor([1.0, 1, 0, 0, 1])
+    adv, ret = gae_advantages(rewards, values, [5], loss_mask=mask, gamma=0.9, lam=0.8)
+    # over the unmasked tokens only: V = [.2, .4, .5], r = [0, 0, 1]
+    a2 = 1.0 - 0.5
+    a1 = (0.9 * 0.5 - 0.4) + 0.72 * a2
+    a0 = (0.9 * 0.4 - 0.2) + 0.72 * a1
+    assert close(adv, [a0, a1, 0, 0, a2])
+    assert close(ret, [a0 + 0.2, a1 + 0.4, 0, 0, a2 + 0.5])
+    # equals GAE on the sample with the masked span cut out
+    cut, _ = gae_advantages(rewards[[0, 1, 4]], values[[0, 1, 4]], [3], gamma=0.9, lam=0.8)
+    assert close(adv[[0, 1, 4]], cut)
