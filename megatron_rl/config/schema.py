@@ -145,7 +145,19 @@ class PrecisionConfig:
     train_backend: str = flag("megatron", "Training backend.", choices=("megatron", "fsdp"))
     bf16: bool = flag(False, "Train in bf16 with fp32 master weights.")
     fp16: bool = flag(False, "Train in fp16 with loss scaling.")
-    fp8_format: Optional[str] = flag(None, "FP8 training through transformer-engine.", choices=("e4m3", "hybrid"))
+    fp8_format: Optional[str] = flag(None, "FP8 training through transformer-engine (TransformerConfig.fp8): "
+                                     "e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients).",
+                                     choices=("e4m3", "hybrid"))
+    fp8_recipe: str = flag("delayed", "FP8 scaling recipe (TransformerConfig.fp8_recipe; needs --fp8-format). "
+                           "mxfp8 is Blackwell-only.", choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    fp8_margin: int = flag(0, "Scaling-factor margin of the delayed recipe (TransformerConfig.fp8_margin).")
+    fp8_amax_history_len: int = flag(1, "amax history window of the delayed recipe "
+                                     "(TransformerConfig.fp8_amax_history_len).")
+    fp8_amax_compute_algo: str = flag("most_recent", "How the delayed recipe picks amax from its history "
+                                      "(TransformerConfig.fp8_amax_compute_algo).", choices=("most_recent", "max"))
+    fp8_param_gather: bool = flag(False, "Keep GEMM weights in FP8 and all-gather them in FP8 "
+                                  "(TransformerConfig.fp8_param + DDP fp8_param_gather; needs "
+                                  "--use-distributed-optimizer).")
 
     @property
     def params_dtype(self) -> str:

@@ -114,6 +114,7 @@ def _check_precision(errors: list[str], cfg: Config) -> None:
                       "(pip install 'megatron_rl[fp8]' on a GPU machine), or drop --fp8-format")
     if pr.fp8_format and pr.train_backend == "fsdp":
         errors.append("--fp8-format is only supported with --train-backend megatron")
+    _check_fp8_knobs(errors, cfg)
     if opt.optimizer_cpu_offload and not opt.use_distributed_optimizer:
         errors.append("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's hybrid "
                       "CPU optimizer shards state over data parallelism)")
@@ -123,6 +124,39 @@ def _check_precision(errors: list[str], cfg: Config) -> None:
         errors.append(f"--lr {opt.lr} must be > 0")
     if opt.min_lr > opt.lr:
         errors.append(f"--min-lr {opt.min_lr} is above --lr {opt.lr}")
+
+
+_FP8_DELAYED_ONLY = (("--fp8-margin", "fp8_margin", 0), ("--fp8-amax-history-len", "fp8_amax_history_len", 1),
+                     ("--fp8-amax-compute-algo", "fp8_amax_compute_algo", "most_recent"))
+
+
+def _check_fp8_knobs(errors: list[str], cfg: Config) -> None:
+    """A knob that would change nothing is refused, so no run believes it is tuned when it is not.
+
+    Why delayed-only: megatron-core (fp8_utils.get_fp8_recipe) passes margin and amax
+    settings only to TE's DelayedScaling; the other recipes ignore them.
+    """
+    pr = cfg.precision
+    changed = [(name, getattr(pr, field)) for name, field, default in _FP8_DELAYED_ONLY
+               if getattr(pr, field) != default]
+    if not pr.fp8_format:
+        extra = changed + ([("--fp8-recipe", pr.fp8_recipe)] if pr.fp8_recipe != "delayed" else []) \
+            + ([("--fp8-param-gather", True)] if pr.fp8_param_gather else [])
+        for name, value in extra:
+            errors.append(f"{name} {value} has no effect without --fp8-format; add --fp8-format e4m3|hybrid "
+                          f"or drop {name}")
+        return
+    if pr.fp8_recipe != "delayed":
+        for name, value in changed:
+            errors.append(f"{name} {value} only tunes the delayed recipe, not --fp8-recipe {pr.fp8_recipe}; "
+                          f"drop {name} or use --fp8-recipe delayed")
+    if pr.fp8_margin < 0:
+        errors.append(f"--fp8-margin {pr.fp8_margin} must be >= 0")
+    if pr.fp8_amax_history_len < 1:
+        errors.append(f"--fp8-amax-history-len {pr.fp8_amax_history_len} must be >= 1")
+    if pr.fp8_param_gather and not cfg.optimizer.use_distributed_optimizer:
+        errors.append("--fp8-param-gather keeps FP8 weights that only the distributed optimizer's main "
+                      "params update; add --use-distributed-optimizer or drop --fp8-param-gather")
 
 
 def _check_modes(errors: list[str], cfg: Config) -> None:

@@ -68,6 +68,36 @@ def check_backend_config(cfg) -> None:
     if cfg.precision.fp8_format and not cuda:
         raise ConfigError(f"--fp8-format {cfg.precision.fp8_format} needs an FP8-capable GPU "
                           "(Hopper or newer) with transformer-engine; drop it on CPU runs.")
+def transformer_config_overrides(cfg) -> dict:
+    """``TransformerConfig`` fields the flags set on top of the bridge's HF-derived config.
+
+    Pure (no megatron import) so a unit test can check that every flag arrives;
+    ``Bridge.transformer_config(layout, **overrides)`` applies them last.
+    FP8 follows Megatron-LM's ``core_transformer_config_from_args``: ``--fp8-format``
+    is ``fp8``, ``--fp8-param-gather`` is ``fp8_param``; the recipe knobs keep
+    their names. Without ``--fp8-format`` no fp8 field is set (megatron's defaults).
+    """
+    mem, pr = cfg.memory, cfg.precision
+    overrides: dict = dict(calculate_per_token_loss=True)
+    if mem.recompute_granularity:
+        overrides.update(recompute_granularity=mem.recompute_granularity)
+        if mem.recompute_granularity == "full":
+            overrides.update(recompute_method=mem.recompute_method or "uniform",
+                             recompute_num_layers=mem.recompute_num_layers or 1)
+    if pr.fp8_format:
+        overrides.update(fp8=pr.fp8_format, fp8_recipe=pr.fp8_recipe, fp8_margin=pr.fp8_margin,
+                         fp8_amax_history_len=pr.fp8_amax_history_len,
+                         fp8_amax_compute_algo=pr.fp8_amax_compute_algo, fp8_param=pr.fp8_param_gather)
+    return overrides
+
+
+def ddp_config_kwargs(cfg) -> dict:
+    """``DistributedDataParallelConfig`` fields (``fp8_param_gather`` as Megatron-LM sets it)."""
+    return dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                fp8_param_gather=bool(cfg.precision.fp8_format and cfg.precision.fp8_param_gather))
+
+
 
 
 class MegatronBackend(TrainBackend):
@@ -89,22 +119,14 @@ class MegatronBackend(TrainBackend):
         self.ps = ps
         self.bridge = get_bridge(cfg.model.hf_checkpoint)
         self.params_dtype = _DTYPES[cfg.precision.params_dtype]
-        mem = cfg.memory
-        overrides = dict(calculate_per_token_loss=True)
-        if mem.recompute_granularity:
-            overrides.update(recompute_granularity=mem.recompute_granularity)
-            if mem.recompute_granularity == "full":
-                overrides.update(recompute_method=mem.recompute_method or "uniform",
-                                 recompute_num_layers=mem.recompute_num_layers or 1)
-        self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype, **overrides)
+        self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
+                                              **transformer_config_overrides(cfg))
         self._load_initial_weights(cfg)
         self.model_config = self.chunks[0].config
         self.vocab_size = self.bridge.vocab_size
         self.padded_vocab_size = self.bridge.padded_vocab_size(self.layout.tp)
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+        ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(cfg))
         self.model = [DistributedDataParallel(config=self.model_config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0)
                       for i, chunk in enumerate(self.chunks)]
