@@ -221,6 +221,59 @@ def resolve_dist_dir(path: str) -> str:
     return path
 
 
+def _within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_output_dir(out_dir: str, inputs: dict[str, Optional[str]], overwrite: bool, kind: str) -> None:
+    """Refuse, before anything is written or deleted, an ``--output`` whose replacement would lose data.
+
+    ``inputs`` maps a flag (``--input``, ``--hf-config``) to the path it names. Paths are
+    compared resolved (symlinks followed): the output may not equal, contain or lie inside
+    an input, nor may its hidden temp sibling, which a run clears first. ``--overwrite``
+    replaces only a previous conversion output of the same ``kind`` ("torch_dist": a
+    converted dir with our marker; "hf": config.json plus safetensors) or an empty dir,
+    never an unrelated directory or a file.
+    """
+    from megatron_rl.infra.checkpoint_root import temp_dir_for
+
+    out = os.path.realpath(out_dir)
+    tmp = os.path.realpath(temp_dir_for(out))
+    for flag, given in inputs.items():
+        if not given:
+            continue
+        src = os.path.realpath(given)
+        if _within(src, out) or _within(out, src) or _within(src, tmp):
+            how = ("is" if src == out else "contains" if _within(src, out) else
+                   "lies inside" if _within(out, src) else "has a temp dir (cleared first) holding")
+            raise CheckpointError(f"--output {out_dir} {how} {flag} {given} (resolved: output {out}, {flag} {src}); "
+                                  "writing there would replace or change the input: choose an --output outside "
+                                  f"{flag} and not above it")
+    if not os.path.lexists(out_dir):
+        return
+    if not overwrite:
+        raise CheckpointError(f"output {out} exists; pass --overwrite to replace it or choose another --output")
+    if not os.path.isdir(out):
+        raise CheckpointError(f"--output {out_dir} exists and is not a directory; --overwrite replaces only a "
+                              "previous conversion output: remove the file yourself or choose another --output")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    if kind == "torch_dist":
+        ours = is_model_dir(out)
+        what = f"a torch_dist dir written by hf-to-dist ({MARKER_NAME} with format {FORMAT!r})"
+    else:
+        ours = os.path.isfile(os.path.join(out, "config.json")) and (
+            os.path.isfile(os.path.join(out, "model.safetensors")) or
+            os.path.isfile(os.path.join(out, "model.safetensors.index.json")))
+        what = "an HF model dir (config.json and model.safetensors[.index.json])"
+    if not ours:
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        raise CheckpointError(f"--overwrite refuses to replace {out}: it is not a previous conversion output "
+                              f"(expected {what}; it holds {shown}); remove or rename it yourself if it is "
+                              "disposable, or choose another --output")
+
+
 def progress(total: Optional[int], desc: str, enabled: bool, unit: str = "tensor"):
     from tqdm import tqdm
 

@@ -50,10 +50,10 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     t0 = time.time()
     layout = layout or ParallelLayout()
     max_shard_bytes = parse_size(max_shard_size)
+    given_input = dist_dir
     dist_dir = common.resolve_dist_dir(os.path.abspath(dist_dir))
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise CheckpointError(f"output {out_dir} exists; pass --overwrite to replace it or choose another --output")
+    common.check_output_dir(out_dir, {"--input": given_input, "--hf-config": hf_config_dir}, overwrite, "hf")
     meta = common.read_marker(dist_dir)
     config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, common.HF_CONFIG_SUBDIR))
     if not os.path.isfile(os.path.join(config_dir, "config.json")):

@@ -55,8 +55,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     t0 = time.time()
     layout = layout or ParallelLayout()
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise CheckpointError(f"output {out_dir} exists; pass --overwrite to replace it or choose another --output")
+    common.check_output_dir(out_dir, {"--input": hf_dir}, overwrite, "torch_dist")
     bridge = get_bridge(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     try:

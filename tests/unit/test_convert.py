@@ -266,3 +266,62 @@ def test_save_safetensors_reads_back_with_safetensors(tmp_path):
         assert f.metadata() == {"format": "pt"}
     with pytest.raises(CheckpointError, match="complex"):
         save_safetensors({"c": torch.zeros(2, dtype=torch.complex64)}, str(tmp_path / "c.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ data-loss guards
+def _snapshot(root) -> dict:
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_cli_refuses_outputs_that_would_replace_or_change_the_input(tmp_path, tiny_hf_models, capsys):
+    """issue 11: `--input P/hf --output P --overwrite` deleted the input and an unrelated file in P."""
+    p = tmp_path / "P"
+    shutil.copytree(tiny_hf_models("llama"), p / "hf")
+    (p / "notes.txt").write_text("unrelated")
+    os.symlink(p, tmp_path / "link")
+    conv = _fake_dist(tmp_path / "root" / "iter_0000002")
+    shutil.copytree(tiny_hf_models("llama"), tmp_path / "cfg")
+    before = _snapshot(tmp_path)
+    cases = [
+        (["hf-to-dist", "--input", str(p / "hf"), "--output", str(p), "--overwrite"], "contains --input"),
+        (["hf-to-dist", "--input", str(p / "hf"), "--output", str(p / "hf"), "--overwrite"], "is --input"),
+        (["hf-to-dist", "--input", str(p / "hf"), "--output", str(p / "hf" / "dist")], "lies inside --input"),
+        (["hf-to-dist", "--input", str(tmp_path / "link" / "hf"), "--output", str(p), "--overwrite"],
+         "contains --input"),  # symlinks resolved
+        (["hf-to-dist", "--input", str(p / "hf"), "--output", str(tmp_path / "link"), "--overwrite"],
+         "contains --input"),
+        (["dist-to-hf", "--input", str(tmp_path / "root"), "--output", str(tmp_path / "root" / "hf")],
+         "lies inside --input"),
+        (["dist-to-hf", "--input", str(conv), "--output", str(tmp_path / "root"), "--overwrite"], "contains --input"),
+        (["dist-to-hf", "--input", str(conv), "--hf-config", str(tmp_path / "cfg"), "--output",
+          str(tmp_path / "cfg"), "--overwrite"], "is --hf-config"),
+    ]
+    for argv, needle in cases:
+        rc, err = _run_cli(argv + ["--no-progress"], capsys)
+        assert rc == 2 and needle in err and "choose an --output outside" in err, (argv, err)
+    assert _snapshot(tmp_path) == before
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_overwrite_replaces_only_a_previous_conversion_output(tmp_path, tiny_hf_models, capsys):
+    src = tiny_hf_models("llama")
+    other = tmp_path / "mydata"
+    other.mkdir()
+    (other / "results.csv").write_text("precious")
+    (tmp_path / "afile").write_text("x")
+    for direction, inp in (("hf-to-dist", src), ("dist-to-hf", str(_fake_dist(tmp_path / "conv")))):
+        for out, needle in ((other, "is not a previous conversion output"), (tmp_path / "afile", "not a directory")):
+            rc, err = _run_cli([direction, "--input", inp, "--output", str(out), "--overwrite", "--no-progress"],
+                               capsys)
+            assert rc == 2 and needle in err and "choose another --output" in err, (direction, err)
+    assert (other / "results.csv").read_text() == "precious" and (tmp_path / "afile").read_text() == "x"
+    # what --overwrite may replace: an empty dir, a previous output of the same direction
+    (tmp_path / "empty").mkdir()
+    common.check_output_dir(str(tmp_path / "empty"), {"--input": src}, True, "torch_dist")
+    common.check_output_dir(str(_fake_dist(tmp_path / "prev")), {"--input": src}, True, "torch_dist")
+    common.check_output_dir(src, {"--input": str(tmp_path / "conv")}, True, "hf")
+    with pytest.raises(CheckpointError, match="not a previous conversion output"):  # a training checkpoint
+        common.check_output_dir(str(_fake_dist(tmp_path / "it", fmt=common.TRAINING_FORMAT)), {}, True, "torch_dist")
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
+        common.check_output_dir(str(tmp_path / "prev"), {}, False, "torch_dist")
