@@ -26,6 +26,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl.errors import PlanError  # noqa: E402
+from megatron_rl.plan.allocation import MAX_SIZE  # noqa: E402
+from megatron_rl.plan.sources import ASCII_INT  # noqa: E402
 from megatron_rl.plan import (  # noqa: E402
     Cluster, ModelShape, format_table, parse_allocation, plan_from_areal_args,
     plan_from_slime_flags, report_dict, validate_plan,
@@ -39,6 +41,22 @@ _SLIME_INT = ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
 _SLIME_BOOL = ("colocate", "debug_train_only", "debug_rollout_only")
 
 
+def _ascii_int(limit: int):
+    """argparse type: ASCII digits only (int() also takes '１６', '+4', '1_0') and 1 <= n <= limit."""
+    def convert(text: str) -> int:
+        if not ASCII_INT.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer in ASCII digits 0-9")
+        if len(text.lstrip("0")) > len(str(limit)) or not 1 <= int(text) <= limit:
+            shown = text if len(text) <= 20 else f"{text[:12]}... ({len(text)} digits)"
+            raise argparse.ArgumentTypeError(f"{shown} is out of range: use 1 to {limit}")
+        return int(text)
+    convert.__name__ = "integer"
+    return convert
+
+
+_SIZE = _ascii_int(MAX_SIZE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="check_plan.py", allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -47,16 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("items", nargs="*", metavar="ALLOCATION | key=value",
                     help="an allocation string, or AReaL key=value arguments")
     c = ap.add_argument_group("cluster (default: none, so no fit check)")
-    c.add_argument("--n-nodes", type=int)
-    c.add_argument("--n-gpus-per-node", type=int, help="default 8 when only --n-nodes is given")
+    c.add_argument("--n-nodes", type=_SIZE)
+    c.add_argument("--n-gpus-per-node", type=_SIZE, help="default 8 when only --n-nodes is given")
     m = ap.add_argument_group("model")
     m.add_argument("--hf-checkpoint", metavar="DIR", help="HF checkpoint directory with config.json")
     m.add_argument("--model-config", metavar="CONFIG_JSON", help="an HF config.json")
-    m.add_argument("--seq-length", type=int)
-    m.add_argument("--virtual-pipeline-model-parallel-size", type=int, dest="vpp")
+    m.add_argument("--seq-length", type=_ascii_int(2 ** 31))
+    m.add_argument("--virtual-pipeline-model-parallel-size", type=_SIZE, dest="vpp")
     s = ap.add_argument_group("slime / Megatron flags")
     for dest in _SLIME_INT:
-        s.add_argument("--" + dest.replace("_", "-"), type=int, dest=dest)
+        s.add_argument("--" + dest.replace("_", "-"), type=_SIZE, dest=dest)
     for dest in _SLIME_BOOL:
         s.add_argument("--" + dest.replace("_", "-"), action="store_true", dest=dest)
     s.add_argument("--train-backend", choices=("megatron", "fsdp"))

@@ -65,6 +65,29 @@ ROLE_ALIASES = {
 
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
+#: Largest degree, node count, GPUs per node and GPU demand the planner accepts
+#: (2**20, about a million). Far beyond any real cluster, and small enough that
+#: every message can print the number (Python refuses str() of >4300 digits).
+MAX_SIZE = 2 ** 20
+
+
+def show_number(value) -> str:
+    """``repr(value)``, except a huge int is described by its length, so a message
+    about a 5001-digit number never fails to print it."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10 ** 12:
+        return f"a number of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    return repr(value)
+
+
+def size_problem(value, what: str, fix: str) -> str | None:
+    """Why ``value`` is not a usable size (positive int <= MAX_SIZE), or None."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return f"{what}={show_number(value)} is invalid: it must be a positive integer ({fix})"
+    if value > MAX_SIZE:
+        return (f"{what}={show_number(value)} is too large: the planner accepts at most "
+                f"{MAX_SIZE} (2**20); {fix}")
+    return None
+
 # Canonical rendering order, as AReaL prints it.
 _RENDER_ORDER = "dptce"
 
@@ -84,9 +107,12 @@ class Dims:
             value = getattr(self, letter)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(
-                    f"{DIM_NAMES[letter]} degree {letter}={value!r} is invalid: every degree "
-                    f"must be a positive integer (write {letter}1 or leave it out)"
+                    f"{DIM_NAMES[letter]} degree {letter}={show_number(value)} is invalid: every "
+                    f"degree must be a positive integer (write {letter}1 or leave it out)"
                 )
+            if value > MAX_SIZE:
+                raise PlanError(size_problem(value, f"{DIM_NAMES[letter]} degree {letter}",
+                                             "use a real cluster's size"))
 
     def __str__(self) -> str:
         parts = [f"{k}{getattr(self, k)}" for k in _RENDER_ORDER if k == "d" or getattr(self, k) != 1]
@@ -200,6 +226,9 @@ def structural_problem(comp: Component) -> str | None:
                 f"and start with a letter, e.g. {b}[actor]")
     d = comp.dims
     where = comp.spec() if _renderable(comp) else b
+    if _renderable(comp) and d.d * d.t * d.p * d.c > MAX_SIZE:
+        return (f"{where}: world d*t*p*c = {d.d * d.t * d.p * d.c} GPUs is more than the planner's "
+                f"limit of {MAX_SIZE} (2**20); shrink the degrees")
     if b in INFERENCE_BACKENDS:
         if comp.ffn is not None:
             return f"{where}: the attn/ffn hybrid layout is training-only; write {b}:d<N>t<N>p<N>"
@@ -314,6 +343,9 @@ class Allocation:
         if not self.groups:
             raise PlanError("the allocation is empty: state at least one component, e.g. sglang:d2t4")
         object.__setattr__(self, "weight_update", canonical_weight_update(self.weight_update))
+        if self.total_gpus > MAX_SIZE:
+            raise PlanError(f"the plan needs {self.total_gpus} GPUs, more than the planner's limit "
+                            f"of {MAX_SIZE} (2**20); shrink the degrees")
         seen: dict[str, Component] = {}
         for comp in self.components:
             if comp.name is None:

@@ -6,7 +6,8 @@ Grammar (``|`` binds tighter than ``+``; whitespace between tokens is ignored)::
     comp   := alloc ('|' alloc)*          colocated: members share the GPUs
     alloc  := backend ['[' name ']'] ':' (dims | hybrid)
     hybrid := '('? 'attn:' dims '|' 'ffn:' dims ')'?      megatron only
-    dims   := (letter int)+               each letter at most once, int >= 1
+    dims   := (letter int)+               each letter at most once, 1 <= int <= 2**20,
+                                          int in ASCII digits [0-9] only
 
 Inference backends (sglang, vllm) take d,t,p; training backends (megatron, fsdp)
 take d,t,p,c,e; the hybrid attn section takes d,t,p,c and the ffn section
@@ -24,13 +25,14 @@ import re
 
 from megatron_rl.errors import PlanError
 from megatron_rl.plan.allocation import (
-    ATTN_DIMS, BACKENDS, DIM_NAMES, FFN_DIMS, INFERENCE_BACKENDS, INFERENCE_DIMS,
+    ATTN_DIMS, BACKENDS, DIM_NAMES, FFN_DIMS, INFERENCE_BACKENDS, INFERENCE_DIMS, MAX_SIZE,
     TRAINING_DIMS, Allocation, Component, Dims, assign_roles,
 )
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BARE_DIMS = re.compile(r"(?:[a-z][0-9]+)+\Z")
 _DIMS_TOKEN = re.compile(r"[^+|()\[\]:\s]*")
+_ASCII_DIGITS = frozenset("0123456789")
 
 
 def parse_allocation(text: str, weight_update: str | None = None) -> Allocation:
@@ -219,9 +221,12 @@ class _Parser:
             at = start + i
             letter = token[i]
             j = i + 1
-            while j < len(token) and token[j].isdigit():
+            while j < len(token) and token[j] in _ASCII_DIGITS:
                 j += 1
             digits = token[i + 1:j]
+            if j < len(token) and token[j].isdigit():  # e.g. full-width '２': str.isdigit says yes
+                raise self._fail(start + j, start + j + 1,
+                                 f"{token[j]!r} is not an ASCII digit; write sizes with 0-9 only")
             if not letter.isalpha():
                 raise self._fail(at, start + len(token),
                                  f"expected a degree letter ({', '.join(allowed)}) followed by a "
@@ -240,7 +245,13 @@ class _Parser:
                 raise self._fail(at, at + 1, f"'{letter}' needs a size, e.g. {letter}2")
             if letter in values:
                 raise self._fail(at, j, f"'{letter}' is given twice; state each degree at most once")
+            if len(digits.lstrip("0")) > len(str(MAX_SIZE)):  # before int(): 5000 digits raise there
+                raise self._fail(at, start + j, f"{DIM_NAMES[letter]} size {letter}<{len(digits)} digits> is "
+                                        f"too large: the planner accepts at most {MAX_SIZE} (2**20)")
             size = int(digits)
+            if size > MAX_SIZE:
+                raise self._fail(at, start + j, f"{DIM_NAMES[letter]} size {letter}{size} is too large: the "
+                                        f"planner accepts at most {MAX_SIZE} (2**20)")
             if size < 1:
                 raise self._fail(at, j,
                                  f"{DIM_NAMES[letter]} size must be a positive integer, got "

@@ -15,20 +15,26 @@ backend: None"): the absence of ``rollout.backend`` means "no engine".
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from megatron_rl.errors import PlanError
 from megatron_rl.plan.allocation import (
-    INFERENCE_BACKENDS, TRAINING_BACKENDS, Allocation, Component, Dims, assign_roles,
-    canonical_weight_update,
+    INFERENCE_BACKENDS, MAX_SIZE, TRAINING_BACKENDS, Allocation, Component, Dims, assign_roles,
+    canonical_weight_update, size_problem,
 )
 from megatron_rl.plan.grammar import parse_allocation
 from megatron_rl.plan.validate import Cluster
 
 
+#: A plain decimal integer: ASCII digits only (str.isdigit and int() also accept e.g. '１６').
+ASCII_INT = re.compile(r"[0-9]+")
+
+
 def _positive(value, flag: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{flag}={value!r} is invalid; it must be a positive integer")
+    problem = size_problem(value, flag, f"check {flag}")
+    if problem:
+        raise PlanError(problem)
     return value
 
 
@@ -216,10 +222,12 @@ def _int_arg(values: dict[str, str], key: str, default: int) -> int:
     raw = values.get(key)
     if raw is None:
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise PlanError(f"{key}={raw!r} is not an integer") from None
+    if not ASCII_INT.fullmatch(raw):  # int() would also take '１６', '+4', '1_0' and raise on 5000 digits
+        raise PlanError(f"{key}={raw!r} is not an integer: write it with the ASCII digits 0-9 only")
+    if len(raw.lstrip("0")) > len(str(MAX_SIZE)):  # never int() a 5000-digit string
+        raise PlanError(f"{key}={raw[:12]}... ({len(raw)} digits) is too large: the planner accepts at "
+                        f"most {MAX_SIZE} (2**20)")
+    return int(raw)
 
 
 __all__ = ["plan_from_slime_flags", "plan_from_areal_args", "AREAL_ROLES"]

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_rl.errors import PlanError
-from megatron_rl.plan.allocation import Allocation, Component, Group
+from megatron_rl.plan.allocation import MAX_SIZE, Allocation, Component, Group, show_number, size_problem
 from megatron_rl.plan.model_shape import ModelShape
 
 
@@ -35,7 +35,14 @@ class Cluster:
                           ("gpus_per_node", "--n-gpus-per-node / cluster.n_gpus_per_node")):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"cluster {key}={value!r} is invalid ({flag}); it must be a positive integer")
+                raise PlanError(f"cluster {key}={show_number(value)} is invalid ({flag}); it must be a "
+                                f"positive integer")
+            if value > MAX_SIZE:
+                raise PlanError(size_problem(value, f"cluster {key}", f"check {flag}"))
+        if self.n_nodes * self.gpus_per_node > MAX_SIZE:
+            raise PlanError(f"cluster of {self.n_nodes} node(s) x {self.gpus_per_node} GPUs = "
+                            f"{self.n_nodes * self.gpus_per_node} GPUs is more than the planner's limit "
+                            f"of {MAX_SIZE} (2**20); check --n-nodes / --n-gpus-per-node")
 
     @property
     def total_gpus(self) -> int:

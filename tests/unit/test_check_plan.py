@@ -169,3 +169,14 @@ def test_usage_errors_exit_2(args, fragment):
 def test_unknown_flag_is_refused_by_argparse():
     rc, _, err = run("sglang:d2", "--lr", "1e-6")
     assert rc == 2 and "unrecognized arguments: --lr" in err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["sglang:d" + "1" * 31], "is too large: the planner accepts at most 1048576"),
+    (["sglang:d2", "--n-nodes", "1" + "0" * 30], "argument --n-nodes: 100000000000... (31 digits) is out of range"),
+    (["sglang:d2", "--n-gpus-per-node", "\uff18"], "argument --n-gpus-per-node: '\uff18' is not a positive integer in ASCII"),
+    (["--actor-num-gpus-per-node", "9" * 5001, "--debug-train-only"], "(5001 digits) is out of range"),
+])
+def test_numbers_are_ascii_and_bounded(args, fragment):
+    rc, out, err = run(*args)
+    assert rc == 2 and fragment in err and "Traceback" not in err

@@ -217,3 +217,32 @@ def test_plan_objects_are_frozen():
 def test_weight_update_aliases_are_canonical():
     assert parse_allocation("sglang:d2+megatron:d2", weight_update="xccl").weight_update == "distributed"
     assert parse_allocation("sglang:d2|megatron:d2", weight_update="TENSOR").weight_update == "tensor"
+
+
+# -- bounded, ASCII-only numbers (issue 11) ------------------------------------------------
+@pytest.mark.parametrize("text, fragment, column", [
+    ("sglang:d" + "1" * 31, "data parallel size d<31 digits> is too large: the planner accepts at most 1048576", 8),
+    ("megatron:t1" + "0" * 4000, "tensor parallel size t<4001 digits> is too large", 10),
+    ("megatron:d2t" + "9" * 5001, "tensor parallel size t<5001 digits> is too large", 12),  # int() raised here
+    ("sglang:d1048577", "data parallel size d1048577 is too large", 8),
+    ("sglang:d\uff12", "'\uff12' is not an ASCII digit; write sizes with 0-9 only", 9),   # full-width 2
+    ("megatron:d2t\u0664", "is not an ASCII digit", 13),                                  # Arabic-Indic 4
+])
+def test_sizes_are_ascii_and_bounded(text, fragment, column):
+    with pytest.raises(PlanError) as info:
+        parse_allocation(text)
+    message = str(info.value)
+    assert fragment in message and f"at column {column}:" in message
+    assert _caret_column(message) == column
+
+
+def test_world_and_demand_are_bounded():
+    assert parse_allocation("sglang:d1024t1024").total_gpus == 2 ** 20      # the limit itself is fine
+    with pytest.raises(PlanError, match=r"world d\*t\*p\*c = 1049600 GPUs is more than the planner's limit"):
+        parse_allocation("sglang:d1024t1025")
+    with pytest.raises(PlanError, match="the plan needs 2097152 GPUs, more than the planner's limit of 1048576"):
+        parse_allocation("sglang:d1048576+megatron:d1048576")
+    with pytest.raises(PlanError, match="degree t=a number of about 4001 digits is too large"):
+        Dims(t=10 ** 4000)
+    with pytest.raises(PlanError, match="degree d=a number of about 5001 digits is invalid"):
+        Dims(d=-10 ** 5000)                       # the message never str()s a 5001-digit int

@@ -140,3 +140,20 @@ def test_areal_errors(args, fragment):
     with pytest.raises(PlanError) as info:
         plan_from_areal_args(args)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["actor.backend=fsdp:d2", "cluster.n_nodes=\uff12"], "cluster.n_nodes='\uff12' is not an integer: write it with the ASCII digits 0-9"),
+    (["actor.backend=fsdp:d2", "cluster.n_gpus_per_node=+8"], "is not an integer"),
+    (["actor.backend=fsdp:d2", "cluster.n_nodes=1" + "0" * 30], "(31 digits) is too large: the planner accepts at most 1048576"),
+    (["actor.backend=fsdp:d2", "cluster.n_nodes=" + "9" * 5001], "(5001 digits) is too large"),
+])
+def test_areal_cluster_numbers_are_ascii_and_bounded(args, fragment):
+    with pytest.raises(PlanError) as info:
+        plan_from_areal_args(args)
+    assert fragment in str(info.value)
+
+
+def test_slime_sizes_are_bounded():
+    with pytest.raises(PlanError, match="--actor-num-gpus-per-node=a number of about 31 digits is too large"):
+        plan_from_slime_flags(actor_num_gpus_per_node=10 ** 30, debug_train_only=True)

@@ -230,3 +230,11 @@ def test_no_vocab_padding_info_when_already_aligned(tmp_path):
     path.write_text(json.dumps(cfg))
     report = validate_plan(parse_allocation("megatron:d1t2"), model=ModelShape.from_hf_config(str(path)))
     assert report.ok and not any("padded" in i for i in report.info)
+
+
+def test_cluster_sizes_are_bounded():
+    with pytest.raises(PlanError, match="cluster n_nodes=a number of about 31 digits is too large"):
+        Cluster(10 ** 30, 8)
+    with pytest.raises(PlanError, match="2048 node.s. x 1024 GPUs = 2097152 GPUs is more than the planner's limit"):
+        Cluster(2048, 1024)
+    assert Cluster(1024, 1024).total_gpus == 2 ** 20
