@@ -51,6 +51,7 @@ class PolicyGradientConfig:
             raise ConfigError(f"{flag}={value!r} is invalid: {fix}")
 
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+    logprob_chunk_size: int | None = None  # --log-probs-chunk-size: tokens per log-prob chunk (None: auto)
             bad("--advantage-estimator", self.advantage_estimator, f"choose one of {ADVANTAGE_ESTIMATORS}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             bad("--loss-agg-mode", self.loss_agg_mode, f"choose one of {LOSS_AGG_MODES}")

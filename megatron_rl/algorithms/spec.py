@@ -132,7 +132,8 @@ class PolicyGradientSpec(Spec):
     def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None):
         logprobs, entropy = logprobs_and_entropy(logits, target_ids, tp_group=tp_group,
                                                  vocab_start_index=vocab_start_index,
-                                                 temperature=self.cfg.temperature, with_entropy=True)
+                                                 temperature=self.cfg.temperature, with_entropy=True,
+                                                 chunk_size=self.cfg.logprob_chunk_size)
         return ModelOutput(logprobs, entropy)
 
     def compute_loss(self, inputs, denoms):

@@ -117,3 +117,38 @@ def test_empty_token_batch():
     assert lp.shape == (0,) and h.shape == (0,)
     (lp.sum() + h.sum()).backward()
     assert x.grad.shape == (0, 10)
+
+
+def _spy_chunk_sizes(monkeypatch):
+    """Record the chunk size the autograd op really runs with (the real op still runs)."""
+    from megatron_rl.ops import logprob
+
+    seen, real = [], logprob._VocabParallelLogprob.apply
+
+    def apply(*args):
+        seen.append(args[6])
+        return real(*args)
+
+    monkeypatch.setattr(logprob._VocabParallelLogprob, "apply", apply)
+    return seen
+
+
+@pytest.mark.parametrize("flag_value", [None, 1, 3, 7])
+def test_log_probs_chunk_size_flag_reaches_the_op(tiny_hf_models, monkeypatch, flag_value):
+    """--log-probs-chunk-size -> build_spec -> extract_model_output -> the op's chunk loop;
+    the results do not depend on it (bitwise)."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.infra.run import build_spec
+    from megatron_rl.ops.logprob import _auto_chunk
+
+    argv = ["--hf-checkpoint", tiny_hf_models("qwen2")]
+    if flag_value is not None:
+        argv += ["--log-probs-chunk-size", str(flag_value)]
+    spec = build_spec(parse_config(argv, validate=False))
+    reference = build_spec(parse_config(argv[:2], validate=False))
+    logits, target, _, _ = _case(n=29, v=53, seed=3)
+    seen = _spy_chunk_sizes(monkeypatch)
+    out = spec.extract_model_output(logits, target)
+    assert seen == [flag_value or _auto_chunk(53)]
+    ref = reference.extract_model_output(logits, target)
+    assert torch.equal(out.logprobs, ref.logprobs) and torch.equal(out.entropy, ref.entropy)
