@@ -2,6 +2,8 @@
 # GRPO on Qwen3-4B, one 8-GPU node: TP2 x DP4 Megatron actor colocated with SGLang engines (TP2 each).
 #   HF_CKPT=/models/Qwen3-4B PROMPTS=/data/dapo-math-17k.jsonl SAVE=/ckpt/qwen3-4b-grpo \
 #     bash scripts/run_qwen3_4b_grpo.sh [--dry-run] [extra flags]
+# Not runnable yet: SGLang rollout is not in this version (issue 14), so validation (and --dry-run)
+# refuses --rollout-backend sglang; the dry run still checks every other flag and the layout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -216,15 +216,38 @@ def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
         errors.append(f"--rollout-temperature {r.rollout_temperature} must be >= 0 (0 = greedy)")
     if not 0 < r.rollout_top_p <= 1:
         errors.append(f"--rollout-top-p {r.rollout_top_p} must be in (0, 1]")
-    if r.rollout_backend == "sglang" and importlib.util.find_spec("sglang") is None and not cfg.mode.dry_run:
-        errors.append("--rollout-backend sglang needs the sglang package (pip install 'megatron_rl[sglang]') "
-                      "or --rollout-backend embedded")
     if r.rollout_backend == "sglang" and s.update_weight_transport == "tensor" and not cfg.memory.colocate:
         errors.append("--update-weight-transport tensor hands CUDA IPC handles to engines on the SAME GPUs: "
                       "it needs --colocate; use --update-weight-transport distributed (or disk) for separate GPUs")
     if r.rollout_num_gpus is not None and r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
         errors.append(f"--rollout-num-gpus {r.rollout_num_gpus} is not divisible by --rollout-num-gpus-per-engine "
                       f"{r.rollout_num_gpus_per_engine}")
+
+
+_NOT_YET = "not implemented in this version (tracked by issue 14: SGLang rollout and its weight-sync transports)"
+
+
+def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
+    """Choices the schema lists for compatibility but this version cannot run, refused before any worker starts.
+
+    Without this they passed validation (and ``--dry-run``) and failed only after the model
+    was built, or, for ``--update-weight-disk-dir``, were silently dropped. Only the embedded
+    engine exists and its only transport is ``tensor`` (``weight_sync.make_synchronizer``).
+    Kept apart from ``_check_sync_and_rollout`` so ``collect_errors`` still runs the planner on
+    such a config: a launch script's layout is checked even while its engine is refused.
+    """
+    r, s = cfg.rollout, cfg.sync
+    errors = []
+    if r.rollout_backend != "embedded":
+        errors.append(f"--rollout-backend {r.rollout_backend} is {_NOT_YET}; use --rollout-backend embedded "
+                      "(the in-process torch engine)")
+    if s.update_weight_transport != "tensor":
+        errors.append(f"--update-weight-transport {s.update_weight_transport} is {_NOT_YET}; use "
+                      "--update-weight-transport tensor (the in-process hand-over the embedded engine uses)")
+    if s.update_weight_disk_dir is not None:
+        errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
+                      f"--update-weight-transport disk, which is {_NOT_YET}; drop --update-weight-disk-dir")
+    return errors
 
 
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes,
@@ -242,6 +265,7 @@ def collect_errors(cfg: Config) -> list[str]:
         from .placement import plan_errors
 
         errors.extend(plan_errors(cfg))
+    errors.extend(refuse_unimplemented_rollout_and_sync(cfg))
     return errors
 
 
