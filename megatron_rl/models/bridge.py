@@ -234,14 +234,11 @@ class Bridge:
     # -------------------------------------------------------------------- spec
     def layer_spec(self, config, moe: Optional[bool] = None):
         """ModuleSpec of one transformer layer (MoE or dense MLP)."""
-        from megatron_rl.compat import have_transformer_engine
-        from megatron_rl.models.spec import local_layer_spec, te_layer_spec
+        from megatron_rl.models.spec import LAYER_SPECS, layer_spec_flavour
 
         moe = self.moe if moe is None else moe
         num_experts = config.num_moe_experts if moe else None
-        if have_transformer_engine():
-            return te_layer_spec(num_experts=num_experts, qk_layernorm=self.qk_norm)
-        return local_layer_spec(num_experts=num_experts, qk_layernorm=self.qk_norm)
+        return LAYER_SPECS[layer_spec_flavour()](num_experts=num_experts, qk_layernorm=self.qk_norm)
 
     def block_spec(self, config, vp_stage: Optional[int] = None):
         """``TransformerBlockSubmodules`` for the layers of this rank's ``vp_stage``."""
@@ -361,19 +358,19 @@ class Bridge:
             p = f"model.layers.{layer}."
             attn = p + "self_attn."
             table = {
-                "input_layernorm.weight": ("copy", (p + "input_layernorm.weight",)),
-                "self_attention.linear_qkv.layer_norm_weight": ("copy", (p + "input_layernorm.weight",)),
                 "self_attention.linear_qkv.weight": ("qkv", tuple(attn + f"{x}_proj.weight" for x in "qkv")),
                 "self_attention.linear_qkv.bias": ("qkv", tuple(attn + f"{x}_proj.bias" for x in "qkv")),
                 "self_attention.linear_proj.weight": ("copy", (attn + "o_proj.weight",)),
                 "self_attention.q_layernorm.weight": ("copy", (attn + "q_norm.weight",)),
                 "self_attention.k_layernorm.weight": ("copy", (attn + "k_norm.weight",)),
-                "pre_mlp_layernorm.weight": ("copy", (p + "post_attention_layernorm.weight",)),
-                "mlp.linear_fc1.layer_norm_weight": ("copy", (p + "post_attention_layernorm.weight",)),
                 "mlp.linear_fc1.weight": ("gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 "mlp.linear_fc2.weight": ("copy", (p + "mlp.down_proj.weight",)),
                 "mlp.router.weight": ("copy", (p + "mlp.gate.weight",)),
             }
+            for names in weight_maps.LAYER_SPEC_NAMES.values():  # norms sit where each layer spec puts them
+                table[names.input_norm] = ("copy", (p + "input_layernorm.weight",))
+                for pre_mlp in (names.dense_pre_mlp_norm, names.moe_pre_mlp_norm):
+                    table[pre_mlp] = ("copy", (p + "post_attention_layernorm.weight",))
             if rest in table:
                 kind, names = table[rest]
                 return ParamRule(kind, names)
@@ -387,10 +384,58 @@ class Bridge:
 
     def exported_names(self, name: str) -> tuple[str, ...]:
         """HF names produced on export by canonical parameter ``name`` (none for the
-        tied output layer, whose values the embedding already exports)."""
-        if name == "output_layer.weight" and self.tie_word_embeddings:
+        tied output layer, whose values the embedding already exports, and none for a
+        TE ``_extra_state`` entry)."""
+        if weight_maps.is_extra_state(name) or (name == "output_layer.weight" and self.tie_word_embeddings):
             return ()
         return self.rule_for(name).hf_names
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        """Canonical name -> full (TP-gathered) shape of every parameter a single-stage
+        model of this config holds when built with layer spec ``flavour`` (a key of
+        :data:`weight_maps.LAYER_SPEC_NAMES`). The pure megatron side of the name map:
+        what a live model's ``canonical_parameters`` must list (checked against a built
+        local model in tests; the TE side is checked as a name/shape map only)."""
+        names = weight_maps.LAYER_SPEC_NAMES[flavour]
+        h, d, nh, ng = self.hidden_size, self.head_dim, self.num_heads, self.num_query_groups
+        shapes: dict[str, tuple[int, ...]] = {
+            "embedding.word_embeddings.weight": (self.padded_vocab_size(tp_size), h),
+            "decoder.final_layernorm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["output_layer.weight"] = (self.padded_vocab_size(tp_size), h)
+        for i in range(self.num_layers):
+            p = f"decoder.layers.{i}."
+            shapes[p + names.input_norm] = (h,)
+            shapes[p + "self_attention.linear_qkv.weight"] = ((nh + 2 * ng) * d, h)
+            if self.qkv_bias:
+                shapes[p + "self_attention.linear_qkv.bias"] = ((nh + 2 * ng) * d,)
+            shapes[p + "self_attention.linear_proj.weight"] = (h, nh * d)
+            if self.qk_norm:
+                shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+                shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+            if self.is_moe_layer(i):
+                f = int(self.cfg("moe_intermediate_size"))
+                shapes[p + names.moe_pre_mlp_norm] = (h,)
+                shapes[p + "mlp.router.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+                    shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+            else:
+                f = int(self.cfg("intermediate_size"))
+                shapes[p + names.dense_pre_mlp_norm] = (h,)
+                shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+                shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+        return shapes
+
+    def hf_to_megatron(self, flavour: str = "local") -> dict[str, tuple[str, ...]]:
+        """HF name -> the canonical megatron parameters built from it (layer spec
+        ``flavour``): the inverse of :meth:`rule_for` over :meth:`megatron_param_shapes`.
+        With the TE spec ``input_layernorm.weight`` feeds ``linear_qkv.layer_norm_weight``."""
+        out: dict[str, list[str]] = {}
+        for name in self.megatron_param_shapes(flavour):
+            for hf in self.rule_for(name).hf_names:
+                out.setdefault(hf, []).append(name)
+        return {hf: tuple(names) for hf, names in out.items()}
 
     # ---------------------------------------------------------------- weights
     def load_hf_weights(self, model_chunks, hf_dir: str | os.PathLike) -> None:

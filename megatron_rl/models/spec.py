@@ -32,15 +32,24 @@ def supports_packed_sequences() -> bool:
 
 
 def final_norm_module():
-    from megatron_rl.compat import have_transformer_engine
-
-    if have_transformer_engine():
+    if layer_spec_flavour() == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
     from megatron_rl.models.norm import RMSNorm
 
     return RMSNorm
+
+
+def layer_spec_flavour() -> str:
+    """``"transformer_engine"`` whenever TE imports (FP8 needs TE modules), else ``"local"``.
+
+    The single switch: the bridge builds the layer spec and names parameters
+    (:data:`megatron_rl.models.weight_maps.LAYER_SPEC_NAMES`) by this key.
+    """
+    from megatron_rl.compat import have_transformer_engine
+
+    return "transformer_engine" if have_transformer_engine() else "local"
 
 
 def te_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
@@ -69,3 +78,6 @@ def local_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
     layer = dataclasses.replace(layer, self_attention=self_attention, input_layernorm=RMSNorm,
                                 pre_mlp_layernorm=RMSNorm)
     return dataclasses.replace(spec, submodules=layer)
+
+
+LAYER_SPECS = {"transformer_engine": te_layer_spec, "local": local_layer_spec}

@@ -16,9 +16,14 @@ Layouts (rows = dim 0):
 * vocab padding: megatron's embedding / output layer have
   ``padded_vocab_size >= vocab_size`` rows; extra rows are zero on load and
   dropped on export.
+
+Names: :data:`LAYER_SPEC_NAMES` says where each layer spec (local / transformer-engine)
+keeps the per-layer norms; TE ``_extra_state`` entries map to nothing (:func:`is_extra_state`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -80,3 +85,42 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
     """Megatron's rule: round up to a multiple of ``divisible_by * tp_size``."""
     multiple = divisible_by * tp_size
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+# ------------------------------------------------------------ layer-spec names
+@dataclass(frozen=True)
+class LayerSpecNames:
+    """Where one megatron layer spec keeps the per-layer norms (names relative to
+    ``decoder.layers.{i}.``); every other parameter name is the same in all specs.
+
+    Why a table: megatron's local spec has separate norm modules, while the
+    transformer-engine spec fuses the input norm into ``linear_qkv``
+    (``TELayerNormColumnParallelLinear``) and, on dense layers, the pre-MLP norm into
+    ``linear_fc1``; MoE layers keep a separate ``TENorm`` because the experts' fc1
+    cannot absorb it. A new spec is a new row here, not a branch in the bridge.
+    The LayerNorm ``layer_norm_bias`` twins are absent on purpose: every family
+    here is RMSNorm, so such a name is refused by the bridge as unmapped.
+    """
+
+    input_norm: str
+    dense_pre_mlp_norm: str
+    moe_pre_mlp_norm: str
+
+
+LAYER_SPEC_NAMES: dict[str, LayerSpecNames] = {
+    "local": LayerSpecNames(input_norm="input_layernorm.weight",
+                            dense_pre_mlp_norm="pre_mlp_layernorm.weight",
+                            moe_pre_mlp_norm="pre_mlp_layernorm.weight"),
+    "transformer_engine": LayerSpecNames(input_norm="self_attention.linear_qkv.layer_norm_weight",
+                                         dense_pre_mlp_norm="mlp.linear_fc1.layer_norm_weight",
+                                         moe_pre_mlp_norm="pre_mlp_layernorm.weight"),
+}
+
+# TE modules keep FP8 scaling metadata in ``<module>._extra_state`` state-dict entries
+# (e.g. ``self_attention.linear_qkv._extra_state``); no HF tensor corresponds to them.
+EXTRA_STATE_SUFFIX = "._extra_state"
+
+
+def is_extra_state(name: str) -> bool:
+    """True for a TE ``_extra_state`` entry: skipped by every name map, both directions."""
+    return name.endswith(EXTRA_STATE_SUFFIX)
