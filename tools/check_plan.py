@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.json:
             print(json.dumps({"valid": False, "total_gpus": None, "components": [],
                               "errors": [str(exc)], "warnings": [], "info": [],
-                              "has_rollout": None, "has_training": None}, indent=2))
+                              "has_rollout": None, "has_training": None, "policies": [],
+                              "multi_policy": None}, indent=2))
         print(f"check_plan: {exc}", file=sys.stderr)
         return 2
     report = validate_plan(plan, cluster, model, seq_length=ns.seq_length, vpp=ns.vpp)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from megatron_rl.errors import ConfigError
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "none")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "none")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # k3 and low_var_kl: the same clamped estimator (verl)
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,10 @@ class PolicyGradientConfig:
     """Advantage estimator + policy loss. Defaults are plain GRPO with token-mean loss.
 
     ``advantage_estimator="none"`` drops the policy-gradient term: with
-    ``opd_coef > 0`` that is pure on-policy distillation.
+    ``opd_coef > 0`` that is pure on-policy distillation. ``loss_agg_mode=None``
+    means the estimator's default: ``seq_mean_token_mean`` for GSPO (its objective
+    is a mean over sequences: GSPO paper, verl), ``token_mean`` otherwise; it is
+    resolved at construction, so ``cfg.loss_agg_mode`` is always a mode.
     """
 
     advantage_estimator: str = "grpo"  # --advantage-estimator
@@ -30,7 +33,8 @@ class PolicyGradientConfig:
     advantage_eps: float = 1e-6
     gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
     kl_coef: float = 0.0  # --kl-coef: KL penalty folded into REINFORCE++ token rewards
-    loss_agg_mode: str = "token_mean"  # --loss-agg-mode
+    normalize_advantages: bool = False  # --normalize-advantages: batch whitening after the estimator
+    loss_agg_mode: str | None = None  # --loss-agg-mode; None = the estimator's default (see the class doc)
     max_response_length: int = 0  # --rollout-max-response-len: Dr.GRPO's constant normaliser
     eps_clip: float = 0.2  # --eps-clip
     eps_clip_high: float | None = None  # --eps-clip-high (DAPO clip-higher); None = eps_clip
@@ -39,20 +43,28 @@ class PolicyGradientConfig:
     gspo_eps_clip: float = 3e-4  # --gspo-eps-clip
     gspo_eps_clip_high: float = 4e-4  # --gspo-eps-clip-high
     kl_loss_coef: float = 0.0  # --kl-loss-coef: KL-to-reference term in the loss
-    kl_loss_type: str = "k3"  # --kl-loss-type: k1 | k2 | k3 (low-variance)
+    kl_loss_type: str = "k3"  # --kl-loss-type: k1 | k2 | k3 = low_var_kl (clamped low-variance)
+    use_unbiased_kl: bool = False  # --use-unbiased-kl: KL term weighted by the ratio exp(logp - old)
     entropy_coef: float = 0.0  # --entropy-coef: entropy bonus (subtracted from the loss)
     use_tis: bool = False  # --use-tis: truncated importance sampling vs rollout log-probs
-    tis_cap: float = 2.0  # --tis-cap: C in min(exp(old - rollout), C)
+    tis_cap: float = 2.0  # --tis-cap: C in clamp(exp(old - rollout), tis_clip_low, C)
+    tis_clip_low: float = 0.0  # --tis-clip-low: lower bound of the TIS weight (slime's name)
     opd_coef: float = 0.0  # --opd-coef: on-policy distillation (reverse KL to teacher)
     temperature: float = 1.0  # --rollout-temperature: log-probs are taken at the sampling temperature
+    logprob_chunk_size: int | None = None  # --log-probs-chunk-size: tokens per log-prob chunk (None: auto)
 
     def __post_init__(self):
         def bad(flag, value, fix):
             raise ConfigError(f"{flag}={value!r} is invalid: {fix}")
 
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-    logprob_chunk_size: int | None = None  # --log-probs-chunk-size: tokens per log-prob chunk (None: auto)
             bad("--advantage-estimator", self.advantage_estimator, f"choose one of {ADVANTAGE_ESTIMATORS}")
+        if self.loss_agg_mode is None:  # frozen: resolve the estimator's default once, here
+            object.__setattr__(self, "loss_agg_mode", "seq_mean_token_mean" if self.use_gspo else "token_mean")
+        if self.use_gspo and self.loss_agg_mode == "token_mean":
+            bad("--loss-agg-mode", self.loss_agg_mode, "GSPO's objective is a mean over sequences; token_mean "
+                "weights each sequence by its length. Use seq_mean_token_mean (the default for gspo: leave "
+                "--loss-agg-mode unset)")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             bad("--loss-agg-mode", self.loss_agg_mode, f"choose one of {LOSS_AGG_MODES}")
         if self.kl_loss_type not in KL_ESTIMATORS:
@@ -71,6 +83,12 @@ class PolicyGradientConfig:
                 "GSPO clips the sequence ratio tightly: use small positive values such as 3e-4 / 4e-4")
         if self.use_tis and not self.tis_cap >= 1:
             bad("--tis-cap", self.tis_cap, "the truncation cap must be >= 1, e.g. 2.0")
+        if not 0 <= self.tis_clip_low < max(self.tis_cap, 1.0):
+            bad("--tis-clip-low", self.tis_clip_low, f"use a lower bound in [0, --tis-cap {self.tis_cap}), e.g. 0.5")
+        if self.tis_clip_low and not self.use_tis:
+            bad("--tis-clip-low", self.tis_clip_low, "it bounds the TIS weight: add --use-tis or drop it")
+        if self.use_unbiased_kl and not self.kl_loss_coef:
+            bad("--use-unbiased-kl", True, "it weights the KL loss term: set --use-kl-loss --kl-loss-coef > 0 or drop it")
         for flag, v in (("--kl-loss-coef", self.kl_loss_coef), ("--kl-coef", self.kl_coef),
                         ("--entropy-coef", self.entropy_coef), ("--opd-coef", self.opd_coef)):
             if v < 0:
@@ -82,7 +100,7 @@ class PolicyGradientConfig:
         if self.advantage_estimator == "none" and self.opd_coef == 0:
             bad("--advantage-estimator", "none", "with no policy-gradient term set --opd-coef > 0 (pure "
                 "on-policy distillation) or pick grpo / rloo / reinforce_plus_plus")
-        if self.kl_coef and self.advantage_estimator != "reinforce_plus_plus":
+        if self.kl_coef and self.advantage_estimator != "reinforce_plus_plus":  # baseline: KL goes in the loss
             bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s; for GRPO/RLOO use "
                 "--kl-loss-coef (KL term in the loss) instead")
 

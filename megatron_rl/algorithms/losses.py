@@ -111,20 +111,29 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
                      f"seq_mean_token_sum_norm")
 
 
+_KL_CLAMP = 10.0  # peers' low-variance KL bound (verl's low_var_kl; slime's low_var_kl clamp)
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) on tokens sampled from the policy.
 
-    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (unbiased, >= 0,
-    low variance), with ``log r = logprobs - ref_logprobs``.
+    k1 = log r, k2 = (log r)^2 / 2, with ``log r = logprobs - ref_logprobs``.
+    k3 = ``low_var_kl`` = exp(-log r) - 1 + log r (unbiased, >= 0, low variance),
+    computed as verl's ``low_var_kl``: ``log r`` clamped to +-20 first and the
+    result to at most 10. Why: unclamped, a token the policy all but ruled out
+    (log-prob -100 against a reference -1) gives exp(99) -> inf and NaN gradients;
+    clamped, it gives 10 and a zero gradient. Ordinary values (|log r| < ~2.5) are
+    unchanged.
     """
     log_r = logprobs - ref_logprobs
     if kind == "k1":
         return log_r
     if kind == "k2":
         return 0.5 * log_r.square()
-    if kind == "k3":
-        return torch.exp(-log_r) - 1.0 + log_r
-    raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use k1, k2 or k3")
+    if kind in ("k3", "low_var_kl"):
+        log_r = log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return (torch.exp(-log_r) - 1.0 + log_r).clamp(-_KL_CLAMP, _KL_CLAMP)
+    raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use k1, k2, k3 or low_var_kl")
 
 
 def ppo_clip_per_token(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
@@ -164,15 +173,16 @@ def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask
     return seq_tok + logprobs - logprobs.detach()
 
 
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float):
-    """Truncated importance weights ``min(exp(old - rollout), cap)`` (detached) and the capped mask.
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float, low: float = 0.0):
+    """Truncated importance weights ``clamp(exp(old - rollout), low, cap)`` (detached), and the masks
+    of weights capped above and raised to ``low`` below.
 
     Corrects for the rollout engine's numerics differing from the trainer's:
     tokens were sampled from the engine's distribution but are trained under the
-    trainer's (old) one.
+    trainer's (old) one. ``low`` is slime's ``--tis-clip-low`` (0: no lower bound).
     """
     raw = torch.exp((old_logprobs - rollout_logprobs).detach().clamp(max=_LOG_RATIO_CLAMP))
-    return raw.clamp(max=cap), raw > cap
+    return raw.clamp(min=low, max=cap), raw > cap, raw < low
 
 
 def _msum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +202,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     """The full RL loss of one micro-batch and its metric sums.
 
     ``loss = agg(w * pg) + kl_loss_coef * agg(kl) - entropy_coef * agg(H) + opd_coef * agg(w * opd)``
-    where ``w`` is the TIS weight (1 without ``use_tis``), ``pg`` the PPO/GSPO
+    where ``w`` is the TIS weight (1 without ``use_tis``), ``kl`` the KL estimate (times the
+    ratio ``exp(logp - old)`` with ``use_unbiased_kl``, as slime), ``pg`` the PPO/GSPO
     clipped surrogate and ``opd = sg[logp - teacher_logp] * ratio`` the
     policy-gradient form of the per-token reverse KL to the teacher (its gradient
     is ``(logp - teacher) * grad logp``; the plain k1 sample would have expectation-zero gradient).
@@ -213,13 +224,16 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     weight = torch.ones_like(x.logprobs)
     if cfg.use_tis:
         rollout = need("rollout_logprobs", "--use-tis")
-        weight, capped = tis_weights(old, rollout, cfg.tis_cap)
+        weight, capped, floored = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_clip_low)
         metrics["tis_weight"] = _msum(weight, mask)
         metrics["tis_capped_frac"] = _msum(capped.double(), mask)
+        if cfg.tis_clip_low:
+            metrics["tis_clip_low_frac"] = _msum(floored.double(), mask)
     if x.rollout_logprobs is not None:
         metrics.update(mismatch_metrics(old, x.rollout_logprobs, mask))
 
     token_log_ratio = x.logprobs - old
+    metrics["ppo_kl"] = _msum(-token_log_ratio, mask)  # verl's ppo_kl: mean(old - new) over loss tokens
     loss = x.logprobs.new_zeros(())
     if cfg.advantage_estimator != "none":
         if cfg.use_gspo:
@@ -237,6 +251,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
         metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
     if cfg.kl_loss_coef or x.ref_logprobs is not None:
         kl = kl_estimate(x.logprobs, need("ref_logprobs", "--kl-loss-coef"), cfg.kl_loss_type)
+        if cfg.use_unbiased_kl:  # importance-weight the on-policy estimate (DeepSeek-V3.2; slime)
+            kl = torch.exp(token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) * kl
         metrics["kl"] = _msum(kl, mask)
         if cfg.kl_loss_coef:
             loss = loss + cfg.kl_loss_coef * agg(kl)

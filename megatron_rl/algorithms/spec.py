@@ -78,7 +78,7 @@ class Spec(abc.ABC):
 
 
 class PolicyGradientSpec(Spec):
-    """GRPO / Dr.GRPO / RLOO / REINFORCE++ with PPO-clip or GSPO, KL, entropy, TIS and OPD terms."""
+    """GRPO / Dr.GRPO / RLOO / REINFORCE++(-baseline) with PPO-clip or GSPO, KL, entropy, TIS and OPD terms."""
 
     def __init__(self, cfg: PolicyGradientConfig):
         self.cfg = cfg
@@ -112,21 +112,23 @@ class PolicyGradientSpec(Spec):
         groups = [s.group_index for s in samples]
         if cfg.advantage_estimator == "none":
             return adv.per_sample(torch.zeros_like(mask), lengths)
-        if cfg.advantage_estimator == "grpo":
-            per_seq = adv.grpo_advantages(rewards, groups, normalize_std=cfg.grpo_std_normalization,
-                                          eps=cfg.advantage_eps)
-            return adv.per_sample(adv.broadcast_to_tokens(per_seq, lengths, mask), lengths)
-        if cfg.advantage_estimator == "rloo":
-            per_seq = adv.rloo_advantages(rewards, groups)
-            return adv.per_sample(adv.broadcast_to_tokens(per_seq, lengths, mask), lengths)
-        kl = None
-        if cfg.kl_coef > 0:
-            if old_logprobs is None or ref_logprobs is None:
-                raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
-                                  "rewards: compute old and ref log-probs before compute_advantages and pass them")
-            kl = torch.cat(list(old_logprobs)).float() - torch.cat(list(ref_logprobs)).float()
-        flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=cfg.kl_coef,
-                                                  gamma=cfg.gamma)
+        if cfg.advantage_estimator in ("grpo", "rloo"):
+            per_seq = (adv.rloo_advantages(rewards, groups) if cfg.advantage_estimator == "rloo" else
+                       adv.grpo_advantages(rewards, groups, normalize_std=cfg.grpo_std_normalization,
+                                           eps=cfg.advantage_eps))
+            flat = adv.broadcast_to_tokens(per_seq, lengths, mask)
+        else:  # reinforce_plus_plus(_baseline)
+            kl = None
+            if cfg.kl_coef > 0:
+                if old_logprobs is None or ref_logprobs is None:
+                    raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
+                                      "rewards: compute old and ref log-probs before compute_advantages and pass them")
+                kl = torch.cat(list(old_logprobs)).float() - torch.cat(list(ref_logprobs)).float()
+            baseline = groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline" else None
+            flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=cfg.kl_coef,
+                                                      gamma=cfg.gamma, group_index=baseline)
+        if cfg.normalize_advantages:  # --normalize-advantages: whiten the whole batch after the estimator
+            flat = adv.masked_whiten(flat, mask)
         return adv.per_sample(flat, lengths)
 
     def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None):

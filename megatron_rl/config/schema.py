@@ -213,20 +213,31 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage_estimator: str = flag("grpo", "How rewards become advantages.",
-                                    choices=("grpo", "gspo", "reinforce_plus_plus", "rloo"))
+    advantage_estimator: str = flag("grpo", "How rewards become advantages (formulas and peer conventions: "
+                                    "docs/algorithms.md).",
+                                    choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                             "rloo"))
     disable_grpo_std_normalization: bool = flag(False, "GRPO without dividing by the group std (Dr.GRPO).")
-    loss_agg_mode: str = flag("token_mean", "How per-token losses aggregate.",
-                              choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+    normalize_advantages: bool = flag(False, "Whiten the advantages over all loss tokens of the rollout batch "
+                                      "after the estimator (float64, Bessel variance, eps inside the sqrt).")
+    loss_agg_mode: Optional[str] = flag(None, "How per-token losses aggregate. Unset: seq_mean_token_mean for "
+                                        "--advantage-estimator gspo (which refuses token_mean), token_mean "
+                                        "otherwise.",
+                                        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
     eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).")
     eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).")
     eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.")
     use_kl_loss: bool = flag(False, "Add a KL penalty to the reference model to the loss.")
     kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty.")
-    kl_loss_type: str = flag("k3", "KL estimator.", choices=("k1", "k2", "k3"))
+    kl_loss_type: str = flag("k3", "KL estimator; k3 and low_var_kl are the same low-variance estimator, "
+                             "clamped as verl's (log ratio to +-20, value to <= 10).",
+                             choices=("k1", "k2", "k3", "low_var_kl"))
+    use_unbiased_kl: bool = flag(False, "Weight the KL loss term by the importance ratio exp(logp - old_logp) "
+                                 "(slime's unbiased KL, DeepSeek-V3.2); needs --use-kl-loss.")
     entropy_coef: float = flag(0.0, "Entropy bonus coefficient.")
     use_tis: bool = flag(False, "Truncated importance sampling against rollout log-probs.")
-    tis_cap: float = flag(2.0, "Upper bound of the TIS weight.")
+    tis_cap: float = flag(2.0, "Upper bound of the TIS weight.", aliases=("--tis-clip",))
+    tis_clip_low: float = flag(0.0, "Lower bound of the TIS weight (0: none); needs --use-tis.")
     opd_kl_coef: float = flag(0.0, "On-policy distillation: reverse-KL coefficient to the teacher "
                               "(needs --opd-teacher-load).")
     num_steps_per_rollout_updates: int = flag(1, "Passes of optimizer updates over each rollout "

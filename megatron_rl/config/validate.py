@@ -208,6 +208,23 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
                       f"--wall-time-limit {rt.wall_time_limit:g}s; lower the reserve or raise the limit")
 
 
+def _check_algorithm(errors: list[str], cfg: Config) -> None:
+    """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
+    a = cfg.algorithm
+    if a.advantage_estimator == "gspo" and a.loss_agg_mode == "token_mean":
+        errors.append("--advantage-estimator gspo with --loss-agg-mode token_mean weights each sequence by its "
+                      "length, but GSPO's objective is a mean over sequences (GSPO paper, verl): use "
+                      "--loss-agg-mode seq_mean_token_mean, or leave it unset (the gspo default)")
+    if a.tis_clip_low and not a.use_tis:
+        errors.append(f"--tis-clip-low {a.tis_clip_low} bounds the TIS weight, which only exists with --use-tis; "
+                      "add --use-tis or drop --tis-clip-low")
+    if not 0 <= a.tis_clip_low < a.tis_cap:
+        errors.append(f"--tis-clip-low {a.tis_clip_low} must be in [0, --tis-cap {a.tis_cap}), e.g. 0.5")
+    if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
+        errors.append("--use-unbiased-kl weights the KL loss term, which needs --use-kl-loss --kl-loss-coef > 0; "
+                      "add them or drop --use-unbiased-kl")
+
+
 def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
     r, s = cfg.rollout, cfg.sync
     if not cfg.has_rollout_engine:
@@ -251,7 +268,7 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
 
 
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes,
-          _check_checkpoint_and_data, _check_sync_and_rollout)
+          _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm)
 
 
 def collect_errors(cfg: Config) -> list[str]:

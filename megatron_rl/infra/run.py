@@ -28,7 +28,11 @@ def _rank() -> int:
 
 
 def build_spec(cfg):
-    """Map the algorithm flags onto the algorithm package's frozen config."""
+    """Map the algorithm flags onto the algorithm package's frozen config.
+
+    ``--loss-agg-mode`` unset passes None: the algorithm config picks the estimator's
+    default (seq_mean_token_mean for GSPO, token_mean otherwise).
+    """
     from megatron_rl.algorithms.config import PolicyGradientConfig
     from megatron_rl.algorithms.spec import PolicyGradientSpec
 
@@ -38,10 +42,12 @@ def build_spec(cfg):
     return PolicyGradientSpec(PolicyGradientConfig(
         advantage_estimator=estimator, use_gspo=a.advantage_estimator == "gspo",
         grpo_std_normalization=not a.disable_grpo_std_normalization, loss_agg_mode=a.loss_agg_mode,
+        normalize_advantages=a.normalize_advantages, use_unbiased_kl=a.use_unbiased_kl,
         max_response_length=cfg.rollout.rollout_max_response_len, eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
         kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_loss_type=a.kl_loss_type,
-        entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_cap=a.tis_cap, opd_coef=a.opd_kl_coef,
+        entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_cap=a.tis_cap, tis_clip_low=a.tis_clip_low,
+        opd_coef=a.opd_kl_coef,
         temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size))
 
 

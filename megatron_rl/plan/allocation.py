@@ -382,9 +382,21 @@ class Allocation:
         return bool(self.training)
 
     @property
+    def actors(self) -> tuple[Component, ...]:
+        """Every training component with role ``actor``: one per policy."""
+        return tuple(c for c in self.training if c.role == "actor")
+
+    @property
     def actor(self) -> Component | None:
-        """The training component whose weights feed the rollout engines (role ``actor``)."""
-        return next((c for c in self.training if c.role == "actor"), None)
+        """The training component whose weights feed the rollout engines (role ``actor``);
+        the first one in a multi-policy plan (see :attr:`is_multi_policy`)."""
+        return next(iter(self.actors), None)
+
+    @property
+    def is_multi_policy(self) -> bool:
+        """Several actors (``fsdp[actor1]:d4+fsdp[actor2]:d4``): several policies trained at
+        once, as in AReaL's multi-agent plans. megatron_rl.train trains one per run."""
+        return len(self.actors) > 1
 
     def group_of(self, comp: Component) -> Group:
         return next(g for g in self.groups if any(m is comp for m in g.members))
@@ -412,8 +424,22 @@ class Allocation:
         return self.to_string()
 
 
+#: A role alias with a number: ``actor1``, ``actor_2``, ``rollout1``, ``critic2``. AReaL's
+#: multi-agent plans name one actor and one rollout engine per policy this way
+#: (``vllm[rollout1]:d2t2+fsdp[actor1]:d4+vllm[rollout2]:d4+fsdp[actor2]:d4``).
+INDEXED_NAME_RE = re.compile(r"(?P<stem>[A-Za-z]+?)_?(?P<index>[0-9]+)\Z")
+
+
+def name_stem(name: str) -> tuple[str, str | None]:
+    """``("actor", "1")`` for ``actor1`` when the stem is a role alias, else ``(name, None)``."""
+    m = INDEXED_NAME_RE.match(name)
+    if m and m.group("stem").lower() in ROLE_ALIASES:
+        return m.group("stem"), m.group("index")
+    return name, None
+
+
 def _named_role(comp: Component) -> str:
-    key = comp.name.lower()
+    key = name_stem(comp.name)[0].lower()
     role = ROLE_ALIASES.get(key)
     fits = role is not None and (role in INFERENCE_ROLES if comp.is_inference else role != "rollout")
     if fits:
@@ -430,8 +456,10 @@ def _named_role(comp: Component) -> str:
 def assign_roles(groups: list[list[Component]]) -> tuple[Group, ...]:
     """Resolve each component's role and freeze the groups.
 
-    A name picks its role through ``ROLE_ALIASES``; other names are custom roles
-    for training components and rollout engines for inference components.
+    A name picks its role through ``ROLE_ALIASES``, also with a number
+    (``actor1``, ``rollout_2``); other names are custom roles for training
+    components and rollout engines for inference components. Several actors are
+    a multi-policy plan only when numbered: ``actor``/``policy``/``a`` are one name.
     Unnamed inference components are ``rollout``. The first unnamed training
     component is ``actor`` unless a named one already is; a second unnamed
     training component is ambiguous and refused (which one gets the gradients?).
@@ -458,10 +486,12 @@ def assign_roles(groups: list[list[Component]]) -> tuple[Group, ...]:
                 f"role is ambiguous; name it, e.g. {c.backend}[critic]:{c.dims} or {c.backend}[ref]:{c.dims}"
             )
     actors = [flat[i] for i, r in roles.items() if r == "actor"]
-    if len(actors) > 1:
+    plain = [a for a in actors if a.name is None or name_stem(a.name)[1] is None]
+    if len(plain) > 1:  # actor/policy/a are spellings of one name; more policies are numbered
         raise PlanError(
-            "two components resolve to role 'actor' (" + ", ".join(a.spec() for a in actors)
-            + "); give the others distinct names such as critic, ref or teacher")
+            "two components resolve to role 'actor' (" + ", ".join(a.spec() for a in plain)
+            + "); give the others distinct names such as critic, ref or teacher, or number the "
+            "policies of a multi-policy plan (actor1, actor2)")
     out, k = [], 0
     for g in groups:
         members = []

@@ -41,6 +41,8 @@ def report_dict(plan: Allocation, report: PlanReport, cluster: Cluster | None = 
         "total_gpus": plan.total_gpus,
         "has_rollout": plan.has_rollout,
         "has_training": plan.has_training,
+        "policies": [a.label for a in plan.actors],
+        "multi_policy": plan.is_multi_policy,
         "weight_update": plan.weight_update,
         "cluster": None if cluster is None else {
             "n_nodes": cluster.n_nodes, "gpus_per_node": cluster.gpus_per_node,

@@ -107,6 +107,11 @@ def _check_roles(plan: Allocation, errors, warnings, info):
     if plan.has_rollout and plan.has_training and plan.actor is None:
         errors.append("the rollout engines take their weights from the actor, but no training "
                       "component is the actor; name one actor, e.g. megatron[actor]:d4")
+    if plan.is_multi_policy:
+        names = ", ".join(a.label for a in plan.actors)
+        info.append(f"multi-policy plan: {len(plan.actors)} actors ({names}) each train their own "
+                    f"policy on {plan.total_gpus} GPUs in all (as in AReaL's multi-agent plans); "
+                    f"python -m megatron_rl.train trains one policy per run and refuses it")
     for group in plan.groups:
         if group.worlds_differ:
             sizes = ", ".join(f"{m.label}={m.world_size}" for m in group.members)
@@ -115,9 +120,8 @@ def _check_roles(plan: Allocation, errors, warnings, info):
                             f"leave GPUs idle while they run")
 
 
-def _actor_colocated(plan: Allocation) -> bool:
-    actor = plan.actor
-    return actor is not None and any(m is r for m in plan.group_of(actor).members for r in plan.rollout)
+def _shares_gpus_with_an_actor(plan: Allocation, engine: Component) -> bool:
+    return any(m is engine for a in plan.actors for m in plan.group_of(a).members)
 
 
 def _check_weight_update(plan: Allocation, errors, warnings, info):
@@ -129,9 +133,9 @@ def _check_weight_update(plan: Allocation, errors, warnings, info):
         return
     if plan.actor is None:
         return
-    colocated = _actor_colocated(plan)
-    actor_group = plan.group_of(plan.actor).members
-    separate = any(all(r is not m for m in actor_group) for r in plan.rollout)
+    # every actor feeds its engines: one mode must suit all pairs (a multi-policy plan has several)
+    colocated = any(_shares_gpus_with_an_actor(plan, r) for r in plan.rollout)
+    separate = any(not _shares_gpus_with_an_actor(plan, r) for r in plan.rollout)
     if mode is None:
         default = "tensor" if colocated and not separate else "distributed"
         info.append(f"weight update mode not stated; the default for this placement is {default!r}")

@@ -152,3 +152,66 @@ def test_packed_micro_batches_equal_whole_batch_through_the_hooks():
     ref_loss.backward()
     assert abs(total - ref_loss.item()) < 1e-6
     assert torch.allclose(table.grad.double(), ref_table.grad, atol=1e-7)
+
+
+def _loss_token_values(adv):
+    return torch.cat(adv)[torch.tensor([1.0, 0, 1, 1, 1, 1]) > 0].double()
+
+
+def test_reinforce_plus_plus_baseline_and_normalize_advantages():
+    # REINFORCE++-baseline: group mean off (group 0: 1, 0 -> +-.5; group 1 all 0.5 -> 0), broadcast, whitened.
+    rpp = get_spec("policy_gradient", PolicyGradientConfig(advantage_estimator="reinforce_plus_plus_baseline"))
+    adv = rpp.compute_advantages(_samples())
+    vals = [0.5, 0.5, -0.5, -0.5, 0.0]  # loss tokens of samples 0, 1, 3 (sample 2 is empty)
+    var = sum(v * v for v in vals) / (len(vals) - 1)  # mean 0; Bessel; eps inside the sqrt
+    assert _loss_token_values(adv).tolist() == pytest.approx([v / math.sqrt(var + 1e-8) for v in vals], abs=1e-6)
+    assert adv[0][1] == 0.0
+    # --normalize-advantages on GRPO: whiten the estimator's token advantages over the batch's loss tokens.
+    grpo = get_spec("policy_gradient", PolicyGradientConfig(advantage_eps=0.0, normalize_advantages=True))
+    a = 0.5 / math.sqrt(0.5)
+    vals = [a, a, -a, -a, 0.0]
+    var = sum(v * v for v in vals) / (len(vals) - 1)
+    assert _loss_token_values(grpo.compute_advantages(_samples())).tolist() == pytest.approx(
+        [v / math.sqrt(var + 1e-8) for v in vals], abs=1e-6)
+    # A batch without contrast stays exactly 0 through the whitening.
+    flat = [Sample(group_index=g, prompt_ids=[1], response_ids=[2, 3], reward=0.1) for g in (0, 0, 1, 1, 2, 2)]
+    assert all((t == 0).all() for t in grpo.compute_advantages(flat))
+
+
+@pytest.fixture
+def hf_dir(tiny_hf_models):
+    return tiny_hf_models("qwen2")
+
+
+def _flags_to_algorithm(hf_dir, *flags):
+    from megatron_rl.config import parse_config
+    from megatron_rl.infra.run import build_spec
+
+    return build_spec(parse_config(["--hf-checkpoint", hf_dir, *flags])).cfg
+
+
+def test_peer_named_algorithm_flags_reach_the_spec(hf_dir):
+    c = _flags_to_algorithm(hf_dir, "--advantage-estimator", "reinforce_plus_plus_baseline", "--normalize-advantages",
+                            "--use-tis", "--tis-clip", "3.0", "--tis-clip-low", "0.5", "--use-kl-loss",
+                            "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl", "--use-unbiased-kl")
+    assert (c.advantage_estimator, c.normalize_advantages, c.use_tis, c.tis_cap, c.tis_clip_low) == (
+        "reinforce_plus_plus_baseline", True, True, 3.0, 0.5)
+    assert (c.kl_loss_coef, c.kl_loss_type, c.use_unbiased_kl, c.loss_agg_mode) == (0.1, "low_var_kl", True,
+                                                                                      "token_mean")
+    g = _flags_to_algorithm(hf_dir, "--advantage-estimator", "gspo")
+    assert g.use_gspo and g.loss_agg_mode == "seq_mean_token_mean"  # GSPO paper / verl: sequence mean
+    assert _flags_to_algorithm(hf_dir, "--advantage-estimator", "gspo", "--loss-agg-mode",
+                               "seq_mean_token_sum_norm").loss_agg_mode == "seq_mean_token_sum_norm"
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--advantage-estimator", "gspo", "--loss-agg-mode", "token_mean"], "gspo with --loss-agg-mode token_mean"),
+    (["--tis-clip-low", "0.5"], "--tis-clip-low 0.5 bounds the TIS weight.*add --use-tis"),
+    (["--use-tis", "--tis-clip-low", "2.5"], r"--tis-clip-low 2.5 must be in \[0, --tis-cap 2.0\)"),
+    (["--use-unbiased-kl"], "--use-unbiased-kl weights the KL loss term"),
+])
+def test_algorithm_flag_conflicts_are_refused_in_validation(hf_dir, flags, match):
+    from megatron_rl.config import parse_config
+
+    with pytest.raises(ConfigError, match=match):
+        parse_config(["--hf-checkpoint", hf_dir, *flags])

@@ -180,3 +180,13 @@ def test_unknown_flag_is_refused_by_argparse():
 def test_numbers_are_ascii_and_bounded(args, fragment):
     rc, out, err = run(*args)
     assert rc == 2 and fragment in err and "Traceback" not in err
+
+
+def test_areal_multi_agent_plan_is_valid_with_its_demand():
+    text = "vllm[rollout1]:d2t2 + fsdp[actor1]:d4 + vllm[rollout2]:d4 + fsdp[actor2]:d4"
+    rc, doc, err = run_json(text, "--n-nodes", "2", "--n-gpus-per-node", "8")
+    assert rc == 0 and err == "" and doc["valid"] is True and doc["errors"] == []
+    assert doc["total_gpus"] == 16 and doc["policies"] == ["actor1", "actor2"] and doc["multi_policy"] is True
+    assert [c["gpus"] for c in doc["components"]] == [4, 4, 4, 4]
+    rc, out, _ = run(text)
+    assert rc == 0 and "multi-policy plan: 2 actors (actor1, actor2)" in out and out.rstrip().endswith("VALID")

@@ -116,7 +116,7 @@ def test_full_loss_hand_values_and_grads():
 
 def test_tis_weight_is_detached_and_capped():
     old = torch.tensor([0.0, -1.0], requires_grad=True)
-    w, capped = tis_weights(old, torch.tensor([-5.0, -1.5]), cap=2.0)
+    w, capped, _ = tis_weights(old, torch.tensor([-5.0, -1.5]), cap=2.0)
     assert close(w, [2.0, math.exp(0.5)]) and capped.tolist() == [True, False] and not w.requires_grad
 
 
@@ -220,5 +220,68 @@ def test_missing_inputs_and_shape_errors_name_the_fix():
     (dict(entropy_coef=-1.0), "--entropy-coef"),
 ])
 def test_config_errors_name_the_flag(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        PolicyGradientConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl"])
+def test_k3_kl_is_clamped_like_the_peers_low_var_kl(kind):
+    """issue 10: log-prob -100 against reference -1 gave inf and NaN gradients; clamped it gives 10, grads finite."""
+    lp = torch.tensor([-100.0, -1.0, -3.5, -0.2], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5, -1.0, -30.0])
+    kl = kl_estimate(lp, ref, kind)
+    assert torch.isfinite(kl).all() and kl[0] == 10.0
+    assert close(kl[1], math.exp(-0.5) - 1 + 0.5)  # ordinary values are untouched
+    assert close(kl[2], math.exp(2.5) - 1 - 2.5) and kl[3] == 10.0  # k3 of log ratio 29.8 is ~28.8 -> 10
+    kl.sum().backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[0] == 0 and lp.grad[3] == 0
+    loss, _ = compute_policy_loss(LossInputs(lp.detach().clone().requires_grad_(), torch.ones(4), torch.ones(4), [4],
+                                             ref_logprobs=ref), denoms(4, 1),
+                                  PolicyGradientConfig(kl_loss_coef=0.05, kl_loss_type=kind))
+    assert torch.isfinite(loss)
+
+
+def test_gspo_defaults_to_sequence_mean_and_refuses_token_mean():
+    assert PolicyGradientConfig(use_gspo=True).loss_agg_mode == "seq_mean_token_mean"
+    assert PolicyGradientConfig().loss_agg_mode == "token_mean"
+    assert PolicyGradientConfig(use_gspo=True, loss_agg_mode="seq_mean_token_sum_norm",
+                                max_response_length=8).loss_agg_mode == "seq_mean_token_sum_norm"
+    with pytest.raises(ConfigError, match="--loss-agg-mode='token_mean' .* GSPO's objective is a mean over sequences"):
+        PolicyGradientConfig(use_gspo=True, loss_agg_mode="token_mean")
+
+
+def test_unbiased_kl_ppo_kl_and_tis_lower_bound():
+    lp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([-1.3, -2.0, -0.1], dtype=torch.float64)
+    ref = torch.tensor([-1.2, -2.5, -0.5], dtype=torch.float64)
+    rollout = torch.tensor([-1.3 + math.log(10.0), -2.0, -0.1 - 0.1], dtype=torch.float64)  # weights .1, 1, e^.1
+    mask = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    cfg = PolicyGradientConfig(advantage_estimator="none", opd_coef=0.0 + 1e-30, kl_loss_coef=0.5,
+                               kl_loss_type="k1", use_unbiased_kl=True, use_tis=True, tis_clip_low=0.5)
+    inputs = LossInputs(lp, torch.zeros(3, dtype=torch.float64), mask, [3], old_logprobs=old, ref_logprobs=ref,
+                        rollout_logprobs=rollout, teacher_logprobs=lp.detach())
+    loss, metrics = compute_policy_loss(inputs, denoms(2, 1), cfg)
+    ratio = [math.exp(0.3), 1.0]
+    k1 = [0.2, 0.5]
+    assert close(loss, 0.5 * (ratio[0] * k1[0] + ratio[1] * k1[1]) / 2, 1e-12)
+    (g,) = torch.autograd.grad(loss, lp)
+    # d/dlp [exp(lp - old) (lp - ref)] = r (lp - ref) + r
+    assert close(g, [0.5 * (ratio[0] * k1[0] + ratio[0]) / 2, 0.5 * (k1[1] + 1) / 2, 0.0], 1e-12)
+    m = reduce_metrics([metrics])
+    assert close(m["ppo_kl"], (-0.3 + 0.0) / 2, 1e-12)  # verl: mean(old - new) over loss tokens
+    assert close(m["kl"], (ratio[0] * k1[0] + k1[1]) / 2, 1e-12)
+    assert close(m["tis_weight"], (0.5 + 1.0) / 2, 1e-12) and close(m["tis_clip_low_frac"], 0.5, 1e-12)
+    w, capped, floored = tis_weights(old, rollout, cap=2.0, low=0.5)
+    assert close(w, [0.5, 1.0, math.exp(0.1)], 1e-12) and floored.tolist() == [True, False, False]
+    assert capped.tolist() == [False, False, False]
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(tis_clip_low=0.5), "--tis-clip-low"),
+    (dict(use_tis=True, tis_clip_low=2.5), "--tis-clip-low"),
+    (dict(use_unbiased_kl=True), "--use-unbiased-kl"),
+    (dict(kl_loss_type="k4"), "--kl-loss-type"),
+])
+def test_new_algorithm_knobs_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         PolicyGradientConfig(**kwargs)

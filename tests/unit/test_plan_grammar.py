@@ -246,3 +246,39 @@ def test_world_and_demand_are_bounded():
         Dims(t=10 ** 4000)
     with pytest.raises(PlanError, match="degree d=a number of about 5001 digits is invalid"):
         Dims(d=-10 ** 5000)                       # the message never str()s a 5001-digit int
+
+
+# -- multi-policy plans (AReaL multi-agent allocations) -----------------------------------
+AREAL_MULTI_AGENT = "vllm[rollout1]:d2t2 + fsdp[actor1]:d4 + vllm[rollout2]:d4 + fsdp[actor2]:d4"
+
+
+def test_areal_multi_agent_plan_has_two_numbered_actors():
+    """AReaL's own test case (areal/tests: multi_agent_allocation): 4 named parts, 16 GPUs."""
+    plan = parse_allocation(AREAL_MULTI_AGENT)
+    assert plan.total_gpus == 16 and [g.gpus for g in plan.groups] == [4, 4, 4, 4]
+    assert [c.name for c in plan.components] == ["rollout1", "actor1", "rollout2", "actor2"]
+    assert [c.role for c in plan.components] == ["rollout", "actor", "rollout", "actor"]
+    assert [a.name for a in plan.actors] == ["actor1", "actor2"] and plan.is_multi_policy
+    assert plan.actor is plan["actor1"] and [r.name for r in plan.rollout] == ["rollout1", "rollout2"]
+    assert parse_allocation(plan.to_string()) == plan
+
+
+@pytest.mark.parametrize("text, actors", [
+    ("sglang:d2+fsdp[actor]:d2+fsdp[actor_2]:d2", ["actor", "actor_2"]),      # a bare name and a numbered one
+    ("sglang[gen1]:d2+megatron[policy1]:d2|megatron[c1]:d2+megatron[policy2]:d2", ["policy1", "policy2"]),
+    ("vllm[rollout1]:d2t2+fsdp[actor1]:d4", ["actor1"]),                      # numbered, one policy
+])
+def test_numbered_role_names_take_the_role(text, actors):
+    plan = parse_allocation(text)
+    assert [a.name for a in plan.actors] == actors and plan.is_multi_policy == (len(actors) > 1)
+    assert all(c.role == "rollout" for c in plan.components if c.is_inference)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("fsdp[rollout1]:d2", "a training backend cannot be the rollout engine"),
+    ("sglang[actor2]:d2", "an inference backend cannot be the actor"),
+    ("fsdp[actor]:d2+fsdp[policy]:d2+fsdp[actor3]:d2", "number the policies of a multi-policy plan (actor1, actor2)"),
+])
+def test_numbered_role_names_follow_the_role_rules(text, fragment):
+    with pytest.raises(PlanError, match=re.escape(fragment)):
+        parse_allocation(text)

@@ -238,3 +238,18 @@ def test_cluster_sizes_are_bounded():
     with pytest.raises(PlanError, match="2048 node.s. x 1024 GPUs = 2097152 GPUs is more than the planner's limit"):
         Cluster(2048, 1024)
     assert Cluster(1024, 1024).total_gpus == 2 ** 20
+
+
+def test_multi_policy_plan_is_valid_and_reported():
+    plan = parse_allocation("vllm[rollout1]:d2t2 + fsdp[actor1]:d4 + vllm[rollout2]:d4 + fsdp[actor2]:d4")
+    report = validate_plan(plan, Cluster(2, 8))
+    assert report.ok and report.placement == ((0, 4), (4, 8), (8, 12), (12, 16))
+    assert any(i.startswith("multi-policy plan: 2 actors (actor1, actor2) each train their own policy on 16 GPUs")
+               and "megatron_rl.train trains one policy per run" in i for i in report.info)
+
+
+def test_multi_policy_weight_update_must_suit_every_engine():
+    """One engine colocated with its actor, the other on separate GPUs: no single transport fits."""
+    text = "sglang[rollout1]:d4|fsdp[actor1]:d4+sglang[rollout2]:d4+fsdp[actor2]:d4"
+    assert any("'tensor' shares CUDA IPC handles" in e for e in _errors(text, weight_update="tensor"))
+    assert any("NCCL cannot put two ranks on one GPU" in e for e in _errors(text, weight_update="distributed"))
