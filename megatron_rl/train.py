@@ -21,6 +21,7 @@ from megatron_rl.backends.base import TrainBatch, broadcast_samples, make_backen
 from megatron_rl.config import parse_config
 from megatron_rl.errors import MegatronRLError
 from megatron_rl.infra.run import RunContext, build_rollout, build_spec, print_plan
+from megatron_rl.infra.step_metrics import aggregate_step_metrics
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
 from megatron_rl.weight_sync import make_synchronizer
 
@@ -34,13 +35,14 @@ def train_on_rollout(backend, spec, samples, cfg) -> dict[str, float]:
     teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs)
     advantages = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)
     gbs = cfg.batching.effective_global_batch_size
-    metrics: dict[str, float] = {}
+    steps: list[dict[str, float]] = []
     for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
         for start in range(0, len(samples), gbs):
             sl = slice(start, start + gbs)
             pick = (lambda xs: None if xs is None else xs[sl])
-            metrics = backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref), pick(teacher)))
-    return metrics
+            steps.append(backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref),
+                                                       pick(teacher))))
+    return aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one
 
 
 def run(cfg) -> int:

@@ -174,6 +174,10 @@ class CheckpointConfig:
     save_interval: Optional[int] = flag(None, "Save every N rollout steps (needs --save).")
     save_max_to_keep: Optional[int] = flag(None, "Keep only the newest N checkpoints under --save.")
     no_auto_resume: bool = flag(False, "Start from --hf-checkpoint even if --save holds a checkpoint.")
+    existing_save: Optional[str] = flag(None, "With --no-auto-resume: what to do with checkpoints already under "
+                                        "--save, which the fresh run would overwrite and prune: archive moves "
+                                        "them to --save/archive_<UTC time>/, discard deletes them. Without it "
+                                        "such a start is refused.", choices=("archive", "discard"))
     ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
                                    "default: the initial policy.")
     opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 from megatron_rl.errors import ConfigError
 
@@ -267,7 +268,87 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     return errors
 
 
-CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes,
+# What a checkpoint root's writers put there (infra/checkpoint_root, infra/atomic temp files, the
+# rollout cache): the entries a fresh start would overwrite, prune or be misled by. Anything else
+# under --save (notes, an archive_* of an earlier fresh start) is not a checkpoint and is left alone.
+_CHECKPOINT_ENTRY = re.compile(r"^\.?(iter_\d{7,}|latest_checkpointed_iteration\.txt|resume_state\.json)(\..*)?$"
+                               r"|^rollout_ckpts$")
+
+
+def save_root_checkpoint_entries(root: str | None) -> list[str]:
+    """Names under the checkpoint root ``root`` that belong to an earlier run's checkpoints, sorted."""
+    if not root or not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if _CHECKPOINT_ENTRY.match(n))
+
+
+def _within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot be used (created if absent, then written) as a directory, or None.
+
+    Found here instead of at the first save or log line, where it used to surface after a save
+    interval of work, or as a PermissionError / FileExistsError traceback.
+    """
+    if os.path.isdir(path):
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a directory this user cannot write to"
+    if os.path.lexists(path):
+        return "is a dangling symlink" if os.path.islink(path) else "exists and is not a directory"
+    base = os.path.abspath(path)
+    while not os.path.lexists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        return f"cannot be created: {base} is a file, not a directory"
+    if not os.access(base, os.W_OK | os.X_OK):
+        return f"cannot be created: {base} is not writable by this user"
+    return None
+
+
+def _check_paths(errors: list[str], cfg: Config) -> None:
+    """Output locations, and a fresh start into a checkpoint root that already holds checkpoints.
+
+    ``--no-auto-resume`` with such a root used to overwrite the old run's ``iter_*`` dirs and
+    prune them (``--save-max-to-keep``) silently; it is refused unless ``--existing-save`` says
+    what to do with them (``infra.fresh_start`` does it on rank 0 before the run starts).
+    """
+    c, rt, m = cfg.checkpoint, cfg.runtime, cfg.mode
+    for flag, path in (("--save", c.save), ("--output-dir", rt.output_dir), ("--tensorboard-dir", rt.tensorboard_dir)):
+        why = _dir_problem(path) if path else None
+        if why:
+            errors.append(f"{flag} {path} {why}; give a directory this user can create and write to")
+    pattern = m.save_debug_rollout_data
+    if pattern and "{rollout_id}" in pattern:
+        directory = os.path.dirname(pattern.replace("{rollout_id}", "0")) or "."
+        why = _dir_problem(directory)
+        if why:
+            errors.append(f"--save-debug-rollout-data {pattern}: its directory {directory} {why}; give a pattern "
+                          "in a directory this user can create and write to")
+    if c.existing_save and not c.save:
+        errors.append(f"--existing-save {c.existing_save} needs --save ROOT (the checkpoints it applies to)")
+    elif c.existing_save and not c.no_auto_resume:
+        errors.append(f"--existing-save {c.existing_save} only applies to a fresh start: add --no-auto-resume, or "
+                      "drop --existing-save to resume from --save")
+    entries = save_root_checkpoint_entries(c.save) if c.no_auto_resume else []
+    if entries and not c.existing_save:
+        shown = ", ".join(entries[:4]) + (f", ... ({len(entries)} entries)" if len(entries) > 4 else "")
+        errors.append(f"--no-auto-resume with --save {c.save}, which already holds checkpoints ({shown}): the fresh "
+                      "run would overwrite and prune them; add --existing-save archive (moves them to "
+                      f"{os.path.join(c.save, 'archive_<UTC time>')}/) or --existing-save discard (deletes them), "
+                      "or choose an empty --save")
+    elif entries:
+        doomed = [os.path.realpath(os.path.join(c.save, e)) for e in entries]
+        for flag, path in (("--load", c.load), ("--ref-load", c.ref_load), ("--opd-teacher-load", c.opd_teacher_load),
+                           ("--hf-checkpoint", cfg.model.hf_checkpoint)):
+            if path and any(_within(os.path.realpath(path), d) for d in doomed):
+                action = "move" if c.existing_save == "archive" else "delete"
+                errors.append(f"{flag} {path} lies in the old checkpoints under --save {c.save} that --existing-save "
+                              f"{c.existing_save} would {action} before the run reads it; copy it out of --save "
+                              "first, or choose another --save")
+
+
+CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_paths,
           _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm)
 
 

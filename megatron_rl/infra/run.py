@@ -115,6 +115,10 @@ class RunContext:
         rt = cfg.runtime
         from megatron_rl.infra.checkpoint_root import read_resume_state
 
+        if rank == 0 and cfg.checkpoint.existing_save and cfg.checkpoint.no_auto_resume:
+            from megatron_rl.infra.fresh_start import clear_save_root
+
+            clear_save_root(cfg.checkpoint.save, cfg.checkpoint.existing_save)  # validation allowed this start
         resumable = cfg.checkpoint.save and not cfg.checkpoint.no_auto_resume
         state = (read_resume_state(cfg.checkpoint.save) or {}) if resumable else {}
         clock = WallClock(rt.wall_time_limit, rt.wall_time_reserve, elapsed_before_s=state.get("elapsed_s", 0.0))
