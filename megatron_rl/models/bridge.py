@@ -15,7 +15,10 @@ import needed) and is the one object the MegatronBackend asks about a model:
 * ``Bridge.load_hf_weights(chunks, hf_dir)`` / ``Bridge.export_hf_weights(chunks,
   bucket_bytes=None)``: see :mod:`megatron_rl.models.weights`;
 * ``Bridge.hf_param_shapes()`` and ``Bridge.rule_for(canonical_name)``: the pure
-  name/shape map (what :mod:`weights` and ``tools/convert_ckpt.py`` consume).
+  name/shape map (what :mod:`weights` and ``tools/convert_ckpt.py`` consume);
+  ``Bridge.megatron_param_shapes(flavour)`` / ``Bridge.hf_to_megatron(flavour)``: the
+  megatron side and the inverse, per layer spec (``local`` or ``transformer_engine``,
+  whose norm names :data:`weight_maps.LAYER_SPEC_NAMES` holds).
 
 Canonical megatron names use *global* indices:
 ``decoder.layers.{layer}.…`` and ``decoder.layers.{layer}.mlp.experts.local_experts.{expert}.…``
