@@ -214,9 +214,13 @@ def _run_child(args: list[str], timeout: float) -> tuple[dict, float]:
         return ({"status": "timeout", "error": f"import did not finish within {timeout:g}s "
                  f"(raise --timeout if the package is just slow)"}, time.monotonic() - t0)
     seconds = time.monotonic() - t0
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):]), seconds
+    # the mark need not start a line: a package may print without a trailing newline on import
+    at = stdout.rfind(MARK)
+    if at >= 0:
+        try:
+            return json.loads(stdout[at + len(MARK):].splitlines()[0]), seconds
+        except (ValueError, IndexError):
+            pass
     tail = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
     return {"status": "broken", "error": f"import process died: {tail}"}, seconds
 
@@ -305,14 +309,27 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _positive(kind):
+    """argparse type: a number > 0 (a negative --timeout used to be accepted and fail every probe)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description="Report the environment megatron_rl would run in "
                                              "(imports each optional package in a subprocess).")
     ap.add_argument("--json", action="store_true", help="print one JSON object (keys in the module docstring)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for each optional import (default 60; torch always gets >= 60)")
+    ap.add_argument("--timeout", type=_positive(float), default=60.0, help="seconds allowed for each optional import (default 60; torch always gets >= 60)")
     ap.add_argument("--only", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     help="comma-separated backend names to probe (default: all)")
-    ap.add_argument("--jobs", type=int, default=None, help="concurrent import probes (default: all at once)")
+    ap.add_argument("--jobs", type=_positive(int), default=None, help="concurrent import probes (default: all at once)")
     args = ap.parse_args(argv)
     report = collect(timeout=args.timeout, only=args.only, jobs=args.jobs)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

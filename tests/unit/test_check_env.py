@@ -115,3 +115,16 @@ def test_pypi_apex_is_unrelated_and_nvidia_apex_is_recognised(tmp_path):
 def test_unknown_only_name_is_a_clear_error():
     proc = _run("--only", "tensorflow")
     assert proc.returncode != 0 and "unknown --only name(s) ['tensorflow']" in proc.stderr
+
+
+def test_package_printing_without_newline_is_ok(tmp_path):
+    """issue 11: a package that writes to stdout without a newline on import was reported broken."""
+    _write(tmp_path, "wandb/__init__.py", "import sys\n__version__ = '9.9'\nsys.stdout.write('hello from wandb')\n")
+    b = json.loads(_run("--json", "--only", "wandb", pythonpath=tmp_path).stdout)["backends"]["wandb"]
+    assert b["status"] == "ok" and b["version"] == "9.9", b
+
+
+@pytest.mark.parametrize("args", [("--timeout", "-1"), ("--timeout", "0"), ("--timeout", "nan"), ("--jobs", "0")])
+def test_non_positive_timeout_or_jobs_is_refused(args):
+    proc = _run(*args, "--only", "wandb")
+    assert proc.returncode == 2 and f"argument {args[0]}: {args[1]} must be > 0" in proc.stderr and not proc.stdout
