@@ -186,6 +186,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
             group, name = dest.split(".", 1)
             values[group][name] = value
     values["rollout"]["sglang_args"] = {**yaml_passed, **passed}
+    from .placement import apply_allocation
+
+    apply_allocation(values)  # --allocation fills the sizes it states that no flag gave
     cfg = Config(**{g: cls(**values[g]) for g, cls in GROUPS.items()})
     if validate:
         validate_config(cfg)

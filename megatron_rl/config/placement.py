@@ -3,9 +3,185 @@
 Two ways to state placement resolve to one validated plan: an allocation
 string (``--allocation``) or slime-style GPU-count flags with the Megatron
 parallel sizes.
+
+Rule for ``--allocation`` (docs/planner.md, "The allocation and the flags"): the
+string states the actor's backend, parallel sizes and rank count. Flags left
+unset take those values (:func:`apply_allocation`, at parse time); a flag that
+is set and disagrees is refused by name (:func:`allocation_errors`, in
+validation). The ranks torchrun really launched (``WORLD_SIZE`` /
+``LOCAL_WORLD_SIZE``) must equal the ranks the config is sized for
+(:func:`world_errors`). Nothing is silently ignored.
 """
 
 from __future__ import annotations
+
+import os
+import re
+
+#: (group, field, flag) of each size an allocation's actor states, and how to read it off.
+_ACTOR_FIELDS = (
+    ("precision", "train_backend", "--train-backend", lambda a: a.backend),
+    ("parallel", "tensor_model_parallel_size", "--tensor-model-parallel-size", lambda a: a.tp),
+    ("parallel", "pipeline_model_parallel_size", "--pipeline-model-parallel-size", lambda a: a.pp),
+    ("parallel", "context_parallel_size", "--context-parallel-size", lambda a: a.cp),
+    ("parallel", "expert_model_parallel_size", "--expert-model-parallel-size", lambda a: a.ep),
+)
+
+
+def _actor_of(text: str | None):
+    """The single actor of allocation ``text``, or None when there is nothing to apply
+    (no string, a malformed one, no or several actors: validation reports those)."""
+    if not text:
+        return None
+    from megatron_rl.errors import PlanError
+    from megatron_rl.plan import parse_allocation
+
+    try:
+        plan = parse_allocation(text)
+    except PlanError:
+        return None
+    return None if plan.is_multi_policy else plan.actor
+
+
+def implied_sizes(actor) -> dict[tuple[str, str], object]:
+    """``{(group, field): value}`` the actor component states, e.g. TP from ``t``.
+
+    Expert-TP is stated only with EP > 1: the flat form means expert-TP 1 (AReaL),
+    the hybrid form ``ffn.t``; with EP 1 it changes nothing.
+    """
+    out = {(g, f): get(actor) for g, f, _, get in _ACTOR_FIELDS}
+    if actor.ep > 1:
+        out[("parallel", "expert_tensor_parallel_size")] = actor.etp
+    return out
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    return int(raw) if raw is not None and re.fullmatch(r"[0-9]{1,7}", raw) else None
+
+
+def apply_allocation(values: dict[str, dict]) -> None:
+    """Fill the flags ``--allocation`` states into ``values`` (parser dests that were given:
+    command line or YAML), leaving every given flag alone so validation can compare it.
+
+    The actor's rank count becomes ``--actor-num-nodes`` x ``--actor-num-gpus-per-node``:
+    with neither given, the node size is torchrun's ``LOCAL_WORLD_SIZE`` when it divides
+    the rank count, else all ranks on one node.
+    """
+    actor = _actor_of(values["placement"].get("allocation"))
+    if actor is None:
+        return
+    for (group, field), value in implied_sizes(actor).items():
+        values[group].setdefault(field, value)
+    placement, world = values["placement"], actor.world_size
+    nodes, gpn = placement.get("actor_num_nodes"), placement.get("actor_num_gpus_per_node")
+    if nodes is None and gpn is None:
+        local = _env_int("LOCAL_WORLD_SIZE")
+        gpn = local if local and world % local == 0 else world
+        placement["actor_num_gpus_per_node"], placement["actor_num_nodes"] = gpn, world // gpn
+    elif nodes is None and isinstance(gpn, int) and gpn > 0 and world % gpn == 0:
+        placement["actor_num_nodes"] = world // gpn
+    elif gpn is None and isinstance(nodes, int) and nodes > 0 and world % nodes == 0:
+        placement["actor_num_gpus_per_node"] = world // nodes
+
+
+def allocation_errors(cfg) -> list[str]:
+    """Where ``--allocation`` and the other flags disagree, and plans this engine cannot run."""
+    from megatron_rl.errors import PlanError
+    from megatron_rl.plan import parse_allocation
+    from megatron_rl.plan.allocation import DIM_NAMES
+
+    text = cfg.placement.allocation
+    if not text:
+        return []
+    try:
+        plan = parse_allocation(text)
+    except PlanError:
+        return []  # plan_errors reports the parse error with its caret
+    head = f"--allocation {text!r}"
+    if plan.is_multi_policy:
+        names = ", ".join(a.label for a in plan.actors)
+        return [f"{head} trains {len(plan.actors)} policies ({names}); this engine trains one policy "
+                f"per run. Launch one run per policy, each with its own --allocation (its actor and "
+                f"rollout engines), or use AReaL for multi-agent training; tools/check_plan.py "
+                f"reports the whole plan"]
+    if not plan.has_training:
+        return [f"{head} has no training component (megatron or fsdp) but this run trains; add "
+                f"one (e.g. +megatron:d1) or pass --debug-rollout-only"] if cfg.has_training else []
+    if not cfg.has_training:
+        return [f"{head} states a trainer ({plan.actor.spec() if plan.actor else plan.training[0].spec()}) "
+                f"but --debug-rollout-only starts none; drop one of them"]
+    actor = plan.actor
+    if actor is None:
+        return []  # validate_plan reports "no training component is the actor"
+    errors = []
+    letters = {"tensor_model_parallel_size": "t", "pipeline_model_parallel_size": "p",
+               "context_parallel_size": "c", "expert_model_parallel_size": "e"}
+    for group, field, flag, _ in _ACTOR_FIELDS:
+        want, have = implied_sizes(actor)[(group, field)], getattr(getattr(cfg, group), field)
+        if want == have:
+            continue
+        if field == "train_backend":
+            errors.append(f"{head} trains the actor with {want} but --train-backend is {have}; drop "
+                          f"--train-backend (the allocation sets it) or make the two agree")
+        else:
+            k = letters[field]
+            errors.append(f"{head} gives the actor {k}{want} ({DIM_NAMES[k]}) but {flag} is {have}; "
+                          f"drop {flag} (the allocation sets it) or make the two agree")
+    if actor.ep > 1:
+        p = cfg.parallel
+        have = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+        if have != actor.etp:
+            how = "ffn t" if actor.is_hybrid else "the flat form's expert-TP 1"
+            errors.append(f"{head} gives the actor expert tensor parallel {actor.etp} ({how}) but "
+                          f"--expert-tensor-parallel-size is {have} (unset means "
+                          f"--tensor-model-parallel-size); set --expert-tensor-parallel-size "
+                          f"{actor.etp} or drop it")
+    if actor.world_size != cfg.actor_world_size:
+        errors.append(f"{head} gives the actor d*t*p*c = {actor.world_size} ranks but --actor-num-nodes "
+                      f"{cfg.placement.actor_num_nodes} x --actor-num-gpus-per-node "
+                      f"{cfg.placement.actor_num_gpus_per_node} = {cfg.actor_world_size}; drop those "
+                      f"flags (the allocation sets them) or make the two agree")
+    return errors
+
+
+def refuse_single_process_world(cfg) -> None:
+    """Before a run starts work outside torchrun (no ``WORLD_SIZE``): it is one process, so a
+    config sized for more ranks (flags or ``--allocation``) would train on a world it did not
+    plan for. Not in validation: a config is also validated where it will not run (a test, a
+    check on a laptop). Raises ConfigError naming the flags and the launch that fits."""
+    from megatron_rl.errors import ConfigError
+
+    if "WORLD_SIZE" in os.environ or cfg.actor_world_size == 1:
+        return
+    source = f" (from --allocation {cfg.placement.allocation!r})" if cfg.placement.allocation else ""
+    raise ConfigError(
+        f"this is a single process (not launched by torchrun: WORLD_SIZE is unset) but the run is sized "
+        f"for --actor-num-nodes {cfg.placement.actor_num_nodes} x --actor-num-gpus-per-node "
+        f"{cfg.placement.actor_num_gpus_per_node} = {cfg.actor_world_size} ranks{source}; launch it with "
+        f"torchrun --nproc-per-node {cfg.placement.actor_num_gpus_per_node} (as scripts/run_demo_cpu.sh "
+        f"does), or size it for 1 rank")
+
+
+def world_errors(cfg) -> list[str]:
+    """The ranks torchrun launched (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) against the ranks the
+    flags size the run for. Without those variables (no torchrun: a check, a dry run on a
+    laptop) there is nothing real to compare with."""
+    world, local = _env_int("WORLD_SIZE"), _env_int("LOCAL_WORLD_SIZE")
+    nodes, gpn = cfg.placement.actor_num_nodes, cfg.placement.actor_num_gpus_per_node
+    sized = (f"--actor-num-nodes {nodes} x --actor-num-gpus-per-node {gpn} = {cfg.actor_world_size} "
+             f"rank(s)")
+    if world is not None and world != cfg.actor_world_size:
+        fix = (f"pass --actor-num-nodes {world // local} --actor-num-gpus-per-node {local}"
+               if local and world % local == 0 else f"size the run for {world} ranks")
+        return [f"torchrun launched WORLD_SIZE={world} rank(s) but the run is sized for {sized}; "
+                f"{fix}, or launch {cfg.actor_world_size} rank(s)"]
+    if local is not None and local != gpn:
+        return [f"torchrun launched LOCAL_WORLD_SIZE={local} rank(s) per node but "
+                f"--actor-num-gpus-per-node is {gpn}; pass --actor-num-gpus-per-node {local} (and "
+                f"--actor-num-nodes to match), or launch {gpn} rank(s) per node"]
+    return []
+
 
 
 def plan_for_config(cfg):

@@ -268,6 +268,16 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     return errors
 
 
+def _check_world(errors: list[str], cfg: Config) -> None:
+    """The placement against its real sources: ``--allocation`` against the flags it states
+    (TP/PP/CP/EP/expert-TP, --train-backend, the actor's rank count), one policy per run, and
+    the ranks torchrun launched against --actor-num-nodes x --actor-num-gpus-per-node."""
+    from .placement import allocation_errors, world_errors
+
+    errors.extend(allocation_errors(cfg))
+    errors.extend(world_errors(cfg))
+
+
 # What a checkpoint root's writers put there (infra/checkpoint_root, infra/atomic temp files, the
 # rollout cache): the entries a fresh start would overwrite, prune or be misled by. Anything else
 # under --save (notes, an archive_* of an earlier fresh start) is not a checkpoint and is left alone.
@@ -349,7 +359,7 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
 
 
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_paths,
-          _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm)
+          _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm, _check_world)
 
 
 def collect_errors(cfg: Config) -> list[str]:

@@ -244,3 +244,79 @@ def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):
     msg = str(exc.value)
     assert msg.startswith("invalid configuration:") and "--rollout-backend sglang is " + NOT_YET in msg
     assert len(msg.splitlines()) == 3  # the layout error and the refusal
+
+
+# -- --allocation against the flags and the real world size (issue 10 section 4, issue 11) --------
+def test_allocation_sets_the_sizes_no_flag_gave(hf_dir, tiny_hf_models):
+    """``--allocation megatron:d1t2`` used to train at TP 1 on 1 rank: now it is TP 2 on 2 ranks."""
+    def sizes(cfg):
+        p = cfg.parallel
+        return (cfg.precision.train_backend, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                p.context_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                cfg.placement.actor_num_nodes, cfg.placement.actor_num_gpus_per_node)
+    assert sizes(parse_config(base(hf_dir, "--allocation", "megatron:d1t2"))) == ("megatron", 2, 1, 1, 1, None, 1, 2)
+    assert sizes(parse_config(base(hf_dir, "--allocation", "fsdp:d2p1t1"))) == ("fsdp", 1, 1, 1, 1, None, 1, 2)
+    assert sizes(parse_config(base(hf_dir, "--allocation", "megatron:d2p2", "--actor-num-nodes", "2",
+                                   "--rollout-batch-size", "4"))) == ("megatron", 1, 2, 1, 1, None, 2, 2)
+    moe = tiny_hf_models("qwen3_moe")
+    hybrid = parse_config(["--hf-checkpoint", moe, "--allocation", "megatron:(attn:d2t2|ffn:d1t2e2)"])
+    assert sizes(hybrid) == ("megatron", 2, 1, 1, 2, 2, 1, 4)
+    flat = parse_config(["--hf-checkpoint", moe, "--allocation", "megatron:d2t2e2"])  # flat form: expert-TP 1
+    assert sizes(flat) == ("megatron", 2, 1, 1, 2, 1, 1, 4)
+
+
+@pytest.mark.parametrize("alloc, extra, match", [
+    ("fsdp:d2p1t1", ["--train-backend", "megatron"],
+     "--allocation 'fsdp:d2p1t1' trains the actor with fsdp but --train-backend is megatron"),
+    ("megatron:d1t2", ["--tensor-model-parallel-size", "1"],
+     "gives the actor t2 (tensor parallel) but --tensor-model-parallel-size is 1; drop --tensor-model-parallel-size"),
+    ("megatron:d1p2", ["--pipeline-model-parallel-size", "1", "--actor-num-gpus-per-node", "2"],
+     "gives the actor p2 (pipeline parallel) but --pipeline-model-parallel-size is 1"),
+    ("megatron:d1t2", ["--actor-num-gpus-per-node", "4"],
+     "gives the actor d*t*p*c = 2 ranks but --actor-num-nodes 1 x --actor-num-gpus-per-node 4 = 4"),
+    ("sglang:d2", [], "--allocation 'sglang:d2' has no training component (megatron or fsdp) but this run trains"),
+])
+def test_allocation_and_flags_that_disagree_are_refused_by_name(hf_dir, alloc, extra, match):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(base(hf_dir, "--allocation", alloc, *extra))
+    assert match in str(exc.value)
+
+
+def test_multi_policy_allocation_is_refused_by_the_trainer(hf_dir, capsys):
+    """check_plan reports AReaL's multi-agent plan as valid; the trainer says it trains one policy per run."""
+    from megatron_rl.train import main
+
+    alloc = "vllm[rollout1]:d2t2 + fsdp[actor1]:d4 + vllm[rollout2]:d4 + fsdp[actor2]:d4"
+    with pytest.raises(ConfigError, match=r"trains 2 policies \(actor1, actor2\); this engine trains one policy per run"):
+        parse_config(base(hf_dir, "--allocation", alloc))
+    assert main(base(hf_dir, "--allocation", alloc, "--dry-run")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --allocation") and "one policy per run" in err[0]
+
+
+def test_ranks_torchrun_launched_must_match_the_flags(hf_dir, monkeypatch):
+    """WORLD_SIZE / LOCAL_WORLD_SIZE (set by torchrun) are the real world; validation used to trust the flags."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="torchrun launched WORLD_SIZE=2 rank.s. but the run is sized for "
+                                          "--actor-num-nodes 1 x --actor-num-gpus-per-node 1 = 1 rank"):
+        parse_config(base(hf_dir))
+    assert parse_config(base(hf_dir, "--actor-num-gpus-per-node", "2")).actor_world_size == 2
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=2 rank.s. per node but --actor-num-gpus-per-node is 4"):
+        parse_config(base(hf_dir, "--actor-num-gpus-per-node", "4"))
+    cfg = parse_config(base(hf_dir, "--allocation", "megatron:d4"))  # 2 nodes x 2, from torchrun's node size
+    assert (cfg.placement.actor_num_nodes, cfg.placement.actor_num_gpus_per_node) == (2, 2)
+
+
+def test_run_outside_torchrun_is_one_rank(hf_dir, monkeypatch, capsys, tmp_path):
+    """``--allocation megatron:d1t2`` without torchrun used to train at TP 1 on 1 rank and exit 0."""
+    from megatron_rl.train import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tiny = ["--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "4", "--output-dir", str(tmp_path / "run")]
+    assert main(base(hf_dir, "--allocation", "megatron:d1t2", *tiny)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: this is a single process (not launched by torchrun")
+    assert "= 2 ranks (from --allocation 'megatron:d1t2'); launch it with torchrun --nproc-per-node 2" in err[0]
