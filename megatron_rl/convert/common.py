@@ -9,9 +9,14 @@ The converted torch_dist dir (``convert_hf_to_dist``)::
 
 ``COMPLETE.json`` follows the training checkpoints' marker convention
 (:mod:`megatron_rl.backends.megatron.checkpoint`: same file name, same
-``model`` fingerprint fields, same ``files`` list) with its own ``format`` value,
-because a converted dir holds a model and nothing else (no optimizer, RNG or
-scheduler): a loader must treat it as "weights only".
+``model`` fingerprint fields, same ``files`` list with sizes and CRC-32) with its
+own ``format`` value, because a converted dir holds a model and nothing else (no
+optimizer, RNG or scheduler): a loader must treat it as "weights only".
+
+An HF dir written by ``dist-to-hf`` gets a ``COMPLETE.json`` too (format
+``HF_FORMAT``: source and every file with size and CRC-32, the shards' hashed as
+they were written); ``hf-to-dist`` checks it when its input has one. HF tools
+ignore the extra file.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from megatron_rl.errors import CheckpointError
 
 FORMAT = "megatron_rl.torch_dist_model.v1"
 TRAINING_FORMAT = "megatron_rl.torch_dist.v1"  # backends.megatron.checkpoint.FORMAT
+HF_FORMAT = "megatron_rl.hf_safetensors.v1"  # the marker of a dist-to-hf output
 MARKER_NAME = "COMPLETE.json"
 HF_CONFIG_SUBDIR = "hf_config"
 FINGERPRINT_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -196,7 +202,34 @@ def is_model_dir(path: Optional[str]) -> bool:
 
 
 def read_marker(path: str) -> dict:
-    """``COMPLETE.json`` of a torch_dist dir; refuses incomplete / temp / corrupt dirs by name."""
+    """``COMPLETE.json`` of a torch_dist dir; refuses incomplete / temp / corrupt dirs by name.
+
+    Collective when ``torch.distributed`` is initialised: rank 0 checks (it reads every file
+    for the checksums: once, not once per rank) and every rank gets its verdict."""
+    return once_on_rank0(lambda: _read_marker(path), f"reading {path}")
+
+
+def once_on_rank0(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` on rank 0, its result or its error (the same class when it is a CheckpointError)
+    on every rank."""
+    from megatron_rl.infra.checkpoint_root import CorruptCheckpoint
+
+    box: list = [None, None, None]
+    if rank() == 0:
+        try:
+            box[0] = fn()
+        except CheckpointError as e:
+            box[1], box[2] = isinstance(e, CorruptCheckpoint), str(e)
+        except Exception as e:  # noqa: BLE001 - every rank must raise, not wait in a collective
+            box[1], box[2] = False, f"{what} failed: {type(e).__name__}: {e}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[2] is not None:
+        raise (CorruptCheckpoint if box[1] else CheckpointError)(box[2])
+    return box[0]
+
+
+def _read_marker(path: str) -> dict:
     from megatron_rl.infra.checkpoint_root import read_complete_marker
 
     return read_complete_marker(path, (FORMAT, TRAINING_FORMAT), "torch_dist checkpoint", {
@@ -208,12 +241,31 @@ def read_marker(path: str) -> dict:
         "files": "Re-run the conversion or restore the files"})
 
 
+def check_hf_marker(hf_dir: str) -> Optional[dict]:
+    """An HF input written by ``dist-to-hf`` (our ``COMPLETE.json`` with ``HF_FORMAT``): check every
+    listed file's size and CRC-32, refusing damage by file name. Other HF dirs: None (nothing to check)."""
+    from megatron_rl.infra.checkpoint_root import read_complete_marker
+
+    try:
+        with open(os.path.join(hf_dir, MARKER_NAME)) as f:
+            fmt = json.load(f).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if fmt != HF_FORMAT:
+        return None
+    return read_complete_marker(hf_dir, (HF_FORMAT,), "HF checkpoint", {
+        "temp": "convert a published dir", "root": "pass an HF dir", "unmarked": "",
+        "json": "re-run dist-to-hf", "format": "", "files": "Re-run dist-to-hf or restore the files"})
+
+
 def resolve_dist_dir(path: str) -> str:
-    """A checkpoint ROOT (with ``iter_*`` dirs) -> its newest complete iteration; any other dir as is."""
-    from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir, list_iterations
+    """A checkpoint ROOT (with ``iter_*`` dirs) -> the checkpoint auto-resume would take first
+    (``resume_state.json``'s, else the newest complete one); any other dir as is."""
+    from megatron_rl.infra.checkpoint_root import iter_dir, list_iterations, resume_candidates
 
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MARKER_NAME)) and list_iterations(path):
-        step = find_latest_complete(path)
+        candidates = resume_candidates(path)
+        step = candidates[0] if candidates else None
         if step is None:
             raise CheckpointError(f"checkpoint root {path} has iter_* dirs but none is complete "
                                   f"(no {MARKER_NAME}); nothing to convert")

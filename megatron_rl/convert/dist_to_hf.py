@@ -2,8 +2,9 @@
 
 Steps (every rank, one process or under torchrun):
 
-1. resolve the input (a checkpoint ROOT -> its newest complete ``iter_*``) and
-   refuse incomplete, temp or corrupt dirs (``COMPLETE.json`` and its file list);
+1. resolve the input (a checkpoint ROOT -> the ``iter_*`` its ``resume_state.json``
+   names, else its newest complete one) and refuse incomplete, temp or corrupt dirs
+   (``COMPLETE.json`` and its file list: every size and CRC-32, naming a damaged file);
 2. read the HF config (``<input>/hf_config`` as the converter wrote it, or
    ``--hf-config DIR``), refuse a fingerprint (hidden size, layers, heads, vocab...)
    that differs from the checkpoint's;
@@ -17,8 +18,10 @@ Steps (every rank, one process or under torchrun):
    ``--max-shard-size`` shards as they fill (:class:`ShardedSafetensorsWriter`);
    every tensor the config needs must come out;
 5. config/tokenizer files are copied (``dtype`` in config.json updated only when
-   ``--dtype`` changes it), ``--verify`` re-exports and compares every tensor with
-   the written files, and the temp dir is renamed into place.
+   ``--dtype`` changes it), ``COMPLETE.json`` (format ``common.HF_FORMAT``) lists
+   every file with size and CRC-32 (the shards' computed as they were written),
+   ``--verify`` re-exports and compares every tensor with the written files, and the
+   temp dir is renamed into place.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Convert a torch_dist dir to an HF dir ``out_dir``; returns a summary dict (rank 0's is complete)."""
     from megatron_rl.backends.megatron.parallel import ParallelLayout
-    from megatron_rl.infra.atomic import publish_dir
-    from megatron_rl.infra.checkpoint_root import temp_dir_for
+    from megatron_rl.infra.atomic import atomic_write_json, publish_dir
+    from megatron_rl.infra.checkpoint_root import file_list, temp_dir_for
     from megatron_rl.models import get_bridge
 
     t0 = time.time()
@@ -122,6 +125,9 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
         if dtype is not None:
             update = {"dtype": common.dtype_name(out_dtype)}
         common.copy_aux_files(config_dir, tmp, update)
+        atomic_write_json(os.path.join(tmp, common.MARKER_NAME), {
+            "format": common.HF_FORMAT, "source": {"kind": "torch_dist", "path": dist_dir},
+            "dtype": common.dtype_name(out_dtype), "files": file_list(tmp, known_checksums=writer.checksums)})
         summary.update(files=len(set(index["weight_map"].values())), total_bytes=index["metadata"]["total_size"],
                        peak_pending_bytes=writer.peak_pending_bytes)
 

@@ -18,7 +18,12 @@ Steps (every rank, one process or under torchrun):
    shard), export it back to HF tensors and compare every one with the source
    (bit-exact; with ``--dtype``, with the source cast to it);
 5. rank 0 copies config/tokenizer files to ``hf_config/``, writes ``COMPLETE.json``
-   and renames the temp dir into place, so the output exists only when complete.
+   (every file with size and CRC-32; the ``.distcp`` files are read back once for it,
+   as torch's writer threads give no clean hook on their bytes) and renames the temp
+   dir into place, so the output exists only when complete.
+
+An input written by ``dist-to-hf`` carries its own ``COMPLETE.json``; its sizes and
+checksums are checked first (``common.check_hf_marker``).
 
 Memory: about the largest local parameter plus one bucket (measured in
 ``docs/convert.md``); under torchrun ``--verify`` holds the rank's model shard.
@@ -56,6 +61,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     layout = layout or ParallelLayout()
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": hf_dir}, overwrite, "torch_dist")
+    common.once_on_rank0(lambda: common.check_hf_marker(hf_dir), f"checking {hf_dir}")  # a dist-to-hf output
     bridge = get_bridge(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     try:

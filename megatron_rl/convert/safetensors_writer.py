@@ -14,6 +14,9 @@ so a half-written output never appears under the final name.
 Shards are serialised by :func:`save_safetensors`, which writes each tensor's
 bytes straight from its storage: ``safetensors.torch.save_file`` first copies
 every tensor into a ``bytes`` object, doubling the shard in memory at flush.
+It hashes the bytes as it writes them (CRC-32, :attr:`ShardedSafetensorsWriter.checksums`),
+so the output's ``COMPLETE.json`` gets every shard's checksum without reading the
+shards back.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
+from megatron_rl.infra.checkpoint_root import Crc32Writer
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -65,11 +69,12 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Optional[dict] = None) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Optional[dict] = None) -> str:
     """Write a safetensors file (the documented format: u64-LE header length, JSON
     header with dtype / shape / data_offsets per tensor and ``__metadata__``, padded
     with spaces to 8 bytes, then the data) without copying the tensors; fsynced.
-    Tensors must be contiguous CPU tensors that own their storage (``_own_storage``)."""
+    Tensors must be contiguous CPU tensors that own their storage (``_own_storage``).
+    Returns the file's CRC-32 (hex), computed from the bytes as they were written."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     offset = 0
     for name, t in tensors.items():
@@ -81,13 +86,15 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        out = Crc32Writer(f)
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
         for t in tensors.values():
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
+    return out.hexdigest
 
 
 class ShardedSafetensorsWriter:
@@ -102,6 +109,7 @@ class ShardedSafetensorsWriter:
         self._parts: list[tuple[str, list[str]]] = []  # (part file, names)
         self.total_bytes = 0
         self.peak_pending_bytes = 0
+        self.checksums: dict[str, str] = {}  # file name (final after finish) -> CRC-32 hex
         os.makedirs(out_dir, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -119,7 +127,8 @@ class ShardedSafetensorsWriter:
         if not self._pending:
             return
         part = f"model-{len(self._parts) + 1:05d}.safetensors.part"
-        save_safetensors(self._pending, os.path.join(self.out_dir, part), metadata=self.metadata)
+        self.checksums[part] = save_safetensors(self._pending, os.path.join(self.out_dir, part),
+                                                metadata=self.metadata)
         self._parts.append((part, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
@@ -133,6 +142,7 @@ class ShardedSafetensorsWriter:
         for i, (part, names) in enumerate(self._parts, start=1):
             final = f"model-{i:05d}-of-{n:05d}.safetensors"
             os.replace(os.path.join(self.out_dir, part), os.path.join(self.out_dir, final))
+            self.checksums[final] = self.checksums.pop(part)
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))}

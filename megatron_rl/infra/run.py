@@ -187,19 +187,60 @@ class RunContext:
         root = load_root or cfg.checkpoint.save
         if not root or cfg.checkpoint.no_auto_resume:
             return 0
-        latest = ckpt.find_latest_complete(root)
-        if latest is None:
-            if load_root:
-                raise ConfigError(f"--load {root}: no complete checkpoint there (iter_NNNNNNN dirs with a "
-                                  "COMPLETE marker); drop --load to start from --hf-checkpoint")
-            return 0
-        path = ckpt.iter_dir(root, latest)
-        extra = backend.load(path)
+        if load_root and ckpt.iteration_of(load_root) is not None:
+            path, extra = load_root, self._load_named(backend, load_root)
+        else:
+            found = self._load_newest_good(backend, root, named=bool(load_root))
+            if found is None:
+                return 0
+            path, extra = found
         if rollout is not None and extra.get("dataset_state"):
             rollout.prompts.load_state_dict(extra["dataset_state"])
         step = int(extra["rollout_id"])
         log.info("resumed from %s at rollout %d", path, step)
         return step
+
+    @staticmethod
+    def _load_named(backend, path: str) -> dict:
+        """``--load ROOT/iter_NNNNNNN``: exactly that checkpoint, or an error naming it (no fallback:
+        the user chose it)."""
+        from megatron_rl.errors import CheckpointError
+
+        try:
+            return backend.load(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"--load {path} (named, so never swapped for another checkpoint): {e}") from e
+
+    @staticmethod
+    def _load_newest_good(backend, root: str, named: bool):
+        """Auto-resume: the first of ``checkpoint_root.resume_candidates`` that passes the loader's
+        checks, as (path, extra_state); None when the root holds no complete checkpoint.
+
+        One rule for every failed check (missing or corrupt marker, missing, resized or
+        checksum-failing file, torn or non-finite data: ``CorruptCheckpoint``): warn naming the
+        reason and try the previous one. The loader raises those before touching the model, so a
+        skipped checkpoint leaves nothing behind. Other refusals (another model, another
+        optimizer kind) hold for every checkpoint and stop the run.
+        """
+        from megatron_rl.errors import CheckpointError
+        from megatron_rl.infra import checkpoint_root as ckpt
+
+        candidates = ckpt.resume_candidates(root)  # the same files on every rank: the same order
+        skipped = []
+        for step in candidates:
+            path = ckpt.iter_dir(root, step)
+            try:
+                return path, backend.load(path)
+            except ckpt.CorruptCheckpoint as e:
+                skipped.append(f"{path}: {e}")
+                log.warning("not resuming from %s: %s; trying the previous complete checkpoint", path, e)
+        if skipped:
+            raise CheckpointError(f"no checkpoint under {root} passes its checks ({'; '.join(skipped)}); restore "
+                                  "one, or move the root away to start from --hf-checkpoint")
+        if named:
+            raise ConfigError(f"--load {root}: no complete checkpoint there (iter_NNNNNNN dirs with a "
+                              "COMPLETE marker); drop --load to start from --hf-checkpoint")
+        return None
 
     def save(self, backend, rollout, step: int) -> None:
         from megatron_rl.infra import checkpoint_root as ckpt

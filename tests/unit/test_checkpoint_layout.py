@@ -5,8 +5,11 @@ here on hand-made dirs; the real torch_dist round trips are in
 tests/dist/test_checkpoint_resume.py.
 """
 
+import io
 import json
 import os
+import time
+import zlib
 from types import SimpleNamespace
 
 import pytest
@@ -194,3 +197,127 @@ def test_save_refuses_temp_path_and_unserialisable_extra_state(tmp_path):
     with pytest.raises(CheckpointError, match="JSON-serialisable"):
         ck.save_checkpoint(_backend(), str(tmp_path / "iter_0000001"), {"x": object()})
     assert os.listdir(tmp_path) == []
+
+
+# ---- checksums, one fallback rule, resume_state.json (issue 11) ---------------------------------------
+
+
+def _sealed_ckpt(root, step, files=None, extra=None):
+    """A checkpoint whose marker lists every file with size and CRC-32, as save_checkpoint writes it."""
+    files = dict(files if files is not None else {"common.pt": b"abc", "__0_0.distcp": bytes(range(200))})
+    files[ck.EXTRA_STATE_NAME] = json.dumps(extra or {"rollout_id": step}).encode()
+    path = _fake_ckpt(root, step, files=files, marker=False)
+    meta = {"format": ck.FORMAT, "model": _fingerprint(), "files": cr.file_list(path)}
+    with open(os.path.join(path, cr.MARKER_NAME), "w") as f:
+        json.dump(meta, f)
+    return path
+
+
+def _flip_byte(path, offset=100):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_marker_records_crc32_and_same_size_damage_is_refused_by_name(tmp_path):
+    p = _sealed_ckpt(tmp_path, 1)
+    entry = {e["path"]: e for e in json.load(open(os.path.join(p, cr.MARKER_NAME)))["files"]}["__0_0.distcp"]
+    assert entry == {"path": "__0_0.distcp", "bytes": 200, "crc32": f"{zlib.crc32(bytes(range(200))):08x}"}
+    ck.read_checkpoint_metadata(p)
+    _flip_byte(os.path.join(p, "__0_0.distcp"))  # same size, other bytes: what a size check cannot see
+    with pytest.raises(cr.CorruptCheckpoint, match=r"__0_0.distcp has CRC-32 [0-9a-f]{8}, COMPLETE.json says "
+                                                   + entry["crc32"]) as e:
+        ck.read_checkpoint_metadata(p)
+    assert p in str(e.value) and "--load ROOT/iter_NNNNNNN" in str(e.value)
+    assert isinstance(e.value, CheckpointError)
+
+
+def test_file_list_takes_checksums_computed_while_writing(tmp_path, monkeypatch):
+    (tmp_path / "a.bin").write_bytes(b"hello")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.bin").write_bytes(b"world")
+    read_back = []
+    real = cr.file_crc32
+    monkeypatch.setattr(cr, "file_crc32", lambda path: read_back.append(os.path.basename(path)) or real(path))
+    listed = cr.file_list(str(tmp_path), known_checksums={"a.bin": "0000abcd"})
+    assert listed == [{"path": "a.bin", "bytes": 5, "crc32": "0000abcd"},
+                      {"path": os.path.join("sub", "b.bin"), "bytes": 5, "crc32": f"{zlib.crc32(b'world'):08x}"}]
+    assert read_back == ["b.bin"]  # the known one is not read again
+    buf = io.BytesIO()
+    w = cr.Crc32Writer(buf)
+    w.write(b"hel")
+    w.write(memoryview(b"lo"))
+    assert buf.getvalue() == b"hello" and w.hexdigest == real(str(tmp_path / "a.bin"))
+
+
+def test_old_marker_without_checksums_loads_with_a_warning(tmp_path, caplog):
+    p = _fake_ckpt(tmp_path, 1)  # sizes only, as markers were written before checksums
+    with caplog.at_level("WARNING"):
+        assert ck.read_checkpoint_metadata(p)["format"] == ck.FORMAT
+    assert f"{p} was written without checksums" in caplog.text
+
+
+def test_every_failed_check_is_a_corrupt_checkpoint(tmp_path):
+    """The one rule needs one exception: missing marker, corrupt marker, missing file, wrong size, checksum."""
+    damage = {
+        "unmarked": lambda p: os.remove(os.path.join(p, cr.MARKER_NAME)),
+        "marker": lambda p: open(os.path.join(p, cr.MARKER_NAME), "w").write("{\"files\": 3}"),
+        "missing": lambda p: os.remove(os.path.join(p, "common.pt")),
+        "size": lambda p: open(os.path.join(p, "common.pt"), "ab").write(b"x"),
+        "checksum": lambda p: _flip_byte(os.path.join(p, "__0_0.distcp")),
+    }
+    for i, (kind, hurt) in enumerate(damage.items(), start=1):
+        p = _sealed_ckpt(tmp_path, i)
+        hurt(p)
+        with pytest.raises(cr.CorruptCheckpoint) as e:
+            ck.read_checkpoint_metadata(p)
+        assert p in str(e.value), kind
+    with pytest.raises(CheckpointError) as e:  # a wrong argument is not "corrupt": no fallback hides it
+        ck.read_checkpoint_metadata(str(tmp_path))
+    assert not isinstance(e.value, cr.CorruptCheckpoint)
+
+
+def _pointer(root, step, age_s=0.0):
+    cr.write_resume_state(str(root), {"rollout_id": step, "checkpoint": cr.iter_dir(str(root), step)})
+    t = time.time() - age_s
+    os.utime(os.path.join(str(root), cr.RESUME_STATE_NAME), (t, t))
+
+
+def _age(path, age_s):
+    t = time.time() - age_s
+    os.utime(os.path.join(path, cr.MARKER_NAME), (t, t))
+
+
+def test_resume_candidates_follow_resume_state(tmp_path, caplog):
+    root = str(tmp_path)
+    for s in (2, 4, 6):
+        _age(_sealed_ckpt(tmp_path, s), 100)
+    assert cr.resume_candidates(root) == [6, 4, 2]  # no pointer: newest first
+    _pointer(tmp_path, 4, age_s=50)  # iter_6 was written before the pointer: an earlier run's leftover
+    with caplog.at_level("WARNING"):
+        assert cr.resume_candidates(root) == [4, 2]
+    assert f"{cr.iter_dir(root, 6)} is newer than {cr.iter_dir(root, 4)}" in caplog.text
+    _age(cr.iter_dir(root, 6), 10)  # published after the pointer (killed before it was updated): this run's
+    assert cr.resume_candidates(root) == [6, 4, 2]
+    _pointer(tmp_path, 5)  # names a dir that is gone: the previous complete ones
+    with caplog.at_level("WARNING"):
+        assert cr.resume_candidates(root) == [4, 2]
+    assert f"names {cr.iter_dir(root, 5)}, which is missing" in caplog.text
+    # the pointer is matched by dir name, so a moved root keeps its order
+    cr.write_resume_state(root, {"rollout_id": 9, "checkpoint": "/elsewhere/old_root/iter_0000002"})
+    assert cr.resume_candidates(root) == [2]
+
+
+def test_prune_never_deletes_the_checkpoint_resume_state_names(tmp_path):
+    for s in (1, 2, 3, 4):
+        _sealed_ckpt(tmp_path, s)
+    _pointer(tmp_path, 1)  # e.g. the run went on from --load ROOT/iter_0000001
+    assert cr.prune(str(tmp_path), 2) == [2]
+    assert cr.list_iterations(str(tmp_path)) == [1, 3, 4]
+
+
+def test_iteration_of_names_one_iteration_dir():
+    assert cr.iteration_of("/r/iter_0000012") == 12 and cr.iteration_of("/r/iter_0000012/") == 12
+    assert cr.iteration_of("/r") is None and cr.iteration_of("/r/.iter_0000012.tmp") is None

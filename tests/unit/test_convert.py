@@ -224,8 +224,9 @@ def test_cli_refuses_unsupported_config_existing_output_and_incomplete_input(tmp
 
 
 # ------------------------------------------------------------------------------------------ CLI round trip
-def test_cli_round_trip_llama_bit_exact(tmp_path, tiny_hf_models):
-    """The real tool, two processes: HF -> torch_dist -> HF (3 shards), --verify on both legs."""
+def test_cli_round_trip_llama_bit_exact(tmp_path, tiny_hf_models, capsys):
+    """The real tool, two processes: HF -> torch_dist -> HF (3 shards), --verify on both legs.
+    Then (issue 11) same-size damage in either output is refused naming the file."""
     src = tiny_hf_models("llama")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     d, back = tmp_path / "dist", tmp_path / "back"
@@ -243,6 +244,32 @@ def test_cli_round_trip_llama_bit_exact(tmp_path, tiny_hf_models):
     assert len(set(index["weight_map"].values())) == summary["files"] >= 3
     assert (back / "config.json").read_bytes() == open(os.path.join(src, "config.json"), "rb").read()
     assert_same_tensors(src, back)
+
+    # every file of both outputs has its CRC-32 in COMPLETE.json (the HF shards' computed while writing)
+    from megatron_rl.infra.checkpoint_root import file_crc32
+    hf_meta = json.load(open(back / common.MARKER_NAME))
+    assert hf_meta["format"] == common.HF_FORMAT
+    for out_dir, m in ((d, meta), (back, hf_meta)):
+        listed = {e["path"]: e["crc32"] for e in m["files"]}
+        assert set(listed) == {os.path.relpath(os.path.join(r, f), out_dir) for r, _, fs in os.walk(out_dir)
+                               for f in fs if f != common.MARKER_NAME}
+        assert all(file_crc32(os.path.join(out_dir, p)) == c for p, c in listed.items())
+    # same-size garbage inside a shard: refused by name (it used to convert and print "verified bit-exact")
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))[0]
+    hf_shard = sorted(f for f in os.listdir(back) if f.endswith(".safetensors"))[-1]
+    for path in (d / shard, back / hf_shard):
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.seek(size - 64)
+            f.write(b"\x7f" * 16)  # e.g. +inf-ish bytes over some weights
+        assert os.path.getsize(path) == size
+    rc, err = _run_cli(["dist-to-hf", "--input", str(d), "--output", str(tmp_path / "again"), "--verify",
+                        "--no-progress"], capsys)
+    assert rc == 2 and f"{shard} has CRC-32" in err and "COMPLETE.json says" in err, err
+    rc, err = _run_cli(["hf-to-dist", "--input", str(back), "--output", str(tmp_path / "again2"), "--verify",
+                        "--no-progress"], capsys)
+    assert rc == 2 and f"{hf_shard} has CRC-32" in err, err
+    assert not (tmp_path / "again").exists() and not (tmp_path / "again2").exists()
 
 
 def test_save_safetensors_reads_back_with_safetensors(tmp_path):

@@ -17,13 +17,19 @@ What one ``iter_NNNNNNN`` dir holds (megatron-core ``dist_checkpointing``, torch
   ``--hf-checkpoint``, so ``tools/convert_ckpt.py dist-to-hf`` exports the
   checkpoint without being told the model;
 * ``COMPLETE.json``: format, layout, model fingerprint, megatron-core version and
-  every file with its size. Written last, inside the temp dir.
+  every file with its size and CRC-32. Written last, inside the temp dir.
 
 Atomicity: all ranks write ``.iter_NNNNNNN.tmp`` (a collective save), barrier,
 then rank 0 writes ``extra_state.json`` + ``COMPLETE.json``, fsyncs the tree and
 renames it into place (:func:`~megatron_rl.infra.atomic.publish_dir`); barrier.
 A reader therefore sees a complete checkpoint or none; a crash leaves only a temp
 dir, which :func:`load_checkpoint` and ``find_latest_complete`` refuse/skip.
+
+Integrity on load: rank 0 checks the marker and every listed file (size and CRC-32,
+so same-size damage is refused naming the file) and broadcasts its verdict; after
+the read every rank checks its model tensors for inf/NaN before anything is applied.
+Failures of the files raise :class:`~megatron_rl.infra.checkpoint_root.CorruptCheckpoint`
+with the model untouched, so auto-resume can fall back to the previous checkpoint.
 
 Exact resume (measured: losses, grad norms, parameters and optimizer state
 bitwise equal to an uninterrupted run) needs one fix on top of megatron-core,
@@ -48,14 +54,16 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-from megatron_rl.infra.checkpoint_root import (MARKER_NAME, file_list, is_temp_dir, read_complete_marker,
-                                             temp_dir_for)
+from megatron_rl.infra.checkpoint_root import (MARKER_NAME, CorruptCheckpoint, file_list, is_temp_dir,
+                                             read_complete_marker, temp_dir_for)
 
 log = logging.getLogger(__name__)
 
 FORMAT = "megatron_rl.torch_dist.v1"
 EXTRA_STATE_NAME = "extra_state.json"
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_ANOTHER = ("auto-resume skips it to the previous complete checkpoint; to pick one yourself pass "
+            "--load ROOT/iter_NNNNNNN of another complete iteration")
 # Model-shape fields that must match for a checkpoint to load (TP/PP-independent).
 FINGERPRINT_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                       "ffn_hidden_size", "vocab_size")
@@ -374,9 +382,41 @@ def read_checkpoint_metadata(path: str) -> dict:
         "temp": "it is never loaded. Load a complete iter_NNNNNNN dir (find_latest_complete) and delete this one",
         "root": "pass iter_dir(root, find_latest_complete(root))",
         "unmarked": "Resume from an older complete checkpoint (find_latest_complete skips this one) or delete it",
-        "json": "resume from another checkpoint",
+        "json": _ANOTHER,
         "format": f"this loader reads {FORMAT!r}",
-        "files": "Resume from another checkpoint or restore the files"})
+        "files": f"Restore the files, or {_ANOTHER}"})
+
+
+def _validated_metadata(path: str) -> dict:
+    """:func:`read_checkpoint_metadata` on rank 0 only (it reads every file for the checksums:
+    once, not once per rank), its verdict broadcast; every rank raises the same error."""
+    box: list = [None, None, None]
+    if _rank() == 0:
+        try:
+            box[0] = read_checkpoint_metadata(path)
+        except CheckpointError as e:
+            box[1], box[2] = isinstance(e, CorruptCheckpoint), str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. permission denied: every rank must raise, not hang
+            box[1], box[2] = True, f"reading checkpoint {path} failed: {type(e).__name__}: {e}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[2] is not None:
+        raise (CorruptCheckpoint if box[1] else CheckpointError)(box[2])
+    return box[0]
+
+
+def _non_finite_tensors(loaded: dict, keys: list[str]) -> list[str]:
+    """Names of loaded model tensors holding inf/NaN, gathered from every rank (sorted)."""
+    bad = []
+    for key in keys:
+        for name, t in loaded[key].items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(f"{key}.{name}" if len(keys) > 1 else name)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, bad)
+        bad = [n for part in gathered for n in part]
+    return sorted(set(bad))
 
 
 def check_model_matches(path: str, meta: dict, backend) -> None:
@@ -397,7 +437,7 @@ def load_checkpoint(backend, path: str) -> dict:
     so a refused checkpoint fails on every rank alike.
     """
     path = os.path.abspath(path)
-    meta = read_checkpoint_metadata(path)
+    meta = _validated_metadata(path)
     check_model_matches(path, meta, backend)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     saved_dist = (meta.get("layout") or {}).get("use_distributed_optimizer")
@@ -421,9 +461,13 @@ def load_checkpoint(backend, path: str) -> dict:
     try:
         loaded = dist_checkpointing.load(sd, path)
     except Exception as e:  # noqa: BLE001 - surfaced with the path
-        raise CheckpointError(f"loading checkpoint {path} failed ({type(e).__name__}: {e}); the files are "
-                              f"corrupt or were written for another model/optimizer. Resume from another "
-                              f"checkpoint") from e
+        raise CorruptCheckpoint(f"loading checkpoint {path} failed ({type(e).__name__}: {e}); the files are "
+                                f"corrupt or were written for another model/optimizer; {_ANOTHER}") from e
+    model_keys = ["model"] if len(backend.chunks) == 1 else [f"model{i}" for i in range(len(backend.chunks))]
+    bad = _non_finite_tensors(loaded, model_keys)
+    if bad:  # before anything is applied: the model is untouched for a fallback
+        raise CorruptCheckpoint(f"checkpoint {path} holds non-finite (inf/NaN) weights in {len(bad)} tensor(s): "
+                                f"{', '.join(bad[:5])}; it was damaged or saved from a diverged run. {_ANOTHER}")
 
     try:
         if len(backend.chunks) == 1:
