@@ -23,7 +23,8 @@ from megatron_rl.config.placement import refuse_single_process_world
 from megatron_rl.errors import MegatronRLError
 from megatron_rl.infra.run import RunContext, build_rollout, build_spec, print_plan
 from megatron_rl.infra.step_metrics import aggregate_step_metrics
-from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
+                                         restore_signal_handlers, write_error_status)
 from megatron_rl.weight_sync import make_synchronizer
 
 log = logging.getLogger("megatron_rl")
@@ -60,6 +61,7 @@ def run(cfg) -> int:
     start = ctx.resume_or_init(backend, rollout) if backend else 0
     if backend and cfg.has_rollout_engine:
         ctx.log(start, sync.sync(backend, rollout and rollout.engine, version=start))
+    ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
     for rollout_id in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         samples, metrics = ctx.get_rollout(rollout_id, rollout)
@@ -86,6 +88,7 @@ def run(cfg) -> int:
 
 
 def main(argv=None) -> int:
+    previous = end_process_on_stop_signals()  # until the loop can save, SIGTERM/SIGINT end the run (143/130)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter of every bucket
     try:
@@ -98,11 +101,16 @@ def main(argv=None) -> int:
         # stop the workers exit 0 and run_status.json tells the launch script to exit 3.
         return 0 if rc == EXIT_WALL_TIME and "TORCHELASTIC_RUN_ID" in os.environ else rc
     except MegatronRLError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # under megatron_rl.infra.launch the launcher prints the first rank's error once, with its code
+        status_file = os.environ.get(STATUS_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
+        recorded = status_file and (write_error_status(status_file, str(exc), 2) or os.path.isfile(status_file))
+        if not recorded:
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        restore_signal_handlers(previous)  # main() called in-process (tests) leaves them as it found them
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 "$PY" -m megatron_rl.data.synthetic --out "$OUT"
-"$PY" -m torch.distributed.run --nproc-per-node "$NPROC" --nnodes 1 --master-addr 127.0.0.1 \
+# exec: this script's process becomes torchrun (megatron_rl.infra.launch), so SIGTERM/Ctrl-C to it,
+# to its process group or to torchrun all stop the run the same way: the workers finish the step,
+# save, and this exits 3. Exit codes: 0 finished, 3 stopped early (relaunch to resume), 2 refused
+# (one "error:" line), 143/130 stopped before anything could be saved, 1 crashed.
+exec "$PY" -m megatron_rl.infra.launch --run-dir "$OUT" \
+  --nproc-per-node "$NPROC" --nnodes 1 --master-addr 127.0.0.1 \
   --master-port "${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}" -m megatron_rl.train \
   --hf-checkpoint "$OUT/model" \
   --actor-num-gpus-per-node "$NPROC" \
@@ -29,12 +34,3 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   --output-dir "$OUT" --tensorboard-dir "$OUT/tb" \
   --check-weight-update-equal \
   "$@"
-# 3 = stopped early on purpose (wall time / SIGTERM): relaunch the same command to resume
-rc=0
-"$PY" -m megatron_rl.infra.wall_time --exit-code "$OUT" || rc=$?
-if [ "$rc" -eq 0 ]; then
-  echo "curves: $OUT/curves.png  metrics: $OUT/metrics.jsonl"
-else
-  echo "stopped early (exit $rc); relaunch the same command to resume"
-fi
-exit "$rc"

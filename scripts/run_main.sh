@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
-PY=.venv/bin/python bash scripts/run_demo_cpu.sh "$@"
+PY=.venv/bin/python exec bash scripts/run_demo_cpu.sh "$@"  # exec: a signal to this script reaches the run

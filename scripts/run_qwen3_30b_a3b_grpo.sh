@@ -18,10 +18,13 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 
-LAUNCH=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
+# megatron_rl.infra.launch runs torchrun and exits with the run's code (0 finished, 3 stopped early:
+# relaunch to resume, 2 refused, 143/130 stopped before anything could be saved, 1 crashed); exec, so
+# a signal to this script is a signal to torchrun, which forwards it and waits for the stop save.
+LAUNCH=("$PY" -m megatron_rl.infra.launch --run-dir "$SAVE/run" --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 [[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
-"${LAUNCH[@]}" -m megatron_rl.train \
+exec "${LAUNCH[@]}" -m megatron_rl.train \
   --hf-checkpoint "$HF_CKPT" --bf16 \
   --actor-num-nodes "$NNODES" --actor-num-gpus-per-node "$GPUS_PER_NODE" \
   --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 2 \
@@ -37,6 +40,3 @@ LAUNCH=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RAN
   --update-weight-transport distributed --update-weight-buffer-size $((1024 * 1024 * 1024)) \
   --save "$SAVE" --save-interval 10 --save-max-to-keep 2 --wall-time-limit 7d --wall-time-reserve 1h \
   --output-dir "$SAVE/run" "$@"
-[[ " $* " == *" --dry-run "* ]] && exit 0
-# 3 = stopped early on purpose (wall time / SIGTERM): relaunch the same command to resume
-exec "$PY" -m megatron_rl.infra.wall_time --exit-code "$SAVE/run"

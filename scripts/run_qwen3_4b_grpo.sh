@@ -29,11 +29,11 @@ SYNC_ARGS=(--update-weight-transport tensor --update-weight-buffer-size $((512 *
 CKPT_ARGS=(--save "$SAVE" --save-interval 20 --save-max-to-keep 3 --recompute-granularity full
   --wall-time-limit 7d --wall-time-reserve 10m --output-dir "$SAVE/run")
 
-LAUNCH=("$PY" -m torch.distributed.run --nproc-per-node "$NPROC")
+# megatron_rl.infra.launch runs torchrun and exits with the run's code (0 finished, 3 stopped early:
+# relaunch to resume, 2 refused, 143/130 stopped before anything could be saved, 1 crashed); exec, so
+# a signal to this script is a signal to torchrun, which forwards it and waits for the stop save.
+LAUNCH=("$PY" -m megatron_rl.infra.launch --run-dir "$SAVE/run" --nproc-per-node "$NPROC")
 [[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
-"${LAUNCH[@]}" -m megatron_rl.train \
+exec "${LAUNCH[@]}" -m megatron_rl.train \
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${OPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
   "${ALGO_ARGS[@]}" "${SYNC_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"
-[[ " $* " == *" --dry-run "* ]] && exit 0
-# 3 = stopped early on purpose (wall time / SIGTERM): relaunch the same command to resume
-exec "$PY" -m megatron_rl.infra.wall_time --exit-code "$SAVE/run"

@@ -66,3 +66,19 @@ def test_script_dry_run_refuses_bad_layout(tmp_path):
     assert proc.returncode == 2
     assert "--tensor-model-parallel-size" in proc.stderr or "TP" in proc.stderr
     assert f"--rollout-backend sglang {NOT_YET}" in proc.stderr  # reported together with the layout error
+
+
+@pytest.mark.slow
+def test_refusal_under_torchrun_is_one_error_line_and_exit_2(tmp_path):
+    """A refusal inside the workers (both ranks refuse): one ``error:`` line and exit 2, not every rank's
+    line plus torchrun's ChildFailedError traceback and exit 1."""
+    from _util import free_port
+
+    env = {"OUT": str(tmp_path / "demo"), "NUM_ROLLOUT": "2", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1"}
+    proc = _run("run_demo_cpu.sh", env, "--tensor-model-parallel-size", "3")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "TP x PP x CP = 3 x 1 x 1" in errors[0], output[-4000:]
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]

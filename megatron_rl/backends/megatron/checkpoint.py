@@ -125,7 +125,29 @@ def _dist_checkpointing():
             pass
 
     apply_cpu_compat()
+    _in_process_write_results_queue()
     return dist_checkpointing
+
+
+def _in_process_write_results_queue() -> None:
+    """Give megatron's torch_dist writer a results queue without a server process.
+
+    Why: ``filesystem_async._get_write_results_queue`` starts a ``multiprocessing``
+    Manager (a spawned server process, kept for the life of the worker) at the
+    first save. It sits in the worker's process group, so a SIGTERM to that group
+    (torchrun forwards signals with ``os.killpg``; ``kill -TERM -PGID``) killed it
+    and the stop save that followed failed with BrokenPipeError, leaving a temp dir
+    and no run_status.json. Our saves are synchronous: the queue is filled and read
+    in this process (``execute_sync`` runs the writer function here; only its
+    forked writers, which inherit the loop's flag-only signal handler, are other
+    processes), so a plain thread-safe ``queue.Queue`` does the same job.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _mcore_version() -> str:

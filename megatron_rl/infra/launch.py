@@ -1,0 +1,155 @@
+"""torchrun for the launch scripts: one line and the run's exit code, whatever ends the run.
+
+    python -m megatron_rl.infra.launch --run-dir OUTPUT_DIR [torchrun flags] -m megatron_rl.train ...
+
+Runs ``torch.distributed.run`` in this process (the launch scripts ``exec`` it, so
+a signal sent to the script, to its process group, or to torchrun reaches the
+same process) and turns how the run ended into one exit code:
+
+* 0 finished, 3 stopped early on purpose (wall time, SIGTERM/SIGINT: the workers
+  saved first) -- from ``OUTPUT_DIR/run_status.json``, written by the driver;
+* a refusal (``ConfigError`` ...): the workers write ``error`` + exit code to the
+  same file (``MEGATRON_RL_STATUS_FILE``) instead of printing it on every rank;
+  this prints ``error: ...`` once and exits with its code (2), not torchrun's 1
+  and ChildFailedError traceback;
+* a signal before the loop could save: 128 + the signal (143 SIGTERM, 130 SIGINT);
+* a crash: which rank failed with what (its traceback is above), exit 1.
+
+Why not plain torchrun: torchrun exits 1 with a traceback for all of these, and a
+wrapper script around it that is itself signalled leaves torchrun and the workers
+running. Two more things torchrun does that a stop save cannot live with:
+
+* on a signal it forwards it to every worker, waits ``--shutdown-timeout``
+  (default 30 s) and then SIGKILLs them; the wait is raised to 300 s here
+  (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` overrides) so the step in flight and the
+  save can finish;
+* a second signal (``timeout`` and Slurm signal both the process and its group;
+  a terminal's Ctrl-C reaches every process in the foreground group) raises again
+  inside that wait and abandons the workers mid-save. Here the first signal
+  starts the stop and later ones are ignored (SIGKILL still ends everything).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Optional
+
+from megatron_rl.infra.wall_time import RUN_STATUS_FILE, STATUS_ENV, read_run_status, status_exit_code
+
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 300
+USAGE = "usage: python -m megatron_rl.infra.launch --run-dir OUTPUT_DIR [torchrun flags] SCRIPT|-m MODULE [args]"
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _split_args(argv: list[str]) -> tuple[str, list[str]]:
+    if len(argv) < 3 or argv[0] != "--run-dir" or not argv[1]:
+        _say(f"error: {USAGE}")
+        sys.exit(2)
+    return argv[1], argv[2:]
+
+
+def _first_signal_only() -> None:
+    """Make torchrun's signal handler act once: later signals are ignored while the workers stop and save."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api._terminate_process_handler
+    seen: list[int] = []
+
+    def handler(signum, frame):
+        if seen:
+            _say(f"launch: got {signal.Signals(signum).name} again; still waiting for the workers to save and "
+                 f"exit (SIGKILL ends them now, losing the steps since the last checkpoint)")
+            return
+        seen.append(signum)
+        original(signum, frame)  # raises SignalException: torchrun forwards it and waits
+
+    api._terminate_process_handler = handler
+
+
+def _quiet_torchrun_logs() -> None:
+    """torchrun logs each failure and then raises; this module reports it once (LOGLEVEL=... keeps them)."""
+    if "LOGLEVEL" in os.environ:
+        return
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
+
+
+def _failure_summary(exc) -> tuple[int, str]:
+    """(exit code, one line) for torchrun's ChildFailedError: the first failed rank and how it ended."""
+    failures = getattr(exc, "failures", {}) or {}
+    if not failures:
+        return 1, "a worker failed (see its output above)"
+    rank, failure = sorted(failures.items())[0]
+    code = getattr(failure, "exitcode", 1)
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        return 128 - code, f"rank {rank} was ended by {name}"
+    return 1, f"rank {rank} exited with code {code} (its traceback is above)"
+
+
+def run(run_dir: str, torchrun_args: list[str]) -> int:
+    """Launch, wait, report; returns the exit code (see the module docstring)."""
+    os.makedirs(run_dir, exist_ok=True)
+    status_path = os.path.join(run_dir, RUN_STATUS_FILE)
+    try:
+        os.remove(status_path)  # a previous run's status must not speak for this one
+    except FileNotFoundError:
+        pass
+    os.environ[STATUS_ENV] = status_path
+    os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(DEFAULT_SHUTDOWN_TIMEOUT_S))
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run as torchrun
+
+    _first_signal_only()
+    _quiet_torchrun_logs()
+    got_signal: Optional[signal.Signals] = None
+    failure: Optional[tuple[int, str]] = None
+    try:
+        torchrun(parse_args(torchrun_args))
+    except SignalException as e:
+        got_signal = signal.Signals(e.sigval)
+    except ChildFailedError as e:
+        failure = _failure_summary(e)
+
+    status = read_run_status(run_dir)
+    code = status_exit_code(status)
+    if code == 0:
+        curves = os.path.join(run_dir, "curves.png")
+        _say(f"finished; curves: {curves}  metrics: {os.path.join(run_dir, 'metrics.jsonl')}"
+             if os.path.isfile(curves) else f"finished; outputs in {run_dir}")
+        return 0
+    if code is not None and status.get("status") == "stopped_early":
+        _say(f"stopped early ({status.get('reason', 'stop requested')}) after rollout {status.get('rollout_id')}; "
+             f"exit {code}: relaunch the same command to resume")
+        return code
+    if code is not None:
+        _say(f"error: {status.get('error')}")
+        return code
+    kept = "the newest complete checkpoint, if any, is kept"
+    if got_signal is not None:
+        _say(f"stopped by {got_signal.name} before the run could save (start-up, or the save did not finish "
+             f"within {os.environ[SHUTDOWN_TIMEOUT_ENV]} s); {kept}")
+        return 128 + int(got_signal)
+    if failure is not None:
+        _say(f"error: {failure[1]}; {kept}")
+        return failure[0]
+    return 0  # torchrun succeeded and nothing wrote a status (a run without a driver status, e.g. a plain script)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    run_dir, torchrun_args = _split_args(list(sys.argv[1:] if argv is None else argv))
+    return run(run_dir, torchrun_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
