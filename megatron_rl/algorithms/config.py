@@ -88,7 +88,8 @@ class PolicyGradientConfig:
         if self.tis_clip_low and not self.use_tis:
             bad("--tis-clip-low", self.tis_clip_low, "it bounds the TIS weight: add --use-tis or drop it")
         if self.use_unbiased_kl and not self.kl_loss_coef:
-            bad("--use-unbiased-kl", True, "it weights the KL loss term: set --use-kl-loss --kl-loss-coef > 0 or drop it")
+            bad("--use-unbiased-kl", True, "it weights the KL loss term: set --use-kl-loss --kl-loss-coef > 0 "
+                "or drop it")
         for flag, v in (("--kl-loss-coef", self.kl_loss_coef), ("--kl-coef", self.kl_coef),
                         ("--entropy-coef", self.entropy_coef), ("--opd-coef", self.opd_coef)):
             if v < 0:

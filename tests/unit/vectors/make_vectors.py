@@ -282,7 +282,8 @@ def build():
         cases.append(_case(name, dict(token_rewards=tok_r, values=vals, response_lengths=lengths, loss_mask=m,
                                       gamma=gamma, lam=lam), {"advantages": adv, "returns": ret}, 1e-5))
     files["gae"] = dict(function="megatron_rl.algorithms.advantages.gae_advantages",
-                        formula="delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, returns = A + V, "
+                        formula="delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, "
+                                "returns = A + V, "
                                 "'next' = next unmasked token of the sample (verl multi-turn GAE)",
                         convention="masked tokens: advantage and return 0, their rewards dropped (verl)",
                         cases=cases)
@@ -333,7 +334,8 @@ def build():
              _case("no_lower_bound", dict(old_logprobs=old, rollout_logprobs=rollout, cap=2.0, low=0.0),
                    {"weights": tis(old, rollout, 2.0, 0.0)}, 1e-9)]
     files["tis"] = dict(function="megatron_rl.algorithms.losses.tis_weights",
-                        formula="w = clamp(exp(old - rollout), tis_clip_low, tis_cap) (slime --tis-clip-low/--tis-clip)",
+                        formula="w = clamp(exp(old - rollout), tis_clip_low, tis_cap) "
+                                "(slime --tis-clip-low/--tis-clip)",
                         convention="old - rollout clamped to <= 20 before exp", cases=cases)
 
     lengths = [3, 4, 2, 1]
