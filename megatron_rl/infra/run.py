@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -108,6 +109,10 @@ class RunContext:
     colocation: Colocation
     is_driver: bool
     resume_state: dict = field(default_factory=dict)
+    # (step, path) of the checkpoint this process last resumed from or saved: the rollout that follows it
+    # is written to / read from rollout_ckpts/ (see rollout/rollout_ckpt.py); resumed_at: the resumed step
+    last_checkpoint: Optional[tuple] = None
+    resumed_at: Optional[int] = None
 
     @classmethod
     def create(cls, cfg) -> "RunContext":
@@ -164,9 +169,36 @@ class RunContext:
             samples = load_rollout(mode.load_debug_rollout_data.format(rollout_id=rollout_id))
             metrics = {"rollout/reward_mean": sum(s.reward for s in samples) / len(samples)}
         else:
-            samples, metrics = rollout.generate(rollout_id)
+            samples, metrics = self._generate_or_reload(rollout_id, rollout)
         if mode.save_debug_rollout_data:
             save_rollout(mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
+        return samples, metrics
+
+    def _generate_or_reload(self, rollout_id: int, rollout):
+        """Rollout N from the engine, or from ``rollout_ckpts/rollout_N.pt`` when this job resumed from
+        checkpoint N and the job before it had generated N already; a rollout that directly follows a
+        checkpoint under --save is written there (rollout/rollout_ckpt.py says why only that one)."""
+        from megatron_rl.rollout import rollout_ckpt
+
+        root = self.cfg.checkpoint.save
+        step, path = self.last_checkpoint or (None, None)
+        follows = (path if root and step == rollout_id and self.cfg.has_training
+                   and os.path.abspath(os.path.dirname(path)) == os.path.abspath(root) else None)
+        if follows and self.resumed_at == rollout_id:
+            stored = rollout_ckpt.load_rollout_ckpt(root, rollout_id, checkpoint=follows,
+                                                    fingerprint=rollout.fingerprint(), state_before=rollout.position(),
+                                                    weight_version=rollout.engine.weight_version)
+            if stored is not None:
+                rollout.load_state_dict(stored["state_after"])
+                log.info("rollout %d: loaded from %s, not regenerated", rollout_id,
+                         rollout_ckpt.rollout_ckpt_path(root, rollout_id))
+                return stored["samples"], stored["metrics"]
+        before = rollout.position()
+        samples, metrics = rollout.generate(rollout_id)
+        if follows:
+            rollout_ckpt.save_rollout_ckpt(root, rollout_id, checkpoint=follows, samples=samples, metrics=metrics,
+                                           fingerprint=rollout.fingerprint(), state_before=before,
+                                           state_after=rollout.state_dict())
         return samples, metrics
 
     # ---- checkpoints -------------------------------------------------------------
@@ -198,6 +230,7 @@ class RunContext:
             rollout.prompts.load_state_dict(extra["dataset_state"])
         step = int(extra["rollout_id"])
         log.info("resumed from %s at rollout %d", path, step)
+        self.last_checkpoint, self.resumed_at = (step, path), step
         return step
 
     @staticmethod
@@ -257,12 +290,16 @@ class RunContext:
             dist.broadcast_object_list(box, src=0)
         path = ckpt.iter_dir(root, step)
         backend.save(path, box[0])
+        self.last_checkpoint = (step, path)
         if self.is_driver:
             ckpt.write_latest(root, step)
             ckpt.write_resume_state(root, {"rollout_id": step, "checkpoint": path, "elapsed_s": self.clock.elapsed_s,
                                            "wandb_run_id": self.tracker.wandb_run_id})
             if self.cfg.checkpoint.save_max_to_keep:
                 ckpt.prune(root, self.cfg.checkpoint.save_max_to_keep)
+                from megatron_rl.rollout.rollout_ckpt import prune as prune_rollout_ckpts
+
+                prune_rollout_ckpts(root)  # a stored rollout lives as long as the checkpoint it follows
         if dist.is_initialized():
             dist.barrier()
 

@@ -82,6 +82,40 @@ class RolloutManager:
                    "rollout/weight_version": float(samples[0].weight_version)}
         return samples, metrics
 
+    # ---- what generating a rollout advances (saved with it in rollout_ckpts/, see rollout_ckpt.py) ----
+    def position(self) -> dict:
+        """Where the prompt stream stands: a stored rollout is only valid when generated from here."""
+        return self.prompts.state_dict()
+
+    def state_dict(self) -> dict:
+        """Everything ``generate`` advances: the prompt position and the driver's global RNG streams.
+
+        The engine's sampling randomness is not in it: each call seeds its own generators from
+        ``--rollout-seed`` + rollout id, so there is no engine RNG state to carry.
+        """
+        from megatron_rl.rollout.rollout_ckpt import capture_rng_state
+
+        return {"prompts": self.prompts.state_dict(), "rng": capture_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from megatron_rl.rollout.rollout_ckpt import restore_rng_state
+
+        self.prompts.load_state_dict(state["prompts"])
+        restore_rng_state(state["rng"])
+
+    def fingerprint(self) -> dict:
+        """The flags that decide a rollout's content besides the weights and the prompt position."""
+        r, b, d = self.cfg.rollout, self.cfg.batching, self.cfg.data
+        return {"hf_checkpoint": self.cfg.model.hf_checkpoint, "rollout_backend": r.rollout_backend,
+                "prompt_data": d.prompt_data, "input_key": d.input_key, "label_key": d.label_key,
+                "apply_chat_template": d.apply_chat_template, "rm_type": d.rm_type,
+                "custom_rm_path": d.custom_rm_path, "rollout_batch_size": b.rollout_batch_size,
+                "n_samples_per_prompt": b.n_samples_per_prompt, "rollout_seed": r.rollout_seed,
+                "rollout_temperature": r.rollout_temperature, "rollout_top_p": r.rollout_top_p,
+                "rollout_top_k": r.rollout_top_k, "rollout_max_prompt_len": r.rollout_max_prompt_len,
+                "rollout_max_response_len": r.rollout_max_response_len,
+                "rollout_stop_token_ids": list(r.rollout_stop_token_ids)}
+
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         if self.eval_dataset is None:
             return {}

@@ -397,6 +397,31 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     assert {s: r for s, r in by_step(new).items()} == {4: ref[4]}
 
 
+@pytest.mark.slow
+def test_sigkill_after_rollout_was_generated_resumes_without_regenerating_it(straight, tmp_path):
+    """Killed once rollout 2 was generated (rollout_ckpts/rollout_2.pt, written right after iter_2) and before
+    its training finished: the rerun loads rollout 2 instead of calling the engine, and ends bitwise equal."""
+    out = tmp_path / "demo"
+    root = str(out / "ckpt")
+    stored = os.path.join(root, "rollout_ckpts", "rollout_2.pt")
+    Demo(out, 4, "--save-interval", "2").kill_when(lambda: os.path.exists(stored), "rollout_ckpts/rollout_2.pt")
+    assert train_steps(metrics(out)) == [1, 2]  # rollout 2 (logged as step 3) was never trained
+    assert assert_no_partial_checkpoint_visible(root, tmp_path) == [2]
+    generated = torch.load(stored, weights_only=False)
+
+    final = run_demo(out, 4, "--save-interval", "2")
+    assert f"resumed from {iter_dir(root, 2)} at rollout 2" in final.output
+    assert f"rollout 2: loaded from {stored}, not regenerated" in final.output
+    new = final.new_records()
+    assert train_steps(new) == [3, 4]
+    # the killed run's own generation time: the metrics came from the file, not from a new generation
+    assert next(r for r in new if r["step"] == 3)["rollout/time_s"] == generated["metrics"]["rollout/time_s"]
+    ref = by_step(metrics(straight))
+    assert by_step(new) == {3: ref[3], 4: ref[4]}
+    assert_same_checkpoint(iter_dir(str(straight / "ckpt"), 4), iter_dir(root, 4), tmp_path)
+    assert sorted(os.listdir(os.path.join(root, "rollout_ckpts"))) == ["rollout_2.pt"]  # iter_2, iter_4 kept
+
+
 # ---- c. wall time -------------------------------------------------------------------------------------
 
 
