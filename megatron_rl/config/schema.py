@@ -170,7 +170,9 @@ class CheckpointConfig:
                                "that holds a complete checkpoint. A model-only dir from convert_ckpt.py "
                                "hf-to-dist gives the initial weights instead (fresh optimizer, step 0; "
                                "resuming is then from --save).")
-    save: Optional[str] = flag(None, "Checkpoint root: iter_NNNNNNN/ dirs, resume_state.json, rollout_ckpts/.")
+    save: Optional[str] = flag(None, "Checkpoint root: iter_NNNNNNN/ dirs, resume_state.json, rollout_ckpts/ "
+                               "(the rollout generated right after each kept checkpoint, so a resume from it "
+                               "skips regenerating that rollout).")
     save_interval: Optional[int] = flag(None, "Save every N rollout steps (needs --save).")
     save_max_to_keep: Optional[int] = flag(None, "Keep only the newest N checkpoints under --save.")
     no_auto_resume: bool = flag(False, "Start from --hf-checkpoint even if --save holds a checkpoint.")
@@ -185,7 +187,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_backend: str = flag("embedded", "Rollout engine: in-process torch engine or SGLang servers.",
+    rollout_backend: str = flag("embedded", "Rollout engine: embedded (in-process torch engine). sglang is "
+                                "refused in validation until SGLang rollout exists (issue 14).",
                                 choices=("embedded", "sglang"))
     rollout_num_gpus: Optional[int] = flag(None, "GPUs for rollout engines (default with --colocate: the actor's).")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
@@ -250,10 +253,13 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    update_weight_transport: str = flag("tensor", "How trained weights reach the rollout engine.",
+    update_weight_transport: str = flag("tensor", "How trained weights reach the rollout engine: tensor "
+                                        "(in-process hand-over to the embedded engine). disk and distributed "
+                                        "are refused in validation until they exist (issue 14).",
                                         choices=("disk", "tensor", "distributed"))
     update_weight_buffer_size: int = flag(512 * 1024 * 1024, "Bytes per weight-update bucket.")
-    update_weight_disk_dir: Optional[str] = flag(None, "Directory for the disk transport (default: under --save).")
+    update_weight_disk_dir: Optional[str] = flag(None, "Directory for the disk transport; refused in validation "
+                                                 "until that transport exists (issue 14).")
     check_weight_update_equal: bool = flag(False, "After each sync, verify every engine tensor equals the trainer's.")
 
 
