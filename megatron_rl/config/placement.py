@@ -28,9 +28,9 @@ _ACTOR_FIELDS = (
 )
 
 
-def _actor_of(text: str | None):
-    """The single actor of allocation ``text``, or None when there is nothing to apply
-    (no string, a malformed one, no or several actors: validation reports those)."""
+def _single_policy_plan(text: str | None):
+    """The plan of allocation ``text``, or None when there is nothing to apply (no string, a
+    malformed one, several policies: validation reports those)."""
     if not text:
         return None
     from megatron_rl.errors import PlanError
@@ -40,7 +40,7 @@ def _actor_of(text: str | None):
         plan = parse_allocation(text)
     except PlanError:
         return None
-    return None if plan.is_multi_policy else plan.actor
+    return None if plan.is_multi_policy else plan
 
 
 def implied_sizes(actor) -> dict[tuple[str, str], object]:
@@ -52,6 +52,18 @@ def implied_sizes(actor) -> dict[tuple[str, str], object]:
     out = {(g, f): get(actor) for g, f, _, get in _ACTOR_FIELDS}
     if actor.ep > 1:
         out[("parallel", "expert_tensor_parallel_size")] = actor.etp
+    return out
+
+
+def implied_rollout_sizes(plan) -> dict[tuple[str, str], int]:
+    """``--rollout-num-gpus`` (all rollout engines' GPUs) and, when every engine has the same
+    size, ``--rollout-num-gpus-per-engine`` (t*p), as slime's flags would state the plan."""
+    engines = plan.rollout
+    if not engines:
+        return {}
+    out = {("rollout", "rollout_num_gpus"): sum(r.world_size for r in engines)}
+    if len({r.engine_size for r in engines}) == 1:
+        out[("rollout", "rollout_num_gpus_per_engine")] = engines[0].engine_size
     return out
 
 
@@ -68,7 +80,12 @@ def apply_allocation(values: dict[str, dict]) -> None:
     with neither given, the node size is torchrun's ``LOCAL_WORLD_SIZE`` when it divides
     the rank count, else all ranks on one node.
     """
-    actor = _actor_of(values["placement"].get("allocation"))
+    plan = _single_policy_plan(values["placement"].get("allocation"))
+    if plan is None:
+        return
+    for (group, field), value in implied_rollout_sizes(plan).items():
+        values[group].setdefault(field, value)
+    actor = plan.actor
     if actor is None:
         return
     for (group, field), value in implied_sizes(actor).items():
@@ -105,16 +122,18 @@ def allocation_errors(cfg) -> list[str]:
                 f"per run. Launch one run per policy, each with its own --allocation (its actor and "
                 f"rollout engines), or use AReaL for multi-agent training; tools/check_plan.py "
                 f"reports the whole plan"]
+    errors = _rollout_flag_errors(plan, cfg, head)
     if not plan.has_training:
-        return [f"{head} has no training component (megatron or fsdp) but this run trains; add "
-                f"one (e.g. +megatron:d1) or pass --debug-rollout-only"] if cfg.has_training else []
+        if cfg.has_training:
+            errors.append(f"{head} has no training component (megatron or fsdp) but this run trains; "
+                          f"add one (e.g. +megatron:d1) or pass --debug-rollout-only")
+        return errors
     if not cfg.has_training:
-        return [f"{head} states a trainer ({plan.actor.spec() if plan.actor else plan.training[0].spec()}) "
-                f"but --debug-rollout-only starts none; drop one of them"]
+        return errors + [f"{head} states a trainer ({plan.training[0].spec()}) but "
+                         f"--debug-rollout-only starts none; drop one of them"]
     actor = plan.actor
     if actor is None:
-        return []  # validate_plan reports "no training component is the actor"
-    errors = []
+        return errors  # validate_plan reports "no training component is the actor"
     letters = {"tensor_model_parallel_size": "t", "pipeline_model_parallel_size": "p",
                "context_parallel_size": "c", "expert_model_parallel_size": "e"}
     for group, field, flag, _ in _ACTOR_FIELDS:
@@ -142,6 +161,28 @@ def allocation_errors(cfg) -> list[str]:
                       f"{cfg.placement.actor_num_nodes} x --actor-num-gpus-per-node "
                       f"{cfg.placement.actor_num_gpus_per_node} = {cfg.actor_world_size}; drop those "
                       f"flags (the allocation sets them) or make the two agree")
+    return errors
+
+
+def _rollout_flag_errors(plan, cfg, head: str) -> list[str]:
+    """The rollout flags against the allocation's rollout engines (sizes and --colocate)."""
+    errors = []
+    flags = {"rollout_num_gpus": ("--rollout-num-gpus", "all rollout engines' GPUs"),
+             "rollout_num_gpus_per_engine": ("--rollout-num-gpus-per-engine", "one engine's t*p")}
+    for (_, field), want in implied_rollout_sizes(plan).items():
+        have = getattr(cfg.rollout, field)
+        if have != want:
+            flag, what = flags[field]
+            errors.append(f"{head} gives {what} = {want} but {flag} is {have}; drop {flag} (the "
+                          f"allocation sets it) or make the two agree")
+    if not plan.rollout and cfg.rollout.rollout_num_gpus is not None:
+        errors.append(f"{head} has no rollout engine but --rollout-num-gpus is "
+                      f"{cfg.rollout.rollout_num_gpus}; drop it or add the engines (e.g. sglang:d2+...)")
+    shared = any(m is r for a in plan.actors for m in plan.group_of(a).members for r in plan.rollout)
+    if cfg.memory.colocate and plan.rollout and plan.actors and not shared:
+        errors.append(f"--colocate puts the rollout engines on the actor's GPUs but {head} places them "
+                      f"on separate GPUs ('+'); join them with '|' (e.g. sglang:d2|megatron:d2) or "
+                      f"drop --colocate")
     return errors
 
 

@@ -320,3 +320,23 @@ def test_run_outside_torchrun_is_one_rank(hf_dir, monkeypatch, capsys, tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: this is a single process (not launched by torchrun")
     assert "= 2 ranks (from --allocation 'megatron:d1t2'); launch it with torchrun --nproc-per-node 2" in err[0]
+
+
+@pytest.mark.parametrize("alloc, extra, match", [
+    ("sglang:d2|megatron:d2", ["--rollout-num-gpus", "4"],
+     "--allocation 'sglang:d2|megatron:d2' gives all rollout engines' GPUs = 2 but --rollout-num-gpus is 4"),
+    ("sglang:d2t2|megatron:d2t2", ["--rollout-num-gpus-per-engine", "1"],
+     "gives one engine's t*p = 2 but --rollout-num-gpus-per-engine is 1"),
+    ("sglang:d2+megatron:d2", ["--colocate"],
+     "--colocate puts the rollout engines on the actor's GPUs but --allocation 'sglang:d2+megatron:d2' places them"),
+    ("megatron:d2", ["--rollout-num-gpus", "2"], "--allocation 'megatron:d2' has no rollout engine but --rollout-num-gpus is 2"),
+])
+def test_allocation_and_rollout_flags_that_disagree_are_refused(hf_dir, alloc, extra, match):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(base(hf_dir, "--allocation", alloc, *extra))
+    assert match in str(exc.value)
+
+
+def test_allocation_sets_the_rollout_sizes_no_flag_gave(hf_dir):
+    cfg = parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
+    assert (cfg.rollout.rollout_num_gpus, cfg.rollout.rollout_num_gpus_per_engine) == (4, 2)
