@@ -14,6 +14,11 @@ Three launches (tests/dist/scripts/ckpt_worker.py):
    TP2 run; so does the PP2 x VPP2 re-save. Temp / unmarked / truncated / garbage
    checkpoints and one of the other optimizer kind are refused first.
 
+Issue 11, in launch 2 (2 ranks): same-size damage in a ``.distcp`` makes auto-resume
+fall back to the previous checkpoint, ``--load ROOT/iter_N`` loads exactly that one or
+fails naming it, and a +inf weight on one rank's shard is refused by every rank, naming
+the checkpoint and the parameter, with the model left untouched.
+
 The schedule (warm-up 2, cosine decay), weight decay, grad clipping, KL against a
 reference snapshot and per-step RNG use make every piece of state matter.
 """
@@ -45,11 +50,18 @@ def ckpt(tmp_path_factory, tiny_hf_models):
         jobs += [_job(tag=f"straight_{k}", flags=flags, steps=4),
                  _job(tag=f"save_{k}", flags=flags, steps=2, save=saves[k])]
     torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=400)
+    fb, inf = _corruption_roots(out, saves["tp"])
     jobs = [_job(tag=f"resume_{k}", flags=flags, steps=2, load=saves[k]) for k, flags in LAYOUTS.items()]
     # interleaved pipeline (model0/model1 keys): load the TP2 checkpoint at PP2 x VPP2 and save it again
     vpp_save = str(out / "root_vpp" / "iter_0000002")
     jobs.append(_job(tag="vpp", flags=VPP, steps=0, load=saves["tp"], save=vpp_save))
-    torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=300)
+    tp = LAYOUTS["tp"]
+    jobs.append(_job(tag="poison", flags=tp, steps=0, load=saves["tp"], poison="word_embeddings",
+                     save=os.path.join(inf, "iter_0000002")))
+    jobs.append(_job(tag="corrupt", flags=tp, steps=0, resume=[
+        ["--save", fb], ["--load", os.path.join(fb, "iter_0000002")], ["--load", os.path.join(fb, "iter_0000001")],
+        ["--save", inf], ["--load", os.path.join(inf, "iter_0000002")]]))
+    torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=360)
 
     # damaged copies of the TP2 checkpoint, next to it (root_tp) and apart (bad*)
     good = saves["tp"]
@@ -74,6 +86,37 @@ def ckpt(tmp_path_factory, tiny_hf_models):
     proc = torchrun(SCRIPT, 1, [hf, str(out), _job(tag="reshard_tp1", steps=2, load=good, refuse=list(bad.values())),
                                 _job(tag="vpp_to_tp1", steps=0, load=vpp_save)], timeout=300)
     return out, roots, bad, proc
+
+
+def _copy_as(src, dst, rollout_id):
+    """A copy of checkpoint ``src`` whose extra_state says ``rollout_id``, re-sealed as a save would."""
+    from megatron_rl.infra.checkpoint_root import MARKER_NAME, file_list
+
+    shutil.copytree(src, dst)
+    extra_path = os.path.join(dst, "extra_state.json")
+    extra = json.load(open(extra_path))
+    extra["rollout_id"] = rollout_id
+    json.dump(extra, open(extra_path, "w"))
+    meta = json.load(open(os.path.join(dst, MARKER_NAME)))
+    meta["files"] = [e for e in file_list(dst) if e["path"] != MARKER_NAME]
+    json.dump(meta, open(os.path.join(dst, MARKER_NAME), "w"))
+
+
+def _corruption_roots(out, good):
+    """root_fb: iter_1 (rollout 11) good, iter_2 (rollout 22) with same-size garbage in its largest .distcp;
+    root_inf: iter_1 (rollout 11) good, iter_2 written by the "poison" job (a +inf weight)."""
+    fb, inf = out / "root_fb", out / "root_inf"
+    _copy_as(good, fb / "iter_0000001", 11)
+    _copy_as(good, fb / "iter_0000002", 22)
+    _copy_as(good, inf / "iter_0000001", 11)
+    bad = fb / "iter_0000002"
+    shard = max((f for f in os.listdir(bad) if f.endswith(".distcp")), key=lambda f: os.path.getsize(bad / f))
+    size = os.path.getsize(bad / shard)
+    with open(bad / shard, "r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(64))
+    assert os.path.getsize(bad / shard) == size
+    return str(fb), str(inf)
 
 
 @pytest.mark.slow
@@ -127,8 +170,40 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
     assert "unpublished temp dir" in msgs[bad["temp"]] and bad["temp"] in msgs[bad["temp"]]
     assert "no COMPLETE.json" in msgs[bad["unmarked"]] and "find_latest_complete" in msgs[bad["unmarked"]]
     assert "corrupt" in msgs[bad["truncated"]] and "COMPLETE.json says" in msgs[bad["truncated"]]
-    assert "loading checkpoint" in msgs[bad["garbage"]] and bad["garbage"] in msgs[bad["garbage"]]
+    # same-size garbage: refused by its checksum, naming the file (before it is parsed)
+    assert "common.pt has CRC-32" in msgs[bad["garbage"]] and bad["garbage"] in msgs[bad["garbage"]]
     assert "--use-distributed-optimizer" in msgs[bad["dist_opt"]] and bad["dist_opt"] in msgs[bad["dist_opt"]]
     # the newest complete checkpoint skips the unmarked iter_0000003 and the temp dir
     assert find_latest_complete(str(roots["tp"])) == 2
     assert find_latest_complete(str(roots["do"])) == 2
+
+
+@pytest.mark.slow
+def test_corrupt_or_non_finite_checkpoint_falls_back_and_named_load_is_exact(ckpt):
+    """Issue 11 on 2 ranks (TP2): every rank reaches the same verdict and the model is never half-loaded."""
+    out, *_ = ckpt
+    fb, inf = out / "root_fb", out / "root_inf"
+    rec = _rec(out, "corrupt")
+    assert _rec(out, "poison")["poisoned"].endswith("word_embeddings.weight")
+    auto_fb, named_bad, named_good, auto_inf, named_inf = rec["resume"]
+    for outcome in (auto_fb, named_bad, named_good, auto_inf, named_inf):
+        assert len(outcome) == 2  # both ranks
+        assert {k: v for k, v in outcome[0].items() if k != "warnings"} == \
+            {k: v for k, v in outcome[1].items() if k != "warnings"}
+    # auto-resume: the damaged iter_2 is skipped with a warning naming the file; iter_1 (rollout 11) loads
+    assert auto_fb[0]["step"] == 11 and auto_fb[0]["optimizer_steps"] == 2
+    warned = " ".join(auto_fb[0]["warnings"])
+    assert f"not resuming from {fb / 'iter_0000002'}" in warned and ".distcp has CRC-32" in warned
+    # --load of that iteration by name: refused by name, no fallback; --load of iter_1 loads exactly it
+    assert named_bad[0]["class"] == "CheckpointError" and f"--load {fb / 'iter_0000002'}" in named_bad[0]["error"]
+    assert ".distcp has CRC-32" in named_bad[0]["error"]
+    assert named_good[0]["step"] == 11
+    # +inf on rank 0's shard only: both ranks refuse, naming checkpoint and parameter; auto-resume falls back
+    assert auto_inf[0]["step"] == 11
+    warned = " ".join(auto_inf[0]["warnings"] + auto_inf[1]["warnings"])
+    assert f"{inf / 'iter_0000002'} holds non-finite (inf/NaN) weights in 1 tensor(s): " in warned
+    assert "word_embeddings.weight" in warned
+    for r in (0, 1):
+        assert "non-finite" in named_inf[r]["error"] and "word_embeddings.weight" in named_inf[r]["error"]
+    # the refused loads applied nothing: the model is the good checkpoint's, exactly
+    assert _max_diff(_rec(out, "save_tp")["logprobs_end"], rec["logprobs_start"]) <= 1e-6

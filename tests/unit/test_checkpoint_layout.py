@@ -321,3 +321,15 @@ def test_prune_never_deletes_the_checkpoint_resume_state_names(tmp_path):
 def test_iteration_of_names_one_iteration_dir():
     assert cr.iteration_of("/r/iter_0000012") == 12 and cr.iteration_of("/r/iter_0000012/") == 12
     assert cr.iteration_of("/r") is None and cr.iteration_of("/r/.iter_0000012.tmp") is None
+
+
+def test_is_non_finite_finds_inf_and_nan_in_every_float_dtype():
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = torch.randn(64).to(dtype)
+        assert not ck.is_non_finite(t) and not ck.is_non_finite(t[:0])
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            u = t.clone()
+            u[17] = bad
+            assert ck.is_non_finite(u), (dtype, bad)

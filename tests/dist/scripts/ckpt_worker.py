@@ -11,6 +11,11 @@ down between jobs, as in backend_worker.py):
   steps   optimizer steps to run (after the load)
   save    checkpoint dir to save after the steps (optional)
   refuse  checkpoint dirs whose load must raise CheckpointError (messages recorded)
+  poison  a parameter-name substring: after the steps, global rank 0 sets element 0 of that
+          parameter to +inf (so the save holds a non-finite weight on one rank's shard only)
+  resume  a list of flag lists: each runs RunContext.resume_or_init with the base flags plus
+          these (e.g. ["--save", ROOT] or ["--load", ROOT/iter_N]); every rank's outcome and
+          the warnings logged are recorded
 
 The batch of global step g is make_samples(vocab, seed=100 + g), so a resumed run
 sees the same data as an uninterrupted one. Each step also draws from every RNG
@@ -60,6 +65,37 @@ def optimizer_dump(optimizer):
     return {"tensors": out, "distinct_step_tensors": len(steps_ids), "num_states": n_states}
 
 
+def resume_outcome(argv, flags, backend, rank, world):
+    """RunContext.resume_or_init under ``argv + flags``: {"step" | "error", "warnings"} of every rank."""
+    import logging
+
+    import torch.distributed as dist
+
+    from megatron_rl.config import parse_config
+    from megatron_rl.errors import CheckpointError
+    from megatron_rl.infra.run import RunContext
+
+    seen = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = _Keep(level=logging.WARNING)
+    logging.getLogger("megatron_rl").addHandler(handler)
+    try:
+        ctx = RunContext(parse_config(argv + flags), tracker=None, clock=None, colocation=None, is_driver=rank == 0)
+        out = {"step": ctx.resume_or_init(backend, None), "optimizer_steps": backend.optimizer_steps}
+    except CheckpointError as e:
+        out = {"error": str(e), "class": type(e).__name__}
+    finally:
+        logging.getLogger("megatron_rl").removeHandler(handler)
+    out["warnings"] = seen
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    return every
+
+
 def run_job(hf_dir, out_dir, job):
     import torch.distributed as dist
 
@@ -93,6 +129,7 @@ def run_job(hf_dir, out_dir, job):
             rec["refusals"][bad] = str(e)
         else:
             rec["refusals"][bad] = None
+    rec["resume"] = [resume_outcome(argv, flags, backend, rank, world) for flags in job.get("resume", [])]
     rec["extra_state"] = backend.load(job["load"]) if job.get("load") else None
     rec["start_step"] = backend.optimizer_steps
     fixed = make_samples(backend.vocab_size, seed=999)
@@ -107,6 +144,12 @@ def run_job(hf_dir, out_dir, job):
         m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref))
         m.pop("train/step_time_s", None)
         rec["steps"].append({"global_step": g, "metrics": m})
+    if job.get("poison"):
+        with torch.no_grad():
+            name, param = next((n, p) for n, p in backend.chunks[0].named_parameters() if job["poison"] in n)
+            if rank == 0:
+                param.view(-1)[0] = float("inf")
+            rec["poisoned"] = name
     if job.get("save"):
         backend.save(job["save"], {"next_step": backend.optimizer_steps, "rollout_id": backend.optimizer_steps - 1,
                                    "data": {"epoch": 0, "offset": 6 * backend.optimizer_steps}})
