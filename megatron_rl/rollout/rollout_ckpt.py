@@ -88,12 +88,17 @@ def restore_rng_state(state: dict) -> None:
 
 
 def save_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, samples: list[Sample],
-                      metrics: dict[str, float], fingerprint: dict, state_before: dict, state_after: dict) -> str:
-    """Write ``rollout_{rollout_id}.pt`` atomically and prune files whose checkpoint is gone; return its path."""
+                      metrics: dict[str, float], fingerprint: dict, state_before: dict,
+                      state_after: dict) -> Optional[str]:
+    """Write ``rollout_{rollout_id}.pt`` atomically and prune files whose checkpoint is gone; return its path.
+
+    Nothing is written (None) when ``checkpoint`` has no completion marker: no resume can start there.
+    """
     identity = checkpoint_identity(checkpoint)
     if identity is None:
-        raise FileNotFoundError(f"{checkpoint} has no completion marker; a rollout checkpoint must follow a "
-                                "complete checkpoint")
+        log.warning("rollout %d: %s has no completion marker, so the rollout is not stored (no resume can start "
+                    "from that checkpoint)", rollout_id, checkpoint)
+        return None
     buf = io.BytesIO()
     torch.save({"format": FORMAT, "rollout_id": rollout_id, "checkpoint": os.path.basename(checkpoint),
                 "checkpoint_identity": identity, "fingerprint": fingerprint, "state_before": state_before,

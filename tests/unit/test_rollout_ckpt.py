@@ -126,6 +126,11 @@ def test_only_the_rollout_right_after_a_checkpoint_is_written(setup):
     ctx.last_checkpoint = None
     ctx.get_rollout(4, manager)
     assert _stored(root) == []
+    unmarked = iter_dir(root, 5)  # no COMPLETE.json: not a checkpoint a resume could start from
+    os.makedirs(unmarked)
+    ctx.last_checkpoint = (5, unmarked)
+    ctx.get_rollout(5, manager)
+    assert _stored(root) == []
 
 
 @pytest.mark.parametrize("change", ["checkpoint_rewritten", "flags_changed", "position_differs", "not_resumed",
