@@ -265,10 +265,14 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    allocation: Optional[str] = flag(None, "Allocation string, e.g. sglang:d2t4+megatron:d2p2t2 "
-                                     "(alternative to the num-gpus flags).")
-    actor_num_nodes: int = flag(1, "Nodes for the training actor.")
-    actor_num_gpus_per_node: int = flag(1, "GPUs (or CPU ranks) per node for the training actor.")
+    allocation: Optional[str] = flag(None, "Allocation string, e.g. sglang:d2t4+megatron:d2p2t2: sets the "
+                                     "actor's --train-backend, parallel sizes, rank count and the rollout "
+                                     "GPU counts for flags left unset; a given flag that disagrees is "
+                                     "refused (docs/planner.md).")
+    actor_num_nodes: int = flag(1, "Nodes for the training actor (x --actor-num-gpus-per-node = torchrun's "
+                                "WORLD_SIZE).")
+    actor_num_gpus_per_node: int = flag(1, "GPUs (or CPU ranks) per node for the training actor; must equal "
+                                        "the ranks torchrun launches per node (LOCAL_WORLD_SIZE).")
 
 
 @dataclass(frozen=True)
