@@ -113,8 +113,8 @@ def allocation_errors(cfg) -> list[str]:
         return []
     try:
         plan = parse_allocation(text)
-    except PlanError:
-        return []  # plan_errors reports the parse error with its caret
+    except PlanError as exc:  # reported here, with the others, not only once every flag is right
+        return [f"--allocation: {exc}"]
     head = f"--allocation {text!r}"
     if plan.is_multi_policy:
         names = ", ".join(a.label for a in plan.actors)

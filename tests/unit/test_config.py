@@ -115,6 +115,10 @@ def test_bad_choice_and_type(hf_dir):
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs transformer-engine"),
     (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload"],
+     "--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM"),
+    (["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction 0.5 has no effect without"),
+    (["--optimizer-offload-fraction", "0"], r"--optimizer-offload-fraction 0.0 must be in \(0, 1\]"),
     (["--lr", "0"], "--lr 0.0 must be > 0"),
     (["--grad-clip", "-1"], "--grad-clip -1.0 must be >= 0"),
     (["--debug-train-only"], "--debug-train-only has no engine to generate with"),
@@ -340,3 +344,15 @@ def test_allocation_and_rollout_flags_that_disagree_are_refused(hf_dir, alloc, e
 def test_allocation_sets_the_rollout_sizes_no_flag_gave(hf_dir):
     cfg = parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
     assert (cfg.rollout.rollout_num_gpus, cfg.rollout.rollout_num_gpus_per_engine) == (4, 2)
+
+
+def test_allocation_numbers_are_ascii_and_bounded_in_the_trainer(hf_dir):
+    """Full-width digits were accepted, a 5001-digit size raised a raw ValueError; now a named refusal,
+    listed with the other errors."""
+    with pytest.raises(ConfigError, match="--allocation: bad allocation 'megatron:d\uff12' at column 11: "
+                                          "'\uff12' is not an ASCII digit"):
+        parse_config(base(hf_dir, "--allocation", "megatron:d\uff12"))
+    with pytest.raises(ConfigError) as exc:
+        parse_config(base(hf_dir, "--allocation", "megatron:d" + "9" * 5001, "--lr", "-1"))
+    msg = str(exc.value)
+    assert "--lr -1.0 must be > 0" in msg and "data parallel size d<5001 digits> is too large" in msg
