@@ -84,6 +84,18 @@ def file_crc32(path: str) -> str:
     return crc32_hex(crc)
 
 
+def crc32_of_files(paths: list[str]) -> list[str]:
+    """:func:`file_crc32` of many files, on up to 8 threads (zlib and file reads release the GIL,
+    so a checkpoint's shards hash in parallel on a multi-core host)."""
+    workers = min(8, os.cpu_count() or 1, len(paths))
+    if workers <= 1:
+        return [file_crc32(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(file_crc32, paths))
+
+
 class Crc32Writer:
     """Wraps a binary file object: every ``write`` also updates the CRC-32, so a writer that
     streams its bytes (the safetensors writer) gets the checksum without reading the file back."""
@@ -313,8 +325,10 @@ def file_list(root: str, known_checksums: Optional[dict[str, str]] = None) -> li
         for name in sorted(files):
             full = os.path.join(d, name)
             rel = os.path.relpath(full, root)
-            crc = known.get(rel) or file_crc32(full)
-            out.append({"path": rel, "bytes": os.path.getsize(full), CHECKSUM_KEY: crc})
+            out.append({"path": rel, "bytes": os.path.getsize(full), CHECKSUM_KEY: known.get(rel)})
+    todo = [e for e in out if e[CHECKSUM_KEY] is None]
+    for e, crc in zip(todo, crc32_of_files([os.path.join(root, e["path"]) for e in todo])):
+        e[CHECKSUM_KEY] = crc
     return sorted(out, key=lambda e: e["path"])
 
 
@@ -326,7 +340,7 @@ def has_checksums(meta: dict) -> bool:
 def listed_file_problems(path: str, meta: dict, checksums: bool = True) -> list[str]:
     """Files a completion marker lists (``meta["files"]``: path, bytes, crc32) that are missing,
     of another size or (``checksums``) of another CRC-32; each names the file."""
-    bad = []
+    bad, to_hash = [], []
     for entry in meta.get("files", []):
         full = os.path.join(path, entry["path"])
         if not os.path.isfile(full):
@@ -334,10 +348,11 @@ def listed_file_problems(path: str, meta: dict, checksums: bool = True) -> list[
         elif os.path.getsize(full) != entry["bytes"]:
             bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, {MARKER_NAME} says {entry['bytes']}")
         elif checksums and CHECKSUM_KEY in entry:
-            got = file_crc32(full)
-            if got != entry[CHECKSUM_KEY]:
-                bad.append(f"{entry['path']} has CRC-32 {got}, {MARKER_NAME} says {entry[CHECKSUM_KEY]} "
-                           f"(same size, different bytes: damaged after it was written)")
+            to_hash.append(entry)
+    for entry, got in zip(to_hash, crc32_of_files([os.path.join(path, e["path"]) for e in to_hash])):
+        if got != entry[CHECKSUM_KEY]:
+            bad.append(f"{entry['path']} has CRC-32 {got}, {MARKER_NAME} says {entry[CHECKSUM_KEY]} "
+                       f"(same size, different bytes: damaged after it was written)")
     return bad
 
 

@@ -333,3 +333,15 @@ def test_is_non_finite_finds_inf_and_nan_in_every_float_dtype():
             u = t.clone()
             u[17] = bad
             assert ck.is_non_finite(u), (dtype, bad)
+
+
+def test_many_files_hash_in_parallel_to_the_same_checksums(tmp_path):
+    blobs = {f"__0_{i}.distcp": os.urandom(70_000 + i) for i in range(6)}
+    p = _fake_ckpt(tmp_path, 1, files=blobs, marker=False)
+    listed = {e["path"]: e["crc32"] for e in cr.file_list(p)}
+    assert listed == {n: f"{zlib.crc32(b):08x}" for n, b in blobs.items()}
+    meta = {"files": cr.file_list(p)}
+    _flip_byte(os.path.join(p, "__0_3.distcp"))
+    _flip_byte(os.path.join(p, "__0_5.distcp"))
+    bad = cr.listed_file_problems(p, meta)
+    assert [b.split(" ")[0] for b in bad] == ["__0_3.distcp", "__0_5.distcp"]
