@@ -174,7 +174,8 @@ def test_unknown_flag_is_refused_by_argparse():
 @pytest.mark.parametrize("args, fragment", [
     (["sglang:d" + "1" * 31], "is too large: the planner accepts at most 1048576"),
     (["sglang:d2", "--n-nodes", "1" + "0" * 30], "argument --n-nodes: 100000000000... (31 digits) is out of range"),
-    (["sglang:d2", "--n-gpus-per-node", "\uff18"], "argument --n-gpus-per-node: '\uff18' is not a positive integer in ASCII"),
+    (["sglang:d2", "--n-gpus-per-node", "\uff18"],
+     "argument --n-gpus-per-node: '\uff18' is not a positive integer in ASCII"),
     (["--actor-num-gpus-per-node", "9" * 5001, "--debug-train-only"], "(5001 digits) is out of range"),
 ])
 def test_numbers_are_ascii_and_bounded(args, fragment):

@@ -287,7 +287,8 @@ def test_multi_policy_allocation_is_refused_by_the_trainer(hf_dir, capsys):
     from megatron_rl.train import main
 
     alloc = "vllm[rollout1]:d2t2 + fsdp[actor1]:d4 + vllm[rollout2]:d4 + fsdp[actor2]:d4"
-    with pytest.raises(ConfigError, match=r"trains 2 policies \(actor1, actor2\); this engine trains one policy per run"):
+    with pytest.raises(ConfigError,
+                       match=r"trains 2 policies \(actor1, actor2\); this engine trains one policy per run"):
         parse_config(base(hf_dir, "--allocation", alloc))
     assert main(base(hf_dir, "--allocation", alloc, "--dry-run")) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -329,7 +330,8 @@ def test_run_outside_torchrun_is_one_rank(hf_dir, monkeypatch, capsys, tmp_path)
      "gives one engine's t*p = 2 but --rollout-num-gpus-per-engine is 1"),
     ("sglang:d2+megatron:d2", ["--colocate"],
      "--colocate puts the rollout engines on the actor's GPUs but --allocation 'sglang:d2+megatron:d2' places them"),
-    ("megatron:d2", ["--rollout-num-gpus", "2"], "--allocation 'megatron:d2' has no rollout engine but --rollout-num-gpus is 2"),
+    ("megatron:d2", ["--rollout-num-gpus", "2"],
+     "--allocation 'megatron:d2' has no rollout engine but --rollout-num-gpus is 2"),
 ])
 def test_allocation_and_rollout_flags_that_disagree_are_refused(hf_dir, alloc, extra, match):
     with pytest.raises(ConfigError) as exc:

@@ -143,9 +143,11 @@ def test_areal_errors(args, fragment):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["actor.backend=fsdp:d2", "cluster.n_nodes=\uff12"], "cluster.n_nodes='\uff12' is not an integer: write it with the ASCII digits 0-9"),
+    (["actor.backend=fsdp:d2", "cluster.n_nodes=\uff12"],
+     "cluster.n_nodes='\uff12' is not an integer: write it with the ASCII digits 0-9"),
     (["actor.backend=fsdp:d2", "cluster.n_gpus_per_node=+8"], "is not an integer"),
-    (["actor.backend=fsdp:d2", "cluster.n_nodes=1" + "0" * 30], "(31 digits) is too large: the planner accepts at most 1048576"),
+    (["actor.backend=fsdp:d2", "cluster.n_nodes=1" + "0" * 30],
+     "(31 digits) is too large: the planner accepts at most 1048576"),
     (["actor.backend=fsdp:d2", "cluster.n_nodes=" + "9" * 5001], "(5001 digits) is too large"),
 ])
 def test_areal_cluster_numbers_are_ascii_and_bounded(args, fragment):
