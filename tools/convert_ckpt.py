@@ -16,8 +16,9 @@
 
 Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe).
 Refusals (unmapped / missing / mis-shaped tensors, config mismatches, incomplete
-inputs, an existing output without --overwrite) print one message naming the
-tensors and the fix on stderr and exit 2. Outputs appear only when complete.
+inputs, an existing output without --overwrite, an output that is, contains or lies inside the
+input) print one message naming the tensors and the fix on stderr and exit 2; Ctrl-C prints one
+line and exits 130. Outputs appear only when complete; a failed run removes its temp dir.
 See docs/convert.md.
 """
 
@@ -92,8 +93,14 @@ def main(argv=None) -> int:
                                          max_shard_size=args.max_shard_size,
                                          bucket_bytes=parse_size(args.bucket_size, "--bucket-size"), **kw)
     except MegatronRLError as e:
+        _remove_temp_output(args.output)
         print(f"convert_ckpt.py {args.direction}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        _remove_temp_output(args.output)
+        print(f"convert_ckpt.py {args.direction}: interrupted; --output {args.output} was not written or changed "
+              "(the partial temp dir was removed)", file=sys.stderr)
+        return 130
     finally:
         _shutdown()
     if _is_rank0():
@@ -103,6 +110,17 @@ def main(argv=None) -> int:
             print(f"{args.direction}: wrote {summary.get('output')} ({summary.get('dtype')}, "
                   f"{summary.get('seconds')} s{', verified bit-exact' if summary.get('verified') else ''})")
     return 0
+
+
+def _remove_temp_output(output: str) -> None:
+    """A failed or interrupted conversion leaves no partial output: the output is published only by
+    renaming its hidden temp sibling into place, so removing that sibling is the whole clean-up."""
+    if _is_rank0():
+        import shutil
+
+        from megatron_rl.infra.checkpoint_root import temp_dir_for
+
+        shutil.rmtree(temp_dir_for(output), ignore_errors=True)
 
 
 def _is_rank0() -> bool:

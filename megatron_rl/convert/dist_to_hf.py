@@ -77,7 +77,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     model_io.setup(layout)
     if streaming:  # one process: read a bucket of parameters at a time
         chunks = None
-        exported = streaming_load.hf_tensor_stream(bridge, dist_dir, stored_dtype, bucket_bytes, config_dir)
+        exported = model_io.read_guard(streaming_load.hf_tensor_stream(bridge, dist_dir, stored_dtype, bucket_bytes,
+                                                                         config_dir), dist_dir)
     else:  # torchrun: every rank loads its shard, the export gathers (collective)
         chunks = bridge.build_model(layout, params_dtype=stored_dtype)
         model_io.check_checkpoint_matches_model(dist_dir, stored, model_io.model_tensor_shapes(chunks), config_dir)
@@ -151,7 +152,8 @@ def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dty
 
     if streaming_bucket_bytes is not None:
         chunks = None
-        source = streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype, streaming_bucket_bytes, hf_dir)
+        source = model_io.read_guard(streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype,
+                                                                     streaming_bucket_bytes, hf_dir), dist_dir)
     else:
         chunks = bridge.build_model(layout, params_dtype=model_dtype)
         model_io.load_dist_into(chunks, dist_dir)

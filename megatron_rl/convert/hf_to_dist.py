@@ -145,7 +145,8 @@ def verify_dist_against_hf(bridge, dist_dir: str, hf_dir: str, layout, model_dty
 
     if streaming_bucket_bytes is not None:
         chunks = None
-        source = streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype, streaming_bucket_bytes, hf_dir)
+        source = model_io.read_guard(streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype,
+                                                                     streaming_bucket_bytes, hf_dir), dist_dir)
     else:
         chunks = bridge.build_model(layout, params_dtype=model_dtype)
         model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),

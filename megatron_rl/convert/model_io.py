@@ -13,12 +13,12 @@ converters build it on the ``meta`` device and stream the values
 from __future__ import annotations
 
 import gc
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
 from megatron_rl.convert.common import dist_checkpointing, progress
-from megatron_rl.errors import CheckpointError
+from megatron_rl.errors import CheckpointError, MegatronRLError
 
 MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.")
 
@@ -123,12 +123,49 @@ def load_dist_into(chunks, path: str) -> None:
     sd = model_sharded_state_dict(chunks)
     try:
         loaded = dc.load(sd, path)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"loading the model from torch_dist checkpoint {path} failed ({type(e).__name__}: "
-                              f"{e}); the files are corrupt or of another model") from e
+    except _read_errors() as e:
+        raise CheckpointError(f"loading the model from torch_dist checkpoint {path} failed ({describe_read_error(e)}); "
+                              "the files are torn, corrupt or of another model") from e
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys):
         chunk.load_state_dict(loaded[key], strict=True)
+
+
+def _read_errors() -> tuple:
+    """What a torch_dist read raises on a damaged file: torch DCP's CheckpointException is a
+    BaseException (not an Exception) that wraps each rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def describe_read_error(e: BaseException) -> str:
+    """One line: the underlying error of a read (unwrapping DCP's per-rank CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: " + describe_read_error(inner)
+    detail = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {detail}"
+
+
+def read_guard(stream: Iterable, path: str) -> Iterator:
+    """Iterate ``stream`` (tensors read from the torch_dist dir ``path``); a failure to read (a torn
+    ``.distcp`` zip, a pickle error) becomes a CheckpointError naming the dir, not a traceback."""
+    it = iter(stream)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except MegatronRLError:
+            raise
+        except _read_errors() as e:  # torch/megatron raise RuntimeError, UnpicklingError, CheckpointException...
+            raise CheckpointError(f"reading torch_dist checkpoint {path} failed ({describe_read_error(e)}); a "
+                                  "file there is torn or corrupt: re-run the conversion or save that wrote it, or "
+                                  "restore the dir from a copy") from e
+        yield item
 
 
 def free(chunks: Optional[list]) -> None:

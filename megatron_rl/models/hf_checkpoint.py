@@ -26,21 +26,36 @@ class HFCheckpoint:
         self.hf_dir = os.fspath(hf_dir)
         index_path = os.path.join(self.hf_dir, INDEX_FILE)
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map")
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (ValueError, AttributeError) as exc:
+                raise CheckpointError(f"{index_path} is not a JSON object ({exc}): it is truncated or corrupt; "
+                                      "re-download or re-save the checkpoint") from None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index_path} has no 'weight_map'; re-save the checkpoint")
             self.file_of = dict(weight_map)
         elif os.path.isfile(os.path.join(self.hf_dir, SINGLE_FILE)):
-            with safe_open(os.path.join(self.hf_dir, SINGLE_FILE), framework="pt") as f:
-                self.file_of = {k: SINGLE_FILE for k in f.keys()}
+            self.file_of = {k: SINGLE_FILE for k in self._open(SINGLE_FILE).keys()}
         else:
             raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {self.hf_dir}; pass an HF checkpoint "
                                   "directory saved with safe_serialization=True")
-        for fname in set(self.file_of.values()):
+        for fname in sorted(set(self.file_of.values())):
             if not os.path.isfile(os.path.join(self.hf_dir, fname)):
                 raise CheckpointError(f"{INDEX_FILE} in {self.hf_dir} names missing shard {fname}")
+            self._open(fname)  # every shard's header now: a truncated file is named at start-up, not mid-load
         self._handles: dict[str, object] = {}
+
+    def _open(self, fname: str):
+        """``safe_open`` of one shard; a truncated or corrupt file (safetensors checks that the header
+        parses and that the file covers every tensor it lists) is a CheckpointError naming it."""
+        path = os.path.join(self.hf_dir, fname)
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as exc:  # noqa: BLE001 - SafetensorError is not importable by a stable name
+            raise CheckpointError(f"{path} ({os.path.getsize(path)} bytes) is not a readable safetensors file "
+                                  f"({type(exc).__name__}: {exc}): it is truncated or corrupt; re-download or "
+                                  "re-save the checkpoint") from None
 
     def names(self) -> set[str]:
         return set(self.file_of)
@@ -50,7 +65,7 @@ class HFCheckpoint:
             raise CheckpointError(f"tensor {name!r} is not in the HF checkpoint {self.hf_dir}")
         fname = self.file_of[name]
         if fname not in self._handles:
-            self._handles[fname] = safe_open(os.path.join(self.hf_dir, fname), framework="pt")
+            self._handles[fname] = self._open(fname)
         return self._handles[fname]
 
     def shape(self, name: str) -> tuple[int, ...]:

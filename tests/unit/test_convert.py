@@ -352,3 +352,88 @@ def test_overwrite_replaces_only_a_previous_conversion_output(tmp_path, tiny_hf_
         common.check_output_dir(str(_fake_dist(tmp_path / "it", fmt=common.TRAINING_FORMAT)), {}, True, "torch_dist")
     with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
         common.check_output_dir(str(tmp_path / "prev"), {}, False, "torch_dist")
+
+
+# ------------------------------------------------------------------------------------------ damaged inputs, Ctrl-C
+def _truncate(path, size=None):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 if size is None else size)
+
+
+def test_truncated_safetensors_is_named_not_a_traceback(tmp_path, tiny_hf_models, capsys):
+    """issue 11: a truncated shard raised safetensors' SafetensorError from deep inside a load."""
+    single = tmp_path / "single"
+    shutil.copytree(tiny_hf_models("llama"), single)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_hf_models("llama"), sharded)
+    tensors = load_file(str(sharded / "model.safetensors"))
+    os.unlink(sharded / "model.safetensors")
+    w = ShardedSafetensorsWriter(str(sharded), max_shard_bytes=100_000)
+    for n, t in tensors.items():
+        w.add(n, t)
+    shards = sorted(set(w.finish()["weight_map"].values()))
+    for d, victim, cut in ((single, "model.safetensors", None), (single, "model.safetensors", 5),
+                           (sharded, shards[-1], None)):
+        shutil.copyfile(os.path.join(tiny_hf_models("llama"), "model.safetensors"), single / "model.safetensors")
+        _truncate(d / victim, cut)
+        with pytest.raises(CheckpointError, match=f"{d / victim} .* is not a readable safetensors file .* truncated"):
+            HFCheckpoint(d)
+    rc, err = _run_cli(["hf-to-dist", "--input", str(sharded), "--output", str(tmp_path / "o"), "--no-progress"],
+                       capsys)
+    assert rc == 2 and f"{sharded / shards[-1]}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_torn_distcp_is_named_and_leaves_no_temp_dir(tmp_path, tiny_hf_models, capsys):
+    """issue 11: garbage inside a .distcp zip (a marker without checksums, so the load reaches it)
+    raised torch's 'PytorchStreamReader failed reading zip archive' traceback from dist-to-hf."""
+    d = tmp_path / "dist"
+    rc, err = _run_cli(["hf-to-dist", "--input", tiny_hf_models("llama"), "--output", str(d), "--no-progress"],
+                       capsys)
+    assert rc == 0, err
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    data[::7] = bytes(b ^ 0x5A for b in data[::7])
+    (d / "__0_0.distcp").write_bytes(data)
+    meta = json.loads((d / common.MARKER_NAME).read_text())
+    for f in meta["files"]:
+        f.pop("crc32", None)
+    (d / common.MARKER_NAME).write_text(json.dumps(meta))
+    rc, err = _run_cli(["dist-to-hf", "--input", str(d), "--output", str(tmp_path / "hf"), "--no-progress"], capsys)
+    assert rc == 2 and f"reading torch_dist checkpoint {d} failed" in err and "torn or corrupt" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / ".hf.tmp").exists()
+
+
+def test_ctrl_c_during_conversion_leaves_nothing_and_exits_130(tmp_path, tiny_hf_models):
+    """issue 11: Ctrl-C mid-conversion printed a KeyboardInterrupt traceback and left the temp dir."""
+    import signal
+    import time
+
+    out, tmp = tmp_path / "out", tmp_path / ".out.tmp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    p = subprocess.Popen([sys.executable, TOOL, "hf-to-dist", "--input", tiny_hf_models("llama"), "--output",
+                          str(out), "--no-progress", "--verify", "--bucket-size", "50KB"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not tmp.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert tmp.exists(), "the conversion never created its temp dir"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == (f"convert_ckpt.py hf-to-dist: interrupted; --output {out} was not written "
+                                            "or changed (the partial temp dir was removed)")
+    assert not out.exists() and not tmp.exists()
+
+
+def test_truncated_index_json_is_named(tmp_path, tiny_hf_models):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_hf_models("llama"), d)
+    (d / INDEX_FILE).write_text('{"weight_map": {"a": "model.safe')
+    with pytest.raises(CheckpointError, match=f"{d / INDEX_FILE} is not a JSON object .* truncated or corrupt"):
+        HFCheckpoint(d)
