@@ -42,7 +42,8 @@ def have_transformer_engine() -> bool:
 
 
 def apply_no_te_compat() -> dict[str, str]:
-    """Patch 0.16.1 gaps that hit any host without transformer-engine."""
+    """Patch 0.16.1 gaps that hit any host (``ANY_HOST_PATCHES``) and hosts without transformer-engine."""
+    _patches.run_patches(_patches.ANY_HOST_PATCHES, _APPLIED)
     if have_transformer_engine():
         return dict(_APPLIED)
     _patches.run_patches(_patches.NO_TE_PATCHES, _APPLIED)

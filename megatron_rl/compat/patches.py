@@ -20,6 +20,7 @@ set in :func:`megatron_rl.compat.cpu_config_overrides` instead of here.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import warnings
@@ -67,6 +68,7 @@ MEGATRON_MODULES = (
     "megatron.core.optimizer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer_param_scheduler",
@@ -271,6 +273,116 @@ def patch_p2p_shape_exchange() -> None:
     cls._communicate_shapes = _communicate_shapes
 
 
+HYBRID_OPTIMIZER_MODULE = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
+
+
+@contextlib.contextmanager
+def _device_tensors_for(module_name: str, device_ids: set[int]):
+    """While active, ``t.is_cuda`` read from ``module_name`` is ``id(t) in device_ids``.
+
+    Scoped twice: in time (the property is removed on exit, restoring torch's own
+    descriptor) and by caller (every other module still gets torch's answer).
+    """
+    base = torch._C.TensorBase.is_cuda
+    if "is_cuda" in torch.Tensor.__dict__:  # nested: keep the outer scope
+        yield
+        return
+
+    def is_cuda(t):
+        if sys._getframe(1).f_globals.get("__name__") == module_name:
+            return id(t) in device_ids
+        return base.__get__(t)
+
+    torch.Tensor.is_cuda = property(is_cuda)
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def patch_hybrid_optimizer_devices() -> None:
+    """``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``) picks what to offload by
+    ``param.is_cuda``. With no GPU every tensor is a CPU tensor: nothing is copied to
+    the host, and its CPU sub-optimizer then looks up host copies that do not exist
+    (KeyError on the first step). On a CPU host the tensors handed to it (the
+    distributed optimizer's shards) play the device: while it splits its parameters,
+    ``is_cuda`` asked from its module is True for exactly those. megatron's own code
+    then makes the host copies, steps them with its CPU optimizer, copies gradients
+    "D2H" and parameters "H2D" (plain copies; streams/events/pinning are the no-op
+    shims of ``module_torch``) exactly as on a GPU. Its ``state.to("cuda")`` for the
+    non-offloaded part is answered by ``tensor_methods``.
+    """
+    hybrid = importlib.import_module(HYBRID_OPTIMIZER_MODULE)
+    cls = _require(hybrid, "HybridDeviceOptimizer")
+    original = _require(cls, "_get_sub_optimizer_param_groups")
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def _get_sub_optimizer_param_groups(self, offload_fraction):
+        device_ids = {id(p) for group in self.param_groups for p in group["params"]}
+        with _device_tensors_for(HYBRID_OPTIMIZER_MODULE, device_ids):
+            return original(self, offload_fraction)
+
+    _get_sub_optimizer_param_groups._megatron_rl_compat = True
+    cls._get_sub_optimizer_param_groups = _get_sub_optimizer_param_groups
+
+
+# --------------------------------------------------------------------- any host
+def patch_hybrid_optimizer_fp32_shards() -> None:
+    """Two gaps of 0.16.1's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``) with
+    fp32 parameters, on any host:
+
+    * the distributed optimizer hands it fp32 shards as views of the model parameters
+      (``model_param.view(-1)[a:b]``, non-leaf tensors); torch's ``add_param_group``
+      refuses those ("can't optimize a non-leaf Tensor"; the plain path assigns
+      ``param_groups`` directly and never sees the check). ``retain_grad()`` makes torch
+      accept them and changes nothing else: the views are not in any forward graph, and
+      the distributed optimizer sets their gradients by hand as before;
+    * after loading state it copies ``master_param`` into ``param_to_fp32_param[p]`` for
+      EVERY parameter, but only non-fp32 parameters have such a copy (KeyError on
+      resume). fp32 parameters are skipped: they are their own master weights.
+    """
+    hybrid = importlib.import_module(HYBRID_OPTIMIZER_MODULE)
+    cls = _require(hybrid, "HybridDeviceOptimizer")
+    init = _require(cls, "__init__")
+    update = _require(cls, "_update_fp32_params_by_new_state")
+    if getattr(init, "_megatron_rl_compat", False):
+        return
+
+    def __init__(self, params, *args, **kwargs):
+        params = list(params)
+        for group in params:
+            for p in (group["params"] if isinstance(group, dict) else [group]):
+                if isinstance(p, torch.Tensor) and p.requires_grad and not p.is_leaf and not p.retains_grad:
+                    p.retain_grad()
+        init(self, params, *args, **kwargs)
+
+    def _update_fp32_params_by_new_state(self):
+        if not self.param_update_in_fp32:
+            return
+        for param, v in self.state.items():
+            fp32_param = self.param_to_fp32_param.get(param)
+            if fp32_param is not None:
+                fp32_param.data.copy_(v["master_param"])
+
+    __init__._megatron_rl_compat = _update_fp32_params_by_new_state._megatron_rl_compat = True
+    cls.__init__ = __init__
+    cls._update_fp32_params_by_new_state = _update_fp32_params_by_new_state
+
+
+def patch_hybrid_optimizer_safe_globals() -> None:
+    """``HybridDeviceOptimizer`` keeps its sub-optimizer classes (``cpu_optimizer_cls``,
+    ``gpu_optimizer_cls``) in every param group, so they are pickled into a checkpoint's
+    ``common.pt``; megatron-core's ``register_safe_globals`` does not list them and the
+    ``weights_only`` load of every offloaded checkpoint fails ("Unsupported global:
+    torch.optim.adamw.AdamW"). Allow exactly the classes ``get_megatron_optimizer`` can
+    put there (torch's AdamW/SGD and whatever Adam/SGD megatron imported: TE, apex or
+    torch); unpickling a class reference runs no code."""
+    optim = importlib.import_module("megatron.core.optimizer")
+    classes = {torch.optim.AdamW, torch.optim.SGD, _require(optim, "Adam"), _require(optim, "SGD")}
+    torch.serialization.add_safe_globals(sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"))
+
+
 # ------------------------------------------------------------------------ no-TE
 def patch_router_gemm() -> None:
     """``moe_utils.te_general_gemm`` is only defined when transformer-engine
@@ -280,6 +392,30 @@ def patch_router_gemm() -> None:
 
     if "te_general_gemm" not in vars(moe_utils):
         moe_utils.te_general_gemm = None
+
+
+
+def patch_te_min_version() -> None:
+    """``is_te_min_version`` compares ``None >= Version`` (TypeError) when transformer-engine
+    is missing; ``OptimizerConfig.__post_init__`` calls it for every
+    ``use_precision_aware_optimizer`` config (to decide TE's ``store_param_remainders``).
+    In the optimizer modules it answers False without TE: the minimum TE is not installed."""
+    from megatron.core import utils
+    from megatron.core.optimizer import optimizer_config
+
+    original = _require(utils, "is_te_min_version")
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def is_te_min_version(version, check_equality=True):
+        if utils.get_te_version() is None:
+            return False
+        return original(version, check_equality)
+
+    is_te_min_version._megatron_rl_compat = True
+    for module in (optimizer_config, importlib.import_module("megatron.core.optimizer")):
+        if getattr(module, "is_te_min_version", None) is original:
+            module.is_te_min_version = is_te_min_version
 
 
 CPU_PATCHES: tuple[Patch, ...] = (
@@ -292,13 +428,26 @@ CPU_PATCHES: tuple[Patch, ...] = (
     Patch("jit_fuser", "jit_fuser = torch.compile (slow dynamo tracing on CPU)", patch_jit_fuser),
     Patch("moe_split_sizes", "MoE alltoall split sizes stay tensors on CPU; gloo "
           "all_to_all_single rejects them", patch_moe_split_sizes),
+    Patch("hybrid_optimizer_devices", "HybridDeviceOptimizer (--optimizer-cpu-offload) offloads only "
+          "tensors with is_cuda; on CPU it copied nothing and failed at its first step",
+          patch_hybrid_optimizer_devices),
     Patch("p2p_shape_exchange", "batched shape exchange crosses messages between the two "
           "directions of one rank pair under gloo (PP=2 with VPP)", patch_p2p_shape_exchange),
+)
+
+ANY_HOST_PATCHES: tuple[Patch, ...] = (
+    Patch("hybrid_optimizer_fp32_shards", "HybridDeviceOptimizer refuses the distributed optimizer's "
+          "non-leaf fp32 shard views and KeyErrors on resume with fp32 params",
+          patch_hybrid_optimizer_fp32_shards),
+    Patch("hybrid_optimizer_safe_globals", "checkpoints of HybridDeviceOptimizer pickle its sub-optimizer "
+          "classes, which megatron's weights_only safe-globals list lacks", patch_hybrid_optimizer_safe_globals),
 )
 
 NO_TE_PATCHES: tuple[Patch, ...] = (
     Patch("router_gemm", "moe_utils.te_general_gemm undefined without transformer-engine",
           patch_router_gemm),
+    Patch("te_min_version", "is_te_min_version raises TypeError without transformer-engine "
+          "(OptimizerConfig with use_precision_aware_optimizer)", patch_te_min_version),
 )
 
 

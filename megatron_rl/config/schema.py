@@ -87,10 +87,16 @@ class OptimizerConfig:
     grad_clip: float = flag(1.0, "Clip the global gradient norm to this value (0 disables).",
                             aliases=("--clip-grad",))
     use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
-    optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU (GPU runs only; "
-                                       "needs --use-distributed-optimizer).")
-    use_precision_aware_optimizer: bool = flag(False, "Let the optimizer hold bf16/fp16 moments or master "
-                                               "weights (megatron-core precision-aware optimizer; GPU only).")
+    optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU: megatron-core's "
+                                       "hybrid device optimizer (needs --use-distributed-optimizer and "
+                                       "--use-precision-aware-optimizer, as in Megatron-LM; docs/optimizer.md).")
+    optimizer_offload_fraction: float = flag(1.0, "Fraction of the optimizer state megatron-core's hybrid "
+                                             "optimizer keeps on the CPU with --optimizer-cpu-offload "
+                                             "(0 < f <= 1; only 1.0 on a CPU-only machine).")
+    use_precision_aware_optimizer: bool = flag(False, "Let the optimizer own the master weights "
+                                               "(megatron-core precision-aware optimizer): transformer-engine's "
+                                               "FusedAdam on a GPU, or the hybrid optimizer with "
+                                               "--optimizer-cpu-offload.")
 
 
 @dataclass(frozen=True)

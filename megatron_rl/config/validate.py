@@ -119,6 +119,15 @@ def _check_precision(errors: list[str], cfg: Config) -> None:
     if opt.optimizer_cpu_offload and not opt.use_distributed_optimizer:
         errors.append("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's hybrid "
                       "CPU optimizer shards state over data parallelism)")
+    if opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer:
+        errors.append("--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM: "
+                      "megatron-core's hybrid device optimizer saves and loads its state through that "
+                      "flag's code path (without it a resume fails)")
+    if not 0 < opt.optimizer_offload_fraction <= 1:
+        errors.append(f"--optimizer-offload-fraction {opt.optimizer_offload_fraction} must be in (0, 1]")
+    elif opt.optimizer_offload_fraction != 1.0 and not opt.optimizer_cpu_offload:
+        errors.append(f"--optimizer-offload-fraction {opt.optimizer_offload_fraction} has no effect without "
+                      "--optimizer-cpu-offload; add it or drop --optimizer-offload-fraction")
     if opt.grad_clip < 0:
         errors.append(f"--grad-clip {opt.grad_clip} must be >= 0 (0 disables clipping)")
     if opt.lr <= 0:

@@ -8,7 +8,7 @@ from megatron_rl.compat import cpu_torch, patches
 
 def test_cpu_patches_applied_and_idempotent():
     first = compat.apply_cpu_compat()
-    expected = {p.name for p in patches.CPU_PATCHES} | {p.name for p in patches.NO_TE_PATCHES}
+    expected = {p.name for p in patches.CPU_PATCHES + patches.NO_TE_PATCHES + patches.ANY_HOST_PATCHES}
     assert set(first) == expected and all(v == "applied" for v in first.values()), first
     import megatron.core.parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
@@ -72,10 +72,102 @@ def test_noop_when_cuda_is_available(monkeypatch):
     calls = []
     monkeypatch.setattr(patches, "run_patches", lambda ps_, applied: calls.append([p.name for p in ps_]))
     compat.apply_cpu_compat()
-    assert all(names == [p.name for p in patches.NO_TE_PATCHES] for names in calls)
+    assert calls == [[p.name for p in patches.ANY_HOST_PATCHES], [p.name for p in patches.NO_TE_PATCHES]]
     assert compat.cpu_config_overrides() == {}
 
 
 def test_cpu_config_overrides_turn_off_cuda_paths():
     o = compat.cpu_config_overrides()
     assert o["use_cpu_initialization"] and not o["batch_p2p_comm"] and not o["gradient_accumulation_fusion"]
+
+
+# ---- megatron-core's HybridDeviceOptimizer (--optimizer-cpu-offload) ------------------------------------
+
+
+def _hybrid(params, **kw):
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    kw = {"offload_fraction": 1.0, "cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": torch.optim.AdamW,
+          "param_update_in_fp32": True, "overlap_cpu_optimizer_d2h_h2d": False, "lr": 0.1,
+          "weight_decay": 0.01, **kw}
+    return HybridDeviceOptimizer([{"params": list(params)}], **kw)
+
+
+def test_hybrid_optimizer_offloads_every_tensor_it_is_given_on_cpu():
+    """megatron's own copy-step-copy-back path runs: host copies, CPU AdamW on them, results
+    copied back; equal to torch AdamW on the parameters themselves."""
+    compat.apply_cpu_compat()
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3), torch.randn(7)]
+    ref = [p.clone().requires_grad_() for p in params]
+    grads = [torch.randn_like(p) for p in params]
+    opt = _hybrid(params)
+    assert "is_cuda" not in torch.Tensor.__dict__ and not params[0].is_cuda  # the device view was scoped
+    copies = opt.gpu_params_map_cpu_copy
+    assert set(copies) == set(params) and opt.gpu_optimizer is None and len(opt.cpu_optimizers) == 1
+    assert all(copies[p].untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in params)
+    plain = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.01)
+    for _ in range(3):
+        for p, r, g in zip(params, ref, grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        plain.step()
+    for p, r in zip(params, ref):
+        assert torch.equal(copies[p], p)  # copied back
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-7)
+    assert {id(k) for k in opt.cpu_optimizers[0].state} == {id(c) for c in copies.values()}
+
+
+def test_hybrid_optimizer_takes_fp32_shard_views_and_reloads_their_state():
+    """The distributed optimizer's fp32 shards are non-leaf views of the model parameters."""
+    compat.apply_cpu_compat()
+    weight = torch.nn.Parameter(torch.randn(12))
+    shard = weight.view(-1)[2:9]
+    assert not shard.is_leaf
+    opt = _hybrid([shard])  # torch alone: "can't optimize a non-leaf Tensor"
+    shard.grad = torch.randn(7)
+    opt.step()
+    state = {k: v.clone() for k, v in opt.state[shard].items()}
+    opt.load_state_dict(opt.state_dict())  # megatron alone: KeyError (no fp32 copy of an fp32 param)
+    assert torch.equal(opt.state[shard]["exp_avg"], state["exp_avg"])
+    assert torch.equal(weight.detach()[2:9], opt.gpu_params_map_cpu_copy[shard])
+
+
+def test_hybrid_optimizer_classes_load_weights_only(tmp_path):
+    """Its param groups carry the sub-optimizer classes into every checkpoint's common.pt."""
+    compat.apply_cpu_compat()
+    from megatron.core import optimizer as moptim
+
+    torch.save({"cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": moptim.Adam}, tmp_path / "c.pt")
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["cpu_optimizer_cls"] is torch.optim.AdamW
+
+
+def test_precision_aware_offload_config_builds_without_transformer_engine():
+    compat.apply_cpu_compat()
+    from megatron.core.optimizer import OptimizerConfig
+
+    cfg = OptimizerConfig(use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                          use_precision_aware_optimizer=True, optimizer_offload_fraction=1.0)
+    assert cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and not cfg.store_param_remainders
+
+
+def test_backend_accepts_the_offloaded_optimizer_on_cpu(tmp_path):
+    """CPU: --optimizer-cpu-offload runs (fraction 1.0); the precision-aware optimizer alone
+    (TE FusedAdam) and fractions below 1 are refused before any process group exists."""
+    from megatron_rl.backends.megatron.backend import check_backend_config
+    from megatron_rl.config import parse_config
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    hf = build_tiny_hf_model("qwen2", tmp_path / "hf")
+    offload = ["--hf-checkpoint", hf, "--use-distributed-optimizer", "--use-precision-aware-optimizer"]
+    check_backend_config(parse_config(offload + ["--optimizer-cpu-offload"]))
+    for extra, match in ((["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
+                          "--optimizer-offload-fraction 0.5: on CPU only 1.0"),
+                         ([], "--use-precision-aware-optimizer without --optimizer-cpu-offload needs")):
+        try:
+            check_backend_config(parse_config(offload + extra))
+        except ConfigError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"{extra} must be refused on CPU")

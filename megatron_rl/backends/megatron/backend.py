@@ -59,15 +59,19 @@ def check_backend_config(cfg) -> None:
     """Refuse, before any process group exists, what megatron-core cannot do on this machine."""
     cuda = torch.cuda.is_available()
     opt = cfg.optimizer
-    if not cuda and opt.optimizer_cpu_offload:
-        raise ConfigError("--optimizer-cpu-offload offloads CUDA optimizer state to the host; this machine has "
-                          "no GPU (the state already lives in CPU memory). Drop the flag on CPU runs.")
-    if not cuda and opt.use_precision_aware_optimizer:
-        raise ConfigError("--use-precision-aware-optimizer needs transformer-engine's fused Adam on a GPU; "
-                          "drop the flag on CPU runs.")
+    if not cuda and opt.use_precision_aware_optimizer and not opt.optimizer_cpu_offload:
+        raise ConfigError("--use-precision-aware-optimizer without --optimizer-cpu-offload needs "
+                          "transformer-engine's FusedAdam on a GPU (docs/optimizer.md); on CPU add "
+                          "--optimizer-cpu-offload or drop the flag.")
+    if not cuda and opt.optimizer_cpu_offload and opt.optimizer_offload_fraction != 1.0:
+        raise ConfigError(f"--optimizer-offload-fraction {opt.optimizer_offload_fraction}: on CPU only 1.0 is "
+                          "supported (the 'device' part would be host memory too, and megatron-core 0.16.1 "
+                          "fails to save it: docs/optimizer.md); use 1.0.")
     if cfg.precision.fp8_format and not cuda:
         raise ConfigError(f"--fp8-format {cfg.precision.fp8_format} needs an FP8-capable GPU "
                           "(Hopper or newer) with transformer-engine; drop it on CPU runs.")
+
+
 def transformer_config_overrides(cfg) -> dict:
     """``TransformerConfig`` fields the flags set on top of the bridge's HF-derived config.
 
@@ -137,6 +141,7 @@ class MegatronBackend(TrainBackend):
             clip_grad=opt.grad_clip, bf16=cfg.precision.bf16, fp16=cfg.precision.fp16,
             params_dtype=self.params_dtype, use_distributed_optimizer=opt.use_distributed_optimizer,
             optimizer_cpu_offload=opt.optimizer_cpu_offload,
+            optimizer_offload_fraction=opt.optimizer_offload_fraction,
             use_precision_aware_optimizer=opt.use_precision_aware_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         total_steps = max(1, cfg.rollout.num_rollout * cfg.batching.num_steps_per_rollout
