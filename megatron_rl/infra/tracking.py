@@ -1,9 +1,11 @@
 """Metrics: one dict per step to the console, JSONL, TensorBoard and W&B.
 
 Only the driver rank (global rank 0) constructs real sinks; other ranks get a
-tracker whose ``log`` does nothing, so call sites never branch on rank. W&B is
-optional: asked for (``--wandb-project``) but not installed is a ConfigError
-raised at start-up, not a crash at step 1. ``offline`` mode needs no network.
+tracker whose ``log`` does nothing, so call sites never branch on rank. W&B and
+TensorBoard are optional: asked for (``--wandb-project``, ``--tensorboard-dir``) but
+not installed, installed but raising on import, or ``wandb.init`` failing, is a
+ConfigError at start-up naming the package and the flag, not a crash or a traceback.
+``offline`` mode needs no network.
 The W&B run id is returned so ``resume_state.json`` can continue the same run.
 """
 
@@ -26,6 +28,10 @@ def _scalar_items(metrics: dict[str, Any]):
             value = int(value)
         if isinstance(value, (int, float)) and math.isfinite(value):
             yield key, value
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def format_metrics(step: int, metrics: dict[str, Any], keys: Optional[list[str]] = None) -> str:
@@ -57,15 +63,27 @@ class Tracker:
             except ImportError as exc:
                 raise ConfigError(f"--tensorboard-dir needs the tensorboard package ({exc}); "
                                   "pip install tensorboard") from None
+            except Exception as exc:  # noqa: BLE001 - installed but broken: asked for, so an error
+                raise ConfigError(f"--tensorboard-dir {tensorboard_dir} needs the tensorboard package, which is "
+                                  f"installed but fails to import ({_one_line(exc)}); repair it (pip install -U "
+                                  "tensorboard) or drop --tensorboard-dir") from None
             self._tb = SummaryWriter(tensorboard_dir)
         if wandb_project:
             try:
                 import wandb
             except ImportError:
                 raise ConfigError("--wandb-project needs the wandb package: pip install 'megatron_rl[wandb]'") from None
-            run = wandb.init(project=wandb_project, group=wandb_group, mode=wandb_mode, dir=run_dir,
-                             id=wandb_resume_id, resume="allow" if wandb_resume_id else None,
-                             config=config or {})
+            except Exception as exc:  # noqa: BLE001
+                raise ConfigError(f"--wandb-project {wandb_project} needs the wandb package, which is installed but "
+                                  f"fails to import ({_one_line(exc)}); repair it (pip install -U wandb) or drop "
+                                  "--wandb-project") from None
+            try:
+                run = wandb.init(project=wandb_project, group=wandb_group, mode=wandb_mode, dir=run_dir,
+                                 id=wandb_resume_id, resume="allow" if wandb_resume_id else None,
+                                 config=config or {})
+            except Exception as exc:  # noqa: BLE001 - login, network, bad id: a start-up error, not a traceback
+                raise ConfigError(f"--wandb-project {wandb_project}: wandb.init failed ({_one_line(exc)}); fix the "
+                                  "W&B setup, use --wandb-mode offline, or drop --wandb-project") from None
             self._wandb = run
             self.wandb_run_id = run.id
 
