@@ -229,7 +229,8 @@ def plan_for_config(cfg):
     from megatron_rl.plan import parse_allocation, plan_from_slime_flags
 
     if cfg.placement.allocation:
-        return parse_allocation(cfg.placement.allocation, weight_update=cfg.sync.update_weight_transport)
+        plan = parse_allocation(cfg.placement.allocation, weight_update=cfg.sync.update_weight_transport)
+        return _with_embedded_engine(plan, cfg)
     p = cfg.parallel
     return plan_from_slime_flags(
         actor_num_nodes=cfg.placement.actor_num_nodes, actor_num_gpus_per_node=cfg.placement.actor_num_gpus_per_node,
@@ -246,6 +247,20 @@ def plan_for_config(cfg):
         rollout_backend="sglang",  # the planner plans GPUs; the embedded engine sits on the driver
         debug_train_only=cfg.mode.train_only, debug_rollout_only=cfg.mode.debug_rollout_only,
         update_weight_transport=cfg.sync.update_weight_transport)
+
+
+def _with_embedded_engine(plan, cfg):
+    """An allocation with no rollout part, for a run whose embedded engine generates: the engine
+    runs in the driver process on the trainer's devices, so it is planned as a rollout engine
+    colocated with the actor (as the flags path plans it), not reported as "no rollout engine"."""
+    from megatron_rl.plan import Allocation, Component, Dims, Group
+
+    actor = plan.actor
+    if plan.has_rollout or actor is None or not cfg.has_rollout_engine or cfg.rollout.rollout_backend != "embedded":
+        return plan
+    engine = Component("sglang", Dims(d=actor.world_size), "rollout", role="rollout")
+    groups = tuple(Group((engine, *g.members)) if any(m is actor for m in g.members) else g for g in plan.groups)
+    return Allocation(groups, weight_update=plan.weight_update, source=plan.source)
 
 
 def plan_errors(cfg) -> list[str]:

@@ -354,3 +354,17 @@ def test_allocation_numbers_are_ascii_and_bounded_in_the_trainer(hf_dir):
         parse_config(base(hf_dir, "--allocation", "megatron:d" + "9" * 5001, "--lr", "-1"))
     msg = str(exc.value)
     assert "--lr -1.0 must be > 0" in msg and "data parallel size d<5001 digits> is too large" in msg
+
+
+def test_dry_run_plans_the_embedded_engine_next_to_an_allocation_actor(hf_dir, capsys):
+    """``--allocation megatron:d1t2`` with the embedded engine used to print "training only: no rollout
+    engine will be started"; the engine runs in the driver, on the actor's devices, as the flags path plans it."""
+    from megatron_rl.train import main
+
+    assert main(base(hf_dir, "--allocation", "megatron:d1t2", "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "allocation: sglang[rollout]:d2|megatron:d1t2" in out and "no rollout engine" not in out
+    assert main(base(hf_dir, "--allocation", "megatron:d1t2", "--dry-run",
+                     "--load-debug-rollout-data", "r/{rollout_id}.pt")) == 0
+    out = capsys.readouterr().out
+    assert "allocation: megatron:d1t2" in out and "training only: no rollout engine will be started" in out
