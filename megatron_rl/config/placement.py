@@ -5,7 +5,8 @@ string (``--allocation``) or slime-style GPU-count flags with the Megatron
 parallel sizes.
 
 Rule for ``--allocation`` (docs/planner.md, "The allocation and the flags"): the
-string states the actor's backend, parallel sizes and rank count. Flags left
+string states the actor's backend, parallel sizes and rank count, and the rollout
+engines' GPU counts. Flags left
 unset take those values (:func:`apply_allocation`, at parse time); a flag that
 is set and disagrees is refused by name (:func:`allocation_errors`, in
 validation). The ranks torchrun really launched (``WORLD_SIZE`` /
