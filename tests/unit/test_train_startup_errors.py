@@ -1,0 +1,33 @@
+"""Training start-up with a damaged --hf-checkpoint ends in one ``error:`` line and exit 2.
+
+issue 11: a truncated ``model.safetensors`` raised safetensors' SafetensorError traceback from
+inside the weight load. One real ``python -m megatron_rl.train`` process (it fails before any
+collective, so one rank shows the whole behaviour).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from _util import REPO, free_port
+
+
+def test_truncated_hf_checkpoint_is_one_error_line(tmp_path, tiny_hf_models):
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf_models("llama"), hf)
+    shard = hf / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(hf), "--output-dir",
+                        str(tmp_path / "run"), "--num-rollout", "1", "--rollout-batch-size", "2",
+                        "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert (f"error: {shard} ({os.path.getsize(shard)} bytes) is not a readable safetensors file"
+            in p.stderr), p.stderr[-3000:]
