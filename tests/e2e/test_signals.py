@@ -89,8 +89,8 @@ def test_signal_mid_training_saves_and_exits_3(tmp_path, how):
     root = str(out / "ckpt")
     demo = Demo(out, 8, "--save-interval", "2")
     _wait_for(lambda: os.path.isdir(iter_dir(root, 2)), demo, "iter_0000002")
-    with open(f"/proc/{demo.proc.pid}/cmdline", "rb") as fh:  # the script became the launcher (exec)
-        assert b"megatron_rl.infra.launch" in fh.read()
+    with open(f"/proc/{demo.proc.pid}/cmdline", "rb") as fh:
+        cmdline = fh.read()
     _signal(demo, how)
     rc = _stopped(demo)
     assert rc == EXIT_WALL_TIME, f"exit code {rc}\n{demo.tail()}"
@@ -104,6 +104,7 @@ def test_signal_mid_training_saves_and_exits_3(tmp_path, how):
     assert [n for n in os.listdir(root) if n.startswith(".iter_")] == []
     assert "stopped early" in demo.output and "relaunch the same command to resume" in demo.output
     assert "Traceback" not in demo.output and "BrokenPipe" not in demo.output, demo.tail()
+    assert b"megatron_rl.infra.launch" in cmdline  # the script's pid was torchrun's (exec)
 
 
 HANGING_TENSORBOARD = """\
@@ -132,3 +133,24 @@ def test_signal_during_hanging_startup_ends_run(tmp_path, monkeypatch, how, code
     assert f"stopped by {name} before the run could save" in demo.output, demo.tail()
     assert read_run_status(str(out)) is None and train_steps(metrics(out)) == []
     assert not os.path.isdir(out / "ckpt") or list_iterations(str(out / "ckpt")) == []
+
+
+@pytest.mark.slow
+def test_sigkill_mid_prune_leaves_only_whole_checkpoints(tmp_path):
+    """SIGKILL while --save-max-to-keep deletes iter_1 (renamed to .iter_0000001.deleting, then rmtree'd):
+    every visible checkpoint is whole and loadable, the newest is resumed from, the trash is never loaded.
+    The test pads iter_1 with empty files so that its deletion lasts long enough to be caught."""
+    out = tmp_path / "demo"
+    root = str(out / "ckpt")
+    trash = os.path.join(root, ".iter_0000001.deleting")
+    demo = Demo(out, 6, "--save-interval", "1", "--save-max-to-keep", "3")
+    _wait_for(lambda: os.path.isdir(iter_dir(root, 1)), demo, "iter_0000001")
+    padding = os.path.join(iter_dir(root, 1), "padding")
+    os.mkdir(padding)
+    for i in range(30000):
+        os.close(os.open(os.path.join(padding, str(i)), os.O_CREAT | os.O_WRONLY))
+    assert not os.path.exists(trash) and os.path.isdir(iter_dir(root, 1)), "padded too late: prune began"
+    demo.kill_when(lambda: os.path.isdir(trash), ".iter_0000001.deleting")
+    assert os.path.isdir(trash) and not os.path.exists(iter_dir(root, 1))
+    steps = assert_no_partial_checkpoint_visible(root, tmp_path)  # trash is a temp dir: never complete
+    assert steps == [2, 3, 4]
