@@ -116,3 +116,17 @@ def test_unusable_output_paths_are_refused_at_validation(flag, hf_dir, tmp_path)
             parse_config(base + [flag, str(afile)])
     ok = str(tmp_path / "new" / "deep" / ("r_{rollout_id}.pt" if flag == "--save-debug-rollout-data" else ""))
     assert parse_config(base + [flag, ok])
+
+
+def test_unwritable_parent_is_refused(hf_dir, tmp_path, monkeypatch):
+    """Root ignores permission bits, so the unwritable case is simulated: os.access answers False for
+    one directory (a test double for a read-only mount), everything else is real."""
+    ro = tmp_path / "readonly"
+    ro.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(ro)
+                        else real_access(p, mode, **kw))
+    with pytest.raises(ConfigError, match=f"--save {ro}/ckpt cannot be created: {ro} is not writable by this user"):
+        parse_config(["--hf-checkpoint", hf_dir, "--output-dir", str(tmp_path / "run"), "--save", str(ro / "ckpt")])
+    with pytest.raises(ConfigError, match=f"--output-dir {ro} is a directory this user cannot write to"):
+        parse_config(["--hf-checkpoint", hf_dir, "--output-dir", str(ro)])
