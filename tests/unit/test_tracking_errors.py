@@ -16,8 +16,15 @@ def _broken_package(monkeypatch, tmp_path, name, body="raise RuntimeError('broke
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
-    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-        monkeypatch.delitem(sys.modules, mod)
+    _forget(monkeypatch, name)
+
+
+def _forget(monkeypatch, name):
+    """Drop ``name`` (and submodules) from sys.modules for this test; afterwards the real entries
+    come back and the fake ones go (setitem records the original, or its absence, for undo)."""
+    for mod in {name, *(m for m in sys.modules if m.startswith(name + "."))}:
+        monkeypatch.setitem(sys.modules, mod, None)
+        del sys.modules[mod]
 
 
 def test_wandb_raising_on_import_names_package_and_flag(monkeypatch, tmp_path):
@@ -36,8 +43,7 @@ def test_wandb_init_failing_is_a_config_error(monkeypatch, tmp_path):
 
 def test_tensorboard_raising_on_import_names_package_and_flag(monkeypatch, tmp_path):
     _broken_package(monkeypatch, tmp_path, "tensorboard")
-    for mod in [m for m in sys.modules if m.startswith("torch.utils.tensorboard")]:
-        monkeypatch.delitem(sys.modules, mod)
+    _forget(monkeypatch, "torch.utils.tensorboard")
     with pytest.raises(ConfigError, match=r"--tensorboard-dir .*tb needs the tensorboard package, which is installed "
                                           r"but fails to import \(RuntimeError: broken on purpose\)"):
         Tracker(str(tmp_path / "run"), tensorboard_dir=str(tmp_path / "tb"))
