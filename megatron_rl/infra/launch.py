@@ -120,6 +120,10 @@ def run(run_dir: str, torchrun_args: list[str]) -> int:
         got_signal = signal.Signals(e.sigval)
     except ChildFailedError as e:
         failure = _failure_summary(e)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun installed its handler: no worker was started yet
+        got_signal = signal.SIGINT
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the workers are gone: a late signal must not cut the report
+        signal.signal(sig, signal.SIG_IGN)
 
     status = read_run_status(run_dir)
     code = status_exit_code(status)

@@ -82,3 +82,9 @@ def test_refusal_under_torchrun_is_one_error_line_and_exit_2(tmp_path):
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "TP x PP x CP = 3 x 1 x 1" in errors[0], output[-4000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]
+
+
+def test_launcher_without_run_dir_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.infra.launch", "--nproc-per-node", "2", "x.py"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: usage: python -m megatron_rl.infra.launch")
