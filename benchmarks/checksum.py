@@ -90,11 +90,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per step; the best is reported")
     args = ap.parse_args(argv)
 
-    from megatron_rl.backends.megatron.checkpoint import _dist_checkpointing, is_non_finite
+    from megatron_rl.backends.megatron.checkpoint import is_non_finite
+    from megatron_rl.convert.common import dist_checkpointing
     from megatron_rl.infra.checkpoint_root import file_list, listed_file_problems
 
     _init_gloo()
-    dc = _dist_checkpointing()
+    dc = dist_checkpointing()  # megatron-core's, with the CPU shim on its writer modules
     work = tempfile.mkdtemp(prefix="ckpt_checksum_", dir=args.workdir)
     try:
         sd = _state_dict(args.mb)
