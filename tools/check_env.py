@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description="Report the environment megatron_rl would run in "
                                              "(imports each optional package in a subprocess).")
     ap.add_argument("--json", action="store_true", help="print one JSON object (keys in the module docstring)")
-    ap.add_argument("--timeout", type=_positive(float), default=60.0, help="seconds allowed for each optional import (default 60; torch always gets >= 60)")
+    ap.add_argument("--timeout", type=_positive(float), default=60.0,
+                    help="seconds allowed for each optional import (default 60; torch always gets >= 60)")
     ap.add_argument("--only", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     help="comma-separated backend names to probe (default: all)")
     ap.add_argument("--jobs", type=_positive(int), default=None, help="concurrent import probes (default: all at once)")

@@ -81,7 +81,17 @@ def ckpt(tmp_path_factory, tiny_hf_models):
     size = os.path.getsize(common)
     with open(common, "wb") as f:
         f.write(b"\0" * size)  # same size: only the reader can tell
-    bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage,
+    torn = str(out / "bad_torn" / "iter_0000002")  # a torn .distcp zip under a marker without checksums
+    shutil.copytree(good, torn)
+    with open(os.path.join(torn, shard), "r+b") as f:
+        data = bytearray(f.read())
+        data[::7] = bytes(b ^ 0x5A for b in data[::7])
+        f.seek(0)
+        f.write(data)
+    marker = json.load(open(os.path.join(torn, "COMPLETE.json")))
+    marker["files"] = [{k: v for k, v in e.items() if k != "crc32"} for e in marker["files"]]
+    json.dump(marker, open(os.path.join(torn, "COMPLETE.json"), "w"))
+    bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage, "torn": torn,
            "dist_opt": saves["do"]}  # saved with --use-distributed-optimizer, loaded without
     proc = torchrun(SCRIPT, 1, [hf, str(out), _job(tag="reshard_tp1", steps=2, load=good, refuse=list(bad.values())),
                                 _job(tag="vpp_to_tp1", steps=0, load=vpp_save)], timeout=300)
@@ -172,6 +182,9 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
     assert "corrupt" in msgs[bad["truncated"]] and "COMPLETE.json says" in msgs[bad["truncated"]]
     # same-size garbage: refused by its checksum, naming the file (before it is parsed)
     assert "common.pt has CRC-32" in msgs[bad["garbage"]] and bad["garbage"] in msgs[bad["garbage"]]
+    # a torn .distcp under a marker without checksums: the load's own error, one line, naming the dir
+    assert f"loading checkpoint {bad['torn']} failed (rank 0: RuntimeError: PytorchStreamReader" in msgs[bad["torn"]]
+    assert "Traceback" not in msgs[bad["torn"]]
     assert "--use-distributed-optimizer" in msgs[bad["dist_opt"]] and bad["dist_opt"] in msgs[bad["dist_opt"]]
     # the newest complete checkpoint skips the unmarked iter_0000003 and the temp dir
     assert find_latest_complete(str(roots["tp"])) == 2

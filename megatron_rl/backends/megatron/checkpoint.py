@@ -489,10 +489,14 @@ def load_checkpoint(backend, path: str) -> dict:
             opt._init_optimizer_states_with_dummy_values()
     dist_checkpointing = _dist_checkpointing()
     sd = _build_sharded_state_dict(backend, is_loading=True, with_rng=same_layout)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rl.convert.model_io import describe_read_error
+
     try:
         loaded = dist_checkpointing.load(sd, path)
-    except Exception as e:  # noqa: BLE001 - surfaced with the path
-        raise CorruptCheckpoint(f"loading checkpoint {path} failed ({type(e).__name__}: {e}); the files are "
+    except (Exception, CheckpointException) as e:  # a torn .distcp raises DCP's CheckpointException: a BaseException
+        raise CorruptCheckpoint(f"loading checkpoint {path} failed ({describe_read_error(e)}); the files are "
                                 f"corrupt or were written for another model/optimizer; {_ANOTHER}") from e
     model_keys = ["model"] if len(backend.chunks) == 1 else [f"model{i}" for i in range(len(backend.chunks))]
     bad = _non_finite_tensors(loaded, model_keys)
