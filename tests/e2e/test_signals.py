@@ -135,22 +135,37 @@ def test_signal_during_hanging_startup_ends_run(tmp_path, monkeypatch, how, code
     assert not os.path.isdir(out / "ckpt") or list_iterations(str(out / "ckpt")) == []
 
 
+def _freeze(demo: Demo, sig: signal.Signals) -> None:
+    """SIGSTOP/SIGCONT every process of the launched tree (the workers live in their own sessions)."""
+    for pid in _tree(demo.proc.pid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.slow
 def test_sigkill_mid_prune_leaves_only_whole_checkpoints(tmp_path):
     """SIGKILL while --save-max-to-keep deletes iter_1 (renamed to .iter_0000001.deleting, then rmtree'd):
     every visible checkpoint is whole and loadable, the newest is resumed from, the trash is never loaded.
-    The test pads iter_1 with empty files so that its deletion lasts long enough to be caught."""
+    iter_1 is padded with empty files (the run frozen meanwhile) so that its deletion lasts long enough to
+    be caught."""
     out = tmp_path / "demo"
     root = str(out / "ckpt")
     trash = os.path.join(root, ".iter_0000001.deleting")
     demo = Demo(out, 6, "--save-interval", "1", "--save-max-to-keep", "3")
-    _wait_for(lambda: os.path.isdir(iter_dir(root, 1)), demo, "iter_0000001")
-    padding = os.path.join(iter_dir(root, 1), "padding")
-    os.mkdir(padding)
-    for i in range(30000):
-        os.close(os.open(os.path.join(padding, str(i)), os.O_CREAT | os.O_WRONLY))
-    assert not os.path.exists(trash) and os.path.isdir(iter_dir(root, 1)), "padded too late: prune began"
-    demo.kill_when(lambda: os.path.isdir(trash), ".iter_0000001.deleting")
+    try:
+        _wait_for(lambda: os.path.isdir(iter_dir(root, 1)), demo, "iter_0000001")
+        _freeze(demo, signal.SIGSTOP)
+        padding = os.path.join(iter_dir(root, 1), "padding")
+        os.mkdir(padding)
+        for i in range(20000):
+            os.close(os.open(os.path.join(padding, str(i)), os.O_CREAT | os.O_WRONLY))
+        _freeze(demo, signal.SIGCONT)
+        demo.kill_when(lambda: os.path.isdir(trash), ".iter_0000001.deleting")
+    finally:
+        if demo.proc.poll() is None:
+            demo.kill()
     assert os.path.isdir(trash) and not os.path.exists(iter_dir(root, 1))
     steps = assert_no_partial_checkpoint_visible(root, tmp_path)  # trash is a temp dir: never complete
     assert steps == [2, 3, 4]
