@@ -316,8 +316,8 @@ def file_list(root: str, known_checksums: Optional[dict[str, str]] = None) -> li
     ``known_checksums`` (relative path -> hex) are checksums a writer computed as it wrote
     the bytes; every other file is read back once here. Why a read-back at all: the torch_dist
     shards are written by megatron's / torch's writer threads and processes, which give no
-    clean hook on the bytes; rank 0 hashes them after the collective write (cost measured in
-    docs/benchmarks.md).
+    clean hook on the bytes; they are hashed after the collective write (the training save
+    spreads that over the ranks and passes the results here; cost in docs/benchmarks.md).
     """
     known = known_checksums or {}
     out = []
@@ -356,7 +356,8 @@ def listed_file_problems(path: str, meta: dict, checksums: bool = True) -> list[
     return bad
 
 
-def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: dict[str, str]) -> dict:
+def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: dict[str, str],
+                         checksums: bool = True) -> dict:
     """Validate ``path`` as a published dir and return its ``COMPLETE.json``.
 
     The one check both the training loader and the converter run, in the same order:
@@ -366,7 +367,8 @@ def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: 
     "torch_dist checkpoint"); ``fixes`` holds the caller's advice per failure
     (keys: missing, temp, root, unmarked, json, format, files). Failures of the dir's own
     files raise :class:`CorruptCheckpoint`; a marker without checksums (written before
-    they were recorded) is accepted with a warning.
+    they were recorded) is accepted with a warning. ``checksums=False`` leaves the CRC-32
+    comparison to the caller (the training loader spreads it over the ranks).
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{kind} {path} does not exist{fixes.get('missing', '')}")
@@ -389,7 +391,7 @@ def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: 
     if meta.get("format") not in formats:
         raise CorruptCheckpoint(f"{path} has format {meta.get('format')!r}; {fixes['format']}")
     try:
-        bad = listed_file_problems(path, meta)
+        bad = listed_file_problems(path, meta, checksums=checksums)
     except (KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"{marker} is corrupt (a files entry lacks {e}); {fixes['json']}") from e
     if bad:

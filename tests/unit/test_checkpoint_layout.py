@@ -345,3 +345,12 @@ def test_many_files_hash_in_parallel_to_the_same_checksums(tmp_path):
     _flip_byte(os.path.join(p, "__0_5.distcp"))
     bad = cr.listed_file_problems(p, meta)
     assert [b.split(" ")[0] for b in bad] == ["__0_3.distcp", "__0_5.distcp"]
+
+
+def test_load_checks_checksums_before_anything_else(tmp_path):
+    """load_checkpoint's own check (rank 0 sizes, then CRC-32 spread over the ranks; here one process)."""
+    p = _sealed_ckpt(tmp_path, 1)
+    assert ck._spread_checksums(p) == {e["path"]: e["crc32"] for e in cr.file_list(p)}
+    _flip_byte(os.path.join(p, "__0_0.distcp"))
+    with pytest.raises(cr.CorruptCheckpoint, match=r"iter_0000001 is corrupt: __0_0.distcp has CRC-32"):
+        ck.load_checkpoint(_backend(), p)  # a fake backend: refused before the model is looked at

@@ -25,9 +25,12 @@ renames it into place (:func:`~megatron_rl.infra.atomic.publish_dir`); barrier.
 A reader therefore sees a complete checkpoint or none; a crash leaves only a temp
 dir, which :func:`load_checkpoint` and ``find_latest_complete`` refuse/skip.
 
-Integrity on load: rank 0 checks the marker and every listed file (size and CRC-32,
-so same-size damage is refused naming the file) and broadcasts its verdict; after
-the read every rank checks its model tensors for inf/NaN before anything is applied.
+Checksums: after the collective write the files are read back once for their CRC-32,
+file i by rank i % world (:func:`_spread_checksums`). Integrity on load: rank 0 checks
+the marker and every listed file's size and broadcasts its verdict, then the CRC-32s
+are checked spread over the ranks the same way (same-size damage is refused naming the
+file); after the read every rank checks its model tensors for inf/NaN before anything
+is applied.
 Failures of the files raise :class:`~megatron_rl.infra.checkpoint_root.CorruptCheckpoint`
 with the model untouched, so auto-resume can fall back to the previous checkpoint.
 
@@ -54,7 +57,8 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-from megatron_rl.infra.checkpoint_root import (MARKER_NAME, CorruptCheckpoint, file_list, is_temp_dir,
+from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, MARKER_NAME, CorruptCheckpoint, crc32_of_files,
+                                             file_list, is_temp_dir, listed_file_problems,
                                              read_complete_marker, temp_dir_for)
 
 log = logging.getLogger(__name__)
@@ -367,6 +371,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
     sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True)
     dist_checkpointing.save(sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
     _barrier()  # every rank's shards are on disk
+    shard_checksums = _spread_checksums(tmp)
 
     def publish():
         atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
@@ -379,7 +384,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
                 "model": model_fingerprint(backend),
                 "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"],
-                "files": file_list(tmp)}
+                "files": file_list(tmp, known_checksums=shard_checksums)}
         atomic_write_json(os.path.join(tmp, MARKER_NAME), meta)
         publish_dir(tmp, path)
 
@@ -392,14 +397,39 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
 # ---- load -------------------------------------------------------------------------------------------------
 
 
-def read_checkpoint_metadata(path: str) -> dict:
+def _spread_checksums(root: str) -> dict[str, str]:
+    """Collective: CRC-32 of every file now under ``root``, file i hashed by rank i % world.
+
+    Why spread: the torch_dist writer gives no hook on its bytes, so the files are read back;
+    rank 0 alone would read the whole checkpoint (every rank's shards) once more. Rank 0 lists
+    the files (every rank sees the same shared directory, as torch_dist loading requires)."""
+    box = [sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names)
+           if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    mine = box[0][_rank()::_world()]
+    try:
+        part: Any = dict(zip(mine, crc32_of_files([os.path.join(root, r) for r in mine])))
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait in the gather
+        part = f"rank {_rank()}: {type(e).__name__}: {e}"
+    parts = [part]
+    if dist.is_initialized() and _world() > 1:
+        parts = [None] * _world()
+        dist.all_gather_object(parts, part)
+    errors = [p for p in parts if isinstance(p, str)]
+    if errors:
+        raise CheckpointError(f"hashing the files of {root} failed ({'; '.join(errors)})")
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def read_checkpoint_metadata(path: str, checksums: bool = True) -> dict:
     """Validate ``path`` as a complete checkpoint and return its ``COMPLETE.json``.
 
     Refuses (CheckpointError naming the path and the fix): a missing dir, a temp dir,
     a checkpoint root instead of an iteration dir, a dir without the marker, a file
-    listed in the marker that is missing or has a different size.
+    listed in the marker that is missing, has a different size or (``checksums``) another CRC-32.
     """
-    return read_complete_marker(os.path.abspath(path), (FORMAT,), "checkpoint", {
+    return read_complete_marker(os.path.abspath(path), (FORMAT,), "checkpoint", checksums=checksums, fixes={
         "missing": "; check --load, or start without it",
         "temp": "it is never loaded. Load a complete iter_NNNNNNN dir (find_latest_complete) and delete this one",
         "root": "pass iter_dir(root, find_latest_complete(root))",
@@ -410,12 +440,14 @@ def read_checkpoint_metadata(path: str) -> dict:
 
 
 def _validated_metadata(path: str) -> dict:
-    """:func:`read_checkpoint_metadata` on rank 0 only (it reads every file for the checksums:
-    once, not once per rank), its verdict broadcast; every rank raises the same error."""
+    """Collective :func:`read_checkpoint_metadata`: rank 0 checks the marker and the sizes and
+    broadcasts its verdict, then the CRC-32 of file i is checked by rank i % world and the
+    problems are gathered (each rank reads 1/world of the checkpoint, not rank 0 all of it);
+    every rank raises the same error."""
     box: list = [None, None, None]
     if _rank() == 0:
         try:
-            box[0] = read_checkpoint_metadata(path)
+            box[0] = read_checkpoint_metadata(path, checksums=False)
         except CheckpointError as e:
             box[1], box[2] = isinstance(e, CorruptCheckpoint), str(e)
         except Exception as e:  # noqa: BLE001 - e.g. permission denied: every rank must raise, not hang
@@ -424,7 +456,20 @@ def _validated_metadata(path: str) -> dict:
         dist.broadcast_object_list(box, src=0)
     if box[2] is not None:
         raise (CorruptCheckpoint if box[1] else CheckpointError)(box[2])
-    return box[0]
+    meta = box[0]
+    mine = [e for e in meta.get("files", []) if CHECKSUM_KEY in e][_rank()::_world()]
+    try:
+        bad: list = listed_file_problems(path, {"files": mine})
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait in the gather
+        bad = [f"reading its files failed on rank {_rank()} ({type(e).__name__}: {e})"]
+    if dist.is_initialized() and _world() > 1:
+        parts: list = [None] * _world()
+        dist.all_gather_object(parts, bad)
+        bad = [b for part in parts for b in part]
+    if bad:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(sorted(bad)[:10])}. Restore the files, "
+                                f"or {_ANOTHER}")
+    return meta
 
 
 def is_non_finite(t: torch.Tensor) -> bool:
