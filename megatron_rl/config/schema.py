@@ -181,7 +181,8 @@ class CheckpointConfig:
                                "skips regenerating that rollout).")
     save_interval: Optional[int] = flag(None, "Save every N rollout steps (needs --save).")
     save_max_to_keep: Optional[int] = flag(None, "Keep only the newest N checkpoints under --save.")
-    no_auto_resume: bool = flag(False, "Start from --hf-checkpoint even if --save holds a checkpoint.")
+    no_auto_resume: bool = flag(False, "Start afresh (from --hf-checkpoint) instead of resuming from --save; "
+                                "if --save holds checkpoints, --existing-save must say what to do with them.")
     existing_save: Optional[str] = flag(None, "With --no-auto-resume: what to do with checkpoints already under "
                                         "--save, which the fresh run would overwrite and prune: archive moves "
                                         "them to --save/archive_<UTC time>/, discard deletes them. Without it "
