@@ -205,7 +205,7 @@ class PromptIterator:
                 flag = {"num_prompts": "--prompt-data", "seed": "--rollout-seed", "shuffle": "--rollout-shuffle"}[key]
                 raise ConfigError(f"cannot resume the prompt iterator: {key} was {state.get(key)!r} when saved and "
                                   f"is {now!r} now ({flag} changed); resume with the same {flag} or start afresh "
-                                  "(--no-auto-resume)")
+                                  "(--no-auto-resume --existing-save archive)")
         if not 0 <= state["offset"] < len(self.dataset):
             raise ConfigError(f"cannot resume the prompt iterator: offset {state['offset']} is outside the dataset "
                               f"of {len(self.dataset)} prompts")
