@@ -163,6 +163,7 @@ if __name__ == "__main__":
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(allow_abbrev=False, description="Exit with the run's status code (3 = stopped early on purpose).")
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 description="Exit with the run's status code (3 = stopped early on purpose).")
     ap.add_argument("--exit-code", metavar="OUTPUT_DIR", required=True, help="the run's --output-dir")
     sys.exit(launcher_exit_code(ap.parse_args().exit_code))
