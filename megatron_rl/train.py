@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.backends.base import TrainBatch, broadcast_samples, make_backend
@@ -30,11 +31,27 @@ from megatron_rl.weight_sync import make_synchronizer
 log = logging.getLogger("megatron_rl")
 
 
-def train_on_rollout(backend, spec, samples, cfg) -> dict[str, float]:
+def rollout_old_logprobs(samples) -> list[torch.Tensor]:
+    """--use-rollout-logprobs: the engine's token log-probs as the old log-probs (float32, response-aligned)."""
+    return [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+
+
+def train_on_rollout(backend, spec, samples, cfg, perf: dict | None = None) -> dict[str, float]:
+    """Old/ref/teacher log-probs, advantages, then the optimizer steps; each phase's ``perf/*_s`` goes to ``perf``."""
+    perf = {} if perf is None else perf
+    t = time.perf_counter()
     needs = spec.prepare_batch(samples)
-    old = backend.forward_only(samples) if needs.old_logprobs else None
+    if needs.old_logprobs:
+        old = backend.forward_only(samples)
+    else:
+        old = rollout_old_logprobs(samples) if needs.old_from_rollout else None
+    perf["perf/old_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
     ref = backend.maybe_compute_ref_log_probs(samples, needs.ref_logprobs)
+    perf["perf/ref_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
     teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs)
+    if needs.teacher_logprobs:
+        perf["perf/teacher_logprob_s"] = time.perf_counter() - t
+    t = time.perf_counter()
     advantages = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)
     gbs = cfg.batching.effective_global_batch_size
     steps: list[dict[str, float]] = []
@@ -44,6 +61,7 @@ def train_on_rollout(backend, spec, samples, cfg) -> dict[str, float]:
             pick = (lambda xs: None if xs is None else xs[sl])
             steps.append(backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref),
                                                        pick(teacher))))
+    perf["perf/train_s"] = time.perf_counter() - t
     return aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one
 
 
@@ -65,15 +83,22 @@ def run(cfg) -> int:
     for rollout_id in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
         samples, metrics = ctx.get_rollout(rollout_id, rollout)
+        metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
         if cfg.has_training:
+            t = time.perf_counter()
             samples = broadcast_samples(samples)
+            metrics["perf/broadcast_s"] = time.perf_counter() - t
             ctx.colocation.before_train(backend, rollout)
-            metrics.update(train_on_rollout(backend, spec, samples, cfg))
+            metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
             ctx.colocation.before_rollout(backend, rollout)
             if cfg.has_rollout_engine:
+                t = time.perf_counter()
                 metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
+                metrics["perf/sync_s"] = time.perf_counter() - t
         if rollout and ctx.eval_due(rollout_id):
+            t = time.perf_counter()
             metrics.update(rollout.evaluate(rollout_id))
+            metrics["perf/eval_s"] = time.perf_counter() - t
         metrics["perf/step_time_s"] = time.perf_counter() - t0
         ctx.log(rollout_id + 1, metrics)
         saved = backend is not None and ctx.save_due(rollout_id)

@@ -49,6 +49,7 @@ class PolicyGradientConfig:
     use_tis: bool = False  # --use-tis: truncated importance sampling vs rollout log-probs
     tis_cap: float = 2.0  # --tis-cap: C in clamp(exp(old - rollout), tis_clip_low, C)
     tis_clip_low: float = 0.0  # --tis-clip-low: lower bound of the TIS weight (slime's name)
+    use_rollout_logprobs: bool = False  # --use-rollout-logprobs: old log-probs = the engine's, no forward
     opd_coef: float = 0.0  # --opd-coef: on-policy distillation (reverse KL to teacher)
     temperature: float = 1.0  # --rollout-temperature: log-probs are taken at the sampling temperature
     logprob_chunk_size: int | None = None  # --log-probs-chunk-size: tokens per log-prob chunk (None: auto)
@@ -87,6 +88,9 @@ class PolicyGradientConfig:
             bad("--tis-clip-low", self.tis_clip_low, f"use a lower bound in [0, --tis-cap {self.tis_cap}), e.g. 0.5")
         if self.tis_clip_low and not self.use_tis:
             bad("--tis-clip-low", self.tis_clip_low, "it bounds the TIS weight: add --use-tis or drop it")
+        if self.use_rollout_logprobs and self.use_tis:
+            bad("--use-rollout-logprobs", True, "with --use-tis the TIS weight exp(old - rollout) would be 1 "
+                "(old log-probs ARE the rollout ones); drop one of the two flags")
         if self.use_unbiased_kl and not self.kl_loss_coef:
             bad("--use-unbiased-kl", True, "it weights the KL loss term: set --use-kl-loss --kl-loss-coef > 0 "
                 "or drop it")

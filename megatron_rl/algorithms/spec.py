@@ -44,9 +44,10 @@ class BatchRequirements:
     old_logprobs: bool  # forward_only under the pre-update weights
     ref_logprobs: bool  # forward_only under the reference model
     teacher_logprobs: bool  # forward_only under the OPD teacher
-    rollout_logprobs: bool  # from Sample.rollout_logprobs (TIS)
+    rollout_logprobs: bool  # from Sample.rollout_logprobs (TIS, --use-rollout-logprobs)
     entropy: bool  # extract_model_output must also return entropy
     advantages_need_logprobs: bool  # compute old/ref log-probs BEFORE compute_advantages
+    old_from_rollout: bool = False  # old log-probs = Sample.rollout_logprobs (--use-rollout-logprobs), no forward
 
 
 @dataclass(frozen=True)
@@ -85,22 +86,26 @@ class PolicyGradientSpec(Spec):
 
     def prepare_batch(self, samples: Sequence[Sample]) -> BatchRequirements:
         cfg = self.cfg
-        if cfg.use_tis:
+        for flag, on in (("--use-tis", cfg.use_tis), ("--use-rollout-logprobs", cfg.use_rollout_logprobs)):
+            if not on:
+                continue
             for i, s in enumerate(samples):
                 if len(s.rollout_logprobs) != len(s.response_ids):
                     raise ConfigError(
-                        f"--use-tis needs rollout log-probs for every response token, but sample {i} "
+                        f"{flag} needs rollout log-probs for every response token, but sample {i} "
                         f"(group {s.group_index}) has {len(s.rollout_logprobs)} for {len(s.response_ids)} "
-                        f"tokens: have the rollout engine return token log-probs, or drop --use-tis")
+                        f"tokens: have the rollout engine return token log-probs, or drop {flag}")
         kl_in_reward = cfg.advantage_estimator == "reinforce_plus_plus" and cfg.kl_coef > 0
         return BatchRequirements(
-            # GSPO and TIS read old log-probs even on the first update; PPO ratios too.
-            old_logprobs=True,
+            # GSPO and TIS read old log-probs even on the first update; PPO ratios too. With
+            # --use-rollout-logprobs they are the engine's (no forward): the user accepts the mismatch.
+            old_logprobs=not cfg.use_rollout_logprobs,
             ref_logprobs=cfg.kl_loss_coef > 0 or kl_in_reward,
             teacher_logprobs=cfg.opd_coef > 0,
-            rollout_logprobs=cfg.use_tis,
+            rollout_logprobs=cfg.use_tis or cfg.use_rollout_logprobs,
             entropy=True,  # cheap (same pass); always logged to watch for entropy collapse
             advantages_need_logprobs=kl_in_reward,
+            old_from_rollout=cfg.use_rollout_logprobs,
         )
 
     def compute_advantages(self, samples, *, old_logprobs=None, ref_logprobs=None):

@@ -252,6 +252,11 @@ class AlgorithmConfig:
     use_tis: bool = flag(False, "Truncated importance sampling against rollout log-probs.")
     tis_cap: float = flag(2.0, "Upper bound of the TIS weight.", aliases=("--tis-clip",))
     tis_clip_low: float = flag(0.0, "Lower bound of the TIS weight (0: none); needs --use-tis.")
+    use_rollout_logprobs: bool = flag(False, "Take the old log-probs from the rollout engine (each sample's "
+                                      "rollout log-probs) instead of a forward pass: one forward less per "
+                                      "step, at the price of the engine/trainer mismatch "
+                                      "(train/mismatch_abs_logprob). Refused with --use-tis, which corrects "
+                                      "exactly that mismatch.")
     opd_kl_coef: float = flag(0.0, "On-policy distillation: reverse-KL coefficient to the teacher "
                               "(needs --opd-teacher-load).")
     num_steps_per_rollout_updates: int = flag(1, "Passes of optimizer updates over each rollout "

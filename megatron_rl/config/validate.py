@@ -233,6 +233,13 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
     if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
         errors.append("--use-unbiased-kl weights the KL loss term, which needs --use-kl-loss --kl-loss-coef > 0; "
                       "add them or drop --use-unbiased-kl")
+    if a.use_rollout_logprobs and a.use_tis:
+        errors.append("--use-rollout-logprobs with --use-tis: TIS weights each token by exp(old - rollout) "
+                      "log-probs, which is 1 when the old log-probs ARE the rollout ones (slime refuses the "
+                      "pair too); drop one of them")
+    if a.use_rollout_logprobs and cfg.mode.debug_rollout_only:
+        errors.append("--use-rollout-logprobs chooses where training takes its old log-probs, but "
+                      "--debug-rollout-only does not train; drop --use-rollout-logprobs")
 
 
 def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:

@@ -48,7 +48,7 @@ def build_spec(cfg):
         eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
         kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_loss_type=a.kl_loss_type,
         entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_cap=a.tis_cap, tis_clip_low=a.tis_clip_low,
-        opd_coef=a.opd_kl_coef,
+        use_rollout_logprobs=a.use_rollout_logprobs, opd_coef=a.opd_kl_coef,
         temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size))
 
 

@@ -62,7 +62,9 @@ class RolloutManager:
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
+        t = time.perf_counter()
         compute_rewards(samples, self.reward_fn, source=self.cfg.data.custom_rm_path or f"--rm-type {self.cfg.data.rm_type}")
+        self.last_reward_s = time.perf_counter() - t  # reported as perf/reward_s by generate()
         return samples
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
@@ -79,6 +81,7 @@ class RolloutManager:
                    "rollout/response_len_max": lengths.max().item(),
                    "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
                    "rollout/time_s": time.perf_counter() - t0,
+                   "perf/reward_s": self.last_reward_s,
                    "rollout/weight_version": float(samples[0].weight_version)}
         return samples, metrics
 

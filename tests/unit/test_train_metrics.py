@@ -15,7 +15,7 @@ from megatron_rl.train import train_on_rollout
 
 class FakeSpec:
     def prepare_batch(self, samples):
-        return SimpleNamespace(old_logprobs=False, ref_logprobs=False, teacher_logprobs=False)
+        return SimpleNamespace(old_logprobs=False, ref_logprobs=False, teacher_logprobs=False, old_from_rollout=False)
 
     def compute_advantages(self, samples, old_logprobs=None, ref_logprobs=None):
         return [s.adv for s in samples]
