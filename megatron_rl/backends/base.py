@@ -169,16 +169,33 @@ class TrainBackend(abc.ABC):
 
 
 def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None) -> list[Sample]:
-    """Give every rank the driver's rollout batch (a no-op without torch.distributed)."""
+    """Give every rank the driver's rollout batch (a no-op without torch.distributed).
+
+    Two tensor broadcasts (3 byte counts, then one flat buffer from
+    ``data.sample_codec``) instead of ``broadcast_object_list`` of the dataclasses:
+    the ids, masks, rewards and log-probs move as raw int64/float64 bytes and
+    only the non-numeric fields are pickled.
+    """
     import torch.distributed as dist
+
+    from megatron_rl.data import sample_codec
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         if samples is None:
             raise BackendError("broadcast_samples: the driver rank passed no samples")
         return list(samples)
-    box = [samples if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return list(box[0])
+    if dist.get_rank() == src:
+        # no samples: the counts say so (-1), so every rank raises instead of waiting for a buffer
+        sizes, buffer = sample_codec.encode(samples) if samples is not None else (torch.full((3,), -1), None)
+    else:
+        sizes = torch.empty(3, dtype=torch.int64)
+    dist.broadcast(sizes, src=src, group=group)
+    if int(sizes[0]) < 0:
+        raise BackendError(f"broadcast_samples: the driver rank (rank {src}) passed no samples")
+    if dist.get_rank() != src:
+        buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src, group=group)
+    return list(samples) if dist.get_rank() == src else sample_codec.decode(sizes, buffer)
 
 
 _BACKENDS: dict[str, Callable[[], TrainBackend]] = {}

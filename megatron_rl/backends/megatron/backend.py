@@ -242,18 +242,21 @@ class MegatronBackend(TrainBackend):
             model=self.model, num_microbatches=n, seq_length=max_len, micro_batch_size=1,
             forward_only=forward_only)
 
-    def _gather_per_sample(self, local: dict[int, torch.Tensor], num_samples: int) -> list[torch.Tensor]:
-        """Every rank gets every sample's tensor (from last-stage, TP-rank-0 holders)."""
-        holders = local if (self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0) else {}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {k: v.cpu() for k, v in holders.items()})
-        merged: dict[int, torch.Tensor] = {}
-        for part in gathered:
-            merged.update(part)
-        missing = [i for i in range(num_samples) if i not in merged]
-        if missing:
-            raise BackendError(f"forward produced no log-probs for samples {missing[:8]}")
-        return [merged[i] for i in range(num_samples)]
+    def _gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[Sample],
+                           plan: MicroBatchPlan) -> list[torch.Tensor]:
+        """Every rank gets every sample's tensor, from the last-stage, TP-rank-0, CP-rank-0 ranks.
+
+        Those ranks (one per DP rank) hold the full results of their DP rank's
+        micro-batches (other TP/CP ranks hold identical copies); the plan says
+        which samples each holds, so only the values move (``per_sample``).
+        """
+        from megatron_rl.backends.per_sample import gather_per_sample
+
+        holder = (self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0
+                  and self.ps.get_context_parallel_rank() == 0)
+        holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
+        return gather_per_sample(local, holdings, self.ps.get_data_parallel_rank() if holder else None,
+                                 [s.response_length for s in samples])
 
     # ---- TrainBackend --------------------------------------------------------
 
@@ -274,7 +277,7 @@ class MegatronBackend(TrainBackend):
         local: dict[int, torch.Tensor] = {}
         for item in store:
             local.update(item["logprobs"])
-        return self._gather_per_sample(local, len(samples))
+        return self._gather_per_sample(local, samples, plan)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         samples = batch.samples

@@ -1,0 +1,77 @@
+"""Worker for tests/dist/test_data_movement.py: rollout-batch broadcast and per-sample gather.
+
+Usage (under torchrun, 4 ranks): data_movement_worker.py OUT_DIR
+Ranks play a TP2 x DP2 layout (tp = rank % 2, dp = rank // 2) in which only the
+TP-rank-0 ranks hold results, as in MegatronBackend. Each rank writes what it
+checked (and any error message) to OUT_DIR/rank{R}.json.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.backends.base import broadcast_samples
+from megatron_rl.backends.per_sample import gather_per_sample
+from megatron_rl.data.packing import plan_dynamic_micro_batches
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import BackendError
+
+
+def make_samples(n=40):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        r = 0 if i % 7 == 0 else int(torch.randint(1, 9, (1,), generator=g))
+        mask = torch.randint(0, 2, (r,), generator=g).tolist() if i % 3 == 0 else []  # multi-turn masks
+        out.append(Sample(group_index=i // 4, prompt_ids=torch.randint(0, 500, (5,), generator=g).tolist(),
+                          response_ids=torch.randint(0, 500, (r,), generator=g).tolist(),
+                          rollout_logprobs=(-torch.rand(r, generator=g, dtype=torch.float64)).tolist(),
+                          loss_mask=mask, reward=float(torch.rand(1, generator=g)), finish_reason="stop",
+                          weight_version=3, label=str(i), prompt_text=f"p{i}", metadata={"i": i}))
+    return out
+
+
+def logprob(i: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 + i))  # what a forward would give
+
+
+def main():
+    out_dir = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp, dp = rank % 2, rank // 2
+    result = {}
+    samples = make_samples()
+    got = broadcast_samples(samples if rank == 0 else None)
+    result["broadcast_equal"] = got == samples and all(
+        type(a.reward) is type(b.reward) and type(a.label) is type(b.label) for a, b in zip(got, samples))
+    try:
+        broadcast_samples(None)
+    except BackendError as exc:
+        result["broadcast_none_error"] = str(exc)
+
+    plan = plan_dynamic_micro_batches([s.total_length for s in samples], dp_size=2, max_tokens_per_gpu=40)
+    holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(2)]
+    lengths = [s.response_length for s in samples]
+    # every TP rank computes the same results; TP rank 1 gets different numbers here to prove they are not read
+    local = {i: logprob(i, lengths[i]) + (0 if tp == 0 else 1) for i in holdings[dp]}
+    gathered = gather_per_sample(local, holdings, dp if tp == 0 else None, lengths)
+    result["gather_bitwise"] = all(torch.equal(t, logprob(i, lengths[i])) and t.dtype == torch.float32
+                                   for i, t in enumerate(gathered))
+    result["gather_lengths"] = [t.numel() for t in gathered] == lengths
+
+    broken = {k: v for k, v in local.items() if not (dp == 1 and k == holdings[1][-1])}
+    try:
+        gather_per_sample(broken, holdings, dp if tp == 0 else None, lengths)
+    except BackendError as exc:
+        result["gather_missing_error"] = str(exc)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
