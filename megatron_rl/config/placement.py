@@ -86,6 +86,9 @@ def apply_allocation(values: dict[str, dict]) -> None:
         return
     for (group, field), value in implied_rollout_sizes(plan).items():
         values[group].setdefault(field, value)
+    engines = {r.backend for r in plan.rollout}
+    if len(engines) == 1:  # the engine the string names (refused in validation if not available)
+        values["rollout"].setdefault("rollout_backend", engines.pop())
     actor = plan.actor
     if actor is None:
         return
@@ -168,6 +171,14 @@ def allocation_errors(cfg) -> list[str]:
 def _rollout_flag_errors(plan, cfg, head: str) -> list[str]:
     """The rollout flags against the allocation's rollout engines (sizes and --colocate)."""
     errors = []
+    named = sorted({r.backend for r in plan.rollout} - {cfg.rollout.rollout_backend})
+    if named and cfg.has_rollout_engine:
+        # The string names the engine the user expects; running another one in its place would
+        # be the silent substitution validation exists to prevent.
+        errors.append(f"{head} places {'/'.join(named)} rollout engines but --rollout-backend is "
+                      f"{cfg.rollout.rollout_backend}; the embedded engine runs inside the driver "
+                      f"rank and needs no rollout component: state only the trainer (e.g. "
+                      f"megatron:d2), or make --rollout-backend name the allocation's engine")
     flags = {"rollout_num_gpus": ("--rollout-num-gpus", "all rollout engines' GPUs"),
              "rollout_num_gpus_per_engine": ("--rollout-num-gpus-per-engine", "one engine's t*p")}
     for (_, field), want in implied_rollout_sizes(plan).items():

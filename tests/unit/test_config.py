@@ -115,6 +115,10 @@ def test_bad_choice_and_type(hf_dir):
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs transformer-engine"),
     (["--optimizer-cpu-offload"], "--optimizer-cpu-offload needs --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload"],
+     "--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM"),
+    (["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction 0.5 has no effect without"),
+    (["--optimizer-offload-fraction", "0"], r"--optimizer-offload-fraction 0.0 must be in \(0, 1\]"),
     (["--lr", "0"], "--lr 0.0 must be > 0"),
     (["--grad-clip", "-1"], "--grad-clip -1.0 must be >= 0"),
     (["--debug-train-only"], "--debug-train-only has no engine to generate with"),
@@ -209,8 +213,20 @@ def test_allocation_string_errors_name_the_flag(hf_dir):
     with pytest.raises(ConfigError, match="--update-weight-transport distributed is not implemented"):
         parse_config(base(hf_dir, "--allocation", "sglang:d2t4+megatron:d2t2", "--update-weight-transport",
                           "distributed"))
-    cfg = parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
-    assert cfg.placement.allocation.startswith("sglang")
+    # the engines the string names are the engine the run uses: sglang is taken, and refused for now
+    with pytest.raises(ConfigError, match="--rollout-backend sglang is not implemented"):
+        parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
+    cfg = parse_config(base(hf_dir, "--allocation", "megatron:d2t2"))  # the embedded engine needs no component
+    assert cfg.placement.allocation == "megatron:d2t2" and cfg.rollout.rollout_backend == "embedded"
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_allocation_engine_must_be_the_rollout_backend(hf_dir, engine):
+    """An allocation naming SGLang/vLLM engines used to run the embedded engine in their place, silently."""
+    with pytest.raises(ConfigError) as exc:
+        parse_config(base(hf_dir, "--allocation", f"{engine}:d2|megatron:d2", "--rollout-backend", "embedded"))
+    assert (f"--allocation '{engine}:d2|megatron:d2' places {engine} rollout engines but --rollout-backend is "
+            "embedded") in str(exc.value)
 
 
 NOT_YET = "not implemented in this version (tracked by issue 14"
@@ -339,9 +355,14 @@ def test_allocation_and_rollout_flags_that_disagree_are_refused(hf_dir, alloc, e
     assert match in str(exc.value)
 
 
-def test_allocation_sets_the_rollout_sizes_no_flag_gave(hf_dir):
-    cfg = parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
-    assert (cfg.rollout.rollout_num_gpus, cfg.rollout.rollout_num_gpus_per_engine) == (4, 2)
+def test_allocation_sets_the_rollout_sizes_no_flag_gave():
+    from megatron_rl.config.placement import apply_allocation
+
+    values = {g: {} for g in ("model", "parallel", "precision", "placement", "rollout")}
+    values["placement"]["allocation"] = "sglang:d2t2|megatron:d2t2"
+    apply_allocation(values)
+    r = values["rollout"]
+    assert (r["rollout_num_gpus"], r["rollout_num_gpus_per_engine"], r["rollout_backend"]) == (4, 2, "sglang")
 
 
 def test_allocation_numbers_are_ascii_and_bounded_in_the_trainer(hf_dir):
