@@ -89,7 +89,9 @@ def run(cfg) -> int:
             samples = broadcast_samples(samples)
             metrics["perf/broadcast_s"] = time.perf_counter() - t
             ctx.colocation.before_train(backend, rollout)
+            swapped = backend.weights.swap_seconds
             metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
+            metrics["perf/weight_swap_s"] = backend.weights.swap_seconds - swapped  # ref/teacher copy in + out
             ctx.colocation.before_rollout(backend, rollout)
             if cfg.has_rollout_engine:
                 t = time.perf_counter()

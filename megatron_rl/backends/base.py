@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -51,6 +52,8 @@ class WeightManager:
     snapshot into the live parameters (after saving the live values under
     ``"actor"`` if nothing holds them yet); ``restore()`` puts the actor back.
     Copies live on CPU so a reference model costs host memory, not GPU memory.
+    ``swap_seconds`` accumulates the time spent copying (logged as ``perf/weight_swap_s``);
+    the actor's copy reuses its buffers from one swap to the next (no allocation per call).
     """
 
     ACTOR = "actor"
@@ -59,18 +62,30 @@ class WeightManager:
         self._named_params = named_params
         self._tags: dict[str, dict[str, torch.Tensor]] = {}
         self.active = self.ACTOR
+        self.swap_seconds = 0.0
 
     @property
     def tags(self) -> list[str]:
         return sorted(self._tags)
 
     def backup(self, tag: str) -> None:
-        self._tags[tag] = {n: p.detach().to("cpu", copy=True) for n, p in self._named_params()}
+        start = time.perf_counter()
+        params = list(self._named_params())
+        kept = self._tags.get(tag)
+        if kept is not None and len(kept) == len(params) and all(
+                n in kept and kept[n].shape == p.shape and kept[n].dtype == p.dtype for n, p in params):
+            with torch.no_grad():
+                for n, p in params:
+                    kept[n].copy_(p.detach())
+        else:
+            self._tags[tag] = {n: p.detach().to("cpu", copy=True) for n, p in params}
+        self.swap_seconds += time.perf_counter() - start
 
     def has(self, tag: str) -> bool:
         return tag in self._tags
 
     def _load(self, tag: str) -> None:
+        start = time.perf_counter()
         stored = self._tags[tag]
         with torch.no_grad():
             for name, p in self._named_params():
@@ -78,6 +93,7 @@ class WeightManager:
                     raise BackendError(f"weight tag {tag!r} has no copy of parameter {name!r}; "
                                        "it was backed up from a different model layout")
                 p.copy_(stored[name].to(p.device, non_blocking=True))
+        self.swap_seconds += time.perf_counter() - start
 
     def switch(self, tag: str) -> None:
         if tag == self.active:
@@ -171,7 +187,7 @@ class TrainBackend(abc.ABC):
 def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None) -> list[Sample]:
     """Give every rank the driver's rollout batch (a no-op without torch.distributed).
 
-    Two tensor broadcasts (3 byte counts, then one flat buffer from
+    Two tensor broadcasts (2 byte counts, then one flat buffer from
     ``data.sample_codec``) instead of ``broadcast_object_list`` of the dataclasses:
     the ids, masks, rewards and log-probs move as raw int64/float64 bytes and
     only the non-numeric fields are pickled.
@@ -186,9 +202,9 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
         return list(samples)
     if dist.get_rank() == src:
         # no samples: the counts say so (-1), so every rank raises instead of waiting for a buffer
-        sizes, buffer = sample_codec.encode(samples) if samples is not None else (torch.full((3,), -1), None)
+        sizes, buffer = sample_codec.encode(samples) if samples is not None else (torch.full((2,), -1), None)
     else:
-        sizes = torch.empty(3, dtype=torch.int64)
+        sizes = torch.empty(2, dtype=torch.int64)
     dist.broadcast(sizes, src=src, group=group)
     if int(sizes[0]) < 0:
         raise BackendError(f"broadcast_samples: the driver rank (rank {src}) passed no samples")

@@ -1,114 +1,111 @@
 """Rollout samples as one flat byte buffer: what ``broadcast_samples`` sends.
 
-Why: pickling 256 ``Sample`` dataclasses (each with a few short int lists) to
-every rank costs far more in Python than moving the same numbers as tensors.
-The numeric bulk (token ids, loss masks, rollout log-probs, rewards and the
-per-sample counts) travels as one int64 and one float64 block; everything else
-(finish reason, label, texts, metadata) goes in a small pickled header.
+Why: ``broadcast_object_list`` pickles every ``Sample`` dataclass with its
+short int lists; the numeric bulk (token ids, loss masks, rollout log-probs,
+rewards, group indices, weight versions) is better moved as raw arrays, a
+column per field. Everything else (finish reason, label, texts, metadata) goes
+in a small pickled header, also column by column.
 
-Invariant: ``decode(encode(samples)) == samples`` exactly, field by field and
-type by type. A field that does not fit the flat layout exactly (an id that is
-not a plain ``int``, a log-prob that is not a plain ``float``, a tensor where a
-list is expected) is carried in the header for that sample instead, so the
-round trip never changes a value or its type.
+Invariant: ``decode(*encode(samples)) == samples`` exactly, field by field and
+type by type. A column that does not fit the flat layout exactly (an id that
+is not a plain ``int``, a log-prob that is not a plain ``float``, a tensor
+where a list is expected, an id beyond int64) is pickled in the header as it
+is, so the round trip never changes a value or its type.
 
-Layout of the buffer (``uint8``): ``[ints (int64) | floats (float64) | header]``,
-their byte sizes in the 3-entry ``int64`` tensor returned alongside. ``ints`` =
-the sample count, then per sample ``group_index, weight_version`` and the
-lengths of ``prompt_ids, response_ids, loss_mask, rollout_logprobs`` (-1 = in
-the header), then the id/mask values of all samples back to back. ``floats`` =
-every sample's ``reward``, then the rollout log-probs back to back.
+Buffer (``uint8``): ``[flat blocks | pickled header]``, the two byte counts in
+the ``int64`` tensor returned alongside. The header lists the flat blocks in
+order (field, dtype, count); a list field is two blocks, its per-sample lengths
+(int32) then the values of all samples back to back. Ids use int32 when they
+fit (they nearly always do), else int64; floats are float64 (Python floats).
 """
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import fields
+from itertools import accumulate, chain
+from operator import attrgetter
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from megatron_rl.data.types import Sample
 
+_FIELDS = tuple(f.name for f in fields(Sample))
+_INT_SCALARS = ("group_index", "weight_version")
+_FLOAT_SCALARS = ("reward",)
 _INT_LISTS = ("prompt_ids", "response_ids", "loss_mask")
 _FLOAT_LISTS = ("rollout_logprobs",)
-_FLAT = {"group_index", "weight_version", "reward", *_INT_LISTS, *_FLOAT_LISTS}
-_HEADER_FIELDS = tuple(f.name for f in fields(Sample) if f.name not in _FLAT)
-_PER_SAMPLE = 2 + len(_INT_LISTS) + len(_FLOAT_LISTS)  # ints in the per-sample block
-_ABSENT = -1  # a length of -1: the field is in this sample's header entry
+_I32, _I64 = np.iinfo(np.int32), np.iinfo(np.int64)
 
 
-def _all_of(values, kind: type) -> bool:
-    return isinstance(values, list) and all(type(v) is kind for v in values)
+def _only(values, kind: type) -> bool:
+    return set(map(type, values)) <= {kind}  # C-level type scan; bool and numpy scalars do not pass
+
+
+def _int_array(values: list) -> np.ndarray | None:
+    if not values:
+        return np.zeros(0, np.int32)
+    lo, hi = min(values), max(values)
+    if lo < _I64.min or hi > _I64.max:
+        return None
+    return np.array(values, np.int32 if _I32.min <= lo and hi <= _I32.max else np.int64)
 
 
 def encode(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sizes, buffer)``: ``sizes`` = byte counts of the int, float and header blocks."""
-    counts: list[int] = []
-    values: list[int] = []
-    rewards: list[float] = []
-    floats: list[float] = []
-    header: list[dict] = []
-    for s in samples:
-        extra = {name: getattr(s, name) for name in _HEADER_FIELDS}
-        gi, wv = s.group_index, s.weight_version
-        if type(gi) is int and type(wv) is int:
-            counts += [gi, wv]
+    """``(sizes, buffer)``: ``sizes`` = byte counts of the flat blocks and of the header."""
+    rows = list(map(attrgetter(*_FIELDS), samples))
+    columns = dict(zip(_FIELDS, map(list, zip(*rows)))) if rows else {name: [] for name in _FIELDS}
+    blocks: list[np.ndarray] = []
+    schema: list[tuple[str, str, int]] = []  # (field, dtype, count) of each block, in buffer order
+    pickled: dict = {}
+
+    def add(name: str, arr: np.ndarray) -> None:
+        blocks.append(arr)
+        schema.append((name, arr.dtype.str, arr.size))
+
+    for name, col in columns.items():
+        arr = None
+        if name in _INT_SCALARS and _only(col, int):
+            arr = _int_array(col)
+        elif name in _FLOAT_SCALARS and _only(col, float):
+            arr = np.array(col, np.float64)
+        elif name in _INT_LISTS + _FLOAT_LISTS and _only(col, list):
+            values = list(chain.from_iterable(col))
+            if name in _INT_LISTS and _only(values, int):
+                arr = _int_array(values)
+            elif name in _FLOAT_LISTS and _only(values, float):
+                arr = np.array(values, np.float64)
+            if arr is not None:
+                add(name + "#len", np.fromiter(map(len, col), np.int32, len(col)))
+        if arr is None:
+            pickled[name] = col
         else:
-            counts += [0, 0]
-            extra.update(group_index=gi, weight_version=wv)
-        if type(s.reward) is float:
-            rewards.append(s.reward)
-        else:
-            rewards.append(0.0)
-            extra["reward"] = s.reward
-        for name in _INT_LISTS:
-            v = getattr(s, name)
-            if _all_of(v, int):
-                counts.append(len(v))
-                values += v
-            else:
-                counts.append(_ABSENT)
-                extra[name] = v
-        for name in _FLOAT_LISTS:
-            v = getattr(s, name)
-            if _all_of(v, float):
-                counts.append(len(v))
-                floats += v
-            else:
-                counts.append(_ABSENT)
-                extra[name] = v
-        header.append(extra)
-    ints = torch.tensor([len(samples), *counts, *values], dtype=torch.int64)
-    flt = torch.tensor(rewards + floats, dtype=torch.float64)
-    head = torch.frombuffer(bytearray(pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-    blocks = [ints.view(torch.uint8), flt.view(torch.uint8), head]
-    sizes = torch.tensor([b.numel() for b in blocks], dtype=torch.int64)
-    return sizes, torch.cat(blocks)
+            add(name, arr)
+    header = pickle.dumps((len(samples), schema, pickled), protocol=pickle.HIGHEST_PROTOCOL)
+    payload = b"".join(a.tobytes() for a in blocks)
+    sizes = torch.tensor([len(payload), len(header)], dtype=torch.int64)
+    return sizes, torch.frombuffer(bytearray(payload + header), dtype=torch.uint8)
 
 
 def decode(sizes: torch.Tensor, buffer: torch.Tensor) -> list[Sample]:
     """Inverse of ``encode`` (``sizes``/``buffer`` as it returned them, possibly received over a wire)."""
-    n_int, n_float, _ = sizes.tolist()
-    ints = buffer[:n_int].view(torch.int64).tolist()
-    floats = buffer[n_int:n_int + n_float].view(torch.float64).tolist()
-    header = pickle.loads(buffer[n_int + n_float:].numpy().tobytes())
-    n = ints[0]
-    counts = ints[1:1 + n * _PER_SAMPLE]
-    vpos = 1 + n * _PER_SAMPLE  # next unread id/mask value
-    fpos = n  # the first n floats are the rewards
-    out: list[Sample] = []
-    for i in range(n):
-        c = counts[i * _PER_SAMPLE:(i + 1) * _PER_SAMPLE]
-        kw = {"group_index": c[0], "weight_version": c[1], "reward": floats[i]}
-        for name, length in zip(_INT_LISTS, c[2:2 + len(_INT_LISTS)]):
-            if length != _ABSENT:
-                kw[name] = ints[vpos:vpos + length]
-                vpos += length
-        for name, length in zip(_FLOAT_LISTS, c[2 + len(_INT_LISTS):]):
-            if length != _ABSENT:
-                kw[name] = floats[fpos:fpos + length]
-                fpos += length
-        kw.update(header[i])  # header entries override the placeholders above
-        out.append(Sample(**kw))
-    return out
+    n_payload, _ = sizes.tolist()
+    raw = buffer.numpy()
+    n, schema, columns = pickle.loads(raw[n_payload:].tobytes())
+    pos, lengths = 0, {}
+    for name, dtype, count in schema:
+        arr = np.frombuffer(raw, np.dtype(dtype), count, pos)
+        pos += arr.nbytes
+        if name.endswith("#len"):
+            lengths[name[:-4]] = arr.tolist()
+            continue
+        values = arr.tolist()
+        if name in lengths:
+            ends = list(accumulate(lengths[name]))
+            values = [values[e - k:e] for e, k in zip(ends, lengths[name])]
+        columns[name] = values
+    if n == 0:
+        return []
+    return [Sample(*row) for row in zip(*(columns[name] for name in _FIELDS))]

@@ -26,6 +26,25 @@ def test_weight_manager_swaps_tags_in_place():
     assert torch.equal(model.weight, actor_w)
 
 
+def test_weight_manager_reuses_the_actor_copy_and_times_the_swaps():
+    """Every swap copies the CURRENT actor (trained since the last one) into the same buffers."""
+    model = torch.nn.Linear(3, 2)
+    wm = WeightManager(model.named_parameters)
+    wm.backup("ref")
+    assert wm.swap_seconds > 0
+    for step in range(3):
+        with torch.no_grad():
+            model.weight.add_(1.0)  # "training" between reference forwards
+        actor_w = model.weight.detach().clone()
+        before = wm.swap_seconds
+        with wm.use("ref"):
+            assert not torch.equal(model.weight, actor_w)
+        assert torch.equal(model.weight, actor_w) and wm.swap_seconds > before
+        if step == 0:
+            buffer = wm._tags["actor"]["weight"]
+        assert wm._tags["actor"]["weight"] is buffer  # no new allocation per swap
+
+
 def test_weight_manager_unknown_tag():
     wm = WeightManager(torch.nn.Linear(2, 2).named_parameters)
     with pytest.raises(BackendError, match="no weights are stored under tag 'teacher'"):
