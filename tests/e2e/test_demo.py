@@ -108,4 +108,9 @@ def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["sync/checked_tensors"] == 26 for r in train)
     assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
+    phases = ("generate", "reward", "broadcast", "old_logprob", "ref_logprob", "train", "sync")
+    for r in train:  # every step logs its phase timings (benchmarks/rl_step.py reads them)
+        assert all(r[f"perf/{p}_s"] >= 0 for p in phases), r
+        assert 0 < r["perf/weight_swap_s"] < r["perf/ref_logprob_s"]  # the KL reference is swapped in and out
+        assert sum(r[f"perf/{p}_s"] for p in phases) <= r["perf/step_time_s"] + 1e-6 - r["perf/reward_s"]
     del proc
