@@ -102,8 +102,6 @@ def ddp_config_kwargs(cfg) -> dict:
                 fp8_param_gather=bool(cfg.precision.fp8_format and cfg.precision.fp8_param_gather))
 
 
-
-
 class MegatronBackend(TrainBackend):
     def initialize(self, cfg, spec) -> None:
         from megatron.core import parallel_state as ps
@@ -380,6 +378,9 @@ class MegatronBackend(TrainBackend):
 
         path = cfg.checkpoint.load
         if not common.is_model_dir(path):
+            # a dist-to-hf output carries checksums: damage is refused by file name, not trained on
+            common.once_on_rank0(lambda: common.check_hf_marker(cfg.model.hf_checkpoint),
+                                 f"checking --hf-checkpoint {cfg.model.hf_checkpoint}")
             self.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
             return
         meta = common.read_marker(path)
@@ -409,13 +410,19 @@ class MegatronBackend(TrainBackend):
         actor = {n: p.detach().clone() for n, p in self._named_local_params()}
         is_hf = os.path.isfile(os.path.join(path, "config.json")) and any(
             f.endswith(".safetensors") for f in os.listdir(path))
+        from megatron_rl.convert import common
+
+        # the same marker, size and checksum checks as --load: a damaged reference or teacher
+        # would otherwise skew every KL/distillation term without a word
         if is_hf:
+            common.once_on_rank0(lambda: common.check_hf_marker(path), f"checking {flag} {path}")
             self.bridge.load_hf_weights(self.chunks, path)
         else:
-            from megatron_rl.convert.common import resolve_dist_dir
             from megatron_rl.convert.model_io import load_dist_into
 
-            load_dist_into(self.chunks, resolve_dist_dir(path))
+            resolved = common.resolve_dist_dir(path)
+            common.read_marker(resolved)
+            load_dist_into(self.chunks, resolved)
         self.weights.backup(tag)
         with torch.no_grad():
             for name, p in self._named_local_params():
