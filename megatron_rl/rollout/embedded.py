@@ -39,6 +39,7 @@ import torch
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.sampling import sample_next_tokens
@@ -71,6 +72,7 @@ class EmbeddedEngine(RolloutEngine):
                               "written by save_pretrained (config.json + *.safetensors)")
         if max_batch_size < 1:
             raise ConfigError(f"EmbeddedEngine max_batch_size={max_batch_size}: use a value >= 1")
+        HFCheckpoint(hf_checkpoint)  # a truncated/missing shard is named here, not a transformers traceback
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation).to(device).eval()
         self.model.requires_grad_(False)

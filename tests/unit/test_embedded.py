@@ -1,10 +1,13 @@
 """The embedded engine against a recomputing full forward pass of the same HF model."""
 
+import os
+import shutil
+
 import pytest
 import torch
 import transformers
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import CheckpointError, ConfigError
 from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
 
 PROMPT_LENGTHS = [3, 9, 1, 6, 5]
@@ -231,3 +234,15 @@ def test_inverse_cdf_edges():
     assert inverse_cdf(weights, torch.tensor([0.25, 0.5])).tolist() == [3, 1]
     # u = 1 can only arise from rounding; it must still land on a token with positive weight
     assert inverse_cdf(weights, torch.tensor([1.0, 1.0])).tolist() == [3, 1]
+
+
+def test_truncated_shard_is_named_by_the_engine(tmp_path, tiny_hf_models):
+    """Rollout-only runs build only this engine: a truncated shard raised a SafetensorError traceback
+    from inside transformers (training start-up already named it through the backend)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf_models("qwen2"), hf)
+    shard = hf / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file"):
+        EmbeddedEngine(str(hf))
