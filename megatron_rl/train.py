@@ -31,6 +31,23 @@ from megatron_rl.weight_sync import make_synchronizer
 log = logging.getLogger("megatron_rl")
 
 
+class _PhaseClock:
+    """Seconds per start-up phase since ``main`` began (``perf/startup_<phase>_s``, ``perf/startup_s``)."""
+
+    started = time.perf_counter()  # reset by main(); module import time is docs/benchmarks.md's business
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.laps = {"perf/startup_config_s": self.last - _PhaseClock.started}  # logging set-up, flag parsing
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[f"perf/startup_{phase}_s"], self.last = now - self.last, now
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.laps, "perf/startup_s": self.last - _PhaseClock.started}
+
+
 def rollout_old_logprobs(samples) -> list[torch.Tensor]:
     """--use-rollout-logprobs: the engine's token log-probs as the old log-probs (float32, response-aligned)."""
     return [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
@@ -66,19 +83,27 @@ def train_on_rollout(backend, spec, samples, cfg, perf: dict | None = None) -> d
 
 
 def run(cfg) -> int:
+    clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
     ctx = RunContext.create(cfg)
     spec = build_spec(cfg)
+    clock.lap("context")
     if not cfg.has_training and not ctx.is_driver:
         return 0  # rollout-only: the driver's engine does all the work; no trainer ranks
     backend = make_backend(cfg.precision.train_backend) if cfg.has_training else None
+    clock.lap("import_backend")
     if backend:
         backend.initialize(cfg, spec)
+    clock.lap("backend")
     rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
     sync = make_synchronizer(cfg.sync.update_weight_transport, bucket_bytes=cfg.sync.update_weight_buffer_size,
                              check_equal=cfg.sync.check_weight_update_equal)
+    clock.lap("rollout")
     start = ctx.resume_or_init(backend, rollout) if backend else 0
+    clock.lap("resume")
     if backend and cfg.has_rollout_engine:
-        ctx.log(start, sync.sync(backend, rollout and rollout.engine, version=start))
+        synced = sync.sync(backend, rollout and rollout.engine, version=start)
+        clock.lap("sync")
+        ctx.log(start, {**synced, **clock.metrics()})
     ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
     for rollout_id in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
@@ -116,6 +141,7 @@ def run(cfg) -> int:
 
 def main(argv=None) -> int:
     previous = end_process_on_stop_signals()  # until the loop can save, SIGTERM/SIGINT end the run (143/130)
+    _PhaseClock.started = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lists every parameter of every bucket
     try:

@@ -1,0 +1,195 @@
+"""The CPU demo's RL step split by phase, at 1 and 2 processes, against its compute floor.
+
+Framework side: ``scripts/run_demo_cpu.sh`` itself (its exact model and flags, torchrun,
+gloo, ``OMP_NUM_THREADS=1``) for ``--warmup + --steps`` rollouts; the per-phase
+``perf/*_s`` the loop logs every step (docs/metrics.md) are averaged over the steps after
+the warm-up. Eval steps have their ``perf/eval_s`` taken out (evaluation is not the step).
+Start-up is the wall time from launching the script to the step-0 record (the initial
+weight sync, just before the first rollout), data preparation included; the driver's own
+phases after ``main`` began (``perf/startup_*_s``) are printed with it.
+
+Compute floor: the same work on one thread in plain torch, in this process, with the
+demo's HF weights (``transformers`` Qwen2) and no framework around it: sample the same
+32 prompts x 8 completions of up to 6 tokens with a KV cache (each prompt prefilled
+once), score them with the demo's reward, one no-grad forward for the old log-probs and
+one with a second, frozen copy of the weights for the reference ones, then the demo's 2
+optimizer steps of 128 completions (forward, GRPO clip loss + k3 KL, backward, clip,
+Adam). No weight sync: the sampling model IS the trained one. Best of ``--repeats``.
+
+    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 6] [--warmup 2] [--extra-variant]
+
+``--extra-variant`` also runs 1 process with ``--use-rollout-logprobs`` (no old-log-prob
+forward). Run it on a quiet machine (load average well under 1 per process used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ["generate", "old_logprob", "ref_logprob", "train", "sync"]  # + broadcast, reward (inside generate)
+PROMPTS, N_SAMPLES, MAX_NEW, GBS, CLIP, KL_COEF, LR = 32, 8, 6, 128, 0.2, 0.05, 1e-3
+
+
+# ---------------------------------------------------------------- framework side
+
+
+def run_demo(out: str, nproc: int, rollouts: int, *extra: str) -> tuple[list[dict], float]:
+    """(metrics records, launch time) of one run of the demo script."""
+    env = {**os.environ, "OUT": out, "NPROC": str(nproc), "NUM_ROLLOUT": str(rollouts), "OMP_NUM_THREADS": "1"}
+    t0 = time.time()
+    proc = subprocess.run(["bash", "scripts/run_demo_cpu.sh", "--no-auto-resume", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        sys.exit(f"demo run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh], t0
+
+
+def phase_means(records: list[dict], warmup: int) -> dict[str, float]:
+    steps = [r for r in records if "perf/step_time_s" in r][warmup:]
+    mean = (lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps))
+    out = {p: mean(f"perf/{p}_s") for p in PHASES + ["broadcast", "reward"]}
+    out["step"] = mean("perf/step_time_s") - mean("perf/eval_s")
+    out["other"] = out["step"] - sum(out[p] for p in PHASES + ["broadcast"])
+    return out
+
+
+def framework(nproc: int, steps: int, warmup: int, *extra: str) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="rl_step_") as out:
+        records, t0 = run_demo(out, nproc, warmup + steps, *extra)
+        result = phase_means(records, warmup)
+        first = next(r for r in records if r["step"] == 0)
+        result["startup"] = first["time"] - t0
+        result["startup_phases"] = {k[len("perf/startup_"):-2]: v for k, v in first.items()
+                                    if k.startswith("perf/startup_")}
+    return result
+
+
+# ---------------------------------------------------------------- compute floor (plain torch)
+
+
+def _logprobs(model, ids: torch.Tensor, n_prompt: int) -> torch.Tensor:
+    logits = model(input_ids=ids).logits[:, n_prompt - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, n_prompt:, None]).squeeze(-1)
+
+
+def floor_once(model, ref, opt, prompt_ids: torch.Tensor, labels: list[str], tok, eos: int) -> dict[str, float]:
+    from megatron_rl.data.synthetic import score
+
+    t = {}
+    start = time.perf_counter()
+    with torch.no_grad():  # sample: prefill each prompt once, then 8 rows per prompt share its cache
+        out = model(input_ids=prompt_ids, use_cache=True)
+        cache = out.cache
+        cache.batch_repeat_interleave(N_SAMPLES)
+        logits = out.logits[:, -1].repeat_interleave(N_SAMPLES, 0)
+        gen = []
+        for _ in range(MAX_NEW):
+            nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1)
+            gen.append(nxt)
+            out = model(input_ids=nxt, cache=cache, use_cache=True)
+            cache, logits = out.cache, out.logits[:, -1]
+    response = torch.cat(gen, 1)
+    mask = torch.cumprod(torch.cat([torch.ones_like(response[:, :1]), (response[:, :-1] != eos).long()], 1), 1)
+    t["generate"] = time.perf_counter() - start
+    start = time.perf_counter()
+    texts = tok.batch_decode(response * mask, skip_special_tokens=True)
+    rewards = torch.tensor([score(x, labels[i // N_SAMPLES]) for i, x in enumerate(texts)])
+    t["reward"] = time.perf_counter() - start
+    t["generate"] += t["reward"]
+    ids = torch.cat([prompt_ids.repeat_interleave(N_SAMPLES, 0), response], 1)
+    n_prompt, maskf = prompt_ids.shape[1], mask.float()
+    start = time.perf_counter()
+    with torch.no_grad():
+        old = _logprobs(model, ids, n_prompt)
+    t["old_logprob"], start = time.perf_counter() - start, time.perf_counter()
+    with torch.no_grad():
+        ref_lp = _logprobs(ref, ids, n_prompt)
+    t["ref_logprob"], start = time.perf_counter() - start, time.perf_counter()
+    grouped = rewards.view(-1, N_SAMPLES)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+    for s in range(0, ids.shape[0], GBS):
+        sl = slice(s, s + GBS)
+        lp = _logprobs(model, ids[sl], n_prompt)
+        ratio = torch.exp(lp - old[sl])
+        pg = torch.max(-adv[sl] * ratio, -adv[sl] * ratio.clamp(1 - CLIP, 1 + CLIP))
+        log_r = (ref_lp[sl] - lp).clamp(-20, 20)
+        kl = (torch.exp(log_r) - log_r - 1).clamp(max=10)
+        loss = ((pg + KL_COEF * kl) * maskf[sl]).sum() / maskf[sl].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    t["train"] = time.perf_counter() - start
+    t["sync"] = 0.0
+    t["step"] = sum(t[p] for p in PHASES)
+    return t
+
+
+def compute_floor(repeats: int) -> dict[str, float]:
+    import transformers
+
+    from megatron_rl.data.synthetic import prepare
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="rl_floor_") as out:
+        paths = prepare(out)
+        model = transformers.AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(paths["model"])
+        with open(paths["prompts"]) as fh:
+            rows = [json.loads(line) for _, line in zip(range(PROMPTS), fh)]
+    prompt_ids = torch.tensor([tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows])
+    labels = [str(r["label"]) for r in rows]
+    model.requires_grad_(True).train()
+    ref.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999))
+    torch.manual_seed(0)
+    floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id)  # warm-up
+    runs = [floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id) for _ in range(repeats)]
+    return {k: min(r[k] for r in runs) for k in runs[0]}
+
+
+# ---------------------------------------------------------------- report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--nprocs", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=6, help="measured rollouts after the warm-up")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="compute-floor repetitions (best of)")
+    ap.add_argument("--extra-variant", action="store_true", help="also 1 process with --use-rollout-logprobs")
+    args = ap.parse_args(argv)
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    floor = compute_floor(args.repeats)
+    runs = {f"{n} proc": framework(n, args.steps, args.warmup) for n in args.nprocs}
+    if args.extra_variant:
+        runs["1 proc, rollout logprobs"] = framework(1, args.steps, args.warmup, "--use-rollout-logprobs")
+    rows = PHASES + ["broadcast", "other", "step"]
+    print(f"\nseconds per RL step (mean of {args.steps} after {args.warmup} warm-up; floor: best of {args.repeats})")
+    print(f"{'phase':<14}{'floor':>9}" + "".join(f"{name:>26}" for name in runs))
+    for p in rows:
+        cells = "".join(f"{r[p]:>17.4f} ({r[p] / floor[p]:>5.2f}x)" if floor.get(p) else f"{r[p]:>26.4f}"
+                        for r in runs.values())
+        print(f"{p:<14}{floor.get(p, 0.0):>9.4f}{cells}")
+    print(f"{'(reward)':<14}{floor['reward']:>9.4f}" + "".join(f"{r['reward']:>26.4f}" for r in runs.values()))
+    print(f"{'start-up':<14}{'':>9}" + "".join(f"{r['startup']:>26.1f}" for r in runs.values()))
+    for name, r in runs.items():
+        print(f"{name}: step / floor = {r['step'] / floor['step']:.2f}; start-up inside the driver (s): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["startup_phases"].items()))
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
