@@ -221,9 +221,30 @@ def register_backend(name: str, factory: Callable[[], TrainBackend]) -> None:
     _BACKENDS[name] = factory
 
 
+def import_megatron_core_without_wandb() -> None:
+    """Import megatron-core with ``wandb`` hidden, unless something already imported wandb.
+
+    ``megatron.core.timers`` runs ``try: import wandb`` at import time (about 1 s of start-up on
+    every rank here) only to write megatron's own timers to W&B when handed a writer, which this
+    engine never does: metrics go through ``infra.tracking``, which imports wandb itself on the
+    driver when ``--wandb-project`` asks (before this runs). The hiding lasts for this one import.
+    """
+    import sys
+
+    if "wandb" in sys.modules or "megatron.core" in sys.modules:
+        return
+    sys.modules["wandb"] = None  # `import wandb` raises ImportError: megatron falls back to wandb = None
+    try:
+        import megatron.core.timers  # noqa: F401
+    finally:
+        if "wandb" in sys.modules and sys.modules["wandb"] is None:
+            del sys.modules["wandb"]
+
+
 def make_backend(name: str) -> TrainBackend:
     """Pick the backend named by ``--train-backend`` (imports it lazily: megatron is slow to import)."""
     if name == "megatron" and name not in _BACKENDS:
+        import_megatron_core_without_wandb()
         from megatron_rl.backends.megatron import backend as _  # noqa: F401  (registers itself)
     if name not in _BACKENDS:
         known = sorted({"megatron", *_BACKENDS})

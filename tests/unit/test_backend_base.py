@@ -59,3 +59,19 @@ def test_broadcast_samples_single_process():
 def test_unknown_backend():
     with pytest.raises(ConfigError, match="--train-backend 'deepspeed' is not available"):
         make_backend("deepspeed")
+
+
+def test_megatron_backend_import_skips_wandb_but_leaves_it_importable():
+    """megatron.core.timers imports wandb (~0.5 CPU-s per rank) for a feature never used: hidden at start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from megatron_rl.backends.base import make_backend\n"
+            "make_backend('megatron')\n"
+            "import megatron.core.timers as t\n"
+            "assert 'wandb' not in sys.modules and t.wandb is None, 'wandb imported'\n"
+            "import wandb\n"  # the hiding is over: --wandb-project later still works
+            "print('ok', wandb.__name__)\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok wandb" in proc.stdout, proc.stderr[-2000:]
