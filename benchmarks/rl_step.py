@@ -57,7 +57,7 @@ def run_demo(out: str, nproc: int, rollouts: int, *extra: str) -> tuple[list[dic
 def phase_means(records: list[dict], warmup: int) -> dict[str, float]:
     steps = [r for r in records if "perf/step_time_s" in r][warmup:]
     mean = (lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps))
-    out = {p: mean(f"perf/{p}_s") for p in PHASES + ["broadcast", "reward"]}
+    out = {p: mean(f"perf/{p}_s") for p in PHASES + ["broadcast", "reward", "weight_swap"]}
     out["step"] = mean("perf/step_time_s") - mean("perf/eval_s")
     out["other"] = out["step"] - sum(out[p] for p in PHASES + ["broadcast"])
     return out
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
                         for r in runs.values())
         print(f"{p:<14}{floor.get(p, 0.0):>9.4f}{cells}")
     print(f"{'(reward)':<14}{floor['reward']:>9.4f}" + "".join(f"{r['reward']:>26.4f}" for r in runs.values()))
+    print(f"{'(ref swap)':<14}{0.0:>9.4f}" + "".join(f"{r['weight_swap']:>26.4f}" for r in runs.values()))
     print(f"{'start-up':<14}{'':>9}" + "".join(f"{r['startup']:>26.1f}" for r in runs.values()))
     for name, r in runs.items():
         print(f"{name}: step / floor = {r['step'] / floor['step']:.2f}; start-up inside the driver (s): "

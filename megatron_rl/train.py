@@ -15,18 +15,14 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-from megatron_rl.backends.base import TrainBatch, broadcast_samples, make_backend
 from megatron_rl.config import parse_config
 from megatron_rl.config.placement import refuse_single_process_world
 from megatron_rl.errors import MegatronRLError
-from megatron_rl.infra.run import RunContext, build_rollout, build_spec, print_plan
-from megatron_rl.infra.step_metrics import aggregate_step_metrics
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
                                          restore_signal_handlers, write_error_status)
-from megatron_rl.weight_sync import make_synchronizer
+
+# torch and everything that imports it load after the flags parsed (in run(), train_on_rollout()):
+# --help, --dry-run's refusals and every other flag error answer without the ~2 s torch import.
 
 log = logging.getLogger("megatron_rl")
 
@@ -48,13 +44,18 @@ class _PhaseClock:
         return {**self.laps, "perf/startup_s": self.last - _PhaseClock.started}
 
 
-def rollout_old_logprobs(samples) -> list[torch.Tensor]:
+def rollout_old_logprobs(samples) -> list:
     """--use-rollout-logprobs: the engine's token log-probs as the old log-probs (float32, response-aligned)."""
+    import torch
+
     return [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
 
 
 def train_on_rollout(backend, spec, samples, cfg, perf: dict | None = None) -> dict[str, float]:
     """Old/ref/teacher log-probs, advantages, then the optimizer steps; each phase's ``perf/*_s`` goes to ``perf``."""
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.infra.step_metrics import aggregate_step_metrics
+
     perf = {} if perf is None else perf
     t = time.perf_counter()
     needs = spec.prepare_batch(samples)
@@ -83,6 +84,10 @@ def train_on_rollout(backend, spec, samples, cfg, perf: dict | None = None) -> d
 
 
 def run(cfg) -> int:
+    from megatron_rl.backends.base import broadcast_samples, make_backend
+    from megatron_rl.infra.run import RunContext, build_rollout, build_spec
+    from megatron_rl.weight_sync import make_synchronizer
+
     clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
     ctx = RunContext.create(cfg)
     spec = build_spec(cfg)
@@ -147,6 +152,8 @@ def main(argv=None) -> int:
     try:
         cfg = parse_config(argv)
         if cfg.mode.dry_run:
+            from megatron_rl.infra.run import print_plan
+
             return print_plan(cfg)
         refuse_single_process_world(cfg)  # no torchrun: 1 rank, whatever the flags planned for
         rc = run(cfg)
@@ -161,7 +168,8 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_available() and dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")  # not imported: no process group to destroy
+        if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         restore_signal_handlers(previous)  # main() called in-process (tests) leaves them as it found them
 
