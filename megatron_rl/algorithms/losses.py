@@ -229,8 +229,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
         metrics["tis_capped_frac"] = _msum(capped.double(), mask)
         if cfg.tis_clip_low:
             metrics["tis_clip_low_frac"] = _msum(floored.double(), mask)
-    if x.rollout_logprobs is not None:
-        metrics.update(mismatch_metrics(old, x.rollout_logprobs, mask))
+    if x.rollout_logprobs is not None:  # --use-rollout-logprobs: old IS rollout; the training forward is compared
+        metrics.update(mismatch_metrics(x.logprobs if cfg.use_rollout_logprobs else old, x.rollout_logprobs, mask))
 
     token_log_ratio = x.logprobs - old
     metrics["ppo_kl"] = _msum(-token_log_ratio, mask)  # verl's ppo_kl: mean(old - new) over loss tokens

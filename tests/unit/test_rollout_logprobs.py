@@ -95,3 +95,19 @@ def test_rollout_logprobs_flag_validation_and_wiring(hf_dir):
         parse_config(["--hf-checkpoint", hf_dir, "--use-rollout-logprobs", "--use-tis"])
     with pytest.raises(ConfigError, match="--debug-rollout-only does not train"):
         parse_config(["--hf-checkpoint", hf_dir, "--use-rollout-logprobs", "--debug-rollout-only"])
+
+
+def test_mismatch_metric_stays_meaningful_with_rollout_logprobs():
+    """old == rollout would make train/mismatch_abs_logprob 0; it compares the training forward instead."""
+    from megatron_rl.algorithms import LossInputs
+    from megatron_rl.algorithms.losses import compute_policy_loss
+    from megatron_rl.data.packing import compute_loss_denominators
+
+    rollout = torch.tensor([-1.0, -2.0, -0.5])
+    logprobs = torch.tensor([-1.25, -2.0, -0.25], requires_grad=True)
+    mask = torch.ones(3)
+    inputs = LossInputs(logprobs, torch.ones(3), mask, [3], old_logprobs=rollout, rollout_logprobs=rollout)
+    _, metrics = compute_policy_loss(inputs, compute_loss_denominators([mask]),
+                                     PolicyGradientConfig(use_rollout_logprobs=True))
+    total, count = metrics["mismatch_abs_logprob"]
+    assert float(total) / float(count) == pytest.approx(0.5 / 3)
