@@ -53,6 +53,14 @@ def _wait_for(condition, demo: Demo, what: str, timeout: float = 420) -> None:
         time.sleep(0.05)
 
 
+def _logged_train_steps(out) -> list[int]:
+    """Train steps in metrics.jsonl so far, ignoring a last line still being written."""
+    try:
+        return train_steps(metrics(out))
+    except json.JSONDecodeError:
+        return []
+
+
 def _signal(demo: Demo, how: str) -> None:
     pid = demo.proc.pid  # start_new_session: also the process group id
     if how == "SIGTERM to the script":
@@ -89,6 +97,10 @@ def test_signal_mid_training_saves_and_exits_3(tmp_path, how):
     root = str(out / "ckpt")
     demo = Demo(out, 8, "--save-interval", "2")
     _wait_for(lambda: os.path.isdir(iter_dir(root, 2)), demo, "iter_0000002")
+    # and step 3 logged: a signal now is answered by a save made after it (the stop save at 3, or
+    # the periodic one at 4). Sent right after iter_0000002's publish it could be seen by the
+    # step-2 stop check, which saves nothing new (that race made step == 2 under load).
+    _wait_for(lambda: 3 in _logged_train_steps(out), demo, "train step 3 in metrics.jsonl")
     with open(f"/proc/{demo.proc.pid}/cmdline", "rb") as fh:
         cmdline = fh.read()
     _signal(demo, how)
