@@ -24,6 +24,7 @@ def test_broadcast_and_gather_on_four_ranks(tmp_path):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["broadcast_equal"], rank
         assert "driver rank (rank 0) passed no samples" in res["broadcast_none_error"], rank
+        assert res["holder_ranks"] == [0, 2], rank  # the TP-rank-0 rank of each DP rank
         assert res["gather_bitwise"] and res["gather_lengths"], rank
         assert "lack samples" in res["gather_missing_error"], rank
     holder = json.loads((tmp_path / "rank2.json").read_text())["gather_missing_error"]

@@ -9,12 +9,12 @@ from megatron_rl.errors import BackendError
 
 def test_single_rank_returns_local_tensors_in_sample_order():
     local = {i: torch.randn(n) for i, n in enumerate([3, 0, 2])}
-    out = gather_per_sample(local, [[2, 0, 1]], 0, [3, 0, 2])
+    out = gather_per_sample(local, [[2, 0, 1]], [0], [3, 0, 2])
     assert [t is local[i] for i, t in enumerate(out)] == [True] * 3
 
 
 def test_single_rank_missing_or_wrong_length_sample_is_named():
     with pytest.raises(BackendError, match=r"no log-probs for samples \[1\]"):
-        gather_per_sample({0: torch.zeros(2)}, [[0, 1]], 0, [2, 1])
+        gather_per_sample({0: torch.zeros(2)}, [[0, 1]], [0], [2, 1])
     with pytest.raises(BackendError, match=r"wrong length for samples \[0\]"):
-        gather_per_sample({0: torch.zeros(3), 1: torch.zeros(1)}, [[0, 1]], 0, [2, 1])
+        gather_per_sample({0: torch.zeros(3), 1: torch.zeros(1)}, [[0, 1]], [0], [2, 1])

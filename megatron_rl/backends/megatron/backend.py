@@ -246,15 +246,18 @@ class MegatronBackend(TrainBackend):
 
         Those ranks (one per DP rank) hold the full results of their DP rank's
         micro-batches (other TP/CP ranks hold identical copies); the plan says
-        which samples each holds, so only the values move (``per_sample``).
+        which samples each holds, so only the values move (``per_sample``). Which
+        global rank holds which DP rank's results is fixed by the layout: found once.
         """
-        from megatron_rl.backends.per_sample import gather_per_sample
+        from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
 
-        holder = (self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0
-                  and self.ps.get_context_parallel_rank() == 0)
+        if getattr(self, "_holder_ranks", None) is None:
+            holder = (self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0
+                      and self.ps.get_context_parallel_rank() == 0)
+            self._holder_ranks = find_holder_ranks(self.ps.get_data_parallel_rank() if holder else None,
+                                                   self.dp_size)
         holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
-        return gather_per_sample(local, holdings, self.ps.get_data_parallel_rank() if holder else None,
-                                 [s.response_length for s in samples])
+        return gather_per_sample(local, holdings, self._holder_ranks, [s.response_length for s in samples])
 
     # ---- TrainBackend --------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.backends.base import broadcast_samples
-from megatron_rl.backends.per_sample import gather_per_sample
+from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
 from megatron_rl.data.packing import plan_dynamic_micro_batches
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError
@@ -58,14 +58,16 @@ def main():
     lengths = [s.response_length for s in samples]
     # every TP rank computes the same results; TP rank 1 gets different numbers here to prove they are not read
     local = {i: logprob(i, lengths[i]) + (0 if tp == 0 else 1) for i in holdings[dp]}
-    gathered = gather_per_sample(local, holdings, dp if tp == 0 else None, lengths)
+    holder_ranks = find_holder_ranks(dp if tp == 0 else None, 2)
+    result["holder_ranks"] = holder_ranks
+    gathered = gather_per_sample(local, holdings, holder_ranks, lengths)
     result["gather_bitwise"] = all(torch.equal(t, logprob(i, lengths[i])) and t.dtype == torch.float32
                                    for i, t in enumerate(gathered))
     result["gather_lengths"] = [t.numel() for t in gathered] == lengths
 
     broken = {k: v for k, v in local.items() if not (dp == 1 and k == holdings[1][-1])}
     try:
-        gather_per_sample(broken, holdings, dp if tp == 0 else None, lengths)
+        gather_per_sample(broken, holdings, holder_ranks, lengths)
     except BackendError as exc:
         result["gather_missing_error"] = str(exc)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
