@@ -70,7 +70,8 @@ def framework(nproc: int, steps: int, warmup: int, *extra: str) -> dict[str, flo
         first = next(r for r in records if r["step"] == 0)
         result["startup"] = first["time"] - t0
         result["startup_phases"] = {k[len("perf/startup_"):-2]: v for k, v in first.items()
-                                    if k.startswith("perf/startup_")}
+                                    if k.startswith("perf/startup_") and k != "perf/startup_s"}
+        result["startup_phases"]["total"] = first["perf/startup_s"]
     return result
 
 

@@ -84,11 +84,12 @@ def train_on_rollout(backend, spec, samples, cfg, perf: dict | None = None) -> d
 
 
 def run(cfg) -> int:
+    clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
     from megatron_rl.backends.base import broadcast_samples, make_backend
     from megatron_rl.infra.run import RunContext, build_rollout, build_spec
     from megatron_rl.weight_sync import make_synchronizer
 
-    clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
+    clock.lap("import_torch")  # torch and the loop's modules (not imported for --help / flag errors)
     ctx = RunContext.create(cfg)
     spec = build_spec(cfg)
     clock.lap("context")

@@ -117,5 +117,5 @@ def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
         assert sum(r[f"perf/{p}_s"] for p in phases) <= r["perf/step_time_s"] + 1e-6 - r["perf/reward_s"]
     first = next(r for r in recs if r["step"] == 0)  # start-up phases ride on the initial sync's record
     laps = [v for k, v in first.items() if k.startswith("perf/startup_") and k != "perf/startup_s"]
-    assert len(laps) == 7 and all(v >= 0 for v in laps) and sum(laps) <= first["perf/startup_s"] + 1e-6, first
+    assert len(laps) == 8 and all(v >= 0 for v in laps) and sum(laps) <= first["perf/startup_s"] + 1e-6, first
     del proc
