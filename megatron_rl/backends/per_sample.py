@@ -7,9 +7,11 @@ ranks (from the micro-batch plan and the samples), so only the values move:
 each holder concatenates its samples' tensors in plan order and broadcasts that
 one flat tensor (one ``broadcast`` per holder, i.e. per data-parallel rank;
 world size 1: no collective, the local tensors are returned as they are). On
-gloo CPU that beat one ``all_gather`` of equal-length padded rows by 2-3x
-(benchmarks/data_movement.py). The values are copied, never recomputed or
-cast, so results are bitwise those of the holders.
+gloo CPU the collectives alone cost the same as one ``all_gather`` of
+equal-length padded rows at DP2 and half as much at TP2 and TP2xDP2 (only
+real values move, no padding, no rows from non-holders;
+benchmarks/data_movement.py). The values are copied, never recomputed or cast,
+so results are bitwise those of the holders.
 
 Which global rank holds which slot is fixed by the parallel layout: callers
 find it once with ``find_holder_ranks`` and keep it. Each broadcast tensor is
@@ -30,15 +32,15 @@ from megatron_rl.errors import BackendError
 _SENT, _BROKEN_HOLDER = 0.0, -2.0
 
 
-def _holder_row(local: dict[int, torch.Tensor], held: Sequence[int], lengths: Sequence[int],
-                width: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    row = torch.zeros(width, dtype=dtype)
+def _holder_values(local: dict[int, torch.Tensor], held: Sequence[int], sizes: list[int],
+                   dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``[flag, values...]`` that one holder sends, or None when a sample is missing or of the wrong length."""
     pieces = [local.get(i) for i in held]
-    if any(p is None or p.numel() != lengths[i] for i, p in zip(held, pieces)):
-        return row, False
-    if pieces:
-        torch.cat([p.reshape(-1).to(dtype) for p in pieces], out=row[1:1 + sum(lengths[i] for i in held)])
-    return row, True
+    if any(p is None for p in pieces) or [p.numel() for p in pieces] != sizes:
+        return None
+    if any(p.dim() != 1 or p.dtype != dtype for p in pieces):
+        pieces = [p.reshape(-1).to(dtype) for p in pieces]
+    return torch.cat([torch.full((1,), _SENT, dtype=dtype), *pieces])
 
 
 def _complain(local: dict[int, torch.Tensor], holdings: Sequence[Sequence[int]], slot: int,
@@ -92,27 +94,29 @@ def gather_per_sample(local: dict[int, torch.Tensor], holdings: Sequence[Sequenc
                 raise BackendError(_complain(local, holdings, 0, lengths))
         return [local[i] for i in range(len(lengths))]
     me = dist.get_rank()
-    out: list[Optional[torch.Tensor]] = [None] * len(lengths)
+    out: list[tuple[int, torch.Tensor]] = []
     broken: list[int] = []
-    for d, (held, src) in enumerate(zip(holdings, holder_ranks)):
+    for held, src in zip(holdings, holder_ranks):
         sizes = [lengths[i] for i in held]
-        if me == src:
-            buf, ok = _holder_row(local, held, lengths, 1 + sum(sizes), dtype)
-            buf[0] = _SENT if ok else _BROKEN_HOLDER
-        else:
+        buf = _holder_values(local, held, sizes, dtype) if me == src else None
+        if buf is None:  # a receiver, or a holder that lacks a sample: flag it, send the right size
             buf = torch.empty(1 + sum(sizes), dtype=dtype)
+            if me == src:
+                buf[0] = _BROKEN_HOLDER
         dist.broadcast(buf, src=src, group=group)
-        if buf[0] == _BROKEN_HOLDER:
+        if buf[0].item() == _BROKEN_HOLDER:
             broken.append(src)
             continue
-        for i, piece in zip(held, torch.split(buf[1:], sizes)):
-            out[i] = piece
+        out.extend(zip(held, torch.split(buf[1:], sizes)))
     if broken:
         mine = me in broken and [d for d, r in enumerate(holder_ranks) if r == me]
         detail = _complain(local, holdings, mine[0], lengths) if mine else ""
         raise BackendError(f"per-sample results: holder rank(s) {broken} lack samples "
                            f"of their micro-batches{': ' + detail if detail else ''}")
-    missing = [i for i, t in enumerate(out) if t is None]
+    result: list[Optional[torch.Tensor]] = [None] * len(lengths)
+    for i, t in out:
+        result[i] = t
+    missing = [i for i, t in enumerate(result) if t is None]
     if missing:
         raise BackendError(f"forward produced no log-probs for samples {missing[:8]} (no holder holds them)")
-    return out  # type: ignore[return-value]
+    return result  # type: ignore[return-value]
