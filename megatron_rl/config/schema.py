@@ -197,8 +197,10 @@ class RolloutConfig:
     rollout_backend: str = flag("embedded", "Rollout engine: embedded (in-process torch engine). sglang is "
                                 "refused in validation until SGLang rollout exists (issue 14).",
                                 choices=("embedded", "sglang"))
-    rollout_num_gpus: Optional[int] = flag(None, "GPUs for rollout engines (default with --colocate: the actor's).")
-    rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (its tensor-parallel size).")
+    rollout_num_gpus: Optional[int] = flag(None, "GPUs for SGLang rollout engines (default with --colocate: the "
+                                           "actor's); refused with the embedded engine, which runs on the driver rank.")
+    rollout_num_gpus_per_engine: int = flag(1, "GPUs per SGLang rollout engine (its tensor-parallel size); "
+                                              "the embedded engine is one engine: other values are refused.")
     num_rollout: int = flag(100, "Rollout steps to run.")
     rollout_temperature: float = flag(1.0, "Sampling temperature.")
     rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")
@@ -208,7 +210,8 @@ class RolloutConfig:
     rollout_stop_token_ids: list = flag([], "Extra stop token ids (the tokenizer's EOS always stops).",
                                         type=int, nargs="*")
     rollout_seed: int = flag(42, "Base seed for sampling.")
-    sglang_args: dict = flag({}, "Pass-through: every --sglang-KEY VALUE flag lands here as {KEY: VALUE}.")
+    sglang_args: dict = flag({}, "Pass-through: every --sglang-KEY VALUE flag lands here as {KEY: VALUE} "
+                                "for SGLang servers; refused with the embedded engine.")
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,20 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     if s.update_weight_disk_dir is not None:
         errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
                       f"--update-weight-transport disk, which is {_NOT_YET}; drop --update-weight-disk-dir")
+    if r.rollout_backend == "embedded":
+        # SGLang-only knobs: the embedded engine is one in-process engine on the driver rank's
+        # devices, so a GPU count or a server argument would be accepted and do nothing.
+        why = "the embedded engine runs inside the driver rank on the trainer's devices"
+        if r.rollout_num_gpus is not None:
+            errors.append(f"--rollout-num-gpus {r.rollout_num_gpus} places SGLang engines on their own GPUs; "
+                          f"{why}: drop --rollout-num-gpus")
+        if r.rollout_num_gpus_per_engine != 1:
+            errors.append(f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} sizes SGLang engines; "
+                          f"{why} (one engine, no tensor parallelism): drop it")
+        if r.sglang_args:
+            keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in sorted(r.sglang_args))
+            errors.append(f"{keys}: pass-through arguments of SGLang servers; the embedded engine starts "
+                          f"none: drop them (--rollout-backend sglang is {_NOT_YET})")
     return errors
 
 

@@ -47,6 +47,18 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
         "only --update-weight-transport disk would use it, which does not exist yet (issue 14); any value is "
         "refused in validation (validate.refuse_unimplemented_rollout_and_sync)",
         _refused(["--update-weight-disk-dir", "/tmp/weights"])),
+    "rollout_num_gpus": (
+        "places SGLang engines on their own GPUs (read by the planner, config/placement); with the embedded "
+        "engine, the only one that exists (issue 14), it is refused in validation",
+        _refused(["--rollout-num-gpus", "2"])),
+    "rollout_num_gpus_per_engine": (
+        "sizes SGLang engines (read by the planner, config/placement); with the embedded engine any value "
+        "but the default 1 is refused in validation",
+        _refused(["--rollout-num-gpus-per-engine", "2"])),
+    "sglang_args": (
+        "pass-through arguments of SGLang servers; the embedded engine starts none, so any --sglang-KEY is "
+        "refused in validation",
+        ("refused-as", ["--sglang-mem-fraction-static", "0.5"], "--sglang-mem-fraction-static")),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "
         "and rollout-size flags (which the trainer reads) and refuses flags that disagree with it",
@@ -142,8 +154,9 @@ def test_allow_list_reasons_hold(field, tmp_path, monkeypatch):
     reason, proof = ALLOWED[field]
     assert reason.strip()
     argv = ["--hf-checkpoint", build_tiny_hf_model("qwen2", tmp_path / "hf"), *proof[1]]
-    if proof[0] == "refused":
-        with pytest.raises(ConfigError, match="--" + field.replace("_", "-")):
+    if proof[0] in ("refused", "refused-as"):  # refused-as: the flag's spelling is not the field's name
+        flag = proof[2] if proof[0] == "refused-as" else "--" + field.replace("_", "-")
+        with pytest.raises(ConfigError, match=flag):
             parse_config(argv)
     else:
         assert proof[2](parse_config(argv)), (field, reason)
