@@ -10,7 +10,8 @@ per-sample results, as in ``MegatronBackend``):
   ``{sample: tensor}`` dict, also at world size 1, kept here only as the baseline);
   ``after`` = ``backends.per_sample.gather_per_sample`` (one ``broadcast`` per
   holder of its flat values, nothing at world size 1); ``all_gather`` = the
-  alternative of ONE all_gather of padded flat rows, measured to choose between them.
+  alternative of ONE all_gather of padded flat rows, measured to choose between them,
+  whole calls and the collectives alone (``bcast only`` / ``ag only``).
 * batch: every rank gets the driver's samples. ``before`` = ``broadcast_object_list``
   of the ``Sample`` list (the old ``broadcast_samples``); ``after`` = the current
   ``broadcast_samples`` (``data.sample_codec`` buffer, encode and decode included).
@@ -159,9 +160,20 @@ def worker(args) -> None:
 
     slot = dp if holder else None
     holder_ranks = find_holder_ranks(slot, dp_size)  # once per layout in the backend
+    width = 1 + max(sum(lengths[i] for i in h) for h in holdings)
+    bufs = [torch.zeros(1 + sum(lengths[i] for i in h)) for h in holdings]
+    row, rows = torch.zeros(width), torch.empty(world * width)
+
+    def bcast_only():  # the collectives alone, buffers preallocated: which collective is cheaper
+        for buf, src in zip(bufs, holder_ranks):
+            dist.broadcast(buf, src=src) if world > 1 else None
+
+    def allgather_only():
+        dist.all_gather_single(rows, row) if world > 1 else None
     res, out = _timed({"gather_before": lambda: old_gather(local, holder, len(samples)),
                        "gather_after": lambda: gather_per_sample(local, holdings, holder_ranks, lengths),
-                       "gather_allgather": lambda: allgather_gather(local, holdings, slot, lengths)},
+                       "gather_allgather": lambda: allgather_gather(local, holdings, slot, lengths),
+                       "coll_bcast": lambda: bcast_only(), "coll_allgather": lambda: allgather_only()},
                       args.repeat)
     ref, new, alt = out["gather_before"], out["gather_after"], out["gather_allgather"]
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(ref, new, alt)), "gather differs"
@@ -216,7 +228,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     print(f"{args.samples} samples, median of {args.repeat} calls, slowest rank; ms per call, KiB received per rank")
     print(f"{'layout':>8} {'what':>7} {'before ms':>10} {'after ms':>9} {'ratio':>7} {'before KiB':>11} "
-          f"{'after KiB':>10} | {'all_gather ms':>13} {'KiB':>6}")
+          f"{'after KiB':>10} | {'all_gather ms':>13} {'KiB':>6} | {'bcast only':>10} {'ag only':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, nproc, tp in LAYOUTS:
             out = os.path.join(tmp, f"{name}.json")
@@ -230,7 +242,8 @@ def main(argv=None) -> int:
             r = json.load(open(out))
             for what in ("gather", "batch"):
                 b, a = r[f"{what}_before"] * 1e3, r[f"{what}_after"] * 1e3
-                extra = (f"{r['gather_allgather'] * 1e3:13.3f} {r['gather_bytes_allgather'] / 1024:6.1f}"
+                extra = (f"{r['gather_allgather'] * 1e3:13.3f} {r['gather_bytes_allgather'] / 1024:6.1f} | "
+                         f"{r['coll_bcast'] * 1e3:10.3f} {r['coll_allgather'] * 1e3:8.3f}"
                          if what == "gather" else "")
                 print(f"{name:>8} {what:>7} {b:10.3f} {a:9.3f} {b / a:6.1f}x "
                       f"{r[f'{what}_bytes_before'] / 1024:11.1f} {r[f'{what}_bytes_after'] / 1024:10.1f} | {extra}")
