@@ -189,7 +189,7 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
 
     Two tensor broadcasts (2 byte counts, then one flat buffer from
     ``data.sample_codec``) instead of ``broadcast_object_list`` of the dataclasses:
-    the ids, masks, rewards and log-probs move as raw int64/float64 bytes and
+    the ids, masks, rewards and log-probs move as raw int32/int64/float64 bytes and
     only the non-numeric fields are pickled.
     """
     import torch.distributed as dist
