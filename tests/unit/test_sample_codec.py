@@ -70,3 +70,5 @@ def test_values_off_the_flat_layout_keep_their_type():
     out = _roundtrip([s, Sample(group_index=1, prompt_ids=[1], response_ids=[2], reward=True)])
     _same([s], out[:1])
     assert out[1].reward is True
+    big = [Sample(group_index=0, prompt_ids=[2**70], response_ids=[2**40, -1])]  # beyond int64 / int32
+    _same(big, _roundtrip(big))
