@@ -198,7 +198,8 @@ def train_steps(records) -> list[int]:
 
 def stable(record: dict) -> dict:
     """A metrics record without wall-clock values (timestamps, durations)."""
-    return {k: v for k, v in record.items() if k != "time" and not k.endswith("time_s")}
+    return {k: v for k, v in record.items()
+            if k != "time" and not k.endswith("time_s") and not k.startswith("perf/")}  # perf/*: phase timers
 
 
 def by_step(records) -> dict[int, dict]:
