@@ -14,7 +14,8 @@ demo's HF weights (``transformers`` Qwen2) and no framework around it: sample th
 once), score them with the demo's reward, one no-grad forward for the old log-probs and
 one with a second, frozen copy of the weights for the reference ones, then the demo's 2
 optimizer steps of 128 completions (forward, GRPO clip loss + k3 KL, backward, clip,
-Adam). No weight sync: the sampling model IS the trained one. Best of ``--repeats``.
+Adam). No weight sync: the sampling model IS the trained one. Best of ``--repeats``, measured
+before and after every framework run (other jobs' load drifts; the spread is printed).
 
     python benchmarks/rl_step.py [--nprocs 1 2] [--steps 6] [--warmup 2] [--extra-variant]
 
@@ -136,7 +137,8 @@ def floor_once(model, ref, opt, prompt_ids: torch.Tensor, labels: list[str], tok
     return t
 
 
-def compute_floor(repeats: int) -> dict[str, float]:
+def compute_floor(repeats: int):
+    """A callable: each call runs the floor ``repeats`` times (after one warm-up) and returns the per-phase best."""
     import transformers
 
     from megatron_rl.data.synthetic import prepare
@@ -155,9 +157,13 @@ def compute_floor(repeats: int) -> dict[str, float]:
     ref.requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999))
     torch.manual_seed(0)
-    floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id)  # warm-up
-    runs = [floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id) for _ in range(repeats)]
-    return {k: min(r[k] for r in runs) for k in runs[0]}
+
+    def measure() -> dict[str, float]:
+        floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id)  # warm-up
+        runs = [floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id) for _ in range(repeats)]
+        return {k: min(r[k] for r in runs) for k in runs[0]}
+
+    return measure
 
 
 # ---------------------------------------------------------------- report
@@ -172,10 +178,16 @@ def main(argv=None) -> int:
     ap.add_argument("--extra-variant", action="store_true", help="also 1 process with --use-rollout-logprobs")
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    floor = compute_floor(args.repeats)
-    runs = {f"{n} proc": framework(n, args.steps, args.warmup) for n in args.nprocs}
+    measure_floor = compute_floor(args.repeats)
+    variants = {f"{n} proc": (n,) for n in args.nprocs}
     if args.extra_variant:
-        runs["1 proc, rollout logprobs"] = framework(1, args.steps, args.warmup, "--use-rollout-logprobs")
+        variants["1 proc, rollout logprobs"] = (1, "--use-rollout-logprobs")
+    floors, runs = [measure_floor()], {}
+    for name, (n, *extra) in variants.items():  # the floor again after each run: a shared machine's load drifts
+        runs[name] = framework(n, args.steps, args.warmup, *extra)
+        floors.append(measure_floor())
+    floor = {k: min(f[k] for f in floors) for k in floors[0]}
+    print("floor step (s) measured around the runs: " + ", ".join(f"{f['step']:.4f}" for f in floors))
     rows = PHASES + ["broadcast", "other", "step"]
     print(f"\nseconds per RL step (mean of {args.steps} after {args.warmup} warm-up; floor: best of {args.repeats})")
     print(f"{'phase':<14}{'floor':>9}" + "".join(f"{name:>26}" for name in runs))
