@@ -15,18 +15,23 @@ import sys
 from _util import REPO, free_port
 
 
+def _start_training(hf, tmp_path) -> subprocess.CompletedProcess:
+    """One real single-rank ``python -m megatron_rl.train`` on ``hf`` (it is expected to refuse at start-up)."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(hf), "--output-dir",
+                           str(tmp_path / "run"), "--num-rollout", "1", "--rollout-batch-size", "2",
+                           "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
 def test_truncated_hf_checkpoint_is_one_error_line(tmp_path, tiny_hf_models):
     hf = tmp_path / "hf"
     shutil.copytree(tiny_hf_models("llama"), hf)
     shard = hf / "model.safetensors"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(hf), "--output-dir",
-                        str(tmp_path / "run"), "--num-rollout", "1", "--rollout-batch-size", "2",
-                        "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    p = _start_training(hf, tmp_path)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert (f"error: {shard} ({os.path.getsize(shard)} bytes) is not a readable safetensors file"
@@ -50,12 +55,7 @@ def test_damaged_dist_to_hf_output_is_refused_by_file_name(tmp_path, tiny_hf_mod
         tail = f.read(16)
         f.seek(-16, os.SEEK_END)
         f.write(bytes(b ^ 0xFF for b in tail))
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(hf), "--output-dir",
-                        str(tmp_path / "run"), "--num-rollout", "1", "--rollout-batch-size", "2",
-                        "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    p = _start_training(hf, tmp_path)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert "model.safetensors has CRC-32" in p.stderr and "same size, different bytes" in p.stderr, p.stderr[-3000:]
