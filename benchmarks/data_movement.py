@@ -215,7 +215,7 @@ def _port() -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
