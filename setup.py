@@ -33,7 +33,8 @@ EXTRAS = {
     "ray": ["ray"],
     "tensorboard": ["tensorboard"],
     "plot": ["matplotlib"],
-    "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb"],
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb",
+             "import-linter>=2.1"],  # lint-imports: the layers contract in pyproject.toml
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.
 

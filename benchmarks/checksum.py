@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from megatron_rl.backends.megatron.checkpoint import is_non_finite
-    from megatron_rl.convert.common import dist_checkpointing
     from megatron_rl.infra.checkpoint_root import file_list, listed_file_problems
+    from megatron_rl.models.dist_io import dist_checkpointing
 
     _init_gloo()
     dc = dist_checkpointing()  # megatron-core's, with the CPU shim on its writer modules

@@ -3,9 +3,10 @@
     place + build -> sync weights -> per step: generate -> reward -> advantages
     -> old/ref/teacher log-probs -> train -> sync weights -> eval -> save
 
-Every piece lives in its module; this file only orders them. Rank 0 is the
-driver: it holds the rollout engine, the prompt data and the trackers; every
-rank trains (collectives inside the backend and the weight sync).
+Every piece lives in its module (the driver's jobs in ``megatron_rl.runner``;
+docs/architecture.md lists one step as file:function); this file only orders
+them. Rank 0 is the driver: it holds the rollout engine, the prompt data and
+the trackers; every rank trains (collectives inside the backend and the weight sync).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 import time
 
-from megatron_rl.config import parse_config
+from megatron_rl.config import Config, parse_config
 from megatron_rl.config.placement import refuse_single_process_world
 from megatron_rl.errors import MegatronRLError
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
@@ -44,54 +45,19 @@ class _PhaseClock:
         return {**self.laps, "perf/startup_s": self.last - _PhaseClock.started}
 
 
-def rollout_old_logprobs(samples) -> list:
-    """--use-rollout-logprobs: the engine's token log-probs as the old log-probs (float32, response-aligned)."""
-    import torch
-
-    return [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
-
-
-def train_on_rollout(backend, spec, samples, cfg, perf: dict | None = None) -> dict[str, float]:
-    """Old/ref/teacher log-probs, advantages, then the optimizer steps; each phase's ``perf/*_s`` goes to ``perf``."""
-    from megatron_rl.backends.base import TrainBatch
-    from megatron_rl.infra.step_metrics import aggregate_step_metrics
-
-    perf = {} if perf is None else perf
-    t = time.perf_counter()
-    needs = spec.prepare_batch(samples)
-    if needs.old_logprobs:
-        old = backend.forward_only(samples)
-    else:
-        old = rollout_old_logprobs(samples) if needs.old_from_rollout else None
-    perf["perf/old_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
-    ref = backend.maybe_compute_ref_log_probs(samples, needs.ref_logprobs)
-    perf["perf/ref_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
-    teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs)
-    if needs.teacher_logprobs:
-        perf["perf/teacher_logprob_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    advantages = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)
-    gbs = cfg.batching.effective_global_batch_size
-    steps: list[dict[str, float]] = []
-    for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
-        for start in range(0, len(samples), gbs):
-            sl = slice(start, start + gbs)
-            pick = (lambda xs: None if xs is None else xs[sl])
-            steps.append(backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref),
-                                                       pick(teacher))))
-    perf["perf/train_s"] = time.perf_counter() - t
-    return aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one
-
-
-def run(cfg) -> int:
+def run(cfg: Config) -> int:
     clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
+    # lazy: torch, megatron-core glue and the engine load only once the flags parsed (--help, flag errors: ~0.1 s)
+    from megatron_rl.algorithms import spec_from_config
     from megatron_rl.backends.base import broadcast_samples, make_backend
-    from megatron_rl.infra.run import RunContext, build_rollout, build_spec
-    from megatron_rl.weight_sync import make_synchronizer
+    from megatron_rl.rollout.build import build_rollout
+    from megatron_rl.runner.context import RunContext
+    from megatron_rl.runner.step import train_on_rollout
+    from megatron_rl.weight_sync import make_synchronizer_from_config
 
     clock.lap("import_torch")  # torch and the loop's modules (not imported for --help / flag errors)
     ctx = RunContext.create(cfg)
-    spec = build_spec(cfg)
+    spec = spec_from_config(cfg)
     clock.lap("context")
     if not cfg.has_training and not ctx.is_driver:
         return 0  # rollout-only: the driver's engine does all the work; no trainer ranks
@@ -101,10 +67,9 @@ def run(cfg) -> int:
         backend.initialize(cfg, spec)
     clock.lap("backend")
     rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
-    sync = make_synchronizer(cfg.sync.update_weight_transport, bucket_bytes=cfg.sync.update_weight_buffer_size,
-                             check_equal=cfg.sync.check_weight_update_equal)
+    sync = make_synchronizer_from_config(cfg)
     clock.lap("rollout")
-    start = ctx.resume_or_init(backend, rollout) if backend else 0
+    start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
     clock.lap("resume")
     if backend and cfg.has_rollout_engine:
         synced = sync.sync(backend, rollout and rollout.engine, version=start)
@@ -113,34 +78,34 @@ def run(cfg) -> int:
     ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
     for rollout_id in range(start, cfg.rollout.num_rollout):
         t0 = time.perf_counter()
-        samples, metrics = ctx.get_rollout(rollout_id, rollout)
+        samples, metrics = ctx.rollouts.get(rollout_id, rollout)
         metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
         if cfg.has_training:
             t = time.perf_counter()
             samples = broadcast_samples(samples)
             metrics["perf/broadcast_s"] = time.perf_counter() - t
             ctx.colocation.before_train(backend, rollout)
-            swapped = backend.weights.swap_seconds
+            swapped = backend.swap_seconds
             metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
-            metrics["perf/weight_swap_s"] = backend.weights.swap_seconds - swapped  # ref/teacher copy in + out
+            metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
             ctx.colocation.before_rollout(backend, rollout)
             if cfg.has_rollout_engine:
                 t = time.perf_counter()
                 metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
                 metrics["perf/sync_s"] = time.perf_counter() - t
-        if rollout and ctx.eval_due(rollout_id):
+        if rollout and ctx.evaluation.due(rollout_id):
             t = time.perf_counter()
             metrics.update(rollout.evaluate(rollout_id))
             metrics["perf/eval_s"] = time.perf_counter() - t
         metrics["perf/step_time_s"] = time.perf_counter() - t0
         ctx.log(rollout_id + 1, metrics)
-        saved = backend is not None and ctx.save_due(rollout_id)
+        saved = backend is not None and ctx.checkpoints.due(rollout_id)
         if saved:
-            ctx.save(backend, rollout, rollout_id + 1)
-        if ctx.should_stop():
+            ctx.checkpoints.save(backend, rollout, rollout_id + 1)
+        if ctx.stop.should_stop():
             if backend and not saved:
-                ctx.save(backend, rollout, rollout_id + 1)
-            return ctx.stop_early(rollout_id + 1)
+                ctx.checkpoints.save(backend, rollout, rollout_id + 1)
+            return ctx.stop.stop_early(rollout_id + 1)
     ctx.finish(backend, rollout)
     return 0
 
@@ -153,7 +118,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_config(argv)
         if cfg.mode.dry_run:
-            from megatron_rl.infra.run import print_plan
+            from megatron_rl.runner.dry_run import print_plan  # lazy: the plan tables, only for --dry-run
 
             return print_plan(cfg)
         refuse_single_process_world(cfg)  # no torchrun: 1 rank, whatever the flags planned for

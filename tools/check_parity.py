@@ -47,9 +47,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from megatron_rl.backends.megatron.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+    # lazy: these import torch (~2 s); --help and argument errors answer without it
     from megatron_rl.errors import MegatronRLError
     from megatron_rl.models import get_bridge, parity
+    from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
     from megatron_rl.models.spec import supports_packed_sequences
 
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,

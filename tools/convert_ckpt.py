@@ -31,6 +31,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_rl.errors import MegatronRLError  # noqa: E402
+from megatron_rl.infra.checkpoint_root import temp_dir_for  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convert_ckpt.py", allow_abbrev=False, description=__doc__.split("\n\n")[0],
@@ -66,29 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_rl.errors import MegatronRLError
-
     try:
-        from megatron_rl.backends.megatron.parallel import ParallelLayout
-        from megatron_rl.convert.common import parse_dtype
+        from megatron_rl.convert.common import parse_dtype  # lazy: imports torch (--help stays instant)
+        from megatron_rl.convert.dist_to_hf import convert_dist_to_hf  # lazy: imports torch
+        from megatron_rl.convert.hf_to_dist import convert_hf_to_dist  # lazy: imports torch
+        from megatron_rl.convert.safetensors_writer import parse_size  # lazy: imports torch
+        from megatron_rl.models.parallel import ParallelLayout  # lazy: imports torch
 
         layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
         kw = dict(layout=layout, dtype=parse_dtype(args.dtype), verify=args.verify, overwrite=args.overwrite,
                   show_progress=not args.no_progress)
         if args.direction == "hf-to-dist":
-            from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
-
-            from megatron_rl.convert.safetensors_writer import parse_size
-
             summary = convert_hf_to_dist(args.input, args.output, bucket_bytes=parse_size(args.bucket_size, "--bucket-size"),
                                          **kw)
             summary = {k: summary[k] for k in ("format", "family", "dtype", "seconds", "verified")} | \
                 {"output": os.path.abspath(args.output), "files": len(summary.get("files", []))}
         else:
-            from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
-
-            from megatron_rl.convert.safetensors_writer import parse_size
-
             summary = convert_dist_to_hf(args.input, args.output, hf_config_dir=args.hf_config,
                                          max_shard_size=args.max_shard_size,
                                          bucket_bytes=parse_size(args.bucket_size, "--bucket-size"), **kw)
@@ -118,8 +114,6 @@ def _remove_temp_output(output: str) -> None:
     if _is_rank0():
         import shutil
 
-        from megatron_rl.infra.checkpoint_root import temp_dir_for
-
         shutil.rmtree(temp_dir_for(output), ignore_errors=True)
 
 
@@ -132,7 +126,7 @@ def _shutdown() -> None:
 
     if dist.is_initialized():
         try:
-            from megatron_rl.backends.megatron.parallel import destroy_parallel
+            from megatron_rl.models.parallel import destroy_parallel  # lazy: imports torch
 
             destroy_parallel()
         finally:

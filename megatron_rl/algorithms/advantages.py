@@ -16,7 +16,7 @@ Invariants:
   variance, eps inside the square root); a constant batch whitens to exactly 0.
 
 docs/algorithms.md lists every formula and the peer convention it follows;
-tests/unit/vectors/ holds expected values computed independently from them.
+tests/algorithms/vectors/ holds expected values computed independently from them.
 """
 
 from __future__ import annotations

@@ -3,8 +3,13 @@
 A ``TrainBackend`` owns one policy model spread over this process's ranks. The
 RL loop talks to it only through the abstract methods below plus the shared
 concretes (``forward_only``, ``maybe_compute_ref_log_probs``,
-``maybe_compute_teacher_log_probs``, ``switch_weights``); it never sees
-megatron-core or FSDP types.
+``maybe_compute_teacher_log_probs``, ``snapshot_weights``, ``swap_seconds``);
+it never sees megatron-core or FSDP types. A new backend (FSDP2, ...) is one
+module: implement the abstract methods, set the four layout attributes in
+``initialize`` (``dp_size``, ``dp_rank``, ``pad_to_multiple``, ``holds_results``)
+and add a row to ``BACKENDS``; planning the data-parallel split of a rollout
+batch, packing, loss denominators and the per-sample gather are shared here
+(``preprocess_rollout_data``, ``gather_per_sample``). docs/architecture.md.
 
 Invariants:
 * Every rank of the training world calls every method, in the same order, with
@@ -26,12 +31,22 @@ import abc
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
+from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
+from megatron_rl.data import sample_codec
+from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
+                                      plan_dynamic_micro_batches, plan_fixed_micro_batches,
+                                      plan_loss_denominators)
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, ConfigError
+from megatron_rl.infra.registry import Refused, Registry
+
+if TYPE_CHECKING:
+    from megatron_rl.algorithms.spec import Spec
+    from megatron_rl.config import Config
 
 
 @dataclass
@@ -43,6 +58,14 @@ class TrainBatch:
     old_logprobs: Optional[list[torch.Tensor]] = None
     ref_logprobs: Optional[list[torch.Tensor]] = None
     teacher_logprobs: Optional[list[torch.Tensor]] = None
+
+
+class RankBatch(NamedTuple):
+    """This data-parallel rank's part of a rollout batch (``TrainBackend.preprocess_rollout_data``)."""
+
+    plan: MicroBatchPlan  # every DP rank's micro-batches (sample indices), the same on all ranks
+    micro_batches: list[PackedBatch]  # this DP rank's, packed
+    denominators: Optional[LossDenominators]  # this DP rank's loss denominators (training only)
 
 
 class WeightManager:
@@ -124,9 +147,16 @@ class TrainBackend(abc.ABC):
     """One policy model on this process's ranks; see the module docstring for invariants."""
 
     weights: WeightManager
+    cfg: "Config"
+    # set by initialize(): the data-parallel layout the shared batch machinery plans for
+    dp_size: int
+    dp_rank: int
+    pad_to_multiple: int  # every packed sequence is padded to this (TP x CP x sequence-parallel needs)
+    holds_results: bool  # this rank holds its DP rank's full per-sample results (one rank per DP rank)
+    pad_token_id: int = 0
 
     @abc.abstractmethod
-    def initialize(self, cfg, spec) -> None:
+    def initialize(self, cfg: "Config", spec: "Spec") -> None:
         """Build model + optimizer from the frozen ``Config``; load HF or checkpoint weights."""
 
     @abc.abstractmethod
@@ -144,6 +174,11 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def load(self, path: str) -> dict:
         """Restore everything ``save`` wrote; return its ``extra_state``."""
+
+    @abc.abstractmethod
+    def load_frozen_weights(self, tag: str, path: str) -> None:
+        """Store the weights at ``path`` (HF dir or torch_dist checkpoint) under ``tag`` (``--ref-load``,
+        ``--opd-teacher-load``), leaving the live actor weights as they were."""
 
     @abc.abstractmethod
     def sleep(self) -> None:
@@ -166,6 +201,15 @@ class TrainBackend(abc.ABC):
     def switch_weights(self, tag: str) -> contextlib.AbstractContextManager:
         return self.weights.use(tag)
 
+    def snapshot_weights(self, tag: str) -> None:
+        """Keep the live weights as the frozen ``tag`` (the initial policy as the KL reference)."""
+        self.weights.backup(tag)
+
+    @property
+    def swap_seconds(self) -> float:
+        """Seconds spent copying weight tags in and out so far (``perf/weight_swap_s`` per step)."""
+        return self.weights.swap_seconds
+
     def maybe_compute_ref_log_probs(self, samples: Sequence[Sample], needed: bool) -> Optional[list[torch.Tensor]]:
         if not needed:
             return None
@@ -183,6 +227,44 @@ class TrainBackend(abc.ABC):
         with self.switch_weights("teacher"):
             return self.forward_only(samples)
 
+    # ---- the rollout batch over data parallelism (shared by every backend) ----
+
+    def plan_micro_batches(self, samples: Sequence[Sample]) -> MicroBatchPlan:
+        """Split the batch over DP ranks and micro-batches: token-budgeted (``--use-dynamic-batch-size``)
+        or ``--micro-batch-size`` samples each; the same plan on every rank (a pure function of lengths)."""
+        b = self.cfg.batching
+        if b.use_dynamic_batch_size:
+            lengths = [s.total_length for s in samples]
+            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
+                                              cp_size=self.cfg.parallel.context_parallel_size,
+                                              pad_to_multiple=self.pad_to_multiple)
+        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
+        return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=self.pad_to_multiple)
+
+    def preprocess_rollout_data(self, samples: Sequence[Sample], batch: Optional[TrainBatch] = None) -> RankBatch:
+        """Plan the batch, pack this DP rank's micro-batches (with the loss inputs of ``batch`` when training)
+        and, when training, compute this rank's share of the step's global loss denominators."""
+        plan = self.plan_micro_batches(samples)
+        if batch is None:
+            return RankBatch(plan, pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id), None)
+        micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
+                                       advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+                                       ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs)
+        return RankBatch(plan, micro_batches, plan_loss_denominators(samples, plan)[self.dp_rank])
+
+    def gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[Sample],
+                          plan: MicroBatchPlan) -> list[torch.Tensor]:
+        """Every rank gets every sample's tensor from the ranks that hold them (``holds_results``).
+
+        The holders (one per DP rank) hold the full results of their DP rank's micro-batches; the
+        plan says which samples each holds, so only the values move (``per_sample``). Which global
+        rank holds which DP rank's results is fixed by the layout: found once, on first use.
+        """
+        if getattr(self, "_holder_ranks", None) is None:
+            self._holder_ranks = find_holder_ranks(self.dp_rank if self.holds_results else None, self.dp_size)
+        holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
+        return gather_per_sample(local, holdings, self._holder_ranks, [s.response_length for s in samples])
+
 
 def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None) -> list[Sample]:
     """Give every rank the driver's rollout batch (a no-op without torch.distributed).
@@ -193,8 +275,6 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
     only the non-numeric fields are pickled.
     """
     import torch.distributed as dist
-
-    from megatron_rl.data import sample_codec
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         if samples is None:
@@ -214,13 +294,6 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
     return list(samples) if dist.get_rank() == src else sample_codec.decode(sizes, buffer)
 
 
-_BACKENDS: dict[str, Callable[[], TrainBackend]] = {}
-
-
-def register_backend(name: str, factory: Callable[[], TrainBackend]) -> None:
-    _BACKENDS[name] = factory
-
-
 def import_megatron_core_without_wandb() -> None:
     """Import megatron-core with ``wandb`` hidden, unless something already imported wandb.
 
@@ -235,18 +308,26 @@ def import_megatron_core_without_wandb() -> None:
         return
     sys.modules["wandb"] = None  # `import wandb` raises ImportError: megatron falls back to wandb = None
     try:
-        import megatron.core.timers  # noqa: F401
+        import megatron.core.timers  # noqa: F401  (lazy: megatron-core is the heavy import this exists for)
     finally:
         if "wandb" in sys.modules and sys.modules["wandb"] is None:
             del sys.modules["wandb"]
 
 
+def _megatron_backend() -> TrainBackend:
+    import_megatron_core_without_wandb()
+    from megatron_rl.backends.megatron.backend import MegatronBackend  # lazy: imports megatron-core (~15 s)
+
+    return MegatronBackend()
+
+
+# --train-backend -> a factory of the backend (its module is imported on first use)
+BACKENDS: Registry[Callable[[], TrainBackend]] = Registry("--train-backend", "training backend", {
+    "megatron": _megatron_backend,
+    "fsdp": Refused("--train-backend fsdp is not built yet (the FSDP2 backend issue); use --train-backend megatron"),
+})
+
+
 def make_backend(name: str) -> TrainBackend:
-    """Pick the backend named by ``--train-backend`` (imports it lazily: megatron is slow to import)."""
-    if name == "megatron" and name not in _BACKENDS:
-        import_megatron_core_without_wandb()
-        from megatron_rl.backends.megatron import backend as _  # noqa: F401  (registers itself)
-    if name not in _BACKENDS:
-        known = sorted({"megatron", *_BACKENDS})
-        raise ConfigError(f"--train-backend {name!r} is not available here; choose one of {known}")
-    return _BACKENDS[name]()
+    """The backend named by ``--train-backend``."""
+    return BACKENDS.get(name)()

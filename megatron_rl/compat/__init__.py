@@ -5,7 +5,7 @@ CPU-only host megatron-core assumes CUDA in many places; this package closes tha
 gap with labelled patches (:mod:`megatron_rl.compat.patches`) and, where a config
 flag suffices, with :func:`cpu_config_overrides`.
 
-Seams (used by ``backends/megatron/parallel.py`` and ``models/``):
+Seams (used by ``models/parallel.py`` and the rest of ``models/``):
 
 * :func:`apply_cpu_compat` - idempotent; call before building megatron modules.
   A no-op on a CUDA host (also the no-TE gaps are handled via

@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from megatron_rl.compat import cpu_torch
+
 SUPPORTED_VERSION_PREFIX = "0.16."
 
 # megatron.core modules the shim imports up front so that the module-level
@@ -124,8 +126,6 @@ def import_megatron_modules() -> None:
 def patch_module_torch() -> None:
     """``torch.cuda.current_device()``, ``device="cuda"``, streams, events, NVTX,
     ``synchronize`` and ``pin_memory=True`` at ~200 megatron call sites."""
-    from megatron_rl.compat import cpu_torch
-
     cpu_torch.install("megatron.core")
 
 

@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence
 from megatron_rl.errors import ConfigError
 
 from .schema import GROUPS, Config, flag_name, iter_fields
+from .placement import apply_allocation
+from .validate import validate_config
 
 PASS_THROUGH_PREFIX = "--sglang-"
 
@@ -167,7 +169,6 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
 
     Raises ``ConfigError`` naming the flag, value and fix; never exits the process.
     """
-    from .validate import validate_config
 
     argv = list(argv if argv is not None else __import__("sys").argv[1:])
     argv, passed = _split_pass_through(argv)
@@ -186,7 +187,6 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
             group, name = dest.split(".", 1)
             values[group][name] = value
     values["rollout"]["sglang_args"] = {**yaml_passed, **passed}
-    from .placement import apply_allocation
 
     apply_allocation(values)  # --allocation fills the sizes it states that no flag gave
     cfg = Config(**{g: cls(**values[g]) for g, cls in GROUPS.items()})

@@ -19,6 +19,11 @@ from __future__ import annotations
 import os
 import re
 
+from megatron_rl.errors import ConfigError, PlanError
+from megatron_rl.plan import (Allocation, Component, Dims, Group, ModelShape, parse_allocation,
+                              plan_from_slime_flags, validate_plan)
+from megatron_rl.plan.allocation import DIM_NAMES
+
 #: (group, field, flag) of each size an allocation's actor states, and how to read it off.
 _ACTOR_FIELDS = (
     ("precision", "train_backend", "--train-backend", lambda a: a.backend),
@@ -34,8 +39,6 @@ def _single_policy_plan(text: str | None):
     malformed one, several policies: validation reports those)."""
     if not text:
         return None
-    from megatron_rl.errors import PlanError
-    from megatron_rl.plan import parse_allocation
 
     try:
         plan = parse_allocation(text)
@@ -108,9 +111,6 @@ def apply_allocation(values: dict[str, dict]) -> None:
 
 def allocation_errors(cfg) -> list[str]:
     """Where ``--allocation`` and the other flags disagree, and plans this engine cannot run."""
-    from megatron_rl.errors import PlanError
-    from megatron_rl.plan import parse_allocation
-    from megatron_rl.plan.allocation import DIM_NAMES
 
     text = cfg.placement.allocation
     if not text:
@@ -203,7 +203,6 @@ def refuse_single_process_world(cfg) -> None:
     config sized for more ranks (flags or ``--allocation``) would train on a world it did not
     plan for. Not in validation: a config is also validated where it will not run (a test, a
     check on a laptop). Raises ConfigError naming the flags and the launch that fits."""
-    from megatron_rl.errors import ConfigError
 
     if "WORLD_SIZE" in os.environ or cfg.actor_world_size == 1:
         return
@@ -238,7 +237,6 @@ def world_errors(cfg) -> list[str]:
 
 
 def plan_for_config(cfg):
-    from megatron_rl.plan import parse_allocation, plan_from_slime_flags
 
     if cfg.placement.allocation:
         plan = parse_allocation(cfg.placement.allocation, weight_update=cfg.sync.update_weight_transport)
@@ -265,7 +263,6 @@ def _with_embedded_engine(plan, cfg):
     """An allocation with no rollout part, for a run whose embedded engine generates: the engine
     runs in the driver process on the trainer's devices, so it is planned as a rollout engine
     colocated with the actor (as the flags path plans it), not reported as "no rollout engine"."""
-    from megatron_rl.plan import Allocation, Component, Dims, Group
 
     actor = plan.actor
     if plan.has_rollout or actor is None or not cfg.has_rollout_engine or cfg.rollout.rollout_backend != "embedded":
@@ -277,8 +274,6 @@ def _with_embedded_engine(plan, cfg):
 
 def plan_errors(cfg) -> list[str]:
     """Planner findings for this config: placement, and model shape vs parallel sizes."""
-    from megatron_rl.errors import PlanError
-    from megatron_rl.plan import ModelShape, validate_plan
 
     try:
         plan = plan_for_config(cfg)

@@ -15,6 +15,7 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config
+from .placement import allocation_errors, plan_errors, world_errors
 
 
 def _check_positive(errors: list[str], cfg: Config) -> None:
@@ -272,6 +273,9 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     """
     r, s = cfg.rollout, cfg.sync
     errors = []
+    if cfg.precision.train_backend != "megatron":  # backends.base.BACKENDS refuses it too, but only after start-up
+        errors.append(f"--train-backend {cfg.precision.train_backend} is not implemented in this version (tracked "
+                      "by issue 16: the FSDP2 backend); use --train-backend megatron")
     if r.rollout_backend != "embedded":
         errors.append(f"--rollout-backend {r.rollout_backend} is {_NOT_YET}; use --rollout-backend embedded "
                       "(the in-process torch engine)")
@@ -302,7 +306,6 @@ def _check_world(errors: list[str], cfg: Config) -> None:
     """The placement against its real sources: ``--allocation`` against the flags it states
     (TP/PP/CP/EP/expert-TP, --train-backend, the actor's rank count), one policy per run, and
     the ranks torchrun launched against --actor-num-nodes x --actor-num-gpus-per-node."""
-    from .placement import allocation_errors, world_errors
 
     errors.extend(allocation_errors(cfg))
     errors.extend(world_errors(cfg))
@@ -351,7 +354,7 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
 
     ``--no-auto-resume`` with such a root used to overwrite the old run's ``iter_*`` dirs and
     prune them (``--save-max-to-keep``) silently; it is refused unless ``--existing-save`` says
-    what to do with them (``infra.fresh_start`` does it on rank 0 before the run starts).
+    what to do with them (``runner.fresh_start`` does it on rank 0 before the run starts).
     """
     c, rt, m = cfg.checkpoint, cfg.runtime, cfg.mode
     for flag, path in (("--save", c.save), ("--output-dir", rt.output_dir), ("--tensorboard-dir", rt.tensorboard_dir)):
@@ -400,8 +403,6 @@ def collect_errors(cfg: Config) -> list[str]:
     for check in CHECKS[1:]:
         check(errors, cfg)
     if not errors:  # the planner re-derives placement; only meaningful once the flags are consistent
-        from .placement import plan_errors
-
         errors.extend(plan_errors(cfg))
     errors.extend(refuse_unimplemented_rollout_and_sync(cfg))
     return errors

@@ -14,4 +14,9 @@ Both conversions run in one process or under torchrun with a parallel layout;
 the name/shape maps and the load/export code are the bridges' own
 (:mod:`megatron_rl.models`), never a second copy. CLI: ``tools/convert_ckpt.py``;
 guide and measured figures: ``docs/convert.md``.
+
+Layering: this package builds on the core (:mod:`megatron_rl.models.model_dir`,
+:mod:`megatron_rl.models.dist_io`, :mod:`megatron_rl.models.parallel`), ``infra`` (publication,
+rank helpers) and ``errors``; training reads the same dirs through the core, so nothing
+outside ``convert/`` imports it and it imports no backend.
 """

@@ -17,25 +17,30 @@ Steps (every rank, one process or under torchrun):
    (collective, every rank gets full HF tensors). Rank 0 writes
    ``--max-shard-size`` shards as they fill (:class:`ShardedSafetensorsWriter`);
    every tensor the config needs must come out;
-5. config/tokenizer files are copied (``dtype`` in config.json updated only when
-   ``--dtype`` changes it), ``COMPLETE.json`` (format ``common.HF_FORMAT``) lists
-   every file with size and CRC-32 (the shards' computed as they were written),
-   ``--verify`` re-exports and compares every tensor with the written files, and the
-   temp dir is renamed into place.
+5. ``--verify`` re-exports and compares every tensor with the written files; then
+   config/tokenizer files are copied (``dtype`` in config.json updated only when
+   ``--dtype`` changes it), ``COMPLETE.json`` (format ``model_dir.HF_FORMAT``) lists
+   every file with size and CRC-32 (the shards' computed as they were written), and
+   the temp dir is renamed into place
+   (:func:`~megatron_rl.infra.publish.publish_collectively`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, model_io, streaming_load
+from megatron_rl.convert import common, streaming_load
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.errors import CheckpointError
+from megatron_rl.infra.dist import all_ranks_ok, rank, rank0_do
+from megatron_rl.infra.publish import publish_collectively
+from megatron_rl.models import dist_io, get_bridge, model_dir
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.parallel import ParallelLayout
 
 DEFAULT_BUCKET_BYTES = 10**9
 
@@ -45,99 +50,84 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                        verify: bool = False, overwrite: bool = False, show_progress: bool = True,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Convert a torch_dist dir to an HF dir ``out_dir``; returns a summary dict (rank 0's is complete)."""
-    from megatron_rl.backends.megatron.parallel import ParallelLayout
-    from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-    from megatron_rl.infra.checkpoint_root import file_list, temp_dir_for
-    from megatron_rl.models import get_bridge
-
     t0 = time.time()
     layout = layout or ParallelLayout()
     max_shard_bytes = parse_size(max_shard_size)
     given_input = dist_dir
-    dist_dir = common.resolve_dist_dir(os.path.abspath(dist_dir))
+    dist_dir = model_dir.resolve_dist_dir(os.path.abspath(dist_dir))
     out_dir = os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": given_input, "--hf-config": hf_config_dir}, overwrite, "hf")
-    meta = common.read_marker(dist_dir)
-    config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, common.HF_CONFIG_SUBDIR))
+    meta = model_dir.read_marker(dist_dir)
+    config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, model_dir.HF_CONFIG_SUBDIR))
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise CheckpointError(f"no HF config for {dist_dir}: {config_dir}/config.json does not exist; pass "
                               "--hf-config DIR (the HF dir the model was converted or trained from)")
     bridge = get_bridge(config_dir)
-    common.check_fingerprint(dist_dir, meta, bridge, config_dir)
-    stored = model_io.checkpoint_model_tensors(dist_dir)
+    model_dir.check_fingerprint(dist_dir, meta, bridge, config_dir)
+    stored = dist_io.checkpoint_model_tensors(dist_dir)
     if not stored:
         raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no model tensors (keys under "
-                              f"{', '.join(model_io.MODEL_KEY_ROOTS)})")
+                              f"{', '.join(dist_io.MODEL_KEY_ROOTS)})")
     stored_dtype = common.uniform_dtype({k: v[1] for k, v in stored.items()}, f"torch_dist checkpoint {dist_dir}")
     out_dtype = dtype or stored_dtype
     layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
     streaming = streaming_load.can_stream(layout)
-    model_io.setup(layout)
-    if streaming:  # one process: read a bucket of parameters at a time
-        chunks = None
-        exported = model_io.read_guard(streaming_load.hf_tensor_stream(bridge, dist_dir, stored_dtype, bucket_bytes,
-                                                                         config_dir), dist_dir)
-    else:  # torchrun: every rank loads its shard, the export gathers (collective)
-        chunks = bridge.build_model(layout, params_dtype=stored_dtype)
-        model_io.check_checkpoint_matches_model(dist_dir, stored, model_io.model_tensor_shapes(chunks), config_dir)
-        model_io.load_dist_into(chunks, dist_dir)
-        exported = bridge.export_hf_weights(chunks, bucket_bytes=bucket_bytes)
-
-    tmp = temp_dir_for(out_dir)
-
-    def prepare():
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-
-    common.rank0_do(prepare, f"creating {tmp}")
+    dist_io.setup(layout)
+    # one process: read a bucket of parameters at a time; torchrun: every rank loads its shard, the
+    # export gathers (collective)
+    chunks, exported = streaming_load.hf_tensors_of(bridge, dist_dir, layout, stored_dtype, config_dir, streaming,
+                                                    bucket_bytes, stored)
     expected = bridge.hf_param_shapes()
-    writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if common.rank() == 0 else None
-    error: Optional[Exception] = None
-    seen: set[str] = set()
-    bar = common.progress(len(expected), "torch_dist->hf", show_progress)
-    for name, tensor in exported:
-        if error is not None and streaming:
-            break  # one process: nothing to keep in step with
-        if writer is None or error is not None:
-            continue  # keep draining: the export is collective
-        try:
-            if name not in expected or tuple(tensor.shape) != tuple(expected[name]):
-                raise CheckpointError(f"export produced {name} {tuple(tensor.shape)}, which {config_dir}/config.json "
-                                      f"does not have with that shape (expects {expected.get(name)})")
-            writer.add(name, tensor.to(out_dtype) if tensor.dtype != out_dtype else tensor)
-            seen.add(name)
-            bar.update(1)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = e
-    bar.close()
-    if writer is not None and error is None and set(expected) - seen:
-        error = CheckpointError(f"HF tensors left unfilled by the export: {sorted(set(expected) - seen)}; the "
-                                f"checkpoint {dist_dir} lacks parameters {config_dir}/config.json needs")
-    common.all_ranks_ok(error)
-    model_io.free(chunks)
-
     summary: dict = {}
 
-    def finish():
-        index = writer.finish()
-        update = None
-        if dtype is not None:
-            update = {"dtype": common.dtype_name(out_dtype)}
-        common.copy_aux_files(config_dir, tmp, update)
-        atomic_write_json(os.path.join(tmp, common.MARKER_NAME), {
-            "format": common.HF_FORMAT, "source": {"kind": "torch_dist", "path": dist_dir},
-            "dtype": common.dtype_name(out_dtype), "files": file_list(tmp, known_checksums=writer.checksums)})
-        summary.update(files=len(set(index["weight_map"].values())), total_bytes=index["metadata"]["total_size"],
-                       peak_pending_bytes=writer.peak_pending_bytes)
+    def write(tmp: str) -> Optional[dict[str, str]]:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank() == 0 else None
+        error: Optional[Exception] = None
+        seen: set[str] = set()
+        bar = dist_io.progress(len(expected), "torch_dist->hf", show_progress)
+        for name, tensor in exported:
+            if error is not None and streaming:
+                break  # one process: nothing to keep in step with
+            if writer is None or error is not None:
+                continue  # keep draining: the export is collective
+            try:
+                if name not in expected or tuple(tensor.shape) != tuple(expected[name]):
+                    raise CheckpointError(f"export produced {name} {tuple(tensor.shape)}, which "
+                                          f"{config_dir}/config.json does not have with that shape (expects "
+                                          f"{expected.get(name)})")
+                writer.add(name, tensor.to(out_dtype) if tensor.dtype != out_dtype else tensor)
+                seen.add(name)
+                bar.update(1)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = e
+        bar.close()
+        if writer is not None and error is None and set(expected) - seen:
+            error = CheckpointError(f"HF tensors left unfilled by the export: {sorted(set(expected) - seen)}; the "
+                                    f"checkpoint {dist_dir} lacks parameters {config_dir}/config.json needs")
+        all_ranks_ok(error)
+        dist_io.free(chunks)
 
-    common.rank0_do(finish, f"writing {tmp}")
-    if verify:
+        def finish() -> None:
+            index = writer.finish()
+            summary.update(files=len(set(index["weight_map"].values())), total_bytes=index["metadata"]["total_size"],
+                           peak_pending_bytes=writer.peak_pending_bytes)
+
+        rank0_do(finish, f"writing {tmp}")
+        return writer.checksums if writer is not None else None
+
+    def check(tmp: str) -> None:
         verify_hf_against_dist(bridge, tmp, dist_dir, layout, stored_dtype, dtype, show_progress,
                                streaming_bucket_bytes=bucket_bytes if streaming else None)
-    common.rank0_do(lambda: publish_dir(tmp, out_dir), f"publishing {out_dir}")
-    common.barrier()
+
+    def seal(tmp: str) -> dict:
+        update = {"dtype": common.dtype_name(out_dtype)} if dtype is not None else None
+        model_dir.copy_aux_files(config_dir, tmp, update)
+        return {"format": model_dir.HF_FORMAT, "source": {"kind": "torch_dist", "path": dist_dir},
+                "dtype": common.dtype_name(out_dtype)}
+
+    publish_collectively(out_dir, write, seal, verify=check if verify else None)
     summary.update(output=out_dir, source=dist_dir, dtype=common.dtype_name(out_dtype),
                    tensors=len(expected), seconds=round(time.time() - t0, 3), verified=bool(verify))
     return summary
@@ -148,17 +138,9 @@ def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dty
                            streaming_bucket_bytes: Optional[int] = None) -> None:
     """Collective: reload ``dist_dir``, export again, compare every tensor with the files in ``hf_dir``.
     With ``streaming_bucket_bytes`` (one process) the reload streams too."""
-    from megatron_rl.models.hf_checkpoint import HFCheckpoint
-
-    if streaming_bucket_bytes is not None:
-        chunks = None
-        source = model_io.read_guard(streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype,
-                                                                     streaming_bucket_bytes, hf_dir), dist_dir)
-    else:
-        chunks = bridge.build_model(layout, params_dtype=model_dtype)
-        model_io.load_dist_into(chunks, dist_dir)
-        source = bridge.export_hf_weights(chunks)
-    ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None
+    chunks, source = streaming_load.hf_tensors_of(bridge, dist_dir, layout, model_dtype, hf_dir,
+                                                  streaming_bucket_bytes is not None, streaming_bucket_bytes)
+    ref = HFCheckpoint(hf_dir) if rank() == 0 else None
     try:
         err = None
         if ref is not None:
@@ -167,11 +149,11 @@ def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dty
             if names != expected:
                 err = (f"written names differ: missing {sorted(expected - names)}, extra {sorted(names - expected)}")
         exported = ((n, t.to(cast) if cast is not None else t) for n, t in source)
-        err2 = model_io.compare_stream(exported, ref, bridge.hf_param_shapes(), None, "written HF",
-                                       show_progress, compare=ref is not None)
+        err2 = dist_io.compare_stream(exported, ref, bridge.hf_param_shapes(), None, "written HF",
+                                      show_progress, compare=ref is not None)
         err = "; ".join(e for e in (err, err2) if e) or None
     finally:
         if ref is not None:
             ref.close()
-        model_io.free(chunks)
-    common.all_ranks_ok(CheckpointError(f"--verify: written {hf_dir} differs from {dist_dir}: {err}") if err else None)
+        dist_io.free(chunks)
+    all_ranks_ok(CheckpointError(f"--verify: written {hf_dir} differs from {dist_dir}: {err}") if err else None)

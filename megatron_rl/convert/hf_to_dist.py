@@ -23,7 +23,7 @@ Steps (every rank, one process or under torchrun):
    dir into place, so the output exists only when complete.
 
 An input written by ``dist-to-hf`` carries its own ``COMPLETE.json``; its sizes and
-checksums are checked first (``common.check_hf_marker``).
+checksums are checked first (``model_dir.check_hf_marker``).
 
 Memory: about the largest local parameter plus one bucket (measured in
 ``docs/convert.md``); under torchrun ``--verify`` holds the rank's model shard.
@@ -32,14 +32,19 @@ Memory: about the largest local parameter plus one bucket (measured in
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, model_io, streaming_load, streaming_save
+from megatron_rl.convert import common, streaming_load, streaming_save
 from megatron_rl.errors import BridgeError, CheckpointError
+from megatron_rl.infra.dist import all_ranks_ok, rank
+from megatron_rl.infra.publish import publish_collectively
+from megatron_rl.models import dist_io, get_bridge, model_dir
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.parallel import ParallelLayout
+from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_value
 
 
 def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[torch.dtype] = None,
@@ -50,18 +55,11 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     Collective when ``torch.distributed`` is initialised (every rank calls it with
     the same arguments). ``layout``: a ``ParallelLayout`` (default: all 1).
     """
-    from megatron_rl.backends.megatron.parallel import ParallelLayout
-    from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-    from megatron_rl.infra.checkpoint_root import file_list, temp_dir_for
-    from megatron_rl.models import get_bridge
-    from megatron_rl.models.hf_checkpoint import HFCheckpoint
-    from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_value
-
     t0 = time.time()
     layout = layout or ParallelLayout()
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": hf_dir}, overwrite, "torch_dist")
-    common.once_on_rank0(lambda: common.check_hf_marker(hf_dir), f"checking {hf_dir}")  # a dist-to-hf output
+    model_dir.check_hf_marker_once(hf_dir, f"checking {hf_dir}")  # a dist-to-hf output
     bridge = get_bridge(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     try:
@@ -74,8 +72,8 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
-    model_io.setup(layout)
-    chunks = model_io.build_meta_model(bridge, layout, target)  # the values are streamed in by the writer
+    dist_io.setup(layout)
+    chunks = dist_io.build_meta_model(bridge, layout, target)  # the values are streamed in by the writer
     slots = {id(s.param): s for chunk in chunks for s in canonical_parameters(chunk)}
     unmapped = []
     for slot in slots.values():
@@ -83,55 +81,45 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
             bridge.rule_for(slot.canonical_name)
         except BridgeError:
             unmapped.append(slot.canonical_name)
-    common.all_ranks_ok(CheckpointError(f"model parameters no HF tensor fills: {sorted(unmapped)}; the bridge does "
-                                        "not map this config") if unmapped else None)
+    all_ranks_ok(CheckpointError(f"model parameters no HF tensor fills: {sorted(unmapped)}; the bridge does "
+                                 "not map this config") if unmapped else None)
 
-    tmp = temp_dir_for(out_dir)
+    def write(tmp: str) -> None:
+        bar = dist_io.progress(len(slots), "hf->torch_dist", show_progress, unit="param")
+        ckpt = HFCheckpoint(hf_dir)
 
-    def prepare():
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
-        os.makedirs(tmp)
+        def materialize(param: torch.nn.Parameter) -> torch.Tensor:
+            try:
+                return local_value(bridge, slots[id(param)], ckpt).to(target)
+            finally:
+                ckpt.close()  # unmap the shard files: their pages would otherwise stay in this process's RSS
+                bar.update(1)
 
-    common.rank0_do(prepare, f"creating {tmp}")
-    bar = common.progress(len(slots), "hf->torch_dist", show_progress, unit="param")
-    ckpt = HFCheckpoint(hf_dir)
-
-    def materialize(param: torch.nn.Parameter) -> torch.Tensor:
+        index = streaming_save.StorageIndex.for_chunks(chunks, materialize)
         try:
-            return local_value(bridge, slots[id(param)], ckpt).to(target)
+            dist_io.dist_checkpointing().save(dist_io.model_sharded_state_dict(chunks), tmp,
+                                              sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes),
+                                              content_metadata={"megatron_rl_format": model_dir.FORMAT})
         finally:
-            ckpt.close()  # unmap the shard files: their pages would otherwise stay in this process's RSS
-            bar.update(1)
+            ckpt.close()
+            bar.close()
+        dist_io.free(chunks)
 
-    index = streaming_save.StorageIndex.for_chunks(chunks, materialize)
-    try:
-        common.dist_checkpointing().save(model_io.model_sharded_state_dict(chunks), tmp,
-                                         sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes),
-                                         content_metadata={"megatron_rl_format": common.FORMAT})
-    finally:
-        ckpt.close()
-        bar.close()
-    common.barrier()
-    model_io.free(chunks)
-
-    if verify:
+    def check(tmp: str) -> None:
         verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress,
                                streaming_bucket_bytes=bucket_bytes if streaming_load.can_stream(layout) else None)
 
-    meta = {"format": common.FORMAT, "source": {"kind": "hf", "path": hf_dir},
+    meta = {"format": model_dir.FORMAT, "source": {"kind": "hf", "path": hf_dir},
             "model_type": bridge.cfg("model_type"), "family": bridge.family, "dtype": common.dtype_name(target),
-            "layout": layout.describe(), "model": common.fingerprint(bridge),
-            "megatron_core": _mcore_version(), "torch": torch.__version__, "verified": bool(verify)}
+            "layout": layout.describe(), "model": model_dir.fingerprint(bridge),
+            "megatron_core": dist_io.mcore_version(), "torch": torch.__version__, "verified": bool(verify)}
 
-    def publish():
+    def seal(tmp: str) -> dict:
         update = {"dtype": common.dtype_name(target)} if dtype is not None else None
-        common.copy_aux_files(hf_dir, os.path.join(tmp, common.HF_CONFIG_SUBDIR), update)
-        meta["files"] = file_list(tmp)
-        atomic_write_json(os.path.join(tmp, common.MARKER_NAME), meta)
-        publish_dir(tmp, out_dir)
+        model_dir.copy_aux_files(hf_dir, os.path.join(tmp, model_dir.HF_CONFIG_SUBDIR), update)
+        return meta
 
-    common.rank0_do(publish, f"publishing {out_dir}")
-    common.barrier()
+    publish_collectively(out_dir, write, seal, verify=check if verify else None)
     meta["seconds"] = round(time.time() - t0, 3)
     return meta
 
@@ -141,34 +129,15 @@ def verify_dist_against_hf(bridge, dist_dir: str, hf_dir: str, layout, model_dty
                            streaming_bucket_bytes: Optional[int] = None) -> None:
     """Collective: load ``dist_dir`` into a fresh model, export, compare with ``hf_dir`` tensor by tensor.
     With ``streaming_bucket_bytes`` (one process) the reload streams a bucket at a time instead."""
-    from megatron_rl.models.hf_checkpoint import HFCheckpoint
-
-    if streaming_bucket_bytes is not None:
-        chunks = None
-        source = model_io.read_guard(streaming_load.hf_tensor_stream(bridge, dist_dir, model_dtype,
-                                                                     streaming_bucket_bytes, hf_dir), dist_dir)
-    else:
-        chunks = bridge.build_model(layout, params_dtype=model_dtype)
-        model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
-                                                model_io.model_tensor_shapes(chunks), hf_dir)
-        model_io.load_dist_into(chunks, dist_dir)
-        source = bridge.export_hf_weights(chunks)
-    ref = HFCheckpoint(hf_dir) if common.rank() == 0 else None
+    chunks, source = streaming_load.hf_tensors_of(bridge, dist_dir, layout, model_dtype, hf_dir,
+                                                  streaming_bucket_bytes is not None, streaming_bucket_bytes)
+    ref = HFCheckpoint(hf_dir) if rank() == 0 else None
     try:
-        err = model_io.compare_stream(source, ref, bridge.hf_param_shapes(),
-                                      cast, "HF source", show_progress, compare=common.rank() == 0)
+        err = dist_io.compare_stream(source, ref, bridge.hf_param_shapes(),
+                                     cast, "HF source", show_progress, compare=rank() == 0)
     finally:
         if ref is not None:
             ref.close()
-        model_io.free(chunks)
-    common.all_ranks_ok(CheckpointError(f"--verify: torch_dist {dist_dir} reloaded differs from {hf_dir}: {err}")
-                        if err else None)
-
-
-def _mcore_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:  # noqa: BLE001
-        return "unknown"
+        dist_io.free(chunks)
+    all_ranks_ok(CheckpointError(f"--verify: torch_dist {dist_dir} reloaded differs from {hf_dir}: {err}")
+                 if err else None)

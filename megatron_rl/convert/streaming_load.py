@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
-from megatron_rl.convert import common, model_io
-from megatron_rl.convert.streaming_save import storage_key, release_free_memory
+from megatron_rl.convert.streaming_save import release_free_memory, storage_key
 from megatron_rl.errors import CheckpointError
+from megatron_rl.models import dist_io
+from megatron_rl.models.parallel import ParallelLayout
+from megatron_rl.models.weights import export_items, export_slot
 
 
 def can_stream(layout) -> bool:
@@ -99,24 +101,39 @@ def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: in
     Not lazy in its checks: the stored keys and global shapes are compared with the
     model of ``config_dir`` here (refusal names the tensors), before anything is read.
     """
-    from megatron_rl.backends.megatron.parallel import ParallelLayout
-
     layout = ParallelLayout()
-    model_io.setup(layout)
-    chunks = model_io.build_meta_model(bridge, layout, dtype)
-    model_io.check_checkpoint_matches_model(dist_dir, model_io.checkpoint_model_tensors(dist_dir),
-                                            model_io.model_tensor_shapes(chunks), config_dir)
+    dist_io.setup(layout)
+    chunks = dist_io.build_meta_model(bridge, layout, dtype)
+    dist_io.check_checkpoint_matches_model(dist_dir, dist_io.checkpoint_model_tensors(dist_dir),
+                                           dist_io.model_tensor_shapes(chunks), config_dir)
     return _stream(bridge, chunks, dist_dir, bucket_bytes)
+
+
+def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir: str, streaming: bool,
+                  bucket_bytes: Optional[int] = None, stored: Optional[dict] = None) -> tuple[Optional[list], Iterator]:
+    """``(chunks, (hf_name, tensor) stream)``: the model of ``dist_dir`` exported to HF tensors.
+
+    ``streaming`` (one process, :func:`can_stream`): a bucket of ``bucket_bytes`` at a time,
+    read errors named by :func:`~megatron_rl.models.dist_io.read_guard`; ``chunks`` is None.
+    Otherwise every rank loads its shard into a model built at ``layout`` (after the stored keys
+    and shapes, ``stored`` when already read, are checked against it) and the export gathers
+    (collective, ``bucket_bytes`` per gather); free ``chunks`` when the stream is drained."""
+    if streaming:
+        return None, dist_io.read_guard(hf_tensor_stream(bridge, dist_dir, dtype, bucket_bytes, config_dir), dist_dir)
+    chunks = bridge.build_model(layout, params_dtype=dtype)
+    if stored is None:
+        stored = dist_io.checkpoint_model_tensors(dist_dir)
+    dist_io.check_checkpoint_matches_model(dist_dir, stored, dist_io.model_tensor_shapes(chunks), config_dir)
+    dist_io.load_dist_into(chunks, dist_dir)
+    return chunks, bridge.export_hf_weights(chunks, bucket_bytes=bucket_bytes)
 
 
 def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron_rl.models.weights import export_items, export_slot
-
-    entries = _entries_by_parameter(model_io.model_sharded_state_dict(chunks))
-    dc = common.dist_checkpointing()
+    entries = _entries_by_parameter(dist_io.model_sharded_state_dict(chunks))
+    dc = dist_io.dist_checkpointing()
     for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):
         values, request = [], {}
         for slot, _ in bucket:
@@ -145,4 +162,4 @@ def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[
             yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
         del values, bucket
         release_free_memory()
-    model_io.free(chunks)
+    dist_io.free(chunks)

@@ -23,8 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from megatron_rl.data.types import GenerateRequest
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.base import GenerateRequest
 
 
 @dataclass(frozen=True)

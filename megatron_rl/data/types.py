@@ -1,4 +1,10 @@
-"""The rollout sample: the one record that flows from engine to reward to trainer.
+"""The records that cross the engine boundary: requests in (``GenerateRequest``, ``SamplingParams``), ``Sample`` out.
+
+They live here, below both the prompt data (which builds requests) and the
+rollout engines (which answer them), so neither has to import the other;
+the rollout package re-exports the request types.
+
+``Sample`` is the one record that flows from engine to reward to trainer.
 
 Token alignment convention (every module relies on it): a sample's sequence is
 ``prompt_ids + response_ids``. Per-token training quantities (log-probs,
@@ -13,6 +19,65 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_rl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; one value per ``generate`` call (every request shares it).
+
+    ``top_k=-1`` and ``top_p=1.0`` disable those filters; ``temperature=0`` is
+    greedy. ``seed=None`` draws a fresh seed per call (not reproducible); with a
+    seed, the output is a pure function of (weights, requests, params).
+    EOS ids from the model's generation config are stop tokens unless
+    ``ignore_eos``; ``stop_token_ids`` are always stop tokens.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            (self.temperature >= 0.0, "--rollout-temperature", self.temperature, "use 0 for greedy or a value > 0"),
+            (0.0 < self.top_p <= 1.0, "--rollout-top-p", self.top_p, "use a value in (0, 1]; 1.0 disables top-p"),
+            (self.top_k == -1 or self.top_k >= 1, "--rollout-top-k", self.top_k, "use -1 (disabled) or k >= 1"),
+            (self.max_new_tokens >= 1, "--rollout-max-response-len", self.max_new_tokens, "use a value >= 1"),
+            (self.n >= 1, "--n-samples-per-prompt", self.n, "use a value >= 1"),
+            (all(t >= 0 for t in self.stop_token_ids), "--rollout-stop-token-ids", self.stop_token_ids,
+             "token ids are non-negative integers"),
+        ]
+        for ok, flag, value, fix in checks:
+            if not ok:
+                raise ConfigError(f"{flag}={value!r} is invalid: {fix}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt to answer; ``n`` samples of it form one GRPO group."""
+
+    prompt_ids: list[int]
+    group_index: int
+    label: Any = None
+    prompt_text: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ConfigError(
+                f"GenerateRequest(group_index={self.group_index}) has an empty prompt_ids; every prompt needs "
+                "at least one token (check --input-key and the tokenizer)")
 
 
 @dataclass

@@ -22,6 +22,8 @@ import signal
 import time
 from typing import Optional
 
+from megatron_rl.infra.atomic import atomic_write_json
+
 EXIT_WALL_TIME = 3  # distinct exit code: "stopped on purpose, relaunch to continue"
 RUN_STATUS_FILE = "run_status.json"  # in --output-dir: {"status": "finished" | "stopped_early" | "error", ...}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -98,7 +100,6 @@ def write_run_status(output_dir: str, status: str, **info) -> None:
     """
     import os
 
-    from megatron_rl.infra.atomic import atomic_write_json
 
     atomic_write_json(os.path.join(output_dir, RUN_STATUS_FILE), {"status": status, **info})
 

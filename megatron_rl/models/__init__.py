@@ -15,8 +15,8 @@ def get_bridge(hf_dir_or_config):
 
     Raises BridgeError for an unknown ``model_type`` or an unsupported config feature.
     """
-    from megatron_rl.models.bridge import read_hf_config
-    from megatron_rl.models.families import BRIDGES
+    from megatron_rl.models.bridge import read_hf_config  # lazy: imports torch; the package import stays cheap
+    from megatron_rl.models.families import BRIDGES  # lazy: imports torch (via bridge)
 
     config = read_hf_config(hf_dir_or_config)
     model_type = config.get("model_type")

@@ -11,7 +11,7 @@ import needed) and is the one object the MegatronBackend asks about a model:
   ``megatron_rl.models.attention.PackedCoreAttention`` as ``core_attention``;
 * ``Bridge.build_model(layout, params_dtype=torch.float32, **overrides)`` -> one
   ``GPTModel`` per virtual pipeline stage held by this rank (needs
-  :func:`~megatron_rl.backends.megatron.parallel.initialize_parallel` first);
+  :func:`~megatron_rl.models.parallel.initialize_parallel` first);
 * ``Bridge.load_hf_weights(chunks, hf_dir)`` / ``Bridge.export_hf_weights(chunks,
   bucket_bytes=None)``: see :mod:`megatron_rl.models.weights`;
 * ``Bridge.hf_param_shapes()`` and ``Bridge.rule_for(canonical_name)``: the pure
@@ -39,8 +39,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron_rl.compat import apply_cpu_compat, cpu_config_overrides
 from megatron_rl.errors import BridgeError
-from megatron_rl.models import weight_maps
+from megatron_rl.models import weight_maps, weights
+from megatron_rl.models.spec import LAYER_SPECS, final_norm_module, layer_spec_flavour
 
 _MISSING = object()
 
@@ -178,8 +180,6 @@ class Bridge:
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
-        from megatron_rl.compat import cpu_config_overrides
-
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
         layout.validate(world, self.num_layers)
         kw: dict[str, Any] = dict(
@@ -237,8 +237,6 @@ class Bridge:
     # -------------------------------------------------------------------- spec
     def layer_spec(self, config, moe: Optional[bool] = None):
         """ModuleSpec of one transformer layer (MoE or dense MLP)."""
-        from megatron_rl.models.spec import LAYER_SPECS, layer_spec_flavour
-
         moe = self.moe if moe is None else moe
         num_experts = config.num_moe_experts if moe else None
         return LAYER_SPECS[layer_spec_flavour()](num_experts=num_experts, qk_layernorm=self.qk_norm)
@@ -248,8 +246,6 @@ class Bridge:
         from megatron.core.transformer.transformer_block import (
             TransformerBlockSubmodules, get_num_layers_to_build)
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-        from megatron_rl.models.spec import final_norm_module
 
         n = get_num_layers_to_build(config, vp_stage=vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
@@ -273,8 +269,6 @@ class Bridge:
         """
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
-
-        from megatron_rl.compat import apply_cpu_compat
 
         apply_cpu_compat()
         config = self.transformer_config(layout, params_dtype=params_dtype, **overrides)
@@ -442,14 +436,10 @@ class Bridge:
 
     # ---------------------------------------------------------------- weights
     def load_hf_weights(self, model_chunks, hf_dir: str | os.PathLike) -> None:
-        from megatron_rl.models.weights import load_hf_weights
-
-        load_hf_weights(self, model_chunks, hf_dir)
+        weights.load_hf_weights(self, model_chunks, hf_dir)
 
     def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        from megatron_rl.models.weights import export_hf_weights
-
-        return export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes)
+        return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes)
 
 
 def read_hf_config(hf_dir_or_config) -> dict:

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.models import cp_utils
+from megatron_rl.models.weights import unwrap
 
 
 @dataclass
@@ -85,8 +87,6 @@ def _prepare(mb: Microbatch, packed: bool, config):
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     targets = [torch.roll(s, -1) for s in mb.seqs]
     if packed:
-        from megatron_rl.models import cp_utils
-
         lengths = [len(s) for s in mb.seqs]
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         multiple = cp_utils.cp_pad_multiple(cp, tp, config.sequence_parallel)
@@ -130,8 +130,6 @@ def _full_logits(logits: torch.Tensor, prep: dict, mb: Microbatch, packed: bool,
 
     full = tensor_parallel.gather_from_tensor_model_parallel_region(logits.detach().float())
     if packed:
-        from megatron_rl.models import cp_utils
-
         tokens = cp_utils.gather_packed_from_cp(full[0], prep["cu_pad"])
         cu_pad = prep["cu_pad"].tolist()
         return [tokens[a:a + len(s), :vocab_size].contiguous() for a, s in zip(cu_pad, mb.seqs)]
@@ -151,8 +149,6 @@ def megatron_run(model_chunks, microbatches: list[Microbatch], vocab_size: int, 
 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_rl.models.weights import unwrap
 
     config = unwrap(model_chunks[0]).config
     preps = [_prepare(mb, packed, config) for mb in microbatches]

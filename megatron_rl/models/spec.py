@@ -15,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_rl import compat  # compat.have_transformer_engine looked up per call (tests swap it)
+from megatron_rl.models.norm import RMSNorm
+
 
 def core_attention_module():
     """PackedCoreAttention when available, else megatron's DotProductAttention."""
     try:
-        from megatron_rl.models.attention import PackedCoreAttention
+        from megatron_rl.models.attention import PackedCoreAttention  # lazy: imports megatron-core
     except ImportError:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -36,8 +39,6 @@ def final_norm_module():
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    from megatron_rl.models.norm import RMSNorm
-
     return RMSNorm
 
 
@@ -47,9 +48,7 @@ def layer_spec_flavour() -> str:
     The single switch: the bridge builds the layer spec and names parameters
     (:data:`megatron_rl.models.weight_maps.LAYER_SPEC_NAMES`) by this key.
     """
-    from megatron_rl.compat import have_transformer_engine
-
-    return "transformer_engine" if have_transformer_engine() else "local"
+    return "transformer_engine" if compat.have_transformer_engine() else "local"
 
 
 def te_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
@@ -61,8 +60,6 @@ def te_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
 
 def local_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from megatron_rl.models.norm import RMSNorm
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=qk_layernorm, normalization="RMSNorm")

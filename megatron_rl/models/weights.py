@@ -135,7 +135,7 @@ def local_value(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:
     """This rank's value of ``slot`` read from ``ckpt`` (in the checkpoint's dtype).
 
     What :func:`load_hf_weights` copies into the parameter; the streaming
-    converter (``megatron_rl.convert.hf_to_dist``) writes it without a model.
+    converter (``hf-to-dist`` of ``tools/convert_ckpt.py``) writes it without a model.
     Raises ``BridgeError`` for a parameter no HF tensor maps to.
     """
     return _read_local(bridge, bridge.rule_for(slot.canonical_name), slot, ckpt)

@@ -1,7 +1,10 @@
 """The rollout-engine boundary: typed requests in, ``Sample`` records out.
 
 Every engine (embedded torch, SGLang later) implements ``RolloutEngine``; the
-RL loop never branches on which one it holds. Invariants every engine keeps:
+RL loop never branches on which one it holds: ``--rollout-backend`` picks a
+row of ``ENGINES`` (a ``registry.Registry``) and the row's class builds itself
+with ``from_config(cfg)``. ``GenerateRequest`` and ``SamplingParams`` are
+defined in ``data.types`` and re-exported here. Invariants every engine keeps:
 
 * ``generate`` returns ``len(requests) * sampling.n`` samples, request-major:
   the ``n`` samples of request ``i`` are consecutive and carry its
@@ -23,68 +26,17 @@ RL loop never branches on which one it holds. Invariants every engine keeps:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Type, Union
 
-from megatron_rl.data.types import Sample
-from megatron_rl.errors import ConfigError
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.infra.registry import Refused, Registry
 
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import Config
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; one value per ``generate`` call (every request shares it).
-
-    ``top_k=-1`` and ``top_p=1.0`` disable those filters; ``temperature=0`` is
-    greedy. ``seed=None`` draws a fresh seed per call (not reproducible); with a
-    seed, the output is a pure function of (weights, requests, params).
-    EOS ids from the model's generation config are stop tokens unless
-    ``ignore_eos``; ``stop_token_ids`` are always stop tokens.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    n: int = 1
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        checks = [
-            (self.temperature >= 0.0, "--rollout-temperature", self.temperature, "use 0 for greedy or a value > 0"),
-            (0.0 < self.top_p <= 1.0, "--rollout-top-p", self.top_p, "use a value in (0, 1]; 1.0 disables top-p"),
-            (self.top_k == -1 or self.top_k >= 1, "--rollout-top-k", self.top_k, "use -1 (disabled) or k >= 1"),
-            (self.max_new_tokens >= 1, "--rollout-max-response-len", self.max_new_tokens, "use a value >= 1"),
-            (self.n >= 1, "--n-samples-per-prompt", self.n, "use a value >= 1"),
-            (all(t >= 0 for t in self.stop_token_ids), "--rollout-stop-token-ids", self.stop_token_ids,
-             "token ids are non-negative integers"),
-        ]
-        for ok, flag, value, fix in checks:
-            if not ok:
-                raise ConfigError(f"{flag}={value!r} is invalid: {fix}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class GenerateRequest:
-    """One prompt to answer; ``n`` samples of it form one GRPO group."""
-
-    prompt_ids: list[int]
-    group_index: int
-    label: Any = None
-    prompt_text: str | None = None
-    metadata: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if len(self.prompt_ids) == 0:
-            raise ConfigError(
-                f"GenerateRequest(group_index={self.group_index}) has an empty prompt_ids; every prompt needs "
-                "at least one token (check --input-key and the tokenizer)")
+__all__ = ["ENGINES", "EngineHealth", "GenerateRequest", "RolloutEngine", "SamplingParams", "make_engine",
+           "register_engine"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +51,16 @@ class EngineHealth:
 
 
 class RolloutEngine(abc.ABC):
-    """Generates samples and accepts new weights from the trainer."""
+    """Generates samples and accepts new weights from the trainer.
+
+    Built either from keyword arguments (``make_engine(kind, **kwargs)`` calls the
+    class) or from the run's flags (``from_config(cfg)``, what the loop uses).
+    """
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, cfg: "Config") -> "RolloutEngine":
+        """Build the engine from the run's flags (``--hf-checkpoint``, ...)."""
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
@@ -134,22 +95,22 @@ class RolloutEngine(abc.ABC):
         """Version of the last complete weight update (0 = the weights loaded at start)."""
 
 
-_ENGINE_KINDS: dict[str, Callable[..., RolloutEngine]] = {}
+# --rollout-backend -> engine class (a RolloutEngine subclass, or "module:Class" imported on first use).
+ENGINES: Registry[Type[RolloutEngine]] = Registry("--rollout-backend", "rollout engine", {
+    "embedded": "megatron_rl.rollout.embedded:EmbeddedEngine",  # a path: its module loads transformers
+    "sglang": Refused("--rollout-backend sglang is not wired into the loop yet; use --rollout-backend embedded"),
+})
 
 
-def register_engine(kind: str, constructor: Callable[..., RolloutEngine]) -> None:
-    """Make ``make_engine(kind, ...)`` build engines with ``constructor``."""
-    _ENGINE_KINDS[kind] = constructor
+def register_engine(kind: str, engine: Union[str, Type[RolloutEngine], Refused]) -> None:
+    """Make ``--rollout-backend kind`` build ``engine`` (a RolloutEngine subclass or "module:Class")."""
+    ENGINES.register(kind, engine)
 
 
 def make_engine(kind: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine named ``kind`` (e.g. "embedded") with its constructor's keyword arguments."""
-    if kind == "embedded" and kind not in _ENGINE_KINDS:
-        from megatron_rl.rollout.embedded import EmbeddedEngine
+    """Build the engine named ``kind`` (e.g. "embedded") with its constructor's keyword arguments.
 
-        register_engine("embedded", EmbeddedEngine)
-    if kind not in _ENGINE_KINDS:
-        raise ConfigError(
-            f"--rollout-backend={kind!r} is not a known rollout engine; choose one of "
-            f"{', '.join(sorted(set(_ENGINE_KINDS) | {'embedded'}))}")
-    return _ENGINE_KINDS[kind](**kwargs)
+    The loop builds its engine from flags instead: ``ENGINES.get(kind).from_config(cfg)``
+    (see ``rollout.build``). An unknown or refused ``kind`` raises ConfigError.
+    """
+    return ENGINES.get(kind)(**kwargs)

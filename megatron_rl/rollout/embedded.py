@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
@@ -43,6 +43,9 @@ from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.sampling import sample_next_tokens
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import Config
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -96,6 +99,11 @@ class EmbeddedEngine(RolloutEngine):
         self._weights_loaded = True
         self._backup: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: "Config") -> "EmbeddedEngine":
+        """The loop's engine: ``--hf-checkpoint`` (weights, and the tokenizer found beside them)."""
+        return cls(cfg.model.hf_checkpoint)
 
     # ------------------------------------------------------------------ state
     @property
@@ -232,7 +240,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _generate_chunk(self, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
                         sampling: SamplingParams, base_seed: int, stop_ids: set[int]):
-        from megatron_rl.rollout.kv_cache import make_kv_cache
+        from megatron_rl.rollout.kv_cache import make_kv_cache  # lazy: kv_cache imports transformers at import time
 
         prompt_order = list(dict.fromkeys(i for i, _ in chunk))
         prompts = [requests[i].prompt_ids for i in prompt_order]

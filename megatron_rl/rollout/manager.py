@@ -10,20 +10,21 @@ or train-only run sees exactly the samples the original run trained on.
 
 from __future__ import annotations
 
+import io
 import os
 import time
 from typing import Optional
 
 import torch
 
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.atomic import atomic_write_bytes
+from megatron_rl.rollout.rewards import compute_rewards
+from megatron_rl.rollout.rollout_ckpt import capture_rng_state, restore_rng_state
 
 
-def sampling_params(cfg, *, n: int, seed: int, temperature: Optional[float] = None):
-    from megatron_rl.rollout.base import SamplingParams
-
+def sampling_params(cfg, *, n: int, seed: int, temperature: Optional[float] = None) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(temperature=r.rollout_temperature if temperature is None else temperature,
                           top_p=r.rollout_top_p, top_k=r.rollout_top_k, max_new_tokens=r.rollout_max_response_len,
@@ -31,8 +32,6 @@ def sampling_params(cfg, *, n: int, seed: int, temperature: Optional[float] = No
 
 
 def save_rollout(path: str, rollout_id: int, samples: list[Sample]) -> None:
-    import io
-
     buf = io.BytesIO()
     torch.save({"rollout_id": rollout_id, "samples": [vars(s) for s in samples]}, buf)
     atomic_write_bytes(path, buf.getvalue())
@@ -55,8 +54,6 @@ class RolloutManager:
         self.reward_fn = reward_fn
 
     def _run(self, requests, sampling) -> list[Sample]:
-        from megatron_rl.rollout.rewards import compute_rewards
-
         samples = self.engine.generate(requests, sampling)
         tok = getattr(self.engine, "tokenizer", None)
         for s in samples:
@@ -96,13 +93,9 @@ class RolloutManager:
         The engine's sampling randomness is not in it: each call seeds its own generators from
         ``--rollout-seed`` + rollout id, so there is no engine RNG state to carry.
         """
-        from megatron_rl.rollout.rollout_ckpt import capture_rng_state
-
         return {"prompts": self.prompts.state_dict(), "rng": capture_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        from megatron_rl.rollout.rollout_ckpt import restore_rng_state
-
         self.prompts.load_state_dict(state["prompts"])
         restore_rng_state(state["rng"])
 
@@ -122,8 +115,6 @@ class RolloutManager:
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         if self.eval_dataset is None:
             return {}
-        from megatron_rl.rollout.base import GenerateRequest
-
         requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
                                     prompt_text=p.prompt_text) for i, p in enumerate(self.eval_dataset.prompts)]
         sampling = sampling_params(self.cfg, n=self.cfg.data.n_samples_per_eval_prompt,

@@ -41,6 +41,7 @@ import torch
 
 from megatron_rl.data.types import Sample
 from megatron_rl.infra.atomic import atomic_write_bytes, fsync_dir
+from megatron_rl.infra.checkpoint_root import MARKER_NAME, iter_dir
 
 log = logging.getLogger("megatron_rl")
 
@@ -63,8 +64,6 @@ def list_rollout_ckpts(root: str) -> list[int]:
 
 def checkpoint_identity(checkpoint_dir: str) -> Optional[str]:
     """SHA-256 of the checkpoint's ``COMPLETE.json`` (its file list, sizes, checksums); None if absent."""
-    from megatron_rl.infra.checkpoint_root import MARKER_NAME
-
     try:
         with open(os.path.join(checkpoint_dir, MARKER_NAME), "rb") as fh:
             return hashlib.sha256(fh.read()).hexdigest()
@@ -112,8 +111,6 @@ def save_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, samples: l
 def prune(root: str, keep: set[int] = frozenset()) -> list[int]:
     """Delete ``rollout_K.pt`` whose ``iter_K`` no longer exists under ``root`` (never those in ``keep``),
     and temp files left by a killed write."""
-    from megatron_rl.infra.checkpoint_root import iter_dir
-
     directory = os.path.join(root, DIR_NAME)
     if os.path.isdir(directory):  # temp files of a write that was killed (the driver is the only writer)
         for name in os.listdir(directory):

@@ -11,6 +11,13 @@ Invariants every transport keeps (see ``base.WeightSynchronizer``):
   naming the ones that differ.
 """
 
-from .base import WeightSynchronizer, make_synchronizer
+from megatron_rl.weight_sync.base import (
+    TRANSPORTS,
+    WeightSynchronizer,
+    make_synchronizer,
+    make_synchronizer_from_config,
+    register_transport,
+)
 
-__all__ = ["WeightSynchronizer", "make_synchronizer"]
+__all__ = ["TRANSPORTS", "WeightSynchronizer", "make_synchronizer", "make_synchronizer_from_config",
+           "register_transport"]

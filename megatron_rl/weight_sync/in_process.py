@@ -10,22 +10,23 @@ handles instead; the bucketing and versioning are the same.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import SyncError
+from megatron_rl.weight_sync.base import WeightSynchronizer
 
-from .base import WeightSynchronizer
+if TYPE_CHECKING:
+    from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.rollout.base import RolloutEngine
 
 
 class InProcessSynchronizer(WeightSynchronizer):
-    def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0):
-        self.bucket_bytes = bucket_bytes
-        self.check_equal = check_equal
-        self.driver_rank = driver_rank
+    """``--update-weight-transport tensor``: the driver streams the export into its own engine."""
 
-    def sync(self, backend, engine, version: int) -> dict[str, float]:
+    def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         is_driver = not dist.is_initialized() or dist.get_rank() == self.driver_rank
         sent: dict[str, torch.Tensor] = {}
@@ -53,7 +54,7 @@ class InProcessSynchronizer(WeightSynchronizer):
         return metrics
 
     @staticmethod
-    def _check(engine, sent: dict[str, torch.Tensor]) -> int:
+    def _check(engine: "RolloutEngine", sent: dict[str, torch.Tensor]) -> int:
         live = dict(engine.named_weights())
         differ = []
         for name, want in sent.items():

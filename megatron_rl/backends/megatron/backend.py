@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from functools import partial
 from typing import Iterator, Sequence
@@ -33,21 +34,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
-from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, register_backend
-from megatron_rl.data.packing import (MicroBatchPlan, PackedBatch, pack_plan_rank, pad_multiple_for,
-                                      plan_dynamic_micro_batches, plan_fixed_micro_batches,
-                                      plan_loss_denominators)
+from megatron_rl.algorithms.spec import ModelOutput, Spec
+from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager
+from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.config import Config
+from megatron_rl.data.packing import PackedBatch, pad_multiple_for
 from megatron_rl.data.types import Sample
-from megatron_rl.errors import BackendError, ConfigError
+from megatron_rl.errors import CheckpointError, ConfigError
+from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
+from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def layout_from_config(cfg):
-    from megatron_rl.backends.megatron.parallel import ParallelLayout
-
+def layout_from_config(cfg: Config) -> ParallelLayout:
     p = cfg.parallel
     return ParallelLayout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                           vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
@@ -55,7 +57,7 @@ def layout_from_config(cfg):
                           sequence_parallel=p.sequence_parallel)
 
 
-def check_backend_config(cfg) -> None:
+def check_backend_config(cfg: Config) -> None:
     """Refuse, before any process group exists, what megatron-core cannot do on this machine."""
     cuda = torch.cuda.is_available()
     opt = cfg.optimizer
@@ -72,7 +74,7 @@ def check_backend_config(cfg) -> None:
                           "(Hopper or newer) with transformer-engine; drop it on CPU runs.")
 
 
-def transformer_config_overrides(cfg) -> dict:
+def transformer_config_overrides(cfg: Config) -> dict:
     """``TransformerConfig`` fields the flags set on top of the bridge's HF-derived config.
 
     Pure (no megatron import) so a unit test can check that every flag arrives;
@@ -95,7 +97,7 @@ def transformer_config_overrides(cfg) -> dict:
     return overrides
 
 
-def ddp_config_kwargs(cfg) -> dict:
+def ddp_config_kwargs(cfg: Config) -> dict:
     """``DistributedDataParallelConfig`` fields (``fp8_param_gather`` as Megatron-LM sets it)."""
     return dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
@@ -103,15 +105,13 @@ def ddp_config_kwargs(cfg) -> dict:
 
 
 class MegatronBackend(TrainBackend):
-    def initialize(self, cfg, spec) -> None:
+    def initialize(self, cfg: Config, spec: Spec) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_rl.backends.megatron.parallel import initialize_parallel
-        from megatron_rl.models import get_bridge
 
         check_backend_config(cfg)
         self.cfg = cfg
@@ -119,6 +119,11 @@ class MegatronBackend(TrainBackend):
         self.layout = layout_from_config(cfg)
         self.dp_size = initialize_parallel(self.layout, seed=cfg.runtime.seed)
         self.ps = ps
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.pad_to_multiple = pad_multiple_for(self.layout.tp, self.layout.cp, self.layout.sequence_parallel)
+        # the last-stage, TP-rank-0, CP-rank-0 rank of each DP rank holds its full results (others: copies)
+        self.holds_results = (ps.is_pipeline_last_stage(ignore_virtual=True)
+                              and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
         self.bridge = get_bridge(cfg.model.hf_checkpoint)
         self.params_dtype = _DTYPES[cfg.precision.params_dtype]
         self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
@@ -167,16 +172,6 @@ class MegatronBackend(TrainBackend):
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True)
 
-    def _plan(self, samples: Sequence[Sample]) -> MicroBatchPlan:
-        b = self.cfg.batching
-        lengths = [s.total_length for s in samples]
-        pad = pad_multiple_for(self.layout.tp, self.layout.cp, self.layout.sequence_parallel)
-        if b.use_dynamic_batch_size:
-            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
-                                              cp_size=self.layout.cp, pad_to_multiple=pad)
-        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
-        return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=pad)
-
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """-inf on the vocab-padding columns this TP rank holds (none on most ranks)."""
         per_rank = logits.shape[-1]
@@ -203,8 +198,6 @@ class MegatronBackend(TrainBackend):
             rows = self._mask_padded_vocab(mb.gather_response(logits))
             return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
                                                   vocab_start_index=start)
-        from megatron_rl.algorithms.spec import ModelOutput
-        from megatron_rl.models import cp_utils
 
         cp_rank = self.ps.get_context_parallel_rank()
         targets = cp_utils.shard_packed_for_cp(torch.roll(mb.tokens, -1), mb.cu_seqlens, cp_rank, self.layout.cp).tensor
@@ -220,8 +213,7 @@ class MegatronBackend(TrainBackend):
         mb = mb.to(device)
         tokens, positions = mb.tokens, mb.position_ids
         if self.layout.cp > 1:
-            from megatron_rl.models import cp_utils
-
+    
             shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, self.ps.get_context_parallel_rank(),
                                                  self.layout.cp)
             tokens, positions = shard.tensor, shard.position_ids
@@ -240,30 +232,10 @@ class MegatronBackend(TrainBackend):
             model=self.model, num_microbatches=n, seq_length=max_len, micro_batch_size=1,
             forward_only=forward_only)
 
-    def _gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[Sample],
-                           plan: MicroBatchPlan) -> list[torch.Tensor]:
-        """Every rank gets every sample's tensor, from the last-stage, TP-rank-0, CP-rank-0 ranks.
-
-        Those ranks (one per DP rank) hold the full results of their DP rank's
-        micro-batches (other TP/CP ranks hold identical copies); the plan says
-        which samples each holds, so only the values move (``per_sample``). Which
-        global rank holds which DP rank's results is fixed by the layout: found once.
-        """
-        from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
-
-        if getattr(self, "_holder_ranks", None) is None:
-            holder = (self.is_last_stage and self.ps.get_tensor_model_parallel_rank() == 0
-                      and self.ps.get_context_parallel_rank() == 0)
-            self._holder_ranks = find_holder_ranks(self.ps.get_data_parallel_rank() if holder else None,
-                                                   self.dp_size)
-        holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
-        return gather_per_sample(local, holdings, self._holder_ranks, [s.response_length for s in samples])
-
     # ---- TrainBackend --------------------------------------------------------
 
     def forward(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        plan = self._plan(samples)
-        mbs = pack_plan_rank(samples, plan, self.ps.get_data_parallel_rank(), pad_token_id=self.pad_token_id)
+        plan, mbs, _ = self.preprocess_rollout_data(samples)
 
         def loss_fn(mb, output):
             out = self._model_output(mb, output)
@@ -278,17 +250,12 @@ class MegatronBackend(TrainBackend):
         local: dict[int, torch.Tensor] = {}
         for item in store:
             local.update(item["logprobs"])
-        return self._gather_per_sample(local, samples, plan)
+        return self.gather_per_sample(local, samples, plan)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         samples = batch.samples
         t0 = time.perf_counter()
-        plan = self._plan(samples)
-        dp_rank = self.ps.get_data_parallel_rank()
-        denoms = plan_loss_denominators(samples, plan)[dp_rank]
-        mbs = pack_plan_rank(samples, plan, dp_rank, pad_token_id=self.pad_token_id,
-                             advantages=batch.advantages, old_logprobs=batch.old_logprobs,
-                             ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs)
+        plan, mbs, denoms = self.preprocess_rollout_data(samples, batch)
 
         def loss_fn(mb, output):
             out = self._model_output(mb, output)
@@ -336,13 +303,9 @@ class MegatronBackend(TrainBackend):
             yield bucket
 
     def save(self, path: str, extra_state: dict) -> None:
-        from megatron_rl.backends.megatron.checkpoint import save_checkpoint
-
         save_checkpoint(self, path, extra_state)
 
     def load(self, path: str) -> dict:
-        from megatron_rl.backends.megatron.checkpoint import load_checkpoint
-
         return load_checkpoint(self, path)
 
     def sleep(self) -> None:
@@ -369,28 +332,22 @@ class MegatronBackend(TrainBackend):
         if hasattr(self.optimizer, "restore_from_cpu"):
             self.optimizer.restore_from_cpu()
 
-    def backup_reference(self, tag: str = "ref") -> None:
-        """Snapshot the current weights as a frozen tag (the initial policy as KL reference)."""
-        self.weights.backup(tag)
-
-    def _load_initial_weights(self, cfg) -> None:
+    def _load_initial_weights(self, cfg: Config) -> None:
         """``--hf-checkpoint``, or a model-only torch_dist dir given as ``--load`` (what
         ``convert_ckpt.py hf-to-dist`` writes; Megatron's ``--finetune`` start: weights only,
         fresh optimizer, step 0). Before the optimizer exists, so its master weights copy them."""
-        from megatron_rl.convert import common, model_io
-
         path = cfg.checkpoint.load
-        if not common.is_model_dir(path):
+        if not model_dir.is_model_dir(path):
             # a dist-to-hf output carries checksums: damage is refused by file name, not trained on
-            common.once_on_rank0(lambda: common.check_hf_marker(cfg.model.hf_checkpoint),
-                                 f"checking --hf-checkpoint {cfg.model.hf_checkpoint}")
+            model_dir.check_hf_marker_once(cfg.model.hf_checkpoint,
+                                           f"checking --hf-checkpoint {cfg.model.hf_checkpoint}")
             self.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
             return
-        meta = common.read_marker(path)
-        common.check_fingerprint(path, meta, self.bridge, cfg.model.hf_checkpoint)
-        model_io.check_checkpoint_matches_model(path, model_io.checkpoint_model_tensors(path),
-                                                model_io.model_tensor_shapes(self.chunks), cfg.model.hf_checkpoint)
-        model_io.load_dist_into(self.chunks, path)
+        meta = model_dir.read_marker(path)
+        model_dir.check_fingerprint(path, meta, self.bridge, cfg.model.hf_checkpoint)
+        dist_io.check_checkpoint_matches_model(path, dist_io.checkpoint_model_tensors(path),
+                                               dist_io.model_tensor_shapes(self.chunks), cfg.model.hf_checkpoint)
+        dist_io.load_dist_into(self.chunks, path)
         log.info("initial weights from the torch_dist model dir %s (--load); optimizer starts fresh", path)
 
     def load_frozen_weights(self, tag: str, path: str) -> None:
@@ -403,34 +360,24 @@ class MegatronBackend(TrainBackend):
         are put back afterwards. The architecture must be the policy's: a tag is
         a swap of the same parameters, not a second model.
         """
-        import os
-
-        from megatron_rl.errors import CheckpointError
-
         flag = {"ref": "--ref-load", "teacher": "--opd-teacher-load"}.get(tag, tag)
         if not os.path.isdir(path):
             raise CheckpointError(f"{flag} {path}: no such directory")
         actor = {n: p.detach().clone() for n, p in self._named_local_params()}
         is_hf = os.path.isfile(os.path.join(path, "config.json")) and any(
             f.endswith(".safetensors") for f in os.listdir(path))
-        from megatron_rl.convert import common
-
         # the same marker, size and checksum checks as --load: a damaged reference or teacher
         # would otherwise skew every KL/distillation term without a word
         if is_hf:
-            common.once_on_rank0(lambda: common.check_hf_marker(path), f"checking {flag} {path}")
+            model_dir.check_hf_marker_once(path, f"checking {flag} {path}")
             self.bridge.load_hf_weights(self.chunks, path)
         else:
-            from megatron_rl.convert.model_io import load_dist_into
-
-            resolved = common.resolve_dist_dir(path)
-            common.read_marker(resolved)
-            load_dist_into(self.chunks, resolved)
+            resolved = model_dir.resolve_dist_dir(path)
+            model_dir.read_marker(resolved)
+            dist_io.load_dist_into(self.chunks, resolved)
         self.weights.backup(tag)
         with torch.no_grad():
             for name, p in self._named_local_params():
                 p.copy_(actor[name])
         log.info("loaded frozen %s weights from %s (%s)", tag, path, "HF" if is_hf else "torch_dist")
 
-
-register_backend("megatron", MegatronBackend)

@@ -21,7 +21,8 @@ What one ``iter_NNNNNNN`` dir holds (megatron-core ``dist_checkpointing``, torch
 
 Atomicity: all ranks write ``.iter_NNNNNNN.tmp`` (a collective save), barrier,
 then rank 0 writes ``extra_state.json`` + ``COMPLETE.json``, fsyncs the tree and
-renames it into place (:func:`~megatron_rl.infra.atomic.publish_dir`); barrier.
+renames it into place; barrier (:func:`~megatron_rl.infra.publish.publish_collectively`,
+the same sequence the converters publish with).
 A reader therefore sees a complete checkpoint or none; a crash leaves only a temp
 dir, which :func:`load_checkpoint` and ``find_latest_complete`` refuse/skip.
 
@@ -49,120 +50,31 @@ import json
 import logging
 import os
 import random
-import shutil
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
-from megatron_rl.infra.atomic import atomic_write_json, publish_dir
-from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, MARKER_NAME, CorruptCheckpoint, crc32_of_files,
-                                             file_list, is_temp_dir, listed_file_problems,
-                                             read_complete_marker, temp_dir_for)
+from megatron_rl.infra.atomic import atomic_write_json
+from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, CorruptCheckpoint, crc32_of_files, is_temp_dir,
+                                             listed_file_problems, read_complete_marker)
+from megatron_rl.infra.dist import barrier, rank, rank0_do, world
+from megatron_rl.infra.publish import publish_collectively
+from megatron_rl.models.dist_io import (describe_read_error, dist_checkpointing, mcore_version,
+                                        model_sharded_state_dict)
+from megatron_rl.models.model_dir import FINGERPRINT_FIELDS, HF_CONFIG_SUBDIR, TRAINING_FORMAT, copy_aux_files
 
 log = logging.getLogger(__name__)
 
-FORMAT = "megatron_rl.torch_dist.v1"
+FORMAT = TRAINING_FORMAT
 EXTRA_STATE_NAME = "extra_state.json"
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ANOTHER = ("auto-resume skips it to the previous complete checkpoint; to pick one yourself pass "
             "--load ROOT/iter_NNNNNNN of another complete iteration")
-# Model-shape fields that must match for a checkpoint to load (TP/PP-independent).
-FINGERPRINT_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                      "ffn_hidden_size", "vocab_size")
 
 
-# ---- small helpers ----------------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank0_do(fn, what: str):
-    """Run ``fn`` on rank 0 only; every rank raises if it failed there (no rank hangs in a barrier)."""
-    err: Optional[str] = None
-    result = None
-    if _rank() == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            err = f"{type(e).__name__}: {e}"
-    box = [err]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise CheckpointError(f"{what} failed on rank 0: {box[0]}")
-    return result
-
-
-def _dist_checkpointing():
-    """``megatron.core.dist_checkpointing`` with the CPU shim extended to its lazily imported strategies.
-
-    Why: the CPU compat layer rebinds ``torch`` only in megatron modules already
-    imported; the torch_dist writer (``filesystem_async``: ``torch.cuda.synchronize``)
-    is imported on first save, after the backend applied the shim. Re-applying after
-    importing them is a no-op on a CUDA host.
-    """
-    import importlib
-    import pkgutil
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import strategies
-
-    from megatron_rl.compat import apply_cpu_compat
-
-    for info in pkgutil.iter_modules(strategies.__path__):
-        try:
-            importlib.import_module(f"{strategies.__name__}.{info.name}")
-        except ImportError:  # optional backends (zarr, msc) absent here
-            pass
-
-    apply_cpu_compat()
-    _in_process_write_results_queue()
-    return dist_checkpointing
-
-
-def _in_process_write_results_queue() -> None:
-    """Give megatron's torch_dist writer a results queue without a server process.
-
-    Why: ``filesystem_async._get_write_results_queue`` starts a ``multiprocessing``
-    Manager (a spawned server process, kept for the life of the worker) at the
-    first save. It sits in the worker's process group, so a SIGTERM to that group
-    (torchrun forwards signals with ``os.killpg``; ``kill -TERM -PGID``) killed it
-    and the stop save that followed failed with BrokenPipeError, leaving a temp dir
-    and no run_status.json. Our saves are synchronous: the queue is filled and read
-    in this process (``execute_sync`` runs the writer function here; only its
-    forked writers, which inherit the loop's flag-only signal handler, are other
-    processes), so a plain thread-safe ``queue.Queue`` does the same job.
-    """
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
-        filesystem_async._results_queue = queue.Queue()
-
-
-def _mcore_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:  # noqa: BLE001
-        import megatron.core
-
-        return getattr(megatron.core, "__version__", "unknown")
+# ---- what a checkpoint records ---------------------------------------------------------------------
 
 
 def model_fingerprint(backend) -> dict:
@@ -177,7 +89,7 @@ def model_fingerprint(backend) -> dict:
 def layout_record(backend) -> dict:
     """Everything that decides which rank holds which shard (RNG is restored only if this matches)."""
     return {**backend.layout.describe(), "dp": int(backend.ps.get_data_parallel_world_size()),
-            "world_size": _world(),
+            "world_size": world(),
             "use_distributed_optimizer": bool(backend.cfg.optimizer.use_distributed_optimizer)}
 
 
@@ -221,17 +133,10 @@ def restore_rng_state(state: dict) -> None:
 # ---- the sharded state dict -------------------------------------------------------------------------
 
 
-def _model_sharded_state_dict(backend) -> dict:
-    """``model`` / ``model{i}`` keys exactly as megatron's trainer writes them (VPP-aware)."""
-    from megatron_rl.convert.model_io import model_sharded_state_dict
-
-    return model_sharded_state_dict(backend.chunks)
-
-
 def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    sd: dict[str, Any] = _model_sharded_state_dict(backend)
+    sd: dict[str, Any] = model_sharded_state_dict(backend.chunks)  # model / model{i}, as megatron writes them
     sd["optimizer"] = backend.optimizer.sharded_state_dict(sd, is_loading=is_loading,
                                                            metadata=dict(SHARDING_METADATA))
     sd["opt_param_scheduler"] = backend.scheduler.state_dict()
@@ -240,7 +145,7 @@ def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict
     sd["checkpoint_format"] = FORMAT
     if with_rng:
         sd["rng_state"] = ShardedObject("megatron_rl.rng_state", collect_rng_state() if not is_loading else None,
-                                        (_world(),), (_rank(),), replica_id=0)
+                                        (world(),), (rank(),), replica_id=0)
     return sd
 
 
@@ -333,7 +238,7 @@ def load_scheduler_state(scheduler, state: dict, path: str = "") -> None:
     """
     current = scheduler.state_dict()
     changed = {k: (state.get(k), v) for k, v in current.items() if k != "num_steps" and state.get(k) != v}
-    if changed and _rank() == 0:
+    if changed and rank() == 0:
         log.info("checkpoint %s: LR schedule from the current flags, not the checkpoint (%s)", path,
                  "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
     previous = scheduler.override_opt_param_scheduler
@@ -360,37 +265,26 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
         extra_json = json.loads(json.dumps(extra_state if extra_state is not None else {}))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra_state for {path} must be a JSON-serialisable dict: {e}") from e
-    tmp = temp_dir_for(path)
-    dist_checkpointing = _dist_checkpointing()
+    dc = dist_checkpointing()
 
-    def prepare():
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-        os.makedirs(tmp)
+    def write(tmp: str) -> dict[str, str]:
+        sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True)
+        dc.save(sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
+        barrier()  # every rank's shards are on disk
+        return _spread_checksums(tmp)
 
-    _rank0_do(prepare, f"creating {tmp}")
-    sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True)
-    dist_checkpointing.save(sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
-    _barrier()  # every rank's shards are on disk
-    shard_checksums = _spread_checksums(tmp)
-
-    def publish():
+    def seal(tmp: str) -> dict:
         atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
         hf_dir = getattr(getattr(getattr(backend, "cfg", None), "model", None), "hf_checkpoint", None)
         if hf_dir:  # config + tokenizer beside the weights: dist-to-hf then needs no --hf-config
-            from megatron_rl.convert.common import copy_aux_files
-
-            copy_aux_files(hf_dir, os.path.join(tmp, "hf_config"))
-        meta = {"format": FORMAT, "megatron_core": _mcore_version(), "torch": torch.__version__,
+            copy_aux_files(hf_dir, os.path.join(tmp, HF_CONFIG_SUBDIR))
+        return {"format": FORMAT, "megatron_core": mcore_version(), "torch": torch.__version__,
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
                 "model": model_fingerprint(backend),
-                "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"],
-                "files": file_list(tmp, known_checksums=shard_checksums)}
-        atomic_write_json(os.path.join(tmp, MARKER_NAME), meta)
-        publish_dir(tmp, path)
+                "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"]}
 
-    _rank0_do(publish, f"publishing {path}")
-    _barrier()
-    if _rank() == 0:
+    publish_collectively(path, write, seal)
+    if rank() == 0:
         log.info("saved checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
 
 
@@ -404,17 +298,17 @@ def _spread_checksums(root: str) -> dict[str, str]:
     rank 0 alone would read the whole checkpoint (every rank's shards) once more. Rank 0 lists
     the files (every rank sees the same shared directory, as torch_dist loading requires)."""
     box = [sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names)
-           if _rank() == 0 else None]
+           if rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
-    mine = box[0][_rank()::_world()]
+    mine = box[0][rank()::world()]
     try:
         part: Any = dict(zip(mine, crc32_of_files([os.path.join(root, r) for r in mine])))
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait in the gather
-        part = f"rank {_rank()}: {type(e).__name__}: {e}"
+        part = f"rank {rank()}: {type(e).__name__}: {e}"
     parts = [part]
-    if dist.is_initialized() and _world() > 1:
-        parts = [None] * _world()
+    if dist.is_initialized() and world() > 1:
+        parts = [None] * world()
         dist.all_gather_object(parts, part)
     errors = [p for p in parts if isinstance(p, str)]
     if errors:
@@ -444,26 +338,16 @@ def _validated_metadata(path: str) -> dict:
     broadcasts its verdict, then the CRC-32 of file i is checked by rank i % world and the
     problems are gathered (each rank reads 1/world of the checkpoint, not rank 0 all of it);
     every rank raises the same error."""
-    box: list = [None, None, None]
-    if _rank() == 0:
-        try:
-            box[0] = read_checkpoint_metadata(path, checksums=False)
-        except CheckpointError as e:
-            box[1], box[2] = isinstance(e, CorruptCheckpoint), str(e)
-        except Exception as e:  # noqa: BLE001 - e.g. permission denied: every rank must raise, not hang
-            box[1], box[2] = True, f"reading checkpoint {path} failed: {type(e).__name__}: {e}"
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[2] is not None:
-        raise (CorruptCheckpoint if box[1] else CheckpointError)(box[2])
-    meta = box[0]
-    mine = [e for e in meta.get("files", []) if CHECKSUM_KEY in e][_rank()::_world()]
+    # an unexpected error (e.g. permission denied) counts as corrupt: auto-resume tries the previous one
+    meta = rank0_do(lambda: read_checkpoint_metadata(path, checksums=False), f"reading checkpoint {path}",
+                    unexpected=CorruptCheckpoint)
+    mine = [e for e in meta.get("files", []) if CHECKSUM_KEY in e][rank()::world()]
     try:
         bad: list = listed_file_problems(path, {"files": mine})
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait in the gather
-        bad = [f"reading its files failed on rank {_rank()} ({type(e).__name__}: {e})"]
-    if dist.is_initialized() and _world() > 1:
-        parts: list = [None] * _world()
+        bad = [f"reading its files failed on rank {rank()} ({type(e).__name__}: {e})"]
+    if dist.is_initialized() and world() > 1:
+        parts: list = [None] * world()
         dist.all_gather_object(parts, bad)
         bad = [b for part in parts for b in part]
     if bad:
@@ -523,7 +407,7 @@ def load_checkpoint(backend, path: str) -> dict:
         raise CheckpointError(f"checkpoint {path} was saved {flag} --use-distributed-optimizer; megatron-core "
                               f"0.16 cannot convert optimizer state between the two. Resume {flag} the flag")
     same_layout = meta.get("layout") == layout_record(backend)
-    if not same_layout and _rank() == 0:
+    if not same_layout and rank() == 0:
         log.warning("checkpoint %s was saved at layout %s, loading at %s: model and optimizer are resharded; "
                     "RNG states are NOT restored (they are per rank); runs continue from the seeded RNG",
                     path, meta.get("layout"), layout_record(backend))
@@ -532,14 +416,12 @@ def load_checkpoint(backend, path: str) -> dict:
     for opt in _chained(backend.optimizer):
         if isinstance(opt, DistributedOptimizer):
             opt._init_optimizer_states_with_dummy_values()
-    dist_checkpointing = _dist_checkpointing()
+    dc = dist_checkpointing()
     sd = _build_sharded_state_dict(backend, is_loading=True, with_rng=same_layout)
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_rl.convert.model_io import describe_read_error
-
     try:
-        loaded = dist_checkpointing.load(sd, path)
+        loaded = dc.load(sd, path)
     except (Exception, CheckpointException) as e:  # a torn .distcp raises DCP's CheckpointException: a BaseException
         raise CorruptCheckpoint(f"loading checkpoint {path} failed ({describe_read_error(e)}); the files are "
                                 f"corrupt or were written for another model/optimizer; {_ANOTHER}") from e
@@ -566,7 +448,7 @@ def load_checkpoint(backend, path: str) -> dict:
         restore_rng_state(loaded["rng_state"])
     with open(os.path.join(path, EXTRA_STATE_NAME)) as f:
         extra = json.load(f)
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank() == 0:
         log.info("loaded checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
     return extra

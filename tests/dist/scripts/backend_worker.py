@@ -35,8 +35,8 @@ def main():
     from megatron_rl.algorithms.spec import PolicyGradientSpec
     from megatron_rl.backends.base import TrainBatch
     from megatron_rl.backends.megatron.backend import MegatronBackend
-    from megatron_rl.backends.megatron.parallel import destroy_parallel
     from megatron_rl.config import parse_config
+    from megatron_rl.models.parallel import destroy_parallel
 
     hf_dir, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
     world = int(os.environ["WORLD_SIZE"])
@@ -53,7 +53,7 @@ def main():
         spec = PolicyGradientSpec(PolicyGradientConfig(kl_loss_coef=0.1, entropy_coef=0.01))
         backend = MegatronBackend()
         backend.initialize(cfg, spec)
-        backend.backup_reference("ref")
+        backend.snapshot_weights("ref")
         samples = make_samples(backend.vocab_size)
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
         for step in range(3):

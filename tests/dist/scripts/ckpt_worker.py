@@ -13,7 +13,7 @@ down between jobs, as in backend_worker.py):
   refuse  checkpoint dirs whose load must raise CheckpointError (messages recorded)
   poison  a parameter-name substring: after the steps, global rank 0 sets element 0 of that
           parameter to +inf (so the save holds a non-finite weight on one rank's shard only)
-  resume  a list of flag lists: each runs RunContext.resume_or_init with the base flags plus
+  resume  a list of flag lists: each runs Resumer.resume_or_init with the base flags plus
           these (e.g. ["--save", ROOT] or ["--load", ROOT/iter_N]); every rank's outcome and
           the warnings logged are recorded
 
@@ -66,14 +66,15 @@ def optimizer_dump(optimizer):
 
 
 def resume_outcome(argv, flags, backend, rank, world):
-    """RunContext.resume_or_init under ``argv + flags``: {"step" | "error", "warnings"} of every rank."""
+    """Resumer.resume_or_init under ``argv + flags``: {"step" | "error", "warnings"} of every rank."""
     import logging
 
     import torch.distributed as dist
 
     from megatron_rl.config import parse_config
     from megatron_rl.errors import CheckpointError
-    from megatron_rl.infra.run import RunContext
+    from megatron_rl.runner.checkpoints import CheckpointCursor
+    from megatron_rl.runner.resume import Resumer
 
     seen = []
 
@@ -84,8 +85,8 @@ def resume_outcome(argv, flags, backend, rank, world):
     handler = _Keep(level=logging.WARNING)
     logging.getLogger("megatron_rl").addHandler(handler)
     try:
-        ctx = RunContext(parse_config(argv + flags), tracker=None, clock=None, colocation=None, is_driver=rank == 0)
-        out = {"step": ctx.resume_or_init(backend, None), "optimizer_steps": backend.optimizer_steps}
+        resumer = Resumer(parse_config(argv + flags), CheckpointCursor())
+        out = {"step": resumer.resume_or_init(backend, None), "optimizer_steps": backend.optimizer_steps}
     except CheckpointError as e:
         out = {"error": str(e), "class": type(e).__name__}
     finally:
@@ -104,9 +105,9 @@ def run_job(hf_dir, out_dir, job):
     from megatron_rl.algorithms.spec import PolicyGradientSpec
     from megatron_rl.backends.base import TrainBatch
     from megatron_rl.backends.megatron.backend import MegatronBackend
-    from megatron_rl.backends.megatron.parallel import destroy_parallel
     from megatron_rl.config import parse_config
     from megatron_rl.errors import CheckpointError
+    from megatron_rl.models.parallel import destroy_parallel
 
     world = int(os.environ["WORLD_SIZE"])
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -120,7 +121,7 @@ def run_job(hf_dir, out_dir, job):
     backend = MegatronBackend()
     backend.initialize(cfg, spec)
     np.random.seed(1234)  # initialize_parallel seeds python/torch/megatron; a data pipeline seeds numpy
-    backend.backup_reference("ref")
+    backend.snapshot_weights("ref")
     rec = {"refusals": {}, "steps": []}
     for bad in job.get("refuse", []):
         try:

@@ -1,4 +1,4 @@
-"""Conversion worker for tests/unit/test_convert_roundtrip.py and tests/dist/test_convert.py.
+"""Conversion worker for tests/convert/test_convert_roundtrip.py and tests/dist/test_convert.py.
 
 One process runs many conversions (imports and the torch_dist writer's helper
 start once), writes ``results.json`` into ``--out`` and leaves the produced dirs
@@ -67,21 +67,21 @@ def same_as_megatron_save(hf: str, streamed: str, layout, scratch: str) -> list:
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.convert import common, model_io
-    from megatron_rl.models import get_bridge
+    from megatron_rl.infra.dist import barrier, rank
+    from megatron_rl.models import dist_io, get_bridge, model_dir
 
     bridge = get_bridge(hf)
-    model_io.setup(layout)
+    dist_io.setup(layout)
     chunks = bridge.build_model(layout)
     bridge.load_hf_weights(chunks, hf)
-    if common.rank() == 0:
+    if rank() == 0:
         shutil.rmtree(scratch, ignore_errors=True)
         os.makedirs(scratch)
-    common.barrier()
-    common.dist_checkpointing().save(model_io.model_sharded_state_dict(chunks), scratch,
-                                     content_metadata={"megatron_rl_format": common.FORMAT})
-    model_io.free(chunks)
-    common.barrier()
+    barrier()
+    dist_io.dist_checkpointing().save(dist_io.model_sharded_state_dict(chunks), scratch,
+                                      content_metadata={"megatron_rl_format": model_dir.FORMAT})
+    dist_io.free(chunks)
+    barrier()
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
     a, b = _dcp_contents(streamed), _dcp_contents(scratch)
@@ -104,10 +104,10 @@ def same_as_megatron_save(hf: str, streamed: str, layout, scratch: str) -> list:
 def roundtrip(args) -> dict:
     import torch
 
-    from megatron_rl.backends.megatron.parallel import ParallelLayout
     from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
     from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
+    from megatron_rl.models.parallel import ParallelLayout
 
     out = {}
     lay = ParallelLayout()
@@ -163,12 +163,10 @@ def roundtrip(args) -> dict:
 def layouts(args) -> dict:
     import torch.distributed as dist
 
-    from megatron_rl.backends.megatron.parallel import ParallelLayout
     from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
     from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
-
-    from megatron_rl.backends.megatron.parallel import initialize_parallel
+    from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
 
     initialize_parallel(ParallelLayout())  # the process group, for the barrier below
     rank = int(os.environ.get("RANK", "0"))

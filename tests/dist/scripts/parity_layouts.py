@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from megatron_rl.backends.megatron.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megatron_rl.models import get_bridge, parity
+from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
 LENGTHS = [11, 6, 16, 4]
 

@@ -1,0 +1,29 @@
+"""The algorithm flags (``cfg.algorithm`` and the few rollout/batching flags a loss needs) -> a ``Spec``.
+
+The algorithm package builds its own part from the frozen ``Config``, so the runner
+never maps algorithm flags itself.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.algorithms.config import PolicyGradientConfig
+from megatron_rl.algorithms.spec import PolicyGradientSpec
+from megatron_rl.config import Config
+
+
+def spec_from_config(cfg: Config) -> PolicyGradientSpec:
+    """``--loss-agg-mode`` unset passes None: the algorithm config picks the estimator's
+    default (seq_mean_token_mean for GSPO, token_mean otherwise)."""
+    a = cfg.algorithm
+    estimator = "grpo" if a.advantage_estimator == "gspo" else a.advantage_estimator
+    temperature = cfg.rollout.rollout_temperature or 1.0  # greedy rollouts: log-probs at temperature 1
+    return PolicyGradientSpec(PolicyGradientConfig(
+        advantage_estimator=estimator, use_gspo=a.advantage_estimator == "gspo",
+        grpo_std_normalization=not a.disable_grpo_std_normalization, loss_agg_mode=a.loss_agg_mode,
+        normalize_advantages=a.normalize_advantages, use_unbiased_kl=a.use_unbiased_kl,
+        max_response_length=cfg.rollout.rollout_max_response_len, eps_clip=a.eps_clip,
+        eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
+        kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_loss_type=a.kl_loss_type,
+        entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_cap=a.tis_cap, tis_clip_low=a.tis_clip_low,
+        use_rollout_logprobs=a.use_rollout_logprobs, opd_coef=a.opd_kl_coef,
+        temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size))

@@ -1,0 +1,174 @@
+"""Parallel layout and process-group set-up for megatron-core models.
+
+Used by the MegatronBackend (training) and the HF <-> torch_dist converters (``tools/convert_ckpt.py``):
+
+* :class:`ParallelLayout` - frozen tp/pp/vpp/cp/ep/etp/sequence_parallel; ``dp`` is
+  derived from the world size by :meth:`ParallelLayout.data_parallel_size`.
+* :func:`initialize_parallel(layout, seed, backend=None)` - applies the CPU shim,
+  initialises ``torch.distributed`` if needed (gloo on CPU, nccl on GPU, env:// as
+  torchrun sets it), ``parallel_state.initialize_model_parallel`` and seeds torch
+  plus megatron's model-parallel RNG tracker. Validates the layout first and
+  raises :class:`~megatron_rl.errors.ConfigError` *before any collective*, so a bad
+  flag never hangs a job.
+* :func:`destroy_parallel()` - tears megatron's groups down (the default process
+  group is kept so a test can loop over layouts in one launch).
+
+Invariants: world = tp * pp * cp * dp; the expert groups satisfy
+world = etp * ep * expert_dp with tp*cp divisible appropriately (megatron decides
+the exact rule; we check the divisibility it asserts so the error is readable).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megatron_rl.compat import apply_cpu_compat
+from megatron_rl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one model replica is split. Flags: ``--tensor-model-parallel-size`` (tp),
+    ``--pipeline-model-parallel-size`` (pp), ``--virtual-pipeline-model-parallel-size``
+    (vpp: model chunks per PP rank, None = not interleaved),
+    ``--context-parallel-size`` (cp), ``--expert-model-parallel-size`` (ep),
+    ``--expert-tensor-parallel-size`` (etp, None = same as tp),
+    ``--sequence-parallel``."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    sequence_parallel: bool = False
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.vpp or 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        self.validate(world_size)
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None) -> None:
+        """Raise ConfigError naming the flag if this layout cannot run on ``world_size`` ranks
+        (world checks skipped when None) or cannot split ``num_layers``."""
+        problems = []
+        for flag, value in (("--tensor-model-parallel-size", self.tp),
+                            ("--pipeline-model-parallel-size", self.pp),
+                            ("--context-parallel-size", self.cp),
+                            ("--expert-model-parallel-size", self.ep),
+                            ("--expert-tensor-parallel-size", self.expert_tp)):
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{flag}={value!r} must be a positive integer")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size is not None and world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
+                f"= {model_parallel}; change --tensor-model-parallel-size / "
+                f"--pipeline-model-parallel-size / --context-parallel-size or the number of ranks")
+        expert_parallel = self.expert_tp * self.ep * self.pp
+        if world_size is not None and world_size % expert_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by etp*ep*pp = {self.expert_tp}*{self.ep}*"
+                f"{self.pp}; change --expert-model-parallel-size / --expert-tensor-parallel-size")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ConfigError(f"--virtual-pipeline-model-parallel-size={self.vpp!r} must be >= 1 or unset")
+            if self.vpp > 1 and self.pp < 2:
+                raise ConfigError("--virtual-pipeline-model-parallel-size > 1 needs "
+                                  "--pipeline-model-parallel-size >= 2")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")
+        if num_layers is not None and num_layers % (self.pp * self.num_model_chunks):
+            raise ConfigError(
+                f"num_hidden_layers={num_layers} is not divisible by pp*vpp = "
+                f"{self.pp}*{self.num_model_chunks}; change --pipeline-model-parallel-size / "
+                f"--virtual-pipeline-model-parallel-size")
+
+    def megatron_sizes(self) -> dict:
+        """The parallel sizes as megatron-core's keyword arguments (``initialize_model_parallel``
+        and ``TransformerConfig`` take the same names)."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if (self.vpp or 1) > 1 else None,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[str] = None) -> int:
+    """Set up torch.distributed and megatron's parallel groups for ``layout``.
+
+    Returns the data-parallel size. Re-entrant across layouts: call
+    :func:`destroy_parallel` in between. ``seed`` seeds python/torch identically on
+    every rank and megatron's model-parallel RNG tracker (which offsets it per TP/PP
+    rank, as megatron does).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.distributed.is_initialized():
+        world_size = torch.distributed.get_world_size()
+    layout.validate(world_size)  # before any collective
+    apply_cpu_compat()
+
+    if not torch.distributed.is_initialized():
+        backend = backend or _default_backend()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "RANK" not in os.environ:
+            # A plain single-process run, not launched by torchrun. Use a private TCP store and
+            # leave os.environ alone: subprocesses started later (a converter, a test's torchrun)
+            # must not inherit a RANK/MASTER_PORT that points at this process's store.
+            torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                                 rank=0, world_size=1)
+        else:
+            torch.distributed.init_process_group(backend=backend, init_method="env://")
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes())
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return parallel_state.get_data_parallel_world_size()
+
+
+def destroy_parallel() -> None:
+    """Destroy megatron's model-parallel groups (keeps the default process group)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

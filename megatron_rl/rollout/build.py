@@ -1,0 +1,39 @@
+"""Build the driver's rollout side from the run's flags: engine, prompt data, reward.
+
+The engine comes from the ``--rollout-backend`` table (``base.ENGINES``); this
+module never names an engine. Errors come in the order that costs least: an
+unknown or not-yet-wired backend, missing ``--prompt-data`` and a bad reward
+(``--rm-type`` / ``--custom-rm-path``) all fail before the engine loads a model;
+bad prompt lines are then reported by ``PromptDataset`` (it needs the engine's
+tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_rl.data.prompts import PromptDataset, PromptIterator
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.base import ENGINES
+from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.rewards import get_reward_fn
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import Config
+
+
+def build_rollout(cfg: "Config") -> RolloutManager:
+    """The driver's rollout side: engine (from ``--rollout-backend``), prompt iterator, eval prompts, reward."""
+    engine_type = ENGINES.get(cfg.rollout.rollout_backend)  # unknown / refused names fail before anything loads
+    if not cfg.data.prompt_data:
+        raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
+    reward_fn = get_reward_fn(rm_type=cfg.data.rm_type, custom_rm_path=cfg.data.custom_rm_path)  # fail fast
+    engine = engine_type.from_config(cfg)
+    d, b = cfg.data, cfg.batching
+    common = dict(tokenizer=getattr(engine, "tokenizer", None), input_key=d.input_key, label_key=d.label_key,
+                  apply_chat_template=d.apply_chat_template, max_prompt_len=cfg.rollout.rollout_max_prompt_len)
+    prompts = PromptIterator(PromptDataset(d.prompt_data, **common), rollout_batch_size=b.rollout_batch_size,
+                             n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,
+                             seed=cfg.rollout.rollout_seed)
+    eval_dataset = PromptDataset(d.eval_prompt_data, **common) if d.eval_prompt_data else None
+    return RolloutManager(cfg, engine, prompts, reward_fn, eval_dataset)

@@ -1,0 +1,71 @@
+"""The save schedule and the collective save: checkpoint dir, pointers, pruning.
+
+``CheckpointCursor`` is the one piece of state the resume, save and rollout-cache
+jobs share: which checkpoint this process last resumed from or saved, because the
+rollout generated right after checkpoint N is stored with it (``rollout_ckpts/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_rl.backends.base import TrainBackend
+from megatron_rl.config import Config
+from megatron_rl.infra import checkpoint_root as ckpt
+from megatron_rl.infra.tracking import Tracker
+from megatron_rl.infra.wall_time import WallClock
+from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.rollout_ckpt import prune as prune_rollout_ckpts
+
+
+@dataclass
+class CheckpointCursor:
+    step: Optional[int] = None  # the checkpoint last resumed from or saved (its rollout id)
+    path: Optional[str] = None
+    resumed_at: Optional[int] = None  # the step this job resumed at (None: fresh start)
+
+
+@dataclass
+class CheckpointSaver:
+    cfg: Config
+    cursor: CheckpointCursor
+    clock: WallClock
+    tracker: Tracker
+    is_driver: bool
+
+    def due(self, rollout_id: int) -> bool:
+        every = self.cfg.checkpoint.save_interval
+        return bool(self.cfg.checkpoint.save) and every is not None and (rollout_id + 1) % every == 0
+
+    def save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int) -> None:
+        """Collective: the backend writes ``iter_<step>``; the driver then moves the pointers and prunes."""
+        root = self.cfg.checkpoint.save
+        if not root:
+            return
+        extra = {"rollout_id": step}
+        if rollout is not None:
+            extra["dataset_state"] = rollout.prompts.state_dict()
+        box = [extra]  # the driver's dataset state must reach every rank's copy of extra_state
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        path = ckpt.iter_dir(root, step)
+        backend.save(path, box[0])
+        self.cursor.step, self.cursor.path = step, path
+        if self.is_driver:
+            ckpt.write_latest(root, step)
+            ckpt.write_resume_state(root, {"rollout_id": step, "checkpoint": path, "elapsed_s": self.clock.elapsed_s,
+                                           "wandb_run_id": self.tracker.wandb_run_id})
+            if self.cfg.checkpoint.save_max_to_keep:
+                ckpt.prune(root, self.cfg.checkpoint.save_max_to_keep)
+                prune_rollout_ckpts(root)  # a stored rollout lives as long as the checkpoint it follows
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save_final(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager]) -> None:
+        """After the last rollout: save unless the schedule just did."""
+        n = self.cfg.rollout.num_rollout
+        if backend is not None and self.cfg.checkpoint.save and not self.due(n - 1):
+            self.save(backend, rollout, n)

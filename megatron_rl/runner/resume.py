@@ -1,0 +1,89 @@
+"""Start-up state: the frozen weight tags, then continue from the newest complete checkpoint if any."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_rl.backends.base import TrainBackend
+from megatron_rl.config import Config
+from megatron_rl.errors import CheckpointError, ConfigError
+from megatron_rl.infra import checkpoint_root as ckpt
+from megatron_rl.models.model_dir import is_model_dir
+from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.runner.checkpoints import CheckpointCursor
+
+log = logging.getLogger("megatron_rl")
+
+
+@dataclass
+class Resumer:
+    cfg: Config
+    cursor: CheckpointCursor
+
+    def resume_or_init(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> int:
+        """Snapshot the reference policy, then continue from the newest complete checkpoint if any;
+        returns the rollout id to start at."""
+        cfg = self.cfg
+        if cfg.checkpoint.ref_load:
+            backend.load_frozen_weights("ref", cfg.checkpoint.ref_load)
+        elif cfg.algorithm.use_kl_loss:
+            backend.snapshot_weights("ref")  # the initial policy, before any resumed weights are loaded
+        if cfg.checkpoint.opd_teacher_load:
+            backend.load_frozen_weights("teacher", cfg.checkpoint.opd_teacher_load)
+        # a model-only --load gave the initial weights (backend.initialize); resuming is from --save
+        load_root = None if is_model_dir(cfg.checkpoint.load) else cfg.checkpoint.load
+        root = load_root or cfg.checkpoint.save
+        if not root or cfg.checkpoint.no_auto_resume:
+            return 0
+        if load_root and ckpt.iteration_of(load_root) is not None:
+            path, extra = load_root, self._load_named(backend, load_root)
+        else:
+            found = self._load_newest_good(backend, root, named=bool(load_root))
+            if found is None:
+                return 0
+            path, extra = found
+        if rollout is not None and extra.get("dataset_state"):
+            rollout.prompts.load_state_dict(extra["dataset_state"])
+        step = int(extra["rollout_id"])
+        log.info("resumed from %s at rollout %d", path, step)
+        self.cursor.step, self.cursor.path, self.cursor.resumed_at = step, path, step
+        return step
+
+    @staticmethod
+    def _load_named(backend: TrainBackend, path: str) -> dict:
+        """``--load ROOT/iter_NNNNNNN``: exactly that checkpoint, or an error naming it (no fallback:
+        the user chose it)."""
+        try:
+            return backend.load(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"--load {path} (named, so never swapped for another checkpoint): {e}") from e
+
+    @staticmethod
+    def _load_newest_good(backend: TrainBackend, root: str, named: bool) -> Optional[tuple[str, dict]]:
+        """Auto-resume: the first of ``checkpoint_root.resume_candidates`` that passes the loader's
+        checks, as (path, extra_state); None when the root holds no complete checkpoint.
+
+        One rule for every failed check (missing or corrupt marker, missing, resized or
+        checksum-failing file, torn or non-finite data: ``CorruptCheckpoint``): warn naming the
+        reason and try the previous one. The loader raises those before touching the model, so a
+        skipped checkpoint leaves nothing behind. Other refusals (another model, another
+        optimizer kind) hold for every checkpoint and stop the run.
+        """
+        candidates = ckpt.resume_candidates(root)  # the same files on every rank: the same order
+        skipped = []
+        for step in candidates:
+            path = ckpt.iter_dir(root, step)
+            try:
+                return path, backend.load(path)
+            except ckpt.CorruptCheckpoint as e:
+                skipped.append(f"{path}: {e}")
+                log.warning("not resuming from %s: %s; trying the previous complete checkpoint", path, e)
+        if skipped:
+            raise CheckpointError(f"no checkpoint under {root} passes its checks ({'; '.join(skipped)}); restore "
+                                  "one, or move the root away to start from --hf-checkpoint")
+        if named:
+            raise ConfigError(f"--load {root}: no complete checkpoint there (iter_NNNNNNN dirs with a "
+                              "COMPLETE marker); drop --load to start from --hf-checkpoint")
+        return None

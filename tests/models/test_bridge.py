@@ -1,0 +1,139 @@
+"""Bridges in one process: each family loads and matches HF logits; export round-trips
+bit-exactly; unsupported configs and mismatched checkpoints are refused by name."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.errors import BridgeError, CheckpointError, ConfigError
+from megatron_rl.models import get_bridge, weight_maps
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
+
+    layout = ParallelLayout()
+    initialize_parallel(layout, seed=0)
+    return layout
+
+
+def test_each_family_matches_hf_and_round_trips(single_rank, tiny_hf_models, family):
+    import transformers
+
+    path = tiny_hf_models(family)
+    bridge = get_bridge(path)
+    chunks = bridge.build_model(single_rank)
+    bridge.load_hf_weights(chunks, path)
+    model = chunks[0].eval()
+    ids = torch.randint(0, bridge.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids, torch.arange(13).expand(2, 13), attention_mask=None)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
+    assert logits.shape[-1] == bridge.padded_vocab_size(1) and logits.shape[-1] % 128 == 0
+    assert (logits[..., :bridge.vocab_size] - ref).abs().max().item() <= 1e-5
+    exported = dict(bridge.export_hf_weights(chunks))
+    original = load_file(os.path.join(path, "model.safetensors"))
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_fused_maps_invert():
+    q, k, v = torch.randn(8 * 4, 5), torch.randn(2 * 4, 5), torch.randn(2 * 4, 5)
+    fused = weight_maps.fuse_qkv(q, k, v, num_query_groups=2)
+    # group 0 = 4 query heads of dim 4... here 4 heads/group * 4 dims, then k, v
+    assert torch.equal(fused[:16], q[:16]) and torch.equal(fused[16:20], k[:4]) and torch.equal(fused[20:24], v[:4])
+    for a, b in zip(weight_maps.split_qkv(fused, 2, 4, 4), (q, k, v)):
+        assert torch.equal(a, b)
+    g, u = torch.randn(6, 3), torch.randn(6, 3)
+    assert all(torch.equal(a, b) for a, b in zip(weight_maps.split_gate_up(weight_maps.fuse_gate_up(g, u)), (g, u)))
+    assert weight_maps.padded_vocab_size(250, 2) == 256 and weight_maps.padded_vocab_size(257, 1) == 384
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope scaling type 'yarn'"),
+    (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    (dict(attention_bias=True), "attention_bias=true"),
+    (dict(mlp_bias=True), "mlp_bias=true"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+])
+def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, needle):
+    from megatron_rl.models.hf_tiny import tiny_config
+
+    family = "qwen3" if "attention_bias" in overrides or "use_sliding_window" in overrides else "llama"
+    config = tiny_config(family, **overrides).to_dict()
+    with pytest.raises(BridgeError, match="unsupported") as err:
+        get_bridge(config)
+    assert needle in str(err.value)
+
+
+def test_unknown_model_type_names_supported_ones():
+    with pytest.raises(BridgeError, match="llama, qwen2, qwen3, qwen3_moe"):
+        get_bridge({"model_type": "gpt2"})
+
+
+def _copy(path, dst):
+    shutil.copytree(path, dst)
+    return str(dst)
+
+
+def test_checkpoint_with_extra_or_missing_tensor_is_refused(single_rank, tiny_hf_models, tmp_path):
+    path = tiny_hf_models("qwen2")
+    bridge = get_bridge(path)
+    chunks = bridge.build_model(single_rank)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+
+    extra = _copy(path, tmp_path / "extra")
+    save_file({**tensors, "model.layers.0.mlp.surprise.weight": torch.zeros(2)},
+              os.path.join(extra, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.surprise\.weight"):
+        bridge.load_hf_weights(chunks, extra)
+
+    missing = _copy(path, tmp_path / "missing")
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.3.self_attn.k_proj.bias"},
+              os.path.join(missing, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing: \['model\.layers\.3\.self_attn\.k_proj\.bias'\]"):
+        bridge.load_hf_weights(chunks, missing)
+
+    wrong = _copy(path, tmp_path / "wrong")
+    save_file({**tensors, "model.norm.weight": torch.ones(32)}, os.path.join(wrong, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight: checkpoint \(32,\) vs config \(64,\)"):
+        bridge.load_hf_weights(chunks, wrong)
+
+
+def test_sharded_checkpoint_with_index_loads(single_rank, tiny_hf_models, tmp_path):
+    path = tiny_hf_models("llama")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    shard_dir = _copy(path, tmp_path / "sharded")
+    os.remove(os.path.join(shard_dir, "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, os.path.join(shard_dir, fname))
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(shard_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    bridge = get_bridge(shard_dir)
+    chunks = bridge.build_model(single_rank)
+    bridge.load_hf_weights(chunks, shard_dir)
+    exported = dict(bridge.export_hf_weights(chunks))
+    assert all(torch.equal(exported[n], tensors[n]) for n in names)
+
+
+def test_impossible_layout_refused_before_any_collective():
+    from megatron_rl.models.parallel import ParallelLayout
+
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
+        ParallelLayout(tp=3).validate(world_size=4)
+    with pytest.raises(ConfigError, match="--sequence-parallel"):
+        ParallelLayout(sequence_parallel=True).validate(world_size=1)
+    with pytest.raises(ConfigError, match="num_hidden_layers=4"):
+        ParallelLayout(pp=2, vpp=4).validate(world_size=2, num_layers=4)
+    assert ParallelLayout(tp=2, pp=2).data_parallel_size(8) == 2

@@ -1,0 +1,129 @@
+"""HF <-> megatron name/shape maps for both layer specs (local and transformer-engine).
+
+TE is not installed here, so the TE side is checked as a pure name/shape map: the
+input norm lives in ``linear_qkv.layer_norm_weight``, the dense pre-MLP norm in
+``mlp.linear_fc1.layer_norm_weight`` (MoE layers keep ``pre_mlp_layernorm``), and
+``_extra_state`` entries map to nothing. The local side of the same enumeration is
+checked against a really built model, so the shared part is not self-referential.
+"""
+
+import pytest
+import torch
+
+from megatron_rl.errors import BridgeError
+from megatron_rl.models import get_bridge, weight_maps
+from megatron_rl.models.hf_tiny import FAMILIES, tiny_config
+from megatron_rl.models.weights import _split_shard, canonical_parameters
+
+FLAVOURS = tuple(weight_maps.LAYER_SPEC_NAMES)
+# dense and MoE layers in one model, and a tied-embedding model
+CONFIGS = [(f, {}) for f in FAMILIES] + [("qwen3_moe", {"mlp_only_layers": [1]}),
+                                         ("qwen2", {"tie_word_embeddings": True})]
+IDS = [f + "".join(f"-{k}" for k in o) for f, o in CONFIGS]
+
+
+def _bridge(family, overrides):
+    return get_bridge(tiny_config(family, **overrides))
+
+
+def _fuse(bridge, kind, tensors, padded_rows):
+    """HF tensors -> one full megatron tensor (TP1), as the loaders build it."""
+    if kind == "vocab":
+        return weight_maps.pad_vocab(tensors[0], padded_rows)
+    if kind == "qkv":
+        return weight_maps.fuse_qkv(*tensors, bridge.num_query_groups)
+    if kind == "gate_up":
+        return weight_maps.fuse_gate_up(*tensors)
+    (t,) = tensors
+    return t
+
+
+def _unfuse(bridge, kind, tensor):
+    if kind == "vocab":
+        return [weight_maps.unpad_vocab(tensor, bridge.vocab_size)]
+    return _split_shard(bridge, kind, tensor, tp_size=1)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("family,overrides", CONFIGS, ids=IDS)
+def test_name_and_shape_maps_round_trip(family, overrides, flavour):
+    bridge = _bridge(family, overrides)
+    meg = bridge.megatron_param_shapes(flavour)
+    hf = bridge.hf_param_shapes()
+    g = torch.Generator().manual_seed(0)
+    hf_values = {n: torch.randn(s, generator=g) for n, s in hf.items()}
+    exported: list[str] = []
+    for name, shape in meg.items():  # megatron -> HF, values through the real fuse/split transforms
+        rule = bridge.rule_for(name)
+        assert set(rule.hf_names) <= set(hf), (name, rule.hf_names)
+        full = _fuse(bridge, rule.kind, [hf_values[n] for n in rule.hf_names], shape[0])
+        assert tuple(full.shape) == shape, name
+        for hf_name, back in zip(rule.hf_names, _unfuse(bridge, rule.kind, full)):
+            assert torch.equal(back, hf_values[hf_name]), (name, hf_name)
+        exported += bridge.exported_names(name)
+    wanted = set(hf) - bridge.ignorable_hf_names()
+    assert sorted(exported) == sorted(wanted)  # every HF tensor exported exactly once
+    inverse = bridge.hf_to_megatron(flavour)  # HF -> megatron
+    assert set(inverse) == set(hf)
+    for hf_name, targets in inverse.items():
+        assert targets and all(t in meg and hf_name in bridge.rule_for(t).hf_names for t in targets)
+
+
+@pytest.mark.parametrize("family,overrides", CONFIGS, ids=IDS)
+def test_te_names_hold_the_fused_norms(family, overrides):
+    bridge = _bridge(family, overrides)
+    te, local = bridge.megatron_param_shapes("transformer_engine"), bridge.megatron_param_shapes("local")
+    inverse = bridge.hf_to_megatron("transformer_engine")
+    assert len(te) == len(local)
+    for i in range(bridge.num_layers):
+        p, hp = f"decoder.layers.{i}.", f"model.layers.{i}."
+        assert f"{p}input_layernorm.weight" not in te
+        assert inverse[hp + "input_layernorm.weight"] == (f"{p}self_attention.linear_qkv.layer_norm_weight",)
+        pre_mlp = "pre_mlp_layernorm.weight" if bridge.is_moe_layer(i) else "mlp.linear_fc1.layer_norm_weight"
+        assert inverse[hp + "post_attention_layernorm.weight"] == (p + pre_mlp,)
+        assert bridge.rule_for(p + "mlp.linear_fc1.layer_norm_weight").hf_names == (
+            hp + "post_attention_layernorm.weight",)
+    extra = ["decoder.layers.0.self_attention.linear_qkv._extra_state",
+             "decoder.layers.0.self_attention.core_attention._extra_state",
+             "decoder.layers.0.mlp.linear_fc1._extra_state", "output_layer._extra_state"]
+    assert all(weight_maps.is_extra_state(n) and bridge.exported_names(n) == () for n in extra)
+    assert not any(weight_maps.is_extra_state(n) for n in te)
+    with pytest.raises(BridgeError, match="layer_norm_bias"):
+        bridge.rule_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias")
+
+
+def test_layer_spec_is_te_whenever_te_imports(monkeypatch):
+    import megatron_rl.compat as compat
+    from megatron_rl.models import spec
+
+    assert spec.layer_spec_flavour() == ("transformer_engine" if compat.have_transformer_engine() else "local")
+    monkeypatch.setattr(compat, "have_transformer_engine", lambda: True)
+    assert spec.layer_spec_flavour() == "transformer_engine"
+    built = []
+    monkeypatch.setitem(spec.LAYER_SPECS, "transformer_engine", lambda **kw: built.append(kw) or "te-spec")
+
+    class Config:
+        num_moe_experts = 4
+
+    assert _bridge("qwen3_moe", {}).layer_spec(Config()) == "te-spec"
+    assert built == [dict(num_experts=4, qk_layernorm=True)]
+    monkeypatch.setattr(compat, "have_transformer_engine", lambda: False)
+    assert spec.layer_spec_flavour() == "local"
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
+
+    layout = ParallelLayout()
+    initialize_parallel(layout, seed=0)
+    return layout
+
+
+def test_local_map_matches_built_models(single_rank):
+    """The enumeration the TE map shares is what megatron really builds (local spec, TP1)."""
+    for family, overrides in CONFIGS:
+        bridge = _bridge(family, overrides)
+        (chunk,) = bridge.build_model(single_rank)
+        built = {s.canonical_name: tuple(s.param.shape) for s in canonical_parameters(chunk)}
+        assert built == bridge.megatron_param_shapes("local"), family

@@ -1,0 +1,170 @@
+"""The loop's order of calls, end to end through ``train.run`` in-process, in about a second.
+
+The backend is a ``TrainBackend`` subclass and the engine a ``RolloutEngine`` subclass, put
+into the real registries (``BACKENDS``, ``ENGINES``), so the loop, the runner's
+collaborators, ``build_rollout``, the weight-sync transport, the algorithm spec and the
+checkpoint schedule are the real code; only the model and the sampler are doubles.
+Because the backend double implements the ABC and nothing else, a loop call outside the
+``TrainBackend`` contract fails here. Checked: the colocated sleep/wake order around
+training, a weight sync after every train (version = rollout id + 1) and before the next
+generate, saves on the schedule plus the final one, and a SIGTERM mid-run that finishes
+the step, saves and stops with exit code 3.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from megatron_rl.backends.base import BACKENDS, TrainBackend, WeightManager
+from megatron_rl.config import parse_config
+from megatron_rl.data.types import Sample
+from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+from megatron_rl.rollout.base import ENGINES, EngineHealth, RolloutEngine
+from megatron_rl.train import run
+
+EVENTS: list = []
+
+
+class RecordingBackend(TrainBackend):
+    """One parameter ``w``; every call the loop makes is appended to EVENTS."""
+
+    def initialize(self, cfg, spec):
+        EVENTS.append("initialize")
+        self.cfg, self.w = cfg, torch.zeros(3)
+        self.dp_size, self.dp_rank, self.pad_to_multiple, self.holds_results = 1, 0, 1, True
+        self.weights = WeightManager(lambda: iter([("w", self.w)]))
+
+    def forward(self, samples):
+        EVENTS.append(("forward", self.weights.active))
+        return [torch.zeros(s.response_length) for s in samples]
+
+    def train_step(self, batch):
+        EVENTS.append("train_step")
+        self.w += 1.0
+        return {"train/pg_loss": 0.0}
+
+    def save(self, path, extra_state):
+        EVENTS.append(("save", os.path.basename(path), extra_state["rollout_id"]))
+        os.makedirs(path)
+
+    def load(self, path):
+        raise AssertionError("a fresh start loads nothing")
+
+    def load_frozen_weights(self, tag, path):
+        raise AssertionError("no --ref-load here")
+
+    def sleep(self):
+        EVENTS.append("backend.sleep")
+
+    def wake(self):
+        EVENTS.append("backend.wake")
+
+    def export_weights(self, bucket_bytes):
+        yield [("w", self.w.clone())]
+
+
+class RecordingEngine(RolloutEngine):
+    """Answers every prompt with the label's text (reward 1 for half the samples)."""
+
+    tokenizer = None
+
+    @classmethod
+    def from_config(cls, cfg):
+        EVENTS.append("engine.from_config")
+        return cls()
+
+    def __init__(self):
+        self.version, self.w = 0, torch.zeros(3)
+
+    def generate(self, requests, sampling):
+        EVENTS.append(("generate", self.version))
+        return [Sample(group_index=r.group_index, prompt_ids=list(r.prompt_ids), response_ids=[5, 6],
+                       response_text=r.label if i % 2 else "no", rollout_logprobs=[-1.0, -1.0],
+                       weight_version=self.version, label=r.label, finish_reason="stop")
+                for r in requests for i in range(sampling.n)]
+
+    def update_weights(self, named_tensors, version):
+        for name, tensor in named_tensors:
+            self.w = tensor.clone()
+        self.version = version
+        EVENTS.append(("update_weights", version))
+
+    def named_weights(self):
+        yield "w", self.w
+
+    def release(self):
+        EVENTS.append("engine.release")
+
+    def resume(self):
+        EVENTS.append("engine.resume")
+
+    def health(self):
+        return EngineHealth(ok=True, weight_version=self.version, released=False, weights_loaded=True)
+
+    @property
+    def weight_version(self):
+        return self.version
+
+
+@pytest.fixture
+def loop(tiny_hf_models, tmp_path, monkeypatch):
+    EVENTS.clear()
+    monkeypatch.setitem(BACKENDS._rows, "megatron", RecordingBackend)
+    monkeypatch.setitem(ENGINES._rows, "embedded", RecordingEngine)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [1, 2, i], "label": str(i)}) + "\n" for i in range(8)))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def start(*flags):
+        cfg = parse_config(["--hf-checkpoint", tiny_hf_models("qwen2"), "--prompt-data", str(prompts),
+                            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rm-type", "exact_match",
+                            "--use-kl-loss", "--kl-loss-coef", "0.01", "--colocate", "--check-weight-update-equal",
+                            "--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "run"), *flags])
+        return run(cfg)
+
+    yield start, tmp_path
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def _step(rollout_id):
+    """What one colocated RL step must call, in order (GRPO + KL: old log-probs under the actor, then the
+    reference's under the swapped-in ref weights; one optimizer step per rollout)."""
+    return [("generate", rollout_id), "engine.release", "backend.wake", ("forward", "actor"), ("forward", "ref"),
+            "train_step",
+            "backend.sleep", "engine.resume", ("update_weights", rollout_id + 1)]
+
+
+def test_colocated_loop_order_sync_after_train_and_saves_on_schedule(loop):
+    start, tmp = loop
+    assert start("--num-rollout", "3", "--save-interval", "2") == 0
+    assert EVENTS == ["initialize", "engine.from_config", ("update_weights", 0),
+                      *_step(0), *_step(1), ("save", "iter_0000002", 2), *_step(2), ("save", "iter_0000003", 3)]
+    status = json.loads((tmp / "run" / "run_status.json").read_text())
+    assert status["status"] == "finished" and status["rollout_id"] == 3
+
+
+def test_sigterm_mid_step_finishes_the_step_saves_and_stops(loop):
+    start, tmp = loop
+    original = RecordingEngine.generate
+
+    def generate_then_signal(self, requests, sampling):
+        out = original(self, requests, sampling)
+        if self.version == 1:  # rollout 1 is being generated: a scheduler's SIGTERM arrives
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    RecordingEngine.generate = generate_then_signal
+    try:
+        rc = start("--num-rollout", "5", "--save-interval", "4")
+    finally:
+        RecordingEngine.generate = original
+    assert rc == EXIT_WALL_TIME
+    # rollout 1 still trains and syncs; the unscheduled save follows; rollout 2 never starts
+    assert EVENTS == ["initialize", "engine.from_config", ("update_weights", 0), *_step(0), *_step(1),
+                      ("save", "iter_0000002", 2)]
+    status = json.loads((tmp / "run" / "run_status.json").read_text())
+    assert status["status"] == "stopped_early" and status["rollout_id"] == 2

@@ -1,0 +1,279 @@
+"""Weight sync (``InProcessSynchronizer`` into a real ``EmbeddedEngine``), and the name -> implementation tables.
+
+The trainer side is a small fake backend: ``export_weights(bucket_bytes)`` yields
+buckets of ``(hf_name, tensor)`` (greedy: a bucket is closed when the next tensor
+would push it past ``bucket_bytes``, a tensor larger than that is a bucket of its
+own), and records what the synchronizer asked for and whether the export ran to
+the end. The engine side is the real embedded engine on a tiny random HF model,
+so "the version lands" and "the weights land" are the engine's own answers.
+
+Also here: the ``--rollout-backend`` table (``rollout.base.ENGINES``) and the
+driver's rollout builder (``rollout.build.build_rollout``), which share the
+registry pattern with ``--update-weight-transport`` (``weight_sync.base.TRANSPORTS``).
+"""
+
+import glob
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.config import parse_config
+from megatron_rl.errors import ConfigError, SyncError
+from megatron_rl.rollout import ENGINES, EmbeddedEngine, GenerateRequest, SamplingParams, make_engine
+from megatron_rl.rollout.build import build_rollout
+from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.weight_sync import TRANSPORTS, WeightSynchronizer, make_synchronizer, make_synchronizer_from_config
+from megatron_rl.weight_sync.in_process import InProcessSynchronizer
+
+METRIC_KEYS = {"sync/time_s", "sync/bytes", "sync/buckets", "sync/weight_version"}
+NOT_YET_TRANSPORT = ("--update-weight-transport {} is not available with the embedded engine yet; use "
+                     "--update-weight-transport tensor (in-process hand-over of the exported tensors)")
+NOT_YET_SGLANG = "--rollout-backend sglang is not wired into the loop yet; use --rollout-backend embedded"
+
+
+def checkpoint_tensors(path):
+    tensors = {}
+    for f in sorted(glob.glob(f"{path}/*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+class FakeBackend:
+    """The trainer side of a sync: exports ``tensors`` in greedy buckets of about ``bucket_bytes``."""
+
+    def __init__(self, tensors):
+        self.tensors = dict(tensors)
+        self.asked_bucket_bytes = []
+        self.buckets = []  # the buckets of the last export, as lists of names
+        self.finished = False
+
+    def export_weights(self, bucket_bytes):
+        self.asked_bucket_bytes.append(bucket_bytes)
+        self.buckets, self.finished = [], False
+        bucket, size = [], 0
+        for name, tensor in self.tensors.items():
+            if bucket and size + nbytes(tensor) > bucket_bytes:
+                self.buckets.append([n for n, _ in bucket])
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes(tensor)
+        if bucket:
+            self.buckets.append([n for n, _ in bucket])
+            yield bucket
+        self.finished = True
+
+
+class TamperingEngine:
+    """Speaks the engine protocol over a real engine, but alters or drops tensors on the way in."""
+
+    def __init__(self, inner, alter=(), drop=()):
+        self.inner, self.alter, self.drop = inner, set(alter), set(drop)
+
+    def update_weights(self, named_tensors, version):
+        self.inner.update_weights(((n, t + 1.0 if n in self.alter else t) for n, t in named_tensors
+                                   if n not in self.drop), version)
+
+    def named_weights(self):
+        return self.inner.named_weights()
+
+    @property
+    def weight_version(self):
+        return self.inner.weight_version
+
+
+@pytest.fixture
+def models(tiny_hf_models):
+    """(engine on the seed-0 checkpoint, tensors of the seed-1 checkpoint: other values, same names/shapes)."""
+    return EmbeddedEngine(tiny_hf_models("qwen2")), checkpoint_tensors(tiny_hf_models("qwen2", seed=1))
+
+
+# ---------------------------------------------------------------- InProcessSynchronizer
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64 * 1024, 1 << 40])
+def test_sync_streams_every_bucket_into_the_engine(models, bucket_bytes):
+    engine, new = models
+    backend = FakeBackend(new)
+    metrics = InProcessSynchronizer(bucket_bytes=bucket_bytes).sync(backend, engine, version=1)
+
+    assert backend.asked_bucket_bytes == [bucket_bytes] and backend.finished
+    assert set(metrics) == METRIC_KEYS and metrics["sync/time_s"] >= 0.0
+    total = sum(nbytes(t) for t in new.values())
+    assert metrics["sync/bytes"] == float(total)
+    assert metrics["sync/buckets"] == float(len(backend.buckets))
+    assert [n for b in backend.buckets for n in b] == list(new)  # every tensor, once, in export order
+    if bucket_bytes == 1:  # every tensor is larger than a bucket: one bucket each
+        assert len(backend.buckets) == len(new)
+    elif bucket_bytes == 1 << 40:
+        assert len(backend.buckets) == 1
+    else:  # buckets respect the budget unless one tensor alone exceeds it
+        assert total / bucket_bytes <= len(backend.buckets) < len(new)
+        for names in backend.buckets:
+            assert len(names) == 1 or sum(nbytes(new[n]) for n in names) <= bucket_bytes
+    assert metrics["sync/weight_version"] == 1.0 and engine.weight_version == 1
+    live = dict(engine.named_weights())
+    assert set(live) == set(new)
+    assert all(torch.equal(live[n], t) for n, t in new.items())
+
+
+def test_versions_move_forward_and_land_on_the_engine(models):
+    engine, new = models
+    sync = InProcessSynchronizer(bucket_bytes=1 << 20)
+    old = {n: t.clone() for n, t in engine.named_weights()}
+    assert sync.sync(FakeBackend(new), engine, version=1)["sync/weight_version"] == 1.0
+    assert sync.sync(FakeBackend(old), engine, version=2)["sync/weight_version"] == 2.0
+    assert engine.weight_version == 2 and engine.health().ok
+    samples = engine.generate([GenerateRequest([5, 17, 3], 0)], SamplingParams(max_new_tokens=3, seed=0, n=2))
+    assert [s.weight_version for s in samples] == [2, 2]
+    with pytest.raises(SyncError, match="older than the engine's weight_version 2"):
+        sync.sync(FakeBackend(new), engine, version=1)
+    assert engine.weight_version == 2
+
+
+def test_check_equal_passes_when_the_engine_holds_what_was_sent(models):
+    engine, new = models
+    metrics = InProcessSynchronizer(bucket_bytes=1 << 20, check_equal=True).sync(FakeBackend(new), engine, version=1)
+    assert set(metrics) == METRIC_KEYS | {"sync/checked_tensors"}
+    assert metrics["sync/checked_tensors"] == float(len(new))
+
+
+def test_check_equal_names_altered_dropped_and_unsent_tensors(models):
+    engine, new = models
+    altered, dropped, unsent = "model.norm.weight", "model.layers.2.mlp.down_proj.weight", "lm_head.weight"
+    backend = FakeBackend({n: t for n, t in new.items() if n != unsent})
+    tampering = TamperingEngine(engine, alter=[altered], drop=[dropped])
+    with pytest.raises(SyncError) as err:
+        InProcessSynchronizer(bucket_bytes=1 << 20, check_equal=True).sync(backend, tampering, version=1)
+    message = str(err.value)
+    assert "--check-weight-update-equal" in message
+    assert "differs from the trainer in 2 tensor(s)" in message and altered in message and dropped in message
+    assert f"was not sent 1 ['{unsent}']" in message
+    assert engine.weight_version == 1  # the engine took the (partial) update; the check is what caught it
+
+
+def test_check_equal_ignores_dtype_of_the_export_but_not_values(models):
+    engine, new = models
+    exact = {n: t.to(torch.bfloat16) for n, t in new.items()}  # the engine casts to fp32: bf16 values survive
+    metrics = InProcessSynchronizer(bucket_bytes=1 << 20, check_equal=True).sync(FakeBackend(exact), engine, 1)
+    assert metrics["sync/checked_tensors"] == float(len(new))
+
+
+def test_rank_without_engine_still_runs_the_whole_export(models):
+    engine, new = models
+    backend = FakeBackend(new)
+    metrics = InProcessSynchronizer(bucket_bytes=64 * 1024, check_equal=True).sync(backend, None, version=3)
+    assert backend.finished and metrics["sync/buckets"] == float(len(backend.buckets)) > 1
+    assert metrics["sync/bytes"] == float(sum(nbytes(t) for t in new.values()))
+    assert set(metrics) == METRIC_KEYS  # nothing to check without an engine
+    assert engine.weight_version == 0  # untouched
+
+
+# ---------------------------------------------------------------- --update-weight-transport table
+
+
+def test_transport_table():
+    sync = make_synchronizer("tensor", bucket_bytes=123, check_equal=True, driver_rank=2)
+    assert isinstance(sync, InProcessSynchronizer) and isinstance(sync, WeightSynchronizer)
+    assert (sync.bucket_bytes, sync.check_equal, sync.driver_rank) == (123, True, 2)
+    assert TRANSPORTS.available() == ["tensor"]
+    for name in ("disk", "distributed"):
+        with pytest.raises(ConfigError) as err:
+            make_synchronizer(name, bucket_bytes=1)
+        assert str(err.value) == NOT_YET_TRANSPORT.format(name)
+    with pytest.raises(ConfigError) as err:
+        make_synchronizer("nccl", bucket_bytes=1)
+    assert str(err.value) == ("--update-weight-transport='nccl' is not a known weight-sync transport; choose one "
+                              "of tensor; not available yet: disk, distributed")
+
+
+def test_synchronizer_from_config_maps_the_flags(tiny_hf_models):
+    hf = tiny_hf_models("qwen2")
+    sync = make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf, "--update-weight-buffer-size", "4096",
+                                                       "--check-weight-update-equal"]))
+    assert isinstance(sync, InProcessSynchronizer)
+    assert (sync.bucket_bytes, sync.check_equal, sync.driver_rank) == (4096, True, 0)
+    default = make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf]))
+    assert (default.bucket_bytes, default.check_equal) == (512 * 1024 * 1024, False)
+    # validation refuses disk already; the table refuses it too for a config that skipped validation
+    cfg = parse_config(["--hf-checkpoint", hf, "--update-weight-transport", "disk"], validate=False)
+    with pytest.raises(ConfigError) as err:
+        make_synchronizer_from_config(cfg)
+    assert str(err.value) == NOT_YET_TRANSPORT.format("disk")
+
+
+# ---------------------------------------------------------------- --rollout-backend table and the builder
+
+
+def test_engine_table(tiny_hf_models):
+    assert ENGINES.available() == ["embedded"]
+    assert ENGINES.rows()["embedded"] == "megatron_rl.rollout.embedded:EmbeddedEngine"  # imported on first use
+    assert ENGINES.get("embedded") is EmbeddedEngine
+    engine = make_engine("embedded", hf_checkpoint=tiny_hf_models("qwen2"), max_batch_size=3)
+    assert isinstance(engine, EmbeddedEngine) and engine.max_batch_size == 3
+    with pytest.raises(ConfigError) as err:
+        make_engine("sglang")
+    assert str(err.value) == NOT_YET_SGLANG
+    with pytest.raises(ConfigError) as err:
+        make_engine("vllm")
+    assert str(err.value) == ("--rollout-backend='vllm' is not a known rollout engine; choose one of embedded; "
+                              "not available yet: sglang")
+
+
+@pytest.fixture
+def rollout_flags(tiny_hf_models, tmp_path):
+    """``flags(*extra, prompt_data=True)``: argv for a small rollout; ``REWARD`` in ``extra`` is a reward file."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(1, 4)))
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"prompt": [7, 8], "label": "1"}) + "\n")
+    reward = tmp_path / "length_reward.py"  # the tiny model has no tokenizer: a reward on token ids
+    reward.write_text("def score(sample):\n    return float(len(sample.response_ids))\n")
+
+    def flags(*extra, prompt_data=True):
+        data = ["--prompt-data", str(prompts), "--eval-prompt-data", str(evals)] if prompt_data else []
+        extra = [e.replace("REWARD", str(reward)) for e in extra]
+        return ["--hf-checkpoint", tiny_hf_models("qwen2"), *data, "--rollout-batch-size", "2",
+                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3", *extra]
+
+    return flags
+
+
+def test_build_rollout_gets_the_engine_from_the_table(rollout_flags, monkeypatch):
+    built = []
+    real = EmbeddedEngine.from_config.__func__
+    monkeypatch.setattr(EmbeddedEngine, "from_config",
+                        classmethod(lambda cls, cfg: built.append(cfg) or real(cls, cfg)))
+    cfg = parse_config(rollout_flags("--custom-rm-path", "REWARD:score"))
+    manager = build_rollout(cfg)
+    assert isinstance(manager, RolloutManager) and isinstance(manager.engine, EmbeddedEngine)
+    assert built == [cfg]
+    assert len(manager.eval_dataset) == 1 and len(manager.prompts.dataset) == 3
+    samples, metrics = manager.generate(0)
+    assert len(samples) == 4 and [s.group_index for s in samples] == [0, 0, 1, 1]
+    assert metrics["rollout/weight_version"] == 0.0 and [s.reward for s in samples] == [3.0] * 4
+
+
+def test_build_rollout_fails_fast(rollout_flags, monkeypatch):
+    def no_engine(cls, cfg):
+        raise AssertionError("the engine was built before the flag error was found")
+
+    monkeypatch.setattr(EmbeddedEngine, "from_config", classmethod(no_engine))
+    with pytest.raises(ConfigError, match="a rollout needs prompts: give --prompt-data FILE.jsonl"):
+        build_rollout(parse_config(rollout_flags("--rm-type", "math", prompt_data=False)))
+    with pytest.raises(ConfigError, match="--rm-type nosuch is not a built-in reward"):
+        build_rollout(parse_config(rollout_flags("--rm-type", "nosuch")))
+    with pytest.raises(ConfigError, match="has no 'nosuch'; callables there: score"):
+        build_rollout(parse_config(rollout_flags("--custom-rm-path", "REWARD:nosuch")))
+    with pytest.raises(ConfigError, match="no reward function"):
+        build_rollout(parse_config(rollout_flags()))
+    # sglang: refused by validation, and by the table (first, before prompts or reward) for unvalidated configs
+    with pytest.raises(ConfigError) as err:
+        build_rollout(parse_config(rollout_flags("--rollout-backend", "sglang", prompt_data=False), validate=False))
+    assert str(err.value) == NOT_YET_SGLANG
