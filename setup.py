@@ -24,6 +24,7 @@ CORE_DEPS = [
     "psutil",  # megatron dist_checkpointing's async writer imports it
     "pyyaml",
     "einops",
+    "httpx",  # the SGLang client (megatron_rl/rollout/sglang/client.py)
 ]
 
 EXTRAS = {

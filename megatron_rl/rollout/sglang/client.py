@@ -1,0 +1,330 @@
+"""A thin, strict HTTP client for one SGLang server (``python -m sglang.launch_server``).
+
+One ``SGLangClient`` per server URL; one method per endpoint the RL loop uses.
+Paths, request fields and reply shapes follow SGLang 0.5.2x
+(``python/sglang/srt/entrypoints/http_server.py`` and
+``python/sglang/srt/managers/io_struct.py``); ``protocol`` holds the request
+builders and reply parsers so the stand-in server in the tests and this client
+read the same definitions.
+
+Why a synchronous ``httpx.Client``: the RL loop and every ``RolloutEngine``
+method are synchronous, and the engine fans a batch out to several servers with
+a small thread pool; ``httpx.Client`` is thread-safe and pools keep-alive
+connections per server, so an async core would only add an event-loop thread
+and a bridge without making anything faster. The async switch is local to this
+file should a streaming or partial-rollout caller need it.
+
+Retry rule (a weight update must never be applied twice):
+
+* a request that could not be *sent* (connection refused, connect timeout, name
+  resolution) is retried ``connect_retries`` times with exponential backoff
+  ``backoff_s * 2**k``, for every endpoint: the server never saw it;
+* a connection dropped *after* sending (server died mid-request) is retried only
+  for idempotent endpoints (health, model_info, generate, abort, flush); for the
+  others the error says the server may or may not have applied it;
+* an HTTP reply, whatever its status, is never retried; a read timeout is never
+  retried either (the server may still be working on it).
+
+Every failure raises ``SGLangEngineError`` (an ``EngineError``) or, for weight
+endpoints, ``SGLangSyncError`` (a ``SyncError``); both carry ``url``,
+``endpoint``, ``status`` and ``server_message`` and say them in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import httpx
+
+from megatron_rl.errors import EngineError, SyncError
+from megatron_rl.rollout.sglang import protocol
+
+__all__ = ["SGLangClient", "SGLangEngineError", "SGLangSyncError"]
+
+# Endpoints whose replay is harmless: a dropped connection after sending is retried for these.
+_IDEMPOTENT = frozenset({"/health", "/health_generate", "/model_info", "/generate", "/abort_request",
+                         "/flush_cache", "/pause_generation", "/continue_generation"})
+# Endpoints that change the weights or their version: failures are SyncError.
+_WEIGHT_ENDPOINTS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor",
+                               "/init_weights_update_group", "/update_weights_from_distributed",
+                               "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
+                               "/update_weight_version"})
+
+
+class _SGLangErrorInfo:
+    """What every SGLang client error carries besides its message."""
+
+    url: str
+    endpoint: str
+    status: Optional[int]
+    server_message: Optional[str]
+
+    def _set_info(self, url: str, endpoint: str, status: Optional[int], server_message: Optional[str]) -> None:
+        self.url, self.endpoint, self.status, self.server_message = url, endpoint, status, server_message
+
+
+class SGLangEngineError(_SGLangErrorInfo, EngineError):
+    """An SGLang server is unreachable, timed out, or refused a request."""
+
+    def __init__(self, message: str, *, url: str, endpoint: str, status: Optional[int] = None,
+                 server_message: Optional[str] = None):
+        super().__init__(message)
+        self._set_info(url, endpoint, status, server_message)
+
+
+class SGLangSyncError(_SGLangErrorInfo, SyncError):
+    """An SGLang weight endpoint failed (the server's weights or version may not be what was sent)."""
+
+    def __init__(self, message: str, *, url: str, endpoint: str, status: Optional[int] = None,
+                 server_message: Optional[str] = None):
+        super().__init__(message)
+        self._set_info(url, endpoint, status, server_message)
+
+
+class SGLangClient:
+    """Calls one SGLang server; see the module docstring for the retry and error rules.
+
+    ``timeout_s`` bounds each request (connect, read, write and pool wait);
+    methods that may legitimately take long (``generate``, weight loads) accept
+    their own ``timeout_s``. Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 60.0, connect_retries: int = 3, backoff_s: float = 0.5,
+                 max_connections: int = 32):
+        if not base_url.startswith(("http://", "https://")):
+            base_url = "http://" + base_url
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self.connect_retries = int(connect_retries)
+        self.backoff_s = float(backoff_s)
+        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(self.timeout_s),
+                                  limits=httpx.Limits(max_connections=max_connections,
+                                                      max_keepalive_connections=max_connections,
+                                                      # below uvicorn's 5 s keep-alive in SGLang, so a pooled
+                                                      # connection is never one the server is closing
+                                                      keepalive_expiry=2.0))
+        self._has_update_session: Optional[bool] = None  # None until the first begin_weight_update
+
+    # ------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SGLangClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.base_url!r})"
+
+    def _error(self, endpoint: str, message: str, status: Optional[int] = None,
+               server_message: Optional[str] = None) -> Exception:
+        cls = SGLangSyncError if endpoint in _WEIGHT_ENDPOINTS else SGLangEngineError
+        return cls(message, url=self.base_url, endpoint=endpoint, status=status, server_message=server_message)
+
+    def request(self, method: str, endpoint: str, payload: Any = None, *, timeout_s: Optional[float] = None,
+                ok_statuses: Sequence[int] = (200,)) -> httpx.Response:
+        """Send one request with the retry rule above; a status outside ``ok_statuses`` raises."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        where = f"SGLang server {self.base_url}"
+        attempts = self.connect_retries + 1
+        last: Optional[BaseException] = None
+        dropped = False
+        started = time.monotonic()
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            try:
+                resp = self._http.request(method, endpoint, json=payload if method != "GET" else None,
+                                          timeout=httpx.Timeout(timeout))
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                last = exc  # never reached the server: safe to resend
+                continue
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                if endpoint in _IDEMPOTENT:
+                    last, dropped = exc, True
+                    continue
+                raise self._error(endpoint, f"{where} dropped the connection during {method} {endpoint} "
+                                  f"({type(exc).__name__}: {exc}); it may or may not have applied the request, "
+                                  "so it is not resent: check the server's log and /model_info weight_version") \
+                    from exc
+            except httpx.TimeoutException as exc:
+                raise self._error(endpoint, f"{where} did not answer {method} {endpoint} within {timeout:g} s "
+                                  f"({type(exc).__name__}); the server is overloaded, hung or dead: check its "
+                                  "log, or raise the timeout for this call") from exc
+            except httpx.HTTPError as exc:
+                raise self._error(endpoint, f"{method} {endpoint} to {where} failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            if resp.status_code not in ok_statuses:
+                server_message = protocol.error_message(resp.status_code, resp.content)
+                raise self._error(endpoint, f"{where} answered {method} {endpoint} with HTTP {resp.status_code}: "
+                                  f"{server_message}", status=resp.status_code, server_message=server_message)
+            return resp
+        elapsed = time.monotonic() - started
+        hint = ("a connection was cut mid-request, so the server likely died: check its log" if dropped
+                else "is the server running and is the URL right?")
+        raise self._error(endpoint, f"could not reach {where} for {method} {endpoint} after {attempts} attempt(s) "
+                          f"over {elapsed:.1f} s ({type(last).__name__}: {last}); {hint}") from last
+
+    def _json(self, resp: httpx.Response, endpoint: str) -> Any:
+        try:
+            return resp.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self._error(endpoint, f"SGLang server {self.base_url} answered {endpoint} with a body that is "
+                              f"not JSON: {resp.text[:200]!r}", status=resp.status_code) from exc
+
+    def _weight_call(self, endpoint: str, payload: dict, timeout_s: Optional[float]) -> dict:
+        """POST a weight endpoint: ``{success, message}`` back, 400 (raised) on failure."""
+        resp = self.request("POST", endpoint, payload, timeout_s=timeout_s)
+        body = self._json(resp, endpoint)
+        if not isinstance(body, dict) or not body.get("success", False):
+            message = body.get("message") if isinstance(body, dict) else body
+            raise self._error(endpoint, f"SGLang server {self.base_url} reported failure for {endpoint}: {message}",
+                              status=resp.status_code, server_message=str(message))
+        return body
+
+    # ------------------------------------------------------------ liveness
+    def health(self, *, timeout_s: Optional[float] = None) -> bool:
+        """``GET /health``: True on 200, False on 503 (starting up or shutting down)."""
+        resp = self.request("GET", "/health", timeout_s=timeout_s, ok_statuses=(200, 503))
+        return resp.status_code == 200
+
+    def health_generate(self, *, timeout_s: Optional[float] = None) -> bool:
+        """``GET /health_generate``: True when the server generated a token, False on 503."""
+        resp = self.request("GET", "/health_generate", timeout_s=timeout_s, ok_statuses=(200, 503))
+        return resp.status_code == 200
+
+    def model_info(self, *, timeout_s: Optional[float] = None) -> dict:
+        """``GET /model_info``: model_path, is_generation, weight_version, ..."""
+        return self._json(self.request("GET", "/model_info", timeout_s=timeout_s), "/model_info")
+
+    def weight_version(self, *, timeout_s: Optional[float] = None) -> str:
+        """The server's weight version string (``/model_info``; ``/get_weight_version`` is gone since 0.5.21)."""
+        info = self.model_info(timeout_s=timeout_s)
+        if "weight_version" not in info:
+            raise self._error("/model_info", f"SGLang server {self.base_url} /model_info carries no weight_version "
+                              f"(keys: {sorted(info)}); it predates weight versions: use SGLang >= 0.5.2")
+        return str(info["weight_version"])
+
+    # ----------------------------------------------------------- generation
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
+                 return_logprob: bool = True, timeout_s: Optional[float] = None) -> list[dict]:
+        """``POST /generate`` as one batch (one entry per row): ``[{text, output_ids, meta_info}, ...]``."""
+        payload = protocol.generate_payload(input_ids, sampling_params, rids=rids, return_logprob=return_logprob)
+        body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
+        if not isinstance(body, list) or len(body) != len(input_ids):
+            got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+            raise self._error("/generate", f"SGLang server {self.base_url} answered a batch of {len(input_ids)} "
+                              f"with {got}; expected one entry per input")
+        return body
+
+    def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
+        """``POST /abort_request``: the aborted rows come back with finish_reason type "abort"."""
+        self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """``POST /pause_generation`` (mode abort | retract | in_place); new requests wait until continue."""
+        if mode not in protocol.PAUSE_MODES:
+            raise self._error("/pause_generation", f"pause mode {mode!r} is not one of {protocol.PAUSE_MODES}")
+        return self._json(self.request("POST", "/pause_generation", {"mode": mode}), "/pause_generation")
+
+    def continue_generation(self) -> dict:
+        return self._json(self.request("POST", "/continue_generation", {}), "/continue_generation")
+
+    def flush_cache(self) -> None:
+        """``POST /flush_cache``; SGLang answers 400 while requests are running or waiting."""
+        self.request("POST", "/flush_cache")
+
+    # -------------------------------------------------------------- weights
+    def update_weights_from_disk(self, model_path: str, *, weight_version: Optional[str] = None,
+                                 load_format: Optional[str] = None, abort_all_requests: bool = False,
+                                 flush_cache: bool = True, timeout_s: Optional[float] = None) -> dict:
+        """``POST /update_weights_from_disk``: load the safetensors under ``model_path`` (exempt from begin/end)."""
+        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests,
+                                   "flush_cache": flush_cache}
+        if load_format is not None:
+            payload["load_format"] = load_format
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._weight_call("/update_weights_from_disk", payload, timeout_s)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: Optional[str] = None,
+                                   flush_cache: bool = True, weight_version: Optional[str] = None,
+                                   timeout_s: Optional[float] = None) -> dict:
+        """``POST /update_weights_from_tensor`` (one base64 entry per engine TP rank; inside begin/end)."""
+        payload: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors),
+                                   "load_format": load_format, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._weight_call("/update_weights_from_tensor", payload, timeout_s)
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl",
+                                  timeout_s: Optional[float] = None) -> dict:
+        return self._weight_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout_s)
+
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: Optional[str] = None,
+                                        timeout_s: Optional[float] = None) -> dict:
+        payload: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes),
+                                   "shapes": [list(s) for s in shapes], "group_name": group_name,
+                                   "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._weight_call("/update_weights_from_distributed", payload, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._weight_call("/destroy_weights_update_group", {"group_name": group_name}, None)
+
+    @property
+    def has_update_session(self) -> Optional[bool]:
+        """Whether the server has ``/begin_weight_update`` (None: not asked yet)."""
+        return self._has_update_session
+
+    def begin_weight_update(self) -> bool:
+        """Open a weight-update session; False (and remembered) on a server older than 0.5.21 that lacks it."""
+        if self._has_update_session is False:
+            return False
+        try:
+            self._weight_call("/begin_weight_update", {}, None)
+        except SGLangSyncError as exc:
+            if exc.status == 404:
+                self._has_update_session = False
+                return False
+            raise
+        self._has_update_session = True
+        return True
+
+    def end_weight_update(self) -> bool:
+        """Close the session opened by ``begin_weight_update``; False where the server lacks the pair."""
+        if self._has_update_session is False:
+            return False
+        try:
+            self._weight_call("/end_weight_update", {}, None)
+        except SGLangSyncError as exc:
+            if exc.status == 404:
+                self._has_update_session = False
+                return False
+            raise
+        return True
+
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> dict:
+        """``POST /update_weight_version``; SGLang aborts in-flight requests unless told not to."""
+        return self._weight_call("/update_weight_version", {"new_version": str(new_version),
+                                                            "abort_all_requests": abort_all_requests}, None)
+
+    # --------------------------------------------------------------- memory
+    def release_memory_occupation(self, tags: Optional[Iterable[str]] = None, *,
+                                  timeout_s: Optional[float] = None) -> None:
+        """``POST /release_memory_occupation`` (tags: weights, kv_cache, cuda_graph; None = all); server idle."""
+        self.request("POST", "/release_memory_occupation", {"tags": protocol.check_tags(tags)}, timeout_s=timeout_s)
+
+    def resume_memory_occupation(self, tags: Optional[Iterable[str]] = None, *,
+                                 timeout_s: Optional[float] = None) -> None:
+        self.request("POST", "/resume_memory_occupation", {"tags": protocol.check_tags(tags)}, timeout_s=timeout_s)

@@ -1,0 +1,153 @@
+"""SGLang's HTTP wire format, in one place: request builders and reply parsers.
+
+Taken from SGLang 0.5.2x: ``python/sglang/srt/entrypoints/http_server.py``
+(paths, status codes, reply bodies), ``python/sglang/srt/managers/io_struct.py``
+(``GenerateReqInput``, ``UpdateWeightFromDiskReqInput``, ...) and
+``python/sglang/srt/sampling/sampling_params.py`` (``sampling_params`` keys,
+``sampling_seed``). Facts the parsers rely on:
+
+* ``POST /generate`` with a list of ``input_ids`` answers a list of
+  ``{"text", "output_ids", "meta_info"}``, one per input, in order;
+  ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, text|None], ...]``
+  (one per output token, a matched stop token included), ``meta_info.finish_reason``
+  is ``{"type": "stop", "matched": ...}`` / ``{"type": "length", "length": n}`` /
+  ``{"type": "abort", "message": ...}``, ``meta_info.weight_version`` a string
+  ("default" until the first versioned update).
+* Errors: weight endpoints answer ``{"success": false, "message"}`` with 400;
+  most others ``{"error": {"message"}}`` with 400; request validation
+  ``{"object": "error", "message", "type", "param", "code"}``; an unknown path
+  FastAPI's ``{"detail": "Not Found"}`` with 404; ``/flush_cache`` plain text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from megatron_rl.data.types import SamplingParams
+from megatron_rl.errors import ConfigError, EngineError
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+PAUSE_MODES = ("abort", "retract", "in_place")
+FINISH_TYPES = ("stop", "length", "abort")
+DEFAULT_WEIGHT_VERSION = "default"  # what SGLang reports before any versioned update
+
+
+def check_tags(tags: Optional[Iterable[str]]) -> Optional[list[str]]:
+    """Validate memory tags; None means every tag (SGLang's default)."""
+    if tags is None:
+        return None
+    tags = [str(t) for t in tags]
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ConfigError(f"SGLang memory tag(s) {bad} unknown; use a subset of {list(MEMORY_TAGS)}")
+    return tags
+
+
+def row_seed(seed: int, request_index: int, sample_index: int) -> int:
+    """Per-row sampling seed (the embedded engine's formula): rows do not depend on routing or batching."""
+    digest = hashlib.blake2b(f"{seed}:{request_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def sampling_params_dict(sampling: SamplingParams, *, seed: Optional[int] = None) -> dict[str, Any]:
+    """Our ``SamplingParams`` as SGLang ``sampling_params`` for one row (``n`` is always 1: rows are sent apart)."""
+    params: dict[str, Any] = {
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k),
+        "max_new_tokens": int(sampling.max_new_tokens),
+        "ignore_eos": bool(sampling.ignore_eos),
+        "skip_special_tokens": True,
+        "n": 1,
+    }
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if seed is not None:
+        params["sampling_seed"] = int(seed)
+    return params
+
+
+def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
+                     return_logprob: bool = True) -> dict[str, Any]:
+    """A batch ``GenerateReqInput``: one entry per row, per-row sampling params and request ids."""
+    if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
+        raise ValueError("generate_payload: input_ids, sampling_params and rids must have one entry per row")
+    payload: dict[str, Any] = {"input_ids": [list(map(int, ids)) for ids in input_ids],
+                               "sampling_params": list(sampling_params),
+                               "return_logprob": bool(return_logprob), "stream": False}
+    if rids is not None:
+        payload["rid"] = list(rids)
+    return payload
+
+
+def error_message(status: int, content: bytes) -> str:
+    """The server's own words from an error reply, whichever of SGLang's error shapes it has."""
+    text = content.decode("utf-8", errors="replace").strip()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500] or f"(empty body, HTTP {status})"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return text[:500]
+
+
+def parse_weight_version(value: Any, *, where: str) -> int:
+    """SGLang's string weight version as our integer one ("default" = 0, the weights loaded at start)."""
+    if value is None or str(value) == DEFAULT_WEIGHT_VERSION:
+        return 0
+    try:
+        return int(str(value))
+    except ValueError:
+        raise EngineError(f"{where} reports weight_version {value!r}, not an integer; another trainer or a person "
+                          "set it with /update_weight_version: restart the server or push an integer version") \
+            from None
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One parsed ``/generate`` row."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    text: Optional[str]
+    finish_message: Optional[str] = None
+
+
+def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
+    """Check one ``/generate`` row against the protocol and extract what a ``Sample`` needs."""
+    if not isinstance(entry, dict) or "meta_info" not in entry:
+        raise EngineError(f"{where} answered /generate with a row that has no meta_info: {str(entry)[:200]}")
+    meta = entry["meta_info"]
+    output_ids = entry.get("output_ids")
+    token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs is None:
+        raise EngineError(f"{where} /generate row carries no meta_info.output_token_logprobs; the request asked "
+                          "return_logprob=True (is this an SGLang server?)")
+    logprob_ids = [int(t[1]) for t in token_logprobs]
+    if output_ids is None:
+        output_ids = logprob_ids
+    output_ids = [int(t) for t in output_ids]
+    if output_ids != logprob_ids:
+        raise EngineError(f"{where} /generate row: output_ids ({len(output_ids)} tokens) and "
+                          f"output_token_logprobs ({len(logprob_ids)} tokens) disagree; out of protocol")
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in FINISH_TYPES:
+        raise EngineError(f"{where} /generate row has finish_reason {finish!r}; expected a type in {FINISH_TYPES}")
+    message = finish.get("message") if isinstance(finish, dict) else None
+    return GenerateOutput(output_ids=output_ids, logprobs=[float(t[0]) for t in token_logprobs], finish_reason=kind,
+                          weight_version=parse_weight_version(meta.get("weight_version"), where=where),
+                          text=entry.get("text"), finish_message=message)

@@ -1,0 +1,452 @@
+"""A protocol-exact local stand-in for an SGLang HTTP server, backed by the embedded engine (CPU test stand-in).
+
+Real SGLang needs a 7 GB install and 1-2 minutes to start (``../shared/SGLANG_CPU.md``), so CI
+talks to this instead: same paths, request fields, reply shapes and status codes as SGLang
+0.5.23, answered by ``EmbeddedEngine`` on a tiny HF model, so a weight push visibly changes
+generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as read for issue
+14, and the stored copies of ``python/sglang/srt/entrypoints/http_server.py`` and
+``python/sglang/srt/managers/io_struct.py`` / ``sampling/sampling_params.py``):
+
+* ``POST /generate``: ``input_ids`` (one list, or a list of lists = batch), ``sampling_params``
+  (a dict, or one per row), ``rid``, ``return_logprob``; answers ``{text, output_ids, meta_info}``
+  (a list for a batch) with ``meta_info = {id, finish_reason, prompt_tokens, completion_tokens,
+  cached_tokens, weight_version, e2e_latency, output_token_logprobs=[[logprob, id, None], ...]}``;
+  errors ``{"error": {"message"}}`` with 400.
+* weight endpoints: ``{success, message}`` (``/update_weights_from_disk`` adds
+  ``num_paused_requests``), 200 or 400; ``/update_weight_version`` adds ``new_version`` and
+  aborts all requests unless ``abort_all_requests`` is false.
+* ``/begin_weight_update`` / ``/end_weight_update`` (0.5.21+): tensor and distributed updates
+  answer 400 outside the pair; disk is exempt. ``legacy=True`` plays a server older than
+  0.5.21: the pair answers FastAPI's 404 ``{"detail": "Not Found"}`` and no session is needed.
+* ``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``): 200 with a
+  ``null`` body, 400 ``{"error": {"message"}}`` (release asserts the server is idle).
+* ``/pause_generation`` (``mode``) / ``/continue_generation``: ``{"message", "status": "ok"}``.
+* ``/abort_request`` (``rid``, ``abort_all``): 200, empty body; aborted rows finish "abort".
+* ``/flush_cache``: plain text, 200, or 400 while requests are running or waiting.
+* ``/model_info`` (``weight_version``: "default" until a versioned update), ``/health``
+  (200 empty; 503 while "starting"), ``/health_generate``.
+
+Where the stand-in differs on purpose (said so in its replies): ``/generate`` while the
+weights or KV cache are released answers 400 (real SGLang on GPU would crash or compute
+garbage); tensor / distributed updates inside a session answer 400 "not implemented by the
+stand-in" (those transports come with their own slice); the error wording is its own. Rows of
+a batch are generated one by one (each with its own ``sampling_seed``), as SGLang's
+continuous batching makes rows independent.
+
+Faults (``server.faults``, a ``Faults``): ``delay_s`` per path (slow replies, for timeouts; the
+key ``"/generate:row"`` instead holds each generate row *pending* that long, abortable, for the
+abort / flush / pause tests),
+``drop`` (close the connection without a reply for the next N requests to a path),
+``die_on`` (the server dies on receiving a path: listening socket closed, every connection
+cut), and ``stop()`` / ``start()`` for connection refused then back. ``server.requests``
+counts every request received, so tests can check what was (not) retried.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
+
+ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
+SESSION_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
+
+
+@dataclass
+class Faults:
+    """Switches a test flips to make the stand-in misbehave."""
+
+    delay_s: dict = field(default_factory=dict)  # path -> seconds to wait before answering
+    drop: Counter = field(default_factory=Counter)  # path -> requests to answer by closing the connection
+    die_on: Optional[str] = None  # path whose arrival kills the server
+
+
+class _Pending:
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.aborted = threading.Event()
+
+
+class SGLangStandIn:
+    """Serve ``hf_checkpoint`` on 127.0.0.1 like ``python -m sglang.launch_server`` would."""
+
+    def __init__(self, hf_checkpoint: str, *, legacy: bool = False, port: int = 0):
+        self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
+        self.model_path = hf_checkpoint
+        self.legacy = legacy
+        self.faults = Faults()
+        self.requests: Counter = Counter()  # path -> requests received
+        self.rids_served: list[str] = []  # every /generate row's rid, in arrival order
+        self.weight_version = "default"
+        self.released: set[str] = set()
+        self.in_session = False
+        self.starting = False
+        self._engine_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._engine_version = 0
+        self._port = port
+        self._httpd: Optional[ThreadingHTTPServer] = None
+        self._thread: Optional[threading.Thread] = None
+        self._conns: set[socket.socket] = set()
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def start(self) -> "SGLangStandIn":
+        standin = self
+
+        class Handler(_Handler):
+            pass
+
+        Handler.standin = standin
+        httpd = ThreadingHTTPServer(("127.0.0.1", self._port), Handler)
+        httpd.daemon_threads = True
+        self._port = httpd.server_address[1]
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the listening socket and cut every open connection (clients then get connection refused)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        with self._state_lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for p in list(self._pending.values()):
+            p.aborted.set()
+
+    def __enter__(self) -> "SGLangStandIn":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._httpd is not None
+
+    def pending_count(self) -> int:
+        with self._state_lock:
+            return len(self._pending)
+
+    # ------------------------------------------------------------- handlers
+    def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        """Return (status, body); a dict/list/None body is sent as JSON, a str as text/plain."""
+        if path in ("/health", "/health_generate"):
+            if self.starting:
+                return 503, ""
+            if path == "/health_generate":
+                status, _ = self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1,
+                                                                                  "temperature": 0.0}})
+                return (200 if status == 200 else 503), ""
+            return 200, ""
+        if path in ("/model_info", "/get_model_info"):
+            return 200, self.model_info()
+        if path in ("/get_weight_version", "/weight_version"):
+            return 404, {"detail": "Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+                                   "Please use '/model_info' instead."}
+        if method != "POST" and path not in ("/flush_cache", "/release_memory_occupation",
+                                              "/resume_memory_occupation"):
+            return 405, {"detail": "Method Not Allowed"}
+        if not isinstance(body, dict):
+            return 400, _validation_error("request body must be a JSON object")
+        routes = {
+            "/generate": self.generate,
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/update_weights_from_tensor": self.session_update,
+            "/update_weights_from_distributed": self.session_update,
+            "/init_weights_update_group": self.weights_group,
+            "/destroy_weights_update_group": self.weights_group,
+            "/update_weight_version": self.update_weight_version,
+            "/release_memory_occupation": self.release,
+            "/resume_memory_occupation": self.resume,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.continue_,
+            "/abort_request": self.abort,
+            "/flush_cache": self.flush_cache,
+        }
+        if not self.legacy:
+            routes["/begin_weight_update"] = self.begin
+            routes["/end_weight_update"] = self.end
+        fn = routes.get(path)
+        if fn is None:
+            return 404, {"detail": "Not Found"}
+        return fn(body, path) if path in SESSION_ENDPOINTS else fn(body)
+
+    def model_info(self) -> dict:
+        config = self.engine.model.config
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None)}
+
+    def generate(self, body: dict) -> tuple[int, Any]:
+        if "input_ids" not in body:
+            return 400, {"error": {"message": "The stand-in serves token ids only: send input_ids (text needs a "
+                                              "tokenizer the tiny test models do not have)"}}
+        ids = body["input_ids"]
+        batch = bool(ids) and isinstance(ids[0], list)
+        rows = ids if batch else [ids]
+        params = body.get("sampling_params") or {}
+        params = params if isinstance(params, list) else [params] * len(rows)
+        rids = body.get("rid")
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in rows]
+        elif not isinstance(rids, list):
+            rids = [rids]
+        if len(params) != len(rows) or len(rids) != len(rows):
+            return 400, {"error": {"message": f"The length of sampling_params ({len(params)}) and rid "
+                                              f"({len(rids)}) must match the batch size ({len(rows)})"}}
+        released = sorted(self.released & {"weights", "kv_cache"})
+        if released:
+            return 400, {"error": {"message": f"stand-in: memory released for {released}; call "
+                                              "/resume_memory_occupation before /generate"}}
+        pending = [_Pending(str(r)) for r in rids]
+        self.rids_served.extend(p.rid for p in pending)
+        with self._state_lock:
+            for p in pending:
+                self._pending[p.rid] = p
+        try:
+            out = [self._generate_row(row, sp, p) for row, sp, p in zip(rows, params, pending)]
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed request with its message
+            return 400, {"error": {"message": str(exc)}}
+        finally:
+            with self._state_lock:
+                for p in pending:
+                    self._pending.pop(p.rid, None)
+        return 200, (out if batch else out[0])
+
+    def _generate_row(self, prompt: list, sp: dict, pending: _Pending) -> dict:
+        tic = time.time()
+        delay = float(self.faults.delay_s.get("/generate:row", 0.0))
+        deadline = time.monotonic() + delay
+        while (time.monotonic() < deadline or not self._unpaused.is_set()) and not pending.aborted.is_set():
+            time.sleep(0.005)
+        if not prompt:
+            raise ValueError("input_ids is empty")
+        if pending.aborted.is_set():
+            return _row("", [], [], {"type": "abort", "message": "Abort before prefill", "status_code": None},
+                        pending.rid, len(prompt), self.weight_version, tic)
+        temperature = float(sp.get("temperature", 1.0))
+        sampling = SamplingParams(temperature=temperature, top_p=float(sp.get("top_p", 1.0)),
+                                  top_k=int(sp.get("top_k", -1)), max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                                  stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+                                  seed=sp.get("sampling_seed"), ignore_eos=bool(sp.get("ignore_eos", False)))
+        with self._engine_lock:
+            sample = self.engine.generate([GenerateRequest(list(prompt), 0)], sampling)[0]
+        if sample.finish_reason == "stop":
+            finish = {"type": "stop", "matched": sample.response_ids[-1]}
+        else:
+            finish = {"type": "length", "length": sampling.max_new_tokens}
+        text = " ".join(f"<{t}>" for t in sample.response_ids)  # the tiny models have no tokenizer
+        return _row(text, sample.response_ids, sample.rollout_logprobs, finish, pending.rid, len(prompt),
+                    self.weight_version, tic)
+
+    def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
+        path = body.get("model_path")
+        files = sorted(glob.glob(f"{path}/*.safetensors")) if path else []
+        if not files:
+            return 400, {"success": False, "num_paused_requests": 0,
+                         "message": f"Failed to get weights iterator: {path} (repository not found)."}
+        if body.get("abort_all_requests"):
+            self.abort({"abort_all": True})
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(f))
+        with self._engine_lock:
+            try:
+                self.engine.update_weights(tensors.items(), self._engine_version + 1)
+            except Exception as exc:  # noqa: BLE001 - SGLang reports loader errors as the message
+                return 400, {"success": False, "num_paused_requests": 0,
+                             "message": f"Failed to update weights: {exc}.\nRolling back to original weights."}
+            self._engine_version += 1
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def begin(self, body: dict) -> tuple[int, Any]:
+        if self.in_session:
+            return 400, {"success": False, "message": "A weight update session is already open"}
+        self.in_session = True
+        return 200, {"success": True, "message": "Weight update session started"}
+
+    def end(self, body: dict) -> tuple[int, Any]:
+        if not self.in_session:
+            return 400, {"success": False, "message": "No weight update session is open"}
+        self.in_session = False
+        return 200, {"success": True, "message": "Weight update session ended"}
+
+    def session_update(self, body: dict, path: str) -> tuple[int, Any]:
+        if not self.legacy and not self.in_session:
+            return 400, {"success": False, "message": f"{path[1:]} requires an open weight update session; "
+                                                       "call /begin_weight_update first"}
+        return 400, {"success": False, "message": f"stand-in: {path} is not implemented by the stand-in yet "
+                                                   "(tensor and distributed transports come in a later slice)"}
+
+    def weights_group(self, body: dict) -> tuple[int, Any]:
+        return 400, {"success": False, "message": "stand-in: weight update groups are not implemented yet"}
+
+    def update_weight_version(self, body: dict) -> tuple[int, Any]:
+        if "new_version" not in body:
+            return 400, _validation_error("Field required: new_version")
+        if body.get("abort_all_requests", True):
+            self.abort({"abort_all": True})
+        self.weight_version = str(body["new_version"])
+        return 200, {"success": True, "message": f"Weight version updated to {self.weight_version}",
+                     "new_version": self.weight_version}
+
+    def _tags(self, body: dict) -> list[str]:
+        tags = body.get("tags")
+        return list(ALL_TAGS) if tags is None else [str(t) for t in tags]
+
+    def release(self, body: dict) -> tuple[int, Any]:
+        tags = self._tags(body)
+        if self.pending_count():
+            return 400, {"error": {"message": "release_memory_occupation requires the server to be idle "
+                                              f"({self.pending_count()} request(s) running)"}}
+        if "weights" in tags and "weights" not in self.released:
+            with self._engine_lock:
+                self.engine.release()
+        self.released |= set(tags)
+        return 200, None
+
+    def resume(self, body: dict) -> tuple[int, Any]:
+        tags = self._tags(body)
+        if "weights" in tags and "weights" in self.released:
+            with self._engine_lock:
+                self.engine.resume()
+        self.released -= set(tags)
+        return 200, None
+
+    def pause(self, body: dict) -> tuple[int, Any]:
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return 400, _validation_error(f"mode must be one of abort, retract, in_place, got {mode!r}")
+        self._unpaused.clear()
+        if mode == "abort":
+            self.abort({"abort_all": True})
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_(self, body: dict) -> tuple[int, Any]:
+        self._unpaused.set()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def abort(self, body: dict) -> tuple[int, Any]:
+        with self._state_lock:
+            for p in self._pending.values():
+                if body.get("abort_all") or p.rid == body.get("rid"):
+                    p.aborted.set()
+        return 200, ""
+
+    def flush_cache(self, body: dict) -> tuple[int, Any]:
+        if self.pending_count():
+            return 400, "Flush cache failed: there are running or waiting requests.\n"
+        return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                     "waiting requests, the operation will not be performed.)\n")
+
+
+def _validation_error(message: str) -> dict:
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
+def _row(text, output_ids, logprobs, finish, rid, prompt_tokens, weight_version, tic) -> dict:
+    return {"text": text, "output_ids": list(output_ids), "meta_info": {
+        "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": weight_version,
+        "completion_tokens": len(output_ids), "cached_tokens": 0, "e2e_latency": time.time() - tic,
+        "output_token_logprobs": [[float(lp), int(t), None] for lp, t in zip(logprobs, output_ids)]}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn: the client's pool reuses connections
+    standin: SGLangStandIn
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.standin._state_lock:
+            self.standin._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.standin._state_lock:
+            self.standin._conns.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def _serve(self, method: str) -> None:
+        standin = self.standin
+        path = urlsplit(self.path).path
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not standin.alive:
+            self.close_connection = True
+            return
+        standin.requests[path] += 1
+        faults = standin.faults
+        if faults.die_on == path:
+            faults.die_on = None
+            threading.Thread(target=standin.stop, daemon=True).start()
+            self.close_connection = True
+            time.sleep(0.2)  # the server goes down with this request unanswered
+            return
+        if faults.drop[path] > 0:
+            faults.drop[path] -= 1
+            self.close_connection = True
+            return
+        if faults.delay_s.get(path):
+            time.sleep(float(faults.delay_s[path]))
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            status, reply = 400, _validation_error(f"JSON decode error: {exc}")
+        else:
+            status, reply = standin.handle(method, path, body)
+        if isinstance(reply, str):
+            data, ctype = reply.encode(), "text/plain; charset=utf-8"
+        else:
+            data, ctype = json.dumps(reply).encode(), "application/json"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            self.close_connection = True

@@ -1,0 +1,276 @@
+"""SGLang client and engine against the protocol-exact stand-in server (tests/rollout/sglang_standin.py)."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.rollout import ENGINES, EmbeddedEngine, GenerateRequest, SamplingParams
+from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine, SGLangEngineError, SGLangSyncError
+from megatron_rl.rollout.sglang.protocol import parse_weight_version
+
+from sglang_standin import SGLangStandIn  # tests/ is on sys.path (conftest)
+
+REQUESTS = [GenerateRequest([5, 17, 3], 0, label="a", metadata={"k": 0}),
+            GenerateRequest([9, 1, 100, 42], 1, label="b"), GenerateRequest([7, 7], 2)]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=11, n=2)
+
+
+@pytest.fixture
+def model(tiny_hf_models):
+    return tiny_hf_models("qwen2")
+
+
+@pytest.fixture
+def standin(model):
+    with SGLangStandIn(model) as server:
+        yield server
+
+
+@pytest.fixture
+def engine(standin, model, tmp_path):
+    eng = SGLangEngine([standin.url], weight_dir=str(tmp_path / "weights"), hf_checkpoint=model, timeout_s=10,
+                       connect_retries=1, backoff_s=0.05)
+    yield eng
+    eng.close()
+
+
+def checkpoint(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def tokens(samples):
+    return [s.response_ids for s in samples]
+
+
+def test_generate_round_trip(engine, standin, model):
+    samples = engine.generate(REQUESTS, SAMPLED)
+    assert len(samples) == 6 and standin.requests["/generate"] == 1  # one batch per server per call
+    for k, s in enumerate(samples):
+        req = REQUESTS[k // 2]
+        assert (s.group_index, s.prompt_ids, s.label, s.metadata) == (req.group_index, req.prompt_ids, req.label,
+                                                                      req.metadata)
+        assert len(s.response_ids) == len(s.rollout_logprobs) == 5 and s.finish_reason == "length"
+        assert all(lp <= 0 for lp in s.rollout_logprobs) and s.weight_version == 0
+        assert isinstance(s.response_text, str)
+    assert tokens(engine.generate(REQUESTS, SAMPLED)) == tokens(samples)  # seeded per row: reproducible
+    # greedy equals the embedded engine on the same weights, log-probs included
+    reference = EmbeddedEngine(model).generate(REQUESTS, GREEDY)
+    got = engine.generate(REQUESTS, GREEDY)
+    assert tokens(got) == tokens(reference)
+    torch.testing.assert_close(torch.tensor([s.rollout_logprobs for s in got]),
+                               torch.tensor([s.rollout_logprobs for s in reference]), atol=1e-5, rtol=0)
+    # a stop token ends the response, is part of it and finishes "stop"
+    ids = reference[0].response_ids
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # a token first seen at position k
+    first = engine.generate(REQUESTS[:1], SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=(ids[k],)))
+    assert first[0].response_ids == ids[:k + 1] and first[0].finish_reason == "stop"
+
+
+def test_round_robin_keeps_a_prompts_samples_on_one_server(model, standin):
+    with SGLangStandIn(model) as second:
+        eng = SGLangEngine([standin.url, second.url], connect_retries=0)
+        single = SGLangEngine([standin.url], connect_retries=0)
+        try:
+            samples = eng.generate(REQUESTS, SAMPLED)
+            assert standin.requests["/generate"] == second.requests["/generate"] == 1
+            for server in (standin, second):
+                prompts = {rid.rsplit("-", 2)[1] for rid in server.rids_served}
+                assert len(server.rids_served) == 2 * len(prompts)  # both samples of each of its prompts
+            assert tokens(samples) == tokens(single.generate(REQUESTS, SAMPLED))  # routing changes nothing
+        finally:
+            eng.close()
+            single.close()
+
+
+def test_disk_update_changes_generations_and_bumps_weight_version(engine, standin, model, tmp_path):
+    before = engine.generate(REQUESTS, GREEDY)
+    tensors = checkpoint(model)
+    zeroed = dict(tensors, **{"lm_head.weight": torch.zeros_like(tensors["lm_head.weight"])})
+    engine.update_weights(zeroed.items(), version=1)
+    assert engine.weight_version == 1 and standin.model_info()["weight_version"] == "1"
+    vdir = tmp_path / "weights" / "v1"
+    assert (vdir / "model.safetensors").exists() and (vdir / "config.json").exists()
+    after = engine.generate(REQUESTS, GREEDY)
+    assert all(s.weight_version == 1 for s in after)
+    vocab = tensors["lm_head.weight"].shape[0]
+    uniform = -torch.log(torch.tensor(float(vocab))).item()  # zero logits: every token equally likely
+    assert all(abs(lp - uniform) < 1e-5 for s in after for lp in s.rollout_logprobs)
+    assert tokens(after) != tokens(before)
+    engine.update_weights(iter(tensors.items()), version=2)  # a one-shot stream, as a trainer sends it
+    engine.update_weights(tensors.items(), version=3)
+    assert tokens(engine.generate(REQUESTS, GREEDY)) == tokens(before)
+    assert sorted(os.listdir(tmp_path / "weights")) == ["v2", "v3"]  # pruned to keep_versions, no temp dirs left
+    health = engine.health()
+    assert health.ok and health.weight_version == 3, health.detail
+    with pytest.raises(SyncError, match="older than"):
+        engine.update_weights(tensors.items(), version=2)
+
+
+def test_failed_update_names_server_and_message_and_keeps_version(engine, standin, model):
+    bad = {"model.not_a_tensor": torch.zeros(3)}
+    with pytest.raises(SyncError) as info:
+        engine.update_weights(bad.items(), version=1)
+    message = str(info.value)
+    assert standin.url in message and "/update_weights_from_disk" in message and "HTTP 400" in message
+    assert "unknown name" in message  # the server's own words
+    assert engine.weight_version == 0 and not engine.health().ok
+    with pytest.raises(EngineError, match="last weight update failed"):
+        engine.generate(REQUESTS, GREEDY)
+    assert standin.requests["/update_weights_from_disk"] == 1
+
+
+def test_http_errors_are_never_retried(standin):
+    client = SGLangClient(standin.url, connect_retries=3, backoff_s=0.01)
+    with pytest.raises(SGLangSyncError) as info:
+        client.update_weights_from_disk("/no/such/dir", weight_version="1")
+    err = info.value
+    assert (err.status, err.endpoint, err.url) == (400, "/update_weights_from_disk", standin.url)
+    assert "/no/such/dir" in err.server_message and "/no/such/dir" in str(err)
+    assert standin.requests["/update_weights_from_disk"] == 1
+    with pytest.raises(SGLangEngineError) as info:  # 404 with FastAPI's body
+        client.request("POST", "/no_such_endpoint", {})
+    assert info.value.status == 404 and "Not Found" in str(info.value)
+    # a connection dropped after sending: retried for an idempotent endpoint, never for a weight endpoint
+    standin.faults.drop["/model_info"] = 1
+    assert client.weight_version() == "default" and standin.requests["/model_info"] == 2
+    standin.faults.drop["/update_weight_version"] = 1
+    with pytest.raises(SGLangSyncError, match="may or may not have applied"):
+        client.update_weight_version("5")
+    assert standin.requests["/update_weight_version"] == 1
+    client.close()
+
+
+def test_connection_errors_are_retried_with_backoff(standin):
+    client = SGLangClient(standin.url, connect_retries=5, backoff_s=0.1, timeout_s=5)
+    assert client.health()
+    standin.stop()
+    timer = threading.Timer(0.25, standin.start)
+    timer.start()
+    try:
+        assert client.model_info()["weight_version"] == "default"  # refused, refused, ..., then answered
+    finally:
+        timer.join()
+    assert standin.requests["/model_info"] == 1
+    standin.stop()
+    quick = SGLangClient(standin.url, connect_retries=2, backoff_s=0.01)
+    with pytest.raises(SGLangEngineError) as info:
+        quick.model_info()
+    assert standin.url in str(info.value) and "/model_info" in str(info.value) and "3 attempt(s)" in str(info.value)
+    client.close()
+    quick.close()
+
+
+def test_timeout_names_the_server_the_endpoint_and_the_wait(standin):
+    standin.faults.delay_s["/generate"] = 1.0
+    client = SGLangClient(standin.url, timeout_s=0.3, connect_retries=3)
+    started = time.monotonic()
+    with pytest.raises(SGLangEngineError) as info:
+        client.generate([[1, 2]], [{"max_new_tokens": 1}])
+    assert time.monotonic() - started < 0.9  # a read timeout is not retried
+    message = str(info.value)
+    assert standin.url in message and "POST /generate" in message and "within 0.3 s" in message
+    assert standin.requests["/generate"] == 1
+    client.close()
+
+
+def test_server_death_mid_request_is_a_clear_error(engine, standin):
+    standin.faults.die_on = "/generate"
+    with pytest.raises(EngineError) as info:
+        engine.generate(REQUESTS, GREEDY)
+    assert standin.url in str(info.value) and "/generate" in str(info.value) and "likely died" in str(info.value)
+    assert not engine.health().ok
+
+
+def test_begin_end_weight_update_detection(model, standin):
+    client = SGLangClient(standin.url, connect_retries=0)
+    with pytest.raises(SGLangSyncError) as info:  # 0.5.21+: a tensor push outside begin/end is a 400
+        client.update_weights_from_tensor(["payload"])
+    assert info.value.status == 400 and "begin_weight_update" in info.value.server_message
+    assert client.begin_weight_update() and client.has_update_session and standin.in_session
+    assert client.end_weight_update() and not standin.in_session
+    client.close()
+    with SGLangStandIn(model, legacy=True) as old:
+        legacy = SGLangClient(old.url, connect_retries=0)
+        assert legacy.begin_weight_update() is False and legacy.has_update_session is False
+        assert legacy.end_weight_update() is False and legacy.begin_weight_update() is False
+        assert old.requests["/begin_weight_update"] == 1 and old.requests["/end_weight_update"] == 0
+        legacy.close()
+
+
+def test_release_and_resume(engine, standin):
+    before = tokens(engine.generate(REQUESTS, GREEDY))
+    engine.release()
+    assert standin.released == {"weights", "kv_cache", "cuda_graph"}
+    health = engine.health()
+    assert health.released and not health.ok
+    with pytest.raises(EngineError, match="released"):
+        engine.generate(REQUESTS, GREEDY)
+    engine.resume()
+    assert standin.released == set() and tokens(engine.generate(REQUESTS, GREEDY)) == before
+    engine.release(tags=["kv_cache"])
+    assert standin.released == {"kv_cache"}
+    engine.resume(tags=["kv_cache"])
+    with pytest.raises(ConfigError, match="memory tag"):
+        engine.release(tags=["gpu"])
+
+
+def test_abort_flush_and_pause(engine, standin):
+    client = engine.clients[0]
+    standin.faults.delay_s["/generate:row"] = 10.0  # rows stay pending until aborted
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=engine.generate(REQUESTS, GREEDY)))
+    worker.start()
+    deadline = time.monotonic() + 5
+    while standin.pending_count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(SGLangEngineError) as info:  # 400 while requests are pending
+        client.flush_cache()
+    assert info.value.status == 400 and "running or waiting" in info.value.server_message
+    with pytest.raises(SGLangEngineError, match="idle"):
+        client.release_memory_occupation(["weights"])
+    engine.abort()
+    worker.join(5)
+    assert [s.finish_reason for s in result["samples"]] == ["abort"] * 3
+    assert all(s.response_ids == [] for s in result["samples"])
+    client.flush_cache()
+    # pause holds new requests until continue
+    standin.faults.delay_s.pop("/generate:row")
+    assert client.pause_generation("in_place")["status"] == "ok"
+    worker = threading.Thread(target=lambda: result.update(samples=engine.generate(REQUESTS, GREEDY)))
+    worker.start()
+    time.sleep(0.2)
+    assert worker.is_alive()
+    client.continue_generation()
+    worker.join(5)
+    assert [s.finish_reason for s in result["samples"]] == ["length"] * 3
+
+
+def test_weight_version_endpoint_and_parse():
+    assert parse_weight_version("default", where="x") == 0 and parse_weight_version("12", where="x") == 12
+    with pytest.raises(EngineError, match="not an integer"):
+        parse_weight_version("run-1", where="x")
+
+
+def test_update_weight_version_and_health_mismatch(engine, standin):
+    client = engine.clients[0]
+    assert client.update_weight_version("7")["new_version"] == "7"
+    assert client.weight_version() == "7"
+    health = engine.health()
+    assert not health.ok and "differ" in health.detail
+
+
+def test_not_wired_into_the_loop_yet(engine):
+    with pytest.raises(ConfigError, match="sglang"):
+        ENGINES.get("sglang")
+    with pytest.raises(ConfigError, match="URLs|urls"):
+        SGLangEngine.from_config(None)
+    with pytest.raises(EngineError, match="get_weights_by_name"):
+        engine.named_weights()
+    with pytest.raises(ConfigError, match="at least one"):
+        SGLangEngine([])
