@@ -4,8 +4,9 @@
 #   HF_CKPT=/models/Qwen3-30B-A3B PROMPTS=/data/prompts.jsonl SAVE=/ckpt/q30b \
 #     bash scripts/run_qwen3_30b_a3b_grpo.sh [--dry-run] [extra flags]
 # Actor: 4 nodes x 8 GPUs, TP4 x PP2 x EP8 (expert TP 1), CP1; SGLang engines on 2 more nodes.
-# Not runnable yet: SGLang rollout is not in this version (issue 14), so validation (and --dry-run)
-# refuses --rollout-backend sglang; the dry run still checks every other flag and the layout.
+# Not runnable yet: launching SGLang engines is not in this version (issue 14; only servers you run
+# yourself, by --rollout-engine-urls, see docs/sglang.md), so validation (and --dry-run) refuses
+# --rollout-backend sglang here; the dry run still checks every other flag and the layout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

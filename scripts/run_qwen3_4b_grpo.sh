@@ -2,8 +2,9 @@
 # GRPO on Qwen3-4B, one 8-GPU node: TP2 x DP4 Megatron actor colocated with SGLang engines (TP2 each).
 #   HF_CKPT=/models/Qwen3-4B PROMPTS=/data/dapo-math-17k.jsonl SAVE=/ckpt/qwen3-4b-grpo \
 #     bash scripts/run_qwen3_4b_grpo.sh [--dry-run] [extra flags]
-# Not runnable yet: SGLang rollout is not in this version (issue 14), so validation (and --dry-run)
-# refuses --rollout-backend sglang; the dry run still checks every other flag and the layout.
+# Not runnable yet: launching SGLang engines is not in this version (issue 14; only servers you run
+# yourself, by --rollout-engine-urls, see docs/sglang.md), so validation (and --dry-run) refuses
+# --rollout-backend sglang here; the dry run still checks every other flag and the layout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

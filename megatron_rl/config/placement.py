@@ -242,21 +242,30 @@ def plan_for_config(cfg):
         plan = parse_allocation(cfg.placement.allocation, weight_update=cfg.sync.update_weight_transport)
         return _with_embedded_engine(plan, cfg)
     p = cfg.parallel
+    # external SGLang servers (--rollout-engine-urls) take none of our GPUs: a training run plans only
+    # the actor; a rollout-only run plans the driver process that talks to them, as for the embedded engine
+    external = is_external_sglang(cfg)
+    in_driver = cfg.rollout.rollout_backend == "embedded" or (external and cfg.mode.debug_rollout_only)
     return plan_from_slime_flags(
         actor_num_nodes=cfg.placement.actor_num_nodes, actor_num_gpus_per_node=cfg.placement.actor_num_gpus_per_node,
         rollout_num_gpus=cfg.rollout.rollout_num_gpus or (
-            cfg.actor_world_size if cfg.mode.debug_rollout_only and cfg.rollout.rollout_backend == "embedded" else None),
+            cfg.actor_world_size if cfg.mode.debug_rollout_only and in_driver else None),
         rollout_num_gpus_per_engine=cfg.rollout.rollout_num_gpus_per_engine,
         # the embedded engine runs inside the driver process, on the trainer's devices
-        colocate=cfg.memory.colocate or (cfg.rollout.rollout_backend == "embedded" and not cfg.mode.debug_rollout_only),
+        colocate=cfg.memory.colocate or (in_driver and not cfg.mode.debug_rollout_only),
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size, context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         train_backend=cfg.precision.train_backend,
         rollout_backend="sglang",  # the planner plans GPUs; the embedded engine sits on the driver
-        debug_train_only=cfg.mode.train_only, debug_rollout_only=cfg.mode.debug_rollout_only,
-        update_weight_transport=cfg.sync.update_weight_transport)
+        debug_train_only=cfg.mode.train_only or (external and not cfg.mode.debug_rollout_only),
+        debug_rollout_only=cfg.mode.debug_rollout_only, update_weight_transport=cfg.sync.update_weight_transport)
+
+
+def is_external_sglang(cfg) -> bool:
+    """``--rollout-backend sglang --rollout-engine-urls ...``: servers someone else started and placed."""
+    return cfg.rollout.rollout_backend == "sglang" and bool(cfg.rollout.rollout_engine_urls)
 
 
 def _with_embedded_engine(plan, cfg):
@@ -266,6 +275,7 @@ def _with_embedded_engine(plan, cfg):
 
     actor = plan.actor
     if plan.has_rollout or actor is None or not cfg.has_rollout_engine or cfg.rollout.rollout_backend != "embedded":
+        # (external SGLang servers are not ours to plan: an allocation that places them is refused in validation)
         return plan
     engine = Component("sglang", Dims(d=actor.world_size), "rollout", role="rollout")
     groups = tuple(Group((engine, *g.members)) if any(m is actor for m in g.members) else g for g in plan.groups)

@@ -194,9 +194,14 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_backend: str = flag("embedded", "Rollout engine: embedded (in-process torch engine). sglang is "
-                                "refused in validation until SGLang rollout exists (issue 14).",
+    rollout_backend: str = flag("embedded", "Rollout engine: embedded (in-process torch engine), or sglang: "
+                                "SGLang servers you run yourself, given by --rollout-engine-urls (launching "
+                                "SGLang engines is not built yet, issue 14; docs/sglang.md).",
                                 choices=("embedded", "sglang"))
+    rollout_engine_urls: list = flag([], "Running SGLang servers (http://host:port each) to use instead of "
+                                     "launching engines (the launcher is a later slice of issue 14); needs "
+                                     "--rollout-backend sglang and --update-weight-transport disk.",
+                                     type=str, nargs="+", metavar="URL")
     rollout_num_gpus: Optional[int] = flag(None, "GPUs for SGLang rollout engines (default with --colocate: the "
                                            "actor's); refused with the embedded engine, which runs on the driver rank.")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per SGLang rollout engine (its tensor-parallel size); "
@@ -269,13 +274,19 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class SyncConfig:
     update_weight_transport: str = flag("tensor", "How trained weights reach the rollout engine: tensor "
-                                        "(in-process hand-over to the embedded engine). disk and distributed "
-                                        "are refused in validation until they exist (issue 14).",
+                                        "(in-process hand-over to the embedded engine), or disk (HF safetensors "
+                                        "in versioned dirs under --update-weight-disk-dir, loaded by the engine; "
+                                        "the only one for --rollout-backend sglang). distributed is refused in "
+                                        "validation until it exists (issue 14).",
                                         choices=("disk", "tensor", "distributed"))
     update_weight_buffer_size: int = flag(512 * 1024 * 1024, "Bytes per weight-update bucket.")
-    update_weight_disk_dir: Optional[str] = flag(None, "Directory for the disk transport; refused in validation "
-                                                 "until that transport exists (issue 14).")
-    check_weight_update_equal: bool = flag(False, "After each sync, verify every engine tensor equals the trainer's.")
+    update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "
+                                                 "by it, refused without it): each sync publishes v<version>/ "
+                                                 "there atomically and keeps the newest 2. SGLang servers must "
+                                                 "be able to read it (a shared filesystem across hosts); "
+                                                 "created if missing.")
+    check_weight_update_equal: bool = flag(False, "After each sync, verify every engine tensor equals the trainer's "
+                                           "(embedded engine; refused with sglang, which cannot read weights back).")
 
 
 @dataclass(frozen=True)

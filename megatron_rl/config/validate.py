@@ -251,7 +251,8 @@ def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
         errors.append(f"--rollout-temperature {r.rollout_temperature} must be >= 0 (0 = greedy)")
     if not 0 < r.rollout_top_p <= 1:
         errors.append(f"--rollout-top-p {r.rollout_top_p} must be in (0, 1]")
-    if r.rollout_backend == "sglang" and s.update_weight_transport == "tensor" and not cfg.memory.colocate:
+    if (r.rollout_backend == "sglang" and s.update_weight_transport == "tensor" and not cfg.memory.colocate
+            and not r.rollout_engine_urls):  # external servers: refuse_unimplemented_rollout_and_sync says why
         errors.append("--update-weight-transport tensor hands CUDA IPC handles to engines on the SAME GPUs: "
                       "it needs --colocate; use --update-weight-transport distributed (or disk) for separate GPUs")
     if r.rollout_num_gpus is not None and r.rollout_num_gpus % r.rollout_num_gpus_per_engine:
@@ -262,12 +263,16 @@ def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
 _NOT_YET = "not implemented in this version (tracked by issue 14: SGLang rollout and its weight-sync transports)"
 
 
+_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})/?$")
+
+
 def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
-    """Choices the schema lists for compatibility but this version cannot run, refused before any worker starts.
+    """The engine x transport combinations this version cannot run, refused before any worker starts.
 
     Without this they passed validation (and ``--dry-run``) and failed only after the model
-    was built, or, for ``--update-weight-disk-dir``, were silently dropped. Only the embedded
-    engine exists and its only transport is ``tensor`` (``weight_sync.make_synchronizer``).
+    was built, or, for ``--update-weight-disk-dir``, were silently dropped. Engines: embedded,
+    and sglang over servers the user runs (``--rollout-engine-urls``; the launcher is not built).
+    Transports: tensor (embedded) and disk (both engines); distributed is not built.
     Kept apart from ``_check_sync_and_rollout`` so ``collect_errors`` still runs the planner on
     such a config: a launch script's layout is checked even while its engine is refused.
     """
@@ -276,29 +281,89 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     if cfg.precision.train_backend != "megatron":  # backends.base.BACKENDS refuses it too, but only after start-up
         errors.append(f"--train-backend {cfg.precision.train_backend} is not implemented in this version (tracked "
                       "by issue 16: the FSDP2 backend); use --train-backend megatron")
-    if r.rollout_backend != "embedded":
-        errors.append(f"--rollout-backend {r.rollout_backend} is {_NOT_YET}; use --rollout-backend embedded "
-                      "(the in-process torch engine)")
-    if s.update_weight_transport != "tensor":
-        errors.append(f"--update-weight-transport {s.update_weight_transport} is {_NOT_YET}; use "
-                      "--update-weight-transport tensor (the in-process hand-over the embedded engine uses)")
-    if s.update_weight_disk_dir is not None:
+    if r.rollout_backend == "sglang" and not r.rollout_engine_urls:
+        errors.append("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built "
+                      "yet (issue 14); give --rollout-engine-urls of running servers (docs/sglang.md), or use "
+                      "--rollout-backend embedded")
+    elif r.rollout_backend == "sglang":
+        errors.extend(_external_sglang_errors(cfg))
+    elif r.rollout_engine_urls:
+        errors.append(f"--rollout-engine-urls {' '.join(r.rollout_engine_urls)} names SGLang servers, but "
+                      f"--rollout-backend is {r.rollout_backend}, which starts its own engine in the driver rank: "
+                      "add --rollout-backend sglang, or drop --rollout-engine-urls")
+    if s.update_weight_transport == "distributed":
+        errors.append(f"--update-weight-transport distributed is {_NOT_YET}; use --update-weight-transport "
+                      + ("disk (versioned safetensors dirs the servers load)" if r.rollout_backend == "sglang" else
+                         "tensor (the in-process hand-over the embedded engine uses) or disk"))
+    if s.update_weight_transport == "disk":
+        if not s.update_weight_disk_dir:
+            errors.append("--update-weight-transport disk needs --update-weight-disk-dir DIR (where each sync "
+                          "publishes v<version>/; SGLang servers must be able to read it)")
+        else:
+            why = _dir_problem(s.update_weight_disk_dir)
+            if why:
+                errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} {why}; give a directory this "
+                              "user can create and write to (and the SGLang servers can read)")
+    elif s.update_weight_disk_dir is not None:
         errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
-                      f"--update-weight-transport disk, which is {_NOT_YET}; drop --update-weight-disk-dir")
+                      f"--update-weight-transport disk, not {s.update_weight_transport}: add "
+                      "--update-weight-transport disk or drop --update-weight-disk-dir")
     if r.rollout_backend == "embedded":
         # SGLang-only knobs: the embedded engine is one in-process engine on the driver rank's
         # devices, so a GPU count or a server argument would be accepted and do nothing.
-        why = "the embedded engine runs inside the driver rank on the trainer's devices"
-        if r.rollout_num_gpus is not None:
-            errors.append(f"--rollout-num-gpus {r.rollout_num_gpus} places SGLang engines on their own GPUs; "
-                          f"{why}: drop --rollout-num-gpus")
-        if r.rollout_num_gpus_per_engine != 1:
-            errors.append(f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} sizes SGLang engines; "
-                          f"{why} (one engine, no tensor parallelism): drop it")
-        if r.sglang_args:
-            keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in sorted(r.sglang_args))
-            errors.append(f"{keys}: pass-through arguments of SGLang servers; the embedded engine starts "
-                          f"none: drop them (--rollout-backend sglang is {_NOT_YET})")
+        errors.extend(_sglang_launch_knob_errors(
+            cfg, "the embedded engine runs inside the driver rank on the trainer's devices",
+            "the embedded engine starts none"))
+    return errors
+
+
+def _sglang_launch_knob_errors(cfg: Config, why: str, starts: str, *, sizes: bool = True) -> list[str]:
+    """Flags that size, place or configure SGLang engines we launch: with no launch they would do nothing."""
+    r = cfg.rollout
+    errors = []
+    one = " (one engine, no tensor parallelism)" if r.rollout_backend == "embedded" else ""
+    if sizes and r.rollout_num_gpus is not None:
+        errors.append(f"--rollout-num-gpus {r.rollout_num_gpus} places SGLang engines on their own GPUs; "
+                      f"{why}: drop --rollout-num-gpus")
+    if sizes and r.rollout_num_gpus_per_engine != 1:
+        errors.append(f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} sizes SGLang engines; "
+                      f"{why}{one}: drop it")
+    if r.sglang_args:
+        keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in sorted(r.sglang_args))
+        errors.append(f"{keys}: pass-through arguments of SGLang servers; {starts}: drop them (launching "
+                      f"SGLang engines is {_NOT_YET})")
+    return errors
+
+
+def _external_sglang_errors(cfg: Config) -> list[str]:
+    """``--rollout-backend sglang --rollout-engine-urls ...``: servers the user started; we only talk HTTP."""
+    r, s, m = cfg.rollout, cfg.sync, cfg.memory
+    errors = []
+    bad = [u for u in r.rollout_engine_urls if not _URL.match(u) or not 0 < int(_URL.match(u).group(2)) < 65536]
+    for url in bad:
+        errors.append(f"--rollout-engine-urls {url}: not a server address; write http://host:port or "
+                      "https://host:port (e.g. http://10.0.0.5:30000), one per server")
+    dup = sorted({u for u in r.rollout_engine_urls if r.rollout_engine_urls.count(u) > 1})
+    if dup:
+        errors.append(f"--rollout-engine-urls lists {', '.join(dup)} more than once; list each server once")
+    if s.update_weight_transport == "tensor":
+        errors.append(f"--update-weight-transport tensor with --rollout-engine-urls: the tensor transport for "
+                      f"SGLang is {_NOT_YET}; use --update-weight-transport disk --update-weight-disk-dir DIR")
+    external = "the servers of --rollout-engine-urls run where you started them; this run does not place them"
+    for flag, on in (("--colocate", m.colocate), ("--offload-train", m.offload_train),
+                     ("--offload-rollout", m.offload_rollout)):
+        if on:
+            errors.append(f"{flag} with --rollout-engine-urls: {external}, so there are no shared GPUs to hand "
+                          f"over (releasing external servers' memory is not built yet, issue 14): drop {flag}")
+    if s.check_weight_update_equal:
+        errors.append("--check-weight-update-equal with --rollout-backend sglang: SGLang cannot read its weights "
+                      "back on most models (/get_weights_by_name is missing for Qwen2 and most model classes), so "
+                      "nothing could be compared: drop it (the embedded engine supports it)")
+    placed = bool(cfg.placement.allocation) and "sglang" in cfg.placement.allocation
+    if placed:  # the allocation set --rollout-num-gpus(-per-engine): name it, not the flags it set
+        errors.append(f"--allocation {cfg.placement.allocation} places SGLang engines on GPUs; with "
+                      f"--rollout-engine-urls {external}: state only the trainer (e.g. megatron:d2)")
+    errors.extend(_sglang_launch_knob_errors(cfg, external, "this run starts none", sizes=not placed))
     return errors
 
 

@@ -17,6 +17,8 @@ defined in ``data.types`` and re-exported here. Invariants every engine keeps:
   log-prob) so the trainer can learn to emit it; ``finish_reason`` is "stop".
 * ``weight_version`` on a sample is the version of the weights that produced
   every one of its tokens.
+* ``update_weights_from_disk(path, version)`` loads a dir of HF safetensors (what the disk
+  transport publishes, ``rollout.weight_dir``) with the same checks and the same version rule.
 * ``update_weights`` is atomic with respect to the version: the engine adopts
   ``version`` only after *all* tensors of that update are applied; a failed or
   partial update leaves the old version number and the engine refuses to
@@ -26,6 +28,7 @@ defined in ``data.types`` and re-exported here. Invariants every engine keeps:
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Type, Union
 
@@ -35,8 +38,10 @@ from megatron_rl.infra.registry import Refused, Registry
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
 
-__all__ = ["ENGINES", "EngineHealth", "GenerateRequest", "RolloutEngine", "SamplingParams", "make_engine",
-           "register_engine"]
+__all__ = ["ENGINES", "EngineHealth", "GenerateRequest", "RolloutEngine", "SamplingParams", "load_tokenizer",
+           "make_engine", "register_engine"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,11 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load the HF safetensors published in the directory ``path`` (``--update-weight-transport disk``),
+        then adopt ``version``; same checks and errors as ``update_weights``."""
+
+    @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The engine's weights by HF checkpoint name (for --check-weight-update-equal)."""
 
@@ -95,10 +105,19 @@ class RolloutEngine(abc.ABC):
         """Version of the last complete weight update (0 = the weights loaded at start)."""
 
 
+def load_tokenizer(hf_checkpoint: str) -> Any:
+    """The tokenizer saved beside an HF checkpoint, or None when there is none (token-id prompts only)."""
+    if not any(os.path.exists(os.path.join(str(hf_checkpoint), f)) for f in TOKENIZER_FILES):
+        return None
+    import transformers  # heavy: loaded only by an engine that has a tokenizer to load
+
+    return transformers.AutoTokenizer.from_pretrained(str(hf_checkpoint))
+
+
 # --rollout-backend -> engine class (a RolloutEngine subclass, or "module:Class" imported on first use).
 ENGINES: Registry[Type[RolloutEngine]] = Registry("--rollout-backend", "rollout engine", {
     "embedded": "megatron_rl.rollout.embedded:EmbeddedEngine",  # a path: its module loads transformers
-    "sglang": Refused("--rollout-backend sglang is not wired into the loop yet; use --rollout-backend embedded"),
+    "sglang": "megatron_rl.rollout.sglang.engine:SGLangEngine",  # servers by --rollout-engine-urls
 })
 
 

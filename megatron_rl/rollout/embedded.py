@@ -30,6 +30,7 @@ tensor arrives, which is what a colocated trainer sends next anyway.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import secrets
@@ -40,14 +41,12 @@ import torch
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
-from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams
+from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.sampling import sample_next_tokens
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def row_seed(seed: int, request_index: int, sample_index: int) -> int:
@@ -82,8 +81,8 @@ class EmbeddedEngine(RolloutEngine):
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.weight_backup = weight_backup
-        if tokenizer is None and any(os.path.exists(os.path.join(str(hf_checkpoint), f)) for f in _TOKENIZER_FILES):
-            tokenizer = str(hf_checkpoint)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(str(hf_checkpoint))
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
         self.tokenizer = tokenizer
@@ -204,6 +203,24 @@ class EmbeddedEngine(RolloutEngine):
                             + ". Send HF checkpoint names and shapes (as in model.safetensors) for this model.")
         self._weights_loaded = True
         self._weight_version = version
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """Load every ``*.safetensors`` of the directory ``path`` through ``update_weights`` (same name,
+        shape and version checks), one tensor at a time."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(str(path), "*.safetensors")))
+        if not files:
+            raise SyncError(f"weight update to version {version}: no *.safetensors in {path}; the disk transport "
+                            "publishes v<version>/model.safetensors under --update-weight-disk-dir")
+
+        def tensors():
+            for fname in files:
+                with safe_open(fname, framework="pt") as fh:
+                    for name in fh.keys():
+                        yield name, fh.get_tensor(name)
+
+        self.update_weights(tensors(), version)
 
     # ------------------------------------------------------------- generation
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Type, Union
 
+from megatron_rl.errors import SyncError
 from megatron_rl.infra.registry import Refused, Registry
 
 if TYPE_CHECKING:
@@ -32,6 +33,12 @@ class WeightSynchronizer(abc.ABC):
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank)
 
+    def on_driver(self) -> bool:
+        """Whether this rank holds the engine (the driver): one process, or rank ``driver_rank``."""
+        import torch.distributed as dist  # lazy: the table below loads without torch
+
+        return not dist.is_initialized() or dist.get_rank() == self.driver_rank
+
     @abc.abstractmethod
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         """Collective: push the backend's current weights as ``version``; return timing/size metrics.
@@ -40,17 +47,67 @@ class WeightSynchronizer(abc.ABC):
         """
 
 
-def _not_yet(transport: str) -> Refused:
-    return Refused(f"--update-weight-transport {transport} is not available with the embedded engine yet; "
-                   "use --update-weight-transport tensor (in-process hand-over of the exported tensors)")
+class ExportStream:
+    """``backend.export_weights(bucket_bytes)`` as one stream of ``(hf_name, tensor)``, counted as it goes
+    (bytes, tensors, buckets); with ``keep_copies`` each tensor is also copied to the CPU into ``sent``
+    (for ``--check-weight-update-equal``). The export is collective: every rank must run it to the end,
+    through a consumer or ``drain()``."""
+
+    def __init__(self, backend: "TrainBackend", bucket_bytes: int, *, keep_copies: bool = False):
+        self.bytes = self.tensors = self.buckets = 0
+        self.sent: dict = {}
+        self._items = self._stream(backend, bucket_bytes, keep_copies)
+
+    def _stream(self, backend, bucket_bytes, keep_copies):
+        for bucket in backend.export_weights(bucket_bytes):
+            self.buckets += 1
+            for name, tensor in bucket:
+                self.bytes += tensor.numel() * tensor.element_size()
+                self.tensors += 1
+                if keep_copies:
+                    self.sent[name] = tensor.detach().to("cpu", copy=True)
+                yield name, tensor
+
+    def __iter__(self):
+        return self._items
+
+    def drain(self) -> None:
+        """Run the rest of the export (a rank with no engine, or after the consumer failed)."""
+        for _ in self._items:
+            pass
+
+    def metrics(self, version: int, seconds: float) -> dict[str, float]:
+        return {"sync/time_s": seconds, "sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
+                "sync/weight_version": float(version)}
 
 
 # --update-weight-transport -> WeightSynchronizer subclass (or "module:Class", imported on first use).
 TRANSPORTS: Registry[Type[WeightSynchronizer]] = Registry("--update-weight-transport", "weight-sync transport", {
     "tensor": "megatron_rl.weight_sync.in_process:InProcessSynchronizer",  # a path: in_process imports this module
-    "disk": _not_yet("disk"),
-    "distributed": _not_yet("distributed"),
+    "disk": "megatron_rl.weight_sync.disk:DiskSynchronizer",
+    "distributed": Refused("--update-weight-transport distributed is not available yet (issue 14); use "
+                           "--update-weight-transport tensor (in-process hand-over to the embedded engine) or disk "
+                           "(versioned safetensors dirs under --update-weight-disk-dir, any engine)"),
 })
+
+
+def check_engine_equals(engine: "RolloutEngine", sent: dict) -> int:
+    """``--check-weight-update-equal``: every engine tensor equals what was sent (after casting to the
+    sent dtype), and nothing the engine holds went unsent; returns the number checked, else SyncError."""
+    import torch  # lazy: the table above loads without torch
+
+    live = dict(engine.named_weights())
+    differ = []
+    for name, want in sent.items():
+        got = live.get(name)
+        if got is None or got.shape != want.shape or not torch.equal(got.to(want.dtype).cpu(), want):
+            differ.append(name)
+    missing = sorted(set(live) - set(sent))
+    if differ or missing:
+        raise SyncError("--check-weight-update-equal: after the sync the engine differs from the trainer in "
+                        f"{len(differ)} tensor(s) {differ[:8]} and was not sent {len(missing)} {missing[:8]}; "
+                        "the bridge's export and the engine's HF names disagree")
+    return len(sent)
 
 
 def register_transport(name: str, transport: Union[str, Type[WeightSynchronizer], Refused]) -> None:

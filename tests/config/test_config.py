@@ -1,5 +1,7 @@
 """Flag parsing, YAML merging, pass-through and every validation error path."""
 
+import re
+
 import pytest
 
 from megatron_rl.config import build_parser, collect_errors, parse_config, parse_duration, validate_config
@@ -48,7 +50,7 @@ def test_parse_values_and_derived(hf_dir):
 
 
 def test_sglang_pass_through(hf_dir):
-    # parsed as SGLang will receive them; validation refuses them while only the embedded engine exists
+    # parsed as SGLang will receive them; validation refuses them while no SGLang engine is launched by us
     cfg = parse_config(base(hf_dir, "--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention",
                             "--sglang-log-level=warning"), validate=False)
     assert cfg.rollout.sglang_args == {"mem_fraction_static": "0.7", "enable_dp_attention": True,
@@ -226,8 +228,9 @@ def test_allocation_string_errors_name_the_flag(hf_dir):
     with pytest.raises(ConfigError, match="--update-weight-transport distributed is not implemented"):
         parse_config(base(hf_dir, "--allocation", "sglang:d2t4+megatron:d2t2", "--update-weight-transport",
                           "distributed"))
-    # the engines the string names are the engine the run uses: sglang is taken, and refused for now
-    with pytest.raises(ConfigError, match="--rollout-backend sglang is not implemented"):
+    # the engines the string names are the engine the run uses: sglang is taken, and refused (no launcher yet)
+    with pytest.raises(ConfigError, match="--rollout-backend sglang without --rollout-engine-urls: launching SGLang "
+                                          "engines is not built yet"):
         parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
     cfg = parse_config(base(hf_dir, "--allocation", "megatron:d2t2"))  # the embedded engine needs no component
     assert cfg.placement.allocation == "megatron:d2t2" and cfg.rollout.rollout_backend == "embedded"
@@ -243,26 +246,76 @@ def test_allocation_engine_must_be_the_rollout_backend(hf_dir, engine):
 
 
 NOT_YET = "not implemented in this version (tracked by issue 14"
+NO_LAUNCHER = "--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet (issue 14)"
+URLS = ["--rollout-engine-urls", "http://127.0.0.1:30000"]
+EXTERNAL = ["--rollout-backend", "sglang", *URLS, "--update-weight-transport", "disk",
+            "--update-weight-disk-dir", "/tmp/mrl-test-weights"]
+BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run where you started them; this run does not place them"
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--rollout-backend", "sglang", "--colocate"], "--rollout-backend sglang is " + NOT_YET),
-    (["--update-weight-transport", "disk"], "--update-weight-transport disk is " + NOT_YET),
+    # what this version does not build
+    (["--rollout-backend", "sglang", "--colocate"], NO_LAUNCHER),
+    (["--rollout-backend", "sglang", "--update-weight-transport", "disk"], NO_LAUNCHER),
     (["--update-weight-transport", "distributed"], "--update-weight-transport distributed is " + NOT_YET),
-    (["--update-weight-disk-dir", "/tmp/w"], "--update-weight-disk-dir /tmp/w is only used by "
-                                              "--update-weight-transport disk, which is " + NOT_YET),
+    ([*EXTERNAL, "--update-weight-transport", "distributed"], "--update-weight-transport distributed is " + NOT_YET),
+    (["--rollout-backend", "sglang", *URLS], "--update-weight-transport tensor with --rollout-engine-urls: the tensor "
+                                             "transport for SGLang is " + NOT_YET),
     (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang"),
     (["--train-backend", "fsdp"], "--train-backend fsdp is not implemented in this version (tracked by issue 16"),
+    # the disk transport's directory
+    (["--update-weight-transport", "disk"], "--update-weight-transport disk needs --update-weight-disk-dir DIR"),
+    (["--update-weight-transport", "disk", "--update-weight-disk-dir", __file__],
+     f"--update-weight-disk-dir {__file__} exists and is not a directory"),
+    (["--update-weight-disk-dir", "/tmp/w"], "--update-weight-disk-dir /tmp/w is only used by "
+                                              "--update-weight-transport disk, not tensor"),
+    # external servers: the URLs, and what means nothing for servers this run neither starts nor places
+    (URLS, "--rollout-engine-urls http://127.0.0.1:30000 names SGLang servers, but --rollout-backend is embedded"),
+    ([*EXTERNAL[:2], "--rollout-engine-urls", "localhost:30000", *EXTERNAL[4:]],
+     "--rollout-engine-urls localhost:30000: not a server address; write http://host:port"),
+    ([*EXTERNAL, "--rollout-engine-urls", "http://a:1", "http://a:1"], "lists http://a:1 more than once"),
+    ([*EXTERNAL, "--colocate"], "--colocate " + BY_URL),
+    ([*EXTERNAL, "--offload-train"], "--offload-train " + BY_URL),
+    ([*EXTERNAL, "--offload-rollout"], "--offload-rollout " + BY_URL),
+    ([*EXTERNAL, "--check-weight-update-equal"], "--check-weight-update-equal with --rollout-backend sglang: SGLang "
+                                                 "cannot read its weights back"),
+    ([*EXTERNAL, "--rollout-num-gpus", "2"], "--rollout-num-gpus 2 places SGLang engines on their own GPUs; the "
+                                             "servers of --rollout-engine-urls run where you started them"),
+    ([*EXTERNAL, "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine 2 sizes SGLang engines"),
+    ([*EXTERNAL, "--sglang-mem-fraction-static", "0.5"], "--sglang-mem-fraction-static: pass-through arguments of "
+                                                         "SGLang servers; this run starts none"),
+    ([*EXTERNAL, "--allocation", "sglang:d1|megatron:d1"], "--allocation sglang:d1|megatron:d1 places SGLang engines "
+                                                           "on GPUs; with --rollout-engine-urls"),
 ])
 def test_unimplemented_engine_and_transports_are_refused_in_validation(hf_dir, extra, match, capsys):
     """Refused before any worker starts, ``--dry-run`` included (they used to pass and fail after the build)."""
     from megatron_rl.train import main
 
-    with pytest.raises(ConfigError, match=match.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(match)):
         parse_config(base(hf_dir, *extra))
     assert main(base(hf_dir, "--dry-run", *extra)) == 2
     out = capsys.readouterr()
     assert match in out.err and "dry run: configuration valid" not in out.out
+
+
+def test_external_sglang_and_disk_are_accepted(hf_dir, tmp_path, capsys):
+    """--rollout-backend sglang with running servers + the disk transport; the disk transport with the
+    embedded engine; --dry-run says the servers are not started here (and plans no GPUs for them)."""
+    from megatron_rl.train import main
+
+    ext = [*EXTERNAL[:-1], str(tmp_path / "w"), "--rollout-engine-urls", "http://10.0.0.5:30000",
+           "https://[::1]:8443"]
+    cfg = parse_config(base(hf_dir, *ext))
+    assert cfg.rollout.rollout_engine_urls == ["http://10.0.0.5:30000", "https://[::1]:8443"]
+    assert (cfg.sync.update_weight_transport, cfg.sync.update_weight_disk_dir) == ("disk", str(tmp_path / "w"))
+    assert parse_config(base(hf_dir, *ext, "--debug-rollout-only")).has_training is False
+    embedded = parse_config(base(hf_dir, "--update-weight-transport", "disk", "--update-weight-disk-dir",
+                                 str(tmp_path / "new" / "w")))
+    assert embedded.rollout.rollout_backend == "embedded" and embedded.sync.update_weight_transport == "disk"
+    assert main(base(hf_dir, *ext, "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "rollout: external SGLang servers, not started or placed by this run: http://10.0.0.5:30000" in out
+    assert "total GPU demand: 1" in out and "no rollout engine" not in out
 
 
 def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):
@@ -272,7 +325,7 @@ def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):
         parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4",
                       "--rollout-backend", "sglang", "--colocate"])
     msg = str(exc.value)
-    assert msg.startswith("invalid configuration:") and "--rollout-backend sglang is " + NOT_YET in msg
+    assert msg.startswith("invalid configuration:") and NO_LAUNCHER in msg
     assert len(msg.splitlines()) == 3  # the layout error and the refusal
 
 

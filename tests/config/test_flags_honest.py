@@ -1,7 +1,7 @@
 """No flag is accepted and then ignored: every config field is read somewhere outside megatron_rl/config/.
 
 Why: issue 10 found flags (``--fp8-format``, ``--log-probs-chunk-size``,
-``--update-weight-disk-dir``) that passed validation and reached nothing. This guard
+``--update-weight-disk-dir``, now read by the disk transport) that passed validation and reached nothing. This guard
 walks every field of the schema (``iter_fields``) and looks, by AST (so comments,
 strings and docstrings do not count), for an attribute access ``.<field_name>`` or a
 ``getattr(obj, "<field_name>")`` in the Python source of megatron_rl/ (config/
@@ -43,21 +43,19 @@ def _refused(argv):
 
 # field -> (why nothing outside megatron_rl/config/ needs to read it, proof)
 ALLOWED: dict[str, tuple[str, tuple]] = {
-    "update_weight_disk_dir": (
-        "only --update-weight-transport disk would use it, which does not exist yet (issue 14); any value is "
-        "refused in validation (validate.refuse_unimplemented_rollout_and_sync)",
-        _refused(["--update-weight-disk-dir", "/tmp/weights"])),
     "rollout_num_gpus": (
-        "places SGLang engines on their own GPUs (read by the planner, config/placement); with the embedded "
-        "engine, the only one that exists (issue 14), it is refused in validation",
+        "places SGLang engines on their own GPUs (read by the planner, config/placement); no engine this version "
+        "runs is placed by it (the embedded engine runs in the driver rank, SGLang servers of "
+        "--rollout-engine-urls run where their user started them; the launcher is issue 14), so it is refused "
+        "in validation with either",
         _refused(["--rollout-num-gpus", "2"])),
     "rollout_num_gpus_per_engine": (
-        "sizes SGLang engines (read by the planner, config/placement); with the embedded engine any value "
-        "but the default 1 is refused in validation",
+        "sizes SGLang engines (read by the planner, config/placement); with the embedded engine or external "
+        "SGLang servers any value but the default 1 is refused in validation",
         _refused(["--rollout-num-gpus-per-engine", "2"])),
     "sglang_args": (
-        "pass-through arguments of SGLang servers; the embedded engine starts none, so any --sglang-KEY is "
-        "refused in validation",
+        "pass-through arguments of SGLang servers we launch; neither the embedded engine nor external servers "
+        "(--rollout-engine-urls) start any, so any --sglang-KEY is refused in validation",
         ("refused-as", ["--sglang-mem-fraction-static", "0.5"], "--sglang-mem-fraction-static")),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "

@@ -1,34 +1,12 @@
 """JSONL prompt datasets, chat templates, shuffling and exact resume of the prompt iterator."""
 
 import json
-import string
 
 import pytest
+from _tokenizer import SPECIAL, build_char_tokenizer  # tests/ is on sys.path (conftest)
 
 from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.errors import ConfigError
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SPECIAL = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-
-
-def build_char_tokenizer(path, chat_template=CHAT_TEMPLATE):
-    """A real (tiny) HF fast tokenizer: one token per printable character, ids < 110, saved to ``path``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-                                   additional_special_tokens=SPECIAL[3:])
-    if chat_template:
-        fast.chat_template = chat_template
-    fast.save_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
-
 
 def write_jsonl(path, records):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))

@@ -39,7 +39,8 @@ abort / flush / pause tests),
 ``drop`` (close the connection without a reply for the next N requests to a path),
 ``die_on`` (the server dies on receiving a path: listening socket closed, every connection
 cut), and ``stop()`` / ``start()`` for connection refused then back. ``server.requests``
-counts every request received, so tests can check what was (not) retried.
+counts every request received, so tests can check what was (not) retried; ``server.disk_updates``
+lists each loaded ``/update_weights_from_disk`` as ``(weight_version, model_path)``, in order.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class SGLangStandIn:
         self.faults = Faults()
         self.requests: Counter = Counter()  # path -> requests received
         self.rids_served: list[str] = []  # every /generate row's rid, in arrival order
+        self.disk_updates: list[tuple[Optional[str], str]] = []  # (weight_version, model_path) of each loaded update
         self.weight_version = "default"
         self.released: set[str] = set()
         self.in_session = False
@@ -290,6 +292,7 @@ class SGLangStandIn:
             self._engine_version += 1
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
+        self.disk_updates.append((body.get("weight_version"), str(path)))
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def begin(self, body: dict) -> tuple[int, Any]:

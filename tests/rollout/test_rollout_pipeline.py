@@ -3,7 +3,7 @@
 import json
 from dataclasses import replace
 
-from test_prompts import build_char_tokenizer
+from _tokenizer import build_char_tokenizer  # tests/ is on sys.path (conftest)
 
 from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.models.hf_tiny import build_tiny_hf_model

@@ -265,11 +265,21 @@ def test_update_weight_version_and_health_mismatch(engine, standin):
     assert not health.ok and "differ" in health.detail
 
 
-def test_not_wired_into_the_loop_yet(engine):
-    with pytest.raises(ConfigError, match="sglang"):
-        ENGINES.get("sglang")
-    with pytest.raises(ConfigError, match="URLs|urls"):
-        SGLangEngine.from_config(None)
+def test_from_config_and_the_table(engine, standin, model, tmp_path):
+    from megatron_rl.config import parse_config
+
+    assert ENGINES.get("sglang") is SGLangEngine
+    flags = ["--hf-checkpoint", model, "--rollout-backend", "sglang", "--update-weight-transport", "disk",
+             "--update-weight-disk-dir", str(tmp_path / "w")]
+    built = SGLangEngine.from_config(parse_config([*flags, "--rollout-engine-urls", standin.url]))
+    try:
+        assert built.urls == [standin.url] and built.weights.root == str(tmp_path / "w")
+        assert built.weights.hf_checkpoint == model and built.tokenizer is None  # the tiny model has none
+        assert built.health().ok
+    finally:
+        built.close()
+    with pytest.raises(ConfigError, match="without --rollout-engine-urls: launching SGLang engines is not built"):
+        SGLangEngine.from_config(parse_config(flags, validate=False))
     with pytest.raises(EngineError, match="get_weights_by_name"):
         engine.named_weights()
     with pytest.raises(ConfigError, match="at least one"):

@@ -25,12 +25,16 @@ from megatron_rl.rollout import ENGINES, EmbeddedEngine, GenerateRequest, Sampli
 from megatron_rl.rollout.build import build_rollout
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.weight_sync import TRANSPORTS, WeightSynchronizer, make_synchronizer, make_synchronizer_from_config
+from megatron_rl.rollout.sglang import SGLangEngine
+from megatron_rl.weight_sync.disk import DiskSynchronizer
 from megatron_rl.weight_sync.in_process import InProcessSynchronizer
 
 METRIC_KEYS = {"sync/time_s", "sync/bytes", "sync/buckets", "sync/weight_version"}
-NOT_YET_TRANSPORT = ("--update-weight-transport {} is not available with the embedded engine yet; use "
-                     "--update-weight-transport tensor (in-process hand-over of the exported tensors)")
-NOT_YET_SGLANG = "--rollout-backend sglang is not wired into the loop yet; use --rollout-backend embedded"
+NOT_YET_DISTRIBUTED = ("--update-weight-transport distributed is not available yet (issue 14); use "
+                       "--update-weight-transport tensor (in-process hand-over to the embedded engine) or disk "
+                       "(versioned safetensors dirs under --update-weight-disk-dir, any engine)")
+NO_URLS = ("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet "
+           "(issue 14); give --rollout-engine-urls of running servers")
 
 
 def checkpoint_tensors(path):
@@ -182,18 +186,20 @@ def test_transport_table():
     sync = make_synchronizer("tensor", bucket_bytes=123, check_equal=True, driver_rank=2)
     assert isinstance(sync, InProcessSynchronizer) and isinstance(sync, WeightSynchronizer)
     assert (sync.bucket_bytes, sync.check_equal, sync.driver_rank) == (123, True, 2)
-    assert TRANSPORTS.available() == ["tensor"]
-    for name in ("disk", "distributed"):
-        with pytest.raises(ConfigError) as err:
-            make_synchronizer(name, bucket_bytes=1)
-        assert str(err.value) == NOT_YET_TRANSPORT.format(name)
+    assert TRANSPORTS.available() == ["disk", "tensor"]
+    assert TRANSPORTS.get("disk") is DiskSynchronizer
+    with pytest.raises(ConfigError, match="--update-weight-disk-dir"):  # disk without its directory
+        make_synchronizer("disk", bucket_bytes=1)
+    with pytest.raises(ConfigError) as err:
+        make_synchronizer("distributed", bucket_bytes=1)
+    assert str(err.value) == NOT_YET_DISTRIBUTED
     with pytest.raises(ConfigError) as err:
         make_synchronizer("nccl", bucket_bytes=1)
     assert str(err.value) == ("--update-weight-transport='nccl' is not a known weight-sync transport; choose one "
-                              "of tensor; not available yet: disk, distributed")
+                              "of disk, tensor; not available yet: distributed")
 
 
-def test_synchronizer_from_config_maps_the_flags(tiny_hf_models):
+def test_synchronizer_from_config_maps_the_flags(tiny_hf_models, tmp_path):
     hf = tiny_hf_models("qwen2")
     sync = make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf, "--update-weight-buffer-size", "4096",
                                                        "--check-weight-update-equal"]))
@@ -201,29 +207,34 @@ def test_synchronizer_from_config_maps_the_flags(tiny_hf_models):
     assert (sync.bucket_bytes, sync.check_equal, sync.driver_rank) == (4096, True, 0)
     default = make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf]))
     assert (default.bucket_bytes, default.check_equal) == (512 * 1024 * 1024, False)
-    # validation refuses disk already; the table refuses it too for a config that skipped validation
-    cfg = parse_config(["--hf-checkpoint", hf, "--update-weight-transport", "disk"], validate=False)
+    disk = make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf, "--update-weight-transport", "disk",
+                                                       "--update-weight-disk-dir", str(tmp_path / "w"),
+                                                       "--update-weight-buffer-size", "4096"]))
+    assert isinstance(disk, DiskSynchronizer) and disk.bucket_bytes == 4096
+    assert (disk.weights.root, disk.weights.hf_checkpoint, disk.weights.keep_versions) == (str(tmp_path / "w"), hf, 2)
+    # validation refuses distributed already; the table refuses it too for a config that skipped validation
+    cfg = parse_config(["--hf-checkpoint", hf, "--update-weight-transport", "distributed"], validate=False)
     with pytest.raises(ConfigError) as err:
         make_synchronizer_from_config(cfg)
-    assert str(err.value) == NOT_YET_TRANSPORT.format("disk")
+    assert str(err.value) == NOT_YET_DISTRIBUTED
 
 
 # ---------------------------------------------------------------- --rollout-backend table and the builder
 
 
 def test_engine_table(tiny_hf_models):
-    assert ENGINES.available() == ["embedded"]
+    assert ENGINES.available() == ["embedded", "sglang"]
     assert ENGINES.rows()["embedded"] == "megatron_rl.rollout.embedded:EmbeddedEngine"  # imported on first use
     assert ENGINES.get("embedded") is EmbeddedEngine
+    assert ENGINES.get("sglang") is SGLangEngine
     engine = make_engine("embedded", hf_checkpoint=tiny_hf_models("qwen2"), max_batch_size=3)
     assert isinstance(engine, EmbeddedEngine) and engine.max_batch_size == 3
-    with pytest.raises(ConfigError) as err:
-        make_engine("sglang")
-    assert str(err.value) == NOT_YET_SGLANG
+    sglang = make_engine("sglang", urls=["http://127.0.0.1:1"])
+    assert isinstance(sglang, SGLangEngine) and sglang.urls == ["http://127.0.0.1:1"]
+    sglang.close()
     with pytest.raises(ConfigError) as err:
         make_engine("vllm")
-    assert str(err.value) == ("--rollout-backend='vllm' is not a known rollout engine; choose one of embedded; "
-                              "not available yet: sglang")
+    assert str(err.value) == "--rollout-backend='vllm' is not a known rollout engine; choose one of embedded, sglang"
 
 
 @pytest.fixture
@@ -273,7 +284,7 @@ def test_build_rollout_fails_fast(rollout_flags, monkeypatch):
         build_rollout(parse_config(rollout_flags("--custom-rm-path", "REWARD:nosuch")))
     with pytest.raises(ConfigError, match="no reward function"):
         build_rollout(parse_config(rollout_flags()))
-    # sglang: refused by validation, and by the table (first, before prompts or reward) for unvalidated configs
+    # sglang without servers: refused by validation, and by its from_config for unvalidated configs
     with pytest.raises(ConfigError) as err:
-        build_rollout(parse_config(rollout_flags("--rollout-backend", "sglang", prompt_data=False), validate=False))
-    assert str(err.value) == NOT_YET_SGLANG
+        build_rollout(parse_config(rollout_flags("--rollout-backend", "sglang", "--rm-type", "math"), validate=False))
+    assert str(err.value) == NO_URLS

@@ -7,10 +7,13 @@ gets one batched ``POST /generate`` per call, all servers in parallel; each samp
 its own batch row with its own ``sampling_seed`` (``protocol.row_seed``, the embedded
 engine's formula), so a seeded call is reproducible whatever the routing.
 
-Weights (this slice: the disk route only): ``update_weights`` writes the tensors as HF
-safetensors into ``<weight_dir>/v<version>`` (written under a hidden temporary name and
-renamed into place complete, so a half-written version never loads; older versions
-pruned beyond ``keep_versions``), then ``POST /update_weights_from_disk`` with
+Weights (the disk route only): ``update_weights`` writes the tensors as HF safetensors
+into ``<weight_dir>/v<version>`` (``rollout.weight_dir.VersionedWeightDir``: written under
+a hidden temporary name and renamed into place complete, so a half-written version never
+loads; older versions pruned beyond ``keep_versions``), then loads it with
+``update_weights_from_disk(path, version)``, which the disk transport
+(``weight_sync.disk``) calls directly after writing the dir itself:
+``POST /update_weights_from_disk`` with
 ``weight_version=str(version)`` to every server, then checks each server's
 ``/model_info`` reports that version. The engine adopts ``version`` only when every
 server has it; otherwise ``SyncError`` names the servers that failed, and the engine
@@ -23,27 +26,22 @@ classes (Qwen2 on CPU among them), and reading back our own files would check no
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
-import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
-from megatron_rl.infra.atomic import publish_dir
-from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams
+from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.sglang import protocol
 from megatron_rl.rollout.sglang.client import SGLangClient
+from megatron_rl.rollout.weight_dir import VersionedWeightDir
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
 
 __all__ = ["SGLangEngine"]
-
-_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 class SGLangEngine(RolloutEngine):
@@ -52,21 +50,19 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, urls: Sequence[str], *, weight_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
                  timeout_s: float = 60.0, generate_timeout_s: float = 600.0, update_timeout_s: float = 600.0,
                  connect_retries: int = 3, backoff_s: float = 0.5, keep_versions: int = 2,
-                 release_tags: Optional[Sequence[str]] = None):
+                 release_tags: Optional[Sequence[str]] = None, tokenizer: Any = None):
         urls = [str(u) for u in urls]
         if not urls:
             raise ConfigError("SGLangEngine needs at least one server URL (http://host:port)")
         if len(set(urls)) != len(urls):
             raise ConfigError(f"SGLangEngine got a server URL twice: {urls}; list each server once")
-        if keep_versions < 1:
-            raise ConfigError(f"SGLangEngine keep_versions={keep_versions}: keep at least the loaded version (1)")
         self.clients = [SGLangClient(u, timeout_s=timeout_s, connect_retries=connect_retries, backoff_s=backoff_s)
                         for u in urls]
-        self.weight_dir = weight_dir
-        self.hf_checkpoint = hf_checkpoint
+        self.weights = VersionedWeightDir(weight_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions) \
+            if weight_dir else None  # where update_weights publishes; the disk transport brings its own
+        self.tokenizer = tokenizer  # for text prompts and rewards that decode; None: token-id prompts only
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
-        self.keep_versions = keep_versions
         self.release_tags = protocol.check_tags(release_tags)
         self._cursor = 0
         self._released = False
@@ -77,9 +73,16 @@ class SGLangEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "SGLangEngine":
-        raise ConfigError("--rollout-backend sglang has no flags yet (server URLs, launcher and weight transport "
-                          "land in the next slices of issue 14); build SGLangEngine(urls=[...], weight_dir=...) "
-                          "directly, or use --rollout-backend embedded")
+        """The loop's engine: the running servers of ``--rollout-engine-urls`` (validation refuses sglang
+        without them: the launcher is not built), weights under ``--update-weight-disk-dir``, config files
+        and tokenizer from ``--hf-checkpoint``."""
+        urls = list(cfg.rollout.rollout_engine_urls)
+        if not urls:
+            raise ConfigError("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is "
+                              "not built yet (issue 14); give --rollout-engine-urls of running servers")
+        hf = cfg.model.hf_checkpoint
+        return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
+                   tokenizer=load_tokenizer(hf) if hf else None)
 
     @property
     def urls(self) -> list[str]:
@@ -200,67 +203,30 @@ class SGLangEngine(RolloutEngine):
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         raise EngineError("SGLang engine cannot list its weights: SGLang's /get_weights_by_name is missing for most "
-                          "model classes (Qwen2 on CPU among them); --check-weight-update-equal with "
-                          "--rollout-backend sglang lands with the weight-sync transports (issue 14)")
-
-    def version_dir(self, version: int) -> str:
-        if not self.weight_dir:
-            raise ConfigError("SGLangEngine.update_weights needs weight_dir (a directory every server can read, "
-                              "e.g. a shared filesystem path): pass weight_dir=... to the constructor")
-        return os.path.join(os.path.abspath(self.weight_dir), f"v{int(version)}")
-
-    def write_version(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> str:
-        """Publish ``<weight_dir>/v<version>`` (config files + model.safetensors) atomically; returns its path."""
-        import torch  # the engine itself runs without torch until weights move
-        from safetensors.torch import save_file
-
-        final = self.version_dir(version)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".v{int(version)}.", suffix=".tmp", dir=os.path.dirname(final))
-        try:
-            tensors: dict[str, Any] = {}
-            seen_storage: set[int] = set()
-            for name, tensor in named_tensors:
-                if name in tensors:
-                    raise SyncError(f"weight update to version {version} sends {name!r} twice; each HF tensor once")
-                t = torch.as_tensor(tensor).detach().to("cpu").contiguous()
-                ptr = t.untyped_storage().data_ptr()
-                if ptr in seen_storage:  # tied weights share storage; safetensors refuses shared tensors
-                    t = t.clone()
-                seen_storage.add(t.untyped_storage().data_ptr())
-                tensors[name] = t
-            if not tensors:
-                raise SyncError(f"weight update to version {version} carries no tensors")
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            if self.hf_checkpoint:
-                for fname in _CONFIG_FILES:
-                    src = os.path.join(self.hf_checkpoint, fname)
-                    if os.path.exists(src):
-                        shutil.copyfile(src, os.path.join(tmp, fname))
-            publish_dir(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
-
-    def prune_versions(self, keep: Sequence[int] = ()) -> None:
-        """Delete version dirs beyond the newest ``keep_versions`` (never those in ``keep``)."""
-        root = os.path.abspath(self.weight_dir or "")
-        if not self.weight_dir or not os.path.isdir(root):
-            return
-        versions = sorted(int(d[1:]) for d in os.listdir(root) if d.startswith("v") and d[1:].isdigit())
-        for v in versions[:-self.keep_versions]:
-            if v not in keep:
-                shutil.rmtree(os.path.join(root, f"v{v}"), ignore_errors=True)
+                          "model classes (Qwen2 on CPU among them), so --check-weight-update-equal is refused in "
+                          "validation with --rollout-backend sglang")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Disk route: publish ``v<version>``, load it on every server, check each reports ``version``."""
+        """Disk route: publish ``<weight_dir>/v<version>``, load it on every server, prune old versions."""
+        self._check_update(version)
+        if self.weights is None:
+            raise ConfigError("SGLangEngine.update_weights needs weight_dir (a directory every server can read, "
+                              "e.g. a shared filesystem path): pass weight_dir=... to the constructor")
+        path = self.weights.write(named_tensors, version)
+        self.update_weights_from_disk(path, version)
+        self.weights.prune(version)
+
+    def _check_update(self, version: int) -> None:
         if self._released:
             raise EngineError("SGLang engine cannot update weights: released: call resume() first")
         if version < self._weight_version:
             raise SyncError(f"update_weights(version={version}) is older than the engine's weight_version "
                             f"{self._weight_version}; versions only move forward (check the trainer's step counter)")
-        path = self.write_version(named_tensors, version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        """``POST /update_weights_from_disk`` of the published dir ``path`` on every server (with
+        ``weight_version=str(version)``), then check each reports ``version``; adopt it only if all do."""
+        self._check_update(version)
 
         def load(client: SGLangClient) -> Optional[str]:
             try:
@@ -281,4 +247,3 @@ class SGLangEngine(RolloutEngine):
                             + " | ".join(failures))
         self._weights_loaded = True
         self._weight_version = version
-        self.prune_versions(keep=[version])

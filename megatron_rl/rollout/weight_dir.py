@@ -1,0 +1,94 @@
+"""Versioned HF safetensors directories: how weights travel by disk (``--update-weight-transport disk``).
+
+``VersionedWeightDir(root)`` publishes one update as ``<root>/v<version>/`` holding
+``model.safetensors`` (+ ``config.json`` / ``generation_config.json`` copied from the HF
+checkpoint, so an SGLang server can load the dir as a model). A version is written under a
+hidden temporary name (``.v<version>.*.tmp``) and renamed into place only when complete
+(``infra.atomic.publish_dir``), so a reader never sees a half-written version; a failure
+while writing removes the temporary dir and publishes nothing. ``prune`` keeps the newest
+``keep_versions`` up to the one just loaded.
+
+The one writer of such dirs: the disk transport (``weight_sync.disk``) and
+``SGLangEngine.update_weights`` both call it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Iterable, Optional
+
+from megatron_rl.errors import ConfigError, SyncError
+from megatron_rl.infra.atomic import publish_dir
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+_VERSION = re.compile(r"^v(\d+)$")
+
+
+class VersionedWeightDir:
+    """``<root>/v<version>/`` dirs of HF safetensors, published atomically, pruned to ``keep_versions``."""
+
+    def __init__(self, root: str, *, hf_checkpoint: Optional[str] = None, keep_versions: int = 2):
+        if not root:
+            raise ConfigError("weights on disk need a directory (--update-weight-disk-dir DIR, readable by "
+                              "every server that loads them)")
+        if keep_versions < 1:
+            raise ConfigError(f"keep_versions={keep_versions}: keep at least the loaded version (1)")
+        self.root = os.path.abspath(root)
+        self.hf_checkpoint = hf_checkpoint
+        self.keep_versions = keep_versions
+
+    def path(self, version: int) -> str:
+        return os.path.join(self.root, f"v{int(version)}")
+
+    def versions(self) -> list[int]:
+        """Published versions, ascending (temporary dirs are not versions)."""
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(int(m.group(1)) for m in map(_VERSION.match, os.listdir(self.root)) if m)
+
+    def write(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> str:
+        """Publish ``v<version>`` (model.safetensors + config files) atomically; return its path.
+
+        Consumes ``named_tensors`` to the end unless it fails; on any error nothing is published.
+        """
+        import torch  # lazy: importing this module (SGLang's engine does) needs no torch
+        from safetensors.torch import save_file
+
+        final = self.path(version)
+        os.makedirs(self.root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".v{int(version)}.", suffix=".tmp", dir=self.root)
+        try:
+            tensors: dict[str, Any] = {}
+            seen_storage: set[int] = set()
+            for name, tensor in named_tensors:
+                if name in tensors:
+                    raise SyncError(f"weight update to version {version} sends {name!r} twice; each HF tensor once")
+                t = torch.as_tensor(tensor).detach().to("cpu").contiguous()
+                if t.untyped_storage().data_ptr() in seen_storage:  # tied weights share storage: safetensors
+                    t = t.clone()                                    # refuses shared tensors
+                seen_storage.add(t.untyped_storage().data_ptr())
+                tensors[name] = t
+            if not tensors:
+                raise SyncError(f"weight update to version {version} carries no tensors")
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            if self.hf_checkpoint:
+                for fname in CONFIG_FILES:
+                    src = os.path.join(self.hf_checkpoint, fname)
+                    if os.path.exists(src):
+                        shutil.copyfile(src, os.path.join(tmp, fname))
+            publish_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def prune(self, current: int) -> None:
+        """Keep ``v<current>`` and the newest ``keep_versions - 1`` below it; delete every other version
+        (those above ``current`` are left from a run that went further before a resume)."""
+        older = [v for v in self.versions() if v < current][::-1][:self.keep_versions - 1]
+        for v in self.versions():
+            if v != current and v not in older:
+                shutil.rmtree(self.path(v), ignore_errors=True)

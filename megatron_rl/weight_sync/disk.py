@@ -1,0 +1,71 @@
+"""The disk transport (``--update-weight-transport disk``): versioned HF safetensors dirs the engine loads.
+
+Every rank iterates the backend's ``export_weights`` (it is collective: TP/PP/EP gathers);
+the driver writes the stream into ``<--update-weight-disk-dir>/v<version>/`` through
+``rollout.weight_dir.VersionedWeightDir`` (a hidden temporary dir renamed into place when
+complete, so a half-written version never loads), then asks the engine to load it
+(``engine.update_weights_from_disk(path, version)``: every SGLang server's
+``/update_weights_from_disk``, or the embedded engine reading the files), then prunes to the
+newest 2 versions. If writing fails the driver still runs the export to the end before
+raising, so the other ranks are not left waiting in it.
+
+Works with both engines: SGLang servers given by ``--rollout-engine-urls`` (which must be able
+to read the directory: a shared filesystem when they run on other hosts), and the embedded
+engine (the files are a record of every pushed version, and the path SGLang takes, testable
+without a server).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+from megatron_rl.rollout.weight_dir import VersionedWeightDir
+from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, check_engine_equals
+
+if TYPE_CHECKING:
+    from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.config.schema import Config
+    from megatron_rl.rollout.base import RolloutEngine
+
+KEEP_VERSIONS = 2  # the version the engine loaded and the one before it
+
+
+class DiskSynchronizer(WeightSynchronizer):
+    """Publish each sync as ``<disk_dir>/v<version>`` and have the engine load it."""
+
+    def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
+                 disk_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
+                 keep_versions: int = KEEP_VERSIONS):
+        super().__init__(bucket_bytes, check_equal, driver_rank)
+        self.weights = VersionedWeightDir(disk_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions)
+
+    @classmethod
+    def from_config(cls, cfg: "Config", *, driver_rank: int = 0) -> "DiskSynchronizer":
+        s = cfg.sync
+        return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
+                   driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint)
+
+    def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal)
+        here = self.on_driver() and engine is not None
+        write_s = load_s = 0.0
+        if here:
+            try:
+                path = self.weights.write(exported, version)
+            except BaseException:
+                exported.drain()  # the other ranks are still in the collective export: let them finish it
+                raise
+            t1 = time.perf_counter()
+            write_s = t1 - t0  # export (gathers) + serialising + publishing: they overlap bucket by bucket
+            engine.update_weights_from_disk(path, version)
+            load_s = time.perf_counter() - t1
+            self.weights.prune(version)
+        else:
+            exported.drain()
+        metrics = exported.metrics(version, time.perf_counter() - t0)
+        metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
+        if self.check_equal and here:
+            metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
+        return metrics
