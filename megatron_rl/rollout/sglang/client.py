@@ -287,32 +287,29 @@ class SGLangClient:
         """Whether the server has ``/begin_weight_update`` (None: not asked yet)."""
         return self._has_update_session
 
-    def begin_weight_update(self) -> bool:
-        """Open a weight-update session; False (and remembered) on a server older than 0.5.21 that lacks it."""
+    def _session_call(self, endpoint: str) -> bool:
+        """POST ``endpoint`` of the begin/end pair; False (and remembered) where the server lacks it (404)."""
         if self._has_update_session is False:
             return False
         try:
-            self._weight_call("/begin_weight_update", {}, None)
+            self._weight_call(endpoint, {}, None)
         except SGLangSyncError as exc:
             if exc.status == 404:
                 self._has_update_session = False
                 return False
             raise
-        self._has_update_session = True
         return True
+
+    def begin_weight_update(self) -> bool:
+        """Open a weight-update session; False on a server older than 0.5.21 that lacks it."""
+        if self._session_call("/begin_weight_update"):
+            self._has_update_session = True
+            return True
+        return False
 
     def end_weight_update(self) -> bool:
         """Close the session opened by ``begin_weight_update``; False where the server lacks the pair."""
-        if self._has_update_session is False:
-            return False
-        try:
-            self._weight_call("/end_weight_update", {}, None)
-        except SGLangSyncError as exc:
-            if exc.status == 404:
-                self._has_update_session = False
-                return False
-            raise
-        return True
+        return self._session_call("/end_weight_update")
 
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> dict:
         """``POST /update_weight_version``; SGLang aborts in-flight requests unless told not to."""
