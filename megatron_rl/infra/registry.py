@@ -1,4 +1,5 @@
-"""Name -> implementation tables behind the flags that pick one (``--rollout-backend``, ``--update-weight-transport``).
+"""Name -> implementation tables behind the flags that pick one (``--train-backend``, ``--rollout-backend``,
+``--update-weight-transport``).
 
 A row is one of:
 
