@@ -9,11 +9,17 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
 
 * ``POST /generate``: ``input_ids`` (one list, or a list of lists = batch), ``sampling_params``
   (a dict, or one per row), ``rid``, ``return_logprob``; answers ``{text, output_ids, meta_info}``
-  (a list for a batch) with ``meta_info = {id, finish_reason, prompt_tokens, completion_tokens,
-  cached_tokens, weight_version, e2e_latency, output_token_logprobs=[[logprob, id, None], ...]}``;
-  errors ``{"error": {"message"}}`` with 400.
+  (a list for a batch) with ``meta_info`` carrying the keys real SGLang 0.5.23 sends
+  (``id, finish_reason, prompt_tokens, weight_version, num_retractions, input_token_logprobs,
+  output_token_logprobs=[[logprob, id, None], ...], output_token_logprobs_length,
+  reasoning_tokens, completion_tokens, cached_tokens, weight_versions=[{version, start, end}],
+  cached_tokens_details, dp_rank, e2e_latency, response_sent_to_client_ts``); errors
+  ``{"error": {"message"}}`` with 400. ``sampling_seed`` is honoured as by a server started with
+  ``--enable-deterministic-inference``; ``deterministic=False`` plays the default server, which
+  ignores it (``/server_info`` reports which).
 * weight endpoints: ``{success, message}`` (``/update_weights_from_disk`` adds
-  ``num_paused_requests``), 200 or 400; ``/update_weight_version`` adds ``new_version`` and
+  ``num_paused_requests``; a pushed ``weight_version`` appends " Weight version updated to V."
+  to the message), 200 or 400; ``/update_weight_version`` adds ``new_version`` and
   aborts all requests unless ``abort_all_requests`` is false.
 * ``/begin_weight_update`` / ``/end_weight_update`` (0.5.21+): tensor and distributed updates
   answer 400 outside the pair; disk is exempt. ``legacy=True`` plays a server older than
@@ -23,8 +29,13 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
 * ``/pause_generation`` (``mode``) / ``/continue_generation``: ``{"message", "status": "ok"}``.
 * ``/abort_request`` (``rid``, ``abort_all``): 200, empty body; aborted rows finish "abort".
 * ``/flush_cache``: plain text, 200, or 400 while requests are running or waiting.
-* ``/model_info`` (``weight_version``: "default" until a versioned update), ``/health``
+* ``/model_info`` (``weight_version``: "default" until a versioned update; ``model_path`` and
+  ``served_model_name`` follow each disk load, ``tokenizer_path`` stays), ``/server_info``
+  (a subset of the resolved launch arguments: the ones a client reads), ``/health``
   (200 empty; 503 while "starting"), ``/health_generate``.
+
+The replies and messages above were compared with real SGLang 0.5.23 on CPU by
+``tools/sglang_cpu/check_real_sglang.py`` (it records real replies in its figures.json).
 
 Where the stand-in differs on purpose (said so in its replies): ``/generate`` while the
 weights or KV cache are released answers 400 (real SGLang on GPU would crash or compute
@@ -84,10 +95,12 @@ class _Pending:
 class SGLangStandIn:
     """Serve ``hf_checkpoint`` on 127.0.0.1 like ``python -m sglang.launch_server`` would."""
 
-    def __init__(self, hf_checkpoint: str, *, legacy: bool = False, port: int = 0):
+    def __init__(self, hf_checkpoint: str, *, legacy: bool = False, deterministic: bool = True, port: int = 0):
         self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
-        self.model_path = hf_checkpoint
+        self.model_path = hf_checkpoint  # moves to each loaded dir, as SGLang's does
+        self.tokenizer_path = hf_checkpoint
         self.legacy = legacy
+        self.deterministic = deterministic
         self.faults = Faults()
         self.requests: Counter = Counter()  # path -> requests received
         self.rids_served: list[str] = []  # every /generate row's rid, in arrival order
@@ -171,6 +184,8 @@ class SGLangStandIn:
             return 200, ""
         if path in ("/model_info", "/get_model_info"):
             return 200, self.model_info()
+        if path in ("/server_info", "/get_server_info"):
+            return 200, self.server_info()
         if path in ("/get_weight_version", "/weight_version"):
             return 404, {"detail": "Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
                                    "Please use '/model_info' instead."}
@@ -204,11 +219,20 @@ class SGLangStandIn:
 
     def model_info(self) -> dict:
         config = self.engine.model.config
-        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": self.weight_version,
+        return {"model_path": self.model_path, "served_model_name": self.model_path,
+                "tokenizer_path": self.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.weight_version, "load_format": "auto", "reasoning_parser": None,
+                "tool_call_parser": None, "disaggregation_mode": "null",
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None)}
+
+    def server_info(self) -> dict:
+        """The resolved launch arguments a client reads (real SGLang sends several hundred keys)."""
+        return {"model_path": self.tokenizer_path, "tokenizer_path": self.tokenizer_path,
+                "served_model_name": self.tokenizer_path, "tp_size": 1, "dp_size": 1, "device": "cpu",
+                "dtype": "float32", "weight_version": "default", "disable_radix_cache": True,
+                "enable_deterministic_inference": self.deterministic, "version": "0.5.23"}
 
     def generate(self, body: dict) -> tuple[int, Any]:
         if "input_ids" not in body:
@@ -255,13 +279,14 @@ class SGLangStandIn:
         if not prompt:
             raise ValueError("input_ids is empty")
         if pending.aborted.is_set():
-            return _row("", [], [], {"type": "abort", "message": "Abort before prefill", "status_code": None},
+            return _row("", [], [], {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
                         pending.rid, len(prompt), self.weight_version, tic)
         temperature = float(sp.get("temperature", 1.0))
         sampling = SamplingParams(temperature=temperature, top_p=float(sp.get("top_p", 1.0)),
                                   top_k=int(sp.get("top_k", -1)), max_new_tokens=int(sp.get("max_new_tokens", 128)),
                                   stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-                                  seed=sp.get("sampling_seed"), ignore_eos=bool(sp.get("ignore_eos", False)))
+                                  seed=sp.get("sampling_seed") if self.deterministic else None,
+                                  ignore_eos=bool(sp.get("ignore_eos", False)))
         with self._engine_lock:
             sample = self.engine.generate([GenerateRequest(list(prompt), 0)], sampling)[0]
         if sample.finish_reason == "stop":
@@ -276,8 +301,9 @@ class SGLangStandIn:
         path = body.get("model_path")
         files = sorted(glob.glob(f"{path}/*.safetensors")) if path else []
         if not files:
+            # real SGLang falls back to a hub download for a path that is not a dir, hence its words
             return 400, {"success": False, "num_paused_requests": 0,
-                         "message": f"Failed to get weights iterator: {path} (repository not found)."}
+                         "message": "Failed to get weights iterator: [Errno -2] Name or service not known."}
         if body.get("abort_all_requests"):
             self.abort({"abort_all": True})
         tensors: dict[str, torch.Tensor] = {}
@@ -290,27 +316,32 @@ class SGLangStandIn:
                 return 400, {"success": False, "num_paused_requests": 0,
                              "message": f"Failed to update weights: {exc}.\nRolling back to original weights."}
             self._engine_version += 1
+        message = "Succeeded to update model weights."
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.weight_version}."
+        self.model_path = str(path)
         self.disk_updates.append((body.get("weight_version"), str(path)))
-        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        return 200, {"success": True, "message": message, "num_paused_requests": 0}
 
     def begin(self, body: dict) -> tuple[int, Any]:
         if self.in_session:
-            return 400, {"success": False, "message": "A weight update session is already open"}
+            return 400, {"success": False, "message": "a weight-update session is already open; "
+                                                       "call end_weight_update() first"}
         self.in_session = True
-        return 200, {"success": True, "message": "Weight update session started"}
+        return 200, {"success": True, "message": "Success"}
 
     def end(self, body: dict) -> tuple[int, Any]:
         if not self.in_session:
-            return 400, {"success": False, "message": "No weight update session is open"}
+            return 400, {"success": False, "message": "no weight-update session is open; call "
+                                                       "begin_weight_update() first"}
         self.in_session = False
-        return 200, {"success": True, "message": "Weight update session ended"}
+        return 200, {"success": True, "message": "Success"}
 
     def session_update(self, body: dict, path: str) -> tuple[int, Any]:
         if not self.legacy and not self.in_session:
-            return 400, {"success": False, "message": f"{path[1:]} requires an open weight update session; "
-                                                       "call /begin_weight_update first"}
+            return 400, {"success": False, "message": f"{path[1:]} must run between begin_weight_update() and "
+                                                       "end_weight_update()"}
         return 400, {"success": False, "message": f"stand-in: {path} is not implemented by the stand-in yet "
                                                    "(tensor and distributed transports come in a later slice)"}
 
@@ -371,7 +402,7 @@ class SGLangStandIn:
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
         if self.pending_count():
-            return 400, "Flush cache failed: there are running or waiting requests.\n"
+            return 400, "Flush cache failed."
         return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                      "waiting requests, the operation will not be performed.)\n")
 
@@ -381,10 +412,15 @@ def _validation_error(message: str) -> dict:
 
 
 def _row(text, output_ids, logprobs, finish, rid, prompt_tokens, weight_version, tic) -> dict:
+    """One reply row, keys in real SGLang 0.5.23's order; a row is generated under one version here."""
+    n = len(output_ids)
     return {"text": text, "output_ids": list(output_ids), "meta_info": {
         "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": weight_version,
-        "completion_tokens": len(output_ids), "cached_tokens": 0, "e2e_latency": time.time() - tic,
-        "output_token_logprobs": [[float(lp), int(t), None] for lp, t in zip(logprobs, output_ids)]}}
+        "num_retractions": 0, "input_token_logprobs": [],
+        "output_token_logprobs": [[float(lp), int(t), None] for lp, t in zip(logprobs, output_ids)],
+        "output_token_logprobs_length": n, "reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0,
+        "weight_versions": [{"version": weight_version, "start": 0, "end": n}], "cached_tokens_details": None,
+        "dp_rank": None, "e2e_latency": time.time() - tic, "response_sent_to_client_ts": time.time()}}
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -131,7 +131,8 @@ def test_http_errors_are_never_retried(standin):
         client.update_weights_from_disk("/no/such/dir", weight_version="1")
     err = info.value
     assert (err.status, err.endpoint, err.url) == (400, "/update_weights_from_disk", standin.url)
-    assert "/no/such/dir" in err.server_message and "/no/such/dir" in str(err)
+    # real SGLang's words name no path ("Failed to get weights iterator: ..."): the client's message adds it
+    assert "Failed to get weights iterator" in err.server_message and "/no/such/dir" in str(err)
     assert standin.requests["/update_weights_from_disk"] == 1
     with pytest.raises(SGLangEngineError) as info:  # 404 with FastAPI's body
         client.request("POST", "/no_such_endpoint", {})
@@ -231,7 +232,9 @@ def test_abort_flush_and_pause(engine, standin):
         time.sleep(0.01)
     with pytest.raises(SGLangEngineError) as info:  # 400 while requests are pending
         client.flush_cache()
-    assert info.value.status == 400 and "running or waiting" in info.value.server_message
+    # real SGLang answers a bare "Flush cache failed."; the client's message says why
+    assert info.value.status == 400 and info.value.server_message == "Flush cache failed."
+    assert "running or waiting" in str(info.value)
     with pytest.raises(SGLangEngineError, match="idle"):
         client.release_memory_occupation(["weights"])
     engine.abort()
@@ -284,3 +287,71 @@ def test_from_config_and_the_table(engine, standin, model, tmp_path):
         engine.named_weights()
     with pytest.raises(ConfigError, match="at least one"):
         SGLangEngine([])
+
+
+def test_named_tensors_serialise_for_a_server_in_another_process_tree(tmp_path):
+    """The tensor route's payload opens in an unrelated process, as in an SGLang server started apart.
+
+    With torch's default file_descriptor sharing the receiver must fetch each fd from our
+    multiprocessing resource sharer with our process tree's auth key, which another tree lacks
+    (real SGLang: "digest sent was rejected", then its scheduler dies); file_system sharing sends a
+    shared-memory file name instead.
+    """
+    import subprocess
+    import sys
+
+    from megatron_rl.rollout.sglang.protocol import serialize_named_tensors
+
+    weights = [("lm_head.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+               ("norm.weight", torch.full((5,), 0.5, dtype=torch.bfloat16))]
+    entry, buffers = serialize_named_tensors(iter(weights))
+    assert torch.multiprocessing.get_sharing_strategy() == "file_system"
+    assert all(b.data_ptr() != w.data_ptr() for b, (_, w) in zip(buffers, weights))  # copies, not the originals
+    reader = ("import base64, io, pickle, sys, torch.multiprocessing\n"
+              "pairs = pickle.load(io.BytesIO(base64.b64decode(sys.stdin.read())))\n"
+              "print([(n, str(t.dtype), list(t.shape), float(t.float().sum())) for n, t in pairs])\n")
+    out = subprocess.run([sys.executable, "-c", reader], input=entry, capture_output=True, text=True, timeout=60,
+                         start_new_session=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str([("lm_head.weight", "torch.float32", [3, 4], 66.0),
+                                      ("norm.weight", "torch.bfloat16", [5], 2.5)])
+    del buffers
+    with pytest.raises(ValueError, match="no tensors"):
+        serialize_named_tensors([])
+
+
+def test_weight_version_spans_pick_the_oldest_version():
+    from megatron_rl.rollout.sglang.protocol import parse_generate_output
+
+    row = {"text": "", "output_ids": [4, 5, 6], "meta_info": {
+        "finish_reason": {"type": "length", "length": 3}, "weight_version": "3",
+        "output_token_logprobs": [[-1.0, 4, None], [-1.5, 5, None], [-2.0, 6, None]],
+        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}]}}
+    out = parse_generate_output(row, where="x")
+    # meta_info.weight_version is the server's version at reply time; the first token came from version 2
+    assert out.weight_version == 2 and out.weight_version_spans == ((2, 0, 1), (3, 1, 3))
+    del row["meta_info"]["weight_versions"]  # older servers: the reply-time version is all there is
+    assert parse_generate_output(row, where="x").weight_version == 3
+
+
+def test_seed_ignored_by_a_server_without_deterministic_inference_is_warned(model, caplog):
+    with SGLangStandIn(model, deterministic=False) as server:
+        eng = SGLangEngine([server.url], timeout_s=10, connect_retries=0)
+        try:
+            with caplog.at_level("WARNING", logger="megatron_rl.rollout.sglang.engine"):
+                eng.generate(REQUESTS, SAMPLED)
+                eng.generate(REQUESTS, SAMPLED)
+            warned = [r for r in caplog.records if "enable-deterministic-inference" in r.getMessage()]
+            assert len(warned) == 1 and server.url in warned[0].getMessage()  # once per server
+            assert server.requests["/server_info"] == 1
+        finally:
+            eng.close()
+
+
+def test_seeded_sampling_on_a_deterministic_server_is_not_warned(engine, standin, caplog):
+    with caplog.at_level("WARNING", logger="megatron_rl.rollout.sglang.engine"):
+        first = tokens(engine.generate(REQUESTS, SAMPLED))
+        assert tokens(engine.generate(REQUESTS, SAMPLED)) == first
+    assert not [r for r in caplog.records if "deterministic" in r.getMessage()]
+    assert engine.clients[0].server_info()["enable_deterministic_inference"] is True
+    assert engine.clients[0].model_info()["served_model_name"] == standin.model_path

@@ -126,8 +126,12 @@ class SGLangClient:
         return cls(message, url=self.base_url, endpoint=endpoint, status=status, server_message=server_message)
 
     def request(self, method: str, endpoint: str, payload: Any = None, *, timeout_s: Optional[float] = None,
-                ok_statuses: Sequence[int] = (200,)) -> httpx.Response:
-        """Send one request with the retry rule above; a status outside ``ok_statuses`` raises."""
+                ok_statuses: Sequence[int] = (200,), context: str = "") -> httpx.Response:
+        """Send one request with the retry rule above; a status outside ``ok_statuses`` raises.
+
+        ``context`` is added to an HTTP error's message: what the request was about, where the
+        server's own words do not say it (SGLang's "Flush cache failed." names no reason, and a
+        failed disk load names no path)."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         where = f"SGLang server {self.base_url}"
         attempts = self.connect_retries + 1
@@ -161,7 +165,8 @@ class SGLangClient:
             if resp.status_code not in ok_statuses:
                 server_message = protocol.error_message(resp.status_code, resp.content)
                 raise self._error(endpoint, f"{where} answered {method} {endpoint} with HTTP {resp.status_code}: "
-                                  f"{server_message}", status=resp.status_code, server_message=server_message)
+                                  f"{server_message}" + (f" ({context})" if context else ""),
+                                  status=resp.status_code, server_message=server_message)
             return resp
         elapsed = time.monotonic() - started
         hint = ("a connection was cut mid-request, so the server likely died: check its log" if dropped
@@ -176,9 +181,9 @@ class SGLangClient:
             raise self._error(endpoint, f"SGLang server {self.base_url} answered {endpoint} with a body that is "
                               f"not JSON: {resp.text[:200]!r}", status=resp.status_code) from exc
 
-    def _weight_call(self, endpoint: str, payload: dict, timeout_s: Optional[float]) -> dict:
+    def _weight_call(self, endpoint: str, payload: dict, timeout_s: Optional[float], context: str = "") -> dict:
         """POST a weight endpoint: ``{success, message}`` back, 400 (raised) on failure."""
-        resp = self.request("POST", endpoint, payload, timeout_s=timeout_s)
+        resp = self.request("POST", endpoint, payload, timeout_s=timeout_s, context=context)
         body = self._json(resp, endpoint)
         if not isinstance(body, dict) or not body.get("success", False):
             message = body.get("message") if isinstance(body, dict) else body
@@ -200,6 +205,16 @@ class SGLangClient:
     def model_info(self, *, timeout_s: Optional[float] = None) -> dict:
         """``GET /model_info``: model_path, is_generation, weight_version, ..."""
         return self._json(self.request("GET", "/model_info", timeout_s=timeout_s), "/model_info")
+
+    def server_info(self, *, timeout_s: Optional[float] = None) -> dict:
+        """The server's resolved launch arguments and scheduler state: ``GET /server_info`` (0.5.23;
+        ``/get_server_info`` on older servers, which 0.5.23 still answers as deprecated)."""
+        try:
+            return self._json(self.request("GET", "/server_info", timeout_s=timeout_s), "/server_info")
+        except SGLangEngineError as exc:
+            if exc.status != 404:
+                raise
+        return self._json(self.request("GET", "/get_server_info", timeout_s=timeout_s), "/get_server_info")
 
     def weight_version(self, *, timeout_s: Optional[float] = None) -> str:
         """The server's weight version string (``/model_info``; ``/get_weight_version`` is gone since 0.5.21)."""
@@ -235,8 +250,9 @@ class SGLangClient:
         return self._json(self.request("POST", "/continue_generation", {}), "/continue_generation")
 
     def flush_cache(self) -> None:
-        """``POST /flush_cache``; SGLang answers 400 while requests are running or waiting."""
-        self.request("POST", "/flush_cache")
+        """``POST /flush_cache``; SGLang answers 400 "Flush cache failed." while requests are running or waiting."""
+        self.request("POST", "/flush_cache", context="SGLang refuses to flush its cache while requests are running "
+                                                     "or waiting: abort or finish them first")
 
     # -------------------------------------------------------------- weights
     def update_weights_from_disk(self, model_path: str, *, weight_version: Optional[str] = None,
@@ -249,7 +265,9 @@ class SGLangClient:
             payload["load_format"] = load_format
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return self._weight_call("/update_weights_from_disk", payload, timeout_s)
+        return self._weight_call("/update_weights_from_disk", payload, timeout_s,
+                                 context=f"loading {model_path}; SGLang reads a local dir or else tries the hub, "
+                                         "hence a network error for a path it cannot see")
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: Optional[str] = None,
                                    flush_cache: bool = True, weight_version: Optional[str] = None,
@@ -260,6 +278,28 @@ class SGLangClient:
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return self._weight_call("/update_weights_from_tensor", payload, timeout_s)
+
+    def update_weights_from_named_tensors(self, named_tensors: Iterable[tuple[str, Any]], *, tp_size: int = 1,
+                                          load_format: Optional[str] = None, flush_cache: bool = True,
+                                          weight_version: Optional[str] = None,
+                                          timeout_s: Optional[float] = None) -> dict:
+        """Send ``(name, tensor)`` pairs through ``/update_weights_from_tensor`` (on 0.5.21+ inside
+        ``begin_weight_update`` / ``end_weight_update``).
+
+        Serialised by ``protocol.serialize_named_tensors`` (file-system sharing, so a server in
+        another process tree can open CPU tensors); the same entry for each of the server's
+        ``tp_size`` ranks (each rank's loader takes its shard). The shared buffers are held until
+        the server has answered, so none is freed before the engine copied it.
+        """
+        if tp_size < 1:
+            raise ValueError(f"tp_size={tp_size}: the server has at least one tensor-parallel rank")
+        entry, buffers = protocol.serialize_named_tensors(named_tensors)
+        try:
+            return self.update_weights_from_tensor([entry] * tp_size, load_format=load_format,
+                                                   flush_cache=flush_cache, weight_version=weight_version,
+                                                   timeout_s=timeout_s)
+        finally:
+            del buffers  # only now may the shared-memory files go
 
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl",

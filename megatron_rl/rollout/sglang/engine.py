@@ -20,12 +20,23 @@ server has it; otherwise ``SyncError`` names the servers that failed, and the en
 keeps its old version (servers that did load keep the new weights: the next update
 overwrites them all). The disk route needs no ``/begin_weight_update`` (SGLang exempts it).
 
+Seeds: SGLang honours ``sampling_seed`` only on a server started with
+``--enable-deterministic-inference`` (0.5.23: ``SamplingBatchInfo`` drops the seeds otherwise;
+that mode needs a GPU attention backend, fa3 / flashinfer / triton, so never on the CPU route);
+elsewhere a seeded call samples freshly each time. The first seeded ``generate`` asks each
+server's ``/server_info`` and logs one warning per server that will ignore the seed.
+
+Weight versions: each sample carries the version of its first output token
+(``meta_info.weight_versions`` spans); a row that spans an update keeps its spans in
+``metadata["weight_version_spans"]``.
+
 ``named_weights`` raises: SGLang's ``/get_weights_by_name`` is missing for most model
 classes (Qwen2 on CPU among them), and reading back our own files would check nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +53,8 @@ if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
 
 __all__ = ["SGLangEngine"]
+
+log = logging.getLogger(__name__)
 
 
 class SGLangEngine(RolloutEngine):
@@ -68,6 +81,7 @@ class SGLangEngine(RolloutEngine):
         self._released = False
         self._weights_loaded = True
         self._weight_version = 0
+        self._seed_checked: set[str] = set()  # servers whose deterministic-inference setting was looked up
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="sglang") \
             if len(self.clients) > 1 else None
 
@@ -93,6 +107,22 @@ class SGLangEngine(RolloutEngine):
             client.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+    def _warn_if_seed_ignored(self, client: SGLangClient) -> None:
+        """Once per server: warn when it will ignore ``sampling_seed`` (no deterministic inference)."""
+        if client.base_url in self._seed_checked:
+            return
+        self._seed_checked.add(client.base_url)
+        try:
+            deterministic = client.server_info().get("enable_deterministic_inference")
+        except EngineError as exc:
+            log.debug("could not read %s /server_info to check the sampling seed: %s", client.base_url, exc)
+            return
+        if deterministic is False:
+            log.warning("SGLang server %s runs without --enable-deterministic-inference, so it ignores "
+                        "sampling_seed: seeded rollouts (--rollout-seed) are not reproducible there. Start it with "
+                        "--enable-deterministic-inference (needs a GPU attention backend: fa3, flashinfer or "
+                        "triton) if they must be", client.base_url)
 
     def _map(self, fn, items: list) -> list:
         """Run ``fn`` on each item, on all servers at once; the first error (in item order) is raised."""
@@ -178,6 +208,8 @@ class SGLangEngine(RolloutEngine):
             if not indices:
                 return {}
             client = self.clients[server]
+            if sampling.seed is not None and sampling.temperature > 0:
+                self._warn_if_seed_ignored(client)
             rows = [(i, j) for i in indices for j in range(sampling.n)]
             entries = client.generate(
                 [requests[i].prompt_ids for i, _ in rows],
@@ -193,11 +225,14 @@ class SGLangEngine(RolloutEngine):
         for i, req in enumerate(requests):
             for j in range(sampling.n):
                 out = outputs[(i, j)]
+                metadata = dict(req.metadata)
+                if len(out.weight_version_spans) > 1:  # an update landed while this row was generating
+                    metadata["weight_version_spans"] = [list(span) for span in out.weight_version_spans]
                 samples.append(Sample(
                     group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.output_ids,
                     rollout_logprobs=out.logprobs, finish_reason=out.finish_reason, weight_version=out.weight_version,
                     label=req.label, prompt_text=req.prompt_text, response_text=out.text,
-                    metadata=dict(req.metadata)))
+                    metadata=metadata))
         return samples
 
     # ---------------------------------------------------------------- weights

@@ -12,7 +12,11 @@ Taken from SGLang 0.5.2x: ``python/sglang/srt/entrypoints/http_server.py``
   (one per output token, a matched stop token included), ``meta_info.finish_reason``
   is ``{"type": "stop", "matched": ...}`` / ``{"type": "length", "length": n}`` /
   ``{"type": "abort", "message": ...}``, ``meta_info.weight_version`` a string
-  ("default" until the first versioned update).
+  ("default" until the first versioned update). That field is the server's version *when
+  the reply was built*, not necessarily the one that generated the tokens: since 0.5.2x
+  ``meta_info.weight_versions`` lists ``{"version", "start", "end"}`` spans over the output
+  tokens (several when an update landed mid-row, e.g. after an in-place pause), and is what
+  the parser uses when present (checked against real SGLang 0.5.23, docs/sglang.md).
 * Errors: weight endpoints answer ``{"success": false, "message"}`` with 400;
   most others ``{"error": {"message"}}`` with 400; request validation
   ``{"object": "error", "message", "type", "param", "code"}``; an unknown path
@@ -21,7 +25,9 @@ Taken from SGLang 0.5.2x: ``python/sglang/srt/entrypoints/http_server.py``
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -83,6 +89,44 @@ def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *,
     return payload
 
 
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, Any]]) -> tuple[str, list]:
+    """One ``serialized_named_tensors`` entry for ``/update_weights_from_tensor``, and the buffers it points at.
+
+    SGLang's wire format (``MultiprocessingSerializer.serialize(..., output_str=True)``): a list of
+    ``(name, tensor)`` pickled with ``multiprocessing.reduction.ForkingPickler`` (torch's reducers
+    put each storage in shared memory and send a handle, not the bytes), base64-encoded.
+
+    Why the sharing strategy is switched to ``file_system`` here: with torch's default
+    ``file_descriptor`` strategy a CPU storage travels as a file descriptor that the receiver
+    fetches from the sender's ``multiprocessing`` resource sharer, authenticated with the
+    sender's process-tree key; an SGLang server started separately has another key, answers
+    "digest sent was rejected" and its scheduler dies (measured on SGLang 0.5.23, CPU). With
+    ``file_system`` the handle is a shared-memory file name any local process can open. The
+    setting is process-wide and only affects tensors shared after it, which in this process
+    are only these. GPU tensors travel as CUDA IPC handles either way.
+
+    Each tensor is copied into a fresh buffer first: sharing moves a storage into shared memory
+    in place, which must not happen to the trainer's own parameters. The caller must keep the
+    returned buffers alive until the server has answered (slime#929: a buffer freed or reused
+    before the engine copied it corrupts the weights).
+    """
+    import torch  # heavy: only the tensor route needs it
+    import torch.multiprocessing as torch_mp  # registers torch's ForkingPickler reducers
+    from multiprocessing.reduction import ForkingPickler
+
+    if torch_mp.get_sharing_strategy() != "file_system":
+        torch_mp.set_sharing_strategy("file_system")
+    pairs = []
+    for name, tensor in named_tensors:
+        t = torch.as_tensor(tensor).detach()
+        pairs.append((str(name), t.clone() if t.is_cuda else t.to("cpu", copy=True).contiguous()))
+    if not pairs:
+        raise ValueError("serialize_named_tensors: no tensors to send")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(pairs)
+    return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in pairs]
+
+
 def error_message(status: int, content: bytes) -> str:
     """The server's own words from an error reply, whichever of SGLang's error shapes it has."""
     text = content.decode("utf-8", errors="replace").strip()
@@ -116,7 +160,12 @@ def parse_weight_version(value: Any, *, where: str) -> int:
 
 @dataclass(frozen=True)
 class GenerateOutput:
-    """One parsed ``/generate`` row."""
+    """One parsed ``/generate`` row.
+
+    ``weight_version`` is the version of the row's first output token (the oldest policy that
+    generated any of it); ``weight_version_spans`` lists ``(version, start, end)`` over the output
+    tokens, more than one when an update landed while the row was generating.
+    """
 
     output_ids: list[int]
     logprobs: list[float]
@@ -124,6 +173,25 @@ class GenerateOutput:
     weight_version: int
     text: Optional[str]
     finish_message: Optional[str] = None
+    weight_version_spans: tuple[tuple[int, int, int], ...] = ()
+
+
+def parse_weight_version_spans(meta: dict, *, where: str) -> tuple[tuple[int, int, int], ...]:
+    """``meta_info.weight_versions`` as ``((version, start, end), ...)``; () when the server sends none."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return ()
+    out = []
+    for span in spans:
+        if isinstance(span, dict):
+            version, start, end = span.get("version"), span.get("start"), span.get("end")
+        elif isinstance(span, (list, tuple)) and len(span) == 3:
+            version, start, end = span
+        else:
+            raise EngineError(f"{where} /generate row has a weight_versions entry {span!r}; expected "
+                              "{version, start, end}")
+        out.append((parse_weight_version(version, where=where), int(start), int(end)))
+    return tuple(out)
 
 
 def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
@@ -148,6 +216,8 @@ def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
     if kind not in FINISH_TYPES:
         raise EngineError(f"{where} /generate row has finish_reason {finish!r}; expected a type in {FINISH_TYPES}")
     message = finish.get("message") if isinstance(finish, dict) else None
+    spans = parse_weight_version_spans(meta, where=where)
+    version = spans[0][0] if spans else parse_weight_version(meta.get("weight_version"), where=where)
     return GenerateOutput(output_ids=output_ids, logprobs=[float(t[0]) for t in token_logprobs], finish_reason=kind,
-                          weight_version=parse_weight_version(meta.get("weight_version"), where=where),
-                          text=entry.get("text"), finish_message=message)
+                          weight_version=version, text=entry.get("text"), finish_message=message,
+                          weight_version_spans=spans)

@@ -1,0 +1,773 @@
+"""Our SGLang client and engine against REAL SGLang 0.5.23 on a CPU-only machine (issue 14).
+
+CI tests ``megatron_rl/rollout/sglang`` against a protocol stand-in (tests/rollout/sglang_standin.py);
+this driver runs the same code against the real server, so a difference between the two shows
+up here. Run it through ``scripts/test_sglang_real.sh`` (which installs SGLang into its own venv
+first); it is too heavy for the default test command (7 GB install, 1-2 min server start-up).
+
+Runs with OUR venv (megatron_rl + megatron-core); the server runs from the SGLang venv as
+``python -m sglang.launch_server`` with the CPU route of ``../shared/SGLANG_CPU.md``
+(``SGLANG_USE_CPU_ENGINE=1``, the pure-torch ``sgl_kernel`` stand-in of ``tools/sglang_cpu`` on its
+PYTHONPATH, device/attention/sampling args for CPU), on 127.0.0.1 and a free port, in its own
+process group that is killed on every exit path (normal end, failed check, exception, SIGTERM,
+Ctrl-C). Every wait has a timeout whose error names who did not answer.
+
+Checks, all through ``SGLangEngine`` / ``SGLangClient``:
+
+1. batched greedy ``generate`` with log-probs; the tokens are the argmax and the log-probs agree
+   with an HF forward of the same weights (teacher-forced on SGLang's tokens) within ``--logprob-tol``;
+2. ``update_weights`` (the disk route, ``VersionedWeightDir``): ``lm_head`` set to zeros gives
+   greedy log-probs of exactly -ln(vocab); restoring the weights gives the first log-probs back;
+   ``/model_info`` weight_version and each sample's weight_version follow every update;
+3. ``update_weight_version``, ``flush_cache`` (idle: 200; with a request running: 400),
+   ``pause_generation`` / ``continue_generation``, ``abort_request``, ``health``, ``health_generate``;
+4. ``update_weights_from_named_tensors`` inside ``begin_weight_update`` / ``end_weight_update``
+   (refused outside the pair), the same zero / restore check;
+5. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
+   against this server through the disk transport; exit 0, the samples of rollout ``i`` carry
+   weight version ``i``.
+
+Not called: ``/release_memory_occupation`` / ``/resume_memory_occupation`` (on CPU SGLang calls CUDA
+synchronize there: the scheduler dies and the server goes down), ``/get_weights_by_name`` (the
+Qwen2 model class lacks it). Writes ``figures.json`` and ``check.log`` under ``--out``; exits 1 if
+any check failed, 2 if the server could not be started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402 - after the repo is on sys.path
+
+from megatron_rl.data import synthetic  # noqa: E402
+from megatron_rl.data.types import GenerateRequest, SamplingParams  # noqa: E402
+from megatron_rl.models.hf_tiny import build_tiny_hf_model  # noqa: E402
+from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine, SGLangSyncError  # noqa: E402
+from megatron_rl.rollout.sglang import protocol  # noqa: E402
+
+KERNEL_STANDIN = REPO / "tools" / "sglang_cpu"
+# The engine arguments of the measured CPU route (SGLANG_CPU.md); each one is needed there.
+SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+               "--disable-overlap-schedule", "--disable-cuda-graph", "--dtype", "float32",
+               "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--skip-server-warmup"]
+
+
+class CheckFailed(Exception):
+    pass
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class Report:
+    """Checks, figures and a log, written to ``out`` as they come (a crash still leaves them)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.checks: list[dict] = []
+        self.figures: dict[str, Any] = {}
+        self.replies: dict[str, Any] = {}  # raw replies of real SGLang, to keep the stand-in exact
+        self._log = open(out / "check.log", "a", buffering=1)
+        self.t0 = time.monotonic()
+
+    def log(self, msg: str) -> None:
+        line = f"[real-sglang +{time.monotonic() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self._log.write(line + "\n")
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        self.log(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
+        self.save()
+        return ok
+
+    def save(self) -> None:
+        data = {"checks": self.checks, "figures": self.figures, "replies": self.replies,
+                "passed": sum(c["ok"] for c in self.checks), "failed": sum(not c["ok"] for c in self.checks)}
+        tmp = self.out / "figures.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+        tmp.replace(self.out / "figures.json")
+
+    @property
+    def failed(self) -> list[str]:
+        return [c["name"] for c in self.checks if not c["ok"]]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, who: str, what: str, *, every_s: float = 0.5,
+               progress: Optional[Callable[[float], None]] = None) -> None:
+    """Poll ``predicate`` until true; past ``timeout_s`` raise an error naming ``who`` did not ``what``."""
+    start = time.monotonic()
+    last_note = start
+    while not predicate():
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise CheckFailed(f"{who} did not {what} within {timeout_s:g} s")
+        if progress and now - last_note >= 10:
+            progress(now - start)
+            last_note = now
+        time.sleep(every_s)
+
+
+class SGLangServer:
+    """``python -m sglang.launch_server`` in its own process group; ``stop()`` kills the whole group."""
+
+    def __init__(self, python: str, model: Path, log_path: Path, *, port: int, extra_args: list[str]):
+        self.python, self.model, self.log_path, self.port = python, model, log_path, port
+        self.extra_args = extra_args
+        self.proc: Optional[subprocess.Popen] = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": str(KERNEL_STANDIN)}  # the CPU test stand-in for sgl_kernel, this process only
+        env.pop("VIRTUAL_ENV", None)
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", str(self.model), "--host", "127.0.0.1",
+               "--port", str(self.port), *SERVER_ARGS, *self.extra_args]
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=str(self.log_path.parent))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL what is left after 20 s (scheduler/detokenizer children too)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(pgid, signal.SIGKILL)  # children that outlived the launcher
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=10)
+        if self._log_file:
+            self._log_file.close()
+
+
+def build_model(out: Path, seed: int) -> Path:
+    """A tiny random-weight Qwen2 with the demo's digit tokenizer (SGLang needs one in the model dir).
+
+    Untied ``lm_head`` (so it can be zeroed alone) and the wider init of ``hf_tiny`` (so logits are
+    far from uniform and the log-prob comparison compares something); vocab 32, as the demo.
+    """
+    path = out / "model"
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    eos = synthetic.VOCAB.index(synthetic.EOS)
+    build_tiny_hf_model("qwen2", path, seed=seed, vocab_size=synthetic.VOCAB_SIZE, num_hidden_layers=2,
+                        bos_token_id=synthetic.VOCAB.index(synthetic.BOS), eos_token_id=eos,
+                        pad_token_id=synthetic.VOCAB.index(synthetic.PAD))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": 0,
+                                                             "bos_token_id": 1}))
+    synthetic.build_tokenizer(str(path))
+    return path
+
+
+def hf_logprobs(model, prompt: list[int], output: list[int]) -> tuple[list[float], list[float]]:
+    """Teacher-forced log-probs of ``output`` after ``prompt``, and the top log-prob at each step."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[torch.arange(len(output)), torch.tensor(output)].tolist(), lp.max(dim=-1).values.tolist()
+
+
+class Checks:
+    """The checks against one running server; each records figures and PASS/FAIL lines."""
+
+    def __init__(self, report: Report, server: SGLangServer, model_dir: Path, args: argparse.Namespace):
+        self.r, self.server, self.model_dir, self.args = report, server, model_dir, args
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.vocab = self.hf.config.vocab_size
+        self.engine = SGLangEngine([server.url], weight_dir=str(report.out / "weights"),
+                                   hf_checkpoint=str(model_dir), tokenizer=self.tokenizer, timeout_s=60,
+                                   generate_timeout_s=300, update_timeout_s=300)
+        self.client: SGLangClient = self.engine.clients[0]
+        import random
+
+        rng = random.Random(args.seed)
+        self.prompts = [self.tokenizer(synthetic.make_problem(rng, 4)[0])["input_ids"] for _ in range(args.batch)]
+        self.greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        self.original = {k: v.detach().clone() for k, v in self.hf.state_dict().items()}
+
+    def requests(self, prompts=None) -> list[GenerateRequest]:
+        return [GenerateRequest(list(p), i) for i, p in enumerate(prompts or self.prompts)]
+
+    def generate(self, sampling: Optional[SamplingParams] = None, prompts=None):
+        t = time.monotonic()
+        samples = self.engine.generate(self.requests(prompts), sampling or self.greedy)
+        return samples, time.monotonic() - t
+
+    def raw(self, name: str, method: str, path: str, payload: Any = None, ok=(200,)) -> Any:
+        """One request through our client, its status and body kept for the stand-in comparison."""
+        resp = self.client.request(method, path, payload, ok_statuses=ok)
+        try:
+            body = resp.json()
+        except ValueError:
+            body = resp.text
+        self.r.replies[name] = {"status": resp.status_code, "body": body}
+        return body
+
+    # ------------------------------------------------------------------ checks
+    def generation(self) -> list[list[float]]:
+        r = self.r
+        samples, cold_s = self.generate()
+        samples, warm_s = self.generate()
+        tokens = sum(len(s.response_ids) for s in samples)
+        r.figures.update({"generate_batch": len(self.prompts), "generate_max_new_tokens": self.args.max_new_tokens,
+                          "generate_first_s": round(cold_s, 3), "generate_s": round(warm_s, 3),
+                          "generate_tokens_per_s": round(tokens / warm_s, 1)})
+        r.log(f"generate: {len(samples)} rows x {self.args.max_new_tokens} tokens in {warm_s:.2f} s "
+              f"(first call {cold_s:.2f} s), {tokens / warm_s:.0f} tokens/s")
+        r.check("generate returns one sample per prompt with every token and its log-prob",
+                len(samples) == len(self.prompts)
+                and all(len(s.response_ids) == len(s.rollout_logprobs) == self.args.max_new_tokens for s in samples)
+                and all(s.finish_reason == "length" for s in samples),
+                f"finish reasons {sorted({s.finish_reason for s in samples})}")
+        r.check("samples carry weight_version 0 before any update (SGLang reports \"default\")",
+                all(s.weight_version == 0 for s in samples))
+        max_diff, not_argmax = 0.0, 0
+        for p, s in zip(self.prompts, samples):
+            ref, top = hf_logprobs(self.hf, p, s.response_ids)
+            max_diff = max(max_diff, max(abs(a - b) for a, b in zip(ref, s.rollout_logprobs)))
+            not_argmax += sum(1 for a, b in zip(ref, top) if a < b - self.args.logprob_tol)
+        r.figures["logprob_max_abs_diff_vs_hf"] = max_diff
+        r.figures["logprob_tolerance"] = self.args.logprob_tol
+        r.check(f"greedy tokens are the HF argmax (within {self.args.logprob_tol:g})", not_argmax == 0,
+                f"{not_argmax} token(s) were not")
+        r.check(f"SGLang log-probs match an HF forward of the same weights within {self.args.logprob_tol:g}",
+                max_diff <= self.args.logprob_tol, f"max abs diff {max_diff:.3g}")
+        texts = [s.response_text for s in samples]
+        r.check("samples carry the server's decoded text", all(isinstance(t, str) for t in texts),
+                f"first: {texts[0]!r}")
+        self.raw("generate_single", "POST", "/generate",
+                 {"input_ids": self.prompts[0], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+                  "return_logprob": True})
+        return [s.rollout_logprobs for s in samples]
+
+    def seeded(self) -> None:
+        """SGLang honours sampling_seed only with --enable-deterministic-inference (GPU attention backends
+        only), so on this route seeded rows are not reproducible; the engine must say so once."""
+        info = self.client.server_info()
+        deterministic = info.get("enable_deterministic_inference")
+        self.r.replies["server_info_subset"] = {k: info.get(k) for k in (
+            "enable_deterministic_inference", "attention_backend", "sampling_backend", "device", "tp_size",
+            "dp_size", "disable_radix_cache", "weight_version", "version")}
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1234, n=2, ignore_eos=True)
+        handler = _Capture()
+        logging.getLogger("megatron_rl.rollout.sglang.engine").addHandler(handler)
+        try:
+            a, _ = self.generate(sampling)
+            b, _ = self.generate(sampling)
+        finally:
+            logging.getLogger("megatron_rl.rollout.sglang.engine").removeHandler(handler)
+        same = [x.response_ids for x in a] == [y.response_ids for y in b]
+        self.r.figures["seeded_reproducible"] = same
+        self.r.figures["enable_deterministic_inference"] = deterministic
+        warned = [m for m in handler.messages if "enable-deterministic-inference" in m]
+        if deterministic:
+            self.r.check("seeded sampling is reproducible on a deterministic-inference server", same)
+        else:
+            self.r.check("server without deterministic inference: the engine warns once that the seed is ignored",
+                         len(warned) == 1, f"reproducible={same}; warnings: {warned[:1]}")
+
+    def _state(self, lm_head: Optional[torch.Tensor] = None) -> list[tuple[str, torch.Tensor]]:
+        state = dict(self.original)
+        if lm_head is not None:
+            state["lm_head.weight"] = lm_head
+        return list(state.items())
+
+    def _expect_uniform(self, what: str, version: int) -> None:
+        samples, _ = self.generate()
+        want = -math.log(self.vocab)
+        diff = max(abs(lp - want) for s in samples for lp in s.rollout_logprobs)
+        self.r.check(f"{what}: lm_head zeroed -> every greedy log-prob is -ln({self.vocab}) = {want:.6f}",
+                     diff < 1e-5, f"max abs diff {diff:.3g}")
+        self.r.check(f"{what}: samples carry weight_version {version}",
+                     all(s.weight_version == version for s in samples),
+                     f"got {sorted({s.weight_version for s in samples})}")
+
+    def _expect_restored(self, what: str, first: list[list[float]], version: int) -> None:
+        samples, _ = self.generate()
+        diff = max(abs(a - b) for s, f in zip(samples, first) for a, b in zip(s.rollout_logprobs, f))
+        self.r.check(f"{what}: original weights restored -> log-probs equal the first run's", diff < 1e-5,
+                     f"max abs diff {diff:.3g}")
+        self.r.check(f"{what}: samples carry weight_version {version}",
+                     all(s.weight_version == version for s in samples))
+
+    def disk_updates(self, first: list[list[float]]) -> None:
+        r = self.r
+        zero = torch.zeros_like(self.original["lm_head.weight"])
+        for version, state, expect in ((1, self._state(zero), "uniform"), (2, self._state(), "restored")):
+            t = time.monotonic()
+            self.engine.update_weights(state, version)
+            took = time.monotonic() - t
+            r.figures[f"disk_update_v{version}_s"] = round(took, 3)
+            r.log(f"disk update to v{version} ({expect}): {took:.2f} s (write + load + /model_info)")
+            info = self.raw(f"model_info_after_disk_v{version}", "GET", "/model_info")
+            r.check(f"disk v{version}: /model_info weight_version is {version!s}",
+                    info.get("weight_version") == str(version), f"got {info.get('weight_version')!r}")
+            if expect == "uniform":
+                self._expect_uniform(f"disk v{version}", version)
+            else:
+                self._expect_restored(f"disk v{version}", first, version)
+        r.check("disk: published versions pruned to the newest two", self.engine.weights.versions() == [1, 2],
+                f"{self.engine.weights.versions()}")
+        reply = self.raw("update_weights_from_disk_ok", "POST", "/update_weights_from_disk",
+                         {"model_path": self.engine.weights.path(2), "weight_version": "2"})
+        r.check("disk: a reload answers {success, message, num_paused_requests}",
+                isinstance(reply, dict) and reply.get("success") is True and "num_paused_requests" in reply,
+                json.dumps(reply))
+        try:
+            self.client.update_weights_from_disk(str(r.out / "no-such-dir"), weight_version="99")
+            r.check("disk: a missing dir is refused with the server's message", False, "it was accepted")
+        except SGLangSyncError as exc:
+            r.replies["update_weights_from_disk_missing"] = {"status": exc.status, "body": exc.server_message}
+            r.check("disk: a missing dir is refused with the server's message (SGLangSyncError, 400)",
+                    exc.status == 400 and bool(exc.server_message), str(exc)[:300])
+        r.check("disk: after the refused load the server still reports version 2",
+                self.client.weight_version() == "2")
+
+    def control(self) -> None:
+        r, c = self.r, self.client
+        r.check("health", c.health())
+        t = time.monotonic()
+        r.check("health_generate", c.health_generate(timeout_s=60), f"{time.monotonic() - t:.2f} s")
+        reply = c.update_weight_version("5", abort_all_requests=False)
+        r.replies["update_weight_version"] = {"status": 200, "body": reply}
+        r.check("update_weight_version: /model_info follows", c.weight_version() == "5", json.dumps(reply))
+        samples, _ = self.generate(prompts=self.prompts[:2])
+        r.check("update_weight_version: samples carry the new version", all(s.weight_version == 5 for s in samples))
+        c.update_weight_version("2", abort_all_requests=False)  # back to the engine's version
+        self.raw("flush_cache_idle", "POST", "/flush_cache")
+        r.check("flush_cache while idle: 200", True)
+        self.raw("pause_generation", "POST", "/pause_generation", {"mode": "abort"})
+        self.raw("continue_generation", "POST", "/continue_generation", {})
+        r.check("pause_generation / continue_generation answer {message, status: ok}",
+                r.replies["pause_generation"]["body"].get("status") == "ok"
+                and r.replies["continue_generation"]["body"].get("status") == "ok")
+
+    def _long_generate(self, tokens: Optional[int] = None, raw: bool = False):
+        """Start a long generation in a thread (``raw``: through the client, rows unparsed); return
+        (thread, result holder)."""
+        result: dict[str, Any] = {}
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=tokens or self.args.long_tokens, ignore_eos=True)
+
+        def run():
+            t = time.monotonic()
+            try:
+                if raw:
+                    result["rows"] = self.client.generate(
+                        self.prompts[:4], [protocol.sampling_params_dict(sampling)] * 4, timeout_s=300)
+                else:
+                    result["samples"] = self.engine.generate(self.requests(self.prompts[:4]), sampling)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                result["error"] = exc
+            result["s"] = time.monotonic() - t
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread, result
+
+    def _join(self, thread: threading.Thread, result: dict, what: str, timeout_s: float = 120) -> None:
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise CheckFailed(f"SGLang server {self.server.url} did not answer the long /generate within "
+                              f"{timeout_s:g} s after {what}")
+        if "error" in result:
+            raise CheckFailed(f"the long /generate failed after {what}: {result['error']}")
+
+    def abort_flush_pause(self) -> None:
+        r, c = self.r, self.client
+        # full length first, to know what an abort saves
+        thread, full = self._long_generate()
+        self._join(thread, full, "nothing (an uninterrupted run)", timeout_s=300)
+        r.figures["long_generate_s"] = round(full["s"], 2)
+        r.log(f"long generate: 4 rows x {self.args.long_tokens} tokens in {full['s']:.2f} s")
+
+        thread, res = self._long_generate()
+        time.sleep(self.args.interrupt_after_s)
+        try:
+            c.flush_cache()
+            r.check("flush_cache with a request running: refused (400)", False, "it answered 200")
+        except Exception as exc:  # noqa: BLE001 - the status is what is checked
+            r.replies["flush_cache_busy"] = {"status": getattr(exc, "status", None),
+                                             "body": getattr(exc, "server_message", str(exc))}
+            r.check("flush_cache with a request running: refused (400)", getattr(exc, "status", None) == 400,
+                    str(exc)[:200])
+        c.abort_request(abort_all=True)
+        self._join(thread, res, "abort_request(abort_all)")
+        reasons = sorted({s.finish_reason for s in res["samples"]})
+        lengths = [len(s.response_ids) for s in res["samples"]]
+        r.check("abort_request(abort_all): rows come back with finish_reason abort, early",
+                reasons == ["abort"] and max(lengths) < self.args.long_tokens,
+                f"reasons {reasons}, tokens {lengths}, {res['s']:.2f} s vs {full['s']:.2f} s")
+
+        thread, res = self._long_generate(raw=True)
+        time.sleep(self.args.interrupt_after_s)
+        c.pause_generation("abort")
+        self._join(thread, res, "pause_generation(abort)")
+        r.replies["generate_row_aborted"] = {"status": 200, "body": res["rows"][0]}
+        parsed = [protocol.parse_generate_output(row, where=self.server.url) for row in res["rows"]]
+        reasons = sorted({p.finish_reason for p in parsed})
+        r.check("pause_generation(abort): running rows aborted (and the aborted rows parse)", reasons == ["abort"],
+                f"reasons {reasons}, tokens {[len(p.output_ids) for p in parsed]}, "
+                f"finish_reason {res['rows'][0]['meta_info'].get('finish_reason')}")
+        thread, res = self._long_generate(tokens=self.args.max_new_tokens)
+        time.sleep(2.0)
+        waiting = thread.is_alive()
+        c.continue_generation()
+        self._join(thread, res, "continue_generation")
+        reasons = sorted({s.finish_reason for s in res["samples"]})
+        r.check("while paused a new generate waits; after continue_generation it completes",
+                waiting and reasons == ["length"], f"waited={waiting}, reasons {reasons}")
+        self.raw("flush_cache_after", "POST", "/flush_cache")
+
+    def tensor_updates(self, first: list[list[float]]) -> None:
+        r, c = self.r, self.client
+        zero = torch.zeros_like(self.original["lm_head.weight"])
+        try:
+            c.update_weights_from_named_tensors([("lm_head.weight", zero)], weight_version="3")
+            r.check("tensor update outside begin/end is refused (400)", False, "it was accepted")
+        except SGLangSyncError as exc:
+            r.replies["update_weights_from_tensor_no_session"] = {"status": exc.status, "body": exc.server_message}
+            r.check("tensor update outside begin/end is refused (400)", exc.status == 400, str(exc)[:300])
+        r.check("the client's sharing strategy is file_system after serialising",
+                torch.multiprocessing.get_sharing_strategy() == "file_system")
+        for version, tensors, expect in ((3, [("lm_head.weight", zero)], "uniform"),
+                                         (4, self._state(), "restored")):
+            t = time.monotonic()
+            began = c.begin_weight_update()
+            reply = c.update_weights_from_named_tensors(tensors, weight_version=str(version), timeout_s=300)
+            c.end_weight_update()
+            took = time.monotonic() - t
+            if version == 3:
+                self.raw("begin_weight_update", "POST", "/begin_weight_update", {})
+                self.raw("end_weight_update", "POST", "/end_weight_update", {})
+                try:
+                    c.end_weight_update()
+                except SGLangSyncError as exc:
+                    r.replies["end_weight_update_no_session"] = {"status": exc.status, "body": exc.server_message}
+            r.replies[f"update_weights_from_tensor_v{version}"] = {"status": 200, "body": reply}
+            r.figures[f"tensor_update_v{version}_s"] = round(took, 3)
+            r.log(f"tensor update to v{version} ({len(tensors)} tensor(s), {expect}): {took:.2f} s")
+            r.check(f"tensor v{version}: begin_weight_update exists (0.5.21+) and the update succeeded",
+                    began and reply.get("success") is True, json.dumps(reply))
+            r.check(f"tensor v{version}: /model_info weight_version is {version}", c.weight_version() == str(version))
+            self.engine._weight_version = version  # the engine's own update route is disk; keep it in step
+            if expect == "uniform":
+                self._expect_uniform(f"tensor v{version}", version)
+            else:
+                self._expect_restored(f"tensor v{version}", first, version)
+        r.check("server still healthy after the tensor updates", c.health_generate(timeout_s=60))
+
+
+def _shape(body: Any) -> Any:
+    """The key structure of a reply (dict keys, one level into meta_info), for comparing servers."""
+    if isinstance(body, list):
+        return [_shape(body[0])] if body else []
+    if isinstance(body, dict):
+        return {k: (_shape(v) if k == "meta_info" else type(v).__name__) for k, v in body.items()}
+    return type(body).__name__
+
+
+def standin_fidelity(report: Report, model_dir: Path) -> None:
+    """The CI stand-in (tests/rollout/sglang_standin.py) against the replies real SGLang gave above:
+    same statuses, the stand-in's keys a subset of real SGLang's (real model_info / server_info carry
+    many more), generate rows with exactly the same meta_info keys, same bodies for the fixed replies."""
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))
+    from sglang_standin import SGLangStandIn  # noqa: E402 - test tooling, on sys.path just above
+
+    real = report.replies
+    with SGLangStandIn(str(model_dir)) as standin, SGLangClient(standin.url, connect_retries=0) as c:
+        def get(method, path, payload=None):
+            resp = c.request(method, path, payload, ok_statuses=(200, 400, 404))
+            try:
+                return resp.status_code, resp.json()
+            except ValueError:
+                return resp.status_code, resp.text
+
+        ids = [3, 4, 5, 3]
+        got = {
+            "model_info": get("GET", "/model_info"),
+            "generate_single": get("POST", "/generate", {"input_ids": ids, "sampling_params": {
+                "max_new_tokens": 2, "temperature": 0.0}, "return_logprob": True}),
+            "update_weight_version": get("POST", "/update_weight_version", {"new_version": "5",
+                                                                             "abort_all_requests": False}),
+            "flush_cache_idle": get("POST", "/flush_cache"),
+            "pause_generation": get("POST", "/pause_generation", {"mode": "abort"}),
+            "continue_generation": get("POST", "/continue_generation", {}),
+            "update_weights_from_tensor_no_session": get("POST", "/update_weights_from_tensor",
+                                                         {"serialized_named_tensors": ["x"]}),
+            "begin_weight_update": get("POST", "/begin_weight_update", {}),
+            "end_weight_update": get("POST", "/end_weight_update", {}),
+            "end_weight_update_no_session": get("POST", "/end_weight_update", {}),
+        }
+        standin.faults.delay_s["/generate:row"] = 5.0
+        worker = threading.Thread(target=lambda: got.update(generate_row_aborted=get("POST", "/generate", {
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})), daemon=True)
+        worker.start()
+        wait_until(lambda: standin.pending_count() > 0, 10, "the stand-in", "take the request")
+        got["flush_cache_busy"] = get("POST", "/flush_cache")
+        get("POST", "/pause_generation", {"mode": "abort"})
+        worker.join(10)
+        get("POST", "/continue_generation", {})
+    problems = []
+    for name, (status, body) in got.items():
+        if name not in real:
+            continue
+        want = real[name]
+        if want["status"] != status:
+            problems.append(f"{name}: status {status}, real {want['status']}")
+        real_body = want["body"]
+        if name in ("model_info",):
+            extra = sorted(set(body) - set(real_body))
+            if extra:
+                problems.append(f"{name}: keys real SGLang does not send: {extra}")
+        elif name.startswith("generate"):
+            a, b = _shape(body), _shape(real_body)
+            if set(a) != set(b) or set(a["meta_info"]) != set(b["meta_info"]):
+                problems.append(f"{name}: shape {a} vs real {b}")
+            if name == "generate_row_aborted" and body["meta_info"]["finish_reason"].keys() != \
+                    real_body["meta_info"]["finish_reason"].keys():
+                problems.append(f"{name}: finish_reason {body['meta_info']['finish_reason']} vs real "
+                                f"{real_body['meta_info']['finish_reason']}")
+        elif isinstance(real_body, dict):
+            if set(body) != set(real_body):
+                problems.append(f"{name}: keys {sorted(body)} vs real {sorted(real_body)}")
+            elif "message" in real_body and body.get("message") != real_body.get("message") \
+                    and name not in ("update_weight_version",):
+                problems.append(f"{name}: message {body.get('message')!r} vs real {real_body.get('message')!r}")
+        elif isinstance(body, dict) and set(body) == {"success", "message"}:
+            if body["message"] != real_body:
+                problems.append(f"{name}: message {body['message']!r} vs real {real_body!r}")
+        elif body != real_body:
+            problems.append(f"{name}: body {body!r} vs real {real_body!r}")
+    report.check("the CI stand-in answers like real SGLang (statuses, keys, fixed messages)", not problems,
+                 "; ".join(problems) or f"{len(got)} replies compared")
+
+
+def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argparse.Namespace) -> None:
+    """``python -m megatron_rl.train`` on one CPU rank against the real server (disk transport)."""
+    out = report.out / "e2e"
+    prompts = out / "prompts.jsonl"
+    synthetic.write_prompt_file(str(prompts), 64, 4, seed=args.seed + 1)
+    weights = out / "weights"
+    cmd = [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(model_dir), "--prompt-data",
+           str(prompts), "--input-key", "prompt", "--label-key", "label",
+           "--custom-rm-path", "megatron_rl.data.synthetic:digit_reward",
+           "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
+           "--num-rollout", str(args.num_rollout), "--lr", "1e-3",
+           "--rollout-backend", "sglang", "--rollout-engine-urls", server.url,
+           "--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights),
+           "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"),
+           "--output-dir", str(out / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    report.log("e2e: " + " ".join(cmd))
+    t = time.monotonic()
+    with open(out / "train.log", "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=args.e2e_timeout_s, start_new_session=True)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    took = time.monotonic() - t
+    report.figures["e2e_wall_s"] = round(took, 1)
+    tail = "\n".join((out / "train.log").read_text(errors="replace").splitlines()[-25:])
+    if not report.check("e2e: python -m megatron_rl.train against real SGLang exits 0", rc == 0,
+                        f"rc={rc} after {took:.0f} s" + ("" if rc == 0 else f"; log tail:\n{tail}")):
+        return
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [rec for rec in records if "perf/step_time_s" in rec]
+    syncs = [rec for rec in records if "sync/load_s" in rec]
+    report.figures["e2e_steps"] = len(steps)
+    report.figures["e2e_step_s"] = [round(rec["perf/step_time_s"], 2) for rec in steps]
+    report.figures["e2e_generate_s"] = [round(rec["perf/generate_s"], 2) for rec in steps]
+    report.figures["e2e_sync_s"] = [round(rec["sync/time_s"], 2) for rec in syncs if "sync/time_s" in rec]
+    report.figures["e2e_sync_load_s"] = [round(rec["sync/load_s"], 3) for rec in syncs]
+    report.figures["e2e_startup_s"] = next((round(rec["perf/startup_s"], 1) for rec in records
+                                           if "perf/startup_s" in rec), None)
+    report.figures["e2e_reward"] = [round(rec.get("rollout/reward_mean", rec.get("rollout/raw_reward", -1)), 3)
+                                    for rec in steps]
+    report.check("e2e: one record per rollout", len(steps) == args.num_rollout, f"{len(steps)} steps")
+    report.check("e2e: syncs loaded versions 0..N in order",
+                 [rec["sync/weight_version"] for rec in syncs] == [float(v) for v in range(args.num_rollout + 1)],
+                 f"{[rec['sync/weight_version'] for rec in syncs]}")
+    per_sample = []
+    for i in range(args.num_rollout):
+        data = torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)
+        per_sample.append(sorted({s["weight_version"] for s in data["samples"]}))
+    report.figures["e2e_sample_weight_versions"] = per_sample
+    report.check("e2e: every sample of rollout i carries weight version i",
+                 per_sample == [[i] for i in range(args.num_rollout)], f"{per_sample}")
+    report.check("e2e: the server ends at the last pushed version",
+                 SGLangClient(server.url).weight_version() == str(args.num_rollout))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="/tmp/sglang_real", help="output dir: figures.json, check.log, server.log")
+    ap.add_argument("--sglang-python", default=os.environ.get("SGLANG_PYTHON", "/work/sglang-venv/bin/python"),
+                    help="the python of the venv SGLang is installed in (scripts/sglang_cpu_install.sh)")
+    ap.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
+    ap.add_argument("--startup-timeout-s", type=float, default=240.0)
+    ap.add_argument("--batch", type=int, default=16, help="prompts per batched generate")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--long-tokens", type=int, default=400, help="tokens per row of the abort/pause generations")
+    ap.add_argument("--interrupt-after-s", type=float, default=1.0)
+    ap.add_argument("--logprob-tol", type=float, default=1e-3, help="max |SGLang - HF| token log-prob allowed")
+    ap.add_argument("--num-rollout", type=int, default=3, help="rollouts of the end-to-end run")
+    ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
+    ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
+    ap.add_argument("--radix-cache", action="store_true",
+                    help="keep SGLang's radix cache (default off: on this CPU route a repeated batch took ~12 s "
+                         "with it, 2-3 s without)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out)
+    if not os.access(args.sglang_python, os.X_OK):
+        report.log(f"error: {args.sglang_python} is not an executable python; run scripts/sglang_cpu_install.sh "
+                   "(or give --sglang-python)")
+        return 2
+    server = SGLangServer(args.sglang_python, build_model(out, args.seed), out / "server.log",
+                          port=args.port or free_port(), extra_args=[] if args.radix_cache else
+                          ["--disable-radix-cache"])
+    report.figures["radix_cache"] = bool(args.radix_cache)
+    atexit.register(server.stop)
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through the finally below, which stops the server
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        report.log(f"starting SGLang on {server.url} (log: {server.log_path})")
+        t = time.monotonic()
+        server.start()
+        probe = SGLangClient(server.url, timeout_s=5, connect_retries=0)
+
+        def healthy() -> bool:
+            if not server.alive():
+                raise CheckFailed(f"the SGLang server process exited with {server.proc.returncode} while starting; "
+                                  f"log tail ({server.log_path}):\n{server.log_tail()}")
+            try:
+                return probe.health(timeout_s=5)
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+
+        try:
+            wait_until(healthy, args.startup_timeout_s, f"SGLang server {server.url}", "answer /health with 200",
+                       every_s=1.0, progress=lambda s: report.log(f"  waiting for {server.url}/health: {s:.0f} s"))
+        except CheckFailed as exc:
+            report.log(f"error: {exc}\n{server.log_tail()}")
+            report.check("server starts", False, str(exc)[:500])
+            return 2
+        report.figures["startup_s"] = round(time.monotonic() - t, 1)
+        report.log(f"server healthy after {report.figures['startup_s']} s")
+        report.replies["model_info"] = {"status": 200, "body": probe.model_info()}
+        probe.close()
+
+        checks = Checks(report, server, server.model, args)
+        steps = [("generation", None), ("seeded", None), ("disk_updates", "first"), ("control", None),
+                 ("abort_flush_pause", None), ("tensor_updates", "first")]
+        first = None
+        for name, needs in steps:
+            if not server.alive():
+                report.check(f"{name}: server alive", False, f"the server died; log tail:\n{server.log_tail()}")
+                break
+            try:
+                result = getattr(checks, name)(first) if needs else getattr(checks, name)()
+                if name == "generation":
+                    first = result
+            except Exception as exc:  # noqa: BLE001 - one failed step does not hide the others
+                report.check(f"{name} ran without an error", False,
+                             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+                if name == "generation":
+                    break
+        report.log("not called: release/resume_memory_occupation (on CPU SGLang calls CUDA synchronize there: "
+                   "the scheduler dies and the server goes down); get_weights_by_name (missing for Qwen2)")
+        checks.engine.close()
+        try:
+            standin_fidelity(report, server.model)
+        except Exception as exc:  # noqa: BLE001
+            report.check("stand-in comparison ran without an error", False, f"{type(exc).__name__}: {exc}")
+        if not args.skip_e2e and server.alive():
+            try:
+                run_e2e(report, server, server.model, args)
+            except Exception as exc:  # noqa: BLE001
+                report.check("e2e ran without an error", False, f"{type(exc).__name__}: {exc}")
+        report.check("server alive at the end", server.alive(), "" if server.alive() else server.log_tail())
+    finally:
+        server.stop()
+        report.figures["total_s"] = round(time.monotonic() - report.t0, 1)
+        report.save()
+    failed = report.failed
+    report.log(f"{len(report.checks) - len(failed)} passed, {len(failed)} failed  (figures: {out / 'figures.json'})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

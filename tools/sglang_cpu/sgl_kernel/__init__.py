@@ -1,0 +1,60 @@
+"""CPU TEST STAND-IN for SGLang's kernel package ``sgl_kernel``: not the real thing, for tests only.
+
+Why it exists: SGLang's CPU path imports ``sgl_kernel``, whose CPU build is not on the package
+index and targets AVX-512/AMX Xeons; the wheels that are there are CUDA-only. To run real
+SGLang 0.5.23 on this project's 2-core AVX2 CPU machines (``scripts/test_sglang_real.sh``), this
+package stands in for it. Only ``scripts/test_sglang_real.sh`` (through
+``tools/sglang_cpu/check_real_sglang.py``) puts ``tools/sglang_cpu`` on ``PYTHONPATH``, and only
+for the SGLang server process; nothing in ``megatron_rl`` imports it.
+
+What it provides: ``assign_req_to_token_pool_cpu`` in pure torch, the one kernel SGLang calls
+for a Qwen2 model on a non-AMX CPU (measured, ``../shared/SGLANG_CPU.md``). Every other
+attribute is a function that raises ``NotImplementedError`` naming itself when called, so an
+SGLang code path that needs a real kernel fails loudly instead of computing something wrong.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.0.0+cpu-test-standin"
+
+STANDIN = True  # lets a check tell this stand-in from a real sgl_kernel
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                 pool_len):
+    """Write each request's new KV-cache slots into its row of ``req_to_token``.
+
+    For request ``i``: ``req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`` gets
+    the next ``end_offset[i] - start_offset[i]`` entries of ``out_cache_loc`` (consumed in
+    order across requests). ``pool_len`` (the row length) is only checked.
+    """
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    rows = req_pool_indices.tolist()
+    pos = 0
+    for row, start, end in zip(rows, starts, ends):
+        n = end - start
+        if n <= 0:
+            continue
+        if end > pool_len:
+            raise ValueError(f"assign_req_to_token_pool_cpu: end offset {end} past the pool row length {pool_len}")
+        req_to_token[row, start:end] = out_cache_loc[pos:pos + n].to(req_to_token.dtype)
+        pos += n
+
+
+def _missing(name: str):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(
+            f"sgl_kernel.{name} called, but this sgl_kernel is the CPU test stand-in "
+            "(tools/sglang_cpu/sgl_kernel): only assign_req_to_token_pool_cpu is implemented. This SGLang "
+            "code path needs the real kernel package (a GPU, or an AVX-512/AMX CPU build).")
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return kernel
+
+
+def __getattr__(name: str):
+    # Dunder lookups (__path__, __file__, ...) must fail normally or the import system breaks.
+    if name.startswith("__") and name.endswith("__"):
+        raise AttributeError(name)
+    return _missing(name)
