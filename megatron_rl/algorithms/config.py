@@ -43,6 +43,7 @@ class PolicyGradientConfig:
     gspo_eps_clip: float = 3e-4  # --gspo-eps-clip
     gspo_eps_clip_high: float = 4e-4  # --gspo-eps-clip-high
     kl_loss_coef: float = 0.0  # --kl-loss-coef: KL-to-reference term in the loss
+    log_kl: bool = False  # --use-kl-loss --kl-loss-coef 0 (slime): the KL is computed and logged, not added
     kl_loss_type: str = "k3"  # --kl-loss-type: k1 | k2 | k3 = low_var_kl (clamped low-variance)
     use_unbiased_kl: bool = False  # --use-unbiased-kl: KL term weighted by the ratio exp(logp - old)
     entropy_coef: float = 0.0  # --entropy-coef: entropy bonus (subtracted from the loss)

@@ -68,6 +68,13 @@ class Spec(abc.ABC):
     def prepare_batch(self, samples: Sequence[Sample]) -> BatchRequirements:
         """What the trainer must compute for this batch (``BatchRequirements``); validates the samples."""
 
+    def needs_whole_batch(self) -> bool:
+        """True when ``compute_advantages`` reads every sample's log-probs (e.g. KL folded into the
+        reward): then every training rank needs the whole batch and all its log-probs, not only the
+        samples it trains on. What ``prepare_batch`` requires depends on the algorithm's config, not
+        on the samples (which it only validates), so an empty batch answers."""
+        return self.prepare_batch([]).advantages_need_logprobs
+
     @abc.abstractmethod
     def extract_model_output(self, logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
                              vocab_start_index: int | None = None) -> ModelOutput:
@@ -90,17 +97,17 @@ class PolicyGradientSpec(Spec):
             if not on:
                 continue
             for i, s in enumerate(samples):
-                if len(s.rollout_logprobs) != len(s.response_ids):
+                if s.num_rollout_logprobs != s.response_length:
                     raise ConfigError(
                         f"{flag} needs rollout log-probs for every response token, but sample {i} "
-                        f"(group {s.group_index}) has {len(s.rollout_logprobs)} for {len(s.response_ids)} "
+                        f"(group {s.group_index}) has {s.num_rollout_logprobs} for {s.response_length} "
                         f"tokens: have the rollout engine return token log-probs, or drop {flag}")
         kl_in_reward = cfg.advantage_estimator == "reinforce_plus_plus" and cfg.kl_coef > 0
         return BatchRequirements(
             # GSPO and TIS read old log-probs even on the first update; PPO ratios too. With
             # --use-rollout-logprobs they are the engine's (no forward): the user accepts the mismatch.
             old_logprobs=not cfg.use_rollout_logprobs,
-            ref_logprobs=cfg.kl_loss_coef > 0 or kl_in_reward,
+            ref_logprobs=cfg.kl_loss_coef > 0 or cfg.log_kl or kl_in_reward,
             teacher_logprobs=cfg.opd_coef > 0,
             rollout_logprobs=cfg.use_tis or cfg.use_rollout_logprobs,
             entropy=True,  # cheap (same pass); always logged to watch for entropy collapse
@@ -149,9 +156,9 @@ class PolicyGradientSpec(Spec):
 
 def _check_loss_masks(samples: Sequence[Sample]) -> None:
     for i, s in enumerate(samples):
-        if s.loss_mask and len(s.loss_mask) != len(s.response_ids):
+        if s.loss_mask and len(s.loss_mask) != s.response_length:
             raise ValueError(f"sample {i} (group {s.group_index}) has {len(s.loss_mask)} loss_mask entries for "
-                             f"{len(s.response_ids)} response tokens: the mask is response-aligned (one entry "
+                             f"{s.response_length} response tokens: the mask is response-aligned (one entry "
                              f"per response token, or empty for all ones)")
 
 

@@ -1,4 +1,5 @@
-"""Generate docs/flags.md from the schema (``python -m megatron_rl.config.docs``).
+"""Generate docs/flags.md from the schema (``python -m megatron_rl.config.docs``), and
+docs/migrating-from-slime.md from the flag tables (config/migration.py).
 
 A unit test regenerates the text and fails when the committed file differs, so
 the reference can never drift from the parser.
@@ -59,12 +60,16 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    text = render()
+    """Write docs/flags.md and docs/migrating-from-slime.md (``--check``: exit 1 if either is stale)."""
+    from . import migration  # lazy: only the doc generator needs the slime flag list
+
+    docs = ((DOC_PATH, render()), (migration.DOC_PATH, migration.render()))
     if argv and argv[0] == "--check":
-        return 0 if DOC_PATH.exists() and DOC_PATH.read_text() == text else 1
-    DOC_PATH.parent.mkdir(parents=True, exist_ok=True)
-    DOC_PATH.write_text(text)
-    print(f"wrote {DOC_PATH}")
+        return 0 if all(path.exists() and path.read_text() == text for path, text in docs) else 1
+    for path, text in docs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Pull ``--sglang-KEY [VALUE]`` out of argv; ``--sglang-KEY=VALUE`` works too."""
+    """Pull ``--sglang-KEY [VALUE ...]`` out of argv (several values: a list, as SGLang's nargs
+    arguments take them); ``--sglang-KEY=VALUE`` works too."""
     rest: list[str] = []
     passed: dict[str, Any] = {}
     i = 0
@@ -87,13 +88,14 @@ def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]
             key = key.replace("-", "_")
             if not key:
                 raise ConfigError(f"{tok!r}: a pass-through flag needs a name, e.g. --sglang-mem-fraction-static 0.8")
+            values = []
+            while not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                values.append(argv[i + 1])  # SGLang list arguments: --sglang-cuda-graph-bs 1 2 4 8
+                i += 1
             if eq:
                 passed[key] = value
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                passed[key] = argv[i + 1]
-                i += 1
             else:
-                passed[key] = True
+                passed[key] = values[0] if len(values) == 1 else (values or True)
         else:
             rest.append(tok)
         i += 1

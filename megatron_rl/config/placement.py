@@ -24,6 +24,8 @@ from megatron_rl.plan import (Allocation, Component, Dims, Group, ModelShape, pa
                               plan_from_slime_flags, validate_plan)
 from megatron_rl.plan.allocation import DIM_NAMES
 
+from .architecture import dry_run_without_checkpoint, shape_from_flags
+
 #: (group, field, flag) of each size an allocation's actor states, and how to read it off.
 _ACTOR_FIELDS = (
     ("precision", "train_backend", "--train-backend", lambda a: a.backend),
@@ -290,12 +292,22 @@ def plan_errors(cfg) -> list[str]:
     except PlanError as exc:
         flag = "--allocation" if cfg.placement.allocation else "the placement flags"
         return [f"{flag}: {exc}"]
-    model = None
-    if cfg.model.hf_checkpoint:
-        try:
-            model = ModelShape.from_hf_config(cfg.model.hf_checkpoint)
-        except Exception as exc:  # unreadable config.json is reported, not raised deep inside
-            return [f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot read config.json ({exc})"]
+    try:
+        model = model_shape_for_config(cfg)
+    except Exception as exc:  # unreadable config.json is reported, not raised deep inside
+        return [f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot read config.json ({exc})"]
     report = validate_plan(plan, None, model, cfg.model.seq_length,
-                           cfg.parallel.virtual_pipeline_model_parallel_size)
+                           cfg.parallel.virtual_pipeline_model_parallel_size,
+                           last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers)
     return list(report.errors)
+
+
+def model_shape_for_config(cfg):
+    """The model shape the planner checks the layout against: --hf-checkpoint's config.json, or,
+    for a dry run whose checkpoint is not on this machine, the architecture flags (None when
+    neither is there). Raises what ``ModelShape.from_hf_config`` raises for a bad config.json."""
+    if dry_run_without_checkpoint(cfg):
+        return shape_from_flags(cfg)
+    if cfg.model.hf_checkpoint:
+        return ModelShape.from_hf_config(cfg.model.hf_checkpoint)
+    return shape_from_flags(cfg)

@@ -54,6 +54,93 @@ class ModelConfig:
                                      "--rollout-max-prompt-len + --rollout-max-response-len.")
 
 
+def parse_moe_layer_freq(text):
+    """Megatron-LM's ``--moe-layer-freq``: ``N`` (every N-th layer is MoE, counting from layer 0)
+    or a Python list expression of 0/1 per layer (``"[1, 1, 0]"``, ``"([0]*3+[1]*45)"``).
+
+    Evaluated with a small AST walker (lists of ints, ``*`` by an int, ``+`` of lists), never
+    ``eval``: a launch script is data, not code.
+    """
+    import ast
+
+    if isinstance(text, (int, list)) and not isinstance(text, bool):
+        return text
+    src = str(text).strip()
+    if src.isdigit():
+        return int(src)
+
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.List):
+            return [walk(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+            left, right = walk(node.left), walk(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(ast.dump(node)[:60])
+
+    try:
+        value = walk(ast.parse(src, mode="eval"))
+    except (SyntaxError, ValueError, TypeError):
+        value = None
+    if not (isinstance(value, int) or (isinstance(value, list) and all(v in (0, 1) for v in value))):
+        raise ValueError(f"{text!r} is not a MoE layer frequency; write N (every N-th layer) or a list of "
+                         "0/1 per layer, e.g. \"[1, 1, 1]\" or \"([0]*1+[1]*47)\"")
+    return value
+
+
+_CHECKED = "Checked against --hf-checkpoint's config.json (which builds the model); a mismatch is refused."
+
+
+@dataclass(frozen=True)
+class ArchitectureConfig:
+    """Megatron-LM's model-architecture flags (a slime ``MODEL_ARGS``). The HF config builds the
+    model; these are accepted so launch scripts run unchanged, compared with config.json so a
+    wrong value is refused instead of silently describing another model, and used for the
+    plan by ``--dry-run`` where the checkpoint is not on this machine (config/architecture.py)."""
+
+    num_layers: Optional[int] = flag(None, "Transformer layers (config.json num_hidden_layers). " + _CHECKED)
+    hidden_size: Optional[int] = flag(None, "Hidden size (hidden_size). " + _CHECKED)
+    ffn_hidden_size: Optional[int] = flag(None, "Dense MLP hidden size (intermediate_size). " + _CHECKED)
+    num_attention_heads: Optional[int] = flag(None, "Attention heads (num_attention_heads). " + _CHECKED)
+    group_query_attention: bool = flag(False, "Grouped-query attention with --num-query-groups groups (Megatron: "
+                                       "without it --num-query-groups is ignored, with it the default is 1). "
+                                       + _CHECKED)
+    num_query_groups: Optional[int] = flag(None, "KV head groups (num_key_value_heads); needs "
+                                           "--group-query-attention, as in Megatron-LM. " + _CHECKED)
+    kv_channels: Optional[int] = flag(None, "Head dimension (head_dim, default hidden_size / heads). " + _CHECKED)
+    vocab_size: Optional[int] = flag(None, "Vocabulary size; megatron pads it to a multiple of 128 x TP, so "
+                                     "it must equal config.json's vocab_size or pad to the same size. " + _CHECKED)
+    swiglu: bool = flag(False, "SwiGLU MLP (hidden_act silu, gated). " + _CHECKED)
+    normalization: Optional[str] = flag(None, "Norm type (RMSNorm when config.json has rms_norm_eps). " + _CHECKED,
+                                        choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: Optional[float] = flag(None, "Norm epsilon (rms_norm_eps). " + _CHECKED)
+    rotary_base: Optional[float] = flag(None, "RoPE base (rope_theta). " + _CHECKED)
+    rotary_percent: Optional[float] = flag(None, "Fraction of the head dim rotated (partial_rotary_factor, "
+                                           "default 1). " + _CHECKED)
+    position_embedding_type: Optional[str] = flag(None, "Position embedding (the supported families use "
+                                                  "rope). " + _CHECKED,
+                                                  choices=("learned_absolute", "rope", "mrope", "yarn", "none"))
+    use_rotary_position_embeddings: bool = flag(False, "Megatron-LM's older spelling of "
+                                                "--position-embedding-type rope. " + _CHECKED)
+    disable_bias_linear: bool = flag(False, "No bias in the linear layers (config.json mlp_bias false). "
+                                     + _CHECKED)
+    add_qkv_bias: bool = flag(False, "Bias on the q/k/v projections (Qwen2; attention_bias). " + _CHECKED)
+    qk_layernorm: bool = flag(False, "RMSNorm on q and k per head (Qwen3). " + _CHECKED)
+    untie_embeddings_and_output_weights: bool = flag(False, "Separate output layer (tie_word_embeddings "
+                                                     "false). " + _CHECKED)
+    num_experts: Optional[int] = flag(None, "MoE experts (num_experts / num_local_experts). " + _CHECKED)
+    moe_ffn_hidden_size: Optional[int] = flag(None, "Expert MLP hidden size (moe_intermediate_size). " + _CHECKED)
+    moe_router_topk: Optional[int] = flag(None, "Experts per token (num_experts_per_tok). " + _CHECKED)
+    moe_layer_freq: Optional[str] = flag(None, "Which layers are MoE: N (every N-th) or a 0/1 list per layer "
+                                         "(config.json decoder_sparse_step / mlp_only_layers). " + _CHECKED,
+                                         type=parse_moe_layer_freq)
+    moe_router_score_function: Optional[str] = flag(None, "Router score function (softmax for the supported "
+                                                    "MoE families). " + _CHECKED, choices=("softmax", "sigmoid"))
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = flag(1, "Tensor-parallel size (TP) of the training model.")
@@ -64,7 +151,12 @@ class ParallelConfig:
     expert_model_parallel_size: int = flag(1, "Expert-parallel size (EP) for MoE models.")
     expert_tensor_parallel_size: Optional[int] = flag(
         None, "Tensor-parallel size inside each expert (ETP); defaults to TP as in megatron-core.")
-    sequence_parallel: bool = flag(False, "Shard norm/dropout activations over the TP group (needs TP > 1).")
+    sequence_parallel: bool = flag(False, "Shard norm/dropout activations over the TP group. With "
+                                   "--tensor-model-parallel-size 1 there is nothing to shard over: it has no effect "
+                                   "(as in Megatron-LM, which turns it off there) and start-up logs that.")
+    decoder_last_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers on the last pipeline stage (uneven PP; TransformerConfig.num_layers_in_last_pipeline_stage); "
+        "the other stages split the rest evenly.")
 
     @property
     def model_parallel_size(self) -> int:
@@ -86,10 +178,12 @@ class OptimizerConfig:
     adam_eps: float = flag(1e-8, "Adam epsilon.")
     grad_clip: float = flag(1.0, "Clip the global gradient norm to this value (0 disables).",
                             aliases=("--clip-grad",))
-    use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1). "
+                                           "Implied by --optimizer-cpu-offload.")
     optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU: megatron-core's "
-                                       "hybrid device optimizer (needs --use-distributed-optimizer and "
-                                       "--use-precision-aware-optimizer, as in Megatron-LM; docs/optimizer.md).")
+                                       "hybrid device optimizer. Implies --use-distributed-optimizer (which "
+                                       "Megatron-LM requires with it and slime always sets); needs "
+                                       "--use-precision-aware-optimizer, as in Megatron-LM; docs/optimizer.md.")
     optimizer_offload_fraction: float = flag(1.0, "Fraction of the optimizer state megatron-core's hybrid "
                                              "optimizer keeps on the CPU with --optimizer-cpu-offload "
                                              "(0 < f <= 1; only 1.0 on a CPU-only machine).")
@@ -97,6 +191,14 @@ class OptimizerConfig:
                                                "(megatron-core precision-aware optimizer): transformer-engine's "
                                                "FusedAdam on a GPU, or the hybrid optimizer with "
                                                "--optimizer-cpu-offload.")
+    overlap_cpu_optimizer_d2h_h2d: bool = flag(False, "With --optimizer-cpu-offload: overlap the GPU<->CPU "
+                                               "copies of the hybrid optimizer with its step on CUDA streams "
+                                               "(OptimizerConfig.overlap_cpu_optimizer_d2h_h2d; needs a GPU).")
+
+    @property
+    def effective_distributed_optimizer(self) -> bool:
+        """The distributed optimizer is on: asked for, or implied by --optimizer-cpu-offload."""
+        return self.use_distributed_optimizer or self.optimizer_cpu_offload
 
 
 @dataclass(frozen=True)
@@ -111,6 +213,11 @@ class BatchingConfig:
                                         "(--max-tokens-per-gpu) instead of a fixed sample count.")
     max_tokens_per_gpu: Optional[int] = flag(None, "Token budget of one packed micro-batch on one GPU "
                                              "(needs --use-dynamic-batch-size).")
+    balance_data: bool = flag(False, "slime's token balancing over data-parallel ranks: with "
+                              "--use-dynamic-batch-size the packer always splits each step's samples over DP ranks "
+                              "with near-equal token counts (Karmarkar-Karp, data/packing.py), so this restates it; "
+                              "refused without --use-dynamic-batch-size (fixed micro-batches are split by position, "
+                              "as Megatron's sampler does).")
     log_probs_chunk_size: Optional[int] = flag(
         None, "Tokens per chunk when computing log-probs/entropy from logits (bounds the fp32 working set).")
 
@@ -135,6 +242,13 @@ class MemoryConfig:
     colocate: bool = flag(False, "Run the rollout engine on the training GPUs (implies offloading both sides).")
     offload_train: bool = flag(False, "Release the trainer's GPU memory while the rollout engine runs.")
     offload_rollout: bool = flag(False, "Release the rollout engine's GPU memory while training.")
+    ref_weights_location: str = flag(
+        "auto", "Where the frozen reference/teacher weight copies live. device: beside the parameters, so each "
+        "reference forward's swap (actor out, reference in, actor back) runs at device-memory speed, for one "
+        "more copy of this rank's parameters in GPU memory. host: pinned CPU memory, the swap crosses PCIe "
+        "three times per reference forward. auto: device when that copy takes at most a quarter of the GPU memory "
+        "free once model and optimizer exist (logged), host otherwise and always with --offload-train/"
+        "--colocate. On a CPU-only run both are host memory.", choices=("auto", "device", "host"))
 
     # slime semantics: --colocate implies both offloads. Derived, never written back.
     @property
@@ -168,6 +282,49 @@ class PrecisionConfig:
     @property
     def params_dtype(self) -> str:
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """Megatron-LM training knobs, each mapped onto megatron-core's TransformerConfig, DDP or
+    optimizer config by the registry in config/megatron_flags.py (which also says what each
+    one needs on this machine: a real run refuses a flag that cannot take effect here)."""
+
+    attention_dropout: Optional[float] = flag(None, "Attention dropout (TransformerConfig.attention_dropout). "
+                                              "Unset: config.json's attention_dropout (0 for the supported "
+                                              "families), not Megatron-LM's 0.1.")
+    hidden_dropout: Optional[float] = flag(None, "Hidden-state dropout (TransformerConfig.hidden_dropout). "
+                                           "Unset: 0, not Megatron-LM's 0.1.")
+    attention_softmax_in_fp32: bool = flag(False, "Attention softmax in fp32 "
+                                           "(TransformerConfig.attention_softmax_in_fp32); always on here.")
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, "Accumulate and all-reduce gradients in fp32 "
+                                                    "(DDP grad_reduce_in_fp32); always on here.")
+    calculate_per_token_loss: bool = flag(False, "Megatron's per-token loss normalisation "
+                                          "(TransformerConfig.calculate_per_token_loss); always on here: losses "
+                                          "are normalised by the step's global token count (--loss-agg-mode).")
+    attention_backend: str = flag("auto", "Attention kernel (TransformerConfig.attention_backend): flash, "
+                                  "fused and unfused pick transformer-engine's kernels (GPU with TE); local is "
+                                  "the torch attention used without TE; auto lets the layer spec choose.",
+                                  choices=("flash", "fused", "unfused", "local", "auto"))
+    deterministic_mode: bool = flag(False, "Deterministic kernels (TransformerConfig.deterministic_mode); with "
+                                    "transformer-engine it needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0.")
+    moe_router_dtype: Optional[str] = flag(None, "Router logits dtype (TransformerConfig.moe_router_dtype); "
+                                           "unset: fp32.", choices=("fp32", "fp64"))
+    moe_token_dispatcher_type: Optional[str] = flag(None, "MoE token dispatcher "
+                                                    "(TransformerConfig.moe_token_dispatcher_type); unset: "
+                                                    "alltoall, the one megatron-core allows with packed "
+                                                    "variable-length sequences.",
+                                                    choices=("allgather", "alltoall", "flex"))
+    moe_grouped_gemm: bool = flag(False, "Grouped-GEMM experts (TransformerConfig.moe_grouped_gemm).")
+    moe_permute_fusion: bool = flag(False, "Fused token permutation (TransformerConfig.moe_permute_fusion; "
+                                    "transformer-engine >= 2.1 on a GPU).")
+    moe_aux_loss_coeff: Optional[float] = flag(None, "Load-balancing aux loss coefficient "
+                                               "(TransformerConfig.moe_aux_loss_coeff; 0 turns the aux loss "
+                                               "off). Unset: config.json's router_aux_loss_coef.")
+    moe_token_drop_policy: Optional[str] = flag(None, "Which tokens an over-capacity expert drops "
+                                                "(TransformerConfig.moe_token_drop_policy). No expert capacity "
+                                                "is set here, so nothing is dropped: only probs (the default) "
+                                                "is accepted.", choices=("probs", "position"))
 
 
 @dataclass(frozen=True)
@@ -226,11 +383,31 @@ class DataConfig:
     label_key: Optional[str] = flag("label", "JSON key of the ground-truth label used by the reward.")
     apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = flag(False, "Shuffle prompts each epoch (seeded).")
-    eval_prompt_data: Optional[str] = flag(None, "JSONL file of evaluation prompts.")
+    eval_prompt_data: list = flag([], "Evaluation prompts: one JSONL file (metrics eval/reward_mean, ...), or "
+                                  "slime's named sets NAME PATH [NAME PATH ...] (metrics eval/NAME/reward_mean, "
+                                  "eval/NAME/response_len_mean per set).", type=str, nargs="+", metavar="[NAME] PATH")
     eval_interval: Optional[int] = flag(None, "Evaluate every N rollout steps (needs --eval-prompt-data).")
     n_samples_per_eval_prompt: int = flag(1, "Responses per evaluation prompt.")
+    eval_temperature: float = flag(0.0, "Sampling temperature of evaluation; 0 is greedy, the default here "
+                                   "(slime's default is --rollout-temperature).")
+    eval_top_p: Optional[float] = flag(None, "Nucleus threshold of evaluation sampling (unset: --rollout-top-p); "
+                                       "a value below 1 needs --eval-temperature > 0.")
+    eval_top_k: Optional[int] = flag(None, "Top-k of evaluation sampling (-1 disables; unset: --rollout-top-k); "
+                                     "a k > 1 needs --eval-temperature > 0 (k 1 is greedy).")
+    eval_max_response_len: Optional[int] = flag(None, "Maximum new tokens per evaluation response (unset: "
+                                                "--rollout-max-response-len).")
     rm_type: Optional[str] = flag(None, "Built-in reward function (e.g. exact_match, math).")
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+
+    @property
+    def eval_sets(self) -> tuple[tuple[Optional[str], str], ...]:
+        """``(name, path)`` per evaluation set: one PATH is the unnamed set (metrics ``eval/...``),
+        slime's NAME PATH pairs are named sets (``eval/NAME/...``). A YAML string is one PATH."""
+        v = self.eval_prompt_data
+        items = [v] if isinstance(v, str) else list(v or [])
+        if len(items) == 1:
+            return ((None, items[0]),)
+        return tuple((items[i], items[i + 1]) for i in range(0, len(items) - 1, 2))
 
 
 @dataclass(frozen=True)
@@ -249,8 +426,13 @@ class AlgorithmConfig:
     eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).")
     eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).")
     eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.")
-    use_kl_loss: bool = flag(False, "Add a KL penalty to the reference model to the loss.")
-    kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty.")
+    kl_coef: float = flag(0.0, "KL to the reference folded into the token rewards (slime's --kl-coef; "
+                          "REINFORCE++: --advantage-estimator reinforce_plus_plus, formulas in docs/algorithms.md); "
+                          "0: off. slime ignores it for GRPO/GSPO/RLOO; here a value > 0 with those is refused "
+                          "(use --use-kl-loss --kl-loss-coef for a KL term in the loss).")
+    use_kl_loss: bool = flag(False, "KL to the reference model: added to the loss times --kl-loss-coef, and "
+                             "logged as train/kl; with --kl-loss-coef 0 logged only (slime's way to watch it).")
+    kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty (needs --use-kl-loss when > 0).")
     kl_loss_type: str = flag("k3", "KL estimator; k3 and low_var_kl are the same low-variance estimator, "
                              "clamped as verl's (log ratio to +-20, value to <= 10).",
                              choices=("k1", "k2", "k3", "low_var_kl"))
@@ -324,21 +506,32 @@ class RuntimeConfig:
                                             "7d, 12h, 90m or seconds.", type=parse_duration)
     wall_time_reserve: float = flag(600.0, "Time kept in hand at the end for the final save (and 2x for eval).",
                                     type=parse_duration)
+    use_wandb: bool = flag(False, "slime's W&B switch: logging to W&B is on exactly when --wandb-project is "
+                           "given, so this needs it (refused without).")
     wandb_project: Optional[str] = flag(None, "Log to this W&B project.")
     wandb_group: Optional[str] = flag(None, "W&B group.")
+    wandb_team: Optional[str] = flag(None, "W&B entity (team or user) the run belongs to (wandb.init entity); "
+                                     "needs --wandb-project.")
+    wandb_host: Optional[str] = flag(None, "W&B server URL, for a self-hosted W&B (wandb.Settings base_url and "
+                                     "wandb.login host); needs --wandb-project.")
+    wandb_key: Optional[str] = flag(None, "W&B API key: wandb.login(key) before the run starts in "
+                                    "--wandb-mode online (none offline, as slime); never written to the logged config. "
+                                    "Needs --wandb-project.")
     wandb_mode: str = flag("online", "W&B mode (offline works without network).",
                            choices=("online", "offline", "disabled"))
-    wandb_resume_id: Optional[str] = flag(None, "Continue this W&B run id.")
+    wandb_resume_id: Optional[str] = flag(None, "Continue this W&B run id.", aliases=("--wandb-run-id",))
     tensorboard_dir: Optional[str] = flag(None, "Write TensorBoard scalars here.")
 
 
 GROUPS: dict[str, type] = {
     "model": ModelConfig,
+    "architecture": ArchitectureConfig,
     "parallel": ParallelConfig,
     "optimizer": OptimizerConfig,
     "batching": BatchingConfig,
     "memory": MemoryConfig,
     "precision": PrecisionConfig,
+    "megatron": MegatronConfig,
     "checkpoint": CheckpointConfig,
     "rollout": RolloutConfig,
     "data": DataConfig,
@@ -355,11 +548,13 @@ class Config:
     """The whole validated configuration of one run (built by ``config.parse_config``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)

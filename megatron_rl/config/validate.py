@@ -15,6 +15,8 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config
+from .architecture import architecture_errors, dry_run_without_checkpoint
+from .megatron_flags import megatron_flag_errors
 from .placement import allocation_errors, plan_errors, world_errors
 
 
@@ -64,9 +66,6 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
     if p.virtual_pipeline_model_parallel_size is not None and p.pipeline_model_parallel_size < 2:
         errors.append("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1 "
                       f"(got {p.pipeline_model_parallel_size}); drop the VPP flag or raise PP")
-    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
-        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); "
-                      "drop --sequence-parallel or raise TP")
     ep = p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
     if ep > 1 and cfg.has_training and world % mp == 0:
@@ -89,6 +88,10 @@ def _check_batching(errors: list[str], cfg: Config) -> None:
     b = cfg.batching
     if b.use_dynamic_batch_size and b.max_tokens_per_gpu is None:
         errors.append("--use-dynamic-batch-size needs --max-tokens-per-gpu N (the packed token budget per GPU)")
+    if b.balance_data and not b.use_dynamic_batch_size:
+        errors.append("--balance-data balances token counts over data-parallel ranks, which the packer does with "
+                      "--use-dynamic-batch-size (fixed --micro-batch-size micro-batches are split by position): "
+                      "add --use-dynamic-batch-size --max-tokens-per-gpu N, or drop --balance-data")
     if b.max_tokens_per_gpu is not None and not b.use_dynamic_batch_size:
         errors.append("--max-tokens-per-gpu only applies with --use-dynamic-batch-size; add that flag "
                       "or drop --max-tokens-per-gpu")
@@ -117,9 +120,6 @@ def _check_precision(errors: list[str], cfg: Config) -> None:
     if pr.fp8_format and pr.train_backend == "fsdp":
         errors.append("--fp8-format is only supported with --train-backend megatron")
     _check_fp8_knobs(errors, cfg)
-    if opt.optimizer_cpu_offload and not opt.use_distributed_optimizer:
-        errors.append("--optimizer-cpu-offload needs --use-distributed-optimizer (megatron-core's hybrid "
-                      "CPU optimizer shards state over data parallelism)")
     if opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer:
         errors.append("--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM: "
                       "megatron-core's hybrid device optimizer saves and loads its state through that "
@@ -165,7 +165,7 @@ def _check_fp8_knobs(errors: list[str], cfg: Config) -> None:
         errors.append(f"--fp8-margin {pr.fp8_margin} must be >= 0")
     if pr.fp8_amax_history_len < 1:
         errors.append(f"--fp8-amax-history-len {pr.fp8_amax_history_len} must be >= 1")
-    if pr.fp8_param_gather and not cfg.optimizer.use_distributed_optimizer:
+    if pr.fp8_param_gather and not cfg.optimizer.effective_distributed_optimizer:
         errors.append("--fp8-param-gather keeps FP8 weights that only the distributed optimizer's main "
                       "params update; add --use-distributed-optimizer or drop --fp8-param-gather")
 
@@ -184,6 +184,57 @@ def _check_modes(errors: list[str], cfg: Config) -> None:
             errors.append(f"{flag} {pattern} must contain '{{rollout_id}}' (e.g. rollouts/{{rollout_id}}.pt)")
 
 
+def _check_memory(errors: list[str], cfg: Config) -> None:
+    m = cfg.memory
+    if m.ref_weights_location == "device" and m.effective_offload_train:
+        which = "--colocate" if m.colocate else "--offload-train"
+        errors.append(f"--ref-weights-location device with {which}: the trainer hands its GPU memory to the "
+                      f"rollout engine between steps, and reference copies on the device would stay there; use "
+                      f"--ref-weights-location host (or auto, which picks host here)")
+
+
+def _check_eval(errors: list[str], cfg: Config) -> None:
+    """Evaluation sets (one PATH, or slime's NAME PATH pairs) and evaluation sampling."""
+    d = cfg.data
+    items = [d.eval_prompt_data] if isinstance(d.eval_prompt_data, str) else list(d.eval_prompt_data or [])
+    if len(items) > 1 and len(items) % 2:
+        errors.append(f"--eval-prompt-data {' '.join(items)}: give one PATH, or NAME PATH pairs (slime's named "
+                      f"sets, e.g. aime /data/aime.jsonl gsm8k /data/gsm8k.jsonl); got {len(items)} values")
+        return
+    names = [n for n, _ in d.eval_sets if n is not None]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        errors.append(f"--eval-prompt-data names {', '.join(dup)} more than once; each set needs its own name "
+                      "(its metrics are eval/NAME/...)")
+    for name, path in d.eval_sets if cfg.has_rollout_engine else ():
+        if not os.path.isfile(path):
+            errors.append(f"--eval-prompt-data {(name + ' ') if name else ''}{path}: no such file")
+    sampling = [("--eval-temperature", d.eval_temperature if d.eval_temperature != 0.0 else None),
+                ("--eval-top-p", d.eval_top_p), ("--eval-top-k", d.eval_top_k),
+                ("--eval-max-response-len", d.eval_max_response_len)]
+    if not items:
+        for flag, value in sampling:
+            if value is not None:
+                errors.append(f"{flag} {value} sets evaluation sampling, but there is no evaluation: add "
+                              f"--eval-prompt-data or drop {flag}")
+        return
+    if d.eval_temperature < 0:
+        errors.append(f"--eval-temperature {d.eval_temperature} must be >= 0 (0 = greedy)")
+    if d.eval_top_p is not None and not 0 < d.eval_top_p <= 1:
+        errors.append(f"--eval-top-p {d.eval_top_p} must be in (0, 1]")
+    if d.eval_top_k is not None and d.eval_top_k != -1 and d.eval_top_k < 1:
+        errors.append(f"--eval-top-k {d.eval_top_k} must be >= 1, or -1 (no top-k)")
+    if d.eval_max_response_len is not None and d.eval_max_response_len < 1:
+        errors.append(f"--eval-max-response-len {d.eval_max_response_len} must be >= 1")
+    if d.eval_temperature == 0:  # greedy: the most likely token, whatever the sampling filters keep
+        if d.eval_top_p is not None and d.eval_top_p < 1:
+            errors.append(f"--eval-top-p {d.eval_top_p} filters sampling, but evaluation is greedy "
+                          "(--eval-temperature 0) and would not change: add --eval-temperature > 0 or drop it")
+        if d.eval_top_k is not None and d.eval_top_k > 1:
+            errors.append(f"--eval-top-k {d.eval_top_k} filters sampling, but evaluation is greedy "
+                          "(--eval-temperature 0) and would not change: add --eval-temperature > 0 or drop it")
+
+
 def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
     c, d, a = cfg.checkpoint, cfg.data, cfg.algorithm
     if c.save_interval is not None and not c.save:
@@ -192,21 +243,27 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
         errors.append("--save-max-to-keep needs --save ROOT")
     if cfg.has_training and not c.load and not c.save and not cfg.model.hf_checkpoint:
         errors.append("no model to train: give --hf-checkpoint DIR (or --load a checkpoint)")
-    if cfg.model.hf_checkpoint and not os.path.isfile(os.path.join(cfg.model.hf_checkpoint, "config.json")):
+    if (cfg.model.hf_checkpoint and not os.path.isfile(os.path.join(cfg.model.hf_checkpoint, "config.json"))
+            and not dry_run_without_checkpoint(cfg)):  # a dry run elsewhere plans from the architecture flags
         errors.append(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no config.json there; point it at an HF model "
                       "directory (config.json + *.safetensors)")
     if c.opd_teacher_load is None and a.opd_kl_coef > 0:
         errors.append(f"--opd-kl-coef {a.opd_kl_coef} needs a teacher: give --opd-teacher-load PATH")
     if d.eval_interval is not None and not d.eval_prompt_data:
         errors.append("--eval-interval needs --eval-prompt-data FILE")
+    _check_eval(errors, cfg)
     if d.rm_type and d.custom_rm_path:
         errors.append("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if cfg.has_rollout_engine and d.custom_rm_path and ":" not in d.custom_rm_path:
         errors.append(f"--custom-rm-path {d.custom_rm_path} must be module:function (e.g. my_rewards:score)")
     if cfg.has_rollout_engine and d.prompt_data and not os.path.isfile(d.prompt_data):
         errors.append(f"--prompt-data {d.prompt_data}: no such file")
-    if a.use_kl_loss and a.kl_loss_coef <= 0:
-        errors.append("--use-kl-loss with --kl-loss-coef 0 adds nothing; set --kl-loss-coef > 0 or drop --use-kl-loss")
+    if a.kl_loss_coef < 0:
+        errors.append(f"--kl-loss-coef {a.kl_loss_coef} must be >= 0 (with --use-kl-loss, 0 logs the KL to the "
+                      "reference as train/kl without adding it to the loss, as slime)")
+    if a.kl_loss_coef > 0 and not a.use_kl_loss:
+        errors.append(f"--kl-loss-coef {a.kl_loss_coef} weights the KL loss term, which only exists with "
+                      "--use-kl-loss; add --use-kl-loss or drop --kl-loss-coef")
     if a.eps_clip <= 0:
         errors.append(f"--eps-clip {a.eps_clip} must be > 0")
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
@@ -222,6 +279,12 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
 def _check_algorithm(errors: list[str], cfg: Config) -> None:
     """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
     a = cfg.algorithm
+    if a.kl_coef < 0:
+        errors.append(f"--kl-coef {a.kl_coef} must be >= 0 (0: no KL in the reward)")
+    elif a.kl_coef > 0 and a.advantage_estimator != "reinforce_plus_plus":
+        errors.append(f"--kl-coef {a.kl_coef} folds KL into the rewards, which only --advantage-estimator "
+                      f"reinforce_plus_plus does (slime ignores it for {a.advantage_estimator}); use --use-kl-loss "
+                      "--kl-loss-coef for a KL term in the loss, or --kl-coef 0")
     if a.advantage_estimator == "gspo" and a.loss_agg_mode == "token_mean":
         errors.append("--advantage-estimator gspo with --loss-agg-mode token_mean weights each sequence by its "
                       "length, but GSPO's objective is a mean over sequences (GSPO paper, verl): use "
@@ -367,6 +430,28 @@ def _external_sglang_errors(cfg: Config) -> list[str]:
     return errors
 
 
+def _check_wandb(errors: list[str], cfg: Config) -> None:
+    """slime's W&B flags name what to log to; without --wandb-project nothing is logged to W&B,
+    so each would be accepted and do nothing."""
+    rt = cfg.runtime
+    if rt.wandb_project:
+        return
+    for flag, value in (("--use-wandb", rt.use_wandb), ("--wandb-team", rt.wandb_team),
+                        ("--wandb-host", rt.wandb_host), ("--wandb-key", rt.wandb_key and "***")):
+        if value:
+            shown = flag if value is True else f"{flag} {value}"
+            errors.append(f"{shown}: W&B logging is on when --wandb-project is given, and it is not; add "
+                          f"--wandb-project NAME (slime's scripts pass it with --use-wandb) or drop {flag}")
+
+
+def _check_megatron_flags(errors: list[str], cfg: Config) -> None:
+    """Megatron-LM's architecture flags against config.json (config/architecture.py) and its
+    training knobs against what megatron-core accepts and this machine can run
+    (config/megatron_flags.py)."""
+    errors.extend(architecture_errors(cfg))
+    errors.extend(megatron_flag_errors(cfg))
+
+
 def _check_world(errors: list[str], cfg: Config) -> None:
     """The placement against its real sources: ``--allocation`` against the flags it states
     (TP/PP/CP/EP/expert-TP, --train-backend, the actor's rank count), one policy per run, and
@@ -456,8 +541,10 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
                               "first, or choose another --save")
 
 
-CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_paths,
-          _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm, _check_world)
+CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_memory,
+          _check_paths,
+          _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm, _check_megatron_flags,
+          _check_wandb, _check_world)
 
 
 def collect_errors(cfg: Config) -> list[str]:

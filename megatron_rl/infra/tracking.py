@@ -5,7 +5,9 @@ tracker whose ``log`` does nothing, so call sites never branch on rank. W&B and
 TensorBoard are optional: asked for (``--wandb-project``, ``--tensorboard-dir``) but
 not installed, installed but raising on import, or ``wandb.init`` failing, is a
 ConfigError at start-up naming the package and the flag, not a crash or a traceback.
-``offline`` mode needs no network.
+``offline`` mode needs no network. slime's ``--wandb-team`` (entity), ``--wandb-host`` (a
+self-hosted server) and ``--wandb-key`` (``wandb.login``, skipped offline as slime does; the key
+is redacted from the logged config) are passed through.
 The W&B run id is returned so ``resume_state.json`` can continue the same run.
 """
 
@@ -45,7 +47,9 @@ class Tracker:
     def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_group: Optional[str] = None,
                  wandb_mode: str = "online", wandb_resume_id: Optional[str] = None,
-                 config: Optional[dict] = None, console_keys: Optional[list[str]] = None):
+                 config: Optional[dict] = None, console_keys: Optional[list[str]] = None,
+                 wandb_entity: Optional[str] = None, wandb_host: Optional[str] = None,
+                 wandb_key: Optional[str] = None):
         self.enabled = enabled
         self.console_keys = console_keys
         self.wandb_run_id: Optional[str] = wandb_resume_id
@@ -78,9 +82,12 @@ class Tracker:
                                   f"fails to import ({_one_line(exc)}); repair it (pip install -U wandb) or drop "
                                   "--wandb-project") from None
             try:
-                run = wandb.init(project=wandb_project, group=wandb_group, mode=wandb_mode, dir=run_dir,
-                                 id=wandb_resume_id, resume="allow" if wandb_resume_id else None,
-                                 config=config or {})
+                if wandb_key and wandb_mode == "online":  # no login offline (as slime) or disabled
+                    wandb.login(key=wandb_key, host=wandb_host)
+                settings = wandb.Settings(base_url=wandb_host) if wandb_host else None
+                run = wandb.init(project=wandb_project, group=wandb_group, entity=wandb_entity, mode=wandb_mode,
+                                 dir=run_dir, id=wandb_resume_id, resume="allow" if wandb_resume_id else None,
+                                 config=redact_secrets(config or {}), settings=settings)
             except Exception as exc:  # noqa: BLE001 - login, network, bad id: a start-up error, not a traceback
                 raise ConfigError(f"--wandb-project {wandb_project}: wandb.init failed ({_one_line(exc)}); fix the "
                                   "W&B setup, use --wandb-mode offline, or drop --wandb-project") from None
@@ -108,6 +115,15 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+SECRET_KEYS = ("wandb_key",)
+
+
+def redact_secrets(config: dict) -> dict:
+    """A copy of ``config`` (nested dicts too) with API keys replaced, for what W&B stores and shows."""
+    return {k: ("<redacted>" if k in SECRET_KEYS and v else redact_secrets(v) if isinstance(v, dict) else v)
+            for k, v in config.items()}
 
 
 def read_jsonl(path: str) -> list[dict]:

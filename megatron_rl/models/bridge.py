@@ -175,13 +175,17 @@ class Bridge:
     def transformer_config(self, layout, params_dtype: torch.dtype = torch.float32, **overrides):
         """Map the HF config (plus ``layout``) to a megatron ``TransformerConfig``.
 
-        ``overrides`` win over everything (e.g. ``recompute_granularity``).
+        ``overrides`` win over everything (e.g. ``recompute_granularity``, and the Megatron-LM
+        training flags of config/megatron_flags.py: dropouts, router dtype, aux loss, uneven
+        last pipeline stage). Architecture stays the HF config's: those flags are only checked.
         """
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
-        layout.validate(world, self.num_layers)
+        # uneven stages (--decoder-last-pipeline-num-layers): megatron-core checks that split itself
+        uneven = overrides.get("num_layers_in_last_pipeline_stage") is not None
+        layout.validate(world, None if uneven else self.num_layers)
         kw: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -228,6 +232,10 @@ class Bridge:
             )
         kw.update(cpu_config_overrides())
         kw.update(overrides)
+        if isinstance(kw.get("attention_backend"), str):  # --attention-backend arrives by name
+            from megatron.core.transformer.enums import AttnBackend
+
+            kw["attention_backend"] = AttnBackend[kw["attention_backend"]]
         try:
             return TransformerConfig(**kw)
         except (AssertionError, ValueError) as exc:

@@ -76,10 +76,12 @@ def node_unit(comp: Component) -> int:
 
 
 def validate_plan(plan: Allocation, cluster: Cluster | None = None, model: ModelShape | None = None,
-                  seq_length: int | None = None, vpp: int | None = None) -> PlanReport:
+                  seq_length: int | None = None, vpp: int | None = None, *,
+                  last_stage_layers: int | None = None) -> PlanReport:
     """Validate ``plan``; cluster/model/seq_length/vpp checks run only when given.
 
-    ``vpp`` is megatron's virtual pipeline size (``--virtual-pipeline-model-parallel-size``).
+    ``vpp`` is megatron's virtual pipeline size (``--virtual-pipeline-model-parallel-size``);
+    ``last_stage_layers`` the layers of an uneven last stage (``--decoder-last-pipeline-num-layers``).
     """
     errors: list[str] = []
     warnings: list[str] = []
@@ -91,7 +93,7 @@ def validate_plan(plan: Allocation, cluster: Cluster | None = None, model: Model
     if seq_length is not None:
         _check_seq_length(plan, seq_length, model, errors, warnings)
     if model is not None:
-        _check_model(plan, model, vpp, errors, info)
+        _check_model(plan, model, vpp, errors, info, last_stage_layers)
     placement: tuple[tuple[int, int], ...] = ()
     if cluster is not None:
         placement = _check_cluster(plan, cluster, errors, info)
@@ -185,7 +187,25 @@ def _divisors(n: int) -> str:
     return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
-def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info):
+def _check_pipeline_split(who: str, layers: int, pp: int, vpp, last: int | None, errors) -> None:
+    """Even stages (layers divisible by p*vpp), or megatron's uneven split: ``last`` layers on the
+    last stage and the rest spread evenly over the other p-1 (each divisible by vpp)."""
+    chunks = vpp if isinstance(vpp, int) and vpp > 1 else 1
+    if last is None:
+        if layers % (pp * chunks):
+            what = f"p*vpp = {pp}*{vpp}" if chunks != 1 else f"p={pp}"
+            errors.append(f"{who}: num_hidden_layers={layers} is not divisible by {what}; "
+                          f"each pipeline (virtual) stage needs the same number of layers")
+        return
+    rest = layers - last
+    if pp < 2 or rest < pp - 1 or rest % ((pp - 1) * chunks):
+        errors.append(f"{who}: --decoder-last-pipeline-num-layers {last} leaves {rest} of num_hidden_layers="
+                      f"{layers} for the other {pp - 1} pipeline stage(s), which must split them evenly"
+                      + (f" in {chunks} virtual chunks each" if chunks > 1 else "")
+                      + f"; choose a last-stage size L with {layers} - L divisible by {(pp - 1) * chunks}")
+
+
+def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info, last_stage_layers=None):
     heads, groups, layers = model.num_attention_heads, model.num_query_groups, model.num_layers
     for c in plan.components:
         who = f"{c.label} ({c.spec()})"
@@ -196,11 +216,8 @@ def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info):
             if groups % c.tp:
                 errors.append(f"{who}: num_key_value_heads={groups} (megatron num_query_groups) is "
                               f"not divisible by t={c.tp}; choose t from {_divisors(groups)}")
-            stages = c.pp * (vpp if c.backend == "megatron" and isinstance(vpp, int) and vpp > 1 else 1)
-            if layers % stages:
-                what = f"p*vpp = {c.pp}*{vpp}" if stages != c.pp else f"p={c.pp}"
-                errors.append(f"{who}: num_hidden_layers={layers} is not divisible by {what}; "
-                              f"each pipeline (virtual) stage needs the same number of layers")
+            _check_pipeline_split(who, layers, c.pp, vpp if c.backend == "megatron" else None,
+                                  last_stage_layers if c.backend == "megatron" else None, errors)
             if c.ep > 1 and not model.is_moe:
                 errors.append(f"{who}: expert parallel e={c.ep} needs an MoE model, but "
                               f"{model.source or 'the model'} has no experts; drop e")

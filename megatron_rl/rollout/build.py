@@ -35,5 +35,5 @@ def build_rollout(cfg: "Config") -> RolloutManager:
     prompts = PromptIterator(PromptDataset(d.prompt_data, **common), rollout_batch_size=b.rollout_batch_size,
                              n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,
                              seed=cfg.rollout.rollout_seed)
-    eval_dataset = PromptDataset(d.eval_prompt_data, **common) if d.eval_prompt_data else None
-    return RolloutManager(cfg, engine, prompts, reward_fn, eval_dataset)
+    eval_datasets = {name: PromptDataset(path, **common) for name, path in d.eval_sets}  # --eval-prompt-data
+    return RolloutManager(cfg, engine, prompts, reward_fn, eval_datasets)

@@ -31,6 +31,17 @@ def sampling_params(cfg, *, n: int, seed: int, temperature: Optional[float] = No
                           stop_token_ids=tuple(r.rollout_stop_token_ids), seed=seed, n=n)
 
 
+def eval_sampling_params(cfg) -> SamplingParams:
+    """Evaluation's sampling: --eval-* where given, else the rollout's (greedy unless --eval-temperature)."""
+    d, r = cfg.data, cfg.rollout
+    return SamplingParams(temperature=d.eval_temperature,
+                          top_p=r.rollout_top_p if d.eval_top_p is None else d.eval_top_p,
+                          top_k=r.rollout_top_k if d.eval_top_k is None else d.eval_top_k,
+                          max_new_tokens=d.eval_max_response_len or r.rollout_max_response_len,
+                          stop_token_ids=tuple(r.rollout_stop_token_ids), seed=r.rollout_seed,
+                          n=d.n_samples_per_eval_prompt)
+
+
 def save_rollout(path: str, rollout_id: int, samples: list[Sample]) -> None:
     buf = io.BytesIO()
     torch.save({"rollout_id": rollout_id, "samples": [vars(s) for s in samples]}, buf)
@@ -50,7 +61,10 @@ class RolloutManager:
         self.cfg = cfg
         self.engine = engine
         self.prompts = prompts  # a resumable data.prompts.PromptIterator
-        self.eval_dataset = eval_dataset
+        # {name: PromptDataset} per --eval-prompt-data set (name None: the one unnamed set), or one dataset
+        sets = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset} if eval_dataset else {}
+        self.eval_datasets = sets
+        self.eval_dataset = next(iter(sets.values())) if len(sets) == 1 else None
         self.reward_fn = reward_fn
 
     def _run(self, requests, sampling) -> list[Sample]:
@@ -113,11 +127,14 @@ class RolloutManager:
                 "rollout_stop_token_ids": list(r.rollout_stop_token_ids)}
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
-        if self.eval_dataset is None:
-            return {}
-        requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
-                                    prompt_text=p.prompt_text) for i, p in enumerate(self.eval_dataset.prompts)]
-        sampling = sampling_params(self.cfg, n=self.cfg.data.n_samples_per_eval_prompt,
-                                   seed=self.cfg.rollout.rollout_seed, temperature=0.0)
-        samples = self._run(requests, sampling)
-        return {"eval/reward_mean": sum(s.reward for s in samples) / len(samples)}
+        """Each --eval-prompt-data set: ``eval/reward_mean`` (one unnamed set) or ``eval/NAME/reward_mean``,
+        and the mean response length, sampled with :func:`eval_sampling_params`."""
+        metrics = {}
+        for name, dataset in self.eval_datasets.items():
+            requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
+                                        prompt_text=p.prompt_text) for i, p in enumerate(dataset.prompts)]
+            samples = self._run(requests, eval_sampling_params(self.cfg))
+            prefix = "eval/" if name is None else f"eval/{name}/"
+            metrics[prefix + "reward_mean"] = sum(s.reward for s in samples) / len(samples)
+            metrics[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)
+        return metrics

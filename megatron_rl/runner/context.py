@@ -62,7 +62,8 @@ class RunContext:
         tracker = Tracker(rt.output_dir, enabled=rank == 0, tensorboard_dir=rt.tensorboard_dir,
                           wandb_project=rt.wandb_project, wandb_group=rt.wandb_group, wandb_mode=rt.wandb_mode,
                           wandb_resume_id=rt.wandb_resume_id or state.get("wandb_run_id"),
-                          config=cfg.to_dict(), console_keys=CONSOLE_KEYS)
+                          config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
+                          wandb_entity=rt.wandb_team, wandb_host=rt.wandb_host, wandb_key=rt.wandb_key)
         is_driver, cursor, m = rank == 0, CheckpointCursor(), cfg.memory
         return cls(cfg, tracker, clock, is_driver,
                    colocation=Colocation(m.effective_offload_train, m.effective_offload_rollout),

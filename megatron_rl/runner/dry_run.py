@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.config import Config
-from megatron_rl.config.placement import is_external_sglang, plan_for_config
+from megatron_rl.config.architecture import dry_run_without_checkpoint
+from megatron_rl.config.megatron_flags import requirements
+from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
 from megatron_rl.plan import format_table, validate_plan
 
 
@@ -23,6 +25,24 @@ def print_plan(cfg: Config) -> int:
         print(f"rollout: external SGLang servers, not started or placed by this run: "
               f"{' '.join(cfg.rollout.rollout_engine_urls)}; weights reach them through "
               f"--update-weight-disk-dir {cfg.sync.update_weight_disk_dir}")
+    print(_model_line(cfg))
+    for shown, words, missing in requirements(cfg):
+        where = f"missing here: {' and '.join(missing)}" if missing else "present here"
+        print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "
+              f"it where missing)")
     print(f"dry run: configuration valid; training world {cfg.actor_world_size} rank(s), "
           f"data-parallel {cfg.data_parallel_size}; nothing was started")
     return 0
+
+
+def _model_line(cfg: Config) -> str:
+    """Where the model shape the plan was checked against came from."""
+    shape = model_shape_for_config(cfg)
+    if shape is None:
+        return "model: not checked (no --hf-checkpoint config.json and no architecture flags)"
+    facts = (f"{shape.num_layers} layers, {shape.num_attention_heads} heads, {shape.num_query_groups} KV groups, "
+             f"vocab {shape.vocab_size}" + (f", {shape.num_experts} experts" if shape.is_moe else ""))
+    if dry_run_without_checkpoint(cfg):
+        return (f"model: {facts}, from the architecture flags: --hf-checkpoint {cfg.model.hf_checkpoint} is not on "
+                "this machine, so they were not checked against its config.json (a real run does)")
+    return f"model: {facts}, from {shape.source or 'the architecture flags'}"

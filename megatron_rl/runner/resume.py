@@ -28,7 +28,7 @@ class Resumer:
         cfg = self.cfg
         if cfg.checkpoint.ref_load:
             backend.load_frozen_weights("ref", cfg.checkpoint.ref_load)
-        elif cfg.algorithm.use_kl_loss:
+        elif cfg.algorithm.use_kl_loss or cfg.algorithm.kl_coef > 0:  # KL in the loss or (--kl-coef) the reward
             backend.snapshot_weights("ref")  # the initial policy, before any resumed weights are loaded
         if cfg.checkpoint.opd_teacher_load:
             backend.load_frozen_weights("teacher", cfg.checkpoint.opd_teacher_load)

@@ -28,17 +28,18 @@ import math
 import os
 import time
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
-from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager
+from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, resolve_weights_location
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.config import Config
-from megatron_rl.data.packing import PackedBatch, pad_multiple_for
+from megatron_rl.config.megatron_flags import megatron_core_kwargs
+from megatron_rl.data.packing import MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import CheckpointError, ConfigError
 from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
@@ -54,7 +55,7 @@ def layout_from_config(cfg: Config) -> ParallelLayout:
     return ParallelLayout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                           vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size,
                           ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
-                          sequence_parallel=p.sequence_parallel)
+                          sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1)
 
 
 def check_backend_config(cfg: Config) -> None:
@@ -94,14 +95,29 @@ def transformer_config_overrides(cfg: Config) -> dict:
         overrides.update(fp8=pr.fp8_format, fp8_recipe=pr.fp8_recipe, fp8_margin=pr.fp8_margin,
                          fp8_amax_history_len=pr.fp8_amax_history_len,
                          fp8_amax_compute_algo=pr.fp8_amax_compute_algo, fp8_param=pr.fp8_param_gather)
+    overrides.update(megatron_core_kwargs(cfg)["transformer"])  # Megatron-LM flags (config/megatron_flags.py)
     return overrides
 
 
 def ddp_config_kwargs(cfg: Config) -> dict:
     """``DistributedDataParallelConfig`` fields (``fp8_param_gather`` as Megatron-LM sets it)."""
-    return dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                fp8_param_gather=bool(cfg.precision.fp8_format and cfg.precision.fp8_param_gather))
+    return {**dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                   use_distributed_optimizer=cfg.optimizer.effective_distributed_optimizer,
+                   fp8_param_gather=bool(cfg.precision.fp8_format and cfg.precision.fp8_param_gather)),
+            **megatron_core_kwargs(cfg)["ddp"]}
+
+
+def optimizer_config_kwargs(cfg: Config, params_dtype: torch.dtype) -> dict:
+    """``OptimizerConfig`` fields from the flags (the Megatron-LM ones through config/megatron_flags.py)."""
+    opt = cfg.optimizer
+    return {**dict(
+        optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+        clip_grad=opt.grad_clip, bf16=cfg.precision.bf16, fp16=cfg.precision.fp16,
+        params_dtype=params_dtype, use_distributed_optimizer=opt.effective_distributed_optimizer,
+        optimizer_cpu_offload=opt.optimizer_cpu_offload,
+        optimizer_offload_fraction=opt.optimizer_offload_fraction,
+        use_precision_aware_optimizer=opt.use_precision_aware_optimizer), **megatron_core_kwargs(cfg)["optimizer"]}
 
 
 class MegatronBackend(TrainBackend):
@@ -117,6 +133,9 @@ class MegatronBackend(TrainBackend):
         self.cfg = cfg
         self.spec = spec
         self.layout = layout_from_config(cfg)
+        if cfg.parallel.sequence_parallel and not self.layout.sequence_parallel and dist.get_rank() == 0:
+            log.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (nothing to shard "
+                        "over; Megatron-LM turns it off there too)")
         self.dp_size = initialize_parallel(self.layout, seed=cfg.runtime.seed)
         self.ps = ps
         self.dp_rank = ps.get_data_parallel_rank()
@@ -138,14 +157,7 @@ class MegatronBackend(TrainBackend):
                                               disable_bucketing=i > 0)
                       for i, chunk in enumerate(self.chunks)]
         opt = cfg.optimizer
-        opt_config = OptimizerConfig(
-            optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
-            clip_grad=opt.grad_clip, bf16=cfg.precision.bf16, fp16=cfg.precision.fp16,
-            params_dtype=self.params_dtype, use_distributed_optimizer=opt.use_distributed_optimizer,
-            optimizer_cpu_offload=opt.optimizer_cpu_offload,
-            optimizer_offload_fraction=opt.optimizer_offload_fraction,
-            use_precision_aware_optimizer=opt.use_precision_aware_optimizer)
+        opt_config = OptimizerConfig(**optimizer_config_kwargs(cfg, self.params_dtype))
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         total_steps = max(1, cfg.rollout.num_rollout * cfg.batching.num_steps_per_rollout
                           * cfg.algorithm.num_steps_per_rollout_updates)
@@ -157,11 +169,23 @@ class MegatronBackend(TrainBackend):
             wd_incr_steps=1, wd_incr_style="constant")
         self.model_config.finalize_model_grads_func = finalize_model_grads
         self.model_config.grad_scale_func = self.optimizer.scale_loss
-        self.weights = WeightManager(self._named_local_params)
+        self.weights = WeightManager(self._named_local_params, self._ref_weights_location(cfg))
         self.optimizer_steps = 0
         self.pad_token_id = 0
 
     # ---- helpers -------------------------------------------------------------
+
+    def _ref_weights_location(self, cfg: Config) -> str:
+        """Resolve ``--ref-weights-location`` now that model and optimizer hold their memory (logged once)."""
+        cuda = torch.cuda.is_available()
+        tag_bytes = sum(p.numel() * p.element_size() for _, p in self._named_local_params())
+        free = torch.cuda.mem_get_info()[0] if cuda else None
+        where, why = resolve_weights_location(cfg.memory.ref_weights_location, cuda=cuda,
+                                              offload_train=cfg.memory.effective_offload_train,
+                                              tag_bytes=tag_bytes, free_bytes=free)
+        if dist.get_rank() == 0:
+            log.info("reference/teacher weight copies live on the %s (%s)", where, why)
+        return where
 
     def _named_local_params(self):
         for i, chunk in enumerate(self.chunks):
@@ -234,8 +258,9 @@ class MegatronBackend(TrainBackend):
 
     # ---- TrainBackend --------------------------------------------------------
 
-    def forward(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        plan, mbs, _ = self.preprocess_rollout_data(samples)
+    def forward(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+                owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
 
         def loss_fn(mb, output):
             out = self._model_output(mb, output)
@@ -250,7 +275,7 @@ class MegatronBackend(TrainBackend):
         local: dict[int, torch.Tensor] = {}
         for item in store:
             local.update(item["logprobs"])
-        return self.gather_per_sample(local, samples, plan)
+        return self.gather_per_sample(local, samples, plan, owned_only)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         samples = batch.samples

@@ -90,7 +90,7 @@ def layout_record(backend) -> dict:
     """Everything that decides which rank holds which shard (RNG is restored only if this matches)."""
     return {**backend.layout.describe(), "dp": int(backend.ps.get_data_parallel_world_size()),
             "world_size": world(),
-            "use_distributed_optimizer": bool(backend.cfg.optimizer.use_distributed_optimizer)}
+            "use_distributed_optimizer": bool(backend.cfg.optimizer.effective_distributed_optimizer)}
 
 
 def _chained(optimizer) -> list:
@@ -401,7 +401,7 @@ def load_checkpoint(backend, path: str) -> dict:
     check_model_matches(path, meta, backend)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     saved_dist = (meta.get("layout") or {}).get("use_distributed_optimizer")
-    now_dist = bool(backend.cfg.optimizer.use_distributed_optimizer)
+    now_dist = bool(backend.cfg.optimizer.effective_distributed_optimizer)
     if saved_dist is not None and saved_dist != now_dist:
         flag = "with" if saved_dist else "without"
         raise CheckpointError(f"checkpoint {path} was saved {flag} --use-distributed-optimizer; megatron-core "

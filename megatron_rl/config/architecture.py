@@ -1,0 +1,301 @@
+"""Megatron architecture flags (a slime ``MODEL_ARGS``) against the HF ``config.json``.
+
+Why: slime builds the Megatron model from these flags and converts HF weights into it,
+so its launch scripts carry them. Here the HF config builds the model (the bridge), so
+the flags are redundant, and a redundant value that disagrees is the dangerous case: a
+wrong ``--rotary-base`` or ``--norm-epsilon`` would silently describe a different model
+from the one the user believes they train. Each given flag is therefore compared with
+what config.json says, and a mismatch is refused naming the flag, both values and the
+file. Boolean flags are checked only when given (absent is "not stated", since the HF
+config decides). Where there is no checkpoint to read (``--dry-run`` on a laptop for a
+235B script), the flags alone give the model shape the planner needs.
+
+:data:`ARCHITECTURE` is the table: one row per flag, the config.json key it is compared
+with, and how config.json's value is read in Megatron's terms (:func:`megatron_view`,
+following the bridges in ``models/families.py``; a test checks the two agree).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from megatron_rl.plan import ModelShape
+
+from .schema import Config
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # families with a per-head q/k RMSNorm
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's config (multimodal configs keep it under ``text_config``)."""
+    if "num_attention_heads" not in hf and isinstance(hf.get("text_config"), dict):
+        return hf["text_config"]
+    return hf
+
+
+def _num_experts(c: dict) -> int:
+    return int(next((c[k] for k in _EXPERT_KEYS if c.get(k)), 0))
+
+
+def _moe_pattern(c: dict) -> list[int]:
+    """Per layer 1 = MoE, as the Qwen-MoE bridge decides (decoder_sparse_step, mlp_only_layers)."""
+    step = int(c.get("decoder_sparse_step") or 1)
+    dense = set(c.get("mlp_only_layers") or [])
+    return [0 if i in dense or (i + 1) % step else 1 for i in range(int(c["num_hidden_layers"]))]
+
+
+def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
+    """``{field: (config.json key it comes from, value in Megatron's terms)}`` for an HF config."""
+    c = text_config(hf)
+    heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
+    rope = dict(c.get("rope_parameters") or {})
+    rope.update(c.get("rope_scaling") or {})
+    model_type = c.get("model_type")
+    experts = _num_experts(c)
+    eps_key = next((k for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if k in c), "rms_norm_eps")
+    view: dict[str, tuple[str, Any]] = {
+        "num_layers": ("num_hidden_layers", c.get("num_hidden_layers")),
+        "hidden_size": ("hidden_size", hidden),
+        "ffn_hidden_size": ("intermediate_size", c.get("intermediate_size")),
+        "num_attention_heads": ("num_attention_heads", heads),
+        "num_query_groups": ("num_key_value_heads", c.get("num_key_value_heads") or heads),
+        "kv_channels": ("head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
+        "vocab_size": ("vocab_size", c.get("vocab_size")),
+        "swiglu": ("hidden_act", c.get("hidden_act", "silu") == "silu"),
+        "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),
+        "norm_epsilon": (eps_key, c.get(eps_key, 1e-6)),
+        "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))),
+        "rotary_percent": ("partial_rotary_factor",
+                           float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
+        "position_embedding_type": ("rope_theta", "rope"),  # every supported family is a RoPE model
+        "disable_bias_linear": ("mlp_bias / attention_bias", not c.get("mlp_bias", False) and not (
+            c.get("attention_bias", False) and model_type not in QKV_BIAS_TYPES)),
+        "add_qkv_bias": ("model_type / attention_bias",
+                         model_type in QKV_BIAS_TYPES or bool(c.get("attention_bias", False))),
+        "qk_layernorm": ("model_type", model_type in QK_NORM_TYPES),
+        "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get("tie_word_embeddings", False)),
+    }
+    if experts:
+        view.update({
+            "num_experts": (next(k for k in _EXPERT_KEYS if c.get(k)), experts),
+            "moe_ffn_hidden_size": ("moe_intermediate_size", c.get("moe_intermediate_size")),
+            "moe_router_topk": ("num_experts_per_tok", c.get("num_experts_per_tok")),
+            "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers", _moe_pattern(c)),
+            "moe_router_score_function": ("model_type", "softmax"),
+        })
+    return view
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _show(value) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _same(given, hf) -> bool:
+    if isinstance(given, float) or isinstance(hf, float):
+        return hf is not None and math.isclose(float(given), float(hf), rel_tol=1e-6, abs_tol=0.0)
+    return given == hf
+
+
+def _expand_layer_freq(value, num_layers: int) -> list[int]:
+    """Megatron-LM's moe_layer_freq as a 0/1 list (an int N: layer i is MoE when i % N == 0)."""
+    if isinstance(value, int):
+        return [1 if i % value == 0 else 0 for i in range(num_layers)]
+    return list(value)
+
+
+@dataclass(frozen=True)
+class ArchFlag:
+    """One Megatron architecture flag: what it states, in Megatron's terms, from the config."""
+
+    field: str
+    given: Callable[[Any], Any] = None  # the value the flag states, or None when not stated
+
+    def stated(self, arch) -> Any:
+        if self.given is not None:
+            return self.given(arch)
+        value = getattr(arch, self.field)
+        return None if value is False else value  # a store_true flag left off states nothing
+
+
+def _query_groups(a):
+    return (a.num_query_groups or 1) if a.group_query_attention else None
+
+
+def _position(a):
+    return "rope" if a.use_rotary_position_embeddings else a.position_embedding_type
+
+
+#: One row per architecture flag, in the order docs/migrating-from-slime.md lists them.
+ARCHITECTURE: tuple[ArchFlag, ...] = tuple(ArchFlag(f) for f in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")) + (
+    ArchFlag("group_query_attention", lambda a: None),  # stated through num_query_groups below
+    ArchFlag("num_query_groups", _query_groups),
+) + tuple(ArchFlag(f) for f in ("kv_channels", "vocab_size", "swiglu", "normalization", "norm_epsilon",
+                                "rotary_base", "rotary_percent")) + (
+    ArchFlag("position_embedding_type", _position),
+    ArchFlag("use_rotary_position_embeddings", lambda a: None),  # stated through position_embedding_type
+) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm",
+                                "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size",
+                                "moe_router_topk", "moe_layer_freq", "moe_router_score_function"))
+
+ARCHITECTURE_FIELDS = tuple(row.field for row in ARCHITECTURE)
+_MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function")
+
+
+def flag_consistency_errors(cfg: Config) -> list[str]:
+    """Contradictions among the flags themselves (no config.json needed)."""
+    a = cfg.architecture
+    errors = []
+    if a.num_query_groups is not None and not a.group_query_attention:
+        errors.append(f"--num-query-groups {a.num_query_groups} without --group-query-attention: Megatron-LM "
+                      "ignores it then (one KV group per head); add --group-query-attention or drop "
+                      "--num-query-groups")
+    if a.use_rotary_position_embeddings and a.position_embedding_type not in (None, "rope"):
+        errors.append(f"--use-rotary-position-embeddings with --position-embedding-type "
+                      f"{a.position_embedding_type}: the first means rope; drop one of them")
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+        value = getattr(a, field)
+        if value is not None and value < 1:
+            errors.append(f"{_flag(field)} {value} must be >= 1")
+    freq = a.moe_layer_freq
+    if isinstance(freq, int) and freq < 1:
+        errors.append(f"--moe-layer-freq {freq} must be >= 1 (every N-th layer) or a 0/1 list per layer")
+    if isinstance(freq, list) and a.num_layers is not None and len(freq) != a.num_layers:
+        errors.append(f"--moe-layer-freq lists {len(freq)} layers but --num-layers is {a.num_layers}")
+    return errors
+
+
+def read_hf_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
+
+
+def hf_mismatch_errors(cfg: Config, hf: dict, source: str) -> list[str]:
+    """Every stated architecture flag that disagrees with config.json ``hf`` (read from ``source``)."""
+    a = cfg.architecture
+    view = megatron_view(hf)
+    errors = []
+    for row in ARCHITECTURE:
+        given = row.stated(a)
+        if given is None:
+            continue
+        flag = _flag(row.field)
+        if row.field in _MOE_FIELDS and row.field not in view:
+            errors.append(f"{flag} {given} describes an MoE model but {source} has no experts (a dense model, "
+                          f"no {' / '.join(_EXPERT_KEYS)}); drop the MoE flags or point --hf-checkpoint at the "
+                          "MoE checkpoint")
+            continue
+        key, hf_value = view[row.field]
+        if row.field == "vocab_size":
+            errors.extend(_vocab_errors(given, hf_value, cfg.parallel.tensor_model_parallel_size, source))
+            continue
+        if row.field == "moe_layer_freq":
+            want = _expand_layer_freq(given, len(hf_value))
+            if want != hf_value:
+                errors.append(f"--moe-layer-freq {given} makes layers {_layers(want)} MoE but {source} "
+                              f"({key}) makes layers {_layers(hf_value)} MoE; the HF config builds the model: "
+                              "fix the flag or drop it")
+            continue
+        if not _same(given, hf_value):
+            what = "" if given is True else f" {_show(given)}"
+            if row.field == "num_query_groups" and a.num_query_groups is None:
+                flag, what = "--group-query-attention", " without --num-query-groups (Megatron: 1 group)"
+            errors.append(f"{flag}{what} does not match {source}: {key} gives {_fmt(row.field, hf_value)}; "
+                          "the HF config builds the model: fix the flag or drop it")
+    return errors
+
+
+def _fmt(field: str, value) -> str:
+    if isinstance(value, bool):
+        return {"swiglu": "no gated SiLU MLP" if not value else "SwiGLU",
+                "disable_bias_linear": "biases on linear layers",
+                "add_qkv_bias": "no q/k/v bias",
+                "qk_layernorm": "no q/k layernorm",
+                "untie_embeddings_and_output_weights": "tied embeddings"}.get(field, str(value))
+    return _show(value)
+
+
+def _layers(pattern: list[int]) -> str:
+    moe = [i for i, v in enumerate(pattern) if v]
+    if len(moe) == len(pattern):
+        return f"0-{len(pattern) - 1} (all)"
+    return ", ".join(map(str, moe)) or "none"
+
+
+def _vocab_errors(given: int, hf: int, tp: int, source: str) -> list[str]:
+    """Megatron pads --vocab-size to a multiple of 128 x TP; what must agree is the padded size
+    (the embedding megatron builds) and the real vocab must not be smaller than the HF one."""
+    if given == hf:
+        return []
+    unit = 128 * tp
+    pg, ph = -(-given // unit) * unit, -(-hf // unit) * unit
+    if pg == ph and given >= hf:
+        return []
+    return [f"--vocab-size {given} does not match {source}: vocab_size is {hf}. Compared the padded sizes "
+            f"megatron builds (a multiple of 128 x TP {tp} = {unit}): {given} pads to {pg}, {hf} pads to {ph}"
+            + ("" if pg != ph else f", but {given} < {hf} would cut real tokens")
+            + f"; give --vocab-size {hf} or drop it"]
+
+
+def shape_from_flags(cfg: Config) -> Optional[ModelShape]:
+    """The planner's model shape from the architecture flags alone, or None when they do not
+    state it (--num-layers, --num-attention-heads and --vocab-size are needed)."""
+    a = cfg.architecture
+    if a.num_layers is None or a.num_attention_heads is None or a.vocab_size is None:
+        return None
+    return ModelShape(num_attention_heads=a.num_attention_heads,
+                      num_query_groups=_query_groups(a) or a.num_attention_heads,
+                      num_layers=a.num_layers, vocab_size=a.vocab_size, num_experts=a.num_experts or 0,
+                      source="the architecture flags (--num-layers, --num-attention-heads, ...)")
+
+
+def hf_checkpoint_missing(cfg: Config) -> bool:
+    """``--hf-checkpoint`` names a path that does not exist on this machine."""
+    return bool(cfg.model.hf_checkpoint) and not os.path.exists(cfg.model.hf_checkpoint)
+
+
+def dry_run_without_checkpoint(cfg: Config) -> bool:
+    """``--dry-run`` of a script whose checkpoint is elsewhere (a 235B script on a laptop): the
+    plan comes from the architecture flags, so the missing directory is not an error there."""
+    return cfg.mode.dry_run and hf_checkpoint_missing(cfg) and shape_from_flags(cfg) is not None
+
+
+def architecture_errors(cfg: Config) -> list[str]:
+    """The flags' own contradictions, then each stated flag against --hf-checkpoint's config.json."""
+    errors = flag_consistency_errors(cfg)
+    path = cfg.model.hf_checkpoint
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return errors  # no config.json: reported by the checkpoint check (or a dry run plans from the flags)
+    source = os.path.join(path, "config.json")
+    try:
+        hf = read_hf_config(path)
+    except (OSError, ValueError) as exc:
+        return errors + [f"--hf-checkpoint {path}: cannot read config.json ({exc})"]
+    return errors + hf_mismatch_errors(cfg, hf, source)
+
+
+def hf_is_moe(cfg: Config) -> Optional[bool]:
+    """Whether the model has experts: config.json when readable, else --num-experts, else unknown."""
+    path = cfg.model.hf_checkpoint
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            return _num_experts(text_config(read_hf_config(path))) > 0
+        except (OSError, ValueError):
+            return None
+    if cfg.architecture.num_experts is not None:
+        return cfg.architecture.num_experts > 0
+    return None

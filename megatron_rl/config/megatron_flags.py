@@ -1,0 +1,250 @@
+"""Megatron-LM training flags: where each one lands in megatron-core, and what it needs.
+
+Why a table: each of these flags is a field of megatron-core's ``TransformerConfig``,
+``DistributedDataParallelConfig`` or ``OptimizerConfig``; some also need a GPU,
+transformer-engine or a code path this build does not have. One row per flag says all of
+that, so the backend's config construction (``megatron_core_kwargs``), validation (values
+megatron-core would reject; flags that cannot take effect here), ``--dry-run`` (what each
+given flag needs) and docs/migrating-from-slime.md read the same facts.
+
+A flag that cannot take effect on this machine is refused for a real run before any worker
+starts (never ignored); ``--dry-run`` still validates and prints the plan, listing what the
+real run will need, so a launch script can be checked on a laptop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .architecture import hf_is_moe
+from .schema import Config
+
+
+def _have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _have_cuda() -> bool:
+    """An NVIDIA GPU this process may use, found without torch (config/ stays stdlib-only so
+    --help and --dry-run answer without it): the driver lists a GPU and CUDA_VISIBLE_DEVICES
+    does not hide them all. A GPU that torch then cannot use still fails at the backend's start."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = "/proc/driver/nvidia/gpus"
+    return (os.path.isdir(gpus) and bool(os.listdir(gpus))) or os.path.exists("/dev/nvidia0")
+
+
+def _te_at_least(version: str) -> bool:
+    if not _have_te():
+        return False
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            have = dist_version(dist)
+        except PackageNotFoundError:
+            continue
+        return tuple(int(p) for p in have.split(".")[:2] if p.isdigit()) >= tuple(int(p) for p in version.split("."))
+    return False
+
+
+#: requirement -> (probe on this machine, what it is, in words)
+REQUIREMENTS: dict[str, tuple[Callable[[], bool], str]] = {
+    "cuda": (_have_cuda, "a CUDA GPU"),
+    "te": (_have_te, "transformer-engine (its attention kernels)"),
+    "te_2_1": (lambda: _te_at_least("2.1"), "transformer-engine >= 2.1 (megatron-core's fused permutation)"),
+    "no_te": (lambda: not _have_te(), "the local layer spec, which this build uses only without "
+                                      "transformer-engine (with TE the TE spec and its attention are built)"),
+    "te_deterministic": (lambda: not _have_te() or os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0",
+                         "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 in the environment where transformer-engine is "
+                         "installed (megatron-core raises when building TE attention otherwise)"),
+    "grouped_gemm": (lambda: False, "grouped-GEMM experts in this build's layer specs and HF weight maps "
+                                    "(models/spec.py builds one MLP per expert; not built yet)"),
+    "flex_dispatcher": (lambda: False, "a flex dispatcher backend (DeepEP / HybridEP), which this build does "
+                                       "not configure"),
+}
+
+
+@dataclass(frozen=True)
+class MegatronFlag:
+    """One flag: its config field, the megatron-core kwargs it becomes, what it needs.
+
+    ``kwargs(value)`` -> ``{target: {field: value}}`` with target ``transformer`` (the
+    bridge's TransformerConfig overrides), ``ddp`` or ``optimizer``; called only when the
+    flag is given (not its default), so an unset flag leaves the bridge's HF-derived value.
+    ``needs(value)`` -> requirement keys of :data:`REQUIREMENTS`. ``check(value, cfg)``
+    -> why megatron-core (or this build) would reject the value, or None.
+    ``effect`` is what docs/migrating-from-slime.md says the flag does here.
+    """
+
+    group: str
+    field: str
+    kwargs: Callable[[Any], dict]
+    effect: str
+    needs: Callable[[Any], tuple[str, ...]] = lambda value: ()
+    check: Callable[[Any, Config], Optional[str]] = lambda value, cfg: None
+    moe_only: bool = False
+    default: Any = field(default=None)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    def value(self, cfg: Config) -> Any:
+        return getattr(getattr(cfg, self.group), self.field)
+
+    def given(self, cfg: Config) -> bool:
+        value = self.value(cfg)
+        if value is None or value is False:  # (not ``in (None, False)``: 0.0 == False)
+            return False
+        return self.default is None or value != self.default
+
+    def shown(self, cfg: Config) -> str:
+        value = self.value(cfg)
+        return self.flag if value is True else f"{self.flag} {value}"
+
+
+def _tc(**kw) -> Callable[[Any], dict]:
+    """kwargs for TransformerConfig: ``_tc(key=None)`` maps the value itself to ``key``."""
+    return lambda value: {"transformer": {k: (value if v is None else v) for k, v in kw.items()}}
+
+
+def _probability(value, cfg) -> Optional[str]:
+    return None if 0.0 <= value < 1.0 else f"{value} is not a dropout probability in [0, 1)"
+
+
+def _aux_loss(value) -> dict:
+    return {"transformer": {"moe_aux_loss_coeff": float(value),
+                            "moe_router_load_balancing_type": "aux_loss" if value > 0 else "none"}}
+
+
+def _dispatcher_check(value, cfg) -> Optional[str]:
+    if value == "allgather":
+        return ("allgather does not support variable sequence lengths, which packed RL micro-batches have "
+                "(megatron-core rejects it); use alltoall")
+    return None
+
+
+def _last_stage_check(value, cfg) -> Optional[str]:
+    p = cfg.parallel
+    if value < 1:
+        return f"{value} must be >= 1"
+    if p.pipeline_model_parallel_size < 2:
+        return f"needs --pipeline-model-parallel-size > 1 (got {p.pipeline_model_parallel_size})"
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp and value % vpp:
+        return f"{value} is not divisible by --virtual-pipeline-model-parallel-size {vpp} (megatron-core)"
+    return None
+
+
+_ALWAYS = "always on here, so the flag restates it"
+
+#: One row per Megatron-LM training flag a slime script passes.
+MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
+    MegatronFlag("megatron", "attention_dropout", _tc(attention_dropout=None), "mapped: TransformerConfig."
+                 "attention_dropout (unset: config.json's, 0; Megatron-LM's default is 0.1)", check=_probability),
+    MegatronFlag("megatron", "hidden_dropout", _tc(hidden_dropout=None), "mapped: TransformerConfig.hidden_dropout "
+                 "(unset: 0; Megatron-LM's default is 0.1)", check=_probability),
+    MegatronFlag("megatron", "attention_softmax_in_fp32", _tc(attention_softmax_in_fp32=True),
+                 "mapped: TransformerConfig.attention_softmax_in_fp32; " + _ALWAYS),
+    MegatronFlag("megatron", "accumulate_allreduce_grads_in_fp32",
+                 lambda value: {"ddp": {"grad_reduce_in_fp32": True}},
+                 "mapped: DistributedDataParallelConfig.grad_reduce_in_fp32; " + _ALWAYS),
+    MegatronFlag("megatron", "calculate_per_token_loss", _tc(calculate_per_token_loss=True),
+                 "mapped: TransformerConfig.calculate_per_token_loss; " + _ALWAYS + " (losses are normalised by "
+                 "the step's global token count, --loss-agg-mode)"),
+    MegatronFlag("megatron", "attention_backend", _tc(attention_backend=None),  # the bridge makes it an AttnBackend
+                 "mapped: TransformerConfig.attention_backend; flash/fused/unfused need transformer-engine on a "
+                 "GPU, local the TE-less layer spec (refused otherwise for a real run)", default="auto",
+                 needs=lambda v: {"flash": ("cuda", "te"), "fused": ("cuda", "te"), "unfused": ("cuda", "te"),
+                                  "local": ("no_te",)}.get(v, ())),
+    MegatronFlag("megatron", "deterministic_mode", _tc(deterministic_mode=True),
+                 "mapped: TransformerConfig.deterministic_mode (with TE it needs "
+                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)", needs=lambda v: ("te_deterministic",)),
+    MegatronFlag("megatron", "moe_router_dtype", _tc(moe_router_dtype=None),
+                 "mapped: TransformerConfig.moe_router_dtype (unset: fp32)", moe_only=True),
+    MegatronFlag("megatron", "moe_token_dispatcher_type", _tc(moe_token_dispatcher_type=None),
+                 "mapped: TransformerConfig.moe_token_dispatcher_type; alltoall (the default here) works, "
+                 "allgather is refused (no variable-length support), flex needs DeepEP (not configured)",
+                 moe_only=True, check=_dispatcher_check,
+                 needs=lambda v: ("flex_dispatcher",) if v == "flex" else ()),
+    MegatronFlag("megatron", "moe_grouped_gemm", _tc(moe_grouped_gemm=True),
+                 "refused for a real run: grouped-GEMM experts are not built (models/spec.py builds one MLP per "
+                 "expert); --dry-run accepts it", moe_only=True, needs=lambda v: ("grouped_gemm",)),
+    MegatronFlag("megatron", "moe_permute_fusion", _tc(moe_permute_fusion=True),
+                 "mapped: TransformerConfig.moe_permute_fusion; needs transformer-engine >= 2.1 on a GPU "
+                 "(refused for a real run otherwise)", moe_only=True, needs=lambda v: ("cuda", "te_2_1")),
+    MegatronFlag("megatron", "moe_aux_loss_coeff", _aux_loss,
+                 "mapped: TransformerConfig.moe_aux_loss_coeff (0: moe_router_load_balancing_type none); unset: "
+                 "config.json's router_aux_loss_coef", moe_only=True,
+                 check=lambda v, cfg: None if v >= 0 else f"{v} must be >= 0"),
+    MegatronFlag("megatron", "moe_token_drop_policy", _tc(moe_token_drop_policy=None),
+                 "mapped: TransformerConfig.moe_token_drop_policy; only probs (no expert capacity is set, so no "
+                 "token is dropped and position would change nothing)", moe_only=True,
+                 check=lambda v, cfg: None if v == "probs" else (
+                     "only matters with an expert capacity factor, which this build does not set (no token is "
+                     "dropped); drop it or use probs")),
+    MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
+                 "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
+                 "planner checks the split)", check=_last_stage_check),
+    MegatronFlag("optimizer", "overlap_cpu_optimizer_d2h_h2d",
+                 lambda value: {"optimizer": {"overlap_cpu_optimizer_d2h_h2d": True}},
+                 "mapped: OptimizerConfig.overlap_cpu_optimizer_d2h_h2d (needs --optimizer-cpu-offload and a GPU: "
+                 "it overlaps copies on CUDA streams)", needs=lambda v: ("cuda",),
+                 check=lambda v, cfg: None if cfg.optimizer.optimizer_cpu_offload else (
+                     "overlaps the hybrid CPU optimizer's copies, which only exist with --optimizer-cpu-offload; "
+                     "add it or drop the flag")),
+)
+
+MEGATRON_FLAG_FIELDS = tuple(row.field for row in MEGATRON_FLAGS)
+
+
+def megatron_core_kwargs(cfg: Config) -> dict[str, dict]:
+    """``{"transformer": {...}, "ddp": {...}, "optimizer": {...}}``: the megatron-core config
+    fields the given flags set (the backend applies each dict last, over its own values)."""
+    out: dict[str, dict] = {"transformer": {}, "ddp": {}, "optimizer": {}}
+    for row in MEGATRON_FLAGS:
+        if row.given(cfg):
+            for target, kw in row.kwargs(row.value(cfg)).items():
+                out[target].update(kw)
+    return out
+
+
+def requirements(cfg: Config) -> list[tuple[str, list[str], list[str]]]:
+    """``(flag with value, requirements in words, those missing on this machine)`` for every
+    given flag that has requirements."""
+    out = []
+    for row in MEGATRON_FLAGS:
+        needs = row.needs(row.value(cfg)) if row.given(cfg) else ()
+        if needs:
+            words = [REQUIREMENTS[n][1] for n in needs]
+            missing = [REQUIREMENTS[n][1] for n in needs if not REQUIREMENTS[n][0]()]
+            out.append((row.shown(cfg), words, missing))
+    return out
+
+
+def megatron_flag_errors(cfg: Config) -> list[str]:
+    """Values megatron-core would reject, MoE knobs on a dense model and, for a real run, flags
+    this machine cannot honour (a dry run lists those instead: runner/dry_run.py)."""
+    errors = []
+    moe = hf_is_moe(cfg)
+    for row in MEGATRON_FLAGS:
+        if not row.given(cfg):
+            continue
+        value, shown = row.value(cfg), row.shown(cfg)
+        why = row.check(value, cfg)
+        if why:
+            errors.append(f"{shown}: {why}")
+        if row.moe_only and moe is False:
+            errors.append(f"{shown} configures MoE layers, but the model has no experts (a dense model); "
+                          f"drop {row.flag}")
+    if not cfg.mode.dry_run:
+        for shown, _, missing in requirements(cfg):
+            if missing:
+                errors.append(f"{shown} cannot take effect here: it needs {' and '.join(missing)}, missing on "
+                              "this machine; drop it for a run here (--dry-run checks the plan with it)")
+    return errors

@@ -1,0 +1,163 @@
+"""docs/migrating-from-slime.md, generated from the flag tables (``python -m megatron_rl.config.docs``).
+
+Why generated: what each slime flag does here is already stated once, in the schema's help
+(config/schema.py), the architecture table (config/architecture.py) and the Megatron flag
+table (config/megatron_flags.py). This module lists every flag of slime's example scripts
+(``scripts/models/*.sh`` and ``scripts/run-*.sh`` for Qwen3-4B, Qwen3-30B-A3B, Qwen3-32B,
+Qwen2.5-0.5B, Qwen3-235B-A22B) and renders, per flag, its status and that text; :data:`NOTES`
+holds only what no table says (slime semantics that differ, flags not built). A test checks
+the file is current and that the launch commands in tests/config/test_slime_scripts.py use
+no flag missing here, so the page cannot drift from the parser or from the scripts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .architecture import ARCHITECTURE_FIELDS
+from .megatron_flags import MEGATRON_FLAGS
+from .schema import flag_name, iter_fields
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "migrating-from-slime.md"
+
+#: every flag of slime's example scripts, by the bash array it sits in (launcher line first)
+SLIME_FLAGS: dict[str, tuple[str, ...]] = {
+    "launcher (python3 train.py ...)": (
+        "--actor-num-nodes", "--actor-num-gpus-per-node", "--colocate", "--rollout-num-gpus",
+        "--update-weight-buffer-size", "--calculate-per-token-loss"),
+    "MODEL_ARGS (scripts/models/*.sh)": (
+        "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
+        "--num-query-groups", "--kv-channels", "--vocab-size", "--swiglu", "--normalization", "--norm-epsilon",
+        "--rotary-base", "--rotary-percent", "--position-embedding-type", "--use-rotary-position-embeddings",
+        "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+        "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-layer-freq",
+        "--moe-router-score-function", "--moe-router-dtype", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
+        "--moe-permute-fusion", "--moe-aux-loss-coeff", "--moe-token-drop-policy"),
+    "CKPT_ARGS": ("--hf-checkpoint", "--ref-load", "--load", "--save", "--save-interval"),
+    "ROLLOUT_ARGS": (
+        "--prompt-data", "--input-key", "--label-key", "--apply-chat-template", "--rollout-shuffle", "--rm-type",
+        "--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--rollout-max-response-len",
+        "--rollout-temperature", "--global-batch-size", "--balance-data"),
+    "EVAL_ARGS": ("--eval-interval", "--eval-prompt-data", "--n-samples-per-eval-prompt", "--eval-max-response-len",
+                  "--eval-top-p", "--eval-top-k"),
+    "PERF_ARGS": (
+        "--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+        "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+        "--decoder-last-pipeline-num-layers", "--recompute-granularity", "--recompute-method",
+        "--recompute-num-layers", "--use-dynamic-batch-size", "--max-tokens-per-gpu"),
+    "GRPO_ARGS": ("--advantage-estimator", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type", "--kl-coef",
+                  "--entropy-coef", "--eps-clip", "--eps-clip-high"),
+    "OPTIMIZER_ARGS": ("--optimizer", "--lr", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2",
+                       "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+                       "--use-precision-aware-optimizer"),
+    "WANDB_ARGS": ("--use-wandb", "--wandb-project", "--wandb-group", "--wandb-team", "--wandb-host", "--wandb-key"),
+    "SGLANG_ARGS": ("--rollout-num-gpus-per-engine", "--sglang-*", "--deterministic-mode"),
+    "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
+                  "--attention-softmax-in-fp32", "--attention-backend"),
+}
+
+_SGLANG_LATER = ("refused with the embedded engine, which runs in the driver rank; launching SGLang engines "
+                 "is issue 14 (until then SGLang servers you start are used through --rollout-backend sglang "
+                 "--rollout-engine-urls)")
+
+#: (status, text) where the tables alone would not say what a slime user needs to know
+NOTES: dict[str, tuple[str, str]] = {
+    "--sequence-parallel": ("same", "Shards activations over the TP group. At TP 1 it has no effect, as in "
+                            "Megatron-LM (slime's Qwen2.5-0.5B script passes it at TP 1); start-up logs that."),
+    "--rollout-num-gpus": ("same, engine later", "GPUs of the SGLang engines, planned by --dry-run; "
+                           + _SGLANG_LATER + "."),
+    "--rollout-num-gpus-per-engine": ("same, engine later", "GPUs per SGLang engine, planned by --dry-run; "
+                                      + _SGLANG_LATER + "."),
+    "--sglang-*": ("same, engine later", "Passed through to SGLang verbatim (several values become a list, "
+                   "e.g. --sglang-cuda-graph-bs 1 2 4 8); " + _SGLANG_LATER + "."),
+    "--optimizer-cpu-offload": ("same", "megatron-core's hybrid CPU optimizer. Implies --use-distributed-optimizer "
+                                "(Megatron-LM requires it; slime always turns it on)."),
+    "--rm-type": ("same", "Built-in rewards exact_match and math; slime's other rm_hub names (deepscaler, "
+                  "dapo, ...) are not built: use --custom-rm-path, or a real run refuses the name when it builds "
+                  "the reward."),
+    "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
+                           "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
+}
+
+_DEFAULTS = """## Defaults that differ from slime
+
+slime sets some Megatron arguments itself (`_set_default_megatron_args`) and picks some
+components for you; here each is a flag, so a script that relied on slime's choice states it:
+
+| slime | here |
+|---|---|
+| always the distributed optimizer | `--use-distributed-optimizer` (implied by `--optimizer-cpu-offload`) |
+| bf16 unless `--fp16` | fp32 unless `--bf16` (or `--fp16`) |
+| SGLang engines always | the embedded engine by default; SGLang servers you run: `--rollout-backend sglang --rollout-engine-urls`; launching SGLang engines is issue 14 |
+| weight update by CUDA IPC when colocated, NCCL broadcast otherwise | `--update-weight-transport` (`tensor` default, `disk`; `distributed` is issue 14) |
+| evaluation samples at `--rollout-temperature` unless `--eval-temperature` | greedy evaluation unless `--eval-temperature` > 0 (so `--eval-top-p` < 1 or `--eval-top-k` > 1 need it) |
+| Megatron-LM dropout defaults (0.1) | 0, from config.json (slime's scripts pass 0 anyway) |
+| model built from MODEL_ARGS, weights converted into it | model built from `--hf-checkpoint`'s config.json; MODEL_ARGS are checked against it and a mismatch is refused by name |
+"""
+
+
+def _help(field: str) -> str:
+    for _, _, f in iter_fields():
+        if f.name == field:
+            return f.metadata["help"]
+    raise KeyError(field)
+
+
+def _fields_by_flag() -> dict[str, str]:
+    out = {}
+    for _, _, f in iter_fields():
+        out[flag_name(f)] = f.name
+        for alias in f.metadata["aliases"]:
+            out[alias] = f.name
+    return out
+
+
+def slime_flag_status(flag: str) -> tuple[str, str]:
+    """(status, what it does here) of one slime flag: NOTES first, then the tables, then the schema."""
+    if flag in NOTES:
+        return NOTES[flag]
+    field = _fields_by_flag().get(flag)
+    if field is None:
+        raise KeyError(f"{flag} is neither a flag here nor in NOTES; say what it does (config/migration.py)")
+    if field in ARCHITECTURE_FIELDS:
+        return "checked", _help(field)
+    for row in MEGATRON_FLAGS:
+        if row.field == field:
+            status = "refused for a real run" if row.effect.startswith("refused") else row.effect.split(":")[0]
+            return status, row.effect[0].upper() + row.effect[1:] + "."
+    return "same", _help(field)
+
+
+def render() -> str:
+    lines = [
+        "# Migrating from slime",
+        "",
+        "Generated by `python -m megatron_rl.config.docs` from the flag tables (config/migration.py); do not edit "
+        "by hand (a test fails when this file is stale).",
+        "",
+        "A slime launch script runs here with `python -m megatron_rl.train` in place of `ray job submit ... "
+        "python3 train.py`: the flags keep their names. `--dry-run` validates a script and prints its plan "
+        "without starting anything, also on a machine without the checkpoint (the model shape then comes from "
+        "the MODEL_ARGS). Statuses: **same** (same name, same meaning), **mapped** (set on megatron-core's "
+        "config), **checked** (compared with `--hf-checkpoint`'s config.json, refused on a mismatch), "
+        "**same, engine later** (accepted and planned; the SGLang launcher it needs is issue 14), "
+        "**refused for a real run** (`--dry-run` accepts it). Flags that need "
+        "a GPU or transformer-engine are refused for a real run on a machine without them, before any "
+        "worker starts; `--dry-run` lists what they need.",
+        "",
+    ]
+    for array, flags in SLIME_FLAGS.items():
+        lines += [f"## {array}", "", "| flag | status | here |", "|---|---|---|"]
+        for flag in flags:
+            status, text = slime_flag_status(flag)
+            lines.append(f"| `{flag}` | {status} | {text.replace('|', '/')} |")
+        lines.append("")
+    lines.append(_DEFAULTS)
+    return "\n".join(lines)
+
+
+def all_slime_flags() -> list[str]:
+    return [f for flags in SLIME_FLAGS.values() for f in flags]
+
+
+__all__ = ["DOC_PATH", "NOTES", "SLIME_FLAGS", "all_slime_flags", "render", "slime_flag_status"]

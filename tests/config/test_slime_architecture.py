@@ -1,0 +1,220 @@
+"""Megatron-LM architecture and training flags (issue 17, slices 1-2): checked against config.json,
+mapped onto megatron-core, refused with the reason where they cannot take effect.
+
+Configs are written as config.json only (validation and the planner read nothing else), except
+where the bridge itself is asked for its megatron ``TransformerConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.config import parse_config
+from megatron_rl.config.architecture import ARCHITECTURE, megatron_view
+from megatron_rl.config.schema import parse_moe_layer_freq
+from megatron_rl.errors import ConfigError
+from megatron_rl.models.families import BRIDGES
+from megatron_rl.models.hf_tiny import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun(monkeypatch):
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def hf_dir(tmp_path, family, **patch):
+    d = tmp_path / f"{family}{len(list(tmp_path.iterdir()))}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**tiny_config(family).to_dict(), **patch}))
+    return str(d)
+
+
+def stated_argv(hf: dict) -> list[str]:
+    """The Megatron flags that state exactly what config.json ``hf`` describes (a slime MODEL_ARGS)."""
+    view = {k: v for k, (_, v) in megatron_view(hf).items()}
+    argv = ["--group-query-attention"]
+    for row in ARCHITECTURE:
+        value = view.get(row.field)
+        if row.field in ("group_query_attention", "use_rotary_position_embeddings") or value is None:
+            continue
+        flag = "--" + row.field.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False:
+            argv += [flag, str(value) if not isinstance(value, list) else str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("family", sorted(BRIDGES))
+def test_megatron_view_agrees_with_the_bridge(family):
+    """config/architecture.py reads config.json as the bridge builds the model (the reference)."""
+    from megatron_rl.models import get_bridge
+    from megatron_rl.models.parallel import ParallelLayout
+
+    hf = tiny_config(family).to_dict()
+    bridge = get_bridge(hf)
+    tc = bridge.transformer_config(ParallelLayout())
+    view = {k: v for k, (_, v) in megatron_view(hf).items()}
+    assert (view["num_layers"], view["hidden_size"], view["num_attention_heads"], view["num_query_groups"],
+            view["kv_channels"], view["vocab_size"]) == (tc.num_layers, tc.hidden_size, tc.num_attention_heads,
+                                                         tc.num_query_groups, tc.kv_channels, bridge.vocab_size)
+    assert view["ffn_hidden_size"] == tc.ffn_hidden_size and view["norm_epsilon"] == tc.layernorm_epsilon
+    assert view["normalization"] == tc.normalization and view["swiglu"] == tc.gated_linear_unit
+    assert view["disable_bias_linear"] == (not tc.add_bias_linear) and view["add_qkv_bias"] == tc.add_qkv_bias
+    assert view["qk_layernorm"] == tc.qk_layernorm and view["rotary_base"] == bridge.rope_theta
+    assert view["untie_embeddings_and_output_weights"] == (not bridge.tie_word_embeddings)
+    if bridge.moe:
+        assert (view["num_experts"], view["moe_ffn_hidden_size"], view["moe_router_topk"],
+                view["moe_router_score_function"]) == (tc.num_moe_experts, tc.moe_ffn_hidden_size,
+                                                       tc.moe_router_topk, tc.moe_router_score_function)
+        assert view["moe_layer_freq"] == tc.moe_layer_freq
+    else:
+        assert "num_experts" not in view
+
+
+@pytest.mark.parametrize("family", sorted(BRIDGES))
+def test_flags_stating_the_config_are_accepted(family, tmp_path):
+    hf = tiny_config(family).to_dict()
+    cfg = parse_config(["--hf-checkpoint", hf_dir(tmp_path, family), *stated_argv(hf)])
+    assert cfg.architecture.num_layers == hf["num_hidden_layers"]
+
+
+def test_every_mismatch_is_listed_with_flag_values_and_file(tmp_path):
+    path = hf_dir(tmp_path, "qwen3_moe")
+    with pytest.raises(ConfigError) as exc:
+        parse_config(["--hf-checkpoint", path, "--rotary-base", "1000000", "--norm-epsilon", "1e-5",
+                      "--moe-router-topk", "8", "--moe-layer-freq", "[0, 1, 1, 1]",
+                      "--untie-embeddings-and-output-weights"])
+    lines = str(exc.value).splitlines()[1:]
+    assert len(lines) == 4, lines  # untie matches (tiny qwen3_moe is untied)
+    src = f"{path}/config.json"
+    assert any(f"--rotary-base 1000000 does not match {src}: rope_theta gives 10000;" in x for x in lines)
+    assert any(f"--norm-epsilon 1e-05 does not match {src}: rms_norm_eps gives 1e-06;" in x for x in lines)
+    assert "--moe-router-topk 8" in str(exc.value) and "num_experts_per_tok gives 2" in str(exc.value)
+    with pytest.raises(ConfigError, match=r"--moe-layer-freq \[0, 1, 1, 1\] makes layers 1, 2, 3 MoE but .* "
+                                          r"makes layers 0-3 \(all\) MoE"):
+        parse_config(["--hf-checkpoint", path, "--moe-layer-freq", "[0, 1, 1, 1]"])
+
+
+def test_gqa_flags_follow_megatron(tmp_path):
+    """Megatron-LM: --num-query-groups counts only with --group-query-attention, whose default is 1 group."""
+    path = hf_dir(tmp_path, "qwen2")  # 2 KV heads
+    with pytest.raises(ConfigError, match="--num-query-groups 2 without --group-query-attention"):
+        parse_config(["--hf-checkpoint", path, "--num-query-groups", "2"])
+    with pytest.raises(ConfigError, match=r"--group-query-attention without --num-query-groups \(Megatron: 1 "
+                                          r"group\) does not match .*num_key_value_heads gives 2"):
+        parse_config(["--hf-checkpoint", path, "--group-query-attention"])
+    assert parse_config(["--hf-checkpoint", path, "--group-query-attention", "--num-query-groups", "2"])
+
+
+def test_vocab_size_compares_padded_sizes(tmp_path):
+    tp2 = ["--hf-checkpoint", hf_dir(tmp_path, "qwen2", vocab_size=151936), "--actor-num-gpus-per-node", "2",
+           "--tensor-model-parallel-size", "2"]
+    assert parse_config([*tp2, "--vocab-size", "151936"])
+    assert parse_config([*tp2, "--vocab-size", "152000"])  # TP 2: both pad to the same 152064 rows
+    with pytest.raises(ConfigError, match=r"multiple of 128 x TP 2 = 256\): 151643 pads to 151808, 151936 pads to "
+                                          r"152064; give --vocab-size 151936"):
+        parse_config([*tp2, "--vocab-size", "151643"])
+    with pytest.raises(ConfigError, match=r"152000 pads to 152064, 151936 pads to 151936"):  # TP 1: 151936 is even
+        parse_config(["--hf-checkpoint", tp2[1], "--vocab-size", "152000"])
+
+
+@pytest.mark.parametrize("text, want", [("1", 1), ("2", 2), ("[1, 0, 1]", [1, 0, 1]),
+                                        ("([0]*1+[1]*3)", [0, 1, 1, 1])])
+def test_moe_layer_freq_forms(text, want):
+    assert parse_moe_layer_freq(text) == want
+
+
+@pytest.mark.parametrize("text", ["__import__('os')", "[2, 1]", "abc", "[1]*x"])
+def test_moe_layer_freq_is_data_not_code(text, tmp_path):
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe"), "--moe-layer-freq", text])
+
+
+def test_dry_run_without_the_checkpoint_plans_from_the_flags(tmp_path, capsys):
+    from megatron_rl.train import main
+
+    gone = str(tmp_path / "not-here")
+    shape = ["--num-layers", "4", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups",
+             "2", "--vocab-size", "250"]
+    assert main(["--hf-checkpoint", gone, *shape, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: 4 layers, 4 heads, 2 KV groups, vocab 250, from the architecture flags: --hf-checkpoint {gone} " \
+           "is not on this machine" in out
+    with pytest.raises(ConfigError, match="no config.json there"):  # a real run needs the checkpoint
+        parse_config(["--hf-checkpoint", gone, *shape])
+    with pytest.raises(ConfigError, match="no config.json there"):  # and so does a dry run without the shape
+        parse_config(["--hf-checkpoint", gone, "--num-layers", "4", "--dry-run"])
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 .* not divisible by t=4"):  # the plan is checked
+        parse_config(["--hf-checkpoint", gone, *shape, "--actor-num-gpus-per-node", "4",
+                      "--tensor-model-parallel-size", "4", "--dry-run"])
+
+
+def test_uneven_last_pipeline_stage(tmp_path):
+    path = hf_dir(tmp_path, "qwen3")  # 4 layers
+    pp2 = ["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"]
+    cfg = parse_config([*pp2, "--decoder-last-pipeline-num-layers", "1"])
+    assert cfg.parallel.decoder_last_pipeline_num_layers == 1
+    with pytest.raises(ConfigError, match="--decoder-last-pipeline-num-layers 4 leaves 0 of num_hidden_layers=4"):
+        parse_config([*pp2, "--decoder-last-pipeline-num-layers", "4"])
+    with pytest.raises(ConfigError,
+                       match=r"--decoder-last-pipeline-num-layers 1: needs --pipeline-model-parallel-size"):
+        parse_config(["--hf-checkpoint", path, "--decoder-last-pipeline-num-layers", "1"])
+
+
+def test_bridge_builds_megatron_config_with_the_mapped_flags(tmp_path):
+    """The flags reach megatron-core's TransformerConfig through the backend's overrides, which
+    megatron-core accepts (uneven PP included: the even-split check is megatron-core's then)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_rl.backends.megatron.backend import layout_from_config, transformer_config_overrides
+    from megatron_rl.models import get_bridge
+
+    path = hf_dir(tmp_path, "qwen3_moe", router_aux_loss_coef=0.001)
+    cfg = parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
+                        "2", "--decoder-last-pipeline-num-layers", "1", "--moe-aux-loss-coeff", "0",
+                        "--moe-router-dtype", "fp64", "--hidden-dropout", "0.1", "--attention-backend", "local",
+                        "--deterministic-mode", "--moe-token-drop-policy", "probs"])
+    tc = get_bridge(path).transformer_config(layout_from_config(cfg), **transformer_config_overrides(cfg))
+    assert (tc.num_layers_in_last_pipeline_stage, tc.moe_aux_loss_coeff, tc.moe_router_load_balancing_type,
+            tc.moe_router_dtype, tc.hidden_dropout, tc.attention_backend, tc.deterministic_mode) == (
+        1, 0.0, "none", "fp64", 0.1, AttnBackend.local, True)
+    default = get_bridge(path).transformer_config(layout_from_config(cfg))
+    assert default.moe_aux_loss_coeff == 0.001 and default.hidden_dropout == 0.0  # unset: config.json's
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--moe-token-dispatcher-type", "allgather"], "--moe-token-dispatcher-type allgather: allgather does not "
+                                                   "support variable sequence lengths"),
+    (["--moe-token-drop-policy", "position"], "--moe-token-drop-policy position: only matters with an expert "
+                                              "capacity factor"),
+    (["--attention-dropout", "1.5"], "--attention-dropout 1.5: 1.5 is not a dropout probability"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff -1.0: -1.0 must be >= 0"),
+    (["--overlap-cpu-optimizer-d2h-h2d", "--dry-run"], "--overlap-cpu-optimizer-d2h-h2d: overlaps the hybrid CPU "
+                                                       "optimizer's copies, which only exist with "
+                                                       "--optimizer-cpu-offload"),
+])
+def test_values_megatron_core_would_reject_are_refused(argv, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe"), *argv])
+
+
+def test_moe_knobs_on_a_dense_model_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--moe-router-dtype fp32 configures MoE layers, but the model has no "
+                                          "experts"):
+        parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--moe-router-dtype", "fp32"])
+
+
+def test_dry_run_lists_what_the_real_run_needs(tmp_path, capsys):
+    from megatron_rl.train import main
+
+    argv = ["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe"), "--moe-permute-fusion", "--attention-backend", "flash"]
+    with pytest.raises(ConfigError, match="--moe-permute-fusion cannot take effect here: it needs a CUDA GPU"):
+        parse_config(argv)
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "needs: --moe-permute-fusion takes effect only with a CUDA GPU and transformer-engine >= 2.1" in out
+    assert "needs: --attention-backend flash takes effect only with a CUDA GPU and transformer-engine" in out
