@@ -15,6 +15,12 @@ per-sample results, as in ``MegatronBackend``):
 * batch: every rank gets the driver's samples. ``before`` = ``broadcast_object_list``
   of the ``Sample`` list (the old ``broadcast_samples``); ``after`` = the current
   ``broadcast_samples`` (``data.sample_codec`` buffer, encode and decode included).
+* own rows, what the loop does now that each DP rank keeps what it trains on:
+  ``gather>own`` = ``before``: ``gather_per_sample`` (every sample to every rank),
+  ``after``: ``share_with_peers`` (a DP rank's samples to its TP peers only);
+  ``batch>own`` = ``before``: ``broadcast_samples``, ``after``:
+  ``rollout_shards.distribute_rollout`` (headers of all samples to every rank, each DP
+  rank's share whole to its ranks; plan of 2 training steps of 128).
 
 "bytes" = what one rank receives (the collective's output buffer; for the object
 collectives the padded pickles). Times are the median per call of ``--repeat``
@@ -138,8 +144,11 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.backends.base import broadcast_samples
-    from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
+    from types import SimpleNamespace
+
+    from megatron_rl.backends.base import TrainBackend, broadcast_samples, data_parallel_peers
+    from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample, share_with_peers
+    from megatron_rl.backends.rollout_shards import distribute_rollout
     from megatron_rl.data import sample_codec
     from megatron_rl.data.packing import plan_dynamic_micro_batches
 
@@ -170,12 +179,18 @@ def worker(args) -> None:
 
     def allgather_only():
         dist.all_gather_single(rows, row) if world > 1 else None
+
+    leaders, peers = data_parallel_peers(dp, dp_size)
     res, out = _timed({"gather_before": lambda: old_gather(local, holder, len(samples)),
                        "gather_after": lambda: gather_per_sample(local, holdings, holder_ranks, lengths),
                        "gather_allgather": lambda: allgather_gather(local, holdings, slot, lengths),
-                       "coll_bcast": lambda: bcast_only(), "coll_allgather": lambda: allgather_only()},
+                       "coll_bcast": lambda: bcast_only(), "coll_allgather": lambda: allgather_only(),
+                       "gather_own_after": lambda: share_with_peers(local, holdings[dp], holder_ranks[dp], lengths,
+                                                                    group=peers)},
                       args.repeat)
+    res["gather_own_before"] = res["gather_after"]
     ref, new, alt = out["gather_before"], out["gather_after"], out["gather_allgather"]
+    assert all(t is None or torch.equal(t, a) for t, a in zip(out["gather_own_after"], new)), "own gather differs"
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(ref, new, alt)), "gather differs"
     width = 1 + max(sum(lengths[i] for i in h) for h in holdings)
     own = len(pickle.dumps({k: v.cpu() for k, v in local.items()} if holder else {}))  # what old_gather sent
@@ -183,15 +198,36 @@ def worker(args) -> None:
     res["gather_bytes_after"] = 4 * (sum(lengths) + dp_size) if world > 1 else 0
     res["gather_bytes_allgather"] = world * width * 4 if world > 1 else 0
 
+    class Planner:  # the shared planning machinery of every backend, nothing else
+        plan_micro_batches = TrainBackend.plan_micro_batches
+        plan_rollout = TrainBackend.plan_rollout
+        data_parallel_peers = TrainBackend.data_parallel_peers
+
+    planner = Planner()
+    planner.dp_rank, planner.dp_size, planner.pad_to_multiple, planner._dp_peers = dp, dp_size, 1, (leaders, peers)
+    planner.cfg = SimpleNamespace(batching=SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=4096),
+                                  parallel=SimpleNamespace(context_parallel_size=1))
     batch = samples if rank == 0 else None
     batch_times, out = _timed({"batch_before": lambda: old_broadcast(batch),
-                               "batch_after": lambda: broadcast_samples(batch)}, args.repeat)
+                               "batch_after": lambda: broadcast_samples(batch),
+                               "batch_own_after": lambda: distribute_rollout(batch, planner, 128)}, args.repeat)
     res.update(batch_times)
     ref_b, new_b = out["batch_before"], out["batch_after"]
     assert ref_b == new_b == samples, "batch differs"
     sizes, _ = sample_codec.encode(samples)
     res["batch_bytes_before"] = len(pickle.dumps(samples)) + 8 if world > 1 else 0
     res["batch_bytes_after"] = int(sizes.sum()) + 24 if world > 1 else 0
+
+    res["batch_own_before"] = res["batch_after"]
+    got, rollout_plan = out["batch_own_after"]
+    mine = set(rollout_plan.forward.rank_samples(dp)) if rollout_plan else set(range(len(samples)))
+    assert all(got[i] == samples[i] for i in mine), "own batch differs"
+    hsizes, _ = sample_codec.encode_headers(samples)
+    shard = sample_codec.encode([samples[i] for i in sorted(mine)])[0]
+    res["gather_own_bytes_before"] = res["gather_bytes_after"]
+    res["gather_own_bytes_after"] = 4 * (sum(lengths[i] for i in holdings[dp]) + 1) if tp > 1 else 0
+    res["batch_own_bytes_before"] = res["batch_bytes_after"]
+    res["batch_own_bytes_after"] = int(hsizes.sum()) + int(shard.sum()) + 48 if world > 1 else 0
     t0 = time.perf_counter()
     for _ in range(args.repeat):
         sample_codec.decode(*sample_codec.encode(samples))
@@ -227,7 +263,7 @@ def main(argv=None) -> int:
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     print(f"{args.samples} samples, median of {args.repeat} calls, slowest rank; ms per call, KiB received per rank")
-    print(f"{'layout':>8} {'what':>7} {'before ms':>10} {'after ms':>9} {'ratio':>7} {'before KiB':>11} "
+    print(f"{'layout':>8} {'what':>10} {'before ms':>10} {'after ms':>9} {'ratio':>7} {'before KiB':>11} "
           f"{'after KiB':>10} | {'all_gather ms':>13} {'KiB':>6} | {'bcast only':>10} {'ag only':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, nproc, tp in LAYOUTS:
@@ -240,12 +276,13 @@ def main(argv=None) -> int:
                 print(f"{name}: worker failed ({proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
                 return 1
             r = json.load(open(out))
-            for what in ("gather", "batch"):
+            for what in ("gather", "batch", "gather_own", "batch_own"):
                 b, a = r[f"{what}_before"] * 1e3, r[f"{what}_after"] * 1e3
                 extra = (f"{r['gather_allgather'] * 1e3:13.3f} {r['gather_bytes_allgather'] / 1024:6.1f} | "
                          f"{r['coll_bcast'] * 1e3:10.3f} {r['coll_allgather'] * 1e3:8.3f}"
                          if what == "gather" else "")
-                print(f"{name:>8} {what:>7} {b:10.3f} {a:9.3f} {b / a:6.1f}x "
+                label = what.replace("_own", ">own")
+                print(f"{name:>8} {label:>10} {b:10.3f} {a:9.3f} {b / max(a, 1e-9):6.1f}x "
                       f"{r[f'{what}_bytes_before'] / 1024:11.1f} {r[f'{what}_bytes_after'] / 1024:10.1f} | {extra}")
             if name == "DP1":
                 print(f"{'':>8} sample_codec encode+decode of the batch (no wire): {r['codec_s'] * 1e3:.3f} ms")

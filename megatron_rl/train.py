@@ -49,7 +49,7 @@ def run(cfg: Config) -> int:
     clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
     # lazy: torch, megatron-core glue and the engine load only once the flags parsed (--help, flag errors: ~0.1 s)
     from megatron_rl.algorithms import spec_from_config
-    from megatron_rl.backends.base import broadcast_samples, make_backend
+    from megatron_rl.backends.base import make_backend
     from megatron_rl.rollout.build import build_rollout
     from megatron_rl.runner.context import RunContext
     from megatron_rl.runner.step import train_on_rollout
@@ -81,9 +81,6 @@ def run(cfg: Config) -> int:
         samples, metrics = ctx.rollouts.get(rollout_id, rollout)
         metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
         if cfg.has_training:
-            t = time.perf_counter()
-            samples = broadcast_samples(samples)
-            metrics["perf/broadcast_s"] = time.perf_counter() - t
             ctx.colocation.before_train(backend, rollout)
             swapped = backend.swap_seconds
             metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))

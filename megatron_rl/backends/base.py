@@ -13,11 +13,16 @@ batch, packing, loss denominators and the per-sample gather are shared here
 
 Invariants:
 * Every rank of the training world calls every method, in the same order, with
-  the same ``samples`` (collectives inside). ``broadcast_samples`` gets the
-  driver rank's rollout to all ranks.
+  the same batch (collectives inside). In the loop each data-parallel rank
+  receives in full only the samples it trains on and a ``SampleStub`` (lengths,
+  reward, group, loss mask) of the others (``rollout_shards.distribute_rollout``);
+  ``broadcast_samples`` gives every rank everything when an algorithm needs it.
 * Per-sample per-token results are response-aligned (see ``data.types``) and
-  returned for the WHOLE batch on every rank, so algorithm code never needs to
-  know how samples were sharded over data parallelism.
+  indexed like the batch. ``forward`` returns them for the whole batch on every
+  rank, or, with ``owned_only`` and a plan that follows the training steps
+  (``plan_rollout``), only for the samples of this rank's DP share (None for the
+  rest): then nothing crosses data-parallel ranks. Algorithm code sees the
+  whole batch's rewards and masks either way (advantages are whole-batch).
 * The backend never knows the algorithm: losses and advantages come from the
   ``Spec`` it is handed.
 * Reference / teacher weights are *tags* held by a ``WeightManager``: a frozen
@@ -35,11 +40,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequ
 
 import torch
 
-from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
+from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample, share_with_peers
 from megatron_rl.data import sample_codec
 from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
                                       plan_dynamic_micro_batches, plan_fixed_micro_batches,
-                                      plan_loss_denominators)
+                                      plan_loss_denominators, plan_owner_aligned)
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, ConfigError
 from megatron_rl.infra.registry import Refused, Registry
@@ -51,13 +56,34 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainBatch:
-    """One rollout batch with every per-token field the loss needs (whole batch, all ranks)."""
+    """One training step's samples with every per-token field the loss needs.
+
+    ``samples`` and ``advantages`` cover the whole step on every rank. The log-prob
+    lists are indexed like ``samples``; when they come from an owner-aligned forward
+    (``RolloutPlan``) only the entries of this rank's data-parallel share are set
+    and the rest are None (no rank reads another DP rank's entries).
+    """
 
     samples: list[Sample]
     advantages: list[torch.Tensor]
     old_logprobs: Optional[list[torch.Tensor]] = None
     ref_logprobs: Optional[list[torch.Tensor]] = None
     teacher_logprobs: Optional[list[torch.Tensor]] = None
+    plan: Optional[MicroBatchPlan] = None  # the step's plan when already made (RolloutPlan.steps)
+
+
+class RolloutPlan(NamedTuple):
+    """How one rollout batch is trained (``TrainBackend.plan_rollout``).
+
+    ``steps[k] = (offset, plan)``: training step ``k`` takes ``samples[offset:offset + n]``
+    and ``plan`` splits them over DP ranks and micro-batches (indices relative to
+    ``offset``), exactly as ``train_step`` will plan them. ``forward`` gives every DP rank
+    the samples it trains on in those steps, so the old / reference / teacher log-probs
+    it computes are the ones it needs and never cross data-parallel ranks.
+    """
+
+    forward: MicroBatchPlan
+    steps: list[tuple[int, MicroBatchPlan]]
 
 
 class RankBatch(NamedTuple):
@@ -74,18 +100,40 @@ class WeightManager:
     ``backup(tag)`` snapshots the current values; ``switch(tag)`` copies a
     snapshot into the live parameters (after saving the live values under
     ``"actor"`` if nothing holds them yet); ``restore()`` puts the actor back.
-    Copies live on CPU so a reference model costs host memory, not GPU memory.
     ``swap_seconds`` accumulates the time spent copying (logged as ``perf/weight_swap_s``);
     the actor's copy reuses its buffers from one swap to the next (no allocation per call).
+
+    Where the copies live (``--ref-weights-location``, resolved by
+    ``resolve_weights_location``): ``"host"`` keeps them in CPU memory (pinned when
+    CUDA is present, so the copies run at full PCIe speed): a reference costs host
+    memory, but every reference forward moves the model across the bus three times
+    (actor out, reference in, actor back). ``"device"`` keeps them beside the
+    parameters: the same three copies run at device-memory speed, for one more model
+    copy of device memory. On a CPU-only run both are host memory.
     """
 
     ACTOR = "actor"
+    LOCATIONS = ("host", "device")
 
-    def __init__(self, named_params: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
+    def __init__(self, named_params: Callable[[], Iterator[tuple[str, torch.Tensor]]], location: str = "host"):
+        if location not in self.LOCATIONS:
+            raise BackendError(f"weight tags live on 'host' or 'device', not {location!r}")
         self._named_params = named_params
         self._tags: dict[str, dict[str, torch.Tensor]] = {}
         self.active = self.ACTOR
+        self.location = location
         self.swap_seconds = 0.0
+
+    def _store(self, p: torch.Tensor) -> torch.Tensor:
+        """A new copy of ``p`` where this manager keeps its tags."""
+        if self.location == "device" or p.device.type == "cpu":
+            return p.detach().clone()
+        host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+        return host.copy_(p.detach())
+
+    def nbytes(self, tag: str) -> int:
+        """Bytes held by one tag's copies (0 when the tag does not exist)."""
+        return sum(t.numel() * t.element_size() for t in self._tags.get(tag, {}).values())
 
     @property
     def tags(self) -> list[str]:
@@ -101,7 +149,7 @@ class WeightManager:
                 for n, p in params:
                     kept[n].copy_(p.detach())
         else:
-            self._tags[tag] = {n: p.detach().to("cpu", copy=True) for n, p in params}
+            self._tags[tag] = {n: self._store(p) for n, p in params}
         self.swap_seconds += time.perf_counter() - start
 
     def has(self, tag: str) -> bool:
@@ -115,7 +163,7 @@ class WeightManager:
                 if name not in stored:
                     raise BackendError(f"weight tag {tag!r} has no copy of parameter {name!r}; "
                                        "it was backed up from a different model layout")
-                p.copy_(stored[name].to(p.device, non_blocking=True))
+                p.copy_(stored[name], non_blocking=True)  # pinned host -> device: async on the stream
         self.swap_seconds += time.perf_counter() - start
 
     def switch(self, tag: str) -> None:
@@ -143,6 +191,37 @@ class WeightManager:
             self.restore()
 
 
+# ``--ref-weights-location auto`` keeps the tags on the device only when one copy of this rank's
+# parameters takes at most this share of the device memory still free once model and optimizer
+# exist: activations of the forward/backward passes need the rest.
+DEVICE_TAG_SHARE = 0.25
+
+
+def resolve_weights_location(requested: str, *, cuda: bool, offload_train: bool, tag_bytes: int,
+                             free_bytes: Optional[int]) -> tuple[str, str]:
+    """``(location, why)`` of the reference / teacher copies for ``--ref-weights-location``.
+
+    Measured, not estimated: called once the model and optimizer are allocated, so
+    ``free_bytes`` (``torch.cuda.mem_get_info``) is what is really left for activations
+    and copies. ``why`` goes to the log (one line, with the numbers).
+    """
+    gib = (lambda n: f"{n / 2**30:.2f} GiB")
+    if not cuda:
+        return "host", "a CPU-only run: parameters and copies are all in host memory"
+    if requested == "host":
+        return "host", "--ref-weights-location host"
+    if offload_train:
+        # validation refuses an explicit `device` with offloading; auto lands here
+        return "host", "--offload-train/--colocate: the trainer's device memory is handed to the rollout engine"
+    if requested == "device":
+        return "device", "--ref-weights-location device"
+    if free_bytes is not None and tag_bytes <= DEVICE_TAG_SHARE * free_bytes:
+        return "device", (f"auto: one copy ({gib(tag_bytes)}) is <= {DEVICE_TAG_SHARE:.0%} of the free device "
+                          f"memory ({gib(free_bytes)})")
+    return "host", (f"auto: one copy ({gib(tag_bytes)}) is more than {DEVICE_TAG_SHARE:.0%} of the free device "
+                    f"memory ({gib(free_bytes or 0)})")
+
+
 class TrainBackend(abc.ABC):
     """One policy model on this process's ranks; see the module docstring for invariants."""
 
@@ -160,8 +239,14 @@ class TrainBackend(abc.ABC):
         """Build model + optimizer from the frozen ``Config``; load HF or checkpoint weights."""
 
     @abc.abstractmethod
-    def forward(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """No-grad response-aligned log-probs of every sample under the live weights."""
+    def forward(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+                owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """No-grad response-aligned log-probs of every sample under the live weights.
+
+        ``plan`` (default ``plan_micro_batches(samples)``) says which DP rank computes which
+        sample. Every rank gets every sample's result, or with ``owned_only`` only the
+        samples of its own DP rank (``gather_per_sample``; the rest are None).
+        """
 
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -194,9 +279,10 @@ class TrainBackend(abc.ABC):
 
     # ---- shared concretes -------------------------------------------------
 
-    def forward_only(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    def forward_only(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+                     owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         with torch.no_grad():
-            return self.forward(samples)
+            return self.forward(samples, plan, owned_only)
 
     def switch_weights(self, tag: str) -> contextlib.AbstractContextManager:
         return self.weights.use(tag)
@@ -210,22 +296,26 @@ class TrainBackend(abc.ABC):
         """Seconds spent copying weight tags in and out so far (``perf/weight_swap_s`` per step)."""
         return self.weights.swap_seconds
 
-    def maybe_compute_ref_log_probs(self, samples: Sequence[Sample], needed: bool) -> Optional[list[torch.Tensor]]:
+    def maybe_compute_ref_log_probs(self, samples: Sequence[Sample], needed: bool,
+                                    plan: Optional[MicroBatchPlan] = None,
+                                    owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
             return None
         if not self.weights.has("ref"):
             raise ConfigError("the algorithm needs reference log-probs (KL term) but no reference weights are "
                               "loaded; the initial policy is used unless --ref-load is given")
         with self.switch_weights("ref"):
-            return self.forward_only(samples)
+            return self.forward_only(samples, plan, owned_only)
 
-    def maybe_compute_teacher_log_probs(self, samples: Sequence[Sample], needed: bool) -> Optional[list[torch.Tensor]]:
+    def maybe_compute_teacher_log_probs(self, samples: Sequence[Sample], needed: bool,
+                                        plan: Optional[MicroBatchPlan] = None,
+                                        owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
             return None
         if not self.weights.has("teacher"):
             raise ConfigError("on-policy distillation needs teacher weights: give --opd-teacher-load PATH")
         with self.switch_weights("teacher"):
-            return self.forward_only(samples)
+            return self.forward_only(samples, plan, owned_only)
 
     # ---- the rollout batch over data parallelism (shared by every backend) ----
 
@@ -241,29 +331,99 @@ class TrainBackend(abc.ABC):
         plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
         return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=self.pad_to_multiple)
 
-    def preprocess_rollout_data(self, samples: Sequence[Sample], batch: Optional[TrainBatch] = None) -> RankBatch:
-        """Plan the batch, pack this DP rank's micro-batches (with the loss inputs of ``batch`` when training)
-        and, when training, compute this rank's share of the step's global loss denominators."""
-        plan = self.plan_micro_batches(samples)
+    def plan_rollout(self, samples: Sequence[Sample], global_batch_size: int) -> RolloutPlan:
+        """The training steps' plans (``samples`` cut into steps of ``global_batch_size``) and the
+        owner-aligned forward plan over the whole batch (``RolloutPlan``); no communication."""
+        steps = [(start, self.plan_micro_batches(samples[start:start + global_batch_size]))
+                 for start in range(0, len(samples), global_batch_size)]
+        b = self.cfg.batching
+        lengths = [s.total_length for s in samples]
+
+        def cut(parts: list[list[int]]) -> MicroBatchPlan:
+            if b.use_dynamic_batch_size:
+                return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
+                                                  cp_size=self.cfg.parallel.context_parallel_size,
+                                                  pad_to_multiple=self.pad_to_multiple, rank_parts=parts)
+            size = b.micro_batch_size
+            return MicroBatchPlan(micro_batches=tuple(tuple(tuple(p[j:j + size]) for j in range(0, len(p), size))
+                                                      for p in parts),
+                                  token_budget=None, pad_to_multiple=self.pad_to_multiple)
+
+        return RolloutPlan(plan_owner_aligned(steps, len(samples), cut), steps)
+
+    def preprocess_rollout_data(self, samples: Sequence[Sample], batch: Optional[TrainBatch] = None,
+                                plan: Optional[MicroBatchPlan] = None) -> RankBatch:
+        """Plan the batch (or take ``plan``), pack this DP rank's micro-batches (with the loss inputs of
+        ``batch`` when training) and, when training, compute this rank's share of the step's global
+        loss denominators."""
+        plan = plan or (batch and batch.plan) or self.plan_micro_batches(samples)
         if batch is None:
             return RankBatch(plan, pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id), None)
+        _check_owned(batch, plan.rank_samples(self.dp_rank))
         micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
                                        advantages=batch.advantages, old_logprobs=batch.old_logprobs,
                                        ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs)
         return RankBatch(plan, micro_batches, plan_loss_denominators(samples, plan)[self.dp_rank])
 
+    def data_parallel_peers(self) -> tuple[list[int], object]:
+        """``(leaders, group)`` of ``data_parallel_peers`` for this backend's layout; found on first use
+        (a collective: the first call happens on every rank at the same point of the loop)."""
+        if getattr(self, "_dp_peers", None) is None:
+            self._dp_peers = data_parallel_peers(self.dp_rank, self.dp_size)
+        return self._dp_peers
+
     def gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[Sample],
-                          plan: MicroBatchPlan) -> list[torch.Tensor]:
-        """Every rank gets every sample's tensor from the ranks that hold them (``holds_results``).
+                          plan: MicroBatchPlan, owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """Every rank gets every sample's tensor from the ranks that hold them (``holds_results``),
+        or with ``owned_only`` only its own DP rank's samples (from that DP rank's holder; None elsewhere).
 
         The holders (one per DP rank) hold the full results of their DP rank's micro-batches; the
         plan says which samples each holds, so only the values move (``per_sample``). Which global
-        rank holds which DP rank's results is fixed by the layout: found once, on first use.
+        rank holds which DP rank's results is fixed by the layout: found once, on first use, with
+        the groups of each DP rank's model-parallel peers.
         """
         if getattr(self, "_holder_ranks", None) is None:
             self._holder_ranks = find_holder_ranks(self.dp_rank if self.holds_results else None, self.dp_size)
         holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
-        return gather_per_sample(local, holdings, self._holder_ranks, [s.response_length for s in samples])
+        lengths = [s.response_length for s in samples]
+        if owned_only:
+            return share_with_peers(local, holdings[self.dp_rank], self._holder_ranks[self.dp_rank], lengths,
+                                    group=self.data_parallel_peers()[1])
+        return gather_per_sample(local, holdings, self._holder_ranks, lengths)
+
+
+def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:
+    """A clear error, not a TypeError deep in packing, when a log-prob of this rank's share is missing."""
+    for name in ("old_logprobs", "ref_logprobs", "teacher_logprobs"):
+        values = getattr(batch, name)
+        missing = [i for i in owned if values is not None and values[i] is None]
+        if missing:
+            raise BackendError(f"train_step: {name} of samples {missing[:8]} (this data-parallel rank's share of "
+                               "the step) were not computed here: the forward pass must follow the training "
+                               "steps' split (TrainBackend.plan_rollout) or gather every sample")
+
+
+def data_parallel_peers(dp_rank: int, dp_size: int) -> tuple[list[int], object]:
+    """``(leaders, group)``: the lowest global rank of each data-parallel index, and the process
+    group of the ranks sharing this rank's index (its TP/PP/CP peers; None when it has none).
+    Collective: every rank calls it once, at the same point (one tiny all_gather, then
+    ``new_group`` for every index with peers, in the same order on all ranks)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [0] * dp_size, None
+    every = torch.empty(dist.get_world_size(), dtype=torch.int64)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, torch.tensor([dp_rank]))
+    leaders, mine = [], None
+    for d in range(dp_size):
+        ranks = [r for r, x in enumerate(every.tolist()) if x == d]
+        if not ranks:
+            raise BackendError(f"no rank reports data-parallel rank {d} of {dp_size}")
+        leaders.append(ranks[0])
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if d == dp_rank:
+            mine = group
+    return leaders, mine
 
 
 def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None) -> list[Sample]:

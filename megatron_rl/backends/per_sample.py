@@ -120,3 +120,39 @@ def gather_per_sample(local: dict[int, torch.Tensor], holdings: Sequence[Sequenc
     if missing:
         raise BackendError(f"forward produced no log-probs for samples {missing[:8]} (no holder holds them)")
     return result  # type: ignore[return-value]
+
+
+def share_with_peers(local: dict[int, torch.Tensor], held: Sequence[int], holder_rank: int, lengths: Sequence[int],
+                     group=None, dtype: torch.dtype = torch.float32) -> list[Optional[torch.Tensor]]:
+    """This data-parallel rank's samples from its holder to its model-parallel peers; None elsewhere.
+
+    ``group``: the ranks sharing this DP index (None: this rank alone, no collective). One
+    broadcast of ``[flag, values...]`` from ``holder_rank`` (global), as in ``gather_per_sample``,
+    so a holder missing a sample makes every peer raise together. Used when each DP rank keeps
+    the log-probs of exactly the samples it trains on (an owner-aligned forward): nothing
+    crosses data-parallel ranks.
+    """
+    import torch.distributed as dist
+
+    result: list[Optional[torch.Tensor]] = [None] * len(lengths)
+    if group is None:
+        for i in held:
+            if i not in local or local[i].numel() != lengths[i]:
+                raise BackendError(_complain(local, [held], 0, lengths))
+            result[i] = local[i]
+        return result
+    sizes = [lengths[i] for i in held]
+    me = dist.get_rank()
+    buf = _holder_values(local, held, sizes, dtype) if me == holder_rank else None
+    if buf is None:
+        buf = torch.empty(1 + sum(sizes), dtype=dtype)
+        if me == holder_rank:
+            buf[0] = _BROKEN_HOLDER
+    dist.broadcast(buf, src=holder_rank, group=group)
+    if buf[0].item() == _BROKEN_HOLDER:
+        detail = _complain(local, [held], 0, lengths) if me == holder_rank else ""
+        raise BackendError(f"per-sample results: holder rank {holder_rank} lacks samples of its micro-batches"
+                           f"{': ' + detail if detail else ''}")
+    for i, t in zip(held, torch.split(buf[1:], sizes)):
+        result[i] = t
+    return result

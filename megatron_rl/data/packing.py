@@ -114,6 +114,7 @@ def plan_dynamic_micro_batches(
     max_tokens_per_gpu: int,
     cp_size: int = 1,
     pad_to_multiple: int = 1,
+    rank_parts: Sequence[Sequence[int]] | None = None,
 ) -> MicroBatchPlan:
     """Plan token-budgeted micro-batches balanced across DP ranks (``--use-dynamic-batch-size``).
 
@@ -121,6 +122,12 @@ def plan_dynamic_micro_batches(
     ``i``. Each sequence counts as ``padded_length(L, pad_to_multiple)`` tokens.
     The budget per micro-batch is ``max_tokens_per_gpu * cp_size`` because each
     CP rank holds ``1/cp_size`` of every sequence.
+
+    ``rank_parts`` (one index list per DP rank) fixes which samples each DP rank
+    gets when that was decided elsewhere (the forward pass of a rollout follows
+    the training steps' split, ``plan_owner_aligned``); by default the ranks'
+    token sums are balanced (Karmarkar-Karp, then swaps). Either way each rank's
+    samples are cut into micro-batches under the budget, the same count on every rank.
 
     Raises ConfigError naming ``--max-tokens-per-gpu`` if one sequence alone is
     over budget (sequences are never split across micro-batches).
@@ -145,7 +152,12 @@ def plan_dynamic_micro_batches(
                 f"raise --context-parallel-size, or cap prompt/response lengths in rollout.")
         padded.append(p)
 
-    rank_parts = refine_by_swaps(karmarkar_karp(padded, dp_size, equal_size=True), padded)
+    if rank_parts is None:
+        rank_parts = refine_by_swaps(karmarkar_karp(padded, dp_size, equal_size=True), padded)
+    elif len(rank_parts) != dp_size or sorted(i for part in rank_parts for i in part) != list(range(len(padded))):
+        raise ValueError(f"rank_parts must split samples 0..{len(padded) - 1} over {dp_size} DP ranks, each once")
+    else:
+        rank_parts = [sorted(part) for part in rank_parts]
     per_rank: list[list[list[int]]] = []
     for part in rank_parts:
         bins = first_fit_decreasing([padded[i] for i in part], budget)
@@ -215,6 +227,32 @@ def plan_fixed_micro_batches(
               for j in range(num_mb))
         for r in range(dp_size))
     return MicroBatchPlan(micro_batches=ranks, token_budget=None, pad_to_multiple=1)
+
+
+def plan_owner_aligned(step_plans: Sequence[tuple[int, MicroBatchPlan]], num_samples: int,
+                       plan_rank_parts) -> MicroBatchPlan:
+    """The forward plan of a rollout whose DP ranks keep the samples they will train on.
+
+    ``step_plans``: ``(offset, plan)`` of every training step, the plan's indices
+    relative to ``offset`` (the step's first sample in the rollout). DP rank ``d``
+    trains on the union of its shares of every step, so the forward over the whole
+    rollout gives rank ``d`` exactly those samples and its old/reference log-probs
+    never have to travel to another data-parallel rank. ``plan_rank_parts(parts)``
+    cuts fixed per-rank parts into micro-batches (dynamic or fixed mode, the caller's).
+    With one DP rank this is the plan of the whole batch, as without alignment.
+    """
+    if not step_plans:
+        raise ValueError("plan_owner_aligned needs at least one training step's plan")
+    dp = step_plans[0][1].dp_size
+    parts: list[list[int]] = [[] for _ in range(dp)]
+    for offset, plan in step_plans:
+        for d in range(dp):
+            parts[d].extend(offset + i for i in plan.rank_samples(d))
+    owned = sorted(i for part in parts for i in part)
+    if owned != list(range(num_samples)):
+        raise ValueError(f"the training steps' plans cover {len(set(owned))} of {num_samples} samples "
+                         "(or some twice): every sample must be trained on by exactly one DP rank")
+    return plan_rank_parts([sorted(part) for part in parts])
 
 
 # --------------------------------------------------------------------------- packed layout
@@ -474,6 +512,6 @@ def micro_batch_tokens(plan: MicroBatchPlan, seq_lengths: Sequence[int]) -> list
 
 __all__ = [
     "MicroBatchPlan", "PackedBatch", "LossDenominators", "padded_length", "pad_multiple_for",
-    "plan_dynamic_micro_batches", "plan_fixed_micro_batches", "pack_samples", "pack_plan_rank",
+    "plan_dynamic_micro_batches", "plan_fixed_micro_batches", "plan_owner_aligned", "pack_samples", "pack_plan_rank",
     "compute_loss_denominators", "plan_loss_denominators", "micro_batch_tokens",
 ]

@@ -1,4 +1,4 @@
-"""Rollout samples as one flat byte buffer: what ``broadcast_samples`` sends.
+"""Rollout samples as one flat byte buffer: what ``broadcast_samples`` and ``distribute_rollout`` send.
 
 Why: ``broadcast_object_list`` pickles every ``Sample`` dataclass with its
 short int lists; the numeric bulk (token ids, loss masks, rollout log-probs,
@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import Sample, SampleStub
 
 _FIELDS = tuple(f.name for f in fields(Sample))
 _INT_SCALARS = ("group_index", "weight_version")
@@ -53,10 +53,9 @@ def _int_array(values: list) -> np.ndarray | None:
     return np.array(values, np.int32 if _I32.min <= lo and hi <= _I32.max else np.int64)
 
 
-def encode(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sizes, buffer)``: ``sizes`` = byte counts of the flat blocks and of the header."""
-    rows = list(map(attrgetter(*_FIELDS), samples))
-    columns = dict(zip(_FIELDS, map(list, zip(*rows)))) if rows else {name: [] for name in _FIELDS}
+def _encode_columns(columns: dict[str, list], n: int, kinds: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat blocks for the columns whose values fit their kind (``kinds[name]``: int, float,
+    int_list, float_list; others and misfits are pickled in the header as they are)."""
     blocks: list[np.ndarray] = []
     schema: list[tuple[str, str, int]] = []  # (field, dtype, count) of each block, in buffer order
     pickled: dict = {}
@@ -67,15 +66,16 @@ def encode(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
 
     for name, col in columns.items():
         arr = None
-        if name in _INT_SCALARS and _only(col, int):
+        kind = kinds.get(name)
+        if kind == "int" and _only(col, int):
             arr = _int_array(col)
-        elif name in _FLOAT_SCALARS and _only(col, float):
+        elif kind == "float" and _only(col, float):
             arr = np.array(col, np.float64)
-        elif name in _INT_LISTS + _FLOAT_LISTS and _only(col, list):
+        elif kind in ("int_list", "float_list") and _only(col, list):
             values = list(chain.from_iterable(col))
-            if name in _INT_LISTS and _only(values, int):
+            if kind == "int_list" and _only(values, int):
                 arr = _int_array(values)
-            elif name in _FLOAT_LISTS and _only(values, float):
+            elif kind == "float_list" and _only(values, float):
                 arr = np.array(values, np.float64)
             if arr is not None:
                 add(name + "#len", np.fromiter(map(len, col), np.int32, len(col)))
@@ -83,14 +83,13 @@ def encode(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
             pickled[name] = col
         else:
             add(name, arr)
-    header = pickle.dumps((len(samples), schema, pickled), protocol=pickle.HIGHEST_PROTOCOL)
+    header = pickle.dumps((n, schema, pickled), protocol=pickle.HIGHEST_PROTOCOL)
     payload = b"".join(a.tobytes() for a in blocks)
     sizes = torch.tensor([len(payload), len(header)], dtype=torch.int64)
     return sizes, torch.frombuffer(bytearray(payload + header), dtype=torch.uint8)
 
 
-def decode(sizes: torch.Tensor, buffer: torch.Tensor) -> list[Sample]:
-    """Inverse of ``encode`` (``sizes``/``buffer`` as it returned them, possibly received over a wire)."""
+def _decode_columns(sizes: torch.Tensor, buffer: torch.Tensor) -> tuple[int, dict[str, list]]:
     n_payload, _ = sizes.tolist()
     raw = buffer.numpy()
     n, schema, columns = pickle.loads(raw[n_payload:].tobytes())
@@ -106,6 +105,47 @@ def decode(sizes: torch.Tensor, buffer: torch.Tensor) -> list[Sample]:
             ends = list(accumulate(lengths[name]))
             values = [values[e - k:e] for e, k in zip(ends, lengths[name])]
         columns[name] = values
+    return n, columns
+
+
+_SAMPLE_KINDS = {**{f: "int" for f in _INT_SCALARS}, **{f: "float" for f in _FLOAT_SCALARS},
+                 **{f: "int_list" for f in _INT_LISTS}, **{f: "float_list" for f in _FLOAT_LISTS}}
+
+
+def encode(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sizes, buffer)``: ``sizes`` = byte counts of the flat blocks and of the header."""
+    rows = list(map(attrgetter(*_FIELDS), samples))
+    columns = dict(zip(_FIELDS, map(list, zip(*rows)))) if rows else {name: [] for name in _FIELDS}
+    return _encode_columns(columns, len(samples), _SAMPLE_KINDS)
+
+
+def decode(sizes: torch.Tensor, buffer: torch.Tensor) -> list[Sample]:
+    """Inverse of ``encode`` (``sizes``/``buffer`` as it returned them, possibly received over a wire)."""
+    n, columns = _decode_columns(sizes, buffer)
     if n == 0:
         return []
     return [Sample(*row) for row in zip(*(columns[name] for name in _FIELDS))]
+
+
+# What every training rank needs of every sample (data.types.SampleStub, less the owner)
+_HEADER_KINDS = {"group_index": "int", "prompt_length": "int", "response_length": "int",
+                 "num_rollout_logprobs": "int", "reward": "float", "loss_mask": "int_list"}
+
+
+def encode_headers(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``SampleStub`` fields of every sample, in the same flat layout (about a tenth of the batch)."""
+    columns = {"group_index": [s.group_index for s in samples],
+               "prompt_length": [len(s.prompt_ids) for s in samples],
+               "response_length": [len(s.response_ids) for s in samples],
+               "num_rollout_logprobs": [len(s.rollout_logprobs) for s in samples],
+               "reward": [s.reward for s in samples],
+               "loss_mask": [s.loss_mask for s in samples]}  # as stored: empty means all ones
+    return _encode_columns(columns, len(samples), _HEADER_KINDS)
+
+
+def decode_headers(sizes: torch.Tensor, buffer: torch.Tensor, owners: Sequence[int] | None = None) -> list[SampleStub]:
+    """``SampleStub``s from ``encode_headers``; ``owners[i]`` is sample i's DP rank (-1 until planned)."""
+    n, columns = _decode_columns(sizes, buffer)
+    owners = [-1] * n if owners is None else owners
+    names = list(_HEADER_KINDS)
+    return [SampleStub(*row, owner) for row, owner in zip(zip(*(columns[name] for name in names)), owners)]

@@ -20,7 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, MegatronRLError
+
+
+class HeldElsewhereError(MegatronRLError):
+    """A ``SampleStub``'s tokens were read on a rank that does not hold them."""
 
 
 @dataclass(frozen=True)
@@ -108,5 +112,50 @@ class Sample:
     def response_length(self) -> int:
         return len(self.response_ids)
 
+    @property
+    def num_rollout_logprobs(self) -> int:
+        return len(self.rollout_logprobs)
+
     def effective_loss_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.response_ids)
+
+
+# What a SampleStub does not carry: reading one of these on it is a bug in the caller (it would
+# silently train on the wrong data if it returned anything), so it raises.
+_HELD_ELSEWHERE = ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reason", "weight_version", "label",
+                   "prompt_text", "response_text", "metadata")
+
+
+@dataclass
+class SampleStub:
+    """A rollout sample whose tokens another data-parallel rank holds.
+
+    Each training rank receives in full only the samples it trains on; of the others it
+    keeps what every rank needs of every sample: lengths (the micro-batch plan is a pure
+    function of them), reward and group (advantages are computed over whole groups), the
+    loss mask (loss denominators count the whole step's tokens) and the number of rollout
+    log-probs (validation, which must fail on every rank alike). Same attribute names as
+    ``Sample`` for those; its tokens, texts and log-probs raise ``HeldElsewhereError``.
+    """
+
+    group_index: int
+    prompt_length: int
+    response_length: int
+    num_rollout_logprobs: int
+    reward: float
+    loss_mask: list[int]  # as the sample has it: response-aligned, empty for all ones
+    owner: int  # the data-parallel rank that holds the sample
+
+    @property
+    def total_length(self) -> int:
+        return self.prompt_length + self.response_length
+
+    def effective_loss_mask(self) -> list[int]:
+        return list(self.loss_mask) if self.loss_mask else [1] * self.response_length
+
+    def __getattr__(self, name: str):
+        if name in _HELD_ELSEWHERE:
+            raise HeldElsewhereError(f"a sample of group {self.group_index} is held by data-parallel rank "
+                                     f"{self.owner}: its {name} never reached this rank (each rank receives the "
+                                     "samples it trains on; plan with TrainBackend.plan_rollout)")
+        raise AttributeError(name)

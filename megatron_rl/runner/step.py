@@ -9,41 +9,56 @@ import torch
 
 from megatron_rl.algorithms.spec import Spec
 from megatron_rl.backends.base import TrainBackend, TrainBatch
+from megatron_rl.backends.rollout_shards import AnySample, distribute_rollout
 from megatron_rl.config import Config
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import Sample, SampleStub
 from megatron_rl.runner.step_metrics import aggregate_step_metrics
 
 
-def rollout_old_logprobs(samples: Sequence[Sample]) -> list[torch.Tensor]:
-    """--use-rollout-logprobs: the engine's token log-probs as the old log-probs (float32, response-aligned)."""
-    return [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+def rollout_old_logprobs(samples: Sequence[AnySample]) -> list[Optional[torch.Tensor]]:
+    """--use-rollout-logprobs: the engine's token log-probs as the old log-probs (float32, response-aligned);
+    None for the samples another data-parallel rank holds (``SampleStub``)."""
+    return [None if isinstance(s, SampleStub) else torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            for s in samples]
 
 
-def train_on_rollout(backend: TrainBackend, spec: Spec, samples: list[Sample], cfg: Config,
+def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[Sample]], cfg: Config,
                      perf: Optional[dict] = None) -> dict[str, float]:
-    """Old/ref/teacher log-probs, advantages, then the optimizer steps; each phase's ``perf/*_s`` goes to ``perf``."""
+    """Old/ref/teacher log-probs, advantages, then the optimizer steps; each phase's ``perf/*_s`` goes to ``perf``.
+
+    ``samples``: the driver's rollout batch (None on the other ranks). Each data-parallel rank
+    receives the samples it trains on (``rollout_shards.distribute_rollout``), computes their
+    old/ref/teacher log-probs and keeps them; only an estimator that folds log-probs into the
+    advantages (computed on the whole batch) needs every sample, and then every log-prob, on
+    every rank.
+    """
     perf = {} if perf is None else perf
+    gbs = cfg.batching.effective_global_batch_size
     t = time.perf_counter()
+    whole = spec.needs_whole_batch()
+    samples, plan = distribute_rollout(samples, backend, gbs, whole=whole)
+    perf["perf/broadcast_s"], t = time.perf_counter() - t, time.perf_counter()
     needs = spec.prepare_batch(samples)
+    plan = plan or backend.plan_rollout(samples, gbs)
+    own = {"plan": plan.forward, "owned_only": not whole}
     if needs.old_logprobs:
-        old = backend.forward_only(samples)
+        old = backend.forward_only(samples, **own)
     else:
         old = rollout_old_logprobs(samples) if needs.old_from_rollout else None
     perf["perf/old_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
-    ref = backend.maybe_compute_ref_log_probs(samples, needs.ref_logprobs)
+    ref = backend.maybe_compute_ref_log_probs(samples, needs.ref_logprobs, **own)
     perf["perf/ref_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
-    teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs)
+    teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs, **own)
     if needs.teacher_logprobs:
         perf["perf/teacher_logprob_s"] = time.perf_counter() - t
     t = time.perf_counter()
     advantages = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)
-    gbs = cfg.batching.effective_global_batch_size
     steps: list[dict[str, float]] = []
     for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
-        for start in range(0, len(samples), gbs):
+        for start, step_plan in plan.steps:
             sl = slice(start, start + gbs)
             pick = (lambda xs: None if xs is None else xs[sl])
             steps.append(backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref),
-                                                       pick(teacher))))
+                                                       pick(teacher), plan=step_plan)))
     perf["perf/train_s"] = time.perf_counter() - t
     return aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one

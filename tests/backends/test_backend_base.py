@@ -78,3 +78,46 @@ def test_megatron_backend_import_skips_wandb_but_leaves_it_importable():
             "print('ok', wandb.__name__)\n")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok wandb" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("location", ["host", "device"])
+def test_weight_manager_locations_swap_the_same_values(location):
+    """Both locations keep an exact copy and swap it in and out; on CPU both copies are host tensors."""
+    model = torch.nn.Linear(3, 2)
+    wm = WeightManager(model.named_parameters, location)
+    wm.backup("ref")
+    ref_w = model.weight.detach().clone()
+    assert wm._tags["ref"]["weight"].device == model.weight.device
+    assert wm._tags["ref"]["weight"].data_ptr() != model.weight.data_ptr()  # a copy, not an alias
+    assert wm.nbytes("ref") == sum(p.numel() * 4 for p in model.parameters()) and wm.nbytes("nope") == 0
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    actor_w = model.weight.detach().clone()
+    with wm.use("ref"):
+        assert torch.equal(model.weight, ref_w)
+    assert torch.equal(model.weight, actor_w)
+
+
+def test_weight_manager_refuses_an_unknown_location():
+    with pytest.raises(BackendError, match="'host' or 'device', not 'disk'"):
+        WeightManager(torch.nn.Linear(2, 2).named_parameters, "disk")
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("requested,cuda,offload,tag,free,where,why", [
+    ("device", False, False, GIB, None, "host", "CPU-only run"),
+    ("auto", False, False, GIB, None, "host", "CPU-only run"),
+    ("host", True, False, GIB, 80 * GIB, "host", "--ref-weights-location host"),
+    ("auto", True, True, GIB, 80 * GIB, "host", "--offload-train/--colocate"),
+    ("device", True, False, 70 * GIB, 80 * GIB, "device", "--ref-weights-location device"),  # asked: obeyed
+    ("auto", True, False, 20 * GIB, 80 * GIB, "device", "auto: one copy (20.00 GiB) is <= 25% of the free"),
+    ("auto", True, False, 21 * GIB, 80 * GIB, "host", "auto: one copy (21.00 GiB) is more than 25%"),
+])
+def test_resolve_weights_location(requested, cuda, offload, tag, free, where, why):
+    from megatron_rl.backends.base import resolve_weights_location
+
+    got, reason = resolve_weights_location(requested, cuda=cuda, offload_train=offload, tag_bytes=tag,
+                                           free_bytes=free)
+    assert got == where and why in reason

@@ -18,3 +18,13 @@ def test_single_rank_missing_or_wrong_length_sample_is_named():
         gather_per_sample({0: torch.zeros(2)}, [[0, 1]], [0], [2, 1])
     with pytest.raises(BackendError, match=r"wrong length for samples \[0\]"):
         gather_per_sample({0: torch.zeros(3), 1: torch.zeros(1)}, [[0, 1]], [0], [2, 1])
+
+
+def test_share_with_peers_alone_keeps_own_samples_and_none_elsewhere():
+    from megatron_rl.backends.per_sample import share_with_peers
+
+    local = {1: torch.tensor([1.0, 2.0]), 3: torch.tensor([3.0])}
+    got = share_with_peers(local, [3, 1], 0, [4, 2, 1, 1])
+    assert got[0] is None and got[2] is None and got[1] is local[1] and got[3] is local[3]
+    with pytest.raises(BackendError, match=r"forward produced no log-probs for samples \[2\]"):
+        share_with_peers(local, [1, 2], 0, [4, 2, 1, 1])

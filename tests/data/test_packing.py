@@ -7,7 +7,7 @@ import torch
 from megatron_rl.data.packing import (
     LossDenominators, compute_loss_denominators, micro_batch_tokens, pack_plan_rank, pack_samples,
     pad_multiple_for, padded_length, plan_dynamic_micro_batches, plan_fixed_micro_batches,
-    plan_loss_denominators)
+    plan_loss_denominators, plan_owner_aligned)
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
 
@@ -238,3 +238,44 @@ def test_loss_denominators_independent_of_packing():
 def test_compute_loss_denominators_local_and_tensor_masks():
     d = compute_loss_denominators([[1, 1, 0], torch.tensor([0, 0]), torch.tensor([1.0, 0.5])])
     assert d == LossDenominators(local_tokens=4, local_samples=3, global_tokens=4, global_samples=3)
+
+
+# ------------------------------------------------------------------ owner-aligned forward plans
+
+LENGTHS = [90, 850, 700, 400, 300, 300, 200, 120, 100, 900, 60, 50, 40, 30, 12, 700]
+
+
+def _steps(lengths, gbs, dp, budget):
+    return [(start, plan_dynamic_micro_batches(lengths[start:start + gbs], dp_size=dp, max_tokens_per_gpu=budget))
+            for start in range(0, len(lengths), gbs)]
+
+
+def _cut(lengths, dp, budget):
+    return lambda parts: plan_dynamic_micro_batches(lengths, dp_size=dp, max_tokens_per_gpu=budget, rank_parts=parts)
+
+
+@pytest.mark.parametrize("dp,gbs", [(2, 8), (2, 16), (4, 8), (3, 16)])
+def test_owner_aligned_forward_gives_each_rank_the_samples_it_trains_on(dp, gbs):
+    steps = _steps(LENGTHS, gbs, dp, 1024)
+    plan = plan_owner_aligned(steps, len(LENGTHS), _cut(LENGTHS, dp, 1024))
+    for d in range(dp):
+        trained = sorted(off + i for off, p in steps for i in p.rank_samples(d))
+        assert plan.rank_samples(d) == trained
+    assert _all_indices(plan) == list(range(len(LENGTHS)))
+    assert all(len(mbs) == plan.num_micro_batches for mbs in plan.micro_batches)
+    assert all(t <= 1024 for r in micro_batch_tokens(plan, LENGTHS) for t in r)
+
+
+def test_owner_aligned_forward_at_one_rank_is_the_whole_batch_plan():
+    """DP1: the same micro-batches as planning the whole batch directly (numerics unchanged)."""
+    for gbs in (4, 8, 16):
+        plan = plan_owner_aligned(_steps(LENGTHS, gbs, 1, 1500), len(LENGTHS), _cut(LENGTHS, 1, 1500))
+        assert plan == plan_dynamic_micro_batches(LENGTHS, dp_size=1, max_tokens_per_gpu=1500)
+
+
+def test_owner_aligned_refuses_steps_that_miss_or_repeat_samples():
+    steps = _steps(LENGTHS[:8], 8, 2, 1024)
+    with pytest.raises(ValueError, match="cover 8 of 16 samples"):
+        plan_owner_aligned(steps, 16, _cut(LENGTHS, 2, 1024))
+    with pytest.raises(ValueError, match="rank_parts must split samples 0..3 over 2 DP ranks, each once"):
+        plan_dynamic_micro_batches([5, 5, 5, 5], dp_size=2, max_tokens_per_gpu=10, rank_parts=[[0, 1], [1, 2]])

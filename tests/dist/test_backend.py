@@ -26,7 +26,8 @@ LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size
 MOE_LAYOUTS = ["", "--expert-model-parallel-size=2"]  # qwen3_moe: DP2 and EP2 vs one process
 # bf16 params with fp32 main params (megatron's Float16Module + mixed-precision optimizer)
 BF16_LAYOUTS = ["--bf16", "--bf16,--use-distributed-optimizer"]
-FOUR_RANK_LAYOUTS = ["--tensor-model-parallel-size=2,--pipeline-model-parallel-size=2"]
+FOUR_RANK_LAYOUTS = ["--tensor-model-parallel-size=2,--pipeline-model-parallel-size=2",
+                     "--tensor-model-parallel-size=2"]  # DP2 x TP2: log-probs shared within each DP rank's TP pair
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 
 
@@ -125,3 +126,20 @@ def test_bf16_training_tracks_fp32_and_is_layout_independent(runs):
     for s0, s1 in zip(plain["steps"], distopt["steps"]):
         assert s1["metrics"]["train/grad_norm"] == pytest.approx(s0["metrics"]["train/grad_norm"], rel=0.01)
     assert distopt["steps"][-1]["metrics"]["train/update_skipped"] == 0.0
+
+
+@pytest.mark.slow
+def test_each_data_parallel_rank_keeps_the_log_probs_it_trains_on(runs):
+    """The owner-aligned forward (``plan_rollout`` + ``owned_only``): every rank holds exactly its DP
+    rank's samples, bitwise the values a full gather of the same plan gives, None for the others;
+    the DP ranks' shares cover the batch once. (Training on them is what the layout tests compare.)"""
+    _, ref, _, par, _ = runs
+    for layout, rec in {"": ref, **par}.items():
+        checks = rec["owned"]
+        assert all(c["forward_plan_follows_steps"] and c["bitwise_equal_to_full_gather"] for c in checks), layout
+        by_dp = {}
+        for c in checks:
+            by_dp.setdefault(c["dp_rank"], set()).add(tuple(c["samples"]))
+        assert all(len(v) == 1 for v in by_dp.values()), (layout, by_dp)  # peers agree
+        shares = [s for v in by_dp.values() for s in next(iter(v))]
+        assert sorted(shares) == list(range(6)), (layout, by_dp)

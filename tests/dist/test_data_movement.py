@@ -27,5 +27,13 @@ def test_broadcast_and_gather_on_four_ranks(tmp_path):
         assert res["holder_ranks"] == [0, 2], rank  # the TP-rank-0 rank of each DP rank
         assert res["gather_bitwise"] and res["gather_lengths"], rank
         assert "lack samples" in res["gather_missing_error"], rank
+        assert res["share_bitwise"] and res["leaders"] == [0, 2], rank
+        # each DP rank receives its share whole and headers of the rest; the plan agrees with the full batch's
+        assert res["shard_plan_equal"] and res["shard_owned_equal"] and res["shard_stubs"], rank
+        assert "held by data-parallel rank" in res["stub_tokens_error"], rank
+        assert "driver rank (rank 0) passed no samples" in res["shard_none_error"], rank
+        # DP rank 1's holder (rank 2) lacks a sample: it and its TP peer (rank 3) raise; DP rank 0's pair does not
+        assert (res["share_missing_error"] is not None) == (rank >= 2), rank
     holder = json.loads((tmp_path / "rank2.json").read_text())["gather_missing_error"]
     assert "forward produced no log-probs for samples" in holder
+    assert "holder rank 2 lacks samples" in json.loads((tmp_path / "rank3.json").read_text())["share_missing_error"]

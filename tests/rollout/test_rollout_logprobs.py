@@ -11,6 +11,7 @@ import torch
 from megatron_rl.algorithms import PolicyGradientConfig, get_spec
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
+from megatron_rl.backends.base import RolloutPlan
 from megatron_rl.runner.step import train_on_rollout
 
 
@@ -26,14 +27,17 @@ class CountingBackend:
     def __init__(self):
         self.forwards, self.batches = 0, []
 
-    def forward_only(self, samples):
+    def plan_rollout(self, samples, gbs):
+        return RolloutPlan(None, [(start, None) for start in range(0, len(samples), gbs)])
+
+    def forward_only(self, samples, plan=None, owned_only=False):
         self.forwards += 1
         return [torch.full((len(s.response_ids),), -7.0) for s in samples]
 
-    def maybe_compute_ref_log_probs(self, samples, needed):
+    def maybe_compute_ref_log_probs(self, samples, needed, plan=None, owned_only=False):
         return self.forward_only(samples) if needed else None
 
-    def maybe_compute_teacher_log_probs(self, samples, needed):
+    def maybe_compute_teacher_log_probs(self, samples, needed, plan=None, owned_only=False):
         return None
 
     def train_step(self, batch):

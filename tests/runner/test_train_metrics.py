@@ -10,12 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rl.backends.base import RolloutPlan
 from megatron_rl.runner.step import train_on_rollout
 
 
 class FakeSpec:
+    def needs_whole_batch(self):
+        return False
+
     def prepare_batch(self, samples):
-        return SimpleNamespace(old_logprobs=False, ref_logprobs=False, teacher_logprobs=False, old_from_rollout=False)
+        return SimpleNamespace(old_logprobs=False, ref_logprobs=False, teacher_logprobs=False, old_from_rollout=False,
+                               advantages_need_logprobs=False)
 
     def compute_advantages(self, samples, old_logprobs=None, ref_logprobs=None):
         return [s.adv for s in samples]
@@ -27,13 +32,16 @@ class FakeBackend:
     def __init__(self):
         self.steps = []
 
-    def forward_only(self, samples):
+    def plan_rollout(self, samples, gbs):
+        return RolloutPlan(None, [(start, None) for start in range(0, len(samples), gbs)])
+
+    def forward_only(self, samples, plan=None, owned_only=False):
         raise AssertionError("not needed")
 
-    def maybe_compute_ref_log_probs(self, samples, needed):
+    def maybe_compute_ref_log_probs(self, samples, needed, plan=None, owned_only=False):
         return None
 
-    def maybe_compute_teacher_log_probs(self, samples, needed):
+    def maybe_compute_teacher_log_probs(self, samples, needed, plan=None, owned_only=False):
         return None
 
     def train_step(self, batch):

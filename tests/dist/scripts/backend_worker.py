@@ -56,9 +56,23 @@ def main():
         backend.snapshot_weights("ref")
         samples = make_samples(backend.vocab_size)
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
+        # the loop's path (runner/step.py): each DP rank computes and keeps the log-probs of the
+        # samples it trains on; checked against the full gather of the same plan on every rank
+        plan = backend.plan_rollout(samples, len(samples))
+        owned = set(plan.steps[0][1].rank_samples(backend.dp_rank))
+        rec["owned"] = {"rank": dist.get_rank(), "dp_rank": backend.dp_rank, "samples": sorted(owned),
+                        "forward_plan_follows_steps": sorted(plan.forward.rank_samples(backend.dp_rank)) == sorted(owned)}
+        full = backend.forward_only(samples, plan=plan.forward)
+        mine = backend.forward_only(samples, plan=plan.forward, owned_only=True)
+        rec["owned"]["bitwise_equal_to_full_gather"] = all(
+            (t is not None and torch.equal(t, f)) if i in owned else t is None
+            for i, (t, f) in enumerate(zip(mine, full)))
+        owned_checks = [None] * dist.get_world_size()
+        dist.all_gather_object(owned_checks, rec["owned"])
+        rec["owned"] = owned_checks
         for step in range(3):
-            old = backend.forward_only(samples)
-            ref = backend.maybe_compute_ref_log_probs(samples, True)
+            old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
+            ref = backend.maybe_compute_ref_log_probs(samples, True, plan=plan.forward, owned_only=True)
             adv = spec.compute_advantages(samples)
             m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref))
             weights = {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}

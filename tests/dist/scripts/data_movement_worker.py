@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.backends.base import broadcast_samples
-from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample
+from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample, share_with_peers
 from megatron_rl.data.packing import plan_dynamic_micro_batches
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError
@@ -70,6 +70,58 @@ def main():
         gather_per_sample(broken, holdings, holder_ranks, lengths)
     except BackendError as exc:
         result["gather_missing_error"] = str(exc)
+
+    # owner-aligned: each DP rank's holder shares its samples with its TP peer only (None elsewhere)
+    from megatron_rl.backends.base import data_parallel_peers
+
+    leaders, group = data_parallel_peers(dp, 2)
+    result["leaders"] = leaders
+    mine = share_with_peers(local, holdings[dp], holder_ranks[dp], lengths, group=group)
+    result["share_bitwise"] = all((t is not None and torch.equal(t, logprob(i, lengths[i]))) if i in holdings[dp]
+                                  else t is None for i, t in enumerate(mine))
+    try:
+        share_with_peers(broken, holdings[dp], holder_ranks[dp], lengths, group=group)
+        result["share_missing_error"] = None
+    except BackendError as exc:
+        result["share_missing_error"] = str(exc)
+
+    # the rollout batch by data-parallel share (rollout_shards.distribute_rollout), with a backend
+    # that has only the shared planning machinery, in this TP2 x DP2 layout
+    from types import SimpleNamespace
+
+    from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.backends.rollout_shards import distribute_rollout
+    from megatron_rl.data.types import HeldElsewhereError, SampleStub
+
+    class Planner:
+        plan_micro_batches = TrainBackend.plan_micro_batches
+        plan_rollout = TrainBackend.plan_rollout
+        data_parallel_peers = TrainBackend.data_parallel_peers
+
+    backend = Planner()
+    backend.dp_rank, backend.dp_size, backend.pad_to_multiple = dp, 2, 1
+    backend.cfg = SimpleNamespace(batching=SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=40),
+                                  parallel=SimpleNamespace(context_parallel_size=1))
+    batch, rollout_plan = distribute_rollout(samples if rank == 0 else None, backend, 16)
+    expect = backend.plan_rollout(samples, 16)  # what the full batch plans to
+    owned = set(expect.forward.rank_samples(dp))
+    result["shard_plan_equal"] = rollout_plan == expect
+    result["shard_owned_equal"] = all(batch[i] == samples[i] for i in owned)
+    stubs = [(i, b) for i, b in enumerate(batch) if i not in owned]
+    result["shard_stubs"] = len(stubs) == len(samples) - len(owned) and all(
+        isinstance(b, SampleStub) and b.owner == 1 - dp and b.total_length == samples[i].total_length
+        and b.response_length == samples[i].response_length and b.reward == samples[i].reward
+        and b.group_index == samples[i].group_index and b.effective_loss_mask() == samples[i].effective_loss_mask()
+        and b.num_rollout_logprobs == len(samples[i].rollout_logprobs) for i, b in stubs)
+    try:
+        stubs[0][1].response_ids
+        result["stub_tokens_error"] = None
+    except HeldElsewhereError as exc:
+        result["stub_tokens_error"] = str(exc)
+    try:
+        distribute_rollout(None, backend, 16)
+    except BackendError as exc:
+        result["shard_none_error"] = str(exc)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
