@@ -72,9 +72,9 @@ NOTES: dict[str, tuple[str, str]] = {
                    "e.g. --sglang-cuda-graph-bs 1 2 4 8); " + _SGLANG_LATER + "."),
     "--optimizer-cpu-offload": ("same", "megatron-core's hybrid CPU optimizer. Implies --use-distributed-optimizer "
                                 "(Megatron-LM requires it; slime always turns it on)."),
-    "--rm-type": ("same", "Built-in rewards exact_match and math; slime's other rm_hub names (deepscaler, "
-                  "dapo, ...) are not built: use --custom-rm-path, or a real run refuses the name when it builds "
-                  "the reward."),
+    "--rm-type": ("same", "Built-in rewards exact_match, math and deepscaler (slime's rule; graded with the "
+                  "numeric / normalised-string subset of slime's mathd + sympy check); slime's other rm_hub names "
+                  "(dapo, f1, gpqa, ...) are refused while parsing flags: use --custom-rm-path."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }

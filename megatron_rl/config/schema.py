@@ -46,6 +46,10 @@ def parse_duration(text: str | int | float | None) -> Optional[float]:
         raise ValueError(f"{text!r} is not a duration; write e.g. 7d, 12h, 90m or a number of seconds") from None
 
 
+# --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hf_checkpoint: Optional[str] = flag(None, "HF model directory (config.json + safetensors). The model "
@@ -396,7 +400,9 @@ class DataConfig:
                                      "a k > 1 needs --eval-temperature > 0 (k 1 is greedy).")
     eval_max_response_len: Optional[int] = flag(None, "Maximum new tokens per evaluation response (unset: "
                                                 "--rollout-max-response-len).")
-    rm_type: Optional[str] = flag(None, "Built-in reward function (e.g. exact_match, math).")
+    rm_type: Optional[str] = flag(None, "Built-in reward function (rollout/rewards.py): exact_match, math, "
+                                  "deepscaler (slime's rule); anything else: --custom-rm-path.",
+                                  choices=BUILTIN_REWARD_NAMES)
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
 
     @property

@@ -11,6 +11,7 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 
 * ``exact_match``: 1.0 when the response equals the label after case folding,
   whitespace collapsing and dropping a trailing period;
+* ``deepscaler``: slime's rule: the boxed answer after the last ``</think>``, graded as ``math``;
 * ``math``: extracts the final answer (last ``\\boxed{...}``, else the text after
   the last ``####``, else the last number) from the response (and from the label
   when it has such a marker), compares numerically (integers, decimals, ``1,000``,
@@ -147,7 +148,29 @@ def math_reward(sample: Sample) -> float:
     return float(math_equal(extract_answer(_response_text(sample, "math")), _label(sample, "math")))
 
 
-BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {"exact_match": exact_match, "math": math_reward}
+def deepscaler_reward(sample: Sample) -> float:
+    """slime's ``deepscaler`` rule (its rm_hub): the solution is the text after the last ``</think>``
+    (else after the first ``###Response``; neither: 0), its answer the last ``\\boxed{}`` (none: 0),
+    graded against the label (its boxed part when it has one) with ``math_equal``. slime grades
+    with mathd + sympy equivalence; this is the numeric / normalised-string subset of that."""
+    text = _response_text(sample, "deepscaler")
+    label = _label(sample, "deepscaler")
+    if "</think>" in text:
+        solution = text.split("</think>")[-1]
+    elif "###Response" in text:
+        solution = text.split("###Response")[1]
+    else:
+        return 0.0
+    answer = _boxed_contents(solution)
+    if answer is None or str(label) == "":
+        return 0.0
+    return float(math_equal(answer.strip(), label))
+
+
+# --rm-type -> reward; the names are also config.schema.BUILTIN_REWARD_NAMES (the flag's choices; a test keeps
+# the two equal), so an unknown name is refused while parsing flags, before any worker starts
+BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {"exact_match": exact_match, "math": math_reward,
+                                                         "deepscaler": deepscaler_reward}
 
 
 # ---------------------------------------------------------------- selection

@@ -145,3 +145,25 @@ def test_custom_reward_errors_name_the_flag_and_fix(user_module):
         compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:short"), "--custom-rm-path my_rewards:short")
     with pytest.raises(ConfigError, match="returned nan for sample 0; rewards must be finite"):
         compute_rewards(samples, get_reward_fn(custom_rm_path="my_rewards:nan_reward"))
+
+
+@pytest.mark.parametrize("text,label,expected", [
+    ("<think>maybe \\boxed{3}</think> so \\boxed{42}", "42", 1.0),  # only the part after </think> counts
+    ("<think>\\boxed{42}</think> the answer is 42", "42", 0.0),  # no boxed answer after </think>
+    ("\\boxed{42}", "42", 0.0),  # no </think> and no ###Response: slime gives 0
+    ("###Response the result: \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("</think>\\boxed{7}", "\\boxed{7}", 1.0),  # a boxed label is compared by its contents
+    ("</think>\\boxed{7}", "", 0.0),
+])
+def test_deepscaler_reward_follows_slimes_rule(text, label, expected):
+    from megatron_rl.rollout.rewards import deepscaler_reward
+
+    assert deepscaler_reward(Sample(0, [1], [2], response_text=text, label=label)) == expected
+
+
+def test_rm_type_choices_are_the_builtin_rewards():
+    """--rm-type is refused while parsing flags unless it names a built-in (no late failure)."""
+    from megatron_rl.config.schema import BUILTIN_REWARD_NAMES
+    from megatron_rl.rollout.rewards import BUILTIN_REWARDS
+
+    assert tuple(BUILTIN_REWARDS) == BUILTIN_REWARD_NAMES
