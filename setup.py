@@ -1,9 +1,18 @@
 """Install megatron_rl.
 
-A plain ``pip install -e .`` compiles nothing. The CUDA kernels in ``csrc/`` are
-built only when ``MEGATRON_RL_BUILD_CUDA=1`` is set and a CUDA toolkit plus a
-CUDA build of torch are present; every kernel has a pure-torch path that gives
-the same numbers, so the extension is an accelerator, never a requirement.
+A plain ``pip install -e .`` on a CPU machine compiles nothing. The fused kernels
+in ``csrc/`` are built according to ``MEGATRON_RL_BUILD_EXT`` (docs/kernels.md):
+
+* ``auto`` (default): the CUDA extension ``megatron_rl._C`` when a CUDA build of
+  torch and nvcc (``CUDA_HOME``) are both present, else nothing;
+* ``cuda``: the CUDA extension, or a clear error saying what is missing;
+* ``cpu``: the C++ CPU twins ``megatron_rl._C_cpu`` (the tests can also JIT them);
+* ``none``: nothing.
+
+Architectures: ``TORCH_CUDA_ARCH_LIST`` (default ``8.0;9.0``: A100, H100/H200).
+Every kernel has a pure-torch path with the same numbers, so an extension is an
+accelerator, never a requirement. Building one imports torch in setup.py, so use
+``pip install -e . --no-build-isolation`` with torch already installed.
 
 torch is deliberately given as a range that the CPU wheel 2.13.0 satisfies: on a
 CPU machine install ``torch==2.13.0`` first (see README), otherwise pip fetches a
@@ -35,20 +44,62 @@ EXTRAS = {
     "tensorboard": ["tensorboard"],
     "plot": ["matplotlib"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb",
-             "import-linter>=2.1"],  # lint-imports: the layers contract in pyproject.toml
+             "import-linter>=2.1",  # lint-imports: the layers contract in pyproject.toml
+             "ninja"],  # JIT build of the C++ CPU twins in tests/ops/test_cpu_ext.py
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.
 
 
-def _ext_modules():
-    if os.environ.get("MEGATRON_RL_BUILD_CUDA") != "1":
-        return [], {}
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+BUILD_EXT_CHOICES = ("auto", "cuda", "cpu", "none")
+CPU_CFLAGS = ["-O3", "-fopenmp"]  # as megatron_rl/ops/_ext.py's JIT build (at::parallel_for needs OpenMP)
 
-    srcs = [os.path.join("csrc", f) for f in sorted(os.listdir("csrc")) if f.endswith((".cu", ".cpp"))]
-    if not srcs:
+
+def _sources(*subdirs):
+    return ["csrc/bindings.cpp"] + [os.path.join("csrc", d, f) for d in subdirs
+                                    for f in sorted(os.listdir(os.path.join("csrc", d)))
+                                    if f.endswith((".cpp", ".cu"))]
+
+
+def _cuda_toolchain_missing():
+    """None when a CUDA torch and nvcc are both present, else what is missing."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        return "torch is not importable (install it first and use pip install --no-build-isolation)"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return "nvcc was not found (set CUDA_HOME, e.g. CUDA_HOME=/usr/local/cuda)"
+    return None
+
+
+def _ext_modules():
+    mode = os.environ.get("MEGATRON_RL_BUILD_EXT", "auto").strip() or "auto"
+    if mode not in BUILD_EXT_CHOICES:
+        raise SystemExit(f"MEGATRON_RL_BUILD_EXT={mode!r} is not one of {', '.join(BUILD_EXT_CHOICES)}")
+    if mode == "none":
         return [], {}
-    return [CUDAExtension("megatron_rl._C", srcs)], {"build_ext": BuildExtension}
+    if mode == "auto":
+        if not os.path.isdir("csrc") or _cuda_toolchain_missing():
+            return [], {}  # a CPU machine: build nothing, fast
+        mode = "cuda"
+    if mode == "cuda":
+        missing = _cuda_toolchain_missing()
+        if missing:
+            raise SystemExit(f"MEGATRON_RL_BUILD_EXT=cuda: cannot build the CUDA extension: {missing}")
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        ext = CUDAExtension("megatron_rl._C", _sources("cpu", "cuda"), define_macros=[("MRL_WITH_CUDA", None)],
+                            extra_compile_args={"cxx": CPU_CFLAGS, "nvcc": ["-O3", "-DMRL_WITH_CUDA"]},
+                            extra_link_args=["-fopenmp"])
+        return [ext], {"build_ext": BuildExtension}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    ext = CppExtension("megatron_rl._C_cpu", _sources("cpu"), extra_compile_args={"cxx": CPU_CFLAGS},
+                       extra_link_args=["-fopenmp"])
+    return [ext], {"build_ext": BuildExtension}
 
 
 ext_modules, cmdclass = _ext_modules()

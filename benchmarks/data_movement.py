@@ -20,7 +20,9 @@ per-sample results, as in ``MegatronBackend``):
   ``after``: ``share_with_peers`` (a DP rank's samples to its TP peers only);
   ``batch>own`` = ``before``: ``broadcast_samples``, ``after``:
   ``rollout_shards.distribute_rollout`` (headers of all samples to every rank, each DP
-  rank's share whole to its ranks; plan of 2 training steps of 128).
+  rank's share whole to its ranks; plan of 2 training steps of 128). ``after`` includes
+  planning the whole step (``plan_rollout``: the forward plan and both training steps'),
+  which the loop used to do later, once per forward pass and once per training step.
 
 "bytes" = what one rank receives (the collective's output buffer; for the object
 collectives the padded pickles). Times are the median per call of ``--repeat``

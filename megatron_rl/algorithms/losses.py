@@ -30,10 +30,12 @@ import torch.distributed as dist
 from megatron_rl.algorithms.advantages import segment_ids
 from megatron_rl.algorithms.config import PolicyGradientConfig
 from megatron_rl.data.packing import LossDenominators, PackedBatch
+# The per-token maths lives in ops (the dispatch point of the fused kernels); re-exported here.
+from megatron_rl.ops import PolicyLossParams, policy_loss_terms
+from megatron_rl.ops.policy_loss import (  # noqa: F401
+    _KL_CLAMP, _LOG_RATIO_CLAMP, kl_estimate, ppo_clip_per_token, tis_weights)
 
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count), both detached float64
-
-_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a wild stale log-prob from overflowing the ratio
 
 
 @dataclass
@@ -111,52 +113,6 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
                      f"seq_mean_token_sum_norm")
 
 
-_KL_CLAMP = 10.0  # peers' low-variance KL bound (verl's low_var_kl; slime's low_var_kl clamp)
-
-
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(policy || ref) on tokens sampled from the policy.
-
-    k1 = log r, k2 = (log r)^2 / 2, with ``log r = logprobs - ref_logprobs``.
-    k3 = ``low_var_kl`` = exp(-log r) - 1 + log r (unbiased, >= 0, low variance),
-    computed as verl's ``low_var_kl``: ``log r`` clamped to +-20 first and the
-    result to at most 10. Why: unclamped, a token the policy all but ruled out
-    (log-prob -100 against a reference -1) gives exp(99) -> inf and NaN gradients;
-    clamped, it gives 10 and a zero gradient. Ordinary values (|log r| < ~2.5) are
-    unchanged.
-    """
-    log_r = logprobs - ref_logprobs
-    if kind == "k1":
-        return log_r
-    if kind == "k2":
-        return 0.5 * log_r.square()
-    if kind in ("k3", "low_var_kl"):
-        log_r = log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        return (torch.exp(-log_r) - 1.0 + log_r).clamp(-_KL_CLAMP, _KL_CLAMP)
-    raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use k1, k2, k3 or low_var_kl")
-
-
-def ppo_clip_per_token(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
-                       dual_clip_c: float | None = None):
-    """PPO clipped surrogate per token: ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``.
-
-    With ``dual_clip_c`` the loss of negative-advantage tokens is capped at
-    ``-A c`` (dual-clip PPO). Returns ``(loss, ratio, clipped, dual_clipped)``;
-    the masks are bool tensors for metrics.
-    """
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    unclipped = -advantages * ratio
-    clipped_loss = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped_loss)
-    clipped = clipped_loss > unclipped
-    dual = torch.zeros_like(clipped)
-    if dual_clip_c is not None:
-        cap = -advantages * dual_clip_c
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-    return loss, ratio, clipped, dual
-
-
 def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor,
                    response_lengths) -> torch.Tensor:
     """GSPO-token log-ratio: value = the sequence's mean log-ratio, gradient = that of ``logprobs_t``.
@@ -171,18 +127,6 @@ def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask
     seq = _segment_sum(delta, lengths) / _segment_sum(mask, lengths).clamp(min=1.0)
     seq_tok = seq.repeat_interleave(lengths.to(seq.device))
     return seq_tok + logprobs - logprobs.detach()
-
-
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float, low: float = 0.0):
-    """Truncated importance weights ``clamp(exp(old - rollout), low, cap)`` (detached), and the masks
-    of weights capped above and raised to ``low`` below.
-
-    Corrects for the rollout engine's numerics differing from the trainer's:
-    tokens were sampled from the engine's distribution but are trained under the
-    trainer's (old) one. ``low`` is slime's ``--tis-clip-low`` (0: no lower bound).
-    """
-    raw = torch.exp((old_logprobs - rollout_logprobs).detach().clamp(max=_LOG_RATIO_CLAMP))
-    return raw.clamp(min=low, max=cap), raw > cap, raw < low
 
 
 def _msum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,18 +165,27 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
 
     old = x.old_logprobs if x.old_logprobs is not None else x.logprobs.detach()
     metrics: Metrics = {"loss_tokens": (mask.detach().double().sum(), torch.ones((), dtype=torch.float64))}
+    rollout = need("rollout_logprobs", "--use-tis") if cfg.use_tis else None
+    ref = need("ref_logprobs", "--kl-loss-coef") if (cfg.kl_loss_coef or x.ref_logprobs is not None) else None
+    token_log_ratio = x.logprobs - old
+    use_ppo = cfg.advantage_estimator != "none" and not cfg.use_gspo
+    # The per-token terms (TIS weight, PPO surrogate, KL) come from the ops dispatch: torch or a fused kernel.
+    terms = policy_loss_terms(
+        x.logprobs, old, x.advantages,
+        PolicyLossParams(ppo=use_ppo, eps_low=cfg.eps_clip, eps_high=cfg.clip_high, dual_clip_c=cfg.eps_clip_c,
+                         kl_type=cfg.kl_loss_type, unbiased_kl=cfg.use_unbiased_kl, tis_cap=cfg.tis_cap,
+                         tis_low=cfg.tis_clip_low),
+        token_log_ratio=token_log_ratio, ref_logprobs=ref, rollout_logprobs=rollout)
     weight = torch.ones_like(x.logprobs)
     if cfg.use_tis:
-        rollout = need("rollout_logprobs", "--use-tis")
-        weight, capped, floored = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_clip_low)
+        weight = terms.tis_weight
         metrics["tis_weight"] = _msum(weight, mask)
-        metrics["tis_capped_frac"] = _msum(capped.double(), mask)
+        metrics["tis_capped_frac"] = _msum(terms.tis_capped.double(), mask)
         if cfg.tis_clip_low:
-            metrics["tis_clip_low_frac"] = _msum(floored.double(), mask)
+            metrics["tis_clip_low_frac"] = _msum(terms.tis_floored.double(), mask)
     if x.rollout_logprobs is not None:  # --use-rollout-logprobs: old IS rollout; the training forward is compared
         metrics.update(mismatch_metrics(x.logprobs if cfg.use_rollout_logprobs else old, x.rollout_logprobs, mask))
 
-    token_log_ratio = x.logprobs - old
     metrics["ppo_kl"] = _msum(-token_log_ratio, mask)  # verl's ppo_kl: mean(old - new) over loss tokens
     loss = x.logprobs.new_zeros(())
     if cfg.advantage_estimator != "none":
@@ -241,18 +194,15 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
             pg, ratio, clipped, dual = ppo_clip_per_token(log_ratio, x.advantages, cfg.gspo_eps_clip,
                                                           cfg.gspo_eps_clip_high)
         else:
-            pg, ratio, clipped, dual = ppo_clip_per_token(token_log_ratio, x.advantages, cfg.eps_clip,
-                                                          cfg.clip_high, cfg.eps_clip_c)
+            pg, ratio, clipped, dual = terms.pg, terms.ratio, terms.clipped, terms.dual
         loss = loss + agg(weight * pg)
         metrics["pg_loss"] = _msum(pg, mask)
         metrics["clip_frac"] = _msum(clipped.double(), mask)
         metrics["dual_clip_frac"] = _msum(dual.double(), mask)
         metrics["ratio"] = _msum(ratio, mask)
         metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
-    if cfg.kl_loss_coef or x.ref_logprobs is not None:
-        kl = kl_estimate(x.logprobs, need("ref_logprobs", "--kl-loss-coef"), cfg.kl_loss_type)
-        if cfg.use_unbiased_kl:  # importance-weight the on-policy estimate (DeepSeek-V3.2; slime)
-            kl = torch.exp(token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) * kl
+    if ref is not None:
+        kl = terms.kl
         metrics["kl"] = _msum(kl, mask)
         if cfg.kl_loss_coef:
             loss = loss + cfg.kl_loss_coef * agg(kl)

@@ -1,25 +1,31 @@
-"""Token-level ops on (vocab-parallel) logits: log-probs of targets and entropy.
+"""Token-level ops on (vocab-parallel) logits and per-token losses: the single dispatch point.
 
-``logprobs_and_entropy`` is the single dispatch point the backends and the
-algorithm specs call. The intended order is CUDA extension -> Triton kernel ->
-torch; TODAY ONLY THE TORCH PATH EXISTS (``ops.logprob.vocab_parallel_logprobs``,
-chunked, TP-aware, memory-frugal custom autograd). When a kernel lands it must
-match that path's values and gradients and be registered here; callers do not
-change.
+``logprobs_and_entropy`` (log-probs of targets + entropy from this rank's logits
+shard; called by ``algorithms.spec``) and ``policy_loss_terms`` (per-token PPO
+surrogate, KL, TIS weight; called by ``algorithms.losses``) each run one of:
+
+* ``torch``: the reference (``ops.logprob`` chunked TP-aware autograd;
+  ``ops.policy_loss`` torch maths), always available;
+* ``cuda``: the compiled kernels of ``csrc/cuda`` (``megatron_rl._C``);
+* ``triton``: ``ops.triton_kernels`` (GPUs without the compiled extension);
+* ``cpu_ext``: the C++ CPU twins of the CUDA kernels (``csrc/cpu``), same maths.
+
+``ops.dispatch`` picks one per device (CUDA -> Triton -> torch on GPU, torch on
+CPU) unless ``MEGATRON_RL_KERNELS`` names one. Every implementation matches the
+torch reference in values and gradients (tests/ops/); callers never branch on it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rl.ops.logprob import naive_logprobs, vocab_parallel_logprobs
+from megatron_rl.ops.dispatch import KERNELS, available_backends, select
+from megatron_rl.ops.fused import fused_logprobs, fused_policy_terms
+from megatron_rl.ops.logprob import flatten_checked, naive_logprobs, vocab_parallel_logprobs
+from megatron_rl.ops.policy_loss import PolicyLossParams, PolicyTerms, torch_policy_terms
 
-__all__ = ["logprobs_and_entropy", "vocab_parallel_logprobs", "naive_logprobs", "available_backends"]
-
-
-def available_backends() -> list[str]:
-    """Implementations ``logprobs_and_entropy`` can dispatch to, in preference order."""
-    return ["torch"]
+__all__ = ["logprobs_and_entropy", "policy_loss_terms", "PolicyLossParams", "PolicyTerms", "vocab_parallel_logprobs",
+           "naive_logprobs", "available_backends", "KERNELS"]
 
 
 def logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
@@ -28,7 +34,36 @@ def logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_g
     """``(logprobs, entropy | None)`` of ``target_ids`` under ``softmax(logits / temperature)``.
 
     Same contract as :func:`megatron_rl.ops.logprob.vocab_parallel_logprobs`
-    (logits are this rank's vocab shard; target ids are global).
+    (logits are this rank's vocab shard; target ids are global). ``chunk_size``
+    bounds the torch path's float32 working set; the fused kernels have none (they
+    stream each row once), so for them it is validated and has nothing to bound.
     """
-    return vocab_parallel_logprobs(logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index,
-                                   temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    name, kernels = select(logits.device)
+    if kernels is None:
+        return vocab_parallel_logprobs(logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index,
+                                       temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    flat_logits, flat_target, tp_size, vocab_start, out_shape = flatten_checked(
+        logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index, temperature=temperature,
+        chunk_size=chunk_size)
+    logprobs, entropy = fused_logprobs(kernels, flat_logits, flat_target, tp_group=tp_group if tp_size > 1 else None,
+                                       tp_size=tp_size, vocab_start=vocab_start, temperature=float(temperature),
+                                       with_entropy=with_entropy)
+    return logprobs.reshape(out_shape), (entropy.reshape(out_shape) if with_entropy else None)
+
+
+def policy_loss_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      params: PolicyLossParams, *, token_log_ratio: torch.Tensor | None = None,
+                      ref_logprobs: torch.Tensor | None = None,
+                      rollout_logprobs: torch.Tensor | None = None) -> PolicyTerms:
+    """Per-token PPO/GRPO terms of flat ``[T]`` tensors: TIS weight (when ``rollout_logprobs``), clipped
+    surrogate ``pg`` (when ``params.ppo``), KL to the reference (when ``ref_logprobs``).
+
+    ``token_log_ratio`` (``logprobs - old_logprobs``, if the caller already holds it) lets the torch path reuse
+    the caller's autograd node, so its graph and gradients stay exactly those of the pre-dispatch code.
+    """
+    name, kernels = select(logprobs.device)
+    if kernels is None:
+        return torch_policy_terms(logprobs, old_logprobs, advantages, params, token_log_ratio=token_log_ratio,
+                                  ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs)
+    outs = fused_policy_terms(kernels, logprobs, old_logprobs, advantages, params, ref_logprobs, rollout_logprobs)
+    return PolicyTerms(*outs)

@@ -120,18 +120,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
-                            vocab_start_index: int | None = None, temperature: float = 1.0,
-                            chunk_size: int | None = None, with_entropy: bool = False):
-    """Return ``(logprobs, entropy | None)`` of ``target_ids`` under ``softmax(logits / temperature)``.
+def flatten_checked(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
+                    vocab_start_index: int | None = None, temperature: float = 1.0, chunk_size: int | None = None):
+    """Validate the arguments of the log-prob op (every implementation) and flatten them.
 
-    ``logits`` is this rank's vocab shard ``[..., V/tp]`` (Megatron's
-    ``ColumnParallelLinear`` output layout: rank r holds columns
-    ``[r*V/tp, (r+1)*V/tp)`` unless ``vocab_start_index`` says otherwise);
-    ``target_ids`` holds GLOBAL vocab ids with shape ``logits.shape[:-1]``.
-    ``tp_group`` None (or a size-1 group) is the single-device path. ``chunk_size``
-    is the number of tokens per chunk (None: about 64 MiB of float32 per chunk).
-    Both outputs are float32 and differentiable w.r.t. ``logits``.
+    Returns ``(flat_logits [N, V/tp], flat_target [N] int64, tp_size, vocab_start_index, out_shape)``.
     """
     if logits.dim() < 1 or target_ids.shape != logits.shape[:-1]:
         raise ValueError(
@@ -156,9 +149,28 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, *, t
             f"vocab_parallel_logprobs: target id range [{int(flat_target.min())}, {int(flat_target.max())}] is "
             f"outside the vocab [0, {vocab_local * tp_size}) = {vocab_local} per rank x tp_size {tp_size}; "
             f"check the tokenizer matches the model's (padded) vocab size")
-    chunk = chunk_size or _auto_chunk(vocab_local)
+    return flat_logits, flat_target, tp_size, int(vocab_start_index), out_shape
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
+                            vocab_start_index: int | None = None, temperature: float = 1.0,
+                            chunk_size: int | None = None, with_entropy: bool = False):
+    """Return ``(logprobs, entropy | None)`` of ``target_ids`` under ``softmax(logits / temperature)``.
+
+    ``logits`` is this rank's vocab shard ``[..., V/tp]`` (Megatron's
+    ``ColumnParallelLinear`` output layout: rank r holds columns
+    ``[r*V/tp, (r+1)*V/tp)`` unless ``vocab_start_index`` says otherwise);
+    ``target_ids`` holds GLOBAL vocab ids with shape ``logits.shape[:-1]``.
+    ``tp_group`` None (or a size-1 group) is the single-device path. ``chunk_size``
+    is the number of tokens per chunk (None: about 64 MiB of float32 per chunk).
+    Both outputs are float32 and differentiable w.r.t. ``logits``.
+    """
+    flat_logits, flat_target, tp_size, vocab_start_index, out_shape = flatten_checked(
+        logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index, temperature=temperature,
+        chunk_size=chunk_size)
+    chunk = chunk_size or _auto_chunk(flat_logits.shape[-1])
     out = _VocabParallelLogprob.apply(flat_logits, flat_target, tp_group if tp_size > 1 else None, tp_size,
-                                      int(vocab_start_index), float(temperature), int(chunk), bool(with_entropy))
+                                      vocab_start_index, float(temperature), int(chunk), bool(with_entropy))
     if with_entropy:
         logprobs, entropy = out
         return logprobs.reshape(out_shape), entropy.reshape(out_shape)

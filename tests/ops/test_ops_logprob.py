@@ -108,7 +108,9 @@ def test_bad_input_errors_name_the_value():
         logprobs_and_entropy(logits, torch.tensor([0, 1, 2, 10]))
     with pytest.raises(ValueError, match="chunk_size=0"):
         logprobs_and_entropy(logits, torch.zeros(4, dtype=torch.long), chunk_size=0)
-    assert available_backends() == ["torch"]
+    # On CPU: torch, plus the C++ twins once built (prebuilt, or JIT-loaded by tests/ops/test_cpu_ext.py).
+    from megatron_rl.ops import _ext
+    assert available_backends() == ["torch"] + (["cpu_ext"] if _ext.cpu_ext_loaded_or_prebuilt() else [])
 
 
 def test_empty_token_batch():
