@@ -69,42 +69,45 @@ def run(cfg: Config) -> int:
     rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
     sync = make_synchronizer_from_config(cfg)
     clock.lap("rollout")
-    start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
-    clock.lap("resume")
-    if backend and cfg.has_rollout_engine:
-        synced = sync.sync(backend, rollout and rollout.engine, version=start)
-        clock.lap("sync")
-        ctx.log(start, {**synced, **clock.metrics()})
-    ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
-    for rollout_id in range(start, cfg.rollout.num_rollout):
-        t0 = time.perf_counter()
-        samples, metrics = ctx.rollouts.get(rollout_id, rollout)
-        metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
-        if cfg.has_training:
-            ctx.colocation.before_train(backend, rollout)
-            swapped = backend.swap_seconds
-            metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
-            metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
-            ctx.colocation.before_rollout(backend, rollout)
-            if cfg.has_rollout_engine:
+    try:
+        start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
+        clock.lap("resume")
+        if backend and cfg.has_rollout_engine:
+            synced = sync.sync(backend, rollout and rollout.engine, version=start)
+            clock.lap("sync")
+            ctx.log(start, {**synced, **clock.metrics()})
+        ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
+        for rollout_id in range(start, cfg.rollout.num_rollout):
+            t0 = time.perf_counter()
+            samples, metrics = ctx.rollouts.get(rollout_id, rollout)
+            metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
+            if cfg.has_training:
+                ctx.colocation.before_train(backend, rollout)
+                swapped = backend.swap_seconds
+                metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
+                metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
+                ctx.colocation.before_rollout(backend, rollout)
+                if cfg.has_rollout_engine:
+                    t = time.perf_counter()
+                    metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
+                    metrics["perf/sync_s"] = time.perf_counter() - t
+            if rollout and ctx.evaluation.due(rollout_id):
                 t = time.perf_counter()
-                metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
-                metrics["perf/sync_s"] = time.perf_counter() - t
-        if rollout and ctx.evaluation.due(rollout_id):
-            t = time.perf_counter()
-            metrics.update(rollout.evaluate(rollout_id))
-            metrics["perf/eval_s"] = time.perf_counter() - t
-        metrics["perf/step_time_s"] = time.perf_counter() - t0
-        ctx.log(rollout_id + 1, metrics)
-        saved = backend is not None and ctx.checkpoints.due(rollout_id)
-        if saved:
-            ctx.checkpoints.save(backend, rollout, rollout_id + 1)
-        if ctx.stop.should_stop():
-            if backend and not saved:
+                metrics.update(rollout.evaluate(rollout_id))
+                metrics["perf/eval_s"] = time.perf_counter() - t
+            metrics["perf/step_time_s"] = time.perf_counter() - t0
+            ctx.log(rollout_id + 1, metrics)
+            saved = backend is not None and ctx.checkpoints.due(rollout_id)
+            if saved:
                 ctx.checkpoints.save(backend, rollout, rollout_id + 1)
-            return ctx.stop.stop_early(rollout_id + 1)
-    ctx.finish(backend, rollout)
-    return 0
+            if ctx.stop.should_stop():
+                if backend and not saved:
+                    ctx.checkpoints.save(backend, rollout, rollout_id + 1)
+                return ctx.stop.stop_early(rollout_id + 1)
+        ctx.finish(backend, rollout)
+        return 0
+    finally:
+        sync.shutdown()  # the distributed transport's process group with the servers; others hold nothing
 
 
 def main(argv=None) -> int:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Our SGLang client/engine against REAL SGLang 0.5.23 on this CPU machine (issue 14), not part
-# of scripts/test.sh (too heavy: ~7 GB and ~10 min to install once, then ~5 min a run).
+# of scripts/test.sh (too heavy: ~7 GB and ~10 min to install once, then ~4-7 min a run).
 #   bash scripts/test_sglang_real.sh [--out DIR] [--skip-e2e] [--num-rollout N] ...
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
-#    checks generate/log-probs, disk and tensor weight updates and the control endpoints through
-#    megatron_rl's SGLangEngine/SGLangClient, then runs `python -m megatron_rl.train` against it.
+#    checks generate/log-probs, disk, tensor and distributed (gloo) weight updates and the control
+#    endpoints through megatron_rl's SGLangEngine/SGLangClient/DistributedSynchronizer, then runs
+#    `python -m megatron_rl.train` against it once per transport (--e2e-transports disk distributed).
 # Writes figures.json, check.log, server.log under --out (default /tmp/sglang_real).
 # Exit: 0 all checks passed, 1 a check failed, 2 the server could not be started or set up.
 set -euo pipefail

@@ -462,10 +462,11 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class SyncConfig:
     update_weight_transport: str = flag("tensor", "How trained weights reach the rollout engine: tensor "
-                                        "(in-process hand-over to the embedded engine), or disk (HF safetensors "
-                                        "in versioned dirs under --update-weight-disk-dir, loaded by the engine; "
-                                        "the only one for --rollout-backend sglang). distributed is refused in "
-                                        "validation until it exists (issue 14).",
+                                        "(in-process hand-over to the embedded engine), disk (HF safetensors "
+                                        "in versioned dirs under --update-weight-disk-dir, loaded by the engine), "
+                                        "or distributed (--rollout-backend sglang only: the driver rank and every "
+                                        "server's TP ranks form a process group, gloo on CPU / NCCL on GPU, and "
+                                        "each bucket is broadcast into the servers; docs/sglang.md).",
                                         choices=("disk", "tensor", "distributed"))
     update_weight_buffer_size: int = flag(512 * 1024 * 1024, "Bytes per weight-update bucket.")
     update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "

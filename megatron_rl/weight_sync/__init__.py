@@ -1,5 +1,9 @@
 """Trainer -> rollout-engine weight synchronisation, one module per transport.
 
+``in_process`` (tensor: the embedded engine in the driver's process), ``disk`` (versioned
+safetensors dirs any engine loads), ``distributed`` (a gloo/NCCL process group with SGLang
+servers, ``update_group`` holding the trainer's end of it).
+
 Invariants every transport keeps (see ``base.WeightSynchronizer``):
 * A sync is collective over the training world (every rank iterates the
   backend's export) and the engine adopts the new ``weight_version`` only after

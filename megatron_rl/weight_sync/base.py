@@ -46,6 +46,10 @@ class WeightSynchronizer(abc.ABC):
         ``engine`` is None on ranks that hold no engine (they still take part in the export).
         """
 
+    def shutdown(self) -> None:
+        """Release what the transport holds between syncs (the distributed one: its process group with the
+        servers); a no-op for transports that hold nothing. Safe to call more than once."""
+
 
 class ExportStream:
     """``backend.export_weights(bucket_bytes)`` as one stream of ``(hf_name, tensor)``, counted as it goes
@@ -56,24 +60,32 @@ class ExportStream:
     def __init__(self, backend: "TrainBackend", bucket_bytes: int, *, keep_copies: bool = False):
         self.bytes = self.tensors = self.buckets = 0
         self.sent: dict = {}
-        self._items = self._stream(backend, bucket_bytes, keep_copies)
+        self._buckets = self._bucket_stream(backend, bucket_bytes, keep_copies)
+        self._items = (item for bucket in self._buckets for item in bucket)
 
-    def _stream(self, backend, bucket_bytes, keep_copies):
+    def _bucket_stream(self, backend, bucket_bytes, keep_copies):
         for bucket in backend.export_weights(bucket_bytes):
+            bucket = list(bucket)
             self.buckets += 1
             for name, tensor in bucket:
                 self.bytes += tensor.numel() * tensor.element_size()
                 self.tensors += 1
                 if keep_copies:
                     self.sent[name] = tensor.detach().to("cpu", copy=True)
-                yield name, tensor
+            yield bucket
 
     def __iter__(self):
         return self._items
 
+    def iter_buckets(self):
+        """The same export bucket by bucket (``[(hf_name, tensor), ...]`` each), for transports that send a
+        bucket as one unit (the distributed one: one HTTP call and its broadcasts per bucket). Use either
+        this or plain iteration, not both."""
+        return self._buckets
+
     def drain(self) -> None:
         """Run the rest of the export (a rank with no engine, or after the consumer failed)."""
-        for _ in self._items:
+        for _ in self._buckets:
             pass
 
     def metrics(self, version: int, seconds: float) -> dict[str, float]:
@@ -85,9 +97,7 @@ class ExportStream:
 TRANSPORTS: Registry[Type[WeightSynchronizer]] = Registry("--update-weight-transport", "weight-sync transport", {
     "tensor": "megatron_rl.weight_sync.in_process:InProcessSynchronizer",  # a path: in_process imports this module
     "disk": "megatron_rl.weight_sync.disk:DiskSynchronizer",
-    "distributed": Refused("--update-weight-transport distributed is not available yet (issue 14); use "
-                           "--update-weight-transport tensor (in-process hand-over to the embedded engine) or disk "
-                           "(versioned safetensors dirs under --update-weight-disk-dir, any engine)"),
+    "distributed": "megatron_rl.weight_sync.distributed:DistributedSynchronizer",
 })
 
 

@@ -37,10 +37,27 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
 The replies and messages above were compared with real SGLang 0.5.23 on CPU by
 ``tools/sglang_cpu/check_real_sglang.py`` (it records real replies in its figures.json).
 
+* ``/init_weights_update_group`` (``master_address, master_port, rank_offset, world_size,
+  group_name, backend``) / ``/update_weights_from_distributed`` (``names, dtypes, shapes,
+  group_name, flush_cache, abort_all_requests, weight_version, load_format``) /
+  ``/destroy_weights_update_group`` (``group_name``), as SGLang 0.5.23 handles them
+  (``model_runner_components/weight_updater.py``, ``scheduler_components/weight_updater.py``,
+  ``tokenizer_control_mixin.py``): the server joins a process group of its own as rank
+  ``rank_offset + tp_rank`` (tp_size 1 here) the way ``init_custom_process_group`` does (a
+  ``tcp://`` rendezvous, ``PrefixStore(group_name)``, torch's ``_new_process_group_helper`` with no
+  rank list: a non-default group, the default one is never made), from the request's thread; an
+  update allocates each tensor (``getattr(torch, dtype)``, shape), posts one ``broadcast(src=0)`` per
+  name in order, waits for all, then loads them into the embedded engine. Replies and messages are
+  SGLang's ("Succeeded to initialize custom process group.", "Failed to receive weights: ...",
+  "Succeeded to update parameter online." + " Weight version updated to V.", the flush refusal,
+  "The group to be destroyed does not exist."); 400 outside begin/end. ``server.groups`` holds the
+  live groups by name; ``server.distributed_updates`` lists ``(weight_version, names)`` per update.
+
 Where the stand-in differs on purpose (said so in its replies): ``/generate`` while the
 weights or KV cache are released answers 400 (real SGLang on GPU would crash or compute
-garbage); tensor / distributed updates inside a session answer 400 "not implemented by the
-stand-in" (those transports come with their own slice); the error wording is its own. Rows of
+garbage); tensor updates inside a session answer 400 "not implemented by the stand-in"; a
+weights-update group times out after ``group_timeout_s`` (60 s; SGLang: torch's 30 min default)
+so a broken test fails instead of waiting; the error wording is its own. Rows of
 a batch are generated one by one (each with its own ``sampling_seed``), as SGLang's
 continuous batching makes rows independent.
 
@@ -49,16 +66,21 @@ key ``"/generate:row"`` instead holds each generate row *pending* that long, abo
 abort / flush / pause tests),
 ``drop`` (close the connection without a reply for the next N requests to a path),
 ``die_on`` (the server dies on receiving a path: listening socket closed, every connection
-cut), and ``stop()`` / ``start()`` for connection refused then back. ``server.requests``
+cut), ``die_mid_bucket`` (the next ``/update_weights_from_distributed`` receives that many tensors,
+then the server dies: its group dropped, the request unanswered, the server down),
+and ``stop()`` / ``start()`` for connection refused then back. ``server.requests``
 counts every request received, so tests can check what was (not) retried; ``server.disk_updates``
 lists each loaded ``/update_weights_from_disk`` as ``(weight_version, model_path)``, in order.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import glob
 import json
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -84,6 +106,10 @@ class Faults:
     delay_s: dict = field(default_factory=dict)  # path -> seconds to wait before answering
     drop: Counter = field(default_factory=Counter)  # path -> requests to answer by closing the connection
     die_on: Optional[str] = None  # path whose arrival kills the server
+    die_mid_bucket: Optional[int] = None  # tensors the next distributed update receives before the server dies
+
+
+_DIE = object()  # a handler's reply meaning: the server dies with this request unanswered
 
 
 class _Pending:
@@ -95,7 +121,8 @@ class _Pending:
 class SGLangStandIn:
     """Serve ``hf_checkpoint`` on 127.0.0.1 like ``python -m sglang.launch_server`` would."""
 
-    def __init__(self, hf_checkpoint: str, *, legacy: bool = False, deterministic: bool = True, port: int = 0):
+    def __init__(self, hf_checkpoint: str, *, legacy: bool = False, deterministic: bool = True, port: int = 0,
+                 group_timeout_s: float = 60.0):
         self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
         self.model_path = hf_checkpoint  # moves to each loaded dir, as SGLang's does
         self.tokenizer_path = hf_checkpoint
@@ -105,6 +132,9 @@ class SGLangStandIn:
         self.requests: Counter = Counter()  # path -> requests received
         self.rids_served: list[str] = []  # every /generate row's rid, in arrival order
         self.disk_updates: list[tuple[Optional[str], str]] = []  # (weight_version, model_path) of each loaded update
+        self.groups: dict[str, Any] = {}  # group_name -> this server's process group (SGLang's _model_update_group)
+        self.group_timeout_s = group_timeout_s
+        self.distributed_updates: list[tuple[Optional[str], list[str]]] = []  # (weight_version, names) per update
         self.weight_version = "default"
         self.released: set[str] = set()
         self.in_session = False
@@ -199,8 +229,8 @@ class SGLangStandIn:
             "/update_weights_from_disk": self.update_weights_from_disk,
             "/update_weights_from_tensor": self.session_update,
             "/update_weights_from_distributed": self.session_update,
-            "/init_weights_update_group": self.weights_group,
-            "/destroy_weights_update_group": self.weights_group,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/destroy_weights_update_group": self.destroy_weights_update_group,
             "/update_weight_version": self.update_weight_version,
             "/release_memory_occupation": self.release,
             "/resume_memory_occupation": self.resume,
@@ -342,11 +372,112 @@ class SGLangStandIn:
         if not self.legacy and not self.in_session:
             return 400, {"success": False, "message": f"{path[1:]} must run between begin_weight_update() and "
                                                        "end_weight_update()"}
+        if path == "/update_weights_from_distributed":
+            return self.update_weights_from_distributed(body)
         return 400, {"success": False, "message": f"stand-in: {path} is not implemented by the stand-in yet "
-                                                   "(tensor and distributed transports come in a later slice)"}
+                                                   "(the tensor transport comes in a later slice)"}
 
-    def weights_group(self, body: dict) -> tuple[int, Any]:
-        return 400, {"success": False, "message": "stand-in: weight update groups are not implemented yet"}
+    # ------------------------------------------------- the distributed route
+    def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        """SGLang's ``WeightUpdater.init_weights_update_group`` + ``init_custom_process_group``: join as
+        rank ``rank_offset + tp_rank`` through a tcp:// rendezvous, on a group of our own."""
+        from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                        rendezvous)
+
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            return 400, _validation_error(f"Field required: {', '.join(missing)}")
+        group_name = str(body.get("group_name", "weight_update_group"))
+        if not group_name:
+            return 400, {"success": False, "message": "Group name cannot be empty"}
+        rank = int(body["rank_offset"]) + 0  # + tp_rank: one TP rank here
+        world_size = int(body["world_size"])
+        host = str(body["master_address"])
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        timeout = datetime.timedelta(seconds=self.group_timeout_s)
+        try:
+            store, rank, world_size = next(rendezvous(f"tcp://{host}:{int(body['master_port'])}", rank, world_size,
+                                                      timeout=timeout))
+            store.set_timeout(timeout)
+            store = PrefixStore(group_name, store)
+            pg, _ = _new_process_group_helper(world_size, rank, [], Backend(str(body.get("backend", "nccl"))), store,
+                                              group_name=group_name, backend_options=None, timeout=timeout)
+            _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        except Exception as exc:  # noqa: BLE001 - SGLang answers with the error's words
+            return 400, {"success": False, "message": f"Failed to initialize custom process group: {exc}."}
+        with self._state_lock:
+            self.groups[group_name] = pg
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        import torch.distributed as dist
+
+        group_name = str(body.get("group_name", "weight_update_group"))
+        with self._state_lock:
+            pg = self.groups.pop(group_name, None)
+        if pg is None:
+            return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        try:
+            dist.destroy_process_group(pg)
+        except Exception as exc:  # noqa: BLE001
+            return 400, {"success": False, "message": f"Failed to destroy custom process group: {exc}."}
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
+        """Receive one broadcast per name (SGLang's ``receive_weights_from_distributed``), then load."""
+        import torch.distributed as dist
+
+        missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
+        if missing:
+            return 400, _validation_error(f"Field required: {', '.join(missing)}")
+        if body.get("abort_all_requests"):
+            self.abort({"abort_all": True})
+        group_name = str(body.get("group_name", "weight_update_group"))
+        names, dtypes, shapes = list(body["names"]), list(body["dtypes"]), list(body["shapes"])
+        die_after = self.faults.die_mid_bucket
+        self.faults.die_mid_bucket = None
+        try:
+            if group_name not in self.groups:
+                raise AssertionError(f"Group {group_name} not in {list(self.groups)}. "
+                                     "Please call `init_weights_update_group` first.")
+            if body.get("load_format") == "flattened_bucket":
+                raise NotImplementedError("stand-in: load_format flattened_bucket is not implemented")
+            pg = self.groups[group_name]
+            weights, handles = [], []
+            for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+                if die_after is not None and i >= die_after:
+                    break
+                weight = torch.empty(shape, dtype=getattr(torch, dtype))
+                handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
+                weights.append((name, weight))
+            for handle in handles:
+                handle.wait()
+        except Exception as exc:  # noqa: BLE001 - SGLang's reply for a failed receive
+            return 400, {"success": False, "message": f"Failed to receive weights: {exc}"}
+        if die_after is not None:  # the fault: drop the group mid-bucket and go down unanswered
+            with self._state_lock:
+                pg = self.groups.pop(group_name, None)
+            if pg is not None:
+                dist.destroy_process_group(pg)
+            return 0, _DIE
+        with self._engine_lock:
+            try:
+                self.engine.update_weights(weights, self._engine_version + 1)
+            except Exception as exc:  # noqa: BLE001
+                return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full "
+                                                           "weights of the ModelRunner are partially updated. Please "
+                                                           "discard the whole weights."}
+            self._engine_version += 1
+        if body.get("flush_cache", True) and self.pending_count():
+            return 400, {"success": False, "message": "Weights were updated, but the cache was not flushed because "
+                                                      "requests are still running or queued. Retract or finish them, "
+                                                      "then call /flush_cache."}
+        message = "Succeeded to update parameter online."
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.weight_version}."
+        self.distributed_updates.append((body.get("weight_version"), names))
+        return 200, {"success": True, "message": message}
 
     def update_weight_version(self, body: dict) -> tuple[int, Any]:
         if "new_version" not in body:
@@ -477,6 +608,10 @@ class _Handler(BaseHTTPRequestHandler):
             status, reply = 400, _validation_error(f"JSON decode error: {exc}")
         else:
             status, reply = standin.handle(method, path, body)
+        if reply is _DIE:
+            threading.Thread(target=standin.stop, daemon=True).start()
+            self.close_connection = True
+            return
         if isinstance(reply, str):
             data, ctype = reply.encode(), "text/plain; charset=utf-8"
         else:
@@ -489,3 +624,27 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError:
             self.close_connection = True
+
+
+def main(argv=None) -> int:
+    """Serve a stand-in in its own process (tests that need a server in another process, as SGLang is):
+    prints ``URL <url>`` once listening, serves until killed."""
+    ap = argparse.ArgumentParser(allow_abbrev=False, description="SGLang protocol stand-in (CPU test stand-in)")
+    ap.add_argument("--model", required=True, help="HF checkpoint dir of a tiny model")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--group-timeout-s", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    server = SGLangStandIn(args.model, port=args.port, group_timeout_s=args.group_timeout_s).start()
+    print(f"URL {server.url}", flush=True)
+    try:
+        while server.alive:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

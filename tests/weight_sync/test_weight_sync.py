@@ -27,12 +27,10 @@ from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.weight_sync import TRANSPORTS, WeightSynchronizer, make_synchronizer, make_synchronizer_from_config
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.weight_sync.disk import DiskSynchronizer
+from megatron_rl.weight_sync.distributed import DistributedSynchronizer
 from megatron_rl.weight_sync.in_process import InProcessSynchronizer
 
 METRIC_KEYS = {"sync/time_s", "sync/bytes", "sync/buckets", "sync/weight_version"}
-NOT_YET_DISTRIBUTED = ("--update-weight-transport distributed is not available yet (issue 14); use "
-                       "--update-weight-transport tensor (in-process hand-over to the embedded engine) or disk "
-                       "(versioned safetensors dirs under --update-weight-disk-dir, any engine)")
 NO_URLS = ("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet "
            "(issue 14); give --rollout-engine-urls of running servers")
 
@@ -186,17 +184,19 @@ def test_transport_table():
     sync = make_synchronizer("tensor", bucket_bytes=123, check_equal=True, driver_rank=2)
     assert isinstance(sync, InProcessSynchronizer) and isinstance(sync, WeightSynchronizer)
     assert (sync.bucket_bytes, sync.check_equal, sync.driver_rank) == (123, True, 2)
-    assert TRANSPORTS.available() == ["disk", "tensor"]
+    assert TRANSPORTS.available() == ["disk", "distributed", "tensor"]
     assert TRANSPORTS.get("disk") is DiskSynchronizer
+    assert TRANSPORTS.get("distributed") is DistributedSynchronizer
     with pytest.raises(ConfigError, match="--update-weight-disk-dir"):  # disk without its directory
         make_synchronizer("disk", bucket_bytes=1)
-    with pytest.raises(ConfigError) as err:
-        make_synchronizer("distributed", bucket_bytes=1)
-    assert str(err.value) == NOT_YET_DISTRIBUTED
+    distributed = make_synchronizer("distributed", bucket_bytes=77)
+    assert isinstance(distributed, DistributedSynchronizer) and distributed.bucket_bytes == 77
+    with pytest.raises(ConfigError, match="--check-weight-update-equal with --update-weight-transport distributed"):
+        make_synchronizer("distributed", bucket_bytes=1, check_equal=True)  # SGLang cannot read weights back
     with pytest.raises(ConfigError) as err:
         make_synchronizer("nccl", bucket_bytes=1)
     assert str(err.value) == ("--update-weight-transport='nccl' is not a known weight-sync transport; choose one "
-                              "of disk, tensor; not available yet: distributed")
+                              "of disk, distributed, tensor")
 
 
 def test_synchronizer_from_config_maps_the_flags(tiny_hf_models, tmp_path):
@@ -212,11 +212,12 @@ def test_synchronizer_from_config_maps_the_flags(tiny_hf_models, tmp_path):
                                                        "--update-weight-buffer-size", "4096"]))
     assert isinstance(disk, DiskSynchronizer) and disk.bucket_bytes == 4096
     assert (disk.weights.root, disk.weights.hf_checkpoint, disk.weights.keep_versions) == (str(tmp_path / "w"), hf, 2)
-    # validation refuses distributed already; the table refuses it too for a config that skipped validation
-    cfg = parse_config(["--hf-checkpoint", hf, "--update-weight-transport", "distributed"], validate=False)
-    with pytest.raises(ConfigError) as err:
-        make_synchronizer_from_config(cfg)
-    assert str(err.value) == NOT_YET_DISTRIBUTED
+    # validation refuses distributed with the embedded engine; a config that skipped validation gets the
+    # synchronizer, which refuses the embedded engine at the first sync (tests/weight_sync/test_distributed_transport)
+    cfg = parse_config(["--hf-checkpoint", hf, "--update-weight-transport", "distributed",
+                        "--update-weight-buffer-size", "4096"], validate=False)
+    distributed = make_synchronizer_from_config(cfg)
+    assert isinstance(distributed, DistributedSynchronizer) and distributed.bucket_bytes == 4096
 
 
 # ---------------------------------------------------------------- --rollout-backend table and the builder
@@ -278,7 +279,7 @@ def test_build_rollout_fails_fast(rollout_flags, monkeypatch):
     monkeypatch.setattr(EmbeddedEngine, "from_config", classmethod(no_engine))
     with pytest.raises(ConfigError, match="a rollout needs prompts: give --prompt-data FILE.jsonl"):
         build_rollout(parse_config(rollout_flags("--rm-type", "math", prompt_data=False)))
-    with pytest.raises(ConfigError, match="--rm-type nosuch is not a built-in reward"):
+    with pytest.raises(ConfigError, match="--rm-type: invalid choice: 'nosuch'"):  # now while parsing flags
         build_rollout(parse_config(rollout_flags("--rm-type", "nosuch")))
     with pytest.raises(ConfigError, match="has no 'nosuch'; callables there: score"):
         build_rollout(parse_config(rollout_flags("--custom-rm-path", "REWARD:nosuch")))

@@ -23,9 +23,14 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    ``pause_generation`` / ``continue_generation``, ``abort_request``, ``health``, ``health_generate``;
 4. ``update_weights_from_named_tensors`` inside ``begin_weight_update`` / ``end_weight_update``
    (refused outside the pair), the same zero / restore check;
-5. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
-   against this server through the disk transport; exit 0, the samples of rollout ``i`` carry
-   weight version ``i``.
+5. the distributed transport (``weight_sync.distributed.DistributedSynchronizer``, gloo: our
+   trainer end is rank 0 of a group the server joins through ``/init_weights_update_group``):
+   the same zero / restore check, versions, ``/update_weights_from_distributed`` refused outside
+   begin/end, the group destroyed on the server at ``shutdown()``; then the sync time of the disk
+   and the distributed transports on the same model, alternating, ``--sync-repeats`` each;
+6. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
+   against this server, once through the disk transport and once through the distributed one
+   (``--e2e-transports``); exit 0, the samples of rollout ``i`` carry weight version ``i``.
 
 Not called: ``/release_memory_occupation`` / ``/resume_memory_occupation`` (on CPU SGLang calls CUDA
 synchronize there: the scheduler dies and the server goes down), ``/get_weights_by_name`` (the
@@ -61,6 +66,8 @@ from megatron_rl.data.types import GenerateRequest, SamplingParams  # noqa: E402
 from megatron_rl.models.hf_tiny import build_tiny_hf_model  # noqa: E402
 from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine, SGLangSyncError  # noqa: E402
 from megatron_rl.rollout.sglang import protocol  # noqa: E402
+from megatron_rl.weight_sync.disk import DiskSynchronizer  # noqa: E402
+from megatron_rl.weight_sync.distributed import DistributedSynchronizer  # noqa: E402
 
 KERNEL_STANDIN = REPO / "tools" / "sglang_cpu"
 # The engine arguments of the measured CPU route (SGLANG_CPU.md); each one is needed there.
@@ -519,6 +526,101 @@ class Checks:
         r.check("server still healthy after the tensor updates", c.health_generate(timeout_s=60))
 
 
+class StateBackend:
+    """The trainer side of a sync for a fixed state dict: ``export_weights`` in buckets of ~``bucket_bytes``."""
+
+    def __init__(self, state: list[tuple[str, torch.Tensor]]):
+        self.state = state
+
+    def export_weights(self, bucket_bytes: int):
+        bucket, size = [], 0
+        for name, tensor in self.state:
+            if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        if bucket:
+            yield bucket
+
+
+def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
+    """The distributed transport against the real server: zero / restore, versions, teardown, timing."""
+    r, c, engine = checks.r, checks.client, checks.engine
+    try:
+        c.update_weights_from_distributed(names=["lm_head.weight"], dtypes=["float32"],
+                                          shapes=[list(checks.original["lm_head.weight"].shape)],
+                                          group_name="megatron_rl_no_such_group", timeout_s=60)
+        r.check("distributed update outside begin/end is refused (400)", False, "it was accepted")
+    except SGLangSyncError as exc:
+        r.replies["update_weights_from_distributed_no_session"] = {"status": exc.status, "body": exc.server_message}
+        r.check("distributed update outside begin/end is refused (400)", exc.status == 400, str(exc)[:300])
+    bucket = checks.args.sync_bucket_bytes
+    sync = DistributedSynchronizer(bucket_bytes=bucket, group_backend="gloo", timeout_s=120)
+    zero = torch.zeros_like(checks.original["lm_head.weight"])
+    version = engine.weight_version
+    try:
+        for state, expect in ((checks._state(zero), "uniform"), (checks._state(), "restored")):
+            version += 1
+            metrics = sync.sync(StateBackend(state), engine, version)
+            r.figures[f"distributed_update_v{version}_s"] = round(metrics["sync/time_s"], 3)
+            r.figures[f"distributed_update_v{version}_connect_s"] = round(metrics["sync/connect_s"], 3)
+            r.log(f"distributed update to v{version} ({expect}, {int(metrics['sync/buckets'])} bucket(s), "
+                  f"{int(metrics['sync/bytes'])} bytes): {metrics['sync/time_s']:.3f} s (group set-up "
+                  f"{metrics['sync/connect_s']:.3f} s)")
+            r.check(f"distributed v{version}: /model_info weight_version is {version}",
+                    c.weight_version() == str(version))
+            if expect == "uniform":
+                checks._expect_uniform(f"distributed v{version}", version)
+            else:
+                checks._expect_restored(f"distributed v{version}", first, version)
+        group = sync.group_name
+        r.check("distributed: one group for both updates", bool(group) and metrics["sync/connect_s"] == 0.0, group)
+
+        # sync time of the two transports on the same model, alternating so drift hits both alike
+        disk = DiskSynchronizer(bucket_bytes=bucket, disk_dir=str(r.out / "sync_bench"),
+                                hf_checkpoint=str(checks.model_dir))
+        nbytes = 0
+        # the small buckets of the checks above (several per sync), then the default --update-weight-buffer-size
+        # (512 MiB: the whole tiny model in one bucket)
+        for tag, size in (("", bucket), ("_1bucket", 512 * 1024 * 1024)):
+            disk.bucket_bytes = sync.bucket_bytes = size
+            times: dict[str, list[float]] = {"disk": [], "distributed": []}
+            buckets = {}
+            for _ in range(checks.args.sync_repeats):
+                for name, synchronizer in (("disk", disk), ("distributed", sync)):
+                    version += 1
+                    metrics = synchronizer.sync(StateBackend(checks._state()), engine, version)
+                    times[name].append(metrics["sync/time_s"])
+                    nbytes = int(metrics["sync/bytes"])
+                    buckets[name] = int(metrics["sync/buckets"])
+            for name, values in times.items():
+                values.sort()
+                r.figures[f"sync{tag}_{name}_s"] = [round(v, 4) for v in values]
+                r.figures[f"sync{tag}_{name}_median_s"] = round(values[len(values) // 2], 4)
+            r.figures[f"sync{tag}_buckets"] = buckets["distributed"]
+            r.log(f"sync of {nbytes} bytes in {buckets['distributed']} bucket(s), median of "
+                  f"{checks.args.sync_repeats}: disk {r.figures[f'sync{tag}_disk_median_s']:.4f} s, distributed "
+                  f"{r.figures[f'sync{tag}_distributed_median_s']:.4f} s")
+        r.figures["sync_bytes"] = nbytes
+        r.figures["sync_bucket_bytes"] = bucket
+        r.check("distributed: the server still generates the restored weights after the timing runs",
+                c.weight_version() == str(version))
+        checks._expect_restored("after the timing runs", first, version)
+    finally:
+        group = sync.group_name
+        sync.shutdown()
+    if group:
+        try:
+            c.destroy_weights_update_group(group, timeout_s=60)
+            r.check("distributed: shutdown() destroyed the group on the server", False, "it still existed")
+        except SGLangSyncError as exc:
+            r.replies["destroy_weights_update_group_missing"] = {"status": exc.status, "body": exc.server_message}
+            r.check("distributed: shutdown() destroyed the group on the server (a second destroy: 400, no group)",
+                    exc.status == 400 and "does not exist" in (exc.server_message or ""), str(exc)[:300])
+    r.check("server still healthy after the distributed updates", c.health_generate(timeout_s=60))
+
+
 def _shape(body: Any) -> Any:
     """The key structure of a reply (dict keys, one level into meta_info), for comparing servers."""
     if isinstance(body, list):
@@ -559,6 +661,11 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
             "begin_weight_update": get("POST", "/begin_weight_update", {}),
             "end_weight_update": get("POST", "/end_weight_update", {}),
             "end_weight_update_no_session": get("POST", "/end_weight_update", {}),
+            "update_weights_from_distributed_no_session": get("POST", "/update_weights_from_distributed", {
+                "names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]],
+                "group_name": "megatron_rl_no_such_group"}),
+            "destroy_weights_update_group_missing": get("POST", "/destroy_weights_update_group",
+                                                        {"group_name": "megatron_rl_no_such_group"}),
         }
         standin.faults.delay_s["/generate:row"] = 5.0
         worker = threading.Thread(target=lambda: got.update(generate_row_aborted=get("POST", "/generate", {
@@ -604,25 +711,34 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
                  "; ".join(problems) or f"{len(got)} replies compared")
 
 
-def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argparse.Namespace) -> None:
-    """``python -m megatron_rl.train`` on one CPU rank against the real server (disk transport)."""
-    out = report.out / "e2e"
+def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argparse.Namespace,
+            transport: str = "disk") -> None:
+    """``python -m megatron_rl.train`` on one CPU rank against the real server through ``transport``
+    (figures of the disk run keep their old names ``e2e_*``; the others are ``e2e_<transport>_*``)."""
+    out = report.out / ("e2e" if transport == "disk" else f"e2e_{transport}")
+    out.mkdir(parents=True, exist_ok=True)
+    key = "e2e" if transport == "disk" else f"e2e_{transport}"
+    what = f"e2e ({transport})"
     prompts = out / "prompts.jsonl"
     synthetic.write_prompt_file(str(prompts), 64, 4, seed=args.seed + 1)
     weights = out / "weights"
+    # the server keeps its version from earlier checks; the run pushes 0, 1, ... (a restart of the server
+    # would not): reset it so the version check below means this run's pushes
+    SGLangClient(server.url).update_weight_version("0", abort_all_requests=False)
+    sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
+                  if transport == "disk" else ["--update-weight-transport", transport])
     cmd = [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(model_dir), "--prompt-data",
            str(prompts), "--input-key", "prompt", "--label-key", "label",
            "--custom-rm-path", "megatron_rl.data.synthetic:digit_reward",
            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
            "--num-rollout", str(args.num_rollout), "--lr", "1e-3",
-           "--rollout-backend", "sglang", "--rollout-engine-urls", server.url,
-           "--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights),
+           "--rollout-backend", "sglang", "--rollout-engine-urls", server.url, *sync_flags,
            "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"),
            "--output-dir", str(out / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    report.log("e2e: " + " ".join(cmd))
+    report.log(f"{what}: " + " ".join(cmd))
     t = time.monotonic()
     with open(out / "train.log", "w") as log:
         try:
@@ -632,35 +748,37 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
         except subprocess.TimeoutExpired:
             rc = None
     took = time.monotonic() - t
-    report.figures["e2e_wall_s"] = round(took, 1)
+    report.figures[f"{key}_wall_s"] = round(took, 1)
     tail = "\n".join((out / "train.log").read_text(errors="replace").splitlines()[-25:])
-    if not report.check("e2e: python -m megatron_rl.train against real SGLang exits 0", rc == 0,
+    if not report.check(f"{what}: python -m megatron_rl.train against real SGLang exits 0", rc == 0,
                         f"rc={rc} after {took:.0f} s" + ("" if rc == 0 else f"; log tail:\n{tail}")):
         return
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [rec for rec in records if "perf/step_time_s" in rec]
-    syncs = [rec for rec in records if "sync/load_s" in rec]
-    report.figures["e2e_steps"] = len(steps)
-    report.figures["e2e_step_s"] = [round(rec["perf/step_time_s"], 2) for rec in steps]
-    report.figures["e2e_generate_s"] = [round(rec["perf/generate_s"], 2) for rec in steps]
-    report.figures["e2e_sync_s"] = [round(rec["sync/time_s"], 2) for rec in syncs if "sync/time_s" in rec]
-    report.figures["e2e_sync_load_s"] = [round(rec["sync/load_s"], 3) for rec in syncs]
-    report.figures["e2e_startup_s"] = next((round(rec["perf/startup_s"], 1) for rec in records
+    syncs = [rec for rec in records if "sync/weight_version" in rec]
+    report.figures[f"{key}_steps"] = len(steps)
+    report.figures[f"{key}_step_s"] = [round(rec["perf/step_time_s"], 2) for rec in steps]
+    report.figures[f"{key}_generate_s"] = [round(rec["perf/generate_s"], 2) for rec in steps]
+    report.figures[f"{key}_sync_s"] = [round(rec["sync/time_s"], 2) for rec in syncs if "sync/time_s" in rec]
+    for metric in ("sync/load_s", "sync/write_s", "sync/broadcast_s", "sync/connect_s"):
+        if syncs and metric in syncs[0]:
+            report.figures[f"{key}_{metric.replace('/', '_')}"] = [round(rec[metric], 3) for rec in syncs]
+    report.figures[f"{key}_startup_s"] = next((round(rec["perf/startup_s"], 1) for rec in records
                                            if "perf/startup_s" in rec), None)
-    report.figures["e2e_reward"] = [round(rec.get("rollout/reward_mean", rec.get("rollout/raw_reward", -1)), 3)
+    report.figures[f"{key}_reward"] = [round(rec.get("rollout/reward_mean", rec.get("rollout/raw_reward", -1)), 3)
                                     for rec in steps]
-    report.check("e2e: one record per rollout", len(steps) == args.num_rollout, f"{len(steps)} steps")
-    report.check("e2e: syncs loaded versions 0..N in order",
+    report.check(f"{what}: one record per rollout", len(steps) == args.num_rollout, f"{len(steps)} steps")
+    report.check(f"{what}: syncs pushed versions 0..N in order",
                  [rec["sync/weight_version"] for rec in syncs] == [float(v) for v in range(args.num_rollout + 1)],
                  f"{[rec['sync/weight_version'] for rec in syncs]}")
     per_sample = []
     for i in range(args.num_rollout):
         data = torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)
         per_sample.append(sorted({s["weight_version"] for s in data["samples"]}))
-    report.figures["e2e_sample_weight_versions"] = per_sample
-    report.check("e2e: every sample of rollout i carries weight version i",
+    report.figures[f"{key}_sample_weight_versions"] = per_sample
+    report.check(f"{what}: every sample of rollout i carries weight version i",
                  per_sample == [[i] for i in range(args.num_rollout)], f"{per_sample}")
-    report.check("e2e: the server ends at the last pushed version",
+    report.check(f"{what}: the server ends at the last pushed version",
                  SGLangClient(server.url).weight_version() == str(args.num_rollout))
 
 
@@ -679,6 +797,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-rollout", type=int, default=3, help="rollouts of the end-to-end run")
     ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
+    ap.add_argument("--e2e-transports", nargs="+", default=["disk", "distributed"], choices=["disk", "distributed"],
+                    help="the end-to-end run once per weight-sync transport")
+    ap.add_argument("--sync-repeats", type=int, default=5, help="syncs per transport for the disk/distributed timing")
+    ap.add_argument("--sync-bucket-bytes", type=int, default=64 * 1024,
+                    help="bucket size of the disk/distributed checks (small: several buckets on the tiny model)")
     ap.add_argument("--radix-cache", action="store_true",
                     help="keep SGLang's radix cache (default off: on this CPU route a repeated batch took ~12 s "
                          "with it, 2-3 s without)")
@@ -732,14 +855,16 @@ def main(argv=None) -> int:
 
         checks = Checks(report, server, server.model, args)
         steps = [("generation", None), ("seeded", None), ("disk_updates", "first"), ("control", None),
-                 ("abort_flush_pause", None), ("tensor_updates", "first")]
+                 ("abort_flush_pause", None), ("tensor_updates", "first"), ("distributed_updates", "first")]
         first = None
         for name, needs in steps:
             if not server.alive():
                 report.check(f"{name}: server alive", False, f"the server died; log tail:\n{server.log_tail()}")
                 break
             try:
-                result = getattr(checks, name)(first) if needs else getattr(checks, name)()
+                step = (lambda f: distributed_updates(checks, f)) if name == "distributed_updates" else \
+                    getattr(checks, name)
+                result = step(first) if needs else step()
                 if name == "generation":
                     first = result
             except Exception as exc:  # noqa: BLE001 - one failed step does not hide the others
@@ -754,11 +879,13 @@ def main(argv=None) -> int:
             standin_fidelity(report, server.model)
         except Exception as exc:  # noqa: BLE001
             report.check("stand-in comparison ran without an error", False, f"{type(exc).__name__}: {exc}")
-        if not args.skip_e2e and server.alive():
+        for transport in ([] if args.skip_e2e else args.e2e_transports):
+            if not server.alive():
+                break
             try:
-                run_e2e(report, server, server.model, args)
+                run_e2e(report, server, server.model, args, transport)
             except Exception as exc:  # noqa: BLE001
-                report.check("e2e ran without an error", False, f"{type(exc).__name__}: {exc}")
+                report.check(f"e2e ({transport}) ran without an error", False, f"{type(exc).__name__}: {exc}")
         report.check("server alive at the end", server.alive(), "" if server.alive() else server.log_tail())
     finally:
         server.stop()

@@ -319,8 +319,9 @@ class SGLangClient:
             payload["weight_version"] = str(weight_version)
         return self._weight_call("/update_weights_from_distributed", payload, timeout_s)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        return self._weight_call("/destroy_weights_update_group", {"group_name": group_name}, None)
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group", *,
+                                     timeout_s: Optional[float] = None) -> dict:
+        return self._weight_call("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
 
     @property
     def has_update_session(self) -> Optional[bool]:

@@ -7,7 +7,9 @@ gets one batched ``POST /generate`` per call, all servers in parallel; each samp
 its own batch row with its own ``sampling_seed`` (``protocol.row_seed``, the embedded
 engine's formula), so a seeded call is reproducible whatever the routing.
 
-Weights (the disk route only): ``update_weights`` writes the tensors as HF safetensors
+Weights, two routes. The distributed transport (``weight_sync.distributed``) drives the
+servers itself and uses ``begin_update`` / ``mark_weights_incomplete`` / ``adopt_weight_version``
+for the engine's state. The disk route: ``update_weights`` writes the tensors as HF safetensors
 into ``<weight_dir>/v<version>`` (``rollout.weight_dir.VersionedWeightDir``: written under
 a hidden temporary name and renamed into place complete, so a half-written version never
 loads; older versions pruned beyond ``keep_versions``), then loads it with
@@ -58,7 +60,8 @@ log = logging.getLogger(__name__)
 
 
 class SGLangEngine(RolloutEngine):
-    """Generation on external SGLang servers; weights pushed through versioned safetensors dirs."""
+    """Generation on external SGLang servers; weights pushed through versioned safetensors dirs, or by
+    the distributed transport (a process group with the servers)."""
 
     def __init__(self, urls: Sequence[str], *, weight_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
                  timeout_s: float = 60.0, generate_timeout_s: float = 600.0, update_timeout_s: float = 600.0,
@@ -257,6 +260,38 @@ class SGLangEngine(RolloutEngine):
         if version < self._weight_version:
             raise SyncError(f"update_weights(version={version}) is older than the engine's weight_version "
                             f"{self._weight_version}; versions only move forward (check the trainer's step counter)")
+
+    # ------------------------------------------ updates a transport drives server by server
+    def begin_update(self, version: int) -> None:
+        """Before a transport sends ``version``: the engine is not released and versions only move forward."""
+        self._check_update(version)
+
+    def mark_weights_incomplete(self) -> None:
+        """A transport failed part-way, so the servers' weights may be a mix: ``generate`` refuses until a
+        complete update is adopted (the same rule as a failed disk load)."""
+        self._weights_loaded = False
+
+    def adopt_weight_version(self, version: int, *, how: str) -> None:
+        """After ``how`` pushed ``version`` to every server: adopt it only if each server's ``/model_info``
+        reports it; otherwise ``SyncError`` names the servers and the engine refuses to generate."""
+
+        def check(client: SGLangClient) -> Optional[str]:
+            try:
+                got = client.weight_version()
+            except (EngineError, SyncError) as exc:
+                return str(exc)
+            if got != str(version):
+                return f"SGLang server {client.base_url} reports weight_version {got!r}, not {str(version)!r}"
+            return None
+
+        failures = [f for f in self._map(check, self.clients) if f]
+        if failures:
+            self._weights_loaded = False
+            raise SyncError(f"weight update to version {version} ({how}) did not land on {len(failures)} of "
+                            f"{len(self.clients)} server(s); the engine stays at version {self._weight_version} and "
+                            "refuses to generate until a complete update: " + " | ".join(failures))
+        self._weights_loaded = True
+        self._weight_version = version
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """``POST /update_weights_from_disk`` of the published dir ``path`` on every server (with

@@ -1,0 +1,385 @@
+"""The distributed transport (``--update-weight-transport distributed``): broadcast into SGLang servers.
+
+The trainer's driver rank and every TP rank of every SGLang server of ``--rollout-engine-urls``
+form one process group (``update_group.UpdateGroup``: the driver is rank 0, server ``i``'s ranks
+start at ``rank_offset`` = 1 + the ranks of the servers before it; gloo on CPU, NCCL when the
+trainer and every server are on GPUs). The group is made once, at the first sync, and destroyed
+by ``shutdown()`` (registered with ``atexit`` when the group is made, since the loop has no
+end-of-run hook for synchronizers yet) and on every error path.
+
+Per sync, every training rank runs the backend's ``export_weights(bucket_bytes)`` (collective:
+TP/PP/EP gathers); the driver wraps the buckets in ``/begin_weight_update`` ...
+``/end_weight_update`` (SGLang >= 0.5.21 refuses a distributed update outside them; the client
+skips them on older servers) and, per bucket: starts ``/update_weights_from_distributed``
+(names, dtypes, shapes, group_name; ``weight_version`` and ``flush_cache`` on the last bucket) on
+every server in a thread, broadcasts the bucket's tensors one by one in the same order (as
+SGLang receives them: one ``broadcast(src=0)`` per name), then waits for both. The HTTP call
+returns only after the server received and loaded the bucket, so the tensors stay referenced
+until then (slime#929). Afterwards every server's ``/model_info`` must report the version before
+the engine adopts it, as on the disk route.
+
+Failure rule (the same as the disk route): once a bucket may have landed, a failure leaves the
+engine refusing to generate until a complete update (``SGLangEngine.mark_weights_incomplete``);
+the group is torn down (its state is unknown: a broadcast may be half done) and made afresh,
+under a new name, at the next sync. Every wait polls the HTTP calls and the trainer's end of
+the group together with one deadline (``timeout_s``, default the engine's update timeout), so
+a server that refuses, dies or never joins is named at once or at the deadline, never a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+
+from megatron_rl.errors import ConfigError, SyncError
+from megatron_rl.rollout.sglang import SGLangEngine
+from megatron_rl.rollout.sglang.client import SGLangClient, SGLangSyncError
+from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer
+from megatron_rl.weight_sync.update_group import BACKENDS, UpdateGroup, master_address_for
+
+if TYPE_CHECKING:
+    from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.config.schema import Config
+    from megatron_rl.rollout.base import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.001  # between looks at the HTTP calls and the broadcasts
+_GRACE_S = 5.0  # after the trainer's side failed: how long the HTTP calls get to say which server caused it
+# (and what their own HTTP timeouts exceed the deadline by, so the deadline's message, naming every silent
+# server, comes first)
+_CLOSE_JOIN_S = 10.0  # teardown: the trainer's end of a broken group closes in the background past this
+_GROUP_SERIAL = itertools.count(1)  # every group this process makes gets a fresh name (a server may keep a dead one)
+
+
+class _Call:
+    """``fn()`` on a daemon thread, so a call stuck past its deadline never holds up the trainer's exit."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), daemon=True, name=name).start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def join(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """``(item, is_last)``: one item of lookahead, so the last bucket can carry the weight version."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+class DistributedSynchronizer(WeightSynchronizer):
+    """``--update-weight-transport distributed``: NCCL/gloo broadcasts into external SGLang servers.
+
+    ``group_backend``: "auto" (NCCL when CUDA is available here and every server reports device
+    cuda, else gloo), "gloo" or "nccl". ``master_address``: where the servers reach the trainer's
+    rendezvous store (None: 127.0.0.1 for local servers, else this host's address on the route to
+    them). ``timeout_s``: the bound on every wait (None: the engine's ``update_timeout_s``).
+    """
+
+    def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
+                 group_backend: str = "auto", master_address: Optional[str] = None,
+                 timeout_s: Optional[float] = None):
+        super().__init__(bucket_bytes, check_equal, driver_rank)
+        if check_equal:
+            raise ConfigError("--check-weight-update-equal with --update-weight-transport distributed: SGLang cannot "
+                              "read its weights back (/get_weights_by_name is missing for most model classes), so "
+                              "nothing could be compared: drop it")
+        if group_backend not in ("auto", *BACKENDS):
+            raise ConfigError(f"distributed weight sync: group backend {group_backend!r} is not auto, gloo or nccl")
+        self.group_backend = group_backend
+        self.master_address = master_address
+        self.timeout_s = timeout_s
+        self._group: Optional[UpdateGroup] = None
+        self._engine: Optional[SGLangEngine] = None
+        self._offsets: list[int] = []  # rank_offset per server
+        self._atexit_registered = False
+
+    @classmethod
+    def from_config(cls, cfg: "Config", *, driver_rank: int = 0) -> "DistributedSynchronizer":
+        s = cfg.sync
+        return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
+                   driver_rank=driver_rank)
+
+    @property
+    def group_name(self) -> Optional[str]:
+        return self._group.group_name if self._group else None
+
+    # ---------------------------------------------------------------- the sync
+    def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        exported = ExportStream(backend, self.bucket_bytes)
+        timing = {"sync/connect_s": 0.0, "sync/broadcast_s": 0.0}
+        if not (self.on_driver() and engine is not None):
+            exported.drain()  # the export is collective: every rank iterates it to the end
+            return {**exported.metrics(version, time.perf_counter() - t0), **timing}
+        may_have_landed = False
+        try:
+            engine = self._sglang(engine)
+            engine.begin_update(version)
+        except BaseException:
+            exported.drain()
+            raise
+        try:
+            if self._group is None or self._engine is not engine:
+                self.shutdown()
+                t = time.perf_counter()
+                self._connect(engine)
+                timing["sync/connect_s"] = time.perf_counter() - t
+            self._on_servers(engine, "/begin_weight_update", self._begin)
+            may_have_landed = True
+            t = time.perf_counter()
+            sent = 0
+            for bucket, last in _with_last(exported.iter_buckets()):
+                sent += 1
+                self._send_bucket(engine, bucket, sent, str(version) if last else None, last)
+            timing["sync/broadcast_s"] = time.perf_counter() - t
+            if not sent:
+                raise SyncError("distributed weight sync: the backend exported no tensors; nothing was sent")
+            self._on_servers(engine, "/end_weight_update", lambda c: c.end_weight_update())
+            engine.adopt_weight_version(version, how=f"distributed, group {self.group_name}")
+        except BaseException:
+            exported.drain()  # the other ranks are still in the collective export: let them finish it
+            if may_have_landed:
+                engine.mark_weights_incomplete()
+            self._teardown_after_failure(engine)
+            raise
+        return {**exported.metrics(version, time.perf_counter() - t0), **timing}
+
+    def _sglang(self, engine: "RolloutEngine") -> SGLangEngine:
+        if not isinstance(engine, SGLangEngine):
+            raise ConfigError(f"--update-weight-transport distributed pushes into SGLang servers, but the engine is "
+                              f"{type(engine).__name__}, which has no server process to join a process group: use "
+                              "--update-weight-transport tensor or disk with it")
+        return engine
+
+    def _timeout(self, engine: SGLangEngine) -> float:
+        return float(self.timeout_s if self.timeout_s is not None else engine.update_timeout_s)
+
+    # ------------------------------------------------------------ the group
+    def _server_ranks(self, client: SGLangClient, timeout_s: float) -> tuple[int, str]:
+        """(TP ranks, device) of one server from ``/server_info``; refuses layouts SGLang cannot join."""
+        info = client.server_info(timeout_s=timeout_s)
+        tp, dp, pp = (int(info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
+        if dp != 1:
+            raise ConfigError(f"SGLang server {client.base_url} runs dp_size {dp}: SGLang's "
+                              "/update_weights_from_distributed supports one data-parallel replica per server; "
+                              "start one server per replica and list each in --rollout-engine-urls, or use "
+                              "--update-weight-transport disk")
+        if pp != 1:
+            raise ConfigError(f"SGLang server {client.base_url} runs pp_size {pp}: SGLang 0.5.23 gives every "
+                              "pipeline stage the group rank rank_offset + tp_rank, so stages would collide; use "
+                              "--update-weight-transport disk with pipeline-parallel servers")
+        return tp, str(info.get("device") or "cpu")
+
+    def _choose_backend(self, devices: list[str]) -> str:
+        if self.group_backend != "auto":
+            return self.group_backend
+        import torch  # lazy: this module's import stays light for the transport table
+
+        return "nccl" if torch.cuda.is_available() and all(d.startswith("cuda") for d in devices) else "gloo"
+
+    def _connect(self, engine: SGLangEngine) -> None:
+        timeout = self._timeout(engine)
+        clients = engine.clients
+        layout = self._wait("reading /server_info of the SGLang servers", lambda: True, engine,
+                            [(c, _Call(lambda c=c: self._server_ranks(c, timeout), "weight-sync-info"))
+                             for c in clients], timeout)
+        ranks = [tp for tp, _ in layout]
+        offsets, world = [], 1
+        for tp in ranks:
+            offsets.append(world)
+            world += tp
+        backend = self._choose_backend([d for _, d in layout])
+        address = self.master_address or master_address_for(engine.urls)
+        name = f"megatron_rl_weights_{os.getpid()}_{next(_GROUP_SERIAL)}"
+        group = UpdateGroup(group_name=name, world_size=world, backend=backend, master_address=address,
+                            timeout_s=timeout)
+        port = group.open_store()
+        step = (f"making weights-update group {name} ({backend}, world_size {world}, rendezvous "
+                f"{address}:{port})")
+        joins = [(c, _Call(lambda c=c, off=off: c.init_weights_update_group(
+            master_address=address, master_port=port, rank_offset=off, world_size=world, group_name=name,
+            backend=backend, timeout_s=timeout + _GRACE_S), "weight-sync-join")) for c, off in zip(clients, offsets)]
+        local = _Call(group.connect, "weight-sync-group")
+
+        def local_done() -> bool:
+            if local.error is not None:
+                raise local.error
+            return local.done()
+
+        try:
+            self._wait(step, local_done, engine, joins, timeout)
+        except BaseException:
+            self._close_in_background(group)
+            joined = [c for c, call in joins if call.done() and call.error is None]
+            self._destroy_on(joined, name, timeout)
+            raise
+        self._group, self._engine, self._offsets = group, engine, offsets
+        if not self._atexit_registered:
+            atexit.register(self.shutdown)
+            self._atexit_registered = True
+        log.info("weights-update group %s: %s, world_size %d, rendezvous %s:%d; servers %s", name, backend, world,
+                 address, port, ", ".join(f"{c.base_url} (ranks {o}..{o + tp - 1})"
+                                          for c, o, tp in zip(clients, offsets, ranks)))
+
+    def _begin(self, client: SGLangClient) -> bool:
+        """``/begin_weight_update``; a session left open by an interrupted sync is closed and reopened."""
+        try:
+            return client.begin_weight_update()
+        except SGLangSyncError as exc:
+            if exc.status != 400 or "already open" not in (exc.server_message or ""):
+                raise
+        client.end_weight_update()
+        return client.begin_weight_update()
+
+    def _send_bucket(self, engine: SGLangEngine, bucket: list, index: int, weight_version: Optional[str],
+                     last: bool) -> None:
+        import torch  # lazy: this module's import stays light for the transport table
+
+        group = self._group
+        assert group is not None
+        device = torch.device("cuda", torch.cuda.current_device()) if group.backend_name == "nccl" else None
+        names = [name for name, _ in bucket]
+        tensors = [t.detach().to(device).contiguous() if device is not None else t.detach().contiguous()
+                   for _, t in bucket]  # referenced until every server answered (slime#929)
+        dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        timeout = self._timeout(engine)
+        calls = [(c, _Call(lambda c=c: c.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group.group_name, flush_cache=last,
+            weight_version=weight_version, timeout_s=timeout + _GRACE_S), "weight-sync-bucket"))
+            for c in engine.clients]
+        works = [group.broadcast(t) for t in tensors]
+
+        def broadcast_done() -> bool:
+            if not all(w.is_completed() for w in works):
+                return False
+            for w in works:
+                w.wait()  # completed: returns at once, or raises the broadcast's error
+            return True
+
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._wait(f"bucket {index} ({len(tensors)} tensors, {nbytes} bytes) over group {group.group_name}",
+                   broadcast_done, engine, calls, timeout)
+        del tensors
+
+    # ------------------------------------------------------------- waiting
+    def _wait(self, step: str, local_done: Callable[[], bool], engine: SGLangEngine,
+              calls: list[tuple[SGLangClient, _Call]], timeout_s: float) -> list:
+        """Until the trainer's side (``local_done``) and every server's call finished; a failed call is
+        raised at once, naming its server; past ``timeout_s`` the servers that did not answer are named."""
+        deadline = time.monotonic() + timeout_s
+        local_error: Optional[BaseException] = None
+        local_ok = False
+        while True:
+            if any(call.done() and call.error is not None for _, call in calls):
+                break
+            if not local_ok:
+                try:
+                    local_ok = local_done()
+                except Exception as exc:  # noqa: BLE001 - the trainer's end failed (a peer went away, a timeout)
+                    local_error = exc
+                    break
+            if local_ok and all(call.done() for _, call in calls):
+                return [call.value for _, call in calls]
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        if local_error is not None:  # give the servers' replies a moment to say which of them caused it
+            grace = time.monotonic() + min(_GRACE_S, max(0.0, deadline - time.monotonic()) + _GRACE_S)
+            while time.monotonic() < grace and not all(call.done() for _, call in calls):
+                time.sleep(0.01)
+        failed = [(c, call.error) for c, call in calls if call.done() and call.error is not None]
+        pending = [c.base_url for c, call in calls if not call.done()]
+        parts = [f"SGLang server {c.base_url} failed: {err}" if c.base_url not in str(err) else str(err)
+                 for c, err in failed]
+        if pending:
+            parts.append(f"no answer within {timeout_s:g} s from SGLang server(s) {', '.join(pending)}")
+        if local_error is not None:
+            parts.append(f"the trainer's end failed: {type(local_error).__name__}: {local_error}")
+        elif not local_ok and not failed:
+            parts.append(f"the trainer's end did not finish within {timeout_s:g} s")
+        raise SyncError(f"distributed weight sync, {step}: " + "; ".join(parts))
+
+    def _on_servers(self, engine: SGLangEngine, endpoint: str, fn: Callable[[SGLangClient], Any]) -> list:
+        calls = [(c, _Call(lambda c=c: fn(c), "weight-sync-call")) for c in engine.clients]
+        return self._wait(f"{endpoint} on every server", lambda: True, engine, calls, self._timeout(engine))
+
+    # ------------------------------------------------------------ teardown
+    def shutdown(self) -> None:
+        """Destroy the group on every server and here (end of run; safe to call again)."""
+        group, engine = self._group, self._engine
+        self._group = self._engine = None
+        if group is None:
+            return
+        timeout = min(60.0, self._timeout(engine))
+        self._destroy_on(engine.clients, group.group_name, timeout)
+        self._close_in_background(group)
+
+    def _teardown_after_failure(self, engine: SGLangEngine) -> None:
+        """After a failed sync: our end first (servers blocked in a broadcast see it close and give up), then
+        end the servers' sessions and destroy their ends; all best effort, bounded, and logged."""
+        group = self._group
+        self._group = self._engine = None
+        if group is None:
+            return
+        self._close_in_background(group)
+        timeout = min(30.0, self._timeout(engine))
+
+        def tidy(c: SGLangClient) -> None:
+            try:
+                c.end_weight_update()
+            except Exception as exc:  # noqa: BLE001 - best effort; the next sync reopens the session anyway
+                log.debug("after a failed sync, %s /end_weight_update: %s", c.base_url, exc)
+
+        calls = [_Call(lambda c=c: tidy(c), "weight-sync-tidy") for c in engine.clients]
+        for call in calls:
+            call.join(timeout)
+        self._destroy_on(engine.clients, group.group_name, timeout)
+
+    def _destroy_on(self, clients: list[SGLangClient], name: str, timeout_s: float) -> None:
+        calls = [(c, _Call(lambda c=c: c.destroy_weights_update_group(name, timeout_s=timeout_s),
+                           "weight-sync-destroy")) for c in clients]
+        for c, call in calls:
+            if not call.join(timeout_s + 1):
+                log.warning("SGLang server %s did not answer /destroy_weights_update_group %s within %g s",
+                            c.base_url, name, timeout_s)
+            elif call.error is not None:
+                log.warning("SGLang server %s: /destroy_weights_update_group %s failed: %s", c.base_url, name,
+                            call.error)
+
+    @staticmethod
+    def _close_in_background(group: UpdateGroup) -> None:
+        """Close our end; a broadcast stuck on a peer that left holds gloo's destructor until its timeout, so
+        past a short wait the close finishes on its daemon thread."""
+        closing = _Call(group.close, "weight-sync-close")
+        if not closing.join(_CLOSE_JOIN_S):
+            log.warning("weights-update group %s: the trainer's end is still closing after %g s (a broadcast waits "
+                        "on a server that left); it finishes in the background", group.group_name, _CLOSE_JOIN_S)

@@ -1,0 +1,194 @@
+"""The distributed transport (``DistributedSynchronizer``) into SGLang stand-in servers over gloo.
+
+Real parts: our ``SGLangEngine`` / ``SGLangClient`` over HTTP, the trainer's end of the group
+(``weight_sync.update_group``), and the protocol-exact stand-in (tests/rollout/sglang_standin.py),
+which joins the group the way SGLang 0.5.23 does (torch's own group helper, a non-default group)
+and receives every broadcast into its embedded engine, so "the weights landed" is the engine's
+generations. One server runs in this process, a second one in its own process, so the broadcasts
+really cross processes and the rank offsets of two servers are exercised. The trainer side is
+the bucketed ``FakeBackend`` of test_weight_sync.
+
+Checked: a sync changes generations and back, versions follow (engine, /model_info, samples), the
+last bucket alone carries the version, the group is made once and destroyed at shutdown on every
+server, a server that dies mid-bucket is named and leaves the engine refusing to generate until a
+complete update (which makes a fresh group), a server that never joins the group is named within
+the timeout (no hang), and the embedded engine is refused with a reason.
+"""
+
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
+from megatron_rl.rollout.sglang import SGLangEngine
+from megatron_rl.weight_sync import make_synchronizer
+from megatron_rl.weight_sync.distributed import DistributedSynchronizer
+
+from test_weight_sync import FakeBackend, checkpoint_tensors  # tests/weight_sync is on sys.path (rootdir)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
+
+from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+REQUESTS = [GenerateRequest([5, 17, 3], 0), GenerateRequest([9, 1, 100, 42], 1)]
+BUCKET = 64 * 1024
+METRIC_KEYS = {"sync/time_s", "sync/bytes", "sync/buckets", "sync/weight_version", "sync/connect_s",
+               "sync/broadcast_s"}
+
+
+class ProcessStandIn:
+    """A stand-in server in its own process (``python tests/rollout/sglang_standin.py``)."""
+
+    def __init__(self, hf: str, log_path):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rollout", "sglang_standin.py"),
+                                      "--model", hf, "--group-timeout-s", "30"], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("URL "):
+            self.stop()
+            raise AssertionError(f"the stand-in process did not start within 60 s: {line!r}; its log "
+                                 f"{log_path}: {open(log_path).read()[-2000:]}")
+        self.url = line.split()[1]
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hf_models):
+    hf = tiny_hf_models("qwen2")
+    return hf, checkpoint_tensors(hf), checkpoint_tensors(tiny_hf_models("qwen2", seed=1))
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    """Two servers for the module (the process one takes ~10 s to start); tests push versions above the
+    engine's current one and leave the engine complete."""
+    hf = models[0]
+    local = SGLangStandIn(hf, group_timeout_s=30).start()
+    remote = ProcessStandIn(hf, tmp_path_factory.mktemp("standin") / "standin.log")
+    engine = SGLangEngine([local.url, remote.url], timeout_s=30, update_timeout_s=30, connect_retries=0)
+    yield local, remote, engine
+    engine.close()
+    local.stop()
+    remote.stop()
+
+
+def tokens(engine):
+    return [s.response_ids for s in engine.generate(REQUESTS, GREEDY)]
+
+
+def test_sync_broadcasts_into_every_server_and_versions_follow(models, servers):
+    hf, old, new = models
+    local, remote, engine = servers
+    v = engine.weight_version + 1
+    sync = make_synchronizer("distributed", bucket_bytes=BUCKET)
+    assert isinstance(sync, DistributedSynchronizer)
+    before = tokens(engine)
+    backend = FakeBackend(new)
+    metrics = sync.sync(backend, engine, version=v)
+    try:
+        assert set(metrics) == METRIC_KEYS and backend.finished
+        assert metrics["sync/buckets"] == float(len(backend.buckets)) > 1 and metrics["sync/weight_version"] == float(v)
+        assert metrics["sync/connect_s"] > 0 and metrics["sync/broadcast_s"] > 0
+        group = sync.group_name
+        assert list(local.groups) == [group]  # the in-process server joined as rank 1 (the remote one as 2)
+        # every bucket went over HTTP + broadcast, only the last one carried the version
+        assert [v for v, _ in local.distributed_updates] == [None] * (len(backend.buckets) - 1) + [str(v)]
+        assert [names for _, names in local.distributed_updates] == backend.buckets
+        live = dict(local.engine.named_weights())
+        assert all(torch.equal(live[n], t) for n, t in new.items())  # bit for bit in the in-process server
+        assert engine.weight_version == v and [c.weight_version() for c in engine.clients] == [str(v)] * 2
+        after = tokens(engine)
+        assert after != before  # both servers generate from the new weights: rows alternate between them
+        assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {v}
+
+        metrics = sync.sync(FakeBackend(old), engine, version=v + 1)
+        assert metrics["sync/connect_s"] == 0.0 and sync.group_name == group  # the group is made once
+        assert tokens(engine) == before and engine.weight_version == v + 1
+        with pytest.raises(SyncError, match=f"older than the engine's weight_version {v + 1}"):
+            sync.sync(FakeBackend(new), engine, version=v)
+        assert sync.group_name == group  # a refused version touches nothing
+    finally:
+        sync.shutdown()
+    assert sync.group_name is None and local.groups == {}  # destroyed on the servers
+    remote_client = engine.clients[1]
+    with pytest.raises(SyncError, match="The group to be destroyed does not exist"):
+        remote_client.destroy_weights_update_group(group)  # the process server destroyed it too
+    sync.shutdown()  # twice is harmless
+
+
+def test_a_server_dying_mid_bucket_is_named_and_the_engine_refuses_until_a_complete_update(models, servers):
+    hf, old, new = models
+    local, remote, engine = servers
+    sync = DistributedSynchronizer(bucket_bytes=BUCKET, timeout_s=30)
+    v = engine.weight_version + 1
+    try:
+        sync.sync(FakeBackend(new), engine, version=v)
+        first_group = sync.group_name
+        local.faults.die_mid_bucket = 2  # receives two tensors of the next bucket, then the server goes down
+        backend = FakeBackend(old)
+        t = time.monotonic()
+        with pytest.raises(SyncError) as err:
+            sync.sync(backend, engine, version=v + 1)
+        assert time.monotonic() - t < 20  # named at once, not after a timeout
+        assert local.url in str(err.value) and "/update_weights_from_distributed" in str(err.value)
+        assert backend.finished  # the export still ran to the end (the other ranks are in it)
+        assert sync.group_name is None  # torn down
+        with pytest.raises(EngineError, match="last weight update failed"):
+            engine.generate(REQUESTS, GREEDY)
+        assert not engine.health().ok
+
+        # the server comes back (same port, its weights as they were left); a complete update heals it
+        local.start()
+        sync.sync(FakeBackend(old), engine, version=v + 1)
+        assert sync.group_name not in (None, first_group)  # a fresh group under a fresh name
+        assert engine.health().ok and engine.weight_version == v + 1
+        assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {v + 1}
+        live = dict(local.engine.named_weights())
+        assert all(torch.equal(live[n], t) for n, t in old.items())
+    finally:
+        sync.shutdown()
+
+
+def test_a_server_that_never_joins_is_named_within_the_timeout(models):
+    hf = models[0]
+    with SGLangStandIn(hf, group_timeout_s=5) as good, SGLangStandIn(hf, group_timeout_s=5) as silent:
+        silent.faults.delay_s["/init_weights_update_group"] = 60.0  # takes the request, never joins
+        engine = SGLangEngine([good.url, silent.url], timeout_s=30, update_timeout_s=30, connect_retries=0)
+        sync = DistributedSynchronizer(bucket_bytes=BUCKET, timeout_s=3)
+        backend = FakeBackend(models[2])
+        t = time.monotonic()
+        with pytest.raises(SyncError) as err:
+            sync.sync(backend, engine, version=1)
+        took = time.monotonic() - t
+        msg = str(err.value)
+        assert took < 15 and backend.finished, took
+        assert "making weights-update group" in msg and "no answer within 3 s from SGLang server(s)" in msg, msg
+        assert silent.url in msg.split("no answer within 3 s")[1], msg
+        assert engine.weight_version == 0 and sync.group_name is None
+        engine.close()
+
+
+def test_refused_where_it_cannot_work(models):
+    hf = models[0]
+    sync = DistributedSynchronizer(bucket_bytes=BUCKET)
+    backend = FakeBackend(models[1])
+    with pytest.raises(ConfigError, match="EmbeddedEngine, which has no server process to join a process group"):
+        sync.sync(backend, EmbeddedEngine(hf), version=1)
+    assert backend.finished
+    with pytest.raises(ConfigError, match="--check-weight-update-equal"):
+        DistributedSynchronizer(bucket_bytes=BUCKET, check_equal=True)
