@@ -47,7 +47,7 @@ from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBa
                                       plan_loss_denominators, plan_owner_aligned)
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, ConfigError
-from megatron_rl.infra.registry import Refused, Registry
+from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
@@ -481,10 +481,16 @@ def _megatron_backend() -> TrainBackend:
     return MegatronBackend()
 
 
+def _fsdp_backend() -> TrainBackend:
+    from megatron_rl.backends.fsdp.backend import FSDPBackend  # lazy: imports transformers, FSDP2
+
+    return FSDPBackend()
+
+
 # --train-backend -> a factory of the backend (its module is imported on first use)
 BACKENDS: Registry[Callable[[], TrainBackend]] = Registry("--train-backend", "training backend", {
     "megatron": _megatron_backend,
-    "fsdp": Refused("--train-backend fsdp is not built yet (the FSDP2 backend issue); use --train-backend megatron"),
+    "fsdp": _fsdp_backend,
 })
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from megatron_rl.config import Config
 from megatron_rl.config.architecture import dry_run_without_checkpoint
 from megatron_rl.config.megatron_flags import requirements
 from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
+from megatron_rl.config.validate import real_run_refusals
 from megatron_rl.plan import format_table, validate_plan
 
 
@@ -30,6 +32,14 @@ def print_plan(cfg: Config) -> int:
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
         print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "
               f"it where missing)")
+    refused = real_run_refusals(cfg)
+    if refused:  # the plan is worth seeing, but the verdict (and the exit code) is the real run's
+        for why in refused:
+            print(f"error: a real run refuses: {why}", file=sys.stderr)
+        print(f"dry run: the plan above holds (training world {cfg.actor_world_size} rank(s), data-parallel "
+              f"{cfg.data_parallel_size}), but a real run refuses this configuration: launching SGLang engines is "
+              "not built yet (issue 14; the errors say which flags); nothing was started")
+        return 2
     print(f"dry run: configuration valid; training world {cfg.actor_world_size} rank(s), "
           f"data-parallel {cfg.data_parallel_size}; nothing was started")
     return 0

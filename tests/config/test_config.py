@@ -225,8 +225,10 @@ def test_model_shape_is_checked_through_the_planner(tiny_hf_models):
 def test_allocation_string_errors_name_the_flag(hf_dir):
     with pytest.raises(ConfigError, match="--allocation"):
         parse_config(base(hf_dir, "--allocation", "sglang:d0"))
-    # separate rollout GPUs need a transport other than tensor, and none is implemented yet
-    with pytest.raises(ConfigError, match="--update-weight-transport distributed is not implemented"):
+    # separate rollout GPUs need a transport other than tensor: distributed exists for servers given by URL,
+    # but the engines an allocation places would need the launcher, which is not built
+    with pytest.raises(ConfigError, match="--rollout-backend sglang without --rollout-engine-urls: launching SGLang "
+                                          "engines is not built yet"):
         parse_config(base(hf_dir, "--allocation", "sglang:d2t4+megatron:d2t2", "--update-weight-transport",
                           "distributed"))
     # the engines the string names are the engine the run uses: sglang is taken, and refused (no launcher yet)
@@ -258,12 +260,24 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     # what this version does not build
     (["--rollout-backend", "sglang", "--colocate"], NO_LAUNCHER),
     (["--rollout-backend", "sglang", "--update-weight-transport", "disk"], NO_LAUNCHER),
-    (["--update-weight-transport", "distributed"], "--update-weight-transport distributed is " + NOT_YET),
-    ([*EXTERNAL, "--update-weight-transport", "distributed"], "--update-weight-transport distributed is " + NOT_YET),
+    (["--update-weight-transport", "distributed"], "--update-weight-transport distributed broadcasts into SGLang "
+                                                    "server processes over a process group, but --rollout-backend "
+                                                    "embedded runs its engine inside the driver rank: there is no "
+                                                    "server process to join the group"),
+    ([*EXTERNAL, "--update-weight-transport", "distributed"], "--update-weight-disk-dir /tmp/mrl-test-weights is "
+                                                              "only used by --update-weight-transport disk, not "
+                                                              "distributed"),
     (["--rollout-backend", "sglang", *URLS], "--update-weight-transport tensor with --rollout-engine-urls: the tensor "
                                              "transport for SGLang is " + NOT_YET),
     (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang"),
-    (["--train-backend", "fsdp"], "--train-backend fsdp is not implemented in this version (tracked by issue 16"),
+    # what the fsdp backend does not build yet (issue 16)
+    (["--train-backend", "fsdp", "--fp16"], "--fp16 with --train-backend fsdp: fp16 needs loss scaling"),
+    (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity selective with "
+                                                                          "--train-backend fsdp: selective recompute"),
+    (["--train-backend", "fsdp", "--opd-teacher-load", "/tmp", "--opd-kl-coef", "1"],
+     "--opd-teacher-load with --train-backend fsdp: on-policy distillation's teacher is not supported with fsdp"),
+    (["--train-backend", "fsdp", "--attention-dropout", "0.1"], "--attention-dropout 0.1 is a megatron-core "
+                                                                "setting; --train-backend fsdp does not read it"),
     # the disk transport's directory
     (["--update-weight-transport", "disk"], "--update-weight-transport disk needs --update-weight-disk-dir DIR"),
     (["--update-weight-transport", "disk", "--update-weight-disk-dir", __file__],
@@ -300,8 +314,8 @@ def test_unimplemented_engine_and_transports_are_refused_in_validation(hf_dir, e
 
 
 def test_external_sglang_and_disk_are_accepted(hf_dir, tmp_path, capsys):
-    """--rollout-backend sglang with running servers + the disk transport; the disk transport with the
-    embedded engine; --dry-run says the servers are not started here (and plans no GPUs for them)."""
+    """--rollout-backend sglang with running servers + the disk or the distributed transport; the disk
+    transport with the embedded engine; --dry-run says the servers are not started here (and plans no GPUs for them)."""
     from megatron_rl.train import main
 
     ext = [*EXTERNAL[:-1], str(tmp_path / "w"), "--rollout-engine-urls", "http://10.0.0.5:30000",
@@ -310,6 +324,8 @@ def test_external_sglang_and_disk_are_accepted(hf_dir, tmp_path, capsys):
     assert cfg.rollout.rollout_engine_urls == ["http://10.0.0.5:30000", "https://[::1]:8443"]
     assert (cfg.sync.update_weight_transport, cfg.sync.update_weight_disk_dir) == ("disk", str(tmp_path / "w"))
     assert parse_config(base(hf_dir, *ext, "--debug-rollout-only")).has_training is False
+    distributed = parse_config(base(hf_dir, *EXTERNAL[:4], "--update-weight-transport", "distributed"))
+    assert (distributed.sync.update_weight_transport, distributed.sync.update_weight_disk_dir) == ("distributed", None)
     embedded = parse_config(base(hf_dir, "--update-weight-transport", "disk", "--update-weight-disk-dir",
                                  str(tmp_path / "new" / "w")))
     assert embedded.rollout.rollout_backend == "embedded" and embedded.sync.update_weight_transport == "disk"
@@ -339,11 +355,10 @@ def test_allocation_sets_the_sizes_no_flag_gave(hf_dir, tiny_hf_models):
                 p.context_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size,
                 cfg.placement.actor_num_nodes, cfg.placement.actor_num_gpus_per_node)
     assert sizes(parse_config(base(hf_dir, "--allocation", "megatron:d1t2"))) == ("megatron", 2, 1, 1, 1, None, 1, 2)
-    # the mapping itself (validation refuses --train-backend fsdp until it exists: issue 16)
+    # the mapping itself (and --train-backend fsdp validates since issue 16 built it)
     fsdp = parse_config(base(hf_dir, "--allocation", "fsdp:d2p1t1"), validate=False)
     assert sizes(fsdp) == ("fsdp", 1, 1, 1, 1, None, 1, 2)
-    with pytest.raises(ConfigError, match="--train-backend fsdp is not implemented in this version"):
-        validate_config(fsdp)
+    validate_config(fsdp)
     assert sizes(parse_config(base(hf_dir, "--allocation", "megatron:d2p2", "--actor-num-nodes", "2",
                                    "--rollout-batch-size", "4"))) == ("megatron", 1, 2, 1, 1, None, 2, 2)
     moe = tiny_hf_models("qwen3_moe")

@@ -20,7 +20,7 @@ import pytest
 
 from megatron_rl.config import parse_config
 from megatron_rl.config.placement import model_shape_for_config, plan_for_config
-from megatron_rl.config.validate import collect_errors
+from megatron_rl.config.validate import awaits_sglang_launcher, collect_errors
 from megatron_rl.errors import ConfigError
 from megatron_rl.plan import validate_plan
 
@@ -93,10 +93,9 @@ MISC_ARGS = [  # identical in every run-*.sh
 ]
 OPTIMIZER_ARGS = ["--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
                   "--adam-beta1", "0.9", "--adam-beta2", "0.98"]
-CPU_OFFLOAD_ARGS = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
-                    # slime always turns the distributed optimizer on (_set_default_megatron_args); here it is
-                    # a flag, which --optimizer-cpu-offload needs (docs/migrating-from-slime.md)
-                    "--use-distributed-optimizer"]
+# slime always turns the distributed optimizer on (_set_default_megatron_args); here
+# --optimizer-cpu-offload implies it, as Megatron-LM requires (docs/migrating-from-slime.md)
+CPU_OFFLOAD_ARGS = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"]
 GRPO_ARGS = ["--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type",
              "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -155,9 +154,8 @@ def qwen3_4b(files):
 
 
 def qwen25_05b(files):
-    """scripts/run-qwen2.5-0.5B-reproducibility.sh: qkv bias, deterministic, W&B flags. slime's PERF_ARGS
-    also pass --sequence-parallel at TP 1, which Megatron-LM silently turns off; here it is refused (there
-    is no TP group to shard over), so it is left out (docs/migrating-from-slime.md)."""
+    """scripts/run-qwen2.5-0.5B-reproducibility.sh: qkv bias, deterministic, W&B flags; its PERF_ARGS pass
+    --sequence-parallel at TP 1, which has no effect there (as in Megatron-LM)."""
     return ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate", "--calculate-per-token-loss",
             *QWEN25_05B_MODEL_ARGS, "--hf-checkpoint", files["Qwen2.5-0.5B-Instruct"],
             "--ref-load", files["root"] + "/Qwen2.5-0.5B-Instruct_torch_dist/",
@@ -170,7 +168,7 @@ def qwen25_05b(files):
             "--eps-clip-high", "0.28",
             "--use-wandb", "--wandb-host", "https://wandb.ai/", "--wandb-team", "glm-zero", "--wandb-project",
             "slime-dev", "--wandb-group", "qwen2.5-0.5B-gsm8k-deterministic",
-            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--tensor-model-parallel-size", "1", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
             "--context-parallel-size", "1", "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
             "--eval-interval", "20", "--eval-prompt-data", "gsm8k", files["aime-2024.jsonl"],
@@ -219,9 +217,6 @@ def qwen3_235b_a22b(files):
 SCRIPTS = {"qwen3-4B": qwen3_4b, "qwen2.5-0.5B": qwen25_05b, "qwen3-30B-A3B": qwen3_30b_a3b,
            "qwen3-235B-A22B": qwen3_235b_a22b}
 
-#: what a slime script may still be refused for: launching SGLang engines and their transports (issue 14),
-#: and the SGLang engine sizes, which the embedded engine has no use for until then
-ISSUE_14 = ("issue 14", "sizes SGLang engines", "places SGLang engines")
 
 
 @pytest.fixture(autouse=True)
@@ -234,7 +229,7 @@ def checked(argv):
     """Parse + validate like --dry-run; return (cfg, plan, report) after asserting that every
     refusal left is one of issue 14's (the SGLang launcher)."""
     cfg = parse_config(runnable(argv) + ["--dry-run"], validate=False)
-    others = [e for e in collect_errors(cfg) if not any(k in e for k in ISSUE_14)]
+    others = [e for e in collect_errors(cfg) if not awaits_sglang_launcher(e)]
     assert not others, others
     plan = plan_for_config(cfg)
     report = validate_plan(plan, None, model_shape_for_config(cfg), cfg.model.seq_length,
@@ -292,19 +287,37 @@ def test_qwen3_235b_multi_node_separate_rollout_planned_from_flags(files):
 
 
 def test_dry_run_main_end_to_end_prints_the_plan(files, capsys):
-    """``python -m megatron_rl.train --dry-run`` itself, on the 30B script without its SGLang
-    launch arguments (issue 14): the plan, the model line and what the real run will need."""
+    """``python -m megatron_rl.train --dry-run`` itself, on the 30B script as slime wrote it: the plan,
+    the model line, what the real run will need, and what a real run refuses (launching SGLang engines)."""
     from megatron_rl.train import main
 
-    argv = [a for a in runnable(qwen3_30b_a3b(files))]
-    cut = argv.index("--rollout-num-gpus-per-engine")
-    argv = argv[:cut] + argv[argv.index("--attention-dropout"):] + ["--dry-run"]
-    assert main(argv) == 0, capsys.readouterr().err
-    out = capsys.readouterr().out
+    assert main(runnable(qwen3_30b_a3b(files)) + ["--dry-run"]) == 2
+    out, err = capsys.readouterr()
     assert "megatron[actor]:d2t4e8" in out and "total GPU demand: 8" in out
     assert "model: 48 layers, 32 heads, 4 KV groups, vocab 151936, 128 experts" in out
     assert "needs: --moe-grouped-gemm takes effect only with grouped-GEMM experts" in out
-    assert "dry run: configuration valid" in out
+    assert "error: a real run refuses: --rollout-num-gpus-per-engine 8 sizes SGLang engines" in err
+    assert "dry run: the plan above holds" in out and "launching SGLang engines is not built yet" in out
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_script_dry_runs_unchanged_and_a_real_run_refuses_only_the_launcher(name, files, capsys):
+    """Each slime command, flags as slime wrote them: --dry-run checks and prints its plan, then names
+    what a real run refuses (issue 14: launching SGLang engines) and exits 2; that is the one refusal
+    left (besides GPU-only flags on this CPU machine, which --dry-run accepts)."""
+    from megatron_rl.train import main
+
+    argv = [a for a in runnable(SCRIPTS[name](files)) if a != "--dry-run"]
+    assert main(argv + ["--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert "total GPU demand" in out and "dry run: the plan above holds" in out, (out, err)
+    assert "error: a real run refuses:" in err and "invalid configuration" not in err, err
+    cfg = parse_config(argv, validate=False)
+    errors = collect_errors(cfg)
+    launcher = [e for e in errors if awaits_sglang_launcher(e)]
+    assert launcher, name
+    if name != "qwen3-235B-A22B":  # its paths point at nothing, which a real run refuses too
+        assert all(awaits_sglang_launcher(e) or "cannot take effect here" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("flag, value, want", [
@@ -347,7 +360,7 @@ def test_slime_eval_and_kl_flags_keep_slime_meaning(files):
 
 # -- docs/migrating-from-slime.md against the parser and these commands --------------------------------
 #: flags the commands above add to slime's, each explained in the page's "Defaults that differ" table
-ADDED_HERE = {"--dry-run", "--rollout-backend", "--update-weight-transport", "--use-distributed-optimizer"}
+ADDED_HERE = {"--dry-run", "--rollout-backend", "--update-weight-transport"}
 
 
 def test_migration_doc_is_current():

@@ -29,11 +29,21 @@ def metrics(out):
         return [json.loads(line) for line in fh]
 
 
+# slime's scripts/models/*.sh way of stating the model (issue 17): Megatron architecture flags matching
+# the demo's tiny Qwen2 (megatron_rl/data/synthetic.py), checked against its config.json at start-up
+SLIME_MODEL_ARGS = ["--swiglu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+                    "--kv-channels", "16", "--use-rotary-position-embeddings", "--disable-bias-linear",
+                    "--add-qkv-bias", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+                    "--rotary-base", "10000", "--vocab-size", "32"]
+
+
 @pytest.mark.slow
 def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
     out = tmp_path / "demo"
-    # the full demo runs 300 rollouts at lr 1e-3 (reward ~0.04 -> ~0.9); CI runs 50 at lr 3e-3
-    run_demo(out, 50, "--lr", "3e-3", "--save-interval", "25", "--eval-interval", "25")
+    # the full demo runs 300 rollouts at lr 1e-3 (reward ~0.04 -> ~0.9); CI runs 50 at lr 3e-3,
+    # launched with slime-style MODEL_ARGS (they change nothing: the HF config builds the model)
+    run_demo(out, 50, "--lr", "3e-3", "--save-interval", "25", "--eval-interval", "25", *SLIME_MODEL_ARGS)
     recs = metrics(out)
     train = [r for r in recs if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, 51))

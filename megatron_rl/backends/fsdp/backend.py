@@ -1,0 +1,330 @@
+"""FSDPBackend: the policy as a HuggingFace model sharded with FSDP2 on a 1-D data-parallel mesh.
+
+For models megatron-core does not cover, or users who want HF-native training: the
+model is ``transformers.AutoModelForCausalLM`` from ``--hf-checkpoint``, every decoder
+layer and then the root are ``torch.distributed.fsdp.fully_shard``-ed over all ranks
+(gloo on CPU, NCCL on GPU). Nothing is parallel but data: ``holds_results`` is True on
+every rank and ``pad_to_multiple`` is 1. Planning, packing, loss denominators, the
+per-sample gather, weight tags and the algorithm ``Spec`` are the shared ones, so the
+numbers match the megatron backend on the same model and batch (tested).
+
+Loss normalisation, as in the megatron backend: each micro-batch's loss is a SUM divided
+by the step's GLOBAL denominator (``algorithms.losses``), so gradients must be *summed*
+over micro-batches and data-parallel ranks. Micro-batches accumulate into ``.grad``;
+across ranks every FSDP module's gradient divide factor is 1 (reduce-scatter sums, where
+FSDP2's default averages over the mesh).
+
+Micro-batches reach the model through the padding fallback (``padding.py``): right-padded
+rows with an attention mask, because SDPA on CPU has no variable-length kernel. The
+varlen path (position ids + flash-attention) for GPUs is not built here.
+
+Precision: fp32 by default; ``--bf16`` is ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``: sharded fp32 parameters are the master weights and the optimizer
+state, compute runs in bf16, gradients reduce in fp32. Exported weights are cast to
+bf16 then, as the megatron backend exports them.
+
+Checkpoints: torch.distributed.checkpoint (DCP) in the megatron backend's checkpoint root
+layout (``checkpoint.py``). Not built in this version (refused by ``config.validate`` before
+any worker starts): ``--fp16`` (loss scaling), selective recompute,
+``--optimizer-cpu-offload``, ``--opd-teacher-load``, torch_dist ``--ref-load`` / model-dir ``--load``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
+from megatron_rl.algorithms.spec import Spec
+from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, resolve_weights_location
+from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
+from megatron_rl.backends.fsdp.padding import unpack_to_rows
+from megatron_rl.config import Config
+from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import BackendError, CheckpointError, ConfigError
+from megatron_rl.models import model_dir
+
+log = logging.getLogger(__name__)
+
+
+def init_process_group() -> None:
+    """torch.distributed for the training ranks (gloo on CPU, NCCL on GPU), if nobody did yet.
+
+    Outside torchrun (no ``RANK``) a private one-rank TCP store, leaving ``os.environ`` alone
+    so subprocesses started later do not inherit it (as ``models.parallel`` does for megatron)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://")
+        return
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of an HF causal LM (``model.model.layers`` for llama/qwen-style families)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise BackendError(f"--train-backend fsdp: {type(model).__name__} has no model.layers to shard one by one; "
+                           "this HF architecture is not supported by the fsdp backend yet")
+    return list(layers)
+
+
+def hf_checkpoint_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (module names) under the HF checkpoint's names: transformers' own
+    ``revert_weight_conversion`` (what ``save_pretrained`` applies); identity where the
+    model has no load-time conversion, or on a transformers without them (4.x)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return tensors
+    return revert_weight_conversion(model, tensors)
+
+
+class FSDPBackend(TrainBackend):
+    def initialize(self, cfg: Config, spec: Spec) -> None:
+        import transformers
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        self.cfg, self.spec = cfg, spec
+        init_process_group()
+        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        self.pad_to_multiple = 1
+        self.holds_results = True  # no tensor/pipeline/context parallelism: every rank is its DP rank's holder
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        torch.manual_seed(cfg.runtime.seed)
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
+
+        hf = cfg.model.hf_checkpoint
+        if model_dir.is_model_dir(cfg.checkpoint.load):
+            raise ConfigError(f"--load {cfg.checkpoint.load} is a torch_dist model dir (megatron's format); "
+                              "--train-backend fsdp starts from --hf-checkpoint and resumes from its own DCP "
+                              "checkpoints: convert it to HF (tools/convert_ckpt.py dist-to-hf) and pass "
+                              "--hf-checkpoint")
+        model_dir.check_hf_marker_once(hf, f"checking --hf-checkpoint {hf}")
+        # fp32 master weights; --bf16 only changes the compute dtype (MixedPrecisionPolicy)
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+        model.config.use_cache = False
+        if cfg.memory.recompute_granularity == "full":
+            # megatron's full recompute at one layer per unit: every decoder layer's activations are
+            # recomputed in the backward (transformers' per-layer checkpointing; validation refuses the rest)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)
+        self.params_dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if cfg.precision.bf16 else MixedPrecisionPolicy()
+        # reshard after every forward, the root too (its default keeps embeddings and head gathered
+        # for the backward): a forward-only pass must leave only shards behind, which the weight
+        # tags and export read
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                # sum over DP: the loss is already globally normalised. A plain SUM collective (gloo
+                # has no PREMUL_SUM, the op a custom divide factor otherwise becomes)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.pad_token_id = 0
+        self.optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters()))
+        self.scheduler = MegatronLRSchedule.from_config(self.optimizer, cfg)
+        self.weights = WeightManager(self._named_local_params, self._ref_weights_location(cfg))
+        self.optimizer_steps = 0
+        self._offloaded = False
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _named_local_params(self):
+        """This rank's shard of every parameter (the DTensor's local tensor, same storage)."""
+        for name, p in self.model.named_parameters():
+            with torch.no_grad():
+                local = p.to_local() if hasattr(p, "to_local") else p
+            yield name, local
+
+    def _ref_weights_location(self, cfg: Config) -> str:
+        cuda = torch.cuda.is_available()
+        tag_bytes = sum(p.numel() * p.element_size() for _, p in self._named_local_params())
+        where, why = resolve_weights_location(cfg.memory.ref_weights_location, cuda=cuda,
+                                              offload_train=cfg.memory.effective_offload_train, tag_bytes=tag_bytes,
+                                              free_bytes=torch.cuda.mem_get_info()[0] if cuda else None)
+        if self.dp_rank == 0:
+            log.info("reference/teacher weight copies live on the %s (%s)", where, why)
+        return where
+
+    def _model_output(self, mb: PackedBatch):
+        """``(ModelOutput, logits)``: response-aligned log-probs (+ entropy) of one micro-batch
+        through the padding fallback, and the full logits.
+
+        An empty micro-batch (a DP rank with fewer samples than micro-batches) still runs the
+        model, so every rank issues the same FSDP all-gathers and reduce-scatters; its outputs
+        are empty and it carries no loss."""
+        rows = unpack_to_rows(mb, self.pad_token_id).to(self.device)
+        logits = self.model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, use_cache=False).logits
+        picked = rows.response_logits(logits).float()
+        return self.spec.extract_model_output(picked, mb.response_target_ids.to(self.device)), logits
+
+    # ---- TrainBackend --------------------------------------------------------
+
+    def forward(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+                owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
+        self.model.eval()
+        local: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for mb in mbs:
+                out, _ = self._model_output(mb)
+                lp = out.logprobs.detach().float().cpu()
+                local.update(zip(mb.sample_indices.tolist(), mb.split_response(lp)))
+        return self.gather_per_sample(local, samples, plan, owned_only)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        plan, mbs, denoms = self.preprocess_rollout_data(batch.samples, batch)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for mb in mbs:
+            out, logits = self._model_output(mb)
+            mb = mb.to(self.device)
+            loss, metrics = self.spec.compute_loss(LossInputs.from_packed_batch(mb, out.logprobs, out.entropy),
+                                                   denoms)
+            if mb.is_empty:  # no loss tokens: a zero gradient through every parameter keeps the collectives in step
+                loss = loss + logits.sum() * 0.0
+            loss.backward()
+            parts.append(metrics)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm(params, self.cfg.optimizer.grad_clip)
+        update_ok = math.isfinite(grad_norm)
+        if update_ok:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+        else:
+            log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {f"train/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["train/update_skipped"] = float(not update_ok)
+        metrics["train/micro_batches"] = float(plan.num_micro_batches)
+        metrics["train/step_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF tensors under the checkpoint's names, in buckets. Collective: every rank
+        all-gathers each parameter (``full_tensor``) in the same order and gets the same buckets.
+
+        Why ``hf_checkpoint_names``: transformers 5 fuses some checkpoint tensors when it loads
+        them (MoE experts become one ``experts.gate_up_proj``); the rollout engine and the HF
+        checkpoint know the per-expert names, so each layer's tensors are converted back as
+        ``save_pretrained`` does. Tied weights appear once, as in the checkpoint."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for unit in self._full_tensors_by_layer():
+            for name, full in hf_checkpoint_names(self.model, unit).items():
+                bucket.append((name, full))
+                size += full.numel() * full.element_size()
+                if size >= bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def _full_tensors_by_layer(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The gathered parameters, one dict per decoder layer (and one per run of other
+        parameters), in ``named_parameters`` order: a conversion never spans layers."""
+        unit: dict[str, torch.Tensor] = {}
+        key = None
+        for name, p in self.model.named_parameters():
+            parts = name.split(".")
+            at = parts.index("layers") if "layers" in parts[:-2] else None
+            here = ".".join(parts[:at + 2]) if at is not None else None  # "model.layers.7"
+            if unit and here != key:
+                yield unit
+                unit = {}
+            key = here
+            with torch.no_grad():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            unit[name] = full.to(self.params_dtype)
+        if unit:
+            yield unit
+
+    def save(self, path: str, extra_state: dict) -> None:
+        save_checkpoint(self, path, extra_state)
+
+    def load(self, path: str) -> dict:
+        return load_checkpoint(self, path)
+
+    def load_frozen_weights(self, tag: str, path: str) -> None:
+        """Store the HF weights at ``path`` under ``tag`` (``--ref-load``), leaving the actor as it was.
+
+        The full state dict is loaded on every rank and ``set_model_state_dict`` keeps each
+        rank's shard (strict: a different architecture is refused); the tag then copies the
+        local shards and the actor's shards are put back."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        import transformers
+
+        flag = {"ref": "--ref-load", "teacher": "--opd-teacher-load"}.get(tag, tag)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"{flag} {path}: the fsdp backend loads HF directories (config.json + "
+                                  "*.safetensors) only in this version")
+        model_dir.check_hf_marker_once(path, f"checking {flag} {path}")
+        actor = {n: p.detach().clone() for n, p in self._named_local_params()}
+        other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        full = {n: p.detach() for n, p in other.named_parameters()}  # tied weights once, as ours
+        try:
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{flag} {path} does not fit the policy model ({e}); a weight tag is the same "
+                                  "architecture as --hf-checkpoint") from e
+        self.weights.backup(tag)
+        with torch.no_grad():
+            for name, p in self._named_local_params():
+                p.copy_(actor[name])
+        log.info("loaded frozen %s weights from %s (HF)", tag, path)
+
+    def sleep(self) -> None:
+        """Free accelerator memory for a colocated engine: sharded parameters, gradients and
+        optimizer state move to host memory. CPU: nothing to free, a no-op (as megatron's).
+        The GPU path is written but not tested in this version (no GPU in CI)."""
+        if not torch.cuda.is_available() or self._offloaded:
+            return
+        self._move_state(torch.device("cpu"))
+        self._offloaded = True
+        torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if not torch.cuda.is_available() or not self._offloaded:
+            return
+        self._move_state(self.device)
+        self._offloaded = False
+
+    def _move_state(self, device: torch.device) -> None:
+        self.model.to(device)  # FSDP2 re-registers its sharded parameters after .to()
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    state[k] = v.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()

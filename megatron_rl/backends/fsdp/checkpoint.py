@@ -1,0 +1,190 @@
+"""DCP checkpoints of an FSDPBackend, in the megatron backend's checkpoint root layout.
+
+One ``iter_NNNNNNN`` dir (the runner names it, prunes and points ``resume_state.json`` at
+it, as for megatron) holds:
+
+* the ``torch.distributed.checkpoint`` files (``.metadata`` + ``__R_0.distcp`` ...) of
+  ``{"model", "optimizer"}`` from ``get_state_dict`` (sharded DTensors: every rank writes
+  its own shards) plus ``scheduler`` and ``optimizer_steps``;
+* ``rng/rank_NNNNN.pt``: each rank's python / numpy / torch (/ CUDA) RNG states;
+* ``extra_state.json`` (the caller's JSON dict: rollout id, data iterator) and
+  ``hf_config/`` (config + tokenizer of ``--hf-checkpoint``);
+* ``COMPLETE.json`` with format ``FORMAT``, the DP layout, the model fingerprint and every
+  file's size and CRC-32, written last by ``infra.publish.publish_collectively``: a reader
+  sees a complete checkpoint or none (a killed save leaves only a temp dir, skipped).
+
+Why a format of its own: a megatron torch_dist checkpoint and an FSDP DCP one hold the
+same model under different names and layouts; each backend's loader refuses the other's
+by its marker (a clear error, not a load that half-works).
+
+Resharding: DCP loads the model and optimizer at any DP size (tested 2 -> 1 and 2 -> 2).
+RNG states are per rank and restored only at the same world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.errors import CheckpointError
+from megatron_rl.infra.atomic import atomic_write_json
+from megatron_rl.infra.checkpoint_root import CorruptCheckpoint, is_temp_dir, read_complete_marker
+from megatron_rl.infra.dist import barrier, rank, rank0_do, world
+from megatron_rl.infra.publish import publish_collectively
+from megatron_rl.models.model_dir import HF_CONFIG_SUBDIR, copy_aux_files
+
+log = logging.getLogger(__name__)
+
+FORMAT = "megatron_rl.fsdp_dcp.v1"
+EXTRA_STATE_NAME = "extra_state.json"
+RNG_SUBDIR = "rng"
+_ANOTHER = ("auto-resume skips it to the previous complete checkpoint; to pick one yourself pass "
+            "--load ROOT/iter_NNNNNNN of another complete iteration")
+
+
+def model_fingerprint(backend) -> dict:
+    c = backend.model.config
+    return {"model_type": c.model_type, "hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            "vocab_size": int(c.vocab_size)}
+
+
+def layout_record(backend) -> dict:
+    return {"backend": "fsdp", "dp": int(backend.dp_size), "world_size": world()}
+
+
+def _rng_path(root: str, r: int) -> str:
+    return os.path.join(root, RNG_SUBDIR, f"rank_{r:05d}.pt")
+
+
+def collect_rng_state() -> dict:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"random": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def restore_rng_state(state: dict) -> None:
+    import numpy as np
+
+    r = state["random"]
+    random.setstate((r[0], tuple(r[1]), r[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _state(backend) -> dict[str, Any]:
+    """The DCP state dict: sharded model + optimizer (FQN-keyed), scheduler and step count."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "scheduler": backend.scheduler.state_dict(),
+            "optimizer_steps": int(backend.optimizer_steps)}
+
+
+def save_checkpoint(backend, path: str, extra_state: dict) -> None:
+    """Collective: write ``path`` (an ``iter_NNNNNNN`` dir) atomically; every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(path)
+    if is_temp_dir(path):
+        raise CheckpointError(f"{path} is a temp-dir name; pass the final iter_NNNNNNN dir")
+    try:
+        extra_json = json.loads(json.dumps(extra_state if extra_state is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra_state for {path} must be a JSON-serialisable dict: {e}") from e
+
+    def write(tmp: str) -> None:
+        dcp.save(_state(backend), checkpoint_id=tmp)
+        os.makedirs(os.path.join(tmp, RNG_SUBDIR), exist_ok=True)
+        torch.save(collect_rng_state(), _rng_path(tmp, rank()))
+
+    def seal(tmp: str) -> dict:
+        atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
+        copy_aux_files(backend.cfg.model.hf_checkpoint, os.path.join(tmp, HF_CONFIG_SUBDIR))
+        return {"format": FORMAT, "torch": torch.__version__, "optimizer_steps": int(backend.optimizer_steps),
+                "layout": layout_record(backend), "model": model_fingerprint(backend)}
+
+    publish_collectively(path, write, seal)
+    if rank() == 0:
+        log.info("saved checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
+
+
+def read_checkpoint_metadata(path: str) -> dict:
+    """Validate ``path`` as a complete FSDP checkpoint (marker, format, every file's size and CRC-32)."""
+    return read_complete_marker(os.path.abspath(path), (FORMAT,), "checkpoint", fixes={
+        "missing": "; check --load, or start without it",
+        "temp": "it is never loaded. Load a complete iter_NNNNNNN dir and delete this one",
+        "root": "pass one of its iter_NNNNNNN dirs",
+        "unmarked": "Resume from an older complete checkpoint (auto-resume skips this one) or delete it",
+        "json": _ANOTHER,
+        "format": f"--train-backend fsdp reads {FORMAT!r} checkpoints (a megatron torch_dist checkpoint needs "
+                  "--train-backend megatron)",
+        "files": f"Restore the files, or {_ANOTHER}"})
+
+
+def load_checkpoint(backend, path: str) -> dict:
+    """Collective: restore model, optimizer, scheduler, step count and (same world size) RNG;
+    return ``extra_state``. The files are validated on rank 0 before any collective read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = os.path.abspath(path)
+    meta = rank0_do(lambda: read_checkpoint_metadata(path), f"reading checkpoint {path}",
+                    unexpected=CorruptCheckpoint)
+    saved, current = meta.get("model", {}), model_fingerprint(backend)
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {v!r}" for k, v in current.items() if saved.get(k) != v]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} is of a different model ({'; '.join(diff)}); pass the "
+                              "--hf-checkpoint it was trained from")
+    same_layout = meta.get("layout") == layout_record(backend)
+    if not same_layout and rank() == 0:
+        log.warning("checkpoint %s was saved at %s, loading at %s: model and optimizer are resharded; RNG states "
+                    "are NOT restored (they are per rank)", path, meta.get("layout"), layout_record(backend))
+    state = _state(backend)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CorruptCheckpoint(f"loading checkpoint {path} failed ({type(e).__name__}: {str(e)[:300]}); the "
+                                f"files are corrupt or were written for another model/optimizer; {_ANOTHER}") from e
+    bad = [n for n, t in state["model"].items() if _non_finite(t)]
+    if dist.is_initialized() and world() > 1:
+        parts: list = [None] * world()
+        dist.all_gather_object(parts, bad)
+        bad = sorted({n for p in parts for n in p})
+    if bad:  # before anything is applied: the model is untouched for a fallback
+        raise CorruptCheckpoint(f"checkpoint {path} holds non-finite (inf/NaN) weights in {len(bad)} tensor(s): "
+                                f"{', '.join(bad[:5])}. {_ANOTHER}")
+    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    backend.scheduler.load_state_dict(state["scheduler"])
+    backend.optimizer_steps = int(state["optimizer_steps"])
+    if same_layout:
+        restore_rng_state(torch.load(_rng_path(path, rank()), weights_only=False))
+    with open(os.path.join(path, EXTRA_STATE_NAME)) as f:
+        extra = json.load(f)
+    barrier()
+    if rank() == 0:
+        log.info("loaded checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
+    return extra
+
+
+def _non_finite(t) -> bool:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return False
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() > 0 and not bool(torch.isfinite(local).all())

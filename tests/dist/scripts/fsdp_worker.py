@@ -1,0 +1,117 @@
+"""Worker for tests/dist/test_fsdp_backend.py: train a few steps with the FSDP (and megatron) backend.
+
+Usage (under torchrun): fsdp_worker.py HF_DIR OUT_DIR RUN [RUN ...]
+RUN is ``BACKEND`` or ``BACKEND:FLAGS`` with FLAGS a comma list of extra flags, e.g.
+``fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24``; ``+save=DIR`` saves a checkpoint
+after 3 steps and trains a 4th, ``+load=DIR`` loads that checkpoint and trains only the 4th,
+``+hf=DIR`` trains another model than HF_DIR. Every run takes the batch and
+the flags of tests/dist/scripts/backend_worker.py (the megatron layout test), so the two
+backends are compared on the same model, batch and hyper-parameters. Per run it records:
+no-grad log-probs, the owner-aligned forward checks, then per step the metrics and the
+exported HF weights; FSDP runs also check the weight tags (the snapshot taken before
+training and an HF ``--ref-load`` of the initial checkpoint give the initial log-probs back).
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from backend_worker import make_samples  # noqa: E402  (the megatron layout test's batch)
+
+
+def flags_of(hf_dir: str, world: int, flags: list[str]) -> list[str]:
+    """backend_worker.py's flags (keep in step with it) plus the run's own."""
+    dynamic = any(f.startswith("--max-tokens-per-gpu") for f in flags)
+    argv = ["--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node", str(world), "--lr", "1e-2",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--grad-clip", "1.0",
+            "--kl-loss-coef", "0.1", "--use-kl-loss", "--seed", "7", "--adam-eps", "1e-4"]
+    argv += [] if dynamic else ["--micro-batch-size", "1"]
+    return argv + sum((f.split("=", 1) for f in flags), [])
+
+
+def main():
+    import torch.distributed as dist
+
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.backends.base import TrainBatch, make_backend
+    from megatron_rl.config import parse_config
+
+    hf_dir, out_dir, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    world = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for run in runs:
+        name, _, flag_list = run.partition(":")
+        flags = [f for f in flag_list.split(",") if f and not f.startswith("+")]
+        ckpt = dict(f[1:].split("=", 1) for f in flag_list.split(",") if f.startswith("+"))  # +save=DIR, +load=DIR
+        cfg = parse_config(flags_of(ckpt.get("hf", hf_dir), world, flags) + ["--train-backend", name])
+        spec = PolicyGradientSpec(PolicyGradientConfig(kl_loss_coef=0.1, entropy_coef=0.01))
+        backend = make_backend(name)
+        backend.initialize(cfg, spec)
+        backend.snapshot_weights("ref")
+        samples = make_samples(backend.vocab_size)
+        rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
+        plan = backend.plan_rollout(samples, len(samples))
+        owned = set(plan.steps[0][1].rank_samples(backend.dp_rank))
+        full = backend.forward_only(samples, plan=plan.forward)
+        mine = backend.forward_only(samples, plan=plan.forward, owned_only=True)
+        rec["owned"] = {"dp_rank": backend.dp_rank, "samples": sorted(owned),
+                        "bitwise_equal_to_full_gather": all(
+                            (t is not None and torch.equal(t, f)) if i in owned else t is None
+                            for i, (t, f) in enumerate(zip(mine, full)))}
+        checks = [None] * dist.get_world_size()
+        dist.all_gather_object(checks, rec["owned"])
+        rec["owned"] = checks
+        def train(step):
+            old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
+            ref = backend.maybe_compute_ref_log_probs(samples, True, plan=plan.forward, owned_only=True)
+            adv = spec.compute_advantages(samples)
+            calls = []  # forward calls of the first MLP in the step: x2 with recompute
+            hook = backend.model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1)) \
+                if name == "fsdp" else None
+            m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref))
+            if hook is not None:
+                hook.remove()
+                m["mlp0_forwards"] = float(len(calls))
+            weights = {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+            rec["steps"].append({"metrics": m})
+            if dist.get_rank() == 0:
+                torch.save(weights, os.path.join(out_dir, f"{run}_step{step}.pt".replace("/", "_")))
+
+        if "load" in ckpt:  # resume: the saved run's 4th step from its checkpoint after 3
+            rec["extra_state"] = backend.load(os.path.join(ckpt["load"], "iter_0000003"))
+            train(3)
+            results[run] = rec
+            continue
+        for step in range(3):
+            train(step)
+        if "save" in ckpt:  # checkpoint after 3 steps, then the uninterrupted 4th step
+            backend.save(os.path.join(ckpt["save"], "iter_0000003"), {"rollout_id": 3})
+            train(3)
+        if name == "fsdp":
+            initial = [torch.tensor(x) for x in rec["logprobs"]]
+            snap = backend.maybe_compute_ref_log_probs(samples, True)
+            backend.load_frozen_weights("hf_ref", ckpt.get("hf", hf_dir))
+            with backend.switch_weights("hf_ref"):
+                loaded = backend.forward_only(samples)
+            after = backend.forward_only(samples)  # the actor is back: trained weights, not the initial ones
+            rec["tags"] = {
+                "snapshot_vs_initial": max((a - b).abs().max().item() for a, b in zip(snap, initial)),
+                "hf_load_vs_initial": max((a - b).abs().max().item() for a, b in zip(loaded, initial)),
+                "actor_after_vs_initial": max((a - b).abs().max().item() for a, b in zip(after, initial)),
+            }
+        else:
+            from megatron_rl.models.parallel import destroy_parallel
+
+            destroy_parallel()
+        results[run] = rec
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
