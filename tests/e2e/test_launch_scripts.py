@@ -32,23 +32,21 @@ def _run(script, env, *args):
                           env={**os.environ, "PY": sys.executable, **env}, timeout=300)
 
 
-NOT_YET = "is not implemented in this version (tracked by issue 14: SGLang rollout and its weight-sync transports)"
 NO_LAUNCHER = ("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet "
                "(issue 14); give --rollout-engine-urls of running servers (docs/sglang.md), or use "
                "--rollout-backend embedded")
-NO_DISTRIBUTED = (f"--update-weight-transport distributed {NOT_YET}; use --update-weight-transport disk "
-                  "(versioned safetensors dirs the servers load)")
 
 
 @pytest.mark.parametrize("script,cfg,extra_env,refused", [
     ("run_qwen3_4b_grpo.sh", QWEN3_4B, {}, [NO_LAUNCHER]),
     ("run_qwen3_30b_a3b_grpo.sh", QWEN3_30B_A3B, {"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"},
-     [NO_LAUNCHER, NO_DISTRIBUTED]),
+     [NO_LAUNCHER]),  # its --update-weight-transport distributed to SGLang servers exists (issue 14)
 ])
 def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, refused):
-    """The scripts launch SGLang engines, which this version refuses in validation (only servers given by
-    --rollout-engine-urls run): their dry run exits 2 naming only that refusal (and the transport's), so every other flag and the planner's check of their layout passed
-    (the planner runs even when the engine is refused; see test_script_dry_run_refuses_bad_layout)."""
+    """The scripts launch SGLang engines, which this version refuses (only servers given by
+    --rollout-engine-urls run): their dry run prints the checked plan, then exits 2 naming only that
+    refusal as what a real run refuses, so every other flag and the planner's check of their layout passed
+    (with a layout error the refusal is reported with it; see test_script_dry_run_refuses_bad_layout)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1?", "label": "2"}\n')
     env = {"HF_CKPT": _model_dir(tmp_path, cfg), "PROMPTS": str(prompts), "SAVE": str(tmp_path / "save"), **extra_env}
@@ -56,8 +54,9 @@ def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, refused):
     assert proc.returncode == 2, proc.stderr + proc.stdout
     errors = [line.strip().removeprefix("error: ").removeprefix("- ") for line in proc.stderr.splitlines()]
     errors = [e for e in errors if e and e != "invalid configuration:"]
-    assert errors == refused, proc.stderr
+    assert errors == [f"a real run refuses: {r}" for r in refused], proc.stderr
     assert "dry run: configuration valid" not in proc.stdout
+    assert "total GPU demand" in proc.stdout and "dry run: the plan above holds" in proc.stdout
     assert not (tmp_path / "save").exists()
 
 
