@@ -1,8 +1,13 @@
 """tools/check_parity.py, the user-facing "is my conversion and layout right?" tool.
 
-Every family at three layouts, packed THD and padded input, through the real CLI
-under torchrun; plus the non-zero exit above --tolerance and the refusal (exit 2)
-of a layout that does not fit the world size.
+Every family through the real CLI under torchrun, with a layout that exercises what is
+family-specific in it (llama TP with padded input, Qwen2's qkv bias split over TP, Qwen2 CP,
+Qwen3 PP + virtual PP, Qwen3-MoE EP with padded input and TP + expert-TP + SP); plus the non-zero
+exit above --tolerance and the refusal (exit 2) of a layout that does not fit the world size.
+The numerics of every layout (TP, TP+SP, PP, VPP, CP, EP, DP, 4-rank mixes) against one process
+and HF are proven at the model level in one launch each by tests/dist/test_parity_layouts.py; this
+file checks the tool, each case a torchrun launch (~13 s on 2 cores), so it keeps six of the twelve
+it once had (the suite has to stay under 25 minutes).
 """
 
 import json
@@ -14,19 +19,13 @@ from _util import REPO, torchrun
 
 TOOL = os.path.join(REPO, "tools", "check_parity.py")
 
-CASES = [  # every family at three layouts (2 ranks each), packed THD unless --padded
+CASES = [  # every family (2 ranks each), packed THD unless --padded
     ("llama", ["--tensor-model-parallel-size", "2", "--padded"]),
-    ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ("llama", ["--pipeline-model-parallel-size", "2"]),
-    ("qwen2", ["--context-parallel-size", "2"]),
     ("qwen2", ["--tensor-model-parallel-size", "2"]),
-    ("qwen2", ["--pipeline-model-parallel-size", "2", "--padded"]),
+    ("qwen2", ["--context-parallel-size", "2"]),
     ("qwen3", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
-    ("qwen3", ["--tensor-model-parallel-size", "2"]),
-    ("qwen3", ["--context-parallel-size", "2"]),
     ("qwen3_moe", ["--expert-model-parallel-size", "2", "--padded"]),
     ("qwen3_moe", ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
-    ("qwen3_moe", []),  # data parallel only
 ]
 
 
