@@ -64,12 +64,12 @@ def _bcast_buffer(sizes: Optional[torch.Tensor], buffer: Optional[torch.Tensor],
                   group) -> tuple[torch.Tensor, torch.Tensor]:
     import torch.distributed as dist
 
-    import_sizes = sizes if sizes is not None else torch.empty(2, dtype=torch.int64)
-    dist.broadcast(import_sizes, src=src, group=group)
+    sizes = sizes if sizes is not None else torch.empty(2, dtype=torch.int64)
+    dist.broadcast(sizes, src=src, group=group)
     if buffer is None:
-        buffer = torch.empty(int(import_sizes.sum()), dtype=torch.uint8)
+        buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8)
     dist.broadcast(buffer, src=src, group=group)
-    return import_sizes, buffer
+    return sizes, buffer
 
 
 def distribute_rollout(samples: Optional[Sequence[Sample]], backend: TrainBackend, global_batch_size: int, *,
@@ -114,8 +114,7 @@ def distribute_rollout(samples: Optional[Sequence[Sample]], backend: TrainBacken
             own = sample_codec.decode(*_recv_buffer(src))
     if group is not None:  # the leader gives the share to its TP/PP/CP peers
         if me == leaders[mine]:
-            encoded = sample_codec.encode(own)
-            _bcast_buffer(*encoded, src=me, group=group)
+            _bcast_buffer(*sample_codec.encode(own), src=me, group=group)
         else:
             own = sample_codec.decode(*_bcast_buffer(None, None, src=leaders[mine], group=group))
     if len(own) != len(shares[mine]):
