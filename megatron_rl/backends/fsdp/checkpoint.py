@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.checkpoint_root import CorruptCheckpoint, is_temp_dir, read_complete_marker
 from megatron_rl.infra.dist import barrier, rank, rank0_do, world
 from megatron_rl.infra.publish import publish_collectively
+from megatron_rl.infra.rng import host_rng_state, restore_host_rng_state
 from megatron_rl.models.model_dir import HF_CONFIG_SUBDIR, copy_aux_files
 
 log = logging.getLogger(__name__)
@@ -64,25 +64,7 @@ def _rng_path(root: str, r: int) -> str:
     return os.path.join(root, RNG_SUBDIR, f"rank_{r:05d}.pt")
 
 
-def collect_rng_state() -> dict:
-    import numpy as np
-
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"random": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def restore_rng_state(state: dict) -> None:
-    import numpy as np
-
-    r = state["random"]
-    random.setstate((r[0], tuple(r[1]), r[2]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+collect_rng_state, restore_rng_state = host_rng_state, restore_host_rng_state  # FSDP has no TP RNG tracker
 
 
 def _state(backend) -> dict[str, Any]:

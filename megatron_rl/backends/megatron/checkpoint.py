@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from typing import Any
 
 import torch
@@ -61,6 +60,7 @@ from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, CorruptCheckpoint, 
                                              listed_file_problems, read_complete_marker)
 from megatron_rl.infra.dist import barrier, rank, rank0_do, world
 from megatron_rl.infra.publish import publish_collectively
+from megatron_rl.infra.rng import host_rng_state, restore_host_rng_state
 from megatron_rl.models.dist_io import (describe_read_error, dist_checkpointing, mcore_version,
                                         model_sharded_state_dict)
 from megatron_rl.models.model_dir import FINGERPRINT_FIELDS, HF_CONFIG_SUBDIR, TRAINING_FORMAT, copy_aux_files
@@ -101,32 +101,18 @@ def _chained(optimizer) -> list:
 
 
 def collect_rng_state() -> dict:
-    """This rank's RNG states, as plain ints/lists/tensors (loadable with ``weights_only``)."""
-    import numpy as np
+    """This rank's RNG states, as plain ints/lists/tensors (loadable with ``weights_only``): the host's
+    (``infra/rng.py``) and megatron's tensor-parallel RNG tracker."""
     from megatron.core import tensor_parallel
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "random": random.getstate(),
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-    }
-    return state
+    return {**host_rng_state(),
+            "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
 
 
 def restore_rng_state(state: dict) -> None:
-    import numpy as np
     from megatron.core import tensor_parallel
 
-    r = state["random"]
-    random.setstate((r[0], tuple(r[1]), r[2]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    restore_host_rng_state(state)
     tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
 
 
