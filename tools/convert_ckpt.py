@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints between HF safetensors and megatron-core torch_dist.
+"""Convert checkpoints between HF safetensors and megatron-core torch_dist, and fsdp checkpoints to HF.
 
     # HF -> torch_dist (one process, streaming: peak memory ~ largest tensor + --bucket-size;
     # the output reloads at any TP/PP/EP)
@@ -14,7 +14,14 @@
     torchrun --nproc-per-node 8 tools/convert_ckpt.py hf-to-dist --input HF --output DIST \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
 
-Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe).
+    # an fsdp training checkpoint (--train-backend fsdp: DCP, iter_NNNNNNN dir or checkpoint root) -> HF;
+    # one process, megatron-core not needed, reads any DP size's shards
+    python tools/convert_ckpt.py fsdp-to-hf --input CKPT --output HF_DIR [--hf-config HF_DIR] \\
+        [--max-shard-size 5GB] [--dtype keep] [--verify] [--bucket-size 1GB]
+
+Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe); fsdp-to-hf:
+any HF causal LM the fsdp backend trains. A megatron torch_dist and an fsdp checkpoint are told
+apart by their ``COMPLETE.json`` format: the wrong direction is refused naming the right one.
 Refusals (unmapped / missing / mis-shaped tensors, config mismatches, incomplete
 inputs, an existing output without --overwrite, an output that is, contains or lies inside the
 input) print one message naming the tensors and the fix on stderr and exit 2; Ctrl-C prints one
@@ -40,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="direction", required=True)
     for name, help_ in (("hf-to-dist", "HF safetensors dir -> torch_dist dir"),
-                        ("dist-to-hf", "torch_dist dir (or checkpoint root) -> HF safetensors dir")):
+                        ("dist-to-hf", "torch_dist dir (or checkpoint root) -> HF safetensors dir"),
+                        ("fsdp-to-hf", "fsdp checkpoint (--train-backend fsdp: iter_NNNNNNN dir or checkpoint root) "
+                                       "-> HF safetensors dir")):
         p = sub.add_parser(name, help=help_, allow_abbrev=False)
         p.add_argument("--input", required=True, metavar="DIR")
         p.add_argument("--output", required=True, metavar="DIR")
@@ -52,18 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
         p.add_argument("--no-progress", action="store_true")
         p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-        p.add_argument("--tensor-model-parallel-size", type=int, default=1, dest="tp")
-        p.add_argument("--pipeline-model-parallel-size", type=int, default=1, dest="pp")
-        p.add_argument("--expert-model-parallel-size", type=int, default=1, dest="ep")
-        p.add_argument("--expert-tensor-parallel-size", type=int, default=None, dest="etp")
-        if name == "dist-to-hf":
+        if name != "fsdp-to-hf":  # fsdp-to-hf is one process: DCP reassembles any layout's shards
+            p.add_argument("--tensor-model-parallel-size", type=int, default=1, dest="tp")
+            p.add_argument("--pipeline-model-parallel-size", type=int, default=1, dest="pp")
+            p.add_argument("--expert-model-parallel-size", type=int, default=1, dest="ep")
+            p.add_argument("--expert-tensor-parallel-size", type=int, default=None, dest="etp")
+        if name != "hf-to-dist":
             p.add_argument("--hf-config", metavar="DIR",
                            help="dir with config.json + tokenizer files (default: INPUT/hf_config)")
             p.add_argument("--max-shard-size", default="5GB", help="HF shard size limit (default 5GB)")
         p.add_argument("--bucket-size", default="1GB",
                        help="how much the conversion holds at a time (default 1GB): hf-to-dist writes torch_dist "
-                            "files of this size, dist-to-hf loads this many bytes of parameters per read; peak "
-                            "memory is about the largest tensor plus this (dist-to-hf: plus one HF shard)")
+                            "files of this size, dist-to-hf / fsdp-to-hf load this many bytes of parameters per "
+                            "read; peak memory is about the largest tensor plus this (to HF: plus one HF shard)")
     return ap
 
 
@@ -71,9 +81,19 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from megatron_rl.convert.common import parse_dtype  # lazy: imports torch (--help stays instant)
+        from megatron_rl.convert.safetensors_writer import parse_size  # lazy: imports torch
+
+        if args.direction == "fsdp-to-hf":
+            from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_hf  # lazy: imports torch, not megatron-core
+
+            summary = convert_fsdp_to_hf(args.input, args.output, hf_config_dir=args.hf_config,
+                                         dtype=parse_dtype(args.dtype), max_shard_size=args.max_shard_size,
+                                         verify=args.verify, overwrite=args.overwrite,
+                                         show_progress=not args.no_progress,
+                                         bucket_bytes=parse_size(args.bucket_size, "--bucket-size"))
+            return _report(args, summary)
         from megatron_rl.convert.dist_to_hf import convert_dist_to_hf  # lazy: imports torch
         from megatron_rl.convert.hf_to_dist import convert_hf_to_dist  # lazy: imports torch
-        from megatron_rl.convert.safetensors_writer import parse_size  # lazy: imports torch
         from megatron_rl.models.parallel import ParallelLayout  # lazy: imports torch
 
         layout = ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
@@ -99,6 +119,10 @@ def main(argv=None) -> int:
         return 130
     finally:
         _shutdown()
+    return _report(args, summary)
+
+
+def _report(args, summary: dict) -> int:
     if _is_rank0():
         if args.json:
             print(json.dumps(summary, sort_keys=True))

@@ -1,4 +1,5 @@
-"""Pieces only the HF <-> torch_dist converters use: ``--dtype``, dtype checks, the ``--output`` guard.
+"""Pieces only the converters use: ``--dtype``, dtype checks, the ``--output`` guard, telling
+checkpoint kinds apart (:func:`refuse_other_kind`).
 
 What a model dir is (markers, formats, fingerprints, aux files) lives in
 :mod:`megatron_rl.models.model_dir`, the megatron model <-> torch_dist I/O in
@@ -7,6 +8,7 @@ What a model dir is (markers, formats, fingerprints, aux files) lives in
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -14,7 +16,8 @@ import torch
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.checkpoint_root import MARKER_NAME, temp_dir_for
-from megatron_rl.models.model_dir import FORMAT, is_model_dir
+from megatron_rl.models.hf_module import DCP_FORMAT
+from megatron_rl.models.model_dir import FORMAT, HF_FORMAT, TRAINING_FORMAT, is_model_dir
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -108,3 +111,47 @@ def check_output_dir(out_dir: str, inputs: dict[str, Optional[str]], overwrite: 
                               f"(expected {what}; it holds {shown}); remove or rename it yourself if it is "
                               "disposable, or choose another --output")
 
+
+# COMPLETE.json format -> (what the dir is, the direction that reads it)
+_KINDS = {FORMAT: ("a megatron torch_dist model dir written by hf-to-dist", "dist-to-hf"),
+          TRAINING_FORMAT: ("a megatron torch_dist training checkpoint written by --train-backend megatron",
+                            "dist-to-hf"),
+          DCP_FORMAT: ("an fsdp training checkpoint (torch.distributed.checkpoint) written by --train-backend fsdp",
+                       "fsdp-to-hf"),
+          HF_FORMAT: ("an HF model dir written by dist-to-hf or fsdp-to-hf", "hf-to-dist")}
+
+
+def marker_format(path: str) -> Optional[str]:
+    """The ``format`` of ``path/COMPLETE.json`` without any other check; None if there is none."""
+    try:
+        with open(os.path.join(path, MARKER_NAME)) as f:
+            fmt = json.load(f).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return fmt if isinstance(fmt, str) else None
+
+
+def _is_plain_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        n.endswith(".safetensors") for n in os.listdir(path))
+
+
+def refuse_other_kind(path: str, given: str, direction: str) -> None:
+    """Refuse, naming the right direction, an ``--input`` that is another kind of checkpoint than
+    ``direction`` reads. A megatron torch_dist and an fsdp checkpoint share the root layout and
+    the marker's file name; only the marker's ``format`` tells them apart."""
+    fmt = marker_format(path)
+    if fmt in _KINDS:
+        what, right = _KINDS[fmt]
+        where = f"{MARKER_NAME} format {fmt!r}"
+    elif fmt is None and direction != "hf-to-dist" and _is_plain_hf_dir(path):
+        what, right, where = "an HF model dir", "hf-to-dist", "config.json and *.safetensors"
+    else:
+        return
+    if right == direction:
+        return
+    if right == "hf-to-dist":
+        raise CheckpointError(f"--input {given} is {what} ({where}): it is HF already, {direction} has nothing to "
+                              f"convert (hf-to-dist converts it to torch_dist; --hf-checkpoint loads it as is)")
+    raise CheckpointError(f"--input {given} is {what} ({where}), which {direction} does not read; convert it "
+                          f"with: tools/convert_ckpt.py {right} --input {given} --output OUT")

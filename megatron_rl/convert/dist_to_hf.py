@@ -55,6 +55,7 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     max_shard_bytes = parse_size(max_shard_size)
     given_input = dist_dir
     dist_dir = model_dir.resolve_dist_dir(os.path.abspath(dist_dir))
+    common.refuse_other_kind(dist_dir, given_input, "dist-to-hf")  # e.g. an fsdp checkpoint: fsdp-to-hf
     out_dir = os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": given_input, "--hf-config": hf_config_dir}, overwrite, "hf")
     meta = model_dir.read_marker(dist_dir)

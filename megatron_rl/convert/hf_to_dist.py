@@ -57,7 +57,9 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     """
     t0 = time.time()
     layout = layout or ParallelLayout()
+    given_input = hf_dir
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
+    common.refuse_other_kind(hf_dir, given_input, "hf-to-dist")  # a training checkpoint is not an HF dir
     common.check_output_dir(out_dir, {"--input": hf_dir}, overwrite, "torch_dist")
     model_dir.check_hf_marker_once(hf_dir, f"checking {hf_dir}")  # a dist-to-hf output
     bridge = get_bridge(hf_dir)

@@ -8,7 +8,8 @@ models, batch and flags (tests/dist/scripts/backend_worker.py's) and resumes the
 checkpoint at DP1. Compared: no-grad log-probs, per-step loss metrics and grad norm, and
 the full HF-layout weights exported after each of 3 Adam steps (PPO loss + KL + entropy,
 grad clip). Checkpoints: saved at DP2 after 3 steps, resumed at DP2 (the 4th step bitwise
-equal to the uninterrupted one) and at DP1 (resharded: equal within summation order).
+equal to the uninterrupted one) and at DP1 (resharded: equal within summation order); the DP2
+checkpoint is also exported with tools/convert_ckpt.py fsdp-to-hf (equal to the run's exported weights).
 
 Tolerances: FSDP2 at DP2 reduce-scatters per-rank gradient sums, so parameters differ
 from one process by fp32 summation order (../shared/FACTS.md: ~6e-6 after 3 steps);
@@ -182,3 +183,19 @@ def test_dcp_checkpoint_resumes_exactly_at_dp2_and_resharded_at_dp1(runs):
             for k in set(want) - SKIP_METRICS:
                 assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
             assert worst < 1e-6
+
+
+def test_dp2_checkpoint_converts_to_hf_bit_exact(runs, tmp_path):
+    """tools/convert_ckpt.py fsdp-to-hf on the DP2 checkpoint root (every tensor in two ranks' shards, read
+    back in one process): exactly the fp32 weights the run exported after its 3rd step, under the HF
+    checkpoint's names (one-rank, MoE, bf16 and the refusals: tests/convert/test_fsdp_convert.py)."""
+    from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_hf
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+    _, _, _, _, two_dir, ckpt, _ = runs
+    summary = convert_fsdp_to_hf(str(ckpt), str(tmp_path / "hf"), verify=True, show_progress=False)
+    assert summary["source"] == str(ckpt / "iter_0000003") and summary["verified"]
+    want = torch.load(two_dir / f"fsdp:+save={ckpt}_step2.pt".replace("/", "_"))
+    got = HFCheckpoint(tmp_path / "hf")
+    assert got.names() == set(want)
+    assert all(torch.equal(got.read(n), want[n]) for n in want)

@@ -51,6 +51,7 @@ from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.models import model_dir
+from megatron_rl.models.hf_module import hf_checkpoint_names, layer_of
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +85,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise BackendError(f"--train-backend fsdp: {type(model).__name__} has no model.layers to shard one by one; "
                            "this HF architecture is not supported by the fsdp backend yet")
     return list(layers)
-
-
-def hf_checkpoint_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (module names) under the HF checkpoint's names: transformers' own
-    ``revert_weight_conversion`` (what ``save_pretrained`` applies); identity where the
-    model has no load-time conversion, or on a transformers without them (4.x)."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return tensors
-    return revert_weight_conversion(model, tensors)
 
 
 class FSDPBackend(TrainBackend):
@@ -257,9 +247,7 @@ class FSDPBackend(TrainBackend):
         unit: dict[str, torch.Tensor] = {}
         key = None
         for name, p in self.model.named_parameters():
-            parts = name.split(".")
-            at = parts.index("layers") if "layers" in parts[:-2] else None
-            here = ".".join(parts[:at + 2]) if at is not None else None  # "model.layers.7"
+            here = layer_of(name)  # "model.layers.7", or None outside the decoder layers
             if unit and here != key:
                 yield unit
                 unit = {}

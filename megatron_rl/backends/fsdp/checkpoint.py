@@ -15,7 +15,15 @@ it, as for megatron) holds:
 
 Why a format of its own: a megatron torch_dist checkpoint and an FSDP DCP one hold the
 same model under different names and layouts; each backend's loader refuses the other's
-by its marker (a clear error, not a load that half-works).
+by its marker (a clear error, not a load that half-works), and so does each direction of
+``tools/convert_ckpt.py``: ``fsdp-to-hf`` (``convert/fsdp_to_hf.py``) exports these to HF
+without this backend, which is why the format name, the ``"model"`` key and the fingerprint
+live in ``models/hf_module.py``.
+
+Killed saves: everything is written into the hidden temp dir and renamed into place last
+(``publish_collectively``); a SIGKILL at any point before the rename leaves only that temp
+dir, which auto-resume never lists (tests/dist/test_fsdp_checkpoint_kill.py kills a save
+whose temp dir already holds every file and its marker).
 
 Resharding: DCP loads the model and optimizer at any DP size (tested 2 -> 1 and 2 -> 2).
 RNG states are per rank and restored only at the same world size.
@@ -37,11 +45,12 @@ from megatron_rl.infra.checkpoint_root import CorruptCheckpoint, is_temp_dir, re
 from megatron_rl.infra.dist import barrier, rank, rank0_do, world
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.infra.rng import host_rng_state, restore_host_rng_state
+from megatron_rl.models.hf_module import DCP_FORMAT, DCP_MODEL_KEY, fingerprint
 from megatron_rl.models.model_dir import HF_CONFIG_SUBDIR, copy_aux_files
 
 log = logging.getLogger(__name__)
 
-FORMAT = "megatron_rl.fsdp_dcp.v1"
+FORMAT = DCP_FORMAT  # models.hf_module: the converter (convert/fsdp_to_hf.py) reads it too
 EXTRA_STATE_NAME = "extra_state.json"
 RNG_SUBDIR = "rng"
 _ANOTHER = ("auto-resume skips it to the previous complete checkpoint; to pick one yourself pass "
@@ -49,11 +58,7 @@ _ANOTHER = ("auto-resume skips it to the previous complete checkpoint; to pick o
 
 
 def model_fingerprint(backend) -> dict:
-    c = backend.model.config
-    return {"model_type": c.model_type, "hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            "vocab_size": int(c.vocab_size)}
+    return fingerprint(backend.model.config)
 
 
 def layout_record(backend) -> dict:
@@ -72,7 +77,7 @@ def _state(backend) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    return {"model": model_sd, "optimizer": optim_sd, "scheduler": backend.scheduler.state_dict(),
+    return {DCP_MODEL_KEY: model_sd, "optimizer": optim_sd, "scheduler": backend.scheduler.state_dict(),
             "optimizer_steps": int(backend.optimizer_steps)}
 
 
