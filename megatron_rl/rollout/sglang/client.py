@@ -27,7 +27,16 @@ Retry rule (a weight update must never be applied twice):
 
 Every failure raises ``SGLangEngineError`` (an ``EngineError``) or, for weight
 endpoints, ``SGLangSyncError`` (a ``SyncError``); both carry ``url``,
-``endpoint``, ``status`` and ``server_message`` and say them in the message.
+``endpoint``, ``status``, ``server_message`` and ``kind`` (what failed, below) and say
+them in the message. A client built with a ``note`` (the launcher's "engine 1 on node 0,
+log /path/engine_1.log") names its server as ``label`` = "SGLang server URL (note)" in
+every message, so the user reading an error finds the server's log.
+
+``kind``: "unreachable" (never connected: refused, connect timeout, name resolution),
+"dropped" (the connection was cut after sending), "timeout" (no reply in time),
+"http" (the server answered an error status or a failure body), "protocol" (a reply
+that is not SGLang's shape), "transport" (any other httpx error). The health monitor
+(``health.py``) reports these words.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import httpx
 from megatron_rl.errors import EngineError, SyncError
 from megatron_rl.rollout.sglang import protocol
 
-__all__ = ["SGLangClient", "SGLangEngineError", "SGLangSyncError"]
+__all__ = ["SGLangClient", "SGLangEngineError", "SGLangSyncError", "normalize_base_url"]
 
 # Endpoints whose replay is harmless: a dropped connection after sending is retried for these.
 _IDEMPOTENT = frozenset({"/health", "/health_generate", "/model_info", "/generate", "/abort_request",
@@ -53,6 +62,17 @@ _WEIGHT_ENDPOINTS = frozenset({"/update_weights_from_disk", "/update_weights_fro
                                "/update_weight_version"})
 
 
+ERROR_KINDS = ("unreachable", "dropped", "timeout", "http", "protocol", "transport")
+
+
+def normalize_base_url(url: str) -> str:
+    """A server URL as the client keys it: ``http://`` added when no scheme is given, no trailing slash."""
+    url = str(url)
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url.rstrip("/")
+
+
 class _SGLangErrorInfo:
     """What every SGLang client error carries besides its message."""
 
@@ -60,27 +80,30 @@ class _SGLangErrorInfo:
     endpoint: str
     status: Optional[int]
     server_message: Optional[str]
+    kind: str
 
-    def _set_info(self, url: str, endpoint: str, status: Optional[int], server_message: Optional[str]) -> None:
+    def _set_info(self, url: str, endpoint: str, status: Optional[int], server_message: Optional[str],
+                  kind: str) -> None:
         self.url, self.endpoint, self.status, self.server_message = url, endpoint, status, server_message
+        self.kind = kind
 
 
 class SGLangEngineError(_SGLangErrorInfo, EngineError):
     """An SGLang server is unreachable, timed out, or refused a request."""
 
     def __init__(self, message: str, *, url: str, endpoint: str, status: Optional[int] = None,
-                 server_message: Optional[str] = None):
+                 server_message: Optional[str] = None, kind: str = "http"):
         super().__init__(message)
-        self._set_info(url, endpoint, status, server_message)
+        self._set_info(url, endpoint, status, server_message, kind)
 
 
 class SGLangSyncError(_SGLangErrorInfo, SyncError):
     """An SGLang weight endpoint failed (the server's weights or version may not be what was sent)."""
 
     def __init__(self, message: str, *, url: str, endpoint: str, status: Optional[int] = None,
-                 server_message: Optional[str] = None):
+                 server_message: Optional[str] = None, kind: str = "http"):
         super().__init__(message)
-        self._set_info(url, endpoint, status, server_message)
+        self._set_info(url, endpoint, status, server_message, kind)
 
 
 class SGLangClient:
@@ -88,14 +111,15 @@ class SGLangClient:
 
     ``timeout_s`` bounds each request (connect, read, write and pool wait);
     methods that may legitimately take long (``generate``, weight loads) accept
-    their own ``timeout_s``. Use as a context manager or call ``close()``.
+    their own ``timeout_s``. ``note``: what the user should know to find this server
+    (which engine, where its log is), said in every error. Use as a context manager or
+    call ``close()``.
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 60.0, connect_retries: int = 3, backoff_s: float = 0.5,
-                 max_connections: int = 32):
-        if not base_url.startswith(("http://", "https://")):
-            base_url = "http://" + base_url
-        self.base_url = base_url.rstrip("/")
+                 max_connections: int = 32, note: Optional[str] = None):
+        self.base_url = normalize_base_url(base_url)
+        self.note = note or None
         self.timeout_s = float(timeout_s)
         self.connect_retries = int(connect_retries)
         self.backoff_s = float(backoff_s)
@@ -120,10 +144,16 @@ class SGLangClient:
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url!r})"
 
+    @property
+    def label(self) -> str:
+        """How errors name this server: its URL, and the note (engine, log file) when there is one."""
+        return f"SGLang server {self.base_url}" + (f" ({self.note})" if self.note else "")
+
     def _error(self, endpoint: str, message: str, status: Optional[int] = None,
-               server_message: Optional[str] = None) -> Exception:
+               server_message: Optional[str] = None, kind: str = "http") -> Exception:
         cls = SGLangSyncError if endpoint in _WEIGHT_ENDPOINTS else SGLangEngineError
-        return cls(message, url=self.base_url, endpoint=endpoint, status=status, server_message=server_message)
+        return cls(message, url=self.base_url, endpoint=endpoint, status=status, server_message=server_message,
+                   kind=kind)
 
     def request(self, method: str, endpoint: str, payload: Any = None, *, timeout_s: Optional[float] = None,
                 ok_statuses: Sequence[int] = (200,), context: str = "") -> httpx.Response:
@@ -133,7 +163,7 @@ class SGLangClient:
         server's own words do not say it (SGLang's "Flush cache failed." names no reason, and a
         failed disk load names no path)."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        where = f"SGLang server {self.base_url}"
+        where = self.label
         attempts = self.connect_retries + 1
         last: Optional[BaseException] = None
         dropped = False
@@ -153,15 +183,15 @@ class SGLangClient:
                     continue
                 raise self._error(endpoint, f"{where} dropped the connection during {method} {endpoint} "
                                   f"({type(exc).__name__}: {exc}); it may or may not have applied the request, "
-                                  "so it is not resent: check the server's log and /model_info weight_version") \
-                    from exc
+                                  "so it is not resent: check the server's log and /model_info weight_version",
+                                  kind="dropped") from exc
             except httpx.TimeoutException as exc:
                 raise self._error(endpoint, f"{where} did not answer {method} {endpoint} within {timeout:g} s "
                                   f"({type(exc).__name__}); the server is overloaded, hung or dead: check its "
-                                  "log, or raise the timeout for this call") from exc
+                                  "log, or raise the timeout for this call", kind="timeout") from exc
             except httpx.HTTPError as exc:
                 raise self._error(endpoint, f"{method} {endpoint} to {where} failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                                  f"{type(exc).__name__}: {exc}", kind="transport") from exc
             if resp.status_code not in ok_statuses:
                 server_message = protocol.error_message(resp.status_code, resp.content)
                 raise self._error(endpoint, f"{where} answered {method} {endpoint} with HTTP {resp.status_code}: "
@@ -171,15 +201,17 @@ class SGLangClient:
         elapsed = time.monotonic() - started
         hint = ("a connection was cut mid-request, so the server likely died: check its log" if dropped
                 else "is the server running and is the URL right?")
+        kind = "dropped" if isinstance(last, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)) \
+            else "unreachable"
         raise self._error(endpoint, f"could not reach {where} for {method} {endpoint} after {attempts} attempt(s) "
-                          f"over {elapsed:.1f} s ({type(last).__name__}: {last}); {hint}") from last
+                          f"over {elapsed:.1f} s ({type(last).__name__}: {last}); {hint}", kind=kind) from last
 
     def _json(self, resp: httpx.Response, endpoint: str) -> Any:
         try:
             return resp.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise self._error(endpoint, f"SGLang server {self.base_url} answered {endpoint} with a body that is "
-                              f"not JSON: {resp.text[:200]!r}", status=resp.status_code) from exc
+            raise self._error(endpoint, f"{self.label} answered {endpoint} with a body that is "
+                              f"not JSON: {resp.text[:200]!r}", status=resp.status_code, kind="protocol") from exc
 
     def _weight_call(self, endpoint: str, payload: dict, timeout_s: Optional[float], context: str = "") -> dict:
         """POST a weight endpoint: ``{success, message}`` back, 400 (raised) on failure."""
@@ -187,7 +219,7 @@ class SGLangClient:
         body = self._json(resp, endpoint)
         if not isinstance(body, dict) or not body.get("success", False):
             message = body.get("message") if isinstance(body, dict) else body
-            raise self._error(endpoint, f"SGLang server {self.base_url} reported failure for {endpoint}: {message}",
+            raise self._error(endpoint, f"{self.label} reported failure for {endpoint}: {message}",
                               status=resp.status_code, server_message=str(message))
         return body
 
@@ -220,8 +252,9 @@ class SGLangClient:
         """The server's weight version string (``/model_info``; ``/get_weight_version`` is gone since 0.5.21)."""
         info = self.model_info(timeout_s=timeout_s)
         if "weight_version" not in info:
-            raise self._error("/model_info", f"SGLang server {self.base_url} /model_info carries no weight_version "
-                              f"(keys: {sorted(info)}); it predates weight versions: use SGLang >= 0.5.2")
+            raise self._error("/model_info", f"{self.label} /model_info carries no weight_version "
+                              f"(keys: {sorted(info)}); it predates weight versions: use SGLang >= 0.5.2",
+                              kind="protocol")
         return str(info["weight_version"])
 
     # ----------------------------------------------------------- generation
@@ -232,8 +265,8 @@ class SGLangClient:
         body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
         if not isinstance(body, list) or len(body) != len(input_ids):
             got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
-            raise self._error("/generate", f"SGLang server {self.base_url} answered a batch of {len(input_ids)} "
-                              f"with {got}; expected one entry per input")
+            raise self._error("/generate", f"{self.label} answered a batch of {len(input_ids)} "
+                              f"with {got}; expected one entry per input", kind="protocol")
         return body
 
     def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:

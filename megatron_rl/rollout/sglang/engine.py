@@ -22,6 +22,27 @@ server has it; otherwise ``SyncError`` names the servers that failed, and the en
 keeps its old version (servers that did load keep the new weights: the next update
 overwrites them all). The disk route needs no ``/begin_weight_update`` (SGLang exempts it).
 
+Sync hygiene (``begin_update`` ... ``end_update``, or the ``weight_update(version)`` context
+manager; every route goes through it, so transports do not repeat it): health polls pause,
+``/pause_generation`` (``pause_mode``, default "abort": requests in flight come back
+finish_reason "abort", new ones wait; skipped on a server without the endpoint) on every
+server, the transport's sends, ``/flush_cache`` where the route did not flush already (the
+disk route loads with ``flush_cache=False`` and flushes here, retried for ``flush_retry_s``
+while SGLang answers 400 because requests are pending; the distributed route flushes with its
+last bucket), the ``/model_info`` version check (``adopt_weight_version``), then
+``/continue_generation`` and health polls resume, on success and on failure alike. A server
+whose continue failed is listed as paused: ``generate`` retries it and refuses while it fails,
+so nothing waits on a paused server.
+
+Health (``health.py``): a monitor thread polls every server's ``/health`` each
+``health_interval_s`` (0: off), paused while released or updating; ``health_failures``
+failures in a row declare a server dead (``dead_servers()``). ``generate`` and the update
+paths refuse at once while a server is dead, naming it, what failed and its ``server_notes``
+entry (the launcher's "engine 1 on node 0, log ..."), which every error naming a server
+carries; a ``generate`` waiting on a server declared dead meanwhile is abandoned with that
+error. A dead server that answers again has its weight version read before it is used: one
+that restarted (initial weights) leaves the engine refusing to generate until a complete update.
+
 Seeds: SGLang honours ``sampling_seed`` only on a server started with
 ``--enable-deterministic-inference`` (0.5.23: ``SamplingBatchInfo`` drops the seeds otherwise;
 that mode needs a GPU attention backend, fa3 / flashinfer / triton, so never on the CPU route);
@@ -38,17 +59,22 @@ classes (Qwen2 on CPU among them), and reading back our own files would check no
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
+import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.plan.engines import EnginePlacement
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.sglang import protocol
-from megatron_rl.rollout.sglang.client import SGLangClient
+from megatron_rl.rollout.sglang.client import SGLangClient, SGLangEngineError, normalize_base_url
+from megatron_rl.rollout.sglang.health import HealthMonitor
 from megatron_rl.rollout.weight_dir import VersionedWeightDir
 
 if TYPE_CHECKING:
@@ -66,14 +92,26 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, urls: Sequence[str], *, weight_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
                  timeout_s: float = 60.0, generate_timeout_s: float = 600.0, update_timeout_s: float = 600.0,
                  connect_retries: int = 3, backoff_s: float = 0.5, keep_versions: int = 2,
-                 release_tags: Optional[Sequence[str]] = None, tokenizer: Any = None):
-        urls = [str(u) for u in urls]
+                 release_tags: Optional[Sequence[str]] = None, tokenizer: Any = None,
+                 health_interval_s: float = 10.0, health_timeout_s: float = 30.0, health_failures: int = 3,
+                 server_notes: Optional[dict[str, str]] = None, pause_mode: str = "abort",
+                 flush_retry_s: float = 5.0):
+        urls = [normalize_base_url(u) for u in urls]
         if not urls:
             raise ConfigError("SGLangEngine needs at least one server URL (http://host:port)")
         if len(set(urls)) != len(urls):
             raise ConfigError(f"SGLangEngine got a server URL twice: {urls}; list each server once")
-        self.clients = [SGLangClient(u, timeout_s=timeout_s, connect_retries=connect_retries, backoff_s=backoff_s)
-                        for u in urls]
+        notes = {normalize_base_url(u): str(note) for u, note in (server_notes or {}).items()}
+        unknown = sorted(set(notes) - set(urls))
+        if unknown:
+            raise ConfigError(f"SGLangEngine server_notes name {unknown}, which are not among its servers {urls}")
+        if pause_mode not in protocol.PAUSE_MODES:
+            raise ConfigError(f"SGLangEngine pause_mode {pause_mode!r} is not one of {list(protocol.PAUSE_MODES)}")
+        if health_interval_s < 0 or health_timeout_s <= 0 or health_failures < 1:
+            raise ConfigError(f"SGLangEngine health monitor: interval {health_interval_s} s (0 = off), timeout "
+                              f"{health_timeout_s} s (> 0) and failures {health_failures} (>= 1) out of range")
+        self.clients = [SGLangClient(u, timeout_s=timeout_s, connect_retries=connect_retries, backoff_s=backoff_s,
+                                     note=notes.get(u)) for u in urls]
         self.weights = VersionedWeightDir(weight_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions) \
             if weight_dir else None  # where update_weights publishes; the disk transport brings its own
         self.tokenizer = tokenizer  # for text prompts and rewards that decode; None: token-id prompts only
@@ -87,25 +125,36 @@ class SGLangEngine(RolloutEngine):
         self._seed_checked: set[str] = set()  # servers whose deterministic-inference setting was looked up
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="sglang") \
             if len(self.clients) > 1 else None
+        self.pause_mode = pause_mode
+        self.flush_retry_s = float(flush_retry_s)
+        self._incomplete_reason = _FAILED_UPDATE  # what generate says while _weights_loaded is False
+        self._state_lock = threading.Lock()  # _paused is changed from the pool's threads
+        self._update_version: Optional[int] = None  # between begin_update and end_update
+        self._paused: set[str] = set()  # servers this engine paused and has not continued yet
+        self._no_pause: set[str] = set()  # servers without /pause_generation (404): nothing to pause there
+        self._monitor = HealthMonitor(urls, interval_s=health_interval_s, timeout_s=health_timeout_s,
+                                      failures=health_failures, notes=notes)
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "SGLangEngine":
-        """The loop's engine: the running servers of ``--rollout-engine-urls`` (validation refuses sglang
-        without them: the launcher is not built), weights under ``--update-weight-disk-dir``, config files
-        and tokenizer from ``--hf-checkpoint``."""
-        urls = list(cfg.rollout.rollout_engine_urls)
+    def from_config(cls, cfg: "Config", placement: Optional[EnginePlacement] = None) -> "SGLangEngine":
+        """The loop's engine: the servers this run launched (``placement``, from ``launcher.launch_engines``),
+        or the running servers of ``--rollout-engine-urls``; weights under ``--update-weight-disk-dir``,
+        config files and tokenizer from ``--hf-checkpoint``."""
+        urls = placement.urls if placement is not None else list(cfg.rollout.rollout_engine_urls)
         if not urls:
-            raise ConfigError("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is "
-                              "not built yet (issue 14); give --rollout-engine-urls of running servers")
+            raise ConfigError("--rollout-backend sglang needs servers: the engines this run launches, or "
+                              "--rollout-engine-urls of running servers")
         hf = cfg.model.hf_checkpoint
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
-                   tokenizer=load_tokenizer(hf) if hf else None)
+                   tokenizer=load_tokenizer(hf) if hf else None,
+                   server_notes=placement.notes() if placement is not None else None)
 
     @property
     def urls(self) -> list[str]:
         return [c.base_url for c in self.clients]
 
     def close(self) -> None:
+        self._monitor.close()
         for client in self.clients:
             client.close()
         if self._pool is not None:
@@ -148,20 +197,37 @@ class SGLangEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._weight_version
 
+    def dead_servers(self) -> list[str]:
+        """URLs (in ``urls`` order) of the servers the health monitor declared dead: ``health_failures``
+        failed ``/health`` polls in a row and no answer since; [] with the monitor off. A fault-tolerant
+        runner restarts them, calls ``poll_health()`` (so they count as alive again) and then runs a
+        complete weight sync (a restarted server serves its initial weights)."""
+        dead = self._monitor.dead()
+        return [c.base_url for c in self.clients if c.base_url in dead]
+
+    def poll_health(self) -> bool:
+        """One ``/health`` round on every server now (the monitor's thread runs one every
+        ``health_interval_s``); False when skipped because the engine is released or updating."""
+        return self._monitor.poll()
+
     def health(self) -> EngineHealth:
         problems, versions = [], []
+        dead = self._monitor.dead()
         for client in self.clients:
+            if client.base_url in dead:
+                problems.append(f"{client.label} is dead: {dead[client.base_url].describe()}")
+                continue
             try:
                 if not client.health():
-                    problems.append(f"{client.base_url}: /health answered 503 (starting or shutting down)")
+                    problems.append(f"{client.label}: /health answered 503 (starting or shutting down)")
                     continue
-                versions.append(protocol.parse_weight_version(client.weight_version(), where=client.base_url))
+                versions.append(protocol.parse_weight_version(client.weight_version(), where=client.label))
             except EngineError as exc:
                 problems.append(str(exc))
         if self._released:
             problems.insert(0, "released: call resume()")
         elif not self._weights_loaded:
-            problems.insert(0, "weights incomplete: the last update failed on some server; send a complete update")
+            problems.insert(0, f"weights incomplete: {self._incomplete_reason}; send a complete update")
         stale = sorted({v for v in versions if v != self._weight_version})
         if stale and not problems:
             problems.append(f"server weight_version(s) {stale} differ from the engine's {self._weight_version}")
@@ -169,33 +235,87 @@ class SGLangEngine(RolloutEngine):
                             weights_loaded=self._weights_loaded,
                             detail="; ".join(problems) if problems else f"ready ({len(self.clients)} server(s))")
 
+    def _check_servers(self, action: str, *, for_update: bool = False) -> None:
+        """Before ``action``: a server the monitor declared dead raises at once (its name, what failed,
+        its note); one that answers again after being dead has its weight version read first. A version
+        other than the engine's means it restarted: the engine's weights are incomplete (generate refuses;
+        an update goes on, as it is what heals it)."""
+        dead = self._monitor.dead()
+        gone = [c for c in self.clients if c.base_url in dead]
+        if gone:
+            raise EngineError(f"SGLang engine cannot {action}: " + "; ".join(
+                f"{c.label} is dead: {dead[c.base_url].describe()}" for c in gone)
+                + ". Check its log; restart it (or leave it out of --rollout-engine-urls), then a complete weight "
+                  "sync brings it to the trainer's weights")
+        for url in self._monitor.take_recovered():
+            client = next(c for c in self.clients if c.base_url == url)
+            try:
+                got: Optional[int] = protocol.parse_weight_version(client.weight_version(), where=client.label)
+            except EngineError as exc:
+                got, why = None, f"its weight version could not be read: {exc}"
+            else:
+                why = f"it reports weight_version {got}, the engine is at {self._weight_version}"
+            if got == self._weight_version:
+                log.warning("%s answers again after being declared dead, at the engine's weight version %d: "
+                            "using it again", client.label, got)
+                continue
+            self._set_incomplete(f"{client.label} was declared dead and answers again, but {why}: it restarted "
+                                 "with other weights")
+            if not for_update:
+                raise EngineError(f"SGLang engine cannot {action}: {self._incomplete_reason}; a complete weight "
+                                  "update (the next sync) brings it back to the trainer's weights")
+            log.warning("%s; the update to come brings it back", self._incomplete_reason)
+
     def release(self, tags: Optional[Sequence[str]] = None) -> None:
-        """``/release_memory_occupation`` on every server (tags: the constructor's ``release_tags``; None = all)."""
+        """``/release_memory_occupation`` on every server (tags: the constructor's ``release_tags``; None = all).
+        Health polls pause first (a health generation on released memory would run on nothing)."""
         if self._released:
             return
         chosen = protocol.check_tags(tags) if tags is not None else self.release_tags
-        self._map(lambda c: c.release_memory_occupation(chosen, timeout_s=self.update_timeout_s), self.clients)
+        self._monitor.pause("released")
+        try:
+            self._map(lambda c: c.release_memory_occupation(chosen, timeout_s=self.update_timeout_s), self.clients)
+        except BaseException:
+            log.warning("SGLang release failed part-way: health polls stay paused (some server may be released) "
+                        "until resume()")
+            raise
         self._released = True
 
     def resume(self, tags: Optional[Sequence[str]] = None) -> None:
-        """``/resume_memory_occupation`` on every server; SGLang keeps the weights' content across release."""
+        """``/resume_memory_occupation`` on every server; SGLang keeps the weights' content across release.
+        Health polls resume after it."""
         if not self._released:
+            self._monitor.resume("released")  # after a release that failed part-way
             return
         chosen = protocol.check_tags(tags) if tags is not None else self.release_tags
         self._map(lambda c: c.resume_memory_occupation(chosen, timeout_s=self.update_timeout_s), self.clients)
         self._released = False
+        self._monitor.resume("released")
 
     def abort(self) -> None:
         """Abort every request in flight on every server; those rows come back with finish_reason "abort"."""
         self._map(lambda c: c.abort_request(abort_all=True), self.clients)
 
     # ------------------------------------------------------------- generation
-    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
+    def _check_can_generate(self) -> None:
         if self._released:
             raise EngineError("SGLang engine cannot generate: released: call resume()")
+        self._check_servers("generate")
         if not self._weights_loaded:
-            raise EngineError("SGLang engine cannot generate: the last weight update failed on some server, so the "
-                              "servers' weights differ; send a complete update_weights first")
+            raise EngineError(f"SGLang engine cannot generate: {self._incomplete_reason}; send a complete "
+                              "update_weights first")
+        if self._update_version is not None:
+            raise EngineError(f"SGLang engine cannot generate: the weight update to version {self._update_version} "
+                              "has begun (begin_update) and not ended, so its servers are paused and the request "
+                              "would wait; a transport ends it with end_update() (or use engine.weight_update())")
+        if self._paused:
+            failures = self._continue_paused()
+            if failures:
+                raise EngineError("SGLang engine cannot generate: server(s) still paused since the last weight "
+                                  "update, /continue_generation failed again: " + " | ".join(failures))
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
+        self._check_can_generate()
         if not requests:
             return []
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
@@ -208,8 +328,6 @@ class SGLangEngine(RolloutEngine):
 
         def run(server: int) -> dict[tuple[int, int], protocol.GenerateOutput]:
             indices = per_server[server]
-            if not indices:
-                return {}
             client = self.clients[server]
             if sampling.seed is not None and sampling.temperature > 0:
                 self._warn_if_seed_ignored(client)
@@ -218,11 +336,11 @@ class SGLangEngine(RolloutEngine):
                 [requests[i].prompt_ids for i, _ in rows],
                 [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)) for i, j in rows],
                 rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s)
-            return {row: protocol.parse_generate_output(e, where=f"SGLang server {client.base_url}")
+            return {row: protocol.parse_generate_output(e, where=client.label)
                     for row, e in zip(rows, entries)}
 
         outputs: dict[tuple[int, int], protocol.GenerateOutput] = {}
-        for part in self._map(run, list(range(len(self.clients)))):
+        for part in self._run_watched(run, [s for s in range(len(self.clients)) if per_server[s]]):
             outputs.update(part)
         samples = []
         for i, req in enumerate(requests):
@@ -238,6 +356,26 @@ class SGLangEngine(RolloutEngine):
                     metadata=metadata))
         return samples
 
+    def _run_watched(self, fn, servers: list[int]) -> list:
+        """``fn(server)`` for each server on its own daemon thread, watched: the first error is raised as
+        soon as it happens, and a server the health monitor declares dead meanwhile abandons the call at
+        once (its thread ends with its own request timeout) instead of waiting up to that timeout."""
+        calls = [(s, _Call(lambda s=s: fn(s), name="sglang-generate")) for s in servers]
+        while True:
+            for _, call in calls:
+                if call.done() and call.error is not None:
+                    raise call.error
+            pending = [(s, call) for s, call in calls if not call.done()]
+            if not pending:
+                return [call.value for _, call in calls]
+            dead = self._monitor.dead() if self._monitor.enabled else {}
+            hung = [self.clients[s] for s, _ in pending if self.clients[s].base_url in dead]
+            if hung:
+                raise EngineError("SGLang engine: generate abandoned, " + "; ".join(
+                    f"{c.label} was declared dead while its /generate was in flight: "
+                    f"{dead[c.base_url].describe()}" for c in hung) + ". Check its log")
+            pending[0][1].join(0.05)
+
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         raise EngineError("SGLang engine cannot list its weights: SGLang's /get_weights_by_name is missing for most "
@@ -247,6 +385,7 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Disk route: publish ``<weight_dir>/v<version>``, load it on every server, prune old versions."""
         self._check_update(version)
+        self._check_servers(f"update weights to version {version}", for_update=True)  # before writing
         if self.weights is None:
             raise ConfigError("SGLangEngine.update_weights needs weight_dir (a directory every server can read, "
                               "e.g. a shared filesystem path): pass weight_dir=... to the constructor")
@@ -261,59 +400,192 @@ class SGLangEngine(RolloutEngine):
             raise SyncError(f"update_weights(version={version}) is older than the engine's weight_version "
                             f"{self._weight_version}; versions only move forward (check the trainer's step counter)")
 
+    def _set_incomplete(self, reason: str) -> None:
+        self._weights_loaded = False
+        self._incomplete_reason = reason
+
     # ------------------------------------------ updates a transport drives server by server
     def begin_update(self, version: int) -> None:
-        """Before a transport sends ``version``: the engine is not released and versions only move forward."""
+        """Before a transport sends ``version``: the engine is not released, versions only move forward, no
+        server is dead; then health polls pause and every server is paused (``/pause_generation`` with
+        ``pause_mode``; nothing on a server without it). Pair it with ``end_update()`` in a ``finally``
+        (``adopt_weight_version`` and ``mark_weights_incomplete`` end it too), or use ``weight_update``."""
         self._check_update(version)
+        self._check_servers(f"update weights to version {version}", for_update=True)
+        self._monitor.pause("update")
+        self._update_version = version
+        failures = [f for f in self._map(self._pause_server, self.clients) if f]
+        if failures:
+            self.end_update()
+            raise SyncError(f"weight update to version {version} could not start: /pause_generation failed on "
+                            f"{len(failures)} of {len(self.clients)} server(s); nothing was sent: "
+                            + " | ".join(failures))
 
-    def mark_weights_incomplete(self) -> None:
-        """A transport failed part-way, so the servers' weights may be a mix: ``generate`` refuses until a
-        complete update is adopted (the same rule as a failed disk load)."""
-        self._weights_loaded = False
+    def _pause_server(self, client: SGLangClient) -> Optional[str]:
+        if client.base_url in self._no_pause:
+            return None
+        try:
+            client.pause_generation(self.pause_mode)
+        except SGLangEngineError as exc:
+            if exc.status == 404:  # an SGLang without the endpoint: nothing to pause
+                self._no_pause.add(client.base_url)
+                log.info("%s has no /pause_generation: weight updates there run without pausing", client.label)
+                return None
+            return str(exc)
+        except EngineError as exc:
+            return str(exc)
+        with self._state_lock:
+            self._paused.add(client.base_url)
+        return None
 
-    def adopt_weight_version(self, version: int, *, how: str) -> None:
-        """After ``how`` pushed ``version`` to every server: adopt it only if each server's ``/model_info``
-        reports it; otherwise ``SyncError`` names the servers and the engine refuses to generate."""
+    def end_update(self) -> None:
+        """After a transport's update, whatever its outcome; idempotent: ``/continue_generation`` on every
+        server ``begin_update`` paused, then health polls resume. A server whose continue fails stays
+        listed as paused: ``generate`` retries it and refuses while it fails (never waits on it)."""
+        if self._update_version is None and not self._paused:
+            return
+        self._update_version = None
+        try:
+            self._continue_paused()
+        finally:
+            self._monitor.resume("update")
 
-        def check(client: SGLangClient) -> Optional[str]:
+    def _continue_paused(self) -> list[str]:
+        def go(client: SGLangClient) -> Optional[str]:
             try:
-                got = client.weight_version()
-            except (EngineError, SyncError) as exc:
+                client.continue_generation()
+            except EngineError as exc:
                 return str(exc)
-            if got != str(version):
-                return f"SGLang server {client.base_url} reports weight_version {got!r}, not {str(version)!r}"
+            with self._state_lock:
+                self._paused.discard(client.base_url)
             return None
 
-        failures = [f for f in self._map(check, self.clients) if f]
+        failures = [f for f in self._map(go, [c for c in self.clients if c.base_url in self._paused]) if f]
         if failures:
-            self._weights_loaded = False
-            raise SyncError(f"weight update to version {version} ({how}) did not land on {len(failures)} of "
-                            f"{len(self.clients)} server(s); the engine stays at version {self._weight_version} and "
-                            "refuses to generate until a complete update: " + " | ".join(failures))
-        self._weights_loaded = True
-        self._weight_version = version
+            log.warning("SGLang server(s) still paused, /continue_generation failed: %s", " | ".join(failures))
+        return failures
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator["SGLangEngine"]:
+        """``begin_update(version)`` ... ``end_update()`` around a transport's sends, on every exit path."""
+        self.begin_update(version)
+        try:
+            yield self
+        finally:
+            self.end_update()
+
+    def mark_weights_incomplete(self, reason: Optional[str] = None) -> None:
+        """A transport failed part-way, so the servers' weights may be a mix: ``generate`` refuses until a
+        complete update is adopted (the same rule as a failed disk load). Ends the update (``end_update``)."""
+        self._set_incomplete(reason or _FAILED_UPDATE)
+        self.end_update()
+
+    def _flush(self, client: SGLangClient, version: int) -> Optional[str]:
+        """``/flush_cache`` after an update that did not flush; SGLang answers 400 while requests are running or
+        waiting, so a 400 is retried (backoff from 50 ms to 0.5 s) for ``flush_retry_s``; None when flushed."""
+        started = time.monotonic()
+        delay, attempts = 0.05, 0
+        while True:
+            attempts += 1
+            try:
+                client.flush_cache()
+                return None
+            except EngineError as exc:
+                status = getattr(exc, "status", None)
+                if status != 400 or time.monotonic() + delay > started + self.flush_retry_s:
+                    if status != 400:
+                        return str(exc)
+                    hint = ("pause_mode in_place keeps running requests, and their KV cache, on the server, so the "
+                            "flush cannot run while any is unfinished: use pause_mode abort or retract"
+                            if self.pause_mode == "in_place" else
+                            "requests reached it while it was paused for the update: is another client using it?")
+                    return (f"{client.label} refused /flush_cache after the update to version {version}: "
+                            f"{attempts} attempt(s) over {time.monotonic() - started:.1f} s, the last answered HTTP "
+                            f"400 {getattr(exc, 'server_message', None)!r} (requests still running or waiting; "
+                            f"{hint}); its new weights are loaded but its cache may hold prefixes computed by the "
+                            "old ones")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def adopt_weight_version(self, version: int, *, how: str, flushed: bool = False) -> None:
+        """After ``how`` pushed ``version`` to every server: ``/flush_cache`` on each unless the route
+        ``flushed`` already, then adopt ``version`` only if each server's ``/model_info`` reports it;
+        otherwise ``SyncError`` names the servers and the engine refuses to generate. Ends the update."""
+        try:
+            if not flushed:
+                failures = [f for f in self._map(lambda c: self._flush(c, version), self.clients) if f]
+                if failures:
+                    self._set_incomplete(f"the update to version {version} ({how}) left a cache unflushed on "
+                                         f"{len(failures)} server(s)")
+                    raise SyncError(f"weight update to version {version} ({how}): the cache flush failed on "
+                                    f"{len(failures)} of {len(self.clients)} server(s); the engine stays at version "
+                                    f"{self._weight_version} and refuses to generate until a complete update: "
+                                    + " | ".join(failures))
+
+            def check(client: SGLangClient) -> Optional[str]:
+                try:
+                    got = client.weight_version()
+                except (EngineError, SyncError) as exc:
+                    return str(exc)
+                if got != str(version):
+                    return f"{client.label} reports weight_version {got!r}, not {str(version)!r}"
+                return None
+
+            failures = [f for f in self._map(check, self.clients) if f]
+            if failures:
+                self._set_incomplete(_FAILED_UPDATE)
+                raise SyncError(f"weight update to version {version} ({how}) did not land on {len(failures)} of "
+                                f"{len(self.clients)} server(s); the engine stays at version {self._weight_version} "
+                                "and refuses to generate until a complete update: " + " | ".join(failures))
+            self._weights_loaded = True
+            self._weight_version = version
+        finally:
+            self.end_update()
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """``POST /update_weights_from_disk`` of the published dir ``path`` on every server (with
-        ``weight_version=str(version)``), then check each reports ``version``; adopt it only if all do."""
-        self._check_update(version)
+        ``weight_version=str(version)``, ``flush_cache=False``: the flush follows, retried), inside
+        ``weight_update``; adopt ``version`` only if every server then reports it."""
+        with self.weight_update(version):
+            def load(client: SGLangClient) -> Optional[str]:
+                try:
+                    client.update_weights_from_disk(path, weight_version=str(version), flush_cache=False,
+                                                    timeout_s=self.update_timeout_s)
+                except (EngineError, SyncError) as exc:
+                    return str(exc)
+                return None
 
-        def load(client: SGLangClient) -> Optional[str]:
-            try:
-                client.update_weights_from_disk(path, weight_version=str(version), timeout_s=self.update_timeout_s)
-                got = client.weight_version()
-            except (EngineError, SyncError) as exc:
-                return str(exc)
-            if got != str(version):
-                return (f"SGLang server {client.base_url} loaded {path} but /model_info reports weight_version "
-                        f"{got!r}, not {str(version)!r}")
-            return None
+            failures = [f for f in self._map(load, self.clients) if f]
+            if failures:
+                self._set_incomplete(_FAILED_UPDATE)
+                raise SyncError(f"weight update to version {version} from {path} failed on {len(failures)} of "
+                                f"{len(self.clients)} server(s); the engine stays at version {self._weight_version}: "
+                                + " | ".join(failures))
+            self.adopt_weight_version(version, how=f"disk, {path}")
 
-        failures = [f for f in self._map(load, self.clients) if f]
-        if failures:
-            self._weights_loaded = False
-            raise SyncError(f"weight update to version {version} from {path} failed on {len(failures)} of "
-                            f"{len(self.clients)} server(s); the engine stays at version {self._weight_version}: "
-                            + " | ".join(failures))
-        self._weights_loaded = True
-        self._weight_version = version
+
+_FAILED_UPDATE = "the last weight update failed on some server, so the servers' weights differ"
+
+
+class _Call:
+    """``fn()`` on a daemon thread: a call stuck on a hung server never holds up the caller or its exit."""
+
+    def __init__(self, fn, name: str):
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), daemon=True, name=name).start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def join(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)

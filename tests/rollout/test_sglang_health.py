@@ -1,0 +1,366 @@
+"""SGLang engine faults, sync hygiene and stale-sample accounting, against the in-process stand-in.
+
+Real parts: ``SGLangEngine`` / ``SGLangClient`` / ``HealthMonitor`` over HTTP, the disk and
+distributed transports, ``RolloutManager``, and the protocol-exact stand-in server
+(tests/rollout/sglang_standin.py, in this process). Two stand-in variants defined here only
+observe or trim the protocol: ``RecordingStandIn`` records each request's path and body in order,
+``NoPauseStandIn`` plays an SGLang without ``/pause_generation`` (FastAPI's 404, as the stand-in's
+``legacy`` mode does for the begin/end pair). Most tests drive the monitor by ``poll_health()``
+(``health_interval_s=0``: no thread), so they do not depend on timing.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.config import parse_config
+from megatron_rl.data.prompts import PromptDataset, PromptIterator
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.rollout import GenerateRequest, SamplingParams
+from megatron_rl.rollout.manager import RolloutManager, weight_version_metrics
+from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine
+from megatron_rl.weight_sync.distributed import DistributedSynchronizer
+
+from sglang_standin import SGLangStandIn  # tests/ is on sys.path (conftest)
+
+REQUESTS = [GenerateRequest([5, 17, 3], 0), GenerateRequest([9, 1, 100, 42], 1)]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+NOTE = "engine 1 on node 0, log /logs/engine_1.log"
+CONTROL = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
+           "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update", "/model_info")
+
+
+class RecordingStandIn(SGLangStandIn):
+    """The stand-in, recording ``(path, body)`` of every request it handles, in arrival order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def handle(self, method, path, body):
+        self.calls.append((path, body))
+        return super().handle(method, path, body)
+
+    def control(self):
+        """The sync-related calls, in order (generate and health left out)."""
+        return [p for p, _ in self.calls if p in CONTROL]
+
+
+class NoPauseStandIn(RecordingStandIn):
+    """An SGLang without ``/pause_generation`` / ``/continue_generation``: FastAPI's 404."""
+
+    def handle(self, method, path, body):
+        if path in ("/pause_generation", "/continue_generation"):
+            self.calls.append((path, body))
+            return 404, {"detail": "Not Found"}
+        return super().handle(method, path, body)
+
+
+@pytest.fixture
+def model(tiny_hf_models):
+    return tiny_hf_models("qwen2")
+
+
+@pytest.fixture
+def weights(model):
+    return load_file(f"{model}/model.safetensors")
+
+
+def make_engine(server, tmp_path, **kwargs):
+    options = dict(weight_dir=str(tmp_path / "weights"), hf_checkpoint=server.model_path, timeout_s=10,
+                   connect_retries=0, health_interval_s=0, health_timeout_s=0.3, server_notes={server.url: NOTE})
+    options.update(kwargs)
+    return SGLangEngine([server.url], **options)
+
+
+def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_a_server_failing_its_health_polls_is_declared_dead_and_named(model, weights, tmp_path):
+    server = SGLangStandIn(model).start()
+    engine = make_engine(server, tmp_path)
+    try:
+        server.faults.delay_s["/health"] = 1.0  # one slow reply is not a death
+        engine.poll_health()
+        server.faults.delay_s.pop("/health")
+        engine.poll_health()
+        engine.poll_health()
+        assert engine.dead_servers() == []
+        server.stop()
+        engine.poll_health()
+        engine.poll_health()
+        assert engine.dead_servers() == []  # 2 of 3
+        engine.poll_health()
+        assert engine.dead_servers() == [server.url]
+        for call in (lambda: engine.generate(REQUESTS, GREEDY), lambda: engine.update_weights(weights.items(), 1)):
+            t = time.monotonic()
+            with pytest.raises(EngineError) as err:
+                call()
+            assert time.monotonic() - t < 0.5  # at once: no request to the dead server
+            message = str(err.value)
+            assert server.url in message and NOTE in message and "connection refused" in message, message
+            assert "3 times in a row" in message
+        health = engine.health()
+        assert not health.ok and NOTE in health.detail
+
+        # it comes back at the engine's weight version (0): used again after the next poll
+        server.start()
+        engine.poll_health()
+        assert engine.dead_servers() == []
+        assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {0}
+
+        # a restart: a fresh server on the same port serves its initial weights ("default") while the engine
+        # is at version 1, so the engine refuses to generate until a complete update heals it
+        engine.update_weights(weights.items(), 1)
+        server.stop()
+        for _ in range(3):
+            engine.poll_health()
+        port = int(server.url.rsplit(":", 1)[1])
+        server = SGLangStandIn(model, port=port).start()
+        engine.poll_health()
+        with pytest.raises(EngineError, match="reports weight_version 0, the engine is at 1: it restarted"):
+            engine.generate(REQUESTS, GREEDY)
+        with pytest.raises(EngineError, match="it restarted with other weights; send a complete update"):
+            engine.generate(REQUESTS, GREEDY)
+        engine.update_weights(weights.items(), 2)
+        assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {2}
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_the_monitor_thread_polls_pauses_while_released_or_updating_and_stops_on_close(model, weights, tmp_path):
+    with RecordingStandIn(model) as server:
+        engine = make_engine(server, tmp_path, health_interval_s=0.02)
+        try:
+            wait_for(lambda: server.requests["/health"] >= 3)
+            engine.release()
+            polls = server.requests["/health"]
+            time.sleep(0.2)
+            assert server.requests["/health"] == polls  # none while released
+            engine.resume()
+            wait_for(lambda: server.requests["/health"] >= polls + 2)
+            server.faults.delay_s["/update_weights_from_disk"] = 0.3  # an update long enough to be polled in
+            engine.update_weights(weights.items(), 1)
+            paths = [p for p, _ in server.calls]
+            between = paths[paths.index("/pause_generation"):paths.index("/continue_generation")]
+            assert "/update_weights_from_disk" in between and "/health" not in between
+            wait_for(lambda: paths.count("/health") < [p for p, _ in server.calls].count("/health"))
+        finally:
+            engine.close()
+        polls = server.requests["/health"]
+        time.sleep(0.15)
+        assert server.requests["/health"] == polls  # the thread is gone
+
+
+def test_a_generate_waiting_on_a_server_declared_dead_is_abandoned_not_hung(model, tmp_path):
+    with SGLangStandIn(model) as server:
+        server.faults.delay_s["/generate:row"] = 30.0  # the rows never finish...
+        engine = make_engine(server, tmp_path, health_interval_s=0.02, health_timeout_s=0.2, health_failures=2,
+                             generate_timeout_s=60)
+        try:
+            wait_for(lambda: server.requests["/health"] >= 1)
+            server.faults.delay_s["/health"] = 5.0  # ...and the server stops answering its health checks
+            t = time.monotonic()
+            with pytest.raises(EngineError) as err:
+                engine.generate(REQUESTS, GREEDY)
+            took = time.monotonic() - t
+            message = str(err.value)
+            assert took < 3, took  # not the 60 s generate timeout
+            assert "declared dead while its /generate was in flight" in message and NOTE in message, message
+            assert "timeout: no reply within 0.2 s" in message
+            assert engine.dead_servers() == [server.url]
+        finally:
+            engine.close()
+
+
+def test_a_connection_cut_mid_generate_names_the_server_and_its_log(model, tmp_path):
+    with SGLangStandIn(model) as server:
+        engine = make_engine(server, tmp_path, connect_retries=1, backoff_s=0.05)
+        try:
+            server.faults.die_on = "/generate"
+            with pytest.raises(EngineError) as err:
+                engine.generate(REQUESTS, GREEDY)
+            message = str(err.value)
+            assert server.url in message and NOTE in message and "POST /generate" in message, message
+            assert err.value.kind == "unreachable" and "likely died" in message
+        finally:
+            engine.close()
+
+
+def test_disk_update_pauses_loads_flushes_checks_and_continues_in_order(model, weights, tmp_path):
+    with RecordingStandIn(model) as server:
+        engine = make_engine(server, tmp_path)
+        try:
+            engine.update_weights(weights.items(), 1)
+            assert server.control() == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
+                                        "/model_info", "/continue_generation"]
+            bodies = dict(server.calls)
+            assert bodies["/pause_generation"] == {"mode": "abort"}
+            assert bodies["/update_weights_from_disk"]["flush_cache"] is False  # flushed after, with retries
+            # a failed load: still continued, and the engine refuses to generate
+            server.calls.clear()
+            with pytest.raises(SyncError, match="unknown name"):
+                engine.update_weights({"model.not_a_tensor": torch.zeros(3)}.items(), 2)
+            assert server.control() == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+            with pytest.raises(EngineError, match="last weight update failed"):
+                engine.generate(REQUESTS, GREEDY)
+        finally:
+            engine.close()
+
+
+def test_a_server_without_pause_generation_is_updated_without_it(model, weights, tmp_path):
+    with NoPauseStandIn(model) as server:
+        engine = make_engine(server, tmp_path)
+        try:
+            engine.update_weights(weights.items(), 1)
+            engine.update_weights(weights.items(), 2)
+            assert server.control() == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
+                                        "/model_info", "/update_weights_from_disk", "/flush_cache", "/model_info"]
+            assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {2}
+        finally:
+            engine.close()
+
+
+def test_a_flush_refused_while_requests_are_pending_is_retried_then_reported(model, weights, tmp_path):
+    """In-place pausing keeps a running request on the server, so SGLang refuses to flush (400) until it ends."""
+    with RecordingStandIn(model) as server:
+        engine = make_engine(server, tmp_path, pause_mode="in_place", flush_retry_s=0.6)
+        other = SGLangClient(server.url, connect_retries=0)  # an eval or partial rollout on the same server
+        try:
+            server.faults.delay_s["/generate:row"] = 30.0
+            pending = threading.Thread(target=other.generate, args=([[1, 2, 3]], [{"max_new_tokens": 2}]))
+            pending.start()
+            wait_for(lambda: server.pending_count() == 1)
+            t = time.monotonic()
+            with pytest.raises(SyncError) as err:
+                engine.update_weights(weights.items(), 1)
+            assert time.monotonic() - t < 3
+            message = str(err.value)
+            assert server.url in message and NOTE in message and "/flush_cache" in message, message
+            assert "Flush cache failed." in message and "pause_mode in_place" in message
+            assert server.requests["/flush_cache"] >= 3  # retried with backoff
+            assert server.control()[-1] == "/continue_generation"  # the server is not left paused
+            with pytest.raises(EngineError, match="left a cache unflushed"):
+                engine.generate(REQUESTS, GREEDY)
+            engine.abort()
+            pending.join(5)
+
+            # the same with the request ending during the retries: the update completes
+            pending = threading.Thread(target=other.generate, args=([[1, 2, 3]], [{"max_new_tokens": 2}]))
+            pending.start()
+            wait_for(lambda: server.pending_count() == 1)
+            threading.Timer(0.2, engine.abort).start()
+            engine.update_weights(weights.items(), 2)
+            pending.join(5)
+            server.faults.delay_s.pop("/generate:row")
+            assert engine.weight_version == 2
+            assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {2}
+        finally:
+            other.close()
+            engine.close()
+
+
+class BucketBackend:
+    """The trainer side of a sync: exports ``tensors`` two per bucket."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors.items())
+
+    def export_weights(self, bucket_bytes):
+        for i in range(0, len(self.tensors), 2):
+            yield self.tensors[i:i + 2]
+
+
+def test_distributed_sync_is_wrapped_in_pause_and_continue_and_flushes_with_its_last_bucket(model, weights,
+                                                                                           tmp_path):
+    with RecordingStandIn(model, group_timeout_s=20) as server:
+        engine = make_engine(server, tmp_path)
+        sync = DistributedSynchronizer(bucket_bytes=1, timeout_s=20)
+        try:
+            sync.sync(BucketBackend(weights), engine, version=1)
+            control = server.control()
+            assert control[:2] == ["/pause_generation", "/begin_weight_update"], control
+            assert control[-3:] == ["/end_weight_update", "/model_info", "/continue_generation"], control
+            assert "/flush_cache" not in control  # the last bucket carried flush_cache
+            updates = [body for path, body in server.calls if path == "/update_weights_from_distributed"]
+            assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
+            assert engine.weight_version == 1
+            assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {1}
+        finally:
+            sync.shutdown()
+            engine.close()
+
+
+def test_stale_samples_are_kept_and_counted_per_rollout(model, weights, tmp_path):
+    """An update lands while a rollout is generating: the pause aborts its rows, which keep the version that
+    generated them (0) while the engine ends the rollout at 1: counted stale (and aborted), not dropped."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(4)))
+    cfg = parse_config(["--hf-checkpoint", model, "--prompt-data", str(prompts_file), "--rollout-batch-size", "2",
+                        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3"])
+    prompts = PromptIterator(PromptDataset(cfg.data.prompt_data), rollout_batch_size=2, n_samples_per_prompt=2,
+                             shuffle=False, seed=1)
+    updated = threading.Event()
+
+    def reward(samples):
+        assert updated.wait(10), "the update did not finish"
+        return [0.0] * len(samples)
+
+    with SGLangStandIn(model) as server:
+        engine = make_engine(server, tmp_path)
+        manager = RolloutManager(cfg, engine, prompts, reward)
+        result = {}
+        try:
+            server.faults.delay_s["/generate:row"] = 30.0
+            rollout = threading.Thread(target=lambda: result.update(out=manager.generate(0)))
+            rollout.start()
+            wait_for(lambda: server.pending_count() > 0)
+            engine.update_weights(weights.items(), 1)
+            server.faults.delay_s.pop("/generate:row")
+            updated.set()
+            rollout.join(10)
+            samples, metrics = result["out"]
+            assert len(samples) == 4 and {s.weight_version for s in samples} == {0}
+            assert metrics["rollout/stale_samples"] == 4.0 and metrics["rollout/aborted_samples"] == 4.0
+            assert (metrics["rollout/weight_version_min"], metrics["rollout/weight_version_max"]) == (0.0, 0.0)
+            assert metrics["rollout/mixed_version_samples"] == 0.0
+            samples, metrics = manager.generate(1)  # the next rollout, all from version 1
+            assert metrics["rollout/stale_samples"] == 0.0 and metrics["rollout/aborted_samples"] == 0.0
+            assert metrics["rollout/weight_version_min"] == metrics["rollout/weight_version_max"] == 1.0
+        finally:
+            updated.set()
+            engine.close()
+
+
+def test_weight_version_metrics_count_mixed_and_stale_samples():
+    def sample(version, spans=None, finish="length"):
+        metadata = {"weight_version_spans": spans} if spans else {}
+        return Sample(group_index=0, prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-1.0, -1.0],
+                      weight_version=version, finish_reason=finish, metadata=metadata)
+
+    samples = [sample(3), sample(2, spans=[[2, 0, 1], [3, 1, 2]]), sample(1, finish="abort"), sample(3)]
+    assert weight_version_metrics(samples, current_version=3) == {
+        "rollout/stale_samples": 2.0, "rollout/weight_version_min": 1.0, "rollout/weight_version_max": 3.0,
+        "rollout/mixed_version_samples": 1.0, "rollout/aborted_samples": 1.0}
+
+
+def test_constructor_refuses_what_it_cannot_honour():
+    with pytest.raises(ConfigError, match=r"server_notes name \['http://elsewhere:1'\]"):
+        SGLangEngine(["http://a:1"], server_notes={"elsewhere:1": "x"}, health_interval_s=0)
+    with pytest.raises(ConfigError, match="pause_mode 'drain'"):
+        SGLangEngine(["http://a:1"], pause_mode="drain", health_interval_s=0)
+    with pytest.raises(ConfigError, match="health monitor"):
+        SGLangEngine(["http://a:1"], health_failures=0)
+    engine = SGLangEngine(["a:1/"], server_notes={"http://a:1": NOTE}, health_interval_s=0)
+    assert engine.urls == ["http://a:1"] and engine.clients[0].label == f"SGLang server http://a:1 ({NOTE})"
+    engine.close()
