@@ -1,8 +1,11 @@
 """Trainer -> rollout-engine weight synchronisation, one module per transport.
 
-``in_process`` (tensor: the embedded engine in the driver's process), ``disk`` (versioned
-safetensors dirs any engine loads), ``distributed`` (a gloo/NCCL process group with SGLang
-servers, ``update_group`` holding the trainer's end of it).
+``in_process`` (tensor: the embedded engine in the driver's process), ``sglang_tensor`` (tensor:
+flattened buckets handed by CUDA IPC / shared memory to SGLang engines the run launched on the
+trainer's devices), ``disk`` (versioned safetensors dirs any engine loads), ``distributed`` (a
+gloo/NCCL process group with SGLang servers, ``update_group`` holding the trainer's end of it).
+``make_synchronizer_from_config`` picks by ``--update-weight-transport`` and ``--rollout-backend``
+(``base.TRANSPORTS``, overridden per engine by ``base.ENGINE_TRANSPORTS``).
 
 Invariants every transport keeps (see ``base.WeightSynchronizer``):
 * A sync is collective over the training world (every rank iterates the
@@ -16,12 +19,14 @@ Invariants every transport keeps (see ``base.WeightSynchronizer``):
 """
 
 from megatron_rl.weight_sync.base import (
+    ENGINE_TRANSPORTS,
     TRANSPORTS,
     WeightSynchronizer,
     make_synchronizer,
     make_synchronizer_from_config,
     register_transport,
+    transport_class,
 )
 
-__all__ = ["TRANSPORTS", "WeightSynchronizer", "make_synchronizer", "make_synchronizer_from_config",
-           "register_transport"]
+__all__ = ["ENGINE_TRANSPORTS", "TRANSPORTS", "WeightSynchronizer", "make_synchronizer",
+           "make_synchronizer_from_config", "register_transport", "transport_class"]

@@ -1,9 +1,15 @@
-"""The WeightSynchronizer interface and the ``--update-weight-transport`` table that picks a transport."""
+"""The WeightSynchronizer interface and the ``--update-weight-transport`` tables that pick a transport.
+
+Two tables, because what a transport name means can depend on the engine: ``TRANSPORTS`` maps a
+name to its synchronizer, and ``ENGINE_TRANSPORTS`` overrides a row for one ``--rollout-backend``
+(``tensor`` is the in-process hand-over with the embedded engine, and flattened buckets over
+``/update_weights_from_tensor`` with SGLang engines the run launched colocated).
+"""
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Type, Union
+from typing import TYPE_CHECKING, Any, Optional, Type, Union
 
 from megatron_rl.errors import SyncError
 from megatron_rl.infra.registry import Refused, Registry
@@ -12,6 +18,7 @@ if TYPE_CHECKING:
     from megatron_rl.backends.base import TrainBackend
     from megatron_rl.config.schema import Config
     from megatron_rl.rollout.base import RolloutEngine
+    from megatron_rl.plan.engines import EnginePlacement
 
 
 class WeightSynchronizer(abc.ABC):
@@ -20,6 +27,8 @@ class WeightSynchronizer(abc.ABC):
     Every transport takes the same arguments: ``bucket_bytes`` (``--update-weight-buffer-size``),
     ``check_equal`` (``--check-weight-update-equal``) and ``driver_rank`` (the rank that holds the
     engine). ``from_config`` maps the flags; a transport that needs more flags overrides it.
+    ``engines`` is where the run launched its SGLang engines (None: it launched none); only the
+    transports that address engines rank by rank use it.
     """
 
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0):
@@ -28,7 +37,8 @@ class WeightSynchronizer(abc.ABC):
         self.driver_rank = driver_rank
 
     @classmethod
-    def from_config(cls, cfg: "Config", *, driver_rank: int = 0) -> "WeightSynchronizer":
+    def from_config(cls, cfg: "Config", *, driver_rank: int = 0,
+                    engines: Optional["EnginePlacement"] = None) -> "WeightSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank)
@@ -120,20 +130,47 @@ def check_engine_equals(engine: "RolloutEngine", sent: dict) -> int:
     return len(sent)
 
 
-def register_transport(name: str, transport: Union[str, Type[WeightSynchronizer], Refused]) -> None:
-    """Make ``--update-weight-transport name`` build ``transport`` (a WeightSynchronizer subclass or "module:Class")."""
-    TRANSPORTS.register(name, transport)
+# "<--update-weight-transport>/<--rollout-backend>" -> the synchronizer for that engine, where it is not the
+# transport's own row above.
+ENGINE_TRANSPORTS: Registry[Type[WeightSynchronizer]] = Registry(
+    "--update-weight-transport with --rollout-backend", "weight-sync transport for this engine", {
+        "tensor/sglang": "megatron_rl.weight_sync.sglang_tensor:SGLangTensorSynchronizer",
+    })
 
 
-def make_synchronizer(transport: str, *, bucket_bytes: int, check_equal: bool = False,
-                      driver_rank: int = 0) -> WeightSynchronizer:
-    """The synchronizer for ``transport``; an unknown or not-yet-implemented name raises ConfigError."""
-    return TRANSPORTS.get(transport)(bucket_bytes=bucket_bytes, check_equal=check_equal, driver_rank=driver_rank)
+def transport_class(transport: str, rollout_backend: str = "embedded") -> Type[WeightSynchronizer]:
+    """The synchronizer class of ``--update-weight-transport transport`` with ``--rollout-backend rollout_backend``:
+    the engine's own row when ``ENGINE_TRANSPORTS`` has one, else the transport's; unknown names raise ConfigError."""
+    key = f"{transport}/{rollout_backend}"
+    if key in ENGINE_TRANSPORTS:
+        return ENGINE_TRANSPORTS.get(key)
+    return TRANSPORTS.get(transport)
 
 
-def make_synchronizer_from_config(cfg: "Config", *, driver_rank: int = 0) -> WeightSynchronizer:
-    """The synchronizer the run's flags ask for (``--update-weight-transport``, ``--update-weight-buffer-size``,
-    ``--check-weight-update-equal``)."""
-    return TRANSPORTS.get(cfg.sync.update_weight_transport).from_config(cfg, driver_rank=driver_rank)
+def register_transport(name: str, transport: Union[str, Type[WeightSynchronizer], Refused], *,
+                       rollout_backend: Optional[str] = None) -> None:
+    """Make ``--update-weight-transport name`` build ``transport`` (a WeightSynchronizer subclass or "module:Class");
+    with ``rollout_backend``, only for that engine (the row of ``ENGINE_TRANSPORTS``)."""
+    if rollout_backend is None:
+        TRANSPORTS.register(name, transport)
+    else:
+        ENGINE_TRANSPORTS.register(f"{name}/{rollout_backend}", transport)
+
+
+def make_synchronizer(transport: str, *, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0,
+                      rollout_backend: str = "embedded", **options: Any) -> WeightSynchronizer:
+    """The synchronizer for ``transport`` with ``rollout_backend``; ``options`` go to its constructor (e.g. the
+    SGLang tensor transport's ``engines``). An unknown or not-yet-implemented name raises ConfigError."""
+    cls = transport_class(transport, rollout_backend)
+    return cls(bucket_bytes=bucket_bytes, check_equal=check_equal, driver_rank=driver_rank, **options)
+
+
+def make_synchronizer_from_config(cfg: "Config", *, driver_rank: int = 0,
+                                  engines: Optional["EnginePlacement"] = None) -> WeightSynchronizer:
+    """The synchronizer the run's flags ask for (``--update-weight-transport`` with ``--rollout-backend``,
+    ``--update-weight-buffer-size``, ``--check-weight-update-equal``); ``engines``: the placement of the SGLang
+    engines the run launched (the SGLang tensor transport needs it to know which ranks feed which engine)."""
+    cls = transport_class(cfg.sync.update_weight_transport, cfg.rollout.rollout_backend)
+    return cls.from_config(cfg, driver_rank=driver_rank, engines=engines)
 
 

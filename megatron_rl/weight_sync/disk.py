@@ -18,7 +18,7 @@ without a server).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_rl.rollout.weight_dir import VersionedWeightDir
 from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, check_engine_equals
@@ -41,7 +41,7 @@ class DiskSynchronizer(WeightSynchronizer):
         self.weights = VersionedWeightDir(disk_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions)
 
     @classmethod
-    def from_config(cls, cfg: "Config", *, driver_rank: int = 0) -> "DiskSynchronizer":
+    def from_config(cls, cfg: "Config", *, driver_rank: int = 0, engines: Any = None) -> "DiskSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint)

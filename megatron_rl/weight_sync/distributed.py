@@ -122,7 +122,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         self._atexit_registered = False
 
     @classmethod
-    def from_config(cls, cfg: "Config", *, driver_rank: int = 0) -> "DistributedSynchronizer":
+    def from_config(cls, cfg: "Config", *, driver_rank: int = 0, engines: Any = None) -> "DistributedSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank)
@@ -163,13 +163,16 @@ class DistributedSynchronizer(WeightSynchronizer):
             if not sent:
                 raise SyncError("distributed weight sync: the backend exported no tensors; nothing was sent")
             self._on_servers(engine, "/end_weight_update", lambda c: c.end_weight_update())
-            engine.adopt_weight_version(version, how=f"distributed, group {self.group_name}")
+            # the last bucket carried flush_cache: SGLang flushed with it
+            engine.adopt_weight_version(version, how=f"distributed, group {self.group_name}", flushed=True)
         except BaseException:
             exported.drain()  # the other ranks are still in the collective export: let them finish it
             if may_have_landed:
                 engine.mark_weights_incomplete()
             self._teardown_after_failure(engine)
             raise
+        finally:
+            engine.end_update()  # begin_update paused the servers: continue them on every path (idempotent)
         return {**exported.metrics(version, time.perf_counter() - t0), **timing}
 
     def _sglang(self, engine: "RolloutEngine") -> SGLangEngine:
@@ -317,7 +320,7 @@ class DistributedSynchronizer(WeightSynchronizer):
             while time.monotonic() < grace and not all(call.done() for _, call in calls):
                 time.sleep(0.01)
         failed = [(c, call.error) for c, call in calls if call.done() and call.error is not None]
-        pending = [c.base_url for c, call in calls if not call.done()]
+        pending = [c.label for c, call in calls if not call.done()]
         parts = [f"SGLang server {c.base_url} failed: {err}" if c.base_url not in str(err) else str(err)
                  for c, err in failed]
         if pending:

@@ -53,9 +53,27 @@ The replies and messages above were compared with real SGLang 0.5.23 on CPU by
   "The group to be destroyed does not exist."); 400 outside begin/end. ``server.groups`` holds the
   live groups by name; ``server.distributed_updates`` lists ``(weight_version, names)`` per update.
 
+* ``/update_weights_from_tensor`` (``serialized_named_tensors, load_format, flush_cache,
+  abort_all_requests, weight_version``), as SGLang 0.5.23 handles it for tp_size 1
+  (``scheduler_components/weight_updater.py``, ``tp_worker.deserialize_own_rank``,
+  ``model_runner_components/weight_updater.py``): entry ``[tp_rank]`` is base64-decoded
+  and unpickled the way ``MultiprocessingSerializer.deserialize`` does, through an allowlist
+  (``_SafeUnpickler``: SGLang's ``SafeUnpickler`` rules for the globals a tensor payload uses, so
+  a payload real SGLang would refuse is refused here too, in its words); ``load_format
+  "flattened_bucket"`` is a ``{flattened_tensor, metadata}`` dict rebuilt as
+  ``FlattenedTensorBucket.reconstruct_tensors`` does (``buffer[start:end].view(dtype).reshape(shape)``),
+  None a list of ``(name, tensor)``; then loaded into the embedded engine. Replies "Success"
+  (+ " Weight version updated to V."), the flush refusal while requests run, 400 outside
+  begin/end. ``tp_size`` > 1 plays replicated TP ranks: each opens its own entry, all must carry the
+  same tensors (every trainer rank sends full HF tensors), rank 0's are loaded (tensor route only).
+  ``server.tensor_updates`` lists ``(weight_version, load_format, names)`` per update.
+  Run the stand-in in its own process (``python tests/rollout/sglang_standin.py --model DIR``)
+  for the handles to cross processes as they do with SGLang (``file_system`` sharing on CPU).
+
 Where the stand-in differs on purpose (said so in its replies): ``/generate`` while the
 weights or KV cache are released answers 400 (real SGLang on GPU would crash or compute
-garbage); tensor updates inside a session answer 400 "not implemented by the stand-in"; a
+garbage); a tensor update whose payload cannot be opened, or whose weights do not fit,
+answers 400 with the reason (SGLang raises in its scheduler, which takes the server down); a
 weights-update group times out after ``group_timeout_s`` (60 s; SGLang: torch's 30 min default)
 so a broken test fails instead of waiting; the error wording is its own. Rows of
 a batch are generated one by one (each with its own ``sampling_seed``), as SGLang's
@@ -76,9 +94,13 @@ lists each loaded ``/update_weights_from_disk`` as ``(weight_version, model_path
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import datetime
 import glob
+import io
 import json
+import pickle
 import socket
 import sys
 import threading
@@ -122,8 +144,9 @@ class SGLangStandIn:
     """Serve ``hf_checkpoint`` on 127.0.0.1 like ``python -m sglang.launch_server`` would."""
 
     def __init__(self, hf_checkpoint: str, *, legacy: bool = False, deterministic: bool = True, port: int = 0,
-                 group_timeout_s: float = 60.0):
+                 group_timeout_s: float = 60.0, tp_size: int = 1):
         self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
+        self.tp_size = int(tp_size)  # > 1: plays that many TP ranks on the tensor route (see update_weights_from_tensor)
         self.model_path = hf_checkpoint  # moves to each loaded dir, as SGLang's does
         self.tokenizer_path = hf_checkpoint
         self.legacy = legacy
@@ -135,6 +158,7 @@ class SGLangStandIn:
         self.groups: dict[str, Any] = {}  # group_name -> this server's process group (SGLang's _model_update_group)
         self.group_timeout_s = group_timeout_s
         self.distributed_updates: list[tuple[Optional[str], list[str]]] = []  # (weight_version, names) per update
+        self.tensor_updates: list[tuple[Optional[str], Optional[str], list[str]]] = []  # (version, load_format, names)
         self.weight_version = "default"
         self.released: set[str] = set()
         self.in_session = False
@@ -260,7 +284,7 @@ class SGLangStandIn:
     def server_info(self) -> dict:
         """The resolved launch arguments a client reads (real SGLang sends several hundred keys)."""
         return {"model_path": self.tokenizer_path, "tokenizer_path": self.tokenizer_path,
-                "served_model_name": self.tokenizer_path, "tp_size": 1, "dp_size": 1, "device": "cpu",
+                "served_model_name": self.tokenizer_path, "tp_size": self.tp_size, "dp_size": 1, "device": "cpu",
                 "dtype": "float32", "weight_version": "default", "disable_radix_cache": True,
                 "enable_deterministic_inference": self.deterministic, "version": "0.5.23"}
 
@@ -374,8 +398,75 @@ class SGLangStandIn:
                                                        "end_weight_update()"}
         if path == "/update_weights_from_distributed":
             return self.update_weights_from_distributed(body)
-        return 400, {"success": False, "message": f"stand-in: {path} is not implemented by the stand-in yet "
-                                                   "(the tensor transport comes in a later slice)"}
+        return self.update_weights_from_tensor(body)
+
+    # ------------------------------------------------------- the tensor route
+    def update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
+        """SGLang's tensor update: TP rank ``r`` opens entry ``[r]`` only, rebuilds the tensors, loads them.
+
+        With ``tp_size`` > 1 the stand-in plays replicated TP ranks: every rank's entry is opened (as each
+        of SGLang's ranks opens its own, from the trainer rank on its device) and must carry the same
+        tensors bit for bit (each trainer rank sends the full HF tensors); rank 0's are loaded."""
+        entries = body.get("serialized_named_tensors")
+        if entries is None:
+            return 400, _validation_error("Field required: serialized_named_tensors")
+        load_format = body.get("load_format")
+        if body.get("abort_all_requests"):
+            self.abort({"abort_all": True})
+        try:
+            if len(entries) < self.tp_size:
+                raise IndexError(f"{len(entries)} serialized_named_tensors entries for tp_size {self.tp_size}: TP "
+                                 f"rank {len(entries)} has none (one entry per engine TP rank)")
+            per_rank = []
+            for rank in range(self.tp_size):
+                payload = _deserialize(entries[rank])  # each TP rank opens its own entry only
+                if load_format == "flattened_bucket":
+                    per_rank.append(_reconstruct_flattened(payload))
+                elif load_format in (None, "direct"):
+                    per_rank.append([(str(name), tensor) for name, tensor in payload])
+                else:
+                    raise NotImplementedError(f"Unknown load_format={load_format}")
+            named = per_rank[0]
+            for rank, other in enumerate(per_rank[1:], 1):
+                if [n for n, _ in other] != [n for n, _ in named] or not all(
+                        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                        for (_, a), (_, b) in zip(named, other)):
+                    raise ValueError(f"TP rank {rank}'s entry carries other tensors than TP rank 0's")
+        except Exception as exc:  # noqa: BLE001 - SGLang's scheduler would raise; we answer with the reason
+            return 400, {"success": False, "message": f"stand-in: could not open the tensor payload: "
+                                                       f"{type(exc).__name__}: {exc}"}
+        del per_rank, payload
+        names = [name for name, _ in named]
+        with self._engine_lock:
+            try:
+                self._check_fits(named)  # refused before any tensor is copied: the engine stays as it was
+                self.engine.update_weights(named, self._engine_version + 1)
+            except Exception as exc:  # noqa: BLE001
+                return 400, {"success": False, "message": f"stand-in: loading the tensors failed: {exc}"}
+            self._engine_version += 1
+        del named  # the trainer may free its buffers once we answered: nothing here points at them
+        if body.get("flush_cache", True) and self.pending_count():
+            return 400, {"success": False, "message": "Weights were updated, but the cache was not flushed because "
+                                                      "requests are still running or queued. Retract or finish them, "
+                                                      "then call /flush_cache."}
+        message = "Success"
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.weight_version}."
+        self.tensor_updates.append((body.get("weight_version"), load_format, names))
+        return 200, {"success": True, "message": message}
+
+    def _check_fits(self, named: list) -> None:
+        """Every name is one of the model's and every shape its shape (the embedded engine would otherwise
+        mark its weights incomplete and then take only whole-model updates, where a server takes buckets)."""
+        params = self.engine.param_map  # the names (and tied aliases) the engine's own loader accepts
+        unknown = [n for n, _ in named if n not in params]
+        mismatched = [f"{n} (sent {tuple(t.shape)}, engine has {tuple(params.view(n).shape)})" for n, t in named
+                      if n in params and tuple(t.shape) != tuple(params.view(n).shape)]
+        if unknown or mismatched:
+            raise ValueError("; ".join(part for part in (
+                f"{len(unknown)} unknown name(s): {', '.join(unknown[:10])}" if unknown else "",
+                f"{len(mismatched)} shape mismatch(es): {', '.join(mismatched[:10])}" if mismatched else "") if part))
 
     # ------------------------------------------------- the distributed route
     def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
@@ -387,6 +478,9 @@ class SGLangStandIn:
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
         if missing:
             return 400, _validation_error(f"Field required: {', '.join(missing)}")
+        if self.tp_size != 1:
+            return 400, {"success": False, "message": f"stand-in: tp_size {self.tp_size} plays TP ranks on the tensor "
+                                                       "route only; the distributed route joins as one rank"}
         group_name = str(body.get("group_name", "weight_update_group"))
         if not group_name:
             return 400, {"success": False, "message": "Group name cannot be empty"}
@@ -538,6 +632,57 @@ class SGLangStandIn:
                      "waiting requests, the operation will not be performed.)\n")
 
 
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang 0.5.23's ``SafeUnpickler`` rule (``srt/utils/common.py``) for what a tensor payload uses:
+    plain containers, ``types.SimpleNamespace``, torch's tensor/storage rebuild functions and dtypes,
+    SGLang's own bucket records; every other global is refused with SGLang's words."""
+
+    ALLOWED = {("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset",
+                                         "int", "list", "range", "set", "slice", "str", "tuple")} | {
+        ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
+        ("types", "SimpleNamespace"), ("_codecs", "encode"),
+        ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype"),
+        ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+        ("torch", "UntypedStorage"), ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"), ("torch._utils", "_rebuild_parameter"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        *(("torch.multiprocessing.reductions", n) for n in (
+            "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_meta_tensor", "rebuild_storage_fd",
+            "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_typed_storage",
+            "rebuild_typed_storage_child")),
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                torch.dtype)):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+def _deserialize(entry: Any) -> Any:
+    """``MultiprocessingSerializer.deserialize``: base64 (validated) of ForkingPickler bytes, allowlisted."""
+    if not isinstance(entry, str):
+        raise TypeError(f"a serialized_named_tensors entry must be a base64 string over HTTP, got "
+                        f"{type(entry).__name__}")
+    try:
+        raw = base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"the entry is not base64: {exc}") from None
+    return _SafeUnpickler(io.BytesIO(raw)).load()
+
+
+def _reconstruct_flattened(payload: Any) -> list:
+    """``FlattenedTensorBucket(flattened_tensor, metadata).reconstruct_tensors()``, records read by attribute."""
+    flat = payload["flattened_tensor"]
+    out = []
+    for meta in payload["metadata"]:
+        out.append((str(meta.name), flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)))
+    return out
+
+
 def _validation_error(message: str) -> dict:
     return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
 
@@ -633,8 +778,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="HF checkpoint dir of a tiny model")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--group-timeout-s", type=float, default=60.0)
+    ap.add_argument("--tp-size", type=int, default=1, help="TP ranks to play on the tensor route")
     args = ap.parse_args(argv)
-    server = SGLangStandIn(args.model, port=args.port, group_timeout_s=args.group_timeout_s).start()
+    server = SGLangStandIn(args.model, port=args.port, group_timeout_s=args.group_timeout_s,
+                           tp_size=args.tp_size).start()
     print(f"URL {server.url}", flush=True)
     try:
         while server.alive:

@@ -31,8 +31,8 @@ from megatron_rl.weight_sync.distributed import DistributedSynchronizer
 from megatron_rl.weight_sync.in_process import InProcessSynchronizer
 
 METRIC_KEYS = {"sync/time_s", "sync/bytes", "sync/buckets", "sync/weight_version"}
-NO_URLS = ("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet "
-           "(issue 14); give --rollout-engine-urls of running servers")
+NO_URLS = ("--rollout-backend sglang needs servers: the engines this run launches, or --rollout-engine-urls of "
+           "running servers")
 
 
 def checkpoint_tensors(path):

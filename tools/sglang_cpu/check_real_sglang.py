@@ -23,12 +23,17 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    ``pause_generation`` / ``continue_generation``, ``abort_request``, ``health``, ``health_generate``;
 4. ``update_weights_from_named_tensors`` inside ``begin_weight_update`` / ``end_weight_update``
    (refused outside the pair), the same zero / restore check;
-5. the distributed transport (``weight_sync.distributed.DistributedSynchronizer``, gloo: our
+5. the tensor transport (``weight_sync.sglang_tensor.SGLangTensorSynchronizer``, the engine placed as
+   colocated with this one trainer rank): flattened per-dtype buckets (a bf16 zero ``lm_head``
+   among fp32 tensors: two requests for its bucket) over ``/update_weights_from_tensor``, the same
+   zero / restore check and versions, then the plain route (``load_format`` None); its sync time joins
+   the disk / distributed timing below;
+6. the distributed transport (``weight_sync.distributed.DistributedSynchronizer``, gloo: our
    trainer end is rank 0 of a group the server joins through ``/init_weights_update_group``):
    the same zero / restore check, versions, ``/update_weights_from_distributed`` refused outside
    begin/end, the group destroyed on the server at ``shutdown()``; then the sync time of the disk
    and the distributed transports on the same model, alternating, ``--sync-repeats`` each;
-6. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
+7. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
    against this server, once through the disk transport and once through the distributed one
    (``--e2e-transports``); exit 0, the samples of rollout ``i`` carry weight version ``i``.
 
@@ -68,6 +73,9 @@ from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine, SGLangSyncErr
 from megatron_rl.rollout.sglang import protocol  # noqa: E402
 from megatron_rl.weight_sync.disk import DiskSynchronizer  # noqa: E402
 from megatron_rl.weight_sync.distributed import DistributedSynchronizer  # noqa: E402
+from megatron_rl.weight_sync.sglang_tensor import (FLATTENED_BUCKET, SGLangTensorSynchronizer,  # noqa: E402
+                                                   _bucket_entries)
+from megatron_rl.plan.engines import EnginePlacement, EngineSlot  # noqa: E402
 
 KERNEL_STANDIN = REPO / "tools" / "sglang_cpu"
 # The engine arguments of the measured CPU route (SGLANG_CPU.md); each one is needed there.
@@ -544,6 +552,60 @@ class StateBackend:
             yield bucket
 
 
+def tensor_synchronizer(checks: "Checks", load_format: Optional[str] = FLATTENED_BUCKET) -> SGLangTensorSynchronizer:
+    """The tensor transport with this process as the one trainer rank colocated with the server."""
+    server = checks.server
+    placement = EnginePlacement((EngineSlot(0, server.url, 0, (), (0,), str(server.log_path)),), colocated=True)
+    return SGLangTensorSynchronizer(bucket_bytes=checks.args.sync_bucket_bytes, engines=placement,
+                                    load_format=load_format, timeout_s=120, connect_retries=0)
+
+
+def tensor_transport(checks: "Checks", first: list[list[float]]) -> None:
+    """The tensor transport against the real server: flattened buckets (SGLang's allowlisted unpickler, its
+    FlattenedTensorBucket), zero / restore, versions, the plain route; sets ``checks.tensor_ok``."""
+    r, c, engine = checks.r, checks.client, checks.engine
+    zero = torch.zeros_like(checks.original["lm_head.weight"], dtype=torch.bfloat16)  # bf16 among fp32 tensors
+    version = engine.weight_version
+    for load_format, steps in ((FLATTENED_BUCKET, ((checks._state(zero), "uniform"), (checks._state(), "restored"))),
+                               (None, ((checks._state(zero), "uniform"), (checks._state(), "restored")))):
+        sync = tensor_synchronizer(checks, load_format)
+        tag = "tensor" if load_format else "tensor_plain"
+        try:
+            for state, expect in steps:
+                version += 1
+                metrics = sync.sync(StateBackend(state), engine, version)
+                r.figures[f"{tag}_transport_v{version}_s"] = round(metrics["sync/time_s"], 3)
+                r.log(f"{tag} transport to v{version} ({expect}, {int(metrics['sync/buckets'])} bucket(s), "
+                      f"{int(metrics['sync/requests'])} request(s), {int(metrics['sync/bytes'])} bytes): "
+                      f"{metrics['sync/time_s']:.3f} s (serialise {metrics['sync/serialize_s']:.3f} s, HTTP "
+                      f"{metrics['sync/post_s']:.3f} s)")
+                if expect == "uniform":
+                    r.check(f"{tag}: a bucket of two dtypes is sent as one request per dtype",
+                            metrics["sync/requests"] == metrics["sync/buckets"] + 1,
+                            f"{int(metrics['sync/requests'])} requests for {int(metrics['sync/buckets'])} buckets")
+                r.check(f"{tag} v{version}: /model_info weight_version is {version}", c.weight_version() == str(version))
+                if expect == "uniform":
+                    checks._expect_uniform(f"{tag} v{version}", version)
+                else:
+                    checks._expect_restored(f"{tag} v{version}", first, version)
+        finally:
+            sync.shutdown()
+    # one raw flattened request (no version), its reply kept for the stand-in comparison
+    entries, buffers = _bucket_entries([("lm_head.weight", checks.original["lm_head.weight"])], FLATTENED_BUCKET)
+    c.begin_weight_update()
+    try:
+        reply = c.update_weights_from_tensor([entries[0].payload], load_format=FLATTENED_BUCKET, timeout_s=120)
+    finally:
+        c.end_weight_update()
+        del buffers
+    r.replies["update_weights_from_tensor_flattened"] = {"status": 200, "body": reply}
+    r.check("tensor: a raw flattened bucket answers {success: true, message: Success}",
+            reply == {"success": True, "message": "Success"}, json.dumps(reply))
+    checks._expect_restored("after the raw flattened request", first, version)
+    checks.tensor_ok = True
+    r.check("server still healthy after the tensor transport", c.health_generate(timeout_s=60))
+
+
 def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     """The distributed transport against the real server: zero / restore, versions, teardown, timing."""
     r, c, engine = checks.r, checks.client, checks.engine
@@ -557,6 +619,7 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
         r.check("distributed update outside begin/end is refused (400)", exc.status == 400, str(exc)[:300])
     bucket = checks.args.sync_bucket_bytes
     sync = DistributedSynchronizer(bucket_bytes=bucket, group_backend="gloo", timeout_s=120)
+    tensor: Optional[SGLangTensorSynchronizer] = None
     zero = torch.zeros_like(checks.original["lm_head.weight"])
     version = engine.weight_version
     try:
@@ -580,15 +643,18 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
         # sync time of the two transports on the same model, alternating so drift hits both alike
         disk = DiskSynchronizer(bucket_bytes=bucket, disk_dir=str(r.out / "sync_bench"),
                                 hf_checkpoint=str(checks.model_dir))
+        tensor = tensor_synchronizer(checks) if getattr(checks, "tensor_ok", False) else None
+        contenders = [("disk", disk), ("distributed", sync)] + ([("tensor", tensor)] if tensor else [])
         nbytes = 0
         # the small buckets of the checks above (several per sync), then the default --update-weight-buffer-size
         # (512 MiB: the whole tiny model in one bucket)
         for tag, size in (("", bucket), ("_1bucket", 512 * 1024 * 1024)):
-            disk.bucket_bytes = sync.bucket_bytes = size
-            times: dict[str, list[float]] = {"disk": [], "distributed": []}
+            for _, synchronizer in contenders:
+                synchronizer.bucket_bytes = size
+            times: dict[str, list[float]] = {name: [] for name, _ in contenders}
             buckets = {}
             for _ in range(checks.args.sync_repeats):
-                for name, synchronizer in (("disk", disk), ("distributed", sync)):
+                for name, synchronizer in contenders:
                     version += 1
                     metrics = synchronizer.sync(StateBackend(checks._state()), engine, version)
                     times[name].append(metrics["sync/time_s"])
@@ -600,8 +666,8 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
                 r.figures[f"sync{tag}_{name}_median_s"] = round(values[len(values) // 2], 4)
             r.figures[f"sync{tag}_buckets"] = buckets["distributed"]
             r.log(f"sync of {nbytes} bytes in {buckets['distributed']} bucket(s), median of "
-                  f"{checks.args.sync_repeats}: disk {r.figures[f'sync{tag}_disk_median_s']:.4f} s, distributed "
-                  f"{r.figures[f'sync{tag}_distributed_median_s']:.4f} s")
+                  f"{checks.args.sync_repeats}: " + ", ".join(f"{name} {r.figures[f'sync{tag}_{name}_median_s']:.4f} s"
+                                                               for name, _ in contenders))
         r.figures["sync_bytes"] = nbytes
         r.figures["sync_bucket_bytes"] = bucket
         r.check("distributed: the server still generates the restored weights after the timing runs",
@@ -610,6 +676,8 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     finally:
         group = sync.group_name
         sync.shutdown()
+        if tensor is not None:
+            tensor.shutdown()
     if group:
         try:
             c.destroy_weights_update_group(group, timeout_s=60)
@@ -667,6 +735,13 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
             "destroy_weights_update_group_missing": get("POST", "/destroy_weights_update_group",
                                                         {"group_name": "megatron_rl_no_such_group"}),
         }
+        lm_head = dict(standin.engine.named_weights())["lm_head.weight"].clone()
+        entries, buffers = _bucket_entries([("lm_head.weight", lm_head)], FLATTENED_BUCKET)
+        get("POST", "/begin_weight_update", {})
+        got["update_weights_from_tensor_flattened"] = get("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": [entries[0].payload], "load_format": FLATTENED_BUCKET, "flush_cache": True})
+        get("POST", "/end_weight_update", {})
+        del buffers
         standin.faults.delay_s["/generate:row"] = 5.0
         worker = threading.Thread(target=lambda: got.update(generate_row_aborted=get("POST", "/generate", {
             "input_ids": ids, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})), daemon=True)
@@ -855,7 +930,8 @@ def main(argv=None) -> int:
 
         checks = Checks(report, server, server.model, args)
         steps = [("generation", None), ("seeded", None), ("disk_updates", "first"), ("control", None),
-                 ("abort_flush_pause", None), ("tensor_updates", "first"), ("distributed_updates", "first")]
+                 ("abort_flush_pause", None), ("tensor_updates", "first"), ("tensor_transport", "first"),
+                 ("distributed_updates", "first")]
         first = None
         for name, needs in steps:
             if not server.alive():
@@ -863,7 +939,7 @@ def main(argv=None) -> int:
                 break
             try:
                 step = (lambda f: distributed_updates(checks, f)) if name == "distributed_updates" else \
-                    getattr(checks, name)
+                    (lambda f: tensor_transport(checks, f)) if name == "tensor_transport" else getattr(checks, name)
                 result = step(first) if needs else step()
                 if name == "generation":
                     first = result
