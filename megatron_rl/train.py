@@ -17,8 +17,8 @@ import sys
 import time
 
 from megatron_rl.config import Config, parse_config
-from megatron_rl.config.placement import refuse_single_process_world
-from megatron_rl.errors import MegatronRLError
+from megatron_rl.config.placement import launches_sglang_engines, refuse_single_process_world
+from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
                                          restore_signal_handlers, write_error_status)
 
@@ -52,6 +52,7 @@ def run(cfg: Config) -> int:
     from megatron_rl.backends.base import make_backend
     from megatron_rl.rollout.build import build_rollout
     from megatron_rl.runner.context import RunContext
+    from megatron_rl.runner.engine_faults import EngineRecovery
     from megatron_rl.runner.step import train_on_rollout
     from megatron_rl.weight_sync import make_synchronizer_from_config
 
@@ -66,10 +67,19 @@ def run(cfg: Config) -> int:
     if backend:
         backend.initialize(cfg, spec)
     clock.lap("backend")
-    rollout = build_rollout(cfg) if ctx.is_driver and cfg.has_rollout_engine else None
-    sync = make_synchronizer_from_config(cfg)
-    clock.lap("rollout")
+    fleet = None  # the SGLang engines this run launches (each node's local rank 0 starts its node's)
+    sync = rollout = None
     try:
+        if launches_sglang_engines(cfg):
+            # lazy: subprocess + HTTP readiness polling, only for runs that launch SGLang engines
+            from megatron_rl.rollout.sglang.launcher import launch_engines
+
+            fleet = launch_engines(cfg)  # collective: every rank learns every engine's URL
+            clock.lap("engines")
+        rollout = build_rollout(cfg, fleet and fleet.placement) if ctx.is_driver and cfg.has_rollout_engine else None
+        recovery = EngineRecovery(fleet, enabled=cfg.rollout.use_fault_tolerance)
+        sync = make_synchronizer_from_config(cfg, engines=fleet.placement if fleet is not None else None)
+        clock.lap("rollout")
         start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
         clock.lap("resume")
         if backend and cfg.has_rollout_engine:
@@ -79,7 +89,9 @@ def run(cfg: Config) -> int:
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
-            samples, metrics = ctx.rollouts.get(rollout_id, rollout)
+            samples, metrics = recovery.generate(
+                lambda: ctx.rollouts.get(rollout_id, rollout), rollout,
+                resync=lambda: _resync(sync, backend, rollout, rollout_id))
             metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
             if cfg.has_training:
                 ctx.colocation.before_train(backend, rollout)
@@ -106,8 +118,25 @@ def run(cfg: Config) -> int:
                 return ctx.stop.stop_early(rollout_id + 1)
         ctx.finish(backend, rollout)
         return 0
+    except EngineError as exc:
+        dead = fleet.dead() if fleet is not None else []
+        if dead:  # say why the server stopped answering: the process this node launched is gone
+            raise EngineError(f"{exc}. " + " ".join(p.death_message("during the run", lines=8) for p in dead)) from exc
+        raise
     finally:
-        sync.shutdown()  # the distributed transport's process group with the servers; others hold nothing
+        if sync is not None:
+            sync.shutdown()  # the distributed transport's process group with the servers; others hold nothing
+        if rollout is not None:
+            rollout.engine.close()  # its health monitor stops before the servers do
+        if fleet is not None:
+            fleet.stop()  # SIGTERM, then SIGKILL, each engine's process group
+
+
+def _resync(sync, backend, rollout, version: int) -> dict:
+    """After an engine restart: what the transport held with the dead server goes, then a complete sync
+    of the weights the rollout is generated with (version ``version``, as the last sync sent)."""
+    sync.shutdown()
+    return sync.sync(backend, rollout and rollout.engine, version=version) if backend is not None else {}
 
 
 def main(argv=None) -> int:

@@ -2,11 +2,13 @@
 # GRPO on Qwen3-30B-A3B (MoE, 128 experts), multi-node: each node runs this script with
 #   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node0 host> MASTER_PORT=29500 \
 #   HF_CKPT=/models/Qwen3-30B-A3B PROMPTS=/data/prompts.jsonl SAVE=/ckpt/q30b \
+#   ROLLOUT_URLS="http://10.0.0.5:30000 http://10.0.0.6:30000" \
 #     bash scripts/run_qwen3_30b_a3b_grpo.sh [--dry-run] [extra flags]
-# Actor: 4 nodes x 8 GPUs, TP4 x PP2 x EP8 (expert TP 1), CP1; SGLang engines on 2 more nodes.
-# Not runnable yet: launching SGLang engines is not in this version (issue 14; only servers you run
-# yourself, by --rollout-engine-urls, see docs/sglang.md), so validation (and --dry-run) refuses
-# --rollout-backend sglang here; the dry run still checks every other flag and the layout.
+# Actor: 4 nodes x 8 GPUs, TP4 x PP2 x EP8 (expert TP 1), CP1; SGLang engines on 2 more nodes. This
+# torchrun job owns only the actor's nodes, so it cannot launch engines there: start one server per
+# rollout node yourself (python -m sglang.launch_server --model-path $HF_CKPT --tp-size 8
+# --mem-fraction-static 0.8 --enable-ep-moe --host 0.0.0.0 --port 30000) and give their URLs;
+# weights reach them by NCCL broadcast (--update-weight-transport distributed; docs/sglang.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -18,6 +20,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+read -r -a ROLLOUT <<<"${ROLLOUT_URLS:?set ROLLOUT_URLS to the SGLang server URLs of the rollout nodes, space separated}"
 
 # megatron_rl.infra.launch runs torchrun and exits with the run's code (0 finished, 3 stopped early:
 # relaunch to resume, 2 refused, 143/130 stopped before anything could be saved, 1 crashed); exec, so
@@ -34,9 +37,9 @@ exec "${LAUNCH[@]}" -m megatron_rl.train \
   --rollout-batch-size 128 --n-samples-per-prompt 8 --global-batch-size 1024 \
   --optimizer adam --lr 1e-6 --weight-decay 0.1 --grad-clip 1.0 --use-distributed-optimizer \
   --recompute-granularity full \
-  --rollout-backend sglang --rollout-num-gpus 16 --rollout-num-gpus-per-engine 8 \
+  --rollout-backend sglang --rollout-engine-urls "${ROLLOUT[@]}" \
   --rollout-max-response-len 16384 --prompt-data "$PROMPTS" --apply-chat-template --rm-type math \
-  --num-rollout 2000 --sglang-mem-fraction-static 0.8 --sglang-enable-ep-moe \
+  --num-rollout 2000 \
   --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --use-tis \
   --update-weight-transport distributed --update-weight-buffer-size $((1024 * 1024 * 1024)) \
   --save "$SAVE" --save-interval 10 --save-max-to-keep 2 --wall-time-limit 7d --wall-time-reserve 1h \

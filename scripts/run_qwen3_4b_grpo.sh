@@ -2,9 +2,8 @@
 # GRPO on Qwen3-4B, one 8-GPU node: TP2 x DP4 Megatron actor colocated with SGLang engines (TP2 each).
 #   HF_CKPT=/models/Qwen3-4B PROMPTS=/data/dapo-math-17k.jsonl SAVE=/ckpt/qwen3-4b-grpo \
 #     bash scripts/run_qwen3_4b_grpo.sh [--dry-run] [extra flags]
-# Not runnable yet: launching SGLang engines is not in this version (issue 14; only servers you run
-# yourself, by --rollout-engine-urls, see docs/sglang.md), so validation (and --dry-run) refuses
-# --rollout-backend sglang here; the dry run still checks every other flag and the layout.
+# Local rank 0 launches the 4 SGLang engines on the trainer's GPUs (logs under $SAVE/run/engines/);
+# weights reach them as flattened tensor buckets (docs/sglang.md). --dry-run prints the plan and engines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -2,6 +2,7 @@
 # Our SGLang client/engine against REAL SGLang 0.5.23 on this CPU machine (issue 14), not part
 # of scripts/test.sh (too heavy: ~7 GB and ~10 min to install once, then ~4-7 min a run).
 #   bash scripts/test_sglang_real.sh [--out DIR] [--skip-e2e] [--num-rollout N] ...
+#   bash scripts/test_sglang_real.sh --launcher [--out DIR] [--skip-kill]   (the loop launching SGLang itself)
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
@@ -16,4 +17,11 @@ export SGLANG_VENV=${SGLANG_VENV:-/work/sglang-venv}
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || { echo "error: $PY missing; run scripts/setup_cpu.sh first" >&2; exit 2; }
 bash scripts/sglang_cpu_install.sh || { echo "error: installing SGLang into $SGLANG_VENV failed" >&2; exit 2; }
+if [ "${1:-}" = "--launcher" ]; then
+  # tools/sglang_cpu/check_launcher_real.py: python -m megatron_rl.train starts the engine itself
+  # (--rollout-engine-python = the SGLang venv), trains 3 steps, then a run whose engine is killed
+  # must stop with exit 2 naming the engine's log (~4 min)
+  shift
+  exec "$PY" tools/sglang_cpu/check_launcher_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
+fi
 exec "$PY" tools/sglang_cpu/check_real_sglang.py --sglang-python "$SGLANG_VENV/bin/python" "$@"

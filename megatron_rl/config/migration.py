@@ -56,20 +56,21 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
                   "--attention-softmax-in-fp32", "--attention-backend"),
 }
 
-_SGLANG_LATER = ("refused with the embedded engine, which runs in the driver rank; launching SGLang engines "
-                 "is issue 14 (until then SGLang servers you start are used through --rollout-backend sglang "
-                 "--rollout-engine-urls)")
+_SGLANG_LAUNCHED = ("the engines this run launches (python -m sglang.launch_server from each node's local rank 0; "
+                    "docs/sglang.md); with these flags --rollout-backend auto picks SGLang, as slime always does")
 
 #: (status, text) where the tables alone would not say what a slime user needs to know
 NOTES: dict[str, tuple[str, str]] = {
     "--sequence-parallel": ("same", "Shards activations over the TP group. At TP 1 it has no effect, as in "
                             "Megatron-LM (slime's Qwen2.5-0.5B script passes it at TP 1); start-up logs that."),
-    "--rollout-num-gpus": ("same, engine later", "GPUs of the SGLang engines, planned by --dry-run; "
-                           + _SGLANG_LATER + "."),
-    "--rollout-num-gpus-per-engine": ("same, engine later", "GPUs per SGLang engine, planned by --dry-run; "
-                                      + _SGLANG_LATER + "."),
-    "--sglang-*": ("same, engine later", "Passed through to SGLang verbatim (several values become a list, "
-                   "e.g. --sglang-cuda-graph-bs 1 2 4 8); " + _SGLANG_LATER + "."),
+    "--rollout-num-gpus": ("same", "GPUs of " + _SGLANG_LAUNCHED + "; colocated: the trainer's, separate: the GPUs "
+                           "the trainer leaves free on its own nodes (rollout nodes of their own: start SGLang there "
+                           "and give --rollout-engine-urls)."),
+    "--rollout-num-gpus-per-engine": ("same", "GPUs (--tp-size) of each of " + _SGLANG_LAUNCHED + "; an engine "
+                                      "launched here does not span nodes."),
+    "--sglang-*": ("same", "Passed through verbatim to " + _SGLANG_LAUNCHED + " (several values become a list, "
+                   "e.g. --sglang-cuda-graph-bs 1 2 4 8); the ones the launcher sets (port, host, tp-size, "
+                   "model-path, ...) are refused by name."),
     "--optimizer-cpu-offload": ("same", "megatron-core's hybrid CPU optimizer. Implies --use-distributed-optimizer "
                                 "(Megatron-LM requires it; slime always turns it on)."),
     "--rm-type": ("same", "Built-in rewards exact_match, math and deepscaler (slime's rule; graded with the "
@@ -88,8 +89,8 @@ components for you; here each is a flag, so a script that relied on slime's choi
 |---|---|
 | always the distributed optimizer | `--use-distributed-optimizer` (implied by `--optimizer-cpu-offload`) |
 | bf16 unless `--fp16` | fp32 unless `--bf16` (or `--fp16`) |
-| SGLang engines always | the embedded engine by default; SGLang servers you run: `--rollout-backend sglang --rollout-engine-urls`; launching SGLang engines is issue 14 |
-| weight update by CUDA IPC when colocated, NCCL broadcast otherwise | `--update-weight-transport` (`tensor` default, `disk`; `distributed` is issue 14) |
+| SGLang engines always | SGLang when a flag sizes or configures it (`--rollout-backend auto`), else the embedded engine; `--rollout-backend sglang` says so outright; servers you run: `--rollout-engine-urls` |
+| weight update by CUDA IPC when colocated, NCCL broadcast otherwise | the same by default (`--update-weight-transport auto`: `tensor` colocated, `distributed` separate); `disk` on request |
 | evaluation samples at `--rollout-temperature` unless `--eval-temperature` | greedy evaluation unless `--eval-temperature` > 0 (so `--eval-top-p` < 1 or `--eval-top-k` > 1 need it) |
 | Megatron-LM dropout defaults (0.1) | 0, from config.json (slime's scripts pass 0 anyway) |
 | model built from MODEL_ARGS, weights converted into it | model built from `--hf-checkpoint`'s config.json; MODEL_ARGS are checked against it and a mismatch is refused by name |
@@ -140,7 +141,6 @@ def render() -> str:
         "without starting anything, also on a machine without the checkpoint (the model shape then comes from "
         "the MODEL_ARGS). Statuses: **same** (same name, same meaning), **mapped** (set on megatron-core's "
         "config), **checked** (compared with `--hf-checkpoint`'s config.json, refused on a mismatch), "
-        "**same, engine later** (accepted and planned; the SGLang launcher it needs is issue 14), "
         "**refused for a real run** (`--dry-run` accepts it). Flags that need "
         "a GPU or transformer-engine are refused for a real run on a machine without them, before any "
         "worker starts; `--dry-run` lists what they need.",

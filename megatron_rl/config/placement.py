@@ -265,6 +265,11 @@ def plan_for_config(cfg):
         debug_rollout_only=cfg.mode.debug_rollout_only, update_weight_transport=cfg.sync.update_weight_transport)
 
 
+def launches_sglang_engines(cfg) -> bool:
+    """``--rollout-backend sglang`` without ``--rollout-engine-urls``: this run starts the SGLang engines."""
+    return cfg.rollout.rollout_backend == "sglang" and not cfg.rollout.rollout_engine_urls and cfg.has_rollout_engine
+
+
 def is_external_sglang(cfg) -> bool:
     """``--rollout-backend sglang --rollout-engine-urls ...``: servers someone else started and placed."""
     return cfg.rollout.rollout_backend == "sglang" and bool(cfg.rollout.rollout_engine_urls)

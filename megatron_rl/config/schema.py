@@ -14,7 +14,7 @@ started) are properties, never stored twice.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 
@@ -355,18 +355,31 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    rollout_backend: str = flag("embedded", "Rollout engine: embedded (in-process torch engine), or sglang: "
-                                "SGLang servers you run yourself, given by --rollout-engine-urls (launching "
-                                "SGLang engines is not built yet, issue 14; docs/sglang.md).",
-                                choices=("embedded", "sglang"))
+    rollout_backend: str = flag("auto", "Rollout engine: embedded (in-process torch engine), or sglang: "
+                                "SGLang servers this run launches (python -m sglang.launch_server, placed by "
+                                "--colocate / --rollout-num-gpus(-per-engine), configured by --sglang-* flags), "
+                                "or servers you run yourself given by --rollout-engine-urls (docs/sglang.md). "
+                                "auto: sglang when a flag sizes, configures or names SGLang engines "
+                                "(--rollout-num-gpus, --rollout-num-gpus-per-engine other than 1, --sglang-*, "
+                                "--rollout-engine-urls), as in slime's scripts; else embedded.",
+                                choices=("auto", "embedded", "sglang"))
     rollout_engine_urls: list = flag([], "Running SGLang servers (http://host:port each) to use instead of "
-                                     "launching engines (the launcher is a later slice of issue 14); needs "
-                                     "--rollout-backend sglang and --update-weight-transport disk.",
+                                     "launching engines; needs --rollout-backend sglang and "
+                                     "--update-weight-transport disk or distributed.",
                                      type=str, nargs="+", metavar="URL")
-    rollout_num_gpus: Optional[int] = flag(None, "GPUs for SGLang rollout engines (default with --colocate: the "
-                                           "actor's); refused with the embedded engine, which runs on the driver rank.")
-    rollout_num_gpus_per_engine: int = flag(1, "GPUs per SGLang rollout engine (its tensor-parallel size); "
-                                              "the embedded engine is one engine: other values are refused.")
+    rollout_num_gpus: Optional[int] = flag(None, "GPUs for the SGLang engines this run launches (default: the "
+                                           "actor's); with --colocate the trainer's own, else the GPUs the trainer "
+                                           "leaves free on its nodes; refused with the embedded engine, which runs "
+                                           "on the driver rank.")
+    rollout_num_gpus_per_engine: int = flag(1, "GPUs per SGLang rollout engine (its tensor-parallel size, "
+                                              "--tp-size); the embedded engine is one engine: other values are "
+                                              "refused.")
+    rollout_engine_python: Optional[str] = flag(None, "Python interpreter that runs sglang.launch_server for the "
+                                                "engines this run launches (default: this one); e.g. another "
+                                                "venv's bin/python. Validation checks it can import sglang.")
+    rollout_engine_startup_timeout: float = flag(600.0, "Seconds the launched SGLang engines get to answer "
+                                                 "/health; an engine not up by then, or whose process exits, "
+                                                 "stops the run with its log file named.")
     num_rollout: int = flag(100, "Rollout steps to run.")
     rollout_temperature: float = flag(1.0, "Sampling temperature.")
     rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")
@@ -376,8 +389,22 @@ class RolloutConfig:
     rollout_stop_token_ids: list = flag([], "Extra stop token ids (the tokenizer's EOS always stops).",
                                         type=int, nargs="*")
     rollout_seed: int = flag(42, "Base seed for sampling.")
+    use_fault_tolerance: bool = flag(False, "Restart a launched SGLang engine whose process dies, sync the "
+                                     "current weights into it and generate the failed rollout again (at most 3 "
+                                     "restarts a run); without it the run stops naming the engine and its log. "
+                                     "Only for engines this run launches.")
     sglang_args: dict = flag({}, "Pass-through: every --sglang-KEY VALUE flag lands here as {KEY: VALUE} "
                                 "for SGLang servers; refused with the embedded engine.")
+
+    def __post_init__(self):
+        if self.rollout_backend == "auto":  # resolved once, here, so every reader sees embedded or sglang
+            object.__setattr__(self, "rollout_backend", "sglang" if self.names_sglang_engines else "embedded")
+
+    @property
+    def names_sglang_engines(self) -> bool:
+        """Whether a flag sizes, configures or names SGLang engines (what --rollout-backend auto follows)."""
+        return bool(self.rollout_engine_urls or self.rollout_num_gpus is not None
+                    or self.rollout_num_gpus_per_engine != 1 or self.sglang_args)
 
 
 @dataclass(frozen=True)
@@ -461,13 +488,15 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    update_weight_transport: str = flag("tensor", "How trained weights reach the rollout engine: tensor "
-                                        "(in-process hand-over to the embedded engine), disk (HF safetensors "
-                                        "in versioned dirs under --update-weight-disk-dir, loaded by the engine), "
-                                        "or distributed (--rollout-backend sglang only: the driver rank and every "
-                                        "server's TP ranks form a process group, gloo on CPU / NCCL on GPU, and "
-                                        "each bucket is broadcast into the servers; docs/sglang.md).",
-                                        choices=("disk", "tensor", "distributed"))
+    update_weight_transport: str = flag("auto", "How trained weights reach the rollout engine: tensor "
+                                        "(in-process hand-over to the embedded engine; flattened buckets to "
+                                        "colocated SGLang engines), disk (HF safetensors in versioned dirs under "
+                                        "--update-weight-disk-dir, loaded by the engine), or distributed "
+                                        "(--rollout-backend sglang only: the driver rank and every server's TP "
+                                        "ranks form a process group, gloo on CPU / NCCL on GPU, and each bucket "
+                                        "is broadcast into the servers; docs/sglang.md). auto, as slime: tensor "
+                                        "with the embedded engine or colocated SGLang engines, else distributed.",
+                                        choices=("auto", "disk", "tensor", "distributed"))
     update_weight_buffer_size: int = flag(512 * 1024 * 1024, "Bytes per weight-update bucket.")
     update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "
                                                  "by it, refused without it): each sync publishes v<version>/ "
@@ -570,6 +599,13 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     mode: ModeConfig = field(default_factory=ModeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self):
+        if self.sync.update_weight_transport == "auto":  # resolved once, here: every reader sees a transport
+            same_devices = self.rollout.rollout_backend == "embedded" or (
+                self.memory.colocate and not self.rollout.rollout_engine_urls)
+            object.__setattr__(self, "sync", replace(self.sync, update_weight_transport="tensor" if same_devices
+                                                     else "distributed"))
 
     @property
     def actor_world_size(self) -> int:

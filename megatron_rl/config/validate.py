@@ -11,8 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
+from typing import Optional
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.plan.engines import plan_engine_placement
 
 from .schema import Config
 from .architecture import architecture_errors, dry_run_without_checkpoint
@@ -348,10 +352,18 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     """
     r, s = cfg.rollout, cfg.sync
     errors = []
-    if r.rollout_backend == "sglang" and not r.rollout_engine_urls:
-        errors.append("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built "
-                      "yet (issue 14); give --rollout-engine-urls of running servers (docs/sglang.md), or use "
-                      "--rollout-backend embedded")
+    if r.use_fault_tolerance and not (r.rollout_backend == "sglang" and not r.rollout_engine_urls
+                                      and cfg.has_rollout_engine):
+        what = ("servers of --rollout-engine-urls are yours to restart" if r.rollout_engine_urls else
+                f"--rollout-backend {r.rollout_backend} " + ("runs inside the driver rank" if cfg.has_rollout_engine
+                                                              else "with no engine in a train-only run"))
+        errors.append(f"--use-fault-tolerance restarts SGLang engines this run launches, and {what}: drop it")
+    if r.rollout_backend == "sglang" and not cfg.has_rollout_engine:
+        sized = " and the flags that size or configure SGLang engines" if r.names_sglang_engines else ""
+        errors.append("--rollout-backend sglang: a train-only run (--debug-train-only / --load-debug-rollout-data) "
+                      f"generates nothing, so no SGLang engine starts or is used: drop it{sized}")
+    elif r.rollout_backend == "sglang" and not r.rollout_engine_urls:
+        errors.extend(_launched_sglang_errors(cfg))
     elif r.rollout_backend == "sglang":
         errors.extend(_external_sglang_errors(cfg))
     elif r.rollout_engine_urls:
@@ -380,8 +392,8 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         # SGLang-only knobs: the embedded engine is one in-process engine on the driver rank's
         # devices, so a GPU count or a server argument would be accepted and do nothing.
         errors.extend(_sglang_launch_knob_errors(
-            cfg, "the embedded engine runs inside the driver rank on the trainer's devices",
-            "the embedded engine starts none"))
+            cfg, "the embedded engine runs inside the driver rank on the trainer's devices (--rollout-backend "
+            "sglang launches SGLang engines)", "the embedded engine starts none"))
     return errors
 
 
@@ -398,9 +410,78 @@ def _sglang_launch_knob_errors(cfg: Config, why: str, starts: str, *, sizes: boo
                       f"{why}{one}: drop it")
     if r.sglang_args:
         keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in sorted(r.sglang_args))
-        errors.append(f"{keys}: pass-through arguments of SGLang servers; {starts}: drop them (launching "
-                      f"SGLang engines is {_NOT_YET})")
+        errors.append(f"{keys}: pass-through arguments of SGLang servers; {starts}: drop them"
+                      + (" (or use --rollout-backend sglang, which launches SGLang engines)"
+                         if r.rollout_backend == "embedded" else ""))
     return errors
+
+
+#: SGLang arguments the launcher sets from the plan (rollout/sglang/launcher.py): a --sglang-KEY for one of
+#: them would fight the placement, so it is refused naming what sets it.
+SGLANG_LAUNCHER_OWNED_ARGS = {
+    "model_path": "--hf-checkpoint", "host": "the launcher (loopback, or all interfaces across nodes)",
+    "port": "the launcher (a free port per engine)", "nccl_port": "the launcher (a free port per engine)",
+    "tp_size": "--rollout-num-gpus-per-engine", "base_gpu_id": "the placement (CUDA_VISIBLE_DEVICES per engine)",
+    "nnodes": "the placement (an engine launched here runs on one node)",
+    "node_rank": "the placement (an engine launched here runs on one node)",
+}
+
+
+def _launched_sglang_errors(cfg: Config) -> list[str]:
+    """``--rollout-backend sglang`` without URLs: this run launches the engines (rollout/sglang/launcher.py)."""
+    r, s = cfg.rollout, cfg.sync
+    errors = []
+    if not cfg.model.hf_checkpoint:
+        errors.append("--rollout-backend sglang launches SGLang engines on --hf-checkpoint's HF model: give "
+                      "--hf-checkpoint DIR (or --rollout-engine-urls of servers you started)")
+    for key in sorted(set(r.sglang_args) & set(SGLANG_LAUNCHER_OWNED_ARGS)):
+        errors.append(f"--sglang-{key.replace('_', '-')}: set by {SGLANG_LAUNCHER_OWNED_ARGS[key]} for each engine "
+                      "this run launches; drop it")
+    if r.rollout_engine_startup_timeout <= 0:
+        errors.append(f"--rollout-engine-startup-timeout {r.rollout_engine_startup_timeout:g} must be > 0 (seconds)")
+    try:
+        plan_engine_placement(num_gpus=r.rollout_num_gpus if r.rollout_num_gpus is not None else cfg.actor_world_size,
+                              gpus_per_engine=r.rollout_num_gpus_per_engine, colocate=cfg.memory.colocate,
+                              num_nodes=cfg.placement.actor_num_nodes,
+                              gpus_per_node=cfg.placement.actor_num_gpus_per_node, devices_per_node=None)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"
+    if on_cpu and (cfg.memory.effective_offload_rollout):
+        errors.append("--colocate / --offload-rollout release the engines' memory around training, and SGLang on CPU "
+                      "(--sglang-device cpu) cannot release it (it calls CUDA synchronize and the server dies): drop "
+                      "them on a CPU-only run, where the engines and the trainer share host memory anyway")
+    if s.update_weight_transport == "distributed" and cfg.memory.colocate and not on_cpu:
+        errors.append("--update-weight-transport distributed with --colocate: NCCL cannot join two processes on the "
+                      "same GPU (the trainer rank and its colocated engine), so the broadcast would fail or hang; "
+                      "use --update-weight-transport tensor (the colocated route) or disk")
+    if s.check_weight_update_equal:
+        errors.append("--check-weight-update-equal with --rollout-backend sglang: SGLang cannot read its weights "
+                      "back on most models (/get_weights_by_name is missing for Qwen2 and most model classes), so "
+                      "nothing could be compared: drop it (the embedded engine supports it)")
+    if not errors and not cfg.mode.dry_run:
+        python = r.rollout_engine_python or sys.executable
+        why = _engine_python_problem(python)
+        if why:
+            flag = "--rollout-engine-python" if r.rollout_engine_python else "this interpreter"
+            errors.append(f"--rollout-backend sglang launches python -m sglang.launch_server with {flag}, but {why}: "
+                          "install SGLang there, or point --rollout-engine-python at an interpreter that has it")
+    return errors
+
+
+def _engine_python_problem(python: str, timeout_s: float = 30.0) -> Optional[str]:
+    """None if ``python`` finds the sglang package (not imported: that takes ~25 s), else why not."""
+    try:
+        proc = subprocess.run([python, "-c", "import importlib.util, sys; "
+                               "sys.exit(0 if importlib.util.find_spec('sglang') else 3)"],
+                              capture_output=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python} could not be run ({exc})"
+    if proc.returncode == 3:
+        return f"{python} has no sglang package"
+    if proc.returncode:
+        return f"{python} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}"
+    return None
 
 
 def _external_sglang_errors(cfg: Config) -> list[str]:
@@ -601,25 +682,25 @@ def collect_errors(cfg: Config) -> list[str]:
     if not errors:  # the planner re-derives placement; only meaningful once the flags are consistent
         errors.extend(plan_errors(cfg))
     unbuilt = refuse_unimplemented_rollout_and_sync(cfg)
-    others = [e for e in unbuilt if not awaits_sglang_launcher(e)]
+    others = [e for e in unbuilt if not is_not_built_yet(e)]
     # a dry run of an otherwise valid script goes on to print its plan, then names these (dry_run.py)
     errors.extend(others if cfg.mode.dry_run and not errors and not others else unbuilt)
     return errors
 
 
-#: Words of the refusals that only say "this run would launch SGLang engines, which is not built yet"
-#: (issue 14), not that the input is wrong: a --dry-run still checks and prints the plan of such a
-#: script, then names them and exits 2 (runner/dry_run.py), so a slime script shows its layout here.
-_AWAITS_LAUNCHER = ("issue 14", "sizes SGLang engines", "places SGLang engines")
+#: Words of the refusals that only say "this version does not build that yet" (issue 14), not that the
+#: input is wrong: a --dry-run still checks and prints the plan of such a script, then names them and
+#: exits 2 (runner/dry_run.py), so a slime script shows its layout here.
+_NOT_BUILT_YET = ("issue 14",)
 
 
-def awaits_sglang_launcher(error: str) -> bool:
-    return any(k in error for k in _AWAITS_LAUNCHER)
+def is_not_built_yet(error: str) -> bool:
+    return any(k in error for k in _NOT_BUILT_YET)
 
 
 def real_run_refusals(cfg: Config) -> list[str]:
-    """What a real run of ``cfg`` would refuse that a --dry-run lets through (see ``_AWAITS_LAUNCHER``)."""
-    return [e for e in refuse_unimplemented_rollout_and_sync(cfg) if awaits_sglang_launcher(e)]
+    """What a real run of ``cfg`` would refuse that a --dry-run lets through (see ``_NOT_BUILT_YET``)."""
+    return [e for e in refuse_unimplemented_rollout_and_sync(cfg) if is_not_built_yet(e)]
 
 
 def validate_config(cfg: Config) -> None:

@@ -30,13 +30,14 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Type, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Type, Union
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.infra.registry import Refused, Registry
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
+    from megatron_rl.plan.engines import EnginePlacement
 
 __all__ = ["ENGINES", "EngineHealth", "GenerateRequest", "RolloutEngine", "SamplingParams", "load_tokenizer",
            "make_engine", "register_engine"]
@@ -64,8 +65,13 @@ class RolloutEngine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, cfg: "Config") -> "RolloutEngine":
-        """Build the engine from the run's flags (``--hf-checkpoint``, ...)."""
+    def from_config(cls, cfg: "Config", placement: "Optional[EnginePlacement]" = None) -> "RolloutEngine":
+        """Build the engine from the run's flags (``--hf-checkpoint``, ...); ``placement``: the engine
+        servers this run launched (``rollout.sglang.launcher``), None for an engine that needs none."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside the model (HTTP pools, monitor threads) at the end of the
+        run, before its servers stop; a no-op for an engine that holds none. Safe to call twice."""
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:

@@ -10,7 +10,7 @@ tokenizer).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.errors import ConfigError
@@ -20,15 +20,17 @@ from megatron_rl.rollout.rewards import get_reward_fn
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
+    from megatron_rl.plan.engines import EnginePlacement
 
 
-def build_rollout(cfg: "Config") -> RolloutManager:
-    """The driver's rollout side: engine (from ``--rollout-backend``), prompt iterator, eval prompts, reward."""
+def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) -> RolloutManager:
+    """The driver's rollout side: engine (from ``--rollout-backend``; ``placement``: the SGLang engines this
+    run launched), prompt iterator, eval prompts, reward."""
     engine_type = ENGINES.get(cfg.rollout.rollout_backend)  # unknown / refused names fail before anything loads
     if not cfg.data.prompt_data:
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
     reward_fn = get_reward_fn(rm_type=cfg.data.rm_type, custom_rm_path=cfg.data.custom_rm_path)  # fail fast
-    engine = engine_type.from_config(cfg)
+    engine = engine_type.from_config(cfg, placement) if placement is not None else engine_type.from_config(cfg)
     d, b = cfg.data, cfg.batching
     common = dict(tokenizer=getattr(engine, "tokenizer", None), input_key=d.input_key, label_key=d.label_key,
                   apply_chat_template=d.apply_chat_template, max_prompt_len=cfg.rollout.rollout_max_prompt_len)

@@ -100,7 +100,7 @@ class EmbeddedEngine(RolloutEngine):
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "EmbeddedEngine":
+    def from_config(cls, cfg: "Config", placement: None = None) -> "EmbeddedEngine":
         """The loop's engine: ``--hf-checkpoint`` (weights, and the tokenizer found beside them)."""
         return cls(cfg.model.hf_checkpoint)
 

@@ -11,6 +11,7 @@ from megatron_rl.config.megatron_flags import requirements
 from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
 from megatron_rl.config.validate import real_run_refusals
 from megatron_rl.plan import format_table, validate_plan
+from megatron_rl.rollout.sglang.launcher import engine_command, placement_for_config
 
 
 def print_plan(cfg: Config) -> int:
@@ -27,6 +28,9 @@ def print_plan(cfg: Config) -> int:
         print(f"rollout: external SGLang servers, not started or placed by this run: "
               f"{' '.join(cfg.rollout.rollout_engine_urls)}; weights reach them through "
               f"--update-weight-disk-dir {cfg.sync.update_weight_disk_dir}")
+    if cfg.rollout.rollout_backend == "sglang" and not external and cfg.has_rollout_engine:
+        for line in engine_lines(cfg):
+            print(line)
     print(_model_line(cfg))
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
@@ -37,12 +41,31 @@ def print_plan(cfg: Config) -> int:
         for why in refused:
             print(f"error: a real run refuses: {why}", file=sys.stderr)
         print(f"dry run: the plan above holds (training world {cfg.actor_world_size} rank(s), data-parallel "
-              f"{cfg.data_parallel_size}), but a real run refuses this configuration: launching SGLang engines is "
-              "not built yet (issue 14; the errors say which flags); nothing was started")
+              f"{cfg.data_parallel_size}), but a real run refuses this configuration: it asks for what this version "
+              "does not build yet (issue 14; the errors say which flags); nothing was started")
         return 2
     print(f"dry run: configuration valid; training world {cfg.actor_world_size} rank(s), "
           f"data-parallel {cfg.data_parallel_size}; nothing was started")
     return 0
+
+
+def engine_lines(cfg: Config) -> list[str]:
+    """The SGLang engines a real run launches, node by node, with the command line each gets (ports are
+    picked at launch). GPU ids are node-local; separate engines take the GPUs beyond the trainer's, as
+    many as the node shows at launch (a CPU-only plan shows processes)."""
+    placement = placement_for_config(cfg, devices_per_node=None)
+    g = cfg.rollout.rollout_num_gpus_per_engine
+    mode = "colocated on the trainer's devices" if placement.colocated else "on their own devices"
+    lines = [f"rollout: {len(placement.engines)} SGLang engine(s) of {g} GPU(s), {mode}, launched by each node's "
+             f"local rank 0 (python -m sglang.launch_server, logs under {cfg.runtime.output_dir}/engines/)"]
+    for node in sorted({e.node_rank for e in placement.engines}):
+        for e in placement.on_node(node):
+            devices = (f"trainer ranks {e.trainer_ranks[0]}-{e.trainer_ranks[-1]}'s devices" if e.trainer_ranks
+                       else f"{g} device(s) beyond the trainer's {cfg.placement.actor_num_gpus_per_node}")
+            cmd = engine_command(cfg, e, python="python", host="HOST", port=0, nccl_port=0)
+            args = " ".join(cmd[3:]).replace("--port 0 --nccl-port 0", "--port PORT --nccl-port PORT")
+            lines.append(f"  node {node} engine {e.index}: {devices}: sglang.launch_server {args}")
+    return lines
 
 
 def _model_line(cfg: Config) -> str:

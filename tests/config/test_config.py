@@ -64,9 +64,12 @@ def test_sglang_pass_through(hf_dir):
      "--sglang-log-level --sglang-mem-fraction-static: pass-through arguments of SGLang servers"),
 ])
 def test_sglang_only_knobs_are_refused_with_the_embedded_engine(hf_dir, extra, match):
-    """They were accepted and read nowhere (the embedded engine is one in-process engine)."""
+    """They were accepted and read nowhere (the embedded engine is one in-process engine). Without
+    --rollout-backend (auto) the same flags select SGLang, as in slime's scripts."""
     with pytest.raises(ConfigError, match=match):
-        parse_config(base(hf_dir, *extra))
+        parse_config(base(hf_dir, "--rollout-backend", "embedded", *extra))
+    assert parse_config(base(hf_dir, *extra), validate=False).rollout.rollout_backend == "sglang"
+    assert parse_config(base(hf_dir), validate=False).rollout.rollout_backend == "embedded"
 
 
 def test_yaml_config_and_cli_precedence(hf_dir, tmp_path):
@@ -153,7 +156,8 @@ def test_bad_choice_and_type(hf_dir):
     (["--wall-time-limit", "10m", "--wall-time-reserve", "15m"], "leaves no time inside --wall-time-limit 600s"),
     (["--rollout-top-p", "0"], "--rollout-top-p 0.0 must be in"),
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "not divisible by --rollout-num-gpus-per-engine 2"),
-    (["--rollout-backend", "sglang", "--update-weight-transport", "tensor"], "sglang"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--update-weight-transport", "tensor"],
+     "--update-weight-transport tensor hands CUDA IPC handles to engines on the SAME GPUs: it needs --colocate"),
 ])
 def test_validation_errors_name_the_flag(hf_dir, extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -225,16 +229,15 @@ def test_model_shape_is_checked_through_the_planner(tiny_hf_models):
 def test_allocation_string_errors_name_the_flag(hf_dir):
     with pytest.raises(ConfigError, match="--allocation"):
         parse_config(base(hf_dir, "--allocation", "sglang:d0"))
-    # separate rollout GPUs need a transport other than tensor: distributed exists for servers given by URL,
-    # but the engines an allocation places would need the launcher, which is not built
-    with pytest.raises(ConfigError, match="--rollout-backend sglang without --rollout-engine-urls: launching SGLang "
-                                          "engines is not built yet"):
+    # the engines the string places are launched by this run (separate GPUs: the distributed transport); this
+    # interpreter has no sglang package, so a real run is refused naming it
+    no_sglang = "launches python -m sglang.launch_server with this interpreter, but .* has no sglang package"
+    with pytest.raises(ConfigError, match=no_sglang):
         parse_config(base(hf_dir, "--allocation", "sglang:d2t4+megatron:d2t2", "--update-weight-transport",
                           "distributed"))
-    # the engines the string names are the engine the run uses: sglang is taken, and refused (no launcher yet)
-    with pytest.raises(ConfigError, match="--rollout-backend sglang without --rollout-engine-urls: launching SGLang "
-                                          "engines is not built yet"):
-        parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2"))
+    with pytest.raises(ConfigError, match=no_sglang):
+        parse_config(base(hf_dir, "--allocation", "sglang:d2t2|megatron:d2t2", "--update-weight-transport",
+                          "distributed"))
     cfg = parse_config(base(hf_dir, "--allocation", "megatron:d2t2"))  # the embedded engine needs no component
     assert cfg.placement.allocation == "megatron:d2t2" and cfg.rollout.rollout_backend == "embedded"
 
@@ -249,7 +252,6 @@ def test_allocation_engine_must_be_the_rollout_backend(hf_dir, engine):
 
 
 NOT_YET = "not implemented in this version (tracked by issue 14"
-NO_LAUNCHER = "--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet (issue 14)"
 URLS = ["--rollout-engine-urls", "http://127.0.0.1:30000"]
 EXTERNAL = ["--rollout-backend", "sglang", *URLS, "--update-weight-transport", "disk",
             "--update-weight-disk-dir", "/tmp/mrl-test-weights"]
@@ -258,8 +260,11 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
 
 @pytest.mark.parametrize("extra,match", [
     # what this version does not build
-    (["--rollout-backend", "sglang", "--colocate"], NO_LAUNCHER),
-    (["--rollout-backend", "sglang", "--update-weight-transport", "disk"], NO_LAUNCHER),
+    # the engines this run launches (tests/rollout/test_sglang_launcher.py starts them)
+    (["--rollout-backend", "sglang", "--colocate", "--sglang-device", "cpu"], "--colocate / --offload-rollout "
+                                                                                 "release the engines' memory"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-port", "1"],
+     "--sglang-port: set by the launcher (a free port per engine) for each engine this run launches; drop it"),
     (["--update-weight-transport", "distributed"], "--update-weight-transport distributed broadcasts into SGLang "
                                                     "server processes over a process group, but --rollout-backend "
                                                     "embedded runs its engine inside the driver rank: there is no "
@@ -267,9 +272,10 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     ([*EXTERNAL, "--update-weight-transport", "distributed"], "--update-weight-disk-dir /tmp/mrl-test-weights is "
                                                               "only used by --update-weight-transport disk, not "
                                                               "distributed"),
-    (["--rollout-backend", "sglang", *URLS], "--update-weight-transport tensor with --rollout-engine-urls: the tensor "
-                                             "transport for SGLang is " + NOT_YET),
-    (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang"),
+    (["--rollout-backend", "sglang", *URLS, "--update-weight-transport", "tensor"],
+     "--update-weight-transport tensor with --rollout-engine-urls: the tensor transport for SGLang is " + NOT_YET),
+    (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang: "
+                                                                                     "a train-only run"),
     # what the fsdp backend does not build yet (issue 16)
     (["--train-backend", "fsdp", "--fp16"], "--fp16 with --train-backend fsdp: fp16 needs loss scaling"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity selective with "
@@ -285,13 +291,18 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     (["--update-weight-disk-dir", "/tmp/w"], "--update-weight-disk-dir /tmp/w is only used by "
                                               "--update-weight-transport disk, not tensor"),
     # external servers: the URLs, and what means nothing for servers this run neither starts nor places
-    (URLS, "--rollout-engine-urls http://127.0.0.1:30000 names SGLang servers, but --rollout-backend is embedded"),
+    (["--rollout-backend", "embedded", *URLS], "--rollout-engine-urls http://127.0.0.1:30000 names SGLang servers, "
+                                               "but --rollout-backend is embedded"),
     ([*EXTERNAL[:2], "--rollout-engine-urls", "localhost:30000", *EXTERNAL[4:]],
      "--rollout-engine-urls localhost:30000: not a server address; write http://host:port"),
     ([*EXTERNAL, "--rollout-engine-urls", "http://a:1", "http://a:1"], "lists http://a:1 more than once"),
     ([*EXTERNAL, "--colocate"], "--colocate " + BY_URL),
     ([*EXTERNAL, "--offload-train"], "--offload-train " + BY_URL),
     ([*EXTERNAL, "--offload-rollout"], "--offload-rollout " + BY_URL),
+    ([*EXTERNAL, "--use-fault-tolerance"], "--use-fault-tolerance restarts SGLang engines this run launches, and "
+                                           "servers of --rollout-engine-urls are yours to restart"),
+    (["--use-fault-tolerance"], "--use-fault-tolerance restarts SGLang engines this run launches, and "
+                                "--rollout-backend embedded runs inside the driver rank"),
     ([*EXTERNAL, "--check-weight-update-equal"], "--check-weight-update-equal with --rollout-backend sglang: SGLang "
                                                  "cannot read its weights back"),
     ([*EXTERNAL, "--rollout-num-gpus", "2"], "--rollout-num-gpus 2 places SGLang engines on their own GPUs; the "
@@ -340,9 +351,10 @@ def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):
     hf = tiny_hf_models("qwen3_moe")  # 2 KV groups: TP 4 is invalid
     with pytest.raises(ConfigError) as exc:
         parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4",
-                      "--rollout-backend", "sglang", "--colocate"])
+                      "--rollout-backend", "sglang", "--colocate", "--sglang-device", "cpu",
+                      "--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/mrl-test-weights"])
     msg = str(exc.value)
-    assert msg.startswith("invalid configuration:") and NO_LAUNCHER in msg
+    assert msg.startswith("invalid configuration:") and "SGLang on CPU (--sglang-device cpu) cannot release" in msg
     assert len(msg.splitlines()) == 3  # the layout error and the refusal
 
 

@@ -44,20 +44,6 @@ def _refused(argv):
 
 # field -> (why nothing outside megatron_rl/config/ needs to read it, proof)
 ALLOWED: dict[str, tuple[str, tuple]] = {
-    "rollout_num_gpus": (
-        "places SGLang engines on their own GPUs (read by the planner, config/placement); no engine this version "
-        "runs is placed by it (the embedded engine runs in the driver rank, SGLang servers of "
-        "--rollout-engine-urls run where their user started them; the launcher is issue 14), so it is refused "
-        "in validation with either",
-        _refused(["--rollout-num-gpus", "2"])),
-    "rollout_num_gpus_per_engine": (
-        "sizes SGLang engines (read by the planner, config/placement); with the embedded engine or external "
-        "SGLang servers any value but the default 1 is refused in validation",
-        _refused(["--rollout-num-gpus-per-engine", "2"])),
-    "sglang_args": (
-        "pass-through arguments of SGLang servers we launch; neither the embedded engine nor external servers "
-        "(--rollout-engine-urls) start any, so any --sglang-KEY is refused in validation",
-        ("refused-as", ["--sglang-mem-fraction-static", "0.5"], "--sglang-mem-fraction-static")),
     "use_wandb": (
         "slime's W&B switch: logging to W&B here is on exactly when --wandb-project is given (infra/tracking), "
         "so --use-wandb adds nothing then, and without --wandb-project it is refused in validation",

@@ -7,9 +7,11 @@ the paths pointed at local files. ``--hf-checkpoint`` dirs hold the real models'
 checked against the real configs. Each command is parsed and validated in-process (fast);
 one goes through ``python -m megatron_rl.train --dry-run``'s ``main`` end to end.
 
-What a slime script still cannot do here is named, not hidden: launching SGLang engines
-(issue 14) is refused in validation; the tests assert those are the only refusals and check
-the plan the flags describe (TP/PP/EP/CP, GPU demand, colocation) regardless.
+A slime script's SGLang flags select SGLang (``--rollout-backend auto``) and its placement the
+weight transport (``--update-weight-transport auto``: tensor colocated, distributed separate), as
+in slime; ``--dry-run`` prints the plan the flags describe (TP/PP/EP/CP, GPU demand, colocation)
+and the engines each node launches. What a real run here still refuses is only what this
+machine lacks (GPU-only flags, SGLang in this venv), named, not hidden.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 
 from megatron_rl.config import parse_config
 from megatron_rl.config.placement import model_shape_for_config, plan_for_config
-from megatron_rl.config.validate import awaits_sglang_launcher, collect_errors
+from megatron_rl.config.validate import is_not_built_yet, collect_errors
 from megatron_rl.errors import ConfigError
 from megatron_rl.plan import validate_plan
 
@@ -192,7 +194,9 @@ def qwen3_235b_a22b(files):
     uneven last stage, CP2, EP16. Its checkpoint paths point at nothing (a laptop has no 235B
     checkpoint): the plan comes from the architecture flags. slime picks the NCCL broadcast transport
     for separate GPUs and SGLang as the engine; here both are flags (--rollout-backend sglang
-    --update-weight-transport distributed), refused today with the launcher (issue 14)."""
+    --update-weight-transport distributed); --dry-run accepts them. Its engines of 32 GPUs span nodes and its
+    rollout GPUs are nodes of their own, which a real run refuses at launch (engines this run launches live on
+    its own nodes): such a run gives --rollout-engine-urls of servers started on the rollout nodes."""
     base = "/nonexistent/BASE_FOLDER"
     return ["--actor-num-nodes", "8", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "64",
             "--update-weight-buffer-size", str(1024 * 1024 * 1024 * 4),
@@ -226,10 +230,9 @@ def _no_torchrun(monkeypatch):
 
 
 def checked(argv):
-    """Parse + validate like --dry-run; return (cfg, plan, report) after asserting that every
-    refusal left is one of issue 14's (the SGLang launcher)."""
+    """Parse + validate like --dry-run; return (cfg, plan, report) after asserting nothing is refused."""
     cfg = parse_config(runnable(argv) + ["--dry-run"], validate=False)
-    others = [e for e in collect_errors(cfg) if not awaits_sglang_launcher(e)]
+    others = [e for e in collect_errors(cfg) if not is_not_built_yet(e)]
     assert not others, others
     plan = plan_for_config(cfg)
     report = validate_plan(plan, None, model_shape_for_config(cfg), cfg.model.seq_length,
@@ -288,36 +291,40 @@ def test_qwen3_235b_multi_node_separate_rollout_planned_from_flags(files):
 
 def test_dry_run_main_end_to_end_prints_the_plan(files, capsys):
     """``python -m megatron_rl.train --dry-run`` itself, on the 30B script as slime wrote it: the plan,
-    the model line, what the real run will need, and what a real run refuses (launching SGLang engines)."""
+    the SGLang engine each node launches with its command line, the model line, what the real run needs."""
     from megatron_rl.train import main
 
-    assert main(runnable(qwen3_30b_a3b(files)) + ["--dry-run"]) == 2
+    assert main(runnable(qwen3_30b_a3b(files)) + ["--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "megatron[actor]:d2t4e8" in out and "total GPU demand: 8" in out
+    assert "rollout: 1 SGLang engine(s) of 8 GPU(s), colocated on the trainer's devices" in out
+    assert ("node 0 engine 0: trainer ranks 0-7's devices: sglang.launch_server --model-path "
+            f"{files['Qwen3-30B-A3B']} --host HOST --port PORT --nccl-port PORT --tp-size 8") in out
+    assert "--enable-memory-saver --mem-fraction-static 0.7 --cuda-graph-bs 1 2 4 8 16" in out
     assert "model: 48 layers, 32 heads, 4 KV groups, vocab 151936, 128 experts" in out
     assert "needs: --moe-grouped-gemm takes effect only with grouped-GEMM experts" in out
-    assert "error: a real run refuses: --rollout-num-gpus-per-engine 8 sizes SGLang engines" in err
-    assert "dry run: the plan above holds" in out and "launching SGLang engines is not built yet" in out
+    assert "dry run: configuration valid" in out and "error" not in err
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_every_script_dry_runs_unchanged_and_a_real_run_refuses_only_the_launcher(name, files, capsys):
-    """Each slime command, flags as slime wrote them: --dry-run checks and prints its plan, then names
-    what a real run refuses (issue 14: launching SGLang engines) and exits 2; that is the one refusal
-    left (besides GPU-only flags on this CPU machine, which --dry-run accepts)."""
+def test_every_script_dry_runs_unchanged(name, files, capsys):
+    """Each slime command, flags as slime wrote them (SGLang is chosen by its SGLang flags, the transport
+    by the placement, as in slime): --dry-run checks and prints its plan and engines and exits 0. What a
+    real run here still refuses is only what this machine lacks: GPU-only flags, SGLang in this venv, and
+    the 235B script's paths, which point at nothing."""
     from megatron_rl.train import main
 
     argv = [a for a in runnable(SCRIPTS[name](files)) if a != "--dry-run"]
-    assert main(argv + ["--dry-run"]) == 2
+    assert main(argv + ["--dry-run"]) == 0
     out, err = capsys.readouterr()
-    assert "total GPU demand" in out and "dry run: the plan above holds" in out, (out, err)
-    assert "error: a real run refuses:" in err and "invalid configuration" not in err, err
+    assert "total GPU demand" in out and "dry run: configuration valid" in out, (out, err)
+    assert "SGLang engine(s) of" in out and not err, err
     cfg = parse_config(argv, validate=False)
+    assert cfg.rollout.rollout_backend == "sglang"
     errors = collect_errors(cfg)
-    launcher = [e for e in errors if awaits_sglang_launcher(e)]
-    assert launcher, name
-    if name != "qwen3-235B-A22B":  # its paths point at nothing, which a real run refuses too
-        assert all(awaits_sglang_launcher(e) or "cannot take effect here" in e for e in errors), errors
+    assert not [e for e in errors if is_not_built_yet(e)], errors
+    if name != "qwen3-235B-A22B":
+        assert all("cannot take effect here" in e or "has no sglang package" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("flag, value, want", [

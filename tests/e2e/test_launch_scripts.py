@@ -32,31 +32,25 @@ def _run(script, env, *args):
                           env={**os.environ, "PY": sys.executable, **env}, timeout=300)
 
 
-NO_LAUNCHER = ("--rollout-backend sglang without --rollout-engine-urls: launching SGLang engines is not built yet "
-               "(issue 14); give --rollout-engine-urls of running servers (docs/sglang.md), or use "
-               "--rollout-backend embedded")
-
-
-@pytest.mark.parametrize("script,cfg,extra_env,refused", [
-    ("run_qwen3_4b_grpo.sh", QWEN3_4B, {}, [NO_LAUNCHER]),
-    ("run_qwen3_30b_a3b_grpo.sh", QWEN3_30B_A3B, {"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"},
-     [NO_LAUNCHER]),  # its --update-weight-transport distributed to SGLang servers exists (issue 14)
+@pytest.mark.parametrize("script,cfg,extra_env,engines", [
+    ("run_qwen3_4b_grpo.sh", QWEN3_4B, {},
+     "rollout: 4 SGLang engine(s) of 2 GPU(s), colocated on the trainer's devices"),
+    ("run_qwen3_30b_a3b_grpo.sh", QWEN3_30B_A3B, {"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1",
+                                                  "ROLLOUT_URLS": "http://10.0.0.5:30000 http://10.0.0.6:30000"},
+     "rollout: external SGLang servers, not started or placed by this run: http://10.0.0.5:30000 "
+     "http://10.0.0.6:30000"),
 ])
-def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, refused):
-    """The scripts launch SGLang engines, which this version refuses (only servers given by
-    --rollout-engine-urls run): their dry run prints the checked plan, then exits 2 naming only that
-    refusal as what a real run refuses, so every other flag and the planner's check of their layout passed
-    (with a layout error the refusal is reported with it; see test_script_dry_run_refuses_bad_layout)."""
+def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, engines):
+    """Each script's dry run checks every flag and the planner's layout, prints the plan and the SGLang
+    engines (launched on the 4B node; the 30B script's servers run on rollout nodes of their own) and
+    exits 0 without starting anything."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1?", "label": "2"}\n')
     env = {"HF_CKPT": _model_dir(tmp_path, cfg), "PROMPTS": str(prompts), "SAVE": str(tmp_path / "save"), **extra_env}
     proc = _run(script, env, "--dry-run")
-    assert proc.returncode == 2, proc.stderr + proc.stdout
-    errors = [line.strip().removeprefix("error: ").removeprefix("- ") for line in proc.stderr.splitlines()]
-    errors = [e for e in errors if e and e != "invalid configuration:"]
-    assert errors == [f"a real run refuses: {r}" for r in refused], proc.stderr
-    assert "dry run: configuration valid" not in proc.stdout
-    assert "total GPU demand" in proc.stdout and "dry run: the plan above holds" in proc.stdout
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "total GPU demand" in proc.stdout and "dry run: configuration valid" in proc.stdout
+    assert engines in proc.stdout, proc.stdout
     assert not (tmp_path / "save").exists()
 
 
@@ -67,7 +61,6 @@ def test_script_dry_run_refuses_bad_layout(tmp_path):
     proc = _run("run_qwen3_4b_grpo.sh", env, "--dry-run", "--tensor-model-parallel-size", "3")
     assert proc.returncode == 2
     assert "--tensor-model-parallel-size" in proc.stderr or "TP" in proc.stderr
-    assert NO_LAUNCHER in proc.stderr  # reported together with the layout error
 
 
 @pytest.mark.slow

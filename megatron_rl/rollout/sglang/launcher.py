@@ -1,0 +1,351 @@
+"""Start the run's SGLang engines (``python -m sglang.launch_server``), wait until they serve, stop them.
+
+Who starts what: the placement (``placement.plan_engine_placement``) is computed from the flags
+on every rank; local rank 0 of each node starts that node's engines, each in its own process
+group with its own log file (``<--output-dir>/engines/engine_<i>.log``), on free ports it
+picks; every rank then learns every engine's URL (one ``all_gather_object``). Each node's
+launcher waits for its own engines: ``GET /health`` answering 200 while the process lives, an
+overall ``--rollout-engine-startup-timeout``; an engine whose process exits, or that is not up in
+time, is an ``EngineError`` naming the engine, its command's exit code and its log file with the
+last lines, raised on every rank (an agreement collective, so no rank waits for one that gave up).
+
+Stopping: ``EngineFleet.stop()`` (the loop's ``finally``) sends SIGTERM to each engine's process
+group and SIGKILL after a grace period; an ``atexit`` hook does the same if the process exits
+another way, and on Linux each engine gets ``PR_SET_PDEATHSIG`` so it dies with its launching
+process even under SIGKILL (SGLang's own children watch their parent).
+
+The command line: ``--model-path`` (``--hf-checkpoint``), ``--host``/``--port`` (loopback on one
+node, all interfaces when the run spans nodes), ``--tp-size`` (``--rollout-num-gpus-per-engine``),
+``--nccl-port`` (a second free port: two engines starting on one node must not pick the same
+one), ``--base-gpu-id 0`` with ``CUDA_VISIBLE_DEVICES`` narrowed to the engine's GPUs,
+``--enable-memory-saver`` when colocated (release/resume need it), then every ``--sglang-KEY VALUE``
+verbatim. The environment is this process's minus torchrun's variables (SGLang reads ``RANK``/
+``WORLD_SIZE`` itself).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import httpx
+
+from megatron_rl.config.validate import SGLANG_LAUNCHER_OWNED_ARGS  # noqa: F401 - the args set here
+from megatron_rl.errors import EngineError
+from megatron_rl.plan.engines import EnginePlacement, EngineSlot, plan_engine_placement
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import Config
+
+__all__ = ["EngineFleet", "EngineProcess", "engine_command", "launch_engines", "placement_for_config",
+           "SGLANG_LAUNCHER_OWNED_ARGS"]
+
+log = logging.getLogger(__name__)
+
+# torchrun's variables: an engine is not a rank of the training job
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port(host: str = "") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _node_address() -> str:
+    """This node's address as the other nodes reach it: the interface that routes to MASTER_ADDR."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # UDP: sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _pass_through_args(sglang_args: dict) -> list[str]:
+    """``{KEY: VALUE}`` of the ``--sglang-KEY`` flags as SGLang's command line: True -> a bare flag,
+    a list -> several values, False/None -> left out (YAML configs can say false)."""
+    out: list[str] = []
+    for key, value in sglang_args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            out.extend([flag, *map(str, value)])
+        else:
+            out.extend([flag, str(value)])
+    return out
+
+
+def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, port: int,
+                   nccl_port: int) -> list[str]:
+    """The ``sglang.launch_server`` command line of ``slot`` (see the module docstring)."""
+    r = cfg.rollout
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model.hf_checkpoint),
+           "--host", host, "--port", str(port), "--nccl-port", str(nccl_port),
+           "--tp-size", str(r.rollout_num_gpus_per_engine)]
+    if slot.gpu_ids:
+        cmd += ["--base-gpu-id", "0"]  # CUDA_VISIBLE_DEVICES holds exactly this engine's GPUs
+    if cfg.memory.colocate and "enable_memory_saver" not in r.sglang_args:
+        cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
+    return cmd + _pass_through_args(r.sglang_args)
+
+
+def _engine_env(slot: EngineSlot, python: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        env.pop("VIRTUAL_ENV", None)  # another venv's interpreter: do not claim ours
+    if slot.gpu_ids:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [x.strip() for x in visible.split(",")] if visible else None
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[g] if ids else str(g) for g in slot.gpu_ids)
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes  # lazy: Linux-only, in the forked child
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EngineProcess:
+    """One ``sglang.launch_server`` process (and its children, in its own process group)."""
+
+    def __init__(self, slot: EngineSlot, cmd: list[str], env: dict[str, str], log_path: str):
+        self.slot, self.cmd, self.env, self.log_path = slot, cmd, env, log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return self.slot.url
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        with open(self.log_path, "ab") as fh:
+            fh.write(("$ " + " ".join(self.cmd) + "\n").encode())
+            fh.flush()
+            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        log.info("started %s: pid %d", self.slot.describe(), self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - 64 * 1024))
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def death_message(self, when: str, lines: int = 20) -> str:
+        code = self.returncode
+        how = f"exited with code {code}" if code is not None and code >= 0 else f"was killed by signal {-code}" \
+            if code is not None else "is not running"
+        return (f"{self.slot.describe()} {how} {when}. Last lines of {self.log_path}:\n"
+                + self.log_tail(lines))
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace_s`` (SGLang's scheduler and
+        detokenizer children too)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=wait_s)
+                if sig == signal.SIGTERM and pgid is not None:
+                    continue  # the launcher exited; SIGKILL whatever of its group outlived it
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _ready(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url + "/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class EngineFleet:
+    """The run's engines: the placement every rank knows, and the processes this node started."""
+
+    def __init__(self, placement: EnginePlacement, local: list[EngineProcess], startup_timeout_s: float):
+        self.placement = placement
+        self.local = local
+        self.startup_timeout_s = startup_timeout_s
+        self._stopped = False
+        atexit.register(self.stop)
+
+    @property
+    def urls(self) -> list[str]:
+        return self.placement.urls
+
+    def process_of(self, url: str) -> Optional[EngineProcess]:
+        return next((p for p in self.local if p.url == url), None)
+
+    def dead(self) -> list[EngineProcess]:
+        """This node's engines whose process has exited."""
+        return [p for p in self.local if not p.alive()]
+
+    def wait_ready(self, engines: Optional[list[EngineProcess]] = None, *, when: str = "while starting") -> None:
+        """Until each of ``engines`` (default: this node's) answers ``/health``; an exit or the timeout
+        raises ``EngineError`` naming the engine and its log. Logs progress every 15 s."""
+        pending = list(self.local if engines is None else engines)
+        start = last_note = time.monotonic()
+        deadline = start + self.startup_timeout_s
+        with httpx.Client() as client:
+            while pending:
+                for p in list(pending):
+                    if not p.alive():
+                        raise EngineError(p.death_message(when))
+                    if _ready(client, p.url):
+                        log.info("%s is up after %.0f s", p.slot.describe(), time.monotonic() - start)
+                        pending.remove(p)
+                now = time.monotonic()
+                if pending and now > deadline:
+                    names = "; ".join(f"{p.slot.describe()}, last lines:\n{p.log_tail(8)}" for p in pending)
+                    raise EngineError(f"{len(pending)} SGLang engine(s) did not answer /health within "
+                                      f"--rollout-engine-startup-timeout {self.startup_timeout_s:g} s: {names}")
+                if pending and now - last_note >= 15:
+                    log.info("waiting for %d SGLang engine(s) to start (%.0f s): %s", len(pending), now - start,
+                             ", ".join(p.url for p in pending))
+                    last_note = now
+                if pending:
+                    time.sleep(0.5)
+
+    def restart(self, process: EngineProcess) -> None:
+        """Stop ``process`` (if anything is left of it), start it again with the same command, port and
+        log file, and wait until it serves (``--use-fault-tolerance``)."""
+        process.stop(grace_s=5.0)
+        process.restarts += 1
+        log.warning("restarting %s (restart %d)", process.slot.describe(), process.restarts)
+        process.start()
+        self.wait_ready([process], when="while restarting")
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for p in self.local:
+            p.stop()
+
+
+def _devices_per_node() -> Optional[int]:
+    try:
+        import torch  # lazy: the count of visible GPUs; placement planning itself needs no torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def placement_for_config(cfg: "Config", devices_per_node: Any = "detect") -> EnginePlacement:
+    """The engines this config launches (URLs still empty). ``devices_per_node``: GPUs per node, None
+    for a CPU-only machine, "detect" to ask torch."""
+    p, r = cfg.placement, cfg.rollout
+    devices = _devices_per_node() if devices_per_node == "detect" else devices_per_node
+    num = r.rollout_num_gpus if r.rollout_num_gpus is not None else cfg.actor_world_size
+    return plan_engine_placement(num_gpus=num, gpus_per_engine=r.rollout_num_gpus_per_engine,
+                                 colocate=cfg.memory.colocate, num_nodes=p.actor_num_nodes,
+                                 gpus_per_node=p.actor_num_gpus_per_node, devices_per_node=devices)
+
+
+def _all_gather(obj: Any) -> list:
+    import torch.distributed as dist  # lazy: one process (tests, rollout-only) runs without it
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def launch_engines(cfg: "Config") -> EngineFleet:
+    """Collective over the training world: start this node's engines (local rank 0), share every URL,
+    wait until this node's engines serve, and agree that all did. Returns the fleet on every rank;
+    on any failure every rank raises the same ``EngineError`` and every started engine is stopped."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpn = cfg.placement.actor_num_gpus_per_node
+    node = rank // gpn
+    placement = placement_for_config(cfg)
+    python = cfg.rollout.rollout_engine_python or sys.executable
+    multi_node = cfg.placement.actor_num_nodes > 1
+    bind = "0.0.0.0" if multi_node else "127.0.0.1"
+    reach = _node_address() if multi_node else "127.0.0.1"
+    log_dir = os.path.join(cfg.runtime.output_dir, "engines")
+    local: list[EngineProcess] = []
+    error: Optional[str] = None
+    if local_rank == 0:
+        try:
+            for slot in placement.on_node(node):
+                port, nccl = _free_port(bind), _free_port(bind)
+                while nccl == port:
+                    nccl = _free_port(bind)
+                slot = EngineSlot(slot.index, f"http://{reach}:{port}", slot.node_rank, slot.gpu_ids,
+                                  slot.trainer_ranks, os.path.join(log_dir, f"engine_{slot.index}.log"))
+                proc = EngineProcess(slot, engine_command(cfg, slot, python=python, host=bind, port=port,
+                                                          nccl_port=nccl), _engine_env(slot, python), slot.log_path)
+                local.append(proc)
+                proc.start()
+        except OSError as exc:
+            error = f"could not start SGLang engines on node {node} with {python}: {exc}"
+    started = {p.slot.index: (p.slot.url, p.slot.log_path) for p in local}
+    gathered = _all_gather((started, error))
+    fleet = EngineFleet(placement, local, cfg.rollout.rollout_engine_startup_timeout)
+    errors = [e for _, e in gathered if e]
+    if not errors:
+        urls, logs = {}, {}
+        for part, _ in gathered:
+            for index, (url, path) in part.items():
+                urls[index], logs[index] = url, path
+        fleet.placement = placement.with_urls([urls[e.index] for e in placement.engines],
+                                              [logs[e.index] for e in placement.engines])
+        for p, slot in zip(local, fleet.placement.on_node(node)):
+            p.slot = slot
+        try:
+            fleet.wait_ready()
+        except EngineError as exc:
+            error = str(exc)
+        errors = [e for _, e in _all_gather(((), error)) if e]
+    if errors:
+        fleet.stop()
+        raise EngineError(errors[0])
+    if rank == 0:
+        log.info("SGLang engines ready: %s", "; ".join(e.describe() for e in fleet.placement.engines))
+    return fleet

@@ -1,0 +1,81 @@
+"""``python -m sglang.launch_server`` as the launcher calls it, serving the protocol stand-in (CPU test stand-in).
+
+Takes SGLang's command line: ``--model-path``, ``--host``, ``--port`` are used; every other
+``--flag [value ...]`` is accepted and recorded. Writes ``{"argv": [...], "env": {...}}`` to
+``$MRL_SGLANG_DOUBLE_RECORD/<port>-<pid>.json`` when that is set, so a test can check what the
+launcher passed. ``MRL_SGLANG_DOUBLE_FAULT``: ``exit`` prints an error and exits 3 before serving (a
+model that does not load); ``hang`` never listens (an engine stuck at start-up); ``die-after-generate:N``
+makes the first engine to claim ``$MRL_SGLANG_DOUBLE_RECORD/died`` serve N ``/generate`` calls and
+die (``os._exit(9)``) on the next one before answering: an engine crashing mid-rollout, once per run.
+Serves until SIGTERM.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _arg(argv: list, name: str, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def _claim(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _die_after(server, served: int) -> None:
+    generate, calls = server.generate, [0]
+
+    def dying_generate(body):
+        calls[0] += 1
+        if calls[0] > served:
+            print(f"test double: dying on /generate call {calls[0]}", flush=True)
+            os._exit(9)
+        return generate(body)
+
+    server.generate = dying_generate
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    model, port = _arg(argv, "--model-path"), int(_arg(argv, "--port", "30000"))
+    record = os.environ.get("MRL_SGLANG_DOUBLE_RECORD")
+    if record:
+        os.makedirs(record, exist_ok=True)
+        keep = ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        with open(os.path.join(record, f"{port}-{os.getpid()}.json"), "w") as fh:
+            json.dump({"argv": argv, "env": {k: os.environ.get(k) for k in keep}, "pid": os.getpid()}, fh)
+    fault = os.environ.get("MRL_SGLANG_DOUBLE_FAULT", "")
+    if fault == "exit":
+        print(f"RuntimeError: cannot load model from {model} (test double fault)", flush=True)
+        return 3
+    if fault == "hang":
+        while True:
+            time.sleep(1)
+    from sglang_standin import SGLangStandIn  # tests/rollout (on sys.path above); loads torch: after the faults
+
+    server = SGLangStandIn(model, port=port)
+    if fault.startswith("die-after-generate:") and _claim(os.path.join(record or ".", "died")):
+        _die_after(server, int(fault.split(":", 1)[1]))
+    server.start()
+    print(f"The server is fired up and ready to roll! {server.url}", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and server.alive:
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
