@@ -447,10 +447,6 @@ def _launched_sglang_errors(cfg: Config) -> list[str]:
     except ConfigError as exc:
         errors.append(str(exc))
     on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"
-    if on_cpu and (cfg.memory.effective_offload_rollout):
-        errors.append("--colocate / --offload-rollout release the engines' memory around training, and SGLang on CPU "
-                      "(--sglang-device cpu) cannot release it (it calls CUDA synchronize and the server dies): drop "
-                      "them on a CPU-only run, where the engines and the trainer share host memory anyway")
     if s.update_weight_transport == "distributed" and cfg.memory.colocate and not on_cpu:
         errors.append("--update-weight-transport distributed with --colocate: NCCL cannot join two processes on the "
                       "same GPU (the trainer rank and its colocated engine), so the broadcast would fail or hang; "

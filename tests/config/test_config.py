@@ -261,8 +261,8 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
 @pytest.mark.parametrize("extra,match", [
     # what this version does not build
     # the engines this run launches (tests/rollout/test_sglang_launcher.py starts them)
-    (["--rollout-backend", "sglang", "--colocate", "--sglang-device", "cpu"], "--colocate / --offload-rollout "
-                                                                                 "release the engines' memory"),
+    (["--rollout-backend", "sglang", "--colocate", "--sglang-tp-size", "2"], "--sglang-tp-size: set by "
+                                                                              "--rollout-num-gpus-per-engine"),
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-port", "1"],
      "--sglang-port: set by the launcher (a free port per engine) for each engine this run launches; drop it"),
     (["--update-weight-transport", "distributed"], "--update-weight-transport distributed broadcasts into SGLang "
@@ -351,10 +351,10 @@ def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):
     hf = tiny_hf_models("qwen3_moe")  # 2 KV groups: TP 4 is invalid
     with pytest.raises(ConfigError) as exc:
         parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4",
-                      "--rollout-backend", "sglang", "--colocate", "--sglang-device", "cpu",
+                      "--rollout-backend", "sglang", "--colocate", "--sglang-port", "1",
                       "--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/mrl-test-weights"])
     msg = str(exc.value)
-    assert msg.startswith("invalid configuration:") and "SGLang on CPU (--sglang-device cpu) cannot release" in msg
+    assert msg.startswith("invalid configuration:") and "--sglang-port: set by the launcher" in msg
     assert len(msg.splitlines()) == 3  # the layout error and the refusal
 
 

@@ -8,7 +8,10 @@ start): ``bash scripts/test_sglang_real.sh --launcher`` runs it after installing
    ``sglang.launch_server``, waits for ``/health``, the run trains ``--num-rollout`` steps through the
    transport ``auto`` picks for separate engines (distributed, gloo on CPU), the samples of rollout
    ``i`` carry weight version ``i``, and the engine's process group is gone after the run;
-2. the engine killed (SIGKILL to its process group) while the run is going: the run stops with exit 2
+2. the same with ``--colocate``: ``auto`` picks the tensor transport (flattened buckets through
+   file-system shared memory into the engine process), the engine keeps its memory (SGLang on CPU
+   cannot release it);
+3. the engine killed (SIGKILL to its process group) while the run is going: the run stops with exit 2
    and an error naming the engine and its log file, within a bounded time (no hang).
 
 Writes ``launcher_figures.json`` and logs under ``--out``; exit 0 when every check passed.
@@ -37,7 +40,7 @@ CPU_ROUTE = ["--sglang-device", "cpu", "--sglang-attention-backend", "torch_nati
              "--sglang-skip-server-warmup", "--sglang-disable-radix-cache"]
 
 
-def _train_cmd(args, model: Path, prompts: Path, out: Path, num_rollout: int) -> list[str]:
+def _train_cmd(args, model: Path, prompts: Path, out: Path, num_rollout: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(model), "--prompt-data", str(prompts),
             "--input-key", "prompt", "--label-key", "label", "--custom-rm-path",
             "megatron_rl.data.synthetic:digit_reward", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
@@ -45,7 +48,7 @@ def _train_cmd(args, model: Path, prompts: Path, out: Path, num_rollout: int) ->
             "--rollout-num-gpus", "1", "--rollout-engine-python", args.sglang_python,
             "--rollout-engine-startup-timeout", str(args.startup_timeout_s), *CPU_ROUTE,
             "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"),
-            "--output-dir", str(out / "run")]
+            "--output-dir", str(out / "run"), *extra]
 
 
 def _env() -> dict[str, str]:
@@ -115,16 +118,45 @@ def main(argv=None) -> int:
         check("samples of rollout i carry weight version i", versions == [[i] for i in range(args.num_rollout)],
               str(versions))
         pid = _engine_pid(out / "train.log")
-        gone = pid is not None
-        if pid is not None:
+        gone = False
+        for _ in range(100):  # SIGKILLed children are reaped by init a moment after the run exits
             try:
-                os.killpg(pid, 0)
-                gone = False
+                os.killpg(pid, 0) if pid is not None else None
             except ProcessLookupError:
-                pass
+                gone = True
+                break
+            time.sleep(0.1)
         check("the engine's process group is gone after the run", gone, f"pid {pid}")
         log_file = run / "run" / "engines" / "engine_0.log"
         check("the engine's log is kept", log_file.exists() and "sglang.launch_server" in log_file.read_text())
+
+    run = out / "colocated"
+    t = time.monotonic()
+    with open(out / "colocated.log", "w") as log:
+        proc = subprocess.run(_train_cmd(args, model, prompts, run, args.num_rollout, "--colocate"), cwd=REPO,
+                              env=_env(), stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s)
+    figures["colocated_wall_s"] = round(time.monotonic() - t, 1)
+    tail = "\n".join((out / "colocated.log").read_text(errors="replace").splitlines()[-30:])
+    if check("colocated (tensor transport): python -m megatron_rl.train exits 0", proc.returncode == 0,
+             f"rc={proc.returncode}" + ("" if proc.returncode == 0 else "\n" + tail)):
+        records = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+        syncs = [r for r in records if "sync/post_s" in r]
+        figures["colocated_sync_s"] = [round(r["sync/time_s"], 3) for r in syncs]
+        figures["colocated_step_s"] = [round(r["perf/step_time_s"], 2) for r in records if "perf/step_time_s" in r]
+        check("colocated: every sync went through the tensor transport, versions 0..N",
+              [r["sync/weight_version"] for r in syncs] == [float(v) for v in range(args.num_rollout + 1)],
+              str([r["sync/weight_version"] for r in syncs]))
+        import torch  # noqa: PLC0415 - only after the run
+
+        versions = [sorted({s["weight_version"] for s in torch.load(run / "rollouts" / f"rollout_{i}.pt",
+                                                                       weights_only=False)["samples"]})
+                    for i in range(args.num_rollout)]
+        check("colocated: samples of rollout i carry weight version i",
+              versions == [[i] for i in range(args.num_rollout)], str(versions))
+        mism = [r.get("train/mismatch_abs_logprob") for r in records if "train/mismatch_abs_logprob" in r]
+        figures["colocated_mismatch_abs_logprob"] = mism
+        check("colocated: engine-vs-trainer log-prob mismatch logged every step and small",
+              len(mism) == args.num_rollout and max(mism) < 1e-3, str(mism))
 
     if not args.skip_kill:
         run = out / "killed"

@@ -92,7 +92,7 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, urls: Sequence[str], *, weight_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
                  timeout_s: float = 60.0, generate_timeout_s: float = 600.0, update_timeout_s: float = 600.0,
                  connect_retries: int = 3, backoff_s: float = 0.5, keep_versions: int = 2,
-                 release_tags: Optional[Sequence[str]] = None, tokenizer: Any = None,
+                 release_tags: Optional[Sequence[str]] = None, releases_memory: bool = True, tokenizer: Any = None,
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, health_failures: int = 3,
                  server_notes: Optional[dict[str, str]] = None, pause_mode: str = "abort",
                  flush_retry_s: float = 5.0):
@@ -118,6 +118,10 @@ class SGLangEngine(RolloutEngine):
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
         self.release_tags = protocol.check_tags(release_tags)
+        # SGLang on CPU dies on release/resume (CUDA synchronize): there the engine keeps its memory, and
+        # release()/resume() say so once instead (engine and trainer share host memory anyway)
+        self.releases_memory = releases_memory
+        self._said_no_release = False
         self._cursor = 0
         self._released = False
         self._weights_loaded = True
@@ -145,8 +149,9 @@ class SGLangEngine(RolloutEngine):
             raise ConfigError("--rollout-backend sglang needs servers: the engines this run launches, or "
                               "--rollout-engine-urls of running servers")
         hf = cfg.model.hf_checkpoint
+        on_cpu = str(cfg.rollout.sglang_args.get("device", "")).lower() == "cpu"
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
-                   tokenizer=load_tokenizer(hf) if hf else None,
+                   tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None)
 
     @property
@@ -270,6 +275,12 @@ class SGLangEngine(RolloutEngine):
         """``/release_memory_occupation`` on every server (tags: the constructor's ``release_tags``; None = all).
         Health polls pause first (a health generation on released memory would run on nothing)."""
         if self._released:
+            return
+        if not self.releases_memory:
+            if not self._said_no_release:
+                log.info("SGLang engine keeps its memory while the trainer trains: its servers run on CPU "
+                         "(--sglang-device cpu), where SGLang cannot release memory")
+                self._said_no_release = True
             return
         chosen = protocol.check_tags(tags) if tags is not None else self.release_tags
         self._monitor.pause("released")

@@ -18,8 +18,8 @@ The command line: ``--model-path`` (``--hf-checkpoint``), ``--host``/``--port`` 
 node, all interfaces when the run spans nodes), ``--tp-size`` (``--rollout-num-gpus-per-engine``),
 ``--nccl-port`` (a second free port: two engines starting on one node must not pick the same
 one), ``--base-gpu-id 0`` with ``CUDA_VISIBLE_DEVICES`` narrowed to the engine's GPUs,
-``--enable-memory-saver`` when colocated (release/resume need it), then every ``--sglang-KEY VALUE``
-verbatim. The environment is this process's minus torchrun's variables (SGLang reads ``RANK``/
+``--enable-memory-saver`` when colocated on GPUs (release/resume need it; SGLang then needs
+torch_memory_saver), then every ``--sglang-KEY VALUE`` verbatim. The environment is this process's minus torchrun's variables (SGLang reads ``RANK``/
 ``WORLD_SIZE`` itself).
 """
 
@@ -97,7 +97,8 @@ def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, p
            "--tp-size", str(r.rollout_num_gpus_per_engine)]
     if slot.gpu_ids:
         cmd += ["--base-gpu-id", "0"]  # CUDA_VISIBLE_DEVICES holds exactly this engine's GPUs
-    if cfg.memory.colocate and "enable_memory_saver" not in r.sglang_args:
+    on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"  # SGLang on CPU cannot release memory
+    if cfg.memory.colocate and not on_cpu and "enable_memory_saver" not in r.sglang_args:
         cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
     return cmd + _pass_through_args(r.sglang_args)
 
