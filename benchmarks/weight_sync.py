@@ -7,7 +7,8 @@ heads, vocab 2048, float32: ~197 MB in 99 tensors). The trainer side is a fake b
 in greedy buckets of ``--update-weight-buffer-size``, as tests/weight_sync's fake does: no
 gathers, no dtype cast, so the rows measure the transport and the engine, not an export.
 
-Rows (each synced engine is checked tensor-for-tensor equal to what was sent, after timing):
+Rows (after timing, each engine in this process is checked tensor-for-tensor equal to what was
+sent; the stand-in process as said below):
 
 * ``tensor -> embedded``: ``InProcessSynchronizer`` into the real ``EmbeddedEngine``
   (``update_weights``: a ``copy_`` per tensor into the live HF parameters).
@@ -15,9 +16,28 @@ Rows (each synced engine is checked tensor-for-tensor equal to what was sent, af
   stream into ``v<version>/model.safetensors``: ``save_file``, fsync of the tree, atomic
   rename) and ``sync/load_s`` (``update_weights_from_disk``: ``safe_open`` per tensor + copy).
 * ``disk -> SGLangEngine + stand-in``: the same transport into ``SGLangEngine`` talking HTTP
-  to ``tests/rollout/sglang_standin.py``, the protocol stand-in CI uses, NOT real SGLang (it
+  to ``tests/rollout/sglang_standin.py`` in this process, the protocol stand-in CI uses, NOT real SGLang (it
   answers ``/update_weights_from_disk`` with ``load_file`` + the embedded engine's copy): this
   measures our client and file path plus a stand-in loader, not SGLang's loader.
+* ``distributed -> SGLangEngine + stand-in``: ``DistributedSynchronizer`` into the same stand-in
+  running in its own process (its ``main()``, as an SGLang server is a process of its own): it
+  joins our gloo group as SGLang does, and per bucket of ``--update-weight-buffer-size`` gets one
+  ``/update_weights_from_distributed`` plus one ``broadcast`` per tensor (TCP over loopback),
+  which it receives into fresh tensors and copies into its embedded engine (``sync/broadcast_s``:
+  the HTTP calls and broadcasts of every bucket, until the stand-in loaded and answered).
+* ``tensor -> SGLangEngine + stand-in`` (colocated): ``SGLangTensorSynchronizer`` with a 1-rank
+  placement (one colocated ``EngineSlot``, ``trainer_ranks=(0,)``) into that stand-in process:
+  per bucket and dtype one flattened buffer in file-system shared memory (``/dev/shm``), whose
+  handle the stand-in maps (``/update_weights_from_tensor``, ``flattened_bucket``) and copies from
+  (``sync/serialize_s``: flatten into the new buffer + pickle; ``sync/post_s``: the POSTs, until
+  the stand-in loaded and answered; the rest includes freeing the buffer after the reply).
+  Both stand-in rows measure our client + transport + the stand-in's receive and copy, NOT
+  SGLang's loader (no sharding, no host-to-GPU copy; on GPU the tensor route is CUDA IPC, which a CPU
+  run cannot show). The out-of-process stand-in cannot be read
+  tensor by tensor, so after timing each of these transports pushes all-zero weights (every
+  greedy log-prob must then be -ln(vocab)) and then the sent weights again, after which the
+  stand-in's greedy generation (tokens and log-probs) must equal the embedded engine's, which was
+  checked tensor-for-tensor equal to what was sent, and its ``/model_info`` must report the version.
 
 Baselines, same bytes, same run, same directory (``--dir``): ``memcpy`` (``Tensor.copy_`` of
 every tensor into preallocated ones), ``raw write`` (the tensors' bytes ``os.write``-n to one
@@ -36,13 +56,21 @@ One thread (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``). Loads read fil
 written, so they come from the page cache, as on a host where the engine shares the disk.
 
     python benchmarks/weight_sync.py [--hidden 1024] [--layers 8] [--repeats 5]
+
+The stand-in process starts while the weights are built (~10 s; ``--standin-timeout-s`` bounds the
+wait for its ``URL`` line); its log is ``standin.log`` in the run's temp dir (its tail is printed if
+it does not start). Both stand-ins answer with TCP_NODELAY, as uvicorn (real SGLang) does: the
+stand-in's ``http.server`` otherwise waits ~40 ms per reply for the client's delayed ACK (see NODELAY).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import select
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +83,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 # The CI stand-in for an SGLang server (tests/rollout/sglang_standin.py), not real SGLang: it
 # speaks SGLang's HTTP protocol and is backed by the embedded engine.
-sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
+STANDIN_DIR = os.path.join(REPO, "tests", "rollout")
+sys.path.insert(0, STANDIN_DIR)
+# The stand-in's http.server writes a reply's headers and body in two sends; with Nagle on, the body
+# waits for the client's delayed ACK, ~40 ms per request on Linux loopback. uvicorn (real SGLang)
+# sets TCP_NODELAY, so the benchmark's stand-ins do too (in this process and in the stand-in's own).
+NODELAY = "import sglang_standin; sglang_standin._Handler.disable_nagle_algorithm = True"
 
 DEFAULT_BUCKET = 512 * 1024 * 1024  # --update-weight-buffer-size's default (config/schema.py)
 WARMUP = 2  # untimed rounds
@@ -95,6 +128,38 @@ def _byte_view(t: torch.Tensor):
     return memoryview(t.contiguous().view(torch.uint8).numpy())
 
 
+class StandInProcess:
+    """The CI stand-in (tests/rollout/sglang_standin.py) in its own process, as an SGLang server is: the
+    distributed transport's broadcasts and the tensor transport's shared-memory handles cross a real
+    process boundary. Started by the constructor (it loads for ~10 s while the caller builds the rest), waited
+    for with ``wait_url``, killed by ``stop``."""
+
+    def __init__(self, hf: str, log_path: str):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((STANDIN_DIR, REPO))}
+        code = f"import sys; {NODELAY}; sys.exit(sglang_standin.main(sys.argv[1:]))"  # its main(), TCP_NODELAY
+        self.proc = subprocess.Popen([sys.executable, "-c", code, "--model", hf, "--group-timeout-s", "120"],
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
+
+    def wait_url(self, timeout_s: float) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("URL "):
+            self.stop()
+            with open(self.log_path) as fh:
+                tail = fh.read()[-2000:]
+            raise SystemExit(f"the stand-in process (tests/rollout/sglang_standin.py) did not print its URL within "
+                             f"{timeout_s:g} s (got {line!r}); the tail of its log:\n{tail or '(empty)'}")
+        return line.split()[1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -105,17 +170,25 @@ def main(argv=None) -> int:
                     help="bytes per exported bucket (default: the flag's default, 512 MiB)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (best of)")
     ap.add_argument("--dir", default=None, help="where files are written (default: the system temp dir)")
+    ap.add_argument("--standin-timeout-s", type=float, default=120.0,
+                    help="how long the stand-in process may take to start (print its URL)")
     args = ap.parse_args(argv)
 
     import transformers
     from safetensors.torch import load_file, save_file
-    from sglang_standin import SGLangStandIn  # tests/rollout/ (see the sys.path line at the top)
+    import sglang_standin  # tests/rollout/ (see the sys.path line at the top)
+    from sglang_standin import SGLangStandIn
+
+    sglang_standin._Handler.disable_nagle_algorithm = True  # see NODELAY
 
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
-    from megatron_rl.rollout import EmbeddedEngine
+    from megatron_rl.plan.engines import EnginePlacement, EngineSlot
+    from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
     from megatron_rl.rollout.sglang import SGLangEngine
     from megatron_rl.weight_sync.disk import DiskSynchronizer
+    from megatron_rl.weight_sync.distributed import DistributedSynchronizer
     from megatron_rl.weight_sync.in_process import InProcessSynchronizer
+    from megatron_rl.weight_sync.sglang_tensor import SGLangTensorSynchronizer
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of each engine's model load
     torch.set_num_threads(1)
@@ -123,11 +196,14 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     heads = max(1, args.hidden // 128)
     root = tempfile.mkdtemp(prefix="weight_sync_bench_", dir=args.dir)
+    closers: list = []  # run in reverse order on every path: the group is destroyed before its server goes
     try:
         hf = build_tiny_hf_model("qwen2", os.path.join(root, "hf"), hidden_size=args.hidden,
                                  num_hidden_layers=args.layers, intermediate_size=args.intermediate or args.hidden,
                                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
                                  vocab_size=args.vocab)
+        standin = StandInProcess(hf, os.path.join(root, "standin.log"))  # starts while the rest is built
+        closers.append(standin.stop)
         source = {k: v * 1.01 for k, v in load_file(os.path.join(hf, "model.safetensors")).items()}
         total = sum(nbytes(t) for t in source.values())
         backend = FakeBackend(source)
@@ -135,7 +211,9 @@ def main(argv=None) -> int:
         bucket = args.update_weight_buffer_size
         engine = EmbeddedEngine(hf)
         server = SGLangStandIn(hf).start()
+        closers.append(server.stop)
         sgl = SGLangEngine([server.url], timeout_s=60)
+        closers.append(sgl.close)
         disk_embedded = DiskSynchronizer(bucket, disk_dir=os.path.join(root, "sync_embedded"), hf_checkpoint=hf)
         disk_sglang = DiskSynchronizer(bucket, disk_dir=os.path.join(root, "sync_sglang"), hf_checkpoint=hf)
         in_process = InProcessSynchronizer(bucket)
@@ -143,7 +221,13 @@ def main(argv=None) -> int:
         live = dict(engine.named_weights())  # views of the engine's parameters
         raw_path, st_path = os.path.join(root, "raw.bin"), os.path.join(root, "plain.safetensors")
         raw_buf = bytearray(total)
-        version = {"embedded": 0, "sglang": 0}
+        version = {"embedded": 0, "sglang": 0, "remote": 0}
+        url = standin.wait_url(args.standin_timeout_s)
+        remote = SGLangEngine([url], timeout_s=60, update_timeout_s=120)  # the stand-in process
+        distributed = DistributedSynchronizer(bucket, timeout_s=120)
+        placement = EnginePlacement((EngineSlot(0, url, 0, (), (0,), standin.log_path),), colocated=True)
+        tensor_sglang = SGLangTensorSynchronizer(bucket, engines=placement, timeout_s=120)
+        closers += [remote.close, distributed.shutdown, tensor_sglang.shutdown]  # shutdown: destroys the group
 
         def memcpy():
             for k, v in source.items():
@@ -196,9 +280,18 @@ def main(argv=None) -> int:
             version["sglang"] += 1
             return disk_sglang.sync(backend, sgl, version["sglang"])
 
+        def distributed_to_sglang(weights=backend):
+            version["remote"] += 1
+            return distributed.sync(weights, remote, version["remote"])
+
+        def tensor_to_sglang(weights=backend):
+            version["remote"] += 1
+            return tensor_sglang.sync(weights, remote, version["remote"])
+
         rows = {"memcpy": memcpy, "memcpy live": memcpy_live, "raw write": raw_write, "raw read": raw_read,
                 "st save": st_save, "st load": st_load, "tensor -> embedded": tensor_embedded,
-                "disk -> embedded": disk_to_embedded, "disk -> sglang": disk_to_sglang}
+                "disk -> embedded": disk_to_embedded, "disk -> sglang": disk_to_sglang,
+                "distributed -> sglang": distributed_to_sglang, "tensor -> sglang": tensor_to_sglang}
         raw_write()  # raw read needs the file; the first round's order may put it first
         best: dict[str, tuple[float, dict]] = {}
         for it in range(WARMUP + args.repeats):  # warm-up: first touches, and 2 versions on disk so every
@@ -222,9 +315,31 @@ def main(argv=None) -> int:
             got = dict(target.named_weights())
             bad = [n for n, t in source.items() if not torch.equal(got[n], t)]
             assert not bad and set(got) == set(source), f"{what}: the engine differs from what was sent: {bad[:5]}"
-        sgl.close()
-        server.stop()
+        # the stand-in process cannot be read tensor by tensor: all-zero weights first (every greedy log-prob is
+        # then -ln(vocab): the push landed), then the sent weights again, after which its greedy generation must
+        # equal the embedded engine's (which holds exactly what was sent, checked above) and /model_info the version
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        prompts = [GenerateRequest([5, 17, 3], 0), GenerateRequest([9, 1, 100, 42], 1)]
+        # one row at a time, as the stand-in generates a batch's rows (a padded batch rounds differently)
+        want = [(r.response_ids, r.rollout_logprobs) for p in prompts for r in engine.generate([p], greedy)]
+        zeros = FakeBackend({k: torch.zeros_like(v) for k, v in source.items()})
+        for what, sync in (("distributed -> sglang", distributed_to_sglang), ("tensor -> sglang", tensor_to_sglang)):
+            sync(zeros)
+            flat = [lp for r in remote.generate(prompts, greedy) for lp in r.rollout_logprobs]
+            assert flat and all(abs(lp + math.log(args.vocab)) < 1e-5 for lp in flat), \
+                f"{what}: after pushing zero weights the stand-in's log-probs are not -ln(vocab): {flat[:4]}"
+            sync()
+            got = [(r.response_ids, r.rollout_logprobs) for r in remote.generate(prompts, greedy)]
+            assert got == want, f"{what}: the stand-in generates otherwise than the weights sent: {got} != {want}"
+            served = remote.clients[0].weight_version()
+            assert served == str(version["remote"]) == str(remote.weight_version), \
+                f"{what}: /model_info reports weight_version {served}, sent {version['remote']}"
     finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - reported, and the other closers still run
+                print(f"while closing down: {type(exc).__name__}: {exc}", file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)
     wall = time.perf_counter() - t_start
 
@@ -249,6 +364,15 @@ def main(argv=None) -> int:
         ("  sync/load_s (HTTP + stand-in load)", m["disk -> sglang"]["sync/load_s"]),
         ("  rest (prune: rm the version 2 back)", s["disk -> sglang"] - m["disk -> sglang"]["sync/write_s"]
          - m["disk -> sglang"]["sync/load_s"]),
+        ("distributed -> SGLangEngine + stand-in *", s["distributed -> sglang"]),
+        ("  sync/broadcast_s (HTTP + gloo + load)", m["distributed -> sglang"]["sync/broadcast_s"]),
+        ("  rest (pause, begin/end, /model_info)", s["distributed -> sglang"]
+         - m["distributed -> sglang"]["sync/broadcast_s"] - m["distributed -> sglang"]["sync/connect_s"]),
+        ("tensor -> SGLangEngine + stand-in *", s["tensor -> sglang"]),
+        ("  sync/serialize_s (flatten into shm)", m["tensor -> sglang"]["sync/serialize_s"]),
+        ("  sync/post_s (HTTP + map + load)", m["tensor -> sglang"]["sync/post_s"]),
+        ("  rest (free shm; pause, begin/end)", s["tensor -> sglang"] - m["tensor -> sglang"]["sync/serialize_s"]
+         - m["tensor -> sglang"]["sync/post_s"]),
     ]
     print(f"qwen2 hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate or args.hidden}, "
           f"{heads}/{max(1, heads // 4)} heads, vocab {args.vocab}, float32: {len(source)} tensors, "
@@ -259,8 +383,10 @@ def main(argv=None) -> int:
     for label, sec in table:
         print(f"{label:<40}{total / 1e6:>8.1f}{sec:>9.3f}{total / sec / 1e9:>8.2f}"
               f"{sec / s['memcpy']:>10.1f}{sec / s['raw write']:>13.2f}")
-    print("* the protocol stand-in CI uses (tests/rollout/sglang_standin.py: load_file + the embedded engine's "
-          "copy), not real SGLang: our client + file path, not SGLang's loader")
+    print("* the protocol stand-in CI uses (tests/rollout/sglang_standin.py), not real SGLang: our client + transport "
+          "+ the stand-in's receive and copy into its embedded engine, not SGLang's loader; disk: in this process "
+          "(load_file + copy); distributed and tensor: in its own process (gloo broadcasts over loopback; a mapped "
+          "/dev/shm buffer)")
     return 0
 
 

@@ -29,6 +29,7 @@ Rules, from SGLang 0.5.23's ``http_server.health_generate``:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -186,6 +187,10 @@ class HealthMonitor:
         while not self._stop.wait(self.interval_s):
             try:
                 self.poll()
+            except RuntimeError:
+                if sys.is_finalizing():  # an engine never closed: the interpreter is exiting, stop quietly
+                    return
+                log.exception("SGLang health monitor: a poll round failed")
             except Exception:  # noqa: BLE001 - logged; the next round tries again
                 log.exception("SGLang health monitor: a poll round failed")
 
