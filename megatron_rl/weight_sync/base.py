@@ -9,7 +9,7 @@ name to its synchronizer, and ``ENGINE_TRANSPORTS`` overrides a row for one ``--
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Optional, Type, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Type, Union
 
 from megatron_rl.errors import SyncError
 from megatron_rl.infra.registry import Refused, Registry
@@ -101,6 +101,19 @@ class ExportStream:
     def metrics(self, version: int, seconds: float) -> dict[str, float]:
         return {"sync/time_s": seconds, "sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
                 "sync/weight_version": float(version)}
+
+
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """``(item, is_last)``: one item of lookahead, so a transport's last bucket can carry the weight version."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
 
 
 # --update-weight-transport -> WeightSynchronizer subclass (or "module:Class", imported on first use).

@@ -32,14 +32,14 @@ import atexit
 import itertools
 import logging
 import os
-import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_rl.errors import ConfigError, SyncError
+from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.rollout.sglang.client import SGLangClient, SGLangSyncError
-from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer
+from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, with_last
 from megatron_rl.weight_sync.update_group import BACKENDS, UpdateGroup, master_address_for
 
 if TYPE_CHECKING:
@@ -55,43 +55,6 @@ _GRACE_S = 5.0  # after the trainer's side failed: how long the HTTP calls get t
 # server, comes first)
 _CLOSE_JOIN_S = 10.0  # teardown: the trainer's end of a broken group closes in the background past this
 _GROUP_SERIAL = itertools.count(1)  # every group this process makes gets a fresh name (a server may keep a dead one)
-
-
-class _Call:
-    """``fn()`` on a daemon thread, so a call stuck past its deadline never holds up the trainer's exit."""
-
-    def __init__(self, fn: Callable[[], Any], name: str):
-        self.value: Any = None
-        self.error: Optional[BaseException] = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, args=(fn,), daemon=True, name=name).start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.value = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def join(self, timeout_s: float) -> bool:
-        return self._done.wait(timeout_s)
-
-
-def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """``(item, is_last)``: one item of lookahead, so the last bucket can carry the weight version."""
-    it = iter(items)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
 
 
 class DistributedSynchronizer(WeightSynchronizer):
@@ -156,7 +119,7 @@ class DistributedSynchronizer(WeightSynchronizer):
             may_have_landed = True
             t = time.perf_counter()
             sent = 0
-            for bucket, last in _with_last(exported.iter_buckets()):
+            for bucket, last in with_last(exported.iter_buckets()):
                 sent += 1
                 self._send_bucket(engine, bucket, sent, str(version) if last else None, last)
             timing["sync/broadcast_s"] = time.perf_counter() - t
@@ -212,7 +175,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         timeout = self._timeout(engine)
         clients = engine.clients
         layout = self._wait("reading /server_info of the SGLang servers", lambda: True, engine,
-                            [(c, _Call(lambda c=c: self._server_ranks(c, timeout), "weight-sync-info"))
+                            [(c, DaemonCall(lambda c=c: self._server_ranks(c, timeout), "weight-sync-info"))
                              for c in clients], timeout)
         ranks = [tp for tp, _ in layout]
         offsets, world = [], 1
@@ -227,10 +190,10 @@ class DistributedSynchronizer(WeightSynchronizer):
         port = group.open_store()
         step = (f"making weights-update group {name} ({backend}, world_size {world}, rendezvous "
                 f"{address}:{port})")
-        joins = [(c, _Call(lambda c=c, off=off: c.init_weights_update_group(
+        joins = [(c, DaemonCall(lambda c=c, off=off: c.init_weights_update_group(
             master_address=address, master_port=port, rank_offset=off, world_size=world, group_name=name,
             backend=backend, timeout_s=timeout + _GRACE_S), "weight-sync-join")) for c, off in zip(clients, offsets)]
-        local = _Call(group.connect, "weight-sync-group")
+        local = DaemonCall(group.connect, "weight-sync-group")
 
         def local_done() -> bool:
             if local.error is not None:
@@ -275,7 +238,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         timeout = self._timeout(engine)
-        calls = [(c, _Call(lambda c=c: c.update_weights_from_distributed(
+        calls = [(c, DaemonCall(lambda c=c: c.update_weights_from_distributed(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group.group_name, flush_cache=last,
             weight_version=weight_version, timeout_s=timeout + _GRACE_S), "weight-sync-bucket"))
             for c in engine.clients]
@@ -295,7 +258,7 @@ class DistributedSynchronizer(WeightSynchronizer):
 
     # ------------------------------------------------------------- waiting
     def _wait(self, step: str, local_done: Callable[[], bool], engine: SGLangEngine,
-              calls: list[tuple[SGLangClient, _Call]], timeout_s: float) -> list:
+              calls: list[tuple[SGLangClient, DaemonCall]], timeout_s: float) -> list:
         """Until the trainer's side (``local_done``) and every server's call finished; a failed call is
         raised at once, naming its server; past ``timeout_s`` the servers that did not answer are named."""
         deadline = time.monotonic() + timeout_s
@@ -332,7 +295,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         raise SyncError(f"distributed weight sync, {step}: " + "; ".join(parts))
 
     def _on_servers(self, engine: SGLangEngine, endpoint: str, fn: Callable[[SGLangClient], Any]) -> list:
-        calls = [(c, _Call(lambda c=c: fn(c), "weight-sync-call")) for c in engine.clients]
+        calls = [(c, DaemonCall(lambda c=c: fn(c), "weight-sync-call")) for c in engine.clients]
         return self._wait(f"{endpoint} on every server", lambda: True, engine, calls, self._timeout(engine))
 
     # ------------------------------------------------------------ teardown
@@ -362,13 +325,13 @@ class DistributedSynchronizer(WeightSynchronizer):
             except Exception as exc:  # noqa: BLE001 - best effort; the next sync reopens the session anyway
                 log.debug("after a failed sync, %s /end_weight_update: %s", c.base_url, exc)
 
-        calls = [_Call(lambda c=c: tidy(c), "weight-sync-tidy") for c in engine.clients]
+        calls = [DaemonCall(lambda c=c: tidy(c), "weight-sync-tidy") for c in engine.clients]
         for call in calls:
             call.join(timeout)
         self._destroy_on(engine.clients, group.group_name, timeout)
 
     def _destroy_on(self, clients: list[SGLangClient], name: str, timeout_s: float) -> None:
-        calls = [(c, _Call(lambda c=c: c.destroy_weights_update_group(name, timeout_s=timeout_s),
+        calls = [(c, DaemonCall(lambda c=c: c.destroy_weights_update_group(name, timeout_s=timeout_s),
                            "weight-sync-destroy")) for c in clients]
         for c, call in calls:
             if not call.join(timeout_s + 1):
@@ -382,7 +345,7 @@ class DistributedSynchronizer(WeightSynchronizer):
     def _close_in_background(group: UpdateGroup) -> None:
         """Close our end; a broadcast stuck on a peer that left holds gloo's destructor until its timeout, so
         past a short wait the close finishes on its daemon thread."""
-        closing = _Call(group.close, "weight-sync-close")
+        closing = DaemonCall(group.close, "weight-sync-close")
         if not closing.join(_CLOSE_JOIN_S):
             log.warning("weights-update group %s: the trainer's end is still closing after %g s (a broadcast waits "
                         "on a server that left); it finishes in the background", group.group_name, _CLOSE_JOIN_S)

@@ -66,7 +66,7 @@ import time
 import types
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,8 +75,8 @@ from torch.multiprocessing import reductions as mp_reductions
 
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.rollout.sglang import SGLangEngine
-from megatron_rl.rollout.sglang.client import SGLangClient, SGLangSyncError
-from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer
+from megatron_rl.rollout.sglang.client import SGLangClient, SGLangSyncError, normalize_base_url
+from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, with_last
 
 if TYPE_CHECKING:
     from megatron_rl.backends.base import TrainBackend
@@ -205,24 +205,6 @@ def _release(buffers: list) -> None:
     buffers.clear()
     if cuda:
         torch.cuda.ipc_collect()
-
-
-def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """``(item, is_last)``: one item of lookahead, so the last bucket can carry the weight version."""
-    it = iter(items)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
-
-
-def _normal_url(url: str) -> str:
-    """A URL as ``SGLangClient`` spells it (scheme added, trailing slash dropped)."""
-    return (url if url.startswith(("http://", "https://")) else "http://" + url).rstrip("/")
 
 
 def _checked_placement(engines: Optional["EnginePlacement"]) -> "EnginePlacement":
@@ -389,7 +371,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         held: list = []  # this rank's buffers of the current bucket, until every leader has its replies
         stopped = False  # some engine failed: the rest of the export is only run, not sent
         try:
-            for index, (bucket, last) in enumerate(_with_last(exported.iter_buckets()), 1):
+            for index, (bucket, last) in enumerate(with_last(exported.iter_buckets()), 1):
                 if not stopped:
                     held, engine_error = self._bucket(bucket, index, last, version, engine_error, timing)
                 stopped = self._lockstep(index, stopped or engine_error is not None)
@@ -527,7 +509,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
             raise ConfigError(f"--update-weight-transport tensor with SGLang engines got a {type(engine).__name__}; "
                               "the embedded engine takes --update-weight-transport tensor with --rollout-backend "
                               "embedded (the in-process hand-over)")
-        want = sorted(_normal_url(u) for u in self.placement.urls)
+        want = sorted(normalize_base_url(u) for u in self.placement.urls)
         if sorted(engine.urls) != want:
             raise ConfigError(f"the driver's SGLang engine talks to {engine.urls}, but the placement's engines are "
                               f"{want}: build both from the same launch")

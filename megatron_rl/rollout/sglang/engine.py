@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.plan.engines import EnginePlacement
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.sglang import protocol
@@ -371,7 +372,7 @@ class SGLangEngine(RolloutEngine):
         """``fn(server)`` for each server on its own daemon thread, watched: the first error is raised as
         soon as it happens, and a server the health monitor declares dead meanwhile abandons the call at
         once (its thread ends with its own request timeout) instead of waiting up to that timeout."""
-        calls = [(s, _Call(lambda s=s: fn(s), name="sglang-generate")) for s in servers]
+        calls = [(s, DaemonCall(lambda s=s: fn(s), name="sglang-generate")) for s in servers]
         while True:
             for _, call in calls:
                 if call.done() and call.error is not None:
@@ -576,27 +577,3 @@ class SGLangEngine(RolloutEngine):
 
 
 _FAILED_UPDATE = "the last weight update failed on some server, so the servers' weights differ"
-
-
-class _Call:
-    """``fn()`` on a daemon thread: a call stuck on a hung server never holds up the caller or its exit."""
-
-    def __init__(self, fn, name: str):
-        self.value: Any = None
-        self.error: Optional[BaseException] = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, args=(fn,), daemon=True, name=name).start()
-
-    def _run(self, fn) -> None:
-        try:
-            self.value = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def join(self, timeout_s: float) -> bool:
-        return self._done.wait(timeout_s)
