@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 from megatron_rl.errors import EngineError
 from megatron_rl.rollout.manager import RolloutManager
-from megatron_rl.rollout.sglang.launcher import EngineFleet
+from megatron_rl.rollout.sglang.launcher import EngineFleet, all_gather
 
 log = logging.getLogger("megatron_rl")
 
@@ -38,16 +38,6 @@ def _from_driver(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _gathered(obj: Any) -> list:
-    import torch.distributed as dist  # lazy: see _from_driver
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 @dataclass
@@ -102,7 +92,7 @@ class EngineRecovery:
                     self.fleet.restart(process)
             except EngineError as exc:
                 problem = str(exc)
-        parts = _gathered((len(dead), names, problem))
+        parts = all_gather((len(dead), names, problem))
         total = sum(n for n, _, _ in parts)
         problems = [p for _, _, p in parts if p]
         if total == 0:

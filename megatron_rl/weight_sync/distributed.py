@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from megatron_rl.errors import ConfigError, SyncError
 from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.rollout.sglang import SGLangEngine
-from megatron_rl.rollout.sglang.client import SGLangClient, SGLangSyncError
+from megatron_rl.rollout.sglang.client import SGLangClient
 from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, with_last
 from megatron_rl.weight_sync.update_group import BACKENDS, UpdateGroup, master_address_for
 
@@ -115,7 +115,7 @@ class DistributedSynchronizer(WeightSynchronizer):
                 t = time.perf_counter()
                 self._connect(engine)
                 timing["sync/connect_s"] = time.perf_counter() - t
-            self._on_servers(engine, "/begin_weight_update", self._begin)
+            self._on_servers(engine, "/begin_weight_update", SGLangClient.open_weight_update)
             may_have_landed = True
             t = time.perf_counter()
             sent = 0
@@ -214,16 +214,6 @@ class DistributedSynchronizer(WeightSynchronizer):
         log.info("weights-update group %s: %s, world_size %d, rendezvous %s:%d; servers %s", name, backend, world,
                  address, port, ", ".join(f"{c.base_url} (ranks {o}..{o + tp - 1})"
                                           for c, o, tp in zip(clients, offsets, ranks)))
-
-    def _begin(self, client: SGLangClient) -> bool:
-        """``/begin_weight_update``; a session left open by an interrupted sync is closed and reopened."""
-        try:
-            return client.begin_weight_update()
-        except SGLangSyncError as exc:
-            if exc.status != 400 or "already open" not in (exc.server_message or ""):
-                raise
-        client.end_weight_update()
-        return client.begin_weight_update()
 
     def _send_bucket(self, engine: SGLangEngine, bucket: list, index: int, weight_version: Optional[str],
                      last: bool) -> None:

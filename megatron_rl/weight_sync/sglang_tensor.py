@@ -75,7 +75,7 @@ from torch.multiprocessing import reductions as mp_reductions
 
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.rollout.sglang import SGLangEngine
-from megatron_rl.rollout.sglang.client import SGLangClient, SGLangSyncError, normalize_base_url
+from megatron_rl.rollout.sglang.client import SGLangClient, normalize_base_url
 from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, with_last
 
 if TYPE_CHECKING:
@@ -347,7 +347,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
             try:
                 if not self._layout_checked:
                     self._check_layout(self._client)
-                self._begin(self._client)
+                self._client.open_weight_update()
                 session = True
             except ConfigError as exc:
                 problems.append(str(exc))
@@ -529,17 +529,6 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
                               f"trainer rank(s) {ranks} (one per engine TP rank, each sending its copy): the engine "
                               "was not started with --rollout-num-gpus-per-engine of this run")
         self._layout_checked = True
-
-    @staticmethod
-    def _begin(client: SGLangClient) -> bool:
-        """``/begin_weight_update``; a session left open by an interrupted sync is closed and reopened."""
-        try:
-            return client.begin_weight_update()
-        except SGLangSyncError as exc:
-            if exc.status != 400 or "already open" not in (exc.server_message or ""):
-                raise
-        client.end_weight_update()
-        return client.begin_weight_update()
 
     def _end_quietly(self) -> None:
         try:

@@ -381,6 +381,17 @@ class SGLangClient:
             return True
         return False
 
+    def open_weight_update(self) -> bool:
+        """``begin_weight_update``, first closing a session an interrupted sync left open (the server
+        answers 400 "already open"); False on a server that lacks the pair."""
+        try:
+            return self.begin_weight_update()
+        except SGLangSyncError as exc:
+            if exc.status != 400 or "already open" not in (exc.server_message or ""):
+                raise
+        self.end_weight_update()
+        return self.begin_weight_update()
+
     def end_weight_update(self) -> bool:
         """Close the session opened by ``begin_weight_update``; False where the server lacks the pair."""
         return self._session_call("/end_weight_update")

@@ -286,7 +286,8 @@ def placement_for_config(cfg: "Config", devices_per_node: Any = "detect") -> Eng
                                  gpus_per_node=p.actor_num_gpus_per_node, devices_per_node=devices)
 
 
-def _all_gather(obj: Any) -> list:
+def all_gather(obj: Any) -> list:
+    """``obj`` of every rank, in rank order (``[obj]`` with no process group or one rank)."""
     import torch.distributed as dist  # lazy: one process (tests, rollout-only) runs without it
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -327,7 +328,7 @@ def launch_engines(cfg: "Config") -> EngineFleet:
         except OSError as exc:
             error = f"could not start SGLang engines on node {node} with {python}: {exc}"
     started = {p.slot.index: (p.slot.url, p.slot.log_path) for p in local}
-    gathered = _all_gather((started, error))
+    gathered = all_gather((started, error))
     fleet = EngineFleet(placement, local, cfg.rollout.rollout_engine_startup_timeout)
     errors = [e for _, e in gathered if e]
     if not errors:
@@ -343,7 +344,7 @@ def launch_engines(cfg: "Config") -> EngineFleet:
             fleet.wait_ready()
         except EngineError as exc:
             error = str(exc)
-        errors = [e for _, e in _all_gather(((), error)) if e]
+        errors = [e for _, e in all_gather(((), error)) if e]
     if errors:
         fleet.stop()
         raise EngineError(errors[0])
