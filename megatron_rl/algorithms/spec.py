@@ -77,8 +77,9 @@ class Spec(abc.ABC):
 
     @abc.abstractmethod
     def extract_model_output(self, logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
-                             vocab_start_index: int | None = None) -> ModelOutput:
-        """Log-probs (and entropy if required) of response tokens from this rank's logits shard."""
+                             vocab_start_index: int | None = None, vocab_size: int | None = None) -> ModelOutput:
+        """Log-probs (and entropy if required) of response tokens from this rank's logits shard
+        (``vocab_size``: the real vocab when the logits carry megatron's vocab padding)."""
 
     @abc.abstractmethod
     def compute_loss(self, inputs: LossInputs, denoms: LossDenominators) -> tuple[torch.Tensor, Metrics]:
@@ -143,9 +144,9 @@ class PolicyGradientSpec(Spec):
             flat = adv.masked_whiten(flat, mask)
         return adv.per_sample(flat, lengths)
 
-    def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None):
+    def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None, vocab_size=None):
         logprobs, entropy = logprobs_and_entropy(logits, target_ids, tp_group=tp_group,
-                                                 vocab_start_index=vocab_start_index,
+                                                 vocab_start_index=vocab_start_index, vocab_size=vocab_size,
                                                  temperature=self.cfg.temperature, with_entropy=True,
                                                  chunk_size=self.cfg.logprob_chunk_size)
         return ModelOutput(logprobs, entropy)

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from megatron_rl.compat import cpu_torch
+from megatron_rl.compat.memo import IdentityMemo
 
 SUPPORTED_VERSION_PREFIX = "0.16."
 
@@ -404,12 +405,22 @@ def patch_thd_rope_gather() -> None:
     per sequence in a Python loop and concatenates the slices, for q and k of every layer of
     every forward: ~3 tensor ops per sequence (a 256-sample batch: ~13 ms per step on CPU).
     The same rows are gathered here in one indexing op; the values are copies of the same
-    ``freqs`` rows, so the result is bitwise the original's (tests/compat/test_thd_rope.py)."""
+    ``freqs`` rows, so the result is bitwise the original's (tests/compat/test_thd_rope.py).
+    The rows and their cos/sin (megatron's ``_apply_rotary_pos_emb_bshd`` recomputes both per
+    call) are derived once per (cu_seqlens, freqs) and reused by q and k of every layer; the
+    rotation itself is megatron's expression, op for op."""
     rope_utils = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
     original = _require(rope_utils, "_apply_rotary_pos_emb_thd")
-    apply_bshd = _require(rope_utils, "_apply_rotary_pos_emb_bshd")
+    rotate_half = _require(rope_utils, "_rotate_half")
     if getattr(original, "_megatron_rl_compat", False):
         return
+    memo = IdentityMemo()
+
+    def cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, dtype):
+        with_offsets = freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]
+        rows = thd_rope_positions(cu_seqlens, cp_size, cp_rank, bool(with_offsets)).to(freqs.device)
+        picked = freqs[rows]
+        return (torch.cos(picked) * mscale).to(dtype), (torch.sin(picked) * mscale).to(dtype)
 
     def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
                                   mscale=1.0, cp_group=None):
@@ -420,13 +431,22 @@ def patch_thd_rope_gather() -> None:
         if int(local.sum()) != t.size(0) or (cp_size > 1 and bool((local % 2).any())):
             # shapes megatron's loop would reject or handle differently: let it say so
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-        with_offsets = freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]
-        rows = thd_rope_positions(cu_seqlens, cp_size, cp_rank, bool(with_offsets)).to(freqs.device)
-        return apply_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=rotary_interleaved,
-                          multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+        cos_, sin_ = memo.get((cu_seqlens, freqs), (cp_size, cp_rank, mscale, t.dtype),
+                              lambda: cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, t.dtype))
+        # megatron's _apply_rotary_pos_emb_bshd on [t, 1, h, d] with the cos/sin above
+        rot_dim = freqs.shape[-1]
+        t = t.unsqueeze(1)
+        t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+        if multi_latent_attention:
+            t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        t = (t * cos_) + (rotate_half(t, rotary_interleaved) * sin_)
+        if t_pass.numel():
+            t = torch.cat((t, t_pass), dim=-1)
+        return t.squeeze(1)
 
     _apply_rotary_pos_emb_thd._megatron_rl_compat = True
     _apply_rotary_pos_emb_thd.original = original
+    _apply_rotary_pos_emb_thd.memo = memo
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
 
 

@@ -341,14 +341,26 @@ class PackedBatch:
             max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
 
-def _response_field(name: str, values, idx: int, expected: int) -> list[float]:
+def _response_values(name: str, values, idx: int, expected: int):
+    """Entry ``idx`` of a per-sample field (list or tensor), checked to be response-aligned."""
     v = values[idx]
-    v = v.tolist() if isinstance(v, torch.Tensor) else list(v)
-    if len(v) != expected:
-        raise ValueError(f"{name} of rollout sample {idx} has {len(v)} entries but its response has "
+    n = v.numel() if isinstance(v, torch.Tensor) else len(v)
+    if n != expected:
+        raise ValueError(f"{name} of rollout sample {idx} has {n} entries but its response has "
                          f"{expected} tokens; per-token fields are response-aligned (one entry per "
                          f"response token, see megatron_rl.data.types)")
     return v
+
+
+def _flat_float32(parts: list) -> torch.Tensor:
+    """One float32 tensor of response-aligned pieces (tensors are concatenated, not round-tripped
+    through Python floats: the same values, a hundred times faster for a rollout batch)."""
+    if parts and all(isinstance(v, torch.Tensor) for v in parts):
+        return torch.cat([v.reshape(-1).to(torch.float32) for v in parts])
+    flat: list[float] = []
+    for v in parts:
+        flat.extend(v.tolist() if isinstance(v, torch.Tensor) else v)
+    return torch.tensor(flat, dtype=torch.float32)
 
 
 def pack_samples(
@@ -370,10 +382,14 @@ def pack_samples(
     samples themselves (``rollout_logprobs`` is kept only if every sample has it).
     Each sequence is padded with ``pad_token_id`` up to a multiple of
     ``pad_to_multiple`` (see ``pad_multiple_for``).
+
+    Runs once per micro-batch of every forward and training step, so the per-sample
+    work is list extends; positions and index tensors are built with tensor ops.
     """
     _check_positive("pad_to_multiple", pad_to_multiple, "pad_to_multiple")
     extra = {"advantages": advantages, "old_logprobs": old_logprobs,
              "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
+    sample_indices = list(sample_indices)
     chosen = [samples[i] for i in sample_indices]
     # Samples with an empty response need no rollout log-probs and decide nothing either way.
     with_tokens = [(i, s) for i, s in zip(sample_indices, chosen) if s.response_ids]
@@ -386,14 +402,11 @@ def pack_samples(
         extra["rollout_logprobs"] = {i: samples[i].rollout_logprobs for i in sample_indices}
 
     tokens: list[int] = []
-    positions: list[int] = []
-    cu, cu_real = [0], [0]
-    resp_pos: list[int] = []
     targets: list[int] = []
-    loss_mask: list[float] = []
+    loss_mask: list[int] | None = None  # None while every mask so far is the default (all ones)
     flat = {k: [] for k, v in extra.items() if v is not None}
-    prompt_lengths, response_lengths = [], []
-    for idx, s in zip(sample_indices, chosen):
+    prompt_lengths, response_lengths, padded, real = [], [], [], []
+    for k, (idx, s) in enumerate(zip(sample_indices, chosen)):
         p, r = len(s.prompt_ids), len(s.response_ids)
         if p < 1:
             raise ConfigError(f"rollout sample {idx} has an empty prompt; the first response token then has no "
@@ -401,44 +414,58 @@ def pack_samples(
                               f"token / the chat template).")
         length = p + r
         plen = padded_length(length, pad_to_multiple)
-        start = cu[-1]
         tokens.extend(s.prompt_ids)
         tokens.extend(s.response_ids)
-        tokens.extend([pad_token_id] * (plen - length))
-        positions.extend(range(plen))
-        resp_pos.extend(range(start + p - 1, start + p - 1 + r))
+        if plen > length:
+            tokens.extend([pad_token_id] * (plen - length))
         targets.extend(s.response_ids)
-        mask = s.effective_loss_mask()
-        if len(mask) != r:
-            raise ValueError(f"loss_mask of rollout sample {idx} has {len(mask)} entries but its response "
-                             f"has {r} tokens; loss_mask is response-aligned")
-        loss_mask.extend(float(m) for m in mask)
+        if s.loss_mask:
+            if len(s.loss_mask) != r:
+                raise ValueError(f"loss_mask of rollout sample {idx} has {len(s.loss_mask)} entries but its "
+                                 f"response has {r} tokens; loss_mask is response-aligned")
+            if loss_mask is None:
+                loss_mask = [1] * sum(response_lengths)
+            loss_mask.extend(s.loss_mask)
+        elif loss_mask is not None:
+            loss_mask.extend([1] * r)
         for name in flat:
-            flat[name].extend(_response_field(name, extra[name], idx, r))
-        cu.append(start + plen)
-        cu_real.append(cu_real[-1] + length)
+            flat[name].append(_response_values(name, extra[name], idx, r))
         prompt_lengths.append(p)
         response_lengths.append(r)
+        padded.append(plen)
+        real.append(length)
 
     if not chosen:  # empty micro-batch: one all-pad sequence, no loss tokens
         tokens = [pad_token_id] * pad_to_multiple
-        positions = list(range(pad_to_multiple))
-        cu, cu_real = [0, pad_to_multiple], [0, pad_to_multiple]
-    seq_lens = [b - a for a, b in zip(cu, cu[1:])]
-    f32 = torch.float32
+        padded, real = [pad_to_multiple], [pad_to_multiple]
+    long, f32 = torch.long, torch.float32
+    seq_lens = torch.tensor(padded, dtype=long)
+    cu = torch.zeros(len(padded) + 1, dtype=long)
+    torch.cumsum(seq_lens, 0, out=cu[1:])
+    cu_real = torch.zeros(len(real) + 1, dtype=long)
+    torch.cumsum(torch.tensor(real, dtype=long), 0, out=cu_real[1:])
+    total = int(cu[-1])
+    # position of each token within its (padded) sequence
+    positions = torch.arange(total, dtype=long) - torch.repeat_interleave(cu[:-1], seq_lens, output_size=total)
+    p_len, r_len = torch.tensor(prompt_lengths, dtype=long), torch.tensor(response_lengths, dtype=long)
+    n_resp = int(r_len.sum())
+    # response-aligned rows: the position predicting response token j of a sample is start + p - 1 + j
+    r_start = torch.cumsum(r_len, 0) - r_len  # first response-aligned row of each sample
+    resp_pos = (torch.arange(n_resp, dtype=long)
+                + torch.repeat_interleave(cu[:-1][:len(r_len)] + p_len - 1 - r_start, r_len, output_size=n_resp))
     return PackedBatch(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        position_ids=torch.tensor(positions, dtype=torch.long),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        cu_seqlens_unpadded=torch.tensor(cu_real, dtype=torch.int32),
-        max_seqlen=max(seq_lens),
-        sample_indices=torch.tensor(list(sample_indices), dtype=torch.long),
-        prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.long),
-        response_lengths=torch.tensor(response_lengths, dtype=torch.long),
-        response_positions=torch.tensor(resp_pos, dtype=torch.long),
-        response_target_ids=torch.tensor(targets, dtype=torch.long),
-        loss_mask=torch.tensor(loss_mask, dtype=f32),
-        **{name: torch.tensor(vals, dtype=f32) for name, vals in flat.items()},
+        tokens=torch.tensor(tokens, dtype=long),
+        position_ids=positions,
+        cu_seqlens=cu.to(torch.int32),
+        cu_seqlens_unpadded=cu_real.to(torch.int32),
+        max_seqlen=max(padded),
+        sample_indices=torch.tensor(sample_indices, dtype=long),
+        prompt_lengths=p_len,
+        response_lengths=r_len,
+        response_positions=resp_pos,
+        response_target_ids=torch.tensor(targets, dtype=long),
+        loss_mask=(torch.ones(n_resp, dtype=f32) if loss_mask is None else torch.tensor(loss_mask, dtype=f32)),
+        **{name: _flat_float32(vals) for name, vals in flat.items()},
     )
 
 
@@ -469,6 +496,15 @@ class LossDenominators:
     global_samples: int
 
 
+def _count_loss_tokens(mask) -> int:
+    """Entries of one response-aligned loss mask that are not 0 (a list is counted in Python:
+    building a tensor per sample cost more than the rest of a training step's bookkeeping)."""
+    if isinstance(mask, torch.Tensor):
+        return int((mask != 0).sum())
+    mask = mask if isinstance(mask, (list, tuple)) else list(mask)
+    return len(mask) - mask.count(0)
+
+
 def compute_loss_denominators(loss_masks: Iterable, group=None) -> LossDenominators:
     """Count this rank's loss tokens and samples for the step; all-reduce over ``group``.
 
@@ -479,8 +515,7 @@ def compute_loss_denominators(loss_masks: Iterable, group=None) -> LossDenominat
     """
     tokens = samples = 0
     for mask in loss_masks:
-        m = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(list(mask))
-        tokens += int((m != 0).sum())
+        tokens += _count_loss_tokens(mask)
         samples += 1
     if group is None:
         return LossDenominators(tokens, samples, tokens, samples)
@@ -497,7 +532,8 @@ def compute_loss_denominators(loss_masks: Iterable, group=None) -> LossDenominat
 def plan_loss_denominators(samples: Sequence[Sample], plan: MicroBatchPlan) -> list[LossDenominators]:
     """Denominators of every DP rank from the plan alone (no communication; same result
     as ``compute_loss_denominators`` with the DP group, since every rank sees the plan)."""
-    local = [compute_loss_denominators(samples[i].effective_loss_mask() for i in plan.rank_samples(r))
+    local = [compute_loss_denominators(samples[i].loss_mask or [1] * samples[i].response_length
+                                       for i in plan.rank_samples(r))
              for r in range(plan.dp_size)]
     g_tok = sum(d.local_tokens for d in local)
     g_smp = sum(d.local_samples for d in local)

@@ -37,7 +37,7 @@ masked output 0 (megatron's ``-10000`` fill would give a uniform average).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.compat.memo import IdentityMemo
 from megatron_rl.models import cp_utils
 
 __all__ = ["PackedCoreAttention"]
@@ -218,110 +219,145 @@ class PackedCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s_local, b, self.hidden_size_per_partition)
 
     def _forward_thd(self, query, key, value, causal, dropout_p, params: PackedSeqParams):
-        cu_q = params.cu_seqlens_q
-        if cu_q is None:
-            raise ConfigError("PackedSeqParams(qkv_format='thd') needs cu_seqlens_q")
-        cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else cu_q
-        layout = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
-        layout_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else cu_kv
-        if not (torch.equal(cu_q.cpu(), cu_kv.cpu()) and torch.equal(layout.cpu(), layout_kv.cpu())):
-            raise ConfigError("PackedCoreAttention implements self-attention only: cu_seqlens_q and "
-                              "cu_seqlens_kv (and their _padded twins) must be equal")
-        pad = layout.tolist()
-        real = cu_q.tolist()
-        if len(real) != len(pad):
-            raise ConfigError(f"cu_seqlens_q has {len(real) - 1} sequences but cu_seqlens_q_padded has "
-                              f"{len(pad) - 1}")
-        lengths = [b - a for a, b in zip(pad, pad[1:])]
-        valid = [b - a for a, b in zip(real, real[1:])]
-        if any(v > p for v, p in zip(valid, lengths)):
-            raise ConfigError(f"a real sequence length exceeds its padded length: real={valid}, "
-                              f"padded={lengths} (cu_seqlens_q vs cu_seqlens_q_padded)")
-        cp, t_local = self.cp_size, query.size(0)
-        if t_local * cp != pad[-1]:
-            raise ConfigError(
-                f"THD query has {t_local} tokens on this rank but the GLOBAL padded cu_seqlens end at "
-                f"{pad[-1]} with cp_size={cp}; expected {pad[-1]} / {cp} tokens (pass global "
-                f"cu_seqlens and shard with megatron_rl.models.cp_utils.shard_packed_for_cp)")
-
-        segments = []  # (local q row start, n_q, key row start, n_k, first position of each chunk)
-        q_start = 0
-        for i, (length, n_valid) in enumerate(zip(lengths, valid)):
-            n_local = length // cp
-            if cp == 1:
-                n_q, chunks = n_valid, None  # rows past the real length are padding
-            else:
-                c = length // (2 * cp)
-                chunks = (c, c * self.cp_group.rank(), c * (2 * cp - 1 - self.cp_group.rank()))
-                # positions ascend over the local rows, so the valid rows are a prefix
-                n_q = min(c, max(0, n_valid - chunks[1])) + min(c, max(0, n_valid - chunks[2]))
-            if n_q > 0:
-                last_pos = (n_q - 1 if cp == 1 else
-                            (chunks[1] + n_q - 1 if n_q <= chunks[0] else chunks[2] + n_q - 1 - chunks[0]))
-                n_k = min(n_valid, last_pos + 1) if causal else n_valid
-                segments.append((q_start, n_q, pad[i], n_k, chunks))
-            q_start += n_local
-
-        if cp > 1:
+        cp_rank = self.cp_group.rank() if self.cp_size > 1 else 0
+        # every layer (and the recompute of the backward) sees the same PackedSeqParams: its buckets and
+        # index tensors are derived once per micro-batch
+        plan = _THD_PLANS.get(
+            (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded),
+            (causal, self.cp_size, cp_rank, query.size(0), query.device),
+            lambda: _plan_thd(params, causal, self.cp_size, cp_rank, query.size(0), query.device))
+        if self.cp_size > 1:
             key, value = self._gather_kv(key, value, dim=0)
-            perm = cp_utils.cp_gather_permutation(layout, cp).to(key.device)
-            key, value = key.index_select(0, perm), value.index_select(0, perm)
-
-        rows, dest = [], []
-        for group in _bucket(segments):
-            out_rows, out_dest = self._attend_group(query, key, value, group, causal, dropout_p)
-            rows.append(out_rows)
-            dest.append(out_dest)
-        out = query.new_zeros(t_local, self.hidden_size_per_partition)
-        if not rows:
+            key, value = key.index_select(0, plan.kv_perm), value.index_select(0, plan.kv_perm)
+        out = query.new_zeros(query.size(0), self.hidden_size_per_partition)
+        if not plan.groups:
             return out
-        return out.index_copy(0, torch.cat(dest).to(query.device), torch.cat(rows))
+        rows = [self._attend_group(query, key, value, group, dropout_p) for group in plan.groups]
+        return out.index_copy(0, plan.dest, torch.cat(rows))
 
-    def _attend_group(self, query, key, value, group, causal, dropout_p):
+    def _attend_group(self, query, key, value, group: "_Group", dropout_p):
         """One SDPA call for a bucket of sequences, right-padded to the bucket's longest.
 
         Padded query rows are computed and dropped; padded key slots repeat a real
         row and are masked out (causal masking alone excludes them when query and
-        key positions coincide, i.e. without CP). Returns ``(rows [n, np*hn],
-        local row indices [n])`` for the valid query rows only.
+        key positions coincide, i.e. without CP). Returns the valid query rows
+        ``[n, np*hn]`` in the order of ``group.dest``.
         """
-        device = query.device
-        n_q = torch.tensor([g[1] for g in group])
-        n_k = torch.tensor([g[3] for g in group])
-        max_q, max_k = int(n_q.max()), int(n_k.max())
-        ar_q, ar_k = torch.arange(max_q), torch.arange(max_k)
-        q_valid = ar_q[None, :] < n_q[:, None]  # [G, Mq]
-        k_valid = ar_k[None, :] < n_k[:, None]
-        q_idx = torch.where(q_valid, torch.tensor([g[0] for g in group])[:, None] + ar_q, 0)
-        k_idx = torch.where(k_valid, torch.tensor([g[2] for g in group])[:, None] + ar_k, 0)
-        G = len(group)
+        G, max_q, max_k = group.size, group.max_q, group.max_k
 
         def take(x, idx, m):  # [t, h, d] -> [G, h, m, d]
-            return x.index_select(0, idx.flatten().to(device)).view(G, m, x.size(1), x.size(2)).transpose(1, 2)
+            return x.index_select(0, idx).view(G, m, x.size(1), x.size(2)).transpose(1, 2)
 
-        q, k, v = take(query, q_idx, max_q), take(key, k_idx, max_k), take(value, k_idx, max_k)
-        keep, is_causal = None, False
-        uniform_k = bool((n_k == max_k).all())
-        if self.cp_size == 1:
-            if causal:
-                is_causal = max_q > 1
-            elif not uniform_k:
-                keep = k_valid[:, None, None, :]
-        else:
-            q_pos = torch.zeros(G, max_q, dtype=torch.long)
-            for j, (_, nq, _, _, (c, first, second)) in enumerate(group):
-                pos = torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
-                q_pos[j, :nq] = pos[:nq]
-            keep = k_valid[:, None, :]
-            if causal:
-                keep = keep & (ar_k[None, None, :] <= q_pos[:, :, None])
-            keep = keep[:, None]  # [G, 1, Mq, Mk]
-        if keep is not None:
-            keep = keep.to(device)
-        out = self._sdpa(q, k, v, keep, is_causal, dropout_p)  # [G, np, Mq, hn]
+        q, k, v = take(query, group.q_idx, max_q), take(key, group.k_idx, max_k), take(value, group.k_idx, max_k)
+        out = self._sdpa(q, k, v, group.keep, group.is_causal, dropout_p)  # [G, np, Mq, hn]
         out = out.transpose(1, 2).reshape(G * max_q, self.hidden_size_per_partition)
-        flat_valid = q_valid.flatten().nonzero().squeeze(1)
-        return out.index_select(0, flat_valid.to(device)), q_idx.flatten()[flat_valid]
+        return out.index_select(0, group.flat_valid)
+
+
+class _Group(NamedTuple):
+    """One SDPA call of a THD forward: which rows it reads and writes (see ``_plan_thd``)."""
+
+    size: int  # sequences in the call
+    max_q: int
+    max_k: int
+    q_idx: Tensor  # [size * max_q] local query rows, padded slots -> row 0
+    k_idx: Tensor  # [size * max_k] key rows (after the CP gather), padded slots -> row 0
+    keep: Optional[Tensor]  # [size, 1, max_q, max_k] allowed attention, or None (is_causal / no mask)
+    is_causal: bool
+    flat_valid: Tensor  # which of the size * max_q output rows are real queries
+    dest: Tensor  # their local row indices
+
+
+class _THDPlan(NamedTuple):
+    groups: list
+    dest: Tensor  # local row of every output row, in the order the groups produce them
+    kv_perm: Optional[Tensor]  # CP: gathered K/V rows -> packed order
+
+
+_THD_PLANS = IdentityMemo()
+
+
+def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_local: int,
+              device: torch.device) -> _THDPlan:
+    """What a THD attention forward derives from ``cu_seqlens`` alone, checked and built once per micro-batch."""
+    cu_q = params.cu_seqlens_q
+    if cu_q is None:
+        raise ConfigError("PackedSeqParams(qkv_format='thd') needs cu_seqlens_q")
+    cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else cu_q
+    layout = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
+    layout_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else cu_kv
+    if not (torch.equal(cu_q.cpu(), cu_kv.cpu()) and torch.equal(layout.cpu(), layout_kv.cpu())):
+        raise ConfigError("PackedCoreAttention implements self-attention only: cu_seqlens_q and "
+                          "cu_seqlens_kv (and their _padded twins) must be equal")
+    pad = layout.tolist()
+    real = cu_q.tolist()
+    if len(real) != len(pad):
+        raise ConfigError(f"cu_seqlens_q has {len(real) - 1} sequences but cu_seqlens_q_padded has "
+                          f"{len(pad) - 1}")
+    lengths = [b - a for a, b in zip(pad, pad[1:])]
+    valid = [b - a for a, b in zip(real, real[1:])]
+    if any(v > p for v, p in zip(valid, lengths)):
+        raise ConfigError(f"a real sequence length exceeds its padded length: real={valid}, "
+                          f"padded={lengths} (cu_seqlens_q vs cu_seqlens_q_padded)")
+    if t_local * cp != pad[-1]:
+        raise ConfigError(
+            f"THD query has {t_local} tokens on this rank but the GLOBAL padded cu_seqlens end at "
+            f"{pad[-1]} with cp_size={cp}; expected {pad[-1]} / {cp} tokens (pass global "
+            f"cu_seqlens and shard with megatron_rl.models.cp_utils.shard_packed_for_cp)")
+
+    segments = []  # (local q row start, n_q, key row start, n_k, first position of each chunk)
+    q_start = 0
+    for i, (length, n_valid) in enumerate(zip(lengths, valid)):
+        n_local = length // cp
+        if cp == 1:
+            n_q, chunks = n_valid, None  # rows past the real length are padding
+        else:
+            c = length // (2 * cp)
+            chunks = (c, c * cp_rank, c * (2 * cp - 1 - cp_rank))
+            # positions ascend over the local rows, so the valid rows are a prefix
+            n_q = min(c, max(0, n_valid - chunks[1])) + min(c, max(0, n_valid - chunks[2]))
+        if n_q > 0:
+            last_pos = (n_q - 1 if cp == 1 else
+                        (chunks[1] + n_q - 1 if n_q <= chunks[0] else chunks[2] + n_q - 1 - chunks[0]))
+            n_k = min(n_valid, last_pos + 1) if causal else n_valid
+            segments.append((q_start, n_q, pad[i], n_k, chunks))
+        q_start += n_local
+
+    groups = [_plan_group(g, causal, cp, device) for g in _bucket(segments)]
+    dest = torch.cat([g.dest for g in groups]).to(device) if groups else torch.zeros(0, dtype=torch.long)
+    kv_perm = cp_utils.cp_gather_permutation(layout, cp).to(device) if cp > 1 else None
+    return _THDPlan(groups, dest, kv_perm)
+
+
+def _plan_group(group, causal: bool, cp: int, device: torch.device) -> _Group:
+    n_q = torch.tensor([g[1] for g in group])
+    n_k = torch.tensor([g[3] for g in group])
+    max_q, max_k = int(n_q.max()), int(n_k.max())
+    ar_q, ar_k = torch.arange(max_q), torch.arange(max_k)
+    q_valid = ar_q[None, :] < n_q[:, None]  # [G, Mq]
+    k_valid = ar_k[None, :] < n_k[:, None]
+    q_idx = torch.where(q_valid, torch.tensor([g[0] for g in group])[:, None] + ar_q, 0)
+    k_idx = torch.where(k_valid, torch.tensor([g[2] for g in group])[:, None] + ar_k, 0)
+    keep, is_causal = None, False
+    uniform_k = bool((n_k == max_k).all())
+    if cp == 1:
+        if causal:
+            is_causal = max_q > 1
+        elif not uniform_k:
+            keep = k_valid[:, None, None, :]
+    else:
+        q_pos = torch.zeros(len(group), max_q, dtype=torch.long)
+        for j, (_, nq, _, _, (c, first, second)) in enumerate(group):
+            pos = torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+            q_pos[j, :nq] = pos[:nq]
+        keep = k_valid[:, None, :]
+        if causal:
+            keep = keep & (ar_k[None, None, :] <= q_pos[:, :, None])
+        keep = keep[:, None]  # [G, 1, Mq, Mk]
+    flat_valid = q_valid.flatten().nonzero().squeeze(1)
+    return _Group(size=len(group), max_q=max_q, max_k=max_k, q_idx=q_idx.flatten().to(device),
+                  k_idx=k_idx.flatten().to(device), keep=None if keep is None else keep.to(device),
+                  is_causal=is_causal, flat_valid=flat_valid.to(device), dest=q_idx.flatten()[flat_valid])
 
 
 def _bucket(segments, slack: float = 1.25, call_cost: int = 2048):

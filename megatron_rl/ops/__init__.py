@@ -21,7 +21,7 @@ import torch
 
 from megatron_rl.ops.dispatch import KERNELS, available_backends, select
 from megatron_rl.ops.fused import fused_logprobs, fused_policy_terms
-from megatron_rl.ops.logprob import flatten_checked, naive_logprobs, vocab_parallel_logprobs
+from megatron_rl.ops.logprob import flatten_checked, naive_logprobs, real_columns, vocab_parallel_logprobs
 from megatron_rl.ops.policy_loss import PolicyLossParams, PolicyTerms, torch_policy_terms
 
 __all__ = ["logprobs_and_entropy", "policy_loss_terms", "PolicyLossParams", "PolicyTerms", "vocab_parallel_logprobs",
@@ -30,21 +30,28 @@ __all__ = ["logprobs_and_entropy", "policy_loss_terms", "PolicyLossParams", "Pol
 
 def logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
                          vocab_start_index: int | None = None, temperature: float = 1.0,
-                         chunk_size: int | None = None, with_entropy: bool = False):
+                         chunk_size: int | None = None, with_entropy: bool = False,
+                         vocab_size: int | None = None):
     """``(logprobs, entropy | None)`` of ``target_ids`` under ``softmax(logits / temperature)``.
 
     Same contract as :func:`megatron_rl.ops.logprob.vocab_parallel_logprobs`
-    (logits are this rank's vocab shard; target ids are global). ``chunk_size``
+    (logits are this rank's vocab shard; target ids are global; ``vocab_size`` the real
+    vocab when the logits carry megatron's padding columns). ``chunk_size``
     bounds the torch path's float32 working set; the fused kernels have none (they
     stream each row once), so for them it is validated and has nothing to bound.
     """
     name, kernels = select(logits.device)
     if kernels is None:
         return vocab_parallel_logprobs(logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index,
-                                       temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+                                       temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                                       vocab_size=vocab_size)
     flat_logits, flat_target, tp_size, vocab_start, out_shape = flatten_checked(
         logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index, temperature=temperature,
-        chunk_size=chunk_size)
+        chunk_size=chunk_size, vocab_size=vocab_size)
+    real = real_columns(flat_logits.shape[-1], vocab_start, vocab_size)
+    if real < flat_logits.shape[-1]:  # the kernels read every column once: padding as -inf, as they expect
+        col = torch.arange(flat_logits.shape[-1], device=flat_logits.device)
+        flat_logits = flat_logits.masked_fill(col >= real, float("-inf"))
     logprobs, entropy = fused_logprobs(kernels, flat_logits, flat_target, tp_group=tp_group if tp_size > 1 else None,
                                        tp_size=tp_size, vocab_start=vocab_start, temperature=float(temperature),
                                        with_entropy=with_entropy)

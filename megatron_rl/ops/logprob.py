@@ -18,6 +18,11 @@ Invariants:
 * bf16/fp16 logits are upcast per chunk; all arithmetic is float32 (float64 logits too).
 * Outputs are float32 ``[*target_ids.shape]`` and identical on every TP rank.
 * ``-inf`` logits (masked vocab) are allowed: they get probability 0 and no NaN.
+* Megatron's vocab padding (``vocab_size``: columns at global index >= the real vocab)
+  never enters the arithmetic: each chunk reads only this shard's real columns and
+  their gradient is 0. Masking them to ``-inf`` instead would give the same values,
+  but on CPU ``exp`` of a vector holding an underflowing input takes a scalar fallback,
+  ~40x slower (the tiny demo model: 128 padded columns for 32 real ones).
 """
 
 from __future__ import annotations
@@ -49,14 +54,19 @@ def _local_target(target: torch.Tensor, vocab_start: int, vocab_local: int):
 
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, tp_group, tp_size, vocab_start, temperature, chunk_size, with_entropy):
+    def forward(ctx, logits, target, tp_group, tp_size, vocab_start, temperature, chunk_size, with_entropy,
+                real_local):
         n_tok, vocab_local = logits.shape
         logprobs = torch.empty(n_tok, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logprobs)  # logsumexp of z = logits / T, for backward
         entropy = torch.empty_like(logprobs) if with_entropy else None
         for s in range(0, n_tok, chunk_size):
             e = min(s + chunk_size, n_tok)
-            z = logits[s:e].to(torch.float32, copy=True)
+            # only the real (unpadded) columns: [chunk, real_local], at least one column so a shard
+            # of padding alone still takes part in the collectives (its one column is masked below)
+            z = logits[s:e, :max(real_local, 1)].to(torch.float32, copy=True)
+            if real_local == 0:
+                z.fill_(float("-inf"))
             if temperature != 1.0:
                 z.div_(temperature)
             m = z.max(dim=-1).values
@@ -66,7 +76,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             # cannot poison the shared chunk arithmetic.
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             z.sub_(m.unsqueeze(-1)).clamp_(min=_F32_MIN)
-            local_idx, owned = _local_target(target[s:e], vocab_start, vocab_local)
+            local_idx, owned = _local_target(target[s:e], vocab_start, z.shape[1])
             picked = z.gather(1, local_idx.unsqueeze(-1)).squeeze(-1) * owned
             ez = z.exp()
             sum_exp = ez.sum(dim=-1)
@@ -83,7 +93,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             if with_entropy:
                 entropy[s:e] = log_s - stats[2] / stats[0]
         ctx.save_for_backward(logits, target, lse, entropy if with_entropy else lse)
-        ctx.cfg = (vocab_start, temperature, chunk_size, with_entropy)
+        ctx.cfg = (vocab_start, temperature, chunk_size, with_entropy, real_local)
         if with_entropy:
             return logprobs, entropy
         return logprobs
@@ -92,14 +102,17 @@ class _VocabParallelLogprob(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy=None):
         logits, target, lse, entropy = ctx.saved_tensors
-        vocab_start, temperature, chunk_size, with_entropy = ctx.cfg
+        vocab_start, temperature, chunk_size, with_entropy, real_local = ctx.cfg
         n_tok, vocab_local = logits.shape
         grad_logits = torch.empty_like(logits)
+        grad_logits[:, real_local:] = 0  # vocab padding: never part of the distribution
+        if real_local == 0:
+            return grad_logits, None, None, None, None, None, None, None, None
         g_lp_all = grad_logprobs.to(torch.float32)
         g_h_all = grad_entropy.to(torch.float32) if (with_entropy and grad_entropy is not None) else None
         for s in range(0, n_tok, chunk_size):
             e = min(s + chunk_size, n_tok)
-            logp = logits[s:e].to(torch.float32, copy=True)
+            logp = logits[s:e, :real_local].to(torch.float32, copy=True)
             if temperature != 1.0:
                 logp.div_(temperature)
             logp.sub_(lse[s:e].unsqueeze(-1)).clamp_(min=_F32_MIN)
@@ -112,16 +125,17 @@ class _VocabParallelLogprob(torch.autograd.Function):
             else:
                 grad = p.mul_(-g_lp)
             del logp
-            local_idx, owned = _local_target(target[s:e], vocab_start, vocab_local)
+            local_idx, owned = _local_target(target[s:e], vocab_start, real_local)
             grad.scatter_add_(1, local_idx.unsqueeze(-1), (g_lp.squeeze(-1) * owned).unsqueeze(-1))
             if temperature != 1.0:
                 grad.div_(temperature)
-            grad_logits[s:e].copy_(grad)
-        return grad_logits, None, None, None, None, None, None, None
+            grad_logits[s:e, :real_local].copy_(grad)
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 def flatten_checked(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
-                    vocab_start_index: int | None = None, temperature: float = 1.0, chunk_size: int | None = None):
+                    vocab_start_index: int | None = None, temperature: float = 1.0, chunk_size: int | None = None,
+                    vocab_size: int | None = None):
     """Validate the arguments of the log-prob op (every implementation) and flatten them.
 
     Returns ``(flat_logits [N, V/tp], flat_target [N] int64, tp_size, vocab_start_index, out_shape)``.
@@ -144,17 +158,31 @@ def flatten_checked(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=
     out_shape = target_ids.shape
     flat_logits = logits.reshape(-1, vocab_local)
     flat_target = target_ids.reshape(-1).long()
-    if flat_target.numel() and (int(flat_target.min()) < 0 or int(flat_target.max()) >= vocab_local * tp_size):
+    if vocab_size is not None and not 0 < vocab_size <= vocab_local * tp_size:
+        raise ValueError(f"vocab_parallel_logprobs: vocab_size={vocab_size} must be in [1, {vocab_local * tp_size}] "
+                         f"(the padded vocab: {vocab_local} per rank x tp_size {tp_size})")
+    limit = vocab_local * tp_size if vocab_size is None else vocab_size
+    if flat_target.numel() and (int(flat_target.min()) < 0 or int(flat_target.max()) >= limit):
         raise ValueError(
             f"vocab_parallel_logprobs: target id range [{int(flat_target.min())}, {int(flat_target.max())}] is "
-            f"outside the vocab [0, {vocab_local * tp_size}) = {vocab_local} per rank x tp_size {tp_size}; "
-            f"check the tokenizer matches the model's (padded) vocab size")
+            f"outside the vocab [0, {limit}) ({vocab_local} per rank x tp_size {tp_size}"
+            f"{'' if vocab_size is None else f', {vocab_size} real'}); "
+            f"check the tokenizer matches the model's vocab size")
     return flat_logits, flat_target, tp_size, int(vocab_start_index), out_shape
+
+
+def real_columns(vocab_local: int, vocab_start: int, vocab_size: int | None) -> int:
+    """How many leading columns of a ``vocab_local``-wide shard starting at ``vocab_start`` are real
+    vocab (the rest is megatron's padding of the vocab to a multiple of 128 x TP)."""
+    if vocab_size is None:
+        return vocab_local
+    return max(0, min(vocab_local, vocab_size - vocab_start))
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
                             vocab_start_index: int | None = None, temperature: float = 1.0,
-                            chunk_size: int | None = None, with_entropy: bool = False):
+                            chunk_size: int | None = None, with_entropy: bool = False,
+                            vocab_size: int | None = None):
     """Return ``(logprobs, entropy | None)`` of ``target_ids`` under ``softmax(logits / temperature)``.
 
     ``logits`` is this rank's vocab shard ``[..., V/tp]`` (Megatron's
@@ -163,14 +191,17 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, *, t
     ``target_ids`` holds GLOBAL vocab ids with shape ``logits.shape[:-1]``.
     ``tp_group`` None (or a size-1 group) is the single-device path. ``chunk_size``
     is the number of tokens per chunk (None: about 64 MiB of float32 per chunk).
+    ``vocab_size``: the real vocab when the logits carry megatron's padding columns
+    (global ids >= ``vocab_size``): they get probability 0 and gradient 0 (None: no padding).
     Both outputs are float32 and differentiable w.r.t. ``logits``.
     """
     flat_logits, flat_target, tp_size, vocab_start_index, out_shape = flatten_checked(
         logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index, temperature=temperature,
-        chunk_size=chunk_size)
+        chunk_size=chunk_size, vocab_size=vocab_size)
     chunk = chunk_size or _auto_chunk(flat_logits.shape[-1])
+    real = real_columns(flat_logits.shape[-1], vocab_start_index, vocab_size)
     out = _VocabParallelLogprob.apply(flat_logits, flat_target, tp_group if tp_size > 1 else None, tp_size,
-                                      vocab_start_index, float(temperature), int(chunk), bool(with_entropy))
+                                      vocab_start_index, float(temperature), int(chunk), bool(with_entropy), real)
     if with_entropy:
         logprobs, entropy = out
         return logprobs.reshape(out_shape), entropy.reshape(out_shape)

@@ -20,7 +20,12 @@ step, so a row's tokens do not depend on which other rows share its batch or on
 ``max_batch_size``, and a shorter ``max_new_tokens`` yields a prefix of the
 longer response.
 
-Memory: the engine keeps no KV cache between calls. ``release()`` drops the
+Memory: the engine keeps no KV cache between calls. A chunk holds as many rows as fit
+``CHUNK_BUDGET_BYTES`` of KV cache and sampling buffers (from the model's shape and the
+chunk's longest sequence), or ``max_batch_size`` if given: one chunk for a whole
+rollout of a small model, so every decode step is one batched forward instead of
+one per 64 rows (those calls, not the arithmetic, were most of the CPU demo's
+generation time). ``release()`` drops the
 parameter storage; with ``weight_backup=True`` it is kept on the CPU and
 ``resume()`` restores it (on a CPU engine that backup *is* the storage, so only
 the bookkeeping changes); without a backup ``resume()`` allocates uninitialised
@@ -34,7 +39,7 @@ import glob
 import hashlib
 import os
 import secrets
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -61,10 +66,13 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+CHUNK_BUDGET_BYTES = 1 << 30  # KV cache + per-row logits/sampling buffers of one generate chunk
+
+
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe)."""
 
-    def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: int = 64,
+    def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attn_implementation: str = "sdpa"):
         import transformers
@@ -72,8 +80,9 @@ class EmbeddedEngine(RolloutEngine):
         if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):
             raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: no config.json there; point it at a directory "
                               "written by save_pretrained (config.json + *.safetensors)")
-        if max_batch_size < 1:
-            raise ConfigError(f"EmbeddedEngine max_batch_size={max_batch_size}: use a value >= 1")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ConfigError(f"EmbeddedEngine max_batch_size={max_batch_size}: use a value >= 1 (or None: "
+                              f"as many rows as fit {CHUNK_BUDGET_BYTES >> 20} MiB)")
         HFCheckpoint(hf_checkpoint)  # a truncated/missing shard is named here, not a transformers traceback
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation).to(device).eval()
@@ -240,9 +249,11 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         rows = [(i, j) for i in range(len(requests)) for j in range(sampling.n)]
         results: dict[tuple[int, int], tuple[list[int], list[float], str]] = {}
+        longest = max(len(r.prompt_ids) for r in requests) + sampling.max_new_tokens
+        per_chunk = self.rows_per_chunk(longest)
         with torch.inference_mode():
-            for start in range(0, len(rows), self.max_batch_size):
-                chunk = rows[start:start + self.max_batch_size]
+            for start in range(0, len(rows), per_chunk):
+                chunk = rows[start:start + per_chunk]
                 results.update(self._generate_chunk(requests, chunk, sampling, base_seed, stop_ids))
         samples = []
         for i, j in rows:
@@ -254,6 +265,20 @@ class EmbeddedEngine(RolloutEngine):
                 rollout_logprobs=logprobs, finish_reason=finish_reason, weight_version=self._weight_version,
                 label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata)))
         return samples
+
+    def rows_per_chunk(self, longest: int) -> int:
+        """Rows of one generate chunk whose sequences reach ``longest`` tokens: ``max_batch_size`` if set,
+        else what fits ``CHUNK_BUDGET_BYTES`` (K and V of every layer at full length, plus the float32
+        logits and the float64 sampling CDF of one step)."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        cfg = self.model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        elem = next(self.model.parameters()).element_size()
+        per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * longest * elem + self.vocab_size * (4 + 4 + 8)
+        return max(1, CHUNK_BUDGET_BYTES // per_row)
 
     def _generate_chunk(self, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
                         sampling: SamplingParams, base_seed: int, stop_ids: set[int]):

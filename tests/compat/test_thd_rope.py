@@ -58,3 +58,26 @@ def test_shapes_megatron_would_reject_still_reach_megatron(rope):
         patched(torch.randn(7, 2, 8), cu, torch.randn(16, 1, 1, 8), cp_group=_Group(1, 0))
     with pytest.raises(ValueError, match="cp_group must be provided"):
         patched(torch.randn(10, 2, 8), cu, torch.randn(16, 1, 1, 8), cp_group=None)
+
+
+def test_cos_sin_derived_once_per_micro_batch_and_still_bitwise(rope):
+    """q and k of every layer share (cu_seqlens, freqs): the rows and cos/sin are built once for them, and a
+    new micro-batch (new tensors) builds again; mscale and the MLA layout stay megatron's, bit for bit."""
+    patched, original = rope
+    g = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 3, 10, 11, 19], dtype=torch.int32)
+    freqs = torch.randn(19, 1, 1, 16, generator=g)
+    before = patched.memo.builds
+    for layer in range(3):
+        for heads in (4, 2):  # q, then k with fewer heads
+            for mla in (False, True):
+                t = torch.randn(19, heads, 16, generator=g)
+                want = original(t, cu, freqs, False, mla, 0.7, _Group(1, 0))
+                got = patched(t, cu, freqs, multi_latent_attention=mla, mscale=0.7, cp_group=_Group(1, 0))
+                assert torch.equal(got, want)
+    assert patched.memo.builds == before + 1
+    cu2 = cu.clone()
+    t = torch.randn(19, 4, 16, generator=g)
+    assert torch.equal(patched(t, cu2, freqs, mscale=0.7, cp_group=_Group(1, 0)),
+                       original(t, cu2, freqs, False, False, 0.7, _Group(1, 0)))
+    assert patched.memo.builds == before + 2

@@ -98,6 +98,11 @@ def rand_qkv(t, seed=0, dtype=torch.float32):
     return q, k, v
 
 
+def seeded_like(x, seed=7):
+    """Upstream gradients from their own seed: the process-wide RNG's state differs between runs."""
+    return torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=x.dtype)
+
+
 def grads(out, upstream, *inputs):
     return torch.autograd.grad(out, inputs, upstream)
 
@@ -127,7 +132,7 @@ def test_thd_matches_per_sequence_reference(causal, lengths, dtype, tol):
     params = cp_utils.make_packed_seq_params(cu)
     out = attn(q, k, v, None, packed_seq_params=params)
     assert out.shape == (int(cu[-1]), NP * HN) and out.dtype == dtype
-    upstream = torch.randn_like(out)
+    upstream = seeded_like(out)
     got = grads(out, upstream, q, k, v)
 
     refs = [ref_attention(q[a:b], k[a:b], v[a:b], causal) for a, b in zip(cu[:-1], cu[1:])]
@@ -167,7 +172,7 @@ def test_thd_equals_padded_sbhd_and_megatron_dot_product_attention(megatron_on_c
     torch.testing.assert_close(out_ours, out_meg, **TOL)
     torch.testing.assert_close(to_sbhd(out_thd.detach()) * valid, out_ours.detach() * valid, **TOL)
 
-    upstream = torch.randn_like(out_ours) * valid
+    upstream = seeded_like(out_ours) * valid
     g_ours = grads(out_ours, upstream, qp, kp, vp)
     g_meg = grads(out_meg, upstream, qp, kp, vp)
     g_thd = grads(out_thd, torch.cat([upstream[:n, i] for i, n in enumerate(LENGTHS)]), q, k, v)
@@ -208,7 +213,7 @@ def test_thd_padded_layout_zero_rows_and_equal_valid_rows():
     pad_rows = torch.ones(out.size(0), dtype=torch.bool)
     pad_rows[index] = False
     assert torch.equal(out[pad_rows], torch.zeros_like(out[pad_rows]))
-    upstream = torch.randn_like(out)
+    upstream = seeded_like(out)
     gq, gk, gv = grads(out, upstream, q, k, v)
     wq, wk, wv = grads(ref, upstream[index], q, k, v)
     for got, want in ((gq, wq), (gk, wk), (gv, wv)):
@@ -267,3 +272,20 @@ def test_bad_inputs_name_the_fix():
         PackedCoreAttention(make_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")
     with pytest.raises(ConfigError, match="context-parallel-size"):
         PackedCoreAttention(make_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
+
+
+def test_thd_plan_is_built_once_per_micro_batch():
+    """Every layer gets the same PackedSeqParams: the buckets and index tensors are derived once for all of
+    them (and the backward), a new micro-batch derives its own, and a reused plan gives the same bits."""
+    from megatron_rl.models.attention import _THD_PLANS
+
+    attn, other_layer = make_attn(), make_attn()
+    cu = cu_of(LENGTHS)
+    params = cp_utils.make_packed_seq_params(cu)
+    q, k, v = rand_qkv(int(cu[-1]), seed=4)
+    before = _THD_PLANS.builds
+    first = attn(q, k, v, None, packed_seq_params=params)
+    again = other_layer(q, k, v, None, packed_seq_params=params)
+    assert _THD_PLANS.builds == before + 1 and torch.equal(first, again)
+    fresh = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu.clone()))
+    assert _THD_PLANS.builds == before + 2 and torch.equal(first, fresh)

@@ -95,6 +95,17 @@ def test_logprob_only_entropy_only_and_leading_dims(cpu_ext, use_kernels):
     assert torch.allclose(x.grad.double(), rgrad, atol=4e-6)
 
 
+def test_vocab_padding_with_the_twins(cpu_ext, use_kernels):
+    """vocab_size through the kernel path: padding columns (garbage) are masked for the kernel, gradient 0."""
+    logits, target, g_lp, g_h = _logits_case(11, 301, torch.float32, seed=8)
+    use_kernels("cpu_ext")
+    padded = torch.cat([logits, torch.full((11, 83), 1e4)], dim=1)
+    lp, h, grad = _run(logprobs_and_entropy, padded, target, g_lp, g_h, vocab_size=301, with_entropy=True)
+    rlp, rh, rgrad = _run(naive_logprobs, logits.double(), target, g_lp, g_h, with_entropy=True)
+    assert torch.allclose(lp, rlp, atol=4e-6) and torch.allclose(h, rh, atol=4e-6)
+    assert torch.allclose(grad[:, :301].double(), rgrad, atol=4e-6) and (grad[:, 301:] == 0).all()
+
+
 def test_empty_batch_and_bad_input_errors(cpu_ext, use_kernels):
     use_kernels("cpu_ext")
     x = torch.randn(0, 10, requires_grad=True)

@@ -81,6 +81,22 @@ def test_leading_dims_and_minus_inf_logits():
     assert (grad.view(12, 20)[:, 3] == 0).all()
 
 
+@pytest.mark.parametrize("chunk_size", [4, None])
+def test_vocab_padding_never_enters_the_softmax(chunk_size):
+    """vocab_size: megatron's padding columns hold garbage (not -inf) and change nothing; their gradient is 0."""
+    logits, target, g_lp, g_h = _case(n=23, v=41, seed=6)
+    padded = torch.cat([logits, torch.full((23, 23), 1e4)], dim=1)  # 41 real + 23 padding columns
+    lp, h, grad = _run(logprobs_and_entropy, padded, target, g_lp, g_h, chunk_size=chunk_size, with_entropy=True,
+                       vocab_size=41, temperature=0.8)
+    rlp, rh, rgrad = _run(naive_logprobs, logits.double(), target, g_lp, g_h, with_entropy=True, temperature=0.8)
+    assert torch.allclose(lp, rlp, atol=2e-6) and torch.allclose(h, rh, atol=2e-6)
+    assert torch.allclose(grad[:, :41], rgrad, atol=2e-6) and (grad[:, 41:] == 0).all()
+    with pytest.raises(ValueError, match=r"outside the vocab \[0, 41\)"):
+        logprobs_and_entropy(padded, torch.full((23,), 41), vocab_size=41)
+    with pytest.raises(ValueError, match="vocab_size=65 must be in"):
+        logprobs_and_entropy(padded, target, vocab_size=65)
+
+
 def test_backward_saves_no_full_vocab_float32_copy():
     """The autograd graph keeps the logits themselves plus [N]-sized statistics only."""
     logits, target, _, _ = _case(n=64, v=301, seed=4, dtype=torch.bfloat16)

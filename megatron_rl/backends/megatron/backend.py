@@ -16,9 +16,9 @@ than average over data parallelism; we return ``num_tokens = 0`` so
 ``finalize_model_grads`` finds a zero token total and applies no further scaling.
 The result is independent of how samples were packed (tested).
 
-Vocab padding: megatron pads the vocab to a multiple of 128 x TP; those extra
-logits are masked to -inf before log-probs so the distribution is over the real
-vocab exactly as in HF and in the rollout engine.
+Vocab padding: megatron pads the vocab to a multiple of 128 x TP; the log-prob op
+is told the real vocab size and leaves those columns out of the softmax, so the
+distribution is over the real vocab exactly as in HF and in the rollout engine.
 """
 
 from __future__ import annotations
@@ -196,16 +196,6 @@ class MegatronBackend(TrainBackend):
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True)
 
-    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """-inf on the vocab-padding columns this TP rank holds (none on most ranks)."""
-        per_rank = logits.shape[-1]
-        start = self.ps.get_tensor_model_parallel_rank() * per_rank
-        real_local = self.vocab_size - start
-        if real_local >= per_rank:
-            return logits
-        col = torch.arange(per_rank, device=logits.device)
-        return logits.masked_fill(col >= max(real_local, 0), float("-inf"))
-
     def _model_output(self, mb: PackedBatch, output: torch.Tensor):
         """Response-aligned log-probs (+ entropy) of one micro-batch from this rank's logits shard.
 
@@ -219,14 +209,14 @@ class MegatronBackend(TrainBackend):
         tp_group = self.ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
         start = self.ps.get_tensor_model_parallel_rank() * logits.shape[-1]
         if self.layout.cp == 1:
-            rows = self._mask_padded_vocab(mb.gather_response(logits))
+            rows = mb.gather_response(logits)
             return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
-                                                  vocab_start_index=start)
+                                                  vocab_start_index=start, vocab_size=self.vocab_size)
 
         cp_rank = self.ps.get_context_parallel_rank()
         targets = cp_utils.shard_packed_for_cp(torch.roll(mb.tokens, -1), mb.cu_seqlens, cp_rank, self.layout.cp).tensor
-        out = self.spec.extract_model_output(self._mask_padded_vocab(logits), targets.to(logits.device),
-                                             tp_group=tp_group, vocab_start_index=start)
+        out = self.spec.extract_model_output(logits, targets.to(logits.device), tp_group=tp_group,
+                                             vocab_start_index=start, vocab_size=self.vocab_size)
         full = [mb.gather_response(cp_utils.gather_packed_from_cp(t, mb.cu_seqlens)) if t is not None else None
                 for t in (out.logprobs, out.entropy)]
         return ModelOutput(*full)

@@ -10,6 +10,8 @@ and compares against the single-process float64 ``log_softmax`` reference:
   loss from the vocab-parallel op + ``compute_policy_loss`` with global
   denominators; DP-summed loss, output-layer weight gradients (all-reduced over
   DP) and metrics must equal the one-big-batch reference.
+* TP 2 and 4 over megatron's padded vocab (``vocab_size``): ranks holding padding
+  only, or real and padding columns, equal the reference over the real vocab.
 
 Writes ``rank{r}.json``: ``{check_name: max_abs_error}``.
 """
@@ -60,6 +62,27 @@ def check_tp(results, tp_group, tp_size, tp_rank, tag):
         results[f"{tag}/{name}/logprobs"] = err(lp, rlp)
         results[f"{tag}/{name}/entropy"] = err(h, rh)
         results[f"{tag}/{name}/grad"] = err(shard.grad, rgrad) / scale
+
+
+def check_padded_vocab(results, tp_group, tp_size, tp_rank, tag, vocab=17):
+    """megatron's vocab padding across TP ranks: only the first ``vocab`` of the 48 columns are real, so
+    at TP4 rank 1 holds 5 real + 7 padding columns and ranks 2-3 padding alone. The padding holds
+    garbage (not -inf): it must change nothing and get gradient 0."""
+    vl = VOCAB // tp_size
+    logits, target, g_lp, g_h = full_case(7)
+    target = target % vocab
+    logits[:, vocab:] = 1e4
+    shard = logits[:, tp_rank * vl:(tp_rank + 1) * vl].float().clone().requires_grad_()
+    lp, h = logprobs_and_entropy(shard, target, tp_group=tp_group, temperature=0.9, chunk_size=6, with_entropy=True,
+                                 vocab_size=vocab)
+    ((lp.double() * g_lp).sum() + (h.double() * g_h).sum()).backward()
+    ref = logits[:, :vocab].double().requires_grad_()
+    rlp, rh = naive_logprobs(ref, target, temperature=0.9, with_entropy=True)
+    ((rlp * g_lp).sum() + (rh * g_h).sum()).backward()
+    rgrad = torch.cat([ref.grad, torch.zeros(N_TOK, VOCAB - vocab, dtype=torch.float64)], 1)
+    results[f"{tag}/padded_vocab/logprobs"] = err(lp, rlp)
+    results[f"{tag}/padded_vocab/entropy"] = err(h, rh)
+    results[f"{tag}/padded_vocab/grad"] = err(shard.grad, rgrad[:, tp_rank * vl:(tp_rank + 1) * vl])
 
 
 def check_tp2_dp2_step(results, tp_group, tp_rank, dp_group, dp_rank):
@@ -135,6 +158,8 @@ def main():
     check_tp(results, tp1[rank], 1, 0, "tp1")
     check_tp(results, tp2[rank // 2], 2, rank % 2, "tp2")
     check_tp(results, dist.group.WORLD, 4, rank, "tp4")
+    check_padded_vocab(results, tp2[rank // 2], 2, rank % 2, "tp2")
+    check_padded_vocab(results, dist.group.WORLD, 4, rank, "tp4")
     check_tp2_dp2_step(results, tp2[rank // 2], rank % 2, dp2[rank % 2], rank // 2)
     results["seconds"] = time.time() - t0
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
