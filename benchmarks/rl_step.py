@@ -5,7 +5,8 @@ gloo, ``OMP_NUM_THREADS=1``) for ``--warmup + --steps`` rollouts; the per-phase
 ``perf/*_s`` the loop logs every step (docs/metrics.md) are averaged over the steps after
 the warm-up. Eval steps have their ``perf/eval_s`` taken out (evaluation is not the step).
 Start-up is the wall time from launching the script to the step-0 record (the initial
-weight sync, just before the first rollout), data preparation included; the driver's own
+weight sync, just before the first rollout), with the demo's model and prompts already
+written (the script then only checks they exist); the driver's own
 phases after ``main`` began (``perf/startup_*_s``) are printed with it.
 
 Compute floor: the same work on one thread in plain torch, in this process, with the
@@ -14,10 +15,18 @@ demo's HF weights (``transformers`` Qwen2) and no framework around it: sample th
 once), score them with the demo's reward, one no-grad forward for the old log-probs and
 one with a second, frozen copy of the weights for the reference ones, then the demo's 2
 optimizer steps of 128 completions (forward, GRPO clip loss + k3 KL, backward, clip,
-Adam). No weight sync: the sampling model IS the trained one. Best of ``--repeats``, measured
-before and after every framework run (other jobs' load drifts; the spread is printed).
+Adam). No weight sync: the sampling model IS the trained one.
 
-    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 6] [--warmup 2] [--extra-variant]
+Drift: this class of VM changes speed by 20-60% within minutes (the floor itself moves
+that much between runs), so one framework run against one floor says little. The run
+is done in ``--rounds`` rounds; each round measures the floor (median of ``--repeats``),
+then every variant, each followed by the floor again, and a variant's ratio in that
+round is its step over the mean of the two floors measured just before and just after
+it. Steps and floor repetitions are summarised by their median (the steal bursts hit
+single steps; a best-of floor against a mean step would charge them to the framework).
+Reported: the per-round ratios and their median (and 2 proc / 1 proc per round).
+
+    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 8] [--warmup 2] [--rounds 3] [--extra-variant]
 
 ``--extra-variant`` also runs 1 process with ``--use-rollout-logprobs`` (no old-log-prob
 forward). Run it on a quiet machine (load average well under 1 per process used).
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,19 +65,24 @@ def run_demo(out: str, nproc: int, rollouts: int, *extra: str) -> tuple[list[dic
         return [json.loads(line) for line in fh], t0
 
 
-def phase_means(records: list[dict], warmup: int) -> dict[str, float]:
+def phase_medians(records: list[dict], warmup: int) -> dict[str, float]:
+    """Per phase, the median over the measured steps (bursts of the VM's steal time hit single steps:
+    a median, like the floor's, is not dragged by them; a mean would be)."""
     steps = [r for r in records if "perf/step_time_s" in r][warmup:]
-    mean = (lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps))
-    out = {p: mean(f"perf/{p}_s") for p in PHASES + ["broadcast", "reward", "weight_swap"]}
-    out["step"] = mean("perf/step_time_s") - mean("perf/eval_s")
+    med = (lambda key: statistics.median(r.get(key, 0.0) for r in steps))
+    out = {p: med(f"perf/{p}_s") for p in PHASES + ["broadcast", "reward", "weight_swap"]}
+    out["step"] = statistics.median(r["perf/step_time_s"] - r.get("perf/eval_s", 0.0) for r in steps)
     out["other"] = out["step"] - sum(out[p] for p in PHASES + ["broadcast"])
     return out
 
 
 def framework(nproc: int, steps: int, warmup: int, *extra: str) -> dict[str, float]:
+    from megatron_rl.data.synthetic import prepare
+
     with tempfile.TemporaryDirectory(prefix="rl_step_") as out:
+        prepare(out)  # the demo's model and prompts exist before the launch: start-up is the engine's alone
         records, t0 = run_demo(out, nproc, warmup + steps, *extra)
-        result = phase_means(records, warmup)
+        result = phase_medians(records, warmup)
         first = next(r for r in records if r["step"] == 0)
         result["startup"] = first["time"] - t0
         result["startup_phases"] = {k[len("perf/startup_"):-2]: v for k, v in first.items()
@@ -138,7 +153,7 @@ def floor_once(model, ref, opt, prompt_ids: torch.Tensor, labels: list[str], tok
 
 
 def compute_floor(repeats: int):
-    """A callable: each call runs the floor ``repeats`` times (after one warm-up) and returns the per-phase best."""
+    """A callable: each call runs the floor ``repeats`` times (after one warm-up) and returns the per-phase median."""
     import transformers
 
     from megatron_rl.data.synthetic import prepare
@@ -161,7 +176,7 @@ def compute_floor(repeats: int):
     def measure() -> dict[str, float]:
         floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id)  # warm-up
         runs = [floor_once(model, ref, opt, prompt_ids, labels, tok, tok.eos_token_id) for _ in range(repeats)]
-        return {k: min(r[k] for r in runs) for k in runs[0]}
+        return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
     return measure
 
@@ -172,9 +187,10 @@ def compute_floor(repeats: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--nprocs", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=6, help="measured rollouts after the warm-up")
+    ap.add_argument("--steps", type=int, default=8, help="measured rollouts after the warm-up")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5, help="compute-floor repetitions (best of)")
+    ap.add_argument("--repeats", type=int, default=7, help="compute-floor repetitions (median of)")
+    ap.add_argument("--rounds", type=int, default=3, help="floor + every variant, this many times (VM drift)")
     ap.add_argument("--extra-variant", action="store_true", help="also 1 process with --use-rollout-logprobs")
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
@@ -182,14 +198,32 @@ def main(argv=None) -> int:
     variants = {f"{n} proc": (n,) for n in args.nprocs}
     if args.extra_variant:
         variants["1 proc, rollout logprobs"] = (1, "--use-rollout-logprobs")
-    floors, runs = [measure_floor()], {}
-    for name, (n, *extra) in variants.items():  # the floor again after each run: a shared machine's load drifts
-        runs[name] = framework(n, args.steps, args.warmup, *extra)
-        floors.append(measure_floor())
-    floor = {k: min(f[k] for f in floors) for k in floors[0]}
-    print("floor step (s) measured around the runs: " + ", ".join(f"{f['step']:.4f}" for f in floors))
+    rounds: list[dict] = []  # per round: {variant: (result, floor around it)}
+    for k in range(args.rounds):
+        before = measure_floor()
+        this = {}
+        for name, (n, *extra) in variants.items():
+            result = framework(n, args.steps, args.warmup, *extra)
+            after = measure_floor()
+            around = {p: (before[p] + after[p]) / 2 for p in before}
+            this[name] = (result, around)
+            before = after
+        rounds.append(this)
+        print(f"round {k + 1}: " + ", ".join(f"{name} {r['step']:.4f} s/step = {r['step'] / f['step']:.2f}x floor "
+                                              f"({f['step']:.4f})" for name, (r, f) in this.items()), flush=True)
+
+    def median(xs):
+        return statistics.median(xs)
+
+    # the table: per phase, the median over rounds of each variant's time and of its floor
+    floor = {p: median([rd[next(iter(variants))][1][p] for rd in rounds]) for p in rounds[0][next(iter(variants))][1]}
+    runs = {name: {key: median([rd[name][0][key] for rd in rounds])
+                   for key in rounds[0][name][0] if key != "startup_phases"} for name in variants}
+    for name in variants:
+        runs[name]["startup_phases"] = rounds[-1][name][0]["startup_phases"]
     rows = PHASES + ["broadcast", "other", "step"]
-    print(f"\nseconds per RL step (mean of {args.steps} after {args.warmup} warm-up; floor: best of {args.repeats})")
+    print(f"\nseconds per RL step (median over {args.rounds} rounds of the median of {args.steps} steps after "
+          f"{args.warmup} warm-up; floor: median of {args.repeats}, around each run)")
     print(f"{'phase':<14}{'floor':>9}" + "".join(f"{name:>26}" for name in runs))
     for p in rows:
         cells = "".join(f"{r[p]:>17.4f} ({r[p] / floor[p]:>5.2f}x)" if floor.get(p) else f"{r[p]:>26.4f}"
@@ -198,8 +232,15 @@ def main(argv=None) -> int:
     print(f"{'(reward)':<14}{floor['reward']:>9.4f}" + "".join(f"{r['reward']:>26.4f}" for r in runs.values()))
     print(f"{'(ref swap)':<14}{0.0:>9.4f}" + "".join(f"{r['weight_swap']:>26.4f}" for r in runs.values()))
     print(f"{'start-up':<14}{'':>9}" + "".join(f"{r['startup']:>26.1f}" for r in runs.values()))
+    for name in variants:
+        ratios = [rd[name][0]["step"] / rd[name][1]["step"] for rd in rounds]
+        print(f"{name}: step / floor per round " + ", ".join(f"{x:.2f}" for x in ratios)
+              + f"; median {median(ratios):.2f}")
+    if "1 proc" in variants and "2 proc" in variants:
+        speed = [rd["2 proc"][0]["step"] / rd["1 proc"][0]["step"] for rd in rounds]
+        print("2 proc / 1 proc step per round " + ", ".join(f"{x:.2f}" for x in speed) + f"; median {median(speed):.2f}")
     for name, r in runs.items():
-        print(f"{name}: step / floor = {r['step'] / floor['step']:.2f}; start-up inside the driver (s): "
+        print(f"{name}: start-up inside the driver (s, last round): "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["startup_phases"].items()))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequ
 import torch
 
 from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample, share_with_peers
+from megatron_rl.compat.memo import IdentityMemo
 from megatron_rl.data import sample_codec
 from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
                                       plan_dynamic_micro_batches, plan_fixed_micro_batches,
@@ -358,7 +359,13 @@ class TrainBackend(abc.ABC):
         loss denominators."""
         plan = plan or (batch and batch.plan) or self.plan_micro_batches(samples)
         if batch is None:
-            return RankBatch(plan, pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id), None)
+            # the old- and ref-log-prob passes of a step run over the same batch and plan: they share the
+            # packed micro-batches, and with them every per-micro-batch derivation the model memoises
+            # (RoPE rows, attention buckets: compat/memo.py). A batch is not changed between its passes.
+            packs = self.__dict__.setdefault("_forward_packs", IdentityMemo())
+            micro_batches = packs.get((samples, plan), (self.dp_rank, self.pad_token_id), lambda: pack_plan_rank(
+                samples, plan, self.dp_rank, pad_token_id=self.pad_token_id))
+            return RankBatch(plan, micro_batches, None)
         _check_owned(batch, plan.rank_samples(self.dp_rank))
         micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
                                        advantages=batch.advantages, old_logprobs=batch.old_logprobs,

@@ -416,7 +416,10 @@ def patch_thd_rope_gather() -> None:
         return
     memo = IdentityMemo()
 
-    def cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, dtype):
+    def cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, dtype, tokens):
+        local = (cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size
+        if int(local.sum()) != tokens or (cp_size > 1 and bool((local % 2).any())):
+            return None  # shapes megatron's loop would reject or handle differently: let it say so
         with_offsets = freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]
         rows = thd_rope_positions(cu_seqlens, cp_size, cp_rank, bool(with_offsets)).to(freqs.device)
         picked = freqs[rows]
@@ -427,12 +430,11 @@ def patch_thd_rope_gather() -> None:
         if cp_group is None:
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
-        local = (cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size
-        if int(local.sum()) != t.size(0) or (cp_size > 1 and bool((local % 2).any())):
-            # shapes megatron's loop would reject or handle differently: let it say so
+        rotation = memo.get((cu_seqlens, freqs), (cp_size, cp_rank, mscale, t.dtype, t.size(0)),
+                            lambda: cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, t.dtype, t.size(0)))
+        if rotation is None:
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-        cos_, sin_ = memo.get((cu_seqlens, freqs), (cp_size, cp_rank, mscale, t.dtype),
-                              lambda: cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, t.dtype))
+        cos_, sin_ = rotation
         # megatron's _apply_rotary_pos_emb_bshd on [t, 1, h, d] with the cos/sin above
         rot_dim = freqs.shape[-1]
         t = t.unsqueeze(1)

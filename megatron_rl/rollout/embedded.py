@@ -11,8 +11,9 @@ row being one (request, sample) pair):
    nothing; only the last position's logits are computed;
 2. copy the KV cache rows so each of the ``n`` samples of a prompt gets its own;
 3. decode one token per step for every unfinished row; a row that emits a stop
-   token or reaches its length limit is dropped from the batch and its KV cache
-   (finished sequences stop growing and cost nothing).
+   token or reaches its length limit is finished; finished rows are dropped from
+   the batch and its KV cache once a quarter of the batch has finished (each drop
+   copies the cache, so not one copy per finished row).
 
 Reproducibility: each row owns a ``torch.Generator`` seeded from
 ``(seed, request index, sample index)`` that supplies one uniform number per
@@ -67,6 +68,7 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 CHUNK_BUDGET_BYTES = 1 << 30  # KV cache + per-row logits/sampling buffers of one generate chunk
+COMPACT_AT = 0.75  # finished rows leave the decode batch once at most this fraction is still generating
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -305,37 +307,47 @@ class EmbeddedEngine(RolloutEngine):
         logits = out.logits[:, -1, :][expand.to(self.device)]
         mask = mask[expand].to(self.device)
 
-        uniforms = torch.empty(len(chunk), max(limits), dtype=torch.float64)
+        longest = max(limits)
+        uniforms = torch.empty(len(chunk), longest, dtype=torch.float64)
         if not sampling.greedy:
             for r, (i, j) in enumerate(chunk):
                 gen = torch.Generator().manual_seed(row_seed(base_seed, i, j))
-                uniforms[r] = torch.rand(max(limits), generator=gen, dtype=torch.float64)
-        alive = list(range(len(chunk)))  # batch row -> chunk row
+                uniforms[r] = torch.rand(longest, generator=gen, dtype=torch.float64)
+        batch = list(range(len(chunk)))  # batch row -> chunk row
+        done = [False] * len(chunk)
         responses: list[list[int]] = [[] for _ in chunk]
         logprobs: list[list[float]] = [[] for _ in chunk]
         finish: list[str] = ["length"] * len(chunk)
         step = 0
         while True:
-            tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[alive, step].to(self.device))
+            tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device))
             keep = []
             for b, (tok, lp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
-                r = alive[b]
+                r = batch[b]
+                if done[r]:
+                    continue  # finished earlier, still in the batch until the next compaction
                 responses[r].append(tok)
                 logprobs[r].append(lp)
                 if tok in stop_ids:
-                    finish[r] = "stop"
+                    finish[r], done[r] = "stop", True
                 elif len(responses[r]) < limits[r]:
                     keep.append(b)
+                else:
+                    done[r] = True
             step += 1
             if not keep:
                 break
-            if len(keep) < len(alive):
+            if len(keep) <= COMPACT_AT * len(batch):
+                # drop finished rows from the batch and its KV cache (a copy of the cache: not for every
+                # row that ends, only once a quarter of the batch is idle)
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 cache.batch_select_indices(index)
                 mask, tokens = mask[index], tokens[index]
-                alive = [alive[b] for b in keep]
-            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
-            positions = torch.tensor([[prompt_lens[r] + step - 1] for r in alive], device=self.device)
+                batch = [batch[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+            # a finished row left in the batch keeps its last position (its outputs are ignored)
+            positions = torch.tensor([[prompt_lens[r] + min(step, len(responses[r])) - 1] for r in batch],
+                                     device=self.device)
             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
                              cache=cache, use_cache=True)
             logits = out.logits[:, -1, :]

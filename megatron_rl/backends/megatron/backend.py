@@ -294,9 +294,10 @@ class MegatronBackend(TrainBackend):
             metrics = reduce_metrics([item["metrics"] for item in store],
                                      group=self.ps.get_data_parallel_group())
         # everyone (the driver especially, which may be a first-stage rank) gets the last stage's view
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, metrics)
-        metrics = next(m for m in gathered if m)
+        if dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, metrics)
+            metrics = next(m for m in gathered if m)
         metrics = {f"train/{k}": v for k, v in metrics.items()}
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
