@@ -26,7 +26,11 @@ it. Steps and floor repetitions are summarised by their median (the steal bursts
 single steps; a best-of floor against a mean step would charge them to the framework).
 Reported: the per-round ratios and their median (and 2 proc / 1 proc per round).
 
-    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 8] [--warmup 2] [--rounds 3] [--extra-variant]
+    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 8] [--warmup 2] [--rounds 3] [--extra-variant] [--in-process]
+
+``--in-process`` first runs the loop's own pieces (generate, ``train_on_rollout``, sync) at
+1 process inside this process, alternating with the floor step by step (the least drift-prone
+ratio, without torchrun, logging or the launcher).
 
 ``--extra-variant`` also runs 1 process with ``--use-rollout-logprobs`` (no old-log-prob
 forward). Run it on a quiet machine (load average well under 1 per process used).
@@ -181,6 +185,83 @@ def compute_floor(repeats: int):
     return measure
 
 
+# ---------------------------------------------------------------- in-process, interleaved
+
+
+def demo_flags(out: str) -> list[str]:
+    """The ``megatron_rl.train`` flags of scripts/run_demo_cpu.sh at 1 process (read from the script, so
+    the two cannot drift apart), without its output/checkpoint flags (nothing is saved in-process)."""
+    import shlex
+
+    with open(os.path.join(REPO, "scripts", "run_demo_cpu.sh")) as fh:
+        text = fh.read()
+    body = text.split("-m megatron_rl.train", 1)[1].split('"$@"', 1)[0].replace("\\\n", " ")
+    for var, value in (("OUT", out), ("NPROC", "1"), ("NUM_ROLLOUT", "1000")):
+        body = body.replace(f'"${var}"', value).replace(f"${var}", value)
+    flags, skip = [], {"--save", "--save-interval", "--save-max-to-keep", "--output-dir", "--tensorboard-dir"}
+    tokens = shlex.split(body)
+    i = 0
+    while i < len(tokens):
+        if tokens[i] in skip:
+            i += 2
+            continue
+        flags.append(tokens[i])
+        i += 1
+    return flags
+
+
+def in_process(steps: int, warmup: int, repeats: int) -> None:
+    """One process, one thread: per rollout, the loop's own pieces (generate, ``train_on_rollout``, sync)
+    and then the floor, alternately, so both see the same machine state; medians over the steps."""
+    from megatron_rl.algorithms import spec_from_config
+    from megatron_rl.backends.base import make_backend
+    from megatron_rl.config import parse_config
+    from megatron_rl.data.synthetic import prepare
+    from megatron_rl.rollout.build import build_rollout
+    from megatron_rl.runner.step import train_on_rollout
+    from megatron_rl.weight_sync import make_synchronizer_from_config
+
+    torch.set_num_threads(1)
+    measure_floor = compute_floor(1)
+    with tempfile.TemporaryDirectory(prefix="rl_step_inproc_") as out:
+        prepare(out)
+        cfg = parse_config(demo_flags(out))
+        spec = spec_from_config(cfg)
+        backend = make_backend(cfg.precision.train_backend)
+        backend.initialize(cfg, spec)
+        backend.snapshot_weights("ref")  # the KL reference: the initial policy, as the loop's fresh start does
+        rollout = build_rollout(cfg)
+        sync = make_synchronizer_from_config(cfg)
+        sync.sync(backend, rollout.engine, version=0)
+        ours: list[dict] = []
+        floors: list[dict] = []
+        for i in range(warmup + steps):
+            perf: dict = {}
+            t0 = time.perf_counter()
+            samples, _ = rollout.generate(i)
+            perf["perf/generate_s"] = time.perf_counter() - t0
+            train_on_rollout(backend, spec, samples, cfg, perf=perf)
+            t = time.perf_counter()
+            sync.sync(backend, rollout.engine, version=i + 1)
+            perf["perf/sync_s"] = time.perf_counter() - t
+            perf["perf/step_time_s"] = time.perf_counter() - t0
+            floor = measure_floor()
+            if i >= warmup:
+                ours.append(perf)
+                floors.append(floor)
+    med = statistics.median
+    print(f"\nin-process, 1 thread, floor and step alternating ({steps} steps after {warmup} warm-up; medians)")
+    total = med(p["perf/step_time_s"] for p in ours)
+    f_total = med(f["step"] for f in floors)
+    for phase in PHASES + ["broadcast"]:
+        v = med(p.get(f"perf/{phase}_s", 0.0) for p in ours)
+        fv = med(f.get(phase, 0.0) for f in floors)
+        print(f"{phase:<14}{fv:>9.4f}{v:>12.4f}" + (f" ({v / fv:.2f}x)" if fv else ""))
+    print(f"{'step':<14}{f_total:>9.4f}{total:>12.4f} ({total / f_total:.2f}x)")
+    ratios = [p["perf/step_time_s"] / f["step"] for p, f in zip(ours, floors)]
+    print(f"step / floor per step: median {med(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -192,8 +273,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="compute-floor repetitions (median of)")
     ap.add_argument("--rounds", type=int, default=3, help="floor + every variant, this many times (VM drift)")
     ap.add_argument("--extra-variant", action="store_true", help="also 1 process with --use-rollout-logprobs")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also the 1-process step in this process, alternating with the floor step by step")
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
+    if args.in_process:
+        in_process(max(args.steps, 10), args.warmup, args.repeats)
     measure_floor = compute_floor(args.repeats)
     variants = {f"{n} proc": (n,) for n in args.nprocs}
     if args.extra_variant:
