@@ -85,7 +85,11 @@ def test_offloaded_steps_equal_the_plain_distributed_optimizer(runs):
         for a, b in zip(p["tensors"], o["tensors"], strict=True):
             assert set(b) == HYBRID_STATE and torch.equal(b["master_param"], b["param"])
             assert float(a["step"]) == float(b["step"]) == 4.0
-            for k in ("param", "exp_avg", "exp_avg_sq"):
+            # the moments to float32 rounding; the master params are the weights, held to the weights'
+            # bound above (two AdamW implementations' last bits, amplified by Adam's 1/sqrt(v) where
+            # gradients are near zero: up to 4.4e-7 = 1.4e-5 relative seen after 4 steps)
+            torch.testing.assert_close(b["param"], a["param"], rtol=0, atol=2e-6)
+            for k in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7)
 
 
