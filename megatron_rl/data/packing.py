@@ -415,7 +415,7 @@ def pack_samples(
     loss_mask: list[int] | None = None  # None while every mask so far is the default (all ones)
     flat = {k: [] for k, v in extra.items() if v is not None}
     prompt_lengths, response_lengths, padded, real = [], [], [], []
-    for k, (idx, s) in enumerate(zip(sample_indices, chosen)):
+    for idx, s in zip(sample_indices, chosen):
         p, r = len(s.prompt_ids), len(s.response_ids)
         if p < 1:
             raise ConfigError(f"rollout sample {idx} has an empty prompt; the first response token then has no "
@@ -541,8 +541,7 @@ def compute_loss_denominators(loss_masks: Iterable, group=None) -> LossDenominat
 def plan_loss_denominators(samples: Sequence[Sample], plan: MicroBatchPlan) -> list[LossDenominators]:
     """Denominators of every DP rank from the plan alone (no communication; same result
     as ``compute_loss_denominators`` with the DP group, since every rank sees the plan)."""
-    local = [compute_loss_denominators(samples[i].loss_mask or [1] * samples[i].response_length
-                                       for i in plan.rank_samples(r))
+    local = [compute_loss_denominators(samples[i].effective_loss_mask() for i in plan.rank_samples(r))
              for r in range(plan.dp_size)]
     g_tok = sum(d.local_tokens for d in local)
     g_smp = sum(d.local_samples for d in local)
