@@ -184,10 +184,12 @@ class OptimizerConfig:
                             aliases=("--clip-grad",))
     use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1). "
                                            "Implied by --optimizer-cpu-offload.")
-    optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU: megatron-core's "
-                                       "hybrid device optimizer. Implies --use-distributed-optimizer (which "
-                                       "Megatron-LM requires with it and slime always sets); needs "
-                                       "--use-precision-aware-optimizer, as in Megatron-LM; docs/optimizer.md.")
+    optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU. megatron: "
+                                       "megatron-core's hybrid device optimizer; implies "
+                                       "--use-distributed-optimizer (which Megatron-LM requires with it and "
+                                       "slime always sets) and needs --use-precision-aware-optimizer, as in "
+                                       "Megatron-LM; docs/optimizer.md. fsdp: FSDP2's CPUOffloadPolicy (sharded "
+                                       "parameters, gradients and optimizer state in host memory).")
     optimizer_offload_fraction: float = flag(1.0, "Fraction of the optimizer state megatron-core's hybrid "
                                              "optimizer keeps on the CPU with --optimizer-cpu-offload "
                                              "(0 < f <= 1; only 1.0 on a CPU-only machine).")
@@ -268,7 +270,18 @@ class MemoryConfig:
 class PrecisionConfig:
     train_backend: str = flag("megatron", "Training backend.", choices=("megatron", "fsdp"))
     bf16: bool = flag(False, "Train in bf16 with fp32 master weights.")
-    fp16: bool = flag(False, "Train in fp16 with loss scaling.")
+    fp16: bool = flag(False, "Train in fp16 with loss scaling (dynamic unless --loss-scale; a step whose "
+                      "gradients overflow is skipped and the scale backs off).")
+    loss_scale: Optional[float] = flag(None, "With --fp16: a constant loss scale instead of the dynamic one "
+                                       "(OptimizerConfig.loss_scale).")
+    initial_loss_scale: float = flag(2.0 ** 32, "With --fp16: the dynamic loss scale's start "
+                                     "(OptimizerConfig.initial_loss_scale, Megatron-LM's default).")
+    min_loss_scale: float = flag(1.0, "With --fp16: the dynamic loss scale never backs off below this "
+                                 "(OptimizerConfig.min_loss_scale).")
+    loss_scale_window: int = flag(1000, "With --fp16: steps without overflow before the dynamic loss scale "
+                                  "doubles (OptimizerConfig.loss_scale_window).")
+    hysteresis: int = flag(2, "With --fp16: overflowing steps tolerated before the dynamic loss scale halves; "
+                           "reset when it grows (OptimizerConfig.hysteresis).")
     fp8_format: Optional[str] = flag(None, "FP8 training through transformer-engine (TransformerConfig.fp8): "
                                      "e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients).",
                                      choices=("e4m3", "hybrid"))

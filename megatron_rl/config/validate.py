@@ -121,17 +121,47 @@ def _check_batching(errors: list[str], cfg: Config) -> None:
                       "some ranks would get no sample")
 
 
+#: fp16 loss-scale flags: (field, default, what makes a value valid, the rule in words)
+_LOSS_SCALE_FLAGS = (
+    ("loss_scale", None, lambda v: v > 0, "must be > 0"),
+    ("initial_loss_scale", 2.0 ** 32, lambda v: v > 0, "must be > 0"),
+    ("min_loss_scale", 1.0, lambda v: v > 0, "must be > 0"),
+    ("loss_scale_window", 1000, lambda v: v >= 1, "must be >= 1"),
+    ("hysteresis", 2, lambda v: v >= 1, "must be >= 1"),
+)
+
+
+def _check_loss_scale(errors: list[str], pr) -> None:
+    """Loss scaling exists only in fp16 (bf16 and fp32 have fp32's exponent range): a loss-scale
+    flag without --fp16 would do nothing, so it is refused, as are values megatron-core's
+    grad scalers assert against."""
+    for name, default, valid, rule in _LOSS_SCALE_FLAGS:
+        value = getattr(pr, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None or value == default:
+            continue
+        if not pr.fp16:
+            errors.append(f"{flag} {value} only acts with --fp16 (bf16 and fp32 train without loss scaling); "
+                          f"add --fp16 or drop {flag}")
+        elif not valid(value):
+            errors.append(f"{flag} {value} {rule}")
+    if pr.fp16 and pr.loss_scale is None and pr.min_loss_scale > pr.initial_loss_scale:
+        errors.append(f"--min-loss-scale {pr.min_loss_scale} is above --initial-loss-scale "
+                      f"{pr.initial_loss_scale}; lower it")
+
+
 def _check_precision(errors: list[str], cfg: Config) -> None:
     pr, opt = cfg.precision, cfg.optimizer
     if pr.bf16 and pr.fp16:
         errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
+    _check_loss_scale(errors, pr)
     if pr.fp8_format and importlib.util.find_spec("transformer_engine") is None:
         errors.append(f"--fp8-format {pr.fp8_format} needs transformer-engine, which is not installed "
                       "(pip install 'megatron_rl[fp8]' on a GPU machine), or drop --fp8-format")
     if pr.fp8_format and pr.train_backend == "fsdp":
         errors.append("--fp8-format is only supported with --train-backend megatron")
     _check_fp8_knobs(errors, cfg)
-    if opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer:
+    if opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer and pr.train_backend == "megatron":
         errors.append("--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM: "
                       "megatron-core's hybrid device optimizer saves and loads its state through that "
                       "flag's code path (without it a resume fails)")
@@ -625,9 +655,8 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
 
 # What the fsdp backend (backends/fsdp) does not build yet: (flag, is it given?, why). Refused, never ignored.
 _FSDP_NOT_BUILT = (
-    ("--fp16", lambda c: c.precision.fp16, "fp16 needs loss scaling, not built for fsdp yet; use --bf16 or fp32"),
-    ("--optimizer-cpu-offload", lambda c: c.optimizer.optimizer_cpu_offload,
-     "FSDP2's CPUOffloadPolicy is not wired in yet"),
+    ("--optimizer-offload-fraction", lambda c: c.optimizer.optimizer_offload_fraction != 1.0,
+     "FSDP2's CPUOffloadPolicy (what --optimizer-cpu-offload maps to) offloads all of the sharded state"),
     ("--use-precision-aware-optimizer", lambda c: c.optimizer.use_precision_aware_optimizer,
      "a megatron-core optimizer feature; the fsdp backend's sharded fp32 parameters are the master weights"),
     ("--overlap-cpu-optimizer-d2h-h2d", lambda c: c.optimizer.overlap_cpu_optimizer_d2h_h2d,

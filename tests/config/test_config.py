@@ -277,7 +277,8 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang: "
                                                                                      "a train-only run"),
     # what the fsdp backend does not build yet (issue 16)
-    (["--train-backend", "fsdp", "--fp16"], "--fp16 with --train-backend fsdp: fp16 needs loss scaling"),
+    (["--train-backend", "fsdp", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
+     "--optimizer-offload-fraction with --train-backend fsdp: FSDP2's CPUOffloadPolicy"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity selective with "
                                                                           "--train-backend fsdp: selective recompute"),
     (["--train-backend", "fsdp", "--opd-teacher-load", "/tmp", "--opd-kl-coef", "1"],

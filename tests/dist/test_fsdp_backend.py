@@ -1,11 +1,12 @@
-"""FSDPBackend numerics: HF's own log-probs, DP2 equal to one process, and equal to the MegatronBackend.
+"""FSDPBackend numerics: HF's own log-probs, DP2 and DP4 equal to one process, and equal to the MegatronBackend.
 
 One 2-rank launch runs FSDP at DP2 on a tiny qwen2 with one sample per micro-batch, with
 dynamic batching (several samples padded into one micro-batch, and a different split),
-with --bf16, with --recompute-granularity full, on a tiny qwen3_moe, and saves / resumes a
-DCP checkpoint. One 1-rank launch runs the FSDP and the megatron backend on the same
+with --bf16, with --recompute-granularity full, with --optimizer-cpu-offload, with --fp16
+(a scale that fits, and megatron's 2**32 that overflows), on a tiny qwen3_moe, and saves /
+resumes DCP checkpoints. One 1-rank launch runs the FSDP and the megatron backend on the same
 models, batch and flags (tests/dist/scripts/backend_worker.py's) and resumes the DP2
-checkpoint at DP1. Compared: no-grad log-probs, per-step loss metrics and grad norm, and
+checkpoints at DP1. One 4-rank launch runs the dynamic-batching case at DP4. Compared: no-grad log-probs, per-step loss metrics and grad norm, and
 the full HF-layout weights exported after each of 3 Adam steps (PPO loss + KL + entropy,
 grad clip). Checkpoints: saved at DP2 after 3 steps, resumed at DP2 (the 4th step bitwise
 equal to the uninterrupted one) and at DP1 (resharded: equal within summation order); the DP2
@@ -27,8 +28,10 @@ import torch
 from _util import torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_worker.py")
+DP4_RUN = "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24"
+FP16, FP16_OVERFLOW = "fsdp:--fp16,--initial-loss-scale=1024", "fsdp:--fp16"
 DP2_RUNS = ["fsdp", "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24", "fsdp:--bf16",
-            "fsdp:--recompute-granularity=full"]
+            "fsdp:--recompute-granularity=full", "fsdp:--optimizer-cpu-offload", FP16]
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches", "mlp0_forwards"}
 
 
@@ -36,15 +39,19 @@ SKIP_METRICS = {"train/step_time_s", "train/micro_batches", "mlp0_forwards"}
 def runs(tmp_path_factory, tiny_hf_models):
     hf, moe = tiny_hf_models("qwen2"), tiny_hf_models("qwen3_moe")
     one, two = tmp_path_factory.mktemp("fsdp_w1"), tmp_path_factory.mktemp("fsdp_w2")
-    ckpt = tmp_path_factory.mktemp("fsdp_ckpt")
-    # DP2: the runs, a DCP checkpoint after 3 steps (then a 4th step) and a resume from it at DP2, the MoE model
-    torchrun(SCRIPT, 2, [hf, str(two), *DP2_RUNS, f"fsdp:+save={ckpt}", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}"],
-             timeout=600)
-    # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoint resumed at DP1
+    ckpt, ckpt16 = tmp_path_factory.mktemp("fsdp_ckpt"), tmp_path_factory.mktemp("fsdp_ckpt16")
+    # DP2: the runs, a DCP checkpoint after 3 steps (then a 4th step) and a resume from it at DP2, the MoE
+    # model, and an overflowing fp16 run that saves its loss scaler
+    torchrun(SCRIPT, 2, [hf, str(two), *DP2_RUNS, f"fsdp:+save={ckpt}", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
+                         f"{FP16_OVERFLOW},+save={ckpt16}"], timeout=600)
+    # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
     torchrun(SCRIPT, 1, [hf, str(one), "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
-                         f"megatron:+hf={moe}"], timeout=600)
+                         f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}"], timeout=600)
+    # DP4: uneven shares of the 6 samples (dynamic batching; one sample per micro-batch does not divide)
+    four = tmp_path_factory.mktemp("fsdp_w4")
+    torchrun(SCRIPT, 4, [hf, str(four), DP4_RUN], timeout=600)
     return (hf, json.load(open(one / "results_w1.json")), one, json.load(open(two / "results_w2.json")), two, ckpt,
-            moe)
+            moe, ckpt16, json.load(open(four / "results_w4.json")), four)
 
 
 def _compare(ref, ref_dir, ref_run, rec, rec_dir, run, lp_tol=1e-5, w_tol=2e-5):
@@ -100,6 +107,11 @@ def test_data_parallel_steps_equal_one_process(runs, run):
     _compare(one["fsdp"], one_dir, "fsdp", two[run], two_dir, run)
 
 
+def test_four_data_parallel_ranks_equal_one_process(runs):
+    _, one, one_dir, *_, four, four_dir = runs
+    _compare(one["fsdp"], one_dir, "fsdp", four[DP4_RUN], four_dir, DP4_RUN)
+
+
 def test_fsdp_steps_equal_megatron_backend(runs):
     _, one, one_dir, *_ = runs
     _compare(one["megatron"], one_dir, "megatron", one["fsdp"], one_dir, "fsdp")
@@ -108,7 +120,7 @@ def test_fsdp_steps_equal_megatron_backend(runs):
 def test_moe_family_equals_megatron_and_data_parallel(runs):
     """qwen3_moe: transformers 5 fuses the experts on load; the export gives the checkpoint's
     per-expert names back (what the engine and megatron's export carry)."""
-    _, one, one_dir, two, two_dir, _, moe = runs
+    _, one, one_dir, two, two_dir, _, moe, *_ = runs
     run, meg = f"fsdp:+hf={moe}", f"megatron:+hf={moe}"
     _compare(one[meg], one_dir, meg.replace("/", "_"), one[run], one_dir, run.replace("/", "_"))
     _compare(one[run], one_dir, run.replace("/", "_"), two[run], two_dir, run.replace("/", "_"))
@@ -158,8 +170,62 @@ def test_bf16_tracks_fp32(runs):
     assert all(t.dtype == torch.bfloat16 for t in weights.values())  # exported as the engine gets them
 
 
+def test_cpu_offload_is_bitwise_the_step_without_it(runs):
+    """--optimizer-cpu-offload (FSDP2's CPUOffloadPolicy): every sharded parameter is marked for
+    host offload; on a CPU the shards were in host memory already, so the same maths must give
+    the same bits through the offload code path. Device memory freed: scripts/gpu_check.sh."""
+    _, _, _, two, two_dir, *_ = runs
+    run = "fsdp:--optimizer-cpu-offload"
+    assert (two[run]["offload_to_cpu"], two["fsdp"]["offload_to_cpu"]) == ([True], [False])  # the policy reached FSDP2
+    for s0, s1 in zip(two["fsdp"]["steps"], two[run]["steps"]):
+        assert {k: v for k, v in s0["metrics"].items() if k not in SKIP_METRICS} == \
+            {k: v for k, v in s1["metrics"].items() if k not in SKIP_METRICS}
+    for step in range(3):
+        w0, w1 = (torch.load(two_dir / f"{r}_step{step}.pt") for r in ("fsdp", run))
+        assert all(torch.equal(w0[n], w1[n]) for n in w0)
+
+
+def test_fp16_with_loss_scaling_tracks_fp32(runs):
+    """--fp16 --initial-loss-scale 1024: no overflow, every step taken at that scale (the window of
+    1000 clean steps is not reached), gradients unscaled to fp32's within fp16 rounding."""
+    _, one, one_dir, two, two_dir, *_ = runs
+    ref, half = one["fsdp"], two[FP16]
+    for s0, s1 in zip(ref["steps"], half["steps"]):
+        m0, m1 = s0["metrics"], s1["metrics"]
+        assert (m1["train/loss_scale"], m1["train/update_skipped"]) == (1024.0, 0.0)
+        assert m1["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=0.01)
+    for step in range(3):
+        w0, w1 = torch.load(one_dir / f"fsdp_step{step}.pt"), torch.load(two_dir / f"{FP16}_step{step}.pt")
+        assert all(t.dtype == torch.float16 for t in w1.values())  # exported as the engine gets them
+        assert max((w0[n] - w1[n].float()).abs().max().item() for n in w0) < 0.01
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_backs_off(runs):
+    """--fp16 at megatron's initial scale 2**32: the tiny model's gradients overflow fp16, so every
+    step is skipped on BOTH ranks (the exported weights, gathered from both ranks' shards, stay the
+    initial ones) and the scale follows megatron's hysteresis: 2**32, 2**32, then halving. The
+    checkpoint after 3 steps holds the scaler: resumed at DP1, the 4th step runs at 2**30 as the
+    uninterrupted run did, not at a fresh 2**32."""
+    from safetensors.torch import load_file
+
+    hf, one, _, two, two_dir, _, _, ckpt16, *_ = runs
+    saved = f"{FP16_OVERFLOW},+save={ckpt16}"
+    steps = [s["metrics"] for s in two[saved]["steps"]]
+    assert [m["train/loss_scale"] for m in steps] == [2.0 ** 32, 2.0 ** 32, 2.0 ** 31, 2.0 ** 30]
+    assert all(m["train/update_skipped"] == 1.0 and m["train/grad_norm"] != m["train/grad_norm"] for m in steps)
+    initial = {}
+    for f in os.listdir(hf):
+        if f.endswith(".safetensors"):
+            initial.update(load_file(os.path.join(hf, f)))
+    for step in range(4):
+        w = torch.load(two_dir / f"{saved}_step{step}.pt".replace("/", "_"))
+        assert all(torch.equal(w[n], initial[n].to(torch.float16)) for n in w)
+    resumed = one[f"{FP16_OVERFLOW},+load={ckpt16}"]["steps"]
+    assert [s["metrics"]["train/loss_scale"] for s in resumed] == [2.0 ** 30]
+
+
 def test_dcp_checkpoint_resumes_exactly_at_dp2_and_resharded_at_dp1(runs):
-    _, one, one_dir, two, two_dir, ckpt, _ = runs
+    _, one, one_dir, two, two_dir, ckpt, *_ = runs
     saved = f"fsdp:+save={ckpt}"
     root = ckpt / "iter_0000003"
     meta = json.load(open(root / "COMPLETE.json"))
@@ -192,7 +258,7 @@ def test_dp2_checkpoint_converts_to_hf_bit_exact(runs, tmp_path):
     from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_hf
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
 
-    _, _, _, _, two_dir, ckpt, _ = runs
+    _, _, _, _, two_dir, ckpt, *_ = runs
     summary = convert_fsdp_to_hf(str(ckpt), str(tmp_path / "hf"), verify=True, show_progress=False)
     assert summary["source"] == str(ckpt / "iter_0000003") and summary["verified"]
     want = torch.load(two_dir / f"fsdp:+save={ckpt}_step2.pt".replace("/", "_"))

@@ -18,15 +18,23 @@ Micro-batches reach the model through the padding fallback (``padding.py``): rig
 rows with an attention mask, because SDPA on CPU has no variable-length kernel. The
 varlen path (position ids + flash-attention) for GPUs is not built here.
 
-Precision: fp32 by default; ``--bf16`` is ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)``: sharded fp32 parameters are the master weights and the optimizer
-state, compute runs in bf16, gradients reduce in fp32. Exported weights are cast to
-bf16 then, as the megatron backend exports them.
+Precision: fp32 by default; ``--bf16`` / ``--fp16`` are ``MixedPrecisionPolicy(param_dtype=
+bf16|fp16, reduce_dtype=fp32)``: sharded fp32 parameters are the master weights and the
+optimizer state, compute runs in the half type, gradients reduce in fp32. ``--fp16`` scales
+the loss as megatron-core does (``loss_scale.py``: a step whose gradients overflow on any
+rank is skipped and the scale backs off). Exported weights are cast to the half type then,
+as the megatron backend exports them.
+
+``--optimizer-cpu-offload`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients
+and optimizer state live in host memory, the optimizer steps on the CPU, each unit's
+parameters are copied to the device for its all-gather. On a GPU the process group is
+``cpu:gloo,cuda:nccl`` then, because gradient clipping and the overflow check reduce
+host tensors (slime#847, torchtune#2108: NCCL has no CPU backend).
 
 Checkpoints: torch.distributed.checkpoint (DCP) in the megatron backend's checkpoint root
 layout (``checkpoint.py``). Not built in this version (refused by ``config.validate`` before
-any worker starts): ``--fp16`` (loss scaling), selective recompute,
-``--optimizer-cpu-offload``, ``--opd-teacher-load``, torch_dist ``--ref-load`` / model-dir ``--load``.
+any worker starts): selective recompute, ``--optimizer-offload-fraction`` below 1,
+``--opd-teacher-load``, torch_dist ``--ref-load`` / model-dir ``--load``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import Spec
 from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, resolve_weights_location
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.config import Config
@@ -56,14 +65,16 @@ from megatron_rl.models.hf_module import hf_checkpoint_names, layer_of
 log = logging.getLogger(__name__)
 
 
-def init_process_group() -> None:
+def init_process_group(host_collectives: bool = False) -> None:
     """torch.distributed for the training ranks (gloo on CPU, NCCL on GPU), if nobody did yet.
 
+    ``host_collectives``: on a GPU also a gloo backend for CPU tensors (``cpu:gloo,cuda:nccl``),
+    which FSDP2's CPU offload needs for the gradient-norm and overflow reductions.
     Outside torchrun (no ``RANK``) a private one-rank TCP store, leaving ``os.environ`` alone
     so subprocesses started later do not inherit it (as ``models.parallel`` does for megatron)."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = ("cpu:gloo,cuda:nccl" if host_collectives else "nccl") if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:
@@ -91,10 +102,12 @@ class FSDPBackend(TrainBackend):
     def initialize(self, cfg: Config, spec: Spec) -> None:
         import transformers
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, \
+            fully_shard
 
         self.cfg, self.spec = cfg, spec
-        init_process_group()
+        self.cpu_offload = cfg.optimizer.optimizer_cpu_offload
+        init_process_group(host_collectives=self.cpu_offload)
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
         self.pad_to_multiple = 1
         self.holds_results = True  # no tensor/pipeline/context parallelism: every rank is its DP rank's holder
@@ -119,15 +132,18 @@ class FSDPBackend(TrainBackend):
             # recomputed in the backward (transformers' per-layer checkpointing; validation refuses the rest)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
-        self.params_dtype = torch.bfloat16 if cfg.precision.bf16 else torch.float32
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if cfg.precision.bf16 else MixedPrecisionPolicy()
+        self.params_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                             "float32": torch.float32}[cfg.precision.params_dtype]
+        mp = MixedPrecisionPolicy(param_dtype=self.params_dtype, reduce_dtype=torch.float32) \
+            if self.params_dtype != torch.float32 else MixedPrecisionPolicy()
+        # pinned host memory makes the copies asynchronous; there is no device to pin for on CPU
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         # reshard after every forward, the root too (its default keeps embeddings and head gathered
         # for the backward): a forward-only pass must leave only shards behind, which the weight
         # tags and export read
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
+            fully_shard(layer, mesh=self.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 # sum over DP: the loss is already globally normalised. A plain SUM collective (gloo
@@ -141,6 +157,8 @@ class FSDPBackend(TrainBackend):
         self.scheduler = MegatronLRSchedule.from_config(self.optimizer, cfg)
         self.weights = WeightManager(self._named_local_params, self._ref_weights_location(cfg))
         self.optimizer_steps = 0
+        self.loss_scaler: Optional[LossScaler] = LossScaler.from_precision(cfg.precision) \
+            if cfg.precision.fp16 else None
         self._offloaded = False
 
     # ---- helpers -------------------------------------------------------------
@@ -201,15 +219,26 @@ class FSDPBackend(TrainBackend):
                                                    denoms)
             if mb.is_empty:  # no loss tokens: a zero gradient through every parameter keeps the collectives in step
                 loss = loss + logits.sum() * 0.0
+            if self.loss_scaler is not None:
+                loss = loss * self.loss_scaler.scale
             loss.backward()
             parts.append(metrics)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm(params, self.cfg.optimizer.grad_clip)
-        update_ok = math.isfinite(grad_norm)
+        overflow = False
+        if self.loss_scaler is not None:  # megatron's order: unscale + overflow check, scale update, then clip
+            loss_scale = self.loss_scaler.scale
+            overflow = self.loss_scaler.unscale_and_check(
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None))
+            self.loss_scaler.update(overflow)
+        grad_norm = math.nan if overflow else clip_grad_norm(params, self.cfg.optimizer.grad_clip)
+        update_ok = not overflow and math.isfinite(grad_norm)
         if update_ok:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps += 1
+        elif overflow:
+            log.warning("fp16 gradients overflowed at loss scale %g: optimizer step skipped, scale now %g",
+                        loss_scale, self.loss_scaler.scale)
         else:
             log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
@@ -217,6 +246,8 @@ class FSDPBackend(TrainBackend):
         metrics["train/grad_norm"] = grad_norm
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/update_skipped"] = float(not update_ok)
+        if self.loss_scaler is not None:
+            metrics["train/loss_scale"] = loss_scale
         metrics["train/micro_batches"] = float(plan.num_micro_batches)
         metrics["train/step_time_s"] = time.perf_counter() - t0
         return metrics
@@ -294,16 +325,20 @@ class FSDPBackend(TrainBackend):
 
     def sleep(self) -> None:
         """Free accelerator memory for a colocated engine: sharded parameters, gradients and
-        optimizer state move to host memory. CPU: nothing to free, a no-op (as megatron's).
+        optimizer state move to host memory. CPU: nothing to free, a no-op (as megatron's);
+        with --optimizer-cpu-offload they live in host memory already, only the cache is freed.
         The GPU path is written but not tested in this version (no GPU in CI)."""
         if not torch.cuda.is_available() or self._offloaded:
+            return
+        if self.cpu_offload:
+            torch.cuda.empty_cache()
             return
         self._move_state(torch.device("cpu"))
         self._offloaded = True
         torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        if not torch.cuda.is_available() or not self._offloaded:
+        if not torch.cuda.is_available() or not self._offloaded or self.cpu_offload:
             return
         self._move_state(self.device)
         self._offloaded = False

@@ -72,13 +72,28 @@ def _rng_path(root: str, r: int) -> str:
 collect_rng_state, restore_rng_state = host_rng_state, restore_host_rng_state  # FSDP has no TP RNG tracker
 
 
-def _state(backend) -> dict[str, Any]:
-    """The DCP state dict: sharded model + optimizer (FQN-keyed), scheduler and step count."""
+GRAD_SCALER_KEY = "grad_scaler"  # --fp16 runs: the loss scaler's state (scale, growth and hysteresis trackers)
+
+
+def _state(backend, with_scaler: bool = True) -> dict[str, Any]:
+    """The DCP state dict: sharded model + optimizer (FQN-keyed), scheduler, step count and,
+    with --fp16, the loss scaler (megatron saves its grad scaler with the optimizer too)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    return {DCP_MODEL_KEY: model_sd, "optimizer": optim_sd, "scheduler": backend.scheduler.state_dict(),
-            "optimizer_steps": int(backend.optimizer_steps)}
+    state = {DCP_MODEL_KEY: model_sd, "optimizer": optim_sd, "scheduler": backend.scheduler.state_dict(),
+             "optimizer_steps": int(backend.optimizer_steps)}
+    if with_scaler and getattr(backend, "loss_scaler", None) is not None:
+        state[GRAD_SCALER_KEY] = backend.loss_scaler.state_dict()
+    return state
+
+
+def _has_scaler_state(path: str) -> bool:
+    """Whether the DCP files at ``path`` hold a loss scaler (a --fp16 run saved them)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(k == GRAD_SCALER_KEY or k.startswith(GRAD_SCALER_KEY + ".") for k in keys)
 
 
 def save_checkpoint(backend, path: str, extra_state: dict) -> None:
@@ -140,7 +155,12 @@ def load_checkpoint(backend, path: str) -> dict:
     if not same_layout and rank() == 0:
         log.warning("checkpoint %s was saved at %s, loading at %s: model and optimizer are resharded; RNG states "
                     "are NOT restored (they are per rank)", path, meta.get("layout"), layout_record(backend))
-    state = _state(backend)
+    scaler = getattr(backend, "loss_scaler", None)
+    with_scaler = scaler is not None and _has_scaler_state(path)
+    if scaler is not None and not with_scaler and rank() == 0:
+        log.warning("checkpoint %s was not saved by a --fp16 run: the loss scale starts afresh at %g", path,
+                    scaler.scale)
+    state = _state(backend, with_scaler)
     try:
         dcp.load(state, checkpoint_id=path)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -160,6 +180,8 @@ def load_checkpoint(backend, path: str) -> dict:
                    optim_state_dict=state["optimizer"])
     backend.scheduler.load_state_dict(state["scheduler"])
     backend.optimizer_steps = int(state["optimizer_steps"])
+    if with_scaler:
+        scaler.load_state_dict(state[GRAD_SCALER_KEY])
     if same_layout:
         restore_rng_state(torch.load(_rng_path(path, rank()), weights_only=False))
     with open(os.path.join(path, EXTRA_STATE_NAME)) as f:

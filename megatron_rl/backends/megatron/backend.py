@@ -117,7 +117,10 @@ def optimizer_config_kwargs(cfg: Config, params_dtype: torch.dtype) -> dict:
         params_dtype=params_dtype, use_distributed_optimizer=opt.effective_distributed_optimizer,
         optimizer_cpu_offload=opt.optimizer_cpu_offload,
         optimizer_offload_fraction=opt.optimizer_offload_fraction,
-        use_precision_aware_optimizer=opt.use_precision_aware_optimizer), **megatron_core_kwargs(cfg)["optimizer"]}
+        use_precision_aware_optimizer=opt.use_precision_aware_optimizer,
+        loss_scale=cfg.precision.loss_scale, initial_loss_scale=cfg.precision.initial_loss_scale,
+        min_loss_scale=cfg.precision.min_loss_scale, loss_scale_window=cfg.precision.loss_scale_window,
+        hysteresis=cfg.precision.hysteresis), **megatron_core_kwargs(cfg)["optimizer"]}
 
 
 class MegatronBackend(TrainBackend):
@@ -285,6 +288,7 @@ class MegatronBackend(TrainBackend):
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        loss_scale = float(self.optimizer.get_loss_scale()) if self.cfg.precision.fp16 else None  # this step's
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
@@ -302,6 +306,8 @@ class MegatronBackend(TrainBackend):
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/update_skipped"] = float(not update_ok)
+        if loss_scale is not None:
+            metrics["train/loss_scale"] = loss_scale
         metrics["train/micro_batches"] = float(plan.num_micro_batches)
         metrics["train/step_time_s"] = time.perf_counter() - t0
         return metrics

@@ -54,6 +54,12 @@ def main():
         backend.snapshot_weights("ref")
         samples = make_samples(backend.vocab_size)
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
+        if name == "fsdp":  # FSDP2's own record of the offload policy, per sharded parameter (private API)
+            from torch.distributed.fsdp import FSDPModule
+
+            rec["offload_to_cpu"] = sorted({fp.offload_to_cpu for m in backend.model.modules()
+                                            if isinstance(m, FSDPModule)
+                                            for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params})
         plan = backend.plan_rollout(samples, len(samples))
         owned = set(plan.steps[0][1].rank_samples(backend.dp_rank))
         full = backend.forward_only(samples, plan=plan.forward)
