@@ -68,9 +68,13 @@ def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
 def test_fsdp_demo_learns_and_its_checkpoint_exports(tmp_path):
     """The same demo on --train-backend fsdp (FSDP2 over the 2 gloo ranks, HF-native model): it learns,
     the engine's weights equal the trainer's after every sync, and the final DCP checkpoint exported with
-    `convert_ckpt.py fsdp-to-hf` is the trained policy (~25 s)."""
+    `convert_ckpt.py fsdp-to-hf` is the trained policy (~25 s). The seed scenario of the FSDP design: a
+    training-only fsdp run (no rollout backend at all) on three rollouts the demo saved trains exactly the
+    steps the demo trained on them (~12 s)."""
     out = tmp_path / "demo_fsdp"
-    run_demo(out, 50, "--lr", "3e-3", "--train-backend", "fsdp", "--save-interval", "25", "--eval-interval", "25")
+    pattern = str(tmp_path / "rollouts" / "r_{rollout_id}.pt")
+    run_demo(out, 50, "--lr", "3e-3", "--train-backend", "fsdp", "--save-interval", "25", "--eval-interval", "25",
+             "--save-debug-rollout-data", pattern)
     recs = metrics(out)
     train = [r for r in recs if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, 51))
@@ -82,6 +86,13 @@ def test_fsdp_demo_learns_and_its_checkpoint_exports(tmp_path):
     assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
     _exported_checkpoint_reproduces_the_policy(out, recs, command="fsdp-to-hf")
+    replay = tmp_path / "train_only_fsdp"
+    run_demo(replay, 3, "--lr", "3e-3", "--train-backend", "fsdp", "--load-debug-rollout-data", pattern)
+    again = [r for r in metrics(replay) if "train/pg_loss" in r]
+    assert [r["step"] for r in again] == [1, 2, 3] and not any("sync/weight_version" in r for r in metrics(replay))
+    for old, new in zip(train[:3], again):
+        keys = {k for k in old if k.startswith("train/") and not k.endswith("_time_s")}
+        assert keys and {k: new[k] for k in keys} == {k: old[k] for k in keys}, old["step"]
 
 
 def _exported_checkpoint_reproduces_the_policy(out, recs, command="dist-to-hf"):
