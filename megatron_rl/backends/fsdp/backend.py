@@ -73,6 +73,10 @@ def init_process_group(host_collectives: bool = False) -> None:
     Outside torchrun (no ``RANK``) a private one-rank TCP store, leaving ``os.environ`` alone
     so subprocesses started later do not inherit it (as ``models.parallel`` does for megatron)."""
     if dist.is_initialized():
+        if host_collectives and torch.cuda.is_available() and "gloo" not in str(dist.get_backend()):
+            raise BackendError(f"--optimizer-cpu-offload with --train-backend fsdp on a GPU reduces host tensors, "
+                               f"but the process group was already initialised with {dist.get_backend()!r} only; "
+                               "initialise it with backend='cpu:gloo,cuda:nccl' (or let the fsdp backend do it)")
         return
     backend = ("cpu:gloo,cuda:nccl" if host_collectives else "nccl") if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():

@@ -1,0 +1,301 @@
+"""The training checks only a GPU can answer, for scripts/gpu_check.sh (issues 15 and 16).
+
+Run under ``torchrun --nproc-per-node 1`` (one process; every backend in turn). Each check
+writes its figures into one JSON (``--json``); a check that fails records the error and the
+rest still run. On a CPU machine ``--dry-run`` runs every check at a tiny size with the same
+code (memory figures are then None: host memory is the only memory), so the script is known
+to start before device time is spent.
+
+Checks:
+  train_step    megatron backend, --bf16: RL train steps (PPO loss over packed, dynamically
+                batched micro-batches) in tokens/s, against a bare megatron-core step on the
+                same model and micro-batches (GPTModel forward with labels -> its own fused
+                cross-entropy, backward, optimizer step): the framework's ratio to the floor.
+  optimizer_cpu_offload
+                megatron with --optimizer-cpu-offload --use-precision-aware-optimizer: peak
+                device memory and step time against train_step's; losses and grad norms of the
+                same steps close to train_step's (bf16).
+  sleep_wake    megatron backend: torch.cuda.memory_allocated before sleep(), after it, after
+                wake(); the step after wake is finite.
+  fsdp          FSDP backend, --bf16: tokens/s; --optimizer-cpu-offload: peak device memory
+                against it; --fp16: steps taken at a loss scale that fits; sleep()/wake()
+                memory.
+  fp8           megatron with --fp8-format hybrid when transformer-engine imports, else the reason.
+
+    torchrun --nproc-per-node 1 benchmarks/gpu_steps.py --json OUT.json [--dry-run] [--checks a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8")
+# a Qwen2-shaped model that fits one H200 many times over: the vocab is Qwen's (the [tokens, vocab] logits are
+# what RL steps spend memory on), the body is small so the check takes seconds
+GPU_MODEL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+GPU_BATCH = dict(samples=64, group=8, prompt=256, response=256, max_tokens=8192, steps=4)
+DRY_MODEL = dict(vocab_size=4099, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+DRY_BATCH = dict(samples=8, group=4, prompt=8, response=8, max_tokens=64, steps=2)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _mem() -> dict:
+    if not torch.cuda.is_available():
+        return {"allocated_gib": None, "peak_gib": None}
+    return {"allocated_gib": torch.cuda.memory_allocated() / 2 ** 30,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
+def _reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def make_samples(vocab: int, batch: dict, seed: int = 0):
+    from megatron_rl.data.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(batch["samples"]):
+        ids = torch.randint(0, vocab, (batch["prompt"] + batch["response"],), generator=g).tolist()
+        out.append(Sample(group_index=i // batch["group"], prompt_ids=ids[:batch["prompt"]],
+                          response_ids=ids[batch["prompt"]:], reward=float(torch.rand(1, generator=g)),
+                          rollout_logprobs=[-1.0] * batch["response"]))
+    return out
+
+
+class Run:
+    """One backend built from flags, on the shared model and batch."""
+
+    def __init__(self, backend_name: str, hf: str, batch: dict, flags: list[str]):
+        from megatron_rl.algorithms.config import PolicyGradientConfig
+        from megatron_rl.algorithms.spec import PolicyGradientSpec
+        from megatron_rl.backends.base import make_backend
+        from megatron_rl.config import parse_config
+
+        argv = ["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "1", "--train-backend", backend_name,
+                "--rollout-batch-size", str(batch["samples"] // batch["group"]),
+                "--n-samples-per-prompt", str(batch["group"]), "--use-dynamic-batch-size",
+                "--max-tokens-per-gpu", str(batch["max_tokens"]), "--lr", "1e-5", "--seed", "1",
+                "--rollout-max-prompt-len", str(batch["prompt"]),
+                "--rollout-max-response-len", str(batch["response"]), *flags]
+        self.cfg = parse_config(argv)
+        self.spec = PolicyGradientSpec(PolicyGradientConfig())
+        self.backend = make_backend(backend_name)
+        self.backend.initialize(self.cfg, self.spec)
+        self.name = backend_name
+        self.samples = make_samples(self.backend.vocab_size, batch)
+        self.tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
+
+    def train(self, steps: int) -> dict:
+        """``steps`` RL train steps (old log-probs by a forward pass first); per-step metrics and tokens/s."""
+        from megatron_rl.backends.base import TrainBatch
+
+        adv = self.spec.compute_advantages(self.samples)
+        old = self.backend.forward_only(self.samples)
+        batch = TrainBatch(self.samples, adv, old_logprobs=old)
+        self.backend.train_step(batch)  # warm-up (allocator, kernels, autotuning)
+        _reset_peak()
+        _sync()
+        t0 = time.perf_counter()
+        metrics = []
+        for _ in range(steps):
+            m = self.backend.train_step(batch)
+            metrics.append({k: m[k] for k in ("train/pg_loss", "train/grad_norm", "train/update_skipped",
+                                              "train/loss_scale") if k in m})
+        _sync()
+        dt = (time.perf_counter() - t0) / steps
+        return {"step_s": dt, "tokens_per_s": self.tokens / dt, "steps": metrics, **_mem()}
+
+    def close(self):
+        if self.name == "megatron":
+            from megatron_rl.models.parallel import destroy_parallel
+
+            destroy_parallel()
+        self.backend = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def bare_megatron_step(run: Run, steps: int) -> dict:
+    """The floor: megatron-core alone on the backend's own model, optimizer and packed micro-batches
+    (GPTModel forward with labels = its fused cross-entropy, backward, distributed-optimizer step)."""
+    backend = run.backend
+    _, mbs, _ = backend.preprocess_rollout_data(run.samples)
+    model = backend.model[0]
+    device = next(model.parameters()).device
+    mbs = [mb.to(device) for mb in mbs]
+
+    def once():
+        model.zero_grad_buffer()
+        backend.optimizer.zero_grad()
+        for mb in mbs:
+            labels = torch.roll(mb.tokens, -1)[None]
+            loss = model(mb.tokens[None], mb.position_ids[None], None, labels=labels,
+                         packed_seq_params=mb.packed_seq_params())
+            loss.float().sum().backward()
+        backend.optimizer.step()
+
+    once()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        once()
+    _sync()
+    dt = (time.perf_counter() - t0) / steps
+    return {"step_s": dt, "tokens_per_s": run.tokens / dt, "micro_batches": len(mbs)}
+
+
+def check_train_step(hf, batch, dry):
+    run = Run("megatron", hf, batch, ["--bf16"])
+    try:
+        ours = run.train(batch["steps"])
+        bare = bare_megatron_step(run, batch["steps"])
+    finally:
+        run.close()
+    return {"ours": ours, "bare_megatron_core": bare, "ratio_step_to_bare": ours["step_s"] / bare["step_s"]}
+
+
+def check_optimizer_cpu_offload(hf, batch, dry, results):
+    run = Run("megatron", hf, batch, ["--bf16", "--optimizer-cpu-offload", "--use-precision-aware-optimizer"])
+    try:
+        got = run.train(batch["steps"])
+    finally:
+        run.close()
+    out = {"offload": got}
+    base = results.get("train_step", {}).get("ours")
+    if base and "steps" in base:
+        out["grad_norm_rel_diff"] = max(abs(a["train/grad_norm"] - b["train/grad_norm"]) / max(abs(b["train/grad_norm"]),
+                                                                                             1e-12)
+                                        for a, b in zip(got["steps"], base["steps"]))
+        if base["peak_gib"] is not None:
+            out["peak_ratio_to_train_step"] = got["peak_gib"] / base["peak_gib"]
+            out["step_ratio_to_train_step"] = got["step_s"] / base["step_s"]
+    return out
+
+
+def _sleep_wake(run: Run) -> dict:
+    _sync()
+    before = _mem()["allocated_gib"]
+    run.backend.sleep()
+    _sync()
+    asleep = _mem()["allocated_gib"]
+    run.backend.wake()
+    _sync()
+    awake = _mem()["allocated_gib"]
+    after = run.train(1)["steps"][0]
+    return {"allocated_gib_before": before, "asleep": asleep, "awake": awake,
+            "released_fraction": None if before in (None, 0) else 1 - asleep / before,
+            "step_after_wake_finite": all(v == v and abs(v) != float("inf") for k, v in after.items()
+                                          if k != "train/update_skipped")}
+
+
+def check_sleep_wake(hf, batch, dry):
+    run = Run("megatron", hf, batch, ["--bf16"])
+    try:
+        run.train(1)  # optimizer state exists
+        return _sleep_wake(run)
+    finally:
+        run.close()
+
+
+def check_fsdp(hf, batch, dry):
+    out = {}
+    for key, flags in (("bf16", ["--bf16"]), ("bf16_cpu_offload", ["--bf16", "--optimizer-cpu-offload"]),
+                       ("fp16", ["--fp16", "--initial-loss-scale", "4096"])):
+        run = Run("fsdp", hf, batch, flags)
+        try:
+            out[key] = run.train(batch["steps"])
+            if key == "bf16":
+                out["sleep_wake"] = _sleep_wake(run)
+        finally:
+            run.close()
+    if out["bf16"]["peak_gib"] is not None:
+        out["offload_peak_ratio"] = out["bf16_cpu_offload"]["peak_gib"] / out["bf16"]["peak_gib"]
+    out["fp16_steps_taken"] = sum(1 for m in out["fp16"]["steps"] if m["train/update_skipped"] == 0.0)
+    return out
+
+
+def check_fp8(hf, batch, dry):
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as e:
+        return {"status": "skipped", "why": f"transformer-engine does not import here ({e}); its wheels are "
+                                            "larger than one device call carries (64 MiB)"}
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "FP8 needs a GPU"}
+    run = Run("megatron", hf, batch, ["--bf16", "--fp8-format", "hybrid"])
+    try:
+        return {"status": "ran", **run.train(batch["steps"])}
+    finally:
+        run.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="where to write the figures")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: the same code, known to start")
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
+    args = ap.parse_args()
+    checks = [c for c in args.checks.split(",") if c]
+    unknown = sorted(set(checks) - set(CHECKS))
+    if unknown:
+        ap.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device: run with --dry-run on a CPU machine")
+
+    import torch.distributed as dist
+
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    if not dist.is_initialized():  # one group for every backend; host tensors need gloo next to NCCL
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    model, batch = (DRY_MODEL, DRY_BATCH) if args.dry_run else (GPU_MODEL, GPU_BATCH)
+    results: dict = {"dry_run": args.dry_run, "model": model, "batch": batch,
+                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    with tempfile.TemporaryDirectory(prefix="gpu_steps_") as tmp:
+        hf = build_tiny_hf_model("qwen2", os.path.join(tmp, "model"), **model)
+        for name in checks:
+            t0 = time.perf_counter()
+            print(f"--- {name}", flush=True)
+            fn = globals()[f"check_{name}"]
+            try:
+                res = fn(hf, batch, args.dry_run, results) if name == "optimizer_cpu_offload" else \
+                    fn(hf, batch, args.dry_run)
+                results[name] = {"status": "ok", **res} if "status" not in res else res
+            except Exception as e:  # noqa: BLE001 - one failing check must not hide the others' figures
+                results[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                 "traceback": traceback.format_exc()[-3000:]}
+            results[name]["seconds"] = time.perf_counter() - t0
+            print(json.dumps({k: v for k, v in results[name].items() if k != "traceback"}, default=str)[:1500],
+                  flush=True)
+            with open(args.json, "w") as f:  # after every check: a timeout keeps what finished
+                json.dump(results, f, indent=1, default=str)
+    failed = [n for n in checks if results[n]["status"] == "failed"]
+    print("gpu_steps:", {n: results[n]["status"] for n in checks}, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Fill gpu_wheels/ (git-ignored) with the Python packages the lent GPU machine lacks, for
+# scripts/gpu_check.sh --wheels gpu_wheels (carried by the device call: carry=["gpu_wheels"]).
+# That machine runs Python 3.12 with torch 2.11, transformers, safetensors, numpy ... but no
+# megatron-core and no network (../.library/device/KINDS.md). megatron-core is pinned to the
+# version this build's compat layer is written for (megatron_rl/compat/patches.py, 0.16.x).
+#   bash scripts/gpu_wheels.sh [DIR (default gpu_wheels)]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-gpu_wheels}
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+mkdir -p "$DIR"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 -d "$DIR" "megatron-core==0.16.1"
+ls -la "$DIR"
