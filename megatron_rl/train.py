@@ -103,6 +103,7 @@ def run(cfg: Config) -> int:
                     t = time.perf_counter()
                     metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
                     metrics["perf/sync_s"] = time.perf_counter() - t
+                    ctx.colocation.after_sync(rollout)
             if rollout and ctx.evaluation.due(rollout_id):
                 t = time.perf_counter()
                 metrics.update(rollout.evaluate(rollout_id))

@@ -101,6 +101,17 @@ class RolloutEngine(abc.ABC):
     def resume(self) -> None:
         """Re-acquire memory released by ``release``; see ``health().weights_loaded`` for what survived."""
 
+    def resume_weights(self) -> None:
+        """First half of a colocated wake: only the weights' memory comes back, so the weight sync
+        that follows writes into it while the KV cache (an engine's largest allocation) is still
+        released: the peak is trainer-asleep + engine weights, never + KV cache (slime's order:
+        onload weights, update weights, onload KV). Default: everything comes back here."""
+        self.resume()
+
+    def resume_kv_cache(self) -> None:
+        """Second half, after the weight sync: the rest (KV cache, CUDA graphs). Default: nothing
+        is left (``resume_weights`` resumed everything)."""
+
     @abc.abstractmethod
     def health(self) -> EngineHealth:
         """Cheap liveness and state report."""

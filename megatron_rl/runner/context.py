@@ -22,7 +22,7 @@ from megatron_rl.infra.tracking import Tracker, read_jsonl
 from megatron_rl.infra.wall_time import WallClock, write_run_status
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.runner.checkpoints import CheckpointCursor, CheckpointSaver
-from megatron_rl.runner.colocation import Colocation
+from megatron_rl.runner.colocation import Colocation, expected_release_fraction
 from megatron_rl.runner.evaluation import EvalSchedule
 from megatron_rl.runner.fresh_start import clear_save_root
 from megatron_rl.runner.resume import Resumer
@@ -66,7 +66,8 @@ class RunContext:
                           wandb_entity=rt.wandb_team, wandb_host=rt.wandb_host, wandb_key=rt.wandb_key)
         is_driver, cursor, m = rank == 0, CheckpointCursor(), cfg.memory
         return cls(cfg, tracker, clock, is_driver,
-                   colocation=Colocation(m.effective_offload_train, m.effective_offload_rollout),
+                   colocation=Colocation(m.effective_offload_train, m.effective_offload_rollout,
+                                         expected_release_fraction=expected_release_fraction(cfg)),
                    resume=Resumer(cfg, cursor),
                    checkpoints=CheckpointSaver(cfg, cursor, clock, tracker, is_driver),
                    evaluation=EvalSchedule(cfg, clock),

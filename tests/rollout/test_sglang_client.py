@@ -221,6 +221,25 @@ def test_release_and_resume(engine, standin):
         engine.release(tags=["gpu"])
 
 
+def test_resume_in_two_halves_around_a_weight_update(engine, standin, model):
+    """The colocated wake (runner/colocation.py): weights back, the sync writes them while the KV cache
+    is still released (no generation yet), then the rest; an update into released weights is refused."""
+    before = tokens(engine.generate(REQUESTS, GREEDY))
+    engine.release()
+    with pytest.raises(EngineError, match="weights released"):
+        engine.update_weights(checkpoint(model).items(), version=1)
+    engine.resume_weights()
+    assert standin.released == {"kv_cache", "cuda_graph"} and engine.health().released
+    with pytest.raises(EngineError, match="released"):
+        engine.generate(REQUESTS, GREEDY)
+    engine.update_weights(checkpoint(model).items(), version=1)
+    engine.resume_kv_cache()
+    assert standin.released == set() and engine.health().ok
+    assert tokens(engine.generate(REQUESTS, GREEDY)) == before
+    engine.resume_weights()  # nothing released: no request
+    assert standin.requests["/resume_memory_occupation"] == 2
+
+
 def test_abort_flush_and_pause(engine, standin):
     client = engine.clients[0]
     standin.faults.delay_s["/generate:row"] = 10.0  # rows stay pending until aborted

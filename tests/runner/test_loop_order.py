@@ -6,7 +6,7 @@ collaborators, ``build_rollout``, the weight-sync transport, the algorithm spec 
 checkpoint schedule are the real code; only the model and the sampler are doubles.
 Because the backend double implements the ABC and nothing else, a loop call outside the
 ``TrainBackend`` contract fails here. Checked: the colocated sleep/wake order around
-training, a weight sync after every train (version = rollout id + 1) and before the next
+training (the engine's weights resumed before the sync, its KV cache after it), a weight sync after every train (version = rollout id + 1) and before the next
 generate, saves on the schedule plus the final one, and a SIGTERM mid-run that finishes
 the step, saves and stops with exit code 3.
 """
@@ -104,6 +104,12 @@ class RecordingEngine(RolloutEngine):
     def resume(self):
         EVENTS.append("engine.resume")
 
+    def resume_weights(self):
+        EVENTS.append("engine.resume_weights")
+
+    def resume_kv_cache(self):
+        EVENTS.append("engine.resume_kv_cache")
+
     def health(self):
         return EngineHealth(ok=True, weight_version=self.version, released=False, weights_loaded=True)
 
@@ -138,7 +144,7 @@ def _step(rollout_id):
     reference's under the swapped-in ref weights; one optimizer step per rollout)."""
     return [("generate", rollout_id), "engine.release", "backend.wake", ("forward", "actor"), ("forward", "ref"),
             "train_step",
-            "backend.sleep", "engine.resume", ("update_weights", rollout_id + 1)]
+            "backend.sleep", "engine.resume_weights", ("update_weights", rollout_id + 1), "engine.resume_kv_cache"]
 
 
 def test_colocated_loop_order_sync_after_train_and_saves_on_schedule(loop):

@@ -124,7 +124,7 @@ class SGLangEngine(RolloutEngine):
         self.releases_memory = releases_memory
         self._said_no_release = False
         self._cursor = 0
-        self._released = False
+        self._released_tags: set[str] = set()  # what /release_memory_occupation took and no resume gave back
         self._weights_loaded = True
         self._weight_version = 0
         self._seed_checked: set[str] = set()  # servers whose deterministic-inference setting was looked up
@@ -272,6 +272,10 @@ class SGLangEngine(RolloutEngine):
                                   "update (the next sync) brings it back to the trainer's weights")
             log.warning("%s; the update to come brings it back", self._incomplete_reason)
 
+    @property
+    def _released(self) -> bool:
+        return bool(self._released_tags)
+
     def release(self, tags: Optional[Sequence[str]] = None) -> None:
         """``/release_memory_occupation`` on every server (tags: the constructor's ``release_tags``; None = all).
         Health polls pause first (a health generation on released memory would run on nothing)."""
@@ -291,18 +295,32 @@ class SGLangEngine(RolloutEngine):
             log.warning("SGLang release failed part-way: health polls stay paused (some server may be released) "
                         "until resume()")
             raise
-        self._released = True
+        self._released_tags = set(protocol.MEMORY_TAGS if chosen is None else chosen)
 
     def resume(self, tags: Optional[Sequence[str]] = None) -> None:
-        """``/resume_memory_occupation`` on every server; SGLang keeps the weights' content across release.
-        Health polls resume after it."""
+        """``/resume_memory_occupation`` on every server for ``tags`` (None: everything released);
+        SGLang keeps the weights' content across release. Health polls resume once nothing is
+        released any more."""
         if not self._released:
             self._monitor.resume("released")  # after a release that failed part-way
             return
-        chosen = protocol.check_tags(tags) if tags is not None else self.release_tags
-        self._map(lambda c: c.resume_memory_occupation(chosen, timeout_s=self.update_timeout_s), self.clients)
-        self._released = False
-        self._monitor.resume("released")
+        wanted = set(protocol.check_tags(tags)) if tags is not None else set(self._released_tags)
+        chosen = [t for t in protocol.MEMORY_TAGS if t in wanted & self._released_tags]
+        if chosen:
+            self._map(lambda c: c.resume_memory_occupation(chosen, timeout_s=self.update_timeout_s), self.clients)
+            self._released_tags -= set(chosen)
+        if not self._released:
+            self._monitor.resume("released")
+
+    def resume_weights(self) -> None:
+        """Only the weights' memory (the sync writes into it); the KV cache and CUDA graphs stay
+        released until :meth:`resume_kv_cache`, after the sync (``RolloutEngine.resume_weights``)."""
+        if "weights" in self._released_tags:
+            self.resume(["weights"])
+
+    def resume_kv_cache(self) -> None:
+        """Everything still released after :meth:`resume_weights` (KV cache, CUDA graphs)."""
+        self.resume()
 
     def abort(self) -> None:
         """Abort every request in flight on every server; those rows come back with finish_reason "abort"."""
@@ -406,8 +424,9 @@ class SGLangEngine(RolloutEngine):
         self.weights.prune(version)
 
     def _check_update(self, version: int) -> None:
-        if self._released:
-            raise EngineError("SGLang engine cannot update weights: released: call resume() first")
+        if "weights" in self._released_tags:  # a released KV cache does not stop an update (slime's order)
+            raise EngineError("SGLang engine cannot update weights: weights released: call resume_weights() "
+                              "or resume() first")
         if version < self._weight_version:
             raise SyncError(f"update_weights(version={version}) is older than the engine's weight_version "
                             f"{self._weight_version}; versions only move forward (check the trainer's step counter)")
