@@ -38,6 +38,7 @@ CORE_DEPS = [
 
 EXTRAS = {
     "sglang": ["sglang"],
+    "router": ["sglang-router"],  # an sglang-router in front of external servers (--rollout-engine-urls)
     "fp8": ["transformer-engine[pytorch]"],
     "wandb": ["wandb"],
     "ray": ["ray"],
@@ -45,7 +46,8 @@ EXTRAS = {
     "plot": ["matplotlib"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb",
              "import-linter>=2.1",  # lint-imports: the layers contract in pyproject.toml
-             "ninja"],  # JIT build of the C++ CPU twins in tests/ops/test_cpu_ext.py
+             "ninja",  # JIT build of the C++ CPU twins in tests/ops/test_cpu_ext.py
+             "sglang-router==0.3.2"],  # tests/rollout/test_sglang_router.py: the real router before stand-ins
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.
 

@@ -70,9 +70,12 @@ NOTES: dict[str, tuple[str, str]] = {
                                       "launched here does not span nodes."),
     "--sglang-*": ("same", "Passed through verbatim to " + _SGLANG_LAUNCHED + " (several values become a list, "
                    "e.g. --sglang-cuda-graph-bs 1 2 4 8); the ones the launcher sets (port, host, tp-size, "
-                   "model-path, ...) are refused by name."),
-    "--optimizer-cpu-offload": ("same", "megatron-core's hybrid CPU optimizer. Implies --use-distributed-optimizer "
-                                "(Megatron-LM requires it; slime always turns it on)."),
+                   "model-path, ...) are refused by name; slime's --sglang-router-ip / --sglang-router-port (a "
+                   "running router) are refused naming --rollout-engine-urls http://IP:PORT, which takes a router "
+                   "(generation through it, weights to the workers it lists)."),
+    "--optimizer-cpu-offload": ("same", "megatron: megatron-core's hybrid CPU optimizer. Implies "
+                                "--use-distributed-optimizer (Megatron-LM requires it; slime always turns it on). "
+                                "fsdp: FSDP2's CPUOffloadPolicy."),
     "--rm-type": ("same", "Built-in rewards exact_match, math and deepscaler (slime's rule; graded with the "
                   "numeric / normalised-string subset of slime's mathd + sympy check); slime's other rm_hub names "
                   "(dapo, f1, gpqa, ...) are refused while parsing flags: use --custom-rm-path."),

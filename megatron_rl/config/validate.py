@@ -438,12 +438,31 @@ def _sglang_launch_knob_errors(cfg: Config, why: str, starts: str, *, sizes: boo
     if sizes and r.rollout_num_gpus_per_engine != 1:
         errors.append(f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} sizes SGLang engines; "
                       f"{why}{one}: drop it")
-    if r.sglang_args:
-        keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in sorted(r.sglang_args))
+    passed = sorted(set(r.sglang_args) - set(SLIME_ROUTER_ARGS))  # the router's own: _router_flag_errors
+    if passed:
+        keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in passed)
         errors.append(f"{keys}: pass-through arguments of SGLang servers; {starts}: drop them"
                       + (" (or use --rollout-backend sglang, which launches SGLang engines)"
                          if r.rollout_backend == "embedded" else ""))
     return errors
+
+
+#: slime's flags for an sglang-router it did not start (slime launches one otherwise)
+SLIME_ROUTER_ARGS = ("router_ip", "router_port")
+
+
+def _router_flag_errors(cfg: Config) -> list[str]:
+    """slime's ``--sglang-router-ip/--sglang-router-port`` would reach SGLang's launcher verbatim (which
+    has no such flags): say where a running router goes here instead."""
+    r = cfg.rollout
+    given = [k for k in SLIME_ROUTER_ARGS if k in r.sglang_args]
+    if not given:
+        return []
+    ip, port = r.sglang_args.get("router_ip", "IP"), r.sglang_args.get("router_port", "PORT")
+    keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in given)
+    return [f"{keys} (slime's running sglang-router): give the router as --rollout-engine-urls http://{ip}:{port} "
+            "instead (generation goes through it, weights to the workers it lists; docs/sglang.md); this run "
+            "launches no router of its own"]
 
 
 #: SGLang arguments the launcher sets from the plan (rollout/sglang/launcher.py): a --sglang-KEY for one of
@@ -464,6 +483,7 @@ def _launched_sglang_errors(cfg: Config) -> list[str]:
     if not cfg.model.hf_checkpoint:
         errors.append("--rollout-backend sglang launches SGLang engines on --hf-checkpoint's HF model: give "
                       "--hf-checkpoint DIR (or --rollout-engine-urls of servers you started)")
+    errors.extend(_router_flag_errors(cfg))
     for key in sorted(set(r.sglang_args) & set(SGLANG_LAUNCHER_OWNED_ARGS)):
         errors.append(f"--sglang-{key.replace('_', '-')}: set by {SGLANG_LAUNCHER_OWNED_ARGS[key]} for each engine "
                       "this run launches; drop it")
@@ -538,6 +558,7 @@ def _external_sglang_errors(cfg: Config) -> list[str]:
     if placed:  # the allocation set --rollout-num-gpus(-per-engine): name it, not the flags it set
         errors.append(f"--allocation {cfg.placement.allocation} places SGLang engines on GPUs; with "
                       f"--rollout-engine-urls {external}: state only the trainer (e.g. megatron:d2)")
+    errors.extend(_router_flag_errors(cfg))
     errors.extend(_sglang_launch_knob_errors(cfg, external, "this run starts none", sizes=not placed))
     return errors
 

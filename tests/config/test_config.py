@@ -285,6 +285,12 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
      "--opd-teacher-load with --train-backend fsdp: on-policy distillation's teacher is not supported with fsdp"),
     (["--train-backend", "fsdp", "--attention-dropout", "0.1"], "--attention-dropout 0.1 is a megatron-core "
                                                                 "setting; --train-backend fsdp does not read it"),
+    # slime's running-router flags: the router is given as the engine URL here
+    (["--rollout-backend", "sglang", "--sglang-router-ip", "10.0.0.5", "--sglang-router-port", "3000"],
+     "--sglang-router-ip --sglang-router-port (slime's running sglang-router): give the router as "
+     "--rollout-engine-urls http://10.0.0.5:3000 instead"),
+    ([*EXTERNAL, "--sglang-router-port", "3000"], "--sglang-router-port (slime's running sglang-router): give the "
+                                                  "router as --rollout-engine-urls http://IP:3000"),
     # the disk transport's directory
     (["--update-weight-transport", "disk"], "--update-weight-transport disk needs --update-weight-disk-dir DIR"),
     (["--update-weight-transport", "disk", "--update-weight-disk-dir", __file__],

@@ -269,6 +269,31 @@ class SGLangClient:
                               f"with {got}; expected one entry per input", kind="protocol")
         return body
 
+    def generate_one(self, input_ids: list[int], sampling_params: dict, *, rid: str, return_logprob: bool = True,
+                     timeout_s: Optional[float] = None) -> dict:
+        """``POST /generate`` for one row (the form an sglang-router accepts): ``{text, output_ids, meta_info}``."""
+        payload = protocol.single_generate_payload(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)
+        body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
+        if not isinstance(body, dict):
+            raise self._error("/generate", f"{self.label} answered one request with {type(body).__name__}; "
+                              "expected one {text, output_ids, meta_info} object", kind="protocol")
+        return body
+
+    def router_workers(self, *, timeout_s: Optional[float] = None) -> Optional[list[str]]:
+        """The worker URLs when this address is an sglang-router (``GET /workers``), else None (a plain
+        SGLang server answers 404 there)."""
+        try:
+            resp = self.request("GET", "/workers", timeout_s=timeout_s)
+        except SGLangEngineError as exc:
+            if exc.status in (404, 405):
+                return None
+            raise
+        try:
+            body = resp.json()
+        except ValueError:
+            return None
+        return protocol.parse_router_workers(body)
+
     def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
         """``POST /abort_request``: the aborted rows come back with finish_reason type "abort"."""
         self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})

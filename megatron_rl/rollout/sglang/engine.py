@@ -7,6 +7,15 @@ gets one batched ``POST /generate`` per call, all servers in parallel; each samp
 its own batch row with its own ``sampling_seed`` (``protocol.row_seed``, the embedded
 engine's formula), so a seeded call is reproducible whatever the routing.
 
+Through an sglang-router (``router_url``; ``from_config`` finds one when a
+``--rollout-engine-urls`` address answers ``GET /workers``): generation goes to the router, one
+request per sample row (its typed schema takes one ``sampling_params`` map per request, so rows
+with their own ``sampling_seed`` cannot share a batch), ``router_concurrency`` in flight; the
+router picks the worker (cache-aware by default, so a prompt's rows meet its radix cache). Every
+other call (weights, pause / flush / continue, abort, health, versions) goes to the workers the
+router lists, which must be reachable from this process at the URLs the router knows them by:
+the router forwards none of those endpoints (404 on sglang-router 0.3.2).
+
 Weights, two routes. The distributed transport (``weight_sync.distributed``) drives the
 servers itself and uses ``begin_update`` / ``mark_weights_incomplete`` / ``adopt_weight_version``
 for the engine's state. The disk route: ``update_weights`` writes the tensors as HF safetensors
@@ -96,7 +105,7 @@ class SGLangEngine(RolloutEngine):
                  release_tags: Optional[Sequence[str]] = None, releases_memory: bool = True, tokenizer: Any = None,
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, health_failures: int = 3,
                  server_notes: Optional[dict[str, str]] = None, pause_mode: str = "abort",
-                 flush_retry_s: float = 5.0):
+                 flush_retry_s: float = 5.0, router_url: Optional[str] = None, router_concurrency: int = 64):
         urls = [normalize_base_url(u) for u in urls]
         if not urls:
             raise ConfigError("SGLangEngine needs at least one server URL (http://host:port)")
@@ -139,6 +148,10 @@ class SGLangEngine(RolloutEngine):
         self._no_pause: set[str] = set()  # servers without /pause_generation (404): nothing to pause there
         self._monitor = HealthMonitor(urls, interval_s=health_interval_s, timeout_s=health_timeout_s,
                                       failures=health_failures, notes=notes)
+        self.router = SGLangClient(router_url, timeout_s=timeout_s, connect_retries=connect_retries,
+                                   backoff_s=backoff_s, note="sglang-router") if router_url else None
+        self._router_pool = ThreadPoolExecutor(max_workers=max(1, int(router_concurrency)),
+                                               thread_name_prefix="sglang-router") if router_url else None
 
     @classmethod
     def from_config(cls, cfg: "Config", placement: Optional[EnginePlacement] = None) -> "SGLangEngine":
@@ -149,11 +162,14 @@ class SGLangEngine(RolloutEngine):
         if not urls:
             raise ConfigError("--rollout-backend sglang needs servers: the engines this run launches, or "
                               "--rollout-engine-urls of running servers")
+        router = None
+        if placement is None:  # servers the user runs: one of them may be an sglang-router in front of the rest
+            urls, router = discover_router(urls)
         hf = cfg.model.hf_checkpoint
         on_cpu = str(cfg.rollout.sglang_args.get("device", "")).lower() == "cpu"
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
-                   server_notes=placement.notes() if placement is not None else None)
+                   server_notes=placement.notes() if placement is not None else None, router_url=router)
 
     @property
     def urls(self) -> list[str]:
@@ -165,6 +181,9 @@ class SGLangEngine(RolloutEngine):
             client.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        if self.router is not None:
+            self.router.close()
+            self._router_pool.shutdown(wait=False)
 
     def _warn_if_seed_ignored(self, client: SGLangClient) -> None:
         """Once per server: warn when it will ignore ``sampling_seed`` (no deterministic inference)."""
@@ -350,6 +369,9 @@ class SGLangEngine(RolloutEngine):
             return []
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         call_id = uuid.uuid4().hex[:12]
+        if self.router is not None:
+            return self._samples(requests, sampling, self._generate_via_router(requests, sampling, base_seed,
+                                                                               call_id))
         start = self._cursor
         self._cursor = (self._cursor + len(requests)) % len(self.clients)
         per_server: list[list[int]] = [[] for _ in self.clients]
@@ -372,6 +394,37 @@ class SGLangEngine(RolloutEngine):
         outputs: dict[tuple[int, int], protocol.GenerateOutput] = {}
         for part in self._run_watched(run, [s for s in range(len(self.clients)) if per_server[s]]):
             outputs.update(part)
+        return self._samples(requests, sampling, outputs)
+
+    def _generate_via_router(self, requests: list[GenerateRequest], sampling: SamplingParams, base_seed: int,
+                             call_id: str) -> dict[tuple[int, int], protocol.GenerateOutput]:
+        """Every row as its own request to the router, ``router_concurrency`` at a time; the first error
+        is raised once the rows in flight finished (each has the client's timeout)."""
+        rows = [(i, j) for i in range(len(requests)) for j in range(sampling.n)]
+        if sampling.seed is not None and sampling.temperature > 0:
+            for client in self.clients:  # the router may send a row to any of them
+                self._warn_if_seed_ignored(client)
+
+        def one(row: tuple[int, int]) -> protocol.GenerateOutput:
+            i, j = row
+            entry = self.router.generate_one(
+                requests[i].prompt_ids, protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)),
+                rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s)
+            return protocol.parse_generate_output(entry, where=self.router.label)
+
+        futures = [self._router_pool.submit(one, row) for row in rows]
+        outputs, first_error = {}, None
+        for row, future in zip(rows, futures):
+            try:
+                outputs[row] = future.result()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the rest finished
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return outputs
+
+    def _samples(self, requests: list[GenerateRequest], sampling: SamplingParams,
+                 outputs: dict[tuple[int, int], protocol.GenerateOutput]) -> list[Sample]:
         samples = []
         for i, req in enumerate(requests):
             for j in range(sampling.n):
@@ -596,3 +649,27 @@ class SGLangEngine(RolloutEngine):
 
 
 _FAILED_UPDATE = "the last weight update failed on some server, so the servers' weights differ"
+
+
+def discover_router(urls: Sequence[str], *, timeout_s: float = 10.0) -> tuple[list[str], Optional[str]]:
+    """``(worker URLs, router URL or None)`` for the servers of ``--rollout-engine-urls``: an address
+    that answers ``GET /workers`` is an sglang-router, replaced by the workers it lists (it must be
+    the only address given: the engine talks to one router, or to the servers themselves)."""
+    found = {}
+    for url in urls:
+        with SGLangClient(url, timeout_s=timeout_s, connect_retries=1) as client:
+            workers = client.router_workers()
+        if workers is not None:
+            found[url] = workers
+    if not found:
+        return list(urls), None
+    if len(urls) > 1:
+        raise ConfigError(f"--rollout-engine-urls {' '.join(urls)}: {', '.join(found)} is an sglang-router; give "
+                          "the router alone (its workers are found through it) or the servers alone")
+    router, workers = next(iter(found.items()))
+    if not workers:
+        raise EngineError(f"sglang-router {router} lists no workers (GET /workers): start its SGLang servers, or "
+                          "register them with the router, before this run")
+    log.info("sglang-router %s: generation through it; weights, pauses and health go to its %d worker(s) %s",
+             router, len(workers), workers)
+    return workers, router

@@ -89,6 +89,26 @@ def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *,
     return payload
 
 
+def single_generate_payload(input_ids: list[int], sampling_params: dict, *, rid: str,
+                            return_logprob: bool = True) -> dict[str, Any]:
+    """One row's ``GenerateReqInput`` (not a batch). What goes through an sglang-router: its typed
+    request schema takes ``sampling_params`` as one map, so per-row params (each row's
+    ``sampling_seed``) need one request per row; the router passes ``sampling_seed`` and ``rid``
+    through (checked against sglang-router 0.3.2)."""
+    return {"input_ids": list(map(int, input_ids)), "sampling_params": dict(sampling_params),
+            "return_logprob": bool(return_logprob), "stream": False, "rid": str(rid)}
+
+
+def parse_router_workers(body: Any) -> Optional[list[str]]:
+    """Worker URLs of an sglang-router's ``GET /workers`` answer
+    (``{"workers": [{"url": ..., "is_healthy": ...}, ...], "total": N}``), or None when ``body``
+    is not one (a plain SGLang server has no ``/workers``)."""
+    if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
+        return None
+    urls = [w.get("url") for w in body["workers"] if isinstance(w, dict)]
+    return [str(u) for u in urls if u]
+
+
 def serialize_named_tensors(named_tensors: Iterable[tuple[str, Any]]) -> tuple[str, list]:
     """One ``serialized_named_tensors`` entry for ``/update_weights_from_tensor``, and the buffers it points at.
 

@@ -1,0 +1,110 @@
+"""SGLangEngine through a real sglang-router (0.3.2, Rust) in front of two protocol-exact stand-in servers.
+
+Why a real router: its request schema is typed (``sampling_params`` must be one map per request,
+HTTP 422 otherwise), it forwards only generation (the weight, pause, flush and abort endpoints
+answer 404 there) and lists its workers on ``GET /workers``; the engine's router mode is written
+against exactly that, so a double of the router would prove nothing. The router is a subprocess
+(``python -m sglang_router.launch_router``, installed by the test extras), the stand-ins serve
+from this process.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from megatron_rl.config import parse_config
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout import GenerateRequest, SamplingParams
+from megatron_rl.rollout.sglang import SGLangEngine
+from megatron_rl.rollout.sglang.engine import discover_router
+
+from _util import free_port
+from sglang_standin import SGLangStandIn  # tests/ is on sys.path (conftest)
+
+REQUESTS = [GenerateRequest([5, 17, 3], 0, label="a"), GenerateRequest([9, 1, 100, 42], 1, label="b"),
+            GenerateRequest([7, 7], 2)]
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=11, n=2)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_hf_models, tmp_path_factory):
+    model = tiny_hf_models("qwen2")
+    with SGLangStandIn(model) as a, SGLangStandIn(model) as b:
+        port = free_port()
+        log = open(tmp_path_factory.mktemp("router") / "router.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                 "--port", str(port), "--worker-urls", a.url, b.url, "--policy", "round_robin",
+                                 "--log-level", "warn", "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                    if len(workers) == 2 and all(w["is_healthy"] for w in workers):
+                        break
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                assert proc.poll() is None, f"sglang-router exited {proc.returncode}; see {log.name}"
+                assert time.monotonic() < deadline, f"sglang-router not ready in 60 s; see {log.name}"
+                time.sleep(0.2)
+            yield model, url, (a, b)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+            log.close()
+
+
+def test_a_router_url_is_found_and_replaced_by_its_workers(fleet, tmp_path):
+    model, router, (a, b) = fleet
+    cfg = parse_config(["--hf-checkpoint", model, "--rollout-backend", "sglang", "--rollout-engine-urls", router,
+                        "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")])
+    engine = SGLangEngine.from_config(cfg)
+    try:
+        assert sorted(engine.urls) == sorted([a.url, b.url]) and engine.router.base_url == router
+    finally:
+        engine.close()
+    assert discover_router([a.url, b.url]) == ([a.url, b.url], None)  # plain servers: no router
+    with pytest.raises(ConfigError, match="is an sglang-router; give the router alone"):
+        discover_router([router, a.url])
+
+
+def test_generation_through_the_router_equals_the_servers_and_weights_reach_every_worker(fleet, tmp_path):
+    model, router, (a, b) = fleet
+    workers, found = discover_router([router])
+    via = SGLangEngine(workers, router_url=found, weight_dir=str(tmp_path / "weights"), hf_checkpoint=model,
+                       timeout_s=10, connect_retries=1)
+    direct = SGLangEngine([a.url], timeout_s=10, connect_retries=1)
+    try:
+        before = {s.url: s.requests["/generate"] for s in (a, b)}
+        samples = via.generate(REQUESTS, SAMPLED)
+        # each row its own request (6), the router spreading them over both workers; the row seeds and
+        # rids pass through, so the samples are the ones a server gives directly
+        served = {s.url: s.requests["/generate"] - before[s.url] for s in (a, b)}
+        assert sum(served.values()) == 6 and all(served.values()), served
+        assert [s.response_ids for s in samples] == [s.response_ids for s in direct.generate(REQUESTS, SAMPLED)]
+        assert [(s.group_index, s.label) for s in samples] == [(r.group_index, r.label) for r in REQUESTS
+                                                               for _ in range(2)]
+        # a weight update goes to both workers (the router forwards none); generation through the router sees it
+        tensors = load_file(os.path.join(model, "model.safetensors"))
+        tensors["lm_head.weight"] = tensors["lm_head.weight"] * 0
+        via.update_weights(tensors.items(), version=1)
+        assert a.model_info()["weight_version"] == b.model_info()["weight_version"] == "1"
+        after = via.generate(REQUESTS, SAMPLED)
+        uniform = -float(torch_log(tensors["lm_head.weight"].shape[0]))
+        assert all(abs(lp - uniform) < 1e-5 for s in after for lp in s.rollout_logprobs)
+        assert all(s.weight_version == 1 for s in after) and via.health().ok
+    finally:
+        via.close()
+        direct.close()
+
+
+def torch_log(n: int) -> float:
+    import math
+
+    return math.log(n)
