@@ -2,7 +2,10 @@
 
 ``VersionedWeightDir(root)`` publishes one update as ``<root>/v<version>/`` holding
 ``model.safetensors`` (+ ``config.json`` / ``generation_config.json`` copied from the HF
-checkpoint, so an SGLang server can load the dir as a model). A version is written under a
+checkpoint, so an SGLang server can load the dir as a model). With ``shard_bytes`` the tensors
+are written as they arrive, one shard file per ``shard_bytes`` (HF's sharded layout:
+``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``), so the writer holds one
+shard, not the whole model, in host memory; a single shard keeps the one-file name. A version is written under a
 hidden temporary name (``.v<version>.*.tmp``) and renamed into place only when complete
 (``infra.atomic.publish_dir``), so a reader never sees a half-written version; a failure
 while writing removes the temporary dir and publishes nothing. ``prune`` keeps the newest
@@ -49,8 +52,10 @@ class VersionedWeightDir:
             return []
         return sorted(int(m.group(1)) for m in map(_VERSION.match, os.listdir(self.root)) if m)
 
-    def write(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> str:
-        """Publish ``v<version>`` (model.safetensors + config files) atomically; return its path.
+    def write(self, named_tensors: Iterable[tuple[str, Any]], version: int,
+              shard_bytes: Optional[int] = None) -> str:
+        """Publish ``v<version>`` (model.safetensors, or shards of ``shard_bytes`` + index, and the config
+        files) atomically; return its path.
 
         Consumes ``named_tensors`` to the end unless it fails; on any error nothing is published.
         """
@@ -61,19 +66,38 @@ class VersionedWeightDir:
         os.makedirs(self.root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".v{int(version)}.", suffix=".tmp", dir=self.root)
         try:
-            tensors: dict[str, Any] = {}
-            seen_storage: set[int] = set()
+            shard: dict[str, Any] = {}
+            storages: set[int] = set()  # of the shard's tensors
+            shard_size = total = 0
+            shards: list[list[str]] = []  # tensor names per shard file written, in order
+            names: set[str] = set()
+
+            def flush() -> None:
+                nonlocal shard, shard_size
+                save_file(shard, os.path.join(tmp, f".shard-{len(shards):05d}"), metadata={"format": "pt"})
+                shards.append(list(shard))
+                shard, shard_size = {}, 0
+                storages.clear()
+
             for name, tensor in named_tensors:
-                if name in tensors:
+                if name in names:
                     raise SyncError(f"weight update to version {version} sends {name!r} twice; each HF tensor once")
+                names.add(name)
                 t = torch.as_tensor(tensor).detach().to("cpu").contiguous()
-                if t.untyped_storage().data_ptr() in seen_storage:  # tied weights share storage: safetensors
-                    t = t.clone()                                    # refuses shared tensors
-                seen_storage.add(t.untyped_storage().data_ptr())
-                tensors[name] = t
-            if not tensors:
+                nbytes = t.numel() * t.element_size()
+                if shard and shard_bytes and shard_size + nbytes > shard_bytes:
+                    flush()
+                if t.untyped_storage().data_ptr() in storages:
+                    t = t.clone()  # tied weights share storage: safetensors refuses shared tensors in one file
+                storages.add(t.untyped_storage().data_ptr())
+                shard[name] = t
+                shard_size += nbytes
+                total += nbytes
+            if not names:
                 raise SyncError(f"weight update to version {version} carries no tensors")
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            if shard:
+                flush()
+            self._name_shards(tmp, shards, total)
             if self.hf_checkpoint:
                 for fname in CONFIG_FILES:
                     src = os.path.join(self.hf_checkpoint, fname)
@@ -84,6 +108,23 @@ class VersionedWeightDir:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+    @staticmethod
+    def _name_shards(tmp: str, shards: list[list[str]], total: int) -> None:
+        """One shard: ``model.safetensors``. Several: HF's ``model-0000i-of-0000N.safetensors`` and
+        ``model.safetensors.index.json`` (what SGLang's and transformers' loaders read)."""
+        import json
+
+        if len(shards) == 1:
+            os.rename(os.path.join(tmp, ".shard-00000"), os.path.join(tmp, "model.safetensors"))
+            return
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            os.rename(os.path.join(tmp, f".shard-{i:05d}"), os.path.join(tmp, fname))
+            weight_map.update({n: fname for n in names})
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
 
     def prune(self, current: int) -> None:
         """Keep ``v<current>`` and the newest ``keep_versions - 1`` below it; delete every other version

@@ -53,7 +53,9 @@ class DiskSynchronizer(WeightSynchronizer):
         write_s = load_s = 0.0
         if here:
             try:
-                path = self.weights.write(exported, version)
+                # shards of one bucket: the driver holds one at a time, not the whole model (a 30B model in bf16
+                # would otherwise sit in its host memory whole, 60 GB)
+                path = self.weights.write(exported, version, shard_bytes=self.bucket_bytes)
             except BaseException:
                 exported.drain()  # the other ranks are still in the collective export: let them finish it
                 raise

@@ -3,11 +3,12 @@
 The trainer side is the bucketed ``FakeBackend`` of test_weight_sync; the engine loads what
 the transport published (``update_weights_from_disk``), so "the weights landed" is the
 engine's own answer. Checked: generations change after a sync and come back with the old
-weights, each version is published complete (``v<version>/model.safetensors`` + config) and
+weights, each version is published complete (``v<version>/`` shards of one bucket + index + config) and
 pruned to two, a writer that fails mid-write publishes nothing loadable and leaves no
 temporary dir while the export still runs to the end, the metrics, the check-equal path.
 """
 
+import json
 import os
 
 import pytest
@@ -54,8 +55,21 @@ def test_sync_publishes_versions_the_engine_loads_and_prunes(setup):
     live = dict(engine.named_weights())
     assert all(torch.equal(live[n], t) for n, t in new.items())
     v1 = tmp / "weights" / "v1"
-    assert sorted(os.listdir(v1)) == ["config.json", "generation_config.json", "model.safetensors"]  # an HF dir
-    assert set(load_file(v1 / "model.safetensors")) == set(new)
+    # an HF dir, sharded by the bucket size: the driver never held more than one shard (plus one tensor)
+    files = sorted(os.listdir(v1))
+    shards = [f for f in files if f.startswith("model-")]
+    assert files == ["config.json", "generation_config.json", *shards, "model.safetensors.index.json"]
+    assert len(shards) > 1 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    index = json.loads((v1 / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(new) and index["metadata"]["total_size"] == metrics["sync/bytes"]
+    for shard in shards:
+        held = load_file(v1 / shard)
+        assert {n for n, f in index["weight_map"].items() if f == shard} == set(held)
+        assert len(held) == 1 or sum(nbytes(t) for t in held.values()) <= 64 * 1024
+    import transformers
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(v1), dtype=torch.float32)
+    assert all(torch.equal(p, new[n]) for n, p in hf_model.state_dict().items() if n in new)  # HF reads the layout
 
     sync.sync(FakeBackend(old), engine, version=2)
     assert tokens(engine) == before and engine.weight_version == 2  # the old weights: the old generations
