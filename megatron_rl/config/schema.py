@@ -393,6 +393,13 @@ class RolloutConfig:
     rollout_engine_startup_timeout: float = flag(600.0, "Seconds the launched SGLang engines get to answer "
                                                  "/health; an engine not up by then, or whose process exits, "
                                                  "stops the run with its log file named.")
+    rollout_router: str = flag("off", "on: an sglang-router in front of the SGLang engines this run launches "
+                               "(python -m sglang_router.launch_router from the engines' Python, on the driver's "
+                               "node; generation goes through it, one request per sample, weights and pauses to "
+                               "each engine). off: round robin by request, a prompt's samples on one engine. Off "
+                               "by default: the router retries a request on another engine when one dies, which "
+                               "hides the death from --use-fault-tolerance until the health monitor sees it.",
+                               choices=("on", "off"))
     num_rollout: int = flag(100, "Rollout steps to run.")
     rollout_temperature: float = flag(1.0, "Sampling temperature.")
     rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")

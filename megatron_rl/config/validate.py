@@ -438,6 +438,11 @@ def _sglang_launch_knob_errors(cfg: Config, why: str, starts: str, *, sizes: boo
     if sizes and r.rollout_num_gpus_per_engine != 1:
         errors.append(f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} sizes SGLang engines; "
                       f"{why}{one}: drop it")
+    if r.rollout_router != "off":
+        errors.append(f"--rollout-router {r.rollout_router} puts an sglang-router in front of the SGLang engines this "
+                      f"run launches; {starts}: drop it" + (" (a router of yours is found by its URL: give its "
+                                                             "address as --rollout-engine-urls)"
+                                                             if r.rollout_engine_urls else ""))
     passed = sorted(set(r.sglang_args) - set(SLIME_ROUTER_ARGS))  # the router's own: _router_flag_errors
     if passed:
         keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in passed)
@@ -508,23 +513,27 @@ def _launched_sglang_errors(cfg: Config) -> list[str]:
     if not errors and not cfg.mode.dry_run:
         python = r.rollout_engine_python or sys.executable
         why = _engine_python_problem(python)
+        flag = "--rollout-engine-python" if r.rollout_engine_python else "this interpreter"
         if why:
-            flag = "--rollout-engine-python" if r.rollout_engine_python else "this interpreter"
             errors.append(f"--rollout-backend sglang launches python -m sglang.launch_server with {flag}, but {why}: "
                           "install SGLang there, or point --rollout-engine-python at an interpreter that has it")
+        router = _engine_python_problem(python, package="sglang_router") if r.rollout_router == "on" else None
+        if router:
+            errors.append(f"--rollout-router on launches python -m sglang_router.launch_router with {flag}, but "
+                          f"{router}: pip install sglang-router there, or drop --rollout-router on")
     return errors
 
 
-def _engine_python_problem(python: str, timeout_s: float = 30.0) -> Optional[str]:
-    """None if ``python`` finds the sglang package (not imported: that takes ~25 s), else why not."""
+def _engine_python_problem(python: str, timeout_s: float = 30.0, package: str = "sglang") -> Optional[str]:
+    """None if ``python`` finds ``package`` (not imported: sglang takes ~25 s), else why not."""
     try:
         proc = subprocess.run([python, "-c", "import importlib.util, sys; "
-                               "sys.exit(0 if importlib.util.find_spec('sglang') else 3)"],
+                               f"sys.exit(0 if importlib.util.find_spec({package!r}) else 3)"],
                               capture_output=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{python} could not be run ({exc})"
     if proc.returncode == 3:
-        return f"{python} has no sglang package"
+        return f"{python} has no {package} package"
     if proc.returncode:
         return f"{python} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}"
     return None

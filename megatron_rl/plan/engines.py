@@ -56,6 +56,7 @@ class EnginePlacement:
 
     engines: tuple[EngineSlot, ...]
     colocated: bool
+    router_url: Optional[str] = None  # the sglang-router this run launched in front of the engines, if any
 
     @property
     def urls(self) -> list[str]:
@@ -71,6 +72,9 @@ class EnginePlacement:
     def with_urls(self, urls: Sequence[str], log_paths: Sequence[str]) -> "EnginePlacement":
         return replace(self, engines=tuple(replace(e, url=u, log_path=p)
                                            for e, u, p in zip(self.engines, urls, log_paths)))
+
+    def with_router(self, url: Optional[str]) -> "EnginePlacement":
+        return replace(self, router_url=url)
 
     def notes(self) -> dict[str, str]:
         """url -> ``describe()``: what the engine's client adds to an error naming a server."""

@@ -291,6 +291,10 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
      "--rollout-engine-urls http://10.0.0.5:3000 instead"),
     ([*EXTERNAL, "--sglang-router-port", "3000"], "--sglang-router-port (slime's running sglang-router): give the "
                                                   "router as --rollout-engine-urls http://IP:3000"),
+    (["--rollout-router", "on"], "--rollout-router on puts an sglang-router in front of the SGLang engines this "
+                                 "run launches; the embedded engine starts none: drop it"),
+    ([*EXTERNAL, "--rollout-router", "on"], "this run starts none: drop it (a router of yours is found by its URL: "
+                                            "give its address as --rollout-engine-urls)"),
     # the disk transport's directory
     (["--update-weight-transport", "disk"], "--update-weight-transport disk needs --update-weight-disk-dir DIR"),
     (["--update-weight-transport", "disk", "--update-weight-disk-dir", __file__],

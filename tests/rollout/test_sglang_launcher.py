@@ -109,12 +109,15 @@ def double_on_path(monkeypatch, tmp_path):
     return tmp_path / "record"
 
 
+@pytest.mark.parametrize("router", ["off", "on"])
 def test_launched_engines_serve_generate_and_stop_with_their_process_groups(tiny_hf_models, tmp_path,
-                                                                              double_on_path):
+                                                                              double_on_path, router):
+    """--rollout-router on: a real sglang-router (test extras) starts over both engines once they serve,
+    generation goes through it, and it stops with them."""
     from megatron_rl.data.types import GenerateRequest, SamplingParams
 
     hf = tiny_hf_models("qwen2")
-    cfg = _launch_cfg(hf, tmp_path, "--sglang-disable-radix-cache")
+    cfg = _launch_cfg(hf, tmp_path, "--sglang-disable-radix-cache", "--rollout-router", router)
     fleet = launch_engines(cfg)
     try:
         urls = fleet.urls
@@ -122,6 +125,13 @@ def test_launched_engines_serve_generate_and_stop_with_their_process_groups(tiny
         logs = [e.log_path for e in fleet.placement.engines]
         assert logs == [str(tmp_path / "run" / "engines" / f"engine_{i}.log") for i in range(2)]
         engine = SGLangEngine.from_config(cfg, fleet.placement)
+        if router == "on":
+            assert fleet.placement.router_url and engine.router.base_url == fleet.placement.router_url
+            assert sorted(engine.urls) == sorted(urls)  # weights and pauses still go to the engines
+            head = (tmp_path / "run" / "engines" / "router.log").read_text().splitlines()[0]
+            assert "sglang_router.launch_router" in head and all(u in head for u in urls)
+        else:
+            assert fleet.placement.router_url is None and engine.router is None
         out = engine.generate([GenerateRequest([3, 4, 5], 0), GenerateRequest([3, 4, 6], 1)],
                               SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
         assert [len(s.response_ids) for s in out] == [3, 3]
@@ -129,7 +139,7 @@ def test_launched_engines_serve_generate_and_stop_with_their_process_groups(tiny
         records = [json.loads(p.read_text()) for p in sorted(double_on_path.iterdir())]
         assert all("--disable-radix-cache" in r["argv"] and r["env"]["RANK"] is None for r in records)
         assert all(open(p).readline().startswith("$ ") for p in logs)  # the command heads each log
-        pids = [p.proc.pid for p in fleet.local]
+        pids = [p.proc.pid for p in fleet.local + ([fleet.router] if fleet.router else [])]
     finally:
         fleet.stop()
     for pid in pids:

@@ -162,7 +162,7 @@ class SGLangEngine(RolloutEngine):
         if not urls:
             raise ConfigError("--rollout-backend sglang needs servers: the engines this run launches, or "
                               "--rollout-engine-urls of running servers")
-        router = None
+        router = placement.router_url if placement is not None else None  # the one this run launched
         if placement is None:  # servers the user runs: one of them may be an sglang-router in front of the rest
             urls, router = discover_router(urls)
         hf = cfg.model.hf_checkpoint

@@ -21,6 +21,13 @@ one), ``--base-gpu-id 0`` with ``CUDA_VISIBLE_DEVICES`` narrowed to the engine's
 ``--enable-memory-saver`` when colocated on GPUs (release/resume need it; SGLang then needs
 torch_memory_saver), then every ``--sglang-KEY VALUE`` verbatim. The environment is this process's minus torchrun's variables (SGLang reads ``RANK``/
 ``WORLD_SIZE`` itself).
+
+The router (``--rollout-router on``; validation checks the engines' Python has ``sglang_router``):
+once every engine serves, the driver's launcher starts ``python -m sglang_router.launch_router``
+over all engine URLs (its default cache-aware policy, a free port and Prometheus port, log
+``<--output-dir>/engines/router.log``), waits until its ``GET /workers`` lists every engine
+healthy, and every rank learns its URL (``EnginePlacement.router_url``): generation goes
+through it, everything else to the engines. It stops first, with the engines.
 """
 
 from __future__ import annotations
@@ -202,15 +209,67 @@ def _ready(client: httpx.Client, url: str) -> bool:
         return False
 
 
+class RouterSlot:
+    """What the router's process says about itself (an ``EngineProcess`` runs it)."""
+
+    def __init__(self, url: str, log_path: str):
+        self.url, self.log_path = url, log_path
+
+    def describe(self) -> str:
+        return f"sglang-router ({self.url}, log {self.log_path})"
+
+
+def router_command(python: str, *, host: str, port: int, prometheus_port: int, worker_urls: list[str]) -> list[str]:
+    return [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--prometheus-host", host, "--prometheus-port", str(prometheus_port), "--worker-urls", *worker_urls,
+            "--log-level", "warn"]
+
+
+def _router_ready(client: httpx.Client, url: str, workers: list[str]) -> bool:
+    try:
+        listed = client.get(url + "/workers", timeout=5.0).json().get("workers", [])
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+    healthy = {w.get("url") for w in listed if isinstance(w, dict) and w.get("is_healthy")}
+    return set(workers) <= healthy
+
+
 class EngineFleet:
-    """The run's engines: the placement every rank knows, and the processes this node started."""
+    """The run's engines: the placement every rank knows, and the processes this node started
+    (and on the driver's node the router, when there is one)."""
 
     def __init__(self, placement: EnginePlacement, local: list[EngineProcess], startup_timeout_s: float):
         self.placement = placement
         self.local = local
         self.startup_timeout_s = startup_timeout_s
+        self.router: Optional[EngineProcess] = None
         self._stopped = False
         atexit.register(self.stop)
+
+    def start_router(self, python: str, *, bind: str, reach: str, log_dir: str) -> str:
+        """Start an sglang-router over every engine of the placement and wait until it lists them all
+        healthy (``startup_timeout_s``); its URL. Its exit or the timeout is an ``EngineError`` naming its log."""
+        port, prom = _free_port(bind), _free_port(bind)
+        while prom == port:
+            prom = _free_port(bind)
+        slot = RouterSlot(f"http://{reach}:{port}", os.path.join(log_dir, "router.log"))
+        proc = EngineProcess(slot, router_command(python, host=bind, port=port, prometheus_port=prom,
+                                                  worker_urls=self.placement.urls),
+                             {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}, slot.log_path)
+        self.router = proc
+        proc.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client() as client:
+            while not _router_ready(client, slot.url, self.placement.urls):
+                if not proc.alive():
+                    raise EngineError(proc.death_message("while starting"))
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{slot.describe()} did not list the engines {self.placement.urls} as healthy "
+                                      f"within --rollout-engine-startup-timeout {self.startup_timeout_s:g} s; last "
+                                      f"lines:\n{proc.log_tail(8)}")
+                time.sleep(0.2)
+        log.info("%s routes generation over %d engine(s)", slot.describe(), len(self.placement.urls))
+        return slot.url
 
     @property
     def urls(self) -> list[str]:
@@ -220,8 +279,8 @@ class EngineFleet:
         return next((p for p in self.local if p.url == url), None)
 
     def dead(self) -> list[EngineProcess]:
-        """This node's engines whose process has exited."""
-        return [p for p in self.local if not p.alive()]
+        """This node's engines (and router) whose process has exited."""
+        return [p for p in self.local + ([self.router] if self.router else []) if not p.alive()]
 
     def wait_ready(self, engines: Optional[list[EngineProcess]] = None, *, when: str = "while starting") -> None:
         """Until each of ``engines`` (default: this node's) answers ``/health``; an exit or the timeout
@@ -262,6 +321,8 @@ class EngineFleet:
         if self._stopped:
             return
         self._stopped = True
+        if self.router is not None:
+            self.router.stop(grace_s=5.0)
         for p in self.local:
             p.stop()
 
@@ -345,6 +406,16 @@ def launch_engines(cfg: "Config") -> EngineFleet:
         except EngineError as exc:
             error = str(exc)
         errors = [e for _, e in all_gather(((), error)) if e]
+    if not errors:
+        router_url = error = None
+        if rank == 0 and cfg.rollout.rollout_router == "on":
+            try:
+                router_url = fleet.start_router(python, bind=bind, reach=reach, log_dir=log_dir)
+            except (EngineError, OSError) as exc:
+                error = f"could not start the sglang-router (--rollout-router {cfg.rollout.rollout_router}): {exc}"
+        gathered = all_gather((router_url, error))
+        errors = [e for _, e in gathered if e]
+        fleet.placement = fleet.placement.with_router(gathered[0][0])
     if errors:
         fleet.stop()
         raise EngineError(errors[0])
