@@ -251,7 +251,7 @@ def check_fp8(hf, batch, dry):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--json", required=True, help="where to write the figures")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: the same code, known to start")
     ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")

@@ -131,6 +131,14 @@ class Report:
         return [c["name"] for c in self.checks if not c["ok"]]
 
 
+def _safe(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None when it raises (a server still starting)."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - polling: any failure means "not yet"
+        return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -399,6 +407,72 @@ class Checks:
                     exc.status == 400 and bool(exc.server_message), str(exc)[:300])
         r.check("disk: after the refused load the server still reports version 2",
                 self.client.weight_version() == "2")
+
+    def sharded_disk(self, first: list[list[float]]) -> None:
+        """The disk transport's layout for a model larger than one bucket: shards of ``shard_bytes`` +
+        ``model.safetensors.index.json`` (rollout/weight_dir.py), loaded by the real server."""
+        from megatron_rl.rollout.weight_dir import VersionedWeightDir
+
+        r = self.r
+        root = VersionedWeightDir(str(r.out / "weights_sharded"), hf_checkpoint=str(self.model_dir))
+        total = sum(t.numel() * t.element_size() for _, t in self._state())
+        zero = torch.zeros_like(self.original["lm_head.weight"])
+        for state, expect in ((self._state(zero), "uniform"), (self._state(), "restored")):
+            version = self.engine.weight_version + 1
+            path = root.write(state, version, shard_bytes=total // 4)
+            shards = sorted(f for f in os.listdir(path) if f.startswith("model-"))
+            r.check(f"sharded disk v{version}: {len(shards)} shards + model.safetensors.index.json",
+                    len(shards) >= 3 and os.path.exists(os.path.join(path, "model.safetensors.index.json")),
+                    " ".join(shards))
+            t = time.monotonic()
+            self.engine.update_weights_from_disk(path, version)
+            r.figures[f"sharded_disk_v{version}_s"] = round(time.monotonic() - t, 3)
+            r.check(f"sharded disk v{version}: /model_info weight_version is {version}",
+                    self.client.weight_version() == str(version))
+            if expect == "uniform":
+                self._expect_uniform(f"sharded disk v{version}", version)
+            else:
+                self._expect_restored(f"sharded disk v{version}", first, version)
+
+    def router(self) -> None:
+        """An sglang-router (the project venv's sglang_router) in front of the real server: the engine's
+        router mode (one request per row, rids and seeds through the router's typed schema) gives the
+        greedy samples the server gives directly."""
+        r = self.r
+        port = free_port()
+        log_path = r.out / "router.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                     "--port", str(port), "--prometheus-port", str(free_port()), "--worker-urls",
+                                     self.server.url, "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            probe = SGLangClient(url, timeout_s=5, connect_retries=0)
+
+            def healthy() -> bool:
+                body = _safe(lambda: probe.request("GET", "/workers").json())
+                return bool(body) and all(w.get("is_healthy") for w in body.get("workers", [])) \
+                    and bool(body.get("workers"))
+
+            wait_until(healthy, 60, "sglang-router", "list the server as healthy")
+            workers = probe.router_workers()
+            probe.close()
+            r.check("router: GET /workers lists the real server", workers == [self.server.url], str(workers))
+            direct, _ = self.generate()
+            via = SGLangEngine([self.server.url], router_url=url, timeout_s=60, generate_timeout_s=300,
+                               tokenizer=self.tokenizer)
+            try:
+                t = time.monotonic()
+                routed = via.generate(self.requests(), self.greedy)
+                r.figures["router_generate_s"] = round(time.monotonic() - t, 3)
+            finally:
+                via.close()
+            r.check("router: greedy samples through the router equal the server's",
+                    [s.response_ids for s in routed] == [s.response_ids for s in direct]
+                    and all(s.weight_version == direct[0].weight_version for s in routed))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
 
     def control(self) -> None:
         r, c = self.r, self.client
@@ -929,7 +1003,8 @@ def main(argv=None) -> int:
         probe.close()
 
         checks = Checks(report, server, server.model, args)
-        steps = [("generation", None), ("seeded", None), ("disk_updates", "first"), ("control", None),
+        steps = [("generation", None), ("seeded", None), ("disk_updates", "first"), ("sharded_disk", "first"),
+                 ("router", None), ("control", None),
                  ("abort_flush_pause", None), ("tensor_updates", "first"), ("tensor_transport", "first"),
                  ("distributed_updates", "first")]
         first = None
