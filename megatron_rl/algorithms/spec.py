@@ -77,9 +77,15 @@ class Spec(abc.ABC):
 
     @abc.abstractmethod
     def extract_model_output(self, logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
-                             vocab_start_index: int | None = None, vocab_size: int | None = None) -> ModelOutput:
+                             vocab_start_index: int | None = None, vocab_size: int | None = None,
+                             with_entropy: bool = True) -> ModelOutput:
         """Log-probs (and entropy if required) of response tokens from this rank's logits shard
-        (``vocab_size``: the real vocab when the logits carry megatron's vocab padding)."""
+        (``vocab_size``: the real vocab when the logits carry megatron's vocab padding).
+
+        ``with_entropy=False``: the forward-only passes (old/ref/teacher log-probs) keep only the
+        log-probs, so they skip the entropy's extra pass over the vocab (a [tokens, vocab] product
+        and sum per chunk: at a 152k vocab as large as the log-prob itself); the log-probs are
+        bitwise the same either way."""
 
     @abc.abstractmethod
     def compute_loss(self, inputs: LossInputs, denoms: LossDenominators) -> tuple[torch.Tensor, Metrics]:
@@ -144,10 +150,11 @@ class PolicyGradientSpec(Spec):
             flat = adv.masked_whiten(flat, mask)
         return adv.per_sample(flat, lengths)
 
-    def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None, vocab_size=None):
+    def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None, vocab_size=None,
+                             with_entropy=True):
         logprobs, entropy = logprobs_and_entropy(logits, target_ids, tp_group=tp_group,
                                                  vocab_start_index=vocab_start_index, vocab_size=vocab_size,
-                                                 temperature=self.cfg.temperature, with_entropy=True,
+                                                 temperature=self.cfg.temperature, with_entropy=with_entropy,
                                                  chunk_size=self.cfg.logprob_chunk_size)
         return ModelOutput(logprobs, entropy)
 

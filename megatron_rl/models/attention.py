@@ -229,19 +229,23 @@ class PackedCoreAttention(MegatronModule):
         if self.cp_size > 1:
             key, value = self._gather_kv(key, value, dim=0)
             key, value = key.index_select(0, plan.kv_perm), value.index_select(0, plan.kv_perm)
-        out = query.new_zeros(query.size(0), self.hidden_size_per_partition)
         if not plan.groups:
-            return out
-        rows = [self._attend_group(query, key, value, group, dropout_p) for group in plan.groups]
-        return out.index_copy(0, plan.dest, torch.cat(rows))
+            return query.new_zeros(query.size(0), self.hidden_size_per_partition)
+        # every local row picks its output from the groups' padded outputs in one gather (rows no
+        # query attends from, e.g. CP padding, pick an appended zero row): one op per layer where
+        # select-valid + cat + zeros + index_copy took four, the same values (copies of the same rows)
+        padded = [self._attend_group(query, key, value, group, dropout_p) for group in plan.groups]
+        if plan.zero_row:
+            padded.append(query.new_zeros(1, self.hidden_size_per_partition))
+        return (padded[0] if len(padded) == 1 else torch.cat(padded)).index_select(0, plan.src)
 
     def _attend_group(self, query, key, value, group: "_Group", dropout_p):
         """One SDPA call for a bucket of sequences, right-padded to the bucket's longest.
 
-        Padded query rows are computed and dropped; padded key slots repeat a real
-        row and are masked out (causal masking alone excludes them when query and
-        key positions coincide, i.e. without CP). Returns the valid query rows
-        ``[n, np*hn]`` in the order of ``group.dest``.
+        Padded query rows are computed (and never picked); padded key slots repeat a
+        real row and are masked out (causal masking alone excludes them when query and
+        key positions coincide, i.e. without CP). Returns all ``[G * max_q, np*hn]``
+        rows, sequence-major (``_THDPlan.src`` says which row each local row takes).
         """
         G, max_q, max_k = group.size, group.max_q, group.max_k
 
@@ -250,8 +254,7 @@ class PackedCoreAttention(MegatronModule):
 
         q, k, v = take(query, group.q_idx, max_q), take(key, group.k_idx, max_k), take(value, group.k_idx, max_k)
         out = self._sdpa(q, k, v, group.keep, group.is_causal, dropout_p)  # [G, np, Mq, hn]
-        out = out.transpose(1, 2).reshape(G * max_q, self.hidden_size_per_partition)
-        return out.index_select(0, group.flat_valid)
+        return out.transpose(1, 2).reshape(G * max_q, self.hidden_size_per_partition)
 
 
 class _Group(NamedTuple):
@@ -264,13 +267,14 @@ class _Group(NamedTuple):
     k_idx: Tensor  # [size * max_k] key rows (after the CP gather), padded slots -> row 0
     keep: Optional[Tensor]  # [size, 1, max_q, max_k] allowed attention, or None (is_causal / no mask)
     is_causal: bool
-    flat_valid: Tensor  # which of the size * max_q output rows are real queries
-    dest: Tensor  # their local row indices
+    flat_valid: Tensor  # which of the size * max_q output rows are real queries (host: planning only)
+    dest: Tensor  # their local row indices (host: planning only)
 
 
 class _THDPlan(NamedTuple):
     groups: list
-    dest: Tensor  # local row of every output row, in the order the groups produce them
+    src: Tensor  # [t_local]: the row of the groups' concatenated padded outputs each local row takes
+    zero_row: bool  # some local rows attend from nothing (CP padding): they take a zero row appended last
     kv_perm: Optional[Tensor]  # CP: gathered K/V rows -> packed order
 
 
@@ -324,9 +328,15 @@ def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_lo
         q_start += n_local
 
     groups = [_plan_group(g, causal, cp, device) for g in _bucket(segments)]
-    dest = torch.cat([g.dest for g in groups]).to(device) if groups else torch.zeros(0, dtype=torch.long)
+    padded_rows = sum(g.size * g.max_q for g in groups)
+    src = torch.full((t_local,), padded_rows, dtype=torch.long)  # default: the zero row after the groups
+    offset = 0
+    for g in groups:
+        src[g.dest] = g.flat_valid + offset
+        offset += g.size * g.max_q
+    zero_row = bool((src == padded_rows).any())
     kv_perm = cp_utils.cp_gather_permutation(layout, cp).to(device) if cp > 1 else None
-    return _THDPlan(groups, dest, kv_perm)
+    return _THDPlan(groups, src.to(device), zero_row, kv_perm)
 
 
 def _plan_group(group, causal: bool, cp: int, device: torch.device) -> _Group:
@@ -357,7 +367,7 @@ def _plan_group(group, causal: bool, cp: int, device: torch.device) -> _Group:
     flat_valid = q_valid.flatten().nonzero().squeeze(1)
     return _Group(size=len(group), max_q=max_q, max_k=max_k, q_idx=q_idx.flatten().to(device),
                   k_idx=k_idx.flatten().to(device), keep=None if keep is None else keep.to(device),
-                  is_causal=is_causal, flat_valid=flat_valid.to(device), dest=q_idx.flatten()[flat_valid])
+                  is_causal=is_causal, flat_valid=flat_valid, dest=q_idx.flatten()[flat_valid])
 
 
 def _bucket(segments, slack: float = 1.25, call_cost: int = 2048):

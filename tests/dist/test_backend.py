@@ -143,3 +143,15 @@ def test_each_data_parallel_rank_keeps_the_log_probs_it_trains_on(runs):
         assert all(len(v) == 1 for v in by_dp.values()), (layout, by_dp)  # peers agree
         shares = [s for v in by_dp.values() for s in next(iter(v))]
         assert sorted(shares) == list(range(6)), (layout, by_dp)
+
+
+@pytest.mark.slow
+def test_forward_only_passes_compute_no_entropy(runs):
+    """The old/ref log-prob passes ask the log-prob op for log-probs alone (entropy is an extra pass
+    over the vocab that they would throw away); the training steps ask for entropy (their loss and
+    metrics use it, and the layout tests compare those metrics). Rank 0's record of every layout."""
+    _, ref, _, par, _ = runs
+    for layout, rec in {"": ref, **par}.items():
+        if "--pipeline-model-parallel-size=2" in layout:  # rank 0 is the first stage: it computes no log-probs
+            continue
+        assert rec["entropy_asked"] == {"forward": [False], "train": [True]}, (layout, rec["entropy_asked"])

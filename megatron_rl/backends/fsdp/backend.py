@@ -184,9 +184,9 @@ class FSDPBackend(TrainBackend):
             log.info("reference/teacher weight copies live on the %s (%s)", where, why)
         return where
 
-    def _model_output(self, mb: PackedBatch):
-        """``(ModelOutput, logits)``: response-aligned log-probs (+ entropy) of one micro-batch
-        through the padding fallback, and the full logits.
+    def _model_output(self, mb: PackedBatch, with_entropy: bool = True):
+        """``(ModelOutput, logits)``: response-aligned log-probs (+ entropy when ``with_entropy``) of one
+        micro-batch through the padding fallback, and the full logits.
 
         An empty micro-batch (a DP rank with fewer samples than micro-batches) still runs the
         model, so every rank issues the same FSDP all-gathers and reduce-scatters; its outputs
@@ -194,7 +194,8 @@ class FSDPBackend(TrainBackend):
         rows = unpack_to_rows(mb, self.pad_token_id).to(self.device)
         logits = self.model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, use_cache=False).logits
         picked = rows.response_logits(logits).float()
-        return self.spec.extract_model_output(picked, mb.response_target_ids.to(self.device)), logits
+        return self.spec.extract_model_output(picked, mb.response_target_ids.to(self.device),
+                                              with_entropy=with_entropy), logits
 
     # ---- TrainBackend --------------------------------------------------------
 
@@ -205,7 +206,7 @@ class FSDPBackend(TrainBackend):
         local: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for mb in mbs:
-                out, _ = self._model_output(mb)
+                out, _ = self._model_output(mb, with_entropy=False)  # log-probs are all a forward pass keeps
                 lp = out.logprobs.detach().float().cpu()
                 local.update(zip(mb.sample_indices.tolist(), mb.split_response(lp)))
         return self.gather_per_sample(local, samples, plan, owned_only)

@@ -199,8 +199,9 @@ class MegatronBackend(TrainBackend):
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True)
 
-    def _model_output(self, mb: PackedBatch, output: torch.Tensor):
-        """Response-aligned log-probs (+ entropy) of one micro-batch from this rank's logits shard.
+    def _model_output(self, mb: PackedBatch, output: torch.Tensor, with_entropy: bool = True):
+        """Response-aligned log-probs (+ entropy when ``with_entropy``) of one micro-batch from this rank's
+        logits shard.
 
         Without CP only the response rows of the logits are touched. With CP each
         rank holds 2 chunks of every sequence: it computes per-position log-probs
@@ -214,12 +215,14 @@ class MegatronBackend(TrainBackend):
         if self.layout.cp == 1:
             rows = mb.gather_response(logits)
             return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
-                                                  vocab_start_index=start, vocab_size=self.vocab_size)
+                                                  vocab_start_index=start, vocab_size=self.vocab_size,
+                                                  with_entropy=with_entropy)
 
         cp_rank = self.ps.get_context_parallel_rank()
         targets = cp_utils.shard_packed_for_cp(torch.roll(mb.tokens, -1), mb.cu_seqlens, cp_rank, self.layout.cp).tensor
         out = self.spec.extract_model_output(logits, targets.to(logits.device), tp_group=tp_group,
-                                             vocab_start_index=start, vocab_size=self.vocab_size)
+                                             vocab_start_index=start, vocab_size=self.vocab_size,
+                                             with_entropy=with_entropy)
         full = [mb.gather_response(cp_utils.gather_packed_from_cp(t, mb.cu_seqlens)) if t is not None else None
                 for t in (out.logprobs, out.entropy)]
         return ModelOutput(*full)
@@ -256,7 +259,7 @@ class MegatronBackend(TrainBackend):
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
 
         def loss_fn(mb, output):
-            out = self._model_output(mb, output)
+            out = self._model_output(mb, output, with_entropy=False)  # log-probs are all a forward pass keeps
             lp = out.logprobs.detach().float()
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {
                 "logprobs": dict(zip(mb.sample_indices.tolist(), mb.split_response(lp.cpu())))}

@@ -55,6 +55,14 @@ def main():
         backend.initialize(cfg, spec)
         backend.snapshot_weights("ref")
         samples = make_samples(backend.vocab_size)
+        # which passes ask the log-prob op for entropy (the forward-only ones must not: extra vocab pass)
+        asked, phase, extract = {"forward": set(), "train": set()}, ["forward"], spec.extract_model_output
+
+        def recording_extract(*args, with_entropy=True, **kwargs):
+            asked[phase[0]].add(with_entropy)
+            return extract(*args, with_entropy=with_entropy, **kwargs)
+
+        spec.extract_model_output = recording_extract
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
         # the loop's path (runner/step.py): each DP rank computes and keeps the log-probs of the
         # samples it trains on; checked against the full gather of the same plan on every rank
@@ -74,11 +82,14 @@ def main():
             old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
             ref = backend.maybe_compute_ref_log_probs(samples, True, plan=plan.forward, owned_only=True)
             adv = spec.compute_advantages(samples)
+            phase[0] = "train"
             m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref))
+            phase[0] = "forward"
             weights = {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}
             rec["steps"].append({"metrics": m})
             if dist.get_rank() == 0:
                 torch.save(weights, os.path.join(out_dir, f"{layout or 'base'}_step{step}.pt".replace("/", "_")))
+        rec["entropy_asked"] = {k: sorted(v) for k, v in asked.items()}
         results[layout or "base"] = rec
         destroy_parallel()
     if dist.get_rank() == 0:
