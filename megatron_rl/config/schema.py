@@ -396,9 +396,10 @@ class RolloutConfig:
     rollout_router: str = flag("off", "on: an sglang-router in front of the SGLang engines this run launches "
                                "(python -m sglang_router.launch_router from the engines' Python, on the driver's "
                                "node; generation goes through it, one request per sample, weights and pauses to "
-                               "each engine). off: round robin by request, a prompt's samples on one engine. Off "
-                               "by default: the router retries a request on another engine when one dies, which "
-                               "hides the death from --use-fault-tolerance until the health monitor sees it.",
+                               "each engine). off: round robin by request, a prompt's samples on one engine. The "
+                               "router retries a request on another engine when one dies and keeps listing the "
+                               "dead one: the engines' processes are checked after every rollout, so the death "
+                               "still stops the run naming the engine, or --use-fault-tolerance restarts it.",
                                choices=("on", "off"))
     num_rollout: int = flag(100, "Rollout steps to run.")
     rollout_temperature: float = flag(1.0, "Sampling temperature.")

@@ -12,6 +12,8 @@ position (the manager's state is rewound). A failure that killed no engine (a se
 400, a timeout with the process alive) is not retried: the error stands. At most
 ``MAX_RESTARTS`` restarts per run; the next death ends the run with the engine and its log named.
 Without the flag the first error ends the run (``train.py`` names the dead engine and its log).
+A rollout that succeeded is followed by a look at the launched processes on every node, flag or not:
+behind an sglang-router a death does not fail the rollout (``EngineRecovery.generate``).
 """
 
 from __future__ import annotations
@@ -50,9 +52,20 @@ class EngineRecovery:
 
     def generate(self, get: Callable[[], tuple], rollout: Optional[RolloutManager],
                  resync: Callable[[], dict]) -> tuple[Any, dict]:
-        """``get()`` (the driver's generation), retried after restarting dead engines and ``resync()``."""
-        if not self.enabled or self.fleet is None:
+        """``get()`` (the driver's generation), retried after restarting dead engines and ``resync()``.
+
+        A generation that succeeded is still followed by a look at the launched engines' processes
+        (collective, every node its own): an sglang-router in front of them retries a request that
+        failed on a dead worker on the others and keeps listing the dead one as healthy (0.3.2,
+        measured), so the death would otherwise first show at the next release or weight sync, half
+        way through the step. With the flag the dead engines are restarted and synced and the
+        rollout, served by the live ones, is kept; without it every rank stops here, naming them."""
+        if self.fleet is None:
             return get()
+        if not self.enabled:
+            samples, metrics = get()
+            self._stop_if_dead()
+            return samples, metrics
         restarted_now = 0
         while True:
             state = rollout.state_dict() if rollout is not None else None
@@ -66,6 +79,12 @@ class EngineRecovery:
                     rollout.load_state_dict(state)  # the retry draws the same prompts
             error = _from_driver(error)
             if error is None:
+                deaths = self._deaths()
+                if deaths:  # the rollout is complete (the router served it from the live engines): keep it
+                    self._restart_dead(f"{'; '.join(d.splitlines()[0] for d in deaths)} (the rollout was served "
+                                       "by the other engines)")
+                    restarted_now += 1
+                    resync()
                 if restarted_now:
                     metrics["rollout/engine_restarts"] = float(restarted_now)
                 return samples, metrics
@@ -74,6 +93,17 @@ class EngineRecovery:
             if rollout is not None:
                 rollout.engine.poll_health()  # the restarted servers count as alive again
             resync()
+
+    def _deaths(self) -> list[str]:
+        """Collective: the death message of every launched engine (or router) of every node that has exited."""
+        mine = [p.death_message("during the rollout", lines=8) for p in self.fleet.dead()]
+        return sum(all_gather(mine), [])
+
+    def _stop_if_dead(self) -> None:
+        deaths = self._deaths()
+        if deaths:
+            raise EngineError("; ".join(deaths) + "\n(the rollout itself finished: an sglang-router retries a "
+                              "failed request on the other engines; --use-fault-tolerance restarts a dead engine)")
 
     def _restart_dead(self, error: str) -> None:
         """Collective: each node restarts its dead engines; every rank raises if none was dead (the

@@ -135,6 +135,15 @@ def test_launched_engines_serve_generate_and_stop_with_their_process_groups(tiny
         out = engine.generate([GenerateRequest([3, 4, 5], 0), GenerateRequest([3, 4, 6], 1)],
                               SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
         assert [len(s.response_ids) for s in out] == [3, 3]
+        if router == "on":  # --use-fault-tolerance restarts a dead router on its port, ready once it lists both
+            fleet.router.proc.kill()
+            fleet.router.proc.wait(timeout=10)
+            assert fleet.dead() == [fleet.router]
+            fleet.restart(fleet.router)
+            assert fleet.dead() == [] and fleet.router.restarts == 1
+            again = engine.generate([GenerateRequest([3, 4, 5], 0), GenerateRequest([3, 4, 6], 1)],
+                                    SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
+            assert [s.response_ids for s in again] == [s.response_ids for s in out]
         engine.close()
         records = [json.loads(p.read_text()) for p in sorted(double_on_path.iterdir())]
         assert all("--disable-radix-cache" in r["argv"] and r["env"]["RANK"] is None for r in records)

@@ -258,18 +258,23 @@ class EngineFleet:
                              {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}, slot.log_path)
         self.router = proc
         proc.start()
-        deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client() as client:
-            while not _router_ready(client, slot.url, self.placement.urls):
-                if not proc.alive():
-                    raise EngineError(proc.death_message("while starting"))
-                if time.monotonic() > deadline:
-                    raise EngineError(f"{slot.describe()} did not list the engines {self.placement.urls} as healthy "
-                                      f"within --rollout-engine-startup-timeout {self.startup_timeout_s:g} s; last "
-                                      f"lines:\n{proc.log_tail(8)}")
-                time.sleep(0.2)
+        self._wait_router(proc, "while starting")
         log.info("%s routes generation over %d engine(s)", slot.describe(), len(self.placement.urls))
         return slot.url
+
+    def _wait_router(self, proc: EngineProcess, when: str) -> None:
+        """Until the router lists every engine healthy (``startup_timeout_s``); its exit or the timeout is
+        an ``EngineError`` naming its log."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client() as client:
+            while not _router_ready(client, proc.url, self.placement.urls):
+                if not proc.alive():
+                    raise EngineError(proc.death_message(when))
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{proc.slot.describe()} did not list the engines {self.placement.urls} as "
+                                      f"healthy within --rollout-engine-startup-timeout {self.startup_timeout_s:g} s "
+                                      f"{when}; last lines:\n{proc.log_tail(8)}")
+                time.sleep(0.2)
 
     @property
     def urls(self) -> list[str]:
@@ -315,7 +320,10 @@ class EngineFleet:
         process.restarts += 1
         log.warning("restarting %s (restart %d)", process.slot.describe(), process.restarts)
         process.start()
-        self.wait_ready([process], when="while restarting")
+        if process is self.router:  # same port: every rank already routes through its URL
+            self._wait_router(process, "while restarting")
+        else:
+            self.wait_ready([process], when="while restarting")
 
     def stop(self) -> None:
         if self._stopped:
