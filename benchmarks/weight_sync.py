@@ -22,9 +22,13 @@ sent; the stand-in process as said below):
 * ``distributed -> SGLangEngine + stand-in``: ``DistributedSynchronizer`` into the same stand-in
   running in its own process (its ``main()``, as an SGLang server is a process of its own): it
   joins our gloo group as SGLang does, and per bucket of ``--update-weight-buffer-size`` gets one
-  ``/update_weights_from_distributed`` plus one ``broadcast`` per tensor (TCP over loopback),
-  which it receives into fresh tensors and copies into its embedded engine (``sync/broadcast_s``:
-  the HTTP calls and broadcasts of every bucket, until the stand-in loaded and answered).
+  ``/update_weights_from_distributed`` plus one ``broadcast`` per tensor (TCP over loopback; what
+  the transport sends over gloo), which it receives into fresh tensors and copies into its embedded
+  engine (``sync/broadcast_s``: the HTTP calls and broadcasts of every bucket, until the stand-in
+  loaded and answered). ``distributed, flattened``: the same with ONE broadcast of each bucket's
+  bytes (``load_format "flattened_bucket"``, ``flattened=True``; what the transport sends over NCCL
+  to SGLang 0.5.19+), in its own group, in the same run: on CPU the flattening copy into fresh
+  host memory is the price.
 * ``tensor -> SGLangEngine + stand-in`` (colocated): ``SGLangTensorSynchronizer`` with a 1-rank
   placement (one colocated ``EngineSlot``, ``trainer_ranks=(0,)``) into that stand-in process:
   per bucket and dtype one flattened buffer in file-system shared memory (``/dev/shm``), whose
@@ -225,9 +229,11 @@ def main(argv=None) -> int:
         url = standin.wait_url(args.standin_timeout_s)
         remote = SGLangEngine([url], timeout_s=60, update_timeout_s=120)  # the stand-in process
         distributed = DistributedSynchronizer(bucket, timeout_s=120)
+        flattened = DistributedSynchronizer(bucket, timeout_s=120, flattened=True)
         placement = EnginePlacement((EngineSlot(0, url, 0, (), (0,), standin.log_path),), colocated=True)
         tensor_sglang = SGLangTensorSynchronizer(bucket, engines=placement, timeout_s=120)
-        closers += [remote.close, distributed.shutdown, tensor_sglang.shutdown]  # shutdown: destroys the group
+        closers += [remote.close, distributed.shutdown, flattened.shutdown,
+                    tensor_sglang.shutdown]  # shutdown: destroys the group
 
         def memcpy():
             for k, v in source.items():
@@ -284,6 +290,10 @@ def main(argv=None) -> int:
             version["remote"] += 1
             return distributed.sync(weights, remote, version["remote"])
 
+        def flattened_to_sglang(weights=backend):
+            version["remote"] += 1
+            return flattened.sync(weights, remote, version["remote"])
+
         def tensor_to_sglang(weights=backend):
             version["remote"] += 1
             return tensor_sglang.sync(weights, remote, version["remote"])
@@ -291,7 +301,8 @@ def main(argv=None) -> int:
         rows = {"memcpy": memcpy, "memcpy live": memcpy_live, "raw write": raw_write, "raw read": raw_read,
                 "st save": st_save, "st load": st_load, "tensor -> embedded": tensor_embedded,
                 "disk -> embedded": disk_to_embedded, "disk -> sglang": disk_to_sglang,
-                "distributed -> sglang": distributed_to_sglang, "tensor -> sglang": tensor_to_sglang}
+                "distributed -> sglang": distributed_to_sglang, "flattened -> sglang": flattened_to_sglang,
+                "tensor -> sglang": tensor_to_sglang}
         raw_write()  # raw read needs the file; the first round's order may put it first
         best: dict[str, tuple[float, dict]] = {}
         for it in range(WARMUP + args.repeats):  # warm-up: first touches, and 2 versions on disk so every
@@ -323,7 +334,8 @@ def main(argv=None) -> int:
         # one row at a time, as the stand-in generates a batch's rows (a padded batch rounds differently)
         want = [(r.response_ids, r.rollout_logprobs) for p in prompts for r in engine.generate([p], greedy)]
         zeros = FakeBackend({k: torch.zeros_like(v) for k, v in source.items()})
-        for what, sync in (("distributed -> sglang", distributed_to_sglang), ("tensor -> sglang", tensor_to_sglang)):
+        for what, sync in (("distributed -> sglang", distributed_to_sglang),
+                           ("flattened -> sglang", flattened_to_sglang), ("tensor -> sglang", tensor_to_sglang)):
             sync(zeros)
             flat = [lp for r in remote.generate(prompts, greedy) for lp in r.rollout_logprobs]
             assert flat and all(abs(lp + math.log(args.vocab)) < 1e-5 for lp in flat), \
@@ -368,6 +380,8 @@ def main(argv=None) -> int:
         ("  sync/broadcast_s (HTTP + gloo + load)", m["distributed -> sglang"]["sync/broadcast_s"]),
         ("  rest (pause, begin/end, /model_info)", s["distributed -> sglang"]
          - m["distributed -> sglang"]["sync/broadcast_s"] - m["distributed -> sglang"]["sync/connect_s"]),
+        ("distributed, flattened buckets *", s["flattened -> sglang"]),
+        ("  sync/broadcast_s (+ the flatten copy)", m["flattened -> sglang"]["sync/broadcast_s"]),
         ("tensor -> SGLangEngine + stand-in *", s["tensor -> sglang"]),
         ("  sync/serialize_s (flatten into shm)", m["tensor -> sglang"]["sync/serialize_s"]),
         ("  sync/post_s (HTTP + map + load)", m["tensor -> sglang"]["sync/post_s"]),

@@ -12,8 +12,16 @@ TP/PP/EP gathers); the driver wraps the buckets in ``/begin_weight_update`` ...
 ``/end_weight_update`` (SGLang >= 0.5.21 refuses a distributed update outside them; the client
 skips them on older servers) and, per bucket: starts ``/update_weights_from_distributed``
 (names, dtypes, shapes, group_name; ``weight_version`` and ``flush_cache`` on the last bucket) on
-every server in a thread, broadcasts the bucket's tensors one by one in the same order (as
-SGLang receives them: one ``broadcast(src=0)`` per name), then waits for both. The HTTP call
+every server in a thread, broadcasts the bucket, then waits for both. Over NCCL the bucket goes as
+ONE broadcast (``load_format="flattened_bucket"``: the tensors' bytes back to back in a uint8
+tensor, which SGLang 0.5.19-0.5.23 rebuild with ``FlattenedTensorBucket``; the tensors are
+ordered by element size, largest first, so every offset is aligned to its dtype, which 0.5.21+
+checks) when every server reports version 0.5.19 or later in ``/server_info``: one collective
+per bucket instead of one per tensor, for a model's hundreds to thousands of tensors, at the
+price of one device-to-device copy into the flat buffer. Otherwise one ``broadcast(src=0)`` per
+name in the names' order, as older servers receive them and as gloo gets it: between CPU
+processes the flattening copy into fresh host memory costs more than the per-tensor broadcasts
+it saves (benchmarks/weight_sync.py: 201 MB in 99 tensors, 0.30 s flattened vs 0.15 s per tensor). The HTTP call
 returns only after the server received and loaded the bucket, so the tensors stay referenced
 until then (slime#929). Afterwards every server's ``/model_info`` must report the version before
 the engine adopts it, as on the disk route.
@@ -55,6 +63,29 @@ _GRACE_S = 5.0  # after the trainer's side failed: how long the HTTP calls get t
 # server, comes first)
 _CLOSE_JOIN_S = 10.0  # teardown: the trainer's end of a broken group closes in the background past this
 _GROUP_SERIAL = itertools.count(1)  # every group this process makes gets a fresh name (a server may keep a dead one)
+FLATTENED_SINCE = (0, 5, 19)  # the oldest SGLang read (0.5.19-0.5.23 wheels) whose distributed receive takes it
+
+
+def _version_tuple(version: Any) -> Optional[tuple[int, ...]]:
+    """``"0.5.23"`` / ``"0.5.23.post1"`` -> ``(0, 5, 23)``; None when the server did not say or it does not parse."""
+    parts = []
+    for piece in str(version or "").split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            return None
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 3 else None
+
+
+def flatten_bucket(names: list[str], tensors: list) -> tuple[list[str], list, Any]:
+    """``(names, tensors, flat)`` as a flattened bucket carries them: ordered by element size, largest first
+    (stable), so each tensor's byte offset is a multiple of its element size (SGLang's receive views each
+    slice as its dtype, and 0.5.21+ refuses a misaligned one); ``flat`` is their bytes back to back (uint8)."""
+    import torch  # lazy: this module's import stays light for the transport table
+
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    names, tensors = [names[i] for i in order], [tensors[i] for i in order]
+    return names, tensors, torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
 
 
 class DistributedSynchronizer(WeightSynchronizer):
@@ -64,11 +95,14 @@ class DistributedSynchronizer(WeightSynchronizer):
     cuda, else gloo), "gloo" or "nccl". ``master_address``: where the servers reach the trainer's
     rendezvous store (None: 127.0.0.1 for local servers, else this host's address on the route to
     them). ``timeout_s``: the bound on every wait (None: the engine's ``update_timeout_s``).
+    ``flattened``: one flattened broadcast per bucket when every server is SGLang 0.5.19+ and: None, the
+    group is NCCL; True, on any group (the CPU tests and the real-SGLang check exercise it over gloo);
+    False, never (one broadcast per tensor).
     """
 
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
                  group_backend: str = "auto", master_address: Optional[str] = None,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, flattened: Optional[bool] = None):
         super().__init__(bucket_bytes, check_equal, driver_rank)
         if check_equal:
             raise ConfigError("--check-weight-update-equal with --update-weight-transport distributed: SGLang cannot "
@@ -82,6 +116,10 @@ class DistributedSynchronizer(WeightSynchronizer):
         self._group: Optional[UpdateGroup] = None
         self._engine: Optional[SGLangEngine] = None
         self._offsets: list[int] = []  # rank_offset per server
+        if flattened not in (None, True, False):
+            raise ConfigError(f"distributed weight sync: flattened={flattened!r} is not None, True or False")
+        self.flattened = flattened
+        self._flattened = False  # this group's servers take load_format="flattened_bucket" (one broadcast per bucket)
         self._atexit_registered = False
 
     @classmethod
@@ -149,8 +187,9 @@ class DistributedSynchronizer(WeightSynchronizer):
         return float(self.timeout_s if self.timeout_s is not None else engine.update_timeout_s)
 
     # ------------------------------------------------------------ the group
-    def _server_ranks(self, client: SGLangClient, timeout_s: float) -> tuple[int, str]:
-        """(TP ranks, device) of one server from ``/server_info``; refuses layouts SGLang cannot join."""
+    def _server_ranks(self, client: SGLangClient, timeout_s: float) -> tuple[int, str, Optional[tuple[int, ...]]]:
+        """(TP ranks, device, SGLang version) of one server from ``/server_info``; refuses layouts SGLang cannot
+        join."""
         info = client.server_info(timeout_s=timeout_s)
         tp, dp, pp = (int(info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
         if dp != 1:
@@ -162,7 +201,7 @@ class DistributedSynchronizer(WeightSynchronizer):
             raise ConfigError(f"SGLang server {client.base_url} runs pp_size {pp}: SGLang 0.5.23 gives every "
                               "pipeline stage the group rank rank_offset + tp_rank, so stages would collide; use "
                               "--update-weight-transport disk with pipeline-parallel servers")
-        return tp, str(info.get("device") or "cpu")
+        return tp, str(info.get("device") or "cpu"), _version_tuple(info.get("version"))
 
     def _choose_backend(self, devices: list[str]) -> str:
         if self.group_backend != "auto":
@@ -177,12 +216,14 @@ class DistributedSynchronizer(WeightSynchronizer):
         layout = self._wait("reading /server_info of the SGLang servers", lambda: True, engine,
                             [(c, DaemonCall(lambda c=c: self._server_ranks(c, timeout), "weight-sync-info"))
                              for c in clients], timeout)
-        ranks = [tp for tp, _ in layout]
+        ranks = [tp for tp, _, _ in layout]
         offsets, world = [], 1
         for tp in ranks:
             offsets.append(world)
             world += tp
-        backend = self._choose_backend([d for _, d in layout])
+        backend = self._choose_backend([d for _, d, _ in layout])
+        supported = all(v is not None and v >= FLATTENED_SINCE for _, _, v in layout)
+        flattened = supported and (self.flattened or (self.flattened is None and backend == "nccl"))
         address = self.master_address or master_address_for(engine.urls)
         name = f"megatron_rl_weights_{os.getpid()}_{next(_GROUP_SERIAL)}"
         group = UpdateGroup(group_name=name, world_size=world, backend=backend, master_address=address,
@@ -207,13 +248,17 @@ class DistributedSynchronizer(WeightSynchronizer):
             joined = [c for c, call in joins if call.done() and call.error is None]
             self._destroy_on(joined, name, timeout)
             raise
-        self._group, self._engine, self._offsets = group, engine, offsets
+        self._group, self._engine, self._offsets, self._flattened = group, engine, offsets, flattened
         if not self._atexit_registered:
             atexit.register(self.shutdown)
             self._atexit_registered = True
-        log.info("weights-update group %s: %s, world_size %d, rendezvous %s:%d; servers %s", name, backend, world,
-                 address, port, ", ".join(f"{c.base_url} (ranks {o}..{o + tp - 1})"
-                                          for c, o, tp in zip(clients, offsets, ranks)))
+        servers = ", ".join(f"{c.base_url} (ranks {o}..{o + tp - 1}, SGLang {v and '.'.join(map(str, v))})"
+                            for c, o, tp, (_, _, v) in zip(clients, offsets, ranks, layout))
+        log.info("weights-update group %s: %s, world_size %d, rendezvous %s:%d; servers %s; %s", name, backend, world,
+                 address, port, servers,
+                 "one flattened broadcast per bucket" if flattened else "one broadcast per tensor" + (
+                     "" if supported else f" (flattened buckets need SGLang >= {'.'.join(map(str, FLATTENED_SINCE))} "
+                                          "on every server)"))
 
     def _send_bucket(self, engine: SGLangEngine, bucket: list, index: int, weight_version: Optional[str],
                      last: bool) -> None:
@@ -225,14 +270,19 @@ class DistributedSynchronizer(WeightSynchronizer):
         names = [name for name, _ in bucket]
         tensors = [t.detach().to(device).contiguous() if device is not None else t.detach().contiguous()
                    for _, t in bucket]  # referenced until every server answered (slime#929)
+        load_format = flat = None
+        if self._flattened:
+            names, tensors, flat = flatten_bucket(names, tensors)
+            load_format = "flattened_bucket"
         dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
         timeout = self._timeout(engine)
         calls = [(c, DaemonCall(lambda c=c: c.update_weights_from_distributed(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group.group_name, flush_cache=last,
-            weight_version=weight_version, timeout_s=timeout + _GRACE_S), "weight-sync-bucket"))
-            for c in engine.clients]
-        works = [group.broadcast(t) for t in tensors]
+            weight_version=weight_version, load_format=load_format, timeout_s=timeout + _GRACE_S),
+            "weight-sync-bucket")) for c in engine.clients]
+        # flattened: the bytes of every tensor back to back, what SGLang's FlattenedTensorBucket rebuilds
+        works = [group.broadcast(flat)] if flat is not None else [group.broadcast(t) for t in tensors]
 
         def broadcast_done() -> bool:
             if not all(w.is_completed() for w in works):
@@ -242,9 +292,9 @@ class DistributedSynchronizer(WeightSynchronizer):
             return True
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self._wait(f"bucket {index} ({len(tensors)} tensors, {nbytes} bytes) over group {group.group_name}",
-                   broadcast_done, engine, calls, timeout)
-        del tensors
+        self._wait(f"bucket {index} ({len(tensors)} tensors, {nbytes} bytes, {len(works)} broadcast(s)) over group "
+                   f"{group.group_name}", broadcast_done, engine, calls, timeout)
+        del tensors, works, flat
 
     # ------------------------------------------------------------- waiting
     def _wait(self, step: str, local_done: Callable[[], bool], engine: SGLangEngine,

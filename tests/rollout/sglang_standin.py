@@ -47,11 +47,15 @@ The replies and messages above were compared with real SGLang 0.5.23 on CPU by
   ``tcp://`` rendezvous, ``PrefixStore(group_name)``, torch's ``_new_process_group_helper`` with no
   rank list: a non-default group, the default one is never made), from the request's thread; an
   update allocates each tensor (``getattr(torch, dtype)``, shape), posts one ``broadcast(src=0)`` per
-  name in order, waits for all, then loads them into the embedded engine. Replies and messages are
+  name in order, waits for all, then loads them into the embedded engine (``load_format
+  "flattened_bucket"``: one uint8 broadcast of all their bytes, sliced back as 0.5.23's
+  ``FlattenedTensorBucket`` does, a misaligned offset refused in its words; ``version`` is what
+  ``/server_info`` reports, "0.5.23" unless told). Replies and messages are
   SGLang's ("Succeeded to initialize custom process group.", "Failed to receive weights: ...",
   "Succeeded to update parameter online." + " Weight version updated to V.", the flush refusal,
   "The group to be destroyed does not exist."); 400 outside begin/end. ``server.groups`` holds the
-  live groups by name; ``server.distributed_updates`` lists ``(weight_version, names)`` per update.
+  live groups by name; ``server.distributed_updates`` lists ``(weight_version, names)`` per update,
+  ``server.distributed_formats`` their ``load_format``.
 
 * ``/update_weights_from_tensor`` (``serialized_named_tensors, load_format, flush_cache,
   abort_all_requests, weight_version``), as SGLang 0.5.23 handles it for tp_size 1
@@ -140,12 +144,34 @@ class _Pending:
         self.aborted = threading.Event()
 
 
+def flattened_receive(names, dtypes, shapes):
+    """``(flat, rebuild)`` of a ``load_format="flattened_bucket"`` distributed update, as SGLang 0.5.23's
+    ``FlattenedTensorBucket.empty`` and ``reconstruct_tensors`` do it: ``flat`` is the uint8 tensor to
+    receive into, ``rebuild()`` its ``(name, tensor)`` views, each slice at a byte offset that must be a
+    multiple of its dtype's size (SGLang's ValueError, in its words, otherwise)."""
+    layout, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dtype, shape = (dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)), torch.Size(shape)
+        if any(dim < 0 for dim in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {shape}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        layout.append((name, dtype, shape, offset))
+        offset += shape.numel() * dtype.itemsize
+    if not layout:
+        raise ValueError("Cannot create empty tensor bucket")
+    flat = torch.empty(offset, dtype=torch.uint8)
+    return flat, lambda: [(name, flat[start:start + shape.numel() * dtype.itemsize].view(dtype).reshape(shape))
+                          for name, dtype, shape, start in layout]
+
+
 class SGLangStandIn:
     """Serve ``hf_checkpoint`` on 127.0.0.1 like ``python -m sglang.launch_server`` would."""
 
     def __init__(self, hf_checkpoint: str, *, legacy: bool = False, deterministic: bool = True, port: int = 0,
-                 group_timeout_s: float = 60.0, tp_size: int = 1):
+                 group_timeout_s: float = 60.0, tp_size: int = 1, version: str = "0.5.23"):
         self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
+        self.version = version  # what /server_info reports (clients choose a distributed load_format by it)
         self.tp_size = int(tp_size)  # > 1: plays that many TP ranks on the tensor route (see update_weights_from_tensor)
         self.model_path = hf_checkpoint  # moves to each loaded dir, as SGLang's does
         self.tokenizer_path = hf_checkpoint
@@ -158,6 +184,7 @@ class SGLangStandIn:
         self.groups: dict[str, Any] = {}  # group_name -> this server's process group (SGLang's _model_update_group)
         self.group_timeout_s = group_timeout_s
         self.distributed_updates: list[tuple[Optional[str], list[str]]] = []  # (weight_version, names) per update
+        self.distributed_formats: list[Optional[str]] = []  # load_format of each distributed update
         self.tensor_updates: list[tuple[Optional[str], Optional[str], list[str]]] = []  # (version, load_format, names)
         self.weight_version = "default"
         self.released: set[str] = set()
@@ -286,7 +313,7 @@ class SGLangStandIn:
         return {"model_path": self.tokenizer_path, "tokenizer_path": self.tokenizer_path,
                 "served_model_name": self.tokenizer_path, "tp_size": self.tp_size, "dp_size": 1, "device": "cpu",
                 "dtype": "float32", "weight_version": "default", "disable_radix_cache": True,
-                "enable_deterministic_inference": self.deterministic, "version": "0.5.23"}
+                "enable_deterministic_inference": self.deterministic, "version": self.version}
 
     def generate(self, body: dict) -> tuple[int, Any]:
         if "input_ids" not in body:
@@ -518,7 +545,10 @@ class SGLangStandIn:
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
-        """Receive one broadcast per name (SGLang's ``receive_weights_from_distributed``), then load."""
+        """Receive one broadcast per name (SGLang's ``receive_weights_from_distributed``), or with
+        ``load_format="flattened_bucket"`` one uint8 broadcast rebuilt as 0.5.23's
+        ``FlattenedTensorBucket.empty`` / ``reconstruct_tensors`` do (each slice viewed as its dtype at an
+        offset that must be a multiple of its element size); then load."""
         import torch.distributed as dist
 
         missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
@@ -534,16 +564,20 @@ class SGLangStandIn:
             if group_name not in self.groups:
                 raise AssertionError(f"Group {group_name} not in {list(self.groups)}. "
                                      "Please call `init_weights_update_group` first.")
-            if body.get("load_format") == "flattened_bucket":
-                raise NotImplementedError("stand-in: load_format flattened_bucket is not implemented")
             pg = self.groups[group_name]
             weights, handles = [], []
-            for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
-                if die_after is not None and i >= die_after:
-                    break
-                weight = torch.empty(shape, dtype=getattr(torch, dtype))
-                handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
-                weights.append((name, weight))
+            if body.get("load_format") == "flattened_bucket":
+                flat, rebuild = flattened_receive(names, dtypes, shapes)
+                if die_after is None:  # the fault: down before the one broadcast arrives
+                    dist.broadcast(flat, src=0, group=pg)
+                    weights = rebuild()
+            else:
+                for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+                    if die_after is not None and i >= die_after:
+                        break
+                    weight = torch.empty(shape, dtype=getattr(torch, dtype))
+                    handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
+                    weights.append((name, weight))
             for handle in handles:
                 handle.wait()
         except Exception as exc:  # noqa: BLE001 - SGLang's reply for a failed receive
@@ -571,6 +605,7 @@ class SGLangStandIn:
             self.weight_version = str(body["weight_version"])
             message += f" Weight version updated to {self.weight_version}."
         self.distributed_updates.append((body.get("weight_version"), names))
+        self.distributed_formats.append(body.get("load_format"))
         return 200, {"success": True, "message": message}
 
     def update_weight_version(self, body: dict) -> tuple[int, Any]:
@@ -780,9 +815,10 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--group-timeout-s", type=float, default=60.0)
     ap.add_argument("--tp-size", type=int, default=1, help="TP ranks to play on the tensor route")
+    ap.add_argument("--version", default="0.5.23", help="the SGLang version /server_info reports")
     args = ap.parse_args(argv)
     server = SGLangStandIn(args.model, port=args.port, group_timeout_s=args.group_timeout_s,
-                           tp_size=args.tp_size).start()
+                           tp_size=args.tp_size, version=args.version).start()
     print(f"URL {server.url}", flush=True)
     try:
         while server.alive:

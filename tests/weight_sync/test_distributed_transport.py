@@ -9,7 +9,9 @@ really cross processes and the rank offsets of two servers are exercised. The tr
 the bucketed ``FakeBackend`` of test_weight_sync.
 
 Checked: a sync changes generations and back, versions follow (engine, /model_info, samples), the
-last bucket alone carries the version, the group is made once and destroyed at shutdown on every
+last bucket alone carries the version, each bucket is one flattened broadcast (servers at 0.5.19+,
+asked for; mixed dtypes laid out so SGLang's receive can view every slice) or one broadcast per
+tensor (older servers; gloo groups by default), the group is made once and destroyed at shutdown on every
 server, a server that dies mid-bucket is named and leaves the engine refusing to generate until a
 complete update (which makes a fresh group), a server that never joins the group is named within
 the timeout (no hang), and the embedded engine is refused with a reason.
@@ -28,14 +30,14 @@ from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.weight_sync import make_synchronizer
-from megatron_rl.weight_sync.distributed import DistributedSynchronizer
+from megatron_rl.weight_sync.distributed import DistributedSynchronizer, flatten_bucket
 
 from test_weight_sync import FakeBackend, checkpoint_tensors  # tests/weight_sync is on sys.path (rootdir)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
 
-from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
+from sglang_standin import SGLangStandIn, flattened_receive  # noqa: E402 - tests/rollout, put on sys.path above
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 REQUESTS = [GenerateRequest([5, 17, 3], 0), GenerateRequest([9, 1, 100, 42], 1)]
@@ -96,7 +98,8 @@ def test_sync_broadcasts_into_every_server_and_versions_follow(models, servers):
     local, remote, engine = servers
     v = engine.weight_version + 1
     sync = make_synchronizer("distributed", bucket_bytes=BUCKET)
-    assert isinstance(sync, DistributedSynchronizer)
+    assert isinstance(sync, DistributedSynchronizer) and sync.flattened is None
+    sync.flattened = True  # what NCCL groups get by default; gloo ones send per tensor (the next tests)
     before = tokens(engine)
     backend = FakeBackend(new)
     metrics = sync.sync(backend, engine, version=v)
@@ -108,7 +111,9 @@ def test_sync_broadcasts_into_every_server_and_versions_follow(models, servers):
         assert list(local.groups) == [group]  # the in-process server joined as rank 1 (the remote one as 2)
         # every bucket went over HTTP + broadcast, only the last one carried the version
         assert [v for v, _ in local.distributed_updates] == [None] * (len(backend.buckets) - 1) + [str(v)]
-        assert [names for _, names in local.distributed_updates] == backend.buckets
+        assert [names for _, names in local.distributed_updates] == backend.buckets  # one dtype: the export order
+        # both servers report 0.5.23: one flattened broadcast per bucket
+        assert local.distributed_formats[-len(backend.buckets):] == ["flattened_bucket"] * len(backend.buckets)
         live = dict(local.engine.named_weights())
         assert all(torch.equal(live[n], t) for n, t in new.items())  # bit for bit in the in-process server
         assert engine.weight_version == v and [c.weight_version() for c in engine.clients] == [str(v)] * 2
@@ -131,10 +136,13 @@ def test_sync_broadcasts_into_every_server_and_versions_follow(models, servers):
     sync.shutdown()  # twice is harmless
 
 
-def test_a_server_dying_mid_bucket_is_named_and_the_engine_refuses_until_a_complete_update(models, servers):
+@pytest.mark.parametrize("flattened", [None, True], ids=["per_tensor", "flattened"])
+def test_a_server_dying_mid_bucket_is_named_and_the_engine_refuses_until_a_complete_update(models, servers,
+                                                                                          flattened):
+    """(Flattened: the server goes down before the bucket's one broadcast.)"""
     hf, old, new = models
     local, remote, engine = servers
-    sync = DistributedSynchronizer(bucket_bytes=BUCKET, timeout_s=30)
+    sync = DistributedSynchronizer(bucket_bytes=BUCKET, timeout_s=30, flattened=flattened)
     v = engine.weight_version + 1
     try:
         sync.sync(FakeBackend(new), engine, version=v)
@@ -192,3 +200,46 @@ def test_refused_where_it_cannot_work(models):
     assert backend.finished
     with pytest.raises(ConfigError, match="--check-weight-update-equal"):
         DistributedSynchronizer(bucket_bytes=BUCKET, check_equal=True)
+
+
+def test_a_flattened_bucket_of_mixed_dtypes_is_rebuilt_bit_for_bit_by_sglangs_receive():
+    """The sender's layout (largest element first) against the receive as SGLang 0.5.23 does it (the
+    stand-in's ``flattened_receive``, which refuses a misaligned slice as SGLang does): odd sizes of
+    1-, 2-, 4- and 8-byte dtypes in an order that would misalign them as given."""
+    g = torch.Generator().manual_seed(0)
+    given = [("a.norm", torch.randn(3, generator=g).to(torch.bfloat16)), ("b.mask", torch.tensor([True, False, True])),
+             ("c.weight", torch.randn(5, 3, generator=g)), ("d.steps", torch.arange(7, dtype=torch.int64)),
+             ("e.scale", torch.randn(1, generator=g, dtype=torch.float64)), ("f.q", torch.randint(-8, 8, (5,),
+                                                                                                 dtype=torch.int8)),
+             ("g.bias", torch.randn(2, 2, generator=g).to(torch.float16))]
+    names, tensors = [n for n, _ in given], [t for _, t in given]
+    with pytest.raises(ValueError, match="Unaligned received tensor"):  # as given, c.weight would sit at byte 9
+        flattened_receive(names, [str(t.dtype).replace("torch.", "") for t in tensors], [list(t.shape) for t in tensors])
+    sent_names, sent, flat = flatten_bucket(names, tensors)
+    assert sorted(sent_names) == sorted(names) and flat.dtype == torch.uint8
+    assert [t.element_size() for t in sent] == sorted((t.element_size() for t in tensors), reverse=True)
+    buffer, rebuild = flattened_receive(sent_names, [str(t.dtype).replace("torch.", "") for t in sent],
+                                        [list(t.shape) for t in sent])
+    buffer.copy_(flat)  # what the broadcast delivers
+    got = dict(rebuild())
+    assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in given)
+
+
+@pytest.mark.parametrize("version,flattened", [("0.5.18", True), ("0.5.23", None)])
+def test_one_broadcast_per_tensor_for_older_servers_and_gloo_groups(models, version, flattened):
+    """Servers older than 0.5.19 have no flattened receive (even when asked for); a gloo group sends per tensor
+    unless told (the flattening copy costs more on CPU than it saves: benchmarks/weight_sync.py). One server:
+    two in this process cannot join the same group."""
+    hf, _, new = models
+    with SGLangStandIn(hf, group_timeout_s=30, version=version) as server:
+        engine = SGLangEngine([server.url], timeout_s=30, update_timeout_s=30, connect_retries=0)
+        sync = DistributedSynchronizer(bucket_bytes=BUCKET, timeout_s=30, flattened=flattened)
+        backend = FakeBackend(new)
+        try:
+            sync.sync(backend, engine, version=1)
+            assert server.distributed_formats == [None] * len(backend.buckets) > []
+            assert [names for _, names in server.distributed_updates] == backend.buckets
+            assert all(torch.equal(dict(server.engine.named_weights())[n], t) for n, t in new.items())
+        finally:
+            sync.shutdown()
+            engine.close()

@@ -31,8 +31,10 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
 6. the distributed transport (``weight_sync.distributed.DistributedSynchronizer``, gloo: our
    trainer end is rank 0 of a group the server joins through ``/init_weights_update_group``):
    the same zero / restore check, versions, ``/update_weights_from_distributed`` refused outside
-   begin/end, the group destroyed on the server at ``shutdown()``; then the sync time of the disk
-   and the distributed transports on the same model, alternating, ``--sync-repeats`` each;
+   begin/end, the group destroyed on the server at ``shutdown()``; the same zero / restore with
+   flattened buckets (``load_format="flattened_bucket"``: one uint8 broadcast per bucket, what NCCL
+   groups send); then the sync time of the disk and the distributed transports (both ways) on the
+   same model, alternating, ``--sync-repeats`` each;
 7. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
    against this server, once through the disk transport and once through the distributed one
    (``--e2e-transports``); exit 0, the samples of rollout ``i`` carry weight version ``i``.
@@ -694,6 +696,7 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     bucket = checks.args.sync_bucket_bytes
     sync = DistributedSynchronizer(bucket_bytes=bucket, group_backend="gloo", timeout_s=120)
     tensor: Optional[SGLangTensorSynchronizer] = None
+    flat: Optional[DistributedSynchronizer] = None
     zero = torch.zeros_like(checks.original["lm_head.weight"])
     version = engine.weight_version
     try:
@@ -713,12 +716,26 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
                 checks._expect_restored(f"distributed v{version}", first, version)
         group = sync.group_name
         r.check("distributed: one group for both updates", bool(group) and metrics["sync/connect_s"] == 0.0, group)
+        # the flattened bucket (what NCCL groups send to 0.5.19+): one uint8 broadcast per bucket, its own group
+        flat = DistributedSynchronizer(bucket_bytes=bucket, group_backend="gloo", timeout_s=120, flattened=True)
+        for state, expect in ((checks._state(zero), "uniform"), (checks._state(), "restored")):
+            version += 1
+            metrics = flat.sync(StateBackend(state), engine, version)
+            r.log(f"distributed update, flattened buckets, to v{version} ({expect}, {int(metrics['sync/buckets'])} "
+                  f"bucket(s)): {metrics['sync/time_s']:.3f} s")
+            r.check(f"distributed flattened v{version}: the server took load_format flattened_bucket and "
+                    f"/model_info weight_version is {version}", flat._flattened and c.weight_version() == str(version))
+            if expect == "uniform":
+                checks._expect_uniform(f"distributed flattened v{version}", version)
+            else:
+                checks._expect_restored(f"distributed flattened v{version}", first, version)
 
         # sync time of the two transports on the same model, alternating so drift hits both alike
         disk = DiskSynchronizer(bucket_bytes=bucket, disk_dir=str(r.out / "sync_bench"),
                                 hf_checkpoint=str(checks.model_dir))
         tensor = tensor_synchronizer(checks) if getattr(checks, "tensor_ok", False) else None
-        contenders = [("disk", disk), ("distributed", sync)] + ([("tensor", tensor)] if tensor else [])
+        contenders = [("disk", disk), ("distributed", sync), ("distributed_flattened", flat)] + (
+            [("tensor", tensor)] if tensor else [])
         nbytes = 0
         # the small buckets of the checks above (several per sync), then the default --update-weight-buffer-size
         # (512 MiB: the whole tiny model in one bucket)
@@ -750,6 +767,8 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     finally:
         group = sync.group_name
         sync.shutdown()
+        if flat is not None:
+            flat.shutdown()
         if tensor is not None:
             tensor.shutdown()
     if group:

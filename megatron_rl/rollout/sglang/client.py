@@ -368,13 +368,17 @@ class SGLangClient:
 
     def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: Optional[str] = None,
+                                        weight_version: Optional[str] = None, load_format: Optional[str] = None,
                                         timeout_s: Optional[float] = None) -> dict:
+        """``load_format="flattened_bucket"``: the server receives ONE uint8 broadcast holding the tensors' bytes
+        back to back in ``names`` order (each at an offset aligned to its dtype) instead of one per name."""
         payload: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes),
                                    "shapes": [list(s) for s in shapes], "group_name": group_name,
                                    "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
+        if load_format is not None:
+            payload["load_format"] = load_format
         return self._weight_call("/update_weights_from_distributed", payload, timeout_s)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group", *,
