@@ -480,6 +480,69 @@ def patch_tp1_region_identity() -> None:
         setattr(layers, name, region)
 
 
+class _PlainLinear(torch.autograd.Function):
+    """``LinearWithGradAccumulationAndAsyncCommunication`` for the case with no communication and no fused
+    weight-gradient accumulation: the same tensor ops in the same order (forward ``matmul(input, weight.t())``
+    then ``+ bias``; backward ``grad_output.matmul(weight)``, the wgrad on contiguous 2-D views,
+    ``grad_output.sum(0)`` for the bias), without the per-call bookkeeping of the general Function."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        output = torch.matmul(input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        grad_output = grad_output.contiguous()  # megatron's prepare_input_tensors_for_wgrad_compute
+        total_input = input.contiguous()
+        if grad_output.dim() == 3:
+            grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2])
+            total_input = total_input.view(total_input.shape[0] * total_input.shape[1], total_input.shape[2])
+        grad_weight = grad_output.t().matmul(total_input)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        return grad_input, grad_weight, grad_bias
+
+
+def patch_plain_linear() -> None:
+    """Every ``ColumnParallelLinear`` / ``RowParallelLinear`` call goes through megatron's general autograd
+    Function (sequence parallelism, async all-reduce of the input gradient, deferred and fused
+    weight-gradient accumulation), whose Python bookkeeping costs ~40 us per call and as much per
+    backward, even when none of that applies, as at one TP rank without sequence parallelism on CPU:
+    ~54 calls per step of the CPU demo, ~1.5% of it. When the call asks for none of those features (and
+    autocast is off, which megatron's ``custom_fwd`` would record), the same ops run in ``_PlainLinear``
+    (under ``no_grad``: the forward's two ops alone); values and gradients are bitwise megatron's
+    (tests/compat/test_plain_linear.py); every other call reaches megatron's function unchanged."""
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    original = _require(layers, "linear_with_grad_accumulation_and_async_allreduce")
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
+                                                          allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
+                                                          wgrad_deferral_limit=0, async_grad_allreduce=None,
+                                                          tp_group=None):
+        if (gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer is not None
+                or async_grad_allreduce is not None or torch.is_autocast_enabled("cuda")
+                or torch.is_autocast_enabled("cpu")):
+            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                            grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)
+        if not torch.is_grad_enabled():
+            output = torch.matmul(input, weight.t())
+            return output + bias if bias is not None else output
+        return _PlainLinear.apply(input, weight, bias)
+
+    linear_with_grad_accumulation_and_async_allreduce._megatron_rl_compat = True
+    linear_with_grad_accumulation_and_async_allreduce.original = original
+    linear_with_grad_accumulation_and_async_allreduce.warned = getattr(original, "warned", False)
+    layers.linear_with_grad_accumulation_and_async_allreduce = linear_with_grad_accumulation_and_async_allreduce
+
+
 # ------------------------------------------------------------------------ no-TE
 def patch_router_gemm() -> None:
     """``moe_utils.te_general_gemm`` is only defined when transformer-engine
@@ -542,6 +605,8 @@ ANY_HOST_PATCHES: tuple[Patch, ...] = (
           "(q and k, every layer, every forward); one gather gives the same rows", patch_thd_rope_gather),
     Patch("tp1_region_identity", "the TP-region autograd Functions around every linear layer run even for a "
           "1-rank tensor-parallel group, where they return their input unchanged", patch_tp1_region_identity),
+    Patch("plain_linear", "every linear layer call goes through megatron's general communicating autograd "
+          "Function even when it asks for no communication or fused gradient accumulation", patch_plain_linear),
 )
 
 NO_TE_PATCHES: tuple[Patch, ...] = (
