@@ -62,49 +62,9 @@ def test_calls_asking_for_more_reach_megatrons_function(layers):
     assert type(out.grad_fn).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
 
 
-def test_linear_layers_equal_megatrons_bitwise(layers, monkeypatch):
+def test_linear_layers_equal_megatrons_bitwise(layers, column_row_pair, monkeypatch):
     """ColumnParallelLinear (bias) -> SiLU -> RowParallelLinear (bias) at TP1 under megatron's parallel state."""
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from _util import free_port
-    from megatron_rl.compat import apply_cpu_compat, cpu_config_overrides
-
-    made = not dist.is_initialized()
-    if made:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    made_mp = not parallel_state.model_parallel_is_initialized()
-    if made_mp:
-        parallel_state.initialize_model_parallel()
-    try:
-        apply_cpu_compat()
-        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, **cpu_config_overrides())
-        torch.manual_seed(0)
-        col = layers.ColumnParallelLinear(16, 24, config=cfg, init_method=torch.nn.init.normal_, bias=True,
-                                          gather_output=False)
-        row = layers.RowParallelLinear(24, 16, config=cfg, init_method=torch.nn.init.normal_, bias=True,
-                                       input_is_parallel=True, skip_bias_add=False)
-        x0 = torch.randn(7, 1, 16, generator=torch.Generator().manual_seed(1))
-        upstream = torch.randn(7, 1, 16, generator=torch.Generator().manual_seed(2))
-
-        def run():
-            for p in (*col.parameters(), *row.parameters()):
-                p.grad = None
-            x = x0.clone().requires_grad_()
-            out, _ = row(torch.nn.functional.silu(col(x)[0]))
-            out.backward(upstream)
-            return [out.detach(), x.grad, *(p.grad.clone() for p in (*col.parameters(), *row.parameters()))]
-
-        patched = run()
-        monkeypatch.setattr(layers, "linear_with_grad_accumulation_and_async_allreduce",
-                            layers.linear_with_grad_accumulation_and_async_allreduce.original)
-        assert all(torch.equal(a, b) for a, b in zip(patched, run()))
-    finally:
-        if made_mp:
-            parallel_state.destroy_model_parallel()
-        if made:
-            dist.destroy_process_group()
+    patched = column_row_pair()
+    monkeypatch.setattr(layers, "linear_with_grad_accumulation_and_async_allreduce",
+                        layers.linear_with_grad_accumulation_and_async_allreduce.original)
+    assert all(torch.equal(a, b) for a, b in zip(patched, column_row_pair()))

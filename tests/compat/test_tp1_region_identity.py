@@ -25,32 +25,13 @@ class _Group:
 
 
 @pytest.fixture(scope="module")
-def layers():
-    """World-size-1 gloo + megatron's parallel state (torn down only if made here); the patched module."""
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from _util import free_port
-
+def layers(tp1_world):
     apply_no_te_compat()
     from megatron.core.tensor_parallel import layers
 
     for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
         assert getattr(getattr(layers, name), "_megatron_rl_compat", False), f"{name} is patched on every host"
-    made = not dist.is_initialized()
-    if made:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    made_mp = not parallel_state.model_parallel_is_initialized()
-    if made_mp:
-        parallel_state.initialize_model_parallel()
-    yield layers
-    if made_mp:
-        parallel_state.destroy_model_parallel()
-    if made:
-        dist.destroy_process_group()
+    return layers
 
 
 @pytest.mark.parametrize("name", ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"])
@@ -81,33 +62,10 @@ def test_more_ranks_reach_megatrons_function(layers, monkeypatch):
     assert patched(x, group=_Group(1)) is x and seen == [2]  # one rank: megatron's Function not called
 
 
-def test_linear_layers_equal_megatrons_bitwise(layers, monkeypatch):
+def test_linear_layers_equal_megatrons_bitwise(layers, column_row_pair, monkeypatch):
     """ColumnParallelLinear -> RowParallelLinear at TP1 (megatron's parallel state, world size 1): forward
     values, input gradient and weight/bias gradients are identical with and without the patch."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_rl.compat import apply_cpu_compat, cpu_config_overrides
-
-    apply_cpu_compat()
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, **cpu_config_overrides())
-    torch.manual_seed(0)
-    col = layers.ColumnParallelLinear(16, 24, config=cfg, init_method=torch.nn.init.normal_, bias=True,
-                                      gather_output=False)
-    row = layers.RowParallelLinear(24, 16, config=cfg, init_method=torch.nn.init.normal_, bias=True,
-                                   input_is_parallel=True, skip_bias_add=False)
-    x0 = torch.randn(7, 1, 16, generator=torch.Generator().manual_seed(1))
-    upstream = torch.randn(7, 1, 16, generator=torch.Generator().manual_seed(2))
-
-    def run():
-        for p in (*col.parameters(), *row.parameters()):
-            p.grad = None
-        x = x0.clone().requires_grad_()
-        out, _ = row(torch.nn.functional.silu(col(x)[0]))
-        out.backward(upstream)
-        return [out.detach(), x.grad, *(p.grad.clone() for p in (*col.parameters(), *row.parameters()))]
-
-    patched = run()
+    patched = column_row_pair()
     for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
         monkeypatch.setattr(layers, name, getattr(layers, name).original)
-    original = run()
-    assert all(torch.equal(a, b) for a, b in zip(patched, original))
+    assert all(torch.equal(a, b) for a, b in zip(patched, column_row_pair()))
