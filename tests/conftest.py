@@ -33,3 +33,25 @@ def tiny_hf_models(tmp_path_factory):
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def tp1_world():
+    """World-size-1 gloo + megatron's parallel state, torn down only if made here."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from _util import free_port  # tests/ is on sys.path (above)
+
+    made = not dist.is_initialized()
+    if made:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    made_mp = not parallel_state.model_parallel_is_initialized()
+    if made_mp:
+        parallel_state.initialize_model_parallel()
+    yield
+    if made_mp:
+        parallel_state.destroy_model_parallel()
+    if made:
+        dist.destroy_process_group()

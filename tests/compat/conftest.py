@@ -1,33 +1,8 @@
-"""Shared by the compat patch tests: megatron's parallel state at world size 1 (gloo) and a
-ColumnParallelLinear -> SiLU -> RowParallelLinear pair whose outputs and gradients a patch must leave
-bitwise as megatron's own code computes them."""
-
-import os
+"""Shared by the compat patch tests: a ColumnParallelLinear -> SiLU -> RowParallelLinear pair whose outputs
+and gradients a patch must leave bitwise as megatron's own code computes them (``tp1_world``: tests/conftest.py)."""
 
 import pytest
 import torch
-
-
-@pytest.fixture(scope="module")
-def tp1_world():
-    """World-size-1 gloo + megatron's parallel state, torn down only if made here."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from _util import free_port
-
-    made = not dist.is_initialized()
-    if made:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    made_mp = not parallel_state.model_parallel_is_initialized()
-    if made_mp:
-        parallel_state.initialize_model_parallel()
-    yield
-    if made_mp:
-        parallel_state.destroy_model_parallel()
-    if made:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

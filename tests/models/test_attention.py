@@ -7,13 +7,9 @@ checked against both the maths and the implementation it replaces.
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-
-from _util import free_port
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,21 +23,8 @@ TOL = dict(rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def model_parallel():
-    """World-size-1 gloo + megatron parallel_state, torn down only if we made them."""
-    made_pg = not dist.is_initialized()
-    if made_pg:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    made_mp = not parallel_state.model_parallel_is_initialized()
-    if made_mp:
-        parallel_state.initialize_model_parallel()
-    yield
-    if made_mp:
-        parallel_state.destroy_model_parallel()
-    if made_pg:
-        dist.destroy_process_group()
+def model_parallel(tp1_world):
+    """World-size-1 gloo + megatron parallel_state (tests/conftest.py::tp1_world)."""
 
 
 @pytest.fixture
