@@ -117,6 +117,10 @@ def main():
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
+    # every rank waits for rank 0's results, then gloo is torn down before the interpreter exits (one CI run saw
+    # rank 1 abort at exit, "terminate called without an active exception", while rank 0 was still writing)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

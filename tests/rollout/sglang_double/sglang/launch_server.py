@@ -6,8 +6,10 @@ Takes SGLang's command line: ``--model-path``, ``--host``, ``--port`` are used; 
 launcher passed. ``MRL_SGLANG_DOUBLE_FAULT``: ``exit`` prints an error and exits 3 before serving (a
 model that does not load); ``hang`` never listens (an engine stuck at start-up); ``die-after-generate:N``
 makes the first engine to claim ``$MRL_SGLANG_DOUBLE_RECORD/died`` serve N ``/generate`` calls and
-die (``os._exit(9)``) on the next one before answering: an engine crashing mid-rollout, once per run.
-Serves until SIGTERM.
+die (``os._exit(9)``) on the next one before answering: an engine crashing mid-rollout, once per run;
+``die-on-first-generate`` makes the first engine to RECEIVE a ``/generate`` call (the claim is made
+then, not at start) die on it: deterministic whatever spreads the requests (an sglang-router's
+cache-aware policy may send every request to one engine). Serves until SIGTERM.
 """
 
 import json
@@ -29,6 +31,18 @@ def _claim(path: str) -> bool:
         return True
     except FileExistsError:
         return False
+
+
+def _die_on_first_generate(server, claim_path: str) -> None:
+    generate = server.generate
+
+    def dying_generate(body):
+        if _claim(claim_path):
+            print("test double: dying on the run's first /generate call", flush=True)
+            os._exit(9)
+        return generate(body)
+
+    server.generate = dying_generate
 
 
 def _die_after(server, served: int) -> None:
@@ -65,6 +79,8 @@ def main() -> int:
     server = SGLangStandIn(model, port=port)
     if fault.startswith("die-after-generate:") and _claim(os.path.join(record or ".", "died")):
         _die_after(server, int(fault.split(":", 1)[1]))
+    if fault == "die-on-first-generate":
+        _die_on_first_generate(server, os.path.join(record or ".", "died"))
     server.start()
     print(f"The server is fired up and ready to roll! {server.url}", flush=True)
     stop = []
