@@ -81,18 +81,21 @@ class EngineRecovery:
             if error is None:
                 deaths = self._deaths()
                 if deaths:  # the rollout is complete (the router served it from the live engines): keep it
-                    self._restart_dead(f"{'; '.join(d.splitlines()[0] for d in deaths)} (the rollout was served "
-                                       "by the other engines)")
+                    self._recover(f"{'; '.join(d.splitlines()[0] for d in deaths)} (the rollout was served by the "
+                                  "other engines)", rollout, resync)
                     restarted_now += 1
-                    resync()
                 if restarted_now:
                     metrics["rollout/engine_restarts"] = float(restarted_now)
                 return samples, metrics
-            self._restart_dead(error)
+            self._recover(error, rollout, resync)
             restarted_now += 1
-            if rollout is not None:
-                rollout.engine.poll_health()  # the restarted servers count as alive again
-            resync()
+
+    def _recover(self, error: str, rollout: Optional[RolloutManager], resync: Callable[[], dict]) -> None:
+        """Collective: restart the dead engines, let the driver's health monitor see them alive, sync them."""
+        self._restart_dead(error)
+        if rollout is not None:
+            rollout.engine.poll_health()  # the restarted servers count as alive again
+        resync()
 
     def _deaths(self) -> list[str]:
         """Collective: the death message of every launched engine (or router) of every node that has exited."""
