@@ -21,7 +21,7 @@ per bucket instead of one per tensor, for a model's hundreds to thousands of ten
 price of one device-to-device copy into the flat buffer. Otherwise one ``broadcast(src=0)`` per
 name in the names' order, as older servers receive them and as gloo gets it: between CPU
 processes the flattening copy into fresh host memory costs more than the per-tensor broadcasts
-it saves (benchmarks/weight_sync.py: 201 MB in 99 tensors, 0.30 s flattened vs 0.15 s per tensor). The HTTP call
+it saves (benchmarks/weight_sync.py: 201 MB in 99 tensors, 0.26 s flattened vs 0.12 s per tensor). The HTTP call
 returns only after the server received and loaded the bucket, so the tensors stay referenced
 until then (slime#929). Afterwards every server's ``/model_info`` must report the version before
 the engine adopts it, as on the disk route.
