@@ -423,7 +423,11 @@ def patch_thd_rope_gather() -> None:
         with_offsets = freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]
         rows = thd_rope_positions(cu_seqlens, cp_size, cp_rank, bool(with_offsets)).to(freqs.device)
         picked = freqs[rows]
-        return (torch.cos(picked) * mscale).to(dtype), (torch.sin(picked) * mscale).to(dtype)
+        cos_, sin_ = (torch.cos(picked) * mscale).to(dtype), (torch.sin(picked) * mscale).to(dtype)
+        half = sin_.size(-1) // 2  # the length of torch.chunk's second half
+        # rotate_half(t) * sin = cat(-t2, t1) * sin = cat(t2, t1) * cat(-sin1, sin2), bit for bit (a
+        # negation is exact and commutes with the product's rounding): one op fewer per q/k per layer
+        return cos_, sin_, torch.cat((-sin_[..., :half], sin_[..., half:]), dim=-1)
 
     def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
                                   mscale=1.0, cp_group=None):
@@ -434,14 +438,18 @@ def patch_thd_rope_gather() -> None:
                             lambda: cos_sin(cu_seqlens, freqs, cp_size, cp_rank, mscale, t.dtype, t.size(0)))
         if rotation is None:
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-        cos_, sin_ = rotation
+        cos_, sin_, signed_sin = rotation
         # megatron's _apply_rotary_pos_emb_bshd on [t, 1, h, d] with the cos/sin above
         rot_dim = freqs.shape[-1]
         t = t.unsqueeze(1)
         t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
         if multi_latent_attention:
             t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
-        t = (t * cos_) + (rotate_half(t, rotary_interleaved) * sin_)
+        if rotary_interleaved:
+            t = (t * cos_) + (rotate_half(t, rotary_interleaved) * sin_)
+        else:
+            first = rot_dim - rot_dim // 2  # torch.chunk's first half (rot_dim is even for RoPE)
+            t = (t * cos_) + (torch.cat((t[..., first:], t[..., :first]), dim=-1) * signed_sin)
         if t_pass.numel():
             t = torch.cat((t, t_pass), dim=-1)
         return t.squeeze(1)

@@ -36,6 +36,7 @@ masked output 0 (megatron's ``-10000`` fill would give a uniform average).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -224,8 +225,9 @@ class PackedCoreAttention(MegatronModule):
         # index tensors are derived once per micro-batch
         plan = _THD_PLANS.get(
             (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded),
-            (causal, self.cp_size, cp_rank, query.size(0), query.device),
-            lambda: _plan_thd(params, causal, self.cp_size, cp_rank, query.size(0), query.device))
+            (causal, self.cp_size, cp_rank, query.size(0), query.device, query.dtype),
+            lambda: _plan_thd(params, causal, self.cp_size, cp_rank, query.size(0), query.device,
+                              _key_block(query.device, query.dtype)))
         if self.cp_size > 1:
             key, value = self._gather_kv(key, value, dim=0)
             key, value = key.index_select(0, plan.kv_perm), value.index_select(0, plan.kv_perm)
@@ -282,15 +284,19 @@ _THD_PLANS = IdentityMemo()
 
 
 def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_local: int,
-              device: torch.device) -> _THDPlan:
-    """What a THD attention forward derives from ``cu_seqlens`` alone, checked and built once per micro-batch."""
+              device: torch.device, key_block: int = 1) -> _THDPlan:
+    """What a THD attention forward derives from ``cu_seqlens`` alone, checked and built once per micro-batch.
+
+    ``key_block``: see :func:`_key_block` (1 = never pad keys beyond the longest sequence).
+    """
     cu_q = params.cu_seqlens_q
     if cu_q is None:
         raise ConfigError("PackedSeqParams(qkv_format='thd') needs cu_seqlens_q")
     cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else cu_q
     layout = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
     layout_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else cu_kv
-    if not (torch.equal(cu_q.cpu(), cu_kv.cpu()) and torch.equal(layout.cpu(), layout_kv.cpu())):
+    if not ((cu_kv is cu_q or torch.equal(cu_q.cpu(), cu_kv.cpu()))
+            and (layout_kv is layout or torch.equal(layout.cpu(), layout_kv.cpu()))):
         raise ConfigError("PackedCoreAttention implements self-attention only: cu_seqlens_q and "
                           "cu_seqlens_kv (and their _padded twins) must be equal")
     pad = layout.tolist()
@@ -309,25 +315,14 @@ def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_lo
             f"{pad[-1]} with cp_size={cp}; expected {pad[-1]} / {cp} tokens (pass global "
             f"cu_seqlens and shard with megatron_rl.models.cp_utils.shard_packed_for_cp)")
 
-    segments = []  # (local q row start, n_q, key row start, n_k, first position of each chunk)
-    q_start = 0
-    for i, (length, n_valid) in enumerate(zip(lengths, valid)):
-        n_local = length // cp
-        if cp == 1:
-            n_q, chunks = n_valid, None  # rows past the real length are padding
-        else:
-            c = length // (2 * cp)
-            chunks = (c, c * cp_rank, c * (2 * cp - 1 - cp_rank))
-            # positions ascend over the local rows, so the valid rows are a prefix
-            n_q = min(c, max(0, n_valid - chunks[1])) + min(c, max(0, n_valid - chunks[2]))
-        if n_q > 0:
-            last_pos = (n_q - 1 if cp == 1 else
-                        (chunks[1] + n_q - 1 if n_q <= chunks[0] else chunks[2] + n_q - 1 - chunks[0]))
-            n_k = min(n_valid, last_pos + 1) if causal else n_valid
-            segments.append((q_start, n_q, pad[i], n_k, chunks))
-        q_start += n_local
+    # (local q row start, n_q, key row start, n_k, first position of each chunk)
+    if cp == 1:  # every real row is a query and, causal or not, sees the n_valid keys of its sequence at most
+        segments = [(start - pad[0], n_valid, start, n_valid, None)
+                    for start, n_valid in zip(pad, valid) if n_valid > 0]
+    else:
+        segments = _cp_segments(pad, lengths, valid, causal, cp, cp_rank)
 
-    groups = [_plan_group(g, causal, cp, device) for g in _bucket(segments)]
+    groups = [_plan_group(g, causal, cp, device, key_block) for g in _bucket(segments)]
     padded_rows = sum(g.size * g.max_q for g in groups)
     src = torch.full((t_local,), padded_rows, dtype=torch.long)  # default: the zero row after the groups
     offset = 0
@@ -339,10 +334,30 @@ def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_lo
     return _THDPlan(groups, src.to(device), zero_row, kv_perm)
 
 
-def _plan_group(group, causal: bool, cp: int, device: torch.device) -> _Group:
+def _cp_segments(pad: list, lengths: list, valid: list, causal: bool, cp: int, cp_rank: int) -> list:
+    """Segments of a CP rank: two chunks of each sequence (megatron's load-balanced layout), valid prefix only."""
+    segments = []
+    q_start = 0
+    for i, (length, n_valid) in enumerate(zip(lengths, valid)):
+        n_local = length // cp
+        c = length // (2 * cp)
+        chunks = (c, c * cp_rank, c * (2 * cp - 1 - cp_rank))
+        # positions ascend over the local rows, so the valid rows are a prefix
+        n_q = min(c, max(0, n_valid - chunks[1])) + min(c, max(0, n_valid - chunks[2]))
+        if n_q > 0:
+            last_pos = chunks[1] + n_q - 1 if n_q <= chunks[0] else chunks[2] + n_q - 1 - chunks[0]
+            n_k = min(n_valid, last_pos + 1) if causal else n_valid
+            segments.append((q_start, n_q, pad[i], n_k, chunks))
+        q_start += n_local
+    return segments
+
+
+def _plan_group(group, causal: bool, cp: int, device: torch.device, key_block: int = 1) -> _Group:
     n_q = torch.tensor([g[1] for g in group])
     n_k = torch.tensor([g[3] for g in group])
     max_q, max_k = int(n_q.max()), int(n_k.max())
+    if cp == 1 and causal and max_q > 1:  # is_causal: a query never sees a key slot past its own position
+        max_k = _padded_keys(max_k, key_block)
     ar_q, ar_k = torch.arange(max_q), torch.arange(max_k)
     q_valid = ar_q[None, :] < n_q[:, None]  # [G, Mq]
     k_valid = ar_k[None, :] < n_k[:, None]
@@ -370,13 +385,42 @@ def _plan_group(group, causal: bool, cp: int, device: torch.device) -> _Group:
                   is_causal=is_causal, flat_valid=flat_valid, dest=q_idx.flatten()[flat_valid])
 
 
+def _padded_keys(n: int, block: int) -> int:
+    """``n`` rounded up to a multiple of ``block`` when the tail fills at least half a block."""
+    tail = n % block
+    return n + block - tail if tail and 2 * tail >= block else n
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _key_block(device: torch.device, dtype: torch.dtype) -> int:
+    """How many key slots the SDPA kernel of ``device`` handles at full speed in one block.
+
+    torch's CPU flash-attention kernel runs the key dimension in vector blocks and the rest
+    of it one element at a time; with AVX-512 (16 floats) a float32 causal call over 11 keys
+    takes 1.7x one over 16 (forward, 256 sequences, 4/2 heads of 16; forward + backward
+    1.2x), and a tail of half a block or more is cheaper padded than run alone (measured
+    from 1 to 130 keys; a tail under a quarter is dearer padded). Padded key slots repeat
+    a real row and lie past every real query's position, so the causal mask drops them;
+    only the summation order inside the kernel changes (results equal to ~1 ulp).
+    Measured for float32 on AVX-512 only: elsewhere 1 (no padding).
+    """
+    if device.type == "cpu" and dtype == torch.float32 and _cpu_capability() == "AVX512":
+        return 16
+    return 1
+
+
 def _bucket(segments, slack: float = 1.25, call_cost: int = 2048):
     """Group sequences into SDPA calls: padding waste for fewer kernel launches.
 
     Sorted by key length; a sequence joins the current bucket while the padded
     score area stays within ``slack`` x the real area plus ``call_cost`` score
     entries per sequence merged (the rough price of one extra SDPA call on CPU).
-    Only speed depends on this; values do not.
+    Only speed depends on this, and values only to the kernel's rounding (a longer padded
+    row sums its zero-weighted slots in another order: ~1 ulp).
     """
     order = sorted(segments, key=lambda g: (g[3], g[1]), reverse=True)
     buckets, current, real_area, max_q = [], [], 0, 0

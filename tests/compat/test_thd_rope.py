@@ -45,10 +45,12 @@ def test_patched_thd_rope_is_bitwise_megatrons(rope, cp, offsets, interleaved, r
     rows = int(cu[-1]) if offsets else max(lengths)
     freqs = torch.randn(rows, 1, 1, rot_dim, generator=g) * 3
     for rank in range(cp):
-        t = torch.randn(int(cu[-1]) // cp, 4, 16, generator=g).to(dtype)
+        t = torch.randn(int(cu[-1]) // cp, 4, 16, generator=g).to(dtype).requires_grad_()
         want = original(t, cu, freqs, interleaved, False, 1.0, _Group(cp, rank))
         got = patched(t, cu, freqs, rotary_interleaved=interleaved, mscale=1.0, cp_group=_Group(cp, rank))
         assert got.dtype == want.dtype and torch.equal(got, want)
+        upstream = torch.randn(want.shape, generator=g).to(dtype)  # and the gradient, bit for bit
+        assert torch.equal(*(torch.autograd.grad(out, t, upstream)[0] for out in (got, want)))
 
 
 def test_shapes_megatron_would_reject_still_reach_megatron(rope):

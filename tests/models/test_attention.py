@@ -272,3 +272,45 @@ def test_thd_plan_is_built_once_per_micro_batch():
     assert _THD_PLANS.builds == before + 1 and torch.equal(first, again)
     fresh = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu.clone()))
     assert _THD_PLANS.builds == before + 2 and torch.equal(first, fresh)
+
+
+def test_key_padding_rule_and_plan():
+    """Keys are padded to the CPU kernel's vector block only when the tail fills half a block, and only
+    where the causal mask drops the padded slots (no CP); every real query still sees exactly its keys."""
+    from megatron_rl.models.attention import _padded_keys, _plan_thd
+
+    assert [_padded_keys(n, 16) for n in (7, 8, 11, 15, 16, 17, 23, 24, 33)] == [7, 16, 16, 16, 16, 17, 23, 32, 33]
+    assert [_padded_keys(n, 1) for n in (1, 7, 11)] == [1, 7, 11]
+    cu = cu_of([11, 9, 11, 3])
+    params = cp_utils.make_packed_seq_params(cu)
+    cpu = torch.device("cpu")
+    causal = _plan_thd(params, True, 1, 0, int(cu[-1]), cpu, key_block=16)
+    plain = _plan_thd(params, True, 1, 0, int(cu[-1]), cpu, key_block=1)
+    assert [(g.max_q, g.max_k) for g in causal.groups] == [(g.max_q, 16 if g.max_q >= 8 else g.max_k)
+                                                           for g in plain.groups]
+    assert torch.equal(causal.src, plain.src)
+    no_mask = _plan_thd(params, False, 1, 0, int(cu[-1]), cpu, key_block=16)
+    assert all(g.max_k == g.max_q for g in no_mask.groups)  # without the causal mask a padded key would be seen
+
+
+@pytest.mark.parametrize("lengths", [[11, 9, 11, 3, 1], [13, 5, 8, 12, 12, 2], [24, 20, 31, 17]])
+def test_padded_keys_change_no_value_beyond_rounding(monkeypatch, lengths):
+    """The same THD forward and backward with and without key padding: equal up to fp32 rounding (the
+    kernel sums over a longer, zero-weighted block), and both equal the per-sequence fp64 reference."""
+    import megatron_rl.models.attention as attention
+
+    cu = cu_of(lengths)
+    q, k, v = rand_qkv(int(cu[-1]), seed=9)
+    results = []
+    for block in (16, 1):
+        monkeypatch.setattr(attention, "_key_block", lambda device, dtype, block=block: block)
+        attention._THD_PLANS.clear()
+        out = make_attn()(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+        results.append((out, grads(out, seeded_like(out), q, k, v)))
+    attention._THD_PLANS.clear()
+    (padded, padded_grads), (plain, plain_grads) = results
+    torch.testing.assert_close(padded, plain, rtol=0, atol=2e-6)
+    for a, b in zip(padded_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    ref = torch.cat([ref_attention(q[a:b], k[a:b], v[a:b], True) for a, b in zip(cu[:-1], cu[1:])])
+    torch.testing.assert_close(padded, ref, **TOL)
