@@ -410,6 +410,11 @@ class RolloutConfig:
     rollout_stop_token_ids: list = flag([], "Extra stop token ids (the tokenizer's EOS always stops).",
                                         type=int, nargs="*")
     rollout_seed: int = flag(42, "Base seed for sampling.")
+    rollout_abort_retries: int = flag(2, "A prompt group with a sample the engine aborted (finish_reason abort: "
+                                      "cut short by an /abort_request or a pause in abort mode) is generated "
+                                      "again, whole, with new seeds, at most this many times; still aborted, the "
+                                      "rollout stops naming the prompt and the engine's message. Aborted samples "
+                                      "are never trained on. 0: no retry.")
     use_fault_tolerance: bool = flag(False, "Restart a launched SGLang engine whose process dies, sync the "
                                      "current weights into it and generate the failed rollout again (at most 3 "
                                      "restarts a run); without it the run stops naming the engine and its log. "

@@ -55,6 +55,8 @@ def _check_positive(errors: list[str], cfg: Config) -> None:
     ]:
         if value is not None and value < 1:
             errors.append(f"{flag} {value} must be >= 1 (or left unset)")
+    if cfg.rollout.rollout_abort_retries < 0:
+        errors.append(f"--rollout-abort-retries {cfg.rollout.rollout_abort_retries} must be >= 0 (0: no retry)")
 
 
 def _check_parallel(errors: list[str], cfg: Config) -> None:

@@ -312,43 +312,53 @@ def export_slot(bridge, slot: ParamSlot, names: list[str], copy: bool = True) ->
 
 
 def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model, on every rank (collective: TP/EP gathers, PP broadcasts).
+
+    Order: the non-expert tensors of every stage (stage by stage), then the experts of every
+    stage. The dense part is what every engine rank loads whole; the experts, gathered over
+    the EP group here, are EP-sharded on the engine side too, and a receiver that updates
+    them separately (as slime's distributed route does) gets them as one contiguous tail.
+    """
     from megatron.core import parallel_state as ps
 
     items = _stage_items(bridge, model_chunks)
+    phases = ([it for it in items if not it[0].is_expert], [it for it in items if it[0].is_expert])
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
-        yield from _produce(bridge, items)
+        for phase in phases:
+            yield from _produce(bridge, phase)
         return
     shapes = bridge.hf_param_shapes()
-    my_meta = [(name, tuple(shapes[name]), str(slot.param.dtype).replace("torch.", ""))
-               for slot, names in items for name in names]
+    my_meta = [[(name, tuple(shapes[name]), str(slot.param.dtype).replace("torch.", ""))
+                for slot, names in phase for name in names] for phase in phases]
     pp_group = ps.get_pipeline_model_parallel_group()
     all_meta = [None] * pp_size
     torch.distributed.all_gather_object(all_meta, my_meta, group=pp_group)
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
     my_stage = ps.get_pipeline_model_parallel_rank()
     device = items[0][0].param.device if items else torch.device("cpu")
-    for stage in range(pp_size):
-        producer = _produce(bridge, items) if stage == my_stage else None
-        for bucket in _buckets(all_meta[stage], bucket_bytes):
-            dtype = getattr(torch, bucket[0][2])
-            if producer is not None:
-                parts = []
+    for phase_index, phase in enumerate(phases):
+        for stage in range(pp_size):
+            producer = _produce(bridge, phase) if stage == my_stage else None
+            for bucket in _buckets(all_meta[stage][phase_index], bucket_bytes):
+                dtype = getattr(torch, bucket[0][2])
+                if producer is not None:
+                    parts = []
+                    for name, shape, _ in bucket:
+                        got_name, tensor = next(producer)
+                        if got_name != name or tuple(tensor.shape) != tuple(shape):
+                            raise BridgeError(f"export order mismatch on stage {stage}: expected {name} {shape}, "
+                                              f"produced {got_name} {tuple(tensor.shape)}")
+                        parts.append(tensor.reshape(-1))
+                    flat = torch.cat(parts)
+                else:
+                    flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=dtype, device=device)
+                torch.distributed.broadcast(flat, src=pp_ranks[stage], group=pp_group)
+                offset = 0
                 for name, shape, _ in bucket:
-                    got_name, tensor = next(producer)
-                    if got_name != name or tuple(tensor.shape) != tuple(shape):
-                        raise BridgeError(f"export order mismatch on stage {stage}: expected {name} {shape}, "
-                                          f"produced {got_name} {tuple(tensor.shape)}")
-                    parts.append(tensor.reshape(-1))
-                flat = torch.cat(parts)
-            else:
-                flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=dtype, device=device)
-            torch.distributed.broadcast(flat, src=pp_ranks[stage], group=pp_group)
-            offset = 0
-            for name, shape, _ in bucket:
-                n = _numel(shape)
-                yield name, flat[offset:offset + n].view(shape)
-                offset += n
-        if producer is not None:
-            for leftover in producer:
-                raise BridgeError(f"export produced unexpected tensor {leftover[0]} on stage {stage}")
+                    n = _numel(shape)
+                    yield name, flat[offset:offset + n].view(shape)
+                    offset += n
+            if producer is not None:
+                for leftover in producer:
+                    raise BridgeError(f"export produced unexpected tensor {leftover[0]} on stage {stage}")

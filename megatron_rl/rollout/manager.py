@@ -19,10 +19,17 @@ masked: their rollout log-probs are those of the weights that generated each tok
 lag; without either they are trained as if on-policy. Dropping them would bias the batch
 towards short responses (the ones that finished before an update). They are counted each
 rollout, so a run that trains off-policy says so in its metrics.
+
+Aborted samples (finish_reason "abort": cut short by an /abort_request or a pause in abort
+mode) are a different matter: their response is not what the policy would have finished, so
+they are never trained on. Their groups are generated again (``_generate_complete``,
+``--rollout-abort-retries``), and ``rollout/aborted_samples`` / ``rollout/abort_retried_groups``
+count what happened.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import time
@@ -31,7 +38,7 @@ from typing import Optional
 import torch
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.atomic import atomic_write_bytes
 from megatron_rl.rollout.rewards import compute_rewards
 from megatron_rl.rollout.rollout_ckpt import capture_rng_state, restore_rng_state
@@ -69,17 +76,35 @@ def load_rollout(path: str) -> list[Sample]:
     return [Sample(**d) for d in data["samples"]]
 
 
+def _still_aborted(requests, samples: list[Sample], groups: list[int], n: int, retries: int) -> str:
+    """The error of groups still aborted after ``retries`` retries: which prompts, and what the server said."""
+    parts = []
+    for g in groups[:4]:
+        req = requests[g]
+        where = ", ".join(f"{k} {req.metadata[k]}" for k in ("prompt_index", "line") if k in req.metadata)
+        messages = sorted({str(s.metadata.get("finish_message") or "no message")
+                           for s in samples[g * n:(g + 1) * n] if s.finish_reason == "abort"})
+        parts.append(f"group {req.group_index} ({where or 'no index'}; {len(req.prompt_ids)} prompt tokens): "
+                     f"{'; '.join(messages)}")
+    more = f" and {len(groups) - 4} more group(s)" if len(groups) > 4 else ""
+    return (f"rollout: {len(groups)} prompt group(s) still had aborted samples after {retries} retr"
+            f"{'y' if retries == 1 else 'ies'} (--rollout-abort-retries); aborted samples are never trained on. "
+            + " | ".join(parts) + more + ". SGLang answers a row with finish_reason abort (HTTP 200) when "
+            "someone aborts it (/abort_request, or /pause_generation in abort mode): another trainer, a router or "
+            "an operator sharing the engine; its log shows the aborts. Raise --rollout-abort-retries to ride "
+            "them out")
+
+
 def weight_version_metrics(samples: list[Sample], current_version: int) -> dict[str, float]:
     """How on-policy a rollout is (see the module docstring): ``rollout/stale_samples`` (samples whose weight
     version differs from ``current_version``, the engine's at the end of the rollout), the versions' range
-    ``rollout/weight_version_min`` / ``_max``, ``rollout/mixed_version_samples`` (an update landed mid-sample)
-    and ``rollout/aborted_samples`` (finish_reason "abort": cut short, e.g. by a pause for a weight update)."""
+    ``rollout/weight_version_min`` / ``_max`` and ``rollout/mixed_version_samples`` (an update landed
+    mid-sample). Aborted samples never get here: ``RolloutManager`` generates their groups again."""
     versions = [int(s.weight_version) for s in samples]
     return {"rollout/stale_samples": float(sum(v != current_version for v in versions)),
             "rollout/weight_version_min": float(min(versions)),
             "rollout/weight_version_max": float(max(versions)),
-            "rollout/mixed_version_samples": float(sum("weight_version_spans" in s.metadata for s in samples)),
-            "rollout/aborted_samples": float(sum(s.finish_reason == "abort" for s in samples))}
+            "rollout/mixed_version_samples": float(sum("weight_version_spans" in s.metadata for s in samples))}
 
 
 class RolloutManager:
@@ -93,8 +118,36 @@ class RolloutManager:
         self.eval_dataset = next(iter(sets.values())) if len(sets) == 1 else None
         self.reward_fn = reward_fn
 
+    def _generate_complete(self, requests, sampling) -> list[Sample]:
+        """The engine's samples of ``requests`` (request-major, ``sampling.n`` each) with no aborted one.
+
+        A group with an aborted sample (finish_reason "abort": cut short by an abort or a pause) is
+        generated again, whole (its samples are compared with each other),
+        with seeds of its own, up to ``--rollout-abort-retries`` times; a group still aborted then
+        stops the rollout naming the prompt and the server's message. Training on a cut-short
+        response would score it as if finished, and its reward would move its group's baseline.
+        Sets ``last_aborted`` (aborted samples seen, retries included) and ``last_retried_groups``.
+        """
+        samples = list(self.engine.generate(requests, sampling))
+        n, retries = sampling.n, self.cfg.rollout.rollout_abort_retries
+        self.last_aborted = self.last_retried_groups = 0
+        for attempt in range(1, retries + 2):
+            aborted = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
+            if not aborted:
+                break
+            self.last_aborted += len(aborted)
+            groups = sorted({i // n for i in aborted})
+            if attempt > retries:
+                raise EngineError(_still_aborted(requests, samples, groups, n, retries))
+            seed = None if sampling.seed is None else sampling.seed + 1_000_003 * attempt
+            again = self.engine.generate([requests[g] for g in groups], dataclasses.replace(sampling, seed=seed))
+            for k, g in enumerate(groups):
+                samples[g * n:(g + 1) * n] = again[k * n:(k + 1) * n]
+            self.last_retried_groups += len(groups)
+        return samples
+
     def _run(self, requests, sampling) -> list[Sample]:
-        samples = self.engine.generate(requests, sampling)
+        samples = self._generate_complete(requests, sampling)
         tok = getattr(self.engine, "tokenizer", None)
         for s in samples:
             if s.response_text is None and tok is not None:
@@ -121,6 +174,8 @@ class RolloutManager:
                    "perf/reward_s": self.last_reward_s,
                    "rollout/weight_version": float(samples[0].weight_version)}
         metrics.update(weight_version_metrics(samples, self.engine.weight_version))  # kept, counted
+        metrics["rollout/aborted_samples"] = float(self.last_aborted)  # generated again, never trained on
+        metrics["rollout/abort_retried_groups"] = float(self.last_retried_groups)
         return samples, metrics
 
     # ---- what generating a rollout advances (saved with it in rollout_ckpts/, see rollout_ckpt.py) ----

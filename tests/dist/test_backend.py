@@ -23,7 +23,7 @@ LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size
            "--use-distributed-optimizer",
            "--use-dynamic-batch-size,--max-tokens-per-gpu=24",
            "--recompute-granularity=full", "--recompute-granularity=selective"]
-MOE_LAYOUTS = ["", "--expert-model-parallel-size=2"]  # qwen3_moe: DP2 and EP2 vs one process
+MOE_LAYOUTS = ["", "--expert-model-parallel-size=2", "--pipeline-model-parallel-size=2"]  # qwen3_moe vs 1 process
 # bf16 params with fp32 main params (megatron's Float16Module + mixed-precision optimizer)
 BF16_LAYOUTS = ["--bf16", "--bf16,--use-distributed-optimizer"]
 FOUR_RANK_LAYOUTS = ["--tensor-model-parallel-size=2,--pipeline-model-parallel-size=2",
@@ -102,6 +102,11 @@ def test_layout_matches_single_process(runs, layout):
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_layout_matches_single_process(moe_runs, layout):
     _compare(*moe_runs[1:], layout)
+    # the export (what every weight-sync transport sends) gives the dense tensors of every stage first,
+    # then the experts: the saved dicts keep the export's order
+    names = list(torch.load(moe_runs[4] / f"{layout or 'base'}_step0.pt"))
+    first_expert = next(i for i, n in enumerate(names) if ".mlp.experts." in n)
+    assert all(".mlp.experts." in n for n in names[first_expert:]), names
 
 
 @pytest.mark.slow

@@ -133,6 +133,7 @@ class Faults:
     drop: Counter = field(default_factory=Counter)  # path -> requests to answer by closing the connection
     die_on: Optional[str] = None  # path whose arrival kills the server
     die_mid_bucket: Optional[int] = None  # tensors the next distributed update receives before the server dies
+    abort_rows: int = 0  # the next this many generate rows come back aborted, as after another client's /abort_request
 
 
 _DIE = object()  # a handler's reply meaning: the server dies with this request unanswered
@@ -360,6 +361,12 @@ class SGLangStandIn:
         if not prompt:
             raise ValueError("input_ids is empty")
         if pending.aborted.is_set():
+            return _row("", [], [], {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+                        pending.rid, len(prompt), self.weight_version, tic)
+        with self._state_lock:
+            refuse = self.faults.abort_rows > 0
+            self.faults.abort_rows -= refuse
+        if refuse:  # SGLang 0.5.23 answers HTTP 200 only for an abort without a status code (/abort_request)
             return _row("", [], [], {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
                         pending.rid, len(prompt), self.weight_version, tic)
         temperature = float(sp.get("temperature", 1.0))

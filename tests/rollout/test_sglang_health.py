@@ -301,15 +301,47 @@ def test_distributed_sync_is_wrapped_in_pause_and_continue_and_flushes_with_its_
             engine.close()
 
 
-def test_stale_samples_are_kept_and_counted_per_rollout(model, weights, tmp_path):
-    """An update lands while a rollout is generating: the pause aborts its rows, which keep the version that
-    generated them (0) while the engine ends the rollout at 1: counted stale (and aborted), not dropped."""
+def test_a_generate_during_an_update_waits_on_another_thread_and_is_refused_on_the_updating_one(model, tmp_path):
+    with SGLangStandIn(model) as server:
+        engine = make_engine(server, tmp_path, update_timeout_s=10)
+        try:
+            engine.begin_update(1)
+            with pytest.raises(EngineError, match="update to version 1 has begun"):  # it would wait on itself
+                engine.generate(REQUESTS, GREEDY)
+            result = {}
+            waiting = threading.Thread(target=lambda: result.update(out=engine.generate(REQUESTS, GREEDY)))
+            waiting.start()
+            time.sleep(0.3)
+            assert waiting.is_alive() and "out" not in result  # held until the update ends
+            engine.end_update()
+            waiting.join(10)
+            assert len(result["out"]) == 2
+            engine.update_timeout_s = 0.3
+            engine.begin_update(1)
+            failed = threading.Thread(target=lambda: result.update(err=pytest.raises(EngineError, engine.generate,
+                                                                                      REQUESTS, GREEDY)))
+            failed.start()
+            failed.join(10)
+            assert "begun by another thread has not ended within 0.3 s" in str(result["err"].value)
+            engine.end_update()
+        finally:
+            engine.close()
+
+
+def _manager(model, tmp_path, engine, reward, *extra):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(4)))
     cfg = parse_config(["--hf-checkpoint", model, "--prompt-data", str(prompts_file), "--rollout-batch-size", "2",
-                        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3"])
+                        "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3", *extra])
     prompts = PromptIterator(PromptDataset(cfg.data.prompt_data), rollout_batch_size=2, n_samples_per_prompt=2,
                              shuffle=False, seed=1)
+    return RolloutManager(cfg, engine, prompts, reward)
+
+
+def test_rows_aborted_by_an_update_are_generated_again_with_the_new_weights(model, weights, tmp_path):
+    """An update lands while a rollout is generating: its pause aborts the rows; their groups are generated
+    again (the retry waits for the other thread's update to end), so nothing cut short is trained on and every
+    sample comes from version 1; the aborts are counted."""
     updated = threading.Event()
 
     def reward(samples):
@@ -318,27 +350,61 @@ def test_stale_samples_are_kept_and_counted_per_rollout(model, weights, tmp_path
 
     with SGLangStandIn(model) as server:
         engine = make_engine(server, tmp_path)
-        manager = RolloutManager(cfg, engine, prompts, reward)
+        manager = _manager(model, tmp_path, engine, reward)
         result = {}
         try:
             server.faults.delay_s["/generate:row"] = 30.0
             rollout = threading.Thread(target=lambda: result.update(out=manager.generate(0)))
             rollout.start()
             wait_for(lambda: server.pending_count() > 0)
+            server.faults.delay_s.pop("/generate:row")  # the pending rows keep their 30 s; the retries run at once
             engine.update_weights(weights.items(), 1)
-            server.faults.delay_s.pop("/generate:row")
             updated.set()
-            rollout.join(10)
+            rollout.join(20)
             samples, metrics = result["out"]
-            assert len(samples) == 4 and {s.weight_version for s in samples} == {0}
-            assert metrics["rollout/stale_samples"] == 4.0 and metrics["rollout/aborted_samples"] == 4.0
-            assert (metrics["rollout/weight_version_min"], metrics["rollout/weight_version_max"]) == (0.0, 0.0)
-            assert metrics["rollout/mixed_version_samples"] == 0.0
-            samples, metrics = manager.generate(1)  # the next rollout, all from version 1
-            assert metrics["rollout/stale_samples"] == 0.0 and metrics["rollout/aborted_samples"] == 0.0
-            assert metrics["rollout/weight_version_min"] == metrics["rollout/weight_version_max"] == 1.0
+            assert [s.group_index for s in samples] == [0, 0, 1, 1]
+            assert {s.finish_reason for s in samples} <= {"stop", "length"}
+            assert {s.weight_version for s in samples} == {1}
+            assert metrics["rollout/aborted_samples"] == 4.0 and metrics["rollout/abort_retried_groups"] == 2.0
+            assert metrics["rollout/stale_samples"] == 0.0 and metrics["rollout/mixed_version_samples"] == 0.0
+            samples, metrics = manager.generate(1)  # the next rollout: nothing aborted
+            assert metrics["rollout/aborted_samples"] == metrics["rollout/abort_retried_groups"] == 0.0
         finally:
             updated.set()
+            engine.close()
+
+
+def test_a_group_with_an_aborted_sample_is_generated_again_whole_in_place(model, tmp_path):
+    with SGLangStandIn(model) as server:
+        engine = make_engine(server, tmp_path)
+        manager = _manager(model, tmp_path, engine, lambda samples: [0.0] * len(samples))
+        try:
+            server.faults.abort_rows = 1  # the first row of the first group: that group (both samples) again
+            served = len(server.rids_served)
+            samples, metrics = manager.generate(0)
+            assert [s.group_index for s in samples] == [0, 0, 1, 1]
+            assert [s.metadata["prompt_index"] for s in samples] == [0, 0, 1, 1]
+            assert all(s.finish_reason != "abort" and s.response_ids for s in samples)
+            assert metrics["rollout/aborted_samples"] == 1.0 and metrics["rollout/abort_retried_groups"] == 1.0
+            assert len(server.rids_served) - served == 4 + 2  # the rollout, then one group of 2 again
+        finally:
+            engine.close()
+
+
+def test_a_group_still_aborted_after_its_retries_stops_the_rollout_naming_prompt_and_message(model, tmp_path):
+    with SGLangStandIn(model) as server:
+        engine = make_engine(server, tmp_path)
+        manager = _manager(model, tmp_path, engine, lambda samples: [0.0] * len(samples),
+                           "--rollout-abort-retries", "1")
+        try:
+            server.faults.abort_rows = 4 + 4  # every row of the rollout and of its one retry
+            with pytest.raises(EngineError) as err:
+                manager.generate(0)
+            text = str(err.value)
+            assert "2 prompt group(s) still had aborted samples after 1 retry (--rollout-abort-retries)" in text
+            assert "group 0 (prompt_index 0, line 1; 3 prompt tokens): Aborted | group 1 (prompt_index 1" in text
+            assert "/abort_request" in text and "--rollout-abort-retries" in text
+        finally:
             engine.close()
 
 
@@ -351,7 +417,7 @@ def test_weight_version_metrics_count_mixed_and_stale_samples():
     samples = [sample(3), sample(2, spans=[[2, 0, 1], [3, 1, 2]]), sample(1, finish="abort"), sample(3)]
     assert weight_version_metrics(samples, current_version=3) == {
         "rollout/stale_samples": 2.0, "rollout/weight_version_min": 1.0, "rollout/weight_version_max": 3.0,
-        "rollout/mixed_version_samples": 1.0, "rollout/aborted_samples": 1.0}
+        "rollout/mixed_version_samples": 1.0}
 
 
 def test_constructor_refuses_what_it_cannot_honour():

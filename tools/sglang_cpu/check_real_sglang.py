@@ -327,6 +327,58 @@ class Checks:
                   "return_logprob": True})
         return [s.rollout_logprobs for s in samples]
 
+    def long_prompts(self) -> None:
+        """Prompts near and past the context length: SGLang 0.5.23 refuses both with a 400 (an abort
+        carrying a status code becomes an HTTP error), so no cut-short sample reaches the rollout."""
+        from megatron_rl.errors import EngineError
+
+        r = self.r
+        context = int(self.hf.config.max_position_embeddings)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
+        for n, words in ((context - 3, "exceeds the maximum allowed length"), (context, "context length")):
+            prompt = [3 + i % 20 for i in range(n)]
+            try:
+                samples = self.engine.generate([GenerateRequest(prompt, 0)], sampling)
+                r.check(f"a prompt of {n} tokens (context {context}): refused with a 400 naming it", False,
+                        f"answered {samples[0].finish_reason}: {samples[0].metadata}")
+            except EngineError as exc:
+                r.check(f"a prompt of {n} tokens (context {context}): refused with a 400 naming it",
+                        getattr(exc, "status", None) == 400 and words in str(exc), str(exc)[:300])
+
+    def aborted_rows_retried(self) -> None:
+        """Rows aborted by /abort_request (HTTP 200, finish_reason abort): the rollout generates their
+        groups again and keeps no cut-short sample."""
+        import types
+
+        from megatron_rl.rollout.manager import RolloutManager
+
+        r = self.r
+        cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(rollout_abort_retries=2))
+        manager = RolloutManager(cfg, self.engine, prompts=None, reward_fn=None)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=self.args.long_tokens, ignore_eos=True, n=2)
+        requests = self.requests(self.prompts[:2])
+        result: dict[str, Any] = {}
+
+        def run():
+            try:
+                result["samples"] = manager._generate_complete(requests, sampling)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(self.args.interrupt_after_s)
+        self.client.abort_request(abort_all=True)
+        self._join(thread, result, "abort_request(abort_all) under the rollout's retry", timeout_s=300)
+        samples = result["samples"]
+        r.check("rows aborted by /abort_request: their groups generated again, every sample finished",
+                manager.last_aborted == 4 and manager.last_retried_groups == 2
+                and [s.group_index for s in samples] == [0, 0, 1, 1]
+                and all(s.finish_reason == "length" and len(s.response_ids) == self.args.long_tokens
+                        for s in samples),
+                f"aborted {manager.last_aborted}, groups again {manager.last_retried_groups}, reasons "
+                f"{[s.finish_reason for s in samples]}")
+
     def seeded(self) -> None:
         """SGLang honours sampling_seed only with --enable-deterministic-inference (GPU attention backends
         only), so on this route seeded rows are not reproducible; the engine must say so once."""
@@ -1022,7 +1074,7 @@ def main(argv=None) -> int:
         probe.close()
 
         checks = Checks(report, server, server.model, args)
-        steps = [("generation", None), ("seeded", None), ("disk_updates", "first"), ("sharded_disk", "first"),
+        steps = [("generation", None), ("long_prompts", None), ("aborted_rows_retried", None), ("seeded", None), ("disk_updates", "first"), ("sharded_disk", "first"),
                  ("router", None), ("control", None),
                  ("abort_flush_pause", None), ("tensor_updates", "first"), ("tensor_transport", "first"),
                  ("distributed_updates", "first")]

@@ -144,6 +144,8 @@ class SGLangEngine(RolloutEngine):
         self._incomplete_reason = _FAILED_UPDATE  # what generate says while _weights_loaded is False
         self._state_lock = threading.Lock()  # _paused is changed from the pool's threads
         self._update_version: Optional[int] = None  # between begin_update and end_update
+        self._update_thread: Optional[int] = None  # the thread that began it
+        self._update_ended = threading.Condition()  # notified by end_update
         self._paused: set[str] = set()  # servers this engine paused and has not continued yet
         self._no_pause: set[str] = set()  # servers without /pause_generation (404): nothing to pause there
         self._monitor = HealthMonitor(urls, interval_s=health_interval_s, timeout_s=health_timeout_s,
@@ -346,7 +348,21 @@ class SGLangEngine(RolloutEngine):
         self._map(lambda c: c.abort_request(abort_all=True), self.clients)
 
     # ------------------------------------------------------------- generation
+    def _wait_for_update_elsewhere(self) -> None:
+        """A generate while another thread's weight update is in flight (an async rollout, or an abort's
+        retry) waits for it to end, at most ``update_timeout_s``; on the updating thread itself it would
+        wait forever (the servers stay paused until that thread ends the update), so it is refused."""
+        with self._update_ended:
+            if self._update_version is None or self._update_thread == threading.get_ident():
+                return
+            version = self._update_version
+            if not self._update_ended.wait_for(lambda: self._update_version is None, timeout=self.update_timeout_s):
+                raise EngineError(f"SGLang engine cannot generate: the weight update to version {version} begun by "
+                                  f"another thread has not ended within {self.update_timeout_s:g} s (its transport "
+                                  "is stuck or died without end_update())")
+
     def _check_can_generate(self) -> None:
+        self._wait_for_update_elsewhere()
         if self._released:
             raise EngineError("SGLang engine cannot generate: released: call resume()")
         self._check_servers("generate")
@@ -432,6 +448,8 @@ class SGLangEngine(RolloutEngine):
                 metadata = dict(req.metadata)
                 if len(out.weight_version_spans) > 1:  # an update landed while this row was generating
                     metadata["weight_version_spans"] = [list(span) for span in out.weight_version_spans]
+                if out.finish_reason == "abort" and out.finish_message:
+                    metadata["finish_message"] = out.finish_message  # why the server aborted it
                 samples.append(Sample(
                     group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.output_ids,
                     rollout_logprobs=out.logprobs, finish_reason=out.finish_reason, weight_version=out.weight_version,
@@ -497,7 +515,8 @@ class SGLangEngine(RolloutEngine):
         self._check_update(version)
         self._check_servers(f"update weights to version {version}", for_update=True)
         self._monitor.pause("update")
-        self._update_version = version
+        with self._update_ended:
+            self._update_version, self._update_thread = version, threading.get_ident()
         failures = [f for f in self._map(self._pause_server, self.clients) if f]
         if failures:
             self.end_update()
@@ -528,11 +547,13 @@ class SGLangEngine(RolloutEngine):
         listed as paused: ``generate`` retries it and refuses while it fails (never waits on it)."""
         if self._update_version is None and not self._paused:
             return
-        self._update_version = None
         try:
             self._continue_paused()
         finally:
             self._monitor.resume("update")
+            with self._update_ended:  # generates waiting on other threads go on (the servers run again)
+                self._update_version = self._update_thread = None
+                self._update_ended.notify_all()
 
     def _continue_paused(self) -> list[str]:
         def go(client: SGLangClient) -> Optional[str]:
