@@ -8,7 +8,8 @@
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
 #    checks generate/log-probs, disk, tensor and distributed (gloo) weight updates and the control
 #    endpoints through megatron_rl's SGLangEngine/SGLangClient/DistributedSynchronizer, then runs
-#    `python -m megatron_rl.train` against it once per transport (--e2e-transports disk distributed).
+#    `python -m megatron_rl.train` against it once per transport (--e2e-transports disk distributed
+#    distributed-pp2: the last on 2 torchrun ranks with 2 pipeline stages).
 # Writes figures.json, check.log, server.log under --out (default /tmp/sglang_real).
 # Exit: 0 all checks passed, 1 a check failed, 2 the server could not be started or set up.
 set -euo pipefail

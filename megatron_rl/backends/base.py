@@ -73,6 +73,28 @@ class TrainBatch:
     plan: Optional[MicroBatchPlan] = None  # the step's plan when already made (RolloutPlan.steps)
 
 
+@dataclass(frozen=True)
+class ExportScope:
+    """Who holds which full HF tensors when the export runs per pipeline stage (``stage_only``).
+
+    After the TP/EP gathers every rank of a stage holds its stage's full tensors, so one rank per
+    stage can send them (a weight transport with one sender per stage: no hop through the PP
+    group to a single sender). ``sources[s]`` is the global rank that sends stage ``s`` (its
+    data-, tensor- and context-parallel rank 0); with one stage the driver sends everything.
+    """
+
+    stages: int
+    stage: int  # this rank's
+    sources: tuple[int, ...]
+
+    @property
+    def is_source(self) -> bool:
+        import torch.distributed as dist  # lazy: a one-process scope needs no process group
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return self.sources[self.stage] == rank
+
+
 class RolloutPlan(NamedTuple):
     """How one rollout batch is trained (``TrainBackend.plan_rollout``).
 
@@ -275,8 +297,15 @@ class TrainBackend(abc.ABC):
         """Undo ``sleep`` before the next forward/train."""
 
     @abc.abstractmethod
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-layout tensors in buckets of about ``bucket_bytes`` (collective on all ranks)."""
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-layout tensors in buckets of about ``bucket_bytes`` (collective on all ranks).
+
+        ``stage_only``: only this rank's pipeline stage's tensors (collective within the stage; no
+        pipeline broadcast), for transports that send from every stage (``export_scope``)."""
+
+    def export_scope(self) -> ExportScope:
+        """The pipeline stages of the export and their senders (one stage: the driver, rank 0)."""
+        return ExportScope(stages=1, stage=0, sources=(0,))
 
     # ---- shared concretes -------------------------------------------------
 

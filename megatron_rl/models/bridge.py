@@ -446,8 +446,9 @@ class Bridge:
     def load_hf_weights(self, model_chunks, hf_dir: str | os.PathLike) -> None:
         weights.load_hf_weights(self, model_chunks, hf_dir)
 
-    def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes)
+    def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None,
+                          stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes, stage_only=stage_only)
 
 
 def read_hf_config(hf_dir_or_config) -> dict:

@@ -311,8 +311,10 @@ def export_slot(bridge, slot: ParamSlot, names: list[str], copy: bool = True) ->
     return _produce(bridge, [(slot, names)], copy)
 
 
-def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the model, on every rank (collective: TP/EP gathers, PP broadcasts).
+def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
+                      stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the model, on every rank (collective: TP/EP gathers, PP broadcasts); with
+    ``stage_only``, the tensors of this rank's pipeline stage only (TP/EP gathers, no broadcast).
 
     Order: the non-expert tensors of every stage (stage by stage), then the experts of every
     stage. The dense part is what every engine rank loads whole; the experts, gathered over
@@ -324,7 +326,7 @@ def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None) 
     items = _stage_items(bridge, model_chunks)
     phases = ([it for it in items if not it[0].is_expert], [it for it in items if it[0].is_expert])
     pp_size = ps.get_pipeline_model_parallel_world_size()
-    if pp_size == 1:
+    if pp_size == 1 or stage_only:
         for phase in phases:
             yield from _produce(bridge, phase)
         return

@@ -67,14 +67,19 @@ class ExportStream:
     (for ``--check-weight-update-equal``). The export is collective: every rank must run it to the end,
     through a consumer or ``drain()``."""
 
-    def __init__(self, backend: "TrainBackend", bucket_bytes: int, *, keep_copies: bool = False):
+    def __init__(self, backend: "TrainBackend", bucket_bytes: int, *, keep_copies: bool = False,
+                 stage_only: bool = False):
         self.bytes = self.tensors = self.buckets = 0
         self.sent: dict = {}
-        self._buckets = self._bucket_stream(backend, bucket_bytes, keep_copies)
+        self._buckets = self._bucket_stream(backend, bucket_bytes, keep_copies, stage_only)
         self._items = (item for bucket in self._buckets for item in bucket)
 
-    def _bucket_stream(self, backend, bucket_bytes, keep_copies):
-        for bucket in backend.export_weights(bucket_bytes):
+    def _bucket_stream(self, backend, bucket_bytes, keep_copies, stage_only):
+        # stage_only: this rank's pipeline stage (TrainBackend.export_scope); asked only then, so a
+        # backend double without the keyword still serves the whole-model transports
+        buckets = backend.export_weights(bucket_bytes, stage_only=True) if stage_only else \
+            backend.export_weights(bucket_bytes)
+        for bucket in buckets:
             bucket = list(bucket)
             self.buckets += 1
             for name, tensor in bucket:

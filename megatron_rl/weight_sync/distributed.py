@@ -26,6 +26,12 @@ returns only after the server received and loaded the bucket, so the tensors sta
 until then (slime#929). Afterwards every server's ``/model_info`` must report the version before
 the engine adopts it, as on the disk route.
 
+A pipeline-parallel trainer sends from every stage (``_sync_stages``): each stage's source rank
+(``TrainBackend.export_scope``) makes its own group with the servers and broadcasts its stage's
+tensors (``export_weights(stage_only=True)``), stage after stage; the driver still pauses, opens,
+ends and adopts, and the training ranks agree after every step, so a failure anywhere is every
+rank's error.
+
 Failure rule (the same as the disk route): once a bucket may have landed, a failure leaves the
 engine refusing to generate until a complete update (``SGLangEngine.mark_weights_incomplete``);
 the group is torn down (its state is unknown: a broadcast may be half done) and made afresh,
@@ -37,6 +43,7 @@ a server that refuses, dies or never joins is named at once or at the deadline, 
 from __future__ import annotations
 
 import atexit
+import datetime
 import itertools
 import logging
 import os
@@ -51,7 +58,7 @@ from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, with_
 from megatron_rl.weight_sync.update_group import BACKENDS, UpdateGroup, master_address_for
 
 if TYPE_CHECKING:
-    from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.backends.base import ExportScope, TrainBackend
     from megatron_rl.config.schema import Config
     from megatron_rl.rollout.base import RolloutEngine
 
@@ -63,6 +70,7 @@ _GRACE_S = 5.0  # after the trainer's side failed: how long the HTTP calls get t
 # server, comes first)
 _CLOSE_JOIN_S = 10.0  # teardown: the trainer's end of a broken group closes in the background past this
 _GROUP_SERIAL = itertools.count(1)  # every group this process makes gets a fresh name (a server may keep a dead one)
+_STAGE_WAIT_S = 1800.0  # one sender per stage: how long the training ranks wait for each other's step
 FLATTENED_SINCE = (0, 5, 19)  # the oldest SGLang read (0.5.19-0.5.23 wheels) whose distributed receive takes it
 
 
@@ -121,6 +129,12 @@ class DistributedSynchronizer(WeightSynchronizer):
         self.flattened = flattened
         self._flattened = False  # this group's servers take load_format="flattened_bucket" (one broadcast per bucket)
         self._atexit_registered = False
+        # one sender per pipeline stage (_sync_stages): the plan every rank got from the driver, this rank's
+        # group and clients when it sends a stage, and the gloo group of the training ranks' agreements
+        self._stage_plan: Optional[dict] = None
+        self._stage_own: Optional[UpdateGroup] = None
+        self._stage_clients: list[SGLangClient] = []
+        self._agree_group: Any = None
 
     @classmethod
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0, engines: Any = None) -> "DistributedSynchronizer":
@@ -134,6 +148,9 @@ class DistributedSynchronizer(WeightSynchronizer):
 
     # ---------------------------------------------------------------- the sync
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
+        scope = backend.export_scope() if hasattr(backend, "export_scope") else None
+        if scope is not None and scope.stages > 1:
+            return self._sync_stages(backend, engine, version, scope)
         t0 = time.perf_counter()
         exported = ExportStream(backend, self.bucket_bytes)
         timing = {"sync/connect_s": 0.0, "sync/broadcast_s": 0.0}
@@ -210,7 +227,9 @@ class DistributedSynchronizer(WeightSynchronizer):
 
         return "nccl" if torch.cuda.is_available() and all(d.startswith("cuda") for d in devices) else "gloo"
 
-    def _connect(self, engine: SGLangEngine) -> None:
+    def _server_layout(self, engine: SGLangEngine) -> dict:
+        """Read every server's ``/server_info``: its group ranks (offsets), the group's backend and whether it
+        takes flattened buckets; what every sender of the group needs (``_sync_stages`` broadcasts it)."""
         timeout = self._timeout(engine)
         clients = engine.clients
         layout = self._wait("reading /server_info of the SGLang servers", lambda: True, engine,
@@ -224,8 +243,16 @@ class DistributedSynchronizer(WeightSynchronizer):
         backend = self._choose_backend([d for _, d, _ in layout])
         supported = all(v is not None and v >= FLATTENED_SINCE for _, _, v in layout)
         flattened = supported and (self.flattened or (self.flattened is None and backend == "nccl"))
-        address = self.master_address or master_address_for(engine.urls)
-        name = f"megatron_rl_weights_{os.getpid()}_{next(_GROUP_SERIAL)}"
+        return {"urls": list(engine.urls), "ranks": ranks, "offsets": offsets, "world": world, "backend": backend,
+                "flattened": flattened, "supported": supported, "timeout": timeout,
+                "versions": [v and ".".join(map(str, v)) for _, _, v in layout]}
+
+    def _make_group(self, clients: list[SGLangClient], plan: dict, name: str,
+                    address: Optional[str] = None) -> UpdateGroup:
+        """Host group ``name`` here (rank 0) and have every server join it at its offset; bounded by the plan's
+        timeout, naming a server that refused or never joined; on failure nothing is left behind."""
+        timeout, world, backend = plan["timeout"], plan["world"], plan["backend"]
+        address = address or self.master_address or master_address_for(plan["urls"])
         group = UpdateGroup(group_name=name, world_size=world, backend=backend, master_address=address,
                             timeout_s=timeout)
         port = group.open_store()
@@ -233,7 +260,8 @@ class DistributedSynchronizer(WeightSynchronizer):
                 f"{address}:{port})")
         joins = [(c, DaemonCall(lambda c=c, off=off: c.init_weights_update_group(
             master_address=address, master_port=port, rank_offset=off, world_size=world, group_name=name,
-            backend=backend, timeout_s=timeout + _GRACE_S), "weight-sync-join")) for c, off in zip(clients, offsets)]
+            backend=backend, timeout_s=timeout + _GRACE_S), "weight-sync-join"))
+            for c, off in zip(clients, plan["offsets"])]
         local = DaemonCall(group.connect, "weight-sync-group")
 
         def local_done() -> bool:
@@ -242,45 +270,54 @@ class DistributedSynchronizer(WeightSynchronizer):
             return local.done()
 
         try:
-            self._wait(step, local_done, engine, joins, timeout)
+            self._wait(step, local_done, None, joins, timeout)
         except BaseException:
             self._close_in_background(group)
             joined = [c for c, call in joins if call.done() and call.error is None]
             self._destroy_on(joined, name, timeout)
             raise
-        self._group, self._engine, self._offsets, self._flattened = group, engine, offsets, flattened
+        log.info("weights-update group %s: %s, world_size %d, rendezvous %s:%d; servers %s; %s", name, backend, world,
+                 address, port, ", ".join(f"{u} (ranks {o}..{o + tp - 1}, SGLang {v})" for u, o, tp, v in zip(
+                     plan["urls"], plan["offsets"], plan["ranks"], plan["versions"])),
+                 "one flattened broadcast per bucket" if plan["flattened"] else "one broadcast per tensor" + (
+                     "" if plan["supported"] else f" (flattened buckets need SGLang >= "
+                                                  f"{'.'.join(map(str, FLATTENED_SINCE))} on every server)"))
+        return group
+
+    def _connect(self, engine: SGLangEngine) -> None:
+        plan = self._server_layout(engine)
+        group = self._make_group(engine.clients, plan, f"megatron_rl_weights_{os.getpid()}_{next(_GROUP_SERIAL)}")
+        self._group, self._engine, self._offsets, self._flattened = group, engine, plan["offsets"], plan["flattened"]
         if not self._atexit_registered:
             atexit.register(self.shutdown)
             self._atexit_registered = True
-        servers = ", ".join(f"{c.base_url} (ranks {o}..{o + tp - 1}, SGLang {v and '.'.join(map(str, v))})"
-                            for c, o, tp, (_, _, v) in zip(clients, offsets, ranks, layout))
-        log.info("weights-update group %s: %s, world_size %d, rendezvous %s:%d; servers %s; %s", name, backend, world,
-                 address, port, servers,
-                 "one flattened broadcast per bucket" if flattened else "one broadcast per tensor" + (
-                     "" if supported else f" (flattened buckets need SGLang >= {'.'.join(map(str, FLATTENED_SINCE))} "
-                                          "on every server)"))
 
     def _send_bucket(self, engine: SGLangEngine, bucket: list, index: int, weight_version: Optional[str],
                      last: bool) -> None:
+        assert self._group is not None
+        self._broadcast_bucket(engine.clients, self._group, self._flattened, self._timeout(engine), bucket, index,
+                               weight_version, last)
+
+    def _broadcast_bucket(self, clients: list[SGLangClient], group: UpdateGroup, flattened: bool, timeout: float,
+                          bucket: list, index: int, weight_version: Optional[str], last: bool) -> None:
+        """One bucket: ``/update_weights_from_distributed`` on every server (in threads) and its broadcast(s)
+        from here, waited for together; the tensors stay referenced until every server answered (slime#929)."""
         import torch  # lazy: this module's import stays light for the transport table
 
-        group = self._group
-        assert group is not None
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend_name == "nccl" else None
         names = [name for name, _ in bucket]
         tensors = [t.detach().to(device).contiguous() if device is not None else t.detach().contiguous()
-                   for _, t in bucket]  # referenced until every server answered (slime#929)
+                   for _, t in bucket]
         load_format = flat = None
-        if self._flattened:
+        if flattened:
             names, tensors, flat = flatten_bucket(names, tensors)
             load_format = "flattened_bucket"
         dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        timeout = self._timeout(engine)
         calls = [(c, DaemonCall(lambda c=c: c.update_weights_from_distributed(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group.group_name, flush_cache=last,
             weight_version=weight_version, load_format=load_format, timeout_s=timeout + _GRACE_S),
-            "weight-sync-bucket")) for c in engine.clients]
+            "weight-sync-bucket")) for c in clients]
         # flattened: the bytes of every tensor back to back, what SGLang's FlattenedTensorBucket rebuilds
         works = [group.broadcast(flat)] if flat is not None else [group.broadcast(t) for t in tensors]
 
@@ -293,11 +330,172 @@ class DistributedSynchronizer(WeightSynchronizer):
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._wait(f"bucket {index} ({len(tensors)} tensors, {nbytes} bytes, {len(works)} broadcast(s)) over group "
-                   f"{group.group_name}", broadcast_done, engine, calls, timeout)
+                   f"{group.group_name}", broadcast_done, None, calls, timeout)
         del tensors, works, flat
 
+    # ------------------------------------------------ one sender per pipeline stage
+    def _sync_stages(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int,
+                     scope: "ExportScope") -> dict[str, float]:
+        """Pipeline-parallel trainer: each stage's source rank (``TrainBackend.export_scope``) sends its own
+        stage's tensors over a group of its own with the servers, so no tensor travels through the PP group
+        to one sender. Collective over every training rank. The stages send one after another (a server
+        serves one update at a time, and servers taking two groups' broadcasts in different orders would
+        wait on each other); the driver pauses and resumes the servers, opens and ends the session and
+        adopts the version, which travels with the last stage's last bucket. Every step ends with an
+        agreement over the training ranks, so a failure anywhere stops every rank with the same error."""
+        import torch.distributed as dist  # lazy: this module's import stays light for the transport table
+
+        t0 = time.perf_counter()
+        timing = {"sync/connect_s": 0.0, "sync/broadcast_s": 0.0}
+        rank, driver = dist.get_rank(), self.on_driver()
+        began = False
+        opening: dict[str, Any] = {"error": None, "plan": None}
+        if driver:
+            try:
+                engine = self._sglang(engine)
+                engine.begin_update(version)
+                began = True
+                if self._stage_plan is None or self._engine is not engine:
+                    opening["plan"] = dict(self._server_layout(engine), serial=f"{os.getpid()}_{next(_GROUP_SERIAL)}",
+                                           notes=[c.note for c in engine.clients])
+                self._on_servers(engine, "/begin_weight_update", SGLangClient.open_weight_update)
+            except BaseException as exc:  # noqa: BLE001 - said to every rank below
+                opening["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            said = self._agree(opening if driver else None, "opening the update")[self.driver_rank]
+            if said["error"]:
+                self._stage_teardown(engine if began else None)
+                raise SyncError(f"distributed weight sync (one sender per pipeline stage) could not start: "
+                                f"{said['error']}")
+            if said["plan"] is not None:
+                t = time.perf_counter()
+                self._stage_connect(said["plan"], scope)
+                self._engine = engine if driver else None
+                timing["sync/connect_s"] = time.perf_counter() - t
+            failure: Optional[str] = None
+            counts = (0, 0, 0)
+            t = time.perf_counter()
+            for stage in range(scope.stages):
+                result = None
+                if scope.stage == stage:
+                    stream = ExportStream(backend, self.bucket_bytes, stage_only=True)
+                    try:
+                        if scope.is_source and failure is None:
+                            self._stage_send(stream, stage, stage == scope.stages - 1, version)
+                    except BaseException as exc:  # noqa: BLE001 - said to every rank below
+                        result = f"pipeline stage {stage} (rank {rank}): {type(exc).__name__}: {exc}"
+                    finally:
+                        stream.drain()  # the stage's other ranks are in the same export: it runs to its end
+                    if scope.is_source:
+                        counts = (stream.bytes, stream.tensors, stream.buckets)
+                errors = [r for r in self._agree(result, f"pipeline stage {stage}'s buckets") if r]
+                if errors and failure is None:
+                    failure = "; ".join(errors)
+            timing["sync/broadcast_s"] = time.perf_counter() - t
+            sent = self._agree(counts, "counting what the stages sent")
+            ending = None
+            if driver:
+                try:
+                    if failure is None:
+                        self._on_servers(engine, "/end_weight_update", lambda c: c.end_weight_update())
+                        engine.adopt_weight_version(version, how=f"distributed, one group per pipeline stage "
+                                                                 f"({scope.stages})", flushed=True)
+                    else:
+                        engine.mark_weights_incomplete()
+                except BaseException as exc:  # noqa: BLE001 - said to every rank below
+                    ending = f"{type(exc).__name__}: {exc}"
+            ending = self._agree(ending, "ending the update")[self.driver_rank]
+            if failure or ending:
+                self._stage_teardown(engine if driver else None)
+                raise SyncError("distributed weight sync (one sender per pipeline stage) failed: "
+                                + "; ".join(x for x in (failure, ending) if x))
+        finally:
+            if began:
+                engine.end_update()  # begin_update paused the servers: continue them on every path
+        totals = [sum(c[i] for c in sent) for i in range(3)]
+        return {"sync/time_s": time.perf_counter() - t0, "sync/bytes": float(totals[0]),
+                "sync/buckets": float(totals[2]), "sync/weight_version": float(version), **timing}
+
+    def _agree(self, value: Any, what: str) -> list:
+        """Every training rank's ``value`` (one all_gather over a gloo group of the training ranks, made once);
+        a rank that failed or did not arrive within ``_STAGE_WAIT_S`` is reported as a SyncError."""
+        import torch.distributed as dist  # lazy: this module's import stays light for the transport table
+
+        if self._agree_group is None:
+            self._agree_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_STAGE_WAIT_S))
+        out: list = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(out, value, group=self._agree_group)
+        except Exception as exc:  # noqa: BLE001 - a peer died or hung
+            raise SyncError(f"distributed weight sync, {what}: the training ranks did not all answer within "
+                            f"{_STAGE_WAIT_S:g} s or one went away ({type(exc).__name__}: {exc})") from exc
+        return out
+
+    def _stage_connect(self, plan: dict, scope: "ExportScope") -> None:
+        """Every rank, in stage order: the stage's source makes its group with every server (name ``..._pp<s>``),
+        the others wait for it; a failure anywhere undoes every stage's group and stops every rank."""
+        import torch.distributed as dist  # lazy: this module's import stays light for the transport table
+
+        self._stage_close()
+        self._stage_plan = plan
+        for stage in range(scope.stages):
+            result = None
+            if dist.get_rank() == scope.sources[stage]:
+                try:
+                    self._stage_clients = [SGLangClient(u, timeout_s=plan["timeout"], note=n)
+                                           for u, n in zip(plan["urls"], plan["notes"])]
+                    self._stage_own = self._make_group(
+                        self._stage_clients, plan, f"megatron_rl_weights_{plan['serial']}_pp{stage}")
+                except BaseException as exc:  # noqa: BLE001 - said to every rank below
+                    result = f"pipeline stage {stage} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
+            errors = [r for r in self._agree(result, f"making pipeline stage {stage}'s weights-update group") if r]
+            if errors:
+                self._stage_close()
+                self._stage_plan = None
+                raise SyncError("distributed weight sync: " + "; ".join(errors))
+        if not self._atexit_registered:
+            atexit.register(self.shutdown)
+            self._atexit_registered = True
+
+    def _stage_send(self, stream: ExportStream, stage: int, last_stage: bool, version: int) -> None:
+        """The stage source: its stage's buckets over its group; the last stage's last bucket carries the
+        version and the flush."""
+        plan, group = self._stage_plan, self._stage_own
+        assert plan is not None and group is not None
+        sent = 0
+        for bucket, last in with_last(stream.iter_buckets()):
+            sent += 1
+            final = last_stage and last
+            self._broadcast_bucket(self._stage_clients, group, plan["flattened"], plan["timeout"], bucket, sent,
+                                   str(version) if final else None, final)
+        if not sent:
+            raise SyncError(f"pipeline stage {stage} exported no tensors; nothing was sent")
+
+    def _stage_close(self) -> None:
+        """This rank's stage group, if it has one: destroyed on every server and closed here (best effort)."""
+        group, clients = self._stage_own, self._stage_clients
+        self._stage_own, self._stage_clients = None, []
+        if group is not None:
+            timeout = min(60.0, float(self._stage_plan["timeout"]) if self._stage_plan else 60.0)
+            self._destroy_on(clients, group.group_name, timeout)
+            self._close_in_background(group)
+        for c in clients:
+            c.close()
+
+    def _stage_teardown(self, engine: Optional[SGLangEngine]) -> None:
+        """After a failed staged sync, every rank: the driver ends the servers' sessions, each source drops its
+        group; the next sync makes them afresh (their state is unknown)."""
+        if engine is not None:
+            for c in engine.clients:
+                try:
+                    c.end_weight_update()
+                except Exception as exc:  # noqa: BLE001 - best effort; the next sync reopens the session
+                    log.debug("after a failed sync, %s /end_weight_update: %s", c.base_url, exc)
+        self._stage_close()
+        self._stage_plan = None
+
     # ------------------------------------------------------------- waiting
-    def _wait(self, step: str, local_done: Callable[[], bool], engine: SGLangEngine,
+    def _wait(self, step: str, local_done: Callable[[], bool], engine: Optional[SGLangEngine],
               calls: list[tuple[SGLangClient, DaemonCall]], timeout_s: float) -> list:
         """Until the trainer's side (``local_done``) and every server's call finished; a failed call is
         raised at once, naming its server; past ``timeout_s`` the servers that did not answer are named."""
@@ -340,7 +538,10 @@ class DistributedSynchronizer(WeightSynchronizer):
 
     # ------------------------------------------------------------ teardown
     def shutdown(self) -> None:
-        """Destroy the group on every server and here (end of run; safe to call again)."""
+        """Destroy the group on every server and here (end of run; safe to call again). With one sender per
+        pipeline stage every source destroys its own stage's group."""
+        self._stage_close()
+        self._stage_plan = None
         group, engine = self._group, self._engine
         self._group = self._engine = None
         if group is None:

@@ -74,6 +74,12 @@ def test_reference_logprobs_match_hf(runs):
 
 def _compare(ref, ref_dir, par, par_dir, layout):
     rec = par[layout or "base"]
+    # the per-stage export (one weight sender per pipeline stage): every rank of a stage exports the same
+    # names, the stages partition the model, each tensor bit for bit the whole export's (rank 0's view)
+    stages = rec["stage_export"]
+    assert stages["equal"] and stages["same_within_stage"] and stages["partition"], (layout, stages)
+    assert stages["stages"] == (2 if "pipeline-model-parallel-size=2" in layout else 1)
+    assert stages["sources"][0] == 0
     lp = max(abs(a - b) for x, y in zip(ref["logprobs"], rec["logprobs"]) for a, b in zip(x, y))
     assert lp < 1e-5
     for step, (s0, s1) in enumerate(zip(ref["steps"], rec["steps"])):

@@ -59,3 +59,84 @@ def test_loop_trains_against_an_external_sglang_server_through_distributed(tiny_
     assert syncs[0]["sync/connect_s"] > 0 and all(r["sync/connect_s"] == 0.0 for r in syncs[1:])
     assert all(r["sync/broadcast_s"] > 0 and r["sync/bytes"] > 0 and r["sync/buckets"] > 1 for r in syncs)
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+
+
+def _pp2_run(hf, tmp_path, server, num_rollout):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(8)))
+    (tmp_path / "length_reward.py").write_text("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
+         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(22000 + os.getpid() % 9000),
+         "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2",
+         "--pipeline-model-parallel-size", "2", "--prompt-data", str(prompts),
+         "--custom-rm-path", "length_reward:score", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+         "--rollout-max-response-len", "4", "--num-rollout", str(num_rollout), "--lr", "1e-2",
+         "--rollout-backend", "sglang", "--rollout-engine-urls", server.url,
+         "--update-weight-transport", "distributed", "--update-weight-buffer-size", str(256 * 1024),
+         "--output-dir", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return proc, out
+
+
+def test_each_pipeline_stage_sends_its_own_tensors_over_a_group_of_its_own(tiny_hf_models, tmp_path):
+    """2 torchrun ranks, PP2: the source of each stage makes its own group with the server and broadcasts its
+    stage's tensors (no hop through the PP group); stage 0 then stage 1 in every sync, the version and flush
+    with the last stage's last bucket; both groups destroyed at exit."""
+    from safetensors import safe_open
+
+    hf = tiny_hf_models("qwen2")
+    model_names = set()
+    for f in os.listdir(hf):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(hf, f), "pt") as fh:
+                model_names |= set(fh.keys())
+    with SGLangStandIn(hf, group_timeout_s=60) as server:
+        proc, out = _pp2_run(hf, tmp_path, server, num_rollout=2)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        updates, groups = list(server.distributed_updates), list(server.distributed_group_names)
+        served = server.weight_version
+        groups_left = dict(server.groups)
+        assert server.requests["/init_weights_update_group"] == 2  # one group per stage, for the whole run
+        assert server.requests["/destroy_weights_update_group"] == 2  # each destroyed by its sender at exit
+    assert groups_left == {}
+    assert len({g.rsplit("_pp", 1)[0] for g in groups}) == 1 and {g.rsplit("_pp", 1)[1] for g in groups} == {"0", "1"}
+    syncs, current = [], []
+    for (version, names), group in zip(updates, groups):
+        current.append((group.rsplit("_pp", 1)[1], names))
+        if version is not None:
+            syncs.append((version, current))
+            current = []
+    assert current == [] and [v for v, _ in syncs] == ["0", "1", "2"]
+    for _, buckets in syncs:
+        stages = [stage for stage, _ in buckets]
+        assert stages == sorted(stages) and set(stages) == {"0", "1"}  # stage 0's buckets, then stage 1's
+        sent = {stage: [n for s, names in buckets if s == stage for n in names] for stage in ("0", "1")}
+        assert not set(sent["0"]) & set(sent["1"]) and len(sent["0"]) + len(sent["1"]) == len(model_names)
+        assert set(sent["0"]) | set(sent["1"]) == model_names
+        assert "model.embed_tokens.weight" in sent["0"] and "model.norm.weight" in sent["1"]
+    assert served == "2"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rollout/weight_version" in r]
+    assert [(r["step"], r["rollout/weight_version"]) for r in steps] == [(1, 0.0), (2, 1.0)]
+    syncs = [r for r in records if "sync/broadcast_s" in r]
+    assert [r["sync/weight_version"] for r in syncs] == [0.0, 1.0, 2.0]
+    assert syncs[0]["sync/connect_s"] > 0 and all(r["sync/connect_s"] == 0.0 for r in syncs[1:])
+    assert len({r["sync/bytes"] for r in syncs}) == 1 and all(r["sync/buckets"] >= 2 for r in syncs)
+
+
+def test_a_server_dying_in_the_second_stages_broadcast_stops_every_rank_naming_stage_and_server(tiny_hf_models,
+                                                                                             tmp_path):
+    hf = tiny_hf_models("qwen2")
+    with SGLangStandIn(hf, group_timeout_s=60) as server:
+        server.faults.die_mid_bucket, server.faults.die_in_group = 1, "_pp1"  # the first sync, stage 1's first bucket
+        proc, out = _pp2_run(hf, tmp_path, server, num_rollout=1)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "distributed weight sync (one sender per pipeline stage) failed: pipeline stage 1 (rank 1)" in text, \
+        text[-4000:]
+    assert server.url in text and "Traceback" not in text[-2000:]

@@ -133,6 +133,7 @@ class Faults:
     drop: Counter = field(default_factory=Counter)  # path -> requests to answer by closing the connection
     die_on: Optional[str] = None  # path whose arrival kills the server
     die_mid_bucket: Optional[int] = None  # tensors the next distributed update receives before the server dies
+    die_in_group: Optional[str] = None  # with die_mid_bucket: only an update over a group whose name ends so
     abort_rows: int = 0  # the next this many generate rows come back aborted, as after another client's /abort_request
 
 
@@ -185,6 +186,7 @@ class SGLangStandIn:
         self.groups: dict[str, Any] = {}  # group_name -> this server's process group (SGLang's _model_update_group)
         self.group_timeout_s = group_timeout_s
         self.distributed_updates: list[tuple[Optional[str], list[str]]] = []  # (weight_version, names) per update
+        self.distributed_group_names: list[str] = []  # the group of each of them
         self.distributed_formats: list[Optional[str]] = []  # load_format of each distributed update
         self.tensor_updates: list[tuple[Optional[str], Optional[str], list[str]]] = []  # (version, load_format, names)
         self.weight_version = "default"
@@ -565,8 +567,10 @@ class SGLangStandIn:
             self.abort({"abort_all": True})
         group_name = str(body.get("group_name", "weight_update_group"))
         names, dtypes, shapes = list(body["names"]), list(body["dtypes"]), list(body["shapes"])
-        die_after = self.faults.die_mid_bucket
-        self.faults.die_mid_bucket = None
+        die_after = None
+        if self.faults.die_mid_bucket is not None and str(body.get("group_name", "")).endswith(
+                self.faults.die_in_group or ""):
+            die_after, self.faults.die_mid_bucket = self.faults.die_mid_bucket, None
         try:
             if group_name not in self.groups:
                 raise AssertionError(f"Group {group_name} not in {list(self.groups)}. "
@@ -612,6 +616,7 @@ class SGLangStandIn:
             self.weight_version = str(body["weight_version"])
             message += f" Weight version updated to {self.weight_version}."
         self.distributed_updates.append((body.get("weight_version"), names))
+        self.distributed_group_names.append(group_name)
         self.distributed_formats.append(body.get("load_format"))
         return 200, {"success": True, "message": message}
 

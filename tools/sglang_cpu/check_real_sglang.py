@@ -36,8 +36,10 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    groups send); then the sync time of the disk and the distributed transports (both ways) on the
    same model, alternating, ``--sync-repeats`` each;
 7. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
-   against this server, once through the disk transport and once through the distributed one
-   (``--e2e-transports``); exit 0, the samples of rollout ``i`` carry weight version ``i``.
+   against this server, once through the disk transport and once through the distributed one, and
+   on 2 torchrun ranks with 2 pipeline stages through the distributed one (``distributed-pp2``: each
+   stage's sender makes its own group with the server) (``--e2e-transports``); exit 0, the samples
+   of rollout ``i`` carry weight version ``i``.
 
 Not called: ``/release_memory_occupation`` / ``/resume_memory_occupation`` (on CPU SGLang calls CUDA
 synchronize there: the scheduler dies and the server goes down), ``/get_weights_by_name`` (the
@@ -946,8 +948,14 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     # would not): reset it so the version check below means this run's pushes
     SGLangClient(server.url).update_weight_version("0", abort_all_requests=False)
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
-                  if transport == "disk" else ["--update-weight-transport", transport])
-    cmd = [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", str(model_dir), "--prompt-data",
+                  if transport == "disk" else ["--update-weight-transport", transport.split("-")[0]])
+    # distributed-pp2: 2 torchrun ranks, 2 pipeline stages, each stage's source sending its own tensors
+    launch = ([sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out / "run"), "--nproc-per-node",
+               "2", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+              if transport.endswith("-pp2") else [sys.executable])
+    pp = (["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+          if transport.endswith("-pp2") else [])
+    cmd = [*launch, "-m", "megatron_rl.train", *pp, "--hf-checkpoint", str(model_dir), "--prompt-data",
            str(prompts), "--input-key", "prompt", "--label-key", "label",
            "--custom-rm-path", "megatron_rl.data.synthetic:digit_reward",
            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "6",
@@ -1000,6 +1008,12 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                  per_sample == [[i] for i in range(args.num_rollout)], f"{per_sample}")
     report.check(f"{what}: the server ends at the last pushed version",
                  SGLangClient(server.url).weight_version() == str(args.num_rollout))
+    if transport.endswith("-pp2"):
+        text = (out / "train.log").read_text(errors="replace")
+        made = sorted({line.split("weights-update group ", 1)[1].split(":", 1)[0] for line in text.splitlines()
+                       if "weights-update group megatron_rl_weights_" in line})
+        report.check(f"{what}: one weights-update group per pipeline stage, each made by its stage's sender",
+                     len(made) == 2 and made[0].endswith("_pp0") and made[1].endswith("_pp1"), str(made))
 
 
 def main(argv=None) -> int:
@@ -1017,7 +1031,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-rollout", type=int, default=3, help="rollouts of the end-to-end run")
     ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
-    ap.add_argument("--e2e-transports", nargs="+", default=["disk", "distributed"], choices=["disk", "distributed"],
+    ap.add_argument("--e2e-transports", nargs="+", default=["disk", "distributed", "distributed-pp2"],
+                    choices=["disk", "distributed", "distributed-pp2"],
                     help="the end-to-end run once per weight-sync transport")
     ap.add_argument("--sync-repeats", type=int, default=5, help="syncs per transport for the disk/distributed timing")
     ap.add_argument("--sync-bucket-bytes", type=int, default=64 * 1024,

@@ -257,14 +257,15 @@ class FSDPBackend(TrainBackend):
         metrics["train/step_time_s"] = time.perf_counter() - t0
         return metrics
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors under the checkpoint's names, in buckets. Collective: every rank
         all-gathers each parameter (``full_tensor``) in the same order and gets the same buckets.
 
         Why ``hf_checkpoint_names``: transformers 5 fuses some checkpoint tensors when it loads
         them (MoE experts become one ``experts.gate_up_proj``); the rollout engine and the HF
         checkpoint know the per-expert names, so each layer's tensors are converted back as
-        ``save_pretrained`` does. Tied weights appear once, as in the checkpoint."""
+        ``save_pretrained`` does. Tied weights appear once, as in the checkpoint. One pipeline stage:
+        ``stage_only`` exports the same."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for unit in self._full_tensors_by_layer():

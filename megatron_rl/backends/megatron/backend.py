@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
-from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, resolve_weights_location
+from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager,
+                                      resolve_weights_location)
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.config import Config
 from megatron_rl.config.megatron_flags import megatron_core_kwargs
@@ -141,6 +142,7 @@ class MegatronBackend(TrainBackend):
                         "over; Megatron-LM turns it off there too)")
         self.dp_size = initialize_parallel(self.layout, seed=cfg.runtime.seed)
         self.ps = ps
+        self._export_scope: Optional[ExportScope] = None
         self.dp_rank = ps.get_data_parallel_rank()
         self.pad_to_multiple = pad_multiple_for(self.layout.tp, self.layout.cp, self.layout.sequence_parallel)
         # the last-stage, TP-rank-0, CP-rank-0 rank of each DP rank holds its full results (others: copies)
@@ -315,10 +317,11 @@ class MegatronBackend(TrainBackend):
         metrics["train/step_time_s"] = time.perf_counter() - t0
         return metrics
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes):
+        for name, tensor in self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
+                                                          stage_only=stage_only):
             bucket.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
@@ -326,6 +329,21 @@ class MegatronBackend(TrainBackend):
                 bucket, size = [], 0
         if bucket:
             yield bucket
+
+    def export_scope(self) -> ExportScope:
+        """Each stage's sender: the rank of the stage at data-, tensor- and context-parallel rank 0
+        (learned once with one all_gather, so every rank knows every stage's sender)."""
+        if self._export_scope is None:
+            ps = self.ps
+            stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+            lead = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+                    and ps.get_context_parallel_rank() == 0)
+            mine = (stage, lead, dist.get_rank())
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            sources = tuple(min(r for s, is_lead, r in everyone if s == k and is_lead) for k in range(stages))
+            self._export_scope = ExportScope(stages=stages, stage=stage, sources=sources)
+        return self._export_scope
 
     def save(self, path: str, extra_state: dict) -> None:
         save_checkpoint(self, path, extra_state)

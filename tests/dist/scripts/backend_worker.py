@@ -86,6 +86,22 @@ def main():
             m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref))
             phase[0] = "forward"
             weights = {n: t.clone() for bucket in backend.export_weights(1 << 20) for n, t in bucket}
+            if step == 0:  # per-stage export: this rank's stage's tensors, bit for bit the whole export's
+                scope = backend.export_scope()
+                mine = {n: t.clone() for bucket in backend.export_weights(1 << 20, stage_only=True) for n, t in bucket}
+                names = [None] * dist.get_world_size()
+                equal = all(torch.equal(t, weights[n]) for n, t in mine.items())
+                dist.all_gather_object(names, (scope.stage, sorted(mine), equal))
+                equal = all(e for _, _, e in names)
+                names = [(stage, ns) for stage, ns, _ in names]
+                by_stage = {}
+                for stage, ns in names:
+                    by_stage.setdefault(stage, ns)
+                rec["stage_export"] = {
+                    "stages": scope.stages, "sources": list(scope.sources),
+                    "equal": equal,
+                    "same_within_stage": all(ns == by_stage[stage] for stage, ns in names),
+                    "partition": sorted(n for ns in by_stage.values() for n in ns) == sorted(weights)}
             rec["steps"].append({"metrics": m})
             if dist.get_rank() == 0:
                 torch.save(weights, os.path.join(out_dir, f"{layout or 'base'}_step{step}.pt".replace("/", "_")))
