@@ -529,8 +529,13 @@ class SyncConfig:
                                                  "there atomically and keeps the newest 2. SGLang servers must "
                                                  "be able to read it (a shared filesystem across hosts); "
                                                  "created if missing.")
-    check_weight_update_equal: bool = flag(False, "After each sync, verify every engine tensor equals the trainer's "
-                                           "(embedded engine; refused with sglang, which cannot read weights back).")
+    check_weight_update_equal: bool = flag(False, "Verify the weight updates. Embedded engine: after each sync, "
+                                           "every engine tensor equals the trainer's. SGLang (every transport): the "
+                                           "update to version 0 of a fresh run (the trainer's initial weights) is "
+                                           "compared inside every server, tensor for tensor, with the server's own "
+                                           "load of --hf-checkpoint (/weights_checker snapshot, reset_tensors, "
+                                           "compare; SGLang >= 0.5.19; a host copy of the model per server). A "
+                                           "mismatch stops the run naming the tensors.")
 
 
 @dataclass(frozen=True)

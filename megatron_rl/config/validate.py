@@ -504,14 +504,14 @@ def _launched_sglang_errors(cfg: Config) -> list[str]:
     except ConfigError as exc:
         errors.append(str(exc))
     on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"
+    if s.check_weight_update_equal and on_cpu:
+        errors.append("--check-weight-update-equal with --sglang-device cpu: SGLang compares the first update inside "
+                      "the server (/weights_checker), and its compare moves tensors to CUDA (SGLang 0.5.23), so on "
+                      "CPU engines nothing could be compared: drop the flag")
     if s.update_weight_transport == "distributed" and cfg.memory.colocate and not on_cpu:
         errors.append("--update-weight-transport distributed with --colocate: NCCL cannot join two processes on the "
                       "same GPU (the trainer rank and its colocated engine), so the broadcast would fail or hang; "
                       "use --update-weight-transport tensor (the colocated route) or disk")
-    if s.check_weight_update_equal:
-        errors.append("--check-weight-update-equal with --rollout-backend sglang: SGLang cannot read its weights "
-                      "back on most models (/get_weights_by_name is missing for Qwen2 and most model classes), so "
-                      "nothing could be compared: drop it (the embedded engine supports it)")
     if not errors and not cfg.mode.dry_run:
         python = r.rollout_engine_python or sys.executable
         why = _engine_python_problem(python)
@@ -561,10 +561,6 @@ def _external_sglang_errors(cfg: Config) -> list[str]:
         if on:
             errors.append(f"{flag} with --rollout-engine-urls: {external}, so there are no shared GPUs to hand "
                           f"over (releasing external servers' memory is not built yet, issue 14): drop {flag}")
-    if s.check_weight_update_equal:
-        errors.append("--check-weight-update-equal with --rollout-backend sglang: SGLang cannot read its weights "
-                      "back on most models (/get_weights_by_name is missing for Qwen2 and most model classes), so "
-                      "nothing could be compared: drop it (the embedded engine supports it)")
     placed = bool(cfg.placement.allocation) and "sglang" in cfg.placement.allocation
     if placed:  # the allocation set --rollout-num-gpus(-per-engine): name it, not the flags it set
         errors.append(f"--allocation {cfg.placement.allocation} places SGLang engines on GPUs; with "

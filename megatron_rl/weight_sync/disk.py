@@ -48,8 +48,13 @@ class DiskSynchronizer(WeightSynchronizer):
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal)
         here = self.on_driver() and engine is not None
+        # an SGLang engine compares inside its servers (/weights_checker, the update to version 0); the
+        # embedded one is compared here, tensor for tensor, after every sync
+        in_engine = self.check_equal and here and hasattr(engine, "check_first_update")
+        if in_engine:
+            engine.check_first_update = True
+        exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal and not in_engine)
         write_s = load_s = 0.0
         if here:
             try:
@@ -68,6 +73,6 @@ class DiskSynchronizer(WeightSynchronizer):
             exported.drain()
         metrics = exported.metrics(version, time.perf_counter() - t0)
         metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
-        if self.check_equal and here:
+        if self.check_equal and here and not in_engine:
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics

@@ -111,11 +111,7 @@ class DistributedSynchronizer(WeightSynchronizer):
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
                  group_backend: str = "auto", master_address: Optional[str] = None,
                  timeout_s: Optional[float] = None, flattened: Optional[bool] = None):
-        super().__init__(bucket_bytes, check_equal, driver_rank)
-        if check_equal:
-            raise ConfigError("--check-weight-update-equal with --update-weight-transport distributed: SGLang cannot "
-                              "read its weights back (/get_weights_by_name is missing for most model classes), so "
-                              "nothing could be compared: drop it")
+        super().__init__(bucket_bytes, check_equal, driver_rank)  # check_equal: SGLangEngine.check_first_update
         if group_backend not in ("auto", *BACKENDS):
             raise ConfigError(f"distributed weight sync: group backend {group_backend!r} is not auto, gloo or nccl")
         self.group_backend = group_backend
@@ -198,6 +194,8 @@ class DistributedSynchronizer(WeightSynchronizer):
             raise ConfigError(f"--update-weight-transport distributed pushes into SGLang servers, but the engine is "
                               f"{type(engine).__name__}, which has no server process to join a process group: use "
                               "--update-weight-transport tensor or disk with it")
+        if self.check_equal:  # SGLang compares inside the servers (/weights_checker): the update to version 0
+            engine.check_first_update = True
         return engine
 
     def _timeout(self, engine: SGLangEngine) -> float:

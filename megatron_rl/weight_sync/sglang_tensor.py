@@ -250,11 +250,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
                  engines: Optional["EnginePlacement"] = None, load_format: Optional[str] = FLATTENED_BUCKET,
                  timeout_s: float = 600.0, connect_retries: int = 3):
-        super().__init__(bucket_bytes, check_equal, driver_rank)
-        if check_equal:
-            raise ConfigError("--check-weight-update-equal with --update-weight-transport tensor and --rollout-backend "
-                              "sglang: SGLang cannot read its weights back (/get_weights_by_name is missing for most "
-                              "model classes), so nothing could be compared: drop it")
+        super().__init__(bucket_bytes, check_equal, driver_rank)  # check_equal: SGLangEngine.check_first_update
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"tensor weight sync: load_format {load_format!r} is not one of {LOAD_FORMATS}")
         self.placement = _checked_placement(engines)
@@ -513,6 +509,8 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         if sorted(engine.urls) != want:
             raise ConfigError(f"the driver's SGLang engine talks to {engine.urls}, but the placement's engines are "
                               f"{want}: build both from the same launch")
+        if self.check_equal:  # SGLang compares inside the servers (/weights_checker): the update to version 0
+            engine.check_first_update = True
         return engine
 
     def _check_layout(self, client: SGLangClient) -> None:

@@ -265,6 +265,10 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
                                                                               "--rollout-num-gpus-per-engine"),
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-port", "1"],
      "--sglang-port: set by the launcher (a free port per engine) for each engine this run launches; drop it"),
+    (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--sglang-device", "cpu",
+      "--check-weight-update-equal"], "--check-weight-update-equal with --sglang-device cpu: SGLang compares the "
+                                      "first update inside the server (/weights_checker), and its compare moves "
+                                      "tensors to CUDA"),
     (["--update-weight-transport", "distributed"], "--update-weight-transport distributed broadcasts into SGLang "
                                                     "server processes over a process group, but --rollout-backend "
                                                     "embedded runs its engine inside the driver rank: there is no "
@@ -314,8 +318,6 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
                                            "servers of --rollout-engine-urls are yours to restart"),
     (["--use-fault-tolerance"], "--use-fault-tolerance restarts SGLang engines this run launches, and "
                                 "--rollout-backend embedded runs inside the driver rank"),
-    ([*EXTERNAL, "--check-weight-update-equal"], "--check-weight-update-equal with --rollout-backend sglang: SGLang "
-                                                 "cannot read its weights back"),
     ([*EXTERNAL, "--rollout-num-gpus", "2"], "--rollout-num-gpus 2 places SGLang engines on their own GPUs; the "
                                              "servers of --rollout-engine-urls run where you started them"),
     ([*EXTERNAL, "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine 2 sizes SGLang engines"),

@@ -187,6 +187,8 @@ class SGLangStandIn:
         self.group_timeout_s = group_timeout_s
         self.distributed_updates: list[tuple[Optional[str], list[str]]] = []  # (weight_version, names) per update
         self.distributed_group_names: list[str] = []  # the group of each of them
+        self._weights_snapshot: Optional[list] = None  # /weights_checker snapshot
+        self.weights_checker_actions: list[str] = []  # every /weights_checker action asked, in order
         self.distributed_formats: list[Optional[str]] = []  # load_format of each distributed update
         self.tensor_updates: list[tuple[Optional[str], Optional[str], list[str]]] = []  # (version, load_format, names)
         self.weight_version = "default"
@@ -292,6 +294,7 @@ class SGLangStandIn:
             "/continue_generation": self.continue_,
             "/abort_request": self.abort,
             "/flush_cache": self.flush_cache,
+            "/weights_checker": self.weights_checker,
         }
         if not self.legacy:
             routes["/begin_weight_update"] = self.begin
@@ -671,6 +674,32 @@ class SGLangStandIn:
                 if body.get("abort_all") or p.rid == body.get("rid"):
                     p.aborted.set()
         return 200, ""
+
+    def weights_checker(self, body: dict) -> tuple[int, Any]:
+        """SGLang 0.5.19+'s ``/weights_checker`` (``utils/weight_checker.py``): ``snapshot`` copies the model's
+        tensors, ``reset_tensors`` overwrites them with random values, ``compare`` checks the model against the
+        snapshot (400 naming every tensor that differs), ``checksum`` is not played here."""
+        action = body.get("action", "checksum")
+        self.weights_checker_actions.append(action)
+        with self._engine_lock:
+            params = list(self.engine.model.named_parameters())
+            if action == "snapshot":
+                self._weights_snapshot = [(n, p.detach().clone()) for n, p in params]
+            elif action == "reset_tensors":
+                gen = torch.Generator().manual_seed(len(self.rids_served))
+                for _, p in params:
+                    p.data.copy_(torch.rand(p.shape, generator=gen).to(p.dtype))
+            elif action == "compare":
+                if self._weights_snapshot is None:
+                    return 400, {"success": False, "message": "AssertionError: "}
+                bad = [f"name={n} max_abs_err={(p.detach().float() - want.float()).abs().max().item()}"
+                       for (n, p), (_, want) in zip(params, self._weights_snapshot) if not torch.equal(p, want)]
+                self._weights_snapshot = None
+                if bad:
+                    return 400, {"success": False, "message": "check tensor equality failed:\n" + "\n".join(bad)}
+            else:
+                return 400, {"success": False, "message": f"Unsupported action={action!r}"}
+        return 200, {"success": True, "message": "Success."}
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
         if self.pending_count():

@@ -241,9 +241,6 @@ def test_refused_placements_and_engines(models, server):
     with pytest.raises(ConfigError, match="share\\(s\\) no trainer devices \\(not colocated\\): add --colocate"):
         make_synchronizer("tensor", rollout_backend="sglang", bucket_bytes=1,
                           engines=placement(standin.url, ranks=(), colocated=False))
-    with pytest.raises(ConfigError, match="--check-weight-update-equal"):
-        make_synchronizer("tensor", rollout_backend="sglang", bucket_bytes=1, check_equal=True,
-                          engines=placement(standin.url))
     with pytest.raises(ConfigError, match="beyond this run's world of 1"):
         make_synchronizer("tensor", rollout_backend="sglang", bucket_bytes=1,
                           engines=placement(standin.url, ranks=(0, 1))).sync(FakeBackend(models[1]), engine, 99)

@@ -327,7 +327,54 @@ class Checks:
         self.raw("generate_single", "POST", "/generate",
                  {"input_ids": self.prompts[0], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
                   "return_logprob": True})
-        return [s.rollout_logprobs for s in samples]
+        self.first_logprobs = [s.rollout_logprobs for s in samples]
+        return self.first_logprobs
+
+    def weights_check(self) -> None:
+        """``--check-weight-update-equal`` with SGLang: the update to version 0 compared inside the server with its
+        own load of the checkpoint (/weights_checker snapshot, reset_tensors, compare)."""
+        from megatron_rl.errors import SyncError
+
+        r = self.r
+
+        def engine(tag: str) -> SGLangEngine:
+            return SGLangEngine([self.server.url], weight_dir=str(r.out / f"weights_check_{tag}"),
+                                hf_checkpoint=str(self.model_dir), timeout_s=60, update_timeout_s=300,
+                                health_interval_s=0, check_first_update=True)
+
+        same = engine("same")
+        t = time.monotonic()
+        try:
+            same.update_weights(self.original.items(), 0)
+            verdict = "passed"
+        except SyncError as exc:
+            verdict = str(exc)
+        finally:
+            same.close()
+        if str(self.client.server_info().get("device", "cpu")) == "cpu":  # compare chunks go .cuda() (0.5.23's
+            # utils/weight_checker_comparator.py)
+            r.check("--check-weight-update-equal on CPU SGLang: snapshot and reset_tensors run, compare cannot (it "
+                    "needs CUDA), and the error says nothing was compared rather than calling the weights wrong",
+                    "could not run" in verdict and "compare" in verdict and "NVIDIA driver" in verdict
+                    and "differ from its own load" not in verdict, f"{time.monotonic() - t:.2f} s: {verdict[:500]}")
+        else:
+            r.check("--check-weight-update-equal: the checkpoint pushed as version 0 equals the server's own load",
+                    verdict == "passed", verdict[:600])
+            tampered = dict(self.original)
+            tampered["model.norm.weight"] = tampered["model.norm.weight"] * 2
+            wrong = engine("wrong")
+            try:
+                wrong.update_weights(tampered.items(), 0)
+                r.check("--check-weight-update-equal: a changed tensor is named by SGLang's compare", False, "accepted")
+            except SyncError as exc:
+                r.check("--check-weight-update-equal: a changed tensor is named by SGLang's compare",
+                        "model.norm" in str(exc) and "differ from its own load" in str(exc), str(exc)[:600])
+            finally:
+                wrong.close()
+        self.engine.update_weights(self.original.items(), 0)  # the server back at the checkpoint, version 0
+        samples, _ = self.generate()
+        r.check("after the weight checks the server generates the checkpoint's tokens again",
+                [s.rollout_logprobs for s in samples] == self.first_logprobs)
 
     def long_prompts(self) -> None:
         """Prompts near and past the context length: SGLang 0.5.23 refuses both with a 400 (an abort
@@ -1089,7 +1136,7 @@ def main(argv=None) -> int:
         probe.close()
 
         checks = Checks(report, server, server.model, args)
-        steps = [("generation", None), ("long_prompts", None), ("aborted_rows_retried", None), ("seeded", None), ("disk_updates", "first"), ("sharded_disk", "first"),
+        steps = [("generation", None), ("weights_check", None), ("long_prompts", None), ("aborted_rows_retried", None), ("seeded", None), ("disk_updates", "first"), ("sharded_disk", "first"),
                  ("router", None), ("control", None),
                  ("abort_flush_pause", None), ("tensor_updates", "first"), ("tensor_transport", "first"),
                  ("distributed_updates", "first")]

@@ -425,6 +425,12 @@ class SGLangClient:
         """Close the session opened by ``begin_weight_update``; False where the server lacks the pair."""
         return self._session_call("/end_weight_update")
 
+    def check_weights(self, action: str, *, timeout_s: Optional[float] = None) -> dict:
+        """``POST /weights_checker`` (SGLang 0.5.19+): ``snapshot`` copies the model's tensors, ``reset_tensors``
+        overwrites them with random values, ``compare`` checks them against the snapshot (400 naming every
+        tensor that differs), inside the server, on every TP rank."""
+        return self._weight_call("/weights_checker", {"action": action}, timeout_s)
+
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> dict:
         """``POST /update_weight_version``; SGLang aborts in-flight requests unless told not to."""
         return self._weight_call("/update_weight_version", {"new_version": str(new_version),

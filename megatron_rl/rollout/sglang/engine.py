@@ -105,7 +105,8 @@ class SGLangEngine(RolloutEngine):
                  release_tags: Optional[Sequence[str]] = None, releases_memory: bool = True, tokenizer: Any = None,
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, health_failures: int = 3,
                  server_notes: Optional[dict[str, str]] = None, pause_mode: str = "abort",
-                 flush_retry_s: float = 5.0, router_url: Optional[str] = None, router_concurrency: int = 64):
+                 flush_retry_s: float = 5.0, router_url: Optional[str] = None, router_concurrency: int = 64,
+                 check_first_update: bool = False):
         urls = [normalize_base_url(u) for u in urls]
         if not urls:
             raise ConfigError("SGLangEngine needs at least one server URL (http://host:port)")
@@ -132,6 +133,10 @@ class SGLangEngine(RolloutEngine):
         # release()/resume() say so once instead (engine and trainer share host memory anyway)
         self.releases_memory = releases_memory
         self._said_no_release = False
+        # --check-weight-update-equal: the update to version 0 (the trainer's initial weights) is compared inside
+        # every server with the server's own load of the checkpoint (begin_update / adopt_weight_version)
+        self.check_first_update = check_first_update
+        self._checking_update = False
         self._cursor = 0
         self._released_tags: set[str] = set()  # what /release_memory_occupation took and no resume gave back
         self._weights_loaded = True
@@ -171,7 +176,8 @@ class SGLangEngine(RolloutEngine):
         on_cpu = str(cfg.rollout.sglang_args.get("device", "")).lower() == "cpu"
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
-                   server_notes=placement.notes() if placement is not None else None, router_url=router)
+                   server_notes=placement.notes() if placement is not None else None, router_url=router,
+                   check_first_update=cfg.sync.check_weight_update_equal)
 
     @property
     def urls(self) -> list[str]:
@@ -505,6 +511,34 @@ class SGLangEngine(RolloutEngine):
     def _set_incomplete(self, reason: str) -> None:
         self._weights_loaded = False
         self._incomplete_reason = reason
+        self._checking_update = False
+
+    def _check_weights(self, action: str, version: int) -> None:
+        """``/weights_checker`` ``action`` on every server; a failure names the servers and what they said."""
+        failures = [f for f in self._map(lambda c: self._checker_call(c, action), self.clients) if f]
+        if not failures:
+            return
+        if action == "compare" and any("check tensor equality failed" in f for f in failures):
+            raise SyncError(f"--check-weight-update-equal: the weights SGLang holds after the update to version "
+                            f"{version} differ from its own load of the checkpoint ({len(failures)} of "
+                            f"{len(self.clients)} server(s)); the trainer's initial weights are not the checkpoint's "
+                            "as the engine reads it (a conversion or name-mapping error, or --load of other "
+                            "weights than --hf-checkpoint): " + " | ".join(failures))
+        raise SyncError(f"--check-weight-update-equal: SGLang's /weights_checker {action} could not run for the "
+                        f"update to version {version} on {len(failures)} of {len(self.clients)} server(s), so nothing "
+                        "was compared (it needs SGLang >= 0.5.19, and its compare moves tensors to CUDA: GPU servers "
+                        "only); drop the flag for these servers: " + " | ".join(failures))
+
+    @staticmethod
+    def _checker_call(client: SGLangClient, action: str) -> Optional[str]:
+        try:
+            client.check_weights(action)
+            return None
+        except (EngineError, SyncError) as exc:
+            message = getattr(exc, "server_message", None) or str(exc)
+            lines = message.splitlines()
+            more = f" (+{len(lines) - 8} more lines)" if len(lines) > 8 else ""
+            return f"{client.label}: " + " / ".join(lines[:8]) + more
 
     # ------------------------------------------ updates a transport drives server by server
     def begin_update(self, version: int) -> None:
@@ -523,6 +557,18 @@ class SGLangEngine(RolloutEngine):
             raise SyncError(f"weight update to version {version} could not start: /pause_generation failed on "
                             f"{len(failures)} of {len(self.clients)} server(s); nothing was sent: "
                             + " | ".join(failures))
+        if self.check_first_update and version == 0:
+            # the servers loaded --hf-checkpoint themselves: keep that, scramble the live weights, and after the
+            # update compare (adopt_weight_version): every tensor must come back bit for bit through the transport
+            try:
+                self._check_weights("snapshot", version)
+                self._set_incomplete(f"--check-weight-update-equal scrambled the weights before the update to "
+                                     f"version {version}")
+                self._check_weights("reset_tensors", version)
+                self._checking_update = True
+            except BaseException:
+                self.end_update()
+                raise
 
     def _pause_server(self, client: SGLangClient) -> Optional[str]:
         if client.base_url in self._no_pause:
@@ -642,6 +688,16 @@ class SGLangEngine(RolloutEngine):
                 raise SyncError(f"weight update to version {version} ({how}) did not land on {len(failures)} of "
                                 f"{len(self.clients)} server(s); the engine stays at version {self._weight_version} "
                                 "and refuses to generate until a complete update: " + " | ".join(failures))
+            if self._checking_update:
+                try:
+                    self._check_weights("compare", version)
+                except SyncError:
+                    self._set_incomplete(f"--check-weight-update-equal found the update to version {version} ({how}) "
+                                         "different from the checkpoint")
+                    raise
+                self._checking_update = False
+                log.info("--check-weight-update-equal: the update to version %d (%s) equals every server's own load "
+                         "of the checkpoint, tensor for tensor (/weights_checker compare)", version, how)
             self._weights_loaded = True
             self._weight_version = version
         finally:
