@@ -367,7 +367,11 @@ class DistributedSynchronizer(WeightSynchronizer):
                                 f"{said['error']}")
             if said["plan"] is not None:
                 t = time.perf_counter()
-                self._stage_connect(said["plan"], scope)
+                try:
+                    self._stage_connect(said["plan"], scope)
+                except BaseException:
+                    self._stage_teardown(engine if began else None)  # the servers' sessions end too
+                    raise
                 self._engine = engine if driver else None
                 timing["sync/connect_s"] = time.perf_counter() - t
             failure: Optional[str] = None
