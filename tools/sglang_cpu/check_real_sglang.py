@@ -55,6 +55,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -985,6 +986,7 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     """``python -m megatron_rl.train`` on one CPU rank against the real server through ``transport``
     (figures of the disk run keep their old names ``e2e_*``; the others are ``e2e_<transport>_*``)."""
     out = report.out / ("e2e" if transport == "disk" else f"e2e_{transport}")
+    shutil.rmtree(out, ignore_errors=True)  # a run dir left by an earlier check would be resumed or appended to
     out.mkdir(parents=True, exist_ok=True)
     key = "e2e" if transport == "disk" else f"e2e_{transport}"
     what = f"e2e ({transport})"
