@@ -15,8 +15,10 @@ Checks:
                 megatron with --optimizer-cpu-offload --use-precision-aware-optimizer: peak
                 device memory and step time against train_step's; losses and grad norms of the
                 same steps close to train_step's (bf16).
-  sleep_wake    megatron backend: torch.cuda.memory_allocated before sleep(), after it, after
-                wake(); the step after wake is finite.
+  sleep_wake    megatron backend with --offload-train: torch.cuda.memory_allocated before sleep(),
+                after it, after wake(); the step after wake is finite; then the process groups
+                destroyed and rebuilt (--offload-train-groups, auto: on with NCCL): free device
+                memory before / after the release, the rebuild's time, a finite step after it.
   fsdp          FSDP backend, --bf16: tokens/s; --optimizer-cpu-offload: peak device memory
                 against it; --fp16: steps taken at a loss scale that fits; sleep()/wake()
                 memory.
@@ -209,13 +211,41 @@ def _sleep_wake(run: Run) -> dict:
                                           if k != "train/update_skipped")}
 
 
+def _groups_teardown(run: Run) -> dict:
+    """The process groups destroyed and rebuilt (--offload-train-groups; auto is on with NCCL): device
+    memory free before, after the release and after the rebuild (NCCL communicators are not tensors:
+    torch.cuda.mem_get_info, not memory_allocated), the rebuild's time, a finite step after it."""
+    free = (lambda: torch.cuda.mem_get_info()[0] / 2 ** 30 if torch.cuda.is_available() else None)
+    _sync()
+    before = free()
+    destroyed = run.backend.release_comm_groups()
+    _sync()
+    released = free()
+    t0 = time.perf_counter()
+    rebuilt = run.backend.restore_comm_groups()
+    rebuild_s = time.perf_counter() - t0
+    after = run.train(1)["steps"][0]
+    return {"plan": run.backend.sleep_plan.describe(), "destroyed": destroyed, "rebuilt": rebuilt,
+            "free_gib_before": before, "free_gib_released": released, "free_gib_after_step": free(),
+            "freed_gib": None if before is None else released - before, "rebuild_s": rebuild_s,
+            "step_after_rebuild_finite": all(v == v and abs(v) != float("inf") for k, v in after.items()
+                                             if k != "train/update_skipped")}
+
+
 def check_sleep_wake(hf, batch, dry):
-    run = Run("megatron", hf, batch, ["--bf16"])
+    from megatron_rl.infra import reloadable_groups
+
+    # --offload-train: the colocated sleep; the groups go by default with NCCL (forced on for the CPU dry run)
+    flags = ["--bf16", "--offload-train"] + ([] if torch.cuda.is_available() else ["--offload-train-groups", "on"])
+    run = Run("megatron", hf, batch, flags)
     try:
         run.train(1)  # optimizer state exists
-        return _sleep_wake(run)
+        out = _sleep_wake(run)
+        out["groups"] = _groups_teardown(run)
+        return out
     finally:
         run.close()
+        reloadable_groups.uninstall()  # the later checks' groups (FSDP2's mesh) are plain ones
 
 
 def check_fsdp(hf, batch, dry):

@@ -89,12 +89,13 @@ def run(cfg: Config) -> int:
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
+            ctx.colocation.before_generate(backend)
             samples, metrics = recovery.generate(
                 lambda: ctx.rollouts.get(rollout_id, rollout), rollout,
                 resync=lambda: _resync(sync, backend, rollout, rollout_id))
             metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
             if cfg.has_training:
-                ctx.colocation.before_train(backend, rollout)
+                metrics.update(ctx.colocation.before_train(backend, rollout))
                 swapped = backend.swap_seconds
                 metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
                 metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
@@ -137,7 +138,10 @@ def _resync(sync, backend, rollout, version: int) -> dict:
     """After an engine restart: what the transport held with the dead server goes, then a complete sync
     of the weights the rollout is generated with (version ``version``, as the last sync sent)."""
     sync.shutdown()
-    return sync.sync(backend, rollout and rollout.engine, version=version) if backend is not None else {}
+    if backend is None:
+        return {}
+    backend.restore_comm_groups()  # the export runs collectives; they go again at the next generate
+    return sync.sync(backend, rollout and rollout.engine, version=version)
 
 
 def main(argv=None) -> int:

@@ -296,6 +296,17 @@ class TrainBackend(abc.ABC):
     def wake(self) -> None:
         """Undo ``sleep`` before the next forward/train."""
 
+    def release_comm_groups(self) -> int:
+        """Collective: destroy this trainer's process groups (their communicators' device memory) while the
+        engine generates (``--offload-train-groups``). Returns how many this rank destroyed; 0 where the
+        backend keeps its groups (the default)."""
+        return 0
+
+    def restore_comm_groups(self) -> int:
+        """Collective: rebuild what :meth:`release_comm_groups` destroyed, before any collective of training
+        or weight sync. Returns how many this rank rebuilt."""
+        return 0
+
     @abc.abstractmethod
     def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-layout tensors in buckets of about ``bucket_bytes`` (collective on all ranks).

@@ -248,6 +248,12 @@ class MemoryConfig:
     colocate: bool = flag(False, "Run the rollout engine on the training GPUs (implies offloading both sides).")
     offload_train: bool = flag(False, "Release the trainer's GPU memory while the rollout engine runs.")
     offload_rollout: bool = flag(False, "Release the rollout engine's GPU memory while training.")
+    offload_train_groups: str = flag(
+        "auto", "With --offload-train/--colocate (megatron backend): also destroy the trainer's process groups "
+        "(their NCCL communicators' GPU memory) while the engine generates, and rebuild them before training. "
+        "auto: on when the groups are NCCL (a GPU run), off on CPU, where gloo groups hold no device memory. "
+        "on: also on CPU (the same teardown over gloo; costs their rebuild each step). off: keep them.",
+        choices=("auto", "on", "off"))
     ref_weights_location: str = flag(
         "auto", "Where the frozen reference/teacher weight copies live. device: beside the parameters, so each "
         "reference forward's swap (actor out, reference in, actor back) runs at device-memory speed, for one "

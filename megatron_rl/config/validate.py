@@ -234,6 +234,14 @@ def _check_memory(errors: list[str], cfg: Config) -> None:
         errors.append(f"--ref-weights-location device with {which}: the trainer hands its GPU memory to the "
                       f"rollout engine between steps, and reference copies on the device would stay there; use "
                       f"--ref-weights-location host (or auto, which picks host here)")
+    if m.offload_train_groups == "on":
+        if not m.effective_offload_train:
+            errors.append("--offload-train-groups on destroys the trainer's process groups while it sleeps, and it "
+                          "sleeps only with --offload-train or --colocate: add one of them (or drop the flag)")
+        if cfg.precision.train_backend != "megatron":
+            errors.append(f"--offload-train-groups on with --train-backend {cfg.precision.train_backend}: only the "
+                          "megatron backend rebuilds its process groups after a sleep (FSDP2's device mesh keeps "
+                          "its groups); drop the flag")
 
 
 def _check_eval(errors: list[str], cfg: Config) -> None:

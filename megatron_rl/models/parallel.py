@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from megatron_rl.compat import apply_cpu_compat
+from megatron_rl.infra import reloadable_groups
 from megatron_rl.errors import ConfigError
 
 
@@ -164,6 +165,7 @@ def destroy_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    reloadable_groups.retire_all()  # a later layout's groups are the ones a sleep tears down
 
 
 def _free_port() -> int:

@@ -2,9 +2,10 @@
 
 The order, per rollout (issue 14; slime's train loop):
 
-    generate -> engine release -> [every rank] barrier -> wait until the device memory is free
-    -> trainer wake -> train -> trainer sleep -> [every rank] barrier -> engine resume weights
-    -> weight sync -> engine resume KV cache (and CUDA graphs) -> next generate
+    [trainer groups destroyed] -> generate -> engine release -> [every rank] barrier -> wait until
+    the device memory is free -> [trainer groups rebuilt] -> trainer wake -> train -> trainer sleep
+    -> [every rank] barrier -> engine resume weights -> weight sync -> engine resume KV cache (and
+    CUDA graphs) -> next generate
 
 Why each step:
 * The barriers: only the driver rank talks to the engines, but every trainer rank shares a GPU
@@ -15,6 +16,10 @@ Why each step:
   pool (slime#579: trainer OOM on wake), so each rank polls its own device's free memory until
   it has risen by what the engine is expected to give back, or a timeout passes (then a
   warning names the engines and the run goes on: the wake may still fit).
+* The groups (``--offload-train-groups``, on by default on GPUs): their NCCL communicators'
+  memory is freed only while the engine generates, because the weight sync after the sleep,
+  an evaluation and a checkpoint save all use them; nothing between the destruction and the
+  rebuild runs a collective on them (the loop's own barriers and broadcasts use WORLD, kept).
 * Resume in two halves: the sync writes into the resumed weights while the KV cache (an
   engine's largest allocation) is still released, so the peak is never trainer + engine
   weights + KV cache.
@@ -107,9 +112,15 @@ class Colocation:
     def active(self) -> bool:
         return self.offload_train or self.offload_rollout
 
-    def before_train(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> None:
+    def before_generate(self, backend: Optional[TrainBackend]) -> None:
+        """The trainer's process groups go for the generation (a no-op unless the backend tears them down)."""
+        if self.offload_train and backend is not None:
+            backend.release_comm_groups()
+
+    def before_train(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> dict[str, float]:
+        """Engine release, the groups rebuilt, trainer wake; returns ``perf/groups_rebuild_s`` when groups were."""
         if not self.active:
-            return
+            return {}
         waiting = self.offload_rollout and self.expected_release_fraction is not None
         before = self.probe() if waiting else None
         if before is not None:
@@ -120,8 +131,13 @@ class Colocation:
         if before is not None:
             wait_for_release(before[0], int(self.expected_release_fraction * before[1]), self.probe,
                              timeout_s=self.release_timeout_s)
+        metrics = {}
         if self.offload_train:
+            t = time.perf_counter()
+            if backend.restore_comm_groups():
+                metrics["perf/groups_rebuild_s"] = time.perf_counter() - t
             backend.wake()
+        return metrics
 
     def before_rollout(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> None:
         """Trainer sleep, then (after every rank slept) the engines' weights back for the sync."""

@@ -35,3 +35,17 @@ def test_slime_defaults_that_megatron_lm_implies(hf_dir):
     assert cfg.optimizer.effective_distributed_optimizer and not cfg.optimizer.use_distributed_optimizer
     plain = parse_config(["--hf-checkpoint", hf_dir])
     assert not plain.optimizer.effective_distributed_optimizer
+
+
+def test_offload_train_groups_on_needs_a_sleeping_megatron_trainer(hf_dir):
+    with pytest.raises(ConfigError, match="--offload-train-groups on destroys the trainer's process groups while "
+                                          "it sleeps, and it sleeps only with --offload-train or --colocate"):
+        parse_config(["--hf-checkpoint", hf_dir, "--offload-train-groups", "on"])
+    with pytest.raises(ConfigError, match="--offload-train-groups on with --train-backend fsdp: only the megatron"):
+        parse_config(["--hf-checkpoint", hf_dir, "--offload-train-groups", "on", "--colocate", "--train-backend",
+                      "fsdp"])
+    cfg = parse_config(["--hf-checkpoint", hf_dir, "--offload-train-groups", "on", "--offload-train"])
+    assert cfg.memory.offload_train_groups == "on"
+    assert parse_config(["--hf-checkpoint", hf_dir]).memory.offload_train_groups == "auto"
+    # auto and off are accepted anywhere: auto decides on the device (backends/sleep_tiers.py)
+    parse_config(["--hf-checkpoint", hf_dir, "--offload-train-groups", "off", "--train-backend", "fsdp"])

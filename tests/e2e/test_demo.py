@@ -161,3 +161,12 @@ def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
     laps = [v for k, v in first.items() if k.startswith("perf/startup_") and k != "perf/startup_s"]
     assert len(laps) == 8 and all(v >= 0 for v in laps) and sum(laps) <= first["perf/startup_s"] + 1e-6, first
     del proc
+    # the trainer's process groups destroyed for every generation and rebuilt before training
+    # (--offload-train-groups on; the GPU default, over gloo here): the same run, number for number
+    groups = tmp_path / "colo_groups"
+    run_demo(groups, 3, "--colocate", "--no-auto-resume", "--offload-train-groups", "on")
+    again = metrics(groups)
+    assert len(again) == len(recs)
+    numbers = (lambda r: {k: v for k, v in r.items() if not k.startswith("perf/") and "time" not in k})
+    assert [numbers(r) for r in recs] == [numbers(r) for r in again]
+    assert all(r["perf/groups_rebuild_s"] > 0 for r in again if "train/pg_loss" in r)

@@ -52,7 +52,8 @@ def test_wake_waits_for_the_engines_memory_after_every_rank_passed_the_release(e
     probe = Probe(events, [10 * GIB, 12 * GIB, 20 * GIB, 40 * GIB])
     c = Colocation(True, True, expected_release_fraction=0.25, probe=probe)
     c.before_train(Recorder(events, "backend"), Rollout(events))
-    assert events == ["probe", "barrier", "engine.release", "barrier", "probe", "probe", "probe", "backend.wake"]
+    assert events == ["probe", "barrier", "engine.release", "barrier", "probe", "probe", "probe", "backend.restore_comm_groups",
+                      "backend.wake"]
 
 
 def test_a_rank_without_the_engines_waits_too_and_sleep_precedes_any_resume(events):
@@ -61,7 +62,8 @@ def test_a_rank_without_the_engines_waits_too_and_sleep_precedes_any_resume(even
     c.before_train(Recorder(events, "backend"), None)  # rank 1: no engine handle, same GPU sharing
     c.before_rollout(Recorder(events, "backend"), None)
     c.after_sync(None)
-    assert events == ["probe", "barrier", "barrier", "probe", "backend.wake", "backend.sleep", "barrier"]
+    assert events == ["probe", "barrier", "barrier", "probe", "backend.restore_comm_groups", "backend.wake",
+                      "backend.sleep", "barrier"]
     events.clear()
     c.before_rollout(Recorder(events, "backend"), Rollout(events))
     c.after_sync(Rollout(events))
@@ -71,17 +73,48 @@ def test_a_rank_without_the_engines_waits_too_and_sleep_precedes_any_resume(even
 def test_no_device_or_no_releasing_engine_means_no_wait(events):
     c = Colocation(True, True, expected_release_fraction=0.25, probe=lambda: None)  # CPU: no device
     c.before_train(Recorder(events, "backend"), Rollout(events))
-    assert events == ["engine.release", "barrier", "backend.wake"]
+    assert events == ["engine.release", "barrier", "backend.restore_comm_groups", "backend.wake"]
     events.clear()
     Colocation(True, True, expected_release_fraction=None, probe=Probe(events, [0])).before_train(
         Recorder(events, "backend"), Rollout(events))
-    assert events == ["engine.release", "barrier", "backend.wake"]  # the embedded engine: nothing to poll
+    # the embedded engine: nothing to poll
+    assert events == ["engine.release", "barrier", "backend.restore_comm_groups", "backend.wake"]
     events.clear()
     off = Colocation(False, False, probe=Probe(events, [0]))
     off.before_train(Recorder(events, "backend"), Rollout(events))
     off.before_rollout(Recorder(events, "backend"), Rollout(events))
     off.after_sync(Rollout(events))
     assert events == []  # separate placement: nothing moves, no barrier
+
+
+class GroupsBackend:
+    """Tears its groups down (--offload-train-groups): 12 destroyed, 12 rebuilt."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def release_comm_groups(self):
+        self.events.append("backend.release_comm_groups")
+        return 12
+
+    def restore_comm_groups(self):
+        self.events.append("backend.restore_comm_groups")
+        return 12
+
+    def wake(self):
+        self.events.append("backend.wake")
+
+
+def test_groups_go_for_the_generation_and_come_back_before_the_wake(events):
+    c = Colocation(True, False, probe=lambda: None)
+    backend = GroupsBackend(events)
+    c.before_generate(backend)
+    metrics = c.before_train(backend, None)
+    assert events == ["backend.release_comm_groups", "barrier", "backend.restore_comm_groups", "backend.wake"]
+    assert metrics["perf/groups_rebuild_s"] >= 0
+    events.clear()
+    Colocation(False, True, probe=lambda: None).before_generate(backend)  # the trainer does not sleep
+    assert events == []
 
 
 def test_a_release_that_never_shows_warns_and_goes_on(caplog):

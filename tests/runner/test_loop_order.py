@@ -62,6 +62,14 @@ class RecordingBackend(TrainBackend):
     def wake(self):
         EVENTS.append("backend.wake")
 
+    def release_comm_groups(self):
+        EVENTS.append("backend.release_comm_groups")
+        return 0
+
+    def restore_comm_groups(self):
+        EVENTS.append("backend.restore_comm_groups")
+        return 0
+
     def export_weights(self, bucket_bytes):
         yield [("w", self.w.clone())]
 
@@ -142,7 +150,8 @@ def loop(tiny_hf_models, tmp_path, monkeypatch):
 def _step(rollout_id):
     """What one colocated RL step must call, in order (GRPO + KL: old log-probs under the actor, then the
     reference's under the swapped-in ref weights; one optimizer step per rollout)."""
-    return [("generate", rollout_id), "engine.release", "backend.wake", ("forward", "actor"), ("forward", "ref"),
+    return ["backend.release_comm_groups", ("generate", rollout_id), "engine.release", "backend.restore_comm_groups",
+            "backend.wake", ("forward", "actor"), ("forward", "ref"),
             "train_step",
             "backend.sleep", "engine.resume_weights", ("update_weights", rollout_id + 1), "engine.resume_kv_cache"]
 

@@ -55,6 +55,7 @@ from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoin
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
+from megatron_rl.backends.sleep_tiers import plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
 from megatron_rl.data.types import Sample
@@ -113,6 +114,9 @@ class FSDPBackend(TrainBackend):
         self.cpu_offload = cfg.optimizer.optimizer_cpu_offload
         init_process_group(host_collectives=self.cpu_offload)
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        self.sleep_plan = plan_sleep(cfg.memory.offload_train_groups, backend="fsdp", cuda=torch.cuda.is_available())
+        if cfg.memory.effective_offload_train and self.dp_rank == 0:
+            log.info("trainer sleep (--offload-train/--colocate): %s", self.sleep_plan.describe())
         self.pad_to_multiple = 1
         self.holds_results = True  # no tensor/pipeline/context parallelism: every rank is its DP rank's holder
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

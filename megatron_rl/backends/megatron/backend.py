@@ -23,6 +23,7 @@ distribution is over the real vocab exactly as in HF and in the rollout engine.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -38,11 +39,13 @@ from megatron_rl.algorithms.spec import ModelOutput, Spec
 from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager,
                                       resolve_weights_location)
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.config.megatron_flags import megatron_core_kwargs
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import CheckpointError, ConfigError
+from megatron_rl.infra import reloadable_groups
 from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
 from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
 
@@ -140,7 +143,15 @@ class MegatronBackend(TrainBackend):
         if cfg.parallel.sequence_parallel and not self.layout.sequence_parallel and dist.get_rank() == 0:
             log.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (nothing to shard "
                         "over; Megatron-LM turns it off there too)")
+        self.sleep_plan = plan_sleep(cfg.memory.offload_train_groups, backend="megatron",
+                                     cuda=torch.cuda.is_available())
+        if cfg.memory.effective_offload_train and self.sleep_plan.groups:
+            reloadable_groups.install()  # before megatron's groups exist: they become rebuildable
         self.dp_size = initialize_parallel(self.layout, seed=cfg.runtime.seed)
+        if cfg.memory.effective_offload_train and dist.get_rank() == 0:
+            log.info("trainer sleep (--offload-train/--colocate): %s", self.sleep_plan.describe())
+            if torch.cuda.is_available() and importlib.util.find_spec("torch_memory_saver") is not None:
+                log.info(MEMORY_SAVER_NOTE)
         self.ps = ps
         self._export_scope: Optional[ExportScope] = None
         self.dp_rank = ps.get_data_parallel_rank()
@@ -374,6 +385,21 @@ class MegatronBackend(TrainBackend):
             m.restore_grad_buffers()
         if hasattr(self.optimizer, "restore_from_cpu"):
             self.optimizer.restore_from_cpu()
+
+    def release_comm_groups(self) -> int:
+        """Every process group megatron and this backend made, destroyed (``--offload-train-groups``;
+        infra/reloadable_groups.py): their NCCL communicators' memory goes to the engine. WORLD stays."""
+        if not (self.cfg.memory.effective_offload_train and self.sleep_plan.groups):
+            return 0
+        count = reloadable_groups.destroy()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return count
+
+    def restore_comm_groups(self) -> int:
+        if not (self.cfg.memory.effective_offload_train and self.sleep_plan.groups):
+            return 0
+        return reloadable_groups.reload()
 
     def _load_initial_weights(self, cfg: Config) -> None:
         """``--hf-checkpoint``, or a model-only torch_dist dir given as ``--load`` (what

@@ -78,7 +78,21 @@ def main():
         owned_checks = [None] * dist.get_world_size()
         dist.all_gather_object(owned_checks, rec["owned"])
         rec["owned"] = owned_checks
+        groups = "--offload-train-groups" in layout
+        if groups:
+            rec["groups"] = []
         for step in range(3):
+            if groups:  # as the loop does around a generation (runner/colocation.py)
+                cycle = {"destroyed": backend.release_comm_groups()}
+                try:
+                    ps = backend.ps
+                    dist.all_reduce(torch.ones(1), group=ps.get_tensor_model_parallel_group())
+                    cycle["error"] = None
+                except RuntimeError as e:
+                    cycle["error"] = str(e)
+                dist.barrier()
+                cycle["rebuilt"] = backend.restore_comm_groups()
+                rec["groups"].append(cycle)
             old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
             ref = backend.maybe_compute_ref_log_probs(samples, True, plan=plan.forward, owned_only=True)
             adv = spec.compute_advantages(samples)
