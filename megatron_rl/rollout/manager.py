@@ -21,7 +21,8 @@ towards short responses (the ones that finished before an update). They are coun
 rollout, so a run that trains off-policy says so in its metrics.
 
 Aborted samples (finish_reason "abort": cut short by an /abort_request or a pause in abort
-mode) are a different matter: their response is not what the policy would have finished, so
+mode; or every row of a ``/generate`` SGLang answered 503, which it does when it aborts a row
+with a status: a decode retraction without a KV backup, "Retry later.") are a different matter: their response is not what the policy would have finished, so
 they are never trained on. Their groups are generated again (``_generate_complete``,
 ``--rollout-abort-retries``), and ``rollout/aborted_samples`` / ``rollout/abort_retried_groups``
 count what happened.
@@ -91,8 +92,10 @@ def _still_aborted(requests, samples: list[Sample], groups: list[int], n: int, r
             f"{'y' if retries == 1 else 'ies'} (--rollout-abort-retries); aborted samples are never trained on. "
             + " | ".join(parts) + more + ". SGLang answers a row with finish_reason abort (HTTP 200) when "
             "someone aborts it (/abort_request, or /pause_generation in abort mode): another trainer, a router or "
-            "an operator sharing the engine; its log shows the aborts. Raise --rollout-abort-retries to ride "
-            "them out")
+            "an operator sharing the engine; and a whole request with 503 when it aborts a row with a status (a "
+            "decode retraction under memory pressure, a request timeout): its log shows the aborts. Raise "
+            "--rollout-abort-retries to ride them out (for retractions: a lower --sglang-mem-fraction-static or "
+            "fewer concurrent rows)")
 
 
 def weight_version_metrics(samples: list[Sample], current_version: int) -> dict[str, float]:

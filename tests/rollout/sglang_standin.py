@@ -135,6 +135,7 @@ class Faults:
     die_mid_bucket: Optional[int] = None  # tensors the next distributed update receives before the server dies
     die_in_group: Optional[str] = None  # with die_mid_bucket: only an update over a group whose name ends so
     abort_rows: int = 0  # the next this many generate rows come back aborted, as after another client's /abort_request
+    unavailable_generates: int = 0  # the next this many /generate requests answer 503, as an abort with a status
 
 
 _DIE = object()  # a handler's reply meaning: the server dies with this request unanswered
@@ -342,6 +343,15 @@ class SGLangStandIn:
         if released:
             return 400, {"error": {"message": f"stand-in: memory released for {released}; call "
                                               "/resume_memory_occupation before /generate"}}
+        with self._state_lock:
+            unavailable = self.faults.unavailable_generates > 0
+            self.faults.unavailable_generates -= unavailable
+        if unavailable:
+            # SGLang 0.5.23: a row aborted with a status (a decode retraction without a KV backup, a request
+            # timeout, a priority preemption) fails the whole non-streamed request with that status
+            # (TokenizerManager._handle_abort_finish_reason raises HTTPException; http_server's handler)
+            message = "Retracted under decode memory pressure without a KV backup. Retry later."
+            return 503, {"object": "error", "message": message, "type": "503", "param": None, "code": 503}
         pending = [_Pending(str(r)) for r in rids]
         self.rids_served.extend(p.rid for p in pending)
         with self._state_lock:

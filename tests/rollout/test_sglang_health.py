@@ -408,6 +408,31 @@ def test_a_group_still_aborted_after_its_retries_stops_the_rollout_naming_prompt
             engine.close()
 
 
+def test_a_generate_answered_503_is_generated_again_and_names_the_servers_words_when_it_persists(model, tmp_path):
+    """SGLang fails a whole non-streamed /generate with 503 when it aborts a row with a status (a decode
+    retraction without a KV backup: "Retry later."): the request's rows count as aborted, their groups are
+    generated again; still 503 after the retries, the error carries the server's message."""
+    with SGLangStandIn(model) as server:
+        engine = make_engine(server, tmp_path)
+        manager = _manager(model, tmp_path, engine, lambda samples: [0.0] * len(samples),
+                           "--rollout-abort-retries", "1")
+        try:
+            server.faults.unavailable_generates = 1  # the rollout's one batched request; its retry is served
+            samples, metrics = manager.generate(0)
+            assert [s.group_index for s in samples] == [0, 0, 1, 1]
+            assert all(s.finish_reason != "abort" and s.response_ids for s in samples)
+            assert metrics["rollout/aborted_samples"] == 4.0 and metrics["rollout/abort_retried_groups"] == 2.0
+            server.faults.unavailable_generates = 2  # the rollout and its one retry
+            with pytest.raises(EngineError) as err:
+                manager.generate(1)
+            text = str(err.value)
+            assert "2 prompt group(s) still had aborted samples after 1 retry" in text
+            assert ("answered 503: Retracted under decode memory pressure without a KV backup. Retry later." in text)
+            assert "--sglang-mem-fraction-static" in text
+        finally:
+            engine.close()
+
+
 def test_weight_version_metrics_count_mixed_and_stale_samples():
     def sample(version, spans=None, finish="length"):
         metadata = {"weight_version_spans": spans} if spans else {}

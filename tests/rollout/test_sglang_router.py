@@ -103,3 +103,29 @@ def test_generation_through_the_router_equals_the_servers_and_weights_reach_ever
     finally:
         via.close()
         direct.close()
+
+
+def test_a_503_through_the_router_is_retried_by_it_or_comes_back_as_aborted_rows(fleet, tmp_path):
+    """A worker's 503 (SGLang aborted a row with a status, "Retry later."): what sglang-router 0.3.2 does
+    with it, and what reaches the rollout: aborted rows carrying the words of whoever answered 503 (the
+    rollout generates their groups again, --rollout-abort-retries), never an exception. Last in this
+    module: the router's circuit breakers stay open for a while after the refusals."""
+    model, router, (a, b) = fleet
+    workers, found = discover_router([router])
+    via = SGLangEngine(workers, router_url=found, weight_dir=str(tmp_path / "weights"), hf_checkpoint=model,
+                       timeout_s=10, connect_retries=1)
+    try:
+        a.faults.unavailable_generates = 1  # one refusal: the router retries it on a worker
+        samples = via.generate(REQUESTS, SAMPLED)
+        assert a.faults.unavailable_generates == 0
+        assert [s.finish_reason for s in samples if s.finish_reason == "abort"] == []
+        assert all(s.response_ids for s in samples)
+        a.faults.unavailable_generates = b.faults.unavailable_generates = 1000
+        samples = via.generate(REQUESTS, SAMPLED)
+        assert {s.finish_reason for s in samples} == {"abort"}
+        messages = {s.metadata["finish_message"] for s in samples}
+        assert all("(sglang-router) answered 503: " in m for m in messages), messages
+        assert any("Retry later." in m or "No available workers" in m for m in messages), messages
+    finally:
+        a.faults.unavailable_generates = b.faults.unavailable_generates = 0
+        via.close()

@@ -168,9 +168,10 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, who: str, what: 
 class SGLangServer:
     """``python -m sglang.launch_server`` in its own process group; ``stop()`` kills the whole group."""
 
-    def __init__(self, python: str, model: Path, log_path: Path, *, port: int, extra_args: list[str]):
+    def __init__(self, python: str, model: Path, log_path: Path, *, port: int, extra_args: list[str],
+                 env: Optional[dict] = None):
         self.python, self.model, self.log_path, self.port = python, model, log_path, port
-        self.extra_args = extra_args
+        self.extra_args, self.env = extra_args, dict(env or {})
         self.proc: Optional[subprocess.Popen] = None
         self._log_file = None
 
@@ -180,7 +181,7 @@ class SGLangServer:
 
     def start(self) -> None:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": str(KERNEL_STANDIN)}  # the CPU test stand-in for sgl_kernel, this process only
+               "PYTHONPATH": str(KERNEL_STANDIN), **self.env}  # the CPU stand-in for sgl_kernel, this process only
         env.pop("VIRTUAL_ENV", None)
         cmd = [self.python, "-m", "sglang.launch_server", "--model-path", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), *SERVER_ARGS, *self.extra_args]
@@ -884,6 +885,55 @@ def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     r.check("server still healthy after the distributed updates", c.health_generate(timeout_s=60))
 
 
+def unavailable_503(report: Report, model_dir: Path, args: argparse.Namespace) -> None:
+    """A real 503 from /generate: a second server that runs one request at a time and aborts a request
+    that waited 2 s in its queue (SGLANG_REQ_WAITING_TIMEOUT; SGLang aborts it with status 503, which
+    fails the whole non-streamed request). Our engine must turn it into aborted rows carrying SGLang's
+    words (the rollout generates their groups again), not an exception; the raw reply's shape is kept
+    for the stand-in comparison."""
+    server = SGLangServer(args.sglang_python, model_dir, report.out / "server_503.log", port=free_port(),
+                          extra_args=["--disable-radix-cache", "--max-running-requests", "1"],
+                          env={"SGLANG_REQ_WAITING_TIMEOUT": "2"})
+    try:
+        server.start()
+        probe = SGLangClient(server.url, timeout_s=5, connect_retries=0)
+
+        def healthy() -> bool:
+            if not server.alive():
+                raise CheckFailed(f"the second SGLang server exited while starting; log tail:\n{server.log_tail()}")
+            return _safe(lambda: probe.health(timeout_s=5)) is True
+
+        t = time.monotonic()
+        wait_until(healthy, args.startup_timeout_s, f"SGLang server {server.url}", "answer /health with 200",
+                   every_s=1.0)
+        report.figures["startup_503_server_s"] = round(time.monotonic() - t, 1)
+        probe.close()
+        engine = SGLangEngine([server.url], timeout_s=60, generate_timeout_s=300, connect_retries=0)
+        try:
+            sampling = SamplingParams(temperature=0.0, max_new_tokens=args.long_tokens, ignore_eos=True, n=2)
+            t = time.monotonic()
+            samples = engine.generate([GenerateRequest([5, 6, 7, 8], 0)], sampling)
+            report.figures["generate_503_s"] = round(time.monotonic() - t, 1)
+            messages = sorted({str(s.metadata.get("finish_message")) for s in samples})
+            report.check("a real 503 (a request waiting past SGLANG_REQ_WAITING_TIMEOUT): every row of the "
+                         "request comes back aborted with SGLang's words",
+                         [s.finish_reason for s in samples] == ["abort", "abort"]
+                         and all("answered 503: Request waiting timeout reached." in m for m in messages),
+                         f"reasons {[s.finish_reason for s in samples]}, messages {messages}")
+            resp = engine.clients[0].request(
+                "POST", "/generate", {"input_ids": [[5, 6, 7, 8]] * 2, "sampling_params": [
+                    {"temperature": 0.0, "max_new_tokens": args.long_tokens, "ignore_eos": True}] * 2},
+                ok_statuses=(200, 503))
+            report.replies["error_503_generate"] = {"status": resp.status_code, "body": resp.json()}
+            report.check("the raw 503 reply is SGLang's error object",
+                         resp.status_code == 503 and resp.json().get("code") == 503,
+                         f"{resp.status_code}: {resp.text[:300]}")
+        finally:
+            engine.close()
+    finally:
+        server.stop()
+
+
 def _shape(body: Any) -> Any:
     """The key structure of a reply (dict keys, one level into meta_info), for comparing servers."""
     if isinstance(body, list):
@@ -903,7 +953,7 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
     real = report.replies
     with SGLangStandIn(str(model_dir)) as standin, SGLangClient(standin.url, connect_retries=0) as c:
         def get(method, path, payload=None):
-            resp = c.request(method, path, payload, ok_statuses=(200, 400, 404))
+            resp = c.request(method, path, payload, ok_statuses=(200, 400, 404, 503))
             try:
                 return resp.status_code, resp.json()
             except ValueError:
@@ -930,6 +980,9 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
             "destroy_weights_update_group_missing": get("POST", "/destroy_weights_update_group",
                                                         {"group_name": "megatron_rl_no_such_group"}),
         }
+        standin.faults.unavailable_generates = 1
+        got["error_503_generate"] = get("POST", "/generate", {"input_ids": [ids, ids], "sampling_params": [
+            {"max_new_tokens": 2}] * 2})
         lm_head = dict(standin.engine.named_weights())["lm_head.weight"].clone()
         entries, buffers = _bucket_entries([("lm_head.weight", lm_head)], FLATTENED_BUCKET)
         get("POST", "/begin_weight_update", {})
@@ -970,7 +1023,7 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
             if set(body) != set(real_body):
                 problems.append(f"{name}: keys {sorted(body)} vs real {sorted(real_body)}")
             elif "message" in real_body and body.get("message") != real_body.get("message") \
-                    and name not in ("update_weight_version",):
+                    and name not in ("update_weight_version", "error_503_generate"):
                 problems.append(f"{name}: message {body.get('message')!r} vs real {real_body.get('message')!r}")
         elif isinstance(body, dict) and set(body) == {"success", "message"}:
             if body["message"] != real_body:
@@ -1161,6 +1214,10 @@ def main(argv=None) -> int:
         report.log("not called: release/resume_memory_occupation (on CPU SGLang calls CUDA synchronize there: "
                    "the scheduler dies and the server goes down); get_weights_by_name (missing for Qwen2)")
         checks.engine.close()
+        try:
+            unavailable_503(report, server.model, args)
+        except Exception as exc:  # noqa: BLE001
+            report.check("503 check ran without an error", False, f"{type(exc).__name__}: {exc}")
         try:
             standin_fidelity(report, server.model)
         except Exception as exc:  # noqa: BLE001

@@ -94,6 +94,9 @@ __all__ = ["SGLangEngine"]
 
 log = logging.getLogger(__name__)
 
+#: SGLang's status for a row aborted with "retry later" meaning (see SGLangEngine._unavailable_row)
+UNAVAILABLE = 503
+
 
 class SGLangEngine(RolloutEngine):
     """Generation on external SGLang servers; weights pushed through versioned safetensors dirs, or by
@@ -406,10 +409,15 @@ class SGLangEngine(RolloutEngine):
             if sampling.seed is not None and sampling.temperature > 0:
                 self._warn_if_seed_ignored(client)
             rows = [(i, j) for i in indices for j in range(sampling.n)]
-            entries = client.generate(
-                [requests[i].prompt_ids for i, _ in rows],
-                [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)) for i, j in rows],
-                rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s)
+            try:
+                entries = client.generate(
+                    [requests[i].prompt_ids for i, _ in rows],
+                    [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)) for i, j in rows],
+                    rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s)
+            except SGLangEngineError as exc:
+                if exc.status != UNAVAILABLE:
+                    raise
+                return {row: self._unavailable_row(client, exc) for row in rows}
             return {row: protocol.parse_generate_output(e, where=client.label)
                     for row, e in zip(rows, entries)}
 
@@ -429,9 +437,15 @@ class SGLangEngine(RolloutEngine):
 
         def one(row: tuple[int, int]) -> protocol.GenerateOutput:
             i, j = row
-            entry = self.router.generate_one(
-                requests[i].prompt_ids, protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)),
-                rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s)
+            try:
+                entry = self.router.generate_one(
+                    requests[i].prompt_ids,
+                    protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)),
+                    rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s)
+            except SGLangEngineError as exc:
+                if exc.status != UNAVAILABLE:
+                    raise
+                return self._unavailable_row(self.router, exc)
             return protocol.parse_generate_output(entry, where=self.router.label)
 
         futures = [self._router_pool.submit(one, row) for row in rows]
@@ -444,6 +458,15 @@ class SGLangEngine(RolloutEngine):
         if first_error is not None:
             raise first_error
         return outputs
+
+    def _unavailable_row(self, client: SGLangClient, exc: SGLangEngineError) -> protocol.GenerateOutput:
+        """A ``/generate`` answered 503: SGLang aborted a row of it with that status (a decode retraction
+        under memory pressure without a KV backup, "Retry later."; a request timeout; a priority
+        preemption), which fails the whole non-streamed request. Its rows come back as aborted, and
+        the rollout generates their groups again (``--rollout-abort-retries``), as for any abort."""
+        message = f"{client.label} answered 503: {exc.server_message or exc}"
+        return protocol.GenerateOutput(output_ids=[], logprobs=[], finish_reason="abort",
+                                       weight_version=self.weight_version, text=None, finish_message=message)
 
     def _samples(self, requests: list[GenerateRequest], sampling: SamplingParams,
                  outputs: dict[tuple[int, int], protocol.GenerateOutput]) -> list[Sample]:
