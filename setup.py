@@ -47,6 +47,9 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb",
              "import-linter>=2.1",  # lint-imports: the layers contract in pyproject.toml
              "ninja",  # JIT build of the C++ CPU twins in tests/ops/test_cpu_ext.py
+             # tests/ops/test_triton_kernels.py: the Triton kernels under its CPU interpreter and compiled for
+             # sm_90 (the version the GPU machine has; CUDA builds of torch ship it, the CPU build does not)
+             "triton==3.6.0",
              "sglang-router==0.3.2"],  # tests/rollout/test_sglang_router.py: the real router before stand-ins
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.

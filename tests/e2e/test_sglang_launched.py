@@ -1,7 +1,8 @@
 """The RL loop launching its own SGLang engines: 2 torchrun ranks, 2 engines colocated (one per rank), the
 tensor transport, an engine crash mid-rollout survived with ``--use-fault-tolerance``, end to end; with and
 without an sglang-router launched in front of the engines (``--rollout-router on``: the real router of the
-test extras).
+test extras); without the router, with the trainer's process groups destroyed for every generation
+(``--offload-train-groups on``), the crash's resync included.
 
 Real parts: torchrun (``megatron_rl.infra.launch``) with 2 gloo ranks, megatron-core DP2 training,
 ``python -m megatron_rl.train`` and its validation, the launcher (local rank 0 starts both engines
@@ -53,7 +54,10 @@ def test_loop_launches_two_engines_survives_a_crash_and_stops_them(tiny_hf_model
          "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-rollout", "2", "--lr", "1e-2",
          "--rollout-num-gpus", "2", "--sglang-disable-radix-cache", "--rollout-engine-startup-timeout", "120",
          "--use-fault-tolerance", "--rollout-router", router,
-         "--colocate", "--output-dir", str(out)],
+         "--colocate", "--output-dir", str(out)]
+        # off: also the trainer's process groups torn down for every generation (the GPU default), so the
+        # crash's resync (export collectives, the tensor transport's own gloo groups) runs on rebuilt groups
+        + (["--offload-train-groups", "on"] if router == "off" else []),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     launched = [json.loads(p.read_text()) for p in sorted(record.glob("*.json"))]
@@ -92,4 +96,7 @@ def test_loop_launches_two_engines_survives_a_crash_and_stops_them(tiny_hf_model
     assert [r["sync/weight_version"] for r in syncs] == [0.0, 1.0, 2.0]
     assert all(r["sync/requests"] >= 1 and r["sync/bytes"] > 0 for r in syncs)
     assert records[0]["perf/startup_engines_s"] > 0  # the launch is its own start-up phase
+    # rebuilt after rollout 1's generation; rollout 2's were rebuilt by the crash's resync already (its export
+    # needs them), so that step logs no second rebuild
+    assert [("perf/groups_rebuild_s" in r) for r in steps] == ([True, False] if router == "off" else [False, False])
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
