@@ -313,8 +313,9 @@ class MegatronBackend(TrainBackend):
         if self.is_last_stage:
             metrics = reduce_metrics([item["metrics"] for item in store],
                                      group=self.ps.get_data_parallel_group())
-        # everyone (the driver especially, which may be a first-stage rank) gets the last stage's view
-        if dist.get_world_size() > 1:
+        # everyone (the driver especially, which may be a first-stage rank) gets the last stage's view;
+        # without pipeline stages every rank is a last-stage rank and holds it already (the DP all-reduce)
+        if dist.get_world_size() > 1 and self.layout.pp > 1:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, metrics)
             metrics = next(m for m in gathered if m)
