@@ -67,7 +67,7 @@ NOTES: dict[str, tuple[str, str]] = {
                            "the trainer leaves free on its own nodes (rollout nodes of their own: start SGLang there "
                            "and give --rollout-engine-urls)."),
     "--rollout-num-gpus-per-engine": ("same", "GPUs (--tp-size) of each of " + _SGLANG_LAUNCHED + "; an engine "
-                                      "launched here does not span nodes."),
+                                      "bigger than a node takes whole nodes (--nnodes parts, docs/sglang.md)."),
     "--sglang-*": ("same", "Passed through verbatim to " + _SGLANG_LAUNCHED + " (several values become a list, "
                    "e.g. --sglang-cuda-graph-bs 1 2 4 8); the ones the launcher sets (port, host, tp-size, "
                    "model-path, ...) are refused by name; slime's --sglang-router-ip / --sglang-router-port (a "

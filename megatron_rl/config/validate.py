@@ -505,10 +505,17 @@ def _launched_sglang_errors(cfg: Config) -> list[str]:
     if r.rollout_engine_startup_timeout <= 0:
         errors.append(f"--rollout-engine-startup-timeout {r.rollout_engine_startup_timeout:g} must be > 0 (seconds)")
     try:
-        plan_engine_placement(num_gpus=r.rollout_num_gpus if r.rollout_num_gpus is not None else cfg.actor_world_size,
-                              gpus_per_engine=r.rollout_num_gpus_per_engine, colocate=cfg.memory.colocate,
-                              num_nodes=cfg.placement.actor_num_nodes,
-                              gpus_per_node=cfg.placement.actor_num_gpus_per_node, devices_per_node=None)
+        placement = plan_engine_placement(
+            num_gpus=r.rollout_num_gpus if r.rollout_num_gpus is not None else cfg.actor_world_size,
+            gpus_per_engine=r.rollout_num_gpus_per_engine, colocate=cfg.memory.colocate,
+            num_nodes=cfg.placement.actor_num_nodes, gpus_per_node=cfg.placement.actor_num_gpus_per_node,
+            devices_per_node=None)
+        if placement.spans_nodes and r.use_fault_tolerance:
+            errors.append(f"--use-fault-tolerance with engines of --rollout-num-gpus-per-engine "
+                          f"{r.rollout_num_gpus_per_engine}, more than a node's {cfg.placement.actor_num_gpus_per_node}: "
+                          "restarting an engine that spans nodes needs every node's part restarted together, which "
+                          "this version does not build; drop --use-fault-tolerance (a dead engine then stops the run "
+                          "naming it) or use engines within a node")
     except ConfigError as exc:
         errors.append(str(exc))
     on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"

@@ -14,12 +14,17 @@ The rules (a torchrun job only owns the nodes its ranks run on):
 * **colocated** (``--colocate``): ``--rollout-num-gpus`` (default: the actor's world) devices
   of the trainer, split into engines of ``--rollout-num-gpus-per-engine``; engine ``i``
   takes global devices ``[i*g, (i+1)*g)``, i.e. the devices of trainer ranks
-  ``i*g .. (i+1)*g - 1`` (rank ``r`` uses its node's device ``r % gpus_per_node``). An
-  engine may not span nodes.
+  ``i*g .. (i+1)*g - 1`` (rank ``r`` uses its node's device ``r % gpus_per_node``).
 * **separate**: engines on the devices the trainer leaves free on its own nodes, node by
   node: node ``n`` offers devices ``[gpus_per_node, devices_per_node)``. On a CPU-only
   machine there are no devices to count: engines are plain processes, spread over the
   nodes round robin.
+* **an engine bigger than a node** (``g`` above what a node offers: its trainer devices when
+  colocated, its free devices when separate) takes whole nodes, consecutive ones: ``g`` must
+  be a multiple of what one node offers. SGLang runs it as one process per node (``--nnodes``,
+  ``--node-rank``, ``--dist-init-addr`` of the first node's); the first node's serves HTTP and
+  is the engine's URL, the others only a health endpoint (SGLang 0.5.23's
+  ``launch_dummy_health_check_server``). ``EngineSlot.span`` lists its nodes, head first.
 """
 
 from __future__ import annotations
@@ -42,12 +47,21 @@ class EngineSlot:
     gpu_ids: tuple[int, ...]        # node-local device ids; () on a CPU-only machine
     trainer_ranks: tuple[int, ...]  # colocated: global trainer ranks sharing its devices, in engine-TP-rank order
     log_path: str = ""
+    span: tuple[int, ...] = ()      # an engine bigger than a node: its nodes, head (node_rank) first; () for one
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The node ranks this engine runs on, head first (``gpu_ids`` are each one's local devices)."""
+        return self.span or (self.node_rank,)
 
     def describe(self) -> str:
         """What an error about this engine says, so the reader can find its process and log."""
         where = f"GPUs {','.join(map(str, self.gpu_ids))}" if self.gpu_ids else "CPU"
+        if self.span:
+            where = f"{where} on each" if self.gpu_ids else where
         log = f", log {self.log_path}" if self.log_path else ""
-        return f"SGLang engine {self.index} ({self.url or 'not started'}, node {self.node_rank}, {where}{log})"
+        node = f"nodes {','.join(map(str, self.span))}" if self.span else f"node {self.node_rank}"
+        return f"SGLang engine {self.index} ({self.url or 'not started'}, {node}, {where}{log})"
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,17 @@ class EnginePlacement:
         return [e.url for e in self.engines]
 
     def on_node(self, node_rank: int) -> list[EngineSlot]:
+        """The engines headed on ``node_rank`` (their URL is there)."""
         return [e for e in self.engines if e.node_rank == node_rank]
+
+    def parts_on_node(self, node_rank: int) -> list[tuple[EngineSlot, int]]:
+        """``(engine, part)`` for every engine process ``node_rank`` runs: part ``j`` is the engine's
+        ``--node-rank j`` (0: the head, serving HTTP)."""
+        return [(e, e.nodes.index(node_rank)) for e in self.engines if node_rank in e.nodes]
+
+    @property
+    def spans_nodes(self) -> bool:
+        return any(e.span for e in self.engines)
 
     def engine_of_rank(self, rank: int) -> Optional[EngineSlot]:
         """The engine sharing trainer ``rank``'s device (colocated), else None."""
@@ -96,21 +120,23 @@ def plan_engine_placement(*, num_gpus: int, gpus_per_engine: int, colocate: bool
             raise ConfigError(f"--colocate with --rollout-num-gpus {num_gpus}: colocated engines use the trainer's "
                               f"devices, and the trainer has {world} ({num_nodes} node(s) x {gpus_per_node}); "
                               f"give at most {world}")
-        if g > gpus_per_node or gpus_per_node % g:
+        if (g < gpus_per_node and gpus_per_node % g) or (g > gpus_per_node and g % gpus_per_node):
             raise ConfigError(f"--rollout-num-gpus-per-engine {g} with {gpus_per_node} trainer device(s) per node: "
-                              "an engine launched here may not span nodes, and the node's devices must split into "
-                              f"whole engines; use a divisor of {gpus_per_node}")
+                              "a node's devices must split into whole engines, or an engine take whole nodes; use a "
+                              f"divisor or a multiple of {gpus_per_node}")
         slots = []
         for i in range(count):
             ranks = tuple(range(i * g, (i + 1) * g))
-            node = ranks[0] // gpus_per_node
-            gpus = tuple(r % gpus_per_node for r in ranks) if devices_per_node is not None else ()
-            slots.append(EngineSlot(i, "", node, gpus, ranks))
+            nodes = tuple(sorted({r // gpus_per_node for r in ranks}))
+            gpus = tuple(sorted({r % gpus_per_node for r in ranks})) if devices_per_node is not None else ()
+            slots.append(EngineSlot(i, "", nodes[0], gpus, ranks, span=nodes if len(nodes) > 1 else ()))
         return EnginePlacement(tuple(slots), colocated=True)
     if devices_per_node is None:  # CPU-only: engines are processes; spread them over the nodes
         return EnginePlacement(tuple(EngineSlot(i, "", i % num_nodes, (), ()) for i in range(count)),
                                colocated=False)
     free = devices_per_node - gpus_per_node
+    if free > 0 and g > free:
+        return _separate_spanning(count, g, free, num_nodes, gpus_per_node, devices_per_node)
     per_node = max(free, 0) // g
     if per_node * num_nodes < count:
         raise ConfigError(
@@ -124,3 +150,23 @@ def plan_engine_placement(*, num_gpus: int, gpus_per_engine: int, colocate: bool
         node, k = divmod(i, per_node)
         slots.append(EngineSlot(i, "", node, tuple(range(gpus_per_node + k * g, gpus_per_node + (k + 1) * g)), ()))
     return EnginePlacement(tuple(slots), colocated=False)
+
+
+def _separate_spanning(count: int, g: int, free: int, num_nodes: int, gpus_per_node: int,
+                       devices_per_node: int) -> EnginePlacement:
+    """Separate engines bigger than a node's free devices: each takes the free devices of ``g / free``
+    consecutive nodes."""
+    if g % free:
+        raise ConfigError(f"--rollout-num-gpus-per-engine {g} is more than the {free} GPU(s) each node leaves free "
+                          f"({devices_per_node} visible, --actor-num-gpus-per-node {gpus_per_node}), so an engine "
+                          f"takes whole nodes' free GPUs: use a multiple of {free}")
+    per_engine = g // free
+    if count * per_engine > num_nodes:
+        raise ConfigError(f"--rollout-num-gpus {count * g} (engines of {g}) needs {count * per_engine} node(s) of "
+                          f"{free} free GPU(s), and this run has {num_nodes}: this run can only launch engines on its "
+                          "own nodes. Use fewer --rollout-num-gpus, or start SGLang yourself and give "
+                          "--rollout-engine-urls")
+    gpus = tuple(range(gpus_per_node, devices_per_node))
+    return EnginePlacement(tuple(EngineSlot(i, "", i * per_engine, gpus, (),
+                                            span=tuple(range(i * per_engine, (i + 1) * per_engine)))
+                                 for i in range(count)), colocated=False)

@@ -58,12 +58,17 @@ def engine_lines(cfg: Config) -> list[str]:
     mode = "colocated on the trainer's devices" if placement.colocated else "on their own devices"
     lines = [f"rollout: {len(placement.engines)} SGLang engine(s) of {g} GPU(s), {mode}, launched by each node's "
              f"local rank 0 (python -m sglang.launch_server, logs under {cfg.runtime.output_dir}/engines/)"]
-    for node in sorted({e.node_rank for e in placement.engines}):
-        for e in placement.on_node(node):
+    for node in sorted({n for e in placement.engines for n in e.nodes}):
+        for e, part in placement.parts_on_node(node):
             devices = (f"trainer ranks {e.trainer_ranks[0]}-{e.trainer_ranks[-1]}'s devices" if e.trainer_ranks
                        else f"{g} device(s) beyond the trainer's {cfg.placement.actor_num_gpus_per_node}")
-            cmd = engine_command(cfg, e, python="python", host="HOST", port=0, nccl_port=0)
-            args = " ".join(cmd[3:]).replace("--port 0 --nccl-port 0", "--port PORT --nccl-port PORT")
+            if e.span:
+                devices += (f", spanning nodes {','.join(map(str, e.span))}: its node-rank {part} part"
+                            + (" (serves HTTP)" if part == 0 else " (health only)"))
+            cmd = engine_command(cfg, e, python="python", host="HOST", port=0, nccl_port=0, part=part,
+                                 dist_init_addr=f"NODE{e.node_rank}:PORT")
+            args = " ".join(cmd[3:]).replace("--port 0 --nccl-port 0", "--port PORT --nccl-port PORT").replace(
+                "--port 0 ", "--port PORT ")
             lines.append(f"  node {node} engine {e.index}: {devices}: sglang.launch_server {args}")
     return lines
 

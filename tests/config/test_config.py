@@ -318,6 +318,10 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
                                            "servers of --rollout-engine-urls are yours to restart"),
     (["--use-fault-tolerance"], "--use-fault-tolerance restarts SGLang engines this run launches, and "
                                 "--rollout-backend embedded runs inside the driver rank"),
+    (["--rollout-backend", "sglang", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--colocate",
+      "--rollout-num-gpus-per-engine", "2", "--use-fault-tolerance"],
+     "--use-fault-tolerance with engines of --rollout-num-gpus-per-engine 2, more than a node's 1: restarting an "
+     "engine that spans nodes needs every node's part restarted together"),
     ([*EXTERNAL, "--rollout-num-gpus", "2"], "--rollout-num-gpus 2 places SGLang engines on their own GPUs; the "
                                              "servers of --rollout-engine-urls run where you started them"),
     ([*EXTERNAL, "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine 2 sizes SGLang engines"),

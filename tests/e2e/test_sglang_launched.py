@@ -100,3 +100,56 @@ def test_loop_launches_two_engines_survives_a_crash_and_stops_them(tiny_hf_model
     # needs them), so that step logs no second rebuild
     assert [("perf/groups_rebuild_s" in r) for r in steps] == ([True, False] if router == "off" else [False, False])
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+
+
+def test_an_engine_spanning_two_nodes_is_launched_in_two_parts_that_meet(tiny_hf_models, tmp_path):
+    """Two torchrun nodes on this machine (1 rank each) and one colocated engine of 2 GPUs, bigger than a node:
+    each node's local rank 0 starts its part (``--nnodes 2 --node-rank 0|1``, the head's ``--dist-init-addr``,
+    learned by node 1 before it starts anything); the parts meet there through torch's TCP store, as SGLang's
+    do; the head serves (2 TP ranks: the tensor transport gathers both trainer ranks' entries to it), the
+    follower answers /health only; the run trains and syncs through the head, and both parts stop."""
+    hf = tiny_hf_models("qwen2")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(8)))
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
+    out, record = tmp_path / "run", tmp_path / "record"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), DOUBLE]),
+           "MRL_SGLANG_DOUBLE_RECORD": str(record)}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    port = str(22000 + os.getpid() % 9000)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "1",
+         "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+         "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1",
+         "--prompt-data", str(prompts), "--custom-rm-path", "length_reward:score", "--rollout-batch-size", "2",
+         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-rollout", "2", "--lr", "1e-2",
+         "--rollout-num-gpus-per-engine", "2", "--sglang-disable-radix-cache",
+         "--rollout-engine-startup-timeout", "120", "--colocate", "--output-dir", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [p.communicate(timeout=400)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n=====\n".join(o[-4000:] for o in outputs)
+    launched = sorted((json.loads(p.read_text()) for p in record.glob("*.json")),
+                      key=lambda r: r["argv"][r["argv"].index("--node-rank") + 1])
+    assert len(launched) == 2
+    arg = (lambda rec, name: rec["argv"][rec["argv"].index(name) + 1])
+    assert [arg(r, "--node-rank") for r in launched] == ["0", "1"]
+    assert all(arg(r, "--nnodes") == "2" and arg(r, "--tp-size") == "2" and "--nccl-port" not in r["argv"]
+               for r in launched)
+    assert arg(launched[0], "--dist-init-addr") == arg(launched[1], "--dist-init-addr")
+    assert arg(launched[0], "--dist-init-addr").split(":")[0] == "127.0.0.1"
+    head, follower = (out / "engines" / "engine_0.log").read_text(), (out / "engines" / "engine_0_node1.log").read_text()
+    assert "node rank 0 of 2 met the others" in head and "The server is fired up" in head
+    assert "node rank 1 of 2 met the others" in follower and "serves /health" in follower
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rollout/weight_version" in r]
+    assert [(r["step"], r["rollout/weight_version"]) for r in steps] == [(1, 0.0), (2, 1.0)]
+    syncs = [r for r in records if "sync/post_s" in r]  # the tensor transport into the head, both ranks' entries
+    assert [r["sync/weight_version"] for r in syncs] == [0.0, 1.0, 2.0]
+    for rec in launched:
+        try:
+            os.kill(rec["pid"], 0)
+            raise AssertionError(f"engine part pid {rec['pid']} outlived the run")
+        except ProcessLookupError:
+            pass

@@ -45,11 +45,34 @@ def test_separate_engines_take_the_gpus_the_trainer_leaves_free_on_its_nodes():
     assert [e.node_rank for e in cpu.engines] == [0, 1, 0]
 
 
+def test_an_engine_bigger_than_a_node_takes_whole_consecutive_nodes():
+    p = plan_engine_placement(num_gpus=32, gpus_per_engine=16, colocate=True, num_nodes=4, gpus_per_node=8,
+                              devices_per_node=8)
+    assert [(e.node_rank, e.span, e.gpu_ids, e.trainer_ranks) for e in p.engines] == [
+        (0, (0, 1), tuple(range(8)), tuple(range(16))), (2, (2, 3), tuple(range(8)), tuple(range(16, 32)))]
+    assert p.spans_nodes and p.engine_of_rank(20).index == 1
+    assert p.parts_on_node(1) == [(p.engines[0], 1)] and p.on_node(1) == []  # node 1 runs engine 0's second part
+    assert p.engines[0].describe() == "SGLang engine 0 (not started, nodes 0,1, GPUs 0,1,2,3,4,5,6,7 on each)"
+    sep = plan_engine_placement(num_gpus=4, gpus_per_engine=4, colocate=False, num_nodes=2, gpus_per_node=6,
+                                devices_per_node=8)
+    assert [(e.node_rank, e.span, e.gpu_ids) for e in sep.engines] == [(0, (0, 1), (6, 7))]
+    cpu = plan_engine_placement(num_gpus=2, gpus_per_engine=2, colocate=True, num_nodes=2, gpus_per_node=1,
+                                devices_per_node=None)
+    assert [(e.span, e.gpu_ids, e.trainer_ranks) for e in cpu.engines] == [((0, 1), (), (0, 1))]
+    within = plan_engine_placement(num_gpus=8, gpus_per_engine=8, colocate=True, num_nodes=1, gpus_per_node=8,
+                                   devices_per_node=8)
+    assert not within.spans_nodes and within.engines[0].nodes == (0,)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_gpus=64, gpus_per_engine=8, colocate=False, num_nodes=8, gpus_per_node=8, devices_per_node=8),
      "needs 8 engine\\(s\\) on the GPUs the trainer leaves free.*--rollout-engine-urls"),
-    (dict(num_gpus=16, gpus_per_engine=16, colocate=True, num_nodes=2, gpus_per_node=8, devices_per_node=8),
-     "may not span nodes"),
+    (dict(num_gpus=12, gpus_per_engine=12, colocate=True, num_nodes=2, gpus_per_node=8, devices_per_node=8),
+     "split into whole engines, or an engine take whole nodes; use a divisor or a multiple of 8"),
+    (dict(num_gpus=6, gpus_per_engine=3, colocate=False, num_nodes=3, gpus_per_node=6, devices_per_node=8),
+     "more than the 2 GPU\\(s\\) each node leaves free .* use a multiple of 2"),
+    (dict(num_gpus=8, gpus_per_engine=4, colocate=False, num_nodes=3, gpus_per_node=6, devices_per_node=8),
+     "needs 4 node\\(s\\) of 2 free GPU\\(s\\), and this run has 3"),
     (dict(num_gpus=16, gpus_per_engine=2, colocate=True, num_nodes=1, gpus_per_node=8, devices_per_node=8),
      "--colocate with --rollout-num-gpus 16: .* the trainer has 8"),
     (dict(num_gpus=6, gpus_per_engine=4, colocate=True, num_nodes=1, gpus_per_node=8, devices_per_node=8),

@@ -22,6 +22,15 @@ one), ``--base-gpu-id 0`` with ``CUDA_VISIBLE_DEVICES`` narrowed to the engine's
 torch_memory_saver), then every ``--sglang-KEY VALUE`` verbatim. The environment is this process's minus torchrun's variables (SGLang reads ``RANK``/
 ``WORLD_SIZE`` itself).
 
+An engine bigger than a node (``EngineSlot.span``): each of its nodes' local rank 0 starts one
+process, ``--nnodes K --node-rank j --dist-init-addr HEAD:PORT`` (the head node picks the port
+and its address, shared with one all_gather before anything starts; SGLang's schedulers meet
+there through torch's TCP store) in place of ``--nccl-port``. The head (node rank 0) serves HTTP
+and is the engine's URL; the other parts serve only ``/health`` on their own port (what the
+launcher waits on), and SGLang ignores their SIGTERM (the head's shutdown stops them; the grace
+period's SIGKILL is the backstop). Restarting such an engine alone is not built
+(``--use-fault-tolerance`` is refused with it).
+
 The router (``--rollout-router on``; validation checks the engines' Python has ``sglang_router``):
 once every engine serves, the driver's launcher starts ``python -m sglang_router.launch_router``
 over all engine URLs (its default cache-aware policy, a free port and Prometheus port, log
@@ -96,12 +105,17 @@ def _pass_through_args(sglang_args: dict) -> list[str]:
 
 
 def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, port: int,
-                   nccl_port: int) -> list[str]:
-    """The ``sglang.launch_server`` command line of ``slot`` (see the module docstring)."""
+                   nccl_port: int, part: int = 0, dist_init_addr: Optional[str] = None) -> list[str]:
+    """The ``sglang.launch_server`` command line of ``slot`` (see the module docstring); for an engine
+    spanning nodes, of its ``part`` (its ``--node-rank``), meeting the others at ``dist_init_addr``."""
     r = cfg.rollout
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model.hf_checkpoint),
-           "--host", host, "--port", str(port), "--nccl-port", str(nccl_port),
-           "--tp-size", str(r.rollout_num_gpus_per_engine)]
+           "--host", host, "--port", str(port)]
+    if slot.span:
+        cmd += ["--nnodes", str(len(slot.span)), "--node-rank", str(part), "--dist-init-addr", str(dist_init_addr)]
+    else:
+        cmd += ["--nccl-port", str(nccl_port)]
+    cmd += ["--tp-size", str(r.rollout_num_gpus_per_engine)]
     if slot.gpu_ids:
         cmd += ["--base-gpu-id", "0"]  # CUDA_VISIBLE_DEVICES holds exactly this engine's GPUs
     on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"  # SGLang on CPU cannot release memory
@@ -134,14 +148,28 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class EngineProcess:
     """One ``sglang.launch_server`` process (and its children, in its own process group)."""
 
-    def __init__(self, slot: EngineSlot, cmd: list[str], env: dict[str, str], log_path: str):
+    def __init__(self, slot: EngineSlot, cmd: list[str], env: dict[str, str], log_path: str, *, part: int = 0,
+                 health_url: str = ""):
         self.slot, self.cmd, self.env, self.log_path = slot, cmd, env, log_path
+        self.part = part  # an engine spanning nodes: this process's --node-rank (0: the head, serving HTTP)
+        self._health_url = health_url
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
 
     @property
     def url(self) -> str:
+        """The engine's URL (its head's, for an engine spanning nodes)."""
         return self.slot.url
+
+    @property
+    def health_url(self) -> str:
+        """Where this process answers ``/health``: the engine's URL, or a non-head part's own port."""
+        return self._health_url if self.part else self.slot.url
+
+    def describe(self) -> str:
+        if not getattr(self.slot, "span", ()):  # an engine within a node, or the router (RouterSlot)
+            return self.slot.describe()
+        return f"{self.slot.describe()}: its node-rank {self.part} part on node {self.slot.span[self.part]}"
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
@@ -151,7 +179,7 @@ class EngineProcess:
             self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, start_new_session=True,
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        log.info("started %s: pid %d", self.slot.describe(), self.proc.pid)
+        log.info("started %s: pid %d", self.describe(), self.proc.pid)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -174,7 +202,7 @@ class EngineProcess:
         code = self.returncode
         how = f"exited with code {code}" if code is not None and code >= 0 else f"was killed by signal {-code}" \
             if code is not None else "is not running"
-        return (f"{self.slot.describe()} {how} {when}. Last lines of {self.log_path}:\n"
+        return (f"{self.describe()} {how} {when}. Last lines of {self.log_path}:\n"
                 + self.log_tail(lines))
 
     def stop(self, grace_s: float = 20.0) -> None:
@@ -281,7 +309,8 @@ class EngineFleet:
         return self.placement.urls
 
     def process_of(self, url: str) -> Optional[EngineProcess]:
-        return next((p for p in self.local if p.url == url), None)
+        """This node's process serving ``url`` (an engine's head)."""
+        return next((p for p in self.local if p.url == url and p.part == 0), None)
 
     def dead(self) -> list[EngineProcess]:
         """This node's engines (and router) whose process has exited."""
@@ -298,17 +327,17 @@ class EngineFleet:
                 for p in list(pending):
                     if not p.alive():
                         raise EngineError(p.death_message(when))
-                    if _ready(client, p.url):
-                        log.info("%s is up after %.0f s", p.slot.describe(), time.monotonic() - start)
+                    if _ready(client, p.health_url):
+                        log.info("%s is up after %.0f s", p.describe(), time.monotonic() - start)
                         pending.remove(p)
                 now = time.monotonic()
                 if pending and now > deadline:
-                    names = "; ".join(f"{p.slot.describe()}, last lines:\n{p.log_tail(8)}" for p in pending)
+                    names = "; ".join(f"{p.describe()}, last lines:\n{p.log_tail(8)}" for p in pending)
                     raise EngineError(f"{len(pending)} SGLang engine(s) did not answer /health within "
                                       f"--rollout-engine-startup-timeout {self.startup_timeout_s:g} s: {names}")
                 if pending and now - last_note >= 15:
                     log.info("waiting for %d SGLang engine(s) to start (%.0f s): %s", len(pending), now - start,
-                             ", ".join(p.url for p in pending))
+                             ", ".join(p.health_url for p in pending))
                     last_note = now
                 if pending:
                     time.sleep(0.5)
@@ -316,6 +345,8 @@ class EngineFleet:
     def restart(self, process: EngineProcess) -> None:
         """Stop ``process`` (if anything is left of it), start it again with the same command, port and
         log file, and wait until it serves (``--use-fault-tolerance``)."""
+        if getattr(process.slot, "span", ()):  # refused in validation; a programming error if reached
+            raise EngineError(f"{process.describe()}: restarting an engine that spans nodes is not built")
         process.stop(grace_s=5.0)
         process.restarts += 1
         log.warning("restarting %s (restart %d)", process.slot.describe(), process.restarts)
@@ -382,21 +413,40 @@ def launch_engines(cfg: "Config") -> EngineFleet:
     log_dir = os.path.join(cfg.runtime.output_dir, "engines")
     local: list[EngineProcess] = []
     error: Optional[str] = None
+    # ports first (an engine spanning nodes needs its head's rendezvous address before any part starts)
+    ports: dict[tuple[int, int], tuple[int, int]] = {}  # (engine, part) -> (HTTP or health port, second port)
+    if local_rank == 0:
+        for slot, part in placement.parts_on_node(node):
+            taken = set(x for pair in ports.values() for x in pair)
+            port = _free_port(bind)
+            while port in taken:
+                port = _free_port(bind)
+            second = _free_port(bind)  # --nccl-port, or a head's --dist-init-addr port
+            while second == port or second in taken:
+                second = _free_port(bind)
+            ports[slot.index, part] = (port, second)
+    heads = {index: f"{reach}:{second}" for (index, part), (_, second) in ports.items() if part == 0}
+    rendezvous: dict[int, str] = {}
+    if placement.spans_nodes:
+        for part_heads in all_gather(heads):
+            rendezvous.update(part_heads)
     if local_rank == 0:
         try:
-            for slot in placement.on_node(node):
-                port, nccl = _free_port(bind), _free_port(bind)
-                while nccl == port:
-                    nccl = _free_port(bind)
-                slot = EngineSlot(slot.index, f"http://{reach}:{port}", slot.node_rank, slot.gpu_ids,
-                                  slot.trainer_ranks, os.path.join(log_dir, f"engine_{slot.index}.log"))
-                proc = EngineProcess(slot, engine_command(cfg, slot, python=python, host=bind, port=port,
-                                                          nccl_port=nccl), _engine_env(slot, python), slot.log_path)
+            for slot, part in placement.parts_on_node(node):
+                port, second = ports[slot.index, part]
+                name = f"engine_{slot.index}" + (f"_node{part}" if part else "")
+                slot = EngineSlot(slot.index, f"http://{reach}:{port}" if part == 0 else "", slot.node_rank,
+                                  slot.gpu_ids, slot.trainer_ranks, os.path.join(log_dir, f"engine_{slot.index}.log"),
+                                  span=slot.span)
+                cmd = engine_command(cfg, slot, python=python, host=bind, port=port, nccl_port=second, part=part,
+                                     dist_init_addr=rendezvous.get(slot.index))
+                proc = EngineProcess(slot, cmd, _engine_env(slot, python), os.path.join(log_dir, f"{name}.log"),
+                                     part=part, health_url=f"http://{reach}:{port}")
                 local.append(proc)
                 proc.start()
         except OSError as exc:
             error = f"could not start SGLang engines on node {node} with {python}: {exc}"
-    started = {p.slot.index: (p.slot.url, p.slot.log_path) for p in local}
+    started = {p.slot.index: (p.slot.url, p.log_path) for p in local if p.part == 0}
     gathered = all_gather((started, error))
     fleet = EngineFleet(placement, local, cfg.rollout.rollout_engine_startup_timeout)
     errors = [e for _, e in gathered if e]
@@ -407,8 +457,9 @@ def launch_engines(cfg: "Config") -> EngineFleet:
                 urls[index], logs[index] = url, path
         fleet.placement = placement.with_urls([urls[e.index] for e in placement.engines],
                                               [logs[e.index] for e in placement.engines])
-        for p, slot in zip(local, fleet.placement.on_node(node)):
-            p.slot = slot
+        by_index = {slot.index: slot for slot in fleet.placement.engines}
+        for p in local:
+            p.slot = by_index[p.slot.index]
         try:
             fleet.wait_ready()
         except EngineError as exc:

@@ -10,6 +10,13 @@ die (``os._exit(9)``) on the next one before answering: an engine crashing mid-r
 ``die-on-first-generate`` makes the first engine to RECEIVE a ``/generate`` call (the claim is made
 then, not at start) die on it: deterministic whatever spreads the requests (an sglang-router's
 cache-aware policy may send every request to one engine). Serves until SIGTERM.
+
+An engine spanning nodes (``--nnodes K --node-rank J --dist-init-addr HOST:PORT``), as SGLang 0.5.23
+runs one: its processes meet at ``--dist-init-addr`` through torch's TCP store (the head, node
+rank 0, hosts it; each waits for all K), then the head serves the protocol with ``--tp-size``
+TP ranks and the others only ``/health`` on their own ``--port`` (SGLang's
+``launch_dummy_health_check_server``), ignoring SIGTERM as SGLang's non-zero ranks do: they
+exit when the head is gone (SGLang: the head's shutdown broadcast).
 """
 
 import json
@@ -58,6 +65,55 @@ def _die_after(server, served: int) -> None:
     server.generate = dying_generate
 
 
+def _rendezvous(argv: list, nnodes: int, node_rank: int):
+    """The engine's processes meet where SGLang's do: torch's TCP store at ``--dist-init-addr``."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    addr = _arg(argv, "--dist-init-addr")
+    if not addr:
+        print("ValueError: --nnodes > 1 needs --dist-init-addr (test double)", flush=True)
+        sys.exit(3)
+    host, port = addr.rsplit(":", 1)
+    store = TCPStore(host, int(port), nnodes, is_master=node_rank == 0, timeout=timedelta(seconds=60),
+                     wait_for_workers=True)
+    store.set(f"node{node_rank}", "ready")
+    for j in range(nnodes):
+        store.get(f"node{j}")  # every part is up before any serves
+    print(f"test double: node rank {node_rank} of {nnodes} met the others at {addr}", flush=True)
+    return store
+
+
+def _follow(store, host: str, port: int, node_rank: int) -> int:
+    """A non-head part: ``/health`` only, SIGTERM ignored, gone when the head's store is."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            code = 200 if self.path in ("/health", "/health_generate") else 404
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: print(f"SIGTERM received on node_rank {node_rank}; waiting for the "
+                                                   "head to stop", flush=True))
+    print(f"The follower (node rank {node_rank}) serves /health on {host}:{port}", flush=True)
+    while True:
+        time.sleep(0.5)
+        try:
+            store.check(["node0"])
+        except Exception:  # noqa: BLE001 - the head's store is gone: the engine stopped
+            print(f"test double: node rank {node_rank}: the head is gone, exiting", flush=True)
+            return 0
+
+
 def main() -> int:
     argv = sys.argv[1:]
     model, port = _arg(argv, "--model-path"), int(_arg(argv, "--port", "30000"))
@@ -74,9 +130,13 @@ def main() -> int:
     if fault == "hang":
         while True:
             time.sleep(1)
+    nnodes, node_rank = int(_arg(argv, "--nnodes", "1")), int(_arg(argv, "--node-rank", "0"))
+    store = _rendezvous(argv, nnodes, node_rank) if nnodes > 1 else None
+    if node_rank > 0:
+        return _follow(store, _arg(argv, "--host", "127.0.0.1"), port, node_rank)
     from sglang_standin import SGLangStandIn  # tests/rollout (on sys.path above); loads torch: after the faults
 
-    server = SGLangStandIn(model, port=port)
+    server = SGLangStandIn(model, port=port, tp_size=int(_arg(argv, "--tp-size", "1")))
     if fault.startswith("die-after-generate:") and _claim(os.path.join(record or ".", "died")):
         _die_after(server, int(fault.split(":", 1)[1]))
     if fault == "die-on-first-generate":
