@@ -66,7 +66,7 @@ import time
 import types
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,14 +101,48 @@ def _file_system_sharing() -> None:
         torch_mp.set_sharing_strategy("file_system")
 
 
-def flatten_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+class ShmBuffers:
+    """The CPU route's flattened buffers in ``/dev/shm``, kept from one sync to the next.
+
+    Why: a new 200 MB shared buffer per sync spends most of the sync in first-touch page faults
+    (docs/benchmarks.md: 0.19 s of 0.30 s flattening, 0.04 s of it the copy itself). Safe because a
+    buffer is rewritten only in the next sync, after its engine answered for it in this one (the
+    engine copies the bytes into its weights before it replies; slime#929 is about reuse before the
+    reply); a sync that failed drops them all, so nothing an engine might still read is rewritten.
+    Keyed by (bucket, dtype); a size change reallocates. GPU buffers are not kept: a second copy of
+    the weights in device memory would sit there through the rollout, and IPC buffers are cheap to
+    make from the caching allocator. The cost: one copy of the model's bytes stays in shared memory
+    on each sending rank for the run."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def get(self, key: tuple[int, str], nbytes: int) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() != nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            _file_system_sharing()
+            buffer.share_memory_()
+            self._buffers[key] = buffer
+        return buffer
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+def flatten_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    buffer_of: Optional[Callable[[int], torch.Tensor]] = None) -> tuple[torch.Tensor, list]:
     """``(buffer, records)`` in SGLang's ``FlattenedTensorBucket`` layout: every tensor's bytes back to
     back in one new uint8 buffer (on the first tensor's device; in shared memory already on CPU, so
     pickling it does not copy it again), one record per tensor with ``name, shape, dtype, start_idx,
     end_idx, numel`` (byte offsets, ``numel`` = bytes, as SGLang's constructor sets it).
 
     New memory on purpose: sharing moves a CPU storage into shared memory in place, which must not
-    happen to the trainer's parameters, and the engine must read a buffer nobody else writes."""
+    happen to the trainer's parameters, and the engine must read a buffer nobody else writes.
+    ``buffer_of(nbytes)``: a shared CPU buffer of that size to write into instead (``ShmBuffers``)."""
     named = [(str(n), torch.as_tensor(t).detach()) for n, t in named_tensors]
     if not named:
         raise ValueError("flatten_tensors: no tensors to flatten")
@@ -120,10 +154,13 @@ def flatten_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[
                                              end_idx=offset + raw.numel(), numel=raw.numel()))
         parts.append(raw)
         offset += raw.numel()
-    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-    if device.type == "cpu" and offset:
-        _file_system_sharing()
-        buffer.share_memory_()
+    if device.type == "cpu" and offset and buffer_of is not None:
+        buffer = buffer_of(offset)
+    else:
+        buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+        if device.type == "cpu" and offset:
+            _file_system_sharing()
+            buffer.share_memory_()
     torch.cat(parts, out=buffer)
     return buffer, records
 
@@ -179,16 +216,19 @@ class _Entry:
     payload: str
 
 
-def _bucket_entries(bucket: list, load_format: Optional[str]) -> tuple[list[_Entry], list[torch.Tensor]]:
+def _bucket_entries(bucket: list, load_format: Optional[str], shm: Optional[ShmBuffers] = None,
+                    index: int = 0) -> tuple[list[_Entry], list[torch.Tensor]]:
     """This rank's entries for ``bucket``, one per dtype in order of first appearance, and the buffers
-    they point at (to keep alive until the engine answered)."""
+    they point at (to keep alive until the engine answered). ``shm``: CPU buffers kept across syncs,
+    keyed by (``index``, dtype)."""
     by_dtype: dict[torch.dtype, list] = {}
     for name, tensor in bucket:
         by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
     entries, buffers = [], []
     for dtype, named in by_dtype.items():
         if load_format == FLATTENED_BUCKET:
-            buffer, records = flatten_tensors(named)
+            buffer_of = (lambda n, key=(index, str(dtype)): shm.get(key, n)) if shm is not None else None
+            buffer, records = flatten_tensors(named, buffer_of)
             obj: Any = {"flattened_tensor": buffer, "metadata": records}
             buffers.append(buffer)
         else:
@@ -265,6 +305,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         self._http: Optional[SGLangClient] = None
         self._gather_group: Any = None  # this rank's engine's trainer ranks (when more than one)
         self._agree_group: Any = None  # every rank (when more than one)
+        self._shm = ShmBuffers()  # the CPU route's flattened buffers, rewritten sync after sync
 
     @classmethod
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0,
@@ -387,6 +428,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
                 mine.append(f"trainer rank {self._rank}: the backend exported no tensors; nothing was sent")
             problems = self._agree(mine, "sending the buckets")
         except BaseException:
+            self._shm.clear()  # an engine may not have answered for them: never rewritten
             if driver is not None:
                 driver.mark_weights_incomplete(f"the tensor update to version {version} broke off")
             if session:
@@ -406,6 +448,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         if not problems:
             problems = self._agree(outcome, "adopting the version")
         if problems:
+            self._shm.clear()
             raise SyncError(self._message(version, problems))
         return {**exported.metrics(version, time.perf_counter() - t0), **timing}
 
@@ -443,7 +486,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         buffers: list = []
         error: Optional[str] = None
         try:
-            entries, buffers = _bucket_entries(bucket, self.load_format)
+            entries, buffers = _bucket_entries(bucket, self.load_format, self._shm, index)
         except Exception as exc:  # noqa: BLE001 - reported through the leader and the agreement
             error = f"trainer rank {self._rank} could not serialise its copy of bucket {index}: " \
                     f"{type(exc).__name__}: {exc}"
@@ -546,3 +589,4 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         http, self._http = self._http, None
         if http is not None:
             http.close()
+        self._shm.clear()

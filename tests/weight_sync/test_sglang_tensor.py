@@ -275,3 +275,27 @@ def test_the_tensor_row_depends_on_the_engine(models, server):
     assert sync.placement.urls == [standin.url]
     with pytest.raises(ConfigError, match="needs the placement"):
         make_synchronizer_from_config(cfg)
+
+
+def test_cpu_buffers_are_kept_and_rewritten_sync_after_sync_and_dropped_after_a_failure(models, server):
+    """The CPU route's flattened buffers live in /dev/shm from one sync to the next (no page faults of a
+    new 200 MB buffer per sync); each is rewritten only in the next sync, and the server gets exactly the
+    new weights; a failed sync drops them (an engine may not have answered for them)."""
+    hf, old, new = models
+    standin, engine = server
+    sync = synchronizer(standin.url)
+    sync.sync(FakeBackend(new), engine, version=engine.weight_version + 1)
+    kept = {key: buf.data_ptr() for key, buf in sync._shm._buffers.items()}
+    assert len(kept) > 1 and all(buf.is_shared() for buf in sync._shm._buffers.values())
+    sync.sync(FakeBackend(old), engine, version=engine.weight_version + 1)
+    assert {key: buf.data_ptr() for key, buf in sync._shm._buffers.items()} == kept  # the same memory
+    live = dict(standin.engine.named_weights())
+    assert all(torch.equal(live[n], t) for n, t in old.items())  # rewritten with the new sync's bytes
+    with pytest.raises(SyncError):
+        sync.sync(FakeBackend({**new, "model.bogus.weight": torch.zeros(3)}), engine,
+                  version=engine.weight_version + 1)
+    assert len(sync._shm) == 0
+    sync.sync(FakeBackend(old), engine, version=engine.weight_version + 1)
+    assert len(sync._shm) == len(kept)
+    sync.shutdown()
+    assert len(sync._shm) == 0

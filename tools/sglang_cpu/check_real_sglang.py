@@ -744,21 +744,31 @@ def tensor_transport(checks: "Checks", first: list[list[float]]) -> None:
     FlattenedTensorBucket), zero / restore, versions, the plain route; sets ``checks.tensor_ok``."""
     r, c, engine = checks.r, checks.client, checks.engine
     zero = torch.zeros_like(checks.original["lm_head.weight"], dtype=torch.bfloat16)  # bf16 among fp32 tensors
+    zero32 = torch.zeros_like(checks.original["lm_head.weight"])  # the restored state's sizes: its buffers reused
     version = engine.weight_version
-    for load_format, steps in ((FLATTENED_BUCKET, ((checks._state(zero), "uniform"), (checks._state(), "restored"))),
+    for load_format, steps in ((FLATTENED_BUCKET, ((checks._state(zero), "uniform"), (checks._state(), "restored"),
+                                                   (checks._state(zero32), "uniform"), (checks._state(), "restored"))),
                                (None, ((checks._state(zero), "uniform"), (checks._state(), "restored")))):
         sync = tensor_synchronizer(checks, load_format)
         tag = "tensor" if load_format else "tensor_plain"
+        kept: dict = {}
         try:
-            for state, expect in steps:
+            for step, (state, expect) in enumerate(steps):
                 version += 1
                 metrics = sync.sync(StateBackend(state), engine, version)
+                if load_format and step >= 1:  # the CPU buffers stay in /dev/shm and are rewritten (ShmBuffers)
+                    now = {key: buf.data_ptr() for key, buf in sync._shm._buffers.items()}
+                    if step == 1:
+                        kept = now
+                    else:
+                        r.check(f"{tag} v{version}: the /dev/shm buffers of the sync before are rewritten, not "
+                                "made again", now == kept and bool(kept), f"{len(kept)} kept, {len(now)} now")
                 r.figures[f"{tag}_transport_v{version}_s"] = round(metrics["sync/time_s"], 3)
                 r.log(f"{tag} transport to v{version} ({expect}, {int(metrics['sync/buckets'])} bucket(s), "
                       f"{int(metrics['sync/requests'])} request(s), {int(metrics['sync/bytes'])} bytes): "
                       f"{metrics['sync/time_s']:.3f} s (serialise {metrics['sync/serialize_s']:.3f} s, HTTP "
                       f"{metrics['sync/post_s']:.3f} s)")
-                if expect == "uniform":
+                if step == 0:  # the bf16 lm_head among fp32 tensors
                     r.check(f"{tag}: a bucket of two dtypes is sent as one request per dtype",
                             metrics["sync/requests"] == metrics["sync/buckets"] + 1,
                             f"{int(metrics['sync/requests'])} requests for {int(metrics['sync/buckets'])} buckets")
