@@ -138,11 +138,11 @@ for _name in ("barrier", "broadcast", "allreduce", "allreduce_coalesced", "reduc
               "allgather_coalesced", "allgather_into_tensor_coalesced", "gather", "scatter", "reduce_scatter",
               "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall", "send", "recv",
               "recv_anysource", "monitored_barrier", "_start_coalescing", "_end_coalescing", "_get_backend_name",
-              "_get_backend", "_set_default_backend", "_get_sequence_number_for_group", "_device_types",
+              "_get_backend", "_set_default_backend", "_get_sequence_number_for_group",
               "get_group_store", "set_timeout", "all_gather_single", "reduce_scatter_single", "abort", "shutdown"):
-    if hasattr(dist.ProcessGroup, _name) and _name != "_device_types":
+    if hasattr(dist.ProcessGroup, _name):
         setattr(ReloadableGroup, _name, _forward(_name))
-ReloadableGroup._device_types = property(lambda self: self.real._device_types)  # type: ignore[attr-defined]
+ReloadableGroup._device_types = property(lambda self: self.real._device_types)  # a property, not a method
 
 #: ``torch.distributed`` functions that take a group: their group arguments are unwrapped
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
