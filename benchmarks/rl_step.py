@@ -26,14 +26,17 @@ it. Steps and floor repetitions are summarised by their median (the steal bursts
 single steps; a best-of floor against a mean step would charge them to the framework).
 Reported: the per-round ratios and their median (and 2 proc / 1 proc per round).
 
-    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 8] [--warmup 2] [--rounds 3] [--extra-variant] [--in-process]
+    python benchmarks/rl_step.py [--nprocs 1 2] [--steps 8] [--warmup 2] [--rounds 3] [--extra-variant]
+                                 [--driver-engine] [--in-process]
 
 ``--in-process`` first runs the loop's own pieces (generate, ``train_on_rollout``, sync) at
 1 process inside this process, alternating with the floor step by step (the least drift-prone
 ratio, without torchrun, logging or the launcher).
 
 ``--extra-variant`` also runs 1 process with ``--use-rollout-logprobs`` (no old-log-prob
-forward). Run it on a quiet machine (load average well under 1 per process used).
+forward); ``--driver-engine`` also runs 2 processes with the embedded engine on the driver
+alone (``--embedded-engine-ranks driver``), against the default replica on every rank.
+Run it on a quiet machine (load average well under 1 per process used).
 """
 
 from __future__ import annotations
@@ -273,6 +276,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="compute-floor repetitions (median of)")
     ap.add_argument("--rounds", type=int, default=3, help="floor + every variant, this many times (VM drift)")
     ap.add_argument("--extra-variant", action="store_true", help="also 1 process with --use-rollout-logprobs")
+    ap.add_argument("--driver-engine", action="store_true",
+                    help="also 2 processes with the embedded engine on the driver alone (--embedded-engine-ranks "
+                         "driver: the generation before replicas on every rank)")
     ap.add_argument("--in-process", action="store_true",
                     help="also the 1-process step in this process, alternating with the floor step by step")
     args = ap.parse_args(argv)
@@ -283,6 +289,8 @@ def main(argv=None) -> int:
     variants = {f"{n} proc": (n,) for n in args.nprocs}
     if args.extra_variant:
         variants["1 proc, rollout logprobs"] = (1, "--use-rollout-logprobs")
+    if args.driver_engine:
+        variants["2 proc, driver engine"] = (2, "--embedded-engine-ranks", "driver")
     rounds: list[dict] = []  # per round: {variant: (result, floor around it)}
     for k in range(args.rounds):
         before = measure_floor()
@@ -321,9 +329,10 @@ def main(argv=None) -> int:
         ratios = [rd[name][0]["step"] / rd[name][1]["step"] for rd in rounds]
         print(f"{name}: step / floor per round " + ", ".join(f"{x:.2f}" for x in ratios)
               + f"; median {median(ratios):.2f}")
-    if "1 proc" in variants and "2 proc" in variants:
-        speed = [rd["2 proc"][0]["step"] / rd["1 proc"][0]["step"] for rd in rounds]
-        print("2 proc / 1 proc step per round " + ", ".join(f"{x:.2f}" for x in speed) + f"; median {median(speed):.2f}")
+    for name in [v for v in variants if v.startswith("2 proc")] if "1 proc" in variants else []:
+        speed = [rd[name][0]["step"] / rd["1 proc"][0]["step"] for rd in rounds]
+        print(f"{name} / 1 proc step per round " + ", ".join(f"{x:.2f}" for x in speed)
+              + f"; median {median(speed):.2f}")
     for name, r in runs.items():
         print(f"{name}: start-up inside the driver (s, last round): "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["startup_phases"].items()))

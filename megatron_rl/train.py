@@ -50,7 +50,7 @@ def run(cfg: Config) -> int:
     # lazy: torch, megatron-core glue and the engine load only once the flags parsed (--help, flag errors: ~0.1 s)
     from megatron_rl.algorithms import spec_from_config
     from megatron_rl.backends.base import make_backend
-    from megatron_rl.rollout.build import build_rollout
+    from megatron_rl.rollout.build import build_replica_worker, build_rollout
     from megatron_rl.runner.context import RunContext
     from megatron_rl.runner.engine_faults import EngineRecovery
     from megatron_rl.runner.step import train_on_rollout
@@ -68,7 +68,7 @@ def run(cfg: Config) -> int:
         backend.initialize(cfg, spec)
     clock.lap("backend")
     fleet = None  # the SGLang engines this run launches (each node's local rank 0 starts its node's)
-    sync = rollout = None
+    sync = rollout = engine = None
     try:
         if launches_sglang_engines(cfg):
             # lazy: subprocess + HTTP readiness polling, only for runs that launch SGLang engines
@@ -77,13 +77,16 @@ def run(cfg: Config) -> int:
             fleet = launch_engines(cfg)  # collective: every rank learns every engine's URL
             clock.lap("engines")
         rollout = build_rollout(cfg, fleet and fleet.placement) if ctx.is_driver and cfg.has_rollout_engine else None
+        replica = None if ctx.is_driver else build_replica_worker(cfg)  # --embedded-engine-ranks all
+        here = rollout or replica  # this rank's rollout side: the driver's manager, or its engine replica
+        engine = here and here.engine  # what the weight sync and the colocation act on, on this rank
         recovery = EngineRecovery(fleet, enabled=cfg.rollout.use_fault_tolerance)
         sync = make_synchronizer_from_config(cfg, engines=fleet.placement if fleet is not None else None)
         clock.lap("rollout")
         start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
         clock.lap("resume")
         if backend and cfg.has_rollout_engine:
-            synced = sync.sync(backend, rollout and rollout.engine, version=start)
+            synced = sync.sync(backend, engine, version=start)
             clock.lap("sync")
             ctx.log(start, {**synced, **clock.metrics()})
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
@@ -91,20 +94,20 @@ def run(cfg: Config) -> int:
             t0 = time.perf_counter()
             ctx.colocation.before_generate(backend)
             samples, metrics = recovery.generate(
-                lambda: ctx.rollouts.get(rollout_id, rollout), rollout,
+                lambda: ctx.rollouts.get(rollout_id, rollout, replica), rollout,
                 resync=lambda: _resync(sync, backend, rollout, rollout_id))
             metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
             if cfg.has_training:
-                metrics.update(ctx.colocation.before_train(backend, rollout))
+                metrics.update(ctx.colocation.before_train(backend, here))
                 swapped = backend.swap_seconds
                 metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
                 metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
-                ctx.colocation.before_rollout(backend, rollout)
+                ctx.colocation.before_rollout(backend, here)
                 if cfg.has_rollout_engine:
                     t = time.perf_counter()
-                    metrics.update(sync.sync(backend, rollout and rollout.engine, version=rollout_id + 1))
+                    metrics.update(sync.sync(backend, engine, version=rollout_id + 1))
                     metrics["perf/sync_s"] = time.perf_counter() - t
-                    ctx.colocation.after_sync(rollout)
+                    ctx.colocation.after_sync(here)
             if rollout and ctx.evaluation.due(rollout_id):
                 t = time.perf_counter()
                 metrics.update(rollout.evaluate(rollout_id))
@@ -128,8 +131,8 @@ def run(cfg: Config) -> int:
     finally:
         if sync is not None:
             sync.shutdown()  # the distributed transport's process group with the servers; others hold nothing
-        if rollout is not None:
-            rollout.engine.close()  # its health monitor stops before the servers do
+        if engine is not None:
+            engine.close()  # its health monitor stops before the servers do
         if fleet is not None:
             fleet.stop()  # SIGTERM, then SIGKILL, each engine's process group
 

@@ -407,6 +407,13 @@ class RolloutConfig:
                                "dead one: the engines' processes are checked after every rollout, so the death "
                                "still stops the run naming the engine, or --use-fault-tolerance restarts it.",
                                choices=("on", "off"))
+    embedded_engine_ranks: str = flag("auto", "Where the embedded engine generates. all: a replica on every "
+                                      "rank, each drawing a contiguous part of the rollout's prompts (same seeds "
+                                      "per sample as one engine, so the same samples), gathered on the driver; "
+                                      "costs one model copy per rank. driver: one engine on the driver rank while "
+                                      "the others wait. auto: all when the run generates and trains, else driver. "
+                                      "Evaluation generates on the driver. Only for --rollout-backend embedded.",
+                                      choices=("auto", "all", "driver"))
     num_rollout: int = flag(100, "Rollout steps to run.")
     rollout_temperature: float = flag(1.0, "Sampling temperature.")
     rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")
@@ -659,6 +666,14 @@ class Config:
     @property
     def has_training(self) -> bool:
         return not self.mode.debug_rollout_only
+
+    @property
+    def embedded_replicas(self) -> bool:
+        """Whether the embedded engine has a replica on every rank (--embedded-engine-ranks; auto: yes when the
+        run both generates and trains; a one-rank run has the driver's alone either way)."""
+        r = self.rollout
+        return (r.rollout_backend == "embedded" and self.has_rollout_engine and self.has_training
+                and r.embedded_engine_ranks != "driver")
 
     @property
     def seq_length(self) -> int:

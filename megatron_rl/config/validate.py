@@ -428,6 +428,15 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
                       f"--update-weight-transport disk, not {s.update_weight_transport}: add "
                       "--update-weight-transport disk or drop --update-weight-disk-dir")
+    if r.embedded_engine_ranks != "auto" and r.rollout_backend != "embedded":
+        errors.append(f"--embedded-engine-ranks {r.embedded_engine_ranks} places the embedded engine, but "
+                      f"--rollout-backend is {r.rollout_backend} (SGLang engines are placed by --colocate and "
+                      "--rollout-num-gpus(-per-engine)): drop it")
+    elif r.embedded_engine_ranks == "all" and not (cfg.has_training and cfg.has_rollout_engine):
+        why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
+               else "has no trainer ranks besides the driver (--debug-rollout-only: the others exit at start)")
+        errors.append(f"--embedded-engine-ranks all puts an engine replica on every trainer rank, but this run {why}: "
+                      "drop it")
     if r.rollout_backend == "embedded":
         # SGLang-only knobs: the embedded engine is one in-process engine on the driver rank's
         # devices, so a GPU count or a server argument would be accepted and do nothing.

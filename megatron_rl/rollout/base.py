@@ -28,9 +28,10 @@ defined in ``data.types`` and re-exported here. Invariants every engine keeps:
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Type, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Optional, Type, Union
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.infra.registry import Refused, Registry
@@ -76,6 +77,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
         """Sample ``sampling.n`` responses per request (see module invariants)."""
+
+    def serving(self) -> ContextManager[None]:
+        """The span of one rollout's generation (``RolloutSource``): an engine with replicas in other ranks'
+        processes (``rollout.replicas``) has them generate inside it and lets them go at its end.
+        Default: nothing to coordinate."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:

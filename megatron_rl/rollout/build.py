@@ -16,6 +16,7 @@ from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.base import ENGINES
 from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.replicas import ReplicaWorker, replicate_on_every_rank, worker_for_this_rank
 from megatron_rl.rollout.rewards import get_reward_fn
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
     reward_fn = get_reward_fn(rm_type=cfg.data.rm_type, custom_rm_path=cfg.data.custom_rm_path)  # fail fast
     engine = engine_type.from_config(cfg, placement) if placement is not None else engine_type.from_config(cfg)
+    if cfg.embedded_replicas:  # --embedded-engine-ranks: the other ranks hold replicas (rollout.replicas)
+        engine = replicate_on_every_rank(engine)
     d, b = cfg.data, cfg.batching
     common = dict(tokenizer=getattr(engine, "tokenizer", None), input_key=d.input_key, label_key=d.label_key,
                   apply_chat_template=d.apply_chat_template, max_prompt_len=cfg.rollout.rollout_max_prompt_len)
@@ -39,3 +42,11 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
                              seed=cfg.rollout.rollout_seed)
     eval_datasets = {name: PromptDataset(path, **common) for name, path in d.eval_sets}  # --eval-prompt-data
     return RolloutManager(cfg, engine, prompts, reward_fn, eval_datasets)
+
+
+def build_replica_worker(cfg: "Config") -> Optional[ReplicaWorker]:
+    """A non-driver rank's replica of the embedded engine (``--embedded-engine-ranks``), or None when this
+    rank holds none; its engine loads ``--hf-checkpoint`` as the driver's does."""
+    if not cfg.embedded_replicas:
+        return None
+    return worker_for_this_rank(cfg, ENGINES.get(cfg.rollout.rollout_backend))

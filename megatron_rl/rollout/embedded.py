@@ -235,6 +235,17 @@ class EmbeddedEngine(RolloutEngine):
 
     # ------------------------------------------------------------- generation
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
+        return self.generate_part(requests, sampling)
+
+    def generate_part(self, requests: list[GenerateRequest], sampling: SamplingParams, *, first_request: int = 0,
+                      pad_to: int = 0) -> list[Sample]:
+        """``generate`` of ``requests`` as the part starting at ``first_request`` of a larger call.
+
+        Why: engine replicas on several ranks (``rollout.replicas``) each generate a contiguous part
+        of one rollout. A row's generator is seeded with its index in the whole call, and prompts are
+        left-padded to at least ``pad_to`` tokens (the whole call's longest prompt), so every row
+        sees the sampling stream and the prefill shape it would have seen in one call.
+        """
         self._check_ready("generate")
         if not requests:
             return []
@@ -256,7 +267,8 @@ class EmbeddedEngine(RolloutEngine):
         with torch.inference_mode():
             for start in range(0, len(rows), per_chunk):
                 chunk = rows[start:start + per_chunk]
-                results.update(self._generate_chunk(requests, chunk, sampling, base_seed, stop_ids))
+                results.update(self._generate_chunk(requests, chunk, sampling, base_seed, stop_ids,
+                                                    first_request, pad_to))
         samples = []
         for i, j in rows:
             req = requests[i]
@@ -283,12 +295,13 @@ class EmbeddedEngine(RolloutEngine):
         return max(1, CHUNK_BUDGET_BYTES // per_row)
 
     def _generate_chunk(self, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
-                        sampling: SamplingParams, base_seed: int, stop_ids: set[int]):
+                        sampling: SamplingParams, base_seed: int, stop_ids: set[int], first_request: int = 0,
+                        pad_to: int = 0):
         from megatron_rl.rollout.kv_cache import make_kv_cache  # lazy: kv_cache imports transformers at import time
 
         prompt_order = list(dict.fromkeys(i for i, _ in chunk))
         prompts = [requests[i].prompt_ids for i in prompt_order]
-        width = max(len(p) for p in prompts)
+        width = max(pad_to, max(len(p) for p in prompts))
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for r, p in enumerate(prompts):
@@ -311,7 +324,7 @@ class EmbeddedEngine(RolloutEngine):
         uniforms = torch.empty(len(chunk), longest, dtype=torch.float64)
         if not sampling.greedy:
             for r, (i, j) in enumerate(chunk):
-                gen = torch.Generator().manual_seed(row_seed(base_seed, i, j))
+                gen = torch.Generator().manual_seed(row_seed(base_seed, first_request + i, j))
                 uniforms[r] = torch.rand(longest, generator=gen, dtype=torch.float64)
         batch = list(range(len(chunk)))  # batch row -> chunk row
         done = [False] * len(chunk)

@@ -32,13 +32,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from megatron_rl.backends.base import TrainBackend
 from megatron_rl.infra.dist import barrier
 from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.replicas import ReplicaWorker
 
 log = logging.getLogger("megatron_rl")
+
+#: this rank's rollout side: the driver's manager, or another rank's engine replica (--embedded-engine-ranks)
+RolloutSide = Union[RolloutManager, ReplicaWorker]
 
 GIB = 1 << 30
 
@@ -117,7 +121,7 @@ class Colocation:
         if self.offload_train and backend is not None:
             backend.release_comm_groups()
 
-    def before_train(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> dict[str, float]:
+    def before_train(self, backend: TrainBackend, rollout: Optional[RolloutSide]) -> dict[str, float]:
         """Engine release, the groups rebuilt, trainer wake; returns ``perf/groups_rebuild_s`` when groups were."""
         if not self.active:
             return {}
@@ -139,7 +143,7 @@ class Colocation:
             backend.wake()
         return metrics
 
-    def before_rollout(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> None:
+    def before_rollout(self, backend: TrainBackend, rollout: Optional[RolloutSide]) -> None:
         """Trainer sleep, then (after every rank slept) the engines' weights back for the sync."""
         if not self.active:
             return
@@ -149,7 +153,7 @@ class Colocation:
         if self.offload_rollout and rollout is not None:
             rollout.engine.resume_weights()
 
-    def after_sync(self, rollout: Optional[RolloutManager]) -> None:
+    def after_sync(self, rollout: Optional[RolloutSide]) -> None:
         """The rest of the engines' memory (KV cache, CUDA graphs), once the sync wrote the weights."""
         if self.offload_rollout and rollout is not None:
             rollout.engine.resume_kv_cache()

@@ -11,6 +11,7 @@ from megatron_rl.config import Config
 from megatron_rl.data.types import Sample
 from megatron_rl.rollout import rollout_ckpt
 from megatron_rl.rollout.manager import RolloutManager, load_rollout, save_rollout
+from megatron_rl.rollout.replicas import ReplicaWorker
 from megatron_rl.runner.checkpoints import CheckpointCursor
 
 log = logging.getLogger("megatron_rl")
@@ -22,16 +23,21 @@ class RolloutSource:
     cursor: CheckpointCursor
     is_driver: bool
 
-    def get(self, rollout_id: int, rollout: Optional[RolloutManager]) -> tuple[Optional[list[Sample]], dict]:
-        """The driver's samples + rollout metrics; (None, {}) on the other ranks."""
+    def get(self, rollout_id: int, rollout: Optional[RolloutManager],
+            replica: Optional[ReplicaWorker] = None) -> tuple[Optional[list[Sample]], dict]:
+        """The driver's samples + rollout metrics; (None, {}) on the other ranks, whose engine replica
+        (``replica``, --embedded-engine-ranks) generates its parts of the rollout meanwhile."""
         mode = self.cfg.mode
         if not self.is_driver:
+            if replica is not None:
+                replica.serve()
             return None, {}
         if mode.load_debug_rollout_data:
             samples = load_rollout(mode.load_debug_rollout_data.format(rollout_id=rollout_id))
             metrics = {"rollout/reward_mean": sum(s.reward for s in samples) / len(samples)}
         else:
-            samples, metrics = self._generate_or_reload(rollout_id, rollout)
+            with rollout.engine.serving():  # replicas on the other ranks generate until this ends
+                samples, metrics = self._generate_or_reload(rollout_id, rollout)
         if mode.save_debug_rollout_data:
             save_rollout(mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
         return samples, metrics

@@ -49,6 +49,9 @@ class DiskSynchronizer(WeightSynchronizer):
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         here = self.on_driver() and engine is not None
+        # a replica of the embedded engine on another rank (--embedded-engine-ranks) takes the exported
+        # tensors as they stream by: the bits the driver publishes, with no wait for the files
+        replica = engine is not None and not here
         # an SGLang engine compares inside its servers (/weights_checker, the update to version 0); the
         # embedded one is compared here, tensor for tensor, after every sync
         in_engine = self.check_equal and here and hasattr(engine, "check_first_update")
@@ -69,10 +72,12 @@ class DiskSynchronizer(WeightSynchronizer):
             engine.update_weights_from_disk(path, version)
             load_s = time.perf_counter() - t1
             self.weights.prune(version)
+        elif replica:
+            engine.update_weights(exported, version)
         else:
             exported.drain()
         metrics = exported.metrics(version, time.perf_counter() - t0)
         metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
-        if self.check_equal and here and not in_engine:
+        if self.check_equal and (replica or here and not in_engine):
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics

@@ -1,8 +1,9 @@
 """The in-process transport: the driver's engine lives in the trainer's process.
 
 The backend's ``export_weights`` yields full HF-layout tensors bucket by bucket
-on every rank (gathered over TP/PP/EP); the driver rank streams them straight
-into ``engine.update_weights`` without a copy to disk or a second process. On
+on every rank (gathered over TP/PP/EP); the driver rank (and, with the embedded
+engine replicated on every rank, each rank) streams them straight into
+``engine.update_weights`` without a copy to disk or a second process. On
 GPUs with a colocated SGLang engine the ``tensor`` transport hands CUDA IPC
 handles instead; the bucketing and versioning are the same.
 """
@@ -20,12 +21,13 @@ if TYPE_CHECKING:
 
 
 class InProcessSynchronizer(WeightSynchronizer):
-    """``--update-weight-transport tensor``: the driver streams the export into its own engine."""
+    """``--update-weight-transport tensor``: each rank that holds an engine (the driver; every rank with
+    ``--embedded-engine-ranks all``) streams the export into it."""
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal)
-        here = self.on_driver() and engine is not None
+        here = engine is not None
         if here:
             engine.update_weights(exported, version)
         else:

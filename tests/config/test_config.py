@@ -329,6 +329,13 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
                                                          "SGLang servers; this run starts none"),
     ([*EXTERNAL, "--allocation", "sglang:d1|megatron:d1"], "--allocation sglang:d1|megatron:d1 places SGLang engines "
                                                            "on GPUs; with --rollout-engine-urls"),
+    # where the embedded engine runs: only for it, and "all" only where every rank trains and generates
+    ([*EXTERNAL, "--embedded-engine-ranks", "driver"], "--embedded-engine-ranks driver places the embedded engine, "
+                                                       "but --rollout-backend is sglang"),
+    (["--embedded-engine-ranks", "all", "--debug-rollout-only"], "--embedded-engine-ranks all puts an engine replica "
+                                                                 "on every trainer rank, but this run has no trainer"),
+    (["--embedded-engine-ranks", "all", "--debug-train-only", "--load-debug-rollout-data", "/tmp/r_{rollout_id}.pt"],
+     "--embedded-engine-ranks all puts an engine replica on every trainer rank, but this run generates nothing"),
 ])
 def test_unimplemented_engine_and_transports_are_refused_in_validation(hf_dir, extra, match, capsys):
     """Refused before any worker starts, ``--dry-run`` included (they used to pass and fail after the build)."""
@@ -361,6 +368,14 @@ def test_external_sglang_and_disk_are_accepted(hf_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rollout: external SGLang servers, not started or placed by this run: http://10.0.0.5:30000" in out
     assert "total GPU demand: 1" in out and "no rollout engine" not in out
+
+
+def test_embedded_engine_replicas_follow_the_run(hf_dir):
+    """--embedded-engine-ranks auto: a replica on every rank when the run generates and trains."""
+    assert parse_config(base(hf_dir)).embedded_replicas
+    assert not parse_config(base(hf_dir, "--embedded-engine-ranks", "driver")).embedded_replicas
+    assert not parse_config(base(hf_dir, "--debug-rollout-only")).embedded_replicas
+    assert not parse_config(base(hf_dir, *EXTERNAL)).embedded_replicas
 
 
 def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):

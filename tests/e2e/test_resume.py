@@ -2,7 +2,9 @@
 
 a. exact resume: N=4 straight vs N=2 then the same command with N=4 -> steps 3-4
    have identical metrics (every float, bit for bit) and the final iter_4
-   checkpoints hold identical model, optimizer, scheduler, RNG and data state;
+   checkpoints hold identical model, optimizer, scheduler, RNG and data state
+   (the N=2 half generates with the driver's engine alone, the rest with a replica
+   on every rank: steps 1-2 equal too);
 b. SIGKILL of the whole process tree (i) during start-up, (ii) in the middle of a
    save, (iii) right after a checkpoint was published: no partial checkpoint is
    ever visible as complete, every rerun resumes from the newest complete one, and
@@ -316,7 +318,10 @@ def straight(tmp_path_factory):
 @pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_run_bitwise(straight, tmp_path):
     out = tmp_path / "demo"
-    run_demo(out, 2, "--save-interval", "2")
+    # the first half generates with the driver's engine alone (the straight run: a replica on each of the 2
+    # ranks, --embedded-engine-ranks auto): its steps 1-2 equal the straight run's, so the replicas draw the
+    # samples one engine draws (tests/dist/test_engine_replicas.py: field by field)
+    run_demo(out, 2, "--save-interval", "2", "--embedded-engine-ranks", "driver")
     assert sorted(os.listdir(out / "ckpt")) == ["iter_0000002", "latest_checkpointed_iteration.txt",
                                                 "resume_state.json"]
     second = run_demo(out, 4, "--save-interval", "2")

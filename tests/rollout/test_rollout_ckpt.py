@@ -6,6 +6,7 @@ a sampler or a reward function could, draws from the process's global RNG, so th
 sees that everything generation advanced comes back on load.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,9 @@ class CountingEngine:
     def __init__(self, weight_version=2):
         self.weight_version = weight_version
         self.calls = 0
+
+    def serving(self):  # RolloutEngine's: no replicas on other ranks to coordinate
+        return contextlib.nullcontext()
 
     def generate(self, requests, sampling):
         self.calls += 1
