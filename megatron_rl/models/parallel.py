@@ -117,7 +117,13 @@ class ParallelLayout:
 
 
 def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo on CPU; on GPUs NCCL for device tensors plus gloo for host ones (``cpu:gloo,cuda:nccl``).
+
+    Why both: the rollout batch reaches the training ranks, and the embedded engine replicas send their
+    parts back, as host byte buffers (``data/sample_codec.py``; ``backends/rollout_shards.py``,
+    ``rollout/replicas.py``), and a NCCL-only group refuses a CPU tensor (no backend for device type
+    cpu). The FSDP backend initialises the same pair for its host collectives."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[str] = None) -> int:

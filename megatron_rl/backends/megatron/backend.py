@@ -277,8 +277,7 @@ class MegatronBackend(TrainBackend):
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {
                 "logprobs": dict(zip(mb.sample_indices.tolist(), mb.split_response(lp.cpu())))}
 
-        for m in self.model:
-            m.eval()
+        _set_mode(self.model, training=False)
         with torch.no_grad():
             store = self._run_schedule(mbs, loss_fn, forward_only=True)
         local: dict[int, torch.Tensor] = {}
@@ -299,8 +298,8 @@ class MegatronBackend(TrainBackend):
             # backward sums their gradients; DDP then sums over CP too: divide by cp once.
             return loss / self.layout.cp, torch.tensor(0, dtype=torch.int), {"metrics": metrics}
 
+        _set_mode(self.model, training=True)
         for m in self.model:
-            m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run_schedule(mbs, loss_fn, forward_only=False)
@@ -450,4 +449,14 @@ class MegatronBackend(TrainBackend):
             for name, p in self._named_local_params():
                 p.copy_(actor[name])
         log.info("loaded frozen %s weights from %s (%s)", tag, path, "HF" if is_hf else "torch_dist")
+
+
+def _set_mode(chunks, training: bool) -> None:
+    """``train()`` / ``eval()`` on each model chunk, skipped when it is in that mode already: the walk over
+    every submodule costs ~0.8 ms on the demo's model and the ref pass follows the old-log-prob pass (as the
+    second optimizer step follows the first) in the same mode. The backend is the only one that switches
+    modes, always a whole chunk at once, so the chunk's own flag stands for its submodules'."""
+    for m in chunks:
+        if m.training != training:
+            m.train(training)
 
