@@ -105,7 +105,11 @@ class ReplicatedEngine(RolloutEngine):
         bounds = part_bounds(len(requests), self.world_size)
         pad_to = max(len(r.prompt_ids) for r in requests)
         _broadcast_command((GENERATE, requests, sampling, bounds, pad_to), self.rank)
-        samples = self.local.generate_part(requests[:bounds[1]], sampling, first_request=0, pad_to=pad_to)
+        own_error: Optional[Exception] = None
+        try:
+            samples = self.local.generate_part(requests[:bounds[1]], sampling, first_request=0, pad_to=pad_to)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every worker's reply is read
+            own_error, samples = exc, []
         failures = []
         for peer in range(self.world_size):  # every reply is read, so no worker is left blocked in its send
             if peer == self.rank:
@@ -115,6 +119,8 @@ class ReplicatedEngine(RolloutEngine):
                 failures.append(f"rank {peer}: {bytes(buffer.numpy()).decode()}")
             else:
                 samples.extend(sample_codec.decode(sizes, buffer))
+        if own_error is not None:
+            raise own_error
         if failures:
             raise EngineError("the embedded engine replica(s) failed to generate their part of the rollout: "
                               + "; ".join(failures))

@@ -40,3 +40,10 @@ def test_a_failing_replica_is_named_and_every_rank_stops(ranks):
     assert "rank 2: EngineError: embedded engine cannot generate: released: call resume()" in ranks[0]["error"]
     for r in ranks[1:]:
         assert r["error"].startswith("rank 0's rollout stopped: EngineError: the embedded engine replica(s) failed")
+
+
+def test_the_drivers_own_failure_reaches_every_rank(ranks):
+    assert ranks[0]["own_error"] == "embedded engine cannot generate: released: call resume()"
+    for r in ranks[1:]:
+        assert r["own_error"] == ("rank 0's rollout stopped: EngineError: embedded engine cannot generate: "
+                                  "released: call resume()")

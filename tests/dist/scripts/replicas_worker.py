@@ -65,6 +65,13 @@ if rank == 0:
             replicated.generate(*CALLS[0])
     except EngineError as exc:
         out["error"] = str(exc)
+    # the driver's own part fails: it still reads every reply (no worker left blocked in its send), then raises
+    engine.release()
+    try:
+        with replicated.serving():
+            replicated.generate(*CALLS[0])
+    except EngineError as exc:
+        out["own_error"] = str(exc)
 else:
     worker = ReplicaWorker(engine, rank=rank, world_size=world)
     out["served"] = worker.serve()
@@ -74,6 +81,10 @@ else:
         worker.serve()
     except EngineError as exc:
         out["error"] = str(exc)
+    try:  # (rank 2 is still released: its part fails too; the driver's own error is the one raised)
+        worker.serve()
+    except EngineError as exc:
+        out["own_error"] = str(exc)
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as fh:
     json.dump(out, fh)
 dist.barrier()

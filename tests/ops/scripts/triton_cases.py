@@ -60,13 +60,22 @@ def _run(fn, logits, target, g_lp, g_h, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logprobs_match_reference(interpret, dtype):
+def test_logprobs_match_reference(interpret, monkeypatch, dtype):
     logits, target, g_lp, g_h = _case(32, 1031, dtype, seed=1)
     lp, h, grad = _run(logprobs_and_entropy, logits, target, g_lp, g_h, temperature=0.7, with_entropy=True)
     rlp, rh, rgrad = _run(naive_logprobs, logits.double(), target, g_lp, g_h, temperature=0.7, with_entropy=True)
     assert grad.dtype == dtype and (grad[:, 2] == 0).all()
     assert torch.allclose(lp, rlp, atol=4e-6) and torch.allclose(h, rh, atol=4e-6)
-    tol = 4e-6 if dtype == torch.float32 else torch.finfo(dtype).eps * rgrad.abs().max().item()
+    if dtype == torch.float32:
+        # |logits / T| reaches ~25 here, so fp32 rounding alone moves a gradient by ~4e-6, and by how much
+        # depends on the CPU's vectorised exp/log (an AMD and an Intel VM differ in the last bits): the bound
+        # is the torch chunked op's own distance from float64 on the same inputs, doubled, at least 4e-6
+        monkeypatch.setenv("MEGATRON_RL_KERNELS", "torch")
+        _, _, tgrad = _run(logprobs_and_entropy, logits, target, g_lp, g_h, temperature=0.7, with_entropy=True)
+        monkeypatch.setenv("MEGATRON_RL_KERNELS", "triton")
+        tol = max(4e-6, 2 * (tgrad.double() - rgrad).abs().max().item())
+    else:
+        tol = torch.finfo(dtype).eps * rgrad.abs().max().item()
     assert torch.allclose(grad.double(), rgrad, atol=tol, rtol=torch.finfo(dtype).eps), (grad.double() - rgrad).abs().max()
 
 
