@@ -33,6 +33,7 @@ from megatron_rl.backends.base import RolloutPlan, TrainBackend, broadcast_sampl
 from megatron_rl.data import sample_codec
 from megatron_rl.data.types import Sample, SampleStub
 from megatron_rl.errors import BackendError
+from megatron_rl.infra.dist import recv_sized, send_sized
 
 AnySample = Union[Sample, SampleStub]
 
@@ -41,23 +42,6 @@ def _world() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _send_buffer(sizes: torch.Tensor, buffer: torch.Tensor, dst: int) -> None:
-    import torch.distributed as dist
-
-    dist.send(sizes, dst)
-    dist.send(buffer, dst)
-
-
-def _recv_buffer(src: int) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch.distributed as dist
-
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src)
-    buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8)
-    dist.recv(buffer, src)
-    return sizes, buffer
 
 
 def _bcast_buffer(sizes: Optional[torch.Tensor], buffer: Optional[torch.Tensor], src: int,
@@ -106,12 +90,12 @@ def distribute_rollout(samples: Optional[Sequence[Sample]], backend: TrainBacken
     if me == src:
         for d, leader in enumerate(leaders):
             if leader != src:
-                _send_buffer(*sample_codec.encode([samples[i] for i in shares[d]]), leader)
+                send_sized(*sample_codec.encode([samples[i] for i in shares[d]]), leader)
         own = [samples[i] for i in shares[mine]]
     else:
         own = None
         if me == leaders[mine]:
-            own = sample_codec.decode(*_recv_buffer(src))
+            own = sample_codec.decode(*recv_sized(src))
     if group is not None:  # the leader gives the share to its TP/PP/CP peers
         if me == leaders[mine]:
             _bcast_buffer(*sample_codec.encode(own), src=me, group=group)

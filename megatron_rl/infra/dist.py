@@ -4,7 +4,9 @@
   ``torch.distributed`` is not initialised;
 * :func:`rank0_do` - run a step on rank 0 only (file-system work: create, check,
   publish a dir); its result or its error reaches every rank;
-* :func:`all_ranks_ok` - every rank raises when any rank failed.
+* :func:`all_ranks_ok` - every rank raises when any rank failed;
+* :func:`send_sized` / :func:`recv_sized` - a byte buffer point to point, its sizes first (the
+  receiver allocates from them): how ``sample_codec`` buffers travel.
 
 Why every helper raises on every rank: a rank that raises while the others wait in
 the next collective hangs the job until the timeout; an error reported everywhere
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
@@ -68,3 +71,21 @@ def all_ranks_ok(error: Optional[BaseException], reraise_own: bool = False) -> N
         raise error
     if msgs[0] is not None:
         raise CheckpointError(msgs[0])
+
+
+def send_sized(sizes: torch.Tensor, buffer: torch.Tensor, dst: int) -> None:
+    """Point to point: ``sizes`` (a small int64 tensor), then ``buffer`` (uint8) to rank ``dst``."""
+    dist.send(sizes, dst)
+    dist.send(buffer, dst)
+
+
+def recv_sized(src: int, slots: int = 2,
+               nbytes: Callable[[torch.Tensor], int] = lambda sizes: int(sizes.sum())) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`send_sized` sent from ``src``: ``sizes`` (``slots`` int64 values), then a buffer of
+    ``nbytes(sizes)`` bytes (default: their sum, ``sample_codec``'s layout)."""
+    sizes = torch.empty(slots, dtype=torch.int64)
+    dist.recv(sizes, src)
+    buffer = torch.empty(nbytes(sizes), dtype=torch.uint8)
+    dist.recv(buffer, src)
+    return sizes, buffer
+

@@ -41,6 +41,7 @@ import torch
 from megatron_rl.data import sample_codec
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
+from megatron_rl.infra.dist import recv_sized, send_sized
 from megatron_rl.rollout.base import EngineHealth, RolloutEngine
 
 DONE, ABORT, GENERATE = "done", "abort", "generate"
@@ -114,7 +115,7 @@ class ReplicatedEngine(RolloutEngine):
         for peer in range(self.world_size):  # every reply is read, so no worker is left blocked in its send
             if peer == self.rank:
                 continue
-            sizes, buffer = _recv_reply(peer)
+            sizes, buffer = recv_sized(peer, nbytes=_reply_bytes)
             if int(sizes[0]) == _FAILED:
                 failures.append(f"rank {peer}: {bytes(buffer.numpy()).decode()}")
             else:
@@ -191,25 +192,13 @@ class ReplicaWorker:
                 sizes = torch.tensor([_FAILED, len(message)], dtype=torch.int64)
                 buffer = torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else \
                     torch.zeros(0, dtype=torch.uint8)
-            _send_reply(sizes, buffer, self.driver_rank)
+            send_sized(sizes, buffer, self.driver_rank)
             served += 1
 
 
-def _send_reply(sizes: torch.Tensor, buffer: torch.Tensor, dst: int) -> None:
-    import torch.distributed as dist  # lazy: see _broadcast_command
-
-    dist.send(sizes, dst)
-    dist.send(buffer, dst)
-
-
-def _recv_reply(src: int) -> tuple[torch.Tensor, torch.Tensor]:
-    import torch.distributed as dist  # lazy: see _broadcast_command
-
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src)
-    buffer = torch.empty(int(sizes[1]) if int(sizes[0]) == _FAILED else int(sizes.sum()), dtype=torch.uint8)
-    dist.recv(buffer, src)
-    return sizes, buffer
+def _reply_bytes(sizes: torch.Tensor) -> int:
+    """A reply's byte count: an error message's length, or a ``sample_codec`` buffer's."""
+    return int(sizes[1]) if int(sizes[0]) == _FAILED else int(sizes.sum())
 
 
 def _world() -> tuple[int, int]:
