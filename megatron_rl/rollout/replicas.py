@@ -37,11 +37,12 @@ import secrets
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.data import sample_codec
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
-from megatron_rl.infra.dist import recv_sized, send_sized
+from megatron_rl.infra.dist import rank, recv_sized, send_sized, world
 from megatron_rl.rollout.base import EngineHealth, RolloutEngine
 
 DONE, ABORT, GENERATE = "done", "abort", "generate"
@@ -59,8 +60,6 @@ def part_bounds(num_requests: int, parts: int) -> list[int]:
 
 
 def _broadcast_command(command: Optional[tuple], src: int) -> tuple:
-    import torch.distributed as dist  # lazy: the module's pure helpers load without a process group
-
     box = [command]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -190,8 +189,7 @@ class ReplicaWorker:
             except Exception as exc:  # noqa: BLE001 - the driver names it and stops every rank
                 message = f"{type(exc).__name__}: {exc}".encode()
                 sizes = torch.tensor([_FAILED, len(message)], dtype=torch.int64)
-                buffer = torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else \
-                    torch.zeros(0, dtype=torch.uint8)
+                buffer = torch.frombuffer(bytearray(message), dtype=torch.uint8)  # never empty: the type's name
             send_sized(sizes, buffer, self.driver_rank)
             served += 1
 
@@ -201,23 +199,15 @@ def _reply_bytes(sizes: torch.Tensor) -> int:
     return int(sizes[1]) if int(sizes[0]) == _FAILED else int(sizes.sum())
 
 
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist  # lazy: see _broadcast_command
-
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def replicate_on_every_rank(engine: Any) -> RolloutEngine:
     """The driver's engine with a replica on every other rank (``ReplicatedEngine``), or ``engine``
     itself in a one-rank run."""
-    rank, world = _world()
-    return engine if world == 1 else ReplicatedEngine(engine, rank=rank, world_size=world)
+    return engine if world() == 1 else ReplicatedEngine(engine, rank=rank(), world_size=world())
 
 
 def worker_for_this_rank(cfg, engine_type) -> Optional[ReplicaWorker]:
     """A non-driver rank's replica of the driver's engine (``--embedded-engine-ranks``), or None when
     the run puts none there."""
-    rank, world = _world()
-    if not cfg.embedded_replicas or world == 1 or rank == 0:
+    if not cfg.embedded_replicas or world() == 1 or rank() == 0:
         return None
-    return ReplicaWorker(engine_type.from_config(cfg), rank=rank, world_size=world)
+    return ReplicaWorker(engine_type.from_config(cfg), rank=rank(), world_size=world())
