@@ -409,7 +409,9 @@ class RolloutConfig:
                                choices=("on", "off"))
     embedded_engine_ranks: str = flag("auto", "Where the embedded engine generates. all: a replica on every "
                                       "rank, each drawing a contiguous part of the rollout's prompts (same seeds "
-                                      "per sample as one engine, so the same samples), gathered on the driver; "
+                                      "per sample as one engine, so the same tokens; log-probs equal to float32 "
+                                      "rounding, as a smaller batch's GEMMs may round otherwise), gathered on the "
+                                      "driver; "
                                       "costs one model copy per rank. driver: one engine on the driver rank while "
                                       "the others wait. auto: all when the run generates and trains, else driver. "
                                       "Evaluation generates on the driver. Only for --rollout-backend embedded.",

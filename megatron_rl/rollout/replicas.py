@@ -22,9 +22,12 @@ torn down for generation):
 
 Same samples as one engine: a row's sampling stream is seeded by its index in the
 whole call (``EmbeddedEngine.generate_part``), so its tokens do not depend on which
-replica drew it; with every part's prompts padded to the call's longest prompt and
-the rollout within one generate chunk per replica, the log-probs are the same bits
-too (tests/dist/test_engine_replicas.py compares them with one engine's).
+replica drew it; every part's prompts are padded to the call's longest prompt, so a
+row sees the prefill shape of one call. Its log-probs are the same bits only where
+the CPU's GEMMs give a row the same bits at any row count: a part is a smaller batch,
+and oneDNN's sgemm on an AVX-512 Xeon takes another kernel for few rows (~1 ulp;
+tests/dist/test_engine_replicas.py: each part bit for bit what one engine draws for
+it, the whole rollout's tokens one engine's, log-probs within float32 rounding).
 Weights, release and resume act on this rank's replica: every rank reaches those
 points of the loop itself (weight sync, colocation) and passes its own replica.
 """

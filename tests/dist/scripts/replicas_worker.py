@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_rl.errors import EngineError
 from megatron_rl.rollout.base import GenerateRequest, SamplingParams
 from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.rollout.replicas import ReplicatedEngine, ReplicaWorker
+from megatron_rl.rollout.replicas import ReplicatedEngine, ReplicaWorker, part_bounds
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -53,6 +53,13 @@ def digest(samples):
 if rank == 0:
     replicated = ReplicatedEngine(engine, rank=0, world_size=world)
     out["one_engine"] = [digest(engine.generate(reqs, sp)) for reqs, sp in CALLS]
+    # what each replica is asked to draw, drawn here part by part (the same rows per model call)
+    parts = []
+    for reqs, sp in CALLS:
+        bounds, pad_to = part_bounds(len(reqs), world), max(len(r.prompt_ids) for r in reqs)
+        parts.append(digest([s for lo, hi in zip(bounds, bounds[1:]) if hi > lo
+                             for s in engine.generate_part(reqs[lo:hi], sp, first_request=lo, pad_to=pad_to)]))
+    out["parts_on_one_engine"] = parts
     with replicated.serving():
         out["replicated"] = [digest(replicated.generate(reqs, sp)) for reqs, sp in CALLS]
         unseeded = replicated.generate(ragged, SamplingParams(temperature=1.0, max_new_tokens=6, seed=None, n=2))
