@@ -43,6 +43,22 @@ sent; the stand-in process as said below):
   stand-in's greedy generation (tokens and log-probs) must equal the embedded engine's, which was
   checked tensor-for-tensor equal to what was sent, and its ``/model_info`` must report the version.
 
+* ``... -> real SGLang`` (with ``--sglang-python``, the python of a venv holding SGLang 0.5.23, e.g.
+  ``/work/sglang-venv/bin/python`` from ``scripts/sglang_cpu_install.sh``): the same four transports
+  (disk, distributed per tensor, distributed flattened, tensor colocated) into a REAL
+  ``sglang.launch_server`` on this machine's CPU (the route of ``tools/sglang_cpu``: torch_native
+  attention, float32, no radix cache, ``--skip-tokenizer-init``), so the rows include SGLang's own
+  loaders (its safetensors reader, ``update_weights_from_distributed``'s receive into
+  ``load_weights`` with its qkv/gate-up fusing, the flattened bucket's unflatten, the tensor route's
+  ``MultiprocessingSerializer`` + load). Checked after timing: each transport pushes all-zero weights
+  (every greedy log-prob then -ln(vocab)) and the sent weights again, after which the server's greedy
+  generation must equal, bit for bit, its generation after the disk route's load of the same weights
+  (SGLang's own loader), whose tokens must be the embedded engine's and log-probs within 1e-3 of its
+  (torch_native attention rounds otherwise than HF's); ``/model_info`` must report the version.
+  Start-up of the server (16-22 s on an AVX-512 Xeon VM, 50-120 s measured on slower ones)
+  overlaps the weights' build and is bounded by ``--sglang-timeout-s``; a server that does not
+  come up ends the run with its log's tail.
+
 Baselines, same bytes, same run, same directory (``--dir``): ``memcpy`` (``Tensor.copy_`` of
 every tensor into preallocated ones), ``raw write`` (the tensors' bytes ``os.write``-n to one
 file, ``os.fsync``-ed), ``raw read`` (that file ``readinto`` a preallocated buffer: page cache),
@@ -59,7 +75,7 @@ rows, write, load and the rest, the prune, are that round's).
 One thread (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``). Loads read files just
 written, so they come from the page cache, as on a host where the engine shares the disk.
 
-    python benchmarks/weight_sync.py [--hidden 1024] [--layers 8] [--repeats 5]
+    python benchmarks/weight_sync.py [--hidden 1024] [--layers 8] [--repeats 5] [--sglang-python PY]
 
 The stand-in process starts while the weights are built (~10 s; ``--standin-timeout-s`` bounds the
 wait for its ``URL`` line); its log is ``standin.log`` in the run's temp dir (its tail is printed if
@@ -78,6 +94,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -89,6 +106,7 @@ sys.path.insert(0, REPO)
 # speaks SGLang's HTTP protocol and is backed by the embedded engine.
 STANDIN_DIR = os.path.join(REPO, "tests", "rollout")
 sys.path.insert(0, STANDIN_DIR)
+sys.path.insert(0, os.path.join(REPO, "tools", "sglang_cpu"))  # check_real_sglang: the real server (--sglang-python)
 # The stand-in's http.server writes a reply's headers and body in two sends; with Nagle on, the body
 # waits for the client's delayed ACK, ~40 ms per request on Linux loopback. uvicorn (real SGLang)
 # sets TCP_NODELAY, so the benchmark's stand-ins do too (in this process and in the stand-in's own).
@@ -164,6 +182,77 @@ class StandInProcess:
         self._log.close()
 
 
+REAL_TRANSPORTS = ("disk", "distributed", "flattened", "tensor")
+REAL_PARTS = {"disk": ("sync/write_s", "sync/load_s"), "distributed": ("sync/broadcast_s",),
+              "flattened": ("sync/broadcast_s",), "tensor": ("sync/serialize_s", "sync/post_s")}
+
+
+class RealSGLangRows:
+    """The four transports into one real SGLang server (``--sglang-python``): built once it answers
+    ``/health``, one ``SGLangEngine`` and one version counter for all four (as a run has one engine)."""
+
+    def __init__(self, server, hf: str, root: str, bucket: int, timeout_s: float):
+        from check_real_sglang import CheckFailed, wait_healthy  # tools/sglang_cpu/
+        from megatron_rl.plan.engines import EnginePlacement, EngineSlot
+        from megatron_rl.rollout.sglang import SGLangEngine
+        from megatron_rl.weight_sync.disk import DiskSynchronizer
+        from megatron_rl.weight_sync.distributed import DistributedSynchronizer
+        from megatron_rl.weight_sync.sglang_tensor import SGLangTensorSynchronizer
+
+        self.server = server
+        try:
+            self.startup_s = wait_healthy(server, timeout_s, lambda line: print(line, file=sys.stderr))
+        except CheckFailed as exc:  # main's closers still stop it and remove the run's dir (its log too)
+            tail = "" if "log tail" in str(exc) else f"\nthe tail of its log:\n{server.log_tail()}"
+            raise SystemExit(f"--sglang-python: {exc}{tail}") from None
+        self.engine = SGLangEngine([server.url], timeout_s=60, generate_timeout_s=300, update_timeout_s=timeout_s)
+        self.version_counter = 0
+        self.version = self.engine.clients[0].server_info().get("version", "?")
+        placement = EnginePlacement((EngineSlot(0, server.url, 0, (), (0,), str(server.log_path)),),
+                                    colocated=True)
+        self.syncs = {
+            "disk": DiskSynchronizer(bucket, disk_dir=os.path.join(root, "sync_real"), hf_checkpoint=hf),
+            "distributed": DistributedSynchronizer(bucket, timeout_s=timeout_s),
+            "flattened": DistributedSynchronizer(bucket, timeout_s=timeout_s, flattened=True),
+            "tensor": SGLangTensorSynchronizer(bucket, engines=placement, timeout_s=timeout_s),
+        }
+
+    def closers(self) -> list:
+        """In the order ``main`` runs them reversed: the groups are destroyed before the engine closes."""
+        return [self.engine.close] + [s.shutdown for s in self.syncs.values() if hasattr(s, "shutdown")]
+
+    def sync(self, transport: str, weights) -> dict:
+        self.version_counter += 1
+        return self.syncs[transport].sync(weights, self.engine, self.version_counter)
+
+    def _greedy(self, prompts, greedy):
+        return [(r.response_ids, r.rollout_logprobs) for r in self.engine.generate(prompts, greedy)]
+
+    def check(self, weights, zeros, prompts, greedy, embedded_want, vocab: int) -> None:
+        """Every transport lands what SGLang's own disk loader lands (see the module docstring)."""
+        reference = None
+        for transport in REAL_TRANSPORTS:  # disk first: the reference
+            self.sync(transport, zeros)
+            flat = [lp for _, lps in self._greedy(prompts, greedy) for lp in lps]
+            assert flat and all(abs(lp + math.log(vocab)) < 1e-5 for lp in flat), \
+                f"{transport} -> real SGLang: after pushing zero weights the log-probs are not -ln(vocab): {flat[:4]}"
+            self.sync(transport, weights)
+            got = self._greedy(prompts, greedy)
+            if reference is None:
+                reference = got
+                for (tokens, lps), (want_tokens, want_lps) in zip(got, embedded_want):
+                    worst = max(abs(a - b) for a, b in zip(lps, want_lps))
+                    assert tokens == want_tokens and worst < 1e-3, \
+                        f"real SGLang after its disk load: {tokens} vs the embedded engine's {want_tokens}, " \
+                        f"log-probs {worst:.2e} apart"
+            assert got == reference, f"{transport} -> real SGLang generates otherwise than after its disk load"
+            served = self.engine.clients[0].weight_version()
+            assert served == str(self.version_counter), \
+                f"{transport} -> real SGLang: /model_info reports weight_version {served}, sent {self.version_counter}"
+        if not self.server.alive():
+            raise AssertionError(f"the real SGLang server died; log tail:\n{self.server.log_tail()}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -176,7 +265,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where files are written (default: the system temp dir)")
     ap.add_argument("--standin-timeout-s", type=float, default=120.0,
                     help="how long the stand-in process may take to start (print its URL)")
+    ap.add_argument("--sglang-python", default=None,
+                    help="the python of a venv with SGLang 0.5.23 (scripts/sglang_cpu_install.sh): adds the rows "
+                         "into a real SGLang server on this CPU (default: none, the stand-in rows only)")
+    ap.add_argument("--sglang-timeout-s", type=float, default=600.0,
+                    help="how long the real SGLang server may take to answer /health")
     args = ap.parse_args(argv)
+    if args.sglang_python and not os.access(args.sglang_python, os.X_OK):
+        ap.error(f"--sglang-python {args.sglang_python}: not an executable python; run "
+                 "scripts/sglang_cpu_install.sh (it prints the venv) or drop the flag")
 
     import transformers
     from safetensors.torch import load_file, save_file
@@ -208,6 +305,14 @@ def main(argv=None) -> int:
                                  vocab_size=args.vocab)
         standin = StandInProcess(hf, os.path.join(root, "standin.log"))  # starts while the rest is built
         closers.append(standin.stop)
+        real_server = None
+        if args.sglang_python:  # starts while the rest is built, too
+            from check_real_sglang import SGLangServer, free_port  # tools/sglang_cpu/
+
+            real_server = SGLangServer(args.sglang_python, Path(hf), Path(root) / "sglang.log", port=free_port(),
+                                       extra_args=["--disable-radix-cache", "--skip-tokenizer-init"])
+            real_server.start()
+            closers.append(real_server.stop)
         source = {k: v * 1.01 for k, v in load_file(os.path.join(hf, "model.safetensors")).items()}
         total = sum(nbytes(t) for t in source.values())
         backend = FakeBackend(source)
@@ -234,6 +339,9 @@ def main(argv=None) -> int:
         tensor_sglang = SGLangTensorSynchronizer(bucket, engines=placement, timeout_s=120)
         closers += [remote.close, distributed.shutdown, flattened.shutdown,
                     tensor_sglang.shutdown]  # shutdown: destroys the group
+        real = RealSGLangRows(real_server, hf, root, bucket, args.sglang_timeout_s) if real_server else None
+        if real:
+            closers += real.closers()
 
         def memcpy():
             for k, v in source.items():
@@ -303,6 +411,8 @@ def main(argv=None) -> int:
                 "disk -> embedded": disk_to_embedded, "disk -> sglang": disk_to_sglang,
                 "distributed -> sglang": distributed_to_sglang, "flattened -> sglang": flattened_to_sglang,
                 "tensor -> sglang": tensor_to_sglang}
+        if real:
+            rows.update({f"{t} -> real sglang": (lambda t=t: real.sync(t, backend)) for t in REAL_TRANSPORTS})
         raw_write()  # raw read needs the file; the first round's order may put it first
         best: dict[str, tuple[float, dict]] = {}
         for it in range(WARMUP + args.repeats):  # warm-up: first touches, and 2 versions on disk so every
@@ -346,6 +456,8 @@ def main(argv=None) -> int:
             served = remote.clients[0].weight_version()
             assert served == str(version["remote"]) == str(remote.weight_version), \
                 f"{what}: /model_info reports weight_version {served}, sent {version['remote']}"
+        if real:
+            real.check(backend, zeros, prompts, greedy, want, args.vocab)
     finally:
         for close in reversed(closers):
             try:
@@ -397,6 +509,18 @@ def main(argv=None) -> int:
     for label, sec in table:
         print(f"{label:<40}{total / 1e6:>8.1f}{sec:>9.3f}{total / sec / 1e9:>8.2f}"
               f"{sec / s['memcpy']:>10.1f}{sec / s['raw write']:>13.2f}")
+    if real:
+        print(f"real SGLang {real.version} on this CPU (the server answered /health {real.startup_s:.0f} s after its start):")
+        for t in REAL_TRANSPORTS:
+            sec, met = best[f"{t} -> real sglang"]
+            label = {"disk": "disk -> real SGLang", "distributed": "distributed -> real SGLang",
+                     "flattened": "distributed, flattened -> real SGLang", "tensor": "tensor -> real SGLang"}[t]
+            parts = [(label, sec)] + [(f"  {k}", met[k]) for k in REAL_PARTS[t] if k in met]
+            for text, v in parts:
+                print(f"{text:<40}{total / 1e6:>8.1f}{v:>9.3f}{total / v / 1e9:>8.2f}"
+                      f"{v / s['memcpy']:>10.1f}{v / s['raw write']:>13.2f}")
+    else:
+        print("real SGLang rows: not run (--sglang-python PY, a venv from scripts/sglang_cpu_install.sh)")
     print("* the protocol stand-in CI uses (tests/rollout/sglang_standin.py), not real SGLang: our client + transport "
           "+ the stand-in's receive and copy into its embedded engine, not SGLang's loader; disk: in this process "
           "(load_file + copy); distributed and tensor: in its own process (gloo broadcasts over loopback; a mapped "

@@ -170,7 +170,9 @@ class SGLangServer:
 
     def __init__(self, python: str, model: Path, log_path: Path, *, port: int, extra_args: list[str],
                  env: Optional[dict] = None):
-        self.python, self.model, self.log_path, self.port = python, model, log_path, port
+        # a path relative to the caller's cwd: the server starts in its log's dir
+        self.python = os.path.abspath(python) if os.sep in python else python
+        self.model, self.log_path, self.port = model, log_path, port
         self.extra_args, self.env = extra_args, dict(env or {})
         self.proc: Optional[subprocess.Popen] = None
         self._log_file = None
@@ -227,6 +229,29 @@ class SGLangServer:
             self._log_file.close()
 
 
+def wait_healthy(server: SGLangServer, timeout_s: float, log: Callable[[str], None]) -> float:
+    """Seconds until the started ``server`` answers ``/health`` with 200; ``CheckFailed`` naming it (and its
+    log tail when its process exited) when it does not within ``timeout_s``. Progress every 10 s to ``log``."""
+    t = time.monotonic()
+    probe = SGLangClient(server.url, timeout_s=5, connect_retries=0)
+
+    def healthy() -> bool:
+        if not server.alive():
+            raise CheckFailed(f"the SGLang server process exited with {server.proc.returncode} while starting; "
+                              f"log tail ({server.log_path}):\n{server.log_tail()}")
+        try:
+            return probe.health(timeout_s=5)
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    try:
+        wait_until(healthy, timeout_s, f"SGLang server {server.url}", "answer /health with 200",
+                   every_s=1.0, progress=lambda s: log(f"  waiting for {server.url}/health: {s:.0f} s"))
+    finally:
+        probe.close()
+    return time.monotonic() - t
+
+
 def build_model(out: Path, seed: int) -> Path:
     """A tiny random-weight Qwen2 with the demo's digit tokenizer (SGLang needs one in the model dir).
 
@@ -275,6 +300,7 @@ class Checks:
         self.prompts = [self.tokenizer(synthetic.make_problem(rng, 4)[0])["input_ids"] for _ in range(args.batch)]
         self.greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
         self.original = {k: v.detach().clone() for k, v in self.hf.state_dict().items()}
+        self._uninterrupted: Optional[dict] = None  # interrupt_delay's measured long generation
 
     def requests(self, prompts=None) -> list[GenerateRequest]:
         return [GenerateRequest(list(p), i) for i, p in enumerate(prompts or self.prompts)]
@@ -416,9 +442,10 @@ class Checks:
             except Exception as exc:  # noqa: BLE001 - reported below
                 result["error"] = exc
 
+        delay = self.interrupt_delay()
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        time.sleep(self.args.interrupt_after_s)
+        time.sleep(delay)
         self.client.abort_request(abort_all=True)
         self._join(thread, result, "abort_request(abort_all) under the rollout's retry", timeout_s=300)
         samples = result["samples"]
@@ -628,16 +655,25 @@ class Checks:
         if "error" in result:
             raise CheckFailed(f"the long /generate failed after {what}: {result['error']}")
 
+    def interrupt_delay(self) -> float:
+        """Seconds into a long generation at which the checks abort, pause or flush: ``--interrupt-after-s``,
+        or a quarter of an uninterrupted one, measured once (4 rows x ``--long-tokens``; a fixed second
+        came after the end on a fast VM, where they took 1.01 s)."""
+        if self._uninterrupted is None:
+            thread, full = self._long_generate()
+            self._join(thread, full, "nothing (an uninterrupted run)", timeout_s=300)
+            self._uninterrupted = full
+            self.r.figures["long_generate_s"] = round(full["s"], 2)
+            self.r.log(f"long generate: 4 rows x {self.args.long_tokens} tokens in {full['s']:.2f} s")
+        return self.args.interrupt_after_s or self._uninterrupted["s"] / 4
+
     def abort_flush_pause(self) -> None:
         r, c = self.r, self.client
-        # full length first, to know what an abort saves
-        thread, full = self._long_generate()
-        self._join(thread, full, "nothing (an uninterrupted run)", timeout_s=300)
-        r.figures["long_generate_s"] = round(full["s"], 2)
-        r.log(f"long generate: 4 rows x {self.args.long_tokens} tokens in {full['s']:.2f} s")
+        delay = self.interrupt_delay()  # the full length first, also to know what an abort saves
+        full = self._uninterrupted
 
         thread, res = self._long_generate()
-        time.sleep(self.args.interrupt_after_s)
+        time.sleep(delay)
         try:
             c.flush_cache()
             r.check("flush_cache with a request running: refused (400)", False, "it answered 200")
@@ -655,7 +691,7 @@ class Checks:
                 f"reasons {reasons}, tokens {lengths}, {res['s']:.2f} s vs {full['s']:.2f} s")
 
         thread, res = self._long_generate(raw=True)
-        time.sleep(self.args.interrupt_after_s)
+        time.sleep(delay)
         c.pause_generation("abort")
         self._join(thread, res, "pause_generation(abort)")
         r.replies["generate_row_aborted"] = {"status": 200, "body": res["rows"][0]}
@@ -1138,7 +1174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="prompts per batched generate")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--long-tokens", type=int, default=400, help="tokens per row of the abort/pause generations")
-    ap.add_argument("--interrupt-after-s", type=float, default=1.0)
+    ap.add_argument("--interrupt-after-s", type=float, default=None,
+                    help="seconds into a long generation to abort / pause / flush it (default: a quarter of an "
+                         "uninterrupted one, measured)")
     ap.add_argument("--logprob-tol", type=float, default=1e-3, help="max |SGLang - HF| token log-prob allowed")
     ap.add_argument("--num-rollout", type=int, default=3, help="rollouts of the end-to-end run")
     ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
@@ -1175,28 +1213,15 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         report.log(f"starting SGLang on {server.url} (log: {server.log_path})")
-        t = time.monotonic()
         server.start()
-        probe = SGLangClient(server.url, timeout_s=5, connect_retries=0)
-
-        def healthy() -> bool:
-            if not server.alive():
-                raise CheckFailed(f"the SGLang server process exited with {server.proc.returncode} while starting; "
-                                  f"log tail ({server.log_path}):\n{server.log_tail()}")
-            try:
-                return probe.health(timeout_s=5)
-            except Exception:  # noqa: BLE001 - not up yet
-                return False
-
         try:
-            wait_until(healthy, args.startup_timeout_s, f"SGLang server {server.url}", "answer /health with 200",
-                       every_s=1.0, progress=lambda s: report.log(f"  waiting for {server.url}/health: {s:.0f} s"))
+            report.figures["startup_s"] = round(wait_healthy(server, args.startup_timeout_s, report.log), 1)
         except CheckFailed as exc:
             report.log(f"error: {exc}\n{server.log_tail()}")
             report.check("server starts", False, str(exc)[:500])
             return 2
-        report.figures["startup_s"] = round(time.monotonic() - t, 1)
         report.log(f"server healthy after {report.figures['startup_s']} s")
+        probe = SGLangClient(server.url, timeout_s=5, connect_retries=0)
         report.replies["model_info"] = {"status": 200, "body": probe.model_info()}
         probe.close()
 
