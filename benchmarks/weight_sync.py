@@ -182,9 +182,11 @@ class StandInProcess:
         self._log.close()
 
 
-REAL_TRANSPORTS = ("disk", "distributed", "flattened", "tensor")
-REAL_PARTS = {"disk": ("sync/write_s", "sync/load_s"), "distributed": ("sync/broadcast_s",),
-              "flattened": ("sync/broadcast_s",), "tensor": ("sync/serialize_s", "sync/post_s")}
+# transport -> (its row's label, the sync metrics printed under it); disk first: check()'s reference
+REAL_ROWS = {"disk": ("disk -> real SGLang", ("sync/write_s", "sync/load_s")),
+             "distributed": ("distributed -> real SGLang", ("sync/broadcast_s",)),
+             "flattened": ("distributed, flattened -> real SGLang", ("sync/broadcast_s",)),
+             "tensor": ("tensor -> real SGLang", ("sync/serialize_s", "sync/post_s"))}
 
 
 class RealSGLangRows:
@@ -202,9 +204,8 @@ class RealSGLangRows:
         self.server = server
         try:
             self.startup_s = wait_healthy(server, timeout_s, lambda line: print(line, file=sys.stderr))
-        except CheckFailed as exc:  # main's closers still stop it and remove the run's dir (its log too)
-            tail = "" if "log tail" in str(exc) else f"\nthe tail of its log:\n{server.log_tail()}"
-            raise SystemExit(f"--sglang-python: {exc}{tail}") from None
+        except CheckFailed as exc:  # (with its log's tail) main's closers still stop it and remove the run's dir
+            raise SystemExit(f"--sglang-python: {exc}") from None
         self.engine = SGLangEngine([server.url], timeout_s=60, generate_timeout_s=300, update_timeout_s=timeout_s)
         self.version_counter = 0
         self.version = self.engine.clients[0].server_info().get("version", "?")
@@ -219,7 +220,7 @@ class RealSGLangRows:
 
     def closers(self) -> list:
         """In the order ``main`` runs them reversed: the groups are destroyed before the engine closes."""
-        return [self.engine.close] + [s.shutdown for s in self.syncs.values() if hasattr(s, "shutdown")]
+        return [self.engine.close] + [s.shutdown for s in self.syncs.values()]
 
     def sync(self, transport: str, weights) -> dict:
         self.version_counter += 1
@@ -231,7 +232,7 @@ class RealSGLangRows:
     def check(self, weights, zeros, prompts, greedy, embedded_want, vocab: int) -> None:
         """Every transport lands what SGLang's own disk loader lands (see the module docstring)."""
         reference = None
-        for transport in REAL_TRANSPORTS:  # disk first: the reference
+        for transport in REAL_ROWS:  # disk first: the reference
             self.sync(transport, zeros)
             flat = [lp for _, lps in self._greedy(prompts, greedy) for lp in lps]
             assert flat and all(abs(lp + math.log(vocab)) < 1e-5 for lp in flat), \
@@ -412,7 +413,7 @@ def main(argv=None) -> int:
                 "distributed -> sglang": distributed_to_sglang, "flattened -> sglang": flattened_to_sglang,
                 "tensor -> sglang": tensor_to_sglang}
         if real:
-            rows.update({f"{t} -> real sglang": (lambda t=t: real.sync(t, backend)) for t in REAL_TRANSPORTS})
+            rows.update({f"{t} -> real sglang": (lambda t=t: real.sync(t, backend)) for t in REAL_ROWS})
         raw_write()  # raw read needs the file; the first round's order may put it first
         best: dict[str, tuple[float, dict]] = {}
         for it in range(WARMUP + args.repeats):  # warm-up: first touches, and 2 versions on disk so every
@@ -511,11 +512,9 @@ def main(argv=None) -> int:
               f"{sec / s['memcpy']:>10.1f}{sec / s['raw write']:>13.2f}")
     if real:
         print(f"real SGLang {real.version} on this CPU (the server answered /health {real.startup_s:.0f} s after its start):")
-        for t in REAL_TRANSPORTS:
+        for t, (label, keys) in REAL_ROWS.items():
             sec, met = best[f"{t} -> real sglang"]
-            label = {"disk": "disk -> real SGLang", "distributed": "distributed -> real SGLang",
-                     "flattened": "distributed, flattened -> real SGLang", "tensor": "tensor -> real SGLang"}[t]
-            parts = [(label, sec)] + [(f"  {k}", met[k]) for k in REAL_PARTS[t] if k in met]
+            parts = [(label, sec)] + [(f"  {k}", met[k]) for k in keys if k in met]
             for text, v in parts:
                 print(f"{text:<40}{total / 1e6:>8.1f}{v:>9.3f}{total / v / 1e9:>8.2f}"
                       f"{v / s['memcpy']:>10.1f}{v / s['raw write']:>13.2f}")

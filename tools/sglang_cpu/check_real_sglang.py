@@ -230,8 +230,8 @@ class SGLangServer:
 
 
 def wait_healthy(server: SGLangServer, timeout_s: float, log: Callable[[str], None]) -> float:
-    """Seconds until the started ``server`` answers ``/health`` with 200; ``CheckFailed`` naming it (and its
-    log tail when its process exited) when it does not within ``timeout_s``. Progress every 10 s to ``log``."""
+    """Seconds until the started ``server`` answers ``/health`` with 200; ``CheckFailed`` naming it, with its
+    log's tail, when its process exits or ``timeout_s`` passes first. Progress every 10 s to ``log``."""
     t = time.monotonic()
     probe = SGLangClient(server.url, timeout_s=5, connect_retries=0)
 
@@ -247,6 +247,10 @@ def wait_healthy(server: SGLangServer, timeout_s: float, log: Callable[[str], No
     try:
         wait_until(healthy, timeout_s, f"SGLang server {server.url}", "answer /health with 200",
                    every_s=1.0, progress=lambda s: log(f"  waiting for {server.url}/health: {s:.0f} s"))
+    except CheckFailed as exc:
+        if server.alive():  # (an exited one's error has the tail already)
+            raise CheckFailed(f"{exc}; log tail ({server.log_path}):\n{server.log_tail()}") from None
+        raise
     finally:
         probe.close()
     return time.monotonic() - t
@@ -1216,8 +1220,8 @@ def main(argv=None) -> int:
         server.start()
         try:
             report.figures["startup_s"] = round(wait_healthy(server, args.startup_timeout_s, report.log), 1)
-        except CheckFailed as exc:
-            report.log(f"error: {exc}\n{server.log_tail()}")
+        except CheckFailed as exc:  # (with the server's log tail)
+            report.log(f"error: {exc}")
             report.check("server starts", False, str(exc)[:500])
             return 2
         report.log(f"server healthy after {report.figures['startup_s']} s")
