@@ -44,7 +44,9 @@ EXTRAS = {
     "ray": ["ray"],
     "tensorboard": ["tensorboard"],
     "plot": ["matplotlib"],
-    "test": ["pytest>=8", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "wandb",
+    "test": ["pytest>=8", "pytest-timeout",
+             "pytest-xdist>=3.8",  # scripts/test.sh runs the suite on 2 workers, file by file
+             "hypothesis", "tensorboard", "matplotlib", "wandb",
              "import-linter>=2.1",  # lint-imports: the layers contract in pyproject.toml
              "ninja",  # JIT build of the C++ CPU twins in tests/ops/test_cpu_ext.py
              # tests/ops/test_triton_kernels.py: the Triton kernels under its CPU interpreter and compiled for

@@ -10,9 +10,15 @@ optimizer state to host) plus the groups; (3) the groups only. Here:
 * the groups (``--offload-train-groups``): destroyed while the engine generates and rebuilt
   before training (``infra/reloadable_groups.py``), on by default where they are NCCL.
 
-Tier 1 is not built: torch_memory_saver frees only what was allocated inside its region, so
-the model and optimizer would have to be built under it (slime preloads its allocator hook
-for that); a run that has it installed is told so in the log and gets tier 2.
+Tier 1 is not built, and what it takes is known (read from slime and torch_memory_saver 0.0.10):
+torch_memory_saver frees only what was allocated inside its region, so the whole trainer
+process must allocate in it (slime preloads its allocator hook with ``TMS_INIT_ENABLE=1`` and
+``TMS_INIT_ENABLE_CPU_BACKUP=1``); its pause then frees the parameters too, so the weight sync,
+which runs while the trainer sleeps (runner/colocation.py's order), must export from the host
+backups (``get_cpu_backup``) and allocate its buckets under ``disable()``. Over tier 2 it frees
+the bf16 parameters (2 bytes each, beside the up to 16 of gradient, master weight and Adam
+moments that tier 2 frees already), the allocator's cache and its fragmentation; none of that
+can be measured without a GPU. A run that has it installed is told so in the log and gets tier 2.
 """
 
 from __future__ import annotations
