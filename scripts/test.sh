@@ -8,7 +8,7 @@ out=$(.venv/bin/lint-imports --no-cache 2>&1) || { echo "$out"; echo "lint-impor
 echo "$out" | grep -E "^Contracts:"
 # Two workers, one test file each at a time (module fixtures run once; a file's tests keep their order).
 # Alone the suite keeps 1.3 of 2 cores busy (one-process tests, ranks waiting on each other); two files
-# at once keep 1.8 busy: 23.5 min -> 16.4-18.2 min on a 2-core EPYC (docs/getting-started.md).
+# at once keep 1.8 busy: 23.1 -> 14.2-18.2 min of pytest on a 2-core EPYC (docs/getting-started.md).
 # MEGATRON_RL_TEST_WORKERS=0 runs it in one process; N>0 on N workers.
 workers=${MEGATRON_RL_TEST_WORKERS:-2}
 par=(); [ "$workers" != 0 ] && par=(-n "$workers" --dist loadfile)
