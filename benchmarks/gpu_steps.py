@@ -23,6 +23,12 @@ Checks:
                 against it; --fp16: steps taken at a loss scale that fits; sleep()/wake()
                 memory.
   fp8           megatron with --fp8-format hybrid when transformer-engine imports, else the reason.
+  memory_saver  torch_memory_saver (the design's tier 1, not built: backends/sleep_tiers.py says what it
+                takes), measured for the session that builds it: a 1 GiB tensor and then a whole megatron
+                backend (built and trained inside its region, in-process "torch" hook mode) paused with
+                a host backup and resumed: device memory freed, pause/resume seconds, every parameter
+                the same bits after the resume (and the host backup equal while paused), a finite step
+                after it. Skipped with the reason where it does not import or there is no GPU.
 
     torchrun --nproc-per-node 1 benchmarks/gpu_steps.py --json OUT.json [--dry-run] [--checks a,b]
 """
@@ -42,7 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8")
+CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver")
 # a Qwen2-shaped model that fits one H200 many times over: the vocab is Qwen's (the [tokens, vocab] logits are
 # what RL steps spend memory on), the body is small so the check takes seconds
 GPU_MODEL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -278,6 +284,64 @@ def check_fp8(hf, batch, dry):
         return {"status": "ran", **run.train(batch["steps"])}
     finally:
         run.close()
+
+
+def _pause_resume(saver, tag: str, tensors: list) -> dict:
+    """Pause ``tag`` with its host backup, then resume: free device memory at each point, the seconds,
+    the backups and the resumed tensors compared with host copies taken before."""
+    free = (lambda: torch.cuda.mem_get_info()[0] / 2 ** 30)
+    before = [t.detach().cpu() for t in tensors]
+    _sync()
+    free_before = free()
+    t0 = time.perf_counter()
+    saver.pause(tag)
+    _sync()
+    pause_s = time.perf_counter() - t0
+    free_paused = free()
+    backups = [saver.get_cpu_backup(t.detach()) if t.is_contiguous() else None for t in tensors]
+    backup_equal = all(b is not None and torch.equal(b, ref) for b, ref in zip(backups, before))
+    t0 = time.perf_counter()
+    saver.resume(tag)
+    _sync()
+    resume_s = time.perf_counter() - t0
+    return {"bytes_gib": sum(t.numel() * t.element_size() for t in tensors) / 2 ** 30,
+            "free_gib_before": free_before, "free_gib_paused": free_paused, "free_gib_resumed": free(),
+            "freed_gib": free_paused - free_before, "pause_s": pause_s, "resume_s": resume_s,
+            "host_backup_equal": backup_equal,
+            "resumed_equal": all(torch.equal(t.detach().cpu(), ref) for t, ref in zip(tensors, before))}
+
+
+def check_memory_saver(hf, batch, dry):
+    try:
+        import torch_memory_saver
+    except ImportError as e:
+        return {"status": "skipped", "why": f"torch_memory_saver does not import ({e}); scripts/gpu_wheels.sh "
+                                            "carries its wheel"}
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "torch_memory_saver pauses CUDA memory: it needs a GPU"}
+    saver = torch_memory_saver.TorchMemorySaver()
+    saver.hook_mode = "torch"  # in-process (a pluggable allocator); the preload mode needs LD_PRELOAD at start
+    from importlib.metadata import version
+
+    out: dict = {"version": version("torch_memory_saver"), "hook_mode": "torch"}
+    with saver.region(tag="probe", enable_cpu_backup=True):
+        x = torch.randn(2 ** 28, device="cuda")  # 1 GiB
+    out["tensor"] = _pause_resume(saver, "probe", [x])
+    del x
+    # the whole backend inside the region: model, gradient buffers, optimizer state (its first step)
+    with saver.region(tag="train", enable_cpu_backup=True):
+        run = Run("megatron", hf, batch, ["--bf16"])
+        try:
+            run.train(1)
+            allocated = torch.cuda.memory_allocated() / 2 ** 30
+            params = [p for m in run.backend.model for p in m.parameters()]
+            out["backend"] = {"allocated_gib": allocated, **_pause_resume(saver, "train", params)}
+            after = run.train(1)["steps"][0]
+            out["backend"]["step_after_resume_finite"] = all(
+                v == v and abs(v) != float("inf") for k, v in after.items() if k != "train/update_skipped")
+        finally:
+            run.close()
+    return out
 
 
 def main() -> int:

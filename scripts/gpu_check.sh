@@ -15,8 +15,10 @@
 #             bare megatron-core step on a Qwen-shaped model (tokens/s, ratio), --optimizer-cpu-offload (peak
 #             memory, step time, grad norms vs without), sleep/wake (memory_allocated released and restored),
 #             the fsdp backend (bf16, --optimizer-cpu-offload peak memory, --fp16 loss scaling, sleep/wake) and
-#             FP8 when transformer-engine imports (else the reason). Needs megatron-core for the machine's
-#             Python 3.12: carry it, `bash scripts/gpu_wheels.sh` fills gpu_wheels/ (2.6 MB)
+#             FP8 when transformer-engine imports (else the reason), torch_memory_saver's pause/resume of a
+#             tensor and of a whole megatron backend (freed memory, same bits after). Needs megatron-core for
+#             the machine's Python 3.12 (and torch_memory_saver): carry them, `bash scripts/gpu_wheels.sh`
+#             fills gpu_wheels/ (5.2 MB)
 #
 # --dry-run runs every written step on this CPU machine at tiny sizes (the kernels step with the C++
 # twins instead of CUDA/Triton; build only checks that setup.py refuses a CPU torch with a clear error),
@@ -102,7 +104,7 @@ if [ $DRY = 1 ]; then
   step training 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 20000))" \
     benchmarks/gpu_steps.py --dry-run --json "$OUT/gpu_steps.json"
 else
-  step training 240 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 20000))" \
+  step training 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 20000))" \
     benchmarks/gpu_steps.py --json "$OUT/gpu_steps.json"
 fi
 

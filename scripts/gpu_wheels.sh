@@ -12,4 +12,8 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 mkdir -p "$DIR"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 -d "$DIR" "megatron-core==0.16.1"
+# torch_memory_saver for benchmarks/gpu_steps.py's memory_saver check (one abi3 wheel with its CUDA 12 and 13
+# hooks; no dependencies)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 -d "$DIR" "torch-memory-saver==0.0.10"
 ls -la "$DIR"

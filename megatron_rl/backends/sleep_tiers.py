@@ -18,7 +18,8 @@ which runs while the trainer sleeps (runner/colocation.py's order), must export 
 backups (``get_cpu_backup``) and allocate its buckets under ``disable()``. Over tier 2 it frees
 the bf16 parameters (2 bytes each, beside the up to 16 of gradient, master weight and Adam
 moments that tier 2 frees already), the allocator's cache and its fragmentation; none of that
-can be measured without a GPU. A run that has it installed is told so in the log and gets tier 2.
+can be measured without a GPU (``benchmarks/gpu_steps.py``'s ``memory_saver`` check does, when
+scripts/gpu_check.sh is lent one). A run that has it installed is told so in the log and gets tier 2.
 """
 
 from __future__ import annotations
