@@ -271,14 +271,24 @@ def check_fsdp(hf, batch, dry):
     return out
 
 
-def check_fp8(hf, batch, dry):
+def _gpu_package(module: str, label: str, missing: str, no_gpu: str):
+    """``(module, None)``, or ``(None, the skip record)`` saying why the check cannot run here."""
+    import importlib
+
     try:
-        import transformer_engine  # noqa: F401
+        mod = importlib.import_module(module)
     except ImportError as e:
-        return {"status": "skipped", "why": f"transformer-engine does not import here ({e}); its wheels are "
-                                            "larger than one device call carries (64 MiB)"}
+        return None, {"status": "skipped", "why": f"{label} does not import here ({e}); {missing}"}
     if not torch.cuda.is_available():
-        return {"status": "skipped", "why": "FP8 needs a GPU"}
+        return None, {"status": "skipped", "why": no_gpu}
+    return mod, None
+
+
+def check_fp8(hf, batch, dry):
+    _, skip = _gpu_package("transformer_engine", "transformer-engine",
+                           "its wheels are larger than one device call carries (64 MiB)", "FP8 needs a GPU")
+    if skip:
+        return skip
     run = Run("megatron", hf, batch, ["--bf16", "--fp8-format", "hybrid"])
     try:
         return {"status": "ran", **run.train(batch["steps"])}
@@ -312,13 +322,11 @@ def _pause_resume(saver, tag: str, tensors: list) -> dict:
 
 
 def check_memory_saver(hf, batch, dry):
-    try:
-        import torch_memory_saver
-    except ImportError as e:
-        return {"status": "skipped", "why": f"torch_memory_saver does not import ({e}); scripts/gpu_wheels.sh "
-                                            "carries its wheel"}
-    if not torch.cuda.is_available():
-        return {"status": "skipped", "why": "torch_memory_saver pauses CUDA memory: it needs a GPU"}
+    torch_memory_saver, skip = _gpu_package("torch_memory_saver", "torch_memory_saver",
+                                            "scripts/gpu_wheels.sh carries its wheel",
+                                            "torch_memory_saver pauses CUDA memory: it needs a GPU")
+    if skip:
+        return skip
     saver = torch_memory_saver.TorchMemorySaver()
     saver.hook_mode = "torch"  # in-process (a pluggable allocator); the preload mode needs LD_PRELOAD at start
     from importlib.metadata import version
