@@ -201,6 +201,11 @@ def check_optimizer_cpu_offload(hf, batch, dry, results):
     return out
 
 
+def _finite(step: dict) -> bool:
+    """Every figure of one step's metrics finite (the skipped-update flag aside)."""
+    return all(v == v and abs(v) != float("inf") for k, v in step.items() if k != "train/update_skipped")
+
+
 def _sleep_wake(run: Run) -> dict:
     _sync()
     before = _mem()["allocated_gib"]
@@ -213,8 +218,7 @@ def _sleep_wake(run: Run) -> dict:
     after = run.train(1)["steps"][0]
     return {"allocated_gib_before": before, "asleep": asleep, "awake": awake,
             "released_fraction": None if before in (None, 0) else 1 - asleep / before,
-            "step_after_wake_finite": all(v == v and abs(v) != float("inf") for k, v in after.items()
-                                          if k != "train/update_skipped")}
+            "step_after_wake_finite": _finite(after)}
 
 
 def _groups_teardown(run: Run) -> dict:
@@ -234,8 +238,7 @@ def _groups_teardown(run: Run) -> dict:
     return {"plan": run.backend.sleep_plan.describe(), "destroyed": destroyed, "rebuilt": rebuilt,
             "free_gib_before": before, "free_gib_released": released, "free_gib_after_step": free(),
             "freed_gib": None if before is None else released - before, "rebuild_s": rebuild_s,
-            "step_after_rebuild_finite": all(v == v and abs(v) != float("inf") for k, v in after.items()
-                                             if k != "train/update_skipped")}
+            "step_after_rebuild_finite": _finite(after)}
 
 
 def check_sleep_wake(hf, batch, dry):
@@ -345,8 +348,7 @@ def check_memory_saver(hf, batch, dry):
             params = [p for m in run.backend.model for p in m.parameters()]
             out["backend"] = {"allocated_gib": allocated, **_pause_resume(saver, "train", params)}
             after = run.train(1)["steps"][0]
-            out["backend"]["step_after_resume_finite"] = all(
-                v == v and abs(v) != float("inf") for k, v in after.items() if k != "train/update_skipped")
+            out["backend"]["step_after_resume_finite"] = _finite(after)
         finally:
             run.close()
     return out
