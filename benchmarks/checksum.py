@@ -27,7 +27,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -36,14 +35,13 @@ import zlib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_rl.infra.ports import free_port  # noqa: E402 - after the repo is on sys.path
+
 
 def _init_gloo() -> None:
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def _state_dict(total_mb: int, n_tensors: int = 16, fill: bool = True) -> dict:

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import pickle
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from megatron_rl.infra.ports import free_port  # noqa: E402 - after the repo is on sys.path
 
 LAYOUTS = [("DP1", 1, 1), ("DP2", 2, 1), ("TP2", 2, 2), ("TP2xDP2", 4, 2)]  # name, ranks, tp
 
@@ -246,12 +247,6 @@ def worker(args) -> None:
 
 # ---- driver ------------------------------------------------------------------------------------
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--repeat", type=int, default=30)
@@ -271,7 +266,7 @@ def main(argv=None) -> int:
         for name, nproc, tp in LAYOUTS:
             out = os.path.join(tmp, f"{name}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-                   "--master-addr=127.0.0.1", f"--master-port={_port()}", os.path.abspath(__file__), "--worker",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", os.path.abspath(__file__), "--worker",
                    f"--tp={tp}", f"--out={out}", f"--repeat={args.repeat}", f"--samples={args.samples}"]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.infra.ports import free_port  # noqa: F401 - the tests' ports too: outside the ephemeral range
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script: str | os.PathLike, nproc: int, args: list[str] | None = None, timeout: float = 600,

@@ -30,6 +30,7 @@ import torch
 
 from megatron_rl.compat import apply_cpu_compat
 from megatron_rl.infra import reloadable_groups
+from megatron_rl.infra.ports import free_port
 from megatron_rl.errors import ConfigError
 
 
@@ -148,7 +149,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
             # A plain single-process run, not launched by torchrun. Use a private TCP store and
             # leave os.environ alone: subprocesses started later (a converter, a test's torchrun)
             # must not inherit a RANK/MASTER_PORT that points at this process's store.
-            torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                                  rank=0, world_size=1)
         else:
             torch.distributed.init_process_group(backend=backend, init_method="env://")
@@ -172,11 +173,3 @@ def destroy_parallel() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     reloadable_groups.retire_all()  # a later layout's groups are the ones a sleep tears down
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -236,3 +236,74 @@ def test_stop_is_safe_twice_and_after_a_crash(tiny_hf_models, tmp_path, double_o
     assert "was killed by signal 9" in proc.death_message("during generate")
     fleet.stop()
     fleet.stop()
+
+
+# ------------------------------------------------------------------ a port taken between choice and bind
+@pytest.fixture
+def listener():
+    """A port another process 'took' after the launcher chose it: a socket listening on it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _hand_out_taken(monkeypatch, taken: int, at: set[int]):
+    """``free_port`` answers ``taken`` at the calls numbered in ``at`` (0-based), the real choice otherwise."""
+    from megatron_rl.rollout.sglang import launcher
+
+    calls = []
+
+    def fake(host="127.0.0.1", **kw):
+        calls.append(host)
+        return taken if len(calls) - 1 in at else launcher_free_port(host, **kw)
+
+    launcher_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", fake)
+    return calls
+
+
+@pytest.mark.parametrize("router", ["off", "on"])
+def test_a_port_taken_before_the_engine_binds_it_starts_it_again_on_other_ports(tiny_hf_models, tmp_path,
+                                                                                double_on_path, monkeypatch,
+                                                                                listener, router, caplog):
+    """Engine 0's HTTP port (call 0), or the router's (call 4, after two engines' two ports), is held by
+    another process: that start dies with 'Address already in use' and is made again on fresh ports."""
+    calls = _hand_out_taken(monkeypatch, listener, {0} if router == "off" else {4})
+    cfg = _launch_cfg(tiny_hf_models("qwen2"), tmp_path, "--rollout-router", router)
+    with caplog.at_level("WARNING", logger="megatron_rl.rollout.sglang.launcher"):
+        fleet = launch_engines(cfg)
+    try:
+        assert all(f":{listener}" not in u for u in fleet.urls + [fleet.placement.router_url or ""])
+        assert any("was taken before it bound it (attempt 1 of 3)" in r.getMessage() for r in caplog.records)
+        name = "engine_0.log" if router == "off" else "router.log"
+        text = (tmp_path / "run" / "engines" / name).read_text()
+        assert text.count("\n$ ") + text.startswith("$ ") == 2  # the log keeps the failed start and the good one
+        assert "address already in use" in text.lower()
+        if router == "off":  # all engines start again: 2 x 2 ports, twice
+            assert len(calls) == 8
+        else:  # only the router starts again
+            assert len(calls) == 8 and fleet.placement.router_url
+        engine = SGLangEngine.from_config(cfg, fleet.placement)
+        from megatron_rl.data.types import GenerateRequest, SamplingParams
+
+        out = engine.generate([GenerateRequest([3, 4, 5], 0)], SamplingParams(temperature=0.0, max_new_tokens=2,
+                                                                             ignore_eos=True))
+        assert len(out[0].response_ids) == 2
+        engine.close()
+    finally:
+        fleet.stop()
+
+
+def test_a_port_taken_at_every_try_is_an_error_naming_the_port(tiny_hf_models, tmp_path, double_on_path,
+                                                                monkeypatch, listener):
+    _hand_out_taken(monkeypatch, listener, set(range(100)))
+    cfg = _launch_cfg(tiny_hf_models("qwen2"), tmp_path, "--rollout-num-gpus", "1")
+    with pytest.raises(EngineError) as exc:
+        launch_engines(cfg)
+    msg = str(exc.value)
+    assert f"SGLang engine 0 (http://127.0.0.1:{listener}" in msg and "address already in use" in msg.lower()
+    log = (tmp_path / "run" / "engines" / "engine_0.log").read_text()
+    assert log.count("\n$ ") + log.startswith("$ ") == 3  # PORT_ATTEMPTS starts, each logged

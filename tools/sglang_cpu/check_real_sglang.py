@@ -57,7 +57,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -72,6 +71,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402 - after the repo is on sys.path
 
 from megatron_rl.data import synthetic  # noqa: E402
+from megatron_rl.infra.ports import free_port  # noqa: E402
 from megatron_rl.data.types import GenerateRequest, SamplingParams  # noqa: E402
 from megatron_rl.models.hf_tiny import build_tiny_hf_model  # noqa: E402
 from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine, SGLangSyncError  # noqa: E402
@@ -142,12 +142,6 @@ def _safe(fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception:  # noqa: BLE001 - polling: any failure means "not yet"
         return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, who: str, what: str, *, every_s: float = 0.5,

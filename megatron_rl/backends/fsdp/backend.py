@@ -60,6 +60,7 @@ from megatron_rl.config import Config
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
+from megatron_rl.infra.ports import free_port
 from megatron_rl.models import model_dir
 from megatron_rl.models.hf_module import hf_checkpoint_names, layer_of
 
@@ -85,12 +86,7 @@ def init_process_group(host_collectives: bool = False) -> None:
     if "RANK" in os.environ:
         dist.init_process_group(backend=backend, init_method="env://")
         return
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -55,6 +55,7 @@ import httpx
 
 from megatron_rl.config.validate import SGLANG_LAUNCHER_OWNED_ARGS  # noqa: F401 - the args set here
 from megatron_rl.errors import EngineError
+from megatron_rl.infra.ports import address_in_use, free_port
 from megatron_rl.plan.engines import EnginePlacement, EngineSlot, plan_engine_placement
 
 if TYPE_CHECKING:
@@ -65,15 +66,11 @@ __all__ = ["EngineFleet", "EngineProcess", "engine_command", "launch_engines", "
 
 log = logging.getLogger(__name__)
 
+PORT_ATTEMPTS = 3  # starts of the engines (or the router) when another process took a port first
+
 # torchrun's variables: an engine is not a rank of the training job
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port(host: str = "") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _node_address() -> str:
@@ -277,16 +274,23 @@ class EngineFleet:
     def start_router(self, python: str, *, bind: str, reach: str, log_dir: str) -> str:
         """Start an sglang-router over every engine of the placement and wait until it lists them all
         healthy (``startup_timeout_s``); its URL. Its exit or the timeout is an ``EngineError`` naming its log."""
-        port, prom = _free_port(bind), _free_port(bind)
-        while prom == port:
-            prom = _free_port(bind)
-        slot = RouterSlot(f"http://{reach}:{port}", os.path.join(log_dir, "router.log"))
-        proc = EngineProcess(slot, router_command(python, host=bind, port=port, prometheus_port=prom,
-                                                  worker_urls=self.placement.urls),
-                             {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}, slot.log_path)
-        self.router = proc
-        proc.start()
-        self._wait_router(proc, "while starting")
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port, prom = free_port(bind), free_port(bind)
+            slot = RouterSlot(f"http://{reach}:{port}", os.path.join(log_dir, "router.log"))
+            proc = EngineProcess(slot, router_command(python, host=bind, port=port, prometheus_port=prom,
+                                                      worker_urls=self.placement.urls),
+                                 {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}, slot.log_path)
+            self.router = proc
+            proc.start()
+            try:
+                self._wait_router(proc, "while starting")
+                break
+            except EngineError as exc:
+                proc.stop(grace_s=5.0)
+                if attempt == PORT_ATTEMPTS or not address_in_use(str(exc)):
+                    raise
+                log.warning("the sglang-router's port %d or %d was taken before it bound it (attempt %d of %d); "
+                            "starting it on other ports", port, prom, attempt, PORT_ATTEMPTS)
         log.info("%s routes generation over %d engine(s)", slot.describe(), len(self.placement.urls))
         return slot.url
 
@@ -400,7 +404,29 @@ def all_gather(obj: Any) -> list:
 def launch_engines(cfg: "Config") -> EngineFleet:
     """Collective over the training world: start this node's engines (local rank 0), share every URL,
     wait until this node's engines serve, and agree that all did. Returns the fleet on every rank;
-    on any failure every rank raises the same ``EngineError`` and every started engine is stopped."""
+    on any failure every rank raises the same ``EngineError`` and every started engine is stopped.
+
+    An engine that died because another process took its port between our choice and its bind is
+    started again on other ports, all engines together (``PORT_ATTEMPTS`` in all): every rank sees the
+    same gathered errors, so all take the same branch."""
+    rank = int(os.environ.get("RANK", "0"))
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        fleet, errors = _start_fleet(cfg)
+        if not errors:
+            break
+        fleet.stop()
+        if attempt == PORT_ATTEMPTS or not all(address_in_use(e) for e in errors):
+            raise EngineError(errors[0])
+        if rank == 0:
+            log.warning("an engine's port was taken before it bound it (attempt %d of %d); starting "
+                        "the engines again on other ports: %s", attempt, PORT_ATTEMPTS, errors[0].splitlines()[0])
+    if rank == 0:
+        log.info("SGLang engines ready: %s", "; ".join(e.describe() for e in fleet.placement.engines))
+    return fleet
+
+
+def _start_fleet(cfg: "Config") -> tuple[EngineFleet, list[str]]:
+    """One try of ``launch_engines``: the fleet and the errors every rank agreed on (none: it serves)."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     gpn = cfg.placement.actor_num_gpus_per_node
@@ -417,14 +443,8 @@ def launch_engines(cfg: "Config") -> EngineFleet:
     ports: dict[tuple[int, int], tuple[int, int]] = {}  # (engine, part) -> (HTTP or health port, second port)
     if local_rank == 0:
         for slot, part in placement.parts_on_node(node):
-            taken = set(x for pair in ports.values() for x in pair)
-            port = _free_port(bind)
-            while port in taken:
-                port = _free_port(bind)
-            second = _free_port(bind)  # --nccl-port, or a head's --dist-init-addr port
-            while second == port or second in taken:
-                second = _free_port(bind)
-            ports[slot.index, part] = (port, second)
+            # the second: --nccl-port, or a head's --dist-init-addr port
+            ports[slot.index, part] = (free_port(bind), free_port(bind))
     heads = {index: f"{reach}:{second}" for (index, part), (_, second) in ports.items() if part == 0}
     rendezvous: dict[int, str] = {}
     if placement.spans_nodes:
@@ -475,9 +495,4 @@ def launch_engines(cfg: "Config") -> EngineFleet:
         gathered = all_gather((router_url, error))
         errors = [e for _, e in gathered if e]
         fleet.placement = fleet.placement.with_router(gathered[0][0])
-    if errors:
-        fleet.stop()
-        raise EngineError(errors[0])
-    if rank == 0:
-        log.info("SGLang engines ready: %s", "; ".join(e.describe() for e in fleet.placement.engines))
-    return fleet
+    return fleet, errors
