@@ -101,10 +101,10 @@ else
 fi
 
 if [ $DRY = 1 ]; then
-  step training 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 20000))" \
+  step training 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 12000))" \
     benchmarks/gpu_steps.py --dry-run --json "$OUT/gpu_steps.json"
 else
-  step training 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 20000))" \
+  step training 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-port "$((20000 + RANDOM % 12000))" \
     benchmarks/gpu_steps.py --json "$OUT/gpu_steps.json"
 fi
 

@@ -17,9 +17,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # to its process group or to torchrun all stop the run the same way: the workers finish the step,
 # save, and this exits 3. Exit codes: 0 finished, 3 stopped early (relaunch to resume), 2 refused
 # (one "error:" line), 143/130 stopped before anything could be saved, 1 crashed.
+# The master port: MASTER_PORT, or a random one below the kernel's ephemeral range (32768-), which
+# outgoing connections never take.
 exec "$PY" -m megatron_rl.infra.launch --run-dir "$OUT" \
   --nproc-per-node "$NPROC" --nnodes 1 --master-addr 127.0.0.1 \
-  --master-port "${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}" -m megatron_rl.train \
+  --master-port "${MASTER_PORT:-$(( 20000 + RANDOM % 12000 ))}" -m megatron_rl.train \
   --hf-checkpoint "$OUT/model" \
   --actor-num-gpus-per-node "$NPROC" \
   --prompt-data "$OUT/prompts.jsonl" --input-key prompt --label-key label --rollout-shuffle \

@@ -10,6 +10,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 from megatron_rl.models.hf_tiny import FAMILIES, build_tiny_hf_model  # noqa: E402
 
 
+# torch.distributed's variables as the session began: a test that leaves one behind would hand its port
+# (still held by its store) to every torchrun a later test in the same worker starts
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_DIST_ENV_AT_START = {k: os.environ.get(k) for k in _DIST_ENV}
+
+
+@pytest.fixture(autouse=True)
+def _dist_env_restored():
+    yield
+    for k, v in _DIST_ENV_AT_START.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_models(tmp_path_factory):
     """Build one tiny random-weight model per family (session-cached).
@@ -44,9 +60,8 @@ def tp1_world():
     from _util import free_port  # tests/ is on sys.path (above)
 
     made = not dist.is_initialized()
-    if made:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if made:  # a private store, not MASTER_PORT: a subprocess a later test starts must not inherit its port
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     made_mp = not parallel_state.model_parallel_is_initialized()
     if made_mp:
         parallel_state.initialize_model_parallel()

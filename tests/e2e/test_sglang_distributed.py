@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
 
 from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
 
+from megatron_rl.infra.ports import free_port  # noqa: E402
+
 
 def test_loop_trains_against_an_external_sglang_server_through_distributed(tiny_hf_models, tmp_path):
     hf = tiny_hf_models("qwen2")
@@ -71,7 +73,7 @@ def _pp2_run(hf, tmp_path, server, num_rollout):
         env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
-         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(22000 + os.getpid() % 9000),
+         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2",
          "--pipeline-model-parallel-size", "2", "--prompt-data", str(prompts),
          "--custom-rm-path", "length_reward:score", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",

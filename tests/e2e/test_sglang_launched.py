@@ -26,6 +26,8 @@ import sys
 
 import pytest
 
+from megatron_rl.infra.ports import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOUBLE = os.path.join(REPO, "tests", "rollout", "sglang_double")
 
@@ -48,7 +50,7 @@ def test_loop_launches_two_engines_survives_a_crash_and_stops_them(tiny_hf_model
         env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
-         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(21000 + os.getpid() % 9000),
+         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2",
          "--prompt-data", str(prompts), "--custom-rm-path", "length_reward:score", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-rollout", "2", "--lr", "1e-2",
@@ -118,7 +120,7 @@ def test_an_engine_spanning_two_nodes_is_launched_in_two_parts_that_meet(tiny_hf
            "MRL_SGLANG_DOUBLE_RECORD": str(record)}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    port = str(22000 + os.getpid() % 9000)
+    port = str(free_port())
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "1",
          "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,

@@ -87,9 +87,7 @@ def _cpu_megatron():
     if made:
         from _util import free_port
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     made_mp = not parallel_state.model_parallel_is_initialized()
     if made_mp:
         parallel_state.initialize_model_parallel()

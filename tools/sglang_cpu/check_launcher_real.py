@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 KERNEL_STANDIN = Path(__file__).resolve().parent  # the CPU test stand-in for sgl_kernel (sgl_kernel/)
 
 from megatron_rl.data import synthetic  # noqa: E402 - after the path set-up above
+from megatron_rl.infra.ports import free_port  # noqa: E402
 
 CPU_ROUTE = ["--sglang-device", "cpu", "--sglang-attention-backend", "torch_native", "--sglang-sampling-backend",
              "pytorch", "--sglang-disable-overlap-schedule", "--sglang-disable-cuda-graph", "--sglang-dtype",
@@ -74,7 +75,7 @@ def _demo(args, out: Path, model: Path, figures: dict, check) -> None:
     run = out / "demo"
     shutil.rmtree(run, ignore_errors=True)  # metrics.jsonl appends: a previous run's records would mix in
     cmd = [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(run), "--nproc-per-node", "2",
-           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(20000 + os.getpid() % 20000),
+           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "megatron_rl.train", "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "2",
            "--prompt-data", str(out / "prompts.jsonl"), "--input-key", "prompt", "--label-key", "label",
            "--rollout-shuffle", "--custom-rm-path", "megatron_rl.data.synthetic:digit_reward",
