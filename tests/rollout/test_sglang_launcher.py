@@ -307,3 +307,23 @@ def test_a_port_taken_at_every_try_is_an_error_naming_the_port(tiny_hf_models, t
     assert f"SGLang engine 0 (http://127.0.0.1:{listener}" in msg and "address already in use" in msg.lower()
     log = (tmp_path / "run" / "engines" / "engine_0.log").read_text()
     assert log.count("\n$ ") + log.startswith("$ ") == 3  # PORT_ATTEMPTS starts, each logged
+
+
+def test_the_log_tail_is_the_latest_starts_own(tmp_path):
+    """A restarted engine's error quotes its own lines, not the port the start before it found taken."""
+    from megatron_rl.plan.engines import EngineSlot
+    from megatron_rl.rollout.sglang.launcher import EngineProcess
+
+    log = tmp_path / "engine_0.log"
+    slot = EngineSlot(0, "http://127.0.0.1:1", 0, (), (0,), str(log))
+    first = EngineProcess(slot, [sys.executable, "-c", "print('OSError: [Errno 98] Address already in use')"],
+                          dict(os.environ), str(log))
+    first.start()
+    first.proc.wait(timeout=30)
+    assert "Address already in use" in first.log_tail()
+    first.cmd = [sys.executable, "-c", "print('cannot load model'); raise SystemExit(3)"]
+    first.start()
+    first.proc.wait(timeout=30)
+    tail = first.death_message("while starting")
+    assert "exited with code 3" in tail and "cannot load model" in tail and "Address already in use" not in tail
+    assert "Address already in use" in log.read_text()  # the log itself keeps both starts

@@ -152,6 +152,7 @@ class EngineProcess:
         self._health_url = health_url
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
+        self._log_from = 0  # where this start's lines begin in the (appended) log
 
     @property
     def url(self) -> str:
@@ -171,6 +172,7 @@ class EngineProcess:
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
         with open(self.log_path, "ab") as fh:
+            self._log_from = fh.tell()
             fh.write(("$ " + " ".join(self.cmd) + "\n").encode())
             fh.flush()
             self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -186,10 +188,12 @@ class EngineProcess:
         return None if self.proc is None else self.proc.poll()
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` of the log written since the latest start (an earlier start's words, such
+        as a port it found taken, are not this one's)."""
         try:
             with open(self.log_path, "rb") as fh:
                 fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - 64 * 1024))
+                fh.seek(max(self._log_from, fh.tell() - 64 * 1024))
                 text = fh.read().decode(errors="replace")
         except OSError:
             return "(no log)"
