@@ -412,7 +412,8 @@ def launch_engines(cfg: "Config") -> EngineFleet:
 
     An engine that died because another process took its port between our choice and its bind is
     started again on other ports, all engines together (``PORT_ATTEMPTS`` in all): every rank sees the
-    same gathered errors, so all take the same branch."""
+    same gathered errors, so all take the same branch. The router, started once they all serve,
+    retries its own ports (``EngineFleet.start_router``)."""
     rank = int(os.environ.get("RANK", "0"))
     for attempt in range(1, PORT_ATTEMPTS + 1):
         fleet, errors = _start_fleet(cfg)
@@ -424,22 +425,41 @@ def launch_engines(cfg: "Config") -> EngineFleet:
         if rank == 0:
             log.warning("an engine's port was taken before it bound it (attempt %d of %d); starting "
                         "the engines again on other ports: %s", attempt, PORT_ATTEMPTS, errors[0].splitlines()[0])
+    router_url = error = None
+    if rank == 0 and cfg.rollout.rollout_router == "on":
+        bind, reach = _addresses(cfg)
+        try:
+            router_url = fleet.start_router(cfg.rollout.rollout_engine_python or sys.executable, bind=bind,
+                                            reach=reach, log_dir=os.path.join(cfg.runtime.output_dir, "engines"))
+        except (EngineError, OSError) as exc:
+            error = f"could not start the sglang-router (--rollout-router {cfg.rollout.rollout_router}): {exc}"
+    gathered = all_gather((router_url, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        fleet.stop()
+        raise EngineError(errors[0])
+    fleet.placement = fleet.placement.with_router(gathered[0][0])
     if rank == 0:
         log.info("SGLang engines ready: %s", "; ".join(e.describe() for e in fleet.placement.engines))
     return fleet
 
 
+def _addresses(cfg: "Config") -> tuple[str, str]:
+    """Where this node's servers listen, and the address the other nodes reach them at."""
+    if cfg.placement.actor_num_nodes > 1:
+        return "0.0.0.0", _node_address()
+    return "127.0.0.1", "127.0.0.1"
+
+
 def _start_fleet(cfg: "Config") -> tuple[EngineFleet, list[str]]:
-    """One try of ``launch_engines``: the fleet and the errors every rank agreed on (none: it serves)."""
+    """One try of ``launch_engines``'s engines: the fleet and the errors every rank agreed on (none: all serve)."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     gpn = cfg.placement.actor_num_gpus_per_node
     node = rank // gpn
     placement = placement_for_config(cfg)
     python = cfg.rollout.rollout_engine_python or sys.executable
-    multi_node = cfg.placement.actor_num_nodes > 1
-    bind = "0.0.0.0" if multi_node else "127.0.0.1"
-    reach = _node_address() if multi_node else "127.0.0.1"
+    bind, reach = _addresses(cfg)
     log_dir = os.path.join(cfg.runtime.output_dir, "engines")
     local: list[EngineProcess] = []
     error: Optional[str] = None
@@ -489,14 +509,4 @@ def _start_fleet(cfg: "Config") -> tuple[EngineFleet, list[str]]:
         except EngineError as exc:
             error = str(exc)
         errors = [e for _, e in all_gather(((), error)) if e]
-    if not errors:
-        router_url = error = None
-        if rank == 0 and cfg.rollout.rollout_router == "on":
-            try:
-                router_url = fleet.start_router(python, bind=bind, reach=reach, log_dir=log_dir)
-            except (EngineError, OSError) as exc:
-                error = f"could not start the sglang-router (--rollout-router {cfg.rollout.rollout_router}): {exc}"
-        gathered = all_gather((router_url, error))
-        errors = [e for _, e in gathered if e]
-        fleet.placement = fleet.placement.with_router(gathered[0][0])
     return fleet, errors
