@@ -52,6 +52,8 @@ def render() -> str:
                                              else getattr(base, "__name__", str(base)))
         if f.metadata["choices"]:
             tname = " \\| ".join(f.metadata["choices"])
+        if f.metadata.get("domain") is not None:
+            tname += f" in {f.metadata['domain']}"
         help_text = f.metadata["help"].replace("|", "\\|")
         lines.append(f"| {name} | {tname} | {_fmt_default(f)} | {help_text} |")
         if f is dataclasses.fields(GROUPS[group])[-1]:

@@ -113,10 +113,6 @@ def _tc(**kw) -> Callable[[Any], dict]:
     return lambda value: {"transformer": {k: (value if v is None else v) for k, v in kw.items()}}
 
 
-def _probability(value, cfg) -> Optional[str]:
-    return None if 0.0 <= value < 1.0 else f"{value} is not a dropout probability in [0, 1)"
-
-
 def _aux_loss(value) -> dict:
     return {"transformer": {"moe_aux_loss_coeff": float(value),
                             "moe_router_load_balancing_type": "aux_loss" if value > 0 else "none"}}
@@ -146,9 +142,9 @@ _ALWAYS = "always on here, so the flag restates it"
 #: One row per Megatron-LM training flag a slime script passes.
 MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
     MegatronFlag("megatron", "attention_dropout", _tc(attention_dropout=None), "mapped: TransformerConfig."
-                 "attention_dropout (unset: config.json's, 0; Megatron-LM's default is 0.1)", check=_probability),
+                 "attention_dropout (unset: config.json's, 0; Megatron-LM's default is 0.1)"),
     MegatronFlag("megatron", "hidden_dropout", _tc(hidden_dropout=None), "mapped: TransformerConfig.hidden_dropout "
-                 "(unset: 0; Megatron-LM's default is 0.1)", check=_probability),
+                 "(unset: 0; Megatron-LM's default is 0.1)"),
     MegatronFlag("megatron", "attention_softmax_in_fp32", _tc(attention_softmax_in_fp32=True),
                  "mapped: TransformerConfig.attention_softmax_in_fp32; " + _ALWAYS),
     MegatronFlag("megatron", "accumulate_allreduce_grads_in_fp32",
@@ -180,8 +176,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "(refused for a real run otherwise)", moe_only=True, needs=lambda v: ("cuda", "te_2_1")),
     MegatronFlag("megatron", "moe_aux_loss_coeff", _aux_loss,
                  "mapped: TransformerConfig.moe_aux_loss_coeff (0: moe_router_load_balancing_type none); unset: "
-                 "config.json's router_aux_loss_coef", moe_only=True,
-                 check=lambda v, cfg: None if v >= 0 else f"{v} must be >= 0"),
+                 "config.json's router_aux_loss_coef", moe_only=True),
     MegatronFlag("megatron", "moe_token_drop_policy", _tc(moe_token_drop_policy=None),
                  "mapped: TransformerConfig.moe_token_drop_policy; only probs (no expert capacity is set, so no "
                  "token is dropped and position would change nothing)", moe_only=True,

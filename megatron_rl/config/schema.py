@@ -14,15 +14,58 @@ started) are properties, never stored twice.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 
+@dataclass(frozen=True)
+class Domain:
+    """Where a number flag's value may lie: always finite, between ``lo`` and ``hi``.
+
+    Python's ``float()`` parses ``nan``, ``inf`` and ``-inf`` from a command line or YAML, and
+    every comparison with NaN is false, so a scattered ``if lr <= 0`` lets NaN through to
+    the optimizer. Each float flag declares its domain once, next to its help, in interval
+    notation (``"(0, inf)"``, ``"[0, 1)"``); ``validate.py`` walks them all
+    (``domain_errors``) and ``docs/flags.md`` prints them. An infinite end is always open: no
+    float flag takes an infinite value.
+    """
+
+    lo: float
+    hi: float
+    lo_open: bool
+    hi_open: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "Domain":
+        m = re.fullmatch(r"\s*([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])\s*", text)
+        if not m:
+            raise ValueError(f"domain {text!r}: write an interval such as '(0, inf)' or '[0, 1)'")
+        lo, hi = float(m.group(2)), float(m.group(3))
+        if not lo < hi or math.isnan(lo) or math.isnan(hi):
+            raise ValueError(f"domain {text!r} is empty")
+        return cls(lo, hi, m.group(1) == "(" or math.isinf(lo), m.group(4) == ")" or math.isinf(hi))
+
+    def __str__(self) -> str:
+        def end(v: float) -> str:
+            return "inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:g}"
+        return f"{'(' if self.lo_open else '['}{end(self.lo)}, {end(self.hi)}{')' if self.hi_open else ']'}"
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+
 def flag(default: Any, help: str, *, choices: tuple | None = None, type: Any = None,
-         aliases: tuple[str, ...] = (), metavar: str | None = None, nargs: str | None = None):
-    """Declare a config field together with its command-line flag."""
+         aliases: tuple[str, ...] = (), metavar: str | None = None, nargs: str | None = None,
+         domain: str | None = None):
+    """Declare a config field together with its command-line flag (a float flag: with its ``domain``)."""
     meta = {"help": help, "choices": choices, "type": type, "aliases": aliases,
-            "metavar": metavar, "nargs": nargs}
+            "metavar": metavar, "nargs": nargs, "domain": Domain.parse(domain) if domain else None}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type_copy(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -120,10 +163,10 @@ class ArchitectureConfig:
     swiglu: bool = flag(False, "SwiGLU MLP (hidden_act silu, gated). " + _CHECKED)
     normalization: Optional[str] = flag(None, "Norm type (RMSNorm when config.json has rms_norm_eps). " + _CHECKED,
                                         choices=("LayerNorm", "RMSNorm"))
-    norm_epsilon: Optional[float] = flag(None, "Norm epsilon (rms_norm_eps). " + _CHECKED)
-    rotary_base: Optional[float] = flag(None, "RoPE base (rope_theta). " + _CHECKED)
+    norm_epsilon: Optional[float] = flag(None, "Norm epsilon (rms_norm_eps). " + _CHECKED, domain="(0, inf)")
+    rotary_base: Optional[float] = flag(None, "RoPE base (rope_theta). " + _CHECKED, domain="(0, inf)")
     rotary_percent: Optional[float] = flag(None, "Fraction of the head dim rotated (partial_rotary_factor, "
-                                           "default 1). " + _CHECKED)
+                                           "default 1). " + _CHECKED, domain="(0, 1]")
     position_embedding_type: Optional[str] = flag(None, "Position embedding (the supported families use "
                                                   "rope). " + _CHECKED,
                                                   choices=("learned_absolute", "rope", "mrope", "yarn", "none"))
@@ -170,18 +213,18 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     optimizer: str = flag("adam", "Optimizer.", choices=("adam", "sgd"))
-    lr: float = flag(1e-6, "Peak learning rate.")
-    min_lr: float = flag(0.0, "Learning rate floor for decaying schedules.")
+    lr: float = flag(1e-6, "Peak learning rate.", domain="(0, inf)")
+    min_lr: float = flag(0.0, "Learning rate floor for decaying schedules.", domain="[0, inf)")
     lr_decay_style: str = flag("constant", "Learning-rate schedule after warm-up.",
                                choices=("constant", "linear", "cosine", "inverse-square-root"))
     lr_warmup_iters: int = flag(0, "Optimizer steps of linear warm-up from 0 to --lr.")
     lr_decay_iters: Optional[int] = flag(None, "Optimizer steps over which the LR decays (default: all steps).")
-    weight_decay: float = flag(0.0, "Decoupled weight decay.")
-    adam_beta1: float = flag(0.9, "Adam beta1.")
-    adam_beta2: float = flag(0.98, "Adam beta2.")
-    adam_eps: float = flag(1e-8, "Adam epsilon.")
+    weight_decay: float = flag(0.0, "Decoupled weight decay.", domain="[0, inf)")
+    adam_beta1: float = flag(0.9, "Adam beta1.", domain="[0, 1)")
+    adam_beta2: float = flag(0.98, "Adam beta2.", domain="[0, 1)")
+    adam_eps: float = flag(1e-8, "Adam epsilon.", domain="(0, inf)")
     grad_clip: float = flag(1.0, "Clip the global gradient norm to this value (0 disables).",
-                            aliases=("--clip-grad",))
+                            aliases=("--clip-grad",), domain="[0, inf)")
     use_distributed_optimizer: bool = flag(False, "Shard optimizer state over data-parallel ranks (ZeRO-1). "
                                            "Implied by --optimizer-cpu-offload.")
     optimizer_cpu_offload: bool = flag(False, "Keep optimizer state and step on the CPU. megatron: "
@@ -192,7 +235,7 @@ class OptimizerConfig:
                                        "parameters, gradients and optimizer state in host memory).")
     optimizer_offload_fraction: float = flag(1.0, "Fraction of the optimizer state megatron-core's hybrid "
                                              "optimizer keeps on the CPU with --optimizer-cpu-offload "
-                                             "(0 < f <= 1; only 1.0 on a CPU-only machine).")
+                                             "(0 < f <= 1; only 1.0 on a CPU-only machine).", domain="(0, 1]")
     use_precision_aware_optimizer: bool = flag(False, "Let the optimizer own the master weights "
                                                "(megatron-core precision-aware optimizer): transformer-engine's "
                                                "FusedAdam on a GPU, or the hybrid optimizer with "
@@ -279,11 +322,11 @@ class PrecisionConfig:
     fp16: bool = flag(False, "Train in fp16 with loss scaling (dynamic unless --loss-scale; a step whose "
                       "gradients overflow is skipped and the scale backs off).")
     loss_scale: Optional[float] = flag(None, "With --fp16: a constant loss scale instead of the dynamic one "
-                                       "(OptimizerConfig.loss_scale).")
+                                       "(OptimizerConfig.loss_scale).", domain="(0, inf)")
     initial_loss_scale: float = flag(2.0 ** 32, "With --fp16: the dynamic loss scale's start "
-                                     "(OptimizerConfig.initial_loss_scale, Megatron-LM's default).")
+                                     "(OptimizerConfig.initial_loss_scale, Megatron-LM's default).", domain="(0, inf)")
     min_loss_scale: float = flag(1.0, "With --fp16: the dynamic loss scale never backs off below this "
-                                 "(OptimizerConfig.min_loss_scale).")
+                                 "(OptimizerConfig.min_loss_scale).", domain="(0, inf)")
     loss_scale_window: int = flag(1000, "With --fp16: steps without overflow before the dynamic loss scale "
                                   "doubles (OptimizerConfig.loss_scale_window).")
     hysteresis: int = flag(2, "With --fp16: overflowing steps tolerated before the dynamic loss scale halves; "
@@ -315,9 +358,9 @@ class MegatronConfig:
 
     attention_dropout: Optional[float] = flag(None, "Attention dropout (TransformerConfig.attention_dropout). "
                                               "Unset: config.json's attention_dropout (0 for the supported "
-                                              "families), not Megatron-LM's 0.1.")
+                                              "families), not Megatron-LM's 0.1.", domain="[0, 1)")
     hidden_dropout: Optional[float] = flag(None, "Hidden-state dropout (TransformerConfig.hidden_dropout). "
-                                           "Unset: 0, not Megatron-LM's 0.1.")
+                                           "Unset: 0, not Megatron-LM's 0.1.", domain="[0, 1)")
     attention_softmax_in_fp32: bool = flag(False, "Attention softmax in fp32 "
                                            "(TransformerConfig.attention_softmax_in_fp32); always on here.")
     accumulate_allreduce_grads_in_fp32: bool = flag(False, "Accumulate and all-reduce gradients in fp32 "
@@ -343,7 +386,7 @@ class MegatronConfig:
                                     "transformer-engine >= 2.1 on a GPU).")
     moe_aux_loss_coeff: Optional[float] = flag(None, "Load-balancing aux loss coefficient "
                                                "(TransformerConfig.moe_aux_loss_coeff; 0 turns the aux loss "
-                                               "off). Unset: config.json's router_aux_loss_coef.")
+                                               "off). Unset: config.json's router_aux_loss_coef.", domain="[0, inf)")
     moe_token_drop_policy: Optional[str] = flag(None, "Which tokens an over-capacity expert drops "
                                                 "(TransformerConfig.moe_token_drop_policy). No expert capacity "
                                                 "is set here, so nothing is dropped: only probs (the default) "
@@ -398,7 +441,7 @@ class RolloutConfig:
                                                 "venv's bin/python. Validation checks it can import sglang.")
     rollout_engine_startup_timeout: float = flag(600.0, "Seconds the launched SGLang engines get to answer "
                                                  "/health; an engine not up by then, or whose process exits, "
-                                                 "stops the run with its log file named.")
+                                                 "stops the run with its log file named.", domain="(0, inf)")
     rollout_router: str = flag("off", "on: an sglang-router in front of the SGLang engines this run launches "
                                "(python -m sglang_router.launch_router from the engines' Python, on the driver's "
                                "node; generation goes through it, one request per sample, weights and pauses to "
@@ -417,8 +460,8 @@ class RolloutConfig:
                                       "Evaluation generates on the driver. Only for --rollout-backend embedded.",
                                       choices=("auto", "all", "driver"))
     num_rollout: int = flag(100, "Rollout steps to run.")
-    rollout_temperature: float = flag(1.0, "Sampling temperature.")
-    rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.")
+    rollout_temperature: float = flag(1.0, "Sampling temperature.", domain="[0, inf)")
+    rollout_top_p: float = flag(1.0, "Nucleus sampling threshold.", domain="(0, 1]")
     rollout_top_k: int = flag(-1, "Top-k sampling (-1 disables).")
     rollout_max_prompt_len: int = flag(1024, "Prompts longer than this many tokens are refused.")
     rollout_max_response_len: int = flag(1024, "Maximum new tokens per response.")
@@ -461,9 +504,9 @@ class DataConfig:
     eval_interval: Optional[int] = flag(None, "Evaluate every N rollout steps (needs --eval-prompt-data).")
     n_samples_per_eval_prompt: int = flag(1, "Responses per evaluation prompt.")
     eval_temperature: float = flag(0.0, "Sampling temperature of evaluation; 0 is greedy, the default here "
-                                   "(slime's default is --rollout-temperature).")
+                                   "(slime's default is --rollout-temperature).", domain="[0, inf)")
     eval_top_p: Optional[float] = flag(None, "Nucleus threshold of evaluation sampling (unset: --rollout-top-p); "
-                                       "a value below 1 needs --eval-temperature > 0.")
+                                       "a value below 1 needs --eval-temperature > 0.", domain="(0, 1]")
     eval_top_k: Optional[int] = flag(None, "Top-k of evaluation sampling (-1 disables; unset: --rollout-top-k); "
                                      "a k > 1 needs --eval-temperature > 0 (k 1 is greedy).")
     eval_max_response_len: Optional[int] = flag(None, "Maximum new tokens per evaluation response (unset: "
@@ -497,32 +540,32 @@ class AlgorithmConfig:
                                         "--advantage-estimator gspo (which refuses token_mean), token_mean "
                                         "otherwise.",
                                         choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
-    eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).")
-    eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).")
-    eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.")
+    eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).", domain="(0, inf)")
+    eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).", domain="(0, inf)")
+    eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.", domain="(1, inf)")
     kl_coef: float = flag(0.0, "KL to the reference folded into the token rewards (slime's --kl-coef; "
                           "REINFORCE++: --advantage-estimator reinforce_plus_plus, formulas in docs/algorithms.md); "
                           "0: off. slime ignores it for GRPO/GSPO/RLOO; here a value > 0 with those is refused "
-                          "(use --use-kl-loss --kl-loss-coef for a KL term in the loss).")
+                          "(use --use-kl-loss --kl-loss-coef for a KL term in the loss).", domain="[0, inf)")
     use_kl_loss: bool = flag(False, "KL to the reference model: added to the loss times --kl-loss-coef, and "
                              "logged as train/kl; with --kl-loss-coef 0 logged only (slime's way to watch it).")
-    kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty (needs --use-kl-loss when > 0).")
+    kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty (needs --use-kl-loss when > 0).", domain="[0, inf)")
     kl_loss_type: str = flag("k3", "KL estimator; k3 and low_var_kl are the same low-variance estimator, "
                              "clamped as verl's (log ratio to +-20, value to <= 10).",
                              choices=("k1", "k2", "k3", "low_var_kl"))
     use_unbiased_kl: bool = flag(False, "Weight the KL loss term by the importance ratio exp(logp - old_logp) "
                                  "(slime's unbiased KL, DeepSeek-V3.2); needs --use-kl-loss.")
-    entropy_coef: float = flag(0.0, "Entropy bonus coefficient.")
+    entropy_coef: float = flag(0.0, "Entropy bonus coefficient.", domain="[0, inf)")
     use_tis: bool = flag(False, "Truncated importance sampling against rollout log-probs.")
-    tis_cap: float = flag(2.0, "Upper bound of the TIS weight.", aliases=("--tis-clip",))
-    tis_clip_low: float = flag(0.0, "Lower bound of the TIS weight (0: none); needs --use-tis.")
+    tis_cap: float = flag(2.0, "Upper bound of the TIS weight.", aliases=("--tis-clip",), domain="(0, inf)")
+    tis_clip_low: float = flag(0.0, "Lower bound of the TIS weight (0: none); needs --use-tis.", domain="[0, inf)")
     use_rollout_logprobs: bool = flag(False, "Take the old log-probs from the rollout engine (each sample's "
                                       "rollout log-probs) instead of a forward pass: one forward less per "
                                       "step, at the price of the engine/trainer mismatch "
                                       "(train/mismatch_abs_logprob). Refused with --use-tis, which corrects "
                                       "exactly that mismatch.")
     opd_kl_coef: float = flag(0.0, "On-policy distillation: reverse-KL coefficient to the teacher "
-                              "(needs --opd-teacher-load).")
+                              "(needs --opd-teacher-load).", domain="[0, inf)")
     num_steps_per_rollout_updates: int = flag(1, "Passes of optimizer updates over each rollout "
                                               "(PPO epochs).")
 
@@ -585,9 +628,9 @@ class RuntimeConfig:
     seed: int = flag(1234, "Global seed for model init, data order and dropout.")
     output_dir: str = flag("runs/latest", "Run directory: metrics.jsonl, plots, logs.")
     wall_time_limit: Optional[float] = flag(None, "Stop (after saving) before this much time has passed: "
-                                            "7d, 12h, 90m or seconds.", type=parse_duration)
+                                            "7d, 12h, 90m or seconds.", type=parse_duration, domain="(0, inf)")
     wall_time_reserve: float = flag(600.0, "Time kept in hand at the end for the final save (and 2x for eval).",
-                                    type=parse_duration)
+                                    type=parse_duration, domain="[0, inf)")
     use_wandb: bool = flag(False, "slime's W&B switch: logging to W&B is on exactly when --wandb-project is "
                            "given, so this needs it (refused without).")
     wandb_project: Optional[str] = flag(None, "Log to this W&B project.")

@@ -135,9 +135,9 @@ def test_bad_choice_and_type(hf_dir):
     (["--use-distributed-optimizer", "--optimizer-cpu-offload"],
      "--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM"),
     (["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction 0.5 has no effect without"),
-    (["--optimizer-offload-fraction", "0"], r"--optimizer-offload-fraction 0.0 must be in \(0, 1\]"),
-    (["--lr", "0"], "--lr 0.0 must be > 0"),
-    (["--grad-clip", "-1"], "--grad-clip -1.0 must be >= 0"),
+    (["--optimizer-offload-fraction", "0"], r"--optimizer-offload-fraction 0 is out of range: it must lie in \(0, 1\]"),
+    (["--lr", "0"], r"--lr 0 is out of range: it must lie in \(0, inf\)"),
+    (["--grad-clip", "-1"], r"--grad-clip -1 is out of range: it must lie in \[0, inf\)"),
     (["--debug-train-only"], "--debug-train-only has no engine to generate with"),
     (["--debug-rollout-only", "--load-debug-rollout-data", "r/{rollout_id}.pt"], "mutually exclusive"),
     (["--load-debug-rollout-data", "r/data.pt"], "must contain '{rollout_id}'"),
@@ -150,11 +150,11 @@ def test_bad_choice_and_type(hf_dir):
     (["--prompt-data", "/no/prompts.jsonl"], "--prompt-data /no/prompts.jsonl: no such file"),
     # --use-kl-loss --kl-loss-coef 0 is slime's logged-only KL (tests/config/test_slime_eval_and_algorithm.py)
     (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1 weights the KL loss term, which only exists with --use-kl-loss"),
-    (["--use-kl-loss", "--kl-loss-coef", "-1"], "--kl-loss-coef -1.0 must be >= 0"),
-    (["--eps-clip", "0"], "--eps-clip 0.0 must be > 0"),
-    (["--eps-clip-c", "0.5"], "--eps-clip-c 0.5 must be > 1"),
+    (["--use-kl-loss", "--kl-loss-coef", "-1"], r"--kl-loss-coef -1 is out of range: it must lie in \[0, inf\)"),
+    (["--eps-clip", "0"], r"--eps-clip 0 is out of range: it must lie in \(0, inf\)"),
+    (["--eps-clip-c", "0.5"], r"--eps-clip-c 0.5 is out of range: it must lie in \(1, inf\)"),
     (["--wall-time-limit", "10m", "--wall-time-reserve", "15m"], "leaves no time inside --wall-time-limit 600s"),
-    (["--rollout-top-p", "0"], "--rollout-top-p 0.0 must be in"),
+    (["--rollout-top-p", "0"], r"--rollout-top-p 0 is out of range: it must lie in \(0, 1\]"),
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "not divisible by --rollout-num-gpus-per-engine 2"),
     (["--rollout-backend", "sglang", "--rollout-num-gpus", "1", "--update-weight-transport", "tensor"],
      "--update-weight-transport tensor hands CUDA IPC handles to engines on the SAME GPUs: it needs --colocate"),
@@ -505,7 +505,7 @@ def test_allocation_numbers_are_ascii_and_bounded_in_the_trainer(hf_dir):
     with pytest.raises(ConfigError) as exc:
         parse_config(base(hf_dir, "--allocation", "megatron:d" + "9" * 5001, "--lr", "-1"))
     msg = str(exc.value)
-    assert "--lr -1.0 must be > 0" in msg and "data parallel size d<5001 digits> is too large" in msg
+    assert "--lr -1 is out of range: it must lie in (0, inf)" in msg and "data parallel size d<5001 digits> is too large" in msg
 
 
 def test_dry_run_plans_the_embedded_engine_next_to_an_allocation_actor(hf_dir, capsys):

@@ -191,8 +191,8 @@ def test_bridge_builds_megatron_config_with_the_mapped_flags(tmp_path):
                                                    "support variable sequence lengths"),
     (["--moe-token-drop-policy", "position"], "--moe-token-drop-policy position: only matters with an expert "
                                               "capacity factor"),
-    (["--attention-dropout", "1.5"], "--attention-dropout 1.5: 1.5 is not a dropout probability"),
-    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff -1.0: -1.0 must be >= 0"),
+    (["--attention-dropout", "1.5"], r"--attention-dropout 1.5 is out of range: it must lie in \[0, 1\)"),
+    (["--moe-aux-loss-coeff", "-1"], r"--moe-aux-loss-coeff -1 is out of range: it must lie in \[0, inf\)"),
     (["--overlap-cpu-optimizer-d2h-h2d", "--dry-run"], "--overlap-cpu-optimizer-d2h-h2d: overlaps the hybrid CPU "
                                                        "optimizer's copies, which only exist with "
                                                        "--optimizer-cpu-offload"),
