@@ -1,4 +1,5 @@
-"""All cross-flag validation, in one place, on the finished frozen ``Config``.
+"""All cross-flag validation on the finished frozen ``Config`` (the engine x transport rules and the
+SGLang interpreter probe: ``rollout_rules.py``).
 
 Every problem found is collected and reported together (a user fixing a launch
 script wants the whole list, not one error per attempt). Each message names the
@@ -12,15 +13,13 @@ import importlib.util
 import math
 import os
 import re
-import subprocess
-import sys
-from typing import Optional
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.plan.engines import plan_engine_placement
 
 from .schema import Config, flag_name, iter_fields
 from .architecture import architecture_errors, dry_run_without_checkpoint
+from .paths import dir_problem, within
+from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
 from .placement import allocation_errors, plan_errors, world_errors
 
@@ -375,224 +374,6 @@ def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
                       f"{r.rollout_num_gpus_per_engine}")
 
 
-_NOT_YET = "not implemented in this version (tracked by issue 14: SGLang rollout and its weight-sync transports)"
-
-
-_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})/?$")
-
-
-def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
-    """The engine x transport combinations this version cannot run, refused before any worker starts.
-
-    Without this they passed validation (and ``--dry-run``) and failed only after the model
-    was built, or, for ``--update-weight-disk-dir``, were silently dropped. Engines: embedded,
-    and sglang over servers the user runs (``--rollout-engine-urls``; the launcher is not built).
-    Transports: tensor (embedded), disk (both engines), distributed (sglang servers only).
-    Kept apart from ``_check_sync_and_rollout`` so ``collect_errors`` still runs the planner on
-    such a config: a launch script's layout is checked even while its engine is refused.
-    """
-    r, s = cfg.rollout, cfg.sync
-    errors = []
-    if r.use_fault_tolerance and not (r.rollout_backend == "sglang" and not r.rollout_engine_urls
-                                      and cfg.has_rollout_engine):
-        what = ("servers of --rollout-engine-urls are yours to restart" if r.rollout_engine_urls else
-                f"--rollout-backend {r.rollout_backend} " + ("runs inside the driver rank" if cfg.has_rollout_engine
-                                                              else "with no engine in a train-only run"))
-        errors.append(f"--use-fault-tolerance restarts SGLang engines this run launches, and {what}: drop it")
-    if r.rollout_backend == "sglang" and not cfg.has_rollout_engine:
-        sized = " and the flags that size or configure SGLang engines" if r.names_sglang_engines else ""
-        errors.append("--rollout-backend sglang: a train-only run (--debug-train-only / --load-debug-rollout-data) "
-                      f"generates nothing, so no SGLang engine starts or is used: drop it{sized}")
-    elif r.rollout_backend == "sglang" and not r.rollout_engine_urls:
-        errors.extend(_launched_sglang_errors(cfg))
-    elif r.rollout_backend == "sglang":
-        errors.extend(_external_sglang_errors(cfg))
-    elif r.rollout_engine_urls:
-        errors.append(f"--rollout-engine-urls {' '.join(r.rollout_engine_urls)} names SGLang servers, but "
-                      f"--rollout-backend is {r.rollout_backend}, which starts its own engine in the driver rank: "
-                      "add --rollout-backend sglang, or drop --rollout-engine-urls")
-    if s.update_weight_transport == "distributed" and r.rollout_backend != "sglang":
-        errors.append(f"--update-weight-transport distributed broadcasts into SGLang server processes over a "
-                      f"process group, but --rollout-backend {r.rollout_backend} runs its engine inside the driver "
-                      "rank: there is no server process to join the group; use --update-weight-transport tensor "
-                      "(the in-process hand-over) or disk")
-    if s.update_weight_transport == "disk":
-        if not s.update_weight_disk_dir:
-            errors.append("--update-weight-transport disk needs --update-weight-disk-dir DIR (where each sync "
-                          "publishes v<version>/; SGLang servers must be able to read it)")
-        else:
-            why = _dir_problem(s.update_weight_disk_dir)
-            if why:
-                errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} {why}; give a directory this "
-                              "user can create and write to (and the SGLang servers can read)")
-    elif s.update_weight_disk_dir is not None:
-        errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
-                      f"--update-weight-transport disk, not {s.update_weight_transport}: add "
-                      "--update-weight-transport disk or drop --update-weight-disk-dir")
-    if r.embedded_engine_ranks != "auto" and r.rollout_backend != "embedded":
-        errors.append(f"--embedded-engine-ranks {r.embedded_engine_ranks} places the embedded engine, but "
-                      f"--rollout-backend is {r.rollout_backend} (SGLang engines are placed by --colocate and "
-                      "--rollout-num-gpus(-per-engine)): drop it")
-    elif r.embedded_engine_ranks == "all" and not (cfg.has_training and cfg.has_rollout_engine):
-        why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
-               else "has no trainer ranks besides the driver (--debug-rollout-only: the others exit at start)")
-        errors.append(f"--embedded-engine-ranks all puts an engine replica on every trainer rank, but this run {why}: "
-                      "drop it")
-    if r.rollout_backend == "embedded":
-        # SGLang-only knobs: the embedded engine is one in-process engine on the driver rank's
-        # devices, so a GPU count or a server argument would be accepted and do nothing.
-        errors.extend(_sglang_launch_knob_errors(
-            cfg, "the embedded engine runs inside the driver rank on the trainer's devices (--rollout-backend "
-            "sglang launches SGLang engines)", "the embedded engine starts none"))
-    return errors
-
-
-def _sglang_launch_knob_errors(cfg: Config, why: str, starts: str, *, sizes: bool = True) -> list[str]:
-    """Flags that size, place or configure SGLang engines we launch: with no launch they would do nothing."""
-    r = cfg.rollout
-    errors = []
-    one = " (one engine, no tensor parallelism)" if r.rollout_backend == "embedded" else ""
-    if sizes and r.rollout_num_gpus is not None:
-        errors.append(f"--rollout-num-gpus {r.rollout_num_gpus} places SGLang engines on their own GPUs; "
-                      f"{why}: drop --rollout-num-gpus")
-    if sizes and r.rollout_num_gpus_per_engine != 1:
-        errors.append(f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} sizes SGLang engines; "
-                      f"{why}{one}: drop it")
-    if r.rollout_router != "off":
-        errors.append(f"--rollout-router {r.rollout_router} puts an sglang-router in front of the SGLang engines this "
-                      f"run launches; {starts}: drop it" + (" (a router of yours is found by its URL: give its "
-                                                             "address as --rollout-engine-urls)"
-                                                             if r.rollout_engine_urls else ""))
-    passed = sorted(set(r.sglang_args) - set(SLIME_ROUTER_ARGS))  # the router's own: _router_flag_errors
-    if passed:
-        keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in passed)
-        errors.append(f"{keys}: pass-through arguments of SGLang servers; {starts}: drop them"
-                      + (" (or use --rollout-backend sglang, which launches SGLang engines)"
-                         if r.rollout_backend == "embedded" else ""))
-    return errors
-
-
-#: slime's flags for an sglang-router it did not start (slime launches one otherwise)
-SLIME_ROUTER_ARGS = ("router_ip", "router_port")
-
-
-def _router_flag_errors(cfg: Config) -> list[str]:
-    """slime's ``--sglang-router-ip/--sglang-router-port`` would reach SGLang's launcher verbatim (which
-    has no such flags): say where a running router goes here instead."""
-    r = cfg.rollout
-    given = [k for k in SLIME_ROUTER_ARGS if k in r.sglang_args]
-    if not given:
-        return []
-    ip, port = r.sglang_args.get("router_ip", "IP"), r.sglang_args.get("router_port", "PORT")
-    keys = " ".join(f"--sglang-{k.replace('_', '-')}" for k in given)
-    return [f"{keys} (slime's running sglang-router): give the router as --rollout-engine-urls http://{ip}:{port} "
-            "instead (generation goes through it, weights to the workers it lists; docs/sglang.md); this run "
-            "launches no router of its own"]
-
-
-#: SGLang arguments the launcher sets from the plan (rollout/sglang/launcher.py): a --sglang-KEY for one of
-#: them would fight the placement, so it is refused naming what sets it.
-SGLANG_LAUNCHER_OWNED_ARGS = {
-    "model_path": "--hf-checkpoint", "host": "the launcher (loopback, or all interfaces across nodes)",
-    "port": "the launcher (a free port per engine)", "nccl_port": "the launcher (a free port per engine)",
-    "tp_size": "--rollout-num-gpus-per-engine", "base_gpu_id": "the placement (CUDA_VISIBLE_DEVICES per engine)",
-    "nnodes": "the placement (an engine launched here runs on one node)",
-    "node_rank": "the placement (an engine launched here runs on one node)",
-}
-
-
-def _launched_sglang_errors(cfg: Config) -> list[str]:
-    """``--rollout-backend sglang`` without URLs: this run launches the engines (rollout/sglang/launcher.py)."""
-    r, s = cfg.rollout, cfg.sync
-    errors = []
-    if not cfg.model.hf_checkpoint:
-        errors.append("--rollout-backend sglang launches SGLang engines on --hf-checkpoint's HF model: give "
-                      "--hf-checkpoint DIR (or --rollout-engine-urls of servers you started)")
-    errors.extend(_router_flag_errors(cfg))
-    for key in sorted(set(r.sglang_args) & set(SGLANG_LAUNCHER_OWNED_ARGS)):
-        errors.append(f"--sglang-{key.replace('_', '-')}: set by {SGLANG_LAUNCHER_OWNED_ARGS[key]} for each engine "
-                      "this run launches; drop it")
-    try:
-        placement = plan_engine_placement(
-            num_gpus=r.rollout_num_gpus if r.rollout_num_gpus is not None else cfg.actor_world_size,
-            gpus_per_engine=r.rollout_num_gpus_per_engine, colocate=cfg.memory.colocate,
-            num_nodes=cfg.placement.actor_num_nodes, gpus_per_node=cfg.placement.actor_num_gpus_per_node,
-            devices_per_node=None)
-        if placement.spans_nodes and r.use_fault_tolerance:
-            errors.append(f"--use-fault-tolerance with engines of --rollout-num-gpus-per-engine "
-                          f"{r.rollout_num_gpus_per_engine}, more than a node's {cfg.placement.actor_num_gpus_per_node}: "
-                          "restarting an engine that spans nodes needs every node's part restarted together, which "
-                          "this version does not build; drop --use-fault-tolerance (a dead engine then stops the run "
-                          "naming it) or use engines within a node")
-    except ConfigError as exc:
-        errors.append(str(exc))
-    on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"
-    if s.check_weight_update_equal and on_cpu:
-        errors.append("--check-weight-update-equal with --sglang-device cpu: SGLang compares the first update inside "
-                      "the server (/weights_checker), and its compare moves tensors to CUDA (SGLang 0.5.23), so on "
-                      "CPU engines nothing could be compared: drop the flag")
-    if s.update_weight_transport == "distributed" and cfg.memory.colocate and not on_cpu:
-        errors.append("--update-weight-transport distributed with --colocate: NCCL cannot join two processes on the "
-                      "same GPU (the trainer rank and its colocated engine), so the broadcast would fail or hang; "
-                      "use --update-weight-transport tensor (the colocated route) or disk")
-    if not errors and not cfg.mode.dry_run:
-        python = r.rollout_engine_python or sys.executable
-        why = _engine_python_problem(python)
-        flag = "--rollout-engine-python" if r.rollout_engine_python else "this interpreter"
-        if why:
-            errors.append(f"--rollout-backend sglang launches python -m sglang.launch_server with {flag}, but {why}: "
-                          "install SGLang there, or point --rollout-engine-python at an interpreter that has it")
-        router = _engine_python_problem(python, package="sglang_router") if r.rollout_router == "on" else None
-        if router:
-            errors.append(f"--rollout-router on launches python -m sglang_router.launch_router with {flag}, but "
-                          f"{router}: pip install sglang-router there, or drop --rollout-router on")
-    return errors
-
-
-def _engine_python_problem(python: str, timeout_s: float = 30.0, package: str = "sglang") -> Optional[str]:
-    """None if ``python`` finds ``package`` (not imported: sglang takes ~25 s), else why not."""
-    try:
-        proc = subprocess.run([python, "-c", "import importlib.util, sys; "
-                               f"sys.exit(0 if importlib.util.find_spec({package!r}) else 3)"],
-                              capture_output=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{python} could not be run ({exc})"
-    if proc.returncode == 3:
-        return f"{python} has no {package} package"
-    if proc.returncode:
-        return f"{python} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}"
-    return None
-
-
-def _external_sglang_errors(cfg: Config) -> list[str]:
-    """``--rollout-backend sglang --rollout-engine-urls ...``: servers the user started; we only talk HTTP."""
-    r, s, m = cfg.rollout, cfg.sync, cfg.memory
-    errors = []
-    bad = [u for u in r.rollout_engine_urls if not _URL.match(u) or not 0 < int(_URL.match(u).group(2)) < 65536]
-    for url in bad:
-        errors.append(f"--rollout-engine-urls {url}: not a server address; write http://host:port or "
-                      "https://host:port (e.g. http://10.0.0.5:30000), one per server")
-    dup = sorted({u for u in r.rollout_engine_urls if r.rollout_engine_urls.count(u) > 1})
-    if dup:
-        errors.append(f"--rollout-engine-urls lists {', '.join(dup)} more than once; list each server once")
-    if s.update_weight_transport == "tensor":
-        errors.append(f"--update-weight-transport tensor with --rollout-engine-urls: the tensor transport for "
-                      f"SGLang is {_NOT_YET}; use --update-weight-transport disk --update-weight-disk-dir DIR")
-    external = "the servers of --rollout-engine-urls run where you started them; this run does not place them"
-    for flag, on in (("--colocate", m.colocate), ("--offload-train", m.offload_train),
-                     ("--offload-rollout", m.offload_rollout)):
-        if on:
-            errors.append(f"{flag} with --rollout-engine-urls: {external}, so there are no shared GPUs to hand "
-                          f"over (releasing external servers' memory is not built yet, issue 14): drop {flag}")
-    placed = bool(cfg.placement.allocation) and "sglang" in cfg.placement.allocation
-    if placed:  # the allocation set --rollout-num-gpus(-per-engine): name it, not the flags it set
-        errors.append(f"--allocation {cfg.placement.allocation} places SGLang engines on GPUs; with "
-                      f"--rollout-engine-urls {external}: state only the trainer (e.g. megatron:d2)")
-    errors.extend(_router_flag_errors(cfg))
-    errors.extend(_sglang_launch_knob_errors(cfg, external, "this run starts none", sizes=not placed))
-    return errors
-
-
 def _check_wandb(errors: list[str], cfg: Config) -> None:
     """slime's W&B flags name what to log to; without --wandb-project nothing is logged to W&B,
     so each would be accepted and do nothing."""
@@ -638,30 +419,6 @@ def save_root_checkpoint_entries(root: str | None) -> list[str]:
     return sorted(n for n in os.listdir(root) if _CHECKPOINT_ENTRY.match(n))
 
 
-def _within(path: str, parent: str) -> bool:
-    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
-
-
-def _dir_problem(path: str) -> str | None:
-    """Why ``path`` cannot be used (created if absent, then written) as a directory, or None.
-
-    Found here instead of at the first save or log line, where it used to surface after a save
-    interval of work, or as a PermissionError / FileExistsError traceback.
-    """
-    if os.path.isdir(path):
-        return None if os.access(path, os.W_OK | os.X_OK) else "is a directory this user cannot write to"
-    if os.path.lexists(path):
-        return "is a dangling symlink" if os.path.islink(path) else "exists and is not a directory"
-    base = os.path.abspath(path)
-    while not os.path.lexists(base) and os.path.dirname(base) != base:
-        base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        return f"cannot be created: {base} is a file, not a directory"
-    if not os.access(base, os.W_OK | os.X_OK):
-        return f"cannot be created: {base} is not writable by this user"
-    return None
-
-
 def _check_paths(errors: list[str], cfg: Config) -> None:
     """Output locations, and a fresh start into a checkpoint root that already holds checkpoints.
 
@@ -671,13 +428,13 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
     """
     c, rt, m = cfg.checkpoint, cfg.runtime, cfg.mode
     for flag, path in (("--save", c.save), ("--output-dir", rt.output_dir), ("--tensorboard-dir", rt.tensorboard_dir)):
-        why = _dir_problem(path) if path else None
+        why = dir_problem(path) if path else None
         if why:
             errors.append(f"{flag} {path} {why}; give a directory this user can create and write to")
     pattern = m.save_debug_rollout_data
     if pattern and "{rollout_id}" in pattern:
         directory = os.path.dirname(pattern.replace("{rollout_id}", "0")) or "."
-        why = _dir_problem(directory)
+        why = dir_problem(directory)
         if why:
             errors.append(f"--save-debug-rollout-data {pattern}: its directory {directory} {why}; give a pattern "
                           "in a directory this user can create and write to")
@@ -697,7 +454,7 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
         doomed = [os.path.realpath(os.path.join(c.save, e)) for e in entries]
         for flag, path in (("--load", c.load), ("--ref-load", c.ref_load), ("--opd-teacher-load", c.opd_teacher_load),
                            ("--hf-checkpoint", cfg.model.hf_checkpoint)):
-            if path and any(_within(os.path.realpath(path), d) for d in doomed):
+            if path and any(within(os.path.realpath(path), d) for d in doomed):
                 action = "move" if c.existing_save == "archive" else "delete"
                 errors.append(f"{flag} {path} lies in the old checkpoints under --save {c.save} that --existing-save "
                               f"{c.existing_save} would {action} before the run reads it; copy it out of --save "
@@ -765,14 +522,11 @@ def collect_errors(cfg: Config) -> list[str]:
     return errors
 
 
-#: Words of the refusals that only say "this version does not build that yet" (issue 14), not that the
-#: input is wrong: a --dry-run still checks and prints the plan of such a script, then names them and
-#: exits 2 (runner/dry_run.py), so a slime script shows its layout here.
-_NOT_BUILT_YET = ("issue 14",)
-
-
 def is_not_built_yet(error: str) -> bool:
-    return any(k in error for k in _NOT_BUILT_YET)
+    """A refusal that only says "this version does not build that" (``rollout_rules.NotBuilt``), not that
+    the input is wrong: a --dry-run still checks and prints the plan of such a script, then names them
+    and exits 2 (runner/dry_run.py), so a slime script shows its layout here."""
+    return isinstance(error, NotBuilt)
 
 
 def real_run_refusals(cfg: Config) -> list[str]:

@@ -42,7 +42,7 @@ def print_plan(cfg: Config) -> int:
             print(f"error: a real run refuses: {why}", file=sys.stderr)
         print(f"dry run: the plan above holds (training world {cfg.actor_world_size} rank(s), data-parallel "
               f"{cfg.data_parallel_size}), but a real run refuses this configuration: it asks for what this version "
-              "does not build yet (issue 14; the errors say which flags); nothing was started")
+              "does not build yet (the errors say which flags); nothing was started")
         return 2
     print(f"dry run: configuration valid; training world {cfg.actor_world_size} rank(s), "
           f"data-parallel {cfg.data_parallel_size}; nothing was started")

@@ -251,7 +251,7 @@ def test_allocation_engine_must_be_the_rollout_backend(hf_dir, engine):
             "embedded") in str(exc.value)
 
 
-NOT_YET = "not implemented in this version (tracked by issue 14"
+NOT_YET = "not built in this version"
 URLS = ["--rollout-engine-urls", "http://127.0.0.1:30000"]
 EXTERNAL = ["--rollout-backend", "sglang", *URLS, "--update-weight-transport", "disk",
             "--update-weight-disk-dir", "/tmp/mrl-test-weights"]
@@ -277,7 +277,8 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
                                                               "only used by --update-weight-transport disk, not "
                                                               "distributed"),
     (["--rollout-backend", "sglang", *URLS, "--update-weight-transport", "tensor"],
-     "--update-weight-transport tensor with --rollout-engine-urls: the tensor transport for SGLang is " + NOT_YET),
+     "--update-weight-transport tensor with --rollout-engine-urls: the tensor transport into SGLang servers this "
+     "run did not start is " + NOT_YET),
     (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang: "
                                                                                      "a train-only run"),
     # what the fsdp backend does not build yet (issue 16)

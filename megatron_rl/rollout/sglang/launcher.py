@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import httpx
 
-from megatron_rl.config.validate import SGLANG_LAUNCHER_OWNED_ARGS  # noqa: F401 - the args set here
+from megatron_rl.config.rollout_rules import SGLANG_LAUNCHER_OWNED_ARGS  # noqa: F401 - the args set here
 from megatron_rl.errors import EngineError
 from megatron_rl.infra.ports import address_in_use, free_port
 from megatron_rl.plan.engines import EnginePlacement, EngineSlot, plan_engine_placement
