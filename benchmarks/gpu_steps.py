@@ -1,4 +1,4 @@
-"""The training checks only a GPU can answer, for scripts/gpu_check.sh (issues 15 and 16).
+"""The training checks only a GPU can answer, for scripts/gpu_check.sh.
 
 Run under ``torchrun --nproc-per-node 1`` (one process; every backend in turn). Each check
 writes its figures into one JSON (``--json``); a check that fails records the error and the

@@ -40,3 +40,17 @@ def test_every_package_is_on_the_page_and_in_the_layers_contract():
     assert [p for p in packages if f"`{p}/`" not in text] == []
     assert [p for p in packages if f'"megatron_rl.{p}' not in contract and f"megatron_rl.{p} " not in contract
             and f"| megatron_rl.{p}" not in contract] == []
+
+
+def test_the_layer_table_lists_every_registered_backend_engine_and_transport():
+    """A row added to a registry without a word on the page fails here (the page once still called a
+    built transport refused)."""
+    from megatron_rl.backends.base import BACKENDS
+    from megatron_rl.rollout.base import ENGINES
+    from megatron_rl.weight_sync.base import TRANSPORTS
+
+    rows = {line.split("|")[2].strip(): line for line in (REPO / "docs" / "architecture.md").read_text().splitlines()
+            if line.startswith("|") and line.count("|") >= 4}
+    for package, table in (("`backends/`", BACKENDS), ("`rollout/`", ENGINES), ("`weight_sync/`", TRANSPORTS)):
+        row = rows[package]
+        assert [name for name in table.available() if f"`{name}`" not in row] == [], (package, row)

@@ -1,4 +1,4 @@
-"""What the trainer's ``sleep()`` frees, chosen once per run and logged (issue 14; the source design's tiers).
+"""What the trainer's ``sleep()`` frees, chosen once per run and logged (tiers: docs/sglang.md, "Trainer sleep tiers").
 
 The source design has three megatron tiers: (1) torch_memory_saver pauses every allocation and
 the process groups are destroyed; (2) megatron's own offload (gradient buffers released,

@@ -1,6 +1,6 @@
 """Memory hand-over between trainer and engine when they share accelerators (``--colocate``).
 
-The order, per rollout (issue 14; slime's train loop):
+The order, per rollout (as slime's train loop):
 
     [trainer groups destroyed] -> generate -> engine release -> [every rank] barrier -> wait until
     the device memory is free -> [trainer groups rebuilt] -> trainer wake -> train -> trainer sleep

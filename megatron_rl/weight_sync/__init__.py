@@ -13,9 +13,13 @@ Invariants every transport keeps (see ``base.WeightSynchronizer``):
   every tensor of the update arrived (the engine's own invariant).
 * Versions only move forward; ``weight_version`` on each sample says which
   weights produced it.
-* ``check_equal`` (``--check-weight-update-equal``) compares every engine tensor
-  with the trainer's exported tensor bit for bit and raises ``SyncError``
-  naming the ones that differ.
+* ``check_equal`` (``--check-weight-update-equal``): with the embedded engine,
+  every engine tensor is compared with the trainer's exported tensor bit for bit
+  after every sync (``base.check_engine_equals``), and a ``SyncError`` names the
+  ones that differ. With SGLang engines the servers compare, once: the update to
+  version 0 against their own load of the checkpoint (``/weights_checker``
+  snapshot/compare, a GPU-only compare in SGLang 0.5.23); later updates are not
+  compared.
 """
 
 from megatron_rl.weight_sync.base import (
