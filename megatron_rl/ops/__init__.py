@@ -11,11 +11,15 @@ surrogate, KL, TIS weight; called by ``algorithms.losses``) each run one of:
 * ``cpu_ext``: the C++ CPU twins of the CUDA kernels (``csrc/cpu``), same maths.
 
 ``ops.dispatch`` picks one per device (CUDA -> Triton -> torch on GPU, torch on
-CPU) unless ``MEGATRON_RL_KERNELS`` names one. Every implementation matches the
-torch reference in values and gradients (tests/ops/); callers never branch on it.
+CPU) unless ``MEGATRON_RL_KERNELS`` names one, and trusts a fused one on a
+(device, dtype) only after its self-check against the torch ops passed there
+(``ops.selfcheck``). Every implementation matches the torch reference in values
+and gradients (tests/ops/); callers never branch on it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -40,7 +44,7 @@ def logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_g
     bounds the torch path's float32 working set; the fused kernels have none (they
     stream each row once), so for them it is validated and has nothing to bound.
     """
-    name, kernels = select(logits.device)
+    name, kernels = select(logits.device, logits.dtype)
     if kernels is None:
         return vocab_parallel_logprobs(logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index,
                                        temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
@@ -68,7 +72,8 @@ def policy_loss_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     ``token_log_ratio`` (``logprobs - old_logprobs``, if the caller already holds it) lets the torch path reuse
     the caller's autograd node, so its graph and gradients stay exactly those of the pre-dispatch code.
     """
-    name, kernels = select(logprobs.device)
+    given = [t for t in (logprobs, old_logprobs, advantages, ref_logprobs, rollout_logprobs) if t is not None]
+    name, kernels = select(logprobs.device, functools.reduce(torch.promote_types, [t.dtype for t in given]))
     if kernels is None:
         return torch_policy_terms(logprobs, old_logprobs, advantages, params, token_log_ratio=token_log_ratio,
                                   ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs)

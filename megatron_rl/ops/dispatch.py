@@ -9,6 +9,13 @@ the choice follows the tensors' device:
   is to test the CUDA kernels' maths on machines without a GPU, and their first
   use may JIT-compile them (~1 min).
 
+What never ran is not trusted: before a fused implementation serves its first op
+on a (device, dtype), ``ops.selfcheck`` runs it against the torch ops on small
+random inputs (values and gradients; bounds derived from the torch path's own
+float32 error). The verdict is cached for the process. On failure the default
+choice logs what differed (a WARNING) and falls back to the next implementation
+(CUDA -> Triton -> torch); a forced one raises ``KernelCheckFailed`` instead.
+
 The choice is logged once per (implementation, device type) on the
 ``megatron_rl`` logger. An unknown name is a ConfigError naming the variable and
 the choices; a known one that is not built or cannot run on the device is a
@@ -31,6 +38,7 @@ import torch
 from megatron_rl.infra.registry import Registry
 from megatron_rl.ops import _ext
 from megatron_rl.ops._ext import KernelUnavailableError
+from megatron_rl.ops.selfcheck import CheckResult, KernelCheckFailed, check_kernels
 
 ENV = "MEGATRON_RL_KERNELS"
 log = logging.getLogger("megatron_rl")
@@ -83,6 +91,7 @@ KERNELS: Registry[KernelImpl] = Registry(ENV, "kernel implementation", {
 _DEFAULT_ORDER = {"cuda": ("cuda", "triton", "torch")}  # any other device: torch
 _lock = threading.Lock()
 _logged: set[tuple[str, str]] = set()
+_checked: dict[tuple[str, str, torch.dtype], CheckResult] = {}  # (implementation, device, dtype) -> verdict
 
 
 def requested() -> str | None:
@@ -94,8 +103,32 @@ def requested() -> str | None:
     return name
 
 
-def select(device: torch.device) -> tuple[str, object]:
-    """``(name, kernel set)`` for tensors on ``device``; the kernel set is None for torch."""
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def self_check(name: str, kernels, device: torch.device, dtype: torch.dtype) -> CheckResult | None:
+    """The cached self-check verdict of implementation ``name`` on ``device`` / ``dtype`` (run on first use;
+    None for torch, the reference). A failure is logged once, as a WARNING saying what differed."""
+    if kernels is None:
+        return None
+    key = (name, _device_key(device), dtype)
+    with _lock:
+        result = _checked.get(key)
+        if result is None:
+            result = _checked[key] = check_kernels(name, kernels, device, dtype)
+            if result.ok:
+                log.info("megatron_rl.ops: %s", result.describe())
+            else:
+                log.warning("megatron_rl.ops: %s", result.describe())
+    return result
+
+
+def select(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[str, object]:
+    """``(name, kernel set)`` for ``dtype`` tensors on ``device``; the kernel set is None for torch. A fused
+    implementation is used only once its self-check on this device and dtype has passed."""
     device = torch.device(device)
     name = requested()
     if name is not None:
@@ -104,6 +137,11 @@ def select(device: torch.device) -> tuple[str, object]:
         if reason:
             raise KernelUnavailableError(f"{ENV}={name} ({impl.summary}) cannot run here: {reason}")
         kernels, why = impl.load(), f"{ENV}={name}"
+        result = self_check(name, kernels, device, dtype)
+        if result is not None and not result.ok:
+            raise KernelCheckFailed(
+                f"{ENV}={name} forces {impl.summary}, which disagrees with the torch ops here: {result.describe()}. "
+                f"Unset {ENV} to fall back to the next implementation, or set {ENV}=torch")
     else:
         skipped = []
         for candidate in _DEFAULT_ORDER.get(device.type, ("torch",)):
@@ -114,6 +152,10 @@ def select(device: torch.device) -> tuple[str, object]:
                 kernels = impl.load()
             except KernelUnavailableError as exc:
                 skipped.append(f"{candidate}: {str(exc).splitlines()[0][:160]}")
+                continue
+            result = self_check(candidate, kernels, device, dtype)
+            if result is not None and not result.ok:
+                skipped.append(f"{candidate}: self-check failed on {str(dtype).removeprefix('torch.')}")
                 continue
             name = candidate
             break

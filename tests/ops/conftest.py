@@ -1,7 +1,10 @@
-"""The C++ CPU twins, JIT-built once per test session into a temporary TORCH_EXTENSIONS_DIR.
+"""The C++ CPU twins, JIT-built once per test run into a temporary TORCH_EXTENSIONS_DIR.
 
 Every test (and the torchrun workers, through the environment) loads the same
 build; a failed build fails the tests that need it with the compiler's log.
+Under pytest-xdist the workers share one directory (the run's base temp dir):
+torch's build lock lets the first worker build and the others load its result,
+so test files that need the twins cost one build wherever they are scheduled.
 """
 
 import os
@@ -12,6 +15,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def cpu_ext_dir(tmp_path_factory):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is <run's basetemp>/popen-gwN
+        shared = tmp_path_factory.getbasetemp().parent / "torch_extensions"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("torch_extensions")
 
 

@@ -120,3 +120,13 @@ def test_policy_terms_match_torch(interpret, monkeypatch, dtype):
         assert torch.allclose(tg, cg, atol=1e-6, rtol=1e-5), (tg - cg).abs().max()
     else:
         assert torch.allclose(tg.double(), cg.double(), rtol=3e-2, atol=3e-2 * tg.double().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_pass_their_self_check(triton_kernels, dtype):
+    """ops.selfcheck at the kernels' own block sizes (those a GPU runs), under the interpreter."""
+    from megatron_rl.ops import selfcheck
+
+    result = selfcheck.check_kernels("triton", triton_kernels, torch.device("cpu"), dtype)
+    assert result.ok, result.describe()
+    print(result.describe())
