@@ -17,7 +17,8 @@ Checks:
                 same steps close to train_step's (bf16).
   sleep_wake    megatron backend with --offload-train: torch.cuda.memory_allocated before sleep(),
                 after it, after wake(); the step after wake is finite; then the process groups
-                destroyed and rebuilt (--offload-train-groups, auto: on with NCCL): free device
+                destroyed and rebuilt (--offload-train-groups on: auto keeps them until this check
+                has run on NCCL): free device
                 memory before / after the release, the rebuild's time, a finite step after it.
   fsdp          FSDP backend, --bf16: tokens/s; --optimizer-cpu-offload: peak device memory
                 against it; --fp16: steps taken at a loss scale that fits; sleep()/wake()
@@ -222,8 +223,8 @@ def _sleep_wake(run: Run) -> dict:
 
 
 def _groups_teardown(run: Run) -> dict:
-    """The process groups destroyed and rebuilt (--offload-train-groups; auto is on with NCCL): device
-    memory free before, after the release and after the rebuild (NCCL communicators are not tensors:
+    """The process groups destroyed and rebuilt (--offload-train-groups on; auto keeps them until this ran on a
+    GPU): device memory free before, after the release and after the rebuild (NCCL communicators are not tensors:
     torch.cuda.mem_get_info, not memory_allocated), the rebuild's time, a finite step after it."""
     free = (lambda: torch.cuda.mem_get_info()[0] / 2 ** 30 if torch.cuda.is_available() else None)
     _sync()
@@ -244,8 +245,9 @@ def _groups_teardown(run: Run) -> dict:
 def check_sleep_wake(hf, batch, dry):
     from megatron_rl.infra import reloadable_groups
 
-    # --offload-train: the colocated sleep; the groups go by default with NCCL (forced on for the CPU dry run)
-    flags = ["--bf16", "--offload-train"] + ([] if torch.cuda.is_available() else ["--offload-train-groups", "on"])
+    # --offload-train: the colocated sleep; the groups' teardown forced on: auto keeps them on GPUs until this check
+    # has verified it over NCCL (backends/sleep_tiers.py)
+    flags = ["--bf16", "--offload-train", "--offload-train-groups", "on"]
     run = Run("megatron", hf, batch, flags)
     try:
         run.train(1)  # optimizer state exists

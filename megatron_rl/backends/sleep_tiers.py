@@ -8,7 +8,10 @@ optimizer state to host) plus the groups; (3) the groups only. Here:
   parameters, gradients and optimizer state to host;
 * ``none``: a CPU run, where host memory is the only memory, so there is nothing to free;
 * the groups (``--offload-train-groups``): destroyed while the engine generates and rebuilt
-  before training (``infra/reloadable_groups.py``), on by default where they are NCCL.
+  before training (``infra/reloadable_groups.py``). Only on request (``on``): ``auto`` keeps
+  them, on GPUs too, because the teardown has run over gloo only, never over NCCL; it stays
+  off by default until scripts/gpu_check.sh (``benchmarks/gpu_steps.py``'s ``sleep_wake``
+  check, which forces it on) has run it on a GPU.
 
 Tier 1 is not built, and what it takes is known (read from slime and torch_memory_saver 0.0.10):
 torch_memory_saver frees only what was allocated inside its region, so the whole trainer
@@ -58,7 +61,14 @@ def plan_sleep(groups_setting: str, *, backend: str, cuda: bool) -> SleepPlan:
         return SleepPlan(tier, False, "auto: FSDP2's device mesh keeps its groups")
     if not cuda:
         return SleepPlan(tier, False, "auto: gloo groups on CPU hold no device memory")
-    return SleepPlan(tier, True, "auto: NCCL communicators hold GPU memory")
+    return SleepPlan(tier, False, NCCL_TEARDOWN_UNVERIFIED)
+
+
+#: why ``auto`` keeps the groups on a GPU (the log line of the sleep plan)
+NCCL_TEARDOWN_UNVERIFIED = (
+    "auto: off on GPUs until verified: the destroy/rebuild of the process groups has run over gloo only, never on "
+    "NCCL (scripts/gpu_check.sh runs it); --offload-train-groups on turns it on, to free the NCCL communicators' "
+    "GPU memory while the engine generates")
 
 
 MEMORY_SAVER_NOTE = ("torch_memory_saver is installed but not used: its pause frees only allocations made inside "

@@ -294,8 +294,10 @@ class MemoryConfig:
     offload_train_groups: str = flag(
         "auto", "With --offload-train/--colocate (megatron backend): also destroy the trainer's process groups "
         "(their NCCL communicators' GPU memory) while the engine generates, and rebuild them before training. "
-        "auto: on when the groups are NCCL (a GPU run), off on CPU, where gloo groups hold no device memory. "
-        "on: also on CPU (the same teardown over gloo; costs their rebuild each step). off: keep them.",
+        "auto: off. On CPU gloo groups hold no device memory; on GPUs the teardown has run over gloo only, never "
+        "on NCCL, so it stays off until scripts/gpu_check.sh has verified it there (the log says so). "
+        "on: do it (GPU: frees the communicators' memory; CPU: the same teardown over gloo, costs their rebuild "
+        "each step). off: keep them.",
         choices=("auto", "on", "off"))
     ref_weights_location: str = flag(
         "auto", "Where the frozen reference/teacher weight copies live. device: beside the parameters, so each "
