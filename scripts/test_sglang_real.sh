@@ -3,6 +3,7 @@
 # of scripts/test.sh (too heavy: ~7 GB and ~10 min to install once, then ~4-7 min a run).
 #   bash scripts/test_sglang_real.sh [--out DIR] [--skip-e2e] [--num-rollout N] ...
 #   bash scripts/test_sglang_real.sh --launcher [--out DIR] [--skip-kill]   (the loop launching SGLang itself)
+#   bash scripts/test_sglang_real.sh --record-replies [--out FILE]   (refresh the stand-in's fixture, ~2 min)
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
@@ -11,6 +12,10 @@
 #    `python -m megatron_rl.train` against it once per transport (--e2e-transports disk distributed
 #    distributed-pp2: the last on 2 torchrun ranks with 2 pipeline stages).
 # Writes figures.json, check.log, server.log under --out (default /tmp/sglang_real).
+# --record-replies: tools/sglang_cpu/record_replies.py starts the same server, sends its fixed list of
+#    requests (every endpoint megatron_rl calls, success and error statuses) and writes each reply's
+#    status, shape and message to tests/rollout/fixtures/sglang_0.5.23_replies.json (commit it), which
+#    tests/rollout/test_standin_replies.py holds the CI stand-in to.
 # Exit: 0 all checks passed, 1 a check failed, 2 the server could not be started or set up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +29,9 @@ if [ "${1:-}" = "--launcher" ]; then
   # must stop with exit 2 naming the engine's log (~4 min)
   shift
   exec "$PY" tools/sglang_cpu/check_launcher_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
+fi
+if [ "${1:-}" = "--record-replies" ]; then
+  shift
+  exec "$PY" tools/sglang_cpu/record_replies.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
 fi
 exec "$PY" tools/sglang_cpu/check_real_sglang.py --sglang-python "$SGLANG_VENV/bin/python" "$@"

@@ -91,7 +91,9 @@ abort / flush / pause tests),
 cut), ``die_mid_bucket`` (the next ``/update_weights_from_distributed`` receives that many tensors,
 then the server dies: its group dropped, the request unanswered, the server down),
 and ``stop()`` / ``start()`` for connection refused then back. ``server.requests``
-counts every request received, so tests can check what was (not) retried; ``server.disk_updates``
+counts every request received, so tests can check what was (not) retried; ``server.generated`` keeps,
+per answered ``/generate`` row (by rid), the ``sampling_params`` it came with and the row sent back, so a
+client test checks the request it made and how it parsed the reply; ``server.disk_updates``
 lists each loaded ``/update_weights_from_disk`` as ``(weight_version, model_path)``, in order.
 """
 
@@ -104,6 +106,7 @@ import datetime
 import glob
 import io
 import json
+import math
 import pickle
 import socket
 import sys
@@ -183,6 +186,7 @@ class SGLangStandIn:
         self.faults = Faults()
         self.requests: Counter = Counter()  # path -> requests received
         self.rids_served: list[str] = []  # every /generate row's rid, in arrival order
+        self.generated: dict[str, dict] = {}  # rid -> {"sampling_params": as received, "row": the reply row sent}
         self.disk_updates: list[tuple[Optional[str], str]] = []  # (weight_version, model_path) of each loaded update
         self.groups: dict[str, Any] = {}  # group_name -> this server's process group (SGLang's _model_update_group)
         self.group_timeout_s = group_timeout_s
@@ -273,14 +277,6 @@ class SGLangStandIn:
             return 200, self.model_info()
         if path in ("/server_info", "/get_server_info"):
             return 200, self.server_info()
-        if path in ("/get_weight_version", "/weight_version"):
-            return 404, {"detail": "Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
-                                   "Please use '/model_info' instead."}
-        if method != "POST" and path not in ("/flush_cache", "/release_memory_occupation",
-                                              "/resume_memory_occupation"):
-            return 405, {"detail": "Method Not Allowed"}
-        if not isinstance(body, dict):
-            return 400, _validation_error("request body must be a JSON object")
         routes = {
             "/generate": self.generate,
             "/update_weights_from_disk": self.update_weights_from_disk,
@@ -301,8 +297,18 @@ class SGLangStandIn:
             routes["/begin_weight_update"] = self.begin
             routes["/end_weight_update"] = self.end
         fn = routes.get(path)
-        if fn is None:
+        if fn is None:  # FastAPI: an unknown path is 404 whatever the method (GET /workers on a server, too)
             return 404, {"detail": "Not Found"}
+        if method != "POST" and path not in ("/flush_cache", "/release_memory_occupation",
+                                              "/resume_memory_occupation"):
+            return 405, {"detail": "Method Not Allowed"}
+        if not isinstance(body, dict):
+            return 400, _validation_error("request body must be a JSON object")
+        if path == "/update_weights_from_tensor":  # SGLang 0.5.23 decodes the entries while parsing the request
+            bad = [e for e in body.get("serialized_named_tensors") or [] if not _is_base64(e)]
+            if bad:
+                return 400, _validation_error("1 validation error: serialized_named_tensors: Value error, Expected "
+                                              "base64-encoded bytes")
         return fn(body, path) if path in SESSION_ENDPOINTS else fn(body)
 
     def model_info(self) -> dict:
@@ -313,12 +319,13 @@ class SGLangStandIn:
                 "tool_call_parser": None, "disaggregation_mode": "null",
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": getattr(config, "model_type", None),
-                "architectures": getattr(config, "architectures", None)}
+                "architectures": getattr(config, "architectures", None), "embedding": _EMBEDDING_PLAN}
 
     def server_info(self) -> dict:
         """The resolved launch arguments a client reads (real SGLang sends several hundred keys)."""
         return {"model_path": self.tokenizer_path, "tokenizer_path": self.tokenizer_path,
-                "served_model_name": self.tokenizer_path, "tp_size": self.tp_size, "dp_size": 1, "device": "cpu",
+                "served_model_name": self.tokenizer_path, "tp_size": self.tp_size, "dp_size": 1, "pp_size": 1,
+                "device": "cpu",
                 "dtype": "float32", "weight_version": "default", "disable_radix_cache": True,
                 "enable_deterministic_inference": self.deterministic, "version": self.version}
 
@@ -339,6 +346,10 @@ class SGLangStandIn:
         if len(params) != len(rows) or len(rids) != len(rows):
             return 400, {"error": {"message": f"The length of sampling_params ({len(params)}) and rid "
                                               f"({len(rids)}) must match the batch size ({len(rows)})"}}
+        for sp in params:
+            refused = _verify_sampling(sp)
+            if refused:
+                return 400, {"error": {"message": refused}}
         released = sorted(self.released & {"weights", "kv_cache"})
         if released:
             return 400, {"error": {"message": f"stand-in: memory released for {released}; call "
@@ -365,6 +376,8 @@ class SGLangStandIn:
             with self._state_lock:
                 for p in pending:
                     self._pending.pop(p.rid, None)
+        for p, sp, row in zip(pending, params, out):
+            self.generated[p.rid] = {"sampling_params": dict(sp), "row": row}
         return 200, (out if batch else out[0])
 
     def _generate_row(self, prompt: list, sp: dict, pending: _Pending) -> dict:
@@ -767,6 +780,53 @@ def _reconstruct_flattened(payload: Any) -> list:
     for meta in payload["metadata"]:
         out.append((str(meta.name), flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)))
     return out
+
+
+# /model_info's "embedding" block (0.5.23's resolved_embedding_plan) for a generation model, embedding off: the
+# values SGLang's own function gives for the tiny Qwen2 of the real-SGLang checks, except "bcg", whose launch-time
+# values (a str, an int, ints) are stood in for; no client reads any of it.
+_EMBEDDING_PLAN = {
+    "family": "none", "task": "none", "execution": "none", "attention": "none", "pooling": "model_defined",
+    "normalize": False, "postprocessor": "none", "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False, "supports_token_embeddings": False, "supports_multimodal": False,
+    "requires_embedding_flag": False, "auto_enable_embedding": False, "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False, "safe_disable_radix_cache": False, "safe_disable_chunked_prefill": False,
+    "enabled": False, "matryoshka_dimensions": [],
+    "bcg": {"prefill_backend": "torch_native", "enabled": False, "capture_token_budget": 0, "capture_batch_sizes": [1]},
+    "cache": {"kv_cache_disabled": False, "radix_cache_disabled": True, "chunked_prefill_disabled": False}}
+
+
+def _is_base64(entry: Any) -> bool:
+    if not isinstance(entry, str):
+        return False
+    try:
+        base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def _verify_sampling(sp: dict) -> Optional[str]:
+    """SGLang 0.5.23's ``SamplingParams.verify`` for the keys a client sends, in its words (the
+    tokenizer manager raises it as a ValueError: 400 ``{"error": {"message"}}``); None when valid.
+    As there, a temperature below 1e-6 is greedy: top_k becomes 1 before the check."""
+    temperature = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
+    top_p = float(sp.get("top_p", 1.0) if sp.get("top_p") is not None else 1.0)
+    top_k = int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1)
+    max_new_tokens = sp.get("max_new_tokens", 128)
+    if 0 <= temperature < 1e-6:
+        top_k = 1
+    elif top_k == -1:
+        top_k = 1 << 30
+    if not math.isfinite(temperature) or temperature < 0.0:
+        return f"temperature must be a non-negative finite number, got {temperature}."
+    if not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {top_p}."
+    if top_k < 1:
+        return f"top_k must be -1 (disable) or at least 1, got {top_k}."
+    if max_new_tokens is not None and int(max_new_tokens) < 0:
+        return f"max_new_tokens must be at least 0, got {int(max_new_tokens)}."
+    return None
 
 
 def _validation_error(message: str) -> dict:

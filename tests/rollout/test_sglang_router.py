@@ -83,12 +83,23 @@ def test_generation_through_the_router_equals_the_servers_and_weights_reach_ever
     direct = SGLangEngine([a.url], timeout_s=10, connect_retries=1)
     try:
         before = {s.url: s.requests["/generate"] for s in (a, b)}
+        rids_before = {s.url: len(s.rids_served) for s in (a, b)}
         samples = via.generate(REQUESTS, SAMPLED)
         # each row its own request (6), the router spreading them over both workers; the row seeds and
-        # rids pass through, so the samples are the ones a server gives directly
+        # rids pass through, so each worker is sent what one server is sent directly
         served = {s.url: s.requests["/generate"] - before[s.url] for s in (a, b)}
         assert sum(served.values()) == 6 and all(served.values()), served
-        assert [s.response_ids for s in samples] == [s.response_ids for s in direct.generate(REQUESTS, SAMPLED)]
+        by_row = {}  # (prompt, sample) -> (sampling_params the worker received, row it answered)
+        for s in (a, b):
+            for rid in s.rids_served[rids_before[s.url]:]:
+                by_row[tuple(map(int, rid.rsplit("-", 2)[1:]))] = (s.generated[rid]["sampling_params"],
+                                                                   s.generated[rid]["row"])
+        assert [s.response_ids for s in samples] == [by_row[(i, j)][1]["output_ids"]
+                                                     for i in range(3) for j in range(2)]
+        direct.generate(REQUESTS, SAMPLED)
+        alone = {tuple(map(int, rid.rsplit("-", 2)[1:])): a.generated[rid]["sampling_params"]
+                 for rid in a.rids_served[-6:]}
+        assert alone == {row: params for row, (params, _) in by_row.items()}
         assert [(s.group_index, s.label) for s in samples] == [(r.group_index, r.label) for r in REQUESTS
                                                                for _ in range(2)]
         # a weight update goes to both workers (the router forwards none); generation through the router sees it
