@@ -24,8 +24,9 @@ from setuptools import find_packages, setup
 
 CORE_DEPS = [
     "torch>=2.6",
-    # 0.17+ need Python 3.12; 0.16.1 is the newest for 3.11 and is what CI pins.
-    "megatron-core>=0.16.1",
+    # 0.16.1 is what CI runs (the newest for Python 3.11; 0.17+ need 3.12) and what the GPU check carries: the
+    # CPU shim's patches are written against 0.16.x signatures (compat/patches.py refuses others), so no 0.17
+    "megatron-core>=0.16.1,<0.17",
     "transformers>=4.51",
     "safetensors>=0.4",
     "numpy",

@@ -53,14 +53,17 @@ def apply_no_te_compat() -> dict[str, str]:
 def apply_cpu_compat() -> dict[str, str]:
     """Make megatron-core runnable on this host; safe to call any number of times.
 
-    On a CUDA host this changes nothing except the no-TE gaps (when TE is
-    missing). On CPU it imports the megatron modules we execute and applies every
-    patch in ``patches.CPU_PATCHES``; calling again after importing further
-    megatron modules extends the module-level patches to them.
+    On a CUDA host this changes nothing except the correctness gaps of
+    ``ANY_HOST_PATCHES`` and the no-TE gaps (when TE is missing). On CPU it also
+    applies the speed-only ``patches.CPU_SPEED_PATCHES``, imports the megatron
+    modules we execute and applies every patch in ``patches.CPU_PATCHES``;
+    calling again after importing further megatron modules extends the
+    module-level patches to them.
     """
     apply_no_te_compat()
     if not is_cpu_host():
         return dict(_APPLIED)
+    _patches.run_patches(_patches.CPU_SPEED_PATCHES, _APPLIED)
     _patches.import_megatron_modules()
     _patches.run_patches(_patches.CPU_PATCHES, _APPLIED)
     return dict(_APPLIED)

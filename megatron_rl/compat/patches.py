@@ -4,12 +4,22 @@ Each patch is one small function answering one megatron-core behaviour. Patches
 are guarded by the megatron-core version they were written against
 (:data:`SUPPORTED_VERSION_PREFIX`): on another version a patch whose target has
 moved warns and is skipped instead of failing, so a version bump shows up as a
-warning list, not a crash deep inside a forward pass.
+warning list, not a crash deep inside a forward pass. A patch that wraps or
+replaces a megatron function also checks that the function still takes the
+parameters it was written for (``inspect.signature`` names, from 0.16.1) and
+refuses with :class:`SignatureChanged` otherwise: megatron may keep a name and
+change what it means (Megatron-LM main already reshaped
+``linear_with_grad_accumulation_and_async_allreduce``), and a wrapper passing
+arguments by position would then be silently wrong.
 
-Two groups:
+Four groups:
 
 * ``CPU_PATCHES``: only when ``torch.cuda.is_available()`` is False. On a GPU host
   megatron runs unchanged.
+* ``CPU_SPEED_PATCHES``: speed only (the same values, fewer Python calls), so only
+  where they were measured and needed: on CPU. A refused one is skipped with a
+  warning on any version (megatron's own code then runs, slower, not wrong).
+* ``ANY_HOST_PATCHES``: correctness gaps of 0.16.1 that hit GPU hosts too.
 * ``NO_TE_PATCHES``: gaps of 0.16.1 that also hit GPU hosts *without*
   transformer-engine (e.g. the MoE router's ``te_general_gemm`` NameError).
 
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass
@@ -86,16 +97,30 @@ class Patch:
     name: str
     answers: str  # the megatron-core behaviour this patch answers
     apply: Callable[[], None]
+    speed_only: bool = False  # same values without it: refused -> skipped with a warning, on any version
 
 
 class TargetMoved(Exception):
     """A patch target does not exist in this megatron-core version."""
 
 
-def _require(module, attr: str):
+class SignatureChanged(TargetMoved):
+    """A patch target exists but no longer takes the parameters the patch was written for."""
+
+
+def _require(module, attr: str, params: tuple[str, ...] | None = None):
+    """``module.attr``; with ``params``, also check that the function's parameter names are exactly those (the
+    signature the patch was written for). Our own wrapper (already applied) is not checked again."""
     if not hasattr(module, attr):
         raise TargetMoved(f"{module.__name__}.{attr}")
-    return getattr(module, attr)
+    target = getattr(module, attr)
+    if params is not None and not getattr(target, "_megatron_rl_compat", False):
+        got = tuple(inspect.signature(target).parameters)
+        if got != params:
+            raise SignatureChanged(
+                f"{getattr(module, '__name__', module)}.{attr} takes ({', '.join(got)}), not the ({', '.join(params)}) "
+                f"this patch was written for (megatron-core 0.16.1): refusing to wrap it")
+    return target
 
 
 def _megatron_modules():
@@ -183,8 +208,8 @@ def patch_rng_tracker() -> None:
     TP-region dropout/init still get per-rank streams."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    _require(mrandom, "_get_cuda_rng_state")
-    _require(mrandom, "_set_cuda_rng_state")
+    _require(mrandom, "_get_cuda_rng_state", ("device", "clone", "graph_safe"))
+    _require(mrandom, "_set_cuda_rng_state", ("new_state", "device", "graph_safe"))
     if getattr(mrandom._get_cuda_rng_state, "_megatron_rl_compat", False):
         return
 
@@ -220,7 +245,7 @@ def patch_moe_split_sizes() -> None:
     ``all_to_all_single`` rejects them. Convert CPU tensors to numpy too."""
     from megatron.core.transformer.moe import moe_utils
 
-    original = _require(moe_utils, "maybe_move_tensor_to_cpu")
+    original = _require(moe_utils, "maybe_move_tensor_to_cpu", ("tensor", "as_numpy", "record_stream"))
     if getattr(original, "_megatron_rl_compat", False):
         return
 
@@ -248,8 +273,10 @@ def patch_p2p_shape_exchange() -> None:
     from megatron.core.pipeline_parallel import p2p_communication as p2p
 
     cls = _require(p2p, "P2PCommunicator")
-    p2p_ops = _require(p2p, "_p2p_ops")
-    original = _require(cls, "_communicate_shapes")
+    p2p_ops = _require(p2p, "_p2p_ops", ("tensor_send_prev", "tensor_recv_prev", "tensor_send_next",
+                                         "tensor_recv_next", "group", "prev_pipeline_rank", "next_pipeline_rank"))
+    original = _require(cls, "_communicate_shapes", ("self", "tensor_send_next", "tensor_send_prev", "recv_prev",
+                                                     "recv_next"))
     if getattr(original, "_megatron_rl_compat", False):
         return
 
@@ -315,7 +342,7 @@ def patch_hybrid_optimizer_devices() -> None:
     """
     hybrid = importlib.import_module(HYBRID_OPTIMIZER_MODULE)
     cls = _require(hybrid, "HybridDeviceOptimizer")
-    original = _require(cls, "_get_sub_optimizer_param_groups")
+    original = _require(cls, "_get_sub_optimizer_param_groups", ("self", "offload_fraction"))
     if getattr(original, "_megatron_rl_compat", False):
         return
 
@@ -345,8 +372,10 @@ def patch_hybrid_optimizer_fp32_shards() -> None:
     """
     hybrid = importlib.import_module(HYBRID_OPTIMIZER_MODULE)
     cls = _require(hybrid, "HybridDeviceOptimizer")
-    init = _require(cls, "__init__")
-    update = _require(cls, "_update_fp32_params_by_new_state")
+    init = _require(cls, "__init__", ("self", "params", "offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls",
+                                      "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
+                                      "overlap_cpu_optimizer_d2h_h2d", "kwargs"))
+    update = _require(cls, "_update_fp32_params_by_new_state", ("self",))
     if getattr(init, "_megatron_rl_compat", False):
         return
 
@@ -410,8 +439,9 @@ def patch_thd_rope_gather() -> None:
     call) are derived once per (cu_seqlens, freqs) and reused by q and k of every layer; the
     rotation itself is megatron's expression, op for op."""
     rope_utils = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
-    original = _require(rope_utils, "_apply_rotary_pos_emb_thd")
-    rotate_half = _require(rope_utils, "_rotate_half")
+    original = _require(rope_utils, "_apply_rotary_pos_emb_thd", ("t", "cu_seqlens", "freqs", "rotary_interleaved",
+                                                                  "multi_latent_attention", "mscale", "cp_group"))
+    rotate_half = _require(rope_utils, "_rotate_half", ("x", "rotary_interleaved"))
     if getattr(original, "_megatron_rl_compat", False):
         return
     memo = IdentityMemo()
@@ -472,7 +502,7 @@ def patch_tp1_region_identity() -> None:
     layers = importlib.import_module("megatron.core.tensor_parallel.layers")
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
-        original = _require(layers, name)
+        original = _require(layers, name, ("input_", "group"))
         if getattr(original, "_megatron_rl_compat", False):
             continue
 
@@ -527,7 +557,9 @@ def patch_plain_linear() -> None:
     (under ``no_grad``: the forward's two ops alone); values and gradients are bitwise megatron's
     (tests/compat/test_plain_linear.py); every other call reaches megatron's function unchanged."""
     layers = importlib.import_module("megatron.core.tensor_parallel.layers")
-    original = _require(layers, "linear_with_grad_accumulation_and_async_allreduce")
+    original = _require(layers, "linear_with_grad_accumulation_and_async_allreduce", (
+        "input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+        "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group"))
     if getattr(original, "_megatron_rl_compat", False):
         return
 
@@ -571,7 +603,7 @@ def patch_te_min_version() -> None:
     from megatron.core import utils
     from megatron.core.optimizer import optimizer_config
 
-    original = _require(utils, "is_te_min_version")
+    original = _require(utils, "is_te_min_version", ("version", "check_equality"))
     if getattr(original, "_megatron_rl_compat", False):
         return
 
@@ -609,12 +641,19 @@ ANY_HOST_PATCHES: tuple[Patch, ...] = (
           patch_hybrid_optimizer_fp32_shards),
     Patch("hybrid_optimizer_safe_globals", "checkpoints of HybridDeviceOptimizer pickle its sub-optimizer "
           "classes, which megatron's weights_only safe-globals list lacks", patch_hybrid_optimizer_safe_globals),
+)
+
+# Speed only, measured on CPU (the CPU demo's step); on a GPU megatron's own code runs: these never ran there.
+CPU_SPEED_PATCHES: tuple[Patch, ...] = (
     Patch("thd_rope_gather", "the unfused packed-sequence RoPE slices freqs in a Python loop per sequence "
-          "(q and k, every layer, every forward); one gather gives the same rows", patch_thd_rope_gather),
+          "(q and k, every layer, every forward); one gather gives the same rows", patch_thd_rope_gather,
+          speed_only=True),
     Patch("tp1_region_identity", "the TP-region autograd Functions around every linear layer run even for a "
-          "1-rank tensor-parallel group, where they return their input unchanged", patch_tp1_region_identity),
+          "1-rank tensor-parallel group, where they return their input unchanged", patch_tp1_region_identity,
+          speed_only=True),
     Patch("plain_linear", "every linear layer call goes through megatron's general communicating autograd "
-          "Function even when it asks for no communication or fused gradient accumulation", patch_plain_linear),
+          "Function even when it asks for no communication or fused gradient accumulation", patch_plain_linear,
+          speed_only=True),
 )
 
 NO_TE_PATCHES: tuple[Patch, ...] = (
@@ -630,7 +669,9 @@ def run_patches(patches, applied: dict[str, str]) -> None:
 
     Values: ``"applied"`` or ``"skipped: <reason>"``. Patches are individually
     idempotent, so re-running (e.g. after more megatron modules were imported)
-    only reaches the new modules.
+    only reaches the new modules. A target that moved or changed its signature
+    raises on the version we target, except for a speed-only patch, which is
+    skipped with a warning on any version.
     """
     from megatron.core import package_info
 
@@ -640,8 +681,9 @@ def run_patches(patches, applied: dict[str, str]) -> None:
             patch.apply()
             applied[patch.name] = "applied"
         except (TargetMoved, ImportError) as exc:
-            if version.startswith(SUPPORTED_VERSION_PREFIX):
+            if version.startswith(SUPPORTED_VERSION_PREFIX) and not patch.speed_only:
                 raise  # on the version we target a moved target is a bug here
+            what = f"{type(exc).__name__}: {exc}" if isinstance(exc, SignatureChanged) else f"target {exc} not found"
             warnings.warn(f"megatron_rl.compat: patch {patch.name!r} ({patch.answers}) skipped on "
-                          f"megatron-core {version}: target {exc} not found", RuntimeWarning)
-            applied[patch.name] = f"skipped: {exc}"
+                          f"megatron-core {version}: {what}", RuntimeWarning)
+            applied[patch.name] = f"skipped: {what}"

@@ -8,7 +8,8 @@ from megatron_rl.compat import cpu_torch, patches
 
 def test_cpu_patches_applied_and_idempotent():
     first = compat.apply_cpu_compat()
-    expected = {p.name for p in patches.CPU_PATCHES + patches.NO_TE_PATCHES + patches.ANY_HOST_PATCHES}
+    expected = {p.name for p in patches.CPU_PATCHES + patches.CPU_SPEED_PATCHES + patches.NO_TE_PATCHES
+                + patches.ANY_HOST_PATCHES}
     assert set(first) == expected and all(v == "applied" for v in first.values()), first
     import megatron.core.parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
@@ -74,6 +75,62 @@ def test_noop_when_cuda_is_available(monkeypatch):
     compat.apply_cpu_compat()
     assert calls == [[p.name for p in patches.ANY_HOST_PATCHES], [p.name for p in patches.NO_TE_PATCHES]]
     assert compat.cpu_config_overrides() == {}
+
+
+def test_speed_only_patches_are_cpu_only_and_every_megatron_wrapper_names_its_signature():
+    """A GPU host runs megatron's own code where a patch only saves time: the speed patches are in no group a CUDA
+    host applies (test_noop_when_cuda_is_available lists those), and every patch that wraps a megatron function
+    says which parameters it was written for."""
+    import inspect
+
+    speed = {p.name for p in patches.CPU_SPEED_PATCHES}
+    assert speed == {"thd_rope_gather", "tp1_region_identity", "plain_linear"}
+    assert all(p.speed_only for p in patches.CPU_SPEED_PATCHES)
+    assert not speed & {p.name for p in patches.ANY_HOST_PATCHES + patches.NO_TE_PATCHES}
+    unchecked = [p.name for p in patches.CPU_PATCHES + patches.CPU_SPEED_PATCHES + patches.ANY_HOST_PATCHES
+                 + patches.NO_TE_PATCHES if "_require(" in inspect.getsource(p.apply)
+                 and not any(", (" in line or ', ("' in line for line in inspect.getsource(p.apply).splitlines()
+                             if "_require(" in line)]
+    assert unchecked == ["jit_fuser", "hybrid_optimizer_safe_globals"], unchecked  # neither wraps a function
+
+
+def _refusing(monkeypatch, module, attr, fake):
+    monkeypatch.setattr(module, attr, fake)
+    return fake
+
+
+def test_a_patch_refuses_a_function_with_another_signature(monkeypatch):
+    """Megatron-LM main's linear_with_grad_accumulation_and_async_allreduce (no async_grad_allreduce): the speed
+    patch refuses to wrap it, names both signatures, leaves megatron's function in place, and run_patches skips it
+    with a warning even on the version we target. A needed patch refusing raises there instead."""
+    import warnings
+
+    import pytest
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import moe_utils
+
+    def main_linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                    grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None):
+        raise AssertionError("never called")
+
+    fake = _refusing(monkeypatch, layers, "linear_with_grad_accumulation_and_async_allreduce", main_linear)
+    with pytest.raises(patches.SignatureChanged, match=r"layers.linear_with_grad_accumulation_and_async_allreduce "
+                                                        r"takes \(input, .*, wgrad_deferral_limit, tp_group\), not "
+                                                        r"the \(.*, async_grad_allreduce, tp_group\) this patch was "
+                                                        r"written for \(megatron-core 0.16.1\): refusing to wrap it"):
+        patches.patch_plain_linear()
+    assert layers.linear_with_grad_accumulation_and_async_allreduce is fake
+    applied = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patches.run_patches([p for p in patches.CPU_SPEED_PATCHES if p.name == "plain_linear"], applied)
+    assert applied["plain_linear"].startswith("skipped: SignatureChanged: ")
+    assert any("patch 'plain_linear'" in str(w.message) and "refusing to wrap it" in str(w.message) for w in caught)
+    assert layers.linear_with_grad_accumulation_and_async_allreduce is fake
+
+    _refusing(monkeypatch, moe_utils, "maybe_move_tensor_to_cpu", lambda tensor, as_numpy=False: tensor)
+    with pytest.raises(patches.SignatureChanged, match=r"maybe_move_tensor_to_cpu takes \(tensor, as_numpy\)"):
+        patches.run_patches([p for p in patches.CPU_PATCHES if p.name == "moe_split_sizes"], {})
 
 
 def test_cpu_config_overrides_turn_off_cuda_paths():

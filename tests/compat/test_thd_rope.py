@@ -9,7 +9,7 @@ RoPE, partial rotary dims, bf16 inputs. ``torch.equal``: not close, identical.
 import pytest
 import torch
 
-from megatron_rl.compat import apply_no_te_compat
+from megatron_rl.compat import apply_cpu_compat
 
 
 class _Group:
@@ -25,11 +25,11 @@ class _Group:
 
 @pytest.fixture(scope="module")
 def rope():
-    apply_no_te_compat()
+    apply_cpu_compat()
     from megatron.core.models.common.embeddings import rope_utils
 
     patched = rope_utils._apply_rotary_pos_emb_thd
-    assert getattr(patched, "_megatron_rl_compat", False), "the patch is applied on every host"
+    assert getattr(patched, "_megatron_rl_compat", False), "the patch is applied on CPU hosts"
     return patched, patched.original
 
 

@@ -10,7 +10,7 @@ the multi-rank path is megatron's unchanged code, exercised by every TP2 layout 
 import pytest
 import torch
 
-from megatron_rl.compat import apply_no_te_compat
+from megatron_rl.compat import apply_cpu_compat
 
 
 class _Group:
@@ -26,11 +26,11 @@ class _Group:
 
 @pytest.fixture(scope="module")
 def layers(tp1_world):
-    apply_no_te_compat()
+    apply_cpu_compat()
     from megatron.core.tensor_parallel import layers
 
     for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region"):
-        assert getattr(getattr(layers, name), "_megatron_rl_compat", False), f"{name} is patched on every host"
+        assert getattr(getattr(layers, name), "_megatron_rl_compat", False), f"{name} is patched on CPU hosts"
     return layers
 
 
