@@ -2,7 +2,8 @@
 
 The tracker (driver only), the wall clock, the checkpoint cursor, and one object
 per job (see ``megatron_rl.runner``). ``create`` builds them from the ``Config``
-in the order a start needs: a ``--existing-save`` choice is carried out before
+in the order a start needs: the driver takes the lock on ``--save`` (one run per root,
+``infra.save_lock``) before anything writes there, a ``--existing-save`` choice is carried out before
 anything reads the save root, the wall clock continues the elapsed time of the
 job it resumes, and W&B continues the resumed run's id.
 """
@@ -18,6 +19,8 @@ from megatron_rl.backends.base import TrainBackend
 from megatron_rl.config import Config
 from megatron_rl.infra.checkpoint_root import read_resume_state
 from megatron_rl.infra.plot import DEFAULT_KEYS, plot_metrics
+from megatron_rl.infra.save_lock import SaveLock
+from megatron_rl.infra.save_lock import acquire as acquire_save_lock
 from megatron_rl.infra.tracking import Tracker, read_jsonl
 from megatron_rl.infra.wall_time import WallClock, write_run_status
 from megatron_rl.rollout.manager import RolloutManager
@@ -48,11 +51,14 @@ class RunContext:
     stop: StopPolicy
     rollouts: RolloutSource
     resume_state: dict  # resume_state.json of the job this one continues ({} on a fresh start)
+    save_lock: Optional[SaveLock] = None  # the driver's lock on --save (released at exit or by finish)
 
     @classmethod
     def create(cls, cfg: Config) -> "RunContext":
         rank = int(os.environ.get("RANK", "0"))
         rt, ck = cfg.runtime, cfg.checkpoint
+        # one run per --save: taken before anything below writes into the root or opens the run's files
+        save_lock = acquire_save_lock(ck.save) if rank == 0 and ck.save else None
         if rank == 0 and ck.existing_save and ck.no_auto_resume:
             clear_save_root(ck.save, ck.existing_save)  # validation allowed this start
         resumable = ck.save and not ck.no_auto_resume
@@ -72,7 +78,7 @@ class RunContext:
                    checkpoints=CheckpointSaver(cfg, cursor, clock, tracker, is_driver),
                    evaluation=EvalSchedule(cfg, clock),
                    stop=StopPolicy(cfg, clock, tracker, is_driver),
-                   rollouts=RolloutSource(cfg, cursor, is_driver), resume_state=state)
+                   rollouts=RolloutSource(cfg, cursor, is_driver), resume_state=state, save_lock=save_lock)
 
     def log(self, step: int, metrics: dict) -> None:
         self.tracker.log(step, metrics)
@@ -86,3 +92,5 @@ class RunContext:
             out = os.path.join(self.cfg.runtime.output_dir, "curves.png")
             plot_metrics(read_jsonl(self.tracker.jsonl_path), DEFAULT_KEYS, out, title=self.cfg.runtime.output_dir)
             log.info("wrote %s", out)
+        if self.save_lock is not None:
+            self.save_lock.release()
