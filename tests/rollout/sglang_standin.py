@@ -14,7 +14,8 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
   output_token_logprobs=[[logprob, id, None], ...], output_token_logprobs_length,
   reasoning_tokens, completion_tokens, cached_tokens, weight_versions=[{version, start, end}],
   cached_tokens_details, dp_rank, e2e_latency, response_sent_to_client_ts``); errors
-  ``{"error": {"message"}}`` with 400. ``sampling_seed`` is honoured as by a server started with
+  ``{"error": {"message"}}`` with 400 (invalid sampling params too, in ``SamplingParams.verify``'s
+  words). ``sampling_seed`` is honoured as by a server started with
   ``--enable-deterministic-inference``; ``deterministic=False`` plays the default server, which
   ignores it (``/server_info`` reports which).
 * weight endpoints: ``{success, message}`` (``/update_weights_from_disk`` adds
@@ -34,8 +35,11 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
   (a subset of the resolved launch arguments: the ones a client reads), ``/health``
   (200 empty; 503 while "starting"), ``/health_generate``.
 
-The replies and messages above were compared with real SGLang 0.5.23 on CPU by
-``tools/sglang_cpu/check_real_sglang.py`` (it records real replies in its figures.json).
+The replies and messages above are held to real SGLang 0.5.23's in CI: ``tests/rollout/test_standin_replies.py``
+sends ``tools/sglang_cpu/record_replies.py``'s fixed requests here and compares statuses, reply shapes and
+messages with ``tests/rollout/fixtures/sglang_0.5.23_replies.json``, recorded from real SGLang on CPU
+(``scripts/test_sglang_real.sh --record-replies``); ``tools/sglang_cpu/check_real_sglang.py`` compares the
+replies that need a request in flight or a second server (flush refused, an aborted row, a 503) on every run.
 
 * ``/init_weights_update_group`` (``master_address, master_port, rank_offset, world_size,
   group_name, backend``) / ``/update_weights_from_distributed`` (``names, dtypes, shapes,
