@@ -10,11 +10,14 @@
 #   wheels    pip install --no-index the wheels carried in --wheels DIR (the machine has no network)
 #   build     the CUDA extension in place for sm_90: MEGATRON_RL_BUILD_EXT=cuda setup.py build_ext --inplace
 #   kernels   benchmarks/kernels.py: CUDA and Triton vs torch vs naive log_softmax, correctness against the
-#             float64 reference first (values, gradients), then time and peak memory at V=151,936
+#             float64 reference first (values, gradients), then time and peak memory at V=151,936; it also
+#             runs the kernels' self-check (ops/selfcheck.py, what a run does before trusting them) and
+#             prints its cost in ms: the first time that check meets real CUDA/Triton kernels
 #   training  benchmarks/gpu_steps.py under torchrun (1 process): the megatron backend's bf16 RL step vs a
 #             bare megatron-core step on a Qwen-shaped model (tokens/s, ratio), --optimizer-cpu-offload (peak
 #             memory, step time, grad norms vs without), sleep/wake (memory_allocated released and restored),
-#             the fsdp backend (bf16, --optimizer-cpu-offload peak memory, --fp16 loss scaling, sleep/wake) and
+#             the process groups' NCCL teardown and rebuild (forced on: --offload-train-groups auto keeps it
+#             off on GPUs until this has run it), the fsdp backend (bf16, --optimizer-cpu-offload peak memory, --fp16 loss scaling, sleep/wake) and
 #             FP8 when transformer-engine imports (else the reason), torch_memory_saver's pause/resume of a
 #             tensor and of a whole megatron backend (freed memory, same bits after). Needs megatron-core for
 #             the machine's Python 3.12 (and torch_memory_saver): carry them, `bash scripts/gpu_wheels.sh`
@@ -36,7 +39,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --out) OUT="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (use --dry-run, --out DIR, --wheels DIR)" >&2; exit 2 ;;
   esac
   shift
