@@ -412,6 +412,10 @@ class CheckpointConfig:
                                         "--save, which the fresh run would overwrite and prune: archive moves "
                                         "them to --save/archive_<UTC time>/, discard deletes them. Without it "
                                         "such a start is refused.", choices=("archive", "discard"))
+    allow_resume_older: bool = flag(False, "With --load ROOT/iter_N and a --save that holds iterations above N: "
+                                    "move those into --save/superseded/ (renamed iter_M.<UTC time>, never deleted) "
+                                    "and continue from N. Without it such a start is refused, since the run's "
+                                    "saves would overwrite them.")
     ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
                                    "default: the initial policy.")
     opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation.")

@@ -459,6 +459,24 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
                 errors.append(f"{flag} {path} lies in the old checkpoints under --save {c.save} that --existing-save "
                               f"{c.existing_save} would {action} before the run reads it; copy it out of --save "
                               "first, or choose another --save")
+    _check_resume_older(errors, cfg)
+
+
+def _check_resume_older(errors: list[str], cfg: Config) -> None:
+    """``--load ROOT/iter_N`` into a ``--save`` that holds iterations above N: the run's saves would
+    overwrite them one by one (it silently did). Refused unless ``--allow-resume-older``, with which
+    ``runner.resume`` moves them into ``--save/superseded/`` before loading."""
+    from megatron_rl.infra.checkpoint_root import SUPERSEDED_DIR, iteration_of, newer_iterations
+
+    c = cfg.checkpoint
+    step = iteration_of(c.load) if c.load and c.save and not c.no_auto_resume else None
+    newer = newer_iterations(c.save, step) if step is not None else []
+    if newer and not c.allow_resume_older:
+        names = ", ".join(f"iter_{s:07d}" for s in newer[:6]) + (f", ... ({len(newer)})" if len(newer) > 6 else "")
+        errors.append(f"--load {c.load} resumes iteration {step}, but --save {c.save} holds newer ones ({names}), "
+                      "which this run's saves would overwrite; add --allow-resume-older to move them aside into "
+                      f"{os.path.join(c.save, SUPERSEDED_DIR)}/ and continue from {step}, drop --load to resume from "
+                      "the newest, or give another --save")
 
 
 # What the fsdp backend (backends/fsdp) does not build yet: (flag, is it given?, why). Refused, never ignored.

@@ -44,17 +44,20 @@ import logging
 import os
 import re
 import shutil
+import time
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_rl.errors import CheckpointError
-from megatron_rl.infra.atomic import atomic_write_json, atomic_write_text, fsync_dir
+from megatron_rl.infra import checksum
+from megatron_rl.infra.atomic import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
 MARKER_NAME = "COMPLETE.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RESUME_STATE_NAME = "resume_state.json"
+SUPERSEDED_DIR = "superseded"  # newer iterations moved aside by a resume of an older one
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 CHECKSUM_KEY = "crc32"
 _READ_CHUNK = 8 << 20
@@ -161,6 +164,52 @@ def find_latest_complete(root: str) -> Optional[int]:
             return step
         log.warning("checkpoint %s has no %s (incomplete or foreign); skipping it", path, MARKER_NAME)
     return None
+
+
+def newest_checkpoint_bytes(root: str) -> Optional[int]:
+    """Bytes of the newest complete checkpoint under ``root`` (the files its ``COMPLETE.json`` lists):
+    what the next save of the same run will need on disk. None without one (or an unreadable marker)."""
+    step = find_latest_complete(root)
+    if step is None:
+        return None
+    try:
+        with open(os.path.join(iter_dir(root, step), MARKER_NAME)) as f:
+            files = json.load(f).get("files") or []
+        return sum(int(e["bytes"]) for e in files) or None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def newer_iterations(root: Optional[str], step: int) -> list[int]:
+    """Published ``iter_*`` dirs under ``root`` above ``step``: what a run resumed at ``step`` into
+    ``root`` would overwrite as it saves (``--allow-resume-older``)."""
+    return [s for s in list_iterations(root) if s > step] if root else []
+
+
+def move_aside(root: str, steps: list[int], companions: Callable[[int], list[str]] = lambda step: [],
+               now: Optional[float] = None) -> list[str]:
+    """Move ``iter_N`` dirs (and ``companions(N)``: the rollout stored after each) into
+    ``root/superseded/`` as ``<name>.<UTC time>``: renames within the root's filesystem, nothing copied
+    or deleted. Returns the new paths. Why aside and not deleted: they are another branch of the
+    run's history that someone chose to leave (``--load`` of an older iteration); a human decides."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    dest_root = os.path.join(root, SUPERSEDED_DIR)
+    os.makedirs(dest_root, exist_ok=True)
+    moved = []
+    for s in steps:
+        sources = [iter_dir(root, s), *companions(s)]
+        for src in sources:
+            if not os.path.lexists(src):
+                continue
+            dest, n = os.path.join(dest_root, f"{os.path.basename(src)}.{stamp}"), 1
+            while os.path.lexists(dest):
+                n += 1
+                dest = os.path.join(dest_root, f"{os.path.basename(src)}.{stamp}_{n}")
+            os.rename(src, dest)
+            moved.append(dest)
+    fsync_dir(dest_root)
+    fsync_dir(root)
+    return moved
 
 
 def iteration_of(path: str) -> Optional[int]:
@@ -287,26 +336,44 @@ def _remove_atomically(path: str) -> None:
 
 
 def write_resume_state(root: str, state: dict) -> None:
-    """Atomically write ``resume_state.json`` (must be JSON-serialisable)."""
+    """Atomically write ``resume_state.json`` (must be JSON-serialisable) with its SHA-256
+    (:mod:`megatron_rl.infra.checksum`)."""
     try:
         json.dumps(state)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"resume state for {root} is not JSON-serialisable: {e}") from e
     os.makedirs(root, exist_ok=True)
-    atomic_write_json(os.path.join(root, RESUME_STATE_NAME), state)
+    checksum.write_json(os.path.join(root, RESUME_STATE_NAME), state)
+
+
+def _resume_state_fix(path: str, root: str) -> str:
+    return (f"Restore {path} from a copy, or delete it to resume from the newest complete checkpoint under {root} "
+            "alone: the wall time used so far then counts from 0 and a new W&B run starts (--wandb-resume-id ID "
+            "continues the old one)")
 
 
 def read_resume_state(root: str) -> Optional[dict]:
-    """The resume state dict, or None if absent. Corrupt JSON is an error naming the file."""
+    """The resume state dict, or None if absent.
+
+    Refused (a :class:`CheckpointError` naming the file and the fix), never skipped: corrupt JSON,
+    or content that fails its checksum (:class:`~megatron_rl.infra.checksum.ChecksumMismatch`).
+    Why not fall back to the newest checkpoint: the file is the only record of the wall time used
+    and the W&B run id, and the pointer is what tells this run's checkpoints from an earlier run's
+    newer leftovers; dropping it silently would resume the wrong branch or overrun the wall time.
+    A file written before checksums existed loads with one log line.
+    """
     path = os.path.join(root, RESUME_STATE_NAME)
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+        state = checksum.read_json(path, _resume_state_fix(path, root))
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
         raise CheckpointError(f"{path} is not valid JSON ({e}); it is written atomically, so this is outside "
-                              f"damage: delete it to resume from the checkpoint alone") from e
+                              f"damage. {_resume_state_fix(path, root)}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(state).__name__}, not an object. "
+                              f"{_resume_state_fix(path, root)}")
+    return state
 
 
 def file_list(root: str, known_checksums: Optional[dict[str, str]] = None) -> list[dict]:

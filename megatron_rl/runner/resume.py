@@ -10,8 +10,10 @@ from megatron_rl.backends.base import TrainBackend
 from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError, ConfigError
 from megatron_rl.infra import checkpoint_root as ckpt
+from megatron_rl.infra.dist import rank0_do
 from megatron_rl.models.model_dir import is_model_dir
 from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.rollout_ckpt import rollout_ckpt_path
 from megatron_rl.runner.checkpoints import CheckpointCursor
 
 log = logging.getLogger("megatron_rl")
@@ -38,6 +40,8 @@ class Resumer:
         if not root or cfg.checkpoint.no_auto_resume:
             return 0
         if load_root and ckpt.iteration_of(load_root) is not None:
+            if cfg.checkpoint.allow_resume_older and cfg.checkpoint.save:
+                self._supersede_newer(cfg.checkpoint.save, ckpt.iteration_of(load_root))
             path, extra = load_root, self._load_named(backend, load_root)
         else:
             found = self._load_newest_good(backend, root, named=bool(load_root))
@@ -50,6 +54,20 @@ class Resumer:
         log.info("resumed from %s at rollout %d", path, step)
         self.cursor.step, self.cursor.path, self.cursor.resumed_at = step, path, step
         return step
+
+    @staticmethod
+    def _supersede_newer(save_root: str, step: int) -> None:
+        """``--allow-resume-older``: the iterations above ``step`` under ``--save`` (which this run's saves
+        would overwrite) move into ``superseded/`` on rank 0, before anything is loaded or saved."""
+        def move() -> list[str]:
+            newer = ckpt.newer_iterations(save_root, step)
+            moved = ckpt.move_aside(save_root, newer, companions=lambda s: [rollout_ckpt_path(save_root, s)])
+            if moved:
+                log.warning("--allow-resume-older: resuming iteration %d; moved the newer %s aside: %s", step,
+                            ", ".join(f"iter_{s:07d}" for s in newer), ", ".join(moved))
+            return moved
+
+        rank0_do(move, f"moving the iterations above {step} under {save_root} aside")
 
     @staticmethod
     def _load_named(backend: TrainBackend, path: str) -> dict:

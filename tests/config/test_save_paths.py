@@ -99,7 +99,7 @@ def test_run_context_applies_existing_save_before_the_run(hf_dir, tmp_path, monk
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-    assert sorted(n for n in os.listdir(root) if not n.startswith("archive_")) == ["notes.txt"]
+    assert sorted(n for n in os.listdir(root) if not n.startswith("archive_")) == [".megatron_rl.lock", "notes.txt"]
     assert ctx.resume_state == {}
 
 

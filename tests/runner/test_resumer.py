@@ -147,7 +147,7 @@ def test_load_of_a_named_iteration_loads_exactly_it(tmp_path, tiny_hf_models):
                                                                                                           None)
         return step, [c[1] for c in backend.calls if c[0] == "load"]
 
-    assert resume("--load", older, "--save", str(root)) == (2, [older])  # not the newer iter_4
+    assert resume("--load", older) == (2, [older])  # not the newer iter_4 (with --save ROOT: test_resume_older.py)
     assert resume("--load", str(root)) == (4, [broken, newer])  # the root: auto-resume's rule
     with pytest.raises(CheckpointError) as e:  # named by the user: refused by name, no fallback
         resume("--load", broken, "--save", str(root))
