@@ -2,9 +2,11 @@
 
 Why: on a GPU every NCCL communicator holds device memory of its own (buffers per channel and
 peer; hundreds of MiB for megatron's dozen-odd groups on a large node) that no tensor offload
-gives back. A colocated engine wants that memory while it generates, so the trainer's sleep
-tier "offload" (slime's default: grad buffers and optimizer state to host) also destroys the
-groups, and the next wake rebuilds them (issue 14; the source design's tiers).
+gives back. A colocated engine wants that memory while it generates, so with
+``--offload-train-groups on`` the trainer's sleep (tier "offload": grad buffers and optimizer
+state to host) also destroys the groups, and the next wake rebuilds them (the source design's
+tiers). Not by default: ``auto`` keeps the groups, on GPUs too, until scripts/gpu_check.sh has
+run this over NCCL (so far it has run over gloo only; backends/sleep_tiers.py).
 
 How: megatron (and this package) keep the group objects they got from ``new_group`` for the
 whole run (``parallel_state``'s globals, every module's ``pg_collection``, DDP's and the
