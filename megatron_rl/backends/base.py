@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
+import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -48,11 +50,14 @@ from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBa
                                       plan_loss_denominators, plan_owner_aligned)
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, ConfigError
+from megatron_rl.infra import dist as dist_util
 from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
     from megatron_rl.config import Config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -178,6 +183,31 @@ class WeightManager:
     def has(self, tag: str) -> bool:
         return tag in self._tags
 
+    @classmethod
+    def resolved(cls, named_params: Callable[[], Iterator[tuple[str, torch.Tensor]]], requested: str, *,
+                 offload_train: bool) -> "WeightManager":
+        """A manager whose copies live where ``--ref-weights-location`` ``requested`` resolves to, measured
+        now, once the model and optimizer hold their memory (``resolve_weights_location``; logged once)."""
+        cuda = torch.cuda.is_available()
+        tag_bytes = sum(p.numel() * p.element_size() for _, p in named_params())
+        where, why = resolve_weights_location(requested, cuda=cuda, offload_train=offload_train, tag_bytes=tag_bytes,
+                                              free_bytes=torch.cuda.mem_get_info()[0] if cuda else None)
+        if dist_util.rank() == 0:
+            log.info("reference/teacher weight copies live on the %s (%s)", where, why)
+        return cls(named_params, where)
+
+    def load_tag(self, tag: str, load_into_live: Callable[[], None]) -> None:
+        """Store other weights as ``tag`` by passing them through the live parameters: the actor's values
+        are kept aside, ``load_into_live`` writes the tag's weights with the backend's own loaders (so
+        every layout and strictness check of a checkpoint load applies), they are backed up as ``tag``,
+        and the actor's values are put back. A tag is a swap of the same parameters, not a second model."""
+        actor = {n: p.detach().clone() for n, p in self._named_params()}
+        load_into_live()
+        self.backup(tag)
+        with torch.no_grad():
+            for name, p in self._named_params():
+                p.copy_(actor[name])
+
     def _load(self, tag: str) -> None:
         start = time.perf_counter()
         stored = self._tags[tag]
@@ -243,6 +273,36 @@ def resolve_weights_location(requested: str, *, cuda: bool, offload_train: bool,
                           f"memory ({gib(free_bytes)})")
     return "host", (f"auto: one copy ({gib(tag_bytes)}) is more than {DEVICE_TAG_SHARE:.0%} of the free device "
                     f"memory ({gib(free_bytes or 0)})")
+
+
+def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``export_weights``' buckets from one stream of ``(name, tensor)``: a bucket closes once it holds at
+    least ``bucket_bytes`` (``--update-weight-buffer-size``), so no tensor is split across buckets (an
+    engine loads whole tensors) and one larger than the budget is a bucket of its own; the rest last."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def finish_step_metrics(metrics: dict[str, float], *, grad_norm: Optional[float], lr: float, update_ok: bool,
+                        loss_scale: Optional[float], micro_batches: int, started: float) -> dict[str, float]:
+    """The optimizer-step half of ``train_step``'s metrics, the same keys from every backend
+    (docs/metrics.md): ``metrics`` are the reduced loss metrics, already ``train/``-prefixed."""
+    metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+    metrics["train/lr"] = lr
+    metrics["train/update_skipped"] = float(not update_ok)
+    if loss_scale is not None:
+        metrics["train/loss_scale"] = loss_scale
+    metrics["train/micro_batches"] = float(micro_batches)
+    metrics["train/step_time_s"] = time.perf_counter() - started
+    return metrics
 
 
 class TrainBackend(abc.ABC):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_rl.backends.base import WeightManager, broadcast_samples, make_backend
+from megatron_rl.backends.base import WeightManager, broadcast_samples, bucketed, finish_step_metrics, make_backend
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, ConfigError
 
@@ -122,3 +122,39 @@ def test_resolve_weights_location(requested, cuda, offload, tag, free, where, wh
     got, reason = resolve_weights_location(requested, cuda=cuda, offload_train=offload, tag_bytes=tag,
                                            free_bytes=free)
     assert got == where and why in reason
+
+
+def test_export_buckets_close_only_past_the_budget_and_never_split_a_tensor():
+    """Both backends' ``export_weights`` are ``bucketed`` over their own tensor stream: a bucket closes
+    once it holds at least the budget, a tensor larger than the budget is a bucket of its own, order
+    and tensors are kept as they came (the same objects: nothing copied or cut)."""
+    sizes = [10, 20, 30, 100, 5, 5, 1]  # float32 elements: 4 bytes each
+    named = [(f"w{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    buckets = list(bucketed(iter(named), bucket_bytes=4 * 40))
+    assert [[n for n, _ in b] for b in buckets] == [["w0", "w1", "w2"], ["w3"], ["w4", "w5", "w6"]]
+    assert [t for b in buckets for _, t in b] == [t for _, t in named]  # the same tensors, in order
+    for bucket in buckets[:-1]:  # every closed bucket passed the budget, and not before its last tensor
+        nbytes = [t.numel() * t.element_size() for _, t in bucket]
+        assert sum(nbytes) >= 160 and sum(nbytes[:-1]) < 160
+    assert list(bucketed(iter([]), 1)) == []
+    assert [len(b) for b in bucketed(iter(named), bucket_bytes=1)] == [1] * len(named)
+
+
+def test_weight_tags_load_through_the_live_parameters_and_put_the_actor_back():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    wm = WeightManager(lambda: iter([("p", p)]))
+    wm.load_tag("ref", lambda: p.data.copy_(torch.tensor([7.0, 8.0])))
+    assert p.tolist() == [1.0, 2.0]
+    with wm.use("ref"):
+        assert p.tolist() == [7.0, 8.0]
+    assert p.tolist() == [1.0, 2.0]
+
+
+def test_step_metrics_are_the_same_keys_from_every_backend():
+    m = finish_step_metrics({"train/loss": 0.5}, grad_norm=None, lr=1e-3, update_ok=False, loss_scale=None,
+                            micro_batches=2, started=0.0)
+    assert set(m) == {"train/loss", "train/grad_norm", "train/lr", "train/update_skipped", "train/micro_batches",
+                      "train/step_time_s"}
+    assert m["train/update_skipped"] == 1.0 and m["train/grad_norm"] != m["train/grad_norm"]  # NaN: no norm
+    assert "train/loss_scale" in finish_step_metrics({}, grad_norm=1.0, lr=0.1, update_ok=True, loss_scale=8.0,
+                                                     micro_batches=1, started=0.0)

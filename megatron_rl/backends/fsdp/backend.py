@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import Spec
-from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, resolve_weights_location
+from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, bucketed, finish_step_metrics
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
@@ -159,7 +159,8 @@ class FSDPBackend(TrainBackend):
         self.pad_token_id = 0
         self.optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters()))
         self.scheduler = MegatronLRSchedule.from_config(self.optimizer, cfg)
-        self.weights = WeightManager(self._named_local_params, self._ref_weights_location(cfg))
+        self.weights = WeightManager.resolved(self._named_local_params, cfg.memory.ref_weights_location,
+                                              offload_train=cfg.memory.effective_offload_train)
         self.optimizer_steps = 0
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_precision(cfg.precision) \
             if cfg.precision.fp16 else None
@@ -173,16 +174,6 @@ class FSDPBackend(TrainBackend):
             with torch.no_grad():
                 local = p.to_local() if hasattr(p, "to_local") else p
             yield name, local
-
-    def _ref_weights_location(self, cfg: Config) -> str:
-        cuda = torch.cuda.is_available()
-        tag_bytes = sum(p.numel() * p.element_size() for _, p in self._named_local_params())
-        where, why = resolve_weights_location(cfg.memory.ref_weights_location, cuda=cuda,
-                                              offload_train=cfg.memory.effective_offload_train, tag_bytes=tag_bytes,
-                                              free_bytes=torch.cuda.mem_get_info()[0] if cuda else None)
-        if self.dp_rank == 0:
-            log.info("reference/teacher weight copies live on the %s (%s)", where, why)
-        return where
 
     def _model_output(self, mb: PackedBatch, with_entropy: bool = True):
         """``(ModelOutput, logits)``: response-aligned log-probs (+ entropy when ``with_entropy``) of one
@@ -248,14 +239,9 @@ class FSDPBackend(TrainBackend):
             log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {f"train/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}
-        metrics["train/grad_norm"] = grad_norm
-        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["train/update_skipped"] = float(not update_ok)
-        if self.loss_scaler is not None:
-            metrics["train/loss_scale"] = loss_scale
-        metrics["train/micro_batches"] = float(plan.num_micro_batches)
-        metrics["train/step_time_s"] = time.perf_counter() - t0
-        return metrics
+        return finish_step_metrics(metrics, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+                                   update_ok=update_ok, loss_scale=loss_scale if self.loss_scaler else None,
+                                   micro_batches=plan.num_micro_batches, started=t0)
 
     def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors under the checkpoint's names, in buckets. Collective: every rank
@@ -266,17 +252,8 @@ class FSDPBackend(TrainBackend):
         checkpoint know the per-expert names, so each layer's tensors are converted back as
         ``save_pretrained`` does. Tied weights appear once, as in the checkpoint. One pipeline stage:
         ``stage_only`` exports the same."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for unit in self._full_tensors_by_layer():
-            for name, full in hf_checkpoint_names(self.model, unit).items():
-                bucket.append((name, full))
-                size += full.numel() * full.element_size()
-                if size >= bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-        if bucket:
-            yield bucket
+        yield from bucketed((item for unit in self._full_tensors_by_layer()
+                             for item in hf_checkpoint_names(self.model, unit).items()), bucket_bytes)
 
     def _full_tensors_by_layer(self) -> Iterator[dict[str, torch.Tensor]]:
         """The gathered parameters, one dict per decoder layer (and one per run of other
@@ -315,18 +292,17 @@ class FSDPBackend(TrainBackend):
             raise CheckpointError(f"{flag} {path}: the fsdp backend loads HF directories (config.json + "
                                   "*.safetensors) only in this version")
         model_dir.check_hf_marker_once(path, f"checking {flag} {path}")
-        actor = {n: p.detach().clone() for n, p in self._named_local_params()}
-        other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        full = {n: p.detach() for n, p in other.named_parameters()}  # tied weights once, as ours
-        try:
-            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{flag} {path} does not fit the policy model ({e}); a weight tag is the same "
-                                  "architecture as --hf-checkpoint") from e
-        self.weights.backup(tag)
-        with torch.no_grad():
-            for name, p in self._named_local_params():
-                p.copy_(actor[name])
+
+        def load_into_live() -> None:
+            other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            full = {n: p.detach() for n, p in other.named_parameters()}  # tied weights once, as ours
+            try:
+                set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise CheckpointError(f"{flag} {path} does not fit the policy model ({e}); a weight tag is the "
+                                      "same architecture as --hf-checkpoint") from e
+
+        self.weights.load_tag(tag, load_into_live)
         log.info("loaded frozen %s weights from %s (HF)", tag, path)
 
     def sleep(self) -> None:

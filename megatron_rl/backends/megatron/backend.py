@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import time
 from functools import partial
@@ -36,8 +35,8 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
-from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager,
-                                      resolve_weights_location)
+from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager, bucketed,
+                                      finish_step_metrics)
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
@@ -185,23 +184,12 @@ class MegatronBackend(TrainBackend):
             wd_incr_steps=1, wd_incr_style="constant")
         self.model_config.finalize_model_grads_func = finalize_model_grads
         self.model_config.grad_scale_func = self.optimizer.scale_loss
-        self.weights = WeightManager(self._named_local_params, self._ref_weights_location(cfg))
+        self.weights = WeightManager.resolved(self._named_local_params, cfg.memory.ref_weights_location,
+                                              offload_train=cfg.memory.effective_offload_train)
         self.optimizer_steps = 0
         self.pad_token_id = 0
 
     # ---- helpers -------------------------------------------------------------
-
-    def _ref_weights_location(self, cfg: Config) -> str:
-        """Resolve ``--ref-weights-location`` now that model and optimizer hold their memory (logged once)."""
-        cuda = torch.cuda.is_available()
-        tag_bytes = sum(p.numel() * p.element_size() for _, p in self._named_local_params())
-        free = torch.cuda.mem_get_info()[0] if cuda else None
-        where, why = resolve_weights_location(cfg.memory.ref_weights_location, cuda=cuda,
-                                              offload_train=cfg.memory.effective_offload_train,
-                                              tag_bytes=tag_bytes, free_bytes=free)
-        if dist.get_rank() == 0:
-            log.info("reference/teacher weight copies live on the %s (%s)", where, why)
-        return where
 
     def _named_local_params(self):
         for i, chunk in enumerate(self.chunks):
@@ -318,28 +306,13 @@ class MegatronBackend(TrainBackend):
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, metrics)
             metrics = next(m for m in gathered if m)
-        metrics = {f"train/{k}": v for k, v in metrics.items()}
-        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["train/update_skipped"] = float(not update_ok)
-        if loss_scale is not None:
-            metrics["train/loss_scale"] = loss_scale
-        metrics["train/micro_batches"] = float(plan.num_micro_batches)
-        metrics["train/step_time_s"] = time.perf_counter() - t0
-        return metrics
+        return finish_step_metrics({f"train/{k}": v for k, v in metrics.items()}, grad_norm=grad_norm,
+                                   lr=self.optimizer.param_groups[0]["lr"], update_ok=update_ok,
+                                   loss_scale=loss_scale, micro_batches=plan.num_micro_batches, started=t0)
 
     def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
-                                                          stage_only=stage_only):
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
+                                                          stage_only=stage_only), bucket_bytes)
 
     def export_scope(self) -> ExportScope:
         """Each stage's sender: the rank of the stage at data-, tensor- and context-parallel rank 0
@@ -432,22 +405,21 @@ class MegatronBackend(TrainBackend):
         flag = {"ref": "--ref-load", "teacher": "--opd-teacher-load"}.get(tag, tag)
         if not os.path.isdir(path):
             raise CheckpointError(f"{flag} {path}: no such directory")
-        actor = {n: p.detach().clone() for n, p in self._named_local_params()}
         is_hf = os.path.isfile(os.path.join(path, "config.json")) and any(
             f.endswith(".safetensors") for f in os.listdir(path))
-        # the same marker, size and checksum checks as --load: a damaged reference or teacher
-        # would otherwise skew every KL/distillation term without a word
-        if is_hf:
-            model_dir.check_hf_marker_once(path, f"checking {flag} {path}")
-            self.bridge.load_hf_weights(self.chunks, path)
-        else:
-            resolved = model_dir.resolve_dist_dir(path)
-            model_dir.read_marker(resolved)
-            dist_io.load_dist_into(self.chunks, resolved)
-        self.weights.backup(tag)
-        with torch.no_grad():
-            for name, p in self._named_local_params():
-                p.copy_(actor[name])
+
+        def load_into_live() -> None:
+            # the same marker, size and checksum checks as --load: a damaged reference or teacher
+            # would otherwise skew every KL/distillation term without a word
+            if is_hf:
+                model_dir.check_hf_marker_once(path, f"checking {flag} {path}")
+                self.bridge.load_hf_weights(self.chunks, path)
+            else:
+                resolved = model_dir.resolve_dist_dir(path)
+                model_dir.read_marker(resolved)
+                dist_io.load_dist_into(self.chunks, resolved)
+
+        self.weights.load_tag(tag, load_into_live)
         log.info("loaded frozen %s weights from %s (%s)", tag, path, "HF" if is_hf else "torch_dist")
 
 
