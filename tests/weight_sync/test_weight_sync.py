@@ -1,11 +1,13 @@
 """Weight sync (``InProcessSynchronizer`` into a real ``EmbeddedEngine``), and the name -> implementation tables.
 
 The trainer side is a small fake backend: ``export_weights(bucket_bytes)`` yields
-buckets of ``(hf_name, tensor)`` (greedy: a bucket is closed when the next tensor
-would push it past ``bucket_bytes``, a tensor larger than that is a bucket of its
-own), and records what the synchronizer asked for and whether the export ran to
-the end. The engine side is the real embedded engine on a tiny random HF model,
-so "the version lands" and "the weights land" are the engine's own answers.
+buckets of ``(hf_name, tensor)`` by the real backends' rule (``backends.base.bucketed``:
+a bucket closes once it holds at least ``bucket_bytes``, so a tensor larger than that
+is a bucket of its own), and records what the synchronizer asked for and whether the
+export ran to the end. The real megatron and FSDP backends' own exports are checked
+against that rule too (one rank, built in this process). The engine side is the real
+embedded engine on a tiny random HF model, so "the version lands" and "the weights
+land" are the engine's own answers.
 
 Also here: the ``--rollout-backend`` table (``rollout.base.ENGINES``) and the
 driver's rollout builder (``rollout.build.build_rollout``), which share the
@@ -19,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.backends.base import bucketed
 from megatron_rl.config import parse_config
 from megatron_rl.errors import ConfigError, SyncError
 from megatron_rl.rollout import ENGINES, EmbeddedEngine, GenerateRequest, SamplingParams, make_engine
@@ -46,8 +49,20 @@ def nbytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
+def check_bucket_rule(buckets, bucket_bytes):
+    """``--update-weight-buffer-size``'s rule (``backends.base.bucketed``): a bucket closes with the tensor that
+    brings it to ``bucket_bytes`` or past, never earlier; only the last may stay below."""
+    sizes = [[nbytes(t) for _, t in bucket] for bucket in buckets]
+    assert sizes and all(sizes), "an empty export or an empty bucket"
+    for k, bucket in enumerate(sizes):
+        assert sum(bucket) - bucket[-1] < bucket_bytes, f"bucket {k} reached the budget before its last tensor"
+        if k < len(sizes) - 1:
+            assert sum(bucket) >= bucket_bytes, f"bucket {k} closed below the budget ({sum(bucket)} B)"
+
+
 class FakeBackend:
-    """The trainer side of a sync: exports ``tensors`` in greedy buckets of about ``bucket_bytes``."""
+    """The trainer side of a sync: exports ``tensors`` in buckets of at least ``bucket_bytes`` (the last
+    excepted), as the real backends do (``backends.base.bucketed``)."""
 
     def __init__(self, tensors):
         self.tensors = dict(tensors)
@@ -58,15 +73,7 @@ class FakeBackend:
     def export_weights(self, bucket_bytes):
         self.asked_bucket_bytes.append(bucket_bytes)
         self.buckets, self.finished = [], False
-        bucket, size = [], 0
-        for name, tensor in self.tensors.items():
-            if bucket and size + nbytes(tensor) > bucket_bytes:
-                self.buckets.append([n for n, _ in bucket])
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes(tensor)
-        if bucket:
+        for bucket in bucketed(iter(self.tensors.items()), bucket_bytes):
             self.buckets.append([n for n, _ in bucket])
             yield bucket
         self.finished = True
@@ -96,6 +103,64 @@ def models(tiny_hf_models):
     return EmbeddedEngine(tiny_hf_models("qwen2")), checkpoint_tensors(tiny_hf_models("qwen2", seed=1))
 
 
+# ---------------------------------------------------------------- the real backends' buckets
+
+
+@pytest.fixture(scope="module")
+def real_backends(tiny_hf_models):
+    """The megatron and FSDP backends, one rank each, built in this process on the tiny qwen2 (a private
+    one-rank gloo group, torn down after the module if made here; ~5 s for both)."""
+    import torch.distributed as dist
+
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.backends.base import make_backend
+    from megatron_rl.models.parallel import destroy_parallel
+
+    hf = tiny_hf_models("qwen2")
+    made = not dist.is_initialized()
+    built = {}
+    try:
+        for kind in ("megatron", "fsdp"):  # megatron first: its initialize makes the group, FSDP joins it
+            cfg = parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "1", "--train-backend", kind,
+                                "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
+                                "--micro-batch-size", "1"])
+            backend = make_backend(kind)
+            backend.initialize(cfg, PolicyGradientSpec(PolicyGradientConfig()))
+            built[kind] = backend
+        yield hf, built
+    finally:
+        destroy_parallel()
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["megatron", "fsdp"])
+def test_the_real_backends_close_a_bucket_only_after_it_passes_the_budget(real_backends, kind):
+    """``--update-weight-buffer-size`` in the backends' own ``export_weights`` (not a fake's): each bucket
+    closes with the tensor that brings it to the budget or past it, no tensor is split or repeated, and the
+    buckets are the one-bucket export cut in order, bit for bit; the synchronizer streams them as they are."""
+    hf, backends = real_backends
+    backend = backends[kind]
+    whole = [(n, t.clone()) for bucket in backend.export_weights(1 << 40) for n, t in bucket]
+    assert len(list(backend.export_weights(1 << 40))) == 1
+    total = sum(nbytes(t) for _, t in whole)
+    budget = total // 5
+    buckets = list(backend.export_weights(budget))
+    assert 4 <= len(buckets) <= 6
+    check_bucket_rule(buckets, budget)
+    flat = [(n, t) for bucket in buckets for n, t in bucket]
+    assert [n for n, _ in flat] == [n for n, _ in whole]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, whole))
+    assert [len(b) for b in backend.export_weights(1)] == [1] * len(whole)  # every tensor passes a 1-byte budget
+    # through the synchronizer into a real engine: the same buckets, the weights land
+    engine = EmbeddedEngine(hf)
+    metrics = InProcessSynchronizer(bucket_bytes=budget).sync(backend, engine, version=1)
+    assert metrics["sync/buckets"] == float(len(buckets)) and metrics["sync/bytes"] == float(total)
+    live = dict(engine.named_weights())
+    assert all(torch.equal(live[n], t) for n, t in whole)
+
+
 # ---------------------------------------------------------------- InProcessSynchronizer
 
 
@@ -115,10 +180,9 @@ def test_sync_streams_every_bucket_into_the_engine(models, bucket_bytes):
         assert len(backend.buckets) == len(new)
     elif bucket_bytes == 1 << 40:
         assert len(backend.buckets) == 1
-    else:  # buckets respect the budget unless one tensor alone exceeds it
-        assert total / bucket_bytes <= len(backend.buckets) < len(new)
-        for names in backend.buckets:
-            assert len(names) == 1 or sum(nbytes(new[n]) for n in names) <= bucket_bytes
+    else:  # each bucket closes with the tensor that passes the budget
+        assert 1 < len(backend.buckets) <= total / bucket_bytes + 1
+        check_bucket_rule([[(n, new[n]) for n in names] for names in backend.buckets], bucket_bytes)
     assert metrics["sync/weight_version"] == 1.0 and engine.weight_version == 1
     live = dict(engine.named_weights())
     assert set(live) == set(new)
