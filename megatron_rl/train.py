@@ -165,12 +165,17 @@ def main(argv=None) -> int:
         return 0 if rc == EXIT_WALL_TIME and "TORCHELASTIC_RUN_ID" in os.environ else rc
     except MegatronRLError as exc:
         # under megatron_rl.infra.launch the launcher prints the first rank's error once, with its code
+        # its exit code: 2 (refused), or 3 for a full disk with a complete checkpoint to resume from
+        code = getattr(exc, "exit_code", 2)
         status_file = os.environ.get(STATUS_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
-        recorded = status_file and (write_error_status(status_file, str(exc), 2) or os.path.isfile(status_file))
+        recorded = status_file and (write_error_status(status_file, str(exc), code) or os.path.isfile(status_file))
         if not recorded:
             print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return code
     finally:
+        save_lock = sys.modules.get("megatron_rl.infra.save_lock")  # the driver's lock on --save, if it took one
+        if save_lock is not None:
+            save_lock.release_all()
         dist = sys.modules.get("torch.distributed")  # not imported: no process group to destroy
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.errors import CheckpointError
-from megatron_rl.infra.checkpoint_root import CorruptCheckpoint
+from megatron_rl.errors import CheckpointError, MegatronRLError
 
 
 def rank() -> int:
@@ -37,40 +36,61 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _rebuild(cls: Optional[type], message: str, default: type[Exception] = CheckpointError) -> Exception:
+    """The error another rank raised, on this rank: its class where it is one of ours (a
+    :class:`~megatron_rl.infra.checkpoint_root.CorruptCheckpoint`, a disk-full error: callers decide by the class), else ``default``."""
+    if isinstance(cls, type) and issubclass(cls, MegatronRLError):
+        try:
+            return cls(message)
+        except TypeError:  # a class whose constructor wants more than the message
+            pass
+    return default(message)
+
+
 def rank0_do(fn: Callable[[], Any], what: str, unexpected: type[CheckpointError] = CheckpointError) -> Any:
     """Collective: ``fn()`` on rank 0; its result (broadcast: it must pickle) or its error on every rank.
 
-    A CheckpointError keeps its class (:class:`CorruptCheckpoint` stays one) and message;
-    any other exception becomes ``unexpected`` (default CheckpointError) saying
-    "``what`` failed: Type: message"."""
-    box: list = [None, None, None]  # result, error is CorruptCheckpoint, error message
+    One of our errors (a CheckpointError, :class:`~megatron_rl.infra.checkpoint_root.CorruptCheckpoint`, a disk-full error ...) keeps
+    its class and message on every rank; any other exception becomes ``unexpected`` (default
+    CheckpointError) saying "``what`` failed: Type: message"."""
+    box: list = [None, None, None]  # result, error class, error message
     if rank() == 0:
         try:
             box[0] = fn()
-        except CheckpointError as e:
-            box[1], box[2] = isinstance(e, CorruptCheckpoint), str(e)
+        except MegatronRLError as e:
+            box[1], box[2] = type(e), str(e)
         except Exception as e:  # noqa: BLE001 - every rank must raise, not wait in a collective
-            box[1], box[2] = issubclass(unexpected, CorruptCheckpoint), f"{what} failed: {type(e).__name__}: {e}"
+            box[1], box[2] = unexpected, f"{what} failed: {type(e).__name__}: {e}"
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     if box[2] is not None:
-        raise (CorruptCheckpoint if box[1] else CheckpointError)(box[2])
+        raise _rebuild(box[1], box[2])
     return box[0]
 
 
-def all_ranks_ok(error: Optional[BaseException], reraise_own: bool = False) -> None:
-    """Collective: raise on every rank if any rank hit ``error``: a CheckpointError with the
-    first message (lowest failing rank). ``reraise_own``: a rank that hit one raises it as is
-    (its type and traceback kept); only the others get the CheckpointError."""
-    msgs = [None if error is None else str(error) or type(error).__name__]
+def all_ranks_ok(error: Optional[BaseException], reraise_own: bool = False,
+                 prefer: Optional[type[MegatronRLError]] = None) -> None:
+    """Collective: raise on every rank if any rank hit ``error``: the first failing rank's (lowest)
+    message, as its class where that is one of ours (a disk-full error stays one on every rank),
+    else a CheckpointError. ``reraise_own``: a rank that hit one raises it as is (its type and
+    traceback kept); only the others get the rebuilt error. ``prefer``: an error of this class on
+    any rank is the cause: it wins over the others' and is raised on every rank, a rank's own other
+    error chained to it (a rank whose collective failed because another rank's disk is full)."""
+    mine = (None, None) if error is None else (type(error), str(error) or type(error).__name__)
+    gathered = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, msgs[0])
-        msgs = [m for m in gathered if m is not None] or [None]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine if mine[0] is None or issubclass(mine[0], MegatronRLError)
+                               else (None, mine[1]))  # a foreign class may not unpickle on another rank
+    failed = [g for g in gathered if g[1] is not None]
+    cause = next((g for g in failed if prefer is not None and isinstance(g[0], type) and issubclass(g[0], prefer)),
+                 None)
+    if cause is not None and not (reraise_own and isinstance(error, prefer)):
+        raise _rebuild(cause[0], cause[1]) from error
     if reraise_own and error is not None:
         raise error
-    if msgs[0] is not None:
-        raise CheckpointError(msgs[0])
+    if failed:
+        raise _rebuild(failed[0][0], failed[0][1])
 
 
 def send_sized(sizes: torch.Tensor, buffer: torch.Tensor, dst: int) -> None:

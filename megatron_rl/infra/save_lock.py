@@ -167,3 +167,10 @@ def acquire(root: str, command: Optional[str] = None, host: Optional[str] = None
     _HELD[root] = lock
     atexit.register(lock.release)
     return lock
+
+
+def release_all() -> None:
+    """Release every lock this process holds (``train.main`` on its way out, whatever ended the run:
+    in one process, as tests run it, the next start on the same root must find it free)."""
+    for lock in list(_HELD.values()):
+        lock.release()

@@ -15,8 +15,11 @@ import torch.distributed as dist
 from megatron_rl.backends.base import TrainBackend
 from megatron_rl.config import Config
 from megatron_rl.infra import checkpoint_root as ckpt
+from megatron_rl.infra.disk_space import CheckpointDiskFull
+from megatron_rl.infra.dist import rank0_do
+from megatron_rl.infra.publish import named_disk_full
 from megatron_rl.infra.tracking import Tracker
-from megatron_rl.infra.wall_time import WallClock
+from megatron_rl.infra.wall_time import EXIT_WALL_TIME, WallClock
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.rollout_ckpt import prune as prune_rollout_ckpts
 
@@ -41,7 +44,13 @@ class CheckpointSaver:
         return bool(self.cfg.checkpoint.save) and every is not None and (rollout_id + 1) % every == 0
 
     def save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int) -> None:
-        """Collective: the backend writes ``iter_<step>``; the driver then moves the pointers and prunes."""
+        """Collective: the backend writes ``iter_<step>``; the driver then moves the pointers and prunes.
+
+        A failure raises on every rank at the same point (the backend's publish and the driver's
+        step are agreed), so no rank is left in a collective. A full disk is a
+        :class:`CheckpointDiskFull` naming the path, the room needed and the checkpoint a relaunch
+        resumes from; its ``exit_code`` is 3 when there is one (``train.main`` exits with it).
+        """
         root = self.cfg.checkpoint.save
         if not root:
             return
@@ -52,17 +61,42 @@ class CheckpointSaver:
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
         path = ckpt.iter_dir(root, step)
-        backend.save(path, box[0])
-        self.cursor.step, self.cursor.path = step, path
-        if self.is_driver:
+        try:
+            backend.save(path, box[0])
+            self.cursor.step, self.cursor.path = step, path
+            rank0_do(lambda: self._after_publish(root, step, path), f"recording {path} in {root}")
+        except CheckpointDiskFull as e:  # agreed: every rank is here with the same message
+            raise self._disk_full(e, root, path) from e
+
+    def _after_publish(self, root: str, step: int, path: str) -> None:
+        """The driver's part once ``path`` is published: pointers, then pruning."""
+        try:
             ckpt.write_latest(root, step)
             ckpt.write_resume_state(root, {"rollout_id": step, "checkpoint": path, "elapsed_s": self.clock.elapsed_s,
                                            "wandb_run_id": self.tracker.wandb_run_id})
             if self.cfg.checkpoint.save_max_to_keep:
                 ckpt.prune(root, self.cfg.checkpoint.save_max_to_keep)
                 prune_rollout_ckpts(root)  # a stored rollout lives as long as the checkpoint it follows
-        if dist.is_initialized():
-            dist.barrier()
+        except Exception as e:
+            named = named_disk_full(e, root)
+            if named is e:
+                raise
+            raise named from e
+
+    @staticmethod
+    def _disk_full(error: CheckpointDiskFull, root: str, path: str) -> CheckpointDiskFull:
+        """The save's full disk, with what a relaunch resumes from and the exit code that says so:
+        3 (relaunch to resume, as a stop) where a complete checkpoint is under ``root``, else 2."""
+        newest = ckpt.find_latest_complete(root)
+        if newest is None:
+            out = CheckpointDiskFull(f"{error}. Nothing was saved under --save {root} yet: a relaunch starts over")
+        else:
+            kept = ckpt.iter_dir(root, newest)
+            done = "was published; its pointers were not written" if kept == path else "was not saved"
+            out = CheckpointDiskFull(f"{error}. {path} {done}; {kept} is complete: relaunch the same command once "
+                                     "there is room and it resumes from there")
+            out.exit_code = EXIT_WALL_TIME
+        return out
 
     def save_final(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager]) -> None:
         """After the last rollout: save unless the schedule just did."""

@@ -6,8 +6,12 @@ the driver writes the stream into ``<--update-weight-disk-dir>/v<version>/`` thr
 complete, so a half-written version never loads), then asks the engine to load it
 (``engine.update_weights_from_disk(path, version)``: every SGLang server's
 ``/update_weights_from_disk``, or the embedded engine reading the files), then prunes to the
-newest 2 versions. If writing fails the driver still runs the export to the end before
-raising, so the other ranks are not left waiting in it.
+newest 2 versions. If writing fails the driver still runs the export to the end, and the outcome
+is agreed by every rank (``infra.dist.all_ranks_ok``) before anyone goes on: every rank raises the
+same error, none is left alone in the next collective (the weights' temporary dir is removed by
+``VersionedWeightDir.write``). A full disk or quota is a :class:`SyncDiskFull` naming the
+directory, the bytes free and needed (the size of the previous version) and the fix; its exit code
+is 3 when a complete checkpoint under ``--save`` is there to resume from (else 2).
 
 Works with both engines: SGLang servers given by ``--rollout-engine-urls`` (which must be able
 to read the directory: a shared filesystem when they run on other hosts), and the embedded
@@ -17,9 +21,13 @@ without a server).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron_rl.infra.disk_space import SyncDiskFull, disk_full_problem
+from megatron_rl.infra.dist import all_ranks_ok
+from megatron_rl.infra.wall_time import EXIT_WALL_TIME
 from megatron_rl.rollout.weight_dir import VersionedWeightDir
 from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, check_engine_equals
 
@@ -36,15 +44,17 @@ class DiskSynchronizer(WeightSynchronizer):
 
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
                  disk_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
-                 keep_versions: int = KEEP_VERSIONS):
+                 keep_versions: int = KEEP_VERSIONS, checkpoint_root: Optional[str] = None):
         super().__init__(bucket_bytes, check_equal, driver_rank)
         self.weights = VersionedWeightDir(disk_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions)
+        self.checkpoint_root = checkpoint_root  # --save: a full disk stops with exit 3 when it holds a checkpoint
 
     @classmethod
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0, engines: Any = None) -> "DiskSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
-                   driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint)
+                   driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint,
+                   checkpoint_root=cfg.checkpoint.save)
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -59,25 +69,63 @@ class DiskSynchronizer(WeightSynchronizer):
             engine.check_first_update = True
         exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal and not in_engine)
         write_s = load_s = 0.0
+        error: Optional[BaseException] = None
         if here:
             try:
                 # shards of one bucket: the driver holds one at a time, not the whole model (a 30B model in bf16
                 # would otherwise sit in its host memory whole, 60 GB)
                 path = self.weights.write(exported, version, shard_bytes=self.bucket_bytes)
-            except BaseException:
+            except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError included; agreed below
                 exported.drain()  # the other ranks are still in the collective export: let them finish it
-                raise
+                error = self._named(e, version)
+        elif replica:
+            engine.update_weights(exported, version)
+        else:
+            exported.drain()
+        try:
+            all_ranks_ok(error, reraise_own=True)  # every rank is past the export: all go on, or all raise
+        except SyncDiskFull as e:  # on every rank: the same message and exit code
+            raise self._with_resume(e) from e
+        if here:
             t1 = time.perf_counter()
             write_s = t1 - t0  # export (gathers) + serialising + publishing: they overlap bucket by bucket
             engine.update_weights_from_disk(path, version)
             load_s = time.perf_counter() - t1
             self.weights.prune(version)
-        elif replica:
-            engine.update_weights(exported, version)
-        else:
-            exported.drain()
         metrics = exported.metrics(version, time.perf_counter() - t0)
         metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
         if self.check_equal and (replica or here and not in_engine):
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics
+
+    def _named(self, error: Exception, version: int) -> Exception:
+        """A full disk under ``--update-weight-disk-dir`` as :class:`SyncDiskFull` (path, room, fix);
+        any other error as it is."""
+        problem = disk_full_problem(error, self.weights.path(version), self._previous_version_bytes())
+        if problem is None:
+            return error
+        named = SyncDiskFull(f"weight update to version {version}: {problem}. Free space under "
+                             f"--update-weight-disk-dir {self.weights.root} (it keeps the newest "
+                             f"{self.weights.keep_versions} versions) or point it at a filesystem with room")
+        named.__cause__ = error
+        return named
+
+    def _with_resume(self, error: SyncDiskFull) -> SyncDiskFull:
+        """``error`` with what a relaunch resumes from, and exit code 3 when that is a complete checkpoint."""
+        from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir
+
+        newest = find_latest_complete(self.checkpoint_root) if self.checkpoint_root else None
+        if newest is None:
+            return SyncDiskFull(f"{error}; no complete checkpoint under --save: a relaunch starts over")
+        out = SyncDiskFull(f"{error}; {iter_dir(self.checkpoint_root, newest)} is complete: relaunch the same "
+                           "command once there is room and it resumes from there")
+        out.exit_code = EXIT_WALL_TIME
+        return out
+
+    def _previous_version_bytes(self) -> Optional[int]:
+        """Bytes of the newest published version: what the next one needs (the same tensors)."""
+        versions = self.weights.versions()
+        if not versions:
+            return None
+        top = self.weights.path(versions[-1])
+        return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(top) for n in names) or None

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.errors import SyncError
+from megatron_rl.infra.disk_space import SyncDiskFull
 from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
 from megatron_rl.rollout.weight_dir import VersionedWeightDir
 from megatron_rl.weight_sync.disk import DiskSynchronizer
@@ -93,7 +94,7 @@ def test_a_crash_mid_write_publishes_nothing_and_finishes_the_export(setup, monk
 
     monkeypatch.setattr(safetensors.torch, "save_file", half_written)
     backend = FakeBackend(old)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(SyncDiskFull, match="writing .*/v2 failed: its filesystem is full .*No space left"):
         sync.sync(backend, engine, version=2)
     assert backend.finished  # the driver still ran the collective export to its end
     assert sorted(os.listdir(tmp / "weights")) == ["v1"]  # no v2, no .v2.*.tmp

@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
-from megatron_rl.infra.checkpoint_root import CorruptCheckpoint, is_temp_dir, read_complete_marker
+from megatron_rl.infra.checkpoint_root import (CorruptCheckpoint, is_temp_dir, newest_checkpoint_bytes,
+                                             read_complete_marker)
 from megatron_rl.infra.dist import barrier, rank, rank0_do, world
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.infra.rng import host_rng_state, restore_host_rng_state
@@ -119,7 +120,9 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
         return {"format": FORMAT, "torch": torch.__version__, "optimizer_steps": int(backend.optimizer_steps),
                 "layout": layout_record(backend), "model": model_fingerprint(backend)}
 
-    publish_collectively(path, write, seal)
+    # dcp.save agrees on every rank's write (its coordinator gathers the results and broadcasts the outcome);
+    # the RNG file is each rank's own, agreed by publish_collectively
+    publish_collectively(path, write, seal, needed_bytes=lambda: newest_checkpoint_bytes(os.path.dirname(path)))
     if rank() == 0:
         log.info("saved checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
 

@@ -24,7 +24,11 @@ then rank 0 writes ``extra_state.json`` + ``COMPLETE.json``, fsyncs the tree and
 renames it into place; barrier (:func:`~megatron_rl.infra.publish.publish_collectively`,
 the same sequence the converters publish with).
 A reader therefore sees a complete checkpoint or none; a crash leaves only a temp
-dir, which :func:`load_checkpoint` and ``find_latest_complete`` refuse/skip.
+dir, which :func:`load_checkpoint` and ``find_latest_complete`` refuse/skip. The torch_dist
+write itself runs megatron's steps one by one (:func:`save_torch_dist`) so a failed rank-0 write
+(``common.pt``, ``.metadata``, ``metadata.json``: a full disk) fails every rank at the same point
+instead of leaving the others in the next collective; a full disk is then a named error on every
+rank and its temp dir is removed (``publish_collectively``).
 
 Checksums: after the collective write the files are read back once for their CRC-32,
 file i by rank i % world (:func:`_spread_checksums`). Integrity on load: rank 0 checks
@@ -49,7 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,8 +61,8 @@ import torch.distributed as dist
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, CorruptCheckpoint, crc32_of_files, is_temp_dir,
-                                             listed_file_problems, read_complete_marker)
-from megatron_rl.infra.dist import barrier, rank, rank0_do, world
+                                             listed_file_problems, newest_checkpoint_bytes, read_complete_marker)
+from megatron_rl.infra.dist import all_ranks_ok, barrier, rank, rank0_do, world
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.infra.rng import host_rng_state, restore_host_rng_state
 from megatron_rl.models.dist_io import (describe_read_error, dist_checkpointing, mcore_version,
@@ -255,9 +259,8 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
 
     def write(tmp: str) -> dict[str, str]:
         sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True)
-        dc.save(sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
-        barrier()  # every rank's shards are on disk
-        return _spread_checksums(tmp)
+        save_torch_dist(dc, sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
+        return _spread_checksums(tmp)  # after save_torch_dist's last agreement: every rank's shards are on disk
 
     def seal(tmp: str) -> dict:
         atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
@@ -269,9 +272,69 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
                 "model": model_fingerprint(backend),
                 "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"]}
 
-    publish_collectively(path, write, seal)
+    publish_collectively(path, write, seal, needed_bytes=lambda: newest_checkpoint_bytes(os.path.dirname(path)))
     if rank() == 0:
         log.info("saved checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
+
+
+def save_torch_dist(dc, sd: dict, directory: str, content_metadata: dict) -> None:
+    """Collective: megatron-core's ``dist_checkpointing.save`` step by step, every rank-local write
+    followed by an agreement, so a write that fails on one rank fails every rank at the same point.
+
+    Why not ``dc.save``: rank 0 writes ``common.pt`` before the sharded write's collectives,
+    ``.metadata`` inside them (the coordinator writes it, then broadcasts whether the shards
+    failed) and ``metadata.json`` before their closing barrier, and a failure of any of these
+    (a full disk) raised on rank 0 alone while the others waited in the next collective: the run
+    hung with one rank in an all-gather and the other in the checkpoint's gather. Here each of the
+    three is caught and agreed (:func:`~megatron_rl.infra.dist.all_ranks_ok`); the shard writes
+    themselves are agreed by torch DCP (every rank's result is gathered and the outcome broadcast).
+    The files are the ones ``dc.save`` writes (same strategies, same order).
+    """
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.serialization import (_CONTENT_METADATA_KEY,
+                                                                get_default_save_common_strategy)
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class DeferredFinishStrategy(TorchDistSaveShardedStrategy):
+        """torch_dist's sharded save whose coordinator keeps a failure of its ``.metadata`` write
+        (``finish_error``) instead of raising it before the broadcast the other ranks wait in."""
+
+        finish_error: Optional[BaseException] = None
+
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            finish = writer.finish
+
+            def finish_or_keep_error(*args, **kwargs):
+                try:
+                    return finish(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - raised after the broadcast, on every rank
+                    self.finish_error = e
+
+            writer.finish = finish_or_keep_error
+            return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+
+    if not hasattr(TorchDistSaveShardedStrategy, "_get_save_and_finalize_callbacks"):
+        raise CheckpointError("megatron-core's TorchDistSaveShardedStrategy has no _get_save_and_finalize_callbacks "
+                              f"(megatron-core {mcore_version()}): save_torch_dist needs a new hook for its "
+                              ".metadata write")
+
+    def on_rank0(step: Callable[[], None]) -> None:
+        error = None
+        if rank() == 0:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - agreed below, not raised here alone
+                error = e
+        all_ranks_ok(error, reraise_own=True)
+
+    sd[_CONTENT_METADATA_KEY] = content_metadata
+    sharded_sd, common_sd = save_preprocess(sd, validate_access_integrity=True)
+    on_rank0(lambda: get_default_save_common_strategy().save_common(common_sd, directory))
+    strategy = DeferredFinishStrategy("torch_dist", 1)
+    strategy.save(sharded_sd, directory)
+    all_ranks_ok(strategy.finish_error, reraise_own=True)
+    on_rank0(lambda: save_config(CheckpointingConfig(strategy.backend, strategy.version), directory))
 
 
 # ---- load -------------------------------------------------------------------------------------------------
