@@ -24,6 +24,13 @@ checkpoint's ``COMPLETE.json`` and the rollout-side flags; a mismatch (the
 checkpoint was rewritten, the prompt data or sampling flags changed, the prompt
 position differs) is logged and the rollout is generated again (always correct,
 only slower). Files are written atomically (temp + fsync + rename).
+
+Integrity: the file carries the SHA-256 of its payload (:mod:`megatron_rl.infra.checksum`, a header
+line before the ``torch.save`` bytes), checked before anything is unpickled. A file damaged after
+it was written (one flipped bit can turn a reward 0.25 into 1.0 and still unpickle) is not trained
+on: a warning names the file and both hashes and the rollout is generated again, the same answer as
+for any other unusable file (regenerating is always correct). Files written before the checksum
+existed load unchecked, logged once.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from typing import Optional
 import torch
 
 from megatron_rl.data.types import Sample
-from megatron_rl.infra.atomic import atomic_write_bytes, fsync_dir
+from megatron_rl.infra import checksum
+from megatron_rl.infra.atomic import fsync_dir
 from megatron_rl.infra.checkpoint_root import MARKER_NAME, iter_dir
 
 log = logging.getLogger("megatron_rl")
@@ -103,7 +111,7 @@ def save_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, samples: l
                 "checkpoint_identity": identity, "fingerprint": fingerprint, "state_before": state_before,
                 "state_after": state_after, "metrics": dict(metrics), "samples": [asdict(s) for s in samples]}, buf)
     path = rollout_ckpt_path(root, rollout_id)
-    atomic_write_bytes(path, buf.getvalue())
+    checksum.write_bytes(path, buf.getvalue())
     prune(root, keep={rollout_id})
     return path
 
@@ -142,7 +150,13 @@ def load_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, fingerprin
     if not os.path.isfile(path):
         return None
     try:
-        data = torch.load(path, weights_only=False)
+        payload = checksum.read_bytes(path, "Generating the rollout again (nothing to do; the new file replaces it).")
+    except checksum.ChecksumMismatch as exc:  # damaged after the write: never trained on
+        log.warning("rollout %d: %s is damaged: its content hashes to sha256 %s, the file records %s; "
+                    "generating it again", rollout_id, path, exc.actual, exc.recorded)
+        return None
+    try:
+        data = torch.load(io.BytesIO(payload), weights_only=False)
     except Exception as exc:  # a foreign or damaged file: never fatal, the rollout is generated again
         log.warning("rollout %d: %s is unreadable (%s: %s); generating it again", rollout_id, path,
                     type(exc).__name__, exc)

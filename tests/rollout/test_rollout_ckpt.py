@@ -70,14 +70,14 @@ def setup(tiny_hf_models, tmp_path):
     return cfg, checkpoint, str(root)
 
 
-def _job(cfg, engine, position=None, checkpoint=None, resumed=False):
+def _job(cfg, engine, position=None, checkpoint=None, resumed=False, reward=random_reward):
     """The driver's side of one job: manager at ``position`` (a checkpoint's dataset_state), context after
     saving (or resuming from) ``checkpoint`` = (step, path)."""
     prompts = PromptIterator(PromptDataset(cfg.data.prompt_data), rollout_batch_size=2, n_samples_per_prompt=2,
                              shuffle=True, seed=cfg.rollout.rollout_seed)
     if position is not None:
         prompts.load_state_dict(position)
-    manager = RolloutManager(cfg, engine, prompts, random_reward)
+    manager = RolloutManager(cfg, engine, prompts, reward)
     step, path = checkpoint or (None, None)
     ctx = RolloutSource(cfg, CheckpointCursor(step, path, resumed_at=step if resumed else None), is_driver=True)
     return ctx, manager
@@ -183,3 +183,69 @@ def test_a_stored_rollout_lives_as_long_as_its_checkpoint(setup):
     os.remove(os.path.join(iter_dir(root, 2), MARKER_NAME)), os.rmdir(iter_dir(root, 2))  # pruned checkpoint
     assert rollout_ckpt.prune(root) == [2]
     assert sorted(os.listdir(directory)) == ["rollout_4.pt"]
+
+
+def quarter_reward(samples):
+    return [0.25 for _ in samples]
+
+
+def _stored_run(setup):
+    """Job 1 stores rollout 2 (rewards 0.25) after checkpoint 2; returns what job 2 resumes with."""
+    cfg, checkpoint, root = setup
+    ck2 = checkpoint(2)
+    ctx, first = _job(cfg(), CountingEngine(), checkpoint=(2, ck2), reward=quarter_reward)
+    _advance(first, 2)
+    position = first.position()
+    ctx.get(2, first)
+    return cfg, ck2, position, os.path.join(root, "rollout_ckpts", "rollout_2.pt")
+
+
+def test_a_rollout_file_with_one_flipped_bit_is_regenerated_not_trained_on(setup, caplog):
+    """The reported damage: one bit turns a stored reward 0.25 into 1.0 and the file still unpickles."""
+    import io
+    import struct
+
+    from megatron_rl.infra import checksum
+
+    cfg, ck2, position, path = _stored_run(setup)
+    data = bytearray(open(path, "rb").read())
+    assert data.startswith(checksum.BYTES_MAGIC)
+    at = data.index(b"G" + struct.pack(">d", 0.25))  # pickle BINFLOAT of the first stored 0.25
+    data[at + 2] ^= 0x20  # 0x3FD0... (0.25) -> 0x3FF0... (1.0): one bit
+    open(path, "wb").write(bytes(data))
+    # without the checksum this is silent: torch unpickles the damaged payload and a reward reads 1.0
+    payload = bytes(data[data.index(b"\n") + 1:])
+    damaged = torch.load(io.BytesIO(payload), weights_only=False)
+    values = [s["reward"] for s in damaged["samples"]] + list(damaged["metrics"].values())
+    assert 1.0 in values and 0.25 in values
+
+    engine = CountingEngine()
+    ctx, second = _job(cfg(), engine, position=position, checkpoint=(2, ck2), resumed=True, reward=quarter_reward)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl"):
+        samples, metrics = ctx.get(2, second)
+    assert engine.calls == 1  # regenerated
+    assert {s.reward for s in samples} == {0.25}
+    warning = next(r.getMessage() for r in caplog.records if "is damaged" in r.getMessage())
+    recorded, actual = data[len(checksum.BYTES_MAGIC):len(checksum.BYTES_MAGIC) + 64].decode(), \
+        checksum.sha256_hex(payload)
+    assert path in warning and recorded in warning and actual in warning and "generating it again" in warning
+    assert "not regenerated" not in caplog.text
+    # the regenerated rollout replaced the damaged file, sealed again: the next resume loads it
+    engine = CountingEngine()
+    ctx, third = _job(cfg(), engine, position=position, checkpoint=(2, ck2), resumed=True, reward=quarter_reward)
+    assert ctx.get(2, third)[0] == samples and engine.calls == 0
+
+
+def test_a_rollout_file_written_before_checksums_still_loads(setup, caplog):
+    from megatron_rl.infra import checksum
+
+    cfg, ck2, position, path = _stored_run(setup)
+    sealed = open(path, "rb").read()
+    open(path, "wb").write(sealed[sealed.index(b"\n") + 1:])  # the bare torch.save bytes older versions wrote
+    assert not open(path, "rb").read().startswith(checksum.BYTES_MAGIC)
+    engine = CountingEngine()
+    ctx, second = _job(cfg(), engine, position=position, checkpoint=(2, ck2), resumed=True, reward=quarter_reward)
+    with caplog.at_level(logging.INFO, logger="megatron_rl"):
+        samples, _ = ctx.get(2, second)
+    assert engine.calls == 0 and {s.reward for s in samples} == {0.25}
+    assert f"{path} has no checksum" in caplog.text and "not regenerated" in caplog.text
