@@ -39,7 +39,11 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    against this server, once through the disk transport and once through the distributed one, and
    on 2 torchrun ranks with 2 pipeline stages through the distributed one (``distributed-pp2``: each
    stage's sender makes its own group with the server) (``--e2e-transports``); exit 0, the samples
-   of rollout ``i`` carry weight version ``i``.
+   of rollout ``i`` carry weight version ``i``;
+8. the CI stand-in against the replies recorded above that need a request in flight or a second server
+   (``standin_fidelity``), and this server against the committed fixture of ``record_replies.py``
+   (``fixture_still_holds``: its fixed requests re-sent, statuses, shapes and messages compared; a
+   difference means SGLang changed since the recording: ``--record-replies`` refreshes it).
 
 Not called: ``/release_memory_occupation`` / ``/resume_memory_occupation`` (on CPU SGLang calls CUDA
 synchronize there: the scheduler dies and the server goes down), ``/get_weights_by_name`` (the
@@ -1013,8 +1017,9 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
             "flush_cache_idle": get("POST", "/flush_cache"),
             "pause_generation": get("POST", "/pause_generation", {"mode": "abort"}),
             "continue_generation": get("POST", "/continue_generation", {}),
+            # an entry that is base64 (SGLang 0.5.23 validates that before the session check), unopened
             "update_weights_from_tensor_no_session": get("POST", "/update_weights_from_tensor",
-                                                         {"serialized_named_tensors": ["x"]}),
+                                                         {"serialized_named_tensors": ["cGF5bG9hZA=="]}),
             "begin_weight_update": get("POST", "/begin_weight_update", {}),
             "end_weight_update": get("POST", "/end_weight_update", {}),
             "end_weight_update_no_session": get("POST", "/end_weight_update", {}),
@@ -1076,6 +1081,18 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
             problems.append(f"{name}: body {body!r} vs real {real_body!r}")
     report.check("the CI stand-in answers like real SGLang (statuses, keys, fixed messages)", not problems,
                  "; ".join(problems) or f"{len(got)} replies compared")
+
+
+def fixture_still_holds(report: Report, server: SGLangServer) -> None:
+    """record_replies.py's fixed requests to this server against the committed fixture the CI stand-in is
+    held to: a difference means SGLang (or the request list) changed since the recording; refresh it with
+    ``scripts/test_sglang_real.sh --record-replies``."""
+    from record_replies import compare, load_fixture, record  # noqa: E402 - this file's own dir
+
+    got = record(server.url, str(server.model))
+    problems = compare(load_fixture()["replies"], got)
+    report.check("real SGLang still answers record_replies.py's requests as the committed fixture says",
+                 not problems, "; ".join(problems)[:2000] or f"{len(got)} replies compared")
 
 
 def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argparse.Namespace,
@@ -1255,6 +1272,10 @@ def main(argv=None) -> int:
             standin_fidelity(report, server.model)
         except Exception as exc:  # noqa: BLE001
             report.check("stand-in comparison ran without an error", False, f"{type(exc).__name__}: {exc}")
+        try:
+            fixture_still_holds(report, server)
+        except Exception as exc:  # noqa: BLE001
+            report.check("the recorded replies re-sent without an error", False, f"{type(exc).__name__}: {exc}")
         for transport in ([] if args.skip_e2e else args.e2e_transports):
             if not server.alive():
                 break
