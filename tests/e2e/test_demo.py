@@ -58,8 +58,8 @@ def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
     # engine and trainer agree on the sampled tokens' log-probs (same weights, fp32)
     assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(os.listdir(out / "ckpt")) == ["iter_0000025", "iter_0000050", "latest_checkpointed_iteration.txt",
-                                                "resume_state.json", "rollout_ckpts"]
+    assert sorted(os.listdir(out / "ckpt")) == [".megatron_rl.lock", "iter_0000025", "iter_0000050",
+                                                "latest_checkpointed_iteration.txt", "resume_state.json", "rollout_ckpts"]
     # the rollout generated right after iter_0000025 (none follows the final checkpoint)
     assert os.listdir(out / "ckpt" / "rollout_ckpts") == ["rollout_25.pt"]
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"

@@ -30,5 +30,5 @@ def test_fresh_start_archives_the_earlier_run(tmp_path):
                                                       "resume_state.json"]
     assert (root / archives[0] / "iter_0000005" / "COMPLETE.json").read_text() == '{"format": "earlier run"}'
     assert sorted(n for n in os.listdir(root) if n not in archives) == [
-        "iter_0000001", "latest_checkpointed_iteration.txt", "resume_state.json"]
+        ".megatron_rl.lock", "iter_0000001", "latest_checkpointed_iteration.txt", "resume_state.json"]
     assert json.loads((root / "resume_state.json").read_text())["rollout_id"] == 1

@@ -324,8 +324,8 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(straight, tmp_path):
     # rounding, since a CPU's GEMM may round a smaller batch otherwise; on the demo's shapes every metric of
     # both steps has been the same bits on an AVX2 EPYC and an AVX-512 Xeon)
     run_demo(out, 2, "--save-interval", "2", "--embedded-engine-ranks", "driver")
-    assert sorted(os.listdir(out / "ckpt")) == ["iter_0000002", "latest_checkpointed_iteration.txt",
-                                                "resume_state.json"]
+    assert sorted(os.listdir(out / "ckpt")) == [".megatron_rl.lock", "iter_0000002",
+                                                "latest_checkpointed_iteration.txt", "resume_state.json"]
     second = run_demo(out, 4, "--save-interval", "2")
     assert f"resumed from {out / 'ckpt' / 'iter_0000002'} at rollout 2" in second.output
     new = second.new_records()
@@ -367,7 +367,7 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     demo = Demo(*cmd)
     demo.kill_when(lambda: os.path.exists(out / "metrics.jsonl"), "metrics.jsonl")
     assert assert_no_partial_checkpoint_visible(root, tmp_path) == []
-    assert not os.path.isdir(root) or not os.listdir(root)
+    assert not os.path.isdir(root) or os.listdir(root) == [".megatron_rl.lock"]  # the run's lock, nothing else
     assert train_steps(metrics(out)) == []
 
     # (ii) in the middle of the save of iteration 2 (its temp dir exists, nothing published yet)
