@@ -8,6 +8,8 @@ Layout of a root::
       .iter_0000009.tmp/             a save in progress or interrupted: never loaded
       latest_checkpointed_iteration.txt
       resume_state.json              the RL loop's own small state (rollout id, ...)
+      .megatron_rl.lock              the run that holds the root (infra.save_lock)
+      superseded/iter_0000012.<time> newer iterations moved aside by --allow-resume-older (move_aside)
 
 Why both a tracker file and a scan: ``latest_checkpointed_iteration.txt`` is what
 megatron's tools read, but it is written *after* the checkpoint is published, so

@@ -4,7 +4,8 @@
   ``torch.distributed`` is not initialised;
 * :func:`rank0_do` - run a step on rank 0 only (file-system work: create, check,
   publish a dir); its result or its error reaches every rank;
-* :func:`all_ranks_ok` - every rank raises when any rank failed;
+* :func:`all_ranks_ok` - every rank raises when any rank failed (our error classes, e.g. a
+  disk-full error, stay what they are on every rank; ``prefer`` names the class that is the cause);
 * :func:`send_sized` / :func:`recv_sized` - a byte buffer point to point, its sizes first (the
   receiver allocates from them): how ``sample_codec`` buffers travel.
 
@@ -38,7 +39,7 @@ def barrier() -> None:
 
 def _rebuild(cls: Optional[type], message: str, default: type[Exception] = CheckpointError) -> Exception:
     """The error another rank raised, on this rank: its class where it is one of ours (a
-    :class:`~megatron_rl.infra.checkpoint_root.CorruptCheckpoint`, a disk-full error: callers decide by the class), else ``default``."""
+    ``CorruptCheckpoint``, a disk-full error: callers decide by the class), else ``default``."""
     if isinstance(cls, type) and issubclass(cls, MegatronRLError):
         try:
             return cls(message)
@@ -50,7 +51,7 @@ def _rebuild(cls: Optional[type], message: str, default: type[Exception] = Check
 def rank0_do(fn: Callable[[], Any], what: str, unexpected: type[CheckpointError] = CheckpointError) -> Any:
     """Collective: ``fn()`` on rank 0; its result (broadcast: it must pickle) or its error on every rank.
 
-    One of our errors (a CheckpointError, :class:`~megatron_rl.infra.checkpoint_root.CorruptCheckpoint`, a disk-full error ...) keeps
+    One of our errors (a CheckpointError, ``CorruptCheckpoint``, a disk-full error ...) keeps
     its class and message on every rank; any other exception becomes ``unexpected`` (default
     CheckpointError) saying "``what`` failed: Type: message"."""
     box: list = [None, None, None]  # result, error class, error message

@@ -44,7 +44,8 @@ def test_disk_full_is_recognised_however_the_writer_says_it():
     assert disk_full_errno(Exception('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                                      'message: "No space left on device" })')) == errno.ENOSPC
     assert disk_full_errno(Exception("IoError(Os { code: 122, kind: FilesystemQuotaExceeded })")) == errno.EDQUOT
-    for other in (OSError(errno.EACCES, "Permission denied"), ValueError("bad shape"), _DcpLike({0: (KeyError("k"), "")})):
+    for other in (OSError(errno.EACCES, "Permission denied"), ValueError("bad shape"),
+                  _DcpLike({0: (KeyError("k"), "")})):
         assert disk_full_errno(other) is None
 
 
