@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from megatron_rl.infra.pause_points import PAUSE_AT_ENV, PAUSE_DIR_ENV, marker_path, release_path
 from megatron_rl.infra.ports import free_port  # noqa: F401 - the tests' ports too: outside the ephemeral range
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,3 +41,34 @@ def torchrun(script: str | os.PathLike, nproc: int, args: list[str] | None = Non
 def read_json(path: str | os.PathLike):
     with open(path) as f:
         return json.load(f)
+
+
+class PausePoint:
+    """A launched process stopped at a pause point (megatron_rl/infra/pause_points.py): the test waits for
+    the paused marker, then acts (signal, SIGKILL, look at the files) on state that cannot move on."""
+
+    def __init__(self, directory: str | os.PathLike, spec: str):
+        self.dir, self.spec = str(directory), spec
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {PAUSE_AT_ENV: self.spec, PAUSE_DIR_ENV: self.dir}
+
+    def wait(self, proc: subprocess.Popen, rank: int = 0, timeout: float = 420, output=lambda: "") -> int:
+        """Wait until ``rank`` is paused; return its pid. Fails (naming the point) if ``proc`` exits first or
+        nothing pauses within ``timeout`` (only a hang bound: the start-up of a run under load)."""
+        marker = marker_path(self.dir, self.spec, rank)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(marker):
+            if proc.poll() is not None:
+                raise AssertionError(f"exited ({proc.returncode}) before pause point {self.spec} (rank {rank})\n"
+                                     f"{output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"hung: pause point {self.spec} (rank {rank}) not reached in {timeout:.0f} s\n"
+                                     f"{output()}")
+            time.sleep(0.01)
+        with open(marker) as fh:
+            return int(fh.read())
+
+    def release(self) -> None:
+        open(release_path(self.dir, self.spec), "w").close()

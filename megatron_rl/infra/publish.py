@@ -31,6 +31,7 @@ from megatron_rl.infra.atomic import atomic_write_json, publish_dir
 from megatron_rl.infra.checkpoint_root import MARKER_NAME, file_list, temp_dir_for
 from megatron_rl.infra.disk_space import CheckpointDiskFull, check_free_space, disk_full_problem
 from megatron_rl.infra.dist import all_ranks_ok, barrier, rank, rank0_do
+from megatron_rl.infra.pause_points import pause_point
 
 DISK_FULL_FIX = ("Free space there (delete old checkpoints, lower --save-max-to-keep) or write to a filesystem "
                  "with room")
@@ -101,6 +102,7 @@ def publish_collectively(final_dir: str, write: Callable[[str], Optional[dict[st
             error = named_disk_full(e, tmp, needed)
         # also the barrier: every rank's part is on disk; a full disk anywhere is the error everywhere
         all_ranks_ok(error, reraise_own=True, prefer=CheckpointDiskFull)
+        pause_point("publish_written", os.path.basename(final_dir))  # tests: kill/signal mid-save, state known
         if verify is not None:
             verify(tmp)
 
@@ -112,6 +114,7 @@ def publish_collectively(final_dir: str, write: Callable[[str], Optional[dict[st
                 publish_dir(tmp, final_dir)
 
         rank0_do(publish, f"publishing {final_dir}")
+        pause_point("published", os.path.basename(final_dir))  # tests: kill right after the rename
     except CheckpointDiskFull:  # agreed (all_ranks_ok, rank0_do): every rank is past its writes
         if rank() == 0:  # its partial files hold the room the next write needs
             shutil.rmtree(tmp, ignore_errors=True)
