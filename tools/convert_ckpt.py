@@ -22,11 +22,11 @@
 Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe); fsdp-to-hf:
 any HF causal LM the fsdp backend trains. A megatron torch_dist and an fsdp checkpoint are told
 apart by their ``COMPLETE.json`` format: the wrong direction is refused naming the right one.
-Refusals (unmapped / missing / mis-shaped tensors, config mismatches, incomplete
-inputs, an existing output without --overwrite, an output that is, contains or lies inside the
-input) print one message naming the tensors and the fix on stderr and exit 2; Ctrl-C prints one
-line and exits 130. Outputs appear only when complete; a failed run removes its temp dir.
-See docs/convert.md.
+Refusals (unmapped / missing / mis-shaped tensors, weights holding inf/NaN in either direction,
+config mismatches, incomplete inputs, an existing output without --overwrite, an output that is,
+contains or lies inside the input) print one message naming the tensors and the fix on stderr
+and exit 2; Ctrl-C prints one line and exits 130. Outputs appear only when complete; a failed run
+removes its temp dir. See docs/convert.md.
 """
 
 from __future__ import annotations

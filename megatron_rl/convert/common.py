@@ -1,5 +1,5 @@
-"""Pieces only the converters use: ``--dtype``, dtype checks, the ``--output`` guard, telling
-checkpoint kinds apart (:func:`refuse_other_kind`).
+"""Pieces only the converters use: ``--dtype`` (and its cast's range check), dtype checks, the
+``--output`` guard, telling checkpoint kinds apart (:func:`refuse_other_kind`).
 
 What a model dir is (markers, formats, fingerprints, aux files) lives in
 :mod:`megatron_rl.models.model_dir`, the megatron model <-> torch_dist I/O in
@@ -16,6 +16,7 @@ import torch
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.checkpoint_root import MARKER_NAME, temp_dir_for
+from megatron_rl.models.hf_checkpoint import check_finite
 from megatron_rl.models.hf_module import DCP_FORMAT
 from megatron_rl.models.model_dir import FORMAT, HF_FORMAT, TRAINING_FORMAT, is_model_dir
 
@@ -58,6 +59,17 @@ def safetensors_dtypes(ckpt) -> dict[str, torch.dtype]:
             raise CheckpointError(f"tensor {name!r} in {ckpt.hf_dir} has dtype {code}; only F32/BF16/F16 "
                                   "checkpoints are converted")
         out[name] = _ST_DTYPES[code]
+    return out
+
+
+def cast_checked(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as ``dtype`` (itself when it already is), refusing finite values the cast turns into
+    inf (``--dtype float16`` of weights beyond its range). The source was checked when it was read."""
+    if tensor.dtype == dtype:
+        return tensor
+    out = tensor.to(dtype)
+    check_finite(name, out, f"the output cast to --dtype {dtype_name(dtype)}",
+                 fix=f"its values exceed the range of {dtype_name(dtype)}: use --dtype bfloat16 or float32")
     return out
 
 

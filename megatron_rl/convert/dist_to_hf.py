@@ -16,7 +16,8 @@ Steps (every rank, one process or under torchrun):
    every rank loads its model shard and ``Bridge.export_hf_weights`` gathers
    (collective, every rank gets full HF tensors). Rank 0 writes
    ``--max-shard-size`` shards as they fill (:class:`ShardedSafetensorsWriter`);
-   every tensor the config needs must come out;
+   every tensor the config needs must come out, and none may hold inf/NaN (checked on
+   the exported values before they are written, and after a ``--dtype`` cast);
 5. ``--verify`` re-exports and compares every tensor with the written files; then
    config/tokenizer files are copied (``dtype`` in config.json updated only when
    ``--dtype`` changes it), ``COMPLETE.json`` (format ``model_dir.HF_FORMAT``) lists
@@ -39,10 +40,13 @@ from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.dist import all_ranks_ok, rank, rank0_do
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.models import dist_io, get_bridge, model_dir
-from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
 from megatron_rl.models.parallel import ParallelLayout
 
 DEFAULT_BUCKET_BYTES = 10**9
+NON_FINITE_FIX = ("such weights are no model to publish (a run whose weights diverged, or damage the checksums "
+                  "cannot see): convert an earlier iter_NNNNNNN dir of the run, or re-create this dir from a sound "
+                  "source")
 
 
 def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None, layout=None,
@@ -98,7 +102,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                     raise CheckpointError(f"export produced {name} {tuple(tensor.shape)}, which "
                                           f"{config_dir}/config.json does not have with that shape (expects "
                                           f"{expected.get(name)})")
-                writer.add(name, tensor.to(out_dtype) if tensor.dtype != out_dtype else tensor)
+                check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
+                writer.add(name, common.cast_checked(name, tensor, out_dtype))
                 seen.add(name)
                 bar.update(1)
             except Exception as e:  # noqa: BLE001 - reported on every rank below

@@ -80,7 +80,7 @@ def convert_fsdp_to_hf(ckpt_dir: str, out_dir: str, hf_config_dir: Optional[str]
         count = 0
         try:
             for name, tensor in hf_tensors(ckpt_dir, model, specs, params, bucket_bytes, bar):
-                writer.add(name, tensor.to(out_dtype) if tensor.dtype != out_dtype else tensor)
+                writer.add(name, common.cast_checked(name, tensor, out_dtype))
                 count += 1
         finally:
             bar.close()

@@ -23,7 +23,9 @@ Steps (every rank, one process or under torchrun):
    dir into place, so the output exists only when complete.
 
 An input written by ``dist-to-hf`` carries its own ``COMPLETE.json``; its sizes and
-checksums are checked first (``model_dir.check_hf_marker``).
+checksums are checked first (``model_dir.check_hf_marker``). Every value is checked for
+inf/NaN as step 3 reads it (``HFCheckpoint.read``) and after a ``--dtype`` cast (a value out of
+the target's range): the refusal names the tensor and file, and nothing is published.
 
 Memory: about the largest local parameter plus one bucket (measured in
 ``docs/convert.md``); under torchrun ``--verify`` holds the rank's model shard.
@@ -38,7 +40,7 @@ from typing import Optional
 import torch
 
 from megatron_rl.convert import common, streaming_load, streaming_save
-from megatron_rl.errors import BridgeError, CheckpointError
+from megatron_rl.errors import BridgeError, CheckpointError, MegatronRLError
 from megatron_rl.infra.dist import all_ranks_ok, rank
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.models import dist_io, get_bridge, model_dir
@@ -89,10 +91,15 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     def write(tmp: str) -> None:
         bar = dist_io.progress(len(slots), "hf->torch_dist", show_progress, unit="param")
         ckpt = HFCheckpoint(hf_dir)
+        refused: list[MegatronRLError] = []
 
         def materialize(param: torch.nn.Parameter) -> torch.Tensor:
             try:
-                return local_value(bridge, slots[id(param)], ckpt).to(target)
+                value = local_value(bridge, slots[id(param)], ckpt)  # inf/NaN refused as read
+                return common.cast_checked(slots[id(param)].canonical_name, value, target)
+            except MegatronRLError as e:
+                refused.append(e)
+                raise
             finally:
                 ckpt.close()  # unmap the shard files: their pages would otherwise stay in this process's RSS
                 bar.update(1)
@@ -102,6 +109,10 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
             dist_io.dist_checkpointing().save(dist_io.model_sharded_state_dict(chunks), tmp,
                                               sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes),
                                               content_metadata={"megatron_rl_format": model_dir.FORMAT})
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            if refused and not isinstance(e, MegatronRLError):
+                raise refused[0] from e  # torch's writer wraps it in a CheckpointException (a traceback as text)
+            raise
         finally:
             ckpt.close()
             bar.close()

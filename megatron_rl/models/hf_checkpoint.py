@@ -4,6 +4,14 @@ Handles a sharded checkpoint (``model.safetensors.index.json``) or a single
 ``model.safetensors``. Only headers are read up front; :meth:`read` pulls exactly
 the requested rows/columns through ``safe_open(...).get_slice``, so a rank never
 materialises tensors it does not own.
+
+Every floating tensor read is checked for inf/NaN as it is read (``torch.isfinite(t).all()`` on
+the values the read produced: no second pass over the files), and refused naming the tensor and
+its file (:class:`NonFiniteWeights`). Why here: this reader is the one place the trainer's
+``--hf-checkpoint`` / ``--ref-load`` load and both converters take HF values from, and a NaN that
+gets through surfaces only after step 0 as "NaN logits" far from its cause. A model loaded by
+transformers instead (the embedded engine) is checked after its load with
+:meth:`HFCheckpoint.refuse_non_finite_parameters`, by the same rule.
 """
 
 from __future__ import annotations
@@ -19,6 +27,23 @@ from megatron_rl.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+NON_FINITE_FIX = ("the checkpoint is corrupt or was saved from a run whose weights diverged: re-download it, or "
+                  "re-export it from an earlier training checkpoint (tools/convert_ckpt.py dist-to-hf / fsdp-to-hf)")
+
+
+class NonFiniteWeights(CheckpointError):
+    """A weight tensor holds inf or NaN: no model to train from, serve or convert."""
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str, fix: str = NON_FINITE_FIX) -> None:
+    """Refuse ``tensor`` (named ``name``, read from ``where``) if it is floating and holds inf/NaN.
+
+    One ``isfinite`` reduction over values already in memory; the counts are computed only on failure."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    raise NonFiniteWeights(f"tensor {name!r} in {where} holds non-finite values ({nan} NaN, {inf} inf among "
+                           f"{tensor.numel()} values read): {fix}")
 
 
 class HFCheckpoint:
@@ -72,15 +97,27 @@ class HFCheckpoint:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """The whole tensor, or ``[start:stop]`` along ``dim`` (0 or 1)."""
+        """The whole tensor, or ``[start:stop]`` along ``dim`` (0 or 1); inf/NaN in what was read is
+        refused (:class:`NonFiniteWeights` naming the tensor and its file)."""
         sl = self._handle(name).get_slice(name)
         if dim is None:
-            return sl[:]
-        if dim == 0:
-            return sl[start:stop]
-        if dim == 1:
-            return sl[:, start:stop]
-        raise ValueError(f"slicing along dim {dim} is not supported")
+            value = sl[:]
+        elif dim == 0:
+            value = sl[start:stop]
+        elif dim == 1:
+            value = sl[:, start:stop]
+        else:
+            raise ValueError(f"slicing along dim {dim} is not supported")
+        check_finite(name, value, os.path.join(self.hf_dir, self.file_of[name]))
+        return value
+
+    def refuse_non_finite_parameters(self, module: torch.nn.Module) -> None:
+        """Refuse a model loaded from this checkpoint by another reader (transformers' ``from_pretrained``)
+        whose parameters hold inf/NaN, naming the parameter and, where the name matches, its file."""
+        for name, param in module.named_parameters():
+            fname = self.file_of.get(name)
+            check_finite(name, param.detach(), os.path.join(self.hf_dir, fname) if fname else
+                         f"the model loaded from {self.hf_dir}")
 
     def close(self) -> None:
         self._handles.clear()

@@ -5,8 +5,10 @@
     virtual stage, EP experts) with ``safe_open(...).get_slice``; no rank holds a
     full-model copy. Refuses, with the names: checkpoint tensors the bridge does
     not map, mapped tensors the checkpoint lacks, HF shapes that differ from the
-    config, and model parameters no HF tensor fills. Not collective (no
-    communication); call it on every rank.
+    config, model parameters no HF tensor fills, and inf/NaN in the values a rank
+    reads (named with the shard file, checked as they are read:
+    :class:`~megatron_rl.models.hf_checkpoint.NonFiniteWeights`) or that the cast to
+    the model's dtype produces. Not collective (no communication); call it on every rank.
 
 ``export_hf_weights(bridge, model_chunks, bucket_bytes=None)``
     Inverse. COLLECTIVE: every rank of the job must iterate the generator to the
@@ -31,7 +33,7 @@ import torch
 
 from megatron_rl.errors import BridgeError, CheckpointError
 from megatron_rl.models import weight_maps
-from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -179,7 +181,12 @@ def load_hf_weights(bridge, model_chunks, hf_dir: str | os.PathLike) -> None:
                     mismatched.append(f"{slot.canonical_name}: built {tuple(value.shape)} from {rule.hf_names}, "
                                       f"parameter is {tuple(slot.param.shape)}")
                     continue
-                slot.param.data.copy_(value.to(dtype=slot.param.dtype))
+                cast = value.to(dtype=slot.param.dtype)
+                if cast.dtype != value.dtype:  # the read was checked: non-finite now means out of range
+                    check_finite(slot.canonical_name, cast, f"{ckpt.hf_dir} cast to {cast.dtype}",
+                                 fix=f"its values exceed the range of {cast.dtype}; train with --bf16 (or in "
+                                     "float32) instead")
+                slot.param.data.copy_(cast)
         if unfilled or mismatched:
             raise CheckpointError(
                 f"loading {ckpt.hf_dir}: model parameters left unfilled (no HF mapping): {unfilled}; "

@@ -85,9 +85,10 @@ class EmbeddedEngine(RolloutEngine):
         if max_batch_size is not None and max_batch_size < 1:
             raise ConfigError(f"EmbeddedEngine max_batch_size={max_batch_size}: use a value >= 1 (or None: "
                               f"as many rows as fit {CHUNK_BUDGET_BYTES >> 20} MiB)")
-        HFCheckpoint(hf_checkpoint)  # a truncated/missing shard is named here, not a transformers traceback
+        checkpoint = HFCheckpoint(hf_checkpoint)  # a truncated/missing shard named here, not by transformers
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation).to(device).eval()
+        checkpoint.refuse_non_finite_parameters(self.model)  # inf/NaN: named here, not as NaN logits later
         self.model.requires_grad_(False)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
