@@ -31,10 +31,31 @@ removes its temp dir. See docs/convert.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import signal
 import sys
+
+_in_main = False  # set by the entry point: from then on a Ctrl-C is main's KeyboardInterrupt (temp dir removed)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C from the tool's first line on: one line on stderr and exit 130, never a traceback.
+
+    While the tool starts (these imports) nothing is written: it exits here. Once the entry point
+    runs it raises KeyboardInterrupt once, which main answers (temp dir removed, one line) or the
+    entry point does; later Ctrl-Cs are ignored, so that clean-up cannot be cut short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _in_main:
+        raise KeyboardInterrupt
+    print("convert_ckpt.py: interrupted while starting; nothing was written", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+if __name__ == "__main__":  # not in the torch_dist writer's spawned helpers (__mp_main__) nor on import
+    signal.signal(signal.SIGINT, _on_sigint)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -146,9 +167,8 @@ def _is_rank0() -> bool:
 
 
 def _shutdown() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # never imported here: a Ctrl-C may have cut torch's import short
+    if dist is not None and getattr(dist, "is_initialized", lambda: False)():
         try:
             from megatron_rl.models.parallel import destroy_parallel  # lazy: imports torch
 
@@ -157,5 +177,16 @@ def _shutdown() -> None:
             dist.destroy_process_group()
 
 
+def _entry() -> int:
+    global _in_main
+    _in_main = True
+    try:
+        return main()
+    except KeyboardInterrupt:  # outside main's own handling (the arguments, the summary line)
+        print("convert_ckpt.py: interrupted; an --output is either whole or was not written (it appears only when "
+              "complete)", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":  # the torch_dist writer spawns helpers: keep module import side-effect free
-    sys.exit(main())
+    sys.exit(_entry())
