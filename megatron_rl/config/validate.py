@@ -462,20 +462,25 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
     _check_resume_older(errors, cfg)
 
 
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")  # infra.checkpoint_root's naming (config imports nothing above it)
+
+
 def _check_resume_older(errors: list[str], cfg: Config) -> None:
     """``--load ROOT/iter_N`` into a ``--save`` that holds iterations above N: the run's saves would
     overwrite them one by one (it silently did). Refused unless ``--allow-resume-older``, with which
     ``runner.resume`` moves them into ``--save/superseded/`` before loading."""
-    from megatron_rl.infra.checkpoint_root import SUPERSEDED_DIR, iteration_of, newer_iterations
-
     c = cfg.checkpoint
-    step = iteration_of(c.load) if c.load and c.save and not c.no_auto_resume else None
-    newer = newer_iterations(c.save, step) if step is not None else []
+    named = _ITER_DIR.match(os.path.basename(os.path.normpath(c.load))) if c.load and c.save else None
+    if named is None or c.no_auto_resume or not os.path.isdir(c.save):
+        return
+    step = int(named.group(1))
+    newer = sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(c.save))
+                   if m and int(m.group(1)) > step and os.path.isdir(os.path.join(c.save, m.group(0))))
     if newer and not c.allow_resume_older:
         names = ", ".join(f"iter_{s:07d}" for s in newer[:6]) + (f", ... ({len(newer)})" if len(newer) > 6 else "")
         errors.append(f"--load {c.load} resumes iteration {step}, but --save {c.save} holds newer ones ({names}), "
                       "which this run's saves would overwrite; add --allow-resume-older to move them aside into "
-                      f"{os.path.join(c.save, SUPERSEDED_DIR)}/ and continue from {step}, drop --load to resume from "
+                      f"{os.path.join(c.save, 'superseded')}/ and continue from {step}, drop --load to resume from "
                       "the newest, or give another --save")
 
 

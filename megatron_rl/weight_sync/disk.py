@@ -25,6 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir
 from megatron_rl.infra.disk_space import SyncDiskFull, disk_full_problem
 from megatron_rl.infra.dist import all_ranks_ok
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
@@ -112,8 +113,6 @@ class DiskSynchronizer(WeightSynchronizer):
 
     def _with_resume(self, error: SyncDiskFull) -> SyncDiskFull:
         """``error`` with what a relaunch resumes from, and exit code 3 when that is a complete checkpoint."""
-        from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir
-
         newest = find_latest_complete(self.checkpoint_root) if self.checkpoint_root else None
         if newest is None:
             return SyncDiskFull(f"{error}; no complete checkpoint under --save: a relaunch starts over")
