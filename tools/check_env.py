@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -309,15 +310,21 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _positive(kind):
-    """argparse type: a number > 0 (a negative --timeout used to be accepted and fail every probe)."""
+MAX_TIMEOUT_S = 86400.0  # a day: an import that takes longer is hung; far below what the waits accept
+
+
+def _positive(kind, most: float | None = None, fix: str = ""):
+    """argparse type: a finite number > 0 and <= ``most`` (a negative --timeout used to be accepted and fail
+    every probe; inf or 1e10 raised OverflowError from the wait: a traceback, not a refusal)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number{fix}") from None
+        if not value > 0:  # nan too
+            raise argparse.ArgumentTypeError(f"{text} must be > 0{fix}")
+        if not math.isfinite(value) or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{text} must be finite and at most {most:g}{fix}")
         return value
     return parse
 
@@ -326,11 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description="Report the environment megatron_rl would run in "
                                              "(imports each optional package in a subprocess).")
     ap.add_argument("--json", action="store_true", help="print one JSON object (keys in the module docstring)")
-    ap.add_argument("--timeout", type=_positive(float), default=60.0,
+    ap.add_argument("--timeout", type=_positive(float, MAX_TIMEOUT_S, "; give the seconds each optional import may "
+                                                "take, e.g. --timeout 60"), default=60.0,
                     help="seconds allowed for each optional import (default 60; torch always gets >= 60)")
     ap.add_argument("--only", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     help="comma-separated backend names to probe (default: all)")
-    ap.add_argument("--jobs", type=_positive(int), default=None, help="concurrent import probes (default: all at once)")
+    ap.add_argument("--jobs", type=_positive(int, fix="; give how many imports may run at once, e.g. --jobs 4"),
+                    default=None, help="concurrent import probes (default: all at once)")
     args = ap.parse_args(argv)
     report = collect(timeout=args.timeout, only=args.only, jobs=args.jobs)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
