@@ -115,7 +115,7 @@ RENDEZVOUS = """\
     import os, time
     meeting = os.environ["RENDEZVOUS_DIR"]
     open(os.path.join(meeting, "{me}"), "w").close()
-    while not os.path.exists(os.path.join(meeting, "{other}")):  # imports only once the other probe's import has started
+    while not os.path.exists(os.path.join(meeting, "{other}")):  # the other probe is importing too
         time.sleep(0.01)
     """
 
