@@ -384,7 +384,7 @@ def _record_real(args: argparse.Namespace) -> int:
         except CheckFailed as exc:
             say(f"error: {exc}")
             return 2
-        say(f"healthy after {startup:.0f} s; sending {len(MESSAGE_RULES)}+ requests")
+        say(f"healthy after {startup:.0f} s; sending the fixed requests")
         t = time.monotonic()
         records = record(server.url, str(model), timeout_s=args.timeout_s)
         took = time.monotonic() - t
