@@ -40,7 +40,7 @@ from __future__ import annotations
 import array
 import operator
 from dataclasses import dataclass, fields, replace
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -327,8 +327,9 @@ class PackedBatch:
         return list(torch.split(flat, self.response_lengths.tolist()))
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        moved = {f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
-                 for f in fields(self)}
+        moved: dict[str, Any] = {
+            f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+            for f in fields(self)}
         return replace(self, **moved)
 
     def packed_seq_params(self):
@@ -396,8 +397,9 @@ def pack_samples(
     work is list extends; positions and index tensors are built with tensor ops.
     """
     _check_positive("pad_to_multiple", pad_to_multiple, "pad_to_multiple")
-    extra = {"advantages": advantages, "old_logprobs": old_logprobs,
-             "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
+    extra: dict[str, Sequence | Mapping[int, Sequence] | None] = {
+        "advantages": advantages, "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
     sample_indices = list(sample_indices)
     chosen = [samples[i] for i in sample_indices]
     # Samples with an empty response need no rollout log-probs and decide nothing either way.
@@ -413,8 +415,11 @@ def pack_samples(
     tokens: list[int] = []
     targets: list[int] = []
     loss_mask: list[int] | None = None  # None while every mask so far is the default (all ones)
-    flat = {k: [] for k, v in extra.items() if v is not None}
-    prompt_lengths, response_lengths, padded, real = [], [], [], []
+    flat: dict[str, list] = {k: [] for k, v in extra.items() if v is not None}
+    prompt_lengths: list[int] = []
+    response_lengths: list[int] = []
+    padded: list[int] = []
+    real: list[int] = []
     for idx, s in zip(sample_indices, chosen):
         p, r = len(s.prompt_ids), len(s.response_ids)
         if p < 1:

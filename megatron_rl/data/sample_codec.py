@@ -25,7 +25,7 @@ import pickle
 from dataclasses import fields
 from itertools import accumulate, chain
 from operator import attrgetter
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -134,7 +134,7 @@ _HEADER_KINDS = {"group_index": "int", "prompt_length": "int", "response_length"
 
 def encode_headers(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``SampleStub`` fields of every sample, in the same flat layout (about a tenth of the batch)."""
-    columns = {"group_index": [s.group_index for s in samples],
+    columns: dict[str, list[Any]] = {"group_index": [s.group_index for s in samples],
                "prompt_length": [len(s.prompt_ids) for s in samples],
                "response_length": [len(s.response_ids) for s in samples],
                "num_rollout_logprobs": [len(s.rollout_logprobs) for s in samples],
@@ -148,4 +148,5 @@ def decode_headers(sizes: torch.Tensor, buffer: torch.Tensor, owners: Sequence[i
     n, columns = _decode_columns(sizes, buffer)
     owners = [-1] * n if owners is None else owners
     names = list(_HEADER_KINDS)
-    return [SampleStub(*row, owner) for row, owner in zip(zip(*(columns[name] for name in names)), owners)]
+    rows = zip(*(columns[name] for name in names))
+    return [SampleStub(**dict(zip(names, row)), owner=owner) for row, owner in zip(rows, owners)]

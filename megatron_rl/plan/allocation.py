@@ -439,10 +439,11 @@ def name_stem(name: str) -> tuple[str, str | None]:
 
 
 def _named_role(comp: Component) -> str:
-    key = name_stem(comp.name)[0].lower()
+    name = comp.name
+    assert name is not None, "assign_roles asks only for named components"
+    key = name_stem(name)[0].lower()
     role = ROLE_ALIASES.get(key)
-    fits = role is not None and (role in INFERENCE_ROLES if comp.is_inference else role != "rollout")
-    if fits:
+    if role is not None and (role in INFERENCE_ROLES if comp.is_inference else role != "rollout"):
         return role
     if role is not None and key in ROLES:
         if comp.is_inference:
@@ -450,7 +451,7 @@ def _named_role(comp: Component) -> str:
                             f"megatron/fsdp for it, or name this engine rollout")
         raise PlanError(f"{comp.spec()}: a training backend cannot be the rollout engine; use "
                         f"sglang/vllm for rollout or name this component actor")
-    return "rollout" if comp.is_inference else comp.name
+    return "rollout" if comp.is_inference else name
 
 
 def assign_roles(groups: list[list[Component]]) -> tuple[Group, ...]:

@@ -210,7 +210,9 @@ class _Parser:
     def _dims(self, allowed: str, owner: str) -> Dims:
         self._ws()
         start = self.pos
-        token = _DIMS_TOKEN.match(self.text, self.pos).group()
+        match = _DIMS_TOKEN.match(self.text, self.pos)
+        assert match is not None, "_DIMS_TOKEN ends in '*', so it matches at least the empty string"
+        token = match.group()
         if not token:
             raise self._fail(start, start + 1,
                              f"no parallel degrees after ':'; write at least d<N>, e.g. "

@@ -28,19 +28,25 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
     """The driver's rollout side: engine (from ``--rollout-backend``; ``placement``: the SGLang engines this
     run launched), prompt iterator, eval prompts, reward."""
     engine_type = ENGINES.get(cfg.rollout.rollout_backend)  # unknown / refused names fail before anything loads
-    if not cfg.data.prompt_data:
+    prompt_data = cfg.data.prompt_data
+    if not prompt_data:
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
     reward_fn = get_reward_fn(rm_type=cfg.data.rm_type, custom_rm_path=cfg.data.custom_rm_path)  # fail fast
     engine = engine_type.from_config(cfg, placement) if placement is not None else engine_type.from_config(cfg)
     if cfg.embedded_replicas:  # --embedded-engine-ranks: the other ranks hold replicas (rollout.replicas)
         engine = replicate_on_every_rank(engine)
     d, b = cfg.data, cfg.batching
-    common = dict(tokenizer=getattr(engine, "tokenizer", None), input_key=d.input_key, label_key=d.label_key,
-                  apply_chat_template=d.apply_chat_template, max_prompt_len=cfg.rollout.rollout_max_prompt_len)
-    prompts = PromptIterator(PromptDataset(d.prompt_data, **common), rollout_batch_size=b.rollout_batch_size,
+    tokenizer = getattr(engine, "tokenizer", None)
+
+    def dataset(path: str) -> PromptDataset:
+        return PromptDataset(path, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
+                             apply_chat_template=d.apply_chat_template,
+                             max_prompt_len=cfg.rollout.rollout_max_prompt_len)
+
+    prompts = PromptIterator(dataset(prompt_data), rollout_batch_size=b.rollout_batch_size,
                              n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,
                              seed=cfg.rollout.rollout_seed)
-    eval_datasets = {name: PromptDataset(path, **common) for name, path in d.eval_sets}  # --eval-prompt-data
+    eval_datasets = {name: dataset(path) for name, path in d.eval_sets}  # --eval-prompt-data
     return RolloutManager(cfg, engine, prompts, reward_fn, eval_datasets)
 
 

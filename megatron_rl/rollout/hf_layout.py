@@ -24,6 +24,11 @@ import torch
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
+def _view(live: Callable[[], torch.Tensor], index: int | tuple[int, slice]) -> Callable[[], torch.Tensor]:
+    """``live()[index]`` on every call, so a swapped storage is followed (``index`` is bound now)."""
+    return lambda: live()[index]
+
+
 class HFParamMap:
     """Maps each checkpoint tensor name to a function returning a view of the live parameter."""
 
@@ -52,11 +57,11 @@ class HFParamMap:
         num_experts = live().shape[0]
         for e in range(num_experts):
             if kind == "down_proj":
-                self._views[f"{prefix}.{e}.down_proj.weight"] = (lambda e=e: live()[e])
+                self._views[f"{prefix}.{e}.down_proj.weight"] = _view(live, e)
             else:
                 half = live().shape[1] // 2
-                self._views[f"{prefix}.{e}.gate_proj.weight"] = (lambda e=e, h=half: live()[e, :h])
-                self._views[f"{prefix}.{e}.up_proj.weight"] = (lambda e=e, h=half: live()[e, h:])
+                self._views[f"{prefix}.{e}.gate_proj.weight"] = _view(live, (e, slice(None, half)))
+                self._views[f"{prefix}.{e}.up_proj.weight"] = _view(live, (e, slice(half, None)))
 
     def names(self) -> list[str]:
         """Canonical checkpoint names (no aliases), in model order."""

@@ -34,6 +34,10 @@ class PreallocatedLayer(DynamicLayer):
         self.device = key_states.device
         self.is_initialized = True
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._k is not None and self._v is not None, "lazy_initialization allocates both buffers"
+        return self._k, self._v
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -41,10 +45,11 @@ class PreallocatedLayer(DynamicLayer):
         if end > self.capacity:
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} positions); the engine sized it "
                                "from prompt width + max_new_tokens")
-        self._k[:, :, self.length:end] = key_states
-        self._v[:, :, self.length:end] = value_states
+        k, v = self._buffers()
+        k[:, :, self.length:end] = key_states
+        v[:, :, self.length:end] = value_states
         self.length = end
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        self.keys, self.values = k[:, :, :end], v[:, :, :end]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -52,12 +57,14 @@ class PreallocatedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._k, self._v = self._k[indices], self._v[indices]
+            k, v = self._buffers()
+            self._k, self._v = k[indices], v[indices]
             self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.batch_select_indices(torch.arange(self._k.shape[0], device=self._k.device).repeat_interleave(repeats))
+            k, _ = self._buffers()
+            self.batch_select_indices(torch.arange(k.shape[0], device=k.device).repeat_interleave(repeats))
 
 
 def make_kv_cache(config, capacity: int) -> DynamicCache:

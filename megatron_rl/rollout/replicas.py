@@ -65,7 +65,9 @@ def part_bounds(num_requests: int, parts: int) -> list[int]:
 def _broadcast_command(command: Optional[tuple], src: int) -> tuple:
     box = [command]
     dist.broadcast_object_list(box, src=src)
-    return box[0]
+    received = box[0]
+    assert received is not None, "the driver rank always broadcasts a command tuple"
+    return received
 
 
 class ReplicatedEngine(RolloutEngine):

@@ -201,6 +201,8 @@ def load_custom_reward(custom_rm_path: str) -> RewardFn:
             if not os.path.isfile(module_name):
                 raise FileNotFoundError(f"no such file {module_name}")
             spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"{module_name} cannot be loaded as a Python module")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
