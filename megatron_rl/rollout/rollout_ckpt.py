@@ -140,6 +140,14 @@ def prune(root: str, keep: set[int] = frozenset()) -> list[int]:
     return removed
 
 
+def read_rollout_file(path: str) -> dict:
+    """What a rollout file holds, its checksum checked first (``ChecksumMismatch`` on damage; a file
+    without one is read as is). For tools and tests that inspect a file; a resume uses
+    :func:`load_rollout_ckpt`, which also checks that the file belongs to it."""
+    payload = checksum.read_bytes(path, "A resume generates this rollout again; the new file replaces it.")
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 def load_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, fingerprint: dict,
                       state_before: dict, weight_version: Optional[int]) -> Optional[dict]:
     """The stored rollout if it belongs to this resume, else None (the reason logged; the caller regenerates).
@@ -150,13 +158,11 @@ def load_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, fingerprin
     if not os.path.isfile(path):
         return None
     try:
-        payload = checksum.read_bytes(path, "Generating the rollout again (nothing to do; the new file replaces it).")
+        data = read_rollout_file(path)
     except checksum.ChecksumMismatch as exc:  # damaged after the write: never trained on
         log.warning("rollout %d: %s is damaged: its content hashes to sha256 %s, the file records %s; "
                     "generating it again", rollout_id, path, exc.actual, exc.recorded)
         return None
-    try:
-        data = torch.load(io.BytesIO(payload), weights_only=False)
     except Exception as exc:  # a foreign or damaged file: never fatal, the rollout is generated again
         log.warning("rollout %d: %s is unreadable (%s: %s); generating it again", rollout_id, path,
                     type(exc).__name__, exc)

@@ -39,9 +39,11 @@ import torch
 
 from _util import free_port
 from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_checkpoint_metadata
+from megatron_rl.infra import checksum
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
                                                iter_dir, list_iterations, read_latest, read_resume_state)
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+from megatron_rl.rollout import rollout_ckpt
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_TIMEOUT = 420  # one demo launch; a few rollouts take ~30-60 s on 2 busy cores
@@ -415,7 +417,8 @@ def test_sigkill_after_rollout_was_generated_resumes_without_regenerating_it(str
     Demo(out, 4, "--save-interval", "2").kill_when(lambda: os.path.exists(stored), "rollout_ckpts/rollout_2.pt")
     assert train_steps(metrics(out)) == [1, 2]  # rollout 2 (logged as step 3) was never trained
     assert assert_no_partial_checkpoint_visible(root, tmp_path) == [2]
-    generated = torch.load(stored, weights_only=False)
+    generated = rollout_ckpt.read_rollout_file(stored)  # checksum checked (the file is sealed)
+    assert open(stored, "rb").read().startswith(checksum.BYTES_MAGIC)
 
     final = run_demo(out, 4, "--save-interval", "2")
     assert f"resumed from {iter_dir(root, 2)} at rollout 2" in final.output
