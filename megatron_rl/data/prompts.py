@@ -7,6 +7,15 @@ tokenizer needed). ``--label-key`` names the ground truth handed to the reward
 (an empty key means the data has no labels). The whole file is read and
 tokenized up front, so every bad line is reported before the first rollout.
 
+Reading is streamed, one line at a time (``read_prompt_records``), and each line may be
+at most ``max_line_bytes`` long: a line over the limit is refused by its number as soon as
+the reader passes the limit, without reading the rest of it (a 50 MB line otherwise costs
+minutes and gigabytes before any check sees it). Bytes that are not UTF-8, a line that is
+not one JSON object (a JSON array file, CSV, plain text) and a missing ``--input-key`` are
+named by file and line. ``scan_prompt_file`` applies every rule that needs no tokenizer
+without keeping the records: the driver runs it before the workers start
+(``megatron_rl.runner.preflight``), with the run's ``--max-prompt-line-mib``.
+
 ``PromptIterator`` yields ``PromptBatch``es of ``--rollout-batch-size`` prompts.
 Epoch ``e`` visits every prompt once, in file order or (``--rollout-shuffle``)
 in the permutation drawn from ``torch.Generator().manual_seed(seed + e)``;
@@ -21,10 +30,141 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from megatron_rl.data.types import GenerateRequest
 from megatron_rl.errors import ConfigError
+
+MIB = 1 << 20  # --max-prompt-line-mib counts these
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark some editors write at the start of the file
+_CONVERT_ARRAY = "jq -c '.[]' FILE > FILE.jsonl"
+
+
+def read_prompt_records(path: str | os.PathLike, *, input_key: str = "prompt", label_key: Optional[str] = "label",
+                        max_line_bytes: Optional[int] = None,
+                        flag: str = "--prompt-data") -> Iterator[tuple[int, dict]]:
+    """``(line number, JSON object)`` for each non-blank line of a JSONL prompt file, read one line at a time.
+
+    Raises ``ConfigError`` naming ``flag``, the file and the line for: a missing file, a line longer than
+    ``max_line_bytes`` (None: no limit), bytes that are not UTF-8, a line that is not a JSON object, a
+    missing ``input_key`` or ``label_key`` (None: no labels). An empty file is the caller's to refuse
+    (it yields nothing)."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: no such file; give a JSONL file with one JSON object per line")
+    with open(path, "rb") as f:
+        line_no = 0
+        while True:
+            raw = f.readline(max_line_bytes + 1) if max_line_bytes is not None else f.readline()
+            if not raw:
+                return
+            line_no += 1
+            where = f"{flag} {path} line {line_no}"
+            if max_line_bytes is not None and len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise ConfigError(
+                    f"{where} is longer than the {_size(max_line_bytes)} a prompt line may hold "
+                    f"(--max-prompt-line-mib {max_line_bytes / MIB:g}); reading stopped there. Shorten the line "
+                    "(a prompt over --rollout-max-prompt-len tokens is refused anyway; keep large fields out of "
+                    "the prompt file), or raise --max-prompt-line-mib if the line is meant to be this long")
+            if line_no == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{where}: byte {exc.start + 1} of the line (0x{raw[exc.start]:02x}) is not UTF-8; prompt "
+                    f"files are read as UTF-8: convert the file (e.g. iconv -f latin1 -t utf-8 {path} > "
+                    f"{path}.utf8) and pass the converted one") from None
+            if line.strip():
+                yield line_no, _parse_record(line, where, input_key, label_key, first=line_no == 1)
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:g} MiB" if n >= MIB else f"{n} bytes"
+
+
+def _parse_record(line: str, where: str, input_key: str, label_key: Optional[str], *, first: bool) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        if first and line.lstrip().startswith("["):
+            raise ConfigError(f"{where} starts a JSON array; prompt files are JSON lines (one JSON object per "
+                              f"line): convert it with {_CONVERT_ARRAY}") from None
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}; the line starts "
+                          f"{line[:60]!r}); each line must be one JSON object (JSON lines)") from None
+    if isinstance(record, list) and first:
+        raise ConfigError(f"{where} is a JSON array; prompt files are JSON lines (one JSON object per line): "
+                          f"convert it with {_CONVERT_ARRAY}")
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if input_key not in record:
+        raise ConfigError(f"{where}: no key {input_key!r} (--input-key); keys there: "
+                          f"{', '.join(map(repr, record))}; pass --input-key with one of them")
+    if label_key is not None and label_key not in record:
+        raise ConfigError(f"{where}: no key {label_key!r} (--label-key); keys there: "
+                          f"{', '.join(map(repr, record))}; pass --label-key with one of them, or "
+                          "--label-key '' for data without labels")
+    return record
+
+
+def prompt_kind(value: Any, where: str, input_key: str) -> str:
+    """What ``--input-key`` holds: "ids" (token ids, no tokenizer needed), "chat" (messages) or "text"."""
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return "ids"
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return "chat"
+    if isinstance(value, str):
+        return "text"
+    raise ConfigError(f"{where}: --input-key {input_key!r} holds a {type(value).__name__}; expected "
+                      "text, chat messages [{\"role\", \"content\"}] or token ids")
+
+
+@dataclass(frozen=True)
+class PromptFileScan:
+    """What ``scan_prompt_file`` found: the prompt count and the first line that needs a tokenizer."""
+
+    path: str
+    prompts: int
+    first_text_line: Optional[int]  # a text or chat prompt (None: token ids only, no tokenizer needed)
+    first_chat_line: Optional[int]
+
+
+def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", label_key: Optional[str] = "label",
+                     max_line_bytes: Optional[int], max_prompt_len: Optional[int] = None,
+                     flag: str = "--prompt-data") -> PromptFileScan:
+    """Every check of ``PromptDataset`` that needs no tokenizer, streamed: memory is one line at most.
+
+    Raises ``ConfigError`` at the first bad line (``read_prompt_records``), at a prompt of the wrong type,
+    at a token-id prompt that is empty or longer than ``max_prompt_len``, and for a file without prompts."""
+    prompts, first_text, first_chat = 0, None, None
+    for line_no, record in read_prompt_records(path, input_key=input_key, label_key=label_key or None,
+                                               max_line_bytes=max_line_bytes, flag=flag):
+        where = f"{flag} {path} line {line_no}"
+        value = record[input_key]
+        kind = prompt_kind(value, where, input_key)
+        if kind == "ids" or value == "":
+            _check_prompt_len(len(value), where, max_prompt_len)
+        elif first_text is None:
+            first_text = line_no
+        if kind == "chat" and first_chat is None:
+            first_chat = line_no
+        prompts += 1
+    if not prompts:
+        raise ConfigError(_empty_message(flag, str(path)))
+    return PromptFileScan(str(path), prompts, first_text, first_chat)
+
+
+def _check_prompt_len(tokens: int, where: str, max_prompt_len: Optional[int]) -> None:
+    if not tokens:
+        raise ConfigError(f"{where}: the prompt is empty after tokenization")
+    if max_prompt_len is not None and tokens > max_prompt_len:
+        raise ConfigError(f"{where}: prompt has {tokens} tokens, more than --rollout-max-prompt-len "
+                          f"{max_prompt_len}; raise the limit or remove the prompt")
+
+
+def _empty_message(flag: str, path: str) -> str:
+    return (f"{flag} {path}: the file has no prompts (it is empty or holds only blank lines); give a JSONL file "
+            "with one JSON object per line")
 
 
 @dataclass(frozen=True)
@@ -52,8 +192,12 @@ class PromptDataset:
 
     def __init__(self, path: str | os.PathLike, *, tokenizer: Any = None, input_key: str = "prompt",
                  label_key: str | None = "label", apply_chat_template: bool = False,
-                 max_prompt_len: int | None = None):
+                 max_prompt_len: int | None = None, max_line_bytes: int | None = None,
+                 flag: str = "--prompt-data"):
+        """``max_line_bytes``: the longest line read (None: no limit; a run's limit, ``--max-prompt-line-mib``,
+        was applied before its workers started, by ``runner.preflight``)."""
         self.path = str(path)
+        self.flag = flag
         self.input_key = input_key
         self.label_key = label_key or None
         self.apply_chat_template = apply_chat_template
@@ -66,58 +210,28 @@ class PromptDataset:
                 raise ConfigError(f"--apply-chat-template was given but the tokenizer "
                                   f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
                                   "template; drop --apply-chat-template or use an instruct/chat tokenizer")
-        if not os.path.isfile(self.path):
-            raise ConfigError(f"--prompt-data {self.path}: no such file; give a JSONL file with one JSON object "
-                              "per line")
         self.prompts: list[Prompt] = []
-        with open(self.path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if line.strip():
-                    self.prompts.append(self._parse(line, line_no, max_prompt_len))
+        for line_no, record in read_prompt_records(self.path, input_key=input_key, label_key=self.label_key,
+                                                   max_line_bytes=max_line_bytes, flag=flag):
+            self.prompts.append(self._parse(record, line_no, max_prompt_len))
         if not self.prompts:
-            raise ConfigError(f"--prompt-data {self.path}: the file has no prompts (it is empty)")
+            raise ConfigError(_empty_message(flag, self.path))
 
-    def _where(self, line_no: int) -> str:
-        return f"--prompt-data {self.path} line {line_no}"
-
-    def _parse(self, line: str, line_no: int, max_prompt_len: int | None) -> Prompt:
-        where = self._where(line_no)
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                              "JSON object") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if self.input_key not in record:
-            raise ConfigError(f"{where}: no key {self.input_key!r} (--input-key); keys there: "
-                              f"{', '.join(map(repr, record))}; pass --input-key with one of them")
-        label = None
-        if self.label_key is not None:
-            if self.label_key not in record:
-                raise ConfigError(f"{where}: no key {self.label_key!r} (--label-key); keys there: "
-                                  f"{', '.join(map(repr, record))}; pass --label-key with one of them, or "
-                                  "--label-key '' for data without labels")
-            label = record[self.label_key]
+    def _parse(self, record: dict, line_no: int, max_prompt_len: int | None) -> Prompt:
+        where = f"{self.flag} {self.path} line {line_no}"
+        label = record[self.label_key] if self.label_key is not None else None
         prompt_ids, prompt_text = self._tokenize(record[self.input_key], where)
-        if not prompt_ids:
-            raise ConfigError(f"{where}: the prompt is empty after tokenization")
-        if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
-            raise ConfigError(f"{where}: prompt has {len(prompt_ids)} tokens, more than --rollout-max-prompt-len "
-                              f"{max_prompt_len}; raise the limit or remove the prompt")
+        _check_prompt_len(len(prompt_ids), where, max_prompt_len)
         return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no)
 
     def _tokenize(self, value: Any, where: str) -> tuple[list[int], str | None]:
-        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        kind = prompt_kind(value, where, self.input_key)
+        if kind == "ids":
             if self.apply_chat_template:
                 raise ConfigError(f"{where}: --input-key {self.input_key!r} holds token ids, which cannot take a "
                                   "chat template; drop --apply-chat-template or store text")
             return list(value), None
-        is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                  for m in value)
-        if not is_chat and not isinstance(value, str):
-            raise ConfigError(f"{where}: --input-key {self.input_key!r} holds a {type(value).__name__}; expected "
-                              "text, chat messages [{\"role\", \"content\"}] or token ids")
+        is_chat = kind == "chat"
         if self.tokenizer is None:
             raise ConfigError(f"{where}: a text prompt needs a tokenizer; pass an --hf-checkpoint with tokenizer "
                               "files")

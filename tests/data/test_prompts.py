@@ -5,7 +5,7 @@ import json
 import pytest
 from _tokenizer import SPECIAL, build_char_tokenizer  # tests/ is on sys.path (conftest)
 
-from megatron_rl.data.prompts import PromptDataset, PromptIterator
+from megatron_rl.data.prompts import MIB, PromptDataset, PromptIterator, scan_prompt_file
 from megatron_rl.errors import ConfigError
 
 def write_jsonl(path, records):
@@ -60,7 +60,8 @@ def test_token_id_prompts_need_no_tokenizer(tmp_path):
 @pytest.mark.parametrize("lines,kwargs,message", [
     (['{"prompt": "a", "label": 1}', '{"prompt": "b", "label": 2'], {},
      r"--prompt-data .*p.jsonl line 2: not valid JSON .*; each line must be one JSON object"),
-    (['["a"]'], {}, "line 1: expected a JSON object, got list"),
+    (['["a"]'], {}, "line 1 is a JSON array; prompt files are JSON lines .*: convert it with jq -c"),
+    (['{"prompt": [1], "label": 1}', '["a"]'], {}, "line 2: expected a JSON object, got list"),
     (['{"prompt": "a", "label": 1}', '{"text": "b", "label": 2}'], {},
      "line 2: no key 'prompt' \\(--input-key\\); keys there: 'text', 'label'; pass --input-key with one of them"),
     (['{"prompt": "a"}'], {}, "line 1: no key 'label' \\(--label-key\\).*--label-key '' for data without labels"),
@@ -84,6 +85,87 @@ def test_missing_file_and_missing_tokenizer(tmp_path):
         PromptDataset(data)
     unlabeled = write_jsonl(tmp_path / "u.jsonl", [{"prompt": [3, 4]}])
     assert PromptDataset(unlabeled, label_key="")[0].label is None  # --label-key '': data without labels
+
+
+def _read_with_dataset(path, **kwargs):
+    PromptDataset(path, **kwargs)
+
+
+def _read_with_scan(path, **kwargs):
+    scan_prompt_file(path, max_line_bytes=kwargs.pop("max_line_bytes", None), **kwargs)
+
+
+READERS = pytest.mark.parametrize("read", [_read_with_dataset, _read_with_scan], ids=["dataset", "scan"])
+
+
+def _labelled(n_bytes):
+    """One JSON line of exactly ``n_bytes`` bytes (without its newline): a token-id prompt and a long label."""
+    head = '{"prompt": [1], "label": "'
+    return head + "x" * (n_bytes - len(head) - 2) + '"}'
+
+
+@READERS
+@pytest.mark.parametrize("content,message", [
+    (b'{"prompt": [1], "label": 1}\n{"prompt": [2], "label": "caf\xe9"}\n',
+     r" line 2: byte 30 of the line \(0xe9\) is not UTF-8; prompt files are read as UTF-8: convert the file "
+     r"\(e.g. iconv -f latin1 -t utf-8"),
+    (b'[\n  {"prompt": [1], "label": 1}\n]\n', r" line 1 starts a JSON array; prompt files are JSON lines \(one "
+     r"JSON object per line\): convert it with jq -c '\.\[\]' FILE > FILE\.jsonl"),
+    (b"prompt,label\n1+1,2\n", r" line 1: not valid JSON \(Expecting value at column 1; the line starts "
+     r"'prompt,label\\n'\); each line must be one JSON object \(JSON lines\)"),
+    (b'{"prompt": [1], "label": 1}\n{"question": [2], "label": 2}\n',
+     r" line 2: no key 'prompt' \(--input-key\); keys there: 'question', 'label'"),
+    (b"\n  \n", r": the file has no prompts \(it is empty or holds only blank lines\)"),
+])
+def test_malformed_files_are_named_by_line_in_both_readers(tmp_path, read, content, message):
+    """The dataset (built after start-up) and the driver's pre-flight scan refuse with the same words."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"--prompt-data {path}" + message):
+        read(path)
+
+
+@READERS
+def test_a_utf8_byte_order_mark_is_not_a_json_error(tmp_path, read):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": [1, 2], "label": 1}\n')
+    read(path)
+
+
+@READERS
+def test_a_line_over_the_limit_is_refused_by_number_without_reading_it_whole(tmp_path, read):
+    """An 8 MiB line under a 1 MiB limit: refused at line 2 after reading about the limit, not the line (the
+    issue's 50 MB line was refused after 144 s at 16.6 GB); a line of exactly the limit is read."""
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"prompt": [1], "label": 1}\n' + _labelled(8 * MIB) + "\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as exc:
+            read(path, max_line_bytes=MIB)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(exc.value).startswith(f"--prompt-data {path} line 2 is longer than the 1 MiB a prompt line may hold "
+                                     "(--max-prompt-line-mib 1); reading stopped there"), exc.value
+    assert "raise --max-prompt-line-mib" in str(exc.value)
+    assert peak < 3 * MIB, peak  # the limit's worth of line 2 and the reader's buffer, never its 8 MiB
+    path.write_text(_labelled(MIB) + "\n" + _labelled(MIB))  # exactly the limit, with and without a newline
+    read(path, max_line_bytes=MIB)
+
+
+def test_scan_counts_prompts_and_finds_what_needs_a_tokenizer(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1], "label": 0}, "", {"prompt": "hi", "label": 1},
+                                             {"prompt": [{"role": "user", "content": "x"}], "label": 2}])
+    scan = scan_prompt_file(path, max_line_bytes=MIB)
+    assert (scan.prompts, scan.first_text_line, scan.first_chat_line) == (3, 3, 4)
+    ids_only = write_jsonl(tmp_path / "ids.jsonl", [{"prompt": [1, 2, 3], "label": 0}])
+    assert scan_prompt_file(ids_only, max_line_bytes=MIB).first_text_line is None
+    with pytest.raises(ConfigError, match="line 1: prompt has 3 tokens, more than --rollout-max-prompt-len 2"):
+        scan_prompt_file(ids_only, max_line_bytes=MIB, max_prompt_len=2)
+    with pytest.raises(ConfigError, match=r"--eval-prompt-data aime .*ids.jsonl line 1: no key 'q' \(--input-key\)"):
+        scan_prompt_file(ids_only, input_key="q", max_line_bytes=MIB, flag="--eval-prompt-data aime")
 
 
 def numbered_dataset(tmp_path, n=7):
