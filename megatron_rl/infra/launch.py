@@ -13,7 +13,9 @@ same process) and turns how the run ended into one exit code:
   this prints ``error: ...`` once and exits with its code (2), not torchrun's 1
   and ChildFailedError traceback;
 * a signal before the loop could save: 128 + the signal (143 SIGTERM, 130 SIGINT);
-* a crash: which rank failed with what (its traceback is above), exit 1.
+* a crash: which rank failed with what (its traceback is above), exit 1; a rank ended by
+  signal N (the OOM killer's SIGKILL): 128 + N (137), naming that rank, not one torchrun
+  SIGTERMed after it (:func:`_first_failure`).
 
 Why not plain torchrun: torchrun exits 1 with a traceback for all of these, and a
 wrapper script around it that is itself signalled leaves torchrun and the workers
@@ -82,12 +84,33 @@ def _quiet_torchrun_logs() -> None:
             logger.setLevel(logging.CRITICAL)
 
 
+def _first_failure(failures: dict) -> tuple[int, object]:
+    """The rank whose failure ended the run, of torchrun's ``failures`` (rank -> ProcessFailure).
+
+    Once one worker fails torchrun SIGTERMs the others and records them too, so the lowest rank is
+    often a bystander: a SIGKILLed rank 1 was reported as rank 0 ended by SIGTERM (exit 143, not 137).
+    Taken: the earliest failure (``timestamp``, whole seconds); within a second a death by a signal
+    other than SIGTERM (SIGKILL, SIGSEGV: nothing of torchrun's sends those first), then an exit code
+    (a crash, or a rank whose collective broke when its peer died), then SIGTERM (torchrun's own
+    shutdown of the survivors); then the order torchrun noticed them (the failed one before those it
+    terminated)."""
+    def key(item):
+        order, (_, failure) = item
+        code = getattr(failure, "exitcode", 1)
+        kind = 2 if code == -signal.SIGTERM else 0 if code is not None and code < 0 else 1
+        return getattr(failure, "timestamp", 0), kind, order
+
+    _, first = min(enumerate(failures.items()), key=key)
+    return first
+
+
 def _failure_summary(exc) -> tuple[int, str]:
-    """(exit code, one line) for torchrun's ChildFailedError: the first failed rank and how it ended."""
+    """(exit code, one line) for torchrun's ChildFailedError: the rank whose failure ended the run and how:
+    128 + N for a rank ended by signal N (SIGKILL: 137), else 1."""
     failures = getattr(exc, "failures", {}) or {}
     if not failures:
         return 1, "a worker failed (see its output above)"
-    rank, failure = sorted(failures.items())[0]
+    rank, failure = _first_failure(failures)
     code = getattr(failure, "exitcode", 1)
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
