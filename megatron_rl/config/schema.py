@@ -500,6 +500,9 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class DataConfig:
     prompt_data: Optional[str] = flag(None, "JSONL file of prompts.")
+    max_prompt_line_mib: int = flag(16, "Longest line (MiB) a --prompt-data or --eval-prompt-data file may "
+                                    "hold; the driver reads each file line by line before the workers start "
+                                    "and refuses a longer line by its number.", domain="[1, inf)")
     input_key: str = flag("prompt", "JSON key of the prompt text.")
     label_key: Optional[str] = flag("label", "JSON key of the ground-truth label used by the reward.")
     apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")

@@ -24,6 +24,12 @@ Rules, from SGLang 0.5.23's ``http_server.health_generate``:
   streak's length and start time.
 * Dead servers keep being polled. One that answers 200 again is "recovered": the engine then
   reads its weight version before using it (a restarted server serves its initial weights).
+
+``probe_servers`` is the one-off check of servers the user runs (``--rollout-engine-urls``), made by
+the driver before the workers start (``megatron_rl.runner.preflight``): each must answer
+``/health`` 200 and ``/model_info`` with SGLang's JSON (a router: each of its workers), every request
+bounded by one timeout, so a wrong port, a hung server, an error status or a reply that is not
+SGLang's is named by URL before any rank has started work.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from typing import Optional, Sequence
 
 from megatron_rl.rollout.sglang.client import SGLangClient, SGLangEngineError
 
-__all__ = ["HealthFailure", "HealthMonitor", "describe_failure"]
+__all__ = ["HealthFailure", "HealthMonitor", "describe_failure", "probe_servers"]
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 30.0  # a probe's bound per request: above SGLang's 20 s health-check timeout, so slow is a 503
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,47 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str:
     if status is not None:
         return f"HTTP {status}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def probe_servers(urls: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """One line per server of ``urls`` that does not answer as a running SGLang server ([] when all do).
+
+    Each server, all at once: ``GET /health`` must answer 200 (503: still starting, or unhealthy), then
+    ``GET /workers`` tells an sglang-router (whose workers are probed the same way) from a server, whose
+    ``GET /model_info`` must be a JSON object with a ``weight_version``. One attempt per request, each
+    bounded by ``timeout_s``; a line names the URL, the request and what came back."""
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(urls))), thread_name_prefix="sglang-probe") as pool:
+        found = list(pool.map(lambda u: _probe_one(u, timeout_s, router_ok=True), urls))
+    return [line for lines in found for line in lines]
+
+
+def _probe_one(url: str, timeout_s: float, *, router_ok: bool) -> list[str]:
+    with SGLangClient(url, timeout_s=timeout_s, connect_retries=0) as client:
+        endpoint = "/health"
+        try:
+            if not client.health():
+                return [f"{client.base_url}: GET /health answered HTTP 503 (the server is still starting, or "
+                        "unhealthy): wait until it answers 200"]
+            endpoint = "/workers"
+            workers = client.router_workers() if router_ok else None
+            if workers is not None:  # an sglang-router: the engine talks to its workers
+                if not workers:
+                    return [f"{client.base_url}: an sglang-router that lists no workers (GET /workers); register "
+                            "its SGLang servers with it first"]
+                return [line for w in workers for line in _probe_one(w, timeout_s, router_ok=False)]
+            endpoint = "/model_info"
+            info = client.model_info()
+        except SGLangEngineError as exc:
+            what = describe_failure(exc, timeout_s)
+            if exc.status is not None and exc.server_message:
+                what += f": {exc.server_message[:200]}"
+            elif exc.kind == "protocol":
+                what = str(exc)
+            return [f"{client.base_url}: GET {endpoint}: {what}"]
+        if not isinstance(info, dict) or "weight_version" not in info:
+            return [f"{client.base_url}: GET /model_info answered {str(info)[:200]!r}, not an SGLang server's "
+                    "reply (a JSON object with weight_version; SGLang >= 0.5.2)"]
+    return []
 
 
 class HealthMonitor:

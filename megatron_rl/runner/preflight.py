@@ -1,0 +1,89 @@
+"""Pre-flight: what the driver can check about the run's inputs before any worker collective.
+
+Why here and not in ``config/validate.py``: validation reads flags and small JSON configs only (it
+runs on every rank and in ``--dry-run``); these checks read whole prompt files and talk to servers,
+so the driver (rank 0) runs them once, in ``train.main`` before ``run`` builds anything. A refusal
+then ends the run before any process group exists: the driver records it for the launcher
+(``MEGATRON_RL_STATUS_FILE``), the launcher prints the one ``error:`` line, and the other ranks,
+still waiting for the driver to join their first collective, are ended by torchrun without a word.
+
+What is checked, each named by flag, file, line or URL with the fix:
+
+* ``--prompt-data`` and every ``--eval-prompt-data`` file, streamed line by line
+  (``data.prompts.scan_prompt_file``): present, not empty, UTF-8, one JSON object per line (a JSON
+  array file is named as one), ``--input-key`` and ``--label-key`` on every line, a prompt of a
+  known type, every line within ``--max-prompt-line-mib``, token-id prompts within
+  ``--rollout-max-prompt-len``;
+* the tokenizer: text or chat prompts need tokenizer files in ``--hf-checkpoint``; chat messages
+  need ``--apply-chat-template``, token ids refuse it;
+* ``--rollout-engine-urls``: every server answers ``/health`` and ``/model_info`` within
+  ``engine_timeout_s`` per request (``rollout.sglang.health.probe_servers``).
+
+What needs the tokenizer loaded (a prompt's token count against ``--rollout-max-prompt-len``, the
+tokenizer's chat template) is checked when the rollout is built, after the workers started; such a
+refusal ends the other ranks quietly too (``train.main``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megatron_rl.config import Config
+from megatron_rl.data.prompts import MIB, PromptFileScan, scan_prompt_file
+from megatron_rl.errors import ConfigError, EngineError
+from megatron_rl.rollout.base import TOKENIZER_FILES
+from megatron_rl.rollout.sglang.health import PROBE_TIMEOUT_S, probe_servers
+
+
+def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Raise the first problem (``ConfigError`` for inputs, ``EngineError`` for servers) or return None."""
+    if not cfg.has_rollout_engine:
+        return  # rollouts come from a file or stored rollouts: no prompts are read, no engine is asked
+    scans = [_scan(cfg, "--prompt-data", path) for path in ([cfg.data.prompt_data] if cfg.data.prompt_data else [])]
+    scans += [_scan(cfg, f"--eval-prompt-data{' ' + name if name else ''}", path) for name, path in cfg.data.eval_sets]
+    for flag, scan in scans:
+        check_tokenizer_for(cfg, flag, scan)
+    if cfg.rollout.rollout_backend == "sglang" and cfg.rollout.rollout_engine_urls:
+        problems = probe_servers(cfg.rollout.rollout_engine_urls, timeout_s=engine_timeout_s)
+        if problems:
+            raise EngineError(f"--rollout-engine-urls: {len(problems)} server(s) do not answer as running SGLang "
+                              "servers (checked before the workers started):\n  - " + "\n  - ".join(problems)
+                              + "\nstart them (python -m sglang.launch_server ...) and wait until GET /health "
+                              "answers 200, or fix the URLs; to have this run launch its own engines, drop "
+                              "--rollout-engine-urls")
+
+
+def _scan(cfg: Config, flag: str, path: str) -> tuple[str, PromptFileScan]:
+    d = cfg.data
+    return flag, scan_prompt_file(path, input_key=d.input_key, label_key=d.label_key,
+                                  max_line_bytes=d.max_prompt_line_mib * MIB,
+                                  max_prompt_len=cfg.rollout.rollout_max_prompt_len, flag=flag)
+
+
+def check_tokenizer_for(cfg: Config, flag: str, scan: PromptFileScan) -> None:
+    """The prompts of ``scan`` can be tokenized the way the flags ask, as far as files on disk tell."""
+    where = f"{flag} {scan.path}"
+    if scan.first_chat_line is not None and not cfg.data.apply_chat_template:
+        raise ConfigError(f"{where} line {scan.first_chat_line}: --input-key {cfg.data.input_key!r} holds chat "
+                          "messages; pass --apply-chat-template")
+    if scan.first_text_line is None:
+        if cfg.data.apply_chat_template:
+            raise ConfigError(f"{where}: every prompt holds token ids, which cannot take a chat template; drop "
+                              "--apply-chat-template or store text")
+        return  # token ids are used as they are
+    hf = cfg.model.hf_checkpoint
+    missing = _tokenizer_missing(hf)
+    if missing:
+        raise ConfigError(f"{where} line {scan.first_text_line} holds a text prompt, which needs a tokenizer, but "
+                          f"{missing}; copy the base model's tokenizer files there, or store the prompts as token "
+                          "ids")
+
+
+def _tokenizer_missing(hf: Optional[str]) -> Optional[str]:
+    """Why ``--hf-checkpoint`` gives no tokenizer (the rule ``rollout.base.load_tokenizer`` follows), or None."""
+    if not hf:
+        return "no --hf-checkpoint is given to load one from"
+    if not any(os.path.exists(os.path.join(hf, name)) for name in TOKENIZER_FILES):
+        return f"--hf-checkpoint {hf} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})"
+    return None
