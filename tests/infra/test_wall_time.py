@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -39,7 +38,7 @@ import sys, time
 from megatron_rl.infra.wall_time import WallClock
 WallClock(None, 1.0).install_signal_handlers()
 print("ready", flush=True)
-time.sleep(60)  # a start-up that hangs (an import that blocks)
+time.sleep(3600)  # a start-up that hangs (an import that blocks): only the signal can end it in time
 """
 
 
@@ -48,10 +47,9 @@ def test_signal_during_startup_ends_the_process(sig):
     """Before the loop can save, SIGTERM/SIGINT end the process at once (they used to only set a flag)."""
     proc = subprocess.Popen([sys.executable, "-c", STARTUP_HANG], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
-    t0 = time.monotonic()
     proc.send_signal(sig)
     try:
-        rc = proc.wait(timeout=20)
+        rc = proc.wait(timeout=120)  # a hang bound: only the signal ends it sooner
     finally:
         proc.kill()
-    assert rc == -sig and time.monotonic() - t0 < 20
+    assert rc == -sig

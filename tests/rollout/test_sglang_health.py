@@ -6,7 +6,10 @@ distributed transports, ``RolloutManager``, and the protocol-exact stand-in serv
 observe or trim the protocol: ``RecordingStandIn`` records each request's path and body in order,
 ``NoPauseStandIn`` plays an SGLang without ``/pause_generation`` (FastAPI's 404, as the stand-in's
 ``legacy`` mode does for the begin/end pair). Most tests drive the monitor by ``poll_health()``
-(``health_interval_s=0``: no thread), so they do not depend on timing.
+(``health_interval_s=0``: no thread), so they do not depend on timing. Every other wait is for a
+state (a request pending on the server, a refused flush, a thread waiting on the update) with a
+hang bound only, and health polls get a timeout that a slow reply cannot reach by load alone
+(a failed poll is made by a dropped connection or a reply that never comes, not by a short timeout).
 """
 
 import json
@@ -41,9 +44,13 @@ class RecordingStandIn(SGLangStandIn):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls = []
+        self.before = {}  # path -> a callable run (once) before that request is answered
 
     def handle(self, method, path, body):
         self.calls.append((path, body))
+        hook = self.before.pop(path, None)
+        if hook is not None:
+            hook()
         return super().handle(method, path, body)
 
     def control(self):
@@ -72,26 +79,37 @@ def weights(model):
 
 
 def make_engine(server, tmp_path, **kwargs):
-    options = dict(weight_dir=str(tmp_path / "weights"), hf_checkpoint=server.model_path, timeout_s=10,
-                   connect_retries=0, health_interval_s=0, health_timeout_s=0.3, server_notes={server.url: NOTE})
+    options = dict(weight_dir=str(tmp_path / "weights"), hf_checkpoint=server.model_path, timeout_s=60,
+                   connect_retries=0, health_interval_s=0, health_timeout_s=60, server_notes={server.url: NOTE})
     options.update(kwargs)
     return SGLangEngine([server.url], **options)
 
 
-def wait_for(predicate, timeout_s=5.0):
+def wait_for(predicate, what: str, timeout_s=120.0):
+    """Wait for a state; the timeout only bounds a hang (and names it)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        assert time.monotonic() < deadline, f"hung: {what} not reached within {timeout_s:.0f} s"
         time.sleep(0.01)
 
 
-def test_a_server_failing_its_health_polls_is_declared_dead_and_named(model, weights, tmp_path):
+def when(predicate, action, what: str) -> threading.Thread:
+    """Run ``action`` on a thread once ``predicate`` holds (a state the test's own call is blocked in)."""
+    def run():
+        wait_for(predicate, what)
+        action()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_server_failing_its_health_polls_is_declared_dead_and_named(model, weights, tmp_path, monkeypatch):
     server = SGLangStandIn(model).start()
     engine = make_engine(server, tmp_path)
     try:
-        server.faults.delay_s["/health"] = 1.0  # one slow reply is not a death
-        engine.poll_health()
-        server.faults.delay_s.pop("/health")
+        server.faults.drop["/health"] = 1  # one failed poll is not a death (was: a reply slower than a 0.3 s
+        engine.poll_health()  # timeout, which a busy machine's ordinary replies could reach too)
+        assert server.faults.drop["/health"] == 0
         engine.poll_health()
         engine.poll_health()
         assert engine.dead_servers() == []
@@ -101,14 +119,16 @@ def test_a_server_failing_its_health_polls_is_declared_dead_and_named(model, wei
         assert engine.dead_servers() == []  # 2 of 3
         engine.poll_health()
         assert engine.dead_servers() == [server.url]
+        sent = []  # at once: no request to the dead server (was: 'took < 0.5 s')
+        monkeypatch.setattr(engine.clients[0], "request", lambda *a, **k: sent.append(a))
         for call in (lambda: engine.generate(REQUESTS, GREEDY), lambda: engine.update_weights(weights.items(), 1)):
-            t = time.monotonic()
             with pytest.raises(EngineError) as err:
                 call()
-            assert time.monotonic() - t < 0.5  # at once: no request to the dead server
+            assert sent == []
             message = str(err.value)
             assert server.url in message and NOTE in message and "connection refused" in message, message
             assert "3 times in a row" in message
+        monkeypatch.undo()
         health = engine.health()
         assert not health.ok and NOTE in health.detail
 
@@ -142,42 +162,54 @@ def test_the_monitor_thread_polls_pauses_while_released_or_updating_and_stops_on
     with RecordingStandIn(model) as server:
         engine = make_engine(server, tmp_path, health_interval_s=0.02)
         try:
-            wait_for(lambda: server.requests["/health"] >= 3)
+            wait_for(lambda: server.requests["/health"] >= 3, "3 health polls")
             engine.release()
             polls = server.requests["/health"]
-            time.sleep(0.2)
+            assert engine.poll_health() is False  # a round while released (the thread's too) polls nothing
             assert server.requests["/health"] == polls  # none while released
             engine.resume()
-            wait_for(lambda: server.requests["/health"] >= polls + 2)
-            server.faults.delay_s["/update_weights_from_disk"] = 0.3  # an update long enough to be polled in
+            wait_for(lambda: server.requests["/health"] >= polls + 2, "2 health polls after resume")
+            # the load waits until the monitor thread has had 3 rounds in which it could have polled (was: a
+            # 0.3 s delay, which proves nothing where the thread got no CPU meanwhile)
+            rounds, loading = [], []
+            original = engine._monitor.poll
+            engine._monitor.poll = lambda: rounds.append(original()) or rounds[-1]
+
+            def three_rounds_during_the_load():
+                start = len(rounds)
+                wait_for(lambda: rounds[start:].count(False) >= 3, "3 monitor rounds during the load")
+                loading.extend(rounds[start + 1:])  # the first may have ended as the pause began
+
+            server.before["/update_weights_from_disk"] = three_rounds_during_the_load
             engine.update_weights(weights.items(), 1)
+            assert len(loading) >= 2 and True not in loading  # paused for the update: nothing polled
             paths = [p for p, _ in server.calls]
             between = paths[paths.index("/pause_generation"):paths.index("/continue_generation")]
             assert "/update_weights_from_disk" in between and "/health" not in between
-            wait_for(lambda: paths.count("/health") < [p for p, _ in server.calls].count("/health"))
+            wait_for(lambda: paths.count("/health") < [p for p, _ in server.calls].count("/health"),
+                     "a health poll after the update")
         finally:
             engine.close()
-        polls = server.requests["/health"]
-        time.sleep(0.15)
-        assert server.requests["/health"] == polls  # the thread is gone
+        assert not engine._monitor._thread.is_alive()  # the thread is gone
 
 
 def test_a_generate_waiting_on_a_server_declared_dead_is_abandoned_not_hung(model, tmp_path):
     with SGLangStandIn(model) as server:
-        server.faults.delay_s["/generate:row"] = 30.0  # the rows never finish...
-        engine = make_engine(server, tmp_path, health_interval_s=0.02, health_timeout_s=0.2, health_failures=2,
-                             generate_timeout_s=60)
+        server.faults.delay_s["/generate:row"] = 300.0  # the rows do not finish before the test ends...
+        engine = make_engine(server, tmp_path, health_interval_s=0.02, health_failures=2, generate_timeout_s=600)
         try:
-            wait_for(lambda: server.requests["/health"] >= 1)
-            server.faults.delay_s["/health"] = 5.0  # ...and the server stops answering its health checks
-            t = time.monotonic()
+            wait_for(lambda: server.requests["/health"] >= 1, "a health poll")
+            # ...and once they are in flight the server stops answering its health checks. Was: a 5 s /health
+            # delay against a 0.2 s timeout set before the generate, which let a busy machine declare the server
+            # dead before the generate was sent, and 'took < 3 s'; a generate not abandoned now fails by the
+            # message (it would end only at the 600 s generate timeout, a hang bound)
+            when(lambda: server.pending_count() > 0, lambda: server.faults.drop.update({"/health": 10 ** 9}),
+                 "the generate in flight on the server")
             with pytest.raises(EngineError) as err:
                 engine.generate(REQUESTS, GREEDY)
-            took = time.monotonic() - t
             message = str(err.value)
-            assert took < 3, took  # not the 60 s generate timeout
             assert "declared dead while its /generate was in flight" in message and NOTE in message, message
-            assert "timeout: no reply within 0.2 s" in message
+            assert "connection dropped without a reply" in message
             assert engine.dead_servers() == [server.url]
         finally:
             engine.close()
@@ -240,11 +272,9 @@ def test_a_flush_refused_while_requests_are_pending_is_retried_then_reported(mod
             server.faults.delay_s["/generate:row"] = 30.0
             pending = threading.Thread(target=other.generate, args=([[1, 2, 3]], [{"max_new_tokens": 2}]))
             pending.start()
-            wait_for(lambda: server.pending_count() == 1)
-            t = time.monotonic()
-            with pytest.raises(SyncError) as err:
+            wait_for(lambda: server.pending_count() == 1, "the other client's request pending")
+            with pytest.raises(SyncError) as err:  # after flush_retry_s of refusals (was also: 'took < 3 s')
                 engine.update_weights(weights.items(), 1)
-            assert time.monotonic() - t < 3
             message = str(err.value)
             assert server.url in message and NOTE in message and "/flush_cache" in message, message
             assert "Flush cache failed." in message and "pause_mode in_place" in message
@@ -253,15 +283,18 @@ def test_a_flush_refused_while_requests_are_pending_is_retried_then_reported(mod
             with pytest.raises(EngineError, match="left a cache unflushed"):
                 engine.generate(REQUESTS, GREEDY)
             engine.abort()
-            pending.join(5)
+            pending.join(60)
 
-            # the same with the request ending during the retries: the update completes
+            # the same with the request ending during the retries: the update completes. The abort comes once a
+            # flush was refused (was: a 0.2 s timer, which a busy machine could fire after the 0.6 s of retries)
+            engine.flush_retry_s = 600  # a hang bound: the abort ends the refusals
             pending = threading.Thread(target=other.generate, args=([[1, 2, 3]], [{"max_new_tokens": 2}]))
             pending.start()
-            wait_for(lambda: server.pending_count() == 1)
-            threading.Timer(0.2, engine.abort).start()
+            wait_for(lambda: server.pending_count() == 1, "the other client's request pending")
+            refused = server.requests["/flush_cache"]
+            when(lambda: server.requests["/flush_cache"] > refused, engine.abort, "a refused flush")
             engine.update_weights(weights.items(), 2)
-            pending.join(5)
+            pending.join(60)
             server.faults.delay_s.pop("/generate:row")
             assert engine.weight_version == 2
             assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {2}
@@ -311,17 +344,18 @@ def test_a_generate_during_an_update_waits_on_another_thread_and_is_refused_on_t
             result = {}
             waiting = threading.Thread(target=lambda: result.update(out=engine.generate(REQUESTS, GREEDY)))
             waiting.start()
-            time.sleep(0.3)
-            assert waiting.is_alive() and "out" not in result  # held until the update ends
+            # held until the update ends: it waits on the update's condition (was: alive after a 0.3 s sleep)
+            wait_for(lambda: len(engine._update_ended._waiters) == 1, "the generate waiting on the update")
+            assert waiting.is_alive() and "out" not in result and server.requests["/generate"] == 0
             engine.end_update()
-            waiting.join(10)
+            waiting.join(120)
             assert len(result["out"]) == 2
             engine.update_timeout_s = 0.3
             engine.begin_update(1)
             failed = threading.Thread(target=lambda: result.update(err=pytest.raises(EngineError, engine.generate,
                                                                                       REQUESTS, GREEDY)))
             failed.start()
-            failed.join(10)
+            failed.join(120)
             assert "begun by another thread has not ended within 0.3 s" in str(result["err"].value)
             engine.end_update()
         finally:
@@ -345,7 +379,7 @@ def test_rows_aborted_by_an_update_are_generated_again_with_the_new_weights(mode
     updated = threading.Event()
 
     def reward(samples):
-        assert updated.wait(10), "the update did not finish"
+        assert updated.wait(120), "hung: the update did not finish"  # a hang bound
         return [0.0] * len(samples)
 
     with SGLangStandIn(model) as server:
@@ -356,11 +390,11 @@ def test_rows_aborted_by_an_update_are_generated_again_with_the_new_weights(mode
             server.faults.delay_s["/generate:row"] = 30.0
             rollout = threading.Thread(target=lambda: result.update(out=manager.generate(0)))
             rollout.start()
-            wait_for(lambda: server.pending_count() > 0)
+            wait_for(lambda: server.pending_count() > 0, "the rollout's rows pending")
             server.faults.delay_s.pop("/generate:row")  # the pending rows keep their 30 s; the retries run at once
             engine.update_weights(weights.items(), 1)
             updated.set()
-            rollout.join(20)
+            rollout.join(120)  # a hang bound
             samples, metrics = result["out"]
             assert [s.group_index for s in samples] == [0, 0, 1, 1]
             assert {s.finish_reason for s in samples} <= {"stop", "length"}
