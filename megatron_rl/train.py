@@ -11,16 +11,19 @@ the trackers; every rank trains (collectives inside the backend and the weight s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
+from typing import Optional
 
 from megatron_rl.config import Config, parse_config
 from megatron_rl.config.placement import launches_sglang_engines, refuse_single_process_world
 from megatron_rl.errors import EngineError, MegatronRLError
+from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
-                                         restore_signal_handlers, write_error_status)
+                                         restore_signal_handlers, status_exit_code, write_error_status)
 
 # torch and everything that imports it load after the flags parsed (in run(), train_on_rollout()):
 # --help, --dry-run's refusals and every other flag error answer without the ~2 s torch import.
@@ -58,6 +61,7 @@ def run(cfg: Config) -> int:
 
     clock.lap("import_torch")  # torch and the loop's modules (not imported for --help / flag errors)
     ctx = RunContext.create(cfg)
+    pause_point("context_created")  # tests: SIGKILL in start-up, the driver's tracker made, nothing built
     spec = spec_from_config(cfg)
     clock.lap("context")
     if not cfg.has_training and not ctx.is_driver:
@@ -114,6 +118,7 @@ def run(cfg: Config) -> int:
                 metrics["perf/eval_s"] = time.perf_counter() - t
             metrics["perf/step_time_s"] = time.perf_counter() - t0
             ctx.log(rollout_id + 1, metrics)
+            pause_point("step_logged", str(rollout_id + 1))  # tests: a signal once this step is in metrics.jsonl
             saved = backend is not None and ctx.checkpoints.due(rollout_id)
             if saved:
                 ctx.checkpoints.save(backend, rollout, rollout_id + 1)
@@ -147,6 +152,26 @@ def _resync(sync, backend, rollout, version: int) -> dict:
     return sync.sync(backend, rollout and rollout.engine, version=version)
 
 
+def refusal_of_another_rank() -> Optional[dict]:
+    """The refusal another rank of this launch recorded (``MEGATRON_RL_STATUS_FILE``), or None.
+
+    Why this is safe to trust after a collective failed here: a rank records its refusal in ``main``
+    before its process group is destroyed or the process exits, so the file exists before any peer
+    can see that rank's connections close. Without the launcher (plain torchrun, no status file)
+    there is nothing to read and every rank reports for itself."""
+    path = os.environ.get(STATUS_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if not path:
+        return None
+    try:
+        with open(path) as fh:
+            status = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(status, dict) or status.get("status") != "error":
+        return None
+    return status if str(status.get("rank")) != os.environ.get("RANK", "0") else None
+
+
 def main(argv=None) -> int:
     previous = end_process_on_stop_signals()  # until the loop can save, SIGTERM/SIGINT end the run (143/130)
     _PhaseClock.started = time.perf_counter()
@@ -159,6 +184,11 @@ def main(argv=None) -> int:
 
             return print_plan(cfg)
         refuse_single_process_world(cfg)  # no torchrun: 1 rank, whatever the flags planned for
+        if int(os.environ.get("RANK", "0")) == 0:
+            # lazy: the prompt reader and the HTTP client, only for a real run's driver
+            from megatron_rl.runner.preflight import preflight
+
+            preflight(cfg)  # prompt files, tokenizer, --rollout-engine-urls: refused before any collective
         rc = run(cfg)
         # torchrun treats any non-zero worker exit as a crash and kills the others: on a planned
         # stop the workers exit 0 and run_status.json tells the launch script to exit 3.
@@ -172,6 +202,15 @@ def main(argv=None) -> int:
         if not recorded:
             print(f"error: {exc}", file=sys.stderr)
         return code
+    except Exception as exc:  # noqa: BLE001 - re-raised unless another rank's refusal explains it
+        refusal = refusal_of_another_rank()
+        if refusal is None:
+            raise  # a crash: its traceback is the report
+        # the usual cause: the refusing rank left a collective this rank waits in ("Connection closed by
+        # peer"); the launcher prints that rank's error once, so this rank ends without a traceback
+        log.info("rank %s stops after rank %s's refusal (here: %s in what it was doing with it)",
+                 os.environ.get("RANK", "0"), refusal.get("rank"), type(exc).__name__)
+        return status_exit_code(refusal)
     finally:
         save_lock = sys.modules.get("megatron_rl.infra.save_lock")  # the driver's lock on --save, if it took one
         if save_lock is not None:

@@ -59,3 +59,72 @@ def test_damaged_dist_to_hf_output_is_refused_by_file_name(tmp_path, tiny_hf_mod
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert "model.safetensors has CRC-32" in p.stderr and "same size, different bytes" in p.stderr, p.stderr[-3000:]
+
+
+LAUNCH_TIMEOUT_S = 300  # start-up of 2 ranks and the refusal take ~25-45 s on 2 busy cores
+
+
+def test_a_refusal_after_the_workers_started_is_one_error_line_on_a_real_two_rank_launch(tmp_path, tiny_hf_models):
+    """The class "refusals after start-up print another rank's traceback", on a real launch: a prompt longer than
+    --rollout-max-prompt-len is found only once the driver tokenizes the data (after the backend's collectives),
+    while rank 1 waits in a collective with it; rank 1 used to print gloo's "Connection closed by peer"
+    traceback above the driver's error line. The pre-start cases: tests/runner/test_preflight.py."""
+    from _tokenizer import build_char_tokenizer
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf_models("qwen2"), hf)
+    build_char_tokenizer(hf)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "abcdefg{i}", "label": "x"}}\n' for i in range(4)))
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
+           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_rl.train",
+           "--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "2", "--prompt-data", str(prompts),
+           "--rm-type", "exact_match", "--rollout-max-prompt-len", "4", "--num-rollout", "1",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2",
+           "--global-batch-size", "4", "--output-dir", str(out)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path,
+                           start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the launch did not end within {LAUNCH_TIMEOUT_S} s (a rank left waiting in a "
+                             f"collective?):\n{exc.stderr}") from None
+    output = p.stdout + p.stderr
+    assert p.returncode == 2, output[-6000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --prompt-data {prompts} line 1: prompt has 8 tokens, more than --rollout-max-prompt-len "
+                      "4; raise the limit or remove the prompt"], output[-6000:]
+    assert "Traceback" not in output and "Connection closed by peer" not in output, output[-6000:]
+
+
+def test_a_rank_whose_collective_fails_after_another_ranks_refusal_ends_quietly(tmp_path, monkeypatch, capsys,
+                                                                                tiny_hf_models):
+    """The mechanism in ``train.main``, in process: rank 1's crash (what gloo raises when the refusing rank has
+    gone) after rank 0 recorded its refusal ends with that refusal's code and no traceback; without a recorded
+    refusal the crash is raised (its traceback is the report)."""
+    import pytest
+
+    from megatron_rl import train
+    from megatron_rl.infra.wall_time import STATUS_ENV, write_error_status
+
+    def run(cfg):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:19619")
+
+    monkeypatch.setattr(train, "run", run)
+    status = tmp_path / "run_status.json"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv(STATUS_ENV, str(status))
+    monkeypatch.setattr(train, "refuse_single_process_world", lambda cfg: None)  # a 2-rank world, played
+    argv = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--rollout-batch-size", "2"]
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        train.main(argv)  # nothing recorded: a crash of its own
+    monkeypatch.setenv("RANK", "0")
+    assert write_error_status(str(status), "--prompt-data p.jsonl line 1: prompt has 8 tokens", 2)
+    monkeypatch.setenv("RANK", "1")
+    assert train.main(argv) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        train.main(argv)  # the refusing rank's own record does not hide its crash
