@@ -178,6 +178,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
         token_log_ratio=token_log_ratio, ref_logprobs=ref, rollout_logprobs=rollout)
     weight = torch.ones_like(x.logprobs)
     if cfg.use_tis:
+        assert terms.tis_weight is not None and terms.tis_capped is not None and terms.tis_floored is not None, \
+            "policy_loss_terms returns the TIS terms whenever rollout_logprobs is given"
         weight = terms.tis_weight
         metrics["tis_weight"] = _msum(weight, mask)
         metrics["tis_capped_frac"] = _msum(terms.tis_capped.double(), mask)
@@ -203,6 +205,7 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
         metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
     if ref is not None:
         kl = terms.kl
+        assert kl is not None, "policy_loss_terms returns the KL term whenever ref_logprobs is given"
         metrics["kl"] = _msum(kl, mask)
         if cfg.kl_loss_coef:
             loss = loss + cfg.kl_loss_coef * agg(kl)

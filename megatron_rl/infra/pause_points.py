@@ -31,6 +31,7 @@ name, not yet removed), ``rollout_stored:rollout_<N>`` (rollout_ckpt.py, the fil
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -92,7 +93,7 @@ def _wait(spec: str, release: str) -> None:
             if handler is None:  # installed outside Python: leave it alone
                 continue
             previous[sig] = handler
-            signal.signal(sig, lambda signum, frame, handler=handler: _forward(arrived, handler, signum, frame))
+            signal.signal(sig, functools.partial(_forward, arrived, handler))
     try:
         deadline = time.monotonic() + PAUSE_TIMEOUT_S
         while not arrived and not os.path.exists(release):

@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -77,7 +78,7 @@ class ReloadableGroup(dist.ProcessGroup):
     real group; the patched ``torch.distributed`` functions unwrap it first."""
 
     def __init__(self, real: dist.ProcessGroup, record: _Record):
-        super().__init__(real.rank(), real.size())
+        super().__init__(real.rank(), real.size())  # type: ignore[call-arg]  # stub omits the (rank, size) overload
         self._real: Optional[dist.ProcessGroup] = real
         self._record = record
         self._ranks = tuple(_original("get_process_group_ranks")(real))
@@ -107,12 +108,16 @@ class ReloadableGroup(dist.ProcessGroup):
         return self.real.name()
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> c10d.GroupName:
         return self.real.group_name
 
     @property
     def group_desc(self) -> str:
         return self.real.group_desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:  # a property on ProcessGroup, not a forwarded method
+        return self.real._device_types
 
     @property
     def bound_device_id(self):
@@ -144,7 +149,6 @@ for _name in ("barrier", "broadcast", "allreduce", "allreduce_coalesced", "reduc
               "get_group_store", "set_timeout", "all_gather_single", "reduce_scatter_single", "abort", "shutdown"):
     if hasattr(dist.ProcessGroup, _name):
         setattr(ReloadableGroup, _name, _forward(_name))
-ReloadableGroup._device_types = property(lambda self: self.real._device_types)  # a property, not a method
 
 #: ``torch.distributed`` functions that take a group: their group arguments are unwrapped
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
@@ -267,7 +271,7 @@ def install() -> None:
     # P2POp resolves its peer in its group at construction (torch's tables know only the real group)
     init = dist.P2POp.__init__
     state.aliases.append((dist.P2POp, "__init__", init))
-    dist.P2POp.__init__ = _unwrapping(init)
+    setattr(dist.P2POp, "__init__", _unwrapping(init))
     # P2POp checks its op against distributed_c10d's own isend/irecv: they must be the patched ones
     for name in ("isend", "irecv"):
         state.aliases.append((c10d, name, getattr(c10d, name)))

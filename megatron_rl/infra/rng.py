@@ -17,7 +17,9 @@ def host_rng_state() -> dict:
     """This process's RNG states: ``{"random", "numpy", "torch", "cuda"}`` (``cuda`` None without CUDA)."""
     import numpy as np
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = np.random.get_state()
+    assert isinstance(state, tuple), "the global RandomState is MT19937, whose legacy state is a tuple"
+    kind, keys, pos, has_gauss, cached = state
     return {"random": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional, TextIO, cast
 
 from megatron_rl.errors import ConfigError
 
@@ -43,6 +43,10 @@ def format_metrics(step: int, metrics: dict[str, Any], keys: Optional[list[str]]
     return f"step {step}: " + " ".join(parts)
 
 
+#: ``wandb.init(mode=...)``; ``--wandb-mode``'s choices keep the flag's string to these.
+WandbMode = Literal["online", "offline", "disabled"]
+
+
 class Tracker:
     def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard_dir: Optional[str] = None,
                  wandb_project: Optional[str] = None, wandb_group: Optional[str] = None,
@@ -53,7 +57,7 @@ class Tracker:
         self.enabled = enabled
         self.console_keys = console_keys
         self.wandb_run_id: Optional[str] = wandb_resume_id
-        self._jsonl = None
+        self._jsonl: Optional[TextIO] = None
         self._tb = None
         self._wandb = None
         if not enabled:
@@ -85,9 +89,9 @@ class Tracker:
                 if wandb_key and wandb_mode == "online":  # no login offline (as slime) or disabled
                     wandb.login(key=wandb_key, host=wandb_host)
                 settings = wandb.Settings(base_url=wandb_host) if wandb_host else None
-                run = wandb.init(project=wandb_project, group=wandb_group, entity=wandb_entity, mode=wandb_mode,
-                                 dir=run_dir, id=wandb_resume_id, resume="allow" if wandb_resume_id else None,
-                                 config=redact_secrets(config or {}), settings=settings)
+                run = wandb.init(project=wandb_project, group=wandb_group, entity=wandb_entity,
+                                 mode=cast(WandbMode, wandb_mode), dir=run_dir, id=wandb_resume_id,
+                                 resume="allow" if wandb_resume_id else None, config=redact_secrets(config or {}), settings=settings)
             except Exception as exc:  # noqa: BLE001 - login, network, bad id: a start-up error, not a traceback
                 raise ConfigError(f"--wandb-project {wandb_project}: wandb.init failed ({_one_line(exc)}); fix the "
                                   "W&B setup, use --wandb-mode offline, or drop --wandb-project") from None
@@ -99,6 +103,7 @@ class Tracker:
             return
         scalars = dict(_scalar_items(metrics))
         record = {"step": step, "time": time.time(), **scalars}
+        assert self._jsonl is not None, "__init__ opens it whenever the tracker is enabled"
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in scalars.items():

@@ -220,7 +220,7 @@ class PackedCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s_local, b, self.hidden_size_per_partition)
 
     def _forward_thd(self, query, key, value, causal, dropout_p, params: PackedSeqParams):
-        cp_rank = self.cp_group.rank() if self.cp_size > 1 else 0
+        cp_rank = self.cp_group.rank() if self.cp_group is not None and self.cp_size > 1 else 0
         # every layer (and the recompute of the backward) sees the same PackedSeqParams: its buckets and
         # index tensors are derived once per micro-batch
         plan = _THD_PLANS.get(
@@ -423,7 +423,9 @@ def _bucket(segments, slack: float = 1.25, call_cost: int = 2048):
     row sums its zero-weighted slots in another order: ~1 ulp).
     """
     order = sorted(segments, key=lambda g: (g[3], g[1]), reverse=True)
-    buckets, current, real_area, max_q = [], [], 0, 0
+    buckets: list[list[tuple]] = []
+    current: list[tuple] = []
+    real_area, max_q = 0, 0
     for seg in order:
         if current:
             area = real_area + seg[1] * seg[3]

@@ -372,9 +372,9 @@ class Bridge:
                 "mlp.linear_fc2.weight": ("copy", (p + "mlp.down_proj.weight",)),
                 "mlp.router.weight": ("copy", (p + "mlp.gate.weight",)),
             }
-            for names in weight_maps.LAYER_SPEC_NAMES.values():  # norms sit where each layer spec puts them
-                table[names.input_norm] = ("copy", (p + "input_layernorm.weight",))
-                for pre_mlp in (names.dense_pre_mlp_norm, names.moe_pre_mlp_norm):
+            for spec_names in weight_maps.LAYER_SPEC_NAMES.values():  # norms sit where each layer spec puts them
+                table[spec_names.input_norm] = ("copy", (p + "input_layernorm.weight",))
+                for pre_mlp in (spec_names.dense_pre_mlp_norm, spec_names.moe_pre_mlp_norm):
                     table[pre_mlp] = ("copy", (p + "post_attention_layernorm.weight",))
             if rest in table:
                 kind, names = table[rest]

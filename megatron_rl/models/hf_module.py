@@ -23,11 +23,14 @@ Only ``torch`` and ``transformers`` are imported (lazily for the latter).
 from __future__ import annotations
 
 import os
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from megatron_rl.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DCP_FORMAT = "megatron_rl.fsdp_dcp.v1"  # COMPLETE.json format of a --train-backend fsdp iter_NNNNNNN dir
 DCP_MODEL_KEY = "model"  # the DCP state dict is {"model": module state dict, "optimizer": ..., ...}
@@ -43,7 +46,7 @@ def fingerprint(config) -> dict:
             "vocab_size": int(config.vocab_size)}
 
 
-def hf_checkpoint_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_checkpoint_names(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (module names, one decoder layer or one run of other parameters) under the
     HF checkpoint's names: transformers' own ``revert_weight_conversion``; identity where the
     model has no load-time conversion, or on a transformers without them (4.x).

@@ -22,4 +22,4 @@ class RMSNorm(torch.nn.RMSNorm):
                              f"zero_centered_gamma={zero_centered_gamma}; only plain RMSNorm is supported")
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in self.parameters():
-            param.sequence_parallel = bool(config.sequence_parallel)
+            setattr(param, "sequence_parallel", bool(config.sequence_parallel))  # megatron's tag on a Parameter

@@ -71,11 +71,12 @@ def _weighted_nll(logits: torch.Tensor, seq: torch.Tensor, weights: torch.Tensor
 
 def hf_loss(hf_model, microbatches_per_dp_rank: list[list[Microbatch]]) -> torch.Tensor:
     """The loss whose gradient megatron + DDP produce: mean over DP ranks and microbatches."""
-    total = 0.0
+    total: torch.Tensor | float = 0.0
     for mbs in microbatches_per_dp_rank:
         for mb in mbs:
             for seq, w in zip(mb.seqs, mb.weights):
                 total = total + _weighted_nll(hf_model(seq[None]).logits[0], seq, w) / len(mbs)
+    assert isinstance(total, torch.Tensor), "hf_loss needs at least one sequence"
     return total / len(microbatches_per_dp_rank)
 
 

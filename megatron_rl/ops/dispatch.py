@@ -159,6 +159,7 @@ def select(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[st
                 continue
             name = candidate
             break
+        assert name is not None, "torch ends every default order and always loads and passes"
         why = "default for the device" + (f" (skipped {'; '.join(skipped)})" if skipped else "")
     with _lock:
         if (name, device.type) not in _logged:

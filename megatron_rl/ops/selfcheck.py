@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -147,11 +148,14 @@ class _Comparison:
             self.failed.append(Disagreement(f"{name} flags ({int(wrong.sum())} tokens)", 1.0, 1.0, 0.0))
 
 
-def _grad_of(fn, x: torch.Tensor, weights) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _grad_of(fn, x: torch.Tensor, weights) -> tuple[list[Any], torch.Tensor]:
+    """``fn(x)``'s outputs detached (None where ``fn`` gave None: the caller knows which) and the gradient
+    of their weighted sum."""
     x = x.detach().clone().requires_grad_()
     outs = fn(x)
     loss = sum((o.double() * w.to(o.device)).sum() for o, w in zip(outs, weights) if o is not None and w is not None)
     loss.backward()
+    assert x.grad is not None, "backward() succeeded, so the loss depends on x"
     return [None if o is None else o.detach() for o in outs], x.grad
 
 
@@ -265,7 +269,8 @@ def _ppo_case(cmp: _Comparison, kernels, device, dtype, params: PolicyLossParams
         bounds[name] = cmp.value(f"{tag} {name}", got, getattr(tt, name), exact)
     cmp.value(f"{tag} grad", gradk, gradt, grad64)
     cmp.zero(f"{tag} grad of masked tokens", gradk[masked.to(gradk.device)])
-    margins = _ppo_margins(*(t.double() for t in (lp, old, adv, ref, roll)), params)
+    lp64, old64, adv64, ref64, roll64 = (t.double() for t in (lp, old, adv, ref, roll))
+    margins = _ppo_margins(lp64, old64, adv64, ref64, roll64, params)
     for name, margin in margins.items():
         exact, got = getattr(t64, name), getattr(tk, name)
         if exact is None:
