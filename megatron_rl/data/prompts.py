@@ -52,7 +52,12 @@ def read_prompt_records(path: str | os.PathLike, *, input_key: str = "prompt", l
     path = str(path)
     if not os.path.isfile(path):
         raise ConfigError(f"{flag} {path}: no such file; give a JSONL file with one JSON object per line")
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot be read ({type(exc).__name__}: {exc.strerror}); check its "
+                          "permissions") from None
+    with f:
         line_no = 0
         while True:
             raw = f.readline(max_line_bytes + 1) if max_line_bytes is not None else f.readline()

@@ -155,6 +155,20 @@ def test_a_line_over_the_limit_is_refused_by_number_without_reading_it_whole(tmp
     read(path, max_line_bytes=MIB)
 
 
+def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
+    """What open() raises for a file without read permission (played: the tests may run as root, who reads it)."""
+    import megatron_rl.data.prompts as prompts
+
+    def refuse(path, mode="r", *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1], "label": 0}])
+    monkeypatch.setattr(prompts, "open", refuse, raising=False)
+    with pytest.raises(ConfigError, match=f"^--prompt-data {path}: cannot be read \\(PermissionError: Permission "
+                                          "denied\\); check its permissions$"):
+        scan_prompt_file(path, max_line_bytes=MIB)
+
+
 def test_scan_counts_prompts_and_finds_what_needs_a_tokenizer(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1], "label": 0}, "", {"prompt": "hi", "label": 1},
                                              {"prompt": [{"role": "user", "content": "x"}], "label": 2}])
