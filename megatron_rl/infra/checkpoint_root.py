@@ -53,6 +53,7 @@ from typing import Callable, Optional
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import checksum
 from megatron_rl.infra.atomic import atomic_write_text, fsync_dir
+from megatron_rl.infra.pause_points import pause_point
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,7 @@ def _remove_atomically(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)  # left by an earlier interrupted prune
     os.replace(path, trash)
     fsync_dir(os.path.dirname(path))
+    pause_point("prune_renamed", os.path.basename(path))  # tests: SIGKILL with the trash still there
     shutil.rmtree(trash, ignore_errors=True)
 
 

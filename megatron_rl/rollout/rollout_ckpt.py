@@ -50,6 +50,7 @@ from megatron_rl.data.types import Sample
 from megatron_rl.infra import checksum
 from megatron_rl.infra.atomic import fsync_dir
 from megatron_rl.infra.checkpoint_root import MARKER_NAME, iter_dir
+from megatron_rl.infra.pause_points import pause_point
 
 log = logging.getLogger("megatron_rl")
 
@@ -112,6 +113,7 @@ def save_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, samples: l
                 "state_after": state_after, "metrics": dict(metrics), "samples": [asdict(s) for s in samples]}, buf)
     path = rollout_ckpt_path(root, rollout_id)
     checksum.write_bytes(path, buf.getvalue())
+    pause_point("rollout_stored", f"rollout_{rollout_id}")  # tests: SIGKILL once stored, before training on it
     prune(root, keep={rollout_id})
     return path
 

@@ -22,6 +22,14 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=11, n=2)
 
 
+def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+    """Wait for a state; the timeout only bounds a hang (and names it)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"hung: {what} not reached within {timeout_s:.0f} s"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def model(tiny_hf_models):
     return tiny_hf_models("qwen2")
@@ -178,16 +186,21 @@ def test_http_errors_are_never_retried(standin):
 
 
 def test_connection_errors_are_retried_with_backoff(standin):
-    client = SGLangClient(standin.url, connect_retries=5, backoff_s=0.1, timeout_s=5)
+    client = SGLangClient(standin.url, connect_retries=5, backoff_s=0.1, timeout_s=60)
     assert client.health()
     standin.stop()
-    timer = threading.Timer(0.25, standin.start)
-    timer.start()
-    try:
-        assert client.model_info()["weight_version"] == "default"  # refused, refused, ..., then answered
-    finally:
-        timer.join()
-    assert standin.requests["/model_info"] == 1
+    # the server comes back for the 3rd attempt (was: a 0.25 s timer racing the backoff on a busy machine)
+    attempts, send = [], client._http.request
+
+    def request(*args, **kwargs):
+        attempts.append(args[1])
+        if len(attempts) == 3:
+            standin.start()
+        return send(*args, **kwargs)
+
+    client._http.request = request
+    assert client.model_info()["weight_version"] == "default"  # refused, refused, then answered
+    assert attempts == ["/model_info"] * 3 and standin.requests["/model_info"] == 1
     standin.stop()
     quick = SGLangClient(standin.url, connect_retries=2, backoff_s=0.01)
     with pytest.raises(SGLangEngineError) as info:
@@ -198,14 +211,14 @@ def test_connection_errors_are_retried_with_backoff(standin):
 
 
 def test_timeout_names_the_server_the_endpoint_and_the_wait(standin):
-    standin.faults.delay_s["/generate"] = 1.0
+    standin.faults.delay_s["/generate"] = 600.0  # no answer before the test ends: only the timeout can end the call
     client = SGLangClient(standin.url, timeout_s=0.3, connect_retries=3)
-    started = time.monotonic()
     with pytest.raises(SGLangEngineError) as info:
         client.generate([[1, 2]], [{"max_new_tokens": 1}])
-    assert time.monotonic() - started < 0.9  # a read timeout is not retried
     message = str(info.value)
     assert standin.url in message and "POST /generate" in message and "within 0.3 s" in message
+    # a read timeout is not retried: the server got it once, and the client has given up (was: 'took < 0.9 s')
+    wait_for(lambda: standin.requests["/generate"] >= 1, "the request at the server")
     assert standin.requests["/generate"] == 1
     client.close()
 
@@ -281,9 +294,7 @@ def test_abort_flush_and_pause(engine, standin):
     result = {}
     worker = threading.Thread(target=lambda: result.update(samples=engine.generate(REQUESTS, GREEDY)))
     worker.start()
-    deadline = time.monotonic() + 5
-    while standin.pending_count() == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: standin.pending_count() > 0, "the rows pending")
     with pytest.raises(SGLangEngineError) as info:  # 400 while requests are pending
         client.flush_cache()
     # real SGLang answers a bare "Flush cache failed."; the client's message says why
@@ -292,7 +303,7 @@ def test_abort_flush_and_pause(engine, standin):
     with pytest.raises(SGLangEngineError, match="idle"):
         client.release_memory_occupation(["weights"])
     engine.abort()
-    worker.join(5)
+    worker.join(120)  # a hang bound
     assert [s.finish_reason for s in result["samples"]] == ["abort"] * 3
     assert all(s.response_ids == [] for s in result["samples"])
     client.flush_cache()
@@ -301,10 +312,10 @@ def test_abort_flush_and_pause(engine, standin):
     assert client.pause_generation("in_place")["status"] == "ok"
     worker = threading.Thread(target=lambda: result.update(samples=engine.generate(REQUESTS, GREEDY)))
     worker.start()
-    time.sleep(0.2)
-    assert worker.is_alive()
+    wait_for(lambda: standin.pending_count() > 0, "the rows held at the server")  # was: alive after a 0.2 s sleep
+    assert worker.is_alive() and result["samples"][0].finish_reason == "abort"  # not answered yet
     client.continue_generation()
-    worker.join(5)
+    worker.join(120)  # a hang bound
     assert [s.finish_reason for s in result["samples"]] == ["length"] * 3
 
 
