@@ -89,24 +89,27 @@ def probe_servers(urls: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S) ->
     ``GET /model_info`` must be a JSON object with a ``weight_version``. One attempt per request, each
     bounded by ``timeout_s``; a line names the URL, the request and what came back."""
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(urls))), thread_name_prefix="sglang-probe") as pool:
-        found = list(pool.map(lambda u: _probe_one(u, timeout_s, router_ok=True), urls))
+        found = list(pool.map(lambda u: _probe_one(u, timeout_s), urls))
     return [line for lines in found for line in lines]
 
 
-def _probe_one(url: str, timeout_s: float, *, router_ok: bool) -> list[str]:
-    with SGLangClient(url, timeout_s=timeout_s, connect_retries=0) as client:
+def _probe_one(url: str, timeout_s: float, router: Optional[str] = None) -> list[str]:
+    """``router``: the sglang-router whose worker ``url`` is (a router is not looked for behind a router)."""
+    with SGLangClient(url, timeout_s=timeout_s, connect_retries=0,
+                      note=router and f"a worker of sglang-router {router}") as client:
+        name = client.base_url + (f" ({client.note})" if client.note else "")
         endpoint = "/health"
         try:
             if not client.health():
-                return [f"{client.base_url}: GET /health answered HTTP 503 (the server is still starting, or "
+                return [f"{name}: GET /health answered HTTP 503 (the server is still starting, or "
                         "unhealthy): wait until it answers 200"]
             endpoint = "/workers"
-            workers = client.router_workers() if router_ok else None
+            workers = client.router_workers() if router is None else None
             if workers is not None:  # an sglang-router: the engine talks to its workers
                 if not workers:
                     return [f"{client.base_url}: an sglang-router that lists no workers (GET /workers); register "
                             "its SGLang servers with it first"]
-                return [line for w in workers for line in _probe_one(w, timeout_s, router_ok=False)]
+                return [line for w in workers for line in _probe_one(w, timeout_s, router=client.base_url)]
             endpoint = "/model_info"
             info = client.model_info()
         except SGLangEngineError as exc:
@@ -115,9 +118,9 @@ def _probe_one(url: str, timeout_s: float, *, router_ok: bool) -> list[str]:
                 what += f": {exc.server_message[:200]}"
             elif exc.kind == "protocol":
                 what = str(exc)
-            return [f"{client.base_url}: GET {endpoint}: {what}"]
+            return [f"{name}: GET {endpoint}: {what}"]
         if not isinstance(info, dict) or "weight_version" not in info:
-            return [f"{client.base_url}: GET /model_info answered {str(info)[:200]!r}, not an SGLang server's "
+            return [f"{name}: GET /model_info answered {str(info)[:200]!r}, not an SGLang server's "
                     "reply (a JSON object with weight_version; SGLang >= 0.5.2)"]
     return []
 
