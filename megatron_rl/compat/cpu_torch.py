@@ -255,6 +255,6 @@ def install(prefix: str = "megatron.core") -> list[str]:
         if module is None or not (name == prefix or name.startswith(prefix + ".")):
             continue
         if getattr(module, "torch", None) is torch:
-            module.torch = CPU_TORCH
+            setattr(module, "torch", CPU_TORCH)
             changed.append(name)
     return changed

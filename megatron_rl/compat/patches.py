@@ -36,7 +36,7 @@ import inspect
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -123,6 +123,14 @@ def _require(module, attr: str, params: tuple[str, ...] | None = None):
     return target
 
 
+def _mark(*fns: Callable[..., Any], **attrs: Any) -> None:
+    """Tag our replacement functions: ``_megatron_rl_compat`` is how a repeated patch call recognises its
+    own wrapper; ``attrs`` are what a wrapper keeps about itself (``original``, ``memo``, ``warned``)."""
+    for fn in fns:
+        for name, value in {"_megatron_rl_compat": True, **attrs}.items():
+            setattr(fn, name, value)
+
+
 def _megatron_modules():
     return [m for n, m in list(sys.modules.items())
             if m is not None and (n == "megatron.core" or n.startswith("megatron.core."))]
@@ -197,9 +205,9 @@ def patch_tensor_methods() -> None:
             return _TYPE_NAMES.get(name, name)
         return orig_type(self, *args, **kwargs)
 
-    for fn in (cuda, pin_memory, type_):
-        fn._megatron_rl_compat = True
-    torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type = cuda, pin_memory, type_
+    _mark(cuda, pin_memory, type_)
+    for name, fn in (("cuda", cuda), ("pin_memory", pin_memory), ("type", type_)):
+        setattr(torch.Tensor, name, fn)
 
 
 def patch_rng_tracker() -> None:
@@ -219,7 +227,7 @@ def patch_rng_tracker() -> None:
     def _set_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
-    _get_rng_state._megatron_rl_compat = _set_rng_state._megatron_rl_compat = True
+    _mark(_get_rng_state, _set_rng_state)
     _rebind_everywhere(mrandom._get_cuda_rng_state, _get_rng_state)
     _rebind_everywhere(mrandom._set_cuda_rng_state, _set_rng_state)
 
@@ -256,7 +264,7 @@ def patch_moe_split_sizes() -> None:
                 tensor = tensor.numpy()
         return tensor
 
-    maybe_move_tensor_to_cpu._megatron_rl_compat = True
+    _mark(maybe_move_tensor_to_cpu)
     _rebind_everywhere(original, maybe_move_tensor_to_cpu)
 
 
@@ -297,7 +305,7 @@ def patch_p2p_shape_exchange() -> None:
         return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
                 [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
 
-    _communicate_shapes._megatron_rl_compat = True
+    _mark(_communicate_shapes)
     cls._communicate_shapes = _communicate_shapes
 
 
@@ -321,7 +329,7 @@ def _device_tensors_for(module_name: str, device_ids: set[int]):
             return id(t) in device_ids
         return base.__get__(t)
 
-    torch.Tensor.is_cuda = property(is_cuda)
+    setattr(torch.Tensor, "is_cuda", property(is_cuda))
     try:
         yield
     finally:
@@ -351,7 +359,7 @@ def patch_hybrid_optimizer_devices() -> None:
         with _device_tensors_for(HYBRID_OPTIMIZER_MODULE, device_ids):
             return original(self, offload_fraction)
 
-    _get_sub_optimizer_param_groups._megatron_rl_compat = True
+    _mark(_get_sub_optimizer_param_groups)
     cls._get_sub_optimizer_param_groups = _get_sub_optimizer_param_groups
 
 
@@ -375,7 +383,7 @@ def patch_hybrid_optimizer_fp32_shards() -> None:
     init = _require(cls, "__init__", ("self", "params", "offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls",
                                       "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
                                       "overlap_cpu_optimizer_d2h_h2d", "kwargs"))
-    update = _require(cls, "_update_fp32_params_by_new_state", ("self",))
+    _require(cls, "_update_fp32_params_by_new_state", ("self",))  # replaced whole below: only its signature matters
     if getattr(init, "_megatron_rl_compat", False):
         return
 
@@ -395,7 +403,7 @@ def patch_hybrid_optimizer_fp32_shards() -> None:
             if fp32_param is not None:
                 fp32_param.data.copy_(v["master_param"])
 
-    __init__._megatron_rl_compat = _update_fp32_params_by_new_state._megatron_rl_compat = True
+    _mark(__init__, _update_fp32_params_by_new_state)
     cls.__init__ = __init__
     cls._update_fp32_params_by_new_state = _update_fp32_params_by_new_state
 
@@ -409,8 +417,9 @@ def patch_hybrid_optimizer_safe_globals() -> None:
     put there (torch's AdamW/SGD and whatever Adam/SGD megatron imported: TE, apex or
     torch); unpickling a class reference runs no code."""
     optim = importlib.import_module("megatron.core.optimizer")
-    classes = {torch.optim.AdamW, torch.optim.SGD, _require(optim, "Adam"), _require(optim, "SGD")}
-    torch.serialization.add_safe_globals(sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"))
+    classes: set[type] = {torch.optim.AdamW, torch.optim.SGD, _require(optim, "Adam"), _require(optim, "SGD")}
+    ordered = sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+    torch.serialization.add_safe_globals([*ordered])  # a new list: the parameter is an invariant list[Callable | tuple]
 
 
 
@@ -484,10 +493,8 @@ def patch_thd_rope_gather() -> None:
             t = torch.cat((t, t_pass), dim=-1)
         return t.squeeze(1)
 
-    _apply_rotary_pos_emb_thd._megatron_rl_compat = True
-    _apply_rotary_pos_emb_thd.original = original
-    _apply_rotary_pos_emb_thd.memo = memo
-    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+    _mark(_apply_rotary_pos_emb_thd, original=original, memo=memo)
+    setattr(rope_utils, "_apply_rotary_pos_emb_thd", _apply_rotary_pos_emb_thd)
 
 
 def patch_tp1_region_identity() -> None:
@@ -512,8 +519,7 @@ def patch_tp1_region_identity() -> None:
                 return input_
             return _original(input_, group=group)
 
-        region._megatron_rl_compat = True
-        region.original = original
+        _mark(region, original=original)
         region.__name__ = name
         setattr(layers, name, region)
 
@@ -577,10 +583,10 @@ def patch_plain_linear() -> None:
             return output + bias if bias is not None else output
         return _PlainLinear.apply(input, weight, bias)
 
-    linear_with_grad_accumulation_and_async_allreduce._megatron_rl_compat = True
-    linear_with_grad_accumulation_and_async_allreduce.original = original
-    linear_with_grad_accumulation_and_async_allreduce.warned = getattr(original, "warned", False)
-    layers.linear_with_grad_accumulation_and_async_allreduce = linear_with_grad_accumulation_and_async_allreduce
+    _mark(linear_with_grad_accumulation_and_async_allreduce, original=original,
+          warned=getattr(original, "warned", False))
+    setattr(layers, "linear_with_grad_accumulation_and_async_allreduce",
+            linear_with_grad_accumulation_and_async_allreduce)
 
 
 # ------------------------------------------------------------------------ no-TE
@@ -612,10 +618,10 @@ def patch_te_min_version() -> None:
             return False
         return original(version, check_equality)
 
-    is_te_min_version._megatron_rl_compat = True
+    _mark(is_te_min_version)
     for module in (optimizer_config, importlib.import_module("megatron.core.optimizer")):
         if getattr(module, "is_te_min_version", None) is original:
-            module.is_te_min_version = is_te_min_version
+            setattr(module, "is_te_min_version", is_te_min_version)
 
 
 CPU_PATCHES: tuple[Patch, ...] = (
@@ -685,5 +691,5 @@ def run_patches(patches, applied: dict[str, str]) -> None:
                 raise  # on the version we target a moved target is a bug here
             what = f"{type(exc).__name__}: {exc}" if isinstance(exc, SignatureChanged) else f"target {exc} not found"
             warnings.warn(f"megatron_rl.compat: patch {patch.name!r} ({patch.answers}) skipped on "
-                          f"megatron-core {version}: {what}", RuntimeWarning)
+                          f"megatron-core {version}: {what}", RuntimeWarning, stacklevel=2)
             applied[patch.name] = f"skipped: {what}"
