@@ -21,7 +21,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -149,11 +148,11 @@ def test_a_server_dying_mid_bucket_is_named_and_the_engine_refuses_until_a_compl
         first_group = sync.group_name
         local.faults.die_mid_bucket = 2  # receives two tensors of the next bucket, then the server goes down
         backend = FakeBackend(old)
-        t = time.monotonic()
         with pytest.raises(SyncError) as err:
             sync.sync(backend, engine, version=v + 1)
-        assert time.monotonic() - t < 20  # named at once, not after a timeout
-        assert local.url in str(err.value) and "/update_weights_from_distributed" in str(err.value)
+        # named by its failure, not as a server that did not answer in time (was: 'took < 20 s')
+        failed = str(err.value).split("no answer within")[0]
+        assert local.url in failed and "/update_weights_from_distributed" in failed, str(err.value)
         assert backend.finished  # the export still ran to the end (the other ranks are in it)
         assert sync.group_name is None  # torn down
         with pytest.raises(EngineError, match="last weight update failed"):
@@ -175,16 +174,16 @@ def test_a_server_dying_mid_bucket_is_named_and_the_engine_refuses_until_a_compl
 def test_a_server_that_never_joins_is_named_within_the_timeout(models):
     hf = models[0]
     with SGLangStandIn(hf, group_timeout_s=5) as good, SGLangStandIn(hf, group_timeout_s=5) as silent:
-        silent.faults.delay_s["/init_weights_update_group"] = 60.0  # takes the request, never joins
+        # takes the request and never joins before the test ends: only the 3 s timeout can end the sync
+        # (was also: 'took < 15 s'); a busy machine's good server may miss the 3 s too, and is then named with it
+        silent.faults.delay_s["/init_weights_update_group"] = 600.0
         engine = SGLangEngine([good.url, silent.url], timeout_s=30, update_timeout_s=30, connect_retries=0)
         sync = DistributedSynchronizer(bucket_bytes=BUCKET, timeout_s=3)
         backend = FakeBackend(models[2])
-        t = time.monotonic()
         with pytest.raises(SyncError) as err:
             sync.sync(backend, engine, version=1)
-        took = time.monotonic() - t
         msg = str(err.value)
-        assert took < 15 and backend.finished, took
+        assert backend.finished
         assert "making weights-update group" in msg and "no answer within 3 s from SGLang server(s)" in msg, msg
         assert silent.url in msg.split("no answer within 3 s")[1], msg
         assert engine.weight_version == 0 and sync.group_name is None
