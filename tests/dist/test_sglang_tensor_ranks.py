@@ -13,7 +13,7 @@ shared memory, CPU), and rank 0 holds the loop's ``SGLangEngine`` over them:
   1, its URL and the bucket on both ranks, no rank sending after that bucket, the engine refusing
   to generate until a complete update;
 * exports with different bucket counts on the two ranks: the same ``SyncError`` on both;
-* a dead server (stopped by the rank hosting it): named on both ranks, within seconds;
+* a dead server (stopped by the rank hosting it): named on both ranks by its refused connection;
 * one engine of two TP ranks (trainer ranks 0 and 1, served in rank 0's process): rank 1's entries
   are gathered to rank 0 and opened by the server, each TP rank its own, bit-identical.
 """
@@ -57,10 +57,11 @@ def test_tensor_transport_across_ranks(tiny_hf_models, tmp_path):
     for r in ranks:
         assert r["uneven_type"] == "SyncError" and "different bucket counts" in r["uneven"], r["uneven"]
         assert "rank 0: done, rank 1: bucket " in r["uneven"], r["uneven"]
-    # a dead server: named on both ranks, at once (no retries configured)
+    # a dead server: named on both ranks by its refused connection (no retries configured), not by the 30 s
+    # timeout, whose message differs (was also: 'dead_s < 20')
     for r in ranks:
         assert r["dead_type"] == "SyncError" and f"SGLang engine 1 ({url1}" in r["dead"], r["dead"]
-        assert "/begin_weight_update failed" in r["dead"] and r["dead_s"] < 20, r
+        assert "/begin_weight_update failed" in r["dead"] and "within 30 s" not in r["dead"], r
     # one engine of two TP ranks: gathered, each rank's entry opened, bit-identical, loaded
     assert r0["tp2_ok"] and r0["tp2_uniform_max_diff"] < 1e-5 and r0["tp2_version"] == 7
     assert r0["tp2_requests"] > 1

@@ -65,7 +65,7 @@ def listing(parent: str) -> list[str]:
 
 def main():
     out_dir = sys.argv[1]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a hang fails fast, not after 30 min
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))  # a hang bound (not 30 min); a busy start fits
     rank = dist.get_rank()
     results = {}
 

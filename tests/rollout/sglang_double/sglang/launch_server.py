@@ -76,7 +76,7 @@ def _rendezvous(argv: list, nnodes: int, node_rank: int):
         print("ValueError: --nnodes > 1 needs --dist-init-addr (test double)", flush=True)
         sys.exit(3)
     host, port = addr.rsplit(":", 1)
-    store = TCPStore(host, int(port), nnodes, is_master=node_rank == 0, timeout=timedelta(seconds=60),
+    store = TCPStore(host, int(port), nnodes, is_master=node_rank == 0, timeout=timedelta(seconds=300),
                      wait_for_workers=True)
     store.set(f"node{node_rank}", "ready")
     for j in range(nnodes):
