@@ -6,6 +6,7 @@
   publish a dir); its result or its error reaches every rank;
 * :func:`all_ranks_ok` - every rank raises when any rank failed (our error classes, e.g. a
   disk-full error, stay what they are on every rank; ``prefer`` names the class that is the cause);
+* :func:`gather_problems` - every rank's list of problems, on every rank;
 * :func:`send_sized` / :func:`recv_sized` - a byte buffer point to point, its sizes first (the
   receiver allocates from them): how ``sample_codec`` buffers travel.
 
@@ -16,7 +17,7 @@ ends it at once with the message of the rank that failed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,18 @@ def all_ranks_ok(error: Optional[BaseException], reraise_own: bool = False,
         raise error
     if failed:
         raise _rebuild(failed[0][0], failed[0][1])
+
+
+def gather_problems(mine: Sequence[str], group: Any = None) -> list[str]:
+    """Collective: every rank's problems (short strings), in rank order, on every rank (``mine`` alone
+    without a process group). The one way a check that each rank runs on its share (files, tensors,
+    a transport's step) learns whether any rank failed, so every rank decides alike and none waits
+    alone in the next collective. ``group``: a process group of the ranks taking part (default: all)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(mine)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(mine), group=group)
+    return [p for part in gathered for p in part]
 
 
 def send_sized(sizes: torch.Tensor, buffer: torch.Tensor, dst: int) -> None:

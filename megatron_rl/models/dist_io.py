@@ -24,6 +24,7 @@ from megatron_rl.compat import apply_cpu_compat
 from megatron_rl.errors import CheckpointError, MegatronRLError
 from megatron_rl.infra.dist import rank
 from megatron_rl.models.parallel import initialize_parallel
+from megatron_rl.models.finite import non_finite_names
 
 MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.")
 
@@ -195,6 +196,12 @@ def load_dist_into(chunks, path: str) -> None:
         raise CheckpointError(f"loading the model from torch_dist checkpoint {path} failed ({describe_read_error(e)}); "
                               "the files are torn, corrupt or of another model") from e
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    bad = non_finite_names((f"{key}.{name}" if len(keys) > 1 else name, t)
+                           for key in keys for name, t in loaded[key].items())
+    if bad:  # before anything is applied
+        raise CheckpointError(f"torch_dist checkpoint {path} holds non-finite (inf/NaN) weights in {len(bad)} "
+                              f"tensor(s): {', '.join(bad[:5])}; it was damaged or saved from a diverged run: "
+                              "load another checkpoint")
     for chunk, key in zip(chunks, keys):
         chunk.load_state_dict(loaded[key], strict=True)
 

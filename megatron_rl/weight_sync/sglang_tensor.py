@@ -74,6 +74,7 @@ import torch.multiprocessing as torch_mp
 from torch.multiprocessing import reductions as mp_reductions
 
 from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.infra.dist import gather_problems
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.rollout.sglang.client import SGLangClient, normalize_base_url
 from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, with_last
@@ -355,14 +356,12 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         """Every rank's problems, on every rank (rank order)."""
         if self._agree_group is None:
             return list(mine)
-        gathered: list = [None] * dist.get_world_size()
         try:
-            dist.all_gather_object(gathered, list(mine), group=self._agree_group)
+            return gather_problems(mine, group=self._agree_group)
         except Exception as exc:  # noqa: BLE001 - a rank died or hung: say so instead of a gloo trace
             raise SyncError(f"tensor weight sync, {step}: the trainer ranks did not all arrive within "
                             f"{self.timeout_s + _GROUP_MARGIN_S:g} s ({type(exc).__name__}: {exc}); a rank died or is "
                             "stuck: check every rank's log") from exc
-        return [p for part in gathered for p in part]
 
     # --------------------------------------------------------------- the sync
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.backends.megatron import checkpoint as ck
+from megatron_rl.models.finite import is_non_finite
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import checkpoint_root as cr
 
@@ -328,11 +329,11 @@ def test_is_non_finite_finds_inf_and_nan_in_every_float_dtype():
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         t = torch.randn(64).to(dtype)
-        assert not ck.is_non_finite(t) and not ck.is_non_finite(t[:0])
+        assert not is_non_finite(t) and not is_non_finite(t[:0])
         for bad in (float("inf"), float("-inf"), float("nan")):
             u = t.clone()
             u[17] = bad
-            assert ck.is_non_finite(u), (dtype, bad)
+            assert is_non_finite(u), (dtype, bad)
 
 
 def test_many_files_hash_in_parallel_to_the_same_checksums(tmp_path):

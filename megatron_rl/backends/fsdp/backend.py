@@ -62,6 +62,7 @@ from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.infra.ports import free_port
 from megatron_rl.models import model_dir
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_checkpoint_names, layer_of
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class FSDPBackend(TrainBackend):
         # fp32 master weights; --bf16 only changes the compute dtype (MixedPrecisionPolicy)
         model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
                                                                   attn_implementation="sdpa")
+        HFCheckpoint(hf).refuse_non_finite_parameters(model)  # inf/NaN named here, not as NaN logits later
         model.config.use_cache = False
         if cfg.memory.recompute_granularity == "full":
             # megatron's full recompute at one layer per unit: every decoder layer's activations are
@@ -295,6 +297,7 @@ class FSDPBackend(TrainBackend):
 
         def load_into_live() -> None:
             other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            HFCheckpoint(path).refuse_non_finite_parameters(other)
             full = {n: p.detach() for n, p in other.named_parameters()}  # tied weights once, as ours
             try:
                 set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))

@@ -37,8 +37,8 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megatron_rl.backends.checkpoint_common import ANOTHER, refuse_non_finite, refuse_other_model
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.checkpoint_root import (CorruptCheckpoint, is_temp_dir, newest_checkpoint_bytes,
@@ -54,8 +54,7 @@ log = logging.getLogger(__name__)
 FORMAT = DCP_FORMAT  # models.hf_module: the converter (convert/fsdp_to_hf.py) reads it too
 EXTRA_STATE_NAME = "extra_state.json"
 RNG_SUBDIR = "rng"
-_ANOTHER = ("auto-resume skips it to the previous complete checkpoint; to pick one yourself pass "
-            "--load ROOT/iter_NNNNNNN of another complete iteration")
+_ANOTHER = ANOTHER
 
 
 def model_fingerprint(backend) -> dict:
@@ -149,11 +148,7 @@ def load_checkpoint(backend, path: str) -> dict:
     path = os.path.abspath(path)
     meta = rank0_do(lambda: read_checkpoint_metadata(path), f"reading checkpoint {path}",
                     unexpected=CorruptCheckpoint)
-    saved, current = meta.get("model", {}), model_fingerprint(backend)
-    diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {v!r}" for k, v in current.items() if saved.get(k) != v]
-    if diff:
-        raise CheckpointError(f"checkpoint {path} is of a different model ({'; '.join(diff)}); pass the "
-                              "--hf-checkpoint it was trained from")
+    refuse_other_model(path, meta.get("model", {}), model_fingerprint(backend))
     same_layout = meta.get("layout") == layout_record(backend)
     if not same_layout and rank() == 0:
         log.warning("checkpoint %s was saved at %s, loading at %s: model and optimizer are resharded; RNG states "
@@ -171,14 +166,7 @@ def load_checkpoint(backend, path: str) -> dict:
             raise
         raise CorruptCheckpoint(f"loading checkpoint {path} failed ({type(e).__name__}: {str(e)[:300]}); the "
                                 f"files are corrupt or were written for another model/optimizer; {_ANOTHER}") from e
-    bad = [n for n, t in state["model"].items() if _non_finite(t)]
-    if dist.is_initialized() and world() > 1:
-        parts: list = [None] * world()
-        dist.all_gather_object(parts, bad)
-        bad = sorted({n for p in parts for n in p})
-    if bad:  # before anything is applied: the model is untouched for a fallback
-        raise CorruptCheckpoint(f"checkpoint {path} holds non-finite (inf/NaN) weights in {len(bad)} tensor(s): "
-                                f"{', '.join(bad[:5])}. {_ANOTHER}")
+    refuse_non_finite(path, state["model"].items())  # before anything is applied: a fallback finds the model as it was
     set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     backend.scheduler.load_state_dict(state["scheduler"])
@@ -193,10 +181,3 @@ def load_checkpoint(backend, path: str) -> dict:
     if rank() == 0:
         log.info("loaded checkpoint %s (optimizer step %d)", path, backend.optimizer_steps)
     return extra
-
-
-def _non_finite(t) -> bool:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        return False
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() > 0 and not bool(torch.isfinite(local).all())
