@@ -52,7 +52,7 @@ def measure(mb_lengths: list[list[list[int]]], padded: bool, real: int) -> dict:
         return len(mb) * max(mb, default=0) if padded else sum(mb)
 
     def attn(mb):
-        return len(mb) * max(mb, default=0) ** 2 if padded else sum(l * l for l in mb)
+        return len(mb) * max(mb, default=0) ** 2 if padded else sum(n * n for n in mb)
 
     rank_tokens = [sum(tokens(mb) for mb in mbs) for mbs in mb_lengths]
     rank_attn = [sum(attn(mb) for mb in mbs) for mbs in mb_lengths]

@@ -6,6 +6,9 @@ bash scripts/setup_cpu.sh || exit 1
 # the layers contract (pyproject.toml [tool.importlinter], docs/architecture.md) before any test
 out=$(.venv/bin/lint-imports --no-cache 2>&1) || { echo "$out"; echo "lint-imports: a layer contract is broken" >&2; exit 1; }
 echo "$out" | grep -E "^Contracts:"
+# lint ([tool.ruff] in pyproject.toml): pyflakes, pycodestyle's errors, bugbear, over the whole tree
+out=$(.venv/bin/ruff check --no-cache . 2>&1) || { echo "$out"; echo "ruff: lint errors (see above)" >&2; exit 1; }
+echo "ruff: $out"
 # Two workers, one test file each at a time (module fixtures run once; a file's tests keep their order).
 # Alone the suite keeps 1.3 of 2 cores busy (one-process tests, ranks waiting on each other); two files
 # at once keep 1.8 busy: 23.1 -> 14.2-18.2 min of pytest on a 2-core EPYC (docs/getting-started.md).

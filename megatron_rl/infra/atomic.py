@@ -55,7 +55,7 @@ def atomic_write_json(path: str, obj: Any) -> None:
 
 def fsync_tree(path: str) -> None:
     """fsync every file and directory under ``path`` (before publishing it)."""
-    for root, dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(path):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:

@@ -94,7 +94,8 @@ def load_cpu_ext(verbose: bool = False):
                 if not CSRC.is_dir():
                     raise KernelUnavailableError(
                         f"MEGATRON_RL_KERNELS=cpu_ext: megatron_rl._C_cpu is not built and the sources {CSRC} are "
-                        f"missing (an installed wheel without csrc/): reinstall with MEGATRON_RL_BUILD_EXT=cpu")
+                        f"missing (an installed wheel without csrc/): reinstall with MEGATRON_RL_BUILD_EXT=cpu"
+                    ) from None
                 _cache["cpu"] = _jit_build(verbose)
         return _cache["cpu"]
 

@@ -329,7 +329,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._wait(f"bucket {index} ({len(tensors)} tensors, {nbytes} bytes, {len(works)} broadcast(s)) over group "
                    f"{group.group_name}", broadcast_done, None, calls, timeout)
-        del tensors, works, flat
+        # ``tensors``, ``flat`` and ``works`` were referenced until here: every server answered
 
     # ------------------------------------------------ one sender per pipeline stage
     def _sync_stages(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int,

@@ -70,7 +70,7 @@ def test_cos_sin_derived_once_per_micro_batch_and_still_bitwise(rope):
     cu = torch.tensor([0, 3, 10, 11, 19], dtype=torch.int32)
     freqs = torch.randn(19, 1, 1, 16, generator=g)
     before = patched.memo.builds
-    for layer in range(3):
+    for _layer in range(3):
         for heads in (4, 2):  # q, then k with fewer heads
             for mla in (False, True):
                 t = torch.randn(19, heads, 16, generator=g)

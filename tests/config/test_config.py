@@ -1,5 +1,6 @@
 """Flag parsing, YAML merging, pass-through and every validation error path."""
 
+import dataclasses
 import re
 
 import pytest
@@ -45,7 +46,7 @@ def test_parse_values_and_derived(hf_dir):
     assert cfg.batching.num_steps_per_rollout == 2
     assert cfg.precision.params_dtype == "bfloat16"
     assert cfg.has_rollout_engine and cfg.has_training
-    with pytest.raises(Exception):  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.parallel.tensor_model_parallel_size = 4
 
 

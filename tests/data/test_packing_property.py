@@ -19,7 +19,7 @@ BUDGET = 512
 )
 def test_dynamic_plan_invariants(lengths, dp_size, cp_size, pad):
     max_tokens = BUDGET  # budget for global sequences is BUDGET * cp_size >= every padded length
-    lengths = [min(l, BUDGET * cp_size // pad * pad) for l in lengths]
+    lengths = [min(n, BUDGET * cp_size // pad * pad) for n in lengths]
     plan = plan_dynamic_micro_batches(lengths, dp_size=dp_size, max_tokens_per_gpu=max_tokens,
                                       cp_size=cp_size, pad_to_multiple=pad)
     # every sample exactly once

@@ -1,5 +1,6 @@
 """Allocation-string grammar: demand, structure, round-trip, and pointed errors."""
 
+import dataclasses
 import re
 
 import pytest
@@ -208,9 +209,9 @@ def test_components_cannot_be_built_invalid_in_code():
 
 def test_plan_objects_are_frozen():
     plan = parse_allocation("sglang:d2+megatron:d2")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.groups = ()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.components[0].dims.d = 4
 
 

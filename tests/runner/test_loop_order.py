@@ -95,7 +95,7 @@ class RecordingEngine(RolloutEngine):
                 for r in requests for i in range(sampling.n)]
 
     def update_weights(self, named_tensors, version):
-        for name, tensor in named_tensors:
+        for _name, tensor in named_tensors:
             self.w = tensor.clone()
         self.version = version
         EVENTS.append(("update_weights", version))

@@ -56,8 +56,8 @@ class FakeBackend:
         return m
 
 
-SAMPLES = [SimpleNamespace(tokens=t, loss=l, kl=k, adv=0.0)
-           for t, l, k in [(3, 1.0, 0.5), (9, -2.0, 0.1), (1, 4.0, 0.0), (2, 0.5, 0.3)]]
+SAMPLES = [SimpleNamespace(tokens=t, loss=loss, kl=k, adv=0.0)
+           for t, loss, k in [(3, 1.0, 0.5), (9, -2.0, 0.1), (1, 4.0, 0.0), (2, 0.5, 0.3)]]
 
 
 def _cfg(gbs, epochs):

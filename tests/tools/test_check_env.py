@@ -60,9 +60,9 @@ def test_human_table_from_full_report(full_report):
     spec.loader.exec_module(mod)
     text = mod.format_report(full_report)
     assert "accelerators  none" in text and "CPU-only build" in text
-    row = next(l for l in text.splitlines() if l.startswith("megatron-core"))
+    row = next(line for line in text.splitlines() if line.startswith("megatron-core"))
     assert " ok " in row and "0.16.1" in row
-    assert any(l.startswith("transformer-engine") and "local spec is used" in l for l in text.splitlines())
+    assert any(line.startswith("transformer-engine") and "local spec is used" in line for line in text.splitlines())
 
 
 def test_human_output_from_cli():
