@@ -199,8 +199,9 @@ class PromptDataset:
                  label_key: str | None = "label", apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, max_line_bytes: int | None = None,
                  flag: str = "--prompt-data"):
-        """``max_line_bytes``: the longest line read (None: no limit; a run's limit, ``--max-prompt-line-mib``,
-        was applied before its workers started, by ``runner.preflight``)."""
+        """``max_line_bytes``: the longest line read (None: no limit). A run passes ``--max-prompt-line-mib``
+        (``rollout.build``), which ``runner.preflight`` already applied before the workers started: here it
+        only catches a file that changed since."""
         self.path = str(path)
         self.flag = flag
         self.input_key = input_key

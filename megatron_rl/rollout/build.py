@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from megatron_rl.data.prompts import PromptDataset, PromptIterator
+from megatron_rl.data.prompts import MIB, PromptDataset, PromptIterator
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.base import ENGINES
 from megatron_rl.rollout.manager import RolloutManager
@@ -41,7 +41,8 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
     def dataset(path: str) -> PromptDataset:
         return PromptDataset(path, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
                              apply_chat_template=d.apply_chat_template,
-                             max_prompt_len=cfg.rollout.rollout_max_prompt_len)
+                             max_prompt_len=cfg.rollout.rollout_max_prompt_len,
+                             max_line_bytes=d.max_prompt_line_mib * MIB)  # a file changed since the pre-flight
 
     prompts = PromptIterator(dataset(prompt_data), rollout_batch_size=b.rollout_batch_size,
                              n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,
