@@ -27,7 +27,7 @@ from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.config import PolicyGradientConfig
 from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss
 from megatron_rl.data.packing import LossDenominators
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
 from megatron_rl.ops import logprobs_and_entropy
 
@@ -60,12 +60,13 @@ class Spec(abc.ABC):
     """Algorithm hooks; see the module docstring for the call order."""
 
     @abc.abstractmethod
-    def compute_advantages(self, samples: Sequence[Sample], *, old_logprobs: Sequence[torch.Tensor] | None = None,
-                           ref_logprobs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def compute_advantages(self, samples: Sequence[AnySample], *,
+                           old_logprobs: Sequence[torch.Tensor | None] | None = None,
+                           ref_logprobs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """Per-sample response-aligned advantages (0 on masked tokens)."""
 
     @abc.abstractmethod
-    def prepare_batch(self, samples: Sequence[Sample]) -> BatchRequirements:
+    def prepare_batch(self, samples: Sequence[AnySample]) -> BatchRequirements:
         """What the trainer must compute for this batch (``BatchRequirements``); validates the samples."""
 
     def needs_whole_batch(self) -> bool:
@@ -98,7 +99,7 @@ class PolicyGradientSpec(Spec):
     def __init__(self, cfg: PolicyGradientConfig):
         self.cfg = cfg
 
-    def prepare_batch(self, samples: Sequence[Sample]) -> BatchRequirements:
+    def prepare_batch(self, samples: Sequence[AnySample]) -> BatchRequirements:
         cfg = self.cfg
         for flag, on in (("--use-tis", cfg.use_tis), ("--use-rollout-logprobs", cfg.use_rollout_logprobs)):
             if not on:
@@ -162,7 +163,7 @@ class PolicyGradientSpec(Spec):
         return compute_policy_loss(inputs, denoms, self.cfg)
 
 
-def _check_loss_masks(samples: Sequence[Sample]) -> None:
+def _check_loss_masks(samples: Sequence[AnySample]) -> None:
     for i, s in enumerate(samples):
         if s.loss_mask and len(s.loss_mask) != s.response_length:
             raise ValueError(f"sample {i} (group {s.group_index}) has {len(s.loss_mask)} loss_mask entries for "

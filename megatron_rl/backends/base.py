@@ -48,7 +48,7 @@ from megatron_rl.data import sample_codec
 from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
                                       plan_dynamic_micro_batches, plan_fixed_micro_batches,
                                       plan_loss_denominators, plan_owner_aligned)
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError, ConfigError
 from megatron_rl.infra import dist as dist_util
 from megatron_rl.infra.registry import Registry
@@ -70,11 +70,11 @@ class TrainBatch:
     and the rest are None (no rank reads another DP rank's entries).
     """
 
-    samples: list[Sample]
+    samples: list[AnySample]
     advantages: list[torch.Tensor]
-    old_logprobs: Optional[list[torch.Tensor]] = None
-    ref_logprobs: Optional[list[torch.Tensor]] = None
-    teacher_logprobs: Optional[list[torch.Tensor]] = None
+    old_logprobs: Optional[list[Optional[torch.Tensor]]] = None
+    ref_logprobs: Optional[list[Optional[torch.Tensor]]] = None
+    teacher_logprobs: Optional[list[Optional[torch.Tensor]]] = None
     plan: Optional[MicroBatchPlan] = None  # the step's plan when already made (RolloutPlan.steps)
 
 
@@ -322,7 +322,7 @@ class TrainBackend(abc.ABC):
         """Build model + optimizer from the frozen ``Config``; load HF or checkpoint weights."""
 
     @abc.abstractmethod
-    def forward(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+    def forward(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
                 owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         """No-grad response-aligned log-probs of every sample under the live weights.
 
@@ -380,7 +380,7 @@ class TrainBackend(abc.ABC):
 
     # ---- shared concretes -------------------------------------------------
 
-    def forward_only(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+    def forward_only(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
                      owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         with torch.no_grad():
             return self.forward(samples, plan, owned_only)
@@ -397,7 +397,7 @@ class TrainBackend(abc.ABC):
         """Seconds spent copying weight tags in and out so far (``perf/weight_swap_s`` per step)."""
         return self.weights.swap_seconds
 
-    def maybe_compute_ref_log_probs(self, samples: Sequence[Sample], needed: bool,
+    def maybe_compute_ref_log_probs(self, samples: Sequence[AnySample], needed: bool,
                                     plan: Optional[MicroBatchPlan] = None,
                                     owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
@@ -408,7 +408,7 @@ class TrainBackend(abc.ABC):
         with self.switch_weights("ref"):
             return self.forward_only(samples, plan, owned_only)
 
-    def maybe_compute_teacher_log_probs(self, samples: Sequence[Sample], needed: bool,
+    def maybe_compute_teacher_log_probs(self, samples: Sequence[AnySample], needed: bool,
                                         plan: Optional[MicroBatchPlan] = None,
                                         owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
@@ -420,19 +420,19 @@ class TrainBackend(abc.ABC):
 
     # ---- the rollout batch over data parallelism (shared by every backend) ----
 
-    def plan_micro_batches(self, samples: Sequence[Sample]) -> MicroBatchPlan:
+    def plan_micro_batches(self, samples: Sequence[AnySample]) -> MicroBatchPlan:
         """Split the batch over DP ranks and micro-batches: token-budgeted (``--use-dynamic-batch-size``)
         or ``--micro-batch-size`` samples each; the same plan on every rank (a pure function of lengths)."""
         b = self.cfg.batching
         if b.use_dynamic_batch_size:
             lengths = [s.total_length for s in samples]
-            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
+            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=_token_budget(b),
                                               cp_size=self.cfg.parallel.context_parallel_size,
                                               pad_to_multiple=self.pad_to_multiple)
         plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
         return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=self.pad_to_multiple)
 
-    def plan_rollout(self, samples: Sequence[Sample], global_batch_size: int) -> RolloutPlan:
+    def plan_rollout(self, samples: Sequence[AnySample], global_batch_size: int) -> RolloutPlan:
         """The training steps' plans (``samples`` cut into steps of ``global_batch_size``) and the
         owner-aligned forward plan over the whole batch (``RolloutPlan``); no communication."""
         steps = [(start, self.plan_micro_batches(samples[start:start + global_batch_size]))
@@ -442,7 +442,8 @@ class TrainBackend(abc.ABC):
 
         def cut(parts: list[list[int]]) -> MicroBatchPlan:
             if b.use_dynamic_batch_size:
-                return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
+                return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size,
+                                                  max_tokens_per_gpu=_token_budget(b),
                                                   cp_size=self.cfg.parallel.context_parallel_size,
                                                   pad_to_multiple=self.pad_to_multiple, rank_parts=parts)
             size = b.micro_batch_size
@@ -452,7 +453,7 @@ class TrainBackend(abc.ABC):
 
         return RolloutPlan(plan_owner_aligned(steps, len(samples), cut), steps)
 
-    def preprocess_rollout_data(self, samples: Sequence[Sample], batch: Optional[TrainBatch] = None,
+    def preprocess_rollout_data(self, samples: Sequence[AnySample], batch: Optional[TrainBatch] = None,
                                 plan: Optional[MicroBatchPlan] = None) -> RankBatch:
         """Plan the batch (or take ``plan``), pack this DP rank's micro-batches (with the loss inputs of
         ``batch`` when training) and, when training, compute this rank's share of the step's global
@@ -479,7 +480,7 @@ class TrainBackend(abc.ABC):
             self._dp_peers = data_parallel_peers(self.dp_rank, self.dp_size)
         return self._dp_peers
 
-    def gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[Sample],
+    def gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[AnySample],
                           plan: MicroBatchPlan, owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         """Every rank gets every sample's tensor from the ranks that hold them (``holds_results``),
         or with ``owned_only`` only its own DP rank's samples (from that DP rank's holder; None elsewhere).
@@ -496,7 +497,7 @@ class TrainBackend(abc.ABC):
         if owned_only:
             return share_with_peers(local, holdings[self.dp_rank], self._holder_ranks[self.dp_rank], lengths,
                                     group=self.data_parallel_peers()[1])
-        return gather_per_sample(local, holdings, self._holder_ranks, lengths)
+        return list(gather_per_sample(local, holdings, self._holder_ranks, lengths))  # as list[Optional[Tensor]]
 
 
 def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:
@@ -533,6 +534,13 @@ def data_parallel_peers(dp_rank: int, dp_size: int) -> tuple[list[int], object]:
     return leaders, mine
 
 
+def _token_budget(batching) -> int:
+    """``--max-tokens-per-gpu``, which config validation requires with ``--use-dynamic-batch-size``."""
+    budget = batching.max_tokens_per_gpu
+    assert budget is not None, "config validation: --use-dynamic-batch-size needs --max-tokens-per-gpu"
+    return budget
+
+
 def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None) -> list[Sample]:
     """Give every rank the driver's rollout batch (a no-op without torch.distributed).
 
@@ -557,8 +565,12 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
         raise BackendError(f"broadcast_samples: the driver rank (rank {src}) passed no samples")
     if dist.get_rank() != src:
         buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    assert buffer is not None, "the counts are not -1: the driver encoded its samples"
     dist.broadcast(buffer, src=src, group=group)
-    return list(samples) if dist.get_rank() == src else sample_codec.decode(sizes, buffer)
+    if dist.get_rank() != src:
+        return sample_codec.decode(sizes, buffer)
+    assert samples is not None, "the counts are not -1: the driver had samples"
+    return list(samples)
 
 
 def import_megatron_core_without_wandb() -> None:
@@ -573,7 +585,8 @@ def import_megatron_core_without_wandb() -> None:
 
     if "wandb" in sys.modules or "megatron.core" in sys.modules:
         return
-    sys.modules["wandb"] = None  # `import wandb` raises ImportError: megatron falls back to wandb = None
+    # a None entry makes `import wandb` raise ImportError: megatron falls back to wandb = None
+    sys.modules["wandb"] = None  # type: ignore[assignment]  # typeshed's dict omits None, the documented block
     try:
         import megatron.core.timers  # noqa: F401  (lazy: megatron-core is the heavy import this exists for)
     finally:

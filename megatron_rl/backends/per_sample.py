@@ -35,8 +35,10 @@ _SENT, _BROKEN_HOLDER = 0.0, -2.0
 def _holder_values(local: dict[int, torch.Tensor], held: Sequence[int], sizes: list[int],
                    dtype: torch.dtype) -> Optional[torch.Tensor]:
     """``[flag, values...]`` that one holder sends, or None when a sample is missing or of the wrong length."""
-    pieces = [local.get(i) for i in held]
-    if any(p is None for p in pieces) or [p.numel() for p in pieces] != sizes:
+    if any(i not in local for i in held):
+        return None
+    pieces = [local[i] for i in held]
+    if [p.numel() for p in pieces] != sizes:
         return None
     if any(p.dim() != 1 or p.dtype != dtype for p in pieces):
         pieces = [p.reshape(-1).to(dtype) for p in pieces]

@@ -25,17 +25,15 @@ signalled in the first message, so every rank raises together.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
 from megatron_rl.backends.base import RolloutPlan, TrainBackend, broadcast_samples
 from megatron_rl.data import sample_codec
-from megatron_rl.data.types import Sample, SampleStub
+from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError
 from megatron_rl.infra.dist import recv_sized, send_sized
-
-AnySample = Union[Sample, SampleStub]
 
 
 def _world() -> int:
@@ -66,7 +64,8 @@ def distribute_rollout(samples: Optional[Sequence[Sample]], backend: TrainBacken
     import torch.distributed as dist
 
     if _world() == 1 or whole:
-        return broadcast_samples(None if samples is None else list(samples), src=src), None
+        whole_batch: list[AnySample] = list(broadcast_samples(None if samples is None else list(samples), src=src))
+        return whole_batch, None
     me = dist.get_rank()
     if me == src:
         sizes, buffer = (sample_codec.encode_headers(samples) if samples else
@@ -79,15 +78,18 @@ def distribute_rollout(samples: Optional[Sequence[Sample]], backend: TrainBacken
     if buffer is None:
         buffer = torch.empty(int(sizes.sum()), dtype=torch.uint8)
     dist.broadcast(buffer, src=src)
-    batch: list[AnySample] = list(sample_codec.decode_headers(sizes, buffer))
-    plan = backend.plan_rollout(batch, global_batch_size)
+    stubs = sample_codec.decode_headers(sizes, buffer)
+    plan = backend.plan_rollout(stubs, global_batch_size)
     shares = [plan.forward.rank_samples(d) for d in range(plan.forward.dp_size)]
     for d, share in enumerate(shares):
         for i in share:
-            batch[i].owner = d
+            stubs[i].owner = d
+    batch: list[AnySample] = list(stubs)
     leaders, group = backend.data_parallel_peers()
     mine = backend.dp_rank
+    own: Optional[list[Sample]]
     if me == src:
+        assert samples is not None, "the counts are not -1: the driver had samples"
         for d, leader in enumerate(leaders):
             if leader != src:
                 send_sized(*sample_codec.encode([samples[i] for i in shares[d]]), leader)
@@ -98,9 +100,11 @@ def distribute_rollout(samples: Optional[Sequence[Sample]], backend: TrainBacken
             own = sample_codec.decode(*recv_sized(src))
     if group is not None:  # the leader gives the share to its TP/PP/CP peers
         if me == leaders[mine]:
+            assert own is not None, "a leader has its share (the driver's own, or received above)"
             _bcast_buffer(*sample_codec.encode(own), src=me, group=group)
         else:
             own = sample_codec.decode(*_bcast_buffer(None, None, src=leaders[mine], group=group))
+    assert own is not None, "with no peers every rank leads its data-parallel rank and has received its share"
     if len(own) != len(shares[mine]):
         raise BackendError(f"distribute_rollout: data-parallel rank {mine} expected {len(shares[mine])} samples, "
                            f"received {len(own)}")

@@ -45,7 +45,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from megatron_rl.data.partition import first_fit_decreasing, karmarkar_karp, refine_by_swaps
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
 
 # --------------------------------------------------------------------------- planning
@@ -374,7 +374,7 @@ def _flat_float32(parts: list) -> torch.Tensor:
 
 
 def pack_samples(
-    samples: Sequence[Sample],
+    samples: Sequence[AnySample],
     sample_indices: Sequence[int],
     *,
     pad_to_multiple: int = 1,
@@ -483,7 +483,7 @@ def pack_samples(
     )
 
 
-def pack_plan_rank(samples: Sequence[Sample], plan: MicroBatchPlan, dp_rank: int, **kwargs) -> list[PackedBatch]:
+def pack_plan_rank(samples: Sequence[AnySample], plan: MicroBatchPlan, dp_rank: int, **kwargs) -> list[PackedBatch]:
     """Pack every micro-batch of one DP rank (kwargs as for ``pack_samples``; padding from the plan)."""
     kwargs.setdefault("pad_to_multiple", plan.pad_to_multiple)
     return [pack_samples(samples, mb, **kwargs) for mb in plan.rank(dp_rank)]
@@ -543,7 +543,7 @@ def compute_loss_denominators(loss_masks: Iterable, group=None) -> LossDenominat
     return LossDenominators(tokens, samples, int(counts[0]), int(counts[1]))
 
 
-def plan_loss_denominators(samples: Sequence[Sample], plan: MicroBatchPlan) -> list[LossDenominators]:
+def plan_loss_denominators(samples: Sequence[AnySample], plan: MicroBatchPlan) -> list[LossDenominators]:
     """Denominators of every DP rank from the plan alone (no communication; same result
     as ``compute_loss_denominators`` with the DP group, since every rank sees the plan)."""
     local = [compute_loss_denominators(samples[i].effective_loss_mask() for i in plan.rank_samples(r))

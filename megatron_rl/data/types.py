@@ -18,7 +18,7 @@ order, with ``response_lengths`` giving the split.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from megatron_rl.errors import ConfigError, MegatronRLError
 
@@ -159,3 +159,8 @@ class SampleStub:
                                      f"{self.owner}: its {name} never reached this rank (each rank receives the "
                                      "samples it trains on; plan with TrainBackend.plan_rollout)")
         raise AttributeError(name)
+
+
+#: One entry of a training rank's rollout batch: ``Sample`` where its data-parallel rank trains on it,
+#: ``SampleStub`` elsewhere (``backends.rollout_shards``). Lengths, reward, group and loss mask read alike.
+AnySample = Union[Sample, SampleStub]

@@ -133,7 +133,9 @@ class Colocation:
             rollout.engine.release()
         barrier()  # the engines have answered the release: no rank wakes before that
         if before is not None:
-            wait_for_release(before[0], int(self.expected_release_fraction * before[1]), self.probe,
+            fraction = self.expected_release_fraction
+            assert fraction is not None, "free memory is probed only when a release fraction is expected"
+            wait_for_release(before[0], int(fraction * before[1]), self.probe,
                              timeout_s=self.release_timeout_s)
         metrics = {}
         if self.offload_train:

@@ -75,7 +75,7 @@ class EngineRecovery:
                 samples, metrics = get()
             except EngineError as exc:  # only the driver generates, so only it can get here
                 error = str(exc)
-                if rollout is not None:
+                if rollout is not None and state is not None:
                     rollout.load_state_dict(state)  # the retry draws the same prompts
             error = _from_driver(error)
             if error is None:
@@ -97,9 +97,13 @@ class EngineRecovery:
             rollout.engine.poll_health()  # the restarted servers count as alive again
         resync()
 
+    def _launched(self) -> EngineFleet:
+        assert self.fleet is not None, "generate() hands over to get() alone when this run launched no engines"
+        return self.fleet
+
     def _deaths(self) -> list[str]:
         """Collective: the death message of every launched engine (or router) of every node that has exited."""
-        mine = [p.death_message("during the rollout", lines=8) for p in self.fleet.dead()]
+        mine = [p.death_message("during the rollout", lines=8) for p in self._launched().dead()]
         return sum(all_gather(mine), [])
 
     def _stop_if_dead(self) -> None:
@@ -111,18 +115,19 @@ class EngineRecovery:
     def _restart_dead(self, error: str) -> None:
         """Collective: each node restarts its dead engines; every rank raises if none was dead (the
         error was not a death), the limit is reached, or a restart failed."""
-        dead = self.fleet.dead()
+        fleet = self._launched()
+        dead = fleet.dead()
         for _ in range(30):  # the process may still be exiting when the driver's request failed
-            if dead or not self.fleet.local:
+            if dead or not fleet.local:
                 break
             time.sleep(0.1)
-            dead = self.fleet.dead()
+            dead = fleet.dead()
         problem: Optional[str] = None
         names = [p.slot.describe() for p in dead]
         if dead and self.restarts + len(dead) <= MAX_RESTARTS:
             try:
                 for process in dead:
-                    self.fleet.restart(process)
+                    fleet.restart(process)
             except EngineError as exc:
                 problem = str(exc)
         parts = all_gather((len(dead), names, problem))
@@ -138,6 +143,6 @@ class EngineRecovery:
         if problems:
             raise EngineError(f"{error}; restarting the engine failed too: {problems[0]}")
         self.restarts += total
-        restarted = sum((n for _, n, _ in parts), [])
+        restarted: list[str] = sum((n for _, n, _ in parts), [])
         log.warning("--use-fault-tolerance: restarted %s after: %s; syncing the current weights and generating the "
                     "rollout again", "; ".join(restarted), error.splitlines()[0])

@@ -36,29 +36,31 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
     gbs = cfg.batching.effective_global_batch_size
     t = time.perf_counter()
     whole = spec.needs_whole_batch()
-    samples, plan = distribute_rollout(samples, backend, gbs, whole=whole)
+    batch, distributed_plan = distribute_rollout(samples, backend, gbs, whole=whole)
     perf["perf/broadcast_s"], t = time.perf_counter() - t, time.perf_counter()
-    needs = spec.prepare_batch(samples)
-    plan = plan or backend.plan_rollout(samples, gbs)
-    own = {"plan": plan.forward, "owned_only": not whole}
+    needs = spec.prepare_batch(batch)
+    plan = distributed_plan or backend.plan_rollout(batch, gbs)
+    owned_only = not whole
+    old: Optional[list[Optional[torch.Tensor]]]
     if needs.old_logprobs:
-        old = backend.forward_only(samples, **own)
+        old = backend.forward_only(batch, plan=plan.forward, owned_only=owned_only)
     else:
-        old = rollout_old_logprobs(samples) if needs.old_from_rollout else None
+        old = rollout_old_logprobs(batch) if needs.old_from_rollout else None
     perf["perf/old_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
-    ref = backend.maybe_compute_ref_log_probs(samples, needs.ref_logprobs, **own)
+    ref = backend.maybe_compute_ref_log_probs(batch, needs.ref_logprobs, plan=plan.forward, owned_only=owned_only)
     perf["perf/ref_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
-    teacher = backend.maybe_compute_teacher_log_probs(samples, needs.teacher_logprobs, **own)
+    teacher = backend.maybe_compute_teacher_log_probs(batch, needs.teacher_logprobs, plan=plan.forward,
+                                                      owned_only=owned_only)
     if needs.teacher_logprobs:
         perf["perf/teacher_logprob_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    advantages = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)
+    advantages = spec.compute_advantages(batch, old_logprobs=old, ref_logprobs=ref)
     steps: list[dict[str, float]] = []
     for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
         for start, step_plan in plan.steps:
             sl = slice(start, start + gbs)
             pick = (lambda xs: None if xs is None else xs[sl])
-            steps.append(backend.train_step(TrainBatch(samples[sl], advantages[sl], pick(old), pick(ref),
+            steps.append(backend.train_step(TrainBatch(batch[sl], advantages[sl], pick(old), pick(ref),
                                                        pick(teacher), plan=step_plan)))
     perf["perf/train_s"] = time.perf_counter() - t
     return aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one

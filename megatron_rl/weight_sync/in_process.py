@@ -27,12 +27,11 @@ class InProcessSynchronizer(WeightSynchronizer):
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal)
-        here = engine is not None
-        if here:
+        if engine is not None:
             engine.update_weights(exported, version)
         else:
             exported.drain()  # the export is collective: every rank iterates it to the end
         metrics = exported.metrics(version, time.perf_counter() - t0)
-        if self.check_equal and here:
+        if self.check_equal and engine is not None:
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics

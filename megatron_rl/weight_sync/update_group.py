@@ -98,6 +98,7 @@ class UpdateGroup:
         store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{self.group_name}/",
                                                                 dist.PrefixStore(self.group_name, self._store)))
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if self.backend_name == "gloo":
             backend = dist.ProcessGroupGloo(store, 0, self.world_size, timeout)
         else:

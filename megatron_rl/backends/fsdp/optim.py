@@ -29,7 +29,8 @@ SGD_MOMENTUM = 0.9  # megatron-core OptimizerConfig.sgd_momentum default
 
 def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[dict]:
     """Megatron's default groups: weight decay on matrices, none on biases and 1-D parameters."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in named_params:
         if not p.requires_grad:
             continue

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from functools import partial
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.config.megatron_flags import megatron_core_kwargs
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch, pad_multiple_for
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import AnySample
 from megatron_rl.errors import CheckpointError, ConfigError
 from megatron_rl.infra import reloadable_groups
 from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
@@ -224,9 +224,10 @@ class MegatronBackend(TrainBackend):
         out = self.spec.extract_model_output(logits, targets.to(logits.device), tp_group=tp_group,
                                              vocab_start_index=start, vocab_size=self.vocab_size,
                                              with_entropy=with_entropy)
-        full = [mb.gather_response(cp_utils.gather_packed_from_cp(t, mb.cu_seqlens)) if t is not None else None
-                for t in (out.logprobs, out.entropy)]
-        return ModelOutput(*full)
+        logprobs = mb.gather_response(cp_utils.gather_packed_from_cp(out.logprobs, mb.cu_seqlens))
+        entropy = (mb.gather_response(cp_utils.gather_packed_from_cp(out.entropy, mb.cu_seqlens))
+                   if out.entropy is not None else None)
+        return ModelOutput(logprobs, entropy)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb: PackedBatch = next(data_iterator)
@@ -255,7 +256,7 @@ class MegatronBackend(TrainBackend):
 
     # ---- TrainBackend --------------------------------------------------------
 
-    def forward(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+    def forward(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
                 owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
 
@@ -323,7 +324,7 @@ class MegatronBackend(TrainBackend):
             lead = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
                     and ps.get_context_parallel_rank() == 0)
             mine = (stage, lead, dist.get_rank())
-            everyone = [None] * dist.get_world_size()
+            everyone: list[Any] = [None] * dist.get_world_size()  # each rank's `mine`, once gathered
             dist.all_gather_object(everyone, mine)
             sources = tuple(min(r for s, is_lead, r in everyone if s == k and is_lead) for k in range(stages))
             self._export_scope = ExportScope(stages=stages, stage=stage, sources=sources)
@@ -379,16 +380,17 @@ class MegatronBackend(TrainBackend):
         ``convert_ckpt.py hf-to-dist`` writes; Megatron's ``--finetune`` start: weights only,
         fresh optimizer, step 0). Before the optimizer exists, so its master weights copy them."""
         path = cfg.checkpoint.load
-        if not model_dir.is_model_dir(path):
+        hf_dir = cfg.model.hf_checkpoint
+        assert hf_dir is not None, "initialize built the bridge from --hf-checkpoint's config"
+        if path is None or not model_dir.is_model_dir(path):
             # a dist-to-hf output carries checksums: damage is refused by file name, not trained on
-            model_dir.check_hf_marker_once(cfg.model.hf_checkpoint,
-                                           f"checking --hf-checkpoint {cfg.model.hf_checkpoint}")
-            self.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
+            model_dir.check_hf_marker_once(hf_dir, f"checking --hf-checkpoint {hf_dir}")
+            self.bridge.load_hf_weights(self.chunks, hf_dir)
             return
         meta = model_dir.read_marker(path)
-        model_dir.check_fingerprint(path, meta, self.bridge, cfg.model.hf_checkpoint)
+        model_dir.check_fingerprint(path, meta, self.bridge, hf_dir)
         dist_io.check_checkpoint_matches_model(path, dist_io.checkpoint_model_tensors(path),
-                                               dist_io.model_tensor_shapes(self.chunks), cfg.model.hf_checkpoint)
+                                               dist_io.model_tensor_shapes(self.chunks), hf_dir)
         dist_io.load_dist_into(self.chunks, path)
         log.info("initial weights from the torch_dist model dir %s (--load); optimizer starts fresh", path)
 
