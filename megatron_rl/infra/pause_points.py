@@ -24,7 +24,8 @@ release file, so a forgotten pause fails the test instead of hanging it. Without
 Points (where the one-line calls are): ``context_created`` (train.py, the driver's tracker exists),
 ``step_logged:<step>`` (train.py, the step's metrics are in metrics.jsonl, before its save and stop
 check), ``publish_written:<name>`` (publish.py, every rank's files are in the temp dir, no marker,
-nothing published), ``published:<name>`` (publish.py, renamed into place, before the tracker files),
+nothing published), ``publish_sealed:<name>`` (publish.py, rank 0: the marker written too, only
+the rename left), ``published:<name>`` (publish.py, renamed into place, before the tracker files),
 ``prune_renamed:<name>`` (checkpoint_root.py, the pruned checkpoint renamed to its ``.deleting``
 name, not yet removed), ``rollout_stored:rollout_<N>`` (rollout_ckpt.py, the file is written).
 """

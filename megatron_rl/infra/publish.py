@@ -111,6 +111,7 @@ def publish_collectively(final_dir: str, write: Callable[[str], Optional[dict[st
                 meta = seal(tmp)
                 meta["files"] = file_list(tmp, known_checksums=known)
                 atomic_write_json(os.path.join(tmp, MARKER_NAME), meta)
+                pause_point("publish_sealed", os.path.basename(final_dir))  # tests: kill with only the rename left
                 publish_dir(tmp, final_dir)
 
         rank0_do(publish, f"publishing {final_dir}")

@@ -7,7 +7,7 @@ The fsdp counterpart of tests/e2e/test_resume.py (ii) (the megatron demo SIGKILL
    iter_1 through the runner's ``CheckpointSaver`` (DCP files, marker, publish, pointers),
    trains a 2nd step and starts saving iter_2. The save is held at its last moment: every
    file, ``COMPLETE.json`` included, is in ``.iter_0000002.tmp`` and only the rename into
-   place is left (``publish_dir`` is wrapped to say so and wait). The test SIGKILLs it there:
+   place is left (pause point ``publish_sealed:iter_0000002``). The test SIGKILLs it there:
    the most complete half-written checkpoint there can be (an earlier kill leaves a subset
    of these files in the same temp dir);
 2. in this process a fresh backend runs the runner's ``Resumer`` on the root: it must load
@@ -23,12 +23,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WAIT_S = 180  # the worker's start-up (imports, model) and two steps; ~10 s on an idle 2-core machine
+WAIT_S = 600  # a hang bound on the worker's start-up (imports, model) and two steps; ~10 s on an idle 2-core machine
 
 
 def _backend_and_saver(hf: str, root: str):
@@ -64,49 +63,39 @@ def _train_step(backend, spec) -> dict:
 
 
 def worker(hf: str, root: str, out: str) -> None:
-    """Step 1, save iter_1, step 2, save iter_2 held before its rename (``out/in_publish`` says so)."""
-    import megatron_rl.infra.publish as publish
-
+    """Step 1, save iter_1, step 2, save iter_2, held before its rename (the test's pause point)."""
     _, spec, backend, _, saver = _backend_and_saver(hf, root)
     torch.save(_train_step(backend, spec), os.path.join(out, "step1.pt"))
     saver.save(backend, None, 1)
     torch.save(_train_step(backend, spec), os.path.join(out, "step2.pt"))
-
-    def held_publish(tmp: str, final: str) -> None:
-        open(os.path.join(out, "in_publish"), "w").write(f"{tmp} -> {final}\n")
-        time.sleep(WAIT_S)  # the test SIGKILLs us here
-        raise SystemExit("not killed")
-
-    publish.publish_dir = held_publish
-    saver.save(backend, None, 2)
+    saver.save(backend, None, 2)  # pauses at publish_sealed:iter_0000002: the test SIGKILLs us there
+    raise SystemExit("not killed at the pause point")
 
 
 def test_sigkill_during_save_resumes_from_the_last_complete_checkpoint(tmp_path, tiny_hf_models, caplog):
     import torch.distributed as dist
 
+    from _util import PausePoint
     from megatron_rl.backends.fsdp.backend import init_process_group
     from megatron_rl.infra import checkpoint_root as ckpt
     from megatron_rl.runner.resume import Resumer
 
     hf, root = tiny_hf_models("qwen2"), str(tmp_path / "ckpt")
     log = open(tmp_path / "worker.log", "w")
+    point = PausePoint(tmp_path / "pause", "publish_sealed:iter_0000002")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
+                                                              "MASTER_PORT")} | point.env
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), hf, root, str(tmp_path)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not (tmp_path / "in_publish").exists():
-            assert proc.poll() is None, f"the worker exited ({proc.returncode}) before its 2nd save: " + \
-                (tmp_path / "worker.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, f"the worker did not reach its 2nd save's publish in {WAIT_S} s"
-            time.sleep(0.05)
+        assert point.wait(proc, timeout=WAIT_S, output=lambda: (tmp_path / "worker.log").read_text()[-3000:]) == \
+            proc.pid
         os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert proc.wait(timeout=120) == -signal.SIGKILL  # a hang bound
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=30)
+            proc.wait(timeout=120)
         log.close()
 
     # what the kill left: iter_1 published, iter_2 complete in every file but only under its temp name

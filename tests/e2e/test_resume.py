@@ -37,7 +37,7 @@ import time
 import pytest
 import torch
 
-from _util import free_port
+from _util import PausePoint, free_port
 from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_checkpoint_metadata
 from megatron_rl.infra import checksum
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
@@ -106,13 +106,13 @@ class Demo:
 
     count = 0
 
-    def __init__(self, out, num_rollout: int, *extra: str):
+    def __init__(self, out, num_rollout: int, *extra: str, env: dict | None = None):
         Demo.count += 1
         self.out = str(out)
         self.log_path = f"{self.out}.launch{Demo.count}.log"
         self.metrics_before = len(metrics(out))
         env = {**os.environ, "OUT": self.out, "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable,
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()), **(env or {})}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(["bash", "scripts/run_demo_cpu.sh", *extra], cwd=REPO, env=env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -149,8 +149,8 @@ class Demo:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
+        self.proc.wait(timeout=120)  # a hang bound on reaping the SIGKILLed launcher
+        deadline = time.monotonic() + 120  # a hang bound
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(_alive(p) for p in pids), "killed processes still alive"
@@ -166,19 +166,15 @@ class Demo:
             self.kill()
             raise AssertionError(f"demo did not finish in {timeout}s\n{self.tail()}") from None
 
-    def kill_when(self, condition, what: str, timeout: float = LAUNCH_TIMEOUT) -> float:
-        """Poll ``condition`` (a cheap file-system check) and SIGKILL the run the moment it holds."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.proc.poll() is not None:
-                self.kill()
-                raise AssertionError(f"demo exited ({self.proc.returncode}) before {what}\n{self.tail()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"no {what} within {timeout}s\n{self.tail()}")
-            time.sleep(0.002)
-        self.kill()
-        return time.monotonic() - self.t0
+    def kill_at(self, point: PausePoint, timeout: float = LAUNCH_TIMEOUT) -> None:
+        """SIGKILL the run (launched with ``env=point.env``) once its driver is paused at ``point``.
+
+        Was: poll the file system for a sign of the moment and SIGKILL then; on a busy machine the
+        run had moved on in between (the save published, the next step trained)."""
+        try:
+            point.wait(self.proc, timeout=timeout, output=self.tail)  # the timeout only bounds a hang
+        finally:
+            self.kill()
 
 
 def run_demo(out, num_rollout: int, *extra: str, expect_rc: int = 0) -> Demo:
@@ -365,25 +361,30 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     root = str(out / "ckpt")
     cmd = (out, 4, "--save-interval", "1")
 
-    # (i) start-up: the driver's tracker exists (RunContext.create), the model is being built
-    demo = Demo(*cmd)
-    demo.kill_when(lambda: os.path.exists(out / "metrics.jsonl"), "metrics.jsonl")
+    # (i) start-up: the driver's tracker exists (RunContext.create), the model is not built yet
+    point = PausePoint(tmp_path / "pause", "context_created")
+    Demo(*cmd, env=point.env).kill_at(point)
+    assert os.path.exists(out / "metrics.jsonl")
     assert assert_no_partial_checkpoint_visible(root, tmp_path) == []
     assert not os.path.isdir(root) or os.listdir(root) == [".megatron_rl.lock"]  # the run's lock, nothing else
     assert train_steps(metrics(out)) == []
 
-    # (ii) in the middle of the save of iteration 2 (its temp dir exists, nothing published yet)
+    # (ii) in the middle of the save of iteration 2 (every rank's files in its temp dir, no marker, nothing
+    # published yet)
     tmp2 = os.path.join(root, ".iter_0000002.tmp")
-    demo = Demo(*cmd)
-    demo.kill_when(lambda: os.path.isdir(tmp2), ".iter_0000002.tmp")
+    point = PausePoint(tmp_path / "pause", "publish_written:iter_0000002")
+    demo = Demo(*cmd, env=point.env)
+    demo.kill_at(point)
     assert os.path.isdir(tmp2) and not os.path.exists(iter_dir(root, 2)), os.listdir(root)
     assert assert_no_partial_checkpoint_visible(root, tmp_path) == [1]
     new = demo.new_records()
     assert new[0]["step"] == 0 and train_steps(new) == [1, 2]  # a fresh start: nothing to resume from
 
-    # (iii) right after iteration 3 was published (tracker files may still say 2)
-    demo = Demo(*cmd)
-    demo.kill_when(lambda: os.path.isdir(iter_dir(root, 3)), "iter_0000003")
+    # (iii) right after iteration 3 was published (the tracker files still say 2)
+    point = PausePoint(tmp_path / "pause", "published:iter_0000003")
+    demo = Demo(*cmd, env=point.env)
+    demo.kill_at(point)
+    assert read_latest(root) == 2
     assert f"resumed from {iter_dir(root, 1)} at rollout 1" in demo.output
     new = demo.new_records()
     assert new[0]["step"] == 1 and train_steps(new) == [2, 3]
@@ -414,7 +415,9 @@ def test_sigkill_after_rollout_was_generated_resumes_without_regenerating_it(str
     out = tmp_path / "demo"
     root = str(out / "ckpt")
     stored = os.path.join(root, "rollout_ckpts", "rollout_2.pt")
-    Demo(out, 4, "--save-interval", "2").kill_when(lambda: os.path.exists(stored), "rollout_ckpts/rollout_2.pt")
+    point = PausePoint(tmp_path / "pause", "rollout_stored:rollout_2")
+    Demo(out, 4, "--save-interval", "2", env=point.env).kill_at(point)
+    assert os.path.exists(stored)
     assert train_steps(metrics(out)) == [1, 2]  # rollout 2 (logged as step 3) was never trained
     assert assert_no_partial_checkpoint_visible(root, tmp_path) == [2]
     generated = rollout_ckpt.read_rollout_file(stored)  # checksum checked (the file is sealed)

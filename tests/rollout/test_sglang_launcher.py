@@ -319,11 +319,11 @@ def test_the_log_tail_is_the_latest_starts_own(tmp_path):
     first = EngineProcess(slot, [sys.executable, "-c", "print('OSError: [Errno 98] Address already in use')"],
                           dict(os.environ), str(log))
     first.start()
-    first.proc.wait(timeout=30)
+    first.proc.wait(timeout=120)  # a hang bound: one python start
     assert "Address already in use" in first.log_tail()
     first.cmd = [sys.executable, "-c", "print('cannot load model'); raise SystemExit(3)"]
     first.start()
-    first.proc.wait(timeout=30)
+    first.proc.wait(timeout=120)  # a hang bound: one python start
     tail = first.death_message("while starting")
     assert "exited with code 3" in tail and "cannot load model" in tail and "Address already in use" not in tail
     assert "Address already in use" in log.read_text()  # the log itself keeps both starts

@@ -54,17 +54,17 @@ class ProcessStandIn:
         self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rollout", "sglang_standin.py"),
                                       "--model", hf, "--group-timeout-s", "30"], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 300)  # a hang bound (a busy start: torch import)
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("URL "):
             self.stop()
-            raise AssertionError(f"the stand-in process did not start within 60 s: {line!r}; its log "
+            raise AssertionError(f"hung: the stand-in process did not start within 300 s: {line!r}; its log "
                                  f"{log_path}: {open(log_path).read()[-2000:]}")
         self.url = line.split()[1]
 
     def stop(self):
         self.proc.kill()
-        self.proc.wait(10)
+        self.proc.wait(120)  # a hang bound on reaping it
         self.log.close()
 
 
