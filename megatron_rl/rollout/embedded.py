@@ -53,6 +53,7 @@ from megatron_rl.rollout.sampling import sample_next_tokens
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
+    from megatron_rl.plan.engines import EnginePlacement
 
 
 def row_seed(seed: int, request_index: int, sample_index: int) -> int:
@@ -87,7 +88,8 @@ class EmbeddedEngine(RolloutEngine):
                               f"as many rows as fit {CHUNK_BUDGET_BYTES >> 20} MiB)")
         checkpoint = HFCheckpoint(hf_checkpoint)  # a truncated/missing shard named here, not by transformers
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation).to(device).eval()
+            str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation,
+        ).to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         checkpoint.refuse_non_finite_parameters(self.model)  # inf/NaN: named here, not as NaN logits later
         self.model.requires_grad_(False)
         self.device = torch.device(device)
@@ -112,8 +114,12 @@ class EmbeddedEngine(RolloutEngine):
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
     @classmethod
-    def from_config(cls, cfg: "Config", placement: None = None) -> "EmbeddedEngine":
-        """The loop's engine: ``--hf-checkpoint`` (weights, and the tokenizer found beside them)."""
+    def from_config(cls, cfg: "Config", placement: "Optional[EnginePlacement]" = None) -> "EmbeddedEngine":
+        """The loop's engine: ``--hf-checkpoint`` (weights, and the tokenizer found beside them). It runs in
+        this process, so there is no ``placement`` to take (the launcher makes none for it)."""
+        if cfg.model.hf_checkpoint is None:
+            raise ConfigError("--rollout-backend embedded loads the policy from --hf-checkpoint: give "
+                              "--hf-checkpoint DIR (an HF model directory)")
         return cls(cfg.model.hf_checkpoint)
 
     # ------------------------------------------------------------------ state

@@ -43,7 +43,7 @@ import logging
 import math
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.sleep_tiers import plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import AnySample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.infra.ports import free_port
 from megatron_rl.models import model_dir
@@ -122,6 +122,9 @@ class FSDPBackend(TrainBackend):
         self.mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
 
         hf = cfg.model.hf_checkpoint
+        if hf is None:
+            raise ConfigError("--train-backend fsdp builds the model from --hf-checkpoint (also when resuming "
+                              "from its DCP checkpoints): give --hf-checkpoint DIR")
         if model_dir.is_model_dir(cfg.checkpoint.load):
             raise ConfigError(f"--load {cfg.checkpoint.load} is a torch_dist model dir (megatron's format); "
                               "--train-backend fsdp starts from --hf-checkpoint and resumes from its own DCP "
@@ -137,7 +140,7 @@ class FSDPBackend(TrainBackend):
             # megatron's full recompute at one layer per unit: every decoder layer's activations are
             # recomputed in the backward (transformers' per-layer checkpointing; validation refuses the rest)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
+        model.to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         self.params_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                              "float32": torch.float32}[cfg.precision.params_dtype]
         mp = MixedPrecisionPolicy(param_dtype=self.params_dtype, reduce_dtype=torch.float32) \
@@ -192,7 +195,7 @@ class FSDPBackend(TrainBackend):
 
     # ---- TrainBackend --------------------------------------------------------
 
-    def forward(self, samples: Sequence[Sample], plan: Optional[MicroBatchPlan] = None,
+    def forward(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
                 owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
         self.model.eval()
@@ -207,6 +210,7 @@ class FSDPBackend(TrainBackend):
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(batch.samples, batch)
+        assert denoms is not None, "preprocess_rollout_data computes the loss denominators when given a batch"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
@@ -235,13 +239,14 @@ class FSDPBackend(TrainBackend):
             self.scheduler.step()
             self.optimizer_steps += 1
         elif overflow:
+            assert self.loss_scaler is not None, "only the loss scaler reports an overflow"
             log.warning("fp16 gradients overflowed at loss scale %g: optimizer step skipped, scale now %g",
                         loss_scale, self.loss_scaler.scale)
         else:
             log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {f"train/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}
-        return finish_step_metrics(metrics, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+        step_metrics = {f"train/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}
+        return finish_step_metrics(step_metrics, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
                                    update_ok=update_ok, loss_scale=loss_scale if self.loss_scaler else None,
                                    micro_batches=plan.num_micro_batches, started=t0)
 
@@ -298,7 +303,7 @@ class FSDPBackend(TrainBackend):
         def load_into_live() -> None:
             other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             HFCheckpoint(path).refuse_non_finite_parameters(other)
-            full = {n: p.detach() for n, p in other.named_parameters()}  # tied weights once, as ours
+            full: dict[str, Any] = {n: p.detach() for n, p in other.named_parameters()}  # tied weights once, as ours
             try:
                 set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
             except (RuntimeError, KeyError, ValueError) as e:
@@ -329,7 +334,8 @@ class FSDPBackend(TrainBackend):
         self._offloaded = False
 
     def _move_state(self, device: torch.device) -> None:
-        self.model.to(device)  # FSDP2 re-registers its sharded parameters after .to()
+        # FSDP2 re-registers its sharded parameters after .to()
+        self.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
