@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -189,7 +190,7 @@ class DistributedSynchronizer(WeightSynchronizer):
             engine.end_update()  # begin_update paused the servers: continue them on every path (idempotent)
         return {**exported.metrics(version, time.perf_counter() - t0), **timing}
 
-    def _sglang(self, engine: "RolloutEngine") -> SGLangEngine:
+    def _sglang(self, engine: "RolloutEngine | None") -> SGLangEngine:
         if not isinstance(engine, SGLangEngine):
             raise ConfigError(f"--update-weight-transport distributed pushes into SGLang servers, but the engine is "
                               f"{type(engine).__name__}, which has no server process to join a process group: use "
@@ -231,7 +232,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         timeout = self._timeout(engine)
         clients = engine.clients
         layout = self._wait("reading /server_info of the SGLang servers", lambda: True, engine,
-                            [(c, DaemonCall(lambda c=c: self._server_ranks(c, timeout), "weight-sync-info"))
+                            [(c, DaemonCall(functools.partial(self._server_ranks, c, timeout), "weight-sync-info"))
                              for c in clients], timeout)
         ranks = [tp for tp, _, _ in layout]
         offsets, world = [], 1
@@ -256,9 +257,9 @@ class DistributedSynchronizer(WeightSynchronizer):
         port = group.open_store()
         step = (f"making weights-update group {name} ({backend}, world_size {world}, rendezvous "
                 f"{address}:{port})")
-        joins = [(c, DaemonCall(lambda c=c, off=off: c.init_weights_update_group(
-            master_address=address, master_port=port, rank_offset=off, world_size=world, group_name=name,
-            backend=backend, timeout_s=timeout + _GRACE_S), "weight-sync-join"))
+        joins = [(c, DaemonCall(functools.partial(
+            c.init_weights_update_group, master_address=address, master_port=port, rank_offset=off, world_size=world,
+            group_name=name, backend=backend, timeout_s=timeout + _GRACE_S), "weight-sync-join"))
             for c, off in zip(clients, plan["offsets"])]
         local = DaemonCall(group.connect, "weight-sync-group")
 
@@ -312,10 +313,10 @@ class DistributedSynchronizer(WeightSynchronizer):
             load_format = "flattened_bucket"
         dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        calls = [(c, DaemonCall(lambda c=c: c.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group.group_name, flush_cache=last,
-            weight_version=weight_version, load_format=load_format, timeout_s=timeout + _GRACE_S),
-            "weight-sync-bucket")) for c in clients]
+        calls = [(c, DaemonCall(functools.partial(
+            c.update_weights_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
+            group_name=group.group_name, flush_cache=last, weight_version=weight_version, load_format=load_format,
+            timeout_s=timeout + _GRACE_S), "weight-sync-bucket")) for c in clients]
         # flattened: the bytes of every tensor back to back, what SGLang's FlattenedTensorBucket rebuilds
         works = [group.broadcast(flat)] if flat is not None else [group.broadcast(t) for t in tensors]
 
@@ -347,22 +348,23 @@ class DistributedSynchronizer(WeightSynchronizer):
         timing = {"sync/connect_s": 0.0, "sync/broadcast_s": 0.0}
         rank, driver = dist.get_rank(), self.on_driver()
         began = False
+        sglang: Optional[SGLangEngine] = None  # the driver's engine, once it is known to be SGLang
         opening: dict[str, Any] = {"error": None, "plan": None}
         if driver:
             try:
-                engine = self._sglang(engine)
-                engine.begin_update(version)
+                sglang = self._sglang(engine)
+                sglang.begin_update(version)
                 began = True
-                if self._stage_plan is None or self._engine is not engine:
-                    opening["plan"] = dict(self._server_layout(engine), serial=f"{os.getpid()}_{next(_GROUP_SERIAL)}",
-                                           notes=[c.note for c in engine.clients])
-                self._on_servers(engine, "/begin_weight_update", SGLangClient.open_weight_update)
+                if self._stage_plan is None or self._engine is not sglang:
+                    opening["plan"] = dict(self._server_layout(sglang), serial=f"{os.getpid()}_{next(_GROUP_SERIAL)}",
+                                           notes=[c.note for c in sglang.clients])
+                self._on_servers(sglang, "/begin_weight_update", SGLangClient.open_weight_update)
             except BaseException as exc:  # noqa: BLE001 - said to every rank below
                 opening["error"] = f"{type(exc).__name__}: {exc}"
         try:
             said = self._agree(opening if driver else None, "opening the update")[self.driver_rank]
             if said["error"]:
-                self._stage_teardown(engine if began else None)
+                self._stage_teardown(sglang if began else None)
                 raise SyncError(f"distributed weight sync (one sender per pipeline stage) could not start: "
                                 f"{said['error']}")
             if said["plan"] is not None:
@@ -370,9 +372,9 @@ class DistributedSynchronizer(WeightSynchronizer):
                 try:
                     self._stage_connect(said["plan"], scope)
                 except BaseException:
-                    self._stage_teardown(engine if began else None)  # the servers' sessions end too
+                    self._stage_teardown(sglang if began else None)  # the servers' sessions end too
                     raise
-                self._engine = engine if driver else None
+                self._engine = sglang if driver else None
                 timing["sync/connect_s"] = time.perf_counter() - t
             failure: Optional[str] = None
             counts = (0, 0, 0)
@@ -398,22 +400,24 @@ class DistributedSynchronizer(WeightSynchronizer):
             ending = None
             if driver:
                 try:
+                    assert sglang is not None, "the opening succeeded on the driver (else every rank raised above)"
                     if failure is None:
-                        self._on_servers(engine, "/end_weight_update", lambda c: c.end_weight_update())
-                        engine.adopt_weight_version(version, how=f"distributed, one group per pipeline stage "
+                        self._on_servers(sglang, "/end_weight_update", lambda c: c.end_weight_update())
+                        sglang.adopt_weight_version(version, how=f"distributed, one group per pipeline stage "
                                                                  f"({scope.stages})", flushed=True)
                     else:
-                        engine.mark_weights_incomplete()
+                        sglang.mark_weights_incomplete()
                 except BaseException as exc:  # noqa: BLE001 - said to every rank below
                     ending = f"{type(exc).__name__}: {exc}"
             ending = self._agree(ending, "ending the update")[self.driver_rank]
             if failure or ending:
-                self._stage_teardown(engine if driver else None)
+                self._stage_teardown(sglang if driver else None)
                 raise SyncError("distributed weight sync (one sender per pipeline stage) failed: "
                                 + "; ".join(x for x in (failure, ending) if x))
         finally:
             if began:
-                engine.end_update()  # begin_update paused the servers: continue them on every path
+                assert sglang is not None, "began is set after _sglang returned"
+                sglang.end_update()  # begin_update paused the servers: continue them on every path
         totals = [sum(c[i] for c in sent) for i in range(3)]
         return {"sync/time_s": time.perf_counter() - t0, "sync/bytes": float(totals[0]),
                 "sync/buckets": float(totals[2]), "sync/weight_version": float(version), **timing}
@@ -535,7 +539,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         raise SyncError(f"distributed weight sync, {step}: " + "; ".join(parts))
 
     def _on_servers(self, engine: SGLangEngine, endpoint: str, fn: Callable[[SGLangClient], Any]) -> list:
-        calls = [(c, DaemonCall(lambda c=c: fn(c), "weight-sync-call")) for c in engine.clients]
+        calls = [(c, DaemonCall(functools.partial(fn, c), "weight-sync-call")) for c in engine.clients]
         return self._wait(f"{endpoint} on every server", lambda: True, engine, calls, self._timeout(engine))
 
     # ------------------------------------------------------------ teardown
@@ -548,6 +552,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         self._group = self._engine = None
         if group is None:
             return
+        assert engine is not None, "_connect sets the group and its engine together"
         timeout = min(60.0, self._timeout(engine))
         self._destroy_on(engine.clients, group.group_name, timeout)
         self._close_in_background(group)
@@ -568,14 +573,14 @@ class DistributedSynchronizer(WeightSynchronizer):
             except Exception as exc:  # noqa: BLE001 - best effort; the next sync reopens the session anyway
                 log.debug("after a failed sync, %s /end_weight_update: %s", c.base_url, exc)
 
-        calls = [DaemonCall(lambda c=c: tidy(c), "weight-sync-tidy") for c in engine.clients]
+        calls = [DaemonCall(functools.partial(tidy, c), "weight-sync-tidy") for c in engine.clients]
         for call in calls:
             call.join(timeout)
         self._destroy_on(engine.clients, group.group_name, timeout)
 
     def _destroy_on(self, clients: list[SGLangClient], name: str, timeout_s: float) -> None:
-        calls = [(c, DaemonCall(lambda c=c: c.destroy_weights_update_group(name, timeout_s=timeout_s),
-                           "weight-sync-destroy")) for c in clients]
+        calls = [(c, DaemonCall(functools.partial(c.destroy_weights_update_group, name, timeout_s=timeout_s),
+                                "weight-sync-destroy")) for c in clients]
         for c, call in calls:
             if not call.join(timeout_s + 1):
                 log.warning("SGLang server %s did not answer /destroy_weights_update_group %s within %g s",

@@ -326,8 +326,18 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         if not self._leader:
             return None
         if self._http is None:
-            self._http = SGLangClient(self._slot.url, timeout_s=self.timeout_s, connect_retries=self.connect_retries)
+            self._http = SGLangClient(self._leader_slot().url, timeout_s=self.timeout_s, connect_retries=self.connect_retries)
         return self._http
+
+    def _leader_slot(self) -> "EngineSlot":
+        """The engine a leader sends to (a leader is the first trainer rank of an engine, so it has one)."""
+        assert self._leader and self._slot is not None, "only a leader rank talks to its engine"
+        return self._slot
+
+    def _leader_client(self) -> SGLangClient:
+        client = self._client
+        assert client is not None, "only a leader rank has a client of its engine"
+        return client
 
     # ---------------------------------------------------------------- groups
     def _connect(self) -> None:
@@ -374,21 +384,22 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         problems: list[str] = []
         if self.on_driver() and engine is not None:
             try:
-                self._driver_engine(engine).begin_update(version)  # pauses generation on every server
-                driver = engine
+                sglang = self._driver_engine(engine)
+                sglang.begin_update(version)  # pauses generation on every server
+                driver = sglang
             except (ConfigError, EngineError, SyncError) as exc:
                 problems.append(f"the driver's engine: {exc}")
         session = False  # this rank (a leader) has a session open on its engine
         if self._leader and not problems:
             try:
                 if not self._layout_checked:
-                    self._check_layout(self._client)
-                self._client.open_weight_update()
+                    self._check_layout(self._leader_client())
+                self._leader_client().open_weight_update()
                 session = True
             except ConfigError as exc:
                 problems.append(str(exc))
             except (EngineError, SyncError) as exc:
-                problems.append(f"{self._slot.describe()}: /begin_weight_update failed: {exc}")
+                problems.append(f"{self._leader_slot().describe()}: /begin_weight_update failed: {exc}")
         try:
             problems = self._agree(problems, "opening the update")
         except SyncError:
@@ -417,9 +428,9 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
                 session = False
                 if engine_error is None:
                     try:
-                        self._client.end_weight_update()
+                        self._leader_client().end_weight_update()
                     except (EngineError, SyncError) as exc:
-                        engine_error = f"{self._slot.describe()}: /end_weight_update failed: {exc}"
+                        engine_error = f"{self._leader_slot().describe()}: /end_weight_update failed: {exc}"
                 else:
                     self._end_quietly()
             mine = [engine_error] if engine_error else []
@@ -506,6 +517,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         timing["sync/gather_s"] += t2 - t1
         if not leader:
             return buffers, engine_error
+        assert gathered is not None, "a leader gathers its peers' entries"
         if engine_error is None:
             engine_error = self._post(gathered, index, last, version, timing)
         timing["sync/post_s"] += time.perf_counter() - t2
@@ -514,7 +526,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
 
     def _post(self, gathered: list, index: int, last: bool, version: int, timing: dict) -> Optional[str]:
         """The leader: one ``/update_weights_from_tensor`` per dtype, one entry per engine TP rank."""
-        slot, client = self._slot, self._client
+        slot, client = self._leader_slot(), self._leader_client()
         failed = [err for _, err in gathered if err]
         if failed:
             return f"{slot.describe()}: bucket {index} not sent: {'; '.join(failed)}"
@@ -560,21 +572,22 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         be their count, and SGLang's tensor route asserts ``dp_size`` 1."""
         info = client.server_info(timeout_s=self.timeout_s)
         tp, dp = int(info.get("tp_size") or 1), int(info.get("dp_size") or 1)
-        ranks = list(self._slot.trainer_ranks)
+        slot = self._leader_slot()
+        ranks = list(slot.trainer_ranks)
         if dp != 1:
-            raise ConfigError(f"{self._slot.describe()} runs dp_size {dp}: SGLang's /update_weights_from_tensor "
+            raise ConfigError(f"{slot.describe()} runs dp_size {dp}: SGLang's /update_weights_from_tensor "
                               "takes one data-parallel replica per server; launch one engine per replica")
         if tp != len(ranks):
-            raise ConfigError(f"{self._slot.describe()} runs tp_size {tp}, but the placement gives it {len(ranks)} "
+            raise ConfigError(f"{slot.describe()} runs tp_size {tp}, but the placement gives it {len(ranks)} "
                               f"trainer rank(s) {ranks} (one per engine TP rank, each sending its copy): the engine "
                               "was not started with --rollout-num-gpus-per-engine of this run")
         self._layout_checked = True
 
     def _end_quietly(self) -> None:
         try:
-            self._client.end_weight_update()
+            self._leader_client().end_weight_update()
         except Exception as exc:  # noqa: BLE001 - best effort after a failure; the next sync reopens it
-            log.debug("after a failed sync, %s /end_weight_update: %s", self._slot.url, exc)
+            log.debug("after a failed sync, %s /end_weight_update: %s", self._leader_slot().url, exc)
 
     @staticmethod
     def _message(version: int, problems: list[str]) -> str:
