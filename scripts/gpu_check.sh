@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-only checks of issue 15 in one script, for the lent GPU machine (one H200, ~15 min of
+# The GPU-only checks in one script, for the lent GPU machine (one H200, ~15 min of
 # device time per session in all: run it once, as one `run` command, with timeout_s <= 600).
 #
 #   scripts/gpu_check.sh [--dry-run] [--out DIR (default $TMPDIR/gpu_check)] [--wheels DIR]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Our SGLang client/engine against REAL SGLang 0.5.23 on this CPU machine (issue 14), not part
+# Our SGLang client/engine against REAL SGLang 0.5.23 on this CPU machine, not part
 # of scripts/test.sh (too heavy: ~7 GB and ~10 min to install once, then ~4-7 min a run).
 #   bash scripts/test_sglang_real.sh [--out DIR] [--skip-e2e] [--num-rollout N] ...
 #   bash scripts/test_sglang_real.sh --launcher [--out DIR] [--skip-kill]   (the loop launching SGLang itself)

@@ -54,3 +54,19 @@ def test_the_layer_table_lists_every_registered_backend_engine_and_transport():
     for package, table in (("`backends/`", BACKENDS), ("`rollout/`", ENGINES), ("`weight_sync/`", TRANSPORTS)):
         row = rows[package]
         assert [name for name in table.available() if f"`{name}`" not in row] == [], (package, row)
+
+
+def test_no_doc_or_comment_points_to_an_issue_number():
+    """Docs and code say what is, for their readers; which issue asked for it belongs in commit messages."""
+    pattern = re.compile(r"\b" + "issue" + r"s? ?#?\d+", re.IGNORECASE)
+    found = []
+    for top in ("megatron_rl", "docs", "tools", "scripts", "benchmarks", "tests", "csrc"):
+        for path in sorted((REPO / top).rglob("*")):
+            if path.suffix in (".py", ".md", ".sh", ".cpp", ".cu", ".h") and path.is_file():
+                for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                    if pattern.search(line):
+                        found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()[:100]}")
+    for name in ("README.md", "setup.py"):
+        found += [f"{name}: {line.strip()[:100]}" for line in (REPO / name).read_text().splitlines()
+                  if pattern.search(line)]
+    assert found == []

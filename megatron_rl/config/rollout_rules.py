@@ -39,9 +39,10 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
     """The engine x transport combinations this version cannot run, refused before any worker starts.
 
     Without this they passed validation (and ``--dry-run``) and failed only after the model
-    was built, or, for ``--update-weight-disk-dir``, were silently dropped. Engines: embedded,
-    and sglang over servers the user runs (``--rollout-engine-urls``; the launcher is not built).
-    Transports: tensor (embedded), disk (both engines), distributed (sglang servers only).
+    was built, or, for ``--update-weight-disk-dir``, were silently dropped. Engines: embedded, and
+    sglang: engines this run launches (``rollout/sglang/launcher.py``) or servers the user runs
+    (``--rollout-engine-urls``). Transports: tensor (the embedded engine in process; SGLang engines
+    launched colocated), disk (both engines), distributed (SGLang servers only).
     Kept apart from ``_check_sync_and_rollout`` so ``collect_errors`` still runs the planner on
     such a config: a launch script's layout is checked even while its engine is refused.
     """

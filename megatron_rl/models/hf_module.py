@@ -83,7 +83,7 @@ def layer_units(names: Iterable[str]) -> Iterator[list[str]]:
         yield unit
 
 
-def meta_model(config_dir: str) -> torch.nn.Module:
+def meta_model(config_dir: str) -> PreTrainedModel:
     """The ``AutoModelForCausalLM`` of ``config_dir/config.json`` on the ``meta`` device: every
     name, shape, tied weight and conversion mapping of the real module, no storage."""
     import transformers

@@ -95,7 +95,7 @@ def test_all_equal_rewards_give_zero(fn):
 
 
 def test_reinforce_plus_plus_constant_rewards_whiten_to_exactly_zero():
-    # issue 10: six samples rewarded 0.1 gave -0.427 on every token (float32 mean 1 ulp off / (1e-8 + eps)).
+    # six samples rewarded 0.1 gave -0.427 on every token (float32 mean 1 ulp off / (1e-8 + eps)).
     lengths = [3, 1, 4, 2, 5, 2]
     mask = torch.ones(sum(lengths))
     assert (reinforce_plus_plus_advantages([0.1] * 6, lengths, mask) == 0).all()

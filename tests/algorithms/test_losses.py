@@ -226,7 +226,7 @@ def test_config_errors_name_the_flag(kwargs, flag):
 
 @pytest.mark.parametrize("kind", ["k3", "low_var_kl"])
 def test_k3_kl_is_clamped_like_the_peers_low_var_kl(kind):
-    """issue 10: log-prob -100 against reference -1 gave inf and NaN gradients; clamped it gives 10, grads finite."""
+    """log-prob -100 against reference -1 gave inf and NaN gradients; clamped it gives 10, grads finite."""
     lp = torch.tensor([-100.0, -1.0, -3.5, -0.2], requires_grad=True)
     ref = torch.tensor([-1.0, -1.5, -1.0, -30.0])
     kl = kl_estimate(lp, ref, kind)

@@ -200,7 +200,7 @@ def test_save_refuses_temp_path_and_unserialisable_extra_state(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# ---- checksums, one fallback rule, resume_state.json (issue 11) ---------------------------------------
+# ---- checksums, one fallback rule, resume_state.json ---------------------------------------
 
 
 def _sealed_ckpt(root, step, files=None, extra=None):

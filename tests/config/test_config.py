@@ -282,7 +282,7 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
      "run did not start is " + NOT_YET),
     (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang: "
                                                                                      "a train-only run"),
-    # what the fsdp backend does not build yet (issue 16)
+    # what the fsdp backend does not build yet
     (["--train-backend", "fsdp", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
      "--optimizer-offload-fraction with --train-backend fsdp: FSDP2's CPUOffloadPolicy"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity selective with "
@@ -392,7 +392,7 @@ def test_refused_engine_still_gets_its_layout_checked(tiny_hf_models):
     assert len(msg.splitlines()) == 3  # the layout error and the refusal
 
 
-# -- --allocation against the flags and the real world size (issue 10 section 4, issue 11) --------
+# -- --allocation against the flags and the real world size --------
 def test_allocation_sets_the_sizes_no_flag_gave(hf_dir, tiny_hf_models):
     """``--allocation megatron:d1t2`` used to train at TP 1 on 1 rank: now it is TP 2 on 2 ranks."""
     def sizes(cfg):
@@ -401,7 +401,7 @@ def test_allocation_sets_the_sizes_no_flag_gave(hf_dir, tiny_hf_models):
                 p.context_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel_size,
                 cfg.placement.actor_num_nodes, cfg.placement.actor_num_gpus_per_node)
     assert sizes(parse_config(base(hf_dir, "--allocation", "megatron:d1t2"))) == ("megatron", 2, 1, 1, 1, None, 1, 2)
-    # the mapping itself (and --train-backend fsdp validates since issue 16 built it)
+    # the mapping itself (and --train-backend fsdp validates since the fsdp backend was built)
     fsdp = parse_config(base(hf_dir, "--allocation", "fsdp:d2p1t1"), validate=False)
     assert sizes(fsdp) == ("fsdp", 1, 1, 1, 1, None, 1, 2)
     validate_config(fsdp)

@@ -1,6 +1,6 @@
 """No flag is accepted and then ignored: every config field is read somewhere outside megatron_rl/config/.
 
-Why: issue 10 found flags (``--fp8-format``, ``--log-probs-chunk-size``,
+Why: an audit found flags (``--fp8-format``, ``--log-probs-chunk-size``,
 ``--update-weight-disk-dir``, now read by the disk transport) that passed validation and reached nothing. This guard
 walks every field of the schema (``iter_fields``) and looks, by AST (so comments,
 strings and docstrings do not count), for an attribute access ``.<field_name>`` or a
@@ -156,7 +156,7 @@ def test_allow_list_reasons_hold(field, tmp_path, monkeypatch):
         assert proof[2](parse_config(argv)), (field, reason)
 
 
-# -- The Megatron-LM flag tables (issue 17): proven by behaviour, not by an attribute read --------
+# -- The Megatron-LM flag tables: proven by behaviour, not by an attribute read --------
 # config/architecture.py's flags are compared with config.json (the HF config builds the model);
 # config/megatron_flags.py's reach megatron-core through the backend's config construction by a
 # table, so no ``.field`` read exists to find. Each field instead has a proof here, run below:

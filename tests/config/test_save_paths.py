@@ -1,6 +1,6 @@
 """Output paths checked at validation, and the fresh-start guard on a --save that holds checkpoints.
 
-issue 11: ``--no-auto-resume`` into a root with an earlier run's checkpoints overwrote and pruned
+``--no-auto-resume`` into a root with an earlier run's checkpoints overwrote and pruned
 them silently; ``--save`` / ``--output-dir`` that were files or unusable failed at the first save
 (after a save interval of work) or with a traceback. All of these are now refused by
 ``parse_config`` (every rank, before any worker or step), and ``--existing-save`` says what to do

@@ -1,4 +1,4 @@
-"""Megatron-LM architecture and training flags (issue 17, slices 1-2): checked against config.json,
+"""Megatron-LM architecture and training flags: checked against config.json,
 mapped onto megatron-core, refused with the reason where they cannot take effect.
 
 Configs are written as config.json only (validation and the planner read nothing else), except

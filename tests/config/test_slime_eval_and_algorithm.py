@@ -1,4 +1,4 @@
-"""slime's eval and algorithm flags (issue 17, last slice): named eval sets with per-set metrics,
+"""slime's eval and algorithm flags: named eval sets with per-set metrics,
 evaluation sampling, --kl-coef (KL in the reward), --balance-data.
 
 Evaluation runs the real embedded engine on the CPU demo's tiny model (megatron_rl.data.synthetic)

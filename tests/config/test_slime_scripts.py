@@ -1,4 +1,4 @@
-"""slime launch scripts through ``--dry-run`` (issue 17).
+"""slime launch scripts through ``--dry-run``.
 
 The commands below are slime's own ``scripts/models/<model>.sh`` MODEL_ARGS and
 ``scripts/run-<model>.sh`` arrays (THUDM/slime), written out as slime's bash arrays are, with

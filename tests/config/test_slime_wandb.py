@@ -1,4 +1,4 @@
-"""slime's W&B flags (issue 17): aliases of ours with the same behaviour (offline mode, resume id).
+"""slime's W&B flags: aliases of ours with the same behaviour (offline mode, resume id).
 
 slime: ``--use-wandb --wandb-project P --wandb-group G --wandb-team T --wandb-host URL --wandb-key K``
 (and ``--wandb-run-id``). Here W&B logging is on when --wandb-project is given; the others are

@@ -1,6 +1,6 @@
 """Training start-up with a damaged --hf-checkpoint ends in one ``error:`` line and exit 2.
 
-issue 11: a truncated ``model.safetensors`` raised safetensors' SafetensorError traceback from
+a truncated ``model.safetensors`` raised safetensors' SafetensorError traceback from
 inside the weight load. One real ``python -m megatron_rl.train`` process (it fails before any
 collective, so one rank shows the whole behaviour).
 """

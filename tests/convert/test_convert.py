@@ -227,7 +227,7 @@ def test_cli_refuses_unsupported_config_existing_output_and_incomplete_input(tmp
 # ------------------------------------------------------------------------------------------ CLI round trip
 def test_cli_round_trip_llama_bit_exact(tmp_path, tiny_hf_models, capsys):
     """The real tool, two processes: HF -> torch_dist -> HF (3 shards), --verify on both legs.
-    Then (issue 11) same-size damage in either output is refused naming the file."""
+    Then same-size damage in either output is refused naming the file."""
     src = tiny_hf_models("llama")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     d, back = tmp_path / "dist", tmp_path / "back"
@@ -303,7 +303,7 @@ def _snapshot(root) -> dict:
 
 
 def test_cli_refuses_outputs_that_would_replace_or_change_the_input(tmp_path, tiny_hf_models, capsys):
-    """issue 11: `--input P/hf --output P --overwrite` deleted the input and an unrelated file in P."""
+    """`--input P/hf --output P --overwrite` deleted the input and an unrelated file in P."""
     p = tmp_path / "P"
     shutil.copytree(tiny_hf_models("llama"), p / "hf")
     (p / "notes.txt").write_text("unrelated")
@@ -362,7 +362,7 @@ def _truncate(path, size=None):
 
 
 def test_truncated_safetensors_is_named_not_a_traceback(tmp_path, tiny_hf_models, capsys):
-    """issue 11: a truncated shard raised safetensors' SafetensorError from deep inside a load."""
+    """a truncated shard raised safetensors' SafetensorError from deep inside a load."""
     single = tmp_path / "single"
     shutil.copytree(tiny_hf_models("llama"), single)
     sharded = tmp_path / "sharded"
@@ -386,7 +386,7 @@ def test_truncated_safetensors_is_named_not_a_traceback(tmp_path, tiny_hf_models
 
 
 def test_torn_distcp_is_named_and_leaves_no_temp_dir(tmp_path, tiny_hf_models, capsys):
-    """issue 11: garbage inside a .distcp zip (a marker without checksums, so the load reaches it)
+    """garbage inside a .distcp zip (a marker without checksums, so the load reaches it)
     raised torch's 'PytorchStreamReader failed reading zip archive' traceback from dist-to-hf."""
     d = tmp_path / "dist"
     rc, err = _run_cli(["hf-to-dist", "--input", tiny_hf_models("llama"), "--output", str(d), "--no-progress"],
@@ -406,7 +406,7 @@ def test_torn_distcp_is_named_and_leaves_no_temp_dir(tmp_path, tiny_hf_models, c
 
 
 def test_ctrl_c_during_conversion_leaves_nothing_and_exits_130(tmp_path, tiny_hf_models):
-    """issue 11: Ctrl-C mid-conversion printed a KeyboardInterrupt traceback and left the temp dir.
+    """Ctrl-C mid-conversion printed a KeyboardInterrupt traceback and left the temp dir.
 
     The tool pauses once every tensor is in the temp dir, before --verify and the publish (pause point
     publish_written:out): the Ctrl-C lands mid-conversion however slow the machine (polling for the temp dir

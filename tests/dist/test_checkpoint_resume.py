@@ -14,7 +14,7 @@ Three launches (tests/dist/scripts/ckpt_worker.py):
    TP2 run; so does the PP2 x VPP2 re-save. Temp / unmarked / truncated / garbage
    checkpoints and one of the other optimizer kind are refused first.
 
-Issue 11, in launch 2 (2 ranks): same-size damage in a ``.distcp`` makes auto-resume
+In launch 2 (2 ranks): same-size damage in a ``.distcp`` makes auto-resume
 fall back to the previous checkpoint, ``--load ROOT/iter_N`` loads exactly that one or
 fails naming it, and a +inf weight on one rank's shard is refused by every rank, naming
 the checkpoint and the parameter, with the model left untouched.
@@ -193,7 +193,7 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
 
 @pytest.mark.slow
 def test_corrupt_or_non_finite_checkpoint_falls_back_and_named_load_is_exact(ckpt):
-    """Issue 11 on 2 ranks (TP2): every rank reaches the same verdict and the model is never half-loaded."""
+    """On 2 ranks (TP2): every rank reaches the same verdict and the model is never half-loaded."""
     out, *_ = ckpt
     fb, inf = out / "root_fb", out / "root_inf"
     rec = _rec(out, "corrupt")

@@ -31,7 +31,7 @@ def metrics(out):
         return [json.loads(line) for line in fh]
 
 
-# slime's scripts/models/*.sh way of stating the model (issue 17): Megatron architecture flags matching
+# slime's scripts/models/*.sh way of stating the model: Megatron architecture flags matching
 # the demo's tiny Qwen2 (megatron_rl/data/synthetic.py), checked against its config.json at start-up
 SLIME_MODEL_ARGS = ["--swiglu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
                     "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",

@@ -1,6 +1,6 @@
 """``--no-auto-resume --existing-save archive`` under torchrun (2 gloo ranks, the CPU demo script).
 
-issue 11: a fresh start into a --save that held an earlier run's checkpoints overwrote and pruned
+a fresh start into a --save that held an earlier run's checkpoints overwrote and pruned
 them silently. Here the root holds an earlier run's iter dir and pointers; the fresh run archives
 them on rank 0 before it starts (the other rank never reads the root), trains, and saves into the
 now-clean root. The refusal without --existing-save is unit-tested (tests/config/test_save_paths.py).

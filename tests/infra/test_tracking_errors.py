@@ -1,5 +1,5 @@
 """An optional package that is installed but raises on import (or whose start-up call fails) is a
-ConfigError naming the package and the flag that asked for it (issue 11: it was a traceback)."""
+ConfigError naming the package and the flag that asked for it (it was a traceback)."""
 
 from __future__ import annotations
 

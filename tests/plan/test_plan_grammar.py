@@ -220,7 +220,7 @@ def test_weight_update_aliases_are_canonical():
     assert parse_allocation("sglang:d2|megatron:d2", weight_update="TENSOR").weight_update == "tensor"
 
 
-# -- bounded, ASCII-only numbers (issue 11) ------------------------------------------------
+# -- bounded, ASCII-only numbers ------------------------------------------------
 @pytest.mark.parametrize("text, fragment, column", [
     ("sglang:d" + "1" * 31, "data parallel size d<31 digits> is too large: the planner accepts at most 1048576", 8),
     ("megatron:t1" + "0" * 4000, "tensor parallel size t<4001 digits> is too large", 10),

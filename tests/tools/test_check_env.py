@@ -153,7 +153,7 @@ def test_unknown_only_name_is_a_clear_error():
 
 
 def test_package_printing_without_newline_is_ok(tmp_path):
-    """issue 11: a package that writes to stdout without a newline on import was reported broken."""
+    """a package that writes to stdout without a newline on import was reported broken."""
     _write(tmp_path, "wandb/__init__.py", "import sys\n__version__ = '9.9'\nsys.stdout.write('hello from wandb')\n")
     b = json.loads(_run("--json", "--only", "wandb", pythonpath=tmp_path).stdout)["backends"]["wandb"]
     assert b["status"] == "ok" and b["version"] == "9.9", b

@@ -1,4 +1,4 @@
-"""The RL loop launching REAL SGLang 0.5.23 engines itself, on this CPU machine (issue 14).
+"""The RL loop launching REAL SGLang 0.5.23 engines itself, on this CPU machine.
 
 Not part of the test suite (SGLang's CPU route needs its own 7 GB venv and 1-2 minutes per engine
 start): ``bash scripts/test_sglang_real.sh --launcher`` runs it after installing that venv. Checks:

@@ -1,4 +1,4 @@
-"""Our SGLang client and engine against REAL SGLang 0.5.23 on a CPU-only machine (issue 14).
+"""Our SGLang client and engine against REAL SGLang 0.5.23 on a CPU-only machine.
 
 CI tests ``megatron_rl/rollout/sglang`` against a protocol stand-in (tests/rollout/sglang_standin.py);
 this driver runs the same code against the real server, so a difference between the two shows

@@ -1,8 +1,7 @@
-"""SGLang rollout: an HTTP client per server and ``SGLangEngine`` over servers given by URL.
-
-Issue 14, slices 1-2 (see docs/sglang.md): ``--rollout-backend sglang --rollout-engine-urls URL ...``
-uses servers you run yourself, weights through ``--update-weight-transport disk`` or
-``distributed``; no launcher yet. ``protocol`` is SGLang's wire format, shared with the test stand-in.
+"""SGLang rollout: an HTTP client per server (``client``), ``SGLangEngine`` over a set of servers
+(``engine``), the engines' health monitor (``health``) and the launcher of the engines a run starts
+itself (``launcher``); servers you run yourself come by ``--rollout-engine-urls`` (docs/sglang.md).
+``protocol`` is SGLang's wire format, shared with the test stand-in.
 """
 
 from megatron_rl.rollout.sglang.client import SGLangClient, SGLangEngineError, SGLangSyncError
