@@ -118,10 +118,11 @@ def gather_per_sample(local: dict[int, torch.Tensor], holdings: Sequence[Sequenc
     result: list[Optional[torch.Tensor]] = [None] * len(lengths)
     for i, t in out:
         result[i] = t
-    missing = [i for i, t in enumerate(result) if t is None]
-    if missing:
+    present = [t for t in result if t is not None]
+    if len(present) != len(result):
+        missing = [i for i, t in enumerate(result) if t is None]
         raise BackendError(f"forward produced no log-probs for samples {missing[:8]} (no holder holds them)")
-    return result  # type: ignore[return-value]
+    return present
 
 
 def share_with_peers(local: dict[int, torch.Tensor], held: Sequence[int], holder_rank: int, lengths: Sequence[int],

@@ -37,7 +37,7 @@ RewardFn = Callable[[list[Sample]], list[float]]
 
 def batched_reward(fn: Callable[[list[Sample]], list[float]]) -> Callable[[list[Sample]], list[float]]:
     """Mark a user reward function as batched: ``(samples) -> list[float]``."""
-    fn.batched = True  # type: ignore[attr-defined]
+    setattr(fn, "batched", True)  # a marker on the user's function, read by getattr(fn, "batched", False)
     return fn
 
 
