@@ -13,7 +13,7 @@ Why each step:
   asking the engines to release; without the second, the driver resumes the engines while
   rank 1 still holds its training memory. Either is an OOM on a full GPU.
 * The wait (GPU only): SGLang's release can answer before the memory is back in the driver's
-  pool (slime#579: trainer OOM on wake), so each rank polls its own device's free memory until
+  pool (docs/peer-failures.md: the trainer woke before the engine's memory was free), so each rank polls its own device's free memory until
   it has risen by what the engine is expected to give back, or a timeout passes (then a
   warning names the engines and the run goes on: the wake may still fit).
 * The groups (``--offload-train-groups``, on by default on GPUs): their NCCL communicators'
@@ -72,7 +72,8 @@ def wait_for_release(free_before: int, expected_bytes: int, probe: Callable[[], 
         if time.monotonic() >= deadline:
             log.warning("%s answered the memory release, but after %.0f s this GPU has only %.2f GiB more free "
                         "(expected >= %.2f GiB): the trainer wakes anyway and may run out of memory; a server "
-                        "may still be freeing (slime#579) or run without --enable-memory-saver", who, timeout_s,
+                        "may still be freeing (SGLang answers the release early: docs/peer-failures.md) or run without "
+                        "--enable-memory-saver", who, timeout_s,
                         risen / GIB, expected_bytes / GIB)
             return False
         time.sleep(poll_s)

@@ -23,7 +23,7 @@ name in the names' order, as older servers receive them and as gloo gets it: bet
 processes the flattening copy into fresh host memory costs more than the per-tensor broadcasts
 it saves (benchmarks/weight_sync.py: 201 MB in 99 tensors, 0.26 s flattened vs 0.12 s per tensor). The HTTP call
 returns only after the server received and loaded the bucket, so the tensors stay referenced
-until then (slime#929). Afterwards every server's ``/model_info`` must report the version before
+until then (docs/peer-failures.md: buffers freed before the engine copied them). Afterwards every server's ``/model_info`` must report the version before
 the engine adopts it, as on the disk route.
 
 A pipeline-parallel trainer sends from every stage (``_sync_stages``): each stage's source rank
@@ -300,7 +300,8 @@ class DistributedSynchronizer(WeightSynchronizer):
     def _broadcast_bucket(self, clients: list[SGLangClient], group: UpdateGroup, flattened: bool, timeout: float,
                           bucket: list, index: int, weight_version: Optional[str], last: bool) -> None:
         """One bucket: ``/update_weights_from_distributed`` on every server (in threads) and its broadcast(s)
-        from here, waited for together; the tensors stay referenced until every server answered (slime#929)."""
+        from here, waited for together; the tensors stay referenced until every server answered
+        (docs/peer-failures.md: buffers freed before the engine copied them)."""
         import torch  # lazy: this module's import stays light for the transport table
 
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend_name == "nccl" else None

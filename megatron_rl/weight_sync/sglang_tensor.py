@@ -16,13 +16,13 @@ needs its start aligned to the dtype's size: in a one-dtype buffer every start i
 ``load_format=None`` (``(name, tensor)`` pairs, each tensor its own shared copy) is the plain route.
 
 Who sends: every trainer rank iterates the export (``ExportStream``: full HF tensors on every
-rank, whole tensors only: one tensor is never split across buckets, verl#7369). The ranks of an
+rank, whole tensors only: one tensor is never split across buckets: docs/peer-failures.md). The ranks of an
 engine's ``trainer_ranks`` each flatten and serialise their own copy; the engine's first trainer
 rank (its *leader*) gathers the entries over a gloo group of those ranks and POSTs them. Ranks
 that share no engine only run the export.
 
-Buffers stay alive until the engine replied (slime#929: a buffer freed or reused before the
-engine copied it corrupts the weights): the leader drops its own after the reply; the other
+Buffers stay alive until the engine replied (a buffer freed or reused before the engine copied
+it corrupts the weights: docs/peer-failures.md): the leader drops its own after the reply; the other
 ranks keep bucket ``k``'s until the lockstep after bucket ``k``, which a leader enters only once
 it has that bucket's replies.
 
@@ -108,8 +108,8 @@ class ShmBuffers:
     Why: a new 200 MB shared buffer per sync spends most of the sync in first-touch page faults
     (docs/benchmarks.md: 0.19 s of 0.30 s flattening, 0.04 s of it the copy itself). Safe because a
     buffer is rewritten only in the next sync, after its engine answered for it in this one (the
-    engine copies the bytes into its weights before it replies; slime#929 is about reuse before the
-    reply); a sync that failed drops them all, so nothing an engine might still read is rewritten.
+    engine copies the bytes into its weights before it replies; the failure to avoid is reuse before
+    the reply); a sync that failed drops them all, so nothing an engine might still read is rewritten.
     Keyed by (bucket, dtype); a size change reallocates. GPU buffers are not kept: a second copy of
     the weights in device memory would sit there through the rollout, and IPC buffers are cheap to
     make from the caching allocator. The cost: one copy of the model's bytes stays in shared memory

@@ -19,7 +19,8 @@ against SGLang 0.5.23 on torch 2.14.1 by ``scripts/test_sglang_real.sh``.
 
 Every blocking step here returns at once (``open_store``) or runs in a caller's thread with a
 timeout (``connect``, the broadcasts' ``Work``): the synchronizer polls them alongside the HTTP
-calls, so a server that never joins is named instead of hanging the trainer (AReaL#1439).
+calls, so a server that never joins is named instead of hanging the trainer
+(docs/peer-failures.md: a receiver that never joined the broadcast).
 """
 
 from __future__ import annotations

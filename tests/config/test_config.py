@@ -280,6 +280,8 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     (["--rollout-backend", "sglang", *URLS, "--update-weight-transport", "tensor"],
      "--update-weight-transport tensor with --rollout-engine-urls: the tensor transport into SGLang servers this "
      "run did not start is " + NOT_YET),
+    (["--rollout-backend", "sglang", "--colocate", "--update-weight-transport", "distributed"],
+     "--update-weight-transport distributed with --colocate: NCCL cannot join two processes on the same GPU"),
     (["--load-debug-rollout-data", "r/{rollout_id}.pt", "--rollout-backend", "sglang"], "--rollout-backend sglang: "
                                                                                      "a train-only run"),
     # what the fsdp backend does not build yet

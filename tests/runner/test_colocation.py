@@ -48,7 +48,7 @@ def events(monkeypatch):
 
 
 def test_wake_waits_for_the_engines_memory_after_every_rank_passed_the_release(events):
-    # the driver: free 10 GiB before; the release shows up over three polls (slime#579: it answers early)
+    # the driver: free 10 GiB before; the release shows up over three polls (SGLang answers early: docs/peer-failures.md)
     probe = Probe(events, [10 * GIB, 12 * GIB, 20 * GIB, 40 * GIB])
     c = Colocation(True, True, expected_release_fraction=0.25, probe=probe)
     c.before_train(Recorder(events, "backend"), Rollout(events))
@@ -122,7 +122,7 @@ def test_a_release_that_never_shows_warns_and_goes_on(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_rl"):
         assert wait_for_release(10 * GIB, 8 * GIB, lambda: (next(readings), 100 * GIB), timeout_s=0.05,
                                 poll_s=0.01) is False
-    assert "only 1.00 GiB more free (expected >= 8.00 GiB)" in caplog.text and "slime#579" in caplog.text
+    assert "only 1.00 GiB more free (expected >= 8.00 GiB)" in caplog.text and "docs/peer-failures.md" in caplog.text
     assert wait_for_release(10 * GIB, 8 * GIB, lambda: (18 * GIB, 100 * GIB), timeout_s=0.05) is True
 
 

@@ -29,7 +29,7 @@ as the megatron backend exports them.
 and optimizer state live in host memory, the optimizer steps on the CPU, each unit's
 parameters are copied to the device for its all-gather. On a GPU the process group is
 ``cpu:gloo,cuda:nccl`` then, because gradient clipping and the overflow check reduce
-host tensors (slime#847, torchtune#2108: NCCL has no CPU backend).
+host tensors (NCCL has no CPU backend: docs/peer-failures.md).
 
 Checkpoints: torch.distributed.checkpoint (DCP) in the megatron backend's checkpoint root
 layout (``checkpoint.py``). Not built in this version (refused by ``config.validate`` before

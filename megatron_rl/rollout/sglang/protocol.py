@@ -127,8 +127,8 @@ def serialize_named_tensors(named_tensors: Iterable[tuple[str, Any]]) -> tuple[s
 
     Each tensor is copied into a fresh buffer first: sharing moves a storage into shared memory
     in place, which must not happen to the trainer's own parameters. The caller must keep the
-    returned buffers alive until the server has answered (slime#929: a buffer freed or reused
-    before the engine copied it corrupts the weights).
+    returned buffers alive until the server has answered (a buffer freed or reused before the
+    engine copied it corrupts the weights: docs/peer-failures.md).
     """
     import torch  # heavy: only the tensor route needs it
     import torch.multiprocessing as torch_mp  # registers torch's ForkingPickler reducers
