@@ -68,29 +68,25 @@ def test_paused_until_released(tmp_path):
     assert (rc, out) == (0, "went on []\n")
 
 
-def test_a_signal_ends_the_pause_after_its_handler_ran(tmp_path):
-    proc, point = _start(tmp_path, "flag")
+def _signalled_at_the_pause(tmp_path, mode: str, sig: int):
+    """(exit code, stdout) of a child in ``mode`` sent ``sig`` once it is paused."""
+    proc, point = _start(tmp_path, mode)
     point.wait(proc)
-    proc.send_signal(signal.SIGTERM)
-    rc, out = _finish(proc)
-    assert (rc, out) == (0, "went on ['SIGTERM']\n")
+    proc.send_signal(sig)
+    return _finish(proc)
+
+
+def test_a_signal_ends_the_pause_after_its_handler_ran(tmp_path):
+    assert _signalled_at_the_pause(tmp_path, "flag", signal.SIGTERM) == (0, "went on ['SIGTERM']\n")
     assert signal.getsignal(signal.SIGTERM) is not None
 
 
 def test_ctrl_c_at_the_pause_raises_keyboard_interrupt_there(tmp_path):
-    proc, point = _start(tmp_path, "plain")
-    point.wait(proc)
-    proc.send_signal(signal.SIGINT)
-    rc, out = _finish(proc)
-    assert (rc, out) == (130, "interrupted at the pause\n")
+    assert _signalled_at_the_pause(tmp_path, "plain", signal.SIGINT) == (130, "interrupted at the pause\n")
 
 
 def test_a_signal_without_a_handler_keeps_its_default_action(tmp_path):
-    proc, point = _start(tmp_path, "default-term")
-    point.wait(proc)
-    proc.send_signal(signal.SIGTERM)
-    rc, out = _finish(proc)
-    assert rc == -signal.SIGTERM and out == ""
+    assert _signalled_at_the_pause(tmp_path, "default-term", signal.SIGTERM) == (-signal.SIGTERM, "")
 
 
 def test_an_unended_pause_is_named_not_a_hang(tmp_path, monkeypatch):
