@@ -54,7 +54,7 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
     """``{field: (config.json key it comes from, value in Megatron's terms)}`` for an HF config."""
     c = text_config(hf)
     heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
-    rope = dict(c.get("rope_parameters") or {})
+    rope: dict[str, Any] = dict(c.get("rope_parameters") or {})
     rope.update(c.get("rope_scaling") or {})
     model_type = c.get("model_type")
     experts = _num_experts(c)
@@ -118,7 +118,7 @@ class ArchFlag:
     """One Megatron architecture flag: what it states, in Megatron's terms, from the config."""
 
     field: str
-    given: Callable[[Any], Any] = None  # the value the flag states, or None when not stated
+    given: Optional[Callable[[Any], Any]] = None  # the value the flag states, or None when not stated
 
     def stated(self, arch) -> Any:
         if self.given is not None:
@@ -265,7 +265,8 @@ def shape_from_flags(cfg: Config) -> Optional[ModelShape]:
 
 def hf_checkpoint_missing(cfg: Config) -> bool:
     """``--hf-checkpoint`` names a path that does not exist on this machine."""
-    return bool(cfg.model.hf_checkpoint) and not os.path.exists(cfg.model.hf_checkpoint)
+    path = cfg.model.hf_checkpoint
+    return bool(path and not os.path.exists(path))
 
 
 def dry_run_without_checkpoint(cfg: Config) -> bool:

@@ -21,7 +21,8 @@ def _fmt_default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
     else:
-        value = f.default_factory()  # type: ignore[misc]
+        assert f.default_factory is not dataclasses.MISSING, f"config field {f.name} has neither a default nor a factory"
+        value = f.default_factory()
     return "`" + repr(value) + "`" if value not in (None, [], {}) else "unset"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .architecture import hf_is_moe
@@ -88,7 +88,7 @@ class MegatronFlag:
     needs: Callable[[Any], tuple[str, ...]] = lambda value: ()
     check: Callable[[Any, Config], Optional[str]] = lambda value, cfg: None
     moe_only: bool = False
-    default: Any = field(default=None)
+    default: Any = None
 
     @property
     def flag(self) -> str:

@@ -97,8 +97,8 @@ def apply_allocation(values: dict[str, dict]) -> None:
     actor = plan.actor
     if actor is None:
         return
-    for (group, field), value in implied_sizes(actor).items():
-        values[group].setdefault(field, value)
+    for (group, field), size in implied_sizes(actor).items():
+        values[group].setdefault(field, size)
     placement, world = values["placement"], actor.world_size
     nodes, gpn = placement.get("actor_num_nodes"), placement.get("actor_num_gpus_per_node")
     if nodes is None and gpn is None:

@@ -223,7 +223,8 @@ def _external_sglang_errors(cfg: Config) -> list[str]:
     """``--rollout-backend sglang --rollout-engine-urls ...``: servers the user started; we only talk HTTP."""
     r, s, m = cfg.rollout, cfg.sync, cfg.memory
     errors = []
-    bad = [u for u in r.rollout_engine_urls if not _URL.match(u) or not 0 < int(_URL.match(u).group(2)) < 65536]
+    bad = [u for u in r.rollout_engine_urls
+           if not (url_match := _URL.match(u)) or not 0 < int(url_match.group(2)) < 65536]
     for url in bad:
         errors.append(f"--rollout-engine-urls {url}: not a server address; write http://host:port or "
                       "https://host:port (e.g. http://10.0.0.5:30000), one per server")
@@ -241,7 +242,8 @@ def _external_sglang_errors(cfg: Config) -> list[str]:
             errors.append(NotBuilt(f"{flag} with --rollout-engine-urls: {external}, so there are no shared GPUs "
                                    f"to hand over (releasing external servers' memory is {_NOT_YET}): "
                                    f"drop {flag}"))
-    placed = bool(cfg.placement.allocation) and "sglang" in cfg.placement.allocation
+    allocation = cfg.placement.allocation
+    placed = bool(allocation and "sglang" in allocation)
     if placed:  # the allocation set --rollout-num-gpus(-per-engine): name it, not the flags it set
         errors.append(f"--allocation {cfg.placement.allocation} places SGLang engines on GPUs; with "
                       f"--rollout-engine-urls {external}: state only the trainer (e.g. megatron:d2)")

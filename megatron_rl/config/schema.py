@@ -14,6 +14,7 @@ started) are properties, never stored twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -67,7 +68,7 @@ def flag(default: Any, help: str, *, choices: tuple | None = None, type: Any = N
     meta = {"help": help, "choices": choices, "type": type, "aliases": aliases,
             "metavar": metavar, "nargs": nargs, "domain": Domain.parse(domain) if domain else None}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type_copy(d), metadata=meta)
+        return field(default_factory=functools.partial(type_copy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 

@@ -66,7 +66,7 @@ def _check_positive(errors: list[str], cfg: Config) -> None:
     ]:
         if value < 1:
             errors.append(f"{flag} {value} must be >= 1")
-    for flag, value in [
+    for flag, value_or_unset in [
         ("--expert-tensor-parallel-size", p.expert_tensor_parallel_size),
         ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size),
         ("--global-batch-size", b.global_batch_size),
@@ -76,8 +76,8 @@ def _check_positive(errors: list[str], cfg: Config) -> None:
         ("--save-max-to-keep", cfg.checkpoint.save_max_to_keep),
         ("--eval-interval", cfg.data.eval_interval),
     ]:
-        if value is not None and value < 1:
-            errors.append(f"{flag} {value} must be >= 1 (or left unset)")
+        if value_or_unset is not None and value_or_unset < 1:
+            errors.append(f"{flag} {value_or_unset} must be >= 1 (or left unset)")
     if cfg.rollout.rollout_abort_retries < 0:
         errors.append(f"--rollout-abort-retries {cfg.rollout.rollout_abort_retries} must be >= 0 (0: no retry)")
 
@@ -445,12 +445,14 @@ def _check_paths(errors: list[str], cfg: Config) -> None:
                       "drop --existing-save to resume from --save")
     entries = save_root_checkpoint_entries(c.save) if c.no_auto_resume else []
     if entries and not c.existing_save:
+        assert c.save is not None, "checkpoint entries are listed only from under a given --save"
         shown = ", ".join(entries[:4]) + (f", ... ({len(entries)} entries)" if len(entries) > 4 else "")
         errors.append(f"--no-auto-resume with --save {c.save}, which already holds checkpoints ({shown}): the fresh "
                       "run would overwrite and prune them; add --existing-save archive (moves them to "
                       f"{os.path.join(c.save, 'archive_<UTC time>')}/) or --existing-save discard (deletes them), "
                       "or choose an empty --save")
     elif entries:
+        assert c.save is not None, "checkpoint entries are listed only from under a given --save"
         doomed = [os.path.realpath(os.path.join(c.save, e)) for e in entries]
         for flag, path in (("--load", c.load), ("--ref-load", c.ref_load), ("--opd-teacher-load", c.opd_teacher_load),
                            ("--hf-checkpoint", cfg.model.hf_checkpoint)):
@@ -470,7 +472,9 @@ def _check_resume_older(errors: list[str], cfg: Config) -> None:
     overwrite them one by one (it silently did). Refused unless ``--allow-resume-older``, with which
     ``runner.resume`` moves them into ``--save/superseded/`` before loading."""
     c = cfg.checkpoint
-    named = _ITER_DIR.match(os.path.basename(os.path.normpath(c.load))) if c.load and c.save else None
+    if not (c.load and c.save):
+        return
+    named = _ITER_DIR.match(os.path.basename(os.path.normpath(c.load)))
     if named is None or c.no_auto_resume or not os.path.isdir(c.save):
         return
     step = int(named.group(1))

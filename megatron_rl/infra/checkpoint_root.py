@@ -48,7 +48,7 @@ import re
 import shutil
 import time
 import zlib
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import checksum
@@ -252,7 +252,8 @@ def resume_candidates(root: str) -> list[int]:
     if pointer is None:
         return list(reversed(complete))
     pointer_mtime = os.path.getmtime(state_path)
-    newer, stale = [], []
+    newer: list[int] = []
+    stale: list[int] = []
     for s in complete:
         if s > pointer:
             marker_mtime = os.path.getmtime(os.path.join(iter_dir(root, s), MARKER_NAME))
@@ -391,7 +392,7 @@ def file_list(root: str, known_checksums: Optional[dict[str, str]] = None) -> li
     spreads that over the ranks and passes the results here; cost in docs/benchmarks.md).
     """
     known = known_checksums or {}
-    out = []
+    out: list[dict[str, Any]] = []
     for d, _, files in os.walk(root):
         for name in sorted(files):
             full = os.path.join(d, name)

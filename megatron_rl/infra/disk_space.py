@@ -74,7 +74,8 @@ def free_bytes(path: str) -> Optional[int]:
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc``, its causes and contexts, and the per-rank errors a DCP ``CheckpointException`` holds."""
-    todo, seen = [exc], set()
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen or not isinstance(e, BaseException):

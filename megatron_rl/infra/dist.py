@@ -78,8 +78,9 @@ def all_ranks_ok(error: Optional[BaseException], reraise_own: bool = False,
     traceback kept); only the others get the rebuilt error. ``prefer``: an error of this class on
     any rank is the cause: it wins over the others' and is raised on every rank, a rank's own other
     error chained to it (a rank whose collective failed because another rank's disk is full)."""
-    mine = (None, None) if error is None else (type(error), str(error) or type(error).__name__)
-    gathered = [mine]
+    mine: tuple[Optional[type[BaseException]], Optional[str]] = (
+        (None, None) if error is None else (type(error), str(error) or type(error).__name__))
+    gathered: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine if mine[0] is None or issubclass(mine[0], MegatronRLError)
@@ -87,8 +88,10 @@ def all_ranks_ok(error: Optional[BaseException], reraise_own: bool = False,
     failed = [g for g in gathered if g[1] is not None]
     cause = next((g for g in failed if prefer is not None and isinstance(g[0], type) and issubclass(g[0], prefer)),
                  None)
-    if cause is not None and not (reraise_own and isinstance(error, prefer)):
-        raise _rebuild(cause[0], cause[1]) from error
+    if cause is not None:
+        assert prefer is not None, "a rank's error is the cause only when it is of the preferred class"
+        if not (reraise_own and isinstance(error, prefer)):
+            raise _rebuild(cause[0], cause[1]) from error
     if reraise_own and error is not None:
         raise error
     if failed:

@@ -155,11 +155,12 @@ def run(run_dir: str, torchrun_args: list[str]) -> int:
         _say(f"finished; curves: {curves}  metrics: {os.path.join(run_dir, 'metrics.jsonl')}"
              if os.path.isfile(curves) else f"finished; outputs in {run_dir}")
         return 0
-    if code is not None and status.get("status") == "stopped_early":
-        _say(f"stopped early ({status.get('reason', 'stop requested')}) after rollout {status.get('rollout_id')}; "
-             f"exit {code}: relaunch the same command to resume")
-        return code
     if code is not None:
+        assert status is not None, "an exit code is read only from a run status"
+        if status.get("status") == "stopped_early":
+            _say(f"stopped early ({status.get('reason', 'stop requested')}) after rollout "
+                 f"{status.get('rollout_id')}; exit {code}: relaunch the same command to resume")
+            return code
         _say(f"error: {status.get('error')}")
         return code
     kept = "the newest complete checkpoint, if any, is kept"
