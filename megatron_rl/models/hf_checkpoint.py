@@ -5,8 +5,9 @@ Handles a sharded checkpoint (``model.safetensors.index.json``) or a single
 the requested rows/columns through ``safe_open(...).get_slice``, so a rank never
 materialises tensors it does not own.
 
-Every floating tensor read is checked for inf/NaN as it is read (``torch.isfinite(t).all()`` on
-the values the read produced: no second pass over the files), and refused naming the tensor and
+Every floating tensor read is checked for inf/NaN as it is read (``models.finite.is_non_finite``, one
+``aminmax`` pass over the values the read produced: no second pass over the files, no bool tensor
+the size of the values), and refused naming the tensor and
 its file (:class:`NonFiniteWeights`). Why here: this reader is the one place the trainer's
 ``--hf-checkpoint`` / ``--ref-load`` load and both converters take HF values from, and a NaN that
 gets through surfaces only after step 0 as "NaN logits" far from its cause. A model loaded by
@@ -24,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_rl.errors import CheckpointError
+from megatron_rl.models.finite import is_non_finite
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,8 +40,10 @@ class NonFiniteWeights(CheckpointError):
 def check_finite(name: str, tensor: torch.Tensor, where: str, fix: str = NON_FINITE_FIX) -> None:
     """Refuse ``tensor`` (named ``name``, read from ``where``) if it is floating and holds inf/NaN.
 
-    One ``isfinite`` reduction over values already in memory; the counts are computed only on failure."""
-    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+    One ``aminmax`` pass over values already in memory (``isfinite(t).all()`` took the conversion's
+    measured peak RSS to 111 MB, over its bound of the largest tensor + one bucket + 40 MB:
+    tests/convert/test_streaming_save.py); the counts are computed only on failure."""
+    if not is_non_finite(tensor):
         return
     nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
     raise NonFiniteWeights(f"tensor {name!r} in {where} holds non-finite values ({nan} NaN, {inf} inf among "

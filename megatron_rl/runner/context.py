@@ -57,8 +57,11 @@ class RunContext:
     def create(cls, cfg: Config) -> "RunContext":
         rank = int(os.environ.get("RANK", "0"))
         rt, ck = cfg.runtime, cfg.checkpoint
-        # one run per --save: taken before anything below writes into the root or opens the run's files
-        save_lock = acquire_save_lock(ck.save) if rank == 0 and ck.save else None
+        # one run per --save: taken before anything below writes into the root or opens the run's files, by a
+        # run that writes there (it trains: checkpoints, stored rollouts; or it clears an earlier run's); a
+        # rollout-only run only reads the root and neither creates nor locks it
+        writes_root = bool(ck.save) and (cfg.has_training or bool(ck.existing_save and ck.no_auto_resume))
+        save_lock = acquire_save_lock(ck.save) if rank == 0 and writes_root else None
         if rank == 0 and ck.existing_save and ck.no_auto_resume:
             clear_save_root(ck.save, ck.existing_save)  # validation allowed this start
         resumable = ck.save and not ck.no_auto_resume
