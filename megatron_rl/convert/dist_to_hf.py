@@ -116,6 +116,7 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
         dist_io.free(chunks)
 
         def finish() -> None:
+            assert writer is not None, "finish runs on rank 0 only, which holds the writer"
             index = writer.finish()
             summary.update(files=len(set(index["weight_map"].values())), total_bytes=index["metadata"]["total_size"],
                            peak_pending_bytes=writer.peak_pending_bytes)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -45,6 +45,9 @@ from megatron_rl.infra.dist import rank0_do
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.models import hf_module, model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DEFAULT_BUCKET_BYTES = 10**9
 
@@ -116,7 +119,7 @@ def read_marker(path: str) -> dict:
         "files": "Restore the files or convert another iter_NNNNNNN dir"}), f"reading {path}")
 
 
-def hf_tensors(ckpt_dir: str, model: torch.nn.Module, specs: dict, params: list[str], bucket_bytes: int,
+def hf_tensors(ckpt_dir: str, model: PreTrainedModel, specs: dict, params: list[str], bucket_bytes: int,
                bar=None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` for every parameter of ``model``, read a bucket of whole decoder
     layers (or runs of other parameters) at a time; a layer larger than the bucket is read alone.
@@ -155,7 +158,7 @@ def _nbytes(spec) -> int:
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
-def verify_hf_against_fsdp(hf_dir: str, ckpt_dir: str, model: torch.nn.Module, specs: dict, params: list[str],
+def verify_hf_against_fsdp(hf_dir: str, ckpt_dir: str, model: PreTrainedModel, specs: dict, params: list[str],
                            cast: Optional[torch.dtype], bucket_bytes: int, show_progress: bool = True) -> None:
     """Read the checkpoint again and compare every tensor (cast to ``cast`` when given) bit for bit
     with the files in ``hf_dir``, and the name sets."""

@@ -73,6 +73,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     finally:
         ckpt.close()
     target = dtype or source_dtype
+    assert target is not None, "the checkpoint's own dtype is read whenever --dtype is not given"
     layout.validate(torch.distributed.get_world_size() if torch.distributed.is_initialized()
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 

@@ -91,7 +91,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
         out.write(raw)
         for t in tensors.values():
             if t.numel():
-                out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                out.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's own memoryview
         f.flush()
         os.fsync(f.fileno())
     return out.hexdigest

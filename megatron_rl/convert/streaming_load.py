@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -44,7 +44,7 @@ def can_stream(layout) -> bool:
     return world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
 
 
-def _entries_by_parameter(sharded_state_dict: dict) -> dict[int, list[tuple[str, str, object]]]:
+def _entries_by_parameter(sharded_state_dict: dict) -> dict[int, list[tuple[str, str, Any]]]:
     """State-dict entries (ShardedTensor / ShardedTensorFactory) grouped by the parameter they view."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
@@ -82,7 +82,8 @@ def _without_prepended_axes(sh):
 
 
 def _buckets(items, bucket_bytes: int):
-    bucket, size = [], 0
+    bucket: list[tuple] = []
+    size = 0
     for slot, names in items:
         n = slot.param.numel() * slot.param.element_size()
         if bucket and size + n > bucket_bytes:
@@ -119,6 +120,7 @@ def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir:
     and shapes, ``stored`` when already read, are checked against it) and the export gathers
     (collective, ``bucket_bytes`` per gather); free ``chunks`` when the stream is drained."""
     if streaming:
+        assert bucket_bytes is not None, "every streaming caller passes the bucket size it reads at a time"
         return None, dist_io.read_guard(hf_tensor_stream(bridge, dist_dir, dtype, bucket_bytes, config_dir), dist_dir)
     chunks = bridge.build_model(layout, params_dtype=dtype)
     if stored is None:

@@ -36,7 +36,7 @@ not the model; ``benchmarks/convert.py`` measures it. The output is what
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -44,7 +44,7 @@ from megatron_rl.errors import CheckpointError
 
 Materialize = Callable[[torch.nn.Parameter], torch.Tensor]
 
-_malloc_trim = None  # resolved on first use: libc's malloc_trim, or False where there is none
+_malloc_trim: Callable[[int], int] | Literal[False] | None = None  # resolved on first use: libc's malloc_trim, or False where there is none
 
 
 def release_free_memory() -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -59,7 +59,7 @@ class ParamSlot:
     @property
     def tp_partition_dim(self) -> Optional[int]:
         if getattr(self.param, "tensor_model_parallel", False):
-            return int(self.param.partition_dim)
+            return int(self.param.partition_dim)  # type: ignore[attr-defined]  # megatron's own attribute, set at runtime
         return None
 
 
@@ -283,7 +283,9 @@ def _produce(bridge, items, copy: bool = True) -> Iterator[tuple[str, torch.Tens
 
 def _buckets(meta, bucket_bytes: Optional[int]):
     """Split ``meta`` [(name, shape, dtype)] into consecutive same-dtype buckets."""
-    buckets, current, size = [], [], 0
+    buckets: list[list[tuple]] = []
+    current: list[tuple] = []
+    size = 0
     for entry in meta:
         nbytes = _numel(entry[1]) * getattr(torch, entry[2]).itemsize
         if current and (bucket_bytes is None or size + nbytes > bucket_bytes or current[-1][2] != entry[2]):
@@ -341,7 +343,7 @@ def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
     my_meta = [[(name, tuple(shapes[name]), str(slot.param.dtype).replace("torch.", ""))
                 for slot, names in phase for name in names] for phase in phases]
     pp_group = ps.get_pipeline_model_parallel_group()
-    all_meta = [None] * pp_size
+    all_meta: list[Any] = [None] * pp_size  # every stage's metadata, filled by the all-gather
     torch.distributed.all_gather_object(all_meta, my_meta, group=pp_group)
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
     my_stage = ps.get_pipeline_model_parallel_rank()

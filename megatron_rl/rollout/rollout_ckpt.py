@@ -42,7 +42,7 @@ import os
 import random
 import re
 from dataclasses import asdict
-from typing import Optional
+from typing import AbstractSet, Optional
 
 import torch
 
@@ -118,7 +118,7 @@ def save_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, samples: l
     return path
 
 
-def prune(root: str, keep: set[int] = frozenset()) -> list[int]:
+def prune(root: str, keep: AbstractSet[int] = frozenset()) -> list[int]:
     """Delete ``rollout_K.pt`` whose ``iter_K`` no longer exists under ``root`` (never those in ``keep``),
     and temp files left by a killed write."""
     directory = os.path.join(root, DIR_NAME)

@@ -172,6 +172,7 @@ def load_checkpoint(backend, path: str) -> dict:
     backend.scheduler.load_state_dict(state["scheduler"])
     backend.optimizer_steps = int(state["optimizer_steps"])
     if with_scaler:
+        assert scaler is not None, "with_scaler is set only for a backend that has a loss scaler"
         scaler.load_state_dict(state[GRAD_SCALER_KEY])
     if same_layout:
         restore_rng_state(torch.load(_rng_path(path, rank()), weights_only=False))

@@ -350,7 +350,9 @@ def _spread_checksums(root: str) -> dict[str, str]:
            if rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
-    mine = box[0][rank()::world()]
+    listed = box[0]
+    assert listed is not None, "rank 0 lists the files and the broadcast hands its list to every rank"
+    mine = listed[rank()::world()]
     try:
         part: Any = dict(zip(mine, crc32_of_files([os.path.join(root, r) for r in mine])))
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait in the gather
