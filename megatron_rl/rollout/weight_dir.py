@@ -33,7 +33,7 @@ _VERSION = re.compile(r"^v(\d+)$")
 class VersionedWeightDir:
     """``<root>/v<version>/`` dirs of HF safetensors, published atomically, pruned to ``keep_versions``."""
 
-    def __init__(self, root: str, *, hf_checkpoint: Optional[str] = None, keep_versions: int = 2):
+    def __init__(self, root: Optional[str], *, hf_checkpoint: Optional[str] = None, keep_versions: int = 2):
         if not root:
             raise ConfigError("weights on disk need a directory (--update-weight-disk-dir DIR, readable by "
                               "every server that loads them)")

@@ -67,7 +67,7 @@ class DiskSynchronizer(WeightSynchronizer):
         # embedded one is compared here, tensor for tensor, after every sync
         in_engine = self.check_equal and here and hasattr(engine, "check_first_update")
         if in_engine:
-            engine.check_first_update = True
+            setattr(engine, "check_first_update", True)  # an SGLang engine's own switch (the hasattr above)
         exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal and not in_engine)
         write_s = load_s = 0.0
         error: Optional[BaseException] = None
@@ -80,6 +80,7 @@ class DiskSynchronizer(WeightSynchronizer):
                 exported.drain()  # the other ranks are still in the collective export: let them finish it
                 error = self._named(e, version)
         elif replica:
+            assert engine is not None, "a replica is a rank that holds an engine"
             engine.update_weights(exported, version)
         else:
             exported.drain()
@@ -90,12 +91,14 @@ class DiskSynchronizer(WeightSynchronizer):
         if here:
             t1 = time.perf_counter()
             write_s = t1 - t0  # export (gathers) + serialising + publishing: they overlap bucket by bucket
+            assert engine is not None, "the driver syncs here only when it holds the engine"
             engine.update_weights_from_disk(path, version)
             load_s = time.perf_counter() - t1
             self.weights.prune(version)
         metrics = exported.metrics(version, time.perf_counter() - t0)
         metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
         if self.check_equal and (replica or here and not in_engine):
+            assert engine is not None, "a replica, like the driver here, holds an engine"
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics
 
@@ -116,6 +119,7 @@ class DiskSynchronizer(WeightSynchronizer):
         newest = find_latest_complete(self.checkpoint_root) if self.checkpoint_root else None
         if newest is None:
             return SyncDiskFull(f"{error}; no complete checkpoint under --save: a relaunch starts over")
+        assert self.checkpoint_root is not None, "a complete checkpoint is looked for only under a given --save"
         out = SyncDiskFull(f"{error}; {iter_dir(self.checkpoint_root, newest)} is complete: relaunch the same "
                            "command once there is room and it resumes from there")
         out.exit_code = EXIT_WALL_TIME

@@ -69,6 +69,7 @@ classes (Qwen2 on CPU among them), and reading back our own files would check no
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import threading
@@ -194,6 +195,7 @@ class SGLangEngine(RolloutEngine):
             self._pool.shutdown(wait=False)
         if self.router is not None:
             self.router.close()
+            assert self._router_pool is not None, "the router's pool is made together with the router"
             self._router_pool.shutdown(wait=False)
 
     def _warn_if_seed_ignored(self, client: SGLangClient) -> None:
@@ -430,6 +432,8 @@ class SGLangEngine(RolloutEngine):
                              call_id: str) -> dict[tuple[int, int], protocol.GenerateOutput]:
         """Every row as its own request to the router, ``router_concurrency`` at a time; the first error
         is raised once the rows in flight finished (each has the client's timeout)."""
+        router, router_pool = self.router, self._router_pool
+        assert router is not None and router_pool is not None, "called only with a router, made with its pool"
         rows = [(i, j) for i in range(len(requests)) for j in range(sampling.n)]
         if sampling.seed is not None and sampling.temperature > 0:
             for client in self.clients:  # the router may send a row to any of them
@@ -438,17 +442,17 @@ class SGLangEngine(RolloutEngine):
         def one(row: tuple[int, int]) -> protocol.GenerateOutput:
             i, j = row
             try:
-                entry = self.router.generate_one(
+                entry = router.generate_one(
                     requests[i].prompt_ids,
                     protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
-                return self._unavailable_row(self.router, exc)
-            return protocol.parse_generate_output(entry, where=self.router.label)
+                return self._unavailable_row(router, exc)
+            return protocol.parse_generate_output(entry, where=router.label)
 
-        futures = [self._router_pool.submit(one, row) for row in rows]
+        futures = [router_pool.submit(one, row) for row in rows]
         outputs, first_error = {}, None
         for row, future in zip(rows, futures):
             try:
@@ -490,7 +494,7 @@ class SGLangEngine(RolloutEngine):
         """``fn(server)`` for each server on its own daemon thread, watched: the first error is raised as
         soon as it happens, and a server the health monitor declares dead meanwhile abandons the call at
         once (its thread ends with its own request timeout) instead of waiting up to that timeout."""
-        calls = [(s, DaemonCall(lambda s=s: fn(s), name="sglang-generate")) for s in servers]
+        calls = [(s, DaemonCall(functools.partial(fn, s), name="sglang-generate")) for s in servers]
         while True:
             for _, call in calls:
                 if call.done() and call.error is not None:

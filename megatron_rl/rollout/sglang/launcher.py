@@ -49,7 +49,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
 
 import httpx
 
@@ -142,10 +142,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-class EngineProcess:
+_SlotT = TypeVar("_SlotT", bound="EngineSlot | RouterSlot")  # an engine's slot, or the router's
+
+
+class EngineProcess(Generic[_SlotT]):
     """One ``sglang.launch_server`` process (and its children, in its own process group)."""
 
-    def __init__(self, slot: EngineSlot, cmd: list[str], env: dict[str, str], log_path: str, *, part: int = 0,
+    def __init__(self, slot: _SlotT, cmd: list[str], env: dict[str, str], log_path: str, *, part: int = 0,
                  health_url: str = ""):
         self.slot, self.cmd, self.env, self.log_path = slot, cmd, env, log_path
         self.part = part  # an engine spanning nodes: this process's --node-rank (0: the head, serving HTTP)
@@ -165,9 +168,10 @@ class EngineProcess:
         return self._health_url if self.part else self.slot.url
 
     def describe(self) -> str:
-        if not getattr(self.slot, "span", ()):  # an engine within a node, or the router (RouterSlot)
+        span = getattr(self.slot, "span", ())
+        if not span:  # an engine within a node, or the router (RouterSlot)
             return self.slot.describe()
-        return f"{self.slot.describe()}: its node-rank {self.part} part on node {self.slot.span[self.part]}"
+        return f"{self.slot.describe()}: its node-rank {self.part} part on node {span[self.part]}"
 
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
@@ -271,7 +275,7 @@ class EngineFleet:
         self.placement = placement
         self.local = local
         self.startup_timeout_s = startup_timeout_s
-        self.router: Optional[EngineProcess] = None
+        self.router: Optional[EngineProcess[RouterSlot]] = None
         self._stopped = False
         atexit.register(self.stop)
 
@@ -461,7 +465,7 @@ def _start_fleet(cfg: "Config") -> tuple[EngineFleet, list[str]]:
     python = cfg.rollout.rollout_engine_python or sys.executable
     bind, reach = _addresses(cfg)
     log_dir = os.path.join(cfg.runtime.output_dir, "engines")
-    local: list[EngineProcess] = []
+    local: list[EngineProcess[EngineSlot]] = []
     error: Optional[str] = None
     # ports first (an engine spanning nodes needs its head's rendezvous address before any part starts)
     ports: dict[tuple[int, int], tuple[int, int]] = {}  # (engine, part) -> (HTTP or health port, second port)

@@ -30,7 +30,7 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, overload
 
 from megatron_rl.data.types import SamplingParams
 from megatron_rl.errors import ConfigError, EngineError
@@ -39,6 +39,12 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = ("abort", "retract", "in_place")
 FINISH_TYPES = ("stop", "length", "abort")
 DEFAULT_WEIGHT_VERSION = "default"  # what SGLang reports before any versioned update
+
+
+@overload
+def check_tags(tags: None) -> None: ...
+@overload
+def check_tags(tags: Iterable[str]) -> list[str]: ...
 
 
 def check_tags(tags: Optional[Iterable[str]]) -> Optional[list[str]]:
@@ -208,6 +214,8 @@ def parse_weight_version_spans(meta: dict, *, where: str) -> tuple[tuple[int, in
         elif isinstance(span, (list, tuple)) and len(span) == 3:
             version, start, end = span
         else:
+            start = end = None
+        if start is None or end is None:
             raise EngineError(f"{where} /generate row has a weight_versions entry {span!r}; expected "
                               "{version, start, end}")
         out.append((parse_weight_version(version, where=where), int(start), int(end)))
