@@ -80,10 +80,11 @@ def run(cfg: Config) -> int:
 
             fleet = launch_engines(cfg)  # collective: every rank learns every engine's URL
             clock.lap("engines")
-        rollout = build_rollout(cfg, fleet and fleet.placement) if ctx.is_driver and cfg.has_rollout_engine else None
+        placement = fleet.placement if fleet is not None else None
+        rollout = build_rollout(cfg, placement) if ctx.is_driver and cfg.has_rollout_engine else None
         replica = None if ctx.is_driver else build_replica_worker(cfg)  # --embedded-engine-ranks all
         here = rollout or replica  # this rank's rollout side: the driver's manager, or its engine replica
-        engine = here and here.engine  # what the weight sync and the colocation act on, on this rank
+        engine = here.engine if here is not None else None  # what the weight sync and the colocation act on
         recovery = EngineRecovery(fleet, enabled=cfg.rollout.use_fault_tolerance)
         sync = make_synchronizer_from_config(cfg, engines=fleet.placement if fleet is not None else None)
         clock.lap("rollout")
@@ -102,6 +103,7 @@ def run(cfg: Config) -> int:
                 resync=lambda: _resync(sync, backend, rollout, rollout_id))
             metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
             if cfg.has_training:
+                assert backend is not None, "a run that trains built its backend above"
                 metrics.update(ctx.colocation.before_train(backend, here))
                 swapped = backend.swap_seconds
                 metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
@@ -121,6 +123,7 @@ def run(cfg: Config) -> int:
             pause_point("step_logged", str(rollout_id + 1))  # tests: a signal once this step is in metrics.jsonl
             saved = backend is not None and ctx.checkpoints.due(rollout_id)
             if saved:
+                assert backend is not None, "only a run with a backend saves"
                 ctx.checkpoints.save(backend, rollout, rollout_id + 1)
             if ctx.stop.should_stop():
                 if backend and not saved:
@@ -210,7 +213,9 @@ def main(argv=None) -> int:
         # peer"); the launcher prints that rank's error once, so this rank ends without a traceback
         log.info("rank %s stops after rank %s's refusal (here: %s in what it was doing with it)",
                  os.environ.get("RANK", "0"), refusal.get("rank"), type(exc).__name__)
-        return status_exit_code(refusal)
+        code = status_exit_code(refusal)
+        assert code is not None, "a refusal's status is an error, which always maps to an exit code"
+        return code
     finally:
         save_lock = sys.modules.get("megatron_rl.infra.save_lock")  # the driver's lock on --save, if it took one
         if save_lock is not None:

@@ -60,12 +60,13 @@ class RunContext:
         # one run per --save: taken before anything below writes into the root or opens the run's files, by a
         # run that writes there (it trains: checkpoints, stored rollouts; or it clears an earlier run's); a
         # rollout-only run only reads the root and neither creates nor locks it
-        writes_root = bool(ck.save) and (cfg.has_training or bool(ck.existing_save and ck.no_auto_resume))
-        save_lock = acquire_save_lock(ck.save) if rank == 0 and writes_root else None
+        written_root = ck.save if cfg.has_training or (ck.existing_save and ck.no_auto_resume) else None
+        save_lock = acquire_save_lock(written_root) if rank == 0 and written_root else None
         if rank == 0 and ck.existing_save and ck.no_auto_resume:
+            assert ck.save is not None, "validation refuses --existing-save without --save"
             clear_save_root(ck.save, ck.existing_save)  # validation allowed this start
-        resumable = ck.save and not ck.no_auto_resume
-        state = (read_resume_state(ck.save) or {}) if resumable else {}
+        resume_root = ck.save if not ck.no_auto_resume else None
+        state = (read_resume_state(resume_root) or {}) if resume_root else {}
         clock = WallClock(rt.wall_time_limit, rt.wall_time_reserve, elapsed_before_s=state.get("elapsed_s", 0.0))
         clock.install_signal_handlers()
         tracker = Tracker(rt.output_dir, enabled=rank == 0, tensorboard_dir=rt.tensorboard_dir,

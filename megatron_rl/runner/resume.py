@@ -39,9 +39,9 @@ class Resumer:
         root = load_root or cfg.checkpoint.save
         if not root or cfg.checkpoint.no_auto_resume:
             return 0
-        if load_root and ckpt.iteration_of(load_root) is not None:
+        if load_root and (named_iteration := ckpt.iteration_of(load_root)) is not None:
             if cfg.checkpoint.allow_resume_older and cfg.checkpoint.save:
-                self._supersede_newer(cfg.checkpoint.save, ckpt.iteration_of(load_root))
+                self._supersede_newer(cfg.checkpoint.save, named_iteration)
             path, extra = load_root, self._load_named(backend, load_root)
         else:
             found = self._load_newest_good(backend, root, named=bool(load_root))

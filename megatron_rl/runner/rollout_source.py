@@ -36,6 +36,7 @@ class RolloutSource:
             samples = load_rollout(mode.load_debug_rollout_data.format(rollout_id=rollout_id))
             metrics = {"rollout/reward_mean": sum(s.reward for s in samples) / len(samples)}
         else:
+            assert rollout is not None, "the driver builds its rollout manager unless --load-debug-rollout-data"
             with rollout.engine.serving():  # replicas on the other ranks generate until this ends
                 samples, metrics = self._generate_or_reload(rollout_id, rollout)
         if mode.save_debug_rollout_data:
@@ -48,9 +49,13 @@ class RolloutSource:
         checkpoint under --save is written there (rollout/rollout_ckpt.py says why only that one)."""
         root = self.cfg.checkpoint.save
         step, path = self.cursor.step, self.cursor.path
-        follows = (path if root and step == rollout_id and self.cfg.has_training
-                   and os.path.abspath(os.path.dirname(path)) == os.path.abspath(root) else None)
+        follows = None  # the checkpoint under --save that this rollout directly follows
+        if root and step == rollout_id and self.cfg.has_training:
+            assert path is not None, "the cursor's path is set together with its step"
+            if os.path.abspath(os.path.dirname(path)) == os.path.abspath(root):
+                follows = path
         if follows and self.cursor.resumed_at == rollout_id:
+            assert root is not None, "a rollout follows a checkpoint only under a given --save"
             stored = rollout_ckpt.load_rollout_ckpt(root, rollout_id, checkpoint=follows,
                                                     fingerprint=rollout.fingerprint(), state_before=rollout.position(),
                                                     weight_version=rollout.engine.weight_version)
@@ -62,6 +67,7 @@ class RolloutSource:
         before = rollout.position()
         samples, metrics = rollout.generate(rollout_id)
         if follows:
+            assert root is not None, "a rollout follows a checkpoint only under a given --save"
             rollout_ckpt.save_rollout_ckpt(root, rollout_id, checkpoint=follows, samples=samples, metrics=metrics,
                                            fingerprint=rollout.fingerprint(), state_before=before,
                                            state_after=rollout.state_dict())
