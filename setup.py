@@ -50,6 +50,7 @@ EXTRAS = {
              "hypothesis", "tensorboard", "matplotlib", "wandb",
              "import-linter>=2.1",  # lint-imports: the layers contract in pyproject.toml
              "ruff==0.17.6",  # scripts/test.sh: `ruff check` ([tool.ruff] in pyproject.toml), pinned: new rules
+             "mypy==2.4.1",  # scripts/test.sh: the type check ([tool.mypy] in pyproject.toml), pinned likewise
              "ninja",  # JIT build of the C++ CPU twins in tests/ops/test_cpu_ext.py
              # tests/ops/test_triton_kernels.py: the Triton kernels under its CPU interpreter and compiled for
              # sm_90 (the version the GPU machine has; CUDA builds of torch ship it, the CPU build does not)

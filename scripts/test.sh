@@ -9,6 +9,9 @@ echo "$out" | grep -E "^Contracts:"
 # lint ([tool.ruff] in pyproject.toml): pyflakes, pycodestyle's errors, bugbear, over the whole tree
 out=$(.venv/bin/ruff check --no-cache . 2>&1) || { echo "$out"; echo "ruff: lint errors (see above)" >&2; exit 1; }
 echo "ruff: $out"
+# types ([tool.mypy] in pyproject.toml, the package): ~1 min cold on 2 cores, seconds with its cache
+out=$(.venv/bin/mypy 2>&1) || { echo "$out"; echo "mypy: type errors (see above)" >&2; exit 1; }
+echo "mypy: ${out##*$'\n'}"  # its verdict line (notes on unchecked bodies above it are not findings)
 # Two workers, one test file each at a time (module fixtures run once; a file's tests keep their order).
 # Alone the suite keeps 1.3 of 2 cores busy (one-process tests, ranks waiting on each other); two files
 # at once keep 1.8 busy: 23.1 -> 14.2-18.2 min of pytest on a 2-core EPYC (docs/getting-started.md).
