@@ -98,11 +98,15 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     reward: float = 0.0
     finish_reason: str = "length"  # "stop" (hit a stop token) | "length" | "abort"
-    weight_version: int = 0  # engine weight version that produced the response
+    weight_version: int = 0  # engine weight version of the response's first (oldest) token
     label: Any = None  # ground truth for the reward function
     prompt_text: str | None = None
     response_text: str | None = None
     metadata: dict = field(default_factory=dict)
+    # The weight version that generated each response token (response-aligned, like rollout_logprobs).
+    # Empty = every token has ``weight_version``; set when an update landed mid-response (a partial
+    # rollout paused, updated and continued): staleness is defined per token (docs/async.md).
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def total_length(self) -> int:
@@ -119,11 +123,24 @@ class Sample:
     def effective_loss_mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.response_ids)
 
+    def effective_token_versions(self) -> list[int]:
+        """The weight version of every response token (``token_versions``, or ``weight_version`` for all)."""
+        return list(self.token_versions) if self.token_versions else [self.weight_version] * len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the sample's oldest token: what its staleness is measured from."""
+        return min(self.token_versions) if self.token_versions else self.weight_version
+
+    def staleness(self, trained_at: int) -> int:
+        """How many weight updates behind its oldest token is, when trained by weights of version ``trained_at``."""
+        return trained_at - self.oldest_version
+
 
 # What a SampleStub does not carry: reading one of these on it is a bug in the caller (it would
 # silently train on the wrong data if it returned anything), so it raises.
 _HELD_ELSEWHERE = ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reason", "weight_version", "label",
-                   "prompt_text", "response_text", "metadata")
+                   "prompt_text", "response_text", "metadata", "token_versions")
 
 
 @dataclass
