@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from megatron_rl.config import Config, parse_config
 from megatron_rl.config.placement import launches_sglang_engines, refuse_single_process_world
@@ -24,6 +24,9 @@ from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
                                          restore_signal_handlers, status_exit_code, write_error_status)
+
+if TYPE_CHECKING:
+    from megatron_rl.runner.loop import StepParts
 
 # torch and everything that imports it load after the flags parsed (in run(), train_on_rollout()):
 # --help, --dry-run's refusals and every other flag error answer without the ~2 s torch import.
@@ -56,7 +59,7 @@ def run(cfg: Config) -> int:
     from megatron_rl.rollout.build import build_replica_worker, build_rollout
     from megatron_rl.runner.context import RunContext
     from megatron_rl.runner.engine_faults import EngineRecovery
-    from megatron_rl.runner.step import train_on_rollout
+    from megatron_rl.runner.loop import StepParts
     from megatron_rl.weight_sync import make_synchronizer_from_config
 
     clock.lap("import_torch")  # torch and the loop's modules (not imported for --help / flag errors)
@@ -95,40 +98,15 @@ def run(cfg: Config) -> int:
             clock.lap("sync")
             ctx.log(start, {**synced, **clock.metrics()})
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
-        for rollout_id in range(start, cfg.rollout.num_rollout):
-            t0 = time.perf_counter()
-            ctx.colocation.before_generate(backend)
-            samples, metrics = recovery.generate(
-                lambda: ctx.rollouts.get(rollout_id, rollout, replica), rollout,
-                resync=lambda: _resync(sync, backend, rollout, rollout_id))
-            metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
-            if cfg.has_training:
-                assert backend is not None, "a run that trains built its backend above"
-                metrics.update(ctx.colocation.before_train(backend, here))
-                swapped = backend.swap_seconds
-                metrics.update(train_on_rollout(backend, spec, samples, cfg, perf=metrics))
-                metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
-                ctx.colocation.before_rollout(backend, here)
-                if cfg.has_rollout_engine:
-                    t = time.perf_counter()
-                    metrics.update(sync.sync(backend, engine, version=rollout_id + 1))
-                    metrics["perf/sync_s"] = time.perf_counter() - t
-                    ctx.colocation.after_sync(here)
-            if rollout and ctx.evaluation.due(rollout_id):
-                t = time.perf_counter()
-                metrics.update(rollout.evaluate(rollout_id))
-                metrics["perf/eval_s"] = time.perf_counter() - t
-            metrics["perf/step_time_s"] = time.perf_counter() - t0
-            ctx.log(rollout_id + 1, metrics)
-            pause_point("step_logged", str(rollout_id + 1))  # tests: a signal once this step is in metrics.jsonl
-            saved = backend is not None and ctx.checkpoints.due(rollout_id)
-            if saved:
-                assert backend is not None, "only a run with a backend saves"
-                ctx.checkpoints.save(backend, rollout, rollout_id + 1)
-            if ctx.stop.should_stop():
-                if backend and not saved:
-                    ctx.checkpoints.save(backend, rollout, rollout_id + 1)
-                return ctx.stop.stop_early(rollout_id + 1)
+        parts = StepParts(ctx, spec, backend, rollout, replica, engine, recovery, sync, synced_version=start,
+                          resync=lambda version: _resync(sync, backend, rollout, version))
+        if cfg.rollout.async_mode == "one-step":
+            from megatron_rl.runner.one_step import run_one_step as loop  # the second driver: N+1 beside N
+        else:
+            loop = run_in_turn
+        code = loop(parts, start)
+        if code is not None:
+            return code  # a planned stop, saved
         ctx.finish(backend, rollout)
         return 0
     except EngineError as exc:
@@ -143,6 +121,23 @@ def run(cfg: Config) -> int:
             engine.close()  # its health monitor stops before the servers do
         if fleet is not None:
             fleet.stop()  # SIGTERM, then SIGKILL, each engine's process group
+
+
+def run_in_turn(parts: "StepParts", start: int) -> Optional[int]:
+    """``--async-mode off``: generate, train, sync, in turn; the exit code of a planned stop, else None."""
+    cfg = parts.ctx.cfg
+    for rollout_id in range(start, cfg.rollout.num_rollout):
+        t0 = time.perf_counter()
+        samples, metrics = parts.generate(rollout_id)
+        if cfg.has_training:
+            parts.train(samples, metrics)
+            if cfg.has_rollout_engine:
+                parts.push_weights(rollout_id + 1, metrics)
+        parts.evaluate_and_log(rollout_id, metrics, t0)
+        _, code = parts.save_or_stop(rollout_id)
+        if code is not None:
+            return code
+    return None
 
 
 def _resync(sync, backend, rollout, version: int) -> dict:

@@ -38,6 +38,63 @@ def torchrun(script: str | os.PathLike, nproc: int, args: list[str] | None = Non
     return proc
 
 
+# ---- the process tree of a launch (torchrun starts every worker in a session of its own) ----------------
+
+
+def _ppid_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def _tree(root: int) -> list[int]:
+    children, out, todo = _ppid_map(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_tree(root: int, timeout: float = 120) -> None:
+    """SIGSTOP then SIGKILL every process of ``root``'s tree and their process groups, as a crash would end
+    them all at once (nothing moves in between); waits (at most ``timeout``: a hang bound) until none lives."""
+    import signal
+
+    pids = _tree(root)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        if sig == signal.SIGKILL:
+            pids = list(dict.fromkeys(pids + _tree(root)))  # anything spawned meanwhile
+        for pid in pids:
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "killed processes still alive"
+
+
 def read_json(path: str | os.PathLike):
     with open(path) as f:
         return json.load(f)

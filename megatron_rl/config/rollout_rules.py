@@ -84,6 +84,7 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
                       f"--update-weight-transport disk, not {s.update_weight_transport}: add "
                       "--update-weight-transport disk or drop --update-weight-disk-dir")
+    errors.extend(_async_errors(cfg))
     if r.embedded_engine_ranks != "auto" and r.rollout_backend != "embedded":
         errors.append(f"--embedded-engine-ranks {r.embedded_engine_ranks} places the embedded engine, but "
                       f"--rollout-backend is {r.rollout_backend} (SGLang engines are placed by --colocate and "
@@ -99,6 +100,41 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         errors.extend(_sglang_launch_knob_errors(
             cfg, "the embedded engine runs inside the driver rank on the trainer's devices (--rollout-backend "
             "sglang launches SGLang engines)", "the embedded engine starts none"))
+    return errors
+
+
+def _async_errors(cfg: Config) -> list[str]:
+    """``--async-mode``: generation overlaps training only on engines that do not share the trainer's devices.
+
+    A colocated engine would generate on the GPUs the trainer is training on (and is released while it
+    trains); the embedded engine runs inside the driver rank, on the trainer's devices."""
+    r, m = cfg.rollout, cfg.memory
+    if r.async_mode == "off":
+        if r.async_wait_timeout != 3600.0:
+            return [f"--async-wait-timeout {r.async_wait_timeout:g} bounds the wait for a rollout generated while "
+                    "training, which only --async-mode one-step does: add --async-mode one-step or drop it"]
+        return []
+    if r.async_mode == "full":
+        return [NotBuilt("--async-mode full (continuous generation into a bounded buffer, partial rollouts "
+                         f"across weight updates) is {_NOT_YET}: use --async-mode one-step (rollout N+1 "
+                         "generated while rollout N trains) or off")]
+    errors = []
+    if not (cfg.has_training and cfg.has_rollout_engine):
+        why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
+               else "trains nothing (--debug-rollout-only)")
+        errors.append(f"--async-mode {r.async_mode} overlaps generation with training, but this run {why}: "
+                      "drop --async-mode")
+    elif m.colocate or m.effective_offload_rollout or m.effective_offload_train:
+        which = "--colocate" if m.colocate else "--offload-rollout" if m.offload_rollout else "--offload-train"
+        errors.append(f"--async-mode {r.async_mode} generates while the trainer trains, but {which} hands the "
+                      "same devices back and forth between engine and trainer, so they cannot run at once: "
+                      "give the engines devices of their own (--rollout-num-gpus without --colocate, or "
+                      "--rollout-engine-urls), or use --async-mode off")
+    elif r.rollout_backend == "embedded":
+        errors.append(NotBuilt(f"--async-mode {r.async_mode} with --rollout-backend embedded: the embedded engine "
+                               "runs inside the driver rank, on the trainer's devices; an embedded engine on ranks "
+                               f"of its own is {_NOT_YET}: use --rollout-backend sglang with engines on devices of "
+                               "their own (--rollout-num-gpus without --colocate, or --rollout-engine-urls)"))
     return errors
 
 

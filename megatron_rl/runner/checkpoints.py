@@ -43,7 +43,8 @@ class CheckpointSaver:
         every = self.cfg.checkpoint.save_interval
         return bool(self.cfg.checkpoint.save) and every is not None and (rollout_id + 1) % every == 0
 
-    def save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int) -> None:
+    def save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int,
+             dataset_state: Optional[dict] = None) -> None:
         """Collective: the backend writes ``iter_<step>``; the driver then moves the pointers and prunes.
 
         A failure raises on every rank at the same point (the backend's publish and the driver's
@@ -55,8 +56,8 @@ class CheckpointSaver:
         if not root:
             return
         extra = {"rollout_id": step}
-        if rollout is not None:
-            extra["dataset_state"] = rollout.prompts.state_dict()
+        if rollout is not None:  # --async-mode one-step passes the position before the rollout generated ahead
+            extra["dataset_state"] = dataset_state if dataset_state is not None else rollout.prompts.state_dict()
         box = [extra]  # the driver's dataset state must reach every rank's copy of extra_state
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)

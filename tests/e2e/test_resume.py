@@ -37,7 +37,7 @@ import time
 import pytest
 import torch
 
-from _util import PausePoint, free_port
+from _util import PausePoint, _alive, _tree, free_port
 from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_checkpoint_metadata
 from megatron_rl.infra import checksum
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
@@ -52,38 +52,6 @@ KEYS = ("rollout/reward_mean", "train/pg_loss", "train/kl", "train/entropy", "tr
 
 
 # ---- launching and killing ------------------------------------------------------------------------
-
-
-def _ppid_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    return children
-
-
-def _tree(root: int) -> list[int]:
-    children, out, todo = _ppid_map(), [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _procs_using(path: str) -> list[int]:
