@@ -101,7 +101,9 @@ def run(cfg: Config) -> int:
         parts = StepParts(ctx, spec, backend, rollout, replica, engine, recovery, sync, synced_version=start,
                           resync=lambda version: _resync(sync, backend, rollout, version))
         if cfg.rollout.async_mode == "one-step":
-            from megatron_rl.runner.one_step import run_one_step as loop  # the second driver: N+1 beside N
+            from megatron_rl.runner.one_step import run_one_step as loop  # rollout N+1 generated beside training N
+        elif cfg.rollout.async_mode == "full":
+            from megatron_rl.runner.full_async import run_full as loop  # a producer fills a buffer continuously
         else:
             loop = run_in_turn
         code = loop(parts, start)

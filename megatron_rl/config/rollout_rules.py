@@ -109,16 +109,25 @@ def _async_errors(cfg: Config) -> list[str]:
     A colocated engine would generate on the GPUs the trainer is training on (and is released while it
     trains); the embedded engine runs inside the driver rank, on the trainer's devices."""
     r, m = cfg.rollout, cfg.memory
+    errors = []
+    if r.async_mode != "full":
+        given = [f for f, on in (("--max-staleness", r.max_staleness is not None),
+                                 ("--partial-rollout", r.partial_rollout)) if on]
+        if given:
+            what = "trains every rollout at staleness 1" if r.async_mode == "one-step" else "generates, then trains"
+            errors.append(f"{' and '.join(given)} pace and continue the rollouts of --async-mode full; --async-mode "
+                          f"{r.async_mode} {what}: add --async-mode full or drop {' and '.join(given)}")
     if r.async_mode == "off":
         if r.async_wait_timeout != 3600.0:
-            return [f"--async-wait-timeout {r.async_wait_timeout:g} bounds the wait for a rollout generated while "
-                    "training, which only --async-mode one-step does: add --async-mode one-step or drop it"]
-        return []
-    if r.async_mode == "full":
-        return [NotBuilt("--async-mode full (continuous generation into a bounded buffer, partial rollouts "
-                         f"across weight updates) is {_NOT_YET}: use --async-mode one-step (rollout N+1 "
-                         "generated while rollout N trains) or off")]
-    errors = []
+            errors.append(f"--async-wait-timeout {r.async_wait_timeout:g} bounds the wait for a batch generated "
+                          "while training, which only --async-mode one-step and full do: add --async-mode or drop it")
+        return errors
+    if r.max_staleness is not None and r.max_staleness < 1:
+        errors.append(f"--max-staleness {r.max_staleness}: generation overlapping training is at least one update "
+                      "behind; use >= 1, or --async-mode off for on-policy batches")
+    if r.async_mode == "full" and r.use_fault_tolerance:
+        errors.append(NotBuilt(f"--use-fault-tolerance with --async-mode full (restarting an engine under the "
+                               f"running producer, its buffer kept) is {_NOT_YET}: drop one of them"))
     if not (cfg.has_training and cfg.has_rollout_engine):
         why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
                else "trains nothing (--debug-rollout-only)")

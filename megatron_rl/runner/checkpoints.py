@@ -29,6 +29,7 @@ class CheckpointCursor:
     step: Optional[int] = None  # the checkpoint last resumed from or saved (its rollout id)
     path: Optional[str] = None
     resumed_at: Optional[int] = None  # the step this job resumed at (None: fresh start)
+    extra: Optional[dict] = None  # the extra state of the checkpoint resumed from
 
 
 @dataclass
@@ -44,7 +45,7 @@ class CheckpointSaver:
         return bool(self.cfg.checkpoint.save) and every is not None and (rollout_id + 1) % every == 0
 
     def save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int,
-             dataset_state: Optional[dict] = None) -> None:
+             extra_state: Optional[dict] = None) -> None:
         """Collective: the backend writes ``iter_<step>``; the driver then moves the pointers and prunes.
 
         A failure raises on every rank at the same point (the backend's publish and the driver's
@@ -56,8 +57,11 @@ class CheckpointSaver:
         if not root:
             return
         extra = {"rollout_id": step}
-        if rollout is not None:  # --async-mode one-step passes the position before the rollout generated ahead
-            extra["dataset_state"] = dataset_state if dataset_state is not None else rollout.prompts.state_dict()
+        if rollout is not None:
+            extra["dataset_state"] = rollout.prompts.state_dict()
+        # an async driver's own state (the driver's): one-step the prompt position before the rollout generated
+        # ahead, full the rollout buffer's file; read back from CheckpointCursor.extra on resume
+        extra.update(extra_state or {})
         box = [extra]  # the driver's dataset state must reach every rank's copy of extra_state
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_rl.algorithms.spec import Spec
 from megatron_rl.backends.base import TrainBackend
@@ -79,17 +79,23 @@ class StepParts:
         ctx.log(rollout_id + 1, metrics)
         pause_point("step_logged", str(rollout_id + 1))  # tests: a signal once this step is in metrics.jsonl
 
-    def save_or_stop(self, rollout_id: int, dataset_state: Optional[dict] = None) -> tuple[bool, Optional[int]]:
+    def save_or_stop(self, rollout_id: int,
+                     prepare: Optional[Callable[[], Optional[dict]]] = None) -> tuple[bool, Optional[int]]:
         """The scheduled save, then a planned stop (saving first if the schedule did not): ``(saved, exit code
-        or None)``. ``dataset_state``: the prompt position a resume starts from (default: the manager's now)."""
+        or None)``. ``prepare``: called on every rank right before a save; what it returns (the driver's) goes
+        into the checkpoint's extra state (an async driver's prompt position, its buffer's file)."""
         ctx, backend = self.ctx, self.backend
+
+        def save() -> None:
+            assert backend is not None, "only a run with a backend saves"
+            ctx.checkpoints.save(backend, self.rollout, rollout_id + 1, extra_state=prepare() if prepare else None)
+
         saved = backend is not None and ctx.checkpoints.due(rollout_id)
         if saved:
-            assert backend is not None, "only a run with a backend saves"
-            ctx.checkpoints.save(backend, self.rollout, rollout_id + 1, dataset_state=dataset_state)
+            save()
         if ctx.stop.should_stop():
             if backend and not saved:
-                ctx.checkpoints.save(backend, self.rollout, rollout_id + 1, dataset_state=dataset_state)
+                save()
                 saved = True
             return saved, ctx.stop.stop_early(rollout_id + 1)
         return saved, None

@@ -172,7 +172,8 @@ def run_one_step(parts: StepParts, start: int) -> Optional[int]:
             metrics["perf/engine_idle_frac"] = max(0.0, 1.0 - metrics["perf/generate_ahead_s"] / step_s)
             metrics["perf/trainer_idle_frac"] = metrics["perf/rollout_wait_s"] / step_s
         parts.evaluate_and_log(rollout_id, metrics, t0)
-        saved, code = parts.save_or_stop(rollout_id, dataset_state=ahead.position_before if following else None)
+        position = {"dataset_state": ahead.position_before} if following and ahead.position_before else None
+        saved, code = parts.save_or_stop(rollout_id, prepare=lambda: position)
         if saved and following:
             ahead.store(rollout_id + 1, upcoming, upcoming_metrics)
         if code is not None:

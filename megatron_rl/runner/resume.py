@@ -53,6 +53,7 @@ class Resumer:
         step = int(extra["rollout_id"])
         log.info("resumed from %s at rollout %d", path, step)
         self.cursor.step, self.cursor.path, self.cursor.resumed_at = step, path, step
+        self.cursor.extra = extra
         return step
 
     @staticmethod

@@ -25,9 +25,23 @@ def test_one_step_against_servers_of_their_own_is_accepted(argv):
     assert errors(argv(*URL, "--async-mode", "one-step", "--async-wait-timeout", "600")) == []
 
 
-def test_full_mode_is_refused_as_not_built(argv):
-    found = [e for e in errors(argv(*URL, "--async-mode", "full")) if "--async-mode full" in e]
-    assert len(found) == 1 and is_not_built_yet(found[0]) and "use --async-mode one-step" in found[0]
+def test_full_mode_against_servers_of_their_own_is_accepted(argv):
+    assert errors(argv(*URL, "--async-mode", "full", "--max-staleness", "2", "--partial-rollout")) == []
+
+
+def test_full_mode_pacing_flags_are_refused_elsewhere(argv):
+    found = [e for e in errors(argv(*URL, "--async-mode", "one-step", "--max-staleness", "2", "--partial-rollout"))
+             if "--max-staleness" in e]
+    assert len(found) == 1 and "staleness 1" in found[0] and "add --async-mode full" in found[0]
+    found = [e for e in errors(argv(*URL, "--async-mode", "full", "--max-staleness", "0")) if "--max-staleness" in e]
+    assert len(found) == 1 and "use >= 1" in found[0]
+
+
+def test_full_mode_with_fault_tolerance_is_refused_as_not_built(tiny_hf_models, tmp_path):
+    argv = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--rollout-num-gpus", "1", "--async-mode", "full",
+            "--use-fault-tolerance"]
+    found = [e for e in errors(argv) if "--use-fault-tolerance with --async-mode full" in e]
+    assert len(found) == 1 and is_not_built_yet(found[0])
 
 
 def test_the_embedded_engine_in_the_driver_rank_is_refused_as_not_built(argv):
@@ -50,4 +64,4 @@ def test_a_run_that_does_not_train_or_generate_has_nothing_to_overlap(argv, tmp_
 
 def test_the_wait_timeout_without_async_is_refused(argv):
     found = [e for e in errors(argv(*URL, "--async-wait-timeout", "60")) if "--async-wait-timeout" in e]
-    assert len(found) == 1 and "add --async-mode one-step or drop it" in found[0]
+    assert len(found) == 1 and "add --async-mode or drop it" in found[0]

@@ -1,0 +1,226 @@
+"""``--async-mode full``: the engines generate continuously (``runner.producer``); the trainer takes each
+step's batch from the buffer as it fills.
+
+One step, N = ``rollout_id``: take ``--rollout-batch-size`` groups in the order they were admitted (the
+producer's pacing keeps each within ``--max-staleness``; one beyond it is dropped and counted), train on them (weights -> N+1),
+close the producer's gate (no group starts), sync (the engines pause in abort mode: rows in flight
+come back with their tokens and are continued after it with ``--partial-rollout``), open the gate
+at version N+1, then evaluation, metrics, checkpoint, stop, as in turn.
+
+Exact resume (every prompt trained exactly once across any number of kills): a checkpoint N is
+preceded by ``<save>/async_buffer/buffer_N.pt``, one instant's snapshot of the producer: the finished
+groups not yet trained (with their tokens, versions and rewards), the requests not finished (in
+flight, or drawn and not started) and the prompt position after everything drawn, which is the
+position the checkpoint records. Groups that finish after the snapshot are trained by this run
+and, after a kill, generated again from their prompts by the resumed one (their samples were not
+in the snapshot; the snapshot lists them as not finished). The checkpoint's extra state names the
+file and its SHA-256; a resume whose file is missing or damaged stops, naming it, since going on
+would silently drop its prompts. Files live as long as their checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+import time
+from typing import Optional
+
+import torch
+
+from megatron_rl.data.types import GenerateRequest, Sample
+from megatron_rl.errors import ConfigError
+from megatron_rl.infra import checksum
+from megatron_rl.infra.checkpoint_root import iter_dir
+from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_version_metrics
+from megatron_rl.rollout.rewards import compute_rewards
+from megatron_rl.runner.loop import StepParts
+from megatron_rl.runner.one_step import staleness_metrics
+from megatron_rl.runner.producer import Group, RolloutProducer
+
+log = logging.getLogger("megatron_rl")
+
+DIR_NAME = "async_buffer"
+FORMAT = 1
+MAX_WORKERS = 64  # groups generated at once at most (each a request of n rows the servers batch together)
+_NAME_RE = re.compile(r"^buffer_(\d+)\.pt$")
+
+
+def buffer_path(root: str, step: int) -> str:
+    return os.path.join(root, DIR_NAME, f"buffer_{step}.pt")
+
+
+def _write_buffer(root: str, step: int, snapshot: dict) -> dict:
+    """The snapshot as ``buffer_<step>.pt`` (checksummed, atomic); what the checkpoint's extra state records."""
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "step": step, **snapshot}, buf)
+    payload = buf.getvalue()
+    path = buffer_path(root, step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    checksum.write_bytes(path, payload)
+    return {"file": os.path.basename(path), "sha256": hashlib.sha256(payload).hexdigest(),
+            "groups": len(snapshot["buffer"]), "pending": len(snapshot["pending"])}
+
+
+def _prune_buffers(root: str, keep: int) -> None:
+    """Drop ``buffer_K.pt`` whose checkpoint ``iter_K`` is gone (never ``keep``'s)."""
+    directory = os.path.join(root, DIR_NAME)
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        m = _NAME_RE.match(name)
+        if m and int(m.group(1)) != keep and not os.path.isdir(iter_dir(root, int(m.group(1)))):
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
+def read_buffer(root: str, step: int, record: dict) -> dict:
+    """The snapshot checkpoint ``step`` names in its extra state, checked; ``ConfigError`` naming the file when it
+    is missing, damaged or not the one the checkpoint recorded (its prompts would be lost otherwise)."""
+    path = buffer_path(root, step)
+    fix = ("its buffered and in-flight prompt groups would never be trained; restore the file, or start afresh "
+           "(--no-auto-resume --existing-save archive)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--async-mode full: checkpoint {iter_dir(root, step)} was saved with the rollout buffer "
+                          f"{path} ({record.get('groups')} finished group(s), {record.get('pending')} unfinished), "
+                          f"which is missing: {fix}")
+    try:
+        payload = checksum.read_bytes(path, fix)
+    except checksum.ChecksumMismatch as exc:
+        raise ConfigError(f"--async-mode full: the rollout buffer {path} is damaged ({exc}): {fix}") from exc
+    if hashlib.sha256(payload).hexdigest() != record.get("sha256"):
+        raise ConfigError(f"--async-mode full: the rollout buffer {path} is not the one checkpoint "
+                          f"{iter_dir(root, step)} was saved with (SHA-256 differs): {fix}")
+    data = torch.load(io.BytesIO(payload), weights_only=False)
+    if data.get("format") != FORMAT or data.get("step") != step:
+        raise ConfigError(f"--async-mode full: {path} holds format {data.get('format')} step {data.get('step')}, "
+                          f"expected format {FORMAT} step {step}: {fix}")
+    return data
+
+
+def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
+    """The driver's producer: restored from the checkpoint's buffer file on a resume from a full-mode checkpoint."""
+    cfg, rollout = parts.ctx.cfg, parts.rollout
+    assert rollout is not None, "the driver holds the rollout manager"
+    r, b = cfg.rollout, cfg.batching
+    cursor = parts.ctx.checkpoints.cursor
+    restored: dict = {}
+    record = (cursor.extra or {}).get("async_buffer") if cursor.resumed_at == start else None
+    if record:
+        assert cfg.checkpoint.save is not None and cursor.path is not None, "a resume reads its checkpoint"
+        restored = read_buffer(os.path.dirname(cursor.path), start, record)
+        if restored["state"] != rollout.position():
+            raise ConfigError(f"--async-mode full: {buffer_path(os.path.dirname(cursor.path), start)} was taken at "
+                              "another prompt position than its checkpoint records; start afresh "
+                              "(--no-auto-resume --existing-save archive)")
+        log.info("rollout buffer of %s restored: %d finished group(s) to train, %d prompt group(s) generated again",
+                 cursor.path, len(restored["buffer"]), len(restored["pending"]))
+    tok = getattr(rollout.engine, "tokenizer", None)
+    source = cfg.data.custom_rm_path or f"--rm-type {cfg.data.rm_type}"
+
+    def score(samples: list[Sample]) -> None:
+        for s in samples:
+            if s.response_text is None and tok is not None:
+                s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
+        compute_rewards(samples, rollout.reward_fn, source=source)
+
+    k = r.max_staleness if r.max_staleness is not None else 1
+    groups = b.rollout_batch_size
+    producer = RolloutProducer(
+        rollout.engine, lambda: list(next(rollout.prompts).requests),
+        sampling_params(cfg, n=b.n_samples_per_prompt, seed=r.rollout_seed), groups_per_step=groups,
+        max_staleness=k, version=parts.synced_version, partial=r.partial_rollout, score=score, next_step=start,
+        concurrency=min((k + 1) * groups, MAX_WORKERS), abort_retries=r.rollout_abort_retries,
+        next_serial=restored.get("next_serial", 0),
+        pending=[GenerateRequest(**q) for q in restored.get("pending", [])],
+        buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
+                      [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])])
+    producer.extra_state = rollout.position  # type: ignore[method-assign] # the position, under the same lock
+    return producer
+
+
+def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tuple[list[Sample], dict]:
+    """The step's groups, in the order they were admitted; one beyond ``--max-staleness`` dropped and counted."""
+    cfg = parts.ctx.cfg
+    want, k = cfg.batching.rollout_batch_size, cfg.rollout.max_staleness or 1
+    engine = parts.rollout.engine if parts.rollout is not None else None
+    describe = getattr(engine, "describe", lambda: type(engine).__name__)
+    kept: list[Group] = []
+    dropped = 0
+    t = time.perf_counter()
+    while len(kept) < want:
+        for group in producer.take(want - len(kept), rollout_id, cfg.rollout.async_wait_timeout, describe):
+            if any(s.staleness(rollout_id) > k for s in group.samples):
+                dropped += 1
+                log.warning("rollout %d: dropped prompt group %s (staleness %d > --max-staleness %d)", rollout_id,
+                            group.request.metadata, max(s.staleness(rollout_id) for s in group.samples), k)
+            else:
+                kept.append(group)
+    wait_s = time.perf_counter() - t
+    samples = []
+    for index, group in enumerate(kept):  # GRPO groups by group_index: renumbered within the step's batch
+        for s in group.samples:
+            s.group_index = index
+            samples.append(s)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([float(s.response_length) for s in samples])
+    finished, generating = producer.depth()
+    metrics = {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+               "rollout/response_len_mean": lengths.mean().item(), "rollout/response_len_max": lengths.max().item(),
+               "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+               "rollout/weight_version": float(min(s.oldest_version for s in samples)),
+               "rollout/dropped_stale": float(dropped), "rollout/buffer_depth": float(finished),
+               "rollout/inflight_groups": float(generating),
+               "rollout/partial_continued_samples": float(sum("partial_continuations" in s.metadata for s in samples)),
+               "perf/rollout_wait_s": wait_s}
+    metrics.update(weight_version_metrics(samples, rollout_id))
+    metrics.update(staleness_metrics(samples, trained_at=rollout_id))
+    if cfg.mode.save_debug_rollout_data:
+        save_rollout(cfg.mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
+    return samples, metrics
+
+
+def run_full(parts: StepParts, start: int) -> Optional[int]:
+    """The loop of ``--async-mode full`` (module docstring); the exit code of a planned stop, else None."""
+    cfg = parts.ctx.cfg
+    producer = _build_producer(parts, start) if parts.rollout is not None else None
+    root = cfg.checkpoint.save
+    if producer is not None:
+        producer.start()
+    try:
+        for rollout_id in range(start, cfg.rollout.num_rollout):
+            t0 = time.perf_counter()
+            samples, metrics = _batch(producer, parts, rollout_id) if producer is not None else (None, {})
+            parts.train(samples, metrics)
+            if producer is not None:
+                producer.close_gate()  # nothing starts while the weights change; rows in flight are paused by the sync
+            try:
+                parts.push_weights(rollout_id + 1, metrics)
+            finally:
+                if producer is not None:
+                    producer.open_gate(rollout_id + 1)
+            if producer is not None:
+                step_s = time.perf_counter() - t0
+                metrics["perf/trainer_idle_frac"] = metrics["perf/rollout_wait_s"] / step_s if step_s > 0 else 0.0
+                metrics["perf/engine_idle_frac"] = min(1.0, producer.idle_seconds() / step_s) if step_s > 0 else 0.0
+
+            def prepare(step: int = rollout_id + 1) -> Optional[dict]:
+                if producer is None or root is None:
+                    return None
+                snapshot = producer.snapshot()
+                record = _write_buffer(root, step, snapshot)
+                _prune_buffers(root, keep=step)
+                return {"dataset_state": snapshot["state"], "async_buffer": record}
+
+            parts.evaluate_and_log(rollout_id, metrics, t0)
+            _, code = parts.save_or_stop(rollout_id, prepare=prepare)
+            if code is not None:
+                return code
+        return None
+    finally:
+        if producer is not None:
+            producer.stop()

@@ -1,0 +1,255 @@
+"""runner/producer.py: the staleness bound, partial rollouts and the snapshot, under random speeds.
+
+The engine is a double that answers like an SGLang server paused in abort mode: it draws tokens one
+at a time, each stamped with the version it holds (and a log-prob that encodes that version), and a
+sync's pause cuts every row in flight, which comes back ``abort`` with the tokens drawn so far. Engine
+and trainer sleep random short times so groups finish out of order and syncs land mid-response; every
+assertion is on the samples' state (versions, tokens, prompt indices), none on timing.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.runner.producer import Group, RolloutProducer
+
+B, N, MAX_NEW = 3, 2, 6
+
+
+def logprob_of(version: int) -> float:
+    return -0.001 * (version + 1)
+
+
+class PausingEngine:
+    """Token by token; ``sync(version)`` aborts the rows in flight (their tokens returned) and waits for them."""
+
+    def __init__(self, seed: int, delay: float):
+        self.version, self.rng, self.delay = 0, random.Random(seed), delay
+        self._lock = threading.Condition()
+        self._pausing, self._active = False, 0
+
+    def generate(self, requests, sampling):
+        with self._lock:
+            self._active += 1
+        try:
+            out = []
+            for req in requests:
+                for _ in range(sampling.n):
+                    out.append(self._row(req, sampling))
+            return out
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
+    def _row(self, req, sampling) -> Sample:
+        tokens, logprobs, versions, finish = [], [], [], "length"
+        for _ in range(sampling.max_new_tokens):
+            time.sleep(self.rng.random() * self.delay)
+            with self._lock:
+                if self._pausing:
+                    finish = "abort"
+                    break
+                version = self.version
+            tokens.append(7)
+            logprobs.append(logprob_of(version))
+            versions.append(version)
+            if self.rng.random() < 0.15:
+                finish = "stop"
+                break
+        spans = len(set(versions)) > 1
+        return Sample(req.group_index, list(req.prompt_ids), tokens, rollout_logprobs=logprobs, finish_reason=finish,
+                      weight_version=versions[0] if versions else self.version,
+                      token_versions=versions if spans else [], metadata=dict(req.metadata))
+
+    def sync(self, version: int) -> None:
+        with self._lock:
+            self._pausing = True
+            while self._active:  # abort mode: every row in flight returns at its next token
+                self._lock.wait()
+            self.version = version
+            self._pausing = False
+
+
+class Prompts:
+    def __init__(self):
+        self.drawn = 0
+
+    def draw(self) -> list[GenerateRequest]:
+        out = []
+        for g in range(B):
+            out.append(GenerateRequest([1, 2, self.drawn], g, metadata={"prompt_index": self.drawn}))
+            self.drawn += 1
+        return out
+
+
+def make(engine, prompts, *, k: int, partial: bool, **kw) -> RolloutProducer:
+    return RolloutProducer(engine, prompts.draw, SamplingParams(max_new_tokens=MAX_NEW, n=N, seed=3),
+                           groups_per_step=B, max_staleness=k, version=engine.version, partial=partial,
+                           score=lambda samples: None, concurrency=(k + 1) * B, **kw)
+
+
+def train(producer, engine, steps, start=0, trainer_delay=0.0, seed=0):
+    rng, trained = random.Random(seed), []
+    for step in range(start, start + steps):
+        groups = producer.take(B, step, timeout_s=120)
+        trained.append((step, groups))
+        time.sleep(rng.random() * trainer_delay)  # the training
+        producer.close_gate()
+        engine.sync(step + 1)
+        producer.open_gate(step + 1)
+    return trained
+
+
+@pytest.mark.parametrize("k,partial,engine_delay,trainer_delay", [
+    (1, True, 0.002, 0.0),  # the engine is the slow side
+    (1, True, 0.0, 0.01),  # the trainer is
+    (2, True, 0.001, 0.005),
+    (1, False, 0.001, 0.002),
+])
+def test_every_trained_token_is_within_the_bound_and_nothing_is_dropped(k, partial, engine_delay, trainer_delay):
+    engine, prompts = PausingEngine(seed=k, delay=engine_delay), Prompts()
+    producer = make(engine, prompts, k=k, partial=partial)
+    producer.start()
+    try:
+        trained = train(producer, engine, steps=12, trainer_delay=trainer_delay, seed=k)
+    finally:
+        producer.stop()
+    indices = []
+    mixed = 0
+    for step, groups in trained:
+        assert len(groups) == B and [len(g.samples) for g in groups] == [N] * B
+        for g in groups:
+            indices.append(g.request.metadata["prompt_index"])
+            for s in g.samples:
+                versions = s.effective_token_versions()
+                assert s.finish_reason != "abort" and 1 <= len(versions) <= MAX_NEW
+                assert min(versions) >= step - k, (step, versions)  # the bound, every token
+                assert s.staleness(step) <= k and s.oldest_version == min(versions)
+                # each token carries the behaviour log-prob of the weights that drew it
+                assert s.rollout_logprobs == [logprob_of(v) for v in versions]
+                assert versions == sorted(versions)
+                mixed += len(set(versions)) > 1
+                if len(set(versions)) > 1:
+                    assert s.metadata["partial_continuations"] >= 1
+    # taken in admission order, each prompt once: no group dropped, none trained twice
+    assert indices == list(range(12 * B))
+    if not partial:
+        assert mixed == 0  # a response cut by a sync was drawn again, whole, by the new weights
+
+
+def test_a_response_cut_by_a_sync_continues_on_the_new_weights():
+    """Deterministic: the row draws 2 tokens by version 0, parks until the sync pauses it, comes back aborted with
+    them, and is continued after the sync from prompt + those tokens by version 1."""
+    parked, calls = threading.Event(), []
+
+    class Parking(PausingEngine):
+        def _row(self, req, sampling):
+            calls.append((list(req.prompt_ids), sampling.max_new_tokens, self.version))
+            if len(calls) > 1:  # the continuation: 3 more tokens by the version it holds now
+                return Sample(req.group_index, list(req.prompt_ids), [8, 8, 8], [logprob_of(self.version)] * 3,
+                              finish_reason="stop", weight_version=self.version, metadata=dict(req.metadata))
+            parked.set()
+            with self._lock:
+                while not self._pausing:
+                    self._lock.wait()
+            return Sample(req.group_index, list(req.prompt_ids), [7, 7], [logprob_of(0)] * 2, finish_reason="abort",
+                          weight_version=0, metadata=dict(req.metadata))
+
+        def sync(self, version):
+            with self._lock:
+                self._pausing = True
+                self._lock.notify_all()
+                while self._active:
+                    self._lock.wait()
+                self.version, self._pausing = version, False
+
+    engine = Parking(seed=0, delay=0.0)
+    producer = RolloutProducer(engine, lambda: [GenerateRequest([1, 2], 0, metadata={"prompt_index": 0})],
+                               SamplingParams(max_new_tokens=MAX_NEW, n=1, seed=3), groups_per_step=1,
+                               max_staleness=1, version=0, partial=True, score=lambda samples: None, concurrency=1)
+    producer.start()
+    try:
+        assert parked.wait(60)
+        producer.close_gate()
+        engine.sync(1)
+        producer.open_gate(1)
+        (group,) = producer.take(1, 0, timeout_s=60)
+    finally:
+        producer.stop()
+    (s,) = group.samples
+    assert calls[1] == ([1, 2, 7, 7], MAX_NEW - 2, 1)  # prompt + the kept tokens, for the budget left, by v1
+    assert s.prompt_ids == [1, 2] and s.response_ids == [7, 7, 8, 8, 8] and s.finish_reason == "stop"
+    assert s.token_versions == [0, 0, 1, 1, 1] and s.weight_version == 0 and s.staleness(1) == 1
+    assert s.rollout_logprobs == [logprob_of(0)] * 2 + [logprob_of(1)] * 3
+    assert s.metadata["partial_continuations"] == 1
+
+
+def test_snapshot_restores_every_untrained_prompt_exactly_once():
+    engine, prompts = PausingEngine(seed=5, delay=0.001), Prompts()
+    producer = make(engine, prompts, k=1, partial=True)
+    producer.start()
+    try:
+        before = train(producer, engine, steps=3)
+        producer.close_gate()  # as at a checkpoint: the snapshot is one instant's state
+        snap = producer.snapshot()
+        producer.open_gate(engine.version)
+    finally:
+        producer.stop()
+    trained = [g.request.metadata["prompt_index"] for _, gs in before for g in gs]
+    buffered = [g["request"]["metadata"]["prompt_index"] for g in snap["buffer"]]
+    pending = [r["metadata"]["prompt_index"] for r in snap["pending"]]
+    # every prompt drawn so far is trained, finished in the buffer, or listed to be generated again: once
+    assert sorted(trained + buffered + pending) == list(range(prompts.drawn))
+
+    engine2 = PausingEngine(seed=6, delay=0.001)
+    engine2.version = engine.version
+    restored = RolloutProducer(
+        engine2, prompts.draw, SamplingParams(max_new_tokens=MAX_NEW, n=N, seed=3), groups_per_step=B,
+        max_staleness=1, version=engine2.version, partial=True, score=lambda samples: None, concurrency=2 * B,
+        next_step=3, next_serial=snap["next_serial"], pending=[GenerateRequest(**r) for r in snap["pending"]],
+        buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
+                      [Sample(**s) for s in g["samples"]]) for g in snap["buffer"]])
+    restored.start()
+    try:
+        after = train(restored, engine2, steps=3, start=3)
+    finally:
+        restored.stop()
+    again = [g.request.metadata["prompt_index"] for _, gs in after for g in gs]
+    assert set(again[:len(buffered)]) == set(buffered)  # the finished groups first
+    assert sorted(trained + again) == list(range(len(trained) + len(again)))  # nothing lost, nothing twice
+
+
+def test_a_worker_failure_reaches_the_trainer_naming_the_producer():
+    class Broken(PausingEngine):
+        def generate(self, requests, sampling):
+            raise RuntimeError("server exploded")
+
+    producer = make(Broken(seed=0, delay=0.0), Prompts(), k=1, partial=True)
+    producer.start()
+    try:
+        with pytest.raises(Exception, match="rollout producer failed: server exploded"):
+            producer.take(B, 0, timeout_s=60)
+    finally:
+        producer.stop()
+
+
+def test_take_times_out_naming_what_it_waited_for():
+    class Silent(PausingEngine):
+        def generate(self, requests, sampling):
+            threading.Event().wait(30)
+            return []
+
+    producer = make(Silent(seed=0, delay=0.0), Prompts(), k=1, partial=True)
+    producer.start()
+    try:
+        with pytest.raises(Exception, match=r"did not arrive within --async-wait-timeout 0.2 s \(0 finished, 6 "
+                                            r"generating, gate open, engines Silent\)"):
+            producer.take(B, 0, timeout_s=0.2, describe=lambda: "Silent")
+    finally:
+        producer.stop()
