@@ -2,9 +2,12 @@
 
 Why: ``broadcast_object_list`` pickles every ``Sample`` dataclass with its
 short int lists; the numeric bulk (token ids, loss masks, rollout log-probs,
-rewards, group indices, weight versions) is better moved as raw arrays, a
-column per field. Everything else (finish reason, label, texts, metadata) goes
-in a small pickled header, also column by column.
+rewards, group indices, weight versions and per-token weight versions) is
+better moved as raw arrays, a column per field. Everything else (finish reason,
+label, texts, metadata) goes in a small pickled header, also column by column.
+
+``SampleStub`` headers (``encode_headers``) carry no per-token versions: a rank
+that does not train on a sample never reads them (``types._HELD_ELSEWHERE``).
 
 Invariant: ``decode(*encode(samples)) == samples`` exactly, field by field and
 type by type. A column that does not fit the flat layout exactly (an id that
@@ -35,7 +38,7 @@ from megatron_rl.data.types import Sample, SampleStub
 _FIELDS = tuple(f.name for f in fields(Sample))
 _INT_SCALARS = ("group_index", "weight_version")
 _FLOAT_SCALARS = ("reward",)
-_INT_LISTS = ("prompt_ids", "response_ids", "loss_mask")
+_INT_LISTS = ("prompt_ids", "response_ids", "loss_mask", "token_versions")
 _FLOAT_LISTS = ("rollout_logprobs",)
 _I32, _I64 = np.iinfo(np.int32), np.iinfo(np.int64)
 

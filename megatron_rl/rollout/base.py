@@ -15,8 +15,10 @@ defined in ``data.types`` and re-exported here. Invariants every engine keeps:
   (temperature 0) reports the temperature-1 log-prob of the argmax token.
 * A stop token that ends a response is part of ``response_ids`` (with its
   log-prob) so the trainer can learn to emit it; ``finish_reason`` is "stop".
-* ``weight_version`` on a sample is the version of the weights that produced
-  every one of its tokens.
+* ``weight_version`` on a sample is the version of the weights that produced its
+  first (oldest) response token; when an update landed mid-response, ``token_versions``
+  holds the version of every response token (response-aligned; empty means every
+  token has ``weight_version``), so staleness is measured per token.
 * ``update_weights_from_disk(path, version)`` loads a dir of HF safetensors (what the disk
   transport publishes, ``rollout.weight_dir``) with the same checks and the same version rule.
 * ``update_weights`` is atomic with respect to the version: the engine adopts

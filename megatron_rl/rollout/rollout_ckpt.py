@@ -154,7 +154,8 @@ def load_rollout_ckpt(root: str, rollout_id: int, *, checkpoint: str, fingerprin
                       state_before: dict, weight_version: Optional[int]) -> Optional[dict]:
     """The stored rollout if it belongs to this resume, else None (the reason logged; the caller regenerates).
 
-    Returns the stored dict with ``samples`` as ``Sample`` objects.
+    Returns the stored dict with ``samples`` as ``Sample`` objects. Samples are stored as field dicts,
+    so a file written before a ``Sample`` field existed (``token_versions``) loads with its default.
     """
     path = rollout_ckpt_path(root, rollout_id)
     if not os.path.isfile(path):

@@ -249,3 +249,43 @@ def test_a_rollout_file_written_before_checksums_still_loads(setup, caplog):
         samples, _ = ctx.get(2, second)
     assert engine.calls == 0 and {s.reward for s in samples} == {0.25}
     assert f"{path} has no checksum" in caplog.text and "not regenerated" in caplog.text
+
+
+def _without_token_versions(samples):
+    """Sample dicts as files written before ``Sample.token_versions`` existed hold them."""
+    assert all("token_versions" in s for s in samples)
+    return [{k: v for k, v in s.items() if k != "token_versions"} for s in samples]
+
+
+def test_a_rollout_file_written_before_token_versions_still_loads(setup):
+    import io
+
+    from megatron_rl.infra import checksum
+    from megatron_rl.rollout.rollout_ckpt import read_rollout_file
+
+    cfg, ck2, position, path = _stored_run(setup)
+    data = read_rollout_file(path)
+    data["samples"] = _without_token_versions(data["samples"])
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    checksum.write_bytes(path, buf.getvalue())  # sealed, as the older version sealed it
+    engine = CountingEngine()
+    ctx, second = _job(cfg(), engine, position=position, checkpoint=(2, ck2), resumed=True, reward=quarter_reward)
+    samples, _ = ctx.get(2, second)
+    assert engine.calls == 0 and {s.reward for s in samples} == {0.25}
+    assert all(s.token_versions == [] and s.staleness(2) == 0 for s in samples)
+
+
+def test_a_debug_rollout_keeps_token_versions_and_an_older_file_loads(tmp_path):
+    """``--save-debug-rollout-data`` / ``--load-debug-rollout-data`` files, before and after the field."""
+    from megatron_rl.rollout.manager import load_rollout, save_rollout
+
+    samples = [Sample(group_index=0, prompt_ids=[1], response_ids=[2, 3], weight_version=1, token_versions=[1, 2]),
+               Sample(group_index=0, prompt_ids=[1], response_ids=[4], weight_version=2)]
+    path = str(tmp_path / "rollout_0.pt")
+    save_rollout(path, 0, samples)
+    assert load_rollout(path) == samples
+    old = str(tmp_path / "rollout_old.pt")
+    torch.save({"rollout_id": 0, "samples": _without_token_versions([vars(s) for s in samples])}, old)
+    loaded = load_rollout(old)
+    assert [s.token_versions for s in loaded] == [[], []] and [s.weight_version for s in loaded] == [1, 2]

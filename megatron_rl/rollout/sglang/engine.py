@@ -59,7 +59,9 @@ elsewhere a seeded call samples freshly each time. The first seeded ``generate``
 server's ``/server_info`` and logs one warning per server that will ignore the seed.
 
 Weight versions: each sample carries the version of its first output token
-(``meta_info.weight_versions`` spans); a row that spans an update keeps its spans in
+(``meta_info.weight_versions`` spans, which must cover the output tokens exactly); a row that
+spans an update also carries every token's version in ``Sample.token_versions`` (empty when
+all its tokens share one, so the usual sample is unchanged) and keeps its spans in
 ``metadata["weight_version_spans"]``.
 
 ``named_weights`` raises: SGLang's ``/get_weights_by_name`` is missing for most model
@@ -487,7 +489,7 @@ class SGLangEngine(RolloutEngine):
                     group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.output_ids,
                     rollout_logprobs=out.logprobs, finish_reason=out.finish_reason, weight_version=out.weight_version,
                     label=req.label, prompt_text=req.prompt_text, response_text=out.text,
-                    metadata=metadata))
+                    metadata=metadata, token_versions=out.token_versions()))
         return samples
 
     def _run_watched(self, fn, servers: list[int]) -> list:

@@ -16,7 +16,9 @@ Taken from SGLang 0.5.2x: ``python/sglang/srt/entrypoints/http_server.py``
   the reply was built*, not necessarily the one that generated the tokens: since 0.5.2x
   ``meta_info.weight_versions`` lists ``{"version", "start", "end"}`` spans over the output
   tokens (several when an update landed mid-row, e.g. after an in-place pause), and is what
-  the parser uses when present (checked against real SGLang 0.5.23, docs/sglang.md).
+  the parser uses when present (checked against real SGLang 0.5.23, docs/sglang.md). The spans
+  are half-open and in order; together they cover the output tokens exactly, and a reply whose
+  spans do not is out of protocol (per-token versions read from it would be wrong).
 * Errors: weight endpoints answer ``{"success": false, "message"}`` with 400;
   most others ``{"error": {"message"}}`` with 400; request validation
   ``{"object": "error", "message", "type", "param", "code"}``; an unknown path
@@ -201,25 +203,52 @@ class GenerateOutput:
     finish_message: Optional[str] = None
     weight_version_spans: tuple[tuple[int, int, int], ...] = ()
 
+    def token_versions(self) -> list[int]:
+        """``Sample.token_versions``: each output token's version when they differ, else ``[]``.
 
-def parse_weight_version_spans(meta: dict, *, where: str) -> tuple[tuple[int, int, int], ...]:
-    """``meta_info.weight_versions`` as ``((version, start, end), ...)``; () when the server sends none."""
+        Empty when every token has one version (the usual row), so such a sample stays exactly
+        what it was before per-token versions existed and costs nothing to move.
+        """
+        versions = [v for v, start, end in self.weight_version_spans for _ in range(start, end)]
+        return versions if len(set(versions)) > 1 else []
+
+
+def parse_weight_version_spans(meta: dict, *, where: str, num_tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """``meta_info.weight_versions`` as ``((version, start, end), ...)``; () when the server sends none.
+
+    The spans must cover the row's ``num_tokens`` output tokens exactly, in order (each starts where
+    the previous ended, the first at 0, the last ends at ``num_tokens``): the per-token versions the
+    trainer measures staleness with are read off them, so a gap, an overlap or a short cover is an
+    ``EngineError`` like a malformed span, not a guess.
+    """
     spans = meta.get("weight_versions")
     if not spans:
         return ()
     out = []
     for span in spans:
         if isinstance(span, dict):
-            version, start, end = span.get("version"), span.get("start"), span.get("end")
-        elif isinstance(span, (list, tuple)) and len(span) == 3:
-            version, start, end = span
+            raw: tuple = (span.get("version"), span.get("start"), span.get("end"))
         else:
-            start = end = None
-        if start is None or end is None:
+            raw = tuple(span) if isinstance(span, (list, tuple)) and len(span) == 3 else (None, None, None)
+        try:
+            start, end = int(raw[1]), int(raw[2])  # a missing or non-numeric bound raises
+        except (TypeError, ValueError):
             raise EngineError(f"{where} /generate row has a weight_versions entry {span!r}; expected "
-                              "{version, start, end}")
-        out.append((parse_weight_version(version, where=where), int(start), int(end)))
+                              "{version, start, end}") from None
+        out.append((parse_weight_version(raw[0], where=where), start, end))
+    covered: Optional[int] = 0  # where the next span must start; None once one did not
+    for _, start, end in out:
+        covered = end if covered == start <= end else None
+    if covered != num_tokens:
+        raise EngineError(f"{where} /generate row has weight_versions spans {spans!r} that do not cover its "
+                          f"{num_tokens} output token(s) exactly (in order, each starting where the previous "
+                          "ended); out of protocol")
     return tuple(out)
+
+
+def first_token_version(spans: tuple[tuple[int, int, int], ...]) -> int:
+    """The version of the first output token: the first span holding a token (the first span when none does)."""
+    return next((v for v, start, end in spans if end > start), spans[0][0])
 
 
 def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
@@ -244,8 +273,8 @@ def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
     if kind not in FINISH_TYPES:
         raise EngineError(f"{where} /generate row has finish_reason {finish!r}; expected a type in {FINISH_TYPES}")
     message = finish.get("message") if isinstance(finish, dict) else None
-    spans = parse_weight_version_spans(meta, where=where)
-    version = spans[0][0] if spans else parse_weight_version(meta.get("weight_version"), where=where)
+    spans = parse_weight_version_spans(meta, where=where, num_tokens=len(output_ids))
+    version = first_token_version(spans) if spans else parse_weight_version(meta.get("weight_version"), where=where)
     return GenerateOutput(output_ids=output_ids, logprobs=[float(t[0]) for t in token_logprobs], finish_reason=kind,
                           weight_version=version, text=entry.get("text"), finish_message=message,
                           weight_version_spans=spans)
