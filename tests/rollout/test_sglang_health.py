@@ -476,7 +476,7 @@ def test_weight_version_metrics_count_mixed_and_stale_samples():
     samples = [sample(3), sample(2, spans=[[2, 0, 1], [3, 1, 2]]), sample(1, finish="abort"), sample(3)]
     assert weight_version_metrics(samples, current_version=3) == {
         "rollout/stale_samples": 2.0, "rollout/weight_version_min": 1.0, "rollout/weight_version_max": 3.0,
-        "rollout/mixed_version_samples": 1.0}
+        "rollout/mixed_version_samples": 1.0, "rollout/staleness_mean": 0.75, "rollout/staleness_max": 2.0}
 
 
 def test_constructor_refuses_what_it_cannot_honour():
