@@ -3,9 +3,9 @@ step's batch from the buffer as it fills.
 
 One step, N = ``rollout_id``: take ``--rollout-batch-size`` groups in the order they were admitted (the
 producer's pacing keeps each within ``--max-staleness``; one beyond it is dropped and counted), train on them (weights -> N+1),
-close the producer's gate (no group starts), sync (the engines pause in abort mode: rows in flight
-come back with their tokens and are continued after it with ``--partial-rollout``), open the gate
-at version N+1, then evaluation, metrics, checkpoint, stop, as in turn.
+close the producer's gate (no group starts) and abort the rows in flight until none is (they come
+back with their tokens and are continued after the sync with ``--partial-rollout``), sync, open the
+gate at version N+1, then evaluation, metrics, checkpoint, stop, as in turn.
 
 Exact resume (every prompt trained exactly once across any number of kills): a checkpoint N is
 preceded by ``<save>/async_buffer/buffer_N.pt``, one instant's snapshot of the producer: the finished
@@ -196,8 +196,10 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
             t0 = time.perf_counter()
             samples, metrics = _batch(producer, parts, rollout_id) if producer is not None else (None, {})
             parts.train(samples, metrics)
-            if producer is not None:
-                producer.close_gate()  # nothing starts while the weights change; rows in flight are paused by the sync
+            if producer is not None:  # nothing starts while the weights change, nothing is left on the servers
+                producer.close_gate()
+                producer.quiesce(getattr(parts.rollout.engine if parts.rollout else None, "abort", None),
+                                 cfg.rollout.async_wait_timeout)
             try:
                 parts.push_weights(rollout_id + 1, metrics)
             finally:

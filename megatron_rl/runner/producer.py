@@ -20,9 +20,10 @@ across a sync, which keeps that wait short. A group that exceeds the bound all t
 ``--max-staleness`` lowered on a resume) is dropped when taken and counted
 (``rollout/dropped_stale``), never trained.
 
-**Partial rollouts** (``--partial-rollout``): a weight sync pauses the engines in abort mode,
-so every row in flight comes back ``abort`` with the tokens it had generated (SGLang returns
-them). With partial rollouts the row is continued after the sync: its prompt plus those tokens
+**Partial rollouts** (``--partial-rollout``): before a weight sync the producer closes its gate and
+aborts the engines' requests until none of its calls is in flight (``quiesce``), so every row in
+flight comes back ``abort`` with the tokens it had generated (SGLang returns them) and the servers
+hold nothing while their weights change. With partial rollouts the row is continued after the sync: its prompt plus those tokens
 is submitted again as the new prompt, for the tokens left of its budget, and the answer is
 appended; every token keeps the version and the behaviour log-prob of the weights that
 generated it (``Sample.token_versions``), and the continuation's cache is computed afresh by
@@ -95,6 +96,7 @@ class RolloutProducer:
         self._stopped = False
         self._error: Optional[BaseException] = None
         self._threads: list[threading.Thread] = []
+        self._calls = 0  # engine.generate calls in flight
         self._idle_since: Optional[float] = time.perf_counter()
         self.engine_idle_s = 0.0  # time with no group in flight (the engines idle), since the last take
 
@@ -146,6 +148,28 @@ class RolloutProducer:
         with self._cond:
             self._open = False
             self._sync_epoch += 1
+
+    def quiesce(self, abort: Optional[Callable[[], None]], timeout_s: float) -> None:
+        """After ``close_gate``: abort the engines' requests until none of this producer's calls is in flight.
+
+        Why before a sync: a call that passed the gate just before it closed may reach a server after
+        the sync paused it; it waits there, and the cache flush after the update is refused while a
+        request waits. Aborting until every call returned leaves nothing on the servers (the aborted
+        rows come back with their tokens: continued or drawn again after the sync). ``abort`` None (an
+        engine without one): the calls are waited for."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._calls == 0:
+                    return
+                calls = self._calls
+            if time.monotonic() > deadline:
+                raise EngineError(f"--async-mode full: {calls} generate call(s) still in flight {timeout_s:g} s after "
+                                  "the sync began aborting them; the engines do not answer /abort_request")
+            if abort is not None:
+                abort()
+            with self._cond:
+                self._cond.wait_for(lambda: self._calls == 0, timeout=0.2)
 
     def open_gate(self, version: int) -> None:
         with self._cond:
@@ -219,17 +243,14 @@ class RolloutProducer:
                     self._error = exc
                 self._cond.notify_all()
 
-    def _wait_open(self) -> int:
-        """Block while a sync runs; the sync epoch after it."""
-        with self._cond:
-            while not self._open and not self._stopped:
-                self._cond.wait()
-            return self._sync_epoch
-
     def _call(self, request: GenerateRequest, sampling: SamplingParams) -> tuple[list[Sample], bool]:
         """``engine.generate``, and whether a sync began while it ran (its aborts are the sync's, and an error
         from an engine caught between a sync's start and its end is retried after the sync)."""
-        epoch = self._wait_open()
+        with self._cond:
+            while not self._open and not self._stopped:
+                self._cond.wait()
+            epoch = self._sync_epoch
+            self._calls += 1
         try:
             out = self.engine.generate([request], sampling)
         except EngineError:
@@ -238,6 +259,10 @@ class RolloutProducer:
             if not synced:
                 raise
             return [], True
+        finally:
+            with self._cond:
+                self._calls -= 1
+                self._cond.notify_all()
         with self._cond:
             return out, self._sync_epoch != epoch
 
