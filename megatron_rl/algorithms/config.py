@@ -15,6 +15,11 @@ from megatron_rl.errors import ConfigError
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "none")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # k3 and low_var_kl: the same clamped estimator (verl)
+# Off-policy correction (docs/algorithms.md, "Off-policy correction"): the level at which the ratio
+# exp(old - rollout) is formed (verl's rollout_is / rollout_rs, slime's MIS tis_level / rs_level) and what
+# happens to a ratio outside its bounds (slime's MIS tis_mode; AReaL's rejection_sampling action).
+IS_LEVELS = ("token", "sequence", "geometric")
+TIS_MODES = ("truncate", "mask")
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,15 @@ class PolicyGradientConfig:
     kl_loss_type: str = "k3"  # --kl-loss-type: k1 | k2 | k3 = low_var_kl (clamped low-variance)
     use_unbiased_kl: bool = False  # --use-unbiased-kl: KL term weighted by the ratio exp(logp - old)
     entropy_coef: float = 0.0  # --entropy-coef: entropy bonus (subtracted from the loss)
-    use_tis: bool = False  # --use-tis: truncated importance sampling vs rollout log-probs
+    use_tis: bool = False  # --use-tis: importance weight exp(old - rollout) on the PG (and OPD) term
     tis_cap: float = 2.0  # --tis-cap: C in clamp(exp(old - rollout), tis_clip_low, C)
     tis_clip_low: float = 0.0  # --tis-clip-low: lower bound of the TIS weight (slime's name)
+    tis_level: str = "token"  # --tis-level: token | sequence (product) | geometric (per-token geometric mean)
+    tis_mode: str = "truncate"  # --tis-mode: truncate (clamp) | mask (weight 0 outside the bounds)
+    use_rs: bool = False  # --use-rs: rejection sampling, weight 0 where the ratio leaves the rs bounds
+    rs_level: str = "token"  # --rs-level: token | sequence | geometric
+    rs_upper_bound: float = 2.0  # --rs-upper-bound
+    rs_lower_bound: float | None = None  # --rs-lower-bound; None = 1 / rs_upper_bound (verl, slime)
     use_rollout_logprobs: bool = False  # --use-rollout-logprobs: old log-probs = the engine's, no forward
     opd_coef: float = 0.0  # --opd-coef: on-policy distillation (reverse KL to teacher)
     temperature: float = 1.0  # --rollout-temperature: log-probs are taken at the sampling temperature
@@ -92,6 +103,7 @@ class PolicyGradientConfig:
         if self.use_rollout_logprobs and self.use_tis:
             bad("--use-rollout-logprobs", True, "with --use-tis the TIS weight exp(old - rollout) would be 1 "
                 "(old log-probs ARE the rollout ones); drop one of the two flags")
+        self._check_off_policy(bad)
         if self.use_unbiased_kl and not self.kl_loss_coef:
             bad("--use-unbiased-kl", True, "it weights the KL loss term: set --use-kl-loss --kl-loss-coef > 0 "
                 "or drop it")
@@ -109,6 +121,49 @@ class PolicyGradientConfig:
         if self.kl_coef and self.advantage_estimator != "reinforce_plus_plus":  # baseline: KL goes in the loss
             bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s; for GRPO/RLOO use "
                 "--kl-loss-coef (KL term in the loss) instead")
+
+    def _check_off_policy(self, bad) -> None:
+        """The --tis-level/--tis-mode and --use-rs flags: known values, bounds that keep an on-policy
+        token (ratio 1), and no knob given without the switch that reads it."""
+        if self.tis_level not in IS_LEVELS:
+            bad("--tis-level", self.tis_level, f"choose one of {IS_LEVELS}")
+        if self.tis_mode not in TIS_MODES:
+            bad("--tis-mode", self.tis_mode, f"choose one of {TIS_MODES} (slime's clip mode is truncate with "
+                "--tis-clip-low > 0)")
+        if not self.use_tis:
+            for flag, value, default in (("--tis-level", self.tis_level, "token"),
+                                         ("--tis-mode", self.tis_mode, "truncate")):
+                if value != default:
+                    bad(flag, value, "it shapes the TIS weight: add --use-tis or drop it")
+        if self.rs_level not in IS_LEVELS:
+            bad("--rs-level", self.rs_level, f"choose one of {IS_LEVELS}")
+        if not self.rs_upper_bound >= 1:
+            bad("--rs-upper-bound", self.rs_upper_bound, "a bound below 1 rejects on-policy tokens (ratio 1); "
+                "use a value >= 1, e.g. 2.0 (token) or 1.001 (geometric)")
+        if self.rs_lower_bound is not None and not 0 <= self.rs_lower_bound <= 1:
+            bad("--rs-lower-bound", self.rs_lower_bound, "a bound above 1 rejects on-policy tokens (ratio 1); "
+                "use a value in [0, 1], e.g. 0.5, or leave it unset (1 / --rs-upper-bound)")
+        if not self.use_rs:
+            rs_knobs: tuple[tuple[str, object, object], ...] = (
+                ("--rs-level", self.rs_level, "token"), ("--rs-upper-bound", self.rs_upper_bound, 2.0),
+                ("--rs-lower-bound", self.rs_lower_bound, None))
+            for rs_flag, rs_value, rs_default in rs_knobs:
+                if rs_value != rs_default:
+                    bad(rs_flag, rs_value, "it configures rejection sampling: add --use-rs or drop it")
+        if self.use_rollout_logprobs and self.use_rs:
+            bad("--use-rollout-logprobs", True, "with --use-rs the ratio exp(old - rollout) would be 1 (old "
+                "log-probs ARE the rollout ones) and nothing is ever rejected; drop one of the two flags")
+
+    @property
+    def rs_low(self) -> float:
+        """The rejection sampling lower bound: --rs-lower-bound, unset = 1 / --rs-upper-bound (verl's and
+        slime's default: a symmetric band in log space)."""
+        return 1.0 / self.rs_upper_bound if self.rs_lower_bound is None else self.rs_lower_bound
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Rollout (behaviour) log-probs are read by the loss: TIS, rejection sampling, or as the old ones."""
+        return self.use_tis or self.use_rs or self.use_rollout_logprobs
 
     @property
     def clip_high(self) -> float:

@@ -26,5 +26,7 @@ def spec_from_config(cfg: Config) -> PolicyGradientSpec:
         kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_loss_type=a.kl_loss_type, kl_coef=a.kl_coef,
         log_kl=a.use_kl_loss and a.kl_loss_coef == 0,  # slime: --use-kl-loss --kl-loss-coef 0 logs the KL
         entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_cap=a.tis_cap, tis_clip_low=a.tis_clip_low,
+        tis_level=a.tis_level, tis_mode=a.tis_mode, use_rs=a.use_rs, rs_level=a.rs_level,
+        rs_upper_bound=a.rs_upper_bound, rs_lower_bound=a.rs_lower_bound,
         use_rollout_logprobs=a.use_rollout_logprobs, opd_coef=a.opd_kl_coef,
         temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size))

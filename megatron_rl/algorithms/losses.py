@@ -15,8 +15,12 @@ The same holds for metrics: each is returned as ``(sum, count)`` and only
 divided after ``reduce_metrics`` has summed both across micro-batches and ranks.
 
 Invariant: a sample is never split across micro-batches (packing keeps samples
-whole), so per-sample quantities (sequence means, GSPO ratios) are local.
+whole), so per-sample quantities (sequence means, GSPO ratios, sequence-level
+importance weights) are local.
 All tensors follow the flat response-aligned convention of ``data.types``.
+
+A metric whose name ends in ``_max`` is a maximum, not a mean: its pair is
+``(max, count)``, merged and all-reduced with max (``reduce_metrics``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from megatron_rl.ops.policy_loss import (  # noqa: F401
     _KL_CLAMP, _LOG_RATIO_CLAMP, kl_estimate, ppo_clip_per_token, tis_weights)
 
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count), both detached float64
+MAX_SUFFIX = "_max"  # metrics named *_max hold (max, count) and reduce with max
 
 
 @dataclass
@@ -134,6 +139,153 @@ def _msum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch
     return (values.detach().to(torch.float64) * m).sum(), m.sum()
 
 
+def _mmax(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max over mask, count)`` for a ``*_max`` metric of non-negative values; 0 when nothing is masked in,
+    so a rank or micro-batch without loss tokens never wins the max."""
+    keep = mask.detach().bool()
+    v = torch.where(keep, values.detach().to(torch.float64), torch.zeros((), dtype=torch.float64,
+                                                                        device=values.device))
+    return (v.max() if v.numel() else v.new_zeros(())), keep.to(torch.float64).sum()
+
+
+def _seq_frac(event: torch.Tensor, loss_mask: torch.Tensor, response_lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fraction of the sequences with loss tokens in which ``event`` holds on at least one loss token."""
+    m = loss_mask.detach().to(torch.float64)
+    hits = _segment_sum(event.detach().to(torch.float64) * m, response_lengths) > 0
+    has_tokens = _segment_sum(m, response_lengths) > 0
+    return (hits & has_tokens).to(torch.float64).sum(), has_tokens.to(torch.float64).sum()
+
+
+def level_log_ratio(log_ratio: torch.Tensor, loss_mask: torch.Tensor, response_lengths, level: str) -> torch.Tensor:
+    """The log importance ratio at ``level``, one value per token (a sequence's value on each of its tokens).
+
+    With ``log_ratio = old - rollout`` per token (proximal over behaviour policy):
+
+    * ``token``: ``log_ratio`` itself (per-token IS; slime's TIS, AReaL's decoupled PPO).
+    * ``sequence``: ``sum_{t in i, mask_t = 1} log_ratio_t``, the log of the product of the token ratios
+      (verl's ``rollout_is``/``rollout_rs`` ``sequence``, slime MIS's ``sequence``): the unbiased
+      sequence-level weight, whose variance grows with length.
+    * ``geometric``: that sum over the count of loss tokens, the log of the per-token geometric mean
+      (verl's ``rollout_rs`` ``geometric`` = ``seq_mean_k1``, slime MIS's ``geometric``, AReaL's sequence
+      level with ``agg: mean``): length-invariant, so one threshold fits short and long responses.
+
+    Only loss tokens (mask 1) enter the sums: tool/observation tokens were not sampled by the policy. A
+    masked token's value is replaced by 0 before summing, so an inf/NaN there cannot leak in; a sequence
+    with no loss tokens gets 0 (ratio 1).
+    """
+    if level == "token":
+        return log_ratio
+    keep = loss_mask.bool()
+    lr = torch.where(keep, log_ratio, torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device))
+    lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+    seq = _segment_sum(lr, lengths)
+    if level == "geometric":
+        seq = seq / _segment_sum(keep.to(lr.dtype), lengths).clamp(min=1.0)
+    elif level != "sequence":
+        raise ValueError(f"unknown importance-sampling level {level!r}: use token, sequence or geometric")
+    return seq.repeat_interleave(lengths.to(seq.device))
+
+
+@dataclass
+class BoundedWeights:
+    """Per-token importance weights after truncation or masking (detached), and which tokens each bound hit.
+
+    ``raw`` is the ratio before bounding, ``exp(min(log_ratio, 20))`` (finite for any input).
+    ``above``/``below``: the raw ratio was above ``cap`` / below ``low``; in ``truncate`` mode those
+    tokens carry the bound, in ``mask`` mode their weight is 0 (``masked = above | below``).
+    """
+
+    weight: torch.Tensor
+    raw: torch.Tensor
+    above: torch.Tensor
+    below: torch.Tensor
+
+    @property
+    def masked(self) -> torch.Tensor:
+        return self.above | self.below
+
+
+def bounded_weights(log_ratio: torch.Tensor, cap: float, low: float, mode: str) -> BoundedWeights:
+    """Bound the ratio ``r = exp(log_ratio)`` to ``[low, cap]`` by truncation or by masking.
+
+    * ``truncate``: ``w = clamp(r, low, cap)``: truncated IS (Espeholt et al. 2018, IMPALA's rho-bar;
+      "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025:
+      slime's ``--use-tis``, verl's ``rollout_is``). Biased, bounded variance; every token still trains.
+    * ``mask``: ``w = r`` if ``low <= r <= cap`` else 0: masked IS (slime's IcePop function and MIS
+      ``mask`` mode; AReaL's decoupled PPO with ``behav_imp_weight_cap``, Fu et al. 2025, which masks
+      tokens whose behaviour weight exceeds the cap). A token whose ratio is that far off says more
+      about a stale or broken sample than about the policy, so it is dropped rather than down-weighted.
+
+    ``log_ratio`` is clamped at +20 before ``exp`` (so +50 gives ``exp(20)``, never inf: as
+    ``tis_weights`` and verl's ``SAFETY_BOUND``); -50 gives ``exp(-50)``, a finite tiny number. A cap
+    below ``exp(20)`` (any sane one) makes the clamp invisible in ``above``.
+    """
+    raw = torch.exp(log_ratio.detach().clamp(max=_LOG_RATIO_CLAMP))
+    above, below = raw > cap, raw < low
+    if mode == "truncate":
+        weight = raw.clamp(min=low, max=cap)
+    elif mode == "mask":
+        weight = torch.where(above | below, torch.zeros_like(raw), raw)
+    else:
+        raise ValueError(f"unknown importance-weight mode {mode!r} (--tis-mode): use truncate or mask")
+    return BoundedWeights(weight, raw, above, below)
+
+
+def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                       response_lengths, cfg: PolicyGradientConfig,
+                       tis_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, Metrics]:
+    """The off-policy correction weight of every token (detached; 1 where no correction is on) and its metrics.
+
+    ``w = w_tis * w_rs``: ``w_tis`` the importance weight of ``--use-tis`` (``bounded_weights`` of the
+    ratio at ``--tis-level``, bounds ``[--tis-clip-low, --tis-cap]``, ``--tis-mode``), ``w_rs`` the 0/1
+    keep mask of ``--use-rs`` (the ratio at ``--rs-level`` inside ``[rs_low, --rs-upper-bound]``; verl's
+    ``rollout_rs``, slime MIS's ``use_rs``). The ratio is ``exp(old - rollout)``: old = the log-probs the
+    trainer recomputed before the step (AReaL's proximal policy), rollout = the engine's at sampling time
+    (the behaviour policy), so with PPO's ``exp(logp - old)`` this is AReaL's decoupled objective
+    ``w * clip(exp(logp - old))``. A weight of 0 removes the token's PG term but not its count in the
+    loss denominator (global, counted before training: slime and AReaL keep the original count).
+
+    ``tis_terms``: ``(weight, capped, floored)`` of the fused per-token kernel for the default token-level
+    truncation, so that path stays bit for bit what ``--use-tis`` always computed.
+    """
+    mask = loss_mask
+    weight = torch.ones_like(old_logprobs)
+    metrics: Metrics = {}
+    log_ratio = (old_logprobs - rollout_logprobs).detach()
+    if cfg.use_tis:
+        if tis_terms is not None and cfg.tis_level == "token" and cfg.tis_mode == "truncate":
+            w, capped, floored = tis_terms
+            raw_max = _mmax(torch.exp(log_ratio.clamp(max=_LOG_RATIO_CLAMP)), mask)
+        else:
+            b = bounded_weights(level_log_ratio(log_ratio, mask, response_lengths, cfg.tis_level),
+                                cfg.tis_cap, cfg.tis_clip_low, cfg.tis_mode)
+            w, capped, floored, raw_max = b.weight, b.above, b.below, _mmax(b.raw, mask)
+        weight = w
+        metrics["tis_weight"] = _msum(w, mask)
+        metrics["tis_ratio_max"] = raw_max
+        if cfg.tis_mode == "truncate":
+            metrics["tis_capped_frac"] = _msum(capped.double(), mask)
+            if cfg.tis_clip_low:
+                metrics["tis_clip_low_frac"] = _msum(floored.double(), mask)
+            if cfg.tis_level != "token":  # one fate per sequence: count sequences too
+                metrics["tis_seq_capped_frac"] = _seq_frac(capped, mask, response_lengths)
+                if cfg.tis_clip_low:
+                    metrics["tis_seq_clip_low_frac"] = _seq_frac(floored, mask, response_lengths)
+        else:
+            masked = capped | floored
+            metrics["tis_masked_frac"] = _msum(masked.double(), mask)
+            metrics["tis_seq_masked_frac"] = _seq_frac(masked, mask, response_lengths)
+    if cfg.use_rs:
+        r = bounded_weights(level_log_ratio(log_ratio, mask, response_lengths, cfg.rs_level),
+                            cfg.rs_upper_bound, cfg.rs_low, "mask")
+        weight = weight * (~r.masked).to(weight.dtype)
+        metrics["rs_ratio_max"] = _mmax(r.raw, mask)
+        metrics["rs_masked_frac"] = _msum(r.masked.double(), mask)
+        metrics["rs_seq_masked_frac"] = _seq_frac(r.masked, mask, response_lengths)
+    return weight, metrics
+
+
 def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> Metrics:
     """Train-vs-rollout log-prob mismatch: mean |diff| and k3 KL(rollout || train) over loss tokens."""
     diff = (train_logprobs - rollout_logprobs).detach().double()
@@ -146,7 +298,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     """The full RL loss of one micro-batch and its metric sums.
 
     ``loss = agg(w * pg) + kl_loss_coef * agg(kl) - entropy_coef * agg(H) + opd_coef * agg(w * opd)``
-    where ``w`` is the TIS weight (1 without ``use_tis``), ``kl`` the KL estimate (times the
+    where ``w`` is the off-policy correction weight (``off_policy_weights``: TIS and rejection
+    sampling; 1 with neither), ``kl`` the KL estimate (times the
     ratio ``exp(logp - old)`` with ``use_unbiased_kl``, as slime), ``pg`` the PPO/GSPO
     clipped surrogate and ``opd = sg[logp - teacher_logp] * ratio`` the
     policy-gradient form of the per-token reverse KL to the teacher (its gradient
@@ -165,7 +318,10 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
 
     old = x.old_logprobs if x.old_logprobs is not None else x.logprobs.detach()
     metrics: Metrics = {"loss_tokens": (mask.detach().double().sum(), torch.ones((), dtype=torch.float64))}
-    rollout = need("rollout_logprobs", "--use-tis") if cfg.use_tis else None
+    rollout = need("rollout_logprobs", "--use-tis" if cfg.use_tis else "--use-rs") if (
+        cfg.use_tis or cfg.use_rs) else None
+    # The fused kernels compute the default token-level truncated weight; other corrections are formed here.
+    kernel_tis = cfg.use_tis and cfg.tis_level == "token" and cfg.tis_mode == "truncate"
     ref = need("ref_logprobs", "--kl-loss-coef") if (cfg.kl_loss_coef or x.ref_logprobs is not None) else None
     token_log_ratio = x.logprobs - old
     use_ppo = cfg.advantage_estimator != "none" and not cfg.use_gspo
@@ -175,16 +331,16 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
         PolicyLossParams(ppo=use_ppo, eps_low=cfg.eps_clip, eps_high=cfg.clip_high, dual_clip_c=cfg.eps_clip_c,
                          kl_type=cfg.kl_loss_type, unbiased_kl=cfg.use_unbiased_kl, tis_cap=cfg.tis_cap,
                          tis_low=cfg.tis_clip_low),
-        token_log_ratio=token_log_ratio, ref_logprobs=ref, rollout_logprobs=rollout)
+        token_log_ratio=token_log_ratio, ref_logprobs=ref, rollout_logprobs=rollout if kernel_tis else None)
     weight = torch.ones_like(x.logprobs)
-    if cfg.use_tis:
-        assert terms.tis_weight is not None and terms.tis_capped is not None and terms.tis_floored is not None, \
-            "policy_loss_terms returns the TIS terms whenever rollout_logprobs is given"
-        weight = terms.tis_weight
-        metrics["tis_weight"] = _msum(weight, mask)
-        metrics["tis_capped_frac"] = _msum(terms.tis_capped.double(), mask)
-        if cfg.tis_clip_low:
-            metrics["tis_clip_low_frac"] = _msum(terms.tis_floored.double(), mask)
+    if rollout is not None:
+        tis_terms = None
+        if kernel_tis:
+            assert terms.tis_weight is not None and terms.tis_capped is not None and terms.tis_floored is not None, \
+                "policy_loss_terms returns the TIS terms whenever rollout_logprobs is given"
+            tis_terms = (terms.tis_weight, terms.tis_capped, terms.tis_floored)
+        weight, correction_metrics = off_policy_weights(old, rollout, mask, lengths, cfg, tis_terms)
+        metrics.update(correction_metrics)
     if x.rollout_logprobs is not None:  # --use-rollout-logprobs: old IS rollout; the training forward is compared
         metrics.update(mismatch_metrics(x.logprobs if cfg.use_rollout_logprobs else old, x.rollout_logprobs, mask))
 
@@ -224,12 +380,13 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
 
 
 def merge_metrics(parts: Iterable[Metrics]) -> Metrics:
-    """Sum ``(sum, count)`` pairs of several micro-batches, name by name."""
+    """Sum ``(sum, count)`` pairs of several micro-batches, name by name (``*_max``: max of the values)."""
     out: Metrics = {}
     for part in parts:
         for k, (s, c) in part.items():
             if k in out:
-                out[k] = (out[k][0] + s, out[k][1] + c)
+                top = torch.maximum(out[k][0], s.detach().double()) if k.endswith(MAX_SUFFIX) else out[k][0] + s
+                out[k] = (top, out[k][1] + c)
             else:
                 out[k] = (s.detach().double(), c.detach().double())
     return out
@@ -241,16 +398,23 @@ def reduce_metrics(parts: Iterable[Metrics], group=None) -> dict[str, float]:
     ``group=None`` reduces locally only (TP ranks hold duplicate metrics, so never
     reduce over the whole world). Metric names depend on the config and on which
     optional inputs are given; every rank of ``group`` must give the same ones.
-    ``loss_tokens`` is reported as a total, everything else as a mean.
+    ``loss_tokens`` is reported as a total, ``*_max`` as the maximum (all-reduced with MAX; 0 when
+    no rank had a token), everything else as a mean.
     """
     merged = merge_metrics(parts)
-    names = sorted(merged)
-    if not names:
-        return {}
-    stacked = torch.stack([torch.stack(merged[k]) for k in names])
-    if group is not None:
-        dist.all_reduce(stacked, group=group)
-    out = {}
-    for k, (s, c) in zip(names, stacked.tolist()):
-        out[k] = s if k == "loss_tokens" else (s / c if c > 0 else 0.0)
-    return out
+    out: dict[str, float] = {}
+    sums = sorted(k for k in merged if not k.endswith(MAX_SUFFIX))
+    maxes = sorted(k for k in merged if k.endswith(MAX_SUFFIX))
+    if sums:
+        stacked = torch.stack([torch.stack(merged[k]) for k in sums])
+        if group is not None:
+            dist.all_reduce(stacked, group=group)
+        for k, (s, c) in zip(sums, stacked.tolist()):
+            out[k] = s if k == "loss_tokens" else (s / c if c > 0 else 0.0)
+    if maxes:  # same names on every rank, so every rank joins this collective or none does
+        stacked = torch.stack([torch.stack(merged[k]) for k in maxes])
+        if group is not None:
+            dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+        for k, (m, c) in zip(maxes, stacked.tolist()):
+            out[k] = m if c > 0 else 0.0
+    return dict(sorted(out.items()))

@@ -94,14 +94,16 @@ class Spec(abc.ABC):
 
 
 class PolicyGradientSpec(Spec):
-    """GRPO / Dr.GRPO / RLOO / REINFORCE++(-baseline) with PPO-clip or GSPO, KL, entropy, TIS and OPD terms."""
+    """GRPO / Dr.GRPO / RLOO / REINFORCE++(-baseline) with PPO-clip or GSPO, KL, entropy, off-policy
+    correction (TIS / decoupled PPO, rejection sampling) and OPD terms."""
 
     def __init__(self, cfg: PolicyGradientConfig):
         self.cfg = cfg
 
     def prepare_batch(self, samples: Sequence[AnySample]) -> BatchRequirements:
         cfg = self.cfg
-        for flag, on in (("--use-tis", cfg.use_tis), ("--use-rollout-logprobs", cfg.use_rollout_logprobs)):
+        for flag, on in (("--use-tis", cfg.use_tis), ("--use-rs", cfg.use_rs),
+                         ("--use-rollout-logprobs", cfg.use_rollout_logprobs)):
             if not on:
                 continue
             for i, s in enumerate(samples):
@@ -117,7 +119,7 @@ class PolicyGradientSpec(Spec):
             old_logprobs=not cfg.use_rollout_logprobs,
             ref_logprobs=cfg.kl_loss_coef > 0 or cfg.log_kl or kl_in_reward,
             teacher_logprobs=cfg.opd_coef > 0,
-            rollout_logprobs=cfg.use_tis or cfg.use_rollout_logprobs,
+            rollout_logprobs=cfg.needs_rollout_logprobs,
             entropy=True,  # cheap (same pass); always logged to watch for entropy collapse
             advantages_need_logprobs=kl_in_reward,
             old_from_rollout=cfg.use_rollout_logprobs,

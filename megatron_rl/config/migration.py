@@ -5,7 +5,8 @@ Why generated: what each slime flag does here is already stated once, in the sch
 table (config/megatron_flags.py). This module lists every flag of slime's example scripts
 (``scripts/models/*.sh`` and ``scripts/run-*.sh`` for Qwen3-4B, Qwen3-30B-A3B, Qwen3-32B,
 Qwen2.5-0.5B, Qwen3-235B-A22B) and renders, per flag, its status and that text; :data:`NOTES`
-holds only what no table says (slime semantics that differ, flags not built). A test checks
+holds only what no table says (slime semantics that differ, flags not built). :data:`OFF_POLICY_PEERS`
+maps the off-policy correction settings of slime, verl and AReaL (config keys, not flags) to ours. A test checks
 the file is current and that the launch commands in tests/config/test_slime_scripts.py use
 no flag missing here, so the page cannot drift from the parser or from the scripts.
 """
@@ -83,6 +84,37 @@ NOTES: dict[str, tuple[str, str]] = {
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }
 
+#: off-policy correction: (peer, its setting, the flags here). verl's and AReaL's are config keys, not flags,
+#: and slime's MIS settings are keys of its example's YAML (examples/train_infer_mismatch_helper/mis.yaml), so
+#: none of them is parsed here: this table says what to write instead (docs/algorithms.md has the formulas).
+OFF_POLICY_PEERS: tuple[tuple[str, str, str], ...] = (
+    ("slime", "--use-tis --tis-clip C --tis-clip-low L", "the same flags (token-level truncated IS)"),
+    ("slime", "--custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function",
+     "--use-tis --tis-mode mask (with the same --tis-clip / --tis-clip-low)"),
+    ("slime MIS", "tis_level, tis_mode: truncate | mask, tis_upper_bound, tis_lower_bound",
+     "--tis-level, --tis-mode, --tis-cap, --tis-clip-low (slime's unset lower bound is 1 / upper in clip and "
+     "mask mode; here it is 0: give it)"),
+    ("slime MIS", "tis_mode: clip", "--tis-mode truncate --tis-clip-low L"),
+    ("slime MIS", "use_rs, rs_level, rs_upper_bound, rs_lower_bound",
+     "--use-rs, --rs-level, --rs-upper-bound, --rs-lower-bound"),
+    ("verl", "rollout_is: token | sequence, rollout_is_threshold: C",
+     "--use-tis --tis-level token | sequence --tis-cap C"),
+    ("verl", "rollout_rs: token | sequence | geometric, rollout_rs_threshold: U, rollout_rs_threshold_lower: L",
+     "--use-rs --rs-level token | sequence | geometric --rs-upper-bound U --rs-lower-bound L"),
+    ("verl", "rollout_rs: token_k1 | seq_sum_k1 | seq_mean_k1, rollout_rs_threshold: 'L_U'",
+     "--use-rs --rs-level token | sequence | geometric --rs-lower-bound 1/U --rs-upper-bound 1/L (verl's k1 is "
+     "rollout - old, the log of the reciprocal ratio)"),
+    ("AReaL", "use_decoupled_loss: true, behav_imp_weight_cap: C",
+     "--use-tis --tis-mode mask --tis-cap C (AReaL's proximal policy is the old log-probs recomputed here)"),
+    ("AReaL", "rejection_sampling: {level: token | sequence, action: mask | clamp, metric: ratio, agg: mean, "
+     "upper: C, lower: L}",
+     "--use-tis --tis-level token | geometric --tis-mode mask | truncate --tis-cap C --tis-clip-low L"),
+)
+
+_OFF_POLICY_NOT_BUILT = ("Not built: verl's k2 / k3 / seq_max rejection criteria and rollout_is_batch_normalize, "
+                         "slime MIS's rs_veto_threshold and tis_batch_normalize, AReaL's KL-metric rejection "
+                         "sampling and prox_logp_method approximations.")
+
 _DEFAULTS = """## Defaults that differ from slime
 
 slime sets some Megatron arguments itself (`_set_default_megatron_args`) and picks some
@@ -156,6 +188,12 @@ def render() -> str:
             lines.append(f"| `{flag}` | {status} | {text.replace('|', '/')} |")
         lines.append("")
     lines.append(_DEFAULTS)
+    lines += ["## Off-policy correction: verl, slime and AReaL settings", "",
+              "Formulas, metrics and sources: docs/algorithms.md, \"Off-policy correction\".", "",
+              "| peer | setting | here |", "|---|---|---|"]
+    for peer, setting, here in OFF_POLICY_PEERS:
+        lines.append(f"| {peer} | `{setting.replace('|', '/')}` | {here.replace('|', '/')} |")
+    lines += ["", _OFF_POLICY_NOT_BUILT, ""]
     return "\n".join(lines)
 
 
@@ -163,4 +201,5 @@ def all_slime_flags() -> list[str]:
     return [f for flags in SLIME_FLAGS.values() for f in flags]
 
 
-__all__ = ["DOC_PATH", "NOTES", "SLIME_FLAGS", "all_slime_flags", "render", "slime_flag_status"]
+__all__ = ["DOC_PATH", "NOTES", "OFF_POLICY_PEERS", "SLIME_FLAGS", "all_slime_flags", "render",
+           "slime_flag_status"]
