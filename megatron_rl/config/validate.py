@@ -356,6 +356,19 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
         errors.append("--use-rollout-logprobs with --use-tis: TIS weights each token by exp(old - rollout) "
                       "log-probs, which is 1 when the old log-probs ARE the rollout ones (slime refuses the "
                       "pair too); drop one of them")
+    # the off-policy knobs given without the switch that reads them (algorithms/config.py refuses them again
+    # when the spec is built; here they are refused at parse time, so --dry-run names them too)
+    for switch, on, knobs in (("--use-tis", a.use_tis, (("--tis-level", a.tis_level, "token"),
+                                                        ("--tis-mode", a.tis_mode, "truncate"))),
+                              ("--use-rs", a.use_rs, (("--rs-level", a.rs_level, "token"),
+                                                      ("--rs-upper-bound", a.rs_upper_bound, 2.0),
+                                                      ("--rs-lower-bound", a.rs_lower_bound, None)))):
+        for flag, value, default in knobs:
+            if not on and value != default:
+                errors.append(f"{flag} {value} shapes what {switch} does, which is off: add {switch} or drop {flag}")
+    if a.use_rollout_logprobs and a.use_rs:
+        errors.append("--use-rollout-logprobs with --use-rs: rejection sampling tests exp(old - rollout), which is 1 "
+                      "when the old log-probs ARE the rollout ones; drop one of them")
     if a.use_rollout_logprobs and cfg.mode.debug_rollout_only:
         errors.append("--use-rollout-logprobs chooses where training takes its old log-probs, but "
                       "--debug-rollout-only does not train; drop --use-rollout-logprobs")

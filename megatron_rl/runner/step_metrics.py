@@ -13,6 +13,7 @@ one kept. The rule per metric (docs/metrics.md says the same):
   step, no token count behind it);
 * counts and durations (``train/loss_tokens``, ``train/micro_batches``,
   ``train/update_skipped``, ``train/step_time_s``): sum over the steps;
+* maxima (names ending in ``_max``, e.g. ``train/tis_ratio_max``): the largest over the steps;
 * ``train/num_optimizer_steps``: how many steps were combined.
 """
 
@@ -42,6 +43,8 @@ def aggregate_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
         values = [float(s[name]) for s in steps]
         if name in SUMMED:
             out[name] = math.fsum(values)
+        elif name.endswith("_max"):
+            out[name] = max(values)
         elif name in STEP_MEAN or total <= 0:
             out[name] = math.fsum(values) / len(values)
         else:

@@ -65,3 +65,13 @@ def test_a_run_that_does_not_train_or_generate_has_nothing_to_overlap(argv, tmp_
 def test_the_wait_timeout_without_async_is_refused(argv):
     found = [e for e in errors(argv(*URL, "--async-wait-timeout", "60")) if "--async-wait-timeout" in e]
     assert len(found) == 1 and "add --async-mode or drop it" in found[0]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tis-mode", "mask"], "--tis-mode mask shapes what --use-tis does"),
+    (["--tis-level", "sequence"], "--tis-level sequence shapes what --use-tis does"),
+    (["--rs-upper-bound", "3"], "--rs-upper-bound 3.0 shapes what --use-rs does"),
+    (["--use-rs", "--use-rollout-logprobs"], "--use-rollout-logprobs with --use-rs"),
+])
+def test_off_policy_knobs_without_their_switch_are_refused_at_parse_time(argv, extra, needle):
+    assert any(needle in e for e in errors(argv(*extra))), errors(argv(*extra))

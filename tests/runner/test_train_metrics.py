@@ -103,3 +103,11 @@ def test_steps_must_report_the_same_metrics():
     with pytest.raises(ValueError, match="optimizer step 1 reported metrics"):
         aggregate_step_metrics([{"train/kl": 1.0}, {"train/kl": 1.0, "train/entropy": 2.0}])
     assert aggregate_step_metrics([]) == {}
+
+
+def test_maxima_take_the_largest_step():
+    from megatron_rl.runner.step_metrics import aggregate_step_metrics
+
+    got = aggregate_step_metrics([{"train/loss_tokens": 9.0, "train/tis_ratio_max": 3.5},
+                                  {"train/loss_tokens": 1.0, "train/tis_ratio_max": 40.0}])
+    assert got["train/tis_ratio_max"] == 40.0  # a token-weighted mean would say 7.15
