@@ -27,7 +27,10 @@ check), ``publish_written:<name>`` (publish.py, every rank's files are in the te
 nothing published), ``publish_sealed:<name>`` (publish.py, rank 0: the marker written too, only
 the rename left), ``published:<name>`` (publish.py, renamed into place, before the tracker files),
 ``prune_renamed:<name>`` (checkpoint_root.py, the pruned checkpoint renamed to its ``.deleting``
-name, not yet removed), ``rollout_stored:rollout_<N>`` (rollout_ckpt.py, the file is written).
+name, not yet removed), ``rollout_stored:rollout_<N>`` (rollout_ckpt.py, the file is written),
+``sync_started:<version>`` (runner/loop.py, a weight sync about to send; in full async mode the
+producer's gate closed and nothing in flight), ``buffer_full`` (runner/producer.py, a producer
+worker held back by the staleness bound for the first time; only that thread waits).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class StepParts:
     def push_weights(self, version: int, metrics: dict) -> None:
         """The weight sync to ``version`` (the step's count of updates), timed as ``perf/sync_s``."""
         t = time.perf_counter()
+        pause_point("sync_started", str(version))  # tests: SIGKILL as a sync begins (async: the producer quiesced)
         metrics.update(self.sync.sync(self.backend, self.engine, version=version))
         self.synced_version = version
         metrics["perf/sync_s"] = time.perf_counter() - t

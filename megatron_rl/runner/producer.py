@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
+from megatron_rl.infra.pause_points import pause_point
 
 log = logging.getLogger("megatron_rl")
 
@@ -97,6 +98,7 @@ class RolloutProducer:
         self._error: Optional[BaseException] = None
         self._threads: list[threading.Thread] = []
         self._calls = 0  # engine.generate calls in flight
+        self._bound_reached = False  # the staleness bound held admission back once (a pause point's moment)
         self._idle_since: Optional[float] = time.perf_counter()
         self.engine_idle_s = 0.0  # time with no group in flight (the engines idle), since the last take
 
@@ -217,6 +219,14 @@ class RolloutProducer:
             while True:
                 with self._cond:
                     while not self._stopped and not self._admissible():
+                        if self._open and not self._bound_reached:  # tests: SIGKILL with the buffer at its bound
+                            self._bound_reached = True
+                            self._cond.release()
+                            try:
+                                pause_point("buffer_full")
+                            finally:
+                                self._cond.acquire()
+                            continue
                         self._cond.wait()
                     if self._stopped:
                         return

@@ -1,0 +1,129 @@
+"""``--async-mode full`` end to end, SIGKILLed at three points and relaunched: every prompt trained once.
+
+Real parts: torchrun (``megatron_rl.infra.launch``) with 2 gloo ranks, megatron-core DP2 training,
+``python -m megatron_rl.train``, the producer's threads on the driver speaking HTTP to the server
+through ``SGLangEngine`` while the main thread trains, the disk transport, checkpoints and the
+buffer file beside each. The server is the protocol-exact stand-in (tests/rollout/sglang_standin.py)
+in this process.
+
+One run directory, four launches: killed (SIGKILL of the whole tree) (1) the first time the staleness
+bound holds a worker back, before any checkpoint; (2) as the sync of step 3 begins, after checkpoint 2
+with its buffer; (3) mid-save of checkpoint 4 (every rank's files written, nothing published: the
+buffer file of 4 exists, its checkpoint does not); (4) relaunched to the end. Then, over the lineage
+the final checkpoint comes from (the debug rollout file of each step, as the last launch to train it
+wrote it): no prompt trained twice, and every prompt drawn is trained, finished in the final buffer,
+or listed there to be generated again; every trained token within --max-staleness; nothing dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _util import PausePoint, free_port, kill_tree
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
+
+from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
+
+from megatron_rl.runner.full_async import read_buffer  # noqa: E402
+
+TIMEOUT = 420  # one launch: a hang bound, not a speed expectation
+B, STEPS = 2, 4
+
+
+def _launch(hf, tmp_path, out, server, env_extra=None) -> subprocess.Popen:
+    prompts = tmp_path / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(40)))
+        (tmp_path / "parity_reward.py").write_text("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path),
+           **(env_extra or {})}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    log = open(f"{out}.log", "a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
+         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2",
+         "--prompt-data", str(prompts), "--custom-rm-path", "parity_reward:score", "--rollout-batch-size", str(B),
+         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--num-rollout", str(STEPS),
+         "--lr", "1e-2", "--rollout-backend", "sglang", "--rollout-engine-urls", server.url,
+         "--async-mode", "full", "--max-staleness", "1", "--partial-rollout",
+         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(out) + ".weights",
+         "--save", str(out / "ckpt"), "--save-interval", "2", "--output-dir", str(out),
+         "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt")],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_at(hf, tmp_path, out, server, spec: str) -> None:
+    point = PausePoint(tmp_path / "pause", spec)
+    proc = _launch(hf, tmp_path, out, server, env_extra=point.env)
+    try:
+        point.wait(proc, timeout=TIMEOUT, output=lambda: open(f"{out}.log").read()[-6000:])
+    finally:
+        kill_tree(proc.pid)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_full_async_killed_at_three_points_trains_every_prompt_exactly_once(tiny_hf_models, tmp_path):
+    hf = tiny_hf_models("qwen2")
+    out = tmp_path / "run"
+    root = str(out / "ckpt")
+    with SGLangStandIn(hf) as server:
+        _kill_at(hf, tmp_path, out, server, "buffer_full")
+        _kill_at(hf, tmp_path, out, server, "sync_started:3")
+        assert os.path.isfile(os.path.join(root, "async_buffer", "buffer_2.pt"))
+        _kill_at(hf, tmp_path, out, server, "publish_written:iter_0000004")
+        assert os.path.isfile(os.path.join(root, "async_buffer", "buffer_4.pt"))  # written before its checkpoint
+        proc = _launch(hf, tmp_path, out, server)
+        try:
+            rc = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            raise AssertionError(f"hung\n{open(f'{out}.log').read()[-6000:]}") from None
+    text = open(f"{out}.log").read()
+    assert rc == 0, text[-6000:]
+    assert "rollout buffer of" in text and "restored" in text, text[-4000:]
+
+    trained = {}
+    for step in range(STEPS):
+        data = torch.load(out / "rollouts" / f"rollout_{step}.pt", weights_only=False)
+        samples = data["samples"]
+        assert len(samples) == B * 2
+        for s in samples:  # every token within the bound: trained by version `step`, none older than step - 1
+            versions = s["token_versions"] or [s["weight_version"]] * len(s["response_ids"])
+            assert min(versions) >= step - 1, (step, versions)
+            assert s["finish_reason"] != "abort"
+        trained[step] = sorted({s["metadata"]["prompt_index"] for s in samples})
+    indices = [i for step in range(STEPS) for i in trained[step]]
+    assert len(indices) == len(set(indices)) == STEPS * B, trained  # no prompt trained twice
+
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as fh:
+        assert fh.read().strip() == str(STEPS)
+    extra = _final_extra(root)
+    final = read_buffer(root, STEPS, extra["async_buffer"])
+    left = [g["request"]["metadata"]["prompt_index"] for g in final["buffer"]]
+    left += [r["metadata"]["prompt_index"] for r in final["pending"]]
+    drawn = final["state"]["offset"]  # one epoch of 40 prompts: the offset counts every prompt drawn
+    assert final["state"]["epoch"] == 0
+    assert sorted(indices + left) == list(range(drawn)), (trained, left, drawn)
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/pg_loss" in r]
+    assert all(r["rollout/dropped_stale"] == 0.0 and r["rollout/staleness_max"] <= 1.0 for r in steps)
+
+
+def _final_extra(root: str) -> dict:
+    """The final checkpoint's extra state (what a resume reads: the buffer file's name and hash)."""
+    from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME
+
+    with open(os.path.join(root, f"iter_{STEPS:07d}", EXTRA_STATE_NAME)) as fh:
+        return json.load(fh)
