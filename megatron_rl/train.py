@@ -109,7 +109,7 @@ def run(cfg: Config) -> int:
         code = loop(parts, start)
         if code is not None:
             return code  # a planned stop, saved
-        ctx.finish(backend, rollout)
+        ctx.finish(backend, rollout, parts.prepare_final)
         return 0
     except EngineError as exc:
         dead = fleet.dead() if fleet is not None else []

@@ -473,7 +473,8 @@ class RolloutConfig:
                            "(staleness 1); the weights are synced after both finish. Needs engines that do not "
                            "share the trainer's devices (SGLang engines launched on GPUs of their own, or "
                            "--rollout-engine-urls). full: the engines generate prompt groups continuously into "
-                           "a bounded buffer and each step trains the first --rollout-batch-size groups to finish; "
+                           "a bounded buffer and each step trains the --rollout-batch-size earliest-admitted groups "
+                           "once they finished; "
                            "admission is paced so no trained token is more than --max-staleness updates old "
                            "(AReaL, verl fully-async); with --partial-rollout a sync pauses the rows in flight and "
                            "they continue on the new weights.",
@@ -484,10 +485,11 @@ class RolloutConfig:
                                         "holds (untrained groups < (K+1) x --rollout-batch-size); a group that "
                                         "still exceeds it is dropped and counted (rollout/dropped_stale). Default "
                                         "1; at least 1 (0 is --async-mode off).")
-    partial_rollout: bool = flag(False, "--async-mode full: a response cut by a weight sync continues on the new "
-                                 "weights (its tokens so far kept, each with the version and log-prob of the "
-                                 "weights that drew it; the rest generated from prompt + those tokens, the cache "
-                                 "computed afresh); without it the response is drawn again from its prompt.")
+    partial_rollout: bool = flag(False, "--async-mode full: a response cut by a weight sync (or by any other "
+                                 "abort) continues on the current weights (its tokens so far kept, each with the "
+                                 "version and log-prob of the weights that drew it; the rest generated from prompt "
+                                 "+ those tokens, the cache computed afresh); without it the response is drawn "
+                                 "again from its prompt.")
     async_wait_timeout: float = flag(3600.0, "--async-mode: seconds the trainer waits for its next batch (one-step: "
                                      "the rollout generated meanwhile; full: enough finished groups); past it the "
                                      "run stops naming what it waited for and the engines.", domain="(0, inf)")

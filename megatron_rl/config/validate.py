@@ -422,7 +422,7 @@ def _check_world(errors: list[str], cfg: Config) -> None:
 # rollout cache): the entries a fresh start would overwrite, prune or be misled by. Anything else
 # under --save (notes, an archive_* of an earlier fresh start) is not a checkpoint and is left alone.
 _CHECKPOINT_ENTRY = re.compile(r"^\.?(iter_\d{7,}|latest_checkpointed_iteration\.txt|resume_state\.json)(\..*)?$"
-                               r"|^rollout_ckpts$")
+                               r"|^rollout_ckpts$|^async_buffer$")
 
 
 def save_root_checkpoint_entries(root: str | None) -> list[str]:

@@ -8,7 +8,7 @@ rollout generated right after checkpoint N is stored with it (``rollout_ckpts/``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -103,8 +103,9 @@ class CheckpointSaver:
             out.exit_code = EXIT_WALL_TIME
         return out
 
-    def save_final(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager]) -> None:
-        """After the last rollout: save unless the schedule just did."""
+    def save_final(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager],
+                   prepare: Optional[Callable[[], Optional[dict]]] = None) -> None:
+        """After the last rollout: save unless the schedule just did (``prepare``: as for the loop's saves)."""
         n = self.cfg.rollout.num_rollout
         if backend is not None and self.cfg.checkpoint.save and not self.due(n - 1):
-            self.save(backend, rollout, n)
+            self.save(backend, rollout, n, extra_state=prepare() if prepare else None)

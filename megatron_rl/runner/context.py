@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_rl.backends.base import TrainBackend
 from megatron_rl.config import Config
@@ -87,9 +87,11 @@ class RunContext:
     def log(self, step: int, metrics: dict) -> None:
         self.tracker.log(step, metrics)
 
-    def finish(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager]) -> None:
-        """After the last rollout: final save, ``finished`` for the launcher, the curves as a PNG."""
-        self.checkpoints.save_final(backend, rollout)
+    def finish(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager],
+               prepare: Optional[Callable[[], Optional[dict]]] = None) -> None:
+        """After the last rollout: final save (``prepare``: an async driver's extra state, as for its saves),
+        ``finished`` for the launcher, the curves as a PNG."""
+        self.checkpoints.save_final(backend, rollout, prepare)
         self.tracker.close()
         if self.is_driver:
             write_run_status(self.cfg.runtime.output_dir, "finished", rollout_id=self.cfg.rollout.num_rollout)

@@ -20,11 +20,9 @@ would silently drop its prompts. Files live as long as their checkpoint.
 
 from __future__ import annotations
 
-import hashlib
-import io
+import functools
 import logging
 import os
-import re
 import time
 from typing import Optional
 
@@ -32,74 +30,16 @@ import torch
 
 from megatron_rl.data.types import GenerateRequest, Sample
 from megatron_rl.errors import ConfigError
-from megatron_rl.infra import checksum
-from megatron_rl.infra.checkpoint_root import iter_dir
 from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_version_metrics
 from megatron_rl.rollout.rewards import compute_rewards
+from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
 from megatron_rl.runner.one_step import staleness_metrics
 from megatron_rl.runner.producer import Group, RolloutProducer
 
 log = logging.getLogger("megatron_rl")
 
-DIR_NAME = "async_buffer"
-FORMAT = 1
 MAX_WORKERS = 64  # groups generated at once at most (each a request of n rows the servers batch together)
-_NAME_RE = re.compile(r"^buffer_(\d+)\.pt$")
-
-
-def buffer_path(root: str, step: int) -> str:
-    return os.path.join(root, DIR_NAME, f"buffer_{step}.pt")
-
-
-def _write_buffer(root: str, step: int, snapshot: dict) -> dict:
-    """The snapshot as ``buffer_<step>.pt`` (checksummed, atomic); what the checkpoint's extra state records."""
-    buf = io.BytesIO()
-    torch.save({"format": FORMAT, "step": step, **snapshot}, buf)
-    payload = buf.getvalue()
-    path = buffer_path(root, step)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    checksum.write_bytes(path, payload)
-    return {"file": os.path.basename(path), "sha256": hashlib.sha256(payload).hexdigest(),
-            "groups": len(snapshot["buffer"]), "pending": len(snapshot["pending"])}
-
-
-def _prune_buffers(root: str, keep: int) -> None:
-    """Drop ``buffer_K.pt`` whose checkpoint ``iter_K`` is gone (never ``keep``'s)."""
-    directory = os.path.join(root, DIR_NAME)
-    if not os.path.isdir(directory):
-        return
-    for name in os.listdir(directory):
-        m = _NAME_RE.match(name)
-        if m and int(m.group(1)) != keep and not os.path.isdir(iter_dir(root, int(m.group(1)))):
-            try:
-                os.remove(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
-
-
-def read_buffer(root: str, step: int, record: dict) -> dict:
-    """The snapshot checkpoint ``step`` names in its extra state, checked; ``ConfigError`` naming the file when it
-    is missing, damaged or not the one the checkpoint recorded (its prompts would be lost otherwise)."""
-    path = buffer_path(root, step)
-    fix = ("its buffered and in-flight prompt groups would never be trained; restore the file, or start afresh "
-           "(--no-auto-resume --existing-save archive)")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--async-mode full: checkpoint {iter_dir(root, step)} was saved with the rollout buffer "
-                          f"{path} ({record.get('groups')} finished group(s), {record.get('pending')} unfinished), "
-                          f"which is missing: {fix}")
-    try:
-        payload = checksum.read_bytes(path, fix)
-    except checksum.ChecksumMismatch as exc:
-        raise ConfigError(f"--async-mode full: the rollout buffer {path} is damaged ({exc}): {fix}") from exc
-    if hashlib.sha256(payload).hexdigest() != record.get("sha256"):
-        raise ConfigError(f"--async-mode full: the rollout buffer {path} is not the one checkpoint "
-                          f"{iter_dir(root, step)} was saved with (SHA-256 differs): {fix}")
-    data = torch.load(io.BytesIO(payload), weights_only=False)
-    if data.get("format") != FORMAT or data.get("step") != step:
-        raise ConfigError(f"--async-mode full: {path} holds format {data.get('format')} step {data.get('step')}, "
-                          f"expected format {FORMAT} step {step}: {fix}")
-    return data
 
 
 def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
@@ -191,6 +131,17 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
     root = cfg.checkpoint.save
     if producer is not None:
         producer.start()
+
+    def prepare(step: int) -> Optional[dict]:
+        """The driver's buffer snapshot, written before checkpoint ``step``; what its extra state records."""
+        if producer is None or root is None:
+            return None
+        snapshot = producer.snapshot()
+        record = write_buffer(root, step, snapshot)
+        prune_buffers(root, keep=step)
+        return {"dataset_state": snapshot["state"], "async_buffer": record}
+
+    parts.prepare_final = lambda: prepare(cfg.rollout.num_rollout)  # ctx.finish's save, while the producer runs
     try:
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
@@ -210,19 +161,16 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
                 metrics["perf/trainer_idle_frac"] = metrics["perf/rollout_wait_s"] / step_s if step_s > 0 else 0.0
                 metrics["perf/engine_idle_frac"] = min(1.0, producer.idle_seconds() / step_s) if step_s > 0 else 0.0
 
-            def prepare(step: int = rollout_id + 1) -> Optional[dict]:
-                if producer is None or root is None:
-                    return None
-                snapshot = producer.snapshot()
-                record = _write_buffer(root, step, snapshot)
-                _prune_buffers(root, keep=step)
-                return {"dataset_state": snapshot["state"], "async_buffer": record}
-
             parts.evaluate_and_log(rollout_id, metrics, t0)
-            _, code = parts.save_or_stop(rollout_id, prepare=prepare)
+            _, code = parts.save_or_stop(rollout_id, prepare=functools.partial(prepare, rollout_id + 1))
             if code is not None:
+                if producer is not None:
+                    producer.stop()  # saved: nothing more is trained in this job
                 return code
         return None
-    finally:
+    except BaseException:
         if producer is not None:
             producer.stop()
+        raise
+    # a normal end: the producer keeps running until the final save (ctx.finish) snapshots it; its daemon
+    # threads end with the process, their calls with the engines' close

@@ -34,6 +34,7 @@ class StepParts:
     sync: Any  # the weight synchronizer
     resync: Any  # (version) -> metrics: a complete sync of the trainer's weights after an engine restart
     synced_version: int = 0  # the version the engines hold: the last sync's
+    prepare_final: Optional[Callable[[], Optional[dict]]] = None  # an async driver's extra state for the final save
 
     @property
     def here(self):

@@ -14,6 +14,7 @@ from megatron_rl.infra.dist import rank0_do
 from megatron_rl.models.model_dir import is_model_dir
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.rollout_ckpt import rollout_ckpt_path
+from megatron_rl.runner.buffer_file import buffer_path
 from megatron_rl.runner.checkpoints import CheckpointCursor
 
 log = logging.getLogger("megatron_rl")
@@ -48,6 +49,13 @@ class Resumer:
             if found is None:
                 return 0
             path, extra = found
+        untrained = extra.get("async_buffer") or {}
+        if (untrained.get("groups") or untrained.get("pending")) and cfg.rollout.async_mode != "full":
+            raise ConfigError(f"{path} was saved by --async-mode full with {untrained.get('groups')} finished and "
+                              f"{untrained.get('pending')} unfinished prompt group(s) in its rollout buffer "
+                              f"({untrained.get('file')}), which --async-mode {cfg.rollout.async_mode} does not read: "
+                              "resuming would skip those prompts. Relaunch with --async-mode full (it trains them "
+                              "first), or start afresh (--no-auto-resume --existing-save archive)")
         if rollout is not None and extra.get("dataset_state"):
             rollout.prompts.load_state_dict(extra["dataset_state"])
         step = int(extra["rollout_id"])
@@ -62,7 +70,8 @@ class Resumer:
         would overwrite) move into ``superseded/`` on rank 0, before anything is loaded or saved."""
         def move() -> list[str]:
             newer = ckpt.newer_iterations(save_root, step)
-            moved = ckpt.move_aside(save_root, newer, companions=lambda s: [rollout_ckpt_path(save_root, s)])
+            moved = ckpt.move_aside(save_root, newer, companions=lambda s: [rollout_ckpt_path(save_root, s),
+                                                                             buffer_path(save_root, s)])
             if moved:
                 log.warning("--allow-resume-older: resuming iteration %d; moved the newer %s aside: %s", step,
                             ", ".join(f"iter_{s:07d}" for s in newer), ", ".join(moved))

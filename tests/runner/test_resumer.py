@@ -192,3 +192,25 @@ def test_auto_resume_follows_resume_state_not_a_newer_leftover(tmp_path, tiny_hf
     with pytest.raises(CheckpointError, match="no checkpoint under .* passes its checks"):
         resume()
     assert os.path.isfile(save / RESUME_STATE_NAME)
+
+
+def test_a_full_async_checkpoint_with_untrained_prompts_is_not_resumed_by_another_mode(tmp_path, tiny_hf_models):
+    """Its prompt position is after every prompt the producer drew; only --async-mode full reads the buffer
+    file that holds the untrained ones, so another mode would skip them: refused, naming the fix."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.runner.checkpoints import CheckpointCursor
+    from megatron_rl.runner.resume import Resumer
+
+    save = tmp_path / "save"
+    path = _checked_ckpt(save, 2)
+
+    class Full(_RecordingBackend):
+        def load(self, p):
+            self.calls.append(("load", p))
+            return {"rollout_id": 2, "async_buffer": {"file": "buffer_2.pt", "groups": 1, "pending": 3}}
+
+    cfg = parse_config(["--hf-checkpoint", tiny_hf_models("llama"), "--save", str(save)])
+    with pytest.raises(ConfigError, match=r"saved by --async-mode full with 1 finished and 3 unfinished prompt "
+                                          r"group\(s\).*Relaunch with --async-mode full"):
+        Resumer(cfg, CheckpointCursor()).resume_or_init(Full(), None)
+    assert os.path.isdir(path)  # refused, nothing moved or deleted
