@@ -133,6 +133,8 @@ class RolloutAhead:
         samples, out = parts.recovery.generate(take, parts.rollout, resync=lambda: parts.resync(version))
         if not first[0] and self._error is not None and parts.rollout is not None:
             self._state_after = parts.rollout.state_dict()
+        if parts.rollout is not None and first[0] is False and self._error is None:
+            out["perf/generate_s"] = self._generate_s  # logged with the step that trains it, as in turn
         return samples, out
 
     def store(self, checkpoint_step: int, samples: Optional[list[Sample]], metrics: dict) -> None:

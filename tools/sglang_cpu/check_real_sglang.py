@@ -1110,8 +1110,14 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     # the server keeps its version from earlier checks; the run pushes 0, 1, ... (a restart of the server
     # would not): reset it so the version check below means this run's pushes
     SGLangClient(server.url).update_weight_version("0", abort_all_requests=False)
+    asynchronous = transport.startswith("async-")  # the async drivers, over the disk transport
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
-                  if transport == "disk" else ["--update-weight-transport", transport.split("-")[0]])
+                  if transport == "disk" or asynchronous else ["--update-weight-transport", transport.split("-")[0]])
+    # async-full: responses long enough that syncs land mid-response, so partial rollouts really continue rows
+    # that real SGLang aborted with their tokens; async-one-step: rollout N+1 generated while N trains
+    async_flags = {"async-one-step": ["--async-mode", "one-step"],
+                   "async-full": ["--async-mode", "full", "--partial-rollout", "--max-staleness", "1",
+                                  "--rollout-max-response-len", str(args.async_response_len)]}.get(transport, [])
     # distributed-pp2: 2 torchrun ranks, 2 pipeline stages, each stage's source sending its own tensors
     launch = ([sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out / "run"), "--nproc-per-node",
                "2", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
@@ -1125,7 +1131,7 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
            "--num-rollout", str(args.num_rollout), "--lr", "1e-3",
            "--rollout-backend", "sglang", "--rollout-engine-urls", server.url, *sync_flags,
            "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"),
-           "--output-dir", str(out / "run")]
+           "--output-dir", str(out / "run"), *async_flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -1149,7 +1155,7 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     syncs = [rec for rec in records if "sync/weight_version" in rec]
     report.figures[f"{key}_steps"] = len(steps)
     report.figures[f"{key}_step_s"] = [round(rec["perf/step_time_s"], 2) for rec in steps]
-    report.figures[f"{key}_generate_s"] = [round(rec["perf/generate_s"], 2) for rec in steps]
+    report.figures[f"{key}_generate_s"] = [round(rec.get("perf/generate_s", -1.0), 2) for rec in steps]
     report.figures[f"{key}_sync_s"] = [round(rec["sync/time_s"], 2) for rec in syncs if "sync/time_s" in rec]
     for metric in ("sync/load_s", "sync/write_s", "sync/broadcast_s", "sync/connect_s"):
         if syncs and metric in syncs[0]:
@@ -1163,12 +1169,19 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                  [rec["sync/weight_version"] for rec in syncs] == [float(v) for v in range(args.num_rollout + 1)],
                  f"{[rec['sync/weight_version'] for rec in syncs]}")
     per_sample = []
-    for i in range(args.num_rollout):
-        data = torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)
-        per_sample.append(sorted({s["weight_version"] for s in data["samples"]}))
+    rollouts = [torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)["samples"]
+                for i in range(args.num_rollout)]
+    for samples in rollouts:
+        per_sample.append(sorted({s["weight_version"] for s in samples}))
     report.figures[f"{key}_sample_weight_versions"] = per_sample
-    report.check(f"{what}: every sample of rollout i carries weight version i",
-                 per_sample == [[i] for i in range(args.num_rollout)], f"{per_sample}")
+    if transport == "async-one-step":
+        report.check(f"{what}: rollout 0 by version 0, then every rollout i by version i - 1 (generated while i - 1 "
+                     "trained)", per_sample == [[0]] + [[i - 1] for i in range(1, args.num_rollout)], f"{per_sample}")
+    elif transport == "async-full":
+        check_full_async_e2e(report, what, key, rollouts, steps)
+    else:
+        report.check(f"{what}: every sample of rollout i carries weight version i",
+                     per_sample == [[i] for i in range(args.num_rollout)], f"{per_sample}")
     report.check(f"{what}: the server ends at the last pushed version",
                  SGLangClient(server.url).weight_version() == str(args.num_rollout))
     if transport.endswith("-pp2"):
@@ -1177,6 +1190,26 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                        if "weights-update group megatron_rl_weights_" in line})
         report.check(f"{what}: one weights-update group per pipeline stage, each made by its stage's sender",
                      len(made) == 2 and made[0].endswith("_pp0") and made[1].endswith("_pp1"), str(made))
+
+
+def check_full_async_e2e(report: Report, what: str, key: str, rollouts: list, steps: list) -> None:
+    """--async-mode full --partial-rollout against real SGLang: every token within the bound, and rows the sync
+    aborted (real SGLang returns their tokens) continued on the new weights, each token with its own version."""
+    worst = [max(i - min(s["token_versions"] or [s["weight_version"]]) for s in samples)
+             for i, samples in enumerate(rollouts)]
+    report.figures[f"{key}_staleness_max"] = worst
+    report.check(f"{what}: every trained token within --max-staleness 1", max(worst) <= 1, f"{worst}")
+    continued = [s for samples in rollouts for s in samples if "partial_continuations" in s["metadata"]]
+    mixed = [s for s in continued if len(set(s["token_versions"])) > 1]
+    report.figures[f"{key}_partial_continued_samples"] = len(continued)
+    report.figures[f"{key}_mixed_version_samples"] = len(mixed)
+    report.check(f"{what}: rows cut by a sync were continued on the new weights (tokens of two versions, "
+                 "log-probs and versions one per token)",
+                 bool(mixed) and all(len(s["token_versions"]) == len(s["response_ids"]) == len(s["rollout_logprobs"])
+                                     and s["token_versions"] == sorted(s["token_versions"]) for s in mixed),
+                 f"{len(continued)} continued, {len(mixed)} with two versions")
+    report.check(f"{what}: nothing dropped at the staleness bound",
+                 all(rec.get("rollout/dropped_stale", 0.0) == 0.0 for rec in steps), "")
 
 
 def main(argv=None) -> int:
@@ -1196,9 +1229,12 @@ def main(argv=None) -> int:
     ap.add_argument("--num-rollout", type=int, default=3, help="rollouts of the end-to-end run")
     ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
-    ap.add_argument("--e2e-transports", nargs="+", default=["disk", "distributed", "distributed-pp2"],
-                    choices=["disk", "distributed", "distributed-pp2"],
-                    help="the end-to-end run once per weight-sync transport")
+    ap.add_argument("--e2e-transports", nargs="+",
+                    default=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full"],
+                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full"],
+                    help="the end-to-end run once per weight-sync transport, then the async drivers (disk)")
+    ap.add_argument("--async-response-len", type=int, default=160,
+                    help="async-full: --rollout-max-response-len, long enough for syncs to land mid-response")
     ap.add_argument("--sync-repeats", type=int, default=5, help="syncs per transport for the disk/distributed timing")
     ap.add_argument("--sync-bucket-bytes", type=int, default=64 * 1024,
                     help="bucket size of the disk/distributed checks (small: several buckets on the tiny model)")
