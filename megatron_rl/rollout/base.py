@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Optional, Type, Union
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.errors import EngineError
 from megatron_rl.infra.registry import Refused, Registry
 
 if TYPE_CHECKING:
@@ -85,6 +86,18 @@ class RolloutEngine(abc.ABC):
         processes (``rollout.replicas``) has them generate inside it and lets them go at its end.
         Default: nothing to coordinate."""
         return contextlib.nullcontext()
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop in-flight generation at a decode-step boundary so a weight update can land, in SGLang's
+        ``/pause_generation`` modes ("abort", "retract", "in_place"); ``continue_`` resumes it. Optional:
+        an asynchronous driver needs it, the synchronous loop never pauses."""
+        raise EngineError(f"{type(self).__name__}: this engine cannot pause in-flight generation (mode {mode!r}); "
+                          "sync weights between rollouts, or use an engine that implements pause()")
+
+    def continue_(self) -> None:
+        """Resume generation stopped by ``pause``, under the weights the engine holds now."""
+        raise EngineError(f"{type(self).__name__}: this engine cannot pause in-flight generation, so there is "
+                          "nothing to continue")
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:

@@ -32,15 +32,42 @@ parameter storage; with ``weight_backup=True`` it is kept on the CPU and
 the bookkeeping changes); without a backup ``resume()`` allocates uninitialised
 storage and ``generate`` refuses until an ``update_weights`` covering every
 tensor arrives, which is what a colocated trainer sends next anyway.
+
+Partial rollouts across weight updates (asynchronous RL; SGLang's ``/pause_generation``,
+``/continue_generation``): every model use is a *step*, the prefill and first token of a chunk,
+or one decode forward and its sampled token; between steps the engine lock is free. Invariants:
+
+* ``pause(mode)`` stops every ``generate`` in flight (and any that starts) at its next step
+  boundary, never mid-forward; ``wait_paused(timeout)`` returns once they are parked there and
+  raises ``EngineError`` naming what did not happen otherwise (never hangs). ``continue_()``
+  lets them go on. Modes: ``in_place`` keeps the KV cache built by the old weights;
+  ``retract`` recomputes the KV cache of prompt + tokens so far under the weights current at
+  continue, so every later token's log-prob is the new policy's given its prefix (only when the
+  version changed: the same weights would recompute the same cache up to float rounding, and a
+  pause alone must not change a sample); ``abort`` ends the unfinished rows in flight with
+  finish_reason "abort" (partial tokens kept, rows of chunks not started empty; the calls
+  return) and parks calls that start later until ``continue_()``.
+* A weight update (``update_weights``, ``update_weights_from_disk``, ``release``, ``resume``)
+  takes the engine lock between steps (``exclusive()``): paused or not it never lands
+  mid-forward. Not paused, it waits for the current step only, and a generate in flight goes on
+  under the new weights with the KV cache it had (as ``in_place``); its tokens record that.
+  ``release`` refuses while a generate is in flight (a parked row would continue on no weights).
+* Every token records the version of the weights whose forward produced its logits. A sample's
+  ``weight_version`` is its first token's; ``token_versions`` is filled only when a row holds
+  more than one version, so a generate no update touched gives the samples it gave before pausing
+  existed, and a pause + continue without an update is bitwise an unpaused generate (same
+  forwards, same per-row uniforms).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 import secrets
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -70,6 +97,17 @@ def _as_id_list(value: Any) -> list[int]:
 
 CHUNK_BUDGET_BYTES = 1 << 30  # KV cache + per-row logits/sampling buffers of one generate chunk
 COMPACT_AT = 0.75  # finished rows leave the decode batch once at most this fraction is still generating
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
+
+
+class _GenerateCall:
+    """One ``generate_part`` in flight, as ``pause`` / ``wait_paused`` see it (guarded by the engine's condition)."""
+
+    __slots__ = ("parked", "aborted")
+
+    def __init__(self) -> None:
+        self.parked = False  # waiting at a step boundary because the engine is paused
+        self.aborted = False  # a pause("abort") came while it was in flight: it returns at its next boundary
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -112,6 +150,17 @@ class EmbeddedEngine(RolloutEngine):
         self._weights_loaded = True
         self._backup: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        # the engine lock: a logical flag under one condition, so waiting updates go first at a step boundary
+        # (a plain Lock would let the generating thread take it back at once, step after step)
+        self._cond = threading.Condition()
+        self._model_busy = False  # a step or an exclusive() block is using the model
+        self._model_owner: Optional[int] = None  # the thread of that exclusive() block (re-entrant)
+        self._exclusive_waiting = 0
+        self._pause_mode: Optional[str] = None
+        self._calls: list[_GenerateCall] = []
+        # Called by a generating thread at every step boundary with the number of tokens each live row of the
+        # chunk has (0: before the prefill), outside the engine lock: tests pause at a known step with it.
+        self.step_boundary_hook: Optional[Callable[[int], None]] = None
 
     @classmethod
     def from_config(cls, cfg: "Config", placement: "Optional[EnginePlacement]" = None) -> "EmbeddedEngine":
@@ -143,8 +192,18 @@ class EmbeddedEngine(RolloutEngine):
             raise EngineError(f"embedded engine cannot {action}: {health.detail}")
 
     def release(self) -> None:
-        if self._released:
-            return
+        with self.exclusive():
+            if self._released:
+                return
+            with self._cond:
+                in_flight, parked = len(self._calls), sum(c.parked for c in self._calls)
+            if in_flight:
+                raise EngineError(f"embedded engine cannot release: {in_flight} generate call(s) in flight ({parked} "
+                                  "parked at a pause) would continue on no weights; continue_() and let them finish, "
+                                  "or pause('abort') so they return, then release")
+            self._release()
+
+    def _release(self) -> None:
         for name, param in self.model.named_parameters():
             self._shapes[name] = (param.shape, param.dtype)
             if self.weight_backup:
@@ -153,6 +212,10 @@ class EmbeddedEngine(RolloutEngine):
         self._released = True
 
     def resume(self) -> None:
+        with self.exclusive():
+            self._resume()
+
+    def _resume(self) -> None:
         if not self._released:
             return
         for name, param in self.model.named_parameters():
@@ -180,6 +243,10 @@ class EmbeddedEngine(RolloutEngine):
         the engine's weights are incomplete (after a failed update, or
         ``resume()`` without backup) the update must cover every tensor.
         """
+        with self.exclusive():
+            self._update_weights(named_tensors, version)
+
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         if self._released:
             raise EngineError("embedded engine cannot update weights: released: call resume() first")
         if version < self._weight_version:
@@ -240,6 +307,113 @@ class EmbeddedEngine(RolloutEngine):
 
         self.update_weights(tensors(), version)
 
+    # -------------------------------------------------------- pause / continue
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the model between steps: a generate in flight finishes its current step, then waits until the
+        block ends. Weight updates, ``release`` and ``resume`` run inside it (so they never land mid-forward);
+        so does anything else that writes the parameters (a test double's weight reset). Re-entrant in one
+        thread; a waiting block goes before the next step of every generate."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._model_owner == me:
+                nested = True
+            else:
+                nested = False
+                self._exclusive_waiting += 1
+                self._cond.notify_all()  # whoever watches the engine's state (a test) sees the update waiting
+                try:
+                    while self._model_busy:
+                        self._cond.wait()
+                finally:
+                    self._exclusive_waiting -= 1
+                self._model_busy, self._model_owner = True, me
+        if nested:
+            yield
+            return
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._model_busy, self._model_owner = False, None
+                self._cond.notify_all()
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generation at the next step boundary of every ``generate`` in flight (and of any that starts),
+        in ``mode`` (module docstring); returns at once: ``wait_paused`` says when they are parked."""
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"pause(mode={mode!r}): use one of {', '.join(PAUSE_MODES)} (SGLang's "
+                              "/pause_generation modes)")
+        with self._cond:
+            self._pause_mode = mode
+            if mode == "abort":
+                for call in self._calls:
+                    call.aborted = True
+            self._cond.notify_all()
+
+    def continue_(self) -> None:
+        """Let parked generates go on, under whatever weights and version the engine holds now."""
+        with self._cond:
+            self._pause_mode = None
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> Optional[str]:
+        """The pause mode in effect, None when generation runs."""
+        return self._pause_mode
+
+    def wait_paused(self, timeout: float, *, calls: int = 1) -> int:
+        """Block until the engine is paused, at least ``calls`` generate calls are parked at a step boundary
+        and none is running a step (``calls=0``: also when none is in flight, e.g. after an abort-mode pause
+        returned them); return how many are parked. After ``timeout`` seconds raise ``EngineError`` naming
+        what did not happen."""
+        def parked() -> bool:
+            return (self._pause_mode is not None and len(self._calls) >= calls
+                    and all(c.parked for c in self._calls))
+
+        with self._cond:
+            if self._cond.wait_for(parked, timeout):
+                return len(self._calls)
+            in_flight, at_boundary = len(self._calls), sum(c.parked for c in self._calls)
+            if self._pause_mode is None:
+                why = "pause(mode) was not called (or continue_() came first)"
+            elif in_flight < calls:
+                why = f"only {in_flight} generate call(s) in flight, {calls} expected to park"
+            else:
+                why = (f"{in_flight - at_boundary} of {in_flight} generate call(s) did not reach a step boundary "
+                       "(a step or a step_boundary_hook still running)")
+            raise EngineError(f"embedded engine: no pause within {timeout} s: {why}; pause mode "
+                              f"{self._pause_mode!r}, {at_boundary} parked")
+
+    def _enter_step(self, call: _GenerateCall) -> tuple[bool, Optional[str]]:
+        """Wait at a step boundary until ``call`` may run a step, then hold the model.
+
+        Returns ``(aborted, parked_under)``: aborted: the call was aborted (the model is not held);
+        parked_under: the last pause mode it waited under (None if it did not park)."""
+        parked_under = None
+        with self._cond:
+            while True:
+                if call.aborted:
+                    call.parked = False
+                    self._cond.notify_all()
+                    return True, parked_under
+                if self._pause_mode is not None:
+                    parked_under = self._pause_mode
+                    if not call.parked:
+                        call.parked = True
+                        self._cond.notify_all()  # wait_paused
+                elif not self._model_busy and not self._exclusive_waiting:
+                    break
+                self._cond.wait()
+            call.parked = False
+            self._model_busy, self._model_owner = True, None
+        return False, parked_under
+
+    def _leave_step(self) -> None:
+        with self._cond:
+            self._model_busy = False
+            self._cond.notify_all()
+
     # ------------------------------------------------------------- generation
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
         return self.generate_part(requests, sampling)
@@ -268,23 +442,33 @@ class EmbeddedEngine(RolloutEngine):
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
         rows = [(i, j) for i in range(len(requests)) for j in range(sampling.n)]
-        results: dict[tuple[int, int], tuple[list[int], list[float], str]] = {}
+        results: dict[tuple[int, int], tuple[list[int], list[float], str, list[int]]] = {}
         longest = max(len(r.prompt_ids) for r in requests) + sampling.max_new_tokens
         per_chunk = self.rows_per_chunk(longest)
-        with torch.inference_mode():
-            for start in range(0, len(rows), per_chunk):
-                chunk = rows[start:start + per_chunk]
-                results.update(self._generate_chunk(requests, chunk, sampling, base_seed, stop_ids,
-                                                    first_request, pad_to))
+        call = _GenerateCall()
+        with self._cond:
+            self._calls.append(call)
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(rows), per_chunk):
+                    chunk = rows[start:start + per_chunk]
+                    results.update(self._generate_chunk(call, requests, chunk, sampling, base_seed, stop_ids,
+                                                        first_request, pad_to))
+        finally:
+            with self._cond:
+                self._calls.remove(call)
+                self._cond.notify_all()
         samples = []
         for i, j in rows:
             req = requests[i]
-            response_ids, logprobs, finish_reason = results[(i, j)]
+            response_ids, logprobs, finish_reason, versions = results[(i, j)]
             text = self.tokenizer.decode(response_ids, skip_special_tokens=True) if self.tokenizer is not None else None
             samples.append(Sample(
                 group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=response_ids,
-                rollout_logprobs=logprobs, finish_reason=finish_reason, weight_version=self._weight_version,
-                label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata)))
+                rollout_logprobs=logprobs, finish_reason=finish_reason,
+                weight_version=versions[0] if versions else self._weight_version,
+                label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata),
+                token_versions=list(versions) if len(set(versions)) > 1 else []))
         return samples
 
     def rows_per_chunk(self, longest: int) -> int:
@@ -301,31 +485,33 @@ class EmbeddedEngine(RolloutEngine):
         per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * longest * elem + self.vocab_size * (4 + 4 + 8)
         return max(1, CHUNK_BUDGET_BYTES // per_row)
 
-    def _generate_chunk(self, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
-                        sampling: SamplingParams, base_seed: int, stop_ids: set[int], first_request: int = 0,
-                        pad_to: int = 0):
+    def _prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, capacity: int):
+        """Forward of left-padded sequences into a fresh cache of ``capacity`` positions; ``(cache, logits of
+        each sequence's last position)``. Position ids ``cumsum(mask) - 1``, so padding changes nothing."""
         from megatron_rl.rollout.kv_cache import make_kv_cache  # lazy: kv_cache imports transformers at import time
 
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = make_kv_cache(self.model.config, capacity=capacity)
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1, :]
+
+    def _generate_chunk(self, call: _GenerateCall, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
+                        sampling: SamplingParams, base_seed: int, stop_ids: set[int], first_request: int = 0,
+                        pad_to: int = 0):
         prompt_order = list(dict.fromkeys(i for i, _ in chunk))
         prompts = [requests[i].prompt_ids for i in prompt_order]
         width = max(pad_to, max(len(p) for p in prompts))
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for r, p in enumerate(prompts):
             input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            prompt_mask[r, width - len(p):] = 1
         prompt_lens = [len(requests[i].prompt_ids) for i, _ in chunk]
         limits = [min(sampling.max_new_tokens, self.context_length - n) for n in prompt_lens]
-        cache = make_kv_cache(self.model.config, capacity=width + max(limits))
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        # Expand prompts to rows: each (request, sample) row gets its own copy of the prompt's cache.
+        capacity = width + max(limits)
+        # each (request, sample) row gets its own copy of its prompt (and, after the prefill, of its cache)
         expand = torch.tensor([prompt_order.index(i) for i, _ in chunk], dtype=torch.long)
-        cache.batch_select_indices(expand.to(self.device))
-        logits = out.logits[:, -1, :][expand.to(self.device)]
-        mask = mask[expand].to(self.device)
 
         longest = max(limits)
         uniforms = torch.empty(len(chunk), longest, dtype=torch.float64)
@@ -337,10 +523,60 @@ class EmbeddedEngine(RolloutEngine):
         done = [False] * len(chunk)
         responses: list[list[int]] = [[] for _ in chunk]
         logprobs: list[list[float]] = [[] for _ in chunk]
+        versions: list[list[int]] = [[] for _ in chunk]  # the weight version of each token
         finish: list[str] = ["length"] * len(chunk)
-        step = 0
+        step = 0  # tokens every live row has
+        cache: Any = None
+        mask = tokens = torch.empty(0)
+        keep: list[int] = []  # batch rows still generating
+        last_version = self._weight_version
         while True:
-            tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device))
+            if self.step_boundary_hook is not None:
+                self.step_boundary_hook(step)
+            aborted, parked_under = self._enter_step(call)
+            if aborted:
+                for r in range(len(chunk)):
+                    if not done[r]:
+                        finish[r], done[r] = "abort", True
+                break
+            try:
+                if step:
+                    self._check_ready("continue generating")  # an update that failed between two steps
+                version = self._weight_version
+                if step == 0:
+                    cache, logits = self._prefill(input_ids, prompt_mask, capacity)
+                    cache.batch_select_indices(expand.to(self.device))
+                    logits = logits[expand.to(self.device)]
+                    mask = prompt_mask[expand].to(self.device)
+                elif version != last_version and parked_under == "retract":
+                    # SGLang's retract: the rows go back to the queue and are prefilled again, prompt + tokens so
+                    # far, under the new weights; every live row has ``step`` tokens
+                    batch = [batch[b] for b in keep]
+                    generated = torch.tensor([responses[r] for r in batch], dtype=torch.long)
+                    prefix_mask = torch.cat([prompt_mask[expand[batch]],
+                                             torch.ones(len(batch), step, dtype=torch.long)], dim=1)
+                    cache, logits = self._prefill(torch.cat([input_ids[expand[batch]], generated], dim=1),
+                                                  prefix_mask, capacity)
+                    mask = prefix_mask.to(self.device)
+                else:
+                    if len(keep) <= COMPACT_AT * len(batch):
+                        # drop finished rows from the batch and its KV cache (a copy of the cache: not for every
+                        # row that ends, only once a quarter of the batch is idle)
+                        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                        cache.batch_select_indices(index)
+                        mask, tokens = mask[index], tokens[index]
+                        batch = [batch[b] for b in keep]
+                    mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+                    # a finished row left in the batch keeps its last position (its outputs are ignored)
+                    positions = torch.tensor([[prompt_lens[r] + min(step, len(responses[r])) - 1] for r in batch],
+                                             device=self.device)
+                    out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+                                     cache=cache, use_cache=True)
+                    logits = out.logits[:, -1, :]
+                tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device))
+            finally:
+                self._leave_step()
+            last_version = version
             keep = []
             for b, (tok, lp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 r = batch[b]
@@ -348,6 +584,7 @@ class EmbeddedEngine(RolloutEngine):
                     continue  # finished earlier, still in the batch until the next compaction
                 responses[r].append(tok)
                 logprobs[r].append(lp)
+                versions[r].append(version)
                 if tok in stop_ids:
                     finish[r], done[r] = "stop", True
                 elif len(responses[r]) < limits[r]:
@@ -357,18 +594,4 @@ class EmbeddedEngine(RolloutEngine):
             step += 1
             if not keep:
                 break
-            if len(keep) <= COMPACT_AT * len(batch):
-                # drop finished rows from the batch and its KV cache (a copy of the cache: not for every
-                # row that ends, only once a quarter of the batch is idle)
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                cache.batch_select_indices(index)
-                mask, tokens = mask[index], tokens[index]
-                batch = [batch[b] for b in keep]
-            mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
-            # a finished row left in the batch keeps its last position (its outputs are ignored)
-            positions = torch.tensor([[prompt_lens[r] + min(step, len(responses[r])) - 1] for r in batch],
-                                     device=self.device)
-            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
-                             cache=cache, use_cache=True)
-            logits = out.logits[:, -1, :]
-        return {row: (responses[r], logprobs[r], finish[r]) for r, row in enumerate(chunk)}
+        return {row: (responses[r], logprobs[r], finish[r], versions[r]) for r, row in enumerate(chunk)}

@@ -27,7 +27,15 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
   0.5.21: the pair answers FastAPI's 404 ``{"detail": "Not Found"}`` and no session is needed.
 * ``/release_memory_occupation`` / ``/resume_memory_occupation`` (``tags``): 200 with a
   ``null`` body, 400 ``{"error": {"message"}}`` (release asserts the server is idle).
-* ``/pause_generation`` (``mode``) / ``/continue_generation``: ``{"message", "status": "ok"}``.
+* ``/pause_generation`` (``mode``) / ``/continue_generation``: ``{"message", "status": "ok"}``. Rows
+  not yet started (pending) wait until continue in every mode. ``retract`` / ``in_place`` park the rows
+  being generated at their next decode step (``EmbeddedEngine.pause``), a weight update then lands at
+  once (SGLang skips its model-update lock while paused), and continue goes on under the new weights:
+  ``in_place`` over the KV cache the old ones built, ``retract`` over a prefix recomputed by the new
+  ones (SGLang's re-prefill); the row's ``weight_versions`` spans and ``output_token_logprobs`` show
+  both versions. Not paused (or paused in ``abort`` mode), an update waits for the rows being
+  generated to finish, as SGLang's ``model_update_lock`` makes it; ``abort`` aborts the pending rows
+  (and rows parked by an earlier retract / in_place pause) and lets generating rows finish.
 * ``/abort_request`` (``rid``, ``abort_all``): 200, empty body; aborted rows finish "abort".
 * ``/flush_cache``: plain text, 200, or 400 while requests are running or waiting.
 * ``/model_info`` (``weight_version``: "default" until a versioned update; ``model_path`` and
@@ -106,6 +114,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import contextlib
 import datetime
 import glob
 import io
@@ -120,7 +129,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
 import torch
@@ -207,6 +216,11 @@ class SGLangStandIn:
         self._engine_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        # SGLang's model_update_lock: rows inside the engine are readers, weight writes the writer (see pause)
+        self._rows = threading.Condition()
+        self._generating = 0  # rows inside engine.generate (parked ones too)
+        self._updates_waiting = 0
+        self._version_names: dict[int, str] = {0: "default"}  # engine version -> the weight_version it was served as
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._engine_version = 0
@@ -265,6 +279,47 @@ class SGLangStandIn:
     def pending_count(self) -> int:
         with self._state_lock:
             return len(self._pending)
+
+    @contextlib.contextmanager
+    def _model_update(self) -> Iterator[None]:
+        """Write the weights as SGLang does: while the engine is paused at once (a retract / in_place pause
+        parks the rows being generated at a decode-step boundary; an abort after it ends them), otherwise
+        once the rows being generated have finished (new rows wait meanwhile: the model-update lock is a
+        writer)."""
+        with self._engine_lock:
+            with self._rows:
+                self._updates_waiting += 1
+                self._rows.notify_all()  # a test watching the state sees the update waiting
+                self._rows.wait_for(lambda: not self._generating or self.engine.paused is not None)
+            try:
+                with self.engine.exclusive():
+                    yield
+            finally:
+                with self._rows:
+                    self._updates_waiting -= 1
+                    self._rows.notify_all()
+
+    @contextlib.contextmanager
+    def _row_generating(self) -> Iterator[None]:
+        with self._rows:
+            self._rows.wait_for(lambda: not self._updates_waiting)
+            self._generating += 1
+        try:
+            yield
+        finally:
+            with self._rows:
+                self._generating -= 1
+                self._rows.notify_all()
+
+    def _adopt_engine_version(self) -> None:
+        """After an engine update: the engine's new version is served under the current weight_version until
+        the handler names it (``_name_version``)."""
+        self._engine_version += 1
+        self._version_names[self._engine_version] = self.weight_version
+
+    def _name_version(self, weight_version: str) -> None:
+        self.weight_version = weight_version
+        self._version_names[self._engine_version] = weight_version
 
     # ------------------------------------------------------------- handlers
     def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -407,15 +462,24 @@ class SGLangStandIn:
                                   stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
                                   seed=sp.get("sampling_seed") if self.deterministic else None,
                                   ignore_eos=bool(sp.get("ignore_eos", False)))
-        with self._engine_lock:
+        with self._row_generating():
             sample = self.engine.generate([GenerateRequest(list(prompt), 0)], sampling)[0]
         if sample.finish_reason == "stop":
             finish = {"type": "stop", "matched": sample.response_ids[-1]}
+        elif sample.finish_reason == "abort":  # parked by a retract / in_place pause, then aborted
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         else:
             finish = {"type": "length", "length": sampling.max_new_tokens}
+        spans: list[list[int]] = []  # [engine version, start, end] runs over the output tokens
+        for t, v in enumerate(sample.effective_token_versions()):
+            if spans and spans[-1][0] == v:
+                spans[-1][2] = t + 1
+            else:
+                spans.append([v, t, t + 1])
         text = " ".join(f"<{t}>" for t in sample.response_ids)  # the tiny models have no tokenizer
         return _row(text, sample.response_ids, sample.rollout_logprobs, finish, pending.rid, len(prompt),
-                    self.weight_version, tic)
+                    self.weight_version, tic,
+                    spans=[(self._version_names.get(v, self.weight_version), a, b) for v, a, b in spans])
 
     def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
         path = body.get("model_path")
@@ -429,16 +493,16 @@ class SGLangStandIn:
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             tensors.update(load_file(f))
-        with self._engine_lock:
+        with self._model_update():
             try:
                 self.engine.update_weights(tensors.items(), self._engine_version + 1)
             except Exception as exc:  # noqa: BLE001 - SGLang reports loader errors as the message
                 return 400, {"success": False, "num_paused_requests": 0,
                              "message": f"Failed to update weights: {exc}.\nRolling back to original weights."}
-            self._engine_version += 1
+            self._adopt_engine_version()
         message = "Succeeded to update model weights."
         if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+            self._name_version(str(body["weight_version"]))
             message += f" Weight version updated to {self.weight_version}."
         self.model_path = str(path)
         self.disk_updates.append((body.get("weight_version"), str(path)))
@@ -503,13 +567,13 @@ class SGLangStandIn:
                                                        f"{type(exc).__name__}: {exc}"}
         del per_rank, payload
         names = [name for name, _ in named]
-        with self._engine_lock:
+        with self._model_update():
             try:
                 self._check_fits(named)  # refused before any tensor is copied: the engine stays as it was
                 self.engine.update_weights(named, self._engine_version + 1)
             except Exception as exc:  # noqa: BLE001
                 return 400, {"success": False, "message": f"stand-in: loading the tensors failed: {exc}"}
-            self._engine_version += 1
+            self._adopt_engine_version()
         del named  # the trainer may free its buffers once we answered: nothing here points at them
         if body.get("flush_cache", True) and self.pending_count():
             return 400, {"success": False, "message": "Weights were updated, but the cache was not flushed because "
@@ -517,7 +581,7 @@ class SGLangStandIn:
                                                       "then call /flush_cache."}
         message = "Success"
         if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+            self._name_version(str(body["weight_version"]))
             message += f" Weight version updated to {self.weight_version}."
         self.tensor_updates.append((body.get("weight_version"), load_format, names))
         return 200, {"success": True, "message": message}
@@ -629,21 +693,21 @@ class SGLangStandIn:
             if pg is not None:
                 dist.destroy_process_group(pg)
             return 0, _DIE
-        with self._engine_lock:
+        with self._model_update():
             try:
                 self.engine.update_weights(weights, self._engine_version + 1)
             except Exception as exc:  # noqa: BLE001
                 return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full "
                                                            "weights of the ModelRunner are partially updated. Please "
                                                            "discard the whole weights."}
-            self._engine_version += 1
+            self._adopt_engine_version()
         if body.get("flush_cache", True) and self.pending_count():
             return 400, {"success": False, "message": "Weights were updated, but the cache was not flushed because "
                                                       "requests are still running or queued. Retract or finish them, "
                                                       "then call /flush_cache."}
         message = "Succeeded to update parameter online."
         if body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
+            self._name_version(str(body["weight_version"]))
             message += f" Weight version updated to {self.weight_version}."
         self.distributed_updates.append((body.get("weight_version"), names))
         self.distributed_group_names.append(group_name)
@@ -655,7 +719,7 @@ class SGLangStandIn:
             return 400, _validation_error("Field required: new_version")
         if body.get("abort_all_requests", True):
             self.abort({"abort_all": True})
-        self.weight_version = str(body["new_version"])
+        self._name_version(str(body["new_version"]))
         return 200, {"success": True, "message": f"Weight version updated to {self.weight_version}",
                      "new_version": self.weight_version}
 
@@ -689,9 +753,14 @@ class SGLangStandIn:
         self._unpaused.clear()
         if mode == "abort":
             self.abort({"abort_all": True})
+        else:
+            self.engine.pause(mode)  # the rows being generated park at their next decode step
+        with self._rows:
+            self._rows.notify_all()  # an update waiting for the rows to finish may go now
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_(self, body: dict) -> tuple[int, Any]:
+        self.engine.continue_()
         self._unpaused.set()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -700,6 +769,8 @@ class SGLangStandIn:
             for p in self._pending.values():
                 if body.get("abort_all") or p.rid == body.get("rid"):
                     p.aborted.set()
+        if body.get("abort_all") and self.engine.paused in ("retract", "in_place"):
+            self.engine.pause("abort")  # the parked rows end "abort" with their partial tokens, as SGLang's do
         return 200, ""
 
     def weights_checker(self, body: dict) -> tuple[int, Any]:
@@ -708,7 +779,7 @@ class SGLangStandIn:
         snapshot (400 naming every tensor that differs), ``checksum`` is not played here."""
         action = body.get("action", "checksum")
         self.weights_checker_actions.append(action)
-        with self._engine_lock:
+        with self._model_update():
             params = list(self.engine.model.named_parameters())
             if action == "snapshot":
                 self._weights_snapshot = [(n, p.detach().clone()) for n, p in params]
@@ -837,15 +908,18 @@ def _validation_error(message: str) -> dict:
     return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
 
 
-def _row(text, output_ids, logprobs, finish, rid, prompt_tokens, weight_version, tic) -> dict:
-    """One reply row, keys in real SGLang 0.5.23's order; a row is generated under one version here."""
+def _row(text, output_ids, logprobs, finish, rid, prompt_tokens, weight_version, tic, spans=()) -> dict:
+    """One reply row, keys in real SGLang 0.5.23's order; ``spans``: ``(version, start, end)`` of each run of
+    output tokens one weight version generated (none: all of them ``weight_version``'s)."""
     n = len(output_ids)
+    versions = [{"version": v, "start": a, "end": b} for v, a, b in spans] or [
+        {"version": weight_version, "start": 0, "end": n}]
     return {"text": text, "output_ids": list(output_ids), "meta_info": {
         "id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens, "weight_version": weight_version,
         "num_retractions": 0, "input_token_logprobs": [],
         "output_token_logprobs": [[float(lp), int(t), None] for lp, t in zip(logprobs, output_ids)],
         "output_token_logprobs_length": n, "reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0,
-        "weight_versions": [{"version": weight_version, "start": 0, "end": n}], "cached_tokens_details": None,
+        "weight_versions": versions, "cached_tokens_details": None,
         "dp_rank": None, "e2e_latency": time.time() - tic, "response_sent_to_client_ts": time.time()}}
 
 
