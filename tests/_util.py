@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,6 +94,67 @@ def kill_tree(root: int, timeout: float = 120) -> None:
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), "killed processes still alive"
+
+
+def launch_async_run(hf: str, tmp_path: Path, out: Path, url: str, flags: list[str], *, prompts: int,
+                     env_extra: dict | None = None) -> subprocess.Popen:
+    """``python -m megatron_rl.train`` on 2 torchrun ranks against the SGLang server at ``url`` (token-id prompts,
+    a parity reward on the last token, the disk transport, checkpoints every 2 steps under ``out/ckpt``) in a
+    session of its own, output appended to ``<out>.log``; ``flags``: the run's own (async mode, sizes)."""
+    prompt_file = tmp_path / "prompts.jsonl"
+    if not prompt_file.exists():
+        prompt_file.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n"
+                                       for i in range(prompts)))
+        (tmp_path / "parity_reward.py").write_text("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path),
+           **(env_extra or {})}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    log = open(f"{out}.log", "a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
+         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2",
+         "--prompt-data", str(prompt_file), "--custom-rm-path", "parity_reward:score", "--lr", "1e-2",
+         "--rollout-backend", "sglang", "--rollout-engine-urls", url,
+         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(out) + ".weights",
+         "--save", str(out / "ckpt"), "--save-interval", "2", "--output-dir", str(out), *flags],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finished_run(proc: subprocess.Popen, out, timeout: float) -> str:
+    """The output of a launch from :func:`launch_async_run` once it exited 0 (its tree killed on a hang)."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise AssertionError(f"hung\n{open(f'{out}.log').read()[-6000:]}") from None
+    text = open(f"{out}.log").read()
+    assert rc == 0, text[-6000:]
+    return text
+
+
+class InThread:
+    """``fn()`` in a thread; ``result()`` joins it (a hang bound of ``bound_s``) and re-raises what it raised."""
+
+    def __init__(self, fn, bound_s: float = 300, what: str = "the call"):
+        self.out: dict = {}
+        self.bound_s, self.what = bound_s, what
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            self.out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            self.out["error"] = exc
+
+    def result(self):
+        self.thread.join(self.bound_s)
+        assert not self.thread.is_alive(), f"{self.what} did not return"
+        if "error" in self.out:
+            raise self.out["error"]
+        return self.out["value"]
 
 
 def read_json(path: str | os.PathLike):

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from _util import PausePoint, free_port, kill_tree
+from _util import PausePoint, finished_run, kill_tree, launch_async_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
@@ -39,27 +39,9 @@ B, STEPS = 2, 4
 
 
 def _launch(hf, tmp_path, out, server, env_extra=None) -> subprocess.Popen:
-    prompts = tmp_path / "prompts.jsonl"
-    if not prompts.exists():
-        prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(40)))
-        (tmp_path / "parity_reward.py").write_text("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path),
-           **(env_extra or {})}
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        env.pop(var, None)
-    log = open(f"{out}.log", "a")
-    return subprocess.Popen(
-        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
-         "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--actor-num-gpus-per-node", "2",
-         "--prompt-data", str(prompts), "--custom-rm-path", "parity_reward:score", "--rollout-batch-size", str(B),
-         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--num-rollout", str(STEPS),
-         "--lr", "1e-2", "--rollout-backend", "sglang", "--rollout-engine-urls", server.url,
-         "--async-mode", "full", "--max-staleness", "1", "--partial-rollout",
-         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(out) + ".weights",
-         "--save", str(out / "ckpt"), "--save-interval", "2", "--output-dir", str(out),
-         "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt")],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return launch_async_run(hf, tmp_path, out, server.url, ["--rollout-batch-size", str(B), "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
+         "--num-rollout", str(STEPS), "--async-mode", "full", "--max-staleness", "1", "--partial-rollout",
+         "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt")], prompts=40, env_extra=env_extra)
 
 
 def _kill_at(hf, tmp_path, out, server, spec: str) -> None:
@@ -83,14 +65,7 @@ def test_full_async_killed_at_three_points_trains_every_prompt_exactly_once(tiny
         assert os.path.isfile(os.path.join(root, "async_buffer", "buffer_2.pt"))
         _kill_at(hf, tmp_path, out, server, "publish_written:iter_0000004")
         assert os.path.isfile(os.path.join(root, "async_buffer", "buffer_4.pt"))  # written before its checkpoint
-        proc = _launch(hf, tmp_path, out, server)
-        try:
-            rc = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            raise AssertionError(f"hung\n{open(f'{out}.log').read()[-6000:]}") from None
-    text = open(f"{out}.log").read()
-    assert rc == 0, text[-6000:]
+        text = finished_run(_launch(hf, tmp_path, out, server), out, TIMEOUT)
     assert "rollout buffer of" in text and "restored" in text, text[-4000:]
 
     trained = {}

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 import torch
-import transformers
 
+from _util import InThread as _InThread
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
 
@@ -26,26 +26,8 @@ PAUSE_STEP = 3  # tokens each live row has when the pause lands
 HANG_BOUND_S = 300  # only a bound on a broken test; nothing waits for it to pass
 
 
-class InThread:
-    """``fn()`` in a thread; ``result()`` joins it and re-raises what it raised."""
-
-    def __init__(self, fn):
-        self.out: dict = {}
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn):
-        try:
-            self.out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
-            self.out["error"] = exc
-
-    def result(self):
-        self.thread.join(HANG_BOUND_S)
-        assert not self.thread.is_alive(), "the generate did not return"
-        if "error" in self.out:
-            raise self.out["error"]
-        return self.out["value"]
+def _thread(fn):
+    return _InThread(fn, bound_s=HANG_BOUND_S, what="the generate")
 
 
 def pause_at(engine, step, mode):
@@ -60,18 +42,6 @@ def pause_at(engine, step, mode):
     engine.step_boundary_hook = hook
 
 
-@pytest.fixture(scope="module")
-def models(tiny_hf_models):
-    """Two tiny qwen2 checkpoints of one shape: version 0's weights and version 1's."""
-    return {0: tiny_hf_models("qwen2"), 1: tiny_hf_models("qwen2", seed=1)}
-
-
-@pytest.fixture(scope="module")
-def references(models):
-    return {v: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-            for v, p in models.items()}
-
-
 def recomputed_logprobs(model, sample, temperature):
     """Log-prob of every response token by one full forward of prompt + response (no cache, no padding)."""
     ids = torch.tensor([sample.prompt_ids + sample.response_ids])
@@ -84,7 +54,7 @@ def generate_across_update(models, mode):
     """Generate with a pause in ``mode`` at ``PAUSE_STEP`` of the first chunk, version 1 loaded while parked."""
     engine = EmbeddedEngine(models[0], max_batch_size=4)
     pause_at(engine, PAUSE_STEP, mode)
-    running = InThread(lambda: engine.generate(REQUESTS, SAMPLING))
+    running = _thread(lambda: engine.generate(REQUESTS, SAMPLING))
     assert engine.wait_paused(HANG_BOUND_S) == 1
     engine.update_weights_from_disk(models[1], 1)
     assert engine.weight_version == 1 and engine.paused == mode
@@ -148,7 +118,7 @@ def test_pause_and_continue_without_an_update_is_an_unpaused_generate_bit_for_bi
     unpaused = EmbeddedEngine(models[0], max_batch_size=4).generate(REQUESTS, SAMPLING)
     engine = EmbeddedEngine(models[0], max_batch_size=4)
     pause_at(engine, PAUSE_STEP, mode)
-    running = InThread(lambda: engine.generate(REQUESTS, SAMPLING))
+    running = _thread(lambda: engine.generate(REQUESTS, SAMPLING))
     assert engine.wait_paused(HANG_BOUND_S) == 1
     engine.continue_()
     paused = running.result()
@@ -174,7 +144,7 @@ def test_abort_mode_ends_the_rows_in_flight_and_holds_later_generates_until_cont
     assert any(a.finish_reason == "abort" and a.response_ids for a in aborted)
     # still paused: a generate that starts now parks before its prefill, and runs whole after continue
     engine.step_boundary_hook = None
-    later = InThread(lambda: engine.generate(REQUESTS, SAMPLING))
+    later = _thread(lambda: engine.generate(REQUESTS, SAMPLING))
     assert engine.wait_paused(HANG_BOUND_S) == 1
     engine.continue_()
     assert [(s.response_ids, s.rollout_logprobs) for s in later.result()] == \
@@ -197,9 +167,9 @@ def test_an_update_while_decoding_waits_for_the_step_then_lands_between_steps(mo
         return forward(*args, **kwargs)
 
     engine.model.forward = held_forward
-    running = InThread(lambda: engine.generate(REQUESTS, SAMPLING))
+    running = _thread(lambda: engine.generate(REQUESTS, SAMPLING))
     assert in_forward.wait(HANG_BOUND_S)
-    update = InThread(lambda: engine.update_weights_from_disk(models[1], 1))
+    update = _thread(lambda: engine.update_weights_from_disk(models[1], 1))
     with engine._cond:  # the update is waiting for the step (state, not a sleep)
         assert engine._cond.wait_for(lambda: engine._exclusive_waiting == 1, HANG_BOUND_S)
     assert engine.weight_version == 0
@@ -234,7 +204,7 @@ def test_wait_paused_times_out_naming_what_did_not_happen(models):
             assert release.wait(HANG_BOUND_S)
 
     engine.step_boundary_hook = hold
-    running = InThread(lambda: engine.generate(REQUESTS[:1], SAMPLING))
+    running = _thread(lambda: engine.generate(REQUESTS[:1], SAMPLING))
     assert reached.wait(HANG_BOUND_S)
     engine.pause("retract")
     with pytest.raises(EngineError, match="1 of 1 generate call.s. did not reach a step boundary"):
@@ -252,7 +222,7 @@ def test_wait_paused_times_out_naming_what_did_not_happen(models):
 def test_a_failed_update_while_parked_stops_the_generate_naming_it(models):
     engine = EmbeddedEngine(models[0])
     pause_at(engine, 1, "in_place")
-    running = InThread(lambda: engine.generate(REQUESTS[:1], SAMPLING))
+    running = _thread(lambda: engine.generate(REQUESTS[:1], SAMPLING))
     engine.wait_paused(HANG_BOUND_S)
     with pytest.raises(SyncError, match="shape mismatch"):
         engine.update_weights([("model.embed_tokens.weight", torch.zeros(3, 3))], 1)

@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-import transformers
 
+from _util import InThread as _InThread
 from megatron_rl.rollout.sglang import SGLangClient
 from megatron_rl.rollout.sglang.protocol import parse_generate_output
 from sglang_standin import SGLangStandIn  # tests/ is on sys.path (conftest)
@@ -26,32 +26,16 @@ HOLD_STEP = 3  # output tokens the row has when it is held
 HANG_BOUND_S = 300  # bounds a broken test only
 
 
+def _thread(fn):
+    return _InThread(fn, bound_s=HANG_BOUND_S, what="the request")
+
+
 def wait_for(predicate, what: str) -> None:
     """Wait for a state; the bound only names a hang."""
     deadline = time.monotonic() + HANG_BOUND_S
     while not predicate():
         assert time.monotonic() < deadline, f"hung: {what}"
         time.sleep(0.01)
-
-
-class InThread:
-    def __init__(self, fn):
-        self.out: dict = {}
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn):
-        try:
-            self.out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
-            self.out["error"] = exc
-
-    def result(self):
-        self.thread.join(HANG_BOUND_S)
-        assert not self.thread.is_alive(), "the request did not return"
-        if "error" in self.out:
-            raise self.out["error"]
-        return self.out["value"]
 
 
 class HeldRow:
@@ -61,7 +45,7 @@ class HeldRow:
         self.reached, self.go = threading.Event(), threading.Event()
         server.engine.step_boundary_hook = self._hold
         self.client = SGLangClient(server.url, timeout_s=HANG_BOUND_S, connect_retries=0)
-        self.request = InThread(lambda: self.client.generate([PROMPT], [PARAMS])[0])
+        self.request = _thread(lambda: self.client.generate([PROMPT], [PARAMS])[0])
         assert self.reached.wait(HANG_BOUND_S), "the row never reached its held step"
 
     def _hold(self, step):
@@ -77,17 +61,6 @@ class HeldRow:
             return self.request.result()
         finally:
             self.client.close()
-
-
-@pytest.fixture(scope="module")
-def models(tiny_hf_models):
-    return {0: tiny_hf_models("qwen2"), 1: tiny_hf_models("qwen2", seed=1)}
-
-
-@pytest.fixture(scope="module")
-def references(models):
-    return {v: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-            for v, p in models.items()}
 
 
 @pytest.fixture
@@ -171,14 +144,14 @@ def test_abort_mode_lets_the_generating_row_finish_and_the_update_wait_for_it(se
     the weights it started with, and an update sent meanwhile lands after it (SGLang's model-update lock)."""
     server.faults.delay_s["/generate:row"] = HANG_BOUND_S  # a second row, pending: aborted by the pause
     pending = SGLangClient(server.url, timeout_s=HANG_BOUND_S, connect_retries=0)
-    waiting = InThread(lambda: pending.generate([[5, 17, 3]], [PARAMS])[0])
+    waiting = _thread(lambda: pending.generate([[5, 17, 3]], [PARAMS])[0])
     wait_for(lambda: server.pending_count() == 1, "the pending row")
     server.faults.delay_s.pop("/generate:row")
     held = HeldRow(server)
     client.pause_generation("abort")
     assert waiting.result()["meta_info"]["finish_reason"]["type"] == "abort"
     pending.close()
-    update = InThread(lambda: client.update_weights_from_disk(models[1], weight_version="1"))
+    update = _thread(lambda: client.update_weights_from_disk(models[1], weight_version="1"))
     with server._rows:
         assert server._rows.wait_for(lambda: server._updates_waiting == 1, HANG_BOUND_S)
     assert server.engine.weight_version == 0  # held back by the row inside the engine
