@@ -89,7 +89,7 @@ def run_mode(mode: str, args, model: str, prompts: str, url: str, work: str, k: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="rollouts per run (the first is left out)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per mode, interleaved")
     ap.add_argument("--groups", type=int, default=4, help="--rollout-batch-size")

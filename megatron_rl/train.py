@@ -101,9 +101,11 @@ def run(cfg: Config) -> int:
         parts = StepParts(ctx, spec, backend, rollout, replica, engine, recovery, sync, synced_version=start,
                           resync=lambda version: _resync(sync, backend, rollout, version))
         if cfg.rollout.async_mode == "one-step":
-            from megatron_rl.runner.one_step import run_one_step as loop  # rollout N+1 generated beside training N
+            # lazy: a driver only its mode loads (one-step: rollout N+1 generated beside training N)
+            from megatron_rl.runner.one_step import run_one_step as loop
         elif cfg.rollout.async_mode == "full":
-            from megatron_rl.runner.full_async import run_full as loop  # a producer fills a buffer continuously
+            # lazy: a driver only its mode loads (full: a producer fills a buffer continuously)
+            from megatron_rl.runner.full_async import run_full as loop
         else:
             loop = run_in_turn
         code = loop(parts, start)

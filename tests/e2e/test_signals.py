@@ -94,7 +94,10 @@ def test_signal_mid_training_saves_and_exits_3(tmp_path, how):
     # let the run move on meanwhile: a stop at 2 or later than 3 under load)
     point = PausePoint(tmp_path / "pause", "step_logged:3")
     demo = Demo(out, 8, "--save-interval", "2", env=point.env)
-    point.wait(demo.proc, output=demo.tail)  # the timeout only bounds a hang
+    # both ranks, not only the driver: a rank that took the signal before it reached the point would pause there
+    # afterwards, for no signal (the run then hung until the launcher's 300 s save bound, exit 143)
+    for rank in (0, 1):
+        point.wait(demo.proc, rank=rank, output=demo.tail)  # the timeout only bounds a hang
     assert os.path.isdir(iter_dir(root, 2)) and 3 in train_steps(metrics(out))
     with open(f"/proc/{demo.proc.pid}/cmdline", "rb") as fh:
         cmdline = fh.read()
