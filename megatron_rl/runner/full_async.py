@@ -34,7 +34,6 @@ from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_ve
 from megatron_rl.rollout.rewards import compute_rewards
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
-from megatron_rl.runner.one_step import staleness_metrics
 from megatron_rl.runner.producer import Group, RolloutProducer
 
 log = logging.getLogger("megatron_rl")
@@ -117,8 +116,7 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
                "rollout/inflight_groups": float(generating),
                "rollout/partial_continued_samples": float(sum("partial_continuations" in s.metadata for s in samples)),
                "perf/rollout_wait_s": wait_s}
-    metrics.update(weight_version_metrics(samples, rollout_id))
-    metrics.update(staleness_metrics(samples, trained_at=rollout_id))
+    metrics.update(weight_version_metrics(samples, rollout_id))  # staleness against the weights that train them
     if cfg.mode.save_debug_rollout_data:
         save_rollout(cfg.mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
     return samples, metrics
