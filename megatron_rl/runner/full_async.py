@@ -77,8 +77,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         next_serial=restored.get("next_serial", 0),
         pending=[GenerateRequest(**q) for q in restored.get("pending", [])],
         buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
-                      [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])])
-    producer.extra_state = rollout.position  # type: ignore[method-assign] # the position, under the same lock
+                      [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])],
+        position=rollout.position)
     return producer
 
 

@@ -78,12 +78,13 @@ class RolloutProducer:
                  groups_per_step: int, max_staleness: int, version: int, partial: bool,
                  score: Callable[[list[Sample]], None], concurrency: int, abort_retries: int = 2,
                  next_step: int = 0, next_serial: int = 0, pending: Optional[list[GenerateRequest]] = None,
-                 buffer: Optional[list[Group]] = None):
+                 buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None):
         if max_staleness < 1:
             raise ValueError("a producer that overlaps training needs max_staleness >= 1")
         self.engine, self.draw, self.sampling = engine, draw, sampling
         self.batch, self.max_staleness, self.partial = groups_per_step, max_staleness, partial
         self.score, self.abort_retries = score, abort_retries
+        self.position = position  # the prompt position, read with the snapshot under the same lock as draw()
         self.concurrency = max(1, concurrency)
         self._cond = threading.Condition()
         self._queue: collections.deque[GenerateRequest] = collections.deque(pending or [])
@@ -201,11 +202,7 @@ class RolloutProducer:
             return {"buffer": [{"serial": g.serial, "admitted_at": g.admitted_at, "request": dataclasses.asdict(g.request),
                                 "samples": [dataclasses.asdict(s) for s in g.samples]} for g in self._buffer],
                     "pending": [dataclasses.asdict(r) for r in unfinished + list(self._queue)],
-                    "next_serial": self._serial, "state": self.extra_state()}
-
-    def extra_state(self) -> Any:
-        """Hook: what the caller stores with the snapshot under the same lock (the prompt position)."""
-        return None
+                    "next_serial": self._serial, "state": self.position()}
 
     # ------------------------------------------------------------------ workers
     def _admissible(self) -> bool:
