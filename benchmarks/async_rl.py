@@ -1,9 +1,9 @@
 """Samples per second of ``--async-mode off``, ``one-step`` and ``full`` on the same ranks, model and prompts.
 
-One trainer (``python -m megatron_rl.train``, megatron-core, one CPU rank, one thread) against one engine
-server in a process of its own (one thread): the embedded engine behind SGLang's HTTP protocol, i.e.
-the protocol stand-in ``tests/rollout/sglang_standin.py`` (real SGLang on CPU is ``scripts/test_sglang_real.sh``'s
-business; here the engine must be the same bits in every mode). The shape is generation-heavy (long
+One trainer (``python -m megatron_rl.train``, megatron-core, one CPU rank, one thread) and one engine in a
+process of its own (one thread): the embedded engine server the run starts with ``--embedded-engine-ranks
+process`` (``rollout.embedded_server``: SGLang's HTTP protocol, rows of concurrent requests batched), synced
+from disk, the same in every mode. The shape is generation-heavy (long
 responses on a small model), where overlapping generation with training pays. The modes run
 interleaved (off, one-step, full, off, ...) so a machine that slows down mid-run slows all of them;
 each run's first step (start-up, first compile) is left out. Printed per mode: samples/s (the median
@@ -27,35 +27,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_rl.infra.ports import free_port  # noqa: E402 - after the repo is on sys.path
 
 MODES = {"off": [], "one-step": ["--async-mode", "one-step"], "full": ["--async-mode", "full", "--partial-rollout"]}
 
 
-def start_engine(model: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rollout", "sglang_standin.py"),
-                             "--model", model, "--port", str(port)], env=env, stdout=open(log_path, "w"),
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the engine server exited ({proc.returncode}); see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"the engine server did not answer /health in 120 s; see {log_path}")
-
-
-def run_mode(mode: str, args, model: str, prompts: str, url: str, work: str, k: int) -> dict:
+def run_mode(mode: str, args, model: str, prompts: str, work: str, k: int) -> dict:
     out = os.path.join(work, f"{mode}_{k}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([work, REPO])}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -63,9 +39,8 @@ def run_mode(mode: str, args, model: str, prompts: str, url: str, work: str, k: 
     cmd = [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", model, "--prompt-data", prompts,
            "--custom-rm-path", "parity_reward:score", "--rollout-batch-size", str(args.groups),
            "--n-samples-per-prompt", str(args.n), "--rollout-max-response-len", str(args.response_len),
-           "--num-rollout", str(args.steps), "--lr", "1e-4", "--rollout-backend", "sglang",
-           "--rollout-engine-urls", url, "--update-weight-transport", "disk",
-           "--update-weight-disk-dir", out + ".weights", "--output-dir", out, *MODES[mode],
+           "--num-rollout", str(args.steps), "--lr", "1e-4", "--rollout-backend", "embedded",
+           "--embedded-engine-ranks", "process", "--output-dir", out, *MODES[mode],
            *(["--max-staleness", str(args.max_staleness)] if mode == "full" else [])]
     t = time.monotonic()
     with open(out + ".log", "w") as log:
@@ -110,18 +85,14 @@ def main(argv=None) -> int:
             fh.write(json.dumps({"prompt": [3, 4, 5 + i % 50], "label": str(i)}) + "\n")
     with open(os.path.join(work, "parity_reward.py"), "w") as fh:
         fh.write("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
-    engine, url = start_engine(model, os.path.join(work, "engine.log"))
     results: dict[str, list[dict]] = {m: [] for m in MODES}
-    try:
-        for k in range(args.repeat):
-            for mode in MODES:
-                r = run_mode(mode, args, model, prompts, url, work, k)
-                results[mode].append(r)
-                print(f"  {mode:9s} run {k}: {r['samples_per_s']:.2f} samples/s (engine idle {r['engine_idle']:.2f}, "
-                      f"trainer idle {r['trainer_idle']:.2f}, staleness max {r['staleness_max']:.0f}, "
-                      f"{r['wall_s']:.0f} s)", flush=True)
-    finally:
-        engine.kill()
+    for k in range(args.repeat):
+        for mode in MODES:
+            r = run_mode(mode, args, model, prompts, work, k)
+            results[mode].append(r)
+            print(f"  {mode:9s} run {k}: {r['samples_per_s']:.2f} samples/s (engine idle {r['engine_idle']:.2f}, "
+                  f"trainer idle {r['trainer_idle']:.2f}, staleness max {r['staleness_max']:.0f}, "
+                  f"{r['wall_s']:.0f} s)", flush=True)
     base = statistics.median(r["samples_per_s"] for r in results["off"])
     print(f"\n{args.groups} prompts x {args.n} samples, responses <= {args.response_len} tokens, {args.family} tiny; "
           f"{args.steps - 1} steps x {args.repeat} runs per mode; full: --max-staleness {args.max_staleness}")

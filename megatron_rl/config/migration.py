@@ -38,7 +38,8 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
     "ROLLOUT_ARGS": (
         "--prompt-data", "--input-key", "--label-key", "--apply-chat-template", "--rollout-shuffle", "--rm-type",
         "--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--rollout-max-response-len",
-        "--rollout-temperature", "--global-batch-size", "--balance-data"),
+        "--rollout-temperature", "--global-batch-size", "--balance-data", "--over-sampling-batch-size",
+        "--dynamic-sampling-filter-path", "--rm-url"),
     "EVAL_ARGS": ("--eval-interval", "--eval-prompt-data", "--n-samples-per-eval-prompt", "--eval-max-response-len",
                   "--eval-top-p", "--eval-top-k"),
     "PERF_ARGS": (
@@ -79,7 +80,18 @@ NOTES: dict[str, tuple[str, str]] = {
                                 "fsdp: FSDP2's CPUOffloadPolicy."),
     "--rm-type": ("same", "Built-in rewards exact_match, math and deepscaler (slime's rule; graded with the "
                   "numeric / normalised-string subset of slime's mathd + sympy check); slime's other rm_hub names "
-                  "(dapo, f1, gpqa, ...) are refused while parsing flags: use --custom-rm-path."),
+                  "(dapo, f1, gpqa, ...) are refused while parsing flags: use --custom-rm-path; for remote_rm "
+                  "give --rm-url alone."),
+    "--rm-url": ("same", "slime's --rm-type remote_rm --rm-url URL is --rm-url URL alone here (it excludes "
+                 "--rm-type). slime posts one sample per request and reads the reply as the reward; here a "
+                 "request carries a batch, {\"samples\": [{\"prompt\", \"response\", \"label\", ...}]}, "
+                 "answered by {\"rewards\": [...]} (docs/agentic.md, \"Reward servers\")."),
+    "--dynamic-sampling-filter-path": ("same", "slime's filter signature fn(args, samples) and its dotted paths; "
+                                       "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std "
+                                       "(and _with_fallback) name the built-in filters here. Kept groups beyond "
+                                       "the batch are dropped, as in slime; a batch still short after "
+                                       "--dynamic-sampling-max-rounds stops the run (slime samples on without "
+                                       "end)."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }

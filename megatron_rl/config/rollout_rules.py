@@ -89,11 +89,16 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         errors.append(f"--embedded-engine-ranks {r.embedded_engine_ranks} places the embedded engine, but "
                       f"--rollout-backend is {r.rollout_backend} (SGLang engines are placed by --colocate and "
                       "--rollout-num-gpus(-per-engine)): drop it")
+    elif r.embedded_engine_ranks == "process" and not cfg.has_rollout_engine:
+        errors.append("--embedded-engine-ranks process starts an engine process, but this run generates nothing "
+                      "(--debug-train-only / --load-debug-rollout-data): drop it")
     elif r.embedded_engine_ranks == "all" and not (cfg.has_training and cfg.has_rollout_engine):
         why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
                else "has no trainer ranks besides the driver (--debug-rollout-only: the others exit at start)")
         errors.append(f"--embedded-engine-ranks all puts an engine replica on every trainer rank, but this run {why}: "
                       "drop it")
+    if cfg.embedded_placement == "process":
+        errors.extend(_embedded_process_errors(cfg))
     if r.rollout_backend == "embedded":
         # SGLang-only knobs: the embedded engine is one in-process engine on the driver rank's
         # devices, so a GPU count or a server argument would be accepted and do nothing.
@@ -128,6 +133,12 @@ def _async_errors(cfg: Config) -> list[str]:
     if r.async_mode == "full" and r.use_fault_tolerance:
         errors.append(NotBuilt(f"--use-fault-tolerance with --async-mode full (restarting an engine under the "
                                f"running producer, its buffer kept) is {_NOT_YET}: drop one of them"))
+    if r.async_mode == "full" and r.dynamic_sampling_filter_path:
+        errors.append(NotBuilt(f"--dynamic-sampling-filter-path with --async-mode full (the producer admitting "
+                               f"another prompt for each group the filter drops) is {_NOT_YET}: the producer "
+                               "generates prompt groups one at a time for the buffer, not a rollout in rounds; "
+                               "use --async-mode one-step (the rollout generated while training fills its batch "
+                               "in rounds as in turn) or drop the filter"))
     if not (cfg.has_training and cfg.has_rollout_engine):
         why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
                else "trains nothing (--debug-rollout-only)")
@@ -139,11 +150,27 @@ def _async_errors(cfg: Config) -> list[str]:
                       "same devices back and forth between engine and trainer, so they cannot run at once: "
                       "give the engines devices of their own (--rollout-num-gpus without --colocate, or "
                       "--rollout-engine-urls), or use --async-mode off")
-    elif r.rollout_backend == "embedded":
-        errors.append(NotBuilt(f"--async-mode {r.async_mode} with --rollout-backend embedded: the embedded engine "
-                               "runs inside the driver rank, on the trainer's devices; an embedded engine on ranks "
-                               f"of its own is {_NOT_YET}: use --rollout-backend sglang with engines on devices of "
-                               "their own (--rollout-num-gpus without --colocate, or --rollout-engine-urls)"))
+    elif r.rollout_backend == "embedded" and cfg.embedded_placement != "process":
+        errors.append(f"--async-mode {r.async_mode} generates while the trainer trains, but --embedded-engine-ranks "
+                      f"{r.embedded_engine_ranks} runs the embedded engine inside the trainer ranks, which train: "
+                      "use --embedded-engine-ranks process (its own process; the default with --async-mode)")
+    return errors
+
+
+def _embedded_process_errors(cfg: Config) -> list[str]:
+    """``--embedded-engine-ranks process``: the engine is a server process the driver starts (synced from disk)."""
+    s, m = cfg.sync, cfg.memory
+    errors = []
+    if s.update_weight_transport != "disk":
+        errors.append(f"--embedded-engine-ranks process runs the engine in a process of its own, which loads each "
+                      f"weight version from disk; --update-weight-transport {s.update_weight_transport} "
+                      f"{'hands tensors to an engine in this process' if s.update_weight_transport == 'tensor' else 'needs SGLang servers'}"
+                      ": use --update-weight-transport disk (the default there)")
+    for flag, on in (("--colocate", m.colocate), ("--offload-rollout", m.offload_rollout)):
+        if on:
+            errors.append(f"{flag} releases the engine's memory while the trainer trains, but the embedded engine "
+                          "process keeps its memory (it has no release/resume): drop "
+                          f"{flag}, or use --embedded-engine-ranks all or driver")
     return errors
 
 

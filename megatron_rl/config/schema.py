@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -463,9 +464,15 @@ class RolloutConfig:
                                       "rounding, as a smaller batch's GEMMs may round otherwise), gathered on the "
                                       "driver; "
                                       "costs one model copy per rank. driver: one engine on the driver rank while "
-                                      "the others wait. auto: all when the run generates and trains, else driver. "
-                                      "Evaluation generates on the driver. Only for --rollout-backend embedded.",
-                                      choices=("auto", "all", "driver"))
+                                      "the others wait. process: one engine in a process of its own that the "
+                                      "driver starts on its node (python -m megatron_rl.rollout.embedded_server), "
+                                      "spoken to over SGLang's HTTP protocol and synced from disk (under "
+                                      "--update-weight-disk-dir, default <--output-dir>/engine_weights), so it "
+                                      "generates while the trainer trains: what --async-mode needs with this "
+                                      "engine. auto: process with --async-mode one-step or full, else all when the "
+                                      "run generates and trains, else driver. Evaluation generates on the driver "
+                                      "(or the process). Only for --rollout-backend embedded.",
+                                      choices=("auto", "all", "driver", "process"))
     async_mode: str = flag("off", "How generation and training overlap (docs/async.md). off: generate, train, "
                            "sync, in turn. one-step: the driver generates rollout N+1 while every rank trains on "
                            "rollout N (verl's one-step-off-policy, slime's train_async): each rollout after the "
@@ -502,11 +509,45 @@ class RolloutConfig:
     rollout_stop_token_ids: list = flag([], "Extra stop token ids (the tokenizer's EOS always stops).",
                                         type=int, nargs="*")
     rollout_seed: int = flag(42, "Base seed for sampling.")
+    custom_generate_function_path: Optional[str] = flag(
+        None, "Your generation of one prompt group (slime's name; docs/agentic.md), as module:function or "
+        "path/to/file.py:function: fn(request, sampling, engine) returns the group's --n-samples-per-prompt "
+        "Samples, generating token ids in, token ids + behaviour log-probs + weight versions out through "
+        "engine.generate(input_ids, sampling), and may append tokens of its own with loss_mask 0 (tool "
+        "observations); def or async def. Runs with every engine, for training and evaluation rollouts. Built-in "
+        "multi-turn tool use: megatron_rl.rollout.agent:generate (--tools, --max-turns, --tool-timeout).")
+    rollout_function_path: Optional[str] = flag(
+        None, "Your generation of a whole rollout batch (slime's name; docs/agentic.md), as module:function: "
+        "fn(rollout_id, requests, sampling, engine) returns len(requests) x --n-samples-per-prompt Samples, "
+        "request-major; rewards, retries of aborted groups and training as for the engine's own samples. "
+        "Excludes --custom-generate-function-path.")
+    tools: Optional[str] = flag(
+        None, "The tool loop's tools (megatron_rl.rollout.agent:generate) as module:REGISTRY, a dict of tool name "
+        "-> callable(arguments: dict) -> str; default: the built-in calculator (exact integer + - *).",
+        metavar="MODULE:REGISTRY")
+    max_turns: int = flag(8, "The tool loop: model turns per trajectory at most; a last turn that still calls a "
+                          "tool ends the trajectory (finish_reason length) without running it.")
+    tool_timeout: float = flag(30.0, "The tool loop: seconds one tool call may take; a slower call becomes an "
+                               "error observation and the trajectory goes on.", domain="(0, inf)")
     rollout_abort_retries: int = flag(2, "A prompt group with a sample the engine aborted (finish_reason abort: "
                                       "cut short by an /abort_request or a pause in abort mode) is generated "
                                       "again, whole, with new seeds, at most this many times; still aborted, the "
                                       "rollout stops naming the prompt and the engine's message. Aborted samples "
                                       "are never trained on. 0: no retry.")
+    dynamic_sampling_filter_path: Optional[str] = flag(
+        None, "Dynamic sampling (DAPO, docs/agentic.md): a filter judging each prompt group after its rewards, as "
+        "module:function, file.py:function or slime's dotted path; fn(args, samples) returns True to keep the group "
+        "or slime's DynamicFilterOutput. Prompts are drawn and generated in rounds of --over-sampling-batch-size "
+        "until --rollout-batch-size kept groups fill the batch (kept groups beyond it are dropped and counted). "
+        "Built-in: megatron_rl.rollout.dynamic_sampling:check_reward_nonzero_std (drops groups whose rewards are "
+        "all equal; slime's slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std names it "
+        "too) and check_reward_nonzero_std_with_fallback.")
+    over_sampling_batch_size: Optional[int] = flag(
+        None, "Prompts drawn at a time while dynamic sampling fills a batch (default: --rollout-batch-size); "
+        "needs --dynamic-sampling-filter-path.")
+    dynamic_sampling_max_rounds: int = flag(
+        10, "Dynamic sampling: generation rounds one rollout may take to fill its batch; a batch still short "
+        "then stops the run naming the filter's reasons (verl's max_num_gen_batches).")
     use_fault_tolerance: bool = flag(False, "Restart a launched SGLang engine whose process dies, sync the "
                                      "current weights into it and generate the failed rollout again (at most 3 "
                                      "restarts a run); without it the run stops naming the engine and its log. "
@@ -552,6 +593,17 @@ class DataConfig:
                                   "deepscaler (slime's rule); anything else: --custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+    rm_url: Optional[str] = flag(None, "Reward server URL (slime's name): batches of samples are POSTed to it "
+                                 "as JSON and it answers one reward per sample (protocol: docs/agentic.md). "
+                                 "Excludes --rm-type and --custom-rm-path.", metavar="URL")
+    rm_timeout: float = flag(120.0, "Seconds the reward server (--rm-url) gets to answer one request; no answer "
+                             "by then stops the rollout naming the server (never resent).", domain="(0, inf)")
+    rm_batch_size: int = flag(64, "Samples per request to the reward server (--rm-url); a multiple of "
+                              "--n-samples-per-prompt keeps each prompt's group in one request.")
+    rm_max_concurrency: int = flag(16, "Requests to the reward server (--rm-url) in flight at once.")
+    rm_max_retries: int = flag(5, "Times a request to the reward server (--rm-url) that got no reply because of "
+                               "the connection (refused, dropped) is sent again, with backoff; an HTTP error or "
+                               "a malformed reply is never retried.")
 
     @property
     def eval_sets(self) -> tuple[tuple[Optional[str], str], ...]:
@@ -750,11 +802,28 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self):
+        served = self.embedded_placement == "process"
         if self.sync.update_weight_transport == "auto":  # resolved once, here: every reader sees a transport
             same_devices = self.rollout.rollout_backend == "embedded" or (
                 self.memory.colocate and not self.rollout.rollout_engine_urls)
-            object.__setattr__(self, "sync", replace(self.sync, update_weight_transport="tensor" if same_devices
-                                                     else "distributed"))
+            transport = "disk" if served else "tensor" if same_devices else "distributed"
+            object.__setattr__(self, "sync", replace(self.sync, update_weight_transport=transport))
+        if served and self.sync.update_weight_transport == "disk" and self.sync.update_weight_disk_dir is None:
+            object.__setattr__(self, "sync", replace(self.sync, update_weight_disk_dir=os.path.join(
+                self.runtime.output_dir, "engine_weights")))  # the engine process loads each version from here
+
+    @property
+    def embedded_placement(self) -> Optional[str]:
+        """Where the embedded engine generates (--embedded-engine-ranks, auto resolved): "all" (a replica on every
+        rank), "driver", or "process" (its own process, rollout.embedded_server); None without that engine."""
+        r = self.rollout
+        if r.rollout_backend != "embedded" or not self.has_rollout_engine:
+            return None
+        if r.embedded_engine_ranks != "auto":
+            return r.embedded_engine_ranks
+        if r.async_mode != "off" and self.has_training:
+            return "process"
+        return "all" if self.has_training else "driver"
 
     @property
     def actor_world_size(self) -> int:
@@ -776,9 +845,7 @@ class Config:
     def embedded_replicas(self) -> bool:
         """Whether the embedded engine has a replica on every rank (--embedded-engine-ranks; auto: yes when the
         run both generates and trains; a one-rank run has the driver's alone either way)."""
-        r = self.rollout
-        return (r.rollout_backend == "embedded" and self.has_rollout_engine and self.has_training
-                and r.embedded_engine_ranks != "driver")
+        return self.embedded_placement == "all" and self.has_training
 
     @property
     def seq_length(self) -> int:

@@ -9,6 +9,7 @@ beyond small JSON configs, or a process group, so it runs before any worker.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -63,6 +64,9 @@ def _check_positive(errors: list[str], cfg: Config) -> None:
         ("--rollout-max-response-len", cfg.rollout.rollout_max_response_len),
         ("--rollout-max-prompt-len", cfg.rollout.rollout_max_prompt_len),
         ("--update-weight-buffer-size", cfg.sync.update_weight_buffer_size),
+        ("--rm-batch-size", cfg.data.rm_batch_size),
+        ("--rm-max-concurrency", cfg.data.rm_max_concurrency),
+        ("--dynamic-sampling-max-rounds", cfg.rollout.dynamic_sampling_max_rounds),
     ]:
         if value < 1:
             errors.append(f"{flag} {value} must be >= 1")
@@ -75,11 +79,14 @@ def _check_positive(errors: list[str], cfg: Config) -> None:
         ("--save-interval", cfg.checkpoint.save_interval),
         ("--save-max-to-keep", cfg.checkpoint.save_max_to_keep),
         ("--eval-interval", cfg.data.eval_interval),
+        ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size),
     ]:
         if value_or_unset is not None and value_or_unset < 1:
             errors.append(f"{flag} {value_or_unset} must be >= 1 (or left unset)")
     if cfg.rollout.rollout_abort_retries < 0:
         errors.append(f"--rollout-abort-retries {cfg.rollout.rollout_abort_retries} must be >= 0 (0: no retry)")
+    if cfg.data.rm_max_retries < 0:
+        errors.append(f"--rm-max-retries {cfg.data.rm_max_retries} must be >= 0 (0: no retry)")
 
 
 def _check_parallel(errors: list[str], cfg: Config) -> None:
@@ -333,6 +340,92 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
                       f"--wall-time-limit {rt.wall_time_limit:g}s; lower the reserve or raise the limit")
 
 
+_BUILTIN_STD_FILTERS = ("check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback")
+
+
+def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
+    """One reward source; the reward server's and dynamic sampling's knobs only with the flag they tune."""
+    d, r, b = cfg.data, cfg.rollout, cfg.batching
+    if d.rm_url:
+        given = [f for f, v in (("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path)) if v]
+        if given:
+            errors.append(f"--rm-url {d.rm_url} scores every sample on the reward server, and {' and '.join(given)} "
+                          "would score them again: pick one reward (drop --rm-url or "
+                          f"{' and '.join(given)})")
+        if not re.match(r"https?://[^/\s]+", d.rm_url):
+            errors.append(f"--rm-url {d.rm_url} must be an http:// or https:// URL (e.g. http://localhost:8000/score)")
+    else:
+        tuned = [f"{flag_name(f)} {getattr(d, f.name)}" for f in dataclasses.fields(d)
+                 if f.name.startswith("rm_") and f.name not in ("rm_url", "rm_type") and getattr(d, f.name) != f.default]
+        if tuned:
+            errors.append(f"{', '.join(tuned)} tune the reward server, which only --rm-url names: add --rm-url URL "
+                          f"or drop {', '.join(t.split()[0] for t in tuned)}")
+    if not r.dynamic_sampling_filter_path:
+        tuned = [f for f, on in (("--over-sampling-batch-size", r.over_sampling_batch_size is not None),
+                                 ("--dynamic-sampling-max-rounds", r.dynamic_sampling_max_rounds != 10)) if on]
+        if tuned:
+            errors.append(f"{' and '.join(tuned)} size the rounds of dynamic sampling, which only "
+                          "--dynamic-sampling-filter-path turns on (e.g. megatron_rl.rollout.dynamic_sampling:"
+                          f"check_reward_nonzero_std): add it or drop {' and '.join(tuned)}")
+        return
+    if (r.dynamic_sampling_filter_path.rpartition(":")[2].rpartition(".")[2] in _BUILTIN_STD_FILTERS
+            and b.n_samples_per_prompt < 2):
+        errors.append(f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} drops groups whose rewards "
+                      f"do not vary, and a group of --n-samples-per-prompt {b.n_samples_per_prompt} never varies: "
+                      "sample at least 2 responses per prompt")
+    if not cfg.has_rollout_engine:
+        errors.append(f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} filters generated groups, "
+                      "but this run generates nothing (--debug-train-only / --load-debug-rollout-data): drop it")
+
+
+AGENT_GENERATE = "megatron_rl.rollout.agent:generate"
+
+
+def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
+    """``--custom-generate-function-path`` / ``--rollout-function-path`` (docs/agentic.md): their form here
+    (the driver imports them, ``rollout/generate_fn.py::load_function``, before the engine loads), what they
+    exclude, and the tool loop's flags only with a generate function that reads them."""
+    r = cfg.rollout
+    gen, batch = r.custom_generate_function_path, r.rollout_function_path
+    for flag, value in (("--custom-generate-function-path", gen), ("--rollout-function-path", batch)):
+        if value is None:
+            continue
+        module, sep, fn = value.rpartition(":")
+        if not sep and not value.endswith(".py"):  # slime's dotted form, module.function
+            module, sep, fn = value.rpartition(".")
+        if not sep or not module or not fn:
+            errors.append(f"{flag} {value} must be module:function, path/to/file.py:function or module.function "
+                          "(e.g. my_rollout:generate)")
+        elif module.endswith(".py") and not os.path.isfile(module):
+            errors.append(f"{flag} {value}: no such file {module}")
+        if not cfg.has_rollout_engine:
+            errors.append(f"{flag} {value} generates rollouts, but this run generates nothing (--debug-train-only / "
+                          f"--load-debug-rollout-data): drop it")
+    if gen and batch:
+        errors.append(f"--rollout-function-path {batch} generates the whole batch, so --custom-generate-function-path "
+                      f"{gen} would never be called: keep one (the batch function may call the group function "
+                      "itself)")
+    if r.async_mode == "full" and batch:
+        errors.append(f"--rollout-function-path {batch} generates whole batches, but --async-mode full generates "
+                      "prompt group by prompt group: use --custom-generate-function-path (one group), or "
+                      "--async-mode one-step / off")
+    if r.async_mode == "full" and gen and r.partial_rollout:
+        errors.append(f"--custom-generate-function-path {gen} with --async-mode full --partial-rollout: a partial "
+                      "rollout continues a row cut by a weight sync by resubmitting prompt + its tokens to the "
+                      "engine, which cannot resume a function's own state between turns (its tool calls, the "
+                      "observations it appended): drop --partial-rollout (a cut group is generated again whole)")
+    tuned = [f"{flag_name(f)} {getattr(r, f.name)}" for f in dataclasses.fields(r)
+             if f.name in ("tools", "max_turns", "tool_timeout") and getattr(r, f.name) != f.default]
+    if tuned and not gen:
+        errors.append(f"{', '.join(tuned)} configure the tool loop of a generate function: add "
+                      f"--custom-generate-function-path {AGENT_GENERATE} (or your own function that reads them) "
+                      f"or drop {', '.join(t.split()[0] for t in tuned)}")
+    if r.max_turns < 1:
+        errors.append(f"--max-turns {r.max_turns} must be >= 1 (one model turn at least)")
+    if r.tools is not None and ":" not in r.tools:
+        errors.append(f"--tools {r.tools} must be module:REGISTRY (a dict of tool name -> callable)")
+
+
 def _check_algorithm(errors: list[str], cfg: Config) -> None:
     """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
     a = cfg.algorithm
@@ -541,7 +634,8 @@ def _check_fsdp(errors: list[str], cfg: Config) -> None:
 
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_memory,
           _check_paths,
-          _check_checkpoint_and_data, _check_sync_and_rollout, _check_algorithm, _check_megatron_flags,
+          _check_checkpoint_and_data, _check_rewards_and_dynamic_sampling, _check_rollout_functions,
+          _check_sync_and_rollout, _check_algorithm, _check_megatron_flags,
           _check_wandb, _check_world, _check_fsdp)
 
 

@@ -296,9 +296,16 @@ class PromptIterator:
         return self
 
     def __next__(self) -> PromptBatch:
+        return self.take(self.rollout_batch_size)
+
+    def take(self, count: int) -> PromptBatch:
+        """The next ``count`` prompts as one batch (``__next__`` takes ``--rollout-batch-size``; dynamic
+        sampling takes ``--over-sampling-batch-size`` at a time). Same stream, same position rules."""
+        if count < 1:
+            raise ConfigError(f"a prompt batch holds at least one prompt; asked for {count}")
         start_epoch = self.epoch
         requests = []
-        for group_index in range(self.rollout_batch_size):
+        for group_index in range(count):
             index = self.epoch_order(self.epoch)[self.offset]
             prompt = self.dataset[index]
             requests.append(GenerateRequest(

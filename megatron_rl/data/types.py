@@ -76,12 +76,25 @@ class GenerateRequest:
     label: Any = None
     prompt_text: str | None = None
     metadata: dict = field(default_factory=dict)
+    # This request's token budget where it is below the call's ``SamplingParams.max_new_tokens``: a partial
+    # rollout's continuation (prompt + the tokens it had) has only the rest of its response's budget, and
+    # continuations of different lengths go to the engine in one call. None: the call's.
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
             raise ConfigError(
                 f"GenerateRequest(group_index={self.group_index}) has an empty prompt_ids; every prompt needs "
                 "at least one token (check --input-key and the tokenizer)")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ConfigError(f"GenerateRequest(group_index={self.group_index}) max_new_tokens "
+                              f"{self.max_new_tokens}: use a value >= 1, or None for the call's")
+
+    def budget(self, sampling: "SamplingParams") -> int:
+        """How many tokens this request may generate in a call with ``sampling``."""
+        if self.max_new_tokens is None:
+            return sampling.max_new_tokens
+        return min(sampling.max_new_tokens, self.max_new_tokens)
 
 
 @dataclass

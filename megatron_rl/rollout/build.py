@@ -2,8 +2,10 @@
 
 The engine comes from the ``--rollout-backend`` table (``base.ENGINES``); this
 module never names an engine. Errors come in the order that costs least: an
-unknown or not-yet-wired backend, missing ``--prompt-data`` and a bad reward
-(``--rm-type`` / ``--custom-rm-path``) all fail before the engine loads a model;
+unknown or not-yet-wired backend, missing ``--prompt-data``, a bad reward
+(``--rm-type`` / ``--custom-rm-path`` / ``--rm-url``) and a bad ``--dynamic-sampling-filter-path``
+all fail before the engine loads a model, as do the rollout functions (``--custom-generate-function-path``,
+``--rollout-function-path``, ``--tools``: imported here);
 bad prompt lines are then reported by ``PromptDataset`` (it needs the engine's
 tokenizer).
 """
@@ -14,10 +16,13 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_rl.data.prompts import MIB, PromptDataset, PromptIterator
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.base import ENGINES
+from megatron_rl.rollout.base import ENGINES, RolloutEngine
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.replicas import ReplicaWorker, replicate_on_every_rank, worker_for_this_rank
-from megatron_rl.rollout.rewards import get_reward_fn
+from megatron_rl.rollout.dynamic_sampling import DynamicSampler
+from megatron_rl.rollout.agent.tools import load_tools
+from megatron_rl.rollout.generate_fn import RolloutFunctions
+from megatron_rl.rollout.rewards import reward_fn_from_config
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
@@ -31,8 +36,17 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
     prompt_data = cfg.data.prompt_data
     if not prompt_data:
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
-    reward_fn = get_reward_fn(rm_type=cfg.data.rm_type, custom_rm_path=cfg.data.custom_rm_path)  # fail fast
-    engine = engine_type.from_config(cfg, placement) if placement is not None else engine_type.from_config(cfg)
+    reward_fn = reward_fn_from_config(cfg)  # fail fast
+    dynamic_sampler = DynamicSampler.from_config(cfg)  # None without --dynamic-sampling-filter-path
+    functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path / --rollout-function-path
+    load_tools(cfg.rollout.tools)  # --tools: imported and checked here, not at the first tool call
+    if cfg.embedded_placement == "process":  # its own process, spoken to as an SGLang server is
+        # lazy: a subprocess and an HTTP client, only for runs that serve the embedded engine from a process
+        from megatron_rl.rollout.embedded_process import start_embedded_engine
+
+        engine: RolloutEngine = start_embedded_engine(cfg)
+    else:
+        engine = engine_type.from_config(cfg, placement) if placement is not None else engine_type.from_config(cfg)
     if cfg.embedded_replicas:  # --embedded-engine-ranks: the other ranks hold replicas (rollout.replicas)
         engine = replicate_on_every_rank(engine)
     d, b = cfg.data, cfg.batching
@@ -48,7 +62,8 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
                              n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,
                              seed=cfg.rollout.rollout_seed)
     eval_datasets = {name: dataset(path) for name, path in d.eval_sets}  # --eval-prompt-data
-    return RolloutManager(cfg, engine, prompts, reward_fn, eval_datasets)
+    return RolloutManager(cfg, engine, prompts, reward_fn, eval_datasets, dynamic_sampler=dynamic_sampler,
+                          rollout_functions=functions)
 
 
 def build_replica_worker(cfg: "Config") -> Optional[ReplicaWorker]:

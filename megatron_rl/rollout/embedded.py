@@ -67,6 +67,7 @@ import hashlib
 import os
 import secrets
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -108,6 +109,27 @@ class _GenerateCall:
     def __init__(self) -> None:
         self.parked = False  # waiting at a step boundary because the engine is paused
         self.aborted = False  # a pause("abort") came while it was in flight: it returns at its next boundary
+
+
+@dataclass
+class EngineRow:
+    """One row for ``EmbeddedEngine.generate_rows``: a prompt with its own generator seed and token budget."""
+
+    prompt_ids: list[int]
+    seed: int  # its generator's seed (``row_seed`` of a call's seed and the row's indices)
+    max_new_tokens: int
+    key: Any = None  # rows with one key share one prefill of their (equal) prompt; None: the row's own
+    cancel: Optional[threading.Event] = None  # set by another thread: the row ends "abort" after its current step
+
+
+@dataclass
+class RowOutput:
+    """What one row generated: tokens, their log-probs, why it ended, and each token's weight version."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    versions: list[int] = field(default_factory=list)
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -431,45 +453,69 @@ class EmbeddedEngine(RolloutEngine):
         if not requests:
             return []
         for req in requests:
-            bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ConfigError(f"prompt of group_index {req.group_index} has token id {bad[0]} outside the "
-                                  f"model's vocab [0, {self.vocab_size}); the tokenizer does not match --hf-checkpoint")
-            if len(req.prompt_ids) >= self.context_length:
-                raise ConfigError(f"prompt of group_index {req.group_index} has {len(req.prompt_ids)} tokens, not "
-                                  f"below the model's context length {self.context_length}; lower "
-                                  "--rollout-max-prompt-len")
+            self._check_prompt(req.prompt_ids, f"prompt of group_index {req.group_index}")
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        rows = [EngineRow(list(requests[i].prompt_ids), row_seed(base_seed, first_request + i, j),
+                          requests[i].budget(sampling), key=i)
+                for i in range(len(requests)) for j in range(sampling.n)]
+        outputs = self._run_rows(rows, sampling, pad_to)
+        samples = []
+        for (i, _j), out in zip([(i, j) for i in range(len(requests)) for j in range(sampling.n)], outputs):
+            req = requests[i]
+            text = self.tokenizer.decode(out.response_ids, skip_special_tokens=True) \
+                if self.tokenizer is not None else None
+            samples.append(Sample(
+                group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.response_ids,
+                rollout_logprobs=out.logprobs, finish_reason=out.finish_reason,
+                weight_version=out.versions[0] if out.versions else self._weight_version,
+                label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata),
+                token_versions=list(out.versions) if len(set(out.versions)) > 1 else []))
+        return samples
+
+    def generate_rows(self, rows: list["EngineRow"], sampling: SamplingParams) -> list["RowOutput"]:
+        """Generate ``rows`` that may come from many requests, as one batch where they fit one chunk.
+
+        Why: a server in front of this engine (``rollout.embedded_server``) batches the rows of the
+        requests that arrived while the previous batch ran, each with its own seed and token budget,
+        so concurrent requests share every decode forward instead of taking turns. ``sampling``
+        gives what the rows share (temperature, top-p/k, stop tokens); its ``seed``, ``n`` and
+        ``max_new_tokens`` are not used (each row brings its own). A row's tokens are what
+        ``generate`` gives for the same prompt, seed and budget: they do not depend on the batch.
+        """
+        self._check_ready("generate")
+        for k, row in enumerate(rows):
+            self._check_prompt(row.prompt_ids, f"row {k}")
+            if row.max_new_tokens < 1:
+                raise ConfigError(f"row {k}: max_new_tokens {row.max_new_tokens}; use a value >= 1")
+        return self._run_rows(rows, sampling, 0) if rows else []
+
+    def _check_prompt(self, prompt_ids: list[int], what: str) -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"{what} has token id {bad[0]} outside the model's vocab [0, {self.vocab_size}); "
+                              "the tokenizer does not match --hf-checkpoint")
+        if len(prompt_ids) >= self.context_length:
+            raise ConfigError(f"{what} has {len(prompt_ids)} tokens, not below the model's context length "
+                              f"{self.context_length}; lower --rollout-max-prompt-len")
+
+    def _run_rows(self, rows: list["EngineRow"], sampling: SamplingParams, pad_to: int) -> list["RowOutput"]:
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
-        rows = [(i, j) for i in range(len(requests)) for j in range(sampling.n)]
-        results: dict[tuple[int, int], tuple[list[int], list[float], str, list[int]]] = {}
-        longest = max(len(r.prompt_ids) for r in requests) + sampling.max_new_tokens
+        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in rows)
         per_chunk = self.rows_per_chunk(longest)
+        outputs: list[RowOutput] = []
         call = _GenerateCall()
         with self._cond:
             self._calls.append(call)
         try:
             with torch.inference_mode():
                 for start in range(0, len(rows), per_chunk):
-                    chunk = rows[start:start + per_chunk]
-                    results.update(self._generate_chunk(call, requests, chunk, sampling, base_seed, stop_ids,
-                                                        first_request, pad_to))
+                    outputs.extend(self._generate_chunk(call, rows[start:start + per_chunk], sampling, stop_ids,
+                                                        pad_to))
         finally:
             with self._cond:
                 self._calls.remove(call)
                 self._cond.notify_all()
-        samples = []
-        for i, j in rows:
-            req = requests[i]
-            response_ids, logprobs, finish_reason, versions = results[(i, j)]
-            text = self.tokenizer.decode(response_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-            samples.append(Sample(
-                group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=response_ids,
-                rollout_logprobs=logprobs, finish_reason=finish_reason,
-                weight_version=versions[0] if versions else self._weight_version,
-                label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata),
-                token_versions=list(versions) if len(set(versions)) > 1 else []))
-        return samples
+        return outputs
 
     def rows_per_chunk(self, longest: int) -> int:
         """Rows of one generate chunk whose sequences reach ``longest`` tokens: ``max_batch_size`` if set,
@@ -496,28 +542,30 @@ class EmbeddedEngine(RolloutEngine):
                          position_ids=positions.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
         return cache, out.logits[:, -1, :]
 
-    def _generate_chunk(self, call: _GenerateCall, requests: list[GenerateRequest], chunk: list[tuple[int, int]],
-                        sampling: SamplingParams, base_seed: int, stop_ids: set[int], first_request: int = 0,
-                        pad_to: int = 0):
-        prompt_order = list(dict.fromkeys(i for i, _ in chunk))
-        prompts = [requests[i].prompt_ids for i in prompt_order]
+    def _generate_chunk(self, call: _GenerateCall, chunk: list["EngineRow"], sampling: SamplingParams,
+                        stop_ids: set[int], pad_to: int = 0) -> list["RowOutput"]:
+        keys = [row.key if row.key is not None else ("row", r) for r, row in enumerate(chunk)]
+        prompt_order = list(dict.fromkeys(keys))  # rows with one key share one prefill of their prompt
+        first_row = {key: r for r, key in reversed(list(enumerate(keys)))}
+        prompts = [chunk[first_row[key]].prompt_ids for key in prompt_order]
         width = max(pad_to, max(len(p) for p in prompts))
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for r, p in enumerate(prompts):
             input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[r, width - len(p):] = 1
-        prompt_lens = [len(requests[i].prompt_ids) for i, _ in chunk]
-        limits = [min(sampling.max_new_tokens, self.context_length - n) for n in prompt_lens]
+        prompt_lens = [len(row.prompt_ids) for row in chunk]
+        limits = [min(row.max_new_tokens, self.context_length - n) for row, n in zip(chunk, prompt_lens)]
         capacity = width + max(limits)
-        # each (request, sample) row gets its own copy of its prompt (and, after the prefill, of its cache)
-        expand = torch.tensor([prompt_order.index(i) for i, _ in chunk], dtype=torch.long)
+        # each row gets its own copy of its prompt (and, after the prefill, of its cache)
+        slot = {key: k for k, key in enumerate(prompt_order)}
+        expand = torch.tensor([slot[key] for key in keys], dtype=torch.long)
 
         longest = max(limits)
         uniforms = torch.empty(len(chunk), longest, dtype=torch.float64)
         if not sampling.greedy:
-            for r, (i, j) in enumerate(chunk):
-                gen = torch.Generator().manual_seed(row_seed(base_seed, first_request + i, j))
+            for r, row in enumerate(chunk):
+                gen = torch.Generator().manual_seed(row.seed)
                 uniforms[r] = torch.rand(longest, generator=gen, dtype=torch.float64)
         batch = list(range(len(chunk)))  # batch row -> chunk row
         done = [False] * len(chunk)
@@ -587,6 +635,8 @@ class EmbeddedEngine(RolloutEngine):
                 versions[r].append(version)
                 if tok in stop_ids:
                     finish[r], done[r] = "stop", True
+                elif (cancel := chunk[r].cancel) is not None and cancel.is_set():
+                    finish[r], done[r] = "abort", True  # aborted alone (a server's /abort_request): tokens kept
                 elif len(responses[r]) < limits[r]:
                     keep.append(b)
                 else:
@@ -594,4 +644,4 @@ class EmbeddedEngine(RolloutEngine):
             step += 1
             if not keep:
                 break
-        return {row: (responses[r], logprobs[r], finish[r], versions[r]) for r, row in enumerate(chunk)}
+        return [RowOutput(responses[r], logprobs[r], finish[r], versions[r]) for r in range(len(chunk))]

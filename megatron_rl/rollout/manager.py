@@ -46,7 +46,9 @@ import torch
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.atomic import atomic_write_bytes
-from megatron_rl.rollout.rewards import compute_rewards
+from megatron_rl.rollout.dynamic_sampling import DynamicSampler
+from megatron_rl.rollout.generate_fn import RolloutFunctions
+from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
 from megatron_rl.rollout.rollout_ckpt import capture_rng_state, restore_rng_state
 
 
@@ -130,8 +132,23 @@ def weight_version_metrics(samples: list[Sample], current_version: int) -> dict[
             "rollout/staleness_max": float(max(staleness))}
 
 
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Multi-turn rollouts (the tool loop, ``rollout/agent``; a user function that records the same metadata):
+    ``rollout/turns_mean`` (model turns per sample), ``rollout/tool_calls_mean`` and ``rollout/tool_error_frac``
+    (tool calls that became error observations, of all calls). Empty when no sample records ``turns``."""
+    if not samples or not any("turns" in s.metadata for s in samples):
+        return {}
+    calls = sum(int(s.metadata.get("tool_calls", 0)) for s in samples)
+    errors = sum(int(s.metadata.get("tool_errors", 0)) for s in samples)
+    return {"rollout/turns_mean": sum(int(s.metadata.get("turns", 1)) for s in samples) / len(samples),
+            "rollout/tool_calls_mean": calls / len(samples),
+            "rollout/tool_error_frac": errors / calls if calls else 0.0}
+
+
 class RolloutManager:
-    def __init__(self, cfg, engine, prompts, reward_fn, eval_dataset=None):
+    def __init__(self, cfg, engine, prompts, reward_fn, eval_dataset=None,
+                 dynamic_sampler: Optional[DynamicSampler] = None,
+                 rollout_functions: Optional[RolloutFunctions] = None):
         self.cfg = cfg
         self.engine = engine
         self.prompts = prompts  # a resumable data.prompts.PromptIterator
@@ -140,6 +157,18 @@ class RolloutManager:
         self.eval_datasets = sets
         self.eval_dataset = next(iter(sets.values())) if len(sets) == 1 else None
         self.reward_fn = reward_fn
+        self.dynamic_sampler = dynamic_sampler  # --dynamic-sampling-filter-path: batches filled in rounds
+        # --custom-generate-function-path / --rollout-function-path: generate in the engine's place
+        self.rollout_functions = rollout_functions
+        self.rollout_id = 0  # the rollout being generated (what a --rollout-function-path function is told)
+
+    def _generate_requests(self, requests, sampling) -> list[Sample]:
+        """``engine.generate``, or the user's rollout function in its place (``rollout/generate_fn.py``): same
+        contract (request-major, ``sampling.n`` each), every engine call still ``engine.generate``."""
+        if self.rollout_functions is None:
+            return list(self.engine.generate(requests, sampling))
+        return self.rollout_functions.generate(self.rollout_id, requests, sampling, self.engine.generate,
+                                               tokenizer=getattr(self.engine, "tokenizer", None))
 
     def _generate_complete(self, requests, sampling) -> list[Sample]:
         """The engine's samples of ``requests`` (request-major, ``sampling.n`` each) with no aborted one.
@@ -151,7 +180,7 @@ class RolloutManager:
         response would score it as if finished, and its reward would move its group's baseline.
         Sets ``last_aborted`` (aborted samples seen, retries included) and ``last_retried_groups``.
         """
-        samples = list(self.engine.generate(requests, sampling))
+        samples = self._generate_requests(requests, sampling)
         n, retries = sampling.n, self.cfg.rollout.rollout_abort_retries
         self.last_aborted = self.last_retried_groups = 0
         for attempt in range(1, retries + 2):
@@ -163,7 +192,7 @@ class RolloutManager:
             if attempt > retries:
                 raise EngineError(_still_aborted(requests, samples, groups, n, retries))
             seed = None if sampling.seed is None else sampling.seed + 1_000_003 * attempt
-            again = self.engine.generate([requests[g] for g in groups], dataclasses.replace(sampling, seed=seed))
+            again = self._generate_requests([requests[g] for g in groups], dataclasses.replace(sampling, seed=seed))
             for k, g in enumerate(groups):
                 samples[g * n:(g + 1) * n] = again[k * n:(k + 1) * n]
             self.last_retried_groups += len(groups)
@@ -176,17 +205,37 @@ class RolloutManager:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
         t = time.perf_counter()
-        compute_rewards(samples, self.reward_fn, source=self.cfg.data.custom_rm_path or f"--rm-type {self.cfg.data.rm_type}")
+        compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg))
         self.last_reward_s = time.perf_counter() - t  # reported as perf/reward_s by generate()
         return samples
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Rollout ``rollout_id``: ``--rollout-batch-size`` rewarded groups and the rollout's metrics.
+
+        With ``--dynamic-sampling-filter-path`` the batch is filled in rounds (``dynamic_sampling.py``):
+        the prompt stream advances past every prompt drawn, the reward time and abort counts add up
+        over the rounds, and the rollout metrics describe the kept batch."""
         t0 = time.perf_counter()
+        self.rollout_id = rollout_id
         b = self.cfg.batching
-        requests = next(self.prompts).requests
         sampling = sampling_params(self.cfg, n=b.n_samples_per_prompt,
                                    seed=self.cfg.rollout.rollout_seed + rollout_id)
-        samples = self._run(requests, sampling)
+        extra: dict[str, float] = {}
+        if self.dynamic_sampler is None:
+            samples = self._run(next(self.prompts).requests, sampling)
+        else:
+            totals = {"last_reward_s": 0.0, "last_aborted": 0, "last_retried_groups": 0}
+
+            def run_round(requests, round_sampling):
+                out = self._run(requests, round_sampling)
+                for name in totals:
+                    totals[name] += getattr(self, name)
+                return out
+
+            samples, extra = self.dynamic_sampler.fill(lambda k: self.prompts.take(k).requests, run_round, sampling,
+                                                       b.rollout_batch_size, args=self.cfg)
+            for name, total in totals.items():  # reported below as for one round
+                setattr(self, name, total)
         rewards = torch.tensor([s.reward for s in samples])
         lengths = torch.tensor([float(s.response_length) for s in samples])
         metrics = {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
@@ -199,6 +248,9 @@ class RolloutManager:
         metrics.update(weight_version_metrics(samples, self.engine.weight_version))  # kept, counted
         metrics["rollout/aborted_samples"] = float(self.last_aborted)  # generated again, never trained on
         metrics["rollout/abort_retried_groups"] = float(self.last_retried_groups)
+        metrics.update(reward_metrics(samples))  # reward/<key>: the dict rewards' extra metrics
+        metrics.update(agent_metrics(samples))  # rollout/turns_mean, ...: only for multi-turn samples
+        metrics.update(extra)
         return samples, metrics
 
     # ---- what generating a rollout advances (saved with it in rollout_ckpts/, see rollout_ckpt.py) ----
@@ -229,12 +281,30 @@ class RolloutManager:
                 "rollout_temperature": r.rollout_temperature, "rollout_top_p": r.rollout_top_p,
                 "rollout_top_k": r.rollout_top_k, "rollout_max_prompt_len": r.rollout_max_prompt_len,
                 "rollout_max_response_len": r.rollout_max_response_len,
-                "rollout_stop_token_ids": list(r.rollout_stop_token_ids)}
+                "rollout_stop_token_ids": list(r.rollout_stop_token_ids),
+                # only when set, so rollouts stored before these flags existed still match
+                **{k: v for k, v in (("rm_url", d.rm_url),
+                                     ("dynamic_sampling_filter_path", r.dynamic_sampling_filter_path),
+                                     ("over_sampling_batch_size", r.over_sampling_batch_size),
+                                     ("dynamic_sampling_max_rounds",
+                                      r.dynamic_sampling_max_rounds if r.dynamic_sampling_filter_path else None))
+                   if v is not None},
+                **self._function_fingerprint()}
+
+    def _function_fingerprint(self) -> dict:
+        """The rollout-function flags, only when a function is set (rollouts stored before them still match)."""
+        r = self.cfg.rollout
+        if not (r.custom_generate_function_path or r.rollout_function_path):
+            return {}
+        return {"custom_generate_function_path": r.custom_generate_function_path,
+                "rollout_function_path": r.rollout_function_path, "tools": r.tools, "max_turns": r.max_turns}
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """Each --eval-prompt-data set: ``eval/reward_mean`` (one unnamed set) or ``eval/NAME/reward_mean``,
-        and the mean response length, sampled with :func:`eval_sampling_params`."""
+        the mean response length and a dict reward's metrics (``eval/reward/<key>``), sampled with
+        :func:`eval_sampling_params`."""
         metrics = {}
+        self.rollout_id = rollout_id
         for name, dataset in self.eval_datasets.items():
             requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
                                         prompt_text=p.prompt_text) for i, p in enumerate(dataset.prompts)]
@@ -242,4 +312,5 @@ class RolloutManager:
             prefix = "eval/" if name is None else f"eval/{name}/"
             metrics[prefix + "reward_mean"] = sum(s.reward for s in samples) / len(samples)
             metrics[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)
+            metrics.update({prefix + key: value for key, value in reward_metrics(samples).items()})  # reward/<key>
         return metrics

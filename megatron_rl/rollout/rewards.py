@@ -1,10 +1,18 @@
 """Reward functions: built-in verifiable rewards (``--rm-type``) and user ones (``--custom-rm-path``).
 
-Every reward is used through one batched form, ``RewardFn = (samples) -> list[float]``,
+Every reward is used through one batched form, ``RewardFn = (samples) -> list[float | dict]``,
 so the RL loop calls one thing. A user function may be per-sample
 ``(sample) -> float`` or batched ``(samples) -> list[float]``; it is taken as
 batched when it carries ``batched = True`` (see ``batched_reward``) or its first
-parameter is named ``samples``.
+parameter is named ``samples``. The third source, ``--rm-url``, is a reward server
+(``remote_reward.RemoteReward``); ``reward_fn_from_config`` picks one of the three.
+
+A reward may be a dict instead of a float: ``{"reward": 0.5, "format_ok": 1.0, ...}``. Its
+``reward`` is what trains; every other key is a numeric metric of that sample, kept in
+``sample.metadata["reward_metrics"]`` and logged as ``reward/<key>``, the mean over the samples
+of the batch that report it (``reward_metrics``). Why a dict and not a second function: the
+quantities a reward computes on its way (a format check, a length penalty, a judge's sub-score)
+are what a user wants to watch, and only the reward function has them.
 
 Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 ``sample.label``:
@@ -21,18 +29,19 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.remote_reward import RemoteReward
+from megatron_rl.rollout.user_function import load_user_function
 
-RewardFn = Callable[[list[Sample]], list[float]]
+RewardFn = Callable[[list[Sample]], list[Any]]  # one float, or {"reward": float, other metrics}, per sample
+REWARD_KEY = "reward"  # the key of a dict reward that trains; the others are metrics (module docstring)
+METRICS_KEY = "reward_metrics"  # where a sample's extra reward metrics are kept, in sample.metadata
 
 
 def batched_reward(fn: Callable[[list[Sample]], list[float]]) -> Callable[[list[Sample]], list[float]]:
@@ -192,31 +201,7 @@ def _as_batched(fn: Callable, batched: bool) -> RewardFn:
 
 def load_custom_reward(custom_rm_path: str) -> RewardFn:
     """Import ``module:function`` (or ``path/to/file.py:function``) and return it in batched form."""
-    flag = f"--custom-rm-path {custom_rm_path}"
-    module_name, sep, func_name = str(custom_rm_path).rpartition(":")
-    if not sep or not module_name or not func_name:
-        raise ConfigError(f"{flag} must be module:function (e.g. my_rewards:score)")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise FileNotFoundError(f"no such file {module_name}")
-            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"{module_name} cannot be loaded as a Python module")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module; report it whole
-        raise ConfigError(f"{flag}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); put the module on "
-                          "PYTHONPATH or give a file path like path/to/my_rewards.py:score") from exc
-    fn = getattr(module, func_name, None)
-    if fn is None:
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ConfigError(f"{flag}: module {module_name!r} has no {func_name!r}; callables there: "
-                          f"{', '.join(names) or 'none'}")
-    if not callable(fn):
-        raise ConfigError(f"{flag}: {func_name!r} in {module_name!r} is a {type(fn).__name__}, not a function")
+    fn = load_user_function(custom_rm_path, "--custom-rm-path", example="my_rewards:score")
     return _as_batched(fn, _is_batched(fn))
 
 
@@ -227,29 +212,96 @@ def get_reward_fn(rm_type: str | None = None, custom_rm_path: str | None = None)
     if custom_rm_path:
         return load_custom_reward(custom_rm_path)
     if not rm_type:
-        raise ConfigError(f"no reward function: pass --rm-type ({', '.join(BUILTIN_REWARDS)}) "
-                          "or --custom-rm-path module:function")
+        raise ConfigError(f"no reward function: pass --rm-type ({', '.join(BUILTIN_REWARDS)}), "
+                          "--custom-rm-path module:function or --rm-url URL (a reward server)")
     if rm_type not in BUILTIN_REWARDS:
         raise ConfigError(f"--rm-type {rm_type} is not a built-in reward; choose one of "
                           f"{', '.join(BUILTIN_REWARDS)} or pass --custom-rm-path module:function")
     return _as_batched(BUILTIN_REWARDS[rm_type], batched=False)
 
 
+def reward_fn_from_config(cfg) -> RewardFn:
+    """The run's reward: a reward server (``--rm-url``), else ``--rm-type`` / ``--custom-rm-path``.
+
+    The three are exclusive (validation refuses two at once; this says it again for a caller that
+    built its config by hand), so a run's rewards never come from a silently chosen one."""
+    d = cfg.data
+    if d.rm_url:
+        if d.rm_type or d.custom_rm_path:
+            given = " and ".join(f for f, v in (("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path)) if v)
+            raise ConfigError(f"--rm-url {d.rm_url} scores every sample on the reward server, so {given} would be "
+                              f"ignored: drop one of them")
+        return RemoteReward.from_config(cfg)
+    return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path)
+
+
+def reward_source(cfg) -> str:
+    """How errors name the run's reward: ``--rm-url URL``, ``--custom-rm-path P`` or ``--rm-type T``."""
+    d = cfg.data
+    if d.rm_url:
+        return f"--rm-url {d.rm_url}"
+    return f"--custom-rm-path {d.custom_rm_path}" if d.custom_rm_path else f"--rm-type {d.rm_type}"
+
+
+def _number(value: Any, source: str, what: str) -> float:
+    if isinstance(value, (str, bytes)) or value is None:  # float("1.5") parses; a reward is a number, not text
+        raise ConfigError(f"{source} returned {value!r} for {what}; rewards and reward metrics must be numbers")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source} returned {value!r} for {what}; rewards and reward metrics must be "
+                          "numbers") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{source} returned {number} for {what}; rewards must be finite")
+    return number
+
+
+def _split_reward(r: Any, i: int, source: str) -> tuple[float, dict[str, float]]:
+    """A float reward as is; a dict reward as its ``reward`` and its other keys (the sample's metrics)."""
+    if not isinstance(r, Mapping):
+        return _number(r, source, f"sample {i}"), {}
+    if REWARD_KEY not in r:
+        raise ConfigError(f"{source} returned a dict without a {REWARD_KEY!r} key for sample {i} (keys: "
+                          f"{', '.join(map(str, r)) or 'none'}); a dict reward is {{{REWARD_KEY!r}: number, "
+                          "other numeric metrics logged as reward/<key>}")
+    metrics = {}
+    for key, value in r.items():
+        if key == REWARD_KEY:
+            continue
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{source} returned metric key {key!r} for sample {i}; metric keys are non-empty "
+                              "strings (logged as reward/<key>)")
+        metrics[key] = _number(value, source, f"sample {i}'s metric {key!r}")
+    return _number(r[REWARD_KEY], source, f"sample {i}"), metrics
+
+
 def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "reward function") -> list[float]:
-    """Score ``samples`` with ``reward_fn``, check the result and store it in ``sample.reward``."""
+    """Score ``samples`` with ``reward_fn``, check the result and store it in ``sample.reward``.
+
+    Each result is a number or a dict reward (module docstring): its ``reward`` goes to
+    ``sample.reward``, its other keys to ``sample.metadata["reward_metrics"]`` (a sample scored again
+    loses the metrics of its previous score). Nothing is stored unless every result is valid, so a
+    refused batch leaves no half-scored samples behind."""
     rewards = list(reward_fn(samples))
     if len(rewards) != len(samples):
         raise ConfigError(f"{source} returned {len(rewards)} rewards for {len(samples)} samples; a batched reward "
                           "must return one float per sample, in order")
-    values = []
-    for i, r in enumerate(rewards):
-        try:
-            value = float(r)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source} returned {r!r} for sample {i}; rewards must be numbers") from None
-        if not math.isfinite(value):
-            raise ConfigError(f"{source} returned {value} for sample {i}; rewards must be finite")
-        values.append(value)
-    for sample, value in zip(samples, values):
+    scored = [_split_reward(r, i, source) for i, r in enumerate(rewards)]
+    for sample, (value, metrics) in zip(samples, scored):
         sample.reward = value
-    return values
+        if metrics:
+            sample.metadata[METRICS_KEY] = metrics
+        else:
+            sample.metadata.pop(METRICS_KEY, None)
+    return [value for value, _ in scored]
+
+
+def reward_metrics(samples: list[Sample]) -> dict[str, float]:
+    """``reward/<key>``: the mean of each dict-reward metric over the samples that report it."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for sample in samples:
+        for key, value in (sample.metadata.get(METRICS_KEY) or {}).items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+    return {f"reward/{key}": sums[key] / counts[key] for key in sorted(sums)}

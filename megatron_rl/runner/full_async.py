@@ -30,8 +30,9 @@ import torch
 
 from megatron_rl.data.types import GenerateRequest, Sample
 from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.generate_fn import RolloutFunctions
 from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_version_metrics
-from megatron_rl.rollout.rewards import compute_rewards
+from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
 from megatron_rl.runner.producer import Group, RolloutProducer
@@ -59,7 +60,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         log.info("rollout buffer of %s restored: %d finished group(s) to train, %d prompt group(s) generated again",
                  cursor.path, len(restored["buffer"]), len(restored["pending"]))
     tok = getattr(rollout.engine, "tokenizer", None)
-    source = cfg.data.custom_rm_path or f"--rm-type {cfg.data.rm_type}"
+    source = reward_source(cfg)
+    functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path, called per group
 
     def score(samples: list[Sample]) -> None:
         for s in samples:
@@ -78,7 +80,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         pending=[GenerateRequest(**q) for q in restored.get("pending", [])],
         buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
                       [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])],
-        position=rollout.position)
+        position=rollout.position, generate_group=functions.group_generate(tok) if functions else None)
     return producer
 
 
@@ -117,6 +119,7 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
                "rollout/partial_continued_samples": float(sum("partial_continuations" in s.metadata for s in samples)),
                "perf/rollout_wait_s": wait_s}
     metrics.update(weight_version_metrics(samples, rollout_id))  # staleness against the weights that train them
+    metrics.update(reward_metrics(samples))  # reward/<key> of rewards that return a dict
     if cfg.mode.save_debug_rollout_data:
         save_rollout(cfg.mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
     return samples, metrics

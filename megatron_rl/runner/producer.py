@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
 from megatron_rl.infra.pause_points import pause_point
+from megatron_rl.rollout.generate_fn import GroupGenerate
 
 log = logging.getLogger("megatron_rl")
 
@@ -78,13 +79,15 @@ class RolloutProducer:
                  groups_per_step: int, max_staleness: int, version: int, partial: bool,
                  score: Callable[[list[Sample]], None], concurrency: int, abort_retries: int = 2,
                  next_step: int = 0, next_serial: int = 0, pending: Optional[list[GenerateRequest]] = None,
-                 buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None):
+                 buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None,
+                 generate_group: Optional[GroupGenerate] = None):
         if max_staleness < 1:
             raise ValueError("a producer that overlaps training needs max_staleness >= 1")
         self.engine, self.draw, self.sampling = engine, draw, sampling
         self.batch, self.max_staleness, self.partial = groups_per_step, max_staleness, partial
         self.score, self.abort_retries = score, abort_retries
         self.position = position  # the prompt position, read with the snapshot under the same lock as draw()
+        self.generate_group = generate_group  # --custom-generate-function-path: the user's function per group
         self.concurrency = max(1, concurrency)
         self._cond = threading.Condition()
         self._queue: collections.deque[GenerateRequest] = collections.deque(pending or [])
@@ -250,7 +253,7 @@ class RolloutProducer:
                     self._error = exc
                 self._cond.notify_all()
 
-    def _call(self, request: GenerateRequest, sampling: SamplingParams) -> tuple[list[Sample], bool]:
+    def _call(self, requests: list[GenerateRequest], sampling: SamplingParams) -> tuple[list[Sample], bool]:
         """``engine.generate``, and whether a sync began while it ran (its aborts are the sync's, and an error
         from an engine caught between a sync's start and its end is retried after the sync)."""
         with self._cond:
@@ -259,7 +262,7 @@ class RolloutProducer:
             epoch = self._sync_epoch
             self._calls += 1
         try:
-            out = self.engine.generate([request], sampling)
+            out = self.engine.generate(requests, sampling)
         except EngineError:
             with self._cond:
                 synced = self._sync_epoch != epoch or not self._open
@@ -275,42 +278,86 @@ class RolloutProducer:
 
     def _generate_group(self, group: Group) -> list[Sample]:
         """The group's ``n`` samples, none aborted: rows cut by a sync continued (partial) or redrawn; rows
-        aborted for another reason redrawn at most ``abort_retries`` times each."""
+        aborted for another reason redrawn at most ``abort_retries`` times each.
+
+        The rows to continue or redraw go to the engine in one call (one request each, with its own prompt
+        and budget: ``GenerateRequest.max_new_tokens``), so a server batches them together instead of one
+        row per call."""
         seed = None if self.sampling.seed is None else self.sampling.seed + SEED_STRIDE * group.serial
         sampling = dataclasses.replace(self.sampling, seed=seed)
-        samples, _ = self._call(group.request, sampling)
+        if self.generate_group is not None:
+            return self._generate_group_by_function(group, sampling)
+        samples, _ = self._call([group.request], sampling)
         while not samples:  # the call failed because a sync began: again, after it
-            samples, _ = self._call(group.request, sampling)
-        out = []
-        for j, sample in enumerate(samples):
-            failures, attempt = 0, 0
-            while sample.finish_reason == "abort":
-                attempt += 1
-                one = dataclasses.replace(sampling, n=1, seed=None if seed is None else seed + 7919 * attempt + j)
-                keep = self.partial and sample.response_ids
+            samples, _ = self._call([group.request], sampling)
+        prompt = list(group.request.prompt_ids)
+        failures = [0] * len(samples)
+        attempt = 0
+        while True:
+            again: list[tuple[int, GenerateRequest, bool]] = []  # (row, request, continuing its tokens)
+            for j, sample in enumerate(samples):
+                if sample.finish_reason != "abort":
+                    continue
+                keep = self.partial and bool(sample.response_ids)
                 if keep and sample.response_length >= sampling.max_new_tokens:  # cut after its last token
-                    sample = dataclasses.replace(sample, finish_reason="length")
-                    break
-                if keep:
-                    cont = dataclasses.replace(group.request, prompt_ids=list(group.request.prompt_ids)
-                                               + list(sample.response_ids))
-                    left = dataclasses.replace(one, max_new_tokens=sampling.max_new_tokens - sample.response_length)
-                    more, by_sync = self._call(cont, left)
-                    if more:
-                        sample = _stitch(sample, more[0], group.request.prompt_ids)
+                    samples[j] = dataclasses.replace(sample, finish_reason="length")
+                elif keep:
+                    again.append((j, dataclasses.replace(group.request, prompt_ids=prompt + list(sample.response_ids),
+                                                         max_new_tokens=sampling.max_new_tokens
+                                                         - sample.response_length), True))
                 else:
-                    more, by_sync = self._call(group.request, one)
-                    if more:
-                        sample = more[0]
-                if sample.finish_reason == "abort" and more and not by_sync:
-                    failures += 1
-                    if failures > self.abort_retries:
-                        message = sample.metadata.get("finish_message") or "no message"
+                    again.append((j, group.request, False))
+            if not again:
+                return samples
+            attempt += 1
+            one = dataclasses.replace(sampling, n=1, seed=None if seed is None else seed + 7919 * attempt)
+            more, by_sync = self._call([req for _, req, _ in again], one)
+            for (j, _req, continuing), tail in zip(again, more):  # none when a sync began: again, after it
+                samples[j] = _stitch(samples[j], tail, prompt) if continuing else tail
+                if tail.finish_reason == "abort" and not by_sync:
+                    failures[j] += 1
+                    if failures[j] > self.abort_retries:
+                        message = tail.metadata.get("finish_message") or "no message"
                         raise EngineError(f"rollout producer: a sample of prompt {group.request.metadata} was aborted "
-                                          f"{failures} times outside any weight sync (--rollout-abort-retries "
+                                          f"{failures[j]} times outside any weight sync (--rollout-abort-retries "
                                           f"{self.abort_retries}); the server said: {message}")
-            out.append(sample)
-        return out
+
+
+    def _generate_group_by_function(self, group: Group, sampling: SamplingParams) -> list[Sample]:
+        """The group from the user's generate function (``rollout.generate_fn``), every engine call through the
+        gate. A call a sync cut (rows aborted, or failed while it ran) ends the function's attempt: the group is
+        generated again whole after the sync, since a function's own state between its calls (turns, tool
+        results) cannot be resumed (validation refuses ``--partial-rollout`` with it). A group with a sample
+        aborted outside a sync is generated again, with seeds of its own, at most ``abort_retries`` times."""
+        assert self.generate_group is not None, "called only with a generate function"
+        failures = attempt = 0
+        while True:
+            seed = None if sampling.seed is None else sampling.seed + 7919 * attempt
+            attempt += 1
+
+            def call(requests: list[GenerateRequest], sp: SamplingParams) -> list[Sample]:
+                out, by_sync = self._call(requests, sp)
+                if not out or by_sync and any(s.finish_reason == "abort" for s in out):
+                    raise _CutBySync()
+                return out
+
+            try:
+                samples = self.generate_group(group.request, dataclasses.replace(sampling, seed=seed), call)
+            except _CutBySync:
+                continue
+            aborted = [s for s in samples if s.finish_reason == "abort"]
+            if not aborted:
+                return samples
+            failures += 1
+            if failures > self.abort_retries:
+                message = aborted[0].metadata.get("finish_message") or "no message"
+                raise EngineError(f"rollout producer: the generate function's group for prompt "
+                                  f"{group.request.metadata} had aborted samples {failures} times outside any weight "
+                                  f"sync (--rollout-abort-retries {self.abort_retries}); the server said: {message}")
+
+
+class _CutBySync(Exception):
+    """A weight sync cut an engine call of a generate function (the producer starts the group again)."""
 
 
 def _stitch(head: Sample, tail: Sample, prompt_ids: list[int]) -> Sample:

@@ -44,10 +44,31 @@ def test_full_mode_with_fault_tolerance_is_refused_as_not_built(tiny_hf_models, 
     assert len(found) == 1 and is_not_built_yet(found[0])
 
 
-def test_the_embedded_engine_in_the_driver_rank_is_refused_as_not_built(argv):
-    found = [e for e in errors(argv("--update-weight-transport", "tensor", "--async-mode", "one-step"))
-             if "--async-mode one-step" in e]
-    assert len(found) == 1 and is_not_built_yet(found[0]) and "--rollout-engine-urls" in found[0]
+def test_the_embedded_engine_goes_to_a_process_of_its_own_with_async(tiny_hf_models, tmp_path):
+    """auto puts the embedded engine in its own process under --async-mode, synced from disk under the output
+    dir; inside the trainer ranks (all / driver) it is refused naming the fix; the process refuses the
+    in-process transport and memory hand-over."""
+    base = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--output-dir", str(tmp_path / "run")]
+    cfg = parse_config([*base, "--async-mode", "full", "--partial-rollout"], validate=False)
+    assert collect_errors(cfg) == []
+    assert cfg.embedded_placement == "process" and not cfg.embedded_replicas
+    assert cfg.sync.update_weight_transport == "disk"
+    assert cfg.sync.update_weight_disk_dir == str(tmp_path / "run" / "engine_weights")
+    assert parse_config(base, validate=False).embedded_placement == "all"  # off: unchanged
+    for ranks in ("all", "driver"):
+        found = [e for e in errors([*base, "--async-mode", "one-step", "--embedded-engine-ranks", ranks])
+                 if "--async-mode one-step" in e]
+        assert len(found) == 1 and "--embedded-engine-ranks process" in found[0] and not is_not_built_yet(found[0])
+    found = [e for e in errors([*base, "--embedded-engine-ranks", "process", "--update-weight-transport", "tensor"])
+             if "--embedded-engine-ranks process" in e]
+    assert len(found) == 1 and "use --update-weight-transport disk" in found[0]
+    found = [e for e in errors([*base, "--embedded-engine-ranks", "process", "--offload-rollout"])
+             if "--offload-rollout releases" in e]
+    assert len(found) == 1
+    found = [e for e in errors([*base, "--embedded-engine-ranks", "process", "--debug-train-only",
+                                "--load-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt")])
+             if "--embedded-engine-ranks process" in e]
+    assert len(found) == 1 and "generates nothing" in found[0]
 
 
 @pytest.mark.parametrize("flag", ["--offload-rollout", "--offload-train"])

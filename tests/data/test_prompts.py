@@ -234,3 +234,15 @@ def test_iterator_flags_are_checked(tmp_path):
         PromptIterator(ds, rollout_batch_size=0)
     with pytest.raises(ConfigError, match="--n-samples-per-prompt=0 is invalid"):
         PromptIterator(ds, rollout_batch_size=2, n_samples_per_prompt=0)
+
+
+def test_take_draws_from_the_same_stream_as_next(tmp_path):
+    """Dynamic sampling draws --over-sampling-batch-size prompts at a time from the rollout's stream."""
+    whole = PromptIterator(numbered_dataset(tmp_path, 5), rollout_batch_size=4, shuffle=True, seed=3)
+    parts = PromptIterator(numbered_dataset(tmp_path, 5), rollout_batch_size=4, shuffle=True, seed=3)
+    expected = [r.metadata["prompt_index"] for _ in range(3) for r in next(whole).requests]
+    drawn = [r.metadata["prompt_index"] for k in (3, 2, 4, 3) for r in parts.take(k).requests]
+    assert drawn == expected and parts.state_dict()["offset"] == whole.state_dict()["offset"]
+    assert [r.group_index for r in parts.take(3).requests] == [0, 1, 2]
+    with pytest.raises(ConfigError, match="at least one prompt; asked for 0"):
+        parts.take(0)

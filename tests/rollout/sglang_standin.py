@@ -35,7 +35,8 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
   ones (SGLang's re-prefill); the row's ``weight_versions`` spans and ``output_token_logprobs`` show
   both versions. Not paused (or paused in ``abort`` mode), an update waits for the rows being
   generated to finish, as SGLang's ``model_update_lock`` makes it; ``abort`` aborts the pending rows
-  (and rows parked by an earlier retract / in_place pause) and lets generating rows finish.
+  (and rows parked by an earlier retract / in_place pause) and cuts the rows being generated at their next
+  step, as SGLang does.
 * ``/abort_request`` (``rid``, ``abort_all``): 200, empty body; aborted rows finish "abort".
 * ``/flush_cache``: plain text, 200, or 400 while requests are running or waiting.
 * ``/model_info`` (``weight_version``: "default" until a versioned update; ``model_path`` and
@@ -121,6 +122,7 @@ import io
 import json
 import math
 import pickle
+import secrets
 import socket
 import sys
 import threading
@@ -135,7 +137,8 @@ from urllib.parse import urlsplit
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
+from megatron_rl.rollout import EmbeddedEngine, SamplingParams
+from megatron_rl.rollout.embedded import EngineRow, row_seed
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 SESSION_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
@@ -462,22 +465,26 @@ class SGLangStandIn:
                                   stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
                                   seed=sp.get("sampling_seed") if self.deterministic else None,
                                   ignore_eos=bool(sp.get("ignore_eos", False)))
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        # the row's own generator seed as the engine's generate gives request 0, sample 0; /abort_request (or an
+        # abort-mode pause) sets ``pending.aborted``: the row ends "abort" after its current step, tokens kept
+        row = EngineRow(list(prompt), row_seed(seed, 0, 0), sampling.max_new_tokens, cancel=pending.aborted)
         with self._row_generating():
-            sample = self.engine.generate([GenerateRequest(list(prompt), 0)], sampling)[0]
+            sample = self.engine.generate_rows([row], sampling)[0]
         if sample.finish_reason == "stop":
             finish = {"type": "stop", "matched": sample.response_ids[-1]}
-        elif sample.finish_reason == "abort":  # parked by a retract / in_place pause, then aborted
+        elif sample.finish_reason == "abort":  # cut by an abort, or parked by a retract / in_place pause then aborted
             finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         else:
             finish = {"type": "length", "length": sampling.max_new_tokens}
         spans: list[list[int]] = []  # [engine version, start, end] runs over the output tokens
-        for t, v in enumerate(sample.effective_token_versions()):
+        for t, v in enumerate(sample.versions):
             if spans and spans[-1][0] == v:
                 spans[-1][2] = t + 1
             else:
                 spans.append([v, t, t + 1])
         text = " ".join(f"<{t}>" for t in sample.response_ids)  # the tiny models have no tokenizer
-        return _row(text, sample.response_ids, sample.rollout_logprobs, finish, pending.rid, len(prompt),
+        return _row(text, sample.response_ids, sample.logprobs, finish, pending.rid, len(prompt),
                     self.weight_version, tic,
                     spans=[(self._version_names.get(v, self.weight_version), a, b) for v, a, b in spans])
 

@@ -1,8 +1,8 @@
 """The SGLang stand-in's partial rollouts: ``/pause_generation`` in retract / in_place mode parks a row being
 generated at a decode step, a weight update lands, ``/continue_generation`` finishes it under the new weights,
 and the reply shows both versions (``meta_info.weight_versions`` spans, ``output_token_logprobs``), as real
-SGLang's does. Abort mode keeps the stand-in's old behaviour: a row being generated finishes, and an update
-waits for it.
+SGLang's does. Abort mode cuts a row being generated after its current step (its tokens so far come back,
+finish_reason abort), and an update sent meanwhile waits for it to return.
 
 The row is held at a known step from state: the engine's ``step_boundary_hook`` blocks the generating thread
 there until the test has sent its pause. Log-prob tolerance 1e-5: the embedded engine's float32 agreement with
@@ -139,9 +139,9 @@ def test_abort_all_ends_a_parked_row_with_its_partial_tokens(server, client):
     assert len(client.generate([PROMPT], [PARAMS])[0]["output_ids"]) == PARAMS["max_new_tokens"]
 
 
-def test_abort_mode_lets_the_generating_row_finish_and_the_update_wait_for_it(server, client, models):
-    """As before partial rollouts: abort mode aborts pending rows only; a row inside the engine finishes under
-    the weights it started with, and an update sent meanwhile lands after it (SGLang's model-update lock)."""
+def test_abort_mode_cuts_the_generating_row_and_the_update_waits_for_it(server, client, models):
+    """Abort mode aborts pending rows and cuts the row inside the engine after its current step (SGLang returns
+    a running row's tokens so far); an update sent meanwhile lands after it returned (the model-update lock)."""
     server.faults.delay_s["/generate:row"] = HANG_BOUND_S  # a second row, pending: aborted by the pause
     pending = SGLangClient(server.url, timeout_s=HANG_BOUND_S, connect_retries=0)
     waiting = _thread(lambda: pending.generate([[5, 17, 3]], [PARAMS])[0])
@@ -157,7 +157,7 @@ def test_abort_mode_lets_the_generating_row_finish_and_the_update_wait_for_it(se
     assert server.engine.weight_version == 0  # held back by the row inside the engine
     held.release()
     row = held.reply()
-    assert len(row["output_ids"]) == PARAMS["max_new_tokens"]
+    assert row["meta_info"]["finish_reason"]["type"] == "abort" and len(row["output_ids"]) == HOLD_STEP + 1
     assert row["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": len(row["output_ids"])}]
     assert update.result()["success"] and server.engine.weight_version == 1
     client.continue_generation()

@@ -209,7 +209,9 @@ def test_async_loops_sync_after_the_generation_in_flight_and_train_every_step(lo
 
     RecordingEngine.generate = generate
     try:
-        assert start("--num-rollout", "3", "--save-interval", "2", "--async-mode", mode, colocated=False) == 0
+        # in the driver rank: the double stands where the embedded engine's own process would be
+        assert start("--num-rollout", "3", "--save-interval", "2", "--async-mode", mode,
+                     "--embedded-engine-ranks", "driver", colocated=False) == 0
     finally:
         RecordingEngine.generate = original
     updates = [e[1] for e in EVENTS if isinstance(e, tuple) and e[0] == "update_weights"]

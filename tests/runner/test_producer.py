@@ -9,6 +9,7 @@ assertion is on the samples' state (versions, tokens, prompt indices), none on t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -49,7 +50,7 @@ class PausingEngine:
 
     def _row(self, req, sampling) -> Sample:
         tokens, logprobs, versions, finish = [], [], [], "length"
-        for _ in range(sampling.max_new_tokens):
+        for _ in range(req.budget(sampling)):
             time.sleep(self.rng.random() * self.delay)
             with self._lock:
                 if self._pausing:
@@ -150,7 +151,7 @@ def test_a_response_cut_by_a_sync_continues_on_the_new_weights():
 
     class Parking(PausingEngine):
         def _row(self, req, sampling):
-            calls.append((list(req.prompt_ids), sampling.max_new_tokens, self.version))
+            calls.append((list(req.prompt_ids), req.budget(sampling), self.version))
             if len(calls) > 1:  # the continuation: 3 more tokens by the version it holds now
                 return Sample(req.group_index, list(req.prompt_ids), [8, 8, 8], [logprob_of(self.version)] * 3,
                               finish_reason="stop", weight_version=self.version, metadata=dict(req.metadata))
@@ -253,3 +254,47 @@ def test_take_times_out_naming_what_it_waited_for():
             producer.take(B, 0, timeout_s=0.2, describe=lambda: "Silent")
     finally:
         producer.stop()
+
+
+def test_a_generate_function_cut_by_a_sync_is_run_again_whole():
+    """--custom-generate-function-path under --async-mode full: each group comes from the user's function, which
+    calls the engine twice (two turns: the second continues the first's tokens, observation tokens between
+    them). A sync cutting either call starts the group again after the sync, so every trained sample is one
+    uncut attempt: both turns present, no abort, each token within the staleness bound, every prompt once."""
+    from megatron_rl.rollout.generate_fn import group_generate
+
+    attempts = []
+
+    def two_turns(request, sampling, engine):
+        attempts.append(request.metadata["prompt_index"])
+        first = engine.generate(request.prompt_ids, dataclasses.replace(sampling, max_new_tokens=2))
+        out = []
+        for j, turn in enumerate(first):
+            context = list(request.prompt_ids) + turn.output_ids + [99]  # the observation
+            second = engine.generate(context, dataclasses.replace(sampling, n=1, max_new_tokens=2))[0]
+            ids = turn.output_ids + [99] + second.output_ids
+            out.append(Sample(request.group_index, list(request.prompt_ids), ids,
+                              rollout_logprobs=turn.logprobs + [0.0] + second.logprobs,
+                              loss_mask=[1] * len(turn.output_ids) + [0] + [1] * len(second.output_ids),
+                              token_versions=turn.token_versions + [turn.token_versions[-1]] + second.token_versions,
+                              weight_version=turn.token_versions[0],
+                              finish_reason=second.finish_reason, metadata=dict(request.metadata)))
+        return out
+
+    engine, prompts = PausingEngine(seed=5, delay=0.002), Prompts()
+    producer = make(engine, prompts, k=1, partial=False, generate_group=group_generate(two_turns, "two_turns"))
+    producer.start()
+    try:
+        trained = train(producer, engine, steps=10, trainer_delay=0.005, seed=5)
+    finally:
+        producer.stop()
+    indices = []
+    for step, groups in trained:
+        for g in groups:
+            indices.append(g.request.metadata["prompt_index"])
+            for s in g.samples:
+                assert s.finish_reason != "abort" and 99 in s.response_ids
+                assert s.loss_mask[s.response_ids.index(99)] == 0
+                assert min(s.effective_token_versions()) >= step - 1
+    assert indices == list(range(10 * B))
+    assert len(attempts) > len(indices)  # some syncs cut a group, which ran again

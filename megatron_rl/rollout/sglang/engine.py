@@ -416,7 +416,8 @@ class SGLangEngine(RolloutEngine):
             try:
                 entries = client.generate(
                     [requests[i].prompt_ids for i, _ in rows],
-                    [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)) for i, j in rows],
+                    [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
+                                                  max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
@@ -446,7 +447,8 @@ class SGLangEngine(RolloutEngine):
             try:
                 entry = router.generate_one(
                     requests[i].prompt_ids,
-                    protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j)),
+                    protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
+                                                  max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:

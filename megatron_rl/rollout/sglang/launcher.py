@@ -49,7 +49,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Optional, Protocol, TypeVar
 
 import httpx
 
@@ -142,7 +142,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-_SlotT = TypeVar("_SlotT", bound="EngineSlot | RouterSlot")  # an engine's slot, or the router's
+class Slot(Protocol):
+    """What ``EngineProcess`` needs of where a process serves: an engine's slot, the router's, or any other."""
+
+    @property
+    def url(self) -> str: ...
+
+    def describe(self) -> str: ...
+
+
+_SlotT = TypeVar("_SlotT", bound=Slot)  # an engine's slot, the router's, or another server's (embedded_process)
 
 
 class EngineProcess(Generic[_SlotT]):

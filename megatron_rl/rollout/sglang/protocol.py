@@ -66,13 +66,15 @@ def row_seed(seed: int, request_index: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def sampling_params_dict(sampling: SamplingParams, *, seed: Optional[int] = None) -> dict[str, Any]:
-    """Our ``SamplingParams`` as SGLang ``sampling_params`` for one row (``n`` is always 1: rows are sent apart)."""
+def sampling_params_dict(sampling: SamplingParams, *, seed: Optional[int] = None,
+                         max_new_tokens: Optional[int] = None) -> dict[str, Any]:
+    """Our ``SamplingParams`` as SGLang ``sampling_params`` for one row (``n`` is always 1: rows are sent apart);
+    ``max_new_tokens``: the row's own budget (``GenerateRequest.budget``), else the call's."""
     params: dict[str, Any] = {
         "temperature": float(sampling.temperature),
         "top_p": float(sampling.top_p),
         "top_k": int(sampling.top_k),
-        "max_new_tokens": int(sampling.max_new_tokens),
+        "max_new_tokens": int(sampling.max_new_tokens if max_new_tokens is None else max_new_tokens),
         "ignore_eos": bool(sampling.ignore_eos),
         "skip_special_tokens": True,
         "n": 1,
