@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
+#: what the loop's curves.png shows; a key the run never logged is skipped, so the multi-turn ones
+#: (docs/agentic.md) appear only in runs with a custom generate function or the tool loop
 DEFAULT_KEYS = ["rollout/reward_mean", "eval/reward_mean", "train/kl", "train/entropy",
-                "rollout/response_len_mean", "train/pg_loss", "train/grad_norm", "perf/step_time_s"]
+                "rollout/response_len_mean", "train/pg_loss", "train/grad_norm", "perf/step_time_s",
+                "rollout/tool_calls_mean", "rollout/turns_mean", "rollout/tool_error_frac"]
 
 
 def plot_metrics(records: list[dict], keys: list[str], out: str, title: str = "") -> list[str]:

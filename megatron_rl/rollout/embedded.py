@@ -132,6 +132,32 @@ class RowOutput:
     versions: list[int] = field(default_factory=list)
 
 
+class _Slot:
+    """A row of ``generate_continuous``'s batch: what it generated so far and its own uniforms."""
+
+    __slots__ = ("row", "plen", "limit", "tokens", "logprobs", "versions", "done", "reason", "_uniforms")
+
+    def __init__(self, row: EngineRow, context_length: int, greedy: bool):
+        self.row, self.plen = row, len(row.prompt_ids)
+        self.limit = min(row.max_new_tokens, context_length - self.plen)
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.done, self.reason = False, "length"
+        self._uniforms = None if greedy else \
+            torch.rand(self.limit, generator=torch.Generator().manual_seed(row.seed), dtype=torch.float64)
+
+    def uniform(self) -> float:
+        """This row's uniform for its next token (by its own token index, as ``generate``'s rows)."""
+        return 0.0 if self._uniforms is None else float(self._uniforms[len(self.tokens)])
+
+    def end(self, reason: str) -> None:
+        self.done, self.reason = True, reason
+
+    def output(self, reason: str) -> RowOutput:
+        return RowOutput(list(self.tokens), list(self.logprobs), reason, list(self.versions))
+
+
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe)."""
 
@@ -516,6 +542,134 @@ class EmbeddedEngine(RolloutEngine):
                 self._calls.remove(call)
                 self._cond.notify_all()
         return outputs
+
+    @property
+    def joins_rows(self) -> bool:
+        """Whether ``generate_continuous`` can take rows into a running batch: every attention layer full (a
+        sliding-window or linear-attention cache cannot be left-padded to merge); else a server batches
+        statically with ``generate_rows``."""
+        from megatron_rl.rollout.kv_cache import joinable, make_kv_cache  # lazy: kv_cache imports transformers
+
+        return joinable(make_kv_cache(self.model.config, capacity=1))
+
+    def generate_continuous(self, sampling: SamplingParams, take: Callable[[int], list["EngineRow"]],
+                            finish: Callable[["EngineRow", "RowOutput"], None]) -> None:
+        """Continuous batching: generate rows that keep arriving, each handed back the step it ends.
+
+        Why: a server's requests arrive at their own times; in a static batch a request that arrives just
+        after one starts waits for the whole of it, and a row that finishes early waits for the longest.
+        Here, at every step boundary ``take(room)`` gives up to ``room`` rows to join the running batch
+        (their prompts prefilled in that step, their caches merged with the running one, left-padded:
+        ``kv_cache.merge_kv_caches``), and ``finish(row, output)`` receives each row in the step it ends.
+        Returns when no row is running and ``take`` gives none. A row's tokens are what ``generate`` gives
+        for its prompt, seed and budget (its own uniforms, by its own token index; positions its own), so
+        they do not depend on who shares its batch. Pauses, aborts, cancels and weight versions behave as
+        in ``generate`` (module docstring): ``retract`` re-prefills every running row, prompt + tokens."""
+        from megatron_rl.rollout.kv_cache import merge_kv_caches  # lazy: kv_cache imports transformers
+
+        if not self.joins_rows:
+            raise ConfigError("generate_continuous needs a model whose attention layers are all full attention "
+                              "(a sliding-window or linear-attention cache cannot be merged): use generate_rows")
+        self._check_ready("generate")
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        slots: list[_Slot] = []  # the cache's rows, in order (finished ones until the next compaction)
+        cache: Any = None
+        mask = tokens = torch.empty(0)
+        last_version = self._weight_version
+        step = 0
+        call = _GenerateCall()
+        with self._cond:
+            self._calls.append(call)
+        try:
+            with torch.inference_mode():
+                while True:
+                    active = [s for s in slots if not s.done]
+                    longest = max((s.plen + s.limit for s in active), default=1)
+                    joining = []
+                    for row in take(max(0, self.rows_per_chunk(longest) - len(active))):
+                        self._check_prompt(row.prompt_ids, "a joining row")
+                        joining.append(_Slot(row, self.context_length, sampling.greedy))
+                    if not active and not joining:
+                        return
+                    if self.step_boundary_hook is not None:
+                        self.step_boundary_hook(step)
+                    aborted, parked_under = self._enter_step(call)
+                    if aborted:
+                        for slot in active + joining:
+                            finish(slot.row, slot.output("abort"))
+                        return
+                    try:
+                        if step:
+                            self._check_ready("continue generating")
+                        version = self._weight_version
+                        retract = bool(active) and version != last_version and parked_under == "retract"
+                        parts, logits = [], []
+                        if active and not retract:  # one decode step of the running rows
+                            mask = torch.cat([mask, mask.new_ones(len(slots), 1)], dim=1)
+                            positions = torch.tensor([[s.plen + len(s.tokens) - 1] for s in slots], device=self.device)
+                            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
+                                             position_ids=positions, cache=cache, use_cache=True)
+                            keep = [k for k, s in enumerate(slots) if not s.done]
+                            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                            parts.append((cache, index, mask[index]))
+                            logits.append(out.logits[:, -1, :][index])
+                            order = [slots[k] for k in keep]
+                        else:
+                            order = []
+                        fresh = (active if retract else []) + joining
+                        if fresh:  # prefill: rows joining (and, after a retract, every running row again)
+                            seqs = [s.row.prompt_ids + s.tokens for s in fresh]
+                            width = max(map(len, seqs))
+                            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+                            pmask = torch.zeros(len(seqs), width, dtype=torch.long)
+                            for r, seq in enumerate(seqs):
+                                ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+                                pmask[r, width - len(seq):] = 1
+                            new_cache, new_logits = self._prefill(ids, pmask, capacity=width)
+                            parts.append((new_cache, torch.arange(len(seqs), device=self.device), pmask.to(self.device)))
+                            logits.append(new_logits)
+                            order += fresh
+                        if len(parts) == 1 and not fresh:
+                            if len(order) < len(slots) and len(order) <= COMPACT_AT * len(slots):
+                                cache.batch_select_indices(parts[0][1])  # drop finished rows (a copy: not per row)
+                                mask, tokens = mask[parts[0][1]], tokens[parts[0][1]]
+                                slots = order
+                            # else: the finished rows stay in the batch until the next compaction
+                        else:
+                            width = max(m.shape[1] for _, _, m in parts)
+                            remaining = max(s.limit - len(s.tokens) for s in order)
+                            cache = merge_kv_caches(self.model.config, [(c, i) for c, i, _ in parts], width,
+                                                    width + remaining)
+                            mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for _, _, m in parts])
+                            slots = order
+                        live = [s for s in slots if not s.done]
+                        assert [id(s) for s in order] == [id(s) for s in live], "logits follow the live rows"
+                        uniforms = torch.tensor([s.uniform() for s in order], dtype=torch.float64)
+                        sampled, sampled_lp = sample_next_tokens(torch.cat(logits), sampling, uniforms.to(self.device))
+                    finally:
+                        self._leave_step()
+                    last_version = version
+                    for slot, tok, lp in zip(order, sampled.tolist(), sampled_lp.tolist()):
+                        slot.tokens.append(tok)
+                        slot.logprobs.append(lp)
+                        slot.versions.append(version)
+                        if tok in stop_ids:
+                            slot.end("stop")
+                        elif slot.row.cancel is not None and slot.row.cancel.is_set():
+                            slot.end("abort")
+                        elif len(slot.tokens) >= slot.limit:
+                            slot.end("length")
+                        if slot.done:
+                            finish(slot.row, slot.output(slot.reason))
+                    # the next step's input, one per cache row (a finished row's is ignored)
+                    last = {id(s): s.tokens[-1] for s in order}
+                    tokens = torch.tensor([last.get(id(s), s.tokens[-1] if s.tokens else 0) for s in slots],
+                                          dtype=torch.long, device=self.device)
+                    step += 1
+        finally:
+            with self._cond:
+                self._calls.remove(call)
+                self._cond.notify_all()
 
     def rows_per_chunk(self, longest: int) -> int:
         """Rows of one generate chunk whose sequences reach ``longest`` tokens: ``max_batch_size`` if set,

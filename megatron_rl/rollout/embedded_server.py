@@ -9,14 +9,16 @@ asynchronous drivers, their partial rollouts and their staleness bookkeeping run
 CPU machine with no SGLang install (``--embedded-engine-ranks process``; the driver starts it,
 ``rollout.embedded_process``).
 
-Batching across requests: rows of every ``/generate`` request waiting when a batch starts go
-into that batch (rows with the same temperature / top-p / top-k / stop tokens; each row keeps its
-own ``sampling_seed`` and ``max_new_tokens``), one ``EmbeddedEngine.generate_rows`` call, so
-concurrent requests (an asynchronous producer keeps several prompt groups in flight) share each
-decode forward instead of taking turns. Rows arriving while a batch runs wait for the next one (a
-batch does not take rows mid-decode: static batching, where SGLang batches continuously). A row's
-tokens do not depend on its batch: same prompt, seed and budget give the same tokens as the
-engine's ``generate``.
+Batching across requests (continuous, as SGLang's scheduler): at every decode step the rows that arrived
+since join the running batch (``EmbeddedEngine.generate_continuous``: their prompts prefilled in that
+step, their KV caches merged with the running one), and each row's reply goes back the step it ends, so
+a request neither waits for a batch to finish before it starts nor for the batch's longest row before it
+returns. Rows share a batch when they share temperature / top-p / top-k / stop tokens; each keeps its
+own ``sampling_seed`` and ``max_new_tokens``, and its tokens do not depend on its batch (same prompt,
+seed and budget give the engine's ``generate`` tokens). Rows of another sampling wait until the rows
+ahead of them finish (first come, first served); while a weight update waits, no row joins, so the
+running ones drain (SGLang's model-update lock). A model with sliding-window or linear-attention layers
+(whose caches cannot be merged) is batched statically: the rows queued when a batch starts.
 
 Endpoints (request and reply shapes as SGLang 0.5.23's, see ``rollout.sglang.protocol``):
 ``/generate`` (``input_ids`` only: the trainer never sends text), ``/update_weights_from_disk``
@@ -110,14 +112,16 @@ class EmbeddedServer:
         self._host, self._port = host, port
         self._cond = threading.Condition()
         self._queue: deque[_Row] = deque()
-        self._running: list[_Row] = []
+        self._running: dict[int, _Row] = {}  # id(its EngineRow) -> the row the engine is generating
         self._paused: Optional[str] = None
         self._updating = 0  # weight updates waiting for the running batch (they hold the next one)
         self._stopped = False
         self._version_names: dict[int, str] = {0: DEFAULT_VERSION}
         self._snapshot: Optional[list] = None  # /weights_checker's
-        self.batches = 0  # batches run, and rows in them: what a test or a log reads to see batching happen
-        self.batched_rows = 0
+        self.batches = 0  # engine calls (a continuous batch is one), rows taken, the most rows generated at once:
+        self.batched_rows = 0  # what a test or a log reads to see batching happen
+        self.most_rows = 0
+        self.continuous = engine.joins_rows  # rows join a running batch; else static batches (generate_rows)
         self._httpd: Optional[ThreadingHTTPServer] = None
         self._threads: list[threading.Thread] = []
 
@@ -146,7 +150,7 @@ class EmbeddedServer:
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
-            for row in [*self._queue, *self._running]:
+            for row in [*self._queue, *self._running.values()]:
                 row.cancel.set()
             self._cond.notify_all()
         self.engine.continue_()
@@ -159,43 +163,63 @@ class EmbeddedServer:
         """Rows queued and running, updates waiting, the pause mode, batches run: what a test decides from."""
         with self._cond:
             return {"queued": len(self._queue), "running": len(self._running), "updating": self._updating,
-                    "paused": self._paused, "batches": self.batches, "batched_rows": self.batched_rows}
+                    "paused": self._paused, "batches": self.batches, "batched_rows": self.batched_rows,
+                    "most_rows": self.most_rows}
 
     # ---------------------------------------------------------------- batches
-    def _next_batch(self) -> Optional[list[_Row]]:
-        """The rows of the next batch (FIFO: the oldest row's sampling key), or None once stopped."""
+    def _next_key(self) -> Optional[tuple]:
+        """Wait for rows to generate (not paused, no update waiting); the oldest row's sampling key, or None
+        once stopped."""
         with self._cond:
             while not self._stopped and (not self._queue or self._paused is not None or self._updating):
                 self._cond.wait()
-            if self._stopped:
-                return None
-            key = self._queue[0].key
-            batch = [row for row in self._queue if row.key == key]
-            self._queue = deque(row for row in self._queue if row.key != key)
-            self._running = batch
-            return batch
+            return None if self._stopped else self._queue[0].key
+
+    def _take(self, key: tuple, room: int) -> list[EngineRow]:
+        """Up to ``room`` queued rows of sampling ``key`` that no row of another key precedes (FIFO: a stream of
+        one key does not starve another), none while paused or while an update waits (the running batch then
+        drains, SGLang's model-update lock)."""
+        with self._cond:
+            if self._stopped or self._paused is not None or self._updating:
+                return []
+            taken: list[EngineRow] = []
+            while self._queue and self._queue[0].key == key and len(taken) < room:
+                row = self._queue.popleft()
+                engine_row = EngineRow(row.prompt_ids, row.seed, row.max_new_tokens, cancel=row.cancel)
+                self._running[id(engine_row)] = row
+                taken.append(engine_row)
+            self.batched_rows += len(taken)
+            self.most_rows = max(self.most_rows, len(self._running))
+            return taken
+
+    def _finished(self, engine_row: EngineRow, output: RowOutput) -> None:
+        with self._cond:
+            row = self._running.pop(id(engine_row))
+            self._cond.notify_all()
+        row.finish(output)
 
     def _schedule(self) -> None:
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            key = self._next_key()
+            if key is None:
                 return
-            temperature, top_p, top_k, stop_ids, ignore_eos = batch[0].key
+            temperature, top_p, top_k, stop_ids, ignore_eos = key
             sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_ids,
-                                      ignore_eos=ignore_eos, max_new_tokens=max(r.max_new_tokens for r in batch))
-            rows = [EngineRow(r.prompt_ids, r.seed, r.max_new_tokens, cancel=r.cancel) for r in batch]
+                                      ignore_eos=ignore_eos)
             try:
-                outputs = self.engine.generate_rows(rows, sampling)
-            except Exception as exc:  # noqa: BLE001 - every row of the batch answers with the reason
-                for r in batch:
-                    r.finish(error=f"{type(exc).__name__}: {exc}")
-            else:
-                for r, out in zip(batch, outputs):
-                    r.finish(out)
+                if self.continuous:
+                    self.engine.generate_continuous(sampling, lambda room: self._take(key, room), self._finished)
+                else:
+                    rows = self._take(key, len(self._queue))
+                    for engine_row, out in zip(rows, self.engine.generate_rows(rows, sampling) if rows else []):
+                        self._finished(engine_row, out)
+            except Exception as exc:  # noqa: BLE001 - every row it held answers with the reason
+                with self._cond:
+                    failed, self._running = list(self._running.values()), {}
+                for row in failed:
+                    row.finish(error=f"{type(exc).__name__}: {exc}")
             with self._cond:
-                self._running = []
                 self.batches += 1
-                self.batched_rows += len(batch)
                 self._cond.notify_all()
 
     # ---------------------------------------------------------------- endpoints
@@ -349,7 +373,7 @@ class EmbeddedServer:
 
         with self._cond:
             self._abort_queued(chosen)
-            for row in self._running:
+            for row in self._running.values():
                 if chosen(row):
                     row.cancel.set()  # ends "abort" after its current step, its tokens kept
         if every and self.engine.paused in ("retract", "in_place"):

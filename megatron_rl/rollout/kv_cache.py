@@ -77,3 +77,33 @@ def make_kv_cache(config, capacity: int) -> DynamicCache:
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
     return cache
+
+
+def joinable(cache: DynamicCache) -> bool:
+    """Whether rows of this cache can be merged with another's (``merge_kv_caches``): every layer full
+    attention (preallocated). A sliding-window or linear-attention layer keeps state that left-padding would
+    not shift, so those models batch statically instead."""
+    return bool(cache.layers) and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
+def merge_kv_caches(config, parts: list[tuple[DynamicCache, torch.Tensor]], width: int, capacity: int) -> DynamicCache:
+    """One preallocated cache of ``capacity`` positions holding the rows ``parts`` name (each a cache and the
+    indices of its rows to keep, in order), every part's filled positions right-aligned at ``width`` (the
+    positions on the left are zeros, which the attention mask hides: left padding, as a prefill's)."""
+    merged = make_kv_cache(config, capacity)
+    for li, layer in enumerate(merged.layers):
+        assert isinstance(layer, PreallocatedLayer), "merge only joinable() caches"
+        keys, values = [], []
+        for cache, rows in parts:
+            src = cache.layers[li]
+            assert isinstance(src, PreallocatedLayer) and src.keys is not None and src.values is not None, \
+                "merge only joinable(), filled caches"
+            k, v = src.keys[rows], src.values[rows]
+            pad = width - k.shape[-2]
+            if pad:
+                k = torch.nn.functional.pad(k, (0, 0, pad, 0))
+                v = torch.nn.functional.pad(v, (0, 0, pad, 0))
+            keys.append(k)
+            values.append(v)
+        layer.update(torch.cat(keys), torch.cat(values))
+    return merged

@@ -64,17 +64,22 @@ def row(prompt, seed, rid, max_new_tokens=8):
 
 
 def test_rows_of_concurrent_requests_share_one_batch_and_equal_the_engines_own(server, client, models):
-    """Requests arriving while a batch runs go into the next batch together; every row's tokens are the
-    ones the engine's own ``generate`` gives for the same prompt and seed (log-probs to float32 rounding)."""
+    """Requests arriving while a batch runs join it at the next step (continuous batching); every row's tokens
+    are the ones the engine's own ``generate`` gives for the same prompt and seed (log-probs to float32
+    rounding), and each request returns when its own rows end."""
     first, later = [GenerateRequest([5, 17, 3], 0)], [GenerateRequest([9, 1, 100, 42], 1),
                                                       GenerateRequest([11, 12, 13, 14, 15], 2)]
-    hook_at(server, 1, lambda: until(lambda: server.state()["queued"] == 4, "the two later requests queued"))
+    # the first request's rows wait at their second step until both later requests arrived (queued, or
+    # already taken into the batch at that step's boundary)
+    hook_at(server, 1, lambda: until(lambda: server.state()["batched_rows"] + server.state()["queued"] == 6,
+                                     "the two later requests arrived"))
     a = InThread(lambda: client.generate(first, SAMPLING), bound_s=BOUND_S, what="request a")
     until(lambda: server.state()["running"] == 2, "the first batch running")
     b = InThread(lambda: client.generate(later[:1], SAMPLING), bound_s=BOUND_S, what="request b")
     c = InThread(lambda: client.generate(later[1:], SAMPLING), bound_s=BOUND_S, what="request c")
     got = {0: a.result(), 1: b.result(), 2: c.result()}
-    assert server.state()["batches"] == 2 and server.state()["batched_rows"] == 6  # b and c shared a batch
+    state = server.state()
+    assert state["batches"] == 1 and state["most_rows"] == 6  # b's and c's rows joined a's running batch
     reference = EmbeddedEngine(models[0])
     for req in first + later:
         want = reference.generate([req], SAMPLING)
@@ -98,7 +103,9 @@ def test_abort_pause_ends_running_rows_with_their_tokens_queued_rows_empty_and_h
     a = InThread(lambda: http.generate(*map(list, zip(*[(p, sp) for p, sp, _ in rows])),
                                        rids=[r for _, _, r in rows]), bound_s=BOUND_S, what="request a")
     until(lambda: server.state()["running"] == 2, "the first batch running")
-    b = InThread(lambda: http.generate([[7, 7, 7]], [rows[0][1]], rids=["queued"]), bound_s=BOUND_S, what="b")
+    # another temperature: it cannot join the running rows, so it waits in the queue behind them
+    other = {**rows[0][1], "temperature": 0.5}
+    b = InThread(lambda: http.generate([[7, 7, 7]], [other], rids=["queued"]), bound_s=BOUND_S, what="b")
     for entry in a.result():  # cut at the pause: three tokens each, "abort"
         out = protocol.parse_generate_output(entry, where="test")
         assert out.finish_reason == "abort" and len(out.output_ids) == 3

@@ -269,7 +269,7 @@ def test_a_generate_function_cut_by_a_sync_is_run_again_whole():
         attempts.append(request.metadata["prompt_index"])
         first = engine.generate(request.prompt_ids, dataclasses.replace(sampling, max_new_tokens=2))
         out = []
-        for j, turn in enumerate(first):
+        for turn in first:
             context = list(request.prompt_ids) + turn.output_ids + [99]  # the observation
             second = engine.generate(context, dataclasses.replace(sampling, n=1, max_new_tokens=2))[0]
             ids = turn.output_ids + [99] + second.output_ids
