@@ -130,9 +130,6 @@ def _async_errors(cfg: Config) -> list[str]:
     if r.max_staleness is not None and r.max_staleness < 1:
         errors.append(f"--max-staleness {r.max_staleness}: generation overlapping training is at least one update "
                       "behind; use >= 1, or --async-mode off for on-policy batches")
-    if r.async_mode == "full" and r.use_fault_tolerance:
-        errors.append(NotBuilt(f"--use-fault-tolerance with --async-mode full (restarting an engine under the "
-                               f"running producer, its buffer kept) is {_NOT_YET}: drop one of them"))
     if r.async_mode == "full" and r.dynamic_sampling_filter_path:
         errors.append(NotBuilt(f"--dynamic-sampling-filter-path with --async-mode full (the producer admitting "
                                f"another prompt for each group the filter drops) is {_NOT_YET}: the producer "

@@ -550,8 +550,10 @@ class RolloutConfig:
         "then stops the run naming the filter's reasons (verl's max_num_gen_batches).")
     use_fault_tolerance: bool = flag(False, "Restart a launched SGLang engine whose process dies, sync the "
                                      "current weights into it and generate the failed rollout again (at most 3 "
-                                     "restarts a run); without it the run stops naming the engine and its log. "
-                                     "Only for engines this run launches.")
+                                     "restarts a run); with --async-mode full the producer parks instead, its "
+                                     "buffer kept, and the groups the death cut are generated again. Without it "
+                                     "the run stops naming the engine and its log. Only for engines this run "
+                                     "launches.")
     sglang_args: dict = flag({}, "Pass-through: every --sglang-KEY VALUE flag lands here as {KEY: VALUE} "
                                 "for SGLang servers; refused with the embedded engine.")
 

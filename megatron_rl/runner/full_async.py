@@ -29,13 +29,13 @@ from typing import Optional
 import torch
 
 from megatron_rl.data.types import GenerateRequest, Sample
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.generate_fn import RolloutFunctions
 from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_version_metrics
 from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
-from megatron_rl.runner.producer import Group, RolloutProducer
+from megatron_rl.runner.producer import EngineFault, Group, RolloutProducer
 
 log = logging.getLogger("megatron_rl")
 
@@ -80,7 +80,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         pending=[GenerateRequest(**q) for q in restored.get("pending", [])],
         buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
                       [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])],
-        position=rollout.position, generate_group=functions.group_generate(tok) if functions else None)
+        position=rollout.position, generate_group=functions.group_generate(tok) if functions else None,
+        tolerate_faults=r.use_fault_tolerance)
     return producer
 
 
@@ -94,7 +95,12 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
     dropped = 0
     t = time.perf_counter()
     while len(kept) < want:
-        for group in producer.take(want - len(kept), rollout_id, cfg.rollout.async_wait_timeout, describe):
+        try:
+            taken = producer.take(want - len(kept), rollout_id, cfg.rollout.async_wait_timeout, describe)
+        except EngineFault:
+            producer.give_back(kept)  # trained after the engines are back, in their order
+            raise
+        for group in taken:
             if any(s.staleness(rollout_id) > k for s in group.samples):
                 dropped += 1
                 log.warning("rollout %d: dropped prompt group %s (staleness %d > --max-staleness %d)", rollout_id,
@@ -125,6 +131,49 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
     return samples, metrics
 
 
+def _batch_or_park(producer: Optional[RolloutProducer], parts: StepParts, rollout_id: int) -> tuple:
+    """The step's batch (``_batch``; none on the ranks without the producer). An engine fault
+    (``--use-fault-tolerance``) leaves the producer parked with no call in flight, and is raised for
+    ``EngineRecovery`` to restart the engine (every rank learns of it from the driver)."""
+    if producer is None:
+        return None, {}
+    try:
+        return _batch(producer, parts, rollout_id)
+    except EngineFault:
+        producer.close_gate()
+        producer.quiesce(None, parts.ctx.cfg.rollout.async_wait_timeout)  # calls to the dead engine come back
+        raise
+
+
+def _quiesce(producer: Optional[RolloutProducer], parts: StepParts) -> tuple:
+    """Before a sync: nothing left on the engines (``RolloutProducer.quiesce``). An engine death seen here (its
+    abort refused) parks the producer and is raised for ``EngineRecovery`` (every rank learns of it)."""
+    if producer is None:
+        return None, {}
+    timeout = parts.ctx.cfg.rollout.async_wait_timeout
+    try:
+        producer.quiesce(getattr(parts.rollout.engine if parts.rollout else None, "abort", None), timeout)
+    except EngineError as exc:
+        if not producer.tolerate_faults:
+            raise
+        producer.park(str(exc))
+        producer.quiesce(None, timeout)  # calls to the dead engine come back
+        raise
+    return None, {}
+
+
+def _resync(producer: Optional[RolloutProducer], parts: StepParts, reopen: bool = True) -> dict:
+    """After a restart: the current weights synced again (collective), then the producer goes on (``reopen``;
+    else its gate stays closed for the sync under way)."""
+    engine = parts.rollout.engine if parts.rollout is not None else None
+    if engine is not None and hasattr(engine, "poll_health"):
+        engine.poll_health()  # the restarted servers count as alive again (the recovery rewinds no rollout here)
+    metrics = parts.resync(parts.synced_version)
+    if producer is not None:
+        producer.recovered(parts.synced_version if reopen else None)
+    return metrics
+
+
 def run_full(parts: StepParts, start: int) -> Optional[int]:
     """The loop of ``--async-mode full`` (module docstring); the exit code of a planned stop, else None."""
     cfg = parts.ctx.cfg
@@ -146,12 +195,16 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
     try:
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
-            samples, metrics = _batch(producer, parts, rollout_id) if producer is not None else (None, {})
+            samples, metrics = parts.recovery.generate(functools.partial(_batch_or_park, producer, parts, rollout_id),
+                                                       None, resync=functools.partial(_resync, producer, parts))
             parts.train(samples, metrics)
             if producer is not None:  # nothing starts while the weights change, nothing is left on the servers
                 producer.close_gate()
-                producer.quiesce(getattr(parts.rollout.engine if parts.rollout else None, "abort", None),
-                                 cfg.rollout.async_wait_timeout)
+            _, restarted = parts.recovery.generate(functools.partial(_quiesce, producer, parts), None,
+                                                   resync=functools.partial(_resync, producer, parts, reopen=False))
+            if restarted:  # an engine died since the batch was taken: restarted, synced; the step's sync follows
+                metrics["rollout/engine_restarts"] = metrics.get("rollout/engine_restarts", 0.0) \
+                    + restarted["rollout/engine_restarts"]
             try:
                 parts.push_weights(rollout_id + 1, metrics)
             finally:

@@ -72,6 +72,11 @@ class ProducerError(EngineError):
     """A worker of the producer failed; raised on the trainer's thread at its next ``take``."""
 
 
+class EngineFault(EngineError):
+    """An engine call failed outside any sync while faults are tolerated (``--use-fault-tolerance``): the group
+    went back to the queue and the gate closed; the trainer restarts the engine, syncs, and calls ``recovered``."""
+
+
 class RolloutProducer:
     """Generates prompt groups continuously under the staleness bound (module docstring)."""
 
@@ -80,7 +85,7 @@ class RolloutProducer:
                  score: Callable[[list[Sample]], None], concurrency: int, abort_retries: int = 2,
                  next_step: int = 0, next_serial: int = 0, pending: Optional[list[GenerateRequest]] = None,
                  buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None,
-                 generate_group: Optional[GroupGenerate] = None):
+                 generate_group: Optional[GroupGenerate] = None, tolerate_faults: bool = False):
         if max_staleness < 1:
             raise ValueError("a producer that overlaps training needs max_staleness >= 1")
         self.engine, self.draw, self.sampling = engine, draw, sampling
@@ -88,6 +93,8 @@ class RolloutProducer:
         self.score, self.abort_retries = score, abort_retries
         self.position = position  # the prompt position, read with the snapshot under the same lock as draw()
         self.generate_group = generate_group  # --custom-generate-function-path: the user's function per group
+        self.tolerate_faults = tolerate_faults  # --use-fault-tolerance: an engine error parks the producer
+        self._fault: Optional[str] = None  # the engine error that parked it, until recovered()
         self.concurrency = max(1, concurrency)
         self._cond = threading.Condition()
         self._queue: collections.deque[GenerateRequest] = collections.deque(pending or [])
@@ -134,6 +141,8 @@ class RolloutProducer:
             while not self._head_ready(count):
                 if self._error is not None:
                     raise ProducerError(f"rollout producer failed: {self._error}") from self._error
+                if self._fault is not None:
+                    raise EngineFault(self._fault)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise EngineError(
@@ -148,6 +157,31 @@ class RolloutProducer:
             self._next_step = step + 1
             self._cond.notify_all()  # room under the bound: admission may go on
             return taken
+
+    def give_back(self, groups: list[Group]) -> None:
+        """Groups ``take`` handed out that will not be trained now (the step stopped for an engine restart):
+        back to the buffer, trained first by a later ``take``."""
+        with self._cond:
+            self._buffer.extend(groups)
+            self._cond.notify_all()
+
+    def park(self, error: str) -> None:
+        """An engine failed (``--use-fault-tolerance``): no call starts until ``recovered``; the calls failing
+        meanwhile are this fault's (retried after it), and the trainer's next ``take`` raises ``EngineFault``."""
+        with self._cond:
+            self._fault = self._fault or error
+            self._open = False
+            self._sync_epoch += 1
+            self._cond.notify_all()
+
+    def recovered(self, version: Optional[int] = None) -> None:
+        """After an engine fault: the engines restarted; with ``version`` (what they hold now) generation goes on
+        (the groups the fault cut are generated again from their prompts), without it the gate stays closed
+        for the sync under way."""
+        with self._cond:
+            self._fault = None
+        if version is not None:
+            self.open_gate(version)
 
     def close_gate(self) -> None:
         """Before a weight sync: no group starts, no aborted row is continued, until ``open_gate``."""
@@ -238,7 +272,16 @@ class RolloutProducer:
                         self.engine_idle_s += time.perf_counter() - self._idle_since
                         self._idle_since = None
                     self._inflight[group.serial] = group
-                group.samples = self._generate_group(group)
+                try:
+                    group.samples = self._generate_group(group)
+                except EngineError as exc:
+                    if not self.tolerate_faults or isinstance(exc, EngineFault):
+                        raise
+                    with self._cond:  # the group starts again, whole, once the engines are back
+                        del self._inflight[group.serial]
+                        self._queue.appendleft(group.request)
+                    self.park(str(exc))
+                    continue
                 self.score(group.samples)
                 with self._cond:
                     del self._inflight[group.serial]

@@ -37,11 +37,10 @@ def test_full_mode_pacing_flags_are_refused_elsewhere(argv):
     assert len(found) == 1 and "use >= 1" in found[0]
 
 
-def test_full_mode_with_fault_tolerance_is_refused_as_not_built(tiny_hf_models, tmp_path):
+def test_full_mode_with_fault_tolerance_is_accepted(tiny_hf_models, tmp_path):
     argv = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--rollout-num-gpus", "1", "--async-mode", "full",
-            "--use-fault-tolerance"]
-    found = [e for e in errors(argv) if "--use-fault-tolerance with --async-mode full" in e]
-    assert len(found) == 1 and is_not_built_yet(found[0])
+            "--use-fault-tolerance", "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path)]
+    assert [e for e in errors(argv) if "--use-fault-tolerance" in e] == []
 
 
 def test_the_embedded_engine_goes_to_a_process_of_its_own_with_async(tiny_hf_models, tmp_path):

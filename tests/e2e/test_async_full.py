@@ -102,3 +102,46 @@ def _final_extra(root: str) -> dict:
 
     with open(os.path.join(root, f"iter_{STEPS:07d}", EXTRA_STATE_NAME)) as fh:
         return json.load(fh)
+
+
+@pytest.mark.slow
+def test_full_async_with_fault_tolerance_restarts_a_dead_engine_and_keeps_its_buffer(tiny_hf_models, tmp_path):
+    """--use-fault-tolerance with --async-mode full: the launched engine (the SGLang double of
+    tests/rollout/sglang_double, SGLang's command line over the stand-in) dies on a /generate mid-run; the
+    producer parks with its buffer, the engine is restarted on its port and synced to the current weights,
+    the groups the death cut are generated again from their prompts, and the run trains every step: no prompt
+    twice, every token within the bound."""
+    hf = tiny_hf_models("qwen2")
+    out, record = tmp_path / "run", tmp_path / "record"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(40)))
+    (tmp_path / "parity_reward.py").write_text("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
+    double = os.path.join(REPO, "tests", "rollout", "sglang_double")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), double]),
+           "MRL_SGLANG_DOUBLE_RECORD": str(record), "MRL_SGLANG_DOUBLE_FAULT": "die-after-generate:5"}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    steps = 5
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--prompt-data", str(prompts),
+         "--custom-rm-path", "parity_reward:score", "--lr", "1e-2", "--rollout-batch-size", str(B),
+         "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--num-rollout", str(steps),
+         "--rollout-num-gpus", "1", "--sglang-disable-radix-cache", "--rollout-engine-startup-timeout", "120",
+         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(out) + ".weights",
+         "--use-fault-tolerance", "--async-mode", "full", "--max-staleness", "1", "--partial-rollout",
+         "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"), "--output-dir", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "train/pg_loss" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert sum(r.get("rollout/engine_restarts", 0.0) for r in trained) == 1.0
+    assert max(r["rollout/staleness_max"] for r in trained) <= 1 and sum(r["rollout/dropped_stale"] for r in trained) == 0
+    texts = [p.read_text() for p in sorted((out / "engines").glob("engine_*.log"))]
+    assert len(texts) == 1 and texts[0].count("$ ") == 2 and "dying on /generate call 6" in texts[0]
+    labels = []
+    for k in range(steps):
+        samples = torch.load(out / "rollouts" / f"rollout_{k}.pt", weights_only=False)["samples"]
+        assert all(s["finish_reason"] != "abort" for s in samples)
+        labels += sorted({s["label"] for s in samples})
+    assert len(labels) == steps * B and len(set(labels)) == len(labels)  # every trained prompt once

@@ -5,7 +5,8 @@ contract), so it runs on every engine and through the same checks. Its flags: ``
 (default: the built-in ``calculator``), ``--max-turns``, ``--tool-timeout``; the response budget of all turns
 together is ``--rollout-max-response-len``. Modules: ``loop`` (the turns), ``parse`` (Qwen/Hermes
 ``<tool_call>`` blocks), ``framing`` (observation tokens from the chat template), ``tools`` (registry,
-calculator, timeouts). docs/agentic.md.
+calculator, timeouts); ``calculator_task`` is the CPU agent demo's task (scripts/run_agent_demo_cpu.sh).
+docs/agentic.md.
 """
 
 from __future__ import annotations

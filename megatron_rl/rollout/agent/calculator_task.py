@@ -1,28 +1,32 @@
 """The CPU agent demo's task: add two 6-digit numbers, where the calculator is the only way to the answer.
 
-Prompt ``482915+730466=``; label ``1213381``. The reward is 1 for exactly the right final answer (the text
+Prompt ``782915+730466=``; label ``1513381``. The reward is 1 for exactly the right final answer (the text
 after the last tool response) and 0 otherwise, nothing for calling the tool. A tiny model cannot do 6-digit
-addition in its head in a few minutes of training, so its way to reward is to copy the two numbers into a
-``calculator`` call, wait for the tool turn, and copy the result into its answer: two turns and a tool call.
+addition in its head, so its way to reward is to copy the two numbers into a ``calculator`` call, wait for
+the tool turn, and copy the result into its answer: two model turns around one tool call.
 
-Why it learns on two CPU cores in minutes:
+Why it learns on two CPU cores in about a minute (scripts/run_agent_demo_cpu.sh, docs/agentic.md):
 
-* **A vocabulary where a tool call is five tokens plus the expression.** ``build_tokenizer`` is a character
-  tokenizer with the tool-call syntax as whole (non-special) tokens: ``<tool_call>``,
-  ``{"name": "calculator", "arguments": {"expression": "``, ``"}}``, ``</tool_call>``, and the tool turn's
+* **A vocabulary where a tool call is five tokens plus the expression.** ``build_tokenizer`` has one token
+  per character and the tool syntax as whole (non-special) tokens: ``<tool_call>``,
+  ``{"name": "calculator", "arguments": {"expression": "``, ``"}}``, ``</tool_call>`` and the tool turn's
   ``<tool_response>`` / ``</tool_response>``. Decoded, a call is the exact Qwen/Hermes text the tool loop
-  parses; ``</tool_call>`` being one token makes it a stop token of the turn, as with Qwen. A real tokenizer
-  spells the JSON in ~20 tokens, which a random-init model never writes by chance.
+  parses, and ``</tool_call>`` being one token makes it a stop token of the turn, as with Qwen. In a
+  real tokenizer's ~20 tokens of JSON a random-init model never writes a call by chance.
+* **Fixed lengths**: both operands from 500000 up, so every sum has 7 digits and each number is copied at
+  a fixed offset, which a 2-layer model learns in a few hundred steps.
 * **A few seconds of supervised warm start** (``warm_start``), standing in for what pretraining gives a
-  real model: it knows the call format but not when a call pays. Its corpus is mostly conversations that
-  answer at once with the sum (the model imitates mental arithmetic and gets the leading digits roughly
-  right, the answer almost never), and a minority (``TOOL_FRACTION``) that call the calculator. So the
-  warm-started policy calls the tool in about that fraction of its samples and copies numbers imperfectly;
-  GRPO, rewarded only for right answers, raises the tool-call rate towards 1 and the reward with it.
+  real model: it knows the call format but not when a call pays. A ``TOOL_FRACTION`` of its conversations
+  call the calculator and copy its result; the rest start answering at once, and only that first token is
+  trained (the sum's digits are not learnable in seconds and their loss drowns the copying: trained on
+  them too, some seeds had not learnt to copy after 600 steps). So the warm-started policy calls the tool in about a quarter
+  of its samples and answers the rest with digits it never learnt; GRPO, rewarded only for right answers,
+  raises the tool-call rate to ~1 and the reward with it.
 
 The observation tokens the warm start trains around are the tool loop's own framing
-(``framing.FALLBACK_OPEN`` / ``FALLBACK_CLOSE``: the tokenizer has no chat template) and the calculator's
-own result, so the warm-start sequences are token for token what the loop builds at rollout time.
+(``framing.FALLBACK_OPEN`` / ``FALLBACK_CLOSE``: the tokenizer has no chat template) around the
+calculator's own result, each piece tokenised alone, so a warm-start sequence is token for token what the
+loop builds at rollout time.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ def conversation(tokenizer: Any, prompt: str, use_tool: bool) -> tuple[list[int]
     """``(token ids, loss mask)`` of one warm-start conversation, built as the tool loop builds a rollout:
     the prompt, then per turn the model's tokens (mask 1) and the tool turn (mask 0), each piece tokenised
     on its own. With ``use_tool`` the model calls the calculator on the prompt's expression and answers
-    with its result; without, it answers the sum at once."""
+    with its result; without, it answers the sum at once (mask 1 on its first token only)."""
     expression = prompt.rstrip("=")
     result = calculator({"expression": expression})
 
@@ -145,7 +149,7 @@ def conversation(tokenizer: Any, prompt: str, use_tool: bool) -> tuple[list[int]
     return ids + [tokenizer.eos_token_id], mask + [1]
 
 
-def warm_start(model: Any, tokenizer: Any, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
+def warm_start(model: Any, tokenizer: Any, *, steps: int = 400, batch_size: int = 32, lr: float = 3e-3,
                tool_fraction: float = TOOL_FRACTION, seed: int = 0) -> float:
     """Supervised warm start of ``model`` in place (module docstring): ``steps`` Adam steps on fresh
     conversations, a ``tool_fraction`` of them calling the calculator. Returns the last step's loss."""
@@ -175,7 +179,7 @@ def warm_start(model: Any, tokenizer: Any, *, steps: int = 300, batch_size: int 
     return float(loss.item())
 
 
-def build_model(path: str, *, seed: int = 0, warm_start_steps: int = 300, num_layers: int = 2,
+def build_model(path: str, *, seed: int = 0, warm_start_steps: int = 400, num_layers: int = 2,
                 hidden: int = 64) -> str:
     """A tiny Qwen2-architecture policy with the task's tokenizer, warm-started, saved as an HF directory."""
     import torch
@@ -201,7 +205,7 @@ def build_model(path: str, *, seed: int = 0, warm_start_steps: int = 300, num_la
 
 
 def prepare(out_dir: str, *, num_prompts: int = 4096, num_eval: int = 64, seed: int = 0,
-            warm_start_steps: int = 300) -> dict:
+            warm_start_steps: int = 400) -> dict:
     """Model + train/eval prompt files for the agent demo under ``out_dir`` (kept if already there)."""
     paths = {"model": os.path.join(out_dir, "model"), "prompts": os.path.join(out_dir, "prompts.jsonl"),
              "eval": os.path.join(out_dir, "eval.jsonl")}
@@ -221,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  "model and addition prompts (kept if already there).")
     ap.add_argument("--out", required=True, help="directory for model/, prompts.jsonl, eval.jsonl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warm-start-steps", type=int, default=300, help="supervised steps before RL (0: random init)")
+    ap.add_argument("--warm-start-steps", type=int, default=400, help="supervised steps before RL (0: random init)")
     args = ap.parse_args(argv)
     for k, v in prepare(args.out, seed=args.seed, warm_start_steps=args.warm_start_steps).items():
         print(f"{k}: {v}")
