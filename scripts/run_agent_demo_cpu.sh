@@ -5,17 +5,19 @@
 # says why); RL then raises the tool-call rate and the reward. Real megatron-core on 2 gloo ranks, the
 # embedded rollout engine and the built-in tool loop. Writes metrics, checkpoints and curves.png to $OUT.
 # Re-running the same command resumes from the newest checkpoint (docs/agentic.md).
-#   NUM_ROLLOUT=60 OUT=runs/agent_demo bash scripts/run_agent_demo_cpu.sh [extra flags]
+#   NUM_ROLLOUT=80 SEED=0 OUT=runs/agent_demo bash scripts/run_agent_demo_cpu.sh [extra flags]
+# (~1.5 min on 2 cores: reward ~0.2 -> ~0.9, tool calls per sample ~0.3 -> 1.0; measured in docs/agentic.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/agent_demo}
 NPROC=${NPROC:-2}
 NUM_ROLLOUT=${NUM_ROLLOUT:-80}
-WARM_START_STEPS=${WARM_START_STEPS:-600}
+WARM_START_STEPS=${WARM_START_STEPS:-400}
+SEED=${SEED:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-"$PY" -m megatron_rl.rollout.agent.calculator_task --out "$OUT" --warm-start-steps "$WARM_START_STEPS"
+"$PY" -m megatron_rl.rollout.agent.calculator_task --out "$OUT" --warm-start-steps "$WARM_START_STEPS" --seed "$SEED"
 # exec: this process becomes the launcher, so a signal to it stops the run as in scripts/run_demo_cpu.sh
 # (exit codes: 0 finished, 3 stopped early, 2 refused, 1 crashed).
 exec "$PY" -m megatron_rl.infra.launch --run-dir "$OUT" \

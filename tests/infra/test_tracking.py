@@ -60,3 +60,14 @@ def test_wandb_offline_run_and_resume_id(tmp_path, monkeypatch):
     assert again.wandb_run_id == run_id
     runs = sorted(os.listdir(tmp_path / "run" / "wandb"))
     assert any(r.startswith("offline-run-") and r.endswith(run_id) for r in runs)
+
+
+def test_default_plot_shows_the_multi_turn_metrics_only_when_logged(tmp_path):
+    from megatron_rl.infra.plot import DEFAULT_KEYS, plot_metrics
+
+    plain = [{"step": s, "rollout/reward_mean": 0.1 * s} for s in range(3)]
+    agent = [{**r, "rollout/tool_calls_mean": 0.5, "rollout/turns_mean": 1.5, "rollout/tool_error_frac": 0.0}
+             for r in plain]
+    assert plot_metrics(plain, DEFAULT_KEYS, str(tmp_path / "a.png")) == ["rollout/reward_mean"]
+    assert plot_metrics(agent, DEFAULT_KEYS, str(tmp_path / "b.png")) == [
+        "rollout/reward_mean", "rollout/tool_calls_mean", "rollout/turns_mean", "rollout/tool_error_frac"]

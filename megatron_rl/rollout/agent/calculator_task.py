@@ -19,9 +19,9 @@ Why it learns on two CPU cores in about a minute (scripts/run_agent_demo_cpu.sh,
   real model: it knows the call format but not when a call pays. A ``TOOL_FRACTION`` of its conversations
   call the calculator and copy its result; the rest start answering at once, and only that first token is
   trained (the sum's digits are not learnable in seconds and their loss drowns the copying: trained on
-  them too, some seeds had not learnt to copy after 600 steps). So the warm-started policy calls the tool in about a quarter
-  of its samples and answers the rest with digits it never learnt; GRPO, rewarded only for right answers,
-  raises the tool-call rate to ~1 and the reward with it.
+  them too, some seeds had not learnt to copy after 600 steps). So the warm-started policy calls the tool
+  in about a quarter of its samples and answers the rest with digits it never learnt; GRPO, rewarded only
+  for right answers, raises the tool-call rate to ~1 and the reward with it.
 
 The observation tokens the warm start trains around are the tool loop's own framing
 (``framing.FALLBACK_OPEN`` / ``FALLBACK_CLOSE``: the tokenizer has no chat template) around the
