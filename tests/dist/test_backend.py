@@ -3,7 +3,9 @@
 One 1-rank launch gives the reference; one 2-rank launch runs DP2 (plain and
 distributed optimizer), TP2, PP2 and DP2 with dynamic batching (a token budget
 that packs several samples per micro-batch, so packing differs from the
-reference's one-sample micro-batches). Compared: no-grad log-probs (also against
+reference's one-sample micro-batches). Half the samples carry a loss mask with a span of zeros inside the
+response (an agentic trajectory's tool observations): every layout must leave exactly those tokens out of
+the loss and its gradients, as the single process does. Compared: no-grad log-probs (also against
 HF transformers), per-step loss metrics and grad norm, and the full HF-layout
 weights exported after each of 3 Adam steps (PPO loss + KL + entropy, grad clip).
 """

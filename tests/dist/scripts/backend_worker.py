@@ -22,9 +22,12 @@ def make_samples(vocab: int, n: int = 6, seed: int = 0):
         p = int(torch.randint(2, 7, (1,), generator=g))
         r = int(torch.randint(1, 9, (1,), generator=g))
         ids = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        # every other sample carries an agentic trajectory's loss mask: a span of tool-observation tokens
+        # (mask 0) inside the response, so every layout's packing, TP, CP and PP must drop exactly those
+        mask = [1] * r if i % 2 or r < 3 else [1] + [0] * (r - 2) + [1]
         samples.append(Sample(group_index=i // 3, prompt_ids=ids[:p], response_ids=ids[p:],
                               reward=float(torch.rand(1, generator=g)),
-                              rollout_logprobs=[-1.0] * r))
+                              rollout_logprobs=[-1.0] * r, loss_mask=mask))
     return samples
 
 
