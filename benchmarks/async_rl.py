@@ -10,7 +10,7 @@ each run's first step (start-up, first compile) is left out. Printed per mode: s
 over runs of trained samples over the steps' wall time), the ratio to ``off``, and the engine and
 trainer idle fractions the loop logs (``perf/engine_idle_frac``, ``perf/trainer_idle_frac``).
 
-    python benchmarks/async_rl.py [--steps 8] [--repeat 2] [--response-len 96] [--max-staleness 1] [--out DIR]
+    python benchmarks/async_rl.py [--steps 8] [--repeat 2] [--response-len 192] [--max-staleness 1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="runs per mode, interleaved")
     ap.add_argument("--groups", type=int, default=4, help="--rollout-batch-size")
     ap.add_argument("--n", type=int, default=4, help="--n-samples-per-prompt")
-    ap.add_argument("--response-len", type=int, default=96, help="--rollout-max-response-len")
+    ap.add_argument("--response-len", type=int, default=192, help="--rollout-max-response-len")
     ap.add_argument("--max-staleness", type=int, default=1, help="full mode's --max-staleness")
     ap.add_argument("--family", default="qwen2")
     ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")

@@ -428,29 +428,30 @@ def _error(message: str) -> dict:
     return {"error": {"message": message}}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: the client's pool reuses connections
-    disable_nagle_algorithm = True  # else each keep-alive request waits for a delayed ACK
-    server_: EmbeddedServer
+class JsonHandler(BaseHTTPRequestHandler):
+    """A keep-alive HTTP/1.1 handler of JSON requests and JSON or text replies, as uvicorn serves SGLang: what
+    this server and the CI's protocol stand-in share."""
 
-    def log_message(self, format: str, *args: Any) -> None:
+    protocol_version = "HTTP/1.1"  # keep-alive: the client's pool reuses connections
+    disable_nagle_algorithm = True  # TCP_NODELAY: else each keep-alive request waits for a delayed ACK
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def _serve(self, method: str) -> None:
+    def read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        return self.rfile.read(length) if length else b""
+
+    @staticmethod
+    def parse_json(raw: bytes) -> tuple[Any, Optional[str]]:
+        """(the body, None), or (None, why it is not JSON)."""
         try:
-            body = json.loads(raw) if raw else {}
+            return (json.loads(raw) if raw else {}), None
         except ValueError as exc:
-            status, reply = 400, _error(f"JSON decode error: {exc}")
-        else:
-            status, reply = self.server_.handle(method, urlsplit(self.path).path, body)
+            return None, f"JSON decode error: {exc}"
+
+    def send_reply(self, status: int, reply: Any) -> None:
+        """``reply`` as text/plain when a str, else as JSON; a client gone meanwhile closes the connection."""
         if isinstance(reply, str):
             data, ctype = reply.encode(), "text/plain; charset=utf-8"
         else:
@@ -463,6 +464,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError:
             self.close_connection = True
+
+
+class _Handler(JsonHandler):
+    server_: EmbeddedServer
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def _serve(self, method: str) -> None:
+        body, bad = self.parse_json(self.read_body())
+        status, reply = (400, _error(bad)) if bad else self.server_.handle(method, urlsplit(self.path).path, body)
+        self.send_reply(status, reply)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

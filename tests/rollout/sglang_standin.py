@@ -119,7 +119,6 @@ import contextlib
 import datetime
 import glob
 import io
-import json
 import math
 import pickle
 import secrets
@@ -130,7 +129,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
@@ -139,6 +138,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.rollout import EmbeddedEngine, SamplingParams
 from megatron_rl.rollout.embedded import EngineRow, row_seed
+from megatron_rl.rollout.embedded_server import JsonHandler
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 SESSION_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
@@ -930,13 +930,8 @@ def _row(text, output_ids, logprobs, finish, rid, prompt_tokens, weight_version,
         "dp_rank": None, "e2e_latency": time.time() - tic, "response_sent_to_client_ts": time.time()}}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn: the client's pool reuses connections
-    disable_nagle_algorithm = True  # TCP_NODELAY, as uvicorn: else each keep-alive request waits ~44 ms for an ACK
+class _Handler(JsonHandler):
     standin: SGLangStandIn
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        pass
 
     def setup(self) -> None:
         super().setup()
@@ -960,8 +955,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         standin = self.standin
         path = urlsplit(self.path).path
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        raw = self.read_body()
         if not standin.alive:
             self.close_connection = True
             return
@@ -979,28 +973,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if faults.delay_s.get(path):
             time.sleep(float(faults.delay_s[path]))
-        try:
-            body = json.loads(raw) if raw else {}
-        except ValueError as exc:
-            status, reply = 400, _validation_error(f"JSON decode error: {exc}")
-        else:
-            status, reply = standin.handle(method, path, body)
+        body, bad = self.parse_json(raw)
+        status, reply = (400, _validation_error(bad)) if bad else standin.handle(method, path, body)
         if reply is _DIE:
             threading.Thread(target=standin.stop, daemon=True).start()
             self.close_connection = True
             return
-        if isinstance(reply, str):
-            data, ctype = reply.encode(), "text/plain; charset=utf-8"
-        else:
-            data, ctype = json.dumps(reply).encode(), "application/json"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            self.close_connection = True
+        self.send_reply(status, reply)
 
 
 def main(argv=None) -> int:

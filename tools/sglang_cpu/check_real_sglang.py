@@ -1118,6 +1118,9 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     async_flags = {"async-one-step": ["--async-mode", "one-step"],
                    "async-full": ["--async-mode", "full", "--partial-rollout", "--max-staleness", "1",
                                   "--rollout-max-response-len", str(args.async_response_len)]}.get(transport, [])
+    if transport == "multi-turn":  # a user's generate function from a file outside the package: two turns
+        (out / "two_turns.py").write_text(TWO_TURNS.replace("@LOG@", str(out / "engine_calls.jsonl")))
+        async_flags = ["--custom-generate-function-path", str(out / "two_turns.py") + ":generate"]
     # distributed-pp2: 2 torchrun ranks, 2 pipeline stages, each stage's source sending its own tensors
     launch = ([sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out / "run"), "--nproc-per-node",
                "2", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
@@ -1174,7 +1177,9 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     for samples in rollouts:
         per_sample.append(sorted({s["weight_version"] for s in samples}))
     report.figures[f"{key}_sample_weight_versions"] = per_sample
-    if transport == "async-one-step":
+    if transport == "multi-turn":
+        check_multi_turn_e2e(report, what, out, rollouts)
+    elif transport == "async-one-step":
         report.check(f"{what}: rollout 0 by version 0, then every rollout i by version i - 1 (generated while i - 1 "
                      "trained)", per_sample == [[0]] + [[i - 1] for i in range(1, args.num_rollout)], f"{per_sample}")
     elif transport == "async-full":
@@ -1190,6 +1195,67 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                        if "weights-update group megatron_rl_weights_" in line})
         report.check(f"{what}: one weights-update group per pipeline stage, each made by its stage's sender",
                      len(made) == 2 and made[0].endswith("_pp0") and made[1].endswith("_pp1"), str(made))
+
+
+# The multi-turn e2e's generate function (written beside the run, loaded by path as a user's would be):
+# turn 1, an observation of fixed token ids (loss mask 0), turn 2 from exactly those tokens; every engine
+# call's input and output ids and log-probs appended to a log the check compares the trained samples with.
+TWO_TURNS = """
+import json
+
+OBSERVATION = [3, 4, 5]
+
+
+def generate(request, sampling, engine):
+    from dataclasses import replace
+
+    from megatron_rl.data.types import Sample
+
+    first = engine.generate(request.prompt_ids, replace(sampling, max_new_tokens=3))
+    out = []
+    with open("@LOG@", "a") as log:
+        for turn in first:
+            context = list(request.prompt_ids) + turn.output_ids + OBSERVATION
+            second = engine.generate(context, replace(sampling, n=1, max_new_tokens=3))[0]
+            log.write(json.dumps({"input": context, "first": turn.output_ids, "first_lp": turn.logprobs,
+                                  "second": second.output_ids, "second_lp": second.logprobs}) + "\\n")
+            out.append(Sample(request.group_index, list(request.prompt_ids),
+                              turn.output_ids + OBSERVATION + second.output_ids,
+                              rollout_logprobs=turn.logprobs + [0.0] * len(OBSERVATION) + second.logprobs,
+                              loss_mask=[1] * len(turn.output_ids) + [0] * len(OBSERVATION) + [1] * len(second.output_ids),
+                              token_versions=turn.token_versions + [turn.token_versions[-1]] * len(OBSERVATION)
+                              + second.token_versions,
+                              weight_version=turn.weight_version, finish_reason=second.finish_reason,
+                              label=request.label, metadata=dict(request.metadata)))
+    return out
+"""
+
+
+def check_multi_turn_e2e(report: Report, what: str, out: Path, rollouts: list) -> None:
+    """Token in, token out over two turns: every trained sample is exactly the server's turn-1 output ids, the
+    observation ids and the server's turn-2 output ids (no text anywhere in between), its behaviour log-probs
+    the server's, and the loss mask 0 exactly on the observation."""
+    calls = {}
+    for line in (out / "engine_calls.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        calls[tuple(rec["input"])] = rec
+    samples = [s for batch in rollouts for s in batch]
+    bad = []
+    for s in samples:
+        n1 = s["response_ids"].index(3) if 3 in s["response_ids"] else -1
+        rec = next((r for key, r in calls.items() if list(key) == s["prompt_ids"] + r["first"] + [3, 4, 5]
+                    and s["response_ids"] == r["first"] + [3, 4, 5] + r["second"]), None)
+        if rec is None or n1 < 0:
+            bad.append(f"sample of {s['label']}: tokens not the server's turns")
+            continue
+        if s["rollout_logprobs"] != rec["first_lp"] + [0.0, 0.0, 0.0] + rec["second_lp"]:
+            bad.append(f"sample of {s['label']}: behaviour log-probs not the server's")
+        if s["loss_mask"] != [1] * len(rec["first"]) + [0, 0, 0] + [1] * len(rec["second"]):
+            bad.append(f"sample of {s['label']}: loss mask not 0 exactly on the observation")
+    report.figures["e2e_multi-turn_samples"] = len(samples)
+    report.check(f"{what}: every trained sample is the server's output ids around the observation (two turns, "
+                 "input_ids in, output_ids and log-probs out), loss mask 0 exactly on the observation",
+                 bool(samples) and not bad, "; ".join(bad[:5]) or f"{len(samples)} samples, {len(calls)} turn-2 calls")
 
 
 def check_full_async_e2e(report: Report, what: str, key: str, rollouts: list, steps: list) -> None:
@@ -1230,8 +1296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
     ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
     ap.add_argument("--e2e-transports", nargs="+",
-                    default=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full"],
-                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full"],
+                    default=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full",
+                             "multi-turn"],
+                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full", "multi-turn"],
                     help="the end-to-end run once per weight-sync transport, then the async drivers (disk)")
     ap.add_argument("--async-response-len", type=int, default=160,
                     help="async-full: --rollout-max-response-len, long enough for syncs to land mid-response")
