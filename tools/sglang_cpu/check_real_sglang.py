@@ -1112,7 +1112,8 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     SGLangClient(server.url).update_weight_version("0", abort_all_requests=False)
     asynchronous = transport.startswith("async-")  # the async drivers, over the disk transport
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
-                  if transport == "disk" or asynchronous else ["--update-weight-transport", transport.split("-")[0]])
+                  if transport in ("disk", "multi-turn") or asynchronous
+                  else ["--update-weight-transport", transport.split("-")[0]])
     # async-full: responses long enough that syncs land mid-response, so partial rollouts really continue rows
     # that real SGLang aborted with their tokens; async-one-step: rollout N+1 generated while N trains
     async_flags = {"async-one-step": ["--async-mode", "one-step"],
@@ -1120,7 +1121,8 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                                   "--rollout-max-response-len", str(args.async_response_len)]}.get(transport, [])
     if transport == "multi-turn":  # a user's generate function from a file outside the package: two turns
         (out / "two_turns.py").write_text(TWO_TURNS.replace("@LOG@", str(out / "engine_calls.jsonl")))
-        async_flags = ["--custom-generate-function-path", str(out / "two_turns.py") + ":generate"]
+        async_flags = ["--custom-generate-function-path", str(out / "two_turns.py") + ":generate",
+                       "--rollout-max-response-len", "9"]  # two turns of 3 tokens around 3 observation ids
     # distributed-pp2: 2 torchrun ranks, 2 pipeline stages, each stage's source sending its own tensors
     launch = ([sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out / "run"), "--nproc-per-node",
                "2", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
