@@ -9,7 +9,7 @@
 #   env       python / torch / CUDA / triton / nvcc versions and the GPU
 #   wheels    pip install --no-index the wheels carried in --wheels DIR (the machine has no network)
 #   build     the CUDA extension in place for sm_90: MEGATRON_RL_BUILD_EXT=cuda setup.py build_ext --inplace
-#   kernels   benchmarks/kernels.py: CUDA and Triton vs torch vs naive log_softmax, correctness against the
+#   kernels   benchmarks/kernel_ops.py: CUDA and Triton vs torch vs naive log_softmax, correctness against the
 #             float64 reference first (values, gradients), then time and peak memory at V=151,936; it also
 #             runs the kernels' self-check (ops/selfcheck.py, what a run does before trusting them) and
 #             prints its cost in ms: the first time that check meets real CUDA/Triton kernels
@@ -95,12 +95,12 @@ if [ $DRY = 1 ]; then
   # On a CPU torch the cuda build must refuse with a clear message (exit 1), never start compiling.
   step build 60 bash -c "out=\$(MEGATRON_RL_BUILD_EXT=cuda '$PY' setup.py build_ext --inplace 2>&1); echo \"\$out\" | tail -1;
     echo \"\$out\" | grep -q 'MEGATRON_RL_BUILD_EXT=cuda: cannot build the CUDA extension'"
-  step kernels 300 env MEGATRON_RL_KERNELS= "$PY" benchmarks/kernels.py --n 4 --vocab 4099 --tokens 4096 \
+  step kernels 300 env MEGATRON_RL_KERNELS= "$PY" benchmarks/kernel_ops.py --n 4 --vocab 4099 --tokens 4096 \
     --repeat 1 --check-n 4 --json "$OUT/kernels.json"
 else
   step build 300 env CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
     MAX_JOBS=16 MEGATRON_RL_BUILD_EXT=cuda "$PY" setup.py build_ext --inplace
-  step kernels 300 "$PY" benchmarks/kernels.py --n 256 1024 4096 --json "$OUT/kernels.json"
+  step kernels 300 "$PY" benchmarks/kernel_ops.py --n 256 1024 4096 --json "$OUT/kernels.json"
 fi
 
 if [ $DRY = 1 ]; then

@@ -29,7 +29,7 @@ threshold.
 Invariants: inputs are seeded, so every rank of a job on the same hardware reaches the same
 verdict (ranks of one TP group running different implementations would issue different
 collectives); the check never calls ``ops.dispatch`` (no recursion); its cost is measured
-(``CheckResult.seconds``; benchmarks/kernels.py prints it).
+(``CheckResult.seconds``; benchmarks/kernel_ops.py prints it).
 """
 
 from __future__ import annotations

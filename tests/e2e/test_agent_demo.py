@@ -1,4 +1,4 @@
-"""scripts/run_agent_demo_cpu.sh shortened (a short warm start, three rollouts): torchrun with 2 gloo ranks,
+"""scripts/run_agent_demo_cpu.sh shortened (a short warm start, two rollouts): torchrun with 2 gloo ranks,
 megatron-core training, the embedded engine and the built-in tool loop with the calculator. The
 warm-started policy calls the tool in some samples from the first rollout, the multi-turn metrics are
 logged every step and plotted, and the run finishes. The full demo's learning curve: docs/agentic.md."""
@@ -18,14 +18,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_agent_demo_calls_the_tool_and_logs_the_multi_turn_metrics(tmp_path):
     out = tmp_path / "agent_demo"
-    env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": "3", "WARM_START_STEPS": "200", "PY": sys.executable,
+    env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": "2", "WARM_START_STEPS": "200", "PY": sys.executable,
            "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(["bash", "scripts/run_agent_demo_cpu.sh", "--eval-interval", "3"], cwd=REPO, env=env,
+    proc = subprocess.run(["bash", "scripts/run_agent_demo_cpu.sh", "--eval-interval", "2"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "rollout/reward_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         # a quarter of the warm start's conversations call the tool: 128 samples a rollout never miss it
         assert 0 < r["rollout/tool_calls_mean"] <= 2 and r["rollout/turns_mean"] > 1, r

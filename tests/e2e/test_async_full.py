@@ -121,7 +121,7 @@ def test_full_async_with_fault_tolerance_restarts_a_dead_engine_and_keeps_its_bu
            "MRL_SGLANG_DOUBLE_RECORD": str(record), "MRL_SGLANG_DOUBLE_FAULT": "die-after-generate:5"}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(var, None)
-    steps = 5
+    steps = 4
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--prompt-data", str(prompts),
          "--custom-rm-path", "parity_reward:score", "--lr", "1e-2", "--rollout-batch-size", str(B),

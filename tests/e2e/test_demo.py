@@ -7,6 +7,8 @@ sync (--check-weight-update-equal raises on any difference).
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -123,25 +125,25 @@ def _exported_checkpoint_reproduces_the_policy(out, recs, command="dist-to-hf"):
 
 
 @pytest.mark.slow
-def test_demo_learns_in_full_async_mode_with_its_engine_in_a_process_of_its_own(tmp_path):
+def test_demo_runs_in_full_async_mode_with_its_engine_in_a_process_of_its_own(tmp_path):
     """--async-mode full --partial-rollout on the demo: the embedded engine runs as a server process of its
     own (started by the driver, synced from disk, its log under engines/), generation overlaps training
-    within --max-staleness 1 with nothing dropped, and the policy learns."""
+    within --max-staleness 1 with nothing dropped, and the engine process ends with the run. (That the
+    demo learns in both async modes, 300 rollouts each: docs/async.md.)"""
     out = tmp_path / "demo_full"
-    run_demo(out, 40, "--lr", "3e-3", "--async-mode", "full", "--partial-rollout", "--save-interval", "40",
-             "--eval-interval", "40")
+    run_demo(out, 12, "--async-mode", "full", "--partial-rollout", "--save-interval", "12", "--eval-interval", "12")
     recs = metrics(out)
     train = [r for r in recs if "rollout/reward_mean" in r]
-    assert [r["step"] for r in train] == list(range(1, 41))
-    first = sum(r["rollout/reward_mean"] for r in train[:5]) / 5
-    last = sum(r["rollout/reward_mean"] for r in train[-5:]) / 5
-    assert first < 0.2 and last > first + 0.08, (first, last)
-    assert max(r["rollout/staleness_max"] for r in train) <= 1
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert max(r["rollout/staleness_max"] for r in train) <= 1 and max(r["rollout/staleness_max"] for r in train[1:]) == 1
     assert sum(r["rollout/dropped_stale"] for r in train) == 0
     log = (out / "engines" / "embedded_engine.log").read_text()
     assert "-m megatron_rl.rollout.embedded_server" in log and "serving" in log
-    assert sorted(os.listdir(out / "engine_weights")) == ["v39", "v40"]  # the newest two versions kept
+    assert sorted(os.listdir(out / "engine_weights")) == ["v11", "v12"]  # the newest two versions kept
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+    port = int(re.search(r"serving .* at http://127\.0\.0\.1:(\d+)", log).group(1))
+    with socket.socket() as probe:  # the server process ended with the run
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ V = 151,936 are ~8e-6 from float64 on an AVX2 EPYC, more on other CPUs). For eac
 fused implementation it also runs the self-check a training run does on first use
 (``ops.selfcheck``) and prints its cost in milliseconds.
 
-Usage: ``python benchmarks/kernels.py [--n 64 256] [--vocab 151936] [--tokens 1048576] [--repeat 3]``
+Usage: ``python benchmarks/kernel_ops.py [--n 64 256] [--vocab 151936] [--tokens 1048576] [--repeat 3]``
 (defaults: ~2 min on 2 idle cores, most of it the naive rows and the one-time JIT build).
 """
 
