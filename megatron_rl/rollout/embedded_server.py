@@ -131,20 +131,11 @@ class EmbeddedServer:
         return f"http://{self._host}:{self._port}"
 
     def start(self) -> "EmbeddedServer":
-        server = self
-
-        class Handler(_Handler):
-            pass
-
-        Handler.server_ = server
-        self._httpd = ThreadingHTTPServer((self._host, self._port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd, http = start_http(_Handler, {"server_": self}, self._host, self._port, poll_interval_s=0.1)
         self._port = self._httpd.server_address[1]
-        self._threads = [threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                          name="http", daemon=True),
-                         threading.Thread(target=self._schedule, name="batches", daemon=True)]
-        for t in self._threads:
-            t.start()
+        batches = threading.Thread(target=self._schedule, name="batches", daemon=True)
+        batches.start()
+        self._threads = [http, batches]
         return self
 
     def stop(self) -> None:
@@ -464,6 +455,19 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError:
             self.close_connection = True
+
+
+def start_http(handler: type[JsonHandler], attrs: dict[str, Any], host: str, port: int, *,
+               poll_interval_s: float) -> tuple[ThreadingHTTPServer, threading.Thread]:
+    """A threading HTTP server on ``host:port`` (0: a free one) whose handler is a subclass of ``handler`` carrying
+    ``attrs`` (the object it serves), serving from a daemon thread: what this server and the stand-in start."""
+    bound = type(handler.__name__, (handler,), dict(attrs))
+    httpd = ThreadingHTTPServer((host, port), bound)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": poll_interval_s}, name="http",
+                              daemon=True)
+    thread.start()
+    return httpd, thread
 
 
 class _Handler(JsonHandler):

@@ -138,7 +138,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.rollout import EmbeddedEngine, SamplingParams
 from megatron_rl.rollout.embedded import EngineRow, row_seed
-from megatron_rl.rollout.embedded_server import JsonHandler
+from megatron_rl.rollout.embedded_server import JsonHandler, start_http
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 SESSION_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
@@ -238,18 +238,9 @@ class SGLangStandIn:
         return f"http://127.0.0.1:{self._port}"
 
     def start(self) -> "SGLangStandIn":
-        standin = self
-
-        class Handler(_Handler):
-            pass
-
-        Handler.standin = standin
-        httpd = ThreadingHTTPServer(("127.0.0.1", self._port), Handler)
-        httpd.daemon_threads = True
-        self._port = httpd.server_address[1]
-        self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
+        self._httpd, self._thread = start_http(_Handler, {"standin": self}, "127.0.0.1", self._port,
+                                               poll_interval_s=0.05)
+        self._port = self._httpd.server_address[1]
         return self
 
     def stop(self) -> None:
