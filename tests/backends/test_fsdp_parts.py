@@ -7,6 +7,7 @@ import torch
 
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, clip_grad_norm, param_groups
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
+from megatron_rl.backends.loss_rows import padded_loss_rows, select_hf_rows
 from megatron_rl.data.packing import pack_samples
 from megatron_rl.data.types import Sample
 
@@ -23,8 +24,9 @@ def test_padded_rows_pick_the_packed_response_positions():
     rows = unpack_to_rows(mb, pad_token_id=0)
     assert rows.input_ids.tolist() == [[21, 22, 23, 0, 0], [5, 6, 7, 8, 9], [11, 12, 13, 14, 15]]
     assert rows.attention_mask.sum(1).tolist() == [3, 5, 5]
-    # stand-in "logits": the token at each position, so a picked row says where it came from
-    padded = rows.response_logits(rows.input_ids[..., None].float())
+    # stand-in "hidden states": the token at each position, so a picked row says where it came from
+    loss_rows = padded_loss_rows(mb, rows.response_rows, rows.response_cols, rows.input_ids.shape[1])
+    padded = select_hf_rows(loss_rows)(rows.input_ids[..., None].float())[0]
     packed = mb.gather_response(mb.tokens[:, None].float())
     assert torch.equal(padded, packed)
     # and each picked position is the one right before its target token
@@ -36,7 +38,8 @@ def test_empty_micro_batch_is_one_pad_row_with_no_response():
     mb = pack_samples(_samples(), [])
     rows = unpack_to_rows(mb, pad_token_id=0)
     assert rows.input_ids.tolist() == [[0]] and rows.attention_mask.tolist() == [[1]]
-    assert rows.response_logits(torch.zeros(1, 1, 7)).shape == (0, 7)
+    loss_rows = padded_loss_rows(mb, rows.response_rows, rows.response_cols, 1)
+    assert loss_rows.empty and loss_rows.rows.tolist() == [0]  # the one placeholder row the lm_head still runs
 
 
 def test_param_groups_follow_megatron_no_decay_rule():

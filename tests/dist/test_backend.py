@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from _util import torchrun
+from _util import check_logprobs_against_hf, torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "backend_worker.py")
 LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2", "--context-parallel-size=2",
@@ -28,12 +28,13 @@ LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size
 MOE_LAYOUTS = ["", "--expert-model-parallel-size=2", "--pipeline-model-parallel-size=2"]  # qwen3_moe vs 1 process
 # bf16 params with fp32 main params (megatron's Float16Module + mixed-precision optimizer)
 BF16_LAYOUTS = ["--bf16", "--bf16,--use-distributed-optimizer"]
+# DP2 x TP2 with sequence parallelism: log-probs shared within each DP rank's TP pair, and the output layer's
+# loss rows gathered from the sequence-parallel slices (backends/megatron/backend.py::_output_rows)
 FOUR_RANK_LAYOUTS = ["--tensor-model-parallel-size=2,--pipeline-model-parallel-size=2",
-                     "--tensor-model-parallel-size=2"]  # DP2 x TP2: log-probs shared within each DP rank's TP pair
+                     "--tensor-model-parallel-size=2,--sequence-parallel"]
 # process groups destroyed and rebuilt before every step (--offload-train-groups on): bit for bit the
 # layout without it. Last in the launch: once installed, every later group of the process is wrapped
-# (the TP2 twin carries --offload-train, a no-op on CPU: plain TP2 is also a 4-rank layout, whose results
-# replace the 2-rank ones of the same name)
+# (the TP2 twin carries --offload-train, a no-op on CPU)
 GROUPS = ",--offload-train-groups=on"
 GROUPS_TWINS = {layout + GROUPS: layout for layout in
                 ["--tensor-model-parallel-size=2,--offload-train", "--pipeline-model-parallel-size=2,--offload-train",
@@ -67,20 +68,11 @@ def moe_runs(tmp_path_factory, tiny_hf_models):
 
 
 def test_reference_logprobs_match_hf(runs):
-    import transformers
-
     sys.path.insert(0, os.path.dirname(SCRIPT))
     from backend_worker import make_samples
 
     hf, ref, *_ = runs
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    worst = 0.0
-    for s, lp in zip(make_samples(250), ref["logprobs"]):
-        p = len(s.prompt_ids)
-        logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
-        want = torch.log_softmax(logits.double(), -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
-        worst = max(worst, (want - torch.tensor(lp, dtype=torch.float64)).abs().max().item())
-    assert worst < 1e-5
+    check_logprobs_against_hf(hf, make_samples(250), ref["logprobs"])
 
 
 def _compare(ref, ref_dir, par, par_dir, layout):

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from _util import torchrun
+from _util import check_logprobs_against_hf, torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_worker.py")
 DP4_RUN = "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24"
@@ -72,20 +72,11 @@ def _compare(ref, ref_dir, ref_run, rec, rec_dir, run, lp_tol=1e-5, w_tol=2e-5):
 
 
 def test_forward_logprobs_match_hf_transformers(runs):
-    import transformers
-
     sys.path.insert(0, os.path.dirname(SCRIPT))
     from backend_worker import make_samples
 
     hf, one, *_ = runs
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    worst = 0.0
-    for s, lp in zip(make_samples(250), one["fsdp"]["logprobs"]):
-        p = len(s.prompt_ids)
-        logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
-        want = torch.log_softmax(logits.double(), -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
-        worst = max(worst, (want - torch.tensor(lp, dtype=torch.float64)).abs().max().item())
-    assert worst < 1e-5
+    check_logprobs_against_hf(hf, make_samples(250), one["fsdp"]["logprobs"])
 
 
 def test_exported_weights_carry_the_hf_checkpoint_names(runs):

@@ -49,12 +49,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
-from megatron_rl.algorithms.spec import Spec
+from megatron_rl.algorithms.spec import ModelOutput, Spec
 from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, bucketed, finish_step_metrics
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
+from megatron_rl.backends.loss_rows import keep_rows, padded_loss_rows, select_hf_rows
 from megatron_rl.backends.sleep_tiers import plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
@@ -180,18 +181,24 @@ class FSDPBackend(TrainBackend):
                 local = p.to_local() if hasattr(p, "to_local") else p
             yield name, local
 
-    def _model_output(self, mb: PackedBatch, with_entropy: bool = True):
-        """``(ModelOutput, logits)``: response-aligned log-probs (+ entropy when ``with_entropy``) of one
-        micro-batch through the padding fallback, and the full logits.
+    def _model_output(self, mb: PackedBatch, with_entropy: bool = True) -> ModelOutput:
+        """Response-aligned log-probs (+ entropy when ``with_entropy``) of one micro-batch through the
+        padding fallback.
 
+        The ``lm_head`` sees only the loss rows' hidden states (``backends.loss_rows``):
+        prompt, observation and pad positions get no logits; their log-probs read 0.0.
         An empty micro-batch (a DP rank with fewer samples than micro-batches) still runs the
         model, so every rank issues the same FSDP all-gathers and reduce-scatters; its outputs
         are empty and it carries no loss."""
-        rows = unpack_to_rows(mb, self.pad_token_id).to(self.device)
-        logits = self.model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, use_cache=False).logits
-        picked = rows.response_logits(logits).float()
-        return self.spec.extract_model_output(picked, mb.response_target_ids.to(self.device),
-                                              with_entropy=with_entropy), logits
+        padded = unpack_to_rows(mb, self.pad_token_id).to(self.device)
+        rows = padded_loss_rows(mb, padded.response_rows, padded.response_cols, padded.input_ids.shape[1])
+        with keep_rows(self.model.get_output_embeddings(), select_hf_rows(rows)):
+            logits = self.model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
+                                use_cache=False).logits  # [1, rows, V]
+        out = self.spec.extract_model_output(logits[0].float(), rows.targets.to(self.device),
+                                             with_entropy=with_entropy)
+        return ModelOutput(rows.to_response(out.logprobs),
+                           rows.to_response(out.entropy) if out.entropy is not None else None)
 
     # ---- TrainBackend --------------------------------------------------------
 
@@ -202,7 +209,7 @@ class FSDPBackend(TrainBackend):
         local: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for mb in mbs:
-                out, _ = self._model_output(mb, with_entropy=False)  # log-probs are all a forward pass keeps
+                out = self._model_output(mb, with_entropy=False)  # log-probs are all a forward pass keeps
                 lp = out.logprobs.detach().float().cpu()
                 local.update(zip(mb.sample_indices.tolist(), mb.split_response(lp)))
         return self.gather_per_sample(local, samples, plan, owned_only)
@@ -215,12 +222,10 @@ class FSDPBackend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for mb in mbs:
-            out, logits = self._model_output(mb)
+            out = self._model_output(mb)
             mb = mb.to(self.device)
             loss, metrics = self.spec.compute_loss(LossInputs.from_packed_batch(mb, out.logprobs, out.entropy),
                                                    denoms)
-            if mb.is_empty:  # no loss tokens: a zero gradient through every parameter keeps the collectives in step
-                loss = loss + logits.sum() * 0.0
             if self.loss_scaler is not None:
                 loss = loss * self.loss_scaler.scale
             loss.backward()

@@ -8,7 +8,8 @@ same sequences out as a ``[n, max_len]`` batch, right-padded, with an attention
 mask, and maps each response token back to the ``(row, column)`` whose logits
 predict it, so log-probs come out in exactly the flat response-aligned order of
 the packed batch (``PackedBatch.response_positions``) and feed the same
-``Spec.extract_model_output`` / ``LossInputs`` as the megatron backend.
+``Spec.extract_model_output`` / ``LossInputs`` as the megatron backend
+(``backends.loss_rows.padded_loss_rows`` keeps the ones that carry loss).
 
 Why not varlen here: the padding-free path for HF models passes ``position_ids``
 restarting per sequence plus flash-attention's varlen kernel (transformers'
@@ -45,10 +46,6 @@ class PaddedRows:
     attention_mask: torch.Tensor
     response_rows: torch.Tensor
     response_cols: torch.Tensor
-
-    def response_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[R, V]`` rows of ``logits [n, max_len, V]`` in the packed batch's response order."""
-        return logits[self.response_rows.to(logits.device), self.response_cols.to(logits.device)]
 
     def to(self, device) -> "PaddedRows":
         return PaddedRows(*(t.to(device) for t in (self.input_ids, self.attention_mask,

@@ -23,6 +23,7 @@ distribution is over the real vocab exactly as in HF and in the rollout engine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -37,6 +38,7 @@ from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
 from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager, bucketed,
                                       finish_step_metrics)
+from megatron_rl.backends.loss_rows import LossRows, keep_rows, packed_loss_rows
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
@@ -188,6 +190,8 @@ class MegatronBackend(TrainBackend):
                                               offload_train=cfg.memory.effective_offload_train)
         self.optimizer_steps = 0
         self.pad_token_id = 0
+        # the last stage's output layer, by its DDP-wrapped chunk (what the schedule hands _forward_step)
+        self._output_layers = {id(m): c.output_layer for m, c in zip(self.model, self.chunks) if c.post_process}
 
     # ---- helpers -------------------------------------------------------------
 
@@ -200,47 +204,48 @@ class MegatronBackend(TrainBackend):
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True)
 
-    def _model_output(self, mb: PackedBatch, output: torch.Tensor, with_entropy: bool = True):
+    def _model_output(self, mb: PackedBatch, rows: LossRows, output: torch.Tensor,
+                      with_entropy: bool = True) -> ModelOutput:
         """Response-aligned log-probs (+ entropy when ``with_entropy``) of one micro-batch from this rank's
-        logits shard.
+        logits shard, which holds the loss rows only (``_output_rows``); 0.0 at response tokens without loss.
 
-        Without CP only the response rows of the logits are touched. With CP each
-        rank holds 2 chunks of every sequence: it computes per-position log-probs
-        for its own tokens (target = the next token of the full packed sequence),
-        then a differentiable all-gather over the CP group reassembles the full
-        sequence on every CP rank (see ``cp_utils.gather_packed_from_cp``).
+        With CP each rank holds 2 chunks of every sequence and computes the loss rows
+        in its shard; a differentiable all-gather over the CP group reassembles the
+        full sequence on every CP rank (see ``cp_utils.gather_packed_from_cp``).
         """
-        logits = output[0] if output.dim() == 3 else output  # [T or T/cp, V/tp]
+        logits = output[0] if output.dim() == 3 else output  # [rows, V/tp]
         tp_group = self.ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
         start = self.ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-        if self.layout.cp == 1:
-            rows = mb.gather_response(logits)
-            return self.spec.extract_model_output(rows, mb.response_target_ids.to(rows.device), tp_group=tp_group,
-                                                  vocab_start_index=start, vocab_size=self.vocab_size,
-                                                  with_entropy=with_entropy)
-
-        cp_rank = self.ps.get_context_parallel_rank()
-        targets = cp_utils.shard_packed_for_cp(torch.roll(mb.tokens, -1), mb.cu_seqlens, cp_rank, self.layout.cp).tensor
-        out = self.spec.extract_model_output(logits, targets.to(logits.device), tp_group=tp_group,
+        out = self.spec.extract_model_output(logits, rows.targets.to(logits.device), tp_group=tp_group,
                                              vocab_start_index=start, vocab_size=self.vocab_size,
                                              with_entropy=with_entropy)
-        logprobs = mb.gather_response(cp_utils.gather_packed_from_cp(out.logprobs, mb.cu_seqlens))
-        entropy = (mb.gather_response(cp_utils.gather_packed_from_cp(out.entropy, mb.cu_seqlens))
-                   if out.entropy is not None else None)
-        return ModelOutput(logprobs, entropy)
+        if self.layout.cp == 1:
+            return ModelOutput(rows.to_response(out.logprobs),
+                               rows.to_response(out.entropy) if out.entropy is not None else None)
+
+        local = mb.num_tokens // self.layout.cp
+
+        def whole(values: torch.Tensor) -> torch.Tensor:
+            return mb.gather_response(cp_utils.gather_packed_from_cp(rows.to_rows(values, local), mb.cu_seqlens))
+
+        return ModelOutput(whole(out.logprobs), whole(out.entropy) if out.entropy is not None else None)
 
     def _forward_step(self, loss_fn, data_iterator, model):
         mb: PackedBatch = next(data_iterator)
+        cp_rank = self.ps.get_context_parallel_rank()
+        local_index = (cp_utils.cp_local_index(mb.cu_seqlens, cp_rank, self.layout.cp) if self.layout.cp > 1
+                       else None)
+        rows = packed_loss_rows(mb, local_index)  # on the host copy: no device sync
         device = next(model.parameters()).device
         mb = mb.to(device)
         tokens, positions = mb.tokens, mb.position_ids
         if self.layout.cp > 1:
-    
-            shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, self.ps.get_context_parallel_rank(),
-                                                 self.layout.cp)
+            shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, cp_rank, self.layout.cp)
             tokens, positions = shard.tensor, shard.position_ids
-        output = model(tokens[None], positions[None], None, packed_seq_params=mb.packed_seq_params())
-        return output, partial(loss_fn, mb)
+        layer = self._output_layers.get(id(model))
+        with _output_rows(layer, rows) if layer is not None else contextlib.nullcontext():
+            output = model(tokens[None], positions[None], None, packed_seq_params=mb.packed_seq_params())
+        return output, partial(loss_fn, mb, rows)
 
     def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -260,8 +265,8 @@ class MegatronBackend(TrainBackend):
                 owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
 
-        def loss_fn(mb, output):
-            out = self._model_output(mb, output, with_entropy=False)  # log-probs are all a forward pass keeps
+        def loss_fn(mb, rows, output):
+            out = self._model_output(mb, rows, output, with_entropy=False)  # log-probs are all a forward pass keeps
             lp = out.logprobs.detach().float()
             return lp.sum() * 0.0, torch.tensor(0, dtype=torch.int), {
                 "logprobs": dict(zip(mb.sample_indices.tolist(), mb.split_response(lp.cpu())))}
@@ -279,8 +284,8 @@ class MegatronBackend(TrainBackend):
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(samples, batch)
 
-        def loss_fn(mb, output):
-            out = self._model_output(mb, output)
+        def loss_fn(mb, rows, output):
+            out = self._model_output(mb, rows, output)
             inputs = LossInputs.from_packed_batch(mb, out.logprobs, out.entropy)
             loss, metrics = self.spec.compute_loss(inputs, denoms)
             # Under CP every CP rank computes the same full-sequence loss and the all-gather's
@@ -434,3 +439,32 @@ def _set_mode(chunks, training: bool) -> None:
         if m.training != training:
             m.train(training)
 
+
+
+@contextlib.contextmanager
+def _output_rows(layer, rows: LossRows):
+    """Run megatron's output layer (a ``ColumnParallelLinear``) on the loss rows only (``backends.loss_rows``).
+
+    Under sequence parallelism its input is this TP rank's slice of the tokens: the
+    hook gathers it first and the layer runs without sequence parallelism for this
+    call, as megatron-core's own last-token inference path does. The gather's
+    backward is a split (``tensor_parallel_output_grad=False``) because the layer's
+    backward then all-reduces the input gradient over TP (``copy_to_tensor_model_parallel_region``),
+    so each rank's partial gradient is summed exactly once.
+    """
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # lazy: megatron-core
+
+    sequence_parallel = layer.sequence_parallel
+
+    def select(hidden: torch.Tensor) -> torch.Tensor:  # [s (/tp under SP), 1, h] -> [rows, 1, h]
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=layer.tp_group)
+        return hidden.index_select(0, rows.rows.to(hidden.device))
+
+    layer.sequence_parallel = False
+    try:
+        with keep_rows(layer, select):
+            yield
+    finally:
+        layer.sequence_parallel = sequence_parallel
