@@ -19,7 +19,7 @@
     python tools/convert_ckpt.py fsdp-to-hf --input CKPT --output HF_DIR [--hf-config HF_DIR] \\
         [--max-shard-size 5GB] [--dtype keep] [--verify] [--bucket-size 1GB]
 
-Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe); fsdp-to-hf:
+Families: every one ``megatron_rl.models`` bridges (llama, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe); fsdp-to-hf:
 any HF causal LM the fsdp backend trains. A megatron torch_dist and an fsdp checkpoint are told
 apart by their ``COMPLETE.json`` format: the wrong direction is refused naming the right one.
 Refusals (unmapped / missing / mis-shaped tensors, weights holding inf/NaN in either direction,

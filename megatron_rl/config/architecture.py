@@ -29,7 +29,10 @@ from .schema import Config
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # families with a per-head q/k RMSNorm
+QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # families with a per-head q/k RMSNorm (others: use_qk_norm)
+MOE_FFN_KEYS = {"mixtral": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
+SIGMOID_ROUTER_TYPES = ("glm4_moe",)  # sigmoid router score (the other MoE families: softmax)
 
 
 def text_config(hf: dict) -> dict:
@@ -44,9 +47,10 @@ def _num_experts(c: dict) -> int:
 
 
 def _moe_pattern(c: dict) -> list[int]:
-    """Per layer 1 = MoE, as the Qwen-MoE bridge decides (decoder_sparse_step, mlp_only_layers)."""
+    """Per layer 1 = MoE, as the bridges decide (Qwen-MoE: decoder_sparse_step, mlp_only_layers;
+    GLM: the first first_k_dense_replace layers dense)."""
     step = int(c.get("decoder_sparse_step") or 1)
-    dense = set(c.get("mlp_only_layers") or [])
+    dense = set(c.get("mlp_only_layers") or []) | set(range(int(c.get("first_k_dense_replace") or 0)))
     return [0 if i in dense or (i + 1) % step else 1 for i in range(int(c["num_hidden_layers"]))]
 
 
@@ -75,19 +79,21 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
                            float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
         "position_embedding_type": ("rope_theta", "rope"),  # every supported family is a RoPE model
         "disable_bias_linear": ("mlp_bias / attention_bias", not c.get("mlp_bias", False) and not (
-            c.get("attention_bias", False) and model_type not in QKV_BIAS_TYPES)),
+            c.get("attention_bias", False) and model_type not in QKV_BIAS_TYPES + QKV_ONLY_ATTENTION_BIAS_TYPES)),
         "add_qkv_bias": ("model_type / attention_bias",
                          model_type in QKV_BIAS_TYPES or bool(c.get("attention_bias", False))),
-        "qk_layernorm": ("model_type", model_type in QK_NORM_TYPES),
+        "qk_layernorm": ("model_type / use_qk_norm", model_type in QK_NORM_TYPES or bool(c.get("use_qk_norm"))),
         "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get("tie_word_embeddings", False)),
     }
     if experts:
+        ffn_key = MOE_FFN_KEYS.get(str(model_type), "moe_intermediate_size")
         view.update({
             "num_experts": (next(k for k in _EXPERT_KEYS if c.get(k)), experts),
-            "moe_ffn_hidden_size": ("moe_intermediate_size", c.get("moe_intermediate_size")),
+            "moe_ffn_hidden_size": (ffn_key, c.get(ffn_key)),
             "moe_router_topk": ("num_experts_per_tok", c.get("num_experts_per_tok")),
-            "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers", _moe_pattern(c)),
-            "moe_router_score_function": ("model_type", "softmax"),
+            "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers / first_k_dense_replace", _moe_pattern(c)),
+            "moe_router_score_function": ("model_type",
+                                          "sigmoid" if model_type in SIGMOID_ROUTER_TYPES else "softmax"),
         })
     return view
 

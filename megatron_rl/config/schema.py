@@ -176,18 +176,22 @@ class ArchitectureConfig:
                                                 "--position-embedding-type rope. " + _CHECKED)
     disable_bias_linear: bool = flag(False, "No bias in the linear layers (config.json mlp_bias false). "
                                      + _CHECKED)
-    add_qkv_bias: bool = flag(False, "Bias on the q/k/v projections (Qwen2; attention_bias). " + _CHECKED)
-    qk_layernorm: bool = flag(False, "RMSNorm on q and k per head (Qwen3). " + _CHECKED)
+    add_qkv_bias: bool = flag(False, "Bias on the q/k/v projections (Qwen2; attention_bias of GLM). " + _CHECKED)
+    qk_layernorm: bool = flag(False, "RMSNorm on q and k per head (Qwen3; GLM use_qk_norm). " + _CHECKED)
     untie_embeddings_and_output_weights: bool = flag(False, "Separate output layer (tie_word_embeddings "
                                                      "false). " + _CHECKED)
-    num_experts: Optional[int] = flag(None, "MoE experts (num_experts / num_local_experts). " + _CHECKED)
-    moe_ffn_hidden_size: Optional[int] = flag(None, "Expert MLP hidden size (moe_intermediate_size). " + _CHECKED)
+    num_experts: Optional[int] = flag(None, "MoE experts (num_experts / num_local_experts / n_routed_experts). "
+                                      + _CHECKED)
+    moe_ffn_hidden_size: Optional[int] = flag(None, "Expert MLP hidden size (moe_intermediate_size; Mixtral: "
+                                              "intermediate_size). " + _CHECKED)
     moe_router_topk: Optional[int] = flag(None, "Experts per token (num_experts_per_tok). " + _CHECKED)
     moe_layer_freq: Optional[str] = flag(None, "Which layers are MoE: N (every N-th) or a 0/1 list per layer "
-                                         "(config.json decoder_sparse_step / mlp_only_layers). " + _CHECKED,
+                                         "(config.json decoder_sparse_step / mlp_only_layers / "
+                                         "first_k_dense_replace). " + _CHECKED,
                                          type=parse_moe_layer_freq)
-    moe_router_score_function: Optional[str] = flag(None, "Router score function (softmax for the supported "
-                                                    "MoE families). " + _CHECKED, choices=("softmax", "sigmoid"))
+    moe_router_score_function: Optional[str] = flag(None, "Router score function (sigmoid for glm4_moe, softmax "
+                                                    "for the other MoE families). " + _CHECKED,
+                                                    choices=("softmax", "sigmoid"))
 
 
 @dataclass(frozen=True)

@@ -94,10 +94,11 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
         ckpt = HFCheckpoint(hf_dir)
         refused: list[MegatronRLError] = []
 
-        def materialize(param: torch.nn.Parameter) -> torch.Tensor:
+        def materialize(param: torch.Tensor) -> torch.Tensor:
             try:
                 value = local_value(bridge, slots[id(param)], ckpt)  # inf/NaN refused as read
-                return common.cast_checked(slots[id(param)].canonical_name, value, target)
+                # the parameter's own dtype: `target`, or float32 for a buffer megatron keeps so (expert_bias)
+                return common.cast_checked(slots[id(param)].canonical_name, value, param.dtype)
             except MegatronRLError as e:
                 refused.append(e)
                 raise

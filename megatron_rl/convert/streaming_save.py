@@ -41,8 +41,9 @@ from typing import Callable, Literal, Optional
 import torch
 
 from megatron_rl.errors import CheckpointError
+from megatron_rl.models.weights import named_state_tensors
 
-Materialize = Callable[[torch.nn.Parameter], torch.Tensor]
+Materialize = Callable[[torch.Tensor], torch.Tensor]  # a meta parameter or persistent buffer -> its values
 
 _malloc_trim: Callable[[int], int] | Literal[False] | None = None  # resolved on first use: libc's malloc_trim, or False where there is none
 
@@ -77,7 +78,7 @@ def storage_key(t: torch.Tensor) -> int:
 class StorageIndex:
     """Meta parameters by storage, plus the one-entry value cache ``resolve`` uses."""
 
-    def __init__(self, params: dict[int, tuple[str, torch.nn.Parameter]], materialize: Materialize):
+    def __init__(self, params: dict[int, tuple[str, torch.Tensor]], materialize: Materialize):
         self._params = params
         self._materialize = materialize
         self._cached: Optional[tuple[int, torch.Tensor]] = None
@@ -87,7 +88,7 @@ class StorageIndex:
     def for_chunks(cls, chunks, materialize: Materialize) -> "StorageIndex":
         params = {}
         for chunk in chunks:
-            for name, p in chunk.named_parameters():
+            for name, p in named_state_tensors(chunk):  # a persistent buffer (router expert_bias) is written too
                 if not p.is_meta:
                     raise CheckpointError(f"streaming save needs a model built on the meta device; {name} is on "
                                           f"{p.device}")

@@ -62,13 +62,20 @@ class ParamRule:
 
 
 class Bridge:
-    """Base bridge for Llama-like decoder-only families. Subclasses set the flags."""
+    """Base bridge for Llama-like decoder-only families. Subclasses set the flags (a family whose
+    switch lives in its config.json overrides the flag with a property reading it)."""
 
     family: str = ""
     model_types: tuple[str, ...] = ()
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     moe: bool = False
+    sliding_window_gated: bool = False  # `sliding_window` counts only with use_sliding_window (Qwen)
+    partial_rotary: bool = False  # partial_rotary_factor < 1 maps to megatron's rotary_percent (GLM)
+    moe_ffn_key: str = "moe_intermediate_size"  # config.json key of the expert MLP size (Mixtral: intermediate_size)
+    router_expert_bias: bool = False  # router has a selection-only score bias (GLM e_score_correction_bias)
+    hf_moe_block: str = "mlp"  # HF module of a MoE layer's router and experts (Mixtral: block_sparse_moe)
+    hf_expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down); Mixtral w1/w3/w2
 
     def __init__(self, hf_config: dict):
         self.hf_config = dict(hf_config)
@@ -117,7 +124,28 @@ class Bridge:
 
     @property
     def num_experts(self) -> int:
-        return int(self.cfg("num_experts", self.cfg("num_local_experts", 0)))
+        return int(self.cfg("num_experts", self.cfg("num_local_experts", self.cfg("n_routed_experts", 0))))
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        return int(self.cfg(self.moe_ffn_key))
+
+    @property
+    def shared_expert_size(self) -> int:
+        """Hidden size of the always-on shared expert MLP of a MoE layer; 0: none."""
+        return 0
+
+    @property
+    def rotary_percent(self) -> float:
+        rope = dict(self.cfg("rope_parameters", {}) or {})
+        rope.update(self.cfg("rope_scaling", {}) or {})
+        return float(rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 1.0)))
+
+    def router_config(self) -> dict[str, Any]:
+        """megatron router fields: top-k over a softmax. ``norm_topk_prob``: softmax over the top-k
+        logits == renormalised top-k of the full softmax; otherwise softmax over all experts first."""
+        return dict(moe_router_pre_softmax=not bool(self.cfg("norm_topk_prob", True)),
+                    moe_router_score_function="softmax")
 
     def is_moe_layer(self, layer: int) -> bool:
         if not self.moe:
@@ -139,13 +167,18 @@ class Bridge:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in (None, "default"):
             problems.append(f"rope scaling type {rope_type!r} (only default RoPE)")
-        partial = rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 1.0))
-        if partial != 1.0:
+        partial = self.rotary_percent
+        rotary_dim = self.head_dim * partial
+        if partial != 1.0 and not self.partial_rotary:
             problems.append(f"partial_rotary_factor={partial} (only full rotary)")
+        elif not 0 < partial <= 1 or rotary_dim != int(rotary_dim) or int(rotary_dim) % 2:
+            problems.append(f"partial_rotary_factor={partial} (head_dim {self.head_dim} x factor must be an even "
+                            "number of rotated dims)")
         if self.cfg("use_sliding_window", False):
             problems.append("use_sliding_window=true (sliding-window attention)")
-        if self.family == "llama" and self.cfg("sliding_window", None):
-            problems.append(f"sliding_window={self.cfg('sliding_window')}")
+        if not self.sliding_window_gated and self.cfg("sliding_window", None):
+            problems.append(f"sliding_window={self.cfg('sliding_window')} (sliding-window attention; megatron "
+                            "attention here is full causal)")
         layer_types = self.cfg("layer_types", None) or []
         odd = sorted({t for t in layer_types if t != "full_attention"})
         if odd:
@@ -160,7 +193,7 @@ class Bridge:
         if self.moe:
             if not self.num_experts:
                 problems.append("num_experts missing or 0 for an MoE family")
-            if self.cfg("shared_expert_intermediate_size", 0):
+            if self.cfg("shared_expert_intermediate_size", 0) and not self.shared_expert_size:
                 problems.append("shared_expert_intermediate_size>0 (shared experts are not mapped for "
                                 f"{self.family})")
         return problems
@@ -219,16 +252,14 @@ class Bridge:
             aux = float(self.cfg("router_aux_loss_coef", 0.0))
             kw.update(
                 num_moe_experts=self.num_experts,
-                moe_ffn_hidden_size=int(self.cfg("moe_intermediate_size")),
+                moe_ffn_hidden_size=self.moe_ffn_hidden_size,
                 moe_router_topk=int(self.cfg("num_experts_per_tok")),
-                # norm_topk_prob: softmax over the top-k logits == renormalised top-k
-                # of the full softmax; otherwise softmax over all experts first.
-                moe_router_pre_softmax=not bool(self.cfg("norm_topk_prob", True)),
-                moe_router_score_function="softmax",
                 moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
                 moe_aux_loss_coeff=aux,
                 moe_router_dtype="fp32",
                 moe_layer_freq=[1 if self.is_moe_layer(i) else 0 for i in range(self.num_layers)],
+                moe_shared_expert_intermediate_size=self.shared_expert_size or None,
+                **self.router_config(),
             )
         kw.update(cpu_config_overrides())
         kw.update(overrides)
@@ -296,6 +327,7 @@ class Bridge:
                 share_embeddings_and_output_weights=self.tie_word_embeddings,
                 position_embedding_type="rope",
                 rotary_base=self.rope_theta,
+                rotary_percent=self.rotary_percent,
                 parallel_output=True,
                 vp_stage=stage,
             )
@@ -328,12 +360,20 @@ class Bridge:
                 shapes[p + "self_attn.q_norm.weight"] = (d,)
                 shapes[p + "self_attn.k_norm.weight"] = (d,)
             if self.is_moe_layer(i):
-                f = int(self.cfg("moe_intermediate_size"))
-                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                f, moe = self.moe_ffn_hidden_size, f"{p}{self.hf_moe_block}."
+                gate, up, down = self.hf_expert_projs
+                shapes[moe + "gate.weight"] = (self.num_experts, h)
+                if self.router_expert_bias:
+                    shapes[moe + "gate.e_score_correction_bias"] = (self.num_experts,)
                 for e in range(self.num_experts):
-                    shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (f, h)
-                    shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (f, h)
-                    shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, f)
+                    shapes[moe + f"experts.{e}.{gate}.weight"] = (f, h)
+                    shapes[moe + f"experts.{e}.{up}.weight"] = (f, h)
+                    shapes[moe + f"experts.{e}.{down}.weight"] = (h, f)
+                if self.shared_expert_size:
+                    s = self.shared_expert_size
+                    shapes[moe + "shared_experts.gate_proj.weight"] = (s, h)
+                    shapes[moe + "shared_experts.up_proj.weight"] = (s, h)
+                    shapes[moe + "shared_experts.down_proj.weight"] = (h, s)
             else:
                 f = int(self.cfg("intermediate_size"))
                 shapes[p + "mlp.gate_proj.weight"] = (f, h)
@@ -344,6 +384,10 @@ class Bridge:
     def ignorable_hf_names(self) -> set[str]:
         """HF tensors that may legitimately be present but map to nothing."""
         return {"lm_head.weight"} if self.tie_word_embeddings else set()
+
+    def is_ignorable_hf_name(self, name: str) -> bool:
+        """Whether HF tensor ``name`` may be present yet map to nothing (as transformers skips it on load)."""
+        return name in self.ignorable_hf_names()
 
     _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
     _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -361,7 +405,7 @@ class Bridge:
         if m:
             layer, rest = int(m.group(1)), m.group(2)
             p = f"model.layers.{layer}."
-            attn = p + "self_attn."
+            attn, moe, shared = p + "self_attn.", f"{p}{self.hf_moe_block}.", f"{p}{self.hf_moe_block}.shared_experts."
             table = {
                 "self_attention.linear_qkv.weight": ("qkv", tuple(attn + f"{x}_proj.weight" for x in "qkv")),
                 "self_attention.linear_qkv.bias": ("qkv", tuple(attn + f"{x}_proj.bias" for x in "qkv")),
@@ -370,7 +414,11 @@ class Bridge:
                 "self_attention.k_layernorm.weight": ("copy", (attn + "k_norm.weight",)),
                 "mlp.linear_fc1.weight": ("gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 "mlp.linear_fc2.weight": ("copy", (p + "mlp.down_proj.weight",)),
-                "mlp.router.weight": ("copy", (p + "mlp.gate.weight",)),
+                "mlp.router.weight": ("copy", (moe + "gate.weight",)),
+                "mlp.router.expert_bias": ("copy", (moe + "gate.e_score_correction_bias",)),
+                "mlp.shared_experts.linear_fc1.weight": ("gate_up", (shared + "gate_proj.weight",
+                                                                     shared + "up_proj.weight")),
+                "mlp.shared_experts.linear_fc2.weight": ("copy", (shared + "down_proj.weight",)),
             }
             for spec_names in weight_maps.LAYER_SPEC_NAMES.values():  # norms sit where each layer spec puts them
                 table[spec_names.input_norm] = ("copy", (p + "input_layernorm.weight",))
@@ -381,10 +429,11 @@ class Bridge:
                 return ParamRule(kind, names)
             e = self._EXPERT.match(rest)
             if e:
-                ex = f"{p}mlp.experts.{int(e.group(1))}."
+                ex = f"{moe}experts.{int(e.group(1))}."
+                gate, up, down = self.hf_expert_projs
                 if e.group(2) == "linear_fc1":
-                    return ParamRule("gate_up", (ex + "gate_proj.weight", ex + "up_proj.weight"))
-                return ParamRule("copy", (ex + "down_proj.weight",))
+                    return ParamRule("gate_up", (f"{ex}{gate}.weight", f"{ex}{up}.weight"))
+                return ParamRule("copy", (f"{ex}{down}.weight",))
         raise BridgeError(f"{self.family} bridge has no HF mapping for megatron parameter {name!r}")
 
     def exported_names(self, name: str) -> tuple[str, ...]:
@@ -419,12 +468,17 @@ class Bridge:
                 shapes[p + "self_attention.q_layernorm.weight"] = (d,)
                 shapes[p + "self_attention.k_layernorm.weight"] = (d,)
             if self.is_moe_layer(i):
-                f = int(self.cfg("moe_intermediate_size"))
+                f = self.moe_ffn_hidden_size
                 shapes[p + names.moe_pre_mlp_norm] = (h,)
                 shapes[p + "mlp.router.weight"] = (self.num_experts, h)
+                if self.router_expert_bias:
+                    shapes[p + "mlp.router.expert_bias"] = (self.num_experts,)
                 for e in range(self.num_experts):
                     shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
                     shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+                if self.shared_expert_size:
+                    shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * self.shared_expert_size, h)
+                    shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, self.shared_expert_size)
             else:
                 f = int(self.cfg("intermediate_size"))
                 shapes[p + names.dense_pre_mlp_norm] = (h,)

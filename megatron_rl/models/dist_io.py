@@ -105,9 +105,17 @@ def build_meta_model(bridge, layout, dtype: torch.dtype) -> list:
 
     ``perform_initialization`` stays on: megatron sets the TP attributes (``partition_dim``)
     of CPU-initialised weights in its init path; on meta it allocates and computes nothing.
+    Buffers are moved to meta as well: the streaming writer produces every state-dict tensor
+    from the HF checkpoint and must never write a buffer's initial value instead.
     """
     with torch.device("meta"):
-        return bridge.build_model(layout, params_dtype=dtype, use_cpu_initialization=True)
+        chunks = bridge.build_model(layout, params_dtype=dtype, use_cpu_initialization=True)
+    for chunk in chunks:  # buffers megatron allocates on an explicit device (router expert_bias) go to meta too
+        for module in chunk.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and not buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device="meta")
+    return chunks
 
 
 def model_sharded_state_dict(chunks) -> dict:

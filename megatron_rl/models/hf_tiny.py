@@ -6,7 +6,9 @@ Only ``transformers`` is imported here (no megatron-core), so this is cheap.
 
 The defaults are chosen so every parallel layout we test divides them: 4 query
 heads and 2 KV groups (TP 1/2), 4 layers (PP 2, VPP 2), 4 experts (EP 2/4), and
-a vocab that is *not* a multiple of 128 so vocab padding is exercised.
+a vocab that is *not* a multiple of 128 so vocab padding is exercised. Each family
+turns on every architecture switch its bridge maps (glm4_moe: dense first layer,
+shared expert, grouped sigmoid router with a selection bias, partial RoPE, ...).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -45,6 +47,26 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         output_router_logits=False,
         router_aux_loss_coef=0.0,
     ),
+    # every layer MoE; the experts' size is intermediate_size
+    "mixtral": dict(rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    output_router_logits=False, router_aux_loss_coef=0.0, sliding_window=None),
+    # every switch on: 1 dense layer then MoE, a shared expert, 2 expert groups (top-1 group of 2
+    # experts), q/k norm, half-rotary RoPE, q/k/v bias, a routed scaling factor != 1
+    "glm4_moe": dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        output_router_logits=False,
+    ),
 }
 
 
@@ -59,6 +81,8 @@ def tiny_config(family: str, **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+        "glm4_moe": transformers.Glm4MoeConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -87,6 +111,9 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **o
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0.0, 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a zero selection bias would not test its mapping
+                b.normal_(0.0, 0.05)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     return str(path)

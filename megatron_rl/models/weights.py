@@ -51,7 +51,7 @@ class ParamSlot:
     """One local megatron parameter and where it sits in the full model."""
 
     canonical_name: str  # global layer / expert indices
-    param: torch.nn.Parameter
+    param: torch.Tensor  # a Parameter, or a persistent buffer (named_state_tensors)
     is_expert: bool
     local_expert: Optional[int]  # index within this EP rank
     layer: Optional[int]
@@ -63,11 +63,26 @@ class ParamSlot:
         return None
 
 
+def named_state_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_parameters()``, then the persistent buffers: every tensor of the model's state dict.
+
+    Why buffers: some model state is not trained by the optimizer yet comes from the HF
+    checkpoint (a sigmoid router's selection bias, megatron ``mlp.router.expert_bias``); it
+    is loaded, exported and checkpointed like a parameter. Non-persistent buffers (token
+    counters, rotary caches) are not model state and are skipped."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield f"{module_name}.{name}" if module_name else name, buf
+
+
 def canonical_parameters(model_chunk) -> list[ParamSlot]:
-    """This chunk's parameters, renamed to global layer and expert indices."""
+    """This chunk's parameters and persistent buffers (:func:`named_state_tensors`), renamed to
+    global layer and expert indices."""
     model = unwrap(model_chunk)
     slots = []
-    for name, param in model.named_parameters():
+    for name, param in named_state_tensors(model):
         layer = None
         local_expert = None
         m = _LAYER_RE.match(name)
@@ -147,7 +162,7 @@ def check_checkpoint_names(bridge, ckpt: HFCheckpoint) -> None:
     """Refuse a checkpoint whose tensor set or shapes differ from the bridge's config."""
     expected = bridge.hf_param_shapes()
     present = ckpt.names()
-    extra = sorted(present - set(expected) - bridge.ignorable_hf_names())
+    extra = sorted(n for n in present - set(expected) if not bridge.is_ignorable_hf_name(n))
     missing = sorted(set(expected) - present)
     problems = []
     if extra:

@@ -5,7 +5,11 @@ Weight updates arrive in *checkpoint* layout (the names and shapes in
 disk transport produce. ``transformers`` >= 5 keeps some weights in a different
 in-memory layout: MoE experts are fused into 3-D parameters
 (``mlp.experts.gate_up_proj[e] = cat(gate_proj_e, up_proj_e)``,
-``mlp.experts.down_proj[e] = down_proj_e``). ``HFParamMap`` resolves every
+``mlp.experts.down_proj[e] = down_proj_e``), and some families rename the MoE
+block in memory (Mixtral: checkpoint ``block_sparse_moe.experts.{e}.w1/w3/w2`` and
+``block_sparse_moe.gate``, module ``mlp``; :data:`CHECKPOINT_MOE_NAMES`, after
+transformers' ``conversion_mapping.py``). Persistent buffers are checkpoint tensors
+too (GLM's router ``e_score_correction_bias``). ``HFParamMap`` resolves every
 checkpoint name to a view of the live storage, so an update writes in place and
 ``named_weights`` reads without copies.
 
@@ -17,11 +21,27 @@ embeddings are tied), each with the checkpoint's shape.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_MOE_BLOCK = re.compile(r"\.mlp\.(?=gate\.|experts\.)")  # a layer's router / experts in memory
+
+
+@dataclass(frozen=True)
+class CheckpointMoeNames:
+    """Where a family's checkpoint keeps a MoE layer's router and experts."""
+
+    block: str = "mlp"  # checkpoint module of the router (``gate``) and ``experts``
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+#: model_type -> its checkpoint's MoE names, where they are not the Qwen-MoE ones
+CHECKPOINT_MOE_NAMES = {"mixtral": CheckpointMoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
 
 
 def _view(live: Callable[[], torch.Tensor], index: int | tuple[int, slice]) -> Callable[[], torch.Tensor]:
@@ -35,13 +55,19 @@ class HFParamMap:
     def __init__(self, model: torch.nn.Module):
         self._model = model
         self._views: dict[str, Callable[[], torch.Tensor]] = {}
+        self._moe = CHECKPOINT_MOE_NAMES.get(getattr(model.config, "model_type", ""), CheckpointMoeNames())
         params = dict(model.named_parameters())
         for name, param in params.items():
             fused = _FUSED_EXPERTS.match(name)
             if fused and param.dim() == 3:
                 self._add_fused_experts(fused["prefix"], fused["kind"], name)
             else:
-                self._views[name] = self._getter(name)
+                self._views[self._checkpoint_name(name)] = self._getter(name)
+        for module_name, module in model.named_modules():  # persistent buffers are checkpoint tensors too
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    full = f"{module_name}.{name}" if module_name else name
+                    self._views[self._checkpoint_name(full)] = self._buffer_getter(full)
         tied = getattr(model.config, "tie_word_embeddings", False)
         if tied and "lm_head.weight" not in self._views and "model.embed_tokens.weight" in self._views:
             self._aliases = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -52,16 +78,23 @@ class HFParamMap:
         # Resolve on every call: release()/resume() swap the parameter's storage.
         return lambda: self._model.get_parameter(param_name).data
 
+    def _buffer_getter(self, buffer_name: str) -> Callable[[], torch.Tensor]:
+        return lambda: self._model.get_buffer(buffer_name)
+
+    def _checkpoint_name(self, name: str) -> str:
+        return _MOE_BLOCK.sub(f".{self._moe.block}.", name)
+
     def _add_fused_experts(self, prefix: str, kind: str, param_name: str) -> None:
         live = self._getter(param_name)
         num_experts = live().shape[0]
+        prefix, names = self._checkpoint_name(prefix + "."), self._moe
         for e in range(num_experts):
             if kind == "down_proj":
-                self._views[f"{prefix}.{e}.down_proj.weight"] = _view(live, e)
+                self._views[f"{prefix}{e}.{names.down}.weight"] = _view(live, e)
             else:
                 half = live().shape[1] // 2
-                self._views[f"{prefix}.{e}.gate_proj.weight"] = _view(live, (e, slice(None, half)))
-                self._views[f"{prefix}.{e}.up_proj.weight"] = _view(live, (e, slice(half, None)))
+                self._views[f"{prefix}{e}.{names.gate}.weight"] = _view(live, (e, slice(None, half)))
+                self._views[f"{prefix}{e}.{names.up}.weight"] = _view(live, (e, slice(half, None)))
 
     def names(self) -> list[str]:
         """Canonical checkpoint names (no aliases), in model order."""

@@ -1,8 +1,9 @@
 """torch_dist written at one layout exports bit-exactly at others (one 2-rank launch).
 
 HF -> torch_dist at TP1 (x DP2) and at TP2 (with --verify), then torch_dist -> HF
-at TP2 / TP1 / PP2 and, for qwen3_moe, EP2 and TP2xEP2(ETP1). Every exported
-tensor must equal the HF source bit for bit (stronger than equal logits). The
+at TP2 / TP1 / PP2 and, for the MoE families qwen3_moe and glm4_moe, EP2 and
+TP2xEP2(ETP1). Every exported tensor must equal the HF source bit for bit (stronger
+than equal logits). The
 streaming HF -> torch_dist writer's output at TP2, PP2 (llama) and EP2 (MoE)
 must equal ``dist_checkpointing.save`` of the loaded model byte for byte.
 """
@@ -17,17 +18,22 @@ import torch
 from _util import REPO, read_json, torchrun
 
 WORKER = REPO / "tests" / "dist" / "scripts" / "convert_worker.py"
+# glm4_moe adds shared experts and the router's expert_bias buffer; mixtral only renames qwen3_moe's
+# tensors (tests/convert round-trips it in one process, tests/dist/test_parity_layouts exports it at EP2)
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 
 
 @pytest.mark.slow
 def test_torch_dist_reshards_across_layouts(tmp_path):
-    torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", "qwen3_moe"],
+    torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", *MOE_FAMILIES],
              timeout=900)
     res = read_json(tmp_path / "results.json")
+    assert set(res) == {"llama", *MOE_FAMILIES}
     assert set(res["llama"]["exports"]) == {"tp1_to_tp2", "tp2_to_pp2", "tp2_to_tp1"}
-    assert set(res["qwen3_moe"]["exports"]) >= {"tp2_to_ep2", "tp1_to_tp2ep2"}
     assert set(res["llama"]["vs_megatron_save"]) == {"tp2", "pp2", "pp2_tied"}
-    assert set(res["qwen3_moe"]["vs_megatron_save"]) == {"tp2", "ep2"}
+    for fam in MOE_FAMILIES:  # glm4_moe: its router's expert_bias buffer travels like a parameter
+        assert set(res[fam]["exports"]) >= {"tp2_to_ep2", "tp1_to_tp2ep2"}
+        assert set(res[fam]["vs_megatron_save"]) == {"tp2", "ep2"}
     for fam, r in res.items():
         for lay, diffs in r["vs_megatron_save"].items():
             assert diffs == [], (fam, lay, diffs)  # streaming writer == dist_checkpointing.save, per rank shard

@@ -22,6 +22,16 @@ def entry(name, family, path, tp=1, pp=1, vpp=0, cp=1, ep=1, etp=0, sp=0, checks
     return f"{name}:{family}:{path}:{tp},{pp},{vpp},{cp},{ep},{etp},{sp}:{checks}"
 
 
+def family_entries(family, path, moe=True):
+    """The 2-rank layouts every family is held to (logits; qwen3 / qwen3_moe above go further): DP2
+    first (the TP1/PP1 reference), TP2 (MoE: ETP1, as ETP2 does not run on gloo), PP2, CP2 and, for
+    an MoE family, EP2 with gradients."""
+    tp2 = entry(f"{family}_tp2", family, path, tp=2, etp=1 if moe else 0)
+    ep2 = [entry(f"{family}_ep2", family, path, ep=2, checks="grads")] if moe else []
+    return [entry(f"{family}_dp2", family, path), tp2, entry(f"{family}_pp2", family, path, pp=2), *ep2,
+            entry(f"{family}_cp2", family, path, cp=2)]
+
+
 def check(results):
     for name, r in results.items():
         print(name, {k: v for k, v in r.items() if k != "layout"})
@@ -39,6 +49,8 @@ def check(results):
 @pytest.mark.slow
 def test_two_rank_layouts(tiny_hf_models, tmp_path):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
+    mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
+    llama, qwen2 = tiny_hf_models("llama"), tiny_hf_models("qwen2")
     entries = [
         entry("dense_dp2", "qwen3", dense, checks="grads+optim"),
         entry("dense_tp2", "qwen3", dense, tp=2, checks="grads+optim"),
@@ -50,6 +62,12 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         entry("moe_dp2", "qwen3_moe", moe),
         entry("moe_ep2", "qwen3_moe", moe, ep=2, checks="grads"),
         entry("moe_tp2", "qwen3_moe", moe, tp=2, etp=1),
+        entry("moe_pp2", "qwen3_moe", moe, pp=2),
+        entry("moe_cp2", "qwen3_moe", moe, cp=2),
+        *family_entries("mixtral", mixtral),
+        *family_entries("glm4_moe", glm),
+        *family_entries("llama", llama, moe=False),
+        *family_entries("qwen2", qwen2, moe=False),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
@@ -61,12 +79,16 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
 @pytest.mark.slow
 def test_four_rank_layouts(tiny_hf_models, tmp_path):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
+    mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     entries = [
         entry("dense_dp4", "qwen3", dense),
         entry("dense_tp2_pp2", "qwen3", dense, tp=2, pp=2, checks="grads"),
         entry("dense_tp2_cp2", "qwen3", dense, tp=2, cp=2),
         entry("moe_dp4", "qwen3_moe", moe),
         entry("moe_ep2_tp2_sp", "qwen3_moe", moe, tp=2, ep=2, etp=1, sp=1, checks="grads"),
+        # one entry each (its own reference): vs_hf is the check; TP2 x PP2 x EP2 at once
+        entry("mixtral_tp2_pp2_ep2_sp", "mixtral", mixtral, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
+        entry("glm4_moe_tp2_pp2_ep2_sp", "glm4_moe", glm, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)

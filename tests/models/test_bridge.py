@@ -3,6 +3,7 @@ bit-exactly; unsupported configs and mismatched checkpoints are refused by name.
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -73,8 +74,85 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="llama, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(BridgeError, match="glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe"):
         get_bridge({"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("family, overrides, needle", [
+    ("mixtral", dict(sliding_window=4096), "sliding_window=4096"),
+    ("mixtral", dict(router_jitter_noise=0.01), "router_jitter_noise=0.01"),
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5 (only full rotary)"),
+    ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob=False with num_experts_per_tok=2"),
+    ("glm4_moe", dict(n_group=2, topk_group=2), "topk_group=2 and num_experts_per_tok=2"),
+    ("glm4_moe", dict(n_group=4, topk_group=1), "n_group=4 does not split n_routed_experts=4"),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3}),
+     "partial_rotary_factor=0.3 (head_dim 16 x factor"),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                       "partial_rotary_factor": 0.5}), "rope scaling type 'yarn'"),
+])
+def test_moe_family_features_megatron_cannot_express_are_refused(family, overrides, needle):
+    """Each refused by name in Bridge.unsupported(), never approximated."""
+    from megatron_rl.models.hf_tiny import tiny_config
+
+    with pytest.raises(BridgeError, match="unsupported") as err:
+        get_bridge(tiny_config(family, **overrides).to_dict())
+    assert needle in str(err.value)
+
+
+def test_glm4_moe_maps_every_switch_to_megatron():
+    """The tiny GLM config turns every switch on; the megatron config carries each of them."""
+    from megatron_rl.models.hf_tiny import tiny_config
+    from megatron_rl.models.parallel import ParallelLayout
+
+    bridge = get_bridge(tiny_config("glm4_moe").to_dict())
+    tc = bridge.transformer_config(ParallelLayout())
+    assert (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_bias_update_rate) == (
+        "sigmoid", True, 0.0)
+    assert (tc.moe_router_num_groups, tc.moe_router_group_topk, tc.moe_router_topk_scaling_factor) == (2, 1, 1.5)
+    assert tc.moe_shared_expert_intermediate_size == 32 and tc.moe_layer_freq == [0, 1, 1, 1]
+    assert tc.add_qkv_bias and tc.qk_layernorm and not tc.add_bias_linear
+    assert bridge.rotary_percent == 0.5
+    one_group = get_bridge(tiny_config("glm4_moe", n_group=1, topk_group=1).to_dict())
+    assert one_group.router_config()["moe_router_num_groups"] is None  # one group selects every expert
+    mixtral = get_bridge(tiny_config("mixtral").to_dict()).transformer_config(ParallelLayout())
+    assert (mixtral.moe_router_score_function, mixtral.moe_ffn_hidden_size, mixtral.moe_layer_freq) == (
+        "softmax", 32, [1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_unmapped_hf_tensor_of_a_moe_family_is_refused_by_name(single_rank, tiny_hf_models, tmp_path, family):
+    path = tiny_hf_models(family)
+    bridge = get_bridge(path)
+    chunks = bridge.build_model(single_rank)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    stray = f"model.layers.1.{moe}.experts.4.{'w1' if family == 'mixtral' else 'gate_proj'}.weight"  # 5th of 4
+    extra = _copy(path, tmp_path / "extra")
+    save_file({**tensors, stray: torch.zeros(32, 64)}, os.path.join(extra, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"map to no megatron parameter: \['" + re.escape(stray) + r"'\]"):
+        bridge.load_hf_weights(chunks, extra)
+
+
+def test_glm4_moe_skips_mtp_layers_as_transformers_does(single_rank, tiny_hf_models, tmp_path):
+    """GLM-4.5 checkpoints hold num_nextn_predict_layers MTP layers after the decoder; the HF
+    causal LM ignores them, so does the bridge. A layer beyond those is still refused."""
+    path = tiny_hf_models("glm4_moe")
+    bridge = get_bridge(path)
+    assert bridge.cfg("num_nextn_predict_layers") == 1
+    chunks = bridge.build_model(single_rank)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    mtp = _copy(path, tmp_path / "mtp")
+    save_file({**tensors, "model.layers.4.eh_proj.weight": torch.zeros(64, 128),
+               "model.layers.4.mlp.gate.e_score_correction_bias": torch.zeros(4)},
+              os.path.join(mtp, "model.safetensors"))
+    bridge.load_hf_weights(chunks, mtp)
+    assert set(dict(bridge.export_hf_weights(chunks))) == set(tensors)
+    beyond = _copy(path, tmp_path / "beyond")
+    save_file({**tensors, "model.layers.5.eh_proj.weight": torch.zeros(64, 128)},
+              os.path.join(beyond, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.5\.eh_proj\.weight"):
+        bridge.load_hf_weights(chunks, beyond)
 
 
 def _copy(path, dst):

@@ -9,7 +9,7 @@ HF -> torch_dist -> HF with --verify (small shards), a bfloat16 conversion, and
 the dist->HF refusals that need a real torch_dist dir.
 
 ``--mode layouts`` (torchrun, 2 ranks): HF -> torch_dist written at TP1 (DP2) and
-TP2, each exported back to HF at other layouts (TP2 / TP1 / PP2, EP2 for MoE).
+TP2, each exported back to HF at other layouts (TP2 / TP1 / PP2, EP2 and TP2xEP2 for MoE families).
 
 Both modes also check that the streaming writer's output is the checkpoint
 ``dist_checkpointing.save`` writes for the same model loaded in memory
@@ -165,6 +165,7 @@ def layouts(args) -> dict:
 
     from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
     from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
+    from megatron_rl.models import get_bridge
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
     from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
 
@@ -176,13 +177,14 @@ def layouts(args) -> dict:
         if rank == 0:
             build_tiny_hf_model(fam, hf, seed=3)
         dist.barrier()
+        moe = get_bridge(hf).moe
         d1 = os.path.join(args.out, f"{fam}_dist_tp1")
         d2 = os.path.join(args.out, f"{fam}_dist_tp2")
         convert_hf_to_dist(hf, d1, layout=ParallelLayout(), show_progress=False)  # TP1 x DP2
         convert_hf_to_dist(hf, d2, layout=ParallelLayout(tp=2), verify=True, show_progress=False)
         # the streaming writer at parallel layouts vs megatron's save of the loaded model
         written = {"tp2": (d2, ParallelLayout(tp=2))}
-        if fam == "qwen3_moe":
+        if moe:
             written["ep2"] = (os.path.join(args.out, f"{fam}_dist_ep2"), ParallelLayout(ep=2))
         else:
             written["pp2"] = (os.path.join(args.out, f"{fam}_dist_pp2"), ParallelLayout(pp=2))
@@ -201,7 +203,7 @@ def layouts(args) -> dict:
             vs_megatron[name] = same_as_megatron_save(hf, dst, lay, os.path.join(args.out, "ref"))
         exports = {"tp1_to_tp2": (d1, ParallelLayout(tp=2)), "tp2_to_pp2": (d2, ParallelLayout(pp=2)),
                    "tp2_to_tp1": (d2, ParallelLayout())}
-        if fam == "qwen3_moe":
+        if moe:
             exports["tp2_to_ep2"] = (d2, ParallelLayout(ep=2))
             exports["tp1_to_tp2ep2"] = (d1, ParallelLayout(tp=2, ep=2, etp=1))
         got = {}
@@ -209,7 +211,7 @@ def layouts(args) -> dict:
             dst = os.path.join(args.out, f"{fam}_{name}")
             convert_dist_to_hf(src, dst, layout=lay, verify=True, max_shard_size="300KB", show_progress=False)
             got[name] = dst
-        if fam != "qwen3_moe":
+        if not moe:
             vs_megatron["pp2_tied"] = vs_tied
         out[fam] = {"hf": hf, "exports": got, "vs_megatron_save": vs_megatron}
     return out

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from megatron_rl.models import get_bridge, parity
+from megatron_rl.models import get_bridge, hf_module, parity
 from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
 LENGTHS = [11, 6, 16, 4]
@@ -51,24 +51,23 @@ def export_of(bridge, chunks, source):
     return out
 
 
-def checkpoint_layout(named):
-    """transformers 5 keeps MoE experts fused in memory (``experts.gate_up_proj``
-    [E, 2f, h], ``experts.down_proj`` [E, h, f]); checkpoints hold one tensor per
-    expert. Expand to checkpoint names (gate rows first, as HF's chunk(2) reads them)."""
+def checkpoint_layout(hf, named):
+    """HF module tensors ``named`` under the checkpoint's names: transformers 5 keeps MoE experts
+    fused in memory (``experts.gate_up_proj`` [E, 2f, h]) and renames some modules (Mixtral's
+    ``block_sparse_moe``); checkpoints hold one tensor per expert under the original names.
+    transformers' own reverse conversion, one decoder layer at a time (as save_pretrained)."""
+    named = dict(named)
     out = {}
-    for name, t in named:
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                gate, up = t[e].chunk(2, dim=0)
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
+    for unit in hf_module.layer_units(named):
+        out.update(hf_module.hf_checkpoint_names(hf, {n: named[n] for n in unit}))
     return out
+
+
+def hf_buffer_names(hf):
+    """Checkpoint names of HF persistent buffers (GLM's router e_score_correction_bias): exported
+    by the bridge, never trained, so they have no gradient to compare."""
+    params = dict(hf.named_parameters())
+    return set(checkpoint_layout(hf, ((n, t) for n, t in hf.state_dict().items() if n not in params)))
 
 
 def main():
@@ -110,10 +109,13 @@ def main():
         if train:
             hf.zero_grad()
             parity.hf_loss(hf, all_mbs).backward()
-            hf_grads = checkpoint_layout((n, p.grad) for n, p in hf.named_parameters())
+            hf_grads = checkpoint_layout(hf, ((n, p.grad) for n, p in hf.named_parameters()))
             if bridge.tie_word_embeddings:
                 hf_grads.pop("lm_head.weight", None)
             got = export_of(bridge, chunks, lambda p: p.main_grad)
+            buffers = hf_buffer_names(hf)
+            assert buffers <= set(got), buffers - set(got)
+            got = {n: t for n, t in got.items() if n not in buffers}
             assert set(got) == set(hf_grads), set(got) ^ set(hf_grads)
             rec["grad_max_abs_diff"] = max((got[n] - hf_grads[n]).abs().max().item() for n in got)
             rec["grad_max_abs"] = max(g.abs().max().item() for g in hf_grads.values())
@@ -131,7 +133,7 @@ def main():
             hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.0, eps=1.0)
             hf_opt.step()
             got = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
-            want = checkpoint_layout((n, p.detach()) for n, p in hf.named_parameters())
+            want = checkpoint_layout(hf, ((n, p.detach()) for n, p in hf.named_parameters()))
             rec["optim_ok"] = bool(ok)
             rec["grad_norm"] = [float(grad_norm), hf_grad_norm]
             rec["param_max_abs_diff_after_step"] = max((got[n] - want[n].detach()).abs().max().item() for n in got)
