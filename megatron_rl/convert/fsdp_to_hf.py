@@ -72,7 +72,7 @@ def convert_fsdp_to_hf(ckpt_dir: str, out_dir: str, hf_config_dir: Optional[str]
     _check_fingerprint(ckpt_dir, meta, model.config, config_dir)
     specs = dcp_model.model_tensor_specs(ckpt_dir)
     _check_tensors(ckpt_dir, specs, model, config_dir)
-    params = [name for name, _ in model.named_parameters()]  # tied weights once, as the HF checkpoint
+    params = [name for name, _ in hf_module.checkpoint_tensors(model)]  # tied weights once, buffers too
     stored_dtype = common.uniform_dtype({n: specs[n][1] for n in params}, f"fsdp checkpoint {ckpt_dir}")
     out_dtype = dtype or stored_dtype
     summary: dict = {}

@@ -67,6 +67,26 @@ def layer_of(name: str) -> str | None:
     return ".".join(parts[:at + 2]) if at is not None else None
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's tensors an HF checkpoint holds, in ``named_parameters`` order: every parameter
+    once (tied weights once, as in the checkpoint) plus the persistent buffers, each placed after
+    the last tensor of its decoder layer so :func:`layer_units` keeps a layer in one run.
+
+    Why the buffers: GLM-4.5's router ``e_score_correction_bias`` is a buffer that the checkpoint
+    holds (fixed during training); an export of parameters alone would drop it, and a loader would
+    then start it at zeros."""
+    items = list(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for short, tensor in module._buffers.items():
+            if tensor is None or short in module._non_persistent_buffers_set:
+                continue
+            name = f"{prefix}.{short}" if prefix else short
+            key = layer_of(name)
+            at = max((i for i, (n, _) in enumerate(items) if layer_of(n) == key), default=len(items) - 1)
+            items.insert(at + 1, (name, tensor))
+    return items
+
+
 def layer_units(names: Iterable[str]) -> Iterator[list[str]]:
     """``names`` (in ``named_parameters`` order) cut into runs: one per decoder layer, one per
     run of other parameters between them. :func:`hf_checkpoint_names` converts one run at a time."""

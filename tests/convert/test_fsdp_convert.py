@@ -78,10 +78,12 @@ def runs(tmp_path_factory, tiny_hf_models):
             p.to_local()[0, 0] = float("nan")
         backend.save(iter_dir(str(tmp / "nan"), 1), {"rollout_id": 1})
         _, moe = _train_and_save(tiny_hf_models("qwen3_moe"), str(tmp / "moe"), ["--bf16"])
+        # GLM-4.5's router bias is a persistent buffer the checkpoint holds: it must reach the HF dir
+        _, glm = _train_and_save(tiny_hf_models("glm4_moe"), str(tmp / "glm"), [])
     finally:
         if made:
             dist.destroy_process_group()  # the converter runs without a process group, as the CLI does
-    return {"dense": dense, "moe": moe, "nan": str(tmp / "nan")}
+    return {"dense": dense, "moe": moe, "glm": glm, "nan": str(tmp / "nan")}
 
 
 def _cli(argv, capsys) -> tuple[int, str]:
@@ -107,7 +109,7 @@ def _names_in(hf_dir) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("which", ["dense", "moe"])
+@pytest.mark.parametrize("which", ["dense", "moe", "glm"])
 def test_converted_dir_loads_in_transformers_equal_to_the_held_model(runs, which, tmp_path, capsys):
     import transformers
 
@@ -124,6 +126,12 @@ def test_converted_dir_loads_in_transformers_equal_to_the_held_model(runs, which
         [n for n in run.held if not torch.equal(got[n].detach(), run.held[n])]
     initial = transformers.AutoModelForCausalLM.from_pretrained(run.hf, dtype=torch.float32)
     assert any(not torch.equal(p, got[n]) for n, p in initial.named_parameters())  # the trained weights, not these
+    # persistent buffers (glm4_moe's e_score_correction_bias) are the checkpoint's, never a loader's zeros
+    buffers = {n: b for n, b in initial.named_buffers() if n in initial.state_dict()}
+    assert all(torch.equal(model.get_buffer(n), b) for n, b in buffers.items())
+    if which == "glm":
+        assert any("e_score_correction_bias" in n and b.abs().sum() > 0 for n, b in buffers.items())
+        assert any("e_score_correction_bias" in n for n in run.exported)  # and the engine gets it too
     marker = json.load(open(out / model_dir.MARKER_NAME))
     assert marker["format"] == model_dir.HF_FORMAT and marker["source"]["kind"] == "fsdp_dcp"
     assert marker["source"]["path"] == iter_dir(run.root, 1) and marker["source"]["optimizer_steps"] == 1

@@ -64,7 +64,7 @@ from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.infra.ports import free_port
 from megatron_rl.models import model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
-from megatron_rl.models.hf_module import hf_checkpoint_names, layer_of
+from megatron_rl.models.hf_module import checkpoint_tensors, hf_checkpoint_names, layer_of
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +268,12 @@ class FSDPBackend(TrainBackend):
                              for item in hf_checkpoint_names(self.model, unit).items()), bucket_bytes)
 
     def _full_tensors_by_layer(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The gathered parameters, one dict per decoder layer (and one per run of other
-        parameters), in ``named_parameters`` order: a conversion never spans layers."""
+        """The gathered parameters (and persistent buffers, ``hf_module.checkpoint_tensors``), one dict per
+        decoder layer (and one per run of other parameters), in ``named_parameters`` order: a conversion
+        never spans layers."""
         unit: dict[str, torch.Tensor] = {}
         key = None
-        for name, p in self.model.named_parameters():
+        for name, p in checkpoint_tensors(self.model):
             here = layer_of(name)  # "model.layers.7", or None outside the decoder layers
             if unit and here != key:
                 yield unit
