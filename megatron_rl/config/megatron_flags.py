@@ -64,6 +64,9 @@ REQUIREMENTS: dict[str, tuple[Callable[[], bool], str]] = {
                          "installed (megatron-core raises when building TE attention otherwise)"),
     "grouped_gemm": (lambda: False, "grouped-GEMM experts in this build's layer specs and HF weight maps "
                                     "(models/spec.py builds one MLP per expert; not built yet)"),
+    "engine_routes": (lambda: False, "routes returned by the rollout engine (neither the embedded engine nor "
+                                     "the SGLang client records them yet; --use-routing-replay replays the "
+                                     "trainer's own old-log-prob routes)"),
     "flex_dispatcher": (lambda: False, "a flex dispatcher backend (DeepEP / HybridEP), which this build does "
                                        "not configure"),
 }
@@ -183,6 +186,15 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  check=lambda v, cfg: None if v == "probs" else (
                      "only matters with an expert capacity factor, which this build does not set (no token is "
                      "dropped); drop it or use probs")),
+    MegatronFlag("megatron", "use_routing_replay", _tc(moe_enable_routing_replay=True),
+                 "mapped: TransformerConfig.moe_enable_routing_replay; the old-log-prob pass records each token's "
+                 "experts, the reference pass and training replay them (R2, backends/megatron/routing_replay.py)",
+                 moe_only=True, check=lambda v, cfg: (
+                     "records the routes in the old-log-prob pass, which --use-rollout-logprobs skips; drop one "
+                     "of them" if cfg.algorithm.use_rollout_logprobs else None)),
+    MegatronFlag("megatron", "use_rollout_routing_replay", _tc(moe_enable_routing_replay=True),
+                 "refused for a real run: the rollout engines do not return routes yet (R3); --dry-run accepts it",
+                 moe_only=True, needs=lambda v: ("engine_routes",)),
     MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
                  "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
                  "planner checks the split)", check=_last_stage_check),

@@ -395,6 +395,14 @@ class MegatronConfig:
     moe_aux_loss_coeff: Optional[float] = flag(None, "Load-balancing aux loss coefficient "
                                                "(TransformerConfig.moe_aux_loss_coeff; 0 turns the aux loss "
                                                "off). Unset: config.json's router_aux_loss_coef.", domain="[0, inf)")
+    use_routing_replay: bool = flag(False, "MoE routing replay (R2): record each token's experts in the "
+                                    "old-log-prob pass and replay them in the reference pass and in training "
+                                    "(forward and activation recompute), so the PPO ratio compares the same "
+                                    "experts (megatron-core RouterReplay; metric train/route_agreement). MoE "
+                                    "models, --train-backend megatron.")
+    use_rollout_routing_replay: bool = flag(False, "MoE routing replay of the rollout engine's routes (R3). Not "
+                                            "built yet: the engines do not return routes; refused for a real "
+                                            "run (--dry-run accepts it).")
     moe_token_drop_policy: Optional[str] = flag(None, "Which tokens an over-capacity expert drops "
                                                 "(TransformerConfig.moe_token_drop_policy). No expert capacity "
                                                 "is set here, so nothing is dropped: only probs (the default) "

@@ -218,3 +218,17 @@ def test_dry_run_lists_what_the_real_run_needs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "needs: --moe-permute-fusion takes effect only with a CUDA GPU and transformer-engine >= 2.1" in out
     assert "needs: --attention-backend flash takes effect only with a CUDA GPU and transformer-engine" in out
+
+
+def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
+    """R2 needs MoE layers, the megatron backend and the old-log-prob pass it records in."""
+    dense = hf_dir(tmp_path, "qwen3")
+    with pytest.raises(ConfigError, match="--use-routing-replay configures MoE layers, but the model has no experts"):
+        parse_config(["--hf-checkpoint", dense, "--use-routing-replay"])
+    moe = hf_dir(tmp_path, "qwen3_moe")
+    with pytest.raises(ConfigError, match="--use-routing-replay is a megatron-core setting; --train-backend fsdp"):
+        parse_config(["--hf-checkpoint", moe, "--use-routing-replay", "--train-backend", "fsdp"])
+    with pytest.raises(ConfigError, match="--use-routing-replay: records the routes in the old-log-prob pass, which "
+                                          "--use-rollout-logprobs skips"):
+        parse_config(["--hf-checkpoint", moe, "--use-routing-replay", "--use-rollout-logprobs"])
+    assert parse_config(["--hf-checkpoint", moe, "--use-routing-replay"]).megatron.use_routing_replay

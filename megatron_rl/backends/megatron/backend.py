@@ -39,6 +39,7 @@ from megatron_rl.algorithms.spec import ModelOutput, Spec
 from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager, bucketed,
                                       finish_step_metrics)
 from megatron_rl.backends.loss_rows import LossRows, keep_rows, packed_loss_rows
+from megatron_rl.backends.megatron.routing_replay import RoutingReplay
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
@@ -192,6 +193,11 @@ class MegatronBackend(TrainBackend):
         self.pad_token_id = 0
         # the last stage's output layer, by its DDP-wrapped chunk (what the schedule hands _forward_step)
         self._output_layers = {id(m): c.output_layer for m, c in zip(self.model, self.chunks) if c.post_process}
+        self._chunk_index = {id(m): i for i, m in enumerate(self.model)}
+        self.routing: Optional[RoutingReplay] = None  # --use-routing-replay
+        self._pass_samples: Sequence[AnySample] = ()
+        if self.model_config.moe_enable_routing_replay:
+            self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk))
 
     # ---- helpers -------------------------------------------------------------
 
@@ -243,9 +249,39 @@ class MegatronBackend(TrainBackend):
             shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, cp_rank, self.layout.cp)
             tokens, positions = shard.tensor, shard.position_ids
         layer = self._output_layers.get(id(model))
+        if self.routing is not None:
+            self.routing.before_forward(self._chunk_index[id(model)], mb, self._pass_samples)
         with _output_rows(layer, rows) if layer is not None else contextlib.nullcontext():
             output = model(tokens[None], positions[None], None, packed_seq_params=mb.packed_seq_params())
+        if self.routing is not None:
+            self.routing.after_forward(self._chunk_index[id(model)], mb, self._pass_samples)
         return output, partial(loss_fn, mb, rows)
+
+    def _start_routing(self, samples: Sequence[AnySample], mbs: list[PackedBatch], training: bool) -> None:
+        """Routing replay (``routing_replay.py``): a forward pass over samples this rank has no routes for
+        records them (the old-log-prob pass); every later pass over them replays."""
+        if self.routing is None:
+            return
+        self._pass_samples = samples
+        mine = [samples[i] for mb in mbs for i in mb.sample_indices.tolist()]
+        record = not training and any(id(s) not in self.routing.records for s in mine)
+        self.routing.start_pass(mine, record=record)
+
+    def _end_routing(self, collect: bool = True) -> dict[str, float]:
+        """Close the pass; a replaying pass reports how often the trainer's own router agreed (a collective:
+        every rank; ``collect=False`` after a failed pass, whose peers may not get here)."""
+        if self.routing is None:
+            return {}
+        agreement = self.routing.agreement
+        recording = self.routing.recording
+        self.routing.end_pass()
+        self._pass_samples = ()
+        if recording or not collect:
+            return {}
+        counts = torch.tensor([agreement.agreed, agreement.total], dtype=torch.float64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        return {"route_agreement": float(counts[0] / counts[1])} if counts[1] > 0 else {}
 
     def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -272,8 +308,14 @@ class MegatronBackend(TrainBackend):
                 "logprobs": dict(zip(mb.sample_indices.tolist(), mb.split_response(lp.cpu())))}
 
         _set_mode(self.model, training=False)
-        with torch.no_grad():
-            store = self._run_schedule(mbs, loss_fn, forward_only=True)
+        self._start_routing(samples, mbs, training=False)
+        try:
+            with torch.no_grad():
+                store = self._run_schedule(mbs, loss_fn, forward_only=True)
+        except BaseException:
+            self._end_routing(collect=False)
+            raise
+        self._end_routing()
         local: dict[int, torch.Tensor] = {}
         for item in store:
             local.update(item["logprobs"])
@@ -296,7 +338,13 @@ class MegatronBackend(TrainBackend):
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        self._start_routing(samples, mbs, training=True)
+        try:
+            store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        except BaseException:
+            self._end_routing(collect=False)
+            raise
+        routing = self._end_routing()
         loss_scale = float(self.optimizer.get_loss_scale()) if self.cfg.precision.fp16 else None  # this step's
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
@@ -312,6 +360,7 @@ class MegatronBackend(TrainBackend):
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, metrics)
             metrics = next(m for m in gathered if m)
+        metrics.update(routing)
         return finish_step_metrics({f"train/{k}": v for k, v in metrics.items()}, grad_norm=grad_norm,
                                    lr=self.optimizer.param_groups[0]["lr"], update_ok=update_ok,
                                    loss_scale=loss_scale, micro_batches=plan.num_micro_batches, started=t0)

@@ -1,0 +1,225 @@
+"""MoE routing replay on megatron-core's ``RouterReplay``: the trainer routes each token as recorded.
+
+Why: when the router of a forward pass picks other experts than the pass the
+behaviour log-probs came from, the log-prob ratio of that token is not a policy
+ratio any more; in MoE RL runs the mismatch grows until importance ratios blow up.
+``--use-routing-replay r2`` records the routes of the old-log-prob pass (the first
+forward of a step's samples) and replays them in the reference pass and in every
+training forward and backward (activation recompute included), so the ratio of the
+PPO loss compares the same experts.
+
+The records are per sample, ``[tokens, moe_layers_here, topk]`` (int16, row ``t``:
+the experts input token ``t`` went to, in every MoE layer of this rank's pipeline
+stage), independent of how a pass packs the samples: the training steps pack and
+shard them differently from the old-log-prob pass. Within a pass the routers see
+this rank's tokens: the packed micro-batch, its context-parallel shard
+(``cp_utils.cp_local_index``), and under sequence parallelism this tensor-parallel
+rank's contiguous slice of that; recording gathers those slices back (TP, then CP)
+and replaying cuts them again. Pad tokens replay experts ``0..topk-1`` (their
+outputs are never read); the data-parallel owner of a sample keeps its record (the
+owner-aligned forward plan sends each rank the samples it trains on).
+
+Replay through megatron-core: each router of the model gets its targets for the
+micro-batch before the forward (``REPLAY_FORWARD``); a forward that megatron
+re-runs inside the backward (``--recompute-granularity full``) reads the same
+targets again in order (``REPLAY_BACKWARD``, megatron's FIFO of the step's targets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.data.packing import PackedBatch
+from megatron_rl.models import cp_utils
+
+ROUTE_DTYPE = torch.int16  # expert ids: up to 32,767 experts
+
+
+@dataclass
+class RouteAgreement:
+    """How often the trainer's own router picked the replayed experts (as a set), over real tokens."""
+
+    agreed: int = 0
+    total: int = 0
+
+    def add(self, own: torch.Tensor, replayed: torch.Tensor, valid: torch.Tensor) -> None:
+        same = (own.sort(dim=1).values == replayed.sort(dim=1).values).all(dim=1) & valid
+        self.agreed += int(same.sum())
+        self.total += int(valid.sum())
+
+
+@dataclass
+class _Router:
+    """One MoE layer's router on this rank: its ordinal among this stage's MoE layers, the chunk holding it."""
+
+    chunk: int
+    ordinal: int
+    router: torch.nn.Module
+
+
+@dataclass
+class RoutingReplay:
+    """The replay state of one backend: which routers, what was recorded, what is being replayed."""
+
+    routers: list[_Router]
+    tp_group: object
+    tp_size: int
+    tp_rank: int
+    sequence_parallel: bool
+    cp_group: object
+    cp_size: int
+    cp_rank: int
+    topk: int
+    records: dict[int, torch.Tensor] = field(default_factory=dict)  # id(sample) -> [tokens, layers, topk]
+    recording: bool = False
+    agreement: RouteAgreement = field(default_factory=RouteAgreement)
+    _valid: dict[int, torch.Tensor] = field(default_factory=dict)  # router ordinal -> this forward's real rows
+
+    @classmethod
+    def attach(cls, chunks: Sequence[torch.nn.Module], ps, layout, topk: int) -> "RoutingReplay":
+        """Find every MoE router of ``chunks`` (built with ``moe_enable_routing_replay``) and wrap its replay."""
+        routers: list[_Router] = []
+        for c, chunk in enumerate(chunks):
+            for module in chunk.modules():
+                replay = getattr(module, "router_replay", None)
+                if replay is not None:
+                    routers.append(_Router(c, len(routers), module))
+        state = cls(routers=routers, tp_group=ps.get_tensor_model_parallel_group(), tp_size=layout.tp,
+                    tp_rank=ps.get_tensor_model_parallel_rank(),
+                    sequence_parallel=bool(layout.sequence_parallel and layout.tp > 1),
+                    cp_group=ps.get_context_parallel_group(), cp_size=layout.cp,
+                    cp_rank=ps.get_context_parallel_rank(), topk=topk)
+        for r in routers:
+            r.router.router_replay.get_replay_topk = MethodType(_replay_topk(state, r.ordinal),
+                                                               r.router.router_replay)
+        return state
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.routers)
+
+    # ---- a pass ---------------------------------------------------------------
+
+    def start_pass(self, samples: Sequence, record: bool) -> None:
+        """Before a forward pass over ``samples``: record their routes (dropping older records) or replay them."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction  # lazy: megatron-core
+
+        self.recording = record
+        self.agreement = RouteAgreement()
+        if not self.routers:  # a pipeline stage without MoE layers: nothing to record or replay
+            return
+        if record:
+            self.records = {}
+        else:
+            missing = [i for i, s in enumerate(samples) if id(s) not in self.records]
+            if missing:
+                raise RuntimeError(f"routing replay: no recorded routes for samples {missing[:5]} of this pass; the "
+                                   "old-log-prob pass records them (a pass that replays must follow it)")
+        action = RouterReplayAction.RECORD if record else RouterReplayAction.REPLAY_FORWARD
+        for r in self.routers:
+            r.router.router_replay.clear_indices()
+            r.router.router_replay.set_router_replay_action(action)
+
+    def end_pass(self) -> None:
+        for r in self.routers:
+            r.router.router_replay.clear_indices()
+            r.router.router_replay.clear_router_replay_action()
+        self._valid = {}
+
+    # ---- a micro-batch ----------------------------------------------------------
+
+    def _local_rows(self, mb: PackedBatch) -> torch.Tensor:
+        """Packed positions the routers of this rank see, in their order (CP shard, then the SP slice)."""
+        index = cp_utils.cp_local_index(mb.cu_seqlens, self.cp_rank, self.cp_size)
+        if self.sequence_parallel:
+            n = index.numel() // self.tp_size
+            index = index[self.tp_rank * n:(self.tp_rank + 1) * n]
+        return index
+
+    def before_forward(self, chunk: int, mb: PackedBatch, samples: Sequence) -> None:
+        """Give each router of ``chunk`` the micro-batch's recorded routes (replay passes)."""
+        if self.recording:
+            return
+        mine = [r for r in self.routers if r.chunk == chunk]
+        if not mine:
+            return
+        packed, valid = self._packed_routes(mb, samples, [r.ordinal for r in mine])
+        rows = self._local_rows(mb)
+        for j, r in enumerate(mine):
+            r.router.router_replay.set_target_indices(packed[rows, j].long())
+            self._valid[r.ordinal] = valid[rows]
+
+    def after_forward(self, chunk: int, mb: PackedBatch, samples: Sequence) -> None:
+        """Gather what each router of ``chunk`` recorded and keep it per sample (recording passes)."""
+        if not self.recording:
+            return
+        mine = [r for r in self.routers if r.chunk == chunk]
+        if not mine:
+            return
+        # int32 on the routers' device for the collectives (gloo has no int16; NCCL groups take device tensors)
+        local = torch.stack([r.router.router_replay.get_recorded_indices().to(torch.int32) for r in mine], dim=1)
+        full = self._gather(local, mb).to("cpu", ROUTE_DTYPE)  # [T, layers_of_chunk, topk], packed order
+        cu = mb.cu_seqlens.tolist()
+        for i, idx in enumerate(mb.sample_indices.tolist()):
+            s = samples[idx]
+            part = full[cu[i]:cu[i] + s.total_length]
+            have = self.records.get(id(s))
+            self.records[id(s)] = part if have is None else torch.cat([have, part], dim=1)
+
+    def _gather(self, local: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+        if self.sequence_parallel:
+            parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+            dist.all_gather(parts, local, group=self.tp_group)
+            local = torch.cat(parts)
+        if self.cp_size > 1:
+            parts = [torch.empty_like(local) for _ in range(self.cp_size)]
+            dist.all_gather(parts, local, group=self.cp_group)
+            perm = cp_utils.cp_gather_permutation(mb.cu_seqlens, self.cp_size)
+            local = torch.cat(parts).index_select(0, perm.to(local.device))
+        return local
+
+    def _packed_routes(self, mb: PackedBatch, samples: Sequence, ordinals: list[int]):
+        """``[T, len(ordinals), topk]`` routes over the packed tokens, and which rows are real tokens."""
+        T = mb.num_tokens
+        packed = torch.arange(self.topk, dtype=ROUTE_DTYPE).expand(T, len(ordinals), self.topk).clone()
+        valid = torch.zeros(T, dtype=torch.bool)
+        cu = mb.cu_seqlens.tolist()
+        for i, idx in enumerate(mb.sample_indices.tolist()):
+            rec = self.records[id(samples[idx])][:, ordinals]
+            packed[cu[i]:cu[i] + rec.shape[0]] = rec
+            valid[cu[i]:cu[i] + rec.shape[0]] = True
+        return packed, valid
+
+
+def _replay_topk(state: RoutingReplay, ordinal: int):
+    """megatron-core's ``RouterReplay.get_replay_topk``, plus: a forward re-run inside the backward (activation
+    recompute) replays from the step's FIFO, and each replay counts whether the router's own top-k agreed."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # lazy: megatron-core
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        action = self.router_replay_action
+        if action == RouterReplayAction.REPLAY_FORWARD and torch._C._current_graph_task_id() != -1:
+            self.router_replay_action = RouterReplayAction.REPLAY_BACKWARD  # megatron's recompute, in the backward
+            try:
+                return RouterReplay.get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
+            finally:
+                self.router_replay_action = action
+        if action == RouterReplayAction.REPLAY_FORWARD:
+            with torch.no_grad():
+                _, own = default_compute_topk(scores, topk, num_groups, group_topk)
+            valid = state._valid.get(ordinal)
+            if valid is not None:
+                state.agreement.add(own.cpu(), self.target_topk_idx.cpu(), valid)
+        return RouterReplay.get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
+
+    return get_replay_topk
+
+
+def moe_topk(config) -> Optional[int]:
+    """The router's top-k of a megatron ``TransformerConfig`` (None for a dense model)."""
+    return int(config.moe_router_topk) if getattr(config, "num_moe_experts", None) else None
