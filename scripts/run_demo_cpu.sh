@@ -7,6 +7,8 @@
 # Asynchronous RL: add --async-mode one-step, or --async-mode full [--partial-rollout]; the embedded
 # engine then runs in a process of its own (--embedded-engine-ranks process) beside the trainer ranks,
 # synced from disk under $OUT/engine_weights (docs/async.md).
+# An MoE policy: DEMO_FAMILY=qwen3_moe (8 experts, top-2), e.g. with --expert-model-parallel-size 2
+# --use-routing-replay (docs/algorithms.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -15,7 +17,7 @@ NPROC=${NPROC:-2}
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-"$PY" -m megatron_rl.data.synthetic --out "$OUT"
+"$PY" -m megatron_rl.data.synthetic --out "$OUT" --family "${DEMO_FAMILY:-qwen2}"
 # exec: this script's process becomes torchrun (megatron_rl.infra.launch), so SIGTERM/Ctrl-C to it,
 # to its process group or to torchrun all stop the run the same way: the workers finish the step,
 # save, and this exits 3. Exit codes: 0 finished, 3 stopped early (relaunch to resume), 2 refused

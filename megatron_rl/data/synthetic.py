@@ -9,7 +9,7 @@ initial model).
 
 Everything is real HF material built locally: a word-level ``tokenizers``
 tokenizer saved with ``save_pretrained`` (so ``AutoTokenizer`` loads it) and a
-tiny Qwen2-architecture model with random weights.
+tiny Qwen2-architecture model with random weights (or its Qwen3-MoE twin: ``--family``).
 """
 
 from __future__ import annotations
@@ -40,18 +40,32 @@ def build_tokenizer(path: str):
     return fast
 
 
-def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int = 64) -> str:
-    """Tiny Qwen2-architecture policy + the digit tokenizer, saved as an HF directory."""
+#: the demo model's architecture families (``--family``): the dense default and an MoE twin
+DEMO_FAMILIES = ("qwen2", "qwen3_moe")
+
+
+def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int = 64, family: str = "qwen2") -> str:
+    """Tiny policy + the digit tokenizer, saved as an HF directory: Qwen2 architecture, or (``qwen3_moe``)
+    Qwen3-MoE with 8 experts, top-2, in every layer (what MoE features such as routing replay run on)."""
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_theta=10000.0,  # type: ignore[call-arg]  # 4.x's name (setup.py: >=4.51); 5.x still takes it
+        rope_theta=10000.0,  # 4.x's name (setup.py: >=4.51); 5.x still takes it
         tie_word_embeddings=True, dtype="float32",
         bos_token_id=VOCAB.index(BOS), eos_token_id=VOCAB.index(EOS), pad_token_id=VOCAB.index(PAD),
     )
+    if family == "qwen2":
+        config = transformers.Qwen2Config(intermediate_size=2 * hidden, **common)  # type: ignore[arg-type]
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, head_dim=hidden // 4, num_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=hidden,
+                                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                             router_aux_loss_coef=0.0, **common)  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"--family {family!r}: the demo model is one of {', '.join(DEMO_FAMILIES)}")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = VOCAB.index(EOS)
@@ -108,12 +122,21 @@ def batch_scores(responses: Iterable[str], labels: Iterable[str]) -> list[float]
     return [score(r, lab) for r, lab in zip(responses, labels)]
 
 
-def prepare(out_dir: str, *, num_prompts: int = 4096, num_eval: int = 64, num_digits: int = 4, seed: int = 0) -> dict:
-    """Model + train/eval prompt files for the demo under ``out_dir`` (kept if already there)."""
+def prepare(out_dir: str, *, num_prompts: int = 4096, num_eval: int = 64, num_digits: int = 4, seed: int = 0,
+            family: str = "qwen2") -> dict:
+    """Model + train/eval prompt files for the demo under ``out_dir`` (kept if already there: a run dir
+    resumes with its own model, so one built for another ``family`` is refused, not replaced)."""
     paths = {"model": os.path.join(out_dir, "model"), "prompts": os.path.join(out_dir, "prompts.jsonl"),
              "eval": os.path.join(out_dir, "eval.jsonl")}
-    if not os.path.isfile(os.path.join(paths["model"], "config.json")):
-        build_demo_model(paths["model"], seed=seed)
+    config_path = os.path.join(paths["model"], "config.json")
+    if not os.path.isfile(config_path):
+        build_demo_model(paths["model"], seed=seed, family=family)
+    else:
+        with open(config_path) as f:
+            have = json.load(f).get("model_type")
+        if have != family:
+            raise SystemExit(f"error: {paths['model']} holds a {have} demo model, not {family}: use another OUT "
+                             f"(or DEMO_FAMILY={have}) to keep that run")
     if not os.path.isfile(paths["prompts"]):
         write_prompt_file(paths["prompts"], num_prompts, num_digits, seed=seed + 1)
     if not os.path.isfile(paths["eval"]):
@@ -128,6 +151,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-digits", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", default="qwen2", choices=DEMO_FAMILIES, help="the demo model's architecture")
     args = ap.parse_args()
-    for k, v in prepare(args.out, num_digits=args.num_digits, seed=args.seed).items():
+    for k, v in prepare(args.out, num_digits=args.num_digits, seed=args.seed, family=args.family).items():
         print(f"{k}: {v}")

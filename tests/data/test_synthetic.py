@@ -37,3 +37,16 @@ def test_prompt_file(tmp_path):
         digits = r["prompt"].split()[:-1]
         assert r["prompt"].endswith(" =") and len(digits) == 3
         assert r["label"].split() == [str((int(d) + 1) % 10) for d in digits]
+
+
+def test_moe_demo_model_and_a_run_dir_keeps_its_family(tmp_path):
+    import pytest
+    import transformers
+
+    paths = synthetic.prepare(str(tmp_path), num_prompts=4, num_eval=2, family="qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths["model"])
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 8
+    assert model(torch.tensor([[4, 5, 3]])).logits.shape == (1, 3, synthetic.VOCAB_SIZE)
+    assert synthetic.prepare(str(tmp_path), family="qwen3_moe") == paths  # kept: a resumed run's own model
+    with pytest.raises(SystemExit, match="holds a qwen3_moe demo model, not qwen2"):
+        synthetic.prepare(str(tmp_path), family="qwen2")
