@@ -42,15 +42,23 @@ ROUTE_DTYPE = torch.int16  # expert ids: up to 32,767 experts
 
 @dataclass
 class RouteAgreement:
-    """How often the trainer's own router picked the replayed experts (as a set), over real tokens."""
+    """How often the trainer's own router picked the replayed experts (as a set), over real tokens.
+    Counted on the routers' device and read once per pass (no host sync per layer)."""
 
-    agreed: int = 0
-    total: int = 0
+    counts: Optional[torch.Tensor] = None  # [agreed, total]
 
     def add(self, own: torch.Tensor, replayed: torch.Tensor, valid: torch.Tensor) -> None:
         same = (own.sort(dim=1).values == replayed.sort(dim=1).values).all(dim=1) & valid
-        self.agreed += int(same.sum())
-        self.total += int(valid.sum())
+        step = torch.stack([same.sum(), valid.sum()]).to(torch.float64)
+        self.counts = step if self.counts is None else self.counts + step
+
+    @property
+    def agreed(self) -> int:
+        return 0 if self.counts is None else int(self.counts[0])
+
+    @property
+    def total(self) -> int:
+        return 0 if self.counts is None else int(self.counts[1])
 
 
 @dataclass
@@ -150,9 +158,11 @@ class RoutingReplay:
             return
         packed, valid = self._packed_routes(mb, samples, [r.ordinal for r in mine])
         rows = self._local_rows(mb)
+        device = next(mine[0].router.parameters()).device
+        packed, valid = packed[rows].to(device), valid[rows].to(device)
         for j, r in enumerate(mine):
-            r.router.router_replay.set_target_indices(packed[rows, j].long())
-            self._valid[r.ordinal] = valid[rows]
+            r.router.router_replay.set_target_indices(packed[:, j].long())
+            self._valid[r.ordinal] = valid
 
     def after_forward(self, chunk: int, mb: PackedBatch, samples: Sequence) -> None:
         """Gather what each router of ``chunk`` recorded and keep it per sample (recording passes)."""
@@ -214,7 +224,7 @@ def _replay_topk(state: RoutingReplay, ordinal: int):
                 _, own = default_compute_topk(scores, topk, num_groups, group_topk)
             valid = state._valid.get(ordinal)
             if valid is not None:
-                state.agreement.add(own.cpu(), self.target_topk_idx.cpu(), valid)
+                state.agreement.add(own, self.target_topk_idx.to(own.device), valid)
         return RouterReplay.get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
 
     return get_replay_topk
