@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from backend_worker import make_samples  # noqa: E402  (the backend tests' batch: agentic masks included)
+from fsdp_worker import flags_of  # noqa: E402  (the backend tests' flags)
 
 FORCED = (0, 1)
 
@@ -39,12 +40,8 @@ def main():
     results = {}
     for layout in layouts:
         flags = [f for f in layout.split(",") if f]
-        argv = ["--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node", str(world), "--lr", "1e-2",
-                "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--seed", "7", "--adam-eps", "1e-4",
-                "--micro-batch-size", "1", "--weight-decay", "0", "--use-routing-replay"]
-        argv += sum((f.split("=", 1) for f in flags), [])
-        cfg = parse_config(argv)
-        spec = PolicyGradientSpec(PolicyGradientConfig())
+        cfg = parse_config(flags_of(hf_dir, world, flags + ["--weight-decay=0", "--use-routing-replay"]))
+        spec = PolicyGradientSpec(PolicyGradientConfig())  # PPO clip alone: no reference pass needed
         backend = MegatronBackend()
         backend.initialize(cfg, spec)
         replay = backend.routing
