@@ -30,6 +30,9 @@ Checks:
                 a host backup and resumed: device memory freed, pause/resume seconds, every parameter
                 the same bits after the resume (and the host backup equal while paused), a finite step
                 after it. Skipped with the reason where it does not import or there is no GPU.
+  routing_replay
+                megatron with --use-routing-replay on a Qwen3-MoE of the same body (bf16, full recompute):
+                route agreement per step, step time against the same steps without replay.
 
     torchrun --nproc-per-node 1 benchmarks/gpu_steps.py --json OUT.json [--dry-run] [--checks a,b]
 """
@@ -49,7 +52,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver")
+CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "routing_replay")
 # a Qwen2-shaped model that fits one H200 many times over: the vocab is Qwen's (the [tokens, vocab] logits are
 # what RL steps spend memory on), the body is small so the check takes seconds
 GPU_MODEL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -129,7 +132,7 @@ class Run:
         for _ in range(steps):
             m = self.backend.train_step(batch)
             metrics.append({k: m[k] for k in ("train/pg_loss", "train/grad_norm", "train/update_skipped",
-                                              "train/loss_scale") if k in m})
+                                              "train/loss_scale", "train/route_agreement") if k in m})
         _sync()
         dt = (time.perf_counter() - t0) / steps
         return {"step_s": dt, "tokens_per_s": self.tokens / dt, "steps": metrics, **_mem()}
@@ -172,6 +175,30 @@ def bare_megatron_step(run: Run, steps: int) -> dict:
     _sync()
     dt = (time.perf_counter() - t0) / steps
     return {"step_s": dt, "tokens_per_s": run.tokens / dt, "micro_batches": len(mbs)}
+
+
+def check_routing_replay(hf, batch, dry):
+    """--use-routing-replay on a Qwen3-MoE of the same body (16 experts, top-2, bf16, full activation recompute,
+    so the backward's re-run forward replays from megatron's FIFO on the device): each step's route agreement and
+    the step time against the same steps without replay."""
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    body = DRY_MODEL if dry else GPU_MODEL
+    with tempfile.TemporaryDirectory(prefix="gpu_moe_") as tmp:
+        moe = build_tiny_hf_model("qwen3_moe", os.path.join(tmp, "moe"), **body,
+                                  head_dim=body["hidden_size"] // body["num_attention_heads"], num_experts=16,
+                                  num_experts_per_tok=2, moe_intermediate_size=body["intermediate_size"] // 4)
+        out: dict = {}
+        for name, extra in (("none", []), ("r2", ["--use-routing-replay"])):
+            run = Run("megatron", moe, batch, ["--bf16", "--recompute-granularity", "full", *extra])
+            try:
+                out[name] = run.train(batch["steps"])
+            finally:
+                run.close()
+    agreement = [m.get("train/route_agreement") for m in out["r2"]["steps"]]
+    if not agreement or any(a is None or not 0.0 < a <= 1.0 for a in agreement):
+        raise RuntimeError(f"routing replay reported no or impossible route agreement: {agreement}")
+    return {**out, "route_agreement": agreement, "r2_over_none_step_s": out["r2"]["step_s"] / out["none"]["step_s"]}
 
 
 def check_train_step(hf, batch, dry):
