@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Iterable
+from typing import Any, Iterable
 
 PAD, BOS, EOS, SEP = "<pad>", "<bos>", "<eos>", "="
 DIGITS = [str(d) for d in range(10)]
@@ -57,13 +57,14 @@ def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int 
         tie_word_embeddings=True, dtype="float32",
         bos_token_id=VOCAB.index(BOS), eos_token_id=VOCAB.index(EOS), pad_token_id=VOCAB.index(PAD),
     )
+    config: Any
     if family == "qwen2":
         config = transformers.Qwen2Config(intermediate_size=2 * hidden, **common)  # type: ignore[arg-type]
     elif family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(intermediate_size=2 * hidden, head_dim=hidden // 4, num_experts=8,
                                              num_experts_per_tok=2, moe_intermediate_size=hidden,
                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                                             router_aux_loss_coef=0.0, **common)  # type: ignore[arg-type]
+                                             router_aux_loss_coef=0.0, **common)  # type: ignore[arg-type,call-arg]
     else:
         raise ValueError(f"--family {family!r}: the demo model is one of {', '.join(DEMO_FAMILIES)}")
     torch.manual_seed(seed)

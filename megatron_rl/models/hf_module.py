@@ -75,7 +75,7 @@ def checkpoint_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     Why the buffers: GLM-4.5's router ``e_score_correction_bias`` is a buffer that the checkpoint
     holds (fixed during training); an export of parameters alone would drop it, and a loader would
     then start it at zeros."""
-    items = list(model.named_parameters())
+    items: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
     for prefix, module in model.named_modules():
         for short, tensor in module._buffers.items():
             if tensor is None or short in module._non_persistent_buffers_set:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ class _Router:
 
     chunk: int
     ordinal: int
-    router: torch.nn.Module
+    router: Any  # megatron-core's TopKRouter (its ``router_replay`` is a RouterReplay)
 
 
 @dataclass
