@@ -130,12 +130,6 @@ def _async_errors(cfg: Config) -> list[str]:
     if r.max_staleness is not None and r.max_staleness < 1:
         errors.append(f"--max-staleness {r.max_staleness}: generation overlapping training is at least one update "
                       "behind; use >= 1, or --async-mode off for on-policy batches")
-    if r.async_mode == "full" and r.dynamic_sampling_filter_path:
-        errors.append(NotBuilt(f"--dynamic-sampling-filter-path with --async-mode full (the producer admitting "
-                               f"another prompt for each group the filter drops) is {_NOT_YET}: the producer "
-                               "generates prompt groups one at a time for the buffer, not a rollout in rounds; "
-                               "use --async-mode one-step (the rollout generated while training fills its batch "
-                               "in rounds as in turn) or drop the filter"))
     if not (cfg.has_training and cfg.has_rollout_engine):
         why = ("generates nothing (--debug-train-only / --load-debug-rollout-data)" if not cfg.has_rollout_engine
                else "trains nothing (--debug-rollout-only)")

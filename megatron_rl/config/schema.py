@@ -550,7 +550,8 @@ class RolloutConfig:
         None, "Dynamic sampling (DAPO, docs/agentic.md): a filter judging each prompt group after its rewards, as "
         "module:function, file.py:function or slime's dotted path; fn(args, samples) returns True to keep the group "
         "or slime's DynamicFilterOutput. Prompts are drawn and generated in rounds of --over-sampling-batch-size "
-        "until --rollout-batch-size kept groups fill the batch (kept groups beyond it are dropped and counted). "
+        "until --rollout-batch-size kept groups fill the batch (kept groups beyond it are dropped and counted); "
+        "under --async-mode full each group is judged as it finishes and a dropped one never enters the buffer. "
         "Built-in: megatron_rl.rollout.dynamic_sampling:check_reward_nonzero_std (drops groups whose rewards are "
         "all equal; slime's slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std names it "
         "too) and check_reward_nonzero_std_with_fallback.")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -43,7 +44,7 @@ from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.user_function import load_user_function
 
-__all__ = ["DynamicFilterOutput", "DynamicSampler", "SLIME_FILTERS", "check_reward_nonzero_std",
+__all__ = ["DynamicFilterOutput", "DynamicSampler", "StreamFilter", "SLIME_FILTERS", "check_reward_nonzero_std",
            "check_reward_nonzero_std_with_fallback", "load_filter"]
 
 ROUND_SEED_STRIDE = 7_919_993  # round r's sampling seed offset; apart from the abort retries' 1_000_003 steps
@@ -197,3 +198,69 @@ class DynamicSampler:
                 f"groups ({why}). Groups that all score the same mean the prompts are all solved or all failed by "
                 "the current policy: check the reward function and the data's difficulty, or raise "
                 "--dynamic-sampling-max-rounds / --over-sampling-batch-size")
+
+
+class StreamFilter:
+    """``--dynamic-sampling-filter-path`` under ``--async-mode full``: each group is judged as it finishes.
+
+    The producer generates prompt groups continuously for the buffer, not a rollout in rounds; a
+    group the filter drops never enters the buffer, so its place under the staleness bound goes to
+    the next prompt, and a step's batch is ``--rollout-batch-size`` kept groups as in turn. There are
+    no rounds: ``keep_when_insufficient`` has nothing to weigh and the verdict's ``keep`` decides. The
+    bound that ends a run whose groups are all dropped is the in-turn one's total,
+    ``--dynamic-sampling-max-rounds`` x max(``--rollout-batch-size``, ``--over-sampling-batch-size``)
+    groups dropped in a row. Workers call ``keep`` from their threads (a lock orders the counts).
+    """
+
+    def __init__(self, sampler: DynamicSampler, args: Any, batch_size: int):
+        self.sampler, self.args, self.batch_size = sampler, args, batch_size
+        self.limit = sampler.max_rounds * max(batch_size, sampler.over_sampling_batch_size)
+        self._lock = threading.Lock()
+        self._in_a_row = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.generated = self.filtered = 0
+        self.reasons: Counter[str] = Counter()
+        self.reward_sum, self.reward_count = 0.0, 0
+
+    def keep(self, group: list[Sample]) -> bool:
+        """Whether the finished, rewarded ``group`` goes to the buffer; raises once ``limit`` groups in a row
+        were dropped (naming the flags, as the in-turn sampler does after its last round)."""
+        verdict = _verdict(self.sampler.filter_fn(self.args, group), self.sampler.filter_path, group)
+        with self._lock:
+            self.generated += 1
+            self.reward_sum += sum(s.reward for s in group)
+            self.reward_count += len(group)
+            if verdict.keep:
+                self._in_a_row = 0
+                return True
+            self.filtered += 1
+            self._in_a_row += 1
+            if verdict.reason:
+                self.reasons[verdict.reason] += 1
+            if self._in_a_row >= self.limit:
+                why = ", ".join(f"{r}: {c}" for r, c in self.reasons.most_common(4)) or "no reasons given"
+                raise ConfigError(
+                    f"dynamic sampling under --async-mode full: --dynamic-sampling-filter-path "
+                    f"{self.sampler.filter_path} dropped {self._in_a_row} finished prompt groups in a row "
+                    f"(--dynamic-sampling-max-rounds {self.sampler.max_rounds} x max(--rollout-batch-size "
+                    f"{self.batch_size}, --over-sampling-batch-size {self.sampler.over_sampling_batch_size})) "
+                    f"({why}). Groups that all score the same mean the prompts are all solved or all failed by "
+                    "the current policy: check the reward function and the data's difficulty, or raise "
+                    "--dynamic-sampling-max-rounds")
+            return False
+
+    def metrics(self, kept_groups: int) -> dict[str, float]:
+        """The in-turn sampler's metrics for the groups judged since the last call (the step's share of the
+        stream: they finished while this step waited or trained); the counts start again."""
+        with self._lock:
+            total = self.generated
+            out = {"rollout/generated_groups": float(total), "rollout/filtered_groups": float(self.filtered),
+                   "rollout/filtered_groups_frac": self.filtered / total if total else 0.0,
+                   "rollout/generation_cost_ratio": total / kept_groups if kept_groups else 0.0}
+            if self.reward_count:
+                out["rollout/generated_reward_mean"] = self.reward_sum / self.reward_count
+            out.update({f"rollout/dynamic_filter/drop_{r}": float(c) for r, c in self.reasons.items()})
+            self._reset()
+            return out

@@ -30,6 +30,7 @@ import torch
 
 from megatron_rl.data.types import GenerateRequest, Sample
 from megatron_rl.errors import ConfigError, EngineError
+from megatron_rl.rollout.dynamic_sampling import DynamicSampler, StreamFilter
 from megatron_rl.rollout.generate_fn import RolloutFunctions
 from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_version_metrics
 from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
@@ -71,6 +72,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
 
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size
+    sampler = DynamicSampler.from_config(cfg)  # --dynamic-sampling-filter-path: groups judged as they finish
+    group_filter = StreamFilter(sampler, cfg, groups) if sampler is not None else None
     producer = RolloutProducer(
         rollout.engine, lambda: list(next(rollout.prompts).requests),
         sampling_params(cfg, n=b.n_samples_per_prompt, seed=r.rollout_seed), groups_per_step=groups,
@@ -81,7 +84,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
                       [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])],
         position=rollout.position, generate_group=functions.group_generate(tok) if functions else None,
-        tolerate_faults=r.use_fault_tolerance)
+        tolerate_faults=r.use_fault_tolerance, group_filter=group_filter)
     return producer
 
 
@@ -124,6 +127,8 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
                "rollout/inflight_groups": float(generating),
                "rollout/partial_continued_samples": float(sum("partial_continuations" in s.metadata for s in samples)),
                "perf/rollout_wait_s": wait_s}
+    if producer.group_filter is not None:  # --dynamic-sampling-filter-path: what the filter dropped meanwhile
+        metrics.update(producer.group_filter.metrics(len(kept)))
     metrics.update(weight_version_metrics(samples, rollout_id))  # staleness against the weights that train them
     metrics.update(reward_metrics(samples))  # reward/<key> of rewards that return a dict
     if cfg.mode.save_debug_rollout_data:

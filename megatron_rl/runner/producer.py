@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
 from megatron_rl.infra.pause_points import pause_point
+from megatron_rl.rollout.dynamic_sampling import StreamFilter
 from megatron_rl.rollout.generate_fn import GroupGenerate
 
 log = logging.getLogger("megatron_rl")
@@ -85,7 +86,8 @@ class RolloutProducer:
                  score: Callable[[list[Sample]], None], concurrency: int, abort_retries: int = 2,
                  next_step: int = 0, next_serial: int = 0, pending: Optional[list[GenerateRequest]] = None,
                  buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None,
-                 generate_group: Optional[GroupGenerate] = None, tolerate_faults: bool = False):
+                 generate_group: Optional[GroupGenerate] = None, tolerate_faults: bool = False,
+                 group_filter: Optional[StreamFilter] = None):
         if max_staleness < 1:
             raise ValueError("a producer that overlaps training needs max_staleness >= 1")
         self.engine, self.draw, self.sampling = engine, draw, sampling
@@ -94,6 +96,7 @@ class RolloutProducer:
         self.position = position  # the prompt position, read with the snapshot under the same lock as draw()
         self.generate_group = generate_group  # --custom-generate-function-path: the user's function per group
         self.tolerate_faults = tolerate_faults  # --use-fault-tolerance: an engine error parks the producer
+        self.group_filter = group_filter  # --dynamic-sampling-filter-path: a group it drops never reaches the buffer
         self._fault: Optional[str] = None  # the engine error that parked it, until recovered()
         self.concurrency = max(1, concurrency)
         self._cond = threading.Condition()
@@ -283,11 +286,12 @@ class RolloutProducer:
                     self.park(str(exc))
                     continue
                 self.score(group.samples)
+                kept = self.group_filter is None or self.group_filter.keep(group.samples)
                 with self._cond:
                     del self._inflight[group.serial]
                     if not self._inflight:
                         self._idle_since = time.perf_counter()
-                    if not self._stopped:
+                    if kept and not self._stopped:  # a dropped group's place goes to the next prompt
                         self._buffer.append(group)
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - the trainer's next take raises it, naming the producer

@@ -14,7 +14,7 @@ import pytest
 from reward_server import RewardServer  # tests/rollout/ is on sys.path (pytest's rootdir-relative import)
 
 from megatron_rl.config import parse_config
-from megatron_rl.config.validate import collect_errors, is_not_built_yet
+from megatron_rl.config.validate import collect_errors
 from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
@@ -22,6 +22,7 @@ from megatron_rl.rollout.build import build_rollout
 from megatron_rl.rollout.dynamic_sampling import (
     DynamicFilterOutput,
     DynamicSampler,
+    StreamFilter,
     check_reward_nonzero_std,
     load_filter,
 )
@@ -226,9 +227,29 @@ def test_dynamic_sampling_with_async_modes(errors, tmp_path):
     servers = ["--rollout-backend", "sglang", "--rollout-engine-urls", "http://127.0.0.1:30000",
                "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")]
     assert errors(*servers, *BUILTIN, "--async-mode", "one-step") == []  # the rollout thread fills it in rounds
-    (found,) = errors(*servers, *BUILTIN, "--async-mode", "full")
-    assert is_not_built_yet(found) and "--dynamic-sampling-filter-path with --async-mode full" in found
-    assert "use --async-mode one-step" in found
+    assert errors(*servers, *BUILTIN, "--async-mode", "full") == []  # the producer judges each finished group
+
+
+def _group(prompt_index: int, rewards: list[float]) -> list:
+    return [Sample(group_index=0, prompt_ids=[1], response_ids=[2], reward=r, metadata={"prompt_index": prompt_index})
+            for r in rewards]
+
+
+def test_stream_filter_judges_each_group_counts_and_stops_a_hopeless_run():
+    sampler = DynamicSampler(check_reward_nonzero_std, "check_reward_nonzero_std", over_sampling_batch_size=2,
+                             max_rounds=3)
+    stream = StreamFilter(sampler, None, batch_size=2)
+    assert stream.limit == 6  # 3 rounds x max(batch 2, over-sampling 2)
+    assert stream.keep(_group(0, [0.0, 1.0])) and not stream.keep(_group(1, [1.0, 1.0]))
+    m = stream.metrics(kept_groups=1)
+    assert m["rollout/generated_groups"] == 2 and m["rollout/filtered_groups"] == 1
+    assert m["rollout/filtered_groups_frac"] == 0.5 and m["rollout/generation_cost_ratio"] == 2.0
+    assert m["rollout/generated_reward_mean"] == 0.75
+    assert stream.metrics(kept_groups=1)["rollout/generated_groups"] == 0  # counts start again per step
+    for i in range(4):  # 1 dropped in a row already (prompt 1): the 6th in a row ends the run
+        assert not stream.keep(_group(10 + i, [0.0, 0.0]))
+    with pytest.raises(ConfigError, match=r"dropped 6 finished prompt groups in a row \(--dynamic-sampling-max-rounds 3"):
+        stream.keep(_group(20, [0.0, 0.0]))
 
 
 def test_the_built_rollout_fills_its_batch_from_a_reward_server(tiny_hf_models, tmp_path):

@@ -298,3 +298,30 @@ def test_a_generate_function_cut_by_a_sync_is_run_again_whole():
                 assert min(s.effective_token_versions()) >= step - 1
     assert indices == list(range(10 * B))
     assert len(attempts) > len(indices)  # some syncs cut a group, which ran again
+
+
+def test_a_dynamic_sampling_filter_keeps_dropped_groups_out_of_the_buffer_and_the_bound():
+    """--dynamic-sampling-filter-path under --async-mode full: the groups of odd prompts are dropped as they
+    finish; every step still trains B kept groups, in admission order, within the staleness bound."""
+    from megatron_rl.rollout.dynamic_sampling import DynamicFilterOutput, DynamicSampler, StreamFilter
+
+    def even_prompts(args, samples):
+        keep = samples[0].metadata["prompt_index"] % 2 == 0
+        return DynamicFilterOutput(keep=keep, reason=None if keep else "odd")
+
+    stream = StreamFilter(DynamicSampler(even_prompts, "even_prompts", over_sampling_batch_size=B, max_rounds=4),
+                          None, batch_size=B)
+    engine, prompts = PausingEngine(seed=5, delay=0.001), Prompts()
+    producer = make(engine, prompts, k=1, partial=True, group_filter=stream)
+    producer.start()
+    try:
+        trained = train(producer, engine, steps=6, trainer_delay=0.002, seed=5)
+    finally:
+        producer.stop()
+    indices = [g.request.metadata["prompt_index"] for _, groups in trained for g in groups]
+    assert all(len(groups) == B for _, groups in trained)
+    assert indices == list(range(0, 12 * B, 2))  # the even prompts, each once, in admission order
+    for step, groups in trained:
+        assert all(s.staleness(step) <= 1 for g in groups for s in g.samples)
+    m = stream.metrics(kept_groups=6 * B)
+    assert m["rollout/filtered_groups"] >= 6 * B - 1 and m["rollout/dynamic_filter/drop_odd"] == m["rollout/filtered_groups"]
