@@ -600,6 +600,16 @@ def patch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def patch_mla_have_te() -> None:
+    """``multi_latent_attention`` sets ``HAVE_TE`` from an import of megatron's TE extension, which
+    succeeds without transformer-engine (its classes are placeholders), so ``MLASelfAttention``'s
+    ``isinstance(self.linear_proj, TELinear)`` raises TypeError. Without TE there is no TE layer:
+    answer ``HAVE_TE = False`` there, as megatron does when the import fails."""
+    from megatron.core.transformer import multi_latent_attention
+
+    _require(multi_latent_attention, "HAVE_TE")
+    multi_latent_attention.HAVE_TE = False
+
 
 def patch_te_min_version() -> None:
     """``is_te_min_version`` compares ``None >= Version`` (TypeError) when transformer-engine
@@ -667,6 +677,8 @@ NO_TE_PATCHES: tuple[Patch, ...] = (
           patch_router_gemm),
     Patch("te_min_version", "is_te_min_version raises TypeError without transformer-engine "
           "(OptimizerConfig with use_precision_aware_optimizer)", patch_te_min_version),
+    Patch("mla_have_te", "MLASelfAttention isinstance-checks a TE placeholder (TypeError) without "
+          "transformer-engine", patch_mla_have_te),
 )
 
 

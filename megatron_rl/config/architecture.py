@@ -30,9 +30,10 @@ from .schema import Config
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # families with a per-head q/k RMSNorm (others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
-SIGMOID_ROUTER_TYPES = ("glm4_moe",)  # sigmoid router score (the other MoE families: softmax)
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")  # sigmoid router score (the other MoE families: softmax)
+MLA_TYPES = ("deepseek_v3",)  # multi-latent attention: --kv-channels is the value head size (v_head_dim)
 
 
 def text_config(hf: dict) -> dict:
@@ -69,7 +70,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "ffn_hidden_size": ("intermediate_size", c.get("intermediate_size")),
         "num_attention_heads": ("num_attention_heads", heads),
         "num_query_groups": ("num_key_value_heads", c.get("num_key_value_heads") or heads),
-        "kv_channels": ("head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
+        "kv_channels": ("v_head_dim", c.get("v_head_dim")) if model_type in MLA_TYPES else (
+            "head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
         "vocab_size": ("vocab_size", c.get("vocab_size")),
         "swiglu": ("hidden_act", c.get("hidden_act", "silu") == "silu"),
         "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),

@@ -11,6 +11,8 @@ Layouts (those ``Attention.forward`` hands to ``core_attention``):
 * SBHD: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` -> ``[sq, b, np*hn]``.
 * THD (``packed_seq_params.qkv_format == "thd"``): query ``[t, np, hn]``,
   key/value ``[t, ng, hn]`` -> ``[t, np*hn]`` (``Attention`` reshapes to ``[t, 1, h]``).
+* Multi-latent attention passes ``k_channels`` (query/key head size) and ``v_channels``
+  (value head size, hence output ``hn``) when they differ.
 
 Invariants:
 
@@ -79,6 +81,8 @@ class PackedCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.config: TransformerConfig = config
@@ -113,9 +117,11 @@ class PackedCoreAttention(MegatronModule):
                               f"{self.cp_size} ranks; initialise parallel_state with the same value")
 
         tp_size = self.tp_group.size()
-        projection_size = config.kv_channels * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp_size)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        # MLA: query/key heads of k_channels (no-RoPE + RoPE dims), value heads of v_channels
+        k_channels = config.kv_channels if k_channels is None else k_channels
+        v_channels = config.kv_channels if v_channels is None else v_channels
+        self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, tp_size)
+        self.hidden_size_per_attention_head = k_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
 

@@ -8,7 +8,10 @@ import needed) and is the one object the MegatronBackend asks about a model:
 * ``Bridge.layer_spec(config, moe=...)`` / ``Bridge.block_spec(config, vp_stage)``:
   transformer-engine spec where TE imports, megatron's local spec otherwise, with
   our SP-aware :class:`~megatron_rl.models.norm.RMSNorm` and, when present,
-  ``megatron_rl.models.attention.PackedCoreAttention`` as ``core_attention``;
+  ``megatron_rl.models.attention.PackedCoreAttention`` as ``core_attention``; megatron's
+  multi-latent attention spec and ``MLATransformerConfig`` for a family with ``mla`` set
+  (its name and shape maps: ``hf_attention_shapes`` / ``megatron_attention_shapes`` /
+  ``attention_rules``, overridden per attention kind);
 * ``Bridge.build_model(layout, params_dtype=torch.float32, **overrides)`` -> one
   ``GPTModel`` per virtual pipeline stage held by this rank (needs
   :func:`~megatron_rl.models.parallel.initialize_parallel` first);
@@ -76,6 +79,8 @@ class Bridge:
     router_expert_bias: bool = False  # router has a selection-only score bias (GLM e_score_correction_bias)
     hf_moe_block: str = "mlp"  # HF module of a MoE layer's router and experts (Mixtral: block_sparse_moe)
     hf_expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down); Mixtral w1/w3/w2
+    mla: bool = False  # multi-latent attention (DeepSeek-V3): MLA layer spec, MLATransformerConfig, MLA name maps
+    rope_types: tuple[str, ...] = ("default",)  # HF rope_type values the family maps exactly
 
     def __init__(self, hf_config: dict):
         self.hf_config = dict(hf_config)
@@ -165,8 +170,8 @@ class Bridge:
         rope = dict(self.cfg("rope_parameters", {}) or {})
         rope.update(self.cfg("rope_scaling", {}) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default"):
-            problems.append(f"rope scaling type {rope_type!r} (only default RoPE)")
+        if rope_type not in (None, *self.rope_types):
+            problems.append(f"rope scaling type {rope_type!r} (only {' / '.join(self.rope_types)} RoPE)")
         partial = self.rotary_percent
         rotary_dim = self.head_dim * partial
         if partial != 1.0 and not self.partial_rotary:
@@ -248,6 +253,7 @@ class Bridge:
             # dense models; alltoall is the one that supports it.
             moe_token_dispatcher_type="alltoall",
         )
+        kw.update(self.attention_config())
         if self.moe:
             aux = float(self.cfg("router_aux_loss_coef", 0.0))
             kw.update(
@@ -267,18 +273,25 @@ class Bridge:
             from megatron.core.transformer.enums import AttnBackend
 
             kw["attention_backend"] = AttnBackend[kw["attention_backend"]]
+        if self.mla:
+            from megatron.core.transformer import MLATransformerConfig as TransformerConfig  # lazy: megatron-core
         try:
             return TransformerConfig(**kw)
         except (AssertionError, ValueError) as exc:
             raise BridgeError(f"megatron TransformerConfig rejected the {self.family} config for layout "
                               f"{layout.describe()}: {exc}") from exc
 
+    def attention_config(self) -> dict[str, Any]:
+        """Attention fields of the megatron config beyond the GQA ones (MLA families: its ranks and dims)."""
+        return {}
+
     # -------------------------------------------------------------------- spec
     def layer_spec(self, config, moe: Optional[bool] = None):
-        """ModuleSpec of one transformer layer (MoE or dense MLP)."""
+        """ModuleSpec of one transformer layer (MoE or dense MLP; MLA attention when ``mla``)."""
         moe = self.moe if moe is None else moe
         num_experts = config.num_moe_experts if moe else None
-        return LAYER_SPECS[layer_spec_flavour()](num_experts=num_experts, qk_layernorm=self.qk_norm)
+        mla = {"multi_latent_attention": True} if self.mla else {}
+        return LAYER_SPECS[layer_spec_flavour()](num_experts=num_experts, qk_layernorm=self.qk_norm, **mla)
 
     def block_spec(self, config, vp_stage: Optional[int] = None):
         """``TransformerBlockSubmodules`` for the layers of this rank's ``vp_stage``."""
@@ -339,7 +352,7 @@ class Bridge:
     # --------------------------------------------------------------- name maps
     def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, with its shape."""
-        h, d = self.hidden_size, self.head_dim
+        h = self.hidden_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
                                               "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
@@ -348,17 +361,7 @@ class Bridge:
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes[p + "self_attn.q_proj.weight"] = (self.num_heads * d, h)
-            shapes[p + "self_attn.k_proj.weight"] = (self.num_query_groups * d, h)
-            shapes[p + "self_attn.v_proj.weight"] = (self.num_query_groups * d, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, self.num_heads * d)
-            if self.qkv_bias:
-                shapes[p + "self_attn.q_proj.bias"] = (self.num_heads * d,)
-                shapes[p + "self_attn.k_proj.bias"] = (self.num_query_groups * d,)
-                shapes[p + "self_attn.v_proj.bias"] = (self.num_query_groups * d,)
-            if self.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = (d,)
-                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes.update(self.hf_attention_shapes(p + "self_attn."))
             if self.is_moe_layer(i):
                 f, moe = self.moe_ffn_hidden_size, f"{p}{self.hf_moe_block}."
                 gate, up, down = self.hf_expert_projs
@@ -380,6 +383,41 @@ class Bridge:
                 shapes[p + "mlp.up_proj.weight"] = (f, h)
                 shapes[p + "mlp.down_proj.weight"] = (h, f)
         return shapes
+
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        """HF tensors of one layer's attention (names under prefix ``attn``) with their shapes."""
+        h, d, nh, ng = self.hidden_size, self.head_dim, self.num_heads, self.num_query_groups
+        shapes: dict[str, tuple[int, ...]] = {
+            attn + "q_proj.weight": (nh * d, h), attn + "k_proj.weight": (ng * d, h),
+            attn + "v_proj.weight": (ng * d, h), attn + "o_proj.weight": (h, nh * d)}
+        if self.qkv_bias:
+            shapes.update({attn + "q_proj.bias": (nh * d,), attn + "k_proj.bias": (ng * d,),
+                           attn + "v_proj.bias": (ng * d,)})
+        if self.qk_norm:
+            shapes.update({attn + "q_norm.weight": (d,), attn + "k_norm.weight": (d,)})
+        return shapes
+
+    def megatron_attention_shapes(self, names: weight_maps.LayerSpecNames) -> dict[str, tuple[int, ...]]:
+        """Canonical megatron parameters of one layer's attention (relative to the layer), full shapes,
+        input norm included (layer spec ``names``)."""
+        h, d, nh, ng = self.hidden_size, self.head_dim, self.num_heads, self.num_query_groups
+        shapes = {names.input_norm: (h,), "self_attention.linear_qkv.weight": ((nh + 2 * ng) * d, h),
+                  "self_attention.linear_proj.weight": (h, nh * d)}
+        if self.qkv_bias:
+            shapes["self_attention.linear_qkv.bias"] = ((nh + 2 * ng) * d,)
+        if self.qk_norm:
+            shapes.update({"self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,)})
+        return shapes
+
+    def attention_rules(self, attn: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """Layer-relative megatron attention parameter -> (rule kind, HF names under prefix ``attn``)."""
+        return {
+            "self_attention.linear_qkv.weight": ("qkv", tuple(attn + f"{x}_proj.weight" for x in "qkv")),
+            "self_attention.linear_qkv.bias": ("qkv", tuple(attn + f"{x}_proj.bias" for x in "qkv")),
+            "self_attention.linear_proj.weight": ("copy", (attn + "o_proj.weight",)),
+            "self_attention.q_layernorm.weight": ("copy", (attn + "q_norm.weight",)),
+            "self_attention.k_layernorm.weight": ("copy", (attn + "k_norm.weight",)),
+        }
 
     def ignorable_hf_names(self) -> set[str]:
         """HF tensors that may legitimately be present but map to nothing."""
@@ -407,11 +445,7 @@ class Bridge:
             p = f"model.layers.{layer}."
             attn, moe, shared = p + "self_attn.", f"{p}{self.hf_moe_block}.", f"{p}{self.hf_moe_block}.shared_experts."
             table = {
-                "self_attention.linear_qkv.weight": ("qkv", tuple(attn + f"{x}_proj.weight" for x in "qkv")),
-                "self_attention.linear_qkv.bias": ("qkv", tuple(attn + f"{x}_proj.bias" for x in "qkv")),
-                "self_attention.linear_proj.weight": ("copy", (attn + "o_proj.weight",)),
-                "self_attention.q_layernorm.weight": ("copy", (attn + "q_norm.weight",)),
-                "self_attention.k_layernorm.weight": ("copy", (attn + "k_norm.weight",)),
+                **self.attention_rules(attn),
                 "mlp.linear_fc1.weight": ("gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 "mlp.linear_fc2.weight": ("copy", (p + "mlp.down_proj.weight",)),
                 "mlp.router.weight": ("copy", (moe + "gate.weight",)),
@@ -451,7 +485,7 @@ class Bridge:
         what a live model's ``canonical_parameters`` must list (checked against a built
         local model in tests; the TE side is checked as a name/shape map only)."""
         names = weight_maps.LAYER_SPEC_NAMES[flavour]
-        h, d, nh, ng = self.hidden_size, self.head_dim, self.num_heads, self.num_query_groups
+        h = self.hidden_size
         shapes: dict[str, tuple[int, ...]] = {
             "embedding.word_embeddings.weight": (self.padded_vocab_size(tp_size), h),
             "decoder.final_layernorm.weight": (h,)}
@@ -459,14 +493,7 @@ class Bridge:
             shapes["output_layer.weight"] = (self.padded_vocab_size(tp_size), h)
         for i in range(self.num_layers):
             p = f"decoder.layers.{i}."
-            shapes[p + names.input_norm] = (h,)
-            shapes[p + "self_attention.linear_qkv.weight"] = ((nh + 2 * ng) * d, h)
-            if self.qkv_bias:
-                shapes[p + "self_attention.linear_qkv.bias"] = ((nh + 2 * ng) * d,)
-            shapes[p + "self_attention.linear_proj.weight"] = (h, nh * d)
-            if self.qk_norm:
-                shapes[p + "self_attention.q_layernorm.weight"] = (d,)
-                shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+            shapes.update({p + n: s for n, s in self.megatron_attention_shapes(names).items()})
             if self.is_moe_layer(i):
                 f = self.moe_ffn_hidden_size
                 shapes[p + names.moe_pre_mlp_norm] = (h,)

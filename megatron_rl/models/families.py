@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from megatron_rl.models import weight_maps
 from megatron_rl.models.bridge import Bridge
 
 
@@ -60,34 +61,21 @@ class MixtralBridge(Bridge):
         return problems
 
 
-class Glm4MoeBridge(Bridge):
-    """GLM-4.5 (``glm4_moe``): partial RoPE on the first ``head_dim x partial_rotary_factor`` dims
-    (rotate-half, as megatron's ``rotary_percent``), q/k/v bias from ``attention_bias``, optional
-    q/k RMSNorm (``use_qk_norm``), ``first_k_dense_replace`` dense layers, then MoE layers with
-    ``n_shared_experts`` x ``moe_intermediate_size`` always-on shared experts and a sigmoid router:
-    experts are chosen on sigmoid + ``e_score_correction_bias`` (megatron ``expert_bias``, used
-    for selection only), within the ``topk_group`` best of ``n_group`` groups, weighted by the
-    unbiased sigmoid renormalised over the top-k, times ``routed_scaling_factor``.
+class SigmoidRouterMoeBridge(Bridge):
+    """DeepSeek-style MoE, shared by GLM-4.5 and DeepSeek-V3: ``first_k_dense_replace`` dense layers,
+    then MoE layers with ``n_shared_experts`` x ``moe_intermediate_size`` always-on shared experts and a
+    sigmoid router: experts are chosen on sigmoid + ``e_score_correction_bias`` (megatron
+    ``expert_bias``, used for selection only), within the ``topk_group`` best of ``n_group`` groups,
+    weighted by the unbiased sigmoid renormalised over the top-k, times ``routed_scaling_factor``.
 
     The bias stays what the checkpoint says (``moe_router_bias_update_rate`` 0, as HF keeps it);
     a training override may turn megatron's aux-loss-free update on. The multi-token-prediction
-    layers a GLM-4.5 checkpoint holds after the decoder (``num_nextn_predict_layers``) are not
-    part of the HF causal LM and are skipped on load, as transformers does.
+    layers such a checkpoint holds after the decoder (``num_nextn_predict_layers``) are not part
+    of the HF causal LM and are skipped on load, as transformers does.
     """
 
-    family = "glm4_moe"
-    model_types = ("glm4_moe",)
     moe = True
-    partial_rotary = True
     router_expert_bias = True
-
-    @property
-    def qkv_bias(self) -> bool:  # type: ignore[override]  # read from config.json
-        return bool(self.cfg("attention_bias", False))
-
-    @property
-    def qk_norm(self) -> bool:  # type: ignore[override]  # read from config.json
-        return bool(self.cfg("use_qk_norm", False))
 
     @property
     def shared_expert_size(self) -> int:
@@ -133,5 +121,139 @@ class Glm4MoeBridge(Bridge):
             parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) in mtp)
 
 
+class Glm4MoeBridge(SigmoidRouterMoeBridge):
+    """GLM-4.5 (``glm4_moe``): partial RoPE on the first ``head_dim x partial_rotary_factor`` dims
+    (rotate-half, as megatron's ``rotary_percent``), q/k/v bias from ``attention_bias``, optional
+    q/k RMSNorm (``use_qk_norm``); the MoE of :class:`SigmoidRouterMoeBridge`."""
+
+    family = "glm4_moe"
+    model_types = ("glm4_moe",)
+    partial_rotary = True
+
+    @property
+    def qkv_bias(self) -> bool:  # type: ignore[override]  # read from config.json
+        return bool(self.cfg("attention_bias", False))
+
+    @property
+    def qk_norm(self) -> bool:  # type: ignore[override]  # read from config.json
+        return bool(self.cfg("use_qk_norm", False))
+
+
+class DeepseekV3Bridge(SigmoidRouterMoeBridge):
+    """DeepSeek-V3 / Kimi-K2 (``deepseek_v3``): multi-latent attention (megatron ``MLASelfAttention``)
+    and the MoE of :class:`SigmoidRouterMoeBridge`.
+
+    MLA: q = ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (or ``q_proj(x)`` when ``q_lora_rank`` is
+    null), ``kv_a_proj_with_mqa`` -> [latent (``kv_lora_rank``), shared RoPE key
+    (``qk_rope_head_dim``)], ``kv_b_proj(kv_a_layernorm(latent))`` -> per head [no-RoPE key
+    (``qk_nope_head_dim``), value (``v_head_dim``)]; every projection maps 1:1 (megatron's
+    ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj``,
+    ``linear_q_proj``) in the same row order. HF's ``rope_interleave`` RoPE (rotate pairs (x0, x1),
+    (x2, x3), ...) is what megatron's MLA computes (it de-interleaves, then rotates halves). YaRN:
+    megatron's ``YarnRotaryEmbedding`` (same inverse frequencies, correction range rounded as
+    HF's ``truncate``, cos/sin times mscale / mscale_all_dim) and softmax scale times
+    mscale_all_dim's mscale squared, as HF.
+    """
+
+    family = "deepseek_v3"
+    model_types = ("deepseek_v3",)
+    mla = True
+    qk_norm = True  # MLA's q / kv latent RMSNorms (q_a_layernorm, kv_a_layernorm)
+    rope_types = ("default", "yarn")
+
+    @property
+    def _rope(self) -> dict[str, Any]:
+        rope = dict(self.cfg("rope_parameters", {}) or {})
+        rope.update(self.cfg("rope_scaling", {}) or {})
+        return rope
+
+    @property
+    def _q_lora_rank(self) -> Any:
+        return self.hf_config.get("q_lora_rank")  # null: q_proj, no q latent
+
+    def attention_config(self) -> dict[str, Any]:
+        rope = self._rope
+        kw: dict[str, Any] = dict(
+            q_lora_rank=self._q_lora_rank, kv_lora_rank=int(self.cfg("kv_lora_rank")),
+            qk_head_dim=int(self.cfg("qk_nope_head_dim")), qk_pos_emb_head_dim=int(self.cfg("qk_rope_head_dim")),
+            v_head_dim=int(self.cfg("v_head_dim")), num_query_groups=self.num_heads,
+            kv_channels=int(self.cfg("v_head_dim")),  # as Megatron-LM's MLA recipes (--kv-channels = v_head_dim)
+            rotary_base=self.rope_theta, rotary_percent=1.0)
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            kw.update(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
+                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                      # HF: mscale ratio only when both are set (unsupported() refuses mscale_all_dim alone)
+                      mscale=float(mscale or 1.0), mscale_all_dim=float(mscale_all_dim or 0.0))
+        else:  # rotary_scaling_factor 1: softmax scale 1 / sqrt(qk_head_dim), no mscale
+            kw.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        return kw
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        if self.num_query_groups != self.num_heads:  # HF repeats MLA's per-head keys by heads / kv heads
+            problems.append(f"num_key_value_heads={self.num_query_groups} != num_attention_heads={self.num_heads} "
+                            "(MLA has one key per head; HF would repeat them)")
+        if not self.cfg("rope_interleave", True):
+            problems.append("rope_interleave=false (megatron's MLA always rotates interleaved pairs, as "
+                            "DeepSeek's checkpoints are laid out)")
+        rope = self._rope
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            missing = [k for k in ("factor", "original_max_position_embeddings") if rope.get(k) is None]
+            if missing:
+                problems.append(f"yarn rope_parameters without {missing}")
+            if rope.get("attention_factor") is not None:
+                problems.append(f"yarn attention_factor={rope['attention_factor']} (megatron derives it from "
+                                "mscale / mscale_all_dim)")
+            if not rope.get("truncate", True):
+                problems.append("yarn truncate=false (megatron's MLA YaRN rounds the correction range)")
+            if rope.get("mscale_all_dim") and not rope.get("mscale"):
+                problems.append(f"yarn mscale_all_dim={rope['mscale_all_dim']} without mscale (HF then scales "
+                                "cos/sin by mscale(factor) alone, megatron by the mscale ratio)")
+        return problems
+
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        h, nh, q_rank, kv_rank, nope, rope, v = self._mla_dims
+        shapes = {attn + "kv_a_proj_with_mqa.weight": (kv_rank + rope, h), attn + "kv_a_layernorm.weight": (kv_rank,),
+                  attn + "kv_b_proj.weight": (nh * (nope + v), kv_rank), attn + "o_proj.weight": (h, nh * v)}
+        if q_rank is None:
+            return {attn + "q_proj.weight": (nh * (nope + rope), h), **shapes}
+        return {attn + "q_a_proj.weight": (q_rank, h), attn + "q_a_layernorm.weight": (q_rank,),
+                attn + "q_b_proj.weight": (nh * (nope + rope), q_rank), **shapes}
+
+    def megatron_attention_shapes(self, names) -> dict[str, tuple[int, ...]]:
+        h, nh, q_rank, kv_rank, nope, rope, v = self._mla_dims
+        a = "self_attention."
+        shapes = {names.mla_input_norm: (h,), a + "linear_kv_down_proj.weight": (kv_rank + rope, h),
+                  names.mla_kv_norm: (kv_rank,), a + "linear_kv_up_proj.weight": (nh * (nope + v), kv_rank),
+                  a + "linear_proj.weight": (h, nh * v)}
+        if q_rank is None:
+            return {**shapes, a + "linear_q_proj.weight": (nh * (nope + rope), h)}
+        return {**shapes, a + "linear_q_down_proj.weight": (q_rank, h), names.mla_q_norm: (q_rank,),
+                a + "linear_q_up_proj.weight": (nh * (nope + rope), q_rank)}
+
+    def attention_rules(self, attn: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+        a = "self_attention."
+        rules: dict[str, tuple[str, tuple[str, ...]]] = {
+                 a + "linear_q_proj.weight": ("copy", (attn + "q_proj.weight",)),
+                 a + "linear_q_down_proj.weight": ("copy", (attn + "q_a_proj.weight",)),
+                 a + "linear_q_up_proj.weight": ("copy", (attn + "q_b_proj.weight",)),
+                 a + "linear_kv_down_proj.weight": ("copy", (attn + "kv_a_proj_with_mqa.weight",)),
+                 a + "linear_kv_up_proj.weight": ("copy", (attn + "kv_b_proj.weight",)),
+                 a + "linear_proj.weight": ("copy", (attn + "o_proj.weight",))}
+        for names in weight_maps.LAYER_SPEC_NAMES.values():  # the latent norms sit where each layer spec puts them
+            rules[names.mla_q_norm] = ("copy", (attn + "q_a_layernorm.weight",))
+            rules[names.mla_kv_norm] = ("copy", (attn + "kv_a_layernorm.weight",))
+        return rules
+
+    @property
+    def _mla_dims(self) -> tuple:
+        q_rank = self._q_lora_rank
+        return (self.hidden_size, self.num_heads, None if q_rank is None else int(q_rank),
+                int(self.cfg("kv_lora_rank")), int(self.cfg("qk_nope_head_dim")), int(self.cfg("qk_rope_head_dim")),
+                int(self.cfg("v_head_dim")))
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge)}
+                                       Glm4MoeBridge, DeepseekV3Bridge)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -30,6 +30,12 @@ _COMMON: dict[str, Any] = dict(
     tie_word_embeddings=False,
     dtype="float32",
 )
+
+# the sigmoid-router MoE switches glm4_moe and deepseek_v3 share: 1 dense layer then MoE, a shared expert,
+# 2 expert groups (top-1 group of 2 experts)
+_SIGMOID_MOE: dict[str, Any] = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
+                                    norm_topk_prob=True, output_router_logits=False)
 
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(rope_theta=10000.0, attention_bias=False, mlp_bias=False),
@@ -54,18 +60,28 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # experts), q/k norm, half-rotary RoPE, q/k/v bias, a routed scaling factor != 1
     "glm4_moe": dict(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
+        **_SIGMOID_MOE,
         routed_scaling_factor=1.5,
-        norm_topk_prob=True,
         use_qk_norm=True,
         attention_bias=True,
-        output_router_logits=False,
+    ),
+    # every switch on: MLA with a q latent (q_lora_rank), value heads (12) narrower than query/key
+    # heads (16 no-RoPE + 8 RoPE), YaRN with both mscales (cos/sin and softmax scale change), then
+    # the glm4_moe MoE switches (dense first layer, shared expert, 2 groups, biased sigmoid router)
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 0.8},
+        rope_interleave=True,
+        **_SIGMOID_MOE,
+        routed_scaling_factor=2.5,
+        attention_bias=False,
     ),
 }
 
@@ -83,6 +99,7 @@ def tiny_config(family: str, **overrides: Any):
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "mixtral": transformers.MixtralConfig,
         "glm4_moe": transformers.Glm4MoeConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)

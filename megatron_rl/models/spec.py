@@ -51,26 +51,40 @@ def layer_spec_flavour() -> str:
     return "transformer_engine" if compat.have_transformer_engine() else "local"
 
 
-def te_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
+def te_layer_spec(num_experts: Optional[int], qk_layernorm: bool, multi_latent_attention: bool = False):
+    """megatron's TE spec. With ``multi_latent_attention`` (MLA) ``qk_layernorm`` means MLA's q/kv
+    latent norms, fused into ``linear_q_up_proj`` / ``linear_kv_up_proj``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                      qk_layernorm=qk_layernorm)
+                                                      qk_layernorm=qk_layernorm,
+                                                      multi_latent_attention=multi_latent_attention)
 
 
-def local_layer_spec(num_experts: Optional[int], qk_layernorm: bool):
+def local_layer_spec(num_experts: Optional[int], qk_layernorm: bool, multi_latent_attention: bool = False):
+    """megatron's local spec with our norms and core attention.
+
+    With ``multi_latent_attention`` the attention is ``MLASelfAttention``, ``qk_layernorm`` means its
+    q/kv latent norms, and the q/kv down-projections are replicated linears (megatron's
+    ``post_training.modelopt.layers.Linear``), as the TE spec's duplicated ``TELinear``: megatron's
+    local spec makes them column-parallel, and 0.16.1 then all-gathers the shared RoPE key
+    (``k_pos_emb``) over TP with a backward that only splits, dropping the other TP ranks' heads'
+    share of its gradient (wrong gradients at TP > 1; the logits are right). Replicated, the key is
+    gathered over the sequence under SP, whose backward sums the heads' shares.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                    multi_latent_attention=multi_latent_attention, normalization="RMSNorm")
     layer = spec.submodules
     attn = layer.self_attention.submodules
-    attn = dataclasses.replace(
-        attn,
-        core_attention=core_attention_module(),
-        q_layernorm=RMSNorm if qk_layernorm else attn.q_layernorm,
-        k_layernorm=RMSNorm if qk_layernorm else attn.k_layernorm,
-    )
+    norms = ("q_layernorm", "kv_layernorm") if multi_latent_attention else ("q_layernorm", "k_layernorm")
+    swaps = {n: RMSNorm if qk_layernorm else getattr(attn, n) for n in norms}
+    if multi_latent_attention:
+        from megatron.core.post_training.modelopt.layers import Linear  # lazy: MLA only
+
+        swaps.update(linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    attn = dataclasses.replace(attn, core_attention=core_attention_module(), **swaps)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
     layer = dataclasses.replace(layer, self_attention=self_attention, input_layernorm=RMSNorm,
                                 pre_mlp_layernorm=RMSNorm)

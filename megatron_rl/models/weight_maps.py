@@ -105,15 +105,26 @@ class LayerSpecNames:
     input_norm: str
     dense_pre_mlp_norm: str
     moe_pre_mlp_norm: str
+    # multi-latent attention (MLA): its q down-projection cannot absorb the input norm, so TE keeps
+    # a separate ``input_layernorm`` and fuses the q / kv latent norms into the up-projections
+    mla_input_norm: str
+    mla_q_norm: str
+    mla_kv_norm: str
 
 
 LAYER_SPEC_NAMES: dict[str, LayerSpecNames] = {
     "local": LayerSpecNames(input_norm="input_layernorm.weight",
                             dense_pre_mlp_norm="pre_mlp_layernorm.weight",
-                            moe_pre_mlp_norm="pre_mlp_layernorm.weight"),
+                            moe_pre_mlp_norm="pre_mlp_layernorm.weight",
+                            mla_input_norm="input_layernorm.weight",
+                            mla_q_norm="self_attention.q_layernorm.weight",
+                            mla_kv_norm="self_attention.kv_layernorm.weight"),
     "transformer_engine": LayerSpecNames(input_norm="self_attention.linear_qkv.layer_norm_weight",
                                          dense_pre_mlp_norm="mlp.linear_fc1.layer_norm_weight",
-                                         moe_pre_mlp_norm="pre_mlp_layernorm.weight"),
+                                         moe_pre_mlp_norm="pre_mlp_layernorm.weight",
+                                         mla_input_norm="input_layernorm.weight",
+                                         mla_q_norm="self_attention.linear_q_up_proj.layer_norm_weight",
+                                         mla_kv_norm="self_attention.linear_kv_up_proj.layer_norm_weight"),
 }
 
 # TE modules keep FP8 scaling metadata in ``<module>._extra_state`` state-dict entries

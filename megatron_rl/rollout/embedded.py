@@ -160,7 +160,7 @@ class _Slot:
 
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
-    mixtral, glm4_moe)."""
+    mixtral, glm4_moe, deepseek_v3)."""
 
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",

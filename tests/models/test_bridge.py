@@ -78,6 +78,10 @@ def test_unknown_model_type_names_supported_ones():
         get_bridge({"model_type": "gpt2"})
 
 
+_DS_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
 @pytest.mark.parametrize("family, overrides, needle", [
     ("mixtral", dict(sliding_window=4096), "sliding_window=4096"),
     ("mixtral", dict(router_jitter_noise=0.01), "router_jitter_noise=0.01"),
@@ -90,6 +94,16 @@ def test_unknown_model_type_names_supported_ones():
      "partial_rotary_factor=0.3 (head_dim 16 x factor"),
     ("glm4_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                                        "partial_rotary_factor": 0.5}), "rope scaling type 'yarn'"),
+    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=false"),
+    ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2 != num_attention_heads=4"),
+    ("deepseek_v3", dict(attention_bias=True), "attention_bias=true"),
+    ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False with num_experts_per_tok=2"),
+    ("deepseek_v3", dict(n_group=2, topk_group=2), "topk_group=2 and num_experts_per_tok=2"),
+    ("deepseek_v3", dict(rope_parameters={**_DS_YARN, "truncate": False}), "yarn truncate=false"),
+    ("deepseek_v3", dict(rope_parameters={**_DS_YARN, "attention_factor": 1.2}), "yarn attention_factor=1.2"),
+    ("deepseek_v3", dict(rope_parameters={**_DS_YARN, "mscale": 0.0}), "yarn mscale_all_dim=0.8 without mscale"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+     "rope scaling type 'linear' (only default / yarn RoPE)"),
 ])
 def test_moe_family_features_megatron_cannot_express_are_refused(family, overrides, needle):
     """Each refused by name in Bridge.unsupported(), never approximated."""
@@ -120,7 +134,31 @@ def test_glm4_moe_maps_every_switch_to_megatron():
         "softmax", 32, [1, 1, 1, 1])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "glm4_moe"])
+def test_deepseek_v3_maps_every_switch_to_megatron():
+    """The tiny DeepSeek-V3 config turns every switch on (MLA with a q latent, YaRN with both mscales,
+    the GLM-style MoE); the megatron MLA config carries each of them."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    from megatron_rl.models.hf_tiny import tiny_config
+    from megatron_rl.models.parallel import ParallelLayout
+
+    tc = get_bridge(tiny_config("deepseek_v3").to_dict()).transformer_config(ParallelLayout())
+    assert isinstance(tc, MLATransformerConfig) and tc.multi_latent_attention and tc.qk_layernorm
+    assert (tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim) == (32, 16, 16, 8, 12)
+    assert (tc.rope_type, tc.rotary_scaling_factor, tc.original_max_position_embeddings) == ("yarn", 4.0, 128)
+    assert (tc.mscale, tc.mscale_all_dim, tc.beta_fast, tc.beta_slow, tc.rotary_base) == (1.0, 0.8, 32.0, 1.0, 1e4)
+    assert (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_bias_update_rate) == (
+        "sigmoid", True, 0.0)
+    assert (tc.moe_router_num_groups, tc.moe_router_group_topk, tc.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert tc.moe_shared_expert_intermediate_size == 32 and tc.moe_layer_freq == [0, 1, 1, 1]
+    plain = get_bridge(tiny_config("deepseek_v3", q_lora_rank=None,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4}).to_dict())
+    tc = plain.transformer_config(ParallelLayout())
+    assert tc.q_lora_rank is None and (tc.rope_type, tc.rotary_scaling_factor, tc.mscale_all_dim) == ("rope", 1.0, 0.0)
+    assert "model.layers.0.self_attn.q_proj.weight" in plain.hf_param_shapes()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "glm4_moe", "deepseek_v3"])
 def test_unmapped_hf_tensor_of_a_moe_family_is_refused_by_name(single_rank, tiny_hf_models, tmp_path, family):
     path = tiny_hf_models(family)
     bridge = get_bridge(path)
@@ -134,10 +172,11 @@ def test_unmapped_hf_tensor_of_a_moe_family_is_refused_by_name(single_rank, tiny
         bridge.load_hf_weights(chunks, extra)
 
 
-def test_glm4_moe_skips_mtp_layers_as_transformers_does(single_rank, tiny_hf_models, tmp_path):
-    """GLM-4.5 checkpoints hold num_nextn_predict_layers MTP layers after the decoder; the HF
-    causal LM ignores them, so does the bridge. A layer beyond those is still refused."""
-    path = tiny_hf_models("glm4_moe")
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_mtp_layers_are_skipped_as_transformers_does(single_rank, tiny_hf_models, tmp_path, family):
+    """GLM-4.5 and DeepSeek-V3 checkpoints hold num_nextn_predict_layers MTP layers after the decoder;
+    the HF causal LM ignores them, so does the bridge. A layer beyond those is still refused."""
+    path = tiny_hf_models(family)
     bridge = get_bridge(path)
     assert bridge.cfg("num_nextn_predict_layers") == 1
     chunks = bridge.build_model(single_rank)

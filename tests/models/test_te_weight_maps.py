@@ -18,8 +18,12 @@ from megatron_rl.models.weights import _split_shard, canonical_parameters
 FLAVOURS = tuple(weight_maps.LAYER_SPEC_NAMES)
 # dense and MoE layers in one model, and a tied-embedding model
 CONFIGS = [(f, {}) for f in FAMILIES] + [("qwen3_moe", {"mlp_only_layers": [1]}),
-                                         ("qwen2", {"tie_word_embeddings": True})]
+                                         ("qwen2", {"tie_word_embeddings": True}),
+                                         ("deepseek_v3", {"q_lora_rank": None})]
 IDS = [f + "".join(f"-{k}" for k in o) for f, o in CONFIGS]
+MLA = {"deepseek_v3"}  # multi-latent attention: TE keeps input_layernorm, fuses the q/kv latent norms
+GQA_CONFIGS = [c for c in CONFIGS if c[0] not in MLA]
+MLA_CONFIGS = [c for c in CONFIGS if c[0] in MLA]
 
 
 def _bridge(family, overrides):
@@ -69,7 +73,7 @@ def test_name_and_shape_maps_round_trip(family, overrides, flavour):
         assert targets and all(t in meg and hf_name in bridge.rule_for(t).hf_names for t in targets)
 
 
-@pytest.mark.parametrize("family,overrides", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("family,overrides", GQA_CONFIGS, ids=[i for i, c in zip(IDS, CONFIGS) if c in GQA_CONFIGS])
 def test_te_names_hold_the_fused_norms(family, overrides):
     bridge = _bridge(family, overrides)
     te, local = bridge.megatron_param_shapes("transformer_engine"), bridge.megatron_param_shapes("local")
@@ -90,6 +94,27 @@ def test_te_names_hold_the_fused_norms(family, overrides):
     assert not any(weight_maps.is_extra_state(n) for n in te)
     with pytest.raises(BridgeError, match="layer_norm_bias"):
         bridge.rule_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias")
+
+
+@pytest.mark.parametrize("family,overrides", MLA_CONFIGS, ids=[i for i, c in zip(IDS, CONFIGS) if c in MLA_CONFIGS])
+def test_te_mla_names_hold_the_fused_latent_norms(family, overrides):
+    """megatron's TE MLA spec: a separate ``input_layernorm`` (TENorm; the q down-projection is a
+    plain TELinear), the q / kv latent norms fused into ``linear_q_up_proj`` / ``linear_kv_up_proj``."""
+    bridge = _bridge(family, overrides)
+    te, local = bridge.megatron_param_shapes("transformer_engine"), bridge.megatron_param_shapes("local")
+    inverse = bridge.hf_to_megatron("transformer_engine")
+    assert len(te) == len(local)
+    q_latent = overrides.get("q_lora_rank", True) is not None
+    for i in range(bridge.num_layers):
+        p, hp = f"decoder.layers.{i}.", f"model.layers.{i}.self_attn."
+        assert inverse[f"model.layers.{i}.input_layernorm.weight"] == (f"{p}input_layernorm.weight",)
+        assert inverse[hp + "kv_a_layernorm.weight"] == (f"{p}self_attention.linear_kv_up_proj.layer_norm_weight",)
+        assert f"{p}self_attention.kv_layernorm.weight" in local and f"{p}self_attention.linear_qkv.weight" not in te
+        if q_latent:
+            assert inverse[hp + "q_a_layernorm.weight"] == (f"{p}self_attention.linear_q_up_proj.layer_norm_weight",)
+        else:
+            assert inverse[hp + "q_proj.weight"] == (f"{p}self_attention.linear_q_proj.weight",)
+            assert not any("q_layernorm" in n or "linear_q_up_proj" in n for n in te)
 
 
 def test_layer_spec_is_te_whenever_te_imports(monkeypatch):
