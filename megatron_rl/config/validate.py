@@ -18,7 +18,7 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
-from .architecture import architecture_errors, dry_run_without_checkpoint
+from .architecture import architecture_errors, dry_run_without_checkpoint, hf_is_moe
 from .paths import dir_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
@@ -110,6 +110,14 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
         if per_stage % (ep * etp):
             errors.append(f"--expert-model-parallel-size {ep} x expert TP {etp} = {ep * etp} does not divide "
                           f"the {per_stage} ranks of a pipeline stage; choose EP x ETP dividing {per_stage}")
+    tp = p.tensor_model_parallel_size
+    if (cfg.has_training and cfg.precision.train_backend == "megatron" and tp > 1 and ep == 1
+            and p.expert_tensor_parallel_size == 1 and hf_is_moe(cfg)):
+        errors.append(f"--tensor-model-parallel-size {tp} with --expert-tensor-parallel-size 1 and "
+                      "--expert-model-parallel-size 1 trains an MoE model with wrong expert gradients in "
+                      "megatron-core 0.16.1: with EP 1 it reduces the experts' gradients over data parallelism only, "
+                      "while each TP rank's copy of an expert saw other tokens (docs/parity.md); use "
+                      f"--expert-model-parallel-size > 1 (e.g. {tp}) or --expert-tensor-parallel-size {tp}")
     if cfg.precision.train_backend == "fsdp":
         for flag, value in [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
                             ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),

@@ -232,3 +232,18 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
                                           "--use-rollout-logprobs skips"):
         parse_config(["--hf-checkpoint", moe, "--use-routing-replay", "--use-rollout-logprobs"])
     assert parse_config(["--hf-checkpoint", moe, "--use-routing-replay"]).megatron.use_routing_replay
+
+
+def test_moe_tensor_parallel_without_expert_parallel_at_etp1_is_refused(tmp_path):
+    """megatron-core 0.16.1 reduces the experts' gradients over DP only when EP is 1; with TP > 1 and ETP 1
+    each TP rank's copy of an expert saw other tokens (docs/parity.md): wrong gradients, so refused."""
+    moe = hf_dir(tmp_path, "qwen3_moe")
+    base = ["--hf-checkpoint", moe, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1 and --expert-model-parallel-size 1 trains "
+                                          "an MoE model with wrong expert gradients"):
+        parse_config(base + ["--expert-tensor-parallel-size", "1"])
+    assert parse_config(base + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"])
+    assert parse_config(base)  # ETP defaults to TP
+    assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
+                         "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])  # dense
