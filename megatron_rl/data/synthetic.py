@@ -41,12 +41,14 @@ def build_tokenizer(path: str):
 
 
 #: the demo model's architecture families (``--family``): the dense default and an MoE twin
-DEMO_FAMILIES = ("qwen2", "qwen3_moe")
+DEMO_FAMILIES = ("qwen2", "qwen3_moe", "deepseek_v3")
 
 
 def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int = 64, family: str = "qwen2") -> str:
     """Tiny policy + the digit tokenizer, saved as an HF directory: Qwen2 architecture, or (``qwen3_moe``)
-    Qwen3-MoE with 8 experts, top-2, in every layer (what MoE features such as routing replay run on)."""
+    Qwen3-MoE with 8 experts, top-2, in every layer (what MoE features such as routing replay run on), or
+    (``deepseek_v3``) DeepSeek-V3's: multi-latent attention, a dense first layer, then MoE layers with a
+    shared expert and the sigmoid router."""
     import torch
     import transformers
 
@@ -65,6 +67,15 @@ def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int 
                                              num_experts_per_tok=2, moe_intermediate_size=hidden,
                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                                              router_aux_loss_coef=0.0, **common)  # type: ignore[arg-type,call-arg]
+    elif family == "deepseek_v3":  # MLA (q and kv latents, decoupled RoPE), 1 dense layer, then a shared expert
+        # and 8 routed ones behind the sigmoid router with its correction bias (DeepSeek-V3's architecture)
+        common.update(num_key_value_heads=4, tie_word_embeddings=False)
+        config = transformers.DeepseekV3Config(intermediate_size=2 * hidden, q_lora_rank=32, kv_lora_rank=16,
+                                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                               n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                                               first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                                               routed_scaling_factor=1.0, norm_topk_prob=True, rope_interleave=True,
+                                               **common)  # type: ignore[arg-type]
     else:
         raise ValueError(f"--family {family!r}: the demo model is one of {', '.join(DEMO_FAMILIES)}")
     torch.manual_seed(seed)

@@ -50,3 +50,15 @@ def test_moe_demo_model_and_a_run_dir_keeps_its_family(tmp_path):
     assert synthetic.prepare(str(tmp_path), family="qwen3_moe") == paths  # kept: a resumed run's own model
     with pytest.raises(SystemExit, match="holds a qwen3_moe demo model, not qwen2"):
         synthetic.prepare(str(tmp_path), family="qwen2")
+
+
+def test_deepseek_demo_model_is_one_the_bridge_maps_exactly(tmp_path):
+    import transformers
+
+    from megatron_rl.models import get_bridge
+
+    path = synthetic.build_demo_model(str(tmp_path / "m"), family="deepseek_v3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "deepseek_v3" and model.config.q_lora_rank == 32
+    assert model(torch.tensor([[4, 5, 3]])).logits.shape == (1, 3, synthetic.VOCAB_SIZE)
+    assert get_bridge(path).unsupported() == []  # MLA, dense first layer, shared expert, sigmoid router
