@@ -193,24 +193,38 @@ class PausePoint:
         open(release_path(self.dir, self.spec), "w").close()
 
 
-def check_logprobs_against_hf(hf_dir: str, samples, logprobs, tol: float = 1e-5) -> None:
-    """A backend's response log-probs of ``samples`` equal HF transformers' full-sequence log-softmax (float64)
-    at every token that carries loss, and are exactly 0.0 at the ones that carry none (tool observations:
-    the backends never compute their logits, backends/loss_rows.py)."""
+def hf_response_logprobs(hf_dir: str, samples) -> list:
+    """HF transformers' full-sequence log-softmax (float64) of each sample's response tokens."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    worst, unread = 0.0, 0
-    for s, lp in zip(samples, logprobs):
+    out = []
+    for s in samples:
         p = len(s.prompt_ids)
         with torch.no_grad():
             logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
-        want = torch.log_softmax(logits.double(), -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
-        got = torch.tensor(lp, dtype=torch.float64)
+        out.append(torch.log_softmax(logits.double(), -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0])
+    return out
+
+
+def loss_token_error(want, got, samples) -> float:
+    """Max |want - got| over the response tokens that carry loss; asserts the others (tool observations) read
+    exactly 0.0: the backends never compute their logits (backends/loss_rows.py)."""
+    import torch
+
+    worst = 0.0
+    for w, g, s in zip(want, got, samples):
+        g = torch.tensor(g, dtype=torch.float64)
         keep = torch.tensor(s.loss_mask or [1] * len(s.response_ids), dtype=torch.bool)
-        worst = max(worst, (want - got)[keep].abs().max().item() if keep.any() else 0.0)
-        assert not got[~keep].any(), "a token without loss got a log-prob: its logits were computed"
-        unread += int((~keep).sum())
+        assert not g[~keep].any(), "a token without loss got a log-prob: its logits were computed"
+        worst = max(worst, (w - g)[keep].abs().max().item() if keep.any() else 0.0)
+    return worst
+
+
+def check_logprobs_against_hf(hf_dir: str, samples, logprobs, tol: float = 1e-5) -> None:
+    """A backend's response log-probs of ``samples`` equal HF transformers' at every token that carries loss, and
+    are exactly 0.0 at the ones that carry none; the batch must hold some of those, or this proves nothing."""
+    worst = loss_token_error(hf_response_logprobs(hf_dir, samples), logprobs, samples)
     assert worst < tol, worst
-    assert unread > 0, "the batch has no token without loss: the check proves nothing about them"
+    assert any(0 in s.loss_mask for s in samples), "the batch has no token without loss"
