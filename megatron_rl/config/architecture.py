@@ -30,10 +30,21 @@ from .schema import Config
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")  # sigmoid router score (the other MoE families: softmax)
-MLA_TYPES = ("deepseek_v3",)  # multi-latent attention: --kv-channels is the value head size (v_head_dim)
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
+MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
+
+
+class _Unused:
+    """A flag megatron-core does not read for this architecture (``--kv-channels`` of an MLA model,
+    ``--moe-router-pre-softmax`` of a sigmoid router): any value states nothing, so none is compared."""
+
+    def __repr__(self) -> str:
+        return "UNUSED"
+
+
+UNUSED: Any = _Unused()
 
 
 def text_config(hf: dict) -> dict:
@@ -70,7 +81,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "ffn_hidden_size": ("intermediate_size", c.get("intermediate_size")),
         "num_attention_heads": ("num_attention_heads", heads),
         "num_query_groups": ("num_key_value_heads", c.get("num_key_value_heads") or heads),
-        "kv_channels": ("v_head_dim", c.get("v_head_dim")) if model_type in MLA_TYPES else (
+        # megatron's MLA sizes its heads by qk_head_dim / v_head_dim and never reads kv_channels
+        "kv_channels": ("head_dim", UNUSED) if model_type in MLA_TYPES else (
             "head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
         "vocab_size": ("vocab_size", c.get("vocab_size")),
         "swiglu": ("hidden_act", c.get("hidden_act", "silu") == "silu"),
@@ -86,7 +98,23 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
                          model_type in QKV_BIAS_TYPES or bool(c.get("attention_bias", False))),
         "qk_layernorm": ("model_type / use_qk_norm", model_type in QK_NORM_TYPES or bool(c.get("use_qk_norm"))),
         "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get("tie_word_embeddings", False)),
+        "rotary_scaling_factor": ("rope_scaling.factor", float(rope.get("factor") or 1.0)),
     }
+    if model_type in MLA_TYPES:
+        yarn = rope.get("rope_type", rope.get("type")) == "yarn"  # else megatron's MLA uses no mscale
+        view.update({
+            "multi_latent_attention": ("model_type", True),
+            "q_lora_rank": ("q_lora_rank", c.get("q_lora_rank")),
+            "kv_lora_rank": ("kv_lora_rank", c.get("kv_lora_rank")),
+            "qk_head_dim": ("qk_nope_head_dim", c.get("qk_nope_head_dim")),
+            "qk_pos_emb_head_dim": ("qk_rope_head_dim", c.get("qk_rope_head_dim")),
+            "v_head_dim": ("v_head_dim", c.get("v_head_dim")),
+            "mscale": ("rope_scaling.mscale", float(rope.get("mscale") or 1.0) if yarn else UNUSED),
+            "mscale_all_dim": ("rope_scaling.mscale_all_dim",
+                               float(rope.get("mscale_all_dim") or 0.0) if yarn else UNUSED),
+        })
+    else:
+        view["multi_latent_attention"] = ("model_type", False)
     if experts:
         ffn_key = MOE_FFN_KEYS.get(str(model_type), "moe_intermediate_size")
         view.update({
@@ -96,7 +124,27 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
             "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers / first_k_dense_replace", _moe_pattern(c)),
             "moe_router_score_function": ("model_type",
                                           "sigmoid" if model_type in SIGMOID_ROUTER_TYPES else "softmax"),
+            "moe_shared_expert_intermediate_size": ("n_shared_experts x moe_intermediate_size",
+                                                    int(c.get("n_shared_experts") or 0)
+                                                    * int(c.get("moe_intermediate_size") or 0)),
         })
+        if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-style: biased selection, grouped top-k, scaling
+            view.update({
+                "moe_router_pre_softmax": ("model_type", UNUSED),  # megatron reads it for softmax routers only
+                "moe_router_enable_expert_bias": ("e_score_correction_bias", True),
+                "moe_router_topk_scaling_factor": ("routed_scaling_factor",
+                                                   float(c.get("routed_scaling_factor") or 1.0)),
+                "moe_router_num_groups": ("n_group", int(c.get("n_group") or 1)),
+                "moe_router_group_topk": ("topk_group", int(c.get("topk_group") or 1)),
+            })
+        else:  # softmax over the top-k logits, or over all experts (pre-softmax) without renormalising
+            view.update({
+                "moe_router_pre_softmax": ("norm_topk_prob", not bool(c.get("norm_topk_prob", True))),
+                "moe_router_enable_expert_bias": ("model_type", False),
+                "moe_router_topk_scaling_factor": ("model_type", 1.0),
+                "moe_router_num_groups": ("model_type", 1),
+                "moe_router_group_topk": ("model_type", 1),
+            })
     return view
 
 
@@ -153,11 +201,21 @@ ARCHITECTURE: tuple[ArchFlag, ...] = tuple(ArchFlag(f) for f in (
     ArchFlag("position_embedding_type", _position),
     ArchFlag("use_rotary_position_embeddings", lambda a: None),  # stated through position_embedding_type
 ) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm",
-                                "untie_embeddings_and_output_weights", "num_experts", "moe_ffn_hidden_size",
-                                "moe_router_topk", "moe_layer_freq", "moe_router_score_function"))
+                                "untie_embeddings_and_output_weights", "rotary_scaling_factor",
+                                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim",
+                                "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+                                "moe_router_score_function", "moe_shared_expert_intermediate_size",
+                                "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                                "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                                "moe_router_group_topk"))
 
 ARCHITECTURE_FIELDS = tuple(row.field for row in ARCHITECTURE)
-_MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function")
+_MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
+               "moe_shared_expert_intermediate_size", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+               "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk")
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
+               "mscale_all_dim")
 
 
 def flag_consistency_errors(cfg: Config) -> list[str]:
@@ -171,8 +229,17 @@ def flag_consistency_errors(cfg: Config) -> list[str]:
     if a.use_rotary_position_embeddings and a.position_embedding_type not in (None, "rope"):
         errors.append(f"--use-rotary-position-embeddings with --position-embedding-type "
                       f"{a.position_embedding_type}: the first means rope; drop one of them")
+    mla_given = [_flag(f) for f in _MLA_FIELDS if getattr(a, f) is not None]
+    if mla_given and not a.multi_latent_attention:
+        errors.append(f"{', '.join(mla_given)} without --multi-latent-attention: Megatron-LM ignores them then; "
+                      "add --multi-latent-attention or drop them")
+    if a.moe_router_group_topk is not None and a.moe_router_num_groups is None:
+        errors.append(f"--moe-router-group-topk {a.moe_router_group_topk} without --moe-router-num-groups: "
+                      "megatron-core needs both for the group-limited top-k; add --moe-router-num-groups or drop it")
     for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                  "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+                  "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                  "moe_router_num_groups", "moe_router_group_topk", "kv_lora_rank", "qk_head_dim",
+                  "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
         value = getattr(a, field)
         if value is not None and value < 1:
             errors.append(f"{_flag(field)} {value} must be >= 1")
@@ -207,7 +274,14 @@ def hf_mismatch_errors(cfg: Config, hf: dict, source: str) -> list[str]:
                           f"no {' / '.join(_EXPERT_KEYS)}); drop the MoE flags or point --hf-checkpoint at the "
                           "MoE checkpoint")
             continue
+        if row.field in _MLA_FIELDS and row.field not in view:
+            errors.append(f"{flag} {_show(given)} describes multi-latent attention but {source} has none "
+                          f"(model_type {text_config(hf).get('model_type')}); drop the MLA flags or point "
+                          "--hf-checkpoint at an MLA checkpoint (deepseek_v3)")
+            continue
         key, hf_value = view[row.field]
+        if hf_value is UNUSED:
+            continue
         if row.field == "vocab_size":
             errors.extend(_vocab_errors(given, hf_value, cfg.parallel.tensor_model_parallel_size, source))
             continue
@@ -233,7 +307,14 @@ def _fmt(field: str, value) -> str:
                 "disable_bias_linear": "biases on linear layers",
                 "add_qkv_bias": "no q/k/v bias",
                 "qk_layernorm": "no q/k layernorm",
-                "untie_embeddings_and_output_weights": "tied embeddings"}.get(field, str(value))
+                "untie_embeddings_and_output_weights": "tied embeddings",
+                "multi_latent_attention": "no multi-latent attention",
+                "moe_router_pre_softmax": "a softmax over the top-k logits (norm_topk_prob true)",
+                "moe_router_enable_expert_bias": "no expert bias"}.get(field, str(value))
+    if field == "moe_shared_expert_intermediate_size" and value == 0:
+        return "no shared expert"
+    if value is None:
+        return "null"
     return _show(value)
 
 
@@ -283,6 +364,21 @@ def dry_run_without_checkpoint(cfg: Config) -> bool:
     return cfg.mode.dry_run and hf_checkpoint_missing(cfg) and shape_from_flags(cfg) is not None
 
 
+def quantized_checkpoint(hf: dict) -> Optional[str]:
+    """Why a quantized checkpoint (config.json ``quantization_config``) cannot be loaded, or None.
+
+    The bridges map full-precision tensors; an fp8 checkpoint's weights would arrive without their
+    block scales (``weight_scale_inv``), so the model would be silently wrong. DeepSeek-V3/R1 ship
+    fp8 (slime's script points at a bf16 copy for this reason)."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    return (f"quantization_config quant_method={method!r} (a quantized checkpoint; the bridge maps full-precision "
+            "weights: dequantize it to bf16 first, e.g. DeepSeek's inference/fp8_cast_bf16.py for an fp8 "
+            "checkpoint, and point --hf-checkpoint at that copy)")
+
+
 def architecture_errors(cfg: Config) -> list[str]:
     """The flags' own contradictions, then each stated flag against --hf-checkpoint's config.json."""
     errors = flag_consistency_errors(cfg)
@@ -294,7 +390,11 @@ def architecture_errors(cfg: Config) -> list[str]:
         hf = read_hf_config(path)
     except (OSError, ValueError) as exc:
         return errors + [f"--hf-checkpoint {path}: cannot read config.json ({exc})"]
-    return errors + hf_mismatch_errors(cfg, hf, source)
+    errors += hf_mismatch_errors(cfg, hf, source)
+    quant = quantized_checkpoint(text_config(hf))
+    if quant and not cfg.mode.dry_run:  # a dry run plans the same model; the run itself could not load it
+        errors.append(f"--hf-checkpoint {path}: {quant}")
+    return errors
 
 
 def hf_is_moe(cfg: Config) -> Optional[bool]:

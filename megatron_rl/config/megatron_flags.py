@@ -128,6 +128,21 @@ def _dispatcher_check(value, cfg) -> Optional[str]:
     return None
 
 
+def _load_balancing_check(value, cfg) -> Optional[str]:
+    if value == "sinkhorn":
+        return ("Sinkhorn routing balances the training tokens' scores before the top-k, so the trainer would "
+                "pick other experts than HF and the rollout engine do; use aux_loss or none")
+    coeff = cfg.megatron.moe_aux_loss_coeff
+    if value in ("seq_aux_loss", "global_aux_loss") and coeff != 0:
+        why = ("megatron-core computes the sequence-wise loss over a packed micro-batch as if it were one "
+               "sequence, not per sample" if value == "seq_aux_loss" else
+               "megatron-core's global tracker needs a per-step reset this trainer does not make")
+        stated = "config.json's router_aux_loss_coef" if coeff is None else f"--moe-aux-loss-coeff {coeff}"
+        return (f"with {stated} it would be a live loss, and {why}; add --moe-aux-loss-coeff 0 (as slime's "
+                "scripts) or use aux_loss")
+    return None
+
+
 def _last_stage_check(value, cfg) -> Optional[str]:
     p = cfg.parallel
     if value < 1:
@@ -171,6 +186,12 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "allgather is refused (no variable-length support), flex needs DeepEP (not configured)",
                  moe_only=True, check=_dispatcher_check,
                  needs=lambda v: ("flex_dispatcher",) if v == "flex" else ()),
+    MegatronFlag("megatron", "moe_enable_deepep", _tc(moe_enable_deepep=True),
+                 "mapped: TransformerConfig.moe_enable_deepep; refused for a real run (the flex dispatcher's "
+                 "DeepEP backend is not configured here); --dry-run accepts it", moe_only=True,
+                 needs=lambda v: ("cuda", "flex_dispatcher"),
+                 check=lambda v, cfg: None if cfg.megatron.moe_token_dispatcher_type == "flex" else (
+                     "megatron-core uses DeepEP only in the flex dispatcher; add --moe-token-dispatcher-type flex")),
     MegatronFlag("megatron", "moe_grouped_gemm", _tc(moe_grouped_gemm=True),
                  "refused for a real run: grouped-GEMM experts are not built (models/spec.py builds one MLP per "
                  "expert); --dry-run accepts it", moe_only=True, needs=lambda v: ("grouped_gemm",)),
@@ -180,6 +201,19 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
     MegatronFlag("megatron", "moe_aux_loss_coeff", _aux_loss,
                  "mapped: TransformerConfig.moe_aux_loss_coeff (0: moe_router_load_balancing_type none); unset: "
                  "config.json's router_aux_loss_coef", moe_only=True),
+    MegatronFlag("megatron", "moe_router_load_balancing_type", _tc(moe_router_load_balancing_type=None),
+                 "mapped: TransformerConfig.moe_router_load_balancing_type (after --moe-aux-loss-coeff, which "
+                 "sets aux_loss or none); seq_aux_loss / global_aux_loss only with --moe-aux-loss-coeff 0, "
+                 "sinkhorn refused", moe_only=True, check=_load_balancing_check),
+    MegatronFlag("megatron", "moe_router_bias_update_rate", _tc(moe_router_bias_update_rate=None),
+                 "mapped: TransformerConfig.moe_router_bias_update_rate; 0 (the bridge's value: the sigmoid "
+                 "router's bias stays config.json's) only, a non-zero rate is refused", moe_only=True,
+                 check=lambda v, cfg: None if v == 0 else (
+                     "a non-zero rate makes megatron-core move the router's expert bias at every step; that "
+                     "path (bias -> checkpoint -> engine weight sync) is not verified in this build yet. Use 0 "
+                     "(slime's scripts) or drop the flag")),
+    MegatronFlag("megatron", "no_rope_fusion", _tc(apply_rope_fusion=False),
+                 "mapped: TransformerConfig.apply_rope_fusion false; megatron-core's default, " + _ALWAYS),
     MegatronFlag("megatron", "moe_token_drop_policy", _tc(moe_token_drop_policy=None),
                  "mapped: TransformerConfig.moe_token_drop_policy; only probs (no expert capacity is set, so no "
                  "token is dropped and position would change nothing)", moe_only=True,

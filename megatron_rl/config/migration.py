@@ -33,13 +33,18 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--untie-embeddings-and-output-weights",
         "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-layer-freq",
         "--moe-router-score-function", "--moe-router-dtype", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
-        "--moe-permute-fusion", "--moe-aux-loss-coeff", "--moe-token-drop-policy"),
+        "--moe-permute-fusion", "--moe-aux-loss-coeff", "--moe-token-drop-policy",
+        "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "--moe-router-load-balancing-type", "--moe-router-topk-scaling-factor",
+        "--moe-router-num-groups", "--moe-router-group-topk", "--multi-latent-attention", "--q-lora-rank",
+        "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor",
+        "--mscale", "--mscale-all-dim", "--no-rope-fusion"),
     "CKPT_ARGS": ("--hf-checkpoint", "--ref-load", "--load", "--save", "--save-interval"),
     "ROLLOUT_ARGS": (
         "--prompt-data", "--input-key", "--label-key", "--apply-chat-template", "--rollout-shuffle", "--rm-type",
         "--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt", "--rollout-max-response-len",
         "--rollout-temperature", "--global-batch-size", "--balance-data", "--over-sampling-batch-size",
-        "--dynamic-sampling-filter-path", "--rm-url"),
+        "--dynamic-sampling-filter-path", "--rm-url", "--num-steps-per-rollout", "--rollout-stop-token-ids"),
     "EVAL_ARGS": ("--eval-interval", "--eval-prompt-data", "--n-samples-per-eval-prompt", "--eval-max-response-len",
                   "--eval-top-p", "--eval-top-k"),
     "PERF_ARGS": (
@@ -48,14 +53,14 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--decoder-last-pipeline-num-layers", "--recompute-granularity", "--recompute-method",
         "--recompute-num-layers", "--use-dynamic-batch-size", "--max-tokens-per-gpu"),
     "GRPO_ARGS": ("--advantage-estimator", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type", "--kl-coef",
-                  "--entropy-coef", "--eps-clip", "--eps-clip-high"),
+                  "--entropy-coef", "--eps-clip", "--eps-clip-high", "--use-tis"),
     "OPTIMIZER_ARGS": ("--optimizer", "--lr", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2",
                        "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
                        "--use-precision-aware-optimizer"),
     "WANDB_ARGS": ("--use-wandb", "--wandb-project", "--wandb-group", "--wandb-team", "--wandb-host", "--wandb-key"),
     "SGLANG_ARGS": ("--rollout-num-gpus-per-engine", "--sglang-*", "--deterministic-mode"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
-                  "--attention-softmax-in-fp32", "--attention-backend"),
+                  "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
 
 _SGLANG_LAUNCHED = ("the engines this run launches (python -m sglang.launch_server from each node's local rank 0; "

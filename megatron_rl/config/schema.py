@@ -159,7 +159,8 @@ class ArchitectureConfig:
                                        + _CHECKED)
     num_query_groups: Optional[int] = flag(None, "KV head groups (num_key_value_heads); needs "
                                            "--group-query-attention, as in Megatron-LM. " + _CHECKED)
-    kv_channels: Optional[int] = flag(None, "Head dimension (head_dim, default hidden_size / heads). " + _CHECKED)
+    kv_channels: Optional[int] = flag(None, "Head dimension (head_dim, default hidden_size / heads); an MLA model "
+                                      "does not read it (--qk-head-dim / --v-head-dim size its heads). " + _CHECKED)
     vocab_size: Optional[int] = flag(None, "Vocabulary size; megatron pads it to a multiple of 128 x TP, so "
                                      "it must equal config.json's vocab_size or pad to the same size. " + _CHECKED)
     swiglu: bool = flag(False, "SwiGLU MLP (hidden_act silu, gated). " + _CHECKED)
@@ -192,6 +193,37 @@ class ArchitectureConfig:
     moe_router_score_function: Optional[str] = flag(None, "Router score function (sigmoid for glm4_moe, softmax "
                                                     "for the other MoE families). " + _CHECKED,
                                                     choices=("softmax", "sigmoid"))
+    moe_shared_expert_intermediate_size: Optional[int] = flag(
+        None, "Size of the always-on shared expert(s) (n_shared_experts x moe_intermediate_size; 0: none). "
+        + _CHECKED)
+    moe_router_pre_softmax: bool = flag(False, "Softmax router: softmax over all experts before the top-k, "
+                                        "weights not renormalised (config.json norm_topk_prob false); a sigmoid "
+                                        "router does not read it. " + _CHECKED)
+    moe_router_enable_expert_bias: bool = flag(False, "Sigmoid router's selection-only expert bias "
+                                               "(e_score_correction_bias: glm4_moe, deepseek_v3). " + _CHECKED)
+    moe_router_topk_scaling_factor: Optional[float] = flag(None, "Scale of the routed experts' weights "
+                                                           "(routed_scaling_factor; 1 for softmax routers). "
+                                                           + _CHECKED, domain="(0, inf)")
+    moe_router_num_groups: Optional[int] = flag(None, "Expert groups of the group-limited top-k (n_group). "
+                                                + _CHECKED)
+    moe_router_group_topk: Optional[int] = flag(None, "Groups each token may route to (topk_group); needs "
+                                                "--moe-router-num-groups. " + _CHECKED)
+    rotary_scaling_factor: Optional[float] = flag(None, "RoPE scaling factor (rope_scaling factor, e.g. YaRN's; "
+                                                  "1: no scaling). " + _CHECKED, domain="(0, inf)")
+    multi_latent_attention: bool = flag(False, "Multi-latent attention (deepseek_v3: q/kv latents, decoupled "
+                                        "RoPE). " + _CHECKED)
+    q_lora_rank: Optional[int] = flag(None, "MLA query latent rank (q_lora_rank; null: a plain q_proj). "
+                                      + _CHECKED)
+    kv_lora_rank: Optional[int] = flag(None, "MLA key/value latent rank (kv_lora_rank). " + _CHECKED)
+    qk_head_dim: Optional[int] = flag(None, "MLA query/key head size without RoPE (qk_nope_head_dim). "
+                                      + _CHECKED)
+    qk_pos_emb_head_dim: Optional[int] = flag(None, "MLA query/key RoPE head size (qk_rope_head_dim). "
+                                              + _CHECKED)
+    v_head_dim: Optional[int] = flag(None, "MLA value head size (v_head_dim). " + _CHECKED)
+    mscale: Optional[float] = flag(None, "MLA YaRN mscale (rope_scaling mscale; not read without YaRN). "
+                                   + _CHECKED, domain="[0, inf)")
+    mscale_all_dim: Optional[float] = flag(None, "MLA YaRN mscale_all_dim (rope_scaling mscale_all_dim; not read "
+                                           "without YaRN). " + _CHECKED, domain="[0, inf)")
 
 
 @dataclass(frozen=True)
@@ -262,7 +294,10 @@ class BatchingConfig:
     n_samples_per_prompt: int = flag(8, "Responses sampled per prompt (the GRPO group size).")
     global_batch_size: Optional[int] = flag(
         None, "Samples per optimizer step; default: all samples of a rollout in one step "
-        "(rollout-batch-size x n-samples-per-prompt).")
+        "(rollout-batch-size x n-samples-per-prompt), or that split by --num-steps-per-rollout.")
+    num_steps_per_rollout: Optional[int] = flag(
+        None, "Optimizer steps per rollout, as slime: the global batch is rollout-batch-size x "
+        "n-samples-per-prompt / N (it must divide; with --global-batch-size too, both must agree).")
     micro_batch_size: int = flag(1, "Samples per micro-batch when --use-dynamic-batch-size is off.")
     use_dynamic_batch_size: bool = flag(False, "Pack samples into micro-batches by token count "
                                         "(--max-tokens-per-gpu) instead of a fixed sample count.")
@@ -282,10 +317,14 @@ class BatchingConfig:
 
     @property
     def effective_global_batch_size(self) -> int:
-        return self.global_batch_size or self.samples_per_rollout
+        if self.global_batch_size:
+            return self.global_batch_size
+        if self.num_steps_per_rollout:
+            return max(1, self.samples_per_rollout // self.num_steps_per_rollout)
+        return self.samples_per_rollout
 
     @property
-    def num_steps_per_rollout(self) -> int:
+    def optimizer_steps_per_rollout(self) -> int:
         return self.samples_per_rollout // self.effective_global_batch_size
 
 
@@ -390,11 +429,27 @@ class MegatronConfig:
                                                     "variable-length sequences.",
                                                     choices=("allgather", "alltoall", "flex"))
     moe_grouped_gemm: bool = flag(False, "Grouped-GEMM experts (TransformerConfig.moe_grouped_gemm).")
+    moe_enable_deepep: bool = flag(False, "DeepEP all-to-all for the flex dispatcher "
+                                   "(TransformerConfig.moe_enable_deepep; needs --moe-token-dispatcher-type flex, "
+                                   "DeepEP and GPUs).")
     moe_permute_fusion: bool = flag(False, "Fused token permutation (TransformerConfig.moe_permute_fusion; "
                                     "transformer-engine >= 2.1 on a GPU).")
     moe_aux_loss_coeff: Optional[float] = flag(None, "Load-balancing aux loss coefficient "
                                                "(TransformerConfig.moe_aux_loss_coeff; 0 turns the aux loss "
                                                "off). Unset: config.json's router_aux_loss_coef.", domain="[0, inf)")
+    moe_router_load_balancing_type: Optional[str] = flag(
+        None, "Load-balancing loss type (TransformerConfig.moe_router_load_balancing_type). aux_loss and none "
+        "as megatron-core; seq_aux_loss and global_aux_loss only with --moe-aux-loss-coeff 0 (slime's scripts: "
+        "no loss), since over packed micro-batches megatron-core's sequence loss sees one sequence per "
+        "micro-batch; sinkhorn is refused (it routes training tokens differently from the engine's top-k).",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
+    moe_router_bias_update_rate: Optional[float] = flag(
+        None, "Aux-loss-free update rate of a sigmoid router's expert bias "
+        "(TransformerConfig.moe_router_bias_update_rate). Unset: 0, the bias stays config.json's "
+        "e_score_correction_bias as in slime's scripts; a non-zero rate is refused (not verified here yet).",
+        domain="[0, inf)")
+    no_rope_fusion: bool = flag(False, "Unfused RoPE (TransformerConfig.apply_rope_fusion false): always so here, "
+                                "megatron-core's default, which this build never changes.")
     use_routing_replay: bool = flag(False, "MoE routing replay (R2): record each token's experts in the "
                                     "old-log-prob pass and replay them in the reference pass and in training "
                                     "(forward and activation recompute), so the PPO ratio compares the same "

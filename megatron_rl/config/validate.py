@@ -80,6 +80,7 @@ def _check_positive(errors: list[str], cfg: Config) -> None:
         ("--save-max-to-keep", cfg.checkpoint.save_max_to_keep),
         ("--eval-interval", cfg.data.eval_interval),
         ("--over-sampling-batch-size", cfg.rollout.over_sampling_batch_size),
+        ("--num-steps-per-rollout", b.num_steps_per_rollout),
     ]:
         if value_or_unset is not None and value_or_unset < 1:
             errors.append(f"{flag} {value_or_unset} must be >= 1 (or left unset)")
@@ -148,7 +149,16 @@ def _check_batching(errors: list[str], cfg: Config) -> None:
                       "or drop --max-tokens-per-gpu")
     n = b.samples_per_rollout
     gbs = b.effective_global_batch_size
-    if n % gbs:
+    steps = b.num_steps_per_rollout
+    if steps is not None and steps >= 1 and n % steps:
+        errors.append(f"--num-steps-per-rollout {steps} does not divide --rollout-batch-size {b.rollout_batch_size} "
+                      f"x --n-samples-per-prompt {b.n_samples_per_prompt} = {n} samples per rollout; choose a "
+                      f"divisor of {n}")
+    elif steps is not None and steps >= 1 and b.global_batch_size is not None and b.global_batch_size * steps != n:
+        errors.append(f"--num-steps-per-rollout {steps} with --global-batch-size {b.global_batch_size}: {steps} "
+                      f"steps of {b.global_batch_size} samples is not the {n} samples of a rollout; give one of "
+                      "them")
+    elif n % gbs:
         errors.append(f"--rollout-batch-size {b.rollout_batch_size} x --n-samples-per-prompt "
                       f"{b.n_samples_per_prompt} = {n} samples per rollout is not divisible by "
                       f"--global-batch-size {gbs}; choose a global batch size that divides {n}")

@@ -16,13 +16,14 @@ def get_bridge(hf_dir_or_config):
     Raises BridgeError for an unknown ``model_type`` or an unsupported config feature.
     """
     from megatron_rl.models.bridge import read_hf_config  # lazy: imports torch; the package import stays cheap
-    from megatron_rl.models.families import BRIDGES  # lazy: imports torch (via bridge)
+    from megatron_rl.models.families import BRIDGES_BY_MODEL_TYPE  # lazy: imports torch (via bridge)
 
     config = read_hf_config(hf_dir_or_config)
     model_type = config.get("model_type")
-    if model_type not in BRIDGES:
-        raise BridgeError(f"no bridge for HF model_type={model_type!r}; supported: {', '.join(sorted(BRIDGES))}")
-    return BRIDGES[model_type](config)
+    if model_type not in BRIDGES_BY_MODEL_TYPE:
+        raise BridgeError(f"no bridge for HF model_type={model_type!r}; supported: "
+                          f"{', '.join(sorted(BRIDGES_BY_MODEL_TYPE))}")
+    return BRIDGES_BY_MODEL_TYPE[model_type](config)
 
 
 __all__ = ["get_bridge"]

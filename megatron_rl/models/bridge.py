@@ -43,6 +43,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megatron_rl.compat import apply_cpu_compat, cpu_config_overrides
+from megatron_rl.config.architecture import quantized_checkpoint
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps, weights
 from megatron_rl.models.spec import LAYER_SPECS, final_norm_module, layer_spec_flavour
@@ -195,6 +196,9 @@ class Bridge:
         if self.num_heads % self.num_query_groups:
             problems.append(f"num_attention_heads={self.num_heads} not a multiple of "
                             f"num_key_value_heads={self.num_query_groups}")
+        quant = quantized_checkpoint(self.hf_config)
+        if quant:
+            problems.append(quant)
         if self.moe:
             if not self.num_experts:
                 problems.append("num_experts missing or 0 for an MoE family")

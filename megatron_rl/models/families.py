@@ -156,7 +156,7 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
     """
 
     family = "deepseek_v3"
-    model_types = ("deepseek_v3",)
+    model_types = ("deepseek_v3", "kimi_k2")  # Kimi-K2: DeepSeek-V3's architecture under its own name
     mla = True
     qk_norm = True  # MLA's q / kv latent RMSNorms (q_a_layernorm, kv_a_layernorm)
     rope_types = ("default", "yarn")
@@ -257,3 +257,5 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge)}
+#: config.json model_type -> bridge (a family may answer to several names)
+BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -22,6 +22,7 @@ Only ``torch`` and ``transformers`` are imported (lazily for the latter).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -103,6 +104,25 @@ def layer_units(names: Iterable[str]) -> Iterator[list[str]]:
         yield unit
 
 
+#: config.json model types transformers has no class for, read as the architecture they are: Kimi-K2
+#: checkpoints say ``kimi_k2`` (their remote code is DeepSeek-V3's; transformers' own kimi_k25 maps its
+#: kimi_k2 text config to deepseek_v3 the same way)
+HF_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def hf_config(config_dir: str):
+    """``transformers.AutoConfig`` of ``config_dir``, with :data:`HF_MODEL_TYPE_ALIASES` applied."""
+    import transformers
+
+    with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as fh:
+        raw = json.load(fh)
+    alias = HF_MODEL_TYPE_ALIASES.get(raw.get("model_type"))
+    if alias is None:
+        return transformers.AutoConfig.from_pretrained(config_dir)
+    raw = {k: v for k, v in raw.items() if k not in ("auto_map", "model_type")}  # no remote code to run
+    return transformers.AutoConfig.for_model(alias, **raw)
+
+
 def meta_model(config_dir: str) -> PreTrainedModel:
     """The ``AutoModelForCausalLM`` of ``config_dir/config.json`` on the ``meta`` device: every
     name, shape, tied weight and conversion mapping of the real module, no storage."""
@@ -112,7 +132,7 @@ def meta_model(config_dir: str) -> PreTrainedModel:
         raise CheckpointError(f"no HF config: {config_dir}/config.json does not exist; pass --hf-config DIR (the "
                               "HF dir the model was trained from)")
     try:
-        config = transformers.AutoConfig.from_pretrained(config_dir)
+        config = hf_config(config_dir)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (ValueError, KeyError, OSError, TypeError) as e:

@@ -50,7 +50,10 @@ def random_microbatches(vocab_size: int, lengths: list[int], num_microbatches: i
 def load_hf_model(hf_dir: str):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    from megatron_rl.models.hf_module import hf_config  # lazy: as transformers above
+
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, config=hf_config(hf_dir),
+                                                             dtype=torch.float32).eval()
 
 
 def hf_logits(hf_model, microbatches: list[Microbatch]) -> list[torch.Tensor]:

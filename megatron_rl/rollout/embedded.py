@@ -75,6 +75,7 @@ import torch
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.hf_module import hf_config
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.sampling import sample_next_tokens
@@ -160,7 +161,7 @@ class _Slot:
 
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
-    mixtral, glm4_moe, deepseek_v3)."""
+    mixtral, glm4_moe, deepseek_v3 / kimi_k2)."""
 
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -175,7 +176,8 @@ class EmbeddedEngine(RolloutEngine):
                               f"as many rows as fit {CHUNK_BUDGET_BYTES >> 20} MiB)")
         checkpoint = HFCheckpoint(hf_checkpoint)  # a truncated/missing shard named here, not by transformers
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_checkpoint), dtype=dtype, attn_implementation=attn_implementation,
+            str(hf_checkpoint), config=hf_config(str(hf_checkpoint)), dtype=dtype,
+            attn_implementation=attn_implementation,
         ).to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         checkpoint.refuse_non_finite_parameters(self.model)  # inf/NaN: named here, not as NaN logits later
         self.model.requires_grad_(False)

@@ -43,7 +43,7 @@ def test_parse_values_and_derived(hf_dir):
     assert cfg.parallel.tensor_model_parallel_size == 2
     assert cfg.data_parallel_size == 2  # 8 / (2*2*1)
     assert cfg.optimizer.lr == 3e-6 and cfg.optimizer.grad_clip == 0.5
-    assert cfg.batching.num_steps_per_rollout == 2
+    assert cfg.batching.optimizer_steps_per_rollout == 2
     assert cfg.precision.params_dtype == "bfloat16"
     assert cfg.has_rollout_engine and cfg.has_training
     with pytest.raises(dataclasses.FrozenInstanceError):

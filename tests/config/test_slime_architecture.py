@@ -12,7 +12,7 @@ import json
 import pytest
 
 from megatron_rl.config import parse_config
-from megatron_rl.config.architecture import ARCHITECTURE, megatron_view
+from megatron_rl.config.architecture import ARCHITECTURE, UNUSED, megatron_view
 from megatron_rl.config.schema import parse_moe_layer_freq
 from megatron_rl.errors import ConfigError
 from megatron_rl.models.families import BRIDGES
@@ -38,7 +38,8 @@ def stated_argv(hf: dict) -> list[str]:
     argv = ["--group-query-attention"]
     for row in ARCHITECTURE:
         value = view.get(row.field)
-        if row.field in ("group_query_attention", "use_rotary_position_embeddings") or value is None:
+        if row.field in ("group_query_attention", "use_rotary_position_embeddings") or value is None or (
+                value is UNUSED):
             continue
         flag = "--" + row.field.replace("_", "-")
         if value is True:
@@ -59,8 +60,18 @@ def test_megatron_view_agrees_with_the_bridge(family):
     tc = bridge.transformer_config(ParallelLayout())
     view = {k: v for k, (_, v) in megatron_view(hf).items()}
     assert (view["num_layers"], view["hidden_size"], view["num_attention_heads"], view["num_query_groups"],
-            view["kv_channels"], view["vocab_size"]) == (tc.num_layers, tc.hidden_size, tc.num_attention_heads,
-                                                         tc.num_query_groups, tc.kv_channels, bridge.vocab_size)
+            view["vocab_size"]) == (tc.num_layers, tc.hidden_size, tc.num_attention_heads, tc.num_query_groups,
+                                    bridge.vocab_size)
+    assert view["multi_latent_attention"] == tc.multi_latent_attention
+    assert view["rotary_scaling_factor"] == getattr(tc, "rotary_scaling_factor", 1.0)
+    if tc.multi_latent_attention:  # megatron's MLA never reads kv_channels: any --kv-channels states nothing
+        assert view["kv_channels"] is UNUSED
+        assert (view["q_lora_rank"], view["kv_lora_rank"], view["qk_head_dim"], view["qk_pos_emb_head_dim"],
+                view["v_head_dim"], view["mscale"], view["mscale_all_dim"]) == (
+            tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, tc.mscale,
+            tc.mscale_all_dim)
+    else:
+        assert view["kv_channels"] == tc.kv_channels
     assert view["ffn_hidden_size"] == tc.ffn_hidden_size and view["norm_epsilon"] == tc.layernorm_epsilon
     assert view["normalization"] == tc.normalization and view["swiglu"] == tc.gated_linear_unit
     assert view["disable_bias_linear"] == (not tc.add_bias_linear) and view["add_qkv_bias"] == tc.add_qkv_bias
@@ -71,6 +82,14 @@ def test_megatron_view_agrees_with_the_bridge(family):
                 view["moe_router_score_function"]) == (tc.num_moe_experts, tc.moe_ffn_hidden_size,
                                                        tc.moe_router_topk, tc.moe_router_score_function)
         assert view["moe_layer_freq"] == tc.moe_layer_freq
+        assert view["moe_shared_expert_intermediate_size"] == (tc.moe_shared_expert_intermediate_size or 0)
+        assert (view["moe_router_enable_expert_bias"], view["moe_router_topk_scaling_factor"],
+                view["moe_router_num_groups"], view["moe_router_group_topk"]) == (
+            tc.moe_router_enable_expert_bias, tc.moe_router_topk_scaling_factor or 1.0,
+            tc.moe_router_num_groups or 1, tc.moe_router_group_topk or 1)
+        pre_softmax = view["moe_router_pre_softmax"]  # read by megatron for a softmax router only
+        assert pre_softmax is UNUSED if tc.moe_router_score_function == "sigmoid" else (
+            pre_softmax == tc.moe_router_pre_softmax)
     else:
         assert "num_experts" not in view
 
@@ -196,10 +215,63 @@ def test_bridge_builds_megatron_config_with_the_mapped_flags(tmp_path):
     (["--overlap-cpu-optimizer-d2h-h2d", "--dry-run"], "--overlap-cpu-optimizer-d2h-h2d: overlaps the hybrid CPU "
                                                        "optimizer's copies, which only exist with "
                                                        "--optimizer-cpu-offload"),
+    (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type sinkhorn: Sinkhorn "
+                                                        "routing balances the training tokens' scores"),
+    (["--moe-router-load-balancing-type", "seq_aux_loss"], "seq_aux_loss: with config.json's router_aux_loss_coef "
+                                                            "it would be a live loss, and megatron-core computes "
+                                                            "the sequence-wise loss over a packed micro-batch"),
+    (["--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "global_aux_loss"],
+     "with --moe-aux-loss-coeff 0.01 it would be a live loss, and megatron-core's global tracker"),
+    (["--moe-router-bias-update-rate", "0.001"], "--moe-router-bias-update-rate 0.001: a non-zero rate makes "
+                                                 "megatron-core move the router's expert bias"),
+    (["--moe-enable-deepep", "--dry-run"], "--moe-enable-deepep: megatron-core uses DeepEP only in the flex "
+                                           "dispatcher; add --moe-token-dispatcher-type flex"),
+    (["--moe-router-group-topk", "1"], "--moe-router-group-topk 1 without --moe-router-num-groups"),
+    (["--q-lora-rank", "8"], "--q-lora-rank without --multi-latent-attention"),
+    (["--multi-latent-attention", "--kv-lora-rank", "8"], "--kv-lora-rank 8 describes multi-latent attention but "
+                                                          ".*has none \\(model_type qwen3_moe\\)"),
 ])
 def test_values_megatron_core_would_reject_are_refused(argv, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
         parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe"), *argv])
+
+
+def test_mla_kv_channels_and_sigmoid_pre_softmax_state_nothing(tmp_path):
+    """megatron's MLA never reads --kv-channels and its sigmoid router never reads --moe-router-pre-softmax:
+    slime's kimi-k2.sh (--kv-channels 64) and deepseek-v3.sh (128) both pass, as on Megatron-LM; a softmax
+    router's --moe-router-pre-softmax is its norm_topk_prob false."""
+    ds = hf_dir(tmp_path, "deepseek_v3")
+    for kv in ("64", "128"):
+        parse_config(["--hf-checkpoint", ds, "--kv-channels", kv, "--moe-router-pre-softmax"])
+    assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe", norm_topk_prob=False),
+                         "--moe-router-pre-softmax"]).architecture.moe_router_pre_softmax
+    with pytest.raises(ConfigError, match="--moe-router-pre-softmax does not match .*norm_topk_prob gives a "
+                                          "softmax over the top-k logits"):
+        parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe"), "--moe-router-pre-softmax"])
+
+
+def test_a_quantized_checkpoint_is_refused_for_a_real_run(tmp_path):
+    path = hf_dir(tmp_path, "deepseek_v3", quantization_config={"quant_method": "fp8", "fmt": "e4m3"})
+    with pytest.raises(ConfigError, match="quantization_config quant_method='fp8' .*fp8_cast_bf16.py"):
+        parse_config(["--hf-checkpoint", path])
+    assert parse_config(["--hf-checkpoint", path, "--dry-run"]).mode.dry_run
+    from megatron_rl.errors import BridgeError
+    from megatron_rl.models import get_bridge
+
+    with pytest.raises(BridgeError, match="unsupported: quantization_config quant_method='fp8'"):
+        get_bridge(path)  # the converters and the backend refuse it too
+
+
+def test_num_steps_per_rollout_sets_the_global_batch(tmp_path):
+    base = ["--hf-checkpoint", hf_dir(tmp_path, "qwen3_moe"), "--rollout-batch-size", "4", "--n-samples-per-prompt",
+            "4"]
+    cfg = parse_config([*base, "--num-steps-per-rollout", "2"])
+    assert (cfg.batching.effective_global_batch_size, cfg.batching.optimizer_steps_per_rollout) == (8, 2)
+    assert parse_config([*base, "--num-steps-per-rollout", "2", "--global-batch-size", "8"])
+    with pytest.raises(ConfigError, match="--num-steps-per-rollout 3 does not divide .* = 16 samples"):
+        parse_config([*base, "--num-steps-per-rollout", "3"])
+    with pytest.raises(ConfigError, match="--num-steps-per-rollout 2 with --global-batch-size 4: 2 steps of 4"):
+        parse_config([*base, "--num-steps-per-rollout", "2", "--global-batch-size", "4"])
 
 
 def test_moe_knobs_on_a_dense_model_are_refused(tmp_path):

@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(BridgeError, match="deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe"):
         get_bridge({"model_type": "gpt2"})
 
 
@@ -192,6 +192,30 @@ def test_mtp_layers_are_skipped_as_transformers_does(single_rank, tiny_hf_models
               os.path.join(beyond, "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.5\.eh_proj\.weight"):
         bridge.load_hf_weights(chunks, beyond)
+
+
+def test_kimi_k2_config_is_read_as_deepseek_v3(single_rank, tiny_hf_models, tmp_path):
+    """Kimi-K2's config.json says model_type kimi_k2 (with auto_map to DeepSeek-V3's remote code, which
+    transformers has no class for): the bridge, the meta model and the HF model all read it as
+    deepseek_v3, so the megatron model loads it and HF gives the same logits from it."""
+    from megatron_rl.models.hf_module import meta_model
+    from megatron_rl.models.parity import load_hf_model
+
+    path = tiny_hf_models("deepseek_v3")
+    kimi = _copy(path, tmp_path / "kimi")
+    with open(os.path.join(kimi, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    with open(os.path.join(kimi, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    bridge = get_bridge(kimi)
+    assert bridge.family == "deepseek_v3" and not bridge.unsupported()
+    chunks = bridge.build_model(single_rank)
+    bridge.load_hf_weights(chunks, kimi)
+    assert set(dict(bridge.export_hf_weights(chunks))) == set(load_file(os.path.join(path, "model.safetensors")))
+    assert {n for n, _ in meta_model(kimi).named_parameters()} == {n for n, _ in meta_model(path).named_parameters()}
+    ids = torch.arange(12).unsqueeze(0)
+    assert torch.equal(load_hf_model(kimi)(ids).logits, load_hf_model(path)(ids).logits)
 
 
 def _copy(path, dst):

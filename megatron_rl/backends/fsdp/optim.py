@@ -70,7 +70,7 @@ class MegatronLRSchedule:
     def from_config(cls, optimizer: torch.optim.Optimizer, cfg) -> "MegatronLRSchedule":
         """The same arguments ``MegatronBackend.initialize`` gives megatron's scheduler."""
         opt = cfg.optimizer
-        total = max(1, cfg.rollout.num_rollout * cfg.batching.num_steps_per_rollout
+        total = max(1, cfg.rollout.num_rollout * cfg.batching.optimizer_steps_per_rollout
                     * cfg.algorithm.num_steps_per_rollout_updates)
         return cls(optimizer, max_lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.lr_warmup_iters,
                    decay_steps=opt.lr_decay_iters or total, decay_style=opt.lr_decay_style,

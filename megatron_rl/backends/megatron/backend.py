@@ -177,7 +177,7 @@ class MegatronBackend(TrainBackend):
         opt = cfg.optimizer
         opt_config = OptimizerConfig(**optimizer_config_kwargs(cfg, self.params_dtype))
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
-        total_steps = max(1, cfg.rollout.num_rollout * cfg.batching.num_steps_per_rollout
+        total_steps = max(1, cfg.rollout.num_rollout * cfg.batching.optimizer_steps_per_rollout
                           * cfg.algorithm.num_steps_per_rollout_updates)
         decay = opt.lr_decay_iters or total_steps
         self.scheduler = OptimizerParamScheduler(
