@@ -58,6 +58,12 @@ def _num_experts(c: dict) -> int:
     return int(next((c[k] for k in _EXPERT_KEYS if c.get(k)), 0))
 
 
+def moe_layer_pattern(hf: dict) -> list[int]:
+    """Per layer of an HF config, 1 where the bridges build an MoE layer (0 for every layer of a dense model)."""
+    c = text_config(hf)
+    return _moe_pattern(c) if _num_experts(c) else [0] * int(c["num_hidden_layers"])
+
+
 def _moe_pattern(c: dict) -> list[int]:
     """Per layer 1 = MoE, as the bridges decide (Qwen-MoE: decoder_sparse_step, mlp_only_layers;
     GLM: the first first_k_dense_replace layers dense)."""

@@ -64,9 +64,6 @@ REQUIREMENTS: dict[str, tuple[Callable[[], bool], str]] = {
                          "installed (megatron-core raises when building TE attention otherwise)"),
     "grouped_gemm": (lambda: False, "grouped-GEMM experts in this build's layer specs and HF weight maps "
                                     "(models/spec.py builds one MLP per expert; not built yet)"),
-    "engine_routes": (lambda: False, "routes returned by the rollout engine (neither the embedded engine nor "
-                                     "the SGLang client records them yet; --use-routing-replay replays the "
-                                     "trainer's own old-log-prob routes)"),
     "flex_dispatcher": (lambda: False, "a flex dispatcher backend (DeepEP / HybridEP), which this build does "
                                        "not configure"),
 }
@@ -140,6 +137,16 @@ def _load_balancing_check(value, cfg) -> Optional[str]:
         stated = "config.json's router_aux_loss_coef" if coeff is None else f"--moe-aux-loss-coeff {coeff}"
         return (f"with {stated} it would be a live loss, and {why}; add --moe-aux-loss-coeff 0 (as slime's "
                 "scripts) or use aux_loss")
+    return None
+
+
+def _rollout_routes_check(value, cfg) -> Optional[str]:
+    """R3 needs samples that carry the engine's routes: every engine returns them (SGLang with
+    --enable-return-routed-experts, which the launcher adds); a user function's token lists do not yet."""
+    r = cfg.rollout
+    if r.custom_generate_function_path or r.rollout_function_path:
+        return ("a --custom-generate-function-path / --rollout-function-path function builds samples from token "
+                "lists that carry no routes yet; drop it, or use --use-routing-replay (R2)")
     return None
 
 
@@ -227,8 +234,11 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                      "records the routes in the old-log-prob pass, which --use-rollout-logprobs skips; drop one "
                      "of them" if cfg.algorithm.use_rollout_logprobs else None)),
     MegatronFlag("megatron", "use_rollout_routing_replay", _tc(moe_enable_routing_replay=True),
-                 "refused for a real run: the rollout engines do not return routes yet (R3); --dry-run accepts it",
-                 moe_only=True, needs=lambda v: ("engine_routes",)),
+                 "mapped: TransformerConfig.moe_enable_routing_replay; the engine records each token's experts "
+                 "(Sample.routed_experts: the embedded engine, or SGLang's return_routed_experts, the launcher "
+                 "starting it with --enable-return-routed-experts) and every forward of the trainer replays them "
+                 "(R3, backends/megatron/routing_replay.py); custom generate / rollout functions are refused until "
+                 "they carry routes", moe_only=True, check=_rollout_routes_check),
     MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
                  "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
                  "planner checks the split)", check=_last_stage_check),

@@ -455,9 +455,14 @@ class MegatronConfig:
                                     "(forward and activation recompute), so the PPO ratio compares the same "
                                     "experts (megatron-core RouterReplay; metric train/route_agreement). MoE "
                                     "models, --train-backend megatron.")
-    use_rollout_routing_replay: bool = flag(False, "MoE routing replay of the rollout engine's routes (R3). Not "
-                                            "built yet: the engines do not return routes; refused for a real "
-                                            "run (--dry-run accepts it).")
+    use_rollout_routing_replay: bool = flag(False, "MoE routing replay of the rollout engine's routes (R3): the "
+                                            "engine records each token's experts and the old-log-prob, reference "
+                                            "and training forwards (and activation recompute) replay them, so the "
+                                            "trainer computes with the experts the rollout used (metric "
+                                            "train/route_agreement: how often its own router agrees). The "
+                                            "embedded engine records them; SGLang engines return them "
+                                            "(--enable-return-routed-experts, added by the launcher). MoE "
+                                            "models, --train-backend megatron.")
     moe_token_drop_policy: Optional[str] = flag(None, "Which tokens an over-capacity expert drops "
                                                 "(TransformerConfig.moe_token_drop_policy). No expert capacity "
                                                 "is set here, so nothing is dropped: only probs (the default) "

@@ -18,7 +18,9 @@ order, with ``response_lengths`` giving the split.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
+
+import numpy as np
 
 from megatron_rl.errors import ConfigError, MegatronRLError
 
@@ -97,6 +99,68 @@ class GenerateRequest:
         return min(sampling.max_new_tokens, self.max_new_tokens)
 
 
+class RoutedExperts:
+    """The experts each token of a sample went to in the rollout engine's forwards (MoE routing replay R3).
+
+    ``array[t, l, j]`` is the j-th of the top-k experts that input token ``t`` of ``prompt_ids +
+    response_ids`` went to in the model's ``l``-th MoE layer (counting MoE layers only, in layer order).
+    The last token has no row: no forward of the engine reads it (the trainer's output there carries no
+    loss), so there are ``total_length - 1`` rows, as SGLang returns them. A token's row is the route
+    its key/value in the engine's cache was computed with: its prefill (prompt, observation, or a
+    re-prefill after a retract under new weights) or the decode step that fed it.
+
+    Stored in the smallest unsigned dtype that holds the expert ids (uint8 up to 256 experts): a
+    32k-token sample of a 58-MoE-layer top-8 model is 15M ids. A plain class, not a dataclass, so
+    ``dataclasses.asdict(sample)`` keeps it whole (rollout checkpoints store samples as field dicts).
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: "np.ndarray"):
+        array = np.asarray(array)
+        if array.ndim != 3 or array.dtype.kind not in "iu":
+            raise ValueError(f"routed experts must be an integer array [tokens, moe_layers, topk], got "
+                             f"{array.dtype} {array.shape}")
+        self.array = array
+
+    @classmethod
+    def from_indices(cls, indices: Any, num_experts: int) -> "RoutedExperts":
+        """From integer expert ids (any int array or tensor), in the smallest unsigned dtype for ``num_experts``."""
+        dtype = np.uint8 if num_experts <= 1 << 8 else np.uint16 if num_experts <= 1 << 16 else np.uint32
+        return cls(np.asarray(indices).astype(dtype))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def layers(self) -> int:
+        return int(self.array.shape[1])
+
+    @property
+    def topk(self) -> int:
+        return int(self.array.shape[2])
+
+    def first(self, tokens: int) -> "RoutedExperts":
+        """The routes of the first ``tokens`` tokens (a sample cut shorter keeps its prefix's routes)."""
+        return RoutedExperts(self.array[:tokens])
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, RoutedExperts) and self.array.dtype == other.array.dtype
+                and self.array.shape == other.array.shape and bool(np.array_equal(self.array, other.array)))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable contents, like the list fields of Sample
+
+    def __repr__(self) -> str:
+        return f"RoutedExperts({self.array.dtype}, tokens={self.tokens}, moe_layers={self.layers}, topk={self.topk})"
+
+    def __getstate__(self):
+        return self.array
+
+    def __setstate__(self, array) -> None:
+        self.array = array
+
+
 @dataclass
 class Sample:
     """One generated response to one prompt, with everything the trainer needs."""
@@ -120,6 +184,9 @@ class Sample:
     # Empty = every token has ``weight_version``; set when an update landed mid-response (a partial
     # rollout paused, updated and continued): staleness is defined per token (docs/async.md).
     token_versions: list[int] = field(default_factory=list)
+    # The rollout engine's expert choices per input token (MoE routing replay R3, --use-rollout-routing-replay);
+    # None when the engine was not asked for them.
+    routed_experts: Optional[RoutedExperts] = None
 
     @property
     def total_length(self) -> int:
@@ -153,7 +220,7 @@ class Sample:
 # What a SampleStub does not carry: reading one of these on it is a bug in the caller (it would
 # silently train on the wrong data if it returned anything), so it raises.
 _HELD_ELSEWHERE = ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reason", "weight_version", "label",
-                   "prompt_text", "response_text", "metadata", "token_versions")
+                   "prompt_text", "response_text", "metadata", "token_versions", "routed_experts")
 
 
 @dataclass

@@ -57,6 +57,12 @@ or one decode forward and its sampled token; between steps the engine lock is fr
   more than one version, so a generate no update touched gives the samples it gave before pausing
   existed, and a pause + continue without an update is bitwise an unpaused generate (same
   forwards, same per-row uniforms).
+
+Routes (MoE routing replay R3, ``record_routes=True``): each forward's expert choices are read off
+the routers (``rollout.routes.RouteCapture``) and filed under the token that was the input there: a
+row's prompt gets its prefill's, each fed token its decode step's; a retract's re-prefill replaces
+every route of the row (the cache later tokens attend to is the re-prefill's). A sample's
+``routed_experts`` covers its first ``total_length - 1`` tokens (the last one is never an input).
 """
 
 from __future__ import annotations
@@ -72,12 +78,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import RoutedExperts, Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
+from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.sampling import sample_next_tokens
 
 if TYPE_CHECKING:
@@ -131,12 +138,13 @@ class RowOutput:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     versions: list[int] = field(default_factory=list)
+    routes: Optional[RoutedExperts] = None  # with ``record_routes``: the experts of its tokens (module docstring)
 
 
 class _Slot:
     """A row of ``generate_continuous``'s batch: what it generated so far and its own uniforms."""
 
-    __slots__ = ("row", "plen", "limit", "tokens", "logprobs", "versions", "done", "reason", "_uniforms")
+    __slots__ = ("row", "plen", "limit", "tokens", "logprobs", "versions", "done", "reason", "routes", "_uniforms")
 
     def __init__(self, row: EngineRow, context_length: int, greedy: bool):
         self.row, self.plen = row, len(row.prompt_ids)
@@ -145,6 +153,7 @@ class _Slot:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.done, self.reason = False, "length"
+        self.routes: list[torch.Tensor] = []  # [tokens, moe_layers, topk] pieces, with record_routes
         self._uniforms = None if greedy else \
             torch.rand(self.limit, generator=torch.Generator().manual_seed(row.seed), dtype=torch.float64)
 
@@ -155,8 +164,9 @@ class _Slot:
     def end(self, reason: str) -> None:
         self.done, self.reason = True, reason
 
-    def output(self, reason: str) -> RowOutput:
-        return RowOutput(list(self.tokens), list(self.logprobs), reason, list(self.versions))
+    def output(self, reason: str, experts: int = 0) -> RowOutput:
+        routes = routed_experts(self.routes, self.plen + len(self.tokens), experts) if experts else None
+        return RowOutput(list(self.tokens), list(self.logprobs), reason, list(self.versions), routes)
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -165,7 +175,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", record_routes: bool = False):
         import transformers
 
         if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):
@@ -196,6 +206,8 @@ class EmbeddedEngine(RolloutEngine):
         self.vocab_size = int(self.model.config.vocab_size)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.param_map = HFParamMap(self.model)
+        # MoE routing replay from the rollout (R3): every forward's expert choices, filed per token
+        self.route_capture: Optional[RouteCapture] = RouteCapture(self.model) if record_routes else None
         self._weight_version = 0
         self._released = False
         self._weights_loaded = True
@@ -220,7 +232,7 @@ class EmbeddedEngine(RolloutEngine):
         if cfg.model.hf_checkpoint is None:
             raise ConfigError("--rollout-backend embedded loads the policy from --hf-checkpoint: give "
                               "--hf-checkpoint DIR (an HF model directory)")
-        return cls(cfg.model.hf_checkpoint)
+        return cls(cfg.model.hf_checkpoint, record_routes=cfg.megatron.use_rollout_routing_replay)
 
     # ------------------------------------------------------------------ state
     @property
@@ -498,7 +510,7 @@ class EmbeddedEngine(RolloutEngine):
                 rollout_logprobs=out.logprobs, finish_reason=out.finish_reason,
                 weight_version=out.versions[0] if out.versions else self._weight_version,
                 label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata),
-                token_versions=list(out.versions) if len(set(out.versions)) > 1 else []))
+                token_versions=list(out.versions) if len(set(out.versions)) > 1 else [], routed_experts=out.routes))
         return samples
 
     def generate_rows(self, rows: list["EngineRow"], sampling: SamplingParams) -> list["RowOutput"]:
@@ -599,7 +611,7 @@ class EmbeddedEngine(RolloutEngine):
                     aborted, parked_under = self._enter_step(call)
                     if aborted:
                         for slot in active + joining:
-                            finish(slot.row, slot.output("abort"))
+                            finish(slot.row, slot.output("abort", self._route_experts))
                         return
                     try:
                         if step:
@@ -612,6 +624,11 @@ class EmbeddedEngine(RolloutEngine):
                             positions = torch.tensor([[s.plen + len(s.tokens) - 1] for s in slots], device=self.device)
                             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
                                              position_ids=positions, cache=cache, use_cache=True)
+                            if self.route_capture is not None:  # each running row's fed token
+                                step_routes = self.route_capture.take(len(slots), 1)
+                                for k, s in enumerate(slots):
+                                    if not s.done:
+                                        s.routes.append(step_routes[k])
                             keep = [k for k, s in enumerate(slots) if not s.done]
                             index = torch.tensor(keep, dtype=torch.long, device=self.device)
                             parts.append((cache, index, mask[index]))
@@ -629,6 +646,10 @@ class EmbeddedEngine(RolloutEngine):
                                 ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
                                 pmask[r, width - len(seq):] = 1
                             new_cache, new_logits = self._prefill(ids, pmask, capacity=width)
+                            if self.route_capture is not None:  # a (re-)prefill gives every route of its rows
+                                prefill_routes = self.route_capture.take(len(seqs), width)
+                                for r, (s, seq) in enumerate(zip(fresh, seqs)):
+                                    s.routes = [prefill_routes[r, width - len(seq):]]
                             parts.append((new_cache, torch.arange(len(seqs), device=self.device), pmask.to(self.device)))
                             logits.append(new_logits)
                             order += fresh
@@ -663,7 +684,7 @@ class EmbeddedEngine(RolloutEngine):
                         elif len(slot.tokens) >= slot.limit:
                             slot.end("length")
                         if slot.done:
-                            finish(slot.row, slot.output(slot.reason))
+                            finish(slot.row, slot.output(slot.reason, self._route_experts))
                     # the next step's input, one per cache row (a finished row's is ignored)
                     last = {id(s): s.tokens[-1] for s in order}
                     tokens = torch.tensor([last.get(id(s), s.tokens[-1] if s.tokens else 0) for s in slots],
@@ -730,6 +751,8 @@ class EmbeddedEngine(RolloutEngine):
         logprobs: list[list[float]] = [[] for _ in chunk]
         versions: list[list[int]] = [[] for _ in chunk]  # the weight version of each token
         finish: list[str] = ["length"] * len(chunk)
+        capture = self.route_capture
+        routes: list[list[torch.Tensor]] = [[] for _ in chunk]  # per row, with record_routes (module docstring)
         step = 0  # tokens every live row has
         cache: Any = None
         mask = tokens = torch.empty(0)
@@ -750,6 +773,9 @@ class EmbeddedEngine(RolloutEngine):
                 version = self._weight_version
                 if step == 0:
                     cache, logits = self._prefill(input_ids, prompt_mask, capacity)
+                    if capture is not None:
+                        prefill_routes = capture.take(len(prompts), width)
+                        routes = [[prefill_routes[int(expand[r]), width - prompt_lens[r]:]] for r in range(len(chunk))]
                     cache.batch_select_indices(expand.to(self.device))
                     logits = logits[expand.to(self.device)]
                     mask = prompt_mask[expand].to(self.device)
@@ -762,6 +788,10 @@ class EmbeddedEngine(RolloutEngine):
                                              torch.ones(len(batch), step, dtype=torch.long)], dim=1)
                     cache, logits = self._prefill(torch.cat([input_ids[expand[batch]], generated], dim=1),
                                                   prefix_mask, capacity)
+                    if capture is not None:  # the re-prefill's routes replace every route of its rows
+                        prefill_routes = capture.take(len(batch), width + step)
+                        for b, r in enumerate(batch):
+                            routes[r] = [prefill_routes[b, width - prompt_lens[r]:]]
                     mask = prefix_mask.to(self.device)
                 else:
                     if len(keep) <= COMPACT_AT * len(batch):
@@ -778,6 +808,11 @@ class EmbeddedEngine(RolloutEngine):
                     out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
                                      cache=cache, use_cache=True)
                     logits = out.logits[:, -1, :]
+                    if capture is not None:  # each live row's fed token (its last sampled one)
+                        step_routes = capture.take(len(batch), 1)
+                        for b, r in enumerate(batch):
+                            if not done[r]:
+                                routes[r].append(step_routes[b])
                 tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device))
             finally:
                 self._leave_step()
@@ -801,4 +836,12 @@ class EmbeddedEngine(RolloutEngine):
             step += 1
             if not keep:
                 break
-        return [RowOutput(responses[r], logprobs[r], finish[r], versions[r]) for r in range(len(chunk))]
+        experts = self._route_experts
+        return [RowOutput(responses[r], logprobs[r], finish[r], versions[r],
+                          routed_experts(routes[r], prompt_lens[r] + len(responses[r]), experts) if experts else None)
+                for r in range(len(chunk))]
+
+    @property
+    def _route_experts(self) -> int:
+        """The expert count routes are stored for (0: not recording routes)."""
+        return self.route_capture.num_experts if self.route_capture is not None else 0

@@ -23,6 +23,7 @@ import httpx
 from megatron_rl.errors import EngineError
 from megatron_rl.infra.ports import free_port
 from megatron_rl.rollout.base import load_tokenizer
+from megatron_rl.rollout.routes import RouteLayout
 from megatron_rl.rollout.sglang.engine import SGLangEngine
 from megatron_rl.rollout.sglang.launcher import EngineProcess
 
@@ -56,12 +57,12 @@ class ServedEmbeddedEngine(SGLangEngine):
             self.process.stop(grace_s=10.0)
 
 
-def server_command(model: str, port: int, python: str = sys.executable) -> list[str]:
+def server_command(model: str, port: int, python: str = sys.executable, routes: bool = False) -> list[str]:
     return [python, "-m", "megatron_rl.rollout.embedded_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port)]
+            "--port", str(port)] + (["--enable-return-routed-experts"] if routes else [])
 
 
-def start_server(model: str, log_path: str, timeout_s: float) -> EngineProcess:
+def start_server(model: str, log_path: str, timeout_s: float, routes: bool = False) -> EngineProcess:
     """Start the server and wait until it answers ``/health``; ``EngineError`` naming its log otherwise."""
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -70,7 +71,8 @@ def start_server(model: str, log_path: str, timeout_s: float) -> EngineProcess:
     for _attempt in range(PORT_ATTEMPTS):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        process: EngineProcess = EngineProcess(ServerSlot(url), server_command(model, port), env, log_path)
+        process: EngineProcess = EngineProcess(ServerSlot(url), server_command(model, port, routes=routes), env,
+                                               log_path)
         process.start()
         deadline = time.monotonic() + timeout_s
         with httpx.Client() as client:
@@ -97,11 +99,13 @@ def start_embedded_engine(cfg: "Config") -> ServedEmbeddedEngine:
     model = cfg.model.hf_checkpoint
     assert model is not None, "validation requires --hf-checkpoint with the embedded engine"
     log_path = os.path.join(cfg.runtime.output_dir, "engines", "embedded_engine.log")
-    process = start_server(model, log_path, cfg.rollout.rollout_engine_startup_timeout)
+    routes = cfg.megatron.use_rollout_routing_replay
+    process = start_server(model, log_path, cfg.rollout.rollout_engine_startup_timeout, routes=routes)
     try:
         return ServedEmbeddedEngine(process, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=model,
                                     tokenizer=load_tokenizer(model), releases_memory=False,
-                                    check_first_update=cfg.sync.check_weight_update_equal)
+                                    check_first_update=cfg.sync.check_weight_update_equal,
+                                    route_layout=RouteLayout.of_checkpoint(model) if routes else None)
     except BaseException:
         process.stop(grace_s=5.0)
         raise

@@ -29,12 +29,16 @@ mode, requests arriving while paused wait for ``/continue_generation``),
 ``/continue_generation``, ``/abort_request`` (``rid`` or ``abort_all``), ``/flush_cache`` (400 while
 rows run or wait: there is no cache kept between batches to flush), ``/model_info``,
 ``/server_info``, ``/health``, ``/health_generate``, ``/weights_checker`` (snapshot / reset_tensors /
-compare, for ``--check-weight-update-equal``). A weight update not preceded by a pause waits
+compare, for ``--check-weight-update-equal``). Started with ``--enable-return-routed-experts`` (as SGLang),
+a ``/generate`` with ``return_routed_experts`` gets each row's routes in ``meta_info.routed_experts``
+(SGLang's base64 int32 ``[tokens, num_hidden_layers, topk]``, ``rollout.routes``); without that flag
+such a request is refused (400). A weight update not preceded by a pause waits
 for the running batch to finish and holds the next (SGLang's model-update lock); while paused it
 lands at once, between two steps. Anything else answers 404 naming what this server serves
 (the tensor and distributed weight routes need SGLang: validation refuses them before start).
 
     python -m megatron_rl.rollout.embedded_server --model HF_DIR [--host 127.0.0.1] [--port 0]
+        [--enable-return-routed-experts]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from urllib.parse import urlsplit
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.embedded import EmbeddedEngine, EngineRow, RowOutput
+from megatron_rl.rollout.routes import to_sglang
 from megatron_rl.data.types import SamplingParams
 
 DEFAULT_VERSION = "default"  # SGLang's weight_version before any versioned update
@@ -252,6 +257,9 @@ class EmbeddedServer:
         if len(params) != len(prompts) or len(rids) != len(prompts):
             return 400, _error(f"The length of sampling_params ({len(params)}) and rid ({len(rids)}) must match "
                                f"the batch size ({len(prompts)})")
+        routes = bool(body.get("return_routed_experts", False))
+        if routes and self.engine.route_capture is None:
+            return 400, _error("return_routed_experts needs a server started with --enable-return-routed-experts")
         rows = []
         for k, (prompt, sp, rid) in enumerate(zip(prompts, params, rids)):
             refused = check_sampling(sp)
@@ -271,10 +279,10 @@ class EmbeddedServer:
         failed = [row.error for row in rows if row.error]
         if failed:
             return 400, _error(failed[0])
-        out = [self._reply(row) for row in rows]
+        out = [self._reply(row, routes) for row in rows]
         return 200, (out if batch else out[0])
 
-    def _reply(self, row: _Row) -> dict:
+    def _reply(self, row: _Row, routes: bool = False) -> dict:
         out = row.output
         assert out is not None, "a row without an error has an output"
         if out.finish_reason == "stop":
@@ -294,8 +302,12 @@ class EmbeddedServer:
         n = len(out.response_ids)
         tok = self.engine.tokenizer  # SGLang detokenizes (skip_special_tokens: the client always asks it)
         text = tok.decode(out.response_ids, skip_special_tokens=True) if tok is not None else ""
+        meta: dict = {}
+        capture = self.engine.route_capture
+        if routes and capture is not None and out.routes is not None:
+            meta["routed_experts"] = to_sglang(out.routes, capture.moe_layers, capture.num_hidden_layers)
         return {"text": text, "output_ids": list(out.response_ids), "meta_info": {
-            "id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids), "weight_version": current,
+            **meta, "id": row.rid, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids), "weight_version": current,
             "output_token_logprobs": [[float(lp), int(t), None] for lp, t in zip(out.logprobs, out.response_ids)],
             "completion_tokens": n, "cached_tokens": 0,
             "weight_versions": [{"version": name(v, str(v)), "start": a, "end": b} for v, a, b in spans]
@@ -492,13 +504,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="record each token's MoE experts and return them to requests with return_routed_experts "
+                         "(SGLang's flag; routing replay R3)")
     args = ap.parse_args(argv)
     import torch  # lazy: only the serving process needs torch's thread setting
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        engine = EmbeddedEngine(args.model)
+        engine = EmbeddedEngine(args.model, record_routes=args.enable_return_routed_experts)
     except ConfigError as exc:
         print(f"error: {exc}", flush=True)
         return 2

@@ -204,9 +204,11 @@ def truncate(sample: Sample, max_new_tokens: int) -> Sample:
     if len(sample.response_ids) <= max_new_tokens:
         return sample
     k = max_new_tokens
+    routes = sample.routed_experts  # its first tokens' routes: a route depends only on the tokens before it
     return dataclasses.replace(sample, response_ids=sample.response_ids[:k], rollout_logprobs=sample.rollout_logprobs[:k],
                                loss_mask=sample.loss_mask[:k], token_versions=sample.token_versions[:k],
-                               finish_reason="length", response_text=None, metadata=dict(sample.metadata))
+                               finish_reason="length", response_text=None, metadata=dict(sample.metadata),
+                               routed_experts=None if routes is None else routes.first(len(sample.prompt_ids) + k - 1))
 
 
 def _generation(sample: Sample) -> Generation:

@@ -409,7 +409,9 @@ class _CutBySync(Exception):
 
 def _stitch(head: Sample, tail: Sample, prompt_ids: list[int]) -> Sample:
     """``head`` (cut by a sync) continued by ``tail`` (generated from prompt + head's tokens): one sample over
-    the original prompt, each token with the version and behaviour log-prob of the weights that drew it."""
+    the original prompt, each token with the version and behaviour log-prob of the weights that drew it.
+    Its routes are the tail's: the tail's prefill routed prompt + head's tokens again (the cache every later
+    token attended to), so they cover the whole sample."""
     versions = head.effective_token_versions() + tail.effective_token_versions()
     return dataclasses.replace(
         tail, prompt_ids=list(prompt_ids), response_ids=list(head.response_ids) + list(tail.response_ids),

@@ -306,6 +306,21 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
     assert parse_config(["--hf-checkpoint", moe, "--use-routing-replay"]).megatron.use_routing_replay
 
 
+def test_rollout_routing_replay_needs_an_engine_that_returns_routes(tmp_path):
+    """R3 replays what the engine recorded: the embedded engine (in the trainer's processes or its own) and
+    SGLang return routes; custom generate functions do not carry them yet, so those are refused by name. No
+    old-log-prob pass is needed (--use-rollout-logprobs is fine)."""
+    moe = hf_dir(tmp_path, "qwen3_moe")
+    r3 = ["--hf-checkpoint", moe, "--use-rollout-routing-replay"]
+    cfg = parse_config([*r3, "--use-rollout-logprobs"])
+    assert cfg.megatron.use_rollout_routing_replay and cfg.embedded_placement == "all"
+    assert parse_config([*r3, "--async-mode", "full"]).embedded_placement == "process"
+    with pytest.raises(ConfigError, match="--use-rollout-routing-replay: a --custom-generate-function-path"):
+        parse_config([*r3, "--custom-generate-function-path", "megatron_rl.rollout.agent:generate"])
+    with pytest.raises(ConfigError, match="--use-rollout-routing-replay configures MoE layers"):
+        parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--use-rollout-routing-replay"])
+
+
 def test_moe_tensor_parallel_without_expert_parallel_at_etp1_is_refused(tmp_path):
     """megatron-core 0.16.1 reduces the experts' gradients over DP only when EP is 1; with TP > 1 and ETP 1
     each TP rank's copy of an expert saw other tokens (docs/parity.md): wrong gradients, so refused."""

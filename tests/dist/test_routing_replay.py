@@ -6,7 +6,9 @@ EP2. Per layout (tests/dist/scripts/routing_worker.py): the routes the old-log-p
 per sample and layer, equal the single process's bit for bit; replaying them, the trainer's own router
 agrees on every token; with forced routes (every token to experts 0 and 1) the log-probs and the training
 step's metrics equal the single process's under the same routes, the router's own choice disagrees as
-often, and only experts 0 and 1 get a gradient.
+often, and only experts 0 and 1 get a gradient. Then R3: the samples carry an engine's routes
+(``Sample.routed_experts``, every token to experts 2 and 3); every pass replays them with nothing recorded,
+the forward and the step equal the single process's and only experts 2 and 3 get a gradient.
 """
 
 import json
@@ -42,6 +44,9 @@ def test_single_process_replays_and_forces_routes(runs):
     # every sample and MoE layer has a route per token, and they are not all experts 0/1 already
     assert len(ref["routes"]) == 6 and all(len(by_layer) == 4 for by_layer in ref["routes"].values())
     assert any(sorted(r) != [0, 1] for by_layer in ref["routes"].values() for rs in by_layer.values() for r in rs)
+    assert ref["r3_expert_has_grad"] == {"0": False, "1": False, "2": True, "3": True}
+    assert 0.0 < ref["r3_metrics"]["train/route_agreement"] < 0.9
+    assert ref["r3_logprobs"] != ref["forced_logprobs"]  # other experts, other numbers
 
 
 @pytest.mark.slow
@@ -58,3 +63,11 @@ def test_layout_replays_as_the_single_process(runs, layout):
     for k in set(m0) - SKIP_METRICS:
         assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5), (layout, k)
     assert rec["expert_has_grad"] == ref["expert_has_grad"]
+    # R3: the rollout's routes, from the samples
+    lp = max(abs(a - b) for x, y in zip(ref["r3_logprobs"], rec["r3_logprobs"]) for a, b in zip(x, y))
+    assert lp < 1e-5, (layout, lp)
+    m0, m1 = ref["r3_metrics"], rec["r3_metrics"]
+    assert set(m0) == set(m1)
+    for k in set(m0) - SKIP_METRICS:
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5), (layout, k)
+    assert rec["r3_expert_has_grad"] == ref["r3_expert_has_grad"]

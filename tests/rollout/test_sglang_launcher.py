@@ -109,6 +109,11 @@ def test_command_line_and_environment_of_a_colocated_gpu_engine(tiny_hf_models, 
     assert cmd == ["/py", "-m", "sglang.launch_server", "--model-path", hf, "--host", "127.0.0.1", "--port", "31000",
                    "--nccl-port", "31001", "--tp-size", "2", "--base-gpu-id", "0", "--enable-memory-saver",
                    "--mem-fraction-static", "0.7"]
+    # MoE routing replay from the rollout (R3): the engines record and return each token's experts
+    moe = tiny_hf_models("qwen3_moe")
+    r3 = _cfg(moe, tmp_path, "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2",
+              "--use-rollout-routing-replay")
+    assert engine_command(r3, slot, python="/py", host="h", port=1, nccl_port=2)[-1] == "--enable-return-routed-experts"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     monkeypatch.setenv("RANK", "3")
     env = _engine_env(slot, sys.executable)

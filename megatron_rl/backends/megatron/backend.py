@@ -39,7 +39,7 @@ from megatron_rl.algorithms.spec import ModelOutput, Spec
 from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager, bucketed,
                                       finish_step_metrics)
 from megatron_rl.backends.loss_rows import LossRows, keep_rows, packed_loss_rows
-from megatron_rl.backends.megatron.routing_replay import RoutingReplay
+from megatron_rl.backends.megatron.routing_replay import RoutingReplay, moe_pattern
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
@@ -197,7 +197,10 @@ class MegatronBackend(TrainBackend):
         self.routing: Optional[RoutingReplay] = None  # --use-routing-replay
         self._pass_samples: Sequence[AnySample] = ()
         if self.model_config.moe_enable_routing_replay:
-            self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk))
+            # R3: the engine's routes, over every MoE layer of the model
+            pattern = moe_pattern(self.model_config) if cfg.megatron.use_rollout_routing_replay else None
+            self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk),
+                                                moe_pattern=pattern)
 
     # ---- helpers -------------------------------------------------------------
 

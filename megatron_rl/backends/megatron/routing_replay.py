@@ -23,6 +23,14 @@ Replay through megatron-core: each router of the model gets its targets for the
 micro-batch before the forward (``REPLAY_FORWARD``); a forward that megatron
 re-runs inside the backward (``--recompute-granularity full``) reads the same
 targets again in order (``REPLAY_BACKWARD``, megatron's FIFO of the step's targets).
+
+``--use-rollout-routing-replay`` (R3) replays the rollout engine's routes instead:
+every pass (old log-probs, reference, training) takes each sample's
+``Sample.routed_experts`` (``[total_length - 1, moe_layers, topk]`` over all the
+model's MoE layers, data/types.py), keeps this stage's layers (a router's global
+layer number -> its index among the model's MoE layers) and replays them; nothing
+is recorded. The last token has no route (no engine forward reads it): it replays
+experts ``0..topk-1`` like a pad row, and its output carries no loss.
 """
 
 from __future__ import annotations
@@ -85,12 +93,18 @@ class RoutingReplay:
     topk: int
     records: dict[int, torch.Tensor] = field(default_factory=dict)  # id(sample) -> [tokens, layers, topk]
     recording: bool = False
+    # R3: each local router's index among the model's MoE layers (the sample routes' layer axis); None: R2
+    rollout_layers: Optional[list[int]] = None
+    num_moe_layers: int = 0
     agreement: RouteAgreement = field(default_factory=RouteAgreement)
     _valid: dict[int, torch.Tensor] = field(default_factory=dict)  # router ordinal -> this forward's real rows
 
     @classmethod
-    def attach(cls, chunks: Sequence[torch.nn.Module], ps, layout, topk: int) -> "RoutingReplay":
-        """Find every MoE router of ``chunks`` (built with ``moe_enable_routing_replay``) and wrap its replay."""
+    def attach(cls, chunks: Sequence[torch.nn.Module], ps, layout, topk: int,
+               moe_pattern: Optional[Sequence[int]] = None) -> "RoutingReplay":
+        """Find every MoE router of ``chunks`` (built with ``moe_enable_routing_replay``) and wrap its replay.
+        ``moe_pattern`` (1 per MoE layer of the whole model, megatron's ``moe_layer_freq`` as a list):
+        replay the rollout's routes (R3) instead of recording the old-log-prob pass's."""
         routers: list[_Router] = []
         for c, chunk in enumerate(chunks):
             for module in chunk.modules():
@@ -105,7 +119,17 @@ class RoutingReplay:
         for r in routers:
             r.router.router_replay.get_replay_topk = MethodType(_replay_topk(state, r.ordinal),
                                                                r.router.router_replay)
+        if moe_pattern is not None:
+            state.use_rollout_routes(moe_pattern)
         return state
+
+    def use_rollout_routes(self, moe_pattern: Sequence[int]) -> None:
+        """Replay the samples' ``routed_experts`` from now on (R3): map each local router to its index among
+        the model's MoE layers (``moe_pattern``: 1 per MoE layer)."""
+        moe_layers = [i for i, is_moe in enumerate(moe_pattern) if is_moe]
+        self.num_moe_layers = len(moe_layers)
+        self.rollout_layers = [moe_layers.index(int(r.router.layer_number) - 1) for r in self.routers]
+        self.records = {}
 
     @property
     def num_layers(self) -> int:
@@ -117,8 +141,12 @@ class RoutingReplay:
         """Before a forward pass over ``samples``: record their routes (dropping older records) or replay them."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction  # lazy: megatron-core
 
-        self.recording = record
         self.agreement = RouteAgreement()
+        if self.rollout_layers is not None:  # R3: every pass replays the engine's routes
+            record = False
+            if self.routers:
+                self.records = {id(s): self._rollout_record(i, s) for i, s in enumerate(samples)}
+        self.recording = record
         if not self.routers:  # a pipeline stage without MoE layers: nothing to record or replay
             return
         if record:
@@ -132,6 +160,22 @@ class RoutingReplay:
         for r in self.routers:
             r.router.router_replay.clear_indices()
             r.router.router_replay.set_router_replay_action(action)
+
+    def _rollout_record(self, i: int, sample) -> torch.Tensor:
+        """This stage's layers of ``sample.routed_experts``, checked against the model (R3)."""
+        routes = sample.routed_experts
+        assert self.rollout_layers is not None
+        want = (sample.total_length - 1, self.num_moe_layers, self.topk)
+        if routes is None:
+            raise RuntimeError(f"routing replay from the rollout: sample {i} (group {sample.group_index}) has no "
+                               "routed_experts; the rollout engine did not return routes for it (it must record "
+                               "them: --use-rollout-routing-replay)")
+        if (routes.tokens, routes.layers, routes.topk) != want:
+            raise RuntimeError(f"routing replay from the rollout: sample {i} (group {sample.group_index}) has routes "
+                               f"of [tokens, moe_layers, topk] = {[routes.tokens, routes.layers, routes.topk]}, the "
+                               f"model needs {list(want)} (total_length - 1 tokens); the engine served another model "
+                               "or the sample was edited after generation")
+        return torch.from_numpy(routes.array[:, self.rollout_layers].astype("int16"))
 
     def end_pass(self) -> None:
         for r in self.routers:
@@ -228,6 +272,13 @@ def _replay_topk(state: RoutingReplay, ordinal: int):
         return RouterReplay.get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
 
     return get_replay_topk
+
+
+def moe_pattern(config) -> list[int]:
+    """1 per MoE layer of the whole model, from a megatron ``TransformerConfig`` (``moe_layer_freq`` a list, or
+    every N-th layer)."""
+    freq = config.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
 
 
 def moe_topk(config) -> Optional[int]:

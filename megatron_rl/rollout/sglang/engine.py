@@ -85,6 +85,7 @@ from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.plan.engines import EnginePlacement
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
+from megatron_rl.rollout.routes import RouteLayout
 from megatron_rl.rollout.sglang import protocol
 from megatron_rl.rollout.sglang.client import SGLangClient, SGLangEngineError, normalize_base_url
 from megatron_rl.rollout.sglang.health import HealthMonitor
@@ -112,7 +113,7 @@ class SGLangEngine(RolloutEngine):
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, health_failures: int = 3,
                  server_notes: Optional[dict[str, str]] = None, pause_mode: str = "abort",
                  flush_retry_s: float = 5.0, router_url: Optional[str] = None, router_concurrency: int = 64,
-                 check_first_update: bool = False):
+                 check_first_update: bool = False, route_layout: Optional[RouteLayout] = None):
         urls = [normalize_base_url(u) for u in urls]
         if not urls:
             raise ConfigError("SGLangEngine needs at least one server URL (http://host:port)")
@@ -165,6 +166,8 @@ class SGLangEngine(RolloutEngine):
                                    backoff_s=backoff_s, note="sglang-router") if router_url else None
         self._router_pool = ThreadPoolExecutor(max_workers=max(1, int(router_concurrency)),
                                                thread_name_prefix="sglang-router") if router_url else None
+        # MoE routing replay R3: ask every /generate for its routes, read them in the model's MoE layers
+        self.route_layout = route_layout
 
     @classmethod
     def from_config(cls, cfg: "Config", placement: Optional[EnginePlacement] = None) -> "SGLangEngine":
@@ -180,10 +183,11 @@ class SGLangEngine(RolloutEngine):
             urls, router = discover_router(urls)
         hf = cfg.model.hf_checkpoint
         on_cpu = str(cfg.rollout.sglang_args.get("device", "")).lower() == "cpu"
+        routes = RouteLayout.of_checkpoint(hf) if hf and cfg.megatron.use_rollout_routing_replay else None
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None, router_url=router,
-                   check_first_update=cfg.sync.check_weight_update_equal)
+                   check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes)
 
     @property
     def urls(self) -> list[str]:
@@ -418,7 +422,8 @@ class SGLangEngine(RolloutEngine):
                     [requests[i].prompt_ids for i, _ in rows],
                     [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
-                    rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s)
+                    rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
+                    return_routed_experts=self.route_layout is not None)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -449,7 +454,8 @@ class SGLangEngine(RolloutEngine):
                     requests[i].prompt_ids,
                     protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)),
-                    rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s)
+                    rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
+                    return_routed_experts=self.route_layout is not None)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -487,11 +493,15 @@ class SGLangEngine(RolloutEngine):
                     metadata["weight_version_spans"] = [list(span) for span in out.weight_version_spans]
                 if out.finish_reason == "abort" and out.finish_message:
                     metadata["finish_message"] = out.finish_message  # why the server aborted it
+                routes = None
+                if self.route_layout is not None and out.output_ids:  # (an aborted empty row trains on nothing)
+                    routes = self.route_layout.read(out.routed_experts, len(req.prompt_ids) + len(out.output_ids),
+                                                    where=f"/generate row {i}/{j}")
                 samples.append(Sample(
                     group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.output_ids,
                     rollout_logprobs=out.logprobs, finish_reason=out.finish_reason, weight_version=out.weight_version,
                     label=req.label, prompt_text=req.prompt_text, response_text=out.text,
-                    metadata=metadata, token_versions=out.token_versions()))
+                    metadata=metadata, token_versions=out.token_versions(), routed_experts=routes))
         return samples
 
     def _run_watched(self, fn, servers: list[int]) -> list:

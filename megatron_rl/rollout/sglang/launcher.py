@@ -118,6 +118,8 @@ def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, p
     on_cpu = str(r.sglang_args.get("device", "")).lower() == "cpu"  # SGLang on CPU cannot release memory
     if cfg.memory.colocate and not on_cpu and "enable_memory_saver" not in r.sglang_args:
         cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
+    if cfg.megatron.use_rollout_routing_replay and "enable_return_routed_experts" not in r.sglang_args:
+        cmd.append("--enable-return-routed-experts")  # R3: requests then ask for each token's experts
     return cmd + _pass_through_args(r.sglang_args)
 
 

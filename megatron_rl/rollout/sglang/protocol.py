@@ -19,6 +19,10 @@ Taken from SGLang 0.5.2x: ``python/sglang/srt/entrypoints/http_server.py``
   the parser uses when present (checked against real SGLang 0.5.23, docs/sglang.md). The spans
   are half-open and in order; together they cover the output tokens exactly, and a reply whose
   spans do not is out of protocol (per-token versions read from it would be wrong).
+* With ``return_routed_experts`` in the request (a server started with
+  ``--enable-return-routed-experts``), ``meta_info.routed_experts`` is base64 of int32
+  ``[tokens, num_hidden_layers, topk]``: each input token's top-k experts per layer (dense layers'
+  rows unused), for the first ``prompt + output - 1`` tokens (``rollout.routes``).
 * Errors: weight endpoints answer ``{"success": false, "message"}`` with 400;
   most others ``{"error": {"message"}}`` with 400; request validation
   ``{"object": "error", "message", "type", "param", "code"}``; an unknown path
@@ -87,7 +91,7 @@ def sampling_params_dict(sampling: SamplingParams, *, seed: Optional[int] = None
 
 
 def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
-                     return_logprob: bool = True) -> dict[str, Any]:
+                     return_logprob: bool = True, return_routed_experts: bool = False) -> dict[str, Any]:
     """A batch ``GenerateReqInput``: one entry per row, per-row sampling params and request ids."""
     if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
         raise ValueError("generate_payload: input_ids, sampling_params and rids must have one entry per row")
@@ -96,17 +100,22 @@ def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *,
                                "return_logprob": bool(return_logprob), "stream": False}
     if rids is not None:
         payload["rid"] = list(rids)
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
     return payload
 
 
 def single_generate_payload(input_ids: list[int], sampling_params: dict, *, rid: str,
-                            return_logprob: bool = True) -> dict[str, Any]:
+                            return_logprob: bool = True, return_routed_experts: bool = False) -> dict[str, Any]:
     """One row's ``GenerateReqInput`` (not a batch). What goes through an sglang-router: its typed
     request schema takes ``sampling_params`` as one map, so per-row params (each row's
     ``sampling_seed``) need one request per row; the router passes ``sampling_seed`` and ``rid``
     through (checked against sglang-router 0.3.2)."""
-    return {"input_ids": list(map(int, input_ids)), "sampling_params": dict(sampling_params),
-            "return_logprob": bool(return_logprob), "stream": False, "rid": str(rid)}
+    payload = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(sampling_params),
+               "return_logprob": bool(return_logprob), "stream": False, "rid": str(rid)}
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+    return payload
 
 
 def parse_router_workers(body: Any) -> Optional[list[str]]:
@@ -204,6 +213,7 @@ class GenerateOutput:
     text: Optional[str]
     finish_message: Optional[str] = None
     weight_version_spans: tuple[tuple[int, int, int], ...] = ()
+    routed_experts: Optional[str] = None  # meta_info.routed_experts as sent (base64), when asked for
 
     def token_versions(self) -> list[int]:
         """``Sample.token_versions``: each output token's version when they differ, else ``[]``.
@@ -277,6 +287,10 @@ def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
     message = finish.get("message") if isinstance(finish, dict) else None
     spans = parse_weight_version_spans(meta, where=where, num_tokens=len(output_ids))
     version = first_token_version(spans) if spans else parse_weight_version(meta.get("weight_version"), where=where)
+    routes = meta.get("routed_experts")
+    if routes is not None and not isinstance(routes, str):
+        raise EngineError(f"{where} /generate row has meta_info.routed_experts of type {type(routes).__name__}; "
+                          "SGLang sends a base64 string")
     return GenerateOutput(output_ids=output_ids, logprobs=[float(t[0]) for t in token_logprobs], finish_reason=kind,
                           weight_version=version, text=entry.get("text"), finish_message=message,
-                          weight_version_spans=spans)
+                          weight_version_spans=spans, routed_experts=routes)

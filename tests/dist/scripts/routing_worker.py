@@ -9,13 +9,18 @@ Usage (under torchrun): routing_worker.py HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
 3. the records are replaced by forced routes (every token to experts 0 and 1): a forward pass and a
    training step replay those; the log-probs, the step's metrics and, per expert, whether its weights
    got a gradient are recorded. Forced routes are layout-independent, so every layout must give the
-   single process's numbers, and no expert other than 0 and 1 may get a gradient.
+   single process's numbers, and no expert other than 0 and 1 may get a gradient;
+4. R3 (--use-rollout-routing-replay's path): the samples carry routes as an engine returns them
+   (``Sample.routed_experts`` over every MoE layer of the model, ``total_length - 1`` tokens): experts
+   2 and 3 for every token; every pass replays those (no recording), so the forward, the step and the
+   experts with gradients are again layout-independent.
 """
 
 import json
 import os
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -23,6 +28,32 @@ from backend_worker import make_samples  # noqa: E402  (the backend tests' batch
 from fsdp_worker import flags_of  # noqa: E402  (the backend tests' flags)
 
 FORCED = (0, 1)
+ENGINE = (2, 3)  # the R3 phase's engine routes
+
+
+def expert_grads(backend) -> dict:
+    """Which experts' weights got a gradient in the last step (main_grad holds it until the next step)."""
+    import torch.distributed as dist
+
+    ep_rank = backend.ps.get_expert_model_parallel_rank()
+    grads: dict = {}
+    for chunk in backend.model:
+        for name, p in chunk.named_parameters():
+            if ".local_experts." not in name:
+                continue
+            n_local = backend.model_config.num_moe_experts // backend.ps.get_expert_model_parallel_world_size()
+            j = int(name.split(".local_experts.")[1].split(".")[0])
+            expert = ep_rank * n_local + j
+            g = getattr(p, "main_grad", None)
+            got = bool(g is not None and g.abs().sum() > 0)
+            grads[expert] = grads.get(expert, False) or got
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, grads)
+    merged: dict = {}
+    for part in every:
+        for e, got in part.items():
+            merged[str(e)] = merged.get(str(e), False) or got
+    return merged
 
 
 def main():
@@ -78,26 +109,21 @@ def main():
         old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
         m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, plan=step))
         rec["forced_metrics"] = {k: v for k, v in m.items() if k not in ("train/step_time_s",)}
-        # which experts' weights got a gradient in the forced step (main_grad holds it until the next step)
-        ep_rank = backend.ps.get_expert_model_parallel_rank()
-        grads: dict = {}
-        for chunk in backend.model:
-            for name, p in chunk.named_parameters():
-                if ".local_experts." not in name:
-                    continue
-                n_local = backend.model_config.num_moe_experts // backend.ps.get_expert_model_parallel_world_size()
-                j = int(name.split(".local_experts.")[1].split(".")[0])
-                expert = ep_rank * n_local + j
-                g = getattr(p, "main_grad", None)
-                got = bool(g is not None and g.abs().sum() > 0)
-                grads[expert] = grads.get(expert, False) or got
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, grads)
-        merged: dict = {}
-        for part in every:
-            for e, got in part.items():
-                merged[str(e)] = merged.get(str(e), False) or got
-        rec["expert_has_grad"] = merged
+        rec["expert_has_grad"] = expert_grads(backend)
+        # 4. R3: the engine's routes, carried by the samples (every MoE layer, the last token excluded)
+        from megatron_rl.backends.megatron.routing_replay import moe_pattern
+        from megatron_rl.data.types import RoutedExperts
+
+        pattern = moe_pattern(backend.model_config)
+        for s in samples:
+            engine = np.broadcast_to(np.array(ENGINE, np.uint8), (s.total_length - 1, sum(pattern), len(ENGINE)))
+            s.routed_experts = RoutedExperts(engine.copy())
+        replay.use_rollout_routes(pattern)
+        rec["r3_logprobs"] = [t.tolist() for t in backend.forward_only(samples, plan=plan.forward)]
+        old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
+        m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, plan=step))
+        rec["r3_metrics"] = {k: v for k, v in m.items() if k not in ("train/step_time_s",)}
+        rec["r3_expert_has_grad"] = expert_grads(backend)
         results[layout or "base"] = rec
         destroy_parallel()
     if dist.get_rank() == 0:
