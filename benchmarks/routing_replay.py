@@ -1,12 +1,17 @@
-"""MoE routing replay (--use-routing-replay, R2) vs none: ratio drift, route agreement, step time.
+"""MoE routing replay vs none: R2 (--use-routing-replay) and R3 (--use-rollout-routing-replay).
 
-Several optimizer steps on one rollout batch (``--num-steps-per-rollout-updates``-style: the old
-log-probs are fixed, the policy moves): the importance ratio ``exp(logp - old)`` of the later steps
-carries the policy change and, without replay, the tokens whose router now picks other experts.
-Per step it prints ``train/ratio_abs_dev`` (mean |ratio - 1| over the loss tokens) for both variants,
-the fraction of (token, layer) pairs where the trainer's own router still agrees with the replayed
-experts, and the step time of each, as ratios in one run. Same model, batch and seed for both
-variants, in one process (megatron-core, one rank).
+One rollout from the embedded engine in bf16 (as a serving engine computes; it records its routes), then
+several optimizer steps of an fp32 trainer on it (``--num-steps-per-rollout-updates``-style: the old
+log-probs fixed, the policy moving), for each variant:
+
+* the engine-vs-trainer mismatch of the old pass: mean |old log-prob - rollout log-prob| over the
+  response tokens (R3 computes the old pass with the engine's experts; none and R2 with the trainer's);
+* per step, ``train/ratio_abs_dev`` (mean |ratio - 1| over the loss tokens: the policy change plus, without
+  replay, tokens whose router now picks other experts) and ``train/route_agreement`` (how often the
+  trainer's own router picks the replayed experts: R2 the old pass's, R3 the engine's);
+* the step time, as ratios to none in one run.
+
+Same model, rollout and seed for every variant, in one process (megatron-core, one rank).
 
     python benchmarks/routing_replay.py [--experts 16] [--topk 2] [--steps 6] [--lr 1e-4] [--repeat 2]
 """
@@ -20,22 +25,25 @@ import tempfile
 import time
 
 
-def _samples(vocab: int, n: int, seed: int = 0):
+def rollout(hf: str, args):
+    """The engine's samples: random prompts, ``n`` 4, bf16, routes recorded; rewards drawn at random."""
     import torch
 
-    from megatron_rl.data.types import Sample
+    from megatron_rl.data.types import GenerateRequest, SamplingParams
+    from megatron_rl.rollout import EmbeddedEngine
 
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p, r = int(torch.randint(16, 48, (1,), generator=g)), int(torch.randint(32, 96, (1,), generator=g))
-        ids = torch.randint(0, vocab, (p + r,), generator=g).tolist()
-        out.append(Sample(group_index=i // 4, prompt_ids=ids[:p], response_ids=ids[p:],
-                          reward=float(torch.rand(1, generator=g))))
-    return out
+    g = torch.Generator().manual_seed(0)
+    engine = EmbeddedEngine(hf, dtype=torch.bfloat16, record_routes=True)
+    prompts = [GenerateRequest(torch.randint(0, engine.vocab_size, (int(torch.randint(16, 48, (1,), generator=g)),),
+                                             generator=g).tolist(), i) for i in range(args.samples // 4)]
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=3, n=4,
+                                                       ignore_eos=True))
+    for s in samples:
+        s.reward = float(torch.rand(1, generator=g))
+    return samples
 
 
-def run(hf: str, replay: bool, args) -> list[dict]:
+def run(hf: str, variant: str, samples, args) -> dict:
     import torch
 
     from megatron_rl.algorithms import spec_from_config
@@ -47,12 +55,14 @@ def run(hf: str, replay: bool, args) -> list[dict]:
     torch.manual_seed(0)
     argv = ["--hf-checkpoint", hf, "--lr", str(args.lr), "--rollout-batch-size", str(args.samples // 4),
             "--n-samples-per-prompt", "4", "--micro-batch-size", "4", "--seed", "7", "--weight-decay", "0"]
-    cfg = parse_config(argv + (["--use-routing-replay"] if replay else []))
+    flag = {"none": [], "r2": ["--use-routing-replay"], "r3": ["--use-rollout-routing-replay"]}[variant]
+    cfg = parse_config(argv + flag)
     spec = spec_from_config(cfg)
     backend = MegatronBackend()
     backend.initialize(cfg, spec)
-    samples = _samples(backend.vocab_size, args.samples)
     old = backend.forward_only(samples)
+    diffs = torch.cat([(o.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float64)).abs()
+                       for o, s in zip(old, samples)])
     adv = spec.compute_advantages(samples)
     steps = []
     for _ in range(args.steps):
@@ -61,7 +71,7 @@ def run(hf: str, replay: bool, args) -> list[dict]:
         steps.append({"ratio_abs_dev": m["train/ratio_abs_dev"], "agreement": m.get("train/route_agreement"),
                       "seconds": time.perf_counter() - t0})
     destroy_parallel()
-    return steps
+    return {"mismatch": float(diffs.mean()), "mismatch_max": float(diffs.max()), "steps": steps}
 
 
 def main() -> None:
@@ -76,25 +86,36 @@ def main() -> None:
 
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
+    variants = ("none", "r2", "r3")
     with tempfile.TemporaryDirectory(prefix="routing_replay_") as tmp:
         hf = build_tiny_hf_model("qwen3_moe", os.path.join(tmp, "hf"), num_experts=args.experts,
                                  num_experts_per_tok=args.topk)
-        results: dict[bool, list[list[dict]]] = {False: [], True: []}
+        samples = rollout(hf, args)
+        results: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(args.repeat):
-            for replay in (False, True):
-                results[replay].append(run(hf, replay, args))
-    print(f"tiny qwen3_moe: {args.experts} experts, top-{args.topk}, 4 layers; {args.samples} samples, "
-          f"{args.steps} optimizer steps on one rollout batch, lr {args.lr}; fp32, 1 process")
-    print(f"\n{'step':>4} | {'|ratio-1| none':>14} {'|ratio-1| r2':>12} {'r2/none':>8} | {'route agreement':>15}")
-    none, r2 = results[False][0], results[True][0]
-    for i, (a, b) in enumerate(zip(none, r2)):
-        rel = b["ratio_abs_dev"] / a["ratio_abs_dev"] if a["ratio_abs_dev"] else float("nan")
-        print(f"{i:>4} | {a['ratio_abs_dev']:14.3e} {b['ratio_abs_dev']:12.3e} {rel:8.2f} | {b['agreement']:15.4f}")
-    t_none = statistics.median(s["seconds"] for rep in results[False] for s in rep[1:])
-    t_r2 = statistics.median(s["seconds"] for rep in results[True] for s in rep[1:])
-    print(f"\nstep time (median over steps after the first, {args.repeat} runs each): none {t_none:.3f} s, "
-          f"r2 {t_r2:.3f} s, r2/none {t_r2 / t_none:.2f}x")
-
+            for v in variants:
+                results[v].append(run(hf, v, samples, args))
+    tokens = sum(len(s.response_ids) for s in samples)
+    print(f"tiny qwen3_moe: {args.experts} experts, top-{args.topk}, 4 layers; a bf16 embedded-engine rollout of "
+          f"{len(samples)} samples ({tokens} response tokens); fp32 trainer, {args.steps} optimizer steps on it, "
+          f"lr {args.lr}; 1 process")
+    first = {v: results[v][0] for v in variants}
+    print("\nold pass vs engine, mean |log-prob diff| over response tokens (max):")
+    for v in variants:
+        print(f"  {v:>4}: {first[v]['mismatch']:.3e} ({first[v]['mismatch_max']:.3e})"
+              + (f"   {v}/none {first[v]['mismatch'] / first['none']['mismatch']:.2f}" if v != "none" else ""))
+    print(f"\n{'step':>4} | {'|ratio-1| none':>14} {'r2':>10} {'r3':>10} {'r2/none':>8} {'r3/none':>8} | "
+          f"{'agree r2':>8} {'agree r3':>8}")
+    for i in range(args.steps):
+        a, b, c = (first[v]["steps"][i] for v in variants)
+        base = a["ratio_abs_dev"]
+        rel = [x["ratio_abs_dev"] / base if base else float("nan") for x in (b, c)]
+        print(f"{i:>4} | {base:14.3e} {b['ratio_abs_dev']:10.3e} {c['ratio_abs_dev']:10.3e} {rel[0]:8.2f} "
+              f"{rel[1]:8.2f} | {b['agreement']:8.4f} {c['agreement']:8.4f}")
+    times = {v: statistics.median(s["seconds"] for rep in results[v] for s in rep["steps"][1:]) for v in variants}
+    print(f"\nstep time (median over steps after the first, {args.repeat} runs each): none {times['none']:.3f} s, "
+          f"r2 {times['r2']:.3f} s ({times['r2'] / times['none']:.2f}x), r3 {times['r3']:.3f} s "
+          f"({times['r3'] / times['none']:.2f}x)")
 
 if __name__ == "__main__":
     main()

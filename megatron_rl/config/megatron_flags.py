@@ -140,16 +140,6 @@ def _load_balancing_check(value, cfg) -> Optional[str]:
     return None
 
 
-def _rollout_routes_check(value, cfg) -> Optional[str]:
-    """R3 needs samples that carry the engine's routes: every engine returns them (SGLang with
-    --enable-return-routed-experts, which the launcher adds); a user function's token lists do not yet."""
-    r = cfg.rollout
-    if r.custom_generate_function_path or r.rollout_function_path:
-        return ("a --custom-generate-function-path / --rollout-function-path function builds samples from token "
-                "lists that carry no routes yet; drop it, or use --use-routing-replay (R2)")
-    return None
-
-
 def _last_stage_check(value, cfg) -> Optional[str]:
     p = cfg.parallel
     if value < 1:
@@ -236,9 +226,9 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
     MegatronFlag("megatron", "use_rollout_routing_replay", _tc(moe_enable_routing_replay=True),
                  "mapped: TransformerConfig.moe_enable_routing_replay; the engine records each token's experts "
                  "(Sample.routed_experts: the embedded engine, or SGLang's return_routed_experts, the launcher "
-                 "starting it with --enable-return-routed-experts) and every forward of the trainer replays them "
-                 "(R3, backends/megatron/routing_replay.py); custom generate / rollout functions are refused until "
-                 "they carry routes", moe_only=True, check=_rollout_routes_check),
+                 "starting it with --enable-return-routed-experts; custom generate functions pass on their last "
+                 "Generation.routes, as the agent loop does) and every forward of the trainer replays them (R3, "
+                 "backends/megatron/routing_replay.py)", moe_only=True),
     MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
                  "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
                  "planner checks the split)", check=_last_stage_check),

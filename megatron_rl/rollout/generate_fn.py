@@ -25,7 +25,11 @@ The engine handle (``EngineHandle``) is the only way in: ``generate(input_ids, s
 ``Generation``s (output token ids, the behaviour log-prob of every token, the weight version of every token,
 the finish reason), never text, so nothing a function returns has to be re-encoded: a trajectory is the
 concatenation of engine output tokens and the tokens the function appends itself (tool observations, with
-``loss_mask`` 0). It speaks only ``RolloutEngine.generate``, so a function runs on every engine.
+``loss_mask`` 0). It speaks only ``RolloutEngine.generate``, so a function runs on every engine. With
+``--use-rollout-routing-replay`` a ``Generation`` also carries the engine's routes of its input + output
+tokens (``routes``): a function sets its sample's ``routed_experts`` from the last call whose input covered
+the sample's tokens (``routes.first(total_length - 1)``; the built-in agent loop does), and the trainer
+refuses a sample without them, naming it.
 
 Invariants checked on every returned sample (``check_samples``; a violation is a ``ConfigError`` naming the
 flag, the function and the sample): ``rollout_logprobs``, ``loss_mask`` (0/1, or empty: all ones) and
@@ -57,7 +61,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.data.types import GenerateRequest, RoutedExperts, Sample, SamplingParams
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.user_function import load_user_function
 
@@ -88,6 +92,8 @@ class Generation:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int  # the first token's version (the engine's when there is no token)
     finish_message: Optional[str] = None  # what the engine said when it aborted the row
+    # the engine's experts for input + output tokens, less the last (--use-rollout-routing-replay), else None
+    routes: Optional[RoutedExperts] = None
 
     @property
     def stopped(self) -> bool:
@@ -221,7 +227,7 @@ def _generation(sample: Sample) -> Generation:
     return Generation(output_ids=list(sample.response_ids), logprobs=[float(x) for x in sample.rollout_logprobs],
                       token_versions=[int(v) for v in versions], finish_reason=sample.finish_reason,
                       weight_version=int(sample.weight_version),
-                      finish_message=sample.metadata.get("finish_message"))
+                      finish_message=sample.metadata.get("finish_message"), routes=sample.routed_experts)
 
 
 # ------------------------------------------------------------------ loading

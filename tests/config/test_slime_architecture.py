@@ -308,15 +308,14 @@ def test_routing_replay_is_refused_where_it_cannot_run(tmp_path):
 
 def test_rollout_routing_replay_needs_an_engine_that_returns_routes(tmp_path):
     """R3 replays what the engine recorded: the embedded engine (in the trainer's processes or its own) and
-    SGLang return routes; custom generate functions do not carry them yet, so those are refused by name. No
+    SGLang return routes, and a generate function passes on its calls' routes (the agent loop does). No
     old-log-prob pass is needed (--use-rollout-logprobs is fine)."""
     moe = hf_dir(tmp_path, "qwen3_moe")
     r3 = ["--hf-checkpoint", moe, "--use-rollout-routing-replay"]
     cfg = parse_config([*r3, "--use-rollout-logprobs"])
     assert cfg.megatron.use_rollout_routing_replay and cfg.embedded_placement == "all"
     assert parse_config([*r3, "--async-mode", "full"]).embedded_placement == "process"
-    with pytest.raises(ConfigError, match="--use-rollout-routing-replay: a --custom-generate-function-path"):
-        parse_config([*r3, "--custom-generate-function-path", "megatron_rl.rollout.agent:generate"])
+    assert parse_config([*r3, "--custom-generate-function-path", "megatron_rl.rollout.agent:generate"])
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay configures MoE layers"):
         parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--use-rollout-routing-replay"])
 

@@ -2,9 +2,9 @@
 log-probs and versions) plus the observation tokens the loop appended (loss mask 0), nothing re-encoded.
 
 The engine here is a scripted double that implements ``RolloutEngine`` exactly (requests in, samples out):
-it plays planned turns (tool calls, malformed calls, unknown tools, answers) with random log-probs and
-versions and records every context it was given, so each test rebuilds the trajectory from the engine's
-side and compares. The same loop against the real embedded engine: test_agent_manager.py.
+it plays planned turns (tool calls, malformed calls, unknown tools, answers) with random log-probs,
+versions and routes (as an engine recording them for --use-rollout-routing-replay) and records every context
+it was given, so each test rebuilds the trajectory from the engine's side and compares. The same loop against the real embedded engine: test_agent_manager.py.
 """
 
 import random
@@ -14,7 +14,7 @@ import pytest
 
 from _tokenizer import build_char_tokenizer  # tests/ is on sys.path (conftest)
 
-from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.data.types import GenerateRequest, RoutedExperts, Sample, SamplingParams
 from megatron_rl.rollout.agent import AgentSettings, BUILTIN_TOOLS, run_agent
 from megatron_rl.rollout.agent.framing import tool_turn_ids
 from megatron_rl.rollout.agent.tools import calculator
@@ -37,6 +37,7 @@ class Trace:
     turns: list[Turn]
     contexts: list[list[int]] = field(default_factory=list)
     outputs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
+    routes: list[RoutedExperts] = field(default_factory=list)  # of each call: context + output, less the last
 
 
 class ScriptedEngine(RolloutEngine):
@@ -73,12 +74,16 @@ class ScriptedEngine(RolloutEngine):
                 finish = turn.finish if len(ids) == len(turn.ids) else "length"
                 logprobs = [-self.rng.random() * 5 for _ in ids]
                 versions = sorted(self.rng.choice([self.version, self.version + 1]) for _ in ids)
+                routes = RoutedExperts.from_indices(
+                    [[[self.rng.randrange(8) for _ in range(2)] for _ in range(3)]
+                     for _ in range(len(r.prompt_ids) + len(ids) - 1)], 8)
                 t.contexts.append(list(r.prompt_ids))
                 t.outputs.append((ids, logprobs, versions))
+                t.routes.append(routes)
                 out.append(Sample(group_index=r.group_index, prompt_ids=list(r.prompt_ids), response_ids=ids,
                                   rollout_logprobs=logprobs, finish_reason=finish, weight_version=versions[0],
                                   token_versions=versions if len(set(versions)) > 1 else [],
-                                  metadata=dict(r.metadata)))
+                                  metadata=dict(r.metadata), routed_experts=routes))
         return out
 
     def update_weights(self, named_tensors, version): ...
@@ -158,6 +163,8 @@ def check_trajectory(tok, prompt: list[int], trace: Trace, sample: Sample) -> in
     assert sample.rollout_logprobs == logprobs
     assert sample.token_versions == versions
     assert sample.weight_version == trace.outputs[0][2][0]
+    # routes: the last call's (its context was every earlier token), cut to the sample's tokens less the last
+    assert sample.routed_experts == trace.routes[-1].first(len(prompt) + len(response) - 1)
     return calls
 
 

@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.data.types import GenerateRequest, RoutedExperts, Sample, SamplingParams
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.agent.framing import cut_after_tool_call, tool_call_end_id, tool_turn_ids
 from megatron_rl.rollout.agent.parse import parse_tool_calls
@@ -56,6 +56,8 @@ class Trajectory:
     finish_reason: Optional[str] = None  # set when the trajectory ended
     agent_stop: str = ""  # why it ended: answer, max_turns, budget, abort
     finish_message: Optional[str] = None
+    # the latest turn's routes (--use-rollout-routing-replay): its prefill routed the whole context again
+    routes: Optional[RoutedExperts] = None
     weight_version: Optional[int] = None
 
     def add_turn(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
@@ -113,6 +115,8 @@ def _take_turn(t: Trajectory, gen: Generation, tok, end_id: Optional[int], budge
     cut = keep < len(gen.output_ids)
     ids = list(gen.output_ids[:keep])
     t.add_turn(ids, list(gen.logprobs[:keep]), list(gen.token_versions[:keep]))
+    if gen.routes is not None:  # its input was the whole trajectory so far: these supersede the earlier turns'
+        t.routes = gen.routes
     if gen.finish_reason == "abort":
         t.finish_message = gen.finish_message
         return t.end("abort", "abort")
@@ -150,7 +154,19 @@ def _sample(request: GenerateRequest, t: Trajectory) -> Sample:
                   response_ids=t.response_ids, rollout_logprobs=t.logprobs, loss_mask=t.loss_mask,
                   finish_reason=t.finish_reason or "length", weight_version=int(t.weight_version or 0),
                   label=request.label, prompt_text=request.prompt_text, metadata=metadata,
-                  token_versions=t.versions)
+                  token_versions=t.versions, routed_experts=_routes(request, t))
+
+
+def _routes(request: GenerateRequest, t: Trajectory) -> Optional[RoutedExperts]:
+    """The sample's routes: the last turn's (its input was prompt + every earlier token), cut to the sample's
+    ``total_length - 1`` tokens (a turn cut after its tool call dropped tokens the engine had routed)."""
+    if t.routes is None:
+        return None
+    need = len(request.prompt_ids) + len(t.response_ids) - 1
+    if t.routes.tokens < need:  # only when the trajectory ended on tokens the last turn never saw
+        raise RuntimeError(f"agent loop: the last turn's routes cover {t.routes.tokens} tokens, the sample needs "
+                           f"{need}")
+    return t.routes.first(need)
 
 
 __all__ = ["AgentSettings", "Trajectory", "run_agent"]
