@@ -4,6 +4,7 @@
 #   bash scripts/test_sglang_real.sh [--out DIR] [--skip-e2e] [--num-rollout N] ...
 #   bash scripts/test_sglang_real.sh --launcher [--out DIR] [--skip-kill]   (the loop launching SGLang itself)
 #   bash scripts/test_sglang_real.sh --record-replies [--out FILE]   (refresh the stand-in's fixture, ~2 min)
+#   bash scripts/test_sglang_real.sh --routes [--out DIR]   (MoE routes of --enable-return-routed-experts, ~3 min)
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
@@ -29,6 +30,13 @@ if [ "${1:-}" = "--launcher" ]; then
   # must stop with exit 2 naming the engine's log (~4 min)
   shift
   exec "$PY" tools/sglang_cpu/check_launcher_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
+fi
+if [ "${1:-}" = "--routes" ]; then
+  # tools/sglang_cpu/check_routes_real.py: a tiny Qwen3-MoE served with --enable-return-routed-experts; the
+  # routes each sample carries (SGLangEngine with a RouteLayout, as --use-rollout-routing-replay) equal one HF
+  # forward's experts for every prompt and response token, with the radix cache and after a weight update
+  shift
+  exec "$PY" tools/sglang_cpu/check_routes_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
 fi
 if [ "${1:-}" = "--record-replies" ]; then
   shift

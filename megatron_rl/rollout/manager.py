@@ -145,6 +145,16 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
             "rollout/tool_error_frac": errors / calls if calls else 0.0}
 
 
+def route_metrics(samples: list[Sample]) -> dict[str, float]:
+    """MoE routing replay from the rollout (``--use-rollout-routing-replay``): ``rollout/route_bytes_per_token``,
+    the bytes of engine routes a sample carries per token (they travel with it through the rollout shards and
+    checkpoints, so this sizes that traffic). Empty when no sample carries routes."""
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not routed:
+        return {}
+    return {"rollout/route_bytes_per_token": sum(r.array.nbytes for r in routed) / sum(r.tokens for r in routed)}
+
+
 class RolloutManager:
     def __init__(self, cfg, engine, prompts, reward_fn, eval_dataset=None,
                  dynamic_sampler: Optional[DynamicSampler] = None,
@@ -250,6 +260,7 @@ class RolloutManager:
         metrics["rollout/abort_retried_groups"] = float(self.last_retried_groups)
         metrics.update(reward_metrics(samples))  # reward/<key>: the dict rewards' extra metrics
         metrics.update(agent_metrics(samples))  # rollout/turns_mean, ...: only for multi-turn samples
+        metrics.update(route_metrics(samples))  # rollout/route_bytes_per_token: only with engine routes
         metrics.update(extra)
         return samples, metrics
 

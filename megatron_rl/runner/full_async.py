@@ -32,7 +32,7 @@ from megatron_rl.data.types import GenerateRequest, Sample
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler, StreamFilter
 from megatron_rl.rollout.generate_fn import RolloutFunctions
-from megatron_rl.rollout.manager import sampling_params, save_rollout, weight_version_metrics
+from megatron_rl.rollout.manager import route_metrics, sampling_params, save_rollout, weight_version_metrics
 from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
@@ -131,6 +131,7 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
         metrics.update(producer.group_filter.metrics(len(kept)))
     metrics.update(weight_version_metrics(samples, rollout_id))  # staleness against the weights that train them
     metrics.update(reward_metrics(samples))  # reward/<key> of rewards that return a dict
+    metrics.update(route_metrics(samples))  # rollout/route_bytes_per_token with engine routes
     if cfg.mode.save_debug_rollout_data:
         save_rollout(cfg.mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
     return samples, metrics

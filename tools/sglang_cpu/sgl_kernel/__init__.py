@@ -11,6 +11,8 @@ What it provides: ``assign_req_to_token_pool_cpu`` in pure torch, the one kernel
 for a Qwen2 model on a non-AMX CPU (measured, ``../shared/SGLANG_CPU.md``). Every other
 attribute is a function that raises ``NotImplementedError`` naming itself when called, so an
 SGLang code path that needs a real kernel fails loudly instead of computing something wrong.
+On import it also installs ``_host_memory``: SGLang's page-locked host buffers (the routed-experts
+capture of ``--enable-return-routed-experts``) allocated unpinned when there is no CUDA.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from __future__ import annotations
 __version__ = "0.0.0+cpu-test-standin"
 
 STANDIN = True  # lets a check tell this stand-in from a real sgl_kernel
+
+from sgl_kernel import _host_memory  # noqa: E402 - SGLang's host buffers unpinned without CUDA (see there)
+
+_host_memory.install()
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
