@@ -116,7 +116,12 @@ def main(argv=None) -> int:
     server = SGLangServer(args.sglang_python, model_dir, out / "server.log", port=free_port(),
                           extra_args=["--enable-return-routed-experts", "--skip-tokenizer-init"])
     atexit.register(server.stop)
-    signal.signal(signal.SIGTERM, lambda signum, _f: (_ for _ in ()).throw(SystemExit(128 + signum)))
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through the finally below, which stops the server
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         report.log(f"starting SGLang with --enable-return-routed-experts on {server.url} (log: {server.log_path})")
         server.start()
