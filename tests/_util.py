@@ -39,6 +39,39 @@ def torchrun(script: str | os.PathLike, nproc: int, args: list[str] | None = Non
     return proc
 
 
+# ---- the CPU demo's files, built once per test process --------------------------------------------------
+
+_DEMO_TEMPLATE: dict[str, str] = {}
+
+
+def seed_demo_dir(out: str | os.PathLike) -> None:
+    """Put the CPU demo's tiny model and prompt files into ``out`` (when it holds no model yet), copied from
+    one set built in this process with the function ``scripts/run_demo_cpu.sh`` runs first
+    (``megatron_rl.data.synthetic.prepare``, default arguments: the same files, byte for byte). That step
+    then finds them and keeps them, so a launch skips a new interpreter's torch + transformers import and the
+    model build (~4 s idle, ~8 s on busy cores), about twenty times in the suite. The step's own build
+    is tested in tests/data/test_synthetic.py and by every launch of the demo script outside the tests."""
+    import shutil
+    import tempfile
+
+    from megatron_rl.data import synthetic
+
+    if os.path.isfile(os.path.join(out, "model", "config.json")):
+        return
+    if "dir" not in _DEMO_TEMPLATE:
+        template = tempfile.mkdtemp(prefix="mrl_demo_template_")
+        synthetic.prepare(template)
+        _DEMO_TEMPLATE["dir"] = template
+        import atexit
+
+        atexit.register(shutil.rmtree, template, True)
+    template = _DEMO_TEMPLATE["dir"]
+    os.makedirs(out, exist_ok=True)
+    shutil.copytree(os.path.join(template, "model"), os.path.join(out, "model"))
+    for name in ("prompts.jsonl", "eval.jsonl"):
+        shutil.copyfile(os.path.join(template, name), os.path.join(out, name))
+
+
 # ---- the process tree of a launch (torchrun starts every worker in a session of its own) ----------------
 
 

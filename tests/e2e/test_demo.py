@@ -14,12 +14,14 @@ import sys
 
 import pytest
 
+from _util import seed_demo_dir
 from megatron_rl.infra.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_demo(out, num_rollout, *extra, timeout=900):
+    seed_demo_dir(out)
     env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable,
            "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(["bash", "scripts/run_demo_cpu.sh", *extra], cwd=REPO, env=env, capture_output=True,

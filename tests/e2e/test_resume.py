@@ -37,7 +37,7 @@ import time
 import pytest
 import torch
 
-from _util import PausePoint, _alive, _tree, free_port
+from _util import PausePoint, _alive, _tree, free_port, seed_demo_dir
 from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_checkpoint_metadata
 from megatron_rl.infra import checksum
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
@@ -78,6 +78,7 @@ class Demo:
         Demo.count += 1
         self.out = str(out)
         self.log_path = f"{self.out}.launch{Demo.count}.log"
+        seed_demo_dir(self.out)
         self.metrics_before = len(metrics(out))
         env = {**os.environ, "OUT": self.out, "NUM_ROLLOUT": str(num_rollout), "PY": sys.executable,
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()), **(env or {})}
