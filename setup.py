@@ -55,7 +55,8 @@ EXTRAS = {
              # tests/ops/test_triton_kernels.py: the Triton kernels under its CPU interpreter and compiled for
              # sm_90 (the version the GPU machine has; CUDA builds of torch ship it, the CPU build does not)
              "triton==3.6.0",
-             "sglang-router==0.3.2"],  # tests/rollout/test_sglang_router.py: the real router before stand-ins
+             "sglang-router==0.3.2",  # tests/rollout/test_sglang_router.py: the real router before stand-ins
+             "peft==0.21.2"],  # tests/models/test_lora.py: our LoRA adapters against HF PEFT's on the HF model
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.
 

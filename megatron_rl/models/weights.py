@@ -34,6 +34,7 @@ import torch
 from megatron_rl.errors import BridgeError, CheckpointError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
+from megatron_rl.models.lora import is_adapter_name
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -70,7 +71,9 @@ def named_state_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     checkpoint (a sigmoid router's selection bias, megatron ``mlp.router.expert_bias``); it
     is loaded, exported and checkpointed like a parameter. Non-persistent buffers (token
     counters, rotary caches) are not model state and are skipped."""
-    yield from model.named_parameters()
+    for name, param in model.named_parameters():
+        if not is_adapter_name(name):  # LoRA adapters are not base model state (models/lora.py)
+            yield name, param
     for module_name, module in model.named_modules():
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in module._non_persistent_buffers_set:
