@@ -259,7 +259,7 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # lazy: megatron
 
     from megatron_rl.models.spec import layer_spec_flavour  # lazy: imports the megatron layer specs
-    from megatron_rl.models.weights import unwrap
+    from megatron_rl.models.weights import unwrap  # lazy: weights imports this module (is_adapter_name)
 
     if layer_spec_flavour() != "local":
         raise BridgeError("LoRA is built on megatron's local layer spec; with transformer-engine the input norm is "
