@@ -37,7 +37,7 @@ class PolicyGradientConfig:
     grpo_std_normalization: bool = True  # --disable-grpo-std-normalization sets False (Dr.GRPO)
     advantage_eps: float = 1e-6
     gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
-    kl_coef: float = 0.0  # --kl-coef: KL penalty folded into REINFORCE++ token rewards
+    kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++ rewards
     normalize_advantages: bool = False  # --normalize-advantages: batch whitening after the estimator
     loss_agg_mode: str | None = None  # --loss-agg-mode; None = the estimator's default (see the class doc)
     max_response_length: int = 0  # --rollout-max-response-len: Dr.GRPO's constant normaliser

@@ -25,7 +25,7 @@ import torch
 
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.config import PolicyGradientConfig
-from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss
+from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss, kl_estimate
 from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
@@ -145,7 +145,9 @@ class PolicyGradientSpec(Spec):
                 if old_logprobs is None or ref_logprobs is None:
                     raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
                                       "rewards: compute old and ref log-probs before compute_advantages and pass them")
-                kl = torch.cat(list(old_logprobs)).float() - torch.cat(list(ref_logprobs)).float()
+                # slime's compute_advantages_and_returns: the --kl-loss-type estimator of KL(old || ref)
+                kl = kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
+                                 cfg.kl_loss_type)
             baseline = groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline" else None
             flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=cfg.kl_coef,
                                                       gamma=cfg.gamma, group_index=baseline)

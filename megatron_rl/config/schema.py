@@ -707,7 +707,8 @@ class AlgorithmConfig:
     eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).", domain="(0, inf)")
     eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).", domain="(0, inf)")
     eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.", domain="(1, inf)")
-    kl_coef: float = flag(0.0, "KL to the reference folded into the token rewards (slime's --kl-coef; "
+    kl_coef: float = flag(0.0, "KL to the reference (the --kl-loss-type estimator of the old log-probs, as slime) "
+                          "folded into the token rewards (slime's --kl-coef; "
                           "REINFORCE++: --advantage-estimator reinforce_plus_plus, formulas in docs/algorithms.md); "
                           "0: off. slime ignores it for GRPO/GSPO/RLOO; here a value > 0 with those is refused "
                           "(use --use-kl-loss --kl-loss-coef for a KL term in the loss).", domain="[0, inf)")
@@ -718,7 +719,8 @@ class AlgorithmConfig:
                              "clamped as verl's (log ratio to +-20, value to <= 10).",
                              choices=("k1", "k2", "k3", "low_var_kl"))
     use_unbiased_kl: bool = flag(False, "Weight the KL loss term by the importance ratio exp(logp - old_logp) "
-                                 "(slime's unbiased KL, DeepSeek-V3.2); needs --use-kl-loss.")
+                                 "(slime's unbiased KL, DeepSeek-V3.2; k3/low_var_kl clamp the weighted "
+                                 "product to [-10, 10]); needs --use-kl-loss.")
     entropy_coef: float = flag(0.0, "Entropy bonus coefficient.", domain="[0, inf)")
     use_tis: bool = flag(False, "Off-policy importance weight on the policy-gradient term: w = exp(old - rollout) "
                          "log-probs (the trainer's recomputed proximal policy over the engine's behaviour policy), "
