@@ -757,6 +757,40 @@ class AlgorithmConfig:
                               "(needs --opd-teacher-load).", domain="[0, inf)")
     num_steps_per_rollout_updates: int = flag(1, "Passes of optimizer updates over each rollout "
                                               "(PPO epochs).")
+    custom_advantage_function_path: Optional[str] = flag(
+        None, "User advantage estimator, slime's contract: fn(args, rollout_data) sets rollout_data['advantages'] "
+        "to one tensor per sample (one value per response token). args: every flag by its slime name; "
+        "rollout_data: rewards (group-normalised as slime for grpo/gspo), raw_reward, response_lengths, "
+        "total_lengths, loss_masks, log_probs, ref_log_probs, rollout_log_probs, kl, values (docs/algorithms.md). "
+        "module:function, module.function or path/to/file.py:function; imported, and its arity checked, at "
+        "start-up. --normalize-advantages still whitens after it.", metavar="PATH")
+    disable_rewards_normalization: bool = flag(
+        False, "slime's switch: no group baseline for grpo / gspo (advantage = the raw reward, no mean or std) "
+        "and reinforce_plus_plus_baseline (no group mean); refused with other estimators.")
+    get_mismatch_metrics: bool = flag(
+        False, "Read the engine's rollout log-probs and log the train-vs-rollout mismatch "
+        "(train/mismatch_abs_logprob, train/mismatch_k3_kl) without correcting for it (--use-tis / --use-rs "
+        "correct it and log it too).")
+    loss_type: str = flag("policy_loss", "slime's loss selector. policy_loss: the PPO/GRPO loss (docs/algorithms.md). "
+                          "custom_loss (with --custom-loss-function-path) is refused: see that flag.",
+                          choices=("policy_loss", "custom_loss"))
+    custom_loss_function_path: Optional[str] = flag(
+        None, "Refused: slime calls it as fn(args, batch, logits, sum_of_sample_mean) with its own batch dict, raw "
+        "(CP-sliced) logits and per-micro-batch reducer; here losses are globally normalised over micro-batches "
+        "and DP ranks (docs/algorithms.md), so a slime loss function would not run unchanged. Use the built-in "
+        "terms (--kl-loss-coef, --entropy-coef, --opd-kl-coef, --use-tis) or register a Spec "
+        "(algorithms/spec.py register_spec).", metavar="PATH")
+    custom_pg_loss_reducer_function_path: Optional[str] = flag(
+        None, "Refused: slime's reducer divides one micro-batch's pg_loss by its own count; here the denominators "
+        "are global (exact over micro-batches and DP ranks). For Dr.GRPO's constant divisor use --loss-agg-mode "
+        "seq_mean_token_sum_norm (divides by samples x --rollout-max-response-len).", metavar="PATH")
+    custom_tis_function_path: Optional[str] = flag(
+        None, "Refused: slime's hook rewrites pg_loss and the loss masks of one micro-batch; its built-ins are "
+        "flags here: slime...vanilla_tis_function = --use-tis, slime...icepop_function = --use-tis --tis-mode "
+        "mask; sequence/geometric levels and rejection sampling: --tis-level, --use-rs.", metavar="PATH")
+    ref_update_interval: Optional[int] = flag(
+        None, "Refused: copying the actor into the reference model every N rollouts is not built (the "
+        "reference stays --ref-load's / the initial weights).", domain="[1, inf)")
 
 
 @dataclass(frozen=True)
