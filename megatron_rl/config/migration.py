@@ -62,7 +62,7 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
     "algorithm hooks (slime/utils/arguments.py, not in the example scripts)": (
         "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
         "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
-        "--custom-tis-function-path", "--ref-update-interval"),
+        "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }

@@ -668,6 +668,11 @@ class DataConfig:
                                   "deepscaler (slime's rule); anything else: --custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+    reward_key: Optional[str] = flag(None, "slime's --reward-key: the key of a dict reward that trains (its other "
+                                     "keys are logged as reward/<key>); unset: 'reward'. A plain-number reward "
+                                     "with it set is refused by name.", metavar="KEY")
+    eval_reward_key: Optional[str] = flag(None, "The dict-reward key evaluation reports as eval/reward_mean; "
+                                          "unset: --reward-key's (slime's fallback).", metavar="KEY")
     rm_url: Optional[str] = flag(None, "Reward server URL (slime's name): batches of samples are POSTed to it "
                                  "as JSON and it answers one reward per sample (protocol: docs/agentic.md). "
                                  "Excludes --rm-type and --custom-rm-path.", metavar="URL")

@@ -478,6 +478,10 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
         errors.append(f"--custom-tis-function-path {a.custom_tis_function_path}: refused. slime's built-ins are "
                       "flags here: vanilla_tis_function = --use-tis, icepop_function = --use-tis --tis-mode mask; "
                       "other levels and rejection sampling: --tis-level, --use-rs (docs/algorithms.md)")
+    d = cfg.data
+    if d.eval_reward_key is not None and not d.eval_sets:
+        errors.append(f"--eval-reward-key {d.eval_reward_key} picks the reward evaluation reports, but this run "
+                      "evaluates nothing: add --eval-prompt-data or drop it")
     if a.ref_update_interval is not None:
         errors.append(f"--ref-update-interval {a.ref_update_interval}: refused, copying the actor into the "
                       "reference model is not built (the reference stays the initial / --ref-load weights); "
