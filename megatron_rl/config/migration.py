@@ -121,7 +121,6 @@ NOTES: dict[str, tuple[str, str]] = {
                                                "seq_mean_token_sum_norm."),
     "--custom-tis-function-path": ("refused", "slime's built-ins are flags here: vanilla_tis_function = --use-tis, "
                                    "icepop_function = --use-tis --tis-mode mask (table below)."),
-    "--ref-update-interval": ("refused", "Copying the actor into the reference every N rollouts is not built."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }

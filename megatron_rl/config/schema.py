@@ -794,8 +794,10 @@ class AlgorithmConfig:
         "flags here: slime...vanilla_tis_function = --use-tis, slime...icepop_function = --use-tis --tis-mode "
         "mask; sequence/geometric levels and rejection sampling: --tis-level, --use-rs.", metavar="PATH")
     ref_update_interval: Optional[int] = flag(
-        None, "Refused: copying the actor into the reference model every N rollouts is not built (the "
-        "reference stays --ref-load's / the initial weights).", domain="[1, inf)")
+        None, "slime's: after every N-th rollout trains, the reference model becomes the actor's current weights "
+        "(train/ref_updated logs it); unset: the reference stays --ref-load's / the initial weights. Needs "
+        "--use-kl-loss or --kl-coef; --save-interval a multiple of N (a resume restores the reference from such a "
+        "checkpoint).", domain="[1, inf)")
 
 
 @dataclass(frozen=True)

@@ -483,9 +483,15 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
         errors.append(f"--eval-reward-key {d.eval_reward_key} picks the reward evaluation reports, but this run "
                       "evaluates nothing: add --eval-prompt-data or drop it")
     if a.ref_update_interval is not None:
-        errors.append(f"--ref-update-interval {a.ref_update_interval}: refused, copying the actor into the "
-                      "reference model is not built (the reference stays the initial / --ref-load weights); "
-                      "drop it")
+        n = a.ref_update_interval
+        if not (a.use_kl_loss or a.kl_coef > 0):
+            errors.append(f"--ref-update-interval {n} replaces the reference model, which this run does not use: "
+                          "add --use-kl-loss (or --kl-coef) or drop it")
+        c = cfg.checkpoint
+        if c.save and c.save_interval and c.save_interval % n:
+            errors.append(f"--ref-update-interval {n} with --save-interval {c.save_interval}: a resume restores "
+                          f"the reference from a checkpoint at a multiple of {n} only (other checkpoints do not "
+                          f"hold it); use a --save-interval that is a multiple of {n}")
 
 
 def _check_algorithm(errors: list[str], cfg: Config) -> None:

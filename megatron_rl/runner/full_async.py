@@ -203,7 +203,7 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
             t0 = time.perf_counter()
             samples, metrics = parts.recovery.generate(functools.partial(_batch_or_park, producer, parts, rollout_id),
                                                        None, resync=functools.partial(_resync, producer, parts))
-            parts.train(samples, metrics)
+            parts.train(samples, metrics, rollout_id=rollout_id)
             if producer is not None:  # nothing starts while the weights change, nothing is left on the servers
                 producer.close_gate()
             _, restarted = parts.recovery.generate(functools.partial(_quiesce, producer, parts), None,

@@ -1,5 +1,6 @@
 """slime's algorithm hooks: --custom-advantage-function-path (its fn(args, rollout_data) contract),
---disable-rewards-normalization, --get-mismatch-metrics, and the refused ones (each error names the flag)."""
+--disable-rewards-normalization, --get-mismatch-metrics, --ref-update-interval's resume rule, and the refused
+ones (each error names the flag)."""
 
 import math
 import textwrap
@@ -148,7 +149,9 @@ def test_get_mismatch_metrics_reads_rollout_logprobs_and_corrects_nothing():
     (["--custom-loss-function-path", "m:f"], "--custom-loss-function-path: refused"),
     (["--custom-pg-loss-reducer-function-path", "m:f"], "--custom-pg-loss-reducer-function-path m:f: refused"),
     (["--custom-tis-function-path", "m:f"], "--custom-tis-function-path m:f: refused.*--use-tis --tis-mode mask"),
-    (["--ref-update-interval", "5"], "--ref-update-interval 5: refused"),
+    (["--ref-update-interval", "5"], "--ref-update-interval 5 replaces the reference model, which this run"),
+    (["--ref-update-interval", "4", "--use-kl-loss", "--save", "/tmp/x", "--save-interval", "6"],
+     "--ref-update-interval 4 with --save-interval 6"),
     (["--custom-advantage-function-path", "nocolon"], "--custom-advantage-function-path nocolon must be"),
     (["--custom-advantage-function-path", "missing.py:f"], "no such file missing.py"),
     (["--disable-rewards-normalization", "--advantage-estimator", "rloo"], "--disable-rewards-normalization"),
@@ -158,3 +161,28 @@ def test_slime_hook_flags_are_checked_in_validation(hf_dir, flags, match):
 
     with pytest.raises(ConfigError, match=match):
         parse_config(["--hf-checkpoint", hf_dir, *flags])
+
+
+def test_ref_update_interval_on_resume_takes_the_reference_from_a_boundary_checkpoint():
+    """A resume at rollout count R: R < N keeps the initial reference, R a multiple of N snapshots the resumed
+    weights as the reference (they are the actor slime would have copied), any other R is refused by name
+    (the end to end run is tests/e2e/test_custom_advantage.py)."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.runner.resume import Resumer
+
+    class Recorder:  # the one TrainBackend call the check makes, recorded
+        def __init__(self):
+            self.tags = []
+
+        def snapshot_weights(self, tag):
+            self.tags.append(tag)
+
+    cfg = parse_config(["--use-kl-loss", "--ref-update-interval", "4"], validate=False)
+    resumer, backend = Resumer(cfg, None), Recorder()
+    resumer._restore_updated_reference(backend, 3, "ckpt/iter_0000003")
+    assert backend.tags == []
+    resumer._restore_updated_reference(backend, 8, "ckpt/iter_0000008")
+    assert backend.tags == ["ref"]
+    with pytest.raises(ConfigError, match="--ref-update-interval 4: ckpt/iter_0000006 is at rollout 6, but the "
+                                          "reference was last replaced by the actor at rollout 4"):
+        resumer._restore_updated_reference(backend, 6, "ckpt/iter_0000006")

@@ -67,9 +67,6 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
     "custom_tis_function_path": (
         "slime's TIS hook, refused in validation naming the flags that do its built-ins (--use-tis, --tis-mode)",
         _refused(["--custom-tis-function-path", "my_tis:fn"])),
-    "ref_update_interval": (
-        "slime's periodic actor -> reference copy is not built; refused in validation whenever set",
-        _refused(["--ref-update-interval", "4"])),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "
         "and rollout-size flags (which the trainer reads) and refuses flags that disagree with it",

@@ -45,3 +45,17 @@ def test_custom_advantage_function_trains_the_demo(tmp_path, monkeypatch):
     train = [r for r in metrics(out) if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     assert all(abs(r["train/pg_loss"]) < 10 and r["train/clip_frac"] >= 0 for r in train)
+
+
+@pytest.mark.slow
+def test_ref_update_interval_replaces_the_reference(tmp_path):
+    """slime's --ref-update-interval 2 on the demo (one optimizer step per rollout): the reference is the initial
+    policy for rollouts 1-2 and the actor after rollout 2 from then on, so train/kl (the k3 KL of the training
+    forward to the reference, before the rollout's update) is 0 at steps 1 and 3 and positive at step 2."""
+    out = tmp_path / "demo"
+    run_demo(out, 3, "--ref-update-interval", "2", "--global-batch-size", "256")
+    train = {r["step"]: r for r in metrics(out) if "rollout/reward_mean" in r}
+    assert sorted(train) == [1, 2, 3]
+    assert [train[s].get("train/ref_updated") for s in (1, 2, 3)] == [None, 1.0, None]
+    assert abs(train[1]["train/kl"]) < 1e-9 and abs(train[3]["train/kl"]) < 1e-9, (train[1], train[3])
+    assert train[2]["train/kl"] > 1e-7, train[2]
