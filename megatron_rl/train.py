@@ -134,7 +134,7 @@ def run_in_turn(parts: "StepParts", start: int) -> Optional[int]:
         t0 = time.perf_counter()
         samples, metrics = parts.generate(rollout_id)
         if cfg.has_training:
-            parts.train(samples, metrics)
+            parts.train(samples, metrics, rollout_id=rollout_id)
             if cfg.has_rollout_engine:
                 parts.push_weights(rollout_id + 1, metrics)
         parts.evaluate_and_log(rollout_id, metrics, t0)

@@ -122,9 +122,10 @@ MRL_HD PpoOut ppo_forward(float lp, float old, float adv, float ref, float roll,
       kl = 0.5f * (log_r * log_r);
     } else {
       const float c = clampf(log_r, -kLogRatioClamp, kLogRatioClamp);
-      kl = clampf((expf(-c) - 1.0f) + c, -kKlClamp, kKlClamp);
+      kl = (expf(-c) - 1.0f) + c;
     }
-    o.kl = P.unbiased_kl ? ratio * kl : kl;
+    if (P.unbiased_kl) kl = ratio * kl;  // slime: the low-variance bound clamps the weighted product
+    o.kl = P.kl_type == kKlK3 ? clampf(kl, -kKlClamp, kKlClamp) : kl;
   }
   if (P.do_tis) {
     float d = old - roll;
@@ -169,15 +170,16 @@ MRL_HD float ppo_backward(float lp, float old, float adv, float ref, float g_pg,
     } else {
       const float c = clampf(log_r, -kLogRatioClamp, kLogRatioClamp);
       const float e = expf(-c);
-      const float v = (e - 1.0f) + c;
-      kl = clampf(v, -kKlClamp, kKlClamp);
-      dkl = pass_grad(v, -kKlClamp, kKlClamp) * pass_grad(log_r, -kLogRatioClamp, kLogRatioClamp) * (1.0f - e);
+      kl = (e - 1.0f) + c;
+      dkl = pass_grad(log_r, -kLogRatioClamp, kLogRatioClamp) * (1.0f - e);
     }
+    const bool bounded = P.kl_type == kKlK3;  // the final clamp gates the whole gradient
     if (P.unbiased_kl) {
-      g_lp += g_kl * ratio * dkl;
-      g_lr += g_kl * kl * ratio;
+      const float gate = bounded ? pass_grad(ratio * kl, -kKlClamp, kKlClamp) : 1.0f;
+      g_lp += g_kl * gate * ratio * dkl;
+      g_lr += g_kl * gate * kl * ratio;
     } else {
-      g_lp += g_kl * dkl;
+      g_lp += g_kl * (bounded ? pass_grad(kl, -kKlClamp, kKlClamp) : 1.0f) * dkl;
     }
   }
   return g_lp + g_lr * lr_gate;

@@ -37,7 +37,7 @@ class PolicyGradientConfig:
     grpo_std_normalization: bool = True  # --disable-grpo-std-normalization sets False (Dr.GRPO)
     advantage_eps: float = 1e-6
     gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
-    kl_coef: float = 0.0  # --kl-coef: KL penalty folded into REINFORCE++ token rewards
+    kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++ rewards
     normalize_advantages: bool = False  # --normalize-advantages: batch whitening after the estimator
     loss_agg_mode: str | None = None  # --loss-agg-mode; None = the estimator's default (see the class doc)
     max_response_length: int = 0  # --rollout-max-response-len: Dr.GRPO's constant normaliser
@@ -65,6 +65,10 @@ class PolicyGradientConfig:
     opd_coef: float = 0.0  # --opd-coef: on-policy distillation (reverse KL to teacher)
     temperature: float = 1.0  # --rollout-temperature: log-probs are taken at the sampling temperature
     logprob_chunk_size: int | None = None  # --log-probs-chunk-size: tokens per log-prob chunk (None: auto)
+    # --custom-advantage-function-path: fn(args, rollout_data) replaces the estimator (slime's contract)
+    custom_advantage_function_path: str | None = None
+    rewards_normalization: bool = True  # --disable-rewards-normalization sets False: group baseline/std off
+    get_mismatch_metrics: bool = False  # --get-mismatch-metrics: read rollout log-probs, log the mismatch only
 
     def __post_init__(self):
         def bad(flag, value, fix):
@@ -118,9 +122,16 @@ class PolicyGradientConfig:
         if self.advantage_estimator == "none" and self.opd_coef == 0:
             bad("--advantage-estimator", "none", "with no policy-gradient term set --opd-coef > 0 (pure "
                 "on-policy distillation) or pick grpo / rloo / reinforce_plus_plus")
-        if self.kl_coef and self.advantage_estimator != "reinforce_plus_plus":  # baseline: KL goes in the loss
-            bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s; for GRPO/RLOO use "
+        if (self.kl_coef and self.advantage_estimator != "reinforce_plus_plus"  # baseline: KL goes in the loss
+                and self.custom_advantage_function_path is None):  # a custom estimator reads rollout_data["kl"]
+            bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s (or a "
+                "--custom-advantage-function-path's, which reads rollout_data['kl']); for GRPO/RLOO use "
                 "--kl-loss-coef (KL term in the loss) instead")
+        if not self.rewards_normalization and self.advantage_estimator not in (
+                "grpo", "reinforce_plus_plus_baseline") and not self.use_gspo:
+            bad("--disable-rewards-normalization", True, "it turns off the group baseline of grpo / gspo / "
+                "reinforce_plus_plus_baseline (as slime); with --advantage-estimator "
+                f"{self.advantage_estimator} rewards are never group-normalised: drop it")
 
     def _check_off_policy(self, bad) -> None:
         """The --tis-level/--tis-mode and --use-rs flags: known values, bounds that keep an on-policy
@@ -162,8 +173,9 @@ class PolicyGradientConfig:
 
     @property
     def needs_rollout_logprobs(self) -> bool:
-        """Rollout (behaviour) log-probs are read by the loss: TIS, rejection sampling, or as the old ones."""
-        return self.use_tis or self.use_rs or self.use_rollout_logprobs
+        """Rollout (behaviour) log-probs are read by the loss: TIS, rejection sampling, as the old ones, or for the
+        train-vs-rollout mismatch metrics alone (--get-mismatch-metrics)."""
+        return self.use_tis or self.use_rs or self.use_rollout_logprobs or self.get_mismatch_metrics
 
     @property
     def clip_high(self) -> float:

@@ -6,9 +6,19 @@ never maps algorithm flags itself.
 
 from __future__ import annotations
 
+import argparse
+
 from megatron_rl.algorithms.config import PolicyGradientConfig
 from megatron_rl.algorithms.spec import PolicyGradientSpec
 from megatron_rl.config import Config
+from megatron_rl.config.schema import iter_fields
+
+
+def flag_namespace(cfg: Config) -> argparse.Namespace:
+    """Every flag as one flat namespace, ``args.<flag_name>`` (``--n-samples-per-prompt`` ->
+    ``args.n_samples_per_prompt``): the ``args`` slime hands to user functions. The names are slime's,
+    so a function written for slime reads the same attributes; it is a copy (changing it changes nothing)."""
+    return argparse.Namespace(**{f.name: getattr(getattr(cfg, group), f.name) for group, _, f in iter_fields()})
 
 
 def spec_from_config(cfg: Config) -> PolicyGradientSpec:
@@ -29,4 +39,7 @@ def spec_from_config(cfg: Config) -> PolicyGradientSpec:
         tis_level=a.tis_level, tis_mode=a.tis_mode, use_rs=a.use_rs, rs_level=a.rs_level,
         rs_upper_bound=a.rs_upper_bound, rs_lower_bound=a.rs_lower_bound,
         use_rollout_logprobs=a.use_rollout_logprobs, opd_coef=a.opd_kl_coef,
-        temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size))
+        temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size,
+        custom_advantage_function_path=a.custom_advantage_function_path,
+        rewards_normalization=not a.disable_rewards_normalization, get_mismatch_metrics=a.get_mismatch_metrics),
+        args=flag_namespace(cfg) if a.custom_advantage_function_path else None)

@@ -300,7 +300,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     ``loss = agg(w * pg) + kl_loss_coef * agg(kl) - entropy_coef * agg(H) + opd_coef * agg(w * opd)``
     where ``w`` is the off-policy correction weight (``off_policy_weights``: TIS and rejection
     sampling; 1 with neither), ``kl`` the KL estimate (times the
-    ratio ``exp(logp - old)`` with ``use_unbiased_kl``, as slime), ``pg`` the PPO/GSPO
+    ratio ``exp(logp - old)`` with ``use_unbiased_kl``, the k3 bound then clamping the product, as
+    slime), ``pg`` the PPO/GSPO
     clipped surrogate and ``opd = sg[logp - teacher_logp] * ratio`` the
     policy-gradient form of the per-token reverse KL to the teacher (its gradient
     is ``(logp - teacher) * grad logp``; the plain k1 sample would have expectation-zero gradient).
@@ -344,7 +345,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     if x.rollout_logprobs is not None:  # --use-rollout-logprobs: old IS rollout; the training forward is compared
         metrics.update(mismatch_metrics(x.logprobs if cfg.use_rollout_logprobs else old, x.rollout_logprobs, mask))
 
-    metrics["ppo_kl"] = _msum(-token_log_ratio, mask)  # verl's ppo_kl: mean(old - new) over loss tokens
+    # verl's ppo_kl: masked mean of -(new - old), the log-ratio clamped to [-20, 20] first (as for the ratio)
+    metrics["ppo_kl"] = _msum(-token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), mask)
     loss = x.logprobs.new_zeros(())
     if cfg.advantage_estimator != "none":
         if cfg.use_gspo:

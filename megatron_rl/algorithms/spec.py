@@ -20,16 +20,21 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.config import PolicyGradientConfig
-from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss
+from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss, kl_estimate
 from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
+from megatron_rl.infra.user_function import check_arity, load_user_function
 from megatron_rl.ops import logprobs_and_entropy
+
+
+CUSTOM_ADVANTAGE_FLAG = "--custom-advantage-function-path"
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,26 @@ class PolicyGradientSpec(Spec):
     """GRPO / Dr.GRPO / RLOO / REINFORCE++(-baseline) with PPO-clip or GSPO, KL, entropy, off-policy
     correction (TIS / decoupled PPO, rejection sampling) and OPD terms."""
 
-    def __init__(self, cfg: PolicyGradientConfig):
+    def __init__(self, cfg: PolicyGradientConfig, *, custom_advantage_fn: Callable | None = None,
+                 args: Any = None):
+        """``custom_advantage_fn`` (loaded from ``cfg.custom_advantage_function_path`` when not given) is called
+        as slime calls it, ``fn(args, rollout_data)``; ``args`` is the run's flags as one namespace
+        (``from_config.flag_namespace``)."""
         self.cfg = cfg
+        self.args = args
+        self.custom_advantage_fn = custom_advantage_fn
+        path = cfg.custom_advantage_function_path
+        if self.custom_advantage_fn is None and path is not None:
+            self.custom_advantage_fn = load_user_function(path, CUSTOM_ADVANTAGE_FLAG, example="my_adv:compute",
+                                                          dotted=True)
+        if self.custom_advantage_fn is not None:
+            check_arity(self.custom_advantage_fn, 2, CUSTOM_ADVANTAGE_FLAG, str(path), "fn(args, rollout_data)")
 
     def prepare_batch(self, samples: Sequence[AnySample]) -> BatchRequirements:
         cfg = self.cfg
         for flag, on in (("--use-tis", cfg.use_tis), ("--use-rs", cfg.use_rs),
-                         ("--use-rollout-logprobs", cfg.use_rollout_logprobs)):
+                         ("--use-rollout-logprobs", cfg.use_rollout_logprobs),
+                         ("--get-mismatch-metrics", cfg.get_mismatch_metrics)):
             if not on:
                 continue
             for i, s in enumerate(samples):
@@ -112,7 +130,8 @@ class PolicyGradientSpec(Spec):
                         f"{flag} needs rollout log-probs for every response token, but sample {i} "
                         f"(group {s.group_index}) has {s.num_rollout_logprobs} for {s.response_length} "
                         f"tokens: have the rollout engine return token log-probs, or drop {flag}")
-        kl_in_reward = cfg.advantage_estimator == "reinforce_plus_plus" and cfg.kl_coef > 0
+        kl_in_reward = cfg.kl_coef > 0 and (cfg.advantage_estimator == "reinforce_plus_plus"
+                                            or self.custom_advantage_fn is not None)
         return BatchRequirements(
             # GSPO and TIS read old log-probs even on the first update; PPO ratios too. With
             # --use-rollout-logprobs they are the engine's (no forward): the user accepts the mismatch.
@@ -121,7 +140,8 @@ class PolicyGradientSpec(Spec):
             teacher_logprobs=cfg.opd_coef > 0,
             rollout_logprobs=cfg.needs_rollout_logprobs,
             entropy=True,  # cheap (same pass); always logged to watch for entropy collapse
-            advantages_need_logprobs=kl_in_reward,
+            # a custom estimator gets the whole batch's log-probs, as slime's rollout_data holds them
+            advantages_need_logprobs=kl_in_reward or self.custom_advantage_fn is not None,
             old_from_rollout=cfg.use_rollout_logprobs,
         )
 
@@ -132,12 +152,13 @@ class PolicyGradientSpec(Spec):
         mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples])
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
         groups = [s.group_index for s in samples]
-        if cfg.advantage_estimator == "none":
+        if self.custom_advantage_fn is not None:
+            flat = self._custom_advantages(samples, rewards, groups, mask, old_logprobs, ref_logprobs)
+        elif cfg.advantage_estimator == "none":
             return adv.per_sample(torch.zeros_like(mask), lengths)
-        if cfg.advantage_estimator in ("grpo", "rloo"):
+        elif cfg.advantage_estimator in ("grpo", "rloo"):
             per_seq = (adv.rloo_advantages(rewards, groups) if cfg.advantage_estimator == "rloo" else
-                       adv.grpo_advantages(rewards, groups, normalize_std=cfg.grpo_std_normalization,
-                                           eps=cfg.advantage_eps))
+                       self._grpo_rewards(rewards, groups))
             flat = adv.broadcast_to_tokens(per_seq, lengths, mask)
         else:  # reinforce_plus_plus(_baseline)
             kl = None
@@ -145,13 +166,81 @@ class PolicyGradientSpec(Spec):
                 if old_logprobs is None or ref_logprobs is None:
                     raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
                                       "rewards: compute old and ref log-probs before compute_advantages and pass them")
-                kl = torch.cat(list(old_logprobs)).float() - torch.cat(list(ref_logprobs)).float()
-            baseline = groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline" else None
+                # slime's compute_advantages_and_returns: the --kl-loss-type estimator of KL(old || ref)
+                kl = kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
+                                 cfg.kl_loss_type)
+            baseline = (groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline"
+                        and cfg.rewards_normalization else None)  # slime: no group mean with the flag
             flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=cfg.kl_coef,
                                                       gamma=cfg.gamma, group_index=baseline)
         if cfg.normalize_advantages:  # --normalize-advantages: whiten the whole batch after the estimator
             flat = adv.masked_whiten(flat, mask)
         return adv.per_sample(flat, lengths)
+
+    def _grpo_rewards(self, rewards: torch.Tensor, groups) -> torch.Tensor:
+        """GRPO's per-sample advantage; ``--disable-rewards-normalization``: the raw reward (slime passes
+        unnormalised rewards straight to its GRPO returns)."""
+        if not self.cfg.rewards_normalization:
+            return rewards
+        return adv.grpo_advantages(rewards, groups, normalize_std=self.cfg.grpo_std_normalization,
+                                   eps=self.cfg.advantage_eps)
+
+    def _custom_advantages(self, samples, rewards, groups, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
+        """``--custom-advantage-function-path``: slime's ``compute_advantages_and_returns`` contract.
+
+        ``rollout_data`` holds, per sample (lists in batch order): ``rewards`` (group-normalised as slime's
+        ``_post_process_rewards`` does for grpo/gspo, mean-subtracted for reinforce_plus_plus_baseline, raw
+        otherwise and with ``--disable-rewards-normalization``), ``raw_reward``, ``response_lengths``,
+        ``total_lengths``, ``loss_masks`` (float tensors), ``log_probs`` (old), ``ref_log_probs`` (None when no
+        reference is computed), ``rollout_log_probs`` (None when not read), ``kl`` (the ``--kl-loss-type``
+        estimator of old vs ref, zeros with ``--kl-coef 0``), ``values`` (None: no critic). The function must
+        set ``rollout_data["advantages"]``: one tensor of ``response_length`` values per sample (``returns``
+        is not read: there is no critic). Masked tokens get advantage 0; ``--normalize-advantages`` then
+        whitens, as slime does after the custom function."""
+        cfg = self.cfg
+        where = f"{CUSTOM_ADVANTAGE_FLAG} {cfg.custom_advantage_function_path}"
+        lengths = [s.response_length for s in samples]
+        masks = adv.per_sample(mask, lengths)
+        if cfg.advantage_estimator == "grpo" or cfg.use_gspo:
+            shaped = self._grpo_rewards(rewards, groups)
+        elif cfg.advantage_estimator == "reinforce_plus_plus_baseline" and cfg.rewards_normalization:
+            _, inverse = torch.unique(torch.as_tensor(groups), return_inverse=True)
+            g_sum = torch.zeros(int(inverse.max()) + 1 if len(rewards) else 0, dtype=torch.float64)
+            g_sum.index_add_(0, inverse, rewards.double())
+            g_cnt = torch.zeros_like(g_sum).index_add_(0, inverse, torch.ones(len(rewards), dtype=torch.float64))
+            shaped = (rewards.double() - (g_sum / g_cnt)[inverse]).float()
+        else:
+            shaped = rewards
+        old = None if old_logprobs is None else [t.float() for t in old_logprobs]
+        ref = None if ref_logprobs is None or any(t is None for t in ref_logprobs) else [t.float() for t in
+                                                                                          ref_logprobs]
+        if cfg.kl_coef > 0 and old is not None and ref is not None:
+            kl = [kl_estimate(o, r, cfg.kl_loss_type) for o, r in zip(old, ref)]
+        else:
+            kl = [torch.zeros(n, dtype=torch.float32) for n in lengths]
+        rollout_data: dict[str, Any] = {
+            "rewards": shaped.tolist(), "raw_reward": rewards.tolist(), "response_lengths": lengths,
+            "total_lengths": [s.total_length for s in samples], "loss_masks": masks,
+            "log_probs": old, "ref_log_probs": ref, "kl": kl, "values": None,
+            "rollout_log_probs": ([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+                                  if cfg.needs_rollout_logprobs else None)}
+        assert self.custom_advantage_fn is not None
+        self.custom_advantage_fn(self.args, rollout_data)
+        out = rollout_data.get("advantages")
+        if not isinstance(out, (list, tuple)) or len(out) != len(samples):
+            got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else repr(type(out))
+            raise ConfigError(f"{where} left rollout_data['advantages'] as {got}; it must set it to a list of "
+                              f"{len(samples)} per-sample tensors (one value per response token)")
+        pieces = []
+        for i, (a, n) in enumerate(zip(out, lengths)):
+            t = torch.as_tensor(a.detach() if isinstance(a, torch.Tensor) else a, dtype=torch.float32).cpu()
+            if t.shape != (n,):
+                raise ConfigError(f"{where}: rollout_data['advantages'][{i}] has shape {tuple(t.shape)} but sample "
+                                  f"{i} has {n} response tokens; give one advantage per response token")
+            if not torch.isfinite(t).all():
+                raise ConfigError(f"{where}: rollout_data['advantages'][{i}] holds non-finite values")
+            pieces.append(t)
+        return (torch.cat(pieces) if pieces else torch.zeros(0)) * mask
 
     def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None, vocab_size=None,
                              with_entropy=True):

@@ -59,6 +59,10 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
                        "--use-precision-aware-optimizer"),
     "WANDB_ARGS": ("--use-wandb", "--wandb-project", "--wandb-group", "--wandb-team", "--wandb-host", "--wandb-key"),
     "SGLANG_ARGS": ("--rollout-num-gpus-per-engine", "--sglang-*", "--deterministic-mode"),
+    "algorithm hooks (slime/utils/arguments.py, not in the example scripts)": (
+        "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
+        "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
+        "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
@@ -97,6 +101,26 @@ NOTES: dict[str, tuple[str, str]] = {
                                        "the batch are dropped, as in slime; a batch still short after "
                                        "--dynamic-sampling-max-rounds stops the run (slime samples on without "
                                        "end)."),
+    "--custom-advantage-function-path": ("same", "slime's fn(args, rollout_data) contract: args holds every flag "
+                                         "by its slime name; rollout_data the per-sample rewards (group-normalised "
+                                         "as slime), raw_reward, response_lengths, total_lengths, loss_masks, "
+                                         "log_probs, ref_log_probs, rollout_log_probs, kl, values (None); the "
+                                         "function sets rollout_data['advantages'] (returns are not read: no "
+                                         "critic). Imported and its arity checked at start-up; docs/algorithms.md."),
+    "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
+                               "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
+                               "--custom-tis-function-path, here it stands alone."),
+    "--loss-type": ("refused (custom_loss)", "policy_loss (the default) is the loss here; custom_loss is refused "
+                    "with --custom-loss-function-path (below)."),
+    "--custom-loss-function-path": ("refused", "slime's fn(args, batch, logits, sum_of_sample_mean) works on its "
+                                    "own batch dict and per-micro-batch reducer; losses here are normalised over "
+                                    "the whole step, so a slime loss would not run unchanged. Use the built-in "
+                                    "terms or register a Spec (algorithms/spec.py)."),
+    "--custom-pg-loss-reducer-function-path": ("refused", "Denominators here are global over micro-batches and DP "
+                                               "ranks; Dr.GRPO's constant divisor is --loss-agg-mode "
+                                               "seq_mean_token_sum_norm."),
+    "--custom-tis-function-path": ("refused", "slime's built-ins are flags here: vanilla_tis_function = --use-tis, "
+                                   "icepop_function = --use-tis --tis-mode mask (table below)."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }

@@ -668,6 +668,11 @@ class DataConfig:
                                   "deepscaler (slime's rule); anything else: --custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+    reward_key: Optional[str] = flag(None, "slime's --reward-key: the key of a dict reward that trains (its other "
+                                     "keys are logged as reward/<key>); unset: 'reward'. A plain-number reward "
+                                     "with it set is refused by name.", metavar="KEY")
+    eval_reward_key: Optional[str] = flag(None, "The dict-reward key evaluation reports as eval/reward_mean; "
+                                          "unset: --reward-key's (slime's fallback).", metavar="KEY")
     rm_url: Optional[str] = flag(None, "Reward server URL (slime's name): batches of samples are POSTed to it "
                                  "as JSON and it answers one reward per sample (protocol: docs/agentic.md). "
                                  "Excludes --rm-type and --custom-rm-path.", metavar="URL")
@@ -707,7 +712,8 @@ class AlgorithmConfig:
     eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).", domain="(0, inf)")
     eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).", domain="(0, inf)")
     eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.", domain="(1, inf)")
-    kl_coef: float = flag(0.0, "KL to the reference folded into the token rewards (slime's --kl-coef; "
+    kl_coef: float = flag(0.0, "KL to the reference (the --kl-loss-type estimator of the old log-probs, as slime) "
+                          "folded into the token rewards (slime's --kl-coef; "
                           "REINFORCE++: --advantage-estimator reinforce_plus_plus, formulas in docs/algorithms.md); "
                           "0: off. slime ignores it for GRPO/GSPO/RLOO; here a value > 0 with those is refused "
                           "(use --use-kl-loss --kl-loss-coef for a KL term in the loss).", domain="[0, inf)")
@@ -718,7 +724,8 @@ class AlgorithmConfig:
                              "clamped as verl's (log ratio to +-20, value to <= 10).",
                              choices=("k1", "k2", "k3", "low_var_kl"))
     use_unbiased_kl: bool = flag(False, "Weight the KL loss term by the importance ratio exp(logp - old_logp) "
-                                 "(slime's unbiased KL, DeepSeek-V3.2); needs --use-kl-loss.")
+                                 "(slime's unbiased KL, DeepSeek-V3.2; k3/low_var_kl clamp the weighted "
+                                 "product to [-10, 10]); needs --use-kl-loss.")
     entropy_coef: float = flag(0.0, "Entropy bonus coefficient.", domain="[0, inf)")
     use_tis: bool = flag(False, "Off-policy importance weight on the policy-gradient term: w = exp(old - rollout) "
                          "log-probs (the trainer's recomputed proximal policy over the engine's behaviour policy), "
@@ -755,6 +762,42 @@ class AlgorithmConfig:
                               "(needs --opd-teacher-load).", domain="[0, inf)")
     num_steps_per_rollout_updates: int = flag(1, "Passes of optimizer updates over each rollout "
                                               "(PPO epochs).")
+    custom_advantage_function_path: Optional[str] = flag(
+        None, "User advantage estimator, slime's contract: fn(args, rollout_data) sets rollout_data['advantages'] "
+        "to one tensor per sample (one value per response token). args: every flag by its slime name; "
+        "rollout_data: rewards (group-normalised as slime for grpo/gspo), raw_reward, response_lengths, "
+        "total_lengths, loss_masks, log_probs, ref_log_probs, rollout_log_probs, kl, values (docs/algorithms.md). "
+        "module:function, module.function or path/to/file.py:function; imported, and its arity checked, at "
+        "start-up. --normalize-advantages still whitens after it.", metavar="PATH")
+    disable_rewards_normalization: bool = flag(
+        False, "slime's switch: no group baseline for grpo / gspo (advantage = the raw reward, no mean or std) "
+        "and reinforce_plus_plus_baseline (no group mean); refused with other estimators.")
+    get_mismatch_metrics: bool = flag(
+        False, "Read the engine's rollout log-probs and log the train-vs-rollout mismatch "
+        "(train/mismatch_abs_logprob, train/mismatch_k3_kl) without correcting for it (--use-tis / --use-rs "
+        "correct it and log it too).")
+    loss_type: str = flag("policy_loss", "slime's loss selector. policy_loss: the PPO/GRPO loss (docs/algorithms.md). "
+                          "custom_loss (with --custom-loss-function-path) is refused: see that flag.",
+                          choices=("policy_loss", "custom_loss"))
+    custom_loss_function_path: Optional[str] = flag(
+        None, "Refused: slime calls it as fn(args, batch, logits, sum_of_sample_mean) with its own batch dict, raw "
+        "(CP-sliced) logits and per-micro-batch reducer; here losses are globally normalised over micro-batches "
+        "and DP ranks (docs/algorithms.md), so a slime loss function would not run unchanged. Use the built-in "
+        "terms (--kl-loss-coef, --entropy-coef, --opd-kl-coef, --use-tis) or register a Spec "
+        "(algorithms/spec.py register_spec).", metavar="PATH")
+    custom_pg_loss_reducer_function_path: Optional[str] = flag(
+        None, "Refused: slime's reducer divides one micro-batch's pg_loss by its own count; here the denominators "
+        "are global (exact over micro-batches and DP ranks). For Dr.GRPO's constant divisor use --loss-agg-mode "
+        "seq_mean_token_sum_norm (divides by samples x --rollout-max-response-len).", metavar="PATH")
+    custom_tis_function_path: Optional[str] = flag(
+        None, "Refused: slime's hook rewrites pg_loss and the loss masks of one micro-batch; its built-ins are "
+        "flags here: slime...vanilla_tis_function = --use-tis, slime...icepop_function = --use-tis --tis-mode "
+        "mask; sequence/geometric levels and rejection sampling: --tis-level, --use-rs.", metavar="PATH")
+    ref_update_interval: Optional[int] = flag(
+        None, "slime's: after every N-th rollout trains, the reference model becomes the actor's current weights "
+        "(train/ref_updated logs it); unset: the reference stays --ref-load's / the initial weights. Needs "
+        "--use-kl-loss or --kl-coef; --save-interval a multiple of N (a resume restores the reference from such a "
+        "checkpoint).", domain="[1, inf)")
 
 
 @dataclass(frozen=True)

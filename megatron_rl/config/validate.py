@@ -444,13 +444,65 @@ def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
         errors.append(f"--tools {r.tools} must be module:REGISTRY (a dict of tool name -> callable)")
 
 
+def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
+    """slime's user-function flags of the algorithm: --custom-advantage-function-path in a loadable form (the
+    Spec imports it and checks its arity at start-up), the rest refused with the reason (their help)."""
+    a = cfg.algorithm
+    path = a.custom_advantage_function_path
+    if path is not None:
+        module, sep, fn = path.rpartition(":")
+        if not sep and not path.endswith(".py"):  # slime's dotted form, module.function
+            module, sep, fn = path.rpartition(".")
+        if not sep or not module or not fn:
+            errors.append(f"--custom-advantage-function-path {path} must be module:function, module.function or "
+                          "path/to/file.py:function (e.g. my_adv:compute), a function fn(args, rollout_data)")
+        elif module.endswith(".py") and not os.path.isfile(module):
+            errors.append(f"--custom-advantage-function-path {path}: no such file {module}")
+    if a.disable_rewards_normalization and a.advantage_estimator not in ("grpo", "gspo",
+                                                                         "reinforce_plus_plus_baseline"):
+        errors.append(f"--disable-rewards-normalization turns off the group baseline of grpo / gspo / "
+                      f"reinforce_plus_plus_baseline (as slime); --advantage-estimator {a.advantage_estimator} "
+                      "never normalises rewards: drop it")
+    if a.loss_type == "custom_loss" or a.custom_loss_function_path is not None:
+        errors.append("--loss-type custom_loss / --custom-loss-function-path: refused. slime calls the function as "
+                      "fn(args, batch, logits, sum_of_sample_mean) with its own batch dict and per-micro-batch "
+                      "reducer; here losses are normalised over the whole step (docs/algorithms.md), so a slime "
+                      "loss would not run unchanged. Use the built-in terms or register a Spec "
+                      "(megatron_rl.algorithms.spec.register_spec)")
+    if a.custom_pg_loss_reducer_function_path is not None:
+        errors.append(f"--custom-pg-loss-reducer-function-path {a.custom_pg_loss_reducer_function_path}: refused. "
+                      "slime's reducer divides one micro-batch's pg_loss by a count of its own; here the "
+                      "denominators are global over micro-batches and DP ranks. For Dr.GRPO's constant divisor use "
+                      "--loss-agg-mode seq_mean_token_sum_norm")
+    if a.custom_tis_function_path is not None:
+        errors.append(f"--custom-tis-function-path {a.custom_tis_function_path}: refused. slime's built-ins are "
+                      "flags here: vanilla_tis_function = --use-tis, icepop_function = --use-tis --tis-mode mask; "
+                      "other levels and rejection sampling: --tis-level, --use-rs (docs/algorithms.md)")
+    d = cfg.data
+    if d.eval_reward_key is not None and not d.eval_sets:
+        errors.append(f"--eval-reward-key {d.eval_reward_key} picks the reward evaluation reports, but this run "
+                      "evaluates nothing: add --eval-prompt-data or drop it")
+    if a.ref_update_interval is not None:
+        n = a.ref_update_interval
+        if not (a.use_kl_loss or a.kl_coef > 0):
+            errors.append(f"--ref-update-interval {n} replaces the reference model, which this run does not use: "
+                          "add --use-kl-loss (or --kl-coef) or drop it")
+        c = cfg.checkpoint
+        if c.save and c.save_interval and c.save_interval % n:
+            errors.append(f"--ref-update-interval {n} with --save-interval {c.save_interval}: a resume restores "
+                          f"the reference from a checkpoint at a multiple of {n} only (other checkpoints do not "
+                          f"hold it); use a --save-interval that is a multiple of {n}")
+
+
 def _check_algorithm(errors: list[str], cfg: Config) -> None:
     """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
     a = cfg.algorithm
-    if a.kl_coef > 0 and a.advantage_estimator != "reinforce_plus_plus":
+    if a.kl_coef > 0 and a.advantage_estimator != "reinforce_plus_plus" and not a.custom_advantage_function_path:
         errors.append(f"--kl-coef {a.kl_coef} folds KL into the rewards, which only --advantage-estimator "
-                      f"reinforce_plus_plus does (slime ignores it for {a.advantage_estimator}); use --use-kl-loss "
+                      f"reinforce_plus_plus does, or a --custom-advantage-function-path reading rollout_data['kl'] "
+                      f"(slime ignores it for {a.advantage_estimator}); use --use-kl-loss "
                       "--kl-loss-coef for a KL term in the loss, or --kl-coef 0")
+    _check_slime_algorithm_hooks(errors, cfg)
     if a.advantage_estimator == "gspo" and a.loss_agg_mode == "token_mean":
         errors.append("--advantage-estimator gspo with --loss-agg-mode token_mean weights each sequence by its "
                       "length, but GSPO's objective is a mean over sequences (GSPO paper, verl): use "

@@ -13,6 +13,7 @@ The torch functions here are the reference maths (they used to live in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ _KL_CLAMP = 10.0  # peers' low-variance KL bound (verl's low_var_kl; slime's low
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3", *,
+                bound: bool = True) -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) on tokens sampled from the policy.
 
     k1 = log r, k2 = (log r)^2 / 2, with ``log r = logprobs - ref_logprobs``.
@@ -31,7 +33,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     result to at most 10. Why: unclamped, a token the policy all but ruled out
     (log-prob -100 against a reference -1) gives exp(99) -> inf and NaN gradients;
     clamped, it gives 10 and a zero gradient. Ordinary values (|log r| < ~2.5) are
-    unchanged.
+    unchanged. ``bound=False`` leaves out the final clamp (``--use-unbiased-kl`` clamps the
+    ratio-weighted product instead, as slime's ``compute_approx_kl``).
     """
     log_r = logprobs - ref_logprobs
     if kind == "k1":
@@ -40,7 +43,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
         return 0.5 * log_r.square()
     if kind in ("k3", "low_var_kl"):
         log_r = log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        return (torch.exp(-log_r) - 1.0 + log_r).clamp(-_KL_CLAMP, _KL_CLAMP)
+        k3 = torch.exp(-log_r) - 1.0 + log_r
+        return k3.clamp(-_KL_CLAMP, _KL_CLAMP) if bound else k3
     raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use k1, k2, k3 or low_var_kl")
 
 
@@ -115,7 +119,26 @@ class PolicyTerms:
 
 def torch_policy_terms(logprobs, old_logprobs, advantages, params: PolicyLossParams, *, token_log_ratio=None,
                        ref_logprobs=None, rollout_logprobs=None) -> PolicyTerms:
-    """The reference: exactly the op sequence ``compute_policy_loss`` has always run (bitwise)."""
+    """The reference: float32 inputs run exactly the op sequence ``compute_policy_loss`` has always run.
+
+    Inputs below float32 (bf16/fp16 log-probs) are upcast and computed in float32, and the floating outputs
+    are rounded once to the inputs' dtype, as the fused kernels do (``fused_math.h``: float32 arithmetic,
+    outputs stored in the input dtype). Why: in bf16 every intermediate (the log-ratio, the ratio, the
+    clip bounds) would be rounded to 8 mantissa bits, so tokens near the clip bounds flip side and the
+    gradient differs from the kernels' by a large fraction of its size. Gradients reach the low-precision
+    ``logprobs`` through the casts.
+    """
+    given = [t for t in (logprobs, old_logprobs, advantages, ref_logprobs, rollout_logprobs) if t is not None]
+    in_dtype = functools.reduce(torch.promote_types, [t.dtype for t in given])
+    if in_dtype in (torch.float16, torch.bfloat16):
+        up = (lambda t: None if t is None else t.float())
+        terms = torch_policy_terms(up(logprobs), up(old_logprobs), up(advantages), params,
+                                   ref_logprobs=up(ref_logprobs), rollout_logprobs=up(rollout_logprobs))
+        for name in ("ratio", "pg", "kl", "tis_weight"):
+            value = getattr(terms, name)
+            if value is not None:
+                setattr(terms, name, value.to(in_dtype))
+        return terms
     if token_log_ratio is None:
         token_log_ratio = logprobs - old_logprobs
     terms = PolicyTerms(ratio=None)
@@ -126,8 +149,13 @@ def torch_policy_terms(logprobs, old_logprobs, advantages, params: PolicyLossPar
         terms.pg, terms.ratio, terms.clipped, terms.dual = ppo_clip_per_token(
             token_log_ratio, advantages, params.eps_low, params.eps_high, params.dual_clip_c)
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs, params.kl_type)
         if params.unbiased_kl:  # importance-weight the on-policy estimate (DeepSeek-V3.2; slime)
-            kl = torch.exp(token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) * kl
+            # slime's compute_approx_kl: the low-variance bound clamps the weighted product, not the estimate
+            kl = torch.exp(token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) * kl_estimate(
+                logprobs, ref_logprobs, params.kl_type, bound=False)
+            if params.kl_type in ("k3", "low_var_kl"):
+                kl = kl.clamp(-_KL_CLAMP, _KL_CLAMP)
+        else:
+            kl = kl_estimate(logprobs, ref_logprobs, params.kl_type)
         terms.kl = kl
     return terms

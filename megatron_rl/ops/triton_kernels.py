@@ -29,6 +29,25 @@ _PPO_BLOCK = 1024
 
 
 @triton.jit
+def _round_out(x, OUT_BF16: tl.constexpr):
+    """float32 -> the output dtype; bf16 rounded to nearest, ties to even, in integer arithmetic.
+
+    Why not ``x.to(tl.bfloat16)``: compiled, that rounds to nearest even, but the interpreter
+    (``TRITON_INTERPRET=1``, the CPU tests) truncates, with or without ``fp_downcast_rounding="rtne"``
+    (RTNE is the default, so it takes the same truncating path there). The bit form below is
+    the same on both, so the interpreted kernels test what the GPU computes and both equal torch's
+    ``.to(torch.bfloat16)``. NaN stays a (quiet) NaN; values past bf16's range round to +-inf.
+    """
+    if OUT_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
 def _logprob_fwd_kernel(x_ptr, tgt_ptr, m_ptr, s_ptr, w_ptr, tz_ptr, V, inv_t, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * V
@@ -63,7 +82,7 @@ def _logprob_fwd_kernel(x_ptr, tgt_ptr, m_ptr, s_ptr, w_ptr, tz_ptr, V, inv_t, B
 
 @triton.jit
 def _logprob_bwd_kernel(g_ptr, x_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gh_ptr, V, inv_t,
-                        WITH_H: tl.constexpr, BLOCK: tl.constexpr):
+                        WITH_H: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < V
@@ -79,7 +98,7 @@ def _logprob_bwd_kernel(g_ptr, x_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gh_ptr
         g += (logp + h) * p * (-b)
     t = tl.load(tgt_ptr + row)
     g = tl.where(cols == t, g + a, g) * inv_t
-    tl.store(g_ptr + row * V + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
+    tl.store(g_ptr + row * V + cols, _round_out(g, OUT_BF16).to(g_ptr.dtype.element_ty), mask=inside)
 
 
 def logprob_fwd_partials(logits, target_local, inv_temperature, m_out, s_out, w_out, tz_out):
@@ -97,7 +116,7 @@ def logprob_bwd(grad_out, logits, target_local, lse, entropy, g_lp, g_h, inv_tem
         with_h = g_h is not None
         _logprob_bwd_kernel[(n, triton.cdiv(v, block))](
             grad_out, logits, target_local, lse, entropy if with_h else lse, g_lp, g_h if with_h else g_lp, v,
-            float(inv_temperature), WITH_H=with_h, BLOCK=block)
+            float(inv_temperature), WITH_H=with_h, BLOCK=block, OUT_BF16=grad_out.dtype == torch.bfloat16)
 
 
 @triton.jit
@@ -117,25 +136,35 @@ def _kl_and_grad(lp, ref, KL_TYPE: tl.constexpr):
     else:
         c = _clamp(log_r, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         e = tl.exp(-c)
-        v = (e - 1.0) + c
-        kl = _clamp(v, -_KL_CLAMP, _KL_CLAMP)
-        gate = (v >= -_KL_CLAMP) & (v <= _KL_CLAMP) & (log_r >= -_LOG_RATIO_CLAMP) & (log_r <= _LOG_RATIO_CLAMP)
-        dkl = tl.where(gate, 1.0 - e, 0.0)
-    return kl, dkl
+        kl = (e - 1.0) + c
+        dkl = tl.where((log_r >= -_LOG_RATIO_CLAMP) & (log_r <= _LOG_RATIO_CLAMP), 1.0 - e, 0.0)
+    return kl, dkl  # unbounded: the caller clamps k3 (after the unbiased weight, as slime) and gates dkl
+
+
+@triton.jit
+def _kl_bound_gate(v, KL_TYPE: tl.constexpr):
+    """The low-variance bound of k3: ``(clamp(v, -10, 10), 1 where the clamp passes the gradient)``."""
+    if KL_TYPE == 3:
+        out = _clamp(v, -_KL_CLAMP, _KL_CLAMP)
+        gate = tl.where((v >= -_KL_CLAMP) & (v <= _KL_CLAMP), 1.0, 0.0)
+    else:
+        out = v
+        gate = tl.full(v.shape, 1.0, tl.float32)
+    return out, gate
 
 
 @triton.jit
 def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, ref_ptr, roll_ptr, ratio_ptr, pg_ptr, clipped_ptr, dual_ptr, kl_ptr,
                     tw_ptr, capped_ptr, floored_ptr, n, clip_lo, clip_hi, dual_c, tis_cap, tis_low,
                     DO_PPO: tl.constexpr, HAS_DUAL: tl.constexpr, KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr,
-                    DO_TIS: tl.constexpr, BLOCK: tl.constexpr):
+                    DO_TIS: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     lp = tl.load(lp_ptr + i, mask=inside, other=0.0).to(tl.float32)
     old = tl.load(old_ptr + i, mask=inside, other=0.0).to(tl.float32)
     out_ty = ratio_ptr.dtype.element_ty
     ratio = tl.exp(_clamp(lp - old, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    tl.store(ratio_ptr + i, ratio.to(out_ty), mask=inside)
+    tl.store(ratio_ptr + i, _round_out(ratio, OUT_BF16).to(out_ty), mask=inside)
     if DO_PPO:
         adv = tl.load(adv_ptr + i, mask=inside, other=0.0).to(tl.float32)
         unclipped = -adv * ratio
@@ -149,17 +178,19 @@ def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, ref_ptr, roll_ptr, ratio_ptr, pg_p
         else:
             dual = loss != loss  # all False (no NaN losses from finite inputs)
         tl.store(dual_ptr + i, dual, mask=inside)
-        tl.store(pg_ptr + i, loss.to(out_ty), mask=inside)
+        tl.store(pg_ptr + i, _round_out(loss, OUT_BF16).to(out_ty), mask=inside)
     if KL_TYPE != 0:
         ref = tl.load(ref_ptr + i, mask=inside, other=0.0).to(tl.float32)
         kl, _ = _kl_and_grad(lp, ref, KL_TYPE)
         if UNBIASED:
             kl = ratio * kl
-        tl.store(kl_ptr + i, kl.to(out_ty), mask=inside)
+        kl, _ = _kl_bound_gate(kl, KL_TYPE)
+        tl.store(kl_ptr + i, _round_out(kl, OUT_BF16).to(out_ty), mask=inside)
     if DO_TIS:
         roll = tl.load(roll_ptr + i, mask=inside, other=0.0).to(tl.float32)
         raw = tl.exp(tl.minimum(old - roll, _LOG_RATIO_CLAMP))
-        tl.store(tw_ptr + i, tl.minimum(tl.maximum(raw, tis_low), tis_cap).to(out_ty), mask=inside)
+        tl.store(tw_ptr + i, _round_out(tl.minimum(tl.maximum(raw, tis_low), tis_cap), OUT_BF16).to(out_ty),
+                 mask=inside)
         tl.store(capped_ptr + i, raw > tis_cap, mask=inside)
         tl.store(floored_ptr + i, raw < tis_low, mask=inside)
 
@@ -167,7 +198,7 @@ def _ppo_fwd_kernel(lp_ptr, old_ptr, adv_ptr, ref_ptr, roll_ptr, ratio_ptr, pg_p
 @triton.jit
 def _ppo_bwd_kernel(g_ptr, lp_ptr, old_ptr, adv_ptr, ref_ptr, gpg_ptr, gkl_ptr, n, clip_lo, clip_hi, dual_c,
                     DO_PPO: tl.constexpr, HAS_DUAL: tl.constexpr, KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr,
-                    HAS_GPG: tl.constexpr, HAS_GKL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_GPG: tl.constexpr, HAS_GKL: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     lp = tl.load(lp_ptr + i, mask=inside, other=0.0).to(tl.float32)
@@ -195,12 +226,14 @@ def _ppo_bwd_kernel(g_ptr, lp_ptr, old_ptr, adv_ptr, ref_ptr, gpg_ptr, gkl_ptr, 
         g_kl = tl.load(gkl_ptr + i, mask=inside, other=0.0).to(tl.float32)
         kl, dkl = _kl_and_grad(lp, ref, KL_TYPE)
         if UNBIASED:
-            g_lp += g_kl * ratio * dkl
-            g_lr += g_kl * kl * ratio
+            _, gate = _kl_bound_gate(ratio * kl, KL_TYPE)
+            g_lp += g_kl * gate * ratio * dkl
+            g_lr += g_kl * gate * kl * ratio
         else:
-            g_lp += g_kl * dkl
+            _, gate = _kl_bound_gate(kl, KL_TYPE)
+            g_lp += g_kl * gate * dkl
     g = g_lp + tl.where(lr_gate, g_lr, 0.0)
-    tl.store(g_ptr + i, g.to(g_ptr.dtype.element_ty), mask=inside)
+    tl.store(g_ptr + i, _round_out(g, OUT_BF16).to(g_ptr.dtype.element_ty), mask=inside)
 
 
 def ppo_fwd(logprobs, old_logprobs, advantages, ref_logprobs, rollout_logprobs, do_ppo, clip_lo, clip_hi, has_dual,
@@ -221,7 +254,8 @@ def ppo_fwd(logprobs, old_logprobs, advantages, ref_logprobs, rollout_logprobs, 
         tis_w_out if tis_w_out is not None else dummy, tis_capped_out if tis_capped_out is not None else dummy_b,
         tis_floored_out if tis_floored_out is not None else dummy_b, n, float(clip_lo), float(clip_hi),
         float(dual_c), float(tis_cap), float(tis_low), DO_PPO=bool(do_ppo), HAS_DUAL=bool(has_dual),
-        KL_TYPE=int(kl_type), UNBIASED=bool(unbiased_kl), DO_TIS=bool(do_tis), BLOCK=_PPO_BLOCK)
+        KL_TYPE=int(kl_type), UNBIASED=bool(unbiased_kl), DO_TIS=bool(do_tis), BLOCK=_PPO_BLOCK,
+        OUT_BF16=ratio_out.dtype == torch.bfloat16)
 
 
 def ppo_bwd(grad_out, logprobs, old_logprobs, advantages, ref_logprobs, g_pg, g_kl, do_ppo, clip_lo, clip_hi,
@@ -233,4 +267,5 @@ def ppo_bwd(grad_out, logprobs, old_logprobs, advantages, ref_logprobs, g_pg, g_
         grad_out, logprobs, old_logprobs, advantages, ref_logprobs if ref_logprobs is not None else logprobs,
         g_pg if g_pg is not None else logprobs, g_kl if g_kl is not None else logprobs, n, float(clip_lo),
         float(clip_hi), float(dual_c), DO_PPO=bool(do_ppo), HAS_DUAL=bool(has_dual), KL_TYPE=int(kl_type),
-        UNBIASED=bool(unbiased_kl), HAS_GPG=g_pg is not None, HAS_GKL=g_kl is not None, BLOCK=_PPO_BLOCK)
+        UNBIASED=bool(unbiased_kl), HAS_GPG=g_pg is not None, HAS_GKL=g_kl is not None, BLOCK=_PPO_BLOCK,
+        OUT_BF16=grad_out.dtype == torch.bfloat16)

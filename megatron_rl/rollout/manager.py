@@ -208,14 +208,17 @@ class RolloutManager:
             self.last_retried_groups += len(groups)
         return samples
 
-    def _run(self, requests, sampling) -> list[Sample]:
+    def _run(self, requests, sampling, evaluation: bool = False) -> list[Sample]:
         samples = self._generate_complete(requests, sampling)
         tok = getattr(self.engine, "tokenizer", None)
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
         t = time.perf_counter()
-        compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg))
+        d = self.cfg.data  # slime: evaluation reads --eval-reward-key, falling back to --reward-key
+        key, key_flag = ((d.eval_reward_key, "--eval-reward-key") if evaluation and d.eval_reward_key
+                         else (d.reward_key, "--reward-key"))
+        compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg), reward_key=key, key_flag=key_flag)
         self.last_reward_s = time.perf_counter() - t  # reported as perf/reward_s by generate()
         return samples
 
@@ -319,7 +322,7 @@ class RolloutManager:
         for name, dataset in self.eval_datasets.items():
             requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
                                         prompt_text=p.prompt_text) for i, p in enumerate(dataset.prompts)]
-            samples = self._run(requests, eval_sampling_params(self.cfg))
+            samples = self._run(requests, eval_sampling_params(self.cfg), evaluation=True)
             prefix = "eval/" if name is None else f"eval/{name}/"
             metrics[prefix + "reward_mean"] = sum(s.reward for s in samples) / len(samples)
             metrics[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)

@@ -8,7 +8,7 @@ parameter is named ``samples``. The third source, ``--rm-url``, is a reward serv
 (``remote_reward.RemoteReward``); ``reward_fn_from_config`` picks one of the three.
 
 A reward may be a dict instead of a float: ``{"reward": 0.5, "format_ok": 1.0, ...}``. Its
-``reward`` is what trains; every other key is a numeric metric of that sample, kept in
+``reward`` (or the key ``--reward-key`` names; ``--eval-reward-key`` for evaluation) is what trains; every other key is a numeric metric of that sample, kept in
 ``sample.metadata["reward_metrics"]`` and logged as ``reward/<key>``, the mean over the samples
 of the batch that report it (``reward_metrics``). Why a dict and not a second function: the
 quantities a reward computes on its way (a format check, a length penalty, a judge's sub-score)
@@ -256,37 +256,49 @@ def _number(value: Any, source: str, what: str) -> float:
     return number
 
 
-def _split_reward(r: Any, i: int, source: str) -> tuple[float, dict[str, float]]:
-    """A float reward as is; a dict reward as its ``reward`` and its other keys (the sample's metrics)."""
+def _split_reward(r: Any, i: int, source: str, reward_key: str | None = None,
+                  key_flag: str = "--reward-key") -> tuple[float, dict[str, float]]:
+    """A float reward as is; a dict reward as its ``reward`` (or ``reward_key``'s: slime's --reward-key) and its
+    other keys (the sample's metrics)."""
+    key_name = reward_key or REWARD_KEY
     if not isinstance(r, Mapping):
+        if reward_key is not None:
+            raise ConfigError(f"{source} returned {r!r} for sample {i}, but {key_flag} {reward_key} picks the reward "
+                              "out of a dict: return {"
+                              f"{reward_key!r}: number, ...}} or drop {key_flag}")
         return _number(r, source, f"sample {i}"), {}
-    if REWARD_KEY not in r:
-        raise ConfigError(f"{source} returned a dict without a {REWARD_KEY!r} key for sample {i} (keys: "
-                          f"{', '.join(map(str, r)) or 'none'}); a dict reward is {{{REWARD_KEY!r}: number, "
-                          "other numeric metrics logged as reward/<key>}")
+    if key_name not in r:
+        fix = (f"{key_flag} {reward_key} names the key that trains" if reward_key is not None else
+               f"a dict reward is {{{REWARD_KEY!r}: number, other numeric metrics logged as reward/<key>}}, "
+               "or give --reward-key KEY")
+        raise ConfigError(f"{source} returned a dict without a {key_name!r} key for sample {i} (keys: "
+                          f"{', '.join(map(str, r)) or 'none'}); {fix}")
     metrics = {}
     for key, value in r.items():
-        if key == REWARD_KEY:
+        if key == key_name:
             continue
         if not isinstance(key, str) or not key:
             raise ConfigError(f"{source} returned metric key {key!r} for sample {i}; metric keys are non-empty "
                               "strings (logged as reward/<key>)")
         metrics[key] = _number(value, source, f"sample {i}'s metric {key!r}")
-    return _number(r[REWARD_KEY], source, f"sample {i}"), metrics
+    return _number(r[key_name], source, f"sample {i}"), metrics
 
 
-def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "reward function") -> list[float]:
+def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "reward function",
+                    reward_key: str | None = None, key_flag: str = "--reward-key") -> list[float]:
     """Score ``samples`` with ``reward_fn``, check the result and store it in ``sample.reward``.
 
     Each result is a number or a dict reward (module docstring): its ``reward`` goes to
     ``sample.reward``, its other keys to ``sample.metadata["reward_metrics"]`` (a sample scored again
-    loses the metrics of its previous score). Nothing is stored unless every result is valid, so a
-    refused batch leaves no half-scored samples behind."""
+    loses the metrics of its previous score). ``reward_key`` (slime's ``--reward-key`` /
+    ``--eval-reward-key``, named in errors by ``key_flag``) is the dict key that trains instead of
+    ``reward``. Nothing is stored unless every result is valid, so a refused batch leaves no
+    half-scored samples behind."""
     rewards = list(reward_fn(samples))
     if len(rewards) != len(samples):
         raise ConfigError(f"{source} returned {len(rewards)} rewards for {len(samples)} samples; a batched reward "
                           "must return one float per sample, in order")
-    scored = [_split_reward(r, i, source) for i, r in enumerate(rewards)]
+    scored = [_split_reward(r, i, source, reward_key, key_flag) for i, r in enumerate(rewards)]
     for sample, (value, metrics) in zip(samples, scored):
         sample.reward = value
         if metrics:

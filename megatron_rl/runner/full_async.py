@@ -68,7 +68,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
-        compute_rewards(samples, rollout.reward_fn, source=source)
+        compute_rewards(samples, rollout.reward_fn, source=source, reward_key=cfg.data.reward_key)
 
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size
@@ -203,7 +203,7 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
             t0 = time.perf_counter()
             samples, metrics = parts.recovery.generate(functools.partial(_batch_or_park, producer, parts, rollout_id),
                                                        None, resync=functools.partial(_resync, producer, parts))
-            parts.train(samples, metrics)
+            parts.train(samples, metrics, rollout_id=rollout_id)
             if producer is not None:  # nothing starts while the weights change, nothing is left on the servers
                 producer.close_gate()
             _, restarted = parts.recovery.generate(functools.partial(_quiesce, producer, parts), None,

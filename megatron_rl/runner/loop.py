@@ -51,13 +51,20 @@ class StepParts:
         metrics["perf/generate_s"] = time.perf_counter() - t0  # with rewards (also perf/reward_s)
         return samples, metrics
 
-    def train(self, samples: Optional[list[Sample]], metrics: dict) -> None:
-        """The training half of a step (and the colocated hand-overs around it), into ``metrics``."""
+    def train(self, samples: Optional[list[Sample]], metrics: dict, *, rollout_id: int) -> None:
+        """The training half of a step (and the colocated hand-overs around it), into ``metrics``.
+
+        ``--ref-update-interval N``: once rollout ``rollout_id`` trained and ``rollout_id + 1`` is a multiple of N,
+        the reference becomes the actor's current weights (slime's actors do it at the same point)."""
         backend, ctx = self.backend, self.ctx
         assert backend is not None, "a run that trains built its backend"
         metrics.update(ctx.colocation.before_train(backend, self.here))
         swapped = backend.swap_seconds
         metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics))
+        every = ctx.cfg.algorithm.ref_update_interval
+        if every is not None and (rollout_id + 1) % every == 0:
+            backend.snapshot_weights("ref")
+            metrics["train/ref_updated"] = 1.0
         metrics["perf/weight_swap_s"] = backend.swap_seconds - swapped  # ref/teacher copy in + out
         ctx.colocation.before_rollout(backend, self.here)
 

@@ -166,7 +166,7 @@ def run_one_step(parts: StepParts, start: int) -> Optional[int]:
         if following:
             ahead.start(rollout_id + 1)  # on the engines, which hold version rollout_id
         metrics.update(staleness_metrics(samples, trained_at=rollout_id))
-        parts.train(samples, metrics)
+        parts.train(samples, metrics, rollout_id=rollout_id)
         upcoming, upcoming_metrics = ahead.finish(metrics) if following else (None, {})
         parts.push_weights(rollout_id + 1, metrics)
         step_s = time.perf_counter() - t0

@@ -59,10 +59,26 @@ class Resumer:
         if rollout is not None and extra.get("dataset_state"):
             rollout.prompts.load_state_dict(extra["dataset_state"])
         step = int(extra["rollout_id"])
+        self._restore_updated_reference(backend, step, path)
         log.info("resumed from %s at rollout %d", path, step)
         self.cursor.step, self.cursor.path, self.cursor.resumed_at = step, path, step
         self.cursor.extra = extra
         return step
+
+    def _restore_updated_reference(self, backend: TrainBackend, step: int, path: str) -> None:
+        """``--ref-update-interval N``: the reference is the actor as it was after the last rollout count that is
+        a multiple of N (slime replaces it then). A checkpoint at such a count holds exactly those weights, so
+        the reference is snapshotted from them once loaded; any other count would need weights no checkpoint
+        holds, so the resume is refused naming the flag."""
+        n = self.cfg.algorithm.ref_update_interval
+        if n is None or step < n:  # before the first update the reference is still the initial one
+            return
+        if step % n:
+            raise ConfigError(f"--ref-update-interval {n}: {path} is at rollout {step}, but the reference was last "
+                              f"replaced by the actor at rollout {step - step % n}, whose weights no checkpoint "
+                              f"holds. Resume from a checkpoint at a multiple of {n} (--load that iter_ dir, with "
+                              f"--allow-resume-older), or save at multiples of {n} (--save-interval)")
+        backend.snapshot_weights("ref")
 
     @staticmethod
     def _supersede_newer(save_root: str, step: int) -> None:

@@ -215,3 +215,25 @@ def test_algorithm_flag_conflicts_are_refused_in_validation(hf_dir, flags, match
 
     with pytest.raises(ConfigError, match=match):
         parse_config(["--hf-checkpoint", hf_dir, *flags])
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+def test_kl_coef_folds_the_kl_loss_type_estimator_into_the_rewards(kind):
+    """slime's compute_advantages_and_returns: kl = compute_approx_kl(old, ref, --kl-loss-type), then
+    REINFORCE++'s token rewards -kl_coef * kl (not always k1)."""
+    from megatron_rl.algorithms.advantages import flat_loss_mask, reinforce_plus_plus_advantages
+    from megatron_rl.algorithms.losses import kl_estimate
+
+    samples = _samples()
+    cfg = PolicyGradientConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.2, kl_loss_type=kind)
+    old = [torch.tensor(s.rollout_logprobs) for s in samples]
+    ref = [t - torch.linspace(-1.5, 2.0, len(t)) for t in old]  # |log r| up to 2: the estimators differ
+    adv = torch.cat(get_spec("policy_gradient", cfg).compute_advantages(samples, old_logprobs=old,
+                                                                        ref_logprobs=ref))
+    kl = kl_estimate(torch.cat(old), torch.cat(ref), kind)
+    if kind != "k1":
+        assert not torch.allclose(kl, torch.cat(old) - torch.cat(ref))
+    mask = flat_loss_mask([s.effective_loss_mask() for s in samples])
+    want = reinforce_plus_plus_advantages([float(s.reward) for s in samples], [s.response_length for s in samples],
+                                          mask, kl=kl, kl_coef=0.2)
+    assert torch.equal(adv, want)

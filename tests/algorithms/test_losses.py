@@ -285,3 +285,78 @@ def test_unbiased_kl_ppo_kl_and_tis_lower_bound():
 def test_new_algorithm_knobs_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         PolicyGradientConfig(**kwargs)
+
+
+def test_unbiased_low_var_kl_clamps_the_weighted_product_as_slime():
+    """slime's compute_approx_kl: kl = clamp(ratio * k3, -10, 10). At ratio e^0.1 and k3 = 9.38 the product is
+    10.37: slime gives 10 and a zero gradient (clamping k3 first gave 10.37 and a nonzero one). Inside the bound
+    the value and gradient are those of ratio * k3."""
+    from megatron_rl.ops import PolicyLossParams
+    from megatron_rl.ops.policy_loss import torch_policy_terms
+
+    k3_of = (lambda lr: math.exp(-lr) - 1 + lr)
+    # log(p / ref) = -3.15 -> k3 = exp(3.15) - 1 - 3.15 = 19.2 -> (old clamp) 10 * e^0.1 = 11.05;
+    # log(p / ref) = -2.45 -> k3 = 8.14, e^0.1 * 8.14 = 9.0 (inside); -2.6 -> k3 = 9.86, * e^0.1 = 10.9 (outside)
+    lp = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
+    old = lp.detach() - 0.1
+    ref = torch.tensor([2.15, 1.45, 1.6], dtype=torch.float64)
+    params = PolicyLossParams(ppo=False, eps_low=0.2, eps_high=0.2, kl_type="low_var_kl", unbiased_kl=True)
+    kl = torch_policy_terms(lp, old, torch.zeros(3, dtype=torch.float64), params, ref_logprobs=ref).kl
+    r = math.exp(0.1)
+    assert kl[0].item() == 10.0 and kl[2].item() == 10.0
+    assert close(kl[1], r * k3_of(-2.45), 1e-12)
+    assert r * k3_of(-2.6) > 10 and k3_of(-2.6) < 10  # the edge: the old order gave 10.9 here
+    (g,) = torch.autograd.grad(kl.sum(), lp)
+    # d/dlp [e^(lp-old) k3(lp - ref)] = r k3 + r (1 - exp(-(lp - ref)))
+    assert g[0].item() == 0.0 and g[2].item() == 0.0
+    assert close(g[1], r * k3_of(-2.45) + r * (1 - math.exp(2.45)), 1e-12)
+    # without --use-unbiased-kl the estimate itself is clamped, as before
+    plain = torch_policy_terms(lp, old, torch.zeros(3, dtype=torch.float64),
+                               PolicyLossParams(ppo=False, eps_low=0.2, eps_high=0.2, kl_type="k3"),
+                               ref_logprobs=ref).kl
+    assert plain[0].item() == 10.0 and close(plain[2], k3_of(-2.6), 1e-12)
+
+
+def test_ppo_kl_metric_clamps_the_log_ratio_as_verl():
+    """verl: ppo_kl = masked_mean(-clamp(logp - old, -20, 20)); a stale token 50 nats off counts as 20."""
+    lp = torch.tensor([-1.0, -60.0, -2.0])
+    old = torch.tensor([-1.5, -10.0, -1.0])
+    _, metrics = compute_policy_loss(LossInputs(lp, torch.ones(3), torch.tensor([1.0, 1.0, 0.0]), [3],
+                                                old_logprobs=old), denoms(2, 1), PolicyGradientConfig())
+    assert close(reduce_metrics([metrics])["ppo_kl"], (-0.5 + 20.0) / 2, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_terms_compute_low_precision_inputs_in_float32(dtype):
+    """bf16/fp16 log-probs give the float32 result of the upcast inputs, rounded once to the input dtype (what
+    the fused kernels store), gradients included; rounding every intermediate to bf16 flipped near-clip tokens."""
+    from megatron_rl.ops import PolicyLossParams
+    from megatron_rl.ops.policy_loss import torch_policy_terms
+
+    g = torch.Generator().manual_seed(5)
+    n = 2000
+    lp = (torch.randn(n, generator=g) - 2).to(dtype)
+    old = (lp.float() + torch.randn(n, generator=g) * 0.2).to(dtype)  # many ratios near 1 +- eps
+    adv, ref, roll = (torch.randn(n, generator=g).to(dtype) for _ in range(3))
+    params = PolicyLossParams(ppo=True, eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, kl_type="k3", unbiased_kl=True,
+                              tis_cap=2.0, tis_low=0.5)
+    g_pg, g_kl = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def run(x_in, *others):
+        x = x_in.clone().requires_grad_()
+        t = torch_policy_terms(x, *others[:2], params, ref_logprobs=others[2], rollout_logprobs=others[3])
+        # the gradient reaching a low-precision output is rounded to its dtype (as the kernels take it): give
+        # the float32 reference the same rounded upstream gradients
+        (t.pg.float() * g_pg.to(dtype).float() + t.kl.float() * g_kl.to(dtype).float()).sum().backward()
+        return t, x.grad
+
+    low, low_grad = run(lp, old, adv, ref, roll)
+    full, full_grad = run(lp.float(), old.float(), adv.float(), ref.float(), roll.float())
+    for name in ("ratio", "pg", "kl", "tis_weight"):
+        a, b = getattr(low, name), getattr(full, name)
+        assert a.dtype == dtype and torch.equal(a, b.to(dtype)), name
+    for name in ("clipped", "dual", "tis_capped", "tis_floored"):
+        assert torch.equal(getattr(low, name), getattr(full, name)), name
+    assert low_grad.dtype == dtype
+    # the same float32 backward, rounded once to the input dtype
+    assert torch.equal(low_grad, full_grad.to(dtype))

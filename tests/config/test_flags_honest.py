@@ -53,6 +53,20 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
         "balances token counts with --use-dynamic-batch-size, so the flag restates it; without that flag it is "
         "refused in validation",
         _refused(["--balance-data"])),
+    "loss_type": (
+        "slime's loss selector: policy_loss is the only loss built (what the Spec computes); custom_loss is refused "
+        "in validation with the reason",
+        _refused(["--loss-type", "custom_loss"])),
+    "custom_loss_function_path": (
+        "slime's custom loss hook, refused in validation: its fn(args, batch, logits, sum_of_sample_mean) contract "
+        "has per-micro-batch normalisation, the losses here are normalised over the whole step",
+        _refused(["--custom-loss-function-path", "my_loss:fn"])),
+    "custom_pg_loss_reducer_function_path": (
+        "slime's per-micro-batch pg_loss reducer, refused in validation: the denominators here are global",
+        _refused(["--custom-pg-loss-reducer-function-path", "my_reducer:get"])),
+    "custom_tis_function_path": (
+        "slime's TIS hook, refused in validation naming the flags that do its built-ins (--use-tis, --tis-mode)",
+        _refused(["--custom-tis-function-path", "my_tis:fn"])),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "
         "and rollout-size flags (which the trainer reads) and refuses flags that disagree with it",

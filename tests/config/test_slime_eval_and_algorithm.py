@@ -174,3 +174,36 @@ def test_kl_loss_with_coef_zero_is_logged_not_added(demo):
     (grad_plain,) = torch.autograd.grad(loss_plain, lp)
     assert torch.equal(loss_logged, loss_plain) and torch.equal(grad_logged, grad_plain)
     assert "kl" in m_logged and "kl" not in m_plain and float(m_logged["kl"][0]) > 0
+
+
+REWARD_KEYS_MODULE = '''
+from megatron_rl.data.synthetic import digit_reward
+
+
+def scored(sample):
+    return {"acc": digit_reward(sample), "eval_score": 0.25, "format": 1.0}
+'''
+
+
+def test_reward_key_trains_and_eval_reward_key_evaluates(demo, tmp_path):
+    """slime's --reward-key / --eval-reward-key through the real embedded engine: training rewards come from
+    the dict's --reward-key, eval/reward_mean from --eval-reward-key; the other keys are metrics."""
+    from megatron_rl.rollout.build import build_rollout
+
+    path = tmp_path / "keyed_reward.py"
+    path.write_text(REWARD_KEYS_MODULE)
+    argv = [a if a != "megatron_rl.data.synthetic:digit_reward" else f"{path}:scored" for a in base(demo)]
+    cfg = parse_config([*argv, "--eval-prompt-data", str(demo / "eval_a.jsonl"), "--reward-key", "acc",
+                        "--eval-reward-key", "eval_score", "--rollout-batch-size", "2", "--n-samples-per-prompt",
+                        "2", "--global-batch-size", "4"])
+    manager = build_rollout(cfg)
+    metrics = manager.evaluate(0)
+    assert metrics["eval/reward_mean"] == 0.25 and metrics["eval/reward/acc"] >= 0.0
+    samples, _ = manager.generate(0)
+    from megatron_rl.data.synthetic import digit_reward
+
+    assert samples and all(s.reward == digit_reward(s) for s in samples)  # the "acc" key trains
+    assert all(s.metadata["reward_metrics"] == {"eval_score": 0.25, "format": 1.0} for s in samples)
+    with pytest.raises(ConfigError, match="--eval-reward-key x picks the reward evaluation reports.*evaluates "
+                                          "nothing"):
+        parse_config([*argv, "--eval-reward-key", "x"])

@@ -51,15 +51,15 @@ def test_triton_kernels_compile_for_sm90():
             _compile(tk._logprob_bwd_kernel, {"g_ptr": f"*{dt}", "x_ptr": f"*{dt}", "tgt_ptr": "*i64",
                                               "lse_ptr": "*fp32", "ent_ptr": "*fp32", "glp_ptr": "*fp32",
                                               "gh_ptr": "*fp32", "V": "i32", "inv_t": "fp32"},
-                     {"WITH_H": with_h, "BLOCK": 4096})
+                     {"WITH_H": with_h, "BLOCK": 4096, "OUT_BF16": dt == "bf16"})
     floats = ("lp_ptr", "old_ptr", "adv_ptr", "ref_ptr", "roll_ptr", "ratio_ptr", "pg_ptr", "kl_ptr", "tw_ptr")
     bools = ("clipped_ptr", "dual_ptr", "capped_ptr", "floored_ptr")
     scalars = {n: "fp32" for n in ("clip_lo", "clip_hi", "dual_c", "tis_cap", "tis_low")}
     for kl in (0, 1, 2, 3):
         flags = {"DO_PPO": kl != 1, "HAS_DUAL": kl == 3, "KL_TYPE": kl, "UNBIASED": kl == 3}
         _compile(tk._ppo_fwd_kernel, {**{n: "*bf16" for n in floats}, **{n: "*i1" for n in bools}, "n": "i32",
-                                      **scalars}, {**flags, "DO_TIS": kl != 2, "BLOCK": 1024})
+                                      **scalars}, {**flags, "DO_TIS": kl != 2, "BLOCK": 1024, "OUT_BF16": True})
         _compile(tk._ppo_bwd_kernel, {**{n: "*bf16" for n in ("g_ptr", "lp_ptr", "old_ptr", "adv_ptr", "ref_ptr",
                                                             "gpg_ptr", "gkl_ptr")}, "n": "i32",
                                       **{n: "fp32" for n in ("clip_lo", "clip_hi", "dual_c")}},
-                 {**flags, "HAS_GPG": True, "HAS_GKL": kl != 0, "BLOCK": 1024})
+                 {**flags, "HAS_GPG": True, "HAS_GKL": kl != 0, "BLOCK": 1024, "OUT_BF16": True})

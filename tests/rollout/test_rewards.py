@@ -167,3 +167,20 @@ def test_rm_type_choices_are_the_builtin_rewards():
     from megatron_rl.rollout.rewards import BUILTIN_REWARDS
 
     assert tuple(BUILTIN_REWARDS) == BUILTIN_REWARD_NAMES
+
+
+def test_reward_key_picks_the_training_reward_of_a_dict():
+    """slime's --reward-key: sample.reward[reward_key] trains; here the other keys stay metrics."""
+    from megatron_rl.rollout.rewards import compute_rewards
+
+    samples = [sample("a", "a"), sample("b", "a")]
+    fn = (lambda ss: [{"acc": 1.0, "format": 0.5}, {"acc": 0.0, "format": 1.0}])
+    assert compute_rewards(samples, fn, reward_key="acc") == [1.0, 0.0]
+    assert samples[0].metadata["reward_metrics"] == {"format": 0.5}
+    assert compute_rewards(samples, fn, reward_key="format", key_flag="--eval-reward-key") == [0.5, 1.0]
+    with pytest.raises(ConfigError, match="without a 'score' key .* --reward-key score names the key"):
+        compute_rewards(samples, fn, reward_key="score")
+    with pytest.raises(ConfigError, match=r"returned 1.0 for sample 0, but --eval-reward-key acc picks"):
+        compute_rewards(samples, lambda ss: [1.0, 0.0], reward_key="acc", key_flag="--eval-reward-key")
+    with pytest.raises(ConfigError, match="without a 'reward' key .* or give --reward-key KEY"):
+        compute_rewards(samples, fn)

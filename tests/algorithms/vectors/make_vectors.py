@@ -169,18 +169,25 @@ def gspo_loss(lp, old, mask, lengths, seq_adv, eps_low, eps_high):
 
 
 def token_mean_policy_loss(lp, old, ref, adv, mask, eps, kl_coef, kind, unbiased):
-    """token_mean of pg + kl_coef * w * kl, w = exp(lp - old) with --use-unbiased-kl (slime), else 1;
-    ppo_kl = mean over loss tokens of (old - lp) (verl)."""
+    """token_mean of pg + kl_coef * kl_w; kl_w = kl without --use-unbiased-kl; with it (slime's
+    compute_approx_kl) w * k3 unclamped, then clamped to [-10, 10] for k3/low_var_kl, w = exp(lp - old);
+    ppo_kl = mean over loss tokens of -clamp(lp - old, +-20) (verl)."""
     n = sum(mask)
     pg = ppo_clip([p - o for p, o in zip(lp, old)], adv, eps, eps, None)
     total, kl_sum = 0.0, 0.0
     for t in range(len(lp)):
-        k, _ = kl_value_and_grad(lp[t], ref[t], kind)
         if unbiased:
-            k *= math.exp(_clamp(lp[t] - old[t], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            w = math.exp(_clamp(lp[t] - old[t], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            if kind in ("k3", "low_var_kl"):
+                lrc = _clamp(lp[t] - ref[t], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+                k = _clamp(w * (math.exp(-lrc) - 1.0 + lrc), -KL_CLAMP, KL_CLAMP)
+            else:
+                k = w * kl_value_and_grad(lp[t], ref[t], kind)[0]
+        else:
+            k, _ = kl_value_and_grad(lp[t], ref[t], kind)
         total += mask[t] * (pg[t] + kl_coef * k)
         kl_sum += mask[t] * k
-    ppo_kl = math.fsum(m * (o - p) for p, o, m in zip(lp, old, mask)) / n
+    ppo_kl = math.fsum(m * -_clamp(p - o, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) for p, o, m in zip(lp, old, mask)) / n
     return total / n, ppo_kl, kl_sum / n
 
 
@@ -353,13 +360,15 @@ def build():
                                  "(GSPO paper; verl seq-mean-token-mean)",
                          convention="samples without loss tokens add 0 and still count in B", cases=cases)
 
-    lp = [-1.0, -2.0, -0.5, -100.0, -0.3]
-    old = [-1.3, -2.0, -0.1, -100.2, -0.3]
-    ref = [-1.2, -2.5, -0.5, -1.0, -0.9]
-    adv = [1.0, -0.5, -2.0, 0.7, 0.3]
-    mask = [1, 1, 1, 1, 0]
+    # token 6: w = e^0.1, k3 = 9.86 < 10 but w * k3 = 10.9 -> 10 (slime's order); token 7: log ratio -30 -> ppo_kl 20
+    lp = [-1.0, -2.0, -0.5, -100.0, -0.3, -1.0, -31.0]
+    old = [-1.3, -2.0, -0.1, -100.2, -0.3, -1.1, -1.0]
+    ref = [-1.2, -2.5, -0.5, -1.0, -0.9, 1.6, -31.0]
+    adv = [1.0, -0.5, -2.0, 0.7, 0.3, 0.4, -0.2]
+    mask = [1, 1, 1, 1, 0, 1, 1]
     cases = []
-    for kind, unbiased in (("k3", False), ("k3", True), ("k1", True), ("low_var_kl", False)):
+    for kind, unbiased in (("k3", False), ("k3", True), ("k1", True), ("low_var_kl", False),
+                           ("low_var_kl", True)):
         loss, ppo_kl, kl_mean = token_mean_policy_loss(lp, old, ref, adv, mask, 0.2, 0.05, kind, unbiased)
         cases.append(_case(f"{kind}_unbiased_{unbiased}", dict(logprobs=lp, old_logprobs=old, ref_logprobs=ref,
                                                                advantages=adv, loss_mask=mask, eps_clip=0.2,
@@ -367,9 +376,10 @@ def build():
                                                                use_unbiased_kl=unbiased),
                            {"loss": loss, "ppo_kl": ppo_kl, "kl": kl_mean}, 1e-9))
     files["policy_loss"] = dict(function="megatron_rl.algorithms.losses.compute_policy_loss (token_mean)",
-                                formula="token_mean(pg + kl_loss_coef * w * kl), w = exp(lp - old) with "
-                                        "--use-unbiased-kl (slime) else 1; train/ppo_kl = mean(old - lp) over loss "
-                                        "tokens (verl)",
+                                formula="token_mean(pg + kl_loss_coef * kl); with --use-unbiased-kl kl = "
+                                        "w * kl_raw, w = exp(lp - old), clamped to [-10, 10] after the product for "
+                                        "k3/low_var_kl (slime's compute_approx_kl); train/ppo_kl = mean of "
+                                        "-clamp(lp - old, +-20) over loss tokens (verl)",
                                 convention="log-prob -100 vs ref -1: k3 clamps to 10, loss stays finite",
                                 cases=cases)
     return files

@@ -1,0 +1,61 @@
+"""--custom-advantage-function-path through the CPU demo (torchrun, 2 gloo ranks, real megatron-core): slime's
+fn(args, rollout_data) runs on every rank on the whole rollout batch, with the old log-probs computed before it,
+and its advantages train."""
+
+import json
+
+import pytest
+
+from test_demo import metrics, run_demo
+
+ADV = '''
+import json
+import os
+
+import torch
+
+
+def grpo_from_slime_rewards(args, rollout_data):
+    """slime's GRPO: its rewards arrive group-normalised, broadcast to the response tokens."""
+    with open(os.environ["ADV_RECORD"], "a") as fh:
+        fh.write(json.dumps({
+            "rank": int(os.environ.get("RANK", 0)), "n": len(rollout_data["rewards"]),
+            "n_samples_per_prompt": args.n_samples_per_prompt,
+            "logprob_lengths_ok": [len(t) for t in rollout_data["log_probs"]] == rollout_data["response_lengths"],
+            "logprobs_finite": all(bool(torch.isfinite(t).all()) for t in rollout_data["log_probs"]),
+        }) + "\\n")
+    rollout_data["advantages"] = [torch.ones_like(m) * r for r, m in zip(rollout_data["rewards"],
+                                                                         rollout_data["loss_masks"])]
+    rollout_data["returns"] = rollout_data["advantages"]
+'''
+
+
+@pytest.mark.slow
+def test_custom_advantage_function_trains_the_demo(tmp_path, monkeypatch):
+    module = tmp_path / "my_adv.py"
+    module.write_text(ADV)
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("ADV_RECORD", str(record))
+    out = tmp_path / "demo"
+    run_demo(out, 2, "--custom-advantage-function-path", f"{module}:grpo_from_slime_rewards")
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert sorted(c["rank"] for c in calls) == [0, 0, 1, 1]  # one call per rollout on each rank
+    assert all(c["n"] == 32 * 8 and c["n_samples_per_prompt"] == 8 for c in calls)  # the whole batch, everywhere
+    assert all(c["logprob_lengths_ok"] and c["logprobs_finite"] for c in calls)
+    train = [r for r in metrics(out) if "rollout/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(abs(r["train/pg_loss"]) < 10 and r["train/clip_frac"] >= 0 for r in train)
+
+
+@pytest.mark.slow
+def test_ref_update_interval_replaces_the_reference(tmp_path):
+    """slime's --ref-update-interval 2 on the demo (one optimizer step per rollout): the reference is the initial
+    policy for rollouts 1-2 and the actor after rollout 2 from then on, so train/kl (the k3 KL of the training
+    forward to the reference, before the rollout's update) is 0 at steps 1 and 3 and positive at step 2."""
+    out = tmp_path / "demo"
+    run_demo(out, 3, "--ref-update-interval", "2", "--global-batch-size", "256")
+    train = {r["step"]: r for r in metrics(out) if "rollout/reward_mean" in r}
+    assert sorted(train) == [1, 2, 3]
+    assert [train[s].get("train/ref_updated") for s in (1, 2, 3)] == [None, 1.0, None]
+    assert abs(train[1]["train/kl"]) < 1e-9 and abs(train[3]["train/kl"]) < 1e-9, (train[1], train[3])
+    assert train[2]["train/kl"] > 1e-7, train[2]
