@@ -231,6 +231,10 @@ class Bridge:
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
+        problems = self.unsupported_layout(layout)
+        if problems:
+            raise BridgeError(f"{self.family} bridge cannot run layout {layout.describe()} exactly: "
+                              + "; ".join(problems))
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
         # uneven stages (--decoder-last-pipeline-num-layers): megatron-core checks that split itself
         uneven = overrides.get("num_layers_in_last_pipeline_stage") is not None
@@ -294,6 +298,11 @@ class Bridge:
         except (AssertionError, ValueError) as exc:
             raise BridgeError(f"megatron TransformerConfig rejected the {self.family} config for layout "
                               f"{layout.describe()}: {exc}") from exc
+
+    def unsupported_layout(self, layout) -> list[str]:
+        """Parallel layouts whose megatron-core 0.16.1 result would differ from HF for this family (each
+        with the fix); checked when the megatron config is built, before any collective."""
+        return []
 
     def attention_config(self) -> dict[str, Any]:
         """Attention fields of the megatron config beyond the GQA ones (MLA families: its ranks and dims)."""

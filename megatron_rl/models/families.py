@@ -326,6 +326,13 @@ class GptOssBridge(Bridge):
                       yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
         return kw
 
+    def unsupported_layout(self, layout) -> list[str]:
+        if layout.expert_tp > 1:  # megatron-core 0.16.1: each expert-TP rank adds the fc2 bias to its partial sum
+            return [f"expert tensor parallelism {layout.expert_tp} (the experts' fc2 bias would be added once per "
+                    "expert-TP rank before their partial outputs are summed); pass --expert-tensor-parallel-size 1 "
+                    "(its default is --tensor-model-parallel-size)"]
+        return []
+
     def unsupported(self) -> list[str]:
         problems = super().unsupported()
         alpha = float(self.cfg("swiglu_alpha", self._QUICK_GELU_ALPHA))

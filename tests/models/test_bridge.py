@@ -173,6 +173,11 @@ def test_gpt_oss_maps_every_switch_to_megatron(single_rank, tiny_hf_models):
     assert (half.cos() * mscale - cos[0]).abs().max().item() <= 1e-6
     assert (half.sin() * mscale - sin[0]).abs().max().item() <= 1e-6
     assert F.silu is not tc.activation_func
+    from megatron_rl.models.parallel import ParallelLayout
+
+    for layout in (ParallelLayout(tp=2), ParallelLayout(tp=2, etp=2)):  # ETP defaults to TP
+        with pytest.raises(BridgeError, match="--expert-tensor-parallel-size 1"):
+            bridge.transformer_config(layout)
 
 
 def test_deepseek_v3_maps_every_switch_to_megatron():
