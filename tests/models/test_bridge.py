@@ -218,6 +218,20 @@ def test_unmapped_hf_tensor_of_a_moe_family_is_refused_by_name(single_rank, tiny
         bridge.load_hf_weights(chunks, extra)
 
 
+def test_gpt_oss_stacked_experts_of_another_count_are_refused_by_name(single_rank, tiny_hf_models, tmp_path):
+    """gpt-oss stacks a layer's experts in one tensor: a checkpoint stacking 5 where config.json says 4 is
+    named with both shapes, not loaded as a prefix."""
+    path = tiny_hf_models("gpt_oss")
+    bridge = get_bridge(path)
+    chunks = bridge.build_model(single_rank)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = _copy(path, tmp_path / "five")
+    save_file({**tensors, name: torch.zeros(5, 64, 64)}, os.path.join(bad, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}: checkpoint (5, 64, 64) vs config (4, 64, 64)")):
+        bridge.load_hf_weights(chunks, bad)
+
+
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 def test_mtp_layers_are_skipped_as_transformers_does(single_rank, tiny_hf_models, tmp_path, family):
     """GLM-4.5 and DeepSeek-V3 checkpoints hold num_nextn_predict_layers MTP layers after the decoder;
