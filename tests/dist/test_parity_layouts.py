@@ -70,8 +70,10 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         *family_entries("llama", llama, moe=False),
         *family_entries("qwen2", qwen2, moe=False),
         *family_entries("deepseek_v3", deepseek),
-        # gpt-oss: sinks, sliding windows and YaRN through THD packing and CP2; SP: expert fc2 biases
-        *family_entries("gpt_oss", gptoss),
+        # gpt-oss: sinks, sliding windows and YaRN through THD packing and CP2 (with the sinks' gradients);
+        # SP: expert fc2 biases
+        *[e for e in family_entries("gpt_oss", gptoss) if not e.startswith("gpt_oss_cp2:")],
+        entry("gpt_oss_cp2", "gpt_oss", gptoss, cp=2, checks="grads"),
         entry("gpt_oss_tp2_sp", "gpt_oss", gptoss, tp=2, etp=1, sp=1),
     ]
     out = tmp_path / "r.json"
