@@ -38,6 +38,8 @@ MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, 
 # position_embedding_type "yarn" (MLA models take YaRN inside their attention instead)
 CLAMPED_GLU_TYPES = ("gpt_oss",)
 YARN_POSITION_TYPES = ("gpt_oss",)
+# experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
+EXPERT_BIAS_TYPES = ("gpt_oss",)
 
 
 class _Unused:
@@ -409,6 +411,17 @@ def architecture_errors(cfg: Config) -> list[str]:
     if quant and not cfg.mode.dry_run:  # a dry run plans the same model; the run itself could not load it
         errors.append(f"--hf-checkpoint {path}: {quant}")
     return errors
+
+
+def hf_model_type(cfg: Config) -> Optional[str]:
+    """``model_type`` of --hf-checkpoint's config.json (its text config), None when unreadable or absent."""
+    path = cfg.model.hf_checkpoint
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            return text_config(read_hf_config(path)).get("model_type")
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def hf_is_moe(cfg: Config) -> Optional[bool]:

@@ -338,3 +338,14 @@ def test_moe_tensor_parallel_without_expert_parallel_at_etp1_is_refused(tmp_path
     assert parse_config(base)  # ETP defaults to TP
     assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
                          "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])  # dense
+
+
+def test_gpt_oss_expert_tensor_parallelism_is_refused(tmp_path):
+    """gpt-oss's experts have fc2 biases, which megatron-core 0.16.1 would add once per expert-TP rank."""
+    path = hf_dir(tmp_path, "gpt_oss")
+    base = ["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    for extra in ([], ["--expert-tensor-parallel-size", "2"]):  # ETP defaults to TP
+        with pytest.raises(ConfigError, match="expert tensor parallelism 2 .* with a gpt_oss model"):
+            parse_config(base + extra)
+    assert parse_config(base + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"])
