@@ -358,3 +358,15 @@ def test_sinks_and_sliding_window_match_the_reference(window_layer):
     n = LENGTHS[0]  # SBHD: one sequence of batch 1
     sbhd = attn(q[:n, None].detach(), k[:n, None].detach(), v[:n, None].detach(), None)
     torch.testing.assert_close(sbhd[:, 0], ref[:n].detach(), **TOL)
+
+
+def test_off_by_one_softmax_is_a_zero_sink():
+    """softmax_type="off-by-one": a fixed sink logit 0 per head (no parameter)."""
+    attn = PackedCoreAttention(make_config(softmax_type="off-by-one"), 1, AttnMaskType.causal, "self").eval()
+    assert not list(attn.parameters())
+    cu = cu_of(LENGTHS)
+    q, k, v = rand_qkv(int(cu[-1]), seed=8)
+    out = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    bounds, zeros = cu.tolist(), torch.zeros(NP)
+    ref = torch.cat([ref_sink_window(q[a:b], k[a:b], v[a:b], zeros, None) for a, b in zip(bounds, bounds[1:])])
+    torch.testing.assert_close(out, ref, **TOL)
