@@ -370,3 +370,22 @@ def test_off_by_one_softmax_is_a_zero_sink():
     bounds, zeros = cu.tolist(), torch.zeros(NP)
     ref = torch.cat([ref_sink_window(q[a:b], k[a:b], v[a:b], zeros, None) for a, b in zip(bounds, bounds[1:])])
     torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_alternating_window_and_full_layers_each_reuse_their_plan():
+    """gpt-oss alternates sliding-window and full layers: each kind derives its THD plan once per micro-batch."""
+    from megatron_rl.models.attention import _THD_PLANS, _THD_PLANS_WINDOWED
+
+    cfg = make_config(num_layers=4, window_size=(3, 0), window_attn_skip_freq=[1, 0, 1, 0])
+    layers = [PackedCoreAttention(cfg, n, AttnMaskType.causal, "self").eval() for n in (1, 2, 3, 4)]
+    assert [a.window_left for a in layers] == [3, None, 3, None]
+    cu = cu_of(LENGTHS)
+    params = cp_utils.make_packed_seq_params(cu)
+    q, k, v = rand_qkv(int(cu[-1]), seed=9)
+    layers[0](q, k, v, None, packed_seq_params=params)  # the windowed memo exists from here on
+    full, windowed = _THD_PLANS.builds, _THD_PLANS_WINDOWED[3].builds
+    fresh = cp_utils.make_packed_seq_params(cu.clone())
+    outs = [a(q, k, v, None, packed_seq_params=fresh) for a in layers]
+    assert (_THD_PLANS.builds, _THD_PLANS_WINDOWED[3].builds) == (full + 1, windowed + 1)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert (outs[0] - outs[1]).abs().max() > 1e-2  # the window matters on these lengths
