@@ -524,6 +524,61 @@ def patch_tp1_region_identity() -> None:
         setattr(layers, name, region)
 
 
+def patch_sp1_reduce_scatter() -> None:
+    """``RowParallelLinear`` under sequence parallelism reduce-scatters its output over its TP group even
+    when that group has one rank, as an expert's ``linear_fc2`` has with expert-TP 1 and EP 1 beside
+    TP > 1 (explicit expert communication is off then). megatron's ``_ReduceScatterToSequenceParallelRegion``
+    returns its input as is for one rank, so autograd marks the output a view made inside a custom
+    Function, and ``MLP.forward`` adding an expert's fc2 bias in place (``output += output_bias *
+    per_token_scale``: experts with biases, as gpt-oss) dies with "a view ... is being modified
+    inplace". At one rank the tensor is returned without the Function: the same values and
+    gradients (the backward all-gather over one rank is the identity); at more ranks megatron's
+    function runs unchanged."""
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    name = "reduce_scatter_to_sequence_parallel_region"
+    original = _require(layers, name, ("input_", "group", "input_split_sizes", "use_global_buffer"))
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                                   use_global_buffer=False):
+        tp = mappings.get_tensor_model_parallel_group_if_none(group)
+        if tp is not None and tp.size() == 1:
+            return input_
+        return original(input_, group=group, input_split_sizes=input_split_sizes,
+                        use_global_buffer=use_global_buffer)
+
+    _mark(reduce_scatter_to_sequence_parallel_region, original=original)
+    setattr(layers, name, reduce_scatter_to_sequence_parallel_region)
+
+
+def patch_expert_bias_sp() -> None:
+    """``RowParallelLinear`` marks its bias ``sequence_parallel`` under sequence parallelism, and
+    ``finalize_model_grads`` then sums that gradient over the dense TP group. For an expert's
+    ``linear_fc2`` (experts with biases, as gpt-oss) that sum is wrong: the expert's gradient is
+    already complete for the tokens dispatched to it (the token dispatcher gathered them over TP),
+    and the DDP reduction over the expert data-parallel group combines the rest, so the extra sum
+    multiplied the fc2 bias gradient by the TP size (measured at TP2 x EP2 + SP against HF). An
+    expert's bias is marked not sequence-parallel; dense layers keep megatron's marking."""
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    cls = layers.RowParallelLinear
+    original = _require(cls, "__init__", ("self", "input_size", "output_size", "config", "init_method", "bias",
+                                           "input_is_parallel", "skip_bias_add", "stride",
+                                           "keep_master_weight_for_test", "is_expert", "tp_comm_buffer_name",
+                                           "tp_group"))
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "is_expert", False) and getattr(self, "bias", None) is not None:
+            self.bias.sequence_parallel = False
+
+    _mark(__init__, original=original)
+    cls.__init__ = __init__
+
+
 class _PlainLinear(torch.autograd.Function):
     """``LinearWithGradAccumulationAndAsyncCommunication`` for the case with no communication and no fused
     weight-gradient accumulation: the same tensor ops in the same order (forward ``matmul(input, weight.t())``
@@ -657,6 +712,11 @@ ANY_HOST_PATCHES: tuple[Patch, ...] = (
           patch_hybrid_optimizer_fp32_shards),
     Patch("hybrid_optimizer_safe_globals", "checkpoints of HybridDeviceOptimizer pickle its sub-optimizer "
           "classes, which megatron's weights_only safe-globals list lacks", patch_hybrid_optimizer_safe_globals),
+    Patch("sp1_reduce_scatter", "RowParallelLinear's sequence-parallel reduce-scatter over a 1-rank group "
+          "(an expert's fc2 at expert-TP 1, EP 1, TP > 1) returns a view that MLP.forward's in-place expert "
+          "fc2 bias add refuses", patch_sp1_reduce_scatter),
+    Patch("expert_bias_sp", "an expert linear_fc2 bias is marked sequence_parallel, so finalize_model_grads "
+          "sums its already complete gradient over TP once more", patch_expert_bias_sp),
 )
 
 # Speed only, measured on CPU (the CPU demo's step); on a GPU megatron's own code runs: these never ran there.

@@ -31,9 +31,15 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
-MOE_FFN_KEYS = {"mixtral": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
+MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
+# gpt-oss: experts apply a clamped, offset quick-GELU GLU (not Megatron-LM's --swiglu), YaRN is megatron's
+# position_embedding_type "yarn" (MLA models take YaRN inside their attention instead)
+CLAMPED_GLU_TYPES = ("gpt_oss",)
+YARN_POSITION_TYPES = ("gpt_oss",)
+# experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
+EXPERT_BIAS_TYPES = ("gpt_oss",)
 
 
 class _Unused:
@@ -91,13 +97,17 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "kv_channels": ("head_dim", UNUSED) if model_type in MLA_TYPES else (
             "head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
         "vocab_size": ("vocab_size", c.get("vocab_size")),
-        "swiglu": ("hidden_act", c.get("hidden_act", "silu") == "silu"),
+        "swiglu": ("hidden_act / model_type", c.get("hidden_act", "silu") == "silu"
+                   and model_type not in CLAMPED_GLU_TYPES),
         "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),
         "norm_epsilon": (eps_key, c.get(eps_key, 1e-6)),
         "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))),
         "rotary_percent": ("partial_rotary_factor",
                            float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
-        "position_embedding_type": ("rope_theta", "rope"),  # every supported family is a RoPE model
+        # every supported family is a RoPE model; gpt-oss's YaRN is megatron's own embedding type
+        "position_embedding_type": ("rope_parameters.rope_type", "yarn") if (
+            model_type in YARN_POSITION_TYPES and rope.get("rope_type", rope.get("type")) == "yarn") else (
+            "rope_theta", "rope"),
         "disable_bias_linear": ("mlp_bias / attention_bias", not c.get("mlp_bias", False) and not (
             c.get("attention_bias", False) and model_type not in QKV_BIAS_TYPES + QKV_ONLY_ATTENTION_BIAS_TYPES)),
         "add_qkv_bias": ("model_type / attention_bias",
@@ -401,6 +411,17 @@ def architecture_errors(cfg: Config) -> list[str]:
     if quant and not cfg.mode.dry_run:  # a dry run plans the same model; the run itself could not load it
         errors.append(f"--hf-checkpoint {path}: {quant}")
     return errors
+
+
+def hf_model_type(cfg: Config) -> Optional[str]:
+    """``model_type`` of --hf-checkpoint's config.json (its text config), None when unreadable or absent."""
+    path = cfg.model.hf_checkpoint
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            return text_config(read_hf_config(path)).get("model_type")
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def hf_is_moe(cfg: Config) -> Optional[bool]:

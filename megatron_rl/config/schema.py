@@ -163,7 +163,8 @@ class ArchitectureConfig:
                                       "does not read it (--qk-head-dim / --v-head-dim size its heads). " + _CHECKED)
     vocab_size: Optional[int] = flag(None, "Vocabulary size; megatron pads it to a multiple of 128 x TP, so "
                                      "it must equal config.json's vocab_size or pad to the same size. " + _CHECKED)
-    swiglu: bool = flag(False, "SwiGLU MLP (hidden_act silu, gated). " + _CHECKED)
+    swiglu: bool = flag(False, "SwiGLU MLP (hidden_act silu, gated; gpt_oss's clamped quick-GELU GLU is not "
+                        "SwiGLU). " + _CHECKED)
     normalization: Optional[str] = flag(None, "Norm type (RMSNorm when config.json has rms_norm_eps). " + _CHECKED,
                                         choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: Optional[float] = flag(None, "Norm epsilon (rms_norm_eps). " + _CHECKED, domain="(0, inf)")
@@ -171,7 +172,7 @@ class ArchitectureConfig:
     rotary_percent: Optional[float] = flag(None, "Fraction of the head dim rotated (partial_rotary_factor, "
                                            "default 1). " + _CHECKED, domain="(0, 1]")
     position_embedding_type: Optional[str] = flag(None, "Position embedding (the supported families use "
-                                                  "rope). " + _CHECKED,
+                                                  "rope; gpt_oss with YaRN: yarn). " + _CHECKED,
                                                   choices=("learned_absolute", "rope", "mrope", "yarn", "none"))
     use_rotary_position_embeddings: bool = flag(False, "Megatron-LM's older spelling of "
                                                 "--position-embedding-type rope. " + _CHECKED)

@@ -18,7 +18,7 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
-from .architecture import architecture_errors, dry_run_without_checkpoint, hf_is_moe
+from .architecture import EXPERT_BIAS_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type
 from .paths import dir_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
@@ -119,6 +119,12 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
                       "megatron-core 0.16.1: with EP 1 it reduces the experts' gradients over data parallelism only, "
                       "while each TP rank's copy of an expert saw other tokens (docs/parity.md); use "
                       f"--expert-model-parallel-size > 1 (e.g. {tp}) or --expert-tensor-parallel-size {tp}")
+    if (cfg.has_training and cfg.precision.train_backend == "megatron" and etp > 1
+            and hf_model_type(cfg) in EXPERT_BIAS_TYPES):
+        errors.append(f"expert tensor parallelism {etp} (--expert-tensor-parallel-size, default the TP size) with "
+                      f"a {hf_model_type(cfg)} model: megatron-core 0.16.1 adds each expert's fc2 bias on every "
+                      "expert-TP rank before their partial outputs are summed (docs/parity.md); pass "
+                      "--expert-tensor-parallel-size 1 (with --expert-model-parallel-size > 1 at TP > 1)")
     if cfg.precision.train_backend == "fsdp":
         for flag, value in [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
                             ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),

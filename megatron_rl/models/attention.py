@@ -25,6 +25,15 @@ Invariants:
   the single-process result up to fp32 summation order.
 * Padding rows (positions ``>= real length`` when ``cu_seqlens_q_padded`` is set)
   output exactly 0 and are never attended to.
+* Sliding window (``config.window_size = (left, 0)`` on the layers ``window_attn_skip_freq`` marks):
+  a query at position ``i`` attends to keys ``i - left .. i`` of its sequence only, in every layout
+  (SBHD, THD, CP; positions are the true ones under CP). HF's ``sliding_window = W`` is ``left = W - 1``.
+* Attention sinks (``config.softmax_type``): ``"learnable"`` holds one logit per head
+  (``softmax_offset``, sharded over TP with the heads) that joins every row's softmax denominator and
+  attends to nothing (gpt-oss ``sinks``); ``"off-by-one"`` is the same with a fixed logit 0. Such a
+  layer runs an explicit fp32 softmax instead of SDPA (SDPA has no denominator term). Under CP each
+  rank's queries see all keys, so the sink term needs nothing extra; a row with every key masked
+  outputs 0 (all its weight is on the sink).
 * Softmax in fp32 or better (SDPA accumulates in fp32 for bf16/fp16 on CPU);
   ``apply_query_key_layer_scaling`` is a numerical no-op here (megatron divides
   the scale by the layer number and multiplies it back inside the softmax).
@@ -93,12 +102,17 @@ class PackedCoreAttention(MegatronModule):
         # maths is identical, only the communication schedule differs on GPUs.
         self.cp_comm_type = cp_comm_type
 
-        if config.softmax_type != "vanilla":
-            raise ConfigError(f"PackedCoreAttention supports softmax_type='vanilla' only, got "
-                              f"{config.softmax_type!r}; use the TE spec for off-by-one/learnable softmax")
+        if config.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ConfigError(f"PackedCoreAttention: unknown softmax_type {config.softmax_type!r} "
+                              "(vanilla, off-by-one or learnable)")
+        # keys a query may see behind itself (None: all); layer_number is the global, 1-based one
+        self.window_left: Optional[int] = None
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise ConfigError(f"PackedCoreAttention does not implement sliding-window attention "
-                              f"(window_size={config.window_size}); unset it or use the TE spec")
+            left, right = config.window_size
+            if right != 0 or left < 0:
+                raise ConfigError(f"PackedCoreAttention implements causal sliding windows only: window_size="
+                                  f"{config.window_size} must be (left >= 0, 0)")
+            self.window_left = int(left)
 
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -128,6 +142,33 @@ class PackedCoreAttention(MegatronModule):
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
                               if softmax_scale is None else softmax_scale)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+        # attention sinks: one softmax-denominator logit per local head (TP shards the heads)
+        self.softmax_offset: Optional[Tensor]
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "learnable":
+            offset = torch.nn.Parameter(torch.zeros(self.num_attention_heads_per_partition,
+                                                    dtype=config.params_dtype))
+            tensor_parallel.set_tensor_model_parallel_attributes(offset, is_parallel=True, dim=0, stride=1)
+            self.register_parameter("softmax_offset", offset)
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(self.num_attention_heads_per_partition,
+                                                               dtype=config.params_dtype), persistent=False)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The learnable sink logits, sharded over TP along the heads (as megatron's DotProductAttention)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.config.softmax_type == "learnable" else {}
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+    def _window_keep(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """[..., Mq, Mk] True where key position ``k_pos`` lies inside the window of ``q_pos``."""
+        assert self.window_left is not None  # only called for a sliding-window layer
+        return (q_pos[..., :, None] - k_pos[..., None, :]) <= self.window_left
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -165,6 +206,8 @@ class PackedCoreAttention(MegatronModule):
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], is_causal: bool,
               dropout_p: float) -> Tensor:
         """SDPA on ``[..., heads, seq, dim]`` with GQA; ``keep`` is True where attention is allowed."""
+        if self.softmax_offset is not None:
+            return self._attend_with_sinks(q, k, v, keep, is_causal, dropout_p)
         enable_gqa = q.size(-3) != k.size(-3)
         if keep is not None:
             # Rows with no allowed key must give 0, not NaN, in value and gradient: let them
@@ -181,16 +224,39 @@ class PackedCoreAttention(MegatronModule):
                                               is_causal=is_causal, scale=self.softmax_scale,
                                               enable_gqa=enable_gqa)
 
+    def _attend_with_sinks(self, q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], is_causal: bool,
+                           dropout_p: float) -> Tensor:
+        """Softmax over [scores, sink logit] in fp32, the sink column dropped before ``@ v`` (as HF gpt-oss)."""
+        assert self.softmax_offset is not None  # only called for a layer with sinks
+        hq, hk = q.size(-3), k.size(-3)
+        if hq != hk:  # GQA: query head h reads KV head h // (hq / hk), as SDPA's enable_gqa and HF's repeat_kv
+            k, v = k.repeat_interleave(hq // hk, dim=-3), v.repeat_interleave(hq // hk, dim=-3)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale
+        if is_causal:
+            keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        sink = self.softmax_offset.float().view(hq, 1, 1).expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values.detach()
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        if dropout_p > 0.0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs.to(v.dtype), v)
+
     def _forward_sbhd(self, query, key, value, attention_mask, causal, dropout_p):
         sq, sk = query.size(0), key.size(0)
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         keep = None
-        is_causal = causal and attention_mask is None and sq == sk
+        is_causal = causal and attention_mask is None and sq == sk and self.window_left is None
+        q_pos, k_pos = torch.arange(sk - sq, sk, device=q.device), torch.arange(sk, device=q.device)
         if causal and not is_causal:
-            q_pos = torch.arange(sk - sq, sk, device=q.device)
-            keep = torch.arange(sk, device=q.device)[None, :] <= q_pos[:, None]
+            keep = k_pos[None, :] <= q_pos[:, None]
+        if self.window_left is not None:
+            window = self._window_keep(q_pos, k_pos)
+            keep = window if keep is None else (keep & window)
         if attention_mask is not None:
             allowed = ~attention_mask.to(torch.bool)
             keep = allowed if keep is None else (keep & allowed)
@@ -219,8 +285,12 @@ class PackedCoreAttention(MegatronModule):
         key, value = key.index_select(0, perm), value.index_select(0, perm)
         q_pos = cp_utils.cp_local_index(cu, self.cp_group.rank(), self.cp_size).to(query.device)
         keep = None
+        k_pos = torch.arange(seq, device=query.device)
         if causal:
-            keep = torch.arange(seq, device=query.device)[None, :] <= q_pos[:, None]
+            keep = k_pos[None, :] <= q_pos[:, None]
+        if self.window_left is not None:
+            window = self._window_keep(q_pos, k_pos)
+            keep = window if keep is None else (keep & window)
         out = self._sdpa(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
                          keep, False, dropout_p)
         return out.permute(2, 0, 1, 3).reshape(s_local, b, self.hidden_size_per_partition)
@@ -229,11 +299,14 @@ class PackedCoreAttention(MegatronModule):
         cp_rank = self.cp_group.rank() if self.cp_group is not None and self.cp_size > 1 else 0
         # every layer (and the recompute of the backward) sees the same PackedSeqParams: its buckets and
         # index tensors are derived once per micro-batch
-        plan = _THD_PLANS.get(
+        # one memo per window: layers alternating sliding / full attention each reuse their plan
+        memo = _THD_PLANS if self.window_left is None else _THD_PLANS_WINDOWED.setdefault(self.window_left,
+                                                                                         IdentityMemo())
+        plan = memo.get(
             (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded),
             (causal, self.cp_size, cp_rank, query.size(0), query.device, query.dtype),
             lambda: _plan_thd(params, causal, self.cp_size, cp_rank, query.size(0), query.device,
-                              _key_block(query.device, query.dtype)))
+                              _key_block(query.device, query.dtype), self.window_left))
         if self.cp_size > 1:
             key, value = self._gather_kv(key, value, dim=0)
             key, value = key.index_select(0, plan.kv_perm), value.index_select(0, plan.kv_perm)
@@ -287,13 +360,15 @@ class _THDPlan(NamedTuple):
 
 
 _THD_PLANS = IdentityMemo()
+_THD_PLANS_WINDOWED: dict[int, IdentityMemo] = {}
 
 
 def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_local: int,
-              device: torch.device, key_block: int = 1) -> _THDPlan:
+              device: torch.device, key_block: int = 1, window_left: Optional[int] = None) -> _THDPlan:
     """What a THD attention forward derives from ``cu_seqlens`` alone, checked and built once per micro-batch.
 
     ``key_block``: see :func:`_key_block` (1 = never pad keys beyond the longest sequence).
+    ``window_left``: a sliding window (keys ``pos - window_left .. pos``); None: none.
     """
     cu_q = params.cu_seqlens_q
     if cu_q is None:
@@ -328,7 +403,7 @@ def _plan_thd(params: PackedSeqParams, causal: bool, cp: int, cp_rank: int, t_lo
     else:
         segments = _cp_segments(pad, lengths, valid, causal, cp, cp_rank)
 
-    groups = [_plan_group(g, causal, cp, device, key_block) for g in _bucket(segments)]
+    groups = [_plan_group(g, causal, cp, device, key_block, window_left) for g in _bucket(segments)]
     padded_rows = sum(g.size * g.max_q for g in groups)
     src = torch.full((t_local,), padded_rows, dtype=torch.long)  # default: the zero row after the groups
     offset = 0
@@ -358,7 +433,8 @@ def _cp_segments(pad: list, lengths: list, valid: list, causal: bool, cp: int, c
     return segments
 
 
-def _plan_group(group, causal: bool, cp: int, device: torch.device, key_block: int = 1) -> _Group:
+def _plan_group(group, causal: bool, cp: int, device: torch.device, key_block: int = 1,
+                window_left: Optional[int] = None) -> _Group:
     n_q = torch.tensor([g[1] for g in group])
     n_k = torch.tensor([g[3] for g in group])
     max_q, max_k = int(n_q.max()), int(n_k.max())
@@ -371,7 +447,12 @@ def _plan_group(group, causal: bool, cp: int, device: torch.device, key_block: i
     k_idx = torch.where(k_valid, torch.tensor([g[2] for g in group])[:, None] + ar_k, 0)
     keep, is_causal = None, False
     uniform_k = bool((n_k == max_k).all())
-    if cp == 1:
+    if cp == 1 and window_left is not None:  # queries and keys of a sequence share positions 0, 1, ...
+        keep = k_valid[:, None, :] & ((ar_q[:, None] - ar_k[None, :]) <= window_left)[None]
+        if causal:
+            keep = keep & (ar_k[None, :] <= ar_q[:, None])[None]
+        keep = keep[:, None]  # [G, 1, Mq, Mk]
+    elif cp == 1:
         if causal:
             is_causal = max_q > 1
         elif not uniform_k:
@@ -384,6 +465,8 @@ def _plan_group(group, causal: bool, cp: int, device: torch.device, key_block: i
         keep = k_valid[:, None, :]
         if causal:
             keep = keep & (ar_k[None, None, :] <= q_pos[:, :, None])
+        if window_left is not None:
+            keep = keep & ((q_pos[:, :, None] - ar_k[None, None, :]) <= window_left)
         keep = keep[:, None]  # [G, 1, Mq, Mk]
     flat_valid = q_valid.flatten().nonzero().squeeze(1)
     return _Group(size=len(group), max_q=max_q, max_k=max_k, q_idx=q_idx.flatten().to(device),

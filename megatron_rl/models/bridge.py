@@ -57,12 +57,16 @@ class ParamRule:
 
     ``kind``: ``copy`` (one HF tensor, same layout), ``vocab`` (one HF tensor,
     rows padded to the padded vocab), ``qkv`` (q, k, v fused per query group),
-    ``gate_up`` (gate, up concatenated). TP slicing follows the megatron
-    parameter's own ``partition_dim``.
+    ``gate_up`` (gate, up concatenated); for HF checkpoints that stack every expert of a layer in one
+    tensor (gpt-oss), expert ``expert``'s slice of it: ``expert_gate_up`` (``[E, hidden, 2 ffn]`` with
+    gate / up interleaved in the columns -> ``[gate; up]`` rows), ``expert_row`` (a bias ``[E, n]`` ->
+    row ``expert``), ``expert_down`` (``[E, ffn, hidden]`` -> its transpose). TP slicing follows the
+    megatron parameter's own ``partition_dim``.
     """
 
     kind: str
     hf_names: tuple[str, ...]
+    expert: Optional[int] = None  # the expert_* kinds: which slice of the stacked HF tensor
 
 
 class Bridge:
@@ -82,6 +86,8 @@ class Bridge:
     hf_expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down); Mixtral w1/w3/w2
     mla: bool = False  # multi-latent attention (DeepSeek-V3): MLA layer spec, MLATransformerConfig, MLA name maps
     rope_types: tuple[str, ...] = ("default",)  # HF rope_type values the family maps exactly
+    sliding_window_layers: bool = False  # layer_types sliding_attention / full_attention map (gpt-oss)
+    position_embedding_type: str = "rope"  # megatron GPTModel's (gpt-oss: "yarn")
 
     def __init__(self, hf_config: dict):
         self.hf_config = dict(hf_config)
@@ -182,13 +188,14 @@ class Bridge:
                             "number of rotated dims)")
         if self.cfg("use_sliding_window", False):
             problems.append("use_sliding_window=true (sliding-window attention)")
-        if not self.sliding_window_gated and self.cfg("sliding_window", None):
+        if not self.sliding_window_gated and not self.sliding_window_layers and self.cfg("sliding_window", None):
             problems.append(f"sliding_window={self.cfg('sliding_window')} (sliding-window attention; megatron "
                             "attention here is full causal)")
         layer_types = self.cfg("layer_types", None) or []
-        odd = sorted({t for t in layer_types if t != "full_attention"})
+        mapped = ("full_attention", "sliding_attention") if self.sliding_window_layers else ("full_attention",)
+        odd = sorted({t for t in layer_types if t not in mapped})
         if odd:
-            problems.append(f"layer_types {odd} (only full_attention)")
+            problems.append(f"layer_types {odd} (only {' / '.join(mapped)})")
         if self.cfg("attention_bias", False) and not self.qkv_bias:
             problems.append("attention_bias=true (this family maps no attention bias)")
         if self.cfg("mlp_bias", False):
@@ -224,6 +231,10 @@ class Bridge:
         import torch.nn.functional as F
         from megatron.core.transformer import TransformerConfig
 
+        problems = self.unsupported_layout(layout)
+        if problems:
+            raise BridgeError(f"{self.family} bridge cannot run layout {layout.describe()} exactly: "
+                              + "; ".join(problems))
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
         # uneven stages (--decoder-last-pipeline-num-layers): megatron-core checks that split itself
         uneven = overrides.get("num_layers_in_last_pipeline_stage") is not None
@@ -271,6 +282,7 @@ class Bridge:
                 moe_shared_expert_intermediate_size=self.shared_expert_size or None,
                 **self.router_config(),
             )
+        kw.update(self.architecture_config())
         kw.update(cpu_config_overrides())
         kw.update(overrides)
         if isinstance(kw.get("attention_backend"), str):  # --attention-backend arrives by name
@@ -279,14 +291,26 @@ class Bridge:
             kw["attention_backend"] = AttnBackend[kw["attention_backend"]]
         if self.mla:
             from megatron.core.transformer import MLATransformerConfig as TransformerConfig  # lazy: megatron-core
+        elif self.position_embedding_type == "yarn":
+            from megatron_rl.models.yarn_config import YarnTransformerConfig as TransformerConfig  # lazy: megatron
         try:
             return TransformerConfig(**kw)
         except (AssertionError, ValueError) as exc:
             raise BridgeError(f"megatron TransformerConfig rejected the {self.family} config for layout "
                               f"{layout.describe()}: {exc}") from exc
 
+    def unsupported_layout(self, layout) -> list[str]:
+        """Parallel layouts whose megatron-core 0.16.1 result would differ from HF for this family (each
+        with the fix); checked when the megatron config is built, before any collective."""
+        return []
+
     def attention_config(self) -> dict[str, Any]:
         """Attention fields of the megatron config beyond the GQA ones (MLA families: its ranks and dims)."""
+        return {}
+
+    def architecture_config(self) -> dict[str, Any]:
+        """Any other megatron config fields a family sets (gpt-oss: biases, activation, sinks, windows, YaRN);
+        applied after the MoE fields, before the CPU flags and the caller's overrides."""
         return {}
 
     # -------------------------------------------------------------------- spec
@@ -342,7 +366,7 @@ class Bridge:
                 pre_process=pre,
                 post_process=post,
                 share_embeddings_and_output_weights=self.tie_word_embeddings,
-                position_embedding_type="rope",
+                position_embedding_type=self.position_embedding_type,
                 rotary_base=self.rope_theta,
                 rotary_percent=self.rotary_percent,
                 parallel_output=True,
@@ -367,15 +391,8 @@ class Bridge:
             shapes[p + "post_attention_layernorm.weight"] = (h,)
             shapes.update(self.hf_attention_shapes(p + "self_attn."))
             if self.is_moe_layer(i):
-                f, moe = self.moe_ffn_hidden_size, f"{p}{self.hf_moe_block}."
-                gate, up, down = self.hf_expert_projs
-                shapes[moe + "gate.weight"] = (self.num_experts, h)
-                if self.router_expert_bias:
-                    shapes[moe + "gate.e_score_correction_bias"] = (self.num_experts,)
-                for e in range(self.num_experts):
-                    shapes[moe + f"experts.{e}.{gate}.weight"] = (f, h)
-                    shapes[moe + f"experts.{e}.{up}.weight"] = (f, h)
-                    shapes[moe + f"experts.{e}.{down}.weight"] = (h, f)
+                moe = f"{p}{self.hf_moe_block}."
+                shapes.update(self.hf_router_expert_shapes(moe))
                 if self.shared_expert_size:
                     s = self.shared_expert_size
                     shapes[moe + "shared_experts.gate_proj.weight"] = (s, h)
@@ -386,6 +403,30 @@ class Bridge:
                 shapes[p + "mlp.gate_proj.weight"] = (f, h)
                 shapes[p + "mlp.up_proj.weight"] = (f, h)
                 shapes[p + "mlp.down_proj.weight"] = (h, f)
+        return shapes
+
+    def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
+        """HF tensors of one MoE layer's router and routed experts (names under prefix ``moe``)."""
+        h, f = self.hidden_size, self.moe_ffn_hidden_size
+        gate, up, down = self.hf_expert_projs
+        shapes: dict[str, tuple[int, ...]] = {moe + "gate.weight": (self.num_experts, h)}
+        if self.router_expert_bias:
+            shapes[moe + "gate.e_score_correction_bias"] = (self.num_experts,)
+        for e in range(self.num_experts):
+            shapes[moe + f"experts.{e}.{gate}.weight"] = (f, h)
+            shapes[moe + f"experts.{e}.{up}.weight"] = (f, h)
+            shapes[moe + f"experts.{e}.{down}.weight"] = (h, f)
+        return shapes
+
+    def megatron_router_expert_shapes(self, layer: str) -> dict[str, tuple[int, ...]]:
+        """Canonical megatron parameters of one MoE layer's router and routed experts (prefix ``layer``)."""
+        h, f = self.hidden_size, self.moe_ffn_hidden_size
+        shapes: dict[str, tuple[int, ...]] = {layer + "mlp.router.weight": (self.num_experts, h)}
+        if self.router_expert_bias:
+            shapes[layer + "mlp.router.expert_bias"] = (self.num_experts,)
+        for e in range(self.num_experts):
+            shapes[layer + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+            shapes[layer + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
         return shapes
 
     def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
@@ -480,7 +521,10 @@ class Bridge:
         TE ``_extra_state`` entry)."""
         if weight_maps.is_extra_state(name) or (name == "output_layer.weight" and self.tie_word_embeddings):
             return ()
-        return self.rule_for(name).hf_names
+        rule = self.rule_for(name)
+        if rule.expert is not None:  # one slice of a stacked HF tensor: weights.stack_expert_pieces joins them
+            return tuple(weight_maps.expert_piece_name(n, rule.expert) for n in rule.hf_names)
+        return rule.hf_names
 
     def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
         """Canonical name -> full (TP-gathered) shape of every parameter a single-stage
@@ -499,14 +543,8 @@ class Bridge:
             p = f"decoder.layers.{i}."
             shapes.update({p + n: s for n, s in self.megatron_attention_shapes(names).items()})
             if self.is_moe_layer(i):
-                f = self.moe_ffn_hidden_size
                 shapes[p + names.moe_pre_mlp_norm] = (h,)
-                shapes[p + "mlp.router.weight"] = (self.num_experts, h)
-                if self.router_expert_bias:
-                    shapes[p + "mlp.router.expert_bias"] = (self.num_experts,)
-                for e in range(self.num_experts):
-                    shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
-                    shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+                shapes.update(self.megatron_router_expert_shapes(p))
                 if self.shared_expert_size:
                     shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * self.shared_expert_size, h)
                     shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, self.shared_expert_size)

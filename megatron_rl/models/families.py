@@ -1,9 +1,10 @@
 """One bridge per HF family: only what differs from the Llama baseline."""
 
+import re
 from typing import Any
 
 from megatron_rl.models import weight_maps
-from megatron_rl.models.bridge import Bridge
+from megatron_rl.models.bridge import Bridge, ParamRule
 
 
 class LlamaBridge(Bridge):
@@ -255,7 +256,154 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
                 int(self.cfg("v_head_dim")))
 
 
+class GptOssBridge(Bridge):
+    """gpt-oss (``gpt_oss``): every layer MoE; attention with q/k/v and o_proj biases, a learned
+    sink logit per head (``sinks`` -> megatron ``softmax_type="learnable"``'s
+    ``core_attention.softmax_offset``) and ``layer_types`` alternating sliding-window (``sliding_window``
+    keys, megatron ``window_size=(sliding_window - 1, 0)`` on the layers ``window_attn_skip_freq`` marks)
+    and full attention; YaRN RoPE (megatron's ``YarnRotaryEmbedding`` through
+    :class:`~megatron_rl.models.yarn_config.YarnTransformerConfig`; ``truncate`` -> the correction
+    range's rounding, q and k scaled by the YaRN concentration factor as HF scales cos/sin).
+
+    MoE: the router is a linear with bias, top-k of its logits, softmax over the top-k (megatron's
+    softmax router without pre-softmax); experts carry biases on both projections and apply the
+    clamped SwiGLU ``(clamp(up, -limit, limit) + 1) * g * sigmoid(1.702 g)``, ``g = clamp(gate, max=limit)``
+    (megatron ``quick_gelu`` with ``glu_linear_offset=1`` and ``activation_func_clamp_value=limit``).
+    The checkpoint stacks a layer's experts: ``experts.gate_up_proj`` ``[E, hidden, 2 ffn]`` with gate
+    and up interleaved in the columns, ``experts.down_proj`` ``[E, ffn, hidden]`` (``x @ W``), their
+    biases ``[E, 2 ffn]`` / ``[E, hidden]``; each megatron expert's fc1 / fc2 is one slice of them.
+    """
+
+    family = "gpt_oss"
+    model_types = ("gpt_oss",)
+    moe = True
+    qkv_bias = True
+    moe_ffn_key = "intermediate_size"
+    sliding_window_layers = True
+    rope_types = ("default", "yarn")
+
+    _QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x), the gain fixed
+
+    @property
+    def _rope(self) -> dict[str, Any]:
+        rope = dict(self.cfg("rope_parameters", {}) or {})
+        rope.update(self.cfg("rope_scaling", {}) or {})
+        return rope
+
+    @property
+    def _yarn(self) -> bool:
+        rope = self._rope
+        return rope.get("rope_type", rope.get("type")) == "yarn"
+
+    @property
+    def position_embedding_type(self) -> str:  # type: ignore[override]  # read from config.json
+        return "yarn" if self._yarn else "rope"
+
+    @property
+    def _layer_types(self) -> list[str]:
+        return list(self.cfg("layer_types", None) or ["full_attention"] * self.num_layers)
+
+    def router_config(self) -> dict[str, Any]:
+        return dict(moe_router_pre_softmax=False, moe_router_score_function="softmax")
+
+    def architecture_config(self) -> dict[str, Any]:
+        from megatron.core.activations import quick_gelu  # lazy: megatron-core
+
+        kw: dict[str, Any] = dict(add_bias_linear=True, activation_func=quick_gelu, glu_linear_offset=1.0,
+                                  activation_func_clamp_value=float(self.cfg("swiglu_limit", 7.0)),
+                                  softmax_type="learnable")
+        sliding = [1 if t == "sliding_attention" else 0 for t in self._layer_types]
+        if any(sliding):
+            kw.update(window_size=(int(self.cfg("sliding_window")) - 1, 0), window_attn_skip_freq=sliding)
+        if self._yarn:
+            rope = self._rope
+            both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))  # HF: the ratio only with both
+            kw.update(yarn_rotary_scaling_factor=float(rope["factor"]),
+                      yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                      yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                      yarn_mscale=float(rope["mscale"]) if both else None,
+                      yarn_mscale_all_dim=float(rope["mscale_all_dim"]) if both else None,
+                      yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+        return kw
+
+    def unsupported_layout(self, layout) -> list[str]:
+        if layout.expert_tp > 1:  # megatron-core 0.16.1: each expert-TP rank adds the fc2 bias to its partial sum
+            return [f"expert tensor parallelism {layout.expert_tp} (the experts' fc2 bias would be added once per "
+                    "expert-TP rank before their partial outputs are summed); pass --expert-tensor-parallel-size 1 "
+                    "(its default is --tensor-model-parallel-size)"]
+        return []
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        alpha = float(self.cfg("swiglu_alpha", self._QUICK_GELU_ALPHA))
+        if alpha != self._QUICK_GELU_ALPHA:
+            problems.append(f"swiglu_alpha={alpha} (megatron's quick_gelu has the gain 1.702 built in)")
+        if not self.cfg("attention_bias", True):
+            problems.append("attention_bias=false (megatron's add_bias_linear, which the experts' biases need, "
+                            "also gives o_proj a bias)")
+        if len(self._layer_types) != self.num_layers:
+            problems.append(f"layer_types has {len(self._layer_types)} entries for {self.num_layers} layers")
+        if "sliding_attention" in self._layer_types and not self.cfg("sliding_window", None):
+            problems.append("layer_types with sliding_attention but no sliding_window")
+        if self._yarn:
+            rope = self._rope
+            missing = [k for k in ("factor", "original_max_position_embeddings") if rope.get(k) is None]
+            if missing:
+                problems.append(f"yarn rope_parameters without {missing}")
+            if rope.get("attention_factor") is not None:
+                problems.append(f"yarn attention_factor={rope['attention_factor']} (megatron derives it from "
+                                "factor / mscale / mscale_all_dim)")
+        return problems
+
+    # ---------------------------------------------------------------- name maps
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        return {**super().hf_attention_shapes(attn), attn + "o_proj.bias": (self.hidden_size,),
+                attn + "sinks": (self.num_heads,)}
+
+    def megatron_attention_shapes(self, names) -> dict[str, tuple[int, ...]]:
+        return {**super().megatron_attention_shapes(names), "self_attention.linear_proj.bias": (self.hidden_size,),
+                "self_attention.core_attention.softmax_offset": (self.num_heads,)}
+
+    def attention_rules(self, attn: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+        return {**super().attention_rules(attn),
+                "self_attention.linear_proj.bias": ("copy", (attn + "o_proj.bias",)),
+                "self_attention.core_attention.softmax_offset": ("copy", (attn + "sinks",))}
+
+    def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hidden_size, self.moe_ffn_hidden_size, self.num_experts
+        return {moe + "router.weight": (n, h), moe + "router.bias": (n,),
+                moe + "experts.gate_up_proj": (n, h, 2 * f), moe + "experts.gate_up_proj_bias": (n, 2 * f),
+                moe + "experts.down_proj": (n, f, h), moe + "experts.down_proj_bias": (n, h)}
+
+    def megatron_router_expert_shapes(self, layer: str) -> dict[str, tuple[int, ...]]:
+        h, f = self.hidden_size, self.moe_ffn_hidden_size
+        shapes: dict[str, tuple[int, ...]] = {layer + "mlp.router.weight": (self.num_experts, h),
+                                              layer + "mlp.router.bias": (self.num_experts,)}
+        for e in range(self.num_experts):
+            x = f"{layer}mlp.experts.local_experts.{e}."
+            shapes.update({x + "linear_fc1.weight": (2 * f, h), x + "linear_fc1.bias": (2 * f,),
+                           x + "linear_fc2.weight": (h, f), x + "linear_fc2.bias": (h,)})
+        return shapes
+
+    _ROUTER_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(?:router\.(weight|bias)|"
+                                r"experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|bias))$")
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._ROUTER_EXPERT.match(name)
+        if not m:
+            return super().rule_for(name)
+        moe = f"model.layers.{int(m.group(1))}.mlp."
+        if m.group(2):
+            return ParamRule("copy", (f"{moe}router.{m.group(2)}",))
+        expert, linear, kind = int(m.group(3)), m.group(4), m.group(5)
+        stacked = moe + ("experts.gate_up_proj" if linear == "linear_fc1" else "experts.down_proj")
+        if kind == "bias":
+            return ParamRule("expert_gate_up" if linear == "linear_fc1" else "expert_row", (stacked + "_bias",),
+                             expert)
+        return ParamRule("expert_gate_up" if linear == "linear_fc1" else "expert_down", (stacked,), expert)
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge)}
+                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -83,6 +83,23 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         attention_bias=False,
     ),
+    # every switch on: layers alternating a 4-key sliding window (shorter than the test sequences) and
+    # full attention, random per-head sinks, YaRN (factor 4, truncate false: cos/sin and the q/k scale
+    # change), q/k/v/o biases, biased router and experts, and a SwiGLU clamp (swiglu_limit) low enough
+    # that random activations reach it
+    "gpt_oss": dict(
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        sliding_window=4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+        attention_bias=True,
+        swiglu_limit=1.0,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+    ),
 }
 
 
@@ -100,6 +117,7 @@ def tiny_config(family: str, **overrides: Any):
         "mixtral": transformers.MixtralConfig,
         "glm4_moe": transformers.Glm4MoeConfig,
         "deepseek_v3": transformers.DeepseekV3Config,
+        "gpt_oss": transformers.GptOssConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -126,6 +144,8 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **o
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
+            elif name.endswith("sinks"):  # gpt-oss: sink logits of the order of the attention scores
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.02)
         for name, b in model.named_buffers():

@@ -66,6 +66,60 @@ def split_gate_up(fc1: torch.Tensor):
     return gate.contiguous(), up.contiguous()
 
 
+def interleave_gate_up(fc1: torch.Tensor) -> torch.Tensor:
+    """megatron ``[gate; up]`` rows (weight ``[2f, h]`` or bias ``[2f]``) -> HF gpt-oss's interleaved
+    ``gate_up_proj`` layout transposed: row ``2j`` gate ``j``, row ``2j + 1`` up ``j``."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return torch.stack([gate, up], dim=1).reshape(fc1.shape)
+
+
+def deinterleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave_gate_up`."""
+    return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+
+EXPERT_KINDS = ("expert_gate_up", "expert_row", "expert_down")
+
+
+def expert_to_megatron(kind: str, expert_slice: torch.Tensor) -> torch.Tensor:
+    """One expert's slice of a stacked HF tensor (gpt-oss) -> the full megatron parameter.
+
+    ``expert_gate_up``: ``gate_up_proj[e]`` ``[h, 2f]`` (or its bias ``[2f]``), gate / up interleaved
+    -> ``linear_fc1`` ``[gate; up]`` ``[2f, h]``; ``expert_down``: ``down_proj[e]`` ``[f, h]`` ->
+    ``linear_fc2`` ``[h, f]``; ``expert_row``: as is (a bias)."""
+    if kind == "expert_gate_up":
+        return deinterleave_gate_up(expert_slice.t() if expert_slice.dim() == 2 else expert_slice)
+    if kind == "expert_down":
+        return expert_slice.t()
+    return expert_slice
+
+
+def megatron_to_expert(kind: str, full: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`expert_to_megatron` (contiguous)."""
+    if kind == "expert_gate_up":
+        rows = interleave_gate_up(full)
+        return rows.t().contiguous() if rows.dim() == 2 else rows
+    if kind == "expert_down":
+        return full.t().contiguous()
+    return full
+
+
+#: separates a stacked HF tensor's name from the expert index of one slice of it during export
+EXPERT_PIECE_SEP = "@expert"
+
+
+def expert_piece_name(hf_name: str, expert: int) -> str:
+    return f"{hf_name}{EXPERT_PIECE_SEP}{expert}"
+
+
+def split_expert_piece_name(name: str) -> tuple[str, int] | None:
+    """(stacked HF name, expert) of a piece name, None for an ordinary HF name."""
+    if EXPERT_PIECE_SEP not in name:
+        return None
+    hf_name, expert = name.rsplit(EXPERT_PIECE_SEP, 1)
+    return hf_name, int(expert)
+
+
 def pad_vocab(weight: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
     """Append zero rows so ``weight`` has ``padded_vocab_size`` rows."""
     extra = padded_vocab_size - weight.shape[0]

@@ -148,7 +148,21 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
         gate = ckpt.read(rule.hf_names[0], 0, rank * n, (rank + 1) * n)
         up = ckpt.read(rule.hf_names[1], 0, rank * n, (rank + 1) * n)
         return weight_maps.fuse_gate_up(gate, up)
+    if rule.kind in weight_maps.EXPERT_KINDS:  # one expert's slice of a stacked HF tensor, then this rank's TP shard
+        (src,) = rule.hf_names
+        full = weight_maps.expert_to_megatron(rule.kind, ckpt.read(src, 0, rule.expert, rule.expert + 1)[0])
+        if rule.kind == "expert_gate_up":
+            if size > 1:  # each TP rank owns matching row blocks of gate and up
+                n = local_shape[0] // 2
+                gate, up = torch.chunk(full, 2, dim=0)
+                full = weight_maps.fuse_gate_up(gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n])
+            return full.contiguous()
+        if dim is not None and size > 1:
+            n = local_shape[dim]
+            full = full.narrow(dim, rank * n, n)
+        return full.contiguous()
     raise BridgeError(f"unknown rule kind {rule.kind!r} for {slot.canonical_name}")
+
 
 
 def local_value(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:
@@ -220,7 +234,7 @@ def _split_shard(bridge, kind: str, shard: torch.Tensor, tp_size: int) -> list[t
         groups = bridge.num_query_groups // tp_size
         hpg = bridge.num_heads // bridge.num_query_groups
         return list(weight_maps.split_qkv(shard, groups, hpg, bridge.head_dim))
-    if kind == "gate_up":
+    if kind in ("gate_up", "expert_gate_up"):
         return list(weight_maps.split_gate_up(shard))
     return [shard]
 
@@ -244,7 +258,9 @@ def _full_tensors(bridge, slot: ParamSlot, copy: bool = True) -> list[torch.Tens
     pieces = [_split_shard(bridge, rule.kind, s, tp_size) for s in shards]
     cat_dim = dim if dim is not None else 0
     full = [torch.cat([p[i] for p in pieces], dim=cat_dim) if len(pieces) > 1
-            else (pieces[0][i].clone() if copy else pieces[0][i]) for i in range(len(rule.hf_names))]
+            else (pieces[0][i].clone() if copy else pieces[0][i]) for i in range(len(pieces[0]))]
+    if rule.kind in weight_maps.EXPERT_KINDS:  # (expert_gate_up: full gate, full up) -> this expert's HF slice
+        full = [weight_maps.megatron_to_expert(rule.kind, torch.cat(full, dim=0))]
     if rule.kind == "vocab":
         full = [weight_maps.unpad_vocab(t, bridge.vocab_size) for t in full]
     return full
@@ -338,8 +354,41 @@ def export_slot(bridge, slot: ParamSlot, names: list[str], copy: bool = True) ->
     return _produce(bridge, [(slot, names)], copy)
 
 
+def stack_expert_pieces(bridge, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Join the per-expert slices of stacked HF tensors (names ``weight_maps.expert_piece_name``) into
+    the tensors themselves, each yielded once all its experts arrived (an export sends every expert of
+    a layer before the next layer's, so at most one layer's experts are held); other tensors pass."""
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in stream:
+        piece = weight_maps.split_expert_piece_name(name)
+        if piece is None:
+            yield name, tensor
+            continue
+        hf_name, expert = piece
+        slices = pending.setdefault(hf_name, {})
+        slices[expert] = tensor.clone()  # the stream may reuse its buffer (a PP broadcast bucket, a param view)
+        if len(slices) == bridge.num_experts:
+            del pending[hf_name]
+            yield hf_name, torch.stack([slices[e] for e in range(bridge.num_experts)])
+    if pending:
+        raise BridgeError(f"export ended with stacked expert tensors incomplete: "
+                          f"{ {k: sorted(v) for k, v in pending.items()} }")
+
+
+def export_shape(bridge, shapes: dict, name: str) -> tuple[int, ...]:
+    """Shape of an exported tensor or of one expert's slice of a stacked one."""
+    piece = weight_maps.split_expert_piece_name(name)
+    return tuple(shapes[name]) if piece is None else tuple(shapes[piece[0]][1:])
+
+
 def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
                       stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """See :func:`_export_hf_weights`; per-expert slices of stacked HF tensors (gpt-oss) leave joined."""
+    return stack_expert_pieces(bridge, _export_hf_weights(bridge, model_chunks, bucket_bytes, stage_only))
+
+
+def _export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
+                       stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model, on every rank (collective: TP/EP gathers, PP broadcasts); with
     ``stage_only``, the tensors of this rank's pipeline stage only (TP/EP gathers, no broadcast).
 
@@ -358,7 +407,7 @@ def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
             yield from _produce(bridge, phase)
         return
     shapes = bridge.hf_param_shapes()
-    my_meta = [[(name, tuple(shapes[name]), str(slot.param.dtype).replace("torch.", ""))
+    my_meta = [[(name, export_shape(bridge, shapes, name), str(slot.param.dtype).replace("torch.", ""))
                 for slot, names in phase for name in names] for phase in phases]
     pp_group = ps.get_pipeline_model_parallel_group()
     all_meta: list[Any] = [None] * pp_size  # every stage's metadata, filled by the all-gather

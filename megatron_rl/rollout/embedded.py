@@ -171,11 +171,14 @@ class _Slot:
 
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
-    mixtral, glm4_moe, deepseek_v3 / kimi_k2)."""
+    mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss).
+
+    ``attn_implementation`` None lets transformers choose per model: SDPA where the model supports it,
+    eager otherwise (gpt-oss, whose attention sinks SDPA cannot express)."""
 
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 attn_implementation: str = "sdpa", record_routes: bool = False):
+                 attn_implementation: Optional[str] = None, record_routes: bool = False):
         import transformers
 
         if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):

@@ -8,7 +8,8 @@ in-memory layout: MoE experts are fused into 3-D parameters
 ``mlp.experts.down_proj[e] = down_proj_e``), and some families rename the MoE
 block in memory (Mixtral: checkpoint ``block_sparse_moe.experts.{e}.w1/w3/w2`` and
 ``block_sparse_moe.gate``, module ``mlp``; :data:`CHECKPOINT_MOE_NAMES`, after
-transformers' ``conversion_mapping.py``). Persistent buffers are checkpoint tensors
+transformers' ``conversion_mapping.py``); gpt-oss checkpoints hold the stacked experts
+as memory does (:data:`STACKED_EXPERT_CHECKPOINTS`). Persistent buffers are checkpoint tensors
 too (GLM's router ``e_score_correction_bias``). ``HFParamMap`` resolves every
 checkpoint name to a view of the live storage, so an update writes in place and
 ``named_weights`` reads without copies.
@@ -42,6 +43,8 @@ class CheckpointMoeNames:
 
 #: model_type -> its checkpoint's MoE names, where they are not the Qwen-MoE ones
 CHECKPOINT_MOE_NAMES = {"mixtral": CheckpointMoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+#: model types whose checkpoint stores each layer's experts stacked, under the in-memory names and layout
+STACKED_EXPERT_CHECKPOINTS = ("gpt_oss",)
 
 
 def _view(live: Callable[[], torch.Tensor], index: int | tuple[int, slice]) -> Callable[[], torch.Tensor]:
@@ -55,10 +58,12 @@ class HFParamMap:
     def __init__(self, model: torch.nn.Module):
         self._model = model
         self._views: dict[str, Callable[[], torch.Tensor]] = {}
-        self._moe = CHECKPOINT_MOE_NAMES.get(getattr(model.config, "model_type", ""), CheckpointMoeNames())
+        model_type = getattr(model.config, "model_type", "")
+        self._moe = CHECKPOINT_MOE_NAMES.get(model_type, CheckpointMoeNames())
+        stacked = model_type in STACKED_EXPERT_CHECKPOINTS
         params = dict(model.named_parameters())
         for name, param in params.items():
-            fused = _FUSED_EXPERTS.match(name)
+            fused = None if stacked else _FUSED_EXPERTS.match(name)
             if fused and param.dim() == 3:
                 self._add_fused_experts(fused["prefix"], fused["kind"], name)
             else:

@@ -2,7 +2,7 @@
 
 Why: MoE routing replay from the rollout (R3, ``--use-rollout-routing-replay``) trains on the experts
 the engine used, so the engine has to say which. transformers' MoE routers (``mlp.gate`` of every
-MoE layer: Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3) return ``(router_logits, weights, indices)``;
+MoE layer: Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3; ``mlp.router`` of gpt-oss) return ``(router_logits, weights, indices)``;
 a forward hook keeps the indices of the last forward, ``[batch x seq, topk]`` per MoE layer, which
 :class:`RouteCapture` hands back as ``[batch, seq, moe_layers, topk]``. The engine files each row of
 it under the token that was the input there (module docstring of ``rollout.embedded``).
@@ -28,7 +28,7 @@ from megatron_rl.config.architecture import moe_layer_pattern, text_config
 from megatron_rl.data.types import RoutedExperts
 from megatron_rl.errors import ConfigError, EngineError
 
-_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate$")
+_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)$")
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 

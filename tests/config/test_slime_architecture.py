@@ -52,6 +52,8 @@ def stated_argv(hf: dict) -> list[str]:
 @pytest.mark.parametrize("family", sorted(BRIDGES))
 def test_megatron_view_agrees_with_the_bridge(family):
     """config/architecture.py reads config.json as the bridge builds the model (the reference)."""
+    import torch.nn.functional as F
+
     from megatron_rl.models import get_bridge
     from megatron_rl.models.parallel import ParallelLayout
 
@@ -63,7 +65,10 @@ def test_megatron_view_agrees_with_the_bridge(family):
             view["vocab_size"]) == (tc.num_layers, tc.hidden_size, tc.num_attention_heads, tc.num_query_groups,
                                     bridge.vocab_size)
     assert view["multi_latent_attention"] == tc.multi_latent_attention
-    assert view["rotary_scaling_factor"] == getattr(tc, "rotary_scaling_factor", 1.0)
+    # MLA: rotary_scaling_factor; a YaRN GQA model (gpt-oss): yarn_rotary_scaling_factor
+    assert view["rotary_scaling_factor"] == getattr(tc, "rotary_scaling_factor",
+                                                    getattr(tc, "yarn_rotary_scaling_factor", 1.0))
+    assert view["position_embedding_type"] == bridge.position_embedding_type
     if tc.multi_latent_attention:  # megatron's MLA never reads kv_channels: any --kv-channels states nothing
         assert view["kv_channels"] is UNUSED
         assert (view["q_lora_rank"], view["kv_lora_rank"], view["qk_head_dim"], view["qk_pos_emb_head_dim"],
@@ -73,7 +78,7 @@ def test_megatron_view_agrees_with_the_bridge(family):
     else:
         assert view["kv_channels"] == tc.kv_channels
     assert view["ffn_hidden_size"] == tc.ffn_hidden_size and view["norm_epsilon"] == tc.layernorm_epsilon
-    assert view["normalization"] == tc.normalization and view["swiglu"] == tc.gated_linear_unit
+    assert view["normalization"] == tc.normalization and view["swiglu"] == (tc.gated_linear_unit and tc.activation_func is F.silu)
     assert view["disable_bias_linear"] == (not tc.add_bias_linear) and view["add_qkv_bias"] == tc.add_qkv_bias
     assert view["qk_layernorm"] == tc.qk_layernorm and view["rotary_base"] == bridge.rope_theta
     assert view["untie_embeddings_and_output_weights"] == (not bridge.tie_word_embeddings)
@@ -333,3 +338,14 @@ def test_moe_tensor_parallel_without_expert_parallel_at_etp1_is_refused(tmp_path
     assert parse_config(base)  # ETP defaults to TP
     assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
                          "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])  # dense
+
+
+def test_gpt_oss_expert_tensor_parallelism_is_refused(tmp_path):
+    """gpt-oss's experts have fc2 biases, which megatron-core 0.16.1 would add once per expert-TP rank."""
+    path = hf_dir(tmp_path, "gpt_oss")
+    base = ["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    for extra in ([], ["--expert-tensor-parallel-size", "2"]):  # ETP defaults to TP
+        with pytest.raises(ConfigError, match="expert tensor parallelism 2 .* with a gpt_oss model"):
+            parse_config(base + extra)
+    assert parse_config(base + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"])

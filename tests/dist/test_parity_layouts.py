@@ -51,7 +51,7 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     llama, qwen2 = tiny_hf_models("llama"), tiny_hf_models("qwen2")
-    deepseek = tiny_hf_models("deepseek_v3")
+    deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
     entries = [
         entry("dense_dp2", "qwen3", dense, checks="grads+optim"),
         entry("dense_tp2", "qwen3", dense, tp=2, checks="grads+optim"),
@@ -70,6 +70,11 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         *family_entries("llama", llama, moe=False),
         *family_entries("qwen2", qwen2, moe=False),
         *family_entries("deepseek_v3", deepseek),
+        # gpt-oss: sinks, sliding windows and YaRN through THD packing and CP2 (with the sinks' gradients);
+        # SP: expert fc2 biases
+        *[e for e in family_entries("gpt_oss", gptoss) if not e.startswith("gpt_oss_cp2:")],
+        entry("gpt_oss_cp2", "gpt_oss", gptoss, cp=2, checks="grads"),
+        entry("gpt_oss_tp2_sp", "gpt_oss", gptoss, tp=2, etp=1, sp=1),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
@@ -82,7 +87,7 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
 def test_four_rank_layouts(tiny_hf_models, tmp_path):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
-    deepseek = tiny_hf_models("deepseek_v3")
+    deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
     entries = [
         entry("dense_dp4", "qwen3", dense),
         entry("dense_tp2_pp2", "qwen3", dense, tp=2, pp=2, checks="grads"),
@@ -93,6 +98,7 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
         entry("mixtral_tp2_pp2_ep2_sp", "mixtral", mixtral, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("glm4_moe_tp2_pp2_ep2_sp", "glm4_moe", glm, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("deepseek_v3_tp2_pp2_ep2_sp", "deepseek_v3", deepseek, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
+        entry("gpt_oss_tp2_pp2_ep2_sp", "gpt_oss", gptoss, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)

@@ -251,8 +251,8 @@ def test_bad_inputs_name_the_fix():
         attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu_of([4, 4])))
     with pytest.raises(ConfigError, match="attention_bias"):
         attn(q, k, v, None, attention_bias=torch.zeros(1))
-    with pytest.raises(ConfigError, match="window"):
-        PackedCoreAttention(make_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ConfigError, match="causal sliding windows only"):
+        PackedCoreAttention(make_config(window_size=(4, 2)), 1, AttnMaskType.causal, "self")
     with pytest.raises(ConfigError, match="context-parallel-size"):
         PackedCoreAttention(make_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
 
@@ -314,3 +314,78 @@ def test_padded_keys_change_no_value_beyond_rounding(monkeypatch, lengths):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
     ref = torch.cat([ref_attention(q[a:b], k[a:b], v[a:b], True) for a, b in zip(cu[:-1], cu[1:])])
     torch.testing.assert_close(padded, ref, **TOL)
+
+
+def ref_sink_window(q, k, v, sinks, window_left):
+    """Eager fp64 causal attention for ONE sequence with per-head sink logits in the softmax denominator
+    (HF gpt-oss's eager attention) and a sliding window (key j visible from i iff i - window_left <= j <= i)."""
+    s = q.size(0)
+    rep = q.size(1) // k.size(1)
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q64, k64) / math.sqrt(q.size(-1))
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    hidden = (j > i) if window_left is None else (j > i) | (i - j > window_left)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    logits = torch.cat([scores, sinks.double().view(-1, 1, 1).expand(-1, s, 1)], dim=-1)
+    probs = logits.softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v64).reshape(s, -1).to(q.dtype)
+
+
+@pytest.mark.parametrize("window_layer", [True, False])
+def test_sinks_and_sliding_window_match_the_reference(window_layer):
+    """gpt-oss attention: learnable per-head sinks (values and gradients, sinks included) and a 3-key-back
+    window on the layers window_attn_skip_freq marks, packed THD and SBHD alike."""
+    cfg = make_config(softmax_type="learnable", window_size=(3, 0), window_attn_skip_freq=[1 if window_layer else 0])
+    attn = PackedCoreAttention(cfg, 1, AttnMaskType.causal, "self").eval()
+    assert attn.window_left == (3 if window_layer else None)
+    assert attn.softmax_offset.shape == (NP,) and attn.softmax_offset.tensor_model_parallel
+    with torch.no_grad():
+        attn.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    cu = cu_of(LENGTHS)
+    q, k, v = rand_qkv(int(cu[-1]), seed=7)
+    out = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    bounds = cu.tolist()
+    sinks = attn.softmax_offset.detach().clone().requires_grad_()
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    ref = torch.cat([ref_sink_window(qr[a:b], kr[a:b], vr[a:b], sinks, attn.window_left)
+                     for a, b in zip(bounds, bounds[1:])])
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for mine, theirs in ((q, qr), (k, kr), (v, vr), (attn.softmax_offset, sinks)):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-5)
+    n = LENGTHS[0]  # SBHD: one sequence of batch 1
+    sbhd = attn(q[:n, None].detach(), k[:n, None].detach(), v[:n, None].detach(), None)
+    torch.testing.assert_close(sbhd[:, 0], ref[:n].detach(), **TOL)
+
+
+def test_off_by_one_softmax_is_a_zero_sink():
+    """softmax_type="off-by-one": a fixed sink logit 0 per head (no parameter)."""
+    attn = PackedCoreAttention(make_config(softmax_type="off-by-one"), 1, AttnMaskType.causal, "self").eval()
+    assert not list(attn.parameters())
+    cu = cu_of(LENGTHS)
+    q, k, v = rand_qkv(int(cu[-1]), seed=8)
+    out = attn(q, k, v, None, packed_seq_params=cp_utils.make_packed_seq_params(cu))
+    bounds, zeros = cu.tolist(), torch.zeros(NP)
+    ref = torch.cat([ref_sink_window(q[a:b], k[a:b], v[a:b], zeros, None) for a, b in zip(bounds, bounds[1:])])
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_alternating_window_and_full_layers_each_reuse_their_plan():
+    """gpt-oss alternates sliding-window and full layers: each kind derives its THD plan once per micro-batch."""
+    from megatron_rl.models.attention import _THD_PLANS, _THD_PLANS_WINDOWED
+
+    cfg = make_config(num_layers=4, window_size=(3, 0), window_attn_skip_freq=[1, 0, 1, 0])
+    layers = [PackedCoreAttention(cfg, n, AttnMaskType.causal, "self").eval() for n in (1, 2, 3, 4)]
+    assert [a.window_left for a in layers] == [3, None, 3, None]
+    cu = cu_of(LENGTHS)
+    params = cp_utils.make_packed_seq_params(cu)
+    q, k, v = rand_qkv(int(cu[-1]), seed=9)
+    layers[0](q, k, v, None, packed_seq_params=params)  # the windowed memo exists from here on
+    full, windowed = _THD_PLANS.builds, _THD_PLANS_WINDOWED[3].builds
+    fresh = cp_utils.make_packed_seq_params(cu.clone())
+    outs = [a(q, k, v, None, packed_seq_params=fresh) for a in layers]
+    assert (_THD_PLANS.builds, _THD_PLANS_WINDOWED[3].builds) == (full + 1, windowed + 1)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert (outs[0] - outs[1]).abs().max() > 1e-2  # the window matters on these lengths

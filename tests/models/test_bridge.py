@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(BridgeError, match="deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe"):
         get_bridge({"model_type": "gpt2"})
 
 
@@ -104,6 +104,13 @@ _DS_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max
     ("deepseek_v3", dict(rope_parameters={**_DS_YARN, "mscale": 0.0}), "yarn mscale_all_dim=0.8 without mscale"),
     ("deepseek_v3", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
      "rope scaling type 'linear' (only default / yarn RoPE)"),
+    ("gpt_oss", dict(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
+    ("gpt_oss", dict(attention_bias=False), "attention_bias=false"),
+    ("gpt_oss", dict(sliding_window=None), "sliding_attention but no sliding_window"),
+    ("gpt_oss", dict(layer_types=["sliding_attention", "chunked_attention"] * 2), "layer_types ['chunked_attention']"),
+    ("gpt_oss", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.2,
+                                      "original_max_position_embeddings": 128}), "yarn attention_factor=1.2"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "mxfp4"),
 ])
 def test_moe_family_features_megatron_cannot_express_are_refused(family, overrides, needle):
     """Each refused by name in Bridge.unsupported(), never approximated."""
@@ -132,6 +139,45 @@ def test_glm4_moe_maps_every_switch_to_megatron():
     mixtral = get_bridge(tiny_config("mixtral").to_dict()).transformer_config(ParallelLayout())
     assert (mixtral.moe_router_score_function, mixtral.moe_ffn_hidden_size, mixtral.moe_layer_freq) == (
         "softmax", 32, [1, 1, 1, 1])
+
+
+def test_gpt_oss_maps_every_switch_to_megatron(single_rank, tiny_hf_models):
+    """The tiny gpt-oss turns every switch on; the megatron config carries each, and megatron's YaRN
+    equals HF's: cos/sin (HF scales them by attention_scaling; megatron scales q and k by the same
+    concentration factor) within 1e-6, the factor itself exactly."""
+    import torch.nn.functional as F
+    import transformers
+    from megatron.core.activations import quick_gelu
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config)
+
+    from megatron_rl.models.yarn_config import YarnTransformerConfig
+
+    path = tiny_hf_models("gpt_oss")
+    bridge = get_bridge(path)
+    tc = bridge.transformer_config(single_rank)
+    assert isinstance(tc, YarnTransformerConfig) and bridge.position_embedding_type == "yarn"
+    assert (tc.yarn_rotary_scaling_factor, tc.yarn_original_max_position_embeddings, tc.yarn_beta_fast,
+            tc.yarn_beta_slow, tc.yarn_correction_range_round_to_int) == (4.0, 128, 32.0, 1.0, False)
+    assert tc.window_size == (3, 0) and tc.window_attn_skip_freq == [1, 0, 1, 0] and tc.softmax_type == "learnable"
+    assert tc.add_bias_linear and tc.add_qkv_bias and tc.activation_func is quick_gelu
+    assert (tc.glu_linear_offset, tc.activation_func_clamp_value, tc.moe_router_pre_softmax) == (1.0, 1.0, False)
+    assert tc.moe_layer_freq == [1, 1, 1, 1] and tc.moe_ffn_hidden_size == 32
+    model = bridge.build_model(single_rank)[0]
+    emb = model.rotary_pos_emb(40)[0].squeeze(1).squeeze(1)  # [40, head_dim]: the halves repeat
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.rotary_emb
+    cos, sin = hf(torch.zeros(1), torch.arange(40)[None])
+    mscale = _yarn_get_concentration_factor_from_config(tc)
+    assert mscale == hf.attention_scaling and mscale > 1.1
+    half = emb[:, :bridge.head_dim // 2]
+    assert (half.cos() * mscale - cos[0]).abs().max().item() <= 1e-6
+    assert (half.sin() * mscale - sin[0]).abs().max().item() <= 1e-6
+    assert F.silu is not tc.activation_func
+    from megatron_rl.models.parallel import ParallelLayout
+
+    for layout in (ParallelLayout(tp=2), ParallelLayout(tp=2, etp=2)):  # ETP defaults to TP
+        with pytest.raises(BridgeError, match="--expert-tensor-parallel-size 1"):
+            bridge.transformer_config(layout)
 
 
 def test_deepseek_v3_maps_every_switch_to_megatron():
@@ -170,6 +216,20 @@ def test_unmapped_hf_tensor_of_a_moe_family_is_refused_by_name(single_rank, tiny
     save_file({**tensors, stray: torch.zeros(32, 64)}, os.path.join(extra, "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"map to no megatron parameter: \['" + re.escape(stray) + r"'\]"):
         bridge.load_hf_weights(chunks, extra)
+
+
+def test_gpt_oss_stacked_experts_of_another_count_are_refused_by_name(single_rank, tiny_hf_models, tmp_path):
+    """gpt-oss stacks a layer's experts in one tensor: a checkpoint stacking 5 where config.json says 4 is
+    named with both shapes, not loaded as a prefix."""
+    path = tiny_hf_models("gpt_oss")
+    bridge = get_bridge(path)
+    chunks = bridge.build_model(single_rank)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = _copy(path, tmp_path / "five")
+    save_file({**tensors, name: torch.zeros(5, 64, 64)}, os.path.join(bad, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}: checkpoint (5, 64, 64) vs config (4, 64, 64)")):
+        bridge.load_hf_weights(chunks, bad)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])

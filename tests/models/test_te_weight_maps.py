@@ -30,8 +30,10 @@ def _bridge(family, overrides):
     return get_bridge(tiny_config(family, **overrides))
 
 
-def _fuse(bridge, kind, tensors, padded_rows):
+def _fuse(bridge, kind, tensors, padded_rows, expert=None):
     """HF tensors -> one full megatron tensor (TP1), as the loaders build it."""
+    if kind in weight_maps.EXPERT_KINDS:  # one expert's slice of a stacked HF tensor (gpt-oss)
+        return weight_maps.expert_to_megatron(kind, tensors[0][expert])
     if kind == "vocab":
         return weight_maps.pad_vocab(tensors[0], padded_rows)
     if kind == "qkv":
@@ -43,6 +45,8 @@ def _fuse(bridge, kind, tensors, padded_rows):
 
 
 def _unfuse(bridge, kind, tensor):
+    if kind in weight_maps.EXPERT_KINDS:
+        return [weight_maps.megatron_to_expert(kind, tensor)]
     if kind == "vocab":
         return [weight_maps.unpad_vocab(tensor, bridge.vocab_size)]
     return _split_shard(bridge, kind, tensor, tp_size=1)
@@ -60,11 +64,18 @@ def test_name_and_shape_maps_round_trip(family, overrides, flavour):
     for name, shape in meg.items():  # megatron -> HF, values through the real fuse/split transforms
         rule = bridge.rule_for(name)
         assert set(rule.hf_names) <= set(hf), (name, rule.hf_names)
-        full = _fuse(bridge, rule.kind, [hf_values[n] for n in rule.hf_names], shape[0])
+        full = _fuse(bridge, rule.kind, [hf_values[n] for n in rule.hf_names], shape[0], rule.expert)
         assert tuple(full.shape) == shape, name
         for hf_name, back in zip(rule.hf_names, _unfuse(bridge, rule.kind, full)):
-            assert torch.equal(back, hf_values[hf_name]), (name, hf_name)
+            want = hf_values[hf_name] if rule.expert is None else hf_values[hf_name][rule.expert]
+            assert torch.equal(back, want), (name, hf_name)
         exported += bridge.exported_names(name)
+    # a stacked HF tensor (gpt-oss experts) is exported as one piece per expert, each exactly once
+    pieces = [p for p in map(weight_maps.split_expert_piece_name, exported) if p is not None]
+    assert len(set(pieces)) == len(pieces)
+    stacked = {n for n, _ in pieces}
+    assert all(sorted(e for n, e in pieces if n == s) == list(range(bridge.num_experts)) for s in stacked)
+    exported = [n for n in exported if weight_maps.split_expert_piece_name(n) is None] + sorted(stacked)
     wanted = set(hf) - bridge.ignorable_hf_names()
     assert sorted(exported) == sorted(wanted)  # every HF tensor exported exactly once
     inverse = bridge.hf_to_megatron(flavour)  # HF -> megatron

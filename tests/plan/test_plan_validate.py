@@ -200,7 +200,7 @@ def test_inference_tp_must_divide_heads(tiny_hf_models):
     assert any("exceeds num_hidden_layers=4" in e for e in _errors("sglang:d1p8", model=model))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_expert_parallel_against_tiny_moe(tiny_hf_models, family):
     """Each MoE family names its experts differently (num_experts / num_local_experts / n_routed_experts)."""
     moe = ModelShape.from_hf_config(tiny_hf_models(family))

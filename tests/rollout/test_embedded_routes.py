@@ -164,3 +164,21 @@ def test_routes_through_sglangs_protocol_equal_the_engines_own(moe):
     out = GenerateOutput(output_ids=[1, 2], logprobs=[0.0, 0.0], finish_reason="length", weight_version=0, text=None)
     with pytest.raises(EngineError, match="start SGLang with --enable-return-routed-experts"):
         layout.read(out.routed_experts, 5, where="row 0")
+
+
+def test_gpt_oss_routes_are_read_off_its_routers(tiny_hf_models):
+    """gpt-oss's routers are ``mlp.router`` (not ``mlp.gate``) and its sliding-window layers keep transformers'
+    own cache (static batching): the routes still equal one full forward's."""
+    path = tiny_hf_models("gpt_oss")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    capture = RouteCapture(model)
+    assert capture.moe_layers == [0, 1, 2, 3]
+
+    def routes(ids):
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+        return capture.take(1, len(ids))[0]
+
+    samples = EmbeddedEngine(path, max_batch_size=4, record_routes=True).generate(REQUESTS, SAMPLING)
+    for s in samples:
+        assert_routes_of_full_forward(s, routes)
