@@ -103,6 +103,22 @@ class ModelConfig:
                                      "--rollout-max-prompt-len + --rollout-max-response-len.")
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    lora_rank: int = flag(0, "LoRA rank r (0: off, full fine-tuning). On: adapters as HF PEFT's on the linears of "
+                          "--lora-target-modules, the base model frozen (no gradient, optimizer state or master "
+                          "copy), the KL reference = the base model (the initial adapters: B starts at zero), the "
+                          "engine synced with the adapters merged into the weights (docs/lora.md). Megatron "
+                          "backend, local layer spec (CPU, or GPUs without transformer-engine).")
+    lora_alpha: float = flag(8.0, "LoRA alpha: the adapter output is scaled by alpha / rank (PEFT's lora_alpha).",
+                             domain="(0, inf)")
+    lora_dropout: float = flag(0.0, "Dropout on the adapters' input (PEFT's lora_dropout).", domain="[0, 1)")
+    lora_target_modules: list = flag(["all-linear"], "HF module names to adapt (PEFT's target_modules): any of "
+                                     "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (or a dotted suffix), "
+                                     "or all-linear. MoE expert linears and multi-latent attention are refused.",
+                                     type=str, nargs="+", metavar="NAME")
+
+
 def parse_moe_layer_freq(text):
     """Megatron-LM's ``--moe-layer-freq``: ``N`` (every N-th layer is MoE, counting from layer 0)
     or a Python list expression of 0/1 per layer (``"[1, 1, 0]"``, ``"([0]*3+[1]*45)"``).
@@ -881,6 +897,7 @@ class RuntimeConfig:
 
 GROUPS: dict[str, type] = {
     "model": ModelConfig,
+    "lora": LoraConfig,
     "architecture": ArchitectureConfig,
     "parallel": ParallelConfig,
     "optimizer": OptimizerConfig,
@@ -904,6 +921,7 @@ class Config:
     """The whole validated configuration of one run (built by ``config.parse_config``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

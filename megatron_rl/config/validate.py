@@ -708,11 +708,53 @@ def _check_fsdp(errors: list[str], cfg: Config) -> None:
                           f"drop {row.flag} or use --train-backend megatron")
 
 
+_LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _check_lora(errors: list[str], cfg: Config) -> None:
+    """``--lora-*``: what the adapters cannot do (yet) is refused before any worker starts (docs/lora.md)."""
+    lo = cfg.lora
+    if lo.lora_rank < 0:
+        errors.append(f"--lora-rank {lo.lora_rank} must be >= 0 (0: full fine-tuning)")
+        return
+    if lo.lora_rank == 0:
+        for flag, given in (("--lora-alpha", lo.lora_alpha != 8.0), ("--lora-dropout", lo.lora_dropout != 0.0),
+                            ("--lora-target-modules", list(lo.lora_target_modules) != ["all-linear"])):
+            if given:
+                errors.append(f"{flag} shapes LoRA adapters, which are off: add --lora-rank R or drop {flag}")
+        return
+    bad = [t for t in lo.lora_target_modules
+           if t != "all-linear" and t.rsplit(".", 1)[-1] not in _LORA_LINEARS]
+    if bad:
+        errors.append(f"--lora-target-modules {' '.join(bad)}: adaptable are {', '.join(_LORA_LINEARS)} (or a dotted "
+                      "suffix ending in one, e.g. self_attn.q_proj) and all-linear")
+    if "all-linear" in lo.lora_target_modules and len(lo.lora_target_modules) > 1:
+        errors.append("--lora-target-modules all-linear already names every linear: give it alone")
+    mlp = [t for t in lo.lora_target_modules if t == "all-linear" or t.rsplit(".", 1)[-1] in _LORA_LINEARS[4:]]
+    if mlp and hf_is_moe(cfg):
+        errors.append(f"--lora-target-modules {' '.join(mlp)} on an MoE model: adapters on expert linears are not "
+                      "built; target the attention projections (q_proj k_proj v_proj o_proj)")
+    if hf_model_type(cfg) in ("deepseek_v3", "kimi_k2"):
+        errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on multi-latent attention projections "
+                      "are not built")
+    if cfg.precision.train_backend == "fsdp":
+        errors.append(f"--lora-rank {lo.lora_rank} with --train-backend fsdp: adapters are built for the megatron "
+                      "backend only yet; use --train-backend megatron")
+    for flag, value in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
+        if value:
+            errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "
+                          f"the base model, the adapters starting at zero); other weights under {flag} are not built")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        errors.append("--lora-rank with transformer-engine installed: the adapters are built on megatron's local layer "
+                      "spec, and the TE spec fuses the input norm into linear_qkv/linear_fc1 (the adapter would see "
+                      "the un-normed input); run without transformer-engine")
+
+
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_memory,
           _check_paths,
           _check_checkpoint_and_data, _check_rewards_and_dynamic_sampling, _check_rollout_functions,
           _check_sync_and_rollout, _check_algorithm, _check_megatron_flags,
-          _check_wandb, _check_world, _check_fsdp)
+          _check_wandb, _check_world, _check_fsdp, _check_lora)
 
 
 def collect_errors(cfg: Config) -> list[str]:

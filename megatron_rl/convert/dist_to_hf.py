@@ -70,6 +70,12 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     bridge = get_bridge(config_dir)
     model_dir.check_fingerprint(dist_dir, meta, bridge, config_dir)
     stored = dist_io.checkpoint_model_tensors(dist_dir)
+    adapters = dist_io.checkpoint_adapter_tensors(dist_dir)
+    if adapters or meta.get("lora"):
+        raise CheckpointError(f"torch_dist checkpoint {dist_dir} is a LoRA run's ({len(adapters)} adapter tensors, "
+                              f"e.g. {adapters[0] if adapters else meta.get('lora')}): its base weights alone are "
+                              "not the trained model, and exporting the adapters (a PEFT dir) or the merged model "
+                              "is not built yet (docs/lora.md)")
     if not stored:
         raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no model tensors (keys under "
                               f"{', '.join(dist_io.MODEL_KEY_ROOTS)})")

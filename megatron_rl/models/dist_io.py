@@ -174,6 +174,16 @@ def checkpoint_model_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torc
     return {k: (tuple(v.global_shape), v.dtype) for k, v in md.items() if k.startswith(MODEL_KEY_ROOTS)}
 
 
+def checkpoint_adapter_tensors(path: str) -> list[str]:
+    """The LoRA adapter tensors a torch_dist dir holds (``lora.`` keys of a ``--lora-rank`` run's checkpoint)."""
+    dc = dist_checkpointing()
+    try:
+        md = dc.load_tensors_metadata(path)
+    except Exception:  # noqa: BLE001 - checkpoint_model_tensors names an unreadable dir
+        return []
+    return sorted(k for k in md if k.startswith("lora."))
+
+
 def check_checkpoint_matches_model(path: str, stored: dict, expected: dict, config_dir: str) -> None:
     """Refuse, naming tensors: model keys the checkpoint lacks, stored keys the model has no
     parameter for, and global-shape mismatches (e.g. another vocab padding)."""

@@ -194,6 +194,22 @@ class LoraLinear(torch.nn.Module):
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
         return torch.nn.functional.linear(h, b) * self.scaling
 
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling * B A`` in the layout of this rank's shard of the linear's weight (the merged adapter)."""
+        if self.kind == "row":
+            return (self.lora_B[0] @ self.lora_A[0]) * self.scaling
+        rows, i = [], 0
+        for n, on in zip(self.part_rows, self.targeted):
+            if on:
+                rows.append(self.lora_B[i] @ self.lora_A[i])
+                i += 1
+            else:
+                rows.append(torch.zeros(n, self.in_features, dtype=self.lora_A[0].dtype, device=self.lora_A[0].device))
+        fused = torch.cat(rows, dim=0)
+        order: torch.Tensor = self.order  # type: ignore[assignment]  # a registered buffer
+        return (fused if len(rows) == 1 else fused.index_select(0, order)) * self.scaling
+
     def local_slices(self) -> Iterator[tuple[str, torch.Tensor, int, int, int]]:
         """``(peft key, local tensor, dim, tp rank, tp size)`` of every adapter tensor: the local tensor is
         the slice ``chunk(full, size, dim)[rank]`` of PEFT's tensor (dim -1: not sharded)."""
@@ -212,9 +228,11 @@ class LoraAdapters(torch.nn.Module):
         self.enabled = True
         self.adapters = torch.nn.ModuleDict()  # key: canonical linear name with '.' -> '/'
         self._hooks: list = []
+        self._linears: dict[str, torch.nn.Module] = {}  # not submodules: the base model owns them
 
     def add(self, canonical: str, module: torch.nn.Module, adapter: LoraLinear) -> None:
         self.adapters[canonical.replace(".", "/")] = adapter
+        self._linears[canonical] = module
 
         def hook(_mod, args, kwargs, output):
             if not self.enabled:
@@ -229,6 +247,43 @@ class LoraAdapters(torch.nn.Module):
         for key, adapter in self.adapters.items():
             assert isinstance(adapter, LoraLinear)
             yield key.replace("/", "."), adapter
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's distributed checkpoint entries: the sharded tensors (column B, row A) with their TP axis,
+        the rest replicated. Keys carry the global layer index, so pipeline stages never collide."""
+        from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,  # lazy: megatron
+                                                     make_sharded_tensors_for_checkpoint)
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out: dict = {}
+        for key, adapter in self.adapters.items():
+            assert isinstance(adapter, LoraLinear)
+            sd = adapter.state_dict(prefix="", keep_vars=True)
+            sharded, axis = ("lora_B.", 0) if adapter.kind == "column" else ("lora_A.", 1)
+            out.update(make_sharded_tensors_for_checkpoint(
+                sd, f"{prefix}adapters.{key}.", {k: axis for k in sd if k.startswith(sharded)}, sharded_offsets,
+                tp_group=adapter.tp_group, dp_cp_group=metadata["dp_cp_group"]))
+        return out
+
+    @contextlib.contextmanager
+    def merged(self):
+        """The adapters folded into the base weights inside the block (what an engine without LoRA serves),
+        then the base weights put back exactly (copied back, not subtracted: W + d - d is not W in floats);
+        the hooks are off meanwhile, so a forward inside sees the merged weights once."""
+        saved = []
+        with torch.no_grad():
+            for canonical, adapter in self.items():
+                weight = self._linears[canonical].weight
+                saved.append((weight, weight.detach().clone()))
+                weight.add_(adapter.delta_weight().to(weight.dtype))
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+            with torch.no_grad():
+                for weight, original in saved:
+                    weight.copy_(original)
 
 
 def _fused_parts(bridge, kind: str, rule, weight: torch.Tensor, site_kind: str, tp_size: int):

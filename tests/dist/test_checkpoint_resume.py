@@ -2,8 +2,9 @@
 
 Three launches (tests/dist/scripts/ckpt_worker.py):
 
-1. 2 ranks: for DP2 + ``--use-distributed-optimizer`` and for TP2 (plain
-   optimizer): 4 uninterrupted steps, and 2 steps + save.
+1. 2 ranks: for DP2 + ``--use-distributed-optimizer``, for TP2 (plain
+   optimizer) and for TP2 + LoRA adapters (``--lora-rank 4``, distributed optimizer, base frozen):
+   4 uninterrupted steps, and 2 steps + save.
 2. 2 ranks, a FRESH process: load each checkpoint + 2 steps. Must equal the
    uninterrupted run BITWISE: per-step metrics (loss, grad norm, lr...), exported
    HF weights, every rank's optimizer state (param, exp_avg, exp_avg_sq, step) and
@@ -35,7 +36,10 @@ from _resume_checks import job as _job
 from _resume_checks import rec as _rec
 from _util import torchrun
 
-LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-parallel-size", "2"]}
+LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-parallel-size", "2"],
+           # LoRA adapters (sharded over TP: column B / row A) under the distributed optimizer, base frozen
+           "lora": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--lora-rank", "4",
+                    "--lora-alpha", "8"]}
 VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
 
 
@@ -92,7 +96,8 @@ def ckpt(tmp_path_factory, tiny_hf_models):
     marker["files"] = [{k: v for k, v in e.items() if k != "crc32"} for e in marker["files"]]
     json.dump(marker, open(os.path.join(torn, "COMPLETE.json"), "w"))
     bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage, "torn": torn,
-           "dist_opt": saves["do"]}  # saved with --use-distributed-optimizer, loaded without
+           "dist_opt": saves["do"],  # saved with --use-distributed-optimizer, loaded without
+           "lora": saves["lora"]}  # a LoRA run's, loaded by a run without adapters
     proc = torchrun(SCRIPT, 1, [hf, str(out), _job(tag="reshard_tp1", steps=2, load=good, refuse=list(bad.values())),
                                 _job(tag="vpp_to_tp1", steps=0, load=vpp_save)], timeout=300)
     return out, roots, bad, proc
@@ -134,6 +139,41 @@ def _corruption_roots(out, good):
 def test_resume_is_bitwise_exact(ckpt, layout):
     out, *_ = ckpt
     assert_resume_bitwise(out, layout, nproc=2)
+
+
+@pytest.mark.slow
+def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_models):
+    """The LoRA layout above resumes bitwise (its exported weights are the merged adapters); here: each rank's
+    optimizer state covers exactly its adapter shards (r x (in + out) per adapted HF linear, the sharded half
+    counted once per TP rank), and the merged weights moved while training."""
+    import transformers
+
+    out, *_ = ckpt
+    _, w0, sizes = assert_resume_bitwise(out, "lora", nproc=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_models("qwen2"))
+    r, tp, want = 4, 2, 0
+    for name, module in hf.named_modules():
+        kind = {"q_proj": "col", "k_proj": "col", "v_proj": "col", "gate_proj": "col", "up_proj": "col",
+                "o_proj": "row", "down_proj": "row"}.get(name.rsplit(".", 1)[-1])
+        if kind == "col":  # A [r, in] replicated, B [out / tp, r]
+            want += r * module.in_features + module.out_features // tp * r
+        elif kind == "row":  # A [r, in / tp], B [out, r] replicated
+            want += r * module.in_features // tp + module.out_features * r
+    assert sizes == [want, want], (sizes, want)
+    assert want < sum(p.numel() for p in hf.parameters()) / 10
+    assert not any("lora" in n for n in w0)  # the engine's names: merged into the base weights
+    # its base weights alone are not the trained model: dist-to-hf refuses it, naming an adapter tensor
+    import subprocess
+    import sys
+
+    from _util import REPO
+
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-hf", "--input",
+                           str(out / "root_lora" / "iter_0000002"), "--output", str(out / "lora_hf"), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "is a LoRA run's (" in proc.stderr and "lora.adapters.decoder/layers/" in \
+        proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (out / "lora_hf").exists()
 
 
 @pytest.mark.slow
@@ -186,6 +226,9 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(ckpt):
     assert f"loading checkpoint {bad['torn']} failed (rank 0: RuntimeError: PytorchStreamReader" in msgs[bad["torn"]]
     assert "Traceback" not in msgs[bad["torn"]]
     assert "--use-distributed-optimizer" in msgs[bad["dist_opt"]] and bad["dist_opt"] in msgs[bad["dist_opt"]]
+    assert (f"checkpoint {bad['lora']} holds LoRA adapters --lora-rank 4 --lora-alpha 8 --lora-target-modules "
+            "all-linear; this run has no LoRA adapters (full fine-tuning): resume with the checkpoint's --lora-* "
+            "flags") in msgs[bad["lora"]], msgs[bad["lora"]]
     # the newest complete checkpoint skips the unmarked iter_0000003 and the temp dir
     assert find_latest_complete(str(roots["tp"])) == 2
     assert find_latest_complete(str(roots["do"])) == 2

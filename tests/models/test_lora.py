@@ -90,3 +90,35 @@ def test_refusals_name_what_is_not_built(single_rank, tiny_hf_models, monkeypatc
     monkeypatch.setattr(spec, "layer_spec_flavour", lambda: "transformer_engine")
     with pytest.raises(BridgeError, match="local layer spec; with transformer-engine"):
         lora.attach_lora(bridge, chunks, lora.LoraSpec(4, 8))
+
+
+def test_merged_export_is_peft_merge_and_the_base_comes_back_bitwise(single_rank, tiny_hf_models):
+    """What the engine is synced with (``export_weights`` under ``LoraAdapters.merged()``) equals PEFT's own
+    ``merge_and_unload()`` of the same adapter, and the base weights are restored bit for bit afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_rl.models import parity
+
+    path = tiny_hf_models("qwen3")
+    bridge, chunks = _model(path, single_rank)
+    base = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
+    targets = ["q_proj", "v_proj", "up_proj", "o_proj"]
+    adapters = lora.attach_lora(bridge, chunks, lora.LoraSpec(4, 8, target_modules=tuple(targets)))
+    pm = get_peft_model(parity.load_hf_model(path), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    lora.load_peft_tensors(adapters, {n.replace(".default.weight", ".weight"): p.detach().clone()
+                                      for n, p in pm.named_parameters() if "lora_" in n})
+    with adapters[0].merged():
+        merged = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
+    want = pm.merge_and_unload().state_dict()
+    assert set(merged) <= set(want)
+    worst = max((merged[k] - want[k]).abs().max().item() for k in merged)
+    assert worst <= 1e-6, worst
+    moved = [k for k in merged if not torch.equal(merged[k], base[k])]
+    assert len(moved) == bridge.num_layers * len(targets)  # exactly the adapted HF linears changed
+    after = dict(bridge.export_hf_weights(chunks))
+    assert all(torch.equal(after[k], base[k]) for k in base)

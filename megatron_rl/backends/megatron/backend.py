@@ -166,6 +166,15 @@ class MegatronBackend(TrainBackend):
         self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
                                               **transformer_config_overrides(cfg))
         self._load_initial_weights(cfg)
+        self.lora: list = []  # --lora-rank: each chunk's adapters (models/lora.py); the base is frozen
+        if cfg.lora.lora_rank:
+            from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
+
+            self.lora = lora.attach_lora(self.bridge, self.chunks, lora.LoraSpec(
+                cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_dropout, tuple(cfg.lora.lora_target_modules),
+                init_seed=cfg.runtime.seed))
+            if dist.get_rank() == 0:
+                log.info("%s", lora.describe(self.lora))
         self.model_config = self.chunks[0].config
         self.vocab_size = self.bridge.vocab_size
         self.padded_vocab_size = self.bridge.padded_vocab_size(self.layout.tp)
@@ -205,9 +214,12 @@ class MegatronBackend(TrainBackend):
     # ---- helpers -------------------------------------------------------------
 
     def _named_local_params(self):
+        """What a weight tag keeps: every parameter, or with LoRA the adapters only (the base is frozen, so the
+        initial adapters are the whole difference to the base model: a reference costs adapter bytes)."""
         for i, chunk in enumerate(self.chunks):
             for name, p in chunk.named_parameters():
-                yield f"{i}.{name}", p
+                if not self.lora or p.requires_grad:
+                    yield f"{i}.{name}", p
 
     @property
     def is_last_stage(self) -> bool:
@@ -369,8 +381,11 @@ class MegatronBackend(TrainBackend):
                                    loss_scale=loss_scale, micro_batches=plan.num_micro_batches, started=t0)
 
     def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
-                                                          stage_only=stage_only), bucket_bytes)
+        with contextlib.ExitStack() as merged:  # LoRA: the engine gets the adapters folded into the weights
+            for adapters in self.lora:
+                merged.enter_context(adapters.merged())
+            yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
+                                                              stage_only=stage_only), bucket_bytes)
 
     def export_scope(self) -> ExportScope:
         """Each stage's sender: the rank of the stage at data-, tensor- and context-parallel rank 0

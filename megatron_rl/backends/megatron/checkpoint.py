@@ -97,6 +97,15 @@ def layout_record(backend) -> dict:
             "use_distributed_optimizer": bool(backend.cfg.optimizer.effective_distributed_optimizer)}
 
 
+def lora_record(backend) -> Optional[dict]:
+    """The LoRA adapters a checkpoint holds (``--lora-*``; None: full fine-tuning): a resume needs the same ones."""
+    cfg = getattr(backend, "cfg", None)
+    lo = getattr(cfg, "lora", None)
+    if lo is None or not lo.lora_rank:
+        return None
+    return {"rank": int(lo.lora_rank), "alpha": float(lo.lora_alpha), "target_modules": list(lo.lora_target_modules)}
+
+
 def _chained(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -269,7 +278,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
             copy_aux_files(hf_dir, os.path.join(tmp, HF_CONFIG_SUBDIR))
         return {"format": FORMAT, "megatron_core": mcore_version(), "torch": torch.__version__,
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
-                "model": model_fingerprint(backend),
+                "model": model_fingerprint(backend), "lora": lora_record(backend),
                 "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"]}
 
     publish_collectively(path, write, seal, needed_bytes=lambda: newest_checkpoint_bytes(os.path.dirname(path)))
@@ -418,6 +427,14 @@ def load_checkpoint(backend, path: str) -> dict:
     path = os.path.abspath(path)
     meta = _validated_metadata(path)
     check_model_matches(path, meta, backend)
+    saved_lora, now_lora = meta.get("lora"), lora_record(backend)
+    if saved_lora != now_lora:  # the adapters are model state: none, or other ones, would load half a model
+        def said(r):
+            return ("no LoRA adapters (full fine-tuning)" if r is None else
+                    f"LoRA adapters --lora-rank {r['rank']} --lora-alpha {r['alpha']:g} --lora-target-modules "
+                    f"{' '.join(r['target_modules'])}")
+        raise CheckpointError(f"checkpoint {path} holds {said(saved_lora)}; this run has {said(now_lora)}: resume "
+                              "with the checkpoint's --lora-* flags")
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     saved_dist = (meta.get("layout") or {}).get("use_distributed_optimizer")
     now_dist = bool(backend.cfg.optimizer.effective_distributed_optimizer)

@@ -1,0 +1,60 @@
+"""``--lora-*``'s validation: LoRA runs on the megatron backend's local layer spec; what it cannot do yet is
+refused before any worker starts, naming the flag and the fix (config/validate.py ``_check_lora``)."""
+
+import importlib.util
+
+import pytest
+
+from megatron_rl.config import parse_config
+from megatron_rl.config.validate import collect_errors
+
+
+@pytest.fixture
+def argv(tiny_hf_models):
+    def make(*extra):
+        return ["--hf-checkpoint", tiny_hf_models("qwen2"), *extra]
+    return make
+
+
+def errors(argv):
+    return collect_errors(parse_config(argv, validate=False))
+
+
+def test_lora_flags_are_read_and_accepted(argv):
+    cfg = parse_config(argv("--lora-rank", "8", "--lora-alpha", "16", "--lora-dropout", "0.05",
+                            "--lora-target-modules", "q_proj", "self_attn.v_proj", "down_proj"), validate=False)
+    assert (cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_dropout) == (8, 16.0, 0.05)
+    assert cfg.lora.lora_target_modules == ["q_proj", "self_attn.v_proj", "down_proj"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert collect_errors(cfg) == []
+    assert parse_config(argv(), validate=False).lora.lora_rank == 0  # off by default
+
+
+def test_shaping_flags_without_a_rank_are_refused(argv):
+    found = errors(argv("--lora-alpha", "32", "--lora-target-modules", "q_proj"))
+    assert any("--lora-alpha shapes LoRA adapters, which are off: add --lora-rank R" in e for e in found), found
+    assert any(e.startswith("--lora-target-modules shapes LoRA adapters") for e in found), found
+
+
+def test_what_lora_cannot_do_yet_is_named(argv, tmp_path, tiny_hf_models):
+    found = errors(argv("--lora-rank", "4", "--lora-target-modules", "qkv_proj", "o_proj"))
+    assert any("--lora-target-modules qkv_proj: adaptable are q_proj" in e for e in found), found
+    found = errors(argv("--lora-rank", "4", "--lora-target-modules", "all-linear", "q_proj"))
+    assert any("all-linear already names every linear" in e for e in found), found
+    found = errors(argv("--lora-rank", "4", "--train-backend", "fsdp"))
+    assert any("--lora-rank 4 with --train-backend fsdp" in e for e in found), found
+    (tmp_path / "ref").mkdir()
+    found = errors(argv("--lora-rank", "4", "--ref-load", str(tmp_path / "ref")))
+    assert any("--ref-load with --lora-rank: a LoRA run's frozen weights are its base model" in e for e in found)
+    moe = ["--hf-checkpoint", tiny_hf_models("qwen3_moe")]
+    found = errors(moe + ["--lora-rank", "4"])
+    assert any("--lora-target-modules all-linear on an MoE model: adapters on expert linears" in e for e in found)
+    assert errors(moe + ["--lora-rank", "4", "--lora-target-modules", "q_proj", "o_proj"]) == [] or \
+        importlib.util.find_spec("transformer_engine") is not None
+    found = errors(["--hf-checkpoint", tiny_hf_models("deepseek_v3"), "--lora-rank", "4", "--lora-target-modules",
+                    "o_proj"])
+    assert any("deepseek_v3 model: adapters on multi-latent attention" in e for e in found), found
+    found = errors(argv("--lora-rank", "-1"))
+    assert any("--lora-rank -1 must be >= 0" in e for e in found), found
+    found = errors(argv("--lora-rank", "4", "--lora-dropout", "1.0"))
+    assert any("--lora-dropout" in e and "[0, 1)" in e for e in found), found
