@@ -70,10 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("hf-to-dist", "HF safetensors dir -> torch_dist dir"),
                         ("dist-to-hf", "torch_dist dir (or checkpoint root) -> HF safetensors dir"),
                         ("fsdp-to-hf", "fsdp checkpoint (--train-backend fsdp: iter_NNNNNNN dir or checkpoint root) "
-                                       "-> HF safetensors dir")):
+                                       "-> HF safetensors dir"),
+                        ("dist-to-peft", "a --lora-rank run's torch_dist checkpoint -> its adapters as a HF PEFT dir "
+                                         "(adapter_model.safetensors + adapter_config.json)")):
         p = sub.add_parser(name, help=help_, allow_abbrev=False)
         p.add_argument("--input", required=True, metavar="DIR")
         p.add_argument("--output", required=True, metavar="DIR")
+        if name == "dist-to-peft":
+            p.add_argument("--hf-config", metavar="DIR", help="dir with config.json (default: INPUT/hf_config)")
+            p.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
+            p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+            continue
+        if name == "dist-to-hf":
+            p.add_argument("--merge-lora", action="store_true",
+                           help="a --lora-rank run's checkpoint: fold the adapters into the weights (PEFT's "
+                                "merge_and_unload); without it such a checkpoint is refused")
         p.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
                        help="convert every tensor to this dtype (default: keep the source dtype)")
         p.add_argument("--verify", action="store_true",
@@ -104,6 +115,11 @@ def main(argv=None) -> int:
         from megatron_rl.convert.common import parse_dtype  # lazy: imports torch (--help stays instant)
         from megatron_rl.convert.safetensors_writer import parse_size  # lazy: imports torch
 
+        if args.direction == "dist-to-peft":
+            from megatron_rl.convert.lora_export import convert_dist_to_peft  # lazy: imports torch, megatron-core
+
+            return _report(args, convert_dist_to_peft(args.input, args.output, hf_config_dir=args.hf_config,
+                                                      overwrite=args.overwrite))
         if args.direction == "fsdp-to-hf":
             from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_hf  # lazy: imports torch, not megatron-core
 
@@ -127,7 +143,7 @@ def main(argv=None) -> int:
                 {"output": os.path.abspath(args.output), "files": len(summary.get("files", []))}
         else:
             summary = convert_dist_to_hf(args.input, args.output, hf_config_dir=args.hf_config,
-                                         max_shard_size=args.max_shard_size,
+                                         max_shard_size=args.max_shard_size, merge_lora=args.merge_lora,
                                          bucket_bytes=parse_size(args.bucket_size, "--bucket-size"), **kw)
     except MegatronRLError as e:
         _remove_temp_output(args.output)

@@ -112,6 +112,9 @@ def check_output_dir(out_dir: str, inputs: dict[str, Optional[str]], overwrite: 
     if kind == "torch_dist":
         ours = is_model_dir(out)
         what = f"a torch_dist dir written by hf-to-dist ({MARKER_NAME} with format {FORMAT!r})"
+    elif kind == "peft":
+        ours = os.path.isfile(os.path.join(out, "adapter_config.json"))
+        what = "a PEFT adapter dir (adapter_config.json)"
     else:
         ours = os.path.isfile(os.path.join(out, "config.json")) and (
             os.path.isfile(os.path.join(out, "model.safetensors")) or

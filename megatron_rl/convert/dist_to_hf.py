@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, streaming_load
+from megatron_rl.convert import common, lora_export, streaming_load
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.dist import all_ranks_ok, rank, rank0_do
@@ -52,7 +52,7 @@ NON_FINITE_FIX = ("such weights are no model to publish (a run whose weights div
 def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None, layout=None,
                        dtype: Optional[torch.dtype] = None, max_shard_size: str | int = "5GB",
                        verify: bool = False, overwrite: bool = False, show_progress: bool = True,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, merge_lora: bool = False) -> dict:
     """Convert a torch_dist dir to an HF dir ``out_dir``; returns a summary dict (rank 0's is complete)."""
     t0 = time.time()
     layout = layout or ParallelLayout()
@@ -70,12 +70,16 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     bridge = get_bridge(config_dir)
     model_dir.check_fingerprint(dist_dir, meta, bridge, config_dir)
     stored = dist_io.checkpoint_model_tensors(dist_dir)
-    adapters = dist_io.checkpoint_adapter_tensors(dist_dir)
-    if adapters or meta.get("lora"):
-        raise CheckpointError(f"torch_dist checkpoint {dist_dir} is a LoRA run's ({len(adapters)} adapter tensors, "
-                              f"e.g. {adapters[0] if adapters else meta.get('lora')}): its base weights alone are "
-                              "not the trained model, and exporting the adapters (a PEFT dir) or the merged model "
-                              "is not built yet (docs/lora.md)")
+    spec = lora_export.lora_spec_of(dist_dir, meta)
+    if spec is not None and not merge_lora:
+        raise CheckpointError(f"torch_dist checkpoint {dist_dir} is a LoRA run's (--lora-rank {spec.rank}): its base "
+                              "weights alone are not the trained model; add --merge-lora for the merged model, or "
+                              "use dist-to-peft for the adapters as a PEFT dir")
+    if spec is not None and verify:
+        raise CheckpointError("--verify compares the output with the checkpoint's weights, which --merge-lora changes "
+                              "on purpose: drop --verify")
+    if spec is None and merge_lora:
+        raise CheckpointError(f"--merge-lora: torch_dist checkpoint {dist_dir} holds no LoRA adapters; drop the flag")
     if not stored:
         raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no model tensors (keys under "
                               f"{', '.join(dist_io.MODEL_KEY_ROOTS)})")
@@ -86,6 +90,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
 
     streaming = streaming_load.can_stream(layout)
     dist_io.setup(layout)
+    deltas = {} if spec is None else lora_export.merged_deltas(
+        lora_export.read_peft_tensors(bridge, dist_dir, spec), spec)  # HF weight -> alpha/r B A
     # one process: read a bucket of parameters at a time; torchrun: every rank loads its shard, the
     # export gathers (collective)
     chunks, exported = streaming_load.hf_tensors_of(bridge, dist_dir, layout, stored_dtype, config_dir, streaming,
@@ -108,6 +114,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                     raise CheckpointError(f"export produced {name} {tuple(tensor.shape)}, which "
                                           f"{config_dir}/config.json does not have with that shape (expects "
                                           f"{expected.get(name)})")
+                if name in deltas:  # --merge-lora: PEFT's merge_and_unload, in float32
+                    tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
                 check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
                 writer.add(name, common.cast_checked(name, tensor, out_dtype))
                 seen.add(name)

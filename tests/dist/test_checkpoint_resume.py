@@ -162,18 +162,35 @@ def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_mode
     assert sizes == [want, want], (sizes, want)
     assert want < sum(p.numel() for p in hf.parameters()) / 10
     assert not any("lora" in n for n in w0)  # the engine's names: merged into the base weights
-    # its base weights alone are not the trained model: dist-to-hf refuses it, naming an adapter tensor
+    # its base weights alone are not the trained model: dist-to-hf refuses it without --merge-lora
     import subprocess
     import sys
 
+    from peft import PeftModel
+
     from _util import REPO
 
-    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-hf", "--input",
-                           str(out / "root_lora" / "iter_0000002"), "--output", str(out / "lora_hf"), "--no-progress"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "is a LoRA run's (" in proc.stderr and "lora.adapters.decoder/layers/" in \
-        proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    def convert(*args):
+        return subprocess.run([sys.executable, "tools/convert_ckpt.py", *args, "--input",
+                               str(out / "root_lora" / "iter_0000002")], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+
+    proc = convert("dist-to-hf", "--output", str(out / "lora_hf"), "--no-progress")
+    assert proc.returncode == 2 and "is a LoRA run's (--lora-rank 4)" in proc.stderr and "--merge-lora" in \
+        proc.stderr and "dist-to-peft" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (out / "lora_hf").exists()
+    # dist-to-peft: a PEFT dir that peft loads on the base model; merged, it is what the run synced its engine
+    # with at that step (the saving job's export of the merged weights)
+    proc = convert("dist-to-peft", "--output", str(out / "lora_peft"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = json.load(open(out / "lora_peft" / "adapter_config.json"))
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"])
+    merged = PeftModel.from_pretrained(hf, str(out / "lora_peft")).merge_and_unload().state_dict()
+    synced = torch.load(out / "save_lora_weights.pt")
+    worst = max((synced[n] - merged[n]).abs().max().item() for n in synced)
+    assert worst <= 1e-6, worst
 
 
 @pytest.mark.slow

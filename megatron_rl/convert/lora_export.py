@@ -1,0 +1,132 @@
+"""LoRA adapters out of a ``--lora-rank`` run's torch_dist checkpoint: as a HF PEFT directory, or merged.
+
+A LoRA checkpoint holds the base weights, the adapters (``lora.adapters.<linear>.lora_{A,B}.<i>``, the i-th
+adapted HF module of that megatron linear) and their optimizer state; its ``COMPLETE.json`` says the
+rank, alpha and target modules (``lora``). The adapters' global tensors are PEFT's own: a column-parallel
+linear's B is sharded over TP by rows, which megatron's checkpoint stitches back into the HF row order of
+that module; a row-parallel linear's A likewise by columns (``megatron_rl/models/lora.py``).
+
+* ``dist-to-peft``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
+  on the base model loads it; SGLang's ``/load_lora_adapter`` serves it);
+* ``dist-to-hf --merge-lora``: the full model with ``W + alpha / r * B A`` folded into each adapted weight
+  (PEFT's ``merge_and_unload``), what the run's engine was synced with.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Optional
+
+import torch
+
+from safetensors.torch import save_file
+
+from megatron_rl.convert import common
+from megatron_rl.errors import CheckpointError
+from megatron_rl.infra.atomic import atomic_write_json, publish_dir
+from megatron_rl.infra.checkpoint_root import temp_dir_for
+from megatron_rl.models import dist_io, get_bridge, model_dir
+from megatron_rl.models.lora import LoraSpec, peft_key
+from megatron_rl.models.parallel import ParallelLayout
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def lora_spec_of(dist_dir: str, meta: dict) -> Optional[LoraSpec]:
+    """The checkpoint's adapters (None: a full fine-tuning checkpoint); refuses adapters without their record."""
+    record = meta.get("lora")
+    if record is None:
+        if dist_io.checkpoint_adapter_tensors(dist_dir):
+            raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds LoRA adapter tensors but its COMPLETE.json "
+                                  "has no 'lora' record (rank, alpha, targets): it was written by an older version")
+        return None
+    return LoraSpec(int(record["rank"]), float(record["alpha"]), target_modules=tuple(record["target_modules"]))
+
+
+def read_peft_tensors(bridge, dist_dir: str, spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of the checkpoint under its PEFT key (full tensors; one process). Collective-free:
+    call after ``dist_io.setup`` of a one-rank layout."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor  # lazy: megatron
+
+    keys = dist_io.checkpoint_adapter_tensors(dist_dir)
+    if not keys:
+        raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no LoRA adapter tensors")
+    dc = dist_io.dist_checkpointing()
+    md = dc.load_tensors_metadata(dist_dir)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(md[k].global_shape), dtype=md[k].dtype),
+                                                  replica_id=0) for k in keys}
+    try:
+        loaded = dc.load(request, dist_dir, validate_access_integrity=False)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"reading the LoRA adapters of {dist_dir} failed ({type(e).__name__}: {e})") from e
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        head, which, index = key[len("lora.adapters."):].rsplit(".", 2)  # decoder/layers/0/..., lora_A, 0
+        canonical = head.replace("/", ".")
+        modules = [n[: -len(".weight")] for n in bridge.rule_for(canonical + ".weight").hf_names]
+        targeted = [m for m in modules if spec.targets(m)]
+        if int(index) >= len(targeted):
+            raise CheckpointError(f"{dist_dir}: adapter tensor {key} has no HF module among {targeted} (the "
+                                  f"checkpoint's --lora-target-modules {list(spec.target_modules)})")
+        tensor = loaded[key]
+        out[peft_key(targeted[int(index)], which[-1])] = tensor.data if hasattr(tensor, "data") else tensor
+    return out
+
+
+def merged_deltas(peft: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """HF weight name -> ``alpha / r * B A`` (float32) for every adapted module."""
+    deltas = {}
+    for key, a in peft.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[len("base_model.model."): -len(".lora_A.weight")]
+        b = peft[peft_key(module, "B")]
+        deltas[module + ".weight"] = (b.float() @ a.float()) * spec.scaling
+    return deltas
+
+
+def adapter_config(spec: LoraSpec, peft: dict[str, torch.Tensor], base: str) -> dict:
+    """PEFT's ``adapter_config.json`` for these adapters (plain LoRA: no rsLoRA, DoRA or bias)."""
+    modules = sorted({k[len("base_model.model."):].split(".lora_")[0].rsplit(".", 1)[-1] for k in peft})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+            "lora_dropout": spec.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+            "base_model_name_or_path": base, "inference_mode": True}
+
+
+def convert_dist_to_peft(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None,
+                         overwrite: bool = False) -> dict:
+    """A LoRA run's torch_dist checkpoint -> a PEFT adapter directory ``out_dir`` (written whole or not at all)."""
+    t0 = time.time()
+    given = dist_dir
+    dist_dir = model_dir.resolve_dist_dir(os.path.abspath(dist_dir))
+    common.refuse_other_kind(dist_dir, given, "dist-to-hf")  # the same checkpoint kinds as dist-to-hf
+    out_dir = os.path.abspath(out_dir)
+    common.check_output_dir(out_dir, {"--input": given, "--hf-config": hf_config_dir}, overwrite, "peft")
+    meta = model_dir.read_marker(dist_dir)
+    spec = lora_spec_of(dist_dir, meta)
+    if spec is None:
+        raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no LoRA adapters (a full fine-tuning run's): "
+                              "use dist-to-hf")
+    config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, model_dir.HF_CONFIG_SUBDIR))
+    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+        raise CheckpointError(f"no HF config for {dist_dir}: {config_dir}/config.json does not exist; pass "
+                              "--hf-config DIR (the HF dir the model was trained from)")
+    bridge = get_bridge(config_dir)
+    dist_io.setup(ParallelLayout())
+    peft = read_peft_tensors(bridge, dist_dir, spec)
+    tmp = temp_dir_for(out_dir)
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)  # a killed earlier run's leftovers (never loaded: hidden, unpublished)
+    os.makedirs(tmp)
+    save_file({k: v.contiguous() for k, v in peft.items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    atomic_write_json(os.path.join(tmp, ADAPTER_CONFIG), adapter_config(spec, peft, config_dir))
+    publish_dir(tmp, out_dir)
+    return {"output": out_dir, "format": "peft", "tensors": len(peft),
+            "dtype": common.dtype_name(next(iter(peft.values())).dtype), "rank": spec.rank, "alpha": spec.alpha,
+            "target_modules": list(spec.target_modules),
+            "seconds": round(time.time() - t0, 3)}
