@@ -405,6 +405,19 @@ def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
 AGENT_GENERATE = "megatron_rl.rollout.agent:generate"
 
 
+def _function_path_errors(errors: list[str], flag: str, value: str, example: str) -> None:
+    """A user function's path in a form the loader reads (``infra/user_function.py``): module:function,
+    path/to/file.py:function or slime's dotted module.function; a named file must exist."""
+    module, sep, fn = value.rpartition(":")
+    if not sep and not value.endswith(".py"):  # slime's dotted form, module.function
+        module, sep, fn = value.rpartition(".")
+    if not sep or not module or not fn:
+        errors.append(f"{flag} {value} must be module:function, path/to/file.py:function or module.function "
+                      f"{example}")
+    elif module.endswith(".py") and not os.path.isfile(module):
+        errors.append(f"{flag} {value}: no such file {module}")
+
+
 def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
     """``--custom-generate-function-path`` / ``--rollout-function-path`` (docs/agentic.md): their form here
     (the driver imports them, ``rollout/generate_fn.py::load_function``, before the engine loads), what they
@@ -414,14 +427,7 @@ def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
     for flag, value in (("--custom-generate-function-path", gen), ("--rollout-function-path", batch)):
         if value is None:
             continue
-        module, sep, fn = value.rpartition(":")
-        if not sep and not value.endswith(".py"):  # slime's dotted form, module.function
-            module, sep, fn = value.rpartition(".")
-        if not sep or not module or not fn:
-            errors.append(f"{flag} {value} must be module:function, path/to/file.py:function or module.function "
-                          "(e.g. my_rollout:generate)")
-        elif module.endswith(".py") and not os.path.isfile(module):
-            errors.append(f"{flag} {value}: no such file {module}")
+        _function_path_errors(errors, flag, value, "(e.g. my_rollout:generate)")
         if not cfg.has_rollout_engine:
             errors.append(f"{flag} {value} generates rollouts, but this run generates nothing (--debug-train-only / "
                           f"--load-debug-rollout-data): drop it")
@@ -456,14 +462,8 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
     a = cfg.algorithm
     path = a.custom_advantage_function_path
     if path is not None:
-        module, sep, fn = path.rpartition(":")
-        if not sep and not path.endswith(".py"):  # slime's dotted form, module.function
-            module, sep, fn = path.rpartition(".")
-        if not sep or not module or not fn:
-            errors.append(f"--custom-advantage-function-path {path} must be module:function, module.function or "
-                          "path/to/file.py:function (e.g. my_adv:compute), a function fn(args, rollout_data)")
-        elif module.endswith(".py") and not os.path.isfile(module):
-            errors.append(f"--custom-advantage-function-path {path}: no such file {module}")
+        _function_path_errors(errors, "--custom-advantage-function-path", path,
+                              "(e.g. my_adv:compute), a function fn(args, rollout_data)")
     if a.disable_rewards_normalization and a.advantage_estimator not in ("grpo", "gspo",
                                                                          "reinforce_plus_plus_baseline"):
         errors.append(f"--disable-rewards-normalization turns off the group baseline of grpo / gspo / "

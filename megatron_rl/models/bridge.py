@@ -148,10 +148,16 @@ class Bridge:
         return 0
 
     @property
-    def rotary_percent(self) -> float:
+    def _rope(self) -> dict[str, Any]:
+        """The RoPE settings, wherever config.json keeps them (transformers 5's ``rope_parameters``, or
+        ``rope_scaling``, which wins)."""
         rope = dict(self.cfg("rope_parameters", {}) or {})
         rope.update(self.cfg("rope_scaling", {}) or {})
-        return float(rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 1.0)))
+        return rope
+
+    @property
+    def rotary_percent(self) -> float:
+        return float(self._rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 1.0)))
 
     def router_config(self) -> dict[str, Any]:
         """megatron router fields: top-k over a softmax. ``norm_topk_prob``: softmax over the top-k
@@ -174,8 +180,7 @@ class Bridge:
         act = self.cfg("hidden_act", "silu")
         if act != "silu":
             problems.append(f"hidden_act={act!r} (only 'silu' gated MLPs)")
-        rope = dict(self.cfg("rope_parameters", {}) or {})
-        rope.update(self.cfg("rope_scaling", {}) or {})
+        rope = self._rope
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in (None, *self.rope_types):
             problems.append(f"rope scaling type {rope_type!r} (only {' / '.join(self.rope_types)} RoPE)")

@@ -163,12 +163,6 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
     rope_types = ("default", "yarn")
 
     @property
-    def _rope(self) -> dict[str, Any]:
-        rope = dict(self.cfg("rope_parameters", {}) or {})
-        rope.update(self.cfg("rope_scaling", {}) or {})
-        return rope
-
-    @property
     def _q_lora_rank(self) -> Any:
         return self.hf_config.get("q_lora_rank")  # null: q_proj, no q latent
 
@@ -283,12 +277,6 @@ class GptOssBridge(Bridge):
     rope_types = ("default", "yarn")
 
     _QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x), the gain fixed
-
-    @property
-    def _rope(self) -> dict[str, Any]:
-        rope = dict(self.cfg("rope_parameters", {}) or {})
-        rope.update(self.cfg("rope_scaling", {}) or {})
-        return rope
 
     @property
     def _yarn(self) -> bool:
