@@ -117,6 +117,11 @@ class LoraConfig:
                                      "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (or a dotted suffix), "
                                      "or all-linear. MoE expert linears and multi-latent attention are refused.",
                                      type=str, nargs="+", metavar="NAME")
+    lora_load: Optional[str] = flag(None, "Start the adapters from a HF PEFT dir (adapter_config.json + "
+                                    "adapter_model.safetensors, e.g. convert_ckpt.py dist-to-peft's output) instead "
+                                    "of PEFT's initialisation; its r, lora_alpha and target modules must equal the "
+                                    "--lora-* flags. The KL reference is then the base model plus this adapter (the "
+                                    "initial policy).", metavar="DIR")
 
 
 def parse_moe_layer_freq(text):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -711,6 +712,38 @@ def _check_fsdp(errors: list[str], cfg: Config) -> None:
 _LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _lora_load_errors(lo) -> list[str]:
+    """``--lora-load DIR``: a PEFT adapter dir whose settings are the run's (plain LoRA, same r, alpha, targets)."""
+    path = lo.lora_load
+    missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        return [f"--lora-load {path}: no {' or '.join(missing)} there (a HF PEFT adapter dir, e.g. the output of "
+                "tools/convert_ckpt.py dist-to-peft)"]
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as fh:
+            ac = json.load(fh)
+    except (OSError, ValueError) as e:
+        return [f"--lora-load {path}: adapter_config.json is not readable JSON ({e})"]
+    problems = []
+    if str(ac.get("peft_type", "LORA")).upper() != "LORA" or ac.get("use_dora") or ac.get("use_rslora"):
+        problems.append("only plain LoRA adapters load (not DoRA, rsLoRA or another PEFT type)")
+    if ac.get("r") != lo.lora_rank:
+        problems.append(f"its r is {ac.get('r')}: pass --lora-rank {ac.get('r')}")
+    if ac.get("lora_alpha") is None or float(ac["lora_alpha"]) != lo.lora_alpha:
+        problems.append(f"its lora_alpha is {ac.get('lora_alpha')}: pass --lora-alpha {ac.get('lora_alpha')}")
+    targets = ac.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else sorted(targets or [])
+
+    def linears(names) -> set[str]:  # the HF linears a target list adapts (all-linear: every one)
+        return set(_LORA_LINEARS) if "all-linear" in names else {n.rsplit(".", 1)[-1] for n in names}
+
+    if linears(targets) != linears(lo.lora_target_modules):
+        problems.append(f"its target_modules are {' '.join(targets)}: pass --lora-target-modules {' '.join(targets)}")
+    if ac.get("modules_to_save") or ac.get("rank_pattern") or ac.get("alpha_pattern"):
+        problems.append("modules_to_save / rank_pattern / alpha_pattern are not built")
+    return [f"--lora-load {path}: {p}" for p in problems]
+
+
 def _check_lora(errors: list[str], cfg: Config) -> None:
     """``--lora-*``: what the adapters cannot do (yet) is refused before any worker starts (docs/lora.md)."""
     lo = cfg.lora
@@ -719,7 +752,8 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
         return
     if lo.lora_rank == 0:
         for flag, given in (("--lora-alpha", lo.lora_alpha != 8.0), ("--lora-dropout", lo.lora_dropout != 0.0),
-                            ("--lora-target-modules", list(lo.lora_target_modules) != ["all-linear"])):
+                            ("--lora-target-modules", list(lo.lora_target_modules) != ["all-linear"]),
+                            ("--lora-load", lo.lora_load is not None)):
             if given:
                 errors.append(f"{flag} shapes LoRA adapters, which are off: add --lora-rank R or drop {flag}")
         return
@@ -744,6 +778,8 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
         if value:
             errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "
                           f"the base model, the adapters starting at zero); other weights under {flag} are not built")
+    if lo.lora_load is not None:
+        errors.extend(_lora_load_errors(lo))
     if importlib.util.find_spec("transformer_engine") is not None:
         errors.append("--lora-rank with transformer-engine installed: the adapters are built on megatron's local layer "
                       "spec, and the TE spec fuses the input norm into linear_qkv/linear_fc1 (the adapter would see "

@@ -58,3 +58,27 @@ def test_what_lora_cannot_do_yet_is_named(argv, tmp_path, tiny_hf_models):
     assert any("--lora-rank -1 must be >= 0" in e for e in found), found
     found = errors(argv("--lora-rank", "4", "--lora-dropout", "1.0"))
     assert any("--lora-dropout" in e and "[0, 1)" in e for e in found), found
+
+
+def test_lora_load_must_be_a_plain_peft_adapter_with_the_runs_settings(argv, tmp_path):
+    import json
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    found = errors(argv("--lora-rank", "4", "--lora-load", str(adapter)))
+    assert any(f"--lora-load {adapter}: no adapter_config.json or adapter_model.safetensors there" in e
+               for e in found), found
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"]}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    found = [e for e in errors(argv("--lora-rank", "4", "--lora-load", str(adapter))) if "--lora-load" in e]
+    assert any("its r is 8: pass --lora-rank 8" in e for e in found), found
+    assert any("its lora_alpha is 16: pass --lora-alpha 16" in e for e in found), found
+    assert any("its target_modules are q_proj v_proj: pass --lora-target-modules q_proj v_proj" in e for e in found)
+    ok = argv("--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "self_attn.q_proj", "v_proj",
+              "--lora-load", str(adapter))
+    assert not [e for e in errors(ok) if "--lora-load" in e]
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    assert any("only plain LoRA adapters load" in e for e in errors(ok)), errors(ok)
+    found = errors(argv("--lora-load", str(adapter)))
+    assert any("--lora-load shapes LoRA adapters, which are off" in e for e in found), found

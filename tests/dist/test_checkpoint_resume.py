@@ -27,6 +27,8 @@ reference snapshot and per-step RNG use make every piece of state matter.
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ import torch
 from _resume_checks import SCRIPT, SKIP, assert_resume_bitwise
 from _resume_checks import job as _job
 from _resume_checks import rec as _rec
-from _util import torchrun
+from _util import REPO, torchrun
 
 LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-parallel-size", "2"],
            # LoRA adapters (sharded over TP: column B / row A) under the distributed optimizer, base frozen
@@ -56,6 +58,11 @@ def ckpt(tmp_path_factory, tiny_hf_models):
     torchrun(SCRIPT, 2, [hf, str(out), *jobs], timeout=400)
     fb, inf = _corruption_roots(out, saves["tp"])
     jobs = [_job(tag=f"resume_{k}", flags=flags, steps=2, load=saves[k]) for k, flags in LAYOUTS.items()]
+    # the LoRA checkpoint's adapters as a PEFT dir, and a fresh run started from it (--lora-load)
+    peft = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-peft", "--input", saves["lora"],
+                           "--output", str(out / "lora_peft")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert peft.returncode == 0, peft.stderr[-3000:]
+    jobs.append(_job(tag="lora_load", flags=LAYOUTS["lora"] + ["--lora-load", str(out / "lora_peft")], steps=0))
     # interleaved pipeline (model0/model1 keys): load the TP2 checkpoint at PP2 x VPP2 and save it again
     vpp_save = str(out / "root_vpp" / "iter_0000002")
     jobs.append(_job(tag="vpp", flags=VPP, steps=0, load=saves["tp"], save=vpp_save))
@@ -163,26 +170,16 @@ def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_mode
     assert want < sum(p.numel() for p in hf.parameters()) / 10
     assert not any("lora" in n for n in w0)  # the engine's names: merged into the base weights
     # its base weights alone are not the trained model: dist-to-hf refuses it without --merge-lora
-    import subprocess
-    import sys
-
     from peft import PeftModel
 
-    from _util import REPO
-
-    def convert(*args):
-        return subprocess.run([sys.executable, "tools/convert_ckpt.py", *args, "--input",
-                               str(out / "root_lora" / "iter_0000002")], cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
-
-    proc = convert("dist-to-hf", "--output", str(out / "lora_hf"), "--no-progress")
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-hf", "--input",
+                           str(out / "root_lora" / "iter_0000002"), "--output", str(out / "lora_hf"), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "is a LoRA run's (--lora-rank 4)" in proc.stderr and "--merge-lora" in \
         proc.stderr and "dist-to-peft" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not (out / "lora_hf").exists()
-    # dist-to-peft: a PEFT dir that peft loads on the base model; merged, it is what the run synced its engine
-    # with at that step (the saving job's export of the merged weights)
-    proc = convert("dist-to-peft", "--output", str(out / "lora_peft"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # dist-to-peft (run by the fixture): a PEFT dir that peft loads on the base model; merged, it is what the
+    # run synced its engine with at that step (the saving job's export of the merged weights)
     cfg = json.load(open(out / "lora_peft" / "adapter_config.json"))
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"]) == ("LORA", 4, 8.0)
     assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -191,6 +188,8 @@ def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_mode
     synced = torch.load(out / "save_lora_weights.pt")
     worst = max((synced[n] - merged[n]).abs().max().item() for n in synced)
     assert worst <= 1e-6, worst
+    # a new run started from that PEFT dir (--lora-load) computes the checkpoint's log-probs, bit for bit
+    assert _rec(out, "lora_load")["logprobs_start"] == _rec(out, "save_lora")["logprobs_end"]
 
 
 @pytest.mark.slow

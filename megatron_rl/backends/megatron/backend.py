@@ -173,8 +173,14 @@ class MegatronBackend(TrainBackend):
             self.lora = lora.attach_lora(self.bridge, self.chunks, lora.LoraSpec(
                 cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_dropout, tuple(cfg.lora.lora_target_modules),
                 init_seed=cfg.runtime.seed))
+            if cfg.lora.lora_load:  # a PEFT adapter dir (validated against the flags before any worker started)
+                from safetensors.torch import load_file  # lazy: only a --lora-load run reads one
+
+                lora.load_peft_tensors(self.lora, load_file(os.path.join(cfg.lora.lora_load,
+                                                                         "adapter_model.safetensors")))
             if dist.get_rank() == 0:
-                log.info("%s", lora.describe(self.lora))
+                log.info("%s%s", lora.describe(self.lora),
+                         f", started from {cfg.lora.lora_load}" if cfg.lora.lora_load else "")
         self.model_config = self.chunks[0].config
         self.vocab_size = self.bridge.vocab_size
         self.padded_vocab_size = self.bridge.padded_vocab_size(self.layout.tp)
