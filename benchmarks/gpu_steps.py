@@ -40,8 +40,10 @@ Checks:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import math
 import os
 import sys
 import tempfile
@@ -52,7 +54,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "routing_replay")
+CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "routing_replay",
+          "lora")
 # a Qwen2-shaped model that fits one H200 many times over: the vocab is Qwen's (the [tokens, vocab] logits are
 # what RL steps spend memory on), the body is small so the check takes seconds
 GPU_MODEL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -199,6 +202,56 @@ def check_routing_replay(hf, batch, dry):
     if not agreement or any(a is None or not 0.0 < a <= 1.0 for a in agreement):
         raise RuntimeError(f"routing replay reported no or impossible route agreement: {agreement}")
     return {**out, "route_agreement": agreement, "r2_over_none_step_s": out["r2"]["step_s"] / out["none"]["step_s"]}
+
+
+def check_lora(hf, batch, dry):
+    """--lora-rank 16 (bf16, all-linear) against full fine-tuning on the same model and batch: the adapters train
+    (finite grad norms, the loss moves), the step time and peak memory as ratios, and the merged export the engine
+    gets differs from the base only in the adapted weights. Megatron's local layer spec: skipped where
+    transformer-engine is installed (validation refuses LoRA there)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return {"status": "skipped", "why": "transformer-engine is installed: LoRA runs on the local layer spec only"}
+    out: dict = {}
+    for name, extra in (("full", []), ("lora", ["--lora-rank", "16", "--lora-alpha", "32"])):
+        run = Run("megatron", hf, batch, ["--bf16", *extra])
+        try:
+            out[name] = run.train(batch["steps"])
+            if name == "lora":
+                merged = {n: t for bucket in run.backend.export_weights(1 << 28) for n, t in bucket}
+                with contextlib.ExitStack() as off:
+                    for adapters in run.backend.lora:
+                        off.enter_context(adapters_off(adapters))
+                    base = {n: t for bucket in run.backend.export_weights(1 << 28) for n, t in bucket}
+                moved = sorted(n for n in merged if not torch.equal(merged[n], base[n]))
+                out["moved_tensors"] = len(moved)
+                if not moved or any(not n.endswith("_proj.weight") for n in moved):
+                    raise RuntimeError(f"the merged export moved {moved[:6]}: expected the adapted projections only")
+        finally:
+            run.close()
+    norms = [m["train/grad_norm"] for m in out["lora"]["steps"]]
+    if not all(math.isfinite(g) and g > 0 for g in norms):
+        raise RuntimeError(f"LoRA grad norms {norms}")
+    return {**out, "lora_over_full_step_s": out["lora"]["step_s"] / out["full"]["step_s"],
+            "lora_over_full_peak": (out["lora"]["peak_gib"] / out["full"]["peak_gib"]
+                                    if out["full"]["peak_gib"] else None)}
+
+
+@contextlib.contextmanager
+def adapters_off(adapters):
+    """The base model's export: the adapters' B zeroed inside the block (merged() then adds nothing)."""
+    saved = [b.detach().clone() for _, a in adapters.items() for b in a.lora_B]
+    with torch.no_grad():
+        for _, a in adapters.items():
+            for b in a.lora_B:
+                b.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in zip((b for _, a in adapters.items() for b in a.lora_B), saved):
+                b.copy_(v)
 
 
 def check_train_step(hf, batch, dry):

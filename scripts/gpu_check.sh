@@ -20,7 +20,9 @@
 #             off on GPUs until this has run it), the fsdp backend (bf16, --optimizer-cpu-offload peak memory, --fp16 loss scaling, sleep/wake) and
 #             FP8 when transformer-engine imports (else the reason), torch_memory_saver's pause/resume of a
 #             tensor and of a whole megatron backend (freed memory, same bits after), --use-routing-replay on a
-#             Qwen3-MoE with full recompute (route agreement, step time vs without). Needs megatron-core for
+#             Qwen3-MoE with full recompute (route agreement, step time vs without), --lora-rank 16 vs full
+#             fine-tuning (bf16: grad norms, step time and peak memory ratios, the merged export moving only the
+#             adapted projections; skipped where transformer-engine imports). Needs megatron-core for
 #             the machine's Python 3.12 (and torch_memory_saver): carry them, `bash scripts/gpu_wheels.sh`
 #             fills gpu_wheels/ (5.2 MB)
 #

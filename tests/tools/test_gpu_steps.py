@@ -19,10 +19,11 @@ def test_gpu_steps_dry_run(tmp_path):
     out = tmp_path / "gpu_steps.json"
     torchrun(os.path.join(REPO, "benchmarks", "gpu_steps.py"), 1, ["--dry-run", "--json", str(out)], timeout=300)
     res = json.loads(out.read_text())
-    checks = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver")
+    checks = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "lora")
     assert {k: res[k]["status"] for k in checks} == \
         {"train_step": "ok", "optimizer_cpu_offload": "ok", "sleep_wake": "ok", "fsdp": "ok", "fp8": "skipped",
-         "memory_saver": "skipped"}
+         "memory_saver": "skipped", "lora": "ok"}
+    assert res["lora"]["moved_tensors"] > 0 and res["lora"]["lora_over_full_step_s"] > 0
     assert "FP8 needs a GPU" in res["fp8"]["why"] or "transformer-engine does not import" in res["fp8"]["why"]
     assert "it needs a GPU" in res["memory_saver"]["why"] or "does not import" in res["memory_saver"]["why"]
     assert res["train_step"]["ratio_step_to_bare"] > 0 and res["train_step"]["bare_megatron_core"]["micro_batches"] >= 1
