@@ -1,8 +1,9 @@
 """One bridge per HF family: only what differs from the Llama baseline."""
 
 import re
-from typing import Any
+from typing import Any, Optional
 
+from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.bridge import Bridge, ParamRule
 
@@ -391,7 +392,163 @@ class GptOssBridge(Bridge):
         return ParamRule("expert_gate_up" if linear == "linear_fc1" else "expert_down", (stacked,), expert)
 
 
+
+class Gemma3TextBridge(Bridge):
+    """Gemma 3 text (``gemma3_text``): embeddings times ``sqrt(hidden_size)``; every RMSNorm zero-centred
+    (``(1 + w)``, float32); four norms per layer (``input_layernorm`` and ``pre_feedforward_layernorm``
+    before attention / MLP, ``post_attention_layernorm`` and ``post_feedforward_layernorm`` on their
+    outputs before the residual add: megatron ``self_attn_bda.weight`` / ``mlp_bda.weight``, see
+    :mod:`megatron_rl.models.gemma`); q/k RMSNorm; GeGLU with the tanh GELU; softmax scale
+    ``query_pre_attn_scalar ** -0.5``; ``layer_types`` alternating sliding-window (``sliding_window`` keys)
+    and full attention, each with its own RoPE (``rope_parameters`` per layer type: sliding layers
+    ``rope_local_base_freq``, full layers ``rope_theta``; ``default`` or ``linear`` scaling);
+    ``final_logit_softcapping`` when set; tied embeddings by default. Local layer spec only (the
+    transformer-engine spec has no post-norms)."""
+
+    family = "gemma3_text"
+    model_types = ("gemma3_text",)
+    qk_norm = True
+    sliding_window_layers = True
+    rope_types = ("default", "linear")
+
+    @property
+    def tie_word_embeddings(self) -> bool:  # type: ignore[override]  # Gemma's default is tied
+        return bool(self.cfg("tie_word_embeddings", True))
+
+    @property
+    def _layer_types(self) -> list[str]:
+        return list(self.cfg("layer_types", None) or ["full_attention"] * self.num_layers)
+
+    def _rope_of(self, layer_type: str) -> dict[str, Any]:
+        """RoPE of one layer type: transformers 5 keeps one dict per layer type; older configs keep
+        ``rope_theta`` / ``rope_scaling`` for full layers and ``rope_local_base_freq`` for sliding ones."""
+        params = self.cfg("rope_parameters", {}) or {}
+        if layer_type in params:
+            return dict(params[layer_type])
+        if layer_type == "sliding_attention":
+            return {"rope_type": "default", "rope_theta": float(self.cfg("rope_local_base_freq", 10000.0))}
+        rope = {"rope_type": "default", "rope_theta": float(self.cfg("rope_theta", 1000000.0)),
+                **({k: v for k, v in params.items() if not isinstance(v, dict)})}
+        rope.update(self.cfg("rope_scaling", {}) or {})
+        return rope
+
+    @property
+    def _rope(self) -> dict[str, Any]:  # the full-attention layers' (what the base checks and GPTModel gets)
+        return self._rope_of("full_attention")
+
+    @property
+    def rope_theta(self) -> float:  # type: ignore[override]
+        return float(self._rope.get("rope_theta", 1000000.0))
+
+    def _layer_rope(self) -> dict[str, tuple[float, Any]]:
+        out = {}
+        for kind, layer_type in (("sliding", "sliding_attention"), ("full", "full_attention")):
+            rope = self._rope_of(layer_type)
+            linear = rope.get("rope_type", rope.get("type", "default")) == "linear"
+            out[kind] = (float(rope.get("rope_theta", 10000.0)), float(rope["factor"]) if linear else None)
+        return out
+
+    def architecture_config(self) -> dict[str, Any]:
+        import functools
+
+        import torch.nn.functional as F
+
+        kw: dict[str, Any] = dict(activation_func=functools.partial(F.gelu, approximate="tanh"),
+                                  bias_activation_fusion=False,
+                                  softmax_scale=float(self.cfg("query_pre_attn_scalar")) ** -0.5)
+        sliding = [1 if t == "sliding_attention" else 0 for t in self._layer_types]
+        if any(sliding):
+            kw.update(window_size=(int(self.cfg("sliding_window")) - 1, 0), window_attn_skip_freq=sliding)
+        return kw
+
+    def unsupported(self) -> list[str]:
+        problems = [p for p in super().unsupported() if not p.startswith("hidden_act=")]
+        act = self.cfg("hidden_activation", self.cfg("hidden_act", "gelu_pytorch_tanh"))
+        if act != "gelu_pytorch_tanh":
+            problems.append(f"hidden_activation={act!r} (only 'gelu_pytorch_tanh' GeGLU)")
+        if self.cfg("attn_logit_softcapping", None):
+            problems.append(f"attn_logit_softcapping={self.cfg('attn_logit_softcapping')} (megatron's attention "
+                            "has no score soft-capping)")
+        if self.cfg("use_bidirectional_attention", False):
+            problems.append("use_bidirectional_attention=true (causal attention only)")
+        if len(self._layer_types) != self.num_layers:
+            problems.append(f"layer_types has {len(self._layer_types)} entries for {self.num_layers} layers")
+        if "sliding_attention" in self._layer_types and not self.cfg("sliding_window", None):
+            problems.append("layer_types with sliding_attention but no sliding_window")
+        for layer_type in ("sliding_attention", "full_attention"):
+            rope = self._rope_of(layer_type)
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            if kind not in self.rope_types:
+                problems.append(f"{layer_type} rope_type {kind!r} (only {' / '.join(self.rope_types)} RoPE)")
+            elif kind == "linear" and not rope.get("factor"):
+                problems.append(f"{layer_type} linear rope_parameters without factor")
+        return problems
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        import dataclasses
+
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron_rl.models import gemma  # lazy: imports megatron-core
+        from megatron_rl.models.spec import layer_spec_flavour, local_layer_spec
+
+        if layer_spec_flavour() != "local":
+            raise BridgeError(f"{self.family} runs on megatron's local layer spec only (transformer-engine's spec "
+                              "has no post-attention / post-MLP norms); run without transformer-engine")
+        spec = local_layer_spec(num_experts=None, qk_layernorm=True)
+        layer = spec.submodules
+        attn = dataclasses.replace(layer.self_attention.submodules, q_layernorm=gemma.GemmaRMSNorm,
+                                   k_layernorm=gemma.GemmaRMSNorm)
+        self_attention = ModuleSpec(module=gemma.LayerRopeSelfAttention,
+                                    params={**layer.self_attention.params, "rope": self._layer_rope()},
+                                    submodules=attn)
+        eps = float(self.cfg("rms_norm_eps", 1e-6))
+        post_norm = ModuleSpec(module=gemma.PostNormBiasDropoutAdd,
+                               params=dict(config=config, hidden_size=self.hidden_size, eps=eps))
+        layer = dataclasses.replace(layer, input_layernorm=gemma.GemmaRMSNorm, pre_mlp_layernorm=gemma.GemmaRMSNorm,
+                                    self_attention=self_attention, self_attn_bda=post_norm, mlp_bda=post_norm)
+        return dataclasses.replace(spec, submodules=layer)
+
+    def final_norm(self):
+        from megatron_rl.models.gemma import GemmaRMSNorm  # lazy: imports megatron-core
+
+        return GemmaRMSNorm
+
+    def finish_model(self, model) -> None:
+        from megatron_rl.models.gemma import attach_model_hooks  # lazy: imports megatron-core
+
+        attach_model_hooks(model, self.hidden_size, self.cfg("final_logit_softcapping", None))
+
+    # ---------------------------------------------------------------- name maps
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_param_shapes()
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "pre_feedforward_layernorm.weight"] = (self.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (self.hidden_size,)
+        return shapes
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        shapes = super().megatron_param_shapes(flavour, tp_size)
+        for i in range(self.num_layers):
+            shapes[f"decoder.layers.{i}.self_attn_bda.weight"] = (self.hidden_size,)
+            shapes[f"decoder.layers.{i}.mlp_bda.weight"] = (self.hidden_size,)
+        return shapes
+
+    _NORMS = {"self_attn_bda.weight": "post_attention_layernorm.weight",
+              "mlp_bda.weight": "post_feedforward_layernorm.weight",
+              "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight"}
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2) in self._NORMS:
+            return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self._NORMS[m.group(2)]}",))
+        return super().rule_for(name)
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge)}
+                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
+                                       Gemma3TextBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}
