@@ -1,11 +1,14 @@
 """One bridge per HF family: only what differs from the Llama baseline."""
 
+import dataclasses
+import functools
 import re
 from typing import Any, Optional
 
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.bridge import Bridge, ParamRule
+from megatron_rl.models.spec import layer_spec_flavour, local_layer_spec
 
 
 class LlamaBridge(Bridge):
@@ -412,7 +415,7 @@ class Gemma3TextBridge(Bridge):
     rope_types = ("default", "linear")
 
     @property
-    def tie_word_embeddings(self) -> bool:  # type: ignore[override]  # Gemma's default is tied
+    def tie_word_embeddings(self) -> bool:  # Gemma's default is tied
         return bool(self.cfg("tie_word_embeddings", True))
 
     @property
@@ -437,7 +440,7 @@ class Gemma3TextBridge(Bridge):
         return self._rope_of("full_attention")
 
     @property
-    def rope_theta(self) -> float:  # type: ignore[override]
+    def rope_theta(self) -> float:  # the full-attention layers' (sliding layers: _layer_rope)
         return float(self._rope.get("rope_theta", 1000000.0))
 
     def _layer_rope(self) -> dict[str, tuple[float, Any]]:
@@ -449,9 +452,7 @@ class Gemma3TextBridge(Bridge):
         return out
 
     def architecture_config(self) -> dict[str, Any]:
-        import functools
-
-        import torch.nn.functional as F
+        import torch.nn.functional as F  # lazy: as the base's transformer_config
 
         kw: dict[str, Any] = dict(activation_func=functools.partial(F.gelu, approximate="tanh"),
                                   bias_activation_fusion=False,
@@ -479,23 +480,19 @@ class Gemma3TextBridge(Bridge):
             rope = self._rope_of(layer_type)
             kind = rope.get("rope_type", rope.get("type", "default"))
             if kind not in self.rope_types:
-                problems.append(f"{layer_type} rope_type {kind!r} (only {' / '.join(self.rope_types)} RoPE)")
+                if layer_type == "sliding_attention":  # the full layers' is the base class's check
+                    problems.append(f"{layer_type} rope_type {kind!r} (only {' / '.join(self.rope_types)} RoPE)")
             elif kind == "linear" and not rope.get("factor"):
                 problems.append(f"{layer_type} linear rope_parameters without factor")
         return problems
 
     # -------------------------------------------------------------------- spec
     def layer_spec(self, config, moe: Optional[bool] = None):
-        import dataclasses
-
-        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
 
         from megatron_rl.models import gemma  # lazy: imports megatron-core
-        from megatron_rl.models.spec import layer_spec_flavour, local_layer_spec
 
-        if layer_spec_flavour() != "local":
-            raise BridgeError(f"{self.family} runs on megatron's local layer spec only (transformer-engine's spec "
-                              "has no post-attention / post-MLP norms); run without transformer-engine")
+        self._local_spec_only(layer_spec_flavour())
         spec = local_layer_spec(num_experts=None, qk_layernorm=True)
         layer = spec.submodules
         attn = dataclasses.replace(layer.self_attention.submodules, q_layernorm=gemma.GemmaRMSNorm,
@@ -529,7 +526,14 @@ class Gemma3TextBridge(Bridge):
             shapes[p + "post_feedforward_layernorm.weight"] = (self.hidden_size,)
         return shapes
 
+    def _local_spec_only(self, flavour: str) -> None:
+        if flavour != "local":
+            raise BridgeError(f"{self.family} runs on megatron's local layer spec only (the transformer-engine "
+                              "spec has no post-attention / post-MLP norms and plain-gain fused norms); run "
+                              "without transformer-engine installed")
+
     def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        self._local_spec_only(flavour)
         shapes = super().megatron_param_shapes(flavour, tp_size)
         for i in range(self.num_layers):
             shapes[f"decoder.layers.{i}.self_attn_bda.weight"] = (self.hidden_size,)
@@ -544,6 +548,8 @@ class Gemma3TextBridge(Bridge):
         m = self._LAYER.match(name)
         if m and m.group(2) in self._NORMS:
             return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self._NORMS[m.group(2)]}",))
+        if m and m.group(2).endswith(".layer_norm_weight"):  # a transformer-engine fused norm
+            self._local_spec_only("transformer_engine")
         return super().rule_for(name)
 
 
