@@ -159,6 +159,8 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **o
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif "norm" in name and family == "gemma3_text":  # zero-centred gains: the norm scales by 1 + w
+                p.uniform_(-0.2, 0.2)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             elif name.endswith("sinks"):  # gpt-oss: sink logits of the order of the attention scores
