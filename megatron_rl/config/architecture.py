@@ -110,7 +110,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
                    and model_type not in CLAMPED_GLU_TYPES),
         "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),
         "norm_epsilon": (eps_key, c.get(eps_key, 1e-6)),
-        "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))),
+        "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get(
+            "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
         "rotary_percent": ("partial_rotary_factor",
                            float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
         # every supported family is a RoPE model; gpt-oss's YaRN is megatron's own embedding type

@@ -420,19 +420,25 @@ class Gemma3TextBridge(Bridge):
 
     @property
     def _layer_types(self) -> list[str]:
-        return list(self.cfg("layer_types", None) or ["full_attention"] * self.num_layers)
+        """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full, as transformers
+        derives them (pattern 6 when neither is given)."""
+        types = self.cfg("layer_types", None)
+        if types:
+            return list(types)
+        pattern = int(self.cfg("sliding_window_pattern", self.cfg("_sliding_window_pattern", 6)))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.num_layers)]
 
     def _rope_of(self, layer_type: str) -> dict[str, Any]:
-        """RoPE of one layer type: transformers 5 keeps one dict per layer type; older configs keep
-        ``rope_theta`` / ``rope_scaling`` for full layers and ``rope_local_base_freq`` for sliding ones."""
+        """RoPE of one layer type as transformers reads it: ``rope_parameters[layer_type]`` (transformers 5),
+        ``rope_scaling`` merged into the full layers'; a missing base is ``rope_theta`` (default 1e6) for
+        full layers and ``rope_local_base_freq`` (default 1e4) for sliding ones."""
         params = self.cfg("rope_parameters", {}) or {}
-        if layer_type in params:
-            return dict(params[layer_type])
-        if layer_type == "sliding_attention":
-            return {"rope_type": "default", "rope_theta": float(self.cfg("rope_local_base_freq", 10000.0))}
-        rope = {"rope_type": "default", "rope_theta": float(self.cfg("rope_theta", 1000000.0)),
-                **({k: v for k, v in params.items() if not isinstance(v, dict)})}
-        rope.update(self.cfg("rope_scaling", {}) or {})
+        rope = dict(params.get(layer_type) or {"rope_type": "default"})
+        if layer_type == "full_attention":
+            rope.update(self.cfg("rope_scaling", {}) or {})
+            rope.setdefault("rope_theta", float(self.cfg("rope_theta", 1000000.0)))
+        else:
+            rope.setdefault("rope_theta", float(self.cfg("rope_local_base_freq", 10000.0)))
         return rope
 
     @property
@@ -441,14 +447,14 @@ class Gemma3TextBridge(Bridge):
 
     @property
     def rope_theta(self) -> float:  # the full-attention layers' (sliding layers: _layer_rope)
-        return float(self._rope.get("rope_theta", 1000000.0))
+        return float(self._rope["rope_theta"])
 
     def _layer_rope(self) -> dict[str, tuple[float, Any]]:
         out = {}
         for kind, layer_type in (("sliding", "sliding_attention"), ("full", "full_attention")):
             rope = self._rope_of(layer_type)
             linear = rope.get("rope_type", rope.get("type", "default")) == "linear"
-            out[kind] = (float(rope.get("rope_theta", 10000.0)), float(rope["factor"]) if linear else None)
+            out[kind] = (float(rope["rope_theta"]), float(rope["factor"]) if linear else None)
         return out
 
     def architecture_config(self) -> dict[str, Any]:

@@ -221,6 +221,16 @@ def test_gemma3_text_maps_every_switch_to_megatron(single_rank):
     old = get_bridge({**legacy, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                       "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert old._layer_rope() == {"sliding": (1e4, None), "full": (1e6, 8.0)}
+    # no layer_types: every sliding_window_pattern-th layer full, as transformers derives them; bases default
+    import transformers
+
+    bare = {k: v for k, v in legacy.items() if k not in ("layer_types", "_sliding_window_pattern")}
+    for pattern in (2, 3):
+        hf = transformers.Gemma3TextConfig(**bare, sliding_window_pattern=pattern)
+        ours = get_bridge({**bare, "sliding_window_pattern": pattern})
+        assert ours._layer_types == hf.layer_types and "full_attention" in hf.layer_types
+        assert ours._layer_rope() == {kind: (hf.rope_parameters[f"{kind}_attention"]["rope_theta"], None)
+                                      for kind in ("sliding", "full")} == {"sliding": (1e4, None), "full": (1e6, None)}
 
 
 def test_deepseek_v3_maps_every_switch_to_megatron():
