@@ -30,7 +30,7 @@ from .schema import Config
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
@@ -38,6 +38,11 @@ MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, 
 # position_embedding_type "yarn" (MLA models take YaRN inside their attention instead)
 CLAMPED_GLU_TYPES = ("gpt_oss",)
 YARN_POSITION_TYPES = ("gpt_oss",)
+# Gemma 3: RoPE per layer type (rope_parameters.{full_attention, sliding_attention}; full layers' base is what
+# GPTModel gets, a linear factor is applied by the layer itself, not megatron's --rotary-scaling-factor), and
+# embeddings tied unless config.json says otherwise
+PER_LAYER_ROPE_TYPES = ("gemma3_text",)
+TIED_BY_DEFAULT_TYPES = ("gemma3_text",)
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
 
@@ -82,9 +87,13 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
     """``{field: (config.json key it comes from, value in Megatron's terms)}`` for an HF config."""
     c = text_config(hf)
     heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
-    rope: dict[str, Any] = dict(c.get("rope_parameters") or {})
-    rope.update(c.get("rope_scaling") or {})
     model_type = c.get("model_type")
+    rope: dict[str, Any] = dict(c.get("rope_parameters") or {})
+    per_layer_rope = model_type in PER_LAYER_ROPE_TYPES
+    if per_layer_rope and isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    rope.update(c.get("rope_scaling") or {})
+    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
     experts = _num_experts(c)
     eps_key = next((k for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if k in c), "rms_norm_eps")
     view: dict[str, tuple[str, Any]] = {
@@ -97,11 +106,12 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "kv_channels": ("head_dim", UNUSED) if model_type in MLA_TYPES else (
             "head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
         "vocab_size": ("vocab_size", c.get("vocab_size")),
-        "swiglu": ("hidden_act / model_type", c.get("hidden_act", "silu") == "silu"
+        "swiglu": ("hidden_act / model_type", act == "silu"
                    and model_type not in CLAMPED_GLU_TYPES),
         "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),
         "norm_epsilon": (eps_key, c.get(eps_key, 1e-6)),
-        "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))),
+        "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get(
+            "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
         "rotary_percent": ("partial_rotary_factor",
                            float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
         # every supported family is a RoPE model; gpt-oss's YaRN is megatron's own embedding type
@@ -113,8 +123,9 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "add_qkv_bias": ("model_type / attention_bias",
                          model_type in QKV_BIAS_TYPES or bool(c.get("attention_bias", False))),
         "qk_layernorm": ("model_type / use_qk_norm", model_type in QK_NORM_TYPES or bool(c.get("use_qk_norm"))),
-        "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get("tie_word_embeddings", False)),
-        "rotary_scaling_factor": ("rope_scaling.factor", float(rope.get("factor") or 1.0)),
+        "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get(
+            "tie_word_embeddings", model_type in TIED_BY_DEFAULT_TYPES)),
+        "rotary_scaling_factor": ("rope_scaling.factor", UNUSED if per_layer_rope else float(rope.get("factor") or 1.0)),
     }
     if model_type in MLA_TYPES:
         yarn = rope.get("rope_type", rope.get("type")) == "yarn"  # else megatron's MLA uses no mscale

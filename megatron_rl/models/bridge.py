@@ -337,7 +337,15 @@ class Bridge:
         specs = {m: self.layer_spec(config, moe=m) for m in {self.is_moe_layer(offset + i) for i in range(n)}}
         return TransformerBlockSubmodules(
             layer_specs=[specs[self.is_moe_layer(offset + i)] for i in range(n)],
-            layer_norm=final_norm_module())
+            layer_norm=self.final_norm())
+
+    def final_norm(self):
+        """The module class of the decoder's final norm (Gemma: zero-centred)."""
+        return final_norm_module()
+
+    def finish_model(self, model) -> None:
+        """Attach what a family computes outside megatron's modules to one built chunk (Gemma: the
+        embedding scale and logit soft-capping, as forward hooks)."""
 
     def padded_vocab_size(self, tp_size: int, divisible_by: int = 128) -> int:
         return weight_maps.padded_vocab_size(self.vocab_size, tp_size, divisible_by)
@@ -377,6 +385,7 @@ class Bridge:
                 parallel_output=True,
                 vp_stage=stage,
             )
+            self.finish_model(model)
             if torch.cuda.is_available() and not config.use_cpu_initialization:
                 model.cuda(torch.cuda.current_device())
             chunks.append(model)

@@ -1,10 +1,14 @@
 """One bridge per HF family: only what differs from the Llama baseline."""
 
+import dataclasses
+import functools
 import re
-from typing import Any
+from typing import Any, Optional
 
+from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.bridge import Bridge, ParamRule
+from megatron_rl.models.spec import layer_spec_flavour, local_layer_spec
 
 
 class LlamaBridge(Bridge):
@@ -391,7 +395,172 @@ class GptOssBridge(Bridge):
         return ParamRule("expert_gate_up" if linear == "linear_fc1" else "expert_down", (stacked,), expert)
 
 
+
+class Gemma3TextBridge(Bridge):
+    """Gemma 3 text (``gemma3_text``): embeddings times ``sqrt(hidden_size)``; every RMSNorm zero-centred
+    (``(1 + w)``, float32); four norms per layer (``input_layernorm`` and ``pre_feedforward_layernorm``
+    before attention / MLP, ``post_attention_layernorm`` and ``post_feedforward_layernorm`` on their
+    outputs before the residual add: megatron ``self_attn_bda.weight`` / ``mlp_bda.weight``, see
+    :mod:`megatron_rl.models.gemma`); q/k RMSNorm; GeGLU with the tanh GELU; softmax scale
+    ``query_pre_attn_scalar ** -0.5``; ``layer_types`` alternating sliding-window (``sliding_window`` keys)
+    and full attention, each with its own RoPE (``rope_parameters`` per layer type: sliding layers
+    ``rope_local_base_freq``, full layers ``rope_theta``; ``default`` or ``linear`` scaling);
+    ``final_logit_softcapping`` when set; tied embeddings by default. Local layer spec only (the
+    transformer-engine spec has no post-norms)."""
+
+    family = "gemma3_text"
+    model_types = ("gemma3_text",)
+    qk_norm = True
+    sliding_window_layers = True
+    rope_types = ("default", "linear")
+
+    @property
+    def tie_word_embeddings(self) -> bool:  # Gemma's default is tied
+        return bool(self.cfg("tie_word_embeddings", True))
+
+    @property
+    def _layer_types(self) -> list[str]:
+        """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full, as transformers
+        derives them (pattern 6 when neither is given)."""
+        types = self.cfg("layer_types", None)
+        if types:
+            return list(types)
+        pattern = int(self.cfg("sliding_window_pattern", self.cfg("_sliding_window_pattern", 6)))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.num_layers)]
+
+    def _rope_of(self, layer_type: str) -> dict[str, Any]:
+        """RoPE of one layer type as transformers reads it: ``rope_parameters[layer_type]`` (transformers 5),
+        ``rope_scaling`` merged into the full layers'; a missing base is ``rope_theta`` (default 1e6) for
+        full layers and ``rope_local_base_freq`` (default 1e4) for sliding ones."""
+        params = self.cfg("rope_parameters", {}) or {}
+        rope = dict(params.get(layer_type) or {"rope_type": "default"})
+        if layer_type == "full_attention":
+            rope.update(self.cfg("rope_scaling", {}) or {})
+            rope.setdefault("rope_theta", float(self.cfg("rope_theta", 1000000.0)))
+        else:
+            rope.setdefault("rope_theta", float(self.cfg("rope_local_base_freq", 10000.0)))
+        return rope
+
+    @property
+    def _rope(self) -> dict[str, Any]:  # the full-attention layers' (what the base checks and GPTModel gets)
+        return self._rope_of("full_attention")
+
+    @property
+    def rope_theta(self) -> float:  # the full-attention layers' (sliding layers: _layer_rope)
+        return float(self._rope["rope_theta"])
+
+    def _layer_rope(self) -> dict[str, tuple[float, Any]]:
+        out = {}
+        for kind, layer_type in (("sliding", "sliding_attention"), ("full", "full_attention")):
+            rope = self._rope_of(layer_type)
+            linear = rope.get("rope_type", rope.get("type", "default")) == "linear"
+            out[kind] = (float(rope["rope_theta"]), float(rope["factor"]) if linear else None)
+        return out
+
+    def architecture_config(self) -> dict[str, Any]:
+        import torch.nn.functional as F  # lazy: as the base's transformer_config
+
+        kw: dict[str, Any] = dict(activation_func=functools.partial(F.gelu, approximate="tanh"),
+                                  bias_activation_fusion=False,
+                                  softmax_scale=float(self.cfg("query_pre_attn_scalar")) ** -0.5)
+        sliding = [1 if t == "sliding_attention" else 0 for t in self._layer_types]
+        if any(sliding):
+            kw.update(window_size=(int(self.cfg("sliding_window")) - 1, 0), window_attn_skip_freq=sliding)
+        return kw
+
+    def unsupported(self) -> list[str]:
+        problems = [p for p in super().unsupported() if not p.startswith("hidden_act=")]
+        act = self.cfg("hidden_activation", self.cfg("hidden_act", "gelu_pytorch_tanh"))
+        if act != "gelu_pytorch_tanh":
+            problems.append(f"hidden_activation={act!r} (only 'gelu_pytorch_tanh' GeGLU)")
+        if self.cfg("attn_logit_softcapping", None):
+            problems.append(f"attn_logit_softcapping={self.cfg('attn_logit_softcapping')} (megatron's attention "
+                            "has no score soft-capping)")
+        if self.cfg("use_bidirectional_attention", False):
+            problems.append("use_bidirectional_attention=true (causal attention only)")
+        if len(self._layer_types) != self.num_layers:
+            problems.append(f"layer_types has {len(self._layer_types)} entries for {self.num_layers} layers")
+        if "sliding_attention" in self._layer_types and not self.cfg("sliding_window", None):
+            problems.append("layer_types with sliding_attention but no sliding_window")
+        for layer_type in ("sliding_attention", "full_attention"):
+            rope = self._rope_of(layer_type)
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            if kind not in self.rope_types:
+                if layer_type == "sliding_attention":  # the full layers' is the base class's check
+                    problems.append(f"{layer_type} rope_type {kind!r} (only {' / '.join(self.rope_types)} RoPE)")
+            elif kind == "linear" and not rope.get("factor"):
+                problems.append(f"{layer_type} linear rope_parameters without factor")
+        return problems
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
+
+        from megatron_rl.models import gemma  # lazy: imports megatron-core
+
+        self._local_spec_only(layer_spec_flavour())
+        spec = local_layer_spec(num_experts=None, qk_layernorm=True)
+        layer = spec.submodules
+        attn = dataclasses.replace(layer.self_attention.submodules, q_layernorm=gemma.GemmaRMSNorm,
+                                   k_layernorm=gemma.GemmaRMSNorm)
+        self_attention = ModuleSpec(module=gemma.LayerRopeSelfAttention,
+                                    params={**layer.self_attention.params, "rope": self._layer_rope()},
+                                    submodules=attn)
+        eps = float(self.cfg("rms_norm_eps", 1e-6))
+        post_norm = ModuleSpec(module=gemma.PostNormBiasDropoutAdd,
+                               params=dict(config=config, hidden_size=self.hidden_size, eps=eps))
+        layer = dataclasses.replace(layer, input_layernorm=gemma.GemmaRMSNorm, pre_mlp_layernorm=gemma.GemmaRMSNorm,
+                                    self_attention=self_attention, self_attn_bda=post_norm, mlp_bda=post_norm)
+        return dataclasses.replace(spec, submodules=layer)
+
+    def final_norm(self):
+        from megatron_rl.models.gemma import GemmaRMSNorm  # lazy: imports megatron-core
+
+        return GemmaRMSNorm
+
+    def finish_model(self, model) -> None:
+        from megatron_rl.models.gemma import attach_model_hooks  # lazy: imports megatron-core
+
+        attach_model_hooks(model, self.hidden_size, self.cfg("final_logit_softcapping", None))
+
+    # ---------------------------------------------------------------- name maps
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_param_shapes()
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "pre_feedforward_layernorm.weight"] = (self.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (self.hidden_size,)
+        return shapes
+
+    def _local_spec_only(self, flavour: str) -> None:
+        if flavour != "local":
+            raise BridgeError(f"{self.family} runs on megatron's local layer spec only (the transformer-engine "
+                              "spec has no post-attention / post-MLP norms and plain-gain fused norms); run "
+                              "without transformer-engine installed")
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        self._local_spec_only(flavour)
+        shapes = super().megatron_param_shapes(flavour, tp_size)
+        for i in range(self.num_layers):
+            shapes[f"decoder.layers.{i}.self_attn_bda.weight"] = (self.hidden_size,)
+            shapes[f"decoder.layers.{i}.mlp_bda.weight"] = (self.hidden_size,)
+        return shapes
+
+    _NORMS = {"self_attn_bda.weight": "post_attention_layernorm.weight",
+              "mlp_bda.weight": "post_feedforward_layernorm.weight",
+              "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight"}
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2) in self._NORMS:
+            return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self._NORMS[m.group(2)]}",))
+        if m and m.group(2).endswith(".layer_norm_weight"):  # a transformer-engine fused norm
+            self._local_spec_only("transformer_engine")
+        return super().rule_for(name)
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge)}
+                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
+                                       Gemma3TextBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -100,6 +100,22 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         router_aux_loss_coef=0.0,
         output_router_logits=False,
     ),
+    # every switch on: layers alternating a 4-key sliding window and full attention, each layer type with
+    # its own RoPE (sliding: base 10000; full: base 500 with linear scaling 2), a softmax scale from
+    # query_pre_attn_scalar (24, not head_dim), final logit soft-capping, tied embeddings (scaled by
+    # sqrt(hidden)), four zero-centred norms per layer and q/k norms, GeGLU (tanh GELU)
+    "gemma3_text": dict(
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}},
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+        attn_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -118,6 +134,7 @@ def tiny_config(family: str, **overrides: Any):
         "glm4_moe": transformers.Glm4MoeConfig,
         "deepseek_v3": transformers.DeepseekV3Config,
         "gpt_oss": transformers.GptOssConfig,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -142,6 +159,8 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **o
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif "norm" in name and family == "gemma3_text":  # zero-centred gains: the norm scales by 1 + w
+                p.uniform_(-0.2, 0.2)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             elif name.endswith("sinks"):  # gpt-oss: sink logits of the order of the attention scores

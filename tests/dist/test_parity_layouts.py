@@ -52,6 +52,7 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     llama, qwen2 = tiny_hf_models("llama"), tiny_hf_models("qwen2")
     deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
+    gemma = tiny_hf_models("gemma3_text")
     entries = [
         entry("dense_dp2", "qwen3", dense, checks="grads+optim"),
         entry("dense_tp2", "qwen3", dense, tp=2, checks="grads+optim"),
@@ -75,6 +76,11 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         *[e for e in family_entries("gpt_oss", gptoss) if not e.startswith("gpt_oss_cp2:")],
         entry("gpt_oss_cp2", "gpt_oss", gptoss, cp=2, checks="grads"),
         entry("gpt_oss_tp2_sp", "gpt_oss", gptoss, tp=2, etp=1, sp=1),
+        # gemma3: per-layer-type RoPE and windows through THD packing and CP2, post-norms (the layers' bda
+        # weights) and tied scaled embeddings with their gradients, under SP too
+        *[e for e in family_entries("gemma3_text", gemma, moe=False) if not e.startswith("gemma3_text_cp2:")],
+        entry("gemma3_text_cp2", "gemma3_text", gemma, cp=2, checks="grads"),
+        entry("gemma3_text_tp2_sp", "gemma3_text", gemma, tp=2, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)

@@ -82,6 +82,9 @@ _DS_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max
             "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
+_GEMMA_YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128}
+
+
 @pytest.mark.parametrize("family, overrides, needle", [
     ("mixtral", dict(sliding_window=4096), "sliding_window=4096"),
     ("mixtral", dict(router_jitter_noise=0.01), "router_jitter_noise=0.01"),
@@ -111,6 +114,15 @@ _DS_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max
     ("gpt_oss", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.2,
                                       "original_max_position_embeddings": 128}), "yarn attention_factor=1.2"),
     ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "mxfp4"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    ("gemma3_text", dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention=true"),
+    ("gemma3_text", dict(sliding_window=None), "sliding_attention but no sliding_window"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "full_attention": _GEMMA_YARN}), "rope scaling type 'yarn'"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": _GEMMA_YARN,
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+     "sliding_attention rope_type 'yarn'"),
 ])
 def test_moe_family_features_megatron_cannot_express_are_refused(family, overrides, needle):
     """Each refused by name in Bridge.unsupported(), never approximated."""
@@ -178,6 +190,47 @@ def test_gpt_oss_maps_every_switch_to_megatron(single_rank, tiny_hf_models):
     for layout in (ParallelLayout(tp=2), ParallelLayout(tp=2, etp=2)):  # ETP defaults to TP
         with pytest.raises(BridgeError, match="--expert-tensor-parallel-size 1"):
             bridge.transformer_config(layout)
+
+
+def test_gemma3_text_maps_every_switch_to_megatron(single_rank):
+    """The tiny gemma3_text turns every switch on; the megatron config and layer spec carry each."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from megatron_rl.models import gemma
+    from megatron_rl.models.hf_tiny import tiny_config
+
+    bridge = get_bridge(tiny_config("gemma3_text").to_dict())
+    tc = bridge.transformer_config(single_rank)
+    assert tc.softmax_scale == 24 ** -0.5 and tc.window_size == (3, 0) and tc.window_attn_skip_freq == [1, 0, 1, 0]
+    assert isinstance(tc.activation_func, functools.partial) and tc.activation_func.func is F.gelu
+    assert tc.activation_func.keywords == {"approximate": "tanh"} and tc.gated_linear_unit and tc.qk_layernorm
+    assert bridge.tie_word_embeddings and bridge.rope_theta == 500.0
+    layer = bridge.layer_spec(tc).submodules
+    assert layer.self_attention.params["rope"] == {"sliding": (10000.0, None), "full": (500.0, 2.0)}
+    assert layer.input_layernorm is gemma.GemmaRMSNorm and layer.pre_mlp_layernorm is gemma.GemmaRMSNorm
+    assert layer.self_attn_bda.module is gemma.PostNormBiasDropoutAdd
+    assert layer.mlp_bda.module is gemma.PostNormBiasDropoutAdd
+    assert bridge.rule_for("decoder.layers.2.self_attn_bda.weight").hf_names == (
+        "model.layers.2.post_attention_layernorm.weight",)
+    assert bridge.rule_for("decoder.layers.2.pre_mlp_layernorm.weight").hf_names == (
+        "model.layers.2.pre_feedforward_layernorm.weight",)
+    # transformers' older spelling: rope_theta / rope_scaling for full layers, rope_local_base_freq for sliding
+    legacy = {k: v for k, v in tiny_config("gemma3_text").to_dict().items() if k != "rope_parameters"}
+    old = get_bridge({**legacy, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                      "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert old._layer_rope() == {"sliding": (1e4, None), "full": (1e6, 8.0)}
+    # no layer_types: every sliding_window_pattern-th layer full, as transformers derives them; bases default
+    import transformers
+
+    bare = {k: v for k, v in legacy.items() if k not in ("layer_types", "_sliding_window_pattern")}
+    for pattern in (2, 3):
+        hf = transformers.Gemma3TextConfig(**bare, sliding_window_pattern=pattern)
+        ours = get_bridge({**bare, "sliding_window_pattern": pattern})
+        assert ours._layer_types == hf.layer_types and "full_attention" in hf.layer_types
+        assert ours._layer_rope() == {kind: (hf.rope_parameters[f"{kind}_attention"]["rope_theta"], None)
+                                      for kind in ("sliding", "full")} == {"sliding": (1e4, None), "full": (1e6, None)}
 
 
 def test_deepseek_v3_maps_every_switch_to_megatron():

@@ -113,7 +113,7 @@ def main():
             if bridge.tie_word_embeddings:
                 hf_grads.pop("lm_head.weight", None)
             got = export_of(bridge, chunks, lambda p: p.main_grad)
-            buffers = hf_buffer_names(hf)
+            buffers = hf_buffer_names(hf) - {"lm_head.weight"}  # tied: in HF's state dict, not a parameter
             assert buffers <= set(got), buffers - set(got)
             got = {n: t for n, t in got.items() if n not in buffers}
             assert set(got) == set(hf_grads), set(got) ^ set(hf_grads)
