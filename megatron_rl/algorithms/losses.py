@@ -98,6 +98,7 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
 
     * ``token_mean``: ``sum(x * mask) / global_tokens``.
     * ``seq_mean_token_mean``: ``sum_i mean_{t in i}(x) / global_samples``.
+    * ``seq_mean_token_sum``: ``sum_i sum_{t in i}(x) / global_samples`` (verl's seq-mean-token-sum).
     * ``seq_mean_token_sum_norm`` (Dr.GRPO): ``sum(x * mask) / (global_samples * max_response_length)``.
 
     ``global_samples`` counts every sample, fully masked ones included (they add 0
@@ -110,12 +111,14 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
         tok = _segment_sum(loss_mask.to(per_token.dtype), response_lengths)
         seq = _segment_sum(masked, response_lengths) / tok.clamp(min=1.0)
         return seq.sum() / max(denoms.global_samples, 1)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / max(denoms.global_samples, 1)
     if mode == "seq_mean_token_sum_norm":
         if max_response_length <= 0:
             raise ValueError("seq_mean_token_sum_norm needs max_response_length > 0 (--rollout-max-response-len)")
         return masked.sum() / (max(denoms.global_samples, 1) * max_response_length)
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; use token_mean, seq_mean_token_mean or "
-                     f"seq_mean_token_sum_norm")
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; use token_mean, seq_mean_token_mean, "
+                     f"seq_mean_token_sum or seq_mean_token_sum_norm")
 
 
 def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor,
@@ -132,6 +135,64 @@ def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask
     seq = _segment_sum(delta, lengths) / _segment_sum(mask, lengths).clamp(min=1.0)
     seq_tok = seq.repeat_interleave(lengths.to(seq.device))
     return seq_tok + logprobs - logprobs.detach()
+
+
+@dataclass
+class PolicyGradientTerms:
+    """Per-token policy-gradient loss of a ``--policy-loss-type`` other than vanilla (``pg`` carries the graph),
+    the ratio ``exp(clamp(logp - old, +-20))`` and which tokens its clip acted on (None: the loss has no clip)."""
+
+    pg: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor | None
+
+
+def policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                          loss_mask: torch.Tensor, response_lengths, cfg: PolicyGradientConfig) -> PolicyGradientTerms:
+    """The per-token loss of ``cfg.policy_loss_type`` (verl's loss_mode of that name; formulas in docs/algorithms.md).
+
+    Always the torch path (the fused kernels implement the vanilla PPO surrogate only), in float32 at least:
+    bf16/fp16 log-probs are upcast, gradients reach them through the cast. ``eps_low``/``eps_high`` are
+    ``--eps-clip`` / ``--eps-clip-high``.
+
+    * ``cispo``: ``-sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logp`` (MiniMax-M1; its gradient is the clipped
+      weight times ``A * grad logp`` for every token, clipped or not).
+    * ``gpg``: ``-A * logp`` (GPG: plain policy gradient, no ratio).
+    * ``sapo``: ``-(4 / tau) * sigmoid(tau * (r - 1)) * A``, ``tau = --sapo-tau-pos`` if ``A > 0`` else
+      ``--sapo-tau-neg`` (SAPO's soft gate in place of the clip).
+    * ``geo_mean`` (GMPO): per sequence ``-mean_t(A) * exp(mean_t(x_t))`` over loss tokens, ``x_t`` the log-ratio
+      clipped to ``[-eps_low, eps_high]`` on the side the advantage's sign selects
+      (``sign(A) * min(sign(A) lr, sign(A) clamp(lr))``). The sequence's value sits on each of its tokens, so
+      ``seq_mean_token_mean`` (the only aggregation it takes) gives the mean over sequences exactly, gradient
+      included.
+    """
+    kind = cfg.policy_loss_type
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    lp, old, adv = logprobs.to(dtype), old_logprobs.to(dtype), advantages.to(dtype)
+    log_ratio = (lp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    eps_low, eps_high = cfg.eps_clip, cfg.clip_high
+    if kind == "cispo":
+        weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
+        return PolicyGradientTerms(-weight * adv * lp, ratio, ratio.detach() != weight)
+    if kind == "gpg":
+        return PolicyGradientTerms(-adv * lp, ratio, None)
+    if kind == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+        return PolicyGradientTerms(-torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, ratio, None)
+    if kind == "geo_mean":
+        lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+        mask = loss_mask.to(dtype)
+        sign = torch.sign(adv)
+        bounded = log_ratio.clamp(-eps_low, eps_high)
+        x = sign * torch.minimum(sign * log_ratio, sign * bounded)
+        count = _segment_sum(mask, lengths).clamp(min=1.0)
+        seq_log_ratio = _segment_sum(x * mask, lengths) / count
+        seq_adv = _segment_sum(adv * mask, lengths) / count
+        seq_loss = -seq_adv * torch.exp(seq_log_ratio)
+        clipped = (log_ratio != bounded) & (adv != 0)
+        return PolicyGradientTerms(seq_loss.repeat_interleave(lengths.to(seq_loss.device)), ratio, clipped)
+    raise ValueError(f"unknown policy loss {kind!r} (--policy-loss-type)")
 
 
 def _msum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,7 +386,9 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     kernel_tis = cfg.use_tis and cfg.tis_level == "token" and cfg.tis_mode == "truncate"
     ref = need("ref_logprobs", "--kl-loss-coef") if (cfg.kl_loss_coef or x.ref_logprobs is not None) else None
     token_log_ratio = x.logprobs - old
-    use_ppo = cfg.advantage_estimator != "none" and not cfg.use_gspo
+    # Only the vanilla PPO surrogate may come from a fused kernel: other --policy-loss-type values are formed
+    # on the torch path (policy_gradient_terms), the kernels then give only the KL and TIS terms.
+    use_ppo = cfg.advantage_estimator != "none" and not cfg.use_gspo and cfg.policy_loss_type == "vanilla"
     # The per-token terms (TIS weight, PPO surrogate, KL) come from the ops dispatch: torch or a fused kernel.
     terms = policy_loss_terms(
         x.logprobs, old, x.advantages,
@@ -349,7 +412,11 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     metrics["ppo_kl"] = _msum(-token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), mask)
     loss = x.logprobs.new_zeros(())
     if cfg.advantage_estimator != "none":
-        if cfg.use_gspo:
+        dual = None
+        if cfg.policy_loss_type != "vanilla":
+            alt = policy_gradient_terms(x.logprobs, old, x.advantages, mask, lengths, cfg)
+            pg, ratio, clipped = alt.pg, alt.ratio, alt.clipped
+        elif cfg.use_gspo:
             log_ratio = gspo_log_ratio(x.logprobs, old, mask, lengths)
             pg, ratio, clipped, dual = ppo_clip_per_token(log_ratio, x.advantages, cfg.gspo_eps_clip,
                                                           cfg.gspo_eps_clip_high)
@@ -357,8 +424,10 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
             pg, ratio, clipped, dual = terms.pg, terms.ratio, terms.clipped, terms.dual
         loss = loss + agg(weight * pg)
         metrics["pg_loss"] = _msum(pg, mask)
-        metrics["clip_frac"] = _msum(clipped.double(), mask)
-        metrics["dual_clip_frac"] = _msum(dual.double(), mask)
+        if clipped is not None:
+            metrics["clip_frac"] = _msum(clipped.double(), mask)
+        if dual is not None:
+            metrics["dual_clip_frac"] = _msum(dual.double(), mask)
         metrics["ratio"] = _msum(ratio, mask)
         metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
     if ref is not None:
