@@ -148,6 +148,9 @@ class PolicyGradientConfig:
     def _check_policy_loss(self, bad) -> None:
         """--policy-loss-type with what it combines with (validate.py refuses the same before workers start)."""
         kind = self.policy_loss_type
+        if kind != "sapo" and (self.sapo_tau_pos, self.sapo_tau_neg) != (1.0, 1.05):
+            bad("--sapo-tau-pos/--sapo-tau-neg", (self.sapo_tau_pos, self.sapo_tau_neg),
+                "they shape the SAPO gate: add --policy-loss-type sapo or drop them")
         if kind == "vanilla":
             return
         if self.use_gspo:
@@ -170,9 +173,6 @@ class PolicyGradientConfig:
         if kind == "sapo" and not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
             bad("--sapo-tau-pos/--sapo-tau-neg", (self.sapo_tau_pos, self.sapo_tau_neg),
                 "the gate temperatures must be > 0, e.g. 1.0 and 1.05 (verl's defaults)")
-        if kind != "sapo" and (self.sapo_tau_pos, self.sapo_tau_neg) != (1.0, 1.05):
-            bad("--sapo-tau-pos/--sapo-tau-neg", (self.sapo_tau_pos, self.sapo_tau_neg),
-                "they shape the SAPO gate: add --policy-loss-type sapo or drop them")
 
     def _check_off_policy(self, bad) -> None:
         """The --tis-level/--tis-mode and --use-rs flags: known values, bounds that keep an on-policy

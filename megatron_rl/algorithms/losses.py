@@ -412,7 +412,10 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     metrics["ppo_kl"] = _msum(-token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), mask)
     loss = x.logprobs.new_zeros(())
     if cfg.advantage_estimator != "none":
-        dual = None
+        pg: torch.Tensor | None
+        ratio: torch.Tensor | None
+        clipped: torch.Tensor | None
+        dual: torch.Tensor | None = None
         if cfg.policy_loss_type != "vanilla":
             alt = policy_gradient_terms(x.logprobs, old, x.advantages, mask, lengths, cfg)
             pg, ratio, clipped = alt.pg, alt.ratio, alt.clipped
@@ -422,6 +425,7 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
                                                           cfg.gspo_eps_clip_high)
         else:
             pg, ratio, clipped, dual = terms.pg, terms.ratio, terms.clipped, terms.dual
+        assert pg is not None and ratio is not None, "the policy term is asked for whenever it is used"
         loss = loss + agg(weight * pg)
         metrics["pg_loss"] = _msum(pg, mask)
         if clipped is not None:
