@@ -17,7 +17,7 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "se
 # --policy-loss-type: verl's policy_loss.loss_mode names (docs/algorithms.md, "Policy loss"). vanilla is the
 # PPO clip (GSPO is --advantage-estimator gspo). geo_mean and sapo are means over sequences (verl forces
 # seq-mean-token-mean for them), so they only take seq_mean_token_mean.
-POLICY_LOSSES = ("vanilla", "cispo", "gpg", "geo_mean", "sapo")
+POLICY_LOSSES = ("vanilla", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")
 SEQUENCE_MEAN_LOSSES = ("geo_mean", "sapo")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # k3 and low_var_kl: the same clamped estimator (verl)
 # Off-policy correction (docs/algorithms.md, "Off-policy correction"): the level at which the ratio
@@ -44,6 +44,11 @@ class PolicyGradientConfig:
     policy_loss_type: str = "vanilla"  # --policy-loss-type (verl's policy_loss.loss_mode): POLICY_LOSSES
     sapo_tau_pos: float = 1.0  # --sapo-tau-pos: SAPO gate temperature for A > 0 (verl's tau_pos)
     sapo_tau_neg: float = 1.05  # --sapo-tau-neg: SAPO gate temperature for A <= 0 (verl's tau_neg)
+    clip_cov_ratio: float = 2e-4  # --clip-cov-ratio: share of a micro-batch's loss tokens Clip-Cov may drop
+    clip_cov_lb: float = 1.0  # --clip-cov-lb: Clip-Cov candidates have covariance in (lb, ub)
+    clip_cov_ub: float = 5.0  # --clip-cov-ub
+    kl_cov_ratio: float = 2e-4  # --kl-cov-ratio: share of a micro-batch's loss tokens KL-Cov penalises
+    ppo_kl_coef: float = 0.1  # --ppo-kl-coef: KL-Cov's coefficient of |logp - old| on the selected tokens
     gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
     kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++ rewards
     normalize_advantages: bool = False  # --normalize-advantages: batch whitening after the estimator
@@ -151,6 +156,21 @@ class PolicyGradientConfig:
         if kind != "sapo" and (self.sapo_tau_pos, self.sapo_tau_neg) != (1.0, 1.05):
             bad("--sapo-tau-pos/--sapo-tau-neg", (self.sapo_tau_pos, self.sapo_tau_neg),
                 "they shape the SAPO gate: add --policy-loss-type sapo or drop them")
+        cov_knobs = (("--clip-cov-ratio", self.clip_cov_ratio, 2e-4, "clip_cov"),
+                     ("--clip-cov-lb", self.clip_cov_lb, 1.0, "clip_cov"),
+                     ("--clip-cov-ub", self.clip_cov_ub, 5.0, "clip_cov"),
+                     ("--kl-cov-ratio", self.kl_cov_ratio, 2e-4, "kl_cov"),
+                     ("--ppo-kl-coef", self.ppo_kl_coef, 0.1, "kl_cov"))
+        for flag, value, default, owner in cov_knobs:
+            if kind != owner and value != default:
+                bad(flag, value, f"it configures --policy-loss-type {owner}: add that or drop it")
+        if kind == "clip_cov" and not (0 < self.clip_cov_ratio <= 1 and self.clip_cov_lb < self.clip_cov_ub):
+            bad("--clip-cov-ratio/--clip-cov-lb/--clip-cov-ub", (self.clip_cov_ratio, self.clip_cov_lb,
+                                                                 self.clip_cov_ub),
+                "the ratio must be in (0, 1] and lb < ub, e.g. 2e-4, 1.0, 5.0 (verl's defaults)")
+        if kind == "kl_cov" and not (0 < self.kl_cov_ratio <= 1 and self.ppo_kl_coef >= 0):
+            bad("--kl-cov-ratio/--ppo-kl-coef", (self.kl_cov_ratio, self.ppo_kl_coef),
+                "the ratio must be in (0, 1] and the coefficient >= 0, e.g. 2e-4 and 0.1 (verl's defaults)")
         if kind == "vanilla":
             return
         if self.use_gspo:

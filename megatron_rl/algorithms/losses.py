@@ -145,6 +145,17 @@ class PolicyGradientTerms:
     pg: torch.Tensor
     ratio: torch.Tensor
     clipped: torch.Tensor | None
+    cov_selected: torch.Tensor | None = None  # clip_cov / kl_cov: the tokens the covariance rule picked
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _covariance(adv: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per token ``(A - mean A) (logp - mean logp)``, the means over this micro-batch's loss tokens (detached)."""
+    lp = logprobs.detach()
+    return (adv - _masked_mean(adv, mask)) * (lp - _masked_mean(lp, mask))
 
 
 def policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -165,6 +176,16 @@ def policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
       (``sign(A) * min(sign(A) lr, sign(A) clamp(lr))``). The sequence's value sits on each of its tokens, so
       ``seq_mean_token_mean`` (the only aggregation it takes) gives the mean over sequences exactly, gradient
       included.
+    * ``clip_cov`` (Clip-Cov): the PPO clip ``max(-A r, -A clip(r))``, set to 0 (no gradient) on up to
+      ``max(int(--clip-cov-ratio * N), 1)`` tokens the clip left alone whose covariance
+      ``(A - mean A)(logp - mean logp)`` lies in ``(--clip-cov-lb, --clip-cov-ub)``, a random subset when more
+      qualify (verl's ``torch.randperm``, here from a generator seeded by the micro-batch's loss-token and
+      candidate counts, so tensor-parallel ranks agree).
+    * ``kl_cov`` (KL-Cov): ``-A r`` (no clip), plus ``--ppo-kl-coef * |logp - old|`` on the
+      ``max(int(--kl-cov-ratio * N), 1)`` tokens of largest covariance.
+
+    Clip-Cov and KL-Cov select among THIS call's tokens (``N`` its loss tokens, the means over them): per
+    micro-batch, as verl, so the selection depends on how the step is split into micro-batches.
     """
     kind = cfg.policy_loss_type
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -192,6 +213,35 @@ def policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
         seq_loss = -seq_adv * torch.exp(seq_log_ratio)
         clipped = (log_ratio != bounded) & (adv != 0)
         return PolicyGradientTerms(seq_loss.repeat_interleave(lengths.to(seq_loss.device)), ratio, clipped)
+    if kind == "clip_cov":
+        keep = loss_mask > 0
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+        clipped = (pg2 > pg1) & keep
+        cov = _covariance(adv, lp, loss_mask.to(dtype))
+        candidates = torch.nonzero(keep & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten()
+        n_drop = max(int(cfg.clip_cov_ratio * int(keep.sum())), 1)
+        if len(candidates) > n_drop:  # verl: a random subset (torch.randperm)
+            # seeded from the micro-batch itself, not the global generator: every tensor-parallel rank holds the
+            # same tokens and must drop the same ones, whatever else consumed its random stream
+            g = torch.Generator().manual_seed(int(keep.sum()) * 1_000_003 + len(candidates))
+            candidates = candidates[torch.randperm(len(candidates), generator=g)[:n_drop].to(candidates.device)]
+        selected = torch.zeros_like(keep)
+        selected[candidates] = True
+        pg = torch.where(selected, torch.zeros_like(pg1), torch.maximum(pg1, pg2))
+        return PolicyGradientTerms(pg, ratio, clipped, selected)
+    if kind == "kl_cov":
+        keep = loss_mask > 0
+        pg = -adv * ratio
+        selected = torch.zeros_like(keep)
+        n_valid = int(keep.sum())
+        if n_valid:
+            valid = torch.nonzero(keep).flatten()
+            cov = _covariance(adv, lp, loss_mask.to(dtype))[valid]
+            top = max(1, int(n_valid * cfg.kl_cov_ratio))
+            selected[valid[torch.topk(cov, top, largest=True).indices]] = True
+        pg = torch.where(selected, pg + cfg.ppo_kl_coef * log_ratio.abs(), pg)
+        return PolicyGradientTerms(pg, ratio, None, selected)
     raise ValueError(f"unknown policy loss {kind!r} (--policy-loss-type)")
 
 
@@ -416,9 +466,10 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
         ratio: torch.Tensor | None
         clipped: torch.Tensor | None
         dual: torch.Tensor | None = None
+        cov_selected: torch.Tensor | None = None
         if cfg.policy_loss_type != "vanilla":
             alt = policy_gradient_terms(x.logprobs, old, x.advantages, mask, lengths, cfg)
-            pg, ratio, clipped = alt.pg, alt.ratio, alt.clipped
+            pg, ratio, clipped, cov_selected = alt.pg, alt.ratio, alt.clipped, alt.cov_selected
         elif cfg.use_gspo:
             log_ratio = gspo_log_ratio(x.logprobs, old, mask, lengths)
             pg, ratio, clipped, dual = ppo_clip_per_token(log_ratio, x.advantages, cfg.gspo_eps_clip,
@@ -432,6 +483,8 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
             metrics["clip_frac"] = _msum(clipped.double(), mask)
         if dual is not None:
             metrics["dual_clip_frac"] = _msum(dual.double(), mask)
+        if cov_selected is not None:  # clip_cov / kl_cov
+            metrics["cov_selected_frac"] = _msum(cov_selected.double(), mask)
         metrics["ratio"] = _msum(ratio, mask)
         metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
     if ref is not None:

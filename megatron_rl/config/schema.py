@@ -725,10 +725,26 @@ class AlgorithmConfig:
                                  "log-prob (MiniMax-M1). gpg: -A * log-prob (GPG). geo_mean: GMPO, the geometric "
                                  "mean of the token ratios per sequence. sapo: SAPO's soft sigmoid gate "
                                  "(--sapo-tau-pos/--sapo-tau-neg). geo_mean and sapo are means over sequences: "
-                                 "--loss-agg-mode seq_mean_token_mean only (the default for them).",
-                                 choices=("vanilla", "cispo", "gpg", "geo_mean", "sapo"))
+                                 "--loss-agg-mode seq_mean_token_mean only (the default for them). clip_cov / "
+                                 "kl_cov: the PPO clip with a few high-covariance tokens dropped / the unclipped "
+                                 "ratio with a |log-ratio| penalty on a few (Clip-Cov / KL-Cov; tokens chosen per "
+                                 "micro-batch, as verl).",
+                                 choices=("vanilla", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov"))
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature for tokens with advantage > 0 (verl's tau_pos); needs "
                                "--policy-loss-type sapo.", domain="(0, inf)")
+    clip_cov_ratio: float = flag(2e-4, "Clip-Cov: at most max(int(ratio * loss tokens), 1) tokens of each micro-batch "
+                                 "lose their gradient (verl's clip_cov_ratio); needs --policy-loss-type clip_cov.",
+                                 domain="(0, 1]")
+    clip_cov_lb: float = flag(1.0, "Clip-Cov: lower bound of the covariance (A - mean A)(logp - mean logp) of a "
+                              "token it may drop (verl's clip_cov_lb); needs --policy-loss-type clip_cov.",
+                              domain="(-inf, inf)")
+    clip_cov_ub: float = flag(5.0, "Clip-Cov: upper bound of that covariance (verl's clip_cov_ub); needs "
+                              "--policy-loss-type clip_cov.", domain="(-inf, inf)")
+    kl_cov_ratio: float = flag(2e-4, "KL-Cov: the max(int(ratio * loss tokens), 1) tokens of largest covariance in "
+                               "each micro-batch get the |log-ratio| penalty (verl's kl_cov_ratio); needs "
+                               "--policy-loss-type kl_cov.", domain="(0, 1]")
+    ppo_kl_coef: float = flag(0.1, "KL-Cov: coefficient of |logp - old_logp| on its selected tokens (verl's "
+                              "ppo_kl_coef); needs --policy-loss-type kl_cov.", domain="[0, inf)")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature for tokens with advantage <= 0 (verl's tau_neg); needs "
                                "--policy-loss-type sapo.", domain="(0, inf)")
     disable_grpo_std_normalization: bool = flag(False, "GRPO without dividing by the group std (Dr.GRPO).")

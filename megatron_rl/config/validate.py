@@ -512,6 +512,16 @@ def _check_policy_loss(errors: list[str], a) -> None:
     if kind != "sapo" and tau_set:
         errors.append(f"--sapo-tau-pos {a.sapo_tau_pos} / --sapo-tau-neg {a.sapo_tau_neg} shape the SAPO gate: add "
                       "--policy-loss-type sapo or drop them")
+    for flag, value, default, owner in (("--clip-cov-ratio", a.clip_cov_ratio, 2e-4, "clip_cov"),
+                                        ("--clip-cov-lb", a.clip_cov_lb, 1.0, "clip_cov"),
+                                        ("--clip-cov-ub", a.clip_cov_ub, 5.0, "clip_cov"),
+                                        ("--kl-cov-ratio", a.kl_cov_ratio, 2e-4, "kl_cov"),
+                                        ("--ppo-kl-coef", a.ppo_kl_coef, 0.1, "kl_cov")):
+        if kind != owner and value != default:
+            errors.append(f"{flag} {value} configures --policy-loss-type {owner}: add that or drop it")
+    if kind == "clip_cov" and not a.clip_cov_lb < a.clip_cov_ub:
+        errors.append(f"--clip-cov-lb {a.clip_cov_lb} must be below --clip-cov-ub {a.clip_cov_ub} (verl's defaults: "
+                      "1.0 and 5.0)")
     if kind == "vanilla":
         return
     if a.advantage_estimator == "gspo":

@@ -104,15 +104,17 @@ def _run_policy_loss_types(i):
     cfg = PolicyGradientConfig(policy_loss_type=i["policy_loss_type"], loss_agg_mode=i["loss_agg_mode"],
                                eps_clip=i["eps_clip"], eps_clip_high=i["eps_clip_high"],
                                sapo_tau_pos=i["sapo_tau_pos"], sapo_tau_neg=i["sapo_tau_neg"],
-                               max_response_length=i["max_response_length"])
+                               max_response_length=i["max_response_length"],
+                               **{k: i[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                                    "ppo_kl_coef") if k in i})
     f32 = (lambda k: torch.tensor(i[k], dtype=torch.float32))
     inputs = LossInputs(f32("logprobs").requires_grad_(), f32("advantages"), mask, lengths,
                         old_logprobs=f32("old_logprobs"))
     loss, metrics = compute_policy_loss(inputs, compute_loss_denominators(torch.split(mask, lengths)), cfg)
     loss.backward()
     out = {"loss": loss.detach(), "grad": inputs.logprobs.grad}
-    if "clip_frac" in metrics:
-        out["clip_frac"] = reduce_metrics([metrics])["clip_frac"]
+    reduced = reduce_metrics([metrics])
+    out.update({k: reduced[k] for k in ("clip_frac", "cov_selected_frac") if k in reduced})
     return out
 
 

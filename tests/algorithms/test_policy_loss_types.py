@@ -31,7 +31,7 @@ def _inputs(dtype=torch.float32):
     return x, compute_loss_denominators(torch.split(mask, lengths))
 
 
-@pytest.mark.parametrize("kind", ["cispo", "gpg", "geo_mean", "sapo"])
+@pytest.mark.parametrize("kind", ["cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov"])
 def test_non_vanilla_losses_never_ask_the_kernels_for_the_ppo_surrogate(monkeypatch, kind):
     """The fused kernels implement the vanilla PPO surrogate only: compute_policy_loss must ask the ops dispatch
     for ppo=False (KL/TIS terms only) and form the policy term itself, on any device."""
@@ -47,13 +47,14 @@ def test_non_vanilla_losses_never_ask_the_kernels_for_the_ppo_surrogate(monkeypa
     loss, m = compute_policy_loss(x, d, PolicyGradientConfig(policy_loss_type=kind))
     loss.backward()
     assert seen == [False] and torch.isfinite(x.logprobs.grad).all()
-    assert ("clip_frac" in m) == (kind in ("cispo", "geo_mean")) and "dual_clip_frac" not in m
+    assert ("clip_frac" in m) == (kind in ("cispo", "geo_mean", "clip_cov")) and "dual_clip_frac" not in m
+    assert ("cov_selected_frac" in m) == (kind in ("clip_cov", "kl_cov"))
     seen.clear()
     compute_policy_loss(*_inputs(), PolicyGradientConfig())
     assert seen == [True]
 
 
-@pytest.mark.parametrize("kind", ["cispo", "gpg", "geo_mean", "sapo"])
+@pytest.mark.parametrize("kind", ["cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov"])
 def test_bf16_logprobs_are_computed_in_float32(kind):
     x32, d = _inputs()
     x16, _ = _inputs(torch.bfloat16)
@@ -91,6 +92,33 @@ def test_gpg_and_opo_estimators_through_the_spec():
     assert A.opo_advantages([1.0, 0.0], [0, 0], [3, 1]).tolist() == [0.25, -0.75]
 
 
+def test_clip_cov_random_pick_is_a_subset_of_the_candidates_of_the_right_size():
+    """The part the vectors cannot fix (verl's torch.randperm when more tokens qualify than may be dropped): the
+    pick has exactly max(int(ratio * N), 1) tokens, all candidates, the same whatever the global seed (tensor-
+    parallel ranks must agree), and exactly the picked tokens lose their gradient."""
+    g = torch.Generator().manual_seed(3)
+    n = 400
+    lp = (-torch.rand(n, generator=g) * 3).requires_grad_()
+    adv = torch.randn(n, generator=g)
+    mask = (torch.rand(n, generator=g) > 0.2).float()
+    old = lp.detach() + 0.3 * torch.randn(n, generator=g)
+    cfg = PolicyGradientConfig(policy_loss_type="clip_cov", clip_cov_ratio=0.02, clip_cov_lb=0.0, clip_cov_ub=50.0)
+    picks = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        terms = L.policy_gradient_terms(lp, old, adv, mask, [n], cfg)
+        picks.append(terms.cov_selected)
+    cov = (adv - adv[mask > 0].mean()) * (lp.detach() - lp.detach()[mask > 0].mean())
+    ratio = torch.exp(lp.detach() - old)
+    unclipped = -adv * ratio >= -adv * ratio.clamp(0.8, 1.2)
+    candidates = (mask > 0) & unclipped & (cov > 0) & (cov < 50)
+    assert int(candidates.sum()) > int(0.02 * mask.sum()) > 1  # a real random pick
+    assert int(picks[0].sum()) == int(0.02 * mask.sum()) and bool((picks[0] <= candidates).all())
+    assert torch.equal(picks[0], picks[1])
+    (terms.pg * mask).sum().backward()
+    assert bool((lp.grad[picks[1]] == 0).all()) and bool((lp.grad[candidates & ~picks[1]] != 0).all())
+
+
 def test_geo_mean_is_the_mean_over_sequences_whatever_the_split():
     x, _ = _inputs()
     cfg = PolicyGradientConfig(policy_loss_type="geo_mean")
@@ -112,6 +140,10 @@ def test_geo_mean_is_the_mean_over_sequences_whatever_the_split():
     (dict(sapo_tau_pos=2.0), "--sapo-tau-pos/--sapo-tau-neg.*add --policy-loss-type sapo"),
     (dict(policy_loss_type="sapo", sapo_tau_neg=0.0), "must be > 0"),
     (dict(advantage_estimator="remax"), "--advantage-estimator='remax' is invalid"),
+    (dict(clip_cov_ratio=0.1), "--clip-cov-ratio=0.1.*add that or drop it"),
+    (dict(policy_loss_type="clip_cov", ppo_kl_coef=1.0), "--ppo-kl-coef=1.0.*--policy-loss-type kl_cov"),
+    (dict(policy_loss_type="clip_cov", clip_cov_lb=5.0), "lb < ub"),
+    (dict(policy_loss_type="kl_cov", kl_cov_ratio=0.0), "in \\(0, 1\\]"),
 ])
 def test_config_refuses_what_it_cannot_do(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -137,6 +169,8 @@ def test_accepted_combinations():
     (["--policy-loss-type", "geo_mean", "--use-rs"], "--use-rs at token level"),
     (["--sapo-tau-neg", "2"], "--sapo-tau-neg 2.0 shape the SAPO gate"),
     (["--policy-loss-type", "ppo"], "ppo"),
+    (["--kl-cov-ratio", "0.01"], "--kl-cov-ratio 0.01 configures --policy-loss-type kl_cov"),
+    (["--policy-loss-type", "clip_cov", "--clip-cov-lb", "6"], "--clip-cov-lb 6.0 must be below --clip-cov-ub 5.0"),
 ])
 def test_refused_in_validation_before_workers_start(hf_dir, flags, match):
     from megatron_rl.config import parse_config

@@ -282,6 +282,63 @@ def pg_loss_and_grad(kind, lp, old, adv, mask, lengths, agg, eps_low, eps_high, 
     return loss, [d * w for d, w in zip(dvalue, weight)], frac
 
 
+def _agg_weights(mask, lengths, agg, max_len):
+    """d agg_loss / d value_t of verl's agg_loss modes, B counting every sample."""
+    n_tok, samples, weight, start = sum(mask), len(lengths), [0.0] * len(mask), 0
+    for n in lengths:
+        cnt = sum(mask[start:start + n])
+        for t in range(start, start + n):
+            if mask[t]:
+                weight[t] = {"token_mean": 1.0 / n_tok, "seq_mean_token_mean": 1.0 / (cnt * samples),
+                             "seq_mean_token_sum": 1.0 / samples,
+                             "seq_mean_token_sum_norm": 1.0 / (samples * max_len)}[agg]
+        start += n
+    return weight
+
+
+def cov_loss_and_grad(kind, lp, old, adv, mask, lengths, agg, eps_low, eps_high, share, lb, ub, coef, max_len):
+    """verl's compute_policy_loss_clip_cov / _kl_cov on one micro-batch: cov_t = (A_t - mean A)(lp_t - mean lp)
+    over its loss tokens. clip_cov: max(-A r, -A clip(r)) times 0 on the tokens the clip left alone with
+    lb < cov < ub, at most max(int(share * N), 1) of them (the cases here have no more candidates than that,
+    so verl's random pick takes them all); kl_cov: -A r, plus coef |lr| on the max(int(share * N), 1) tokens of
+    largest cov. lr = clamp(lp - old, +-20) (verl does not clamp these two; no case here reaches it).
+    Returns (loss, d loss / d lp, clip_frac or None, selected fraction)."""
+    valid = [t for t in range(len(lp)) if mask[t]]
+    mean_a = math.fsum(adv[t] for t in valid) / len(valid)
+    mean_l = math.fsum(lp[t] for t in valid) / len(valid)
+    cov = [(a - mean_a) * (p - mean_l) for a, p in zip(adv, lp)]
+    value, dvalue, selected, by_origin = [0.0] * len(lp), [0.0] * len(lp), [False] * len(lp), [False] * len(lp)
+    lr = [_clamp(p - o, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) for p, o in zip(lp, old)]
+    if kind == "clip_cov":
+        count = max(int(share * len(valid)), 1)
+        for t in range(len(lp)):
+            r = math.exp(lr[t])
+            pg1, pg2 = -adv[t] * r, -adv[t] * _clamp(r, 1 - eps_low, 1 + eps_high)
+            by_origin[t] = pg2 > pg1 and bool(mask[t])
+            inside = abs(lp[t] - old[t]) <= LOG_RATIO_CLAMP
+            value[t], dvalue[t] = (pg1, -adv[t] * r * inside) if pg1 >= pg2 else (pg2, 0.0)
+        candidates = [t for t in valid if not by_origin[t] and lb < cov[t] < ub]
+        assert 0 < len(candidates) <= count, (candidates, count)  # the deterministic part of verl's pick
+        for t in candidates:
+            selected[t], value[t], dvalue[t] = True, 0.0, 0.0
+    else:
+        count = max(1, int(len(valid) * share))
+        top = sorted(valid, key=lambda t: -cov[t])[:count]
+        assert count == len(valid) or cov[top[-1]] > max(cov[t] for t in valid if t not in top)  # no ties
+        for t in range(len(lp)):
+            r = math.exp(lr[t])
+            inside = abs(lp[t] - old[t]) <= LOG_RATIO_CLAMP  # the clamp stops the gradient beyond +-20
+            value[t], dvalue[t] = -adv[t] * r, -adv[t] * r * inside
+            if t in top:
+                selected[t] = True
+                value[t] += coef * abs(lr[t])
+                dvalue[t] += coef * ((lr[t] > 0) - (lr[t] < 0)) * inside
+    weight = _agg_weights(mask, lengths, agg, max_len)
+    loss = math.fsum(v * w for v, w in zip(value, weight))
+    frac = math.fsum(float(b) for b in by_origin) / len(valid) if kind == "clip_cov" else None
+    return loss, [d * w for d, w in zip(dvalue, weight)], frac, sum(selected) / len(valid)
+
+
 # ---------------------------------------------------------------- cases
 def _case(name, inputs, expected, atol, exact_zero=()):
     return {"name": name, "inputs": inputs, "expected": expected, "atol": atol, "exact_zero": list(exact_zero)}
@@ -529,16 +586,38 @@ def build():
                                             loss_agg_mode="seq_mean_token_mean", eps_clip=0.2, eps_clip_high=0.28,
                                             sapo_tau_pos=2.0, sapo_tau_neg=3.0, max_response_length=8),
                        {"loss": loss, "grad": grad}, 1e-6))
+    for kind, share, lb, ub, agg in (("clip_cov", 0.25, 0.05, 5.0, "token_mean"),
+                                     ("clip_cov", 0.25, 0.05, 5.0, "seq_mean_token_mean"),
+                                     ("kl_cov", 0.25, 1.0, 5.0, "token_mean"),
+                                     ("kl_cov", 0.25, 1.0, 5.0, "seq_mean_token_sum"),
+                                     ("kl_cov", 0.05, 1.0, 5.0, "token_mean")):
+        # kl_cov has no clip: a loss token at ratio e^20 would be a loss of 5e8, beyond float32's 1e-6; its
+        # extremes are a masked +50 (must not leak) and the -50 token
+        old_c = old if kind == "clip_cov" else [p - x for p, x in zip(lp, lr[:2] + [50.0, 2.0] + lr[4:])]
+        loss, grad, frac, sel = cov_loss_and_grad(kind, lp, old_c, adv, mask, lengths, agg, 0.2, 0.28, share, lb,
+                                                  ub, 0.1, 8)
+        expected = {"loss": loss, "grad": grad, "cov_selected_frac": sel}
+        if frac is not None:
+            expected["clip_frac"] = frac
+        knobs = (dict(clip_cov_ratio=share, clip_cov_lb=lb, clip_cov_ub=ub) if kind == "clip_cov" else
+                 dict(kl_cov_ratio=share, ppo_kl_coef=0.1))
+        cases.append(_case(f"{kind}_{share}_{agg}", dict(logprobs=lp, old_logprobs=old_c, advantages=adv,
+                                                         loss_mask=mask, response_lengths=lengths,
+                                                         policy_loss_type=kind, loss_agg_mode=agg, eps_clip=0.2,
+                                                         eps_clip_high=0.28, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+                                                         max_response_length=8, **knobs), expected, 1e-6))
     files["policy_loss_types"] = dict(
         function="megatron_rl.algorithms.losses.compute_policy_loss (--policy-loss-type), float32 log-probs",
         formula="r = exp(clamp(lp - old, +-20)). cispo: -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * lp; "
                 "gpg: -A * lp; sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg; "
                 "geo_mean (GMPO): per sequence -mean(A) exp(mean of sign(A) min(sign(A) lr, sign(A) clamp(lr, "
-                "-eps_low, eps_high))), mean over sequences; then verl's agg_loss (verl core_algos "
-                "compute_policy_loss_cispo / _gpg / _sapo / _geo_mean); grad = d loss / d lp",
+                "-eps_low, eps_high))), mean over sequences; clip_cov / kl_cov: cov_loss_and_grad in "
+                "make_vectors.py (one micro-batch); then verl's agg_loss (verl core_algos "
+                "compute_policy_loss_cispo / _gpg / _sapo / _geo_mean / _clip_cov / _kl_cov); grad = d loss / d lp",
         convention="B (every seq_mean mode) counts every sample, the fully masked one too (verl's agg_loss "
                    "without global_batch_size counts only samples with loss tokens); geo_mean's log-ratio is "
-                   "clamped to +-20 like the others (verl leaves that clamp commented out)",
+                   "clamped to +-20 like the others (verl leaves that clamp commented out); the clip_cov cases "
+                   "have no more candidates than it may drop, so verl's random pick is the whole set",
         cases=cases)
     return files
 
