@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO, Dr.GRPO, RLOO, REINFORCE++(-baseline), GAE, batch whitening.
+"""Advantage estimators: GRPO, Dr.GRPO, RLOO, GPG, OPO, REINFORCE++(-baseline), GAE, batch whitening.
 
 All functions are pure tensor maths on the RESPONSE-ALIGNED convention of
 ``megatron_rl.data.types``: per-sample scalars are ``[B]``; per-token tensors are
@@ -89,6 +89,38 @@ def rloo_advantages(rewards, group_index) -> torch.Tensor:
     g_sum, g_cnt, _, contrast = _group_stats(r, group_index)
     baseline = (g_sum - r.double()) / (g_cnt - 1).clamp(min=1)
     return torch.where(contrast, r.double() - baseline, torch.zeros_like(baseline)).to(r.dtype)
+
+
+def gpg_advantages(rewards, group_index) -> torch.Tensor:
+    """GPG per-sample advantage ``alpha * (r_i - mean_g)``, ``alpha = B / max(#{i: r_i != 0}, 1)`` over the
+    batch (verl's gpg estimator with ``f_norm = 1``): the group-mean baseline, scaled up by how few samples
+    of the batch earned any reward. Needs the whole rollout batch (``alpha`` is a batch statistic).
+    A group of size 1 or without contrast gives 0 (verl keeps ``alpha * r`` for a single sample)."""
+    r = _as_tensor(rewards)
+    if r.numel() == 0:
+        return r
+    g_sum, g_cnt, _, contrast = _group_stats(r, group_index)
+    alpha = r.numel() / max(int(torch.count_nonzero(r)), 1)
+    adv = alpha * (r.double() - g_sum / g_cnt)
+    return torch.where(contrast, adv, torch.zeros_like(adv)).to(r.dtype)
+
+
+def opo_advantages(rewards, group_index, token_counts) -> torch.Tensor:
+    """OPO per-sample advantage ``r_i - sum_g(l_j r_j) / sum_g(l_j)``: the length-weighted group mean as the
+    baseline (OPO, arXiv 2505.23585; verl's opo), ``l_j`` the loss-token count of sample ``j``. A group of
+    size 1, without contrast, or with no loss token gives 0 (verl keeps ``r`` for a single sample)."""
+    r = _as_tensor(rewards)
+    if r.numel() == 0:
+        return r
+    _, _, _, contrast = _group_stats(r, group_index)
+    _, inverse = torch.unique(_as_tensor(group_index, torch.long), return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    lengths = _as_tensor(token_counts, torch.float64)
+    weighted = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, lengths * r.double())
+    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, lengths)
+    ok = contrast & (total[inverse] > 0)
+    adv = r.double() - weighted[inverse] / total[inverse].clamp(min=1.0)
+    return torch.where(ok, adv, torch.zeros_like(adv)).to(r.dtype)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

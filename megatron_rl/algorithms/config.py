@@ -12,8 +12,13 @@ from dataclasses import dataclass
 
 from megatron_rl.errors import ConfigError
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "none")
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "opo", "none")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+# --policy-loss-type: verl's policy_loss.loss_mode names (docs/algorithms.md, "Policy loss"). vanilla is the
+# PPO clip (GSPO is --advantage-estimator gspo). geo_mean and sapo are means over sequences (verl forces
+# seq-mean-token-mean for them), so they only take seq_mean_token_mean.
+POLICY_LOSSES = ("vanilla", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")
+SEQUENCE_MEAN_LOSSES = ("geo_mean", "sapo")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # k3 and low_var_kl: the same clamped estimator (verl)
 # Off-policy correction (docs/algorithms.md, "Off-policy correction"): the level at which the ratio
 # exp(old - rollout) is formed (verl's rollout_is / rollout_rs, slime's MIS tis_level / rs_level) and what
@@ -36,6 +41,14 @@ class PolicyGradientConfig:
     advantage_estimator: str = "grpo"  # --advantage-estimator
     grpo_std_normalization: bool = True  # --disable-grpo-std-normalization sets False (Dr.GRPO)
     advantage_eps: float = 1e-6
+    policy_loss_type: str = "vanilla"  # --policy-loss-type (verl's policy_loss.loss_mode): POLICY_LOSSES
+    sapo_tau_pos: float = 1.0  # --sapo-tau-pos: SAPO gate temperature for A > 0 (verl's tau_pos)
+    sapo_tau_neg: float = 1.05  # --sapo-tau-neg: SAPO gate temperature for A <= 0 (verl's tau_neg)
+    clip_cov_ratio: float = 2e-4  # --clip-cov-ratio: share of a micro-batch's loss tokens Clip-Cov may drop
+    clip_cov_lb: float = 1.0  # --clip-cov-lb: Clip-Cov candidates have covariance in (lb, ub)
+    clip_cov_ub: float = 5.0  # --clip-cov-ub
+    kl_cov_ratio: float = 2e-4  # --kl-cov-ratio: share of a micro-batch's loss tokens KL-Cov penalises
+    ppo_kl_coef: float = 0.1  # --ppo-kl-coef: KL-Cov's coefficient of |logp - old| on the selected tokens
     gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
     kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++ rewards
     normalize_advantages: bool = False  # --normalize-advantages: batch whitening after the estimator
@@ -76,8 +89,12 @@ class PolicyGradientConfig:
 
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             bad("--advantage-estimator", self.advantage_estimator, f"choose one of {ADVANTAGE_ESTIMATORS}")
+        if self.policy_loss_type not in POLICY_LOSSES:
+            bad("--policy-loss-type", self.policy_loss_type, f"choose one of {POLICY_LOSSES}")
+        seq_loss = self.use_gspo or self.policy_loss_type in SEQUENCE_MEAN_LOSSES
         if self.loss_agg_mode is None:  # frozen: resolve the estimator's default once, here
-            object.__setattr__(self, "loss_agg_mode", "seq_mean_token_mean" if self.use_gspo else "token_mean")
+            object.__setattr__(self, "loss_agg_mode", "seq_mean_token_mean" if seq_loss else "token_mean")
+        self._check_policy_loss(bad)
         if self.use_gspo and self.loss_agg_mode == "token_mean":
             bad("--loss-agg-mode", self.loss_agg_mode, "GSPO's objective is a mean over sequences; token_mean "
                 "weights each sequence by its length. Use seq_mean_token_mean (the default for gspo: leave "
@@ -132,6 +149,50 @@ class PolicyGradientConfig:
             bad("--disable-rewards-normalization", True, "it turns off the group baseline of grpo / gspo / "
                 "reinforce_plus_plus_baseline (as slime); with --advantage-estimator "
                 f"{self.advantage_estimator} rewards are never group-normalised: drop it")
+
+    def _check_policy_loss(self, bad) -> None:
+        """--policy-loss-type with what it combines with (validate.py refuses the same before workers start)."""
+        kind = self.policy_loss_type
+        if kind != "sapo" and (self.sapo_tau_pos, self.sapo_tau_neg) != (1.0, 1.05):
+            bad("--sapo-tau-pos/--sapo-tau-neg", (self.sapo_tau_pos, self.sapo_tau_neg),
+                "they shape the SAPO gate: add --policy-loss-type sapo or drop them")
+        cov_knobs = (("--clip-cov-ratio", self.clip_cov_ratio, 2e-4, "clip_cov"),
+                     ("--clip-cov-lb", self.clip_cov_lb, 1.0, "clip_cov"),
+                     ("--clip-cov-ub", self.clip_cov_ub, 5.0, "clip_cov"),
+                     ("--kl-cov-ratio", self.kl_cov_ratio, 2e-4, "kl_cov"),
+                     ("--ppo-kl-coef", self.ppo_kl_coef, 0.1, "kl_cov"))
+        for flag, value, default, owner in cov_knobs:
+            if kind != owner and value != default:
+                bad(flag, value, f"it configures --policy-loss-type {owner}: add that or drop it")
+        if kind == "clip_cov" and not (0 < self.clip_cov_ratio <= 1 and self.clip_cov_lb < self.clip_cov_ub):
+            bad("--clip-cov-ratio/--clip-cov-lb/--clip-cov-ub", (self.clip_cov_ratio, self.clip_cov_lb,
+                                                                 self.clip_cov_ub),
+                "the ratio must be in (0, 1] and lb < ub, e.g. 2e-4, 1.0, 5.0 (verl's defaults)")
+        if kind == "kl_cov" and not (0 < self.kl_cov_ratio <= 1 and self.ppo_kl_coef >= 0):
+            bad("--kl-cov-ratio/--ppo-kl-coef", (self.kl_cov_ratio, self.ppo_kl_coef),
+                "the ratio must be in (0, 1] and the coefficient >= 0, e.g. 2e-4 and 0.1 (verl's defaults)")
+        if kind == "vanilla":
+            return
+        if self.use_gspo:
+            bad("--policy-loss-type", kind, "--advantage-estimator gspo is itself a policy loss (verl's "
+                "loss_mode gspo); use --advantage-estimator grpo with it, or drop --policy-loss-type")
+        if self.advantage_estimator == "none":
+            bad("--policy-loss-type", kind, "--advantage-estimator none has no policy-gradient term; drop it")
+        if self.eps_clip_c is not None:
+            bad("--eps-clip-c", self.eps_clip_c, f"dual clip is part of the vanilla PPO loss, not of {kind}; drop it")
+        if kind in SEQUENCE_MEAN_LOSSES and self.loss_agg_mode != "seq_mean_token_mean":
+            bad("--loss-agg-mode", self.loss_agg_mode, f"--policy-loss-type {kind} is a mean over sequences (verl "
+                "aggregates it with seq-mean-token-mean whatever loss_agg_mode says); use seq_mean_token_mean or "
+                "leave --loss-agg-mode unset")
+        if kind == "geo_mean":
+            for flag, on, level in (("--use-tis", self.use_tis, self.tis_level), ("--use-rs", self.use_rs,
+                                                                                   self.rs_level)):
+                if on and level == "token":
+                    bad(flag, True, "geo_mean's objective is one ratio per sequence, so its off-policy weight must "
+                        f"be one per sequence too: add {flag.replace('use-', '')}-level geometric (or sequence)")
+        if kind == "sapo" and not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            bad("--sapo-tau-pos/--sapo-tau-neg", (self.sapo_tau_pos, self.sapo_tau_neg),
+                "the gate temperatures must be > 0, e.g. 1.0 and 1.05 (verl's defaults)")
 
     def _check_off_policy(self, bad) -> None:
         """The --tis-level/--tis-mode and --use-rs flags: known values, bounds that keep an on-policy

@@ -29,6 +29,9 @@ def spec_from_config(cfg: Config) -> PolicyGradientSpec:
     temperature = cfg.rollout.rollout_temperature or 1.0  # greedy rollouts: log-probs at temperature 1
     return PolicyGradientSpec(PolicyGradientConfig(
         advantage_estimator=estimator, use_gspo=a.advantage_estimator == "gspo",
+        policy_loss_type=a.policy_loss_type, sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg,
+        clip_cov_ratio=a.clip_cov_ratio, clip_cov_lb=a.clip_cov_lb, clip_cov_ub=a.clip_cov_ub,
+        kl_cov_ratio=a.kl_cov_ratio, ppo_kl_coef=a.ppo_kl_coef,
         grpo_std_normalization=not a.disable_grpo_std_normalization, loss_agg_mode=a.loss_agg_mode,
         normalize_advantages=a.normalize_advantages, use_unbiased_kl=a.use_unbiased_kl,
         max_response_length=cfg.rollout.rollout_max_response_len, eps_clip=a.eps_clip,

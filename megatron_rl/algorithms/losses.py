@@ -98,6 +98,7 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
 
     * ``token_mean``: ``sum(x * mask) / global_tokens``.
     * ``seq_mean_token_mean``: ``sum_i mean_{t in i}(x) / global_samples``.
+    * ``seq_mean_token_sum``: ``sum_i sum_{t in i}(x) / global_samples`` (verl's seq-mean-token-sum).
     * ``seq_mean_token_sum_norm`` (Dr.GRPO): ``sum(x * mask) / (global_samples * max_response_length)``.
 
     ``global_samples`` counts every sample, fully masked ones included (they add 0
@@ -110,12 +111,14 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, response_lengths
         tok = _segment_sum(loss_mask.to(per_token.dtype), response_lengths)
         seq = _segment_sum(masked, response_lengths) / tok.clamp(min=1.0)
         return seq.sum() / max(denoms.global_samples, 1)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / max(denoms.global_samples, 1)
     if mode == "seq_mean_token_sum_norm":
         if max_response_length <= 0:
             raise ValueError("seq_mean_token_sum_norm needs max_response_length > 0 (--rollout-max-response-len)")
         return masked.sum() / (max(denoms.global_samples, 1) * max_response_length)
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; use token_mean, seq_mean_token_mean or "
-                     f"seq_mean_token_sum_norm")
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; use token_mean, seq_mean_token_mean, "
+                     f"seq_mean_token_sum or seq_mean_token_sum_norm")
 
 
 def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor,
@@ -132,6 +135,114 @@ def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask
     seq = _segment_sum(delta, lengths) / _segment_sum(mask, lengths).clamp(min=1.0)
     seq_tok = seq.repeat_interleave(lengths.to(seq.device))
     return seq_tok + logprobs - logprobs.detach()
+
+
+@dataclass
+class PolicyGradientTerms:
+    """Per-token policy-gradient loss of a ``--policy-loss-type`` other than vanilla (``pg`` carries the graph),
+    the ratio ``exp(clamp(logp - old, +-20))`` and which tokens its clip acted on (None: the loss has no clip)."""
+
+    pg: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor | None
+    cov_selected: torch.Tensor | None = None  # clip_cov / kl_cov: the tokens the covariance rule picked
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _covariance(adv: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per token ``(A - mean A) (logp - mean logp)``, the means over this micro-batch's loss tokens (detached)."""
+    lp = logprobs.detach()
+    return (adv - _masked_mean(adv, mask)) * (lp - _masked_mean(lp, mask))
+
+
+def policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                          loss_mask: torch.Tensor, response_lengths, cfg: PolicyGradientConfig) -> PolicyGradientTerms:
+    """The per-token loss of ``cfg.policy_loss_type`` (verl's loss_mode of that name; formulas in docs/algorithms.md).
+
+    Always the torch path (the fused kernels implement the vanilla PPO surrogate only), in float32 at least:
+    bf16/fp16 log-probs are upcast, gradients reach them through the cast. ``eps_low``/``eps_high`` are
+    ``--eps-clip`` / ``--eps-clip-high``.
+
+    * ``cispo``: ``-sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logp`` (MiniMax-M1; its gradient is the clipped
+      weight times ``A * grad logp`` for every token, clipped or not).
+    * ``gpg``: ``-A * logp`` (GPG: plain policy gradient, no ratio).
+    * ``sapo``: ``-(4 / tau) * sigmoid(tau * (r - 1)) * A``, ``tau = --sapo-tau-pos`` if ``A > 0`` else
+      ``--sapo-tau-neg`` (SAPO's soft gate in place of the clip).
+    * ``geo_mean`` (GMPO): per sequence ``-mean_t(A) * exp(mean_t(x_t))`` over loss tokens, ``x_t`` the log-ratio
+      clipped to ``[-eps_low, eps_high]`` on the side the advantage's sign selects
+      (``sign(A) * min(sign(A) lr, sign(A) clamp(lr))``). The sequence's value sits on each of its tokens, so
+      ``seq_mean_token_mean`` (the only aggregation it takes) gives the mean over sequences exactly, gradient
+      included.
+    * ``clip_cov`` (Clip-Cov): the PPO clip ``max(-A r, -A clip(r))``, set to 0 (no gradient) on up to
+      ``max(int(--clip-cov-ratio * N), 1)`` tokens the clip left alone whose covariance
+      ``(A - mean A)(logp - mean logp)`` lies in ``(--clip-cov-lb, --clip-cov-ub)``, a random subset when more
+      qualify (verl's ``torch.randperm``, here from a generator seeded by the micro-batch's loss-token and
+      candidate counts, so tensor-parallel ranks agree).
+    * ``kl_cov`` (KL-Cov): ``-A r`` (no clip), plus ``--ppo-kl-coef * |logp - old|`` on the
+      ``max(int(--kl-cov-ratio * N), 1)`` tokens of largest covariance.
+
+    Clip-Cov and KL-Cov select among THIS call's tokens (``N`` its loss tokens, the means over them): per
+    micro-batch, as verl, so the selection depends on how the step is split into micro-batches.
+    """
+    kind = cfg.policy_loss_type
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    lp, old, adv = logprobs.to(dtype), old_logprobs.to(dtype), advantages.to(dtype)
+    log_ratio = (lp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    eps_low, eps_high = cfg.eps_clip, cfg.clip_high
+    if kind == "cispo":
+        weight = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
+        return PolicyGradientTerms(-weight * adv * lp, ratio, ratio.detach() != weight)
+    if kind == "gpg":
+        return PolicyGradientTerms(-adv * lp, ratio, None)
+    if kind == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+        return PolicyGradientTerms(-torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, ratio, None)
+    if kind == "geo_mean":
+        lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+        mask = loss_mask.to(dtype)
+        sign = torch.sign(adv)
+        bounded = log_ratio.clamp(-eps_low, eps_high)
+        x = sign * torch.minimum(sign * log_ratio, sign * bounded)
+        count = _segment_sum(mask, lengths).clamp(min=1.0)
+        seq_log_ratio = _segment_sum(x * mask, lengths) / count
+        seq_adv = _segment_sum(adv * mask, lengths) / count
+        seq_loss = -seq_adv * torch.exp(seq_log_ratio)
+        clipped = (log_ratio != bounded) & (adv != 0)
+        return PolicyGradientTerms(seq_loss.repeat_interleave(lengths.to(seq_loss.device)), ratio, clipped)
+    if kind == "clip_cov":
+        keep = loss_mask > 0
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+        clipped = (pg2 > pg1) & keep
+        cov = _covariance(adv, lp, loss_mask.to(dtype))
+        candidates = torch.nonzero(keep & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten()
+        n_drop = max(int(cfg.clip_cov_ratio * int(keep.sum())), 1)
+        if len(candidates) > n_drop:  # verl: a random subset (torch.randperm)
+            # seeded from the micro-batch itself, not the global generator: every tensor-parallel rank holds the
+            # same tokens and must drop the same ones, whatever else consumed its random stream
+            g = torch.Generator().manual_seed(int(keep.sum()) * 1_000_003 + len(candidates))
+            candidates = candidates[torch.randperm(len(candidates), generator=g)[:n_drop].to(candidates.device)]
+        selected = torch.zeros_like(keep)
+        selected[candidates] = True
+        pg = torch.where(selected, torch.zeros_like(pg1), torch.maximum(pg1, pg2))
+        return PolicyGradientTerms(pg, ratio, clipped, selected)
+    if kind == "kl_cov":
+        keep = loss_mask > 0
+        pg = -adv * ratio
+        selected = torch.zeros_like(keep)
+        n_valid = int(keep.sum())
+        if n_valid:
+            valid = torch.nonzero(keep).flatten()
+            cov = _covariance(adv, lp, loss_mask.to(dtype))[valid]
+            top = max(1, int(n_valid * cfg.kl_cov_ratio))
+            selected[valid[torch.topk(cov, top, largest=True).indices]] = True
+        pg = torch.where(selected, pg + cfg.ppo_kl_coef * log_ratio.abs(), pg)
+        return PolicyGradientTerms(pg, ratio, None, selected)
+    raise ValueError(f"unknown policy loss {kind!r} (--policy-loss-type)")
 
 
 def _msum(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,7 +436,9 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     kernel_tis = cfg.use_tis and cfg.tis_level == "token" and cfg.tis_mode == "truncate"
     ref = need("ref_logprobs", "--kl-loss-coef") if (cfg.kl_loss_coef or x.ref_logprobs is not None) else None
     token_log_ratio = x.logprobs - old
-    use_ppo = cfg.advantage_estimator != "none" and not cfg.use_gspo
+    # Only the vanilla PPO surrogate may come from a fused kernel: other --policy-loss-type values are formed
+    # on the torch path (policy_gradient_terms), the kernels then give only the KL and TIS terms.
+    use_ppo = cfg.advantage_estimator != "none" and not cfg.use_gspo and cfg.policy_loss_type == "vanilla"
     # The per-token terms (TIS weight, PPO surrogate, KL) come from the ops dispatch: torch or a fused kernel.
     terms = policy_loss_terms(
         x.logprobs, old, x.advantages,
@@ -349,16 +462,29 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     metrics["ppo_kl"] = _msum(-token_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), mask)
     loss = x.logprobs.new_zeros(())
     if cfg.advantage_estimator != "none":
-        if cfg.use_gspo:
+        pg: torch.Tensor | None
+        ratio: torch.Tensor | None
+        clipped: torch.Tensor | None
+        dual: torch.Tensor | None = None
+        cov_selected: torch.Tensor | None = None
+        if cfg.policy_loss_type != "vanilla":
+            alt = policy_gradient_terms(x.logprobs, old, x.advantages, mask, lengths, cfg)
+            pg, ratio, clipped, cov_selected = alt.pg, alt.ratio, alt.clipped, alt.cov_selected
+        elif cfg.use_gspo:
             log_ratio = gspo_log_ratio(x.logprobs, old, mask, lengths)
             pg, ratio, clipped, dual = ppo_clip_per_token(log_ratio, x.advantages, cfg.gspo_eps_clip,
                                                           cfg.gspo_eps_clip_high)
         else:
             pg, ratio, clipped, dual = terms.pg, terms.ratio, terms.clipped, terms.dual
+        assert pg is not None and ratio is not None, "the policy term is asked for whenever it is used"
         loss = loss + agg(weight * pg)
         metrics["pg_loss"] = _msum(pg, mask)
-        metrics["clip_frac"] = _msum(clipped.double(), mask)
-        metrics["dual_clip_frac"] = _msum(dual.double(), mask)
+        if clipped is not None:
+            metrics["clip_frac"] = _msum(clipped.double(), mask)
+        if dual is not None:
+            metrics["dual_clip_frac"] = _msum(dual.double(), mask)
+        if cov_selected is not None:  # clip_cov / kl_cov
+            metrics["cov_selected_frac"] = _msum(cov_selected.double(), mask)
         metrics["ratio"] = _msum(ratio, mask)
         metrics["ratio_abs_dev"] = _msum((ratio - 1.0).abs(), mask)
     if ref is not None:

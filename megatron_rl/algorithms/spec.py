@@ -99,7 +99,8 @@ class Spec(abc.ABC):
 
 
 class PolicyGradientSpec(Spec):
-    """GRPO / Dr.GRPO / RLOO / REINFORCE++(-baseline) with PPO-clip or GSPO, KL, entropy, off-policy
+    """GRPO / Dr.GRPO / RLOO / GPG / OPO / REINFORCE++(-baseline) with PPO-clip, GSPO or a --policy-loss-type
+    (CISPO, GPG, GMPO, SAPO), KL, entropy, off-policy
     correction (TIS / decoupled PPO, rejection sampling) and OPD terms."""
 
     def __init__(self, cfg: PolicyGradientConfig, *, custom_advantage_fn: Callable | None = None,
@@ -156,9 +157,15 @@ class PolicyGradientSpec(Spec):
             flat = self._custom_advantages(samples, rewards, groups, mask, old_logprobs, ref_logprobs)
         elif cfg.advantage_estimator == "none":
             return adv.per_sample(torch.zeros_like(mask), lengths)
-        elif cfg.advantage_estimator in ("grpo", "rloo"):
-            per_seq = (adv.rloo_advantages(rewards, groups) if cfg.advantage_estimator == "rloo" else
-                       self._grpo_rewards(rewards, groups))
+        elif cfg.advantage_estimator in ("grpo", "rloo", "gpg", "opo"):
+            if cfg.advantage_estimator == "rloo":
+                per_seq = adv.rloo_advantages(rewards, groups)
+            elif cfg.advantage_estimator == "gpg":
+                per_seq = adv.gpg_advantages(rewards, groups)
+            elif cfg.advantage_estimator == "opo":  # baseline weighted by each sample's loss-token count
+                per_seq = adv.opo_advantages(rewards, groups, [sum(s.effective_loss_mask()) for s in samples])
+            else:
+                per_seq = self._grpo_rewards(rewards, groups)
             flat = adv.broadcast_to_tokens(per_seq, lengths, mask)
         else:  # reinforce_plus_plus(_baseline)
             kl = None

@@ -723,14 +723,44 @@ class AlgorithmConfig:
     advantage_estimator: str = flag("grpo", "How rewards become advantages (formulas and peer conventions: "
                                     "docs/algorithms.md).",
                                     choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                             "rloo"))
+                                             "rloo", "gpg", "opo", "remax"))
+    policy_loss_type: str = flag("vanilla", "The policy-gradient loss, verl's policy_loss.loss_mode names "
+                                 "(formulas in docs/algorithms.md). vanilla: the PPO clip (GSPO is "
+                                 "--advantage-estimator gspo). cispo: clipped importance weight, stop-gradient, times "
+                                 "log-prob (MiniMax-M1). gpg: -A * log-prob (GPG). geo_mean: GMPO, the geometric "
+                                 "mean of the token ratios per sequence. sapo: SAPO's soft sigmoid gate "
+                                 "(--sapo-tau-pos/--sapo-tau-neg). geo_mean and sapo are means over sequences: "
+                                 "--loss-agg-mode seq_mean_token_mean only (the default for them). clip_cov / "
+                                 "kl_cov: the PPO clip with a few high-covariance tokens dropped / the unclipped "
+                                 "ratio with a |log-ratio| penalty on a few (Clip-Cov / KL-Cov; tokens chosen per "
+                                 "micro-batch, as verl).",
+                                 choices=("vanilla", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov"))
+    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature for tokens with advantage > 0 (verl's tau_pos); needs "
+                               "--policy-loss-type sapo.", domain="(0, inf)")
+    clip_cov_ratio: float = flag(2e-4, "Clip-Cov: at most max(int(ratio * loss tokens), 1) tokens of each micro-batch "
+                                 "lose their gradient (verl's clip_cov_ratio); needs --policy-loss-type clip_cov.",
+                                 domain="(0, 1]")
+    clip_cov_lb: float = flag(1.0, "Clip-Cov: lower bound of the covariance (A - mean A)(logp - mean logp) of a "
+                              "token it may drop (verl's clip_cov_lb); needs --policy-loss-type clip_cov.",
+                              domain="(-inf, inf)")
+    clip_cov_ub: float = flag(5.0, "Clip-Cov: upper bound of that covariance (verl's clip_cov_ub); needs "
+                              "--policy-loss-type clip_cov.", domain="(-inf, inf)")
+    kl_cov_ratio: float = flag(2e-4, "KL-Cov: the max(int(ratio * loss tokens), 1) tokens of largest covariance in "
+                               "each micro-batch get the |log-ratio| penalty (verl's kl_cov_ratio); needs "
+                               "--policy-loss-type kl_cov.", domain="(0, 1]")
+    ppo_kl_coef: float = flag(0.1, "KL-Cov: coefficient of |logp - old_logp| on its selected tokens (verl's "
+                              "ppo_kl_coef); needs --policy-loss-type kl_cov.", domain="[0, inf)")
+    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature for tokens with advantage <= 0 (verl's tau_neg); needs "
+                               "--policy-loss-type sapo.", domain="(0, inf)")
     disable_grpo_std_normalization: bool = flag(False, "GRPO without dividing by the group std (Dr.GRPO).")
     normalize_advantages: bool = flag(False, "Whiten the advantages over all loss tokens of the rollout batch "
                                       "after the estimator (float64, Bessel variance, eps inside the sqrt).")
-    loss_agg_mode: Optional[str] = flag(None, "How per-token losses aggregate. Unset: seq_mean_token_mean for "
-                                        "--advantage-estimator gspo (which refuses token_mean), token_mean "
-                                        "otherwise.",
-                                        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
+    loss_agg_mode: Optional[str] = flag(None, "How per-token losses aggregate over the step (global "
+                                        "denominators; docs/algorithms.md). Unset: seq_mean_token_mean for "
+                                        "--advantage-estimator gspo (which refuses token_mean) and --policy-loss-type "
+                                        "geo_mean / sapo (which take only it), token_mean otherwise.",
+                                        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                                 "seq_mean_token_sum_norm"))
     eps_clip: float = flag(0.2, "PPO ratio clip (lower side, and upper unless --eps-clip-high).", domain="(0, inf)")
     eps_clip_high: Optional[float] = flag(None, "Upper ratio clip (DAPO clip-higher).", domain="(0, inf)")
     eps_clip_c: Optional[float] = flag(None, "Dual-clip constant c (> 1) for negative advantages.", domain="(1, inf)")

@@ -501,6 +501,48 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
                           f"hold it); use a --save-interval that is a multiple of {n}")
 
 
+def _check_policy_loss(errors: list[str], a) -> None:
+    """--policy-loss-type and the new estimators: what PolicyGradientConfig refuses, said before workers start."""
+    if a.advantage_estimator == "remax":
+        errors.append("--advantage-estimator remax is refused: ReMax's baseline is the reward of a GREEDY rollout of "
+                      "each prompt (verl generates one extra greedy response per prompt for it), and the rollout "
+                      "here samples only the --n-samples-per-prompt responses of --rollout-temperature. Use grpo, "
+                      "rloo or opo (a group baseline from the sampled responses)")
+    kind = a.policy_loss_type
+    tau_set = (a.sapo_tau_pos, a.sapo_tau_neg) != (1.0, 1.05)
+    if kind != "sapo" and tau_set:
+        errors.append(f"--sapo-tau-pos {a.sapo_tau_pos} / --sapo-tau-neg {a.sapo_tau_neg} shape the SAPO gate: add "
+                      "--policy-loss-type sapo or drop them")
+    for flag, value, default, owner in (("--clip-cov-ratio", a.clip_cov_ratio, 2e-4, "clip_cov"),
+                                        ("--clip-cov-lb", a.clip_cov_lb, 1.0, "clip_cov"),
+                                        ("--clip-cov-ub", a.clip_cov_ub, 5.0, "clip_cov"),
+                                        ("--kl-cov-ratio", a.kl_cov_ratio, 2e-4, "kl_cov"),
+                                        ("--ppo-kl-coef", a.ppo_kl_coef, 0.1, "kl_cov")):
+        if kind != owner and value != default:
+            errors.append(f"{flag} {value} configures --policy-loss-type {owner}: add that or drop it")
+    if kind == "clip_cov" and not a.clip_cov_lb < a.clip_cov_ub:
+        errors.append(f"--clip-cov-lb {a.clip_cov_lb} must be below --clip-cov-ub {a.clip_cov_ub} (verl's defaults: "
+                      "1.0 and 5.0)")
+    if kind == "vanilla":
+        return
+    if a.advantage_estimator == "gspo":
+        errors.append(f"--policy-loss-type {kind} with --advantage-estimator gspo: GSPO is itself a policy loss "
+                      "(verl's loss_mode gspo); use --advantage-estimator grpo with it, or drop --policy-loss-type")
+    if a.eps_clip_c is not None:
+        errors.append(f"--eps-clip-c {a.eps_clip_c}: dual clip is part of the vanilla PPO loss, not of "
+                      f"--policy-loss-type {kind}; drop it")
+    if kind in ("geo_mean", "sapo") and a.loss_agg_mode not in (None, "seq_mean_token_mean"):
+        errors.append(f"--policy-loss-type {kind} is a mean over sequences (verl aggregates it with "
+                      f"seq-mean-token-mean whatever loss_agg_mode says): --loss-agg-mode {a.loss_agg_mode} is "
+                      "refused; use seq_mean_token_mean or leave it unset")
+    if kind == "geo_mean":
+        for flag, on, level in (("--use-tis", a.use_tis, a.tis_level), ("--use-rs", a.use_rs, a.rs_level)):
+            if on and level == "token":
+                errors.append(f"--policy-loss-type geo_mean with {flag} at token level: GMPO's objective is one "
+                              "ratio per sequence, so its off-policy weight must be one per sequence too: add "
+                              f"{flag.replace('use-', '')}-level geometric (or sequence)")
+
+
 def _check_algorithm(errors: list[str], cfg: Config) -> None:
     """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
     a = cfg.algorithm
@@ -514,6 +556,7 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
         errors.append("--advantage-estimator gspo with --loss-agg-mode token_mean weights each sequence by its "
                       "length, but GSPO's objective is a mean over sequences (GSPO paper, verl): use "
                       "--loss-agg-mode seq_mean_token_mean, or leave it unset (the gspo default)")
+    _check_policy_loss(errors, a)
     if a.tis_clip_low and not a.use_tis:
         errors.append(f"--tis-clip-low {a.tis_clip_low} bounds the TIS weight, which only exists with --use-tis; "
                       "add --use-tis or drop --tis-clip-low")

@@ -90,10 +90,39 @@ def _run_policy_loss(i):
     return {"loss": loss.detach(), "ppo_kl": m["ppo_kl"], "kl": m["kl"]}
 
 
+def _run_gpg(i):
+    return {"advantages": A.gpg_advantages(i["rewards"], i["groups"])}
+
+
+def _run_opo(i):
+    return {"advantages": A.opo_advantages(i["rewards"], i["groups"], i["token_counts"])}
+
+
+def _run_policy_loss_types(i):
+    """float32 log-probs, as training runs: values and gradients within the vectors' 1e-6."""
+    lengths, mask = i["response_lengths"], torch.tensor(i["loss_mask"], dtype=torch.float32)
+    cfg = PolicyGradientConfig(policy_loss_type=i["policy_loss_type"], loss_agg_mode=i["loss_agg_mode"],
+                               eps_clip=i["eps_clip"], eps_clip_high=i["eps_clip_high"],
+                               sapo_tau_pos=i["sapo_tau_pos"], sapo_tau_neg=i["sapo_tau_neg"],
+                               max_response_length=i["max_response_length"],
+                               **{k: i[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                                    "ppo_kl_coef") if k in i})
+    f32 = (lambda k: torch.tensor(i[k], dtype=torch.float32))
+    inputs = LossInputs(f32("logprobs").requires_grad_(), f32("advantages"), mask, lengths,
+                        old_logprobs=f32("old_logprobs"))
+    loss, metrics = compute_policy_loss(inputs, compute_loss_denominators(torch.split(mask, lengths)), cfg)
+    loss.backward()
+    out = {"loss": loss.detach(), "grad": inputs.logprobs.grad}
+    reduced = reduce_metrics([metrics])
+    out.update({k: reduced[k] for k in ("clip_frac", "cov_selected_frac") if k in reduced})
+    return out
+
+
 RUNNERS = {
     "grpo": _run_grpo, "rloo": _run_rloo, "reinforce_plus_plus": _run_rpp, "reinforce_plus_plus_baseline": _run_rpp,
     "gae": _run_gae, "normalize_advantages": _run_whiten, "kl": _run_kl, "ppo_clip": _run_ppo_clip, "tis": _run_tis,
-    "gspo": _run_gspo, "policy_loss": _run_policy_loss,
+    "gspo": _run_gspo, "policy_loss": _run_policy_loss, "gpg": _run_gpg, "opo": _run_opo,
+    "policy_loss_types": _run_policy_loss_types,
 }
 
 

@@ -191,6 +191,154 @@ def token_mean_policy_loss(lp, old, ref, adv, mask, eps, kl_coef, kind, unbiased
     return total / n, ppo_kl, kl_sum / n
 
 
+# ---------------------------------------------------------------- verl's newer estimators and policy losses
+def gpg_adv(rewards, groups):
+    """verl compute_gpg_outcome_advantage (f_norm 1): alpha = B / max(count_nonzero(r), 1),
+    A_i = alpha * (r_i - mean_g); ours: 0 for a group of size 1 or without contrast."""
+    alpha = len(rewards) / max(sum(1 for r in rewards if r != 0), 1)
+    out = []
+    for r, g in zip(rewards, groups):
+        members = [x for x, h in zip(rewards, groups) if h == g]
+        if len(members) < 2 or max(members) == min(members):
+            out.append(0.0)
+        else:
+            out.append(alpha * (r - math.fsum(members) / len(members)))
+    return out
+
+
+def opo_adv(rewards, groups, token_counts):
+    """verl compute_opo_outcome_advantage: baseline_g = sum_g(l_j r_j) / sum_g(l_j), l = response_mask.sum();
+    ours: 0 for a group of size 1, without contrast, or without loss tokens."""
+    out = []
+    for r, g in zip(rewards, groups):
+        members = [(x, n) for x, h, n in zip(rewards, groups, token_counts) if h == g]
+        total = sum(n for _, n in members)
+        if len(members) < 2 or len({x for x, _ in members}) < 2 or total == 0:
+            out.append(0.0)
+        else:
+            out.append(r - math.fsum(x * n for x, n in members) / total)
+    return out
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def pg_loss_and_grad(kind, lp, old, adv, mask, lengths, agg, eps_low, eps_high, tau_pos, tau_neg, max_len):
+    """verl's compute_policy_loss_<kind> restated per token, then agg_loss; returns (loss, d loss / d lp,
+    clip_frac or None). Ratio r = exp(clamp(lp - old, +-20)) for every kind (verl clamps for cispo and sapo;
+    geo_mean's clamp is commented out there: it only matters for |lp - old| > 20)."""
+    n_tok = sum(mask)
+    samples = len(lengths)
+    value, dvalue, clipped = [0.0] * len(lp), [0.0] * len(lp), [0.0] * len(lp)
+    if kind == "geo_mean":  # one value per sequence: -mean(A) * exp(mean of the sign-side clipped log-ratio)
+        loss, grad, start = 0.0, [0.0] * len(lp), 0
+        for n in lengths:
+            idx = range(start, start + n)
+            start += n
+            cnt = sum(mask[t] for t in idx)
+            xs, chosen = {}, {}
+            for t in idx:
+                raw = lp[t] - old[t]
+                lr = _clamp(raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+                sgn = (adv[t] > 0) - (adv[t] < 0)
+                bounded = _clamp(lr, -eps_low, eps_high)
+                xs[t] = sgn * min(sgn * lr, sgn * bounded)
+                chosen[t] = sgn != 0 and xs[t] == lr and abs(raw) <= LOG_RATIO_CLAMP
+                clipped[t] = float(lr != bounded and sgn != 0)
+            s_lr = math.fsum(xs[t] * mask[t] for t in idx) / (cnt + 1e-8)
+            a_bar = math.fsum(adv[t] * mask[t] for t in idx) / (cnt + 1e-8)
+            seq = -a_bar * math.exp(s_lr)
+            loss += seq / samples
+            for t in idx:
+                if mask[t] and chosen[t]:
+                    grad[t] = seq * (1.0 / cnt) / samples
+        return loss, grad, math.fsum(c * m for c, m in zip(clipped, mask)) / n_tok
+    for t in range(len(lp)):
+        raw = lp[t] - old[t]
+        r = math.exp(_clamp(raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        inside = abs(raw) <= LOG_RATIO_CLAMP
+        if kind == "cispo":  # -sg[clip(r)] * A * logp
+            c = _clamp(r, 1 - eps_low, 1 + eps_high)
+            value[t], dvalue[t], clipped[t] = -c * adv[t] * lp[t], -c * adv[t], float(r != c)
+        elif kind == "gpg":  # -logp * A
+            value[t], dvalue[t] = -lp[t] * adv[t], -adv[t]
+        elif kind == "sapo":  # -(4 / tau) * sigmoid(tau (r - 1)) * A, tau by the sign of A
+            tau = tau_pos if adv[t] > 0 else tau_neg
+            sg = _sigmoid(tau * (r - 1.0))
+            value[t] = -sg * (4.0 / tau) * adv[t]
+            dvalue[t] = -4.0 * sg * (1.0 - sg) * r * adv[t] if inside else 0.0
+    weight, start = [0.0] * len(lp), 0  # d agg / d value_t (verl agg_loss; B counts every sample)
+    for n in lengths:
+        cnt = sum(mask[start:start + n])
+        for t in range(start, start + n):
+            if mask[t]:
+                weight[t] = {"token_mean": 1.0 / n_tok, "seq_mean_token_mean": 1.0 / (cnt * samples),
+                             "seq_mean_token_sum": 1.0 / samples,
+                             "seq_mean_token_sum_norm": 1.0 / (samples * max_len)}[agg]
+        start += n
+    loss = math.fsum(v * w for v, w in zip(value, weight))
+    frac = math.fsum(c * m for c, m in zip(clipped, mask)) / n_tok if kind == "cispo" else None
+    return loss, [d * w for d, w in zip(dvalue, weight)], frac
+
+
+def _agg_weights(mask, lengths, agg, max_len):
+    """d agg_loss / d value_t of verl's agg_loss modes, B counting every sample."""
+    n_tok, samples, weight, start = sum(mask), len(lengths), [0.0] * len(mask), 0
+    for n in lengths:
+        cnt = sum(mask[start:start + n])
+        for t in range(start, start + n):
+            if mask[t]:
+                weight[t] = {"token_mean": 1.0 / n_tok, "seq_mean_token_mean": 1.0 / (cnt * samples),
+                             "seq_mean_token_sum": 1.0 / samples,
+                             "seq_mean_token_sum_norm": 1.0 / (samples * max_len)}[agg]
+        start += n
+    return weight
+
+
+def cov_loss_and_grad(kind, lp, old, adv, mask, lengths, agg, eps_low, eps_high, share, lb, ub, coef, max_len):
+    """verl's compute_policy_loss_clip_cov / _kl_cov on one micro-batch: cov_t = (A_t - mean A)(lp_t - mean lp)
+    over its loss tokens. clip_cov: max(-A r, -A clip(r)) times 0 on the tokens the clip left alone with
+    lb < cov < ub, at most max(int(share * N), 1) of them (the cases here have no more candidates than that,
+    so verl's random pick takes them all); kl_cov: -A r, plus coef |lr| on the max(int(share * N), 1) tokens of
+    largest cov. lr = clamp(lp - old, +-20) (verl does not clamp these two; no case here reaches it).
+    Returns (loss, d loss / d lp, clip_frac or None, selected fraction)."""
+    valid = [t for t in range(len(lp)) if mask[t]]
+    mean_a = math.fsum(adv[t] for t in valid) / len(valid)
+    mean_l = math.fsum(lp[t] for t in valid) / len(valid)
+    cov = [(a - mean_a) * (p - mean_l) for a, p in zip(adv, lp)]
+    value, dvalue, selected, by_origin = [0.0] * len(lp), [0.0] * len(lp), [False] * len(lp), [False] * len(lp)
+    lr = [_clamp(p - o, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) for p, o in zip(lp, old)]
+    if kind == "clip_cov":
+        count = max(int(share * len(valid)), 1)
+        for t in range(len(lp)):
+            r = math.exp(lr[t])
+            pg1, pg2 = -adv[t] * r, -adv[t] * _clamp(r, 1 - eps_low, 1 + eps_high)
+            by_origin[t] = pg2 > pg1 and bool(mask[t])
+            inside = abs(lp[t] - old[t]) <= LOG_RATIO_CLAMP
+            value[t], dvalue[t] = (pg1, -adv[t] * r * inside) if pg1 >= pg2 else (pg2, 0.0)
+        candidates = [t for t in valid if not by_origin[t] and lb < cov[t] < ub]
+        assert 0 < len(candidates) <= count, (candidates, count)  # the deterministic part of verl's pick
+        for t in candidates:
+            selected[t], value[t], dvalue[t] = True, 0.0, 0.0
+    else:
+        count = max(1, int(len(valid) * share))
+        top = sorted(valid, key=lambda t: -cov[t])[:count]
+        assert count == len(valid) or cov[top[-1]] > max(cov[t] for t in valid if t not in top)  # no ties
+        for t in range(len(lp)):
+            r = math.exp(lr[t])
+            inside = abs(lp[t] - old[t]) <= LOG_RATIO_CLAMP  # the clamp stops the gradient beyond +-20
+            value[t], dvalue[t] = -adv[t] * r, -adv[t] * r * inside
+            if t in top:
+                selected[t] = True
+                value[t] += coef * abs(lr[t])
+                dvalue[t] += coef * ((lr[t] > 0) - (lr[t] < 0)) * inside
+    weight = _agg_weights(mask, lengths, agg, max_len)
+    loss = math.fsum(v * w for v, w in zip(value, weight))
+    frac = math.fsum(float(b) for b in by_origin) / len(valid) if kind == "clip_cov" else None
+    return loss, [d * w for d, w in zip(dvalue, weight)], frac, sum(selected) / len(valid)
+
+
 # ---------------------------------------------------------------- cases
 def _case(name, inputs, expected, atol, exact_zero=()):
     return {"name": name, "inputs": inputs, "expected": expected, "atol": atol, "exact_zero": list(exact_zero)}
@@ -382,6 +530,95 @@ def build():
                                         "-clamp(lp - old, +-20) over loss tokens (verl)",
                                 convention="log-prob -100 vs ref -1: k3 clamps to 10, loss stays finite",
                                 cases=cases)
+    r = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 2.0, 0.0, 0.3, 0.0, 0.0]
+    g = [0, 0, 0, 0, 1, 1, 1, 7, 3, 3, 9, 9]  # group 1 constant, 7 single, 9 all zero; ids not contiguous
+    cases = [_case("ordinary", dict(rewards=rewards, groups=groups), {"advantages": gpg_adv(rewards, groups)}, 1e-6),
+             _case("sparse_rewards_constant_and_single_groups", dict(rewards=r, groups=g),
+                   {"advantages": gpg_adv(r, g)}, 1e-6, exact_zero=["advantages[4:8]", "advantages[10:12]"]),
+             _case("all_zero", dict(rewards=[0.0] * 4, groups=[0, 0, 1, 1]), {"advantages": [0.0] * 4}, 0,
+                   exact_zero=["advantages"])]
+    files["gpg"] = dict(function="megatron_rl.algorithms.advantages.gpg_advantages",
+                        formula="A_i = alpha * (r_i - mean_g), alpha = B / max(#{r_i != 0}, 1) over the batch "
+                                "(GPG; verl compute_gpg_outcome_advantage, f_norm = 1)",
+                        convention="a group of size 1 or without contrast gives exactly 0 (verl keeps alpha * r "
+                                   "for a single sample)", cases=cases)
+
+    counts = [3, 5, 1, 4, 2, 6, 0, 2, 7]
+    r, g = [1.0, 0.0, 1.0, 0.4, 0.4, 0.9, 0.2, 3.0, 1.0], [0, 0, 0, 5, 5, 2, 2, 8, 4]
+    cases = [_case("ordinary", dict(rewards=rewards, groups=groups, token_counts=[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]),
+                   {"advantages": opo_adv(rewards, groups, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])}, 1e-6),
+             _case("constant_single_and_masked_samples", dict(rewards=r, groups=g, token_counts=counts),
+                   {"advantages": opo_adv(r, g, counts)}, 1e-6, exact_zero=["advantages[3:5]", "advantages[7:9]"])]
+    files["opo"] = dict(function="megatron_rl.algorithms.advantages.opo_advantages",
+                        formula="A_i = r_i - sum_g(l_j r_j) / sum_g(l_j), l_j the loss-token count "
+                                "(OPO arXiv 2505.23585; verl compute_opo_outcome_advantage)",
+                        convention="a group of size 1, without contrast or without loss tokens gives exactly 0 "
+                                   "(verl keeps r for a single sample); a sample with 0 loss tokens still takes "
+                                   "its group's baseline", cases=cases)
+
+    # extreme log-ratios +-50 (ratio clamp), ratios on both sides of both clip bounds, A of both signs and 0,
+    # masked tool tokens and a fully masked sample
+    lengths = [4, 3, 2, 3]
+    lr = [0.1, -0.4, 0.5, 50.0, -50.0, 0.05, -0.3, 0.02, 1.5, 0.25, -0.25, 0.0]
+    lp = [-0.7, -1.2, -0.4, -0.3, -2.0, -0.9, -1.6, -0.05, -2.5, -0.8, -1.1, -0.6]
+    old = [p - x for p, x in zip(lp, lr)]
+    adv = [1.0, 1.0, 1.0, 1.0, -0.5, -0.5, -0.5, 0.0, 0.0, 2.0, -1.5, 0.7]
+    mask = [1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]
+    cases = []
+    for kind, aggs in (("cispo", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                  "seq_mean_token_sum_norm")),
+                       ("gpg", ("token_mean", "seq_mean_token_sum")),
+                       ("geo_mean", ("seq_mean_token_mean",)), ("sapo", ("seq_mean_token_mean",))):
+        for agg in aggs:
+            loss, grad, frac = pg_loss_and_grad(kind, lp, old, adv, mask, lengths, agg, 0.2, 0.28, 1.0, 1.05, 8)
+            expected = {"loss": loss, "grad": grad}
+            if frac is not None:
+                expected["clip_frac"] = frac
+            cases.append(_case(f"{kind}_{agg}", dict(logprobs=lp, old_logprobs=old, advantages=adv, loss_mask=mask,
+                                                     response_lengths=lengths, policy_loss_type=kind,
+                                                     loss_agg_mode=agg, eps_clip=0.2, eps_clip_high=0.28,
+                                                     sapo_tau_pos=1.0, sapo_tau_neg=1.05, max_response_length=8),
+                               expected, 1e-6))
+    loss, grad, _ = pg_loss_and_grad("sapo", lp, old, adv, mask, lengths, "seq_mean_token_mean", 0.2, 0.28, 2.0,
+                                     3.0, 8)
+    cases.append(_case("sapo_tau_2_3", dict(logprobs=lp, old_logprobs=old, advantages=adv, loss_mask=mask,
+                                            response_lengths=lengths, policy_loss_type="sapo",
+                                            loss_agg_mode="seq_mean_token_mean", eps_clip=0.2, eps_clip_high=0.28,
+                                            sapo_tau_pos=2.0, sapo_tau_neg=3.0, max_response_length=8),
+                       {"loss": loss, "grad": grad}, 1e-6))
+    for kind, share, lb, ub, agg in (("clip_cov", 0.25, 0.05, 5.0, "token_mean"),
+                                     ("clip_cov", 0.25, 0.05, 5.0, "seq_mean_token_mean"),
+                                     ("kl_cov", 0.25, 1.0, 5.0, "token_mean"),
+                                     ("kl_cov", 0.25, 1.0, 5.0, "seq_mean_token_sum"),
+                                     ("kl_cov", 0.05, 1.0, 5.0, "token_mean")):
+        # kl_cov has no clip: a loss token at ratio e^20 would be a loss of 5e8, beyond float32's 1e-6; its
+        # extremes are a masked +50 (must not leak) and the -50 token
+        old_c = old if kind == "clip_cov" else [p - x for p, x in zip(lp, lr[:2] + [50.0, 2.0] + lr[4:])]
+        loss, grad, frac, sel = cov_loss_and_grad(kind, lp, old_c, adv, mask, lengths, agg, 0.2, 0.28, share, lb,
+                                                  ub, 0.1, 8)
+        expected = {"loss": loss, "grad": grad, "cov_selected_frac": sel}
+        if frac is not None:
+            expected["clip_frac"] = frac
+        knobs = (dict(clip_cov_ratio=share, clip_cov_lb=lb, clip_cov_ub=ub) if kind == "clip_cov" else
+                 dict(kl_cov_ratio=share, ppo_kl_coef=0.1))
+        cases.append(_case(f"{kind}_{share}_{agg}", dict(logprobs=lp, old_logprobs=old_c, advantages=adv,
+                                                         loss_mask=mask, response_lengths=lengths,
+                                                         policy_loss_type=kind, loss_agg_mode=agg, eps_clip=0.2,
+                                                         eps_clip_high=0.28, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+                                                         max_response_length=8, **knobs), expected, 1e-6))
+    files["policy_loss_types"] = dict(
+        function="megatron_rl.algorithms.losses.compute_policy_loss (--policy-loss-type), float32 log-probs",
+        formula="r = exp(clamp(lp - old, +-20)). cispo: -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * lp; "
+                "gpg: -A * lp; sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos if A > 0 else tau_neg; "
+                "geo_mean (GMPO): per sequence -mean(A) exp(mean of sign(A) min(sign(A) lr, sign(A) clamp(lr, "
+                "-eps_low, eps_high))), mean over sequences; clip_cov / kl_cov: cov_loss_and_grad in "
+                "make_vectors.py (one micro-batch); then verl's agg_loss (verl core_algos "
+                "compute_policy_loss_cispo / _gpg / _sapo / _geo_mean / _clip_cov / _kl_cov); grad = d loss / d lp",
+        convention="B (every seq_mean mode) counts every sample, the fully masked one too (verl's agg_loss "
+                   "without global_batch_size counts only samples with loss tokens); geo_mean's log-ratio is "
+                   "clamped to +-20 like the others (verl leaves that clamp commented out); the clip_cov cases "
+                   "have no more candidates than it may drop, so verl's random pick is the whole set",
+        cases=cases)
     return files
 
 
