@@ -155,6 +155,18 @@ class Bridge:
         rope.update(self.cfg("rope_scaling", {}) or {})
         return rope
 
+    def _yarn_problems(self, derived_from: str) -> list[str]:
+        """What megatron's YarnRotaryEmbedding cannot take from a YaRN ``rope_parameters``: missing fields, and an
+        explicit ``attention_factor`` (megatron derives the scale from ``derived_from``)."""
+        rope, problems = self._rope, []
+        missing = [k for k in ("factor", "original_max_position_embeddings") if rope.get(k) is None]
+        if missing:
+            problems.append(f"yarn rope_parameters without {missing}")
+        if rope.get("attention_factor") is not None:
+            problems.append(f"yarn attention_factor={rope['attention_factor']} (megatron derives it from "
+                            f"{derived_from})")
+        return problems
+
     @property
     def rotary_percent(self) -> float:
         return float(self._rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 1.0)))

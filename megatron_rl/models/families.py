@@ -199,12 +199,7 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
                             "DeepSeek's checkpoints are laid out)")
         rope = self._rope
         if rope.get("rope_type", rope.get("type")) == "yarn":
-            missing = [k for k in ("factor", "original_max_position_embeddings") if rope.get(k) is None]
-            if missing:
-                problems.append(f"yarn rope_parameters without {missing}")
-            if rope.get("attention_factor") is not None:
-                problems.append(f"yarn attention_factor={rope['attention_factor']} (megatron derives it from "
-                                "mscale / mscale_all_dim)")
+            problems += self._yarn_problems("mscale / mscale_all_dim")
             if not rope.get("truncate", True):
                 problems.append("yarn truncate=false (megatron's MLA YaRN rounds the correction range)")
             if rope.get("mscale_all_dim") and not rope.get("mscale"):
@@ -338,13 +333,7 @@ class GptOssBridge(Bridge):
         if "sliding_attention" in self._layer_types and not self.cfg("sliding_window", None):
             problems.append("layer_types with sliding_attention but no sliding_window")
         if self._yarn:
-            rope = self._rope
-            missing = [k for k in ("factor", "original_max_position_embeddings") if rope.get(k) is None]
-            if missing:
-                problems.append(f"yarn rope_parameters without {missing}")
-            if rope.get("attention_factor") is not None:
-                problems.append(f"yarn attention_factor={rope['attention_factor']} (megatron derives it from "
-                                "factor / mscale / mscale_all_dim)")
+            problems += self._yarn_problems("factor / mscale / mscale_all_dim")
         return problems
 
     # ---------------------------------------------------------------- name maps

@@ -268,15 +268,7 @@ def pg_loss_and_grad(kind, lp, old, adv, mask, lengths, agg, eps_low, eps_high, 
             sg = _sigmoid(tau * (r - 1.0))
             value[t] = -sg * (4.0 / tau) * adv[t]
             dvalue[t] = -4.0 * sg * (1.0 - sg) * r * adv[t] if inside else 0.0
-    weight, start = [0.0] * len(lp), 0  # d agg / d value_t (verl agg_loss; B counts every sample)
-    for n in lengths:
-        cnt = sum(mask[start:start + n])
-        for t in range(start, start + n):
-            if mask[t]:
-                weight[t] = {"token_mean": 1.0 / n_tok, "seq_mean_token_mean": 1.0 / (cnt * samples),
-                             "seq_mean_token_sum": 1.0 / samples,
-                             "seq_mean_token_sum_norm": 1.0 / (samples * max_len)}[agg]
-        start += n
+    weight = _agg_weights(mask, lengths, agg, max_len)  # d agg / d value_t (verl agg_loss; B counts every sample)
     loss = math.fsum(v * w for v, w in zip(value, weight))
     frac = math.fsum(c * m for c, m in zip(clipped, mask)) / n_tok if kind == "cispo" else None
     return loss, [d * w for d, w in zip(dvalue, weight)], frac
