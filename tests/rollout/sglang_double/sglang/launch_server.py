@@ -114,6 +114,20 @@ def _follow(store, host: str, port: int, node_rank: int) -> int:
             return 0
 
 
+def _port_taken(host: str, port: int):
+    """The bind error of ``host:port`` if another process holds it now (the stand-in would hit it when it binds,
+    after loading torch and the model: seconds a failing start need not spend), else None."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return str(e)
+    return None
+
+
 def main() -> int:
     argv = sys.argv[1:]
     model, port = _arg(argv, "--model-path"), int(_arg(argv, "--port", "30000"))
@@ -134,6 +148,10 @@ def main() -> int:
     store = _rendezvous(argv, nnodes, node_rank) if nnodes > 1 else None
     if node_rank > 0:
         return _follow(store, _arg(argv, "--host", "127.0.0.1"), port, node_rank)
+    taken = _port_taken(_arg(argv, "--host", "127.0.0.1"), port)
+    if taken:  # SGLang's own failure (its HTTP server binds last), without loading the model first
+        print(f"OSError: {taken} (test double: --port {port} was taken before the server could bind it)", flush=True)
+        return 1
     from sglang_standin import SGLangStandIn  # tests/rollout (on sys.path above); loads torch: after the faults
 
     server = SGLangStandIn(model, port=port, tp_size=int(_arg(argv, "--tp-size", "1")))
