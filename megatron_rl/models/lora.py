@@ -286,7 +286,7 @@ class LoraAdapters(torch.nn.Module):
                     weight.copy_(original)
 
 
-def _fused_parts(bridge, kind: str, rule, weight: torch.Tensor, site_kind: str, tp_size: int):
+def _fused_parts(bridge, rule, weight: torch.Tensor, tp_size: int):
     """(HF module per part, this rank's rows per part, local row order) of one megatron linear."""
     modules = [n[: -len(".weight")] for n in rule.hf_names]
     if rule.kind == "copy":
@@ -342,7 +342,7 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
                                       f"{want.__name__}")
                 canonical = f"decoder.layers.{g}.{site}"
                 rule = bridge.rule_for(canonical + ".weight")
-                parts, rows, order = _fused_parts(bridge, kind, rule, linear.weight, kind, tp_size)
+                parts, rows, order = _fused_parts(bridge, rule, linear.weight, tp_size)
                 hit = [spec.targets(p) for p in parts]
                 matched.update(p.rsplit(".", 1)[-1] for p, h in zip(parts, hit) if h)
                 if not any(hit):
@@ -424,7 +424,7 @@ def adapter_parameter_count(adapters: list[LoraAdapters]) -> int:
     return sum(p.numel() for a in adapters for p in a.parameters())
 
 
-def describe(adapters: list[LoraAdapters]) -> Optional[str]:
+def describe(adapters: list[LoraAdapters]) -> str:
     """One line for the log: how many linears and parameters are adapted on this rank."""
     n = sum(1 for a in adapters for _ in a.items())
     return f"LoRA: {n} linears adapted, {adapter_parameter_count(adapters)} trainable parameters on this rank"
