@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import megatron_rl.compat  # noqa: E402,F401  (before any test imports megatron-core: its cheap first import)
 from megatron_rl.models.hf_tiny import FAMILIES, build_tiny_hf_model  # noqa: E402
 
 

@@ -573,29 +573,10 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
     return list(samples)
 
 
-def import_megatron_core_without_wandb() -> None:
-    """Import megatron-core with ``wandb`` hidden, unless something already imported wandb.
-
-    ``megatron.core.timers`` runs ``try: import wandb`` at import time (about 1 s of start-up on
-    every rank here) only to write megatron's own timers to W&B when handed a writer, which this
-    engine never does: metrics go through ``infra.tracking``, which imports wandb itself on the
-    driver when ``--wandb-project`` asks (before this runs). The hiding lasts for this one import.
-    """
-    import sys
-
-    if "wandb" in sys.modules or "megatron.core" in sys.modules:
-        return
-    # a None entry makes `import wandb` raise ImportError: megatron falls back to wandb = None
-    sys.modules["wandb"] = None  # type: ignore[assignment]  # typeshed's dict omits None, the documented block
-    try:
-        import megatron.core.timers  # noqa: F401  (lazy: megatron-core is the heavy import this exists for)
-    finally:
-        if "wandb" in sys.modules and sys.modules["wandb"] is None:
-            del sys.modules["wandb"]
-
-
 def _megatron_backend() -> TrainBackend:
-    import_megatron_core_without_wandb()
+    from megatron_rl.compat import megatron_import  # lazy: torch; its finder hides wandb and dynamo from megatron
+
+    megatron_import.install()
     from megatron_rl.backends.megatron.backend import MegatronBackend  # lazy: imports megatron-core (~15 s)
 
     return MegatronBackend()

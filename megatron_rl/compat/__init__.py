@@ -22,7 +22,10 @@ import functools
 
 import torch
 
+from megatron_rl.compat import megatron_import as _megatron_import
 from megatron_rl.compat import patches as _patches
+
+_megatron_import.install()  # the first `import megatron.core` skips wandb and, on CPU, dynamo
 
 _APPLIED: dict[str, str] = {}
 

@@ -65,20 +65,40 @@ def test_unknown_backend():
     assert isinstance(make_backend("fsdp"), FSDPBackend)  # built lazily, not initialised
 
 
-def test_megatron_backend_import_skips_wandb_but_leaves_it_importable():
-    """megatron.core.timers imports wandb (~0.5 CPU-s per rank) for a feature never used: hidden at start-up."""
+def test_megatron_backend_import_skips_wandb_and_dynamo_but_leaves_both_usable():
+    """megatron.core.timers imports wandb (~0.5 CPU-s per rank) for a feature never used, and jit_fuser's
+    import-time torch.compile decorations import dynamo and inductor (~1.1 CPU-s; compiled functions the
+    CPU patch turns off anyway): both skipped at start-up, both importable afterwards."""
     import subprocess
     import sys
 
-    code = ("import sys\n"
+    code = ("import sys, torch\n"
             "from megatron_rl.backends.base import make_backend\n"
             "make_backend('megatron')\n"
             "import megatron.core.timers as t\n"
+            "from megatron.core.transformer.moe.router import TopKRouter\n"
             "assert 'wandb' not in sys.modules and t.wandb is None, 'wandb imported'\n"
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'\n"
+            "assert not hasattr(TopKRouter._apply_expert_bias, '_torchdynamo_orig_callable')\n"
+            "assert torch.compile.__module__.startswith('torch'), 'torch.compile left replaced'\n"
             "import wandb\n"  # the hiding is over: --wandb-project later still works
             "print('ok', wandb.__name__)\n")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok wandb" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_models_import_megatron_through_the_same_finder():
+    """Any path into megatron-core through the package (models, converters) gets the cheap first import."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import megatron_rl.models.bridge\n"  # installs the finder; megatron itself is imported lazily
+            "from megatron.core.models.gpt import GPTModel\n"
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("location", ["host", "device"])

@@ -13,6 +13,7 @@ Usage: under ``megatron_rl.infra.launch`` like ``-m megatron_rl.train`` (same fl
 import os
 import sys
 
+import megatron_rl.compat  # noqa: F401  (first: megatron-core's cheap first import)
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
 from megatron_rl.infra import disk_space

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import megatron_rl.compat  # noqa: F401  (first: megatron-core's cheap first import)
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
