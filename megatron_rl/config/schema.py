@@ -63,7 +63,8 @@ class Domain:
 
 
 def flag(default: Any, help: str, *, choices: tuple | None = None, type: Any = None,
-         aliases: tuple[str, ...] = (), metavar: str | None = None, nargs: str | None = None,
+         aliases: tuple[str, ...] = (), metavar: str | tuple[str, ...] | None = None,
+         nargs: str | int | None = None,
          domain: str | None = None):
     """Declare a config field together with its command-line flag (a float flag: with its ``domain``)."""
     meta = {"help": help, "choices": choices, "type": type, "aliases": aliases,
@@ -695,6 +696,18 @@ class DataConfig:
                                      "with it set is refused by name.", metavar="KEY")
     eval_reward_key: Optional[str] = flag(None, "The dict-reward key evaluation reports as eval/reward_mean; "
                                           "unset: --reward-key's (slime's fallback).", metavar="KEY")
+    overlong_buffer_len: int = flag(0, "DAPO's overlong reward shaping (verl's reward_model.overlong_buffer.len): "
+                                    "a training response of L tokens longer than --rollout-max-response-len minus "
+                                    "N gets -(L - (max - N)) / N x --overlong-penalty-factor added to its reward "
+                                    "(0 up to max - N, -factor at max); logged as reward/overlong_penalty. "
+                                    "Evaluation rewards are not shaped. 0: off.", metavar="N")
+    overlong_penalty_factor: float = flag(1.0, "The overlong penalty at --rollout-max-response-len tokens (verl's "
+                                          "overlong_buffer.penalty_factor); needs --overlong-buffer-len.",
+                                          domain="[0, inf)")
+    reward_clip_range: list = flag([], "Clip every training reward (after the overlong penalty) to [LOW, HIGH] "
+                                   "(OpenRLHF's --reward_clip_range); reward/reward_clipped is the clipped "
+                                   "fraction. Evaluation rewards are not clipped. Unset: no clip.",
+                                   type=float, nargs=2, metavar=("LOW", "HIGH"))
     rm_url: Optional[str] = flag(None, "Reward server URL (slime's name): batches of samples are POSTed to it "
                                  "as JSON and it answers one reward per sample (protocol: docs/agentic.md). "
                                  "Excludes --rm-type and --custom-rm-path.", metavar="URL")

@@ -385,6 +385,7 @@ def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
         if tuned:
             errors.append(f"{', '.join(tuned)} tune the reward server, which only --rm-url names: add --rm-url URL "
                           f"or drop {', '.join(t.split()[0] for t in tuned)}")
+    _check_reward_shaping(errors, cfg)
     if not r.dynamic_sampling_filter_path:
         tuned = [f for f, on in (("--over-sampling-batch-size", r.over_sampling_batch_size is not None),
                                  ("--dynamic-sampling-max-rounds", r.dynamic_sampling_max_rounds != 10)) if on]
@@ -401,6 +402,21 @@ def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
     if not cfg.has_rollout_engine:
         errors.append(f"--dynamic-sampling-filter-path {r.dynamic_sampling_filter_path} filters generated groups, "
                       "but this run generates nothing (--debug-train-only / --load-debug-rollout-data): drop it")
+
+
+def _check_reward_shaping(errors: list[str], cfg: Config) -> None:
+    """DAPO's overlong buffer inside the response bound; a clip range of two ordered numbers."""
+    d, max_len = cfg.data, cfg.rollout.rollout_max_response_len
+    if d.overlong_buffer_len < 0 or (d.overlong_buffer_len and d.overlong_buffer_len >= max_len):
+        errors.append(f"--overlong-buffer-len {d.overlong_buffer_len} must be in [1, --rollout-max-response-len "
+                      f"{max_len}): the penalty ramps over the last N tokens below the bound (0 turns it off)")
+    if not d.overlong_buffer_len and d.overlong_penalty_factor != 1.0:
+        errors.append(f"--overlong-penalty-factor {d.overlong_penalty_factor} sizes DAPO's overlong penalty, which "
+                      "only --overlong-buffer-len N turns on: add it or drop --overlong-penalty-factor")
+    clip = d.reward_clip_range
+    if clip and (len(clip) != 2 or not clip[0] < clip[1]):  # a YAML config may give any list
+        errors.append(f"--reward-clip-range {' '.join(str(v) for v in clip)} needs two numbers LOW HIGH with "
+                      "LOW < HIGH, e.g. --reward-clip-range -10 10")
 
 
 AGENT_GENERATE = "megatron_rl.rollout.agent:generate"

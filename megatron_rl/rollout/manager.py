@@ -48,7 +48,7 @@ from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.atomic import atomic_write_bytes
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler
 from megatron_rl.rollout.generate_fn import RolloutFunctions
-from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
+from megatron_rl.rollout.rewards import RewardShaping, compute_rewards, reward_metrics, reward_source
 from megatron_rl.rollout.rollout_ckpt import capture_rng_state, restore_rng_state
 
 
@@ -167,6 +167,7 @@ class RolloutManager:
         self.eval_datasets = sets
         self.eval_dataset = next(iter(sets.values())) if len(sets) == 1 else None
         self.reward_fn = reward_fn
+        self.shaping = RewardShaping.from_config(cfg)  # --overlong-buffer-len, --reward-clip-range: training only
         self.dynamic_sampler = dynamic_sampler  # --dynamic-sampling-filter-path: batches filled in rounds
         # --custom-generate-function-path / --rollout-function-path: generate in the engine's place
         self.rollout_functions = rollout_functions
@@ -218,7 +219,8 @@ class RolloutManager:
         d = self.cfg.data  # slime: evaluation reads --eval-reward-key, falling back to --reward-key
         key, key_flag = ((d.eval_reward_key, "--eval-reward-key") if evaluation and d.eval_reward_key
                          else (d.reward_key, "--reward-key"))
-        compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg), reward_key=key, key_flag=key_flag)
+        compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg), reward_key=key, key_flag=key_flag,
+                        shaping=None if evaluation else self.shaping)
         self.last_reward_s = time.perf_counter() - t  # reported as perf/reward_s by generate()
         return samples
 

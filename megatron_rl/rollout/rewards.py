@@ -32,7 +32,8 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
@@ -284,21 +285,70 @@ def _split_reward(r: Any, i: int, source: str, reward_key: str | None = None,
     return _number(r[key_name], source, f"sample {i}"), metrics
 
 
+@dataclass(frozen=True)
+class RewardShaping:
+    """What happens to a training reward after the reward function: DAPO's overlong penalty, then a clip.
+
+    Overlong (``--overlong-buffer-len N``, ``--overlong-penalty-factor F``; verl's
+    ``reward_model.overlong_buffer``, DAPO eq. 13): a response of ``L`` tokens longer than
+    ``max - N`` (``max`` = ``--rollout-max-response-len``) gets ``-(L - (max - N)) / N * F`` added:
+    0 up to ``max - N``, falling linearly to ``-F`` at ``max``. ``L`` counts every response token
+    (tool output of a multi-turn sample included: it takes room under the same bound). Then
+    ``--reward-clip-range LOW HIGH`` (OpenRLHF's ``--reward_clip_range``) clips. Evaluation rewards
+    are never shaped: they measure the task. Per-sample metrics ``overlong_penalty`` and
+    ``reward_clipped`` go beside the reward function's own (logged ``reward/<key>``)."""
+
+    max_response_len: int
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    clip_range: Optional[tuple[float, float]] = None
+
+    @classmethod
+    def from_config(cls, cfg) -> Optional["RewardShaping"]:
+        d = cfg.data
+        if not d.overlong_buffer_len and not d.reward_clip_range:
+            return None
+        clip = tuple(float(v) for v in d.reward_clip_range) if d.reward_clip_range else None
+        return cls(cfg.rollout.rollout_max_response_len, int(d.overlong_buffer_len),
+                   float(d.overlong_penalty_factor), clip)  # type: ignore[arg-type]  # two floats, validated
+
+    def apply(self, reward: float, response_length: int) -> tuple[float, dict[str, float]]:
+        """The shaped reward of one sample and its shaping metrics."""
+        metrics: dict[str, float] = {}
+        if self.overlong_buffer_len:
+            exceed = response_length - (self.max_response_len - self.overlong_buffer_len)
+            penalty = min(-exceed / self.overlong_buffer_len * self.overlong_penalty_factor, 0.0)
+            reward += penalty
+            metrics["overlong_penalty"] = penalty
+        if self.clip_range is not None:
+            low, high = self.clip_range
+            clipped = min(max(reward, low), high)
+            metrics["reward_clipped"] = float(clipped != reward)
+            reward = clipped
+        return reward, metrics
+
+
 def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "reward function",
-                    reward_key: str | None = None, key_flag: str = "--reward-key") -> list[float]:
+                    reward_key: str | None = None, key_flag: str = "--reward-key",
+                    shaping: Optional[RewardShaping] = None) -> list[float]:
     """Score ``samples`` with ``reward_fn``, check the result and store it in ``sample.reward``.
 
     Each result is a number or a dict reward (module docstring): its ``reward`` goes to
     ``sample.reward``, its other keys to ``sample.metadata["reward_metrics"]`` (a sample scored again
     loses the metrics of its previous score). ``reward_key`` (slime's ``--reward-key`` /
     ``--eval-reward-key``, named in errors by ``key_flag``) is the dict key that trains instead of
-    ``reward``. Nothing is stored unless every result is valid, so a refused batch leaves no
-    half-scored samples behind."""
+    ``reward``. ``shaping`` (training rollouts only) then adjusts each reward (``RewardShaping``).
+    Nothing is stored unless every result is valid, so a refused batch leaves no half-scored
+    samples behind."""
     rewards = list(reward_fn(samples))
     if len(rewards) != len(samples):
         raise ConfigError(f"{source} returned {len(rewards)} rewards for {len(samples)} samples; a batched reward "
                           "must return one float per sample, in order")
     scored = [_split_reward(r, i, source, reward_key, key_flag) for i, r in enumerate(rewards)]
+    if shaping is not None:
+        for i, (sample, (value, metrics)) in enumerate(zip(samples, scored)):
+            value, extra = shaping.apply(value, sample.response_length)
+            scored[i] = value, {**metrics, **extra}
     for sample, (value, metrics) in zip(samples, scored):
         sample.reward = value
         if metrics:

@@ -33,7 +33,7 @@ from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler, StreamFilter
 from megatron_rl.rollout.generate_fn import RolloutFunctions
 from megatron_rl.rollout.manager import route_metrics, sampling_params, save_rollout, weight_version_metrics
-from megatron_rl.rollout.rewards import compute_rewards, reward_metrics, reward_source
+from megatron_rl.rollout.rewards import RewardShaping, compute_rewards, reward_metrics, reward_source
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
 from megatron_rl.runner.producer import EngineFault, Group, RolloutProducer
@@ -62,13 +62,14 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
                  cursor.path, len(restored["buffer"]), len(restored["pending"]))
     tok = getattr(rollout.engine, "tokenizer", None)
     source = reward_source(cfg)
+    shaping = RewardShaping.from_config(cfg)  # --overlong-buffer-len, --reward-clip-range
     functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path, called per group
 
     def score(samples: list[Sample]) -> None:
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
-        compute_rewards(samples, rollout.reward_fn, source=source, reward_key=cfg.data.reward_key)
+        compute_rewards(samples, rollout.reward_fn, source=source, reward_key=cfg.data.reward_key, shaping=shaping)
 
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size

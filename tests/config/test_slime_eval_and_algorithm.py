@@ -207,3 +207,16 @@ def test_reward_key_trains_and_eval_reward_key_evaluates(demo, tmp_path):
     with pytest.raises(ConfigError, match="--eval-reward-key x picks the reward evaluation reports.*evaluates "
                                           "nothing"):
         parse_config([*argv, "--eval-reward-key", "x"])
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--overlong-buffer-len", "6"], r"--overlong-buffer-len 6 must be in \[1, --rollout-max-response-len 6\)"),
+    (["--overlong-penalty-factor", "2"], "--overlong-penalty-factor 2.0 sizes DAPO's overlong penalty, which only "
+                                         "--overlong-buffer-len N turns on"),
+    (["--overlong-buffer-len", "2", "--overlong-penalty-factor", "-1"], r"--overlong-penalty-factor -1 is out of "
+                                                                        r"range: it must lie in \[0, inf\)"),
+    (["--reward-clip-range", "1", "-1"], "--reward-clip-range 1.0 -1.0 needs two numbers LOW HIGH with LOW < HIGH"),
+])
+def test_reward_shaping_flags_out_of_their_range_are_refused(demo, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(base(demo, *extra))

@@ -8,6 +8,7 @@ import pytest
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.rewards import (
+    RewardShaping,
     compute_rewards,
     exact_match,
     extract_answer,
@@ -184,3 +185,60 @@ def test_reward_key_picks_the_training_reward_of_a_dict():
         compute_rewards(samples, lambda ss: [1.0, 0.0], reward_key="acc", key_flag="--eval-reward-key")
     with pytest.raises(ConfigError, match="without a 'reward' key .* or give --reward-key KEY"):
         compute_rewards(samples, fn)
+
+
+def _lengths(*lengths):
+    return [Sample(group_index=0, prompt_ids=[1], response_ids=[5] * n) for n in lengths]
+
+
+def test_overlong_penalty_is_dapos_ramp_then_the_clip():
+    """verl's DAPO reward manager: expected = max - N, penalty = min(-(L - expected) / N * F, 0). Numbers for
+    max 20, N 8, F 0.5: 0 up to L 12, -0.25 at 16, -0.5 at 20; then the clip to [-0.3, 0.8]."""
+    shaping = RewardShaping(max_response_len=20, overlong_buffer_len=8, overlong_penalty_factor=0.5,
+                            clip_range=(-0.3, 0.8))
+    samples = _lengths(5, 12, 13, 16, 20, 20)
+    scores = [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    got = compute_rewards(samples, lambda ss: list(scores), shaping=shaping)
+    assert got == pytest.approx([0.8, 0.8, 0.8, -0.25, -0.3, 0.5])
+    assert [s.reward for s in samples] == got
+    penalties = [s.metadata["reward_metrics"]["overlong_penalty"] for s in samples]
+    assert penalties == pytest.approx([0.0, 0.0, -0.0625, -0.25, -0.5, -0.5])
+    assert [s.metadata["reward_metrics"]["reward_clipped"] for s in samples] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    # no shaping: the reward function's numbers untouched, no shaping metrics
+    samples = _lengths(20)
+    assert compute_rewards(samples, lambda ss: [1.0]) == [1.0] and "reward_metrics" not in samples[0].metadata
+
+
+def test_shaping_keeps_a_dict_rewards_metrics_and_skips_evaluation(tiny_hf_models, tmp_path):
+    """Through the real RolloutManager and parsed flags: training rewards are shaped, evaluation's are not."""
+    import json
+
+    from megatron_rl.config import parse_config
+    from megatron_rl.data.prompts import PromptDataset, PromptIterator
+    from megatron_rl.rollout.manager import RolloutManager
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [1, 2, i], "label": str(i)}) + "\n" for i in range(4)))
+
+    class LongEngine:
+        tokenizer = None
+        weight_version = 0
+
+        def generate(self, requests, sampling):
+            return [Sample(group_index=r.group_index, prompt_ids=list(r.prompt_ids), response_ids=[7] * 10,
+                           rollout_logprobs=[-1.0] * 10, finish_reason="length", label=r.label,
+                           metadata=dict(r.metadata)) for r in requests for _ in range(sampling.n)]
+
+    cfg = parse_config(["--hf-checkpoint", tiny_hf_models("qwen2"), "--prompt-data", str(data),
+                        "--eval-prompt-data", str(data), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                        "--rollout-max-response-len", "10", "--overlong-buffer-len", "4",
+                        "--overlong-penalty-factor", "2", "--reward-clip-range", "-1.5", "5"])
+    prompts = PromptIterator(PromptDataset(cfg.data.prompt_data), rollout_batch_size=2, n_samples_per_prompt=2)
+    manager = RolloutManager(cfg, LongEngine(), prompts, lambda ss: [{"reward": 1.0, "format": 1.0} for _ in ss],
+                             eval_dataset=PromptDataset(str(data)))
+    samples, metrics = manager.generate(0)
+    assert [s.reward for s in samples] == [-1.0] * 4  # 1 - 2 (a full-length response), inside the clip
+    assert metrics["reward/overlong_penalty"] == -2.0 and metrics["reward/format"] == 1.0
+    assert metrics["reward/reward_clipped"] == 0.0
+    ev = manager.evaluate(0)
+    assert ev["eval/reward_mean"] == 1.0 and "eval/reward/overlong_penalty" not in ev
