@@ -19,7 +19,8 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "se
 # seq-mean-token-mean for them), so they only take seq_mean_token_mean.
 POLICY_LOSSES = ("vanilla", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov")
 SEQUENCE_MEAN_LOSSES = ("geo_mean", "sapo")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # k3 and low_var_kl: the same clamped estimator (verl)
+# k3 and low_var_kl: the same clamped estimator (verl); a trailing + : verl's straight-through (k2's gradient)
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+")
 # Off-policy correction (docs/algorithms.md, "Off-policy correction"): the level at which the ratio
 # exp(old - rollout) is formed (verl's rollout_is / rollout_rs, slime's MIS tis_level / rs_level) and what
 # happens to a ratio outside its bounds (slime's MIS tis_mode; AReaL's rejection_sampling action).
@@ -128,6 +129,9 @@ class PolicyGradientConfig:
         if self.use_unbiased_kl and not self.kl_loss_coef:
             bad("--use-unbiased-kl", True, "it weights the KL loss term: set --use-kl-loss --kl-loss-coef > 0 "
                 "or drop it")
+        if self.use_unbiased_kl and self.kl_loss_type.endswith("+"):
+            bad("--kl-loss-type", self.kl_loss_type, "the straight-through estimators have no ratio-weighted form "
+                "(--use-unbiased-kl); drop the + or --use-unbiased-kl")
         for flag, v in (("--kl-loss-coef", self.kl_loss_coef), ("--kl-coef", self.kl_coef),
                         ("--entropy-coef", self.entropy_coef), ("--opd-coef", self.opd_coef)):
             if v < 0:

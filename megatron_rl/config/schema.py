@@ -786,8 +786,9 @@ class AlgorithmConfig:
                              "logged as train/kl; with --kl-loss-coef 0 logged only (slime's way to watch it).")
     kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty (needs --use-kl-loss when > 0).", domain="[0, inf)")
     kl_loss_type: str = flag("k3", "KL estimator; k3 and low_var_kl are the same low-variance estimator, "
-                             "clamped as verl's (log ratio to +-20, value to <= 10).",
-                             choices=("k1", "k2", "k3", "low_var_kl"))
+                             "clamped as verl's (log ratio to +-20, value to <= 10). A trailing + (verl's k3+): "
+                             "that estimator's value with k2's gradient (straight-through; docs/algorithms.md).",
+                             choices=("k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+"))
     use_unbiased_kl: bool = flag(False, "Weight the KL loss term by the importance ratio exp(logp - old_logp) "
                                  "(slime's unbiased KL, DeepSeek-V3.2; k3/low_var_kl clamp the weighted "
                                  "product to [-10, 10]); needs --use-kl-loss.")

@@ -581,6 +581,10 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
     if a.use_unbiased_kl and not (a.use_kl_loss and a.kl_loss_coef > 0):
         errors.append("--use-unbiased-kl weights the KL loss term, which needs --use-kl-loss --kl-loss-coef > 0; "
                       "add them or drop --use-unbiased-kl")
+    if a.use_unbiased_kl and a.kl_loss_type.endswith("+"):
+        errors.append(f"--use-unbiased-kl with --kl-loss-type {a.kl_loss_type}: the ratio-weighted KL (slime's) and "
+                      "the straight-through estimators (verl's) are each defined without the other, and no peer "
+                      f"defines the pair; use --kl-loss-type {a.kl_loss_type[:-1]} or drop --use-unbiased-kl")
     if a.use_rollout_logprobs and a.use_tis:
         errors.append("--use-rollout-logprobs with --use-tis: TIS weights each token by exp(old - rollout) "
                       "log-probs, which is 1 when the old log-probs ARE the rollout ones (slime refuses the "

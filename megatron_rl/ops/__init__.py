@@ -19,6 +19,7 @@ and gradients (tests/ops/); callers never branch on it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from megatron_rl.ops.dispatch import KERNELS, available_backends, select
 from megatron_rl.ops.fused import fused_logprobs, fused_policy_terms
 from megatron_rl.ops.logprob import flatten_checked, naive_logprobs, real_columns, vocab_parallel_logprobs
-from megatron_rl.ops.policy_loss import PolicyLossParams, PolicyTerms, torch_policy_terms
+from megatron_rl.ops.policy_loss import STRAIGHT_THROUGH_KL, PolicyLossParams, PolicyTerms, torch_policy_terms
 
 __all__ = ["logprobs_and_entropy", "policy_loss_terms", "PolicyLossParams", "PolicyTerms", "vocab_parallel_logprobs",
            "naive_logprobs", "available_backends", "KERNELS"]
@@ -77,5 +78,12 @@ def policy_loss_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     if kernels is None:
         return torch_policy_terms(logprobs, old_logprobs, advantages, params, token_log_ratio=token_log_ratio,
                                   ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs)
+    if ref_logprobs is not None and params.kl_type in STRAIGHT_THROUGH_KL:
+        # the kernels know verl's four estimators, not the straight-through ones: their KL on the torch path
+        terms = PolicyTerms(*fused_policy_terms(kernels, logprobs, old_logprobs, advantages, params, None,
+                                                rollout_logprobs))
+        terms.kl = torch_policy_terms(logprobs, old_logprobs, advantages, dataclasses.replace(params, ppo=False),
+                                      ref_logprobs=ref_logprobs).kl
+        return terms
     outs = fused_policy_terms(kernels, logprobs, old_logprobs, advantages, params, ref_logprobs, rollout_logprobs)
     return PolicyTerms(*outs)

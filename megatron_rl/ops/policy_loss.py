@@ -20,7 +20,9 @@ import torch
 
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a wild stale log-prob from overflowing the ratio
 _KL_CLAMP = 10.0  # peers' low-variance KL bound (verl's low_var_kl; slime's low_var_kl clamp)
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+")
+#: verl's straight-through estimators: the value of k1 / k3, the gradient of k2 (torch path only)
+STRAIGHT_THROUGH_KL = ("k1+", "k3+", "low_var_kl+")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3", *,
@@ -35,8 +37,16 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     clamped, it gives 10 and a zero gradient. Ordinary values (|log r| < ~2.5) are
     unchanged. ``bound=False`` leaves out the final clamp (``--use-unbiased-kl`` clamps the
     ratio-weighted product instead, as slime's ``compute_approx_kl``).
+
+    ``k1+``, ``k3+``, ``low_var_kl+`` (verl's ``kl_penalty`` with a trailing ``+``): the value of the
+    named estimator with the gradient of k2, ``k2 - k2.detach() + value.detach()``. Why: k1 and k3
+    estimate KL's value without bias, but their gradients are not KL's gradient in expectation; k2's is.
     """
     log_r = logprobs - ref_logprobs
+    if kind in STRAIGHT_THROUGH_KL:
+        value = kl_estimate(logprobs, ref_logprobs, kind[:-1], bound=bound)
+        k2 = 0.5 * log_r.square()
+        return k2 - k2.detach() + value.detach()
     if kind == "k1":
         return log_r
     if kind == "k2":
@@ -45,7 +55,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
         log_r = log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         k3 = torch.exp(-log_r) - 1.0 + log_r
         return k3.clamp(-_KL_CLAMP, _KL_CLAMP) if bound else k3
-    raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use k1, k2, k3 or low_var_kl")
+    raise ValueError(f"unknown KL estimator {kind!r} (--kl-loss-type): use one of {', '.join(KL_TYPES)}")
 
 
 def ppo_clip_per_token(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
@@ -100,7 +110,8 @@ class PolicyLossParams:
 
     def __post_init__(self):
         if self.kl_type not in KL_TYPES:
-            raise ValueError(f"unknown KL estimator {self.kl_type!r} (--kl-loss-type): use k1, k2, k3 or low_var_kl")
+            raise ValueError(f"unknown KL estimator {self.kl_type!r} (--kl-loss-type): use one of "
+                             f"{', '.join(KL_TYPES)}")
 
 
 @dataclass

@@ -220,3 +220,12 @@ def test_reward_key_trains_and_eval_reward_key_evaluates(demo, tmp_path):
 def test_reward_shaping_flags_out_of_their_range_are_refused(demo, extra, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(base(demo, *extra))
+
+
+def test_straight_through_kl_is_accepted_but_not_with_the_unbiased_weighting(demo):
+    cfg = parse_config(base(demo, "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "k3+"))
+    assert cfg.algorithm.kl_loss_type == "k3+"
+    with pytest.raises(ConfigError, match=r"--use-unbiased-kl with --kl-loss-type k3\+: .* use --kl-loss-type k3 "
+                                          "or drop --use-unbiased-kl"):
+        parse_config(base(demo, "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "k3+",
+                          "--use-unbiased-kl"))

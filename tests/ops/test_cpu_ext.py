@@ -332,3 +332,30 @@ def test_tp2_partials_combined_over_gloo(cpu_ext, cpu_ext_dir, tmp_path):
         assert len(errors) == impls * 2 * 3, sorted(errors)
         bad = {k: v for k, v in errors.items() if v > (2e-2 if "bf16/grad" in k else 5e-6)}
         assert not bad, bad
+
+
+@pytest.mark.parametrize("kl_type", ["k1+", "k3+", "low_var_kl+"])
+def test_straight_through_kl_goes_around_the_kernels(cpu_ext, use_kernels, kl_type):
+    """verl's k3+: the kernels supply the surrogate and TIS, the KL comes from the torch path. Its value is the
+    base estimator's (k3 clamped as verl's), its gradient k2's: logp - ref, even where k3 is clamped."""
+    from megatron_rl.ops.policy_loss import kl_estimate
+
+    lp, old, adv, ref, roll, g_pg, g_kl = _ppo_inputs(301, torch.float32, seed=13)
+    params = PolicyLossParams(ppo=True, eps_low=0.2, eps_high=0.28, kl_type=kl_type, tis_cap=2.0)
+    results = {}
+    for impl in ("torch", "cpu_ext"):
+        use_kernels(impl)
+        x = lp.clone().requires_grad_()
+        t = policy_loss_terms(x, old, adv, params, ref_logprobs=ref, rollout_logprobs=roll)
+        ((t.pg.double() * g_pg).sum() + (t.kl.double() * g_kl).sum()).backward()
+        results[impl] = (t, x.grad)
+    (tt, tg), (ct, cg) = results["torch"], results["cpu_ext"]
+    assert torch.equal(tt.kl, ct.kl) and torch.allclose(tt.pg, ct.pg, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(tg, cg, atol=1e-6, rtol=1e-5)
+    assert torch.equal(ct.kl, kl_estimate(lp, ref, kl_type[:-1]))  # the value: the base estimator's
+    # the gradient: the surrogate's (no KL) plus k2's, d/dlogp 0.5 (logp - ref)^2 = logp - ref
+    use_kernels("cpu_ext")
+    x = lp.clone().requires_grad_()
+    t = policy_loss_terms(x, old, adv, params, ref_logprobs=None, rollout_logprobs=roll)
+    (t.pg.double() * g_pg).sum().backward()
+    assert torch.allclose(cg, x.grad + ((lp - ref).double() * g_kl).float(), atol=1e-6, rtol=1e-5)
