@@ -91,7 +91,9 @@ def run(cfg: Config) -> int:
         recovery = EngineRecovery(fleet, enabled=cfg.rollout.use_fault_tolerance)
         sync = make_synchronizer_from_config(cfg, engines=fleet.placement if fleet is not None else None)
         clock.lap("rollout")
+        ctx.checkpoints.algorithm_state = spec.state_dict  # the adaptive KL coefficient travels in checkpoints
         start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
+        spec.load_state_dict((ctx.checkpoints.cursor.extra or {}).get("algorithm_state") or {})
         clock.lap("resume")
         if backend and cfg.has_rollout_engine:
             synced = sync.sync(backend, engine, version=start)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.algorithms.kl_control import KL_CTRL_TYPES
 from megatron_rl.errors import ConfigError
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "opo", "none")
@@ -52,6 +53,9 @@ class PolicyGradientConfig:
     ppo_kl_coef: float = 0.1  # --ppo-kl-coef: KL-Cov's coefficient of |logp - old| on the selected tokens
     gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
     kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++ rewards
+    kl_ctrl_type: str = "fixed"  # --kl-ctrl-type: fixed | adaptive (kl_control.py; verl's algorithm.kl_ctrl.type)
+    kl_target: float = 0.1  # --kl-target: the adaptive controller's target KL (verl's target_kl)
+    kl_horizon: float = 10000.0  # --kl-horizon: responses over which it corrects (verl's horizon)
     normalize_advantages: bool = False  # --normalize-advantages: batch whitening after the estimator
     loss_agg_mode: str | None = None  # --loss-agg-mode; None = the estimator's default (see the class doc)
     max_response_length: int = 0  # --rollout-max-response-len: Dr.GRPO's constant normaliser
@@ -148,11 +152,27 @@ class PolicyGradientConfig:
             bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s (or a "
                 "--custom-advantage-function-path's, which reads rollout_data['kl']); for GRPO/RLOO use "
                 "--kl-loss-coef (KL term in the loss) instead")
+        self._check_kl_controller(bad)
         if not self.rewards_normalization and self.advantage_estimator not in (
                 "grpo", "reinforce_plus_plus_baseline") and not self.use_gspo:
             bad("--disable-rewards-normalization", True, "it turns off the group baseline of grpo / gspo / "
                 "reinforce_plus_plus_baseline (as slime); with --advantage-estimator "
                 f"{self.advantage_estimator} rewards are never group-normalised: drop it")
+
+    def _check_kl_controller(self, bad) -> None:
+        """The adaptive controller steers the coefficient this engine folds into the rewards (kl_control.py)."""
+        if self.kl_ctrl_type not in KL_CTRL_TYPES:
+            bad("--kl-ctrl-type", self.kl_ctrl_type, f"choose one of {KL_CTRL_TYPES}")
+        if self.kl_ctrl_type != "adaptive":
+            return
+        if not self.kl_coef or self.advantage_estimator != "reinforce_plus_plus" or \
+                self.custom_advantage_function_path is not None:
+            bad("--kl-ctrl-type", "adaptive", "it adapts the KL coefficient folded into the rewards: needs "
+                "--advantage-estimator reinforce_plus_plus with --kl-coef > 0 (its starting value) and no "
+                "--custom-advantage-function-path (which applies its own coefficient)")
+        if not self.kl_target > 0 or not self.kl_horizon > 0:
+            bad("--kl-target/--kl-horizon", (self.kl_target, self.kl_horizon), "both must be > 0 (verl's defaults: "
+                "0.1 and 10000)")
 
     def _check_policy_loss(self, bad) -> None:
         """--policy-loss-type with what it combines with (validate.py refuses the same before workers start)."""

@@ -37,6 +37,7 @@ def spec_from_config(cfg: Config) -> PolicyGradientSpec:
         max_response_length=cfg.rollout.rollout_max_response_len, eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
         kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_loss_type=a.kl_loss_type, kl_coef=a.kl_coef,
+        kl_ctrl_type=a.kl_ctrl_type, kl_target=a.kl_target, kl_horizon=a.kl_horizon,
         log_kl=a.use_kl_loss and a.kl_loss_coef == 0,  # slime: --use-kl-loss --kl-loss-coef 0 logs the KL
         entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_cap=a.tis_cap, tis_clip_low=a.tis_clip_low,
         tis_level=a.tis_level, tis_mode=a.tis_mode, use_rs=a.use_rs, rs_level=a.rs_level,

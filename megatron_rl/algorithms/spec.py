@@ -26,6 +26,7 @@ import torch
 
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.config import PolicyGradientConfig
+from megatron_rl.algorithms.kl_control import KLController, mean_sequence_kl
 from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss, kl_estimate
 from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import AnySample
@@ -97,6 +98,18 @@ class Spec(abc.ABC):
     def compute_loss(self, inputs: LossInputs, denoms: LossDenominators) -> tuple[torch.Tensor, Metrics]:
         """This micro-batch's share of the globally normalised loss, and metric sums."""
 
+    def state_dict(self) -> dict:
+        """State that evolves over the run (the adaptive KL coefficient): saved in every checkpoint's extra state
+        and restored on resume, so a resumed run continues bit for bit. Empty when there is none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (``{}``: the initial state)."""
+
+    def advantage_metrics(self) -> dict[str, float]:
+        """Metrics of the last ``compute_advantages`` (logged as ``train/<key>``)."""
+        return {}
+
 
 class PolicyGradientSpec(Spec):
     """GRPO / Dr.GRPO / RLOO / GPG / OPO / REINFORCE++(-baseline) with PPO-clip, GSPO or a --policy-loss-type
@@ -117,6 +130,19 @@ class PolicyGradientSpec(Spec):
                                                           dotted=True)
         if self.custom_advantage_fn is not None:
             check_arity(self.custom_advantage_fn, 2, CUSTOM_ADVANTAGE_FLAG, str(path), "fn(args, rollout_data)")
+        adaptive = cfg.kl_ctrl_type == "adaptive"  # --kl-ctrl-type: the coefficient of KL in the rewards
+        self.kl_ctrl = KLController(cfg.kl_coef, cfg.kl_target if adaptive else None,
+                                    cfg.kl_horizon if adaptive else None)
+        self.last_advantage_metrics: dict[str, float] = {}
+
+    def state_dict(self) -> dict:
+        return {"kl_ctrl": self.kl_ctrl.state_dict()} if self.kl_ctrl.adaptive else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_ctrl.load_state_dict(state.get("kl_ctrl") or {})
+
+    def advantage_metrics(self) -> dict[str, float]:
+        return dict(self.last_advantage_metrics)
 
     def prepare_batch(self, samples: Sequence[AnySample]) -> BatchRequirements:
         cfg = self.cfg
@@ -169,6 +195,7 @@ class PolicyGradientSpec(Spec):
             flat = adv.broadcast_to_tokens(per_seq, lengths, mask)
         else:  # reinforce_plus_plus(_baseline)
             kl = None
+            beta = self.kl_ctrl.value  # --kl-coef, or where the adaptive controller has moved it
             if cfg.kl_coef > 0:
                 if old_logprobs is None or ref_logprobs is None:
                     raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
@@ -176,9 +203,12 @@ class PolicyGradientSpec(Spec):
                 # slime's compute_advantages_and_returns: the --kl-loss-type estimator of KL(old || ref)
                 kl = kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
                                  cfg.kl_loss_type)
+                current_kl = mean_sequence_kl(kl, mask, lengths)
+                self.kl_ctrl.update(current_kl, n_steps=len(samples))  # verl: after the rewards took beta
+                self.last_advantage_metrics = {"reward_kl": current_kl, "reward_kl_coef": beta}
             baseline = (groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline"
                         and cfg.rewards_normalization else None)  # slime: no group mean with the flag
-            flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=cfg.kl_coef,
+            flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=beta,
                                                       gamma=cfg.gamma, group_index=baseline)
         if cfg.normalize_advantages:  # --normalize-advantages: whiten the whole batch after the estimator
             flat = adv.masked_whiten(flat, mask)

@@ -782,6 +782,14 @@ class AlgorithmConfig:
                           "REINFORCE++: --advantage-estimator reinforce_plus_plus, formulas in docs/algorithms.md); "
                           "0: off. slime ignores it for GRPO/GSPO/RLOO; here a value > 0 with those is refused "
                           "(use --use-kl-loss --kl-loss-coef for a KL term in the loss).", domain="[0, inf)")
+    kl_ctrl_type: str = flag("fixed", "How the --kl-coef folded into the rewards moves: fixed, or adaptive (verl's "
+                             "algorithm.kl_ctrl; Ziegler et al. 2019): after each rollout beta *= 1 + clip(kl / "
+                             "--kl-target - 1, +-0.2) x responses / --kl-horizon; logged as train/reward_kl_coef, "
+                             "kept in checkpoints.", choices=("fixed", "adaptive"))
+    kl_target: float = flag(0.1, "The adaptive KL controller's target KL per token (verl's target_kl).",
+                            domain="(0, inf)")
+    kl_horizon: float = flag(10000.0, "Responses over which the adaptive KL controller closes a proportional error "
+                             "(verl's horizon).", domain="(0, inf)")
     use_kl_loss: bool = flag(False, "KL to the reference model: added to the loss times --kl-loss-coef, and "
                              "logged as train/kl; with --kl-loss-coef 0 logged only (slime's way to watch it).")
     kl_loss_coef: float = flag(0.0, "Coefficient of the KL penalty (needs --use-kl-loss when > 0).", domain="[0, inf)")

@@ -567,6 +567,16 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
                       f"reinforce_plus_plus does, or a --custom-advantage-function-path reading rollout_data['kl'] "
                       f"(slime ignores it for {a.advantage_estimator}); use --use-kl-loss "
                       "--kl-loss-coef for a KL term in the loss, or --kl-coef 0")
+    if a.kl_ctrl_type == "adaptive" and not (a.kl_coef > 0 and a.advantage_estimator == "reinforce_plus_plus"
+                                             and not a.custom_advantage_function_path):
+        errors.append("--kl-ctrl-type adaptive adapts the KL coefficient folded into the rewards: it needs "
+                      "--advantage-estimator reinforce_plus_plus with --kl-coef > 0 (the starting value) and no "
+                      "--custom-advantage-function-path (which applies its own coefficient)")
+    tuned = [f"{n} {v:g}" for n, v, d in (("--kl-target", a.kl_target, 0.1), ("--kl-horizon", a.kl_horizon, 10000.0))
+             if v != d]
+    if tuned and a.kl_ctrl_type != "adaptive":
+        errors.append(f"{' and '.join(tuned)} tune the adaptive KL controller, which only --kl-ctrl-type adaptive "
+                      "turns on: add it or drop them")
     _check_slime_algorithm_hooks(errors, cfg)
     if a.advantage_estimator == "gspo" and a.loss_agg_mode == "token_mean":
         errors.append("--advantage-estimator gspo with --loss-agg-mode token_mean weights each sequence by its "

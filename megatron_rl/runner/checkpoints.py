@@ -8,7 +8,7 @@ rollout generated right after checkpoint N is stored with it (``rollout_ckpts/``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -39,6 +39,8 @@ class CheckpointSaver:
     clock: WallClock
     tracker: Tracker
     is_driver: bool
+    #: the algorithm's evolving state (``Spec.state_dict``: the adaptive KL coefficient), in every checkpoint
+    algorithm_state: Optional[Callable[[], dict]] = None
 
     def due(self, rollout_id: int) -> bool:
         every = self.cfg.checkpoint.save_interval
@@ -56,12 +58,14 @@ class CheckpointSaver:
         root = self.cfg.checkpoint.save
         if not root:
             return
-        extra = {"rollout_id": step}
+        extra: dict[str, Any] = {"rollout_id": step}
         if rollout is not None:
             extra["dataset_state"] = rollout.prompts.state_dict()
         # an async driver's own state (the driver's): one-step the prompt position before the rollout generated
         # ahead, full the rollout buffer's file; read back from CheckpointCursor.extra on resume
         extra.update(extra_state or {})
+        if self.algorithm_state is not None and (state := self.algorithm_state()):
+            extra["algorithm_state"] = state
         box = [extra]  # the driver's dataset state must reach every rank's copy of extra_state
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)

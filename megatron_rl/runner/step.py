@@ -63,4 +63,6 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
             steps.append(backend.train_step(TrainBatch(batch[sl], advantages[sl], pick(old), pick(ref),
                                                        pick(teacher), plan=step_plan)))
     perf["perf/train_s"] = time.perf_counter() - t
-    return aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one
+    metrics = aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one
+    metrics.update({f"train/{k}": v for k, v in spec.advantage_metrics().items()})  # e.g. the reward KL
+    return metrics

@@ -237,3 +237,43 @@ def test_kl_coef_folds_the_kl_loss_type_estimator_into_the_rewards(kind):
     want = reinforce_plus_plus_advantages([float(s.reward) for s in samples], [s.response_length for s in samples],
                                           mask, kl=kl, kl_coef=0.2)
     assert torch.equal(adv, want)
+
+
+def test_adaptive_kl_controller_is_verls_and_its_state_round_trips():
+    """verl's AdaptiveKLController: beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon. Numbers for
+    beta 0.05, target 0.1, horizon 100, n 8: kl 0.3 -> x1.016, kl 0.11 -> x1.008, kl 0.05 -> x0.984."""
+    from megatron_rl.algorithms.kl_control import KLController, mean_sequence_kl
+
+    ctrl = KLController(0.05, target=0.1, horizon=100)
+    ctrl.update(0.3, n_steps=8)
+    assert ctrl.value == pytest.approx(0.05 * 1.016, rel=1e-15)
+    ctrl.update(0.11, n_steps=8)
+    assert ctrl.value == pytest.approx(0.05 * 1.016 * 1.008, rel=1e-14)
+    ctrl.update(0.05, n_steps=8)
+    assert ctrl.value == pytest.approx(0.05 * 1.016 * 1.008 * 0.984, rel=1e-14)
+    fixed = KLController(0.05)
+    fixed.update(0.3, n_steps=8)
+    assert fixed.value == 0.05 and fixed.state_dict() == {}
+    # verl's current_kl: the mean over responses of each one's mean over its loss tokens
+    kl = torch.tensor([1.0, 3.0, 9.0, 2.0, 4.0, 6.0])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    assert mean_sequence_kl(kl, mask, [3, 3]) == pytest.approx((2.0 + 4.0) / 2)
+
+
+def test_adaptive_kl_coefficient_moves_between_batches_and_resumes():
+    samples = _samples()
+    cfg = PolicyGradientConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.2, kl_loss_type="k3",
+                               kl_ctrl_type="adaptive", kl_target=0.01, kl_horizon=4)
+    spec = get_spec("policy_gradient", cfg)
+    old = [torch.tensor(s.rollout_logprobs) for s in samples]
+    ref = [t - torch.linspace(-1.5, 2.0, len(t)) for t in old]
+    first = torch.cat(spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref))
+    m = spec.advantage_metrics()
+    assert m["reward_kl_coef"] == 0.2 and m["reward_kl"] > 0.01  # far above target: beta grows by 1 + 0.2 n / 4
+    assert spec.kl_ctrl.value == pytest.approx(0.2 * (1 + 0.2 * len(samples) / 4), rel=1e-15)
+    saved = spec.state_dict()
+    second = torch.cat(spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref))
+    assert not torch.equal(first, second)  # a larger beta: a larger penalty
+    fresh = get_spec("policy_gradient", cfg)
+    fresh.load_state_dict(saved)
+    assert torch.equal(torch.cat(fresh.compute_advantages(samples, old_logprobs=old, ref_logprobs=ref)), second)

@@ -229,3 +229,16 @@ def test_straight_through_kl_is_accepted_but_not_with_the_unbiased_weighting(dem
                                           "or drop --use-unbiased-kl"):
         parse_config(base(demo, "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "k3+",
                           "--use-unbiased-kl"))
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--kl-ctrl-type", "adaptive"], "--kl-ctrl-type adaptive adapts the KL coefficient folded into the rewards: it "
+                                     "needs --advantage-estimator reinforce_plus_plus with --kl-coef > 0"),
+    (["--kl-target", "0.02"], "--kl-target 0.02 tune the adaptive KL controller, which only --kl-ctrl-type "
+                              "adaptive turns on"),
+    (["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.1", "--kl-ctrl-type", "adaptive",
+      "--kl-horizon", "0"], r"--kl-horizon 0 is out of range: it must lie in \(0, inf\)"),
+])
+def test_adaptive_kl_flags_without_what_they_steer_are_refused(demo, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(base(demo, *extra))

@@ -48,14 +48,31 @@ def test_custom_advantage_function_trains_the_demo(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_ref_update_interval_replaces_the_reference(tmp_path):
+def test_ref_update_interval_and_the_adaptive_kl_coefficient_survive_a_resume(tmp_path):
     """slime's --ref-update-interval 2 on the demo (one optimizer step per rollout): the reference is the initial
     policy for rollouts 1-2 and the actor after rollout 2 from then on, so train/kl (the k3 KL of the training
-    forward to the reference, before the rollout's update) is 0 at steps 1 and 3 and positive at step 2."""
+    forward to the reference, before the rollout's update) is 0 at steps 1 and 3 and positive at step 2. The run
+    stops after rollout 2 and a second launch resumes it: the reference comes back from the step-2 checkpoint.
+
+    REINFORCE++ with verl's adaptive KL controller in the same run: the coefficient starts at --kl-coef, moves by
+    beta *= 1 + clip(kl / target - 1, +-0.2) * 256 / horizon after each rollout (256 responses), and the resumed
+    step 3 uses the value step 2 left (saved in the checkpoint), not --kl-coef again."""
     out = tmp_path / "demo"
-    run_demo(out, 3, "--ref-update-interval", "2", "--global-batch-size", "256")
+    flags = ("--ref-update-interval", "2", "--global-batch-size", "256", "--save-interval", "2",
+             "--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--kl-ctrl-type", "adaptive",
+             "--kl-target", "0.001", "--kl-horizon", "1000")
+    run_demo(out, 2, *flags)
+    run_demo(out, 3, *flags)  # resumes from iter_0000002
     train = {r["step"]: r for r in metrics(out) if "rollout/reward_mean" in r}
     assert sorted(train) == [1, 2, 3]
     assert [train[s].get("train/ref_updated") for s in (1, 2, 3)] == [None, 1.0, None]
     assert abs(train[1]["train/kl"]) < 1e-9 and abs(train[3]["train/kl"]) < 1e-9, (train[1], train[3])
     assert train[2]["train/kl"] > 1e-7, train[2]
+
+    def step(beta, kl):
+        return beta * (1.0 + min(max(kl / 0.001 - 1.0, -0.2), 0.2) * 256 / 1000)
+
+    coef = {s: train[s]["train/reward_kl_coef"] for s in (1, 2, 3)}
+    assert train[1]["train/reward_kl"] == 0.0 and coef[1] == 0.01  # old == reference before the first update
+    assert train[2]["train/reward_kl"] > 0 and coef[2] == step(0.01, 0.0)
+    assert coef[3] == step(coef[2], train[2]["train/reward_kl"]) != 0.01, coef

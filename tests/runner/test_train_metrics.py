@@ -25,6 +25,9 @@ class FakeSpec:
     def compute_advantages(self, samples, old_logprobs=None, ref_logprobs=None):
         return [s.adv for s in samples]
 
+    def advantage_metrics(self):
+        return {}
+
 
 class FakeBackend:
     """Per step: token means of each sample's constant per-token loss / kl, its token count, a grad norm, an LR."""
