@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from megatron_rl.algorithms.kl_control import KL_CTRL_TYPES
 from megatron_rl.errors import ConfigError
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "opo", "none")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "opo", "remax",
+                        "none")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # --policy-loss-type: verl's policy_loss.loss_mode names (docs/algorithms.md, "Policy loss"). vanilla is the
 # PPO clip (GSPO is --advantage-estimator gspo). geo_mean and sapo are means over sequences (verl forces

@@ -183,6 +183,8 @@ class PolicyGradientSpec(Spec):
             flat = self._custom_advantages(samples, rewards, groups, mask, old_logprobs, ref_logprobs)
         elif cfg.advantage_estimator == "none":
             return adv.per_sample(torch.zeros_like(mask), lengths)
+        elif cfg.advantage_estimator == "remax":  # verl: returns - baseline on the loss tokens (not whitened)
+            flat = adv.broadcast_to_tokens(rewards - _remax_baselines(samples), lengths, mask)
         elif cfg.advantage_estimator in ("grpo", "rloo", "gpg", "opo"):
             if cfg.advantage_estimator == "rloo":
                 per_seq = adv.rloo_advantages(rewards, groups)
@@ -317,3 +319,14 @@ def get_spec(name: str, cfg) -> Spec:
     if not isinstance(cfg, config_cls):
         raise ConfigError(f"--algorithm {name!r} needs a {config_cls.__name__}, got {type(cfg).__name__}")
     return factory(cfg)
+
+
+def _remax_baselines(samples) -> torch.Tensor:
+    """Each sample's ``reward_baseline`` (the greedy response's reward the rollout manager attached)."""
+    missing = [i for i, s in enumerate(samples) if s.reward_baseline is None]
+    if missing:
+        raise ConfigError(f"--advantage-estimator remax: {len(missing)} sample(s) (first: {missing[0]}, group "
+                          f"{samples[missing[0]].group_index}) carry no reward_baseline, the reward of the greedy "
+                          "response the rollout manager generates per prompt for ReMax; samples from "
+                          "--load-debug-rollout-data saved by a run with another estimator lack it")
+    return torch.tensor([float(s.reward_baseline) for s in samples], dtype=torch.float32)

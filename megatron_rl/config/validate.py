@@ -519,11 +519,6 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
 
 def _check_policy_loss(errors: list[str], a) -> None:
     """--policy-loss-type and the new estimators: what PolicyGradientConfig refuses, said before workers start."""
-    if a.advantage_estimator == "remax":
-        errors.append("--advantage-estimator remax is refused: ReMax's baseline is the reward of a GREEDY rollout of "
-                      "each prompt (verl generates one extra greedy response per prompt for it), and the rollout "
-                      "here samples only the --n-samples-per-prompt responses of --rollout-temperature. Use grpo, "
-                      "rloo or opo (a group baseline from the sampled responses)")
     kind = a.policy_loss_type
     tau_set = (a.sapo_tau_pos, a.sapo_tau_neg) != (1.0, 1.05)
     if kind != "sapo" and tau_set:
@@ -583,6 +578,10 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
                       "length, but GSPO's objective is a mean over sequences (GSPO paper, verl): use "
                       "--loss-agg-mode seq_mean_token_mean, or leave it unset (the gspo default)")
     _check_policy_loss(errors, a)
+    if a.advantage_estimator == "remax" and cfg.rollout.async_mode == "full":
+        errors.append("--advantage-estimator remax with --async-mode full: ReMax's baseline is one greedy response per "
+                      "prompt generated with the group's weights, and the full-async producer streams groups "
+                      "generated across weight versions without it; use --async-mode one-step or off, or grpo/rloo")
     if a.tis_clip_low and not a.use_tis:
         errors.append(f"--tis-clip-low {a.tis_clip_low} bounds the TIS weight, which only exists with --use-tis; "
                       "add --use-tis or drop --tis-clip-low")

@@ -132,7 +132,8 @@ def decode(sizes: torch.Tensor, buffer: torch.Tensor) -> list[Sample]:
 
 # What every training rank needs of every sample (data.types.SampleStub, less the owner)
 _HEADER_KINDS = {"group_index": "int", "prompt_length": "int", "response_length": "int",
-                 "num_rollout_logprobs": "int", "reward": "float", "loss_mask": "int_list"}
+                 "num_rollout_logprobs": "int", "reward": "float", "loss_mask": "int_list",
+                 "reward_baseline": "float"}
 
 
 def encode_headers(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +143,8 @@ def encode_headers(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tenso
                "response_length": [len(s.response_ids) for s in samples],
                "num_rollout_logprobs": [len(s.rollout_logprobs) for s in samples],
                "reward": [s.reward for s in samples],
-               "loss_mask": [s.loss_mask for s in samples]}  # as stored: empty means all ones
+               "loss_mask": [s.loss_mask for s in samples],  # as stored: empty means all ones
+               "reward_baseline": [s.reward_baseline for s in samples]}  # None (pickled) unless ReMax
     return _encode_columns(columns, len(samples), _HEADER_KINDS)
 
 

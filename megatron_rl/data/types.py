@@ -187,6 +187,9 @@ class Sample:
     # The rollout engine's expert choices per input token (MoE routing replay R3, --use-rollout-routing-replay);
     # None when the engine was not asked for them.
     routed_experts: Optional[RoutedExperts] = None
+    # ReMax (--advantage-estimator remax): the reward of one greedy response to the same prompt, generated and
+    # scored by the rollout manager right after the group; the advantage is reward - reward_baseline.
+    reward_baseline: Optional[float] = None
 
     @property
     def total_length(self) -> int:
@@ -242,6 +245,7 @@ class SampleStub:
     reward: float
     loss_mask: list[int]  # as the sample has it: response-aligned, empty for all ones
     owner: int  # the data-parallel rank that holds the sample
+    reward_baseline: Optional[float] = None  # ReMax's greedy-response reward (advantages need it for every sample)
 
     @property
     def total_length(self) -> int:

@@ -168,6 +168,8 @@ class RolloutManager:
         self.eval_dataset = next(iter(sets.values())) if len(sets) == 1 else None
         self.reward_fn = reward_fn
         self.shaping = RewardShaping.from_config(cfg)  # --overlong-buffer-len, --reward-clip-range: training only
+        self.remax = cfg.algorithm.advantage_estimator == "remax"  # a greedy baseline response per prompt
+        self.last_baseline_s = 0.0
         self.dynamic_sampler = dynamic_sampler  # --dynamic-sampling-filter-path: batches filled in rounds
         # --custom-generate-function-path / --rollout-function-path: generate in the engine's place
         self.rollout_functions = rollout_functions
@@ -209,12 +211,15 @@ class RolloutManager:
             self.last_retried_groups += len(groups)
         return samples
 
-    def _run(self, requests, sampling, evaluation: bool = False) -> list[Sample]:
-        samples = self._generate_complete(requests, sampling)
+    def _decode(self, samples: list[Sample]) -> None:
         tok = getattr(self.engine, "tokenizer", None)
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
+
+    def _run(self, requests, sampling, evaluation: bool = False) -> list[Sample]:
+        samples = self._generate_complete(requests, sampling)
+        self._decode(samples)
         t = time.perf_counter()
         d = self.cfg.data  # slime: evaluation reads --eval-reward-key, falling back to --reward-key
         key, key_flag = ((d.eval_reward_key, "--eval-reward-key") if evaluation and d.eval_reward_key
@@ -222,7 +227,28 @@ class RolloutManager:
         compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg), reward_key=key, key_flag=key_flag,
                         shaping=None if evaluation else self.shaping)
         self.last_reward_s = time.perf_counter() - t  # reported as perf/reward_s by generate()
+        if self.remax and not evaluation:
+            self._attach_greedy_baselines(requests, samples, sampling)
         return samples
+
+    def _attach_greedy_baselines(self, requests, samples: list[Sample], sampling) -> None:
+        """ReMax (Li et al. 2023; verl's ``remax``): one GREEDY response per prompt of this round, generated with
+        the same weights right after its group and scored by the same reward (shaping included), becomes each of
+        the group's samples' ``reward_baseline``. Its aborts are retried as the samples' are and add to the
+        round's counts; its time is ``perf/remax_baseline_s``."""
+        t = time.perf_counter()
+        counts = self.last_aborted, self.last_retried_groups  # _generate_complete restarts them
+        greedy = dataclasses.replace(sampling, n=1, temperature=0.0, top_p=1.0, top_k=-1)
+        base = self._generate_complete(list(requests), greedy)
+        self._decode(base)
+        compute_rewards(base, self.reward_fn, source=reward_source(self.cfg), reward_key=self.cfg.data.reward_key,
+                        shaping=self.shaping)  # the training reward, as the samples got theirs
+        self.last_aborted += counts[0]
+        self.last_retried_groups += counts[1]
+        by_group = {b.group_index: float(b.reward) for b in base}
+        for s in samples:
+            s.reward_baseline = by_group[s.group_index]
+        self.last_baseline_s += time.perf_counter() - t
 
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """Rollout ``rollout_id``: ``--rollout-batch-size`` rewarded groups and the rollout's metrics.
@@ -232,6 +258,7 @@ class RolloutManager:
         over the rounds, and the rollout metrics describe the kept batch."""
         t0 = time.perf_counter()
         self.rollout_id = rollout_id
+        self.last_baseline_s = 0.0  # ReMax's greedy responses, over the rounds
         b = self.cfg.batching
         sampling = sampling_params(self.cfg, n=b.n_samples_per_prompt,
                                    seed=self.cfg.rollout.rollout_seed + rollout_id)
@@ -266,6 +293,9 @@ class RolloutManager:
         metrics.update(reward_metrics(samples))  # reward/<key>: the dict rewards' extra metrics
         metrics.update(agent_metrics(samples))  # rollout/turns_mean, ...: only for multi-turn samples
         metrics.update(route_metrics(samples))  # rollout/route_bytes_per_token: only with engine routes
+        if self.remax:
+            metrics["rollout/remax_baseline_mean"] = sum(s.reward_baseline or 0.0 for s in samples) / len(samples)
+            metrics["perf/remax_baseline_s"] = self.last_baseline_s
         metrics.update(extra)
         return samples, metrics
 

@@ -139,7 +139,7 @@ def test_geo_mean_is_the_mean_over_sequences_whatever_the_split():
     (dict(policy_loss_type="geo_mean", use_tis=True), "--use-tis=True.*--tis-level geometric"),
     (dict(sapo_tau_pos=2.0), "--sapo-tau-pos/--sapo-tau-neg.*add --policy-loss-type sapo"),
     (dict(policy_loss_type="sapo", sapo_tau_neg=0.0), "must be > 0"),
-    (dict(advantage_estimator="remax"), "--advantage-estimator='remax' is invalid"),
+    (dict(advantage_estimator="vtrace"), "--advantage-estimator='vtrace' is invalid"),
     (dict(clip_cov_ratio=0.1), "--clip-cov-ratio=0.1.*add that or drop it"),
     (dict(policy_loss_type="clip_cov", ppo_kl_coef=1.0), "--ppo-kl-coef=1.0.*--policy-loss-type kl_cov"),
     (dict(policy_loss_type="clip_cov", clip_cov_lb=5.0), "lb < ub"),
@@ -160,8 +160,8 @@ def test_accepted_combinations():
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--advantage-estimator", "remax"], "--advantage-estimator remax is refused: ReMax's baseline is the reward "
-                                         "of a GREEDY rollout"),
+    (["--advantage-estimator", "remax", "--async-mode", "full"], "--advantage-estimator remax with --async-mode "
+                                                                 "full: ReMax's baseline is one greedy response"),
     (["--policy-loss-type", "cispo", "--advantage-estimator", "gspo"], "--policy-loss-type cispo with "
                                                                        "--advantage-estimator gspo"),
     (["--policy-loss-type", "gpg", "--eps-clip-c", "3"], "--eps-clip-c 3.0: dual clip"),
