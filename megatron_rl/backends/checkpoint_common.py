@@ -4,7 +4,7 @@ when one is refused. Each backend keeps its own file format; the refusals a user
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.checkpoint_root import CorruptCheckpoint
@@ -30,3 +30,26 @@ def refuse_other_model(path: str, saved: Mapping, current: Mapping) -> None:
     if diff:
         raise CheckpointError(f"checkpoint {path} is of a different model ({'; '.join(diff)}); pass the "
                               "--hf-checkpoint it was trained from, or a --load of this model")
+
+
+def lora_record(backend) -> Optional[dict]:
+    """The LoRA adapters a checkpoint holds (``--lora-*``; None: full fine-tuning): a resume needs the same ones."""
+    cfg = getattr(backend, "cfg", None)
+    lo = getattr(cfg, "lora", None)
+    if lo is None or not lo.lora_rank:
+        return None
+    return {"rank": int(lo.lora_rank), "alpha": float(lo.lora_alpha), "target_modules": list(lo.lora_target_modules)}
+
+
+def refuse_other_lora(path: str, meta: Mapping, backend) -> None:
+    """The adapters are model state: a checkpoint with none, or other ones, would load half a model."""
+    saved, now = meta.get("lora"), lora_record(backend)
+    if saved == now:
+        return
+
+    def said(r):
+        return ("no LoRA adapters (full fine-tuning)" if r is None else
+                f"LoRA adapters --lora-rank {r['rank']} --lora-alpha {r['alpha']:g} --lora-target-modules "
+                f"{' '.join(r['target_modules'])}")
+    raise CheckpointError(f"checkpoint {path} holds {said(saved)}; this run has {said(now)}: resume with the "
+                          "checkpoint's --lora-* flags")

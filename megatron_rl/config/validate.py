@@ -843,16 +843,16 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
     if hf_model_type(cfg) in ("deepseek_v3", "kimi_k2"):
         errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on multi-latent attention projections "
                       "are not built")
-    if cfg.precision.train_backend == "fsdp":
-        errors.append(f"--lora-rank {lo.lora_rank} with --train-backend fsdp: adapters are built for the megatron "
-                      "backend only yet; use --train-backend megatron")
+    if cfg.precision.train_backend == "fsdp" and importlib.util.find_spec("peft") is None:
+        errors.append(f"--lora-rank {lo.lora_rank} with --train-backend fsdp injects HF PEFT's adapters, and peft is "
+                      "not installed: pip install peft (or the megatron backend, whose adapters need no peft)")
     for flag, value in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
         if value:
             errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "
                           f"the base model, the adapters starting at zero); other weights under {flag} are not built")
     if lo.lora_load is not None:
         errors.extend(_lora_load_errors(lo))
-    if importlib.util.find_spec("transformer_engine") is not None:
+    if cfg.precision.train_backend == "megatron" and importlib.util.find_spec("transformer_engine") is not None:
         errors.append("--lora-rank with transformer-engine installed: the adapters are built on megatron's local layer "
                       "spec, and the TE spec fuses the input norm into linear_qkv/linear_fc1 (the adapter would see "
                       "the un-normed input); run without transformer-engine")

@@ -67,6 +67,13 @@ def convert_fsdp_to_hf(ckpt_dir: str, out_dir: str, hf_config_dir: Optional[str]
     out_dir = os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": given_input, "--hf-config": hf_config_dir}, overwrite, "hf")
     meta = read_marker(ckpt_dir)
+    if meta.get("lora"):
+        r = meta["lora"]
+        raise CheckpointError(f"fsdp checkpoint {ckpt_dir} is a LoRA run's (--lora-rank {r['rank']}): its model "
+                              "tensors are the frozen base plus PEFT adapters, and exporting them is built for the "
+                              "megatron backend's checkpoints only (tools/convert_ckpt.py dist-to-peft, dist-to-hf "
+                              "--merge-lora); the merged weights a run syncs to its engine are what "
+                              "--update-weight-transport disk writes")
     config_dir = os.path.abspath(hf_config_dir or os.path.join(ckpt_dir, model_dir.HF_CONFIG_SUBDIR))
     model = hf_module.meta_model(config_dir)
     _check_fingerprint(ckpt_dir, meta, model.config, config_dir)

@@ -41,8 +41,7 @@ def test_what_lora_cannot_do_yet_is_named(argv, tmp_path, tiny_hf_models):
     assert any("--lora-target-modules qkv_proj: adaptable are q_proj" in e for e in found), found
     found = errors(argv("--lora-rank", "4", "--lora-target-modules", "all-linear", "q_proj"))
     assert any("all-linear already names every linear" in e for e in found), found
-    found = errors(argv("--lora-rank", "4", "--train-backend", "fsdp"))
-    assert any("--lora-rank 4 with --train-backend fsdp" in e for e in found), found
+    assert errors(argv("--lora-rank", "4", "--train-backend", "fsdp")) == []  # PEFT's adapters (peft is installed)
     (tmp_path / "ref").mkdir()
     found = errors(argv("--lora-rank", "4", "--ref-load", str(tmp_path / "ref")))
     assert any("--ref-load with --lora-rank: a LoRA run's frozen weights are its base model" in e for e in found)

@@ -11,6 +11,9 @@ the full HF-layout weights exported after each of 3 Adam steps (PPO loss + KL + 
 grad clip). Checkpoints: saved at DP2 after 3 steps, resumed at DP2 (the 4th step bitwise
 equal to the uninterrupted one) and at DP1 (resharded: equal within summation order); the DP2
 checkpoint is also exported with tools/convert_ckpt.py fsdp-to-hf (equal to the run's exported weights).
+LoRA (``--lora-rank 4 --lora-alpha 8 --lora-load`` of a PEFT dir with random A and B, so both backends start
+from the same nonzero adapters): FSDP at DP2 and DP1 and the megatron backend at DP1 give the same log-probs,
+metrics and merged exported weights; the FSDP optimizer holds the adapters only and the base never moves.
 
 Tolerances: FSDP2 at DP2 reduce-scatters per-rank gradient sums, so parameters differ
 from one process by fp32 summation order (../shared/FACTS.md: ~6e-6 after 3 steps);
@@ -35,18 +38,36 @@ DP2_RUNS = ["fsdp", "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24", "fs
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches", "mlp0_forwards"}
 
 
+def _random_peft_dir(hf: str, out) -> str:
+    """A PEFT LoRA adapter (r 4, alpha 8, all-linear) of ``hf`` with random A and B, as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    import transformers
+
+    model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_hf_models):
     hf, moe = tiny_hf_models("qwen2"), tiny_hf_models("qwen3_moe")
     one, two = tmp_path_factory.mktemp("fsdp_w1"), tmp_path_factory.mktemp("fsdp_w2")
     ckpt, ckpt16 = tmp_path_factory.mktemp("fsdp_ckpt"), tmp_path_factory.mktemp("fsdp_ckpt16")
+    lora = f"--lora-rank=4,--lora-alpha=8,--lora-load={_random_peft_dir(hf, tmp_path_factory.mktemp('peft'))}"
     # DP2: the runs, a DCP checkpoint after 3 steps (then a 4th step) and a resume from it at DP2, the MoE
     # model, and an overflowing fp16 run that saves its loss scaler
     torchrun(SCRIPT, 2, [hf, str(two), *DP2_RUNS, f"fsdp:+save={ckpt}", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
-                         f"{FP16_OVERFLOW},+save={ckpt16}"], timeout=600)
+                         f"{FP16_OVERFLOW},+save={ckpt16}", f"fsdp:{lora},+as=fsdp_lora"], timeout=600)
     # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
     torchrun(SCRIPT, 1, [hf, str(one), "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
-                         f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}"], timeout=600)
+                         f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
+                         f"megatron:{lora},+as=megatron_lora"], timeout=600)
     # DP4: uneven shares of the 6 samples (dynamic batching; one sample per micro-batch does not divide)
     four = tmp_path_factory.mktemp("fsdp_w4")
     torchrun(SCRIPT, 4, [hf, str(four), DP4_RUN], timeout=600)
@@ -256,3 +277,22 @@ def test_dp2_checkpoint_converts_to_hf_bit_exact(runs, tmp_path):
     got = HFCheckpoint(tmp_path / "hf")
     assert got.names() == set(want)
     assert all(torch.equal(got.read(n), want[n]) for n in want)
+
+
+def test_lora_on_fsdp_equals_one_process_and_the_megatron_backend(runs):
+    """PEFT's adapters in the FSDP2-sharded HF model: DP2 equals DP1, and DP1 equals the megatron backend's own
+    adapters (models/lora.py) started from the same PEFT dir: log-probs, step metrics and the merged weights the
+    engine gets after each step. The base is frozen: the optimizer holds exactly the adapters (A and B of the
+    7 linears of every layer), the reference tag holds only them, every base shard is bitwise unchanged."""
+    hf, one, one_dir, two, two_dir, *_ = runs
+    layers = json.load(open(os.path.join(hf, "config.json")))["num_hidden_layers"]
+    _compare(one["megatron_lora"], one_dir, "megatron_lora", one["fsdp_lora"], one_dir, "fsdp_lora")
+    _compare(one["fsdp_lora"], one_dir, "fsdp_lora", two["fsdp_lora"], two_dir, "fsdp_lora")
+    merged = torch.load(one_dir / "fsdp_lora_step0.pt")
+    assert not any("lora" in n or "base_layer" in n for n in merged)  # plain HF names, adapters folded in
+    for rec in (one["fsdp_lora"], two["fsdp_lora"]):
+        lo = rec["lora"]
+        assert len(lo["adapters"]) == layers * 7 * 2 and all(".lora_" in n for n in lo["adapters"])
+        assert lo["optimizer_params"] == lo["adapters"] and lo["optimizer_state_params"] == len(lo["adapters"])
+        assert lo["tag_tensors"] == lo["adapters"] and lo["snapshot_vs_initial"] == 0.0
+        assert lo["frozen"] > 0 and lo["base_unchanged"]

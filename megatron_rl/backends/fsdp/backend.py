@@ -51,6 +51,7 @@ import torch.distributed as dist
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
 from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, bucketed, finish_step_metrics
+from megatron_rl.backends.fsdp import lora as fsdp_lora
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
@@ -137,6 +138,11 @@ class FSDPBackend(TrainBackend):
                                                                   attn_implementation="sdpa")
         HFCheckpoint(hf).refuse_non_finite_parameters(model)  # inf/NaN named here, not as NaN logits later
         model.config.use_cache = False
+        lo = cfg.lora
+        # --lora-rank: PEFT's adapters in the HF model, the base frozen (backends/fsdp/lora.py)
+        self.lora_scaling: Optional[float] = float(lo.lora_alpha) / lo.lora_rank if lo.lora_rank else None
+        if lo.lora_rank:
+            fsdp_lora.attach(model, lo)  # in place
         if cfg.memory.recompute_granularity == "full":
             # megatron's full recompute at one layer per unit: every decoder layer's activations are
             # recomputed in the backward (transformers' per-layer checkpointing; validation refuses the rest)
@@ -175,8 +181,11 @@ class FSDPBackend(TrainBackend):
     # ---- helpers -------------------------------------------------------------
 
     def _named_local_params(self):
-        """This rank's shard of every parameter (the DTensor's local tensor, same storage)."""
+        """This rank's shard of every parameter (the DTensor's local tensor, same storage); with LoRA the
+        adapters only (what a weight tag keeps: the frozen base never moves)."""
         for name, p in self.model.named_parameters():
+            if self.lora_scaling is not None and not p.requires_grad:
+                continue
             with torch.no_grad():
                 local = p.to_local() if hasattr(p, "to_local") else p
             yield name, local
@@ -276,14 +285,20 @@ class FSDPBackend(TrainBackend):
         for name, p in checkpoint_tensors(self.model):
             here = layer_of(name)  # "model.layers.7", or None outside the decoder layers
             if unit and here != key:
-                yield unit
+                yield self._export_unit(unit)
                 unit = {}
             key = here
             with torch.no_grad():
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            unit[name] = full.to(self.params_dtype)
+                unit[name] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         if unit:
-            yield unit
+            yield self._export_unit(unit)
+
+    def _export_unit(self, unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The engine's tensors of one unit: LoRA adapters merged in float32 (plain HF names), then the run's
+        dtype."""
+        if self.lora_scaling is not None:
+            unit = fsdp_lora.merge_unit(unit, self.lora_scaling)
+        return {name: t.to(self.params_dtype) for name, t in unit.items()}
 
     def save(self, path: str, extra_state: dict) -> None:
         save_checkpoint(self, path, extra_state)

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl.backends.checkpoint_common import ANOTHER, refuse_non_finite, refuse_other_model
+from megatron_rl.backends.checkpoint_common import (ANOTHER, lora_record, refuse_non_finite, refuse_other_lora,
+                                                    refuse_other_model)
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.checkpoint_root import (CorruptCheckpoint, is_temp_dir, newest_checkpoint_bytes,
@@ -117,7 +118,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
         atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
         copy_aux_files(backend.cfg.model.hf_checkpoint, os.path.join(tmp, HF_CONFIG_SUBDIR))
         return {"format": FORMAT, "torch": torch.__version__, "optimizer_steps": int(backend.optimizer_steps),
-                "layout": layout_record(backend), "model": model_fingerprint(backend)}
+                "layout": layout_record(backend), "model": model_fingerprint(backend), "lora": lora_record(backend)}
 
     # dcp.save agrees on every rank's write (its coordinator gathers the results and broadcasts the outcome);
     # the RNG file is each rank's own, agreed by publish_collectively
@@ -149,6 +150,7 @@ def load_checkpoint(backend, path: str) -> dict:
     meta = rank0_do(lambda: read_checkpoint_metadata(path), f"reading checkpoint {path}",
                     unexpected=CorruptCheckpoint)
     refuse_other_model(path, meta.get("model", {}), model_fingerprint(backend))
+    refuse_other_lora(path, meta, backend)
     same_layout = meta.get("layout") == layout_record(backend)
     if not same_layout and rank() == 0:
         log.warning("checkpoint %s was saved at %s, loading at %s: model and optimizer are resharded; RNG states "

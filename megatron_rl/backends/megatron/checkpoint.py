@@ -58,7 +58,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.backends.checkpoint_common import ANOTHER, refuse_non_finite, refuse_other_model
+from megatron_rl.backends.checkpoint_common import (ANOTHER, lora_record, refuse_non_finite, refuse_other_lora,
+                                                    refuse_other_model)
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, CorruptCheckpoint, crc32_of_files, is_temp_dir,
@@ -95,15 +96,6 @@ def layout_record(backend) -> dict:
     return {**backend.layout.describe(), "dp": int(backend.ps.get_data_parallel_world_size()),
             "world_size": world(),
             "use_distributed_optimizer": bool(backend.cfg.optimizer.effective_distributed_optimizer)}
-
-
-def lora_record(backend) -> Optional[dict]:
-    """The LoRA adapters a checkpoint holds (``--lora-*``; None: full fine-tuning): a resume needs the same ones."""
-    cfg = getattr(backend, "cfg", None)
-    lo = getattr(cfg, "lora", None)
-    if lo is None or not lo.lora_rank:
-        return None
-    return {"rank": int(lo.lora_rank), "alpha": float(lo.lora_alpha), "target_modules": list(lo.lora_target_modules)}
 
 
 def _chained(optimizer) -> list:
@@ -427,14 +419,7 @@ def load_checkpoint(backend, path: str) -> dict:
     path = os.path.abspath(path)
     meta = _validated_metadata(path)
     check_model_matches(path, meta, backend)
-    saved_lora, now_lora = meta.get("lora"), lora_record(backend)
-    if saved_lora != now_lora:  # the adapters are model state: none, or other ones, would load half a model
-        def said(r):
-            return ("no LoRA adapters (full fine-tuning)" if r is None else
-                    f"LoRA adapters --lora-rank {r['rank']} --lora-alpha {r['alpha']:g} --lora-target-modules "
-                    f"{' '.join(r['target_modules'])}")
-        raise CheckpointError(f"checkpoint {path} holds {said(saved_lora)}; this run has {said(now_lora)}: resume "
-                              "with the checkpoint's --lora-* flags")
+    refuse_other_lora(path, meta, backend)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     saved_dist = (meta.get("layout") or {}).get("use_distributed_optimizer")
     now_dist = bool(backend.cfg.optimizer.effective_distributed_optimizer)

@@ -4,12 +4,15 @@ Usage (under torchrun): fsdp_worker.py HF_DIR OUT_DIR RUN [RUN ...]
 RUN is ``BACKEND`` or ``BACKEND:FLAGS`` with FLAGS a comma list of extra flags, e.g.
 ``fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24``; ``+save=DIR`` saves a checkpoint
 after 3 steps and trains a 4th, ``+load=DIR`` loads that checkpoint and trains only the 4th,
-``+hf=DIR`` trains another model than HF_DIR. Every run takes the batch and
+``+hf=DIR`` trains another model than HF_DIR, ``+as=NAME`` files the run's record and weights under NAME
+(a LoRA run's flags hold a path). Every run takes the batch and
 the flags of tests/dist/scripts/backend_worker.py (the megatron layout test), so the two
 backends are compared on the same model, batch and hyper-parameters. Per run it records:
 no-grad log-probs, the owner-aligned forward checks, then per step the metrics and the
 exported HF weights; FSDP runs also check the weight tags (the snapshot taken before
-training and an HF ``--ref-load`` of the initial checkpoint give the initial log-probs back).
+training and an HF ``--ref-load`` of the initial checkpoint give the initial log-probs back; a LoRA run's tags
+hold the adapters only, so it records the snapshot check, its optimizer's parameters and whether every
+frozen base shard is bitwise unchanged after training).
 """
 
 import json
@@ -47,11 +50,17 @@ def main():
         name, _, flag_list = run.partition(":")
         flags = [f for f in flag_list.split(",") if f and not f.startswith("+")]
         ckpt = dict(f[1:].split("=", 1) for f in flag_list.split(",") if f.startswith("+"))  # +save=DIR, +load=DIR
+        run = ckpt.get("as", run)
+        lora_run = any(f.startswith("--lora-rank") for f in flags)
         cfg = parse_config(flags_of(ckpt.get("hf", hf_dir), world, flags) + ["--train-backend", name])
         spec = PolicyGradientSpec(PolicyGradientConfig(kl_loss_coef=0.1, entropy_coef=0.01))
         backend = make_backend(name)
         backend.initialize(cfg, spec)
         backend.snapshot_weights("ref")
+        base0 = {}
+        if name == "fsdp" and lora_run:  # every frozen shard, to check it never moves
+            base0 = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                     for n, p in backend.model.named_parameters() if not p.requires_grad}
         samples = make_samples(backend.vocab_size)
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
         if name == "fsdp":  # FSDP2's own record of the offload policy, per sharded parameter (private API)
@@ -97,7 +106,22 @@ def main():
         if "save" in ckpt:  # checkpoint after 3 steps, then the uninterrupted 4th step
             backend.save(os.path.join(ckpt["save"], "iter_0000003"), {"rollout_id": 3})
             train(3)
-        if name == "fsdp":
+        if name == "fsdp" and lora_run:
+            initial = [torch.tensor(x) for x in rec["logprobs"]]
+            snap = backend.maybe_compute_ref_log_probs(samples, True)
+            params = dict(backend.model.named_parameters())
+            rec["lora"] = {
+                "snapshot_vs_initial": max((a - b).abs().max().item() for a, b in zip(snap, initial)),
+                "tag_tensors": sorted(backend.weights._tags["ref"]),
+                "optimizer_params": sorted(n for n, p in params.items()
+                                           if any(p is q for g in backend.optimizer.param_groups for q in g["params"])),
+                "optimizer_state_params": len(backend.optimizer.state),
+                "adapters": sorted(n for n, p in params.items() if p.requires_grad),
+                "frozen": len(base0),
+                "base_unchanged": all(torch.equal((params[n].to_local() if hasattr(params[n], "to_local")
+                                                   else params[n]).detach(), t) for n, t in base0.items()),
+            }
+        elif name == "fsdp":
             initial = [torch.tensor(x) for x in rec["logprobs"]]
             snap = backend.maybe_compute_ref_log_probs(samples, True)
             backend.load_frozen_weights("hf_ref", ckpt.get("hf", hf_dir))
