@@ -45,6 +45,7 @@ EXTRAS = {
     "ray": ["ray"],
     "tensorboard": ["tensorboard"],
     "plot": ["matplotlib"],
+    "lora": ["peft"],  # --lora-rank on the FSDP backend: HF PEFT's adapters (the megatron backend needs none)
     "test": ["pytest>=8", "pytest-timeout",
              "pytest-xdist>=3.8",  # scripts/test.sh runs the suite on 2 workers, file by file
              "hypothesis", "tensorboard", "matplotlib", "wandb",

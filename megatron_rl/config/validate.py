@@ -845,7 +845,8 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
                       "are not built")
     if cfg.precision.train_backend == "fsdp" and importlib.util.find_spec("peft") is None:
         errors.append(f"--lora-rank {lo.lora_rank} with --train-backend fsdp injects HF PEFT's adapters, and peft is "
-                      "not installed: pip install peft (or the megatron backend, whose adapters need no peft)")
+                      "not installed: pip install peft (megatron_rl's [lora] extra), or use the megatron backend, whose adapters "
+                      "need no peft")
     for flag, value in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
         if value:
             errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "
