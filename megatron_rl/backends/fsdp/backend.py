@@ -102,6 +102,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def attention_implementation(hf_dir: str) -> str:
+    """transformers' SDPA attention where the architecture has it, else its eager attention: gpt-oss's
+    attention sinks (a per-head logit in the softmax's denominator) have no SDPA form in transformers, which
+    refuses ``sdpa`` for it; eager computes the same attention with masks, only slower."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 class FSDPBackend(TrainBackend):
     def initialize(self, cfg: Config, spec: Spec) -> None:
         import transformers
@@ -135,7 +147,7 @@ class FSDPBackend(TrainBackend):
         model_dir.check_hf_marker_once(hf, f"checking --hf-checkpoint {hf}")
         # fp32 master weights; --bf16 only changes the compute dtype (MixedPrecisionPolicy)
         model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
-                                                                  attn_implementation="sdpa")
+                                                                  attn_implementation=attention_implementation(hf))
         HFCheckpoint(hf).refuse_non_finite_parameters(model)  # inf/NaN named here, not as NaN logits later
         model.config.use_cache = False
         lo = cfg.lora
