@@ -104,9 +104,10 @@ def capture_mtp_logits(model):
     got: list = []
 
     def hook(module, inputs, output):
-        calls.append(output[0] if isinstance(output, tuple) else output)
+        logits = output[0] if isinstance(output, tuple) else output
+        calls.append(logits.detach().clone())  # a copy: megatron's cross entropy then edits the logits in place
         if len(calls) == depths + 1:  # the depths, then the main logits
-            got.extend(c.detach() for c in calls[:depths])
+            got.extend(calls[:depths])
             calls.clear()
 
     handle = model.output_layer.register_forward_hook(hook)
