@@ -90,7 +90,7 @@ def freeze_mtp(model_chunks) -> int:
 
 
 @contextlib.contextmanager
-def capture_mtp_logits(model):
+def capture_mtp_logits(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
     """Run ``model``'s MTP block in the forwards inside the block and collect each depth's logits.
 
     Yields a list that fills with one ``[s, b, V/tp]`` tensor per MTP depth per forward (megatron
@@ -100,8 +100,8 @@ def capture_mtp_logits(model):
 
     model = unwrap(model)
     depths = model.config.mtp_num_layers
-    calls: list = []
-    got: list = []
+    calls: list[torch.Tensor] = []
+    got: list[torch.Tensor] = []
 
     def hook(module, inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
