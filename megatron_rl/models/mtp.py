@@ -21,7 +21,7 @@ the RL forward passes compute log-probs from the main logits only and keep the M
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -57,6 +57,13 @@ class MtpGPTModel(GPTModel):
     """
 
     run_mtp = False
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """megatron-core 0.16.1 reads ``metadata["dp_cp_group"]`` to tie the MTP stage's copy of the embedding to
+        the first stage's (pipeline parallel) but defaults ``metadata`` to None: fill it in as its modules do."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
     def _postprocess(self, *args, **kwargs):
         if self.run_mtp:
