@@ -78,11 +78,13 @@ def moe_runs(tmp_path_factory, tiny_hf_models):
 def test_mtp_layers_stay_frozen_through_training_and_leave_the_weight_sync(moe_runs, tiny_hf_models):
     """--mtp-num-layers at PP2: three train steps move the model but not the MTP layers (no gradient, no
     optimizer state); the weight sync sends no MTP tensor; the full export keeps them, with the MTP layer's
-    copies of the embedding / head following the trained main ones."""
+    copies of the embedding / head following the trained main ones; a training checkpoint (with the MTP
+    block, on the last stage) saves and loads back every value."""
     layout = mtp_layout(tiny_hf_models)
     rec = moe_runs[3][layout]
     assert rec["mtp"] == {"names_equal": True, "own_tensors": rec["mtp"]["own_tensors"], "own_unchanged": True,
-                          "copies_follow_main": True, "main_moved": True, "mtp_grads": 0}, rec["mtp"]
+                          "checkpoint_round_trip": True, "copies_follow_main": True, "main_moved": True,
+                          "mtp_grads": 0}, rec["mtp"]
     assert rec["mtp"]["own_tensors"] > 20
     synced = torch.load(moe_runs[4] / f"{layout}_step2.pt".replace("/", "_"))
     assert synced and not any(n.startswith("model.layers.4.") for n in synced)
