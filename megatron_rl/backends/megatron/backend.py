@@ -228,8 +228,6 @@ class MegatronBackend(TrainBackend):
         initial adapters are the whole difference to the base model: a reference costs adapter bytes)."""
         for i, chunk in enumerate(self.chunks):
             for name, p in chunk.named_parameters():
-                if name.startswith("mtp."):
-                    continue  # the frozen MTP block: no forward here reads it
                 if not self.lora or p.requires_grad:
                     yield f"{i}.{name}", p
 
