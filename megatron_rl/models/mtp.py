@@ -21,7 +21,7 @@ the RL forward passes compute log-probs from the main logits only and keep the M
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -97,7 +97,7 @@ def freeze_mtp(model_chunks) -> int:
 
 
 @contextlib.contextmanager
-def capture_mtp_logits(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+def capture_mtp_logits(model: Any) -> Iterator[list[torch.Tensor]]:
     """Run ``model``'s MTP block in the forwards inside the block and collect each depth's logits.
 
     Yields a list that fills with one ``[s, b, V/tp]`` tensor per MTP depth per forward (megatron
