@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--pipeline-model-parallel-size", type=int, default=1, dest="pp")
             p.add_argument("--expert-model-parallel-size", type=int, default=1, dest="ep")
             p.add_argument("--expert-tensor-parallel-size", type=int, default=None, dest="etp")
+        if name == "hf-to-dist":
+            p.add_argument("--mtp-num-layers", type=int, default=0,
+                           help="keep the checkpoint's multi-token-prediction layers (config.json "
+                                "num_nextn_predict_layers; DeepSeek-V3 / GLM-4.5) as megatron's MTP block, as "
+                                "training with --mtp-num-layers builds it; 0 (default): skip them, as transformers "
+                                "does. dist-to-hf keeps whatever MTP layers the torch_dist checkpoint holds")
         if name != "hf-to-dist":
             p.add_argument("--hf-config", metavar="DIR",
                            help="dir with config.json + tokenizer files (default: INPUT/hf_config)")
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
                   show_progress=not args.no_progress)
         if args.direction == "hf-to-dist":
             summary = convert_hf_to_dist(args.input, args.output, bucket_bytes=parse_size(args.bucket_size, "--bucket-size"),
-                                         **kw)
+                                         mtp_num_layers=args.mtp_num_layers, **kw)
             summary = {k: summary[k] for k in ("format", "family", "dtype", "seconds", "verified")} | \
                 {"output": os.path.abspath(args.output), "files": len(summary.get("files", []))}
         else:
@@ -166,6 +172,8 @@ def _report(args, summary: dict) -> int:
         else:
             print(f"{args.direction}: wrote {summary.get('output')} ({summary.get('dtype')}, "
                   f"{summary.get('seconds')} s{', verified bit-exact' if summary.get('verified') else ''})")
+        if summary.get("note"):
+            print(f"convert_ckpt.py {args.direction}: note: {summary['note']}", file=sys.stderr)
     return 0
 
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .architecture import hf_is_moe
+from .architecture import hf_is_moe, read_hf_config, text_config
 from .schema import Config
 
 
@@ -152,6 +152,29 @@ def _last_stage_check(value, cfg) -> Optional[str]:
     return None
 
 
+def _mtp_layers_check(value, cfg) -> Optional[str]:
+    """``--mtp-num-layers``: 0 or exactly the checkpoint's MTP layer count (config.json, when readable)."""
+    if value < 0:
+        return f"{value} must be >= 0"
+    path = cfg.model.hf_checkpoint
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    try:
+        hf = text_config(read_hf_config(path))
+    except (OSError, ValueError):
+        return None  # an unreadable config.json is refused by the architecture check, by name
+    have = int(hf.get("num_nextn_predict_layers") or 0)
+    if value != have:
+        return (f"config.json's num_nextn_predict_layers is {have}: megatron's MTP block maps the checkpoint's own "
+                f"MTP layers, so pass --mtp-num-layers {have} (keep them) or 0 (skip them, as transformers does)"
+                if have else "the checkpoint has no multi-token-prediction layers (config.json "
+                "num_nextn_predict_layers); drop the flag")
+    return None
+
+
+_MTP_TRAINING = ("training the MTP layers (megatron's MTP loss on the RL batch) is not built yet; the MTP layers "
+                 "are loaded, checkpointed and exported frozen with --mtp-num-layers alone. Drop the flag")
+
 _ALWAYS = "always on here, so the flag restates it"
 
 #: One row per Megatron-LM training flag a slime script passes.
@@ -229,6 +252,18 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "starting it with --enable-return-routed-experts; custom generate functions pass on their last "
                  "Generation.routes, as the agent loop does) and every forward of the trainer replays them (R3, "
                  "backends/megatron/routing_replay.py)", moe_only=True),
+    MegatronFlag("megatron", "mtp_num_layers", _tc(mtp_num_layers=None),
+                 "mapped: TransformerConfig.mtp_num_layers; megatron-core's MTP block holds the checkpoint's MTP "
+                 "layers (loaded, frozen, checkpointed, exported to HF; not sent to the rollout engine); only 0 "
+                 "or config.json's num_nextn_predict_layers", default=0, check=_mtp_layers_check),
+    MegatronFlag("megatron", "enable_mtp_training", lambda value: {},
+                 "refused: MTP training is not built (the MTP layers stay frozen)",
+                 check=lambda v, cfg: _MTP_TRAINING),
+    MegatronFlag("megatron", "mtp_loss_scaling_factor", _tc(mtp_loss_scaling_factor=None),
+                 "refused unless 0.2 (slime's default): it scales the loss of --enable-mtp-training, which is "
+                 "refused", default=0.2,
+                 check=lambda v, cfg: "it scales the MTP loss of --enable-mtp-training, which this build refuses "
+                 "(MTP training is not built); drop the flag"),
     MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
                  "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
                  "planner checks the split)", check=_last_stage_check),

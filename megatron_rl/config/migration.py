@@ -63,6 +63,8 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
         "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
         "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key"),
+    "multi-token prediction (slime/utils/arguments.py, GLM-4.5 / DeepSeek-V3 MTP)": (
+        "--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
@@ -121,6 +123,11 @@ NOTES: dict[str, tuple[str, str]] = {
                                                "seq_mean_token_sum_norm."),
     "--custom-tis-function-path": ("refused", "slime's built-ins are flags here: vanilla_tis_function = --use-tis, "
                                    "icepop_function = --use-tis --tis-mode mask (table below)."),
+    "--enable-mtp-training": ("refused", "MTP training (megatron's MTP loss added to the policy loss) is not "
+                              "built: refused in validation, also with --dry-run. --mtp-num-layers alone loads, "
+                              "checkpoints and exports the MTP layers frozen."),
+    "--mtp-loss-scaling-factor": ("refused", "Scales the loss of --enable-mtp-training, which is refused; "
+                                  "slime's default 0.2 restates the default, any other value is refused."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }

@@ -490,6 +490,20 @@ class MegatronConfig:
                                                 "(TransformerConfig.moe_token_drop_policy). No expert capacity "
                                                 "is set here, so nothing is dropped: only probs (the default) "
                                                 "is accepted.", choices=("probs", "position"))
+    mtp_num_layers: Optional[int] = flag(None, "Multi-token-prediction layers (TransformerConfig.mtp_num_layers): "
+                                         "the DeepSeek-V3 / GLM-4.5 checkpoint's MTP layers (config.json "
+                                         "num_nextn_predict_layers) become megatron-core's MTP block on the last "
+                                         "pipeline stage: loaded, frozen (no gradient or optimizer state), "
+                                         "checkpointed and exported, so an HF export keeps the draft head SGLang's "
+                                         "EAGLE/NextN speculative decoding uses; the weight sync leaves them out "
+                                         "(the engine keeps its own copy). 0 or unset: skipped on load, as "
+                                         "transformers does. Only 0 or config.json's count.")
+    enable_mtp_training: bool = flag(False, "Train the MTP layers with megatron's MTP loss (slime's flag). "
+                                     "Refused in this build: the MTP layers are loaded, checkpointed and "
+                                     "exported frozen (--mtp-num-layers).")
+    mtp_loss_scaling_factor: float = flag(0.2, "Weight of the MTP loss in the training loss (slime's default "
+                                          "0.2); it only scales --enable-mtp-training's loss, which this build "
+                                          "refuses, so another value is refused too.", domain="[0, inf)")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     bridge = get_bridge(config_dir)
     model_dir.check_fingerprint(dist_dir, meta, bridge, config_dir)
     stored = dist_io.checkpoint_model_tensors(dist_dir)
+    mtp_layers = stored_mtp_layers(stored)
+    if mtp_layers:  # the checkpoint holds megatron's MTP block (--mtp-num-layers): the export keeps it
+        bridge = get_bridge(config_dir, mtp_num_layers=mtp_layers)
     spec = lora_export.lora_spec_of(dist_dir, meta)
     if spec is not None and not merge_lora:
         raise CheckpointError(f"torch_dist checkpoint {dist_dir} is a LoRA run's (--lora-rank {spec.rank}): its base "
@@ -150,8 +153,21 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
 
     publish_collectively(out_dir, write, seal, verify=check if verify else None)
     summary.update(output=out_dir, source=dist_dir, dtype=common.dtype_name(out_dtype),
-                   tensors=len(expected), seconds=round(time.time() - t0, 3), verified=bool(verify))
+                   tensors=len(expected), seconds=round(time.time() - t0, 3), verified=bool(verify),
+                   mtp_layers=mtp_layers)
+    if bridge.checkpoint_mtp_layers and not mtp_layers:
+        summary["note"] = (f"{config_dir}/config.json has num_nextn_predict_layers={bridge.checkpoint_mtp_layers} "
+                           f"but {dist_dir} holds no MTP layers (converted or trained without --mtp-num-layers): "
+                           f"{out_dir} has none either, so SGLang's EAGLE/NextN speculative decoding has no draft "
+                           f"head in it. Convert the HF checkpoint with hf-to-dist --mtp-num-layers "
+                           f"{bridge.checkpoint_mtp_layers} (and train with it) to keep them")
     return summary
+
+
+def stored_mtp_layers(stored: dict) -> int:
+    """How many MTP layers (megatron ``mtp.layers.{i}.``) a torch_dist checkpoint's model tensors hold."""
+    depths = {int(k.split(".")[2]) for k in stored if k.startswith("mtp.layers.") and k.split(".")[2].isdigit()}
+    return max(depths) + 1 if depths else 0
 
 
 def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dtype: torch.dtype,

@@ -51,11 +51,13 @@ from megatron_rl.models.weights import canonical_parameters, check_checkpoint_na
 
 def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[torch.dtype] = None,
                        verify: bool = False, overwrite: bool = False, show_progress: bool = True,
-                       bucket_bytes: int = 10**9) -> dict:
+                       bucket_bytes: int = 10**9, mtp_num_layers: int = 0) -> dict:
     """Convert ``hf_dir`` to a torch_dist dir ``out_dir``; returns the ``COMPLETE.json`` dict.
 
     Collective when ``torch.distributed`` is initialised (every rank calls it with
-    the same arguments). ``layout``: a ``ParallelLayout`` (default: all 1).
+    the same arguments). ``layout``: a ``ParallelLayout`` (default: all 1). ``mtp_num_layers``:
+    as the training flag ``--mtp-num-layers`` (the checkpoint's MTP layers as megatron's MTP block;
+    0: skipped, as transformers does).
     """
     t0 = time.time()
     layout = layout or ParallelLayout()
@@ -64,7 +66,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     common.refuse_other_kind(hf_dir, given_input, "hf-to-dist")  # a training checkpoint is not an HF dir
     common.check_output_dir(out_dir, {"--input": hf_dir}, overwrite, "torch_dist")
     model_dir.check_hf_marker_once(hf_dir, f"checking {hf_dir}")  # a dist-to-hf output
-    bridge = get_bridge(hf_dir)
+    bridge = get_bridge(hf_dir, mtp_num_layers=mtp_num_layers)
     ckpt = HFCheckpoint(hf_dir)
     try:
         check_checkpoint_names(bridge, ckpt)
@@ -126,7 +128,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
 
     meta = {"format": model_dir.FORMAT, "source": {"kind": "hf", "path": hf_dir},
             "model_type": bridge.cfg("model_type"), "family": bridge.family, "dtype": common.dtype_name(target),
-            "layout": layout.describe(), "model": model_dir.fingerprint(bridge),
+            "layout": layout.describe(), "model": model_dir.fingerprint(bridge), "mtp_num_layers": bridge.mtp_num_layers,
             "megatron_core": dist_io.mcore_version(), "torch": torch.__version__, "verified": bool(verify)}
 
     def seal(tmp: str) -> dict:

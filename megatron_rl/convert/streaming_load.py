@@ -33,7 +33,7 @@ from megatron_rl.convert.streaming_save import release_free_memory, storage_key
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models import dist_io
 from megatron_rl.models.parallel import ParallelLayout
-from megatron_rl.models.weights import export_items, export_slot, stack_expert_pieces
+from megatron_rl.models.weights import export_items, export_slot, stack_expert_pieces, with_mtp_copies
 
 
 def can_stream(layout) -> bool:
@@ -107,7 +107,7 @@ def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: in
     chunks = dist_io.build_meta_model(bridge, layout, dtype)
     dist_io.check_checkpoint_matches_model(dist_dir, dist_io.checkpoint_model_tensors(dist_dir),
                                            dist_io.model_tensor_shapes(chunks), config_dir)
-    return stack_expert_pieces(bridge, _stream(bridge, chunks, dist_dir, bucket_bytes))
+    return with_mtp_copies(bridge, stack_expert_pieces(bridge, _stream(bridge, chunks, dist_dir, bucket_bytes)))
 
 
 def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir: str, streaming: bool,

@@ -10,10 +10,12 @@ from __future__ import annotations
 from megatron_rl.errors import BridgeError
 
 
-def get_bridge(hf_dir_or_config):
+def get_bridge(hf_dir_or_config, mtp_num_layers: int = 0):
     """Return the Bridge for an HF checkpoint dir, ``config.json`` path, dict or config object.
 
-    Raises BridgeError for an unknown ``model_type`` or an unsupported config feature.
+    ``mtp_num_layers``: build megatron's multi-token-prediction block for the checkpoint's MTP layers
+    (0, or exactly config.json's ``num_nextn_predict_layers``). Raises BridgeError for an unknown
+    ``model_type``, an unsupported config feature or another MTP count.
     """
     from megatron_rl.models.bridge import read_hf_config  # lazy: imports torch; the package import stays cheap
     from megatron_rl.models.families import BRIDGES_BY_MODEL_TYPE  # lazy: imports torch (via bridge)
@@ -23,7 +25,7 @@ def get_bridge(hf_dir_or_config):
     if model_type not in BRIDGES_BY_MODEL_TYPE:
         raise BridgeError(f"no bridge for HF model_type={model_type!r}; supported: "
                           f"{', '.join(sorted(BRIDGES_BY_MODEL_TYPE))}")
-    return BRIDGES_BY_MODEL_TYPE[model_type](config)
+    return BRIDGES_BY_MODEL_TYPE[model_type](config, mtp_num_layers=mtp_num_layers)
 
 
 __all__ = ["get_bridge"]

@@ -89,9 +89,10 @@ class Bridge:
     sliding_window_layers: bool = False  # layer_types sliding_attention / full_attention map (gpt-oss)
     position_embedding_type: str = "rope"  # megatron GPTModel's (gpt-oss: "yarn")
 
-    def __init__(self, hf_config: dict):
+    def __init__(self, hf_config: dict, mtp_num_layers: int = 0):
         self.hf_config = dict(hf_config)
         self.validate()
+        self.mtp_num_layers = self._checked_mtp_layers(mtp_num_layers)
 
     # ------------------------------------------------------------------ config
     def cfg(self, key: str, default: Any = _MISSING) -> Any:
@@ -104,6 +105,38 @@ class Bridge:
     @property
     def num_layers(self) -> int:
         return int(self.cfg("num_hidden_layers"))
+
+    @property
+    def checkpoint_mtp_layers(self) -> int:
+        """Multi-token-prediction layers the checkpoint holds after the decoder (``num_nextn_predict_layers``)."""
+        return int(self.cfg("num_nextn_predict_layers", 0))
+
+    def _checked_mtp_layers(self, n: int) -> int:
+        n = int(n or 0)
+        if n and n != self.checkpoint_mtp_layers:
+            raise BridgeError(f"--mtp-num-layers {n} but config.json's num_nextn_predict_layers is "
+                              f"{self.checkpoint_mtp_layers}: megatron's MTP block maps the checkpoint's own MTP "
+                              f"layers, so pass --mtp-num-layers {self.checkpoint_mtp_layers} (keep them) or 0 "
+                              "(skip them, as transformers does)")
+        return n
+
+    def mtp_hf_layer(self, depth: int) -> int:
+        """HF layer index of MTP depth ``depth`` (0-based): the checkpoint stores them after the decoder."""
+        return self.num_layers + depth
+
+    def mtp_aliases(self) -> dict[str, str]:
+        """HF name of each MTP layer's embedding / output head -> the main model's tensor it equals.
+
+        megatron's MTP block shares the model's embedding and output layer (as DeepSeek-V3 trains it);
+        checkpoints store a copy under the MTP layer (``embed_tokens``, ``shared_head.head``). The load
+        accepts them only equal to the main tensors; the export writes them from the main tensors."""
+        head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+        out = {}
+        for d in range(self.mtp_num_layers):
+            p = f"model.layers.{self.mtp_hf_layer(d)}."
+            out[p + "embed_tokens.weight"] = "model.embed_tokens.weight"
+            out[p + "shared_head.head.weight"] = head
+        return out
 
     @property
     def hidden_size(self) -> int:
@@ -301,6 +334,12 @@ class Bridge:
             )
         kw.update(self.architecture_config())
         kw.update(cpu_config_overrides())
+        if self.mtp_num_layers:
+            kw.update(mtp_num_layers=self.mtp_num_layers)
+        asked = overrides.pop("mtp_num_layers", self.mtp_num_layers)  # --mtp-num-layers: what get_bridge was given
+        if (asked or 0) != self.mtp_num_layers:
+            raise BridgeError(f"mtp_num_layers={asked} asked of a bridge built with mtp_num_layers="
+                              f"{self.mtp_num_layers}; pass it to get_bridge(..., mtp_num_layers=...)")
         kw.update(overrides)
         if isinstance(kw.get("attention_backend"), str):  # --attention-backend arrives by name
             from megatron.core.transformer.enums import AttnBackend
@@ -351,6 +390,15 @@ class Bridge:
             layer_specs=[specs[self.is_moe_layer(offset + i)] for i in range(n)],
             layer_norm=self.final_norm())
 
+    def mtp_block_spec(self, config):
+        """megatron's ``MultiTokenPredictionBlockSubmodules``: one MTP layer per depth, each around the layer spec
+        of HF layer ``num_layers + depth`` (MoE or dense as that layer is), norms and ``eh_proj`` of the layer
+        spec's backend."""
+        from megatron_rl.models.mtp import mtp_block_spec  # lazy: imports megatron-core
+
+        return mtp_block_spec(config, [self.layer_spec(config, moe=self.is_moe_layer(self.mtp_hf_layer(d)))
+                                       for d in range(self.mtp_num_layers)])
+
     def final_norm(self):
         """The module class of the decoder's final norm (Gemma: zero-centred)."""
         return final_norm_module()
@@ -383,7 +431,11 @@ class Bridge:
             stage = vp_stage if vpp > 1 else None
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-            model = GPTModel(
+            mtp = self.mtp_block_spec(config) if post and self.mtp_num_layers else None
+            model_class = GPTModel
+            if mtp is not None:
+                from megatron_rl.models.mtp import MtpGPTModel as model_class  # lazy: imports megatron-core
+            model = model_class(
                 config=config,
                 transformer_layer_spec=self.block_spec(config, vp_stage=stage),
                 vocab_size=self.padded_vocab_size(layout.tp, make_vocab_size_divisible_by),
@@ -396,6 +448,7 @@ class Bridge:
                 rotary_percent=self.rotary_percent,
                 parallel_output=True,
                 vp_stage=stage,
+                **({"mtp_block_spec": mtp} if mtp is not None else {}),
             )
             self.finish_model(model)
             if torch.cuda.is_available() and not config.use_cpu_initialization:
@@ -412,23 +465,36 @@ class Bridge:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes.update(self.hf_attention_shapes(p + "self_attn."))
-            if self.is_moe_layer(i):
-                moe = f"{p}{self.hf_moe_block}."
-                shapes.update(self.hf_router_expert_shapes(moe))
-                if self.shared_expert_size:
-                    s = self.shared_expert_size
-                    shapes[moe + "shared_experts.gate_proj.weight"] = (s, h)
-                    shapes[moe + "shared_experts.up_proj.weight"] = (s, h)
-                    shapes[moe + "shared_experts.down_proj.weight"] = (h, s)
-            else:
-                f = int(self.cfg("intermediate_size"))
-                shapes[p + "mlp.gate_proj.weight"] = (f, h)
-                shapes[p + "mlp.up_proj.weight"] = (f, h)
-                shapes[p + "mlp.down_proj.weight"] = (h, f)
+            shapes.update(self.hf_layer_shapes(i))
+        for d in range(self.mtp_num_layers):
+            layer = self.mtp_hf_layer(d)
+            p = f"model.layers.{layer}."
+            shapes.update(self.hf_layer_shapes(layer))
+            shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+                           p + "shared_head.norm.weight": (h,)})
+        shapes.update({alias: shapes[main] for alias, main in self.mtp_aliases().items()})
+        return shapes
+
+    def hf_layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """HF tensors of decoder layer ``i`` (an MTP layer's decoder layer too) with their shapes."""
+        h = self.hidden_size
+        p = f"model.layers.{i}."
+        shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,),
+                                              p + "post_attention_layernorm.weight": (h,)}
+        shapes.update(self.hf_attention_shapes(p + "self_attn."))
+        if self.is_moe_layer(i):
+            moe = f"{p}{self.hf_moe_block}."
+            shapes.update(self.hf_router_expert_shapes(moe))
+            if self.shared_expert_size:
+                s = self.shared_expert_size
+                shapes[moe + "shared_experts.gate_proj.weight"] = (s, h)
+                shapes[moe + "shared_experts.up_proj.weight"] = (s, h)
+                shapes[moe + "shared_experts.down_proj.weight"] = (h, s)
+        else:
+            f = int(self.cfg("intermediate_size"))
+            shapes[p + "mlp.gate_proj.weight"] = (f, h)
+            shapes[p + "mlp.up_proj.weight"] = (f, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, f)
         return shapes
 
     def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
@@ -499,6 +565,11 @@ class Bridge:
         return name in self.ignorable_hf_names()
 
     _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+    _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+    #: an MTP layer's own modules (megatron name -> HF name under the layer); its decoder layer is
+    #: ``transformer_layer``, mapped as decoder layer ``num_layers + depth``
+    _MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                "final_layernorm.weight": "shared_head.norm.weight"}
     _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
     def rule_for(self, name: str) -> ParamRule:
@@ -510,6 +581,13 @@ class Bridge:
             return ParamRule("vocab", (src,))
         if name == "decoder.final_layernorm.weight":
             return ParamRule("copy", ("model.norm.weight",))
+        mtp = self._MTP.match(name)
+        if mtp and int(mtp.group(1)) < self.mtp_num_layers:
+            layer, rest = self.mtp_hf_layer(int(mtp.group(1))), mtp.group(2)
+            if rest in self._MTP_OWN:
+                return ParamRule("copy", (f"model.layers.{layer}.{self._MTP_OWN[rest]}",))
+            if rest.startswith("transformer_layer."):
+                return self.rule_for(f"decoder.layers.{layer}.{rest[len('transformer_layer.'):]}")
         m = self._LAYER.match(name)
         if m:
             layer, rest = int(m.group(1)), m.group(2)
@@ -566,19 +644,30 @@ class Bridge:
         if not self.tie_word_embeddings:
             shapes["output_layer.weight"] = (self.padded_vocab_size(tp_size), h)
         for i in range(self.num_layers):
-            p = f"decoder.layers.{i}."
-            shapes.update({p + n: s for n, s in self.megatron_attention_shapes(names).items()})
-            if self.is_moe_layer(i):
-                shapes[p + names.moe_pre_mlp_norm] = (h,)
-                shapes.update(self.megatron_router_expert_shapes(p))
-                if self.shared_expert_size:
-                    shapes[p + "mlp.shared_experts.linear_fc1.weight"] = (2 * self.shared_expert_size, h)
-                    shapes[p + "mlp.shared_experts.linear_fc2.weight"] = (h, self.shared_expert_size)
-            else:
-                f = int(self.cfg("intermediate_size"))
-                shapes[p + names.dense_pre_mlp_norm] = (h,)
-                shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
-                shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+            shapes.update({f"decoder.layers.{i}.{n}": s for n, s in self.megatron_layer_shapes(i, names).items()})
+        for d in range(self.mtp_num_layers):
+            p = f"mtp.layers.{d}."
+            shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+                           p + "final_layernorm.weight": (h,)})
+            shapes.update({f"{p}transformer_layer.{n}": s
+                           for n, s in self.megatron_layer_shapes(self.mtp_hf_layer(d), names).items()})
+        return shapes
+
+    def megatron_layer_shapes(self, i: int, names: weight_maps.LayerSpecNames) -> dict[str, tuple[int, ...]]:
+        """Parameters of one megatron transformer layer (names relative to it) built as HF layer ``i`` is."""
+        h = self.hidden_size
+        shapes = dict(self.megatron_attention_shapes(names))
+        if self.is_moe_layer(i):
+            shapes[names.moe_pre_mlp_norm] = (h,)
+            shapes.update(self.megatron_router_expert_shapes(""))
+            if self.shared_expert_size:
+                shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * self.shared_expert_size, h)
+                shapes["mlp.shared_experts.linear_fc2.weight"] = (h, self.shared_expert_size)
+        else:
+            f = int(self.cfg("intermediate_size"))
+            shapes[names.dense_pre_mlp_norm] = (h,)
+            shapes["mlp.linear_fc1.weight"] = (2 * f, h)
+            shapes["mlp.linear_fc2.weight"] = (h, f)
         return shapes
 
     def hf_to_megatron(self, flavour: str = "local") -> dict[str, tuple[str, ...]]:
@@ -595,9 +684,10 @@ class Bridge:
     def load_hf_weights(self, model_chunks, hf_dir: str | os.PathLike) -> None:
         weights.load_hf_weights(self, model_chunks, hf_dir)
 
-    def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None,
-                          stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes, stage_only=stage_only)
+    def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None, stage_only: bool = False,
+                          include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes, stage_only=stage_only,
+                                         include_mtp=include_mtp)
 
 
 def read_hf_config(hf_dir_or_config) -> dict:

@@ -76,7 +76,8 @@ class SigmoidRouterMoeBridge(Bridge):
     The bias stays what the checkpoint says (``moe_router_bias_update_rate`` 0, as HF keeps it);
     a training override may turn megatron's aux-loss-free update on. The multi-token-prediction
     layers such a checkpoint holds after the decoder (``num_nextn_predict_layers``) are not part
-    of the HF causal LM and are skipped on load, as transformers does.
+    of the HF causal LM: skipped on load, as transformers does, unless the bridge is built with
+    ``mtp_num_layers`` (megatron's MTP block, :mod:`megatron_rl.models.mtp`).
     """
 
     moe = True
@@ -119,9 +120,9 @@ class SigmoidRouterMoeBridge(Bridge):
         return problems
 
     def is_ignorable_hf_name(self, name: str) -> bool:
-        """Also every tensor of the multi-token-prediction layers after the decoder."""
+        """Also every tensor of the multi-token-prediction layers after the decoder the model does not build."""
         parts = name.split(".")
-        mtp = range(self.num_layers, self.num_layers + int(self.cfg("num_nextn_predict_layers", 0)))
+        mtp = range(self.num_layers + self.mtp_num_layers, self.num_layers + self.checkpoint_mtp_layers)
         return super().is_ignorable_hf_name(name) or (
             parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) in mtp)
 

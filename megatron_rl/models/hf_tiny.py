@@ -140,16 +140,28 @@ def tiny_config(family: str, **overrides: Any):
     return cls(**kwargs)
 
 
-def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp: bool = False,
+                        **overrides: Any) -> str:
     """Create a random-weight tiny HF model of ``family`` and save it to ``path``.
 
     Returns ``path`` as a string. Weights are written as safetensors with a
     ``config.json`` beside them, exactly as a hub checkpoint would be.
+
+    ``mtp`` (glm4_moe, deepseek_v3): also write the ``num_nextn_predict_layers`` multi-token-prediction
+    layers after the decoder, as DeepSeek-V3 / GLM-4.5 checkpoints hold them (transformers builds no
+    MTP module, so the model is built with those extra decoder layers, which become the MTP layers'
+    own, plus random ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm`` and copies of the
+    embedding and output head).
     """
     import torch
     import transformers
 
     config = tiny_config(family, **overrides)
+    depths = int(getattr(config, "num_nextn_predict_layers", 0) or 0) if mtp else 0
+    if mtp and not depths:
+        raise ValueError(f"mtp=True needs a {family} config with num_nextn_predict_layers > 0")
+    main_layers = config.num_hidden_layers
+    config.num_hidden_layers = main_layers + depths
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF initialises with std=initializer_range (0.02): logits are then nearly
@@ -172,4 +184,33 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, **o
                 b.normal_(0.0, 0.05)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
+    if depths:
+        _add_mtp_tensors(str(path), main_layers, depths, config.hidden_size)
     return str(path)
+
+
+def _add_mtp_tensors(path: str, main_layers: int, depths: int, hidden: int) -> None:
+    """Turn the last ``depths`` saved decoder layers into MTP layers: config.json says ``main_layers``, and
+    each MTP layer gets its norms, ``eh_proj`` and copies of the embedding and head."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    gen = torch.Generator().manual_seed(1234)
+    for d in range(depths):
+        p = f"model.layers.{main_layers + d}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{p}{norm}.weight"] = torch.rand(hidden, generator=gen) * 0.4 + 0.8
+        tensors[p + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.08
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[p + "shared_head.head.weight"] = tensors.get("lm_head.weight",
+                                                             tensors["model.embed_tokens.weight"]).clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = main_layers
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)

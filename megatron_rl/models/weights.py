@@ -24,6 +24,7 @@ Round trip: load -> export gives back the checkpoint's tensors bit-exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
 from megatron_rl.models.lora import is_adapter_name
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.*)$")
 _EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
@@ -89,6 +91,7 @@ def canonical_parameters(model_chunk) -> list[ParamSlot]:
         layer = None
         local_expert = None
         m = _LAYER_RE.match(name)
+        mtp = _MTP_RE.match(name)
         if m:
             local_layer = int(m.group(1))
             module = model.decoder.layers[local_layer]
@@ -99,6 +102,15 @@ def canonical_parameters(model_chunk) -> list[ParamSlot]:
                 local_expert = int(e.group(2))
                 rest = f"{e.group(1)}{module.mlp.local_expert_indices[local_expert]}{e.group(3)}"
             name = f"decoder.layers.{layer}.{rest}"
+        elif mtp:  # an MTP layer's decoder layer: megatron numbers it after the decoder's (layer_number)
+            depth, rest = int(mtp.group(1)), mtp.group(2)
+            module = model.mtp.layers[depth].transformer_layer
+            layer = module.layer_number - 1
+            e = _EXPERT_RE.match(rest)
+            if e:
+                local_expert = int(e.group(2))
+                rest = f"{e.group(1)}{module.mlp.local_expert_indices[local_expert]}{e.group(3)}"
+            name = f"mtp.layers.{depth}.transformer_layer.{rest}"
         slots.append(ParamSlot(name, param, local_expert is not None, local_expert, layer))
     return slots
 
@@ -172,7 +184,27 @@ def local_value(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:
     converter (``hf-to-dist`` of ``tools/convert_ckpt.py``) writes it without a model.
     Raises ``BridgeError`` for a parameter no HF tensor maps to.
     """
-    return _read_local(bridge, bridge.rule_for(slot.canonical_name), slot, ckpt)
+    rule = bridge.rule_for(slot.canonical_name)
+    value = _read_local(bridge, rule, slot, ckpt)
+    if rule.kind == "vocab":
+        _check_mtp_copies(bridge, rule, slot, ckpt, value)
+    return value
+
+
+def _check_mtp_copies(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint, value: torch.Tensor) -> None:
+    """Refuse an MTP layer's copy of the embedding / output head that differs from the main tensor in the rows
+    this rank read: megatron's MTP block shares the main one, so a different copy could not be kept."""
+    present = ckpt.names()
+    for alias, main in bridge.mtp_aliases().items():
+        if main != rule.hf_names[0] or alias not in present:
+            continue
+        copy = _read_local(bridge, dataclasses.replace(rule, hf_names=(alias,)), slot, ckpt)
+        if not torch.equal(copy, value):
+            raise CheckpointError(f"HF checkpoint {ckpt.hf_dir}: {alias} differs from {main}; megatron's MTP block "
+                                  "shares the model's embedding and output head (as DeepSeek-V3 trains it), so an "
+                                  "MTP layer with its own cannot be loaded. Run without --mtp-num-layers (the MTP "
+                                  "layers are then skipped) or use a checkpoint whose MTP copies equal the main "
+                                  "tensors")
 
 
 def check_checkpoint_names(bridge, ckpt: HFCheckpoint) -> None:
@@ -180,7 +212,7 @@ def check_checkpoint_names(bridge, ckpt: HFCheckpoint) -> None:
     expected = bridge.hf_param_shapes()
     present = ckpt.names()
     extra = sorted(n for n in present - set(expected) if not bridge.is_ignorable_hf_name(n))
-    missing = sorted(set(expected) - present)
+    missing = sorted(set(expected) - present - set(bridge.mtp_aliases()))  # MTP copies of embed/head: optional
     problems = []
     if extra:
         problems.append(f"{len(extra)} tensor(s) in the checkpoint map to no megatron parameter: {extra}")
@@ -273,15 +305,24 @@ def _ep_layout():
         ps.get_expert_model_parallel_group()
 
 
-def _stage_items(bridge, model_chunks):
-    """[(slot, [hf names in yield order])] for this rank's pipeline stage."""
+def _stage_items(bridge, model_chunks, include_mtp: bool = True):
+    """[(slot, [hf names in yield order])] for this rank's pipeline stage (without the MTP block's unless
+    ``include_mtp``)."""
     ep_rank, ep_size, _ = _ep_layout()
     items = []
     for chunk in model_chunks:
         model = unwrap(chunk)
         for slot in canonical_parameters(chunk):
+            if slot.canonical_name == "embedding.word_embeddings.weight" and not model.pre_process:
+                continue  # the MTP stage's copy of the first stage's embedding (megatron keeps them equal)
+            mtp = slot.canonical_name.startswith("mtp.")
+            if mtp and not include_mtp:
+                continue
             if slot.is_expert:
-                num_local = model.decoder.layers[_local_layer_index(model, slot.layer)].mlp.num_local_experts
+                layers = model.mtp.layers if mtp else model.decoder.layers
+                module = next(m.transformer_layer if mtp else m for m in layers
+                              if (m.transformer_layer if mtp else m).layer_number - 1 == slot.layer)
+                num_local = module.mlp.num_local_experts
                 local = slot.local_expert
                 names = []
                 for r in range(ep_size):
@@ -293,13 +334,6 @@ def _stage_items(bridge, model_chunks):
             if names:
                 items.append((slot, names))
     return items
-
-
-def _local_layer_index(model, global_layer: int) -> int:
-    for i, layer in enumerate(model.decoder.layers):
-        if layer.layer_number - 1 == global_layer:
-            return i
-    raise BridgeError(f"layer {global_layer} is not in this model chunk")
 
 
 def _produce(bridge, items, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -344,6 +378,19 @@ def export_items(bridge, model_chunks) -> list[tuple[ParamSlot, list[str]]]:
     return _stage_items(bridge, model_chunks)
 
 
+def with_mtp_copies(bridge, stream: Iterator[tuple[str, torch.Tensor]],
+                    include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream``, each MTP layer's copy of the embedding / output head (:meth:`Bridge.mtp_aliases`) yielded
+    right after the main tensor it equals (nothing added without ``include_mtp``)."""
+    copies: dict[str, list[str]] = {}
+    for alias, main in (bridge.mtp_aliases() if include_mtp else {}).items():
+        copies.setdefault(main, []).append(alias)
+    for name, tensor in stream:
+        yield name, tensor
+        for alias in copies.get(name, ()):
+            yield alias, tensor
+
+
 def export_slot(bridge, slot: ParamSlot, names: list[str], copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The full HF tensors of one slot (collective in its TP/EP groups; local at TP1/EP1).
 
@@ -381,14 +428,17 @@ def export_shape(bridge, shapes: dict, name: str) -> tuple[int, ...]:
     return tuple(shapes[name]) if piece is None else tuple(shapes[piece[0]][1:])
 
 
-def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
-                      stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """See :func:`_export_hf_weights`; per-expert slices of stacked HF tensors (gpt-oss) leave joined."""
-    return stack_expert_pieces(bridge, _export_hf_weights(bridge, model_chunks, bucket_bytes, stage_only))
+def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None, stage_only: bool = False,
+                      include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """See :func:`_export_hf_weights`; per-expert slices of stacked HF tensors (gpt-oss) leave joined, MTP
+    layers' copies of the embedding / head are added (:func:`with_mtp_copies`). ``include_mtp=False``: the
+    MTP block's tensors are left out (the weight sync of frozen MTP layers)."""
+    return with_mtp_copies(bridge, stack_expert_pieces(
+        bridge, _export_hf_weights(bridge, model_chunks, bucket_bytes, stage_only, include_mtp)), include_mtp)
 
 
 def _export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
-                       stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                       stage_only: bool = False, include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model, on every rank (collective: TP/EP gathers, PP broadcasts); with
     ``stage_only``, the tensors of this rank's pipeline stage only (TP/EP gathers, no broadcast).
 
@@ -399,7 +449,7 @@ def _export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
     """
     from megatron.core import parallel_state as ps
 
-    items = _stage_items(bridge, model_chunks)
+    items = _stage_items(bridge, model_chunks, include_mtp)
     phases = ([it for it in items if not it[0].is_expert], [it for it in items if it[0].is_expert])
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if pp_size == 1 or stage_only:

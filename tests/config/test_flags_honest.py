@@ -259,6 +259,9 @@ REGISTRY_PROOFS: dict[str, tuple] = {
                                                               "--pipeline-model-parallel-size", "2",
                                                               "--decoder-last-pipeline-num-layers", "1"],
                                          "transformer", "num_layers_in_last_pipeline_stage", 1),
+    "mtp_num_layers": ("arrives", "glm4_moe", ["--mtp-num-layers", "1"], "transformer", "mtp_num_layers", 1),
+    "enable_mtp_training": ("refused", "glm4_moe", {}, ["--mtp-num-layers", "1", "--enable-mtp-training"]),
+    "mtp_loss_scaling_factor": ("refused", "glm4_moe", {}, ["--mtp-loss-scaling-factor", "0.1"]),
     "overlap_cpu_optimizer_d2h_h2d": ("needs", "qwen2", ["--use-distributed-optimizer",
                                                          "--use-precision-aware-optimizer",
                                                          "--optimizer-cpu-offload",
@@ -313,3 +316,19 @@ def test_registry_flag_proofs_hold(field, tmp_path, monkeypatch):
         got = {"transformer": transformer_config_overrides(cfg), "ddp": ddp_config_kwargs(cfg),
                "optimizer": optimizer_config_kwargs(cfg, torch.float32)}[target]
         assert got[key] == value, (field, got)
+
+
+@pytest.mark.parametrize("family,argv,why", [
+    ("glm4_moe", ["--mtp-num-layers", "2"], "config.json's num_nextn_predict_layers is 1"),
+    ("qwen2", ["--mtp-num-layers", "1"], "the checkpoint has no multi-token-prediction layers"),
+])
+def test_mtp_num_layers_other_than_the_checkpoints_is_refused(family, argv, why, tmp_path, monkeypatch):
+    from megatron_rl.config import parse_config
+    from megatron_rl.errors import ConfigError
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hf = _hf_dir(tmp_path, family, {})
+    with pytest.raises(ConfigError, match=re.escape(f"--mtp-num-layers {argv[1]}") + ".*" + re.escape(why)):
+        parse_config(["--hf-checkpoint", hf, *argv])
+    assert parse_config(["--hf-checkpoint", hf, "--mtp-num-layers", "0"])

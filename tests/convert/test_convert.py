@@ -442,3 +442,26 @@ def test_truncated_index_json_is_named(tmp_path, tiny_hf_models):
     (d / INDEX_FILE).write_text('{"weight_map": {"a": "model.safe')
     with pytest.raises(CheckpointError, match=f"{d / INDEX_FILE} is not a JSON object .* truncated or corrupt"):
         HFCheckpoint(d)
+
+
+def test_cli_keeps_mtp_layers_with_mtp_num_layers(tmp_path, tiny_hf_models, capsys):
+    """A GLM-4.5-style checkpoint's MTP layer: hf-to-dist --mtp-num-layers 1 -> dist-to-hf gives the source back
+    bit-exactly (MTP tensors included; --verify on both legs). Without the flag they are skipped and dist-to-hf
+    says the output has no draft head; another count is refused naming both."""
+    src = tiny_hf_models("glm4_moe", mtp=True)
+    d, back = tmp_path / "dist", tmp_path / "back"
+    rc, err = _run_cli(["hf-to-dist", "--input", src, "--output", str(d), "--mtp-num-layers", "1", "--verify",
+                        "--no-progress"], capsys)
+    assert rc == 0, err
+    rc, err = _run_cli(["dist-to-hf", "--input", str(d), "--output", str(back), "--verify", "--no-progress"], capsys)
+    assert rc == 0 and "note:" not in err, err
+    assert_same_tensors(src, back)
+    assert "model.layers.4.eh_proj.weight" in _tensors(back)
+    d0, back0 = tmp_path / "dist0", tmp_path / "back0"
+    assert _run_cli(["hf-to-dist", "--input", src, "--output", str(d0), "--no-progress"], capsys)[0] == 0
+    rc, err = _run_cli(["dist-to-hf", "--input", str(d0), "--output", str(back0), "--no-progress"], capsys)
+    assert rc == 0 and "num_nextn_predict_layers=1" in err and "holds no MTP layers" in err, err
+    assert not any(n.startswith("model.layers.4.") for n in _tensors(back0))
+    rc, err = _run_cli(["hf-to-dist", "--input", src, "--output", str(tmp_path / "two"), "--mtp-num-layers", "2",
+                        "--no-progress"], capsys)
+    assert rc == 2 and "--mtp-num-layers 2 but config.json's num_nextn_predict_layers is 1" in err, err

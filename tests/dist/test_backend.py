@@ -62,9 +62,33 @@ def runs(tmp_path_factory, tiny_hf_models):
                     4: FOUR_RANK_LAYOUTS})
 
 
+def mtp_layout(tiny_hf_models):
+    """A glm4_moe checkpoint with its MTP layer, the MTP block on the last of 2 pipeline stages (one more layout
+    of the MoE launch)."""
+    return (f"--hf-checkpoint={tiny_hf_models('glm4_moe', mtp=True)},--mtp-num-layers=1,"
+            "--pipeline-model-parallel-size=2")
+
+
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory, tiny_hf_models):
-    return _launch(tmp_path_factory, tiny_hf_models("qwen3_moe"), "moe", {2: MOE_LAYOUTS})
+    return _launch(tmp_path_factory, tiny_hf_models("qwen3_moe"), "moe", {2: MOE_LAYOUTS + [mtp_layout(tiny_hf_models)]})
+
+
+@pytest.mark.slow
+def test_mtp_layers_stay_frozen_through_training_and_leave_the_weight_sync(moe_runs, tiny_hf_models):
+    """--mtp-num-layers at PP2: three train steps move the model but not the MTP layers (no gradient, no
+    optimizer state); the weight sync sends no MTP tensor; the full export keeps them, with the MTP layer's
+    copies of the embedding / head following the trained main ones; a training checkpoint (with the MTP
+    block, on the last stage) saves and loads back every value."""
+    layout = mtp_layout(tiny_hf_models)
+    rec = moe_runs[3][layout]
+    assert rec["mtp"] == {"names_equal": True, "own_tensors": rec["mtp"]["own_tensors"], "own_unchanged": True,
+                          "checkpoint_round_trip": True, "copies_follow_main": True, "main_moved": True,
+                          "mtp_grads": 0}, rec["mtp"]
+    assert rec["mtp"]["own_tensors"] > 20
+    synced = torch.load(moe_runs[4] / f"{layout}_step2.pt".replace("/", "_"))
+    assert synced and not any(n.startswith("model.layers.4.") for n in synced)
+    assert all(s["metrics"]["train/grad_norm"] > 0 for s in rec["steps"])
 
 
 def test_reference_logprobs_match_hf(runs):

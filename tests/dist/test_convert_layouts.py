@@ -2,7 +2,8 @@
 
 HF -> torch_dist at TP1 (x DP2) and at TP2 (with --verify), then torch_dist -> HF
 at TP2 / TP1 / PP2 and, for the MoE families qwen3_moe and glm4_moe, EP2 and
-TP2xEP2(ETP1). Every exported tensor must equal the HF source bit for bit (stronger
+TP2xEP2(ETP1); a glm4_moe checkpoint with its MTP layer written at PP2 and exported at
+TP2 / TP1. Every exported tensor must equal the HF source bit for bit (stronger
 than equal logits). The
 streaming HF -> torch_dist writer's output at TP2, PP2 (llama) and EP2 (MoE)
 must equal ``dist_checkpointing.save`` of the loaded model byte for byte.
@@ -25,10 +26,12 @@ MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 
 @pytest.mark.slow
 def test_torch_dist_reshards_across_layouts(tmp_path):
-    torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", *MOE_FAMILIES],
+    torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", *MOE_FAMILIES, "--mtp"],
              timeout=900)
     res = read_json(tmp_path / "results.json")
-    assert set(res) == {"llama", *MOE_FAMILIES}
+    assert set(res) == {"llama", *MOE_FAMILIES, "glm4_moe_mtp"}
+    # a checkpoint's MTP layer (--mtp-num-layers): written at PP2 (MTP block on the last stage), exported at TP2/TP1
+    assert set(res["glm4_moe_mtp"]["exports"]) == {"pp2_to_tp2", "pp2_to_tp1"}
     assert set(res["llama"]["exports"]) == {"tp1_to_tp2", "tp2_to_pp2", "tp2_to_tp1"}
     assert set(res["llama"]["vs_megatron_save"]) == {"tp2", "pp2", "pp2_tied"}
     for fam in MOE_FAMILIES:  # glm4_moe: its router's expert_bias buffer travels like a parameter

@@ -38,6 +38,8 @@ def check(results):
     for name, r in results.items():
         assert r["vs_hf"] <= LOGIT_TOL, (name, r)
         assert r["vs_reference_layout"] <= LOGIT_TOL, (name, r)
+        if "mtp_vs_reference" in r:
+            assert r["mtp_vs_reference"] <= LOGIT_TOL and r["mtp_export_bit_exact"], (name, r)
         if "grad_max_abs_diff" in r and "distopt" not in name:
             assert r["grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r["grad_max_abs"]), (name, r)
         if "param_max_abs_diff_after_step" in r:
@@ -81,6 +83,10 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         *[e for e in family_entries("gemma3_text", gemma, moe=False) if not e.startswith("gemma3_text_cp2:")],
         entry("gemma3_text_cp2", "gemma3_text", gemma, cp=2, checks="grads"),
         entry("gemma3_text_tp2_sp", "gemma3_text", gemma, tp=2, sp=1, checks="grads"),
+        # multi-token prediction: megatron's MTP block on the last stage (PP2), TP-sharded (TP2)
+        entry("glm4_moe_mtp_pp2", "glm4_moe_mtp", tiny_hf_models("glm4_moe", mtp=True), pp=2, checks="mtp"),
+        entry("deepseek_v3_mtp_tp2", "deepseek_v3_mtp", tiny_hf_models("deepseek_v3", mtp=True), tp=2, etp=1,
+              checks="mtp"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)

@@ -27,8 +27,14 @@ GQA_CONFIGS = [c for c in CONFIGS if c[0] not in MLA | LOCAL_ONLY]
 MLA_CONFIGS = [c for c in CONFIGS if c[0] in MLA]
 
 
+# the checkpoint's MTP layer as megatron's MTP block (--mtp-num-layers 1): name maps and the built model
+MTP_CONFIGS = [("glm4_moe", {"mtp_num_layers": 1}), ("deepseek_v3", {"mtp_num_layers": 1})]
+
+
 def _bridge(family, overrides):
-    return get_bridge(tiny_config(family, **overrides))
+    overrides = dict(overrides)
+    mtp = overrides.pop("mtp_num_layers", 0)
+    return get_bridge(tiny_config(family, **overrides), mtp_num_layers=mtp)
 
 
 def _fuse(bridge, kind, tensors, padded_rows, expert=None):
@@ -54,7 +60,7 @@ def _unfuse(bridge, kind, tensor):
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-@pytest.mark.parametrize("family,overrides", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("family,overrides", CONFIGS + MTP_CONFIGS, ids=IDS + [f"{f}-mtp" for f, _ in MTP_CONFIGS])
 def test_name_and_shape_maps_round_trip(family, overrides, flavour):
     bridge = _bridge(family, overrides)
     if family in LOCAL_ONLY and flavour != "local":
@@ -83,10 +89,13 @@ def test_name_and_shape_maps_round_trip(family, overrides, flavour):
     stacked = {n for n, _ in pieces}
     assert all(sorted(e for n, e in pieces if n == s) == list(range(bridge.num_experts)) for s in stacked)
     exported = [n for n in exported if weight_maps.split_expert_piece_name(n) is None] + sorted(stacked)
-    wanted = set(hf) - bridge.ignorable_hf_names()
+    # an MTP layer's copies of the embedding / head are written from the main tensors (weights.with_mtp_copies)
+    copies = set(bridge.mtp_aliases())
+    assert all(main in exported for main in bridge.mtp_aliases().values())
+    wanted = set(hf) - bridge.ignorable_hf_names() - copies
     assert sorted(exported) == sorted(wanted)  # every HF tensor exported exactly once
     inverse = bridge.hf_to_megatron(flavour)  # HF -> megatron
-    assert set(inverse) == set(hf)
+    assert set(inverse) == set(hf) - copies
     for hf_name, targets in inverse.items():
         assert targets and all(t in meg and hf_name in bridge.rule_for(t).hf_names for t in targets)
 
@@ -165,7 +174,7 @@ def single_rank():
 
 def test_local_map_matches_built_models(single_rank):
     """The enumeration the TE map shares is what megatron really builds (local spec, TP1)."""
-    for family, overrides in CONFIGS:
+    for family, overrides in CONFIGS + MTP_CONFIGS:
         bridge = _bridge(family, overrides)
         (chunk,) = bridge.build_model(single_rank)
         built = {s.canonical_name: tuple(s.param.shape) for s in canonical_parameters(chunk)}

@@ -161,10 +161,14 @@ class MegatronBackend(TrainBackend):
         # the last-stage, TP-rank-0, CP-rank-0 rank of each DP rank holds its full results (others: copies)
         self.holds_results = (ps.is_pipeline_last_stage(ignore_virtual=True)
                               and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
-        self.bridge = get_bridge(cfg.model.hf_checkpoint)
+        self.bridge = get_bridge(cfg.model.hf_checkpoint, mtp_num_layers=cfg.megatron.mtp_num_layers or 0)
         self.params_dtype = _DTYPES[cfg.precision.params_dtype]
         self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
                                               **transformer_config_overrides(cfg))
+        if self.bridge.mtp_num_layers:  # --mtp-num-layers: loaded, checkpointed, exported; never trained here
+            from megatron_rl.models.mtp import freeze_mtp  # lazy: imports megatron-core's GPTModel
+
+            freeze_mtp(self.chunks)
         self._load_initial_weights(cfg)
         self.lora: list = []  # --lora-rank: each chunk's adapters (models/lora.py); the base is frozen
         if cfg.lora.lora_rank:
@@ -390,8 +394,10 @@ class MegatronBackend(TrainBackend):
         with contextlib.ExitStack() as merged:  # LoRA: the engine gets the adapters folded into the weights
             for adapters in self.lora:
                 merged.enter_context(adapters.merged())
+            # the MTP layers are frozen: the engine's own copy (from the same checkpoint) stays current
             yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
-                                                              stage_only=stage_only), bucket_bytes)
+                                                              stage_only=stage_only, include_mtp=False),
+                                bucket_bytes)
 
     def export_scope(self) -> ExportScope:
         """Each stage's sender: the rank of the stage at data-, tensor- and context-parallel rank 0

@@ -31,6 +31,34 @@ def make_samples(vocab: int, n: int = 6, seed: int = 0):
     return samples
 
 
+def mtp_after_training(backend, hf_dir, out_dir):
+    """--mtp-num-layers: after the training steps the full export (collective) still holds the checkpoint's MTP
+    tensors bit for bit (frozen), its MTP copies of the embedding / head equal the trained main ones, and no MTP
+    parameter has a gradient buffer; a training checkpoint saves and loads back the same export."""
+    from safetensors.torch import load_file
+
+    exported = {n: t.clone() for n, t in backend.bridge.export_hf_weights(backend.chunks)}
+    ckpt = os.path.join(out_dir, "mtp_iter_0000003")
+    backend.save(ckpt, {})
+    with torch.no_grad():
+        for c in backend.chunks:
+            for p in c.parameters():
+                p.add_(1.0)  # the load must put every value back (MTP layers included)
+    backend.load(ckpt)
+    reloaded = {n: t.clone() for n, t in backend.bridge.export_hf_weights(backend.chunks)}
+    source = load_file(os.path.join(hf_dir, "model.safetensors"))
+    layer = f"model.layers.{backend.bridge.num_layers}."
+    own = [n for n in source if n.startswith(layer) and not n.endswith(("embed_tokens.weight", "shared_head.head.weight"))]
+    return {"names_equal": set(exported) == set(source), "own_tensors": len(own),
+            "checkpoint_round_trip": all(torch.equal(reloaded[n], t) for n, t in exported.items()),
+            "own_unchanged": all(torch.equal(exported[n], source[n]) for n in own),
+            "copies_follow_main": torch.equal(exported[layer + "embed_tokens.weight"], exported["model.embed_tokens.weight"])
+            and torch.equal(exported[layer + "shared_head.head.weight"], exported["lm_head.weight"]),
+            "main_moved": not torch.equal(exported["model.embed_tokens.weight"], source["model.embed_tokens.weight"]),
+            "mtp_grads": sum(getattr(p, "main_grad", None) is not None or p.requires_grad
+                             for c in backend.chunks for n, p in c.named_parameters() if n.startswith("mtp."))}
+
+
 def main():
     import torch.distributed as dist
 
@@ -122,6 +150,8 @@ def main():
             rec["steps"].append({"metrics": m})
             if dist.get_rank() == 0:
                 torch.save(weights, os.path.join(out_dir, f"{layout or 'base'}_step{step}.pt".replace("/", "_")))
+        if cfg.megatron.mtp_num_layers:
+            rec["mtp"] = mtp_after_training(backend, cfg.model.hf_checkpoint, out_dir)
         rec["entropy_asked"] = {k: sorted(v) for k, v in asked.items()}
         results[layout or "base"] = rec
         destroy_parallel()

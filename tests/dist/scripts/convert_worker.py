@@ -57,7 +57,7 @@ def _dcp_contents(path: str) -> dict:
             "metadata.json": open(os.path.join(path, "metadata.json")).read()}
 
 
-def same_as_megatron_save(hf: str, streamed: str, layout, scratch: str) -> list:
+def same_as_megatron_save(hf: str, streamed: str, layout, scratch: str, mtp_num_layers: int = 0) -> list:
     """Collective. Save ``hf`` loaded into a real model with ``dist_checkpointing.save`` at
     ``layout`` and compare with ``streamed`` (written at the same layout): same .metadata
     (keys, global shapes, chunk offsets/sizes, dtypes), common.pt, metadata.json and every
@@ -70,7 +70,7 @@ def same_as_megatron_save(hf: str, streamed: str, layout, scratch: str) -> list:
     from megatron_rl.infra.dist import barrier, rank
     from megatron_rl.models import dist_io, get_bridge, model_dir
 
-    bridge = get_bridge(hf)
+    bridge = get_bridge(hf, mtp_num_layers=mtp_num_layers)
     dist_io.setup(layout)
     chunks = bridge.build_model(layout)
     bridge.load_hf_weights(chunks, hf)
@@ -214,7 +214,32 @@ def layouts(args) -> dict:
         if not moe:
             vs_megatron["pp2_tied"] = vs_tied
         out[fam] = {"hf": hf, "exports": got, "vs_megatron_save": vs_megatron}
+    if args.mtp:
+        out["glm4_moe_mtp"] = mtp_layouts(args.out, rank)
     return out
+
+
+def mtp_layouts(root: str, rank: int) -> dict:
+    """A glm4_moe checkpoint with its MTP layer: written at PP2 (the MTP block on the last stage; the streaming
+    writer == dist_checkpointing.save of the loaded model), exported at TP2 and TP1."""
+    import torch.distributed as dist
+
+    from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
+    from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+    from megatron_rl.models.parallel import ParallelLayout
+
+    hf, dst = os.path.join(root, "glm4_moe_mtp_hf"), os.path.join(root, "glm4_moe_mtp_dist_pp2")
+    if rank == 0:
+        build_tiny_hf_model("glm4_moe", hf, seed=5, mtp=True)
+    dist.barrier()
+    convert_hf_to_dist(hf, dst, layout=ParallelLayout(pp=2), verify=True, show_progress=False, mtp_num_layers=1)
+    vs = same_as_megatron_save(hf, dst, ParallelLayout(pp=2), os.path.join(root, "ref"), mtp_num_layers=1)
+    got = {}
+    for name, lay in (("pp2_to_tp2", ParallelLayout(tp=2, etp=1)), ("pp2_to_tp1", ParallelLayout())):
+        got[name] = os.path.join(root, f"glm4_moe_mtp_{name}")
+        convert_dist_to_hf(dst, got[name], layout=lay, verify=True, show_progress=False)
+    return {"hf": hf, "exports": got, "vs_megatron_save": {"pp2": vs}}
 
 
 def main() -> None:
@@ -222,6 +247,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=["roundtrip", "layouts"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--family", nargs="+", required=True)
+    ap.add_argument("--mtp", action="store_true", help="layouts: also a glm4_moe checkpoint with its MTP layer")
     args = ap.parse_args()
     result = roundtrip(args) if args.mode == "roundtrip" else layouts(args)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -2,19 +2,25 @@
 groups each time) and record logits / grads / one optimizer step against HF.
 
 argv: OUT_JSON then entries ``name:family:hf_dir:tp,pp,vpp,cp,ep,etp,sp:checks`` where
-checks is a '+'-joined subset of {logits, grads, optim, distopt}.
+checks is a '+'-joined subset of {logits, grads, optim, distopt, mtp}.
 Per layout (rank 0 writes): max |dlogit| vs HF transformers, vs the first layout of the same
 family (the TP1/PP1 reference), max |dgrad| vs HF autograd of the same loss (mean over DP
 ranks, each with its own batch), and max |dparam| after one Adam step vs torch.optim.Adam on HF.
+``mtp``: the model is built with the checkpoint's MTP layer (megatron's MTP block, on the last stage):
+max |dlogit| of its logits vs tests/_mtp_reference.py, and whether the export equals the checkpoint
+bit for bit (MTP tensors included).
 """
 
 import json
+import os
 import sys
 
 import torch
 
 from megatron_rl.models import get_bridge, hf_module, parity
 from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # tests/: the MTP reference
 
 LENGTHS = [11, 6, 16, 4]
 
@@ -70,6 +76,23 @@ def hf_buffer_names(hf):
     return set(checkpoint_layout(hf, ((n, t) for n, t in hf.state_dict().items() if n not in params)))
 
 
+def check_mtp(rec, bridge, chunks, hf_dir, seqs):
+    """Megatron's MTP logits vs the reference (collective), and the export vs the checkpoint's tensors."""
+    from _mtp_reference import MtpReference
+    from safetensors.torch import load_file
+
+    from megatron_rl.models import mtp
+
+    with torch.no_grad():
+        got = mtp.mtp_logits(chunks, seqs, bridge.vocab_size)
+    ref = MtpReference(hf_dir)
+    rec["mtp_vs_reference"] = max((g[0][:-1] - ref.logits(s)).abs().max().item() for g, s in zip(got, seqs))
+    exported = {n: t.clone() for n, t in bridge.export_hf_weights(chunks)}
+    source = load_file(os.path.join(hf_dir, "model.safetensors"))
+    rec["mtp_export_bit_exact"] = set(exported) == set(source) and all(
+        torch.equal(exported[n], source[n]) for n in source)
+
+
 def main():
     out_path, entries = sys.argv[1], sys.argv[2:]
     results, reference_logits, hf_cache = {}, {}, {}
@@ -78,7 +101,7 @@ def main():
         dp = initialize_parallel(layout, seed=0)
         from megatron.core import parallel_state as ps
 
-        bridge = get_bridge(hf_dir)
+        bridge = get_bridge(hf_dir, mtp_num_layers=1 if "mtp" in checks else 0)
         chunks = bridge.build_model(layout)
         bridge.load_hf_weights(chunks, hf_dir)
         num_mb = layout.pp if (layout.vpp or 1) > 1 else 2
@@ -102,6 +125,8 @@ def main():
         ref = parity.hf_logits(hf, all_mbs[dp_rank])
         seqs = [s for mb in all_mbs[dp_rank] for s in mb.seqs]
         rec["vs_hf"] = parity.compare(logits, ref, seqs)["max_abs_logit_diff"]
+        if "mtp" in checks:
+            check_mtp(rec, bridge, chunks, hf_dir, seqs)
         key = (family, dp_rank)
         if key not in reference_logits:
             reference_logits[key] = logits

@@ -1,0 +1,90 @@
+"""Multi-token-prediction layers of deepseek_v3 / glm4_moe checkpoints on megatron-core's MTP block, one
+process: MTP logits equal a reference built from transformers' own modules (fp32, <= 1e-5), the main
+logits are unchanged, load -> export is bit-exact with the MTP tensors, and bad inputs are refused by
+name. (The 2-rank layouts: tests/dist/test_parity_layouts.py, entries ``*_mtp_*``.)"""
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.errors import BridgeError, CheckpointError
+from megatron_rl.models import get_bridge
+
+MTP_FAMILIES = ["glm4_moe", "deepseek_v3"]
+LOGIT_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
+
+    layout = ParallelLayout()
+    initialize_parallel(layout, seed=0)
+    return layout
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_mtp_logits_match_the_reference_and_export_is_bit_exact(single_rank, tiny_hf_models, family):
+    from _mtp_reference import MtpReference
+
+    from megatron_rl.models import mtp, parity
+
+    path = tiny_hf_models(family, mtp=True)
+    bridge = get_bridge(path, mtp_num_layers=1)
+    chunks = bridge.build_model(single_rank)
+    bridge.load_hf_weights(chunks, path)
+    for c in chunks:
+        c.eval()
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, bridge.vocab_size, (n,), generator=gen) for n in (13, 7)]
+    got = mtp.mtp_logits(chunks, seqs, bridge.vocab_size)
+    ref = MtpReference(path)
+    for seq, depths in zip(seqs, got):
+        assert len(depths) == 1
+        want = ref.logits(seq)
+        assert (depths[0][:-1] - want).abs().max().item() <= LOGIT_TOL
+        assert want.abs().max().item() > 1.0  # the comparison is of real logits, not near-zeros
+    # the MTP block built but off: the main logits are HF's, with no MTP compute and no labels
+    main = parity.megatron_run(chunks, [parity.Microbatch(seqs, [torch.ones(len(s)) for s in seqs])],
+                               bridge.vocab_size, packed=False)
+    for seq, logits in zip(seqs, main):
+        assert (logits - ref.main(seq[None]).logits[0]).abs().max().item() <= LOGIT_TOL
+    exported = dict(bridge.export_hf_weights(chunks))
+    source = load_file(os.path.join(path, "model.safetensors"))
+    assert set(exported) == set(source)
+    assert all(torch.equal(exported[n], source[n]) for n in source)
+    # the weight sync of frozen MTP layers leaves them out (the engine keeps its own)
+    synced = {n for n, _ in bridge.export_hf_weights(chunks, include_mtp=False)}
+    assert synced == {n for n in source if not n.startswith("model.layers.4.")}
+
+
+def test_mtp_refusals_name_the_values(single_rank, tiny_hf_models, tmp_path):
+    path = tiny_hf_models("glm4_moe", mtp=True)
+    with pytest.raises(BridgeError, match=r"--mtp-num-layers 2 but config\.json's num_nextn_predict_layers is 1"):
+        get_bridge(path, mtp_num_layers=2)
+    # without MTP: the checkpoint's MTP layers are skipped (as transformers does) and not exported
+    plain = get_bridge(path)
+    chunks = plain.build_model(single_rank)
+    plain.load_hf_weights(chunks, path)
+    assert not any(n.startswith("model.layers.4.") for n, _ in plain.export_hf_weights(chunks))
+    # an MTP copy of the embedding that differs from the main one cannot be shared: refused by name
+    bridge = get_bridge(path, mtp_num_layers=1)
+    chunks = bridge.build_model(single_rank)
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    tensors = load_file(os.path.join(bad, "model.safetensors"))
+    tensors["model.layers.4.embed_tokens.weight"][3] += 1.0
+    save_file(tensors, os.path.join(bad, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.4\.embed_tokens\.weight differs from "
+                                              r"model\.embed_tokens\.weight"):
+        bridge.load_hf_weights(chunks, str(bad))
+    # the copies are optional: a checkpoint without them loads, and the export writes them
+    del tensors["model.layers.4.embed_tokens.weight"], tensors["model.layers.4.shared_head.head.weight"]
+    save_file(tensors, os.path.join(bad, "model.safetensors"))
+    bridge.load_hf_weights(chunks, str(bad))
+    exported = dict(bridge.export_hf_weights(chunks))
+    assert torch.equal(exported["model.layers.4.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(exported["model.layers.4.shared_head.head.weight"], tensors["lm_head.weight"])
