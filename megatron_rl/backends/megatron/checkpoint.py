@@ -472,8 +472,8 @@ def load_checkpoint(backend, path: str) -> dict:
         raise CheckpointError(f"checkpoint {path} was saved {flag} --use-distributed-optimizer; megatron-core "
                               f"0.16 cannot convert optimizer state between the two. Resume {flag} the flag")
     if bool(meta.get("critic", False)) != _has_critic(backend):
-        said = {True: "holds a critic (--advantage-estimator ppo)", False: "holds no critic"}
-        raise CheckpointError(f"checkpoint {path} {said[bool(meta.get('critic', False))]} but this run "
+        holds = "holds a critic (--advantage-estimator ppo)" if meta.get("critic") else "holds no critic"
+        raise CheckpointError(f"checkpoint {path} {holds} but this run "
                               f"{'trains one' if _has_critic(backend) else 'does not'}: resume with the "
                               "--advantage-estimator it was saved with")
     same_layout = meta.get("layout") == layout_record(backend)
