@@ -63,6 +63,9 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
         "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
         "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key"),
+    "PPO / critic (slime/utils/arguments.py, not in the example scripts)": (
+        "--gamma", "--lambd", "--value-clip", "--num-critic-only-steps", "--critic-lr", "--critic-lr-warmup-iters",
+        "--critic-load", "--critic-save", "--critic-num-nodes", "--critic-num-gpus-per-node"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
@@ -107,6 +110,18 @@ NOTES: dict[str, tuple[str, str]] = {
                                          "log_probs, ref_log_probs, rollout_log_probs, kl, values (None); the "
                                          "function sets rollout_data['advantages'] (returns are not read: no "
                                          "critic). Imported and its arity checked at start-up; docs/algorithms.md."),
+    "--value-clip": ("same", "The clip of the critic's value loss; the loss is verl's (0.5 * the max of the clipped "
+                     "and unclipped squared errors, through --loss-agg-mode; slime's has no 0.5): "
+                     "docs/algorithms.md, 'PPO with a critic'."),
+    "--num-critic-only-steps": ("same", "The first N rollouts train the critic only (no actor update, no train/* "
+                                "metrics); slime's semantics."),
+    "--critic-lr-warmup-iters": ("same", "Linear warm-up of the critic's LR over its first N optimizer steps."),
+    "--critic-load": ("refused", "Not built yet: the critic is saved and resumed inside each --save checkpoint "
+                      "(beside the actor); start a critic from HF weights with --critic-hf-checkpoint."),
+    "--critic-save": ("refused", "Not built yet as a separate dir: the critic goes into each --save checkpoint."),
+    "--critic-num-nodes": ("refused", "Not built yet: the critic runs on the actor's ranks with its layout."),
+    "--critic-num-gpus-per-node": ("refused", "Not built yet: the critic runs on the actor's ranks with its "
+                                   "layout."),
     "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
                                "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
                                "--custom-tis-function-path, here it stands alone."),

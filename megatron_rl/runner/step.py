@@ -22,6 +22,24 @@ def rollout_old_logprobs(samples: Sequence[AnySample]) -> list[Optional[torch.Te
             for s in samples]
 
 
+def value_metrics(samples: Sequence[AnySample], values, returns) -> dict[str, float]:
+    """``critic/vf_explained_var`` (verl's): ``1 - Var(R - V) / Var(R)`` over the batch's loss tokens, the
+    critic's values ``V`` before the step against the returns ``R``; 1 is a perfect critic, 0 no better than a
+    constant, and ``critic/returns_mean``. Every rank holds the whole batch (ppo needs it for its advantages)."""
+    if values is None or returns is None or any(v is None for v in values):
+        return {}
+    mask = torch.tensor([m for s in samples for m in s.effective_loss_mask()], dtype=torch.float64) > 0
+    v = torch.cat([t.double() for t in values])[mask]
+    r = torch.cat([t.double() for t in returns])[mask]
+    if r.numel() < 2:
+        return {}
+    var_r = float(r.var())
+    out = {"critic/returns_mean": float(r.mean())}
+    if var_r > 0:
+        out["critic/vf_explained_var"] = 1.0 - float((r - v).var()) / var_r
+    return out
+
+
 def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[Sample]], cfg: Config,
                      perf: Optional[dict] = None, *, train_actor: bool = True) -> dict[str, float]:
     """Old/ref/teacher log-probs (and the critic's values), advantages, then the optimizer steps; each phase's
@@ -61,6 +79,7 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
         perf["perf/values_s"], t = time.perf_counter() - t, time.perf_counter()
         advantages, returns = spec.compute_advantages_and_returns(batch, old_logprobs=old, ref_logprobs=ref,
                                                                   values=values)
+        perf.update(value_metrics(batch, values, returns))
     else:
         advantages = spec.compute_advantages(batch, old_logprobs=old, ref_logprobs=ref)
     steps: list[dict[str, float]] = []
