@@ -116,8 +116,9 @@ NOTES: dict[str, tuple[str, str]] = {
     "--num-critic-only-steps": ("same", "The first N rollouts train the critic only (no actor update, no train/* "
                                 "metrics); slime's semantics."),
     "--critic-lr-warmup-iters": ("same", "Linear warm-up of the critic's LR over its first N optimizer steps."),
-    "--critic-load": ("refused", "Not built yet: the critic is saved and resumed inside each --save checkpoint "
-                      "(beside the actor); start a critic from HF weights with --critic-hf-checkpoint."),
+    "--critic-load": ("differs", "The critic's initial trunk as a model-only torch_dist dir (convert_ckpt.py "
+                      "hf-to-dist); a run's critic resumes from its --save checkpoints (beside the actor), so "
+                      "slime's critic checkpoint dirs do not load. HF weights: --critic-hf-checkpoint."),
     "--critic-save": ("refused", "Not built yet as a separate dir: the critic goes into each --save checkpoint."),
     "--critic-num-nodes": ("refused", "Not built yet: the critic runs on the actor's ranks with its layout."),
     "--critic-num-gpus-per-node": ("refused", "Not built yet: the critic runs on the actor's ranks with its "

@@ -523,9 +523,11 @@ class CheckpointConfig:
                                                "(an HF dir of the policy's architecture; its lm_head is not read, "
                                                "the value head starts fresh as slime's). Unset: the actor's "
                                                "initial weights with a fresh value head.")
-    critic_load: Optional[str] = flag(None, "slime's critic checkpoint dir (torch_dist). Refused: the critic is saved "
-                                      "and resumed inside each --save checkpoint here; start one from HF weights "
-                                      "with --critic-hf-checkpoint.", metavar="DIR")
+    critic_load: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights as a "
+                                      "model-only torch_dist dir (what convert_ckpt.py hf-to-dist writes; the value "
+                                      "head starts fresh). A run's critic resumes from its --save checkpoints, "
+                                      "which hold it beside the actor; slime's separate critic checkpoint dirs do "
+                                      "not load.", metavar="DIR")
     critic_save: Optional[str] = flag(None, "slime's separate critic save dir. Refused: the critic's model and "
                                       "optimizer go into each --save checkpoint, beside the actor's.", metavar="DIR")
 

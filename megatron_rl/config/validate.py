@@ -599,9 +599,15 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
             errors.append(f"{placement_flag} {count}: a critic on its own nodes/GPUs is not built yet; the "
                           "critic of --advantage-estimator ppo runs on the actor's ranks with the actor's parallel "
                           f"layout: drop {placement_flag}")
-    if c.critic_load is not None:
-        errors.append(f"--critic-load {c.critic_load}: not built yet. The critic is saved and resumed inside each "
-                      "--save checkpoint (beside the actor); start one from HF weights with --critic-hf-checkpoint")
+    if c.critic_load is not None and c.critic_hf_checkpoint is not None:
+        errors.append(f"--critic-load {c.critic_load} and --critic-hf-checkpoint {c.critic_hf_checkpoint} both give "
+                      "the critic's initial weights: keep one")
+    for flag, where, marker in (("--critic-load", c.critic_load, "COMPLETE.json"),
+                                ("--critic-hf-checkpoint", c.critic_hf_checkpoint, "config.json")):
+        if where is not None and not os.path.isfile(os.path.join(where, marker)):
+            what = ("a model-only torch_dist dir (convert_ckpt.py hf-to-dist output)" if marker == "COMPLETE.json"
+                    else "an HF model dir (config.json + *.safetensors)")
+            errors.append(f"{flag} {where}: no {marker} there; give {what}")
     if c.critic_save is not None:
         errors.append(f"--critic-save {c.critic_save}: not built yet as a separate dir; the critic's model and "
                       "optimizer go into each --save checkpoint, beside the actor's: drop --critic-save")
@@ -610,7 +616,7 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
             ("--lambd", a.lambd, 1.0), ("--value-clip", a.value_clip, 0.2),
             ("--num-critic-only-steps", a.num_critic_only_steps, 0), ("--critic-lr", cfg.optimizer.critic_lr, None),
             ("--critic-lr-warmup-iters", cfg.optimizer.critic_lr_warmup_iters, 0),
-            ("--critic-hf-checkpoint", c.critic_hf_checkpoint, None))
+            ("--critic-hf-checkpoint", c.critic_hf_checkpoint, None), ("--critic-load", c.critic_load, None))
         for flag, value, default in knobs:
             if value != default:
                 errors.append(f"{flag} {value} configures the critic, which only --advantage-estimator ppo has: "

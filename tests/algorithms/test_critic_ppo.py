@@ -138,7 +138,9 @@ def _parse(tmp_path, *flags):
 @pytest.mark.parametrize("flags,match", [
     (["--critic-num-nodes", "1"], "--critic-num-nodes 1: a critic on its own nodes"),
     (["--critic-num-gpus-per-node", "2"], "--critic-num-gpus-per-node 2: a critic on its own"),
-    (["--critic-load", "/x"], "--critic-load /x: not built yet"),
+    (["--critic-load", "/x"], "--critic-load /x: no COMPLETE.json there"),
+    (["--critic-hf-checkpoint", "/x"], "--critic-hf-checkpoint /x: no config.json there"),
+    (["--critic-load", "/x", "--critic-hf-checkpoint", "/y"], "both give the critic's initial weights"),
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
     (["--train-backend", "fsdp"], "--train-backend fsdp: the critic is built for the megatron backend only"),
     (["--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--context-parallel-size > 1"),
@@ -157,6 +159,7 @@ def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
     (["--value-clip", "0.5"], "--value-clip 0.5 configures the critic"),
     (["--num-critic-only-steps", "2"], "--num-critic-only-steps 2 configures the critic"),
     (["--critic-lr", "1e-5"], "--critic-lr 1e-05 configures the critic"),
+    (["--critic-load", "/x"], "--critic-load /x configures the critic"),
     (["--gamma", "0.9"], "--gamma 0.9 discounts token rewards"),
 ])
 def test_critic_flags_without_ppo_are_refused(tmp_path, monkeypatch, flags, match):

@@ -67,10 +67,6 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
     "custom_tis_function_path": (
         "slime's TIS hook, refused in validation naming the flags that do its built-ins (--use-tis, --tis-mode)",
         _refused(["--custom-tis-function-path", "my_tis:fn"])),
-    "critic_load": (
-        "slime's separate critic checkpoint dir, refused in validation: the critic of --advantage-estimator ppo is "
-        "saved and resumed inside each --save checkpoint; --critic-hf-checkpoint starts one from HF weights",
-        _refused(["--critic-load", "/tmp/critic"])),
     "critic_save": (
         "slime's separate critic save dir, refused in validation: the critic goes into each --save checkpoint",
         _refused(["--critic-save", "/tmp/critic"])),

@@ -10,7 +10,8 @@ Checks: the critic's values, value loss, clip fraction and gradient norm at TP2+
 run's (float32, atol 2e-5 / rtol 1e-4: only the reduction order differs), and so do the values after the
 updates; in the critic-only step the actor's parameters are bitwise unchanged and no train/* metric is
 reported; resume from the checkpoint (critic model, optimizer, schedule inside the actor's checkpoint)
-continues bitwise.
+continues bitwise; a critic from --critic-hf-checkpoint or --critic-load (a converted torch_dist dir) of other
+weights equals a critic started from an actor with those weights.
 """
 
 import json
@@ -40,8 +41,15 @@ def runs(tmp_path_factory, tiny_hf_models):
     hf = tiny_hf_models("qwen2")
     out = tmp_path_factory.mktemp("critic_out")
     save = str(out / "root" / "iter_0000002")
+    other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
+    dist_dir = str(out / "other_dist")
     torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="save", steps=STEPS[:2], save=save),
-                         _job(tag="resume", steps=STEPS[2:], load=save)], timeout=400)
+                         _job(tag="resume", steps=STEPS[2:], load=save),
+                         # the critic's trunk from --critic-hf-checkpoint / --critic-load (other weights than the
+                         # actor's) equals a critic built from an actor that starts from those weights
+                         _job(tag="other_actor", hf=other), _job(tag="crit_hf", flags=["--critic-hf-checkpoint", other]),
+                         _job(tag="crit_dist", convert=[other, dist_dir], flags=["--critic-load", dist_dir])],
+             timeout=400)
     torchrun(script, 2, [hf, str(out),
                          _job(tag="tp", steps=STEPS, flags=["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                          _job(tag="dp", steps=STEPS, flags=["--use-distributed-optimizer"])], timeout=400)
@@ -92,3 +100,12 @@ def test_critic_resumes_bitwise(runs):
         assert set(x) == set(y)
         for k in x:
             assert torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])), k
+
+
+def test_critic_trunk_from_critic_hf_checkpoint_and_critic_load(runs):
+    ref, want = _rec(runs, "ref"), _rec(runs, "other_actor")
+    assert want["values_start"] != ref["values_start"]  # other weights: other values
+    for tag in ("crit_hf", "crit_dist"):
+        got = _rec(runs, tag)
+        assert got["values_start"] == want["values_start"], tag  # bitwise: the same trunk, the same seeded head
+        assert got["logprobs_start"] == ref["logprobs_start"], tag  # the actor is still --hf-checkpoint's

@@ -5,7 +5,7 @@ on the actor's ranks, whose output layer is a ``[hidden -> 1]`` value head (``Va
 slime's ``LinearForLastLayer``); it has its own DDP (grad buffers), its own megatron optimizer
 (distributed when the actor's is) and its own LR schedule (``--critic-lr``,
 ``--critic-lr-warmup-iters``). It starts from the actor's initial weights, or from
-``--critic-hf-checkpoint``, with a fresh head (normal, std ``init_method_std``, zero bias, from
+``--critic-hf-checkpoint`` / ``--critic-load`` (a model-only torch_dist dir), with a fresh head (normal, std ``init_method_std``, zero bias, from
 ``--seed``, so every rank draws the same head).
 
 Token alignment: the value of response token ``t`` is the head's output at the position whose
@@ -89,12 +89,15 @@ class MegatronCritic:
         self.ps = ps
         self.chunks = backend.bridge.build_model(backend.layout, params_dtype=backend.params_dtype,
                                                  **transformer_config_overrides(cfg))
-        hf_dir = cfg.checkpoint.critic_hf_checkpoint
+        hf_dir, dist_dir = cfg.checkpoint.critic_hf_checkpoint, cfg.checkpoint.critic_load
+        source = hf_dir or dist_dir or "the actor's initial weights"
         if hf_dir:
             from megatron_rl.models import model_dir  # lazy: checksums of the HF dir
 
             model_dir.check_hf_marker_once(hf_dir, f"checking --critic-hf-checkpoint {hf_dir}")
             backend.bridge.load_hf_weights(self.chunks, hf_dir)
+        elif dist_dir:
+            self._load_dist_trunk(dist_dir, cfg.model.hf_checkpoint)
         else:  # the actor's initial weights (HF or a --load model dir): the same layout, the same names
             with torch.no_grad():
                 for actor, critic in zip(backend.chunks, self.chunks):
@@ -134,8 +137,23 @@ class MegatronCritic:
         self.optimizer_steps = 0
         if dist.get_rank() == 0:
             n = sum(p.numel() for c in self.chunks for p in c.parameters())
-            log.info("critic: %d parameters on this rank, lr %g, from %s", n, lr,
-                     hf_dir or "the actor's initial weights")
+            log.info("critic: %d parameters on this rank, lr %g, from %s", n, lr, source)
+
+    def _load_dist_trunk(self, path: str, hf_dir: str) -> None:
+        """``--critic-load``: a model-only torch_dist dir, checked as ``--load``'s (marker, checksums, the model's
+        fingerprint and every tensor's shape) and loaded while the output layer is still the policy's."""
+        from megatron_rl.errors import CheckpointError
+        from megatron_rl.models import dist_io, model_dir  # lazy: dist_checkpointing
+
+        if not model_dir.is_model_dir(path):
+            raise CheckpointError(f"--critic-load {path} is not a model-only torch_dist dir (a training checkpoint "
+                                  "holds a critic beside the actor and resumes from --load/--save); give what "
+                                  "convert_ckpt.py hf-to-dist writes, or use --critic-hf-checkpoint")
+        meta = model_dir.read_marker(path)
+        model_dir.check_fingerprint(path, meta, self.backend.bridge, hf_dir)
+        dist_io.check_checkpoint_matches_model(path, dist_io.checkpoint_model_tensors(path),
+                                               dist_io.model_tensor_shapes(self.chunks), hf_dir)
+        dist_io.load_dist_into(self.chunks, path)
 
     # ---- passes ---------------------------------------------------------------
 

@@ -9,6 +9,8 @@ Each job (run in order in this process; parallel state torn down between jobs):
   load    checkpoint dir to load after building (optional)
   steps   a list of booleans, one per step: train the actor too (False: critic only)
   save    checkpoint dir to save after the steps (optional)
+  hf      the actor's --hf-checkpoint (default HF_DIR)
+  convert [HF, DIR]: convert_ckpt.py hf-to-dist of HF into DIR first (for --critic-load DIR)
 
 One step is what the runner does (runner/step.py): old log-probs, the critic's values, the ppo estimator's
 advantages and returns, then EPOCHS train_steps on them (actor + critic, or the critic only). The batch of
@@ -42,7 +44,11 @@ def run_job(hf_dir, out_dir, job):
 
     world = int(os.environ["WORLD_SIZE"])
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    argv = ["--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node", str(world), "--lr", "1e-2",
+    if job.get("convert"):
+        from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
+
+        convert_hf_to_dist(*job["convert"], show_progress=False)
+    argv = ["--hf-checkpoint", job.get("hf", hf_dir), "--actor-num-gpus-per-node", str(world), "--lr", "1e-2",
             "--critic-lr", "5e-3", "--critic-lr-warmup-iters", "1", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "3", "--grad-clip", "1.0", "--seed", "7", "--adam-eps", "1e-4",
             "--micro-batch-size", "1", "--num-rollout", "10", "--advantage-estimator", "ppo", "--gamma", "0.9",
@@ -57,6 +63,7 @@ def run_job(hf_dir, out_dir, job):
         backend.load(job["load"])
     fixed = make_samples(backend.vocab_size, seed=999)
     rec["values_start"] = [t.tolist() for t in backend.compute_values(fixed)]
+    rec["logprobs_start"] = [t.tolist() for t in backend.forward_only(fixed)]
     for train_actor in job.get("steps", []):
         g = backend.critic.optimizer_steps // EPOCHS
         samples = make_samples(backend.vocab_size, seed=100 + g)
