@@ -169,7 +169,7 @@ def test_critic_flags_without_ppo_are_refused(tmp_path, monkeypatch, flags, matc
         _parse(tmp_path, *flags)
 
 
-def test_ppo_flags_parse(tmp_path, monkeypatch):
+def test_ppo_flags_parse(tmp_path, monkeypatch, capsys):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     cfg = _parse(tmp_path, "--advantage-estimator", "ppo", "--gamma", "0.99", "--lambd", "0.95", "--value-clip",
@@ -180,3 +180,7 @@ def test_ppo_flags_parse(tmp_path, monkeypatch):
     assert (spec.cfg.advantage_estimator, spec.cfg.gamma, spec.cfg.lambd, spec.cfg.value_clip) == ("ppo", 0.99, 0.95,
                                                                                                    0.3)
     assert cfg.optimizer.critic_lr == 1e-5 and cfg.algorithm.num_critic_only_steps == 2
+    from megatron_rl.runner.dry_run import print_plan
+
+    print_plan(cfg)  # --dry-run names the critic (a second model's memory on every rank)
+    assert "critic: a second model of this architecture with a value head" in capsys.readouterr().out
