@@ -48,7 +48,10 @@ def runs(tmp_path_factory, tiny_hf_models):
                          # the critic's trunk from --critic-hf-checkpoint / --critic-load (other weights than the
                          # actor's) equals a critic built from an actor that starts from those weights
                          _job(tag="other_actor", hf=other), _job(tag="crit_hf", flags=["--critic-hf-checkpoint", other]),
-                         _job(tag="crit_dist", convert=[other, dist_dir], flags=["--critic-load", dist_dir])],
+                         _job(tag="crit_dist", convert=[other, dist_dir], flags=["--critic-load", dist_dir]),
+                         # the critic alone fitting one batch's returns (no warm-up, a clip that never binds)
+                         _job(tag="fit", steps=[False], epochs=8,
+                              flags=["--critic-lr-warmup-iters", "0", "--value-clip", "10"])],
              timeout=400)
     torchrun(script, 2, [hf, str(out),
                          _job(tag="tp", steps=STEPS, flags=["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -109,3 +112,9 @@ def test_critic_trunk_from_critic_hf_checkpoint_and_critic_load(runs):
         got = _rec(runs, tag)
         assert got["values_start"] == want["values_start"], tag  # bitwise: the same trunk, the same seeded head
         assert got["logprobs_start"] == ref["logprobs_start"], tag  # the actor is still --hf-checkpoint's
+
+
+def test_critic_fits_a_batch(runs):
+    """The value loss falls on a fixed batch's returns (measured 0.133 -> 0.0065 in 8 steps at --critic-lr 5e-3)."""
+    losses = [m["critic/value_loss"] for m in _rec(runs, "fit")["steps"][0]["metrics"]]
+    assert losses[-1] < 0.2 * losses[0], losses

@@ -11,6 +11,7 @@ Each job (run in order in this process; parallel state torn down between jobs):
   save    checkpoint dir to save after the steps (optional)
   hf      the actor's --hf-checkpoint (default HF_DIR)
   convert [HF, DIR]: convert_ckpt.py hf-to-dist of HF into DIR first (for --critic-load DIR)
+  epochs  train_steps per batch (default EPOCHS)
 
 One step is what the runner does (runner/step.py): old log-probs, the critic's values, the ppo estimator's
 advantages and returns, then EPOCHS train_steps on them (actor + critic, or the critic only). The batch of
@@ -65,14 +66,15 @@ def run_job(hf_dir, out_dir, job):
     rec["values_start"] = [t.tolist() for t in backend.compute_values(fixed)]
     rec["logprobs_start"] = [t.tolist() for t in backend.forward_only(fixed)]
     for train_actor in job.get("steps", []):
-        g = backend.critic.optimizer_steps // EPOCHS
+        epochs_per_batch = job.get("epochs", EPOCHS)
+        g = backend.critic.optimizer_steps // epochs_per_batch
         samples = make_samples(backend.vocab_size, seed=100 + g)
         old = backend.forward_only(samples)
         values = backend.compute_values(samples)
         adv, returns = spec.compute_advantages_and_returns(samples, old_logprobs=old, values=values)
         before = [p.detach().clone() for c in backend.chunks for p in c.parameters()]
         epochs = []
-        for _ in range(EPOCHS):  # PPO epochs over the batch: the clip engages from the second one
+        for _ in range(epochs_per_batch):  # PPO epochs over the batch: the clip engages from the second one
             m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, old_values=values, returns=returns,
                                               train_actor=train_actor))
             m.pop("train/step_time_s", None)
