@@ -768,9 +768,11 @@ class AlgorithmConfig:
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature for tokens with advantage <= 0 (verl's tau_neg); needs "
                                "--policy-loss-type sapo.", domain="(0, inf)")
     gamma: float = flag(1.0, "Discount of the token rewards (slime's --gamma): the returns of "
-                        "--advantage-estimator reinforce_plus_plus(_baseline) and the GAE of ppo.", domain="(0, 1]")
+                        "--advantage-estimator reinforce_plus_plus(_baseline) and the GAE of ppo (and args.gamma of a "
+                        "--custom-advantage-function-path).", domain="(0, 1]")
     lambd: float = flag(1.0, "GAE lambda of --advantage-estimator ppo (slime's --lambd; 1: returns minus the "
-                        "critic's value, 0: one-step TD).", domain="[0, 1]")
+                        "critic's value, 0: one-step TD; and args.lambd of a --custom-advantage-function-path).",
+                        domain="[0, 1]")
     value_clip: float = flag(0.2, "--advantage-estimator ppo: the critic's new value may move at most this far from "
                              "the old one before the clipped value loss takes over (slime's --value-clip, verl's "
                              "cliprange_value).", domain="(0, inf)")

@@ -611,9 +611,10 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
     if c.critic_save is not None:
         errors.append(f"--critic-save {c.critic_save}: not built yet as a separate dir; the critic's model and "
                       "optimizer go into each --save checkpoint, beside the actor's: drop --critic-save")
+    custom = a.custom_advantage_function_path is not None  # its args carry --gamma / --lambd (slime's contract)
     if not ppo:
         knobs: tuple[tuple[str, object, object], ...] = (
-            ("--lambd", a.lambd, 1.0), ("--value-clip", a.value_clip, 0.2),
+            ("--lambd", 1.0 if custom else a.lambd, 1.0), ("--value-clip", a.value_clip, 0.2),
             ("--num-critic-only-steps", a.num_critic_only_steps, 0), ("--critic-lr", cfg.optimizer.critic_lr, None),
             ("--critic-lr-warmup-iters", cfg.optimizer.critic_lr_warmup_iters, 0),
             ("--critic-hf-checkpoint", c.critic_hf_checkpoint, None), ("--critic-load", c.critic_load, None))
@@ -621,7 +622,8 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
             if value != default:
                 errors.append(f"{flag} {value} configures the critic, which only --advantage-estimator ppo has: "
                               f"add that or drop {flag}")
-        if a.gamma != 1.0 and a.advantage_estimator not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        if a.gamma != 1.0 and not custom and a.advantage_estimator not in ("reinforce_plus_plus",
+                                                                           "reinforce_plus_plus_baseline"):
             errors.append(f"--gamma {a.gamma} discounts token rewards, which only --advantage-estimator ppo and "
                           f"reinforce_plus_plus(_baseline) have; {a.advantage_estimator} has one reward per "
                           "response: drop --gamma")

@@ -169,6 +169,19 @@ def test_critic_flags_without_ppo_are_refused(tmp_path, monkeypatch, flags, matc
         _parse(tmp_path, *flags)
 
 
+def test_gamma_and_lambd_reach_a_custom_advantage_function(tmp_path, monkeypatch):
+    """slime's custom estimators read args.gamma / args.lambd: accepted with one (the namespace carries them)."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "my_adv.py").write_text("def compute(args, rollout_data):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _parse(tmp_path, "--custom-advantage-function-path", "my_adv:compute", "--gamma", "0.9", "--lambd", "0.7")
+    from megatron_rl.algorithms.from_config import flag_namespace
+
+    args = flag_namespace(cfg)
+    assert (args.gamma, args.lambd) == (0.9, 0.7)
+
+
 def test_ppo_flags_parse(tmp_path, monkeypatch, capsys):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
