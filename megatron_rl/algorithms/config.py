@@ -14,7 +14,7 @@ from megatron_rl.algorithms.kl_control import KL_CTRL_TYPES
 from megatron_rl.errors import ConfigError
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "opo", "remax",
-                        "none")
+                        "ppo", "none")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # --policy-loss-type: verl's policy_loss.loss_mode names (docs/algorithms.md, "Policy loss"). vanilla is the
 # PPO clip (GSPO is --advantage-estimator gspo). geo_mean and sapo are means over sequences (verl forces
@@ -52,8 +52,10 @@ class PolicyGradientConfig:
     clip_cov_ub: float = 5.0  # --clip-cov-ub
     kl_cov_ratio: float = 2e-4  # --kl-cov-ratio: share of a micro-batch's loss tokens KL-Cov penalises
     ppo_kl_coef: float = 0.1  # --ppo-kl-coef: KL-Cov's coefficient of |logp - old| on the selected tokens
-    gamma: float = 1.0  # --gamma (REINFORCE++ return discount)
-    kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++ rewards
+    gamma: float = 1.0  # --gamma (REINFORCE++ returns, PPO's GAE)
+    lambd: float = 1.0  # --lambd: GAE lambda (ppo)
+    value_clip: float = 0.2  # --value-clip: the critic's clipped value loss (ppo)
+    kl_coef: float = 0.0  # --kl-coef: KL penalty (the --kl-loss-type estimator) folded into REINFORCE++/PPO rewards
     kl_ctrl_type: str = "fixed"  # --kl-ctrl-type: fixed | adaptive (kl_control.py; verl's algorithm.kl_ctrl.type)
     kl_target: float = 0.1  # --kl-target: the adaptive controller's target KL (verl's target_kl)
     kl_horizon: float = 10000.0  # --kl-horizon: responses over which it corrects (verl's horizon)
@@ -148,7 +150,11 @@ class PolicyGradientConfig:
         if self.advantage_estimator == "none" and self.opd_coef == 0:
             bad("--advantage-estimator", "none", "with no policy-gradient term set --opd-coef > 0 (pure "
                 "on-policy distillation) or pick grpo / rloo / reinforce_plus_plus")
-        if (self.kl_coef and self.advantage_estimator != "reinforce_plus_plus"  # baseline: KL goes in the loss
+        if not 0 <= self.lambd <= 1:
+            bad("--lambd", self.lambd, "the GAE lambda is in [0, 1]")
+        if not self.value_clip > 0:
+            bad("--value-clip", self.value_clip, "use a positive clip range, e.g. 0.2")
+        if (self.kl_coef and self.advantage_estimator not in ("reinforce_plus_plus", "ppo")  # baseline: in the loss
                 and self.custom_advantage_function_path is None):  # a custom estimator reads rollout_data["kl"]
             bad("--kl-coef", self.kl_coef, "the reward-folded KL is REINFORCE++'s (or a "
                 "--custom-advantage-function-path's, which reads rollout_data['kl']); for GRPO/RLOO use "

@@ -36,6 +36,7 @@ def spec_from_config(cfg: Config) -> PolicyGradientSpec:
         normalize_advantages=a.normalize_advantages, use_unbiased_kl=a.use_unbiased_kl,
         max_response_length=cfg.rollout.rollout_max_response_len, eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
+        gamma=a.gamma, lambd=a.lambd, value_clip=a.value_clip,
         kl_loss_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_loss_type=a.kl_loss_type, kl_coef=a.kl_coef,
         kl_ctrl_type=a.kl_ctrl_type, kl_target=a.kl_target, kl_horizon=a.kl_horizon,
         log_kl=a.use_kl_loss and a.kl_loss_coef == 0,  # slime: --use-kl-loss --kl-loss-coef 0 logs the KL

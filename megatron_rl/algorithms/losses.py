@@ -507,6 +507,32 @@ def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,
     return loss, metrics
 
 
+def compute_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       loss_mask: torch.Tensor, response_lengths, denoms: LossDenominators, *, value_clip: float,
+                       loss_agg_mode: str, max_response_length: int = 0) -> tuple[torch.Tensor, Metrics]:
+    """The critic's clipped value loss of one micro-batch (verl's ``compute_value_loss``, from TRL):
+
+    ``0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))`` with ``agg`` the run's
+    ``--loss-agg-mode`` over the step's GLOBAL denominators (so micro-batch losses sum to the whole
+    step's, as the policy loss), ``V`` the values being trained (carrying the graph), ``V_old`` the
+    critic's values from the step's forward-only pass, ``R`` the GAE returns, ``c`` = ``--value-clip``.
+    Metrics (sum, count pairs): ``value_loss`` (half the clipped squared error per loss token: verl's
+    ``vf_loss`` under token_mean),
+    ``vf_clipfrac`` (verl's: share of loss tokens whose clipped error is the larger one), ``vpred_mean``.
+    """
+    old = old_values.detach().to(values.dtype)
+    ret = returns.detach().to(values.dtype)
+    clipped = old + (values - old).clamp(-value_clip, value_clip)
+    unclipped_err = (values - ret) ** 2
+    clipped_err = (clipped - ret) ** 2
+    err = torch.maximum(unclipped_err, clipped_err)
+    loss = 0.5 * aggregate(err, loss_mask, response_lengths, loss_agg_mode, denoms, max_response_length)
+    metrics: Metrics = {"value_loss": _msum(0.5 * err, loss_mask),
+                        "vf_clipfrac": _msum((clipped_err > unclipped_err).to(torch.float64), loss_mask),
+                        "vpred_mean": _msum(values, loss_mask)}
+    return loss, metrics
+
+
 def merge_metrics(parts: Iterable[Metrics]) -> Metrics:
     """Sum ``(sum, count)`` pairs of several micro-batches, name by name (``*_max``: max of the values)."""
     out: Metrics = {}

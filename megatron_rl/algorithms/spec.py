@@ -27,7 +27,8 @@ import torch
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.config import PolicyGradientConfig
 from megatron_rl.algorithms.kl_control import KLController, mean_sequence_kl
-from megatron_rl.algorithms.losses import LossInputs, Metrics, compute_policy_loss, kl_estimate
+from megatron_rl.algorithms.losses import (LossInputs, Metrics, compute_policy_loss, compute_value_loss,
+                                           kl_estimate)
 from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
@@ -54,6 +55,7 @@ class BatchRequirements:
     entropy: bool  # extract_model_output must also return entropy
     advantages_need_logprobs: bool  # compute old/ref log-probs BEFORE compute_advantages
     old_from_rollout: bool = False  # old log-probs = Sample.rollout_logprobs (--use-rollout-logprobs), no forward
+    values: bool = False  # the critic's values (forward_only of the value model) BEFORE compute_advantages (ppo)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,23 @@ class Spec(abc.ABC):
         reward): then every training rank needs the whole batch and all its log-probs, not only the
         samples it trains on. What ``prepare_batch`` requires depends on the algorithm's config, not
         on the samples (which it only validates), so an empty batch answers."""
-        return self.prepare_batch([]).advantages_need_logprobs
+        needs = self.prepare_batch([])
+        return needs.advantages_need_logprobs or needs.values
+
+    def compute_advantages_and_returns(self, samples: Sequence[AnySample], *,
+                                       old_logprobs: Sequence[torch.Tensor | None] | None = None,
+                                       ref_logprobs: Sequence[torch.Tensor | None] | None = None,
+                                       values: Sequence[torch.Tensor | None] | None = None,
+                                       ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Advantages and the critic's regression targets (``returns``; None for an algorithm without a
+        critic, which is every one that does not ask for ``values`` in ``prepare_batch``)."""
+        return self.compute_advantages(samples, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs), None
+
+    def compute_value_loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                           loss_mask: torch.Tensor, response_lengths,
+                           denoms: LossDenominators) -> tuple[torch.Tensor, Metrics]:
+        """The critic's loss of one micro-batch (an algorithm with a critic overrides it)."""
+        raise ConfigError(f"{type(self).__name__} trains no critic; only --advantage-estimator ppo has one")
 
     @abc.abstractmethod
     def extract_model_output(self, logits: torch.Tensor, target_ids: torch.Tensor, *, tp_group=None,
@@ -157,7 +175,7 @@ class PolicyGradientSpec(Spec):
                         f"{flag} needs rollout log-probs for every response token, but sample {i} "
                         f"(group {s.group_index}) has {s.num_rollout_logprobs} for {s.response_length} "
                         f"tokens: have the rollout engine return token log-probs, or drop {flag}")
-        kl_in_reward = cfg.kl_coef > 0 and (cfg.advantage_estimator == "reinforce_plus_plus"
+        kl_in_reward = cfg.kl_coef > 0 and (cfg.advantage_estimator in ("reinforce_plus_plus", "ppo")
                                             or self.custom_advantage_fn is not None)
         return BatchRequirements(
             # GSPO and TIS read old log-probs even on the first update; PPO ratios too. With
@@ -170,7 +188,56 @@ class PolicyGradientSpec(Spec):
             # a custom estimator gets the whole batch's log-probs, as slime's rollout_data holds them
             advantages_need_logprobs=kl_in_reward or self.custom_advantage_fn is not None,
             old_from_rollout=cfg.use_rollout_logprobs,
+            values=cfg.advantage_estimator == "ppo",
         )
+
+    def compute_advantages_and_returns(self, samples, *, old_logprobs=None, ref_logprobs=None, values=None):
+        if self.cfg.advantage_estimator != "ppo":
+            return super().compute_advantages_and_returns(samples, old_logprobs=old_logprobs,
+                                                          ref_logprobs=ref_logprobs)
+        return self._ppo(samples, old_logprobs, ref_logprobs, values)
+
+    def _ppo(self, samples, old_logprobs, ref_logprobs, values) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """PPO's advantages and returns (slime's ``ppo`` estimator): token rewards ``-kl_coef * kl_t`` on loss
+        tokens plus the sample's reward on its last loss token, then GAE (``gae_advantages``, --gamma,
+        --lambd) against the critic's values; ``--normalize-advantages`` whitens the advantages over the
+        batch (verl always does for GAE; slime only with the flag), never the returns."""
+        cfg = self.cfg
+        _check_loss_masks(samples)
+        if values is None or any(v is None for v in values):
+            raise ConfigError("--advantage-estimator ppo needs the critic's values of every sample of the batch "
+                              "before its advantages: compute them (TrainBackend.compute_values) and pass them")
+        lengths = [s.response_length for s in samples]
+        mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples]).double()
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
+        token_rewards = torch.zeros_like(mask)
+        if cfg.kl_coef > 0:
+            if old_logprobs is None or ref_logprobs is None:
+                raise ConfigError("--kl-coef with --advantage-estimator ppo folds KL into the rewards: compute old "
+                                  "and ref log-probs before the advantages and pass them")
+            kl = kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
+                             cfg.kl_loss_type)
+            token_rewards = token_rewards - cfg.kl_coef * kl.to(torch.float64) * mask
+        if mask.numel():
+            seg = adv.segment_ids(lengths)
+            pos = torch.arange(mask.numel())
+            last = torch.full((len(lengths),), -1, dtype=torch.long).scatter_reduce(
+                0, seg, torch.where(mask > 0, pos, torch.full_like(pos, -1)), reduce="amax")
+            has = last >= 0
+            token_rewards = token_rewards.index_add(0, last[has], rewards[has])
+        flat_values = torch.cat([v.detach().double().reshape(-1) for v in values]) if values else mask
+        advantages, returns = adv.gae_advantages(token_rewards, flat_values, lengths, loss_mask=mask,
+                                                 gamma=cfg.gamma, lam=cfg.lambd)
+        if cfg.normalize_advantages:
+            advantages = adv.masked_whiten(advantages, mask)
+        return adv.per_sample(advantages, lengths), adv.per_sample(returns, lengths)
+
+    def compute_value_loss(self, values, old_values, returns, loss_mask, response_lengths, denoms):
+        cfg = self.cfg
+        assert cfg.loss_agg_mode is not None, "resolved in PolicyGradientConfig.__post_init__"
+        return compute_value_loss(values, old_values, returns, loss_mask, response_lengths, denoms,
+                                  value_clip=cfg.value_clip, loss_agg_mode=cfg.loss_agg_mode,
+                                  max_response_length=cfg.max_response_length)
 
     def compute_advantages(self, samples, *, old_logprobs=None, ref_logprobs=None):
         cfg = self.cfg
@@ -185,6 +252,9 @@ class PolicyGradientSpec(Spec):
             return adv.per_sample(torch.zeros_like(mask), lengths)
         elif cfg.advantage_estimator == "remax":  # verl: returns - baseline on the loss tokens (not whitened)
             flat = adv.broadcast_to_tokens(rewards - _remax_baselines(samples), lengths, mask)
+        elif cfg.advantage_estimator == "ppo":
+            raise ConfigError("--advantage-estimator ppo needs the critic's values: call "
+                              "compute_advantages_and_returns(samples, values=...)")
         elif cfg.advantage_estimator in ("grpo", "rloo", "gpg", "opo"):
             if cfg.advantage_estimator == "rloo":
                 per_seq = adv.rloo_advantages(rewards, groups)

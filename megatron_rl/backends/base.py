@@ -76,6 +76,12 @@ class TrainBatch:
     ref_logprobs: Optional[list[Optional[torch.Tensor]]] = None
     teacher_logprobs: Optional[list[Optional[torch.Tensor]]] = None
     plan: Optional[MicroBatchPlan] = None  # the step's plan when already made (RolloutPlan.steps)
+    # ppo's critic (indexed like ``samples``): its values before the step and its regression targets; with
+    # ``returns`` set the step also takes one critic optimizer step. ``train_actor=False``: the critic only
+    # (--num-critic-only-steps): the actor's weights and optimizer do not move.
+    old_values: Optional[list[Optional[torch.Tensor]]] = None
+    returns: Optional[list[Optional[torch.Tensor]]] = None
+    train_actor: bool = True
 
 
 @dataclass(frozen=True)
@@ -378,6 +384,13 @@ class TrainBackend(abc.ABC):
         """The pipeline stages of the export and their senders (one stage: the driver, rank 0)."""
         return ExportScope(stages=1, stage=0, sources=(0,))
 
+    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
+                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """The critic's no-grad response-aligned values of every sample (``forward``'s contract, the value
+        model instead of the policy); a backend without a critic refuses."""
+        raise ConfigError(f"--advantage-estimator ppo needs a critic, which {type(self).__name__} does not build "
+                          "yet; use --train-backend megatron")
+
     # ---- shared concretes -------------------------------------------------
 
     def forward_only(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
@@ -470,7 +483,9 @@ class TrainBackend(abc.ABC):
         _check_owned(batch, plan.rank_samples(self.dp_rank))
         micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
                                        advantages=batch.advantages, old_logprobs=batch.old_logprobs,
-                                       ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs)
+                                       ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs,
+                                       old_values=batch.old_values if batch.returns is not None else None,
+                                       returns=batch.returns)
         return RankBatch(plan, micro_batches, plan_loss_denominators(samples, plan)[self.dp_rank])
 
     def data_parallel_peers(self) -> tuple[list[int], object]:
@@ -502,7 +517,7 @@ class TrainBackend(abc.ABC):
 
 def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:
     """A clear error, not a TypeError deep in packing, when a log-prob of this rank's share is missing."""
-    for name in ("old_logprobs", "ref_logprobs", "teacher_logprobs"):
+    for name in ("old_logprobs", "ref_logprobs", "teacher_logprobs", "old_values", "returns"):
         values = getattr(batch, name)
         missing = [i for i in owned if values is not None and values[i] is None]
         if missing:

@@ -65,6 +65,9 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key"),
     "multi-token prediction (slime/utils/arguments.py, GLM-4.5 / DeepSeek-V3 MTP)": (
         "--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"),
+    "PPO / critic (slime/utils/arguments.py, not in the example scripts)": (
+        "--gamma", "--lambd", "--value-clip", "--num-critic-only-steps", "--critic-lr", "--critic-lr-warmup-iters",
+        "--critic-load", "--critic-save", "--critic-num-nodes", "--critic-num-gpus-per-node"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
@@ -109,6 +112,19 @@ NOTES: dict[str, tuple[str, str]] = {
                                          "log_probs, ref_log_probs, rollout_log_probs, kl, values (None); the "
                                          "function sets rollout_data['advantages'] (returns are not read: no "
                                          "critic). Imported and its arity checked at start-up; docs/algorithms.md."),
+    "--value-clip": ("same", "The clip of the critic's value loss; the loss is verl's (0.5 * the max of the clipped "
+                     "and unclipped squared errors, through --loss-agg-mode; slime's has no 0.5): "
+                     "docs/algorithms.md, 'PPO with a critic'."),
+    "--num-critic-only-steps": ("same", "The first N rollouts train the critic only (no actor update, no train/* "
+                                "metrics); slime's semantics."),
+    "--critic-lr-warmup-iters": ("same", "Linear warm-up of the critic's LR over its first N optimizer steps."),
+    "--critic-load": ("differs", "The critic's initial trunk as a model-only torch_dist dir (convert_ckpt.py "
+                      "hf-to-dist); a run's critic resumes from its --save checkpoints (beside the actor), so "
+                      "slime's critic checkpoint dirs do not load. HF weights: --critic-hf-checkpoint."),
+    "--critic-save": ("refused", "Not built yet as a separate dir: the critic goes into each --save checkpoint."),
+    "--critic-num-nodes": ("refused", "Not built yet: the critic runs on the actor's ranks with its layout."),
+    "--critic-num-gpus-per-node": ("refused", "Not built yet: the critic runs on the actor's ranks with its "
+                                   "layout."),
     "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
                                "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
                                "--custom-tis-function-path, here it stands alone."),

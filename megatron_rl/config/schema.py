@@ -301,6 +301,10 @@ class OptimizerConfig:
                                                "(megatron-core precision-aware optimizer): transformer-engine's "
                                                "FusedAdam on a GPU, or the hybrid optimizer with "
                                                "--optimizer-cpu-offload.")
+    critic_lr: Optional[float] = flag(None, "Peak learning rate of the critic (--advantage-estimator ppo); unset: "
+                                      "--lr. Its schedule is --lr-decay-style's, with its own warm-up.",
+                                      domain="(0, inf)")
+    critic_lr_warmup_iters: int = flag(0, "Optimizer steps of linear warm-up of the critic's learning rate.")
     overlap_cpu_optimizer_d2h_h2d: bool = flag(False, "With --optimizer-cpu-offload: overlap the GPU<->CPU "
                                                "copies of the hybrid optimizer with its step on CUDA streams "
                                                "(OptimizerConfig.overlap_cpu_optimizer_d2h_h2d; needs a GPU).")
@@ -530,6 +534,17 @@ class CheckpointConfig:
     ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
                                    "default: the initial policy.")
     opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation.")
+    critic_hf_checkpoint: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights "
+                                               "(an HF dir of the policy's architecture; its lm_head is not read, "
+                                               "the value head starts fresh as slime's). Unset: the actor's "
+                                               "initial weights with a fresh value head.")
+    critic_load: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights as a "
+                                      "model-only torch_dist dir (what convert_ckpt.py hf-to-dist writes; the value "
+                                      "head starts fresh). A run's critic resumes from its --save checkpoints, "
+                                      "which hold it beside the actor; slime's separate critic checkpoint dirs do "
+                                      "not load.", metavar="DIR")
+    critic_save: Optional[str] = flag(None, "slime's separate critic save dir. Refused: the critic's model and "
+                                      "optimizer go into each --save checkpoint, beside the actor's.", metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -750,7 +765,7 @@ class AlgorithmConfig:
     advantage_estimator: str = flag("grpo", "How rewards become advantages (formulas and peer conventions: "
                                     "docs/algorithms.md).",
                                     choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                             "rloo", "gpg", "opo", "remax"))
+                                             "rloo", "gpg", "opo", "remax", "ppo"))
     policy_loss_type: str = flag("vanilla", "The policy-gradient loss, verl's policy_loss.loss_mode names "
                                  "(formulas in docs/algorithms.md). vanilla: the PPO clip (GSPO is "
                                  "--advantage-estimator gspo). cispo: clipped importance weight, stop-gradient, times "
@@ -779,6 +794,17 @@ class AlgorithmConfig:
                               "ppo_kl_coef); needs --policy-loss-type kl_cov.", domain="[0, inf)")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature for tokens with advantage <= 0 (verl's tau_neg); needs "
                                "--policy-loss-type sapo.", domain="(0, inf)")
+    gamma: float = flag(1.0, "Discount of the token rewards (slime's --gamma): the returns of "
+                        "--advantage-estimator reinforce_plus_plus(_baseline) and the GAE of ppo (and args.gamma of a "
+                        "--custom-advantage-function-path).", domain="(0, 1]")
+    lambd: float = flag(1.0, "GAE lambda of --advantage-estimator ppo (slime's --lambd; 1: returns minus the "
+                        "critic's value, 0: one-step TD; and args.lambd of a --custom-advantage-function-path).",
+                        domain="[0, 1]")
+    value_clip: float = flag(0.2, "--advantage-estimator ppo: the critic's new value may move at most this far from "
+                             "the old one before the clipped value loss takes over (slime's --value-clip, verl's "
+                             "cliprange_value).", domain="(0, inf)")
+    num_critic_only_steps: int = flag(0, "--advantage-estimator ppo: the first N rollout steps train the critic "
+                                      "only (the actor's weights do not change; no train/* policy metrics).")
     disable_grpo_std_normalization: bool = flag(False, "GRPO without dividing by the group std (Dr.GRPO).")
     normalize_advantages: bool = flag(False, "Whiten the advantages over all loss tokens of the rollout batch "
                                       "after the estimator (float64, Bessel variance, eps inside the sqrt).")
@@ -922,6 +948,12 @@ class PlacementConfig:
                                      "refused (docs/planner.md).")
     actor_num_nodes: int = flag(1, "Nodes for the training actor (x --actor-num-gpus-per-node = torchrun's "
                                 "WORLD_SIZE).")
+    critic_num_nodes: Optional[int] = flag(None, "slime's critic placement. Refused: the critic runs on the "
+                                           "actor's ranks with the actor's parallel layout; its own nodes are not "
+                                           "built yet.")
+    critic_num_gpus_per_node: Optional[int] = flag(None, "slime's critic placement. Refused: the critic runs on the "
+                                                   "actor's ranks with the actor's parallel layout; its own GPUs are "
+                                                   "not built yet.")
     actor_num_gpus_per_node: int = flag(1, "GPUs (or CPU ranks) per node for the training actor; must equal "
                                         "the ranks torchrun launches per node (LOCAL_WORLD_SIZE).")
 

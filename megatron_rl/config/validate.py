@@ -557,9 +557,10 @@ def _check_policy_loss(errors: list[str], a) -> None:
 def _check_algorithm(errors: list[str], cfg: Config) -> None:
     """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
     a = cfg.algorithm
-    if a.kl_coef > 0 and a.advantage_estimator != "reinforce_plus_plus" and not a.custom_advantage_function_path:
+    if (a.kl_coef > 0 and a.advantage_estimator not in ("reinforce_plus_plus", "ppo")
+            and not a.custom_advantage_function_path):
         errors.append(f"--kl-coef {a.kl_coef} folds KL into the rewards, which only --advantage-estimator "
-                      f"reinforce_plus_plus does, or a --custom-advantage-function-path reading rollout_data['kl'] "
+                      f"reinforce_plus_plus does (and ppo, in its GAE rewards), or a --custom-advantage-function-path reading rollout_data['kl'] "
                       f"(slime ignores it for {a.advantage_estimator}); use --use-kl-loss "
                       "--kl-loss-coef for a KL term in the loss, or --kl-coef 0")
     if a.kl_ctrl_type == "adaptive" and not (a.kl_coef > 0 and a.advantage_estimator == "reinforce_plus_plus"
@@ -614,6 +615,68 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
     if a.use_rollout_logprobs and cfg.mode.debug_rollout_only:
         errors.append("--use-rollout-logprobs chooses where training takes its old log-probs, but "
                       "--debug-rollout-only does not train; drop --use-rollout-logprobs")
+
+
+def _check_critic(errors: list[str], cfg: Config) -> None:
+    """--advantage-estimator ppo (a learned critic, docs/algorithms.md): what this version builds is a critic on the
+    actor's ranks with the actor's layout on the megatron backend; the rest is refused here, named."""
+    a, c, pl, p = cfg.algorithm, cfg.checkpoint, cfg.placement, cfg.parallel
+    ppo = a.advantage_estimator == "ppo"
+    for placement_flag, count in (("--critic-num-nodes", pl.critic_num_nodes),
+                                  ("--critic-num-gpus-per-node", pl.critic_num_gpus_per_node)):
+        if count is not None:
+            errors.append(f"{placement_flag} {count}: a critic on its own nodes/GPUs is not built yet; the "
+                          "critic of --advantage-estimator ppo runs on the actor's ranks with the actor's parallel "
+                          f"layout: drop {placement_flag}")
+    if c.critic_load is not None and c.critic_hf_checkpoint is not None:
+        errors.append(f"--critic-load {c.critic_load} and --critic-hf-checkpoint {c.critic_hf_checkpoint} both give "
+                      "the critic's initial weights: keep one")
+    for flag, where, marker in (("--critic-load", c.critic_load, "COMPLETE.json"),
+                                ("--critic-hf-checkpoint", c.critic_hf_checkpoint, "config.json")):
+        if where is not None and not os.path.isfile(os.path.join(where, marker)):
+            what = ("a model-only torch_dist dir (convert_ckpt.py hf-to-dist output)" if marker == "COMPLETE.json"
+                    else "an HF model dir (config.json + *.safetensors)")
+            errors.append(f"{flag} {where}: no {marker} there; give {what}")
+    if c.critic_save is not None:
+        errors.append(f"--critic-save {c.critic_save}: not built yet as a separate dir; the critic's model and "
+                      "optimizer go into each --save checkpoint, beside the actor's: drop --critic-save")
+    custom = a.custom_advantage_function_path is not None  # its args carry --gamma / --lambd (slime's contract)
+    if not ppo:
+        knobs: tuple[tuple[str, object, object], ...] = (
+            ("--lambd", 1.0 if custom else a.lambd, 1.0), ("--value-clip", a.value_clip, 0.2),
+            ("--num-critic-only-steps", a.num_critic_only_steps, 0), ("--critic-lr", cfg.optimizer.critic_lr, None),
+            ("--critic-lr-warmup-iters", cfg.optimizer.critic_lr_warmup_iters, 0),
+            ("--critic-hf-checkpoint", c.critic_hf_checkpoint, None), ("--critic-load", c.critic_load, None))
+        for flag, value, default in knobs:
+            if value != default:
+                errors.append(f"{flag} {value} configures the critic, which only --advantage-estimator ppo has: "
+                              f"add that or drop {flag}")
+        if a.gamma != 1.0 and not custom and a.advantage_estimator not in ("reinforce_plus_plus",
+                                                                           "reinforce_plus_plus_baseline"):
+            errors.append(f"--gamma {a.gamma} discounts token rewards, which only --advantage-estimator ppo and "
+                          f"reinforce_plus_plus(_baseline) have; {a.advantage_estimator} has one reward per "
+                          "response: drop --gamma")
+        return
+    if a.num_critic_only_steps < 0:
+        errors.append(f"--num-critic-only-steps {a.num_critic_only_steps} must be >= 0")
+    if cfg.optimizer.critic_lr_warmup_iters < 0:
+        errors.append(f"--critic-lr-warmup-iters {cfg.optimizer.critic_lr_warmup_iters} must be >= 0")
+    if cfg.precision.train_backend != "megatron":
+        errors.append(f"--advantage-estimator ppo with --train-backend {cfg.precision.train_backend}: the critic is "
+                      "built for the megatron backend only, not yet for fsdp; use --train-backend megatron")
+    for flag, on in (("--pipeline-model-parallel-size > 1", p.pipeline_model_parallel_size > 1),
+                     ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size is not None),
+                     ("--context-parallel-size > 1", p.context_parallel_size > 1),
+                     ("--lora-rank", bool(cfg.lora.lora_rank)),
+                     ("--custom-advantage-function-path", a.custom_advantage_function_path is not None),
+                     ("--use-rollout-logprobs", a.use_rollout_logprobs)):
+        if on:
+            errors.append(f"--advantage-estimator ppo with {flag}: the critic is not built for it yet (this "
+                          "version: tensor and data parallelism, sequence parallelism, one pipeline stage, no "
+                          "context parallelism, no LoRA); drop it or use another estimator")
+    if a.loss_type != "policy_loss":
+        errors.append(f"--advantage-estimator ppo with --loss-type {a.loss_type}: the critic trains beside the "
+                      "built-in policy loss only")
 
 
 def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
@@ -862,7 +925,7 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_memory,
           _check_paths,
           _check_checkpoint_and_data, _check_rewards_and_dynamic_sampling, _check_rollout_functions,
-          _check_sync_and_rollout, _check_algorithm, _check_megatron_flags,
+          _check_sync_and_rollout, _check_algorithm, _check_critic, _check_megatron_flags,
           _check_wandb, _check_world, _check_fsdp, _check_lora)
 
 

@@ -273,7 +273,7 @@ class PackedBatch:
     Response-aligned flat tensors, length ``R = response_lengths.sum()``
     (see ``data.types``: entry ``i`` of a sample belongs to ``response_ids[i]``):
       ``loss_mask`` float32, optional ``advantages``, ``old_logprobs``,
-      ``ref_logprobs``, ``rollout_logprobs``, ``teacher_logprobs`` float32;
+      ``ref_logprobs``, ``rollout_logprobs``, ``teacher_logprobs``, ``old_values``, ``returns`` float32;
       ``response_positions`` int64: packed position whose output predicts that
       token; ``response_target_ids``: the token it predicts.
     Pad tokens never appear in the response-aligned tensors, so they carry no
@@ -297,6 +297,8 @@ class PackedBatch:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None  # the critic's values before the step (ppo)
+    returns: torch.Tensor | None = None  # the critic's regression targets (ppo's GAE returns)
 
     @property
     def num_tokens(self) -> int:
@@ -383,6 +385,8 @@ def pack_samples(
     old_logprobs: Sequence | None = None,
     ref_logprobs: Sequence | None = None,
     teacher_logprobs: Sequence | None = None,
+    old_values: Sequence | None = None,
+    returns: Sequence | None = None,
 ) -> PackedBatch:
     """Lay out ``samples[i] for i in sample_indices`` as one THD ``PackedBatch``.
 
@@ -399,7 +403,8 @@ def pack_samples(
     _check_positive("pad_to_multiple", pad_to_multiple, "pad_to_multiple")
     extra: dict[str, Sequence | Mapping[int, Sequence] | None] = {
         "advantages": advantages, "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs}
+        "ref_logprobs": ref_logprobs, "teacher_logprobs": teacher_logprobs, "old_values": old_values,
+        "returns": returns}
     sample_indices = list(sample_indices)
     chosen = [samples[i] for i in sample_indices]
     # Samples with an empty response need no rollout log-probs and decide nothing either way.

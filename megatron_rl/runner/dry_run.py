@@ -32,6 +32,12 @@ def print_plan(cfg: Config) -> int:
         for line in engine_lines(cfg):
             print(line)
     print(_model_line(cfg))
+    if cfg.algorithm.advantage_estimator == "ppo":
+        c = cfg.checkpoint
+        start = (f"--critic-hf-checkpoint {c.critic_hf_checkpoint}" if c.critic_hf_checkpoint else
+                 f"--critic-load {c.critic_load}" if c.critic_load else "the actor's initial weights")
+        print(f"critic: a second model of this architecture with a value head, on the actor's ranks and layout "
+              f"(its weights, gradients and optimizer state again on every rank), from {start}")
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
         print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "

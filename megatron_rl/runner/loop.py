@@ -60,7 +60,8 @@ class StepParts:
         assert backend is not None, "a run that trains built its backend"
         metrics.update(ctx.colocation.before_train(backend, self.here))
         swapped = backend.swap_seconds
-        metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics))
+        train_actor = rollout_id >= ctx.cfg.algorithm.num_critic_only_steps  # ppo: the critic warms up first
+        metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics, train_actor=train_actor))
         every = ctx.cfg.algorithm.ref_update_interval
         if every is not None and (rollout_id + 1) % every == 0:
             backend.snapshot_weights("ref")

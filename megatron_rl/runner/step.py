@@ -22,9 +22,28 @@ def rollout_old_logprobs(samples: Sequence[AnySample]) -> list[Optional[torch.Te
             for s in samples]
 
 
+def value_metrics(samples: Sequence[AnySample], values, returns) -> dict[str, float]:
+    """``critic/vf_explained_var`` (verl's): ``1 - Var(R - V) / Var(R)`` over the batch's loss tokens, the
+    critic's values ``V`` before the step against the returns ``R``; 1 is a perfect critic, 0 no better than a
+    constant, and ``critic/returns_mean``. Every rank holds the whole batch (ppo needs it for its advantages)."""
+    if values is None or returns is None or any(v is None for v in values):
+        return {}
+    mask = torch.tensor([m for s in samples for m in s.effective_loss_mask()], dtype=torch.float64) > 0
+    v = torch.cat([t.double() for t in values])[mask]
+    r = torch.cat([t.double() for t in returns])[mask]
+    if r.numel() < 2:
+        return {}
+    var_r = float(r.var())
+    out = {"critic/returns_mean": float(r.mean())}
+    if var_r > 0:
+        out["critic/vf_explained_var"] = 1.0 - float((r - v).var()) / var_r
+    return out
+
+
 def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[Sample]], cfg: Config,
-                     perf: Optional[dict] = None) -> dict[str, float]:
-    """Old/ref/teacher log-probs, advantages, then the optimizer steps; each phase's ``perf/*_s`` goes to ``perf``.
+                     perf: Optional[dict] = None, *, train_actor: bool = True) -> dict[str, float]:
+    """Old/ref/teacher log-probs (and the critic's values), advantages, then the optimizer steps; each phase's
+    ``perf/*_s`` goes to ``perf``. ``train_actor=False`` (--num-critic-only-steps): only a critic trains.
 
     ``samples``: the driver's rollout batch (None on the other ranks). Each data-parallel rank
     receives the samples it trains on (``rollout_shards.distribute_rollout``), computes their
@@ -54,14 +73,23 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
     if needs.teacher_logprobs:
         perf["perf/teacher_logprob_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    advantages = spec.compute_advantages(batch, old_logprobs=old, ref_logprobs=ref)
+    values = returns = None
+    if needs.values:  # ppo: the critic's forward over the same micro-batches, before the advantages (GAE)
+        values = backend.compute_values(batch, plan=plan.forward, owned_only=owned_only)
+        perf["perf/values_s"], t = time.perf_counter() - t, time.perf_counter()
+        advantages, returns = spec.compute_advantages_and_returns(batch, old_logprobs=old, ref_logprobs=ref,
+                                                                  values=values)
+        perf.update(value_metrics(batch, values, returns))
+    else:
+        advantages = spec.compute_advantages(batch, old_logprobs=old, ref_logprobs=ref)
     steps: list[dict[str, float]] = []
     for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
         for start, step_plan in plan.steps:
             sl = slice(start, start + gbs)
             pick = (lambda xs: None if xs is None else xs[sl])
             steps.append(backend.train_step(TrainBatch(batch[sl], advantages[sl], pick(old), pick(ref),
-                                                       pick(teacher), plan=step_plan)))
+                                                       pick(teacher), plan=step_plan, old_values=pick(values),
+                                                       returns=pick(returns), train_actor=train_actor)))
     perf["perf/train_s"] = time.perf_counter() - t
     metrics = aggregate_step_metrics(steps)  # every optimizer step of the rollout, not the last one
     metrics.update({f"train/{k}": v for k, v in spec.advantage_metrics().items()})  # e.g. the reward KL

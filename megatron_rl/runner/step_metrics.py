@@ -14,7 +14,11 @@ one kept. The rule per metric (docs/metrics.md says the same):
 * counts and durations (``train/loss_tokens``, ``train/micro_batches``,
   ``train/update_skipped``, ``train/step_time_s``): sum over the steps;
 * maxima (names ending in ``_max``, e.g. ``train/tis_ratio_max``): the largest over the steps;
-* ``train/num_optimizer_steps``: how many steps were combined.
+* ``train/num_optimizer_steps``: how many steps were combined (absent when the actor did not train:
+  ``--num-critic-only-steps``, where only ``critic/*`` is reported).
+
+The critic's (``critic/*``, ``--advantage-estimator ppo``) follow the same rules: its loss metrics are
+means over the same loss tokens, ``critic/grad_norm`` and ``critic/lr`` step means.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from __future__ import annotations
 import math
 
 TOKEN_WEIGHT = "train/loss_tokens"
-SUMMED = frozenset({TOKEN_WEIGHT, "train/micro_batches", "train/update_skipped", "train/step_time_s"})
-STEP_MEAN = frozenset({"train/grad_norm", "train/lr"})
+SUMMED = frozenset({TOKEN_WEIGHT, "train/micro_batches", "train/update_skipped", "train/step_time_s",
+                    "critic/update_skipped", "critic/step_time_s"})
+STEP_MEAN = frozenset({"train/grad_norm", "train/lr", "critic/grad_norm", "critic/lr"})
 NUM_STEPS = "train/num_optimizer_steps"
 
 
@@ -49,5 +54,6 @@ def aggregate_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
             out[name] = math.fsum(values) / len(values)
         else:
             out[name] = math.fsum(v * w for v, w in zip(values, weights)) / total
-    out[NUM_STEPS] = float(len(steps))
+    if any(name.startswith("train/") for name in names):
+        out[NUM_STEPS] = float(len(steps))
     return out

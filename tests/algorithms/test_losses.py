@@ -208,7 +208,7 @@ def test_missing_inputs_and_shape_errors_name_the_fix():
 
 
 @pytest.mark.parametrize("kwargs,flag", [
-    (dict(advantage_estimator="ppo"), "--advantage-estimator"),
+    (dict(advantage_estimator="a2c"), "--advantage-estimator"),
     (dict(loss_agg_mode="sum"), "--loss-agg-mode"),
     (dict(loss_agg_mode="seq_mean_token_sum_norm"), "--rollout-max-response-len"),
     (dict(eps_clip=1.5), "--eps-clip"),

@@ -67,6 +67,15 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
     "custom_tis_function_path": (
         "slime's TIS hook, refused in validation naming the flags that do its built-ins (--use-tis, --tis-mode)",
         _refused(["--custom-tis-function-path", "my_tis:fn"])),
+    "critic_save": (
+        "slime's separate critic save dir, refused in validation: the critic goes into each --save checkpoint",
+        _refused(["--critic-save", "/tmp/critic"])),
+    "critic_num_nodes": (
+        "slime's critic placement, refused in validation: the critic runs on the actor's ranks and layout",
+        _refused(["--critic-num-nodes", "1"])),
+    "critic_num_gpus_per_node": (
+        "slime's critic placement, refused in validation: the critic runs on the actor's ranks and layout",
+        _refused(["--critic-num-gpus-per-node", "1"])),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "
         "and rollout-size flags (which the trainer reads) and refuses flags that disagree with it",

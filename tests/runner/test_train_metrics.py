@@ -20,7 +20,7 @@ class FakeSpec:
 
     def prepare_batch(self, samples):
         return SimpleNamespace(old_logprobs=False, ref_logprobs=False, teacher_logprobs=False, old_from_rollout=False,
-                               advantages_need_logprobs=False)
+                               advantages_need_logprobs=False, values=False)
 
     def compute_advantages(self, samples, old_logprobs=None, ref_logprobs=None):
         return [s.adv for s in samples]

@@ -46,7 +46,7 @@ from megatron_rl.config import Config
 from megatron_rl.config.megatron_flags import megatron_core_kwargs
 from megatron_rl.data.packing import MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import AnySample
-from megatron_rl.errors import CheckpointError, ConfigError
+from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.infra import reloadable_groups
 from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
 from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
@@ -220,6 +220,11 @@ class MegatronBackend(TrainBackend):
             pattern = moe_pattern(self.model_config) if cfg.megatron.use_rollout_routing_replay else None
             self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk),
                                                 moe_pattern=pattern)
+        self.critic = None  # ppo's value model (critic.py), on these ranks with this layout
+        if cfg.algorithm.advantage_estimator == "ppo":
+            from megatron_rl.backends.megatron.critic import MegatronCritic  # lazy: only ppo builds one
+
+            self.critic = MegatronCritic(self, cfg)
 
     # ---- helpers -------------------------------------------------------------
 
@@ -346,10 +351,28 @@ class MegatronBackend(TrainBackend):
             local.update(item["logprobs"])
         return self.gather_per_sample(local, samples, plan, owned_only)
 
+    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
+                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """The critic's values over the same packed micro-batches as the old-log-prob pass (``critic.py``)."""
+        if self.critic is None:
+            return super().compute_values(samples, plan, owned_only)
+        plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
+        return self.gather_per_sample(self.critic.values(mbs), samples, plan, owned_only)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         samples = batch.samples
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(samples, batch)
+        metrics = self._train_actor(samples, plan, mbs, denoms, t0) if batch.train_actor else {}
+        if batch.returns is not None:  # ppo: one critic step beside the actor's
+            if self.critic is None:
+                raise BackendError("train_step got critic returns but this backend built no critic "
+                                   "(--advantage-estimator ppo builds one)")
+            assert denoms is not None, "a training batch has loss denominators"
+            metrics.update(self.critic.train_step(mbs, denoms, self.spec))
+        return metrics
+
+    def _train_actor(self, samples, plan, mbs, denoms, t0: float) -> dict[str, float]:
 
         def loss_fn(mb, rows, output):
             out = self._model_output(mb, rows, output)
@@ -434,6 +457,8 @@ class MegatronBackend(TrainBackend):
             m.offload_grad_buffers()
         if hasattr(self.optimizer, "offload_to_cpu"):
             self.optimizer.offload_to_cpu()
+        if self.critic is not None:
+            self.critic.sleep()
         torch.cuda.empty_cache()
 
     def wake(self) -> None:
@@ -443,6 +468,8 @@ class MegatronBackend(TrainBackend):
             m.restore_grad_buffers()
         if hasattr(self.optimizer, "restore_from_cpu"):
             self.optimizer.restore_from_cpu()
+        if self.critic is not None:
+            self.critic.wake()
 
     def release_comm_groups(self) -> int:
         """Every process group megatron and this backend made, destroyed (``--offload-train-groups``;

@@ -124,6 +124,25 @@ def restore_rng_state(state: dict) -> None:
 # ---- the sharded state dict -------------------------------------------------------------------------
 
 
+CRITIC_PREFIX = "critic."  # the critic's tensor keys in a checkpoint (the actor's have none)
+
+
+def _has_critic(backend) -> bool:
+    return getattr(backend, "critic", None) is not None
+
+
+def _load_critic(backend, loaded: dict, path: str) -> None:
+    """The critic's model (keys without ``CRITIC_PREFIX``), optimizer (with the step fix), schedule and step count."""
+    critic = backend.critic
+    state = {k[len(CRITIC_PREFIX):] if k.startswith(CRITIC_PREFIX) else k: v
+             for k, v in loaded["critic_model"].items()}
+    refuse_non_finite(path, ((f"critic.{k}", t) for k, t in state.items()))
+    critic.chunks[0].load_state_dict(state, strict=True)
+    _load_optimizer_state(critic.optimizer, loaded["critic_optimizer"])
+    load_scheduler_state(critic.scheduler, loaded["critic_opt_param_scheduler"], path)
+    critic.optimizer_steps = int(loaded["critic_optimizer_steps"])
+
+
 def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -134,6 +153,15 @@ def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict
     sd["optimizer_steps"] = int(backend.optimizer_steps)
     sd["iteration"] = int(backend.optimizer_steps)
     sd["checkpoint_format"] = FORMAT
+    critic = getattr(backend, "critic", None)
+    if critic is not None:  # ppo's value model (critic.py): its own keys, optimizer and schedule, same checkpoint
+        assert len(critic.chunks) == 1, "the critic is built for one pipeline stage (validation refuses PP/VPP)"
+        model_sd = critic.chunks[0].sharded_state_dict(prefix=CRITIC_PREFIX)
+        sd["critic_model"] = model_sd
+        sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                     metadata=dict(SHARDING_METADATA))
+        sd["critic_opt_param_scheduler"] = critic.scheduler.state_dict()
+        sd["critic_optimizer_steps"] = int(critic.optimizer_steps)
     if with_rng:
         sd["rng_state"] = ShardedObject("megatron_rl.rng_state", collect_rng_state() if not is_loading else None,
                                         (world(),), (rank(),), replica_id=0)
@@ -271,7 +299,8 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
         return {"format": FORMAT, "megatron_core": mcore_version(), "torch": torch.__version__,
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
                 "model": model_fingerprint(backend), "lora": lora_record(backend),
-                "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"]}
+                "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"],
+                "critic": _has_critic(backend)}
 
     publish_collectively(path, write, seal, needed_bytes=lambda: newest_checkpoint_bytes(os.path.dirname(path)))
     if rank() == 0:
@@ -427,6 +456,11 @@ def load_checkpoint(backend, path: str) -> dict:
         flag = "with" if saved_dist else "without"
         raise CheckpointError(f"checkpoint {path} was saved {flag} --use-distributed-optimizer; megatron-core "
                               f"0.16 cannot convert optimizer state between the two. Resume {flag} the flag")
+    if bool(meta.get("critic", False)) != _has_critic(backend):
+        holds = "holds a critic (--advantage-estimator ppo)" if meta.get("critic") else "holds no critic"
+        raise CheckpointError(f"checkpoint {path} {holds} but this run "
+                              f"{'trains one' if _has_critic(backend) else 'does not'}: resume with the "
+                              "--advantage-estimator it was saved with")
     same_layout = meta.get("layout") == layout_record(backend)
     if not same_layout and rank() == 0:
         log.warning("checkpoint %s was saved at layout %s, loading at %s: model and optimizer are resharded; "
@@ -434,7 +468,7 @@ def load_checkpoint(backend, path: str) -> dict:
                     path, meta.get("layout"), layout_record(backend))
 
     # The distributed optimizer's loading state dict needs allocated state (see megatron's trainer).
-    for opt in _chained(backend.optimizer):
+    for opt in _chained(backend.optimizer) + (_chained(backend.critic.optimizer) if _has_critic(backend) else []):
         if isinstance(opt, DistributedOptimizer):
             opt._init_optimizer_states_with_dummy_values()
     dc = dist_checkpointing()
@@ -457,6 +491,8 @@ def load_checkpoint(backend, path: str) -> dict:
             for i, chunk in enumerate(backend.chunks):
                 chunk.load_state_dict(loaded[f"model{i}"], strict=True)
         _load_optimizer_state(backend.optimizer, loaded["optimizer"])
+        if _has_critic(backend):
+            _load_critic(backend, loaded, path)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
