@@ -17,7 +17,8 @@ echo "mypy: ${out##*$'\n'}"  # its verdict line (notes on unchecked bodies above
 # at once keep 1.8 busy: 23.1 -> 14.2-18.2 min of pytest on a 2-core EPYC (docs/getting-started.md).
 # MEGATRON_RL_TEST_WORKERS=0 runs it in one process; N>0 on N workers.
 workers=${MEGATRON_RL_TEST_WORKERS:-2}
-par=(); [ "$workers" != 0 ] && par=(-n "$workers" --dist loadfile)
+# --no-loadscope-reorder: files in collection order, which tests/conftest.py starts with the heaviest ones
+par=(); [ "$workers" != 0 ] && par=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 .venv/bin/python -m pytest -q "${par[@]}" --durations=30 tests "$@"  # the slowest 30 in every log: the suite has a 25-min budget
 rc=$?
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
