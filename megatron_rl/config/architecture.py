@@ -30,7 +30,7 @@ from .schema import Config
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
@@ -45,6 +45,11 @@ PER_LAYER_ROPE_TYPES = ("gemma3_text",)
 TIED_BY_DEFAULT_TYPES = ("gemma3_text",)
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
+# Qwen3-Next: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
+# partial RoPE 0.25 unless config.json says otherwise; one shared expert of shared_expert_intermediate_size
+LINEAR_ATTENTION_TYPES = ("qwen3_next",)
+DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25}
+SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size"}
 
 
 class _Unused:
@@ -112,8 +117,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "norm_epsilon": (eps_key, c.get(eps_key, 1e-6)),
         "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get(
             "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
-        "rotary_percent": ("partial_rotary_factor",
-                           float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
+        "rotary_percent": ("partial_rotary_factor", float(rope.get("partial_rotary_factor", c.get(
+            "partial_rotary_factor", DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
         # every supported family is a RoPE model; gpt-oss's YaRN is megatron's own embedding type
         "position_embedding_type": ("rope_parameters.rope_type", "yarn") if (
             model_type in YARN_POSITION_TYPES and rope.get("rope_type", rope.get("type")) == "yarn") else (
@@ -151,9 +156,11 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
             "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers / first_k_dense_replace", _moe_pattern(c)),
             "moe_router_score_function": ("model_type",
                                           "sigmoid" if model_type in SIGMOID_ROUTER_TYPES else "softmax"),
-            "moe_shared_expert_intermediate_size": ("n_shared_experts x moe_intermediate_size",
-                                                    int(c.get("n_shared_experts") or 0)
-                                                    * int(c.get("moe_intermediate_size") or 0)),
+            "moe_shared_expert_intermediate_size": (
+                SHARED_EXPERT_SIZE_KEYS[str(model_type)], int(c.get(SHARED_EXPERT_SIZE_KEYS[str(model_type)]) or 0))
+            if str(model_type) in SHARED_EXPERT_SIZE_KEYS else (
+                "n_shared_experts x moe_intermediate_size",
+                int(c.get("n_shared_experts") or 0) * int(c.get("moe_intermediate_size") or 0)),
         })
         if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-style: biased selection, grouped top-k, scaling
             view.update({

@@ -556,9 +556,12 @@ class Qwen3NextBridge(Bridge):
 
     family = "qwen3_next"
     model_types = ("qwen3_next",)
-    moe = True
     qk_norm = True
     partial_rotary = True
+
+    @property
+    def moe(self) -> bool:  # type: ignore[override]  # num_experts 0: every layer a dense MLP, as transformers builds it
+        return self.num_experts > 0
 
     @property
     def rotary_percent(self) -> float:  # transformers' default for Qwen3-Next is 0.25

@@ -18,9 +18,10 @@ is a sibling with the same role and TP sharding, written in torch:
   its heads only, so its gradient is summed over TP in backward.
 * ``out_proj``: row-parallel (HF ``out_proj``).
 
-The recurrence (HF's ``torch_recurrent_gated_delta_rule``, in float32): per value head, ``S <- S exp(g)``,
-``S <- S + k (beta (v - S^T k))^T``, ``o = S^T q``, with q and k L2-normalised and q scaled by
-``dk^-0.5``. Invariants: the convolution's window and the state restart at every sequence start of the
+The recurrence: per value head, ``S <- S exp(g)``, ``S <- S + k (beta (v - S^T k))^T``, ``o = S^T q``,
+with q and k L2-normalised and q scaled by ``dk^-0.5``; computed chunk-wise in float32 as fla and HF's
+torch fallback compute it (chunks of 64 tokens, one triangular solve per chunk, the state carried from
+chunk to chunk; a token-by-token fp32 loop drifts from it by ~1e-5 in the logits of the tiny test model). Invariants: the convolution's window and the state restart at every sequence start of the
 packed layout (``cu_seqlens_q_padded`` if set, else ``cu_seqlens_q``), so no token sees another
 sequence; padding rows (positions past a sequence's real length) output 0; an SBHD batch runs each
 column as one sequence. Context parallelism is not built (the state would have to be handed from rank
@@ -76,25 +77,61 @@ def causal_conv1d(x: Tensor, weight: Tensor, start: Tensor) -> Tensor:
     return out
 
 
-def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, start: Tensor) -> Tensor:
-    """The recurrence in float32. q, k ``[b, T, H, dk]`` (already one per value head), v ``[b, T, H, dv]``,
-    g, beta ``[b, T, H]``; the state restarts where ``start[t] == t``. Returns ``[b, T, H, dv]`` float32."""
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64) -> Tensor:
+    """The gated delta rule over whole sequences, chunk by chunk, in float32 (the algorithm of fla's
+    ``chunk_gated_delta_rule`` and HF's torch fallback, same chunk size and operation order): within a chunk
+    the delta-rule updates are one unit-lower-triangular solve, the state is carried from chunk to chunk.
+    q, k ``[B, T, H, dk]`` (already one per value head), v ``[B, T, H, dv]``, g (log decay, <= 0) and beta
+    ``[B, T, H]``; every row starts from a zero state. Returns ``[B, T, H, dv]`` float32."""
+    total = q.shape[1]
     q = l2norm(q.float()) * (q.shape[-1] ** -0.5)
     k = l2norm(k.float())
-    v, g, beta = v.float(), g.float(), beta.float()
-    b, total, heads, dk = k.shape
-    state = v.new_zeros(b, heads, dk, v.shape[-1])
-    restart = start == torch.arange(total, device=start.device)
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, H, T, d]
+    g, beta = (x.float().transpose(1, 2) for x in (g, beta))  # [B, H, T]
+    pad = (chunk_size - total % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    b, h, n = q.shape[0], q.shape[1], (total + pad) // chunk_size
+    q, k, v_beta, k_beta = (x.reshape(b, h, n, chunk_size, x.shape[-1]) for x in (q, k, v_beta, k_beta))
+    cum = g.reshape(b, h, n, chunk_size).cumsum(-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower triangle: the intra-chunk updates
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    state = v.new_zeros(b, h, k.shape[-1], v.shape[-1])
     outs = []
-    for t in range(total):
-        if bool(restart[t]):
-            state = torch.zeros_like(state)
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t]
-        delta = (v[:, t] - (state * k_t[..., None]).sum(dim=-2)) * beta[:, t, :, None]
-        state = state + k_t[..., None] * delta[..., None, :]
-        outs.append((state * q[:, t, :, :, None]).sum(dim=-2))
-    return torch.stack(outs, dim=1)
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    return torch.stack(outs, dim=2).reshape(b, h, n * chunk_size, -1)[:, :, :total].transpose(1, 2)
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, start: Tensor) -> Tensor:
+    """:func:`chunk_gated_delta_rule` with the state restarting where ``start[t] == t``: a packed row
+    (``B == 1``) is regrouped as one row per sequence (``start``: :func:`sequence_starts`), run, and put
+    back in packed order. q, k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g, beta ``[B, T, H]``."""
+    total = q.shape[1]
+    positions = torch.arange(total, device=start.device)
+    if q.shape[0] != 1 or not bool((start != 0).any()):  # one sequence per row already
+        return chunk_gated_delta_rule(q, k, v, g, beta)
+    seq = torch.cumsum((start == positions).long(), 0) - 1  # sequence index of each token
+    offset = positions - start
+    rows, width = int(seq[-1]) + 1, int(offset.max()) + 1
+
+    def regroup(x: Tensor) -> Tensor:
+        grid = x.new_zeros(rows, width, *x.shape[2:])
+        grid[seq, offset] = x[0]
+        return grid
+
+    out = chunk_gated_delta_rule(regroup(q), regroup(k), regroup(v), regroup(g), regroup(beta))
+    return out[seq, offset][None]
 
 
 class PackedGatedDeltaNet(MegatronModule):

@@ -350,3 +350,14 @@ def test_gpt_oss_expert_tensor_parallelism_is_refused(tmp_path):
         with pytest.raises(ConfigError, match="expert tensor parallelism 2 .* with a gpt_oss model"):
             parse_config(base + extra)
     assert parse_config(base + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"])
+
+
+def test_qwen3_next_context_parallelism_is_refused(tmp_path):
+    """Qwen3-Next's gated delta-net layers carry a recurrent state along the sequence that is not handed from
+    one CP rank to the next: refused in validation, before any worker starts."""
+    path = hf_dir(tmp_path, "qwen3_next")
+    with pytest.raises(ConfigError, match="--context-parallel-size 2 with a qwen3_next model: its gated delta-net"):
+        parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"])
+    assert parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2"])
+    assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
+                         "--context-parallel-size", "2"])

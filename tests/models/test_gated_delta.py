@@ -40,6 +40,7 @@ def test_packed_conv_and_recurrence_equal_hf_per_sequence():
     beta = torch.rand(1, total, nv, generator=gen)
     r = nv // nk
     ours = gated_delta.gated_delta_rule(q.repeat_interleave(r, 2), k.repeat_interleave(r, 2), v, g, beta, start)
+    assert ours.shape == v.shape
     for a, b in zip(cu[:-1], cu[1:]):
         ref_conv = hf.causal_conv1d_fn(x[:, a:b].transpose(1, 2), weight, None).transpose(1, 2)
         assert (conv[:, a:b] - ref_conv).abs().max() <= 1e-5
