@@ -48,6 +48,9 @@ EXPERT_BIAS_TYPES = ("gpt_oss",)
 # Qwen3-Next: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
 # partial RoPE 0.25 unless config.json says otherwise; one shared expert of shared_expert_intermediate_size
 LINEAR_ATTENTION_TYPES = ("qwen3_next",)
+GATED_ATTENTION_TYPES = ("qwen3_next",)  # q_proj gives a per-head output gate (megatron attention_output_gate)
+SHARED_EXPERT_GATE_TYPES = ("qwen3_next",)  # sigmoid gate on the shared expert (megatron moe_shared_expert_gate)
+ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "gemma3_text")  # x / rms(x) * (1 + w) (Megatron-LM --apply-layernorm-1p)
 DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25}
 SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size"}
 
@@ -128,6 +131,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "add_qkv_bias": ("model_type / attention_bias",
                          model_type in QKV_BIAS_TYPES or bool(c.get("attention_bias", False))),
         "qk_layernorm": ("model_type / use_qk_norm", model_type in QK_NORM_TYPES or bool(c.get("use_qk_norm"))),
+        "attention_output_gate": ("model_type", model_type in GATED_ATTENTION_TYPES),
+        "apply_layernorm_1p": ("model_type", model_type in ZERO_CENTRED_NORM_TYPES),
         "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get(
             "tie_word_embeddings", model_type in TIED_BY_DEFAULT_TYPES)),
         "rotary_scaling_factor": ("rope_scaling.factor", UNUSED if per_layer_rope else float(rope.get("factor") or 1.0)),
@@ -156,6 +161,7 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
             "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers / first_k_dense_replace", _moe_pattern(c)),
             "moe_router_score_function": ("model_type",
                                           "sigmoid" if model_type in SIGMOID_ROUTER_TYPES else "softmax"),
+            "moe_shared_expert_gate": ("model_type", model_type in SHARED_EXPERT_GATE_TYPES),
             "moe_shared_expert_intermediate_size": (
                 SHARED_EXPERT_SIZE_KEYS[str(model_type)], int(c.get(SHARED_EXPERT_SIZE_KEYS[str(model_type)]) or 0))
             if str(model_type) in SHARED_EXPERT_SIZE_KEYS else (
@@ -234,19 +240,19 @@ ARCHITECTURE: tuple[ArchFlag, ...] = tuple(ArchFlag(f) for f in (
                                 "rotary_base", "rotary_percent")) + (
     ArchFlag("position_embedding_type", _position),
     ArchFlag("use_rotary_position_embeddings", lambda a: None),  # stated through position_embedding_type
-) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm",
-                                "untie_embeddings_and_output_weights", "rotary_scaling_factor",
+) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm", "attention_output_gate",
+                                "apply_layernorm_1p", "untie_embeddings_and_output_weights", "rotary_scaling_factor",
                                 "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                 "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim",
                                 "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
                                 "moe_router_score_function", "moe_shared_expert_intermediate_size",
-                                "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                                "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                                 "moe_router_topk_scaling_factor", "moe_router_num_groups",
                                 "moe_router_group_topk"))
 
 ARCHITECTURE_FIELDS = tuple(row.field for row in ARCHITECTURE)
 _MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
-               "moe_shared_expert_intermediate_size", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk")
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
                "mscale_all_dim")

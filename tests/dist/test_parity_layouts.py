@@ -102,6 +102,7 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
+    qwen3_next = tiny_hf_models("qwen3_next")
     entries = [
         entry("dense_dp4", "qwen3", dense),
         entry("dense_tp2_pp2", "qwen3", dense, tp=2, pp=2, checks="grads"),
@@ -113,6 +114,7 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
         entry("glm4_moe_tp2_pp2_ep2_sp", "glm4_moe", glm, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("deepseek_v3_tp2_pp2_ep2_sp", "deepseek_v3", deepseek, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("gpt_oss_tp2_pp2_ep2_sp", "gpt_oss", gptoss, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
+        entry("qwen3_next_tp2_pp2_ep2_sp", "qwen3_next", qwen3_next, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)
