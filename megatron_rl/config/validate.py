@@ -820,6 +820,9 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
     if hf_model_type(cfg) in ("deepseek_v3", "kimi_k2"):
         errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on multi-latent attention projections "
                       "are not built")
+    if hf_model_type(cfg) in LINEAR_ATTENTION_TYPES:
+        errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on its gated attention (q_proj holds "
+                      "each head's query and output gate) and gated delta-net projections are not built")
     if cfg.precision.train_backend == "fsdp":
         errors.append(f"--lora-rank {lo.lora_rank} with --train-backend fsdp: adapters are built for the megatron "
                       "backend only yet; use --train-backend megatron")
