@@ -177,12 +177,16 @@ class PackedGatedDeltaNet(MegatronModule):
         from megatron.core.transformer.utils import (  # lazy: megatron-core's checkpoint helpers
             make_sharded_tensors_for_checkpoint, sharded_state_dict_default)
 
-        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        from megatron.core import parallel_state  # lazy: initialised process groups
+
+        groups = dict(tp_group=parallel_state.get_tensor_model_parallel_group(),
+                      dp_cp_group=(metadata or {}).get("dp_cp_group")
+                      or parallel_state.get_data_parallel_group(with_context_parallel=True))
         own = {n: p for n, p in self._parameters.items() if p is not None}
         out = make_sharded_tensors_for_checkpoint(own, prefix, {"conv_weight": 0, "A_log": 0, "dt_bias": 0},
-                                                  sharded_offsets, dp_cp_group=dp_cp_group)
+                                                  sharded_offsets, **groups)
         out.update(make_sharded_tensors_for_checkpoint({"weight": self.out_norm.weight}, f"{prefix}out_norm.", {},
-                                                       sharded_offsets, dp_cp_group=dp_cp_group))
+                                                       sharded_offsets, **groups))
         for name in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
             out.update(sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets,
                                                   metadata))
