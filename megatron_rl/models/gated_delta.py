@@ -21,8 +21,9 @@ is a sibling with the same role and TP sharding, written in torch:
 The recurrence: per value head, ``S <- S exp(g)``, ``S <- S + k (beta (v - S^T k))^T``, ``o = S^T q``,
 with q and k L2-normalised and q scaled by ``dk^-0.5``; computed chunk-wise in float32 as fla and HF's
 torch fallback compute it (chunks of 64 tokens, one triangular solve per chunk, the state carried from
-chunk to chunk; a token-by-token fp32 loop drifts from it by ~1e-5 in the logits of the tiny test model). Invariants: the convolution's window and the state restart at every sequence start of the
-packed layout (``cu_seqlens_q_padded`` if set, else ``cu_seqlens_q``), so no token sees another
+chunk to chunk). Why not token by token: such a loop in float32 rounds differently enough to move the
+tiny test model's logits by ~1e-5 from HF's. Invariants: the convolution's window and the state restart
+at every sequence start of the packed layout (``cu_seqlens_q_padded`` if set, else ``cu_seqlens_q``), so no token sees another
 sequence; padding rows (positions past a sequence's real length) output 0; an SBHD batch runs each
 column as one sequence. Context parallelism is not built (the state would have to be handed from rank
 to rank); the Qwen3-Next bridge refuses CP > 1 by name.
