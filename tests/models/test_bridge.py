@@ -271,6 +271,14 @@ def test_qwen3_next_maps_every_switch_to_megatron(single_rank):
                                                                                        "transformers_version")},
                                           full_attention_interval=interval)
         assert get_bridge({**bare, "full_attention_interval": interval})._layer_types == hf.layer_types
+    # Qwen3-Next-80B-A3B's config.json (transformers' defaults): no layer_types, partial_rotary_factor nor
+    # rope_parameters; rope_theta at the top level
+    hub = {k: v for k, v in transformers.Qwen3NextConfig().to_dict().items() if k not in ("layer_types",
+                                                                                          "rope_parameters")}
+    big = get_bridge({**hub, "rope_theta": 1e7, "full_attention_interval": 4})
+    assert big.unsupported() == [] and big.rotary_percent == 0.25 and big.rope_theta == 1e7
+    assert big._layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"] and big.shared_expert_size == 512
+    assert big.gdn_dims == (16, 32, 128, 128, 4)
 
 
 def test_qwen3_next_mtp_weights_are_skipped_as_transformers_does(single_rank, tiny_hf_models, tmp_path):
