@@ -8,7 +8,8 @@
 # engine then runs in a process of its own (--embedded-engine-ranks process) beside the trainer ranks,
 # synced from disk under $OUT/engine_weights (docs/async.md).
 # An MoE policy: DEMO_FAMILY=qwen3_moe (8 experts, top-2) or DEMO_FAMILY=deepseek_v3 (MLA, shared expert,
-# sigmoid router), e.g. with --expert-model-parallel-size 2 --use-routing-replay (docs/algorithms.md).
+# sigmoid router) or DEMO_FAMILY=qwen3_next (a gated delta-net layer, gated attention, a gated shared expert),
+# e.g. with --expert-model-parallel-size 2 --use-routing-replay (docs/algorithms.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

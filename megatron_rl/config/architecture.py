@@ -30,7 +30,7 @@ from .schema import Config
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
@@ -45,6 +45,14 @@ PER_LAYER_ROPE_TYPES = ("gemma3_text",)
 TIED_BY_DEFAULT_TYPES = ("gemma3_text",)
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
+# Qwen3-Next: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
+# partial RoPE 0.25 unless config.json says otherwise; one shared expert of shared_expert_intermediate_size
+LINEAR_ATTENTION_TYPES = ("qwen3_next",)
+GATED_ATTENTION_TYPES = ("qwen3_next",)  # q_proj gives a per-head output gate (megatron attention_output_gate)
+SHARED_EXPERT_GATE_TYPES = ("qwen3_next",)  # sigmoid gate on the shared expert (megatron moe_shared_expert_gate)
+ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "gemma3_text")  # x / rms(x) * (1 + w) (Megatron-LM --apply-layernorm-1p)
+DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25}
+SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size"}
 
 
 class _Unused:
@@ -112,8 +120,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "norm_epsilon": (eps_key, c.get(eps_key, 1e-6)),
         "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get(
             "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
-        "rotary_percent": ("partial_rotary_factor",
-                           float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))),
+        "rotary_percent": ("partial_rotary_factor", float(rope.get("partial_rotary_factor", c.get(
+            "partial_rotary_factor", DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
         # every supported family is a RoPE model; gpt-oss's YaRN is megatron's own embedding type
         "position_embedding_type": ("rope_parameters.rope_type", "yarn") if (
             model_type in YARN_POSITION_TYPES and rope.get("rope_type", rope.get("type")) == "yarn") else (
@@ -123,6 +131,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "add_qkv_bias": ("model_type / attention_bias",
                          model_type in QKV_BIAS_TYPES or bool(c.get("attention_bias", False))),
         "qk_layernorm": ("model_type / use_qk_norm", model_type in QK_NORM_TYPES or bool(c.get("use_qk_norm"))),
+        "attention_output_gate": ("model_type", model_type in GATED_ATTENTION_TYPES),
+        "apply_layernorm_1p": ("model_type", model_type in ZERO_CENTRED_NORM_TYPES),
         "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get(
             "tie_word_embeddings", model_type in TIED_BY_DEFAULT_TYPES)),
         "rotary_scaling_factor": ("rope_scaling.factor", UNUSED if per_layer_rope else float(rope.get("factor") or 1.0)),
@@ -151,9 +161,12 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
             "moe_layer_freq": ("decoder_sparse_step / mlp_only_layers / first_k_dense_replace", _moe_pattern(c)),
             "moe_router_score_function": ("model_type",
                                           "sigmoid" if model_type in SIGMOID_ROUTER_TYPES else "softmax"),
-            "moe_shared_expert_intermediate_size": ("n_shared_experts x moe_intermediate_size",
-                                                    int(c.get("n_shared_experts") or 0)
-                                                    * int(c.get("moe_intermediate_size") or 0)),
+            "moe_shared_expert_gate": ("model_type", model_type in SHARED_EXPERT_GATE_TYPES),
+            "moe_shared_expert_intermediate_size": (
+                SHARED_EXPERT_SIZE_KEYS[str(model_type)], int(c.get(SHARED_EXPERT_SIZE_KEYS[str(model_type)]) or 0))
+            if str(model_type) in SHARED_EXPERT_SIZE_KEYS else (
+                "n_shared_experts x moe_intermediate_size",
+                int(c.get("n_shared_experts") or 0) * int(c.get("moe_intermediate_size") or 0)),
         })
         if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-style: biased selection, grouped top-k, scaling
             view.update({
@@ -227,19 +240,19 @@ ARCHITECTURE: tuple[ArchFlag, ...] = tuple(ArchFlag(f) for f in (
                                 "rotary_base", "rotary_percent")) + (
     ArchFlag("position_embedding_type", _position),
     ArchFlag("use_rotary_position_embeddings", lambda a: None),  # stated through position_embedding_type
-) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm",
-                                "untie_embeddings_and_output_weights", "rotary_scaling_factor",
+) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm", "attention_output_gate",
+                                "apply_layernorm_1p", "untie_embeddings_and_output_weights", "rotary_scaling_factor",
                                 "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                 "qk_pos_emb_head_dim", "v_head_dim", "mscale", "mscale_all_dim",
                                 "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
                                 "moe_router_score_function", "moe_shared_expert_intermediate_size",
-                                "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                                "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                                 "moe_router_topk_scaling_factor", "moe_router_num_groups",
                                 "moe_router_group_topk"))
 
 ARCHITECTURE_FIELDS = tuple(row.field for row in ARCHITECTURE)
 _MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
-               "moe_shared_expert_intermediate_size", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk")
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
                "mscale_all_dim")

@@ -4,7 +4,7 @@ Why generated: what each slime flag does here is already stated once, in the sch
 (config/schema.py), the architecture table (config/architecture.py) and the Megatron flag
 table (config/megatron_flags.py). This module lists every flag of slime's example scripts
 (``scripts/models/*.sh`` and ``scripts/run-*.sh`` for Qwen3-4B, Qwen3-30B-A3B, Qwen3-32B,
-Qwen2.5-0.5B, Qwen3-235B-A22B) and renders, per flag, its status and that text; :data:`NOTES`
+Qwen2.5-0.5B, Qwen3-235B-A22B; Qwen3-Next-80B-A3B's model flags) and renders, per flag, its status and that text; :data:`NOTES`
 holds only what no table says (slime semantics that differ, flags not built). :data:`OFF_POLICY_PEERS`
 maps the off-policy correction settings of slime, verl and AReaL (config keys, not flags) to ours. A test checks
 the file is current and that the launch commands in tests/config/test_slime_scripts.py use
@@ -30,11 +30,12 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
         "--num-query-groups", "--kv-channels", "--vocab-size", "--swiglu", "--normalization", "--norm-epsilon",
         "--rotary-base", "--rotary-percent", "--position-embedding-type", "--use-rotary-position-embeddings",
-        "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--attention-output-gate",
+        "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
         "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-layer-freq",
         "--moe-router-score-function", "--moe-router-dtype", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
         "--moe-permute-fusion", "--moe-aux-loss-coeff", "--moe-token-drop-policy",
-        "--moe-shared-expert-intermediate-size", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+        "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "--moe-router-load-balancing-type", "--moe-router-topk-scaling-factor",
         "--moe-router-num-groups", "--moe-router-group-topk", "--multi-latent-attention", "--q-lora-rank",
         "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor",

@@ -202,6 +202,10 @@ class ArchitectureConfig:
                                      + _CHECKED)
     add_qkv_bias: bool = flag(False, "Bias on the q/k/v projections (Qwen2; attention_bias of GLM). " + _CHECKED)
     qk_layernorm: bool = flag(False, "RMSNorm on q and k per head (Qwen3; GLM use_qk_norm). " + _CHECKED)
+    attention_output_gate: bool = flag(False, "Gated full attention: q_proj also gives a per-head gate and the "
+                                       "attention output is multiplied by its sigmoid (Qwen3-Next). " + _CHECKED)
+    apply_layernorm_1p: bool = flag(False, "Zero-centred norm gains, x / rms(x) * (1 + w) (Qwen3-Next, Gemma 3). "
+                                    + _CHECKED)
     untie_embeddings_and_output_weights: bool = flag(False, "Separate output layer (tie_word_embeddings "
                                                      "false). " + _CHECKED)
     num_experts: Optional[int] = flag(None, "MoE experts (num_experts / num_local_experts / n_routed_experts). "
@@ -217,8 +221,10 @@ class ArchitectureConfig:
                                                     "for the other MoE families). " + _CHECKED,
                                                     choices=("softmax", "sigmoid"))
     moe_shared_expert_intermediate_size: Optional[int] = flag(
-        None, "Size of the always-on shared expert(s) (n_shared_experts x moe_intermediate_size; 0: none). "
-        + _CHECKED)
+        None, "Size of the always-on shared expert(s) (n_shared_experts x moe_intermediate_size; Qwen3-Next "
+        "shared_expert_intermediate_size; 0: none). " + _CHECKED)
+    moe_shared_expert_gate: bool = flag(False, "The shared expert's output times a sigmoid gate of the layer input "
+                                        "(Qwen3-Next shared_expert_gate). " + _CHECKED)
     moe_router_pre_softmax: bool = flag(False, "Softmax router: softmax over all experts before the top-k, "
                                         "weights not renormalised (config.json norm_topk_prob false); a sigmoid "
                                         "router does not read it. " + _CHECKED)

@@ -19,7 +19,7 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
-from .architecture import EXPERT_BIAS_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type
+from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type
 from .paths import dir_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
@@ -126,6 +126,12 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
                       f"a {hf_model_type(cfg)} model: megatron-core 0.16.1 adds each expert's fc2 bias on every "
                       "expert-TP rank before their partial outputs are summed (docs/parity.md); pass "
                       "--expert-tensor-parallel-size 1 (with --expert-model-parallel-size > 1 at TP > 1)")
+    if (cfg.has_training and cfg.precision.train_backend == "megatron" and p.context_parallel_size > 1
+            and hf_model_type(cfg) in LINEAR_ATTENTION_TYPES):
+        errors.append(f"--context-parallel-size {p.context_parallel_size} with a {hf_model_type(cfg)} model: its gated "
+                      "delta-net (linear attention) layers carry a recurrent state and a convolution window along "
+                      "the sequence, which megatron_rl does not hand from one CP rank to the next (docs/parity.md); "
+                      "pass --context-parallel-size 1")
     if cfg.precision.train_backend == "fsdp":
         for flag, value in [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
                             ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
@@ -906,10 +912,13 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
     if hf_model_type(cfg) in ("deepseek_v3", "kimi_k2"):
         errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on multi-latent attention projections "
                       "are not built")
+    if hf_model_type(cfg) in LINEAR_ATTENTION_TYPES:
+        errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on its gated attention (q_proj holds "
+                      "each head's query and output gate) and gated delta-net projections are not built")
     if cfg.precision.train_backend == "fsdp" and importlib.util.find_spec("peft") is None:
         errors.append(f"--lora-rank {lo.lora_rank} with --train-backend fsdp injects HF PEFT's adapters, and peft is "
-                      "not installed: pip install peft (megatron_rl's [lora] extra), or use the megatron backend, whose adapters "
-                      "need no peft")
+                      "not installed: pip install peft (megatron_rl's [lora] extra), or use the megatron backend, "
+                      "whose adapters need no peft")
     for flag, value in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
         if value:
             errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "

@@ -41,14 +41,15 @@ def build_tokenizer(path: str):
 
 
 #: the demo model's architecture families (``--family``): the dense default and an MoE twin
-DEMO_FAMILIES = ("qwen2", "qwen3_moe", "deepseek_v3")
+DEMO_FAMILIES = ("qwen2", "qwen3_moe", "deepseek_v3", "qwen3_next")
 
 
 def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int = 64, family: str = "qwen2") -> str:
     """Tiny policy + the digit tokenizer, saved as an HF directory: Qwen2 architecture, or (``qwen3_moe``)
     Qwen3-MoE with 8 experts, top-2, in every layer (what MoE features such as routing replay run on), or
     (``deepseek_v3``) DeepSeek-V3's: multi-latent attention, a dense first layer, then MoE layers with a
-    shared expert and the sigmoid router."""
+    shared expert and the sigmoid router, or (``qwen3_next``) Qwen3-Next's: a gated delta-net layer, then
+    gated full attention, MoE layers with a gated shared expert."""
     import torch
     import transformers
 
@@ -76,6 +77,16 @@ def build_demo_model(path: str, seed: int = 0, num_layers: int = 2, hidden: int 
                                                first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
                                                routed_scaling_factor=1.0, norm_topk_prob=True, rope_interleave=True,
                                                **common)  # type: ignore[arg-type]
+    elif family == "qwen3_next":  # a gated delta-net layer then gated full attention, MoE with a gated shared expert
+        common.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        del common["rope_theta"]
+        config = transformers.Qwen3NextConfig(
+            intermediate_size=2 * hidden, head_dim=hidden // 4, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+            **common)  # type: ignore[arg-type]
     else:
         raise ValueError(f"--family {family!r}: the demo model is one of {', '.join(DEMO_FAMILIES)}")
     torch.manual_seed(seed)

@@ -403,6 +403,14 @@ class Bridge:
         """The module class of the decoder's final norm (Gemma: zero-centred)."""
         return final_norm_module()
 
+    def _local_spec_only(self, flavour: str) -> None:
+        """Refuse the transformer-engine layer spec for a family whose norms it cannot hold (zero-centred
+        gains, post-norms)."""
+        if flavour != "local":
+            raise BridgeError(f"{self.family} runs on megatron's local layer spec only (the transformer-engine "
+                              "spec's fused norms have a plain gain, and it has no post-attention / post-MLP "
+                              "norms); run without transformer-engine installed")
+
     def finish_model(self, model) -> None:
         """Attach what a family computes outside megatron's modules to one built chunk (Gemma: the
         embedding scale and logit soft-capping, as forward hooks)."""

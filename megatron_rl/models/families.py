@@ -5,7 +5,6 @@ import functools
 import re
 from typing import Any, Optional
 
-from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.bridge import Bridge, ParamRule
 from megatron_rl.models.spec import layer_spec_flavour, local_layer_spec
@@ -522,12 +521,6 @@ class Gemma3TextBridge(Bridge):
             shapes[p + "post_feedforward_layernorm.weight"] = (self.hidden_size,)
         return shapes
 
-    def _local_spec_only(self, flavour: str) -> None:
-        if flavour != "local":
-            raise BridgeError(f"{self.family} runs on megatron's local layer spec only (the transformer-engine "
-                              "spec has no post-attention / post-MLP norms and plain-gain fused norms); run "
-                              "without transformer-engine installed")
-
     def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
         self._local_spec_only(flavour)
         shapes = super().megatron_param_shapes(flavour, tp_size)
@@ -549,8 +542,213 @@ class Gemma3TextBridge(Bridge):
         return super().rule_for(name)
 
 
+class Qwen3NextBridge(Bridge):
+    """Qwen3-Next (``qwen3_next``): hybrid layers, ``layer_types`` (or every ``full_attention_interval``-th
+    layer full) choosing a gated delta-net (``linear_attention``: ``linear_attn.*``,
+    :class:`~megatron_rl.models.gated_delta.PackedGatedDeltaNet` in the layer's ``self_attention`` slot) or
+    gated full attention (``q_proj`` rows per head ``[query; gate]``, output times ``sigmoid(gate)``:
+    megatron ``attention_output_gate``, whose ``linear_qkv`` holds per query group ``[q heads, gate heads,
+    k, v]``); q/k RMSNorm; partial RoPE (``partial_rotary_factor``, rotate-half on the first dims); every
+    RMSNorm zero-centred (``(1 + w)``, :class:`~megatron_rl.models.gemma.GemmaRMSNorm`) except the gated
+    delta-net's output norm (plain gain); MoE layers with a softmax top-k router, a shared expert
+    (``shared_expert``) and its sigmoid gate (``shared_expert_gate``: megatron ``moe_shared_expert_gate``,
+    ``mlp.shared_experts.gate_weight``). The multi-token-prediction weights a checkpoint holds (``mtp.*``)
+    are skipped on load as transformers skips them. Local layer spec only; no context parallelism."""
+
+    family = "qwen3_next"
+    model_types = ("qwen3_next",)
+    qk_norm = True
+    partial_rotary = True
+
+    @property
+    def moe(self) -> bool:  # type: ignore[override]  # num_experts 0: every layer a dense MLP, as transformers builds it
+        return self.num_experts > 0
+
+    @property
+    def rotary_percent(self) -> float:  # transformers' default for Qwen3-Next is 0.25
+        rope = self._rope
+        return float(rope.get("partial_rotary_factor", self.cfg("partial_rotary_factor", 0.25)))
+
+    @property
+    def shared_expert_size(self) -> int:
+        return int(self.cfg("shared_expert_intermediate_size", 0))
+
+    @property
+    def _layer_types(self) -> list[str]:
+        types = self.cfg("layer_types", None)
+        if types:
+            return list(types)
+        interval = int(self.cfg("full_attention_interval", 4))
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(self.num_layers)]
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return self._layer_types[layer] == "linear_attention"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and super().is_moe_layer(layer)
+
+    @property
+    def gdn_dims(self) -> tuple[int, int, int, int, int]:
+        """(linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+        linear_conv_kernel_dim)."""
+        return (int(self.cfg("linear_num_key_heads")), int(self.cfg("linear_num_value_heads")),
+                int(self.cfg("linear_key_head_dim")), int(self.cfg("linear_value_head_dim")),
+                int(self.cfg("linear_conv_kernel_dim", 4)))
+
+    def architecture_config(self) -> dict[str, Any]:
+        return dict(attention_output_gate=True, moe_shared_expert_gate=bool(self.shared_expert_size))
+
+    def unsupported_layout(self, layout) -> list[str]:
+        problems = []
+        if layout.cp > 1:
+            problems.append(f"context parallelism {layout.cp} (a gated delta-net layer's recurrent state and "
+                            "convolution window would have to be handed from one CP rank to the next, which is "
+                            "not built); pass --context-parallel-size 1")
+        nk = self.gdn_dims[0]
+        if nk % layout.tp:
+            problems.append(f"linear_num_key_heads={nk} is not divisible by --tensor-model-parallel-size "
+                            f"{layout.tp} (each TP rank holds whole key-head groups of the gated delta-net)")
+        return problems
+
+    def unsupported(self) -> list[str]:
+        problems = [p for p in super().unsupported() if not p.startswith("layer_types [")]
+        types = self._layer_types
+        odd = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+        if odd:
+            problems.append(f"layer_types {odd} (only linear_attention / full_attention)")
+        if len(types) != self.num_layers:
+            problems.append(f"layer_types has {len(types)} entries for {self.num_layers} layers")
+        nk, nv = int(self.cfg("linear_num_key_heads", 1)), int(self.cfg("linear_num_value_heads", 1))
+        if nv % nk:
+            problems.append(f"linear_num_value_heads={nv} not a multiple of linear_num_key_heads={nk}")
+        return problems
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None, linear: bool = False):
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
+
+        from megatron_rl.models import gated_delta  # lazy: imports megatron-core
+        from megatron_rl.models.gemma import GemmaRMSNorm  # lazy: imports megatron-core
+
+        self._local_spec_only(layer_spec_flavour())
+        moe = self.moe if moe is None else moe
+        spec = local_layer_spec(num_experts=config.num_moe_experts if moe else None, qk_layernorm=True)
+        layer = spec.submodules
+        if linear:
+            self_attention = ModuleSpec(module=gated_delta.PackedGatedDeltaNet, params={"gdn": self.gdn_dims})
+        else:
+            attn = dataclasses.replace(layer.self_attention.submodules, q_layernorm=GemmaRMSNorm,
+                                       k_layernorm=GemmaRMSNorm)
+            self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
+        layer = dataclasses.replace(layer, input_layernorm=GemmaRMSNorm, pre_mlp_layernorm=GemmaRMSNorm,
+                                    self_attention=self_attention)
+        return dataclasses.replace(spec, submodules=layer)
+
+    def block_spec(self, config, vp_stage: Optional[int] = None):
+        from megatron.core.transformer.transformer_block import (  # lazy: megatron-core
+            TransformerBlockSubmodules, get_num_layers_to_build)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # lazy: megatron-core
+
+        n = get_num_layers_to_build(config, vp_stage=vp_stage)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        kinds = [(self.is_moe_layer(offset + i), self.is_linear_layer(offset + i)) for i in range(n)]
+        specs = {kind: self.layer_spec(config, moe=kind[0], linear=kind[1]) for kind in set(kinds)}
+        return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in kinds], layer_norm=self.final_norm())
+
+    def final_norm(self):
+        from megatron_rl.models.gemma import GemmaRMSNorm  # lazy: imports megatron-core
+
+        return GemmaRMSNorm
+
+    # ---------------------------------------------------------------- name maps
+    _GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv_weight", "A_log", "dt_bias", "out_norm.weight",
+            "out_proj.weight")
+    _GDN_HF = {"conv_weight": "conv1d.weight", "out_norm.weight": "norm.weight"}
+
+    def _gdn_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF-relative name under ``linear_attn.`` -> shape."""
+        h, (nk, nv, dk, dv, kernel) = self.hidden_size, self.gdn_dims
+        return {"in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, h), "in_proj_ba.weight": (2 * nv, h),
+                "conv1d.weight": (2 * nk * dk + nv * dv, 1, kernel), "A_log": (nv,), "dt_bias": (nv,),
+                "norm.weight": (dv,), "out_proj.weight": (h, nv * dv)}
+
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_attention_shapes(attn)
+        shapes[attn + "q_proj.weight"] = (2 * self.num_heads * self.head_dim, self.hidden_size)
+        return shapes
+
+    def megatron_attention_shapes(self, names) -> dict[str, tuple[int, ...]]:
+        shapes = super().megatron_attention_shapes(names)
+        nh, ng, d = self.num_heads, self.num_query_groups, self.head_dim
+        shapes["self_attention.linear_qkv.weight"] = ((2 * nh + 2 * ng) * d, self.hidden_size)
+        return shapes
+
+    def _rename_shared(self, shapes: dict[str, tuple[int, ...]], hf: bool) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for name, shape in shapes.items():
+            m = re.match(r"^(model\.layers\.(\d+)\.)(self_attn\.|mlp\.shared_experts\.)(.*)$" if hf else
+                         r"^(decoder\.layers\.(\d+)\.)(self_attention\.|input_layernorm\.)(.*)$", name)
+            if m and hf and m.group(3) == "mlp.shared_experts.":
+                out[f"{m.group(1)}mlp.shared_expert.{m.group(4)}"] = shape
+            elif m and self.is_linear_layer(int(m.group(2))) and m.group(3) in ("self_attn.", "self_attention."):
+                continue
+            else:
+                out[name] = shape
+        return out
+
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = self._rename_shared(super().hf_param_shapes(), hf=True)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            if self.is_linear_layer(i):
+                shapes.update({p + "linear_attn." + n: s for n, s in self._gdn_shapes().items()})
+            if self.is_moe_layer(i) and self.shared_expert_size:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, self.hidden_size)
+        return shapes
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        self._local_spec_only(flavour)
+        shapes = self._rename_shared(super().megatron_param_shapes(flavour, tp_size), hf=False)
+        gdn = self._gdn_shapes()
+        for i in range(self.num_layers):
+            p = f"decoder.layers.{i}."
+            if self.is_linear_layer(i):
+                shapes[p + "input_layernorm.weight"] = (self.hidden_size,)
+                shapes.update({p + "self_attention." + n: gdn[self._GDN_HF.get(n, n)] for n in self._GDN})
+            if self.is_moe_layer(i) and self.shared_expert_size:
+                shapes[p + "mlp.shared_experts.gate_weight"] = (1, self.hidden_size)
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m:
+            layer, rest = int(m.group(1)), m.group(2)
+            p = f"model.layers.{layer}."
+            if rest.startswith("self_attention.") and self.is_linear_layer(layer):
+                local = rest[len("self_attention."):]
+                if local in self._GDN:
+                    kind = "gdn_conv" if local == "conv_weight" else "copy"
+                    return ParamRule(kind, (p + "linear_attn." + self._GDN_HF.get(local, local),))
+            if rest == "self_attention.linear_qkv.weight" and not self.is_linear_layer(layer):
+                return ParamRule("qkv_gated", tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            shared = p + "mlp.shared_expert."
+            if rest == "mlp.shared_experts.linear_fc1.weight":
+                return ParamRule("gate_up", (shared + "gate_proj.weight", shared + "up_proj.weight"))
+            if rest == "mlp.shared_experts.linear_fc2.weight":
+                return ParamRule("copy", (shared + "down_proj.weight",))
+            if rest == "mlp.shared_experts.gate_weight":
+                return ParamRule("copy", (p + "mlp.shared_expert_gate.weight",))
+            if rest.endswith(".layer_norm_weight"):  # a transformer-engine fused norm
+                self._local_spec_only("transformer_engine")
+        return super().rule_for(name)
+
+    def is_ignorable_hf_name(self, name: str) -> bool:
+        """Also the multi-token-prediction weights (``mtp.*``), which transformers skips on load."""
+        return super().is_ignorable_hf_name(name) or name.startswith("mtp.")
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
-                                       Gemma3TextBridge)}
+                                       Gemma3TextBridge, Qwen3NextBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text",
+            "qwen3_next")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -116,7 +117,34 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
     ),
+    # every switch on: gated delta-net layers (2 key heads of 8 dims, 4 value heads of 12: 2 value heads per
+    # key head) then gated full attention with q/k norms and partial RoPE (0.25 of the 16 dims), alternating;
+    # a dense first layer, then MoE with a shared expert and its sigmoid gate; zero-centred norms
+    "qwen3_next": dict(
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+    ),
 }
+
+
+# the hybrid qwen3_next amplifies fp32 rounding more than the others: at 0.08 HF's own fp32 logits differ from
+# its fp64 ones by ~5e-6 (half the parity tolerance), at 0.05 by ~1.5e-6
+_MATRIX_STD = {"qwen3_next": 0.05}
 
 
 def tiny_config(family: str, **overrides: Any):
@@ -135,6 +163,7 @@ def tiny_config(family: str, **overrides: Any):
         "deepseek_v3": transformers.DeepseekV3Config,
         "gpt_oss": transformers.GptOssConfig,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -170,9 +199,12 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name and family == "gemma3_text":  # zero-centred gains: the norm scales by 1 + w
-                p.uniform_(-0.2, 0.2)
+                p.normal_(0.0, _MATRIX_STD.get(family, 0.08))
+            elif "norm" in name and (family == "gemma3_text" or (family == "qwen3_next"
+                                                                and not name.endswith("linear_attn.norm.weight"))):
+                p.uniform_(-0.2, 0.2)  # zero-centred gains: the norm scales by 1 + w
+            elif name.endswith(("A_log", "dt_bias")):  # gated delta-net decay: keep HF's init (exp(g) in (0, 1))
+                continue
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             elif name.endswith("sinks"):  # gpt-oss: sink logits of the order of the attention scores

@@ -53,6 +53,42 @@ def split_qkv(qkv: torch.Tensor, num_query_groups: int, heads_per_group: int, he
             v.reshape(-1, *tail).contiguous())
 
 
+def fuse_groups(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """Row blocks of several HF tensors, each laid out group after group, -> one tensor with every
+    group's blocks together: ``[p0_g0, p1_g0, ..., p0_g1, p1_g1, ...]`` (rows = dim 0)."""
+    if any(p.shape[0] % groups for p in parts):
+        raise ValueError(f"row counts {[p.shape[0] for p in parts]} do not split into {groups} groups")
+    tail = parts[0].shape[1:]
+    return torch.cat([p.reshape(groups, -1, *tail) for p in parts], dim=1).reshape(-1, *tail)
+
+
+def split_groups(fused: torch.Tensor, groups: int, rows_per_group: list[int]) -> list[torch.Tensor]:
+    """Inverse of :func:`fuse_groups`: ``rows_per_group`` are each part's rows within one group."""
+    tail = fused.shape[1:]
+    pieces = torch.split(fused.reshape(groups, sum(rows_per_group), *tail), rows_per_group, dim=1)
+    return [p.reshape(-1, *tail).contiguous() for p in pieces]
+
+
+def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int,
+                   head_dim: int) -> torch.Tensor:
+    """HF gated attention (Qwen3-Next ``q_proj`` rows: per head ``[query (d); gate (d)]``), k, v -> megatron
+    ``linear_qkv`` with ``attention_output_gate``: per query group ``[q heads, gate heads, k, v]``."""
+    tail = q_gate.shape[1:]
+    pairs = q_gate.reshape(num_query_groups, -1, 2, head_dim, *tail)  # [group, head, (query, gate), d]
+    q, gate = pairs[:, :, 0].reshape(-1, *tail), pairs[:, :, 1].reshape(-1, *tail)
+    return fuse_groups([q, gate, k, v], num_query_groups)
+
+
+def split_gated_qkv(qkv: torch.Tensor, num_query_groups: int, heads_per_group: int, head_dim: int):
+    """Inverse of :func:`fuse_gated_qkv`: (q_proj with its gates, k, v) in HF row order."""
+    hd = heads_per_group * head_dim
+    q, gate, k, v = split_groups(qkv, num_query_groups, [hd, hd, head_dim, head_dim])
+    tail = qkv.shape[1:]
+    pairs = torch.stack([q.reshape(num_query_groups, heads_per_group, head_dim, *tail),
+                         gate.reshape(num_query_groups, heads_per_group, head_dim, *tail)], dim=2)
+    return pairs.reshape(-1, *tail).contiguous(), k, v
+
+
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """HF gate_proj / up_proj -> megatron ``linear_fc1`` ([gate; up])."""
     if gate.shape != up.shape:

@@ -12,6 +12,8 @@ to samples), so the model code sees an ordinary cache.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -67,15 +69,39 @@ class PreallocatedLayer(DynamicLayer):
             self.batch_select_indices(torch.arange(k.shape[0], device=k.device).repeat_interleave(repeats))
 
 
+def _select_rows(layer, indices: torch.Tensor) -> None:
+    layer.reorder_cache(indices)  # transformers' own row gather of the conv and recurrent states
+
+
+def _repeat_rows(layer, repeats: int) -> None:
+    states = [s for s in (*layer.conv_states.values(), *layer.recurrent_states.values()) if isinstance(s, torch.Tensor)]
+    if states:
+        _select_rows(layer, torch.arange(states[0].shape[0], device=states[0].device).repeat_interleave(repeats))
+
+
+def _with_row_select(layer):
+    """transformers' linear-attention cache layers (Qwen3-Next's gated delta-net conv and recurrent states)
+    have ``reorder_cache`` but not the ``batch_select_indices`` / ``batch_repeat_interleave`` the engine
+    calls through ``DynamicCache``: give the layer both, as the same row gather along the batch dim."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin  # lazy: transformers 5's hybrid caches
+
+    if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicLayer):
+        layer.batch_select_indices = types.MethodType(_select_rows, layer)
+        layer.batch_repeat_interleave = types.MethodType(_repeat_rows, layer)
+    return layer
+
+
 def make_kv_cache(config, capacity: int) -> DynamicCache:
     """A ``DynamicCache`` whose full-attention layers are preallocated to ``capacity`` positions.
 
     Models with other layer kinds (sliding window, linear attention) keep
-    ``transformers``' own layers, which stay correct, just slower.
+    ``transformers``' own layers, which stay correct, just slower; linear-attention layers get
+    the row selection the engine uses (:func:`_with_row_select`).
     """
     cache = DynamicCache(config=config)
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
+    cache.layers = [_with_row_select(layer) for layer in cache.layers]
     return cache
 
 

@@ -53,6 +53,9 @@ def test_what_lora_cannot_do_yet_is_named(argv, tmp_path, tiny_hf_models):
     found = errors(["--hf-checkpoint", tiny_hf_models("deepseek_v3"), "--lora-rank", "4", "--lora-target-modules",
                     "o_proj"])
     assert any("deepseek_v3 model: adapters on multi-latent attention" in e for e in found), found
+    found = errors(["--hf-checkpoint", tiny_hf_models("qwen3_next"), "--lora-rank", "4", "--lora-target-modules",
+                    "o_proj"])
+    assert any("qwen3_next model: adapters on its gated attention" in e for e in found), found
     found = errors(argv("--lora-rank", "-1"))
     assert any("--lora-rank -1 must be >= 0" in e for e in found), found
     found = errors(argv("--lora-rank", "4", "--lora-dropout", "1.0"))

@@ -82,6 +82,8 @@ def test_megatron_view_agrees_with_the_bridge(family):
     assert view["normalization"] == tc.normalization and view["swiglu"] == (tc.gated_linear_unit and tc.activation_func is F.silu)
     assert view["disable_bias_linear"] == (not tc.add_bias_linear) and view["add_qkv_bias"] == tc.add_qkv_bias
     assert view["qk_layernorm"] == tc.qk_layernorm and view["rotary_base"] == bridge.rope_theta
+    assert view["attention_output_gate"] == tc.attention_output_gate
+    assert view["apply_layernorm_1p"] == (bridge.final_norm().__name__ == "GemmaRMSNorm")  # its gain is 1 + w
     assert view["untie_embeddings_and_output_weights"] == (not bridge.tie_word_embeddings)
     if bridge.moe:
         assert (view["num_experts"], view["moe_ffn_hidden_size"], view["moe_router_topk"],
@@ -89,6 +91,7 @@ def test_megatron_view_agrees_with_the_bridge(family):
                                                        tc.moe_router_topk, tc.moe_router_score_function)
         assert view["moe_layer_freq"] == tc.moe_layer_freq
         assert view["moe_shared_expert_intermediate_size"] == (tc.moe_shared_expert_intermediate_size or 0)
+        assert view["moe_shared_expert_gate"] == tc.moe_shared_expert_gate
         assert (view["moe_router_enable_expert_bias"], view["moe_router_topk_scaling_factor"],
                 view["moe_router_num_groups"], view["moe_router_group_topk"]) == (
             tc.moe_router_enable_expert_bias, tc.moe_router_topk_scaling_factor or 1.0,
@@ -350,3 +353,14 @@ def test_gpt_oss_expert_tensor_parallelism_is_refused(tmp_path):
         with pytest.raises(ConfigError, match="expert tensor parallelism 2 .* with a gpt_oss model"):
             parse_config(base + extra)
     assert parse_config(base + ["--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"])
+
+
+def test_qwen3_next_context_parallelism_is_refused(tmp_path):
+    """Qwen3-Next's gated delta-net layers carry a recurrent state along the sequence that is not handed from
+    one CP rank to the next: refused in validation, before any worker starts."""
+    path = hf_dir(tmp_path, "qwen3_next")
+    with pytest.raises(ConfigError, match="--context-parallel-size 2 with a qwen3_next model: its gated delta-net"):
+        parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"])
+    assert parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2"])
+    assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
+                         "--context-parallel-size", "2"])

@@ -62,3 +62,16 @@ def test_deepseek_demo_model_is_one_the_bridge_maps_exactly(tmp_path):
     assert model.config.model_type == "deepseek_v3" and model.config.q_lora_rank == 32
     assert model(torch.tensor([[4, 5, 3]])).logits.shape == (1, 3, synthetic.VOCAB_SIZE)
     assert get_bridge(path).unsupported() == []  # MLA, dense first layer, shared expert, sigmoid router
+
+
+def test_qwen3_next_demo_model_is_one_the_bridge_maps_exactly(tmp_path):
+    import transformers
+
+    from megatron_rl.models import get_bridge
+
+    path = synthetic.build_demo_model(str(tmp_path / "m"), family="qwen3_next")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen3_next" and model.config.layer_types == ["linear_attention",
+                                                                                    "full_attention"]
+    assert model(torch.tensor([[4, 5, 3]])).logits.shape == (1, 3, synthetic.VOCAB_SIZE)
+    assert get_bridge(path).unsupported() == []  # gated delta-net, gated attention, gated shared expert

@@ -1,7 +1,7 @@
 """torch_dist written at one layout exports bit-exactly at others (one 2-rank launch).
 
 HF -> torch_dist at TP1 (x DP2) and at TP2 (with --verify), then torch_dist -> HF
-at TP2 / TP1 / PP2 and, for the MoE families qwen3_moe and glm4_moe, EP2 and
+at TP2 / TP1 / PP2 and, for the MoE families qwen3_moe, glm4_moe and qwen3_next, EP2 and
 TP2xEP2(ETP1); a glm4_moe checkpoint with its MTP layer written at PP2 and exported at
 TP2 / TP1. Every exported tensor must equal the HF source bit for bit (stronger
 than equal logits). The
@@ -20,8 +20,9 @@ from _util import REPO, read_json, torchrun
 
 WORKER = REPO / "tests" / "dist" / "scripts" / "convert_worker.py"
 # glm4_moe adds shared experts and the router's expert_bias buffer; mixtral only renames qwen3_moe's
-# tensors (tests/convert round-trips it in one process, tests/dist/test_parity_layouts exports it at EP2)
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+# tensors (tests/convert round-trips it in one process, tests/dist/test_parity_layouts exports it at EP2);
+# qwen3_next's gated delta-net shards its own parameters (conv_weight, A_log, dt_bias) over TP
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "qwen3_next")
 
 
 @pytest.mark.slow

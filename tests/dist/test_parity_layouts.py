@@ -55,6 +55,8 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
     llama, qwen2 = tiny_hf_models("llama"), tiny_hf_models("qwen2")
     deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
     gemma = tiny_hf_models("gemma3_text")
+    qwen3_next = tiny_hf_models("qwen3_next")
+    qwen3_next_dense = tiny_hf_models("qwen3_next", num_experts=0)
     entries = [
         entry("dense_dp2", "qwen3", dense, checks="grads+optim"),
         entry("dense_tp2", "qwen3", dense, tp=2, checks="grads+optim"),
@@ -87,6 +89,12 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         entry("glm4_moe_mtp_pp2", "glm4_moe_mtp", tiny_hf_models("glm4_moe", mtp=True), pp=2, checks="mtp"),
         entry("deepseek_v3_mtp_tp2", "deepseek_v3_mtp", tiny_hf_models("deepseek_v3", mtp=True), tp=2, etp=1,
               checks="mtp"),
+        # qwen3_next: gated delta-net layers through THD packing (state and conv restart per sequence), TP-sharded
+        # key-head groups, gated attention, gated shared expert; CP is refused by the bridge (test_bridge.py).
+        # TP2+SP gradients on a dense variant (num_experts 0): MoE at TP2 needs EP > 1 (docs/parity.md)
+        *[e for e in family_entries("qwen3_next", qwen3_next) if not e.startswith("qwen3_next_cp2:")],
+        entry("qwen3_next_tp2_sp", "qwen3_next", qwen3_next, tp=2, etp=1, sp=1),
+        entry("qwen3_next_dense_tp2_sp", "qwen3_next_dense", qwen3_next_dense, tp=2, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
@@ -100,6 +108,7 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
+    qwen3_next = tiny_hf_models("qwen3_next")
     entries = [
         entry("dense_dp4", "qwen3", dense),
         entry("dense_tp2_pp2", "qwen3", dense, tp=2, pp=2, checks="grads"),
@@ -111,6 +120,7 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
         entry("glm4_moe_tp2_pp2_ep2_sp", "glm4_moe", glm, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("deepseek_v3_tp2_pp2_ep2_sp", "deepseek_v3", deepseek, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("gpt_oss_tp2_pp2_ep2_sp", "gpt_oss", gptoss, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
+        entry("qwen3_next_tp2_pp2_ep2_sp", "qwen3_next", qwen3_next, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)

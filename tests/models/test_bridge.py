@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe"):
+    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next"):
         get_bridge({"model_type": "gpt2"})
 
 
@@ -123,6 +123,10 @@ _GEMMA_YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_
     ("gemma3_text", dict(rope_parameters={"sliding_attention": _GEMMA_YARN,
                                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
      "sliding_attention rope_type 'yarn'"),
+    ("qwen3_next", dict(layer_types=["linear_attention", "sliding_attention"] * 2), "layer_types ['sliding_attention']"),
+    ("qwen3_next", dict(attention_bias=True), "attention_bias=true"),
+    ("qwen3_next", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("qwen3_next", dict(linear_num_value_heads=3), "linear_num_value_heads=3 not a multiple of linear_num_key_heads=2"),
 ])
 def test_moe_family_features_megatron_cannot_express_are_refused(family, overrides, needle):
     """Each refused by name in Bridge.unsupported(), never approximated."""
@@ -231,6 +235,64 @@ def test_gemma3_text_maps_every_switch_to_megatron(single_rank):
         assert ours._layer_types == hf.layer_types and "full_attention" in hf.layer_types
         assert ours._layer_rope() == {kind: (hf.rope_parameters[f"{kind}_attention"]["rope_theta"], None)
                                       for kind in ("sliding", "full")} == {"sliding": (1e4, None), "full": (1e6, None)}
+
+
+def test_qwen3_next_maps_every_switch_to_megatron(single_rank):
+    """The tiny qwen3_next turns every switch on; the megatron config, the per-layer specs and the name map
+    carry each; context parallelism is refused by name (the gated delta-net state is not handed over)."""
+    import transformers
+
+    from megatron_rl.models import gated_delta, gemma
+    from megatron_rl.models.hf_tiny import tiny_config
+    from megatron_rl.models.parallel import ParallelLayout
+
+    bridge = get_bridge(tiny_config("qwen3_next").to_dict())
+    tc = bridge.transformer_config(single_rank)
+    assert tc.attention_output_gate and tc.moe_shared_expert_gate and tc.qk_layernorm
+    assert tc.moe_shared_expert_intermediate_size == 48 and tc.moe_layer_freq == [0, 1, 1, 1]
+    assert bridge.rotary_percent == 0.25 and tc.moe_router_score_function == "softmax"
+    block = bridge.block_spec(tc).layer_specs
+    assert [s.submodules.self_attention.module is gated_delta.PackedGatedDeltaNet for s in block] == [
+        True, False, True, False]
+    assert block[1].submodules.self_attention.submodules.q_layernorm is gemma.GemmaRMSNorm
+    assert block[0].submodules.self_attention.params["gdn"] == (2, 4, 8, 12, 4)
+    assert all(s.submodules.input_layernorm is gemma.GemmaRMSNorm for s in block)
+    assert bridge.rule_for("decoder.layers.1.self_attention.linear_qkv.weight").kind == "qkv_gated"
+    assert bridge.rule_for("decoder.layers.0.self_attention.conv_weight").hf_names == (
+        "model.layers.0.linear_attn.conv1d.weight",)
+    assert bridge.rule_for("decoder.layers.1.mlp.shared_experts.gate_weight").hf_names == (
+        "model.layers.1.mlp.shared_expert_gate.weight",)
+    with pytest.raises(BridgeError, match="--context-parallel-size 1"):
+        bridge.transformer_config(ParallelLayout(cp=2))
+    # no layer_types: every full_attention_interval-th layer full, as transformers derives them
+    bare = {k: v for k, v in tiny_config("qwen3_next").to_dict().items() if k != "layer_types"}
+    for interval in (2, 3):
+        hf = transformers.Qwen3NextConfig(**{k: v for k, v in bare.items() if k not in ("model_type",
+                                                                                       "transformers_version")},
+                                          full_attention_interval=interval)
+        assert get_bridge({**bare, "full_attention_interval": interval})._layer_types == hf.layer_types
+    # Qwen3-Next-80B-A3B's config.json (transformers' defaults): no layer_types, partial_rotary_factor nor
+    # rope_parameters; rope_theta at the top level
+    hub = {k: v for k, v in transformers.Qwen3NextConfig().to_dict().items() if k not in ("layer_types",
+                                                                                          "rope_parameters")}
+    big = get_bridge({**hub, "rope_theta": 1e7, "full_attention_interval": 4})
+    assert big.unsupported() == [] and big.rotary_percent == 0.25 and big.rope_theta == 1e7
+    assert big._layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"] and big.shared_expert_size == 512
+    assert big.gdn_dims == (16, 32, 128, 128, 4)
+
+
+def test_qwen3_next_mtp_weights_are_skipped_as_transformers_does(single_rank, tiny_hf_models, tmp_path):
+    """A Qwen3-Next checkpoint holds its multi-token-prediction module under mtp.*; the HF causal LM ignores
+    it, so does the bridge (and the export leaves it out)."""
+    path = tiny_hf_models("qwen3_next")
+    bridge = get_bridge(path)
+    chunks = bridge.build_model(single_rank)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    mtp = _copy(path, tmp_path / "mtp")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)},
+              os.path.join(mtp, "model.safetensors"))
+    bridge.load_hf_weights(chunks, mtp)
+    assert set(dict(bridge.export_hf_weights(chunks))) == set(tensors)
 
 
 def test_deepseek_v3_maps_every_switch_to_megatron():

@@ -207,6 +207,20 @@ def test_preallocated_kv_cache_layers(tiny_hf_models, family):
         assert len(cache.layers) == 4 and not any(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
         assert not joinable(cache)  # batches statically: a sliding window's state does not shift with padding
         return
+    if "linear_attention" in (getattr(config, "layer_types", None) or []):  # qwen3_next: transformers' own layers
+        assert len(cache.layers) == 4 and not any(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+        assert not joinable(cache)  # a recurrent state does not shift with padding either
+        linear = cache.layers[0]  # the engine's row selection on a gated delta-net's conv / recurrent state
+        linear.lazy_initialization(conv_states=torch.randn(3, 5, 4), recurrent_states=torch.randn(3, 2, 4, 4))
+        conv, state = torch.randn(3, 5, 4), torch.randn(3, 2, 4, 4)
+        linear.conv_states[0].copy_(conv)
+        linear.recurrent_states[0].copy_(state)
+        cache.batch_select_indices(torch.tensor([2, 2, 0]))
+        assert torch.equal(linear.conv_states[0], conv[[2, 2, 0]])
+        assert torch.equal(linear.recurrent_states[0], state[[2, 2, 0]])
+        cache.batch_repeat_interleave(2)
+        assert torch.equal(linear.conv_states[0], conv[[2, 2, 2, 2, 0, 0]])
+        return
     assert len(cache.layers) == 4 and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
     layer = cache.layers[0]
     k = torch.randn(3, 2, 4, 16)
