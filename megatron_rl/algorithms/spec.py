@@ -212,11 +212,7 @@ class PolicyGradientSpec(Spec):
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
         token_rewards = torch.zeros_like(mask)
         if cfg.kl_coef > 0:
-            if old_logprobs is None or ref_logprobs is None:
-                raise ConfigError("--kl-coef with --advantage-estimator ppo folds KL into the rewards: compute old "
-                                  "and ref log-probs before the advantages and pass them")
-            kl = kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
-                             cfg.kl_loss_type)
+            kl = self._reward_kl(old_logprobs, ref_logprobs)
             token_rewards = token_rewards - cfg.kl_coef * kl.to(torch.float64) * mask
         if mask.numel():
             seg = adv.segment_ids(lengths)
@@ -269,12 +265,7 @@ class PolicyGradientSpec(Spec):
             kl = None
             beta = self.kl_ctrl.value  # --kl-coef, or where the adaptive controller has moved it
             if cfg.kl_coef > 0:
-                if old_logprobs is None or ref_logprobs is None:
-                    raise ConfigError("--kl-coef with --advantage-estimator reinforce_plus_plus folds KL into the "
-                                      "rewards: compute old and ref log-probs before compute_advantages and pass them")
-                # slime's compute_advantages_and_returns: the --kl-loss-type estimator of KL(old || ref)
-                kl = kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
-                                 cfg.kl_loss_type)
+                kl = self._reward_kl(old_logprobs, ref_logprobs)
                 current_kl = mean_sequence_kl(kl, mask, lengths)
                 self.kl_ctrl.update(current_kl, n_steps=len(samples))  # verl: after the rewards took beta
                 self.last_advantage_metrics = {"reward_kl": current_kl, "reward_kl_coef": beta}
@@ -285,6 +276,15 @@ class PolicyGradientSpec(Spec):
         if cfg.normalize_advantages:  # --normalize-advantages: whiten the whole batch after the estimator
             flat = adv.masked_whiten(flat, mask)
         return adv.per_sample(flat, lengths)
+
+    def _reward_kl(self, old_logprobs, ref_logprobs) -> torch.Tensor:
+        """The KL folded into the token rewards (``--kl-coef``; REINFORCE++, PPO): slime's
+        compute_advantages_and_returns, the ``--kl-loss-type`` estimator of KL(old || ref), flat over the batch."""
+        if old_logprobs is None or ref_logprobs is None:
+            raise ConfigError(f"--kl-coef with --advantage-estimator {self.cfg.advantage_estimator} folds KL into the "
+                              "rewards: compute old and ref log-probs before the advantages and pass them")
+        return kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
+                           self.cfg.kl_loss_type)
 
     def _grpo_rewards(self, rewards: torch.Tensor, groups) -> torch.Tensor:
         """GRPO's per-sample advantage; ``--disable-rewards-normalization``: the raw reward (slime passes

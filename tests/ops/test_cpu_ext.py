@@ -189,20 +189,25 @@ def _ppo_inputs(n, dtype, seed):
         torch.randn(n, generator=g, dtype=torch.float64)
 
 
+def _torch_and_twin(use_kernels, lp, old, adv, params, ref, roll, g_pg, g_kl):
+    """``(terms, grad of lp)`` of the torch path, then of the C++ twin, for one weighting of pg and kl."""
+    results = []
+    for impl in ("torch", "cpu_ext"):
+        use_kernels(impl)
+        x = lp.clone().requires_grad_()
+        t = policy_loss_terms(x, old, adv, params, ref_logprobs=ref, rollout_logprobs=roll)
+        ((t.pg.double() * g_pg).sum() + (t.kl.double() * g_kl).sum()).backward()
+        results.append((t, x.grad))
+    return results
+
+
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("dual,unbiased", [(None, False), (3.0, True)])
 def test_policy_terms_match_torch(cpu_ext, use_kernels, kl_type, dual, unbiased):
     lp, old, adv, ref, roll, g_pg, g_kl = _ppo_inputs(301, torch.float32, seed=11)
     params = PolicyLossParams(ppo=True, eps_low=0.2, eps_high=0.28, dual_clip_c=dual, kl_type=kl_type,
                               unbiased_kl=unbiased, tis_cap=2.0, tis_low=0.5)
-    results = {}
-    for impl in ("torch", "cpu_ext"):
-        use_kernels(impl)
-        x = lp.clone().requires_grad_()
-        t = policy_loss_terms(x, old, adv, params, ref_logprobs=ref, rollout_logprobs=roll)
-        ((t.pg.double() * g_pg).sum() + (t.kl.double() * g_kl).sum()).backward()
-        results[impl] = (t, x.grad)
-    (tt, tg), (ct, cg) = results["torch"], results["cpu_ext"]
+    (tt, tg), (ct, cg) = _torch_and_twin(use_kernels, lp, old, adv, params, ref, roll, g_pg, g_kl)
     for name in ("ratio", "pg", "kl", "tis_weight"):
         a, b = getattr(tt, name), getattr(ct, name)
         assert b.dtype == a.dtype and torch.allclose(a, b, atol=1e-6, rtol=1e-6), (name, (a - b).abs().max())
@@ -342,14 +347,7 @@ def test_straight_through_kl_goes_around_the_kernels(cpu_ext, use_kernels, kl_ty
 
     lp, old, adv, ref, roll, g_pg, g_kl = _ppo_inputs(301, torch.float32, seed=13)
     params = PolicyLossParams(ppo=True, eps_low=0.2, eps_high=0.28, kl_type=kl_type, tis_cap=2.0)
-    results = {}
-    for impl in ("torch", "cpu_ext"):
-        use_kernels(impl)
-        x = lp.clone().requires_grad_()
-        t = policy_loss_terms(x, old, adv, params, ref_logprobs=ref, rollout_logprobs=roll)
-        ((t.pg.double() * g_pg).sum() + (t.kl.double() * g_kl).sum()).backward()
-        results[impl] = (t, x.grad)
-    (tt, tg), (ct, cg) = results["torch"], results["cpu_ext"]
+    (tt, tg), (ct, cg) = _torch_and_twin(use_kernels, lp, old, adv, params, ref, roll, g_pg, g_kl)
     assert torch.equal(tt.kl, ct.kl) and torch.allclose(tt.pg, ct.pg, atol=1e-6, rtol=1e-6)
     assert torch.allclose(tg, cg, atol=1e-6, rtol=1e-5)
     assert torch.equal(ct.kl, kl_estimate(lp, ref, kl_type[:-1]))  # the value: the base estimator's
