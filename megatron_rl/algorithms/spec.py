@@ -282,7 +282,7 @@ class PolicyGradientSpec(Spec):
         compute_advantages_and_returns, the ``--kl-loss-type`` estimator of KL(old || ref), flat over the batch."""
         if old_logprobs is None or ref_logprobs is None:
             raise ConfigError(f"--kl-coef with --advantage-estimator {self.cfg.advantage_estimator} folds KL into the "
-                              "rewards: compute old and ref log-probs before the advantages and pass them")
+                              "rewards: compute old and ref log-probs before compute_advantages and pass them")
         return kl_estimate(torch.cat(list(old_logprobs)).float(), torch.cat(list(ref_logprobs)).float(),
                            self.cfg.kl_loss_type)
 
