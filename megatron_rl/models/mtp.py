@@ -26,6 +26,9 @@ from typing import Any, Iterator, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from megatron_rl.models.spec import final_norm_module, layer_spec_flavour
+from megatron_rl.models.weights import unwrap
+
 
 def mtp_block_spec(config, layer_specs: list):
     """``MultiTokenPredictionBlockSubmodules`` with one MTP layer per entry of ``layer_specs`` (the
@@ -34,8 +37,6 @@ def mtp_block_spec(config, layer_specs: list):
                                                                   MultiTokenPredictionLayer,
                                                                   MultiTokenPredictionLayerSubmodules)
     from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_rl.models.spec import final_norm_module, layer_spec_flavour
 
     if layer_spec_flavour() == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as column_linear
@@ -78,7 +79,6 @@ class MtpGPTModel(GPTModel):
 
 def mtp_parameters(model_chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` of every MTP-block parameter of this rank's chunks."""
-    from megatron_rl.models.weights import unwrap
 
     for chunk in model_chunks:
         model = unwrap(chunk)
@@ -103,7 +103,6 @@ def capture_mtp_logits(model: Any) -> Iterator[list[torch.Tensor]]:
     Yields a list that fills with one ``[s, b, V/tp]`` tensor per MTP depth per forward (megatron
     calls the shared output layer on each depth before the main hidden states). The forwards
     must pass ``labels`` (megatron-core computes the MTP loss from them)."""
-    from megatron_rl.models.weights import unwrap
 
     model = unwrap(model)
     depths = model.config.mtp_num_layers
@@ -134,7 +133,6 @@ def mtp_logits(model_chunks, seqs: list[torch.Tensor], vocab_size: int) -> list[
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_rl.models.weights import unwrap
 
     last = unwrap(model_chunks[-1])
     depths = int(last.config.mtp_num_layers or 0)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_rl.algorithms.losses import reduce_metrics
 from megatron_rl.backends.loss_rows import packed_loss_rows
 from megatron_rl.data.packing import LossDenominators, PackedBatch
+from megatron_rl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ class MegatronCritic:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_rl.backends.megatron.backend import (ddp_config_kwargs, optimizer_config_kwargs,
-                                                            transformer_config_overrides)
+        from megatron_rl.backends.megatron.backend import (  # lazy: backend.py imports this module (a cycle)
+            ddp_config_kwargs, optimizer_config_kwargs, transformer_config_overrides)
 
         self.backend = backend
         ps = backend.ps
@@ -142,7 +143,6 @@ class MegatronCritic:
     def _load_dist_trunk(self, path: str, hf_dir: str) -> None:
         """``--critic-load``: a model-only torch_dist dir, checked as ``--load``'s (marker, checksums, the model's
         fingerprint and every tensor's shape) and loaded while the output layer is still the policy's."""
-        from megatron_rl.errors import CheckpointError
         from megatron_rl.models import dist_io, model_dir  # lazy: dist_checkpointing
 
         if not model_dir.is_model_dir(path):
