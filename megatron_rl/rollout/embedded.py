@@ -31,7 +31,9 @@ parameter storage; with ``weight_backup=True`` it is kept on the CPU and
 ``resume()`` restores it (on a CPU engine that backup *is* the storage, so only
 the bookkeeping changes); without a backup ``resume()`` allocates uninitialised
 storage and ``generate`` refuses until an ``update_weights`` covering every
-tensor arrives, which is what a colocated trainer sends next anyway.
+tensor arrives, which is what a colocated trainer sends next anyway. An engine that merges
+LoRA adapters itself (``update_adapter``, ``--lora-sync adapter``) keeps its weights and the
+adapted modules' base on the host across a release, so the next sync stays an adapter.
 
 Partial rollouts across weight updates (asynchronous RL; SGLang's ``/pause_generation``,
 ``/continue_generation``): every model use is a *step*, the prefill and first token of a chunk,
@@ -230,6 +232,7 @@ class EmbeddedEngine(RolloutEngine):
         # --lora-sync adapter: the base weights of the adapted modules (HF weight name -> tensor), kept from the
         # first adapter update (which brings the base model); each adapter update merges into these
         self._adapter_base: dict[str, torch.Tensor] = {}
+        self._kept_on_release = weight_backup  # the last release kept the weights on the host
         # the engine lock: a logical flag under one condition, so waiting updates go first at a step boundary
         # (a plain Lock would let the generating thread take it back at once, step after step)
         self._cond = threading.Condition()
@@ -284,11 +287,15 @@ class EmbeddedEngine(RolloutEngine):
             self._release()
 
     def _release(self) -> None:
+        # --lora-sync adapter: the weights go to the host like a weight backup, so the next sync can stay an
+        # adapter (the frozen base would otherwise have to come again from the trainer every step)
+        self._kept_on_release = self.weight_backup or bool(self._adapter_base)
         for name, param in self.model.named_parameters():
             self._shapes[name] = (param.shape, param.dtype)
-            if self.weight_backup:
+            if self._kept_on_release:
                 self._backup[name] = param.data.to("cpu")
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._adapter_base = {name: t.to("cpu") for name, t in self._adapter_base.items()}
         self._released = True
 
     def resume(self) -> None:
@@ -300,12 +307,13 @@ class EmbeddedEngine(RolloutEngine):
             return
         for name, param in self.model.named_parameters():
             shape, dtype = self._shapes[name]
-            if self.weight_backup:
+            if self._kept_on_release:
                 param.data = self._backup.pop(name).to(self.device)
             else:
                 param.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._adapter_base = {name: t.to(self.device) for name, t in self._adapter_base.items()}
         self._released = False
-        self._weights_loaded = self.weight_backup
+        self._weights_loaded = self._kept_on_release
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

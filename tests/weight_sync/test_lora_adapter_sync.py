@@ -97,11 +97,16 @@ def test_in_process_adapter_sync_equals_peft_merge(hf):
     assert fresh.adapter_base_needed()
     with pytest.raises(SyncError, match="holds no base weights to merge the adapter into"):
         fresh.update_adapter(bad, 1)
-    engine.release()  # no backup: the weights are gone, the next sync must bring the base again
+    engine.release()  # colocated: an engine holding an adapter's base keeps its weights on the host
     engine.resume()
-    assert engine.adapter_base_needed()
+    assert not engine.adapter_base_needed() and engine.health().ok
     trainer.step(3)
-    assert sync.sync(trainer, engine, version=3)["sync/base_bytes"] == model_bytes
+    assert sync.sync(trainer, engine, version=3)["sync/bytes"] == adapter_bytes
+    engine_equals_merged(engine, trainer)
+    with pytest.raises(SyncError):  # a failed full update loses the weights: the next sync brings the base
+        engine.update_weights([("model.norm.weight", torch.zeros(1))], 4)
+    assert engine.adapter_base_needed()
+    assert sync.sync(trainer, engine, version=4)["sync/base_bytes"] == model_bytes
     engine_equals_merged(engine, trainer)
 
 
