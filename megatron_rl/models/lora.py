@@ -50,6 +50,7 @@ import torch
 
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
+from megatron_rl.models.peft_adapter import peft_key
 
 LORA_ATTR = "lora"  # the attribute of a model chunk that holds its adapters
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear but the output layer
@@ -95,11 +96,6 @@ class LoraSpec:
         if ALL_LINEAR in self.target_modules:
             return True
         return any(hf_module == t or hf_module.endswith("." + t) for t in self.target_modules)
-
-
-def peft_key(hf_module: str, which: str) -> str:
-    """The key of a PEFT ``adapter_model.safetensors`` tensor (``which``: ``A`` or ``B``)."""
-    return f"base_model.model.{hf_module}.lora_{which}.weight"
 
 
 def is_adapter_name(name: str) -> bool:
