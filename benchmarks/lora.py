@@ -8,6 +8,9 @@ For each variant, one process (megatron-core, one rank, fp32, Adam), the same ra
 * the step time (median over the steps after the first, ``--repeat`` interleaved runs);
 * the bytes one weight sync sends to the engine (``export_weights``: the merged model for LoRA, as the
   engine serves it) and the adapter tensors' own bytes (what an adapter-only sync would send);
+* for LoRA, a real weight sync into the embedded engine (the in-process transport) with ``--lora-sync merged``
+  and ``adapter``: its ``sync/bytes`` and ``sync/time_s`` (median of 3 after the first, which for ``adapter``
+  carries the base model too), the engine's weights checked against the merged export after the last;
 
 as ratios to full fine-tuning, printed in one run.
 
@@ -71,6 +74,7 @@ def run(hf: str, rank: int, samples, args) -> dict:
                       for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
     sync_bytes = sum(t.numel() * t.element_size() for bucket in backend.export_weights(1 << 26) for _, t in bucket)
     adapter_bytes = sum(p.numel() * p.element_size() for a in backend.lora for p in a.parameters())
+    synced = engine_syncs(hf, backend) if rank else {}
     result = {
         "trainable": sum(p.numel() for p in params if p.requires_grad),
         "total": sum(p.numel() for p in params),
@@ -81,9 +85,34 @@ def run(hf: str, rank: int, samples, args) -> dict:
         "step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0],
         "sync_bytes": sync_bytes,
         "adapter_bytes": adapter_bytes,
+        **synced,
     }
     destroy_parallel()
     return result
+
+
+def engine_syncs(hf: str, backend) -> dict:
+    """``--lora-sync merged`` vs ``adapter`` into one embedded engine: bytes and median seconds per sync."""
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.weight_sync.in_process import InProcessSynchronizer
+
+    engine = EmbeddedEngine(hf)
+    version, out = 0, {}
+    for mode in ("merged", "adapter"):
+        sync = InProcessSynchronizer(1 << 26, adapter=mode == "adapter")
+        sync.sync(backend, engine, version)  # the first: adapter mode sends the base model along
+        version += 1
+        seconds, metrics = [], {}
+        for _ in range(3):
+            metrics = sync.sync(backend, engine, version)
+            seconds.append(metrics["sync/time_s"])
+            version += 1
+        out[f"sync_{mode}_bytes"], out[f"sync_{mode}_s"] = metrics["sync/bytes"], statistics.median(seconds)
+    checker = InProcessSynchronizer(1 << 26, check_equal=True, adapter=True)
+    checker._base_sent = True  # the engine holds the base from above: this sync sends the adapter alone
+    out["sync_checked"] = checker.sync(backend, engine, version)["sync/checked_tensors"]
+    engine.close()
+    return out
 
 
 def main() -> None:
@@ -127,6 +156,14 @@ def main() -> None:
             got = results[r][0][key]
             ratio = f"{got / full[key]:.4f}" if full[key] else "-"
             line += f" {fmt.format(got):>14} {ratio:>7}"
+        print(line)
+    for label, key, fmt in [("sync bytes, merged", "sync_merged_bytes", "{:,.0f}"),
+                            ("sync bytes, adapter", "sync_adapter_bytes", "{:,.0f}"),
+                            ("sync s, merged", "sync_merged_s", "{:.4f}"), ("sync s, adapter", "sync_adapter_s", "{:.4f}")]:
+        line = f"{label:>26} {'-':>14}"
+        for r in args.ranks:
+            got, merged = results[r][0][key], results[r][0][key.replace("adapter", "merged")]
+            line += f" {fmt.format(got):>14} {got / merged:>7.4f}"
         print(line)
     line = f"{'step time (s, median)':>26} {step[0]:>14.3f}"
     for r in args.ranks:

@@ -55,6 +55,7 @@ from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
+    from megatron_rl.models.peft_adapter import AdapterExport
     from megatron_rl.config import Config
 
 log = logging.getLogger(__name__)
@@ -374,11 +375,23 @@ class TrainBackend(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False,
+                       merge_adapters: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-layout tensors in buckets of about ``bucket_bytes`` (collective on all ranks).
 
         ``stage_only``: only this rank's pipeline stage's tensors (collective within the stage; no
-        pipeline broadcast), for transports that send from every stage (``export_scope``)."""
+        pipeline broadcast), for transports that send from every stage (``export_scope``).
+        ``merge_adapters`` (a LoRA run): the adapters folded into the weights (what an engine without
+        LoRA serves); False: the frozen base weights, for an engine that merges them itself
+        (``--lora-sync adapter``)."""
+
+    def export_adapters(self, *, stage_only: bool = False) -> "AdapterExport":
+        """A LoRA run's adapters, whole, under HF PEFT's saved keys, with ``r`` and ``lora_alpha``
+        (``--lora-sync adapter``; collective like ``export_weights``, ``stage_only`` likewise)."""
+        from megatron_rl.errors import SyncError  # lazy: only a misconfigured run gets here
+
+        raise SyncError(f"{type(self).__name__} trains no LoRA adapters to export: --lora-sync adapter needs "
+                        "--lora-rank R")
 
     def export_scope(self) -> ExportScope:
         """The pipeline stages of the export and their senders (one stage: the driver, rank 0)."""

@@ -123,6 +123,12 @@ class LoraConfig:
                                     "of PEFT's initialisation; its r, lora_alpha and target modules must equal the "
                                     "--lora-* flags. The KL reference is then the base model plus this adapter (the "
                                     "initial policy).", metavar="DIR")
+    lora_sync: str = flag("merged", "What each weight sync sends the rollout engine in a LoRA run: merged (the whole "
+                          "model with W + alpha/r B A folded in) or adapter (the adapter tensors and their config "
+                          "only; the engine keeps the targeted base weights, sent once on the first sync, and merges "
+                          "them itself). adapter: the embedded engine with --update-weight-transport tensor or disk "
+                          "(a PEFT dir per version); refused with SGLang engines (docs/lora.md).",
+                          choices=("merged", "adapter"))
 
 
 def parse_moe_layer_freq(text):

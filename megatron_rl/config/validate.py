@@ -885,6 +885,21 @@ def _lora_load_errors(lo) -> list[str]:
     return [f"--lora-load {path}: {p}" for p in problems]
 
 
+def _lora_sync_errors(cfg: Config) -> list[str]:
+    """``--lora-sync adapter``: the engines that merge an adapter themselves (the embedded one, in the driver's
+    process or its own) and the transports that carry one (tensor, disk)."""
+    r, s = cfg.rollout, cfg.sync
+    if r.rollout_backend != "embedded":
+        return [f"--lora-sync adapter with --rollout-backend {r.rollout_backend}: SGLang serves LoRA through "
+                "/load_lora_adapter(_from_tensors) and requests that name the adapter, which is not built here (and "
+                "its LoRA needs CUDA); use --lora-sync merged (the default) or the embedded engine"]
+    if s.update_weight_transport not in ("tensor", "disk"):
+        return [f"--lora-sync adapter with --update-weight-transport {s.update_weight_transport}: the adapter goes "
+                "to the embedded engine in-process (tensor) or as a PEFT dir on disk (disk); use one of those or "
+                "--lora-sync merged"]
+    return []
+
+
 def _check_lora(errors: list[str], cfg: Config) -> None:
     """``--lora-*``: what the adapters cannot do (yet) is refused before any worker starts (docs/lora.md)."""
     lo = cfg.lora
@@ -897,7 +912,12 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
                             ("--lora-load", lo.lora_load is not None)):
             if given:
                 errors.append(f"{flag} shapes LoRA adapters, which are off: add --lora-rank R or drop {flag}")
+        if lo.lora_sync != "merged":
+            errors.append(f"--lora-sync {lo.lora_sync} sends LoRA adapters to the engine, and this run trains none: "
+                          "add --lora-rank R or drop --lora-sync")
         return
+    if lo.lora_sync == "adapter":
+        errors.extend(_lora_sync_errors(cfg))
     bad = [t for t in lo.lora_target_modules
            if t != "all-linear" and t.rsplit(".", 1)[-1] not in _LORA_LINEARS]
     if bad:

@@ -50,6 +50,7 @@ import torch
 
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
+from megatron_rl.models.peft_adapter import peft_key
 
 LORA_ATTR = "lora"  # the attribute of a model chunk that holds its adapters
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear but the output layer
@@ -95,11 +96,6 @@ class LoraSpec:
         if ALL_LINEAR in self.target_modules:
             return True
         return any(hf_module == t or hf_module.endswith("." + t) for t in self.target_modules)
-
-
-def peft_key(hf_module: str, which: str) -> str:
-    """The key of a PEFT ``adapter_model.safetensors`` tensor (``which``: ``A`` or ``B``)."""
-    return f"base_model.model.{hf_module}.lora_{which}.weight"
 
 
 def is_adapter_name(name: str) -> bool:
@@ -418,6 +414,35 @@ def local_adapter_tensors(adapters: list[LoraAdapters], source=None) -> Iterator
         for _, adapter in chunk.items():
             for key, param, dim, rank, size in adapter.local_slices():
                 yield key, (param if source is None else source(param)), dim, rank, size
+
+
+@torch.no_grad()
+def full_adapter_tensors(adapters: list[LoraAdapters], *, stage_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of the model, whole, under its PEFT key (``--lora-sync adapter``). Collective: each
+    sharded tensor (column B, row A) is all-gathered over its TP group and concatenated along the axis it is
+    sharded on (``chunk(full, size, dim)[rank]`` reversed); with pipeline parallelism each stage's tensors are
+    then all-gathered over the PP group, unless ``stage_only`` (this rank's stage only, as ``export_weights``)."""
+    from megatron.core import parallel_state as ps  # lazy: megatron
+
+    out: dict[str, torch.Tensor] = {}
+    for chunk in adapters:
+        for _, adapter in chunk.items():
+            for key, param, dim, _, size in adapter.local_slices():
+                local = param.detach().contiguous()
+                if dim >= 0 and size > 1:
+                    parts = [torch.empty_like(local) for _ in range(size)]
+                    torch.distributed.all_gather(parts, local, group=adapter.tp_group)
+                    out[key] = torch.cat(parts, dim=dim)
+                else:
+                    out[key] = local.clone()
+    pp_size = ps.get_pipeline_model_parallel_world_size() if torch.distributed.is_initialized() else 1
+    if pp_size > 1 and not stage_only:
+        stages: list = [None] * pp_size  # each stage's tensors (small: the adapters), on the host for the gather
+        torch.distributed.all_gather_object(stages, {k: v.cpu() for k, v in out.items()},
+                                            group=ps.get_pipeline_model_parallel_group())
+        device = next(iter(out.values())).device if out else torch.device("cpu")
+        out = {k: v.to(device) for stage in stages for k, v in stage.items()}
+    return out
 
 
 def adapter_parameter_count(adapters: list[LoraAdapters]) -> int:

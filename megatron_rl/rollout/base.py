@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Optional, Type, Union
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
-from megatron_rl.errors import EngineError
+from megatron_rl.errors import EngineError, SyncError
 from megatron_rl.infra.registry import Refused, Registry
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
+    from megatron_rl.models.peft_adapter import AdapterExport
     from megatron_rl.plan.engines import EnginePlacement
 
 __all__ = ["ENGINES", "EngineHealth", "GenerateRequest", "RolloutEngine", "SamplingParams", "load_tokenizer",
@@ -105,6 +106,18 @@ class RolloutEngine(abc.ABC):
 
         Raises ``SyncError`` naming unknown names or shape mismatches.
         """
+
+    def update_adapter(self, adapter: "AdapterExport", version: int,
+                       base: Optional[Iterable[tuple[str, Any]]] = None) -> None:
+        """``--lora-sync adapter``: merge a LoRA adapter (``models.peft_adapter``) into the engine's kept base
+        weights, then adopt ``version``; ``base``: the base weights to load (and keep) first. Only engines
+        that merge adapters themselves implement it (the embedded one)."""
+        raise SyncError(f"{type(self).__name__} cannot apply a LoRA adapter itself: use --lora-sync merged")
+
+    def adapter_base_needed(self) -> bool:
+        """Whether the next ``update_adapter`` must carry the base weights (the engine lost or never had them).
+        An engine in another process reports False: the transport sends the base with its first sync."""
+        return False
 
     @abc.abstractmethod
     def update_weights_from_disk(self, path: str, version: int) -> None:

@@ -31,7 +31,9 @@ parameter storage; with ``weight_backup=True`` it is kept on the CPU and
 ``resume()`` restores it (on a CPU engine that backup *is* the storage, so only
 the bookkeeping changes); without a backup ``resume()`` allocates uninitialised
 storage and ``generate`` refuses until an ``update_weights`` covering every
-tensor arrives, which is what a colocated trainer sends next anyway.
+tensor arrives, which is what a colocated trainer sends next anyway. An engine that merges
+LoRA adapters itself (``update_adapter``, ``--lora-sync adapter``) keeps its weights and the
+adapted modules' base on the host across a release, so the next sync stays an adapter.
 
 Partial rollouts across weight updates (asynchronous RL; SGLang's ``/pause_generation``,
 ``/continue_generation``): every model use is a *step*, the prefill and first token of a chunk,
@@ -82,6 +84,7 @@ from megatron_rl.data.types import RoutedExperts, Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
+from megatron_rl.models.peft_adapter import ADAPTER_WEIGHTS, AdapterExport, is_adapter_dir, merged_weight
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
@@ -90,6 +93,16 @@ from megatron_rl.rollout.sampling import sample_next_tokens
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
     from megatron_rl.plan.engines import EnginePlacement
+
+
+def _safetensors_items(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the safetensors ``files``, one at a time."""
+    from safetensors import safe_open
+
+    for fname in files:
+        with safe_open(fname, framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
 
 
 def row_seed(seed: int, request_index: int, sample_index: int) -> int:
@@ -216,6 +229,10 @@ class EmbeddedEngine(RolloutEngine):
         self._weights_loaded = True
         self._backup: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        # --lora-sync adapter: the base weights of the adapted modules (HF weight name -> tensor), kept from the
+        # first adapter update (which brings the base model); each adapter update merges into these
+        self._adapter_base: dict[str, torch.Tensor] = {}
+        self._kept_on_release = weight_backup  # the last release kept the weights on the host
         # the engine lock: a logical flag under one condition, so waiting updates go first at a step boundary
         # (a plain Lock would let the generating thread take it back at once, step after step)
         self._cond = threading.Condition()
@@ -270,11 +287,15 @@ class EmbeddedEngine(RolloutEngine):
             self._release()
 
     def _release(self) -> None:
+        # --lora-sync adapter: the weights go to the host like a weight backup, so the next sync can stay an
+        # adapter (the frozen base would otherwise have to come again from the trainer every step)
+        self._kept_on_release = self.weight_backup or bool(self._adapter_base)
         for name, param in self.model.named_parameters():
             self._shapes[name] = (param.shape, param.dtype)
-            if self.weight_backup:
+            if self._kept_on_release:
                 self._backup[name] = param.data.to("cpu")
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._adapter_base = {name: t.to("cpu") for name, t in self._adapter_base.items()}
         self._released = True
 
     def resume(self) -> None:
@@ -286,12 +307,13 @@ class EmbeddedEngine(RolloutEngine):
             return
         for name, param in self.model.named_parameters():
             shape, dtype = self._shapes[name]
-            if self.weight_backup:
+            if self._kept_on_release:
                 param.data = self._backup.pop(name).to(self.device)
             else:
                 param.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._adapter_base = {name: t.to(self.device) for name, t in self._adapter_base.items()}
         self._released = False
-        self._weights_loaded = self.weight_backup
+        self._weights_loaded = self._kept_on_release
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -355,23 +377,91 @@ class EmbeddedEngine(RolloutEngine):
         self._weights_loaded = True
         self._weight_version = version
 
+    def adapter_base_needed(self) -> bool:
+        """Whether the next ``update_adapter`` must bring the base weights: none kept yet, or the live weights
+        are gone (``release`` without backup, a failed update)."""
+        return not self._adapter_base or self._released or not self._weights_loaded
+
+    def update_adapter(self, adapter: AdapterExport, version: int,
+                       base: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
+        """``--lora-sync adapter``: set every adapted weight to ``W_base + alpha / r * B @ A`` (float32, then the
+        engine's dtype: ``peft_adapter.merged_weight``), then adopt ``version``.
+
+        ``base`` (the trainer's unmerged weights, every tensor): loaded first, as ``update_weights``, and the
+        adapted modules' base weights kept from it; without it the base kept by an earlier update is used.
+        Every adapter tensor is checked (module known, shapes ``[r, in]`` / ``[out, r]``) before any weight
+        changes: a bad adapter leaves the engine at its version, still serving."""
+        with self.exclusive():
+            if base is None and self.adapter_base_needed():
+                raise SyncError(f"adapter update to version {version}: the engine holds no base weights to merge the "
+                                "adapter into (none sent yet, or released); send the base weights with it")
+            if self._released:
+                raise EngineError("embedded engine cannot update weights: released: call resume() first")
+            if base is not None:
+                self._adapter_base = {}
+            modules = self._checked_adapter(adapter, version)
+            if base is not None:
+                self._update_weights(base, version)  # the whole base model, checked as any update
+            try:
+                with torch.no_grad():
+                    for name, (a, b) in modules.items():
+                        dst = self.param_map.view(name)
+                        if name not in self._adapter_base:
+                            self._adapter_base[name] = dst.detach().clone()
+                        dst.copy_(merged_weight(self._adapter_base[name], a.to(dst.device), b.to(dst.device),
+                                                adapter.scaling, dst.dtype))
+            except BaseException:
+                self._weights_loaded = False
+                raise
+            self._weights_loaded = True
+            self._weight_version = version
+
+    def _checked_adapter(self, adapter: AdapterExport, version: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """HF weight name -> ``(A, B)`` of every adapted module, or SyncError naming every problem."""
+        if version < self._weight_version:
+            raise SyncError(f"update_adapter(version={version}) is older than the engine's weight_version "
+                            f"{self._weight_version}; versions only move forward")
+        try:
+            modules = {f"{m}.weight": ab for m, ab in adapter.modules().items()}
+        except ValueError as e:
+            raise SyncError(f"adapter update to version {version}: {e}") from e
+        problems = []
+        for name, (a, b) in modules.items():
+            if name not in self.param_map:
+                problems.append(f"{name}: no such weight in this model")
+                continue
+            out_f, in_f = tuple(self.param_map.view(name).shape)
+            if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (adapter.rank, in_f) or \
+                    tuple(b.shape) != (out_f, adapter.rank):
+                problems.append(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} vs weight {(out_f, in_f)} at "
+                                f"r={adapter.rank}")
+        if self._adapter_base and set(self._adapter_base) - set(modules):
+            problems.append(f"{len(set(self._adapter_base) - set(modules))} module(s) adapted before have no adapter "
+                            f"now (first: {sorted(set(self._adapter_base) - set(modules))[0]})")
+        if problems:
+            raise SyncError(f"adapter update to version {version} refused; the engine stays at version "
+                            f"{self._weight_version}: " + "; ".join(problems[:10]))
+        return modules
+
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Load every ``*.safetensors`` of the directory ``path`` through ``update_weights`` (same name,
-        shape and version checks), one tensor at a time."""
-        from safetensors import safe_open
-
-        files = sorted(glob.glob(os.path.join(str(path), "*.safetensors")))
+        shape and version checks), one tensor at a time. A PEFT dir (``adapter_config.json``, what the disk
+        transport writes under ``--lora-sync adapter``) goes through ``update_adapter``, with the model
+        files beside it, when there are any, as its base weights."""
+        files = sorted(f for f in glob.glob(os.path.join(str(path), "*.safetensors"))
+                       if os.path.basename(f) != ADAPTER_WEIGHTS)
+        if is_adapter_dir(str(path)):
+            try:
+                adapter = AdapterExport.load(str(path))
+            except (OSError, ValueError, KeyError) as e:
+                raise SyncError(f"adapter update to version {version}: {path} is not a readable PEFT dir ({e})") from e
+            self.update_adapter(adapter, version, base=_safetensors_items(files) if files else None)
+            return
         if not files:
             raise SyncError(f"weight update to version {version}: no *.safetensors in {path}; the disk transport "
                             "publishes v<version>/model.safetensors under --update-weight-disk-dir")
 
-        def tensors():
-            for fname in files:
-                with safe_open(fname, framework="pt") as fh:
-                    for name in fh.keys():
-                        yield name, fh.get_tensor(name)
-
-        self.update_weights(tensors(), version)
+        self.update_weights(_safetensors_items(files), version)
 
     # -------------------------------------------------------- pause / continue
     @contextlib.contextmanager

@@ -138,6 +138,12 @@ class ReplicatedEngine(RolloutEngine):
     def update_weights_from_disk(self, path: str, version: int) -> None:
         self.local.update_weights_from_disk(path, version)
 
+    def update_adapter(self, adapter: Any, version: int, base: Optional[Iterable[tuple[str, Any]]] = None) -> None:
+        self.local.update_adapter(adapter, version, base)
+
+    def adapter_base_needed(self) -> bool:
+        return self.local.adapter_base_needed()
+
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         return self.local.named_weights()
 

@@ -53,10 +53,13 @@ class VersionedWeightDir:
         return sorted(int(m.group(1)) for m in map(_VERSION.match, os.listdir(self.root)) if m)
 
     def write(self, named_tensors: Iterable[tuple[str, Any]], version: int,
-              shard_bytes: Optional[int] = None) -> str:
+              shard_bytes: Optional[int] = None, adapter: Any = None) -> str:
         """Publish ``v<version>`` (model.safetensors, or shards of ``shard_bytes`` + index, and the config
         files) atomically; return its path.
 
+        ``adapter`` (``--lora-sync adapter``: a ``models.peft_adapter.AdapterExport``): the version is a PEFT dir,
+        ``adapter_model.safetensors`` + ``adapter_config.json``, with ``named_tensors`` (the base weights, sent
+        with the first adapter only; may be empty) beside it.
         Consumes ``named_tensors`` to the end unless it fails; on any error nothing is published.
         """
         import torch  # lazy: importing this module (SGLang's engine does) needs no torch
@@ -93,11 +96,14 @@ class VersionedWeightDir:
                 shard[name] = t
                 shard_size += nbytes
                 total += nbytes
-            if not names:
+            if not names and adapter is None:
                 raise SyncError(f"weight update to version {version} carries no tensors")
             if shard:
                 flush()
-            self._name_shards(tmp, shards, total)
+            if shards:
+                self._name_shards(tmp, shards, total)
+            if adapter is not None:
+                adapter.save(tmp, base_model=self.hf_checkpoint or "")
             if self.hf_checkpoint:
                 for fname in CONFIG_FILES:
                     src = os.path.join(self.hf_checkpoint, fname)

@@ -16,6 +16,7 @@ from megatron_rl.infra.registry import Refused, Registry
 
 if TYPE_CHECKING:
     from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.models.peft_adapter import AdapterExport
     from megatron_rl.config.schema import Config
     from megatron_rl.rollout.base import RolloutEngine
     from megatron_rl.plan.engines import EnginePlacement
@@ -31,17 +32,22 @@ class WeightSynchronizer(abc.ABC):
     transports that address engines rank by rank use it.
     """
 
-    def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0):
+    def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
+                 adapter: bool = False):
         self.bucket_bytes = bucket_bytes
         self.check_equal = check_equal
         self.driver_rank = driver_rank
+        # --lora-sync adapter (the transports that carry one: tensor to the embedded engine, disk): each sync
+        # sends the LoRA adapter, the first one (and any after the engine lost its weights) the base model too
+        self.adapter = adapter
+        self._base_sent = False
 
     @classmethod
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0,
                     engines: Optional["EnginePlacement"] = None) -> "WeightSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
-                   driver_rank=driver_rank)
+                   driver_rank=driver_rank, adapter=cfg.lora.lora_sync == "adapter")
 
     def on_driver(self) -> bool:
         """Whether this rank holds the engine (the driver): one process, or rank ``driver_rank``."""
@@ -56,6 +62,41 @@ class WeightSynchronizer(abc.ABC):
         ``engine`` is None on ranks that hold no engine (they still take part in the export).
         """
 
+    def base_wanted(self, engine: "RolloutEngine | None") -> bool:
+        """Collective (``--lora-sync adapter``): whether this sync carries the base weights with the adapter:
+        on the transport's first sync, and whenever an engine on any rank lost them (released without backup)."""
+        from megatron_rl.infra.dist import gather_problems  # lazy: the table below loads without torch
+
+        mine = not self._base_sent or (engine is not None and engine.adapter_base_needed())
+        return bool(gather_problems(["base"] if mine else []))
+
+    def export_adapter(self, backend: "TrainBackend", engine: "RolloutEngine | None"
+                       ) -> tuple["AdapterExport", Optional["ExportStream"]]:
+        """Collective: the backend's adapter, and the stream of its base weights when :meth:`base_wanted`
+        (iterate or ``drain`` it on every rank)."""
+        with_base = self.base_wanted(engine)
+        adapter = backend.export_adapters()
+        return adapter, (ExportStream(backend, self.bucket_bytes, merge_adapters=False) if with_base else None)
+
+    def adapter_metrics(self, adapter: "AdapterExport", base: Optional["ExportStream"], version: int,
+                        seconds: float) -> dict[str, float]:
+        """``sync/bytes``: what the sync sent (the adapter, plus the base model when it went along)."""
+        self._base_sent = True
+        base_bytes = base.bytes if base is not None else 0
+        return {"sync/time_s": seconds, "sync/bytes": float(adapter.nbytes + base_bytes),
+                "sync/adapter_bytes": float(adapter.nbytes), "sync/base_bytes": float(base_bytes),
+                "sync/buckets": float(1 + (base.buckets if base is not None else 0)),
+                "sync/weight_version": float(version)}
+
+    def check_merged(self, backend: "TrainBackend", engine: "RolloutEngine | None") -> Optional[float]:
+        """Collective (``--check-weight-update-equal`` with ``--lora-sync adapter``): the engine's weights against
+        the trainer's merged export (an extra export, for the check only); the number checked where an engine is."""
+        merged = ExportStream(backend, self.bucket_bytes, keep_copies=engine is not None)
+        merged.drain()
+        if engine is None:
+            return None
+        return float(check_engine_equals(engine, merged.sent, half_rtol=True))
+
     def shutdown(self) -> None:
         """Release what the transport holds between syncs (the distributed one: its process group with the
         servers); a no-op for transports that hold nothing. Safe to call more than once."""
@@ -68,17 +109,22 @@ class ExportStream:
     through a consumer or ``drain()``."""
 
     def __init__(self, backend: "TrainBackend", bucket_bytes: int, *, keep_copies: bool = False,
-                 stage_only: bool = False):
+                 stage_only: bool = False, merge_adapters: bool = True):
         self.bytes = self.tensors = self.buckets = 0
         self.sent: dict = {}
-        self._buckets = self._bucket_stream(backend, bucket_bytes, keep_copies, stage_only)
+        self._buckets = self._bucket_stream(backend, bucket_bytes, keep_copies, stage_only, merge_adapters)
         self._items = (item for bucket in self._buckets for item in bucket)
 
-    def _bucket_stream(self, backend, bucket_bytes, keep_copies, stage_only):
-        # stage_only: this rank's pipeline stage (TrainBackend.export_scope); asked only then, so a
-        # backend double without the keyword still serves the whole-model transports
-        buckets = backend.export_weights(bucket_bytes, stage_only=True) if stage_only else \
-            backend.export_weights(bucket_bytes)
+    def _bucket_stream(self, backend, bucket_bytes, keep_copies, stage_only, merge_adapters):
+        # stage_only / merge_adapters: asked only when set, so a backend double without the keywords still
+        # serves the whole-model transports (stage_only: this rank's pipeline stage, TrainBackend.export_scope;
+        # merge_adapters False: a LoRA run's base weights, --lora-sync adapter)
+        kwargs: dict[str, bool] = {}
+        if stage_only:
+            kwargs["stage_only"] = True
+        if not merge_adapters:
+            kwargs["merge_adapters"] = False
+        buckets = backend.export_weights(bucket_bytes, **kwargs)
         for bucket in buckets:
             bucket = list(bucket)
             self.buckets += 1
@@ -129,16 +175,29 @@ TRANSPORTS: Registry[Type[WeightSynchronizer]] = Registry("--update-weight-trans
 })
 
 
-def check_engine_equals(engine: "RolloutEngine", sent: dict) -> int:
+def check_engine_equals(engine: "RolloutEngine", sent: dict, *, half_rtol: bool = False) -> int:
     """``--check-weight-update-equal``: every engine tensor equals what was sent (after casting to the
-    sent dtype), and nothing the engine holds went unsent; returns the number checked, else SyncError."""
+    sent dtype), and nothing the engine holds went unsent; returns the number checked, else SyncError.
+    ``half_rtol`` (an engine that merged a LoRA adapter itself, against the trainer's merged export): a
+    bf16/fp16 tensor may differ by ``peft_adapter.HALF_RTOL`` of the tensor's largest value (the trainer
+    may merge in half precision, the engine merges in float32); float32 tensors must be equal."""
     import torch  # lazy: the table above loads without torch
+
+    from megatron_rl.models.peft_adapter import HALF_RTOL  # lazy: with torch
 
     live = dict(engine.named_weights())
     differ = []
     for name, want in sent.items():
         got = live.get(name)
-        if got is None or got.shape != want.shape or not torch.equal(got.to(want.dtype).cpu(), want):
+        if got is None or got.shape != want.shape:
+            differ.append(name)
+            continue
+        got = got.to(want.dtype).cpu()
+        if half_rtol and want.dtype in (torch.bfloat16, torch.float16) and want.numel():
+            scale = want.float().abs().max().item()
+            if (got.float() - want.float()).abs().max().item() > HALF_RTOL * scale:
+                differ.append(name)
+        elif not torch.equal(got, want):
             differ.append(name)
     missing = sorted(set(live) - set(sent))
     if differ or missing:

@@ -45,8 +45,8 @@ class DiskSynchronizer(WeightSynchronizer):
 
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
                  disk_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
-                 keep_versions: int = KEEP_VERSIONS, checkpoint_root: Optional[str] = None):
-        super().__init__(bucket_bytes, check_equal, driver_rank)
+                 keep_versions: int = KEEP_VERSIONS, checkpoint_root: Optional[str] = None, adapter: bool = False):
+        super().__init__(bucket_bytes, check_equal, driver_rank, adapter=adapter)
         self.weights = VersionedWeightDir(disk_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions)
         self.checkpoint_root = checkpoint_root  # --save: a full disk stops with exit 3 when it holds a checkpoint
 
@@ -55,7 +55,7 @@ class DiskSynchronizer(WeightSynchronizer):
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint,
-                   checkpoint_root=cfg.checkpoint.save)
+                   checkpoint_root=cfg.checkpoint.save, adapter=cfg.lora.lora_sync == "adapter")
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -68,21 +68,31 @@ class DiskSynchronizer(WeightSynchronizer):
         in_engine = self.check_equal and here and hasattr(engine, "check_first_update")
         if in_engine:
             setattr(engine, "check_first_update", True)  # an SGLang engine's own switch (the hasattr above)
-        exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal and not in_engine)
+        adapter = None
+        if self.adapter:  # --lora-sync adapter: a PEFT dir per version, the base model beside the first one
+            adapter, exported = self.export_adapter(backend, engine)
+        else:
+            exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal and not in_engine)
         write_s = load_s = 0.0
         error: Optional[BaseException] = None
         if here:
             try:
                 # shards of one bucket: the driver holds one at a time, not the whole model (a 30B model in bf16
                 # would otherwise sit in its host memory whole, 60 GB)
-                path = self.weights.write(exported, version, shard_bytes=self.bucket_bytes)
+                path = self.weights.write(exported if exported is not None else (), version,
+                                          shard_bytes=self.bucket_bytes, adapter=adapter)
             except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError included; agreed below
-                exported.drain()  # the other ranks are still in the collective export: let them finish it
+                if exported is not None:
+                    exported.drain()  # the other ranks are still in the collective export: let them finish it
                 error = self._named(e, version)
         elif replica:
             assert engine is not None, "a replica is a rank that holds an engine"
-            engine.update_weights(exported, version)
-        else:
+            if adapter is not None:
+                engine.update_adapter(adapter, version, base=exported)
+            else:
+                assert exported is not None, "a full sync always exports"
+                engine.update_weights(exported, version)
+        elif exported is not None:
             exported.drain()
         try:
             all_ranks_ok(error, reraise_own=True)  # every rank is past the export: all go on, or all raise
@@ -95,10 +105,19 @@ class DiskSynchronizer(WeightSynchronizer):
             engine.update_weights_from_disk(path, version)
             load_s = time.perf_counter() - t1
             self.weights.prune(version)
-        metrics = exported.metrics(version, time.perf_counter() - t0)
+        if adapter is not None:
+            metrics = self.adapter_metrics(adapter, exported, version, time.perf_counter() - t0)
+        else:
+            assert exported is not None, "a full sync always exports"
+            metrics = exported.metrics(version, time.perf_counter() - t0)
         metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
-        if self.check_equal and (replica or here and not in_engine):
-            assert engine is not None, "a replica, like the driver here, holds an engine"
+        if adapter is not None:
+            if self.check_equal:  # an extra merged export, compared on each rank that holds an in-process engine
+                checked = self.check_merged(backend, engine if (replica or here and not in_engine) else None)
+                if checked is not None:
+                    metrics["sync/checked_tensors"] = checked
+        elif self.check_equal and (replica or here and not in_engine):
+            assert engine is not None and exported is not None, "a replica, like the driver here, holds an engine"
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics
 

@@ -26,6 +26,8 @@ class InProcessSynchronizer(WeightSynchronizer):
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        if self.adapter:
+            return self._sync_adapter(backend, engine, version, t0)
         exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal)
         if engine is not None:
             engine.update_weights(exported, version)
@@ -34,4 +36,24 @@ class InProcessSynchronizer(WeightSynchronizer):
         metrics = exported.metrics(version, time.perf_counter() - t0)
         if self.check_equal and engine is not None:
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
+        return metrics
+
+    def _sync_adapter(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int,
+                      t0: float) -> dict[str, float]:
+        """``--lora-sync adapter``: the adapter tensors into each engine (which merges them into its kept base),
+        the base model along on the first sync."""
+        adapter, base = self.export_adapter(backend, engine)
+        if engine is not None:
+            try:
+                engine.update_adapter(adapter, version, base=base)
+            finally:
+                if base is not None:
+                    base.drain()  # a failed update still lets the other ranks finish the collective export
+        elif base is not None:
+            base.drain()
+        metrics = self.adapter_metrics(adapter, base, version, time.perf_counter() - t0)
+        if self.check_equal:
+            checked = self.check_merged(backend, engine)
+            if checked is not None:
+                metrics["sync/checked_tensors"] = checked
         return metrics

@@ -84,3 +84,23 @@ def test_lora_load_must_be_a_plain_peft_adapter_with_the_runs_settings(argv, tmp
     assert any("only plain LoRA adapters load" in e for e in errors(ok)), errors(ok)
     found = errors(argv("--lora-load", str(adapter)))
     assert any("--lora-load shapes LoRA adapters, which are off" in e for e in found), found
+
+
+def test_lora_sync_adapter_needs_an_adapter_run_and_the_embedded_engine(argv):
+    assert parse_config(argv("--lora-rank", "4"), validate=False).lora.lora_sync == "merged"  # the default
+    found = errors(argv("--lora-sync", "adapter"))
+    assert any("--lora-sync adapter sends LoRA adapters to the engine, and this run trains none: add --lora-rank R"
+               in e for e in found), found
+    for transport in ("tensor", "disk"):
+        assert not [e for e in errors(argv("--lora-rank", "4", "--lora-sync", "adapter",
+                                           "--update-weight-transport", transport)) if "--lora-sync" in e]
+    assert not [e for e in errors(argv("--lora-rank", "4", "--lora-sync", "adapter", "--embedded-engine-ranks",
+                                       "process")) if "--lora-sync" in e]  # its own process: disk
+    found = errors(argv("--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
+                        "--rollout-engine-urls", "http://127.0.0.1:1"))
+    assert any("--lora-sync adapter with --rollout-backend sglang: SGLang serves LoRA through /load_lora_adapter"
+               in e for e in found), found
+    from megatron_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--lora-sync: invalid choice: 'adapters'"):
+        parse_config(argv("--lora-rank", "4", "--lora-sync", "adapters"), validate=False)

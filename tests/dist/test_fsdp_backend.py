@@ -300,6 +300,18 @@ def test_lora_on_fsdp_equals_one_process_and_the_megatron_backend(runs):
         assert lo["optimizer_params"] == lo["adapters"] and lo["optimizer_state_params"] == len(lo["adapters"])
         assert lo["tag_tensors"] == lo["adapters"] and lo["snapshot_vs_initial"] == 0.0
         assert lo["frozen"] > 0 and lo["base_unchanged"]
+    # --lora-sync adapter: each backend's export_adapters (gathered, PEFT's keys) merged as the engine merges them
+    # (float32) is its merged export bit for bit; the two backends' adapters after 3 steps agree within the weights'
+    # tolerance, as do FSDP at DP2 and DP1 (their gradients are summed in another order)
+    for rec in (one["megatron_lora"], one["fsdp_lora"], two["fsdp_lora"]):
+        sync = rec["adapter_sync"]
+        assert sync["merge_max_diff"] == 0.0 and sync["others_are_base"], sync
+        assert len(sync["keys"]) == layers * 7 * 2 and sync["r_alpha"] == [4, 8.0]
+    mega, fsdp1, fsdp2 = (torch.load(d / f"{n}_adapter.pt") for d, n in
+                          ((one_dir, "megatron_lora"), (one_dir, "fsdp_lora"), (two_dir, "fsdp_lora")))
+    assert set(mega) == set(fsdp1) == set(fsdp2)
+    assert max((mega[k].float() - fsdp1[k]).abs().max().item() for k in mega) <= 2e-5
+    assert max((fsdp2[k] - fsdp1[k]).abs().max().item() for k in fsdp1) <= 2e-5
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)

@@ -43,6 +43,9 @@ def test_lora_layouts_equal_peft(tiny_hf_models, tmp_path):
             assert rec["trainable_are_adapters"] and rec["base_grads"] == 0, (name, rec)
             assert rec["grad_buffer_params"] == rec["optimizer_params"] == rec["adapter_params"] > 0, (name, rec)
             assert rec["optim_ok"] and rec["base_unchanged"] and rec["adapters_moved"], (name, rec)
+            # --lora-sync adapter: the TP/PP-gathered adapters are PEFT's, and the engine's float32 merge of them
+            # is the trainer's merged export bit for bit
+            assert rec["gathered_adapters_equal"] and rec["engine_merge_max_diff"] == 0.0, (name, rec)
         # every PEFT tensor is held somewhere: all of them on each rank, or split between the PP stages
         held = [r["adapter_tensors_here"] for r in ranks]
         want = ranks[0]["peft_tensors"]

@@ -192,6 +192,22 @@ def test_rollout_only_feeds_train_only_and_resume_continues(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_adapter_sync_colocated(tmp_path):
+    """--lora-sync adapter on the demo: the base model goes to the engine once, then only the adapter tensors;
+    the engine replicas on both ranks merge them and equal the trainer's merged export after every sync
+    (--check-weight-update-equal), across the colocated release and resume of the engine."""
+    out = tmp_path / "lora"
+    run_demo(out, 3, "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--lora-sync", "adapter",
+             "--colocate", "--no-auto-resume", "--eval-interval", "100", "--save-interval", "100")
+    syncs = [r for r in metrics(out) if "sync/bytes" in r]
+    assert [r["sync/weight_version"] for r in syncs] == [0, 1, 2, 3]
+    adapter = syncs[0]["sync/adapter_bytes"]
+    assert adapter == 4 * 16384  # 16,384 fp32 adapter parameters (r8 on all-linear of the demo's qwen2)
+    assert syncs[0]["sync/bytes"] == adapter + syncs[0]["sync/base_bytes"] == adapter + 305408  # + the base model
+    assert all(r["sync/bytes"] == adapter and r["sync/checked_tensors"] == 26 for r in syncs[1:])
+    assert max(r["train/mismatch_abs_logprob"] for r in syncs[1:]) < 1e-5
+
+
 def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
     """--colocate: the engine drops its weights before every train step and gets a full,
     verified weight update before the next rollout (the GPU choreography, run on CPU)."""

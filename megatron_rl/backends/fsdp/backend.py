@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
+from megatron_rl.models.peft_adapter import AdapterExport
 from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, bucketed, finish_step_metrics
 from megatron_rl.backends.fsdp import lora as fsdp_lora
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
@@ -276,7 +277,8 @@ class FSDPBackend(TrainBackend):
                                    update_ok=update_ok, loss_scale=loss_scale if self.loss_scaler else None,
                                    micro_batches=plan.num_micro_batches, started=t0)
 
-    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False,
+                       merge_adapters: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors under the checkpoint's names, in buckets. Collective: every rank
         all-gathers each parameter (``full_tensor``) in the same order and gets the same buckets.
 
@@ -284,11 +286,22 @@ class FSDPBackend(TrainBackend):
         them (MoE experts become one ``experts.gate_up_proj``); the rollout engine and the HF
         checkpoint know the per-expert names, so each layer's tensors are converted back as
         ``save_pretrained`` does. Tied weights appear once, as in the checkpoint. One pipeline stage:
-        ``stage_only`` exports the same."""
-        yield from bucketed((item for unit in self._full_tensors_by_layer()
+        ``stage_only`` exports the same. ``merge_adapters`` False: a LoRA run's frozen base weights."""
+        yield from bucketed((item for unit in self._full_tensors_by_layer(merge_adapters)
                              for item in hf_checkpoint_names(self.model, unit).items()), bucket_bytes)
 
-    def _full_tensors_by_layer(self) -> Iterator[dict[str, torch.Tensor]]:
+    def export_adapters(self, *, stage_only: bool = False) -> AdapterExport:
+        """The adapters all-gathered over the FSDP mesh, float32 (the masters the merge uses), PEFT's keys."""
+        if self.lora_scaling is None:
+            return super().export_adapters(stage_only=stage_only)
+
+        lo = self.cfg.lora
+        with torch.no_grad():
+            tensors = {fsdp_lora.saved_key(name): (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).float()
+                       for name, p in self.model.named_parameters() if fsdp_lora.is_adapter(name)}
+        return AdapterExport(tensors, lo.lora_rank, float(lo.lora_alpha))
+
+    def _full_tensors_by_layer(self, merge_adapters: bool = True) -> Iterator[dict[str, torch.Tensor]]:
         """The gathered parameters (and persistent buffers, ``hf_module.checkpoint_tensors``), one dict per
         decoder layer (and one per run of other parameters), in ``named_parameters`` order: a conversion
         never spans layers."""
@@ -297,19 +310,19 @@ class FSDPBackend(TrainBackend):
         for name, p in checkpoint_tensors(self.model):
             here = layer_of(name)  # "model.layers.7", or None outside the decoder layers
             if unit and here != key:
-                yield self._export_unit(unit)
+                yield self._export_unit(unit, merge_adapters)
                 unit = {}
             key = here
             with torch.no_grad():
                 unit[name] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         if unit:
-            yield self._export_unit(unit)
+            yield self._export_unit(unit, merge_adapters)
 
-    def _export_unit(self, unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _export_unit(self, unit: dict[str, torch.Tensor], merge_adapters: bool = True) -> dict[str, torch.Tensor]:
         """The engine's tensors of one unit: LoRA adapters merged in float32 (plain HF names), then the run's
-        dtype."""
+        dtype; ``merge_adapters`` False: the base weights under the plain HF names."""
         if self.lora_scaling is not None:
-            unit = fsdp_lora.merge_unit(unit, self.lora_scaling)
+            unit = fsdp_lora.merge_unit(unit, self.lora_scaling, merge=merge_adapters)
         return {name: t.to(self.params_dtype) for name, t in unit.items()}
 
     def save(self, path: str, extra_state: dict) -> None:

@@ -72,10 +72,17 @@ def load_peft_dir(model: torch.nn.Module, path: str) -> None:
                               f"{missing[0]}); pass the --lora-target-modules the adapter dir was trained with")
 
 
-def merge_unit(unit: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def saved_key(name: str) -> str:
+    """An injected adapter parameter's key in PEFT's ``adapter_model.safetensors``
+    (``model.layers.0.self_attn.q_proj.lora_A.default.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj
+    .lora_A.weight``)."""
+    return _SAVED_PREFIX + name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+
+
+def merge_unit(unit: dict[str, torch.Tensor], scaling: float, merge: bool = True) -> dict[str, torch.Tensor]:
     """One layer's full float32 tensors with the adapters folded in, under the plain HF names:
     ``x.base_layer.weight`` + ``scaling * x.lora_B @ x.lora_A`` -> ``x.weight``; ``x.base_layer.bias`` ->
-    ``x.bias``; the adapter tensors themselves dropped."""
+    ``x.bias``; the adapter tensors themselves dropped. ``merge`` False: the base weights under those names."""
     out: dict[str, torch.Tensor] = {}
     for name, t in unit.items():
         if is_adapter(name):
@@ -84,7 +91,7 @@ def merge_unit(unit: dict[str, torch.Tensor], scaling: float) -> dict[str, torch
         if not sep:
             out[name] = t
             continue
-        if leaf == "weight":
+        if leaf == "weight" and merge:
             a, b = unit[f"{prefix}.lora_A.{ADAPTER}.weight"], unit[f"{prefix}.lora_B.{ADAPTER}.weight"]
             t = t + (b.float() @ a.float()).mul_(scaling).to(t.dtype)
         out[f"{prefix}.{leaf}"] = t

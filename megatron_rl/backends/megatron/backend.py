@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import LossInputs, reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput, Spec
+from megatron_rl.models.peft_adapter import AdapterExport
 from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager, bucketed,
                                       finish_step_metrics)
 from megatron_rl.backends.loss_rows import LossRows, keep_rows, packed_loss_rows
@@ -413,14 +414,25 @@ class MegatronBackend(TrainBackend):
                                    lr=self.optimizer.param_groups[0]["lr"], update_ok=update_ok,
                                    loss_scale=loss_scale, micro_batches=plan.num_micro_batches, started=t0)
 
-    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False,
+                       merge_adapters: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         with contextlib.ExitStack() as merged:  # LoRA: the engine gets the adapters folded into the weights
-            for adapters in self.lora:
+            for adapters in self.lora if merge_adapters else ():
                 merged.enter_context(adapters.merged())
             # the MTP layers are frozen: the engine's own copy (from the same checkpoint) stays current
             yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
                                                               stage_only=stage_only, include_mtp=False),
                                 bucket_bytes)
+
+    def export_adapters(self, *, stage_only: bool = False) -> AdapterExport:
+        """The adapters gathered over TP (and PP unless ``stage_only``): ``models/lora.full_adapter_tensors``."""
+        if not self.lora:
+            return super().export_adapters(stage_only=stage_only)
+        from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
+
+        lo = self.cfg.lora
+        return AdapterExport(lora.full_adapter_tensors(self.lora, stage_only=stage_only), lo.lora_rank,
+                             float(lo.lora_alpha))
 
     def export_scope(self) -> ExportScope:
         """Each stage's sender: the rank of the stage at data-, tensor- and context-parallel rank 0

@@ -106,6 +106,21 @@ def main():
         if "save" in ckpt:  # checkpoint after 3 steps, then the uninterrupted 4th step
             backend.save(os.path.join(ckpt["save"], "iter_0000003"), {"rollout_id": 3})
             train(3)
+        if lora_run:  # --lora-sync adapter: the adapters, merged as the engine merges them, are the merged export
+            from megatron_rl.models.peft_adapter import merged_weight
+
+            adapter = backend.export_adapters()
+            base = {n: t.clone() for b in backend.export_weights(1 << 20, merge_adapters=False) for n, t in b}
+            merged = {n: t.clone() for b in backend.export_weights(1 << 20) for n, t in b}
+            adapted = {f"{m}.weight": ab for m, ab in adapter.modules().items()}
+            rec["adapter_sync"] = {
+                "merge_max_diff": max((merged[n] - merged_weight(base[n], a, b, adapter.scaling)).abs().max().item()
+                                      for n, (a, b) in adapted.items()),
+                "others_are_base": set(merged) == set(base) and all(torch.equal(merged[n], base[n])
+                                                                    for n in merged if n not in adapted),
+                "keys": sorted(adapter.tensors), "r_alpha": [adapter.rank, adapter.alpha]}
+            if dist.get_rank() == 0:
+                torch.save(adapter.tensors, os.path.join(out_dir, f"{run}_adapter.pt"))
         if name == "fsdp" and lora_run:
             initial = [torch.tensor(x) for x in rec["logprobs"]]
             snap = backend.maybe_compute_ref_log_probs(samples, True)

@@ -11,12 +11,14 @@ argv: OUT_JSON then entries ``name:family:hf_dir:tp,pp,ep,sp,distopt:targets`` (
   holds exactly the adapter parameters, and every base weight is bitwise unchanged after it.
 """
 
+import contextlib
 import json
 import sys
 
 import torch
 
 from megatron_rl.models import get_bridge, lora, parity
+from megatron_rl.models.peft_adapter import AdapterExport, merged_weight
 from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
 LENGTHS = [11, 6, 16, 4]
@@ -66,6 +68,19 @@ def main():
         tensors = {saved_name(n): p.detach().clone() for n, p in pm.named_parameters() if "lora_" in n}
         lora.load_peft_tensors(adapters, tensors)
         base_before = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
+        # --lora-sync adapter: the gathered adapters are PEFT's tensors, and the engine's merge of them into the
+        # base equals the trainer's merged export at this layout
+        full = lora.full_adapter_tensors(adapters)
+        sync_rec = {"gathered_adapters_equal": set(full) == set(tensors)
+                    and all(torch.equal(full[k], tensors[k]) for k in tensors)}
+        with contextlib.ExitStack() as merged:
+            for a in adapters:
+                merged.enter_context(a.merged())
+            merged_export = {k: v.clone() for k, v in bridge.export_hf_weights(chunks)}
+        adapter = AdapterExport(full, RANK, ALPHA)
+        sync_rec["engine_merge_max_diff"] = max(
+            (merged_export[f"{m}.weight"] - merged_weight(base_before[f"{m}.weight"], a, b, adapter.scaling))
+            .abs().max().item() for m, (a, b) in adapter.modules().items())
 
         config = chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
@@ -80,7 +95,7 @@ def main():
         mbs = all_mbs[dp_rank]
         seqs = [s for mb in mbs for s in mb.seqs]
         logits = parity.megatron_run(model, mbs, bridge.vocab_size, packed=True, forward_only=False)
-        rec = {"dp": dp, "layout": layout.describe()}
+        rec = {"dp": dp, "layout": layout.describe(), **sync_rec}
         rec["vs_peft"] = parity.compare(logits, parity.hf_logits(pm, mbs), seqs)["max_abs_logit_diff"]
         with lora.adapters_disabled(adapters), torch.no_grad():
             base_logits = parity.megatron_run(chunks, mbs, bridge.vocab_size, packed=True)

@@ -1,0 +1,110 @@
+"""A LoRA adapter as HF PEFT saves it: what ``--lora-sync adapter`` sends the rollout engine instead of the model.
+
+Both backends hand it over (``TrainBackend.export_adapters``): every adapted HF module's full ``lora_A``
+``[r, in]`` and ``lora_B`` ``[out, r]`` (gathered over tensor / data parallelism) under PEFT's saved keys,
+``base_model.model.<hf module>.lora_{A,B}.weight`` (what ``adapter_model.safetensors`` holds), with ``r`` and
+``lora_alpha``. On disk it is a PEFT dir (``adapter_model.safetensors`` + ``adapter_config.json``), which
+``peft.PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read.
+
+:func:`merged_weight` is the one merge an engine applies: ``W_base + alpha / r * B @ A`` in float32, then the
+engine's dtype. It is the trainers' merge on a float32 run (the megatron backend's ``LoraAdapters.merged``,
+the FSDP backend's ``merge_unit``), so the engine's weights equal the trainer's merged export bit for bit there;
+in bf16 the megatron backend merges in bf16 and the two differ by the rounding of one bf16 add
+(``--check-weight-update-equal`` allows :data:`HALF_RTOL` relative there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+SAVED_PREFIX = "base_model.model."  # how PEFT's save_pretrained prefixes the adapter keys
+HALF_RTOL = 2.0 ** -7  # two bf16 ulps: an engine's float32 merge vs a trainer that merged in bf16
+
+
+def peft_key(hf_module: str, which: str) -> str:
+    """The key of a PEFT ``adapter_model.safetensors`` tensor (``which``: ``A`` or ``B``)."""
+    return f"{SAVED_PREFIX}{hf_module}.lora_{which}.weight"
+
+
+@dataclass(frozen=True)
+class AdapterExport:
+    """Full adapter tensors under PEFT's saved keys, and the adapter's ``r`` and ``lora_alpha``."""
+
+    tensors: dict[str, torch.Tensor]
+    rank: int
+    alpha: float
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's ``lora_alpha / r`` (plain LoRA: no rsLoRA)."""
+        return self.alpha / self.rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def modules(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """HF module name (``model.layers.0.self_attn.q_proj``) -> its ``(A, B)``; a key without its pair is
+        refused by name."""
+        out = {}
+        for key, a in self.tensors.items():
+            if not key.endswith(".lora_A.weight"):
+                if not key.endswith(".lora_B.weight"):
+                    raise ValueError(f"LoRA adapter tensor {key!r}: not a PEFT lora_A/lora_B key")
+                continue
+            module = key[len(SAVED_PREFIX): -len(".lora_A.weight")]
+            b = self.tensors.get(peft_key(module, "B"))
+            if b is None:
+                raise ValueError(f"LoRA adapter has {key!r} but no {peft_key(module, 'B')!r}")
+            out[module] = (a, b)
+        if 2 * len(out) != len(self.tensors):
+            raise ValueError("LoRA adapter has lora_B tensors without their lora_A")
+        return out
+
+    def config(self, base_model: str = "") -> dict:
+        """PEFT's ``adapter_config.json`` (plain LoRA: no rsLoRA, DoRA or bias; target modules as the leaf names
+        of the adapted modules, as PEFT writes them)."""
+        targets = sorted({k[len(SAVED_PREFIX):].split(".lora_")[0].rsplit(".", 1)[-1] for k in self.tensors})
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "lora_dropout": 0.0, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+                "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+                "base_model_name_or_path": base_model, "inference_mode": True}
+
+    def save(self, directory: str, base_model: str = "") -> None:
+        """``adapter_model.safetensors`` + ``adapter_config.json`` into ``directory`` (the caller publishes it
+        atomically)."""
+        from safetensors.torch import save_file  # lazy: only the disk route writes files
+
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()},
+                  os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(directory, ADAPTER_CONFIG), "w") as f:
+            json.dump(self.config(base_model), f, indent=1)
+
+    @classmethod
+    def load(cls, directory: str) -> "AdapterExport":
+        """A PEFT dir as written by :meth:`save` (or PEFT's ``save_pretrained`` of plain LoRA)."""
+        from safetensors.torch import load_file  # lazy: only the disk route reads files
+
+        with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
+            cfg = json.load(f)
+        if str(cfg.get("peft_type", "LORA")).upper() != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+            raise ValueError(f"{directory}/{ADAPTER_CONFIG}: only plain LoRA adapters are applied (no DoRA, rsLoRA)")
+        return cls(load_file(os.path.join(directory, ADAPTER_WEIGHTS)), int(cfg["r"]), float(cfg["lora_alpha"]))
+
+
+def is_adapter_dir(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, ADAPTER_CONFIG))
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``base + scaling * B @ A`` in float32, then ``dtype`` (default: the base's)."""
+    delta = (b.to(torch.float32) @ a.to(torch.float32)) * scaling
+    return (base.to(torch.float32) + delta).to(dtype or base.dtype)
