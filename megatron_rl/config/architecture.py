@@ -30,7 +30,7 @@ from .schema import Config
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
@@ -45,14 +45,15 @@ PER_LAYER_ROPE_TYPES = ("gemma3_text",)
 TIED_BY_DEFAULT_TYPES = ("gemma3_text",)
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
-# Qwen3-Next: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
+# Qwen3-Next and Qwen3.5's text models: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
 # partial RoPE 0.25 unless config.json says otherwise; one shared expert of shared_expert_intermediate_size
-LINEAR_ATTENTION_TYPES = ("qwen3_next",)
-GATED_ATTENTION_TYPES = ("qwen3_next",)  # q_proj gives a per-head output gate (megatron attention_output_gate)
-SHARED_EXPERT_GATE_TYPES = ("qwen3_next",)  # sigmoid gate on the shared expert (megatron moe_shared_expert_gate)
-ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "gemma3_text")  # x / rms(x) * (1 + w) (Megatron-LM --apply-layernorm-1p)
-DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25}
-SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size"}
+LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+GATED_ATTENTION_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q_proj gives a per-head output gate (megatron attention_output_gate)
+SHARED_EXPERT_GATE_TYPES = ("qwen3_next", "qwen3_5_moe_text")  # sigmoid gate on the shared expert (megatron moe_shared_expert_gate)
+ZERO_CENTRED_NORM_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text")  # x / rms(x) * (1 + w) (Megatron-LM --apply-layernorm-1p)
+DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25}
+SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size",
+                           "qwen3_5_moe_text": "shared_expert_intermediate_size"}
 
 
 class _Unused:

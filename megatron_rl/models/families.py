@@ -596,7 +596,12 @@ class Qwen3NextBridge(Bridge):
                 int(self.cfg("linear_conv_kernel_dim", 4)))
 
     def architecture_config(self) -> dict[str, Any]:
-        return dict(attention_output_gate=True, moe_shared_expert_gate=bool(self.shared_expert_size))
+        # hetereogenous_dist_checkpoint (megatron's spelling): the checkpoint keys each layer by its own index, as
+        # the delta-net and attention layers hold different parameters (megatron-core stacks same-named
+        # parameters of all layers otherwise, and refuses the save when a layer lacks one); a MoE list
+        # moe_layer_freq already did this, a dense model needs it said
+        return dict(attention_output_gate=True, moe_shared_expert_gate=bool(self.shared_expert_size),
+                    hetereogenous_dist_checkpoint=True)
 
     def unsupported_layout(self, layout) -> list[str]:
         problems = []
@@ -664,6 +669,8 @@ class Qwen3NextBridge(Bridge):
     _GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv_weight", "A_log", "dt_bias", "out_norm.weight",
             "out_proj.weight")
     _GDN_HF = {"conv_weight": "conv1d.weight", "out_norm.weight": "norm.weight"}
+    #: megatron parameters made of several HF tensors: name -> (rule kind, HF names under ``linear_attn.``)
+    _GDN_SPLIT: dict[str, tuple[str, tuple[str, ...]]] = {}
 
     def _gdn_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF-relative name under ``linear_attn.`` -> shape."""
@@ -709,12 +716,13 @@ class Qwen3NextBridge(Bridge):
     def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
         self._local_spec_only(flavour)
         shapes = self._rename_shared(super().megatron_param_shapes(flavour, tp_size), hf=False)
-        gdn = self._gdn_shapes()
+        hf_layout = Qwen3NextBridge._gdn_shapes(self)  # Qwen3-Next's HF tensors are megatron's, parameter for parameter
+        gdn = {n: hf_layout[Qwen3NextBridge._GDN_HF.get(n, n)] for n in self._GDN}
         for i in range(self.num_layers):
             p = f"decoder.layers.{i}."
             if self.is_linear_layer(i):
                 shapes[p + "input_layernorm.weight"] = (self.hidden_size,)
-                shapes.update({p + "self_attention." + n: gdn[self._GDN_HF.get(n, n)] for n in self._GDN})
+                shapes.update({p + "self_attention." + n: s for n, s in gdn.items()})
             if self.is_moe_layer(i) and self.shared_expert_size:
                 shapes[p + "mlp.shared_experts.gate_weight"] = (1, self.hidden_size)
         return shapes
@@ -726,6 +734,9 @@ class Qwen3NextBridge(Bridge):
             p = f"model.layers.{layer}."
             if rest.startswith("self_attention.") and self.is_linear_layer(layer):
                 local = rest[len("self_attention."):]
+                if local in self._GDN_SPLIT:
+                    kind, names = self._GDN_SPLIT[local]
+                    return ParamRule(kind, tuple(p + "linear_attn." + n for n in names))
                 if local in self._GDN:
                     kind = "gdn_conv" if local == "conv_weight" else "copy"
                     return ParamRule(kind, (p + "linear_attn." + self._GDN_HF.get(local, local),))
@@ -747,8 +758,47 @@ class Qwen3NextBridge(Bridge):
         return super().is_ignorable_hf_name(name) or name.startswith("mtp.")
 
 
+class Qwen3_5TextBridge(Qwen3NextBridge):
+    """Qwen3.5's text model (``qwen3_5_text``, transformers' ``Qwen3_5ForCausalLM``): Qwen3-Next's hybrid
+    layers (gated delta-net / gated full attention, zero-centred norms, partial RoPE) with a dense MLP in every
+    layer, and the delta-net's input projections stored apart: ``in_proj_qkv`` (all q, all k, all v rows),
+    ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (value head after value head). They load into
+    :class:`~megatron_rl.models.gated_delta.PackedGatedDeltaNet`'s per-key-head ``in_proj_qkvz`` /
+    ``in_proj_ba`` (rule kinds ``gdn_qkvz`` / ``gdn_ba``) and export back apart. ``rope_parameters``'
+    ``mrope_section`` / ``mrope_interleaved`` split the rotary frequencies between the multimodal model's
+    temporal / height / width positions; a text model's three position ids are equal, so its RoPE is plain
+    partial RoPE. The multimodal checkpoints (``qwen3_5`` / ``qwen3_5_moe``) are refused by name by
+    :func:`~megatron_rl.models.get_bridge`; ``mtp.*`` weights are skipped as transformers skips them."""
+
+    family = "qwen3_5_text"
+    model_types = ("qwen3_5_text",)
+
+    _GDN_SPLIT = {"in_proj_qkvz.weight": ("gdn_qkvz", ("in_proj_qkv.weight", "in_proj_z.weight")),
+                  "in_proj_ba.weight": ("gdn_ba", ("in_proj_b.weight", "in_proj_a.weight"))}
+
+    def _gdn_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {n: s for n, s in super()._gdn_shapes().items() if n not in ("in_proj_qkvz.weight", "in_proj_ba.weight")}
+        h, (nk, nv, dk, dv, _) = self.hidden_size, self.gdn_dims
+        shapes.update({"in_proj_qkv.weight": (2 * nk * dk + nv * dv, h), "in_proj_z.weight": (nv * dv, h),
+                       "in_proj_b.weight": (nv, h), "in_proj_a.weight": (nv, h)})
+        return shapes
+
+
+class Qwen3_5MoeTextBridge(Qwen3_5TextBridge):
+    """Qwen3.5-MoE's text model (``qwen3_5_moe_text``): :class:`Qwen3_5TextBridge` with a MoE block in every
+    layer: a softmax router whose top-k weights are always renormalised, the experts, one shared expert and its
+    sigmoid gate (``shared_expert_gate``), as in Qwen3-Next."""
+
+    family = "qwen3_5_moe_text"
+    model_types = ("qwen3_5_moe_text",)
+
+    def router_config(self) -> dict[str, Any]:  # transformers renormalises the top-k (no norm_topk_prob field)
+        return dict(moe_router_pre_softmax=False, moe_router_score_function="softmax")
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
-                                       Gemma3TextBridge, Qwen3NextBridge)}
+                                       Gemma3TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
+                                       Qwen3_5MoeTextBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

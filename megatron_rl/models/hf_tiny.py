@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text",
-            "qwen3_next")
+            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -140,11 +140,24 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         router_aux_loss_coef=0.0,
     ),
 }
+# Qwen3.5's text models: Qwen3-Next's hybrid layers (the delta-net's projections stored apart), the multimodal
+# RoPE sections (a text model's positions make them plain partial RoPE); dense: an MLP in every layer; MoE: a
+# MoE block in every layer with the gated shared expert
+_QWEN3_5_HYBRID = {k: v for k, v in _FAMILY_DEFAULTS["qwen3_next"].items()
+                   if k in ("head_dim", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+                            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")}
+_QWEN3_5_HYBRID["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+_FAMILY_DEFAULTS["qwen3_5_text"] = dict(_QWEN3_5_HYBRID)
+_FAMILY_DEFAULTS["qwen3_5_moe_text"] = dict(_QWEN3_5_HYBRID, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                            output_router_logits=False, router_aux_loss_coef=0.0)
+_ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 # the hybrid qwen3_next amplifies fp32 rounding more than the others: at 0.08 HF's own fp32 logits differ from
 # its fp64 ones by ~5e-6 (half the parity tolerance), at 0.05 by ~1.5e-6
-_MATRIX_STD = {"qwen3_next": 0.05}
+_MATRIX_STD = {"qwen3_next": 0.05, "qwen3_5_text": 0.05, "qwen3_5_moe_text": 0.05}
 
 
 def tiny_config(family: str, **overrides: Any):
@@ -164,6 +177,8 @@ def tiny_config(family: str, **overrides: Any):
         "gpt_oss": transformers.GptOssConfig,
         "gemma3_text": transformers.Gemma3TextConfig,
         "qwen3_next": transformers.Qwen3NextConfig,
+        "qwen3_5_text": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -200,8 +215,7 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, _MATRIX_STD.get(family, 0.08))
-            elif "norm" in name and (family == "gemma3_text" or (family == "qwen3_next"
-                                                                and not name.endswith("linear_attn.norm.weight"))):
+            elif "norm" in name and family in _ZERO_CENTRED and not name.endswith("linear_attn.norm.weight"):
                 p.uniform_(-0.2, 0.2)  # zero-centred gains: the norm scales by 1 + w
             elif name.endswith(("A_log", "dt_bias")):  # gated delta-net decay: keep HF's init (exp(g) in (0, 1))
                 continue

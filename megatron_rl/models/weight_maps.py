@@ -69,6 +69,42 @@ def split_groups(fused: torch.Tensor, groups: int, rows_per_group: list[int]) ->
     return [p.reshape(-1, *tail).contiguous() for p in pieces]
 
 
+#: gated delta-net rule kinds: megatron holds every part per key-head group (see :func:`gdn_rows`)
+GDN_KINDS = ("gdn_conv", "gdn_qkvz", "gdn_ba")
+
+
+def gdn_rows(kind: str, gdn_dims) -> list[list[int]]:
+    """Rows per key-head group of each part of a gated delta-net tensor, one list per HF tensor of the rule
+    (each HF tensor holds its parts one after the other, each part head after head): ``gdn_conv``: ``conv1d``
+    [q, k, v]; ``gdn_qkvz``: Qwen3.5's ``in_proj_qkv`` [q, k, v] and ``in_proj_z`` [z]; ``gdn_ba``: Qwen3.5's
+    ``in_proj_b`` [b] and ``in_proj_a`` [a]. ``gdn_dims``: (key heads, value heads, key dim, value dim, ...)."""
+    nk, nv, dk, dv = gdn_dims[:4]
+    r = nv // nk
+    return {"gdn_conv": [[dk, dk, r * dv]], "gdn_qkvz": [[dk, dk, r * dv], [r * dv]], "gdn_ba": [[r], [r]]}[kind]
+
+
+def fuse_gdn(kind: str, tensors: list[torch.Tensor], gdn_dims) -> torch.Tensor:
+    """Whole HF tensors of a gated delta-net rule -> the whole megatron tensor (every part per key-head group)."""
+    nk, parts = gdn_dims[0], list[torch.Tensor]()
+    for tensor, rows in zip(tensors, gdn_rows(kind, gdn_dims)):
+        parts.extend(torch.split(tensor, [nk * r for r in rows]))
+    return fuse_groups(parts, nk)
+
+
+def split_gdn(kind: str, shard: torch.Tensor, groups: int, gdn_dims) -> list[torch.Tensor]:
+    """A megatron shard of ``groups`` key-head groups -> its parts (each part's rows of every group)."""
+    return split_groups(shard, groups, [r for rows in gdn_rows(kind, gdn_dims) for r in rows])
+
+
+def join_gdn(kind: str, parts: list[torch.Tensor], gdn_dims) -> list[torch.Tensor]:
+    """Whole parts (:func:`split_gdn` gathered over TP) -> the rule's HF tensors."""
+    out, i = [], 0
+    for rows in gdn_rows(kind, gdn_dims):
+        out.append(torch.cat(parts[i:i + len(rows)]) if len(rows) > 1 else parts[i])
+        i += len(rows)
+    return out
+
+
 def fuse_gated_qkv(q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int,
                    head_dim: int) -> torch.Tensor:
     """HF gated attention (Qwen3-Next ``q_proj`` rows: per head ``[query (d); gate (d)]``), k, v -> megatron

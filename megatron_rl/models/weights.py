@@ -163,15 +163,15 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
         k = ckpt.read(rule.hf_names[1], 0, rank * kv_rows, (rank + 1) * kv_rows)
         v = ckpt.read(rule.hf_names[2], 0, rank * kv_rows, (rank + 1) * kv_rows)
         return weight_maps.fuse_gated_qkv(q, k, v, groups, bridge.head_dim)
-    if rule.kind == "gdn_conv":  # HF: all q, all k, all v channels; megatron: per key-head group
-        (src,) = rule.hf_names
+    if rule.kind in weight_maps.GDN_KINDS:  # HF: each part head after head; megatron: per key-head group
         nk = bridge.gdn_dims[0]
-        groups, offset = nk // size, 0
-        parts = []
-        for per_group in _gdn_conv_rows(bridge):
-            n = groups * per_group
-            parts.append(ckpt.read(src, 0, offset + rank * n, offset + (rank + 1) * n))
-            offset += nk * per_group
+        groups, parts = nk // size, []
+        for src, part_rows in zip(rule.hf_names, weight_maps.gdn_rows(rule.kind, bridge.gdn_dims)):
+            offset = 0
+            for per_group in part_rows:
+                n = groups * per_group
+                parts.append(ckpt.read(src, 0, offset + rank * n, offset + (rank + 1) * n))
+                offset += nk * per_group
         return weight_maps.fuse_groups(parts, groups)
     if rule.kind == "gate_up":
         n = local_shape[0] // 2
@@ -193,12 +193,6 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
         return full.contiguous()
     raise BridgeError(f"unknown rule kind {rule.kind!r} for {slot.canonical_name}")
 
-
-
-def _gdn_conv_rows(bridge) -> list[int]:
-    """Channels of q, k and v per key head in a gated delta-net convolution."""
-    nk, nv, dk, dv = bridge.gdn_dims[:4]
-    return [dk, dk, nv // nk * dv]
 
 
 def local_value(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:
@@ -294,8 +288,8 @@ def _split_shard(bridge, kind: str, shard: torch.Tensor, tp_size: int) -> list[t
         groups = bridge.num_query_groups // tp_size
         hpg = bridge.num_heads // bridge.num_query_groups
         return list(weight_maps.split_gated_qkv(shard, groups, hpg, bridge.head_dim))
-    if kind == "gdn_conv":
-        return weight_maps.split_groups(shard, bridge.gdn_dims[0] // tp_size, _gdn_conv_rows(bridge))
+    if kind in weight_maps.GDN_KINDS:
+        return weight_maps.split_gdn(kind, shard, bridge.gdn_dims[0] // tp_size, bridge.gdn_dims)
     if kind in ("gate_up", "expert_gate_up"):
         return list(weight_maps.split_gate_up(shard))
     return [shard]
@@ -323,8 +317,8 @@ def _full_tensors(bridge, slot: ParamSlot, copy: bool = True) -> list[torch.Tens
             else (pieces[0][i].clone() if copy else pieces[0][i]) for i in range(len(pieces[0]))]
     if rule.kind in weight_maps.EXPERT_KINDS:  # (expert_gate_up: full gate, full up) -> this expert's HF slice
         full = [weight_maps.megatron_to_expert(rule.kind, torch.cat(full, dim=0))]
-    if rule.kind == "gdn_conv":  # (all q, all k, all v) -> HF's one tensor
-        full = [torch.cat(full, dim=0)]
+    if rule.kind in weight_maps.GDN_KINDS:  # whole parts -> HF's tensors (conv1d: all q, all k, all v in one)
+        full = weight_maps.join_gdn(rule.kind, full, bridge.gdn_dims)
     if rule.kind == "vocab":
         full = [weight_maps.unpad_vocab(t, bridge.vocab_size) for t in full]
     return full

@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next"):
+    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
         get_bridge({"model_type": "gpt2"})
 
 
@@ -293,6 +293,80 @@ def test_qwen3_next_mtp_weights_are_skipped_as_transformers_does(single_rank, ti
               os.path.join(mtp, "model.safetensors"))
     bridge.load_hf_weights(chunks, mtp)
     assert set(dict(bridge.export_hf_weights(chunks))) == set(tensors)
+
+
+def test_qwen3_5_text_models_map_every_switch_to_megatron(single_rank):
+    """Qwen3.5's text models: Qwen3-Next's hybrid layers with the delta-net's projections stored apart (rule kinds
+    gdn_qkvz / gdn_ba onto PackedGatedDeltaNet's per-key-head in_proj_qkvz / in_proj_ba), a dense MLP in every
+    layer (qwen3_5_text) or a MoE block with the gated shared expert in every layer (qwen3_5_moe_text); CP is
+    refused by name; the hub config's defaults (multimodal RoPE sections) map."""
+    import transformers
+
+    from megatron_rl.models import gated_delta
+    from megatron_rl.models.bridge import ParamRule
+    from megatron_rl.models.hf_tiny import tiny_config
+    from megatron_rl.models.parallel import ParallelLayout
+
+    dense = get_bridge(tiny_config("qwen3_5_text").to_dict())
+    tc = dense.transformer_config(single_rank)
+    assert tc.attention_output_gate and tc.qk_layernorm and not tc.num_moe_experts and dense.rotary_percent == 0.25
+    block = dense.block_spec(tc).layer_specs
+    assert [s.submodules.self_attention.module is gated_delta.PackedGatedDeltaNet for s in block] == [
+        True, False, True, False]
+    p = "model.layers.2.linear_attn."
+    assert dense.rule_for("decoder.layers.2.self_attention.in_proj_qkvz.weight") == ParamRule(
+        "gdn_qkvz", (p + "in_proj_qkv.weight", p + "in_proj_z.weight"))
+    assert dense.rule_for("decoder.layers.2.self_attention.in_proj_ba.weight") == ParamRule(
+        "gdn_ba", (p + "in_proj_b.weight", p + "in_proj_a.weight"))
+    assert dense.rule_for("decoder.layers.1.mlp.linear_fc1.weight").hf_names == (
+        "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
+    moe = get_bridge(tiny_config("qwen3_5_moe_text").to_dict())
+    tc = moe.transformer_config(single_rank)
+    assert tc.moe_layer_freq == [1, 1, 1, 1] and tc.moe_shared_expert_gate and not tc.moe_router_pre_softmax
+    assert tc.moe_shared_expert_intermediate_size == 48 and tc.num_moe_experts == 4
+    for bridge in (dense, moe):
+        with pytest.raises(BridgeError, match="--context-parallel-size 1"):
+            bridge.transformer_config(ParallelLayout(cp=2))
+    # a gdn rule's pieces: HF's part-after-part tensors <-> megatron's per-key-head groups, inverse both ways
+    dims = dense.gdn_dims
+    qkv, z = torch.randn(2 * 2 * 8 + 4 * 12, 3), torch.randn(4 * 12, 3)
+    fused = weight_maps.fuse_gdn("gdn_qkvz", [qkv, z], dims)
+    assert torch.equal(fused[:8], qkv[:8]) and torch.equal(fused[40:64], z[:24])  # key head 0: q, k, 2 v, 2 z
+    back = weight_maps.join_gdn("gdn_qkvz", weight_maps.split_gdn("gdn_qkvz", fused, 2, dims), dims)
+    assert torch.equal(back[0], qkv) and torch.equal(back[1], z)
+    # Qwen3.5's hub text configs (transformers' defaults, the multimodal RoPE sections, rope_theta 1e7)
+    for cls in (transformers.Qwen3_5TextConfig, transformers.Qwen3_5MoeTextConfig):
+        hub = cls().to_dict()
+        hub["rope_parameters"] = {**hub["rope_parameters"], "rope_theta": 1e7, "mrope_section": [11, 11, 10],
+                                  "mrope_interleaved": True}
+        big = get_bridge(hub)
+        assert big.unsupported() == [] and big.rotary_percent == 0.25 and big.rope_theta == 1e7
+        assert big._layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_multimodal_qwen3_5_checkpoint_is_refused_with_the_text_recipe(single_rank, tmp_path):
+    """A multimodal Qwen3.5 checkpoint (model.language_model.*, model.visual.*) is refused by name with the fix;
+    the fix (transformers' causal LM loads the text part; save_pretrained writes a qwen3_5_text checkpoint without
+    the vision weights) gives a checkpoint the bridge loads."""
+    import transformers
+
+    from megatron_rl.models.hf_tiny import tiny_config
+
+    text = tiny_config("qwen3_5_text").to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision)).save_pretrained(tmp_path / "mm")
+    with pytest.raises(BridgeError, match=r"model_type='qwen3_5' is a multimodal checkpoint.*AutoModelForCausalLM") as err:
+        get_bridge(tmp_path / "mm")
+    # the recipe the message gives, run as written
+    recipe = str(err.value).split("with transformers, ")[1].split(" (model_type")[0]
+    exec(recipe, {"AutoModelForCausalLM": transformers.AutoModelForCausalLM, "dir": str(tmp_path / "mm"),
+                  "text_dir": str(tmp_path / "text")})
+    bridge = get_bridge(tmp_path / "text")
+    assert bridge.family == "qwen3_5_text"
+    assert not any("visual" in n for n in load_file(os.path.join(tmp_path / "text", "model.safetensors")))
+    bridge.load_hf_weights(bridge.build_model(single_rank), tmp_path / "text")
 
 
 def test_deepseek_v3_maps_every_switch_to_megatron():

@@ -21,7 +21,7 @@ CONFIGS = [(f, {}) for f in FAMILIES] + [("qwen3_moe", {"mlp_only_layers": [1]})
                                          ("qwen2", {"tie_word_embeddings": True}),
                                          ("deepseek_v3", {"q_lora_rank": None})]
 IDS = [f + "".join(f"-{k}" for k in o) for f, o in CONFIGS]
-LOCAL_ONLY = {"gemma3_text", "qwen3_next"}  # post-norms, zero-centred gains: megatron's local spec only
+LOCAL_ONLY = {"gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}  # post-norms, zero-centred gains: megatron's local spec only
 MLA = {"deepseek_v3"}  # multi-latent attention: TE keeps input_layernorm, fuses the q/kv latent norms
 GQA_CONFIGS = [c for c in CONFIGS if c[0] not in MLA | LOCAL_ONLY]
 MLA_CONFIGS = [c for c in CONFIGS if c[0] in MLA]
@@ -49,10 +49,8 @@ def _fuse(bridge, kind, tensors, padded_rows, expert=None):
         return weight_maps.fuse_gate_up(*tensors)
     if kind == "qkv_gated":
         return weight_maps.fuse_gated_qkv(*tensors, bridge.num_query_groups, bridge.head_dim)
-    if kind == "gdn_conv":  # all q, all k, all v channels -> per key-head group
-        nk, nv, dk, dv = bridge.gdn_dims[:4]
-        rows = [dk, dk, nv // nk * dv]
-        return weight_maps.fuse_groups(list(torch.split(tensors[0], [nk * r for r in rows])), nk)
+    if kind in weight_maps.GDN_KINDS:  # each part head after head -> per key-head group
+        return weight_maps.fuse_gdn(kind, list(tensors), bridge.gdn_dims)
     (t,) = tensors
     return t
 
@@ -62,8 +60,8 @@ def _unfuse(bridge, kind, tensor):
         return [weight_maps.megatron_to_expert(kind, tensor)]
     if kind == "vocab":
         return [weight_maps.unpad_vocab(tensor, bridge.vocab_size)]
-    if kind == "gdn_conv":
-        return [torch.cat(_split_shard(bridge, kind, tensor, tp_size=1))]
+    if kind in weight_maps.GDN_KINDS:
+        return weight_maps.join_gdn(kind, _split_shard(bridge, kind, tensor, tp_size=1), bridge.gdn_dims)
     return _split_shard(bridge, kind, tensor, tp_size=1)
 
 
