@@ -156,10 +156,16 @@ def main():
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
-    # every rank waits for rank 0's results, then gloo is torn down before the interpreter exits (one CI run saw
-    # rank 1 abort at exit, "terminate called without an active exception", while rank 0 was still writing)
+    # every rank waits for rank 0's results, then ends without the interpreter's finalization: two CI runs saw a
+    # rank abort at exit ("terminate called without an active exception", SIGABRT) after its work was done. A gloo
+    # worker thread that drops the last reference to a finished collective's tensors takes the GIL to free their
+    # Python objects; in finalization that thread is ended mid-destructor (pytorch/pytorch#179291 describes it).
+    # Everything this launch checks is written and synchronised before this point.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
