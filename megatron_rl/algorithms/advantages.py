@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import torch
 
 
+GRPO_STD_LEVELS = ("group", "batch")  # --grpo-std-level: whose spread scales a GRPO advantage
+
 def _as_tensor(x, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype) if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=dtype)
 
@@ -64,19 +66,27 @@ def _group_stats(rewards: torch.Tensor, group_index):
     return g_sum[inverse], g_cnt[inverse], std[inverse], contrast[inverse]
 
 
-def grpo_advantages(rewards, group_index, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO per-sample advantage ``(r - mean_g) / (std_g + eps)``; Dr.GRPO when ``normalize_std=False``.
+def grpo_advantages(rewards, group_index, *, normalize_std: bool = True, eps: float = 1e-6,
+                    std_level: str = "group") -> torch.Tensor:
+    """GRPO per-sample advantage ``(r - mean_g) / (std + eps)``; Dr.GRPO when ``normalize_std=False``.
 
-    ``std_g`` is the unbiased (n-1) std of the group, as in the GRPO paper's
-    reference implementations. Groups are identified by ``group_index`` and need
-    not be contiguous.
+    ``std`` is the unbiased (n-1) std of the group (``std_level="group"``), as in the GRPO paper's
+    reference implementations, or of every reward of the batch (``"batch"``: TRL's
+    ``scale_rewards="batch"``, the group-mean baseline over the batch's spread as "Tricks or Traps"
+    (arXiv 2508.08221) recommends: a group's scale no longer depends on how hard its prompt was).
+    Groups are identified by ``group_index`` and need not be contiguous. A group without contrast
+    gives 0 at either level.
     """
     r = _as_tensor(rewards)
     if r.numel() == 0:
         return r
+    if std_level not in GRPO_STD_LEVELS:
+        raise ValueError(f"std_level {std_level!r}: one of {GRPO_STD_LEVELS}")
     g_sum, g_cnt, std, contrast = _group_stats(r, group_index)
     adv = r.double() - g_sum / g_cnt
     if normalize_std:
+        if std_level == "batch":  # one std for all (0 for a single reward: no group has contrast then)
+            std = torch.full_like(std, r.double().std().item() if r.numel() > 1 else 0.0)
         adv = adv / torch.where(contrast, std + eps, torch.ones_like(std))
     return torch.where(contrast, adv, torch.zeros_like(adv)).to(r.dtype)
 

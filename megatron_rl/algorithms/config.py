@@ -43,6 +43,7 @@ class PolicyGradientConfig:
 
     advantage_estimator: str = "grpo"  # --advantage-estimator
     grpo_std_normalization: bool = True  # --disable-grpo-std-normalization sets False (Dr.GRPO)
+    grpo_std_level: str = "group"  # --grpo-std-level: the group's or the batch's reward std (advantages.py)
     advantage_eps: float = 1e-6
     policy_loss_type: str = "vanilla"  # --policy-loss-type (verl's policy_loss.loss_mode): POLICY_LOSSES
     sapo_tau_pos: float = 1.0  # --sapo-tau-pos: SAPO gate temperature for A > 0 (verl's tau_pos)

@@ -292,7 +292,7 @@ class PolicyGradientSpec(Spec):
         if not self.cfg.rewards_normalization:
             return rewards
         return adv.grpo_advantages(rewards, groups, normalize_std=self.cfg.grpo_std_normalization,
-                                   eps=self.cfg.advantage_eps)
+                                   eps=self.cfg.advantage_eps, std_level=self.cfg.grpo_std_level)
 
     def _custom_advantages(self, samples, rewards, groups, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
         """``--custom-advantage-function-path``: slime's ``compute_advantages_and_returns`` contract.

@@ -818,6 +818,9 @@ class AlgorithmConfig:
     num_critic_only_steps: int = flag(0, "--advantage-estimator ppo: the first N rollout steps train the critic "
                                       "only (the actor's weights do not change; no train/* policy metrics).")
     disable_grpo_std_normalization: bool = flag(False, "GRPO without dividing by the group std (Dr.GRPO).")
+    grpo_std_level: str = flag("group", "Whose reward std divides a GRPO/GSPO advantage r - mean_group: the "
+                               "group's (the GRPO paper, slime, verl) or the whole rollout batch's (TRL's "
+                               "scale_rewards='batch'; arXiv 2508.08221).", choices=("group", "batch"))
     normalize_advantages: bool = flag(False, "Whiten the advantages over all loss tokens of the rollout batch "
                                       "after the estimator (float64, Bessel variance, eps inside the sqrt).")
     loss_agg_mode: Optional[str] = flag(None, "How per-token losses aggregate over the step (global "

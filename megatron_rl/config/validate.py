@@ -563,6 +563,15 @@ def _check_policy_loss(errors: list[str], a) -> None:
 def _check_algorithm(errors: list[str], cfg: Config) -> None:
     """Algorithm flags that contradict each other or would do nothing (see docs/algorithms.md)."""
     a = cfg.algorithm
+    if a.grpo_std_level != "group":
+        off = [f for f, on in (("--disable-grpo-std-normalization", a.disable_grpo_std_normalization),
+                               ("--disable-rewards-normalization", a.disable_rewards_normalization)) if on]
+        if a.advantage_estimator not in ("grpo", "gspo"):
+            errors.append(f"--grpo-std-level {a.grpo_std_level} picks the std of a GRPO/GSPO advantage; "
+                          f"--advantage-estimator {a.advantage_estimator} has none: drop it")
+        elif off:
+            errors.append(f"--grpo-std-level {a.grpo_std_level} picks the std GRPO divides by, but {off[0]} "
+                          "divides by none: keep one of the two")
     if (a.kl_coef > 0 and a.advantage_estimator not in ("reinforce_plus_plus", "ppo")
             and not a.custom_advantage_function_path):
         errors.append(f"--kl-coef {a.kl_coef} folds KL into the rewards, which only --advantage-estimator "

@@ -33,6 +33,25 @@ def test_dr_grpo_skips_std():
     assert close(adv, [-1, -2, 1, 2, 0])
 
 
+def test_grpo_batch_std_is_trl_scale_rewards_batch():
+    # TRL's GRPOTrainer with scale_rewards="batch", restated: (r - mean_group) / (std(all rewards, Bessel) + eps).
+    # Group 5 has one sample and group 3 no contrast: 0, as TRL's r - mean_group gives there.
+    r = [1.0, 2.0, 3.0, 6.0, 4.0, 0.5, 0.5]
+    g = [7, 9, 7, 9, 5, 3, 3]
+    n, mean = len(r), sum(r) / len(r)
+    std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1))
+    adv = grpo_advantages(r, g, eps=1e-6, std_level="batch")
+    assert close(adv, [-1 / (std + 1e-6), -2 / (std + 1e-6), 1 / (std + 1e-6), 2 / (std + 1e-6), 0, 0, 0], 1e-7)
+    # group level on the same rewards differs (each group's own spread), the baseline does not
+    assert not close(grpo_advantages(r, g, eps=1e-6), adv, 1e-3)
+    # edges: every reward equal, a single reward, an empty batch -> 0 / empty, never nan
+    assert torch.equal(grpo_advantages([0.3] * 4, [0, 0, 1, 1], std_level="batch"), torch.zeros(4))
+    assert torch.equal(grpo_advantages([0.3], [0], std_level="batch"), torch.zeros(1))
+    assert grpo_advantages([], [], std_level="batch").numel() == 0
+    with pytest.raises(ValueError, match="std_level 'global'"):
+        grpo_advantages(r, g, std_level="global")
+
+
 def test_rloo_leave_one_out_baseline():
     adv = rloo_advantages([1.0, 0.0, 2.0, 3.0, 3.0, 9.0], [0, 0, 0, 1, 1, 2])
     assert close(adv, [1 - 1.0, 0 - 1.5, 2 - 0.5, 0, 0, 0])

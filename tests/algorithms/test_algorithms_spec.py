@@ -46,6 +46,11 @@ def test_grpo_advantages_per_sample_and_masked():
     rloo = get_spec("policy_gradient", PolicyGradientConfig(advantage_estimator="rloo")).compute_advantages(
         _samples())
     assert [t.tolist() for t in rloo] == [[1.0, 0.0, 1.0], [-1.0, -1.0], [], [0.0]]
+    # --grpo-std-level batch: the same baselines over the std of all four rewards {1, 0, .5, .5} (Bessel: 1/6)
+    batch = get_spec("policy_gradient", PolicyGradientConfig(advantage_eps=0.0, grpo_std_level="batch"))
+    b = 0.5 / math.sqrt(1 / 6)
+    assert torch.cat(batch.compute_advantages(_samples())).tolist() == pytest.approx([b, 0.0, b, -b, -b, 0.0],
+                                                                                       abs=1e-6)
 
 
 def test_prepare_batch_requirements_and_sample_validation():

@@ -242,3 +242,23 @@ def test_straight_through_kl_is_accepted_but_not_with_the_unbiased_weighting(dem
 def test_adaptive_kl_flags_without_what_they_steer_are_refused(demo, extra, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(base(demo, *extra))
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--grpo-std-level", "batch", "--advantage-estimator", "rloo"],
+     "--grpo-std-level batch picks the std of a GRPO/GSPO advantage; --advantage-estimator rloo has none"),
+    (["--grpo-std-level", "batch", "--disable-grpo-std-normalization"],
+     "but --disable-grpo-std-normalization divides by none"),
+    (["--grpo-std-level", "batch", "--disable-rewards-normalization"],
+     "but --disable-rewards-normalization divides by none"),
+])
+def test_grpo_std_level_without_a_std_to_pick_is_refused(demo, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(base(demo, *extra))
+
+
+def test_grpo_std_level_batch_reaches_the_advantages(demo):
+    from megatron_rl.algorithms.from_config import spec_from_config
+
+    spec = spec_from_config(parse_config(base(demo, "--grpo-std-level", "batch", "--advantage-estimator", "gspo")))
+    assert spec.cfg.grpo_std_level == "batch" and spec.cfg.use_gspo
