@@ -5,6 +5,7 @@
 #   bash scripts/test_sglang_real.sh --launcher [--out DIR] [--skip-kill]   (the loop launching SGLang itself)
 #   bash scripts/test_sglang_real.sh --record-replies [--out FILE]   (refresh the stand-in's fixture, ~2 min)
 #   bash scripts/test_sglang_real.sh --routes [--out DIR]   (MoE routes of --enable-return-routed-experts, ~3 min)
+#   bash scripts/test_sglang_real.sh --lora [--out DIR]   (--lora-sync adapter: PEFT adapters served by SGLang, ~2 min)
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
@@ -37,6 +38,12 @@ if [ "${1:-}" = "--routes" ]; then
   # forward's experts for every prompt and response token, with the radix cache and after a weight update
   shift
   exec "$PY" tools/sglang_cpu/check_routes_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
+fi
+if [ "${1:-}" = "--lora" ]; then
+  # tools/sglang_cpu/check_lora_real.py: --lora-sync adapter through the disk transport into SGLang started with the
+  # launcher's LoRA flags; each version's greedy generations equal HF PEFT's, adapter-only syncs, SGLang's replies
+  shift
+  exec "$PY" tools/sglang_cpu/check_lora_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
 fi
 if [ "${1:-}" = "--record-replies" ]; then
   shift

@@ -895,13 +895,25 @@ def _lora_load_errors(lo) -> list[str]:
 
 
 def _lora_sync_errors(cfg: Config) -> list[str]:
-    """``--lora-sync adapter``: the engines that merge an adapter themselves (the embedded one, in the driver's
-    process or its own) and the transports that carry one (tensor, disk)."""
+    """``--lora-sync adapter``: the engines that take an adapter (the embedded one, in the driver's process or its
+    own, merges it; SGLang serves it) and the transports that carry one (tensor and disk; SGLang: disk)."""
     r, s = cfg.rollout, cfg.sync
-    if r.rollout_backend != "embedded":
-        return [f"--lora-sync adapter with --rollout-backend {r.rollout_backend}: SGLang serves LoRA through "
-                "/load_lora_adapter(_from_tensors) and requests that name the adapter, which is not built here (and "
-                "its LoRA needs CUDA); use --lora-sync merged (the default) or the embedded engine"]
+    if r.rollout_backend == "sglang":
+        errors = []
+        if s.update_weight_transport != "disk":
+            errors.append(f"--lora-sync adapter with SGLang and --update-weight-transport {s.update_weight_transport}: "
+                          "the adapter goes to SGLang as a PEFT dir (/load_lora_adapter) over the disk transport; "
+                          "/load_lora_adapter_from_tensors is not built here: use --update-weight-transport disk or "
+                          "--lora-sync merged")
+        if cfg.memory.colocate:
+            errors.append("--lora-sync adapter with SGLang and --colocate: a colocated SGLang engine gives its "
+                          "weights back around each train step, so the base model would travel every step; use "
+                          "separate engine GPUs or --lora-sync merged")
+        if s.check_weight_update_equal:
+            errors.append("--lora-sync adapter with SGLang and --check-weight-update-equal: SGLang keeps an adapter "
+                          "apart from the model's weights, which /weights_checker compares, so the adapter would go "
+                          "unchecked; drop one of the two")
+        return errors
     if s.update_weight_transport not in ("tensor", "disk"):
         return [f"--lora-sync adapter with --update-weight-transport {s.update_weight_transport}: the adapter goes "
                 "to the embedded engine in-process (tensor) or as a PEFT dir on disk (disk); use one of those or "

@@ -84,11 +84,12 @@ from megatron_rl.data.types import RoutedExperts, Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
-from megatron_rl.models.peft_adapter import ADAPTER_WEIGHTS, AdapterExport, is_adapter_dir, merged_weight
+from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merged_weight
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.sampling import sample_next_tokens
+from megatron_rl.rollout.weight_dir import ADAPTER_BASE_DIR
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
@@ -447,16 +448,16 @@ class EmbeddedEngine(RolloutEngine):
         """Load every ``*.safetensors`` of the directory ``path`` through ``update_weights`` (same name,
         shape and version checks), one tensor at a time. A PEFT dir (``adapter_config.json``, what the disk
         transport writes under ``--lora-sync adapter``) goes through ``update_adapter``, with the model
-        files beside it, when there are any, as its base weights."""
-        files = sorted(f for f in glob.glob(os.path.join(str(path), "*.safetensors"))
-                       if os.path.basename(f) != ADAPTER_WEIGHTS)
+        files of its ``base`` subdir (``weight_dir.ADAPTER_BASE_DIR``), when there are any, as its base weights."""
         if is_adapter_dir(str(path)):
+            files = sorted(glob.glob(os.path.join(str(path), ADAPTER_BASE_DIR, "*.safetensors")))
             try:
                 adapter = AdapterExport.load(str(path))
             except (OSError, ValueError, KeyError) as e:
                 raise SyncError(f"adapter update to version {version}: {path} is not a readable PEFT dir ({e})") from e
             self.update_adapter(adapter, version, base=_safetensors_items(files) if files else None)
             return
+        files = sorted(glob.glob(os.path.join(str(path), "*.safetensors")))
         if not files:
             raise SyncError(f"weight update to version {version}: no *.safetensors in {path}; the disk transport "
                             "publishes v<version>/model.safetensors under --update-weight-disk-dir")

@@ -30,6 +30,8 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 _VERSION = re.compile(r"^v(\d+)$")
 
 
+ADAPTER_BASE_DIR = "base"  # a --lora-sync adapter version's base weights (the first sync's), beside the PEFT files
+
 class VersionedWeightDir:
     """``<root>/v<version>/`` dirs of HF safetensors, published atomically, pruned to ``keep_versions``."""
 
@@ -59,7 +61,8 @@ class VersionedWeightDir:
 
         ``adapter`` (``--lora-sync adapter``: a ``models.peft_adapter.AdapterExport``): the version is a PEFT dir,
         ``adapter_model.safetensors`` + ``adapter_config.json``, with ``named_tensors`` (the base weights, sent
-        with the first adapter only; may be empty) beside it.
+        with the first adapter only; may be empty) in its subdir ``base`` (``ADAPTER_BASE_DIR``): SGLang's
+        ``/load_lora_adapter`` reads every safetensors file of the dir it is given, and dies on a base weight.
         Consumes ``named_tensors`` to the end unless it fails; on any error nothing is published.
         """
         import torch  # lazy: importing this module (SGLang's engine does) needs no torch
@@ -100,8 +103,14 @@ class VersionedWeightDir:
                 raise SyncError(f"weight update to version {version} carries no tensors")
             if shard:
                 flush()
+            model_dir = tmp
+            if shards and adapter is not None:  # the base apart: SGLang's LoRA loader reads every file of its dir
+                model_dir = os.path.join(tmp, ADAPTER_BASE_DIR)
+                os.mkdir(model_dir)
+                for i in range(len(shards)):
+                    os.rename(os.path.join(tmp, f".shard-{i:05d}"), os.path.join(model_dir, f".shard-{i:05d}"))
             if shards:
-                self._name_shards(tmp, shards, total)
+                self._name_shards(model_dir, shards, total)
             if adapter is not None:
                 adapter.save(tmp, base_model=self.hf_checkpoint or "")
             if self.hf_checkpoint:
@@ -109,6 +118,8 @@ class VersionedWeightDir:
                     src = os.path.join(self.hf_checkpoint, fname)
                     if os.path.exists(src):
                         shutil.copyfile(src, os.path.join(tmp, fname))
+                        if model_dir != tmp:
+                            shutil.copyfile(src, os.path.join(model_dir, fname))
             publish_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

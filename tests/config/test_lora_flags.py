@@ -86,7 +86,7 @@ def test_lora_load_must_be_a_plain_peft_adapter_with_the_runs_settings(argv, tmp
     assert any("--lora-load shapes LoRA adapters, which are off" in e for e in found), found
 
 
-def test_lora_sync_adapter_needs_an_adapter_run_and_the_embedded_engine(argv):
+def test_lora_sync_adapter_needs_an_adapter_run_and_an_engine_that_takes_one(argv):
     assert parse_config(argv("--lora-rank", "4"), validate=False).lora.lora_sync == "merged"  # the default
     found = errors(argv("--lora-sync", "adapter"))
     assert any("--lora-sync adapter sends LoRA adapters to the engine, and this run trains none: add --lora-rank R"
@@ -96,11 +96,27 @@ def test_lora_sync_adapter_needs_an_adapter_run_and_the_embedded_engine(argv):
                                            "--update-weight-transport", transport)) if "--lora-sync" in e]
     assert not [e for e in errors(argv("--lora-rank", "4", "--lora-sync", "adapter", "--embedded-engine-ranks",
                                        "process")) if "--lora-sync" in e]  # its own process: disk
-    found = errors(argv("--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
-                        "--rollout-engine-urls", "http://127.0.0.1:1"))
-    assert any("--lora-sync adapter with --rollout-backend sglang: SGLang serves LoRA through /load_lora_adapter"
-               in e for e in found), found
+    sglang = ("--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
+              "--rollout-engine-urls", "http://127.0.0.1:1")
+    assert not [e for e in errors(argv(*sglang, "--update-weight-transport", "disk")) if "--lora-sync" in e]
+    found = errors(argv(*sglang, "--update-weight-transport", "distributed", "--check-weight-update-equal"))
+    assert any("--lora-sync adapter with SGLang and --update-weight-transport distributed: the adapter goes to "
+               "SGLang as a PEFT dir (/load_lora_adapter) over the disk transport" in e for e in found), found
+    assert any("--lora-sync adapter with SGLang and --check-weight-update-equal" in e for e in found), found
     from megatron_rl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--lora-sync: invalid choice: 'adapters'"):
         parse_config(argv("--lora-rank", "4", "--lora-sync", "adapters"), validate=False)
+
+
+def test_sglang_launch_serves_the_runs_adapters(argv):
+    """The launcher starts SGLang with --enable-lora, the run's rank and target modules under --lora-sync adapter."""
+    from megatron_rl.rollout.sglang.launcher import lora_server_args
+
+    cfg = parse_config(argv("--lora-rank", "8", "--lora-sync", "adapter", "--lora-target-modules", "self_attn.q_proj",
+                            "v_proj"), validate=False)
+    assert lora_server_args(cfg) == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj",
+                                     "v_proj"]
+    cfg = parse_config(argv("--lora-rank", "8", "--lora-sync", "adapter"), validate=False)
+    assert lora_server_args(cfg)[-2:] == ["--lora-target-modules", "all"]  # all-linear is SGLang's "all"
+    assert lora_server_args(parse_config(argv("--lora-rank", "8"), validate=False)) == []  # merged: a plain server

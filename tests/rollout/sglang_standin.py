@@ -87,6 +87,16 @@ replies that need a request in flight or a second server (flush refused, an abor
   Run the stand-in in its own process (``python tests/rollout/sglang_standin.py --model DIR``)
   for the handles to cross processes as they do with SGLang (``file_system`` sharing on CPU).
 
+* ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT dir) / ``/unload_lora_adapter`` (``lora_name``), with
+  ``enable_lora`` (SGLang's ``--enable-lora``): SGLang 0.5.23's ``LoRAUpdateOutput`` (``success``,
+  ``error_message``, ``loaded_adapters``; 400 on failure) and its refusals in its words (LoRA not enabled, a
+  name already loaded, unloading an unknown name). A ``/generate`` naming an adapter in ``lora_path`` is
+  generated with it merged into the weights (PEFT's ``W + alpha/r B A`` in float32, restored to the base for
+  rows without one, one adapter per request); a name unloaded since is loaded again from its path, a name
+  never loaded is refused, as SGLang's ``_resolve_lora_path`` does. A base weight update lands on the base
+  (the adapter stays apart). ``server.lora_loads`` lists every load. Checked against real SGLang on CPU by
+  ``scripts/test_sglang_real.sh --lora``.
+
 Where the stand-in differs on purpose (said so in its replies): ``/generate`` while the
 weights or KV cache are released answers 400 (real SGLang on GPU would crash or compute
 garbage); a tensor update whose payload cannot be opened, or whose weights do not fit,
@@ -119,7 +129,9 @@ import contextlib
 import datetime
 import glob
 import io
+import json
 import math
+import os
 import pickle
 import secrets
 import socket
@@ -191,8 +203,17 @@ class SGLangStandIn:
     """Serve ``hf_checkpoint`` on 127.0.0.1 like ``python -m sglang.launch_server`` would."""
 
     def __init__(self, hf_checkpoint: str, *, legacy: bool = False, deterministic: bool = True, port: int = 0,
-                 group_timeout_s: float = 60.0, tp_size: int = 1, version: str = "0.5.23"):
+                 group_timeout_s: float = 60.0, tp_size: int = 1, version: str = "0.5.23", enable_lora: bool = False,
+                 max_lora_rank: int = 64):
         self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
+        # --enable-lora: adapters by name (/load_lora_adapter), the paths of every one ever loaded (SGLang reloads an
+        # unloaded adapter a request names), the adapter merged into the engine now and the base of its modules
+        self.enable_lora, self.max_lora_rank = enable_lora, int(max_lora_rank)
+        self.loras: dict[str, Any] = {}
+        self.lora_ref_cache: dict[str, str] = {}
+        self.lora_loads: list[tuple[str, str]] = []  # (lora_name, lora_path) of each load, implicit reloads too
+        self._merged_lora: Optional[str] = None
+        self._lora_base: dict[str, torch.Tensor] = {}
         self.version = version  # what /server_info reports (clients choose a distributed load_format by it)
         self.tp_size = int(tp_size)  # > 1: plays that many TP ranks on the tensor route (see update_weights_from_tensor)
         self.model_path = hf_checkpoint  # moves to each loaded dir, as SGLang's does
@@ -345,6 +366,8 @@ class SGLangStandIn:
             "/abort_request": self.abort,
             "/flush_cache": self.flush_cache,
             "/weights_checker": self.weights_checker,
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/unload_lora_adapter": self.unload_lora_adapter,
         }
         if not self.legacy:
             routes["/begin_weight_update"] = self.begin
@@ -407,6 +430,16 @@ class SGLangStandIn:
         if released:
             return 400, {"error": {"message": f"stand-in: memory released for {released}; call "
                                               "/resume_memory_occupation before /generate"}}
+        lora = body.get("lora_path")
+        if isinstance(lora, list):  # one per row in SGLang; the stand-in serves a batch with one adapter
+            if len(set(lora)) > 1:
+                return 400, {"error": {"message": "stand-in: one lora_path per request (SGLang mixes adapters in a "
+                                                  "batch; the stand-in merges one into its weights)"}}
+            lora = lora[0] if lora else None
+        if lora:
+            refused = self._resolve_lora(str(lora))
+            if refused:
+                return 400, {"error": {"message": refused}}
         with self._state_lock:
             unavailable = self.faults.unavailable_generates > 0
             self.faults.unavailable_generates -= unavailable
@@ -422,7 +455,7 @@ class SGLangStandIn:
             for p in pending:
                 self._pending[p.rid] = p
         try:
-            out = [self._generate_row(row, sp, p) for row, sp, p in zip(rows, params, pending)]
+            out = [self._generate_row(row, sp, p, lora or None) for row, sp, p in zip(rows, params, pending)]
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed request with its message
             return 400, {"error": {"message": str(exc)}}
         finally:
@@ -433,7 +466,7 @@ class SGLangStandIn:
             self.generated[p.rid] = {"sampling_params": dict(sp), "row": row}
         return 200, (out if batch else out[0])
 
-    def _generate_row(self, prompt: list, sp: dict, pending: _Pending) -> dict:
+    def _generate_row(self, prompt: list, sp: dict, pending: _Pending, lora: Optional[str] = None) -> dict:
         tic = time.time()
         delay = float(self.faults.delay_s.get("/generate:row", 0.0))
         deadline = time.monotonic() + delay
@@ -460,6 +493,9 @@ class SGLangStandIn:
         # the row's own generator seed as the engine's generate gives request 0, sample 0; /abort_request (or an
         # abort-mode pause) sets ``pending.aborted``: the row ends "abort" after its current step, tokens kept
         row = EngineRow(list(prompt), row_seed(seed, 0, 0), sampling.max_new_tokens, cancel=pending.aborted)
+        if lora != self._merged_lora:  # a writer: waits for the rows generating, as a weight update does
+            with self._model_update():
+                self._merge_lora(lora)
         with self._row_generating():
             sample = self.engine.generate_rows([row], sampling)[0]
         if sample.finish_reason == "stop":
@@ -482,6 +518,11 @@ class SGLangStandIn:
     def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
         path = body.get("model_path")
         files = sorted(glob.glob(f"{path}/*.safetensors")) if path else []
+        index = os.path.join(str(path), "model.safetensors.index.json") if path else ""
+        if files and os.path.isfile(index):  # SGLang's loader: only the files the index lists (not an adapter's)
+            with open(index) as fh:
+                listed = {os.path.join(str(path), f) for f in json.load(fh)["weight_map"].values()}
+            files = [f for f in files if f in listed]
         if not files:
             # real SGLang falls back to a hub download for a path that is not a dir, hence its words
             return 400, {"success": False, "num_paused_requests": 0,
@@ -493,7 +534,9 @@ class SGLangStandIn:
             tensors.update(load_file(f))
         with self._model_update():
             try:
+                self._merge_lora(None)  # a base update: SGLang's adapters stay apart from these weights
                 self.engine.update_weights(tensors.items(), self._engine_version + 1)
+                self._forget_lora_merge()
             except Exception as exc:  # noqa: BLE001 - SGLang reports loader errors as the message
                 return 400, {"success": False, "num_paused_requests": 0,
                              "message": f"Failed to update weights: {exc}.\nRolling back to original weights."}
@@ -505,6 +548,89 @@ class SGLangStandIn:
         self.model_path = str(path)
         self.disk_updates.append((body.get("weight_version"), str(path)))
         return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    # ------------------------------------------------------------------ LoRA
+    def _lora_reply(self, ok: bool, error: str = "") -> tuple[int, Any]:
+        """SGLang 0.5.23's ``LoRAUpdateOutput`` (200, or 400 with ``error_message``; ``loaded_adapters`` name ->
+        path on success, null on failure)."""
+        loaded = {n: self.lora_ref_cache[n] for n in self.loras} if ok else None
+        return (200 if ok else 400), {"rid": None, "http_worker_ipc": None, "success": ok, "error_message": error,
+                                      "loaded_adapters": loaded}
+
+    def load_lora_adapter(self, body: dict) -> tuple[int, Any]:
+        """``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT dir), SGLang's checks and words."""
+        from megatron_rl.models.peft_adapter import AdapterExport  # lazy: the LoRA route only
+
+        if not self.enable_lora:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        name, path = str(body.get("lora_name")), str(body.get("lora_path"))
+        if name in self.loras:
+            return self._lora_reply(False, f"Failed to load LoRA adapter {name} because it is already loaded")
+        others = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors"))
+                        if os.path.basename(f) != "adapter_model.safetensors")
+        if others:  # real SGLang loads every file of the dir and its scheduler dies on the first base weight
+            return self._lora_reply(False, f"stand-in: {path} holds {others} beside the adapter; SGLang 0.5.23 reads "
+                                           "every safetensors file of an adapter's dir and its scheduler dies at the "
+                                           "first request (\"Cannot find target module name for model.layers...\")")
+        try:
+            adapter = AdapterExport.load(path)
+        except (OSError, ValueError, KeyError) as exc:
+            return self._lora_reply(False, f"stand-in: cannot read the PEFT dir {path}: {exc}")
+        if adapter.rank > self.max_lora_rank:
+            return self._lora_reply(False, f"LoRA adapter {name} with rank {adapter.rank} is incompatible with the "
+                                           f"current LoRA memory pool configuration (max_lora_rank "
+                                           f"{self.max_lora_rank})")
+        with self._state_lock:
+            self.loras[name] = adapter
+            self.lora_ref_cache[name] = path
+            self.lora_loads.append((name, path))
+        return self._lora_reply(True)
+
+    def unload_lora_adapter(self, body: dict) -> tuple[int, Any]:
+        if not self.enable_lora:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        name = str(body.get("lora_name"))
+        if name not in self.loras:
+            return self._lora_reply(False, f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                                           f"odict_keys({list(self.loras)})")
+        with self._state_lock:
+            del self.loras[name]
+        return self._lora_reply(True)
+
+    def _resolve_lora(self, name: str) -> Optional[str]:
+        """A request's ``lora_path``: SGLang's refusal, or None once the adapter is loaded (one unloaded since is
+        loaded again from its path, as SGLang's ``_resolve_lora_path`` does)."""
+        if not self.enable_lora:
+            return (f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with "
+                    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
+        if name in self.loras:
+            return None
+        if name not in self.lora_ref_cache:
+            return (f"Got LoRA adapter that has never been loaded: {name}\n"
+                    f"All loaded adapters: dict_keys({list(self.lora_ref_cache)}).")
+        status, reply = self.load_lora_adapter({"lora_name": name, "lora_path": self.lora_ref_cache[name]})
+        return None if status == 200 else f"Failed to implicitly load LoRA adapter {name}: {reply['error_message']}"
+
+    def _merge_lora(self, name: Optional[str]) -> None:
+        """The engine's weights become the base with adapter ``name`` merged (PEFT's W + alpha/r B A, float32;
+        ``models.peft_adapter.merged_weight``), or the base alone for None. Inside ``_model_update``."""
+        from megatron_rl.models.peft_adapter import merged_weight  # lazy: the LoRA route only
+
+        param_map = self.engine.param_map
+        with torch.no_grad():
+            for weight, base in self._lora_base.items():  # back to the base first
+                param_map.view(weight).copy_(base)
+            if name is not None:
+                adapter = self.loras[name]
+                for module, (a, b) in adapter.modules().items():
+                    dst = param_map.view(f"{module}.weight")
+                    base = self._lora_base.setdefault(f"{module}.weight", dst.detach().clone())
+                    dst.copy_(merged_weight(base, a, b, adapter.scaling, dst.dtype))
+        self._merged_lora = name
+
+    def _forget_lora_merge(self) -> None:
+        """After a base weight update: the engine holds the new base, with no adapter merged."""
+        self._lora_base, self._merged_lora = {}, None
 
     def begin(self, body: dict) -> tuple[int, Any]:
         if self.in_session:
@@ -568,7 +694,9 @@ class SGLangStandIn:
         with self._model_update():
             try:
                 self._check_fits(named)  # refused before any tensor is copied: the engine stays as it was
+                self._merge_lora(None)  # a base update: SGLang's adapters stay apart from these weights
                 self.engine.update_weights(named, self._engine_version + 1)
+                self._forget_lora_merge()
             except Exception as exc:  # noqa: BLE001
                 return 400, {"success": False, "message": f"stand-in: loading the tensors failed: {exc}"}
             self._adopt_engine_version()
@@ -693,7 +821,9 @@ class SGLangStandIn:
             return 0, _DIE
         with self._model_update():
             try:
+                self._merge_lora(None)  # a base update: SGLang's adapters stay apart from these weights
                 self.engine.update_weights(weights, self._engine_version + 1)
+                self._forget_lora_merge()
             except Exception as exc:  # noqa: BLE001
                 return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full "
                                                            "weights of the ModelRunner are partially updated. Please "
@@ -982,9 +1112,12 @@ def main(argv=None) -> int:
     ap.add_argument("--group-timeout-s", type=float, default=60.0)
     ap.add_argument("--tp-size", type=int, default=1, help="TP ranks to play on the tensor route")
     ap.add_argument("--version", default="0.5.23", help="the SGLang version /server_info reports")
+    ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    ap.add_argument("--max-lora-rank", type=int, default=64)
     args = ap.parse_args(argv)
     server = SGLangStandIn(args.model, port=args.port, group_timeout_s=args.group_timeout_s,
-                           tp_size=args.tp_size, version=args.version).start()
+                           tp_size=args.tp_size, version=args.version, enable_lora=args.enable_lora,
+                           max_lora_rank=args.max_lora_rank).start()
     print(f"URL {server.url}", flush=True)
     try:
         while server.alive:

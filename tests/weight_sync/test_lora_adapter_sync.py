@@ -9,6 +9,7 @@ tests/dist/test_lora_layouts.py). The engine is the real embedded engine.
 
 import copy
 import os
+import sys
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from megatron_rl.weight_sync.disk import DiskSynchronizer
 from megatron_rl.weight_sync.in_process import InProcessSynchronizer
 
 RANK, ALPHA = 4, 8.0
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "rollout"))  # the SGLang stand-in
 
 
 class PeftTrainer:
@@ -114,7 +116,11 @@ def test_disk_adapter_sync_writes_peft_dirs(hf, tmp_path):
     trainer, engine = PeftTrainer(hf), EmbeddedEngine(hf)
     sync = DiskSynchronizer(1 << 20, check_equal=True, adapter=True, disk_dir=str(tmp_path / "w"), hf_checkpoint=hf)
     sync.sync(trainer, engine, version=0)
-    assert {ADAPTER_WEIGHTS, ADAPTER_CONFIG, "model.safetensors"} <= set(os.listdir(tmp_path / "w" / "v0"))
+    v0 = tmp_path / "w" / "v0"
+    # the base in its own subdir: SGLang's /load_lora_adapter reads every safetensors file of the adapter's dir
+    assert {ADAPTER_WEIGHTS, ADAPTER_CONFIG, "base"} <= set(os.listdir(v0))
+    assert [f for f in os.listdir(v0) if f.endswith(".safetensors")] == [ADAPTER_WEIGHTS]
+    assert {"model.safetensors", "config.json"} <= set(os.listdir(v0 / "base"))
     trainer.step(1)
     m = sync.sync(trainer, engine, version=1)
     assert {ADAPTER_WEIGHTS, ADAPTER_CONFIG} <= set(os.listdir(tmp_path / "w" / "v1"))
@@ -129,3 +135,80 @@ def test_disk_adapter_sync_writes_peft_dirs(hf, tmp_path):
     merged = PeftModel.from_pretrained(base, str(tmp_path / "w" / "v1")).merge_and_unload().state_dict()
     live = dict(engine.named_weights())
     assert all(torch.equal(live[n], merged[n]) for n in trainer.names if n in merged)
+
+
+def test_sglang_disk_adapter_sync_serves_the_adapter(hf, tmp_path):
+    """--lora-sync adapter into SGLang (the protocol stand-in, real SGLang in scripts/test_sglang_real.sh --lora):
+    each version's PEFT dir is loaded by /load_lora_adapter and every /generate names it; the first sync's base
+    goes through /update_weights_from_disk (the index keeps the adapter file out of it); generations equal the
+    embedded engine's, which merges the same adapter itself."""
+    from megatron_rl.rollout import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.sglang import SGLangEngine
+    from sglang_standin import SGLangStandIn  # tests/rollout: on sys.path above
+
+    trainer, local = PeftTrainer(hf), EmbeddedEngine(hf)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    requests = [GenerateRequest(prompt_ids=[1, 5, 6, 7], group_index=0), GenerateRequest(prompt_ids=[2, 9], group_index=1)]
+
+    def same_generations(engine) -> None:
+        got, want = engine.generate(requests, greedy), local.generate(requests, greedy)
+        assert [s.response_ids for s in got] == [s.response_ids for s in want]
+        assert max(abs(a - b) for s, t in zip(got, want) for a, b in zip(s.rollout_logprobs, t.rollout_logprobs)) < 1e-5
+
+    with SGLangStandIn(hf, enable_lora=True, max_lora_rank=RANK) as server:
+        engine = SGLangEngine([server.url], health_interval_s=0, releases_memory=False)
+        try:
+            base_before = engine.generate(requests, greedy)
+            sync = DiskSynchronizer(1 << 20, adapter=True, disk_dir=str(tmp_path / "w"), hf_checkpoint=hf)
+            local_sync = InProcessSynchronizer(1 << 20, adapter=True)
+            first = sync.sync(trainer, engine, version=0)
+            local_sync.sync(trainer, local, version=0)
+            assert first["sync/base_bytes"] > 0 and server.disk_updates == [("0", str(tmp_path / "w" / "v0" / "base"))]
+            assert server.lora_loads == [("mrl-lora-v0", str(tmp_path / "w" / "v0"))]
+            same_generations(engine)
+            assert [s.response_ids for s in engine.generate(requests, greedy)] != \
+                [s.response_ids for s in base_before]  # the adapter changes what is generated
+            for version in (1, 2):
+                trainer.step(version)
+                m = sync.sync(trainer, engine, version=version)
+                local_sync.sync(trainer, local, version=version)
+                assert m["sync/bytes"] == trainer.export_adapters().nbytes and m["sync/base_bytes"] == 0
+                assert len(server.disk_updates) == 1  # adapter-only versions load no base
+                assert list(server.loras) == [f"mrl-lora-v{version}"]  # the previous version's unloaded
+                assert engine.weight_version == version and server.weight_version == str(version)
+                samples = engine.generate(requests, greedy)
+                assert all(s.weight_version == version for s in samples)
+                same_generations(engine)
+            rows = [server.generated[r] for r in server.rids_served[-2:]]
+            assert all(r["row"]["meta_info"]["weight_version"] == "2" for r in rows)
+        finally:
+            engine.close()
+
+
+def test_sglang_lora_replies_and_refusals(hf, tmp_path):
+    """The stand-in's LoRA endpoints through the real client: SGLang's refusals in its words, raised as SyncError."""
+    from megatron_rl.rollout.sglang import SGLangClient
+    from megatron_rl.rollout.sglang.engine import ADAPTER_CONFIG as ENGINE_CONFIG
+    from sglang_standin import SGLangStandIn
+
+    assert ENGINE_CONFIG == ADAPTER_CONFIG  # the SGLang engine's torch-free copy
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    PeftTrainer(hf).export_adapters().save(str(peft_dir))
+    with SGLangStandIn(hf) as plain, SGLangClient(plain.url, connect_retries=0) as client:
+        with pytest.raises(SyncError, match="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."):
+            client.load_lora_adapter("a", str(peft_dir))
+        with pytest.raises(Exception, match="LoRA adapter 'a' was requested, but LoRA is not enabled"):
+            client.generate([[1, 2]], [{"max_new_tokens": 1}], lora_path="a")
+    with SGLangStandIn(hf, enable_lora=True, max_lora_rank=RANK) as server, \
+            SGLangClient(server.url, connect_retries=0) as client:
+        assert client.load_lora_adapter("a", str(peft_dir))["loaded_adapters"] == {"a": str(peft_dir)}
+        with pytest.raises(SyncError, match="Failed to load LoRA adapter a because it is already loaded"):
+            client.load_lora_adapter("a", str(peft_dir))
+        with pytest.raises(Exception, match="Got LoRA adapter that has never been loaded: b"):
+            client.generate([[1, 2]], [{"max_new_tokens": 1}], lora_path="b")
+        client.unload_lora_adapter("a")
+        with pytest.raises(SyncError, match="LoRA with name a does not exist"):
+            client.unload_lora_adapter("a")
+        client.generate([[1, 2]], [{"max_new_tokens": 1}], lora_path="a")  # reloaded from its path, as SGLang does
+        assert server.lora_loads == [("a", str(peft_dir))] * 2

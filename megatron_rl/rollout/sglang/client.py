@@ -59,7 +59,7 @@ _IDEMPOTENT = frozenset({"/health", "/health_generate", "/model_info", "/generat
 _WEIGHT_ENDPOINTS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor",
                                "/init_weights_update_group", "/update_weights_from_distributed",
                                "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
-                               "/update_weight_version"})
+                               "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter"})
 
 
 ERROR_KINDS = ("unreachable", "dropped", "timeout", "http", "protocol", "transport")
@@ -260,10 +260,11 @@ class SGLangClient:
     # ----------------------------------------------------------- generation
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
                  return_logprob: bool = True, timeout_s: Optional[float] = None,
-                 return_routed_experts: bool = False) -> list[dict]:
-        """``POST /generate`` as one batch (one entry per row): ``[{text, output_ids, meta_info}, ...]``."""
+                 return_routed_experts: bool = False, lora_path: Optional[str] = None) -> list[dict]:
+        """``POST /generate`` as one batch (one entry per row): ``[{text, output_ids, meta_info}, ...]``;
+        ``lora_path``: the name of a loaded LoRA adapter every row is generated with."""
         payload = protocol.generate_payload(input_ids, sampling_params, rids=rids, return_logprob=return_logprob,
-                                            return_routed_experts=return_routed_experts)
+                                            return_routed_experts=return_routed_experts, lora_path=lora_path)
         body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
         if not isinstance(body, list) or len(body) != len(input_ids):
             got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
@@ -272,10 +273,11 @@ class SGLangClient:
         return body
 
     def generate_one(self, input_ids: list[int], sampling_params: dict, *, rid: str, return_logprob: bool = True,
-                     timeout_s: Optional[float] = None, return_routed_experts: bool = False) -> dict:
+                     timeout_s: Optional[float] = None, return_routed_experts: bool = False,
+                     lora_path: Optional[str] = None) -> dict:
         """``POST /generate`` for one row (the form an sglang-router accepts): ``{text, output_ids, meta_info}``."""
         payload = protocol.single_generate_payload(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
-                                                   return_routed_experts=return_routed_experts)
+                                                   return_routed_experts=return_routed_experts, lora_path=lora_path)
         body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
         if not isinstance(body, dict):
             raise self._error("/generate", f"{self.label} answered one request with {type(body).__name__}; "
@@ -329,6 +331,28 @@ class SGLangClient:
         return self._weight_call("/update_weights_from_disk", payload, timeout_s,
                                  context=f"loading {model_path}; SGLang reads a local dir or else tries the hub, "
                                          "hence a network error for a path it cannot see")
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, timeout_s: Optional[float] = None) -> dict:
+        """``POST /load_lora_adapter``: serve the PEFT dir ``lora_path`` (adapter_config.json +
+        adapter_model.safetensors, a path the server can read) as ``lora_name``, which requests then name in
+        their ``lora_path``. Needs a server started with ``--enable-lora``; ``{success, error_message,
+        loaded_adapters}`` back, 400 (raised, in the server's words) on failure."""
+        return self._lora_call("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s,
+                               context=f"loading the LoRA adapter {lora_path} as {lora_name!r}")
+
+    def unload_lora_adapter(self, lora_name: str, *, timeout_s: Optional[float] = None) -> dict:
+        """``POST /unload_lora_adapter``: the server forgets ``lora_name`` (400 if it serves none by that name)."""
+        return self._lora_call("/unload_lora_adapter", {"lora_name": lora_name}, timeout_s,
+                               context=f"unloading the LoRA adapter {lora_name!r}")
+
+    def _lora_call(self, endpoint: str, payload: dict, timeout_s: Optional[float], context: str) -> dict:
+        resp = self.request("POST", endpoint, payload, timeout_s=timeout_s, context=context)
+        body = self._json(resp, endpoint)
+        if not isinstance(body, dict) or not body.get("success", False):
+            message = body.get("error_message") if isinstance(body, dict) else body
+            raise self._error(endpoint, f"{self.label} reported failure for {endpoint}: {message} ({context})",
+                              status=resp.status_code, server_message=str(message))
+        return body
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: Optional[str] = None,
                                    flush_cache: bool = True, weight_version: Optional[str] = None,

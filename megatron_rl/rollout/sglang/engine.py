@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -89,7 +90,7 @@ from megatron_rl.rollout.routes import RouteLayout
 from megatron_rl.rollout.sglang import protocol
 from megatron_rl.rollout.sglang.client import SGLangClient, SGLangEngineError, normalize_base_url
 from megatron_rl.rollout.sglang.health import HealthMonitor
-from megatron_rl.rollout.weight_dir import VersionedWeightDir
+from megatron_rl.rollout.weight_dir import ADAPTER_BASE_DIR, VersionedWeightDir
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
@@ -168,6 +169,8 @@ class SGLangEngine(RolloutEngine):
                                                thread_name_prefix="sglang-router") if router_url else None
         # MoE routing replay R3: ask every /generate for its routes, read them in the model's MoE layers
         self.route_layout = route_layout
+        # --lora-sync adapter: the adapter every /generate names (lora_path), loaded on every server; None: the base
+        self._lora_name: Optional[str] = None
 
     @classmethod
     def from_config(cls, cfg: "Config", placement: Optional[EnginePlacement] = None) -> "SGLangEngine":
@@ -423,7 +426,7 @@ class SGLangEngine(RolloutEngine):
                     [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
-                    return_routed_experts=self.route_layout is not None)
+                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -455,7 +458,7 @@ class SGLangEngine(RolloutEngine):
                     protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
-                    return_routed_experts=self.route_layout is not None)
+                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -747,7 +750,11 @@ class SGLangEngine(RolloutEngine):
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """``POST /update_weights_from_disk`` of the published dir ``path`` on every server (with
         ``weight_version=str(version)``, ``flush_cache=False``: the flush follows, retried), inside
-        ``weight_update``; adopt ``version`` only if every server then reports it."""
+        ``weight_update``; adopt ``version`` only if every server then reports it. A PEFT dir
+        (``--lora-sync adapter``) goes to :meth:`_update_adapter_from_disk`."""
+        if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+            self._update_adapter_from_disk(path, version)
+            return
         with self.weight_update(version):
             def load(client: SGLangClient) -> Optional[str]:
                 try:
@@ -766,7 +773,61 @@ class SGLangEngine(RolloutEngine):
             self.adopt_weight_version(version, how=f"disk, {path}")
 
 
+    def _update_adapter_from_disk(self, path: str, version: int) -> None:
+        """``--lora-sync adapter`` over the disk transport: the PEFT dir ``path`` served as the adapter
+        ``mrl-lora-v<version>`` on every server (``/load_lora_adapter``), which every later ``/generate`` names;
+        the previous version's adapter is unloaded after. The base weights in its ``base`` subdir (the first
+        sync carries them; SGLang's LoRA loader reads every file of the adapter's own dir) are loaded first with
+        ``/update_weights_from_disk``; an adapter-only version sets the servers' ``weight_version`` with
+        ``/update_weight_version``. A name a server still holds (it outlived an earlier run of this trainer)
+        is unloaded and loaded again. Adopted, as every route, only when every server reports ``version``; a
+        server that failed leaves the engine refusing to generate (``_FAILED_UPDATE``)."""
+        name = f"{LORA_NAME_PREFIX}{version}"
+        base_dir = os.path.join(path, ADAPTER_BASE_DIR)
+        with_base = os.path.isdir(base_dir)
+        with self.weight_update(version):
+            def load(client: SGLangClient) -> Optional[str]:
+                try:
+                    if with_base:
+                        client.update_weights_from_disk(base_dir, weight_version=str(version), flush_cache=False,
+                                                        timeout_s=self.update_timeout_s)
+                    try:
+                        client.load_lora_adapter(name, path, timeout_s=self.update_timeout_s)
+                    except SyncError as exc:
+                        if "already loaded" not in str(getattr(exc, "server_message", "")):
+                            raise
+                        client.unload_lora_adapter(name, timeout_s=self.update_timeout_s)
+                        client.load_lora_adapter(name, path, timeout_s=self.update_timeout_s)
+                    if not with_base:  # the paused server has nothing in flight to abort
+                        client.update_weight_version(str(version), abort_all_requests=False)
+                except (EngineError, SyncError) as exc:
+                    return str(exc)
+                return None
+
+            failures = [f for f in self._map(load, self.clients) if f]
+            if failures:
+                self._set_incomplete(_FAILED_UPDATE)
+                raise SyncError(f"LoRA adapter update to version {version} from {path} failed on {len(failures)} of "
+                                f"{len(self.clients)} server(s); the engine stays at version {self._weight_version}: "
+                                + " | ".join(failures))
+            previous, self._lora_name = self._lora_name, name
+            self.adopt_weight_version(version, how=f"LoRA adapter {name}, {path}")
+        if previous is not None and previous != name:
+            def unload(client: SGLangClient) -> Optional[str]:
+                try:
+                    client.unload_lora_adapter(previous, timeout_s=self.update_timeout_s)
+                except (EngineError, SyncError) as exc:  # e.g. a server restarted since: it never had it
+                    return str(exc)
+                return None
+
+            for failure in (f for f in self._map(unload, self.clients) if f):
+                log.warning("the previous LoRA adapter stays loaded (requests no longer name it): %s", failure)
+
+
 _FAILED_UPDATE = "the last weight update failed on some server, so the servers' weights differ"
+# the adapter of weight version V on the servers (--lora-sync adapter); requests name it in lora_path
+LORA_NAME_PREFIX = "mrl-lora-v"
+ADAPTER_CONFIG = "adapter_config.json"  # models.peft_adapter's (imported here without torch)
 
 
 def discover_router(urls: Sequence[str], *, timeout_s: float = 10.0) -> tuple[list[str], Optional[str]]:

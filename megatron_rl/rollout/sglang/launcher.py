@@ -120,7 +120,23 @@ def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, p
         cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
     if cfg.megatron.use_rollout_routing_replay and "enable_return_routed_experts" not in r.sglang_args:
         cmd.append("--enable-return-routed-experts")  # R3: requests then ask for each token's experts
-    return cmd + _pass_through_args(r.sglang_args)
+    return cmd + lora_server_args(cfg) + _pass_through_args(r.sglang_args)
+
+
+def lora_server_args(cfg: "Config") -> list[str]:
+    """``--lora-sync adapter``: the server serves the run's adapters (``/load_lora_adapter``; requests name one):
+    ``--enable-lora``, the run's rank and target modules (``all-linear`` is SGLang's ``all``), unless
+    ``--sglang-*`` pass-through flags set them."""
+    lo, given = cfg.lora, cfg.rollout.sglang_args
+    if not (lo.lora_rank and lo.lora_sync == "adapter"):
+        return []
+    out = [] if "enable_lora" in given else ["--enable-lora"]
+    if "max_lora_rank" not in given:
+        out += ["--max-lora-rank", str(lo.lora_rank)]
+    if "lora_target_modules" not in given:
+        targets = sorted({t.rsplit(".", 1)[-1] for t in lo.lora_target_modules})
+        out += ["--lora-target-modules", *(["all"] if "all-linear" in targets else targets)]
+    return out
 
 
 def _engine_env(slot: EngineSlot, python: str) -> dict[str, str]:

@@ -91,8 +91,10 @@ def sampling_params_dict(sampling: SamplingParams, *, seed: Optional[int] = None
 
 
 def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
-                     return_logprob: bool = True, return_routed_experts: bool = False) -> dict[str, Any]:
-    """A batch ``GenerateReqInput``: one entry per row, per-row sampling params and request ids."""
+                     return_logprob: bool = True, return_routed_experts: bool = False,
+                     lora_path: Optional[str] = None) -> dict[str, Any]:
+    """A batch ``GenerateReqInput``: one entry per row, per-row sampling params and request ids;
+    ``lora_path`` (a loaded adapter's ``lora_name``; SGLang repeats a string for every row) when given."""
     if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
         raise ValueError("generate_payload: input_ids, sampling_params and rids must have one entry per row")
     payload: dict[str, Any] = {"input_ids": [list(map(int, ids)) for ids in input_ids],
@@ -102,11 +104,14 @@ def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *,
         payload["rid"] = list(rids)
     if return_routed_experts:
         payload["return_routed_experts"] = True
+    if lora_path is not None:
+        payload["lora_path"] = str(lora_path)
     return payload
 
 
 def single_generate_payload(input_ids: list[int], sampling_params: dict, *, rid: str,
-                            return_logprob: bool = True, return_routed_experts: bool = False) -> dict[str, Any]:
+                            return_logprob: bool = True, return_routed_experts: bool = False,
+                            lora_path: Optional[str] = None) -> dict[str, Any]:
     """One row's ``GenerateReqInput`` (not a batch). What goes through an sglang-router: its typed
     request schema takes ``sampling_params`` as one map, so per-row params (each row's
     ``sampling_seed``) need one request per row; the router passes ``sampling_seed`` and ``rid``
@@ -115,6 +120,8 @@ def single_generate_payload(input_ids: list[int], sampling_params: dict, *, rid:
                "return_logprob": bool(return_logprob), "stream": False, "rid": str(rid)}
     if return_routed_experts:
         payload["return_routed_experts"] = True
+    if lora_path is not None:
+        payload["lora_path"] = str(lora_path)
     return payload
 
 
@@ -179,7 +186,7 @@ def error_message(status: int, content: bytes) -> str:
             return str(err["message"])
         if isinstance(err, str):
             return err
-        for key in ("message", "detail"):
+        for key in ("message", "detail", "error_message"):  # error_message: the LoRA endpoints' LoRAUpdateOutput
             if key in body:
                 return str(body[key])
     return text[:500]

@@ -21,9 +21,10 @@ __version__ = "0.0.0+cpu-test-standin"
 
 STANDIN = True  # lets a check tell this stand-in from a real sgl_kernel
 
-from sgl_kernel import _host_memory  # noqa: E402 - SGLang's host buffers unpinned without CUDA (see there)
+from sgl_kernel import _host_memory, _pinless  # noqa: E402 - SGLang's host buffers unpinned without CUDA (see there)
 
 _host_memory.install()
+_pinless.install()  # --enable-lora's pin_memory=True allocations (see there)
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
