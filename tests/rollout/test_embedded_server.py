@@ -78,6 +78,8 @@ def test_rows_of_concurrent_requests_share_one_batch_and_equal_the_engines_own(s
     b = InThread(lambda: client.generate(later[:1], SAMPLING), bound_s=BOUND_S, what="request b")
     c = InThread(lambda: client.generate(later[1:], SAMPLING), bound_s=BOUND_S, what="request c")
     got = {0: a.result(), 1: b.result(), 2: c.result()}
+    # a request returns when its rows finish, a moment before the scheduler counts the batch as ended
+    until(lambda: server.state()["batches"] >= 1, "the scheduler counted the batch")
     state = server.state()
     assert state["batches"] == 1 and state["most_rows"] == 6  # b's and c's rows joined a's running batch
     reference = EmbeddedEngine(models[0])
@@ -114,7 +116,8 @@ def test_abort_pause_ends_running_rows_with_their_tokens_queued_rows_empty_and_h
     # paused: a new request waits in the queue until continue
     c = InThread(lambda: http.generate([[5, 17, 3]], [rows[0][1]], rids=["after"]), bound_s=BOUND_S, what="c")
     until(lambda: server.state()["queued"] == 1, "request c queued while paused")
-    assert server.state()["batches"] == 1
+    until(lambda: server.state()["batches"] == 1, "the aborted batch counted (just after its rows answered)")
+    assert server.state()["queued"] == 1 and server.state()["batches"] == 1  # paused: c waits, no batch starts
     http.continue_generation()
     after = protocol.parse_generate_output(c.result()[0], where="test")
     assert after.finish_reason == "length" and len(after.output_ids) == 8
