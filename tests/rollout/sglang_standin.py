@@ -87,7 +87,8 @@ replies that need a request in flight or a second server (flush refused, an abor
   Run the stand-in in its own process (``python tests/rollout/sglang_standin.py --model DIR``)
   for the handles to cross processes as they do with SGLang (``file_system`` sharing on CPU).
 
-* ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT dir) / ``/unload_lora_adapter`` (``lora_name``), with
+* ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT dir), ``/load_lora_adapter_from_tensors``
+  (``lora_name``, ``config_dict``, ``serialized_named_tensors``) / ``/unload_lora_adapter`` (``lora_name``), with
   ``enable_lora`` (SGLang's ``--enable-lora``): SGLang 0.5.23's ``LoRAUpdateOutput`` (``success``,
   ``error_message``, ``loaded_adapters``; 400 on failure) and its refusals in its words (LoRA not enabled, a
   name already loaded, unloading an unknown name). A ``/generate`` naming an adapter in ``lora_path`` is
@@ -367,6 +368,7 @@ class SGLangStandIn:
             "/flush_cache": self.flush_cache,
             "/weights_checker": self.weights_checker,
             "/load_lora_adapter": self.load_lora_adapter,
+            "/load_lora_adapter_from_tensors": self.load_lora_adapter_from_tensors,
             "/unload_lora_adapter": self.unload_lora_adapter,
         }
         if not self.legacy:
@@ -586,6 +588,28 @@ class SGLangStandIn:
             self.lora_loads.append((name, path))
         return self._lora_reply(True)
 
+    def load_lora_adapter_from_tensors(self, body: dict) -> tuple[int, Any]:
+        """``/load_lora_adapter_from_tensors`` (``lora_name``, ``config_dict``, ``serialized_named_tensors``: one
+        entry per TP rank of a ``{name: tensor}`` dict, ``load_format`` None), rank 0's entry opened as SGLang's
+        ``tp_worker`` does."""
+        from megatron_rl.models.peft_adapter import AdapterExport  # lazy: the LoRA route only
+
+        if not self.enable_lora:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        name, config = str(body.get("lora_name")), body.get("config_dict") or {}
+        if name in self.loras:
+            return self._lora_reply(False, f"Failed to load LoRA adapter {name} because it is already loaded")
+        try:
+            tensors = _deserialize((body.get("serialized_named_tensors") or [None])[0])
+            adapter = AdapterExport(dict(tensors.items()), int(config["r"]), float(config["lora_alpha"]))
+        except Exception as exc:  # noqa: BLE001 - SGLang's scheduler would raise; the stand-in answers why
+            return self._lora_reply(False, f"stand-in: cannot open the adapter tensors: {type(exc).__name__}: {exc}")
+        with self._state_lock:
+            self.loras[name] = adapter
+            self.lora_ref_cache[name] = "__tensor__"
+            self.lora_loads.append((name, "__tensor__"))
+        return self._lora_reply(True)
+
     def unload_lora_adapter(self, body: dict) -> tuple[int, Any]:
         if not self.enable_lora:
             return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
@@ -605,7 +629,7 @@ class SGLangStandIn:
                     "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
         if name in self.loras:
             return None
-        if name not in self.lora_ref_cache:
+        if name not in self.lora_ref_cache or self.lora_ref_cache[name] == "__tensor__":  # tensors: nothing to reload
             return (f"Got LoRA adapter that has never been loaded: {name}\n"
                     f"All loaded adapters: dict_keys({list(self.lora_ref_cache)}).")
         status, reply = self.load_lora_adapter({"lora_name": name, "lora_path": self.lora_ref_cache[name]})

@@ -212,3 +212,10 @@ def test_sglang_lora_replies_and_refusals(hf, tmp_path):
             client.unload_lora_adapter("a")
         client.generate([[1, 2]], [{"max_new_tokens": 1}], lora_path="a")  # reloaded from its path, as SGLang does
         assert server.lora_loads == [("a", str(peft_dir))] * 2
+        # the same adapter from tensors (SGLang's from-tensors route) generates the same rows
+        adapter = AdapterExport.load(str(peft_dir))
+        client.load_lora_adapter_from_tensors("t", adapter.config(), adapter.tensors.items())
+        greedy = [{"max_new_tokens": 5, "temperature": 0.0}]
+        by_dir, by_tensors = (client.generate([[1, 5, 6]], greedy, lora_path=n)[0] for n in ("a", "t"))
+        assert by_dir["output_ids"] == by_tensors["output_ids"] and \
+            by_dir["meta_info"]["output_token_logprobs"] == by_tensors["meta_info"]["output_token_logprobs"]

@@ -15,7 +15,9 @@ itself (random A and B on every linear): its adapter tensors under PEFT's saved 
 4. ``python -m megatron_rl.train --lora-rank 8 --lora-sync adapter`` (megatron-core, one CPU rank) against
    the server: exits 0, the first sync carries the base and the rest the adapter alone, and the trainer's
    old log-probs equal SGLang's rollout log-probs (``train/mismatch_abs_logprob``);
-5. SGLang's replies to what the CPU stand-in (``tests/rollout/sglang_standin.py``) also answers: a name
+5. ``SGLangClient.load_lora_adapter_from_tensors`` (SGLang's from-tensors route): generation under it equals
+   HF PEFT's;
+6. SGLang's replies to what the CPU stand-in (``tests/rollout/sglang_standin.py``) also answers: a name
    loaded twice, an unknown name unloaded, a request naming an adapter never loaded, an unloaded adapter named
    again (SGLang reloads it from its path): the stand-in's words are these.
 
@@ -186,6 +188,7 @@ def main(argv=None) -> int:
                 changed = sum(a != b for a, b in zip(tokens, base_tokens))
                 report.check(f"v0: the adapter changes what is generated ({changed}/{len(tokens)} responses)",
                              changed > 0)
+        from_tensors(report, server, trainer, requests, greedy, args)
         with SGLangClient(server.url, connect_retries=0) as client:
             info = client.request("GET", "/v1/models").json()
             names = sorted(m.get("id") for m in info.get("data", []) if m.get("id", "").startswith("mrl-lora-v"))
@@ -205,6 +208,29 @@ def main(argv=None) -> int:
     failed = report.failed
     report.log(f"{len(report.checks) - len(failed)} passed, {len(failed)} failed  (figures: {out / 'figures.json'})")
     return 1 if failed else 0
+
+
+def from_tensors(report: Report, server: SGLangServer, trainer: PeftTrainer, requests, greedy,
+                 args: argparse.Namespace) -> None:
+    """``SGLangClient.load_lora_adapter_from_tensors`` (file-system shared CPU tensors, PEFT's keys and config):
+    generation under that adapter equals HF PEFT's. The transports do not use this route yet (the disk one
+    loads a PEFT dir); this checks the client's side of SGLang's from-tensors protocol."""
+    trainer.step(args.seed + 99)
+    adapter = trainer.export_adapters()
+    with SGLangClient(server.url, connect_retries=0) as client:
+        client.load_lora_adapter_from_tensors("from-tensors", adapter.config(), adapter.tensors.items())
+        worst, same = 0.0, True
+        for req in requests:
+            entry = client.generate([req.prompt_ids], [{"max_new_tokens": greedy.max_new_tokens, "temperature": 0.0,
+                                                        "ignore_eos": True}], lora_path="from-tensors")[0]
+            got = [lp for lp, _tok, _ in entry["meta_info"]["output_token_logprobs"]]
+            want = trainer.logprobs(list(req.prompt_ids), list(entry["output_ids"]))
+            worst = max([worst] + [abs(a - b) for a, b in zip(got, want)])
+            same &= len(got) == len(want) == greedy.max_new_tokens
+        client.unload_lora_adapter("from-tensors")
+    report.figures["from_tensors_max_abs_logprob_diff"] = worst
+    report.check(f"from tensors: the adapter loaded by /load_lora_adapter_from_tensors generates as HF PEFT "
+                 f"(log-probs within {worst:.2e})", same and worst <= args.tol)
 
 
 def e2e(report: Report, server: SGLangServer, model_dir: Path, args: argparse.Namespace) -> None:

@@ -69,7 +69,8 @@ NOT_RECORDED = {
         "(its docstring lists this difference)",
     "GET /get_weights_by_name":
         "not called by megatron_rl (the Qwen2 model class lacks it in 0.5.23)",
-    "POST /load_lora_adapter, POST /unload_lora_adapter, /generate with lora_path":
+    "POST /load_lora_adapter, POST /load_lora_adapter_from_tensors, POST /unload_lora_adapter, /generate with "
+    "lora_path":
         "need a server started with --enable-lora; tools/sglang_cpu/check_lora_real.py "
         "(scripts/test_sglang_real.sh --lora) sends them to real SGLang and checks the stand-in's words",
 }

@@ -59,7 +59,8 @@ _IDEMPOTENT = frozenset({"/health", "/health_generate", "/model_info", "/generat
 _WEIGHT_ENDPOINTS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor",
                                "/init_weights_update_group", "/update_weights_from_distributed",
                                "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
-                               "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter"})
+                               "/update_weight_version", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
+                               "/unload_lora_adapter"})
 
 
 ERROR_KINDS = ("unreachable", "dropped", "timeout", "http", "protocol", "transport")
@@ -339,6 +340,23 @@ class SGLangClient:
         loaded_adapters}`` back, 400 (raised, in the server's words) on failure."""
         return self._lora_call("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path}, timeout_s,
                                context=f"loading the LoRA adapter {lora_path} as {lora_name!r}")
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, config: dict, named_tensors: Iterable[tuple[str, Any]], *,
+                                       tp_size: int = 1, timeout_s: Optional[float] = None) -> dict:
+        """``POST /load_lora_adapter_from_tensors``: serve the adapter tensors (PEFT's saved keys) with their
+        ``adapter_config.json`` ``config`` as ``lora_name``; one serialized copy per server TP rank (each rank
+        slices its shard), file-system sharing as ``update_weights_from_named_tensors``, the buffers held until
+        the server answered."""
+        if tp_size < 1:
+            raise ValueError(f"tp_size={tp_size}: the server has at least one tensor-parallel rank")
+        entry, buffers = protocol.serialize_named_tensors(named_tensors, as_dict=True)
+        try:
+            return self._lora_call("/load_lora_adapter_from_tensors",
+                                   {"lora_name": lora_name, "config_dict": dict(config),
+                                    "serialized_named_tensors": [entry] * tp_size, "load_format": None}, timeout_s,
+                                   context=f"loading the LoRA adapter {lora_name!r} from tensors")
+        finally:
+            del buffers  # only now may the shared-memory files go
 
     def unload_lora_adapter(self, lora_name: str, *, timeout_s: Optional[float] = None) -> dict:
         """``POST /unload_lora_adapter``: the server forgets ``lora_name`` (400 if it serves none by that name)."""

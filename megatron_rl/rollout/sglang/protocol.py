@@ -135,8 +135,10 @@ def parse_router_workers(body: Any) -> Optional[list[str]]:
     return [str(u) for u in urls if u]
 
 
-def serialize_named_tensors(named_tensors: Iterable[tuple[str, Any]]) -> tuple[str, list]:
-    """One ``serialized_named_tensors`` entry for ``/update_weights_from_tensor``, and the buffers it points at.
+def serialize_named_tensors(named_tensors: Iterable[tuple[str, Any]], *, as_dict: bool = False) -> tuple[str, list]:
+    """One ``serialized_named_tensors`` entry for ``/update_weights_from_tensor``, and the buffers it points at;
+    ``as_dict``: a ``{name: tensor}`` dict instead of the pairs, what ``/load_lora_adapter_from_tensors`` opens
+    (0.5.23's ``tp_worker.load_lora_adapter_from_tensors`` calls ``.items()`` on it).
 
     SGLang's wire format (``MultiprocessingSerializer.serialize(..., output_str=True)``): a list of
     ``(name, tensor)`` pickled with ``multiprocessing.reduction.ForkingPickler`` (torch's reducers
@@ -169,7 +171,7 @@ def serialize_named_tensors(named_tensors: Iterable[tuple[str, Any]]) -> tuple[s
     if not pairs:
         raise ValueError("serialize_named_tensors: no tensors to send")
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(pairs)
+    ForkingPickler(buf).dump(dict(pairs) if as_dict else pairs)
     return base64.b64encode(buf.getvalue()).decode("ascii"), [t for _, t in pairs]
 
 
