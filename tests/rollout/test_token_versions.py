@@ -72,7 +72,8 @@ def test_a_span_with_a_non_numeric_bound_is_out_of_protocol():
 def test_the_engine_fills_token_versions_and_keeps_the_spans_in_metadata():
     engine = SGLangEngine(["http://a:1"], health_interval_s=0, connect_retries=0)
     rows = [reply([4, 5, 6], [(2, 0, 2), (3, 2, 3)]), reply([7, 8], [(3, 0, 2)])]
-    engine.clients[0].generate = lambda input_ids, params, rids=None, timeout_s=None, return_routed_experts=False: rows
+    engine.clients[0].generate = lambda input_ids, params, rids=None, timeout_s=None, return_routed_experts=False, \
+        lora_path=None: rows
     try:
         mixed, plain = engine.generate([GenerateRequest([1, 2], 0, metadata={"k": 1})],
                                        SamplingParams(temperature=1.0, max_new_tokens=3, n=2))

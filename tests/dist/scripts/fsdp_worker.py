@@ -159,7 +159,7 @@ def main():
     # every rank waits for rank 0's results, then ends without the interpreter's finalization: two CI runs saw a
     # rank abort at exit ("terminate called without an active exception", SIGABRT) after its work was done. A gloo
     # worker thread that drops the last reference to a finished collective's tensors takes the GIL to free their
-    # Python objects; in finalization that thread is ended mid-destructor (pytorch/pytorch#179291 describes it).
+    # Python objects; in finalization that thread is ended mid-destructor (a known gloo teardown race of torch).
     # Everything this launch checks is written and synchronised before this point.
     dist.barrier()
     dist.destroy_process_group()
