@@ -57,6 +57,7 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
     gemma = tiny_hf_models("gemma3_text")
     qwen3_next = tiny_hf_models("qwen3_next")
     qwen3_next_dense = tiny_hf_models("qwen3_next", num_experts=0)
+    qwen3_5, qwen3_5_moe = tiny_hf_models("qwen3_5_text"), tiny_hf_models("qwen3_5_moe_text")
     entries = [
         entry("dense_dp2", "qwen3", dense, checks="grads+optim"),
         entry("dense_tp2", "qwen3", dense, tp=2, checks="grads+optim"),
@@ -95,6 +96,12 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         *[e for e in family_entries("qwen3_next", qwen3_next) if not e.startswith("qwen3_next_cp2:")],
         entry("qwen3_next_tp2_sp", "qwen3_next", qwen3_next, tp=2, etp=1, sp=1),
         entry("qwen3_next_dense_tp2_sp", "qwen3_next_dense", qwen3_next_dense, tp=2, sp=1, checks="grads"),
+        # Qwen3.5 text: the delta-net's separate in_proj_qkv/z/b/a fused per key head, then sharded over TP; a
+        # dense MLP (with gradients under TP2+SP) or a MoE with the gated shared expert in every layer
+        entry("qwen3_5_text_dp2", "qwen3_5_text", qwen3_5),
+        entry("qwen3_5_text_tp2_sp", "qwen3_5_text", qwen3_5, tp=2, sp=1, checks="grads"),
+        entry("qwen3_5_text_pp2", "qwen3_5_text", qwen3_5, pp=2),
+        *[e for e in family_entries("qwen3_5_moe_text", qwen3_5_moe) if not e.startswith("qwen3_5_moe_text_cp2:")],
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
@@ -121,6 +128,8 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
         entry("deepseek_v3_tp2_pp2_ep2_sp", "deepseek_v3", deepseek, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("gpt_oss_tp2_pp2_ep2_sp", "gpt_oss", gptoss, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("qwen3_next_tp2_pp2_ep2_sp", "qwen3_next", qwen3_next, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
+        entry("qwen3_5_moe_text_tp2_pp2_ep2_sp", "qwen3_5_moe_text", tiny_hf_models("qwen3_5_moe_text"), tp=2, pp=2,
+              ep=2, etp=1, sp=1, checks="grads"),
     ]
     out = tmp_path / "r.json"
     torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)
