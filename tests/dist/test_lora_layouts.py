@@ -8,7 +8,7 @@ same loss, no base parameter has a gradient, grad buffer or optimizer state, and
 step the base weights are bitwise unchanged while the adapters moved. Layouts: DP2 (the reference), TP2,
 TP2 + sequence parallel with the distributed optimizer and a partial target list (q_proj, v_proj,
 down_proj: the fused linears' other parts stay unadapted), PP2, and EP2 on an MoE model (attention
-adapters; expert linears are refused, tests/models/test_lora.py). ~40 s.
+adapters; expert linears are refused, tests/models/test_lora.py). ~40 s. TP2 x PP2 in a 4-rank launch.
 """
 
 import pytest
@@ -32,7 +32,20 @@ def test_lora_layouts_equal_peft(tiny_hf_models, tmp_path):
     ]
     out = tmp_path / "lora.json"
     torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
-    results = read_json(out)
+    check(read_json(out), entries)
+
+
+@pytest.mark.slow
+def test_lora_tp2_pp2_equals_peft(tiny_hf_models, tmp_path):
+    """TP2 x PP2 on 4 ranks (its own launch): column/row-parallel adapter slices on each pipeline stage."""
+    llama = tiny_hf_models("llama")
+    entries = [f"tp2_pp2:llama:{llama}:2,2,1,0,0:all-linear"]
+    out = tmp_path / "lora4.json"
+    torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)
+    check(read_json(out), entries, pp_stages=2, tp=2)
+
+
+def check(results, entries, pp_stages=1, tp=1):
     assert set(results) == {e.split(":")[0] for e in entries}
     for name, ranks in results.items():
         for rec in ranks:
@@ -49,4 +62,5 @@ def test_lora_layouts_equal_peft(tiny_hf_models, tmp_path):
         # every PEFT tensor is held somewhere: all of them on each rank, or split between the PP stages
         held = [r["adapter_tensors_here"] for r in ranks]
         want = ranks[0]["peft_tensors"]
-        assert (sum(held) if name == "pp2" else held[0]) == want and len(set(held)) == 1, (name, held, want)
+        stages = 2 if name == "pp2" else pp_stages
+        assert sum(held) == want * len(held) // stages and len(set(held)) == 1, (name, held, want)
