@@ -166,6 +166,10 @@ def _unknown_flag_error(unknown: list[str], parser: argparse.ArgumentParser) -> 
     return ConfigError("; ".join(parts))
 
 
+# a choice under a peer's name -> ours (accepted by the flag, then the same run): verl's "gae" is PPO with a critic
+VALUE_ALIASES: dict[tuple[str, str], dict[str, str]] = {("algorithm", "advantage_estimator"): {"gae": "ppo"}}
+
+
 def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True) -> Config:
     """Parse flags (and an optional YAML file) into a validated frozen ``Config``.
 
@@ -190,6 +194,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
             values[group][name] = value
     values["rollout"]["sglang_args"] = {**yaml_passed, **passed}
 
+    for (group, name), aliases in VALUE_ALIASES.items():  # a peer's name for the same choice: ours from here on
+        if values[group].get(name) in aliases:
+            values[group][name] = aliases[values[group][name]]
     apply_allocation(values)  # --allocation fills the sizes it states that no flag gave
     cfg = Config(**{g: cls(**values[g]) for g, cls in GROUPS.items()})
     if validate:

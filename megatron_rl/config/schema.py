@@ -775,9 +775,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     advantage_estimator: str = flag("grpo", "How rewards become advantages (formulas and peer conventions: "
-                                    "docs/algorithms.md).",
+                                    "docs/algorithms.md). gae is verl's name for ppo (GAE with a learned critic).",
                                     choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                             "rloo", "gpg", "opo", "remax", "ppo"))
+                                             "rloo", "gpg", "opo", "remax", "ppo", "gae"))
     policy_loss_type: str = flag("vanilla", "The policy-gradient loss, verl's policy_loss.loss_mode names "
                                  "(formulas in docs/algorithms.md). vanilla: the PPO clip (GSPO is "
                                  "--advantage-estimator gspo). cispo: clipped importance weight, stop-gradient, times "

@@ -262,3 +262,9 @@ def test_grpo_std_level_batch_reaches_the_advantages(demo):
 
     spec = spec_from_config(parse_config(base(demo, "--grpo-std-level", "batch", "--advantage-estimator", "gspo")))
     assert spec.cfg.grpo_std_level == "batch" and spec.cfg.use_gspo
+
+
+def test_gae_is_verls_name_for_ppo_with_a_critic(demo):
+    cfg = parse_config(base(demo, "--advantage-estimator", "gae"), validate=False)
+    assert cfg.algorithm.advantage_estimator == "ppo"  # the same run as --advantage-estimator ppo from here on
+    assert cfg == parse_config(base(demo, "--advantage-estimator", "ppo"), validate=False)
