@@ -29,6 +29,9 @@ class ModelShape:
     num_experts: int = 0
     max_position_embeddings: int | None = None
     source: str = ""
+    # hybrid models (Qwen3-Next, Qwen3.5): the gated delta-net layers' key heads (0: no such layers). TP shards
+    # them in whole key-head groups; their recurrent state has no context parallelism in this build
+    linear_num_key_heads: int = 0
 
     def __post_init__(self):
         for key in ("num_attention_heads", "num_query_groups", "num_layers", "vocab_size"):
@@ -91,4 +94,6 @@ class ModelShape:
             num_experts=int(experts),
             max_position_embeddings=cfg.get("max_position_embeddings"),
             source=source,
+            linear_num_key_heads=int(cfg.get("linear_num_key_heads") or 0)
+            if "linear_attention" in (cfg.get("layer_types") or ["linear_attention"]) else 0,
         )

@@ -218,6 +218,15 @@ def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info, last_st
                               f"not divisible by t={c.tp}; choose t from {_divisors(groups)}")
             _check_pipeline_split(who, layers, c.pp, vpp if c.backend == "megatron" else None,
                                   last_stage_layers if c.backend == "megatron" else None, errors)
+            linear = model.linear_num_key_heads
+            if linear and linear % c.tp:
+                errors.append(f"{who}: linear_num_key_heads={linear} (the gated delta-net layers) is not divisible "
+                              f"by t={c.tp}: each TP rank holds whole key-head groups; choose t from "
+                              f"{_divisors(math.gcd(linear, heads))}")
+            if linear and c.cp > 1:
+                errors.append(f"{who}: context parallel c={c.cp} with gated delta-net layers (linear_num_key_heads="
+                              f"{linear}): their recurrent state and convolution window would pass from one CP "
+                              "rank to the next, which is not built; drop c")
             if c.ep > 1 and not model.is_moe:
                 errors.append(f"{who}: expert parallel e={c.ep} needs an MoE model, but "
                               f"{model.source or 'the model'} has no experts; drop e")

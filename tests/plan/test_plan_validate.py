@@ -255,3 +255,18 @@ def test_multi_policy_weight_update_must_suit_every_engine():
     text = "sglang[rollout1]:d4|fsdp[actor1]:d4+sglang[rollout2]:d4+fsdp[actor2]:d4"
     assert any("'tensor' shares CUDA IPC handles" in e for e in _errors(text, weight_update="tensor"))
     assert any("NCCL cannot put two ranks on one GPU" in e for e in _errors(text, weight_update="distributed"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_gated_delta_net_layers_limit_tp_and_refuse_cp(tiny_hf_models, family):
+    """Hybrid models: TP shards the delta-net's key heads in whole groups, and CP is not built for its state, so
+    the plan (and --dry-run) refuses both before any worker starts, as the bridge would at build time."""
+    model = ModelShape.from_hf_config(tiny_hf_models(family))
+    assert model.linear_num_key_heads == 2 and ModelShape.from_hf_config(tiny_hf_models("qwen3")).linear_num_key_heads == 0
+    assert _errors("megatron:d1t2", model=model) == ()
+    errs = _errors("megatron:d1t4", model=model)
+    assert any("linear_num_key_heads=2 (the gated delta-net layers) is not divisible by t=4" in e for e in errs), errs
+    errs = _errors("megatron:d1c2", model=model, seq_length=64)
+    assert errs == (f"actor (megatron:d1c2): context parallel c=2 with gated delta-net layers (linear_num_key_heads=2)"
+                    ": their recurrent state and convolution window would pass from one CP rank to the next, which "
+                    "is not built; drop c",)
