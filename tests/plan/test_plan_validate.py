@@ -267,6 +267,6 @@ def test_gated_delta_net_layers_limit_tp_and_refuse_cp(tiny_hf_models, family):
     errs = _errors("megatron:d1t4", model=model)
     assert any("linear_num_key_heads=2 (the gated delta-net layers) is not divisible by t=4" in e for e in errs), errs
     errs = _errors("megatron:d1c2", model=model, seq_length=64)
-    assert errs == (f"actor (megatron:d1c2): context parallel c=2 with gated delta-net layers (linear_num_key_heads=2)"
+    assert errs == ("actor (megatron:d1c2): context parallel c=2 with gated delta-net layers (linear_num_key_heads=2)"
                     ": their recurrent state and convolution window would pass from one CP rank to the next, which "
                     "is not built; drop c",)
