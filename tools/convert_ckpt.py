@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--merge-lora", action="store_true",
                            help="a --lora-rank run's checkpoint: fold the adapters into the weights (PEFT's "
                                 "merge_and_unload); without it such a checkpoint is refused")
+            p.add_argument("--lora-base", metavar="DIR",
+                           help="with --merge-lora: the HF base the adapters were trained on (default: the run's "
+                                "--hf-checkpoint, recorded in the checkpoint; checked by its weights digest)")
         p.add_argument("--dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
                        help="convert every tensor to this dtype (default: keep the source dtype)")
         p.add_argument("--verify", action="store_true",
@@ -150,6 +153,7 @@ def main(argv=None) -> int:
         else:
             summary = convert_dist_to_hf(args.input, args.output, hf_config_dir=args.hf_config,
                                          max_shard_size=args.max_shard_size, merge_lora=args.merge_lora,
+                                         lora_base=args.lora_base,
                                          bucket_bytes=parse_size(args.bucket_size, "--bucket-size"), **kw)
     except MegatronRLError as e:
         _remove_temp_output(args.output)

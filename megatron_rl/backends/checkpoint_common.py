@@ -53,3 +53,33 @@ def refuse_other_lora(path: str, meta: Mapping, backend) -> None:
                 f"{' '.join(r['target_modules'])}")
     raise CheckpointError(f"checkpoint {path} holds {said(saved)}; this run has {said(now)}: resume with the "
                           "checkpoint's --lora-* flags")
+
+
+def lora_base_record(backend) -> Optional[dict]:
+    """A LoRA run's frozen base, which its checkpoints do not hold (adapters and their optimizer state only):
+    ``--hf-checkpoint``'s path and weights digest (``models.hf_checkpoint.weights_digest``), computed once per
+    run; None for full fine-tuning."""
+    if lora_record(backend) is None:
+        return None
+    cached = getattr(backend, "_lora_base_record", None)
+    if cached is None:
+        import os
+
+        from megatron_rl.models.hf_checkpoint import weights_digest  # lazy: safetensors headers, LoRA runs only
+
+        hf_dir = os.path.abspath(backend.cfg.model.hf_checkpoint)
+        cached = {"hf_checkpoint": hf_dir, "weights_digest": weights_digest(hf_dir)}
+        backend._lora_base_record = cached
+    return cached
+
+
+def refuse_other_base(path: str, saved: Mapping, backend) -> None:
+    """An adapter-only checkpoint resumed on other base weights would train its adapters on a model they were
+    not trained with: refused, naming both checkpoints (every rank alike: the digest is deterministic)."""
+    now = lora_base_record(backend)
+    if now is None or saved.get("weights_digest") == now["weights_digest"]:
+        return
+    raise CheckpointError(f"checkpoint {path} holds LoRA adapters trained on the base {saved.get('hf_checkpoint')} "
+                          f"(weights digest {str(saved.get('weights_digest'))[:12]}...), and this run's --hf-checkpoint "
+                          f"{now['hf_checkpoint']} has other weights (digest {now['weights_digest'][:12]}...): resume "
+                          "with --hf-checkpoint set to that base (a copy of its files works)")

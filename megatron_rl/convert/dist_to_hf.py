@@ -52,7 +52,8 @@ NON_FINITE_FIX = ("such weights are no model to publish (a run whose weights div
 def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None, layout=None,
                        dtype: Optional[torch.dtype] = None, max_shard_size: str | int = "5GB",
                        verify: bool = False, overwrite: bool = False, show_progress: bool = True,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, merge_lora: bool = False) -> dict:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, merge_lora: bool = False,
+                       lora_base: Optional[str] = None) -> dict:
     """Convert a torch_dist dir to an HF dir ``out_dir``; returns a summary dict (rank 0's is complete)."""
     t0 = time.time()
     layout = layout or ParallelLayout()
@@ -83,6 +84,9 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                               "on purpose: drop --verify")
     if spec is None and merge_lora:
         raise CheckpointError(f"--merge-lora: torch_dist checkpoint {dist_dir} holds no LoRA adapters; drop the flag")
+    base_dir = lora_export.adapter_only_base(dist_dir, meta, lora_base) if spec is not None else None
+    if base_dir is not None:  # an adapter-only checkpoint: the base's values from the HF dir it was trained on
+        stored = {n: (tuple(t.shape), t.dtype) for n, t in lora_export.hf_base_tensors(base_dir, shapes_only=True)}
     if not stored:
         raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds no model tensors (keys under "
                               f"{', '.join(dist_io.MODEL_KEY_ROOTS)})")
@@ -97,8 +101,11 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
         lora_export.read_peft_tensors(bridge, dist_dir, spec), spec)  # HF weight -> alpha/r B A
     # one process: read a bucket of parameters at a time; torchrun: every rank loads its shard, the
     # export gathers (collective)
-    chunks, exported = streaming_load.hf_tensors_of(bridge, dist_dir, layout, stored_dtype, config_dir, streaming,
-                                                    bucket_bytes, stored)
+    if base_dir is not None:
+        chunks, exported = None, lora_export.hf_base_tensors(base_dir)
+    else:
+        chunks, exported = streaming_load.hf_tensors_of(bridge, dist_dir, layout, stored_dtype, config_dir,
+                                                        streaming, bucket_bytes, stored)
     expected = bridge.hf_param_shapes()
     summary: dict = {}
 

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_rl.convert import common
@@ -28,6 +29,7 @@ from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json, publish_dir
 from megatron_rl.infra.checkpoint_root import temp_dir_for
 from megatron_rl.models import dist_io, get_bridge, model_dir
+from megatron_rl.models.hf_checkpoint import weights_digest
 from megatron_rl.models.lora import LoraSpec, peft_key
 from megatron_rl.models.parallel import ParallelLayout
 
@@ -44,6 +46,40 @@ def lora_spec_of(dist_dir: str, meta: dict) -> Optional[LoraSpec]:
                                   "has no 'lora' record (rank, alpha, targets): it was written by an older version")
         return None
     return LoraSpec(int(record["rank"]), float(record["alpha"]), target_modules=tuple(record["target_modules"]))
+
+
+def adapter_only_base(dist_dir: str, meta: dict, given: Optional[str] = None) -> Optional[str]:
+    """The HF base of an adapter-only LoRA checkpoint (its ``lora_base`` record: the run's ``--hf-checkpoint`` and
+    its weights digest), or None for an older LoRA checkpoint that holds the base itself. ``given``
+    (``--lora-base``) replaces the recorded path, e.g. a copy on this machine; either must have the digest."""
+    record = meta.get("lora_base")
+    if record is None:
+        return None
+    base = os.path.abspath(given or record["hf_checkpoint"])
+    if not os.path.isdir(base):
+        raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds LoRA adapters without their frozen base, "
+                              f"which was {record['hf_checkpoint']}; {base} does not exist: pass --lora-base DIR, "
+                              "a copy of that HF checkpoint")
+    if weights_digest(base) != record["weights_digest"]:
+        raise CheckpointError(f"--lora-base {base}: its weights are not the base {dist_dir}'s adapters were trained "
+                              f"on ({record['hf_checkpoint']}, digest {record['weights_digest'][:12]}...): pass a "
+                              "copy of that HF checkpoint")
+    return base
+
+
+def hf_base_tensors(base_dir: str, shapes_only: bool = False):
+    """``(HF name, tensor)`` of every weight of the HF dir ``base_dir``, one at a time (the adapters' file
+    skipped); ``shapes_only``: empty tensors of the stored shapes and dtypes (headers only)."""
+    for fname in sorted(f for f in os.listdir(base_dir) if f.endswith(".safetensors") and f != ADAPTER_WEIGHTS):
+        with safe_open(os.path.join(base_dir, fname), framework="pt") as fh:
+            for name in fh.keys():
+                if shapes_only:
+                    sl = fh.get_slice(name)
+                    dtype = getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(
+                        sl.get_dtype(), "float32"))
+                    yield name, torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+                else:
+                    yield name, fh.get_tensor(name)
 
 
 def read_peft_tensors(bridge, dist_dir: str, spec: LoraSpec) -> dict[str, torch.Tensor]:

@@ -125,3 +125,36 @@ class HFCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+DIGEST_SAMPLES = 16  # evenly spaced 64 KiB reads of each file's data, beside its whole header
+_SAMPLE_BYTES = 1 << 16
+
+
+def weights_digest(hf_dir: str) -> str:
+    """A fingerprint of an HF checkpoint's weights: sha256 over each safetensors file's name, size, whole header
+    (every tensor's name, dtype, shape and offsets) and ``DIGEST_SAMPLES`` reads of 64 KiB spread over its data.
+
+    Why not a hash of every byte: a LoRA run's adapter-only checkpoint records the base it was trained on
+    (``--hf-checkpoint``) and a resume checks it, which must cost seconds for a 100 GB base, not minutes. Two
+    different weights of one architecture (another fine-tune) differ in essentially every sampled read; a copy
+    of the same files gives the same digest wherever it lies."""
+    import hashlib
+
+    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors") and f != "adapter_model.safetensors")
+    if not files:
+        raise CheckpointError(f"{hf_dir} holds no *.safetensors weights to fingerprint")
+    h = hashlib.sha256()
+    for fname in files:
+        path = os.path.join(hf_dir, fname)
+        size = os.path.getsize(path)
+        h.update(f"{fname}\0{size}\0".encode())
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(header_len))
+            start = 8 + header_len
+            span = max(size - start - _SAMPLE_BYTES, 0)
+            for i in range(DIGEST_SAMPLES):
+                fh.seek(start + span * i // max(DIGEST_SAMPLES - 1, 1))
+                h.update(fh.read(_SAMPLE_BYTES))
+    return h.hexdigest()

@@ -169,6 +169,20 @@ def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_mode
     assert sizes == [want, want], (sizes, want)
     assert want < sum(p.numel() for p in hf.parameters()) / 10
     assert not any("lora" in n for n in w0)  # the engine's names: merged into the base weights
+    # the checkpoint holds the adapters (and their optimizer state), not the frozen base: it records the base's
+    # digest, which a resume checks against --hf-checkpoint (refused when other weights: test below)
+    from megatron_rl.models import dist_io
+    from megatron_rl.models.hf_checkpoint import weights_digest
+
+    lora_dir, full_dir = out / "root_lora" / "iter_0000002", out / "root_tp" / "iter_0000002"
+    assert dist_io.checkpoint_model_tensors(str(lora_dir)) == {} and dist_io.checkpoint_adapter_tensors(str(lora_dir))
+    meta = json.load(open(lora_dir / "COMPLETE.json"))
+    assert meta["lora_base"]["weights_digest"] == weights_digest(tiny_hf_models("qwen2"))
+
+    def size(d):
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and f.suffix == ".distcp")
+
+    assert size(lora_dir) < size(full_dir) / 2, (size(lora_dir), size(full_dir))  # 0.34x: the tiny model's adapters are a tenth
     # its base weights alone are not the trained model: dist-to-hf refuses it without --merge-lora
     from peft import PeftModel
 
@@ -188,6 +202,21 @@ def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_mode
     synced = torch.load(out / "save_lora_weights.pt")
     worst = max((synced[n] - merged[n]).abs().max().item() for n in synced)
     assert worst <= 1e-6, worst
+    # dist-to-hf --merge-lora: the adapters folded into the base read from the run's --hf-checkpoint (the
+    # checkpoint holds no base), checked by digest; a wrong --lora-base is refused naming the fix
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-hf", "--merge-lora", "--input",
+                           str(lora_dir), "--output", str(out / "lora_merged"), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    exported = {k: v for f in sorted((out / "lora_merged").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert set(exported) == set(synced)
+    assert max((exported[n] - merged[n]).abs().max().item() for n in exported) <= 1e-6
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "dist-to-hf", "--merge-lora", "--input",
+                           str(lora_dir), "--output", str(out / "lora_merged2"), "--no-progress", "--lora-base",
+                           tiny_hf_models("qwen3")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "are not the base" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     # a new run started from that PEFT dir (--lora-load) computes the checkpoint's log-probs, bit for bit
     assert _rec(out, "lora_load")["logprobs_start"] == _rec(out, "save_lora")["logprobs_end"]
 
@@ -279,3 +308,27 @@ def test_corrupt_or_non_finite_checkpoint_falls_back_and_named_load_is_exact(ckp
         assert "non-finite" in named_inf[r]["error"] and "word_embeddings.weight" in named_inf[r]["error"]
     # the refused loads applied nothing: the model is the good checkpoint's, exactly
     assert _max_diff(_rec(out, "save_tp")["logprobs_end"], rec["logprobs_start"]) <= 1e-6
+
+
+def test_an_adapter_only_checkpoint_refuses_another_base(tiny_hf_models, tmp_path):
+    """A LoRA checkpoint's base is --hf-checkpoint's weights, checked by digest: a copy of the files passes,
+    other weights of the same architecture are refused naming both."""
+    import shutil
+    from types import SimpleNamespace
+
+    from megatron_rl.backends.checkpoint_common import lora_base_record, refuse_other_base
+    from megatron_rl.errors import CheckpointError
+
+    def backend(hf):
+        return SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(hf_checkpoint=hf),
+                                                   lora=SimpleNamespace(lora_rank=4, lora_alpha=8.0,
+                                                                        lora_target_modules=["all-linear"])))
+
+    base = tiny_hf_models("qwen2")
+    saved = lora_base_record(backend(base))
+    copy = shutil.copytree(base, tmp_path / "copy")
+    refuse_other_base("ckpt", saved, backend(str(copy)))  # the same weights elsewhere
+    other = tiny_hf_models("qwen2", seed=1)
+    with pytest.raises(CheckpointError, match=r"holds LoRA adapters trained on the base .*qwen2.* this run's "
+                                              r"--hf-checkpoint .* has other weights"):
+        refuse_other_base("ckpt", saved, backend(other))

@@ -58,8 +58,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.backends.checkpoint_common import (ANOTHER, lora_record, refuse_non_finite, refuse_other_lora,
-                                                    refuse_other_model)
+from megatron_rl.backends.checkpoint_common import (ANOTHER, lora_base_record, lora_record, refuse_non_finite,
+                                                    refuse_other_base, refuse_other_lora, refuse_other_model)
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.checkpoint_root import (CHECKSUM_KEY, CorruptCheckpoint, crc32_of_files, is_temp_dir,
@@ -143,10 +143,21 @@ def _load_critic(backend, loaded: dict, path: str) -> None:
     critic.optimizer_steps = int(loaded["critic_optimizer_steps"])
 
 
-def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool) -> dict:
+def _adapters_only(model_sd: dict) -> dict:
+    """A LoRA run's model state in its checkpoints: the adapters (``lora.`` keys) and the non-tensor entries. The
+    frozen base is what ``--hf-checkpoint`` gives every start; the checkpoint records its digest (``lora_base``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return {k: v for k, v in model_sd.items()
+            if not isinstance(v, (ShardedTensor, ShardedTensorFactory)) or v.key.startswith("lora.")}
+
+
+def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool, adapters_only: bool = False) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     sd: dict[str, Any] = model_sharded_state_dict(backend.chunks)  # model / model{i}, as megatron writes them
+    if adapters_only:
+        sd = {key: _adapters_only(model_sd) for key, model_sd in sd.items()}
     sd["optimizer"] = backend.optimizer.sharded_state_dict(sd, is_loading=is_loading,
                                                            metadata=dict(SHARDING_METADATA))
     sd["opt_param_scheduler"] = backend.scheduler.state_dict()
@@ -286,8 +297,10 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
         raise CheckpointError(f"extra_state for {path} must be a JSON-serialisable dict: {e}") from e
     dc = dist_checkpointing()
 
+    base = lora_base_record(backend)  # a LoRA run: the adapters and their optimizer state, not the frozen base
+
     def write(tmp: str) -> dict[str, str]:
-        sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True)
+        sd = _build_sharded_state_dict(backend, is_loading=False, with_rng=True, adapters_only=base is not None)
         save_torch_dist(dc, sd, tmp, content_metadata={"megatron_rl_format": FORMAT})
         return _spread_checksums(tmp)  # after save_torch_dist's last agreement: every rank's shards are on disk
 
@@ -300,7 +313,7 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
                 "optimizer_steps": int(backend.optimizer_steps), "layout": layout_record(backend),
                 "model": model_fingerprint(backend), "lora": lora_record(backend),
                 "optimizer_sharding": SHARDING_METADATA["distrib_optim_sharding_type"],
-                "critic": _has_critic(backend)}
+                "critic": _has_critic(backend), **({"lora_base": base} if base is not None else {})}
 
     publish_collectively(path, write, seal, needed_bytes=lambda: newest_checkpoint_bytes(os.path.dirname(path)))
     if rank() == 0:
@@ -472,7 +485,10 @@ def load_checkpoint(backend, path: str) -> dict:
         if isinstance(opt, DistributedOptimizer):
             opt._init_optimizer_states_with_dummy_values()
     dc = dist_checkpointing()
-    sd = _build_sharded_state_dict(backend, is_loading=True, with_rng=same_layout)
+    adapters_only = "lora_base" in meta  # older LoRA checkpoints hold the base too: loaded whole, as written
+    if adapters_only:
+        refuse_other_base(path, meta["lora_base"], backend)
+    sd = _build_sharded_state_dict(backend, is_loading=True, with_rng=same_layout, adapters_only=adapters_only)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -485,11 +501,16 @@ def load_checkpoint(backend, path: str) -> dict:
                              for key in model_keys for name, t in loaded[key].items()))
 
     try:
-        if len(backend.chunks) == 1:
-            backend.chunks[0].load_state_dict(loaded["model"], strict=True)
-        else:
-            for i, chunk in enumerate(backend.chunks):
-                chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+        for key, chunk in zip(model_keys, backend.chunks):
+            if not adapters_only:
+                chunk.load_state_dict(loaded[key], strict=True)
+                continue
+            result = chunk.load_state_dict(loaded[key], strict=False)  # the frozen base stays as --hf-checkpoint gave
+            trained = {n for n, prm in chunk.named_parameters() if prm.requires_grad}
+            lacking = sorted(n for n in result.missing_keys if n in trained)
+            if lacking or result.unexpected_keys:
+                raise CheckpointError(f"checkpoint {path} does not hold this run's adapters: missing {lacking[:5]}, "
+                                      f"unexpected {list(result.unexpected_keys)[:5]}")
         _load_optimizer_state(backend.optimizer, loaded["optimizer"])
         if _has_critic(backend):
             _load_critic(backend, loaded, path)
