@@ -72,10 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
                         ("fsdp-to-hf", "fsdp checkpoint (--train-backend fsdp: iter_NNNNNNN dir or checkpoint root) "
                                        "-> HF safetensors dir"),
                         ("dist-to-peft", "a --lora-rank run's torch_dist checkpoint -> its adapters as a HF PEFT dir "
-                                         "(adapter_model.safetensors + adapter_config.json)")):
+                                         "(adapter_model.safetensors + adapter_config.json)"),
+                        ("fsdp-to-peft", "a --train-backend fsdp --lora-rank run's checkpoint -> its adapters as a "
+                                         "HF PEFT dir")):
         p = sub.add_parser(name, help=help_, allow_abbrev=False)
         p.add_argument("--input", required=True, metavar="DIR")
         p.add_argument("--output", required=True, metavar="DIR")
+        if name == "fsdp-to-peft":
+            p.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
+            p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+            continue
         if name == "dist-to-peft":
             p.add_argument("--hf-config", metavar="DIR", help="dir with config.json (default: INPUT/hf_config)")
             p.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
@@ -129,6 +135,10 @@ def main(argv=None) -> int:
 
             return _report(args, convert_dist_to_peft(args.input, args.output, hf_config_dir=args.hf_config,
                                                       overwrite=args.overwrite))
+        if args.direction == "fsdp-to-peft":
+            from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_peft  # lazy: imports torch, not megatron-core
+
+            return _report(args, convert_fsdp_to_peft(args.input, args.output, overwrite=args.overwrite))
         if args.direction == "fsdp-to-hf":
             from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_hf  # lazy: imports torch, not megatron-core
 

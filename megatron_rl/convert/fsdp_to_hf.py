@@ -31,6 +31,7 @@ bfloat16`` gives what the run exported to its rollout engine.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -40,7 +41,8 @@ from megatron_rl.convert import common, dcp_model
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.convert.streaming_save import release_free_memory
 from megatron_rl.errors import CheckpointError
-from megatron_rl.infra.checkpoint_root import CorruptCheckpoint, read_complete_marker
+from megatron_rl.infra.atomic import publish_dir
+from megatron_rl.infra.checkpoint_root import CorruptCheckpoint, read_complete_marker, temp_dir_for
 from megatron_rl.infra.dist import rank0_do
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.models import hf_module, model_dir
@@ -70,10 +72,9 @@ def convert_fsdp_to_hf(ckpt_dir: str, out_dir: str, hf_config_dir: Optional[str]
     if meta.get("lora"):
         r = meta["lora"]
         raise CheckpointError(f"fsdp checkpoint {ckpt_dir} is a LoRA run's (--lora-rank {r['rank']}): its model "
-                              "tensors are the frozen base plus PEFT adapters, and exporting them is built for the "
-                              "megatron backend's checkpoints only (tools/convert_ckpt.py dist-to-peft, dist-to-hf "
-                              "--merge-lora); the merged weights a run syncs to its engine are what "
-                              "--update-weight-transport disk writes")
+                              "tensors are the frozen base plus PEFT adapters; export the adapters with "
+                              "tools/convert_ckpt.py fsdp-to-peft (peft merges them onto the base: "
+                              "PeftModel.from_pretrained(base, DIR).merge_and_unload())")
     config_dir = os.path.abspath(hf_config_dir or os.path.join(ckpt_dir, model_dir.HF_CONFIG_SUBDIR))
     model = hf_module.meta_model(config_dir)
     _check_fingerprint(ckpt_dir, meta, model.config, config_dir)
@@ -113,6 +114,44 @@ def convert_fsdp_to_hf(ckpt_dir: str, out_dir: str, hf_config_dir: Optional[str]
     summary.update(format=model_dir.HF_FORMAT, output=out_dir, source=ckpt_dir, dtype=common.dtype_name(out_dtype),
                    seconds=round(time.time() - t0, 3), verified=bool(verify))
     return summary
+
+
+def convert_fsdp_to_peft(ckpt_dir: str, out_dir: str, overwrite: bool = False) -> dict:
+    """A ``--train-backend fsdp --lora-rank`` run's checkpoint -> its adapters as a HF PEFT dir ``out_dir``
+    (``adapter_model.safetensors`` under PEFT's saved keys + ``adapter_config.json``; written whole or not at
+    all). The checkpoint holds PEFT's own modules (``<module>.lora_A.default.weight``), read in one process."""
+    from megatron_rl.models.peft_adapter import AdapterExport  # lazy: the LoRA route only
+
+    t0 = time.time()
+    _refuse_torchrun()
+    given = ckpt_dir
+    ckpt_dir = model_dir.resolve_dist_dir(os.path.abspath(ckpt_dir))
+    common.refuse_other_kind(ckpt_dir, given, "fsdp-to-hf")  # the same checkpoint kinds as fsdp-to-hf
+    out_dir = os.path.abspath(out_dir)
+    common.check_output_dir(out_dir, {"--input": given}, overwrite, "peft")
+    meta = read_marker(ckpt_dir)
+    record = meta.get("lora")
+    if not record:
+        raise CheckpointError(f"fsdp checkpoint {ckpt_dir} holds no LoRA adapters (a full fine-tuning run's): use "
+                              "fsdp-to-hf")
+    specs = {n: spec for n, spec in dcp_model.model_tensor_specs(ckpt_dir).items() if ".lora_" in n}
+    if not specs:
+        raise CheckpointError(f"fsdp checkpoint {ckpt_dir} records --lora-rank {record['rank']} but holds no "
+                              "adapter tensors (<module>.lora_A/B.default.weight)")
+    tensors = {"base_model.model." + n.replace(".default.weight", ".weight"): t
+               for n, t in dcp_model.read_tensors(ckpt_dir, specs).items()}
+    adapter = AdapterExport(tensors, int(record["rank"]), float(record["alpha"]))
+    adapter.modules()  # every module has its A and B of rank r: refused naming the module otherwise
+    config_dir = os.path.join(ckpt_dir, model_dir.HF_CONFIG_SUBDIR)
+    tmp = temp_dir_for(out_dir)
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)  # a killed earlier run's leftovers (never loaded: hidden, unpublished)
+    os.makedirs(tmp)
+    adapter.save(tmp, base_model=config_dir if os.path.isdir(config_dir) else "")
+    publish_dir(tmp, out_dir)
+    return {"output": out_dir, "format": "peft", "tensors": len(tensors), "rank": adapter.rank,
+            "alpha": adapter.alpha, "dtype": common.dtype_name(next(iter(tensors.values())).dtype),
+            "seconds": round(time.time() - t0, 3)}
 
 
 def read_marker(path: str) -> dict:

@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-from _util import check_logprobs_against_hf, torchrun
+from _util import REPO, check_logprobs_against_hf, torchrun
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_worker.py")
 DP4_RUN = "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24"
@@ -61,11 +61,13 @@ def runs(tmp_path_factory, tiny_hf_models):
     others = [tiny_hf_models(f) for f in OTHER_FAMILIES]
     one, two = tmp_path_factory.mktemp("fsdp_w1"), tmp_path_factory.mktemp("fsdp_w2")
     ckpt, ckpt16 = tmp_path_factory.mktemp("fsdp_ckpt"), tmp_path_factory.mktemp("fsdp_ckpt16")
+    lora_ckpt = tmp_path_factory.mktemp("fsdp_lora_ckpt")
     lora = f"--lora-rank=4,--lora-alpha=8,--lora-load={_random_peft_dir(hf, tmp_path_factory.mktemp('peft'))}"
     # DP2: the runs, a DCP checkpoint after 3 steps (then a 4th step) and a resume from it at DP2, the MoE
     # model, and an overflowing fp16 run that saves its loss scaler
     torchrun(SCRIPT, 2, [hf, str(two), *DP2_RUNS, f"fsdp:+save={ckpt}", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
-                         f"{FP16_OVERFLOW},+save={ckpt16}", f"fsdp:{lora},+as=fsdp_lora"], timeout=600)
+                         f"{FP16_OVERFLOW},+save={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
+                         f"fsdp:{lora},+as=fsdp_lora_saved,+save={lora_ckpt}"], timeout=600)
     # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
     torchrun(SCRIPT, 1, [hf, str(one), "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
                          f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
@@ -76,7 +78,7 @@ def runs(tmp_path_factory, tiny_hf_models):
     four = tmp_path_factory.mktemp("fsdp_w4")
     torchrun(SCRIPT, 4, [hf, str(four), DP4_RUN], timeout=600)
     return (hf, json.load(open(one / "results_w1.json")), one, json.load(open(two / "results_w2.json")), two, ckpt,
-            moe, ckpt16, json.load(open(four / "results_w4.json")), four)
+            moe, ckpt16, json.load(open(four / "results_w4.json")), four, lora_ckpt)
 
 
 def _compare(ref, ref_dir, ref_run, rec, rec_dir, run, lp_tol=1e-5, w_tol=2e-5):
@@ -124,7 +126,7 @@ def test_data_parallel_steps_equal_one_process(runs, run):
 
 
 def test_four_data_parallel_ranks_equal_one_process(runs):
-    _, one, one_dir, *_, four, four_dir = runs
+    _, one, one_dir, *_, four, four_dir, _ = runs
     _compare(one["fsdp"], one_dir, "fsdp", four[DP4_RUN], four_dir, DP4_RUN)
 
 
@@ -322,3 +324,28 @@ def test_other_families_on_fsdp_equal_the_megatron_backend(runs, family):
     _, one, one_dir, *_ = runs
     _compare(one[f"megatron_{family}"], one_dir, f"megatron_{family}", one[f"fsdp_{family}"], one_dir,
              f"fsdp_{family}")
+
+
+def test_fsdp_lora_checkpoint_exports_a_peft_dir(runs, tmp_path):
+    """fsdp-to-peft: the adapters of an FSDP LoRA checkpoint (DP2, after 3 steps) as a HF PEFT dir; PEFT merges
+    it onto the base into the weights the run synced its engine with at that step (<= 1e-6); fsdp-to-hf names
+    fsdp-to-peft for such a checkpoint."""
+    import subprocess
+    import sys
+
+    import transformers
+    from peft import PeftModel
+
+    hf, _, _, _, two_dir, *_ = runs
+    ckpt = runs[-1]
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "fsdp-to-peft", "--input", str(ckpt),
+                           "--output", str(tmp_path / "peft")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(tmp_path / "peft")).merge_and_unload().state_dict()
+    synced = torch.load(two_dir / "fsdp_lora_saved_step2.pt")
+    assert max((synced[n] - merged[n]).abs().max().item() for n in synced) <= 1e-6
+    proc = subprocess.run([sys.executable, "tools/convert_ckpt.py", "fsdp-to-hf", "--input", str(ckpt),
+                           "--output", str(tmp_path / "hf"), "--no-progress"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "fsdp-to-peft" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
