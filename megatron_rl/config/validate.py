@@ -679,16 +679,15 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
     if cfg.precision.train_backend != "megatron":
         errors.append(f"--advantage-estimator ppo with --train-backend {cfg.precision.train_backend}: the critic is "
                       "built for the megatron backend only, not yet for fsdp; use --train-backend megatron")
-    for flag, on in (("--pipeline-model-parallel-size > 1", p.pipeline_model_parallel_size > 1),
-                     ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size is not None),
+    for flag, on in (("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size is not None),
                      ("--context-parallel-size > 1", p.context_parallel_size > 1),
                      ("--lora-rank", bool(cfg.lora.lora_rank)),
                      ("--custom-advantage-function-path", a.custom_advantage_function_path is not None),
                      ("--use-rollout-logprobs", a.use_rollout_logprobs)):
         if on:
             errors.append(f"--advantage-estimator ppo with {flag}: the critic is not built for it yet (this "
-                          "version: tensor and data parallelism, sequence parallelism, one pipeline stage, no "
-                          "context parallelism, no LoRA); drop it or use another estimator")
+                          "version: tensor, data and pipeline parallelism, sequence parallelism, no virtual pipeline "
+                          "stages, no context parallelism, no LoRA); drop it or use another estimator")
     if a.loss_type != "policy_loss":
         errors.append(f"--advantage-estimator ppo with --loss-type {a.loss_type}: the critic trains beside the "
                       "built-in policy loss only")

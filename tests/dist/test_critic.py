@@ -4,9 +4,10 @@
    save, and in the
    same process, parallel state torn down and the backend rebuilt, load + the third step.
 2. 2 ranks: the same 3 steps at TP2 with sequence parallelism (the value head on each rank's token slice,
-   its gradient all-reduced over TP) and at DP2 with the distributed optimizer.
+   its gradient all-reduced over TP), at DP2 with the distributed optimizer, and at PP2 (the head on the last
+   stage; values and metrics reach every rank).
 
-Checks: the critic's values, value loss, clip fraction and gradient norm at TP2+SP and DP2 equal the one-process
+Checks: the critic's values, value loss, clip fraction and gradient norm at TP2+SP, DP2 and PP2 equal the one-process
 run's (float32, atol 2e-5 / rtol 1e-4: only the reduction order differs), and so do the values after the
 updates; in the critic-only step the actor's parameters are bitwise unchanged and no train/* metric is
 reported; resume from the checkpoint (critic model, optimizer, schedule inside the actor's checkpoint)
@@ -22,6 +23,7 @@ import torch
 from _util import torchrun
 
 STEPS = [False, True, True]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
 def _job(**kw) -> str:
@@ -40,7 +42,7 @@ def runs(tmp_path_factory, tiny_hf_models):
     script = os.path.join(os.path.dirname(__file__), "scripts", "critic_worker.py")
     hf = tiny_hf_models("qwen2")
     out = tmp_path_factory.mktemp("critic_out")
-    save = str(out / "root" / "iter_0000002")
+    save, pp_save = str(out / "root" / "iter_0000002"), str(out / "root_pp" / "iter_0000002")
     other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
     dist_dir = str(out / "other_dist")
     torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="save", steps=STEPS[:2], save=save),
@@ -55,12 +57,15 @@ def runs(tmp_path_factory, tiny_hf_models):
              timeout=400)
     torchrun(script, 2, [hf, str(out),
                          _job(tag="tp", steps=STEPS, flags=["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                         _job(tag="dp", steps=STEPS, flags=["--use-distributed-optimizer"])], timeout=400)
+                         _job(tag="dp", steps=STEPS, flags=["--use-distributed-optimizer"]),
+                         _job(tag="pp", steps=STEPS, flags=PP2),
+                         _job(tag="pp_save", steps=STEPS[:2], save=pp_save, flags=PP2),
+                         _job(tag="pp_resume", steps=STEPS[2:], load=pp_save, flags=PP2)], timeout=400)
     return out
 
 
 def test_critic_only_step_leaves_the_actor_and_reports_no_train_metrics(runs):
-    for tag in ("ref", "tp", "dp"):
+    for tag in ("ref", "tp", "dp", "pp"):
         steps = _rec(runs, tag)["steps"]
         assert [s["actor_unchanged"] for s in steps] == [True, False, False], tag
         assert not [k for m in steps[0]["metrics"] for k in m if k.startswith("train/")], (tag, steps[0])
@@ -71,8 +76,8 @@ def test_critic_only_step_leaves_the_actor_and_reports_no_train_metrics(runs):
             assert m["critic/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("tag", ["tp", "dp"])
-def test_critic_at_tp2_sp_and_dp2_equals_one_process(runs, tag):
+@pytest.mark.parametrize("tag", ["tp", "dp", "pp"])
+def test_critic_at_tp2_sp_dp2_and_pp2_equals_one_process(runs, tag):
     ref, got = _rec(runs, "ref"), _rec(runs, tag)
     assert got["values_start"] != got["values_end"]  # the critic trained
     for name in ("values_start", "values_end"):
@@ -90,14 +95,16 @@ def test_critic_at_tp2_sp_and_dp2_equals_one_process(runs, tag):
     assert all(s["metrics"][0]["critic/vf_clipfrac"] == 0 for s in ref["steps"])  # first epoch: V == V_old
 
 
-def test_critic_resumes_bitwise(runs):
-    ref, saved, resumed = _rec(runs, "ref"), _rec(runs, "save"), _rec(runs, "resume")
+@pytest.mark.parametrize("tags", [("ref", "save", "resume"), ("pp", "pp_save", "pp_resume")])
+def test_critic_resumes_bitwise(runs, tags):
+    """One process, and PP2 (each stage's part of the critic in the actor's checkpoint)."""
+    ref, saved, resumed = (_rec(runs, t) for t in tags)
     assert [s["metrics"] for s in saved["steps"]] == [s["metrics"] for s in ref["steps"][:2]]
     assert resumed["steps"][0]["global_step"] == 2 and resumed["steps"][0]["metrics"] == ref["steps"][2]["metrics"]
     assert resumed["steps"][0]["values"] == ref["steps"][2]["values"]
     assert resumed["critic_steps"] == ref["critic_steps"] == 6 and resumed["critic_lr"] == ref["critic_lr"]
     assert resumed["values_end"] == ref["values_end"] and resumed["logprobs_end"] == ref["logprobs_end"]
-    a, b = torch.load(runs / "ref_critic_opt_rank0.pt"), torch.load(runs / "resume_critic_opt_rank0.pt")
+    a, b = torch.load(runs / f"{tags[0]}_critic_opt_rank0.pt"), torch.load(runs / f"{tags[2]}_critic_opt_rank0.pt")
     assert a["num_states"] == b["num_states"] > 0
     for x, y in zip(a["tensors"], b["tensors"], strict=True):
         assert set(x) == set(y)

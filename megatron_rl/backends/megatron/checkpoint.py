@@ -166,7 +166,7 @@ def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool, adapter
     sd["checkpoint_format"] = FORMAT
     critic = getattr(backend, "critic", None)
     if critic is not None:  # ppo's value model (critic.py): its own keys, optimizer and schedule, same checkpoint
-        assert len(critic.chunks) == 1, "the critic is built for one pipeline stage (validation refuses PP/VPP)"
+        assert len(critic.chunks) == 1, "one model chunk per rank: validation refuses a critic with virtual pipeline stages"
         model_sd = critic.chunks[0].sharded_state_dict(prefix=CRITIC_PREFIX)
         sd["critic_model"] = model_sd
         sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,

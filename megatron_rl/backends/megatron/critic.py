@@ -107,6 +107,9 @@ class MegatronCritic:
                         p.copy_(theirs[name])
         config = self.chunks[0].config
         for chunk in self.chunks:
+            # the head is no tied output layer: with pipeline stages megatron would otherwise all-reduce the first
+            # stage's embedding gradient with the last stage's "output weight" (the [1, h] head)
+            chunk.share_embeddings_and_output_weights = False
             if chunk.post_process:
                 old = chunk.output_layer
                 chunk.output_layer = ValueHead(
@@ -120,6 +123,8 @@ class MegatronCritic:
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0)
                       for i, chunk in enumerate(self.chunks)]
+        # pipeline stages: only the last one's output is values (earlier ones pass hidden states on)
+        self._post_process = {id(m): bool(c.post_process) for m, c in zip(self.model, self.chunks)}
         opt = cfg.optimizer
         lr = opt.critic_lr if opt.critic_lr is not None else opt.lr
         kwargs = optimizer_config_kwargs(cfg, backend.params_dtype)
@@ -163,6 +168,8 @@ class MegatronCritic:
         device = next(model.parameters()).device
         mb = mb.to(device)
         output = model(mb.tokens[None], mb.position_ids[None], None, packed_seq_params=mb.packed_seq_params())
+        if not self._post_process[id(model)]:  # hidden states for the next stage; the schedule calls no loss here
+            return output, partial(loss_fn, mb, None)
         per_position = output.reshape(-1)  # [1, s, 1] -> [s]: one value per packed position
         values = rows.to_response(per_position.index_select(0, rows.rows.to(device)))
         return output, partial(loss_fn, mb, values)
@@ -209,7 +216,13 @@ class MegatronCritic:
         if update_ok:
             self.scheduler.step(increment=1)
             self.optimizer_steps += 1
-        metrics = reduce_metrics([item["metrics"] for item in store], group=self.ps.get_data_parallel_group())
+        metrics: dict[str, float] = {}
+        if self.ps.is_pipeline_last_stage(ignore_virtual=True):
+            metrics = reduce_metrics([item["metrics"] for item in store], group=self.ps.get_data_parallel_group())
+        if self.ps.get_pipeline_model_parallel_world_size() > 1:  # every rank reports the last stage's view
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, metrics)
+            metrics = next(m for m in gathered if m)
         out = {f"critic/{k}": v for k, v in metrics.items()}
         out["critic/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
