@@ -59,6 +59,27 @@ def mtp_after_training(backend, hf_dir, out_dir):
                              for c in backend.chunks for n, p in c.named_parameters() if n.startswith("mtp."))}
 
 
+def mtp_reference_loss(hf_dir, samples):
+    """--enable-mtp-training's MTP loss of ``samples`` at the checkpoint's weights, from tests/_mtp_reference.py
+    (transformers' modules): depth 0 at position t scores token t + 2; cross-entropy summed over the loss-masked
+    response tokens, divided by their count."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from _mtp_reference import MtpReference
+
+    ref = MtpReference(hf_dir)
+    total, count = 0.0, 0
+    for s in samples:
+        seq = torch.tensor(s.prompt_ids + s.response_ids)
+        logits = ref.logits(seq).double()
+        p = len(s.prompt_ids)
+        for j, m in enumerate(s.loss_mask):
+            count += m != 0
+            if m != 0 and p + j - 2 >= 0:
+                row = logits[p + j - 2]
+                total += float(m) * (torch.logsumexp(row, 0) - row[s.response_ids[j]]).item()
+    return total / count
+
+
 def main():
     import torch.distributed as dist
 
@@ -95,6 +116,8 @@ def main():
 
         spec.extract_model_output = recording_extract
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
+        if cfg.megatron.enable_mtp_training:
+            rec["mtp_reference_loss"] = mtp_reference_loss(cfg.model.hf_checkpoint, samples)
         # the loop's path (runner/step.py): each DP rank computes and keeps the log-probs of the
         # samples it trains on; checked against the full gather of the same plan on every rank
         plan = backend.plan_rollout(samples, len(samples))
