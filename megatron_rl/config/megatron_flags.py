@@ -173,7 +173,7 @@ def _mtp_layers_check(value, cfg) -> Optional[str]:
 
 
 def _mtp_training_check(value, cfg) -> Optional[str]:
-    """``--enable-mtp-training``: built for the megatron backend, one model-parallel rank (TP = PP = CP = 1, any DP)."""
+    """``--enable-mtp-training``: built for the megatron backend at TP = CP = EP = 1 (any PP and DP)."""
     if not value:
         return None
     p = cfg.parallel
@@ -184,9 +184,9 @@ def _mtp_training_check(value, cfg) -> Optional[str]:
         (cfg.lora.lora_rank > 0, "is not built with LoRA (--lora-rank): the MTP layers have no adapters; drop one"),
         (p.context_parallel_size > 1, f"is not built with context parallelism (--context-parallel-size "
                                       f"{p.context_parallel_size}); use 1"),
-        (p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1 or p.expert_model_parallel_size > 1,
-         f"is tested only without model parallelism (TP {p.tensor_model_parallel_size}, PP "
-         f"{p.pipeline_model_parallel_size}, EP {p.expert_model_parallel_size}); use 1 (data parallelism is fine)"),
+        (p.tensor_model_parallel_size > 1 or p.expert_model_parallel_size > 1,
+         f"is tested only without tensor or expert parallelism (TP {p.tensor_model_parallel_size}, EP "
+         f"{p.expert_model_parallel_size}); use 1 (pipeline and data parallelism are fine)"),
     ]
     return next((why for bad, why in refusals if bad), None)
 
@@ -276,7 +276,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "built: the actor's train step adds the MTP loss (each depth d's cross-entropy of token t+2+d at "
                  "the loss-masked response tokens, summed, divided by the step's loss-token count, times "
                  "--mtp-loss-scaling-factor / --mtp-num-layers) to the policy loss; as slime, only the MTP "
-                 "layers get its gradient; TP = PP = CP = 1, megatron backend, no LoRA",
+                 "layers get its gradient; TP = CP = EP = 1 (PP and DP fine), megatron backend, no LoRA",
                  check=_mtp_training_check),
     MegatronFlag("megatron", "mtp_loss_scaling_factor", lambda value: {},
                  "built: weight of the MTP loss of --enable-mtp-training (divided by --mtp-num-layers, as "

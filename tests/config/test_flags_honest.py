@@ -350,7 +350,7 @@ def test_mtp_num_layers_other_than_the_checkpoints_is_refused(family, argv, why,
 @pytest.mark.parametrize("argv, why", [
     ([], "needs --mtp-num-layers"),
     (["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-     "tested only without model parallelism (TP 2"),
+     "tested only without tensor or expert parallelism (TP 2"),
     (["--mtp-num-layers", "1", "--lora-rank", "4"], "not built with LoRA"),
     (["--mtp-num-layers", "1", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
      "context parallelism"),

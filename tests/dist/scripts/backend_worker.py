@@ -31,7 +31,7 @@ def make_samples(vocab: int, n: int = 6, seed: int = 0):
     return samples
 
 
-def mtp_after_training(backend, hf_dir, out_dir):
+def mtp_after_training(backend, hf_dir, out_dir, layout):
     """--mtp-num-layers: after the training steps the full export (collective) still holds the checkpoint's MTP
     tensors bit for bit (frozen), its MTP copies of the embedding / head equal the trained main ones, and no MTP
     parameter has a gradient buffer; a training checkpoint saves and loads back the same export."""
@@ -49,6 +49,8 @@ def mtp_after_training(backend, hf_dir, out_dir):
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
     layer = f"model.layers.{backend.bridge.num_layers}."
     own = [n for n in source if n.startswith(layer) and not n.endswith(("embed_tokens.weight", "shared_head.head.weight"))]
+    if torch.distributed.get_rank() == 0:  # the MTP layer's own tensors after training (--enable-mtp-training compares)
+        torch.save({n: exported[n] for n in own}, os.path.join(out_dir, f"{layout}_mtp.pt".replace("/", "_")))
     return {"names_equal": set(exported) == set(source), "own_tensors": len(own),
             "checkpoint_round_trip": all(torch.equal(reloaded[n], t) for n, t in exported.items()),
             "own_unchanged": all(torch.equal(exported[n], source[n]) for n in own),
@@ -174,7 +176,7 @@ def main():
             if dist.get_rank() == 0:
                 torch.save(weights, os.path.join(out_dir, f"{layout or 'base'}_step{step}.pt".replace("/", "_")))
         if cfg.megatron.mtp_num_layers:
-            rec["mtp"] = mtp_after_training(backend, cfg.model.hf_checkpoint, out_dir)
+            rec["mtp"] = mtp_after_training(backend, cfg.model.hf_checkpoint, out_dir, layout)
         rec["entropy_asked"] = {k: sorted(v) for k, v in asked.items()}
         results[layout or "base"] = rec
         destroy_parallel()
