@@ -16,6 +16,8 @@ built on the last pipeline stage (``GPTModel(mtp_block_spec=...)``, ``mtp_num_la
 :class:`MtpGPTModel` runs the block only when asked (:func:`capture_mtp_logits`): megatron-core
 0.16.1 runs it in every forward once ``mtp_num_layers`` is set and then needs ``labels``, while
 the RL forward passes compute log-probs from the main logits only and keep the MTP layers frozen.
+With ``--enable-mtp-training`` the backend sets :attr:`MtpGPTModel.mtp_targets` for each training forward
+(:func:`mtp_targets`) and the model adds the MTP loss at those rows (docs/parity.md).
 """
 
 from __future__ import annotations
