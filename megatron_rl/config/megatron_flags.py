@@ -172,8 +172,24 @@ def _mtp_layers_check(value, cfg) -> Optional[str]:
     return None
 
 
-_MTP_TRAINING = ("training the MTP layers (megatron's MTP loss on the RL batch) is not built yet; the MTP layers "
-                 "are loaded, checkpointed and exported frozen with --mtp-num-layers alone. Drop the flag")
+def _mtp_training_check(value, cfg) -> Optional[str]:
+    """``--enable-mtp-training``: built for the megatron backend at TP = CP = EP = 1 (any PP and DP)."""
+    if not value:
+        return None
+    p = cfg.parallel
+    refusals = [
+        (not cfg.megatron.mtp_num_layers, "needs --mtp-num-layers (the checkpoint's MTP layers); set it"),
+        (cfg.precision.train_backend != "megatron", f"is built for --train-backend megatron only, not "
+                                                    f"{cfg.precision.train_backend}; use megatron"),
+        (cfg.lora.lora_rank > 0, "is not built with LoRA (--lora-rank): the MTP layers have no adapters; drop one"),
+        (p.context_parallel_size > 1, f"is not built with context parallelism (--context-parallel-size "
+                                      f"{p.context_parallel_size}); use 1"),
+        (p.tensor_model_parallel_size > 1 or p.expert_model_parallel_size > 1,
+         f"is tested only without tensor or expert parallelism (TP {p.tensor_model_parallel_size}, EP "
+         f"{p.expert_model_parallel_size}); use 1 (pipeline and data parallelism are fine)"),
+    ]
+    return next((why for bad, why in refusals if bad), None)
+
 
 _ALWAYS = "always on here, so the flag restates it"
 
@@ -257,13 +273,16 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "layers (loaded, frozen, checkpointed, exported to HF; not sent to the rollout engine); only 0 "
                  "or config.json's num_nextn_predict_layers", default=0, check=_mtp_layers_check),
     MegatronFlag("megatron", "enable_mtp_training", lambda value: {},
-                 "refused: MTP training is not built (the MTP layers stay frozen)",
-                 check=lambda v, cfg: _MTP_TRAINING),
-    MegatronFlag("megatron", "mtp_loss_scaling_factor", _tc(mtp_loss_scaling_factor=None),
-                 "refused unless 0.2 (slime's default): it scales the loss of --enable-mtp-training, which is "
-                 "refused", default=0.2,
-                 check=lambda v, cfg: "it scales the MTP loss of --enable-mtp-training, which this build refuses "
-                 "(MTP training is not built); drop the flag"),
+                 "built: the actor's train step adds the MTP loss (each depth d's cross-entropy of token t+2+d at "
+                 "the loss-masked response tokens, summed, divided by the step's loss-token count, times "
+                 "--mtp-loss-scaling-factor / --mtp-num-layers) to the policy loss; as slime, only the MTP "
+                 "layers get its gradient; TP = CP = EP = 1 (PP and DP fine), megatron backend, no LoRA",
+                 check=_mtp_training_check),
+    MegatronFlag("megatron", "mtp_loss_scaling_factor", lambda value: {},
+                 "built: weight of the MTP loss of --enable-mtp-training (divided by --mtp-num-layers, as "
+                 "megatron's mtp_loss_scaling_factor)", default=0.2,
+                 check=lambda v, cfg: None if v == 0.2 or cfg.megatron.enable_mtp_training else (
+                     f"{v} scales the MTP loss of --enable-mtp-training, which is off; add it or drop the flag")),
     MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
                  "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
                  "planner checks the split)", check=_last_stage_check),

@@ -140,11 +140,12 @@ NOTES: dict[str, tuple[str, str]] = {
                                                "seq_mean_token_sum_norm."),
     "--custom-tis-function-path": ("refused", "slime's built-ins are flags here: vanilla_tis_function = --use-tis, "
                                    "icepop_function = --use-tis --tis-mode mask (table below)."),
-    "--enable-mtp-training": ("refused", "MTP training (megatron's MTP loss added to the policy loss) is not "
-                              "built: refused in validation, also with --dry-run. --mtp-num-layers alone loads, "
-                              "checkpoints and exports the MTP layers frozen."),
-    "--mtp-loss-scaling-factor": ("refused", "Scales the loss of --enable-mtp-training, which is refused; "
-                                  "slime's default 0.2 restates the default, any other value is refused."),
+    "--enable-mtp-training": ("partial", "The MTP loss (token t+2+d at depth d, loss-masked response tokens, "
+                              "divided by the step's loss-token count) is added to the policy loss and, as in "
+                              "slime, trains only the MTP layers; megatron backend at TP = CP = EP = 1, any PP "
+                              "and DP (TP, CP, EP, LoRA and fsdp are refused). Metric train/mtp_loss."),
+    "--mtp-loss-scaling-factor": ("same", "Weight of --enable-mtp-training's loss, divided by --mtp-num-layers "
+                                  "as megatron does (default 0.2)."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }

@@ -514,12 +514,14 @@ class MegatronConfig:
                                          "EAGLE/NextN speculative decoding uses; the weight sync leaves them out "
                                          "(the engine keeps its own copy). 0 or unset: skipped on load, as "
                                          "transformers does. Only 0 or config.json's count.")
-    enable_mtp_training: bool = flag(False, "Train the MTP layers with megatron's MTP loss (slime's flag). "
-                                     "Refused in this build: the MTP layers are loaded, checkpointed and "
-                                     "exported frozen (--mtp-num-layers).")
-    mtp_loss_scaling_factor: float = flag(0.2, "Weight of the MTP loss in the training loss (slime's default "
-                                          "0.2); it only scales --enable-mtp-training's loss, which this build "
-                                          "refuses, so another value is refused too.", domain="[0, inf)")
+    enable_mtp_training: bool = flag(False, "Train the MTP layers with the MTP language-model loss (slime's "
+                                     "flag): each depth d's cross-entropy of token t+2+d at the loss-masked "
+                                     "response tokens, divided by the step's loss-token count, times "
+                                     "--mtp-loss-scaling-factor / --mtp-num-layers, added to the policy loss; only "
+                                     "the MTP layers get its gradient (docs/parity.md). Needs --mtp-num-layers; "
+                                     "megatron backend, TP = CP = EP = 1 (PP and DP fine).")
+    mtp_loss_scaling_factor: float = flag(0.2, "Weight of the MTP loss of --enable-mtp-training (slime's default "
+                                          "0.2), divided by --mtp-num-layers as megatron does.", domain="[0, inf)")
 
 
 @dataclass(frozen=True)

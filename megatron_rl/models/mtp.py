@@ -16,6 +16,8 @@ built on the last pipeline stage (``GPTModel(mtp_block_spec=...)``, ``mtp_num_la
 :class:`MtpGPTModel` runs the block only when asked (:func:`capture_mtp_logits`): megatron-core
 0.16.1 runs it in every forward once ``mtp_num_layers`` is set and then needs ``labels``, while
 the RL forward passes compute log-probs from the main logits only and keep the MTP layers frozen.
+With ``--enable-mtp-training`` the backend sets :attr:`MtpGPTModel.mtp_targets` for each training forward
+(:func:`mtp_targets`) and the model adds the MTP loss at those rows (docs/parity.md).
 """
 
 from __future__ import annotations
@@ -66,15 +68,90 @@ class MtpGPTModel(GPTModel):
 
         return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
+    mtp_targets: Optional["MtpTargets"] = None  # set per training forward by --enable-mtp-training
+    last_mtp_loss: Optional[torch.Tensor] = None  # the unscaled MTP loss of the last training forward (detached)
+
     def _postprocess(self, *args, **kwargs):
         if self.run_mtp:
             return super()._postprocess(*args, **kwargs)
         kwargs["mtp_in_postprocess"] = False
         saved, self.config.mtp_num_layers = self.config.mtp_num_layers, None
         try:
-            return super()._postprocess(*args, **kwargs)
+            out = super()._postprocess(*args, **kwargs)
         finally:
             self.config.mtp_num_layers = saved
+        if self.mtp_targets is not None and self.post_process and getattr(self, "mtp_process", False):
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+            loss = self._mtp_train_loss(kwargs, self.mtp_targets)
+            self.last_mtp_loss = loss.detach()
+            out = MTPLossAutoScaler.apply(out, loss * (self.mtp_targets.factor / saved))
+        return out
+
+    def _mtp_train_loss(self, kw: dict, targets: "MtpTargets") -> torch.Tensor:
+        """The MTP language-model loss ``sum_d sum_j w_j CE_d(rows_j)`` (unscaled), as slime trains it: the MTP
+        block sees the decoder's hidden states, the embedding and the output weight detached, so only the MTP
+        layers receive its gradient."""
+        from megatron.core import tensor_parallel
+
+        embedding = self.embedding
+
+        def detached_embedding(**k):
+            return embedding(**k).detach()
+
+        hidden = self.mtp(input_ids=kw["input_ids"], position_ids=kw["position_ids"],
+                          hidden_states=kw["hidden_states"].detach(), attention_mask=kw.get("attention_mask"),
+                          inference_params=None, rotary_pos_emb=kw.get("rotary_pos_emb"),
+                          rotary_pos_cos=kw.get("rotary_pos_cos"), rotary_pos_sin=kw.get("rotary_pos_sin"),
+                          packed_seq_params=kw.get("packed_seq_params"),
+                          sequence_len_offset=kw.get("sequence_len_offset"), embedding=detached_embedding,
+                          **(kw.get("extra_block_kwargs") or {}))
+        depths = torch.chunk(hidden, 1 + self.config.mtp_num_layers, dim=0)[1:]
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight).detach()
+        layer = self.output_layer
+        tp = layer.tp_group.size() if getattr(layer, "tp_group", None) is not None else 1
+        start = (layer.tp_group.rank() if tp > 1 else 0) * weight.shape[0]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for d, h in enumerate(depths):
+            if layer.sequence_parallel:
+                h = tensor_parallel.gather_from_sequence_parallel_region(h, group=layer.tp_group)
+            elif tp > 1:
+                h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=layer.tp_group)
+            rows = targets.rows[d].to(h.device)
+            logits = torch.nn.functional.linear(h[:, 0].index_select(0, rows), weight).float()  # [n, V/tp]
+            cols = torch.arange(start, start + logits.shape[-1], device=logits.device)
+            logits = logits.masked_fill(cols >= targets.vocab_size, float("-inf"))  # megatron's vocab padding
+            ce = tensor_parallel.vocab_parallel_cross_entropy(logits[:, None], targets.ids[d].to(h.device)[:, None])
+            total = total + (ce[:, 0] * targets.weights[d].to(h.device)).sum()
+        return total
+
+
+class MtpTargets:
+    """Per MTP depth d: the packed positions ``rows[d]`` whose depth-d output scores a loss-masked response
+    token, that token (``ids[d]``) and its weight (``weights[d]``: loss mask / normaliser)."""
+
+    def __init__(self, rows: list, ids: list, weights: list, vocab_size: int, factor: float):
+        self.rows, self.ids, self.weights, self.vocab_size, self.factor = rows, ids, weights, vocab_size, factor
+
+
+def mtp_targets(cu_seqlens: torch.Tensor, response_lengths: torch.Tensor, response_positions: torch.Tensor,
+                response_target_ids: torch.Tensor, loss_mask: torch.Tensor, depths: int, normaliser: float,
+                vocab_size: int, factor: float) -> MtpTargets:
+    """The MTP targets of one packed micro-batch: response token j (predicted by the main head at
+    ``response_positions[j]``) is depth d's target at position ``response_positions[j] - 1 - d`` (depth d
+    predicts token t + 2 + d), where that position lies in the token's own sequence and its loss mask is nonzero;
+    weight ``loss_mask / normaliser``; the loss enters the step as ``factor / depths`` times their weighted sum
+    (megatron's ``mtp_loss_scaling_factor / mtp_num_layers``)."""
+    starts = cu_seqlens[:-1].long().repeat_interleave(response_lengths.long())
+    rows, ids, weights = [], [], []
+    for d in range(depths):
+        pos = response_positions.long() - 1 - d
+        keep = (pos >= starts) & (loss_mask != 0)
+        rows.append(pos[keep])
+        ids.append(response_target_ids.long()[keep])
+        weights.append(loss_mask[keep].float() / normaliser)
+    return MtpTargets(rows, ids, weights, vocab_size, factor)
 
 
 def mtp_parameters(model_chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -272,7 +272,8 @@ REGISTRY_PROOFS: dict[str, tuple] = {
                                                               "--decoder-last-pipeline-num-layers", "1"],
                                          "transformer", "num_layers_in_last_pipeline_stage", 1),
     "mtp_num_layers": ("arrives", "glm4_moe", ["--mtp-num-layers", "1"], "transformer", "mtp_num_layers", 1),
-    "enable_mtp_training": ("refused", "glm4_moe", {}, ["--mtp-num-layers", "1", "--enable-mtp-training"]),
+    "enable_mtp_training": ("refused", "glm4_moe", {}, ["--mtp-num-layers", "1", "--enable-mtp-training",
+                                                        "--context-parallel-size", "2"]),
     "mtp_loss_scaling_factor": ("refused", "glm4_moe", {}, ["--mtp-loss-scaling-factor", "0.1"]),
     "overlap_cpu_optimizer_d2h_h2d": ("needs", "qwen2", ["--use-distributed-optimizer",
                                                          "--use-precision-aware-optimizer",
@@ -344,3 +345,25 @@ def test_mtp_num_layers_other_than_the_checkpoints_is_refused(family, argv, why,
     with pytest.raises(ConfigError, match=re.escape(f"--mtp-num-layers {argv[1]}") + ".*" + re.escape(why)):
         parse_config(["--hf-checkpoint", hf, *argv])
     assert parse_config(["--hf-checkpoint", hf, "--mtp-num-layers", "0"])
+
+
+@pytest.mark.parametrize("argv, why", [
+    ([], "needs --mtp-num-layers"),
+    (["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+     "tested only without tensor or expert parallelism (TP 2"),
+    (["--mtp-num-layers", "1", "--lora-rank", "4"], "not built with LoRA"),
+    (["--mtp-num-layers", "1", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+     "context parallelism"),
+])
+def test_enable_mtp_training_refuses_the_layouts_it_is_not_built_for(argv, why, tmp_path, monkeypatch):
+    from megatron_rl.config import parse_config
+    from megatron_rl.errors import ConfigError
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hf = _hf_dir(tmp_path, "glm4_moe", {})
+    with pytest.raises(ConfigError, match=re.escape("--enable-mtp-training") + ".*" + re.escape(why)):
+        parse_config(["--hf-checkpoint", hf, "--enable-mtp-training", *argv])
+    cfg = parse_config(["--hf-checkpoint", hf, "--mtp-num-layers", "1", "--enable-mtp-training",
+                        "--mtp-loss-scaling-factor", "0.5"])
+    assert cfg.megatron.enable_mtp_training and cfg.megatron.mtp_loss_scaling_factor == 0.5

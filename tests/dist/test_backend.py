@@ -42,11 +42,12 @@ GROUPS_TWINS = {layout + GROUPS: layout for layout in
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 
 
-def _launch(tmp_path_factory, hf, name, layouts_by_nproc):
-    """One single-process reference run plus one launch per rank count; results of all layouts."""
+def _launch(tmp_path_factory, hf, name, layouts_by_nproc, single=()):
+    """One single-process reference run (plus the ``single`` layouts, same launch) plus one launch per rank
+    count; results of all layouts."""
     ref_dir = tmp_path_factory.mktemp(f"{name}_ref")
     par_dir = tmp_path_factory.mktemp(f"{name}_par")
-    torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
+    torchrun(SCRIPT, 1, [hf, str(ref_dir), "", *single], timeout=600)
     par = {}
     for nproc, layouts in layouts_by_nproc.items():
         torchrun(SCRIPT, nproc, [hf, str(par_dir), *layouts], timeout=900)
@@ -71,7 +72,54 @@ def mtp_layout(tiny_hf_models):
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory, tiny_hf_models):
-    return _launch(tmp_path_factory, tiny_hf_models("qwen3_moe"), "moe", {2: MOE_LAYOUTS + [mtp_layout(tiny_hf_models)]})
+    training = mtp_training_layout(tiny_hf_models)
+    return _launch(tmp_path_factory, tiny_hf_models("qwen3_moe"), "moe",
+                   {2: MOE_LAYOUTS + [mtp_layout(tiny_hf_models), training + ",--pipeline-model-parallel-size=2"]},
+                   single=[training])
+
+
+def mtp_training_layout(tiny_hf_models):
+    """--enable-mtp-training on one process (a layout of the MoE launch's single-process run; at PP2 one more
+    layout of its 2-rank launch)."""
+    return (f"--hf-checkpoint={tiny_hf_models('glm4_moe', mtp=True)},--mtp-num-layers=1,--enable-mtp-training,"
+            "--mtp-loss-scaling-factor=0.5")
+
+
+@pytest.mark.slow
+def test_mtp_training_loss_matches_the_reference_and_trains_only_with_the_flag(moe_runs, tiny_hf_models):
+    """--enable-mtp-training: the first step's train/mtp_loss (at the checkpoint's weights) equals the MTP
+    loss computed from transformers' modules (tests/_mtp_reference.py) within 1e-5; the MTP layers then
+    train (they have gradients and move) while the export, checkpoint and copies still round-trip. Without
+    the flag they stay bitwise frozen (test above)."""
+    rec = json.load(open(moe_runs[2] / "results_w1.json"))[mtp_training_layout(tiny_hf_models)]
+    first = rec["steps"][0]["metrics"]
+    assert abs(first["train/mtp_loss"] - rec["mtp_reference_loss"]) <= 1e-5, (first, rec["mtp_reference_loss"])
+    assert rec["mtp_reference_loss"] > 1.0
+    mtp = rec["mtp"]
+    assert mtp["own_unchanged"] is False and mtp["mtp_grads"] > 0, mtp
+    assert mtp["checkpoint_round_trip"] and mtp["names_equal"] and mtp["main_moved"] and mtp["copies_follow_main"], mtp
+
+
+@pytest.mark.slow
+def test_mtp_training_at_pp2_matches_one_process(moe_runs, tiny_hf_models):
+    """--enable-mtp-training with the MTP block on the last of 2 pipeline stages: every step's metrics
+    (train/mtp_loss, grad norm), the synced weights and the trained MTP layer equal the single process's."""
+    one = mtp_training_layout(tiny_hf_models)
+    pp2 = one + ",--pipeline-model-parallel-size=2"
+    ref, rec = json.load(open(moe_runs[2] / "results_w1.json"))[one], moe_runs[3][pp2]
+    assert abs(rec["mtp_reference_loss"] - ref["mtp_reference_loss"]) < 1e-9
+    for step, (s0, s1) in enumerate(zip(ref["steps"], rec["steps"])):
+        m0, m1 = s0["metrics"], s1["metrics"]
+        assert set(m0) == set(m1) and "train/mtp_loss" in m0
+        for k in set(m0) - SKIP_METRICS:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5), (step, k)
+        w0 = torch.load(moe_runs[2] / f"{one}_step{step}.pt".replace("/", "_"))
+        w1 = torch.load(moe_runs[4] / f"{pp2}_step{step}.pt".replace("/", "_"))
+        assert set(w0) == set(w1) and max((w0[n] - w1[n]).abs().max().item() for n in w0) < 2e-5, step
+    assert ref["steps"][2]["metrics"]["train/mtp_loss"] < ref["steps"][0]["metrics"]["train/mtp_loss"] - 1.0
+    t0 = torch.load(moe_runs[2] / f"{one}_mtp.pt".replace("/", "_"))
+    t1 = torch.load(moe_runs[4] / f"{pp2}_mtp.pt".replace("/", "_"))
+    assert len(t0) > 20 and set(t0) == set(t1) and max((t0[n] - t1[n]).abs().max().item() for n in t0) < 2e-5
 
 
 @pytest.mark.slow

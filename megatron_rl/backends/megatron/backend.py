@@ -45,12 +45,13 @@ from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_check
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.config.megatron_flags import megatron_core_kwargs
-from megatron_rl.data.packing import MicroBatchPlan, PackedBatch, pad_multiple_for
+from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.infra import reloadable_groups
 from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
 from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
+from megatron_rl.models.weights import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ class MegatronBackend(TrainBackend):
         self.params_dtype = _DTYPES[cfg.precision.params_dtype]
         self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
                                               **transformer_config_overrides(cfg))
-        if self.bridge.mtp_num_layers:  # --mtp-num-layers: loaded, checkpointed, exported; never trained here
+        self._mtp_denoms: Optional[LossDenominators] = None  # set while an --enable-mtp-training step runs
+        if self.bridge.mtp_num_layers and not cfg.megatron.enable_mtp_training:  # loaded, checkpointed, exported
             from megatron_rl.models.mtp import freeze_mtp  # lazy: imports megatron-core's GPTModel
 
             freeze_mtp(self.chunks)
@@ -238,6 +240,13 @@ class MegatronBackend(TrainBackend):
                     yield f"{i}.{name}", p
 
     @property
+    def _mtp_model(self):
+        """This rank's model chunk holding the MTP block when --enable-mtp-training trains it, else None."""
+        if not self.cfg.megatron.enable_mtp_training:
+            return None
+        return next((unwrap(c) for c in self.chunks if getattr(unwrap(c), "mtp_process", False)), None)
+
+    @property
     def is_last_stage(self) -> bool:
         return self.ps.is_pipeline_last_stage(ignore_virtual=True)
 
@@ -280,6 +289,13 @@ class MegatronBackend(TrainBackend):
             shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, cp_rank, self.layout.cp)
             tokens, positions = shard.tensor, shard.position_ids
         layer = self._output_layers.get(id(model))
+        if self._mtp_denoms is not None and getattr(unwrap(model), "mtp_process", False):
+            from megatron_rl.models.mtp import mtp_targets  # lazy: imports megatron-core's GPTModel
+
+            unwrap(model).mtp_targets = mtp_targets(
+                mb.cu_seqlens, mb.response_lengths, mb.response_positions, mb.response_target_ids, mb.loss_mask,
+                self.bridge.mtp_num_layers, max(self._mtp_denoms.global_tokens, 1), self.vocab_size,
+                self.cfg.megatron.mtp_loss_scaling_factor)
         if self.routing is not None:
             self.routing.before_forward(self._chunk_index[id(model)], mb, self._pass_samples)
         with _output_rows(layer, rows) if layer is not None else contextlib.nullcontext():
@@ -379,6 +395,11 @@ class MegatronBackend(TrainBackend):
             out = self._model_output(mb, rows, output)
             inputs = LossInputs.from_packed_batch(mb, out.logprobs, out.entropy)
             loss, metrics = self.spec.compute_loss(inputs, denoms)
+            mtp_model = self._mtp_model
+            if mtp_model is not None and mtp_model.last_mtp_loss is not None:  # this micro-batch's, normalised
+                tokens = inputs.loss_mask.detach().double().sum()
+                metrics["mtp_loss"] = (mtp_model.last_mtp_loss.double() * max(denoms.global_tokens, 1), tokens)
+                mtp_model.last_mtp_loss = None
             # Under CP every CP rank computes the same full-sequence loss and the all-gather's
             # backward sums their gradients; DDP then sums over CP too: divide by cp once.
             return loss / self.layout.cp, torch.tensor(0, dtype=torch.int), {"metrics": metrics}
@@ -388,11 +409,16 @@ class MegatronBackend(TrainBackend):
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._start_routing(samples, mbs, training=True)
+        self._mtp_denoms = denoms if self.cfg.megatron.enable_mtp_training else None
         try:
             store = self._run_schedule(mbs, loss_fn, forward_only=False)
         except BaseException:
             self._end_routing(collect=False)
             raise
+        finally:
+            self._mtp_denoms = None
+            if self._mtp_model is not None:
+                self._mtp_model.mtp_targets = None
         routing = self._end_routing()
         loss_scale = float(self.optimizer.get_loss_scale()) if self.cfg.precision.fp16 else None  # this step's
         update_ok, grad_norm, _ = self.optimizer.step()

@@ -31,7 +31,7 @@ def make_samples(vocab: int, n: int = 6, seed: int = 0):
     return samples
 
 
-def mtp_after_training(backend, hf_dir, out_dir):
+def mtp_after_training(backend, hf_dir, out_dir, layout):
     """--mtp-num-layers: after the training steps the full export (collective) still holds the checkpoint's MTP
     tensors bit for bit (frozen), its MTP copies of the embedding / head equal the trained main ones, and no MTP
     parameter has a gradient buffer; a training checkpoint saves and loads back the same export."""
@@ -49,6 +49,8 @@ def mtp_after_training(backend, hf_dir, out_dir):
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
     layer = f"model.layers.{backend.bridge.num_layers}."
     own = [n for n in source if n.startswith(layer) and not n.endswith(("embed_tokens.weight", "shared_head.head.weight"))]
+    if torch.distributed.get_rank() == 0:  # the MTP layer's own tensors after training (--enable-mtp-training compares)
+        torch.save({n: exported[n] for n in own}, os.path.join(out_dir, f"{layout}_mtp.pt".replace("/", "_")))
     return {"names_equal": set(exported) == set(source), "own_tensors": len(own),
             "checkpoint_round_trip": all(torch.equal(reloaded[n], t) for n, t in exported.items()),
             "own_unchanged": all(torch.equal(exported[n], source[n]) for n in own),
@@ -57,6 +59,27 @@ def mtp_after_training(backend, hf_dir, out_dir):
             "main_moved": not torch.equal(exported["model.embed_tokens.weight"], source["model.embed_tokens.weight"]),
             "mtp_grads": sum(getattr(p, "main_grad", None) is not None or p.requires_grad
                              for c in backend.chunks for n, p in c.named_parameters() if n.startswith("mtp."))}
+
+
+def mtp_reference_loss(hf_dir, samples):
+    """--enable-mtp-training's MTP loss of ``samples`` at the checkpoint's weights, from tests/_mtp_reference.py
+    (transformers' modules): depth 0 at position t scores token t + 2; cross-entropy summed over the loss-masked
+    response tokens, divided by their count."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from _mtp_reference import MtpReference
+
+    ref = MtpReference(hf_dir)
+    total, count = 0.0, 0
+    for s in samples:
+        seq = torch.tensor(s.prompt_ids + s.response_ids)
+        logits = ref.logits(seq).double()
+        p = len(s.prompt_ids)
+        for j, m in enumerate(s.loss_mask):
+            count += m != 0
+            if m != 0 and p + j - 2 >= 0:
+                row = logits[p + j - 2]
+                total += float(m) * (torch.logsumexp(row, 0) - row[s.response_ids[j]]).item()
+    return total / count
 
 
 def main():
@@ -95,6 +118,8 @@ def main():
 
         spec.extract_model_output = recording_extract
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
+        if cfg.megatron.enable_mtp_training:
+            rec["mtp_reference_loss"] = mtp_reference_loss(cfg.model.hf_checkpoint, samples)
         # the loop's path (runner/step.py): each DP rank computes and keeps the log-probs of the
         # samples it trains on; checked against the full gather of the same plan on every rank
         plan = backend.plan_rollout(samples, len(samples))
@@ -151,7 +176,7 @@ def main():
             if dist.get_rank() == 0:
                 torch.save(weights, os.path.join(out_dir, f"{layout or 'base'}_step{step}.pt".replace("/", "_")))
         if cfg.megatron.mtp_num_layers:
-            rec["mtp"] = mtp_after_training(backend, cfg.model.hf_checkpoint, out_dir)
+            rec["mtp"] = mtp_after_training(backend, cfg.model.hf_checkpoint, out_dir, layout)
         rec["entropy_asked"] = {k: sorted(v) for k, v in asked.items()}
         results[layout or "base"] = rec
         destroy_parallel()
