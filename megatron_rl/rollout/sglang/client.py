@@ -214,13 +214,16 @@ class SGLangClient:
             raise self._error(endpoint, f"{self.label} answered {endpoint} with a body that is "
                               f"not JSON: {resp.text[:200]!r}", status=resp.status_code, kind="protocol") from exc
 
-    def _weight_call(self, endpoint: str, payload: dict, timeout_s: Optional[float], context: str = "") -> dict:
-        """POST a weight endpoint: ``{success, message}`` back, 400 (raised) on failure."""
+    def _weight_call(self, endpoint: str, payload: dict, timeout_s: Optional[float], context: str = "",
+                     message_key: str = "message") -> dict:
+        """POST a weight endpoint: ``{success, <message_key>}`` back, 400 (raised) on failure (the LoRA
+        endpoints' replies say it in ``error_message``, and their failures name ``context`` too)."""
         resp = self.request("POST", endpoint, payload, timeout_s=timeout_s, context=context)
         body = self._json(resp, endpoint)
         if not isinstance(body, dict) or not body.get("success", False):
-            message = body.get("message") if isinstance(body, dict) else body
-            raise self._error(endpoint, f"{self.label} reported failure for {endpoint}: {message}",
+            message = body.get(message_key) if isinstance(body, dict) else body
+            where = f" ({context})" if context and message_key != "message" else ""
+            raise self._error(endpoint, f"{self.label} reported failure for {endpoint}: {message}{where}",
                               status=resp.status_code, server_message=str(message))
         return body
 
@@ -364,13 +367,7 @@ class SGLangClient:
                                context=f"unloading the LoRA adapter {lora_name!r}")
 
     def _lora_call(self, endpoint: str, payload: dict, timeout_s: Optional[float], context: str) -> dict:
-        resp = self.request("POST", endpoint, payload, timeout_s=timeout_s, context=context)
-        body = self._json(resp, endpoint)
-        if not isinstance(body, dict) or not body.get("success", False):
-            message = body.get("error_message") if isinstance(body, dict) else body
-            raise self._error(endpoint, f"{self.label} reported failure for {endpoint}: {message} ({context})",
-                              status=resp.status_code, server_message=str(message))
-        return body
+        return self._weight_call(endpoint, payload, timeout_s, context=context, message_key="error_message")
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: Optional[str] = None,
                                    flush_cache: bool = True, weight_version: Optional[str] = None,

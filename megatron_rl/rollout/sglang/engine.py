@@ -756,21 +756,26 @@ class SGLangEngine(RolloutEngine):
             self._update_adapter_from_disk(path, version)
             return
         with self.weight_update(version):
-            def load(client: SGLangClient) -> Optional[str]:
-                try:
-                    client.update_weights_from_disk(path, weight_version=str(version), flush_cache=False,
-                                                    timeout_s=self.update_timeout_s)
-                except (EngineError, SyncError) as exc:
-                    return str(exc)
-                return None
-
-            failures = [f for f in self._map(load, self.clients) if f]
-            if failures:
-                self._set_incomplete(_FAILED_UPDATE)
-                raise SyncError(f"weight update to version {version} from {path} failed on {len(failures)} of "
-                                f"{len(self.clients)} server(s); the engine stays at version {self._weight_version}: "
-                                + " | ".join(failures))
+            self._load_everywhere(lambda client: client.update_weights_from_disk(
+                path, weight_version=str(version), flush_cache=False, timeout_s=self.update_timeout_s),
+                f"weight update to version {version} from {path}")
             self.adopt_weight_version(version, how=f"disk, {path}")
+
+    def _load_everywhere(self, load, what: str) -> None:
+        """``load(client)`` on every server at once; any failure marks the servers' weights a mix
+        (``_FAILED_UPDATE``) and raises ``SyncError`` naming ``what``, the servers and their words."""
+        def attempt(client: SGLangClient) -> Optional[str]:
+            try:
+                load(client)
+            except (EngineError, SyncError) as exc:
+                return str(exc)
+            return None
+
+        failures = [f for f in self._map(attempt, self.clients) if f]
+        if failures:
+            self._set_incomplete(_FAILED_UPDATE)
+            raise SyncError(f"{what} failed on {len(failures)} of {len(self.clients)} server(s); the engine stays at "
+                            f"version {self._weight_version}: " + " | ".join(failures))
 
 
     def _update_adapter_from_disk(self, path: str, version: int) -> None:
@@ -786,30 +791,21 @@ class SGLangEngine(RolloutEngine):
         base_dir = os.path.join(path, ADAPTER_BASE_DIR)
         with_base = os.path.isdir(base_dir)
         with self.weight_update(version):
-            def load(client: SGLangClient) -> Optional[str]:
+            def load(client: SGLangClient) -> None:
+                if with_base:
+                    client.update_weights_from_disk(base_dir, weight_version=str(version), flush_cache=False,
+                                                    timeout_s=self.update_timeout_s)
                 try:
-                    if with_base:
-                        client.update_weights_from_disk(base_dir, weight_version=str(version), flush_cache=False,
-                                                        timeout_s=self.update_timeout_s)
-                    try:
-                        client.load_lora_adapter(name, path, timeout_s=self.update_timeout_s)
-                    except SyncError as exc:
-                        if "already loaded" not in str(getattr(exc, "server_message", "")):
-                            raise
-                        client.unload_lora_adapter(name, timeout_s=self.update_timeout_s)
-                        client.load_lora_adapter(name, path, timeout_s=self.update_timeout_s)
-                    if not with_base:  # the paused server has nothing in flight to abort
-                        client.update_weight_version(str(version), abort_all_requests=False)
-                except (EngineError, SyncError) as exc:
-                    return str(exc)
-                return None
+                    client.load_lora_adapter(name, path, timeout_s=self.update_timeout_s)
+                except SyncError as exc:
+                    if "already loaded" not in str(getattr(exc, "server_message", "")):
+                        raise
+                    client.unload_lora_adapter(name, timeout_s=self.update_timeout_s)
+                    client.load_lora_adapter(name, path, timeout_s=self.update_timeout_s)
+                if not with_base:  # the paused server has nothing in flight to abort
+                    client.update_weight_version(str(version), abort_all_requests=False)
 
-            failures = [f for f in self._map(load, self.clients) if f]
-            if failures:
-                self._set_incomplete(_FAILED_UPDATE)
-                raise SyncError(f"LoRA adapter update to version {version} from {path} failed on {len(failures)} of "
-                                f"{len(self.clients)} server(s); the engine stays at version {self._weight_version}: "
-                                + " | ".join(failures))
+            self._load_everywhere(load, f"LoRA adapter update to version {version} from {path}")
             previous, self._lora_name = self._lora_name, name
             self.adopt_weight_version(version, how=f"LoRA adapter {name}, {path}")
         if previous is not None and previous != name:
