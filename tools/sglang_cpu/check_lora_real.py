@@ -30,12 +30,10 @@ server.log under ``--out``; exit 0 all passed, 1 a check failed, 2 the server co
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import copy
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -46,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402 - after the repo is on sys.path
 
-from check_real_sglang import CheckFailed, Report, SGLangServer, build_model, wait_healthy  # noqa: E402
+from check_real_sglang import (CheckFailed, Report, SGLangServer, build_model, finish,  # noqa: E402
+                               start_checked)
 from megatron_rl.backends.base import bucketed  # noqa: E402
 from megatron_rl.config import parse_config  # noqa: E402
 from megatron_rl.data.types import GenerateRequest, SamplingParams  # noqa: E402
@@ -123,21 +122,8 @@ def main(argv=None) -> int:
                        validate=False)
     server_args = lora_server_args(cfg) + ["--lora-backend", "torch_native", "--skip-tokenizer-init"]
     server = SGLangServer(args.sglang_python, model_dir, out / "server.log", port=free_port(), extra_args=server_args)
-    atexit.register(server.stop)
-
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)  # unwinds through the finally below, which stops the server
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
-        report.log(f"starting SGLang with {' '.join(server_args)} on {server.url} (log: {server.log_path})")
-        server.start()
-        try:
-            report.figures["startup_s"] = round(wait_healthy(server, args.startup_timeout_s, report.log), 1)
-        except CheckFailed as exc:
-            report.log(f"error: {exc}")
-            report.check("server starts with --enable-lora", False, str(exc)[:800])
+        if not start_checked(report, server, args.startup_timeout_s, "server starts with --enable-lora"):
             return 2
         engine = SGLangEngine([server.url], timeout_s=60, generate_timeout_s=300, update_timeout_s=300,
                               health_interval_s=0, releases_memory=False)
@@ -203,11 +189,7 @@ def main(argv=None) -> int:
         report.check("LoRA checks ran", False, str(exc))
     finally:
         server.stop()
-        report.figures["total_s"] = round(time.monotonic() - report.t0, 1)
-        report.save()
-    failed = report.failed
-    report.log(f"{len(report.checks) - len(failed)} passed, {len(failed)} failed  (figures: {out / 'figures.json'})")
-    return 1 if failed else 0
+    return finish(report, out)
 
 
 def from_tensors(report: Report, server: SGLangServer, trainer: PeftTrainer, requests, greedy,

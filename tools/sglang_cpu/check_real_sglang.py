@@ -227,6 +227,38 @@ class SGLangServer:
             self._log_file.close()
 
 
+def finish(report: "Report", out: Path) -> int:
+    """A check script's end: total time and figures saved, the count said; exit 1 when a check failed, else 0."""
+    report.figures["total_s"] = round(time.monotonic() - report.t0, 1)
+    report.save()
+    failed = report.failed
+    report.log(f"{len(report.checks) - len(failed)} passed, {len(failed)} failed  (figures: {out / 'figures.json'})")
+    return 1 if failed else 0
+
+
+def start_checked(report: "Report", server: SGLangServer, timeout_s: float, what: str) -> bool:
+    """Start ``server`` for a check script: stopped at exit and on SIGTERM / SIGINT (they raise SystemExit, so
+    the caller's ``finally`` stops it too), ``startup_s`` in the figures; False (reported as the failed check
+    ``what``) when it does not become healthy within ``timeout_s``."""
+    atexit.register(server.stop)
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through the caller's finally, which stops the server
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    report.log(f"starting SGLang with {' '.join(server.extra_args) or 'the CPU route'} on {server.url} "
+               f"(log: {server.log_path})")
+    server.start()
+    try:
+        report.figures["startup_s"] = round(wait_healthy(server, timeout_s, report.log), 1)
+    except CheckFailed as exc:
+        report.log(f"error: {exc}")
+        report.check(what, False, str(exc)[:800])
+        return False
+    return True
+
+
 def wait_healthy(server: SGLangServer, timeout_s: float, log: Callable[[str], None]) -> float:
     """Seconds until the started ``server`` answers ``/health`` with 200; ``CheckFailed`` naming it, with its
     log's tail, when its process exits or ``timeout_s`` passes first. Progress every 10 s to ``log``."""
