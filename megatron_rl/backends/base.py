@@ -312,17 +312,112 @@ def finish_step_metrics(metrics: dict[str, float], *, grad_norm: Optional[float]
     return metrics
 
 
-class TrainBackend(abc.ABC):
-    """One policy model on this process's ranks; see the module docstring for invariants."""
+class DataParallelShare:
+    """How a rollout batch is split over a model's data-parallel ranks: the plans, this rank's packed
+    micro-batches and the per-sample gather. Every ``TrainBackend`` is one; so is PPO's critic when it has a
+    layout of its own (its DP size differs from the actor's: ``backends/megatron/critic.py``)."""
 
-    weights: WeightManager
     cfg: "Config"
-    # set by initialize(): the data-parallel layout the shared batch machinery plans for
     dp_size: int
     dp_rank: int
     pad_to_multiple: int  # every packed sequence is padded to this (TP x CP x sequence-parallel needs)
     holds_results: bool  # this rank holds its DP rank's full per-sample results (one rank per DP rank)
     pad_token_id: int = 0
+
+    @property
+    def context_parallel_size(self) -> int:
+        """The CP size the token budgets are planned for (``--context-parallel-size``; the critic's own: 1)."""
+        return self.cfg.parallel.context_parallel_size
+
+    # ---- the rollout batch over data parallelism ----
+
+    def plan_micro_batches(self, samples: Sequence[AnySample]) -> MicroBatchPlan:
+        """Split the batch over DP ranks and micro-batches: token-budgeted (``--use-dynamic-batch-size``)
+        or ``--micro-batch-size`` samples each; the same plan on every rank (a pure function of lengths)."""
+        b = self.cfg.batching
+        if b.use_dynamic_batch_size:
+            lengths = [s.total_length for s in samples]
+            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=_token_budget(b),
+                                              cp_size=self.context_parallel_size,
+                                              pad_to_multiple=self.pad_to_multiple)
+        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
+        return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=self.pad_to_multiple)
+
+    def plan_rollout(self, samples: Sequence[AnySample], global_batch_size: int) -> RolloutPlan:
+        """The training steps' plans (``samples`` cut into steps of ``global_batch_size``) and the
+        owner-aligned forward plan over the whole batch (``RolloutPlan``); no communication."""
+        steps = [(start, self.plan_micro_batches(samples[start:start + global_batch_size]))
+                 for start in range(0, len(samples), global_batch_size)]
+        b = self.cfg.batching
+        lengths = [s.total_length for s in samples]
+
+        def cut(parts: list[list[int]]) -> MicroBatchPlan:
+            if b.use_dynamic_batch_size:
+                return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size,
+                                                  max_tokens_per_gpu=_token_budget(b),
+                                                  cp_size=self.context_parallel_size,
+                                                  pad_to_multiple=self.pad_to_multiple, rank_parts=parts)
+            size = b.micro_batch_size
+            return MicroBatchPlan(micro_batches=tuple(tuple(tuple(p[j:j + size]) for j in range(0, len(p), size))
+                                                      for p in parts),
+                                  token_budget=None, pad_to_multiple=self.pad_to_multiple)
+
+        return RolloutPlan(plan_owner_aligned(steps, len(samples), cut), steps)
+
+    def preprocess_rollout_data(self, samples: Sequence[AnySample], batch: Optional[TrainBatch] = None,
+                                plan: Optional[MicroBatchPlan] = None) -> RankBatch:
+        """Plan the batch (or take ``plan``), pack this DP rank's micro-batches (with the loss inputs of
+        ``batch`` when training) and, when training, compute this rank's share of the step's global
+        loss denominators."""
+        plan = plan or (batch and batch.plan) or self.plan_micro_batches(samples)
+        if batch is None:
+            # the old- and ref-log-prob passes of a step run over the same batch and plan: they share the
+            # packed micro-batches, and with them every per-micro-batch derivation the model memoises
+            # (RoPE rows, attention buckets: compat/memo.py). A batch is not changed between its passes.
+            packs = self.__dict__.setdefault("_forward_packs", IdentityMemo())
+            micro_batches = packs.get((samples, plan), (self.dp_rank, self.pad_token_id), lambda: pack_plan_rank(
+                samples, plan, self.dp_rank, pad_token_id=self.pad_token_id))
+            return RankBatch(plan, micro_batches, None)
+        _check_owned(batch, plan.rank_samples(self.dp_rank))
+        micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
+                                       advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+                                       ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs,
+                                       old_values=batch.old_values if batch.returns is not None else None,
+                                       returns=batch.returns)
+        return RankBatch(plan, micro_batches, plan_loss_denominators(samples, plan)[self.dp_rank])
+
+    def data_parallel_peers(self) -> tuple[list[int], object]:
+        """``(leaders, group)`` of ``data_parallel_peers`` for this backend's layout; found on first use
+        (a collective: the first call happens on every rank at the same point of the loop)."""
+        if getattr(self, "_dp_peers", None) is None:
+            self._dp_peers = data_parallel_peers(self.dp_rank, self.dp_size)
+        return self._dp_peers
+
+    def gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[AnySample],
+                          plan: MicroBatchPlan, owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """Every rank gets every sample's tensor from the ranks that hold them (``holds_results``),
+        or with ``owned_only`` only its own DP rank's samples (from that DP rank's holder; None elsewhere).
+
+        The holders (one per DP rank) hold the full results of their DP rank's micro-batches; the
+        plan says which samples each holds, so only the values move (``per_sample``). Which global
+        rank holds which DP rank's results is fixed by the layout: found once, on first use, with
+        the groups of each DP rank's model-parallel peers.
+        """
+        if getattr(self, "_holder_ranks", None) is None:
+            self._holder_ranks = find_holder_ranks(self.dp_rank if self.holds_results else None, self.dp_size)
+        holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
+        lengths = [s.response_length for s in samples]
+        if owned_only:
+            return share_with_peers(local, holdings[self.dp_rank], self._holder_ranks[self.dp_rank], lengths,
+                                    group=self.data_parallel_peers()[1])
+        return list(gather_per_sample(local, holdings, self._holder_ranks, lengths))  # as list[Optional[Tensor]]
+
+
+class TrainBackend(DataParallelShare, abc.ABC):
+    """One policy model on this process's ranks; see the module docstring for invariants."""
+
+    weights: WeightManager
+    # initialize() sets DataParallelShare's fields: the data-parallel layout the shared batch machinery plans for
 
     @abc.abstractmethod
     def initialize(self, cfg: "Config", spec: "Spec") -> None:
@@ -443,89 +538,6 @@ class TrainBackend(abc.ABC):
             raise ConfigError("on-policy distillation needs teacher weights: give --opd-teacher-load PATH")
         with self.switch_weights("teacher"):
             return self.forward_only(samples, plan, owned_only)
-
-    # ---- the rollout batch over data parallelism (shared by every backend) ----
-
-    def plan_micro_batches(self, samples: Sequence[AnySample]) -> MicroBatchPlan:
-        """Split the batch over DP ranks and micro-batches: token-budgeted (``--use-dynamic-batch-size``)
-        or ``--micro-batch-size`` samples each; the same plan on every rank (a pure function of lengths)."""
-        b = self.cfg.batching
-        if b.use_dynamic_batch_size:
-            lengths = [s.total_length for s in samples]
-            return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=_token_budget(b),
-                                              cp_size=self.cfg.parallel.context_parallel_size,
-                                              pad_to_multiple=self.pad_to_multiple)
-        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
-        return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=self.pad_to_multiple)
-
-    def plan_rollout(self, samples: Sequence[AnySample], global_batch_size: int) -> RolloutPlan:
-        """The training steps' plans (``samples`` cut into steps of ``global_batch_size``) and the
-        owner-aligned forward plan over the whole batch (``RolloutPlan``); no communication."""
-        steps = [(start, self.plan_micro_batches(samples[start:start + global_batch_size]))
-                 for start in range(0, len(samples), global_batch_size)]
-        b = self.cfg.batching
-        lengths = [s.total_length for s in samples]
-
-        def cut(parts: list[list[int]]) -> MicroBatchPlan:
-            if b.use_dynamic_batch_size:
-                return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size,
-                                                  max_tokens_per_gpu=_token_budget(b),
-                                                  cp_size=self.cfg.parallel.context_parallel_size,
-                                                  pad_to_multiple=self.pad_to_multiple, rank_parts=parts)
-            size = b.micro_batch_size
-            return MicroBatchPlan(micro_batches=tuple(tuple(tuple(p[j:j + size]) for j in range(0, len(p), size))
-                                                      for p in parts),
-                                  token_budget=None, pad_to_multiple=self.pad_to_multiple)
-
-        return RolloutPlan(plan_owner_aligned(steps, len(samples), cut), steps)
-
-    def preprocess_rollout_data(self, samples: Sequence[AnySample], batch: Optional[TrainBatch] = None,
-                                plan: Optional[MicroBatchPlan] = None) -> RankBatch:
-        """Plan the batch (or take ``plan``), pack this DP rank's micro-batches (with the loss inputs of
-        ``batch`` when training) and, when training, compute this rank's share of the step's global
-        loss denominators."""
-        plan = plan or (batch and batch.plan) or self.plan_micro_batches(samples)
-        if batch is None:
-            # the old- and ref-log-prob passes of a step run over the same batch and plan: they share the
-            # packed micro-batches, and with them every per-micro-batch derivation the model memoises
-            # (RoPE rows, attention buckets: compat/memo.py). A batch is not changed between its passes.
-            packs = self.__dict__.setdefault("_forward_packs", IdentityMemo())
-            micro_batches = packs.get((samples, plan), (self.dp_rank, self.pad_token_id), lambda: pack_plan_rank(
-                samples, plan, self.dp_rank, pad_token_id=self.pad_token_id))
-            return RankBatch(plan, micro_batches, None)
-        _check_owned(batch, plan.rank_samples(self.dp_rank))
-        micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
-                                       advantages=batch.advantages, old_logprobs=batch.old_logprobs,
-                                       ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs,
-                                       old_values=batch.old_values if batch.returns is not None else None,
-                                       returns=batch.returns)
-        return RankBatch(plan, micro_batches, plan_loss_denominators(samples, plan)[self.dp_rank])
-
-    def data_parallel_peers(self) -> tuple[list[int], object]:
-        """``(leaders, group)`` of ``data_parallel_peers`` for this backend's layout; found on first use
-        (a collective: the first call happens on every rank at the same point of the loop)."""
-        if getattr(self, "_dp_peers", None) is None:
-            self._dp_peers = data_parallel_peers(self.dp_rank, self.dp_size)
-        return self._dp_peers
-
-    def gather_per_sample(self, local: dict[int, torch.Tensor], samples: Sequence[AnySample],
-                          plan: MicroBatchPlan, owned_only: bool = False) -> list[Optional[torch.Tensor]]:
-        """Every rank gets every sample's tensor from the ranks that hold them (``holds_results``),
-        or with ``owned_only`` only its own DP rank's samples (from that DP rank's holder; None elsewhere).
-
-        The holders (one per DP rank) hold the full results of their DP rank's micro-batches; the
-        plan says which samples each holds, so only the values move (``per_sample``). Which global
-        rank holds which DP rank's results is fixed by the layout: found once, on first use, with
-        the groups of each DP rank's model-parallel peers.
-        """
-        if getattr(self, "_holder_ranks", None) is None:
-            self._holder_ranks = find_holder_ranks(self.dp_rank if self.holds_results else None, self.dp_size)
-        holdings = [[i for mb in plan.rank(d) for i in mb] for d in range(plan.dp_size)]
-        lengths = [s.response_length for s in samples]
-        if owned_only:
-            return share_with_peers(local, holdings[self.dp_rank], self._holder_ranks[self.dp_rank], lengths,
-                                    group=self.data_parallel_peers()[1])
-        return list(gather_per_sample(local, holdings, self._holder_ranks, lengths))  # as list[Optional[Tensor]]
 
 
 def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:

@@ -449,6 +449,18 @@ def hf_model_type(cfg: Config) -> Optional[str]:
     return None
 
 
+def hf_num_layers(cfg: Config) -> Optional[int]:
+    """``num_hidden_layers`` of --hf-checkpoint's config.json (its text config), else --num-layers, else None."""
+    path = cfg.model.hf_checkpoint
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            n = text_config(read_hf_config(path)).get("num_hidden_layers")
+            return int(n) if n is not None else None
+        except (OSError, ValueError, TypeError):
+            return None
+    return cfg.architecture.num_layers
+
+
 def hf_is_moe(cfg: Config) -> Optional[bool]:
     """Whether the model has experts: config.json when readable, else --num-experts, else unknown."""
     path = cfg.model.hf_checkpoint

@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE.yaml", default=None,
                         help="YAML file whose keys are flag names (dashes or underscores); CLI flags win.")
+    parser.add_argument("--megatron-config-path", metavar="FILE.yaml", default=None,
+                        help="slime's role config: a top-level 'megatron' list of entries {role: actor|critic, "
+                             "overrides: {key: value}}. An actor entry's keys are flag names (the actor's); a "
+                             "critic entry's keys are tensor_model_parallel_size, pipeline_model_parallel_size, "
+                             "lr, lr_warmup_iters (the critic's own layout and schedule). As in slime, the "
+                             "overrides win over the command line.")
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     for group_name, _, f in iter_fields():
         if f.name == "sglang_args":
@@ -149,6 +155,81 @@ def _yaml_to_dests(data: dict[str, Any], path: str) -> tuple[dict[str, Any], dic
     return dests, passed
 
 
+# slime's critic role keys (--megatron-config-path) -> the critic's own fields here; other megatron arguments of a
+# critic entry (its precision, its optimizer kind) are the actor's in this engine and are refused by name
+CRITIC_ROLE_KEYS: dict[str, tuple[str, str]] = {
+    "tensor_model_parallel_size": ("parallel", "critic_tensor_model_parallel_size"),
+    "pipeline_model_parallel_size": ("parallel", "critic_pipeline_model_parallel_size"),
+    "lr": ("optimizer", "critic_lr"),
+    "lr_warmup_iters": ("optimizer", "critic_lr_warmup_iters"),
+}
+
+
+def _role_overrides(path: str) -> dict[str, Any]:
+    """``--megatron-config-path``: the parser dests its role entries set (slime's
+    ``parse_megatron_role_args``: at most one entry per role, ``overrides`` or ``args`` a mapping)."""
+    import yaml  # lazy: only a run with a role config reads YAML
+
+    flag_ = "--megatron-config-path"
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag_} {path}: no such file")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{flag_} {path}: not valid YAML ({exc})") from None
+    entries = data.get("megatron") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ConfigError(f"{flag_} {path}: expected a top-level 'megatron' list, e.g. "
+                          "megatron: [{name: default, role: critic, overrides: {tensor_model_parallel_size: 2}}]")
+    dests: dict[str, Any] = {}
+    seen: set[str] = set()
+    by_name = {f.name: (g, f) for g, _, f in iter_fields()}
+    for entry in entries:
+        role = entry.get("role") if isinstance(entry, dict) else None
+        if role not in ("actor", "critic"):
+            raise ConfigError(f"{flag_} {path}: entry {entry!r} needs role: actor or role: critic")
+        if role in seen:
+            raise ConfigError(f"{flag_} {path}: more than one entry with role: {role}; keep one")
+        seen.add(role)
+        overrides = entry.get("overrides", entry.get("args")) or {}
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"{flag_} {path}: the {role} entry's overrides must be a mapping")
+        for key, value in overrides.items():
+            norm = str(key).lstrip("-").replace("-", "_")
+            if norm in ("num_nodes", "num_gpus_per_node"):
+                raise ConfigError(f"{flag_} {path}: {role} key '{key}': GPU allocation follows the command line "
+                                  "(--actor-num-nodes / --actor-num-gpus-per-node; the critic runs on the actor's "
+                                  "ranks); drop the key")
+            if role == "critic":
+                if norm in ("save", "load"):
+                    raise ConfigError(f"{flag_} {path}: critic key '{key}': the critic's model, optimizer and "
+                                      "schedule go into each --save checkpoint beside the actor's and resume from "
+                                      "it; its initial trunk is --critic-load (a model-only torch_dist dir) or "
+                                      "--critic-hf-checkpoint: drop the key")
+                if norm not in CRITIC_ROLE_KEYS:
+                    raise ConfigError(f"{flag_} {path}: critic key '{key}' is not one the critic has of its own "
+                                      f"here (it has {', '.join(CRITIC_ROLE_KEYS)}; the rest of its configuration is "
+                                      "the actor's): drop it or set it for both on the command line")
+                group, name = CRITIC_ROLE_KEYS[norm]
+            else:
+                if norm not in by_name:
+                    close = difflib.get_close_matches(norm, by_name, n=1)
+                    hint = f"; did you mean '{close[0]}'?" if close else ""
+                    raise ConfigError(f"{flag_} {path}: actor key '{key}' is no flag here{hint}")
+                group, name = by_name[norm][0], norm
+            field_ = by_name[name][1]
+            conv = field_.metadata["type"] or _base_type(field_)
+            if conv is bool and not isinstance(value, bool):
+                raise ConfigError(f"{flag_} {path}: {role} key '{key}' must be true or false, got {value!r}")
+            try:  # YAML reads 1e-5 as a string (slime coerces it the same way)
+                value = value if value is None or isinstance(value, list) else conv(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{flag_} {path}: {role} key '{key}' = {value!r}: {exc}") from None
+            dests[f"{group}.{name}"] = value
+    return dests
+
+
 def _unknown_flag_error(unknown: list[str], parser: argparse.ArgumentParser) -> ConfigError:
     known = [s for a in parser._actions for s in a.option_strings]
     parts = []
@@ -187,6 +268,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         raise _unknown_flag_error(unknown, parser)
+    if ns.megatron_config_path:  # slime's role overrides win over the command line, as in slime
+        for dest, value in _role_overrides(ns.megatron_config_path).items():
+            setattr(ns, dest, value)
     values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     for dest, value in vars(ns).items():
         if "." in dest and value is not None:

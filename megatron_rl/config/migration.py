@@ -68,7 +68,8 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"),
     "PPO / critic (slime/utils/arguments.py, not in the example scripts)": (
         "--gamma", "--lambd", "--value-clip", "--num-critic-only-steps", "--critic-lr", "--critic-lr-warmup-iters",
-        "--critic-load", "--critic-save", "--critic-num-nodes", "--critic-num-gpus-per-node"),
+        "--critic-load", "--critic-save", "--critic-num-nodes", "--critic-num-gpus-per-node",
+        "--megatron-config-path"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
@@ -123,9 +124,18 @@ NOTES: dict[str, tuple[str, str]] = {
                       "hf-to-dist); a run's critic resumes from its --save checkpoints (beside the actor), so "
                       "slime's critic checkpoint dirs do not load. HF weights: --critic-hf-checkpoint."),
     "--critic-save": ("refused", "Not built yet as a separate dir: the critic goes into each --save checkpoint."),
-    "--critic-num-nodes": ("refused", "Not built yet: the critic runs on the actor's ranks with its layout."),
-    "--critic-num-gpus-per-node": ("refused", "Not built yet: the critic runs on the actor's ranks with its "
-                                   "layout."),
+    "--critic-num-nodes": ("same", "The critic runs on the actor's ranks, as slime's (which sets these to the "
+                           "actor's counts): the actor's value is accepted, another is refused. Its own layout "
+                           "on those ranks: --critic-tensor-model-parallel-size / "
+                           "--critic-pipeline-model-parallel-size (slime's critic must share the actor's)."),
+    "--critic-num-gpus-per-node": ("same", "As --critic-num-nodes: the actor's value is accepted, another "
+                                   "refused."),
+    "--megatron-config-path": ("differs", "slime's role YAML (megatron: [{role, overrides}]): an actor entry's "
+                               "keys are this engine's flag names; a critic entry may set "
+                               "tensor_model_parallel_size, pipeline_model_parallel_size (its own layout, which "
+                               "slime leaves unsupported), lr and lr_warmup_iters; any other critic key (save, "
+                               "load, optimizer knobs) is refused by name. The overrides win over the command "
+                               "line, as in slime."),
     "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
                                "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
                                "--custom-tis-function-path, here it stands alone."),

@@ -277,6 +277,13 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = flag(
         None, "Layers on the last pipeline stage (uneven PP; TransformerConfig.num_layers_in_last_pipeline_stage); "
         "the other stages split the rest evenly.")
+    critic_tensor_model_parallel_size: Optional[int] = flag(
+        None, "--advantage-estimator ppo: the critic's own tensor-parallel size on the actor's ranks (its data-"
+        "parallel size is then ranks / (TP x PP)); unset: the actor's. Sequence parallelism follows "
+        "--sequence-parallel. slime: the critic role's tensor_model_parallel_size in --megatron-config-path.")
+    critic_pipeline_model_parallel_size: Optional[int] = flag(
+        None, "--advantage-estimator ppo: the critic's own pipeline-parallel size on the actor's ranks; unset: the "
+        "actor's.")
 
     @property
     def model_parallel_size(self) -> int:
@@ -965,12 +972,13 @@ class PlacementConfig:
                                      "refused (docs/planner.md).")
     actor_num_nodes: int = flag(1, "Nodes for the training actor (x --actor-num-gpus-per-node = torchrun's "
                                 "WORLD_SIZE).")
-    critic_num_nodes: Optional[int] = flag(None, "slime's critic placement. Refused: the critic runs on the "
-                                           "actor's ranks with the actor's parallel layout; its own nodes are not "
-                                           "built yet.")
-    critic_num_gpus_per_node: Optional[int] = flag(None, "slime's critic placement. Refused: the critic runs on the "
-                                                   "actor's ranks with the actor's parallel layout; its own GPUs are "
-                                                   "not built yet.")
+    critic_num_nodes: Optional[int] = flag(None, "slime's critic placement: the critic runs on the actor's ranks "
+                                           "(as slime's, whose critic always takes the actor's GPU count), so only "
+                                           "--actor-num-nodes is accepted; its own layout: "
+                                           "--critic-tensor-model-parallel-size.")
+    critic_num_gpus_per_node: Optional[int] = flag(None, "slime's critic placement: the critic runs on the actor's "
+                                                   "ranks, so only --actor-num-gpus-per-node is accepted; its own "
+                                                   "layout: --critic-tensor-model-parallel-size.")
     actor_num_gpus_per_node: int = flag(1, "GPUs (or CPU ranks) per node for the training actor; must equal "
                                         "the ranks torchrun launches per node (LOCAL_WORLD_SIZE).")
 

@@ -19,11 +19,11 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
-from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type
+from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
 from .paths import dir_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
-from .placement import allocation_errors, plan_errors, world_errors
+from .placement import allocation_errors, model_shape_for_config, plan_errors, world_errors
 
 
 def domain_errors(cfg: Config) -> list[str]:
@@ -634,15 +634,19 @@ def _check_algorithm(errors: list[str], cfg: Config) -> None:
 
 def _check_critic(errors: list[str], cfg: Config) -> None:
     """--advantage-estimator ppo (a learned critic, docs/algorithms.md): what this version builds is a critic on the
-    actor's ranks with the actor's layout on the megatron backend; the rest is refused here, named."""
-    a, c, pl, p = cfg.algorithm, cfg.checkpoint, cfg.placement, cfg.parallel
+    actor's ranks, with the actor's layout or its own, on the megatron backend; the rest is refused here, named."""
+    a, c, pl = cfg.algorithm, cfg.checkpoint, cfg.placement
     ppo = a.advantage_estimator == "ppo"
-    for placement_flag, count in (("--critic-num-nodes", pl.critic_num_nodes),
-                                  ("--critic-num-gpus-per-node", pl.critic_num_gpus_per_node)):
-        if count is not None:
-            errors.append(f"{placement_flag} {count}: a critic on its own nodes/GPUs is not built yet; the "
-                          "critic of --advantage-estimator ppo runs on the actor's ranks with the actor's parallel "
-                          f"layout: drop {placement_flag}")
+    for placement_flag, count, actor_flag, actor_count in (
+            ("--critic-num-nodes", pl.critic_num_nodes, "--actor-num-nodes", pl.actor_num_nodes),
+            ("--critic-num-gpus-per-node", pl.critic_num_gpus_per_node, "--actor-num-gpus-per-node",
+             pl.actor_num_gpus_per_node)):
+        if count is not None and count != actor_count:
+            errors.append(f"{placement_flag} {count}: the critic runs on the actor's ranks ({actor_flag} "
+                          f"{actor_count}), as slime's critic always takes the actor's GPU count; a critic on GPUs "
+                          f"of its own is not built. Drop {placement_flag}; for its own parallel layout use "
+                          "--critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size")
+    _check_critic_layout(errors, cfg, ppo)
     if c.critic_load is not None and c.critic_hf_checkpoint is not None:
         errors.append(f"--critic-load {c.critic_load} and --critic-hf-checkpoint {c.critic_hf_checkpoint} both give "
                       "the critic's initial weights: keep one")
@@ -679,18 +683,70 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
     if cfg.precision.train_backend != "megatron":
         errors.append(f"--advantage-estimator ppo with --train-backend {cfg.precision.train_backend}: the critic is "
                       "built for the megatron backend only, not yet for fsdp; use --train-backend megatron")
-    for flag, on in (("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size is not None),
-                     ("--context-parallel-size > 1", p.context_parallel_size > 1),
-                     ("--lora-rank", bool(cfg.lora.lora_rank)),
+    for flag, on in (("--lora-rank", bool(cfg.lora.lora_rank)),
                      ("--custom-advantage-function-path", a.custom_advantage_function_path is not None),
                      ("--use-rollout-logprobs", a.use_rollout_logprobs)):
         if on:
             errors.append(f"--advantage-estimator ppo with {flag}: the critic is not built for it yet (this "
-                          "version: tensor, data and pipeline parallelism, sequence parallelism, no virtual pipeline "
-                          "stages, no context parallelism, no LoRA); drop it or use another estimator")
+                          "version: tensor, data and pipeline parallelism, sequence parallelism, an actor with "
+                          "virtual pipeline stages or context parallelism beside a critic without them; no LoRA); "
+                          "drop it or use another estimator")
     if a.loss_type != "policy_loss":
         errors.append(f"--advantage-estimator ppo with --loss-type {a.loss_type}: the critic trains beside the "
                       "built-in policy loss only")
+
+
+def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
+    """--critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size: the critic's own layout on the
+    actor's ranks (megatron backend); its data-parallel size is what the ranks leave."""
+    p = cfg.parallel
+    given = [(f, v) for f, v in (("--critic-tensor-model-parallel-size", p.critic_tensor_model_parallel_size),
+                                 ("--critic-pipeline-model-parallel-size", p.critic_pipeline_model_parallel_size))
+             if v is not None]
+    if not given:
+        return
+    if not ppo:
+        errors.extend(f"{f} {v} lays out the critic, which only --advantage-estimator ppo has: add that or drop {f}"
+                      for f, v in given)
+        return
+    if cfg.precision.train_backend != "megatron":
+        errors.extend(f"{f} {v}: --train-backend {cfg.precision.train_backend} has no tensor or pipeline "
+                      "parallelism; drop it (or use --train-backend megatron)" for f, v in given)
+        return
+    bad = [f"{f} {v} must be >= 1" for f, v in given if v < 1]
+    if bad:
+        errors.extend(bad)
+        return
+    tp = p.critic_tensor_model_parallel_size or p.tensor_model_parallel_size
+    pp = p.critic_pipeline_model_parallel_size or p.pipeline_model_parallel_size
+    world, cp = cfg.actor_world_size, p.context_parallel_size
+    if cfg.has_training and world % (tp * pp * cp):
+        errors.append(f"the critic's layout TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp} does not divide the "
+                      f"{world} training ranks it shares with the actor; choose "
+                      "--critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size dividing them")
+    try:
+        shape = model_shape_for_config(cfg)
+    except Exception:  # noqa: BLE001 - an unreadable config.json is reported by the planner's check
+        shape = None
+    if shape is not None:
+        for what, n in (("num_attention_heads", shape.num_attention_heads),
+                        ("num_key_value_heads", shape.num_query_groups),
+                        ("linear_num_key_heads", shape.linear_num_key_heads)):
+            if n and n % tp:
+                errors.append(f"--critic-tensor-model-parallel-size {tp}: the model's {what}={n} is not divisible "
+                              f"by it; choose a divisor of {n}")
+    layers = hf_num_layers(cfg)
+    if layers is not None and layers % pp:
+        errors.append(f"--critic-pipeline-model-parallel-size {pp}: the model's {layers} layers do not split "
+                      f"evenly into {pp} stages; choose a divisor of {layers}")
+    if pp > 1 and p.decoder_last_pipeline_num_layers is not None:
+        errors.append("--decoder-last-pipeline-num-layers shapes the actor's stages; with a critic of its own "
+                      "pipeline size the critic's would need their own: drop one of them")
+    ep = p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    if ep > 1 and cfg.has_training and world % (tp * pp * cp) == 0 and (world // pp) % (ep * etp):
+        errors.append(f"the critic's layout: --expert-model-parallel-size {ep} x expert TP {etp} does not divide "
+                      f"the {world // pp} ranks of one of its pipeline stages; choose a critic layout where it does")
 
 
 def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:

@@ -185,3 +185,63 @@ def destroy_parallel() -> None:
         world = c10d._get_default_group()
         for group in [g for g in list(c10d._world.pg_map) if g is not world]:
             dist.destroy_process_group(group)
+
+
+class LayoutScope:
+    """A second megatron layout over the same ranks: megatron's ``parallel_state`` of ``layout``, swapped in
+    while a ``with scope:`` block runs (PPO's critic with its own TP/PP beside the actor's layout).
+
+    Why a swap: megatron-core keeps one layout in ``parallel_state``'s module globals, read at call time by
+    the model builders, the weight loaders, the pipeline schedules, ``finalize_model_grads`` and the
+    checkpoint's sharding. Building the second layout's groups once (``initialize_model_parallel`` is
+    collective over every rank, so every rank builds both) and swapping the globals around each use lets
+    all of that code run unchanged for the second model; its modules, DDP and optimizer keep the groups
+    they were built with. Not swapped: megatron's model-parallel RNG tracker (the first layout's offsets
+    serve dropout in both models) and torch's default RNG. ``same`` (the layouts are equal): no second
+    set of groups, the block runs in the first layout.
+
+    The first layout must be initialised (``initialize_parallel``) before; the scope's groups are destroyed
+    with every other group by :func:`destroy_parallel`."""
+
+    def __init__(self, layout: ParallelLayout, outer: ParallelLayout) -> None:
+        from megatron.core import parallel_state as ps  # lazy: megatron-core
+
+        self.layout = layout
+        self.same = layout == outer
+        self._states: Optional[dict] = None
+        self._saved: list[dict] = []
+        if self.same:
+            return
+        world = torch.distributed.get_world_size()
+        layout.validate(world)
+        outer_states = _parallel_state_globals(ps)
+        try:
+            ps.destroy_model_parallel()  # forgets the outer groups (they live on in outer_states)
+            ps.initialize_model_parallel(**layout.megatron_sizes())
+            self._states = _parallel_state_globals(ps)
+        finally:
+            vars(ps).update(outer_states)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel_size(torch.distributed.get_world_size())
+
+    def __enter__(self) -> "LayoutScope":
+        if self._states is not None:
+            from megatron.core import parallel_state as ps  # lazy: megatron-core
+
+            self._saved.append(_parallel_state_globals(ps))
+            vars(ps).update(self._states)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._states is not None:
+            from megatron.core import parallel_state as ps  # lazy: megatron-core
+
+            vars(ps).update(self._saved.pop())
+
+
+def _parallel_state_globals(ps) -> dict:
+    """Every layout-holding global of ``parallel_state`` (``_TENSOR_MODEL_PARALLEL_GROUP``, ``_MPU_*`` sizes,
+    rank lists, the memory buffer): its module globals named ``_UPPER_CASE``."""
+    return {k: v for k, v in vars(ps).items() if k[:1] == "_" and k[1:2].isupper() and not callable(v)}

@@ -36,8 +36,15 @@ def print_plan(cfg: Config) -> int:
         c = cfg.checkpoint
         start = (f"--critic-hf-checkpoint {c.critic_hf_checkpoint}" if c.critic_hf_checkpoint else
                  f"--critic-load {c.critic_load}" if c.critic_load else "the actor's initial weights")
-        print(f"critic: a second model of this architecture with a value head, on the actor's ranks and layout "
-              f"(its weights, gradients and optimizer state again on every rank), from {start}")
+        p = cfg.parallel
+        tp = p.critic_tensor_model_parallel_size or p.tensor_model_parallel_size
+        pp = p.critic_pipeline_model_parallel_size or p.pipeline_model_parallel_size
+        own = (tp, pp, 1, None) != (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                    p.context_parallel_size, p.virtual_pipeline_model_parallel_size)
+        layout = (f"its own layout TP {tp} x PP {pp} x DP {cfg.actor_world_size // (tp * pp)}" if own
+                  else "the actor's layout")
+        print(f"critic: a second model of this architecture with a value head, on the actor's ranks with {layout} "
+              f"(its weights, gradients and optimizer state beside the actor's on every rank), from {start}")
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
         print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "

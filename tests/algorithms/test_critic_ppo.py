@@ -136,14 +136,22 @@ def _parse(tmp_path, *flags):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--critic-num-nodes", "1"], "--critic-num-nodes 1: a critic on its own nodes"),
-    (["--critic-num-gpus-per-node", "2"], "--critic-num-gpus-per-node 2: a critic on its own"),
+    (["--critic-num-nodes", "2"], "--critic-num-nodes 2: the critic runs on the actor's ranks"),
+    (["--critic-num-gpus-per-node", "2"], "--critic-num-gpus-per-node 2: the critic runs on the actor's ranks"),
+    (["--critic-tensor-model-parallel-size", "0"], "--critic-tensor-model-parallel-size 0 must be >= 1"),
+    (["--critic-tensor-model-parallel-size", "2"], "the critic's layout TP 2 x PP 1 x CP 1 = 2 does not divide "
+                                                   "the 1 training ranks"),
+    (["--critic-tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+     "--critic-tensor-model-parallel-size 4: the model's num_key_value_heads=2 is not divisible"),
+    (["--critic-pipeline-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"],
+     "--critic-pipeline-model-parallel-size 3: the model's 4 layers do not split"),
+    (["--critic-tensor-model-parallel-size", "2", "--train-backend", "fsdp", "--actor-num-gpus-per-node", "2"],
+     "--critic-tensor-model-parallel-size 2: --train-backend fsdp has no tensor or pipeline parallelism"),
     (["--critic-load", "/x"], "--critic-load /x: no COMPLETE.json there"),
     (["--critic-hf-checkpoint", "/x"], "--critic-hf-checkpoint /x: no config.json there"),
     (["--critic-load", "/x", "--critic-hf-checkpoint", "/y"], "both give the critic's initial weights"),
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
     (["--train-backend", "fsdp"], "--train-backend fsdp: the critic is built for the megatron backend only"),
-    (["--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--context-parallel-size > 1"),
     (["--lora-rank", "4"], "--lora-rank"),
     (["--use-rollout-logprobs"], "--use-rollout-logprobs"),
 ])
@@ -161,6 +169,7 @@ def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
     (["--critic-lr", "1e-5"], "--critic-lr 1e-05 configures the critic"),
     (["--critic-load", "/x"], "--critic-load /x configures the critic"),
     (["--gamma", "0.9"], "--gamma 0.9 discounts token rewards"),
+    (["--critic-pipeline-model-parallel-size", "2"], "--critic-pipeline-model-parallel-size 2 lays out the critic"),
 ])
 def test_critic_flags_without_ppo_are_refused(tmp_path, monkeypatch, flags, match):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
@@ -197,3 +206,55 @@ def test_ppo_flags_parse(tmp_path, monkeypatch, capsys):
 
     print_plan(cfg)  # --dry-run names the critic (a second model's memory on every rank)
     assert "critic: a second model of this architecture with a value head" in capsys.readouterr().out
+
+
+def test_critic_placement_equal_to_the_actors_and_its_own_layout_are_accepted(tmp_path, monkeypatch):
+    """slime sets --critic-num-nodes / --critic-num-gpus-per-node to the actor's (its critic shares the actor's
+    GPUs): those values pass; the critic's own TP/PP on the same ranks passes where the ranks divide."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _parse(tmp_path, "--advantage-estimator", "ppo", "--actor-num-gpus-per-node", "4", "--critic-num-nodes",
+                 "1", "--critic-num-gpus-per-node", "4", "--tensor-model-parallel-size", "2",
+                 "--critic-tensor-model-parallel-size", "1", "--critic-pipeline-model-parallel-size", "2",
+                 "--virtual-pipeline-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    assert (cfg.parallel.critic_tensor_model_parallel_size, cfg.parallel.critic_pipeline_model_parallel_size) == (1, 2)
+
+
+def _role_yaml(tmp_path, entries) -> str:
+    import yaml
+
+    path = tmp_path / "megatron.yaml"
+    path.write_text(yaml.safe_dump({"megatron": entries}))
+    return str(path)
+
+
+def test_slime_megatron_config_path_sets_the_critic_and_actor_roles(tmp_path, monkeypatch):
+    """slime's --megatron-config-path: the critic role's layout and schedule become the critic's own flags, an
+    actor role's keys the actor's; as in slime the overrides win over the command line (1e-5 as a YAML string)."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    path = _role_yaml(tmp_path, [
+        {"name": "default", "role": "critic", "overrides": {"lr": "1e-5", "tensor_model_parallel_size": 1,
+                                                           "pipeline_model_parallel_size": 2,
+                                                           "lr_warmup_iters": 3}},
+        {"name": "default", "role": "actor", "overrides": {"lr": "2e-6", "tensor_model_parallel_size": 2}}])
+    cfg = _parse(tmp_path, "--advantage-estimator", "ppo", "--actor-num-gpus-per-node", "4", "--lr", "1e-3",
+                 "--megatron-config-path", path)
+    assert cfg.optimizer.critic_lr == 1e-5 and cfg.optimizer.critic_lr_warmup_iters == 3
+    assert cfg.optimizer.lr == 2e-6 and cfg.parallel.tensor_model_parallel_size == 2
+    assert (cfg.parallel.critic_tensor_model_parallel_size, cfg.parallel.critic_pipeline_model_parallel_size) == (1, 2)
+
+
+@pytest.mark.parametrize("entries,match", [
+    ([{"role": "critic", "overrides": {"bf16": True}}], "critic key 'bf16' is not one the critic has of its own"),
+    ([{"role": "critic", "overrides": {"num_gpus_per_node": 8}}], "GPU allocation follows the command line"),
+    ([{"role": "actor", "overrides": {"tensor_model_paralel_size": 2}}], "did you mean 'tensor_model_parallel_size'"),
+    ([{"role": "critic"}, {"role": "critic"}], "more than one entry with role: critic"),
+    ([{"role": "reward"}], "needs role: actor or role: critic"),
+    ([{"role": "actor", "overrides": {"sequence_parallel": "yes"}}], "must be true or false"),
+])
+def test_slime_megatron_config_path_refusals_name_the_key(tmp_path, monkeypatch, entries, match):
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=match):
+        _parse(tmp_path, "--advantage-estimator", "ppo", "--megatron-config-path", _role_yaml(tmp_path, entries))

@@ -71,11 +71,13 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
         "slime's separate critic save dir, refused in validation: the critic goes into each --save checkpoint",
         _refused(["--critic-save", "/tmp/critic"])),
     "critic_num_nodes": (
-        "slime's critic placement, refused in validation: the critic runs on the actor's ranks and layout",
-        _refused(["--critic-num-nodes", "1"])),
+        "slime's critic placement: the critic runs on the actor's ranks (as slime's, which sets it to the actor's "
+        "count), so the actor's value says nothing new and any other is refused in validation",
+        _refused(["--advantage-estimator", "ppo", "--critic-num-nodes", "2"])),
     "critic_num_gpus_per_node": (
-        "slime's critic placement, refused in validation: the critic runs on the actor's ranks and layout",
-        _refused(["--critic-num-gpus-per-node", "1"])),
+        "slime's critic placement: the critic runs on the actor's ranks, so the actor's value says nothing new and "
+        "any other is refused in validation",
+        _refused(["--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "2"])),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "
         "and rollout-size flags (which the trainer reads) and refuses flags that disagree with it",

@@ -5,7 +5,8 @@
    same process, parallel state torn down and the backend rebuilt, load + the third step.
 2. 2 ranks: the same 3 steps at TP2 with sequence parallelism (the value head on each rank's token slice,
    its gradient all-reduced over TP), at DP2 with the distributed optimizer, and at PP2 (the head on the last
-   stage; values and metrics reach every rank).
+   stage; values and metrics reach every rank); then the critic in a layout of its own beside the actor's
+   (``--critic-tensor-model-parallel-size`` / ``--critic-pipeline-model-parallel-size``: OWN_*), with a resume.
 
 Checks: the critic's values, value loss, clip fraction and gradient norm at TP2+SP, DP2 and PP2 equal the one-process
 run's (float32, atol 2e-5 / rtol 1e-4: only the reduction order differs), and so do the values after the
@@ -24,6 +25,14 @@ from _util import torchrun
 
 STEPS = [False, True, True]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+# the critic's own layout: actor DP2 / critic TP2+SP; actor TP2+SP / critic DP2 (distributed optimizer);
+# actor TP2 / critic PP2; actor CP2 / critic DP2 (the critic has no context parallelism)
+OWN_TP = ["--critic-tensor-model-parallel-size", "2", "--sequence-parallel"]
+OWN_DP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--critic-tensor-model-parallel-size", "1",
+          "--use-distributed-optimizer"]
+OWN_PP = ["--tensor-model-parallel-size", "2", "--critic-tensor-model-parallel-size", "1",
+          "--critic-pipeline-model-parallel-size", "2"]
+OWN_CP = ["--context-parallel-size", "2"]
 
 
 def _job(**kw) -> str:
@@ -43,6 +52,7 @@ def runs(tmp_path_factory, tiny_hf_models):
     hf = tiny_hf_models("qwen2")
     out = tmp_path_factory.mktemp("critic_out")
     save, pp_save = str(out / "root" / "iter_0000002"), str(out / "root_pp" / "iter_0000002")
+    own_save = str(out / "root_own" / "iter_0000002")
     other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
     dist_dir = str(out / "other_dist")
     torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="save", steps=STEPS[:2], save=save),
@@ -60,7 +70,14 @@ def runs(tmp_path_factory, tiny_hf_models):
                          _job(tag="dp", steps=STEPS, flags=["--use-distributed-optimizer"]),
                          _job(tag="pp", steps=STEPS, flags=PP2),
                          _job(tag="pp_save", steps=STEPS[:2], save=pp_save, flags=PP2),
-                         _job(tag="pp_resume", steps=STEPS[2:], load=pp_save, flags=PP2)], timeout=400)
+                         _job(tag="pp_resume", steps=STEPS[2:], load=pp_save, flags=PP2),
+                         # the critic's own layout on the actor's ranks (models/parallel.py LayoutScope)
+                         _job(tag="own_tp", steps=STEPS, flags=OWN_TP),
+                         _job(tag="own_dp", steps=STEPS, flags=OWN_DP),
+                         _job(tag="own_pp", steps=STEPS, flags=OWN_PP),
+                         _job(tag="own_pp_save", steps=STEPS[:2], save=own_save, flags=OWN_PP),
+                         _job(tag="own_pp_resume", steps=STEPS[2:], load=own_save, flags=OWN_PP),
+                         _job(tag="own_cp", steps=STEPS, flags=OWN_CP)], timeout=600)
     return out
 
 
@@ -76,8 +93,10 @@ def test_critic_only_step_leaves_the_actor_and_reports_no_train_metrics(runs):
             assert m["critic/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("tag", ["tp", "dp", "pp"])
+@pytest.mark.parametrize("tag", ["tp", "dp", "pp", "own_tp", "own_dp", "own_pp", "own_cp"])
 def test_critic_at_tp2_sp_dp2_and_pp2_equals_one_process(runs, tag):
+    """The actor's layout (tp, dp, pp) and the critic's own beside another actor layout (own_*): the critic's
+    numbers are those of one process; so are the actor's log-probs after the updates (own_cp: the actor at CP2)."""
     ref, got = _rec(runs, "ref"), _rec(runs, tag)
     assert got["values_start"] != got["values_end"]  # the critic trained
     for name in ("values_start", "values_end"):
@@ -90,14 +109,18 @@ def test_critic_at_tp2_sp_dp2_and_pp2_equals_one_process(runs, tag):
             for k in ("critic/value_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm",
                       "critic/lr"):
                 assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=2e-6), (tag, k)
+    for a, b in zip(ref["logprobs_end"], got["logprobs_end"], strict=True):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=2e-5, rtol=0)
     # the clip engaged in the second epochs (values moved past --value-clip), so its branch is compared too
     assert any(m["critic/vf_clipfrac"] > 0 for s in ref["steps"] for m in s["metrics"])
     assert all(s["metrics"][0]["critic/vf_clipfrac"] == 0 for s in ref["steps"])  # first epoch: V == V_old
 
 
-@pytest.mark.parametrize("tags", [("ref", "save", "resume"), ("pp", "pp_save", "pp_resume")])
+@pytest.mark.parametrize("tags", [("ref", "save", "resume"), ("pp", "pp_save", "pp_resume"),
+                                  ("own_pp", "own_pp_save", "own_pp_resume")])
 def test_critic_resumes_bitwise(runs, tags):
-    """One process, and PP2 (each stage's part of the critic in the actor's checkpoint)."""
+    """One process, PP2 (each stage's part of the critic in the actor's checkpoint), and a PP2 critic beside a
+    TP2 actor (the critic's shards saved and loaded in its own layout, the actor's in its)."""
     ref, saved, resumed = (_rec(runs, t) for t in tags)
     assert [s["metrics"] for s in saved["steps"]] == [s["metrics"] for s in ref["steps"][:2]]
     assert resumed["steps"][0]["global_step"] == 2 and resumed["steps"][0]["metrics"] == ref["steps"][2]["metrics"]

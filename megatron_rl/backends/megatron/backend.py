@@ -144,14 +144,14 @@ class MegatronBackend(TrainBackend):
         self.cfg = cfg
         self.spec = spec
         self.layout = layout_from_config(cfg)
-        if cfg.parallel.sequence_parallel and not self.layout.sequence_parallel and dist.get_rank() == 0:
-            log.warning("--sequence-parallel has no effect with --tensor-model-parallel-size 1 (nothing to shard "
-                        "over; Megatron-LM turns it off there too)")
         self.sleep_plan = plan_sleep(cfg.memory.offload_train_groups, backend="megatron",
                                      cuda=torch.cuda.is_available())
         if cfg.memory.effective_offload_train and self.sleep_plan.groups:
             reloadable_groups.install()  # before megatron's groups exist: they become rebuildable
         self.dp_size = initialize_parallel(self.layout, seed=cfg.runtime.seed)
+        if cfg.parallel.sequence_parallel and not self.layout.sequence_parallel and dist.get_rank() == 0:
+            log.warning("--sequence-parallel has no effect on the actor with --tensor-model-parallel-size 1 "
+                        "(nothing to shard over; Megatron-LM turns it off there too)")
         if cfg.memory.effective_offload_train and dist.get_rank() == 0:
             log.info("trainer sleep (--offload-train/--colocate): %s", self.sleep_plan.describe())
             if torch.cuda.is_available() and importlib.util.find_spec("torch_memory_saver") is not None:
@@ -223,7 +223,7 @@ class MegatronBackend(TrainBackend):
             pattern = moe_pattern(self.model_config) if cfg.megatron.use_rollout_routing_replay else None
             self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk),
                                                 moe_pattern=pattern)
-        self.critic = None  # ppo's value model (critic.py), on these ranks with this layout
+        self.critic = None  # ppo's value model (critic.py), on these ranks with this layout or its own
         if cfg.algorithm.advantage_estimator == "ppo":
             from megatron_rl.backends.megatron.critic import MegatronCritic  # lazy: only ppo builds one
 
@@ -373,6 +373,11 @@ class MegatronBackend(TrainBackend):
         """The critic's values over the same packed micro-batches as the old-log-prob pass (``critic.py``)."""
         if self.critic is None:
             return super().compute_values(samples, plan, owned_only)
+        if self.critic.share is not None:  # a layout of its own: its own plan of the batch, whole on every rank
+            if owned_only:
+                raise BackendError("compute_values(owned_only=True): a critic of its own layout has other "
+                                   "data-parallel shares than the actor's; PPO holds the whole batch on every rank")
+            return self.critic.compute_values(samples)
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
         return self.gather_per_sample(self.critic.values(mbs), samples, plan, owned_only)
 
@@ -386,7 +391,7 @@ class MegatronBackend(TrainBackend):
                 raise BackendError("train_step got critic returns but this backend built no critic "
                                    "(--advantage-estimator ppo builds one)")
             assert denoms is not None, "a training batch has loss denominators"
-            metrics.update(self.critic.train_step(mbs, denoms, self.spec))
+            metrics.update(self.critic.train_on(batch, mbs, denoms, self.spec))
         return metrics
 
     def _train_actor(self, samples, plan, mbs, denoms, t0: float) -> dict[str, float]:

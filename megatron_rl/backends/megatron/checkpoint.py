@@ -92,10 +92,15 @@ def model_fingerprint(backend) -> dict:
 
 
 def layout_record(backend) -> dict:
-    """Everything that decides which rank holds which shard (RNG is restored only if this matches)."""
-    return {**backend.layout.describe(), "dp": int(backend.ps.get_data_parallel_world_size()),
-            "world_size": world(),
-            "use_distributed_optimizer": bool(backend.cfg.optimizer.effective_distributed_optimizer)}
+    """Everything that decides which rank holds which shard (RNG is restored only if this matches); a critic of
+    its own layout adds it (``critic_layout``)."""
+    record = {**backend.layout.describe(), "dp": int(backend.ps.get_data_parallel_world_size()),
+              "world_size": world(),
+              "use_distributed_optimizer": bool(backend.cfg.optimizer.effective_distributed_optimizer)}
+    critic = getattr(backend, "critic", None)
+    if critic is not None and critic.share is not None:
+        record["critic_layout"] = {**critic.scope.layout.describe(), "dp": critic.share.dp_size}
+    return record
 
 
 def _chained(optimizer) -> list:
@@ -134,6 +139,11 @@ def _has_critic(backend) -> bool:
 def _load_critic(backend, loaded: dict, path: str) -> None:
     """The critic's model (keys without ``CRITIC_PREFIX``), optimizer (with the step fix), schedule and step count."""
     critic = backend.critic
+    with critic.scope:
+        _load_critic_in_scope(critic, loaded, path)
+
+
+def _load_critic_in_scope(critic, loaded: dict, path: str) -> None:
     state = {k[len(CRITIC_PREFIX):] if k.startswith(CRITIC_PREFIX) else k: v
              for k, v in loaded["critic_model"].items()}
     refuse_non_finite(path, ((f"critic.{k}", t) for k, t in state.items()))
@@ -166,11 +176,12 @@ def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool, adapter
     sd["checkpoint_format"] = FORMAT
     critic = getattr(backend, "critic", None)
     if critic is not None:  # ppo's value model (critic.py): its own keys, optimizer and schedule, same checkpoint
-        assert len(critic.chunks) == 1, "one model chunk per rank: validation refuses a critic with virtual pipeline stages"
-        model_sd = critic.chunks[0].sharded_state_dict(prefix=CRITIC_PREFIX)
+        assert len(critic.chunks) == 1, "one model chunk per rank: the critic has no virtual pipeline stages"
+        with critic.scope:  # its shards' offsets and replicas are those of its own layout
+            model_sd = critic.chunks[0].sharded_state_dict(prefix=CRITIC_PREFIX)
+            sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                         metadata=dict(SHARDING_METADATA))
         sd["critic_model"] = model_sd
-        sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                     metadata=dict(SHARDING_METADATA))
         sd["critic_opt_param_scheduler"] = critic.scheduler.state_dict()
         sd["critic_optimizer_steps"] = int(critic.optimizer_steps)
     if with_rng:

@@ -1,12 +1,20 @@
 """PPO's critic (value model) on megatron-core, colocated with the actor (``--advantage-estimator ppo``).
 
-The critic is a second ``GPTModel`` built by the same bridge with the actor's parallel layout
-on the actor's ranks, whose output layer is a ``[hidden -> 1]`` value head (``ValueHead``,
-slime's ``LinearForLastLayer``); it has its own DDP (grad buffers), its own megatron optimizer
-(distributed when the actor's is) and its own LR schedule (``--critic-lr``,
-``--critic-lr-warmup-iters``). It starts from the actor's initial weights, or from
-``--critic-hf-checkpoint`` / ``--critic-load`` (a model-only torch_dist dir), with a fresh head (normal, std ``init_method_std``, zero bias, from
-``--seed``, so every rank draws the same head).
+The critic is a second ``GPTModel`` built by the same bridge on the actor's ranks, whose output
+layer is a ``[hidden -> 1]`` value head (``ValueHead``, slime's ``LinearForLastLayer``); it has
+its own DDP (grad buffers), its own megatron optimizer (distributed when the actor's is) and its
+own LR schedule (``--critic-lr``, ``--critic-lr-warmup-iters``). It starts from the actor's
+initial weights, or from ``--critic-hf-checkpoint`` / ``--critic-load`` (a model-only torch_dist
+dir), with a fresh head (normal, std ``init_method_std``, zero bias, from ``--seed``, so every
+rank draws the same head).
+
+Layout: the actor's by default. Its own (``--critic-tensor-model-parallel-size``,
+``--critic-pipeline-model-parallel-size``, slime's critic role in ``--megatron-config-path``;
+never virtual pipeline stages or context parallelism, so an actor with them has a critic without
+them) is a :class:`~megatron_rl.models.parallel.LayoutScope` over the same ranks: megatron's
+parallel state of the critic's layout, swapped in around everything the critic does. Its DP size
+is then what its layout leaves of the ranks, and it plans, packs and gathers its own share of the
+batch (``CriticShare``); PPO holds the whole batch on every rank, so nothing else moves.
 
 Token alignment: the value of response token ``t`` is the head's output at the position whose
 hidden state predicts ``t`` (``PackedBatch.response_positions``), the state before the token
@@ -34,9 +42,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import reduce_metrics
+from megatron_rl.backends.base import DataParallelShare, TrainBatch
 from megatron_rl.backends.loss_rows import packed_loss_rows
-from megatron_rl.data.packing import LossDenominators, PackedBatch
-from megatron_rl.errors import CheckpointError
+from megatron_rl.data.packing import LossDenominators, PackedBatch, pad_multiple_for
+from megatron_rl.data.types import AnySample
+from megatron_rl.errors import BackendError, CheckpointError
+from megatron_rl.models.parallel import LayoutScope, ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +84,49 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
+def critic_layout(cfg, actor: ParallelLayout) -> ParallelLayout:
+    """The critic's layout on the actor's ranks: its own TP/PP where given, else the actor's; no virtual pipeline
+    stages and no context parallelism (the critic's passes are built without them); the actor's expert layout."""
+    p = cfg.parallel
+    tp = p.critic_tensor_model_parallel_size or actor.tp
+    return ParallelLayout(tp=tp, pp=p.critic_pipeline_model_parallel_size or actor.pp, vpp=None, cp=1,
+                          ep=actor.ep, etp=actor.etp, sequence_parallel=bool(p.sequence_parallel) and tp > 1)
+
+
+class CriticShare(DataParallelShare):
+    """The critic's own share of the batch when its layout is not the actor's: its DP size and rank, its
+    padding, which of its ranks hold results (read from its parallel state, in its scope)."""
+
+    def __init__(self, cfg, scope: LayoutScope, pad_token_id: int) -> None:
+        from megatron.core import parallel_state as ps  # lazy: megatron-core
+
+        layout = scope.layout
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        with scope:
+            self.dp_size = ps.get_data_parallel_world_size()
+            self.dp_rank = ps.get_data_parallel_rank()
+            self.holds_results = (ps.is_pipeline_last_stage(ignore_virtual=True)
+                                  and ps.get_tensor_model_parallel_rank() == 0)
+        self.pad_to_multiple = pad_multiple_for(layout.tp, layout.cp, layout.sequence_parallel)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return 1
+
+
 class MegatronCritic:
     """The value model beside a ``MegatronBackend``'s actor (module docstring)."""
 
     def __init__(self, backend, cfg) -> None:
+        self.scope = LayoutScope(critic_layout(cfg, backend.layout), backend.layout)
+        # its own share of each batch when its layout is not the actor's; else the actor's micro-batches serve
+        self.share: Optional[CriticShare] = None if self.scope.same else CriticShare(cfg, self.scope,
+                                                                                   backend.pad_token_id)
+        with self.scope:
+            self._build(backend, cfg)
+
+    def _build(self, backend, cfg) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -88,7 +138,7 @@ class MegatronCritic:
         self.backend = backend
         ps = backend.ps
         self.ps = ps
-        self.chunks = backend.bridge.build_model(backend.layout, params_dtype=backend.params_dtype,
+        self.chunks = backend.bridge.build_model(self.scope.layout, params_dtype=backend.params_dtype,
                                                  **transformer_config_overrides(cfg))
         hf_dir, dist_dir = cfg.checkpoint.critic_hf_checkpoint, cfg.checkpoint.critic_load
         source = hf_dir or dist_dir or "the actor's initial weights"
@@ -99,6 +149,16 @@ class MegatronCritic:
             backend.bridge.load_hf_weights(self.chunks, hf_dir)
         elif dist_dir:
             self._load_dist_trunk(dist_dir, cfg.model.hf_checkpoint)
+        elif self.share is not None:  # the actor's initial weights, from their source, into the critic's shards
+            from megatron_rl.models import model_dir  # lazy: checksums of the HF dir
+
+            load = cfg.checkpoint.load
+            if load is not None and model_dir.is_model_dir(load):
+                self._load_dist_trunk(load, cfg.model.hf_checkpoint, flag="--load")
+            else:
+                model_dir.check_hf_marker_once(cfg.model.hf_checkpoint,
+                                               f"checking --hf-checkpoint {cfg.model.hf_checkpoint}")
+                backend.bridge.load_hf_weights(self.chunks, cfg.model.hf_checkpoint)
         else:  # the actor's initial weights (HF or a --load model dir): the same layout, the same names
             with torch.no_grad():
                 for actor, critic in zip(backend.chunks, self.chunks):
@@ -143,15 +203,18 @@ class MegatronCritic:
         self.optimizer_steps = 0
         if dist.get_rank() == 0:
             n = sum(p.numel() for c in self.chunks for p in c.parameters())
-            log.info("critic: %d parameters on this rank, lr %g, from %s", n, lr, source)
+            log.info("critic: %d parameters on this rank, lr %g, from %s, layout %s", n, lr, source,
+                     "the actor's" if self.share is None else
+                     f"its own (TP {self.scope.layout.tp}, PP {self.scope.layout.pp}, DP {self.share.dp_size})")
 
-    def _load_dist_trunk(self, path: str, hf_dir: str) -> None:
-        """``--critic-load``: a model-only torch_dist dir, checked as ``--load``'s (marker, checksums, the model's
-        fingerprint and every tensor's shape) and loaded while the output layer is still the policy's."""
+    def _load_dist_trunk(self, path: str, hf_dir: str, flag: str = "--critic-load") -> None:
+        """``--critic-load`` (or the actor's ``--load`` model dir, for a critic of its own layout): a model-only
+        torch_dist dir, checked as ``--load``'s (marker, checksums, the model's fingerprint and every tensor's
+        shape) and loaded while the output layer is still the policy's."""
         from megatron_rl.models import dist_io, model_dir  # lazy: dist_checkpointing
 
         if not model_dir.is_model_dir(path):
-            raise CheckpointError(f"--critic-load {path} is not a model-only torch_dist dir (a training checkpoint "
+            raise CheckpointError(f"{flag} {path} is not a model-only torch_dist dir (a training checkpoint "
                                   "holds a critic beside the actor and resumes from --load/--save); give what "
                                   "convert_ckpt.py hf-to-dist writes, or use --critic-hf-checkpoint")
         meta = model_dir.read_marker(path)
@@ -182,8 +245,32 @@ class MegatronCritic:
             model=self.model, num_microbatches=len(micro_batches),
             seq_length=max(mb.num_tokens for mb in micro_batches), micro_batch_size=1, forward_only=forward_only)
 
+    def compute_values(self, samples: Sequence[AnySample]) -> list[Optional[torch.Tensor]]:
+        """A critic of its own layout: every sample's values on every rank, over its own plan of the batch."""
+        share = self.share
+        assert share is not None, "a critic of the actor's layout runs over the actor's micro-batches"
+        plan, mbs, _ = share.preprocess_rollout_data(samples)
+        return share.gather_per_sample(self.values(mbs), samples, plan)
+
+    def train_on(self, batch: TrainBatch, micro_batches: list[PackedBatch], denoms: LossDenominators,
+                 spec) -> dict[str, float]:
+        """One critic step over ``batch``: over the actor's micro-batches and denominators, or with a layout of
+        its own over its own plan of the same samples (its DP ranks' shares and theirs of the denominators)."""
+        if self.share is not None:
+            if batch.old_values is None or batch.returns is None:
+                raise BackendError("a critic step needs the batch's old values and returns")
+            plan = self.share.plan_micro_batches(batch.samples)
+            _, micro_batches, own = self.share.preprocess_rollout_data(batch.samples, batch, plan=plan)
+            assert own is not None, "a training batch has loss denominators"
+            denoms = own
+        return self.train_step(micro_batches, denoms, spec)
+
     def values(self, micro_batches: list[PackedBatch]) -> dict[int, torch.Tensor]:
         """No-grad values of this rank's micro-batches, by sample index (float32, response-aligned)."""
+        with self.scope:
+            return self._values(micro_batches)
+
+    def _values(self, micro_batches: list[PackedBatch]) -> dict[int, torch.Tensor]:
         def loss_fn(mb, values, output):
             v = values.detach().float()
             return v.sum() * 0.0, torch.tensor(0, dtype=torch.int), {
@@ -199,6 +286,10 @@ class MegatronCritic:
 
     def train_step(self, micro_batches: list[PackedBatch], denoms: LossDenominators, spec) -> dict[str, float]:
         """One critic optimizer step over this rank's micro-batches; ``critic/*`` metrics (docs/metrics.md)."""
+        with self.scope:
+            return self._train_step(micro_batches, denoms, spec)
+
+    def _train_step(self, micro_batches: list[PackedBatch], denoms: LossDenominators, spec) -> dict[str, float]:
         t0 = time.perf_counter()
 
         def loss_fn(mb, values, output):
@@ -233,16 +324,18 @@ class MegatronCritic:
     # ---- memory ---------------------------------------------------------------
 
     def sleep(self) -> None:
-        for m in self.model:
-            m.offload_grad_buffers()
-        if hasattr(self.optimizer, "offload_to_cpu"):
-            self.optimizer.offload_to_cpu()
+        with self.scope:
+            for m in self.model:
+                m.offload_grad_buffers()
+            if hasattr(self.optimizer, "offload_to_cpu"):
+                self.optimizer.offload_to_cpu()
 
     def wake(self) -> None:
-        for m in self.model:
-            m.restore_grad_buffers()
-        if hasattr(self.optimizer, "restore_from_cpu"):
-            self.optimizer.restore_from_cpu()
+        with self.scope:
+            for m in self.model:
+                m.restore_grad_buffers()
+            if hasattr(self.optimizer, "restore_from_cpu"):
+                self.optimizer.restore_from_cpu()
 
     def named_local_params(self) -> Sequence[tuple[str, torch.Tensor]]:
         return [(f"{i}.{name}", p) for i, chunk in enumerate(self.chunks) for name, p in chunk.named_parameters()]
