@@ -262,7 +262,18 @@ def plan_for_config(cfg):
         train_backend=cfg.precision.train_backend,
         rollout_backend="sglang",  # the planner plans GPUs; the embedded engine sits on the driver
         debug_train_only=cfg.mode.train_only or (external and not cfg.mode.debug_rollout_only),
-        debug_rollout_only=cfg.mode.debug_rollout_only, update_weight_transport=cfg.sync.update_weight_transport)
+        debug_rollout_only=cfg.mode.debug_rollout_only, update_weight_transport=cfg.sync.update_weight_transport,
+        critic=_critic_dims(cfg))
+
+
+def _critic_dims(cfg) -> tuple[int, int] | None:
+    """PPO's critic as the planner sees it: ``(tp, pp)`` on the actor's GPUs (its own layout, else the actor's;
+    no CP, no VPP: backends/megatron/critic.py); None without one."""
+    if cfg.algorithm.advantage_estimator != "ppo" or not cfg.has_training:
+        return None
+    p = cfg.parallel
+    return (p.critic_tensor_model_parallel_size or p.tensor_model_parallel_size,
+            p.critic_pipeline_model_parallel_size or p.pipeline_model_parallel_size)
 
 
 def launches_sglang_engines(cfg) -> bool:

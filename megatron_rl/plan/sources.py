@@ -55,6 +55,7 @@ def plan_from_slime_flags(
     debug_train_only: bool = False,
     debug_rollout_only: bool = False,
     update_weight_transport: str | None = None,
+    critic: tuple[int, int] | None = None,
 ) -> Allocation:
     """Build the plan slime's flags describe (keyword names = flag names with ``_``).
 
@@ -67,6 +68,8 @@ def plan_from_slime_flags(
     * ``debug_train_only`` drops the rollout part; ``debug_rollout_only`` the actor.
     * ``update_weight_transport`` defaults like slime: tensor when colocated,
       distributed otherwise (None when either side is absent).
+    * ``critic`` (PPO's, as ``(tp, pp)``): a second training component on the actor's GPUs
+      (slime's critic always takes the actor's GPU count), in its own layout or the actor's.
     """
     if debug_train_only and debug_rollout_only:
         raise PlanError("--debug-train-only and --debug-rollout-only exclude each other; pass one")
@@ -123,10 +126,18 @@ def plan_from_slime_flags(
                             f"--rollout-num-gpus-per-engine {per_engine}; engines would not be whole")
         rollout = Component(rollout_backend, Dims(d=total // per_engine, t=per_engine), "rollout")
 
+    trainers = [actor] if actor is not None else []
+    if critic is not None and actor is not None:
+        ct, cp_ = _positive(critic[0], "--critic-tensor-model-parallel-size"), _positive(
+            critic[1], "--critic-pipeline-model-parallel-size")
+        if world % (ct * cp_):
+            raise PlanError(f"the critic's layout t*p = {ct}*{cp_} does not divide the actor's {world} GPUs it runs "
+                            "on (--critic-tensor-model-parallel-size, --critic-pipeline-model-parallel-size)")
+        trainers.append(Component(train_backend, Dims(d=world // (ct * cp_), t=ct, p=cp_), "critic"))
     if colocate and actor is not None and rollout is not None:
-        groups = [[rollout, actor]]
+        groups = [[rollout, *trainers]]
     else:
-        groups = [[x] for x in (rollout, actor) if x is not None]
+        groups = [x for x in ([rollout] if rollout is not None else [], trainers) if x]
     if update_weight_transport is None and actor is not None and rollout is not None:
         update_weight_transport = "tensor" if colocate else "distributed"
     return Allocation(assign_roles(groups), weight_update=update_weight_transport)

@@ -258,3 +258,20 @@ def test_slime_megatron_config_path_refusals_name_the_key(tmp_path, monkeypatch,
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match=match):
         _parse(tmp_path, "--advantage-estimator", "ppo", "--megatron-config-path", _role_yaml(tmp_path, entries))
+
+
+def test_the_planner_places_the_critic_on_the_actors_gpus(tmp_path, monkeypatch):
+    """The plan (what --dry-run prints and checks the model shape against) holds the critic as a training
+    component colocated with the actor, in its own layout; a run without a critic plans none."""
+    from megatron_rl.config.placement import plan_for_config
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _parse(tmp_path, "--advantage-estimator", "ppo", "--actor-num-gpus-per-node", "4",
+                 "--tensor-model-parallel-size", "2", "--critic-tensor-model-parallel-size", "1",
+                 "--critic-pipeline-model-parallel-size", "2")
+    plan = plan_for_config(cfg)
+    critic = next(c for c in plan.components if c.role == "critic")
+    assert (critic.dp, critic.tp, critic.pp) == (2, 1, 2)
+    assert any(m.role == "actor" for m in plan.colocated_with(critic))
+    assert not [c for c in plan_for_config(_parse(tmp_path)).components if c.role == "critic"]

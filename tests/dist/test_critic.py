@@ -26,13 +26,15 @@ from _util import torchrun
 STEPS = [False, True, True]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # the critic's own layout: actor DP2 / critic TP2+SP; actor TP2+SP / critic DP2 (distributed optimizer);
-# actor TP2 / critic PP2; actor CP2 / critic DP2 (the critic has no context parallelism)
+# actor TP2 / critic PP2; actor CP2 / critic DP2 (the critic has no context parallelism); actor PP2 x VPP2 /
+# critic PP2 (nor virtual pipeline stages)
 OWN_TP = ["--critic-tensor-model-parallel-size", "2", "--sequence-parallel"]
 OWN_DP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--critic-tensor-model-parallel-size", "1",
           "--use-distributed-optimizer"]
 OWN_PP = ["--tensor-model-parallel-size", "2", "--critic-tensor-model-parallel-size", "1",
           "--critic-pipeline-model-parallel-size", "2"]
 OWN_CP = ["--context-parallel-size", "2"]
+OWN_VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]  # critic: PP2
 
 
 def _job(**kw) -> str:
@@ -77,7 +79,8 @@ def runs(tmp_path_factory, tiny_hf_models):
                          _job(tag="own_pp", steps=STEPS, flags=OWN_PP),
                          _job(tag="own_pp_save", steps=STEPS[:2], save=own_save, flags=OWN_PP),
                          _job(tag="own_pp_resume", steps=STEPS[2:], load=own_save, flags=OWN_PP),
-                         _job(tag="own_cp", steps=STEPS, flags=OWN_CP)], timeout=600)
+                         _job(tag="own_cp", steps=STEPS, flags=OWN_CP),
+                         _job(tag="own_vpp", steps=STEPS, flags=OWN_VPP)], timeout=600)
     return out
 
 
@@ -93,7 +96,7 @@ def test_critic_only_step_leaves_the_actor_and_reports_no_train_metrics(runs):
             assert m["critic/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("tag", ["tp", "dp", "pp", "own_tp", "own_dp", "own_pp", "own_cp"])
+@pytest.mark.parametrize("tag", ["tp", "dp", "pp", "own_tp", "own_dp", "own_pp", "own_cp", "own_vpp"])
 def test_critic_at_tp2_sp_dp2_and_pp2_equals_one_process(runs, tag):
     """The actor's layout (tp, dp, pp) and the critic's own beside another actor layout (own_*): the critic's
     numbers are those of one process; so are the actor's log-probs after the updates (own_cp: the actor at CP2)."""
