@@ -208,6 +208,15 @@ class PolicyGradientSpec(Spec):
             raise ConfigError("--advantage-estimator ppo needs the critic's values of every sample of the batch "
                               "before its advantages: compute them (TrainBackend.compute_values) and pass them")
         lengths = [s.response_length for s in samples]
+        if self.custom_advantage_fn is not None:  # slime: the function sets advantages AND the critic's returns
+            rewards32 = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+            flat_mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples])
+            flat, custom_returns = self._custom_advantages(samples, rewards32, [s.group_index for s in samples],
+                                                           flat_mask, old_logprobs, ref_logprobs, values=values)
+            assert custom_returns is not None, "with values the custom function must set returns (checked there)"
+            if cfg.normalize_advantages:
+                flat = adv.masked_whiten(flat, flat_mask)
+            return adv.per_sample(flat, lengths), custom_returns
         mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples]).double()
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
         token_rewards = torch.zeros_like(mask)
@@ -242,8 +251,12 @@ class PolicyGradientSpec(Spec):
         mask = adv.flat_loss_mask([s.effective_loss_mask() for s in samples])
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
         groups = [s.group_index for s in samples]
+        if self.custom_advantage_fn is not None and cfg.advantage_estimator == "ppo":
+            raise ConfigError("--advantage-estimator ppo with --custom-advantage-function-path: the function also "
+                              "sets the critic's returns from its values; call compute_advantages_and_returns("
+                              "samples, values=...)")
         if self.custom_advantage_fn is not None:
-            flat = self._custom_advantages(samples, rewards, groups, mask, old_logprobs, ref_logprobs)
+            flat, _ = self._custom_advantages(samples, rewards, groups, mask, old_logprobs, ref_logprobs)
         elif cfg.advantage_estimator == "none":
             return adv.per_sample(torch.zeros_like(mask), lengths)
         elif cfg.advantage_estimator == "remax":  # verl: returns - baseline on the loss tokens (not whitened)
@@ -294,18 +307,21 @@ class PolicyGradientSpec(Spec):
         return adv.grpo_advantages(rewards, groups, normalize_std=self.cfg.grpo_std_normalization,
                                    eps=self.cfg.advantage_eps, std_level=self.cfg.grpo_std_level)
 
-    def _custom_advantages(self, samples, rewards, groups, mask, old_logprobs, ref_logprobs) -> torch.Tensor:
-        """``--custom-advantage-function-path``: slime's ``compute_advantages_and_returns`` contract.
+    def _custom_advantages(self, samples, rewards, groups, mask, old_logprobs, ref_logprobs, values=None,
+                           ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """``--custom-advantage-function-path``: slime's ``compute_advantages_and_returns`` contract; returns the
+        flat masked advantages and, with ``values`` (PPO's critic), the returns the function set.
 
         ``rollout_data`` holds, per sample (lists in batch order): ``rewards`` (group-normalised as slime's
         ``_post_process_rewards`` does for grpo/gspo, mean-subtracted for reinforce_plus_plus_baseline, raw
         otherwise and with ``--disable-rewards-normalization``), ``raw_reward``, ``response_lengths``,
         ``total_lengths``, ``loss_masks`` (float tensors), ``log_probs`` (old), ``ref_log_probs`` (None when no
         reference is computed), ``rollout_log_probs`` (None when not read), ``kl`` (the ``--kl-loss-type``
-        estimator of old vs ref, zeros with ``--kl-coef 0``), ``values`` (None: no critic). The function must
-        set ``rollout_data["advantages"]``: one tensor of ``response_length`` values per sample (``returns``
-        is not read: there is no critic). Masked tokens get advantage 0; ``--normalize-advantages`` then
-        whitens, as slime does after the custom function."""
+        estimator of old vs ref, zeros with ``--kl-coef 0``), ``values`` (the critic's, float32, with
+        ``--advantage-estimator ppo``; else None). The function must set ``rollout_data["advantages"]``: one
+        tensor of ``response_length`` values per sample, and with a critic ``rollout_data["returns"]`` the same
+        way (the critic's regression targets; not read without one). Masked tokens get advantage 0;
+        ``--normalize-advantages`` then whitens the advantages, as slime does after the custom function."""
         cfg = self.cfg
         where = f"{CUSTOM_ADVANTAGE_FLAG} {cfg.custom_advantage_function_path}"
         lengths = [s.response_length for s in samples]
@@ -330,26 +346,18 @@ class PolicyGradientSpec(Spec):
         rollout_data: dict[str, Any] = {
             "rewards": shaped.tolist(), "raw_reward": rewards.tolist(), "response_lengths": lengths,
             "total_lengths": [s.total_length for s in samples], "loss_masks": masks,
-            "log_probs": old, "ref_log_probs": ref, "kl": kl, "values": None,
+            "log_probs": old, "ref_log_probs": ref, "kl": kl,
+            "values": None if values is None else [v.detach().float().cpu() for v in values],
             "rollout_log_probs": ([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
                                   if cfg.needs_rollout_logprobs else None)}
         assert self.custom_advantage_fn is not None
         self.custom_advantage_fn(self.args, rollout_data)
-        out = rollout_data.get("advantages")
-        if not isinstance(out, (list, tuple)) or len(out) != len(samples):
-            got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else repr(type(out))
-            raise ConfigError(f"{where} left rollout_data['advantages'] as {got}; it must set it to a list of "
-                              f"{len(samples)} per-sample tensors (one value per response token)")
-        pieces = []
-        for i, (a, n) in enumerate(zip(out, lengths)):
-            t = torch.as_tensor(a.detach() if isinstance(a, torch.Tensor) else a, dtype=torch.float32).cpu()
-            if t.shape != (n,):
-                raise ConfigError(f"{where}: rollout_data['advantages'][{i}] has shape {tuple(t.shape)} but sample "
-                                  f"{i} has {n} response tokens; give one advantage per response token")
-            if not torch.isfinite(t).all():
-                raise ConfigError(f"{where}: rollout_data['advantages'][{i}] holds non-finite values")
-            pieces.append(t)
-        return (torch.cat(pieces) if pieces else torch.zeros(0)) * mask
+        pieces = _per_token_output(rollout_data, "advantages", lengths, where)
+        flat = (torch.cat(pieces) if pieces else torch.zeros(0)) * mask
+        if values is None:
+            return flat, None
+        returns = [r * m for r, m in zip(_per_token_output(rollout_data, "returns", lengths, where), masks)]
+        return flat, returns
 
     def extract_model_output(self, logits, target_ids, *, tp_group=None, vocab_start_index=None, vocab_size=None,
                              with_entropy=True):
@@ -361,6 +369,26 @@ class PolicyGradientSpec(Spec):
 
     def compute_loss(self, inputs, denoms):
         return compute_policy_loss(inputs, denoms, self.cfg)
+
+
+def _per_token_output(rollout_data: dict, key: str, lengths: Sequence[int], where: str) -> list[torch.Tensor]:
+    """``rollout_data[key]`` as a custom advantage function must leave it: one finite float tensor of each
+    sample's response length, per sample (float32 on the host)."""
+    out = rollout_data.get(key)
+    if not isinstance(out, (list, tuple)) or len(out) != len(lengths):
+        got = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else repr(type(out))
+        raise ConfigError(f"{where} left rollout_data[{key!r}] as {got}; it must set it to a list of "
+                          f"{len(lengths)} per-sample tensors (one value per response token)")
+    pieces = []
+    for i, (a, n) in enumerate(zip(out, lengths)):
+        t = torch.as_tensor(a.detach() if isinstance(a, torch.Tensor) else a, dtype=torch.float32).cpu()
+        if t.shape != (n,):
+            raise ConfigError(f"{where}: rollout_data[{key!r}][{i}] has shape {tuple(t.shape)} but sample "
+                              f"{i} has {n} response tokens; give one value per response token")
+        if not torch.isfinite(t).all():
+            raise ConfigError(f"{where}: rollout_data[{key!r}][{i}] holds non-finite values")
+        pieces.append(t)
+    return pieces
 
 
 def _check_loss_masks(samples: Sequence[AnySample]) -> None:

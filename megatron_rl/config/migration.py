@@ -111,9 +111,11 @@ NOTES: dict[str, tuple[str, str]] = {
     "--custom-advantage-function-path": ("same", "slime's fn(args, rollout_data) contract: args holds every flag "
                                          "by its slime name; rollout_data the per-sample rewards (group-normalised "
                                          "as slime), raw_reward, response_lengths, total_lengths, loss_masks, "
-                                         "log_probs, ref_log_probs, rollout_log_probs, kl, values (None); the "
-                                         "function sets rollout_data['advantages'] (returns are not read: no "
-                                         "critic). Imported and its arity checked at start-up; docs/algorithms.md."),
+                                         "log_probs, ref_log_probs, rollout_log_probs, kl, values (the critic's "
+                                         "with --advantage-estimator ppo, else None); the function sets "
+                                         "rollout_data['advantages'], and with a critic rollout_data['returns'] "
+                                         "(read only then). Imported and its arity checked at start-up; "
+                                         "docs/algorithms.md."),
     "--value-clip": ("same", "The clip of the critic's value loss; the loss is verl's (0.5 * the max of the clipped "
                      "and unclipped squared errors, through --loss-agg-mode; slime's has no 0.5): "
                      "docs/algorithms.md, 'PPO with a critic'."),

@@ -153,7 +153,6 @@ def _parse(tmp_path, *flags):
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
     (["--train-backend", "fsdp"], "--train-backend fsdp: the critic is built for the megatron backend only"),
     (["--lora-rank", "4"], "--lora-rank"),
-    (["--use-rollout-logprobs"], "--use-rollout-logprobs"),
 ])
 def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
@@ -275,3 +274,38 @@ def test_the_planner_places_the_critic_on_the_actors_gpus(tmp_path, monkeypatch)
     assert (critic.dp, critic.tp, critic.pp) == (2, 1, 2)
     assert any(m.role == "actor" for m in plan.colocated_with(critic))
     assert not [c for c in plan_for_config(_parse(tmp_path)).components if c.role == "critic"]
+
+
+def test_a_custom_advantage_function_with_a_critic_gets_values_and_sets_returns(tmp_path):
+    """slime's contract with ppo: rollout_data['values'] holds the critic's values and the function sets both
+    rollout_data['advantages'] and rollout_data['returns'] (the critic's targets); masked tokens get 0, the
+    advantages (not the returns) are whitened by --normalize-advantages; missing returns are refused by name."""
+    import types
+
+    seen = {}
+
+    def td_zero(args, rollout_data):
+        seen["values"] = [v.clone() for v in rollout_data["values"]]
+        rollout_data["returns"] = [torch.full_like(v, float(r)) for v, r in zip(rollout_data["values"],
+                                                                                 rollout_data["raw_reward"])]
+        rollout_data["advantages"] = [ret - v for ret, v in zip(rollout_data["returns"], rollout_data["values"])]
+
+    samples = _samples()
+    values = [torch.linspace(-1, 1, s.response_length) for s in samples]
+    spec = PolicyGradientSpec(PolicyGradientConfig(advantage_estimator="ppo", normalize_advantages=False),
+                              custom_advantage_fn=td_zero, args=types.SimpleNamespace())
+    advantages, returns = spec.compute_advantages_and_returns(samples, values=values)
+    for v, got in zip(values, seen["values"], strict=True):
+        assert torch.equal(v.float(), got)
+    for s, v, a, r in zip(samples, values, advantages, returns, strict=True):
+        m = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+        assert torch.equal(r, torch.full_like(v, float(s.reward)) * m)
+        torch.testing.assert_close(a, (float(s.reward) - v) * m)
+
+    def no_returns(args, rollout_data):
+        rollout_data["advantages"] = [torch.zeros_like(v) for v in rollout_data["values"]]
+
+    spec = PolicyGradientSpec(PolicyGradientConfig(advantage_estimator="ppo"), custom_advantage_fn=no_returns,
+                              args=types.SimpleNamespace())
+    with pytest.raises(ConfigError, match=r"rollout_data\['returns'\]"):
+        spec.compute_advantages_and_returns(samples, values=values)

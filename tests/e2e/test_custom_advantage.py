@@ -27,6 +27,21 @@ def grpo_from_slime_rewards(args, rollout_data):
     rollout_data["advantages"] = [torch.ones_like(m) * r for r, m in zip(rollout_data["rewards"],
                                                                          rollout_data["loss_masks"])]
     rollout_data["returns"] = rollout_data["advantages"]
+
+
+def monte_carlo_with_critic(args, rollout_data):
+    """PPO with slime's contract: the critic's values arrive, the function sets advantages and returns."""
+    values = rollout_data["values"]
+    with open(os.environ["ADV_RECORD"], "a") as fh:
+        fh.write(json.dumps({
+            "rank": int(os.environ.get("RANK", 0)), "n": len(values),
+            "value_lengths_ok": [len(v) for v in values] == rollout_data["response_lengths"],
+            "values_finite": all(bool(torch.isfinite(v).all()) for v in values),
+            "old_are_rollout": all(torch.equal(a, b) for a, b in zip(rollout_data["log_probs"],
+                                                                      rollout_data["rollout_log_probs"])),
+        }) + "\\n")
+    rollout_data["returns"] = [torch.ones_like(v) * r for v, r in zip(values, rollout_data["raw_reward"])]
+    rollout_data["advantages"] = [ret - v for ret, v in zip(rollout_data["returns"], values)]
 '''
 
 
@@ -45,6 +60,25 @@ def test_custom_advantage_function_trains_the_demo(tmp_path, monkeypatch):
     train = [r for r in metrics(out) if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     assert all(abs(r["train/pg_loss"]) < 10 and r["train/clip_frac"] >= 0 for r in train)
+
+
+@pytest.mark.slow
+def test_custom_advantage_function_with_a_critic_and_rollout_logprobs(tmp_path, monkeypatch):
+    """--advantage-estimator ppo with slime's custom function (it reads the critic's values and sets the returns
+    the critic trains on) and --use-rollout-logprobs (the old log-probs it sees are the engine's; no old pass)."""
+    module = tmp_path / "my_adv.py"
+    module.write_text(ADV)
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("ADV_RECORD", str(record))
+    out = tmp_path / "demo"
+    run_demo(out, 2, "--advantage-estimator", "ppo", "--use-rollout-logprobs",
+             "--custom-advantage-function-path", f"{module}:monte_carlo_with_critic")
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert sorted(c["rank"] for c in calls) == [0, 0, 1, 1] and all(c["n"] == 32 * 8 for c in calls)
+    assert all(c["value_lengths_ok"] and c["values_finite"] and c["old_are_rollout"] for c in calls)
+    train = [r for r in metrics(out) if "rollout/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["critic/grad_norm"] > 0 and r["critic/value_loss"] > 0 for r in train)
 
 
 @pytest.mark.slow
