@@ -683,9 +683,6 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
     if cfg.precision.train_backend != "megatron":
         errors.append(f"--advantage-estimator ppo with --train-backend {cfg.precision.train_backend}: the critic is "
                       "built for the megatron backend only, not yet for fsdp; use --train-backend megatron")
-    if cfg.lora.lora_rank:
-        errors.append("--advantage-estimator ppo with --lora-rank: the critic is not built for LoRA yet (neither "
-                      "adapters of its own nor a full critic beside a LoRA actor); drop one of them")
     if a.loss_type != "policy_loss":
         errors.append(f"--advantage-estimator ppo with --loss-type {a.loss_type}: the critic trains beside the "
                       "built-in policy loss only")

@@ -152,7 +152,6 @@ def _parse(tmp_path, *flags):
     (["--critic-load", "/x", "--critic-hf-checkpoint", "/y"], "both give the critic's initial weights"),
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
     (["--train-backend", "fsdp"], "--train-backend fsdp: the critic is built for the megatron backend only"),
-    (["--lora-rank", "4"], "--lora-rank"),
 ])
 def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):

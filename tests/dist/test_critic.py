@@ -34,6 +34,7 @@ OWN_DP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--critic-
 OWN_PP = ["--tensor-model-parallel-size", "2", "--critic-tensor-model-parallel-size", "1",
           "--critic-pipeline-model-parallel-size", "2"]
 OWN_CP = ["--context-parallel-size", "2"]
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 OWN_VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]  # critic: PP2
 
 
@@ -55,6 +56,7 @@ def runs(tmp_path_factory, tiny_hf_models):
     out = tmp_path_factory.mktemp("critic_out")
     save, pp_save = str(out / "root" / "iter_0000002"), str(out / "root_pp" / "iter_0000002")
     own_save = str(out / "root_own" / "iter_0000002")
+    lora_save = str(out / "root_lora" / "iter_0000002")
     other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
     dist_dir = str(out / "other_dist")
     torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="save", steps=STEPS[:2], save=save),
@@ -65,7 +67,11 @@ def runs(tmp_path_factory, tiny_hf_models):
                          _job(tag="crit_dist", convert=[other, dist_dir], flags=["--critic-load", dist_dir]),
                          # the critic alone fitting one batch's returns (no warm-up, a clip that never binds)
                          _job(tag="fit", steps=[False], epochs=8,
-                              flags=["--critic-lr-warmup-iters", "0", "--value-clip", "10"])],
+                              flags=["--critic-lr-warmup-iters", "0", "--value-clip", "10"]),
+                         # LoRA: the actor's adapters and the critic's own (its head trains in full)
+                         _job(tag="lora", steps=STEPS, flags=LORA),
+                         _job(tag="lora_save", steps=STEPS[:2], save=lora_save, flags=LORA),
+                         _job(tag="lora_resume", steps=STEPS[2:], load=lora_save, flags=LORA)],
              timeout=400)
     torchrun(script, 2, [hf, str(out),
                          _job(tag="tp", steps=STEPS, flags=["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -80,7 +86,9 @@ def runs(tmp_path_factory, tiny_hf_models):
                          _job(tag="own_pp_save", steps=STEPS[:2], save=own_save, flags=OWN_PP),
                          _job(tag="own_pp_resume", steps=STEPS[2:], load=own_save, flags=OWN_PP),
                          _job(tag="own_cp", steps=STEPS, flags=OWN_CP),
-                         _job(tag="own_vpp", steps=STEPS, flags=OWN_VPP)], timeout=600)
+                         _job(tag="own_vpp", steps=STEPS, flags=OWN_VPP),
+                         _job(tag="lora_tp", steps=STEPS, flags=LORA + ["--tensor-model-parallel-size", "2",
+                                                                        "--sequence-parallel"])], timeout=600)
     return out
 
 
@@ -120,7 +128,7 @@ def test_critic_at_tp2_sp_dp2_and_pp2_equals_one_process(runs, tag):
 
 
 @pytest.mark.parametrize("tags", [("ref", "save", "resume"), ("pp", "pp_save", "pp_resume"),
-                                  ("own_pp", "own_pp_save", "own_pp_resume")])
+                                  ("own_pp", "own_pp_save", "own_pp_resume"), ("lora", "lora_save", "lora_resume")])
 def test_critic_resumes_bitwise(runs, tags):
     """One process, PP2 (each stage's part of the critic in the actor's checkpoint), and a PP2 critic beside a
     TP2 actor (the critic's shards saved and loaded in its own layout, the actor's in its)."""
@@ -151,3 +159,20 @@ def test_critic_fits_a_batch(runs):
     """The value loss falls on a fixed batch's returns (measured 0.133 -> 0.0065 in 8 steps at --critic-lr 5e-3)."""
     losses = [m["critic/value_loss"] for m in _rec(runs, "fit")["steps"][0]["metrics"]]
     assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_critic_with_lora_trains_its_adapters_and_head_on_a_frozen_trunk(runs):
+    """--lora-rank with a critic: the critic's trunk stays bitwise frozen while its adapters and head learn (its
+    values move, its value loss falls over the steps); at TP2 + SP its numbers equal one process's."""
+    ref, tp = _rec(runs, "lora"), _rec(runs, "lora_tp")
+    for rec in (ref, tp):
+        assert all(s["critic_frozen_params"] > 0 and s["critic_frozen_unchanged"] for s in rec["steps"])
+        assert rec["values_start"] != rec["values_end"]
+    assert _rec(runs, "ref")["steps"][0]["critic_frozen_params"] == 0  # without LoRA the whole critic trains
+    for name in ("values_start", "values_end", "logprobs_end"):
+        for a, b in zip(ref[name], tp[name], strict=True):
+            torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=2e-5, rtol=0)
+    for s0, s1 in zip(ref["steps"], tp["steps"], strict=True):
+        for m0, m1 in zip(s0["metrics"], s1["metrics"], strict=True):
+            for k in ("critic/value_loss", "critic/grad_norm"):
+                assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=2e-6), k

@@ -8,6 +8,10 @@ initial weights, or from ``--critic-hf-checkpoint`` / ``--critic-load`` (a model
 dir), with a fresh head (normal, std ``init_method_std``, zero bias, from ``--seed``, so every
 rank draws the same head).
 
+LoRA (``--lora-rank``): the critic gets adapters of its own (the actor's targets, rank and alpha; fresh, B = 0)
+on its frozen trunk, and its value head trains in full, as verl's critic with ``lora_rank``. Its checkpoint
+entries are whole (the frozen trunk too: a resume needs nothing else), unlike the actor's adapters-only ones.
+
 Layout: the actor's by default. Its own (``--critic-tensor-model-parallel-size``,
 ``--critic-pipeline-model-parallel-size``, slime's critic role in ``--megatron-config-path``;
 never virtual pipeline stages or context parallelism, so an actor with them has a critic without
@@ -149,7 +153,8 @@ class MegatronCritic:
             backend.bridge.load_hf_weights(self.chunks, hf_dir)
         elif dist_dir:
             self._load_dist_trunk(dist_dir, cfg.model.hf_checkpoint)
-        elif self.share is not None:  # the actor's initial weights, from their source, into the critic's shards
+        elif self.share is not None or backend.lora:  # the actor's initial weights from their source (another
+            # layout's shards, or an actor whose linears carry adapters): into the critic's own
             from megatron_rl.models import model_dir  # lazy: checksums of the HF dir
 
             load = cfg.checkpoint.load
@@ -179,6 +184,16 @@ class MegatronCritic:
                     tp_group=ps.get_tensor_model_parallel_group())
                 del old
         self.config = config
+        self.lora: list = []  # --lora-rank: the critic's own adapters on its frozen trunk; its value head trains
+        if cfg.lora.lora_rank:
+            from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
+
+            self.lora = lora.attach_lora(backend.bridge, self.chunks, lora.LoraSpec(
+                cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_dropout, tuple(cfg.lora.lora_target_modules),
+                init_seed=cfg.runtime.seed))
+            for chunk in self.chunks:
+                if chunk.post_process:
+                    chunk.output_layer.requires_grad_(True)
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(cfg))
         self.model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0)

@@ -73,6 +73,8 @@ def run_job(hf_dir, out_dir, job):
         values = backend.compute_values(samples)
         adv, returns = spec.compute_advantages_and_returns(samples, old_logprobs=old, values=values)
         before = [p.detach().clone() for c in backend.chunks for p in c.parameters()]
+        frozen = [p for c in backend.critic.chunks for p in c.parameters() if not p.requires_grad]
+        frozen_before = [p.detach().clone() for p in frozen]
         epochs = []
         for _ in range(epochs_per_batch):  # PPO epochs over the batch: the clip engages from the second one
             m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, old_values=values, returns=returns,
@@ -81,11 +83,13 @@ def run_job(hf_dir, out_dir, job):
             m.pop("critic/step_time_s", None)
             epochs.append(m)
         after = [p.detach() for c in backend.chunks for p in c.parameters()]
-        same = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(before, after)))])
+        same = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(before, after))),
+                             float(all(torch.equal(a, b.detach()) for a, b in zip(frozen_before, frozen)))])
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         rec["steps"].append({"global_step": g, "train_actor": train_actor, "metrics": epochs,
                              "values": [t.tolist() for t in values], "returns": [t.tolist() for t in returns],
-                             "actor_unchanged": bool(same.item())})
+                             "actor_unchanged": bool(same[0].item()), "critic_frozen_unchanged": bool(same[1].item()),
+                             "critic_frozen_params": len(frozen)})
     if job.get("save"):
         backend.save(job["save"], {"next_step": backend.critic.optimizer_steps})
     rec["critic_steps"] = backend.critic.optimizer_steps
