@@ -676,9 +676,10 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
         errors.append(f"--num-critic-only-steps {a.num_critic_only_steps} must be >= 0")
     if cfg.optimizer.critic_lr_warmup_iters < 0:
         errors.append(f"--critic-lr-warmup-iters {cfg.optimizer.critic_lr_warmup_iters} must be >= 0")
-    if cfg.precision.train_backend != "megatron":
-        errors.append(f"--advantage-estimator ppo with --train-backend {cfg.precision.train_backend}: the critic is "
-                      "built for the megatron backend only, not yet for fsdp; use --train-backend megatron")
+    if cfg.precision.train_backend == "fsdp" and c.critic_load is not None:  # fsdp: backends/fsdp/critic.py
+        errors.append(f"--critic-load {c.critic_load} with --train-backend fsdp: the fsdp critic starts from HF "
+                      "weights only, not a torch_dist dir; convert it (tools/convert_ckpt.py dist-to-hf) and pass "
+                      "--critic-hf-checkpoint, or use --train-backend megatron")
     for flag, on in (("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size is not None),
                      ("--context-parallel-size > 1", p.context_parallel_size > 1),
                      ("--lora-rank", bool(cfg.lora.lora_rank)),

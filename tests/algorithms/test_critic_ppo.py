@@ -142,7 +142,8 @@ def _parse(tmp_path, *flags):
     (["--critic-hf-checkpoint", "/x"], "--critic-hf-checkpoint /x: no config.json there"),
     (["--critic-load", "/x", "--critic-hf-checkpoint", "/y"], "both give the critic's initial weights"),
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
-    (["--train-backend", "fsdp"], "--train-backend fsdp: the critic is built for the megatron backend only"),
+    (["--train-backend", "fsdp", "--critic-load", "/x"],
+     "--critic-load /x with --train-backend fsdp: .*convert it .*dist-to-hf.* --critic-hf-checkpoint"),
     (["--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--context-parallel-size > 1"),
     (["--lora-rank", "4"], "--lora-rank"),
     (["--use-rollout-logprobs"], "--use-rollout-logprobs"),
@@ -152,6 +153,14 @@ def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match=match):
         _parse(tmp_path, "--advantage-estimator", "ppo", *flags)
+
+
+def test_ppo_on_the_fsdp_backend_is_accepted(tmp_path, monkeypatch):
+    """The fsdp backend builds a critic too (backends/fsdp/critic.py), from HF weights."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _parse(tmp_path, "--advantage-estimator", "ppo", "--train-backend", "fsdp")
+    assert cfg.precision.train_backend == "fsdp" and cfg.algorithm.advantage_estimator == "ppo"
 
 
 @pytest.mark.parametrize("flags,match", [
