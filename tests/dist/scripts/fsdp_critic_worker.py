@@ -35,13 +35,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 EPOCHS = 2  # optimizer steps per batch (--num-steps-per-rollout-updates): the value clip engages in the second
 
 
-def critic_flags(hf_dir: str, world: int) -> list[str]:
-    """critic_worker.py's flags (keep in step with it)."""
+def base_flags(hf_dir: str, world: int) -> list[str]:
+    """critic_worker.py's flags (keep in step with it) without the critic's: a run without one."""
     return ["--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node", str(world), "--lr", "1e-2",
-            "--critic-lr", "5e-3", "--critic-lr-warmup-iters", "1", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "3", "--grad-clip", "1.0", "--seed", "7", "--adam-eps", "1e-4",
-            "--micro-batch-size", "1", "--num-rollout", "10", "--advantage-estimator", "ppo", "--gamma", "0.9",
-            "--lambd", "0.8", "--value-clip", "0.1", "--normalize-advantages", "--weight-decay", "0.1"]
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--grad-clip", "1.0", "--seed", "7",
+            "--adam-eps", "1e-4", "--micro-batch-size", "1", "--num-rollout", "10", "--normalize-advantages",
+            "--weight-decay", "0.1"]
+
+
+def critic_flags(hf_dir: str, world: int) -> list[str]:
+    """critic_worker.py's flags."""
+    return base_flags(hf_dir, world) + [
+        "--critic-lr", "5e-3", "--critic-lr-warmup-iters", "1", "--advantage-estimator", "ppo", "--gamma", "0.9",
+        "--lambd", "0.8", "--value-clip", "0.1"]
 
 
 def _build(name: str, argv: list[str]):
@@ -89,8 +95,7 @@ def _refusals(hf_dir: str, world: int, dirs: list[str], backend) -> dict:
     from megatron_rl.errors import CheckpointError
 
     no_critic_dir, critic_dir = dirs
-    flags = critic_flags(hf_dir, world)
-    plain, _ = _build("fsdp", flags[:flags.index("--advantage-estimator")])  # grpo: no critic
+    plain, _ = _build("fsdp", base_flags(hf_dir, world))  # grpo: no critic
     plain.save(no_critic_dir, {"rollout_id": 0})
     errors = {}
     for key, target, path in (("ppo_from_no_critic", backend, no_critic_dir),
