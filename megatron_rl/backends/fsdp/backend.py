@@ -31,6 +31,11 @@ parameters are copied to the device for its all-gather. On a GPU the process gro
 ``cpu:gloo,cuda:nccl`` then, because gradient clipping and the overflow check reduce
 host tensors (NCCL has no CPU backend: docs/peer-failures.md).
 
+PPO's critic (``--advantage-estimator ppo``): a second HF trunk with a value head, loaded by
+``load_hf_model`` and sharded by ``shard`` as the actor is, with its own optimizer, schedule and
+loss scaler (``critic.py``); ``compute_values`` runs it, ``train_step`` steps it when the batch
+carries returns (and skips the actor when ``train_actor`` is False).
+
 Checkpoints: torch.distributed.checkpoint (DCP) in the megatron backend's checkpoint root
 layout (``checkpoint.py``). Not built in this version (refused by ``config.validate`` before
 any worker starts): selective recompute, ``--optimizer-offload-fraction`` below 1,
