@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,12 @@ from megatron_rl.models import model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import checkpoint_tensors, hf_checkpoint_names, layer_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
+
+_Module = TypeVar("_Module", bound=torch.nn.Module)  # shard() hands back the module it was given
 
 
 def init_process_group(host_collectives: bool = False) -> None:
@@ -175,7 +180,7 @@ class FSDPBackend(TrainBackend):
         if cfg.algorithm.advantage_estimator == "ppo":
             self.critic = FSDPCritic(self, cfg)
 
-    def load_hf_model(self, path: str, lora: bool = False) -> torch.nn.Module:
+    def load_hf_model(self, path: str, lora: bool = False) -> "PreTrainedModel":
         """``AutoModelForCausalLM`` from the HF dir ``path`` on this rank's device, unsharded: float32 master
         weights (--bf16 only changes the compute dtype: ``MixedPrecisionPolicy``), no KV cache, with full
         recompute when asked; ``lora``: the actor's --lora-rank adapters injected. The actor and the critic's
@@ -195,7 +200,7 @@ class FSDPBackend(TrainBackend):
         model.to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         return model
 
-    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+    def shard(self, model: _Module) -> _Module:
         """``fully_shard`` every decoder layer of ``model`` and then its root on the backend's mesh, with its mixed
         precision and offload policy, and gradients summed over ranks (the module docstring)."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -406,12 +411,12 @@ class FSDPBackend(TrainBackend):
         self._offloaded = False
 
     def _move_state(self, device: torch.device) -> None:
-        trained = [(self.model, self.optimizer)]
+        trained: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = [(self.model, self.optimizer)]
         if self.critic is not None:
             trained.append((self.critic.model, self.critic.optimizer))
         for model, optimizer in trained:
             # FSDP2 re-registers its sharded parameters after .to()
-            model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
+            model.to(device)
             for state in optimizer.state.values():
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
