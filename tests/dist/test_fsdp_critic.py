@@ -2,7 +2,7 @@
 
 1. 1 rank: the reference (3 steps of 2 epochs each: critic only, then actor + critic twice), the megatron
    backend's critic on the same model, batch and flags, 2 steps + save and then load + the third step, and the
-   resumes that mismatch the critic.
+   resumes that mismatch the critic, and a critic from --critic-hf-checkpoint.
 2. 2 ranks: the same 3 steps at DP2, at DP2 with --optimizer-cpu-offload (FSDP2's CPUOffloadPolicy) and at DP2
    with --fp16 (the critic's own loss scaler).
 
@@ -12,7 +12,8 @@ FSDP critic's value head is bitwise the megatron critic's and its values equal t
 and through the 6 updates (measured max |FSDP - megatron| 3e-8 at step 0, 2.7e-7 after); in the critic-only step
 the actor's parameters and step count are unchanged and no train/* metric is reported; resume from the checkpoint
 (critic model, optimizer, schedule, step count inside the actor's DCP checkpoint) continues bitwise; a checkpoint
-without a critic does not resume into a ppo run, nor a critic's into a run without one (both named).
+without a critic does not resume into a ppo run, nor a critic's into a run without one (both named); a critic from
+--critic-hf-checkpoint of other weights equals a critic started from an actor with those weights.
 """
 
 import json
@@ -44,9 +45,14 @@ def runs(tmp_path_factory, tiny_hf_models):
     hf = tiny_hf_models("qwen2")
     out = tmp_path_factory.mktemp("fsdp_critic_out")
     save, plain = str(out / "root" / "iter_0000002"), str(out / "plain" / "iter_0000000")
+    other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
     torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="megatron", backend="megatron", steps=STEPS),
                          _job(tag="save", steps=STEPS[:2], save=save), _job(tag="resume", steps=STEPS[2:], load=save),
-                         _job(tag="refuse", refuse=[plain, save])], timeout=400)
+                         _job(tag="refuse", refuse=[plain, save]),
+                         # the critic's trunk from --critic-hf-checkpoint (other weights than the actor's) equals a
+                         # critic built from an actor that starts from those weights
+                         _job(tag="other_actor", hf=other), _job(tag="crit_hf", flags=["--critic-hf-checkpoint", other])],
+             timeout=400)
     torchrun(script, 2, [hf, str(out), _job(tag="dp", steps=STEPS),
                          _job(tag="dp_offload", steps=STEPS, flags=["--optimizer-cpu-offload"]),
                          _job(tag="dp_fp16", steps=STEPS, flags=["--fp16", "--initial-loss-scale", "1024"])],
@@ -130,6 +136,13 @@ def test_fsdp_critic_resumes_bitwise(runs):
         assert set(x) == set(y)
         for k in x:
             assert torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])), k
+
+
+def test_critic_trunk_from_critic_hf_checkpoint(runs):
+    ref, want, got = _rec(runs, "ref"), _rec(runs, "other_actor"), _rec(runs, "crit_hf")
+    assert want["values_start"] != ref["values_start"]  # other weights: other values
+    assert got["values_start"] == want["values_start"]  # bitwise: the same trunk, the same seeded head
+    assert got["logprobs_start"] == ref["logprobs_start"]  # the actor is still --hf-checkpoint's
 
 
 def test_a_resume_that_mismatches_the_critic_is_refused_by_name(runs):

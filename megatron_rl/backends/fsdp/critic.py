@@ -39,6 +39,7 @@ from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer,
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.loss_rows import padded_loss_rows
 from megatron_rl.data.packing import LossDenominators, PackedBatch
+from megatron_rl.errors import BackendError
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
@@ -99,7 +100,8 @@ class FSDPCritic:
         causal_lm = backend.load_hf_model(source)
         trunk = getattr(causal_lm, "model", None)
         if trunk is None:
-            raise ValueError(f"{type(causal_lm).__name__} has no decoder trunk (.model) to put a value head on")
+            raise BackendError(f"--advantage-estimator ppo with --train-backend fsdp: {type(causal_lm).__name__} has "
+                               "no decoder trunk (.model) to put a value head on; use --train-backend megatron")
         model = ValueModel(trunk, int(causal_lm.config.hidden_size), std=MEGATRON_INIT_METHOD_STD,
                            seed=cfg.runtime.seed)
         del causal_lm  # its LM head is never used

@@ -10,6 +10,7 @@ Each job (run in order in this process; a megatron job's parallel state is torn 
   load     checkpoint dir to load after building (optional)
   steps    a list of booleans, one per step: train the actor too (False: critic only)
   save     checkpoint dir to save after the steps (optional)
+  hf       the actor's --hf-checkpoint (default HF_DIR)
   refuse   [DIR_NO_CRITIC, DIR_CRITIC]: instead of steps, save a checkpoint of a run without a critic into the first
            dir, then record the errors of loading it into this (ppo) run and of loading the second (a critic's
            checkpoint) into a run without a critic
@@ -116,7 +117,7 @@ def run_job(hf_dir, out_dir, job):
 
     world = int(os.environ["WORLD_SIZE"])
     name = job.get("backend", "fsdp")
-    backend, spec = _build(name, critic_flags(hf_dir, world) + job.get("flags", []))
+    backend, spec = _build(name, critic_flags(job.get("hf", hf_dir), world) + job.get("flags", []))
     rank = dist.get_rank()
     rec = {"steps": [], "head_weight": _head_weight(backend, name)}
     if name == "megatron":
@@ -125,6 +126,7 @@ def run_job(hf_dir, out_dir, job):
         backend.load(job["load"])
     fixed = make_samples(backend.vocab_size, seed=999)
     rec["values_start"] = [t.tolist() for t in backend.compute_values(fixed)]
+    rec["logprobs_start"] = [t.tolist() for t in backend.forward_only(fixed)]
     for train_actor in job.get("steps", []):
         g = backend.critic.optimizer_steps // EPOCHS
         samples = make_samples(backend.vocab_size, seed=100 + g)
