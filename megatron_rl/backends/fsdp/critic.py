@@ -40,6 +40,7 @@ from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.loss_rows import padded_loss_rows
 from megatron_rl.data.packing import LossDenominators, PackedBatch
 from megatron_rl.errors import BackendError
+from megatron_rl.models import model_dir
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
@@ -88,8 +89,6 @@ class FSDPCritic:
     """The value model beside an ``FSDPBackend``'s actor (module docstring)."""
 
     def __init__(self, backend: "FSDPBackend", cfg: "Config") -> None:
-        from megatron_rl.models import model_dir  # lazy: checksums of the HF dir, a ppo run only
-
         self.backend = backend
         self.cfg = cfg
         hf_dir = cfg.checkpoint.critic_hf_checkpoint
