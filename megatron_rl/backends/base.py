@@ -496,8 +496,8 @@ class TrainBackend(DataParallelShare, abc.ABC):
                        owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         """The critic's no-grad response-aligned values of every sample (``forward``'s contract, the value
         model instead of the policy); a backend without a critic refuses."""
-        raise ConfigError(f"--advantage-estimator ppo needs a critic, which {type(self).__name__} does not build "
-                          "yet; use --train-backend megatron")
+        raise ConfigError(f"values need the critic that --advantage-estimator ppo builds; this {type(self).__name__} "
+                          "was initialised without one (another --advantage-estimator)")
 
     # ---- shared concretes -------------------------------------------------
 

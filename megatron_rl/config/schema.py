@@ -563,7 +563,8 @@ class CheckpointConfig:
                                       "model-only torch_dist dir (what convert_ckpt.py hf-to-dist writes; the value "
                                       "head starts fresh). A run's critic resumes from its --save checkpoints, "
                                       "which hold it beside the actor; slime's separate critic checkpoint dirs do "
-                                      "not load.", metavar="DIR")
+                                      "not load. --train-backend megatron only (fsdp: convert it to HF and pass "
+                                      "--critic-hf-checkpoint).", metavar="DIR")
     critic_save: Optional[str] = flag(None, "slime's separate critic save dir. Refused: the critic's model and "
                                       "optimizer go into each --save checkpoint, beside the actor's.", metavar="DIR")
 

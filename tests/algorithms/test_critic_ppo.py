@@ -151,13 +151,23 @@ def _parse(tmp_path, *flags):
     (["--critic-hf-checkpoint", "/x"], "--critic-hf-checkpoint /x: no config.json there"),
     (["--critic-load", "/x", "--critic-hf-checkpoint", "/y"], "both give the critic's initial weights"),
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
-    (["--train-backend", "fsdp"], "--train-backend fsdp: the critic is built for the megatron backend only"),
+    (["--train-backend", "fsdp", "--critic-load", "/x"],
+     "--critic-load /x with --train-backend fsdp: .*convert it .*dist-to-hf.* --critic-hf-checkpoint"),
+    (["--train-backend", "fsdp", "--lora-rank", "4"], "the fsdp critic is not built for LoRA yet"),
 ])
 def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match=match):
         _parse(tmp_path, "--advantage-estimator", "ppo", *flags)
+
+
+def test_ppo_on_the_fsdp_backend_is_accepted(tmp_path, monkeypatch):
+    """The fsdp backend builds a critic too (backends/fsdp/critic.py), from HF weights."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _parse(tmp_path, "--advantage-estimator", "ppo", "--train-backend", "fsdp")
+    assert cfg.precision.train_backend == "fsdp" and cfg.algorithm.advantage_estimator == "ppo"
 
 
 @pytest.mark.parametrize("flags,match", [

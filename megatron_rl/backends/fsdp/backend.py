@@ -31,6 +31,11 @@ parameters are copied to the device for its all-gather. On a GPU the process gro
 ``cpu:gloo,cuda:nccl`` then, because gradient clipping and the overflow check reduce
 host tensors (NCCL has no CPU backend: docs/peer-failures.md).
 
+PPO's critic (``--advantage-estimator ppo``): a second HF trunk with a value head, loaded by
+``load_hf_model`` and sharded by ``shard`` as the actor is, with its own optimizer, schedule and
+loss scaler (``critic.py``); ``compute_values`` runs it, ``train_step`` steps it when the batch
+carries returns (and skips the actor when ``train_actor`` is False).
+
 Checkpoints: torch.distributed.checkpoint (DCP) in the megatron backend's checkpoint root
 layout (``checkpoint.py``). Not built in this version (refused by ``config.validate`` before
 any worker starts): selective recompute, ``--optimizer-offload-fraction`` below 1,
@@ -40,10 +45,9 @@ any worker starts): selective recompute, ``--optimizer-offload-fraction`` below 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,13 +58,14 @@ from megatron_rl.models.peft_adapter import AdapterExport
 from megatron_rl.backends.base import TrainBackend, TrainBatch, WeightManager, bucketed, finish_step_metrics
 from megatron_rl.backends.fsdp import lora as fsdp_lora
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.backends.fsdp.critic import FSDPCritic
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
-from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, clip_grad_norm, param_groups
+from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, optimizer_step, param_groups
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.loss_rows import keep_rows, padded_loss_rows, select_hf_rows
 from megatron_rl.backends.sleep_tiers import plan_sleep
 from megatron_rl.config import Config
-from megatron_rl.data.packing import MicroBatchPlan, PackedBatch
+from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
 from megatron_rl.infra.ports import free_port
@@ -68,7 +73,12 @@ from megatron_rl.models import model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import checkpoint_tensors, hf_checkpoint_names, layer_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
+
+_Module = TypeVar("_Module", bound=torch.nn.Module)  # shard() hands back the module it was given
 
 
 def init_process_group(host_collectives: bool = False) -> None:
@@ -117,10 +127,8 @@ def attention_implementation(hf_dir: str) -> str:
 
 class FSDPBackend(TrainBackend):
     def initialize(self, cfg: Config, spec: Spec) -> None:
-        import transformers
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, \
-            fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         self.cfg, self.spec = cfg, spec
         self.cpu_offload = cfg.optimizer.optimizer_cpu_offload
@@ -146,39 +154,17 @@ class FSDPBackend(TrainBackend):
                               "checkpoints: convert it to HF (tools/convert_ckpt.py dist-to-hf) and pass "
                               "--hf-checkpoint")
         model_dir.check_hf_marker_once(hf, f"checking --hf-checkpoint {hf}")
-        # fp32 master weights; --bf16 only changes the compute dtype (MixedPrecisionPolicy)
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
-                                                                  attn_implementation=attention_implementation(hf))
-        HFCheckpoint(hf).refuse_non_finite_parameters(model)  # inf/NaN named here, not as NaN logits later
-        model.config.use_cache = False
-        lo = cfg.lora
-        # --lora-rank: PEFT's adapters in the HF model, the base frozen (backends/fsdp/lora.py)
-        self.lora_scaling: Optional[float] = float(lo.lora_alpha) / lo.lora_rank if lo.lora_rank else None
-        if lo.lora_rank:
-            fsdp_lora.attach(model, lo)  # in place
-        if cfg.memory.recompute_granularity == "full":
-            # megatron's full recompute at one layer per unit: every decoder layer's activations are
-            # recomputed in the backward (transformers' per-layer checkpointing; validation refuses the rest)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         self.params_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                              "float32": torch.float32}[cfg.precision.params_dtype]
         mp = MixedPrecisionPolicy(param_dtype=self.params_dtype, reduce_dtype=torch.float32) \
             if self.params_dtype != torch.float32 else MixedPrecisionPolicy()
         # pinned host memory makes the copies asynchronous; there is no device to pin for on CPU
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
-        # reshard after every forward, the root too (its default keeps embeddings and head gathered
-        # for the backward): a forward-only pass must leave only shards behind, which the weight
-        # tags and export read
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                # sum over DP: the loss is already globally normalised. A plain SUM collective (gloo
-                # has no PREMUL_SUM, the op a custom divide factor otherwise becomes)
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)
+        self._fsdp_kwargs: dict[str, Any] = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        lo = cfg.lora
+        # --lora-rank: PEFT's adapters in the HF model, the base frozen (backends/fsdp/lora.py)
+        self.lora_scaling: Optional[float] = float(lo.lora_alpha) / lo.lora_rank if lo.lora_rank else None
+        model = self.shard(self.load_hf_model(hf, lora=True))
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.pad_token_id = 0
@@ -190,6 +176,48 @@ class FSDPBackend(TrainBackend):
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_precision(cfg.precision) \
             if cfg.precision.fp16 else None
         self._offloaded = False
+        self.critic: Optional[FSDPCritic] = None  # ppo's value model (critic.py), sharded as the actor
+        if cfg.algorithm.advantage_estimator == "ppo":
+            self.critic = FSDPCritic(self, cfg)
+
+    def load_hf_model(self, path: str, lora: bool = False) -> "PreTrainedModel":
+        """``AutoModelForCausalLM`` from the HF dir ``path`` on this rank's device, unsharded: float32 master
+        weights (--bf16 only changes the compute dtype: ``MixedPrecisionPolicy``), no KV cache, with full
+        recompute when asked; ``lora``: the actor's --lora-rank adapters injected. The actor and the critic's
+        trunk are loaded alike."""
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                  attn_implementation=attention_implementation(path))
+        HFCheckpoint(path).refuse_non_finite_parameters(model)  # inf/NaN named here, not as NaN logits later
+        model.config.use_cache = False
+        if lora and self.cfg.lora.lora_rank:
+            fsdp_lora.attach(model, self.cfg.lora)  # in place
+        if self.cfg.memory.recompute_granularity == "full":
+            # megatron's full recompute at one layer per unit: every decoder layer's activations are
+            # recomputed in the backward (transformers' per-layer checkpointing; validation refuses the rest)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
+        return model
+
+    def shard(self, model: _Module) -> _Module:
+        """``fully_shard`` every decoder layer of ``model`` and then its root on the backend's mesh, with its mixed
+        precision and offload policy, and gradients summed over ranks (the module docstring)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        # reshard after every forward, the root too (its default keeps embeddings and head gathered
+        # for the backward): a forward-only pass must leave only shards behind, which the weight
+        # tags and export read
+        for layer in decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=True, **self._fsdp_kwargs)
+        fully_shard(model, reshard_after_forward=True, **self._fsdp_kwargs)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                # sum over DP: the loss is already globally normalised. A plain SUM collective (gloo
+                # has no PREMUL_SUM, the op a custom divide factor otherwise becomes)
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        return model
 
     # ---- helpers -------------------------------------------------------------
 
@@ -236,10 +264,28 @@ class FSDPBackend(TrainBackend):
                 local.update(zip(mb.sample_indices.tolist(), mb.split_response(lp)))
         return self.gather_per_sample(local, samples, plan, owned_only)
 
+    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
+                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """The critic's values over the same packed micro-batches as the old-log-prob pass (``critic.py``)."""
+        if self.critic is None:
+            return super().compute_values(samples, plan, owned_only)
+        plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
+        return self.gather_per_sample(self.critic.values(mbs), samples, plan, owned_only)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(batch.samples, batch)
         assert denoms is not None, "preprocess_rollout_data computes the loss denominators when given a batch"
+        metrics = self._train_actor(plan, mbs, denoms, t0) if batch.train_actor else {}
+        if batch.returns is not None:  # ppo: one critic step beside the actor's
+            if self.critic is None:
+                raise BackendError("train_step got critic returns but this backend built no critic "
+                                   "(--advantage-estimator ppo builds one)")
+            metrics.update(self.critic.train_step(mbs, denoms, self.spec))
+        return metrics
+
+    def _train_actor(self, plan: MicroBatchPlan, mbs: list[PackedBatch], denoms: LossDenominators,
+                     t0: float) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
@@ -253,28 +299,13 @@ class FSDPBackend(TrainBackend):
             loss.backward()
             parts.append(metrics)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        overflow = False
-        if self.loss_scaler is not None:  # megatron's order: unscale + overflow check, scale update, then clip
-            loss_scale = self.loss_scaler.scale
-            overflow = self.loss_scaler.unscale_and_check(
-                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None))
-            self.loss_scaler.update(overflow)
-        grad_norm = math.nan if overflow else clip_grad_norm(params, self.cfg.optimizer.grad_clip)
-        update_ok = not overflow and math.isfinite(grad_norm)
-        if update_ok:
-            self.optimizer.step()
-            self.scheduler.step()
+        step = optimizer_step(params, self.optimizer, self.scheduler, self.loss_scaler, self.cfg.optimizer.grad_clip,
+                              "actor")
+        if step.update_ok:
             self.optimizer_steps += 1
-        elif overflow:
-            assert self.loss_scaler is not None, "only the loss scaler reports an overflow"
-            log.warning("fp16 gradients overflowed at loss scale %g: optimizer step skipped, scale now %g",
-                        loss_scale, self.loss_scaler.scale)
-        else:
-            log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
         step_metrics = {f"train/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}
-        return finish_step_metrics(step_metrics, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
-                                   update_ok=update_ok, loss_scale=loss_scale if self.loss_scaler else None,
+        return finish_step_metrics(step_metrics, grad_norm=step.grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+                                   update_ok=step.update_ok, loss_scale=step.loss_scale,
                                    micro_batches=plan.num_micro_batches, started=t0)
 
     def export_weights(self, bucket_bytes: int, *, stage_only: bool = False,
@@ -361,8 +392,8 @@ class FSDPBackend(TrainBackend):
 
     def sleep(self) -> None:
         """Free accelerator memory for a colocated engine: sharded parameters, gradients and
-        optimizer state move to host memory. CPU: nothing to free, a no-op (as megatron's);
-        with --optimizer-cpu-offload they live in host memory already, only the cache is freed.
+        optimizer state (the actor's and ppo's critic's) move to host memory. CPU: nothing to free, a no-op (as
+        megatron's); with --optimizer-cpu-offload they live in host memory already, only the cache is freed.
         The GPU path is written but not tested in this version (no GPU in CI)."""
         if not torch.cuda.is_available() or self._offloaded:
             return
@@ -380,11 +411,15 @@ class FSDPBackend(TrainBackend):
         self._offloaded = False
 
     def _move_state(self, device: torch.device) -> None:
-        # FSDP2 re-registers its sharded parameters after .to()
-        self.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    state[k] = v.to(device, non_blocking=True)
+        trained: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = [(self.model, self.optimizer)]
+        if self.critic is not None:
+            trained.append((self.critic.model, self.critic.optimizer))
+        for model, optimizer in trained:
+            # FSDP2 re-registers its sharded parameters after .to()
+            model.to(device)
+            for state in optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        state[k] = v.to(device, non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize()

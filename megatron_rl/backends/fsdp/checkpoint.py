@@ -6,6 +6,9 @@ it, as for megatron) holds:
 * the ``torch.distributed.checkpoint`` files (``.metadata`` + ``__R_0.distcp`` ...) of
   ``{"model", "optimizer"}`` from ``get_state_dict`` (sharded DTensors: every rank writes
   its own shards) plus ``scheduler`` and ``optimizer_steps``;
+* with ``--advantage-estimator ppo`` the critic's (``critic.py``) model, optimizer, scheduler, step count (and
+  loss scaler) under the same names prefixed ``critic_``; ``COMPLETE.json`` records ``"critic": true`` and a
+  resume into a run with / without a critic that the checkpoint lacks / holds is refused by name;
 * ``rng/rank_NNNNN.pt``: each rank's python / numpy / torch (/ CUDA) RNG states;
 * ``extra_state.json`` (the caller's JSON dict: rollout id, data iterator) and
   ``hf_config/`` (config + tokenizer of ``--hf-checkpoint``);
@@ -74,18 +77,35 @@ collect_rng_state, restore_rng_state = host_rng_state, restore_host_rng_state  #
 
 
 GRAD_SCALER_KEY = "grad_scaler"  # --fp16 runs: the loss scaler's state (scale, growth and hysteresis trackers)
+#: ppo's critic (critic.py): its keys beside the actor's. None starts with ``DCP_MODEL_KEY + "."``, so the
+#: converter (convert/fsdp_to_hf.py) reads the actor's model only.
+CRITIC_PREFIX = "critic_"
+
+
+def _has_critic(backend) -> bool:
+    return getattr(backend, "critic", None) is not None
+
+
+def _trained(backend) -> list[tuple[str, Any]]:
+    """(key prefix, owner of ``model`` / ``optimizer`` / ``scheduler`` / ``optimizer_steps`` / ``loss_scaler``):
+    the actor (the backend itself) and ppo's critic."""
+    return [("", backend)] + ([(CRITIC_PREFIX, backend.critic)] if _has_critic(backend) else [])
 
 
 def _state(backend, with_scaler: bool = True) -> dict[str, Any]:
     """The DCP state dict: sharded model + optimizer (FQN-keyed), scheduler, step count and,
-    with --fp16, the loss scaler (megatron saves its grad scaler with the optimizer too)."""
+    with --fp16, the loss scaler (megatron saves its grad scaler with the optimizer too); ppo's critic's
+    the same under ``CRITIC_PREFIX`` keys (``critic_model``, ``critic_optimizer``, ...)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(backend.model, backend.optimizer)
-    state = {DCP_MODEL_KEY: model_sd, "optimizer": optim_sd, "scheduler": backend.scheduler.state_dict(),
-             "optimizer_steps": int(backend.optimizer_steps)}
-    if with_scaler and getattr(backend, "loss_scaler", None) is not None:
-        state[GRAD_SCALER_KEY] = backend.loss_scaler.state_dict()
+    state: dict[str, Any] = {}
+    for prefix, owner in _trained(backend):
+        model_sd, optim_sd = get_state_dict(owner.model, owner.optimizer)
+        state.update({prefix + DCP_MODEL_KEY: model_sd, prefix + "optimizer": optim_sd,
+                      prefix + "scheduler": owner.scheduler.state_dict(),
+                      prefix + "optimizer_steps": int(owner.optimizer_steps)})
+        if with_scaler and getattr(owner, "loss_scaler", None) is not None:
+            state[prefix + GRAD_SCALER_KEY] = owner.loss_scaler.state_dict()
     return state
 
 
@@ -95,6 +115,16 @@ def _has_scaler_state(path: str) -> bool:
 
     keys = FileSystemReader(path).read_metadata().state_dict_metadata
     return any(k == GRAD_SCALER_KEY or k.startswith(GRAD_SCALER_KEY + ".") for k in keys)
+
+
+def refuse_other_critic(path: str, meta: dict, backend) -> None:
+    """A checkpoint with a critic into a run without one, or the reverse: half the trained state would be missing
+    or left behind (the megatron backend refuses alike)."""
+    if bool(meta.get("critic", False)) == _has_critic(backend):
+        return
+    holds = "holds a critic (--advantage-estimator ppo)" if meta.get("critic") else "holds no critic"
+    raise CheckpointError(f"checkpoint {path} {holds} but this run {'trains one' if _has_critic(backend) else 'does not'}"
+                          ": resume with the --advantage-estimator it was saved with")
 
 
 def save_checkpoint(backend, path: str, extra_state: dict) -> None:
@@ -118,7 +148,8 @@ def save_checkpoint(backend, path: str, extra_state: dict) -> None:
         atomic_write_json(os.path.join(tmp, EXTRA_STATE_NAME), extra_json)
         copy_aux_files(backend.cfg.model.hf_checkpoint, os.path.join(tmp, HF_CONFIG_SUBDIR))
         return {"format": FORMAT, "torch": torch.__version__, "optimizer_steps": int(backend.optimizer_steps),
-                "layout": layout_record(backend), "model": model_fingerprint(backend), "lora": lora_record(backend)}
+                "layout": layout_record(backend), "model": model_fingerprint(backend), "lora": lora_record(backend),
+                "critic": _has_critic(backend)}
 
     # dcp.save agrees on every rank's write (its coordinator gathers the results and broadcasts the outcome);
     # the RNG file is each rank's own, agreed by publish_collectively
@@ -151,6 +182,7 @@ def load_checkpoint(backend, path: str) -> dict:
                     unexpected=CorruptCheckpoint)
     refuse_other_model(path, meta.get("model", {}), model_fingerprint(backend))
     refuse_other_lora(path, meta, backend)
+    refuse_other_critic(path, meta, backend)
     same_layout = meta.get("layout") == layout_record(backend)
     if not same_layout and rank() == 0:
         log.warning("checkpoint %s was saved at %s, loading at %s: model and optimizer are resharded; RNG states "
@@ -168,14 +200,17 @@ def load_checkpoint(backend, path: str) -> dict:
             raise
         raise CorruptCheckpoint(f"loading checkpoint {path} failed ({type(e).__name__}: {str(e)[:300]}); the "
                                 f"files are corrupt or were written for another model/optimizer; {_ANOTHER}") from e
-    refuse_non_finite(path, state["model"].items())  # before anything is applied: a fallback finds the model as it was
-    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    backend.scheduler.load_state_dict(state["scheduler"])
-    backend.optimizer_steps = int(state["optimizer_steps"])
-    if with_scaler:
-        assert scaler is not None, "with_scaler is set only for a backend that has a loss scaler"
-        scaler.load_state_dict(state[GRAD_SCALER_KEY])
+    # before anything is applied: a fallback finds the models as they were
+    refuse_non_finite(path, ((f"{prefix}{name}", t) for prefix, _ in _trained(backend)
+                             for name, t in state[prefix + DCP_MODEL_KEY].items()))
+    for prefix, owner in _trained(backend):
+        set_state_dict(owner.model, owner.optimizer, model_state_dict=state[prefix + DCP_MODEL_KEY],
+                       optim_state_dict=state[prefix + "optimizer"])
+        owner.scheduler.load_state_dict(state[prefix + "scheduler"])
+        owner.optimizer_steps = int(state[prefix + "optimizer_steps"])
+        if with_scaler:
+            assert owner.loss_scaler is not None, "with_scaler is set only for a backend that has a loss scaler"
+            owner.loss_scaler.load_state_dict(state[prefix + GRAD_SCALER_KEY])
     if same_layout:
         restore_rng_state(torch.load(_rng_path(path, rank()), weights_only=False))
     with open(os.path.join(path, EXTRA_STATE_NAME)) as f:

@@ -19,10 +19,16 @@ What megatron-core does, and this copies:
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
+
+from megatron_rl.backends.fsdp.loss_scale import LossScaler
+
+log = logging.getLogger(__name__)
 
 SGD_MOMENTUM = 0.9  # megatron-core OptimizerConfig.sgd_momentum default
 
@@ -70,10 +76,18 @@ class MegatronLRSchedule:
     def from_config(cls, optimizer: torch.optim.Optimizer, cfg) -> "MegatronLRSchedule":
         """The same arguments ``MegatronBackend.initialize`` gives megatron's scheduler."""
         opt = cfg.optimizer
-        total = max(1, cfg.rollout.num_rollout * cfg.batching.optimizer_steps_per_rollout
-                    * cfg.algorithm.num_steps_per_rollout_updates)
         return cls(optimizer, max_lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.lr_warmup_iters,
-                   decay_steps=opt.lr_decay_iters or total, decay_style=opt.lr_decay_style,
+                   decay_steps=opt.lr_decay_iters or _total_steps(cfg), decay_style=opt.lr_decay_style,
+                   weight_decay=opt.weight_decay)
+
+    @classmethod
+    def for_critic(cls, optimizer: torch.optim.Optimizer, cfg) -> "MegatronLRSchedule":
+        """PPO's critic: the arguments ``MegatronCritic`` gives megatron's scheduler (``--critic-lr``, default
+        ``--lr``; ``--critic-lr-warmup-iters``; ``--min-lr`` capped at that peak; the actor's decay)."""
+        opt = cfg.optimizer
+        lr = opt.critic_lr if opt.critic_lr is not None else opt.lr
+        return cls(optimizer, max_lr=lr, min_lr=min(opt.min_lr, lr), warmup_steps=opt.critic_lr_warmup_iters,
+                   decay_steps=opt.lr_decay_iters or _total_steps(cfg), decay_style=opt.lr_decay_style,
                    weight_decay=opt.weight_decay)
 
     def lr(self, num_steps: int) -> float:
@@ -108,6 +122,13 @@ class MegatronLRSchedule:
         self._apply()
 
 
+def _total_steps(cfg) -> int:
+    """The run's optimizer steps (the decay length when ``--lr-decay-iters`` is unset), as the megatron backend
+    counts them."""
+    return max(1, cfg.rollout.num_rollout * cfg.batching.optimizer_steps_per_rollout
+               * cfg.algorithm.num_steps_per_rollout_updates)
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """L2 norm of all gradients (sharded DTensors reduced over their mesh); scale them by
     ``max_norm / (norm + 1e-6)`` when that is below 1 (megatron's rule). Returns the norm
@@ -126,3 +147,40 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
                 for g in grads:
                     g.mul_(coef)
     return total
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one ``optimizer_step`` did: ``loss_scale`` is the scale this step's loss was multiplied by (--fp16)."""
+
+    update_ok: bool
+    grad_norm: float
+    loss_scale: Optional[float]
+
+
+def optimizer_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler: MegatronLRSchedule,
+                   loss_scaler: Optional[LossScaler], grad_clip: float, model_name: str) -> StepOutcome:
+    """The step after the backward, in megatron's order: unscale + overflow check (--fp16), scale update, clip,
+    then the optimizer and schedule step unless the gradients overflowed or their norm is not finite (skipped on
+    every rank alike: the flag and the norm are reduced). Gradients are zeroed after. The actor and PPO's critic
+    step alike, each with its own optimizer, schedule and scaler; ``model_name`` names it in the warnings."""
+    overflow = False
+    loss_scale = None
+    if loss_scaler is not None:
+        loss_scale = loss_scaler.scale
+        overflow = loss_scaler.unscale_and_check(
+            (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None))
+        loss_scaler.update(overflow)
+    grad_norm = math.nan if overflow else clip_grad_norm(params, grad_clip)
+    update_ok = not overflow and math.isfinite(grad_norm)
+    if update_ok:
+        optimizer.step()
+        scheduler.step()
+    elif overflow:
+        assert loss_scaler is not None, "only the loss scaler reports an overflow"
+        log.warning("%s: fp16 gradients overflowed at loss scale %g: optimizer step skipped, scale now %g",
+                    model_name, loss_scale, loss_scaler.scale)
+    else:
+        log.warning("%s: non-finite gradient norm (%s): optimizer step skipped", model_name, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(update_ok, grad_norm, loss_scale)
