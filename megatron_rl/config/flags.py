@@ -108,16 +108,21 @@ def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]
     return rest, passed
 
 
-def _load_yaml(path: str) -> dict[str, Any]:
-    import yaml
+def _read_yaml(path: str, flag: str) -> Any:
+    """``path``'s YAML document (``{}`` when empty); a missing file or bad YAML is an error naming ``flag``."""
+    import yaml  # lazy: only a run given a YAML file reads one
 
     if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: no such file")
+        raise ConfigError(f"{flag} {path}: no such file")
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+            return yaml.safe_load(fh) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
+        raise ConfigError(f"{flag} {path}: not valid YAML ({exc})") from None
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    data = _read_yaml(path, "--config")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values at the top level")
     return data
@@ -168,16 +173,8 @@ CRITIC_ROLE_KEYS: dict[str, tuple[str, str]] = {
 def _role_overrides(path: str) -> dict[str, Any]:
     """``--megatron-config-path``: the parser dests its role entries set (slime's
     ``parse_megatron_role_args``: at most one entry per role, ``overrides`` or ``args`` a mapping)."""
-    import yaml  # lazy: only a run with a role config reads YAML
-
     flag_ = "--megatron-config-path"
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag_} {path}: no such file")
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{flag_} {path}: not valid YAML ({exc})") from None
+    data = _read_yaml(path, flag_)
     entries = data.get("megatron") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ConfigError(f"{flag_} {path}: expected a top-level 'megatron' list, e.g. "

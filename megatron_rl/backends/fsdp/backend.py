@@ -60,7 +60,7 @@ from megatron_rl.backends.fsdp import lora as fsdp_lora
 from megatron_rl.backends.fsdp.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.fsdp.critic import FSDPCritic
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
-from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, optimizer_step, param_groups
+from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, param_groups, train_on_micro_batches
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.loss_rows import keep_rows, padded_loss_rows, select_hf_rows
 from megatron_rl.backends.sleep_tiers import plan_sleep
@@ -286,21 +286,13 @@ class FSDPBackend(TrainBackend):
 
     def _train_actor(self, plan: MicroBatchPlan, mbs: list[PackedBatch], denoms: LossDenominators,
                      t0: float) -> dict[str, float]:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = []
-        for mb in mbs:
+        def loss_of(mb: PackedBatch):
             out = self._model_output(mb)
             mb = mb.to(self.device)
-            loss, metrics = self.spec.compute_loss(LossInputs.from_packed_batch(mb, out.logprobs, out.entropy),
-                                                   denoms)
-            if self.loss_scaler is not None:
-                loss = loss * self.loss_scaler.scale
-            loss.backward()
-            parts.append(metrics)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        step = optimizer_step(params, self.optimizer, self.scheduler, self.loss_scaler, self.cfg.optimizer.grad_clip,
-                              "actor")
+            return self.spec.compute_loss(LossInputs.from_packed_batch(mb, out.logprobs, out.entropy), denoms)
+
+        step, parts = train_on_micro_batches(self.model, self.optimizer, self.scheduler, self.loss_scaler,
+                                             self.cfg.optimizer.grad_clip, "actor", mbs, loss_of)
         if step.update_ok:
             self.optimizer_steps += 1
         step_metrics = {f"train/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}

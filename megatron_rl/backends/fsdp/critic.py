@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import reduce_metrics
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
-from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, optimizer_step, param_groups
+from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, param_groups, train_on_micro_batches
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.loss_rows import padded_loss_rows
 from megatron_rl.data.packing import LossDenominators, PackedBatch
@@ -138,22 +138,15 @@ class FSDPCritic:
         """One critic optimizer step over this rank's micro-batches; ``critic/*`` metrics (docs/metrics.md), the
         megatron critic's keys."""
         t0 = time.perf_counter()
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = []
-        for mb in micro_batches:
+        def loss_of(mb: PackedBatch):
             values = self._values(mb)
             mb = mb.to(self.backend.device)
             assert mb.old_values is not None and mb.returns is not None, "packed with the critic's fields"
-            loss, metrics = spec.compute_value_loss(values, mb.old_values, mb.returns, mb.loss_mask,
-                                                    mb.response_lengths, denoms)
-            if self.loss_scaler is not None:
-                loss = loss * self.loss_scaler.scale
-            loss.backward()
-            parts.append(metrics)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        step = optimizer_step(params, self.optimizer, self.scheduler, self.loss_scaler, self.cfg.optimizer.grad_clip,
-                              "critic")
+            return spec.compute_value_loss(values, mb.old_values, mb.returns, mb.loss_mask, mb.response_lengths,
+                                           denoms)
+
+        step, parts = train_on_micro_batches(self.model, self.optimizer, self.scheduler, self.loss_scaler,
+                                             self.cfg.optimizer.grad_clip, "critic", micro_batches, loss_of)
         if step.update_ok:
             self.optimizer_steps += 1
         out = {f"critic/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -184,3 +184,23 @@ def optimizer_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Opti
         log.warning("%s: non-finite gradient norm (%s): optimizer step skipped", model_name, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return StepOutcome(update_ok, grad_norm, loss_scale)
+
+
+def train_on_micro_batches(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: MegatronLRSchedule,
+                           loss_scaler: Optional[LossScaler], grad_clip: float, model_name: str,
+                           micro_batches: Sequence, loss_of: Callable) -> tuple[StepOutcome, list]:
+    """One optimizer step of ``model`` (the actor or PPO's critic) over this rank's micro-batches: each
+    ``loss_of(mb) -> (loss, metrics)`` is scaled (--fp16) and backpropagated into ``.grad`` (the losses are
+    globally normalised sums, so gradients accumulate by summing), then :func:`optimizer_step`. Returns its
+    outcome and each micro-batch's metrics."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    parts = []
+    for mb in micro_batches:
+        loss, metrics = loss_of(mb)
+        if loss_scaler is not None:
+            loss = loss * loss_scaler.scale
+        loss.backward()
+        parts.append(metrics)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_step(params, optimizer, scheduler, loss_scaler, grad_clip, model_name), parts
