@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "routing_replay",
-          "lora")
+          "lora", "ppo_critic")
 # a Qwen2-shaped model that fits one H200 many times over: the vocab is Qwen's (the [tokens, vocab] logits are
 # what RL steps spend memory on), the body is small so the check takes seconds
 GPU_MODEL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -353,6 +353,43 @@ def check_fsdp(hf, batch, dry):
     if out["bf16"]["peak_gib"] is not None:
         out["offload_peak_ratio"] = out["bf16_cpu_offload"]["peak_gib"] / out["bf16"]["peak_gib"]
     out["fp16_steps_taken"] = sum(1 for m in out["fp16"]["steps"] if m["train/update_skipped"] == 0.0)
+    return out
+
+
+def check_ppo_critic(hf, batch, dry):
+    """--advantage-estimator ppo in bf16 on each backend: the critic's values over the batch, GAE, then actor +
+    critic steps (their time, peak memory, finite losses and gradient norms) and a sleep/wake that moves the
+    critic's state with the actor's (megatron). The first time the critics meet CUDA."""
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.backends.base import TrainBatch
+
+    out = {}
+    for name in ("megatron", "fsdp"):
+        run = Run(name, hf, batch, ["--bf16", "--advantage-estimator", "ppo"])
+        try:
+            spec = PolicyGradientSpec(PolicyGradientConfig(advantage_estimator="ppo", normalize_advantages=True))
+            old = run.backend.forward_only(run.samples)
+            values = run.backend.compute_values(run.samples)
+            adv, returns = spec.compute_advantages_and_returns(run.samples, old_logprobs=old, values=values)
+            tb = TrainBatch(run.samples, adv, old_logprobs=old, old_values=values, returns=returns)
+            run.backend.train_step(tb)  # warm-up
+            _reset_peak()
+            _sync()
+            t0 = time.perf_counter()
+            steps = [run.backend.train_step(tb) for _ in range(batch["steps"])]
+            _sync()
+            dt = (time.perf_counter() - t0) / batch["steps"]
+            keys = ("train/pg_loss", "train/grad_norm", "critic/value_loss", "critic/grad_norm",
+                    "critic/update_skipped")
+            out[name] = {"step_s": dt, "tokens_per_s": run.tokens / dt, **_mem(),
+                         "values_finite": all(bool(torch.isfinite(v).all()) for v in values),
+                         "steps": [{k: m[k] for k in keys if k in m} for m in steps],
+                         "all_finite": all(math.isfinite(m[k]) for m in steps for k in keys if k in m)}
+            if name == "megatron":
+                out[name]["sleep_wake"] = _sleep_wake(run)
+        finally:
+            run.close()
     return out
 
 

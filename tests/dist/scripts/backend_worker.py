@@ -31,6 +31,39 @@ def make_samples(vocab: int, n: int = 6, seed: int = 0):
     return samples
 
 
+def ppo_epochs(backend, spec, samples, epochs: int, train_actor: bool):
+    """One PPO step as the runner takes it (runner/step.py): old log-probs, the critic's values, the estimator's
+    advantages and returns, then ``epochs`` train_steps on them (actor + critic, or the critic only).
+    Returns (values, returns, each epoch's metrics without their wall times)."""
+    from megatron_rl.backends.base import TrainBatch
+
+    old = backend.forward_only(samples)
+    values = backend.compute_values(samples)
+    adv, returns = spec.compute_advantages_and_returns(samples, old_logprobs=old, values=values)
+    metrics = []
+    for _ in range(epochs):  # PPO epochs over the batch: the clip engages from the second one
+        m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, old_values=values, returns=returns,
+                                          train_actor=train_actor))
+        m.pop("train/step_time_s", None)
+        m.pop("critic/step_time_s", None)
+        metrics.append(m)
+    return values, returns, metrics
+
+
+def exit_after_gloo_teardown() -> None:
+    """End a launch whose results are written: barrier, destroy the group, flush, ``os._exit(0)``. Why not a
+    normal exit: a rank can abort at interpreter exit ("terminate called without an active exception",
+    SIGABRT) after its work was done, when a gloo worker thread that drops the last reference to a finished
+    collective's tensors takes the GIL in finalization (a known gloo teardown race of torch)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def mtp_after_training(backend, hf_dir, out_dir, layout):
     """--mtp-num-layers: after the training steps the full export (collective) still holds the checkpoint's MTP
     tensors bit for bit (frozen), its MTP copies of the embedding / head equal the trained main ones, and no MTP

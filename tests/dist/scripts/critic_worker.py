@@ -35,10 +35,9 @@ EPOCHS = 2  # optimizer steps per batch, with the batch's old values and returns
 def run_job(hf_dir, out_dir, job):
     import torch.distributed as dist
 
-    from backend_worker import make_samples
+    from backend_worker import make_samples, ppo_epochs
     from ckpt_worker import optimizer_dump
     from megatron_rl.algorithms.from_config import spec_from_config
-    from megatron_rl.backends.base import TrainBatch
     from megatron_rl.backends.megatron.backend import MegatronBackend
     from megatron_rl.config import parse_config
     from megatron_rl.models.parallel import destroy_parallel
@@ -69,19 +68,10 @@ def run_job(hf_dir, out_dir, job):
         epochs_per_batch = job.get("epochs", EPOCHS)
         g = backend.critic.optimizer_steps // epochs_per_batch
         samples = make_samples(backend.vocab_size, seed=100 + g)
-        old = backend.forward_only(samples)
-        values = backend.compute_values(samples)
-        adv, returns = spec.compute_advantages_and_returns(samples, old_logprobs=old, values=values)
         before = [p.detach().clone() for c in backend.chunks for p in c.parameters()]
         frozen = [p for c in backend.critic.chunks for p in c.parameters() if not p.requires_grad]
         frozen_before = [p.detach().clone() for p in frozen]
-        epochs = []
-        for _ in range(epochs_per_batch):  # PPO epochs over the batch: the clip engages from the second one
-            m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, old_values=values, returns=returns,
-                                              train_actor=train_actor))
-            m.pop("train/step_time_s", None)
-            m.pop("critic/step_time_s", None)
-            epochs.append(m)
+        values, returns, epochs = ppo_epochs(backend, spec, samples, epochs_per_batch, train_actor)
         after = [p.detach() for c in backend.chunks for p in c.parameters()]
         same = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(before, after))),
                              float(all(torch.equal(a, b.detach()) for a, b in zip(frozen_before, frozen)))])

@@ -112,8 +112,7 @@ def _refusals(hf_dir: str, world: int, dirs: list[str], backend) -> dict:
 def run_job(hf_dir, out_dir, job):
     import torch.distributed as dist
 
-    from backend_worker import make_samples
-    from megatron_rl.backends.base import TrainBatch
+    from backend_worker import make_samples, ppo_epochs
 
     world = int(os.environ["WORLD_SIZE"])
     name = job.get("backend", "fsdp")
@@ -130,17 +129,8 @@ def run_job(hf_dir, out_dir, job):
     for train_actor in job.get("steps", []):
         g = backend.critic.optimizer_steps // EPOCHS
         samples = make_samples(backend.vocab_size, seed=100 + g)
-        old = backend.forward_only(samples)
-        values = backend.compute_values(samples)
-        adv, returns = spec.compute_advantages_and_returns(samples, old_logprobs=old, values=values)
         before, actor_steps = _actor_params(backend, name), backend.optimizer_steps
-        epochs = []
-        for _ in range(EPOCHS):  # PPO epochs over the batch: the clip engages from the second one
-            m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, old_values=values, returns=returns,
-                                              train_actor=train_actor))
-            m.pop("train/step_time_s", None)
-            m.pop("critic/step_time_s", None)
-            epochs.append(m)
+        values, _, epochs = ppo_epochs(backend, spec, samples, EPOCHS, train_actor)
         after = _actor_params(backend, name)
         same = torch.tensor([float(backend.optimizer_steps == actor_steps
                                    and all(torch.equal(a, b) for a, b in zip(before, after)))])
@@ -168,17 +158,12 @@ def run_job(hf_dir, out_dir, job):
 
 
 def main():
-    import torch.distributed as dist
+    from backend_worker import exit_after_gloo_teardown
 
     hf_dir, out_dir, jobs = sys.argv[1], sys.argv[2], [json.loads(j) for j in sys.argv[3:]]
     for job in jobs:
         run_job(hf_dir, out_dir, job)
-    # as fsdp_worker.py ends (a gloo teardown race at interpreter exit): everything is written and synchronised
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_gloo_teardown()  # everything is written and synchronised
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from backend_worker import make_samples  # noqa: E402  (the megatron layout test's batch)
+from backend_worker import exit_after_gloo_teardown, make_samples  # noqa: E402  (the megatron layout test's batch)
 
 
 def flags_of(hf_dir: str, world: int, flags: list[str]) -> list[str]:
@@ -156,16 +156,9 @@ def main():
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
-    # every rank waits for rank 0's results, then ends without the interpreter's finalization: two CI runs saw a
-    # rank abort at exit ("terminate called without an active exception", SIGABRT) after its work was done. A gloo
-    # worker thread that drops the last reference to a finished collective's tensors takes the GIL to free their
-    # Python objects; in finalization that thread is ended mid-destructor (a known gloo teardown race of torch).
-    # Everything this launch checks is written and synchronised before this point.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # every rank waits for rank 0's results, then ends without the interpreter's finalization (two CI runs saw a
+    # rank abort at exit after its work was done: backend_worker.exit_after_gloo_teardown)
+    exit_after_gloo_teardown()
 
 
 if __name__ == "__main__":
