@@ -19,10 +19,15 @@ def test_gpu_steps_dry_run(tmp_path):
     out = tmp_path / "gpu_steps.json"
     torchrun(os.path.join(REPO, "benchmarks", "gpu_steps.py"), 1, ["--dry-run", "--json", str(out)], timeout=300)
     res = json.loads(out.read_text())
-    checks = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "lora")
+    checks = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "lora",
+              "ppo_critic")
     assert {k: res[k]["status"] for k in checks} == \
         {"train_step": "ok", "optimizer_cpu_offload": "ok", "sleep_wake": "ok", "fsdp": "ok", "fp8": "skipped",
-         "memory_saver": "skipped", "lora": "ok"}
+         "memory_saver": "skipped", "lora": "ok", "ppo_critic": "ok"}
+    for name in ("megatron", "fsdp"):
+        ppo = res["ppo_critic"][name]
+        assert ppo["values_finite"] and ppo["all_finite"] and all(m["critic/grad_norm"] > 0 for m in ppo["steps"])
+    assert res["ppo_critic"]["megatron"]["sleep_wake"]["step_after_wake_finite"]
     assert res["lora"]["moved_tensors"] > 0 and res["lora"]["lora_over_full_step_s"] > 0
     assert "FP8 needs a GPU" in res["fp8"]["why"] or "transformer-engine does not import" in res["fp8"]["why"]
     assert "it needs a GPU" in res["memory_saver"]["why"] or "does not import" in res["memory_saver"]["why"]
