@@ -359,7 +359,7 @@ def check_fsdp(hf, batch, dry):
 def check_ppo_critic(hf, batch, dry):
     """--advantage-estimator ppo in bf16 on each backend: the critic's values over the batch, GAE, then actor +
     critic steps (their time, peak memory, finite losses and gradient norms) and a sleep/wake that moves the
-    critic's state with the actor's (megatron). The first time the critics meet CUDA."""
+    critic's state with the actor's. The first time the critics meet CUDA."""
     from megatron_rl.algorithms.config import PolicyGradientConfig
     from megatron_rl.algorithms.spec import PolicyGradientSpec
     from megatron_rl.backends.base import TrainBatch
@@ -386,8 +386,7 @@ def check_ppo_critic(hf, batch, dry):
                          "values_finite": all(bool(torch.isfinite(v).all()) for v in values),
                          "steps": [{k: m[k] for k in keys if k in m} for m in steps],
                          "all_finite": all(math.isfinite(m[k]) for m in steps for k in keys if k in m)}
-            if name == "megatron":
-                out[name]["sleep_wake"] = _sleep_wake(run)
+            out[name]["sleep_wake"] = _sleep_wake(run)
         finally:
             run.close()
     return out

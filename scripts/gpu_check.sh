@@ -23,7 +23,7 @@
 #             Qwen3-MoE with full recompute (route agreement, step time vs without), --lora-rank 16 vs full
 #             fine-tuning (bf16: grad norms, step time and peak memory ratios, the merged export moving only the
 #             adapted projections; skipped where transformer-engine imports), --advantage-estimator ppo on both
-#             backends in bf16 (the critics' values, actor + critic steps, the megatron critic's sleep/wake).
+#             backends in bf16 (the critics' values, actor + critic steps, sleep/wake with a critic).
 #             Needs megatron-core for
 #             the machine's Python 3.12 (and torch_memory_saver): carry them, `bash scripts/gpu_wheels.sh`
 #             fills gpu_wheels/ (5.2 MB)

@@ -99,6 +99,11 @@ def apply_allocation(values: dict[str, dict]) -> None:
         return
     for (group, field), size in implied_sizes(actor).items():
         values[group].setdefault(field, size)
+    critics = [c for c in plan.components if c.role == "critic"]
+    if len(critics) == 1 and values["algorithm"].get("advantage_estimator") == "ppo":
+        # PPO's critic: its own layout on the actor's GPUs (checked in allocation_errors)
+        values["parallel"].setdefault("critic_tensor_model_parallel_size", critics[0].tp)
+        values["parallel"].setdefault("critic_pipeline_model_parallel_size", critics[0].pp)
     placement, world = values["placement"], actor.world_size
     nodes, gpn = placement.get("actor_num_nodes"), placement.get("actor_num_gpus_per_node")
     if nodes is None and gpn is None:
@@ -167,6 +172,39 @@ def allocation_errors(cfg) -> list[str]:
                       f"{cfg.placement.actor_num_nodes} x --actor-num-gpus-per-node "
                       f"{cfg.placement.actor_num_gpus_per_node} = {cfg.actor_world_size}; drop those "
                       f"flags (the allocation sets them) or make the two agree")
+    return errors + _critic_errors(plan, actor, cfg, head)
+
+
+def _critic_errors(plan, actor, cfg, head: str) -> list[str]:
+    """A ``critic`` component of ``--allocation``: PPO's critic, which runs on the actor's GPUs (in its ``|``
+    group, the same rank count and backend) with a layout of its own (t, p; no c; the actor's e), which
+    becomes --critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size."""
+    critics = [c for c in plan.components if c.role == "critic"]
+    if not critics:
+        return []
+    if cfg.algorithm.advantage_estimator != "ppo":
+        return [f"{head} places a critic ({critics[0].spec()}), which only --advantage-estimator ppo trains; add "
+                "that or drop the critic"]
+    if len(critics) > 1:
+        return [f"{head} places {len(critics)} critics; PPO trains one"]
+    critic, errors = critics[0], []
+    if critic.backend != actor.backend:
+        errors.append(f"{head}: the critic ({critic.spec()}) trains on {critic.backend} but the actor on "
+                      f"{actor.backend}; the critic runs inside the actor's backend: use {actor.backend}")
+    if actor not in plan.colocated_with(critic) or critic.world_size != actor.world_size:
+        errors.append(f"{head}: the critic ({critic.spec()}) runs on the actor's GPUs, as slime's does; put it in "
+                      f"the actor's '|' group with the same rank count ({actor.world_size}), e.g. "
+                      f"{actor.backend}[actor]:{actor.dims}|{actor.backend}[critic]:d{actor.world_size}")
+    if critic.cp != 1 or critic.ep != actor.ep:
+        errors.append(f"{head}: the critic ({critic.spec()}) has no context parallelism and the actor's expert "
+                      f"parallelism (e{actor.ep}); drop its c and give e as the actor's")
+    p = cfg.parallel
+    for flag, want, have in (("--critic-tensor-model-parallel-size", critic.tp, p.critic_tensor_model_parallel_size),
+                             ("--critic-pipeline-model-parallel-size", critic.pp,
+                              p.critic_pipeline_model_parallel_size)):
+        if have is not None and have != want:
+            errors.append(f"{head} gives the critic {want} for {flag} but the flag is {have}; drop the flag (the "
+                          "allocation sets it) or make the two agree")
     return errors
 
 

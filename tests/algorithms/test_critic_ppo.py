@@ -5,6 +5,7 @@ in plain Python, the ``ppo`` estimator's GAE (--gamma, --lambd, reward on the la
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -318,3 +319,31 @@ def test_a_custom_advantage_function_with_a_critic_gets_values_and_sets_returns(
                               args=types.SimpleNamespace())
     with pytest.raises(ConfigError, match=r"rollout_data\['returns'\]"):
         spec.compute_advantages_and_returns(samples, values=values)
+
+
+@pytest.mark.parametrize("allocation,match", [
+    ("megatron[actor]:d2t2+megatron[critic]:d4", "runs on the actor's GPUs, as slime's does; put it in the actor's"),
+    ("megatron[actor]:d2t2|megatron[critic]:d2c2", "has no context parallelism"),
+    ("megatron[actor]:d2t2|fsdp[critic]:d4", "the critic runs inside the actor's backend: use megatron"),
+    ("megatron[actor]:d4|megatron[critic]:d2|megatron[value]:d4", "places 2 critics"),
+])
+def test_an_allocations_critic_is_refused_where_it_cannot_run(tmp_path, monkeypatch, allocation, match):
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        _parse(tmp_path, "--advantage-estimator", "ppo", "--allocation", allocation, "--debug-train-only",
+               "--load-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"))
+
+
+def test_an_allocations_critic_sets_its_layout(tmp_path, monkeypatch):
+    """AReaL-style allocations may place the critic: colocated with the actor, its t/p become the critic's own
+    layout flags; without ppo such a critic is refused (it would not be trained)."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    common = ["--allocation", "megatron[actor]:d2t2|megatron[critic]:d2p2", "--debug-train-only",
+              "--load-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt")]
+    cfg = _parse(tmp_path, "--advantage-estimator", "ppo", *common)
+    assert (cfg.parallel.critic_tensor_model_parallel_size, cfg.parallel.critic_pipeline_model_parallel_size) == (1, 2)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.actor_world_size == 4
+    with pytest.raises(ConfigError, match="places a critic .* which only --advantage-estimator ppo trains"):
+        _parse(tmp_path, *common)
