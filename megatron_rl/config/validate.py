@@ -684,9 +684,6 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
         errors.append(f"--critic-load {c.critic_load} with --train-backend fsdp: the fsdp critic starts from HF "
                       "weights only, not a torch_dist dir; convert it (tools/convert_ckpt.py dist-to-hf) and pass "
                       "--critic-hf-checkpoint, or use --train-backend megatron")
-    if cfg.precision.train_backend == "fsdp" and cfg.lora.lora_rank:
-        errors.append("--advantage-estimator ppo with --lora-rank on --train-backend fsdp: the fsdp critic is not "
-                      "built for LoRA yet (the megatron backend's is); use --train-backend megatron or drop one")
     if a.loss_type != "policy_loss":
         errors.append(f"--advantage-estimator ppo with --loss-type {a.loss_type}: the critic trains beside the "
                       "built-in policy loss only")

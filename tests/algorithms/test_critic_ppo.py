@@ -154,7 +154,6 @@ def _parse(tmp_path, *flags):
     (["--critic-save", "/x"], "--critic-save /x: not built yet"),
     (["--train-backend", "fsdp", "--critic-load", "/x"],
      "--critic-load /x with --train-backend fsdp: .*convert it .*dist-to-hf.* --critic-hf-checkpoint"),
-    (["--train-backend", "fsdp", "--lora-rank", "4"], "the fsdp critic is not built for LoRA yet"),
 ])
 def test_ppo_refusals_name_the_flag(tmp_path, monkeypatch, flags, match):
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):

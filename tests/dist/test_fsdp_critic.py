@@ -25,6 +25,7 @@ from _util import torchrun
 
 STEPS = [False, True, True]
 TOL = dict(atol=2e-5, rtol=1e-4)
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]  # PEFT's adapters in the actor and, of its own, in the critic
 METRICS = ("critic/value_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr")
 
 
@@ -51,11 +52,13 @@ def runs(tmp_path_factory, tiny_hf_models):
                          _job(tag="refuse", refuse=[plain, save]),
                          # the critic's trunk from --critic-hf-checkpoint (other weights than the actor's) equals a
                          # critic built from an actor that starts from those weights
-                         _job(tag="other_actor", hf=other), _job(tag="crit_hf", flags=["--critic-hf-checkpoint", other])],
+                         _job(tag="other_actor", hf=other), _job(tag="crit_hf", flags=["--critic-hf-checkpoint", other]),
+                         _job(tag="lora", steps=STEPS, flags=LORA)],
              timeout=400)
     torchrun(script, 2, [hf, str(out), _job(tag="dp", steps=STEPS),
                          _job(tag="dp_offload", steps=STEPS, flags=["--optimizer-cpu-offload"]),
-                         _job(tag="dp_fp16", steps=STEPS, flags=["--fp16", "--initial-loss-scale", "1024"])],
+                         _job(tag="dp_fp16", steps=STEPS, flags=["--fp16", "--initial-loss-scale", "1024"]),
+                         _job(tag="dp_lora", steps=STEPS, flags=LORA)],
              timeout=400)
     return out
 
@@ -150,3 +153,14 @@ def test_a_resume_that_mismatches_the_critic_is_refused_by_name(runs):
     assert "holds no critic" in errors["ppo_from_no_critic"] and "trains one" in errors["ppo_from_no_critic"]
     assert "holds a critic" in errors["plain_from_critic"] and "does not" in errors["plain_from_critic"]
     assert all("--advantage-estimator" in e for e in errors.values()), errors
+
+
+def test_fsdp_critic_with_lora_trains_adapters_and_head_on_a_frozen_trunk(runs):
+    """--lora-rank: the critic's HF trunk carries PEFT adapters of its own and stays bitwise frozen while its values
+    move; DP2 equals one process."""
+    ref, dp = _rec(runs, "lora"), _rec(runs, "dp_lora")
+    for rec in (ref, dp):
+        assert all(s["critic_frozen_params"] > 0 and s["critic_frozen_unchanged"] for s in rec["steps"])
+        assert rec["values_start"] != rec["values_end"]
+    assert _rec(runs, "ref")["steps"][0]["critic_frozen_params"] == 0
+    _same_run(ref, dp, "dp_lora")

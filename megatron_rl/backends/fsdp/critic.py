@@ -96,7 +96,7 @@ class FSDPCritic:
             model_dir.check_hf_marker_once(hf_dir, f"checking --critic-hf-checkpoint {hf_dir}")
         source = hf_dir or cfg.model.hf_checkpoint
         assert source is not None, "FSDPBackend.initialize refuses a run without --hf-checkpoint"
-        causal_lm = backend.load_hf_model(source)
+        causal_lm = backend.load_hf_model(source, lora=True)  # --lora-rank: adapters of its own, trunk frozen
         trunk = getattr(causal_lm, "model", None)
         if trunk is None:
             raise BackendError(f"--advantage-estimator ppo with --train-backend fsdp: {type(causal_lm).__name__} has "

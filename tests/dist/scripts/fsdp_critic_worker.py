@@ -67,6 +67,13 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return (p.to_local() if hasattr(p, "to_local") else p).detach()
 
 
+def _critic_frozen(backend, name: str) -> list[torch.Tensor]:
+    """The critic's frozen parameters (its trunk under --lora-rank; none otherwise), this rank's shards."""
+    params = (backend.critic.model.parameters() if name == "fsdp"
+              else (p for c in backend.critic.chunks for p in c.parameters()))
+    return [_local(p) for p in params if not p.requires_grad]
+
+
 def _actor_params(backend, name: str) -> list[torch.Tensor]:
     params = backend.model.parameters() if name == "fsdp" else (p for c in backend.chunks for p in c.parameters())
     return [_local(p).clone() for p in params]
@@ -130,13 +137,17 @@ def run_job(hf_dir, out_dir, job):
         g = backend.critic.optimizer_steps // EPOCHS
         samples = make_samples(backend.vocab_size, seed=100 + g)
         before, actor_steps = _actor_params(backend, name), backend.optimizer_steps
+        frozen = _critic_frozen(backend, name)
+        frozen_before = [p.clone() for p in frozen]
         values, _, epochs = ppo_epochs(backend, spec, samples, EPOCHS, train_actor)
         after = _actor_params(backend, name)
         same = torch.tensor([float(backend.optimizer_steps == actor_steps
-                                   and all(torch.equal(a, b) for a, b in zip(before, after)))])
+                                   and all(torch.equal(a, b) for a, b in zip(before, after))),
+                             float(all(torch.equal(a, b) for a, b in zip(frozen_before, frozen)))])
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         rec["steps"].append({"global_step": g, "train_actor": train_actor, "metrics": epochs,
-                             "values": [t.tolist() for t in values], "actor_unchanged": bool(same.item())})
+                             "values": [t.tolist() for t in values], "actor_unchanged": bool(same[0].item()),
+                             "critic_frozen_params": len(frozen), "critic_frozen_unchanged": bool(same[1].item())})
     if job.get("save"):
         backend.save(job["save"], {"next_step": backend.critic.optimizer_steps})
     if job.get("refuse"):
