@@ -89,14 +89,12 @@ def main():
     # that has only the shared planning machinery, in this TP2 x DP2 layout
     from types import SimpleNamespace
 
-    from megatron_rl.backends.base import TrainBackend
+    from megatron_rl.backends.base import DataParallelShare
     from megatron_rl.backends.rollout_shards import distribute_rollout
     from megatron_rl.data.types import HeldElsewhereError, SampleStub
 
-    class Planner:
-        plan_micro_batches = TrainBackend.plan_micro_batches
-        plan_rollout = TrainBackend.plan_rollout
-        data_parallel_peers = TrainBackend.data_parallel_peers
+    class Planner(DataParallelShare):  # the shared data-parallel planning, without a model
+        pass
 
     backend = Planner()
     backend.dp_rank, backend.dp_size, backend.pad_to_multiple = dp, 2, 1
