@@ -20,13 +20,15 @@ def torchrun(script: str | os.PathLike, nproc: int, args: list[str] | None = Non
              env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun on ``nproc`` local ranks; raise with output on failure.
 
-    A timeout kills the whole group, so a hung collective fails the test instead of CI.
+    A timeout kills the whole group, so a hung collective fails the test instead of CI. Each rank runs the
+    script through ``tests/_torchrun_entry.py``, which ends a rank whose script succeeded without the
+    interpreter's finalization (a gloo teardown race can abort a finished rank there).
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--nnodes=1",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(script), *(args or []),
+        str(REPO / "tests" / "_torchrun_entry.py"), str(script), *(args or []),
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

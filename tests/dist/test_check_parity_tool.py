@@ -6,8 +6,8 @@ packed input, Qwen3 PP + virtual PP, Qwen3-MoE TP + expert-TP + SP); plus the no
 The numerics of every layout (TP, TP+SP, PP, VPP, CP, EP, DP, 4-rank mixes) against one process
 and HF are proven at the model level in one launch each by tests/dist/test_parity_layouts.py; this
 file checks the tool, each case a torchrun launch (~13 s on 2 cores), so it keeps four of the twelve
-it once had (the suite has to stay under 25 minutes): Qwen2's TP split and Qwen3-MoE's EP2 are model-level
-cases of test_parity_layouts.py (EP2 with gradients).
+it once had, two of them in scripts/test_extended.sh (the suite has to stay under 25 minutes): Qwen2's TP
+split and Qwen3-MoE's EP2 are model-level cases of test_parity_layouts.py (EP2 with gradients).
 """
 
 import json
@@ -19,10 +19,14 @@ from _util import REPO, torchrun
 
 TOOL = os.path.join(REPO, "tools", "check_parity.py")
 
+# CP and PP + virtual PP through the tool run in scripts/test_extended.sh (the suite's budget): their numerics
+# are test_parity_layouts.py's model-level cases, and the tool's packed path is the MoE case's
+EXTENDED = pytest.mark.extended
 CASES = [  # the tool's own paths (2 ranks each): padded input, packed THD, CP, PP + virtual PP, an MoE layout
     ("llama", ["--tensor-model-parallel-size", "2", "--padded"]),
-    ("qwen2", ["--context-parallel-size", "2"]),
-    ("qwen3", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+    pytest.param("qwen2", ["--context-parallel-size", "2"], marks=EXTENDED),
+    pytest.param("qwen3", ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+                 marks=EXTENDED),
     ("qwen3_moe", ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]),
 ]
 
@@ -33,7 +37,8 @@ def _run(hf, args, nproc=2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}:{' '.join(a)}" for f, a in CASES])
+@pytest.mark.parametrize("family,args", CASES,
+                         ids=[f"{f}:{' '.join(a)}" for f, a in (getattr(c, "values", c) for c in CASES)])
 def test_tool_reports_parity(tiny_hf_models, family, args):
     out = _run(tiny_hf_models(family), args)
     assert out["ok"] is True

@@ -71,9 +71,9 @@ def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
 
 
 @pytest.mark.slow
-# fsdp: measured, not in the suite (its 30 rollouts cost ~45 s of a 25-min budget, and its critic's numbers are
-# pinned to the megatron critic's by tests/dist/test_fsdp_critic.py); docs/algorithms.md has the command
-@pytest.mark.parametrize("train_backend", ["megatron"])
+# fsdp: in scripts/test_extended.sh, not the suite (its 30 rollouts cost ~45 s of a 25-min budget, and its critic's
+# numbers are pinned to the megatron critic's by tests/dist/test_fsdp_critic.py)
+@pytest.mark.parametrize("train_backend", ["megatron", pytest.param("fsdp", marks=pytest.mark.extended)])
 def test_ppo_demo_with_a_critic_learns(tmp_path, train_backend):
     """--advantage-estimator ppo (a critic beside the actor, GAE, --normalize-advantages), on either backend; on
     megatron the critic in a layout of its own (TP2 over the 2 ranks where the actor is DP2:

@@ -32,7 +32,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DOUBLE = os.path.join(REPO, "tests", "rollout", "sglang_double")
 
 
-@pytest.mark.parametrize("router", ["off", "on"])
+# on: in scripts/test_extended.sh (the suite's 25-min budget); the suite launches the router in front of engines,
+# generates through it and stops it (tests/rollout/test_sglang_launcher.py), recovers from a death the router
+# served around (tests/runner/test_engine_faults.py), and runs this loop with the router off
+@pytest.mark.parametrize("router", ["off", pytest.param("on", marks=pytest.mark.extended)])
 def test_loop_launches_two_engines_survives_a_crash_and_stops_them(tiny_hf_models, tmp_path, router):
     hf = tiny_hf_models("qwen2")
     prompts = tmp_path / "prompts.jsonl"

@@ -4,7 +4,7 @@ the engines retries the failed request on the others and keeps listing the dead 
 One process (``all_gather`` is the identity without a process group); the fleet is a test double of
 ``EngineFleet`` with the two things recovery reads (``dead()``, ``restart()``) and processes that
 answer ``death_message`` as ``EngineProcess`` does. The real fleet, router and restart run in
-tests/e2e/test_sglang_launched.py (router on and off).
+tests/e2e/test_sglang_launched.py (router off; on in scripts/test_extended.sh).
 """
 
 import pytest

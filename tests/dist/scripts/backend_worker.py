@@ -50,20 +50,6 @@ def ppo_epochs(backend, spec, samples, epochs: int, train_actor: bool):
     return values, returns, metrics
 
 
-def exit_after_gloo_teardown() -> None:
-    """End a launch whose results are written: barrier, destroy the group, flush, ``os._exit(0)``. Why not a
-    normal exit: a rank can abort at interpreter exit ("terminate called without an active exception",
-    SIGABRT) after its work was done, when a gloo worker thread that drops the last reference to a finished
-    collective's tensors takes the GIL in finalization (a known gloo teardown race of torch)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def mtp_after_training(backend, hf_dir, out_dir, layout):
     """--mtp-num-layers: after the training steps the full export (collective) still holds the checkpoint's MTP
     tensors bit for bit (frozen), its MTP copies of the embedding / head equal the trained main ones, and no MTP

@@ -169,12 +169,9 @@ def run_job(hf_dir, out_dir, job):
 
 
 def main():
-    from backend_worker import exit_after_gloo_teardown
-
     hf_dir, out_dir, jobs = sys.argv[1], sys.argv[2], [json.loads(j) for j in sys.argv[3:]]
     for job in jobs:
         run_job(hf_dir, out_dir, job)
-    exit_after_gloo_teardown()  # everything is written and synchronised
 
 
 if __name__ == "__main__":
