@@ -1,15 +1,17 @@
 """The training-backend contract and the machinery every backend shares.
 
-A ``TrainBackend`` owns one policy model spread over this process's ranks. The
-RL loop talks to it only through the abstract methods below plus the shared
-concretes (``forward_only``, ``maybe_compute_ref_log_probs``,
-``maybe_compute_teacher_log_probs``, ``snapshot_weights``, ``swap_seconds``);
-it never sees megatron-core or FSDP types. A new backend (FSDP2, ...) is one
-module: implement the abstract methods, set the four layout attributes in
-``initialize`` (``dp_size``, ``dp_rank``, ``pad_to_multiple``, ``holds_results``)
-and add a row to ``BACKENDS``; planning the data-parallel split of a rollout
-batch, packing, loss denominators and the per-sample gather are shared here
-(``preprocess_rollout_data``, ``gather_per_sample``). docs/architecture.md.
+A ``TrainBackend`` holds the policy model spread over this process's ranks and, under
+``--advantage-estimator ppo``, its critic (a value model on the same ranks:
+``backends/megatron/critic.py``, ``backends/fsdp/critic.py``). The RL loop talks to it only
+through the abstract methods below plus the shared concretes (``forward_only``,
+``compute_values``, ``maybe_compute_ref_log_probs``, ``maybe_compute_teacher_log_probs``,
+``snapshot_weights``, ``swap_seconds``); it never sees megatron-core or FSDP types. A backend is
+one module (two exist: ``megatron``, ``fsdp``): implement the abstract methods, set the layout
+attributes in ``initialize`` (``dp_size``, ``dp_rank``, ``pad_to_multiple``, ``holds_results``)
+and add a row to ``BACKENDS``. Planning the data-parallel split of a rollout batch, packing, loss
+denominators and the per-sample gather live in ``DataParallelShare`` (``plan_rollout``,
+``preprocess_rollout_data``, ``gather_per_sample``), which every backend is, and so is a critic
+with a layout of its own (``CriticShare``). docs/architecture.md.
 
 Invariants:
 * Every rank of the training world calls every method, in the same order, with
@@ -18,16 +20,21 @@ Invariants:
   reward, group, loss mask) of the others (``rollout_shards.distribute_rollout``);
   ``broadcast_samples`` gives every rank everything when an algorithm needs it.
 * Per-sample per-token results are response-aligned (see ``data.types``) and
-  indexed like the batch. ``forward`` returns them for the whole batch on every
-  rank, or, with ``owned_only`` and a plan that follows the training steps
-  (``plan_rollout``), only for the samples of this rank's DP share (None for the
-  rest): then nothing crosses data-parallel ranks. Algorithm code sees the
-  whole batch's rewards and masks either way (advantages are whole-batch).
-* The backend never knows the algorithm: losses and advantages come from the
-  ``Spec`` it is handed.
+  indexed like the batch. ``forward`` (and ``compute_values``) returns them for the
+  whole batch on every rank, or, with ``owned_only`` and a plan that follows the
+  training steps (``plan_rollout``), only for the samples of this rank's DP share
+  (None for the rest): then nothing crosses data-parallel ranks. Algorithm code sees
+  the whole batch's rewards and masks either way (advantages are whole-batch).
+* The backend computes no loss and no advantage: the policy and value losses come
+  from the ``Spec`` it is handed (``compute_loss``, ``compute_value_loss``), the
+  advantages and returns from the same ``Spec`` in the loop (``runner/step.py``).
+  What it reads of the algorithm is what to build (a critic under
+  ``--advantage-estimator ppo``) and, per step, whether the ``TrainBatch`` carries
+  ``returns`` for a critic step beside the actor's.
 * Reference / teacher weights are *tags* held by a ``WeightManager``: a frozen
-  copy of this rank's parameter shards swapped in place, so no second model is
-  built and the same code serves every parallel layout.
+  copy of this rank's parameter shards swapped in place, so no model is built
+  for them and the same code serves every parallel layout (the critic is the one
+  second model a backend builds).
 """
 
 from __future__ import annotations
@@ -108,7 +115,7 @@ class ExportScope:
 
 
 class RolloutPlan(NamedTuple):
-    """How one rollout batch is trained (``TrainBackend.plan_rollout``).
+    """How one rollout batch is trained (``DataParallelShare.plan_rollout``).
 
     ``steps[k] = (offset, plan)``: training step ``k`` takes ``samples[offset:offset + n]``
     and ``plan`` splits them over DP ranks and micro-batches (indices relative to
@@ -122,7 +129,7 @@ class RolloutPlan(NamedTuple):
 
 
 class RankBatch(NamedTuple):
-    """This data-parallel rank's part of a rollout batch (``TrainBackend.preprocess_rollout_data``)."""
+    """This data-parallel rank's part of a rollout batch (``DataParallelShare.preprocess_rollout_data``)."""
 
     plan: MicroBatchPlan  # every DP rank's micro-batches (sample indices), the same on all ranks
     micro_batches: list[PackedBatch]  # this DP rank's, packed
@@ -414,7 +421,8 @@ class DataParallelShare:
 
 
 class TrainBackend(DataParallelShare, abc.ABC):
-    """One policy model on this process's ranks; see the module docstring for invariants."""
+    """The policy model (and, under ppo, its critic) on this process's ranks; see the module docstring for
+    invariants."""
 
     weights: WeightManager
     # initialize() sets DataParallelShare's fields: the data-parallel layout the shared batch machinery plans for
