@@ -25,7 +25,7 @@ Checks:
                 memory.
   fp8           megatron with --fp8-format hybrid when transformer-engine imports, else the reason.
   memory_saver  torch_memory_saver (the design's tier 1, not built: backends/sleep_tiers.py says what it
-                takes), measured for the session that builds it: a 1 GiB tensor and then a whole megatron
+                takes), the figures that tier would be built on: a 1 GiB tensor and then a whole megatron
                 backend (built and trained inside its region, in-process "torch" hook mode) paused with
                 a host backup and resumed: device memory freed, pause/resume seconds, every parameter
                 the same bits after the resume (and the host backup equal while paused), a finite step
@@ -33,6 +33,13 @@ Checks:
   routing_replay
                 megatron with --use-routing-replay on a Qwen3-MoE of the same body (bf16, full recompute):
                 route agreement per step, step time against the same steps without replay.
+  lora          megatron with --lora-rank 16 (bf16) against full fine-tuning: finite adapter grad norms,
+                step time and peak memory ratios, the merged export moving only the adapted projections.
+                Skipped where transformer-engine is installed (LoRA runs on the local layer spec only).
+  ppo_critic    --advantage-estimator ppo in bf16 on each backend: the critic's values, actor + critic
+                steps (time, peak memory, finite losses and grad norms), sleep/wake with a critic.
+
+A check fails when it raises; its figures are what to read otherwise.
 
     torchrun --nproc-per-node 1 benchmarks/gpu_steps.py --json OUT.json [--dry-run] [--checks a,b]
 """

@@ -1,38 +1,33 @@
 #!/usr/bin/env bash
-# The GPU-only checks in one script, for the lent GPU machine (one H200, ~15 min of
-# device time per session in all: run it once, as one `run` command, with timeout_s <= 600).
-#
-#   scripts/gpu_check.sh [--dry-run] [--out DIR (default $TMPDIR/gpu_check)] [--wheels DIR]
-#
-# Steps (each under its own `timeout`, each recorded in DIR/gpu_check.json with its status and
-# seconds; the whole log in DIR/gpu_check.log):
-#   env       python / torch / CUDA / triton / nvcc versions and the GPU
-#   wheels    pip install --no-index the wheels carried in --wheels DIR (the machine has no network)
-#   build     the CUDA extension in place for sm_90: MEGATRON_RL_BUILD_EXT=cuda setup.py build_ext --inplace
-#   kernels   benchmarks/kernel_ops.py: CUDA and Triton vs torch vs naive log_softmax, correctness against the
-#             float64 reference first (values, gradients), then time and peak memory at V=151,936; it also
-#             runs the kernels' self-check (ops/selfcheck.py, what a run does before trusting them) and
-#             prints its cost in ms: the first time that check meets real CUDA/Triton kernels
-#   training  benchmarks/gpu_steps.py under torchrun (1 process): the megatron backend's bf16 RL step vs a
-#             bare megatron-core step on a Qwen-shaped model (tokens/s, ratio), --optimizer-cpu-offload (peak
-#             memory, step time, grad norms vs without), sleep/wake (memory_allocated released and restored),
-#             the process groups' NCCL teardown and rebuild (forced on: --offload-train-groups auto keeps it
-#             off on GPUs until this has run it), the fsdp backend (bf16, --optimizer-cpu-offload peak memory, --fp16 loss scaling, sleep/wake) and
-#             FP8 when transformer-engine imports (else the reason), torch_memory_saver's pause/resume of a
-#             tensor and of a whole megatron backend (freed memory, same bits after), --use-routing-replay on a
-#             Qwen3-MoE with full recompute (route agreement, step time vs without), --lora-rank 16 vs full
-#             fine-tuning (bf16: grad norms, step time and peak memory ratios, the merged export moving only the
-#             adapted projections; skipped where transformer-engine imports), --advantage-estimator ppo on both
-#             backends in bf16 (the critics' values, actor + critic steps, sleep/wake with a critic).
-#             Needs megatron-core for
-#             the machine's Python 3.12 (and torch_memory_saver): carry them, `bash scripts/gpu_wheels.sh`
-#             fills gpu_wheels/ (5.2 MB)
-#
-# --dry-run runs every written step on this CPU machine at tiny sizes (the kernels step with the C++
-# twins instead of CUDA/Triton; build only checks that setup.py refuses a CPU torch with a clear error),
-# so the script is known to start and to write its JSON before device time is spent.
-# Typical device call (carry the wheels folder; copy it into an ignored folder of the repo first):
-#   run(command="bash scripts/gpu_check.sh --out $OUT --wheels gpu_wheels", carry=["gpu_wheels"], timeout_s=540)
+# What only a CUDA GPU can check: the fused kernels (CUDA, Triton) and the training paths CPU runs do not
+# reach (bf16 on the device, NCCL, offload, sleep/wake, FP8, torch_memory_saver, PPO critics). One GPU.
+#   bash scripts/gpu_check.sh [--dry-run] [--out DIR (default $TMPDIR/gpu_check)] [--wheels DIR]
+# Five steps, each under its own time limit (at most 19 min in all); each step's status (ok, failed rc=N,
+# timeout) and seconds in DIR/gpu_check.json with the kernels' and training figures, the whole output in
+# DIR/gpu_check.log; exit 1 if a step failed or timed out.
+#   env      (60 s)  python, torch, CUDA, triton and nvcc versions, the GPU's name
+#   wheels  (180 s)  pip install --no-index of DIR/*.whl, for a machine without network (skipped without
+#                    --wheels; bash scripts/gpu_wheels.sh fills gpu_wheels/ with megatron-core, torch_memory_saver)
+#   build   (300 s)  the CUDA extension in place: MEGATRON_RL_BUILD_EXT=cuda setup.py build_ext --inplace
+#                    (TORCH_CUDA_ARCH_LIST default 9.0); passes when it compiles
+#   kernels (300 s)  benchmarks/kernel_ops.py --n 256 1024 4096: CUDA and Triton log-probs + entropy and PPO loss
+#                    terms against the float64 reference first (values, gradients; fails above the bound derived
+#                    from the float32 reference's own error), the self-check a run makes before trusting them
+#                    (its cost in ms), then time and peak memory against torch chunked and naive log_softmax at
+#                    V = 151,936
+#   training (300 s) benchmarks/gpu_steps.py under torchrun, one process, a Qwen2-shaped model (vocab 151,936,
+#                    hidden 1024, 8 layers): train_step (bf16 RL step vs a bare megatron-core step),
+#                    optimizer_cpu_offload, sleep_wake (memory released and back; NCCL groups destroyed and
+#                    rebuilt), fsdp (bf16, offloaded optimizer, fp16 loss scale, sleep/wake), fp8 (skipped with
+#                    the reason unless transformer-engine imports), memory_saver (pause/resume: memory freed, the
+#                    same bits after), routing_replay (Qwen3-MoE: route agreement, step time), lora (rank 16 vs
+#                    full), ppo_critic (both backends). A check fails only when it raises (an impossible route
+#                    agreement, LoRA grad norms not finite, ...); the rest are figures to read in the JSON.
+# --dry-run runs every step on a CPU machine at tiny sizes (about 70 s): kernels on the C++ twins, build only
+# checks that setup.py refuses a CPU torch with a clear error, gpu_steps.py --dry-run (also a CI test,
+# tests/tools/test_gpu_steps.py). Not yet run on a GPU: docs/kernels.md, "GPU check". Without network there:
+#   bash scripts/gpu_wheels.sh     # beforehand, where pip can download; then copy gpu_wheels/ along
+#   bash scripts/gpu_check.sh --out DIR --wheels gpu_wheels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

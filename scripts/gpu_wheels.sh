@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Fill gpu_wheels/ (git-ignored) with the Python packages the lent GPU machine lacks, for
-# scripts/gpu_check.sh --wheels gpu_wheels (carried by the device call: carry=["gpu_wheels"]).
-# That machine runs Python 3.12 with torch 2.11, transformers, safetensors, numpy ... but no
-# megatron-core and no network (../.library/device/KINDS.md). megatron-core is pinned to the
-# version this build's compat layer is written for (megatron_rl/compat/patches.py, 0.16.x).
+# Fill gpu_wheels/ (git-ignored) with the Python packages scripts/gpu_check.sh needs beyond a GPU
+# machine's CUDA torch, for a GPU machine without network: copy the folder there and run
+# scripts/gpu_check.sh --wheels gpu_wheels. The wheels are for CPython 3.12 on x86-64 Linux (edit
+# --python-version below for another Python): megatron-core, pinned to the version the compat layer
+# is written for (megatron_rl/compat/patches.py, 0.16.x), and torch_memory_saver.
 #   bash scripts/gpu_wheels.sh [DIR (default gpu_wheels)]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,7 @@
 # verifiable task ("add one to each digit") with real megatron-core on 2 gloo ranks
 # and the embedded rollout engine. Writes metrics, checkpoints and curves to $OUT.
 # Re-running the same command resumes from the newest checkpoint.
-#   NUM_ROLLOUT=200 OUT=runs/demo bash scripts/run_demo_cpu.sh [extra flags]
+#   NUM_ROLLOUT=300 OUT=runs/demo bash scripts/run_demo_cpu.sh [extra flags]   (both the defaults)
 # Asynchronous RL: add --async-mode one-step, or --async-mode full [--partial-rollout]; the embedded
 # engine then runs in a process of its own (--embedded-engine-ranks process) beside the trainer ranks,
 # synced from disk under $OUT/engine_weights (docs/async.md).

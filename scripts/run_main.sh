@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: set up .venv, then run the CPU RL demo
-# (GRPO on a tiny model, real megatron-core on 2 gloo ranks; ~5-10 min on 2 cores).
+# (GRPO on a tiny model, real megatron-core on 2 gloo ranks, 300 rollouts by default; 1.5-2 min on
+# 2 cores once .venv exists: docs/benchmarks.md, "Training step (CPU demo)").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
