@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs real SGLang 0.5.23 into its own venv for running it on a CPU-only machine, the route
-# measured in ../shared/SGLANG_CPU.md (about 7 GB, 8-10 min on 2 cores). Used only by
+# of docs/sglang-cpu.md (about 7 GB; 2-5 min with torch from a local package index on 2 cores). Used by
 # scripts/test_sglang_real.sh; the project's own venv (.venv, torch 2.13 CPU) is not touched,
 # because SGLang needs torch 2.14.1 + torchvision 0.29.1 (torchvision 0.28's extension does not
 # load and sglang imports torchvision at start-up).
@@ -35,8 +35,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install --progress-bar off)
 
-# torch 2.14.1 (the CUDA build; it runs on CPU) and torchvision 0.29.1 lie on this machine's
-# disk (pip's extra index); pip pulls its nvidia-* wheels from there too.
+# torch 2.14.1 (the CUDA build; it runs on CPU) and torchvision 0.29.1, with torch's nvidia-* wheels,
+# from pip's configured index (several GB: a local index or a cache makes this step fast).
 say "installing torch==2.14.1 torchvision==0.29.1"
 "${PIP[@]}" torch==2.14.1 torchvision==0.29.1
 
@@ -45,7 +45,7 @@ say "installing torch==2.14.1 torchvision==0.29.1"
 say "installing sglang==$SGLANG_VERSION --no-deps"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
 
-# The dependencies that sufficed for a Qwen2 model over HTTP (SGLANG_CPU.md).
+# The dependencies with which the server starts and serves over HTTP (docs/sglang-cpu.md).
 say "installing sglang's CPU-safe dependencies"
 "${PIP[@]}" \
   "transformers==5.19.0" "tokenizers==0.23.2" safetensors aiohttp fastapi "uvicorn>=0.51" uvloop \

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Our SGLang client/engine against REAL SGLang 0.5.23 on this CPU machine, not part
-# of scripts/test.sh (too heavy: ~7 GB and ~10 min to install once, then ~4-7 min a run).
+# Our SGLang client/engine against REAL SGLang 0.5.23 on a CPU-only machine, not part
+# of scripts/test.sh (too heavy: ~7 GB to install once, then 2-7 min a run; docs/sglang-cpu.md).
 #   bash scripts/test_sglang_real.sh [--out DIR] [--skip-e2e] [--num-rollout N] ...
 #   bash scripts/test_sglang_real.sh --launcher [--out DIR] [--skip-kill]   (the loop launching SGLang itself)
 #   bash scripts/test_sglang_real.sh --record-replies [--out FILE]   (refresh the stand-in's fixture, ~2 min)
-#   bash scripts/test_sglang_real.sh --routes [--out DIR]   (MoE routes of --enable-return-routed-experts, ~3 min)
-#   bash scripts/test_sglang_real.sh --lora [--out DIR]   (--lora-sync adapter: PEFT adapters served by SGLang, ~2 min)
+#   bash scripts/test_sglang_real.sh --routes [--out DIR]   (MoE routes of --enable-return-routed-experts, ~2 min)
+#   bash scripts/test_sglang_real.sh --lora [--out DIR]   (--lora-sync adapter: PEFT adapters served by SGLang, ~1 min)
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
-#    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (CPU route of ../shared/SGLANG_CPU.md),
+#    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (the CPU route of docs/sglang-cpu.md),
 #    checks generate/log-probs, disk, tensor and distributed (gloo) weight updates and the control
 #    endpoints through megatron_rl's SGLangEngine/SGLangClient/DistributedSynchronizer, then runs
 #    `python -m megatron_rl.train` against it once per transport (--e2e-transports disk distributed

@@ -1,6 +1,6 @@
 """A protocol-exact local stand-in for an SGLang HTTP server, backed by the embedded engine (CPU test stand-in).
 
-Real SGLang needs a 7 GB install and 1-2 minutes to start (``../shared/SGLANG_CPU.md``), so CI
+Real SGLang needs a 7 GB install and 1-2 minutes to start (docs/sglang-cpu.md), so CI
 talks to this instead: same paths, request fields, reply shapes and status codes as SGLang
 0.5.23, answered by ``EmbeddedEngine`` on a tiny HF model, so a weight push visibly changes
 generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as read for issue

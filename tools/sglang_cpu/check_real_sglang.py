@@ -6,7 +6,7 @@ up here. Run it through ``scripts/test_sglang_real.sh`` (which installs SGLang i
 first); it is too heavy for the default test command (7 GB install, 1-2 min server start-up).
 
 Runs with OUR venv (megatron_rl + megatron-core); the server runs from the SGLang venv as
-``python -m sglang.launch_server`` with the CPU route of ``../shared/SGLANG_CPU.md``
+``python -m sglang.launch_server`` with the CPU route of docs/sglang-cpu.md
 (``SGLANG_USE_CPU_ENGINE=1``, the pure-torch ``sgl_kernel`` stand-in of ``tools/sglang_cpu`` on its
 PYTHONPATH, device/attention/sampling args for CPU), on 127.0.0.1 and a free port, in its own
 process group that is killed on every exit path (normal end, failed check, exception, SIGTERM,
@@ -87,7 +87,7 @@ from megatron_rl.weight_sync.sglang_tensor import (FLATTENED_BUCKET, SGLangTenso
 from megatron_rl.plan.engines import EnginePlacement, EngineSlot  # noqa: E402
 
 KERNEL_STANDIN = REPO / "tools" / "sglang_cpu"
-# The engine arguments of the measured CPU route (SGLANG_CPU.md); each one is needed there.
+# The engine arguments of the CPU route (docs/sglang-cpu.md); each one is needed there.
 SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                "--disable-overlap-schedule", "--disable-cuda-graph", "--dtype", "float32",
                "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--skip-server-warmup"]

@@ -53,7 +53,7 @@ GROUP = "megatron_rl_record_replies"
 NOT_RECORDED = {
     "POST /release_memory_occupation, POST /resume_memory_occupation":
         "SGLang 0.5.23 calls CUDA synchronize there: on CPU the scheduler dies and the server goes down "
-        "(../shared/SGLANG_CPU.md); a GPU run of scripts/test_sglang_real.sh is where they get checked",
+        "(docs/sglang-cpu.md); a GPU run of scripts/test_sglang_real.sh is where they get checked",
     "POST /flush_cache with requests running (400 \"Flush cache failed.\"), a /generate row aborted by "
     "/abort_request or /pause_generation (finish_reason abort)":
         "they need a request held in flight, which a fixed list cannot time without sleeping; "

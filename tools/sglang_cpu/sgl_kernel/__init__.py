@@ -8,7 +8,7 @@ package stands in for it. Only ``scripts/test_sglang_real.sh`` (through
 for the SGLang server process; nothing in ``megatron_rl`` imports it.
 
 What it provides: ``assign_req_to_token_pool_cpu`` in pure torch, the one kernel SGLang calls
-for a Qwen2 model on a non-AMX CPU (measured, ``../shared/SGLANG_CPU.md``). Every other
+for a Qwen2 model on a non-AMX CPU (docs/sglang-cpu.md). Every other
 attribute is a function that raises ``NotImplementedError`` naming itself when called, so an
 SGLang code path that needs a real kernel fails loudly instead of computing something wrong.
 On import it also installs ``_host_memory``: SGLang's page-locked host buffers (the routed-experts
