@@ -4,7 +4,7 @@ Run under ``torchrun --nproc-per-node 1`` (one process; every backend in turn). 
 writes its figures into one JSON (``--json``); a check that fails records the error and the
 rest still run. On a CPU machine ``--dry-run`` runs every check at a tiny size with the same
 code (memory figures are then None: host memory is the only memory), so the script is known
-to start before device time is spent.
+to start before it runs on a GPU.
 
 Checks:
   train_step    megatron backend, --bf16: RL train steps (PPO loss over packed, dynamically
@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHECKS = ("train_step", "optimizer_cpu_offload", "sleep_wake", "fsdp", "fp8", "memory_saver", "routing_replay",
           "lora", "ppo_critic")
-# a Qwen2-shaped model that fits one H200 many times over: the vocab is Qwen's (the [tokens, vocab] logits are
+# a Qwen2-shaped model that fits one 80 GB GPU many times over: the vocab is Qwen's (the [tokens, vocab] logits are
 # what RL steps spend memory on), the body is small so the check takes seconds
 GPU_MODEL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
