@@ -314,10 +314,16 @@ def live_groups() -> list[ReloadableGroup]:
 
 def retire_all() -> None:
     """Stop tracking every group recorded so far (megatron's groups were dropped for a new layout:
-    they are never destroyed or rebuilt again). Later ``new_group`` calls are still recorded."""
+    they are never destroyed or rebuilt again). Later ``new_group`` calls are still recorded.
+
+    Each wrapper lets go of its real group too: the caller (``models.parallel.destroy_parallel``) destroys
+    the real groups next, and a group torch has destroyed but something still references keeps its
+    worker threads (gloo: three per group) until the last reference goes."""
     if _STATE is not None:
         for record in _STATE.records:
             record.retired = True
+            if record.wrapper is not None:
+                record.wrapper._real = None
         _STATE.destroyed = False
 
 

@@ -156,8 +156,10 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
 
     from megatron.core import parallel_state, tensor_parallel
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    # the previous layout's groups go with it (destroy_parallel: every group but the default one); forgetting
+    # them (destroy_model_parallel alone) leaks each gloo group's threads: the converters and the test
+    # workers build a layout per conversion or case, ~1,500 threads per process after two dozen of them
+    destroy_parallel()
     parallel_state.initialize_model_parallel(**layout.megatron_sizes())
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -178,6 +180,10 @@ def destroy_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()  # megatron keeps every one it made (and its router)
+    _release_ddp_models()
     reloadable_groups.retire_all()  # a later layout's groups are the ones a sleep tears down
     if dist.is_available() and dist.is_initialized():
         from torch.distributed import distributed_c10d as c10d  # lazy: the group map (no public listing)
@@ -185,6 +191,30 @@ def destroy_parallel() -> None:
         world = c10d._get_default_group()
         for group in [g for g in list(c10d._world.pg_map) if g is not world]:
             dist.destroy_process_group(group)
+
+
+def _release_ddp_models() -> int:
+    """Empty every megatron-core DDP wrapper still alive (the models of the layout being torn down); how many.
+
+    Why: megatron's DDP registers its gradient hooks on autograd's accumulator nodes (C++), which hold the
+    hooks' closures and through them the DDP, its model and the process groups the model's layers keep: a
+    cycle Python's collector cannot see. A process that builds layout after layout (the tests' workers, the
+    parity checks) kept every model it ever built and every gloo group's worker threads with it (~700
+    threads per rank after one launch's layouts, measured); once its groups are destroyed such a model
+    cannot run anyway."""
+    import gc
+    import warnings
+
+    from megatron.core.distributed import DistributedDataParallel  # lazy: megatron-core
+
+    n = 0
+    with warnings.catch_warnings():  # isinstance on every object wakes deprecated module attributes' warnings
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, DistributedDataParallel):
+                vars(obj).clear()
+                n += 1
+    return n
 
 
 class LayoutScope:
