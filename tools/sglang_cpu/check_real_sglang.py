@@ -87,10 +87,23 @@ from megatron_rl.weight_sync.sglang_tensor import (FLATTENED_BUCKET, SGLangTenso
 from megatron_rl.plan.engines import EnginePlacement, EngineSlot  # noqa: E402
 
 KERNEL_STANDIN = REPO / "tools" / "sglang_cpu"
+# what the server process finds on its PYTHONPATH: the CPU stand-in for sgl_kernel; with --against-double also
+# tests/rollout/sglang_double, whose ``sglang.launch_server`` serves CI's protocol stand-in with SGLang's CLI
+SERVER_PYTHONPATH = [str(KERNEL_STANDIN)]
+DOUBLE = REPO / "tests" / "rollout" / "sglang_double"
 # The engine arguments of the CPU route (docs/sglang-cpu.md); each one is needed there.
 SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                "--disable-overlap-schedule", "--disable-cuda-graph", "--dtype", "float32",
                "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--skip-server-warmup"]
+
+
+# The steps of one run, in order: (name, whether it takes the first generation's log-probs); then the checks that
+# need a second server or the recorded fixture. tests/tools/test_sglang_harness.py collects one test per step.
+SERVER_STEPS = [("generation", False), ("weights_check", False), ("long_prompts", False),
+                ("aborted_rows_retried", False), ("seeded", False), ("disk_updates", True), ("sharded_disk", True),
+                ("router", False), ("control", False), ("abort_flush_pause", False), ("tensor_updates", True),
+                ("tensor_transport", True), ("distributed_updates", True)]
+ALL_STEPS = [name for name, _ in SERVER_STEPS] + ["unavailable_503", "standin_fidelity", "fixture_still_holds"]
 
 
 class CheckFailed(Exception):
@@ -112,6 +125,7 @@ class Report:
     def __init__(self, out: Path):
         self.out = out
         self.checks: list[dict] = []
+        self.step = ""  # the step the checks being recorded belong to (tests/tools/test_sglang_harness.py)
         self.figures: dict[str, Any] = {}
         self.replies: dict[str, Any] = {}  # raw replies of real SGLang, to keep the stand-in exact
         self._log = open(out / "check.log", "a", buffering=1)
@@ -123,7 +137,7 @@ class Report:
         self._log.write(line + "\n")
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
-        self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail, "step": self.step})
         self.log(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
         self.save()
         return ok
@@ -181,7 +195,7 @@ class SGLangServer:
 
     def start(self) -> None:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": str(KERNEL_STANDIN), **self.env}  # the CPU stand-in for sgl_kernel, this process only
+               "PYTHONPATH": os.pathsep.join(SERVER_PYTHONPATH), **self.env}  # this process only
         env.pop("VIRTUAL_ENV", None)
         cmd = [self.python, "-m", "sglang.launch_server", "--model-path", str(self.model), "--host", "127.0.0.1",
                "--port", str(self.port), *SERVER_ARGS, *self.extra_args]
@@ -459,12 +473,14 @@ class Checks:
     def aborted_rows_retried(self) -> None:
         """Rows aborted by /abort_request (HTTP 200, finish_reason abort): the rollout generates their
         groups again and keeps no cut-short sample."""
-        import types
-
+        from megatron_rl.config import parse_config
         from megatron_rl.rollout.manager import RolloutManager
 
         r = self.r
-        cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(rollout_abort_retries=2))
+        # the config as the product builds it (flags -> validated dataclasses): a stand-in object would lack
+        # whatever the manager reads next
+        cfg = parse_config(["--hf-checkpoint", str(self.model_dir), "--rollout-engine-urls", self.server.url,
+                            "--rollout-abort-retries", "2"])
         manager = RolloutManager(cfg, self.engine, prompts=None, reward_fn=None)
         sampling = SamplingParams(temperature=0.0, max_new_tokens=self.args.long_tokens, ignore_eos=True, n=2)
         requests = self.requests(self.prompts[:2])
@@ -1343,7 +1359,18 @@ def main(argv=None) -> int:
                     help="keep SGLang's radix cache (default off: on this CPU route a repeated batch took ~12 s "
                          "with it, 2-3 s without)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", nargs="+", default=ALL_STEPS, choices=ALL_STEPS, metavar="STEP",
+                    help=f"the checks to run, in this order (default all): {' '.join(ALL_STEPS)}")
+    ap.add_argument("--against-double", action="store_true",
+                    help="serve CI's protocol stand-in (tests/rollout/sglang_double, SGLang's command line) instead "
+                         "of real SGLang, with this python: every check of this harness runs where SGLang is not "
+                         "installed (tests/tools/test_sglang_harness.py), so the harness cannot rot between real runs")
     args = ap.parse_args(argv)
+    if "generation" not in args.steps:  # the first generation's log-probs are what the weight checks restore
+        args.steps.insert(0, "generation")
+    if args.against_double:
+        args.sglang_python = sys.executable
+        SERVER_PYTHONPATH.insert(0, str(DOUBLE))
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -1378,12 +1405,11 @@ def main(argv=None) -> int:
         probe.close()
 
         checks = Checks(report, server, server.model, args)
-        steps = [("generation", None), ("weights_check", None), ("long_prompts", None), ("aborted_rows_retried", None), ("seeded", None), ("disk_updates", "first"), ("sharded_disk", "first"),
-                 ("router", None), ("control", None),
-                 ("abort_flush_pause", None), ("tensor_updates", "first"), ("tensor_transport", "first"),
-                 ("distributed_updates", "first")]
         first = None
-        for name, needs in steps:
+        for name, needs in SERVER_STEPS:
+            if name not in args.steps:
+                continue
+            report.step = name
             if not server.alive():
                 report.check(f"{name}: server alive", False, f"the server died; log tail:\n{server.log_tail()}")
                 break
@@ -1401,25 +1427,33 @@ def main(argv=None) -> int:
         report.log("not called: release/resume_memory_occupation (on CPU SGLang calls CUDA synchronize there: "
                    "the scheduler dies and the server goes down); get_weights_by_name (missing for Qwen2)")
         checks.engine.close()
+        report.step = "unavailable_503"
         try:
-            unavailable_503(report, server.model, args)
+            if "unavailable_503" in args.steps:
+                unavailable_503(report, server.model, args)
         except Exception as exc:  # noqa: BLE001
             report.check("503 check ran without an error", False, f"{type(exc).__name__}: {exc}")
+        report.step = "standin_fidelity"
         try:
-            standin_fidelity(report, server.model)
+            if "standin_fidelity" in args.steps:
+                standin_fidelity(report, server.model)
         except Exception as exc:  # noqa: BLE001
             report.check("stand-in comparison ran without an error", False, f"{type(exc).__name__}: {exc}")
+        report.step = "fixture_still_holds"
         try:
-            fixture_still_holds(report, server)
+            if "fixture_still_holds" in args.steps:
+                fixture_still_holds(report, server)
         except Exception as exc:  # noqa: BLE001
             report.check("the recorded replies re-sent without an error", False, f"{type(exc).__name__}: {exc}")
         for transport in ([] if args.skip_e2e else args.e2e_transports):
+            report.step = f"e2e-{transport}"
             if not server.alive():
                 break
             try:
                 run_e2e(report, server, server.model, args, transport)
             except Exception as exc:  # noqa: BLE001
                 report.check(f"e2e ({transport}) ran without an error", False, f"{type(exc).__name__}: {exc}")
+        report.step = "end"
         report.check("server alive at the end", server.alive(), "" if server.alive() else server.log_tail())
     finally:
         server.stop()
