@@ -41,6 +41,43 @@ def torchrun(script: str | os.PathLike, nproc: int, args: list[str] | None = Non
     return proc
 
 
+HARNESS = REPO / "tests" / "dist" / "harness.py"
+
+
+def run_jobs(nproc: int, jobs: list[tuple[str, list]], timeout: float = 600, env: dict | None = None,
+             spec_dir: str | os.PathLike | None = None, plain: bool = False) -> subprocess.CompletedProcess:
+    """One torchrun launch of ``nproc`` ranks running ``jobs`` in order through ``tests/dist/harness.py``: each
+    ``(name, argv)`` is a job registered in its ``JOBS`` table (a worker of ``tests/dist/scripts``). Between
+    jobs the harness releases every process group but the default one and fails the launch if a rank holds
+    more threads than its bound. ``plain``: one process without torchrun (``nproc`` must be 1). Raises with
+    the output on failure, as :func:`torchrun`."""
+    import tempfile
+
+    fd, spec = tempfile.mkstemp(prefix="jobs_", suffix=".json", dir=spec_dir)
+    with os.fdopen(fd, "w") as fh:
+        json.dump([{"job": name, "argv": [str(a) for a in argv]} for name, argv in jobs], fh)
+    try:
+        if plain:
+            assert nproc == 1, "a plain harness process is one rank"
+            full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+            for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                full_env.pop(var, None)
+            proc = subprocess.run([sys.executable, str(HARNESS), spec], cwd=REPO, env=full_env, capture_output=True,
+                                  text=True, timeout=timeout)
+            if proc.returncode != 0:
+                raise AssertionError(f"harness {spec} failed with {proc.returncode}\n--- stdout ---\n"
+                                     f"{proc.stdout[-8000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+        else:
+            proc = torchrun(HARNESS, nproc, [spec], timeout=timeout, env=env)
+        assert os.path.exists(spec + ".done"), f"the harness ended without finishing its jobs:\n{proc.stdout[-4000:]}"
+        return proc
+    finally:
+        for path in (spec, spec + ".done"):
+            if os.path.exists(path):
+                os.remove(path)
+
+
 # ---- the CPU demo's files, built once per test process --------------------------------------------------
 
 _DEMO_TEMPLATE: dict[str, str] = {}

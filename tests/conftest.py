@@ -10,34 +10,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import megatron_rl.compat  # noqa: E402,F401  (before any test imports megatron-core: its cheap first import)
 from megatron_rl.models.hf_tiny import FAMILIES, build_tiny_hf_model  # noqa: E402
 
-# The heaviest test files, heaviest first (seconds of each file on the 2-core CI machine, from a junit run of the
-# suite and scripts/test.sh's --durations log). scripts/test.sh runs two xdist workers that take whole files
-# (--dist loadfile) in collection order (--no-loadscope-reorder; xdist's default order is by number of tests,
-# which put these few-test, minute-long files LAST, so one worker could finish one alone while the other
-# idled). Longest first, the run ends on many short files. Files not listed keep pytest's order after these.
-HEAVY_FIRST = (
-    "tests/e2e/test_demo.py", "tests/e2e/test_resume.py", "tests/e2e/test_sglang_launched.py",
-    "tests/e2e/test_signals.py", "tests/e2e/test_async_full.py", "tests/dist/test_fsdp_backend.py",
-    "tests/dist/test_check_parity_tool.py", "tests/rollout/test_sglang_launcher.py", "tests/dist/test_backend.py",
-    "tests/convert/test_convert_roundtrip.py", "tests/dist/test_parity_layouts.py", "tests/dist/test_frozen_weights.py",
-    "tests/dist/test_checkpoint_resume_layouts.py", "tests/dist/test_convert_layouts.py",
-    "tests/e2e/test_custom_advantage.py", "tests/dist/test_optimizer_offload.py", "tests/dist/test_checkpoint_resume.py",
-    "tests/e2e/test_sglang_distributed.py", "tests/dist/test_critic.py", "tests/e2e/test_agent_demo.py",
-    "tests/e2e/test_async_one_step.py", "tests/ops/test_cpu_ext.py", "tests/config/test_train_startup_errors.py",
-    "tests/dist/test_lora_layouts.py", "tests/rollout/test_agent_manager.py", "tests/dist/test_cp_attention.py",
-    "tests/dist/test_routing_replay.py", "tests/e2e/test_fresh_start.py", "tests/tools/test_check_env.py",
-    "tests/convert/test_convert.py", "tests/e2e/test_save_root.py", "tests/tools/test_gpu_steps.py",
-    "tests/rollout/test_embedded.py", "tests/ops/test_triton_kernels.py", "tests/dist/test_engine_replicas.py",
-    "tests/dist/test_data_movement.py", "tests/e2e/test_launch_scripts.py", "tests/convert/test_streaming_save.py",
-    "tests/dist/test_reloadable_groups.py", "tests/e2e/test_agent_e2e.py", "tests/rollout/test_embedded_server.py",
-    "tests/dist/test_sglang_tensor_ranks.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """``HEAVY_FIRST`` first (a stable sort: the other files, and every file's own tests, keep their order)."""
-    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+# the tiers, their time budget and the order of the files (tests/_tiers.py); launches shared across files
+# (tests/_launches.py)
+pytest_plugins = ["_tiers", "_launches"]
 
 
 # torch.distributed's variables as the session began: a test that leaves one behind would hand its port

@@ -72,6 +72,7 @@ def test_domain_notation():
             Domain.parse(bad)
 
 
+@pytest.mark.e2e
 def test_dry_run_refuses_nan_before_printing_a_plan(hf_dir):
     """--dry-run used to call ``--lr nan`` VALID; it is the same validation, one line, exit 2."""
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", hf_dir, "--dry-run",

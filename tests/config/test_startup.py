@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 
 def test_help_and_flag_errors_do_not_import_torch(tmp_path):
     code = ("import sys\n"

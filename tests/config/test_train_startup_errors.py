@@ -12,7 +12,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from _util import REPO, free_port
+
+pytestmark = pytest.mark.e2e
 
 
 def _start_training(hf, tmp_path) -> subprocess.CompletedProcess:

@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_rl.models.hf_tiny import FAMILIES
 
-from test_convert import REPO, _tensors, assert_same_tensors
+from _util import run_jobs
+from test_convert import _tensors, assert_same_tensors
 
-WORKER = os.path.join(REPO, "tests", "dist", "scripts", "convert_worker.py")
-
+pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def roundtrip(tmp_path_factory):
+    """Job ``convert --mode roundtrip`` of tests/dist/harness.py in one plain process (no torchrun)."""
     out = tmp_path_factory.mktemp("convert_rt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     families = ["llama"] + [f for f in FAMILIES if f != "llama"]  # llama first: also the bf16 case
-    p = subprocess.run([sys.executable, WORKER, "--mode", "roundtrip", "--out", str(out), "--family", *families],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    run_jobs(1, [("convert", ["--mode", "roundtrip", "--out", out, "--family", *families])], timeout=900, plain=True)
     return json.load(open(out / "results.json"))
 
 
@@ -44,7 +40,6 @@ def _logits(hf_dir):
         return model(input_ids=ids).logits
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_round_trip_bit_exact_and_same_logits(roundtrip, fam):
     r = roundtrip[fam]
@@ -55,7 +50,6 @@ def test_round_trip_bit_exact_and_same_logits(roundtrip, fam):
     assert torch.equal(_logits(r["hf"]), _logits(r["back"]))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_streaming_writer_equals_megatron_save(roundtrip, fam):
     """HF -> torch_dist never holds the model, yet writes what dist_checkpointing.save of the
@@ -63,7 +57,6 @@ def test_streaming_writer_equals_megatron_save(roundtrip, fam):
     assert roundtrip[fam]["vs_megatron_save"] == []
 
 
-@pytest.mark.slow
 def test_tied_embeddings_round_trip(roundtrip):
     r = roundtrip["tied"]
     assert r["vs_megatron_save"] == []
@@ -71,14 +64,12 @@ def test_tied_embeddings_round_trip(roundtrip):
     assert "lm_head.weight" not in _tensors(r["back"])
 
 
-@pytest.mark.slow
 def test_streaming_writer_small_buckets_still_equal_megatron_save(roundtrip):
     r = roundtrip["small_buckets"]
     assert r["files"] >= 5  # --bucket-size 20KB split the rank's data into many files
     assert r["vs_megatron_save"] == []
 
 
-@pytest.mark.slow
 def test_dtype_conversion_is_the_cast(roundtrip):
     r = roundtrip["bf16"]
     assert_same_tensors(r["hf"], r["back"], cast=torch.bfloat16)
@@ -90,7 +81,6 @@ def test_dtype_conversion_is_the_cast(roundtrip):
         assert back32[n].dtype == torch.float32 and torch.equal(back32[n], t.bfloat16().float()), n
 
 
-@pytest.mark.slow
 def test_dist_to_hf_refusals_name_what_differs(roundtrip):
     ref = roundtrip["refusals"]
     assert "hidden_size: checkpoint 64 vs config 32" in ref["fingerprint"]

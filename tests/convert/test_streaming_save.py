@@ -81,7 +81,6 @@ def test_for_chunks_refuses_a_materialised_model():
         StorageIndex.for_chunks([torch.nn.Linear(2, 2)], lambda p: p)
 
 
-@pytest.mark.slow
 def test_hf_to_dist_peak_memory_is_largest_tensor_plus_bucket(tmp_path):
     """The conversion never holds the model: its RSS high-water mark above the import floor
     stays under the largest tensor + one bucket + a fixed allowance, far below the model."""

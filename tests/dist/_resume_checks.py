@@ -9,11 +9,10 @@ layout-specific checks on what it returns.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_worker.py")
+JOB = "ckpt"  # tests/dist/scripts/ckpt_worker.py through tests/dist/harness.py
 SKIP = {"train/step_time_s"}  # wall time: the only metric allowed to differ
 
 

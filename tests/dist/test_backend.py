@@ -17,9 +17,11 @@ import sys
 import pytest
 import torch
 
-from _util import check_logprobs_against_hf, torchrun
+from _util import check_logprobs_against_hf
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "backend_worker.py")
+pytestmark = pytest.mark.dist
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 LAYOUTS = ["", "--tensor-model-parallel-size=2", "--pipeline-model-parallel-size=2", "--context-parallel-size=2",
            "--pipeline-model-parallel-size=2,--virtual-pipeline-model-parallel-size=2",
            "--use-distributed-optimizer",
@@ -42,25 +44,38 @@ GROUPS_TWINS = {layout + GROUPS: layout for layout in
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
 
 
-def _launch(tmp_path_factory, hf, name, layouts_by_nproc, single=()):
-    """One single-process reference run (plus the ``single`` layouts, same launch) plus one launch per rank
-    count; results of all layouts."""
-    ref_dir = tmp_path_factory.mktemp(f"{name}_ref")
-    par_dir = tmp_path_factory.mktemp(f"{name}_par")
-    torchrun(SCRIPT, 1, [hf, str(ref_dir), "", *single], timeout=600)
-    par = {}
-    for nproc, layouts in layouts_by_nproc.items():
-        torchrun(SCRIPT, nproc, [hf, str(par_dir), *layouts], timeout=900)
-        par.update(json.load(open(par_dir / f"results_w{nproc}.json")))
-    ref = json.load(open(ref_dir / "results_w1.json"))["base"]
-    return hf, ref, ref_dir, par, par_dir
+def shared_launch(ctx):
+    """The dense (qwen2) and MoE (qwen3_moe) models' runs (tests/_launches.py): the single-process references
+    (plus the MoE's ``--enable-mtp-training`` one-process layout) and every parallel layout, in the group's
+    launches. {name: (hf, reference record, reference dir, {layout: record}, parallel dir)}."""
+    training = mtp_training_layout(ctx.tiny_hf_models)
+    models = {
+        "dense": (ctx.tiny_hf_models("qwen2"), (),
+                  {2: LAYOUTS + BF16_LAYOUTS + list(GROUPS_TWINS.values()) + list(GROUPS_TWINS),
+                   4: FOUR_RANK_LAYOUTS}),
+        "moe": (ctx.tiny_hf_models("qwen3_moe"), (training,),
+                {2: MOE_LAYOUTS + [mtp_layout(ctx.tiny_hf_models), training + ",--pipeline-model-parallel-size=2"]}),
+    }
+    mk = ctx.tmp_path_factory.mktemp
+    dirs = {name: (mk(f"{name}_ref"), mk(f"{name}_par")) for name in models}
+    jobs = {1: [("backend", [hf, dirs[name][0], "", *single]) for name, (hf, single, _) in models.items()]}
+    for name, (hf, _, by_nproc) in models.items():
+        for nproc, layouts in by_nproc.items():
+            jobs.setdefault(nproc, []).append(("backend", [hf, dirs[name][1], *layouts]))
+    yield jobs
+    out = {}
+    for name, (hf, _, by_nproc) in models.items():
+        ref_dir, par_dir = dirs[name]
+        par = {}
+        for nproc in by_nproc:
+            par.update(json.load(open(par_dir / f"results_w{nproc}.json")))
+        out[name] = (hf, json.load(open(ref_dir / "results_w1.json"))["base"], ref_dir, par, par_dir)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
-    return _launch(tmp_path_factory, tiny_hf_models("qwen2"), "dense",
-                   {2: LAYOUTS + BF16_LAYOUTS + list(GROUPS_TWINS.values()) + list(GROUPS_TWINS),
-                    4: FOUR_RANK_LAYOUTS})
+def runs(shared_launch_state):
+    return shared_launch_state["dense"]
 
 
 def mtp_layout(tiny_hf_models):
@@ -71,11 +86,8 @@ def mtp_layout(tiny_hf_models):
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory, tiny_hf_models):
-    training = mtp_training_layout(tiny_hf_models)
-    return _launch(tmp_path_factory, tiny_hf_models("qwen3_moe"), "moe",
-                   {2: MOE_LAYOUTS + [mtp_layout(tiny_hf_models), training + ",--pipeline-model-parallel-size=2"]},
-                   single=[training])
+def moe_runs(shared_launch_state):
+    return shared_launch_state["moe"]
 
 
 def mtp_training_layout(tiny_hf_models):
@@ -85,7 +97,6 @@ def mtp_training_layout(tiny_hf_models):
             "--mtp-loss-scaling-factor=0.5")
 
 
-@pytest.mark.slow
 def test_mtp_training_loss_matches_the_reference_and_trains_only_with_the_flag(moe_runs, tiny_hf_models):
     """--enable-mtp-training: the first step's train/mtp_loss (at the checkpoint's weights) equals the MTP
     loss computed from transformers' modules (tests/_mtp_reference.py) within 1e-5; the MTP layers then
@@ -100,7 +111,6 @@ def test_mtp_training_loss_matches_the_reference_and_trains_only_with_the_flag(m
     assert mtp["checkpoint_round_trip"] and mtp["names_equal"] and mtp["main_moved"] and mtp["copies_follow_main"], mtp
 
 
-@pytest.mark.slow
 def test_mtp_training_at_pp2_matches_one_process(moe_runs, tiny_hf_models):
     """--enable-mtp-training with the MTP block on the last of 2 pipeline stages: every step's metrics
     (train/mtp_loss, grad norm), the synced weights and the trained MTP layer equal the single process's."""
@@ -122,7 +132,6 @@ def test_mtp_training_at_pp2_matches_one_process(moe_runs, tiny_hf_models):
     assert len(t0) > 20 and set(t0) == set(t1) and max((t0[n] - t1[n]).abs().max().item() for n in t0) < 2e-5
 
 
-@pytest.mark.slow
 def test_mtp_layers_stay_frozen_through_training_and_leave_the_weight_sync(moe_runs, tiny_hf_models):
     """--mtp-num-layers at PP2: three train steps move the model but not the MTP layers (no gradient, no
     optimizer state); the weight sync sends no MTP tensor; the full export keeps them, with the MTP layer's
@@ -140,7 +149,7 @@ def test_mtp_layers_stay_frozen_through_training_and_leave_the_weight_sync(moe_r
 
 
 def test_reference_logprobs_match_hf(runs):
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+    sys.path.insert(0, SCRIPTS)
     from backend_worker import make_samples
 
     hf, ref, *_ = runs
@@ -173,13 +182,11 @@ def _compare(ref, ref_dir, par, par_dir, layout):
     assert max((first[n] - last[n]).abs().max().item() for n in first) > 1e-3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS + FOUR_RANK_LAYOUTS)
 def test_layout_matches_single_process(runs, layout):
     _compare(*runs[1:], layout)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(GROUPS_TWINS))
 def test_groups_torn_down_between_steps_train_bit_for_bit(runs, layout):
     """Every process group destroyed and rebuilt before each of the 3 steps (the colocated loop's
@@ -198,7 +205,6 @@ def test_groups_torn_down_between_steps_train_bit_for_bit(runs, layout):
         assert "is destroyed while the trainer sleeps (--offload-train-groups)" in cycle["error"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_layout_matches_single_process(moe_runs, layout):
     _compare(*moe_runs[1:], layout)
@@ -209,7 +215,6 @@ def test_moe_layout_matches_single_process(moe_runs, layout):
     assert all(".mlp.experts." in n for n in names[first_expert:]), names
 
 
-@pytest.mark.slow
 def test_bf16_training_tracks_fp32_and_is_layout_independent(runs):
     _, ref, ref_dir, par, par_dir = runs
     plain, distopt = (par[k] for k in BF16_LAYOUTS)
@@ -233,7 +238,6 @@ def test_bf16_training_tracks_fp32_and_is_layout_independent(runs):
     assert distopt["steps"][-1]["metrics"]["train/update_skipped"] == 0.0
 
 
-@pytest.mark.slow
 def test_each_data_parallel_rank_keeps_the_log_probs_it_trains_on(runs):
     """The owner-aligned forward (``plan_rollout`` + ``owned_only``): every rank holds exactly its DP
     rank's samples, bitwise the values a full gather of the same plan gives, None for the others;
@@ -250,7 +254,6 @@ def test_each_data_parallel_rank_keeps_the_log_probs_it_trains_on(runs):
         assert sorted(shares) == list(range(6)), (layout, by_dp)
 
 
-@pytest.mark.slow
 def test_forward_only_passes_compute_no_entropy(runs):
     """The old/ref log-prob passes ask the log-prob op for log-probs alone (entropy is an extra pass
     over the vocab that they would throw away); the training steps ask for entropy (their loss and

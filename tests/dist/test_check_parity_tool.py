@@ -17,6 +17,8 @@ import pytest
 
 from _util import REPO, torchrun
 
+pytestmark = pytest.mark.dist
+
 TOOL = os.path.join(REPO, "tools", "check_parity.py")
 
 # CP and PP + virtual PP through the tool run in scripts/test_extended.sh (the suite's budget): their numerics
@@ -36,7 +38,6 @@ def _run(hf, args, nproc=2):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family,args", CASES,
                          ids=[f"{f}:{' '.join(a)}" for f, a in (getattr(c, "values", c) for c in CASES)])
 def test_tool_reports_parity(tiny_hf_models, family, args):
@@ -47,7 +48,6 @@ def test_tool_reports_parity(tiny_hf_models, family, args):
     assert out["family"] == family and out["world_size"] == 2
 
 
-@pytest.mark.slow
 def test_tool_fails_above_tolerance_and_refuses_bad_layout(tiny_hf_models):
     import subprocess
     import sys

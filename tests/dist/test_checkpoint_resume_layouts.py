@@ -23,10 +23,11 @@ import json
 import pytest
 import torch
 
-from _resume_checks import SCRIPT, assert_resume_bitwise, untimed
+from _resume_checks import JOB, assert_resume_bitwise, untimed
 from _resume_checks import job as _job
 from _resume_checks import rec as _rec
-from _util import torchrun
+
+pytestmark = pytest.mark.dist
 
 LAYOUTS = {  # name: (ranks, flags)
     "tp2dp2_do": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
@@ -34,22 +35,30 @@ LAYOUTS = {  # name: (ranks, flags)
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
-    hf = tiny_hf_models("qwen2")
-    out = tmp_path_factory.mktemp("ckpt_layouts")
+def shared_launch(ctx):
+    """Two phases of the group's launches (tests/_launches.py): straight + saving runs, then the resumes in
+    fresh processes; the output dir."""
+    hf = ctx.tiny_hf_models("qwen2")
+    out = ctx.tmp_path_factory.mktemp("ckpt_layouts")
+    saves = {name: str(out / f"root_{name}" / "iter_0000002") for name in LAYOUTS}
+    yield {nproc: [(JOB, [hf, out, _job(tag=f"straight_{name}", flags=flags, steps=4),
+                          _job(tag=f"save_{name}", flags=flags, steps=2, save=saves[name])])]
+           for name, (nproc, flags) in LAYOUTS.items()}
+    resumes = {}
     for name, (nproc, flags) in LAYOUTS.items():
-        save = str(out / f"root_{name}" / "iter_0000002")
-        torchrun(SCRIPT, nproc, [hf, str(out), _job(tag=f"straight_{name}", flags=flags, steps=4),
-                                 _job(tag=f"save_{name}", flags=flags, steps=2, save=save)], timeout=400)
-        jobs = [_job(tag=f"resume_{name}", flags=flags, steps=2, load=save)]
+        jobs = [_job(tag=f"resume_{name}", flags=flags, steps=2, load=saves[name])]
         if name == "pp2":
-            jobs.append(_job(tag="pp2_longer", flags=flags + ["--num-rollout", "20"], steps=1, load=save))
-        torchrun(SCRIPT, nproc, [hf, str(out), *jobs], timeout=400)
+            jobs.append(_job(tag="pp2_longer", flags=flags + ["--num-rollout", "20"], steps=1, load=saves[name]))
+        resumes[nproc] = [(JOB, [hf, out, *jobs])]
+    yield resumes
     return out
 
 
-@pytest.mark.slow
+@pytest.fixture(scope="module")
+def runs(shared_launch_state):
+    return shared_launch_state
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_resume_is_bitwise_exact(runs, layout):
     out = runs
@@ -71,7 +80,6 @@ def test_resume_is_bitwise_exact(runs, layout):
     assert all(s < total for s in sizes), (sizes, total)
 
 
-@pytest.mark.slow
 def test_resume_with_longer_run_follows_the_new_schedule(runs):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

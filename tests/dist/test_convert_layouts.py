@@ -16,19 +16,26 @@ import os
 import pytest
 import torch
 
-from _util import REPO, read_json, torchrun
+from _util import read_json
 
-WORKER = REPO / "tests" / "dist" / "scripts" / "convert_worker.py"
+pytestmark = pytest.mark.dist
+
 # glm4_moe adds shared experts and the router's expert_bias buffer; mixtral only renames qwen3_moe's
 # tensors (tests/convert round-trips it in one process, tests/dist/test_parity_layouts exports it at EP2);
 # qwen3_next's gated delta-net shards its own parameters (conv_weight, A_log, dt_bias) over TP
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "qwen3_next")
 
 
-@pytest.mark.slow
-def test_torch_dist_reshards_across_layouts(tmp_path):
-    torchrun(WORKER, 2, ["--mode", "layouts", "--out", str(tmp_path), "--family", "llama", *MOE_FAMILIES, "--mtp"],
-             timeout=900)
+def shared_launch(ctx):
+    """One 2-rank job in the group's launch (tests/_launches.py): every family converted at TP1/TP2 (EP2,
+    PP2) and exported back at the other layouts; its output dir."""
+    out = ctx.tmp_path_factory.mktemp("convert_layouts")
+    yield {2: [("convert", ["--mode", "layouts", "--out", out, "--family", "llama", *MOE_FAMILIES, "--mtp"])]}
+    return out
+
+
+def test_torch_dist_reshards_across_layouts(shared_launch_state):
+    tmp_path = shared_launch_state
     res = read_json(tmp_path / "results.json")
     assert set(res) == {"llama", *MOE_FAMILIES, "glm4_moe_mtp"}
     # a checkpoint's MTP layer (--mtp-num-layers): written at PP2 (MTP block on the last stage), exported at TP2/TP1

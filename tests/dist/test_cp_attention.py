@@ -9,17 +9,27 @@ gather_packed_from_cp reassembly.
 
 import pytest
 
-from _util import REPO, read_json, torchrun
+from _util import read_json
 
-SCRIPT = REPO / "tests" / "dist" / "scripts" / "cp_attention_worker.py"
+pytestmark = pytest.mark.dist
+
 TOL = 1e-6  # fp32 CP module vs exact fp64 eager reference (values peak at ~2-5)
 TOL64 = 1e-12  # fp64 CP module vs the fp64 single-process module
 
 
-def _run(tmp_path, nproc, tp, cp):
-    torchrun(SCRIPT, nproc, [str(tmp_path), str(tp), str(cp)], timeout=240)
+CASES = {"cp2": (2, 1, 2), "tp2_cp2": (4, 2, 2)}  # name: (ranks, tp, cp)
+
+
+def shared_launch(ctx):
+    """One job per case in the group's launches (tests/_launches.py); the output dir of each."""
+    dirs = {name: ctx.tmp_path_factory.mktemp(f"cp_attention_{name}") for name in CASES}
+    yield {nproc: [("cp_attention", [dirs[name], tp, cp])] for name, (nproc, tp, cp) in CASES.items()}
+    return dirs
+
+
+def _check(out, nproc):
     for rank in range(nproc):
-        results = read_json(tmp_path / f"rank{rank}.json")
+        results = read_json(out / f"rank{rank}.json")
         errors = {k: v for k, v in results.items() if k != "seconds" and "#" not in k}
         assert len(errors) == 4 * 9 + 4, sorted(errors)  # 4 THD cases x 9 checks + SBHD x 4
         fp32 = {k: v for k, v in errors.items() if "fp64" not in k}
@@ -28,11 +38,9 @@ def _run(tmp_path, nproc, tp, cp):
         assert max(fp64.values()) <= TOL64, {k: v for k, v in fp64.items() if v > TOL64}
 
 
-@pytest.mark.slow
-def test_cp2_matches_single_process(tmp_path):
-    _run(tmp_path, 2, tp=1, cp=2)
+def test_cp2_matches_single_process(shared_launch_state):
+    _check(shared_launch_state["cp2"], 2)
 
 
-@pytest.mark.slow
-def test_tp2_cp2_matches_single_process(tmp_path):
-    _run(tmp_path, 4, tp=2, cp=2)
+def test_tp2_cp2_matches_single_process(shared_launch_state):
+    _check(shared_launch_state["tp2_cp2"], 4)

@@ -21,7 +21,8 @@ import json
 import pytest
 import torch
 
-from _util import torchrun
+pytestmark = pytest.mark.dist
+
 
 STEPS = [False, True, True]
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -47,11 +48,9 @@ def _rec(out, tag) -> dict:
         return json.load(f)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
-    import os
-
-    script = os.path.join(os.path.dirname(__file__), "scripts", "critic_worker.py")
+def shared_launch(ctx):
+    """One 1-rank and one 2-rank launch of critic jobs (tests/_launches.py); the output dir."""
+    tmp_path_factory, tiny_hf_models = ctx.tmp_path_factory, ctx.tiny_hf_models
     hf = tiny_hf_models("qwen2")
     out = tmp_path_factory.mktemp("critic_out")
     save, pp_save = str(out / "root" / "iter_0000002"), str(out / "root_pp" / "iter_0000002")
@@ -59,7 +58,7 @@ def runs(tmp_path_factory, tiny_hf_models):
     lora_save = str(out / "root_lora" / "iter_0000002")
     other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
     dist_dir = str(out / "other_dist")
-    torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="save", steps=STEPS[:2], save=save),
+    one = [("critic", [hf, out, _job(tag="ref", steps=STEPS), _job(tag="save", steps=STEPS[:2], save=save),
                          _job(tag="resume", steps=STEPS[2:], load=save),
                          # the critic's trunk from --critic-hf-checkpoint / --critic-load (other weights than the
                          # actor's) equals a critic built from an actor that starts from those weights
@@ -71,9 +70,8 @@ def runs(tmp_path_factory, tiny_hf_models):
                          # LoRA: the actor's adapters and the critic's own (its head trains in full)
                          _job(tag="lora", steps=STEPS, flags=LORA),
                          _job(tag="lora_save", steps=STEPS[:2], save=lora_save, flags=LORA),
-                         _job(tag="lora_resume", steps=STEPS[2:], load=lora_save, flags=LORA)],
-             timeout=400)
-    torchrun(script, 2, [hf, str(out),
+                         _job(tag="lora_resume", steps=STEPS[2:], load=lora_save, flags=LORA)])]
+    two = [("critic", [hf, out,
                          _job(tag="tp", steps=STEPS, flags=["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                          _job(tag="dp", steps=STEPS, flags=["--use-distributed-optimizer"]),
                          _job(tag="pp", steps=STEPS, flags=PP2),
@@ -88,8 +86,14 @@ def runs(tmp_path_factory, tiny_hf_models):
                          _job(tag="own_cp", steps=STEPS, flags=OWN_CP),
                          _job(tag="own_vpp", steps=STEPS, flags=OWN_VPP),
                          _job(tag="lora_tp", steps=STEPS, flags=LORA + ["--tensor-model-parallel-size", "2",
-                                                                        "--sequence-parallel"])], timeout=600)
+                                                                        "--sequence-parallel"])])]
+    yield {1: one, 2: two}
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch_state):
+    return shared_launch_state
 
 
 def test_critic_only_step_leaves_the_actor_and_reports_no_train_metrics(runs):

@@ -8,18 +8,21 @@ rank raise (no rank left waiting in a collective).
 """
 
 import json
-import os
 
 import pytest
 
-from _util import torchrun
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "data_movement_worker.py")
+pytestmark = pytest.mark.dist
 
 
-@pytest.mark.slow
-def test_broadcast_and_gather_on_four_ranks(tmp_path):
-    torchrun(SCRIPT, 4, [str(tmp_path)], timeout=300)
+def shared_launch(ctx):
+    """One 4-rank job in the group's launch (tests/_launches.py); its output dir."""
+    out = ctx.tmp_path_factory.mktemp("data_movement")
+    yield {4: [("data_movement", [out])]}
+    return out
+
+
+def test_broadcast_and_gather_on_four_ranks(shared_launch_state):
+    tmp_path = shared_launch_state
     for rank in range(4):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["broadcast_equal"], rank

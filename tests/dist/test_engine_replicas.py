@@ -17,16 +17,19 @@ import json
 
 import pytest
 
-from _util import torchrun
+pytestmark = pytest.mark.dist
 
-SCRIPT = __file__.replace("test_engine_replicas.py", "scripts/replicas_worker.py")
+
+def shared_launch(ctx):
+    """One 3-rank job in the group's launch (tests/_launches.py); every rank's record."""
+    out = ctx.tmp_path_factory.mktemp("replicas")
+    yield {3: [("replicas", [ctx.tiny_hf_models("qwen2"), out])]}
+    return [json.load(open(out / f"rank{r}.json")) for r in range(3)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tiny_hf_models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("replicas")
-    torchrun(SCRIPT, 3, [tiny_hf_models("qwen2"), str(out)], timeout=300)
-    return [json.load(open(out / f"rank{r}.json")) for r in range(3)]
+def ranks(shared_launch_state):
+    return shared_launch_state
 
 
 # A part is a smaller batch than the whole call, and CPU GEMMs need not give a row the same bits at

@@ -12,29 +12,50 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from _util import REPO, hf_response_logprobs, loss_token_error, torchrun
+from _util import REPO, hf_response_logprobs, loss_token_error
 from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "frozen_worker.py")
+pytestmark = pytest.mark.dist
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
-@pytest.mark.slow
-def test_ref_and_teacher_tags_from_hf_and_torch_dist(tmp_path):
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+def _convert(hf, out, *extra):
+    conv = subprocess.run([sys.executable, "tools/convert_ckpt.py", "hf-to-dist", "--input", hf, "--output", str(out),
+                           "--no-progress", *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+
+
+def shared_launch(ctx):
+    """Four random models (actor, reference, teacher, start) and two converted to torch_dist with
+    tools/convert_ckpt.py, then three 2-rank jobs of scripts/frozen_worker.py in the group's launch
+    (tests/_launches.py). The paths by name."""
+    tmp = ctx.tmp_path_factory.mktemp("frozen")
+    p = {name: build_tiny_hf_model("qwen2", tmp / name, seed=seed)
+         for name, seed in (("actor", 0), ("ref", 1), ("teacher_hf", 2), ("start_hf", 5))}
+    p.update(teacher_dist=str(tmp / "teacher_dist"), start_dist=str(tmp / "start_dist"), tags=tmp / "out.json",
+             init=tmp / "init.json", init_ref=tmp / "init_ref.json")
+    _convert(p["teacher_hf"], p["teacher_dist"])
+    _convert(p["start_hf"], p["start_dist"], "--dtype", "bfloat16")
+    yield {2: [("frozen", [p["actor"], p["ref"], p["teacher_dist"], p["tags"]]),
+               ("frozen", ["--init", p["actor"], p["start_dist"], p["init"]]),
+               # the same run started from start_hf itself (bf16 params are the same values as the bf16 dir)
+               ("frozen", ["--init", p["start_hf"], "-", p["init_ref"]])]}
+    return p
+
+
+@pytest.fixture(scope="module")
+def paths(shared_launch_state):
+    return shared_launch_state
+
+
+def test_ref_and_teacher_tags_from_hf_and_torch_dist(paths):
+    sys.path.insert(0, SCRIPTS)
     from backend_worker import make_samples
 
-    actor = build_tiny_hf_model("qwen2", tmp_path / "actor", seed=0)
-    ref = build_tiny_hf_model("qwen2", tmp_path / "ref", seed=1)
-    teacher_hf = build_tiny_hf_model("qwen2", tmp_path / "teacher_hf", seed=2)
-    conv = subprocess.run([sys.executable, "tools/convert_ckpt.py", "hf-to-dist", "--input", teacher_hf,
-                           "--output", str(tmp_path / "teacher_dist"), "--no-progress"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert conv.returncode == 0, conv.stderr[-3000:]
-    out = tmp_path / "out.json"
-    torchrun(SCRIPT, 2, [actor, ref, str(tmp_path / "teacher_dist"), str(out)], timeout=600)
-    got = json.loads(out.read_text())
+    actor, ref, teacher_hf = paths["actor"], paths["ref"], paths["teacher_hf"]
+    got = json.loads(paths["tags"].read_text())
     samples = make_samples(250)
     for key, path in [("actor", actor), ("ref", ref), ("teacher", teacher_hf), ("actor_again", actor)]:
         worst = loss_token_error(hf_response_logprobs(path, samples), got[key], samples)
@@ -44,24 +65,14 @@ def test_ref_and_teacher_tags_from_hf_and_torch_dist(tmp_path):
     assert abs(got["ref"][0][0] - got["teacher"][0][0]) > 1e-3
 
 
-@pytest.mark.slow
-def test_load_of_a_converted_model_dir_gives_the_initial_weights(tmp_path):
+def test_load_of_a_converted_model_dir_gives_the_initial_weights(paths):
     """--load of a model-only torch_dist dir (convert_ckpt.py hf-to-dist) initialises the policy from
     it, not from --hf-checkpoint, in bf16 at TP2, and a train step from there moves the weights."""
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+    sys.path.insert(0, SCRIPTS)
     from backend_worker import make_samples
 
-    actor = build_tiny_hf_model("qwen2", tmp_path / "actor", seed=0)
-    start_hf = build_tiny_hf_model("qwen2", tmp_path / "start_hf", seed=5)
-    conv = subprocess.run([sys.executable, "tools/convert_ckpt.py", "hf-to-dist", "--input", start_hf,
-                           "--output", str(tmp_path / "start_dist"), "--no-progress", "--dtype", "bfloat16"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert conv.returncode == 0, conv.stderr[-3000:]
-    out, ref_out = tmp_path / "out.json", tmp_path / "ref.json"
-    torchrun(SCRIPT, 2, ["--init", actor, str(tmp_path / "start_dist"), str(out)], timeout=600)
-    # the same run started from start_hf itself (bf16 params are the same values as the bf16 dir)
-    torchrun(SCRIPT, 2, ["--init", start_hf, "-", str(ref_out)], timeout=600)
-    got, ref = json.loads(out.read_text()), json.loads(ref_out.read_text())
+    start_hf, actor = paths["start_hf"], paths["actor"]
+    got, ref = json.loads(paths["init"].read_text()), json.loads(paths["init_ref"].read_text())
     samples = make_samples(250)
     want_start, want_actor = hf_response_logprobs(start_hf, samples), hf_response_logprobs(actor, samples)
     err = (lambda want, g: loss_token_error(want, g, samples))

@@ -28,9 +28,11 @@ import sys
 import pytest
 import torch
 
-from _util import REPO, check_logprobs_against_hf, torchrun
+from _util import REPO, check_logprobs_against_hf
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_worker.py")
+pytestmark = pytest.mark.dist
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 DP4_RUN = "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24"
 FP16, FP16_OVERFLOW = "fsdp:--fp16,--initial-loss-scale=1024", "fsdp:--fp16"
 DP2_RUNS = ["fsdp", "fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24", "fsdp:--bf16",
@@ -55,8 +57,10 @@ def _random_peft_dir(hf: str, out) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
+def shared_launch(ctx):
+    """Two phases of the group's launches (tests/_launches.py): the DP2 and DP4 runs, then one process
+    (which resumes the DP2 checkpoints)."""
+    tmp_path_factory, tiny_hf_models = ctx.tmp_path_factory, ctx.tiny_hf_models
     hf, moe = tiny_hf_models("qwen2"), tiny_hf_models("qwen3_moe")
     others = [tiny_hf_models(f) for f in OTHER_FAMILIES]
     one, two = tmp_path_factory.mktemp("fsdp_w1"), tmp_path_factory.mktemp("fsdp_w2")
@@ -65,20 +69,25 @@ def runs(tmp_path_factory, tiny_hf_models):
     lora = f"--lora-rank=4,--lora-alpha=8,--lora-load={_random_peft_dir(hf, tmp_path_factory.mktemp('peft'))}"
     # DP2: the runs, a DCP checkpoint after 3 steps (then a 4th step) and a resume from it at DP2, the MoE
     # model, and an overflowing fp16 run that saves its loss scaler
-    torchrun(SCRIPT, 2, [hf, str(two), *DP2_RUNS, f"fsdp:+save={ckpt}", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
-                         f"{FP16_OVERFLOW},+save={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
-                         f"fsdp:{lora},+as=fsdp_lora_saved,+save={lora_ckpt}"], timeout=600)
-    # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
-    torchrun(SCRIPT, 1, [hf, str(one), "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
-                         f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
-                         f"megatron:{lora},+as=megatron_lora",
-                         *[f"{b}:+hf={d},+as={b}_{f}" for f, d in zip(OTHER_FAMILIES, others) for b in ("fsdp", "megatron")]],
-             timeout=600)
+    dp2 = [("fsdp", [hf, two, *DP2_RUNS, f"fsdp:+save={ckpt}", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
+                     f"{FP16_OVERFLOW},+save={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
+                     f"fsdp:{lora},+as=fsdp_lora_saved,+save={lora_ckpt}"])]
     # DP4: uneven shares of the 6 samples (dynamic batching; one sample per micro-batch does not divide)
     four = tmp_path_factory.mktemp("fsdp_w4")
-    torchrun(SCRIPT, 4, [hf, str(four), DP4_RUN], timeout=600)
+    yield {2: dp2, 4: [("fsdp", [hf, four, DP4_RUN])]}
+    # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
+    yield {1: [("fsdp", [hf, one, "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
+                         f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
+                         f"megatron:{lora},+as=megatron_lora",
+                         *[f"{b}:+hf={d},+as={b}_{f}" for f, d in zip(OTHER_FAMILIES, others)
+                           for b in ("fsdp", "megatron")]])]}
     return (hf, json.load(open(one / "results_w1.json")), one, json.load(open(two / "results_w2.json")), two, ckpt,
             moe, ckpt16, json.load(open(four / "results_w4.json")), four, lora_ckpt)
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch_state):
+    return shared_launch_state
 
 
 def _compare(ref, ref_dir, ref_run, rec, rec_dir, run, lp_tol=1e-5, w_tol=2e-5):
@@ -99,7 +108,7 @@ def _compare(ref, ref_dir, ref_run, rec, rec_dir, run, lp_tol=1e-5, w_tol=2e-5):
 
 
 def test_forward_logprobs_match_hf_transformers(runs):
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+    sys.path.insert(0, SCRIPTS)
     from backend_worker import make_samples
 
     hf, one, *_ = runs

@@ -25,6 +25,9 @@ import subprocess
 import sys
 
 import torch
+import pytest
+
+pytestmark = pytest.mark.dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WAIT_S = 600  # a hang bound on the worker's start-up (imports, model) and two steps; ~10 s on an idle 2-core machine

@@ -21,7 +21,8 @@ import json
 import pytest
 import torch
 
-from _util import torchrun
+pytestmark = pytest.mark.dist
+
 
 STEPS = [False, True, True]
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -38,29 +39,31 @@ def _rec(out, tag) -> dict:
         return json.load(f)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
-    import os
-
-    script = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_critic_worker.py")
+def shared_launch(ctx):
+    """One 1-rank and one 2-rank launch of fsdp critic jobs (tests/_launches.py); the output dir."""
+    tmp_path_factory, tiny_hf_models = ctx.tmp_path_factory, ctx.tiny_hf_models
     hf = tiny_hf_models("qwen2")
     out = tmp_path_factory.mktemp("fsdp_critic_out")
     save, plain = str(out / "root" / "iter_0000002"), str(out / "plain" / "iter_0000000")
     other = tiny_hf_models("qwen2", seed=1)  # other weights of the same architecture
-    torchrun(script, 1, [hf, str(out), _job(tag="ref", steps=STEPS), _job(tag="megatron", backend="megatron", steps=STEPS),
+    one = [("fsdp_critic", [hf, out, _job(tag="ref", steps=STEPS), _job(tag="megatron", backend="megatron", steps=STEPS),
                          _job(tag="save", steps=STEPS[:2], save=save), _job(tag="resume", steps=STEPS[2:], load=save),
                          _job(tag="refuse", refuse=[plain, save]),
                          # the critic's trunk from --critic-hf-checkpoint (other weights than the actor's) equals a
                          # critic built from an actor that starts from those weights
                          _job(tag="other_actor", hf=other), _job(tag="crit_hf", flags=["--critic-hf-checkpoint", other]),
-                         _job(tag="lora", steps=STEPS, flags=LORA)],
-             timeout=400)
-    torchrun(script, 2, [hf, str(out), _job(tag="dp", steps=STEPS),
+                         _job(tag="lora", steps=STEPS, flags=LORA)])]
+    two = [("fsdp_critic", [hf, out, _job(tag="dp", steps=STEPS),
                          _job(tag="dp_offload", steps=STEPS, flags=["--optimizer-cpu-offload"]),
                          _job(tag="dp_fp16", steps=STEPS, flags=["--fp16", "--initial-loss-scale", "1024"]),
-                         _job(tag="dp_lora", steps=STEPS, flags=LORA)],
-             timeout=400)
+                         _job(tag="dp_lora", steps=STEPS, flags=LORA)])]
+    yield {1: one, 2: two}
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch_state):
+    return shared_launch_state
 
 
 def _close(got, want) -> None:

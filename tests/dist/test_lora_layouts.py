@@ -13,36 +13,45 @@ adapters; expert linears are refused, tests/models/test_lora.py). ~40 s. TP2 x P
 
 import pytest
 
-from _util import REPO, read_json, torchrun
+from _util import read_json
 
-SCRIPT = REPO / "tests/dist/scripts/lora_worker.py"
+pytestmark = pytest.mark.dist
+
 LOGIT_TOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
-@pytest.mark.slow
-def test_lora_layouts_equal_peft(tiny_hf_models, tmp_path):
+def _two_rank_entries(tiny_hf_models):
     qwen2, qwen3, llama, moe = (tiny_hf_models(f) for f in ("qwen2", "qwen3", "llama", "qwen3_moe"))
-    entries = [  # name:family:hf_dir:tp,pp,ep,sp,distopt:targets
+    return [  # name:family:hf_dir:tp,pp,ep,sp,distopt:targets
         f"dp2:qwen2:{qwen2}:1,1,1,0,0:all-linear",
         f"tp2:qwen2:{qwen2}:2,1,1,0,0:all-linear",
         f"tp2_sp_distopt:qwen3:{qwen3}:2,1,1,1,1:q_proj+v_proj+down_proj",
         f"pp2:llama:{llama}:1,2,1,0,0:all-linear",
         f"ep2:qwen3_moe:{moe}:1,1,2,0,0:q_proj+k_proj+v_proj+o_proj",
     ]
-    out = tmp_path / "lora.json"
-    torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
-    check(read_json(out), entries)
 
 
-@pytest.mark.slow
-def test_lora_tp2_pp2_equals_peft(tiny_hf_models, tmp_path):
-    """TP2 x PP2 on 4 ranks (its own launch): column/row-parallel adapter slices on each pipeline stage."""
-    llama = tiny_hf_models("llama")
-    entries = [f"tp2_pp2:llama:{llama}:2,2,1,0,0:all-linear"]
-    out = tmp_path / "lora4.json"
-    torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)
-    check(read_json(out), entries, pp_stages=2, tp=2)
+def _four_rank_entries(tiny_hf_models):
+    """TP2 x PP2 on 4 ranks: column/row-parallel adapter slices on each pipeline stage."""
+    return [f"tp2_pp2:llama:{tiny_hf_models('llama')}:2,2,1,0,0:all-linear"]
+
+
+def shared_launch(ctx):
+    """The 2- and 4-rank jobs of this file's layouts in the group's launches (tests/_launches.py):
+    {ranks: (results, entries)}."""
+    out = ctx.tmp_path_factory.mktemp("lora")
+    entries = {2: _two_rank_entries(ctx.tiny_hf_models), 4: _four_rank_entries(ctx.tiny_hf_models)}
+    yield {n: [("lora", [out / f"r{n}.json", *e])] for n, e in entries.items()}
+    return {n: (read_json(out / f"r{n}.json"), e) for n, e in entries.items()}
+
+
+def test_lora_layouts_equal_peft(shared_launch_state):
+    check(*shared_launch_state[2])
+
+
+def test_lora_tp2_pp2_equals_peft(shared_launch_state):
+    check(*shared_launch_state[4], pp_stages=2, tp=2)
 
 
 def check(results, entries, pp_stages=1, tp=1):

@@ -19,7 +19,6 @@ state, RNG); the DP1 load gives the saved model bitwise and the next steps follo
 DP2 run; DP2 -> DP1 -> DP2 round trip loses nothing (bitwise equal to the uninterrupted run).
 """
 
-import os
 
 import pytest
 import torch
@@ -27,35 +26,39 @@ import torch
 from _resume_checks import assert_resume_bitwise, untimed
 from _resume_checks import job as _job
 from _resume_checks import rec as _rec
-from _util import torchrun
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "offload_worker.py")
+pytestmark = pytest.mark.dist
+
+JOB = "offload"  # tests/dist/scripts/offload_worker.py: ckpt_worker.py's jobs + where the optimizer state lives
 DO = ["--use-distributed-optimizer"]
 OFFLOAD = DO + ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
 HYBRID_STATE = {"param", "exp_avg", "exp_avg_sq", "step", "master_param"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
-    hf = tiny_hf_models("qwen2")
-    out = tmp_path_factory.mktemp("offload")
+def shared_launch(ctx):
+    """Three phases of the group's launches (tests/_launches.py); the output dir."""
+    hf = ctx.tiny_hf_models("qwen2")
+    out = ctx.tmp_path_factory.mktemp("offload")
     save = str(out / "root_off" / "iter_0000002")
     resave = str(out / "root_dp1" / "iter_0000002")
-    torchrun(SCRIPT, 2, [hf, str(out), _job(tag="plain", flags=DO, steps=4),
-                         _job(tag="straight_off", flags=OFFLOAD, steps=4),
-                         _job(tag="save_off", flags=OFFLOAD, steps=2, save=save)], timeout=400)
-    torchrun(SCRIPT, 1, [hf, str(out), _job(tag="dp1", flags=OFFLOAD, steps=2, load=save),
-                         _job(tag="dp1_resave", flags=OFFLOAD, steps=0, load=save, save=resave)], timeout=300)
-    torchrun(SCRIPT, 2, [hf, str(out), _job(tag="resume_off", flags=OFFLOAD, steps=2, load=save),
-                         _job(tag="via_dp1", flags=OFFLOAD, steps=2, load=resave)], timeout=400)
+    yield {2: [(JOB, [hf, out, _job(tag="plain", flags=DO, steps=4), _job(tag="straight_off", flags=OFFLOAD, steps=4),
+                      _job(tag="save_off", flags=OFFLOAD, steps=2, save=save)])]}
+    yield {1: [(JOB, [hf, out, _job(tag="dp1", flags=OFFLOAD, steps=2, load=save),
+                      _job(tag="dp1_resave", flags=OFFLOAD, steps=0, load=save, save=resave)])]}
+    yield {2: [(JOB, [hf, out, _job(tag="resume_off", flags=OFFLOAD, steps=2, load=save),
+                      _job(tag="via_dp1", flags=OFFLOAD, steps=2, load=resave)])]}
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch_state):
+    return shared_launch_state
 
 
 def _opt(out, tag, rank):
     return torch.load(out / f"{tag}_opt_rank{rank}.pt")
 
 
-@pytest.mark.slow
 def test_offloaded_steps_equal_the_plain_distributed_optimizer(runs):
     out = runs
     plain, off = _rec(out, "plain"), _rec(out, "straight_off")
@@ -93,13 +96,11 @@ def test_offloaded_steps_equal_the_plain_distributed_optimizer(runs):
                 torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.slow
 def test_offloaded_resume_is_bitwise_exact_at_the_same_dp(runs):
     _, w0, sizes = assert_resume_bitwise(runs, "off", nproc=2, state_keys=HYBRID_STATE)
     assert all(0 < s < sum(t.numel() for t in w0.values()) for s in sizes)  # state sharded over DP
 
 
-@pytest.mark.slow
 def test_offloaded_checkpoint_resumes_at_another_dp_size(runs):
     out = runs
     saved, straight, dp1 = _rec(out, "save_off"), _rec(out, "straight_off"), _rec(out, "dp1")
@@ -118,7 +119,6 @@ def test_offloaded_checkpoint_resumes_at_another_dp_size(runs):
     assert max((w0[n] - w1[n]).abs().max().item() for n in w0) < 2e-6  # seen 1.2e-7
 
 
-@pytest.mark.slow
 def test_dp2_to_dp1_to_dp2_round_trip_is_bitwise(runs):
     """What the DP1 load restored and re-saved is every bit of the DP2 state: resuming that
     re-save at DP2 gives the uninterrupted DP2 run exactly (RNG aside: not restored across layouts)."""

@@ -11,6 +11,8 @@ import pytest
 
 from _util import torchrun
 
+pytestmark = pytest.mark.dist
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch.distributed as dist
@@ -30,7 +32,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_denominators_all_reduce_over_dp_group(tmp_path):
     script = tmp_path / "dens.py"
     script.write_text(SCRIPT)

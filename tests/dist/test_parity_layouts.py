@@ -10,9 +10,10 @@ distributed optimizer) equals torch AdamW on HF.
 
 import pytest
 
-from _util import REPO, read_json, torchrun
+from _util import read_json
 
-SCRIPT = REPO / "tests/dist/scripts/parity_layouts.py"
+pytestmark = pytest.mark.dist
+
 LOGIT_TOL = 1e-5
 GRAD_RTOL = 1e-5
 PARAM_TOL = 1e-6
@@ -48,8 +49,7 @@ def check(results):
             assert r["param_max_abs_diff_after_step"] <= PARAM_TOL, (name, r)
 
 
-@pytest.mark.slow
-def test_two_rank_layouts(tiny_hf_models, tmp_path):
+def _two_rank_entries(tiny_hf_models):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     llama, qwen2 = tiny_hf_models("llama"), tiny_hf_models("qwen2")
@@ -103,15 +103,16 @@ def test_two_rank_layouts(tiny_hf_models, tmp_path):
         entry("qwen3_5_text_pp2", "qwen3_5_text", qwen3_5, pp=2),
         *[e for e in family_entries("qwen3_5_moe_text", qwen3_5_moe) if not e.startswith("qwen3_5_moe_text_cp2:")],
     ]
-    out = tmp_path / "r.json"
-    torchrun(SCRIPT, 2, [str(out), *entries], timeout=600)
-    results = read_json(out)
+    return entries
+
+
+def test_two_rank_layouts(shared_launch_state):
+    results, entries = shared_launch_state[2]
     assert set(results) == {e.split(":")[0] for e in entries}
     check(results)
 
 
-@pytest.mark.slow
-def test_four_rank_layouts(tiny_hf_models, tmp_path):
+def _four_rank_entries(tiny_hf_models):
     dense, moe = tiny_hf_models("qwen3"), tiny_hf_models("qwen3_moe")
     mixtral, glm = tiny_hf_models("mixtral"), tiny_hf_models("glm4_moe")
     deepseek, gptoss = tiny_hf_models("deepseek_v3"), tiny_hf_models("gpt_oss")
@@ -131,8 +132,18 @@ def test_four_rank_layouts(tiny_hf_models, tmp_path):
         entry("qwen3_5_moe_text_tp2_pp2_ep2_sp", "qwen3_5_moe_text", tiny_hf_models("qwen3_5_moe_text"), tp=2, pp=2,
               ep=2, etp=1, sp=1, checks="grads"),
     ]
-    out = tmp_path / "r.json"
-    torchrun(SCRIPT, 4, [str(out), *entries], timeout=600)
-    results = read_json(out)
+    return entries
+
+
+def test_four_rank_layouts(shared_launch_state):
+    results, entries = shared_launch_state[4]
     assert set(results) == {e.split(":")[0] for e in entries}
     check(results)
+
+
+def shared_launch(ctx):
+    """The 2- and 4-rank launches of this file's layouts (tests/_launches.py): {ranks: (results, entries)}."""
+    out = ctx.tmp_path_factory.mktemp("parity")
+    entries = {2: _two_rank_entries(ctx.tiny_hf_models), 4: _four_rank_entries(ctx.tiny_hf_models)}
+    yield {n: [("parity", [out / f"r{n}.json", *e])] for n, e in entries.items()}
+    return {n: (read_json(out / f"r{n}.json"), e) for n, e in entries.items()}

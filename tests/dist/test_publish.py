@@ -9,26 +9,27 @@ untouched after a failure).
 """
 
 import json
-import os
 
 import pytest
 
-from _util import torchrun
 from megatron_rl.infra.checkpoint_root import MARKER_NAME, read_complete_marker
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "publish_worker.py")
+pytestmark = pytest.mark.dist
+
 FIXES = {k: "" for k in ("missing", "temp", "root", "unmarked", "json", "format", "files")}
 TMP = ".final.tmp/"  # temp_dir_for(final), as it appears in a case dir's listing
 
-pytestmark = pytest.mark.slow
+
+def shared_launch(ctx):
+    """One 2-rank job in the group's launch (tests/_launches.py); its output dir and every rank's record."""
+    out = ctx.tmp_path_factory.mktemp("publish")
+    yield {2: [("publish", [out])]}
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("publish")
-    torchrun(SCRIPT, 2, [str(out)], timeout=180)  # a hung collective fails here instead of hanging
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return out, results
+def run(shared_launch_state):
+    return shared_launch_state
 
 
 def case_dir(out, case):

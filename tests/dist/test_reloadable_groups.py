@@ -10,20 +10,22 @@ tests/dist/test_backend.py; the loop's order: tests/runner/test_loop_order.py.
 """
 
 import json
-import os
 
 import pytest
 
-from _util import torchrun
+pytestmark = pytest.mark.dist
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "groups_worker.py")
+
+def shared_launch(ctx):
+    """One 2-rank job in the group's launch (tests/_launches.py); every rank's record."""
+    out = ctx.tmp_path_factory.mktemp("groups") / "groups.json"
+    yield {2: [("groups", [out])]}
+    return json.load(open(out))
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("groups") / "groups.json"
-    torchrun(SCRIPT, 2, [str(out)], timeout=300)
-    return json.load(open(out))
+def ranks(shared_launch_state):
+    return shared_launch_state
 
 
 def test_rebuilt_groups_give_the_same_collective_results(ranks):

@@ -12,13 +12,12 @@ the forward and the step equal the single process's and only experts 2 and 3 get
 """
 
 import json
-import os
 
 import pytest
 
-from _util import torchrun
+pytestmark = pytest.mark.dist
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "routing_worker.py")
+
 LAYOUTS = ["--expert-model-parallel-size=2", "--pipeline-model-parallel-size=2,--recompute-granularity=full",
            "--context-parallel-size=2",
            "--tensor-model-parallel-size=2,--sequence-parallel,--expert-model-parallel-size=2,"
@@ -26,13 +25,17 @@ LAYOUTS = ["--expert-model-parallel-size=2", "--pipeline-model-parallel-size=2,-
 SKIP_METRICS = {"train/micro_batches"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_hf_models):
-    hf = tiny_hf_models("qwen3_moe")
-    ref_dir, par_dir = tmp_path_factory.mktemp("replay_ref"), tmp_path_factory.mktemp("replay_par")
-    torchrun(SCRIPT, 1, [hf, str(ref_dir), ""], timeout=600)
-    torchrun(SCRIPT, 2, [hf, str(par_dir), *LAYOUTS], timeout=900)
+def shared_launch(ctx):
+    """The single-process reference and every layout (tests/_launches.py, scripts/routing_worker.py)."""
+    hf = ctx.tiny_hf_models("qwen3_moe")
+    ref_dir, par_dir = ctx.tmp_path_factory.mktemp("replay_ref"), ctx.tmp_path_factory.mktemp("replay_par")
+    yield {1: [("routing", [hf, ref_dir, ""])], 2: [("routing", [hf, par_dir, *LAYOUTS])]}
     return (json.load(open(ref_dir / "results_w1.json"))["base"], json.load(open(par_dir / "results_w2.json")))
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch_state):
+    return shared_launch_state
 
 
 def test_single_process_replays_and_forces_routes(runs):
@@ -49,7 +52,6 @@ def test_single_process_replays_and_forces_routes(runs):
     assert ref["r3_logprobs"] != ref["forced_logprobs"]  # other experts, other numbers
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_replays_as_the_single_process(runs, layout):
     ref, par = runs

@@ -26,7 +26,8 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.dist
+
 BUCKET = 64 * 1024
 
 

@@ -10,9 +10,9 @@ columns (garbage, some ranks nothing else) must change nothing.
 
 import pytest
 
-from _util import REPO, read_json, torchrun
+from _util import read_json
 
-SCRIPT = REPO / "tests" / "dist" / "scripts" / "vocab_parallel_worker.py"
+pytestmark = pytest.mark.dist
 
 # fp32 accumulation of values ~10 in magnitude; bf16 gradients are compared relative to their max
 # (one rounding to 8 mantissa bits); the TP2xDP2 step computes logits in fp32 against an fp64 reference.
@@ -27,9 +27,15 @@ def _tol(name):
     return TOL["bf16/grad"] if ("bf16" in name and kind == "grad") else TOL[kind]
 
 
-@pytest.mark.slow
-def test_tp1_tp2_tp4_and_tp2_dp2_step_match_single_process(tmp_path):
-    torchrun(SCRIPT, 4, [str(tmp_path)], timeout=240)
+def shared_launch(ctx):
+    """One 4-rank job in the group's launch (tests/_launches.py); its output dir."""
+    out = ctx.tmp_path_factory.mktemp("vocab_parallel")
+    yield {4: [("vocab_parallel", [out])]}
+    return out
+
+
+def test_tp1_tp2_tp4_and_tp2_dp2_step_match_single_process(shared_launch_state):
+    tmp_path = shared_launch_state
     for rank in range(4):
         results = read_json(tmp_path / f"rank{rank}.json")
         errors = {k: v for k, v in results.items() if k != "seconds"}

@@ -12,10 +12,11 @@ import pytest
 
 from megatron_rl.infra.ports import free_port
 
+pytestmark = pytest.mark.e2e
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.slow
 def test_agent_demo_calls_the_tool_and_logs_the_multi_turn_metrics(tmp_path):
     out = tmp_path / "agent_demo"
     env = {**os.environ, "OUT": str(out), "NUM_ROLLOUT": "2", "WARM_START_STEPS": "200", "PY": sys.executable,

@@ -16,6 +16,9 @@ from _tool_model import build_tool_model, write_prompts  # tests/ is on sys.path
 from megatron_rl.rollout.agent.framing import tool_turn_ids
 from megatron_rl.rollout.agent.parse import parse_tool_calls
 from megatron_rl.rollout.agent.tools import BUILTIN_TOOLS, run_tool
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

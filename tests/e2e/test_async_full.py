@@ -34,6 +34,8 @@ from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on s
 
 from megatron_rl.runner.full_async import read_buffer  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 TIMEOUT = 420  # one launch: a hang bound, not a speed expectation
 B, STEPS = 2, 4
 
@@ -54,7 +56,6 @@ def _kill_at(hf, tmp_path, out, server, spec: str) -> None:
         proc.wait(timeout=60)
 
 
-@pytest.mark.slow
 def test_full_async_killed_at_three_points_trains_every_prompt_exactly_once(tiny_hf_models, tmp_path):
     hf = tiny_hf_models("qwen2")
     out = tmp_path / "run"
@@ -104,7 +105,6 @@ def _final_extra(root: str) -> dict:
         return json.load(fh)
 
 
-@pytest.mark.slow
 def test_full_async_with_fault_tolerance_restarts_a_dead_engine_and_keeps_its_buffer(tiny_hf_models, tmp_path):
     """--use-fault-tolerance with --async-mode full: the launched engine (the SGLang double of
     tests/rollout/sglang_double, SGLang's command line over the stand-in) dies on a /generate mid-run; the

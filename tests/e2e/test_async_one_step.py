@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
 
 from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
 
+pytestmark = pytest.mark.e2e
+
 TIMEOUT = 420  # one launch: a hang bound, not a speed expectation
 
 
@@ -55,7 +57,6 @@ def _finished(proc: subprocess.Popen, out) -> str:
     return finished_run(proc, out, TIMEOUT)
 
 
-@pytest.mark.slow
 def test_one_step_overlaps_with_staleness_one_and_resumes_bitwise(tiny_hf_models, tmp_path):
     """One uninterrupted run, paused once rollout 2 is stored beside checkpoint 2: its files are copied there
     (what a SIGKILL at that moment leaves: the driver waits at the point, the other rank in a collective), then

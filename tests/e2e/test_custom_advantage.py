@@ -4,7 +4,6 @@ and its advantages train."""
 
 import json
 
-import pytest
 
 from test_demo import metrics, run_demo
 
@@ -13,6 +12,8 @@ import json
 import os
 
 import torch
+
+pytestmark = pytest.mark.e2e
 
 
 def grpo_from_slime_rewards(args, rollout_data):
@@ -45,7 +46,6 @@ def monte_carlo_with_critic(args, rollout_data):
 '''
 
 
-@pytest.mark.slow
 def test_custom_advantage_function_trains_the_demo(tmp_path, monkeypatch):
     module = tmp_path / "my_adv.py"
     module.write_text(ADV)
@@ -62,7 +62,6 @@ def test_custom_advantage_function_trains_the_demo(tmp_path, monkeypatch):
     assert all(abs(r["train/pg_loss"]) < 10 and r["train/clip_frac"] >= 0 for r in train)
 
 
-@pytest.mark.slow
 def test_custom_advantage_function_with_a_critic_and_rollout_logprobs(tmp_path, monkeypatch):
     """--advantage-estimator ppo with slime's custom function (it reads the critic's values and sets the returns
     the critic trains on) and --use-rollout-logprobs (the old log-probs it sees are the engine's; no old pass)."""
@@ -81,7 +80,6 @@ def test_custom_advantage_function_with_a_critic_and_rollout_logprobs(tmp_path, 
     assert all(r["critic/grad_norm"] > 0 and r["critic/value_loss"] > 0 for r in train)
 
 
-@pytest.mark.slow
 def test_ref_update_interval_and_the_adaptive_kl_coefficient_survive_a_resume(tmp_path):
     """slime's --ref-update-interval 2 on the demo (one optimizer step per rollout): the reference is the initial
     policy for rollouts 1-2 and the actor after rollout 2 from then on, so train/kl (the k3 KL of the training

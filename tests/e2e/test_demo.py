@@ -17,6 +17,8 @@ import pytest
 from _util import seed_demo_dir
 from megatron_rl.infra.ports import free_port
 
+pytestmark = pytest.mark.e2e
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -44,7 +46,6 @@ SLIME_MODEL_ARGS = ["--swiglu", "--num-layers", "2", "--hidden-size", "64", "--f
                     "--rotary-base", "10000", "--vocab-size", "32"]
 
 
-@pytest.mark.slow
 def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
     out = tmp_path / "demo"
     # the full demo runs 300 rollouts at lr 1e-3 (reward ~0.04 -> ~0.9); CI runs 50 at lr 3e-3,
@@ -70,7 +71,6 @@ def test_demo_learns_and_engine_weights_track_trainer(tmp_path):
     _exported_checkpoint_reproduces_the_policy(out, recs)
 
 
-@pytest.mark.slow
 # fsdp: in scripts/test_extended.sh, not the suite (its 30 rollouts cost ~45 s of a 25-min budget, and its critic's
 # numbers are pinned to the megatron critic's by tests/dist/test_fsdp_critic.py)
 @pytest.mark.parametrize("train_backend", ["megatron", pytest.param("fsdp", marks=pytest.mark.extended)])
@@ -103,7 +103,6 @@ def test_ppo_demo_with_a_critic_learns(tmp_path, train_backend):
     assert ev[0] < -0.5 and min(ev[-10:]) > -0.05, ev
 
 
-@pytest.mark.slow
 def test_fsdp_demo_learns_and_its_checkpoint_exports(tmp_path):
     """The same demo on --train-backend fsdp (FSDP2 over the 2 gloo ranks, HF-native model): it learns,
     the engine's weights equal the trainer's after every sync, and the final DCP checkpoint exported with
@@ -159,7 +158,6 @@ def _exported_checkpoint_reproduces_the_policy(out, recs, command="dist-to-hf"):
     assert reward == pytest.approx(logged, abs=1e-12)
 
 
-@pytest.mark.slow
 def test_demo_runs_in_full_async_mode_with_its_engine_in_a_process_of_its_own(tmp_path):
     """--async-mode full --partial-rollout on the demo: the embedded engine runs as a server process of its
     own (started by the driver, synced from disk, its log under engines/), generation overlaps training
@@ -181,7 +179,6 @@ def test_demo_runs_in_full_async_mode_with_its_engine_in_a_process_of_its_own(tm
         assert probe.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.slow
 def test_rollout_only_feeds_train_only_and_resume_continues(tmp_path):
     pattern = str(tmp_path / "rollouts" / "r_{rollout_id}.pt")
     run_demo(tmp_path / "gen", 3, "--debug-rollout-only", "--save-debug-rollout-data", pattern)
@@ -201,7 +198,6 @@ def test_rollout_only_feeds_train_only_and_resume_continues(tmp_path):
     assert state["rollout_id"] == 3
 
 
-@pytest.mark.slow
 def test_lora_adapter_sync_colocated(tmp_path):
     """--lora-sync adapter on the demo: the base model goes to the engine once, then only the adapter tensors;
     the engine replicas on both ranks merge them and equal the trainer's merged export after every sync

@@ -13,8 +13,9 @@ import pytest
 
 from test_demo import run_demo
 
+pytestmark = pytest.mark.e2e
 
-@pytest.mark.slow
+
 def test_fresh_start_archives_the_earlier_run(tmp_path):
     out = tmp_path / "demo"
     old = out / "ckpt" / "iter_0000005"

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2560, intermediate_size=9728,
@@ -63,7 +65,6 @@ def test_script_dry_run_refuses_bad_layout(tmp_path):
     assert "--tensor-model-parallel-size" in proc.stderr or "TP" in proc.stderr
 
 
-@pytest.mark.slow
 def test_refusal_under_torchrun_is_one_error_line_and_exit_2(tmp_path):
     """A refusal inside the workers (both ranks refuse): one ``error:`` line and exit 2, not every rank's
     line plus torchrun's ChildFailedError traceback and exit 1."""

@@ -45,6 +45,8 @@ from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
 from megatron_rl.rollout import rollout_ckpt
 
+pytestmark = pytest.mark.e2e
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_TIMEOUT = 420  # one demo launch; a few rollouts take ~30-60 s on 2 busy cores
 OPT_STEPS_PER_ROLLOUT = 2  # 32 prompts x 8 samples, --global-batch-size 128
@@ -282,7 +284,6 @@ def straight(tmp_path_factory):
 # ---- a. exact resume ---------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_run_bitwise(straight, tmp_path):
     out = tmp_path / "demo"
     # the first half generates with the driver's engine alone (the straight run: a replica on each of the 2
@@ -324,7 +325,6 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(straight, tmp_path):
 # ---- b. SIGKILL -------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     out = tmp_path / "demo"
     root = str(out / "ckpt")
@@ -377,7 +377,6 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     assert {s: r for s, r in by_step(new).items()} == {4: ref[4]}
 
 
-@pytest.mark.slow
 def test_sigkill_after_rollout_was_generated_resumes_without_regenerating_it(straight, tmp_path):
     """Killed once rollout 2 was generated (rollout_ckpts/rollout_2.pt, written right after iter_2) and before
     its training finished: the rerun loads rollout 2 instead of calling the engine, and ends bitwise equal."""
@@ -417,7 +416,6 @@ def wall_stop(tmp_path_factory):
     return out, demo, rc
 
 
-@pytest.mark.slow
 def test_wall_time_stop_saves_step_1_and_rerun_finishes(wall_stop, straight, tmp_path):
     out, demo, rc = wall_stop
     root = str(out / "ckpt")
@@ -440,7 +438,6 @@ def test_wall_time_stop_saves_step_1_and_rerun_finishes(wall_stop, straight, tmp
     assert_same_checkpoint(iter_dir(str(straight / "ckpt"), 4), iter_dir(root, 4), tmp_path)
 
 
-@pytest.mark.slow
 def test_wall_time_stop_exit_code(wall_stop):
     """The documented contract (megatron_rl/infra/wall_time.py): stopped on purpose -> EXIT_WALL_TIME (3)."""
     _, demo, rc = wall_stop

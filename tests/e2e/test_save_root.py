@@ -22,6 +22,9 @@ import sys
 from _util import free_port
 from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir, list_iterations
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME, RUN_STATUS_FILE
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "e2e", "_disk_full_worker.py")

@@ -19,7 +19,11 @@ sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
 
 from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
 
+import pytest  # noqa: E402
+
 from megatron_rl.infra.ports import free_port  # noqa: E402
+
+pytestmark = pytest.mark.e2e
 
 
 def test_loop_trains_against_an_external_sglang_server_through_distributed(tiny_hf_models, tmp_path):

@@ -28,6 +28,8 @@ import pytest
 
 from megatron_rl.infra.ports import free_port
 
+pytestmark = pytest.mark.e2e
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOUBLE = os.path.join(REPO, "tests", "rollout", "sglang_double")
 

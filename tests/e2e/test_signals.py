@@ -35,6 +35,8 @@ from test_resume import Demo, _alive, _procs_using, _tree, assert_no_partial_che
 from megatron_rl.infra.checkpoint_root import iter_dir, list_iterations
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME, RUN_STATUS_FILE
 
+pytestmark = pytest.mark.e2e
+
 STOP_WITHIN_S = 420  # signal -> launcher exit: a hang bound only (the stop save itself takes ~1 s here)
 
 
@@ -84,7 +86,6 @@ def _stopped(demo: Demo) -> int:
     return rc
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM to the script", "SIGTERM to the group and the script", "Ctrl-C"])
 def test_signal_mid_training_saves_and_exits_3(tmp_path, how):
     out = tmp_path / "demo"
@@ -124,7 +125,6 @@ time.sleep(3600)  # an optional package whose import blocks
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how,code", [("SIGTERM to the script", 128 + signal.SIGTERM), ("Ctrl-C", 128 + signal.SIGINT)])
 def test_signal_during_hanging_startup_ends_run(tmp_path, monkeypatch, how, code):
     fake = tmp_path / "site"
@@ -145,7 +145,6 @@ def test_signal_during_hanging_startup_ends_run(tmp_path, monkeypatch, how, code
     assert not os.path.isdir(out / "ckpt") or list_iterations(str(out / "ckpt")) == []
 
 
-@pytest.mark.slow
 def test_sigkill_mid_prune_leaves_only_whole_checkpoints(tmp_path):
     """SIGKILL of the driver (rank 0, alone: the OOM killer's way) while --save-max-to-keep deletes iter_1,
     renamed to .iter_0000001.deleting and not yet removed (pause point prune_renamed:iter_0000001; was:

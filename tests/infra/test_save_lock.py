@@ -75,6 +75,7 @@ def test_acquire_writes_the_holder_and_release_frees_it(tmp_path):
     acquire(str(tmp_path / "save")).release()
 
 
+@pytest.mark.e2e
 def test_a_second_real_start_on_a_held_save_is_refused_naming_the_holder(tmp_path, tiny_hf_models):
     """A real ``python -m megatron_rl.train`` start (no --dry-run) while another process holds --save:
     exit 2, one ``error:`` line naming the holder's pid and host; nothing of the second run written."""

@@ -325,7 +325,7 @@ def test_cpu_ext_without_ninja_says_how_to_get_it(monkeypatch):
         _ext.load_cpu_ext()
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_tp2_partials_combined_over_gloo(cpu_ext, cpu_ext_dir, tmp_path):
     """Two ranks, each with its vocab shard: the twins' partials all-reduced over a real gloo group give the
     single-process float64 reference (values and each shard's gradient), as the torch TP path does."""

@@ -13,8 +13,9 @@ import pytest
 
 from _util import REPO, torchrun
 
+pytestmark = pytest.mark.dist
 
-@pytest.mark.slow
+
 def test_gpu_steps_dry_run(tmp_path):
     out = tmp_path / "gpu_steps.json"
     torchrun(os.path.join(REPO, "benchmarks", "gpu_steps.py"), 1, ["--dry-run", "--json", str(out)], timeout=300)

@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_backend.py: train a few steps under several layouts.
 
-Usage (under torchrun): backend_worker.py HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
+Job ``backend`` of tests/dist/harness.py: argv = HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
 LAYOUT is a comma list of extra flags, e.g. "--tensor-model-parallel-size=2".
 For each layout it records: no-grad log-probs of a fixed batch, then per step the
 loss metrics, grad norm and the exported HF weights after the step.
@@ -8,7 +8,6 @@ loss metrics, grad norm and the exported HF weights after the step.
 
 import json
 import os
-import sys
 
 import torch
 
@@ -84,7 +83,6 @@ def mtp_reference_loss(hf_dir, samples):
     """--enable-mtp-training's MTP loss of ``samples`` at the checkpoint's weights, from tests/_mtp_reference.py
     (transformers' modules): depth 0 at position t scores token t + 2; cross-entropy summed over the loss-masked
     response tokens, divided by their count."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from _mtp_reference import MtpReference
 
     ref = MtpReference(hf_dir)
@@ -101,7 +99,7 @@ def mtp_reference_loss(hf_dir, samples):
     return total / count
 
 
-def main():
+def main(argv):
     import torch.distributed as dist
 
     from megatron_rl.algorithms.config import PolicyGradientConfig
@@ -111,7 +109,7 @@ def main():
     from megatron_rl.config import parse_config
     from megatron_rl.models.parallel import destroy_parallel
 
-    hf_dir, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    hf_dir, out_dir, layouts = argv[0], argv[1], argv[2:]
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     for layout in layouts:
@@ -203,6 +201,3 @@ def main():
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_checkpoint_resume.py: train / save / load a MegatronBackend.
 
-Usage (under torchrun): ckpt_worker.py HF_DIR OUT_DIR JOB_JSON [JOB_JSON ...]
+Job ``ckpt`` of tests/dist/harness.py: argv = HF_DIR OUT_DIR JOB_JSON [JOB_JSON ...]
 
 Each job is a JSON object run in order in this process (parallel state is torn
 down between jobs, as in backend_worker.py):
@@ -27,15 +27,14 @@ OUT_DIR/{tag}_weights.pt (rank 0: exported HF weights),
 OUT_DIR/{tag}_opt_rank{r}.pt (every rank: its optimizer state in param order).
 """
 
+import contextlib
 import json
 import os
 import random
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def draw_rng():
@@ -65,16 +64,10 @@ def optimizer_dump(optimizer):
     return {"tensors": out, "distinct_step_tensors": len(steps_ids), "num_states": n_states}
 
 
-def resume_outcome(argv, flags, backend, rank, world):
-    """Resumer.resume_or_init under ``argv + flags``: {"step" | "error", "warnings"} of every rank."""
+@contextlib.contextmanager
+def warnings_logged():
+    """The messages megatron_rl logs at WARNING and above inside the block (a list, filled as they come)."""
     import logging
-
-    import torch.distributed as dist
-
-    from megatron_rl.config import parse_config
-    from megatron_rl.errors import CheckpointError
-    from megatron_rl.runner.checkpoints import CheckpointCursor
-    from megatron_rl.runner.resume import Resumer
 
     seen = []
 
@@ -85,12 +78,26 @@ def resume_outcome(argv, flags, backend, rank, world):
     handler = _Keep(level=logging.WARNING)
     logging.getLogger("megatron_rl").addHandler(handler)
     try:
-        resumer = Resumer(parse_config(argv + flags), CheckpointCursor())
-        out = {"step": resumer.resume_or_init(backend, None), "optimizer_steps": backend.optimizer_steps}
-    except CheckpointError as e:
-        out = {"error": str(e), "class": type(e).__name__}
+        yield seen
     finally:
         logging.getLogger("megatron_rl").removeHandler(handler)
+
+
+def resume_outcome(argv, flags, backend, rank, world):
+    """Resumer.resume_or_init under ``argv + flags``: {"step" | "error", "warnings"} of every rank."""
+    import torch.distributed as dist
+
+    from megatron_rl.config import parse_config
+    from megatron_rl.errors import CheckpointError
+    from megatron_rl.runner.checkpoints import CheckpointCursor
+    from megatron_rl.runner.resume import Resumer
+
+    with warnings_logged() as seen:
+        try:
+            resumer = Resumer(parse_config(argv + flags), CheckpointCursor())
+            out = {"step": resumer.resume_or_init(backend, None), "optimizer_steps": backend.optimizer_steps}
+        except CheckpointError as e:
+            out = {"error": str(e), "class": type(e).__name__}
     out["warnings"] = seen
     every = [None] * world
     dist.all_gather_object(every, out)
@@ -131,7 +138,8 @@ def run_job(hf_dir, out_dir, job):
         else:
             rec["refusals"][bad] = None
     rec["resume"] = [resume_outcome(argv, flags, backend, rank, world) for flags in job.get("resume", [])]
-    rec["extra_state"] = backend.load(job["load"]) if job.get("load") else None
+    with warnings_logged() as rec["load_warnings"]:
+        rec["extra_state"] = backend.load(job["load"]) if job.get("load") else None
     rec["start_step"] = backend.optimizer_steps
     fixed = make_samples(backend.vocab_size, seed=999)
     rec["logprobs_start"] = [t.tolist() for t in backend.forward_only(fixed)]
@@ -172,11 +180,8 @@ def run_job(hf_dir, out_dir, job):
     destroy_parallel()
 
 
-def main():
-    hf_dir, out_dir, jobs = sys.argv[1], sys.argv[2], [json.loads(j) for j in sys.argv[3:]]
+def main(argv):
+    hf_dir, out_dir, jobs = argv[0], argv[1], [json.loads(j) for j in argv[2:]]
     for job in jobs:
         run_job(hf_dir, out_dir, job)
 
-
-if __name__ == "__main__":
-    main()

@@ -242,18 +242,15 @@ def mtp_layouts(root: str, rank: int) -> dict:
     return {"hf": hf, "exports": got, "vs_megatron_save": {"pp2": vs}}
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["roundtrip", "layouts"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--family", nargs="+", required=True)
     ap.add_argument("--mtp", action="store_true", help="layouts: also a glm4_moe checkpoint with its MTP layer")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = roundtrip(args) if args.mode == "roundtrip" else layouts(args)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
 
-
-if __name__ == "__main__":  # the torch_dist writer spawns helper processes
-    main()

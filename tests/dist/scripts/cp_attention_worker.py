@@ -5,14 +5,13 @@ tokens (megatron's load-balanced chunks), runs the module, and compares output
 and q/k/v gradients with the reference restricted to its heads and tokens.
 Writes ``{out_dir}/rank{r}.json`` with the max errors per case.
 
-Usage: torchrun --nproc-per-node N cp_attention_worker.py OUT_DIR TP CP
+Job ``cp_attention`` of tests/dist/harness.py (TP*CP ranks): argv = OUT_DIR TP CP
 """
 
 import copy
 import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -46,7 +45,7 @@ def ref_attention(q, k, v, causal):
 def reference_thd(q, k, v, cu_layout, real_lengths, causal):
     """Per-sequence fp64 reference on the padded layout; rows past the real length are 0."""
     out = torch.zeros_like(q)
-    for i, (a, b) in enumerate(zip(cu_layout[:-1].tolist(), cu_layout[1:].tolist())):
+    for i, a in enumerate(cu_layout[:-1].tolist()):
         n = real_lengths[i]
         if n:
             out[a:a + n] = ref_attention(q[a:a + n], k[a:a + n], v[a:a + n], causal)
@@ -142,9 +141,8 @@ def run_sbhd_case(attn, tp_rank, tp, cp_rank, cp, results):
     check("sbhd/dv", gv, local(ref_grads[2], hk), results)
 
 
-def main():
-    out_dir, tp, cp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    dist.init_process_group("gloo")
+def main(argv):
+    out_dir, tp, cp = argv[0], int(argv[1]), int(argv[2])
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -175,9 +173,3 @@ def main():
     results["seconds"] = time.perf_counter() - t0
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

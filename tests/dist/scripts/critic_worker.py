@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_critic.py: PPO's critic on a MegatronBackend (``--advantage-estimator ppo``).
 
-Usage (under torchrun): critic_worker.py HF_DIR OUT_DIR JOB_JSON [JOB_JSON ...]
+Job ``critic`` of tests/dist/harness.py: argv = HF_DIR OUT_DIR JOB_JSON [JOB_JSON ...]
 
 Each job (run in order in this process; parallel state torn down between jobs):
 
@@ -24,11 +24,9 @@ count and LR. OUT_DIR/{tag}_critic_opt_rank{r}.pt: every rank's critic optimizer
 
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 EPOCHS = 2  # optimizer steps per batch, with the batch's old values and returns (--num-steps-per-rollout-updates)
 
 
@@ -93,11 +91,8 @@ def run_job(hf_dir, out_dir, job):
     destroy_parallel()
 
 
-def main():
-    hf_dir, out_dir, jobs = sys.argv[1], sys.argv[2], [json.loads(j) for j in sys.argv[3:]]
+def main(argv):
+    hf_dir, out_dir, jobs = argv[0], argv[1], [json.loads(j) for j in argv[2:]]
     for job in jobs:
         run_job(hf_dir, out_dir, job)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_data_movement.py: rollout-batch broadcast and per-sample gather.
 
-Usage (under torchrun, 4 ranks): data_movement_worker.py OUT_DIR
+Job ``data_movement`` of tests/dist/harness.py (4 ranks): argv = OUT_DIR
 Ranks play a TP2 x DP2 layout (tp = rank % 2, dp = rank // 2) in which only the
 TP-rank-0 ranks hold results, as in MegatronBackend. Each rank writes what it
 checked (and any error message) to OUT_DIR/rank{R}.json.
@@ -8,7 +8,6 @@ checked (and any error message) to OUT_DIR/rank{R}.json.
 
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,8 @@ def logprob(i: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(100 + i))  # what a forward would give
 
 
-def main():
-    out_dir = sys.argv[1]
-    dist.init_process_group("gloo")
+def main(argv):
+    out_dir = argv[0]
     rank = dist.get_rank()
     tp, dp = rank % 2, rank // 2
     result = {}
@@ -112,7 +110,7 @@ def main():
         and b.group_index == samples[i].group_index and b.effective_loss_mask() == samples[i].effective_loss_mask()
         and b.num_rollout_logprobs == len(samples[i].rollout_logprobs) for i, b in stubs)
     try:
-        stubs[0][1].response_ids
+        _ = stubs[0][1].response_ids  # a stub's tokens: must raise
         result["stub_tokens_error"] = None
     except HeldElsewhereError as exc:
         result["stub_tokens_error"] = str(exc)
@@ -122,8 +120,3 @@ def main():
         result["shard_none_error"] = str(exc)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,18 +1,15 @@
 """Worker for tests/dist/test_frozen_weights.py: --ref-load / --opd-teacher-load tags under TP2.
 
-Usage: frozen_worker.py ACTOR_HF REF_HF TEACHER_DIST OUT.json
-       frozen_worker.py --init HF MODEL_DIST|- OUT.json   (--load of a model-only dir: initial weights;
-                                                         "-": no --load, start from HF)
+Job ``frozen`` of tests/dist/harness.py: argv = ACTOR_HF REF_HF TEACHER_DIST OUT.json, or
+--init HF MODEL_DIST|- OUT.json (--load of a model-only dir: initial weights; "-": no --load, start from HF).
 """
 
 import json
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
-def main():
+
+def main(argv):
     import torch.distributed as dist
 
     from backend_worker import make_samples
@@ -22,9 +19,9 @@ def main():
     from megatron_rl.config import parse_config
 
     world = os.environ["WORLD_SIZE"]
-    if sys.argv[1] == "--init":
-        return init_from_model_dir(*sys.argv[2:5])
-    actor, ref, teacher, out = sys.argv[1:5]
+    if argv[0] == "--init":
+        return init_from_model_dir(*argv[1:4])
+    actor, ref, teacher, out = argv[:4]
     cfg = parse_config(["--hf-checkpoint", actor, "--actor-num-gpus-per-node", world,
                         "--tensor-model-parallel-size", world, "--rollout-batch-size", "2",
                         "--n-samples-per-prompt", "3", "--micro-batch-size", "1"])
@@ -73,6 +70,3 @@ def init_from_model_dir(actor, model_dist, out):
             json.dump({"before": [t.tolist() for t in before], "after": [t.tolist() for t in after],
                        "metrics": metrics}, fh)
 
-
-if __name__ == "__main__":
-    main()

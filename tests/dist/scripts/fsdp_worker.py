@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_fsdp_backend.py: train a few steps with the FSDP (and megatron) backend.
 
-Usage (under torchrun): fsdp_worker.py HF_DIR OUT_DIR RUN [RUN ...]
+Job ``fsdp`` of tests/dist/harness.py: argv = HF_DIR OUT_DIR RUN [RUN ...]
 RUN is ``BACKEND`` or ``BACKEND:FLAGS`` with FLAGS a comma list of extra flags, e.g.
 ``fsdp:--use-dynamic-batch-size,--max-tokens-per-gpu=24``; ``+save=DIR`` saves a checkpoint
 after 3 steps and trains a 4th, ``+load=DIR`` loads that checkpoint and trains only the 4th,
@@ -17,11 +17,9 @@ frozen base shard is bitwise unchanged after training).
 
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 from backend_worker import make_samples  # noqa: E402  (the megatron layout test's batch)
 
 
@@ -35,7 +33,7 @@ def flags_of(hf_dir: str, world: int, flags: list[str]) -> list[str]:
     return argv + sum((f.split("=", 1) for f in flags), [])
 
 
-def main():
+def main(argv):
     import torch.distributed as dist
 
     from megatron_rl.algorithms.config import PolicyGradientConfig
@@ -43,7 +41,7 @@ def main():
     from megatron_rl.backends.base import TrainBatch, make_backend
     from megatron_rl.config import parse_config
 
-    hf_dir, out_dir, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    hf_dir, out_dir, runs = argv[0], argv[1], argv[2:]
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     for run in runs:
@@ -156,8 +154,4 @@ def main():
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
-    # every rank then waits for rank 0's results in tests/_torchrun_entry.py's barrier
-
-
-if __name__ == "__main__":
-    main()
+    # every rank then waits for rank 0's results in the harness's barrier (tests/dist/harness.py)

@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_reloadable_groups.py: process groups destroyed and rebuilt, over gloo.
 
-Usage (under torchrun, 2 ranks): groups_worker.py OUT_JSON
+Job ``groups`` of tests/dist/harness.py (2 ranks): argv = [OUT_JSON]
 Checks on every rank, twice (two sleep/wake cycles): the collectives megatron uses (all_reduce,
 broadcast with a global source, all_gather_into_tensor, the coalescing manager, batched P2P,
 all_gather_object) on wrapped groups; after destroy() a collective raises GroupsDestroyed naming
@@ -9,7 +9,6 @@ same results; a non-member's record is replayed too (a group of rank 0 alone).
 """
 
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -47,10 +46,9 @@ def collectives(pair, solo) -> dict:
     return out
 
 
-def main():
+def main(argv):
     from megatron_rl.infra import reloadable_groups as rg
 
-    dist.init_process_group("gloo")
     rg.install()
     pair = dist.new_group([0, 1], group_desc="TEST_PAIR")
     solo = dist.new_group([0])  # rank 1 is not a member: its record is replayed all the same
@@ -79,10 +77,5 @@ def main():
     gathered = [None, None]
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as fh:
+        with open(argv[0], "w") as fh:
             json.dump(gathered, fh)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,6 @@ argv: OUT_JSON then entries ``name:family:hf_dir:tp,pp,ep,sp,distopt:targets`` (
 
 import contextlib
 import json
-import sys
 
 import torch
 
@@ -44,8 +43,8 @@ def saved_name(name: str) -> str:
     return name.replace(".default.weight", ".weight")
 
 
-def main():
-    out_path, entries = sys.argv[1], sys.argv[2:]
+def main(argv):
+    out_path, entries = argv[0], argv[1:]
     results = {}
     for entry in entries:
         name, family, hf_dir, dims, targets = entry.split(":")
@@ -149,9 +148,3 @@ def main():
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_optimizer_offload.py: ckpt_worker.py's jobs, plus where the optimizer state lives.
 
-Usage (under torchrun): offload_worker.py HF_DIR OUT_DIR JOB_JSON [JOB_JSON ...], jobs exactly as
+Job ``offload`` of tests/dist/harness.py: argv = HF_DIR OUT_DIR JOB_JSON [JOB_JSON ...], jobs exactly as
 in ckpt_worker.py (train / save / load a MegatronBackend; same outputs).
 
 Why a wrapper: the resume machinery is ckpt_worker's; only the per-rank optimizer dump
@@ -9,12 +9,9 @@ HybridDeviceOptimizer really ran its offload path (host copies of every shard, a
 sub-optimizer owning the state, parameters copied back) rather than the plain optimizer.
 """
 
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import ckpt_worker  # noqa: E402
 
@@ -56,7 +53,10 @@ def optimizer_dump(optimizer):
     return dump
 
 
-ckpt_worker.optimizer_dump = optimizer_dump
-
-if __name__ == "__main__":
-    ckpt_worker.main()
+def main(argv):
+    """ckpt_worker's jobs with this dump in place of the plain one (put back after: a launch runs other jobs)."""
+    ckpt_worker.optimizer_dump = optimizer_dump
+    try:
+        ckpt_worker.main(argv)
+    finally:
+        ckpt_worker.optimizer_dump = _plain_dump

@@ -13,14 +13,12 @@ bit for bit (MTP tensors included).
 
 import json
 import os
-import sys
 
 import torch
 
 from megatron_rl.models import get_bridge, hf_module, parity
 from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # tests/: the MTP reference
 
 LENGTHS = [11, 6, 16, 4]
 
@@ -93,8 +91,8 @@ def check_mtp(rec, bridge, chunks, hf_dir, seqs):
         torch.equal(exported[n], source[n]) for n in source)
 
 
-def main():
-    out_path, entries = sys.argv[1], sys.argv[2:]
+def main(argv):
+    out_path, entries = argv[0], argv[1:]
     results, reference_logits, hf_cache = {}, {}, {}
     for entry in entries:
         name, family, hf_dir, layout, checks = parse(entry)
@@ -168,9 +166,3 @@ def main():
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

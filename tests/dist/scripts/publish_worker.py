@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_publish.py: ``publish_collectively`` over real gloo ranks.
 
-Usage (under torchrun, 2 ranks): publish_worker.py OUT_DIR
+Job ``publish`` of tests/dist/harness.py (2 ranks): argv = OUT_DIR
 Every case publishes OUT_DIR/cases/CASE/final (its own parent dir). Per case each
 rank records what the call did (``"ok"`` or the exception's type and message) and
 the listing of the case's parent dir after the call (every rank waits for the
@@ -10,9 +10,7 @@ writes its results to OUT_DIR/rank{R}.json.
 
 import json
 import os
-import sys
 import zlib
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -63,9 +61,8 @@ def listing(parent: str) -> list[str]:
     return sorted(out)
 
 
-def main():
-    out_dir = sys.argv[1]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))  # a hang bound (not 30 min); a busy start fits
+def main(argv):
+    out_dir = argv[0]
     rank = dist.get_rank()
     results = {}
 
@@ -126,9 +123,3 @@ def main():
     with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(results, f, indent=1)
     os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Worker for tests/dist/test_routing_replay.py: MoE routing replay (--use-routing-replay) under several layouts.
 
-Usage (under torchrun): routing_worker.py HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
+Job ``routing`` of tests/dist/harness.py: argv = HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
 (LAYOUT: a comma list of extra flags, as backend_worker.py). Per layout, on a tiny qwen3_moe:
 
 1. the old-log-prob pass records each sample's routes; every rank writes what it recorded
@@ -18,12 +18,10 @@ Usage (under torchrun): routing_worker.py HF_DIR OUT_DIR LAYOUT [LAYOUT ...]
 
 import json
 import os
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 from backend_worker import make_samples  # noqa: E402  (the backend tests' batch: agentic masks included)
 from fsdp_worker import flags_of  # noqa: E402  (the backend tests' flags)
 
@@ -56,7 +54,7 @@ def expert_grads(backend) -> dict:
     return merged
 
 
-def main():
+def main(argv):
     import torch.distributed as dist
 
     from megatron_rl.algorithms.config import PolicyGradientConfig
@@ -66,7 +64,7 @@ def main():
     from megatron_rl.config import parse_config
     from megatron_rl.models.parallel import destroy_parallel
 
-    hf_dir, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    hf_dir, out_dir, layouts = argv[0], argv[1], argv[2:]
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     for layout in layouts:
@@ -130,6 +128,3 @@ def main():
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
 
-
-if __name__ == "__main__":
-    main()
