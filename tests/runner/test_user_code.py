@@ -1,6 +1,6 @@
 """Every call into user code, in every mode, ends in one error line naming the flag, the function and its line.
 
-The class of issue 58: a ``--custom-generate-function-path`` function that never returned hung a synchronous run
+The class: a ``--custom-generate-function-path`` function that never returned hung a synchronous run
 for good; a raising function printed a 40-line traceback; what a function returned was checked in part (token
 ids beyond the vocabulary crashed the embedding, NaN log-probs passed). ``rollout.entry_points.USER_CODE`` is the
 table of the flags that name user code; this file walks every row with a hanging, a raising and a malformed
