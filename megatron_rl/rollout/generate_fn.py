@@ -327,10 +327,10 @@ def _check_sample(s: Sample, req: GenerateRequest, sampling: SamplingParams, wha
                         "log-prob per response token; 0.0 for tokens the function appended itself)")
     else:
         odd = next(((i, v) for i, v in enumerate(s.rollout_logprobs)
-                    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v > 0), None)
+                    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)), None)
         if odd is not None:
             problems.append(f"has rollout_logprobs[{odd[0]}] = {odd[1]!r}; a behaviour log-prob is a finite number "
-                            "<= 0 (--use-tis / --use-rs and the mismatch metrics read them)")
+                            "(--use-tis / --use-rs and the mismatch metrics read them)")
     if s.loss_mask and len(s.loss_mask) != n:
         problems.append(f"has a loss_mask of {len(s.loss_mask)} entries for {n} response_ids (response-aligned; "
                         "empty means all ones)")

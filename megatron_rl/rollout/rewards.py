@@ -33,7 +33,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from megatron_rl.data.types import Sample, describe_prompt
 from megatron_rl.errors import ConfigError
@@ -212,12 +212,16 @@ class BoundedReward:
         self._batched = _as_batched(fn, _is_batched(fn))
 
     def __call__(self, samples: list[Sample]) -> list[Any]:
-        rewards = call_user_function(self._batched, samples, where=f"--custom-rm-path {self.path}",
+        def scored(batch: list[Sample]) -> Any:  # a returned generator runs here too, under the deadline
+            out = self._batched(batch)
+            return out if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable) else list(out)
+
+        rewards = call_user_function(scored, samples, where=f"--custom-rm-path {self.path}",
                                      timeout_s=self.timeout_s, owner=self.fn)
-        if isinstance(rewards, (str, bytes, Mapping)) or not hasattr(rewards, "__len__"):
+        if not isinstance(rewards, list):
             raise ConfigError(f"--custom-rm-path {self.path} returned {type(rewards).__name__} for a batch of "
                               f"{len(samples)} samples; a batched reward returns a list of one reward per sample")
-        return list(rewards)
+        return rewards
 
     def __repr__(self) -> str:
         return f"BoundedReward({self.path!r})"

@@ -207,6 +207,7 @@ CONSTANT = 3
 REGISTRY_NOT_DICT = [1]
 EMPTY = {}
 BAD_ENTRIES = {"t": 3}
+TWO_ARG_TOOL = {"t": lambda a, b: ""}
 
 
 def one(a):
@@ -243,6 +244,7 @@ USER_CODE_CASES = [
     ("--tools", "{mod}:REGISTRY_NOT_DICT", r": list, not a dict of tool name -> callable"),
     ("--tools", "{mod}:EMPTY", r": the registry is empty"),
     ("--tools", "{mod}:BAD_ENTRIES", r": entries t are not name -> callable"),
+    ("--tools", "{mod}:TWO_ARG_TOOL", r" \(tool 't'\): <lambda>\(a, b\) cannot be called as tool\(arguments: dict\)"),
     ("--tools", "no_such_tools:TOOLS", r": cannot import 'no_such_tools' .*give a file path like "
                                        r"path/to/no_such_tools.py:TOOLS"),
 ]

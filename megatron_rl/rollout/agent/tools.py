@@ -16,7 +16,7 @@ import re
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_rl.errors import ConfigError, UserFunctionError
-from megatron_rl.infra.user_function import call_user_function, load_user_object
+from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_object
 
 Tool = Callable[[dict], str]
 ToolRegistry = Mapping[str, Tool]
@@ -105,6 +105,8 @@ def load_tools(path: Optional[str]) -> ToolRegistry:
         raise ConfigError(f"--tools {path}: " + (f"entries {', '.join(bad)} are not name -> callable" if bad
                                                  else "the registry is empty") + "; give a dict of tool name -> "
                           "callable(arguments: dict) -> str")
+    for name, fn in registry.items():  # a tool of another shape is refused here, not at its first call
+        check_arity(fn, 1, "--tools", f"{path} (tool {name!r})", "tool(arguments: dict)")
     return dict(registry)
 
 
