@@ -39,7 +39,7 @@ class EntryPoint:
 USER_CODE: tuple[EntryPoint, ...] = (
     EntryPoint("--custom-generate-function-path", lambda c: c.rollout.custom_generate_function_path,
                "fn(request, sampling, engine)", "the group's --n-samples-per-prompt Samples: token ids in the "
-               "model's vocabulary, one finite log-prob <= 0 per response token",
+               "model's vocabulary, one finite log-prob per response token",
                "rollout/generate_fn.py::group_generate", DEFAULT_TIMEOUT_FLAG,
                lambda p: load_function(p, "--custom-generate-function-path")),
     EntryPoint("--rollout-function-path", lambda c: c.rollout.rollout_function_path,
