@@ -250,6 +250,12 @@ USER_CODE_CASES = [
 ]
 
 
+def test_the_user_code_cases_cover_every_entry_point():
+    from megatron_rl.rollout.entry_points import USER_CODE
+
+    assert {c[0] for c in USER_CODE_CASES} == {e.flag for e in USER_CODE}
+
+
 @pytest.mark.parametrize("flag, value, says", USER_CODE_CASES,
                          ids=[f"{c[0][2:]}-{c[1].rpartition(':')[2] or c[1]}" for c in USER_CODE_CASES])
 def test_every_user_code_flag_is_imported_and_checked_before_the_workers_start(tmp_path, hf_without_tokenizer, flag,

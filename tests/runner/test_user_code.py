@@ -249,3 +249,27 @@ def test_main_ends_a_raising_function_with_one_error_line_and_exit_2(user_code, 
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "raised ValueError: the user's bug (at" in errors[0], err[-3000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("prompt_ids", [1, 250], r"has prompt_ids 250 at position 1, outside the model's vocabulary \[0, 250\)"),
+    ("prompt_ids", [1, -1], r"has prompt_ids -1 at position 1: not non-negative int token ids"),
+    ("response_ids", [5, True], r"has response_ids True at position 1: not non-negative int token ids"),
+    ("response_ids", [5, 7.0], r"has response_ids 7.0 at position 1: not non-negative int token ids"),
+    ("rollout_logprobs", [-1.0, float("inf")], r"has rollout_logprobs\[1\] = inf; a behaviour log-prob is a finite"),
+    ("rollout_logprobs", [-1.0, "0.5"], r"has rollout_logprobs\[1\] = '0.5'; a behaviour log-prob is a finite"),
+])
+def test_a_returned_sample_is_checked_whole(field, value, says):
+    """Every token id against the model's vocabulary, every log-prob for a finite number, the prompt named."""
+    from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+    from megatron_rl.rollout.generate_fn import check_samples
+
+    request = GenerateRequest(prompt_ids=[1, 2], group_index=3, metadata={"prompt_index": 7, "line": 8})
+    fields = {"prompt_ids": [1, 2], "response_ids": [5, 6], "rollout_logprobs": [-1.0, -0.5], field: value}
+    sample = Sample(group_index=3, finish_reason="stop", **fields)
+    with pytest.raises(ConfigError, match=r"^fn: sample 0 \(group 3, prompt_index 7, line 8\) " + says):
+        check_samples([sample], [request], SamplingParams(n=1, max_new_tokens=4), "fn", vocab_size=250)
+    fine = Sample(group_index=3, prompt_ids=[1, 2], response_ids=[5, 249], rollout_logprobs=[-1.0, 0.0],
+                  finish_reason="stop")
+    assert check_samples([fine], [request], SamplingParams(n=1, max_new_tokens=4), "fn", vocab_size=250)[0] is fine
+    assert fine.metadata == {"prompt_index": 7, "line": 8}  # what reward errors name it by
