@@ -295,3 +295,28 @@ def test_a_reward_server_url_nothing_listens_at_is_refused_before_the_workers_st
                                 "--rm-url", f"http://127.0.0.1:{listening.getsockname()[1]}/score"]))
     finally:
         listening.close()
+
+
+def test_main_refuses_bad_user_code_before_run_with_one_error_line(tmp_path, hf_without_tokenizer, monkeypatch,
+                                                                   capsys):
+    """A generate function's module with a syntax error: refused by ``train.main``'s pre-flight, before ``run``
+    builds anything (it was found once the model was built)."""
+    from megatron_rl import train
+
+    def run(cfg):
+        raise AssertionError("run() started: the refusal came after the workers started")
+
+    monkeypatch.setattr(train, "run", run)
+    monkeypatch.setenv("RANK", "0")
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_bytes(_lines(IDS))
+    broken = tmp_path / "my_rollout.py"
+    broken.write_text("def generate(request, sampling, engine)\n    return []\n")
+    argv = ["--hf-checkpoint", hf_without_tokenizer, "--prompt-data", str(prompts),
+            "--custom-generate-function-path", f"{broken}:generate"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: --custom-generate-function-path {broken}:generate: cannot import '{broken}' (SyntaxError: "), err
+    assert f"(line 1 of {broken})" in errors[0] and "Traceback" not in err
