@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from megatron_rl.errors import ConfigError, MegatronRLError, UserFunctionError
 
@@ -227,21 +227,21 @@ def call_user_function(fn: Callable, *args: Any, where: str, timeout_s: float,
     worker.start()
     if not done.wait(timeout_s):
         frames = _coroutine_frames(box.get("coro")) or _stack(sys._current_frames().get(worker.ident or -1))
-        return _timed_out(where, owner, timeout_s, timeout_flag, frames)
+        _timed_out(where, owner, timeout_s, timeout_flag, frames)
     error: Optional[BaseException] = box.get("error")
     if error is None:
         return box.get("result")
     if isinstance(error, MegatronRLError) or any(isinstance(error, kind) for kind in passthrough):
         raise error
     if isinstance(error, asyncio.TimeoutError) and time.monotonic() >= deadline - 0.01 and "coro" in box:
-        return _timed_out(where, owner, timeout_s, timeout_flag, [])  # wait_for cancelled the coroutine at the deadline
+        _timed_out(where, owner, timeout_s, timeout_flag, [])  # wait_for cancelled the coroutine at the deadline
     at = user_frame(_traceback_frames(error), owner)
     raise UserFunctionError(f"{where} raised {type(error).__name__}: {_one_line(error) or '(no message)'}"
                             + (f" (at {at})" if at else "") + "; fix the function (this error ends the run)",
                             kind="raised", cause=error) from None
 
 
-def _timed_out(where: str, fn: Any, timeout_s: float, flag: str, frames: Sequence[types.FrameType]) -> Any:
+def _timed_out(where: str, fn: Any, timeout_s: float, flag: str, frames: Sequence[types.FrameType]) -> NoReturn:
     at = user_frame(frames, fn)
     raise UserFunctionError(f"{where} did not return within {timeout_s:g} s ({flag})"
                             + (f"; it was at {at}" if at else "") + ". Python cannot stop a thread, so the call is "
