@@ -273,3 +273,19 @@ def test_a_returned_sample_is_checked_whole(field, value, says):
                   finish_reason="stop")
     assert check_samples([fine], [request], SamplingParams(n=1, max_new_tokens=4), "fn", vocab_size=250)[0] is fine
     assert fine.metadata == {"prompt_index": 7, "line": 8}  # what reward errors name it by
+
+
+def test_this_packages_errors_raised_under_a_user_function_pass_through_unchanged():
+    """An engine that failed under a generate function's engine call stays an ``EngineError`` (the fault tolerance
+    restarts engines on it); only the user's own exceptions become ``UserFunctionError``."""
+    from megatron_rl.errors import EngineError
+    from megatron_rl.infra.user_function import call_user_function
+
+    died = EngineError("SGLang server http://h:1 died")
+
+    def calls_a_dead_engine(request):
+        raise died
+
+    with pytest.raises(EngineError) as exc:
+        call_user_function(calls_a_dead_engine, None, where="--custom-generate-function-path m:g", timeout_s=60.0)
+    assert exc.value is died
