@@ -194,6 +194,14 @@ def _one_line(text: object, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
+def _cuda_device() -> Optional[int]:
+    """The calling thread's current CUDA device when torch is loaded and CUDA in use, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
 def call_user_function(fn: Callable, *args: Any, where: str, timeout_s: float,
                        timeout_flag: str = DEFAULT_TIMEOUT_FLAG,
                        passthrough: tuple[type[BaseException], ...] = (), owner: Any = None) -> Any:
@@ -204,6 +212,7 @@ def call_user_function(fn: Callable, *args: Any, where: str, timeout_s: float,
     line named is looked for). A ``MegatronRLError`` or a ``passthrough`` exception raised inside is raised as
     it is; any other exception, and a call still running at the deadline, is a ``UserFunctionError``."""
     owner = fn if owner is None else owner
+    device = _cuda_device()  # the worker computes on the caller's device (torch's current device is per thread)
     deadline = time.monotonic() + timeout_s
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -213,6 +222,8 @@ def call_user_function(fn: Callable, *args: Any, where: str, timeout_s: float,
 
     def run() -> None:
         try:
+            if device is not None:
+                sys.modules["torch"].cuda.set_device(device)
             result = fn(*args)
             if inspect.isawaitable(result):
                 box["coro"] = result

@@ -1,4 +1,4 @@
-"""Every flag that names user code the rollout calls: the table the pre-flight loads and the tests walk.
+"""Every flag that names user code the run calls: the table the pre-flight loads and the tests walk.
 
 Each row says where the run calls the function, what it must return, and which flag's seconds bound one
 call (``infra.user_function.call_user_function``; a hang or an exception is one error line naming the flag,
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megatron_rl.algorithms.spec import CUSTOM_ADVANTAGE_FLAG, load_custom_advantage
 from megatron_rl.infra.user_function import DEFAULT_TIMEOUT_FLAG
 from megatron_rl.rollout.agent.tools import load_tools
 from megatron_rl.rollout.dynamic_sampling import load_filter
@@ -52,6 +53,11 @@ USER_CODE: tuple[EntryPoint, ...] = (
     EntryPoint("--dynamic-sampling-filter-path", lambda c: c.rollout.dynamic_sampling_filter_path,
                "fn(args, samples) per prompt group", "True / False or a DynamicFilterOutput",
                "rollout/dynamic_sampling.py::DynamicSampler.judge", DEFAULT_TIMEOUT_FLAG, load_filter),
+    EntryPoint(CUSTOM_ADVANTAGE_FLAG, lambda c: c.algorithm.custom_advantage_function_path,
+               "fn(args, rollout_data) once per step, on every training rank", "rollout_data['advantages'] (and "
+               "'returns' with a critic) set to one finite value per response token of each sample",
+               "algorithms/spec.py::PolicyGradientSpec._custom_advantages", DEFAULT_TIMEOUT_FLAG,
+               load_custom_advantage),
     EntryPoint("--tools", lambda c: c.rollout.tools, "REGISTRY[name](arguments: dict) per tool call",
                "a str (anything else, a hang or an exception becomes an error observation the model reads)",
                "rollout/agent/tools.py::run_tool", "--tool-timeout", load_tools),

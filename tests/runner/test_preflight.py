@@ -241,6 +241,7 @@ USER_CODE_CASES = [
     ("--dynamic-sampling-filter-path", "no_such_filters.keep", r": cannot import 'no_such_filters' .*give a file path "
                                                                r"like path/to/no_such_filters.py:keep"),
     ("--dynamic-sampling-filter-path", "{mod}:one", r": one\(a\) cannot be called as fn\(args, samples\)"),
+    ("--custom-advantage-function-path", "{mod}:one", r": one\(a\) cannot be called as fn\(args, rollout_data\)"),
     ("--tools", "{mod}:REGISTRY_NOT_DICT", r": list, not a dict of tool name -> callable"),
     ("--tools", "{mod}:EMPTY", r": the registry is empty"),
     ("--tools", "{mod}:BAD_ENTRIES", r": entries t are not name -> callable"),

@@ -82,6 +82,10 @@ def undecided(args, samples):
     return "maybe"
 
 
+def advantages_of_text(args, rollout_data):
+    rollout_data["advantages"] = "all good"
+
+
 def fails_from_the_second_rollout(request, sampling, engine):
     if request.metadata["prompt_index"] >= 2:  # rollout 1 (--rollout-batch-size 2)
         raise ValueError("rollout 1 broke")
@@ -104,6 +108,9 @@ MALFORMED = {
     "--custom-rm-path": (MODES, "nan_reward",
                          r" returned nan for sample 0 \(prompt_index \d, line \d of --prompt-data .*prompts.jsonl\); "
                          "rewards must be finite"),
+    "--custom-advantage-function-path": (MODES, "advantages_of_text",
+                                         r" left rollout_data\['advantages'\] as <class 'str'>; it must set it to a "
+                                         r"list of 4 per-sample tensors"),
     "--dynamic-sampling-filter-path": (MODES, "undecided",
                                        r" returned 'maybe' for the group of prompt \(prompt_index \d, line \d\); a "
                                        "filter returns True"),
