@@ -97,7 +97,7 @@ TOOLS_BOOM = {{"t": boom}}
 TOOLS_MALFORMED = {{"t": lambda arguments: 42}}
 '''
 
-# flag -> (modes it runs in, the malformed function, what the refusal says of it after "FLAG PATH:?")
+# flag -> (modes walked, the malformed function, what the refusal says of it after "FLAG PATH")
 MALFORMED = {
     "--custom-generate-function-path": (MODES, "group_out_of_vocab",
                                         r": sample 0 \(group \d, prompt_index (\d), line \d\) has response_ids {vocab} at "
@@ -108,7 +108,8 @@ MALFORMED = {
     "--custom-rm-path": (MODES, "nan_reward",
                          r" returned nan for sample 0 \(prompt_index \d, line \d of --prompt-data .*prompts.jsonl\); "
                          "rewards must be finite"),
-    "--custom-advantage-function-path": (MODES, "advantages_of_text",
+    # called by the training step, on the main thread, the same in every mode: walked in one
+    "--custom-advantage-function-path": (("off",), "advantages_of_text",
                                          r" left rollout_data\['advantages'\] as <class 'str'>; it must set it to a "
                                          r"list of 4 per-sample tensors"),
     "--dynamic-sampling-filter-path": (MODES, "undecided",
