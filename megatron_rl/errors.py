@@ -36,3 +36,13 @@ class EngineError(MegatronRLError):
 
 class BackendError(MegatronRLError):
     """A training backend cannot do what was asked on this machine."""
+
+
+class UserFunctionError(ConfigError):
+    """A user's function named by a flag (``--custom-generate-function-path``, ``--custom-rm-path``, ...) did
+    not return within its timeout or raised; the message names the flag, what happened and the function's own
+    line. ``kind``: "timeout" or "raised"; ``cause``: what it raised (None for a timeout)."""
+
+    def __init__(self, message: str, *, kind: str = "raised", cause: "BaseException | None" = None):
+        super().__init__(message)
+        self.kind, self.cause = kind, cause

@@ -32,11 +32,19 @@ from megatron_rl.algorithms.losses import (LossInputs, Metrics, compute_policy_l
 from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
-from megatron_rl.infra.user_function import check_arity, load_user_function
+from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 from megatron_rl.ops import logprobs_and_entropy
 
 
 CUSTOM_ADVANTAGE_FLAG = "--custom-advantage-function-path"
+
+
+def load_custom_advantage(path: str) -> Callable:
+    """The function ``--custom-advantage-function-path`` names (slime's dotted form too), checked to take
+    ``(args, rollout_data)``."""
+    fn = load_user_function(path, CUSTOM_ADVANTAGE_FLAG, example="my_adv:compute", dotted=True)
+    check_arity(fn, 2, CUSTOM_ADVANTAGE_FLAG, path, "fn(args, rollout_data)")
+    return fn
 
 
 @dataclass(frozen=True)
@@ -144,8 +152,7 @@ class PolicyGradientSpec(Spec):
         self.custom_advantage_fn = custom_advantage_fn
         path = cfg.custom_advantage_function_path
         if self.custom_advantage_fn is None and path is not None:
-            self.custom_advantage_fn = load_user_function(path, CUSTOM_ADVANTAGE_FLAG, example="my_adv:compute",
-                                                          dotted=True)
+            self.custom_advantage_fn = load_custom_advantage(path)
         if self.custom_advantage_fn is not None:
             check_arity(self.custom_advantage_fn, 2, CUSTOM_ADVANTAGE_FLAG, str(path), "fn(args, rollout_data)")
         adaptive = cfg.kl_ctrl_type == "adaptive"  # --kl-ctrl-type: the coefficient of KL in the rewards
@@ -351,7 +358,8 @@ class PolicyGradientSpec(Spec):
             "rollout_log_probs": ([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
                                   if cfg.needs_rollout_logprobs else None)}
         assert self.custom_advantage_fn is not None
-        self.custom_advantage_fn(self.args, rollout_data)
+        call_user_function(self.custom_advantage_fn, self.args, rollout_data, where=where,  # bounded, one line
+                           timeout_s=float(getattr(self.args, "user_function_timeout", 3600.0)))
         pieces = _per_token_output(rollout_data, "advantages", lengths, where)
         flat = (torch.cat(pieces) if pieces else torch.zeros(0)) * mask
         if values is None:

@@ -55,6 +55,12 @@ DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe
 SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size",
                            "qwen3_5_moe_text": "shared_expert_intermediate_size"}
 
+# config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
+# whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
+BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "mixtral", "qwen2",
+                       "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
+MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
 
 class _Unused:
     """A flag megatron-core does not read for this architecture (``--kv-channels`` of an MLA model,
@@ -431,11 +437,27 @@ def architecture_errors(cfg: Config) -> list[str]:
         hf = read_hf_config(path)
     except (OSError, ValueError) as exc:
         return errors + [f"--hf-checkpoint {path}: cannot read config.json ({exc})"]
+    errors += model_type_errors(hf, f"--hf-checkpoint {path}")
     errors += hf_mismatch_errors(cfg, hf, source)
     quant = quantized_checkpoint(text_config(hf))
     if quant and not cfg.mode.dry_run:  # a dry run plans the same model; the run itself could not load it
         errors.append(f"--hf-checkpoint {path}: {quant}")
     return errors
+
+
+def model_type_errors(hf: dict, where: str) -> list[str]:
+    """config.json's ``model_type`` has a bridge (what ``models.get_bridge`` refuses once the model is built,
+    said here, where validation and ``--dry-run`` read the file)."""
+    model_type = hf.get("model_type")
+    if model_type in BRIDGED_MODEL_TYPES:
+        return []
+    if model_type in MULTIMODAL_MODEL_TYPES:
+        return [f"{where}: model_type {model_type!r} is a multimodal checkpoint; megatron_rl trains its text model "
+                f"(model_type {MULTIMODAL_MODEL_TYPES[model_type]!r}) only: write the text model out with "
+                "transformers (AutoModelForCausalLM, then save_pretrained) and pass that directory"]
+    return [f"{where}: config.json's model_type {model_type!r} has no bridge (supported: "
+            f"{', '.join(BRIDGED_MODEL_TYPES)}); convert the model to one of these families or add a bridge "
+            "(models/families.py)"]
 
 
 def hf_model_type(cfg: Config) -> Optional[str]:

@@ -675,6 +675,12 @@ class RolloutConfig:
                           "tool ends the trajectory (finish_reason length) without running it.")
     tool_timeout: float = flag(30.0, "The tool loop: seconds one tool call may take; a slower call becomes an "
                                "error observation and the trajectory goes on.", domain="(0, inf)")
+    user_function_timeout: float = flag(
+        3600.0, "Seconds one call into your code may take: a --custom-generate-function-path group (its engine "
+        "calls included), a --rollout-function-path batch, a --custom-rm-path batch of rewards, a "
+        "--dynamic-sampling-filter-path verdict, a --custom-advantage-function-path step. A call still running then, or one that raises, stops the run "
+        "with one error line naming the flag, the function and its line (a hung call's thread is left behind: "
+        "Python cannot stop one). Tools have --tool-timeout, a reward server --rm-timeout.", domain="(0, inf)")
     rollout_abort_retries: int = flag(2, "A prompt group with a sample the engine aborted (finish_reason abort: "
                                       "cut short by an /abort_request or a pause in abort mode) is generated "
                                       "again, whole, with new seeds, at most this many times; still aborted, the "

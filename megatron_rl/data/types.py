@@ -69,6 +69,24 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def describe_prompt(metadata: dict) -> str:
+    """How errors name a sample's prompt: ``prompt_index 3, line 4`` (its place in the prompt stream and the line
+    of its prompt file, as the prompt reader records them in the request's metadata), or "" when unknown."""
+    return ", ".join(f"{key} {metadata[key]}" for key in ("prompt_index", "line") if key in (metadata or {}))
+
+
+#: the request metadata that places a prompt in the prompt file and stream (set by the prompt reader)
+PROMPT_PLACE_KEYS = ("prompt_index", "line", "epoch")
+
+
+def mark_prompt(sample: "Sample", request: "GenerateRequest") -> None:
+    """Give ``sample`` its request's place keys (``PROMPT_PLACE_KEYS``) where it lacks them, so an error about it
+    (its reward, its group's filter verdict) names its prompt whatever engine or function made it."""
+    for key in PROMPT_PLACE_KEYS:
+        if key in request.metadata:
+            sample.metadata.setdefault(key, request.metadata[key])
+
+
 @dataclass
 class GenerateRequest:
     """One prompt to answer; ``n`` samples of it form one GRPO group."""

@@ -18,10 +18,12 @@ process group (torchrun forwards with ``os.killpg``) does not kill it mid-write.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Optional
 
+from megatron_rl.errors import MegatronRLError
 from megatron_rl.infra.atomic import atomic_write_json
 
 EXIT_WALL_TIME = 3  # distinct exit code: "stopped on purpose, relaunch to continue"
@@ -158,6 +160,18 @@ def write_error_status(path: str, message: str, exit_code: int) -> bool:
     with os.fdopen(fd, "w") as fh:
         json.dump(payload, fh)
     return True
+
+
+def record_refusal_now(exc: BaseException) -> bool:
+    """Record ``exc`` (one of this package's errors) for the launcher before this rank tells its peers it
+    stopped: a peer that raises on the news could otherwise record its own report of it first, and the
+    launcher would print the peer's line ("rank 0's rollout stopped: ...") instead of this one. False when
+    not under the launcher, not such an error, or another rank recorded first; ``train.main`` finds the file
+    and prints nothing more."""
+    path = os.environ.get(STATUS_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if not path or not isinstance(exc, MegatronRLError):
+        return False
+    return write_error_status(path, str(exc), getattr(exc, "exit_code", 2))
 
 
 if __name__ == "__main__":

@@ -40,9 +40,9 @@ import threading
 from collections import Counter
 from typing import Any, Callable, Optional
 
-from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, describe_prompt
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.user_function import load_user_function
+from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 
 __all__ = ["DynamicFilterOutput", "DynamicSampler", "StreamFilter", "SLIME_FILTERS", "check_reward_nonzero_std",
            "check_reward_nonzero_std_with_fallback", "load_filter"]
@@ -91,9 +91,11 @@ SLIME_FILTERS = {f"slime.rollout.filter_hub.dynamic_sampling_filters.{name}": f"
 
 def load_filter(path: str) -> Callable[..., Any]:
     """The filter ``--dynamic-sampling-filter-path`` names: ``module:fn``, ``file.py:fn``, slime's dotted
-    ``module.fn``, or slime's path of a built-in (``SLIME_FILTERS``)."""
-    return load_user_function(SLIME_FILTERS.get(path, path), "--dynamic-sampling-filter-path",
-                              example=f"{_HERE}:check_reward_nonzero_std", dotted=True)
+    ``module.fn``, or slime's path of a built-in (``SLIME_FILTERS``), checked to take ``(args, samples)``."""
+    fn = load_user_function(SLIME_FILTERS.get(path, path), "--dynamic-sampling-filter-path",
+                            example="my_filters:keep_group", dotted=True)
+    check_arity(fn, 2, "--dynamic-sampling-filter-path", path, "fn(args, samples)")
+    return fn
 
 
 def _verdict(output: Any, path: str, group: list[Sample]) -> DynamicFilterOutput:
@@ -110,11 +112,16 @@ def _verdict(output: Any, path: str, group: list[Sample]) -> DynamicFilterOutput
     if hasattr(keep, "item") and getattr(keep, "ndim", 0) == 0:
         keep = keep.item()
     if not isinstance(keep, (bool, int)) or isinstance(keep, int) and keep not in (0, 1):
-        prompt = group[0].metadata.get("prompt_index", "?") if group else "?"
-        raise ConfigError(f"--dynamic-sampling-filter-path {path} returned {output!r} for the group of prompt "
-                          f"{prompt}; a filter returns True (keep the group), False (drop it) or a "
+        prompt = (describe_prompt(group[0].metadata) if group else "") or "of unknown place"
+        raise ConfigError(f"--dynamic-sampling-filter-path {path} returned {_short_repr(output)} for the group of "
+                          f"prompt ({prompt}); a filter returns True (keep the group), False (drop it) or a "
                           "DynamicFilterOutput(keep=..., reason=...)")
     return dataclasses.replace(verdict, keep=bool(keep))
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclasses.dataclass
@@ -125,6 +132,13 @@ class DynamicSampler:
     filter_path: str
     over_sampling_batch_size: int
     max_rounds: int
+    timeout_s: float = 3600.0  # --user-function-timeout: one verdict at most
+
+    def judge(self, args: Any, group: list[Sample]) -> DynamicFilterOutput:
+        """The filter's verdict on ``group``, the call bounded by --user-function-timeout."""
+        output = call_user_function(self.filter_fn, args, group, timeout_s=self.timeout_s,
+                                    where=f"--dynamic-sampling-filter-path {self.filter_path}")
+        return _verdict(output, self.filter_path, group)
 
     @classmethod
     def from_config(cls, cfg) -> Optional["DynamicSampler"]:
@@ -133,7 +147,8 @@ class DynamicSampler:
         if not r.dynamic_sampling_filter_path:
             return None
         return cls(load_filter(r.dynamic_sampling_filter_path), r.dynamic_sampling_filter_path,
-                   r.over_sampling_batch_size or cfg.batching.rollout_batch_size, r.dynamic_sampling_max_rounds)
+                   r.over_sampling_batch_size or cfg.batching.rollout_batch_size, r.dynamic_sampling_max_rounds,
+                   r.user_function_timeout)
 
     def fill(self, draw: Callable[[int], list[GenerateRequest]],
              run: Callable[[list[GenerateRequest], SamplingParams], list[Sample]], sampling: SamplingParams,
@@ -164,7 +179,7 @@ class DynamicSampler:
             generated += samples
             groups = [samples[g * n:(g + 1) * n] for g in range(len(requests))]
             for g, group in enumerate(groups):
-                verdict = _verdict(self.filter_fn(args, group), self.filter_path, group)
+                verdict = self.judge(args, group)
                 undecided = len(kept) + len(groups) - g  # slime's remaining_batch_size: kept + not yet judged
                 if not verdict.keep and not (verdict.keep_when_insufficient and undecided <= batch_size):
                     filtered += 1
@@ -227,7 +242,7 @@ class StreamFilter:
     def keep(self, group: list[Sample]) -> bool:
         """Whether the finished, rewarded ``group`` goes to the buffer; raises once ``limit`` groups in a row
         were dropped (naming the flags, as the in-turn sampler does after its last round)."""
-        verdict = _verdict(self.sampler.filter_fn(self.args, group), self.sampler.filter_path, group)
+        verdict = self.sampler.judge(self.args, group)
         with self._lock:
             self.generated += 1
             self.reward_sum += sum(s.reward for s in group)

@@ -52,18 +52,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
-import importlib.util
-import inspect
+import math
 import os
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_rl.data.types import GenerateRequest, RoutedExperts, Sample, SamplingParams
+from megatron_rl.config.architecture import read_hf_config, text_config
+from megatron_rl.data.types import (GenerateRequest, RoutedExperts, Sample, SamplingParams, describe_prompt,
+                                    mark_prompt)
 from megatron_rl.errors import ConfigError, EngineError
-from megatron_rl.rollout.user_function import load_user_function
+from megatron_rl.infra.user_function import (call_user_function, check_arity, load_user_function,
+                                             load_user_object)
 
 #: what the handle calls: ``RolloutEngine.generate``, or a caller's gated / batched stand-in with its contract
 EngineCall = Callable[[list[GenerateRequest], SamplingParams], list[Sample]]
@@ -231,57 +231,48 @@ def _generation(sample: Sample) -> Generation:
 
 
 # ------------------------------------------------------------------ loading
+#: (positional arguments, how the docs write the call) of each rollout-function flag: checked when loaded
+SIGNATURES = {"--custom-generate-function-path": (3, "fn(request, sampling, engine)"),
+              "--rollout-function-path": (4, "fn(rollout_id, requests, sampling, engine)")}
+
+
 def load_function(path: str, flag: str) -> Callable:
     """The callable named by ``module:attr``, ``path/to/file.py:attr`` or slime's ``module.attr``; ``ConfigError``
-    naming ``flag`` and the value otherwise (a module that does not import, no such attribute, not callable)."""
-    return load_user_function(path, flag, example="my_rollout:generate", dotted=True)  # slime's dotted form too
+    naming ``flag`` and the value otherwise (a module that does not import, no such attribute, not callable, a
+    function that cannot take the flag's arguments)."""
+    fn = load_user_function(path, flag, example="my_rollout:generate", dotted=True)  # slime's dotted form too
+    if flag in SIGNATURES:
+        check_arity(fn, SIGNATURES[flag][0], flag, path, SIGNATURES[flag][1])
+    return fn
 
 
-def load_object(path: str, flag: str, what: str = "function") -> Any:
+def load_object(path: str, flag: str, what: str = "function", example: str = "my_rollout:generate") -> Any:
     """The object named by ``module:attr`` or ``path/to/file.py:attr`` (``ConfigError`` naming ``flag`` and
     the value when the module does not import or has no such attribute)."""
-    where = f"{flag} {path}"
-    module_name, sep, attr = str(path).rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{where} must be module:{what} or path/to/file.py:{what} (e.g. my_rollout:generate)")
+    return load_user_object(path, flag, what=what, example=example)
+
+
+def vocab_size_of(cfg: Any) -> Optional[int]:
+    """The model's vocabulary (``vocab_size`` of --hf-checkpoint's config.json): token ids a rollout function
+    returns must lie in [0, it), or the trainer's embedding fails on them. None when there is no config to read."""
+    path = getattr(getattr(cfg, "model", None), "hf_checkpoint", None)
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
     try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise FileNotFoundError(f"no such file {module_name}")
-            name = "_user_" + os.path.basename(module_name)[:-3]
-            spec = importlib.util.spec_from_file_location(name, module_name)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"{module_name} cannot be loaded as a Python module")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module  # dataclasses and pickling look the module up by name
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module; report it whole
-        raise ConfigError(f"{where}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); put the module on "
-                          "PYTHONPATH or give a file path like path/to/my_rollout.py:generate") from exc
-    if not hasattr(module, attr):
-        names = sorted(n for n in vars(module) if not n.startswith("_"))
-        raise ConfigError(f"{where}: module {module_name!r} has no {attr!r}; names there: {', '.join(names) or 'none'}")
-    return getattr(module, attr)
-
-
-def _call(fn: Callable, *args: Any) -> Any:
-    """``fn(*args)``; an ``async def`` function's coroutine runs to completion on this thread's own loop."""
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        async def wait():
-            return await result
-        result = asyncio.run(wait())
-    return result
+        size = text_config(read_hf_config(path)).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 # ------------------------------------------------------------------ checking
 def check_samples(returned: Any, requests: Sequence[GenerateRequest], sampling: SamplingParams,
-                  where: str) -> list[Sample]:
+                  where: str, vocab_size: Optional[int] = None) -> list[Sample]:
     """``returned`` as the list of samples of ``requests`` (``sampling.n`` each, request-major), every one
-    checked against the module's invariants; ``ConfigError`` naming ``where`` (flag and function) otherwise.
-    A sample's missing ``label`` / ``prompt_text`` are filled from its request."""
+    checked against the module's invariants (token ids in [0, ``vocab_size``) when it is given, finite
+    log-probs); ``ConfigError`` naming ``where`` (flag and function), the sample's prompt and the bad value
+    otherwise. A sample's missing ``label`` / ``prompt_text`` and its prompt's place (``prompt_index``,
+    ``line``) are filled from its request."""
     if isinstance(returned, Sample):
         returned = [returned]
     if not isinstance(returned, (list, tuple)) or not all(isinstance(s, Sample) for s in returned):
@@ -296,27 +287,50 @@ def check_samples(returned: Any, requests: Sequence[GenerateRequest], sampling: 
     samples = list(returned)
     for k, s in enumerate(samples):
         req = requests[k // n]
-        _check_sample(s, req, sampling, f"{where}: sample {k} (group {req.group_index})")
+        prompt = describe_prompt(req.metadata)
+        _check_sample(s, req, sampling, f"{where}: sample {k} (group {req.group_index}"
+                      + (f", {prompt}" if prompt else "") + ")", vocab_size)
         if s.label is None:
             s.label = req.label
         if s.prompt_text is None:
             s.prompt_text = req.prompt_text
+        mark_prompt(s, req)  # reward errors name the prompt by them
     return samples
 
 
-def _check_sample(s: Sample, req: GenerateRequest, sampling: SamplingParams, what: str) -> None:
+def _bad_token(ids: Sequence[Any], vocab_size: Optional[int]) -> Optional[str]:
+    """Why ``ids`` are not token ids of the model (the first bad one and its position), or None."""
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if vocab_size is not None and isinstance(t, int) and t >= vocab_size:
+                return (f"{t} at position {i}, outside the model's vocabulary [0, {vocab_size}) (vocab_size of "
+                        "--hf-checkpoint's config.json; the trainer's embedding has no row for it)")
+            return f"{t!r} at position {i}: not non-negative int token ids"
+    return None
+
+
+def _check_sample(s: Sample, req: GenerateRequest, sampling: SamplingParams, what: str,
+                  vocab_size: Optional[int] = None) -> None:
     n = len(s.response_ids)
     problems = []
     if s.group_index != req.group_index:
         problems.append(f"has group_index {s.group_index}, not its request's {req.group_index} (request-major order, "
                         "n samples per request)")
-    if not s.prompt_ids or not all(isinstance(t, int) and t >= 0 for t in s.prompt_ids):
-        problems.append("needs prompt_ids: a non-empty list of non-negative int token ids")
-    if not all(isinstance(t, int) and t >= 0 for t in s.response_ids):
-        problems.append("has response_ids that are not non-negative int token ids")
+    bad = _bad_token(s.prompt_ids, vocab_size)
+    if not s.prompt_ids or bad:
+        problems.append(f"has prompt_ids {bad or 'empty'}: a non-empty list of token ids is needed")
+    bad = _bad_token(s.response_ids, vocab_size)
+    if bad:
+        problems.append(f"has response_ids {bad}")
     if len(s.rollout_logprobs) != n:
         problems.append(f"has {len(s.rollout_logprobs)} rollout_logprobs for {n} response_ids (one behaviour "
                         "log-prob per response token; 0.0 for tokens the function appended itself)")
+    else:
+        odd = next(((i, v) for i, v in enumerate(s.rollout_logprobs)
+                    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)), None)
+        if odd is not None:
+            problems.append(f"has rollout_logprobs[{odd[0]}] = {odd[1]!r}; a behaviour log-prob is a finite number "
+                            "(--use-tis / --use-rs and the mismatch metrics read them)")
     if s.loss_mask and len(s.loss_mask) != n:
         problems.append(f"has a loss_mask of {len(s.loss_mask)} entries for {n} response_ids (response-aligned; "
                         "empty means all ones)")
@@ -337,27 +351,42 @@ def _check_sample(s: Sample, req: GenerateRequest, sampling: SamplingParams, wha
 
 
 # ------------------------------------------------------------------ binding
-def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any = None) -> GroupGenerate:
+def _timeout_of(cfg: Any) -> float:
+    """--user-function-timeout of the run's config (its default without one)."""
+    rollout = getattr(cfg, "rollout", None)
+    return float(getattr(rollout, "user_function_timeout", 3600.0))
+
+
+def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any = None,
+                   vocab_size: Optional[int] = None) -> GroupGenerate:
     """The ``--custom-generate-function-path`` function ``fn`` as ``generate_group(request, sampling, call)``:
     one group's checked samples, every engine call through ``call`` (``engine.generate``, or a caller's
-    stand-in: the asynchronous producer's gated call, ``generate_groups``' batched one)."""
+    stand-in: the asynchronous producer's gated call, ``generate_groups``' batched one). Each call is bounded
+    by --user-function-timeout (``infra.user_function.call_user_function``); what ``call`` raises (a
+    ``MegatronRLError``: an engine's failure, the producer's cut by a sync) comes through as it is."""
+    timeout_s = _timeout_of(cfg)
 
     def generate_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
         handle = EngineHandle(call, tokenizer=tokenizer, cfg=cfg, request=request)
-        return check_samples(_call(fn, request, sampling, handle), [request], sampling, where)
+        returned = call_user_function(fn, request, sampling, handle, where=where, timeout_s=timeout_s)
+        return check_samples(returned, [request], sampling, where, vocab_size)
 
     generate_group.__name__ = f"generate_group[{where}]"
     return generate_group
 
 
-def rollout_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any = None):
+def rollout_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any = None,
+                     vocab_size: Optional[int] = None):
     """The ``--rollout-function-path`` function ``fn`` as ``generate(rollout_id, requests, sampling, call)``:
-    the batch's checked samples."""
+    the batch's checked samples (the call bounded by --user-function-timeout)."""
+    timeout_s = _timeout_of(cfg)
 
     def generate(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams,
                  call: EngineCall) -> list[Sample]:
         handle = EngineHandle(call, tokenizer=tokenizer, cfg=cfg)
-        return check_samples(_call(fn, rollout_id, list(requests), sampling, handle), requests, sampling, where)
+        returned = call_user_function(fn, rollout_id, list(requests), sampling, handle, where=where,
+                                      timeout_s=timeout_s)
+        return check_samples(returned, requests, sampling, where, vocab_size)
 
     return generate
 
@@ -479,13 +508,15 @@ def generate_groups(generate_group: GroupGenerate, requests: Sequence[GenerateRe
 @dataclass(frozen=True)
 class RolloutFunctions:
     """The run's user rollout functions (``from_config``: None when neither flag is given), loaded once on
-    the driver before the engine loads, so a bad path fails first."""
+    the driver before the engine loads, so a bad path fails first. ``vocab_size``: the model's, the bound on
+    the token ids they return."""
 
     group_fn: Optional[Callable] = None
     group_where: str = ""
     batch_fn: Optional[Callable] = None
     batch_where: str = ""
     cfg: Any = None
+    vocab_size: Optional[int] = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Optional[RolloutFunctions]":
@@ -504,20 +535,22 @@ class RolloutFunctions:
         if r.rollout_function_path:
             batch_where = f"--rollout-function-path {r.rollout_function_path}"
             batch = load_function(r.rollout_function_path, "--rollout-function-path")
-        return cls(group, group_where, batch, batch_where, cfg)
+        return cls(group, group_where, batch, batch_where, cfg, vocab_size_of(cfg))
 
     def group_generate(self, tokenizer: Any = None) -> Optional[GroupGenerate]:
         """The per-group function bound to ``tokenizer`` (what the asynchronous producer calls per group), or
         None with a batch function."""
         if self.group_fn is None:
             return None
-        return group_generate(self.group_fn, self.group_where, tokenizer=tokenizer, cfg=self.cfg)
+        return group_generate(self.group_fn, self.group_where, tokenizer=tokenizer, cfg=self.cfg,
+                              vocab_size=self.vocab_size)
 
     def generate(self, rollout_id: int, requests: Sequence[GenerateRequest], sampling: SamplingParams,
                  engine_call: EngineCall, tokenizer: Any = None) -> list[Sample]:
         """The samples of ``requests`` (request-major), from the batch function or group by group."""
         if self.batch_fn is not None:
-            fn = rollout_generate(self.batch_fn, self.batch_where, tokenizer=tokenizer, cfg=self.cfg)
+            fn = rollout_generate(self.batch_fn, self.batch_where, tokenizer=tokenizer, cfg=self.cfg,
+                                  vocab_size=self.vocab_size)
             return fn(rollout_id, list(requests), sampling, engine_call)
         group = self.group_generate(tokenizer)
         assert group is not None
@@ -527,4 +560,4 @@ class RolloutFunctions:
 __all__ = ["CALL_SEED_STRIDE", "EngineCall", "EngineHandle", "Generation", "GroupGenerate", "RolloutFunctions",
            "check_samples",
            "generate_groups", "group_generate", "load_function", "load_object", "locked_tokenizer", "rollout_generate",
-           "truncate"]
+           "truncate", "vocab_size_of"]

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, mark_prompt
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.atomic import atomic_write_bytes
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler
@@ -209,7 +209,12 @@ class RolloutManager:
             for k, g in enumerate(groups):
                 samples[g * n:(g + 1) * n] = again[k * n:(k + 1) * n]
             self.last_retried_groups += len(groups)
+        for k, sample in enumerate(samples):  # errors about a sample name its prompt, whatever engine made it
+            mark_prompt(sample, requests[k // n])
         return samples
+
+    def _prompt_file(self) -> str:
+        return f"--prompt-data {self.cfg.data.prompt_data}"
 
     def _decode(self, samples: list[Sample]) -> None:
         tok = getattr(self.engine, "tokenizer", None)
@@ -217,7 +222,8 @@ class RolloutManager:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
 
-    def _run(self, requests, sampling, evaluation: bool = False) -> list[Sample]:
+    def _run(self, requests, sampling, evaluation: bool = False, prompts: Optional[str] = None) -> list[Sample]:
+        """``requests``' rewarded samples; ``prompts``: how errors name their prompt file (default: --prompt-data)."""
         samples = self._generate_complete(requests, sampling)
         self._decode(samples)
         t = time.perf_counter()
@@ -225,7 +231,7 @@ class RolloutManager:
         key, key_flag = ((d.eval_reward_key, "--eval-reward-key") if evaluation and d.eval_reward_key
                          else (d.reward_key, "--reward-key"))
         compute_rewards(samples, self.reward_fn, source=reward_source(self.cfg), reward_key=key, key_flag=key_flag,
-                        shaping=None if evaluation else self.shaping)
+                        shaping=None if evaluation else self.shaping, prompts=prompts or self._prompt_file())
         self.last_reward_s = time.perf_counter() - t  # reported as perf/reward_s by generate()
         if self.remax and not evaluation:
             self._attach_greedy_baselines(requests, samples, sampling)
@@ -242,7 +248,7 @@ class RolloutManager:
         base = self._generate_complete(list(requests), greedy)
         self._decode(base)
         compute_rewards(base, self.reward_fn, source=reward_source(self.cfg), reward_key=self.cfg.data.reward_key,
-                        shaping=self.shaping)  # the training reward, as the samples got theirs
+                        shaping=self.shaping, prompts=self._prompt_file())  # the training reward, as the samples got theirs
         self.last_aborted += counts[0]
         self.last_retried_groups += counts[1]
         by_group = {b.group_index: float(b.reward) for b in base}
@@ -351,10 +357,14 @@ class RolloutManager:
         :func:`eval_sampling_params`."""
         metrics = {}
         self.rollout_id = rollout_id
+        paths = dict(self.cfg.data.eval_sets)
         for name, dataset in self.eval_datasets.items():
             requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
-                                        prompt_text=p.prompt_text) for i, p in enumerate(dataset.prompts)]
-            samples = self._run(requests, eval_sampling_params(self.cfg), evaluation=True)
+                                        prompt_text=p.prompt_text, metadata={"prompt_index": i, "line": p.line})
+                        for i, p in enumerate(dataset.prompts)]
+            flag = "--eval-prompt-data" + (f" {name}" if name else "")
+            samples = self._run(requests, eval_sampling_params(self.cfg), evaluation=True,
+                                prompts=f"{flag} {paths.get(name, '')}".rstrip())
             prefix = "eval/" if name is None else f"eval/{name}/"
             metrics[prefix + "reward_mean"] = sum(s.reward for s in samples) / len(samples)
             metrics[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import threading
 import time
+import urllib.parse
 from typing import Any, Callable, Optional
 
 import httpx
@@ -47,7 +49,7 @@ import httpx
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import EngineError
 
-__all__ = ["RemoteReward", "RewardServerError", "request_body"]
+__all__ = ["RemoteReward", "RewardServerError", "probe_reward_server", "request_body"]
 
 MAX_BACKOFF_S = 8.0  # one retry's wait at most; the waits double from backoff_s up to this
 # no reply because of the connection: the server never answered this request, so sending it again is safe
@@ -77,6 +79,31 @@ def request_body(samples: list[Sample], start: int = 0) -> dict:
                          "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
                          "group_index": s.group_index, "index": start + i, "finish_reason": s.finish_reason,
                          "metadata": s.metadata} for i, s in enumerate(samples)]}
+
+
+def probe_reward_server(url: str, *, timeout_s: float = 5.0, max_retries: int = 5, backoff_s: float = 0.5,
+                        sleep: Callable[[float], None] = time.sleep) -> Optional[str]:
+    """Why ``url`` (--rm-url) cannot be a running reward server, or None: its host resolves and its port accepts
+    a TCP connection, tried ``max_retries`` more times with the requests' backoff (a server still starting
+    gets as long as a request would). Nothing is posted: a probe must not cost the server a batch."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url} is not an http(s)://host[:port]/path URL"
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        return f"{url}: {exc}"
+    last: Optional[OSError] = None
+    for attempt in range(max_retries + 1):
+        if attempt:
+            sleep(min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
+        try:
+            with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+                return None
+        except OSError as exc:
+            last = exc
+    return (f"nothing accepts a connection at {parts.hostname}:{port} after {max_retries + 1} attempt(s) "
+            f"({type(last).__name__}: {last})")
 
 
 class RemoteReward:

@@ -46,6 +46,7 @@ from megatron_rl.data import sample_codec
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
 from megatron_rl.infra.dist import rank, recv_sized, send_sized, world
+from megatron_rl.infra.wall_time import record_refusal_now
 from megatron_rl.rollout.base import EngineHealth, RolloutEngine
 
 DONE, ABORT, GENERATE = "done", "abort", "generate"
@@ -96,6 +97,7 @@ class ReplicatedEngine(RolloutEngine):
             yield
         except BaseException as exc:
             self._serving = False
+            record_refusal_now(exc)  # the launcher prints this rank's line, not a peer's report of it
             with contextlib.suppress(Exception):  # a broken group: the workers' collective fails on its own
                 _broadcast_command((ABORT, f"{type(exc).__name__}: {exc}"), self.rank)
             raise

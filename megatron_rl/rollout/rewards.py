@@ -33,12 +33,12 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
-from megatron_rl.data.types import Sample
+from megatron_rl.data.types import Sample, describe_prompt
 from megatron_rl.errors import ConfigError
+from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 from megatron_rl.rollout.remote_reward import RemoteReward
-from megatron_rl.rollout.user_function import load_user_function
 
 RewardFn = Callable[[list[Sample]], list[Any]]  # one float, or {"reward": float, other metrics}, per sample
 REWARD_KEY = "reward"  # the key of a dict reward that trains; the others are metrics (module docstring)
@@ -200,18 +200,49 @@ def _as_batched(fn: Callable, batched: bool) -> RewardFn:
     return lambda samples: [fn(s) for s in samples]
 
 
-def load_custom_reward(custom_rm_path: str) -> RewardFn:
-    """Import ``module:function`` (or ``path/to/file.py:function``) and return it in batched form."""
+class BoundedReward:
+    """A ``--custom-rm-path`` function in batched form, each batch's call bounded by --user-function-timeout
+    (``infra.user_function.call_user_function``: a hang or an exception is one error line naming the flag and
+    the function's line)."""
+
+    batched = True
+
+    def __init__(self, fn: Callable, path: str, timeout_s: float):
+        self.fn, self.path, self.timeout_s = fn, path, timeout_s
+        self._batched = _as_batched(fn, _is_batched(fn))
+
+    def __call__(self, samples: list[Sample]) -> list[Any]:
+        def scored(batch: list[Sample]) -> Any:  # a returned generator runs here too, under the deadline
+            out = self._batched(batch)
+            return out if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable) else list(out)
+
+        rewards = call_user_function(scored, samples, where=f"--custom-rm-path {self.path}",
+                                     timeout_s=self.timeout_s, owner=self.fn)
+        if not isinstance(rewards, list):
+            raise ConfigError(f"--custom-rm-path {self.path} returned {type(rewards).__name__} for a batch of "
+                              f"{len(samples)} samples; a batched reward returns a list of one reward per sample")
+        return rewards
+
+    def __repr__(self) -> str:
+        return f"BoundedReward({self.path!r})"
+
+
+def load_custom_reward(custom_rm_path: str, timeout_s: float = 3600.0) -> RewardFn:
+    """Import ``module:function`` (or ``path/to/file.py:function``) and return it in batched form, bounded by
+    ``timeout_s`` (--user-function-timeout) per call."""
     fn = load_user_function(custom_rm_path, "--custom-rm-path", example="my_rewards:score")
-    return _as_batched(fn, _is_batched(fn))
+    check_arity(fn, 1, "--custom-rm-path", custom_rm_path, "fn(sample) or a batched fn(samples)")
+    return BoundedReward(fn, custom_rm_path, timeout_s)
 
 
-def get_reward_fn(rm_type: str | None = None, custom_rm_path: str | None = None) -> RewardFn:
-    """The reward selected by ``--rm-type`` or ``--custom-rm-path`` (exactly one), in batched form."""
+def get_reward_fn(rm_type: str | None = None, custom_rm_path: str | None = None,
+                  timeout_s: float = 3600.0) -> RewardFn:
+    """The reward selected by ``--rm-type`` or ``--custom-rm-path`` (exactly one), in batched form; a custom one's
+    calls bounded by ``timeout_s`` (--user-function-timeout)."""
     if rm_type and custom_rm_path:
         raise ConfigError("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if custom_rm_path:
-        return load_custom_reward(custom_rm_path)
+        return load_custom_reward(custom_rm_path, timeout_s)
     if not rm_type:
         raise ConfigError(f"no reward function: pass --rm-type ({', '.join(BUILTIN_REWARDS)}), "
                           "--custom-rm-path module:function or --rm-url URL (a reward server)")
@@ -233,7 +264,8 @@ def reward_fn_from_config(cfg) -> RewardFn:
             raise ConfigError(f"--rm-url {d.rm_url} scores every sample on the reward server, so {given} would be "
                               f"ignored: drop one of them")
         return RemoteReward.from_config(cfg)
-    return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path)
+    return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
+                         timeout_s=cfg.rollout.user_function_timeout)
 
 
 def reward_source(cfg) -> str:
@@ -257,32 +289,41 @@ def _number(value: Any, source: str, what: str) -> float:
     return number
 
 
-def _split_reward(r: Any, i: int, source: str, reward_key: str | None = None,
+def _sample_name(sample: Sample, i: int, prompts: str = "") -> str:
+    """How a reward error names a sample: its place in the batch and its prompt's (``prompt_index``, the line of
+    ``prompts``, the prompt file's flag and path) when the sample carries them."""
+    where = describe_prompt(sample.metadata)
+    if where and prompts and "line" in sample.metadata:
+        where += f" of {prompts}"
+    return f"sample {i} ({where})" if where else f"sample {i}"
+
+
+def _split_reward(r: Any, i: str, source: str, reward_key: str | None = None,
                   key_flag: str = "--reward-key") -> tuple[float, dict[str, float]]:
     """A float reward as is; a dict reward as its ``reward`` (or ``reward_key``'s: slime's --reward-key) and its
     other keys (the sample's metrics)."""
     key_name = reward_key or REWARD_KEY
     if not isinstance(r, Mapping):
         if reward_key is not None:
-            raise ConfigError(f"{source} returned {r!r} for sample {i}, but {key_flag} {reward_key} picks the reward "
+            raise ConfigError(f"{source} returned {r!r} for {i}, but {key_flag} {reward_key} picks the reward "
                               "out of a dict: return {"
                               f"{reward_key!r}: number, ...}} or drop {key_flag}")
-        return _number(r, source, f"sample {i}"), {}
+        return _number(r, source, i), {}
     if key_name not in r:
         fix = (f"{key_flag} {reward_key} names the key that trains" if reward_key is not None else
                f"a dict reward is {{{REWARD_KEY!r}: number, other numeric metrics logged as reward/<key>}}, "
                "or give --reward-key KEY")
-        raise ConfigError(f"{source} returned a dict without a {key_name!r} key for sample {i} (keys: "
+        raise ConfigError(f"{source} returned a dict without a {key_name!r} key for {i} (keys: "
                           f"{', '.join(map(str, r)) or 'none'}); {fix}")
     metrics = {}
     for key, value in r.items():
         if key == key_name:
             continue
         if not isinstance(key, str) or not key:
-            raise ConfigError(f"{source} returned metric key {key!r} for sample {i}; metric keys are non-empty "
+            raise ConfigError(f"{source} returned metric key {key!r} for {i}; metric keys are non-empty "
                               "strings (logged as reward/<key>)")
-        metrics[key] = _number(value, source, f"sample {i}'s metric {key!r}")
-    return _number(r[key_name], source, f"sample {i}"), metrics
+        metrics[key] = _number(value, source, f"metric {key!r} of {i}")
+    return _number(r[key_name], source, i), metrics
 
 
 @dataclass(frozen=True)
@@ -330,7 +371,7 @@ class RewardShaping:
 
 def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "reward function",
                     reward_key: str | None = None, key_flag: str = "--reward-key",
-                    shaping: Optional[RewardShaping] = None) -> list[float]:
+                    shaping: Optional[RewardShaping] = None, prompts: str = "") -> list[float]:
     """Score ``samples`` with ``reward_fn``, check the result and store it in ``sample.reward``.
 
     Each result is a number or a dict reward (module docstring): its ``reward`` goes to
@@ -339,12 +380,14 @@ def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "r
     ``--eval-reward-key``, named in errors by ``key_flag``) is the dict key that trains instead of
     ``reward``. ``shaping`` (training rollouts only) then adjusts each reward (``RewardShaping``).
     Nothing is stored unless every result is valid, so a refused batch leaves no half-scored
-    samples behind."""
+    samples behind. An error names the sample by its prompt (``prompt_index``, the line of ``prompts``: the
+    prompt file's flag and path)."""
     rewards = list(reward_fn(samples))
     if len(rewards) != len(samples):
         raise ConfigError(f"{source} returned {len(rewards)} rewards for {len(samples)} samples; a batched reward "
                           "must return one float per sample, in order")
-    scored = [_split_reward(r, i, source, reward_key, key_flag) for i, r in enumerate(rewards)]
+    scored = [_split_reward(r, _sample_name(samples[i], i, prompts), source, reward_key, key_flag)
+              for i, r in enumerate(rewards)]
     if shaping is not None:
         for i, (sample, (value, metrics)) in enumerate(zip(samples, scored)):
             value, extra = shaping.apply(value, sample.response_length)

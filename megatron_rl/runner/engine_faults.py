@@ -32,7 +32,8 @@ log = logging.getLogger("megatron_rl")
 MAX_RESTARTS = 3  # per run: an engine that keeps dying is a bug to read in its log, not to restart forever
 
 
-def _from_driver(obj: Any) -> Any:
+def from_driver(obj: Any) -> Any:
+    """Collective: the driver's ``obj`` on every rank (itself without a process group)."""
     import torch.distributed as dist  # lazy: rollout-only runs have no process group
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -49,6 +50,11 @@ class EngineRecovery:
     fleet: Optional[EngineFleet]
     enabled: bool
     restarts: int = 0
+
+    @property
+    def retries_engine_errors(self) -> bool:
+        """Whether ``generate`` may answer an ``EngineError`` with a restart (else any error ends the run)."""
+        return self.fleet is not None and self.enabled
 
     def generate(self, get: Callable[[], tuple], rollout: Optional[RolloutManager],
                  resync: Callable[[], dict]) -> tuple[Any, dict]:
@@ -77,7 +83,7 @@ class EngineRecovery:
                 error = str(exc)
                 if rollout is not None and state is not None:
                     rollout.load_state_dict(state)  # the retry draws the same prompts
-            error = _from_driver(error)
+            error = from_driver(error)
             if error is None:
                 deaths = self._deaths()
                 if deaths:  # the rollout is complete (the router served it from the live engines): keep it

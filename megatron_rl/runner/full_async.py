@@ -69,7 +69,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         for s in samples:
             if s.response_text is None and tok is not None:
                 s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
-        compute_rewards(samples, rollout.reward_fn, source=source, reward_key=cfg.data.reward_key, shaping=shaping)
+        compute_rewards(samples, rollout.reward_fn, source=source, reward_key=cfg.data.reward_key, shaping=shaping,
+                        prompts=f"--prompt-data {cfg.data.prompt_data}")
 
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size

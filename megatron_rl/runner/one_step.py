@@ -16,6 +16,13 @@ One step, N = ``rollout_id``:
    trained (N+1), and rollout N+1 generated again, now, on the main thread (staleness 0);
 4. the weights are synced (version N+1), then evaluation, metrics, checkpoint, stop, as in turn.
 
+A rollout N+1 that failed for good (its user function raised or hung, an engine error that
+``--use-fault-tolerance`` does not retry, the wait's timeout) does not discard step N: every rank
+learns of it from the driver at the join (one small broadcast per step), step N's metrics are
+logged and its scheduled checkpoint saved, as a run in turn would have before it generated
+rollout N+1, and then the run stops with the rollout's error (the checkpoint resumes at the
+prompts of rollout N+1, which it generates again).
+
 Deterministic: the engines hold version N during all of rollout N+1's generation (the sync
 waits for it), and the sampling seeds are ``--rollout-seed`` + rollout id, so a rerun draws the
 same tokens. Exact resume: a checkpoint N+1 is written after rollout N+1 was generated, so its
@@ -34,8 +41,9 @@ import time
 from typing import Any, Optional
 
 from megatron_rl.data.types import Sample
-from megatron_rl.errors import EngineError
+from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.rollout import rollout_ckpt
+from megatron_rl.runner.engine_faults import from_driver
 from megatron_rl.runner.loop import StepParts
 
 log = logging.getLogger("megatron_rl")
@@ -48,6 +56,15 @@ def staleness_metrics(samples: Optional[list[Sample]], trained_at: int) -> dict[
         return {}
     ages = [s.staleness(trained_at) for s in samples]
     return {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
+
+
+class RolloutAheadFailed(MegatronRLError):
+    """Rollout N+1 failed for good (every rank raises it at the join); ``error``: the driver's own exception
+    (None on the other ranks, which know only its message)."""
+
+    def __init__(self, message: str, error: Optional[BaseException]):
+        super().__init__(message)
+        self.error = error
 
 
 class RolloutAhead:
@@ -96,10 +113,11 @@ class RolloutAhead:
             rollout = self.parts.rollout
             engine = getattr(rollout, "engine", None)
             where = getattr(engine, "describe", lambda: type(engine).__name__)()
-            raise EngineError(f"--async-mode one-step: rollout {self.rollout_id}, generated while the trainer trained, "
-                              f"did not finish within --async-wait-timeout {self.timeout_s:g} s (engines: {where}); "
-                              "a server that stopped answering is named by its own timeout before this, so the "
-                              "rollout is long: raise --async-wait-timeout, or lower --rollout-max-response-len")
+            self._error = EngineError(
+                f"--async-mode one-step: rollout {self.rollout_id}, generated while the trainer trained, did not "
+                f"finish within --async-wait-timeout {self.timeout_s:g} s (engines: {where}); a server that stopped "
+                "answering is named by its own timeout before this, so the rollout is long: raise "
+                "--async-wait-timeout, or lower --rollout-max-response-len")
         self._thread = None
 
     def finish(self, metrics: dict) -> tuple[Optional[list[Sample]], dict]:
@@ -115,8 +133,11 @@ class RolloutAhead:
         metrics["perf/generate_ahead_s"] = self._generate_s
         assert self.rollout_id is not None, "finish() follows start()"
         rollout_id, parts = self.rollout_id, self.parts
-        if self._error is not None and not isinstance(self._error, EngineError):
-            raise self._error
+        error = self._error
+        fatal = error is not None and not (isinstance(error, EngineError) and parts.recovery.retries_engine_errors)
+        said = from_driver(str(error) if fatal else None)  # collective: every rank learns the outcome
+        if said is not None:
+            raise RolloutAheadFailed(said, error if fatal else None)
         first = [True]
 
         def take() -> tuple[Any, dict]:
@@ -167,7 +188,13 @@ def run_one_step(parts: StepParts, start: int) -> Optional[int]:
             ahead.start(rollout_id + 1)  # on the engines, which hold version rollout_id
         metrics.update(staleness_metrics(samples, trained_at=rollout_id))
         parts.train(samples, metrics, rollout_id=rollout_id)
-        upcoming, upcoming_metrics = ahead.finish(metrics) if following else (None, {})
+        try:
+            upcoming, upcoming_metrics = ahead.finish(metrics) if following else (None, {})
+        except RolloutAheadFailed as failed:  # step N trained: its record and scheduled checkpoint first
+            _keep_step(parts, ahead, rollout_id, metrics, t0)
+            if failed.error is not None:
+                raise failed.error from None  # the driver: the rollout's own error, one line naming its cause
+            raise
         parts.push_weights(rollout_id + 1, metrics)
         step_s = time.perf_counter() - t0
         if following and step_s > 0:
@@ -183,3 +210,14 @@ def run_one_step(parts: StepParts, start: int) -> Optional[int]:
         t0 = time.perf_counter()
         samples, metrics = upcoming, upcoming_metrics
     return None
+
+
+def _keep_step(parts: StepParts, ahead: RolloutAhead, rollout_id: int, metrics: dict, t0: float) -> None:
+    """Step ``rollout_id`` trained but the rollout after it failed: its metrics record (no evaluation: the
+    engines may be what failed) and its scheduled checkpoint, which resumes at the failed rollout's prompts."""
+    metrics["perf/step_time_s"] = time.perf_counter() - t0
+    parts.ctx.log(rollout_id + 1, metrics)
+    position = {"dataset_state": ahead.position_before} if ahead.position_before else None
+    saved, _ = parts.save_or_stop(rollout_id, prepare=lambda: position)
+    log.error("--async-mode one-step: rollout %d failed after step %d trained; step %d's metrics are logged%s",
+              rollout_id + 1, rollout_id + 1, rollout_id + 1, " and its checkpoint saved" if saved else "")

@@ -17,7 +17,13 @@ What is checked, each named by flag, file, line or URL with the fix:
 * the tokenizer: text or chat prompts need tokenizer files in ``--hf-checkpoint``; chat messages
   need ``--apply-chat-template``, token ids refuse it;
 * ``--rollout-engine-urls``: every server answers ``/health`` and ``/model_info`` within
-  ``engine_timeout_s`` per request (``rollout.sglang.health.probe_servers``).
+  ``engine_timeout_s`` per request (``rollout.sglang.health.probe_servers``);
+* every flag that names user code (``rollout.entry_points.USER_CODE``: ``--custom-generate-function-path``,
+  ``--rollout-function-path``, ``--custom-rm-path``, ``--dynamic-sampling-filter-path``, ``--tools``):
+  imported and checked by the loader the run uses (a module that does not import or has a syntax error, a
+  missing name, a constant where a function belongs, a function that cannot take the call's arguments);
+* ``--rm-url``: something accepts a connection at its host and port, with the retries a request gets
+  (``rollout.remote_reward.probe_reward_server``); nothing is posted.
 
 What needs the tokenizer loaded (a prompt's token count against ``--rollout-max-prompt-len``, the
 tokenizer's chat template) is checked when the rollout is built, after the workers started; such a
@@ -33,6 +39,8 @@ from megatron_rl.config import Config
 from megatron_rl.data.prompts import MIB, PromptFileScan, scan_prompt_file
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.base import TOKENIZER_FILES
+from megatron_rl.rollout.entry_points import load_user_code
+from megatron_rl.rollout.remote_reward import probe_reward_server
 from megatron_rl.rollout.sglang.health import PROBE_TIMEOUT_S, probe_servers
 
 
@@ -44,6 +52,15 @@ def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None
     scans += [_scan(cfg, f"--eval-prompt-data{' ' + name if name else ''}", path) for name, path in cfg.data.eval_sets]
     for flag, scan in scans:
         check_tokenizer_for(cfg, flag, scan)
+    load_user_code(cfg)  # every user-code flag imported and checked, as the rollout will load it
+    d = cfg.data
+    if d.rm_url:
+        problem = probe_reward_server(d.rm_url, timeout_s=min(engine_timeout_s, d.rm_timeout),
+                                      max_retries=d.rm_max_retries)
+        if problem:
+            raise EngineError(f"--rm-url {d.rm_url}: {problem} (checked before the workers started); start the "
+                              "reward server and wait until it listens, or fix the URL (--rm-max-retries sets how "
+                              "long a server still starting is waited for)")
     if cfg.rollout.rollout_backend == "sglang" and cfg.rollout.rollout_engine_urls:
         problems = probe_servers(cfg.rollout.rollout_engine_urls, timeout_s=engine_timeout_s)
         if problems:

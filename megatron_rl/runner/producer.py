@@ -47,8 +47,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
-from megatron_rl.errors import EngineError
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, mark_prompt
+from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.rollout.dynamic_sampling import StreamFilter
 from megatron_rl.rollout.generate_fn import GroupGenerate
@@ -143,6 +143,8 @@ class RolloutProducer:
         with self._cond:
             while not self._head_ready(count):
                 if self._error is not None:
+                    if isinstance(self._error, MegatronRLError) and not isinstance(self._error, EngineError):
+                        raise self._error  # the user's function or a refusal: its message names the flag already
                     raise ProducerError(f"rollout producer failed: {self._error}") from self._error
                 if self._fault is not None:
                     raise EngineFault(self._fault)
@@ -285,6 +287,8 @@ class RolloutProducer:
                         self._queue.appendleft(group.request)
                     self.park(str(exc))
                     continue
+                for sample in group.samples:  # errors about a sample name its prompt, whatever engine made it
+                    mark_prompt(sample, group.request)
                 self.score(group.samples)
                 kept = self.group_filter is None or self.group_filter.keep(group.samples)
                 with self._cond:
@@ -403,8 +407,9 @@ class RolloutProducer:
                                   f"sync (--rollout-abort-retries {self.abort_retries}); the server said: {message}")
 
 
-class _CutBySync(Exception):
-    """A weight sync cut an engine call of a generate function (the producer starts the group again)."""
+class _CutBySync(MegatronRLError):
+    """A weight sync cut an engine call of a generate function (the producer starts the group again); a
+    ``MegatronRLError``, so the bounded call of the user's function (``call_user_function``) lets it through."""
 
 
 def _stitch(head: Sample, tail: Sample, prompt_ids: list[int]) -> Sample:

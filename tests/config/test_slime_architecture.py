@@ -181,6 +181,28 @@ def test_dry_run_without_the_checkpoint_plans_from_the_flags(tmp_path, capsys):
                       "--tensor-model-parallel-size", "4", "--dry-run"])
 
 
+def test_a_model_type_without_a_bridge_is_refused_by_validation_and_dry_run(tmp_path, capsys):
+    """``--dry-run`` said "configuration valid" for an HF dir whose model_type no bridge builds (the real run
+    failed 20+ s in, once the model was built). The table validation reads is the bridges' own."""
+    from megatron_rl.config.architecture import BRIDGED_MODEL_TYPES, MULTIMODAL_MODEL_TYPES
+    from megatron_rl.models import MULTIMODAL_WRAPPERS
+    from megatron_rl.models.families import BRIDGES_BY_MODEL_TYPE
+    from megatron_rl.train import main
+
+    assert sorted(BRIDGED_MODEL_TYPES) == sorted(BRIDGES_BY_MODEL_TYPE)
+    assert MULTIMODAL_MODEL_TYPES == MULTIMODAL_WRAPPERS
+    unknown = hf_dir(tmp_path, "llama", model_type="gpt_neox")
+    assert main(["--hf-checkpoint", unknown, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: --hf-checkpoint {unknown}: config.json's model_type 'gpt_neox' has no bridge (supported: "
+        f"{', '.join(BRIDGED_MODEL_TYPES)}); convert the model to one of these families or add a bridge "
+        "(models/families.py)"], err
+    with pytest.raises(ConfigError, match="model_type 'qwen3_5' is a multimodal checkpoint"):
+        parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3", model_type="qwen3_5")])
+    assert main(["--hf-checkpoint", hf_dir(tmp_path, "llama"), "--dry-run"]) == 0
+
+
 def test_uneven_last_pipeline_stage(tmp_path):
     path = hf_dir(tmp_path, "qwen3")  # 4 layers
     pp2 = ["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"]

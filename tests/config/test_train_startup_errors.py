@@ -68,6 +68,25 @@ def test_damaged_dist_to_hf_output_is_refused_by_file_name(tmp_path, tiny_hf_mod
 LAUNCH_TIMEOUT_S = 300  # start-up of 2 ranks and the refusal take ~25-45 s on 2 busy cores
 
 
+def _two_rank_launch(tmp_path, hf, prompts, *flags) -> tuple[int, str]:
+    """A real 2-rank ``megatron_rl.infra.launch`` of ``megatron_rl.train`` (sync mode, the embedded engine with a
+    replica on each rank) expected to stop with an error: (exit code, stdout + stderr)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
+           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_rl.train",
+           "--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "2", "--prompt-data", str(prompts),
+           "--rm-type", "exact_match", "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+           "--rollout-max-response-len", "2", "--global-batch-size", "4", "--output-dir", str(out), *flags]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path,
+                           start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the launch did not end within {LAUNCH_TIMEOUT_S} s (a rank left waiting in a "
+                             f"collective?):\n{exc.stderr}") from None
+    return p.returncode, p.stdout + p.stderr
+
+
 def test_a_refusal_after_the_workers_started_is_one_error_line_on_a_real_two_rank_launch(tmp_path, tiny_hf_models):
     """The class "refusals after start-up print another rank's traceback", on a real launch: a prompt longer than
     --rollout-max-prompt-len is found only once the driver tokenizes the data (after the backend's collectives),
@@ -80,26 +99,31 @@ def test_a_refusal_after_the_workers_started_is_one_error_line_on_a_real_two_ran
     build_char_tokenizer(hf)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "abcdefg{i}", "label": "x"}}\n' for i in range(4)))
-    out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(out), "--nproc-per-node", "2",
-           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_rl.train",
-           "--hf-checkpoint", str(hf), "--actor-num-gpus-per-node", "2", "--prompt-data", str(prompts),
-           "--rm-type", "exact_match", "--rollout-max-prompt-len", "4", "--num-rollout", "1",
-           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2",
-           "--global-batch-size", "4", "--output-dir", str(out)]
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path,
-                           start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the launch did not end within {LAUNCH_TIMEOUT_S} s (a rank left waiting in a "
-                             f"collective?):\n{exc.stderr}") from None
-    output = p.stdout + p.stderr
-    assert p.returncode == 2, output[-6000:]
+    code, output = _two_rank_launch(tmp_path, hf, prompts, "--rollout-max-prompt-len", "4")
+    assert code == 2, output[-6000:]
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert errors == [f"error: --prompt-data {prompts} line 1: prompt has 8 tokens, more than --rollout-max-prompt-len "
                       "4; raise the limit or remove the prompt"], output[-6000:]
     assert "Traceback" not in output and "Connection closed by peer" not in output, output[-6000:]
+
+
+def test_a_raising_user_function_is_its_own_one_error_line_on_a_real_two_rank_launch(tmp_path, tiny_hf_models):
+    """A --custom-generate-function-path function that raises in the first rollout (sync mode, the embedded
+    engine's replica on rank 1 waiting for its part): one error line, the function's, naming its own line, exit
+    2, no traceback (it printed rank 0's 40-line traceback; then rank 1's "rank 0's rollout stopped: ..." report
+    won the launcher's status file). The hang, malformed and other-mode cases: tests/runner/test_user_code.py."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": [1, 2, {i}], "label": "x"}}\n' for i in range(4)))
+    module = tmp_path / "my_rollout.py"
+    module.write_text("def helper(x):\n    return x['answer']\n\n\ndef generate(request, sampling, engine):\n"
+                      "    return helper({})\n")
+    code, output = _two_rank_launch(tmp_path, tiny_hf_models("qwen2"), prompts,
+                                    "--custom-generate-function-path", f"{module}:generate")
+    assert code == 2, output[-6000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --custom-generate-function-path {module}:generate raised KeyError: 'answer' (at "
+                      "my_rollout.py:2 in helper); fix the function (this error ends the run)"], output[-6000:]  # cwd
+    assert "Traceback" not in output, output[-6000:]
 
 
 def test_a_rank_whose_collective_fails_after_another_ranks_refusal_ends_quietly(tmp_path, monkeypatch, capsys,

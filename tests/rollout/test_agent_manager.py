@@ -223,7 +223,7 @@ def test_bad_functions_and_returns_are_named(tool_run, user_module):
         with pytest.raises(ConfigError, match=f"--custom-generate-function-path {path}: .*{match}"):
             load_function(path, "--custom-generate-function-path")
     for fn, match in [("wrong_count", r"returned 0 samples for one group of n=2 .*exactly 2"),
-                      ("long_logprobs", r"sample 0 \(group 0\) has \d+ rollout_logprobs for \d+ response_ids")]:
+                      ("long_logprobs", r"sample 0 \(group 0, prompt_index 0, line 1\) has \d+ rollout_logprobs for \d+ response_ids")]:
         manager = build_rollout(parse_config(flags(root, "--custom-generate-function-path", f"{file}:{fn}")))
         with pytest.raises(ConfigError, match=f"--custom-generate-function-path {file}:{fn}.*{match}"):
             manager.generate(0)

@@ -174,7 +174,7 @@ def test_a_filter_from_a_user_file(setup, user_filters):
     assert metrics["rollout/dynamic_filter/drop_odd"] == 4 and metrics["rollout/generated_groups"] == 8
     samples, _ = setup("--dynamic-sampling-filter-path", f"{user_filters}:legacy_bool").generate(0)
     assert len(samples) == 8
-    with pytest.raises(ConfigError, match=r"forgot_to_return returned None for the group of prompt 0; a filter "
+    with pytest.raises(ConfigError, match=r"forgot_to_return returned None for the group of prompt \(prompt_index 0, line 1\); a filter "
                                           r"returns True \(keep the group\), False \(drop it\) or a "
                                           r"DynamicFilterOutput"):
         setup("--dynamic-sampling-filter-path", f"{user_filters}:forgot_to_return").generate(0)

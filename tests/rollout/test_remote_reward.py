@@ -155,10 +155,10 @@ def test_metadata_json_cannot_hold_is_sent_as_text(serve):
 
 
 @pytest.mark.parametrize("reward,match", [
-    ({"score": 1.0}, r"returned a dict without a 'reward' key for sample 0 \(keys: score\)"),
-    ({"reward": 1.0, "judge": "good"}, r"returned 'good' for sample 0's metric 'judge'; rewards and reward metrics "
-                                       "must be numbers"),
-    ({"reward": float("inf")}, "returned inf for sample 0; rewards must be finite"),
+    ({"score": 1.0}, r"returned a dict without a 'reward' key for sample 0 \(prompt_index 0\) \(keys: score\)"),
+    ({"reward": 1.0, "judge": "good"}, r"returned 'good' for metric 'judge' of sample 0 \(prompt_index 0\); rewards "
+                                       "and reward metrics must be numbers"),
+    ({"reward": float("inf")}, r"returned inf for sample 0 \(prompt_index 0\); rewards must be finite"),
     ("1.0", "returned '1.0' for sample 0"),
 ])
 def test_bad_dict_rewards_name_the_source(reward, match):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -199,3 +200,124 @@ def test_main_refuses_in_preflight_before_run_with_one_error_line(tmp_path, hf_w
         f"error: --prompt-data {path} line 2: byte 27 of the line (0xe9) is not UTF-8; prompt files are read as "
         f"UTF-8: convert the file (e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8) and pass the converted one"]
     assert "Traceback" not in err
+
+
+USER_MODULE = """
+CONSTANT = 3
+REGISTRY_NOT_DICT = [1]
+EMPTY = {}
+BAD_ENTRIES = {"t": 3}
+TWO_ARG_TOOL = {"t": lambda a, b: ""}
+
+
+def one(a):
+    return 1.0
+
+
+def two(a, b):
+    return True
+
+
+def three(a, b, c):
+    return []
+"""
+
+# (flag, value: {mod} the module above, {syntax} a file that does not parse, what the refusal says after the value)
+USER_CODE_CASES = [
+    ("--custom-generate-function-path", "{mod}:missing", r": module '.*user_mod.py' has no 'missing'; callables "
+                                                         r"there: one, three, two"),
+    ("--custom-generate-function-path", "{mod}:CONSTANT", r": 'CONSTANT' in '.*user_mod.py' is a int, not a function"),
+    ("--custom-generate-function-path", "{syntax}:broken", r": cannot import '.*broken.py' \(SyntaxError: .*\) "
+                                                           r"\(line 1 of .*broken.py\)"),
+    ("--custom-generate-function-path", "no_such_rollout_mod:gen", r": cannot import 'no_such_rollout_mod' "
+                                                                   r"\(ModuleNotFoundError: .*\); put the module on "
+                                                                   r"PYTHONPATH or give a file path like "
+                                                                   r"path/to/no_such_rollout_mod.py:gen"),
+    ("--custom-generate-function-path", "{mod}:one", r": one\(a\) cannot be called as fn\(request, sampling, engine\)"),
+    ("--rollout-function-path", "{mod}:three", r": three\(a, b, c\) cannot be called as fn\(rollout_id, requests, "
+                                               r"sampling, engine\)"),
+    ("--custom-rm-path", "{mod}:two", r": two\(a, b\) cannot be called as fn\(sample\)"),
+    ("--custom-rm-path", "{mod}:CONSTANT", r": 'CONSTANT' in '.*user_mod.py' is a int, not a function"),
+    ("--dynamic-sampling-filter-path", "no_such_filters.keep", r": cannot import 'no_such_filters' .*give a file path "
+                                                               r"like path/to/no_such_filters.py:keep"),
+    ("--dynamic-sampling-filter-path", "{mod}:one", r": one\(a\) cannot be called as fn\(args, samples\)"),
+    ("--custom-advantage-function-path", "{mod}:one", r": one\(a\) cannot be called as fn\(args, rollout_data\)"),
+    ("--tools", "{mod}:REGISTRY_NOT_DICT", r": list, not a dict of tool name -> callable"),
+    ("--tools", "{mod}:EMPTY", r": the registry is empty"),
+    ("--tools", "{mod}:BAD_ENTRIES", r": entries t are not name -> callable"),
+    ("--tools", "{mod}:TWO_ARG_TOOL", r" \(tool 't'\): <lambda>\(a, b\) cannot be called as tool\(arguments: dict\)"),
+    ("--tools", "no_such_tools:TOOLS", r": cannot import 'no_such_tools' .*give a file path like "
+                                       r"path/to/no_such_tools.py:TOOLS"),
+]
+
+
+def test_the_user_code_cases_cover_every_entry_point():
+    from megatron_rl.rollout.entry_points import USER_CODE
+
+    assert {c[0] for c in USER_CODE_CASES} == {e.flag for e in USER_CODE}
+
+
+@pytest.mark.parametrize("flag, value, says", USER_CODE_CASES,
+                         ids=[f"{c[0][2:]}-{c[1].rpartition(':')[2] or c[1]}" for c in USER_CODE_CASES])
+def test_every_user_code_flag_is_imported_and_checked_before_the_workers_start(tmp_path, hf_without_tokenizer, flag,
+                                                                               value, says):
+    """The class "late refusals of user code": each was found 17-115 s in, once the model was built (the rollout
+    imported them); the pre-flight walks ``rollout.entry_points.USER_CODE`` with the run's own loaders."""
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_bytes(_lines(IDS))
+    mod = tmp_path / "user_mod.py"
+    mod.write_text(USER_MODULE)
+    (tmp_path / "broken.py").write_text("def broken(:\n    pass\n")
+    value = value.format(mod=mod, syntax=tmp_path / "broken.py")
+    extra = (["--custom-generate-function-path", "megatron_rl.rollout.agent:generate"] if flag == "--tools" else
+             ["--n-samples-per-prompt", "2"] if flag == "--dynamic-sampling-filter-path" else [])
+    cfg = parse_config(["--hf-checkpoint", hf_without_tokenizer, "--prompt-data", str(prompts), flag, value, *extra])
+    with pytest.raises(ConfigError) as exc:
+        preflight(cfg)
+    assert re.match(re.escape(f"{flag} {value}") + says, str(exc.value)), str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_reward_server_url_nothing_listens_at_is_refused_before_the_workers_start(tmp_path, hf_without_tokenizer):
+    """--rm-url at a closed port was found after a whole rollout; a listening server passes (nothing is posted)."""
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_bytes(_lines(IDS))
+    port = free_port()
+    cfg = parse_config(["--hf-checkpoint", hf_without_tokenizer, "--prompt-data", str(prompts),
+                        "--rm-url", f"http://127.0.0.1:{port}/score", "--rm-max-retries", "1"])
+    with pytest.raises(EngineError, match=rf"^--rm-url http://127.0.0.1:{port}/score: nothing accepts a connection "
+                                          rf"at 127.0.0.1:{port} after 2 attempt\(s\) \(ConnectionRefusedError"):
+        preflight(cfg)
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(1)
+    try:
+        preflight(parse_config(["--hf-checkpoint", hf_without_tokenizer, "--prompt-data", str(prompts),
+                                "--rm-url", f"http://127.0.0.1:{listening.getsockname()[1]}/score"]))
+    finally:
+        listening.close()
+
+
+def test_main_refuses_bad_user_code_before_run_with_one_error_line(tmp_path, hf_without_tokenizer, monkeypatch,
+                                                                   capsys):
+    """A generate function's module with a syntax error: refused by ``train.main``'s pre-flight, before ``run``
+    builds anything (it was found once the model was built)."""
+    from megatron_rl import train
+
+    def run(cfg):
+        raise AssertionError("run() started: the refusal came after the workers started")
+
+    monkeypatch.setattr(train, "run", run)
+    monkeypatch.setenv("RANK", "0")
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_bytes(_lines(IDS))
+    broken = tmp_path / "my_rollout.py"
+    broken.write_text("def generate(request, sampling, engine)\n    return []\n")
+    argv = ["--hf-checkpoint", hf_without_tokenizer, "--prompt-data", str(prompts),
+            "--custom-generate-function-path", f"{broken}:generate"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: --custom-generate-function-path {broken}:generate: cannot import '{broken}' (SyntaxError: "), err
+    assert f"(line 1 of {broken})" in errors[0] and "Traceback" not in err

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 from typing import Any, Callable, Mapping, Optional
 
-from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.generate_fn import load_object
+from megatron_rl.errors import ConfigError, UserFunctionError
+from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_object
 
 Tool = Callable[[dict], str]
 ToolRegistry = Mapping[str, Tool]
@@ -97,7 +96,7 @@ def load_tools(path: Optional[str]) -> ToolRegistry:
     string names to callables. Cached: every group's loop asks for it."""
     if path is None:
         return BUILTIN_TOOLS
-    registry = load_object(path, "--tools", what="REGISTRY")
+    registry = load_user_object(path, "--tools", what="REGISTRY", example="my_tools:TOOLS")
     if not isinstance(registry, Mapping):
         raise ConfigError(f"--tools {path}: {type(registry).__name__}, not a dict of tool name -> "
                           "callable(arguments: dict) -> str")
@@ -106,6 +105,8 @@ def load_tools(path: Optional[str]) -> ToolRegistry:
         raise ConfigError(f"--tools {path}: " + (f"entries {', '.join(bad)} are not name -> callable" if bad
                                                  else "the registry is empty") + "; give a dict of tool name -> "
                           "callable(arguments: dict) -> str")
+    for name, fn in registry.items():  # a tool of another shape is refused here, not at its first call
+        check_arity(fn, 1, "--tools", f"{path} (tool {name!r})", "tool(arguments: dict)")
     return dict(registry)
 
 
@@ -117,23 +118,16 @@ def run_tool(registry: ToolRegistry, name: Optional[str], arguments: Any, timeou
     tool = registry[name]
     if not isinstance(arguments, dict):
         return f"error: tool {name!r} takes a JSON object of arguments, not {type(arguments).__name__}", True
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["result"] = tool(dict(arguments))
-        except BaseException as exc:  # noqa: BLE001 - the model is told, the loop goes on
-            box["error"] = exc
-
-    worker = threading.Thread(target=call, name=f"tool-{name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return f"error: tool {name!r} timed out after {timeout_s:g} s (--tool-timeout)", True
-    if "error" in box:
-        exc = box["error"]
+    try:  # the one bounded call into user code (infra.user_function), under --tool-timeout
+        result = call_user_function(tool, dict(arguments), where=f"--tools tool {name!r}", timeout_s=timeout_s,
+                                    timeout_flag="--tool-timeout")
+    except UserFunctionError as exc:
+        if exc.kind == "timeout":
+            return f"error: tool {name!r} timed out after {timeout_s:g} s (--tool-timeout)", True
+        cause = exc.cause
+        return f"error: tool {name!r} failed: {type(cause).__name__}: {cause}", True
+    except Exception as exc:  # noqa: BLE001 - one of this package's errors raised by the tool: the model is told
         return f"error: tool {name!r} failed: {type(exc).__name__}: {exc}", True
-    result = box.get("result")
     if not isinstance(result, str):
         return f"error: tool {name!r} returned {type(result).__name__}, not a string", True
     return result, False
