@@ -4,16 +4,17 @@ and its advantages train."""
 
 import json
 
+import pytest
 
 from test_demo import metrics, run_demo
+
+pytestmark = pytest.mark.e2e
 
 ADV = '''
 import json
 import os
 
 import torch
-
-pytestmark = pytest.mark.e2e
 
 
 def grpo_from_slime_rewards(args, rollout_data):
