@@ -29,13 +29,21 @@ running. Two more things torchrun does that a stop save cannot live with:
   a terminal's Ctrl-C reaches every process in the foreground group) raises again
   inside that wait and abandons the workers mid-save. Here the first signal
   starts the stop and later ones are ignored (SIGKILL still ends everything).
+* torchrun starts each worker in a session of its own, so a SIGKILL of torchrun
+  (``kill -9 -PGID`` of a script that ``exec``s this, the OOM killer) left the
+  workers and their engines training on, parentless, to the end of the run (saving,
+  holding the ``--save`` lock). Here each worker is started with
+  ``PR_SET_PDEATHSIG`` = SIGKILL: it dies with this process, and its engines with it
+  (they carry the same setting towards their rank).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 from typing import Optional
 
@@ -73,6 +81,32 @@ def _first_signal_only() -> None:
         original(signum, frame)  # raises SignalException: torchrun forwards it and waits
 
     api._terminate_process_handler = handler
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _workers_die_with_launcher() -> None:
+    """Start torchrun's workers with ``PR_SET_PDEATHSIG`` = SIGKILL towards this process (Linux; elsewhere the
+    workers start as torchrun starts them). ``SubprocessHandler`` starts each worker from this process's main
+    thread (the death signal follows the thread that forked), in a session of its own: a SIGKILL of this
+    process or of its process group did not reach them."""
+    try:
+        import ctypes  # lazy: only the launcher needs it
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # loaded here: the forked child only calls it
+    except (OSError, AttributeError):
+        return
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:  # runs in the child between fork and exec
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != launcher:  # the launcher died before the setting took: no signal will come
+            os._exit(128 + int(signal.SIGKILL))
+
+    subprocess_handler.Popen = functools.partial(subprocess.Popen, preexec_fn=die_with_launcher)  # type: ignore[misc,assignment]  # torch's module-level name, called with keywords only
 
 
 def _quiet_torchrun_logs() -> None:
@@ -134,6 +168,7 @@ def run(run_dir: str, torchrun_args: list[str]) -> int:
     from torch.distributed.run import parse_args, run as torchrun
 
     _first_signal_only()
+    _workers_die_with_launcher()
     _quiet_torchrun_logs()
     got_signal: Optional[signal.Signals] = None
     failure: Optional[tuple[int, str]] = None

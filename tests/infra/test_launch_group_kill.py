@@ -1,0 +1,76 @@
+"""``kill -9 -PGID`` of a launch: the workers die with the launcher (``PR_SET_PDEATHSIG``, infra/launch.py).
+
+Was: torchrun starts each worker in a session of its own, so the SIGKILL of the launch's process group (the
+usual way to end a script that ``exec``s the launcher) reached torchrun alone; both ranks and their engine
+trained on without a parent to the end of the run (40 steps and 3 checkpoints after the kill), holding the
+``--save`` lock. Here two workers (a plain script: no torch import) each start a child of their own, as a rank
+starts its engine, and record both pids; the group is killed once every pid is recorded (state, not a
+sleep), and the test waits (bounded: a hang bound only) until none of the four processes lives. The real RL
+loop under the same kill: tests/e2e/test_resume.py::test_sigkill_at_startup_mid_save_and_after_publish.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _util import _alive, free_port
+
+WORKER = """\
+import os, signal, subprocess, sys
+# a rank's engine: dies with its rank, as megatron_rl's engine processes do (PR_SET_PDEATHSIG)
+import ctypes
+child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"],
+                         preexec_fn=lambda: ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL))
+path = os.path.join(sys.argv[1], "pids." + os.environ["RANK"])
+with open(path + ".tmp", "w") as fh:
+    fh.write(f"{os.getpid()} {child.pid}")
+os.replace(path + ".tmp", path)
+signal.pause()  # trains on, as far as the launcher knows
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launch_group_ends_every_worker_and_its_engine(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    with open(tmp_path / "launch.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 300  # a hang bound only
+        while len(pids) < 4:
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text()
+            assert time.monotonic() < deadline, f"the workers never started\n{(tmp_path / 'launch.log').read_text()}"
+            files = [tmp_path / f"pids.{rank}" for rank in (0, 1)]
+            if all(f.exists() for f in files):
+                pids = [int(p) for f in files for p in f.read_text().split()]
+            else:
+                time.sleep(0.05)
+        assert all(os.getpgid(p) != proc.pid for p in pids)  # torchrun's sessions: the group kill misses them
+        os.killpg(proc.pid, signal.SIGKILL)  # kill -9 -PGID
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+        deadline = time.monotonic() + 120  # a hang bound only: the kernel sends the death signals at once
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in pids if _alive(p)], "workers or their children outlived the killed launcher"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
