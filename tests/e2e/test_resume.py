@@ -128,6 +128,28 @@ class Demo:
             os.kill(pid, signal.SIGKILL)
         assert not stray, f"processes of {self.out} outside the killed tree: {stray}"
 
+    def kill_group_at(self, point: PausePoint, timeout: float = LAUNCH_TIMEOUT) -> None:
+        """``kill -9 -PGID`` of the launch script (which ``exec``s the launcher) once its driver is paused at
+        ``point``: only the launcher is in that group (torchrun starts each worker in a session of its own);
+        every rank and engine must die with it (``PR_SET_PDEATHSIG``). Was: they trained on to the end of
+        the run. Fails (after cleaning up) if any process of the tree or of the run lives on."""
+        pids: list[int] = []
+        try:
+            point.wait(self.proc, timeout=timeout, output=self.tail)  # the timeout only bounds a hang
+            pids = _tree(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=120)  # a hang bound on reaping the SIGKILLed launcher
+            deadline = time.monotonic() + 120  # a hang bound: the kernel sends the death signals at once
+            while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = [p for p in pids if _alive(p)] + _procs_using(self.out)
+            assert not left, f"processes outlived the killed launch group: {left}"
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+            for pid in [p for p in pids if _alive(p)] + _procs_using(self.out):
+                os.kill(pid, signal.SIGKILL)
+
     def wait(self, timeout: float = LAUNCH_TIMEOUT) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -349,10 +371,11 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     new = demo.new_records()
     assert new[0]["step"] == 0 and train_steps(new) == [1, 2]  # a fresh start: nothing to resume from
 
-    # (iii) right after iteration 3 was published (the tracker files still say 2)
+    # (iii) right after iteration 3 was published (the tracker files still say 2), by `kill -9 -PGID` of the
+    # launch script alone: the ranks and their engines die with the launcher
     point = PausePoint(tmp_path / "pause", "published:iter_0000003")
     demo = Demo(*cmd, env=point.env)
-    demo.kill_at(point)
+    demo.kill_group_at(point)
     assert read_latest(root) == 2
     assert f"resumed from {iter_dir(root, 1)} at rollout 1" in demo.output
     new = demo.new_records()
