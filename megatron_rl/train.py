@@ -93,12 +93,13 @@ def run(cfg: Config) -> int:
         clock.lap("rollout")
         ctx.checkpoints.algorithm_state = spec.state_dict  # the adaptive KL coefficient travels in checkpoints
         start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
+        ctx.begin_attempt(start)  # metrics.jsonl: the earlier launches' records past `start` are superseded
         spec.load_state_dict((ctx.checkpoints.cursor.extra or {}).get("algorithm_state") or {})
         clock.lap("resume")
         if backend and cfg.has_rollout_engine:
             synced = sync.sync(backend, engine, version=start)
             clock.lap("sync")
-            ctx.log(start, {**synced, **clock.metrics()})
+            ctx.log(start, {**synced, **clock.metrics()}, attempt_start=True)
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
         parts = StepParts(ctx, spec, backend, rollout, replica, engine, recovery, sync, synced_version=start,
                           resync=lambda version: _resync(sync, backend, rollout, version))
