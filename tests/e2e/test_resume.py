@@ -42,6 +42,7 @@ from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_chec
 from megatron_rl.infra import checksum
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
                                                iter_dir, list_iterations, read_latest, read_resume_state)
+from megatron_rl.infra.tracking import final_lineage
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
 from megatron_rl.rollout import rollout_ckpt
 
@@ -189,8 +190,8 @@ def train_steps(records) -> list[int]:
 
 def stable(record: dict) -> dict:
     """A metrics record without wall-clock values (timestamps, durations)."""
-    return {k: v for k, v in record.items()
-            if k != "time" and not k.endswith("time_s") and not k.startswith("perf/")}  # perf/*: phase timers
+    return {k: v for k, v in record.items()  # attempt: which launch wrote it (metrics.jsonl's bookkeeping)
+            if k not in ("time", "attempt") and not k.endswith("time_s") and not k.startswith("perf/")}  # perf/*: phase timers
 
 
 def by_step(records) -> dict[int, dict]:
@@ -398,6 +399,15 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     assert_same_checkpoint(iter_dir(str(straight / "ckpt"), 4), iter_dir(root, 4), tmp_path)
     ref = by_step(metrics(straight))
     assert {s: r for s, r in by_step(new).items()} == {4: ref[4]}
+    # metrics.jsonl: step 2 was trained twice (by launches ii and iii: attempts 1 and 2, launch i logged nothing);
+    # the records the resumes rolled back are marked superseded, and what is left (the run's curve) is one
+    # record a step, the uninterrupted run's
+    records = metrics(out)
+    assert [r["attempt"] for r in records] == sorted(r["attempt"] for r in records) and records[-1]["attempt"] == 3
+    assert [(r["attempt"], r["step"]) for r in records if r.get("superseded") and "train/pg_loss" in r] == [(1, 2)]
+    lineage = final_lineage(records)
+    assert train_steps(lineage) == [1, 2, 3, 4]
+    assert by_step(lineage) == ref
 
 
 @pytest.mark.slow
