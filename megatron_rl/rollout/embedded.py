@@ -85,7 +85,7 @@ from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
 from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merged_weight
-from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
+from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, checked_tokenizer, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.sampling import sample_next_tokens
@@ -214,7 +214,7 @@ class EmbeddedEngine(RolloutEngine):
         if tokenizer is None:
             tokenizer = load_tokenizer(str(hf_checkpoint))
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+            tokenizer = checked_tokenizer(transformers.AutoTokenizer.from_pretrained(str(tokenizer)), str(tokenizer))
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(set(
             _as_id_list(getattr(self.model.generation_config, "eos_token_id", None))
