@@ -94,6 +94,13 @@ def test_full_async_killed_at_three_points_trains_every_prompt_exactly_once(tiny
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/pg_loss" in r]
     assert all(r["rollout/dropped_stale"] == 0.0 and r["rollout/staleness_max"] <= 1.0 for r in steps)
+    # metrics.jsonl: steps 3 and 4 were trained by launch 3 and again by launch 4 (resumed at 2); the rolled-back
+    # records are marked superseded (was: kept, two values a step); the run's curve is one record a step
+    rolled_back = {(r["step"], r["attempt"]) for r in steps if r.get("superseded")}
+    last = max(r["attempt"] for r in steps)
+    assert {(3, last - 1), (4, last - 1)} <= rolled_back and all(a < last for _, a in rolled_back), steps
+    live = [r for r in steps if not r.get("superseded")]
+    assert [r["step"] for r in live] == list(range(1, STEPS + 1)) and live[-1]["attempt"] == last
 
 
 def _final_extra(root: str) -> dict:
