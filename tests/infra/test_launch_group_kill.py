@@ -1,4 +1,5 @@
-"""``kill -9 -PGID`` of a launch: the workers die with the launcher (``PR_SET_PDEATHSIG``, infra/launch.py).
+"""``kill -9 -PGID`` of a launch: the workers die with the launcher (``PR_SET_PDEATHSIG``, infra/launch.py);
+and a rank SIGKILLed alone: the launcher records the end in run_status.json, its peer ends in one line.
 
 Was: torchrun starts each worker in a session of its own, so the SIGKILL of the launch's process group (the
 usual way to end a script that ``exec``s the launcher) reached torchrun alone; both ranks and their engine
@@ -74,3 +75,53 @@ def test_sigkill_of_the_launch_group_ends_every_worker_and_its_engine(tmp_path):
                 pass
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+PEER = """\
+import os, signal, sys
+import torch.distributed as dist
+from megatron_rl.train import peer_gone_report
+dist.init_process_group("gloo")
+dist.barrier()
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer
+try:
+    dist.barrier()  # rank 0 waits for rank 1, which is gone
+except Exception as exc:  # what train.main does with it
+    line = peer_gone_report(exc)
+    if line is None:
+        raise
+    print(f"rank 0: {line}", file=sys.stderr, flush=True)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_is_recorded_in_run_status_and_its_peer_ends_in_one_line(tmp_path):
+    """Was: exit 137 with no run_status.json, and rank 0's gloo traceback above the launcher's line. Now the
+    launcher records the end (error, 137, the killed rank) and rank 0 prints one line naming the file that
+    keeps its traceback (train.peer_gone_report, as train.main calls it)."""
+    import json
+
+    script = tmp_path / "peer.py"
+    script.write_text(PEER)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)],
+        env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "error: rank 1 was ended by SIGKILL" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    status = json.loads((run_dir / "run_status.json").read_text())
+    assert status["status"] == "error" and status["exit_code"] == 137 and status["rank"] == 1, status
+    assert status["error"].startswith("rank 1 was ended by SIGKILL")
+    # rank 0 sees its collective break (usually: gloo notices the closed socket before torchrun's next poll
+    # SIGTERMs it): it keeps the traceback in a file, and its one line (if it got to print it) names the file
+    kept = run_dir / "rank0_traceback.txt"
+    if kept.exists():
+        assert "Traceback" in kept.read_text() and "by peer" in kept.read_text()  # closed or reset
+    if "rank 0: a collective failed" in proc.stderr:
+        assert f"This rank's traceback: {kept}" in proc.stderr
