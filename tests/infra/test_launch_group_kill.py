@@ -36,19 +36,24 @@ signal.pause()  # trains on, as far as the launcher knows
 """
 
 
-@pytest.mark.slow
-def test_sigkill_of_the_launch_group_ends_every_worker_and_its_engine(tmp_path):
+def _launch(tmp_path, script_text: str) -> tuple[list[str], dict]:
+    """The launcher's command (2 local ranks, run dir ``tmp_path/run``) for a worker script of ``script_text``,
+    and its environment."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    run_dir = tmp_path / "run"
+    script.write_text(script_text)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(var, None)
+    return [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(tmp_path / "run"), "--nproc-per-node",
+            "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)], env
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launch_group_ends_every_worker_and_its_engine(tmp_path):
+    cmd, env = _launch(tmp_path, WORKER)
     with open(tmp_path / "launch.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([*cmd, str(tmp_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 300  # a hang bound only
@@ -103,16 +108,9 @@ def test_a_sigkilled_rank_is_recorded_in_run_status_and_its_peer_ends_in_one_lin
     keeps its traceback (train.peer_gone_report, as train.main calls it)."""
     import json
 
-    script = tmp_path / "peer.py"
-    script.write_text(PEER)
+    cmd, env = _launch(tmp_path, PEER)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.infra.launch", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)],
-        env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert "error: rank 1 was ended by SIGKILL" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     status = json.loads((run_dir / "run_status.json").read_text())
