@@ -126,7 +126,7 @@ def run(cfg: Config) -> int:
         # say why the server stopped answering: the process this node launched is gone
         named = EngineError(f"{exc}. " + " ".join(p.death_message("during the run", lines=8) for p in dead)) \
             if dead else exc
-        failure = engine_failure(cfg, named, mid_run=looping)
+        failure = engine_failure(cfg, named, mid_run=looping, engines_dead=bool(dead))
         if failure is exc:
             raise
         raise failure from exc
@@ -139,15 +139,18 @@ def run(cfg: Config) -> int:
             fleet.stop()  # SIGTERM, then SIGKILL, each engine's process group
 
 
-def engine_failure(cfg: Config, exc: MegatronRLError, *, mid_run: bool) -> MegatronRLError:
+def engine_failure(cfg: Config, exc: MegatronRLError, *, mid_run: bool, engines_dead: bool = False) -> MegatronRLError:
     """An engine lost during the loop, with what a relaunch resumes from and the exit code that says so: 3
     (relaunch to resume, as a stop or a full disk) where a complete checkpoint is under ``--save``; else
     ``exc`` as it is (2). Was: 2 ("refused") even with a checkpoint to resume from. At start-up an
-    unreachable engine is a refusal (2) whatever is on disk."""
+    unreachable engine is a refusal (2) whatever is on disk; a full-async producer's failure that is not an
+    engine's (a reward function's exception, wrapped in ``ProducerError``) stays what it is."""
     from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir  # lazy: stdlib + json only
+    from megatron_rl.runner.producer import ProducerError  # lazy: the loop's modules load after the flags
 
+    lost = engines_dead or not isinstance(exc, ProducerError) or isinstance(exc.__cause__, EngineError)
     root = cfg.checkpoint.save
-    newest = find_latest_complete(root) if mid_run and root and cfg.has_training else None
+    newest = find_latest_complete(root) if mid_run and lost and root and cfg.has_training else None
     if newest is None or root is None:
         return exc
     out = EngineError(f"{exc}; {iter_dir(root, newest)} is complete: relaunch the same command once the engines "

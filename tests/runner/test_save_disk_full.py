@@ -116,3 +116,10 @@ def test_an_engine_lost_mid_run_exits_3_where_a_checkpoint_resumes_it_as_a_full_
     assert isinstance(out, EngineError) and out.exit_code == EXIT_WALL_TIME == 3
     assert str(out).startswith(f"{dead}; {iter_dir(str(root), 2)} is complete: relaunch the same command")
     assert engine_failure(cfg, dead, mid_run=False) is dead  # at start-up: a refusal, whatever is on disk
+    # full async: the producer's failure reaches the trainer wrapped; an engine's is resumable, a bug's is not
+    from megatron_rl.runner.producer import ProducerError
+
+    for cause, code in ((dead, 3), (KeyError("label"), 2)):
+        wrapped = ProducerError(f"rollout producer failed: {cause}")
+        wrapped.__cause__ = cause
+        assert getattr(engine_failure(cfg, wrapped, mid_run=True), "exit_code", 2) == code, cause
