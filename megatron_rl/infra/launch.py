@@ -50,6 +50,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.wall_time import RUN_STATUS_FILE, STATUS_ENV, read_run_status, status_exit_code
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -163,8 +164,6 @@ def _record_end(status_path: str, code: int, message: str, **info) -> None:
     """``run_status.json`` for an end no worker could record (a rank killed, a crash, a signal before the loop
     could save): ``error`` with the exit code and the launcher's line, so a script or scheduler that reads the
     file sees every end (was: absent after a SIGKILLed rank, exit 137)."""
-    from megatron_rl.infra.atomic import atomic_write_json  # stdlib only
-
     try:
         atomic_write_json(status_path, {"status": "error", "error": message, "exit_code": code,
                                         "recorded_by": "launcher", **info})

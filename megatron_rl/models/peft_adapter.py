@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.models.hf_checkpoint import check_finite
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 SAVED_PREFIX = "base_model.model."  # how PEFT's save_pretrained prefixes the adapter keys
@@ -107,8 +109,6 @@ def read_adapter_tensors(directory: str, what: str = "adapter dir") -> dict[str,
     reader of an adapter dir goes through here (both backends' --lora-load, the engines' adapter updates):
     was, a NaN adapter was blamed on the bridge or surfaced as "NaN logits"."""
     from safetensors.torch import load_file  # lazy: only the disk route reads files
-
-    from megatron_rl.models.hf_checkpoint import check_finite
 
     path = os.path.join(directory, ADAPTER_WEIGHTS)
     tensors = load_file(path)

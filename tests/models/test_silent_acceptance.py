@@ -1,4 +1,4 @@
-"""Inputs that used to be accepted without a word are named where they are read (issue 58, section 3).
+"""Inputs that used to be accepted without a word are named where they are read.
 
 Each class, at every reader of that input:
 
