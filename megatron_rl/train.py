@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import TYPE_CHECKING, Optional
 
 from megatron_rl.config import Config, parse_config
 from megatron_rl.config.placement import launches_sglang_engines, refuse_single_process_world
-from megatron_rl.errors import EngineError, MegatronRLError
+from megatron_rl.errors import EngineError, MegatronRLError, SyncError
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
                                          restore_signal_handlers, status_exit_code, write_error_status)
@@ -76,6 +77,7 @@ def run(cfg: Config) -> int:
     clock.lap("backend")
     fleet = None  # the SGLang engines this run launches (each node's local rank 0 starts its node's)
     sync = rollout = engine = None
+    looping = False  # the loop runs: an engine lost from here on leaves the run resumable (engine_failure)
     try:
         if launches_sglang_engines(cfg):
             # lazy: subprocess + HTTP readiness polling, only for runs that launch SGLang engines
@@ -93,12 +95,13 @@ def run(cfg: Config) -> int:
         clock.lap("rollout")
         ctx.checkpoints.algorithm_state = spec.state_dict  # the adaptive KL coefficient travels in checkpoints
         start = ctx.resume.resume_or_init(backend, rollout) if backend else 0
+        ctx.begin_attempt(start)  # metrics.jsonl: the earlier launches' records past `start` are superseded
         spec.load_state_dict((ctx.checkpoints.cursor.extra or {}).get("algorithm_state") or {})
         clock.lap("resume")
         if backend and cfg.has_rollout_engine:
             synced = sync.sync(backend, engine, version=start)
             clock.lap("sync")
-            ctx.log(start, {**synced, **clock.metrics()})
+            ctx.log(start, {**synced, **clock.metrics()}, attempt_start=True)
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
         parts = StepParts(ctx, spec, backend, rollout, replica, engine, recovery, sync, synced_version=start,
                           resync=lambda version: _resync(sync, backend, rollout, version))
@@ -110,16 +113,25 @@ def run(cfg: Config) -> int:
             from megatron_rl.runner.full_async import run_full as loop
         else:
             loop = run_in_turn
+        looping = True
         code = loop(parts, start)
         if code is not None:
             return code  # a planned stop, saved
         ctx.finish(backend, rollout, parts.prepare_final)
         return 0
-    except EngineError as exc:
+    except (EngineError, SyncError) as exc:
         dead = fleet.dead() if fleet is not None else []
-        if dead:  # say why the server stopped answering: the process this node launched is gone
-            raise EngineError(f"{exc}. " + " ".join(p.death_message("during the run", lines=8) for p in dead)) from exc
-        raise
+        if isinstance(exc, SyncError) and not dead:
+            raise  # a weight update that failed with its engines alive: the update's own error
+        # say why the server stopped answering: the process this node launched is gone (unless the error already
+        # names its log: the rollout's own report of the death)
+        unsaid = [p for p in dead if str(p.log_path) not in str(exc)]
+        named = EngineError(f"{exc}. " + " ".join(p.death_message("during the run", lines=8) for p in unsaid)) \
+            if unsaid else exc
+        failure = engine_failure(cfg, named, mid_run=looping, engines_dead=bool(dead))
+        if failure is exc:
+            raise
+        raise failure from exc
     finally:
         if sync is not None:
             sync.shutdown()  # the distributed transport's process group with the servers; others hold nothing
@@ -127,6 +139,27 @@ def run(cfg: Config) -> int:
             engine.close()  # its health monitor stops before the servers do
         if fleet is not None:
             fleet.stop()  # SIGTERM, then SIGKILL, each engine's process group
+
+
+def engine_failure(cfg: Config, exc: MegatronRLError, *, mid_run: bool, engines_dead: bool = False) -> MegatronRLError:
+    """An engine lost during the loop, with what a relaunch resumes from and the exit code that says so: 3
+    (relaunch to resume, as a stop or a full disk) where a complete checkpoint is under ``--save``; else
+    ``exc`` as it is (2). Was: 2 ("refused") even with a checkpoint to resume from. At start-up an
+    unreachable engine is a refusal (2) whatever is on disk; a full-async producer's failure that is not an
+    engine's (a reward function's exception, wrapped in ``ProducerError``) stays what it is."""
+    from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir  # lazy: stdlib + json only
+    from megatron_rl.runner.producer import ProducerError  # lazy: the loop's modules load after the flags
+
+    lost = engines_dead or not isinstance(exc, ProducerError) or isinstance(exc.__cause__, EngineError)
+    root = cfg.checkpoint.save
+    newest = find_latest_complete(root) if mid_run and lost and root and cfg.has_training else None
+    if newest is None or root is None:
+        return exc
+    out = EngineError(f"{exc}; {iter_dir(root, newest)} is complete: relaunch the same command once the engines "
+                      "are back and it resumes from there (--use-fault-tolerance restarts a launched engine within "
+                      "the run)")
+    out.exit_code = EXIT_WALL_TIME  # type: ignore[attr-defined]  # read by main(), as the disk-full errors' own
+    return out
 
 
 def run_in_turn(parts: "StepParts", start: int) -> Optional[int]:
@@ -176,6 +209,48 @@ def refusal_of_another_rank() -> Optional[dict]:
     return status if str(status.get("rank")) != os.environ.get("RANK", "0") else None
 
 
+PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe|econnreset|epipe|connection refused",
+                       re.IGNORECASE)
+
+
+def traceback_file(run_dir: str, rank) -> str:
+    """Where a rank that ended quietly (:func:`peer_gone_report`) left its traceback; the launcher names it."""
+    return os.path.join(run_dir, f"rank{rank}_traceback.txt")
+
+
+def peer_gone_report(exc: BaseException) -> Optional[str]:
+    """Under the launcher, for a collective that failed because a peer rank's process is gone (its
+    connections closed: gloo's "Connection closed by peer", a torch ``DistError``): the traceback goes to
+    a file beside ``run_status.json`` and this returns the one line to print instead; None otherwise.
+
+    Why: a rank SIGKILLed (the OOM killer) took every other rank's collective down with it, and each
+    printed a gloo traceback above the launcher's line, which names the killed rank; those tracebacks
+    pointed away from the cause. The file keeps them for the rare case the peer is not the cause."""
+    import traceback
+
+    status = os.environ.get(STATUS_ENV) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    chain, seen = [], set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    gone = any((dist_error is not None and isinstance(e, dist_error)) or PEER_GONE.search(str(e)) for e in chain)
+    if not status or not gone:
+        return None
+    path = traceback_file(os.path.dirname(status), os.environ.get("RANK", "0"))
+    try:
+        with open(path, "w") as fh:
+            fh.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        return None  # nowhere to keep it: the traceback is printed as before
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return (f"a collective failed ({type(exc).__name__}: {first}): another rank of this launch ended first; the "
+            f"launcher names it below. This rank's traceback: {path}")
+
+
 def main(argv=None) -> int:
     previous = end_process_on_stop_signals()  # until the loop can save, SIGTERM/SIGINT end the run (143/130)
     _PhaseClock.started = time.perf_counter()
@@ -206,10 +281,14 @@ def main(argv=None) -> int:
         if not recorded:
             print(f"error: {exc}", file=sys.stderr)
         return code
-    except Exception as exc:  # noqa: BLE001 - re-raised unless another rank's refusal explains it
+    except Exception as exc:  # noqa: BLE001 - re-raised unless another rank's refusal or death explains it
         refusal = refusal_of_another_rank()
         if refusal is None:
-            raise  # a crash: its traceback is the report
+            quiet = peer_gone_report(exc)
+            if quiet is None:
+                raise  # a crash: its traceback is the report
+            print(f"rank {os.environ.get('RANK', '0')}: {quiet}", file=sys.stderr, flush=True)
+            return 1
         # the usual cause: the refusing rank left a collective this rank waits in ("Connection closed by
         # peer"); the launcher prints that rank's error once, so this rank ends without a traceback
         log.info("rank %s stops after rank %s's refusal (here: %s in what it was doing with it)",

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if name == "dist-to-peft":
             p.add_argument("--hf-config", metavar="DIR", help="dir with config.json (default: INPUT/hf_config)")
+            p.add_argument("--lora-base", metavar="DIR",
+                           help="the HF base the adapters were trained on, written as the PEFT dir's "
+                                "base_model_name_or_path (default: the run's --hf-checkpoint, recorded in the "
+                                "checkpoint; checked by its weights digest)")
             p.add_argument("--overwrite", action="store_true", help="replace an existing --output (atomically)")
             p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
             continue
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
             from megatron_rl.convert.lora_export import convert_dist_to_peft  # lazy: imports torch, megatron-core
 
             return _report(args, convert_dist_to_peft(args.input, args.output, hf_config_dir=args.hf_config,
-                                                      overwrite=args.overwrite))
+                                                      overwrite=args.overwrite, lora_base=args.lora_base))
         if args.direction == "fsdp-to-peft":
             from megatron_rl.convert.fsdp_to_hf import convert_fsdp_to_peft  # lazy: imports torch, not megatron-core
 

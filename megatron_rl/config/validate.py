@@ -20,7 +20,7 @@ from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
 from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
-from .paths import dir_problem, within
+from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
 from .placement import allocation_errors, model_shape_for_config, plan_errors, world_errors
@@ -313,8 +313,8 @@ def _check_eval(errors: list[str], cfg: Config) -> None:
         errors.append(f"--eval-prompt-data names {', '.join(dup)} more than once; each set needs its own name "
                       "(its metrics are eval/NAME/...)")
     for name, path in d.eval_sets if cfg.has_rollout_engine else ():
-        if not os.path.isfile(path):
-            errors.append(f"--eval-prompt-data {(name + ' ') if name else ''}{path}: no such file")
+        if (why := file_problem(path, PROMPTS_READ_TWICE)) is not None:
+            errors.append(f"--eval-prompt-data {(name + ' ') if name else ''}{path}: {why}")
     sampling = [("--eval-temperature", d.eval_temperature if d.eval_temperature != 0.0 else None),
                 ("--eval-top-p", d.eval_top_p), ("--eval-top-k", d.eval_top_k),
                 ("--eval-max-response-len", d.eval_max_response_len)]
@@ -358,8 +358,8 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
         errors.append("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if cfg.has_rollout_engine and d.custom_rm_path and ":" not in d.custom_rm_path:
         errors.append(f"--custom-rm-path {d.custom_rm_path} must be module:function (e.g. my_rewards:score)")
-    if cfg.has_rollout_engine and d.prompt_data and not os.path.isfile(d.prompt_data):
-        errors.append(f"--prompt-data {d.prompt_data}: no such file")
+    if cfg.has_rollout_engine and d.prompt_data and (why := file_problem(d.prompt_data, PROMPTS_READ_TWICE)):
+        errors.append(f"--prompt-data {d.prompt_data}: {why}")
     if a.kl_loss_coef > 0 and not a.use_kl_loss:
         errors.append(f"--kl-loss-coef {a.kl_loss_coef} weights the KL loss term, which only exists with "
                       "--use-kl-loss; add --use-kl-loss or drop --kl-loss-coef")

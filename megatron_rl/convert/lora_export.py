@@ -67,6 +67,29 @@ def adapter_only_base(dist_dir: str, meta: dict, given: Optional[str] = None) ->
     return base
 
 
+def peft_base(dist_dir: str, meta: dict, given: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """``base_model_name_or_path`` for the PEFT dir of ``dist_dir``'s adapters, and a note when a loader cannot
+    find weights there. The base is the HF dir the adapters were trained on: the ``lora_base`` of
+    ``COMPLETE.json`` (the run's ``--hf-checkpoint``, checked by its weights digest when it exists here), or
+    ``given`` (``--lora-base``, a copy; checked likewise). Was: the checkpoint's ``hf_config`` folder, which
+    holds no weights, so ``AutoPeftModelForCausalLM.from_pretrained(peft_dir)`` failed."""
+    record = meta.get("lora_base")
+    if record is None:  # an older LoRA checkpoint: it holds the base itself; no HF dir with weights is recorded
+        if given:
+            return os.path.abspath(given), None
+        return "", (f"{dist_dir} records no HF base (an older LoRA checkpoint, which holds its base itself): "
+                    "adapter_config.json's base_model_name_or_path is empty; pass --lora-base DIR (the HF dir the "
+                    "run started from) so that AutoPeftModelForCausalLM can load the adapters alone")
+    if given or os.path.isdir(record["hf_checkpoint"]):
+        base = adapter_only_base(dist_dir, meta, given)
+        assert base is not None, "a lora_base record gives a base"
+        return base, None
+    return record["hf_checkpoint"], (f"base_model_name_or_path is the run's --hf-checkpoint {record['hf_checkpoint']} "
+                                     "(recorded in COMPLETE.json), which does not exist on this machine: "
+                                     "AutoPeftModelForCausalLM loads it from there; pass --lora-base DIR (a copy, "
+                                     "checked by its weights digest) to name another path")
+
+
 def hf_base_tensors(base_dir: str, shapes_only: bool = False):
     """``(HF name, tensor)`` of every weight of the HF dir ``base_dir``, one at a time (the adapters' file
     skipped); ``shapes_only``: empty tensors of the stored shapes and dtypes (headers only)."""
@@ -134,8 +157,9 @@ def adapter_config(spec: LoraSpec, peft: dict[str, torch.Tensor], base: str) -> 
 
 
 def convert_dist_to_peft(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None,
-                         overwrite: bool = False) -> dict:
-    """A LoRA run's torch_dist checkpoint -> a PEFT adapter directory ``out_dir`` (written whole or not at all)."""
+                         overwrite: bool = False, lora_base: Optional[str] = None) -> dict:
+    """A LoRA run's torch_dist checkpoint -> a PEFT adapter directory ``out_dir`` (written whole or not at all);
+    its ``base_model_name_or_path`` is the HF base the adapters were trained on (:func:`peft_base`)."""
     t0 = time.time()
     given = dist_dir
     dist_dir = model_dir.resolve_dist_dir(os.path.abspath(dist_dir))
@@ -151,6 +175,7 @@ def convert_dist_to_peft(dist_dir: str, out_dir: str, hf_config_dir: Optional[st
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise CheckpointError(f"no HF config for {dist_dir}: {config_dir}/config.json does not exist; pass "
                               "--hf-config DIR (the HF dir the model was trained from)")
+    base, note = peft_base(dist_dir, meta, lora_base)
     bridge = get_bridge(config_dir)
     dist_io.setup(ParallelLayout())
     peft = read_peft_tensors(bridge, dist_dir, spec)
@@ -160,9 +185,9 @@ def convert_dist_to_peft(dist_dir: str, out_dir: str, hf_config_dir: Optional[st
     os.makedirs(tmp)
     save_file({k: v.contiguous() for k, v in peft.items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    atomic_write_json(os.path.join(tmp, ADAPTER_CONFIG), adapter_config(spec, peft, config_dir))
+    atomic_write_json(os.path.join(tmp, ADAPTER_CONFIG), adapter_config(spec, peft, base))
     publish_dir(tmp, out_dir)
     return {"output": out_dir, "format": "peft", "tensors": len(peft),
             "dtype": common.dtype_name(next(iter(peft.values())).dtype), "rank": spec.rank, "alpha": spec.alpha,
-            "target_modules": list(spec.target_modules),
-            "seconds": round(time.time() - t0, 3)}
+            "target_modules": list(spec.target_modules), "base_model_name_or_path": base,
+            "seconds": round(time.time() - t0, 3), **({"note": note} if note else {})}

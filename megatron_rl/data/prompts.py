@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
 from megatron_rl.data.types import GenerateRequest
 from megatron_rl.errors import ConfigError
 
@@ -50,8 +51,11 @@ def read_prompt_records(path: str | os.PathLike, *, input_key: str = "prompt", l
     missing ``input_key`` or ``label_key`` (None: no labels). An empty file is the caller's to refuse
     (it yields nothing)."""
     path = str(path)
-    if not os.path.isfile(path):
+    why = file_problem(path, PROMPTS_READ_TWICE)
+    if why == "no such file":
         raise ConfigError(f"{flag} {path}: no such file; give a JSONL file with one JSON object per line")
+    if why is not None:
+        raise ConfigError(f"{flag} {path}: {why}")
     try:
         f = open(path, "rb")
     except OSError as exc:

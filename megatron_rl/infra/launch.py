@@ -15,7 +15,10 @@ same process) and turns how the run ended into one exit code:
 * a signal before the loop could save: 128 + the signal (143 SIGTERM, 130 SIGINT);
 * a crash: which rank failed with what (its traceback is above), exit 1; a rank ended by
   signal N (the OOM killer's SIGKILL): 128 + N (137), naming that rank, not one torchrun
-  SIGTERMed after it (:func:`_first_failure`).
+  SIGTERMed after it (:func:`_first_failure`); the ranks whose collectives broke under it
+  print one line each and keep their tracebacks in ``RUN_DIR/rank<R>_traceback.txt``.
+  These ends and a signal's (below) are recorded in ``run_status.json`` too (``error``,
+  the exit code, the launcher's line): no worker could write it.
 
 Why not plain torchrun: torchrun exits 1 with a traceback for all of these, and a
 wrapper script around it that is itself signalled leaves torchrun and the workers
@@ -29,16 +32,25 @@ running. Two more things torchrun does that a stop save cannot live with:
   a terminal's Ctrl-C reaches every process in the foreground group) raises again
   inside that wait and abandons the workers mid-save. Here the first signal
   starts the stop and later ones are ignored (SIGKILL still ends everything).
+* torchrun starts each worker in a session of its own, so a SIGKILL of torchrun
+  (``kill -9 -PGID`` of a script that ``exec``s this, the OOM killer) left the
+  workers and their engines training on, parentless, to the end of the run (saving,
+  holding the ``--save`` lock). Here each worker is started with
+  ``PR_SET_PDEATHSIG`` = SIGKILL: it dies with this process, and its engines with it
+  (they carry the same setting towards their rank).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 from typing import Optional
 
+from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.wall_time import RUN_STATUS_FILE, STATUS_ENV, read_run_status, status_exit_code
 
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -75,6 +87,32 @@ def _first_signal_only() -> None:
     api._terminate_process_handler = handler
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _workers_die_with_launcher() -> None:
+    """Start torchrun's workers with ``PR_SET_PDEATHSIG`` = SIGKILL towards this process (Linux; elsewhere the
+    workers start as torchrun starts them). ``SubprocessHandler`` starts each worker from this process's main
+    thread (the death signal follows the thread that forked), in a session of its own: a SIGKILL of this
+    process or of its process group did not reach them."""
+    try:
+        import ctypes  # lazy: only the launcher needs it
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # loaded here: the forked child only calls it
+    except (OSError, AttributeError):
+        return
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:  # runs in the child between fork and exec
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != launcher:  # the launcher died before the setting took: no signal will come
+            os._exit(128 + int(signal.SIGKILL))
+
+    subprocess_handler.Popen = functools.partial(subprocess.Popen, preexec_fn=die_with_launcher)  # type: ignore[misc,assignment]  # torch's module-level name, called with keywords only
+
+
 def _quiet_torchrun_logs() -> None:
     """torchrun logs each failure and then raises; this module reports it once (LOGLEVEL=... keeps them)."""
     if "LOGLEVEL" in os.environ:
@@ -104,18 +142,33 @@ def _first_failure(failures: dict) -> tuple[int, object]:
     return first
 
 
-def _failure_summary(exc) -> tuple[int, str]:
-    """(exit code, one line) for torchrun's ChildFailedError: the rank whose failure ended the run and how:
-    128 + N for a rank ended by signal N (SIGKILL: 137), else 1."""
+def _failure_summary(exc, run_dir: str = "") -> tuple[int, str, Optional[int]]:
+    """(exit code, one line, rank) for torchrun's ChildFailedError: the rank whose failure ended the run and how:
+    128 + N for a rank ended by signal N (SIGKILL: 137), else 1. A rank that ended quietly because a collective
+    broke under it left its traceback in ``RUN_DIR/rank<R>_traceback.txt`` (``train.peer_gone_report``),
+    named here instead of "above"."""
     failures = getattr(exc, "failures", {}) or {}
     if not failures:
-        return 1, "a worker failed (see its output above)"
+        return 1, "a worker failed (see its output above)", None
     rank, failure = _first_failure(failures)
     code = getattr(failure, "exitcode", 1)
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-        return 128 - code, f"rank {rank} was ended by {name}"
-    return 1, f"rank {rank} exited with code {code} (its traceback is above)"
+        return 128 - code, f"rank {rank} was ended by {name}", rank
+    kept = os.path.join(run_dir, f"rank{rank}_traceback.txt")
+    where = f"its traceback: {kept}" if run_dir and os.path.isfile(kept) else "its traceback is above"
+    return 1, f"rank {rank} exited with code {code} ({where})", rank
+
+
+def _record_end(status_path: str, code: int, message: str, **info) -> None:
+    """``run_status.json`` for an end no worker could record (a rank killed, a crash, a signal before the loop
+    could save): ``error`` with the exit code and the launcher's line, so a script or scheduler that reads the
+    file sees every end (was: absent after a SIGKILLed rank, exit 137)."""
+    try:
+        atomic_write_json(status_path, {"status": "error", "error": message, "exit_code": code,
+                                        "recorded_by": "launcher", **info})
+    except OSError:
+        pass  # the exit code still says it
 
 
 def run(run_dir: str, torchrun_args: list[str]) -> int:
@@ -134,15 +187,16 @@ def run(run_dir: str, torchrun_args: list[str]) -> int:
     from torch.distributed.run import parse_args, run as torchrun
 
     _first_signal_only()
+    _workers_die_with_launcher()
     _quiet_torchrun_logs()
     got_signal: Optional[signal.Signals] = None
-    failure: Optional[tuple[int, str]] = None
+    failure: Optional[tuple[int, str, Optional[int]]] = None
     try:
         torchrun(parse_args(torchrun_args))
     except SignalException as e:
         got_signal = signal.Signals(e.sigval)
     except ChildFailedError as e:
-        failure = _failure_summary(e)
+        failure = _failure_summary(e, run_dir)
     except KeyboardInterrupt:  # Ctrl-C before torchrun installed its handler: no worker was started yet
         got_signal = signal.SIGINT
     for sig in (signal.SIGTERM, signal.SIGINT):  # the workers are gone: a late signal must not cut the report
@@ -165,12 +219,16 @@ def run(run_dir: str, torchrun_args: list[str]) -> int:
         return code
     kept = "the newest complete checkpoint, if any, is kept"
     if got_signal is not None:
-        _say(f"stopped by {got_signal.name} before the run could save (start-up, or the save did not finish "
-             f"within {os.environ[SHUTDOWN_TIMEOUT_ENV]} s); {kept}")
+        line = (f"stopped by {got_signal.name} before the run could save (start-up, or the save did not finish "
+                f"within {os.environ[SHUTDOWN_TIMEOUT_ENV]} s); {kept}")
+        _record_end(status_path, 128 + int(got_signal), line, signal=got_signal.name)
+        _say(line)
         return 128 + int(got_signal)
     if failure is not None:
-        _say(f"error: {failure[1]}; {kept}")
-        return failure[0]
+        code, line, rank = failure
+        _record_end(status_path, code, f"{line}; {kept}", rank=rank)
+        _say(f"error: {line}; {kept}")
+        return code
     return 0  # torchrun succeeded and nothing wrote a status (a run without a driver status, e.g. a plain script)
 
 

@@ -20,12 +20,13 @@ def plot_metrics(records: list[dict], keys: list[str], out: str, title: str = ""
     present = [k for k in keys if any(k in r for r in records)]
     if not present:
         raise ValueError(f"none of the keys {keys} are in the run; available: "
-                         f"{sorted({k for r in records for k in r} - {'step', 'time'})}")
+                         f"{sorted({k for r in records for k in r} - {'step', 'time', 'attempt', 'attempt_start', 'superseded'})}")
     cols = 2
     rows = (len(present) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, present):
-        pts = [(r["step"], r[key]) for r in records if key in r]
+        by_step = {r["step"]: r[key] for r in records if key in r}  # one point a step: the last record's
+        pts = sorted(by_step.items())
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 60 else None)
         ax.set_title(key)
         ax.set_xlabel("step")

@@ -74,6 +74,8 @@ def _alive(pid: int, start: Optional[str]) -> bool:
 
 
 def _describe(record: dict) -> str:
+    if "unreadable" in record:  # was: "pid ? on host ?"
+        return f"a run whose record is unreadable ({record['unreadable']})"
     started = record.get("taken_at")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
     return (f"pid {record.get('pid')} on host {record.get('host')} (since {when}; command: "
@@ -114,11 +116,14 @@ def _read_record(fd: int) -> Optional[dict]:
         raw += chunk
     if not raw.strip():
         return None
+    text = raw[:200].decode(errors="replace")
     try:
         record = json.loads(raw)
     except ValueError:
-        return {"host": "?", "pid": "?", "unparsable": raw[:200].decode(errors="replace")}
-    return record if isinstance(record, dict) else {"host": "?", "pid": "?"}
+        return {"unreadable": f"not JSON: {text!r}"}
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int) or not record.get("host"):
+        return {"unreadable": f"no host and pid: {text!r}"}
+    return record
 
 
 def acquire(root: str, command: Optional[str] = None, host: Optional[str] = None) -> SaveLock:
@@ -130,7 +135,12 @@ def acquire(root: str, command: Optional[str] = None, host: Optional[str] = None
     host = host or socket.gethostname()
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise SaveRootLocked(f"--save {root}: its lock file {path} cannot be opened for writing "
+                             f"({type(exc).__name__}: {exc.strerror}); give this user read and write access to it "
+                             "(and to the root), or give this run another --save") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -140,7 +150,12 @@ def acquire(root: str, command: Optional[str] = None, host: Optional[str] = None
                                  "Two runs must not write one checkpoint root: wait for it to end, stop it, or give "
                                  "this run another --save") from None
         previous = _read_record(fd)
-        if previous is not None:
+        if previous is not None and "unreadable" in previous:
+            # the flock is ours, so no process on this host holds the root; a run elsewhere writes its record
+            # whole (one write after truncating): an unreadable one is a crash's leftover, not a holder's
+            log.warning("--save %s: taking over %s, whose record is unreadable (%s): no process on this host holds "
+                        "it; its last checkpoint is what this run resumes from", root, path, previous["unreadable"])
+        elif previous is not None:
             if previous.get("host") != host:
                 raise SaveRootLocked(
                     f"--save {root} is marked in use by {_describe(previous)} in {path}; this host ({host}) cannot "

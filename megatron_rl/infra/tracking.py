@@ -9,17 +9,31 @@ ConfigError at start-up naming the package and the flag, not a crash or a traceb
 self-hosted server) and ``--wandb-key`` (``wandb.login``, skipped offline as slime does; the key
 is redacted from the logged config) are passed through.
 The W&B run id is returned so ``resume_state.json`` can continue the same run.
+
+Attempts (docs/metrics.md, "Resumed runs"): each launch on one output dir is an attempt, numbered in
+``metrics.jsonl`` (``attempt`` in every record). An attempt begins at a step (:meth:`Tracker.begin_attempt`:
+0, or the step of the checkpoint it resumed); the records of earlier attempts that it rolls back (a greater
+step, or its own start step's start record) are rewritten with ``"superseded": true`` (atomically: a reader
+sees the old file or the new one), so the run's curve is the records without it (:func:`final_lineage`).
+TensorBoard's events beyond the start step are purged (``SummaryWriter(purge_step=...)``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from typing import Any, Literal, Optional, TextIO, cast
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.infra.atomic import atomic_write_text
+
+log = logging.getLogger("megatron_rl")
+
+#: bookkeeping keys of a metrics record beside ``step`` and ``time`` (docs/metrics.md)
+ATTEMPT, ATTEMPT_START, SUPERSEDED = "attempt", "attempt_start", "superseded"
 
 
 def _scalar_items(metrics: dict[str, Any]):
@@ -57,8 +71,11 @@ class Tracker:
         self.enabled = enabled
         self.console_keys = console_keys
         self.wandb_run_id: Optional[str] = wandb_resume_id
+        self.attempt: Optional[int] = None  # set by begin_attempt
         self._jsonl: Optional[TextIO] = None
         self._tb = None
+        self._tb_dir = tensorboard_dir
+        self._summary_writer: Any = None  # the class, imported (and checked) at start-up; made by begin_attempt
         self._wandb = None
         if not enabled:
             return
@@ -75,7 +92,7 @@ class Tracker:
                 raise ConfigError(f"--tensorboard-dir {tensorboard_dir} needs the tensorboard package, which is "
                                   f"installed but fails to import ({_one_line(exc)}); repair it (pip install -U "
                                   "tensorboard) or drop --tensorboard-dir") from None
-            self._tb = SummaryWriter(tensorboard_dir)
+            self._summary_writer = SummaryWriter
         if wandb_project:
             try:
                 import wandb
@@ -98,11 +115,45 @@ class Tracker:
             self._wandb = run
             self.wandb_run_id = run.id
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def begin_attempt(self, start_step: int) -> None:
+        """This launch continues the run from ``start_step`` (0: from the start; else the step of the checkpoint
+        it resumed): it becomes the next attempt, and the earlier attempts' records it rolls back are marked
+        superseded (see :func:`supersede`); TensorBoard hides their events. Once, before the first :meth:`log`
+        (a tracker that logs without it begins at step 0)."""
+        if self.attempt is not None:
+            raise RuntimeError(f"attempt {self.attempt} already begun")
+        if not self.enabled:
+            self.attempt = 0
+            return
+        assert self._jsonl is not None, "__init__ opens it whenever the tracker is enabled"
+        self._jsonl.close()
+        with open(self.jsonl_path) as fh:
+            text = fh.read()
+        self.attempt, lines, rolled_back = supersede(text.splitlines(keepends=True), start_step)
+        if "".join(lines) != text:
+            atomic_write_text(self.jsonl_path, "".join(lines))
+        if rolled_back:
+            log.info("%s: attempt %d resumes at step %d; %d record(s) of the earlier attempts' steps %s marked "
+                     "\"superseded\": true (the run's curve: the records without it)", self.jsonl_path,
+                     self.attempt, start_step, len(rolled_back), _ranges(sorted(set(rolled_back))))
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        if self._summary_writer is not None:
+            # events at steps the earlier attempts logged beyond this start are hidden (step 0 is only ever a
+            # start record: a fresh start hides them all); the first attempt purges nothing
+            purge = None if self.attempt == 1 else start_step + 1 if start_step else 0
+            self._tb = self._summary_writer(self._tb_dir, purge_step=purge)
+
+    def log(self, step: int, metrics: dict[str, Any], *, attempt_start: bool = False) -> None:
+        """One record; ``attempt_start``: the record an attempt logs at its start step (its first weight sync
+        and start-up times), superseded by the next attempt that starts at the same step."""
         if not self.enabled:
             return
+        if self.attempt is None:
+            self.begin_attempt(0)
         scalars = dict(_scalar_items(metrics))
-        record = {"step": step, "time": time.time(), **scalars}
+        record = {"step": step, "time": time.time(), ATTEMPT: self.attempt, **scalars}
+        if attempt_start:
+            record[ATTEMPT_START] = True
         assert self._jsonl is not None, "__init__ opens it whenever the tracker is enabled"
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -131,6 +182,67 @@ def redact_secrets(config: dict) -> dict:
             for k, v in config.items()}
 
 
+def supersede(lines: list[str], start_step: int) -> tuple[int, list[str], list[int]]:
+    """A new attempt beginning at ``start_step`` over the lines of ``metrics.jsonl``: (its attempt number, the
+    lines with the rolled-back records marked ``"superseded": true``, the steps of the records marked).
+
+    Rolled back: a live record of a step after ``start_step`` (the checkpoint it resumes predates it), and the
+    start record (``attempt_start``) of an earlier attempt that began at ``start_step`` too. The record that
+    trained ``start_step`` stays: the checkpoint holds its result. A last line cut short by a kill mid-write
+    is dropped (with a warning); other lines that are not a JSON object stay as they are."""
+    out: list[str] = []
+    attempts: list[int] = []
+    rolled_back: list[int] = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                log.warning("metrics.jsonl: dropped a last line cut short (a kill mid-write): %r", line[:120])
+                continue
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            out.append(line if line.endswith("\n") else line + "\n")
+            continue
+        attempts.append(record.get(ATTEMPT, 1) if isinstance(record.get(ATTEMPT), int) else 1)
+        if not record.get(SUPERSEDED) and (record["step"] > start_step or
+                                           (record["step"] == start_step and record.get(ATTEMPT_START))):
+            record[SUPERSEDED] = True
+            rolled_back.append(record["step"])
+            line = json.dumps(record) + "\n"
+        out.append(line if line.endswith("\n") else line + "\n")
+    return (max(attempts) + 1 if attempts else 1), out, rolled_back
+
+
+def final_lineage(records: list[dict]) -> list[dict]:
+    """The records of the run's curve: those no later attempt rolled back (see :func:`supersede`)."""
+    return [r for r in records if not r.get(SUPERSEDED)]
+
+
+def _ranges(steps: list[int]) -> str:
+    parts, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        parts.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
 def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL file; a last line cut short (a kill mid-write) is left out with a warning."""
     with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        lines = fh.read().splitlines(keepends=True)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                log.warning("%s: left out a last line cut short (a kill mid-write): %r", path, line[:120])
+                continue
+            raise ValueError(f"{path}, line {i + 1}: not JSON ({line[:120]!r})") from None
+    return records

@@ -18,6 +18,7 @@ transformers instead (the embedded engine) is checked after its load with
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Optional
 
@@ -26,6 +27,8 @@ from safetensors import safe_open
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.finite import is_non_finite
+
+log = logging.getLogger("megatron_rl")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -115,9 +118,41 @@ class HFCheckpoint:
         check_finite(name, value, os.path.join(self.hf_dir, self.file_of[name]))
         return value
 
+    def float_dtypes(self) -> dict[str, list[str]]:
+        """safetensors dtype code (``F32``, ``BF16``, ...) -> the floating tensors stored in it (headers only)."""
+        out: dict[str, list[str]] = {}
+        for name in sorted(self.file_of):
+            code = self._handle(name).get_slice(name).get_dtype()
+            if code.startswith(("F", "BF")):
+                out.setdefault(code, []).append(name)
+        return out
+
+    def warn_mixed_dtypes(self, reader: str) -> None:
+        """Warn (once per process and checkpoint) when its floating tensors are stored in more than one dtype,
+        naming each minority dtype's tensors: ``reader`` casts each to its parameter dtype without a word
+        (a float16 tensor in a float32 checkpoint trains at float16's precision and range), while
+        tools/convert_ckpt.py refuses the same dir unless --dtype says which one. Some checkpoints mean it
+        (a float32 router bias in a bfloat16 model): a warning, not a refusal."""
+        key = os.path.realpath(self.hf_dir)
+        if key in _MIXED_WARNED:
+            return
+        _MIXED_WARNED.add(key)
+        groups = self.float_dtypes()
+        if len(groups) < 2:
+            return
+        main = max(groups, key=lambda code: len(groups[code]))
+        others = "; ".join(f"{len(names)} {code}: {names[:4]}{' ...' if len(names) > 4 else ''}"
+                           for code, names in sorted(groups.items()) if code != main)
+        log.warning("HF checkpoint %s mixes dtypes: %d tensor(s) are %s, but %s. %s casts each to its parameter "
+                    "dtype (a tensor keeps only the precision and range it was stored with); tools/convert_ckpt.py "
+                    "refuses this dir without --dtype. If this is not intended, re-save the checkpoint in one "
+                    "dtype", self.hf_dir, len(groups[main]), main, others, reader)
+
     def refuse_non_finite_parameters(self, module: torch.nn.Module) -> None:
         """Refuse a model loaded from this checkpoint by another reader (transformers' ``from_pretrained``)
-        whose parameters hold inf/NaN, naming the parameter and, where the name matches, its file."""
+        whose parameters hold inf/NaN, naming the parameter and, where the name matches, its file; a
+        checkpoint of mixed dtypes is warned (:meth:`warn_mixed_dtypes`)."""
+        self.warn_mixed_dtypes("transformers' from_pretrained")
         for name, param in module.named_parameters():
             fname = self.file_of.get(name)
             check_finite(name, param.detach(), os.path.join(self.hf_dir, fname) if fname else
@@ -126,6 +161,8 @@ class HFCheckpoint:
     def close(self) -> None:
         self._handles.clear()
 
+
+_MIXED_WARNED: set[str] = set()  # checkpoints warned about in this process (trainer and engine read one dir)
 
 DIGEST_SAMPLES = 16  # evenly spaced 64 KiB reads of each file's data, beside its whole header
 _SAMPLE_BYTES = 1 << 16

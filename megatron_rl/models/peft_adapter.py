@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.models.hf_checkpoint import check_finite
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 SAVED_PREFIX = "base_model.model."  # how PEFT's save_pretrained prefixes the adapter keys
@@ -90,13 +92,29 @@ class AdapterExport:
     @classmethod
     def load(cls, directory: str) -> "AdapterExport":
         """A PEFT dir as written by :meth:`save` (or PEFT's ``save_pretrained`` of plain LoRA)."""
-        from safetensors.torch import load_file  # lazy: only the disk route reads files
-
         with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
             cfg = json.load(f)
         if str(cfg.get("peft_type", "LORA")).upper() != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
             raise ValueError(f"{directory}/{ADAPTER_CONFIG}: only plain LoRA adapters are applied (no DoRA, rsLoRA)")
-        return cls(load_file(os.path.join(directory, ADAPTER_WEIGHTS)), int(cfg["r"]), float(cfg["lora_alpha"]))
+        return cls(read_adapter_tensors(directory), int(cfg["r"]), float(cfg["lora_alpha"]))
+
+
+ADAPTER_NON_FINITE_FIX = ("the adapter was saved from a run whose weights diverged, or the file is corrupt: use "
+                          "another adapter dir (e.g. an earlier checkpoint's dist-to-peft / fsdp-to-peft export)")
+
+
+def read_adapter_tensors(directory: str, what: str = "adapter dir") -> dict[str, torch.Tensor]:
+    """Every tensor of the PEFT dir ``directory``'s ``adapter_model.safetensors``; one holding inf/NaN is refused
+    (:class:`NonFiniteWeights` naming the tensor, the file and ``what`` read it, e.g. ``--lora-load``). Every
+    reader of an adapter dir goes through here (both backends' --lora-load, the engines' adapter updates):
+    was, a NaN adapter was blamed on the bridge or surfaced as "NaN logits"."""
+    from safetensors.torch import load_file  # lazy: only the disk route reads files
+
+    path = os.path.join(directory, ADAPTER_WEIGHTS)
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        check_finite(name, tensor, f"{what} {path}", fix=ADAPTER_NON_FINITE_FIX)
+    return tensors
 
 
 def is_adapter_dir(directory: str) -> bool:

@@ -250,6 +250,8 @@ def load_hf_weights(bridge, model_chunks, hf_dir: str | os.PathLike) -> None:
     ckpt = HFCheckpoint(hf_dir)
     try:
         check_checkpoint_names(bridge, ckpt)
+        if os.environ.get("RANK", "0") == "0":  # the same files on every rank: said once
+            ckpt.warn_mixed_dtypes("the trainer")
         unfilled, mismatched = [], []
         for chunk in model_chunks:
             for slot in canonical_parameters(chunk):

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Optional, Type, Union
@@ -157,13 +159,67 @@ class RolloutEngine(abc.ABC):
         """Version of the last complete weight update (0 = the weights loaded at start)."""
 
 
+log = logging.getLogger("megatron_rl")
+
+
 def load_tokenizer(hf_checkpoint: str) -> Any:
-    """The tokenizer saved beside an HF checkpoint, or None when there is none (token-id prompts only)."""
+    """The tokenizer saved beside an HF checkpoint, or None when there is none (token-id prompts only);
+    checked against what was saved (:func:`checked_tokenizer`)."""
     if not any(os.path.exists(os.path.join(str(hf_checkpoint), f)) for f in TOKENIZER_FILES):
         return None
     import transformers  # heavy: loaded only by an engine that has a tokenizer to load
 
-    return transformers.AutoTokenizer.from_pretrained(str(hf_checkpoint))
+    return checked_tokenizer(transformers.AutoTokenizer.from_pretrained(str(hf_checkpoint)), str(hf_checkpoint))
+
+
+def _json_file(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _class_kind(name: str) -> str:
+    """A tokenizer class name without the fast/slow distinction (``Qwen2TokenizerFast`` is ``Qwen2Tokenizer``;
+    transformers 5's ``TokenizersBackend`` is 4's ``PreTrainedTokenizerFast``)."""
+    name = "TokenizersBackend" if name == "PreTrainedTokenizerFast" else name
+    return name[:-len("Fast")] if name.endswith("Fast") else name
+
+
+def checked_tokenizer(tokenizer: Any, path: str) -> Any:
+    """``tokenizer`` (``AutoTokenizer``'s load of ``path``), or the tokenizer as saved, with a warning naming both
+    classes: transformers 5 loads a tokenizer saved beside a ``qwen2`` config.json as ``Qwen2Tokenizer`` whatever
+    ``tokenizer_config.json`` names (its own pre-tokenizer and decoder: other token ids for the same text), so
+    a class other than the saved one is replaced by the saved one when transformers has it (else warned).
+    A tokenizer with more tokens than the model's vocabulary (config.json ``vocab_size``) is warned, naming
+    the tokens without an embedding row."""
+    import transformers  # heavy: only an engine with a tokenizer gets here
+
+    saved = _json_file(os.path.join(path, "tokenizer_config.json")).get("tokenizer_class")
+    loaded = type(tokenizer).__name__
+    if isinstance(saved, str) and _class_kind(saved) != _class_kind(loaded):
+        cls = getattr(transformers, saved, None) or getattr(transformers, _class_kind(saved), None)
+        if cls is not None and hasattr(cls, "from_pretrained"):
+            log.warning("tokenizer of %s: transformers' AutoTokenizer loads it as %s, but its tokenizer_config.json "
+                        "names %s (another pre-tokenizer and decoder give other token ids for the same text); "
+                        "loaded as %s, the tokenizer as saved", path, loaded, saved, cls.__name__)
+            tokenizer = cls.from_pretrained(path)
+        else:
+            log.warning("tokenizer of %s: transformers' AutoTokenizer loads it as %s, but its tokenizer_config.json "
+                        "names %s, which this transformers (%s) does not have: check that %s tokenizes your "
+                        "prompts as intended, or install the version the tokenizer was saved with", path, loaded,
+                        saved, transformers.__version__, loaded)
+    config = _json_file(os.path.join(path, "config.json"))
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        extra = {i: tokenizer.convert_ids_to_tokens(i) for i in range(vocab, min(len(tokenizer), vocab + 8))}
+        log.warning("tokenizer of %s (%s) has %d tokens, more than the model's vocabulary (config.json vocab_size "
+                    "%d): ids %s have no embedding row (a prompt holding one fails; the engine never samples them); "
+                    "remove those added tokens from the tokenizer files, or resize the model's embedding",
+                    path, type(tokenizer).__name__, len(tokenizer), vocab, extra)
+    return tokenizer
 
 
 # --rollout-backend -> engine class (a RolloutEngine subclass, or "module:Class" imported on first use).

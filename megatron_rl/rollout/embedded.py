@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import logging
 import os
 import secrets
 import threading
@@ -81,11 +82,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from megatron_rl.data.types import RoutedExperts, Sample
-from megatron_rl.errors import ConfigError, EngineError, SyncError
+from megatron_rl.errors import CheckpointError, ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
 from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merged_weight
-from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
+from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, checked_tokenizer, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.sampling import sample_next_tokens
@@ -117,6 +118,8 @@ def _as_id_list(value: Any) -> list[int]:
         return []
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
+
+log = logging.getLogger("megatron_rl")
 
 CHUNK_BUDGET_BYTES = 1 << 30  # KV cache + per-row logits/sampling buffers of one generate chunk
 COMPACT_AT = 0.75  # finished rows leave the decode batch once at most this fraction is still generating
@@ -160,9 +163,9 @@ class _Slot:
 
     __slots__ = ("row", "plen", "limit", "tokens", "logprobs", "versions", "done", "reason", "routes", "_uniforms")
 
-    def __init__(self, row: EngineRow, context_length: int, greedy: bool):
+    def __init__(self, row: EngineRow, limit: int, greedy: bool):
         self.row, self.plen = row, len(row.prompt_ids)
-        self.limit = min(row.max_new_tokens, context_length - self.plen)
+        self.limit = limit
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -214,7 +217,7 @@ class EmbeddedEngine(RolloutEngine):
         if tokenizer is None:
             tokenizer = load_tokenizer(str(hf_checkpoint))
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
+            tokenizer = checked_tokenizer(transformers.AutoTokenizer.from_pretrained(str(tokenizer)), str(tokenizer))
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(set(
             _as_id_list(getattr(self.model.generation_config, "eos_token_id", None))
@@ -222,6 +225,8 @@ class EmbeddedEngine(RolloutEngine):
             + _as_id_list(getattr(tokenizer, "eos_token_id", None))))
         self.vocab_size = int(self.model.config.vocab_size)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self._warned_cap = False  # a response cut by the context length: warned once (_new_token_limit)
+        self.hf_checkpoint = str(hf_checkpoint)
         self.param_map = HFParamMap(self.model)
         # MoE routing replay from the rollout (R3): every forward's expert choices, filed per token
         self.route_capture: Optional[RouteCapture] = RouteCapture(self.model) if record_routes else None
@@ -452,8 +457,8 @@ class EmbeddedEngine(RolloutEngine):
         if is_adapter_dir(str(path)):
             files = sorted(glob.glob(os.path.join(str(path), ADAPTER_BASE_DIR, "*.safetensors")))
             try:
-                adapter = AdapterExport.load(str(path))
-            except (OSError, ValueError, KeyError) as e:
+                adapter = AdapterExport.load(str(path))  # inf/NaN refused naming the tensor and file
+            except (OSError, ValueError, KeyError, CheckpointError) as e:
                 raise SyncError(f"adapter update to version {version}: {path} is not a readable PEFT dir ({e})") from e
             self.update_adapter(adapter, version, base=_safetensors_items(files) if files else None)
             return
@@ -624,6 +629,22 @@ class EmbeddedEngine(RolloutEngine):
                 raise ConfigError(f"row {k}: max_new_tokens {row.max_new_tokens}; use a value >= 1")
         return self._run_rows(rows, sampling, 0) if rows else []
 
+    def _new_token_limit(self, row: "EngineRow") -> int:
+        """How many tokens ``row`` may generate: its ``max_new_tokens``, capped so that prompt + response fit the
+        model's context (``max_position_embeddings``). The first capped row of this engine is warned, naming
+        the numbers (was: --rollout-max-response-len 100 became 59 without a word); its samples end with
+        finish_reason "length" as any other cut."""
+        room = self.context_length - len(row.prompt_ids)
+        if row.max_new_tokens > room and not self._warned_cap:
+            self._warned_cap = True
+            log.warning("a response may be %d tokens long (--rollout-max-response-len, or --eval-max-response-len for "
+                        "evaluation), but a prompt of %d tokens leaves %d of the model's context "
+                        "(max_position_embeddings %d in %s): such responses are cut at %d tokens (finish_reason "
+                        "'length'). Lower the flag to fit, or shorten the prompts (--rollout-max-prompt-len); "
+                        "warned once per engine", row.max_new_tokens, len(row.prompt_ids), room,
+                        self.context_length, self.hf_checkpoint, room)
+        return min(row.max_new_tokens, room)
+
     def _check_prompt(self, prompt_ids: list[int], what: str) -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -697,7 +718,7 @@ class EmbeddedEngine(RolloutEngine):
                     joining = []
                     for row in take(max(0, self.rows_per_chunk(longest) - len(active))):
                         self._check_prompt(row.prompt_ids, "a joining row")
-                        joining.append(_Slot(row, self.context_length, sampling.greedy))
+                        joining.append(_Slot(row, self._new_token_limit(row), sampling.greedy))
                     if not active and not joining:
                         return
                     if self.step_boundary_hook is not None:
@@ -827,7 +848,7 @@ class EmbeddedEngine(RolloutEngine):
             input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[r, width - len(p):] = 1
         prompt_lens = [len(row.prompt_ids) for row in chunk]
-        limits = [min(row.max_new_tokens, self.context_length - n) for row, n in zip(chunk, prompt_lens)]
+        limits = [self._new_token_limit(row) for row in chunk]
         capacity = width + max(limits)
         # each row gets its own copy of its prompt (and, after the prefill, of its cache)
         slot = {key: k for k, key in enumerate(prompt_order)}

@@ -21,7 +21,7 @@ from megatron_rl.infra.checkpoint_root import read_resume_state
 from megatron_rl.infra.plot import DEFAULT_KEYS, plot_metrics
 from megatron_rl.infra.save_lock import SaveLock
 from megatron_rl.infra.save_lock import acquire as acquire_save_lock
-from megatron_rl.infra.tracking import Tracker, read_jsonl
+from megatron_rl.infra.tracking import Tracker, final_lineage, read_jsonl
 from megatron_rl.infra.wall_time import WallClock, write_run_status
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.runner.checkpoints import CheckpointCursor, CheckpointSaver
@@ -84,8 +84,13 @@ class RunContext:
                    stop=StopPolicy(cfg, clock, tracker, is_driver),
                    rollouts=RolloutSource(cfg, cursor, is_driver), resume_state=state, save_lock=save_lock)
 
-    def log(self, step: int, metrics: dict) -> None:
-        self.tracker.log(step, metrics)
+    def begin_attempt(self, start: int) -> None:
+        """This launch continues the run at step ``start``: the earlier launches' records past it are marked
+        superseded in metrics.jsonl, their TensorBoard events hidden (infra/tracking.py)."""
+        self.tracker.begin_attempt(start)
+
+    def log(self, step: int, metrics: dict, *, attempt_start: bool = False) -> None:
+        self.tracker.log(step, metrics, attempt_start=attempt_start)
 
     def finish(self, backend: Optional[TrainBackend], rollout: Optional[RolloutManager],
                prepare: Optional[Callable[[], Optional[dict]]] = None) -> None:
@@ -96,7 +101,7 @@ class RunContext:
         if self.is_driver:
             write_run_status(self.cfg.runtime.output_dir, "finished", rollout_id=self.cfg.rollout.num_rollout)
             out = os.path.join(self.cfg.runtime.output_dir, "curves.png")
-            plot_metrics(read_jsonl(self.tracker.jsonl_path), DEFAULT_KEYS, out, title=self.cfg.runtime.output_dir)
+            plot_metrics(final_lineage(read_jsonl(self.tracker.jsonl_path)), DEFAULT_KEYS, out, title=self.cfg.runtime.output_dir)
             log.info("wrote %s", out)
         if self.save_lock is not None:
             self.save_lock.release()

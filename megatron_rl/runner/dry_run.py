@@ -26,8 +26,7 @@ def print_plan(cfg: Config) -> int:
     print(format_table(plan, report))
     if external:
         print(f"rollout: external SGLang servers, not started or placed by this run: "
-              f"{' '.join(cfg.rollout.rollout_engine_urls)}; weights reach them through "
-              f"--update-weight-disk-dir {cfg.sync.update_weight_disk_dir}")
+              f"{' '.join(cfg.rollout.rollout_engine_urls)}; weights reach them {weight_route(cfg)}")
     if cfg.rollout.rollout_backend == "sglang" and not external and cfg.has_rollout_engine:
         for line in engine_lines(cfg):
             print(line)
@@ -60,6 +59,19 @@ def print_plan(cfg: Config) -> int:
     print(f"dry run: configuration valid; training world {cfg.actor_world_size} rank(s), "
           f"data-parallel {cfg.data_parallel_size}; nothing was started")
     return 0
+
+
+def weight_route(cfg: Config) -> str:
+    """How the trained weights reach SGLang servers, by the resolved ``--update-weight-transport``. Was: always
+    "through --update-weight-disk-dir DIR", which read "... None" with the distributed transport."""
+    sync = cfg.sync
+    if sync.update_weight_transport == "disk":
+        return (f"as HF safetensors published under --update-weight-disk-dir {sync.update_weight_disk_dir} "
+                "(--update-weight-transport disk: every server must read that path)")
+    if sync.update_weight_transport == "distributed":
+        return ("by broadcast from the driver rank into every server's TP ranks (--update-weight-transport "
+                "distributed: NCCL on GPUs, gloo on CPU; each server must reach the driver's host)")
+    return f"through --update-weight-transport {sync.update_weight_transport}"
 
 
 def engine_lines(cfg: Config) -> list[str]:

@@ -130,7 +130,9 @@ def test_a_rank_whose_collective_fails_after_another_ranks_refusal_ends_quietly(
                                                                                 tiny_hf_models):
     """The mechanism in ``train.main``, in process: rank 1's crash (what gloo raises when the refusing rank has
     gone) after rank 0 recorded its refusal ends with that refusal's code and no traceback; without a recorded
-    refusal the crash is raised (its traceback is the report)."""
+    refusal, a collective broken by a peer that is gone (a SIGKILLed rank: the launcher names it) ends in one
+    line naming the file that keeps its traceback (was: the gloo traceback above the launcher's line), and any
+    other crash is raised (its traceback is the report)."""
     import pytest
 
     from megatron_rl import train
@@ -146,13 +148,25 @@ def test_a_rank_whose_collective_fails_after_another_ranks_refusal_ends_quietly(
     monkeypatch.setattr(train, "refuse_single_process_world", lambda cfg: None)  # a 2-rank world, played
     argv = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--rollout-batch-size", "2"]
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        train.main(argv)  # nothing recorded: a crash of its own
+    capsys.readouterr()
+    assert train.main(argv) == 1  # nothing recorded: a peer that is gone, which the launcher names
+    err, kept = capsys.readouterr().err, tmp_path / "rank1_traceback.txt"
+    assert "rank 1: a collective failed (RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer" \
+        in err and f"another rank of this launch ended first; the launcher names it below. This rank's traceback: " \
+        f"{kept}" in err and "Traceback" not in err, err
+    assert "Traceback" in kept.read_text() and "Connection closed by peer" in kept.read_text()
+    monkeypatch.setattr(train, "run", lambda cfg: {}["a bug"])
+    with pytest.raises(KeyError, match="a bug"):
+        train.main(argv)  # a crash of its own: raised, its traceback is the report
+    monkeypatch.setattr(train, "run", run)
     monkeypatch.setenv("RANK", "0")
     assert write_error_status(str(status), "--prompt-data p.jsonl line 1: prompt has 8 tokens", 2)
     monkeypatch.setenv("RANK", "1")
     assert train.main(argv) == 2
     assert "Traceback" not in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        train.main(argv)  # the refusing rank's own record does not hide its crash
+    assert train.main(argv) == 1  # the refusing rank's own record does not stand for its crash: told, and kept
+    assert "Connection closed by peer" in (tmp_path / "rank0_traceback.txt").read_text()
+    monkeypatch.setattr(train, "run", lambda cfg: {}["a bug"])
+    with pytest.raises(KeyError, match="a bug"):
+        train.main(argv)

@@ -246,3 +246,31 @@ def test_take_draws_from_the_same_stream_as_next(tmp_path):
     assert [r.group_index for r in parts.take(3).requests] == [0, 1, 2]
     with pytest.raises(ConfigError, match="at least one prompt; asked for 0"):
         parts.take(0)
+
+
+def test_a_prompt_path_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
+    """Was: a FIFO (mkfifo, or --prompt-data <(...)) read "no such file"; the prompts are read more than once, so
+    a pipe is refused saying so, before anything opens it (opening a FIFO waits for a writer: no hang here).
+    Every reader of a prompt path: the flag validation and the dataset's reader (eval sets too)."""
+    import os
+
+    from megatron_rl.config import parse_config
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "gone.jsonl"
+    link.symlink_to(tmp_path / "nowhere.jsonl")
+    cases = {str(fifo): r"is a FIFO \(named pipe\), not a regular file: the prompts are read more than once .*"
+                        r"which a pipe cannot give; write its content to a file first",
+             str(tmp_path): "is a directory, not a file",
+             str(link): r"is a dangling symlink \(to .*nowhere.jsonl\)"}
+    hf = build_tiny_hf_model("qwen2", tmp_path / "hf")
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=rf"--prompt-data {path}: {message}"):
+            PromptDataset(path)
+        with pytest.raises(ConfigError, match=rf"--prompt-data {path}: {message}"):
+            parse_config(["--hf-checkpoint", hf, "--prompt-data", path])
+        with pytest.raises(ConfigError, match=rf"--eval-prompt-data {path}: {message}"):
+            parse_config(["--hf-checkpoint", hf, "--prompt-data", str(write_jsonl(tmp_path / "p.jsonl", [
+                {"prompt": [3], "label": 1}])), "--eval-prompt-data", path])

@@ -206,6 +206,13 @@ def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_mode
     assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                     "down_proj"])
     merged = PeftModel.from_pretrained(hf, str(out / "lora_peft")).merge_and_unload().state_dict()
+    # its base is the run's --hf-checkpoint (COMPLETE.json's lora_base), so the adapter dir loads alone (was: the
+    # checkpoint's hf_config folder, which holds no weights)
+    assert cfg["base_model_name_or_path"] == os.path.abspath(tiny_hf_models("qwen2"))
+    from peft import AutoPeftModelForCausalLM
+
+    alone = AutoPeftModelForCausalLM.from_pretrained(str(out / "lora_peft")).merge_and_unload().state_dict()
+    assert all(torch.equal(alone[n], merged[n]) for n in merged)
     synced = torch.load(out / "save_lora_weights.pt")
     worst = max((synced[n] - merged[n]).abs().max().item() for n in synced)
     assert worst <= 1e-6, worst
@@ -335,3 +342,29 @@ def test_an_adapter_only_checkpoint_refuses_another_base(tiny_hf_models, tmp_pat
     with pytest.raises(CheckpointError, match=r"holds LoRA adapters trained on the base .*qwen2.* this run's "
                                               r"--hf-checkpoint .* has other weights"):
         refuse_other_base("ckpt", saved, backend(other))
+
+
+def test_dist_to_peft_names_the_recorded_base_not_the_weightless_hf_config(tiny_hf_models, tmp_path):
+    """base_model_name_or_path of dist-to-peft's adapter_config.json: the base recorded in COMPLETE.json
+    (``lora_base``), or --lora-base (digest checked); was the checkpoint's hf_config folder, which holds no
+    weights (AutoPeftModelForCausalLM failed). A base that is not on this machine, or an older checkpoint with
+    no record, is written with a note naming --lora-base. The real export: test_lora_run_keeps_optimizer_state_
+    for_the_adapters_only loads it with AutoPeftModelForCausalLM."""
+    import shutil
+
+    from megatron_rl.convert.lora_export import peft_base
+    from megatron_rl.errors import CheckpointError
+    from megatron_rl.models.hf_checkpoint import weights_digest
+
+    hf = tiny_hf_models("qwen2")
+    meta = {"lora_base": {"hf_checkpoint": hf, "weights_digest": weights_digest(hf)}}
+    assert peft_base("ckpt", meta) == (hf, None)
+    copy = str(shutil.copytree(hf, tmp_path / "copy"))
+    assert peft_base("ckpt", meta, copy) == (copy, None)
+    with pytest.raises(CheckpointError, match="are not the base"):
+        peft_base("ckpt", meta, tiny_hf_models("qwen2", seed=1))
+    gone = {"lora_base": {**meta["lora_base"], "hf_checkpoint": str(tmp_path / "elsewhere")}}
+    base, note = peft_base("ckpt", gone)
+    assert base == str(tmp_path / "elsewhere") and "does not exist on this machine" in note and "--lora-base" in note
+    base, note = peft_base("ckpt", {})
+    assert base == "" and "records no HF base" in note and "--lora-base" in note

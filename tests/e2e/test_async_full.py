@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
 
 from sglang_standin import SGLangStandIn  # noqa: E402 - tests/rollout, put on sys.path above
 
+from megatron_rl.infra.checkpoint_root import find_latest_complete  # noqa: E402
 from megatron_rl.runner.full_async import read_buffer  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -95,6 +96,13 @@ def test_full_async_killed_at_three_points_trains_every_prompt_exactly_once(tiny
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/pg_loss" in r]
     assert all(r["rollout/dropped_stale"] == 0.0 and r["rollout/staleness_max"] <= 1.0 for r in steps)
+    # metrics.jsonl: steps 3 and 4 were trained by launch 3 and again by launch 4 (resumed at 2); the rolled-back
+    # records are marked superseded (was: kept, two values a step); the run's curve is one record a step
+    rolled_back = {(r["step"], r["attempt"]) for r in steps if r.get("superseded")}
+    last = max(r["attempt"] for r in steps)
+    assert {(3, last - 1), (4, last - 1)} <= rolled_back and all(a < last for _, a in rolled_back), steps
+    live = [r for r in steps if not r.get("superseded")]
+    assert [r["step"] for r in live] == list(range(1, STEPS + 1)) and live[-1]["attempt"] == last
 
 
 def _final_extra(root: str) -> dict:
@@ -105,13 +113,10 @@ def _final_extra(root: str) -> dict:
         return json.load(fh)
 
 
-def test_full_async_with_fault_tolerance_restarts_a_dead_engine_and_keeps_its_buffer(tiny_hf_models, tmp_path):
-    """--use-fault-tolerance with --async-mode full: the launched engine (the SGLang double of
-    tests/rollout/sglang_double, SGLang's command line over the stand-in) dies on a /generate mid-run; the
-    producer parks with its buffer, the engine is restarted on its port and synced to the current weights,
-    the groups the death cut are generated again from their prompts, and the run trains every step: no prompt
-    twice, every token within the bound."""
-    hf = tiny_hf_models("qwen2")
+def _run_with_dying_engine(hf, tmp_path, steps: int, *flags: str) -> subprocess.CompletedProcess:
+    """``python -m megatron_rl.train`` (one process) in --async-mode full with a launched engine (the SGLang double
+    of tests/rollout/sglang_double, SGLang's command line over the stand-in) that dies on its 6th /generate;
+    output dir ``tmp_path/run``."""
     out, record = tmp_path / "run", tmp_path / "record"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": [3, 4, i], "label": str(i)}) + "\n" for i in range(40)))
@@ -121,16 +126,38 @@ def test_full_async_with_fault_tolerance_restarts_a_dead_engine_and_keeps_its_bu
            "MRL_SGLANG_DOUBLE_RECORD": str(record), "MRL_SGLANG_DOUBLE_FAULT": "die-after-generate:5"}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(var, None)
-    steps = 4
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "megatron_rl.train", "--hf-checkpoint", hf, "--prompt-data", str(prompts),
          "--custom-rm-path", "parity_reward:score", "--lr", "1e-2", "--rollout-batch-size", str(B),
          "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6", "--num-rollout", str(steps),
          "--rollout-num-gpus", "1", "--sglang-disable-radix-cache", "--rollout-engine-startup-timeout", "120",
          "--update-weight-transport", "disk", "--update-weight-disk-dir", str(out) + ".weights",
-         "--use-fault-tolerance", "--async-mode", "full", "--max-staleness", "1", "--partial-rollout",
-         "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"), "--output-dir", str(out)],
+         "--async-mode", "full", "--max-staleness", "1", "--partial-rollout", "--output-dir", str(out), *flags],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_full_async_engine_killed_mid_run_exits_3_naming_the_checkpoint_to_resume_from(tiny_hf_models, tmp_path):
+    """Without --use-fault-tolerance the engine's death ends the run; with a complete checkpoint under --save
+    that is exit 3 ("relaunch to resume", as a full disk), naming the engine, its log and the checkpoint. Was:
+    exit 2, the code of a refusal. (At start-up an engine that does not answer is a refusal: 2.)"""
+    root = tmp_path / "run" / "ckpt"
+    proc = _run_with_dying_engine(tiny_hf_models("qwen2"), tmp_path, 6, "--save", str(root), "--save-interval", "1")
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-5000:]
+    newest = os.path.join(str(root), f"iter_{find_latest_complete(str(root)):07d}")
+    assert "test double: dying on /generate call 6" in proc.stderr and \
+        f"{newest} is complete: relaunch the same command once the engines are back" in proc.stderr, proc.stderr[-5000:]
+    assert proc.stderr.count("Last lines of") == 1  # the death is told once
+
+
+def test_full_async_with_fault_tolerance_restarts_a_dead_engine_and_keeps_its_buffer(tiny_hf_models, tmp_path):
+    """--use-fault-tolerance with --async-mode full: the launched engine (the SGLang double of
+    tests/rollout/sglang_double, SGLang's command line over the stand-in) dies on a /generate mid-run; the
+    producer parks with its buffer, the engine is restarted on its port and synced to the current weights,
+    the groups the death cut are generated again from their prompts, and the run trains every step: no prompt
+    twice, every token within the bound."""
+    out, steps = tmp_path / "run", 4
+    proc = _run_with_dying_engine(tiny_hf_models("qwen2"), tmp_path, steps, "--use-fault-tolerance",
+                                  "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.pt"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "train/pg_loss" in r]

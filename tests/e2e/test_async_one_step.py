@@ -49,7 +49,8 @@ def _records(out) -> list[dict]:
 
 def _trained(records) -> dict[int, dict]:
     """Each trained step's record without wall-clock values (durations: perf/*, *_s)."""
-    return {r["step"]: {k: v for k, v in r.items() if k != "time" and not k.startswith("perf/") and not k.endswith("_s")}
+    return {r["step"]: {k: v for k, v in r.items()  # attempt: which launch wrote the record
+                        if k not in ("time", "attempt") and not k.startswith("perf/") and not k.endswith("_s")}
             for r in records if "train/pg_loss" in r}
 
 

@@ -40,7 +40,8 @@ def _run(script, env, *args):
     ("run_qwen3_30b_a3b_grpo.sh", QWEN3_30B_A3B, {"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1",
                                                   "ROLLOUT_URLS": "http://10.0.0.5:30000 http://10.0.0.6:30000"},
      "rollout: external SGLang servers, not started or placed by this run: http://10.0.0.5:30000 "
-     "http://10.0.0.6:30000"),
+     "http://10.0.0.6:30000; weights reach them by broadcast from the driver rank into every server's TP ranks "
+     "(--update-weight-transport distributed"),  # was: "through --update-weight-disk-dir None"
 ])
 def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, engines):
     """Each script's dry run checks every flag and the planner's layout, prints the plan and the SGLang
@@ -53,6 +54,7 @@ def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, engines):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "total GPU demand" in proc.stdout and "dry run: configuration valid" in proc.stdout
     assert engines in proc.stdout, proc.stdout
+    assert " None" not in proc.stdout, proc.stdout  # an unset flag's value is never printed as a route
     assert not (tmp_path / "save").exists()
 
 

@@ -42,6 +42,7 @@ from megatron_rl.backends.megatron.checkpoint import EXTRA_STATE_NAME, read_chec
 from megatron_rl.infra import checksum
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, find_latest_complete, is_temp_dir,
                                                iter_dir, list_iterations, read_latest, read_resume_state)
+from megatron_rl.infra.tracking import final_lineage
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
 from megatron_rl.rollout import rollout_ckpt
 
@@ -130,6 +131,28 @@ class Demo:
             os.kill(pid, signal.SIGKILL)
         assert not stray, f"processes of {self.out} outside the killed tree: {stray}"
 
+    def kill_group_at(self, point: PausePoint, timeout: float = LAUNCH_TIMEOUT) -> None:
+        """``kill -9 -PGID`` of the launch script (which ``exec``s the launcher) once its driver is paused at
+        ``point``: only the launcher is in that group (torchrun starts each worker in a session of its own);
+        every rank and engine must die with it (``PR_SET_PDEATHSIG``). Was: they trained on to the end of
+        the run. Fails (after cleaning up) if any process of the tree or of the run lives on."""
+        pids: list[int] = []
+        try:
+            point.wait(self.proc, timeout=timeout, output=self.tail)  # the timeout only bounds a hang
+            pids = _tree(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=120)  # a hang bound on reaping the SIGKILLed launcher
+            deadline = time.monotonic() + 120  # a hang bound: the kernel sends the death signals at once
+            while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = [p for p in pids if _alive(p)] + _procs_using(self.out)
+            assert not left, f"processes outlived the killed launch group: {left}"
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+            for pid in [p for p in pids if _alive(p)] + _procs_using(self.out):
+                os.kill(pid, signal.SIGKILL)
+
     def wait(self, timeout: float = LAUNCH_TIMEOUT) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -169,8 +192,8 @@ def train_steps(records) -> list[int]:
 
 def stable(record: dict) -> dict:
     """A metrics record without wall-clock values (timestamps, durations)."""
-    return {k: v for k, v in record.items()
-            if k != "time" and not k.endswith("time_s") and not k.startswith("perf/")}  # perf/*: phase timers
+    return {k: v for k, v in record.items()  # attempt: which launch wrote it (metrics.jsonl's bookkeeping)
+            if k not in ("time", "attempt") and not k.endswith("time_s") and not k.startswith("perf/")}  # perf/*: phase timers
 
 
 def by_step(records) -> dict[int, dict]:
@@ -349,10 +372,11 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     new = demo.new_records()
     assert new[0]["step"] == 0 and train_steps(new) == [1, 2]  # a fresh start: nothing to resume from
 
-    # (iii) right after iteration 3 was published (the tracker files still say 2)
+    # (iii) right after iteration 3 was published (the tracker files still say 2), by `kill -9 -PGID` of the
+    # launch script alone: the ranks and their engines die with the launcher
     point = PausePoint(tmp_path / "pause", "published:iter_0000003")
     demo = Demo(*cmd, env=point.env)
-    demo.kill_at(point)
+    demo.kill_group_at(point)
     assert read_latest(root) == 2
     assert f"resumed from {iter_dir(root, 1)} at rollout 1" in demo.output
     new = demo.new_records()
@@ -375,6 +399,15 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     assert_same_checkpoint(iter_dir(str(straight / "ckpt"), 4), iter_dir(root, 4), tmp_path)
     ref = by_step(metrics(straight))
     assert {s: r for s, r in by_step(new).items()} == {4: ref[4]}
+    # metrics.jsonl: step 2 was trained twice (by launches ii and iii: attempts 1 and 2, launch i logged nothing);
+    # the records the resumes rolled back are marked superseded, and what is left (the run's curve) is one
+    # record a step, the uninterrupted run's
+    records = metrics(out)
+    assert [r["attempt"] for r in records] == sorted(r["attempt"] for r in records) and records[-1]["attempt"] == 3
+    assert [(r["attempt"], r["step"]) for r in records if r.get("superseded") and "train/pg_loss" in r] == [(1, 2)]
+    lineage = final_lineage(records)
+    assert train_steps(lineage) == [1, 2, 3, 4]
+    assert by_step(lineage) == ref
 
 
 def test_sigkill_after_rollout_was_generated_resumes_without_regenerating_it(straight, tmp_path):

@@ -22,8 +22,10 @@ def _failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
     return failure
 
 
-def _summary(*failures: tuple[int, int, int]) -> tuple[int, str]:
-    return _failure_summary(ChildFailedError("megatron_rl.train", {r: _failure(r, c, t) for r, c, t in failures}))
+def _summary(*failures: tuple[int, int, int], run_dir: str = "") -> tuple[int, str]:
+    code, line, _ = _failure_summary(ChildFailedError("megatron_rl.train", {r: _failure(r, c, t) for r, c, t in
+                                                                            failures}), run_dir)
+    return code, line
 
 
 def test_a_sigkilled_rank_is_reported_as_sigkill_137_not_the_sigtermed_bystander():
@@ -49,3 +51,35 @@ def test_one_failed_rank_is_128_plus_its_signal(sig):
 def test_a_crash_is_exit_1():
     assert _summary((1, 1, 100), (0, -signal.SIGTERM, 100)) == (1, "rank 1 exited with code 1 (its traceback is "
                                                                     "above)")
+
+
+def test_a_rank_that_ended_quietly_is_named_with_its_traceback_file(tmp_path):
+    """A rank whose collective broke under a dead peer keeps its traceback in RUN_DIR/rank<R>_traceback.txt
+    (train.peer_gone_report); when it is the failure named, the line points there, not "above"."""
+    (tmp_path / "rank1_traceback.txt").write_text("Traceback ...")
+    assert _summary((1, 1, 100), run_dir=str(tmp_path)) == (1, f"rank 1 exited with code 1 (its traceback: "
+                                                                f"{tmp_path / 'rank1_traceback.txt'})")
+
+
+def test_a_collective_broken_by_a_dead_peer_is_one_line_under_the_launcher(tmp_path, monkeypatch):
+    """train.peer_gone_report: under the launcher, gloo's "Connection closed by peer" (also as the cause of
+    another error) is one line naming the traceback file; anything else, or outside the launcher, is None
+    (the traceback is printed as before)."""
+    from megatron_rl.infra.wall_time import STATUS_ENV
+    from megatron_rl.train import peer_gone_report
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:41234")
+    assert peer_gone_report(gloo) is None  # plain torchrun or one process: no launcher to name the rank
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv(STATUS_ENV, str(tmp_path / "run_status.json"))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise ValueError("the step failed") from gloo
+    except ValueError as exc:
+        line = peer_gone_report(exc)
+    path = tmp_path / "rank0_traceback.txt"
+    assert line == (f"a collective failed (ValueError: the step failed): another rank of this launch ended first; "
+                    f"the launcher names it below. This rank's traceback: {path}")
+    assert "Connection closed by peer" in path.read_text() and "the step failed" in path.read_text()
+    assert peer_gone_report(KeyError("a bug")) is None

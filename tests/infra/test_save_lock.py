@@ -125,3 +125,37 @@ def test_a_record_of_another_host_is_refused_naming_it_and_the_file_to_delete(tm
     assert json.loads(path.read_text())["host"] == "node-17"  # left as it was
     path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid() + 10**7, "taken_at": 0}))
     acquire(str(tmp_path)).release()  # this host, no such pid: taken over
+
+
+def test_an_unreadable_record_or_lock_file_is_named_not_read_as_pid_question_mark(tmp_path, caplog, monkeypatch):
+    """Was: "in use by pid ? on host ?". A record that is not the holder's JSON (a crash's leftover: the flock is
+    free, so no process of this host holds the root) is taken over with a warning quoting it; while a live holder
+    keeps the flock, the refusal says its record is unreadable; a lock file this user cannot open is named with
+    the fix (was an OSError traceback)."""
+    path = tmp_path / LOCK_NAME
+    for junk, why in (("{\"host\": \"x\"", "not JSON"), ("[1, 2]", "no host and pid")):
+        path.write_text(junk)
+        with caplog.at_level(logging.WARNING, logger=save_lock.__name__):
+            acquire(str(tmp_path)).release()
+        assert f"taking over {path}, whose record is unreadable ({why}: {junk!r})" in caplog.text, caplog.text
+        assert "?" not in caplog.text.replace(repr(junk), "")
+        caplog.clear()
+    holder = Holder(tmp_path)
+    try:
+        path.write_text("garbage")  # the holder's flock stays (same inode), its record is overwritten
+        with pytest.raises(SaveRootLocked, match=r"in use by another run: a run whose record is unreadable "
+                                                 r"\(not JSON: 'garbage'\) holds"):
+            acquire(str(tmp_path))
+    finally:
+        holder.end("exit")
+    real_open = os.open
+
+    def denied(name, flags, *args):  # what chmod 400 does to a non-root user (this may run as root)
+        if str(name) == str(path):
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(save_lock.os, "open", denied)
+    with pytest.raises(SaveRootLocked, match=rf"its lock file {path} cannot be opened for writing "
+                                             r"\(PermissionError: Permission denied\); give this user"):
+        acquire(str(tmp_path))

@@ -94,3 +94,32 @@ def test_the_coordinators_metadata_failure_is_raised_after_the_broadcast(tmp_pat
     assert info.value.errno == errno.ENOSPC
     assert events == ["finish", "broadcast"]
     assert not os.path.exists(tmp_path / "metadata.json")  # the save stopped at the agreement
+
+
+def test_an_engine_lost_mid_run_exits_3_where_a_checkpoint_resumes_it_as_a_full_disk_does(tmp_path, tiny_hf_models):
+    """The class: a mid-run failure of what the run depends on outside the trainer (the disk above, an engine
+    here) exits 3 ("relaunch to resume") when a complete checkpoint is under --save, and names it; 2 otherwise.
+    Was: an engine killed mid-run in full async mode exited 2 (the code of a refusal) beside a resumable
+    checkpoint. ``train.engine_failure`` is what train.run raises for an EngineError (or a SyncError whose
+    engine died); train.main exits with its exit_code."""
+    from megatron_rl.errors import EngineError
+    from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+    from megatron_rl.train import engine_failure
+
+    hf, root = tiny_hf_models("qwen2"), tmp_path / "save"
+    cfg = parse_config(["--hf-checkpoint", hf, "--save", str(root), "--async-mode", "full", "--rollout-backend",
+                        "sglang", "--rollout-engine-urls", "http://127.0.0.1:1", "--max-staleness", "1"])
+    dead = EngineError("SGLang server http://127.0.0.1:1: connection refused")
+    assert engine_failure(cfg, dead, mid_run=True) is dead  # nothing saved yet: a relaunch starts over (2)
+    _saver(hf, root).save(_Backend(full=False), None, 2)
+    out = engine_failure(cfg, dead, mid_run=True)
+    assert isinstance(out, EngineError) and out.exit_code == EXIT_WALL_TIME == 3
+    assert str(out).startswith(f"{dead}; {iter_dir(str(root), 2)} is complete: relaunch the same command")
+    assert engine_failure(cfg, dead, mid_run=False) is dead  # at start-up: a refusal, whatever is on disk
+    # full async: the producer's failure reaches the trainer wrapped; an engine's is resumable, a bug's is not
+    from megatron_rl.runner.producer import ProducerError
+
+    for cause, code in ((dead, 3), (KeyError("label"), 2)):
+        wrapped = ProducerError(f"rollout producer failed: {cause}")
+        wrapped.__cause__ = cause
+        assert getattr(engine_failure(cfg, wrapped, mid_run=True), "exit_code", 2) == code, cause

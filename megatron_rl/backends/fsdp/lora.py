@@ -17,7 +17,6 @@ backend needs from it:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -49,9 +48,9 @@ def is_adapter(name: str) -> bool:
 
 def load_peft_dir(model: torch.nn.Module, path: str) -> None:
     """Copy a PEFT adapter dir's tensors into the injected adapters (names and shapes checked both ways)."""
-    from safetensors.torch import load_file  # lazy: only a --lora-load run reads one
+    from megatron_rl.models.peft_adapter import read_adapter_tensors  # lazy: only a --lora-load run reads one
 
-    saved = load_file(os.path.join(path, "adapter_model.safetensors"))
+    saved = read_adapter_tensors(path, "--lora-load")  # inf/NaN refused naming the tensor and file
     params = {n: p for n, p in model.named_parameters() if is_adapter(n)}
     got: set[str] = set()
     for key, tensor in saved.items():

@@ -181,10 +181,9 @@ class MegatronBackend(TrainBackend):
                 cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_dropout, tuple(cfg.lora.lora_target_modules),
                 init_seed=cfg.runtime.seed))
             if cfg.lora.lora_load:  # a PEFT adapter dir (validated against the flags before any worker started)
-                from safetensors.torch import load_file  # lazy: only a --lora-load run reads one
+                from megatron_rl.models.peft_adapter import read_adapter_tensors  # lazy: a --lora-load run only
 
-                lora.load_peft_tensors(self.lora, load_file(os.path.join(cfg.lora.lora_load,
-                                                                         "adapter_model.safetensors")))
+                lora.load_peft_tensors(self.lora, read_adapter_tensors(cfg.lora.lora_load, "--lora-load"))
             if dist.get_rank() == 0:
                 log.info("%s%s", lora.describe(self.lora),
                          f", started from {cfg.lora.lora_load}" if cfg.lora.lora_load else "")
