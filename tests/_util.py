@@ -71,6 +71,9 @@ def run_jobs(nproc: int, jobs: list[tuple[str, list]], timeout: float = 600, env
         else:
             proc = torchrun(HARNESS, nproc, [spec], timeout=timeout, env=env)
         assert os.path.exists(spec + ".done"), f"the harness ended without finishing its jobs:\n{proc.stdout[-4000:]}"
+        for line in proc.stderr.splitlines():  # each job's thread counts (pytest -s shows them)
+            if line.startswith("[harness]"):
+                print(line, file=sys.stderr)
         return proc
     finally:
         for path in (spec, spec + ".done"):

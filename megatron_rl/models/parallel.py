@@ -180,10 +180,11 @@ def destroy_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    RouterReplay.clear_global_router_replay_instances()  # megatron keeps every one it made (and its router)
+    _clear_megatron_holds()
     _release_ddp_models()
+    import gc
+
+    gc.collect()  # models dropped in reference cycles go now, with their groups, not at some later collection
     reloadable_groups.retire_all()  # a later layout's groups are the ones a sleep tears down
     if dist.is_available() and dist.is_initialized():
         from torch.distributed import distributed_c10d as c10d  # lazy: the group map (no public listing)
@@ -191,6 +192,25 @@ def destroy_parallel() -> None:
         world = c10d._get_default_group()
         for group in [g for g in list(c10d._world.pg_map) if g is not world]:
             dist.destroy_process_group(group)
+
+
+def _clear_megatron_holds() -> None:
+    """What megatron-core keeps past ``destroy_model_parallel``, each holding a layout's models or groups: every
+    RouterReplay it made (and through it its router), the rotary embeddings' ``lru_cache`` on ``forward`` (32
+    entries keyed by the module: the module and its context-parallel group), and two globals that
+    ``destroy_model_parallel`` does not reset (0.16.1)."""
+    from megatron.core import parallel_state  # lazy: megatron-core
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    for cls in (rotary_pos_embedding.RotaryEmbedding, yarn_rotary_pos_embedding.YarnRotaryEmbedding):
+        clear = getattr(cls.forward, "cache_clear", None)
+        if clear is not None:
+            clear()
+    for name in ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO"):
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
 
 
 def _release_ddp_models() -> int:

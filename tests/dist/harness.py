@@ -10,10 +10,11 @@ rank: ``JOBS[NAME]`` names the worker module under ``tests/dist/scripts/`` and i
 interpreter's megatron-core import (~20 s on 2 cores) once for all of them.
 
 Between jobs, on every rank: every process group but the default one is destroyed (what a job's layouts
-built), the collector runs, and this process's thread count must stay under ``THREAD_BOUND``; a job that
-leaves more (a gloo group it made and kept: each holds worker threads until destroyed, and ~60 leaked
-layouts drove a 2-core machine's load average past 600) fails the launch, naming the job, the rank and the
-count. After the last job the harness writes ``SPEC.json.done`` on rank 0 (a test can tell a finished
+built, with the models built on them: ``models.parallel.destroy_parallel``), the collector runs, and this
+process's thread count must stay under ``THREAD_BOUND``, and must have stayed under ``PEAK_BOUND`` while the
+job ran (a sampler thread); a job that leaves more (a gloo group it made and kept: each holds worker threads
+until destroyed, and ~60 leaked layouts drove a 2-core machine's load average past 600) fails the launch,
+naming the job, the rank, the count and the threads by name. After the last job the harness writes ``SPEC.json.done`` on rank 0 (a test can tell a finished
 launch from one that died between jobs).
 
 The default group is made here (gloo, a 300 s timeout: a hang bound that names nothing better than "a
@@ -54,8 +55,11 @@ JOBS: dict[str, tuple[str, str]] = {
     "vocab_parallel": ("vocab_parallel_worker", "main"),
 }
 # threads a rank may hold between jobs: the interpreter, torch's pools at OMP_NUM_THREADS=1, the default
-# gloo group's loops and the odd helper (measured 13-20 after a job); one leaked layout adds 30-50
+# gloo group's loops and the odd helper (measured 5-20 after a job); one leaked layout adds 30-50
 THREAD_BOUND = 64
+# ... and while a job runs: its live layouts' groups (measured up to ~220: a 2-rank layout with its critic's);
+# a job that keeps every layout of its loop passed 700
+PEAK_BOUND = 400
 
 
 def thread_count() -> int:
@@ -99,6 +103,27 @@ def release_groups() -> None:
         reloadable_groups.uninstall()
 
 
+class PeakThreads:
+    """The most threads this process held while a job ran (sampled every 0.2 s by a daemon thread): a job
+    that leaks layouts inside its own loop (a model or group per case) shows here, not between jobs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="harness-peak", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, thread_count())
+
+    def reset(self) -> int:
+        peak, self.peak = max(self.peak, thread_count()), 0
+        return peak
+
+
 def run(spec_path: str) -> None:
     import torch.distributed as dist
 
@@ -118,18 +143,25 @@ def run(spec_path: str) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timedelta(seconds=300))
     rank = dist.get_rank()
+    peaks = PeakThreads()
     for i, entry in enumerate(spec):
         module, func = JOBS[entry["job"]]
         getattr(importlib.import_module(module), func)(list(entry.get("argv", [])))
         release_groups()
         gc.collect()
+        peak = peaks.reset()
         n = thread_count()
+        if peak > PEAK_BOUND:
+            raise RuntimeError(f"harness: job {i} ({entry['job']} {' '.join(entry.get('argv', []))[:200]}) held "
+                               f"{peak} threads on rank {rank} while it ran (bound {PEAK_BOUND}): it keeps what each "
+                               f"case of its loop builds (now {n}: {thread_names()})")
         if n > THREAD_BOUND:
             raise RuntimeError(f"harness: job {i} ({entry['job']} {' '.join(entry.get('argv', []))[:200]}) left "
                                f"{n} threads on rank {rank} (bound {THREAD_BOUND}: {thread_names()}): a process "
                                "group, pool or server it started was not released")
         if rank == 0:
-            print(f"[harness] job {i} {entry['job']} done: {n} threads", file=sys.stderr, flush=True)
+            print(f"[harness] job {i} {entry['job']} done: {n} threads ({peak} at most while it ran)",
+                  file=sys.stderr, flush=True)
         dist.barrier()
     if rank == 0:
         with open(spec_path + ".done", "w") as fh:
