@@ -12,6 +12,8 @@ def build_char_tokenizer(path, chat_template=CHAT_TEMPLATE):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from megatron_rl.rollout.base import checked_tokenizer
+
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -21,4 +23,6 @@ def build_char_tokenizer(path, chat_template=CHAT_TEMPLATE):
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
+    # loaded as the product loads a model dir's tokenizer (AutoTokenizer, then the class tokenizer_config.json
+    # names where transformers swaps it: rollout/base.py checked_tokenizer)
+    return checked_tokenizer(AutoTokenizer.from_pretrained(str(path)), str(path))

@@ -20,8 +20,10 @@ the exact rule; we check the divisibility it asserts so the error is readable).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -156,6 +158,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
 
     from megatron.core import parallel_state, tensor_parallel
 
+    _track_ddp()
     # the previous layout's groups go with it (destroy_parallel: every group but the default one); forgetting
     # them (destroy_model_parallel alone) leaks each gloo group's threads: the converters and the test
     # workers build a layout per conversion or case, ~1,500 threads per process after two dozen of them
@@ -181,10 +184,10 @@ def destroy_parallel() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _clear_megatron_holds()
-    _release_ddp_models()
-    import gc
+    if _release_ddp_models():
+        import gc
 
-    gc.collect()  # models dropped in reference cycles go now, with their groups, not at some later collection
+        gc.collect()  # the released models go now, with their groups, not at some later collection
     reloadable_groups.retire_all()  # a later layout's groups are the ones a sleep tears down
     if dist.is_available() and dist.is_initialized():
         from torch.distributed import distributed_c10d as c10d  # lazy: the group map (no public listing)
@@ -213,28 +216,41 @@ def _clear_megatron_holds() -> None:
             setattr(parallel_state, name, None)
 
 
+_LIVE_DDP: "weakref.WeakSet" = weakref.WeakSet()  # every megatron-core DDP wrapper made (and not yet freed)
+
+
+def _track_ddp() -> None:
+    """Record each megatron-core DDP wrapper as it is made (``_LIVE_DDP``); patched once, at the first
+    :func:`initialize_parallel` (every DDP is built after one)."""
+    from megatron.core.distributed import DistributedDataParallel  # lazy: megatron-core
+
+    original = DistributedDataParallel.__init__
+    if getattr(original, "_mrl_tracked", False):
+        return
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _LIVE_DDP.add(self)
+
+    init._mrl_tracked = True  # type: ignore[attr-defined]  # the patch's own mark (idempotence)
+    DistributedDataParallel.__init__ = init
+
+
 def _release_ddp_models() -> int:
     """Empty every megatron-core DDP wrapper still alive (the models of the layout being torn down); how many.
 
     Why: megatron's DDP registers its gradient hooks on autograd's accumulator nodes (C++), which hold the
     hooks' closures and through them the DDP, its model and the process groups the model's layers keep: a
     cycle Python's collector cannot see. A process that builds layout after layout (the tests' workers, the
-    parity checks) kept every model it ever built and every gloo group's worker threads with it (~700
-    threads per rank after one launch's layouts, measured); once its groups are destroyed such a model
-    cannot run anyway."""
-    import gc
-    import warnings
-
-    from megatron.core.distributed import DistributedDataParallel  # lazy: megatron-core
-
-    n = 0
-    with warnings.catch_warnings():  # isinstance on every object wakes deprecated module attributes' warnings
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, DistributedDataParallel):
-                vars(obj).clear()
-                n += 1
-    return n
+    parity checks) kept every model it ever built and every gloo group's worker threads with it (a backend
+    job's 17 layouts: 620 threads per rank, measured); once its groups are destroyed such a model cannot run
+    anyway."""
+    live = list(_LIVE_DDP)
+    for ddp in live:
+        vars(ddp).clear()
+    _LIVE_DDP.clear()
+    return len(live)
 
 
 class LayoutScope:
