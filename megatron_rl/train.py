@@ -302,6 +302,11 @@ def main(argv=None) -> int:
             save_lock.release_all()
         dist = sys.modules.get("torch.distributed")  # not imported: no process group to destroy
         if dist is not None and dist.is_available() and dist.is_initialized():
+            # megatron's layout goes with the groups: a caller in the same process (tests) would otherwise find
+            # parallel_state "initialized" on destroyed groups
+            parallel_state = sys.modules.get("megatron.core.parallel_state")
+            if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
         restore_signal_handlers(previous)  # main() called in-process (tests) leaves them as it found them
 

@@ -64,6 +64,17 @@ def pytest_xdist_make_scheduler(config, log):
     return LaunchGroupScheduling(config, log)
 
 
+def one_job(job: str, nproc: int):
+    """The ``shared_launch`` of a file with one job whose only argument is its output dir: returns that dir."""
+
+    def shared_launch(ctx):
+        out = ctx.tmp_path_factory.mktemp(job)
+        yield {nproc: [(job, [out])]}
+        return out
+
+    return shared_launch
+
+
 @dataclasses.dataclass
 class Ctx:
     tmp_path_factory: Any

@@ -11,14 +11,12 @@ import json
 
 import pytest
 
+from _launches import one_job
+
 pytestmark = pytest.mark.dist
 
 
-def shared_launch(ctx):
-    """One 4-rank job in the group's launch (tests/_launches.py); its output dir."""
-    out = ctx.tmp_path_factory.mktemp("data_movement")
-    yield {4: [("data_movement", [out])]}
-    return out
+shared_launch = one_job("data_movement", 4)  # one 4-rank job in the group's launch (tests/_launches.py): its output dir
 
 
 def test_broadcast_and_gather_on_four_ranks(shared_launch_state):

@@ -12,6 +12,8 @@ import pytest
 
 from _util import read_json
 
+from _launches import one_job
+
 pytestmark = pytest.mark.dist
 
 # fp32 accumulation of values ~10 in magnitude; bf16 gradients are compared relative to their max
@@ -27,11 +29,7 @@ def _tol(name):
     return TOL["bf16/grad"] if ("bf16" in name and kind == "grad") else TOL[kind]
 
 
-def shared_launch(ctx):
-    """One 4-rank job in the group's launch (tests/_launches.py); its output dir."""
-    out = ctx.tmp_path_factory.mktemp("vocab_parallel")
-    yield {4: [("vocab_parallel", [out])]}
-    return out
+shared_launch = one_job("vocab_parallel", 4)  # one 4-rank job in the group's launch (tests/_launches.py): its output dir
 
 
 def test_tp1_tp2_tp4_and_tp2_dp2_step_match_single_process(shared_launch_state):
