@@ -9,9 +9,11 @@ installed (``SGLANG_PYTHON``, or the venv scripts/sglang_cpu_install.sh makes); 
 skipped, saying so and naming the command that runs them.
 
 Left out of the double's run (real SGLang's behaviour, not our code's): ``weights_check`` (SGLang's comparison
-needs CUDA and says so), ``long_prompts`` (the context-length refusal is SGLang's rule), ``abort_flush_pause``
-(rows held in flight while a second request interrupts them), ``unavailable_503`` (a second server with
-``--max-running-requests``), ``standin_fidelity`` (the stand-in against real replies).
+needs CUDA and says so), ``long_prompts`` (the context-length refusal is SGLang's rule), ``abort_flush_pause`` and
+``aborted_rows_retried`` (an abort sent a measured delay into a generation: how many rows it catches depends on
+the machine's speed, so they run against real SGLang only; the manager the second one builds is built here on
+every commit), ``unavailable_503`` (a second server with ``--max-running-requests``), ``standin_fidelity`` (the
+stand-in against real replies).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from _util import REPO
 pytestmark = pytest.mark.e2e
 
 sys.path.insert(0, str(REPO / "tools" / "sglang_cpu"))
-from check_real_sglang import ALL_STEPS  # noqa: E402 - tools/sglang_cpu, put on sys.path above
+from check_real_sglang import ALL_STEPS, abort_retry_manager  # noqa: E402 - tools/sglang_cpu, put on sys.path above
 
-DOUBLE_STEPS = ["generation", "aborted_rows_retried", "seeded", "disk_updates", "sharded_disk", "control",
-                "tensor_updates", "tensor_transport", "distributed_updates", "fixture_still_holds"]
+DOUBLE_STEPS = ["generation", "seeded", "disk_updates", "sharded_disk", "control", "tensor_updates",
+                "tensor_transport", "distributed_updates", "fixture_still_holds"]
 REAL_PYTHON = os.environ.get("SGLANG_PYTHON", os.path.join(os.environ.get("SGLANG_VENV", "/work/sglang-venv"),
                                                            "bin", "python"))
 
@@ -80,3 +82,10 @@ def test_double_run_ends_with_its_server_alive(double_run):
 def test_step_against_real_sglang(real_run, step):
     failed = [f"{c['name']}: {c['detail'][:600]}" for c in _step_checks(real_run, step) if not c["ok"]]
     assert not failed, "\n".join(failed)
+
+
+def test_the_abort_retry_checks_manager_is_built_as_the_product_builds_it(tiny_hf_models):
+    """aborted_rows_retried (real SGLang only: timing) builds a RolloutManager from parsed flags; building it here
+    fails at the commit that changes what the manager needs (it once read a missing ``cfg.data``)."""
+    manager = abort_retry_manager(tiny_hf_models("qwen2"), "http://127.0.0.1:9", engine=None)
+    assert manager.cfg.rollout.rollout_abort_retries == 2

@@ -328,6 +328,17 @@ def hf_logprobs(model, prompt: list[int], output: list[int]) -> tuple[list[float
     return lp[torch.arange(len(output)), torch.tensor(output)].tolist(), lp.max(dim=-1).values.tolist()
 
 
+def abort_retry_manager(model_dir: Path, url: str, engine: Any) -> Any:
+    """The rollout manager of ``aborted_rows_retried``, its config built as the product builds it (flags ->
+    validated dataclasses: a stand-in object lacked whatever the manager read next, and the check rotted);
+    tests/tools/test_sglang_harness.py builds it on every commit."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.rollout.manager import RolloutManager
+
+    cfg = parse_config(["--hf-checkpoint", str(model_dir), "--rollout-engine-urls", url, "--rollout-abort-retries", "2"])
+    return RolloutManager(cfg, engine, prompts=None, reward_fn=None)
+
+
 class Checks:
     """The checks against one running server; each records figures and PASS/FAIL lines."""
 
@@ -473,15 +484,8 @@ class Checks:
     def aborted_rows_retried(self) -> None:
         """Rows aborted by /abort_request (HTTP 200, finish_reason abort): the rollout generates their
         groups again and keeps no cut-short sample."""
-        from megatron_rl.config import parse_config
-        from megatron_rl.rollout.manager import RolloutManager
-
         r = self.r
-        # the config as the product builds it (flags -> validated dataclasses): a stand-in object would lack
-        # whatever the manager reads next
-        cfg = parse_config(["--hf-checkpoint", str(self.model_dir), "--rollout-engine-urls", self.server.url,
-                            "--rollout-abort-retries", "2"])
-        manager = RolloutManager(cfg, self.engine, prompts=None, reward_fn=None)
+        manager = abort_retry_manager(self.model_dir, self.server.url, self.engine)
         sampling = SamplingParams(temperature=0.0, max_new_tokens=self.args.long_tokens, ignore_eos=True, n=2)
         requests = self.requests(self.prompts[:2])
         result: dict[str, Any] = {}
