@@ -1,0 +1,132 @@
+"""Models by role: which models a run trains or consults, each a model with a job.
+
+A run holds up to five roles on the trainer's ranks (``role_specs``):
+
+========  ==========================  =========  ==========================================
+role      job (head)                  trains     source
+========  ==========================  =========  ==========================================
+actor     log-probs of the policy     yes        --hf-checkpoint / --load
+critic    values (ppo)                yes        --critic-hf-checkpoint / --critic-load / the actor's
+ref       log-probs (KL reference)    no         --ref-load, or the initial policy
+teacher   log-probs (on-policy dist.) no         --opd-teacher-load
+========  ==========================  =========  ==========================================
+
+A frozen role whose shapes equal the actor's is a *weight tag* (``base.WeightManager``): a copy of
+the actor's parameter shards swapped in place, no second model (the cheap path, every layout for
+free). A frozen role of other shapes (a larger teacher, the usual distillation case) is a model of
+its own, built by the backend's one build function from its own config, frozen, with no optimizer;
+``needs_own_model`` decides which, from the two ``config.json`` files alone.
+
+A role's model is built once per backend by one function (``backends/megatron/role_model.py``,
+``backends/fsdp``'s ``load_hf_model`` + ``shard``): actor and critic differ only in their head
+(log-probs or a ``[hidden -> 1]`` value head), their source and their optimizer's learning rate.
+The critic's job is the small typed interface :class:`Critic` (verl's two-method shape), which both
+backends implement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from megatron_rl.data.packing import LossDenominators, PackedBatch
+from megatron_rl.errors import ConfigError
+from megatron_rl.models.model_dir import HF_CONFIG_SUBDIR
+
+#: the config.json fields that decide whether two models' parameters have the same names and shapes (a weight
+#: tag is a copy of the actor's shards: it fits only a model whose every parameter has the actor's shape)
+SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "head_dim", "moe_intermediate_size", "num_experts",
+                "n_routed_experts", "num_local_experts", "tie_word_embeddings", "kv_lora_rank", "q_lora_rank")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role of the run: what it computes, whether it trains, where its weights come from."""
+
+    name: str  # "actor", "critic", "ref", "teacher"
+    head: str  # "logprob" or "value"
+    trainable: bool
+    source: Optional[str]  # a dir (HF or torch_dist); None: the actor's initial weights (ref: the initial policy)
+    flag: str  # the flag that names the source, for messages
+
+
+def role_specs(cfg) -> dict[str, RoleSpec]:
+    """The run's roles, by name, from the flags (every one the step will consult)."""
+    ck, alg = cfg.checkpoint, cfg.algorithm
+    roles = {"actor": RoleSpec("actor", "logprob", True, cfg.model.hf_checkpoint, "--hf-checkpoint")}
+    if alg.advantage_estimator == "ppo":
+        roles["critic"] = RoleSpec("critic", "value", True, ck.critic_hf_checkpoint or ck.critic_load,
+                                   "--critic-hf-checkpoint" if ck.critic_hf_checkpoint else "--critic-load")
+    if ck.ref_load or alg.use_kl_loss or alg.kl_coef > 0:
+        roles["ref"] = RoleSpec("ref", "logprob", False, ck.ref_load, "--ref-load")
+    if ck.opd_teacher_load:
+        roles["teacher"] = RoleSpec("teacher", "logprob", False, ck.opd_teacher_load, "--opd-teacher-load")
+    return roles
+
+
+def config_dir(path: str) -> Optional[str]:
+    """The dir holding the ``config.json`` of the model at ``path``: an HF dir itself, a torch_dist model dir's
+    ``hf_config/``; None when neither has one (a training checkpoint root: the actor's shapes by definition)."""
+    for d in (path, os.path.join(path, HF_CONFIG_SUBDIR)):
+        if os.path.isfile(os.path.join(d, "config.json")):
+            return d
+    return None
+
+
+def _shape_facts(d: str) -> dict:
+    with open(os.path.join(d, "config.json")) as f:
+        raw = json.load(f)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    merged = {**raw, **text}
+    return {k: merged.get(k) for k in SHAPE_FIELDS}
+
+
+def shape_differences(policy_dir: str, other_dir: str) -> list[str]:
+    """``"field: policy X vs other Y"`` for each shape field in which the two configs differ (empty: a tag fits)."""
+    a, b = _shape_facts(policy_dir), _shape_facts(other_dir)
+    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in SHAPE_FIELDS if a[k] != b[k]]
+
+
+def needs_own_model(policy_dir: Optional[str], path: str, flag: str) -> bool:
+    """True when the frozen weights at ``path`` are of other shapes than the policy's (``--hf-checkpoint``), so
+    they need a model of their own; False when a weight tag holds them. Refuses, by flag, a model of another
+    vocabulary (its log-probs would be over other tokens: distillation needs the student's tokenizer)."""
+    other = config_dir(path)
+    if other is None or policy_dir is None or not shape_differences(policy_dir, other):
+        return False
+    a, b = _shape_facts(policy_dir), _shape_facts(other)
+    if a["vocab_size"] != b["vocab_size"]:
+        raise ConfigError(f"{flag} {path}: its vocabulary has {b['vocab_size']} entries, the policy's "
+                          f"{a['vocab_size']} (--hf-checkpoint {policy_dir}); a teacher or reference scores the "
+                          "student's tokens, so it needs the student's tokenizer and vocabulary size")
+    return True
+
+
+@runtime_checkable
+class Critic(Protocol):
+    """PPO's value model as a backend holds it: values of packed micro-batches, and one optimizer step.
+
+    ``share`` is None when the critic runs over the actor's micro-batches (its layout is the actor's), else the
+    critic's own ``DataParallelShare`` (its own plan, packing and gather of the batch)."""
+
+    share: Optional[object]
+    optimizer_steps: int
+
+    def values(self, micro_batches: list[PackedBatch]) -> dict[int, torch.Tensor]:
+        """No-grad float32 response-aligned values of this rank's micro-batches, by sample index."""
+
+    def train_step(self, micro_batches: list[PackedBatch], denoms: LossDenominators, spec) -> dict[str, float]:
+        """One optimizer step of the value loss over this rank's micro-batches; ``critic/*`` metrics."""
+
+
+@runtime_checkable
+class FrozenRole(Protocol):
+    """A frozen model of its own (a teacher or reference of other shapes): log-probs of a batch, no training."""
+
+    def log_probs(self, samples: Sequence, plan, owned_only: bool) -> list[Optional[torch.Tensor]]:
+        """``TrainBackend.forward``'s contract under this role's model."""
