@@ -1,17 +1,17 @@
 """The training-backend contract and the machinery every backend shares.
 
-A ``TrainBackend`` holds the policy model spread over this process's ranks and, under
-``--advantage-estimator ppo``, its critic (a value model on the same ranks:
-``backends/megatron/critic.py``, ``backends/fsdp/critic.py``). The RL loop talks to it only
-through the abstract methods below plus the shared concretes (``forward_only``,
-``compute_values``, ``maybe_compute_ref_log_probs``, ``maybe_compute_teacher_log_probs``,
+A ``TrainBackend`` holds the run's models on this process's ranks, each a role (``roles.py``): the
+actor (the policy), under ``--advantage-estimator ppo`` the critic (the ``roles.Critic`` interface:
+``backends/megatron/critic.py``, ``backends/fsdp/critic.py``), and frozen roles (reference, OPD
+teacher). The RL loop talks to it only through the abstract methods below plus the shared concretes
+(``forward_only``, ``compute_values``, ``maybe_compute_ref_log_probs``, ``maybe_compute_teacher_log_probs``,
 ``snapshot_weights``, ``swap_seconds``); it never sees megatron-core or FSDP types. A backend is
 one module (two exist: ``megatron``, ``fsdp``): implement the abstract methods, set the layout
 attributes in ``initialize`` (``dp_size``, ``dp_rank``, ``pad_to_multiple``, ``holds_results``)
 and add a row to ``BACKENDS``. Planning the data-parallel split of a rollout batch, packing, loss
 denominators and the per-sample gather live in ``DataParallelShare`` (``plan_rollout``,
-``preprocess_rollout_data``, ``gather_per_sample``), which every backend is, and so is a critic
-with a layout of its own (``CriticShare``). docs/architecture.md.
+``preprocess_rollout_data``, ``gather_per_sample``), which every backend is, and so is a second role
+with a layout of its own (``backends/megatron/critic.py::RoleShare``). docs/architecture.md.
 
 Invariants:
 * Every rank of the training world calls every method, in the same order, with
@@ -31,10 +31,11 @@ Invariants:
   What it reads of the algorithm is what to build (a critic under
   ``--advantage-estimator ppo``) and, per step, whether the ``TrainBatch`` carries
   ``returns`` for a critic step beside the actor's.
-* Reference / teacher weights are *tags* held by a ``WeightManager``: a frozen
-  copy of this rank's parameter shards swapped in place, so no model is built
-  for them and the same code serves every parallel layout (the critic is the one
-  second model a backend builds).
+* Reference / teacher weights of the actor's shapes are *tags* held by a ``WeightManager``:
+  a frozen copy of this rank's parameter shards swapped in place, so no model is built
+  for them and the same code serves every parallel layout. Weights of other shapes (a
+  larger teacher: ``roles.needs_own_model``) are a frozen model of their own in
+  ``frozen_roles``, consulted first.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
+    from megatron_rl.backends.roles import FrozenRole
     from megatron_rl.models.peft_adapter import AdapterExport
     from megatron_rl.config import Config
 
@@ -421,8 +423,8 @@ class DataParallelShare:
 
 
 class TrainBackend(DataParallelShare, abc.ABC):
-    """The policy model (and, under ppo, its critic) on this process's ranks; see the module docstring for
-    invariants."""
+    """The run's roles (the actor; under ppo its critic; frozen roles) on this process's ranks; see the module
+    docstring for invariants."""
 
     weights: WeightManager
     # initialize() sets DataParallelShare's fields: the data-parallel layout the shared batch machinery plans for
@@ -507,6 +509,12 @@ class TrainBackend(DataParallelShare, abc.ABC):
         raise ConfigError(f"values need the critic that --advantage-estimator ppo builds; this {type(self).__name__} "
                           "was initialised without one (another --advantage-estimator)")
 
+    @property
+    def frozen_roles(self) -> dict[str, "FrozenRole"]:
+        """Frozen roles with a model of their own, by tag (``"teacher"``, ``"ref"``): weights of other shapes than
+        the actor's (``roles.needs_own_model``), which a weight tag cannot hold. Consulted before the tags."""
+        return self.__dict__.setdefault("_frozen_roles", {})
+
     # ---- shared concretes -------------------------------------------------
 
     def forward_only(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
@@ -531,6 +539,8 @@ class TrainBackend(DataParallelShare, abc.ABC):
                                     owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
             return None
+        if "ref" in self.frozen_roles:
+            return self.frozen_roles["ref"].log_probs(samples, plan, owned_only)
         if not self.weights.has("ref"):
             raise ConfigError("the algorithm needs reference log-probs (KL term) but no reference weights are "
                               "loaded; the initial policy is used unless --ref-load is given")
@@ -542,6 +552,8 @@ class TrainBackend(DataParallelShare, abc.ABC):
                                         owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
             return None
+        if "teacher" in self.frozen_roles:
+            return self.frozen_roles["teacher"].log_probs(samples, plan, owned_only)
         if not self.weights.has("teacher"):
             raise ConfigError("on-policy distillation needs teacher weights: give --opd-teacher-load PATH")
         with self.switch_weights("teacher"):

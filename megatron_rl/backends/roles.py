@@ -26,23 +26,14 @@ backends implement.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megatron_rl.config.role_models import config_dir, shape_differences, shape_facts, vocab_problem
 from megatron_rl.data.packing import LossDenominators, PackedBatch
 from megatron_rl.errors import ConfigError
-from megatron_rl.models.model_dir import HF_CONFIG_SUBDIR
-
-#: the config.json fields that decide whether two models' parameters have the same names and shapes (a weight
-#: tag is a copy of the actor's shards: it fits only a model whose every parameter has the actor's shape)
-SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "head_dim", "moe_intermediate_size", "num_experts",
-                "n_routed_experts", "num_local_experts", "tie_word_embeddings", "kv_lora_rank", "q_lora_rank")
-
 
 @dataclass(frozen=True)
 class RoleSpec:
@@ -69,41 +60,17 @@ def role_specs(cfg) -> dict[str, RoleSpec]:
     return roles
 
 
-def config_dir(path: str) -> Optional[str]:
-    """The dir holding the ``config.json`` of the model at ``path``: an HF dir itself, a torch_dist model dir's
-    ``hf_config/``; None when neither has one (a training checkpoint root: the actor's shapes by definition)."""
-    for d in (path, os.path.join(path, HF_CONFIG_SUBDIR)):
-        if os.path.isfile(os.path.join(d, "config.json")):
-            return d
-    return None
-
-
-def _shape_facts(d: str) -> dict:
-    with open(os.path.join(d, "config.json")) as f:
-        raw = json.load(f)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    merged = {**raw, **text}
-    return {k: merged.get(k) for k in SHAPE_FIELDS}
-
-
-def shape_differences(policy_dir: str, other_dir: str) -> list[str]:
-    """``"field: policy X vs other Y"`` for each shape field in which the two configs differ (empty: a tag fits)."""
-    a, b = _shape_facts(policy_dir), _shape_facts(other_dir)
-    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in SHAPE_FIELDS if a[k] != b[k]]
-
-
 def needs_own_model(policy_dir: Optional[str], path: str, flag: str) -> bool:
     """True when the frozen weights at ``path`` are of other shapes than the policy's (``--hf-checkpoint``), so
-    they need a model of their own; False when a weight tag holds them. Refuses, by flag, a model of another
-    vocabulary (its log-probs would be over other tokens: distillation needs the student's tokenizer)."""
+    they need a model of their own; False when a weight tag holds them. Refuses, by flag, a model whose vocabulary
+    lacks some of the policy's token ids (``config.role_models.vocab_problem``)."""
     other = config_dir(path)
     if other is None or policy_dir is None or not shape_differences(policy_dir, other):
         return False
-    a, b = _shape_facts(policy_dir), _shape_facts(other)
-    if a["vocab_size"] != b["vocab_size"]:
-        raise ConfigError(f"{flag} {path}: its vocabulary has {b['vocab_size']} entries, the policy's "
-                          f"{a['vocab_size']} (--hf-checkpoint {policy_dir}); a teacher or reference scores the "
-                          "student's tokens, so it needs the student's tokenizer and vocabulary size")
+    problem = vocab_problem(flag, path, shape_facts(other)["vocab_size"], shape_facts(policy_dir)["vocab_size"],
+                            policy_dir)
+    if problem:
+        raise ConfigError(problem)
     return True
 
 
@@ -130,3 +97,9 @@ class FrozenRole(Protocol):
 
     def log_probs(self, samples: Sequence, plan, owned_only: bool) -> list[Optional[torch.Tensor]]:
         """``TrainBackend.forward``'s contract under this role's model."""
+
+    def sleep(self) -> None:
+        """Release its device memory while a colocated engine generates (a no-op on CPU)."""
+
+    def wake(self) -> None:
+        """Undo ``sleep`` before the next pass."""

@@ -20,6 +20,7 @@ from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
 from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
+from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
@@ -647,6 +648,7 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
                           f"of its own is not built. Drop {placement_flag}; for its own parallel layout use "
                           "--critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size")
     _check_critic_layout(errors, cfg, ppo)
+    _check_role_models(errors, cfg, ppo)
     if c.critic_load is not None and c.critic_hf_checkpoint is not None:
         errors.append(f"--critic-load {c.critic_load} and --critic-hf-checkpoint {c.critic_hf_checkpoint} both give "
                       "the critic's initial weights: keep one")
@@ -689,6 +691,37 @@ def _check_critic(errors: list[str], cfg: Config) -> None:
                       "built-in policy loss only")
 
 
+def _critic_model_dir(cfg: Config):
+    """The config dir of a critic whose architecture is not the policy's (``config/role_models.py``), else None."""
+    ck = cfg.checkpoint
+    return own_model_dir(cfg.model.hf_checkpoint, ck.critic_hf_checkpoint or ck.critic_load)
+
+
+def _check_role_models(errors: list[str], cfg: Config, ppo: bool) -> None:
+    """A role with a model of its own (a critic of another size, a teacher or reference of other shapes) splits
+    over the layout it gets and reads the student's tokens (``config/role_models.py``)."""
+    if not cfg.has_training or not cfg.model.hf_checkpoint:
+        return
+    policy, ck, p = cfg.model.hf_checkpoint, cfg.checkpoint, cfg.parallel
+    megatron = cfg.precision.train_backend == "megatron"
+    actor_tp = p.tensor_model_parallel_size if megatron else 1
+    actor_pp = p.pipeline_model_parallel_size if megatron else 1
+    critic_dir = _critic_model_dir(cfg) if ppo else None
+    if critic_dir:
+        flag = "--critic-hf-checkpoint" if ck.critic_hf_checkpoint else "--critic-load"
+        errors.extend(fit_errors(flag, ck.critic_hf_checkpoint or ck.critic_load, critic_dir, policy,
+                                 tp=(p.critic_tensor_model_parallel_size or actor_tp) if megatron else 1,
+                                 pp=(p.critic_pipeline_model_parallel_size or actor_pp) if megatron else 1,
+                                 tp_flag="--critic-tensor-model-parallel-size",
+                                 pp_flag="--critic-pipeline-model-parallel-size"))
+    for flag, path in (("--opd-teacher-load", ck.opd_teacher_load), ("--ref-load", ck.ref_load)):
+        own = own_model_dir(policy, path)
+        if own:  # a frozen model of its own at the actor's TP and PP (backends/megatron/frozen_role.py)
+            errors.extend(fit_errors(flag, path, own, policy, tp=actor_tp, pp=actor_pp,
+                                     tp_flag="--tensor-model-parallel-size: it takes the actor's",
+                                     pp_flag="--pipeline-model-parallel-size: it takes the actor's"))
+
+
 def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
     """--critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size: the critic's own layout on the
     actor's ranks (megatron backend); its data-parallel size is what the ranks leave."""
@@ -712,13 +745,13 @@ def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
         return
     tp = p.critic_tensor_model_parallel_size or p.tensor_model_parallel_size
     pp = p.critic_pipeline_model_parallel_size or p.pipeline_model_parallel_size
-    world, cp = cfg.actor_world_size, p.context_parallel_size
+    world, cp = cfg.actor_world_size, 1  # the critic has no context parallelism (critic.critic_layout)
     if cfg.has_training and world % (tp * pp * cp):
-        errors.append(f"the critic's layout TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp} does not divide the "
+        errors.append(f"the critic's layout TP {tp} x PP {pp} = {tp * pp} does not divide the "
                       f"{world} training ranks it shares with the actor; choose "
                       "--critic-tensor-model-parallel-size / --critic-pipeline-model-parallel-size dividing them")
-    try:
-        shape = model_shape_for_config(cfg)
+    try:  # a critic of its own architecture is checked against its own config (_check_role_models)
+        shape = None if _critic_model_dir(cfg) else model_shape_for_config(cfg)
     except Exception:  # noqa: BLE001 - an unreadable config.json is reported by the planner's check
         shape = None
     if shape is not None:
@@ -728,7 +761,7 @@ def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
             if n and n % tp:
                 errors.append(f"--critic-tensor-model-parallel-size {tp}: the model's {what}={n} is not divisible "
                               f"by it; choose a divisor of {n}")
-    layers = hf_num_layers(cfg)
+    layers = None if _critic_model_dir(cfg) else hf_num_layers(cfg)
     if layers is not None and layers % pp:
         errors.append(f"--critic-pipeline-model-parallel-size {pp}: the model's {layers} layers do not split "
                       f"evenly into {pp} stages; choose a divisor of {layers}")

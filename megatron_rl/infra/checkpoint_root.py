@@ -58,6 +58,20 @@ from megatron_rl.infra.pause_points import pause_point
 log = logging.getLogger(__name__)
 
 MARKER_NAME = "COMPLETE.json"
+MODEL_DIR_FORMAT = "megatron_rl.torch_dist_model.v1"  # the marker format of a model-only torch_dist dir (hf-to-dist)
+
+
+def is_model_dir(path: Optional[str]) -> bool:
+    """``path`` is a model-only torch_dist dir (written by ``convert_ckpt.py hf-to-dist``) rather than a training
+    checkpoint root; ``--load`` then means the initial weights. A question of the checkpoint format alone (its
+    marker), asked by the driver's resume as well as by the model loaders (``models/model_dir.py``)."""
+    if not path:
+        return False
+    try:
+        with open(os.path.join(path, MARKER_NAME)) as f:
+            return json.load(f).get("format") == MODEL_DIR_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RESUME_STATE_NAME = "resume_state.json"
 SUPERSEDED_DIR = "superseded"  # newer iterations moved aside by a resume of an older one

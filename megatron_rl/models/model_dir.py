@@ -33,11 +33,11 @@ import shutil
 from typing import Optional
 
 from megatron_rl.errors import CheckpointError
-from megatron_rl.infra.checkpoint_root import (MARKER_NAME, iter_dir, list_iterations, read_complete_marker,
-                                             resume_candidates)
+from megatron_rl.infra.checkpoint_root import (MARKER_NAME, MODEL_DIR_FORMAT, is_model_dir, iter_dir,
+                                             list_iterations, read_complete_marker, resume_candidates)
 from megatron_rl.infra.dist import rank0_do
 
-FORMAT = "megatron_rl.torch_dist_model.v1"  # a model-only torch_dist dir (hf-to-dist)
+FORMAT = MODEL_DIR_FORMAT  # a model-only torch_dist dir (hf-to-dist)
 TRAINING_FORMAT = "megatron_rl.torch_dist.v1"  # a training checkpoint's iter_NNNNNNN dir
 HF_FORMAT = "megatron_rl.hf_safetensors.v1"  # the marker of a dist-to-hf output
 HF_CONFIG_SUBDIR = "hf_config"
@@ -97,18 +97,6 @@ def copy_aux_files(src_dir: str, dst_dir: str, config_update: Optional[dict] = N
         else:
             shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
     return names
-
-
-def is_model_dir(path: Optional[str]) -> bool:
-    """``path`` is a model-only torch_dist dir (written by ``convert_ckpt.py hf-to-dist``)
-    rather than a training checkpoint root; ``--load`` then means the initial weights."""
-    if not path:
-        return False
-    try:
-        with open(os.path.join(path, MARKER_NAME)) as f:
-            return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def read_marker(path: str) -> dict:

@@ -10,8 +10,8 @@ from megatron_rl.backends.base import TrainBackend
 from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError, ConfigError
 from megatron_rl.infra import checkpoint_root as ckpt
+from megatron_rl.infra.checkpoint_root import is_model_dir
 from megatron_rl.infra.dist import rank0_do
-from megatron_rl.models.model_dir import is_model_dir
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.rollout_ckpt import rollout_ckpt_path
 from megatron_rl.runner.buffer_file import buffer_path

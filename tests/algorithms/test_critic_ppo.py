@@ -140,7 +140,7 @@ def _parse(tmp_path, *flags):
     (["--critic-num-nodes", "2"], "--critic-num-nodes 2: the critic runs on the actor's ranks"),
     (["--critic-num-gpus-per-node", "2"], "--critic-num-gpus-per-node 2: the critic runs on the actor's ranks"),
     (["--critic-tensor-model-parallel-size", "0"], "--critic-tensor-model-parallel-size 0 must be >= 1"),
-    (["--critic-tensor-model-parallel-size", "2"], "the critic's layout TP 2 x PP 1 x CP 1 = 2 does not divide "
+    (["--critic-tensor-model-parallel-size", "2"], "the critic's layout TP 2 x PP 1 = 2 does not divide "
                                                    "the 1 training ranks"),
     (["--critic-tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
      "--critic-tensor-model-parallel-size 4: the model's num_key_value_heads=2 is not divisible"),

@@ -8,7 +8,7 @@ functions the backend calls (``transformer_config_overrides`` -> ``Bridge.transf
 
 import pytest
 
-from megatron_rl.backends.megatron.backend import (check_backend_config, ddp_config_kwargs, layout_from_config,
+from megatron_rl.backends.megatron.settings import (check_backend_config, ddp_config_kwargs, layout_from_config,
                                                    transformer_config_overrides)
 from megatron_rl.config import collect_errors, parse_config
 from megatron_rl.errors import ConfigError

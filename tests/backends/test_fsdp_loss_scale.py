@@ -116,7 +116,7 @@ def test_loss_scale_flags_refused_where_they_cannot_act(parse, argv, match):
 
 
 def test_megatron_optimizer_gets_the_loss_scale_flags(parse):
-    from megatron_rl.backends.megatron.backend import optimizer_config_kwargs
+    from megatron_rl.backends.megatron.settings import optimizer_config_kwargs
 
     cfg = parse(*["--fp16", "--initial-loss-scale", "4096", "--min-loss-scale", "2",
                         "--loss-scale-window", "50", "--hysteresis", "3"])

@@ -211,7 +211,7 @@ def test_precision_aware_offload_config_builds_without_transformer_engine():
 def test_backend_accepts_the_offloaded_optimizer_on_cpu(tmp_path):
     """CPU: --optimizer-cpu-offload runs (fraction 1.0); the precision-aware optimizer alone
     (TE FusedAdam) and fractions below 1 are refused before any process group exists."""
-    from megatron_rl.backends.megatron.backend import check_backend_config
+    from megatron_rl.backends.megatron.settings import check_backend_config
     from megatron_rl.config import parse_config
     from megatron_rl.errors import ConfigError
     from megatron_rl.models.hf_tiny import build_tiny_hf_model

@@ -322,7 +322,7 @@ def test_registry_flag_proofs_hold(field, tmp_path, monkeypatch):
             parse_config(argv)
         assert parse_config([*argv, "--dry-run"]).mode.dry_run
     else:
-        from megatron_rl.backends.megatron.backend import (ddp_config_kwargs, optimizer_config_kwargs,
+        from megatron_rl.backends.megatron.settings import (ddp_config_kwargs, optimizer_config_kwargs,
                                                            transformer_config_overrides)
         import torch
 

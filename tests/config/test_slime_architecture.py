@@ -220,7 +220,7 @@ def test_bridge_builds_megatron_config_with_the_mapped_flags(tmp_path):
     megatron-core accepts (uneven PP included: the even-split check is megatron-core's then)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_rl.backends.megatron.backend import layout_from_config, transformer_config_overrides
+    from megatron_rl.backends.megatron.settings import layout_from_config, transformer_config_overrides
     from megatron_rl.models import get_bridge
 
     path = hf_dir(tmp_path, "qwen3_moe", router_aux_loss_coef=0.001)

@@ -1,9 +1,14 @@
-"""--ref-load (HF dir) and --opd-teacher-load (torch_dist) become weight tags of the live TP2 model.
+"""--ref-load (HF dir) and --opd-teacher-load (torch_dist) become weight tags of the live TP2 model; weights of
+other shapes become roles with a model of their own.
 
 Three different random models: the actor, a reference given as an HF directory,
 and a teacher converted to torch_dist with tools/convert_ckpt.py. Log-probs under
 each tag must equal HF transformers on that model, and the actor's must come back
 unchanged after the swaps.
+
+Models by role (backends/roles.py): a teacher with twice the actor's hidden size and one more layer, and a critic
+of half its hidden size and depth, each built as a model of its own, at one process, at the actor's TP2, and
+beside an actor at CP2 (the teacher then at DP2, the critic at its own TP2: two second layouts interleaved).
 """
 
 import json
@@ -17,6 +22,8 @@ from _util import REPO, hf_response_logprobs, loss_token_error
 from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
 pytestmark = pytest.mark.dist
+
+ROLE_LAYOUTS = ("one", "tp2", "cp2_own")  # scripts/frozen_worker.py --roles
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
@@ -34,11 +41,21 @@ def shared_launch(ctx):
     tmp = ctx.tmp_path_factory.mktemp("frozen")
     p = {name: build_tiny_hf_model("qwen2", tmp / name, seed=seed)
          for name, seed in (("actor", 0), ("ref", 1), ("teacher_hf", 2), ("start_hf", 5))}
+    p["teacher_big"] = build_tiny_hf_model("qwen2", tmp / "teacher_big", seed=7, hidden_size=128,
+                                           intermediate_size=256, num_hidden_layers=5)
+    p["critic_small"] = build_tiny_hf_model("qwen2", tmp / "critic_small", seed=8, hidden_size=32,
+                                            intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                            num_key_value_heads=2)
+    p["roles"] = {layout: tmp / f"roles_{layout}.json" for layout in ROLE_LAYOUTS}
+    roles = (lambda layout: ("frozen", ["--roles", p["actor"], p["teacher_big"], p["critic_small"], layout,
+                                        p["roles"][layout]]))
     p.update(teacher_dist=str(tmp / "teacher_dist"), start_dist=str(tmp / "start_dist"), tags=tmp / "out.json",
              init=tmp / "init.json", init_ref=tmp / "init_ref.json")
     _convert(p["teacher_hf"], p["teacher_dist"])
     _convert(p["start_hf"], p["start_dist"], "--dtype", "bfloat16")
-    yield {2: [("frozen", [p["actor"], p["ref"], p["teacher_dist"], p["tags"]]),
+    yield {1: [roles("one")],
+           2: [roles("tp2"), roles("cp2_own"),
+               ("frozen", [p["actor"], p["ref"], p["teacher_dist"], p["tags"]]),
                ("frozen", ["--init", p["actor"], p["start_dist"], p["init"]]),
                # the same run started from start_hf itself (bf16 params are the same values as the bf16 dir)
                ("frozen", ["--init", p["start_hf"], "-", p["init_ref"]])]}
@@ -83,3 +100,48 @@ def test_load_of_a_converted_model_dir_gives_the_initial_weights(paths):
     assert got["before"] == ref["before"] and got["after"] == ref["after"]
     untimed = (lambda m: {k: v for k, v in m.items() if not k.endswith("_time_s")})
     assert untimed(got["metrics"]) == untimed(ref["metrics"]) and got["metrics"]["train/grad_norm"] > 0
+
+
+def _hf_values(hf_dir: str, samples, *, seed: int, std: float) -> list:
+    """A critic's values by hand: the HF trunk's final-normed hidden state before each response token, through a
+    ``[hidden -> 1]`` head drawn as the backends draw it (``normal(0, std)`` from ``torch.Generator(seed)``)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    hidden = model.config.hidden_size
+    weight = torch.empty(1, hidden).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+    out = []
+    for s in samples:
+        p = len(s.prompt_ids)
+        with torch.no_grad():
+            h = model.model(torch.tensor([s.prompt_ids + s.response_ids])).last_hidden_state[0]
+        out.append((h[p - 1:-1] @ weight.T)[:, 0].double())
+    return out
+
+
+@pytest.mark.parametrize("layout", ROLE_LAYOUTS)
+def test_a_larger_teacher_and_a_smaller_critic_are_models_of_their_own(paths, layout):
+    """The teacher (2x hidden, +1 layer) scores as HF's teacher does and the critic (half the size) values as its HF
+    trunk with the seeded head; the OPD reverse KL of the first step equals the one computed from HF's log-probs of
+    both models; a step moves the critic, never the teacher; neither is a weight tag."""
+    import torch
+
+    sys.path.insert(0, SCRIPTS)
+    from backend_worker import make_samples
+
+    got = json.loads(paths["roles"][layout].read_text())
+    samples = make_samples(250)
+    assert got["own_models"] == ["teacher"] and "teacher" not in got["tags"]
+    assert got["critic_hidden"] == 32
+    teacher, actor = hf_response_logprobs(paths["teacher_big"], samples), hf_response_logprobs(paths["actor"], samples)
+    assert loss_token_error(teacher, got["teacher"], samples) < 1e-5
+    assert got["teacher_again"] == got["teacher"]
+    assert loss_token_error(actor, got["actor"], samples) < 1e-5
+    values = _hf_values(paths["critic_small"], samples, seed=1234, std=got["init_method_std"])
+    assert loss_token_error(values, got["values"], samples) < 1e-5
+    assert loss_token_error(values, got["values_again"], samples) > 1e-4  # the critic stepped
+    mask = torch.cat([torch.tensor(s.loss_mask or [1] * len(s.response_ids), dtype=torch.bool) for s in samples])
+    reverse_kl = torch.cat([a - t for a, t in zip(actor, teacher)])[mask]
+    assert abs(got["metrics"]["train/opd_reverse_kl"] - float(reverse_kl.mean())) < 1e-5
+    assert got["metrics"]["critic/grad_norm"] > 0

@@ -1,7 +1,9 @@
 """Worker for tests/dist/test_frozen_weights.py: --ref-load / --opd-teacher-load tags under TP2.
 
 Job ``frozen`` of tests/dist/harness.py: argv = ACTOR_HF REF_HF TEACHER_DIST OUT.json, or
---init HF MODEL_DIST|- OUT.json (--load of a model-only dir: initial weights; "-": no --load, start from HF).
+--init HF MODEL_DIST|- OUT.json (--load of a model-only dir: initial weights; "-": no --load, start from HF), or
+--roles ACTOR_HF TEACHER_HF CRITIC_HF LAYOUT OUT.json (models by role: a larger teacher and a smaller critic, each
+a model of its own beside the actor, at the actor's layout or their own; LAYOUT: one, tp2, cp2_own).
 """
 
 import json
@@ -21,6 +23,8 @@ def main(argv):
     world = os.environ["WORLD_SIZE"]
     if argv[0] == "--init":
         return init_from_model_dir(*argv[1:4])
+    if argv[0] == "--roles":
+        return roles(*argv[1:6])
     actor, ref, teacher, out = argv[:4]
     cfg = parse_config(["--hf-checkpoint", actor, "--actor-num-gpus-per-node", world,
                         "--tensor-model-parallel-size", world, "--rollout-batch-size", "2",
@@ -70,3 +74,49 @@ def init_from_model_dir(actor, model_dist, out):
             json.dump({"before": [t.tolist() for t in before], "after": [t.tolist() for t in after],
                        "metrics": metrics}, fh)
 
+
+
+# --roles LAYOUT: the actor's flags; the teacher takes the actor's TP/PP without CP (cp2_own: its own layout, DP2)
+# and the critic its own TP2 beside an actor at CP2 (two roles at two layouts other than the actor's, interleaved)
+ROLE_LAYOUTS = {"one": [], "tp2": ["--tensor-model-parallel-size", "2"],
+                "cp2_own": ["--context-parallel-size", "2", "--critic-tensor-model-parallel-size", "2"]}
+
+
+def roles(actor, teacher, critic, layout, out):
+    """A teacher larger than the actor and a critic smaller than it, each its own model: the teacher's log-probs,
+    the critic's values, one ppo step with the OPD term (its reverse KL at step 0), then both again (the step moved
+    the critic, never the teacher)."""
+    import torch
+    import torch.distributed as dist
+
+    from backend_worker import make_samples
+    from megatron_rl.algorithms import spec_from_config
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.megatron.backend import MegatronBackend
+    from megatron_rl.config import parse_config
+
+    world = os.environ["WORLD_SIZE"]
+    cfg = parse_config(["--hf-checkpoint", actor, "--actor-num-gpus-per-node", world, *ROLE_LAYOUTS[layout],
+                        "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--micro-batch-size", "1",
+                        "--global-batch-size", "6", "--advantage-estimator", "ppo", "--critic-hf-checkpoint", critic,
+                        "--opd-teacher-load", teacher, "--opd-kl-coef", "0.5", "--lr", "1e-3", "--critic-lr", "1e-2"])
+    backend = MegatronBackend()
+    backend.initialize(cfg, spec_from_config(cfg))
+    backend.load_frozen_weights("teacher", teacher)
+    samples = make_samples(backend.vocab_size)
+    teacher_lp = backend.maybe_compute_teacher_log_probs(samples, True)
+    old = backend.forward_only(samples)
+    values = backend.compute_values(samples)
+    returns = [torch.ones_like(v) for v in values]
+    advantages = [torch.zeros_like(v) for v in values]
+    metrics = backend.train_step(TrainBatch(samples, advantages, old, None, teacher_lp, old_values=values,
+                                            returns=returns))
+    record = {"teacher": teacher_lp, "actor": old, "values": values,
+              "teacher_again": backend.maybe_compute_teacher_log_probs(samples, True),
+              "values_again": backend.compute_values(samples)}
+    if dist.get_rank() == 0:
+        with open(out, "w") as fh:
+            json.dump({**{k: [t.tolist() for t in v] for k, v in record.items()}, "metrics": metrics,
+                       "own_models": sorted(backend.frozen_roles), "tags": backend.weights.tags,
+                       "critic_hidden": int(backend.critic.config.hidden_size),
+                       "init_method_std": float(backend.critic.config.init_method_std)}, fh)
