@@ -63,7 +63,7 @@ from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
-    from megatron_rl.backends.roles import FrozenRole
+    from megatron_rl.backends.roles import Critic, FrozenRole
     from megatron_rl.models.peft_adapter import AdapterExport
     from megatron_rl.config import Config
 
@@ -427,6 +427,8 @@ class TrainBackend(DataParallelShare, abc.ABC):
     docstring for invariants."""
 
     weights: WeightManager
+    spec: "Spec"
+    critic: Optional["Critic"] = None  # ppo's value model (roles.Critic), built by initialize under ppo
     # initialize() sets DataParallelShare's fields: the data-parallel layout the shared batch machinery plans for
 
     @abc.abstractmethod
@@ -502,13 +504,6 @@ class TrainBackend(DataParallelShare, abc.ABC):
         """The pipeline stages of the export and their senders (one stage: the driver, rank 0)."""
         return ExportScope(stages=1, stage=0, sources=(0,))
 
-    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
-                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
-        """The critic's no-grad response-aligned values of every sample (``forward``'s contract, the value
-        model instead of the policy); a backend without a critic refuses."""
-        raise ConfigError(f"values need the critic that --advantage-estimator ppo builds; this {type(self).__name__} "
-                          "was initialised without one (another --advantage-estimator)")
-
     @property
     def frozen_roles(self) -> dict[str, "FrozenRole"]:
         """Frozen roles with a model of their own, by tag (``"teacher"``, ``"ref"``): weights of other shapes than
@@ -534,30 +529,75 @@ class TrainBackend(DataParallelShare, abc.ABC):
         """Seconds spent copying weight tags in and out so far (``perf/weight_swap_s`` per step)."""
         return self.weights.swap_seconds
 
+    def frozen_log_probs(self, tag: str, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
+                         owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """Log-probs under the frozen role ``tag``: its own model when it has one (``frozen_roles``), else its
+        weight tag swapped into the actor's parameters for the pass."""
+        if tag in self.frozen_roles:
+            return self.frozen_roles[tag].log_probs(samples, plan, owned_only)
+        if not self.weights.has(tag):
+            raise ConfigError(_MISSING_FROZEN.get(tag, f"no frozen weights are loaded under {tag!r}"))
+        with self.switch_weights(tag):
+            return self.forward_only(samples, plan, owned_only)
+
     def maybe_compute_ref_log_probs(self, samples: Sequence[AnySample], needed: bool,
                                     plan: Optional[MicroBatchPlan] = None,
                                     owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
-        if not needed:
-            return None
-        if "ref" in self.frozen_roles:
-            return self.frozen_roles["ref"].log_probs(samples, plan, owned_only)
-        if not self.weights.has("ref"):
-            raise ConfigError("the algorithm needs reference log-probs (KL term) but no reference weights are "
-                              "loaded; the initial policy is used unless --ref-load is given")
-        with self.switch_weights("ref"):
-            return self.forward_only(samples, plan, owned_only)
+        return self.frozen_log_probs("ref", samples, plan, owned_only) if needed else None
 
     def maybe_compute_teacher_log_probs(self, samples: Sequence[AnySample], needed: bool,
                                         plan: Optional[MicroBatchPlan] = None,
                                         owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
-        if not needed:
-            return None
-        if "teacher" in self.frozen_roles:
-            return self.frozen_roles["teacher"].log_probs(samples, plan, owned_only)
-        if not self.weights.has("teacher"):
-            raise ConfigError("on-policy distillation needs teacher weights: give --opd-teacher-load PATH")
-        with self.switch_weights("teacher"):
-            return self.forward_only(samples, plan, owned_only)
+        return self.frozen_log_probs("teacher", samples, plan, owned_only) if needed else None
+
+    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
+                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        """The critic's no-grad response-aligned values of every sample (``forward``'s contract, the value model
+        instead of the policy): over the actor's packed micro-batches of the pass, or, for a critic of a layout of
+        its own, over its own plan of the batch, whole on every rank."""
+        critic = self.critic
+        if critic is None:
+            raise ConfigError(f"values need the critic that --advantage-estimator ppo builds; this "
+                              f"{type(self).__name__} was initialised without one (another --advantage-estimator)")
+        share = critic.share
+        if share is None:
+            plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
+            return self.gather_per_sample(critic.values(mbs), samples, plan, owned_only)
+        if owned_only:
+            raise BackendError("compute_values(owned_only=True): a critic of its own layout has other data-parallel "
+                               "shares than the actor's; PPO holds the whole batch on every rank")
+        own, mbs, _ = share.preprocess_rollout_data(samples)
+        return share.gather_per_sample(critic.values(mbs), samples, own)
+
+    def critic_step(self, batch: TrainBatch, micro_batches: list[PackedBatch],
+                    denoms: Optional[LossDenominators]) -> dict[str, float]:
+        """ppo: the critic's optimizer step beside the actor's, when ``batch`` carries returns (``critic/*``)."""
+        if batch.returns is None:
+            return {}
+        if self.critic is None:
+            raise BackendError("train_step got critic returns but this backend built no critic "
+                               "(--advantage-estimator ppo builds one)")
+        assert denoms is not None, "a training batch has loss denominators"
+        return self.critic.train_on(batch, micro_batches, denoms, self.spec)
+
+
+_MISSING_FROZEN = {
+    "ref": "the algorithm needs reference log-probs (KL term) but no reference weights are loaded; the initial "
+           "policy is used unless --ref-load is given",
+    "teacher": "on-policy distillation needs teacher weights: give --opd-teacher-load PATH",
+}
+
+
+def critic_step_metrics(metrics: dict[str, float], *, grad_norm, lr: float, update_ok: bool,
+                        started: float) -> dict[str, float]:
+    """A critic step's ``critic/*`` metrics, the same keys from every backend (docs/metrics.md): ``metrics`` are
+    its reduced loss metrics, unprefixed."""
+    out = {f"critic/{k}": v for k, v in metrics.items()}
+    out["critic/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+    out["critic/lr"] = float(lr)
+    out["critic/update_skipped"] = float(not update_ok)
+    out["critic/step_time_s"] = time.perf_counter() - started
+    return out
 
 
 def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:

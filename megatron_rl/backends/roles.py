@@ -27,13 +27,16 @@ backends implement.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from megatron_rl.config.role_models import config_dir, shape_differences, shape_facts, vocab_problem
 from megatron_rl.data.packing import LossDenominators, PackedBatch
 from megatron_rl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_rl.backends.base import DataParallelShare, TrainBatch
 
 @dataclass(frozen=True)
 class RoleSpec:
@@ -76,19 +79,22 @@ def needs_own_model(policy_dir: Optional[str], path: str, flag: str) -> bool:
 
 @runtime_checkable
 class Critic(Protocol):
-    """PPO's value model as a backend holds it: values of packed micro-batches, and one optimizer step.
+    """PPO's value model as a backend holds it (verl's two-method shape): values of packed micro-batches, and one
+    optimizer step over a training batch. ``TrainBackend.compute_values`` and ``critic_step`` drive it.
 
     ``share`` is None when the critic runs over the actor's micro-batches (its layout is the actor's), else the
     critic's own ``DataParallelShare`` (its own plan, packing and gather of the batch)."""
 
-    share: Optional[object]
-    optimizer_steps: int
+    @property
+    def share(self) -> Optional["DataParallelShare"]: ...
 
     def values(self, micro_batches: list[PackedBatch]) -> dict[int, torch.Tensor]:
         """No-grad float32 response-aligned values of this rank's micro-batches, by sample index."""
 
-    def train_step(self, micro_batches: list[PackedBatch], denoms: LossDenominators, spec) -> dict[str, float]:
-        """One optimizer step of the value loss over this rank's micro-batches; ``critic/*`` metrics."""
+    def train_on(self, batch: "TrainBatch", micro_batches: list[PackedBatch], denoms: LossDenominators,
+                 spec) -> dict[str, float]:
+        """One optimizer step of the value loss over ``batch`` (this rank's packed ``micro_batches`` of the actor's
+        plan and their denominators, or its own share's); ``critic/*`` metrics."""
 
 
 @runtime_checkable

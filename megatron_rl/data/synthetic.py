@@ -146,14 +146,15 @@ def batch_scores(responses: Iterable[str], labels: Iterable[str]) -> list[float]
 
 
 def prepare(out_dir: str, *, num_prompts: int = 4096, num_eval: int = 64, num_digits: int = 4, seed: int = 0,
-            family: str = "qwen2") -> dict:
+            family: str = "qwen2", hidden: int = 64, num_layers: int = 2) -> dict:
     """Model + train/eval prompt files for the demo under ``out_dir`` (kept if already there: a run dir
-    resumes with its own model, so one built for another ``family`` is refused, not replaced)."""
+    resumes with its own model, so one built for another ``family`` is refused, not replaced). ``hidden`` and
+    ``num_layers`` size a new model: a larger one is the demo's on-policy-distillation teacher (docs/algorithms.md)."""
     paths = {"model": os.path.join(out_dir, "model"), "prompts": os.path.join(out_dir, "prompts.jsonl"),
              "eval": os.path.join(out_dir, "eval.jsonl")}
     config_path = os.path.join(paths["model"], "config.json")
     if not os.path.isfile(config_path):
-        build_demo_model(paths["model"], seed=seed, family=family)
+        build_demo_model(paths["model"], seed=seed, family=family, hidden=hidden, num_layers=num_layers)
     else:
         with open(config_path) as f:
             have = json.load(f).get("model_type")
@@ -175,6 +176,9 @@ if __name__ == "__main__":
     ap.add_argument("--num-digits", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", default="qwen2", choices=DEMO_FAMILIES, help="the demo model's architecture")
+    ap.add_argument("--hidden-size", type=int, default=64, help="a new model's hidden size (an OPD teacher: larger)")
+    ap.add_argument("--num-layers", type=int, default=2, help="a new model's decoder layers")
     args = ap.parse_args()
-    for k, v in prepare(args.out, num_digits=args.num_digits, seed=args.seed, family=args.family).items():
+    for k, v in prepare(args.out, num_digits=args.num_digits, seed=args.seed, family=args.family,
+                        hidden=args.hidden_size, num_layers=args.num_layers).items():
         print(f"{k}: {v}")

@@ -1,4 +1,5 @@
-"""The training half of one RL step: old/ref/teacher log-probs, advantages, the optimizer steps."""
+"""The training half of one RL step, role by role (``backends/roles.py``): the actor's old log-probs, the reference's
+and the teacher's, the critic's values, advantages, then the actor's and the critic's optimizer steps."""
 
 from __future__ import annotations
 
@@ -61,11 +62,13 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
     plan = distributed_plan or backend.plan_rollout(batch, gbs)
     owned_only = not whole
     old: Optional[list[Optional[torch.Tensor]]]
+    # the actor (the policy before this step's updates), or the engine's own log-probs (--use-rollout-logprobs)
     if needs.old_logprobs:
         old = backend.forward_only(batch, plan=plan.forward, owned_only=owned_only)
     else:
         old = rollout_old_logprobs(batch) if needs.old_from_rollout else None
     perf["perf/old_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
+    # frozen roles: the reference (KL) and the on-policy-distillation teacher, tags or models of their own
     ref = backend.maybe_compute_ref_log_probs(batch, needs.ref_logprobs, plan=plan.forward, owned_only=owned_only)
     perf["perf/ref_logprob_s"], t = time.perf_counter() - t, time.perf_counter()
     teacher = backend.maybe_compute_teacher_log_probs(batch, needs.teacher_logprobs, plan=plan.forward,
@@ -74,7 +77,7 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
         perf["perf/teacher_logprob_s"] = time.perf_counter() - t
     t = time.perf_counter()
     values = returns = None
-    if needs.values:  # ppo: the critic's forward over the same micro-batches, before the advantages (GAE)
+    if needs.values:  # the critic (ppo): its values over the same micro-batches, before the advantages (GAE)
         values = backend.compute_values(batch, plan=plan.forward, owned_only=owned_only)
         perf["perf/values_s"], t = time.perf_counter() - t, time.perf_counter()
         advantages, returns = spec.compute_advantages_and_returns(batch, old_logprobs=old, ref_logprobs=ref,
@@ -82,7 +85,7 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
         perf.update(value_metrics(batch, values, returns))
     else:
         advantages = spec.compute_advantages(batch, old_logprobs=old, ref_logprobs=ref)
-    steps: list[dict[str, float]] = []
+    steps: list[dict[str, float]] = []  # the actor's optimizer steps, each with the critic's when it has returns
     for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
         for start, step_plan in plan.steps:
             sl = slice(start, start + gbs)

@@ -126,6 +126,7 @@ def attention_implementation(hf_dir: str) -> str:
 
 
 class FSDPBackend(TrainBackend):
+    critic: Optional[FSDPCritic] = None
     def initialize(self, cfg: Config, spec: Spec) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -176,7 +177,7 @@ class FSDPBackend(TrainBackend):
         self.loss_scaler: Optional[LossScaler] = LossScaler.from_precision(cfg.precision) \
             if cfg.precision.fp16 else None
         self._offloaded = False
-        self.critic: Optional[FSDPCritic] = None  # ppo's value model (critic.py), sharded as the actor
+        self.critic = None  # ppo's value model (critic.py), sharded as the actor
         if cfg.algorithm.advantage_estimator == "ppo":
             self.critic = FSDPCritic(self, cfg)
 
@@ -264,24 +265,12 @@ class FSDPBackend(TrainBackend):
                 local.update(zip(mb.sample_indices.tolist(), mb.split_response(lp)))
         return self.gather_per_sample(local, samples, plan, owned_only)
 
-    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
-                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
-        """The critic's values over the same packed micro-batches as the old-log-prob pass (``critic.py``)."""
-        if self.critic is None:
-            return super().compute_values(samples, plan, owned_only)
-        plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
-        return self.gather_per_sample(self.critic.values(mbs), samples, plan, owned_only)
-
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(batch.samples, batch)
         assert denoms is not None, "preprocess_rollout_data computes the loss denominators when given a batch"
         metrics = self._train_actor(plan, mbs, denoms, t0) if batch.train_actor else {}
-        if batch.returns is not None:  # ppo: one critic step beside the actor's
-            if self.critic is None:
-                raise BackendError("train_step got critic returns but this backend built no critic "
-                                   "(--advantage-estimator ppo builds one)")
-            metrics.update(self.critic.train_step(mbs, denoms, self.spec))
+        metrics.update(self.critic_step(batch, mbs, denoms))  # ppo: one critic step beside the actor's
         return metrics
 
     def _train_actor(self, plan: MicroBatchPlan, mbs: list[PackedBatch], denoms: LossDenominators,

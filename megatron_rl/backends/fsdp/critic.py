@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import reduce_metrics
+from megatron_rl.backends.base import critic_step_metrics
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, param_groups, train_on_micro_batches
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
@@ -44,6 +45,7 @@ from megatron_rl.models import model_dir
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
+    from megatron_rl.backends.base import TrainBatch
     from megatron_rl.backends.fsdp.backend import FSDPBackend
     from megatron_rl.config import Config
 
@@ -86,7 +88,10 @@ class ValueModel(torch.nn.Module):
 
 
 class FSDPCritic:
-    """The value model beside an ``FSDPBackend``'s actor (module docstring)."""
+    """The value model beside an ``FSDPBackend``'s actor (module docstring); ``roles.Critic``. Always of the actor's
+    layout (a 1-D data-parallel mesh): it runs over the actor's micro-batches (``share`` None)."""
+
+    share = None
 
     def __init__(self, backend: "FSDPBackend", cfg: "Config") -> None:
         self.backend = backend
@@ -134,6 +139,11 @@ class FSDPCritic:
                 local.update(zip(mb.sample_indices.tolist(), mb.split_response(v)))
         return local
 
+    def train_on(self, batch: "TrainBatch", micro_batches: list[PackedBatch], denoms: LossDenominators,
+                 spec: "Spec") -> dict[str, float]:
+        """One critic step over the actor's micro-batches of ``batch`` (``roles.Critic``)."""
+        return self.train_step(micro_batches, denoms, spec)
+
     def train_step(self, micro_batches: list[PackedBatch], denoms: LossDenominators, spec: "Spec") -> dict[str, float]:
         """One critic optimizer step over this rank's micro-batches; ``critic/*`` metrics (docs/metrics.md), the
         megatron critic's keys."""
@@ -149,9 +159,5 @@ class FSDPCritic:
                                              self.cfg.optimizer.grad_clip, "critic", micro_batches, loss_of)
         if step.update_ok:
             self.optimizer_steps += 1
-        out = {f"critic/{k}": v for k, v in reduce_metrics(parts, group=dist.group.WORLD).items()}
-        out["critic/grad_norm"] = float(step.grad_norm)
-        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        out["critic/update_skipped"] = float(not step.update_ok)
-        out["critic/step_time_s"] = time.perf_counter() - t0
-        return out
+        return critic_step_metrics(reduce_metrics(parts, group=dist.group.WORLD), grad_norm=step.grad_norm,
+                                   lr=self.optimizer.param_groups[0]["lr"], update_ok=step.update_ok, started=t0)

@@ -42,14 +42,14 @@ from megatron_rl.backends.megatron.routing_replay import RoutingReplay, moe_patt
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.megatron.critic import MegatronCritic
 from megatron_rl.backends.megatron.frozen_role import MegatronFrozenRole
-from megatron_rl.backends.megatron.role_model import Optimization, RoleModel, lora_spec
+from megatron_rl.backends.megatron.role_model import Optimization, RoleAttributes, RoleModel, lora_spec
 from megatron_rl.backends.megatron.settings import check_backend_config, layout_from_config
 from megatron_rl.backends.roles import needs_own_model
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import AnySample
-from megatron_rl.errors import BackendError, CheckpointError
+from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import reloadable_groups
 from megatron_rl.models import dist_io, get_bridge, model_dir
 from megatron_rl.models.parallel import LayoutScope, initialize_parallel
@@ -113,9 +113,11 @@ class ActorHooks:
             self.backend.routing.after_forward(self.backend.actor.chunk_index(model), mb, self._pass_samples)
 
 
-class MegatronBackend(TrainBackend):
+class MegatronBackend(RoleAttributes, TrainBackend):
     """The run's roles on megatron-core (``backends/roles.py``): the actor, ppo's critic (``critic.py``) and any
-    frozen role of other shapes (``teacher.py``), each a ``RoleModel`` built by ``role_model.py``."""
+    frozen role of other shapes (``frozen_role.py``), each a ``RoleModel`` built by ``role_model.py``."""
+
+    critic: Optional[MegatronCritic] = None
 
     def initialize(self, cfg: Config, spec: Spec) -> None:
         from megatron.core import parallel_state as ps
@@ -148,7 +150,7 @@ class MegatronBackend(TrainBackend):
         self.pad_token_id = 0
         self.routing: Optional[RoutingReplay] = None  # --use-routing-replay
         self.hooks = ActorHooks(self)
-        self.actor = RoleModel("actor", cfg, self.bridge, LayoutScope(self.layout, self.layout),
+        self.role = RoleModel("actor", cfg, self.bridge, LayoutScope(self.layout, self.layout),
                                params_dtype=self.params_dtype, head="logprob", load=self._load_initial_weights,
                                optimization=Optimization(cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters),
                                lora=lora_spec(cfg), lora_load=self._load_lora, prepare=self._freeze_mtp,
@@ -167,43 +169,20 @@ class MegatronBackend(TrainBackend):
             pattern = moe_pattern(self.model_config) if cfg.megatron.use_rollout_routing_replay else None
             self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk),
                                                 moe_pattern=pattern)
-        self.critic: Optional[MegatronCritic] = None  # ppo's value model, on these ranks with this layout or its own
+        self.critic = None  # ppo's value model, on these ranks with this layout or its own
         if cfg.algorithm.advantage_estimator == "ppo":
             self.critic = MegatronCritic(self, cfg)
 
-    # ---- the actor's model, by the names the checkpoint, the weight sync and the tests read ----------------
-
     @property
-    def chunks(self) -> list:
-        return self.actor.chunks
-
-    @property
-    def model(self) -> list:
-        return self.actor.model
-
-    @property
-    def optimizer(self):
-        return self.actor.optimizer
-
-    @property
-    def scheduler(self):
-        return self.actor.scheduler
-
-    @property
-    def lora(self) -> list:
-        return self.actor.lora
+    def actor(self) -> RoleModel:
+        """The actor's model: ``role``, so ``RoleAttributes``' names (``chunks``, ``model``, ``optimizer``, ...) are
+        the actor's."""
+        return self.role
 
     @property
     def model_config(self):
+        """The actor's ``TransformerConfig``."""
         return self.actor.config
-
-    @property
-    def optimizer_steps(self) -> int:
-        return self.actor.optimizer_steps
-
-    @optimizer_steps.setter
-    def optimizer_steps(self, value: int) -> None:
-        self.actor.optimizer_steps = value
 
     # ---- helpers -------------------------------------------------------------
 
@@ -251,30 +230,12 @@ class MegatronBackend(TrainBackend):
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
         return self.gather_per_sample(self.actor.forward_only(samples, mbs, self.spec), samples, plan, owned_only)
 
-    def compute_values(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
-                       owned_only: bool = False) -> list[Optional[torch.Tensor]]:
-        """The critic's values over the same packed micro-batches as the old-log-prob pass (``critic.py``)."""
-        if self.critic is None:
-            return super().compute_values(samples, plan, owned_only)
-        if self.critic.share is not None:  # a layout of its own: its own plan of the batch, whole on every rank
-            if owned_only:
-                raise BackendError("compute_values(owned_only=True): a critic of its own layout has other "
-                                   "data-parallel shares than the actor's; PPO holds the whole batch on every rank")
-            return self.critic.compute_values(samples)
-        plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
-        return self.gather_per_sample(self.critic.values(mbs), samples, plan, owned_only)
-
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         samples = batch.samples
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(samples, batch)
         metrics = self._train_actor(samples, plan, mbs, denoms, t0) if batch.train_actor else {}
-        if batch.returns is not None:  # ppo: one critic step beside the actor's
-            if self.critic is None:
-                raise BackendError("train_step got critic returns but this backend built no critic "
-                                   "(--advantage-estimator ppo builds one)")
-            assert denoms is not None, "a training batch has loss denominators"
-            metrics.update(self.critic.train_on(batch, mbs, denoms, self.spec))
+        metrics.update(self.critic_step(batch, mbs, denoms))  # ppo: one critic step beside the actor's
         return metrics
 
     def _train_actor(self, samples, plan, mbs, denoms, t0: float) -> dict[str, float]:

@@ -46,11 +46,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.backends.base import DataParallelShare, TrainBatch
-from megatron_rl.backends.megatron.role_model import Optimization, RoleModel, ValueHead, lora_spec
+from megatron_rl.backends.base import DataParallelShare, TrainBatch, critic_step_metrics
+from megatron_rl.backends.megatron.role_model import Optimization, RoleAttributes, RoleModel, ValueHead, lora_spec
 from megatron_rl.config.role_models import config_dir
 from megatron_rl.data.packing import LossDenominators, PackedBatch, pad_multiple_for
-from megatron_rl.data.types import AnySample
 from megatron_rl.errors import BackendError, CheckpointError
 from megatron_rl.models import get_bridge
 from megatron_rl.models.parallel import LayoutScope, ParallelLayout
@@ -97,7 +96,7 @@ class RoleShare(DataParallelShare):
         return 1
 
 
-class MegatronCritic:
+class MegatronCritic(RoleAttributes):
     """The value model beside a ``MegatronBackend``'s actor (module docstring); ``roles.Critic``."""
 
     def __init__(self, backend, cfg) -> None:
@@ -164,48 +163,7 @@ class MegatronCritic:
                                                dist_io.model_tensor_shapes(chunks), hf_dir)
         dist_io.load_dist_into(chunks, path)
 
-    # ---- the role's model, by the names the checkpoint and the tests read ----------------------------------
-
-    @property
-    def chunks(self) -> list:
-        return self.role.chunks
-
-    @property
-    def model(self) -> list:
-        return self.role.model
-
-    @property
-    def optimizer(self):
-        return self.role.optimizer
-
-    @property
-    def scheduler(self):
-        return self.role.scheduler
-
-    @property
-    def config(self):
-        return self.role.config
-
-    @property
-    def lora(self) -> list:
-        return self.role.lora
-
-    @property
-    def optimizer_steps(self) -> int:
-        return self.role.optimizer_steps
-
-    @optimizer_steps.setter
-    def optimizer_steps(self, value: int) -> None:
-        self.role.optimizer_steps = value
-
     # ---- passes ---------------------------------------------------------------
-
-    def compute_values(self, samples: Sequence[AnySample]) -> list[Optional[torch.Tensor]]:
-        """A critic of its own layout: every sample's values on every rank, over its own plan of the batch."""
-        share = self.share
-        assert share is not None, "a critic of the actor's layout runs over the actor's micro-batches"
-        plan, mbs, _ = share.preprocess_rollout_data(samples)
-        return share.gather_per_sample(self.values(mbs), samples, plan)
 
     def train_on(self, batch: TrainBatch, micro_batches: list[PackedBatch], denoms: LossDenominators,
                  spec) -> dict[str, float]:
@@ -234,12 +192,8 @@ class MegatronCritic:
                                            denoms)
 
         step = self.role.train_pass((), micro_batches, loss_fn)
-        out = {f"critic/{k}": v for k, v in step.metrics.items()}
-        out["critic/grad_norm"] = float(step.grad_norm) if step.grad_norm is not None else float("nan")
-        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        out["critic/update_skipped"] = float(not step.update_ok)
-        out["critic/step_time_s"] = time.perf_counter() - t0
-        return out
+        return critic_step_metrics(step.metrics, grad_norm=step.grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+                                   update_ok=step.update_ok, started=t0)
 
     # ---- memory ---------------------------------------------------------------
 

@@ -409,6 +409,45 @@ class RoleModel:
                     yield f"{i}.{name}", p
 
 
+class RoleAttributes:
+    """A holder of one ``RoleModel`` (``role``) exposing its model by the names the checkpoints, the weight sync and
+    the tests read: the backend (its actor) and the critic."""
+
+    role: RoleModel
+
+    @property
+    def chunks(self) -> list:
+        return self.role.chunks
+
+    @property
+    def model(self) -> list:
+        return self.role.model
+
+    @property
+    def optimizer(self):
+        return self.role.optimizer
+
+    @property
+    def scheduler(self):
+        return self.role.scheduler
+
+    @property
+    def lora(self) -> list:
+        return self.role.lora
+
+    @property
+    def config(self):
+        return self.role.config
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.role.optimizer_steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.role.optimizer_steps = value
+
+
 @contextlib.contextmanager
 def _output_rows(layer, rows: LossRows):
     """Run megatron's output layer (a ``ColumnParallelLinear``) on the loss rows only (``backends.loss_rows``).
