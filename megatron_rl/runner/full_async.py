@@ -26,17 +26,14 @@ import os
 import time
 from typing import Optional
 
-import torch
-
 from megatron_rl.data.types import GenerateRequest, Sample
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler, StreamFilter
 from megatron_rl.rollout.generate_fn import RolloutFunctions
-from megatron_rl.rollout.manager import route_metrics, sampling_params, save_rollout, weight_version_metrics
-from megatron_rl.rollout.rewards import RewardShaping, compute_rewards, reward_metrics, reward_source
+from megatron_rl.rollout.manager import sampling_params, save_rollout
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
-from megatron_rl.runner.producer import EngineFault, Group, RolloutProducer
+from megatron_rl.runner.producer import EngineFault, Group, RolloutProducer, generation_span_s
 
 log = logging.getLogger("megatron_rl")
 
@@ -61,17 +58,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         log.info("rollout buffer of %s restored: %d finished group(s) to train, %d prompt group(s) generated again",
                  cursor.path, len(restored["buffer"]), len(restored["pending"]))
     tok = getattr(rollout.engine, "tokenizer", None)
-    source = reward_source(cfg)
-    shaping = RewardShaping.from_config(cfg)  # --overlong-buffer-len, --reward-clip-range
     functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path, called per group
-
-    def score(samples: list[Sample]) -> None:
-        for s in samples:
-            if s.response_text is None and tok is not None:
-                s.response_text = tok.decode(s.response_ids, skip_special_tokens=True)
-        compute_rewards(samples, rollout.reward_fn, source=source, reward_key=cfg.data.reward_key, shaping=shaping,
-                        prompts=f"--prompt-data {cfg.data.prompt_data}")
-
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size
     sampler = DynamicSampler.from_config(cfg)  # --dynamic-sampling-filter-path: groups judged as they finish
@@ -79,7 +66,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
     producer = RolloutProducer(
         rollout.engine, lambda: list(next(rollout.prompts).requests),
         sampling_params(cfg, n=b.n_samples_per_prompt, seed=r.rollout_seed), groups_per_step=groups,
-        max_staleness=k, version=parts.synced_version, partial=r.partial_rollout, score=score, next_step=start,
+        max_staleness=k, version=parts.synced_version, partial=r.partial_rollout,
+        score=rollout.batch_builder.score, next_step=start,
         concurrency=min((k + 1) * groups, MAX_WORKERS), abort_retries=r.rollout_abort_retries,
         next_serial=restored.get("next_serial", 0),
         pending=[GenerateRequest(**q) for q in restored.get("pending", [])],
@@ -118,22 +106,17 @@ def _batch(producer: RolloutProducer, parts: StepParts, rollout_id: int) -> tupl
         for s in group.samples:
             s.group_index = index
             samples.append(s)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    lengths = torch.tensor([float(s.response_length) for s in samples])
+    assert parts.rollout is not None, "the driver holds the rollout manager"
+    metrics = parts.rollout.batch_builder.metrics(samples, trained_at=rollout_id, time_s=generation_span_s(kept),
+                                                  reward_s=sum(g.reward_s for g in kept))
     finished, generating = producer.depth()
-    metrics = {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
-               "rollout/response_len_mean": lengths.mean().item(), "rollout/response_len_max": lengths.max().item(),
-               "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-               "rollout/weight_version": float(min(s.oldest_version for s in samples)),
-               "rollout/dropped_stale": float(dropped), "rollout/buffer_depth": float(finished),
-               "rollout/inflight_groups": float(generating),
-               "rollout/partial_continued_samples": float(sum("partial_continuations" in s.metadata for s in samples)),
-               "perf/rollout_wait_s": wait_s}
+    metrics.update({"rollout/dropped_stale": float(dropped), "rollout/buffer_depth": float(finished),
+                    "rollout/inflight_groups": float(generating),
+                    "rollout/partial_continued_samples": float(sum("partial_continuations" in s.metadata
+                                                                   for s in samples)),
+                    "perf/rollout_wait_s": wait_s})
     if producer.group_filter is not None:  # --dynamic-sampling-filter-path: what the filter dropped meanwhile
         metrics.update(producer.group_filter.metrics(len(kept)))
-    metrics.update(weight_version_metrics(samples, rollout_id))  # staleness against the weights that train them
-    metrics.update(reward_metrics(samples))  # reward/<key> of rewards that return a dict
-    metrics.update(route_metrics(samples))  # rollout/route_bytes_per_token with engine routes
     if cfg.mode.save_debug_rollout_data:
         save_rollout(cfg.mode.save_debug_rollout_data.format(rollout_id=rollout_id), rollout_id, samples)
     return samples, metrics

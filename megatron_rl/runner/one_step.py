@@ -43,19 +43,11 @@ from typing import Any, Optional
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.rollout import rollout_ckpt
+from megatron_rl.rollout.batch_builder import weight_version_metrics
 from megatron_rl.runner.engine_faults import from_driver
 from megatron_rl.runner.loop import StepParts
 
 log = logging.getLogger("megatron_rl")
-
-
-def staleness_metrics(samples: Optional[list[Sample]], trained_at: int) -> dict[str, float]:
-    """``rollout/staleness_mean`` / ``_max``: weight updates between each sample's oldest token and the weights
-    (version ``trained_at``) that train on it; {} on the ranks that hold no samples."""
-    if not samples:
-        return {}
-    ages = [s.staleness(trained_at) for s in samples]
-    return {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
 
 
 class RolloutAheadFailed(MegatronRLError):
@@ -139,6 +131,7 @@ class RolloutAhead:
         if said is not None:
             raise RolloutAheadFailed(said, error if fatal else None)
         first = [True]
+        generate_s = [self._generate_s]  # the thread's; after a restart, the generation done again now
 
         def take() -> tuple[Any, dict]:
             if first[0]:
@@ -146,7 +139,10 @@ class RolloutAhead:
                 if self._error is not None:
                     raise self._error
                 return self._result if self._result is not None else (None, {})
-            return parts.ctx.rollouts.get(rollout_id, parts.rollout, parts.replica)  # after a restart: now
+            t = time.perf_counter()
+            again = parts.ctx.rollouts.get(rollout_id, parts.rollout, parts.replica)  # after a restart: now
+            generate_s[0] = time.perf_counter() - t
+            return again
 
         if self._error is not None and parts.rollout is not None and self._state_before is not None:
             parts.rollout.load_state_dict(self._state_before)  # a regeneration draws the same prompts
@@ -154,8 +150,8 @@ class RolloutAhead:
         samples, out = parts.recovery.generate(take, parts.rollout, resync=lambda: parts.resync(version))
         if not first[0] and self._error is not None and parts.rollout is not None:
             self._state_after = parts.rollout.state_dict()
-        if parts.rollout is not None and first[0] is False and self._error is None:
-            out["perf/generate_s"] = self._generate_s  # logged with the step that trains it, as in turn
+        if parts.rollout is not None:
+            out["perf/generate_s"] = generate_s[0]  # logged with the step that trains it, as in turn
         return samples, out
 
     def store(self, checkpoint_step: int, samples: Optional[list[Sample]], metrics: dict) -> None:
@@ -186,7 +182,8 @@ def run_one_step(parts: StepParts, start: int) -> Optional[int]:
         following = rollout_id + 1 < last
         if following:
             ahead.start(rollout_id + 1)  # on the engines, which hold version rollout_id
-        metrics.update(staleness_metrics(samples, trained_at=rollout_id))
+        if samples:  # the driver's: measured again against the weights that train it (the manager's: the engine's)
+            metrics.update(weight_version_metrics(samples, rollout_id))
         parts.train(samples, metrics, rollout_id=rollout_id)
         try:
             upcoming, upcoming_metrics = ahead.finish(metrics) if following else (None, {})

@@ -67,6 +67,23 @@ class Group:
     request: GenerateRequest
     admitted_at: int  # the engines' weight version when it started
     samples: list[Sample] = field(default_factory=list)
+    # this process's clock (time.perf_counter) when it started and when it was scored, and its scoring's
+    # seconds: the batch's rollout/time_s and perf/reward_s (None, None, 0.0 for a group restored from a buffer file)
+    started_s: Optional[float] = None
+    finished_s: Optional[float] = None
+    reward_s: float = 0.0
+
+
+def generation_span_s(groups: list[Group]) -> float:
+    """The wall time from the first of ``groups`` starting to the last one scored: a full-async batch's
+    ``rollout/time_s``. Groups restored from a buffer file (timed by another process) are left out; 0.0
+    when none is timed."""
+    starts, ends = [], []
+    for g in groups:
+        if g.started_s is not None and g.finished_s is not None:
+            starts.append(g.started_s)
+            ends.append(g.finished_s)
+    return max(ends) - min(starts) if starts else 0.0
 
 
 class ProducerError(EngineError):
@@ -271,7 +288,8 @@ class RolloutProducer:
                         return
                     if not self._queue:
                         self._queue.extend(self.draw())
-                    group = Group(self._serial, self._queue.popleft(), admitted_at=self._version)
+                    group = Group(self._serial, self._queue.popleft(), admitted_at=self._version,
+                                  started_s=time.perf_counter())
                     self._serial += 1
                     if not self._inflight and self._idle_since is not None:
                         self.engine_idle_s += time.perf_counter() - self._idle_since
@@ -289,7 +307,10 @@ class RolloutProducer:
                     continue
                 for sample in group.samples:  # errors about a sample name its prompt, whatever engine made it
                     mark_prompt(sample, group.request)
+                scoring = time.perf_counter()
                 self.score(group.samples)
+                group.finished_s = time.perf_counter()
+                group.reward_s = group.finished_s - scoring
                 kept = self.group_filter is None or self.group_filter.keep(group.samples)
                 with self._cond:
                     del self._inflight[group.serial]

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from _metrics_doc import check_mode_keys
 from megatron_rl.infra.ports import free_port
 
 pytestmark = pytest.mark.e2e
@@ -32,5 +33,6 @@ def test_agent_demo_calls_the_tool_and_logs_the_multi_turn_metrics(tmp_path):
         assert 0 < r["rollout/tool_calls_mean"] <= 2 and r["rollout/turns_mean"] > 1, r
         assert 0 <= r["rollout/tool_error_frac"] <= 1 and "train/pg_loss" in r
     assert any("eval/reward_mean" in r for r in recs)
+    check_mode_keys(recs, "off", present=["rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_error_frac"])
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from _metrics_doc import check_mode_keys
 from _tool_model import build_tool_model, write_prompts  # tests/ is on sys.path (conftest)
 
 from megatron_rl.rollout.agent.framing import tool_turn_ids
@@ -75,3 +76,4 @@ def test_train_with_the_tool_loop_masks_exactly_the_observations(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if "rollout/turns_mean" in r)
     assert step["rollout/tool_calls_mean"] == called / 4 and "train/pg_loss" in step
+    check_mode_keys(records, "off", present=["rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_error_frac"])

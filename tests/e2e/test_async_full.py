@@ -25,6 +25,7 @@ import sys
 import pytest
 import torch
 
+from _metrics_doc import check_mode_keys
 from _util import PausePoint, finished_run, kill_tree, launch_async_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,6 +97,7 @@ def test_full_async_killed_at_three_points_trains_every_prompt_exactly_once(tiny
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/pg_loss" in r]
     assert all(r["rollout/dropped_stale"] == 0.0 and r["rollout/staleness_max"] <= 1.0 for r in steps)
+    check_mode_keys(records, "full")  # every launch's records, superseded ones too: the keys docs/metrics.md lists
     # metrics.jsonl: steps 3 and 4 were trained by launch 3 and again by launch 4 (resumed at 2); the rolled-back
     # records are marked superseded (was: kept, two values a step); the run's curve is one record a step
     rolled_back = {(r["step"], r["attempt"]) for r in steps if r.get("superseded")}

@@ -25,6 +25,7 @@ import sys
 
 import pytest
 
+from _metrics_doc import check_mode_keys
 from _util import PausePoint, finished_run, kill_tree, launch_async_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,6 +87,7 @@ def test_one_step_overlaps_with_staleness_one_and_resumes_bitwise(tiny_hf_models
     assert loaded == ["0", "1", "2", "3", "4"]  # one sync per step, after the rollout in flight finished
     timed = [r for r in records if "perf/rollout_wait_s" in r]
     assert len(timed) == 3 and all(0 <= r["perf/trainer_idle_frac"] <= 1 for r in timed)  # steps 1-3 generate ahead
+    check_mode_keys(records, "one-step")  # the keys docs/metrics.md lists for the mode
     stored = os.path.join(straight, "ckpt", "rollout_ckpts")
     assert sorted(os.listdir(stored)) == ["rollout_2.pt"]  # beside iter_2 (iter_4 is the last: nothing after it)
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from _metrics_doc import check_mode_keys
 from _util import seed_demo_dir
 from megatron_rl.infra.ports import free_port
 
@@ -170,6 +171,7 @@ def test_demo_runs_in_full_async_mode_with_its_engine_in_a_process_of_its_own(tm
     assert [r["step"] for r in train] == list(range(1, 13))
     assert max(r["rollout/staleness_max"] for r in train) <= 1 and max(r["rollout/staleness_max"] for r in train[1:]) == 1
     assert sum(r["rollout/dropped_stale"] for r in train) == 0
+    check_mode_keys(recs, "full")  # the keys docs/metrics.md lists for the mode, rollout/time_s and perf/reward_s too
     log = (out / "engines" / "embedded_engine.log").read_text()
     assert "-m megatron_rl.rollout.embedded_server" in log and "serving" in log
     assert sorted(os.listdir(out / "engine_weights")) == ["v11", "v12"]  # the newest two versions kept
@@ -222,6 +224,7 @@ def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
     recs = metrics(out)
     train = [r for r in recs if "train/pg_loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
+    check_mode_keys(recs, "off")  # the keys docs/metrics.md lists for the mode
     assert all(r["sync/checked_tensors"] == 26 for r in train)
     assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
     phases = ("generate", "reward", "broadcast", "old_logprob", "ref_logprob", "train", "sync")
@@ -242,4 +245,5 @@ def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
     assert len(again) == len(recs)
     numbers = (lambda r: {k: v for k, v in r.items() if not k.startswith("perf/") and "time" not in k})
     assert [numbers(r) for r in recs] == [numbers(r) for r in again]
+    check_mode_keys(again, "off", present=["perf/groups_rebuild_s"])
     assert all(r["perf/groups_rebuild_s"] > 0 for r in again if "train/pg_loss" in r)

@@ -271,7 +271,7 @@ def test_the_built_rollout_fills_its_batch_from_a_reward_server(tiny_hf_models, 
                             "--over-sampling-batch-size", "2", "--dynamic-sampling-max-rounds", "20"])
         manager = build_rollout(cfg)
         samples, metrics = manager.generate(0)
-        manager.reward_fn.close()
+        manager.batch_builder.reward_fn.close()
     finally:
         server.close()
     by_group = groups(samples)
@@ -287,7 +287,7 @@ def test_dict_rewards_are_logged_in_rollout_and_evaluation_metrics(setup, tmp_pa
         return [{"reward": float(s.response_ids[0] % 2), "first_token": float(s.response_ids[0])} for s in samples]
 
     manager = setup(*BUILTIN)
-    manager.reward_fn = scored
+    manager.batch_builder.reward_fn = scored
     manager.eval_datasets = {"held_out": manager.prompts.dataset}
     samples, metrics = manager.generate(0)
     assert metrics["reward/first_token"] == 0.5 and metrics["rollout/reward_mean"] == 0.5  # kept groups: 0 and 1

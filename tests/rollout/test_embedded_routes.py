@@ -123,7 +123,7 @@ def test_routes_survive_the_codec_the_sglang_format_and_cuts():
 
     cut = truncate(s, 3)
     assert cut.routed_experts == routes.first(5)  # prompt 3 + response 3, less the last token
-    from megatron_rl.rollout.manager import route_metrics
+    from megatron_rl.rollout.batch_builder import route_metrics
 
     # the route traffic a rollout carries: 9 tokens x 3 layers x top-4 x 2 bytes (uint16) = 24 bytes a token
     assert route_metrics([s, Sample(1, [1], [2])]) == {"rollout/route_bytes_per_token": 24.0}

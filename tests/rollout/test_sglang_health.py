@@ -25,7 +25,8 @@ from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.rollout import GenerateRequest, SamplingParams
-from megatron_rl.rollout.manager import RolloutManager, weight_version_metrics
+from megatron_rl.rollout.batch_builder import weight_version_metrics
+from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine
 from megatron_rl.weight_sync.distributed import DistributedSynchronizer
 

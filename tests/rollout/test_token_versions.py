@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import EngineError
-from megatron_rl.rollout.manager import weight_version_metrics
+from megatron_rl.rollout.batch_builder import weight_version_metrics
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.rollout.sglang.protocol import parse_generate_output
 

@@ -18,6 +18,7 @@ import signal
 import pytest
 import torch
 
+from _metrics_doc import check_mode_keys
 from megatron_rl.backends.base import BACKENDS, TrainBackend, WeightManager
 from megatron_rl.config import parse_config
 from megatron_rl.data.types import Sample
@@ -165,6 +166,11 @@ def test_colocated_loop_order_sync_after_train_and_saves_on_schedule(loop):
                       *_step(0), *_step(1), ("save", "iter_0000002", 2), *_step(2), ("save", "iter_0000003", 3)]
     status = json.loads((tmp / "run" / "run_status.json").read_text())
     assert status["status"] == "finished" and status["rollout_id"] == 3
+    check_mode_keys(_records(tmp), "off")  # the keys docs/metrics.md lists for the mode
+
+
+def _records(tmp) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_sigterm_mid_step_finishes_the_step_saves_and_stops(loop):
@@ -220,8 +226,48 @@ def test_async_loops_sync_after_the_generation_in_flight_and_train_every_step(lo
         assert versions_seen == [0, 0, 1]  # rollout 0 by v0, then rollout N+1 by vN while N trains
     saves = [e[1] for e in EVENTS if isinstance(e, tuple) and e[0] == "save"]
     assert saves == ["iter_0000002", "iter_0000003"]  # on schedule, then the final one
-    records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = _records(tmp)
     trained = [r for r in records if "train/pg_loss" in r]
     assert len(trained) == 3 and all(r["rollout/staleness_max"] <= 1 for r in trained)
+    check_mode_keys(records, mode)  # the keys docs/metrics.md lists for the mode
+    if mode == "one-step":  # every version metric against the weights that train (was: stale 0 beside staleness 1)
+        assert [(r["rollout/stale_samples"], r["rollout/staleness_max"]) for r in trained] == [(0, 0), (4, 1), (4, 1)]
     if mode == "full":  # every save, the final one too, is preceded by the producer's snapshot
         assert sorted(os.listdir(tmp / "ckpt" / "async_buffer")) == ["buffer_2.pt", "buffer_3.pt"]
+
+
+TWO_TURNS = """
+from megatron_rl.data.types import Sample
+
+
+def two_turns(request, sampling, engine):
+    \"\"\"A multi-turn rollout as the tool loop records it: a turn, an observation token (loss mask 0), a turn.\"\"\"
+    out = []
+    for j, first in enumerate(engine.generate(request.prompt_ids, sampling)):
+        second = engine.generate(list(request.prompt_ids) + first.output_ids + [9], sampling)[0]
+        ids = first.output_ids + [9] + second.output_ids
+        out.append(Sample(request.group_index, list(request.prompt_ids), ids,
+                          rollout_logprobs=first.logprobs + [0.0] + second.logprobs,
+                          loss_mask=[1] * len(first.output_ids) + [0] + [1] * len(second.output_ids),
+                          token_versions=first.token_versions + first.token_versions[-1:] + second.token_versions,
+                          weight_version=first.token_versions[0], finish_reason=second.finish_reason,
+                          response_text=request.label if j % 2 else "no", label=request.label,
+                          metadata={**request.metadata, "turns": 2, "tool_calls": 1, "tool_errors": j % 2}))
+    return out
+"""
+
+
+@pytest.mark.parametrize("mode", ["off", "one-step", "full"])
+def test_a_multi_turn_rollout_logs_the_agent_metrics_in_every_mode(loop, mode):
+    """A ``--custom-generate-function-path`` function that records turns, tool calls and tool errors (as the tool
+    loop does): every mode logs ``rollout/turns_mean`` and the rest with the step (full mode once did not: its
+    batch's metrics were a copy of the manager's without them), and only keys docs/metrics.md lists for it."""
+    start, tmp = loop
+    (tmp / "two_turns.py").write_text(TWO_TURNS)
+    flags = [] if mode == "off" else ["--async-mode", mode, "--embedded-engine-ranks", "driver"]
+    assert start("--num-rollout", "2", "--custom-generate-function-path", f"{tmp / 'two_turns.py'}:two_turns",
+                 *flags, colocated=False) == 0
+    agent = ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_error_frac")
+    check_mode_keys(_records(tmp), mode, present=agent)
+    for r in [r for r in _records(tmp) if "train/pg_loss" in r]:
+        assert (r["rollout/turns_mean"], r["rollout/tool_calls_mean"], r["rollout/tool_error_frac"]) == (2.0, 1.0, 0.5)
