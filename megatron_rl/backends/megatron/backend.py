@@ -42,7 +42,8 @@ from megatron_rl.backends.megatron.routing_replay import RoutingReplay, moe_patt
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.megatron.critic import MegatronCritic
 from megatron_rl.backends.megatron.frozen_role import MegatronFrozenRole
-from megatron_rl.backends.megatron.role_model import Optimization, RoleAttributes, RoleModel, lora_spec
+from megatron_rl.backends.megatron.role_model import (Optimization, RoleAttributes, RoleModel, load_model_dir,
+                                                     lora_spec)
 from megatron_rl.backends.megatron.settings import check_backend_config, layout_from_config
 from megatron_rl.backends.roles import needs_own_model
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
@@ -359,11 +360,7 @@ class MegatronBackend(RoleAttributes, TrainBackend):
             model_dir.check_hf_marker_once(hf_dir, f"checking --hf-checkpoint {hf_dir}")
             self.bridge.load_hf_weights(chunks, hf_dir)
             return
-        meta = model_dir.read_marker(path)
-        model_dir.check_fingerprint(path, meta, self.bridge, hf_dir)
-        dist_io.check_checkpoint_matches_model(path, dist_io.checkpoint_model_tensors(path),
-                                               dist_io.model_tensor_shapes(chunks), hf_dir)
-        dist_io.load_dist_into(chunks, path)
+        load_model_dir(chunks, path, self.bridge, hf_dir)
         log.info("initial weights from the torch_dist model dir %s (--load); optimizer starts fresh", path)
 
     def load_frozen_weights(self, tag: str, path: str) -> None:

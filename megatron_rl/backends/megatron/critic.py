@@ -47,7 +47,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.backends.base import DataParallelShare, TrainBatch, critic_step_metrics
-from megatron_rl.backends.megatron.role_model import Optimization, RoleAttributes, RoleModel, ValueHead, lora_spec
+from megatron_rl.backends.megatron.role_model import (Optimization, RoleAttributes, RoleModel, ValueHead,
+                                                     load_model_dir, lora_spec)
+from megatron_rl.infra.checkpoint_root import is_model_dir
 from megatron_rl.config.role_models import config_dir
 from megatron_rl.data.packing import LossDenominators, PackedBatch, pad_multiple_for
 from megatron_rl.errors import BackendError, CheckpointError
@@ -151,17 +153,11 @@ class MegatronCritic(RoleAttributes):
         """``--critic-load`` (or the actor's ``--load`` model dir, for a critic of its own layout): a model-only
         torch_dist dir, checked as ``--load``'s (marker, checksums, the model's fingerprint and every tensor's
         shape) and loaded while the output layer is still the policy's."""
-        from megatron_rl.models import dist_io, model_dir  # lazy: dist_checkpointing
-
-        if not model_dir.is_model_dir(path):
+        if not is_model_dir(path):
             raise CheckpointError(f"{flag} {path} is not a model-only torch_dist dir (a training checkpoint "
                                   "holds a critic beside the actor and resumes from --load/--save); give what "
                                   "convert_ckpt.py hf-to-dist writes, or use --critic-hf-checkpoint")
-        meta = model_dir.read_marker(path)
-        model_dir.check_fingerprint(path, meta, self.bridge, hf_dir)
-        dist_io.check_checkpoint_matches_model(path, dist_io.checkpoint_model_tensors(path),
-                                               dist_io.model_tensor_shapes(chunks), hf_dir)
-        dist_io.load_dist_into(chunks, path)
+        load_model_dir(chunks, path, self.bridge, hf_dir)
 
     # ---- passes ---------------------------------------------------------------
 

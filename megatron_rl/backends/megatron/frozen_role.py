@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.backends.megatron.critic import RoleShare, role_layout
-from megatron_rl.backends.megatron.role_model import RoleModel
+from megatron_rl.backends.megatron.role_model import RoleModel, load_model_dir
 from megatron_rl.config.role_models import config_dir
 from megatron_rl.data.packing import MicroBatchPlan
 from megatron_rl.errors import CheckpointError
@@ -62,18 +62,13 @@ class MegatronFrozenRole:
     def _load(self, chunks: list) -> None:
         """Its weights with the checks of ``--load``'s loaders: an HF dir's marker and checksums, a model dir's
         marker, fingerprint and every tensor's shape."""
-        from megatron_rl.models import dist_io, model_dir  # lazy: dist_checkpointing
+        from megatron_rl.models import model_dir  # lazy: checksums of the HF dir
 
         if self.config_dir == self.path:  # an HF dir
             model_dir.check_hf_marker_once(self.path, f"checking {self.flag} {self.path}")
             self.bridge.load_hf_weights(chunks, self.path)
             return
-        resolved = model_dir.resolve_dist_dir(self.path)
-        meta = model_dir.read_marker(resolved)
-        model_dir.check_fingerprint(resolved, meta, self.bridge, self.config_dir)
-        dist_io.check_checkpoint_matches_model(resolved, dist_io.checkpoint_model_tensors(resolved),
-                                               dist_io.model_tensor_shapes(chunks), self.config_dir)
-        dist_io.load_dist_into(chunks, resolved)
+        load_model_dir(chunks, model_dir.resolve_dist_dir(self.path), self.bridge, self.config_dir)
 
     def log_probs(self, samples: Sequence, plan: Optional[MicroBatchPlan], owned_only: bool
                   ) -> list[Optional[torch.Tensor]]:

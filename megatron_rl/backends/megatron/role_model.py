@@ -103,6 +103,19 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
+def load_model_dir(chunks: list, path: str, bridge, config_dir: str) -> None:
+    """A model-only torch_dist dir (or a training checkpoint's iter dir) into ``chunks``, checked as ``--load``'s:
+    its marker and checksums, the model's fingerprint against ``config_dir/config.json`` and every tensor's shape
+    against the chunks (a mismatch names the tensor, never a silent partial load)."""
+    from megatron_rl.models import dist_io, model_dir  # lazy: dist_checkpointing
+
+    meta = model_dir.read_marker(path)
+    model_dir.check_fingerprint(path, meta, bridge, config_dir)
+    dist_io.check_checkpoint_matches_model(path, dist_io.checkpoint_model_tensors(path),
+                                           dist_io.model_tensor_shapes(chunks), config_dir)
+    dist_io.load_dist_into(chunks, path)
+
+
 def lora_spec(cfg):
     """``models.lora.LoraSpec`` of ``--lora-rank`` (every trainable role gets adapters of its own), or None."""
     lo = cfg.lora
