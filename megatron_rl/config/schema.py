@@ -554,11 +554,15 @@ class CheckpointConfig:
                                     "saves would overwrite them.")
     ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
                                    "default: the initial policy.")
-    opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation.")
+    opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation (an HF dir or a "
+                                           "torch_dist dir): of the student's shapes a weight tag, of other shapes "
+                                           "(a larger teacher, same tokenizer) a frozen model of its own "
+                                           "(docs/algorithms.md).")
     critic_hf_checkpoint: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights "
-                                               "(an HF dir of the policy's architecture; its lm_head is not read, "
-                                               "the value head starts fresh as slime's). Unset: the actor's "
-                                               "initial weights with a fresh value head.")
+                                               "(an HF dir, of the policy's architecture or another size or "
+                                               "family with a vocabulary holding the policy's ids; its lm_head is "
+                                               "not read, the value head starts fresh as slime's). Unset: the "
+                                               "actor's initial weights with a fresh value head.")
     critic_load: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights as a "
                                       "model-only torch_dist dir (what convert_ckpt.py hf-to-dist writes; the value "
                                       "head starts fresh). A run's critic resumes from its --save checkpoints, "
