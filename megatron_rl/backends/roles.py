@@ -26,22 +26,16 @@ backends implement.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+# SHAPE_FIELDS and shape_differences are this module's names too: the backends read them from here
+from megatron_rl.config.role_shapes import SHAPE_FIELDS, other_shapes, shape_differences  # noqa: F401
 from megatron_rl.data.packing import LossDenominators, PackedBatch
-from megatron_rl.errors import ConfigError
 from megatron_rl.models.model_dir import HF_CONFIG_SUBDIR
-
-#: the config.json fields that decide whether two models' parameters have the same names and shapes (a weight
-#: tag is a copy of the actor's shards: it fits only a model whose every parameter has the actor's shape)
-SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "head_dim", "moe_intermediate_size", "num_experts",
-                "n_routed_experts", "num_local_experts", "tie_word_embeddings", "kv_lora_rank", "q_lora_rank")
 
 
 @dataclass(frozen=True)
@@ -78,33 +72,15 @@ def config_dir(path: str) -> Optional[str]:
     return None
 
 
-def _shape_facts(d: str) -> dict:
-    with open(os.path.join(d, "config.json")) as f:
-        raw = json.load(f)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    merged = {**raw, **text}
-    return {k: merged.get(k) for k in SHAPE_FIELDS}
-
-
-def shape_differences(policy_dir: str, other_dir: str) -> list[str]:
-    """``"field: policy X vs other Y"`` for each shape field in which the two configs differ (empty: a tag fits)."""
-    a, b = _shape_facts(policy_dir), _shape_facts(other_dir)
-    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in SHAPE_FIELDS if a[k] != b[k]]
-
-
 def needs_own_model(policy_dir: Optional[str], path: str, flag: str) -> bool:
     """True when the frozen weights at ``path`` are of other shapes than the policy's (``--hf-checkpoint``), so
     they need a model of their own; False when a weight tag holds them. Refuses, by flag, a model of another
-    vocabulary (its log-probs would be over other tokens: distillation needs the student's tokenizer)."""
+    vocabulary (its log-probs would be over other tokens: distillation needs the student's tokenizer). The
+    rule itself is ``config.role_shapes``' (validation applies it too)."""
     other = config_dir(path)
-    if other is None or policy_dir is None or not shape_differences(policy_dir, other):
+    if other is None or policy_dir is None:
         return False
-    a, b = _shape_facts(policy_dir), _shape_facts(other)
-    if a["vocab_size"] != b["vocab_size"]:
-        raise ConfigError(f"{flag} {path}: its vocabulary has {b['vocab_size']} entries, the policy's "
-                          f"{a['vocab_size']} (--hf-checkpoint {policy_dir}); a teacher or reference scores the "
-                          "student's tokens, so it needs the student's tokenizer and vocabulary size")
-    return True
+    return other_shapes(policy_dir, other, path, flag)
 
 
 @runtime_checkable

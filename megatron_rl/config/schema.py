@@ -554,7 +554,10 @@ class CheckpointConfig:
                                     "saves would overwrite them.")
     ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
                                    "default: the initial policy.")
-    opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation.")
+    opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation (torch_dist or HF "
+                                           "dir; --train-backend fsdp: HF). The policy's shapes: a weight tag of the "
+                                           "live model; other shapes (a larger teacher, the same vocabulary): a "
+                                           "frozen model of its own where the backend builds one (fsdp).")
     critic_hf_checkpoint: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights "
                                                "(an HF dir of the policy's architecture; its lm_head is not read, "
                                                "the value head starts fresh as slime's). Unset: the actor's "

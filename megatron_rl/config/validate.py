@@ -20,6 +20,7 @@ from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
 from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
+from .role_shapes import other_shapes
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
@@ -351,6 +352,11 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
                       "directory (config.json + *.safetensors)")
     if c.opd_teacher_load is None and a.opd_kl_coef > 0:
         errors.append(f"--opd-kl-coef {a.opd_kl_coef} needs a teacher: give --opd-teacher-load PATH")
+    for flag, path in (("--ref-load", c.ref_load), ("--opd-teacher-load", c.opd_teacher_load)):
+        try:
+            _own_model_needed(cfg, flag, path)
+        except ConfigError as e:  # another vocabulary: refused here, before any worker loads it
+            errors.append(str(e))
     if d.eval_interval is not None and not d.eval_prompt_data:
         errors.append("--eval-interval needs --eval-prompt-data FILE")
     _check_eval(errors, cfg)
@@ -884,9 +890,39 @@ _FSDP_NOT_BUILT = (
      "fsdp recomputes every decoder layer (uniform, one layer per unit)"),
     ("--recompute-num-layers", lambda c: c.memory.recompute_num_layers not in (None, 1),
      "fsdp recomputes one decoder layer per unit"),
-    ("--opd-teacher-load", lambda c: c.checkpoint.opd_teacher_load,
-     "on-policy distillation's teacher is not supported with fsdp (as in the source design)"),
 )
+
+
+# the backends that build a frozen teacher of other shapes as a model of its own (backends/fsdp/teacher.py): there
+# --lora-rank and such a teacher go together (the teacher shares nothing with the student's adapters)
+OWN_TEACHER_BACKENDS = ("fsdp",)
+
+
+def _own_model_needed(cfg: Config, flag: str, path) -> bool:
+    """True when the HF dir ``path`` (given as ``flag``) has other shapes than ``--hf-checkpoint``, so the frozen
+    role is a model of its own (``role_shapes.other_shapes``; raises ``ConfigError`` for another vocabulary);
+    False when a weight tag holds it, or when either ``config.json`` is missing or unreadable (what reads it
+    reports that: torch_dist dirs are checked by the backend at load, from their ``hf_config/``)."""
+    hf = cfg.model.hf_checkpoint
+    if not (path and hf and all(os.path.isfile(os.path.join(d, "config.json")) for d in (hf, path))):
+        return False
+    try:
+        return other_shapes(hf, path, path, flag)
+    except ConfigError:  # another vocabulary (a ValueError too): the refusal goes to the caller
+        raise
+    except (OSError, ValueError, AttributeError):  # an unreadable config.json: architecture_errors names it
+        return False
+
+
+def _teacher_of_its_own(cfg: Config, path: str) -> bool:
+    """The backend builds the teacher at ``path`` as a model of its own (so it is independent of the student's
+    LoRA adapters); another vocabulary reads False here, refused by ``_check_checkpoint_and_data``."""
+    if cfg.precision.train_backend not in OWN_TEACHER_BACKENDS:
+        return False
+    try:
+        return _own_model_needed(cfg, "--opd-teacher-load", path)
+    except ConfigError:
+        return False
 
 
 def _check_fsdp(errors: list[str], cfg: Config) -> None:
@@ -896,11 +932,11 @@ def _check_fsdp(errors: list[str], cfg: Config) -> None:
     for flag, given, why in _FSDP_NOT_BUILT:
         if given(cfg):
             errors.append(f"{flag} with --train-backend fsdp: {why}; drop {flag} or use --train-backend megatron")
-    ref = cfg.checkpoint.ref_load
-    if ref and not os.path.isfile(os.path.join(ref, "config.json")):
-        errors.append(f"--ref-load {ref} with --train-backend fsdp: only HF model directories (config.json + "
-                      "*.safetensors) load into the fsdp backend yet, not torch_dist checkpoints; convert it "
-                      "(tools/convert_ckpt.py dist-to-hf) or use --train-backend megatron")
+    for flag, path in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            errors.append(f"{flag} {path} with --train-backend fsdp: only HF model directories (config.json + "
+                          "*.safetensors) load into the fsdp backend yet, not torch_dist checkpoints; convert it "
+                          "(tools/convert_ckpt.py dist-to-hf) or use --train-backend megatron")
     for row in MEGATRON_FLAGS:
         if row.given(cfg):
             errors.append(f"{row.shown(cfg)} is a megatron-core setting; --train-backend fsdp does not read it: "
@@ -1009,9 +1045,12 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
                       "not installed: pip install peft (megatron_rl's [lora] extra), or use the megatron backend, "
                       "whose adapters need no peft")
     for flag, value in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
-        if value:
+        if value and not (flag == "--opd-teacher-load" and _teacher_of_its_own(cfg, value)):
             errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "
-                          f"the base model, the adapters starting at zero); other weights under {flag} are not built")
+                          f"the base model, the adapters starting at zero); other weights of the policy's shapes "
+                          f"under {flag} are not built (an --opd-teacher-load of other shapes than --hf-checkpoint "
+                          f"is a model of its own, which --train-backend {'/'.join(OWN_TEACHER_BACKENDS)} builds "
+                          "beside the adapters)")
     if lo.lora_load is not None:
         errors.extend(_lora_load_errors(lo))
     if cfg.precision.train_backend == "megatron" and importlib.util.find_spec("transformer_engine") is not None:
