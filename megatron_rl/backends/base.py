@@ -31,10 +31,13 @@ Invariants:
   What it reads of the algorithm is what to build (a critic under
   ``--advantage-estimator ppo``) and, per step, whether the ``TrainBatch`` carries
   ``returns`` for a critic step beside the actor's.
-* Reference / teacher weights are *tags* held by a ``WeightManager``: a frozen
-  copy of this rank's parameter shards swapped in place, so no model is built
-  for them and the same code serves every parallel layout (the critic is the one
-  second model a backend builds).
+* Reference / teacher weights of the actor's shapes are *tags* held by a
+  ``WeightManager``: a frozen copy of this rank's parameter shards swapped in
+  place, so no model is built for them and the same code serves every parallel
+  layout. Weights of other shapes (a larger teacher: ``roles.needs_own_model``)
+  are a model of their own, frozen, kept in ``frozen_roles`` by role name
+  (``roles.FrozenRole``), and consulted before the tags; it is never saved in a
+  checkpoint (its flag reloads it at resume).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
+    from megatron_rl.backends.roles import FrozenRole
     from megatron_rl.models.peft_adapter import AdapterExport
     from megatron_rl.config import Config
 
@@ -427,6 +431,11 @@ class TrainBackend(DataParallelShare, abc.ABC):
     weights: WeightManager
     # initialize() sets DataParallelShare's fields: the data-parallel layout the shared batch machinery plans for
 
+    def __init__(self) -> None:
+        # frozen roles that are models of their own, by role name ("teacher", "ref"): filled by
+        # load_frozen_weights when the weights do not fit a tag (roles.needs_own_model)
+        self.frozen_roles: dict[str, "FrozenRole"] = {}
+
     @abc.abstractmethod
     def initialize(self, cfg: "Config", spec: "Spec") -> None:
         """Build model + optimizer from the frozen ``Config``; load HF or checkpoint weights."""
@@ -518,7 +527,9 @@ class TrainBackend(DataParallelShare, abc.ABC):
         return self.weights.use(tag)
 
     def snapshot_weights(self, tag: str) -> None:
-        """Keep the live weights as the frozen ``tag`` (the initial policy as the KL reference)."""
+        """Keep the live weights as the frozen ``tag`` (the initial policy as the KL reference; the actor replacing
+        it under --ref-update-interval, which also replaces a reference model of its own)."""
+        self.frozen_roles.pop(tag, None)
         self.weights.backup(tag)
 
     @property
@@ -531,6 +542,8 @@ class TrainBackend(DataParallelShare, abc.ABC):
                                     owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
             return None
+        if "ref" in self.frozen_roles:
+            return self._frozen_role_log_probs("ref", samples, plan, owned_only)
         if not self.weights.has("ref"):
             raise ConfigError("the algorithm needs reference log-probs (KL term) but no reference weights are "
                               "loaded; the initial policy is used unless --ref-load is given")
@@ -542,10 +555,18 @@ class TrainBackend(DataParallelShare, abc.ABC):
                                         owned_only: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
         if not needed:
             return None
+        if "teacher" in self.frozen_roles:
+            return self._frozen_role_log_probs("teacher", samples, plan, owned_only)
         if not self.weights.has("teacher"):
             raise ConfigError("on-policy distillation needs teacher weights: give --opd-teacher-load PATH")
         with self.switch_weights("teacher"):
             return self.forward_only(samples, plan, owned_only)
+
+    def _frozen_role_log_probs(self, role: str, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan],
+                               owned_only: bool) -> list[Optional[torch.Tensor]]:
+        """``forward_only``'s contract under the model of its own that holds ``role`` (no weight swap)."""
+        with torch.no_grad():
+            return self.frozen_roles[role].log_probs(samples, plan or self.plan_micro_batches(samples), owned_only)
 
 
 def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:
