@@ -22,7 +22,8 @@ Checks:
                 memory before / after the release, the rebuild's time, a finite step after it.
   fsdp          FSDP backend, --bf16: tokens/s; --optimizer-cpu-offload: peak device memory
                 against it; --fp16: steps taken at a loss scale that fits; sleep()/wake()
-                memory.
+                memory; an --opd-teacher-load of twice the hidden size (a frozen model of its own,
+                backends/fsdp/teacher.py): its log-prob pass's time, and sleep()/wake() with it.
   fp8           megatron with --fp8-format hybrid when transformer-engine imports, else the reason.
   memory_saver  torch_memory_saver (the design's tier 1, not built: backends/sleep_tiers.py says what it
                 takes), the figures that tier would be built on: a 1 GiB tensor and then a whole megatron
@@ -360,6 +361,39 @@ def check_fsdp(hf, batch, dry):
     if out["bf16"]["peak_gib"] is not None:
         out["offload_peak_ratio"] = out["bf16_cpu_offload"]["peak_gib"] / out["bf16"]["peak_gib"]
     out["fp16_steps_taken"] = sum(1 for m in out["fp16"]["steps"] if m["train/update_skipped"] == 0.0)
+    out["opd_teacher"] = _fsdp_larger_teacher(hf, batch, dry)
+    return out
+
+
+def _fsdp_larger_teacher(hf, batch, dry) -> dict:
+    """--opd-teacher-load of the same vocabulary and twice the hidden size beside the bf16 actor: a frozen model of
+    its own. Its log-prob pass against the actor's (seconds), device memory with it, and a sleep()/wake() that must
+    move its parameters with the actor's (released_fraction near the plain run's, not below it)."""
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+
+    body = DRY_MODEL if dry else GPU_MODEL
+    with tempfile.TemporaryDirectory(prefix="gpu_teacher_") as tmp:
+        teacher = build_tiny_hf_model("qwen2", os.path.join(tmp, "teacher"),
+                                      **{**body, "hidden_size": 2 * body["hidden_size"]}, seed=1)
+        run = Run("fsdp", hf, batch, ["--bf16", "--opd-teacher-load", teacher, "--opd-kl-coef", "0.5"])
+        try:
+            run.backend.load_frozen_weights("teacher", teacher)
+            kind = type(run.backend.frozen_roles.get("teacher")).__name__
+            timed = {}
+            for name, call in (("actor", lambda: run.backend.forward_only(run.samples)),
+                               ("teacher", lambda: run.backend.maybe_compute_teacher_log_probs(run.samples, True))):
+                call()  # warm-up
+                _sync()
+                t0 = time.perf_counter()
+                lps = call()
+                _sync()
+                timed[f"{name}_logprob_s"] = time.perf_counter() - t0
+                timed[f"{name}_finite"] = all(bool(torch.isfinite(t).all()) for t in lps)
+            out = {"kind": kind, **timed, **_mem(), "train": run.train(1), "sleep_wake": _sleep_wake(run)}
+        finally:
+            run.close()
+    if kind != "FSDPFrozenModel" or not (out["actor_finite"] and out["teacher_finite"]):
+        raise RuntimeError(f"the larger teacher: {kind}, finite log-probs {out['actor_finite']}/{out['teacher_finite']}")
     return out
 
 

@@ -31,11 +31,13 @@ Invariants:
   What it reads of the algorithm is what to build (a critic under
   ``--advantage-estimator ppo``) and, per step, whether the ``TrainBatch`` carries
   ``returns`` for a critic step beside the actor's.
-* Reference / teacher weights of the actor's shapes are *tags* held by a ``WeightManager``:
-  a frozen copy of this rank's parameter shards swapped in place, so no model is built
-  for them and the same code serves every parallel layout. Weights of other shapes (a
-  larger teacher: ``roles.needs_own_model``) are a frozen model of their own in
-  ``frozen_roles``, consulted first.
+* Reference / teacher weights of the actor's shapes are *tags* held by a
+  ``WeightManager``: a frozen copy of this rank's parameter shards swapped in
+  place, so no model is built for them and the same code serves every parallel
+  layout. Weights of other shapes (a larger teacher: ``roles.needs_own_model``)
+  are a model of their own, frozen, kept in ``frozen_roles`` by role name
+  (``roles.FrozenRole``), and consulted before the tags; it is never saved in a
+  checkpoint (its flag reloads it at resume).
 """
 
 from __future__ import annotations
@@ -521,7 +523,9 @@ class TrainBackend(DataParallelShare, abc.ABC):
         return self.weights.use(tag)
 
     def snapshot_weights(self, tag: str) -> None:
-        """Keep the live weights as the frozen ``tag`` (the initial policy as the KL reference)."""
+        """Keep the live weights as the frozen ``tag`` (the initial policy as the KL reference; the actor replacing
+        it under --ref-update-interval, which also replaces a reference model of its own)."""
+        self.frozen_roles.pop(tag, None)
         self.weights.backup(tag)
 
     @property
@@ -534,7 +538,8 @@ class TrainBackend(DataParallelShare, abc.ABC):
         """Log-probs under the frozen role ``tag``: its own model when it has one (``frozen_roles``), else its
         weight tag swapped into the actor's parameters for the pass."""
         if tag in self.frozen_roles:
-            return self.frozen_roles[tag].log_probs(samples, plan, owned_only)
+            with torch.no_grad():
+                return self.frozen_roles[tag].log_probs(samples, plan or self.plan_micro_batches(samples), owned_only)
         if not self.weights.has(tag):
             raise ConfigError(_MISSING_FROZEN.get(tag, f"no frozen weights are loaded under {tag!r}"))
         with self.switch_weights(tag):
@@ -598,6 +603,7 @@ def critic_step_metrics(metrics: dict[str, float], *, grad_norm, lr: float, upda
     out["critic/update_skipped"] = float(not update_ok)
     out["critic/step_time_s"] = time.perf_counter() - started
     return out
+
 
 
 def _check_owned(batch: TrainBatch, owned: Sequence[int]) -> None:

@@ -555,7 +555,8 @@ class CheckpointConfig:
     ref_load: Optional[str] = flag(None, "Frozen reference weights for the KL term (torch_dist or HF dir); "
                                    "default: the initial policy.")
     opd_teacher_load: Optional[str] = flag(None, "Frozen teacher weights for on-policy distillation (an HF dir or a "
-                                           "torch_dist dir): of the student's shapes a weight tag, of other shapes "
+                                           "torch_dist dir; --train-backend fsdp: HF): of the student's shapes a "
+                                           "weight tag, of other shapes "
                                            "(a larger teacher, same tokenizer) a frozen model of its own "
                                            "(docs/algorithms.md).")
     critic_hf_checkpoint: Optional[str] = flag(None, "--advantage-estimator ppo: the critic's initial trunk weights "

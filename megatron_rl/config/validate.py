@@ -917,9 +917,14 @@ _FSDP_NOT_BUILT = (
      "fsdp recomputes every decoder layer (uniform, one layer per unit)"),
     ("--recompute-num-layers", lambda c: c.memory.recompute_num_layers not in (None, 1),
      "fsdp recomputes one decoder layer per unit"),
-    ("--opd-teacher-load", lambda c: c.checkpoint.opd_teacher_load,
-     "on-policy distillation's teacher is not supported with fsdp (as in the source design)"),
 )
+
+
+def _teacher_of_its_own(cfg: Config, path: str) -> bool:
+    """The backend builds the teacher at ``path`` as a frozen model of its own (other shapes than the policy's:
+    ``role_models.own_model_dir``; backends/megatron/frozen_role.py, backends/fsdp/teacher.py), so it shares
+    nothing with the student's LoRA adapters."""
+    return own_model_dir(cfg.model.hf_checkpoint, path) is not None
 
 
 def _check_fsdp(errors: list[str], cfg: Config) -> None:
@@ -929,11 +934,11 @@ def _check_fsdp(errors: list[str], cfg: Config) -> None:
     for flag, given, why in _FSDP_NOT_BUILT:
         if given(cfg):
             errors.append(f"{flag} with --train-backend fsdp: {why}; drop {flag} or use --train-backend megatron")
-    ref = cfg.checkpoint.ref_load
-    if ref and not os.path.isfile(os.path.join(ref, "config.json")):
-        errors.append(f"--ref-load {ref} with --train-backend fsdp: only HF model directories (config.json + "
-                      "*.safetensors) load into the fsdp backend yet, not torch_dist checkpoints; convert it "
-                      "(tools/convert_ckpt.py dist-to-hf) or use --train-backend megatron")
+    for flag, path in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            errors.append(f"{flag} {path} with --train-backend fsdp: only HF model directories (config.json + "
+                          "*.safetensors) load into the fsdp backend yet, not torch_dist checkpoints; convert it "
+                          "(tools/convert_ckpt.py dist-to-hf) or use --train-backend megatron")
     for row in MEGATRON_FLAGS:
         if row.given(cfg):
             errors.append(f"{row.shown(cfg)} is a megatron-core setting; --train-backend fsdp does not read it: "
@@ -1042,9 +1047,11 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
                       "not installed: pip install peft (megatron_rl's [lora] extra), or use the megatron backend, "
                       "whose adapters need no peft")
     for flag, value in (("--ref-load", cfg.checkpoint.ref_load), ("--opd-teacher-load", cfg.checkpoint.opd_teacher_load)):
-        if value:
+        if value and not (flag == "--opd-teacher-load" and _teacher_of_its_own(cfg, value)):
             errors.append(f"{flag} with --lora-rank: a LoRA run's frozen weights are its base model (the reference is "
-                          f"the base model, the adapters starting at zero); other weights under {flag} are not built")
+                          f"the base model, the adapters starting at zero); other weights of the policy's shapes "
+                          f"under {flag} are not built (an --opd-teacher-load of other shapes than --hf-checkpoint "
+                          "is a model of its own, built beside the adapters)")
     if lo.lora_load is not None:
         errors.extend(_lora_load_errors(lo))
     if cfg.precision.train_backend == "megatron" and importlib.util.find_spec("transformer_engine") is not None:

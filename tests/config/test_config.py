@@ -290,7 +290,8 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity selective with "
                                                                           "--train-backend fsdp: selective recompute"),
     (["--train-backend", "fsdp", "--opd-teacher-load", "/tmp", "--opd-kl-coef", "1"],
-     "--opd-teacher-load with --train-backend fsdp: on-policy distillation's teacher is not supported with fsdp"),
+     "--opd-teacher-load /tmp with --train-backend fsdp: only HF model directories (config.json + *.safetensors) "
+     "load into the fsdp backend yet, not torch_dist checkpoints; convert it (tools/convert_ckpt.py dist-to-hf)"),
     (["--train-backend", "fsdp", "--attention-dropout", "0.1"], "--attention-dropout 0.1 is a megatron-core "
                                                                 "setting; --train-backend fsdp does not read it"),
     # slime's running-router flags: the router is given as the engine URL here

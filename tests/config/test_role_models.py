@@ -2,13 +2,9 @@
 of other shapes a model of its own; each model of its own, and a critic of another size, is checked against the
 layout it gets and the student's vocabulary before any worker starts, naming the flag and the fix."""
 
-import pytest
-
-from megatron_rl.backends.roles import needs_own_model, role_specs
+from megatron_rl.backends.roles import role_specs
 from megatron_rl.config import parse_config
-from megatron_rl.config.role_models import own_model_dir, shape_differences
 from megatron_rl.config.validate import collect_errors
-from megatron_rl.errors import ConfigError
 
 BIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=5)  # twice the hidden size, one more layer
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -17,19 +13,6 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 
 def errors(*argv):
     return collect_errors(parse_config(list(argv), validate=False))
-
-
-def test_tag_or_own_model_from_the_two_configs(tiny_hf_models, tmp_path):
-    actor, same, big = tiny_hf_models("qwen2"), tiny_hf_models("qwen2", seed=3), tiny_hf_models("qwen2", **BIG)
-    assert not shape_differences(actor, same) and not needs_own_model(actor, same, "--opd-teacher-load")
-    assert {"hidden_size: 64 vs 128", "num_hidden_layers: 4 vs 5"} <= set(shape_differences(actor, big))
-    assert needs_own_model(actor, big, "--opd-teacher-load") and own_model_dir(actor, big) == big
-    assert own_model_dir(actor, str(tmp_path)) is None  # no config.json: a checkpoint root, the actor's shapes
-    # a larger model's embedding padded further (Qwen2.5-7B vs 0.5B) holds every id of the student's: accepted
-    assert needs_own_model(actor, tiny_hf_models("qwen2", vocab_size=300), "--opd-teacher-load")
-    fewer = tiny_hf_models("qwen2", vocab_size=200)
-    with pytest.raises(ConfigError, match=r"--opd-teacher-load .*200 entries, fewer than the policy's 250"):
-        needs_own_model(actor, fewer, "--opd-teacher-load")
 
 
 def test_roles_of_a_run(tiny_hf_models):

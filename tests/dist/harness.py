@@ -45,6 +45,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "frozen": ("frozen_worker", "main"),
     "fsdp_critic": ("fsdp_critic_worker", "main"),
     "fsdp": ("fsdp_worker", "main"),
+    "fsdp_teacher": ("fsdp_worker", "teacher"),
     "groups": ("groups_worker", "main"),
     "lora": ("lora_worker", "main"),
     "offload": ("offload_worker", "main"),

@@ -36,4 +36,6 @@ def test_gpu_steps_dry_run(tmp_path):
     assert res["optimizer_cpu_offload"]["grad_norm_rel_diff"] < 1e-3
     assert res["sleep_wake"]["step_after_wake_finite"] and res["fsdp"]["sleep_wake"]["step_after_wake_finite"]
     assert res["fsdp"]["fp16_steps_taken"] == len(res["fsdp"]["fp16"]["steps"]) > 0
+    teacher = res["fsdp"]["opd_teacher"]  # a larger teacher: a model of its own, which sleep/wake carries along
+    assert teacher["kind"] == "FSDPFrozenModel" and teacher["sleep_wake"]["step_after_wake_finite"]
     assert all(m["train/loss_scale"] == 4096.0 for m in res["fsdp"]["fp16"]["steps"])

@@ -36,10 +36,16 @@ PPO's critic (``--advantage-estimator ppo``): a second HF trunk with a value hea
 loss scaler (``critic.py``); ``compute_values`` runs it, ``train_step`` steps it when the batch
 carries returns (and skips the actor when ``train_actor`` is False).
 
+Frozen roles (``--ref-load``, ``--opd-teacher-load``, HF directories): weights of the actor's shapes are a
+weight tag (the shared ``WeightManager``, loaded through the live shards); weights of other shapes (a larger
+teacher: ``roles.needs_own_model``) are a model of their own, frozen and sharded as the actor is
+(``teacher.py``), whose log-probs run through the actor's forward path (``log_probs_of``).
+
 Checkpoints: torch.distributed.checkpoint (DCP) in the megatron backend's checkpoint root
-layout (``checkpoint.py``). Not built in this version (refused by ``config.validate`` before
-any worker starts): selective recompute, ``--optimizer-offload-fraction`` below 1,
-``--opd-teacher-load``, torch_dist ``--ref-load`` / model-dir ``--load``.
+layout (``checkpoint.py``); a frozen role's own model is not saved (its flag reloads it). Not built in this
+version (refused by ``config.validate`` before any worker starts): selective recompute,
+``--optimizer-offload-fraction`` below 1, torch_dist ``--ref-load`` / ``--opd-teacher-load`` / model-dir
+``--load``.
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ from megatron_rl.backends.fsdp.critic import FSDPCritic
 from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, param_groups, train_on_micro_batches
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
+from megatron_rl.backends.fsdp.teacher import FSDPFrozenModel
 from megatron_rl.backends.loss_rows import keep_rows, padded_loss_rows, select_hf_rows
+from megatron_rl.backends.roles import needs_own_model
 from megatron_rl.backends.sleep_tiers import plan_sleep
 from megatron_rl.config import Config
 from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch
@@ -232,9 +240,9 @@ class FSDPBackend(TrainBackend):
                 local = p.to_local() if hasattr(p, "to_local") else p
             yield name, local
 
-    def _model_output(self, mb: PackedBatch, with_entropy: bool = True) -> ModelOutput:
-        """Response-aligned log-probs (+ entropy when ``with_entropy``) of one micro-batch through the
-        padding fallback.
+    def _model_output(self, model: "PreTrainedModel", mb: PackedBatch, with_entropy: bool = True) -> ModelOutput:
+        """Response-aligned log-probs (+ entropy when ``with_entropy``) of one micro-batch under ``model`` (the
+        actor, or a frozen role's own model: ``teacher.py``) through the padding fallback.
 
         The ``lm_head`` sees only the loss rows' hidden states (``backends.loss_rows``):
         prompt, observation and pad positions get no logits; their log-probs read 0.0.
@@ -243,9 +251,9 @@ class FSDPBackend(TrainBackend):
         are empty and it carries no loss."""
         padded = unpack_to_rows(mb, self.pad_token_id).to(self.device)
         rows = padded_loss_rows(mb, padded.response_rows, padded.response_cols, padded.input_ids.shape[1])
-        with keep_rows(self.model.get_output_embeddings(), select_hf_rows(rows)):
-            logits = self.model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
-                                use_cache=False).logits  # [1, rows, V]
+        with keep_rows(model.get_output_embeddings(), select_hf_rows(rows)):
+            logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
+                           use_cache=False).logits  # [1, rows, V]
         out = self.spec.extract_model_output(logits[0].float(), rows.targets.to(self.device),
                                              with_entropy=with_entropy)
         return ModelOutput(rows.to_response(out.logprobs),
@@ -255,12 +263,18 @@ class FSDPBackend(TrainBackend):
 
     def forward(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
                 owned_only: bool = False) -> list[Optional[torch.Tensor]]:
+        return self.log_probs_of(self.model, samples, plan, owned_only)
+
+    def log_probs_of(self, model: "PreTrainedModel", samples: Sequence[AnySample], plan: Optional[MicroBatchPlan],
+                     owned_only: bool) -> list[Optional[torch.Tensor]]:
+        """``forward``'s contract under ``model``: the actor's or a frozen role's own (both sharded on this
+        backend's mesh, so every rank runs the same micro-batches and FSDP collectives)."""
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
-        self.model.eval()
+        model.eval()
         local: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for mb in mbs:
-                out = self._model_output(mb, with_entropy=False)  # log-probs are all a forward pass keeps
+                out = self._model_output(model, mb, with_entropy=False)  # log-probs are all a forward pass keeps
                 lp = out.logprobs.detach().float().cpu()
                 local.update(zip(mb.sample_indices.tolist(), mb.split_response(lp)))
         return self.gather_per_sample(local, samples, plan, owned_only)
@@ -276,7 +290,7 @@ class FSDPBackend(TrainBackend):
     def _train_actor(self, plan: MicroBatchPlan, mbs: list[PackedBatch], denoms: LossDenominators,
                      t0: float) -> dict[str, float]:
         def loss_of(mb: PackedBatch):
-            out = self._model_output(mb)
+            out = self._model_output(self.model, mb)
             mb = mb.to(self.device)
             return self.spec.compute_loss(LossInputs.from_packed_batch(mb, out.logprobs, out.entropy), denoms)
 
@@ -344,11 +358,14 @@ class FSDPBackend(TrainBackend):
         return load_checkpoint(self, path)
 
     def load_frozen_weights(self, tag: str, path: str) -> None:
-        """Store the HF weights at ``path`` under ``tag`` (``--ref-load``), leaving the actor as it was.
+        """Hold the HF weights at ``path`` as the frozen role ``tag`` (``--ref-load``, ``--opd-teacher-load``),
+        leaving the actor as it was.
 
-        The full state dict is loaded on every rank and ``set_model_state_dict`` keeps each
-        rank's shard (strict: a different architecture is refused); the tag then copies the
-        local shards and the actor's shards are put back."""
+        Weights of the actor's shapes become a weight tag: the full state dict is loaded on every rank and
+        ``set_model_state_dict`` keeps each rank's shard (strict: a different architecture is refused); the
+        tag then copies the local shards and the actor's shards are put back. Weights of other shapes
+        (``roles.needs_own_model``: a larger teacher; another vocabulary is refused) become a frozen model of
+        their own (``teacher.py``), consulted by ``maybe_compute_*_log_probs`` before the tags."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         import transformers
 
@@ -357,6 +374,10 @@ class FSDPBackend(TrainBackend):
             raise CheckpointError(f"{flag} {path}: the fsdp backend loads HF directories (config.json + "
                                   "*.safetensors) only in this version")
         model_dir.check_hf_marker_once(path, f"checking {flag} {path}")
+        if needs_own_model(self.cfg.model.hf_checkpoint, path, flag):
+            self.frozen_roles[tag] = FSDPFrozenModel(self, tag, path)
+            return
+        self.frozen_roles.pop(tag, None)
 
         def load_into_live() -> None:
             other = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -373,7 +394,7 @@ class FSDPBackend(TrainBackend):
 
     def sleep(self) -> None:
         """Free accelerator memory for a colocated engine: sharded parameters, gradients and
-        optimizer state (the actor's and ppo's critic's) move to host memory. CPU: nothing to free, a no-op (as
+        optimizer state (the actor's and ppo's critic's, and a frozen teacher's parameters) move to host memory. CPU: nothing to free, a no-op (as
         megatron's); with --optimizer-cpu-offload they live in host memory already, only the cache is freed.
         The GPU path is written but not tested in this version (no GPU in CI)."""
         if not torch.cuda.is_available() or self._offloaded:
@@ -391,13 +412,21 @@ class FSDPBackend(TrainBackend):
         self._move_state(self.device)
         self._offloaded = False
 
-    def _move_state(self, device: torch.device) -> None:
-        trained: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = [(self.model, self.optimizer)]
+    def resident_models(self) -> list[tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]]:
+        """Every model this backend keeps on the device, with its optimizer (None: a frozen role's own model):
+        what ``sleep`` moves off the device and ``wake`` brings back."""
+        held: list[tuple[torch.nn.Module, Optional[torch.optim.Optimizer]]] = [(self.model, self.optimizer)]
         if self.critic is not None:
-            trained.append((self.critic.model, self.critic.optimizer))
-        for model, optimizer in trained:
+            held.append((self.critic.model, self.critic.optimizer))
+        held.extend((role.model, None) for role in self.frozen_roles.values() if isinstance(role, FSDPFrozenModel))
+        return held
+
+    def _move_state(self, device: torch.device) -> None:
+        for model, optimizer in self.resident_models():
             # FSDP2 re-registers its sharded parameters after .to()
             model.to(device)
+            if optimizer is None:
+                continue
             for state in optimizer.state.values():
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:

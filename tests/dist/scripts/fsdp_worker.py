@@ -13,6 +13,9 @@ exported HF weights; FSDP runs also check the weight tags (the snapshot taken be
 training and an HF ``--ref-load`` of the initial checkpoint give the initial log-probs back; a LoRA run's tags
 hold the adapters only, so it records the snapshot check, its optimizer's parameters and whether every
 frozen base shard is bitwise unchanged after training).
+
+Job ``fsdp_teacher`` (function ``teacher``, tests/dist/test_fsdp_teacher.py): on-policy distillation with a larger
+teacher (a frozen model of its own) and a same-shape one (a weight tag); its usage is in its docstring.
 """
 
 import json
@@ -155,3 +158,111 @@ def main(argv):
         with open(os.path.join(out_dir, f"results_w{world}.json"), "w") as f:
             json.dump(results, f)
     # every rank then waits for rank 0's results in the harness's barrier (tests/dist/harness.py)
+
+
+def teacher(argv):
+    """Job ``fsdp_teacher`` (tests/dist/test_fsdp_teacher.py): on-policy distillation on the FSDP backend.
+
+    argv = STUDENT_HF BIG_TEACHER_HF SAME_TEACHER_HF OUT_DIR CKPT_ROOT MODE, MODE ``save`` or ``resume``.
+    ``save``: a fresh OPD run with the larger teacher (a model of its own), 3 steps, the checkpoint after 2 under
+    CKPT_ROOT; then a run with the same-shape teacher (a weight tag), and a --lora-rank run with the larger teacher
+    (one step). ``resume``: the same fresh larger-teacher run
+    (3 steps, no save), then a run resumed from CKPT_ROOT through ``Resumer.resume_or_init`` (as the loop starts),
+    which trains the 3rd step. The start-up and the steps go through the product's own calls (resume_or_init,
+    maybe_compute_*_log_probs with the owner-aligned plan, train_step). Writes ``teacher_<MODE>_w<world>.json``."""
+    import torch.distributed as dist
+
+    from megatron_rl.algorithms import spec_from_config
+    from megatron_rl.backends.base import TrainBatch, make_backend
+    from megatron_rl.config import parse_config
+    from megatron_rl.runner.checkpoints import CheckpointCursor
+    from megatron_rl.runner.resume import Resumer
+
+    hf_dir, big, same, out_dir, ckpt_root, mode = argv
+    world = int(os.environ["WORLD_SIZE"])
+
+    def start(teacher_dir, *extra):
+        cfg = parse_config(flags_of(hf_dir, world, ["--train-backend=fsdp", f"--opd-teacher-load={teacher_dir}",
+                                                    "--opd-kl-coef=0.5", *extra]))
+        spec = spec_from_config(cfg)
+        backend = make_backend("fsdp")
+        backend.initialize(cfg, spec)
+        step = Resumer(cfg, CheckpointCursor()).resume_or_init(backend, None)
+        return backend, spec, step
+
+    def teacher_logprobs(backend, samples):
+        plan = backend.plan_rollout(samples, len(samples))
+        full = backend.maybe_compute_teacher_log_probs(samples, True)
+        mine = backend.maybe_compute_teacher_log_probs(samples, True, plan=plan.forward, owned_only=True)
+        owned = set(plan.steps[0][1].rank_samples(backend.dp_rank))
+        owned_ok = all((t is not None and torch.equal(t, f)) if i in owned else t is None
+                       for i, (t, f) in enumerate(zip(mine, full)))
+        return [t.tolist() for t in full], owned_ok
+
+    def train(backend, spec, samples, rec, save_after=None, until=3):
+        for step in range(rec["start_step"], until):
+            plan = backend.plan_rollout(samples, len(samples))
+            old = backend.forward_only(samples, plan=plan.forward, owned_only=True)
+            ref = backend.maybe_compute_ref_log_probs(samples, True, plan=plan.forward, owned_only=True)
+            tea = backend.maybe_compute_teacher_log_probs(samples, True, plan=plan.forward, owned_only=True)
+            adv = spec.compute_advantages(samples)
+            m = backend.train_step(TrainBatch(samples, adv, old_logprobs=old, ref_logprobs=ref, teacher_logprobs=tea,
+                                              plan=plan.steps[0][1]))
+            rec["steps"].append({k: v for k, v in m.items() if not k.endswith("_time_s")})
+            if save_after == step:
+                backend.save(os.path.join(ckpt_root, f"iter_{step + 1:07d}"), {"rollout_id": step + 1})
+
+    def own_model_record(backend):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        role = backend.frozen_roles["teacher"]
+        actor = {id(p) for p in backend.model.parameters()}
+        in_optimizer = {id(p) for g in backend.optimizer.param_groups for p in g["params"]}
+        return {"kind": type(role).__name__, "tags": backend.weights.tags,
+                "hidden": [role.model.config.hidden_size, role.model.config.num_hidden_layers],
+                "frozen": not any(p.requires_grad for p in role.model.parameters()),
+                "in_optimizer": any(id(p) in in_optimizer for p in role.model.parameters()),
+                "shares_actor_params": any(id(p) in actor for p in role.model.parameters()),
+                "eval_mode": not role.model.training,
+                "resident": [m is role.model for m, _ in backend.resident_models()],
+                "actor_state_keys": len(get_model_state_dict(backend.model))}
+
+    samples = make_samples(250)
+    results = {}
+    backend, spec, step0 = start(big)
+    rec = {"start_step": step0, "steps": [], "own_model": own_model_record(backend)}
+    rec["student_logprobs"] = [t.tolist() for t in backend.forward_only(samples)]
+    rec["teacher_logprobs"], rec["owned_ok"] = teacher_logprobs(backend, samples)
+    train(backend, spec, samples, rec, save_after=1 if mode == "save" else None)
+    rec["teacher_after_training_equal"] = teacher_logprobs(backend, samples)[0] == rec["teacher_logprobs"]
+    results["big"] = rec
+    if mode == "save":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(os.path.join(ckpt_root, "iter_0000002")).read_metadata().state_dict_metadata
+        rec["ckpt_top_keys"] = sorted({k.split(".", 1)[0] for k in keys})
+        rec["ckpt_model_keys"] = sum(k.startswith("model.") for k in keys)
+        del backend
+        backend, spec, step0 = start(same)
+        rec = {"start_step": step0, "frozen_roles": sorted(backend.frozen_roles), "tags": backend.weights.tags}
+        rec["teacher_logprobs"], rec["owned_ok"] = teacher_logprobs(backend, samples)
+        rec["actor_back"] = [t.tolist() for t in backend.forward_only(samples)] == results["big"]["student_logprobs"]
+        results["same"] = rec
+        del backend
+        backend, spec, step0 = start(big, "--lora-rank=4", "--lora-alpha=8")
+        rec = {"start_step": step0, "steps": [], "own_model": own_model_record(backend),
+               "teacher_adapters": sum("lora_" in n for n, _ in backend.frozen_roles["teacher"].model.named_parameters()),
+               "student_adapters": sum("lora_" in n for n, _ in backend.model.named_parameters())}
+        rec["teacher_logprobs"], rec["owned_ok"] = teacher_logprobs(backend, samples)
+        train(backend, spec, samples, rec, until=1)
+        results["lora"] = rec
+    else:
+        del backend
+        backend, spec, step0 = start(big, f"--load={ckpt_root}")
+        rec = {"start_step": step0, "steps": []}
+        rec["teacher_logprobs"], rec["owned_ok"] = teacher_logprobs(backend, samples)
+        train(backend, spec, samples, rec)
+        results["resumed"] = rec
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, f"teacher_{mode}_w{world}.json"), "w") as f:
+            json.dump(results, f)
