@@ -111,7 +111,7 @@ class Run:
     def __init__(self, backend_name: str, hf: str, batch: dict, flags: list[str]):
         from megatron_rl.algorithms.config import PolicyGradientConfig
         from megatron_rl.algorithms.spec import PolicyGradientSpec
-        from megatron_rl.backends.base import make_backend
+        from megatron_rl.backends.factory import make_backend
         from megatron_rl.config import parse_config
 
         argv = ["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "1", "--train-backend", backend_name,

@@ -92,7 +92,8 @@ def worker(args) -> dict:
     import torch
 
     from megatron_rl.algorithms import spec_from_config
-    from megatron_rl.backends.base import TrainBatch, make_backend
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
 
     torch.manual_seed(0)

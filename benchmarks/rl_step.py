@@ -217,7 +217,7 @@ def in_process(steps: int, warmup: int, repeats: int) -> None:
     """One process, one thread: per rollout, the loop's own pieces (generate, ``train_on_rollout``, sync)
     and then the floor, alternately, so both see the same machine state; medians over the steps."""
     from megatron_rl.algorithms import spec_from_config
-    from megatron_rl.backends.base import make_backend
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
     from megatron_rl.data.synthetic import prepare
     from megatron_rl.rollout.build import build_rollout

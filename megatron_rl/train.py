@@ -56,7 +56,7 @@ def run(cfg: Config) -> int:
     clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
     # lazy: torch, megatron-core glue and the engine load only once the flags parsed (--help, flag errors: ~0.1 s)
     from megatron_rl.algorithms import spec_from_config
-    from megatron_rl.backends.base import make_backend
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.rollout.build import build_replica_worker, build_rollout
     from megatron_rl.runner.context import RunContext
     from megatron_rl.runner.engine_faults import EngineRecovery

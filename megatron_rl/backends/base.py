@@ -8,10 +8,10 @@ teacher). The RL loop talks to it only through the abstract methods below plus t
 ``snapshot_weights``, ``swap_seconds``); it never sees megatron-core or FSDP types. A backend is
 one module (two exist: ``megatron``, ``fsdp``): implement the abstract methods, set the layout
 attributes in ``initialize`` (``dp_size``, ``dp_rank``, ``pad_to_multiple``, ``holds_results``)
-and add a row to ``BACKENDS``. Planning the data-parallel split of a rollout batch, packing, loss
+and add a row to ``factory.BACKENDS``. Planning the data-parallel split of a rollout batch, packing, loss
 denominators and the per-sample gather live in ``DataParallelShare`` (``plan_rollout``,
 ``preprocess_rollout_data``, ``gather_per_sample``), which every backend is, and so is a second role
-with a layout of its own (``backends/megatron/critic.py::RoleShare``). docs/architecture.md.
+with a layout of its own (``backends/megatron/role_model.py::RoleShare``). docs/architecture.md.
 
 Invariants:
 * Every rank of the training world calls every method, in the same order, with
@@ -61,7 +61,6 @@ from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBa
 from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError, ConfigError
 from megatron_rl.infra import dist as dist_util
-from megatron_rl.infra.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
@@ -677,30 +676,3 @@ def broadcast_samples(samples: Optional[list[Sample]], src: int = 0, group=None)
         return sample_codec.decode(sizes, buffer)
     assert samples is not None, "the counts are not -1: the driver had samples"
     return list(samples)
-
-
-def _megatron_backend() -> TrainBackend:
-    from megatron_rl.compat import megatron_import  # lazy: torch; its finder hides wandb and dynamo from megatron
-
-    megatron_import.install()
-    from megatron_rl.backends.megatron.backend import MegatronBackend  # lazy: imports megatron-core (~15 s)
-
-    return MegatronBackend()
-
-
-def _fsdp_backend() -> TrainBackend:
-    from megatron_rl.backends.fsdp.backend import FSDPBackend  # lazy: imports transformers, FSDP2
-
-    return FSDPBackend()
-
-
-# --train-backend -> a factory of the backend (its module is imported on first use)
-BACKENDS: Registry[Callable[[], TrainBackend]] = Registry("--train-backend", "training backend", {
-    "megatron": _megatron_backend,
-    "fsdp": _fsdp_backend,
-})
-
-
-def make_backend(name: str) -> TrainBackend:
-    """The backend named by ``--train-backend``."""
-    return BACKENDS.get(name)()

@@ -51,6 +51,7 @@ import torch
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.peft_adapter import peft_key
+from megatron_rl.models.wrappers import unwrap
 
 LORA_ATTR = "lora"  # the attribute of a model chunk that holds its adapters
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear but the output layer
@@ -310,7 +311,6 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # lazy: megatron
 
     from megatron_rl.models.spec import layer_spec_flavour  # lazy: imports the megatron layer specs
-    from megatron_rl.models.weights import unwrap  # lazy: weights imports this module (is_adapter_name)
 
     if layer_spec_flavour() != "local":
         raise BridgeError("LoRA is built on megatron's local layer spec; with transformer-engine the input norm is "

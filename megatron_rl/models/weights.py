@@ -36,17 +36,11 @@ from megatron_rl.errors import BridgeError, CheckpointError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
 from megatron_rl.models.lora import is_adapter_name
+from megatron_rl.models.wrappers import unwrap
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.*)$")
 _EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-
-
-def unwrap(model):
-    """Strip DDP / Float16Module wrappers (``.module`` chains)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 @dataclass

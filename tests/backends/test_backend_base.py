@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megatron_rl.backends.base import WeightManager, broadcast_samples, bucketed, finish_step_metrics, make_backend
+from megatron_rl.backends.base import WeightManager, broadcast_samples, bucketed, finish_step_metrics
+from megatron_rl.backends.factory import make_backend
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import BackendError, ConfigError
 
@@ -73,7 +74,7 @@ def test_megatron_backend_import_skips_wandb_and_dynamo_but_leaves_both_usable()
     import sys
 
     code = ("import sys, torch\n"
-            "from megatron_rl.backends.base import make_backend\n"
+            "from megatron_rl.backends.factory import make_backend\n"
             "make_backend('megatron')\n"
             "import megatron.core.timers as t\n"
             "from megatron.core.transformer.moe.router import TopKRouter\n"

@@ -43,7 +43,8 @@ class Run:
 def _train_and_save(hf: str, root: str, flags: list[str]):
     from megatron_rl.algorithms.config import PolicyGradientConfig
     from megatron_rl.algorithms.spec import PolicyGradientSpec
-    from megatron_rl.backends.base import TrainBatch, make_backend
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
 
     cfg = parse_config(["--hf-checkpoint", hf, "--actor-num-gpus-per-node", "1", "--train-backend", "fsdp",

@@ -36,7 +36,7 @@ WAIT_S = 600  # a hang bound on the worker's start-up (imports, model) and two s
 def _backend_and_saver(hf: str, root: str):
     from megatron_rl.algorithms.config import PolicyGradientConfig
     from megatron_rl.algorithms.spec import PolicyGradientSpec
-    from megatron_rl.backends.base import make_backend
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
     from megatron_rl.infra.tracking import Tracker
     from megatron_rl.infra.wall_time import WallClock

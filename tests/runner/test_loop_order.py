@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from _metrics_doc import check_mode_keys
-from megatron_rl.backends.base import BACKENDS, TrainBackend, WeightManager
+from megatron_rl.backends.base import TrainBackend, WeightManager
+from megatron_rl.backends.factory import BACKENDS
 from megatron_rl.config import parse_config
 from megatron_rl.data.types import Sample
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME

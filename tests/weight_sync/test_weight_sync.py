@@ -114,7 +114,7 @@ def real_backends(tiny_hf_models):
 
     from megatron_rl.algorithms.config import PolicyGradientConfig
     from megatron_rl.algorithms.spec import PolicyGradientSpec
-    from megatron_rl.backends.base import make_backend
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.models.parallel import destroy_parallel
 
     hf = tiny_hf_models("qwen2")

@@ -46,56 +46,25 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.backends.base import DataParallelShare, TrainBatch, critic_step_metrics
-from megatron_rl.backends.megatron.role_model import (Optimization, RoleAttributes, RoleModel, ValueHead,
-                                                     load_model_dir, lora_spec)
+from megatron_rl.backends.base import TrainBatch, critic_step_metrics
+from megatron_rl.backends.megatron.role_model import (Optimization, RoleAttributes, RoleModel, RoleShare, ValueHead,
+                                                     load_model_dir, lora_spec, role_layout)
 from megatron_rl.infra.checkpoint_root import is_model_dir
 from megatron_rl.config.role_models import config_dir
-from megatron_rl.data.packing import LossDenominators, PackedBatch, pad_multiple_for
+from megatron_rl.data.packing import LossDenominators, PackedBatch
 from megatron_rl.errors import BackendError, CheckpointError
 from megatron_rl.models import get_bridge
 from megatron_rl.models.parallel import LayoutScope, ParallelLayout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MegatronCritic", "RoleShare", "ValueHead", "critic_layout", "role_layout"]
-
-
-def role_layout(cfg, actor: ParallelLayout, tp: Optional[int] = None, pp: Optional[int] = None) -> ParallelLayout:
-    """A second role's layout on the actor's ranks: its own TP/PP where given, else the actor's; no virtual
-    pipeline stages and no context parallelism (a second role's passes are built without them); the actor's
-    expert layout."""
-    tp = tp or actor.tp
-    return ParallelLayout(tp=tp, pp=pp or actor.pp, vpp=None, cp=1, ep=actor.ep, etp=actor.etp,
-                          sequence_parallel=bool(cfg.parallel.sequence_parallel) and tp > 1)
+__all__ = ["MegatronCritic", "ValueHead", "critic_layout"]
 
 
 def critic_layout(cfg, actor: ParallelLayout) -> ParallelLayout:
     """The critic's layout: ``--critic-tensor/pipeline-model-parallel-size`` where given (``role_layout``)."""
     p = cfg.parallel
     return role_layout(cfg, actor, p.critic_tensor_model_parallel_size, p.critic_pipeline_model_parallel_size)
-
-
-class RoleShare(DataParallelShare):
-    """A second role's own share of the batch when its layout is not the actor's: its DP size and rank, its
-    padding, which of its ranks hold results (read from its parallel state, in its scope)."""
-
-    def __init__(self, cfg, scope: LayoutScope, pad_token_id: int) -> None:
-        from megatron.core import parallel_state as ps  # lazy: megatron-core
-
-        layout = scope.layout
-        self.cfg = cfg
-        self.pad_token_id = pad_token_id
-        with scope:
-            self.dp_size = ps.get_data_parallel_world_size()
-            self.dp_rank = ps.get_data_parallel_rank()
-            self.holds_results = (ps.is_pipeline_last_stage(ignore_virtual=True)
-                                  and ps.get_tensor_model_parallel_rank() == 0)
-        self.pad_to_multiple = pad_multiple_for(layout.tp, layout.cp, layout.sequence_parallel)
-
-    @property
-    def context_parallel_size(self) -> int:
-        return 1
 
 
 class MegatronCritic(RoleAttributes):

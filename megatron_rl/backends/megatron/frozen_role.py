@@ -7,7 +7,7 @@ holds only weights of the actor's shapes; a teacher larger than the student, the
 second ``GPTModel``, built by its own bridge from its own ``config.json`` through ``role_model.RoleModel`` (no
 DDP, no optimizer, no gradients). ``roles.needs_own_model`` decides from the two config files.
 
-Layout: the actor's TP and PP, without virtual pipeline stages or context parallelism (``critic.role_layout``).
+Layout: the actor's TP and PP, without virtual pipeline stages or context parallelism (``role_model.role_layout``).
 When that equals the actor's layout the teacher runs over the actor's packed micro-batches of the pass (the
 old-log-prob pass packed them already); otherwise it is a second layout on the same ranks (a ``LayoutScope``)
 with its own share of the batch (``RoleShare``), and every rank gets every sample's log-probs.
@@ -25,8 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.backends.megatron.critic import RoleShare, role_layout
-from megatron_rl.backends.megatron.role_model import RoleModel, load_model_dir
+from megatron_rl.backends.megatron.role_model import RoleModel, RoleShare, load_model_dir, role_layout
 from megatron_rl.config.role_models import config_dir
 from megatron_rl.data.packing import MicroBatchPlan
 from megatron_rl.errors import CheckpointError

@@ -32,9 +32,10 @@ from megatron_rl.algorithms.spec import ModelOutput
 from megatron_rl.backends.loss_rows import LossRows, keep_rows, packed_loss_rows
 from megatron_rl.backends.megatron.settings import (ddp_config_kwargs, optimizer_config_kwargs,
                                                    transformer_config_overrides)
-from megatron_rl.data.packing import PackedBatch
+from megatron_rl.backends.base import DataParallelShare
+from megatron_rl.data.packing import PackedBatch, pad_multiple_for
 from megatron_rl.models import cp_utils
-from megatron_rl.models.parallel import LayoutScope
+from megatron_rl.models.parallel import LayoutScope, ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,37 @@ def lora_spec(cfg):
 
     return lora.LoraSpec(lo.lora_rank, lo.lora_alpha, lo.lora_dropout, tuple(lo.lora_target_modules),
                          init_seed=cfg.runtime.seed)
+
+
+def role_layout(cfg, actor: ParallelLayout, tp: Optional[int] = None, pp: Optional[int] = None) -> ParallelLayout:
+    """A second role's layout on the actor's ranks: its own TP/PP where given, else the actor's; no virtual
+    pipeline stages and no context parallelism (a second role's passes are built without them); the actor's
+    expert layout."""
+    tp = tp or actor.tp
+    return ParallelLayout(tp=tp, pp=pp or actor.pp, vpp=None, cp=1, ep=actor.ep, etp=actor.etp,
+                          sequence_parallel=bool(cfg.parallel.sequence_parallel) and tp > 1)
+
+
+class RoleShare(DataParallelShare):
+    """A second role's own share of the batch when its layout is not the actor's: its DP size and rank, its
+    padding, which of its ranks hold results (read from its parallel state, in its scope)."""
+
+    def __init__(self, cfg, scope: LayoutScope, pad_token_id: int) -> None:
+        from megatron.core import parallel_state as ps  # lazy: megatron-core
+
+        layout = scope.layout
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        with scope:
+            self.dp_size = ps.get_data_parallel_world_size()
+            self.dp_rank = ps.get_data_parallel_rank()
+            self.holds_results = (ps.is_pipeline_last_stage(ignore_virtual=True)
+                                  and ps.get_tensor_model_parallel_rank() == 0)
+        self.pad_to_multiple = pad_multiple_for(layout.tp, layout.cp, layout.sequence_parallel)
+
+    @property
+    def context_parallel_size(self) -> int:
+        return 1
 
 
 class RoleModel:

@@ -51,7 +51,7 @@ def critic_flags(hf_dir: str, world: int) -> list[str]:
 
 def _build(name: str, argv: list[str]):
     from megatron_rl.algorithms.from_config import spec_from_config
-    from megatron_rl.backends.base import make_backend
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
 
     cfg = parse_config(argv + ["--train-backend", name])

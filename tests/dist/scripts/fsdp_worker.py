@@ -41,7 +41,8 @@ def main(argv):
 
     from megatron_rl.algorithms.config import PolicyGradientConfig
     from megatron_rl.algorithms.spec import PolicyGradientSpec
-    from megatron_rl.backends.base import TrainBatch, make_backend
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
 
     hf_dir, out_dir, runs = argv[0], argv[1], argv[2:]
@@ -173,7 +174,8 @@ def teacher(argv):
     import torch.distributed as dist
 
     from megatron_rl.algorithms import spec_from_config
-    from megatron_rl.backends.base import TrainBatch, make_backend
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.factory import make_backend
     from megatron_rl.config import parse_config
     from megatron_rl.runner.checkpoints import CheckpointCursor
     from megatron_rl.runner.resume import Resumer
