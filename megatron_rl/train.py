@@ -72,8 +72,13 @@ def run(cfg: Config) -> int:
         return 0  # rollout-only: the driver's engine does all the work; no trainer ranks
     backend = make_backend(cfg.precision.train_backend) if cfg.has_training else None
     clock.lap("import_backend")
+    reward_model = None
     if backend:
         backend.initialize(cfg, spec)
+        if cfg.data.reward_model_path:  # the RM role, on the trainer's ranks (backends/reward_model.py)
+            from megatron_rl.backends.reward_model import RewardModel  # lazy: transformers' classifier
+
+            reward_model = RewardModel(cfg)
     clock.lap("backend")
     fleet = None  # the SGLang engines this run launches (each node's local rank 0 starts its node's)
     sync = rollout = engine = None
@@ -104,7 +109,7 @@ def run(cfg: Config) -> int:
             ctx.log(start, {**synced, **clock.metrics()}, attempt_start=True)
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3
         parts = StepParts(ctx, spec, backend, rollout, replica, engine, recovery, sync, synced_version=start,
-                          resync=lambda version: _resync(sync, backend, rollout, version))
+                          resync=lambda version: _resync(sync, backend, rollout, version), reward_model=reward_model)
         if cfg.rollout.async_mode == "one-step":
             # lazy: a driver only its mode loads (one-step: rollout N+1 generated beside training N)
             from megatron_rl.runner.one_step import run_one_step as loop

@@ -781,6 +781,14 @@ class DataConfig:
     rm_max_retries: int = flag(5, "Times a request to the reward server (--rm-url) that got no reply because of "
                                "the connection (refused, dropped) is sent again, with backoff; an HTTP error or "
                                "a malformed reply is never retried.")
+    reward_model_path: Optional[str] = flag(
+        None, "A reward model on the trainer's ranks (OpenRLHF's --reward_pretrain, verl's reward_model.model.path): "
+        "an HF AutoModelForSequenceClassification dir with one label. Between generation and training it scores "
+        "every sample; the reward becomes --reward-model-weight x score, plus the --rm-type/--custom-rm-path/"
+        "--rm-url reward when one is given (logged as reward/rule; the score as reward/rm_score). It reads the "
+        "policy's token ids when its tokenizer is the policy's, else prompt + response text through its own "
+        "(docs/algorithms.md).", metavar="DIR")
+    reward_model_weight: float = flag(1.0, "The weight of --reward-model-path's score in the reward.")
 
     @property
     def eval_sets(self) -> tuple[tuple[Optional[str], str], ...]:

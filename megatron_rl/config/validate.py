@@ -372,6 +372,49 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
                       f"--wall-time-limit {rt.wall_time_limit:g}s; lower the reserve or raise the limit")
 
 
+def _check_reward_model(errors: list[str], cfg: Config) -> None:
+    """--reward-model-path: a one-label sequence classifier, scored on the trainer's ranks between generation and
+    training (backends/reward_model.py), so nothing that needs a reward before then can use it."""
+    d = cfg.data
+    path = d.reward_model_path
+    if not path:
+        if d.reward_model_weight != 1.0:
+            errors.append(f"--reward-model-weight {d.reward_model_weight} weights --reward-model-path's score; add "
+                          "--reward-model-path DIR or drop it")
+        return
+    flag = f"--reward-model-path {path}"
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        errors.append(f"{flag}: no readable config.json there ({e}); give an HF AutoModelForSequenceClassification "
+                      "dir")
+        return
+    archs = config.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        errors.append(f"{flag}: its config.json names {archs or 'no architecture'}, not a *ForSequenceClassification "
+                      "model; a reward model is a sequence classifier with one label (save it with "
+                      "AutoModelForSequenceClassification)")
+    labels = config.get("num_labels", len(config.get("id2label") or {}) or None)
+    if labels not in (None, 1):
+        errors.append(f"{flag}: its head has {labels} labels; a reward model scores with one (num_labels 1)")
+    has_rule = bool(d.rm_type or d.custom_rm_path or d.rm_url)
+    if not cfg.has_training:
+        errors.append(f"{flag} scores on the trainer's ranks, and this run trains nothing (--debug-rollout-only): "
+                      "give the rollout a --rm-type/--custom-rm-path/--rm-url reward instead")
+    why = "needs every reward when the samples are generated, and the reward model scores them on the trainer's ranks " \
+          "right before training"
+    if cfg.rollout.dynamic_sampling_filter_path:
+        errors.append(f"--dynamic-sampling-filter-path with {flag}: the filter {why}; drop one of them")
+    if cfg.algorithm.advantage_estimator == "remax":
+        errors.append(f"--advantage-estimator remax with {flag}: its greedy baseline's reward {why}; use grpo or "
+                      "reinforce_plus_plus, or a rule reward")
+    if d.eval_prompt_data and not has_rule:
+        errors.append(f"--eval-prompt-data with {flag} alone: evaluation scores on the driver, outside the training "
+                      "step where the reward model runs; give evaluation a --rm-type/--custom-rm-path/--rm-url "
+                      "reward (the reward model's score adds to it in training) or drop --eval-prompt-data")
+
+
 _BUILTIN_STD_FILTERS = ("check_reward_nonzero_std", "check_reward_nonzero_std_with_fallback")
 
 
@@ -393,6 +436,7 @@ def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
             errors.append(f"{', '.join(tuned)} tune the reward server, which only --rm-url names: add --rm-url URL "
                           f"or drop {', '.join(t.split()[0] for t in tuned)}")
     _check_reward_shaping(errors, cfg)
+    _check_reward_model(errors, cfg)
     if not r.dynamic_sampling_filter_path:
         tuned = [f for f, on in (("--over-sampling-batch-size", r.over_sampling_batch_size is not None),
                                  ("--dynamic-sampling-max-rounds", r.dynamic_sampling_max_rounds != 10)) if on]

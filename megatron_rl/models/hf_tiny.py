@@ -235,6 +235,28 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
     return str(path)
 
 
+def build_tiny_reward_model(family: str, path: str | os.PathLike, seed: int = 0, pad_token_id: int | None = 0,
+                            **overrides: Any) -> str:
+    """A random-weight tiny ``AutoModelForSequenceClassification`` of ``family`` with one label (a reward model's
+    shape: ``--reward-model-path``), saved to ``path`` as a hub RM would be. ``pad_token_id`` None: HF then scores
+    one unpadded sequence per forward."""
+    import torch
+    import transformers
+
+    config = tiny_config(family, num_labels=1, pad_token_id=pad_token_id, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, _MATRIX_STD.get(family, 0.08))
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
 def _add_mtp_tensors(path: str, main_layers: int, depths: int, hidden: int) -> None:
     """Turn the last ``depths`` saved decoder layers into MTP layers: config.json says ``main_layers``, and
     each MTP layer gets its norms, ``eh_proj`` and copies of the embedding and head."""

@@ -47,6 +47,14 @@ from megatron_rl.data.types import Sample
 from megatron_rl.rollout.rewards import RewardFn, RewardShaping, compute_rewards, reward_metrics, reward_source
 
 
+def reward_stats(samples: list[Sample]) -> dict[str, float]:
+    """``rollout/reward_mean`` / ``_std`` (float32 reductions) and a dict reward's ``reward/<key>``: what a batch's
+    rewards say; computed again when a reward model on the trainer's ranks rescores the batch."""
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    return {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+            **reward_metrics(samples)}
+
+
 def _is_mixed(sample: Sample) -> bool:
     """More than one version among the sample's tokens: its ``token_versions``, or for a sample stored
     before that field existed, the token-holding spans of ``metadata["weight_version_spans"]``."""
@@ -140,16 +148,13 @@ class RolloutBatchBuilder:
         ``perf/reward_s`` (``reward_s``: the reward calls' time), ``rollout/weight_version`` and the version
         metrics against ``trained_at``, a dict reward's ``reward/<key>``, and the multi-turn and route metrics
         when the samples carry them."""
-        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
         lengths = torch.tensor([float(s.response_length) for s in samples], dtype=torch.float32)
-        metrics = {"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
-                   "rollout/response_len_mean": lengths.mean().item(),
+        metrics = {**reward_stats(samples), "rollout/response_len_mean": lengths.mean().item(),
                    "rollout/response_len_max": lengths.max().item(),
                    "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
                    "rollout/time_s": time_s, "perf/reward_s": reward_s,
                    "rollout/weight_version": float(min(s.oldest_version for s in samples))}
         metrics.update(weight_version_metrics(samples, trained_at))  # kept for training, counted
-        metrics.update(reward_metrics(samples))  # reward/<key>: a dict reward's extra metrics
         metrics.update(agent_metrics(samples))  # rollout/turns_mean, ...: only for multi-turn samples
         metrics.update(route_metrics(samples))  # rollout/route_bytes_per_token: only with engine routes
         return metrics

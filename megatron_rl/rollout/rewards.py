@@ -264,8 +264,16 @@ def reward_fn_from_config(cfg) -> RewardFn:
             raise ConfigError(f"--rm-url {d.rm_url} scores every sample on the reward server, so {given} would be "
                               f"ignored: drop one of them")
         return RemoteReward.from_config(cfg)
+    if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
+        return _scored_by_the_reward_model  # the RM role on the trainer's ranks sets every reward (runner/step.py)
     return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
                          timeout_s=cfg.rollout.user_function_timeout)
+
+
+def _scored_by_the_reward_model(samples: list[Sample]) -> list[float]:
+    """No rule reward: 0.0 until the reward model on the trainer's ranks scores the batch (``--reward-model-path``
+    alone)."""
+    return [0.0] * len(samples)
 
 
 def reward_source(cfg) -> str:
@@ -273,6 +281,8 @@ def reward_source(cfg) -> str:
     d = cfg.data
     if d.rm_url:
         return f"--rm-url {d.rm_url}"
+    if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
+        return f"--reward-model-path {d.reward_model_path}"
     return f"--custom-rm-path {d.custom_rm_path}" if d.custom_rm_path else f"--rm-type {d.rm_type}"
 
 

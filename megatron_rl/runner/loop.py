@@ -19,7 +19,7 @@ from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.replicas import ReplicaWorker
 from megatron_rl.runner.context import RunContext
 from megatron_rl.runner.engine_faults import EngineRecovery
-from megatron_rl.runner.step import train_on_rollout
+from megatron_rl.runner.step import apply_reward_model, train_on_rollout
 
 
 @dataclass
@@ -35,6 +35,7 @@ class StepParts:
     resync: Any  # (version) -> metrics: a complete sync of the trainer's weights after an engine restart
     synced_version: int = 0  # the version the engines hold: the last sync's
     prepare_final: Optional[Callable[[], Optional[dict]]] = None  # an async driver's extra state for the final save
+    reward_model: Any = None  # --reward-model-path: the RM role on the trainer's ranks (backends/reward_model.py)
 
     @property
     def here(self):
@@ -59,6 +60,8 @@ class StepParts:
         backend, ctx = self.backend, self.ctx
         assert backend is not None, "a run that trains built its backend"
         metrics.update(ctx.colocation.before_train(backend, self.here))
+        if self.reward_model is not None:  # the RM role scores the batch before any advantage is computed
+            apply_reward_model(self.reward_model, samples, metrics)
         swapped = backend.swap_seconds
         train_actor = rollout_id >= ctx.cfg.algorithm.num_critic_only_steps  # ppo: the critic warms up first
         metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics, train_actor=train_actor))

@@ -10,9 +10,12 @@ import torch
 
 from megatron_rl.algorithms.spec import Spec
 from megatron_rl.backends.base import TrainBackend, TrainBatch
+from megatron_rl.backends.reward_model import RewardModel, score_batch
 from megatron_rl.backends.rollout_shards import AnySample, distribute_rollout
 from megatron_rl.config import Config
 from megatron_rl.data.types import Sample, SampleStub
+from megatron_rl.rollout.batch_builder import reward_stats
+from megatron_rl.rollout.rewards import METRICS_KEY as REWARD_METRICS_KEY
 from megatron_rl.runner.step_metrics import aggregate_step_metrics
 
 
@@ -39,6 +42,24 @@ def value_metrics(samples: Sequence[AnySample], values, returns) -> dict[str, fl
     if var_r > 0:
         out["critic/vf_explained_var"] = 1.0 - float((r - v).var()) / var_r
     return out
+
+
+def apply_reward_model(rm: RewardModel, samples: Optional[list[Sample]], metrics: dict) -> None:
+    """The reward-model role (``backends/reward_model.py``): every sample of the driver's batch scored on the trainer's
+    ranks (collective; ``samples`` None on the other ranks), its reward set to ``--reward-model-weight`` x score plus
+    the rule reward when the run has one (kept as ``reward/rule``; the score as ``reward/rm_score``), and the
+    rollout's reward metrics computed again from the new rewards."""
+    t = time.perf_counter()
+    scores = score_batch(rm, samples)
+    if samples is not None and scores is not None:
+        for sample, score in zip(samples, scores):
+            extra = sample.metadata.setdefault(REWARD_METRICS_KEY, {})
+            extra["rm_score"] = score
+            if rm.has_rule:
+                extra["rule"] = float(sample.reward)
+            sample.reward = (float(sample.reward) if rm.has_rule else 0.0) + rm.weight * score
+        metrics.update(reward_stats(samples))
+    metrics["perf/reward_model_s"] = time.perf_counter() - t
 
 
 def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[Sample]], cfg: Config,

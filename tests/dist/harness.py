@@ -52,6 +52,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "parity": ("parity_layouts", "main"),
     "publish": ("publish_worker", "main"),
     "replicas": ("replicas_worker", "main"),
+    "reward_model": ("reward_model_worker", "main"),
     "routing": ("routing_worker", "main"),
     "vocab_parallel": ("vocab_parallel_worker", "main"),
 }
