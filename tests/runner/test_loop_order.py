@@ -272,3 +272,36 @@ def test_a_multi_turn_rollout_logs_the_agent_metrics_in_every_mode(loop, mode):
     check_mode_keys(_records(tmp), mode, present=agent)
     for r in [r for r in _records(tmp) if "train/pg_loss" in r]:
         assert (r["rollout/turns_mean"], r["rollout/tool_calls_mean"], r["rollout/tool_error_frac"]) == (2.0, 1.0, 0.5)
+
+
+@pytest.mark.parametrize("mode", ["off", "one-step", "full"])
+def test_a_reward_model_on_the_trainers_ranks_sets_the_rewards_that_train(loop, mode, tmp_path_factory):
+    """--reward-model-path beside the rule reward, in every mode through ``train.run``: the samples the backend
+    trains on carry rule + score, and each step's record says so (``rollout/reward_mean`` is the mean of
+    ``reward/rule`` + ``reward/rm_score``), with the keys docs/metrics.md lists for the mode."""
+    from megatron_rl.models.hf_tiny import build_tiny_reward_model
+
+    start, tmp = loop
+    rm = build_tiny_reward_model("qwen2", tmp_path_factory.mktemp("rm") / "rm", seed=4)
+    trained: list = []
+    original = RecordingBackend.train_step
+
+    def train_step(self, batch):
+        trained.append([float(s.reward) for s in batch.samples])
+        return original(self, batch)
+
+    RecordingBackend.train_step = train_step
+    try:
+        flags = ["--async-mode", mode, "--embedded-engine-ranks", "driver"] if mode != "off" else []
+        assert start("--num-rollout", "2", "--reward-model-path", rm, *flags, colocated=mode == "off") == 0
+    finally:
+        RecordingBackend.train_step = original
+    records = [r for r in _records(tmp) if "train/pg_loss" in r]
+    assert len(records) == len(trained) == 2
+    for record, rewards in zip(records, trained):
+        assert record["rollout/reward_mean"] == pytest.approx(record["reward/rule"] + record["reward/rm_score"],
+                                                              abs=1e-5)
+        assert sum(rewards) / len(rewards) == pytest.approx(record["rollout/reward_mean"], abs=1e-5)
+        assert record["perf/reward_model_s"] >= 0
+    assert len({round(r, 6) for rewards in trained for r in rewards}) > 2  # scores, not a constant
+    check_mode_keys(_records(tmp), mode)
