@@ -45,7 +45,7 @@ def test_every_package_is_on_the_page_and_in_the_layers_contract():
 def test_the_layer_table_lists_every_registered_backend_engine_and_transport():
     """A row added to a registry without a word on the page fails here (the page once still called a
     built transport refused)."""
-    from megatron_rl.backends.base import BACKENDS
+    from megatron_rl.backends.factory import BACKENDS
     from megatron_rl.rollout.base import ENGINES
     from megatron_rl.weight_sync.base import TRANSPORTS
 
