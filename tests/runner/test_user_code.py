@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-from megatron_rl.backends.base import BACKENDS
+from megatron_rl.backends.factory import BACKENDS
 from megatron_rl.config import parse_config
 from megatron_rl.errors import ConfigError, UserFunctionError
 from megatron_rl.rollout.base import ENGINES
