@@ -14,7 +14,7 @@ vocabulary, or a dir without a tokenizer); otherwise ``prompt_text + response_te
 tokenizer (what a remote RM of another family receives in OpenRLHF; re-rendering the conversation in the RM's
 chat template, as verl's RM worker can, is not built). The score is the head's output at the last token, as
 ``AutoModelForSequenceClassification`` reads it: this module runs HF's own module, so a score equals HF's on
-the same ids (``tests/dist/test_reward_model.py``).
+the same ids (``tests/dist/test_reward_model_ranks.py``).
 
 Where it lives: a whole copy per trainer rank (not sharded), in float32 (``--bf16``: bfloat16 on a GPU). With
 ``--offload-train`` / ``--colocate`` it stays in host memory and is on the device only while it scores.
@@ -45,7 +45,7 @@ class RewardModel:
         self.path, self.weight = path, float(cfg.data.reward_model_weight)
         d = cfg.data
         self.has_rule = bool(d.rm_type or d.custom_rm_path or d.rm_url)  # a rule reward too: the score adds to it
-        self.micro_batch_size = max(1, int(cfg.batching.micro_batch_size))
+        self.micro_batch_size = max(1, int(cfg.data.reward_model_micro_batch_size))
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.resident = not (cuda and cfg.memory.effective_offload_train)  # colocated: on the device to score only

@@ -789,6 +789,9 @@ class DataConfig:
         "policy's token ids when its tokenizer is the policy's, else prompt + response text through its own "
         "(docs/algorithms.md).", metavar="DIR")
     reward_model_weight: float = flag(1.0, "The weight of --reward-model-path's score in the reward.")
+    reward_model_micro_batch_size: int = flag(16, "Samples per forward of --reward-model-path's model on each trainer "
+                                              "rank (verl's reward_model.micro_batch_size_per_gpu); right-padded "
+                                              "with its pad id (one per forward when it has none).")
 
     @property
     def eval_sets(self) -> tuple[tuple[Optional[str], str], ...]:

@@ -378,10 +378,14 @@ def _check_reward_model(errors: list[str], cfg: Config) -> None:
     d = cfg.data
     path = d.reward_model_path
     if not path:
-        if d.reward_model_weight != 1.0:
-            errors.append(f"--reward-model-weight {d.reward_model_weight} weights --reward-model-path's score; add "
-                          "--reward-model-path DIR or drop it")
+        tuned = [f for f, on in (("--reward-model-weight", d.reward_model_weight != 1.0),
+                                 ("--reward-model-micro-batch-size", d.reward_model_micro_batch_size != 16)) if on]
+        if tuned:
+            errors.append(f"{' and '.join(tuned)} tune --reward-model-path's model; add --reward-model-path DIR or "
+                          f"drop {' and '.join(tuned)}")
         return
+    if d.reward_model_micro_batch_size < 1:
+        errors.append(f"--reward-model-micro-batch-size {d.reward_model_micro_batch_size} must be >= 1")
     flag = f"--reward-model-path {path}"
     try:
         with open(os.path.join(path, "config.json")) as f:

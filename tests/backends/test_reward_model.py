@@ -40,7 +40,7 @@ def test_scores_equal_hf_and_make_the_reward(tiny_hf_models, rm_dir):
     samples = _samples()
     want = _hf(rm_dir, [s.prompt_ids + s.response_ids for s in samples])
     alone = RewardModel(parse_config(["--hf-checkpoint", policy, "--reward-model-path", rm_dir,
-                                      "--micro-batch-size", "2", "--reward-model-weight", "2.0"]))
+                                      "--reward-model-micro-batch-size", "2", "--reward-model-weight", "2.0"]))
     assert alone.tokenizer is None and not alone.has_rule
     got = score_batch(alone, samples)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
@@ -106,7 +106,7 @@ def test_validation_refuses_by_name(tiny_hf_models, rm_dir, tmp_path):
                                                  "num_labels": 2}))
     assert any("its head has 2 labels" in e for e in errors("--hf-checkpoint", policy, "--reward-model-path",
                                                             str(two)))
-    assert any("--reward-model-weight 2.0 weights --reward-model-path's score" in e
+    assert any("--reward-model-weight tune --reward-model-path's model" in e
                for e in errors("--hf-checkpoint", policy, "--reward-model-weight", "2"))
     assert any(e.startswith("--advantage-estimator remax with --reward-model-path")
                for e in errors(*base, "--advantage-estimator", "remax"))

@@ -1,4 +1,4 @@
-"""Worker for tests/dist/test_reward_model.py: the reward-model role scores a batch on every trainer rank.
+"""Worker for tests/dist/test_reward_model_ranks.py: the reward-model role scores a batch on every trainer rank.
 
 Job ``reward_model`` of tests/dist/harness.py: argv = POLICY_HF RM_DIR OUT.json. The driver (rank 0) holds the
 batch, the other ranks None; every rank scores its share and the driver gets every score
@@ -17,7 +17,7 @@ def main(argv):
 
     policy, rm_dir, out = argv[:3]
     cfg = parse_config(["--hf-checkpoint", policy, "--reward-model-path", rm_dir, "--rm-type", "exact_match",
-                        "--micro-batch-size", "2", "--actor-num-gpus-per-node", str(dist.get_world_size())])
+                        "--reward-model-micro-batch-size", "2", "--actor-num-gpus-per-node", str(dist.get_world_size())])
     rm = RewardModel(cfg)
     samples = make_samples(250) if dist.get_rank() == 0 else None
     scores = score_batch(rm, samples)
