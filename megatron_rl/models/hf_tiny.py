@@ -208,9 +208,20 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
     config.num_hidden_layers = main_layers + depths
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # HF initialises with std=initializer_range (0.02): logits are then nearly
-    # uniform and parity tests would compare near-constants. A wider init makes
-    # every layer matter to the output.
+    _randomize(model, family)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if depths:
+        _add_mtp_tensors(str(path), main_layers, depths, config.hidden_size)
+    return str(path)
+
+
+def _randomize(model, family: str) -> None:
+    """Random weights of a tiny test model, in place. HF initialises with std=initializer_range (0.02): logits are
+    then nearly uniform and parity tests would compare near-constants. A wider init makes every layer matter to the
+    output."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -228,11 +239,6 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a zero selection bias would not test its mapping
                 b.normal_(0.0, 0.05)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    if depths:
-        _add_mtp_tensors(str(path), main_layers, depths, config.hidden_size)
-    return str(path)
 
 
 def build_tiny_reward_model(family: str, path: str | os.PathLike, seed: int = 0, pad_token_id: int | None = 0,
@@ -246,12 +252,7 @@ def build_tiny_reward_model(family: str, path: str | os.PathLike, seed: int = 0,
     config = tiny_config(family, num_labels=1, pad_token_id=pad_token_id, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, _MATRIX_STD.get(family, 0.08))
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
+    _randomize(model, family)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     return str(path)
