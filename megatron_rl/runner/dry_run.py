@@ -8,6 +8,7 @@ import sys
 from megatron_rl.config import Config
 from megatron_rl.config.architecture import dry_run_without_checkpoint
 from megatron_rl.config.megatron_flags import requirements
+from megatron_rl.config.role_models import own_model_dir
 from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
 from megatron_rl.config.validate import real_run_refusals
 from megatron_rl.plan import format_table, validate_plan
@@ -31,8 +32,8 @@ def print_plan(cfg: Config) -> int:
         for line in engine_lines(cfg):
             print(line)
     print(_model_line(cfg))
+    c = cfg.checkpoint
     if cfg.algorithm.advantage_estimator == "ppo":
-        c = cfg.checkpoint
         start = (f"--critic-hf-checkpoint {c.critic_hf_checkpoint}" if c.critic_hf_checkpoint else
                  f"--critic-load {c.critic_load}" if c.critic_load else "the actor's initial weights")
         p = cfg.parallel
@@ -42,8 +43,20 @@ def print_plan(cfg: Config) -> int:
                                     p.context_parallel_size, p.virtual_pipeline_model_parallel_size)
         layout = (f"its own layout TP {tp} x PP {pp} x DP {cfg.actor_world_size // (tp * pp)}" if own
                   else "the actor's layout")
-        print(f"critic: a second model of this architecture with a value head, on the actor's ranks with {layout} "
+        own_dir = own_model_dir(cfg.model.hf_checkpoint, c.critic_hf_checkpoint or c.critic_load)
+        arch = f"of its own architecture ({own_dir}/config.json)" if own_dir else "of this architecture"
+        print(f"critic: a second model {arch} with a value head, on the actor's ranks with {layout} "
               f"(its weights, gradients and optimizer state beside the actor's on every rank), from {start}")
+    for flag, path in (("--opd-teacher-load", c.opd_teacher_load), ("--ref-load", c.ref_load)):
+        if path:
+            own_dir = own_model_dir(cfg.model.hf_checkpoint, path)
+            print(f"{'teacher' if flag == '--opd-teacher-load' else 'reference'}: "
+                  + (f"a frozen model of its own shapes ({own_dir}/config.json) on the actor's ranks, parameters only, "
+                     f"from {flag} {path}" if own_dir else
+                     f"a weight tag (a copy of the actor's parameter shards, --ref-weights-location) from {flag} {path}"))
+    if cfg.data.reward_model_path:
+        print(f"reward model: a one-label sequence classifier, a whole copy on each trainer rank, scoring every "
+              f"batch before training, from --reward-model-path {cfg.data.reward_model_path}")
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
         print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "
