@@ -88,8 +88,7 @@ class MegatronCritic(RoleAttributes):
                               load=self._load, optimization=Optimization(lr, opt.critic_lr_warmup_iters),
                               lora=lora_spec(cfg))
         if dist.get_rank() == 0:
-            log.info("%s%s", self.role.describe(source),
-                     f", DP {self.share.dp_size}" if self.share is not None else "")
+            log.info("%s", self.role.describe(source, self.share.dp_size if self.share is not None else None))
 
     def _load(self, chunks: list) -> None:
         """The trunk's initial weights, loaded while the output layer is still the policy's (``RoleModel``)."""

@@ -55,8 +55,7 @@ class MegatronFrozenRole:
                               head="logprob", load=self._load, optimization=None)
         self._host: Optional[list[torch.Tensor]] = None
         if dist.get_rank() == 0:
-            log.info("%s%s", self.role.describe(f"{flag} {path}"),
-                     f", DP {self.share.dp_size}" if self.share is not None else "")
+            log.info("%s", self.role.describe(f"{flag} {path}", self.share.dp_size if self.share is not None else None))
 
     def _load(self, chunks: list) -> None:
         """Its weights with the checks of ``--load``'s loaders: an HF dir's marker and checksums, a model dir's

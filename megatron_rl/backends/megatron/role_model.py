@@ -262,12 +262,14 @@ class RoleModel:
     def trainable(self) -> bool:
         return self.optimizer is not None
 
-    def describe(self, source: str) -> str:
+    def describe(self, source: str, dp: Optional[int] = None) -> str:
+        """One log line: size on this rank, learning rate (or frozen), source, layout (``dp``: a second layout's
+        data-parallel size)."""
         n = sum(p.numel() for c in self.chunks for p in c.parameters())
         lr = f", lr {self.scheduler.max_lr:g}" if self.scheduler is not None else ", frozen"
         lay = self.layout
-        return (f"{self.name}: {n} parameters on this rank{lr}, from {source}, layout TP {lay.tp} PP {lay.pp}"
-                f"{'' if self.scope.same else ' (its own)'}")
+        layout = "the actor's" if self.scope.same else f"its own (TP {lay.tp}, PP {lay.pp}, DP {dp})"
+        return f"{self.name}: {n} parameters on this rank{lr}, from {source}, layout {layout}"
 
     # ---- passes ---------------------------------------------------------------
 
