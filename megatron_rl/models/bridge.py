@@ -12,9 +12,10 @@ import needed) and is the one object the MegatronBackend asks about a model:
   multi-latent attention spec and ``MLATransformerConfig`` for a family with ``mla`` set
   (its name and shape maps: ``hf_attention_shapes`` / ``megatron_attention_shapes`` /
   ``attention_rules``, overridden per attention kind);
-* ``Bridge.build_model(layout, params_dtype=torch.float32, **overrides)`` -> one
+* ``Bridge.build_model(layout, params_dtype=torch.float32, pg_collection=None, **overrides)`` -> one
   ``GPTModel`` per virtual pipeline stage held by this rank (needs
-  :func:`~megatron_rl.models.parallel.initialize_parallel` first);
+  :func:`~megatron_rl.models.parallel.initialize_parallel` first; ``pg_collection``: the layout's
+  process groups, which the model's modules then hold);
 * ``Bridge.load_hf_weights(chunks, hf_dir)`` / ``Bridge.export_hf_weights(chunks,
   bucket_bytes=None)``: see :mod:`megatron_rl.models.weights`;
 * ``Bridge.hf_param_shapes()`` and ``Bridge.rule_for(canonical_name)``: the pure
@@ -419,7 +420,7 @@ class Bridge:
         return weight_maps.padded_vocab_size(self.vocab_size, tp_size, divisible_by)
 
     def build_model(self, layout, params_dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128,
-                    **overrides) -> list:
+                    pg_collection=None, **overrides) -> list:
         """Build this rank's model chunks (one ``GPTModel`` per virtual stage).
 
         Needs :func:`initialize_parallel` with the same ``layout``. Pre/post-process
@@ -427,9 +428,18 @@ class Bridge:
         first stage's embedding with the last stage's output layer (it syncs them
         through the embedding group; after :meth:`load_hf_weights` both hold the same
         values). Parameters are on CPU on a CPU host, on the current GPU otherwise.
+
+        ``pg_collection``: the layout's megatron-core ``ProcessGroupCollection``
+        (``models.parallel.LayoutScope``), handed to every ``GPTModel`` (whose blocks, layers, embedding and
+        output layer then hold its groups) and read for the pipeline stage; None: ``parallel_state``'s groups.
+        Either way ``parallel_state``'s globals must be this layout's while the model is built: the layer specs'
+        pipeline offsets (``block_spec``: megatron's ``get_num_layers_to_build`` / ``get_transformer_layer_offset``
+        default to its PP rank) and an MTP block (megatron's ``GPTModel`` builds it without the collection) read them.
         """
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
+                                                           is_vp_last_stage)
 
         apply_cpu_compat()
         config = self.transformer_config(layout, params_dtype=params_dtype, **overrides)
@@ -437,8 +447,12 @@ class Bridge:
         chunks = []
         for vp_stage in range(vpp):
             stage = vp_stage if vpp > 1 else None
-            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            if pg_collection is None:
+                pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+                post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            else:
+                pre = is_pp_first_stage(pg_collection.pp) and is_vp_first_stage(stage, vpp)
+                post = is_pp_last_stage(pg_collection.pp) and is_vp_last_stage(stage, vpp)
             mtp = self.mtp_block_spec(config) if post and self.mtp_num_layers else None
             model_class = GPTModel
             if mtp is not None:
@@ -457,6 +471,7 @@ class Bridge:
                 parallel_output=True,
                 vp_stage=stage,
                 **({"mtp_block_spec": mtp} if mtp is not None else {}),
+                **({"pg_collection": pg_collection} if pg_collection is not None else {}),
             )
             self.finish_model(model)
             if torch.cuda.is_available() and not config.use_cpu_initialization:

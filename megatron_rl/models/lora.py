@@ -15,7 +15,8 @@ output rows by the same fuse function the weight loader uses (:mod:`megatron_rl.
 applied to row indices. The delta ``scaling * B (A dropout(x))`` is added to the linear's output by a
 forward hook, so the base model's parameter names, checkpoints and weight maps do not change.
 
-Tensor parallelism (TP size T, rank t):
+Tensor parallelism (TP size T, rank t; the TP group is the adapted linear's own ``tp_group``, so a role built at
+a layout of its own gets adapters on its groups):
 
 * column-parallel (``linear_qkv``, ``linear_fc1``): the input is whole (or sequence-sharded under SP,
   gathered here as the linear gathers it); A is replicated, each rank holds its rows of every part's B
@@ -307,7 +308,6 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
     freeze everything else. Returns each chunk's :class:`LoraAdapters` (also ``chunk.lora``).
     Refuses, naming the module: a layer spec or attention adapters are not built for, targeted MoE expert
     linears, and target names that match no module of the model."""
-    from megatron.core import parallel_state as ps  # lazy: megatron
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # lazy: megatron
 
     from megatron_rl.models.spec import layer_spec_flavour  # lazy: imports the megatron layer specs
@@ -317,8 +317,6 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
                           "fused into linear_qkv/linear_fc1 and the adapter would see the un-normed input")
     if getattr(bridge, "mla", False):
         raise BridgeError(f"LoRA on {bridge.family}'s multi-latent attention projections is not built")
-    tp_group = ps.get_tensor_model_parallel_group()
-    _, tp_size = _tp_rank_size(tp_group)
     matched: set[str] = set()
     out = []
     for chunk in model_chunks:
@@ -338,6 +336,8 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
                                       f"{want.__name__}")
                 canonical = f"decoder.layers.{g}.{site}"
                 rule = bridge.rule_for(canonical + ".weight")
+                tp_group = linear.tp_group  # the model's own TP group (its layout's, whatever parallel_state holds)
+                _, tp_size = _tp_rank_size(tp_group)
                 parts, rows, order = _fused_parts(bridge, rule, linear.weight, tp_size)
                 hit = [spec.targets(p) for p in parts]
                 matched.update(p.rsplit(".", 1)[-1] for p, h in zip(parts, hit) if h)

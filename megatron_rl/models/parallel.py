@@ -12,6 +12,9 @@ Used by the MegatronBackend (training) and the HF <-> torch_dist converters (``t
   flag never hangs a job.
 * :func:`destroy_parallel()` - tears megatron's groups down (the default process
   group is kept so a test can loop over layouts in one launch).
+* :class:`LayoutScope` - one role's layout on the same ranks: its ``ProcessGroupCollection``
+  for the megatron-core calls that take one, and its ``parallel_state`` globals for those
+  that still read them.
 
 Invariants: world = tp * pp * cp * dp; the expert groups satisfy
 world = etp * ep * expert_dp with tp*cp divisible appropriately (megatron decides
@@ -25,7 +28,7 @@ import os
 import random
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +37,9 @@ from megatron_rl.compat import apply_cpu_compat
 from megatron_rl.infra import reloadable_groups
 from megatron_rl.infra.ports import free_port
 from megatron_rl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -254,29 +260,40 @@ def _release_ddp_models() -> int:
 
 
 class LayoutScope:
-    """A second megatron layout over the same ranks: megatron's ``parallel_state`` of ``layout``, swapped in
-    while a ``with scope:`` block runs (PPO's critic with its own TP/PP beside the actor's layout).
+    """One role's layout over this process's ranks: its megatron-core ``ProcessGroupCollection``
+    (``pg_collection``) and, for the calls that still read them, megatron's ``parallel_state`` globals of that
+    layout, swapped in while a ``with scope:`` block runs (PPO's critic with its own TP/PP beside the actor's
+    layout, a teacher of other shapes at its own DP).
 
-    Why a swap: megatron-core keeps one layout in ``parallel_state``'s module globals, read at call time by
-    the model builders, the weight loaders, the pipeline schedules, ``finalize_model_grads`` and the
-    checkpoint's sharding. Building the second layout's groups once (``initialize_model_parallel`` is
-    collective over every rank, so every rank builds both) and swapping the globals around each use lets
-    all of that code run unchanged for the second model; its modules, DDP and optimizer keep the groups
-    they were built with. Not swapped: megatron's model-parallel RNG tracker (the first layout's offsets
-    serve dropout in both models) and torch's default RNG. ``same`` (the layouts are equal): no second
-    set of groups, the block runs in the first layout.
+    The collection is what the role hands megatron-core wherever a call takes one (0.16.1): ``GPTModel`` (and
+    through it every block, layer, embedding and output layer), ``DistributedDataParallel``,
+    ``get_megatron_optimizer``, the pipeline schedules with their ``P2PCommunicator`` and, through the schedules,
+    ``finalize_model_grads``. Its modules, DDP and optimizer hold the role's groups whatever the globals are.
 
-    The first layout must be initialised (``initialize_parallel``) before; the scope's groups are destroyed
-    with every other group by :func:`destroy_parallel`."""
+    Why a swap as well: some of megatron-core 0.16.1 still reads ``parallel_state``'s module globals at call time
+    (and so do our weight loaders); each ``with scope:`` names what it covers where it is used
+    (``backends/megatron/role_model.py``, ``checkpoint.py``; docs/architecture.md lists them). Building the second
+    layout's groups once (``initialize_model_parallel`` is collective over every rank, so every rank builds both)
+    and swapping the globals around those calls lets that code run unchanged for the second model. Not swapped:
+    megatron's model-parallel RNG tracker (one per process in megatron-core: the first layout's offsets serve
+    dropout in both models) and torch's default RNG. ``same`` (the layouts are equal): no second set of groups,
+    the block runs in the first layout and the collection holds the first layout's groups.
+
+    The first layout must be initialised (``initialize_parallel``) before, and its globals be the current ones
+    when a scope is made; the scope's groups are destroyed with every other group by :func:`destroy_parallel`."""
+
+    pg_collection: "ProcessGroupCollection"
 
     def __init__(self, layout: ParallelLayout, outer: ParallelLayout) -> None:
         from megatron.core import parallel_state as ps  # lazy: megatron-core
+        from megatron.core.process_groups_config import ProcessGroupCollection  # lazy: megatron-core
 
         self.layout = layout
         self.same = layout == outer
         self._states: Optional[dict] = None
         self._saved: list[dict] = []
         if self.same:
+            self.pg_collection = ProcessGroupCollection.use_mpu_process_groups()
             return
         world = torch.distributed.get_world_size()
         layout.validate(world)
@@ -285,6 +302,7 @@ class LayoutScope:
             ps.destroy_model_parallel()  # forgets the outer groups (they live on in outer_states)
             ps.initialize_model_parallel(**layout.megatron_sizes())
             self._states = _parallel_state_globals(ps)
+            self.pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         finally:
             vars(ps).update(outer_states)
 

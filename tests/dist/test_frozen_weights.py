@@ -145,3 +145,24 @@ def test_a_larger_teacher_and_a_smaller_critic_are_models_of_their_own(paths, la
     reverse_kl = torch.cat([a - t for a, t in zip(actor, teacher)])[mask]
     assert abs(got["metrics"]["train/opd_reverse_kl"] - float(reverse_kl.mean())) < 1e-5
     assert got["metrics"]["critic/grad_norm"] > 0
+
+
+# each role's layout per job (scripts/frozen_worker.py ROLE_LAYOUTS): world 1, or 2 ranks with the actor at TP2 (the
+# teacher and the critic at its layout) or at CP2 (the teacher at DP2 and the critic at TP2, each its own layout)
+ROLE_GROUPS = {"one": {"actor": (1, 1, 1), "teacher": (1, 1, 1), "critic": (1, 1, 1)},
+               "tp2": {"actor": (2, 1, 1), "teacher": (2, 1, 1), "critic": (2, 1, 1)},
+               "cp2_own": {"actor": (1, 2, 1), "teacher": (1, 1, 2), "critic": (2, 1, 1)}}
+
+
+@pytest.mark.parametrize("layout", ROLE_LAYOUTS)
+def test_each_role_holds_its_own_process_groups(paths, layout):
+    """Every role's modules (attention and MLP linears, embedding, output layer or value head, core attention's CP
+    group, the block's PP group), its DDP and its optimizer hold its own ProcessGroupCollection's groups, seen with
+    the actor's parallel_state current: beside an actor at CP2 the critic's linears are TP2 and the teacher's DP2."""
+    groups = json.loads(paths["roles"][layout].read_text())["groups"]
+    for role, (tp, cp, dp) in ROLE_GROUPS[layout].items():
+        got = groups[role]
+        assert (got["tp"], got["cp"], got["dp"], got["attention_tp"]) == (tp, cp, dp, tp), (role, got)
+        assert got["held"] and all(got["held"].values()), (role, got["held"])
+        assert (got["globals_tp"], got["globals_cp"]) == (groups["actor"]["tp"], groups["actor"]["cp"])
+    assert {"ddp_dp_cp", "optimizer_tp"} <= set(groups["critic"]["held"])  # the trained roles' DDP and optimizer

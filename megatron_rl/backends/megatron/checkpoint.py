@@ -137,13 +137,9 @@ def _has_critic(backend) -> bool:
 
 
 def _load_critic(backend, loaded: dict, path: str) -> None:
-    """The critic's model (keys without ``CRITIC_PREFIX``), optimizer (with the step fix), schedule and step count."""
+    """The critic's model (keys without ``CRITIC_PREFIX``), optimizer (with the step fix), schedule and step count.
+    No ``parallel_state`` needed: the tensors are local, and its optimizer reshards over its own groups."""
     critic = backend.critic
-    with critic.scope:
-        _load_critic_in_scope(critic, loaded, path)
-
-
-def _load_critic_in_scope(critic, loaded: dict, path: str) -> None:
     state = {k[len(CRITIC_PREFIX):] if k.startswith(CRITIC_PREFIX) else k: v
              for k, v in loaded["critic_model"].items()}
     refuse_non_finite(path, ((f"critic.{k}", t) for k, t in state.items()))
@@ -177,10 +173,16 @@ def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool, adapter
     critic = getattr(backend, "critic", None)
     if critic is not None:  # ppo's value model (critic.py): its own keys, optimizer and schedule, same checkpoint
         assert len(critic.chunks) == 1, "one model chunk per rank: the critic has no virtual pipeline stages"
-        with critic.scope:  # its shards' offsets and replicas are those of its own layout
-            model_sd = critic.chunks[0].sharded_state_dict(prefix=CRITIC_PREFIX)
-            sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                         metadata=dict(SHARDING_METADATA))
+        # its shards' offsets and replicas are those of its own layout: the modules' TP groups, its collection's
+        # DP-CP group, and parallel_state of its layout for what megatron-core 0.16.1 still reads there:
+        # MegatronModule.sharded_state_dict takes the global TP group for a module without its own,
+        # LanguageModule.tie_embeddings_and_output_weights_state_dict the global DP-CP rank, and our gated-delta
+        # layers (models/gated_delta.py) the global TP group
+        with critic.scope:
+            model_sd = critic.chunks[0].sharded_state_dict(prefix=CRITIC_PREFIX,
+                                                           metadata={"dp_cp_group": critic.role.pg.dp_cp})
+        sd["critic_optimizer"] = critic.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                     metadata=dict(SHARDING_METADATA))
         sd["critic_model"] = model_sd
         sd["critic_opt_param_scheduler"] = critic.scheduler.state_dict()
         sd["critic_optimizer_steps"] = int(critic.optimizer_steps)

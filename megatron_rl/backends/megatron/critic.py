@@ -17,8 +17,9 @@ entries are whole (the frozen trunk too: a resume needs nothing else), unlike th
 Layout: the actor's by default. Its own (``--critic-tensor-model-parallel-size``,
 ``--critic-pipeline-model-parallel-size``, slime's critic role in ``--megatron-config-path``;
 never virtual pipeline stages or context parallelism, so an actor with them has a critic without
-them) is a :class:`~megatron_rl.models.parallel.LayoutScope` over the same ranks: megatron's
-parallel state of the critic's layout, swapped in around everything the critic does. Its DP size
+them) is a :class:`~megatron_rl.models.parallel.LayoutScope` over the same ranks: the critic's own
+process-group collection, which its model, DDP, optimizer and schedule are given, and megatron's parallel
+state of its layout, swapped in around the calls that still read it (``role_model.py``). Its DP size
 is then what its layout leaves of the ranks, and it plans, packs and gathers its own share of the
 batch (``CriticShare``); PPO holds the whole batch on every rank, so nothing else moves.
 

@@ -3,9 +3,17 @@
 The actor, ppo's critic and a frozen teacher of other shapes are each a :class:`RoleModel`: model chunks built
 by a bridge (the role's own: a critic or teacher may be of another size or family) at a layout, its weights
 loaded, its head (the policy's output layer for log-probs, or a ``[hidden -> 1]`` :class:`ValueHead`), LoRA
-adapters when asked, and, when the role trains, megatron-core's DDP, optimizer and LR schedule. A role of
-another layout than the actor's runs inside its :class:`~megatron_rl.models.parallel.LayoutScope`: megatron's
-``parallel_state`` of the role's layout is swapped in around everything it does (``with role.scope``).
+adapters when asked, and, when the role trains, megatron-core's DDP, optimizer and LR schedule.
+
+Process groups: each role's layout is a :class:`~megatron_rl.models.parallel.LayoutScope` (the actor's too) whose
+``ProcessGroupCollection`` goes to every megatron-core call that takes one: ``GPTModel`` (so the modules hold the
+role's groups), ``DistributedDataParallel``, ``get_megatron_optimizer``, the forward-backward schedule and its
+``P2PCommunicator`` (and through the schedule ``finalize_model_grads``); our own collectives (the log-prob op's TP
+reduction, the CP gather, the metrics' DP reduction) take the collection's groups too. megatron's
+``parallel_state`` of the role's layout is swapped in (``with self.scope``) only around the calls that still
+read its globals, each named where it is: the model's build and weight load, the schedule's passes, the
+checkpoint's sharded state dict (``checkpoint.py``). Nothing else a role does reads them: DDP and the optimizer
+are built, stepped, offloaded and restored outside the swap.
 
 The passes are the role's too: :meth:`RoleModel.run_schedule` (megatron's forward-backward schedule over the
 role's chunks), :meth:`forward_step` (the head's alignment of outputs to response tokens), :meth:`train_pass`
@@ -139,19 +147,14 @@ def role_layout(cfg, actor: ParallelLayout, tp: Optional[int] = None, pp: Option
 
 class RoleShare(DataParallelShare):
     """A second role's own share of the batch when its layout is not the actor's: its DP size and rank, its
-    padding, which of its ranks hold results (read from its parallel state, in its scope)."""
+    padding, which of its ranks hold results (from its process groups)."""
 
     def __init__(self, cfg, scope: LayoutScope, pad_token_id: int) -> None:
-        from megatron.core import parallel_state as ps  # lazy: megatron-core
-
-        layout = scope.layout
+        layout, pg = scope.layout, scope.pg_collection
         self.cfg = cfg
         self.pad_token_id = pad_token_id
-        with scope:
-            self.dp_size = ps.get_data_parallel_world_size()
-            self.dp_rank = ps.get_data_parallel_rank()
-            self.holds_results = (ps.is_pipeline_last_stage(ignore_virtual=True)
-                                  and ps.get_tensor_model_parallel_rank() == 0)
+        self.dp_size, self.dp_rank = pg.dp.size(), pg.dp.rank()
+        self.holds_results = pg.pp.rank() == pg.pp.size() - 1 and pg.tp.rank() == 0
         self.pad_to_multiple = pad_multiple_for(layout.tp, layout.cp, layout.sequence_parallel)
 
     @property
@@ -160,7 +163,8 @@ class RoleShare(DataParallelShare):
 
 
 class RoleModel:
-    """One role's model chunks (and, when it trains, DDP, optimizer, schedule) at one layout (module docstring).
+    """One role's model chunks (and, when it trains, DDP, optimizer, schedule) at one layout (module docstring);
+    ``pg``: the layout's ``ProcessGroupCollection``.
 
     ``load(chunks)`` writes the role's initial weights (before the head is put on and the adapters attached, so a
     value role loads a policy checkpoint's trunk). ``lora``: a ``models.lora.LoraSpec`` (adapters on a frozen
@@ -173,26 +177,29 @@ class RoleModel:
         if head not in HEADS:
             raise ValueError(f"a role's head is one of {HEADS}, not {head!r}")
         self.name, self.cfg, self.bridge, self.scope, self.head = name, cfg, bridge, scope, head
-        self.layout = scope.layout
+        self.layout, self.pg = scope.layout, scope.pg_collection
         self.params_dtype = params_dtype
         self.hooks = hooks
         self.optimizer: Any = None  # megatron's MegatronOptimizer of a trainable role
         self.scheduler: Any = None
         self.optimizer_steps = 0
-        with scope:
-            self._build(load, optimization, lora, lora_load, prepare)
+        self._build(load, optimization, lora, lora_load, prepare)
 
     def _build(self, load, optimization: Optional[Optimization], lora_spec, lora_load, prepare) -> None:
-        from megatron.core import parallel_state as ps  # lazy: megatron-core
-
-        self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
-                                              **transformer_config_overrides(self.cfg))
-        if prepare is not None:
-            prepare(self.chunks)
-        load(self.chunks)
+        # parallel_state of the role's layout while the chunks are built and loaded: megatron-core 0.16.1's
+        # get_num_layers_to_build / get_transformer_layer_offset (the bridge's block_spec) read its pipeline rank,
+        # GPTModel builds its MultiTokenPredictionBlock without the collection (the MTP layers take its groups),
+        # and our weight loaders (models/weights.py, models/dist_io.py) read its TP/EP/PP groups and VPP rank and
+        # build the sharded state dict without a DP-CP group (ensure_metadata_has_dp_cp_group reads its own)
+        with self.scope:
+            self.chunks = self.bridge.build_model(self.layout, params_dtype=self.params_dtype,
+                                                  pg_collection=self.pg, **transformer_config_overrides(self.cfg))
+            if prepare is not None:
+                prepare(self.chunks)
+            load(self.chunks)
         self.config = self.chunks[0].config
         if self.head == "value":
-            self._put_value_heads(ps)
+            self._put_value_heads()
         self.lora: list = []
         if lora_spec is not None:
             from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
@@ -215,7 +222,7 @@ class RoleModel:
         self._chunk_index = {id(m): i for i, m in enumerate(self.model)}
         self._post_process = {id(m): bool(c.post_process) for m, c in zip(self.model, self.chunks)}
 
-    def _put_value_heads(self, ps) -> None:
+    def _put_value_heads(self) -> None:
         for chunk in self.chunks:
             # the head is no tied output layer: with pipeline stages megatron would otherwise all-reduce the first
             # stage's embedding gradient with the last stage's "output weight" (the [1, h] head)
@@ -226,7 +233,7 @@ class RoleModel:
                     self.config.hidden_size, std=float(self.config.init_method_std), seed=self.cfg.runtime.seed,
                     dtype=self.params_dtype, device=next(chunk.parameters()).device,
                     sequence_parallel=bool(self.config.sequence_parallel),
-                    tp_group=ps.get_tensor_model_parallel_group())
+                    tp_group=self.pg.tp)
                 del old
 
     def _build_optimizer(self, optimization: Optimization) -> None:
@@ -238,11 +245,15 @@ class RoleModel:
         cfg, lr, warmup = self.cfg, optimization.lr, optimization.warmup_iters
         ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(cfg))
         self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
-                                              disable_bucketing=i > 0)
+                                              disable_bucketing=i > 0, pg_collection=self.pg)
                       for i, chunk in enumerate(self.chunks)]
         kwargs = optimizer_config_kwargs(cfg, self.params_dtype)
         kwargs.update(lr=lr)
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(**kwargs), self.model)
+        # no gloo groups with a collection (megatron-core refuses them): the distributed optimizer uses its gloo DP
+        # group only for the legacy dp_zero formats and the memory-efficient reshardable one, which we never write
+        # (checkpoint.py: fully_reshardable, gathered over its own DP group)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**kwargs), self.model, use_gloo_process_groups=False,
+                                                pg_collection=self.pg)
         opt = cfg.optimizer
         total_steps = max(1, cfg.rollout.num_rollout * cfg.batching.optimizer_steps_per_rollout
                           * cfg.algorithm.num_steps_per_rollout_updates)
@@ -251,7 +262,7 @@ class RoleModel:
             self.optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min(opt.min_lr, lr),
             lr_warmup_steps=warmup, lr_decay_steps=max(decay, warmup + 1), lr_decay_style=opt.lr_decay_style,
             start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.finalize_model_grads_func = finalize_model_grads  # the schedule passes it the role's collection
         self.config.grad_scale_func = self.optimizer.scale_loss
 
     def chunk_index(self, model) -> int:
@@ -282,15 +293,26 @@ class RoleModel:
                 m.train(training)
 
     def run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool) -> list:
-        """megatron's forward(-backward) schedule over this rank's micro-batches (one iterator per virtual stage)."""
+        """megatron's forward(-backward) schedule over this rank's micro-batches (one iterator per virtual stage), on
+        the role's groups: the schedule, its ``P2PCommunicator`` and ``finalize_model_grads`` take its collection."""
         from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: megatron-core
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # lazy: megatron-core
 
-        vpp = self.layout.num_model_chunks
+        layout, pg = self.layout, self.pg
+        vpp = layout.num_model_chunks
         iterators = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self.forward_step, loss_fn), data_iterator=iterators, model=self.model,
-            num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
-            micro_batch_size=1, forward_only=forward_only)
+        schedule = get_forward_backward_func(pp_size=layout.pp, vp_size=vpp if vpp > 1 else None)
+        p2p = P2PCommunicator(pp_group=pg.pp, config=self.config) if layout.pp > 1 else None
+        # parallel_state of the role's layout around the passes: megatron-core 0.16.1's modules still read globals in
+        # some forwards, which a recomputed layer (--recompute-granularity) runs again in the backward:
+        # Attention.get_query_key_value_tensors the TP rank (fewer query groups than TP ranks), GPTModel's MTP loss
+        # logging the DP-CP group and the MTP block's layers (built without the collection) their groups,
+        # TransformerLayer / MoELayer's te_checkpoint the TP group (FP8 with recompute)
+        with self.scope:
+            return schedule(
+                forward_step_func=partial(self.forward_step, loss_fn), data_iterator=iterators, model=self.model,
+                num_microbatches=len(micro_batches), seq_length=max(mb.num_tokens for mb in micro_batches),
+                micro_batch_size=1, forward_only=forward_only, p2p_communicator=p2p, pg_collection=pg)
 
     def forward_step(self, loss_fn, data_iterator, model):
         """One micro-batch through one chunk: ``loss_fn(mb, rows_or_values, output)`` gets the log-prob head's loss
@@ -299,9 +321,7 @@ class RoleModel:
         cp = self.layout.cp
         if self.head == "value":
             return self._value_step(loss_fn, mb, model)
-        from megatron.core import parallel_state as ps  # lazy: megatron-core
-
-        cp_rank = ps.get_context_parallel_rank()
+        cp_rank = self.pg.cp.rank()
         local_index = cp_utils.cp_local_index(mb.cu_seqlens, cp_rank, cp) if cp > 1 else None
         rows = packed_loss_rows(mb, local_index)  # on the host copy: no device sync
         mb = mb.to(next(model.parameters()).device)
@@ -338,11 +358,9 @@ class RoleModel:
         differentiable all-gather over the CP group reassembles the full sequence on every CP rank
         (``cp_utils.gather_packed_from_cp``). Megatron pads the vocab to a multiple of 128 x TP; the log-prob op
         is told the real vocab size and leaves those columns out of the softmax."""
-        from megatron.core import parallel_state as ps  # lazy: megatron-core
-
         logits = output[0] if output.dim() == 3 else output  # [rows, V/tp]
-        tp_group = ps.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
-        start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+        tp_group = self.pg.tp if self.layout.tp > 1 else None
+        start = self.pg.tp.rank() * logits.shape[-1]
         out = spec.extract_model_output(logits, rows.targets.to(logits.device), tp_group=tp_group,
                                         vocab_start_index=start, vocab_size=self.vocab_size, with_entropy=with_entropy)
         if self.layout.cp == 1:
@@ -352,7 +370,8 @@ class RoleModel:
         local = mb.num_tokens // self.layout.cp
 
         def whole(values: torch.Tensor) -> torch.Tensor:
-            return mb.gather_response(cp_utils.gather_packed_from_cp(rows.to_rows(values, local), mb.cu_seqlens))
+            return mb.gather_response(cp_utils.gather_packed_from_cp(rows.to_rows(values, local), mb.cu_seqlens,
+                                                                     cp_group=self.pg.cp))
 
         return ModelOutput(whole(out.logprobs), whole(out.entropy) if out.entropy is not None else None)
 
@@ -367,19 +386,18 @@ class RoleModel:
             return out.sum() * 0.0, torch.tensor(0, dtype=torch.int), {
                 "out": dict(zip(mb.sample_indices.tolist(), mb.split_response(out.cpu())))}
 
-        with self.scope:
-            self.set_mode(training=False)
+        self.set_mode(training=False)
+        if self.hooks is not None:
+            self.hooks.start_pass(samples, micro_batches, training=False)
+        try:
+            with torch.no_grad():
+                store = self.run_schedule(micro_batches, loss_fn, forward_only=True)
+        except BaseException:
             if self.hooks is not None:
-                self.hooks.start_pass(samples, micro_batches, training=False)
-            try:
-                with torch.no_grad():
-                    store = self.run_schedule(micro_batches, loss_fn, forward_only=True)
-            except BaseException:
-                if self.hooks is not None:
-                    self.hooks.end_pass(collect=False)
-                raise
-            if self.hooks is not None:
-                self.hooks.end_pass(collect=True)
+                self.hooks.end_pass(collect=False)
+            raise
+        if self.hooks is not None:
+            self.hooks.end_pass(collect=True)
         local: dict[int, torch.Tensor] = {}
         for item in store:
             local.update(item["out"])
@@ -390,41 +408,40 @@ class RoleModel:
         the last pipeline stage and given to every rank, and what the hooks report for the pass (the routes'
         agreement). ``loss_fn(mb, head_out, output)`` returns ``(loss, metrics)``."""
         assert self.optimizer is not None and self.scheduler is not None, f"the {self.name} role is frozen"
-        from megatron.core import parallel_state as ps  # lazy: megatron-core
+        pg = self.pg
 
         def schedule_loss(mb, head_out, output):
             loss, metrics = loss_fn(mb, head_out, output)
             return loss, torch.tensor(0, dtype=torch.int), {"metrics": metrics}
 
-        with self.scope:
-            self.set_mode(training=True)
-            for m in self.model:
-                m.zero_grad_buffer()
-            self.optimizer.zero_grad()
+        self.set_mode(training=True)
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if self.hooks is not None:
+            self.hooks.start_pass(samples, micro_batches, training=True)
+        try:
+            store = self.run_schedule(micro_batches, schedule_loss, forward_only=False)
+        except BaseException:
             if self.hooks is not None:
-                self.hooks.start_pass(samples, micro_batches, training=True)
-            try:
-                store = self.run_schedule(micro_batches, schedule_loss, forward_only=False)
-            except BaseException:
-                if self.hooks is not None:
-                    self.hooks.end_pass(collect=False)
-                raise
-            extra = self.hooks.end_pass(collect=True) if self.hooks is not None else {}
-            # fp16: the scale this step's loss was multiplied by (the step may back it off)
-            loss_scale = float(self.optimizer.get_loss_scale()) if self.cfg.precision.fp16 else None
-            update_ok, grad_norm, _ = self.optimizer.step()
-            if update_ok:
-                self.scheduler.step(increment=1)
-                self.optimizer_steps += 1
-            metrics: dict[str, float] = {}
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
-                metrics = reduce_metrics([item["metrics"] for item in store], group=ps.get_data_parallel_group())
-            # everyone (the driver especially, which may be a first-stage rank) gets the last stage's view; without
-            # pipeline stages every rank is a last-stage rank and holds it already (the DP all-reduce)
-            if ps.get_pipeline_model_parallel_world_size() > 1:
-                gathered: list = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, metrics)
-                metrics = next(m for m in gathered if m)
+                self.hooks.end_pass(collect=False)
+            raise
+        extra = self.hooks.end_pass(collect=True) if self.hooks is not None else {}
+        # fp16: the scale this step's loss was multiplied by (the step may back it off)
+        loss_scale = float(self.optimizer.get_loss_scale()) if self.cfg.precision.fp16 else None
+        update_ok, grad_norm, _ = self.optimizer.step()  # its own groups (grad norm, found-inf, the DP gather)
+        if update_ok:
+            self.scheduler.step(increment=1)
+            self.optimizer_steps += 1
+        metrics: dict[str, float] = {}
+        if pg.pp.rank() == pg.pp.size() - 1:
+            metrics = reduce_metrics([item["metrics"] for item in store], group=pg.dp)
+        # everyone (the driver especially, which may be a first-stage rank) gets the last stage's view; without
+        # pipeline stages every rank is a last-stage rank and holds it already (the DP all-reduce)
+        if pg.pp.size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, metrics)
+            metrics = next(m for m in gathered if m)
         return StepResult(metrics, grad_norm, bool(update_ok), loss_scale, extra)
 
     # ---- memory ---------------------------------------------------------------
@@ -433,20 +450,18 @@ class RoleModel:
         """Gradient buffers released and optimizer state to host memory (megatron's RL offload hooks)."""
         if self.optimizer is None:
             return
-        with self.scope:
-            for m in self.model:
-                m.offload_grad_buffers()
-            if hasattr(self.optimizer, "offload_to_cpu"):
-                self.optimizer.offload_to_cpu()
+        for m in self.model:
+            m.offload_grad_buffers()
+        if hasattr(self.optimizer, "offload_to_cpu"):
+            self.optimizer.offload_to_cpu()
 
     def wake(self) -> None:
         if self.optimizer is None:
             return
-        with self.scope:
-            for m in self.model:
-                m.restore_grad_buffers()
-            if hasattr(self.optimizer, "restore_from_cpu"):
-                self.optimizer.restore_from_cpu()
+        for m in self.model:
+            m.restore_grad_buffers()
+        if hasattr(self.optimizer, "restore_from_cpu"):
+            self.optimizer.restore_from_cpu()
 
     def named_local_params(self, trainable_only: bool = False):
         """``"{chunk}.{name}", parameter`` of this rank's chunks (``trainable_only``: those with gradients)."""

@@ -103,6 +103,8 @@ def roles(actor, teacher, critic, layout, out):
     backend = MegatronBackend()
     backend.initialize(cfg, spec_from_config(cfg))
     backend.load_frozen_weights("teacher", teacher)
+    groups = {"actor": role_groups(backend.actor), "teacher": role_groups(backend.frozen_roles["teacher"].role),
+              "critic": role_groups(backend.critic.role)}
     samples = make_samples(backend.vocab_size)
     teacher_lp = backend.maybe_compute_teacher_log_probs(samples, True)
     old = backend.forward_only(samples)
@@ -117,6 +119,32 @@ def roles(actor, teacher, critic, layout, out):
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump({**{k: [t.tolist() for t in v] for k, v in record.items()}, "metrics": metrics,
-                       "own_models": sorted(backend.frozen_roles), "tags": backend.weights.tags,
+                       "own_models": sorted(backend.frozen_roles), "tags": backend.weights.tags, "groups": groups,
                        "critic_hidden": int(backend.critic.config.hidden_size),
                        "init_method_std": float(backend.critic.config.init_method_std)}, fh)
+
+
+def role_groups(role):
+    """Which groups a role's modules, DDP and optimizer hold (taken outside any swap, with the actor's parallel_state
+    current): the sizes of its collection's groups, and whether each module's group is the collection's own."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.weights import unwrap
+
+    pg, chunk = role.pg, unwrap(role.chunks[0])
+    layer = chunk.decoder.layers[0]
+    attention = layer.self_attention
+    held = {"linear_qkv": attention.linear_qkv.tp_group is pg.tp, "linear_proj": attention.linear_proj.tp_group is pg.tp,
+            "linear_fc1": layer.mlp.linear_fc1.tp_group is pg.tp, "block_pp": chunk.decoder.pg_collection.pp is pg.pp,
+            "core_attention_cp": attention.core_attention.cp_group is pg.cp}
+    if chunk.pre_process:
+        held["embedding"] = chunk.embedding.word_embeddings.tp_group is pg.tp
+    if chunk.post_process:
+        held["output_layer"] = chunk.output_layer.tp_group is pg.tp  # the policy's output layer, or the value head
+    if role.optimizer is not None:
+        held["ddp_dp_cp"] = all(m.dp_cp_group is pg.dp_cp and m.tp_group is pg.tp for m in role.model)
+        held["optimizer_tp"] = all(o.tp_group is pg.tp for o in getattr(role.optimizer, "chained_optimizers",
+                                                                         [role.optimizer]))
+    return {"tp": pg.tp.size(), "pp": pg.pp.size(), "cp": pg.cp.size(), "dp": pg.dp.size(),
+            "attention_tp": attention.linear_qkv.tp_group.size(), "held": held,
+            "globals_tp": ps.get_tensor_model_parallel_world_size(), "globals_cp": ps.get_context_parallel_world_size()}
