@@ -788,7 +788,8 @@ class DataConfig:
         "--rm-url reward when one is given (logged as reward/rule; the score as reward/rm_score). It reads the "
         "policy's token ids when its tokenizer is the policy's, else prompt + response text through its own "
         "(docs/algorithms.md).", metavar="DIR")
-    reward_model_weight: float = flag(1.0, "The weight of --reward-model-path's score in the reward.")
+    reward_model_weight: float = flag(1.0, "The weight of --reward-model-path's score in the reward.",
+                                      domain="(0, inf)")
     reward_model_micro_batch_size: int = flag(16, "Samples per forward of --reward-model-path's model on each trainer "
                                               "rank (verl's reward_model.micro_batch_size_per_gpu); right-padded "
                                               "with its pad id (one per forward when it has none).")
