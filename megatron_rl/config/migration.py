@@ -222,6 +222,7 @@ components for you; here each is a flag, so a script that relied on slime's choi
 | evaluation samples at `--rollout-temperature` unless `--eval-temperature` | greedy evaluation unless `--eval-temperature` > 0 (so `--eval-top-p` < 1 or `--eval-top-k` > 1 need it) |
 | Megatron-LM dropout defaults (0.1) | 0, from config.json (slime's scripts pass 0 anyway) |
 | model built from MODEL_ARGS, weights converted into it | model built from `--hf-checkpoint`'s config.json; MODEL_ARGS are checked against it and a mismatch is refused by name |
+| `tools/convert_hf_to_torch_dist.py ${MODEL_ARGS[@]} --hf-checkpoint HF --save DIR` writes `DIR/release/` | the same command (over `tools/convert_ckpt.py`, MODEL_ARGS checked against config.json) writes the model-only torch_dist dir `DIR`, which `--ref-load DIR` / `--load DIR` take as it is; `tools/convert_torch_dist_to_hf.py --input-dir --output-dir --origin-hf-dir` as slime's (docs/convert.md) |
 """
 
 
