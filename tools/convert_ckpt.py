@@ -56,6 +56,7 @@ if __name__ == "__main__":  # not in the torch_dist writer's spawned helpers (__
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+from typing import Callable  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -219,11 +220,12 @@ def _shutdown() -> None:
             dist.destroy_process_group()
 
 
-def _entry() -> int:
+def _entry(run: Callable[[], int] = main) -> int:
+    """The command line's entry (``run``: this tool's ``main``, or a slime-named entry point's over it)."""
     global _in_main
     _in_main = True
     try:
-        return main()
+        return run()
     except KeyboardInterrupt:  # outside main's own handling (the arguments, the summary line)
         print("convert_ckpt.py: interrupted; an --output is either whole or was not written (it appears only when "
               "complete)", file=sys.stderr)

@@ -4,7 +4,8 @@ Why generated: what each slime flag does here is already stated once, in the sch
 (config/schema.py), the architecture table (config/architecture.py) and the Megatron flag
 table (config/megatron_flags.py). This module lists every flag of slime's example scripts
 (``scripts/models/*.sh`` and ``scripts/run-*.sh`` for Qwen3-4B, Qwen3-30B-A3B, Qwen3-32B,
-Qwen2.5-0.5B, Qwen3-235B-A22B; Qwen3-Next-80B-A3B's model flags) and renders, per flag, its status and that text; :data:`NOTES`
+Qwen2.5-0.5B, Qwen3-235B-A22B, GLM-4.5, DeepSeek-V3/R1, Kimi-K2; Qwen3-Next-80B-A3B's model flags; the
+data-key, external-engine and saving flags of ``slime/utils/arguments.py``) and renders, per flag, its status and that text; :data:`NOTES`
 holds only what no table says (slime semantics that differ, flags not built). :data:`OFF_POLICY_PEERS`
 maps the off-policy correction settings of slime, verl and AReaL (config keys, not flags) to ours. A test checks
 the file is current and that the launch commands in tests/config/test_slime_scripts.py use
@@ -70,6 +71,8 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--gamma", "--lambd", "--value-clip", "--num-critic-only-steps", "--critic-lr", "--critic-lr-warmup-iters",
         "--critic-load", "--critic-save", "--critic-num-nodes", "--critic-num-gpus-per-node",
         "--megatron-config-path"),
+    "other slime flags (slime/utils/arguments.py: data keys, external engines, saving, async)": (
+        "--metadata-key", "--tool-key", "--rollout-external-engine-addrs", "--save-hf", "--keep-old-actor"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
 }
@@ -158,6 +161,18 @@ NOTES: dict[str, tuple[str, str]] = {
                               "and DP (TP, CP, EP, LoRA and fsdp are refused). Metric train/mtp_loss."),
     "--mtp-loss-scaling-factor": ("same", "Weight of --enable-mtp-training's loss, divided by --mtp-num-layers "
                                   "as megatron does (default 0.2)."),
+    "--rollout-external-engine-addrs": ("same", "An alias of --rollout-engine-urls: servers you run, host:port "
+                                        "(read as http://host:port) or a URL each. slime asks each engine's "
+                                        "/server_info for its GPUs and puts a router of its own in front; here "
+                                        "each URL is a server (or a router) talked to as given, and the weights "
+                                        "go by --update-weight-transport disk or distributed (docs/sglang.md)."),
+    "--save-hf": ("refused", "slime writes an HF copy at every save; not built into the run here. Export a "
+                  "saved iter_NNNNNNN with tools/convert_ckpt.py dist-to-hf (or slime's "
+                  "tools/convert_torch_dist_to_hf.py, the same converter; fsdp-to-hf for --train-backend fsdp)."),
+    "--keep-old-actor": ("refused", "slime keeps the weights that generated a rollout on the trainer for the old "
+                         "log-probs; no such copy is kept here. With --async-mode off the old log-probs come from "
+                         "those weights anyway; under --async-mode one-step / full use --use-rollout-logprobs (the "
+                         "generating engine's log-probs) or --use-tis / --use-rs."),
     "--eval-prompt-data": ("same", "One JSONL file (metrics eval/reward_mean), or slime's named sets NAME "
                            "PATH [NAME PATH ...] with metrics eval/NAME/reward_mean and eval/NAME/response_len_mean."),
 }
@@ -207,6 +222,7 @@ components for you; here each is a flag, so a script that relied on slime's choi
 | evaluation samples at `--rollout-temperature` unless `--eval-temperature` | greedy evaluation unless `--eval-temperature` > 0 (so `--eval-top-p` < 1 or `--eval-top-k` > 1 need it) |
 | Megatron-LM dropout defaults (0.1) | 0, from config.json (slime's scripts pass 0 anyway) |
 | model built from MODEL_ARGS, weights converted into it | model built from `--hf-checkpoint`'s config.json; MODEL_ARGS are checked against it and a mismatch is refused by name |
+| `tools/convert_hf_to_torch_dist.py ${MODEL_ARGS[@]} --hf-checkpoint HF --save DIR` writes `DIR/release/` | the same command (over `tools/convert_ckpt.py`, MODEL_ARGS checked against config.json) writes the model-only torch_dist dir `DIR`, which `--ref-load DIR` / `--load DIR` take as it is; `tools/convert_torch_dist_to_hf.py --input-dir --output-dir --origin-hf-dir` as slime's (docs/convert.md) |
 """
 
 

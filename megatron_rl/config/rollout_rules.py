@@ -289,8 +289,8 @@ def _external_sglang_errors(cfg: Config) -> list[str]:
     bad = [u for u in r.rollout_engine_urls
            if not (url_match := _URL.match(u)) or not 0 < int(url_match.group(2)) < 65536]
     for url in bad:
-        errors.append(f"--rollout-engine-urls {url}: not a server address; write http://host:port or "
-                      "https://host:port (e.g. http://10.0.0.5:30000), one per server")
+        errors.append(f"--rollout-engine-urls {url}: not a server address; write http://host:port, "
+                      "https://host:port or host:port (e.g. 10.0.0.5:30000), one per server")
     dup = sorted({u for u in r.rollout_engine_urls if r.rollout_engine_urls.count(u) > 1})
     if dup:
         errors.append(f"--rollout-engine-urls lists {', '.join(dup)} more than once; list each server once")

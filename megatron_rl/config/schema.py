@@ -92,6 +92,13 @@ def parse_duration(text: str | int | float | None) -> Optional[float]:
         raise ValueError(f"{text!r} is not a duration; write e.g. 7d, 12h, 90m or a number of seconds") from None
 
 
+def engine_url(address: str) -> str:
+    """A server address: slime's ``host:port`` (``--rollout-external-engine-addrs``) as ``http://host:port``,
+    a URL with a scheme as given."""
+    address = str(address)
+    return address if "://" in address else f"http://{address}"
+
+
 # --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
 BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler")
 
@@ -570,6 +577,11 @@ class CheckpointConfig:
                                       "which hold it beside the actor; slime's separate critic checkpoint dirs do "
                                       "not load. --train-backend megatron only (fsdp: convert it to HF and pass "
                                       "--critic-hf-checkpoint).", metavar="DIR")
+    save_hf: Optional[str] = flag(None, "slime's HF export at every save (a path with {rollout_id}). Refused: "
+                                  "not built into the run; export a saved checkpoint with tools/convert_ckpt.py "
+                                  "dist-to-hf --input SAVE/iter_NNNNNNN --output DIR (slime's "
+                                  "tools/convert_torch_dist_to_hf.py works too), or fsdp-to-hf for "
+                                  "--train-backend fsdp.", metavar="PATH")
     critic_save: Optional[str] = flag(None, "slime's separate critic save dir. Refused: the critic's model and "
                                       "optimizer go into each --save checkpoint, beside the actor's.", metavar="DIR")
 
@@ -584,10 +596,12 @@ class RolloutConfig:
                                 "(--rollout-num-gpus, --rollout-num-gpus-per-engine other than 1, --sglang-*, "
                                 "--rollout-engine-urls), as in slime's scripts; else embedded.",
                                 choices=("auto", "embedded", "sglang"))
-    rollout_engine_urls: list = flag([], "Running SGLang servers (http://host:port each) to use instead of "
-                                     "launching engines; needs --rollout-backend sglang and "
-                                     "--update-weight-transport disk or distributed.",
-                                     type=str, nargs="+", metavar="URL")
+    rollout_engine_urls: list = flag([], "Running SGLang servers (http://host:port each; a bare host:port is "
+                                     "read as http://host:port) to use instead of launching engines; needs "
+                                     "--rollout-backend sglang and --update-weight-transport disk or distributed. "
+                                     "slime's --rollout-external-engine-addrs HOST:PORT ... is the same flag.",
+                                     type=str, nargs="+", metavar="URL",
+                                     aliases=("--rollout-external-engine-addrs",))
     rollout_num_gpus: Optional[int] = flag(None, "GPUs for the SGLang engines this run launches (default: the "
                                            "actor's); with --colocate the trainer's own, else the GPUs the trainer "
                                            "leaves free on its nodes; refused with the embedded engine, which runs "
@@ -716,6 +730,8 @@ class RolloutConfig:
                                 "for SGLang servers; refused with the embedded engine.")
 
     def __post_init__(self):
+        if any("://" not in str(u) for u in self.rollout_engine_urls):  # slime's host:port form, CLI or YAML
+            object.__setattr__(self, "rollout_engine_urls", [engine_url(u) for u in self.rollout_engine_urls])
         if self.rollout_backend == "auto":  # resolved once, here, so every reader sees embedded or sglang
             object.__setattr__(self, "rollout_backend", "sglang" if self.names_sglang_engines else "embedded")
 
@@ -734,6 +750,16 @@ class DataConfig:
                                     "and refuses a longer line by its number.", domain="[1, inf)")
     input_key: str = flag("prompt", "JSON key of the prompt text.")
     label_key: Optional[str] = flag("label", "JSON key of the ground-truth label used by the reward.")
+    metadata_key: Optional[str] = flag("metadata", "JSON key of a prompt's metadata (slime's): a JSON object "
+                                       "whose keys join the request's and every sample's metadata (what a "
+                                       "--custom-rm-path or --custom-generate-function-path reads, what --rm-url "
+                                       "receives); a line without the key has none. Keys the engine sets itself "
+                                       "(prompt_index, line, epoch, turns, ...) are refused by name. '' turns it "
+                                       "off.", metavar="KEY")
+    tool_key: Optional[str] = flag("tools", "JSON key of a prompt's tool schemas (slime's): a list of tool "
+                                   "definitions, or a JSON string holding one, given to the tokenizer's chat "
+                                   "template as tools= with --apply-chat-template and kept in the metadata as "
+                                   "'tools'; a line without the key has none. '' turns it off.", metavar="KEY")
     apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = flag(False, "Shuffle prompts each epoch (seeded).")
     eval_prompt_data: list = flag([], "Evaluation prompts: one JSONL file (metrics eval/reward_mean, ...), or "
@@ -955,6 +981,11 @@ class AlgorithmConfig:
         None, "Refused: slime's hook rewrites pg_loss and the loss masks of one micro-batch; its built-ins are "
         "flags here: slime...vanilla_tis_function = --use-tis, slime...icepop_function = --use-tis --tis-mode "
         "mask; sequence/geometric levels and rejection sampling: --tis-level, --use-rs.", metavar="PATH")
+    keep_old_actor: bool = flag(False, "slime's copy of the weights that generated a rollout, kept on the trainer "
+                                "to compute the old log-probs. Refused: no such copy is kept here; with "
+                                "--async-mode off the old log-probs already come from the generating weights, and "
+                                "under --async-mode one-step / full --use-rollout-logprobs takes them from the "
+                                "engine that generated the rollout (or --use-tis / --use-rs correct towards it).")
     ref_update_interval: Optional[int] = flag(
         None, "slime's: after every N-th rollout trains, the reference model becomes the actor's current weights "
         "(train/ref_updated logs it); unset: the reference stays --ref-load's / the initial weights. Needs "

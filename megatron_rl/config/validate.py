@@ -344,6 +344,11 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
         errors.append("--save-interval needs --save ROOT (where checkpoints go)")
     if c.save_max_to_keep is not None and not c.save:
         errors.append("--save-max-to-keep needs --save ROOT")
+    if c.save_hf is not None:
+        errors.append(f"--save-hf {c.save_hf}: refused; an HF export at every save is not built into the run. Export "
+                      "a saved checkpoint instead: tools/convert_ckpt.py dist-to-hf --input SAVE/iter_NNNNNNN "
+                      "--output DIR (or slime's tools/convert_torch_dist_to_hf.py --input-dir ... --output-dir ...; "
+                      "--train-backend fsdp: convert_ckpt.py fsdp-to-hf): drop --save-hf")
     if cfg.has_training and not c.load and not c.save and not cfg.model.hf_checkpoint:
         errors.append("no model to train: give --hf-checkpoint DIR (or --load a checkpoint)")
     if (cfg.model.hf_checkpoint and not os.path.isfile(os.path.join(cfg.model.hf_checkpoint, "config.json"))
@@ -556,6 +561,12 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
         errors.append(f"--custom-tis-function-path {a.custom_tis_function_path}: refused. slime's built-ins are "
                       "flags here: vanilla_tis_function = --use-tis, icepop_function = --use-tis --tis-mode mask; "
                       "other levels and rejection sampling: --tis-level, --use-rs (docs/algorithms.md)")
+    if a.keep_old_actor:
+        errors.append("--keep-old-actor: refused; no copy of the weights that generated a rollout is kept on the "
+                      f"trainer. With --async-mode off the old log-probs already come from those weights; with "
+                      f"--async-mode {cfg.rollout.async_mode if cfg.rollout.async_mode != 'off' else 'one-step / full'}"
+                      " use --use-rollout-logprobs (the generating engine's log-probs as the old ones) or correct "
+                      "towards them with --use-tis / --use-rs: drop --keep-old-actor")
     d = cfg.data
     if d.eval_reward_key is not None and not d.eval_sets:
         errors.append(f"--eval-reward-key {d.eval_reward_key} picks the reward evaluation reports, but this run "

@@ -4,7 +4,11 @@
 the prompt, which may be text, a list of chat messages (``[{"role", "content"}]``,
 needs ``--apply-chat-template``) or a list of token ids (used as is, no
 tokenizer needed). ``--label-key`` names the ground truth handed to the reward
-(an empty key means the data has no labels). The whole file is read and
+(an empty key means the data has no labels). As in slime, ``--metadata-key``
+names a JSON object whose keys join each request's (and so each sample's)
+metadata, and ``--tool-key`` a list of tool schemas that the chat template gets
+as ``tools=`` and the metadata keeps as ``"tools"``; a line without either key
+has none. The whole file is read and
 tokenized up front, so every bad line is reported before the first rollout.
 
 Reading is streamed, one line at a time (``read_prompt_records``), and each line may be
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
-from megatron_rl.data.types import GenerateRequest
+from megatron_rl.data.types import ENGINE_METADATA_KEYS, GenerateRequest
 from megatron_rl.errors import ConfigError
 
 MIB = 1 << 20  # --max-prompt-line-mib counts these
@@ -128,6 +132,39 @@ def prompt_kind(value: Any, where: str, input_key: str) -> str:
                       "text, chat messages [{\"role\", \"content\"}] or token ids")
 
 
+def prompt_metadata(record: dict, where: str, metadata_key: Optional[str] = "metadata",
+                    tool_key: Optional[str] = "tools") -> tuple[dict, Optional[list]]:
+    """``(metadata, tools)`` of one prompt record (slime's ``--metadata-key`` / ``--tool-key``): the metadata
+    object (``{}`` without the key or for null) with ``"tools"`` added when the record has tools; the tools, a
+    list (a JSON string holding one is parsed, as slime does), or None. Raises ``ConfigError`` naming ``where``
+    for metadata that is not an object or holds a key the engine sets, and tools that are not a list."""
+    metadata: dict = {}
+    if metadata_key and record.get(metadata_key) is not None:
+        metadata = record[metadata_key]
+        if not isinstance(metadata, dict):
+            raise ConfigError(f"{where}: --metadata-key {metadata_key!r} holds a {type(metadata).__name__}; "
+                              "expected a JSON object (or pass --metadata-key '' to read none)")
+        taken = sorted(set(metadata) & set(ENGINE_METADATA_KEYS))
+        if taken:
+            raise ConfigError(f"{where}: --metadata-key {metadata_key!r} holds {', '.join(map(repr, taken))}, "
+                              "which the engine sets in every sample's metadata itself; rename them in the data")
+        metadata = dict(metadata)
+    tools = None
+    if tool_key and record.get(tool_key) is not None:
+        tools = record[tool_key]
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: --tool-key {tool_key!r} holds a string that is not JSON "
+                                  f"({exc.msg}); store the tool schemas as a list") from None
+        if not isinstance(tools, list):
+            raise ConfigError(f"{where}: --tool-key {tool_key!r} holds a {type(tools).__name__}; expected a list "
+                              "of tool schemas (or pass --tool-key '' to read none)")
+        metadata["tools"] = tools
+    return metadata, tools
+
+
 @dataclass(frozen=True)
 class PromptFileScan:
     """What ``scan_prompt_file`` found: the prompt count and the first line that needs a tokenizer."""
@@ -139,6 +176,7 @@ class PromptFileScan:
 
 
 def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", label_key: Optional[str] = "label",
+                     metadata_key: Optional[str] = "metadata", tool_key: Optional[str] = "tools",
                      max_line_bytes: Optional[int], max_prompt_len: Optional[int] = None,
                      flag: str = "--prompt-data") -> PromptFileScan:
     """Every check of ``PromptDataset`` that needs no tokenizer, streamed: memory is one line at most.
@@ -151,6 +189,7 @@ def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", labe
         where = f"{flag} {path} line {line_no}"
         value = record[input_key]
         kind = prompt_kind(value, where, input_key)
+        prompt_metadata(record, where, metadata_key, tool_key)
         if kind == "ids" or value == "":
             _check_prompt_len(len(value), where, max_prompt_len)
         elif first_text is None:
@@ -184,6 +223,7 @@ class Prompt:
     prompt_text: str | None
     label: Any
     line: int
+    metadata: dict = field(default_factory=dict)  # --metadata-key's object (+ "tools"), joins the request's
 
 
 @dataclass
@@ -200,7 +240,8 @@ class PromptDataset:
     """All prompts of a JSONL file, tokenized and validated at construction."""
 
     def __init__(self, path: str | os.PathLike, *, tokenizer: Any = None, input_key: str = "prompt",
-                 label_key: str | None = "label", apply_chat_template: bool = False,
+                 label_key: str | None = "label", metadata_key: str | None = "metadata",
+                 tool_key: str | None = "tools", apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, max_line_bytes: int | None = None,
                  flag: str = "--prompt-data"):
         """``max_line_bytes``: the longest line read (None: no limit). A run passes ``--max-prompt-line-mib``
@@ -210,6 +251,7 @@ class PromptDataset:
         self.flag = flag
         self.input_key = input_key
         self.label_key = label_key or None
+        self.metadata_key, self.tool_key = metadata_key or None, tool_key or None
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
         if apply_chat_template:
@@ -230,11 +272,12 @@ class PromptDataset:
     def _parse(self, record: dict, line_no: int, max_prompt_len: int | None) -> Prompt:
         where = f"{self.flag} {self.path} line {line_no}"
         label = record[self.label_key] if self.label_key is not None else None
-        prompt_ids, prompt_text = self._tokenize(record[self.input_key], where)
+        metadata, tools = prompt_metadata(record, where, self.metadata_key, self.tool_key)
+        prompt_ids, prompt_text = self._tokenize(record[self.input_key], where, tools)
         _check_prompt_len(len(prompt_ids), where, max_prompt_len)
-        return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no)
+        return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no, metadata=metadata)
 
-    def _tokenize(self, value: Any, where: str) -> tuple[list[int], str | None]:
+    def _tokenize(self, value: Any, where: str, tools: Optional[list] = None) -> tuple[list[int], str | None]:
         kind = prompt_kind(value, where, self.input_key)
         if kind == "ids":
             if self.apply_chat_template:
@@ -250,7 +293,8 @@ class PromptDataset:
                               "--apply-chat-template")
         if self.apply_chat_template:
             messages = value if is_chat else [{"role": "user", "content": value}]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            extra = {"tools": tools} if tools is not None else {}  # slime's --tool-key
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
             # the template already wrote any BOS/special tokens it wants
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         return list(self.tokenizer(value)["input_ids"]), value
@@ -315,7 +359,7 @@ class PromptIterator:
             requests.append(GenerateRequest(
                 prompt_ids=list(prompt.prompt_ids), group_index=group_index, label=prompt.label,
                 prompt_text=prompt.prompt_text,
-                metadata={"prompt_index": index, "line": prompt.line, "epoch": self.epoch}))
+                metadata={**prompt.metadata, "prompt_index": index, "line": prompt.line, "epoch": self.epoch}))
             self.offset += 1
             if self.offset == len(self.dataset):
                 self.epoch, self.offset = self.epoch + 1, 0

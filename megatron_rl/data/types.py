@@ -77,6 +77,13 @@ def describe_prompt(metadata: dict) -> str:
 
 #: the request metadata that places a prompt in the prompt file and stream (set by the prompt reader)
 PROMPT_PLACE_KEYS = ("prompt_index", "line", "epoch")
+#: sample metadata the engine writes itself (the prompt reader's place keys; SGLang's and the embedded engine's
+#: weight_version_spans / finish_message; the tool loop's turn counts; the full-async producer's
+#: partial_continuations; rewards' reward_metrics): a prompt's own metadata (--metadata-key) may not hold them,
+#: or the run would read the user's value as its own
+ENGINE_METADATA_KEYS = PROMPT_PLACE_KEYS + (
+    "weight_version_spans", "finish_message", "turns", "tool_calls", "tool_errors", "agent_stop",
+    "partial_continuations", "reward_metrics")
 
 
 def mark_prompt(sample: "Sample", request: "GenerateRequest") -> None:

@@ -54,6 +54,7 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
 
     def dataset(path: str) -> PromptDataset:
         return PromptDataset(path, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
+                             metadata_key=d.metadata_key, tool_key=d.tool_key,
                              apply_chat_template=d.apply_chat_template,
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len,
                              max_line_bytes=d.max_prompt_line_mib * MIB)  # a file changed since the pre-flight

@@ -273,7 +273,8 @@ class RolloutManager:
         paths = dict(self.cfg.data.eval_sets)
         for name, dataset in self.eval_datasets.items():
             requests = [GenerateRequest(prompt_ids=list(p.prompt_ids), group_index=i, label=p.label,
-                                        prompt_text=p.prompt_text, metadata={"prompt_index": i, "line": p.line})
+                                        prompt_text=p.prompt_text,
+                                        metadata={**p.metadata, "prompt_index": i, "line": p.line})
                         for i, p in enumerate(dataset.prompts)]
             flag = "--eval-prompt-data" + (f" {name}" if name else "")
             samples = self._run(requests, eval_sampling_params(self.cfg), evaluation=True,

@@ -74,6 +74,7 @@ def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None
 def _scan(cfg: Config, flag: str, path: str) -> tuple[str, PromptFileScan]:
     d = cfg.data
     return flag, scan_prompt_file(path, input_key=d.input_key, label_key=d.label_key,
+                                  metadata_key=d.metadata_key, tool_key=d.tool_key,
                                   max_line_bytes=d.max_prompt_line_mib * MIB,
                                   max_prompt_len=cfg.rollout.rollout_max_prompt_len, flag=flag)
 

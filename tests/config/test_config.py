@@ -313,8 +313,8 @@ BY_URL = "with --rollout-engine-urls: the servers of --rollout-engine-urls run w
     # external servers: the URLs, and what means nothing for servers this run neither starts nor places
     (["--rollout-backend", "embedded", *URLS], "--rollout-engine-urls http://127.0.0.1:30000 names SGLang servers, "
                                                "but --rollout-backend is embedded"),
-    ([*EXTERNAL[:2], "--rollout-engine-urls", "localhost:30000", *EXTERNAL[4:]],
-     "--rollout-engine-urls localhost:30000: not a server address; write http://host:port"),
+    ([*EXTERNAL[:2], "--rollout-engine-urls", "localhost", *EXTERNAL[4:]],  # (slime's host:port is http://host:port)
+     "--rollout-engine-urls http://localhost: not a server address; write http://host:port"),
     ([*EXTERNAL, "--rollout-engine-urls", "http://a:1", "http://a:1"], "lists http://a:1 more than once"),
     ([*EXTERNAL, "--colocate"], "--colocate " + BY_URL),
     ([*EXTERNAL, "--offload-train"], "--offload-train " + BY_URL),

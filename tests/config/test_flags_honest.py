@@ -70,6 +70,14 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
     "critic_save": (
         "slime's separate critic save dir, refused in validation: the critic goes into each --save checkpoint",
         _refused(["--critic-save", "/tmp/critic"])),
+    "save_hf": (
+        "slime's HF export at every save, refused in validation naming tools/convert_ckpt.py dist-to-hf (and slime's "
+        "tools/convert_torch_dist_to_hf.py over it) for a saved checkpoint",
+        _refused(["--save-hf", "/tmp/hf_{rollout_id}"])),
+    "keep_old_actor": (
+        "slime's copy of the generating weights for the old log-probs, refused in validation naming "
+        "--use-rollout-logprobs / --use-tis / --use-rs",
+        _refused(["--keep-old-actor"])),
     "critic_num_nodes": (
         "slime's critic placement: the critic runs on the actor's ranks (as slime's, which sets it to the actor's "
         "count), so the actor's value says nothing new and any other is refused in validation",

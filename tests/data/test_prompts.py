@@ -274,3 +274,46 @@ def test_a_prompt_path_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_pa
         with pytest.raises(ConfigError, match=rf"--eval-prompt-data {path}: {message}"):
             parse_config(["--hf-checkpoint", hf, "--prompt-data", str(write_jsonl(tmp_path / "p.jsonl", [
                 {"prompt": [3], "label": 1}])), "--eval-prompt-data", path])
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+                  "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_metadata_and_tools_keys_as_slime_reads_them(tmp_path):
+    """slime's --metadata-key / --tool-key: the metadata object joins each request's metadata beside the place
+    keys (so every sample and the reward see it); tools (a list, or a JSON string of one) reach the chat
+    template as tools= and the metadata as 'tools'; lines without the keys have neither; '' reads none."""
+    tok = build_char_tokenizer(tmp_path / "tok", chat_template=TOOLS_TEMPLATE)
+    calc = [{"name": "calc", "parameters": {}}]
+    data = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "2+2?", "label": "4", "metadata": {"task_id": 7, "lang": "en"}, "tools": calc},
+        {"prompt": "hi", "label": "x", "tools": json.dumps(calc)},
+        {"prompt": "yo", "label": "y", "metadata": None},
+    ])
+    ds = PromptDataset(data, tokenizer=tok, apply_chat_template=True)
+    assert ds[0].prompt_text == "<|system|>tools: calc\n<|user|>2+2?\n<|assistant|>"
+    assert ds[0].metadata == {"task_id": 7, "lang": "en", "tools": calc}
+    assert ds[1].metadata == {"tools": calc} and ds[1].prompt_text.startswith("<|system|>tools: calc\n")
+    assert ds[2].metadata == {} and ds[2].prompt_text == "<|user|>yo\n<|assistant|>"
+    request = next(PromptIterator(ds, rollout_batch_size=1)).requests[0]
+    assert request.metadata == {"task_id": 7, "lang": "en", "tools": calc, "prompt_index": 0, "line": 1, "epoch": 0}
+    off = PromptDataset(data, tokenizer=tok, apply_chat_template=True, metadata_key="", tool_key="")
+    assert off[0].metadata == {} and off[0].prompt_text == "<|user|>2+2?\n<|assistant|>"
+    plain = PromptDataset(data, tokenizer=tok)  # no chat template: the tools are kept in the metadata only
+    assert plain[0].prompt_text == "2+2?" and plain[0].metadata["tools"] == calc
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"metadata": "task 7"}, "line 1: --metadata-key 'metadata' holds a str; expected a JSON object"),
+    ({"metadata": {"line": 3, "turns": 1}}, "holds 'line', 'turns', which the engine sets in every sample's metadata"),
+    ({"tools": {"name": "calc"}}, "line 1: --tool-key 'tools' holds a dict; expected a list of tool schemas"),
+    ({"tools": "[{oops"}, "line 1: --tool-key 'tools' holds a string that is not JSON"),
+])
+def test_bad_metadata_and_tools_are_named_by_line_in_both_readers(tmp_path, tokenizer, record, message):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [5, 6], "label": 1, **record}])
+    with pytest.raises(ConfigError, match=message):
+        PromptDataset(data, tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match=message):
+        scan_prompt_file(data, max_line_bytes=MIB)
