@@ -11,8 +11,12 @@ State the placement one of three ways:
 
 Add ``--hf-checkpoint DIR`` (or ``--model-config config.json``), ``--seq-length``
 and ``--virtual-pipeline-model-parallel-size`` to check the layout against the
-model. Prints a table (or one JSON object with ``--json``). Exit status: 0 valid,
-2 invalid (reason on stderr). Never launches anything and never imports torch.
+model; with a model, the training ranks' static memory (parameters, gradient
+buffers, optimizer state: ``--bf16``, ``--use-distributed-optimizer``,
+``--optimizer-cpu-offload``, ``--lora-rank``) is estimated against ``--gpu-type`` /
+``--gpu-memory-gib``. Prints a table (or one JSON object with ``--json``). Exit
+status: 0 valid, 2 invalid (reason on stderr). Never launches anything and never
+imports torch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl.errors import PlanError  # noqa: E402
 from megatron_rl.plan.allocation import MAX_SIZE  # noqa: E402
+from megatron_rl.plan.memory import (GPU_MEMORY_GIB, ModelArch, TrainingFlags,  # noqa: E402
+                                     estimate_for_component, format_memory, report_json)
 from megatron_rl.plan.sources import ASCII_INT  # noqa: E402
 from megatron_rl.plan import (  # noqa: E402
     Cluster, ModelShape, format_table, parse_allocation, plan_from_areal_args,
@@ -80,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--train-backend", choices=("megatron", "fsdp"))
     s.add_argument("--update-weight-transport", metavar="disk|tensor|distributed",
                    help="also applies to an allocation string")
+    t = ap.add_argument_group("static memory of the training ranks (with a model; docs/planner.md)")
+    t.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 master copy in the optimizer)")
+    t.add_argument("--fp16", action="store_true", help="fp16 parameters (fp32 master copy in the optimizer)")
+    t.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="optimizer state sharded over data-parallel ranks")
+    t.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="optimizer state in host memory (implies --use-distributed-optimizer)")
+    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    t.add_argument("--lora-rank", type=_ascii_int(2 ** 16), default=0)
+    t.add_argument("--lora-target-modules", nargs="+", metavar="NAME", default=["all-linear"])
+    t.add_argument("--gpu-type", choices=tuple(GPU_MEMORY_GIB), default=None,
+                   help="the GPU the estimate is compared with (default H100-80G)")
+    t.add_argument("--gpu-memory-gib", type=float, default=None, help="the GPU's memory in GiB, instead of --gpu-type")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -138,6 +157,22 @@ def load_model(ns: argparse.Namespace):
     return ModelShape.from_hf_config(path) if path else None
 
 
+def memory_reports(ns: argparse.Namespace, plan) -> list:
+    """The static memory of each actor's training ranks (with its colocated critic), or none without a model."""
+    path = ns.hf_checkpoint or ns.model_config
+    if not path or not plan.actors:
+        return []
+    if ns.bf16 and ns.fp16:
+        raise PlanError("--bf16 and --fp16 are mutually exclusive; pick one")
+    arch = ModelArch.from_path(path)
+    flags = TrainingFlags(params_dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
+                          distributed_optimizer=ns.use_distributed_optimizer or ns.optimizer_cpu_offload,
+                          cpu_offload=ns.optimizer_cpu_offload, precision_aware=ns.optimizer_cpu_offload,
+                          optimizer=ns.optimizer, lora_rank=ns.lora_rank, lora_targets=tuple(ns.lora_target_modules))
+    return [estimate_for_component(plan, actor, arch, flags, vpp=ns.vpp, gpu_type=ns.gpu_type,
+                                   gpu_memory=ns.gpu_memory_gib) for actor in plan.actors]
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
@@ -153,10 +188,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = validate_plan(plan, cluster, model, seq_length=ns.seq_length, vpp=ns.vpp)
     report = dataclasses.replace(report, info=tuple(notes) + report.info)
+    try:
+        memory = memory_reports(ns, plan) if report.ok else []
+        for m in memory:
+            m.ranks_per_node = cluster.gpus_per_node if cluster is not None else 1
+    except PlanError as exc:
+        print(f"check_plan: {exc}", file=sys.stderr)
+        return 2
     if ns.json:
-        print(json.dumps(report_dict(plan, report, cluster), indent=2))
+        out = report_dict(plan, report, cluster)
+        out["memory"] = [report_json(m) for m in memory]
+        print(json.dumps(out, indent=2))
     else:
         print(format_table(plan, report, cluster))
+        for m in memory:
+            print("\n".join(format_memory(m)))
     if not report.ok:
         print("check_plan: invalid plan:\n  - " + "\n  - ".join(report.errors), file=sys.stderr)
         return 2

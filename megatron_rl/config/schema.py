@@ -404,6 +404,13 @@ class MemoryConfig:
         "three times per reference forward. auto: device when that copy takes at most a quarter of the GPU memory "
         "free once model and optimizer exist (logged), host otherwise and always with --offload-train/"
         "--colocate. On a CPU-only run both are host memory.", choices=("auto", "device", "host"))
+    gpu_type: str = flag(
+        "H100-80G", "The training GPU --dry-run compares its static-memory estimate with (parameters, gradient "
+        "buffers, optimizer state per rank; docs/planner.md): its memory is the total nvidia-smi reports, A100-80G "
+        "80 GiB, H100-80G 79.6, H200-141G 140.4, B200-192G 179.1.",
+        choices=("A100-80G", "H100-80G", "H200-141G", "B200-192G"))
+    gpu_memory_gib: Optional[float] = flag(None, "The training GPU's memory in GiB for --dry-run's static-memory "
+                                           "estimate, instead of --gpu-type's.", domain="(0, inf)")
 
     # slime semantics: --colocate implies both offloads. Derived, never written back.
     @property

@@ -10,8 +10,10 @@ from megatron_rl.config.architecture import dry_run_without_checkpoint
 from megatron_rl.config.megatron_flags import requirements
 from megatron_rl.config.role_models import own_model_dir
 from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
+from megatron_rl.config.static_memory import memory_report
 from megatron_rl.config.validate import real_run_refusals
 from megatron_rl.plan import format_table, validate_plan
+from megatron_rl.plan.memory import format_memory
 from megatron_rl.rollout.sglang.launcher import engine_command, placement_for_config
 
 
@@ -57,6 +59,8 @@ def print_plan(cfg: Config) -> int:
     if cfg.data.reward_model_path:
         print(f"reward model: a one-label sequence classifier, a whole copy on each trainer rank, scoring every "
               f"batch before training, from --reward-model-path {cfg.data.reward_model_path}")
+    for line in memory_lines(cfg):
+        print(line)
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
         print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "
@@ -72,6 +76,20 @@ def print_plan(cfg: Config) -> int:
     print(f"dry run: configuration valid; training world {cfg.actor_world_size} rank(s), "
           f"data-parallel {cfg.data_parallel_size}; nothing was started")
     return 0
+
+
+def memory_lines(cfg: Config) -> list[str]:
+    """The static memory per training rank (plan/memory.py), against --gpu-type / --gpu-memory-gib; a line saying
+    why not where the model is not known here."""
+    if not cfg.has_training:
+        return []
+    try:
+        report, source = memory_report(cfg, gpu_type=cfg.memory.gpu_type, gpu_memory=cfg.memory.gpu_memory_gib)
+    except (OSError, ValueError, KeyError) as exc:  # an unreadable config.json: the model line reports it
+        return [f"static memory: not estimated ({type(exc).__name__}: {exc})"]
+    if report is None:
+        return [f"static memory: not estimated ({source})"]
+    return format_memory(report)
 
 
 def weight_route(cfg: Config) -> str:

@@ -48,6 +48,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "fsdp_teacher": ("fsdp_worker", "teacher"),
     "groups": ("groups_worker", "main"),
     "lora": ("lora_worker", "main"),
+    "memory": ("memory_worker", "main"),
     "offload": ("offload_worker", "main"),
     "parity": ("parity_layouts", "main"),
     "publish": ("publish_worker", "main"),
