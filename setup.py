@@ -57,7 +57,10 @@ EXTRAS = {
              # sm_90 (the version the GPU machine has; CUDA builds of torch ship it, the CPU build does not)
              "triton==3.6.0",
              "sglang-router==0.3.2",  # tests/rollout/test_sglang_router.py: the real router before stand-ins
-             "peft==0.21.2"],  # tests/models/test_lora.py: our LoRA adapters against HF PEFT's on the HF model
+             "peft==0.21.2",  # tests/models/test_lora.py: our LoRA adapters against HF PEFT's on the HF model
+             # tests/tools/test_launch_job.py: the JobSet tools/launch_job.py writes, against the JobSet v1alpha2 +
+             # Kubernetes API models this package ships (pure Python over pydantic)
+             "kubeflow-trainer-api==2.3.0"],
 }
 # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): never list it.
 

@@ -4,6 +4,7 @@
 # and the embedded rollout engine. Writes metrics, checkpoints and curves to $OUT.
 # Re-running the same command resumes from the newest checkpoint.
 #   NUM_ROLLOUT=300 OUT=runs/demo bash scripts/run_demo_cpu.sh [extra flags]   (both the defaults)
+# A Slurm or Kubernetes job of the same run: JOB=slurm|k8s JOB_ARGS="..." (tools/launch_job.py, docs/launch.md).
 # Asynchronous RL: add --async-mode one-step, or --async-mode full [--partial-rollout]; the embedded
 # engine then runs in a process of its own (--embedded-engine-ranks process) beside the trainer ranks,
 # synced from disk under $OUT/engine_weights (docs/async.md).
@@ -25,9 +26,15 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # (one "error:" line), 143/130 stopped before anything could be saved, 1 crashed.
 # The master port: MASTER_PORT, or a random one below the kernel's ephemeral range (32768-), which
 # outgoing connections never take.
-exec "$PY" -m megatron_rl.infra.launch --run-dir "$OUT" \
-  --nproc-per-node "$NPROC" --nnodes 1 --master-addr 127.0.0.1 \
-  --master-port "${MASTER_PORT:-$(( 20000 + RANDOM % 12000 ))}" -m megatron_rl.train \
+LAUNCH=("$PY" -m megatron_rl.infra.launch --run-dir "$OUT" --nproc-per-node "$NPROC" --nnodes 1
+  --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-$(( 20000 + RANDOM % 12000 ))}")
+# JOB=slurm|k8s: write a scheduler job of this run instead of starting it (tools/launch_job.py, docs/launch.md),
+# with JOB_ARGS as its options, e.g. JOB=slurm JOB_ARGS="--time 30 --gpus-per-node 0 --out demo.sbatch"
+if [ -n "${JOB:-}" ]; then
+  read -r -a job_args <<<"${JOB_ARGS:-}"
+  LAUNCH=("$PY" tools/launch_job.py "$JOB" --env "OMP_NUM_THREADS=$OMP_NUM_THREADS" "${job_args[@]}")
+fi
+exec "${LAUNCH[@]}" -m megatron_rl.train \
   --hf-checkpoint "$OUT/model" \
   --actor-num-gpus-per-node "$NPROC" \
   --prompt-data "$OUT/prompts.jsonl" --input-key prompt --label-key label --rollout-shuffle \

@@ -28,6 +28,12 @@ read -r -a ROLLOUT <<<"${ROLLOUT_URLS:?set ROLLOUT_URLS to the SGLang server URL
 LAUNCH=("$PY" -m megatron_rl.infra.launch --run-dir "$SAVE/run" --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 [[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
+# JOB=slurm|k8s: write a Slurm batch script or a JobSet of this run instead of starting it, with JOB_ARGS as
+# its options (tools/launch_job.py, docs/launch.md); the scheduler gives each node its rank and the rendezvous
+if [ -n "${JOB:-}" ]; then
+  read -r -a job_args <<<"${JOB_ARGS:-}"
+  LAUNCH=("$PY" tools/launch_job.py "$JOB" "${job_args[@]}")
+fi
 exec "${LAUNCH[@]}" -m megatron_rl.train \
   --hf-checkpoint "$HF_CKPT" --bf16 \
   --actor-num-nodes "$NNODES" --actor-num-gpus-per-node "$GPUS_PER_NODE" \

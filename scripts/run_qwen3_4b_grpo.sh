@@ -34,6 +34,12 @@ CKPT_ARGS=(--save "$SAVE" --save-interval 20 --save-max-to-keep 3 --recompute-gr
 # a signal to this script is a signal to torchrun, which forwards it and waits for the stop save.
 LAUNCH=("$PY" -m megatron_rl.infra.launch --run-dir "$SAVE/run" --nproc-per-node "$NPROC")
 [[ " $* " == *" --dry-run "* ]] && LAUNCH=("$PY")  # a dry run validates and prints the plan: no workers
+# JOB=slurm|k8s: write a Slurm batch script or a JobSet of this run instead of starting it, with JOB_ARGS as
+# its options (tools/launch_job.py, docs/launch.md); the scheduler gives each node its rank and the rendezvous
+if [ -n "${JOB:-}" ]; then
+  read -r -a job_args <<<"${JOB_ARGS:-}"
+  LAUNCH=("$PY" tools/launch_job.py "$JOB" "${job_args[@]}")
+fi
 exec "${LAUNCH[@]}" -m megatron_rl.train \
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${OPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
   "${ALGO_ARGS[@]}" "${SYNC_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"

@@ -44,7 +44,8 @@ DURATIONS = Path(__file__).with_name("durations.json")
 
 # what a started process's command line says about its tier (the lowest tier allowed to start it)
 _LAUNCH_KINDS = (
-    ("e2e", ("megatron_rl.train", "megatron_rl.infra.launch", "scripts/run_", "scripts/test_sglang_real")),
+    ("e2e", ("megatron_rl.train", "megatron_rl.infra.launch", "scripts/run_", "scripts/test_sglang_real",
+             "scripts/test_slurm_real")),
     ("dist", ("torch.distributed.run", "torchrun", "tests/dist/harness.py")),
 )
 _RANK = {tier: i for i, tier in enumerate(TIERS)}

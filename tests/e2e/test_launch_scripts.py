@@ -58,6 +58,33 @@ def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, engines):
     assert not (tmp_path / "save").exists()
 
 
+@pytest.mark.parametrize("scheduler,job_args", [("slurm", "--time 2-00:00:00 --signal-lead 900"),
+                                                ("k8s", "--image registry/megatron-rl:1 --volume ckpt:/ckpt")])
+def test_script_writes_a_scheduler_job_of_its_run(tmp_path, scheduler, job_args):
+    """JOB=slurm|k8s: the 30B script's own flags become a batch script / JobSet for its 4 nodes x 8 GPUs
+    (tools/launch_job.py, validated as the real run validates them), and nothing is started."""
+    import yaml
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    out = tmp_path / "job"
+    env = {"HF_CKPT": _model_dir(tmp_path, QWEN3_30B_A3B), "PROMPTS": str(prompts), "SAVE": str(tmp_path / "save"),
+           "ROLLOUT_URLS": "http://10.0.0.5:30000", "JOB": scheduler, "JOB_ARGS": f"{job_args} --out {out}"}
+    proc = _run("run_qwen3_30b_a3b_grpo.sh", env)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    text = out.read_text()
+    if scheduler == "slurm":
+        assert "#SBATCH --nodes=4\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=8\n" in text
+        assert "NPROC_PER_NODE=8" in text and "  --expert-model-parallel-size 8\n" in text
+    else:
+        (container,) = yaml.safe_load(text)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+            "containers"]
+        cmd = container["command"]
+        assert cmd[cmd.index("--nnodes") + 1] == "4" and cmd[cmd.index("--nproc-per-node") + 1] == "8"
+        assert cmd[cmd.index("--expert-model-parallel-size") + 1] == "8"
+    assert not (tmp_path / "save").exists()
+
+
 def test_script_dry_run_refuses_bad_layout(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x", "label": "y"}\n')
