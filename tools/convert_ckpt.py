@@ -56,7 +56,7 @@ if __name__ == "__main__":  # not in the torch_dist writer's spawned helpers (__
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -218,6 +218,15 @@ def _shutdown() -> None:
             destroy_parallel()
         finally:
             dist.destroy_process_group()
+
+
+def main_translated(translate: Callable[[Optional[list[str]]], list[str]], argv=None) -> int:
+    """``main`` over another command line (slime's converter commands): ``translate`` turns it into this tool's;
+    its usage errors and refusals (``SystemExit``) become the exit code."""
+    try:
+        return main(translate(argv))
+    except SystemExit as e:  # argparse's usage errors and the translation's refusals
+        return int(e.code or 0)
 
 
 def _entry(run: Callable[[], int] = main) -> int:

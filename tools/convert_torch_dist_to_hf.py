@@ -101,10 +101,7 @@ def convert_ckpt_argv(argv=None) -> list[str]:
 
 
 def main(argv=None) -> int:
-    try:
-        return convert_ckpt.main(convert_ckpt_argv(argv))
-    except SystemExit as e:  # argparse's usage errors and the refusals above
-        return int(e.code or 0)
+    return convert_ckpt.main_translated(convert_ckpt_argv, argv)
 
 
 if __name__ == "__main__":

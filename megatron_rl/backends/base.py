@@ -61,6 +61,7 @@ from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBa
 from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError, ConfigError
 from megatron_rl.infra import dist as dist_util
+from megatron_rl.plan.memory import DEVICE_TAG_SHARE, resolve_weights_location  # noqa: F401 - this module's names too
 
 if TYPE_CHECKING:
     from megatron_rl.algorithms.spec import Spec
@@ -259,37 +260,6 @@ class WeightManager:
             yield
         finally:
             self.restore()
-
-
-# ``--ref-weights-location auto`` keeps the tags on the device only when one copy of this rank's
-# parameters takes at most this share of the device memory still free once model and optimizer
-# exist: activations of the forward/backward passes need the rest.
-DEVICE_TAG_SHARE = 0.25
-
-
-def resolve_weights_location(requested: str, *, cuda: bool, offload_train: bool, tag_bytes: int,
-                             free_bytes: Optional[int]) -> tuple[str, str]:
-    """``(location, why)`` of the reference / teacher copies for ``--ref-weights-location``.
-
-    Measured, not estimated: called once the model and optimizer are allocated, so
-    ``free_bytes`` (``torch.cuda.mem_get_info``) is what is really left for activations
-    and copies. ``why`` goes to the log (one line, with the numbers).
-    """
-    gib = (lambda n: f"{n / 2**30:.2f} GiB")
-    if not cuda:
-        return "host", "a CPU-only run: parameters and copies are all in host memory"
-    if requested == "host":
-        return "host", "--ref-weights-location host"
-    if offload_train:
-        # validation refuses an explicit `device` with offloading; auto lands here
-        return "host", "--offload-train/--colocate: the trainer's device memory is handed to the rollout engine"
-    if requested == "device":
-        return "device", "--ref-weights-location device"
-    if free_bytes is not None and tag_bytes <= DEVICE_TAG_SHARE * free_bytes:
-        return "device", (f"auto: one copy ({gib(tag_bytes)}) is <= {DEVICE_TAG_SHARE:.0%} of the free device "
-                          f"memory ({gib(free_bytes)})")
-    return "host", (f"auto: one copy ({gib(tag_bytes)}) is more than {DEVICE_TAG_SHARE:.0%} of the free device "
-                    f"memory ({gib(free_bytes or 0)})")
 
 
 def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -51,7 +51,9 @@ DEFAULT_GPU_TYPE = "H100-80G"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-#: ``--ref-weights-location auto``'s rule (``backends/base.py`` DEVICE_TAG_SHARE)
+# ``--ref-weights-location auto`` keeps the tags on the device only when one copy of this rank's
+# parameters takes at most this share of the device memory still free once model and optimizer
+# exist: activations of the forward/backward passes need the rest.
 DEVICE_TAG_SHARE = 0.25
 NOT_ESTIMATED = "not estimated yet"
 
@@ -658,24 +660,39 @@ def estimate_megatron(actor: RoleModelSpec, flags: TrainingFlags, *, critic: Opt
     return report
 
 
-def resolve_tag_location(requested: str, offload_train: bool, report: MemoryReport, actor: RoleModelSpec,
-                         flags: TrainingFlags) -> tuple[str, str]:
-    """``("device" | "host", why)`` of the weight tags, as ``backends/base.resolve_weights_location`` decides it,
-    with the memory static memory leaves standing in for the free memory the run measures."""
+def resolve_weights_location(requested: str, *, cuda: bool, offload_train: bool, tag_bytes: int,
+                             free_bytes: Optional[int]) -> tuple[str, str]:
+    """``(location, why)`` of the reference / teacher copies for ``--ref-weights-location``: the one rule of the
+    backends (``backends/base.WeightManager.resolved``, with ``free_bytes`` measured once the model and optimizer
+    hold their memory) and of this estimate (``resolve_tag_location``). ``why`` goes to the log, with the numbers."""
+    gib = (lambda n: f"{n / 2**30:.2f} GiB")
+    if not cuda:
+        return "host", "a CPU-only run: parameters and copies are all in host memory"
     if requested == "host":
         return "host", "--ref-weights-location host"
     if offload_train:
-        return "host", "--offload-train/--colocate"
+        # validation refuses an explicit `device` with offloading; auto lands here
+        return "host", "--offload-train/--colocate: the trainer's device memory is handed to the rollout engine"
     if requested == "device":
         return "device", "--ref-weights-location device"
+    if free_bytes is not None and tag_bytes <= DEVICE_TAG_SHARE * free_bytes:
+        return "device", (f"auto: one copy ({gib(tag_bytes)}) is <= {DEVICE_TAG_SHARE:.0%} of the free device "
+                          f"memory ({gib(free_bytes)})")
+    return "host", (f"auto: one copy ({gib(tag_bytes)}) is more than {DEVICE_TAG_SHARE:.0%} of the free device "
+                    f"memory ({gib(free_bytes or 0)})")
+
+
+def resolve_tag_location(requested: str, offload_train: bool, report: MemoryReport, actor: RoleModelSpec,
+                         flags: TrainingFlags) -> tuple[str, str]:
+    """``("device" | "host", why)`` of the weight tags by ``resolve_weights_location``, with what static memory leaves
+    standing in for the free memory the run measures."""
     _, dev, _ = report.heaviest_rank()
-    free = report.gpu_gib * GIB - dev
     one = max(tag_bytes(actor, flags, s) for s in range(actor.layout.pp))
-    if one <= DEVICE_TAG_SHARE * free:
-        return "device", (f"--ref-weights-location auto: one copy is <= {DEVICE_TAG_SHARE:.0%} of what static memory "
-                          "leaves; the run decides from the free memory it measures")
-    return "host", (f"--ref-weights-location auto: one copy is > {DEVICE_TAG_SHARE:.0%} of what static memory "
-                    "leaves; the run decides from the free memory it measures")
+    where, why = resolve_weights_location(requested, cuda=True, offload_train=offload_train, tag_bytes=int(one),
+                                          free_bytes=int(report.gpu_gib * GIB - dev))
+    if requested == "auto" and not offload_train:
+        why += " (here: what static memory leaves; the run decides from the free memory it measures)"
+    return where, why
 
 
 def hf_parameter_count(a: ModelArch) -> int:
