@@ -53,13 +53,19 @@ def _die_on_first_generate(server, claim_path: str) -> None:
 
 
 def _die_after(server, served: int) -> None:
-    generate, calls = server.generate, [0]
+    """Serve ``served`` /generate calls, die on the next. The count, the line and the exit happen under one lock:
+    concurrent requests (the async driver's) would otherwise both count before either printed, and the line
+    would name call 7, or a second thread's exit would cut the first's line off."""
+    import threading
+
+    generate, calls, lock = server.generate, [0], threading.Lock()
 
     def dying_generate(body):
-        calls[0] += 1
-        if calls[0] > served:
-            print(f"test double: dying on /generate call {calls[0]}", flush=True)
-            os._exit(9)
+        with lock:
+            calls[0] += 1
+            if calls[0] > served:
+                print(f"test double: dying on /generate call {calls[0]}", flush=True)
+                os._exit(9)
         return generate(body)
 
     server.generate = dying_generate
