@@ -171,17 +171,18 @@ def _stage_layers(a: ModelArch, lay: MegatronLayout, stage: int) -> list[int]:
 
 
 def merged_payload(a: ModelArch, lay: MegatronLayout, flags: TrainingFlags) -> Payload:
-    """The full HF weights (no vocab padding, tied embeddings once, no MTP layers: ``include_mtp=False``, no fp32
-    router-bias buffers), in the trainer's parameter dtype; per stage as megatron holds them."""
+    """The full HF weights (no vocab padding, tied embeddings once, no MTP layers: ``include_mtp=False``), in the
+    trainer's parameter dtype (a sigmoid router's expert-bias buffers in fp32); per stage as megatron holds them."""
     pb = flags.param_bytes
     dense, expert = [], []
     for s in range(lay.pp):
         d = e = 0
+        fp32 = 0  # the sigmoid router's expert-bias buffers: exported too (the engine's e_score_correction_bias)
         for i in _stage_layers(a, lay, s):
             for t in layer_tensors(a, i, 1, 1, 1):
                 if t.buffer_fp32:
-                    continue
-                if t.expert:
+                    fp32 += t.elements
+                elif t.expert:
                     e += t.elements
                 else:
                     d += t.elements
@@ -189,7 +190,7 @@ def merged_payload(a: ModelArch, lay: MegatronLayout, flags: TrainingFlags) -> P
             d += a.vocab * a.hidden
         if s == lay.pp - 1:
             d += a.hidden + (0 if a.tied else a.vocab * a.hidden)
-        dense.append(d * pb)
+        dense.append(d * pb + fp32 * 4)
         expert.append(e * pb)
     what = f"merged full weights ({DTYPE_SHORT[flags.params_dtype]}, the trainer's parameter dtype)"
     return Payload(what, tuple(dense), tuple(expert),
