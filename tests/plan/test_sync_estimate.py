@@ -206,3 +206,15 @@ def test_check_plan_prints_the_estimate(tmp_path, capsys):
     assert sync["bytes"] == 61_064_245_248 and sync["step"]["tokens"] == 32 * 16 * (1024 + 8192)
     assert check_plan.main(args + ["--estimate-decode-mfu", "0"]) == 2
     assert "--estimate-decode-mfu 0 is out of range" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_fresh():
+    """docs/planner.md's table is tools/planner_table.py's output (rerun it with --update-doc after a change)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import planner_table
+
+    doc = Path(planner_table.DOC).read_text()
+    between = doc.split(planner_table.BEGIN)[1].split(planner_table.END)[0].strip()
+    assert between == planner_table.table(), "run: python tools/planner_table.py --update-doc"
