@@ -228,8 +228,8 @@ def estimates(ns: argparse.Namespace, plan, cluster) -> list:
         step = estimate_step(arch, topk, StepPlan(ns.rollout_batch_size, ns.n_samples_per_prompt,
                                                   ns.rollout_max_prompt_len, ns.rollout_max_response_len,
                                                   actor.world_size, engine_gpus,
-                                                  passes_note="the training pass only: --dry-run also counts the "
-                                                  "reference / old-log-prob / critic passes its flags ask for"),
+                                                  passes_note="forward + backward 3; --dry-run also counts "
+                                                  "recompute and the reference / old-log-prob / critic passes"),
                              links, sync.seconds, train_mfu=ns.estimate_train_mfu, decode_mfu=ns.estimate_decode_mfu)
         out.append((sync, step, transport))
     return out

@@ -37,7 +37,7 @@ def _passes(cfg: Config) -> tuple[float, str]:
     """Forward-equivalents per token of one step's training side, and what they are."""
     recompute = cfg.memory.recompute_granularity == "full"
     train = 4.0 if recompute else 3.0
-    parts = ["training " + ("4 (forward, recomputed forward, backward)" if recompute else "3 (forward + backward)")]
+    parts = ["forward + backward 3" + (", the recomputed forward 1" if recompute else "")]
     a, ck = cfg.algorithm, cfg.checkpoint
     if a.use_kl_loss or a.kl_coef > 0 or ck.ref_load:
         train += 1
@@ -59,7 +59,10 @@ def estimate_lines(cfg: Config) -> list[str]:
     saying why not when the model or the engines are not known here."""
     if not (cfg.has_training and cfg.has_rollout_engine):
         return []
-    arch, source = actor_arch(cfg)
+    try:
+        arch, source = actor_arch(cfg)
+    except (OSError, ValueError, KeyError, PlanError) as exc:  # an unreadable config.json: the model line reports it
+        return [f"weight sync estimate: not estimated ({type(exc).__name__}: {exc})"]
     if arch is None:
         return [f"weight sync estimate: not estimated ({source})"]
     p, r, s = cfg.parallel, cfg.rollout, cfg.sync
@@ -95,7 +98,7 @@ def estimate_lines(cfg: Config) -> list[str]:
                                                         engine_total, passes, what, r.async_mode != "off"),
                              links, sync.seconds, train_mfu=cfg.estimate.estimate_train_mfu,
                              decode_mfu=cfg.estimate.estimate_decode_mfu)
-    except PlanError as exc:
+    except (OSError, ValueError, KeyError, PlanError) as exc:
         return [f"weight sync estimate: not estimated ({exc})"]
     if r.rollout_engine_urls:
         sync.assumptions.append(f"the {engines} --rollout-engine-urls server(s) run on other nodes, one node's "

@@ -142,9 +142,8 @@ class Links:
                    spec.hbm_tb_per_s * 1000 * ACHIEVED_FRACTION, spec.peak_tflops * 1e12)
 
     def describe(self) -> str:
-        disk = (self.disk_read[0] if self.disk_read[0] == self.disk_write[0] else self.disk_read[0])
         return (f"intra-node {self.intra[0]} {self.intra[1]:g} GB/s, inter-node {self.inter[0]} {self.inter[1]:g} "
-                f"GB/s, disk {disk} {self.disk_read[1]:g} GB/s read / {self.disk_write[1]:g} write, HBM "
+                f"GB/s, disk {self.disk_read[0]} {self.disk_read[1]:g} GB/s read / {self.disk_write[1]:g} write, HBM "
                 f"{self.hbm_gb_per_s:g} GB/s ({self.gpu_type}); named links at {ACHIEVED_FRACTION:.0%} of nominal")
 
 
@@ -254,6 +253,14 @@ class SyncEstimate:
         return sum(s.seconds for s in self.stages)
 
 
+def size(nbytes: float) -> str:
+    """Bytes in decimal units (GB as the link bandwidths are quoted)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _transfer(nbytes: float, gb_per_s: float) -> float:
     return nbytes / (gb_per_s * GB)
 
@@ -286,29 +293,29 @@ def estimate_sync(a: ModelArch, lay: MegatronLayout, flags: TrainingFlags, plan:
             lk = link(lay.world)
             share = (lay.world - 1) / lay.world
             stages.append(SyncStage(f"FSDP all-gather over DP {lay.world}", _transfer(total * share, lk[1]),
-                                    f"{total * share / GB:.2f} GB received per rank, {via(lk)}"))
+                                    f"{size(total * share)} received per rank, {via(lk)}"))
     elif pay.gathered:
         if lay.tp > 1:
             lk = link(lay.tp)
             share = (lay.tp - 1) / lay.tp
             stages.append(SyncStage(f"TP {lay.tp} gather", _transfer(dense * share, lk[1]),
-                                    f"{dense * share / GB:.2f} GB received per rank ({lay.tp - 1}/{lay.tp} of the "
-                                    f"dense {dense / GB:.2f} GB), {via(lk)}"))
+                                    f"{size(dense * share)} received per rank ({lay.tp - 1}/{lay.tp} of the "
+                                    f"dense {size(dense)}), {via(lk)}"))
         if expert and lay.expert_tp > 1:
             lk = link(lay.expert_tp)
             share = (lay.expert_tp - 1) / lay.expert_tp
             stages.append(SyncStage(f"expert-TP {lay.expert_tp} gather", _transfer(expert * share, lk[1]),
-                                    f"{expert * share / GB:.2f} GB per rank, {via(lk)}"))
+                                    f"{size(expert * share)} per rank, {via(lk)}"))
         if expert and lay.ep > 1:
             lk = link(lay.ep * lay.expert_tp)
             share = (lay.ep - 1) / lay.ep
             stages.append(SyncStage(f"EP {lay.ep} gather", _transfer(expert * share, lk[1]),
-                                    f"{expert * share / GB:.2f} GB received per rank ({lay.ep - 1}/{lay.ep} of the "
-                                    f"experts' {expert / GB:.2f} GB), {via(lk)}"))
+                                    f"{size(expert * share)} received per rank ({lay.ep - 1}/{lay.ep} of the "
+                                    f"experts' {size(expert)}), {via(lk)}"))
         if lay.pp > 1 and not stage_only:
             lk = links.intra if lay.world <= gpn else links.inter
             stages.append(SyncStage(f"PP {lay.pp} broadcast", _transfer(total, lk[1]),
-                                    f"every stage's {total / GB:.2f} GB to every rank, {via(lk)}"))
+                                    f"every stage's {size(total)} to every rank, {via(lk)}"))
     # the transport
     buckets = 1 if not pay.gathered else sum(
         math.ceil(b / plan.bucket_bytes) for b in (*pay.dense, *pay.expert) if b)
@@ -316,24 +323,24 @@ def estimate_sync(a: ModelArch, lay: MegatronLayout, flags: TrainingFlags, plan:
     if plan.transport == "tensor":
         if plan.embedded:
             stages.append(SyncStage("hand-over to the in-process engine", _transfer(2 * total, links.hbm_gb_per_s),
-                                    f"one device copy of {total / GB:.2f} GB at HBM {links.hbm_gb_per_s:g} GB/s"))
+                                    f"one device copy of {size(total)} at HBM {links.hbm_gb_per_s:g} GB/s"))
         else:
             stages.append(SyncStage("CUDA IPC buckets (flatten + engine load)", copies,
-                                    f"two device copies of {total / GB:.2f} GB at HBM {links.hbm_gb_per_s:g} GB/s; "
+                                    f"two device copies of {size(total)} at HBM {links.hbm_gb_per_s:g} GB/s; "
                                     "no bytes cross a link"))
     elif plan.transport == "disk":
         stages.append(SyncStage("disk write (driver)", _transfer(total, links.disk_write[1]),
-                                f"{total / GB:.2f} GB of safetensors at {links.disk_write[0]} "
+                                f"{size(total)} of safetensors at {links.disk_write[0]} "
                                 f"{links.disk_write[1]:g} GB/s"))
         stages.append(SyncStage("disk read (engines, in parallel)", _transfer(total, links.disk_read[1]),
-                                f"{total / GB:.2f} GB per engine at {links.disk_read[0]} {links.disk_read[1]:g} GB/s"))
+                                f"{size(total)} per engine at {links.disk_read[0]} {links.disk_read[1]:g} GB/s"))
         buckets = 1  # one load call per sync
     else:
         lk = links.inter if plan.engines_remote else links.intra
         senders = f"each stage's sender in turn ({lay.pp} stages)" if stage_only else "the driver rank"
         stages.append(SyncStage(f"NCCL broadcast into {plan.engines} engine(s) x TP {plan.engine_gpus}",
                                 _transfer(total, lk[1]),
-                                f"{total / GB:.2f} GB from {senders}, {via(lk)} (a pipelined broadcast: every "
+                                f"{size(total)} from {senders}, {via(lk)} (a pipelined broadcast: every "
                                 "receiver at the link's rate)"))
         stages.append(SyncStage("flatten + engine load copies", copies,
                                 f"two device copies at HBM {links.hbm_gb_per_s:g} GB/s"))
@@ -386,7 +393,7 @@ class StepPlan:
     train_gpus: int
     engine_gpus: int  # colocated: the trainer's
     passes: float = 3.0  # forward-equivalents over the batch: training 3 (fwd + bwd), +1 per recompute / forward-only
-    passes_note: str = "the training pass: forward + backward"
+    passes_note: str = "forward + backward 3"
     asynchronous: bool = False
 
 
@@ -429,9 +436,9 @@ def estimate_step(a: ModelArch, topk: int, step: StepPlan, links: Links, sync_s:
     train_s = train / (step.train_gpus * peak * train_mfu)
     notes = [f"{step.prompts} prompts x {step.samples_per_prompt} samples x ({p} prompt + {r} response tokens) = "
              f"{tokens:,} tokens per step, at the maximum lengths (an upper bound)",
-             f"{n / 1e9:.2f} B parameters multiplied per token ({'top-' + str(topk) + ' routed experts, ' if a.experts else ''}"
+             f"{n / 1e9:.3g} B parameters multiplied per token ({'top-' + str(topk) + ' routed experts, ' if a.experts else ''}"
              "the output layer; not the input embedding): 2N FLOPs per token forward, plus the causal attention core",
-             f"training: {step.passes:g} forwards per token ({step.passes_note}) on {step.train_gpus} GPU(s) at MFU "
+             f"training: {step.passes:g} forward-equivalents per token ({step.passes_note}) on {step.train_gpus} GPU(s) at MFU "
              f"{train_mfu:g} (--estimate-train-mfu) of {peak / 1e12:g} TFLOP/s ({links.gpu_type}, dense bf16)",
              f"rollout on {step.engine_gpus} engine GPU(s): the prompt prefilled once per group (the radix cache) at "
              f"MFU {train_mfu:g}, decode at MFU {decode_mfu:g} (--estimate-decode-mfu)",
@@ -458,7 +465,7 @@ def format_estimate(sync: SyncEstimate, step: Optional[StepEstimate], transport:
     """The section ``--dry-run`` and ``tools/check_plan.py`` print: the sync's stages, the step's split, and every
     assumption on a line of its own."""
     pay = sync.payload
-    lines = [f"weight sync estimate (--update-weight-transport {transport}): {pay.total / GB:.2f} GB per sync, "
+    lines = [f"weight sync estimate (--update-weight-transport {transport}): {size(pay.total)} per sync, "
              f"{pay.what}; {sync.buckets} bucket(s); about {_secs(sync.seconds)}"]
     width = max(len(s.name) for s in sync.stages) if sync.stages else 0
     for s in sync.stages:

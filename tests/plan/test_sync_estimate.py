@@ -174,7 +174,7 @@ def test_dry_run_prints_the_sync_and_step_estimate(tmp_path, capsys):
     assert "weight sync estimate (--update-weight-transport distributed): 61.06 GB per sync" in out
     assert "NCCL broadcast into 2 engine(s) x TP 8" in out and "ib-xdr at 80 GB/s" in out
     assert "step estimate: rollout" in out and "of it" in out
-    assert "training 3 (forward + backward), the reference's log-probs 1" in out and "MFU 0.4" in out
+    assert "(forward + backward 3, the reference's log-probs 1)" in out and "MFU 0.4" in out
     assert "one node's 8 GPUs each" in out
 
 
