@@ -65,6 +65,7 @@ class Case:
     passes: float = 3.0
     tags: tuple[str, ...] = ()
     source: str = ""
+    peer: str = "-"  # a peer's published sync time at this model's scale (docs/planner.md names the sources)
 
 
 BF16_DO = TrainingFlags(params_dtype="bfloat16", distributed_optimizer=True)
@@ -92,10 +93,11 @@ def _cases() -> list[Case]:
            ("Kimi-K2 1T", KIMI_K2,
             {"H100-80G": (MegatronLayout(world=512, tp=8, pp=4, ep=64, etp=1, last_stage_layers=16), 16, 32),
              "H200-141G": (MegatronLayout(world=256, tp=8, pp=4, ep=32, etp=1, last_stage_layers=16), 16, 16)}))
+    peers = {"Qwen3-235B-A22B": "NeMo-RL ~4.6 s", "Kimi-K2 1T": "miles ~7.2 s (1T)"}
     for name, hf, plans in big:
         for gpu, (lay, engines, size) in plans.items():
             out.append(Case(name, hf, gpu, lay, BF16_DO, "distributed", engines, size, False, GIB_BUCKET,
-                            (128, 8, 1024, 8192), passes=4))
+                            (128, 8, 1024, 8192), passes=4, peer=peers.get(name, "-")))
     models = [c.model for c in out]
     return sorted(out, key=lambda c: (models.index(c.model), c.gpu))
 
@@ -125,19 +127,20 @@ def row(case: Case) -> dict:
             + (" colocated" if case.colocated else ""), "device_gib": dev / GIB, "host_gib": host / GIB,
             "left_gib": GPU_MEMORY_GIB[case.gpu] - dev / GIB, "transport": case.transport,
             "sync_gb": sync.payload.total / GB, "sync_s": sync.seconds, "step_s": step.seconds,
-            "share": step.sync_share, "source": case.source}
+            "share": step.sync_share, "source": case.source, "peer": case.peer}
 
 
 def table(rows: Optional[list[dict]] = None) -> str:
     rows = rows if rows is not None else [row(c) for c in _cases()]
     head = ("| model | GPU | GPUs (train + rollout) | trainer plan | engines | static per rank (device) | host | left "
-            "of the GPU | sync payload | transport | sync (est.) | step (est.) | sync share |")
+            "of the GPU | sync payload | transport | sync (est.) | peers' sync (published) | step (est.) | sync share |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         host = f"{r['host_gib']:.1f} GiB" if r["host_gib"] else "-"
         lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} | {r['plan']} | {r['engines']} | "
                      f"{r['device_gib']:.1f} GiB | {host} | {r['left_gib']:.1f} GiB | {r['sync_gb']:.1f} GB | "
-                     f"{r['transport']} | {r['sync_s']:.1f} s | {r['step_s'] / 60:.1f} min | {r['share']:.1%} |")
+                     f"{r['transport']} | {r['sync_s']:.1f} s | {r['peer']} | {r['step_s'] / 60:.1f} min | "
+                     f"{r['share']:.1%} |")
     return "\n".join(lines)
 
 
