@@ -14,7 +14,9 @@ and ``--virtual-pipeline-model-parallel-size`` to check the layout against the
 model; with a model, the training ranks' static memory (parameters, gradient
 buffers, optimizer state: ``--bf16``, ``--use-distributed-optimizer``,
 ``--optimizer-cpu-offload``, ``--lora-rank``) is estimated against ``--gpu-type`` /
-``--gpu-memory-gib``. Prints a table (or one JSON object with ``--json``). Exit
+``--gpu-memory-gib``, and a weight sync and an RL step are timed (``--update-weight-buffer-size``,
+``--rollout-batch-size`` ..., the link and MFU assumptions of ``--intra-node-link`` ...: docs/planner.md).
+Prints a table (or one JSON object with ``--json``). Exit
 status: 0 valid, 2 invalid (reason on stderr). Never launches anything and never
 imports torch.
 """
@@ -29,11 +31,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_rl.config.schema import (BatchingConfig, EstimateConfig, LoraConfig, RolloutConfig,  # noqa: E402
+                                       SyncConfig, flag_name)
 from megatron_rl.errors import PlanError  # noqa: E402
 from megatron_rl.plan.allocation import MAX_SIZE  # noqa: E402
-from megatron_rl.plan.memory import (GPU_MEMORY_GIB, ModelArch, TrainingFlags,  # noqa: E402
+from megatron_rl.plan.memory import (GPU_MEMORY_GIB, MegatronLayout, ModelArch, TrainingFlags,  # noqa: E402
                                      estimate_for_component, format_memory, report_json)
 from megatron_rl.plan.sources import ASCII_INT  # noqa: E402
+from megatron_rl.plan.sync_estimate import (Links, StepPlan, SyncPlan, estimate_json, estimate_step,  # noqa: E402
+                                            estimate_sync, format_estimate, moe_topk)
 from megatron_rl.plan import (  # noqa: E402
     Cluster, ModelShape, format_table, parse_allocation, plan_from_areal_args,
     plan_from_slime_flags, report_dict, validate_plan,
@@ -45,6 +51,10 @@ _SLIME_INT = ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
               "pipeline_model_parallel_size", "context_parallel_size",
               "expert_model_parallel_size", "expert_tensor_parallel_size")
 _SLIME_BOOL = ("colocate", "debug_train_only", "debug_rollout_only")
+# the sync / step estimate's flags, declared once in config/schema.py (names, defaults, domains, help)
+_ESTIMATE_FLAGS = ((BatchingConfig, ("rollout_batch_size", "n_samples_per_prompt")),
+                   (RolloutConfig, ("rollout_max_prompt_len", "rollout_max_response_len")),
+                   (SyncConfig, ("update_weight_buffer_size",)), (LoraConfig, ("lora_sync",)), (EstimateConfig, ()))
 
 
 def _ascii_int(limit: int):
@@ -99,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpu-type", choices=tuple(GPU_MEMORY_GIB), default=None,
                    help="the GPU the estimate is compared with (default H100-80G)")
     t.add_argument("--gpu-memory-gib", type=float, default=None, help="the GPU's memory in GiB, instead of --gpu-type")
+    e = ap.add_argument_group("weight sync and step time (with a model and a rollout engine; docs/planner.md)")
+    for cls, names in _ESTIMATE_FLAGS:
+        for f in dataclasses.fields(cls):
+            if names and f.name not in names:
+                continue
+            kind = {int: _ascii_int(2 ** 62), float: float}.get(type(f.default) if f.default is not None else float, str)
+            e.add_argument(flag_name(f), dest=f.name, default=f.default, type=kind, choices=f.metadata["choices"],
+                           help=f.metadata["help"])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -173,6 +191,50 @@ def memory_reports(ns: argparse.Namespace, plan) -> list:
                                    gpu_memory=ns.gpu_memory_gib) for actor in plan.actors]
 
 
+def estimates(ns: argparse.Namespace, plan, cluster) -> list:
+    """``(sync, step, transport)`` of each actor feeding rollout engines, or none without a model."""
+    path = ns.hf_checkpoint or ns.model_config
+    if not path or not plan.actors or not plan.rollout:
+        return []
+    for cls, _ in _ESTIMATE_FLAGS:  # the float flags' domains, as the run's validation walks them
+        for f in dataclasses.fields(cls):
+            value, domain = getattr(ns, f.name, None), f.metadata.get("domain")
+            if domain is not None and value is not None and not domain.contains(value):
+                raise PlanError(f"{flag_name(f)} {value:g} is out of range: it must lie in {domain}")
+    arch = ModelArch.from_path(path)
+    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path, encoding="utf-8") as fh:
+        topk = moe_topk(json.load(fh))
+    links = Links.resolve(ns.gpu_type, intra_node_link=ns.intra_node_link, inter_node_link=ns.inter_node_link,
+                          disk_link=ns.disk_link, intra_node_gb_per_s=ns.intra_node_bandwidth_gb_per_s,
+                          inter_node_gb_per_s=ns.inter_node_bandwidth_gb_per_s, disk_gb_per_s=ns.disk_bandwidth_gb_per_s)
+    flags = TrainingFlags(params_dtype="bfloat16" if ns.bf16 else "float16" if ns.fp16 else "float32",
+                          lora_rank=ns.lora_rank, lora_targets=tuple(ns.lora_target_modules))
+    gpn = cluster.gpus_per_node if cluster is not None else 8
+    out = []
+    for actor in plan.actors:
+        together = [c for c in plan.colocated_with(actor) if c.is_inference]
+        engines = together or list(plan.rollout)
+        colocated = bool(together)
+        transport = plan.weight_update or ("tensor" if colocated else "distributed")
+        fsdp = actor.backend == "fsdp"
+        lay = (MegatronLayout(world=actor.world_size, tp=actor.world_size) if fsdp else
+               MegatronLayout(world=actor.world_size, tp=actor.tp, pp=actor.pp, cp=actor.cp, ep=actor.ep,
+                              etp=actor.etp if actor.ep > 1 else None, vpp=ns.vpp))
+        sync_plan = SyncPlan(transport, sum(c.num_engines for c in engines), engines[0].engine_size, colocated,
+                             not colocated and plan.total_gpus > gpn, gpn, ns.update_weight_buffer_size,
+                             payload=ns.lora_sync if ns.lora_rank else "merged", fsdp=fsdp)
+        sync = estimate_sync(arch, lay, flags, sync_plan, links, bucket_latency_ms=ns.sync_bucket_latency_ms)
+        engine_gpus = actor.world_size if colocated else sum(c.world_size for c in engines)
+        step = estimate_step(arch, topk, StepPlan(ns.rollout_batch_size, ns.n_samples_per_prompt,
+                                                  ns.rollout_max_prompt_len, ns.rollout_max_response_len,
+                                                  actor.world_size, engine_gpus,
+                                                  passes_note="forward + backward 3; --dry-run also counts "
+                                                  "recompute and the reference / old-log-prob / critic passes"),
+                             links, sync.seconds, train_mfu=ns.estimate_train_mfu, decode_mfu=ns.estimate_decode_mfu)
+        out.append((sync, step, transport))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
@@ -192,17 +254,21 @@ def main(argv: list[str] | None = None) -> int:
         memory = memory_reports(ns, plan) if report.ok else []
         for m in memory:
             m.ranks_per_node = cluster.gpus_per_node if cluster is not None else 1
+        timed = estimates(ns, plan, cluster) if report.ok else []
     except PlanError as exc:
         print(f"check_plan: {exc}", file=sys.stderr)
         return 2
     if ns.json:
         out = report_dict(plan, report, cluster)
         out["memory"] = [report_json(m) for m in memory]
+        out["sync"] = [estimate_json(sync, step) for sync, step, _ in timed]
         print(json.dumps(out, indent=2))
     else:
         print(format_table(plan, report, cluster))
         for m in memory:
             print("\n".join(format_memory(m)))
+        for sync, step, transport in timed:
+            print("\n".join(format_estimate(sync, step, transport)))
     if not report.ok:
         print("check_plan: invalid plan:\n  - " + "\n  - ".join(report.errors), file=sys.stderr)
         return 2

@@ -21,6 +21,10 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from megatron_rl.plan.sync_estimate import (DEFAULT_BUCKET_LATENCY_MS, DEFAULT_DECODE_MFU, DEFAULT_DISK_LINK,
+                                             DEFAULT_INTER_NODE_LINK, DEFAULT_TRAIN_MFU, DISK_LINKS,
+                                             INTER_NODE_LINKS, INTRA_NODE_LINKS)
+
 
 @dataclass(frozen=True)
 class Domain:
@@ -1027,6 +1031,40 @@ class SyncConfig:
 
 
 @dataclass(frozen=True)
+class EstimateConfig:
+    """The assumptions of --dry-run's weight-sync and step-time estimate (plan/sync_estimate.py, docs/planner.md):
+    they change what the estimate prints, nothing a run does."""
+
+    intra_node_link: Optional[str] = flag(
+        None, "The link inside a node for --dry-run's weight-sync estimate (TP/EP gathers, engines on the "
+        "trainer's node): a name from docs/planner.md's link table; default the --gpu-type's NVLink.",
+        choices=INTRA_NODE_LINKS)
+    inter_node_link: str = flag(DEFAULT_INTER_NODE_LINK, "The link between nodes (per GPU) for --dry-run's "
+                                "weight-sync estimate (PP broadcasts, engines on other nodes).",
+                                choices=INTER_NODE_LINKS)
+    disk_link: str = flag(DEFAULT_DISK_LINK, "The storage --update-weight-transport disk writes and the engines "
+                          "read, for --dry-run's weight-sync estimate.", choices=DISK_LINKS)
+    intra_node_bandwidth_gb_per_s: Optional[float] = flag(
+        None, "Measured GB/s (one direction, per GPU) inside a node: replaces --intra-node-link's figure in "
+        "--dry-run's weight-sync estimate.", domain="(0, inf)")
+    inter_node_bandwidth_gb_per_s: Optional[float] = flag(
+        None, "Measured GB/s (one direction, per GPU) between nodes: replaces --inter-node-link's figure.",
+        domain="(0, inf)")
+    disk_bandwidth_gb_per_s: Optional[float] = flag(
+        None, "Measured GB/s of the weight-sync directory's storage, read and write: replaces --disk-link's "
+        "figures.", domain="(0, inf)")
+    sync_bucket_latency_ms: float = flag(
+        DEFAULT_BUCKET_LATENCY_MS, "Fixed cost per weight-update bucket (an HTTP call to the engine and its "
+        "collectives) in --dry-run's weight-sync estimate; two more per sync (begin / end).", domain="(0, inf)")
+    estimate_train_mfu: float = flag(
+        DEFAULT_TRAIN_MFU, "Model FLOPs utilisation assumed for training and prefill in --dry-run's step-time "
+        "estimate (FLOPs / (GPUs x the --gpu-type's dense bf16 peak)).", domain="(0, 1]")
+    estimate_decode_mfu: float = flag(
+        DEFAULT_DECODE_MFU, "Model FLOPs utilisation assumed for the engines' decode in --dry-run's step-time "
+        "estimate (decode is memory-bound: far below training's).", domain="(0, 1]")
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     allocation: Optional[str] = flag(None, "Allocation string, e.g. sglang:d2t4+megatron:d2p2t2: sets the "
                                      "actor's --train-backend, parallel sizes, rank count and the rollout "
@@ -1100,6 +1138,7 @@ GROUPS: dict[str, type] = {
     "data": DataConfig,
     "algorithm": AlgorithmConfig,
     "sync": SyncConfig,
+    "estimate": EstimateConfig,
     "placement": PlacementConfig,
     "mode": ModeConfig,
     "runtime": RuntimeConfig,
@@ -1124,6 +1163,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     mode: ModeConfig = field(default_factory=ModeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

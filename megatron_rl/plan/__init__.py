@@ -16,7 +16,8 @@ raises :class:`~megatron_rl.errors.PlanError`; a well-formed plan that does not
 fit is reported, not raised (``report.raise_for_errors()`` raises).
 
 ``plan.memory`` estimates what each training rank holds (parameters, gradient
-buffers, optimizer state) from config.json and the flags.
+buffers, optimizer state) from config.json and the flags; ``plan.sync_estimate``
+how long a weight sync takes and what share of an RL step it is.
 
 This package imports only the standard library (no torch, no megatron), so
 ``tools/check_plan.py`` answers instantly. See docs/planner.md.

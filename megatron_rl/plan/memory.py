@@ -418,7 +418,7 @@ def stage_tensors(a: ModelArch, lay: MegatronLayout, stage: int, chunk: int, *, 
             base.append(Tensors(vocab * h, shared_embedding=pp > 1 and a.tied and not mtp))
     frozen_base = lora or not trainable
     out = [replace(t, frozen=frozen_base or t.buffer_fp32) for t in base]
-    out += [replace(t, frozen=not trainable or not mtp_trained or lora) for t in mtp_part]
+    out += [replace(t, frozen=not trainable or not mtp_trained or lora or t.buffer_fp32) for t in mtp_part]
     return out + [replace(t, frozen=not trainable) for t in adapters]
 
 

@@ -11,6 +11,7 @@ from megatron_rl.config.megatron_flags import requirements
 from megatron_rl.config.role_models import own_model_dir
 from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
 from megatron_rl.config.static_memory import memory_report
+from megatron_rl.config.step_estimate import estimate_lines
 from megatron_rl.config.validate import real_run_refusals
 from megatron_rl.plan import format_table, validate_plan
 from megatron_rl.plan.memory import format_memory
@@ -59,7 +60,7 @@ def print_plan(cfg: Config) -> int:
     if cfg.data.reward_model_path:
         print(f"reward model: a one-label sequence classifier, a whole copy on each trainer rank, scoring every "
               f"batch before training, from --reward-model-path {cfg.data.reward_model_path}")
-    for line in memory_lines(cfg):
+    for line in memory_lines(cfg) + estimate_lines(cfg):
         print(line)
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
