@@ -216,7 +216,22 @@ class ArchitectureConfig:
     add_qkv_bias: bool = flag(False, "Bias on the q/k/v projections (Qwen2; attention_bias of GLM). " + _CHECKED)
     qk_layernorm: bool = flag(False, "RMSNorm on q and k per head (Qwen3; GLM use_qk_norm). " + _CHECKED)
     attention_output_gate: bool = flag(False, "Gated full attention: q_proj also gives a per-head gate and the "
-                                       "attention output is multiplied by its sigmoid (Qwen3-Next). " + _CHECKED)
+                                       "attention output is multiplied by its sigmoid (Qwen3-Next, Qwen3.5; "
+                                       "--use-gated-attention is slime's name for it). " + _CHECKED,
+                                       aliases=("--use-gated-attention",))
+    no_position_embedding: bool = flag(False, "No learned absolute position embedding (Megatron-LM's "
+                                       "add_position_embedding false): true of every family built here (each "
+                                       "encodes positions in attention: RoPE or YaRN), so the flag restates the "
+                                       "model.")
+    make_vocab_size_divisible_by: Optional[int] = flag(
+        None, "Megatron-LM's vocab padding multiple (x TP) for --vocab-size: the vocab check pads both sizes by it. "
+        "The embedding here is padded to a multiple of 128 x TP whatever it says; the padding rows are sliced off "
+        "before every softmax, so no result depends on it.")
+    spec: Optional[list] = flag(None, "slime's custom layer spec, MODULE FUNCTION (its Qwen3-Next and Qwen3.5 "
+                                "plugins): here config.json's model_type picks the bridge that builds the layers, "
+                                "so the spec must name slime's plugin for that same family (a mismatch, or a spec "
+                                "of a family no bridge builds, is refused). " + _CHECKED,
+                                type=str, nargs=2, metavar=("MODULE", "FUNCTION"))
     apply_layernorm_1p: bool = flag(False, "Zero-centred norm gains, x / rms(x) * (1 + w) (Qwen3-Next, Gemma 3). "
                                     + _CHECKED)
     untie_embeddings_and_output_weights: bool = flag(False, "Separate output layer (tie_word_embeddings "
@@ -281,9 +296,12 @@ class ParallelConfig:
     sequence_parallel: bool = flag(False, "Shard norm/dropout activations over the TP group. With "
                                    "--tensor-model-parallel-size 1 there is nothing to shard over: it has no effect "
                                    "(as in Megatron-LM, which turns it off there) and start-up logs that.")
+    decoder_first_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers on the first pipeline stage (uneven PP; TransformerConfig.num_layers_in_first_pipeline_stage); "
+        "the stages without a size of their own split the rest evenly.")
     decoder_last_pipeline_num_layers: Optional[int] = flag(
         None, "Layers on the last pipeline stage (uneven PP; TransformerConfig.num_layers_in_last_pipeline_stage); "
-        "the other stages split the rest evenly.")
+        "the stages without a size of their own split the rest evenly.")
     critic_tensor_model_parallel_size: Optional[int] = flag(
         None, "--advantage-estimator ppo: the critic's own tensor-parallel size on the actor's ranks (its data-"
         "parallel size is then ranks / (TP x PP)); unset: the actor's. Sequence parallelism follows "
@@ -510,6 +528,12 @@ class MegatronConfig:
         domain="[0, inf)")
     no_rope_fusion: bool = flag(False, "Unfused RoPE (TransformerConfig.apply_rope_fusion false): always so here, "
                                 "megatron-core's default, which this build never changes.")
+    no_masked_softmax_fusion: bool = flag(False, "Unfused masked softmax (TransformerConfig.masked_softmax_fusion "
+                                          "false): always so here, megatron-core's default, which this build never "
+                                          "changes.")
+    no_check_for_nan_in_loss_and_grad: bool = flag(
+        False, "No NaN check of the gradients (DistributedDataParallelConfig.check_for_nan_in_grad false): always so "
+        "here, megatron-core's default, which this build never changes (a NaN loss shows in the step's metrics).")
     use_routing_replay: bool = flag(False, "MoE routing replay (R2): record each token's experts in the "
                                     "old-log-prob pass and replay them in the reference pass and in training "
                                     "(forward and activation recompute), so the PPO ratio compares the same "

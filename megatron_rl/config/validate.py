@@ -144,6 +144,7 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
                               "must be 1 (use --train-backend megatron for TP/PP/CP/EP)")
         for flag, given in [("--sequence-parallel", p.sequence_parallel),
                             ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size),
+                            ("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
                             ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)]:
             if given:
                 errors.append(f"{flag} is a megatron parallelism knob; --train-backend fsdp has no tensor or "
@@ -824,9 +825,11 @@ def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
     if layers is not None and layers % pp:
         errors.append(f"--critic-pipeline-model-parallel-size {pp}: the model's {layers} layers do not split "
                       f"evenly into {pp} stages; choose a divisor of {layers}")
-    if pp > 1 and p.decoder_last_pipeline_num_layers is not None:
-        errors.append("--decoder-last-pipeline-num-layers shapes the actor's stages; with a critic of its own "
-                      "pipeline size the critic's would need their own: drop one of them")
+    for flag, given in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                        ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
+        if pp > 1 and given is not None:
+            errors.append(f"{flag} shapes the actor's stages; with a critic of its own pipeline size the critic's "
+                          "would need their own: drop one of them")
     ep = p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
     if ep > 1 and cfg.has_training and world % (tp * pp * cp) == 0 and (world // pp) % (ep * etp):

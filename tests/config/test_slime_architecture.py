@@ -44,6 +44,8 @@ def stated_argv(hf: dict) -> list[str]:
         flag = "--" + row.field.replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, tuple):  # --spec MODULE FUNCTION
+            argv += [flag, *value]
         elif value is not False:
             argv += [flag, str(value) if not isinstance(value, list) else str(value)]
     return argv
