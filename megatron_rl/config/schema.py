@@ -654,6 +654,12 @@ class RolloutConfig:
                                "dead one: the engines' processes are checked after every rollout, so the death "
                                "still stops the run naming the engine, or --use-fault-tolerance restarts it.",
                                choices=("on", "off"))
+    sglang_server_concurrency: Optional[int] = flag(
+        None, "slime's cap on generate requests in flight per SGLang engine (a flag of slime's, not SGLang's: never "
+        "passed to the servers). Through an sglang-router (--rollout-router on, or a router among "
+        "--rollout-engine-urls) it bounds the per-sample requests in flight: this times the engines (unset: 64 in "
+        "all). Without a router each engine gets one batched /generate per call and SGLang's own scheduler bounds "
+        "what runs at once (--sglang-max-running-requests), so there it changes nothing.")
     embedded_engine_ranks: str = flag("auto", "Where the embedded engine generates. all: a replica on every "
                                       "rank, each drawing a contiguous part of the rollout's prompts (same seeds "
                                       "per sample as one engine, so the same tokens; log-probs equal to float32 "
@@ -770,7 +776,8 @@ class RolloutConfig:
     def names_sglang_engines(self) -> bool:
         """Whether a flag sizes, configures or names SGLang engines (what --rollout-backend auto follows)."""
         return bool(self.rollout_engine_urls or self.rollout_num_gpus is not None
-                    or self.rollout_num_gpus_per_engine != 1 or self.sglang_args)
+                    or self.rollout_num_gpus_per_engine != 1 or self.sglang_args
+                    or self.sglang_server_concurrency is not None)
 
 
 @dataclass(frozen=True)

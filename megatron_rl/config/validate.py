@@ -24,6 +24,7 @@ from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
+from .slime_args import slime_sglang_errors
 from .placement import allocation_errors, model_shape_for_config, plan_errors, world_errors
 
 
@@ -870,6 +871,7 @@ def _check_megatron_flags(errors: list[str], cfg: Config) -> None:
     (config/megatron_flags.py)."""
     errors.extend(architecture_errors(cfg))
     errors.extend(megatron_flag_errors(cfg))
+    errors.extend(slime_sglang_errors(cfg))
 
 
 def _check_world(errors: list[str], cfg: Config) -> None:
