@@ -71,7 +71,8 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port",
         "--sglang-router-request-timeout-secs", "--sglang-config", "--prefill-num-servers"),
     "SFT_ARGS (scripts/run-qwen3.5-35B-A3B-sft.sh, run-qwen3-4B-base-sft.sh)": (
-        "--loss-mask-type", "--num-epoch", "--disable-compute-advantages-and-returns", "--lr-warmup-fraction"),
+        "--loss-mask-type", "--num-epoch", "--disable-compute-advantages-and-returns", "--lr-warmup-fraction",
+        "--min-lr", "--use-distributed-optimizer"),
     "algorithm hooks (slime/utils/arguments.py, not in the example scripts)": (
         "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
         "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
@@ -163,7 +164,8 @@ NOTES: dict[str, tuple[str, str]] = {
     "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
                                "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
                                "--custom-tis-function-path, here it stands alone."),
-    "--loss-type": ("refused (custom_loss)", "policy_loss (the default) is the loss here; custom_loss is refused "
+    "--loss-type": ("refused (custom_loss, sft_loss)", "policy_loss (the default) is the loss here; sft_loss is "
+                    "refused (SFT is not built); custom_loss is refused "
                     "with --custom-loss-function-path (below)."),
     "--custom-loss-function-path": ("refused", "slime's fn(args, batch, logits, sum_of_sample_mean) works on its "
                                     "own batch dict and per-micro-batch reducer; losses here are normalised over "

@@ -1003,8 +1003,9 @@ class AlgorithmConfig:
         "(train/mismatch_abs_logprob, train/mismatch_k3_kl) without correcting for it (--use-tis / --use-rs "
         "correct it and log it too).")
     loss_type: str = flag("policy_loss", "slime's loss selector. policy_loss: the PPO/GRPO loss (docs/algorithms.md). "
-                          "custom_loss (with --custom-loss-function-path) is refused: see that flag.",
-                          choices=("policy_loss", "custom_loss"))
+                          "custom_loss (with --custom-loss-function-path) is refused: see that flag. sft_loss "
+                          "(slime's SFT scripts) is refused: supervised fine-tuning is not built.",
+                          choices=("policy_loss", "custom_loss", "sft_loss"))
     custom_loss_function_path: Optional[str] = flag(
         None, "Refused: slime calls it as fn(args, batch, logits, sum_of_sample_mean) with its own batch dict, raw "
         "(CP-sliced) logits and per-micro-batch reducer; here losses are globally normalised over micro-batches "

@@ -554,6 +554,9 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
                       "reducer; here losses are normalised over the whole step (docs/algorithms.md), so a slime "
                       "loss would not run unchanged. Use the built-in terms or register a Spec "
                       "(megatron_rl.algorithms.spec.register_spec)")
+    if a.loss_type == "sft_loss":
+        errors.append("--loss-type sft_loss: refused. slime's SFT (its sft_rollout, --loss-mask-type, "
+                      "--num-epoch) is not built here: this trains with the policy loss on generated rollouts")
     if a.custom_pg_loss_reducer_function_path is not None:
         errors.append(f"--custom-pg-loss-reducer-function-path {a.custom_pg_loss_reducer_function_path}: refused. "
                       "slime's reducer divides one micro-batch's pg_loss by a count of its own; here the "

@@ -54,8 +54,8 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
         "refused in validation",
         _refused(["--balance-data"])),
     "loss_type": (
-        "slime's loss selector: policy_loss is the only loss built (what the Spec computes); custom_loss is refused "
-        "in validation with the reason",
+        "slime's loss selector: policy_loss is the only loss built (what the Spec computes); custom_loss and "
+        "sft_loss are refused in validation with the reason",
         _refused(["--loss-type", "custom_loss"])),
     "custom_loss_function_path": (
         "slime's custom loss hook, refused in validation: its fn(args, batch, logits, sum_of_sample_mean) contract "
