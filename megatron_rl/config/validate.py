@@ -829,9 +829,9 @@ def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
     if layers is not None and layers % pp:
         errors.append(f"--critic-pipeline-model-parallel-size {pp}: the model's {layers} layers do not split "
                       f"evenly into {pp} stages; choose a divisor of {layers}")
-    for flag, given in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
-                        ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
-        if pp > 1 and given is not None:
+    for flag, edge in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                       ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
+        if pp > 1 and edge is not None:
             errors.append(f"{flag} shapes the actor's stages; with a critic of its own pipeline size the critic's "
                           "would need their own: drop one of them")
     ep = p.expert_model_parallel_size

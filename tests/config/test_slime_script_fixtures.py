@@ -75,7 +75,12 @@ GLM47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_
 GLM5 = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 6144,
         "num_hidden_layers": 78, "num_attention_heads": 64, "vocab_size": 154880}
 
-#: script -> (the checkpoint dir name it names, the config.json there)
+# zai-org/GLM-4.5-Air (slime's models/glm4.5-106B-A12B.sh): GLM-4.5's architecture, smaller, no q/k norm
+GLM45_AIR = {**GLM45, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+             "num_hidden_layers": 46, "n_routed_experts": 128, "first_k_dense_replace": 1,
+             "routed_scaling_factor": 1.0, "use_qk_norm": False}
+
+#: script -> the config.json its --hf-checkpoint holds
 REAL = {
     "scripts/run-deepseek-r1.sh": DEEPSEEK_R1, "scripts/run-kimi-k2-Instruct.sh": KIMI_K2,
     "scripts/run-kimi-k2-Thinking.sh": KIMI_K2_THINKING, "scripts/run-glm4.7-355B-A32B.sh": GLM45,
@@ -225,6 +230,38 @@ def test_slime_own_sglang_flags_do_not_reach_sglang(tmp_path):
     errors = collect_errors(parse_config(argv + ["--dry-run", "--sglang-config", "groups.yaml"], validate=False))
     assert any(e.startswith("--sglang-config is slime's flag, not SGLang's: slime's YAML of SGLang server groups")
                for e in errors), errors
+
+
+@pytest.mark.parametrize("script, config", [
+    ("scripts/models/deepseek-v3.sh", {k: v for k, v in DEEPSEEK_R1.items() if k != "quantization_config"}), ("scripts/models/glm4.5-355B-A32B.sh", GLM45),
+    ("scripts/models/glm4.5-106B-A12B.sh", GLM45_AIR)])
+def test_model_scripts_state_the_real_configs(script, config, tmp_path):
+    """slime's MODEL_ARGS files without a run script here agree flag for flag with the published config.json."""
+    from megatron_rl.config.architecture import architecture_errors
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = parse_config(SCRIPTS["scripts"][script]["argv"] + ["--hf-checkpoint", str(tmp_path)], validate=False)
+    assert architecture_errors(cfg) == []
+
+
+def test_sglang_server_concurrency_bounds_the_requests_through_a_router():
+    """slime's N per engine: through a router in front of 2 engines, 2 x N per-sample requests in flight
+    (unset: 64 in all)."""
+    from megatron_rl.plan.engines import plan_engine_placement
+    from megatron_rl.rollout.sglang.engine import SGLangEngine
+
+    placement = plan_engine_placement(num_gpus=4, gpus_per_engine=2, colocate=True, num_nodes=1, gpus_per_node=4,
+                                      devices_per_node=None)
+    placement = placement.with_urls(["http://127.0.0.1:9", "http://127.0.0.1:10"], ["", ""]).with_router(
+        "http://127.0.0.1:11")
+    for given, in_flight in ((["--sglang-server-concurrency", "8"], 16), ([], 64)):
+        cfg = parse_config(["--rollout-backend", "sglang", "--rollout-num-gpus-per-engine", "2",
+                            "--actor-num-gpus-per-node", "4", "--colocate", *given], validate=False)
+        engine = SGLangEngine.from_config(cfg, placement)
+        try:
+            assert engine._router_pool is not None and engine._router_pool._max_workers == in_flight
+        finally:
+            engine.close()
 
 
 # -- tiny configs of the families ----------------------------------------------------------------------------
