@@ -129,6 +129,7 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "kv_channels": ("head_dim", UNUSED) if model_type in MLA_TYPES else (
             "head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
         "vocab_size": ("vocab_size", c.get("vocab_size")),
+        "max_position_embeddings": ("max_position_embeddings", c.get("max_position_embeddings")),
         "swiglu": ("hidden_act / model_type", act == "silu"
                    and model_type not in CLAMPED_GLU_TYPES),
         "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),
@@ -253,7 +254,7 @@ ARCHITECTURE: tuple[ArchFlag, ...] = tuple(ArchFlag(f) for f in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")) + (
     ArchFlag("group_query_attention", lambda a: None),  # stated through num_query_groups below
     ArchFlag("num_query_groups", _query_groups),
-) + tuple(ArchFlag(f) for f in ("kv_channels", "vocab_size", "swiglu", "normalization", "norm_epsilon",
+) + tuple(ArchFlag(f) for f in ("kv_channels", "vocab_size", "max_position_embeddings", "swiglu", "normalization", "norm_epsilon",
                                 "rotary_base", "rotary_percent")) + (
     ArchFlag("position_embedding_type", _position),
     ArchFlag("use_rotary_position_embeddings", lambda a: None),  # stated through position_embedding_type
@@ -297,7 +298,8 @@ def flag_consistency_errors(cfg: Config) -> list[str]:
     for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                   "moe_router_num_groups", "moe_router_group_topk", "kv_lora_rank", "qk_head_dim",
-                  "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank", "make_vocab_size_divisible_by"):
+                  "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank", "make_vocab_size_divisible_by",
+                  "max_position_embeddings"):
         value = getattr(a, field)
         if value is not None and value < 1:
             errors.append(f"{_flag(field)} {value} must be >= 1")

@@ -252,6 +252,12 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                      "(slime's scripts) or drop the flag")),
     MegatronFlag("megatron", "no_rope_fusion", _tc(apply_rope_fusion=False),
                  "mapped: TransformerConfig.apply_rope_fusion false; megatron-core's default, " + _ALWAYS),
+    MegatronFlag("megatron", "no_gradient_accumulation_fusion", _tc(gradient_accumulation_fusion=False),
+                 "mapped: TransformerConfig.gradient_accumulation_fusion false; megatron-core's default, " + _ALWAYS),
+    MegatronFlag("megatron", "transformer_impl", _tc(transformer_impl=None),
+                 "mapped: TransformerConfig.transformer_impl; transformer_engine needs transformer-engine, local "
+                 "the TE-less layer spec this build uses without it (refused otherwise for a real run)",
+                 needs=lambda v: {"transformer_engine": ("te",), "local": ("no_te",)}[v]),
     MegatronFlag("megatron", "no_masked_softmax_fusion", _tc(masked_softmax_fusion=False),
                  "mapped: TransformerConfig.masked_softmax_fusion false; megatron-core's default, " + _ALWAYS),
     MegatronFlag("megatron", "no_check_for_nan_in_loss_and_grad",

@@ -70,6 +70,10 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
     "slime's own SGLang flags (slime/backends/sglang_utils/arguments.py; not SGLang server arguments)": (
         "--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port",
         "--sglang-router-request-timeout-secs", "--sglang-config", "--prefill-num-servers"),
+    "Megatron-LM flags of the other scripts (GLM-4, Llama 3, MiMo, AMD, FP8)": (
+        "--max-position-embeddings", "--use-rope-scaling", "--rotary-interleaved", "--post-self-attn-layernorm",
+        "--post-mlp-layernorm", "--transformer-impl", "--no-gradient-accumulation-fusion", "--no-offload-train",
+        "--no-offload-rollout", "--seq-length", "--bf16", "--fp8-format", "--fp8-recipe"),
     "SFT_ARGS (scripts/run-qwen3.5-35B-A3B-sft.sh, run-qwen3-4B-base-sft.sh)": (
         "--loss-mask-type", "--num-epoch", "--disable-compute-advantages-and-returns", "--lr-warmup-fraction",
         "--min-lr", "--use-distributed-optimizer"),

@@ -219,6 +219,8 @@ class ArchitectureConfig:
                                        "attention output is multiplied by its sigmoid (Qwen3-Next, Qwen3.5; "
                                        "--use-gated-attention is slime's name for it). " + _CHECKED,
                                        aliases=("--use-gated-attention",))
+    max_position_embeddings: Optional[int] = flag(None, "Longest position the model is built for "
+                                                  "(max_position_embeddings). " + _CHECKED)
     no_position_embedding: bool = flag(False, "No learned absolute position embedding (Megatron-LM's "
                                        "add_position_embedding false): true of every family built here (each "
                                        "encodes positions in attention: RoPE or YaRN), so the flag restates the "
@@ -528,6 +530,14 @@ class MegatronConfig:
         domain="[0, inf)")
     no_rope_fusion: bool = flag(False, "Unfused RoPE (TransformerConfig.apply_rope_fusion false): always so here, "
                                 "megatron-core's default, which this build never changes.")
+    no_gradient_accumulation_fusion: bool = flag(
+        False, "Unfused weight-gradient accumulation (TransformerConfig.gradient_accumulation_fusion false): always "
+        "so here, megatron-core's default, which this build never changes.")
+    transformer_impl: Optional[str] = flag(
+        None, "Megatron-LM's layer implementation (TransformerConfig.transformer_impl). This build picks it by "
+        "what is installed: the transformer-engine spec where transformer-engine is, the local spec where it is "
+        "not; the flag states which one, and a real run where the other is built is refused.",
+        choices=("local", "transformer_engine"))
     no_masked_softmax_fusion: bool = flag(False, "Unfused masked softmax (TransformerConfig.masked_softmax_fusion "
                                           "false): always so here, megatron-core's default, which this build never "
                                           "changes.")

@@ -190,6 +190,16 @@ NOT_BUILT: dict[str, str] = {
     "--prefill-num-servers": "prefill/decode disaggregation is not built: every engine here prefills and decodes",
     # Megatron-LM flags of slime's SFT scripts
     "--lr-warmup-fraction": "give the warm-up as --lr-warmup-iters (optimizer steps)",
+    # Megatron-LM flags of slime's GLM-4 (model_type glm4), Llama 3 and AMD scripts
+    "--rotary-interleaved": "GLM-4's interleaved RoPE (model_type glm4), a family no bridge here builds",
+    "--post-self-attn-layernorm": "GLM-4's norm after attention (model_type glm4), a family no bridge here builds",
+    "--post-mlp-layernorm": "GLM-4's norm after the MLP (model_type glm4), a family no bridge here builds",
+    "--use-rope-scaling": "Llama-3.1's RoPE scaling (rope_type llama3) is not built: the llama bridge maps default "
+                          "RoPE only and refuses such a checkpoint",
+    "--no-offload-train": "--colocate here always frees the trainer's device memory for the engine (and back); "
+                          "without --colocate nothing is offloaded unless --offload-train is given: drop it",
+    "--no-offload-rollout": "--colocate here always releases the engine's memory while the trainer trains; without "
+                            "--colocate nothing is released unless --offload-rollout is given: drop it",
 }
 
 #: flags of slime's arguments.py that are flags here too but sit in no script array of the page

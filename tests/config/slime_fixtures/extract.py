@@ -19,17 +19,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-#: run script -> its model script (what ``source "${SCRIPT_DIR}/models/..."`` names)
-RUN_SCRIPTS = (
-    "scripts/run-deepseek-r1.sh", "scripts/run-kimi-k2-Instruct.sh", "scripts/run-kimi-k2-Thinking.sh",
-    "scripts/run-glm4.7-355B-A32B.sh", "scripts/run-glm4.7-30B-A3B.sh", "scripts/run-glm5-744B-A40B.sh",
-    "scripts/run-glm5.2-744B-A40B.sh", "scripts/run-moonlight-16B-A3B.sh", "scripts/run-qwen3-next-80B-A3B.sh",
-    "scripts/run-qwen3.5-27B.sh", "scripts/run-qwen3.5-35B-A3B-sft.sh",
-)
-#: model scripts with no run script of their own here (the tests run them with another script's arrays)
-MODEL_SCRIPTS = ("scripts/models/deepseek-v3.sh", "scripts/models/glm4.5-355B-A32B.sh",
-                 "scripts/models/glm4.5-106B-A12B.sh", "scripts/models/qwen3.5-35B-A3B.sh")
 PATH_VARS = ("BASE_DIR", "BASE_FOLDER")
+
+
+def _scripts(git_dir: str, commit: str) -> tuple[list[str], list[str]]:
+    """(every ``run-*.sh`` under scripts/, every ``scripts/models/*.sh``)."""
+    names = subprocess.run(["git", "-C", git_dir, "ls-tree", "-r", "--name-only", commit, "scripts/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    run = [n for n in names if n.endswith(".sh") and n.split("/")[-1].startswith("run-")]
+    return run, [n for n in names if n.startswith("scripts/models/") and n.endswith(".sh")]
 
 
 def _show(git_dir: str, commit: str, path: str) -> str:
@@ -58,13 +56,13 @@ def _definitions(text: str) -> str:
 
 def _command(text: str) -> str:
     """The ``python3 train*.py`` command's arguments (its continued lines)."""
-    m = re.search(r"python3\s+train\w*\.py\s*\\\n(.*?)(?:\n\s*\n|\Z)", text, re.S)
+    m = re.search(r"python3\s+\S*train\w*\.py\s*\\\n(.*?)(?:\n\s*\n|\Z)", text, re.S)
     assert m, "no train.py command"
     return "".join(line.rstrip().rstrip("\\") + " " for line in m.group(1).splitlines())
 
 
 def _model_script(text: str) -> str:
-    m = re.search(r'source\s+"\$\{SCRIPT_DIR\}/(?:\.\./scripts/)?(models/[^"]+)"', text)
+    m = re.search(r'source\s+"\$\{SCRIPT_DIR\}/(?:\.\./)?(?:scripts/)?(models/[^"]+)"', text)
     assert m, "no models/*.sh sourced"
     return "scripts/" + m.group(1)
 
@@ -100,13 +98,16 @@ def main(argv: list[str]) -> int:
     commit = argv[1] if len(argv) > 1 else subprocess.run(
         ["git", "-C", git_dir, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     scripts: dict[str, dict] = {}
-    for path in RUN_SCRIPTS:
+    run_scripts, model_scripts = _scripts(git_dir, commit)
+    for path in run_scripts:
         model, args = run_args(git_dir, commit, path)
         scripts[path] = {"model_script": model, "argv": args}
-    for path in MODEL_SCRIPTS:
+    for path in model_scripts:  # each MODEL_ARGS alone (the tests compare them with the published configs)
         scripts[path] = {"model_script": path, "argv": model_args(git_dir, commit, path)}
     source = {"repository": "https://github.com/THUDM/slime", "commit": commit}
-    (HERE / "scripts.json").write_text(json.dumps({**source, "scripts": scripts}, indent=1) + "\n")
+    lines = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in scripts.items())
+    head = json.dumps(source)[:-1]  # one script per line: a diff against a newer slime reads per script
+    (HERE / "scripts.json").write_text(f'{head}, "scripts": {{\n{lines}\n}}}}\n')
     (HERE / "arguments.json").write_text(json.dumps(
         {**source, "file": "slime/utils/arguments.py", "flags": argument_flags(git_dir, commit)}, indent=1) + "\n")
     return 0
