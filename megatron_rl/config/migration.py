@@ -272,11 +272,10 @@ def slime_flag_status(flag: str) -> tuple[str, str]:
     if flag in NOTES:
         return NOTES[flag]
     if flag in NOT_BUILT:
-        return "not built yet", NOT_BUILT[flag][0].upper() + NOT_BUILT[flag][1:] + ". Refused as an unknown flag, " \
-                                                                                    "with this reason."
+        return "not built yet", NOT_BUILT[flag] + ". Refused as an unknown flag, with this reason."
     key = flag[len("--sglang-"):].replace("-", "_")
     if flag.startswith("--sglang-") and key in SLIME_SGLANG_REFUSED:
-        return "refused", SLIME_SGLANG_REFUSED[key][0].upper() + SLIME_SGLANG_REFUSED[key][1:] + "."
+        return "refused", SLIME_SGLANG_REFUSED[key] + "."
     field = _fields_by_flag().get(flag)
     if field is None:
         raise KeyError(f"{flag} is neither a flag here nor in NOTES; say what it does (config/migration.py)")

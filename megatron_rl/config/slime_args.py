@@ -138,8 +138,8 @@ NOT_BUILT: dict[str, str] = {
     "--fetch-trajectory-retry-times": "slime's external rollout buffer is not built",
     "--min-batch-collection-ratio": "slime's external rollout buffer is not built",
     "--rollout-task-type": "slime's external rollout buffer is not built",
-    "--loss-mask-type": "the loss mask comes from the chat template's assistant turns here; slime's per-family "
-                        "SFT masks are not built (SFT is not built)",
+    "--loss-mask-type": "slime's per-family SFT loss masks; SFT is not built (the loss mask here covers the "
+                        "generated response tokens)",
     "--rollout-sample-filter-path": "per-sample loss filters are not built; --dynamic-sampling-filter-path "
                                     "filters groups",
     "--rollout-all-samples-process-path": "a hook over all samples (filtered ones included) is not built",
