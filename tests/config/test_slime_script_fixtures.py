@@ -14,7 +14,8 @@ $BASE_FOLDER, /root/), pointed at local directories. Two runs of each script:
   for it would state them, and the layout sizes scaled to fit it: no flag added or dropped.
 
 Scripts of families not built here (GLM-4.7-Flash's and GLM-5's), with context parallelism over gated
-delta-net layers (Qwen3-Next, Qwen3.5) or SFT are refused, each for its stated reason.
+delta-net layers (Qwen3-Next, Qwen3.5: their tiny runs, at CP 1, pass) or SFT are refused, each for its
+stated reason.
 """
 
 from __future__ import annotations
@@ -280,6 +281,10 @@ TINY_MODEL_ARGS = {
 }
 # Kimi-K2's family is DeepSeek-V3's architecture under model_type kimi_k2, one expert group
 TINY_MODEL_ARGS["kimi_k2"] = {**TINY_MODEL_ARGS["deepseek_v3"], "--moe-router-num-groups": ["1"]}
+# Qwen3-Next / Qwen3.5: gated delta-net and gated attention layers, partial RoPE; Qwen3-Next's first layer dense
+TINY_MODEL_ARGS["qwen3_next"] = {**_TINY_COMMON, "--num-query-groups": ["2"], "--kv-channels": ["16"],
+                                 "--moe-shared-expert-intermediate-size": ["48"], "--moe-layer-freq": ["[0,1,1,1]"]}
+TINY_MODEL_ARGS["qwen3_5_text"] = TINY_MODEL_ARGS["qwen3_next"]
 #: the layout scaled to 4 layers, 4 heads, 2 KV groups, 4 experts: 8 ranks of TP 2, PP 2 (a 1-layer last stage
 #: where the script makes it uneven), EP 4, engines of 2 GPUs
 TINY_LAYOUT = {"--actor-num-nodes": ["1"], "--actor-num-gpus-per-node": ["8"], "--tensor-model-parallel-size": ["2"],
@@ -287,7 +292,9 @@ TINY_LAYOUT = {"--actor-num-nodes": ["1"], "--actor-num-gpus-per-node": ["8"], "
                "--expert-model-parallel-size": ["4"], "--decoder-last-pipeline-num-layers": ["1"],
                "--rollout-num-gpus-per-engine": ["2"]}
 TINY = {"scripts/run-glm4.7-355B-A32B.sh": "glm4_moe", "scripts/run-deepseek-r1.sh": "deepseek_v3",
-        "scripts/run-kimi-k2-Instruct.sh": "kimi_k2", "scripts/run-kimi-k2-Thinking.sh": "kimi_k2"}
+        "scripts/run-kimi-k2-Instruct.sh": "kimi_k2", "scripts/run-kimi-k2-Thinking.sh": "kimi_k2",
+        # CP 1 (TINY_LAYOUT): context parallelism over gated delta-net layers is not built
+        "scripts/run-qwen3-next-80B-A3B.sh": "qwen3_next", "scripts/run-qwen3.5-27B.sh": "qwen3_5_text"}
 
 
 def restated(argv: list[str], values: dict[str, list[str]]) -> list[str]:
@@ -321,13 +328,14 @@ def test_the_script_dry_runs_on_a_tiny_config_of_its_family(script, tmp_path, ca
     not the hub files' rope_scaling): the slime-specific flags (--moe-router-pre-softmax, --mscale,
     --moe-layer-freq's [0]*N+[1]*M, the router flags) agree with it, and the plan fits."""
     family = TINY[script]
+    dense = {"--expert-model-parallel-size": ["1"]} if family == "qwen3_5_text" else {}
     argv = restated(local_argv(script, tmp_path, tiny_config_json(family)),
-                    {**TINY_MODEL_ARGS[family], **TINY_LAYOUT})
+                    {**TINY_MODEL_ARGS[family], **TINY_LAYOUT, **dense})
     assert [a for a in argv if a.startswith("--")] == [
         a for a in SCRIPTS["scripts"][script]["argv"] if a.startswith("--")]  # the same flags, in order
     code, out = dry_run(argv, capsys)
     assert code == 0 and "dry run: configuration valid" in out and "model: 4 layers, 4 heads" in out, out
-    assert ":d2p2t2e4" in out, out
+    assert (":d2p2t2" if dense else ":d2p2t2e4") in out, out
 
 
 # -- docs/migrating-from-slime.md against slime ---------------------------------------------------------------
