@@ -55,6 +55,14 @@ DEFAULT_ROTARY_PERCENT = {"qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe
 SHARED_EXPERT_SIZE_KEYS = {"qwen3_next": "shared_expert_intermediate_size",
                            "qwen3_5_moe_text": "shared_expert_intermediate_size"}
 
+# slime's --spec MODULE FUNCTION (its slime_plugins layer specs) -> the config.json model_types whose bridge builds
+# the same layers (an empty tuple: a family no bridge here builds)
+SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
+    ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): ("qwen3_5_text", "qwen3_5_moe_text"),
+    ("slime_plugins.models.glm5.glm5", "get_glm5_spec"): (),  # GLM-5's DeepSeek sparse attention (DSA)
+}
+
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
 BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "mixtral", "qwen2",
@@ -121,6 +129,7 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "kv_channels": ("head_dim", UNUSED) if model_type in MLA_TYPES else (
             "head_dim", c.get("head_dim") or (hidden // heads if hidden and heads else None)),
         "vocab_size": ("vocab_size", c.get("vocab_size")),
+        "max_position_embeddings": ("max_position_embeddings", c.get("max_position_embeddings")),
         "swiglu": ("hidden_act / model_type", act == "silu"
                    and model_type not in CLAMPED_GLU_TYPES),
         "normalization": (eps_key, "RMSNorm" if eps_key == "rms_norm_eps" else "LayerNorm"),
@@ -143,6 +152,8 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "untie_embeddings_and_output_weights": ("tie_word_embeddings", not c.get(
             "tie_word_embeddings", model_type in TIED_BY_DEFAULT_TYPES)),
         "rotary_scaling_factor": ("rope_scaling.factor", UNUSED if per_layer_rope else float(rope.get("factor") or 1.0)),
+        # slime's plugin spec of this family (UNUSED: slime has none, the Megatron-LM GPT spec builds it)
+        "spec": ("model_type", next((s for s, types in SLIME_SPECS.items() if model_type in types), UNUSED)),
     }
     if model_type in MLA_TYPES:
         yarn = rope.get("rope_type", rope.get("type")) == "yarn"  # else megatron's MLA uses no mscale
@@ -243,10 +254,11 @@ ARCHITECTURE: tuple[ArchFlag, ...] = tuple(ArchFlag(f) for f in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")) + (
     ArchFlag("group_query_attention", lambda a: None),  # stated through num_query_groups below
     ArchFlag("num_query_groups", _query_groups),
-) + tuple(ArchFlag(f) for f in ("kv_channels", "vocab_size", "swiglu", "normalization", "norm_epsilon",
+) + tuple(ArchFlag(f) for f in ("kv_channels", "vocab_size", "max_position_embeddings", "swiglu", "normalization", "norm_epsilon",
                                 "rotary_base", "rotary_percent")) + (
     ArchFlag("position_embedding_type", _position),
     ArchFlag("use_rotary_position_embeddings", lambda a: None),  # stated through position_embedding_type
+    ArchFlag("spec", lambda a: tuple(a.spec) if a.spec else None),
 ) + tuple(ArchFlag(f) for f in ("disable_bias_linear", "add_qkv_bias", "qk_layernorm", "attention_output_gate",
                                 "apply_layernorm_1p", "untie_embeddings_and_output_weights", "rotary_scaling_factor",
                                 "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
@@ -286,7 +298,8 @@ def flag_consistency_errors(cfg: Config) -> list[str]:
     for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "kv_channels", "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                   "moe_router_num_groups", "moe_router_group_topk", "kv_lora_rank", "qk_head_dim",
-                  "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
+                  "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank", "make_vocab_size_divisible_by",
+                  "max_position_embeddings"):
         value = getattr(a, field)
         if value is not None and value < 1:
             errors.append(f"{_flag(field)} {value} must be >= 1")
@@ -327,10 +340,14 @@ def hf_mismatch_errors(cfg: Config, hf: dict, source: str) -> list[str]:
                           "--hf-checkpoint at an MLA checkpoint (deepseek_v3)")
             continue
         key, hf_value = view[row.field]
+        if row.field == "spec":  # (before UNUSED: a family slime has no spec for refuses every spec)
+            errors.extend(_spec_errors(given, text_config(hf).get("model_type"), source))
+            continue
         if hf_value is UNUSED:
             continue
         if row.field == "vocab_size":
-            errors.extend(_vocab_errors(given, hf_value, cfg.parallel.tensor_model_parallel_size, source))
+            errors.extend(_vocab_errors(given, hf_value, cfg.parallel.tensor_model_parallel_size, source,
+                                        a.make_vocab_size_divisible_by or 128))
             continue
         if row.field == "moe_layer_freq":
             want = _expand_layer_freq(given, len(hf_value))
@@ -372,19 +389,37 @@ def _layers(pattern: list[int]) -> str:
     return ", ".join(map(str, moe)) or "none"
 
 
-def _vocab_errors(given: int, hf: int, tp: int, source: str) -> list[str]:
-    """Megatron pads --vocab-size to a multiple of 128 x TP; what must agree is the padded size
-    (the embedding megatron builds) and the real vocab must not be smaller than the HF one."""
+def _spec_errors(given: tuple[str, str], model_type, source: str) -> list[str]:
+    """``--spec MODULE FUNCTION``: slime's plugin spec of the family config.json's bridge builds."""
+    families = SLIME_SPECS.get(given)
+    shown = f"--spec {given[0]} {given[1]}"
+    if families is None:
+        known = "; ".join(f"{m} {f}" for m, f in SLIME_SPECS)
+        return [f"{shown}: a custom layer spec is not loaded here (the bridge of config.json's model_type builds the "
+                f"layers); drop --spec (the slime specs it stands for: {known})"]
+    if not families:
+        return [f"{shown} builds layers no bridge here builds (GLM-5's DeepSeek sparse attention); {source} "
+                f"has model_type {model_type!r}: such a model cannot be trained here yet"]
+    if model_type not in families:
+        return [f"{shown} is slime's layer spec for model_type {' / '.join(families)}, but {source} has model_type "
+                f"{model_type!r}: fix --spec or --hf-checkpoint (or drop --spec: the bridge builds the layers)"]
+    return []
+
+
+def _vocab_errors(given: int, hf: int, tp: int, source: str, divisible_by: int = 128) -> list[str]:
+    """Megatron pads --vocab-size to a multiple of --make-vocab-size-divisible-by (128) x TP; what must agree
+    is the padded size (the embedding megatron builds) and the real vocab must not be smaller than the HF one."""
     if given == hf:
         return []
-    unit = 128 * tp
+    unit = divisible_by * tp
     pg, ph = -(-given // unit) * unit, -(-hf // unit) * unit
     if pg == ph and given >= hf:
         return []
     return [f"--vocab-size {given} does not match {source}: vocab_size is {hf}. Compared the padded sizes "
-            f"megatron builds (a multiple of 128 x TP {tp} = {unit}): {given} pads to {pg}, {hf} pads to {ph}"
+            f"megatron builds (a multiple of {divisible_by} x TP {tp} = {unit}): {given} pads to {pg}, {hf} pads to {ph}"
             + ("" if pg != ph else f", but {given} < {hf} would cut real tokens")
-            + f"; give --vocab-size {hf} or drop it"]
+            + f"; give --vocab-size {hf} or drop it"
+            + ("" if divisible_by == 128 else f" (--make-vocab-size-divisible-by {divisible_by})")]
 
 
 def shape_from_flags(cfg: Config) -> Optional[ModelShape]:

@@ -21,6 +21,7 @@ from megatron_rl.errors import ConfigError
 
 from .schema import GROUPS, Config, flag_name, iter_fields
 from .placement import apply_allocation
+from .slime_args import not_built_reason
 from .validate import validate_config
 
 PASS_THROUGH_PREFIX = "--sglang-"
@@ -80,16 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _split_pass_through(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+def _split_pass_through(argv: Sequence[str], declared: frozenset = frozenset()) -> tuple[list[str], dict[str, Any]]:
     """Pull ``--sglang-KEY [VALUE ...]`` out of argv (several values: a list, as SGLang's nargs
-    arguments take them); ``--sglang-KEY=VALUE`` works too."""
+    arguments take them); ``--sglang-KEY=VALUE`` works too. A ``--sglang-*`` flag in ``declared`` is one of
+    this parser's own (slime's --sglang-server-concurrency: a flag of slime's, not of SGLang's servers)."""
     rest: list[str] = []
     passed: dict[str, Any] = {}
     i = 0
     argv = list(argv)
     while i < len(argv):
         tok = argv[i]
-        if tok.startswith(PASS_THROUGH_PREFIX):
+        if tok.startswith(PASS_THROUGH_PREFIX) and tok.split("=", 1)[0] not in declared:
             key, eq, value = tok[len(PASS_THROUGH_PREFIX):].partition("=")
             key = key.replace("-", "_")
             if not key:
@@ -239,6 +241,10 @@ def _unknown_flag_error(unknown: list[str], parser: argparse.ArgumentParser) -> 
             continue
         prev_was_flag = "=" not in tok
         name = tok.split("=", 1)[0]
+        slime = not_built_reason(name)
+        if slime:  # one of slime's flags: say why there is none here (docs/migrating-from-slime.md)
+            parts.append(f"unknown flag {name}: slime's flag is not built here ({slime})")
+            continue
         close = difflib.get_close_matches(name, known, n=1)
         parts.append(f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else ""))
     return ConfigError("; ".join(parts))
@@ -255,8 +261,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
     """
 
     argv = list(argv if argv is not None else __import__("sys").argv[1:])
-    argv, passed = _split_pass_through(argv)
     parser = build_parser()
+    argv, passed = _split_pass_through(argv, frozenset(
+        s for a in parser._actions for s in a.option_strings if s.startswith(PASS_THROUGH_PREFIX)))
     pre, _ = parser.parse_known_args(argv)  # only to find --config
     yaml_passed: dict[str, Any] = {}
     if pre.config:

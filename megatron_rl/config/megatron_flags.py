@@ -140,7 +140,9 @@ def _load_balancing_check(value, cfg) -> Optional[str]:
     return None
 
 
-def _last_stage_check(value, cfg) -> Optional[str]:
+def _edge_stage_check(value, cfg) -> Optional[str]:
+    """``--decoder-first/last-pipeline-num-layers``: what megatron-core's TransformerConfig checks of one edge
+    stage (the split of the rest is the planner's: plan/validate.py)."""
     p = cfg.parallel
     if value < 1:
         return f"{value} must be >= 1"
@@ -250,6 +252,18 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                      "(slime's scripts) or drop the flag")),
     MegatronFlag("megatron", "no_rope_fusion", _tc(apply_rope_fusion=False),
                  "mapped: TransformerConfig.apply_rope_fusion false; megatron-core's default, " + _ALWAYS),
+    MegatronFlag("megatron", "no_gradient_accumulation_fusion", _tc(gradient_accumulation_fusion=False),
+                 "mapped: TransformerConfig.gradient_accumulation_fusion false; megatron-core's default, " + _ALWAYS),
+    MegatronFlag("megatron", "transformer_impl", _tc(transformer_impl=None),
+                 "mapped: TransformerConfig.transformer_impl; transformer_engine needs transformer-engine, local "
+                 "the TE-less layer spec this build uses without it (refused otherwise for a real run)",
+                 needs=lambda v: {"transformer_engine": ("te",), "local": ("no_te",)}[v]),
+    MegatronFlag("megatron", "no_masked_softmax_fusion", _tc(masked_softmax_fusion=False),
+                 "mapped: TransformerConfig.masked_softmax_fusion false; megatron-core's default, " + _ALWAYS),
+    MegatronFlag("megatron", "no_check_for_nan_in_loss_and_grad",
+                 lambda value: {"ddp": {"check_for_nan_in_grad": False}},
+                 "mapped: DistributedDataParallelConfig.check_for_nan_in_grad false; megatron-core's default, "
+                 + _ALWAYS),
     MegatronFlag("megatron", "moe_token_drop_policy", _tc(moe_token_drop_policy=None),
                  "mapped: TransformerConfig.moe_token_drop_policy; only probs (no expert capacity is set, so no "
                  "token is dropped and position would change nothing)", moe_only=True,
@@ -283,9 +297,12 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "megatron's mtp_loss_scaling_factor)", default=0.2,
                  check=lambda v, cfg: None if v == 0.2 or cfg.megatron.enable_mtp_training else (
                      f"{v} scales the MTP loss of --enable-mtp-training, which is off; add it or drop the flag")),
+    MegatronFlag("parallel", "decoder_first_pipeline_num_layers", _tc(num_layers_in_first_pipeline_stage=None),
+                 "mapped: TransformerConfig.num_layers_in_first_pipeline_stage (uneven pipeline stages; the "
+                 "planner checks the split, megatron-core places the layers)", check=_edge_stage_check),
     MegatronFlag("parallel", "decoder_last_pipeline_num_layers", _tc(num_layers_in_last_pipeline_stage=None),
                  "mapped: TransformerConfig.num_layers_in_last_pipeline_stage (uneven pipeline stages; the "
-                 "planner checks the split)", check=_last_stage_check),
+                 "planner checks the split, megatron-core places the layers)", check=_edge_stage_check),
     MegatronFlag("optimizer", "overlap_cpu_optimizer_d2h_h2d",
                  lambda value: {"optimizer": {"overlap_cpu_optimizer_d2h_h2d": True}},
                  "mapped: OptimizerConfig.overlap_cpu_optimizer_d2h_h2d (needs --optimizer-cpu-offload and a GPU: "

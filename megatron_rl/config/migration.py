@@ -1,15 +1,16 @@
 """docs/migrating-from-slime.md, generated from the flag tables (``python -m megatron_rl.config.docs``).
 
 Why generated: what each slime flag does here is already stated once, in the schema's help
-(config/schema.py), the architecture table (config/architecture.py) and the Megatron flag
-table (config/megatron_flags.py). This module lists every flag of slime's example scripts
-(``scripts/models/*.sh`` and ``scripts/run-*.sh`` for Qwen3-4B, Qwen3-30B-A3B, Qwen3-32B,
-Qwen2.5-0.5B, Qwen3-235B-A22B, GLM-4.5, DeepSeek-V3/R1, Kimi-K2; Qwen3-Next-80B-A3B's model flags; the
-data-key, external-engine and saving flags of ``slime/utils/arguments.py``) and renders, per flag, its status and that text; :data:`NOTES`
-holds only what no table says (slime semantics that differ, flags not built). :data:`OFF_POLICY_PEERS`
-maps the off-policy correction settings of slime, verl and AReaL (config keys, not flags) to ours. A test checks
-the file is current and that the launch commands in tests/config/test_slime_scripts.py use
-no flag missing here, so the page cannot drift from the parser or from the scripts.
+(config/schema.py), the architecture table (config/architecture.py), the Megatron flag
+table (config/megatron_flags.py) and the table of slime flags not built here (config/slime_args.py).
+This module lists every flag of slime's example scripts (``scripts/models/*.sh`` and
+``scripts/run-*.sh``: Qwen2.5, Qwen3, Qwen3-Next, Qwen3.5, GLM-4.5/4.7/5, DeepSeek-V3/R1, Kimi-K2,
+Moonlight) and every flag ``slime/utils/arguments.py`` and ``slime/backends/sglang_utils/arguments.py``
+declare, and renders, per flag, its status and that text; :data:`NOTES` holds only what no table says
+(slime semantics that differ). :data:`OFF_POLICY_PEERS` maps the off-policy correction settings of slime,
+verl and AReaL (config keys, not flags) to ours. Tests check the file is current, that slime's launch
+scripts (tests/config/slime_fixtures/scripts.json) use no flag missing here and that every flag of slime's
+arguments.py has a row, so the page cannot drift from the parser or from slime.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from .architecture import ARCHITECTURE_FIELDS
 from .megatron_flags import MEGATRON_FLAGS
 from .schema import flag_name, iter_fields
+from .slime_args import ARGUMENTS_PY_HERE, NOT_BUILT, SLIME_SGLANG_REFUSED
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "migrating-from-slime.md"
 
@@ -41,6 +43,9 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--moe-router-num-groups", "--moe-router-group-topk", "--multi-latent-attention", "--q-lora-rank",
         "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor",
         "--mscale", "--mscale-all-dim", "--no-rope-fusion"),
+    "MODEL_ARGS of the newer scripts (Qwen3-Next, Qwen3.5, GLM-4.7-Flash, GLM-5)": (
+        "--spec", "--use-gated-attention", "--no-position-embedding", "--make-vocab-size-divisible-by",
+        "--enable-experimental", "--allgather-cp"),
     "CKPT_ARGS": ("--hf-checkpoint", "--ref-load", "--load", "--save", "--save-interval"),
     "ROLLOUT_ARGS": (
         "--prompt-data", "--input-key", "--label-key", "--apply-chat-template", "--rollout-shuffle", "--rm-type",
@@ -52,8 +57,9 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
     "PERF_ARGS": (
         "--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
         "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-        "--decoder-last-pipeline-num-layers", "--recompute-granularity", "--recompute-method",
-        "--recompute-num-layers", "--use-dynamic-batch-size", "--max-tokens-per-gpu"),
+        "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-granularity",
+        "--recompute-method", "--recompute-num-layers", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+        "--data-pad-size-multiplier", "--log-probs-chunk-size"),
     "GRPO_ARGS": ("--advantage-estimator", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type", "--kl-coef",
                   "--entropy-coef", "--eps-clip", "--eps-clip-high", "--use-tis"),
     "OPTIMIZER_ARGS": ("--optimizer", "--lr", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2",
@@ -61,6 +67,16 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
                        "--use-precision-aware-optimizer"),
     "WANDB_ARGS": ("--use-wandb", "--wandb-project", "--wandb-group", "--wandb-team", "--wandb-host", "--wandb-key"),
     "SGLANG_ARGS": ("--rollout-num-gpus-per-engine", "--sglang-*", "--deterministic-mode"),
+    "slime's own SGLang flags (slime/backends/sglang_utils/arguments.py; not SGLang server arguments)": (
+        "--sglang-server-concurrency", "--sglang-router-ip", "--sglang-router-port",
+        "--sglang-router-request-timeout-secs", "--sglang-config", "--prefill-num-servers"),
+    "Megatron-LM flags of the other scripts (GLM-4, Llama 3, MiMo, AMD, FP8)": (
+        "--max-position-embeddings", "--use-rope-scaling", "--rotary-interleaved", "--post-self-attn-layernorm",
+        "--post-mlp-layernorm", "--transformer-impl", "--no-gradient-accumulation-fusion", "--no-offload-train",
+        "--no-offload-rollout", "--seq-length", "--bf16", "--fp8-format", "--fp8-recipe"),
+    "SFT_ARGS (scripts/run-qwen3.5-35B-A3B-sft.sh, run-qwen3-4B-base-sft.sh)": (
+        "--loss-mask-type", "--num-epoch", "--disable-compute-advantages-and-returns", "--lr-warmup-fraction",
+        "--min-lr", "--use-distributed-optimizer"),
     "algorithm hooks (slime/utils/arguments.py, not in the example scripts)": (
         "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
         "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
@@ -74,8 +90,12 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
     "other slime flags (slime/utils/arguments.py: data keys, external engines, saving, async)": (
         "--metadata-key", "--tool-key", "--rollout-external-engine-addrs", "--save-hf", "--keep-old-actor"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
-                  "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep"),
+                  "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep",
+                  "--no-masked-softmax-fusion", "--no-check-for-nan-in-loss-and-grad"),
 }
+_LISTED = {f for flags in SLIME_FLAGS.values() for f in flags}
+SLIME_FLAGS["every other flag of slime/utils/arguments.py"] = tuple(
+    sorted((set(NOT_BUILT) | set(ARGUMENTS_PY_HERE)) - _LISTED))
 
 _SGLANG_LAUNCHED = ("the engines this run launches (python -m sglang.launch_server from each node's local rank 0; "
                     "docs/sglang.md); with these flags --rollout-backend auto picks SGLang, as slime always does")
@@ -94,6 +114,10 @@ NOTES: dict[str, tuple[str, str]] = {
                    "model-path, ...) are refused by name; slime's --sglang-router-ip / --sglang-router-port (a "
                    "running router) are refused naming --rollout-engine-urls http://IP:PORT, which takes a router "
                    "(generation through it, weights to the workers it lists)."),
+    "--sglang-router-ip": ("refused", "slime's address of a running sglang-router: refused naming "
+                           "--rollout-engine-urls http://IP:PORT, which takes a router (generation through it, "
+                           "weights to the workers it lists); --rollout-router on starts one."),
+    "--sglang-router-port": ("refused", "As --sglang-router-ip."),
     "--optimizer-cpu-offload": ("same", "megatron: megatron-core's hybrid CPU optimizer. Implies "
                                 "--use-distributed-optimizer (Megatron-LM requires it; slime always turns it on). "
                                 "fsdp: FSDP2's CPUOffloadPolicy."),
@@ -144,7 +168,8 @@ NOTES: dict[str, tuple[str, str]] = {
     "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
                                "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
                                "--custom-tis-function-path, here it stands alone."),
-    "--loss-type": ("refused (custom_loss)", "policy_loss (the default) is the loss here; custom_loss is refused "
+    "--loss-type": ("refused (custom_loss, sft_loss)", "policy_loss (the default) is the loss here; sft_loss is "
+                    "refused (SFT is not built); custom_loss is refused "
                     "with --custom-loss-function-path (below)."),
     "--custom-loss-function-path": ("refused", "slime's fn(args, batch, logits, sum_of_sample_mean) works on its "
                                     "own batch dict and per-micro-batch reducer; losses here are normalised over "
@@ -246,6 +271,11 @@ def slime_flag_status(flag: str) -> tuple[str, str]:
     """(status, what it does here) of one slime flag: NOTES first, then the tables, then the schema."""
     if flag in NOTES:
         return NOTES[flag]
+    if flag in NOT_BUILT:
+        return "not built yet", NOT_BUILT[flag] + ". Refused as an unknown flag, with this reason."
+    key = flag[len("--sglang-"):].replace("-", "_")
+    if flag.startswith("--sglang-") and key in SLIME_SGLANG_REFUSED:
+        return "refused", SLIME_SGLANG_REFUSED[key] + "."
     field = _fields_by_flag().get(flag)
     if field is None:
         raise KeyError(f"{flag} is neither a flag here nor in NOTES; say what it does (config/migration.py)")
@@ -270,7 +300,9 @@ def render() -> str:
         "without starting anything, also on a machine without the checkpoint (the model shape then comes from "
         "the MODEL_ARGS). Statuses: **same** (same name, same meaning), **mapped** (set on megatron-core's "
         "config), **checked** (compared with `--hf-checkpoint`'s config.json, refused on a mismatch), "
-        "**refused for a real run** (`--dry-run` accepts it). Flags that need "
+        "**refused for a real run** (`--dry-run` accepts it), **refused** (validation refuses it, saying why), "
+        "**not built yet** (no such flag here: the parser refuses it as unknown, with the reason in this table). "
+        "Flags that need "
         "a GPU or transformer-engine are refused for a real run on a machine without them, before any "
         "worker starts; `--dry-run` lists what they need.",
         "",

@@ -352,7 +352,8 @@ def plan_errors(cfg) -> list[str]:
         return [f"--hf-checkpoint {cfg.model.hf_checkpoint}: cannot read config.json ({exc})"]
     report = validate_plan(plan, None, model, cfg.model.seq_length,
                            cfg.parallel.virtual_pipeline_model_parallel_size,
-                           last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers)
+                           last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers,
+                           first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers)
     return list(report.errors)
 
 

@@ -220,7 +220,24 @@ class ArchitectureConfig:
     add_qkv_bias: bool = flag(False, "Bias on the q/k/v projections (Qwen2; attention_bias of GLM). " + _CHECKED)
     qk_layernorm: bool = flag(False, "RMSNorm on q and k per head (Qwen3; GLM use_qk_norm). " + _CHECKED)
     attention_output_gate: bool = flag(False, "Gated full attention: q_proj also gives a per-head gate and the "
-                                       "attention output is multiplied by its sigmoid (Qwen3-Next). " + _CHECKED)
+                                       "attention output is multiplied by its sigmoid (Qwen3-Next, Qwen3.5; "
+                                       "--use-gated-attention is slime's name for it). " + _CHECKED,
+                                       aliases=("--use-gated-attention",))
+    max_position_embeddings: Optional[int] = flag(None, "Longest position the model is built for "
+                                                  "(max_position_embeddings). " + _CHECKED)
+    no_position_embedding: bool = flag(False, "No learned absolute position embedding (Megatron-LM's "
+                                       "add_position_embedding false): true of every family built here (each "
+                                       "encodes positions in attention: RoPE or YaRN), so the flag restates the "
+                                       "model.")
+    make_vocab_size_divisible_by: Optional[int] = flag(
+        None, "Megatron-LM's vocab padding multiple (x TP) for --vocab-size: the vocab check pads both sizes by it. "
+        "The embedding here is padded to a multiple of 128 x TP whatever it says; the padding rows are sliced off "
+        "before every softmax, so no result depends on it.")
+    spec: Optional[list] = flag(None, "slime's custom layer spec, MODULE FUNCTION (its Qwen3-Next and Qwen3.5 "
+                                "plugins): here config.json's model_type picks the bridge that builds the layers, "
+                                "so the spec must name slime's plugin for that same family (a mismatch, or a spec "
+                                "of a family no bridge builds, is refused). " + _CHECKED,
+                                type=str, nargs=2, metavar=("MODULE", "FUNCTION"))
     apply_layernorm_1p: bool = flag(False, "Zero-centred norm gains, x / rms(x) * (1 + w) (Qwen3-Next, Gemma 3). "
                                     + _CHECKED)
     untie_embeddings_and_output_weights: bool = flag(False, "Separate output layer (tie_word_embeddings "
@@ -285,9 +302,12 @@ class ParallelConfig:
     sequence_parallel: bool = flag(False, "Shard norm/dropout activations over the TP group. With "
                                    "--tensor-model-parallel-size 1 there is nothing to shard over: it has no effect "
                                    "(as in Megatron-LM, which turns it off there) and start-up logs that.")
+    decoder_first_pipeline_num_layers: Optional[int] = flag(
+        None, "Layers on the first pipeline stage (uneven PP; TransformerConfig.num_layers_in_first_pipeline_stage); "
+        "the stages without a size of their own split the rest evenly.")
     decoder_last_pipeline_num_layers: Optional[int] = flag(
         None, "Layers on the last pipeline stage (uneven PP; TransformerConfig.num_layers_in_last_pipeline_stage); "
-        "the other stages split the rest evenly.")
+        "the stages without a size of their own split the rest evenly.")
     critic_tensor_model_parallel_size: Optional[int] = flag(
         None, "--advantage-estimator ppo: the critic's own tensor-parallel size on the actor's ranks (its data-"
         "parallel size is then ranks / (TP x PP)); unset: the actor's. Sequence parallelism follows "
@@ -514,6 +534,20 @@ class MegatronConfig:
         domain="[0, inf)")
     no_rope_fusion: bool = flag(False, "Unfused RoPE (TransformerConfig.apply_rope_fusion false): always so here, "
                                 "megatron-core's default, which this build never changes.")
+    no_gradient_accumulation_fusion: bool = flag(
+        False, "Unfused weight-gradient accumulation (TransformerConfig.gradient_accumulation_fusion false): always "
+        "so here, megatron-core's default, which this build never changes.")
+    transformer_impl: Optional[str] = flag(
+        None, "Megatron-LM's layer implementation (TransformerConfig.transformer_impl). This build picks it by "
+        "what is installed: the transformer-engine spec where transformer-engine is, the local spec where it is "
+        "not; the flag states which one, and a real run where the other is built is refused.",
+        choices=("local", "transformer_engine"))
+    no_masked_softmax_fusion: bool = flag(False, "Unfused masked softmax (TransformerConfig.masked_softmax_fusion "
+                                          "false): always so here, megatron-core's default, which this build never "
+                                          "changes.")
+    no_check_for_nan_in_loss_and_grad: bool = flag(
+        False, "No NaN check of the gradients (DistributedDataParallelConfig.check_for_nan_in_grad false): always so "
+        "here, megatron-core's default, which this build never changes (a NaN loss shows in the step's metrics).")
     use_routing_replay: bool = flag(False, "MoE routing replay (R2): record each token's experts in the "
                                     "old-log-prob pass and replay them in the reference pass and in training "
                                     "(forward and activation recompute), so the PPO ratio compares the same "
@@ -634,6 +668,12 @@ class RolloutConfig:
                                "dead one: the engines' processes are checked after every rollout, so the death "
                                "still stops the run naming the engine, or --use-fault-tolerance restarts it.",
                                choices=("on", "off"))
+    sglang_server_concurrency: Optional[int] = flag(
+        None, "slime's cap on generate requests in flight per SGLang engine (a flag of slime's, not SGLang's: never "
+        "passed to the servers). Through an sglang-router (--rollout-router on, or a router among "
+        "--rollout-engine-urls) it bounds the per-sample requests in flight: this times the engines (unset: 64 in "
+        "all). Without a router each engine gets one batched /generate per call and SGLang's own scheduler bounds "
+        "what runs at once (--sglang-max-running-requests), so there it changes nothing.")
     embedded_engine_ranks: str = flag("auto", "Where the embedded engine generates. all: a replica on every "
                                       "rank, each drawing a contiguous part of the rollout's prompts (same seeds "
                                       "per sample as one engine, so the same tokens; log-probs equal to float32 "
@@ -750,7 +790,8 @@ class RolloutConfig:
     def names_sglang_engines(self) -> bool:
         """Whether a flag sizes, configures or names SGLang engines (what --rollout-backend auto follows)."""
         return bool(self.rollout_engine_urls or self.rollout_num_gpus is not None
-                    or self.rollout_num_gpus_per_engine != 1 or self.sglang_args)
+                    or self.rollout_num_gpus_per_engine != 1 or self.sglang_args
+                    or self.sglang_server_concurrency is not None)
 
 
 @dataclass(frozen=True)
@@ -976,8 +1017,9 @@ class AlgorithmConfig:
         "(train/mismatch_abs_logprob, train/mismatch_k3_kl) without correcting for it (--use-tis / --use-rs "
         "correct it and log it too).")
     loss_type: str = flag("policy_loss", "slime's loss selector. policy_loss: the PPO/GRPO loss (docs/algorithms.md). "
-                          "custom_loss (with --custom-loss-function-path) is refused: see that flag.",
-                          choices=("policy_loss", "custom_loss"))
+                          "custom_loss (with --custom-loss-function-path) is refused: see that flag. sft_loss "
+                          "(slime's SFT scripts) is refused: supervised fine-tuning is not built.",
+                          choices=("policy_loss", "custom_loss", "sft_loss"))
     custom_loss_function_path: Optional[str] = flag(
         None, "Refused: slime calls it as fn(args, batch, logits, sum_of_sample_mean) with its own batch dict, raw "
         "(CP-sliced) logits and per-micro-batch reducer; here losses are globally normalised over micro-batches "

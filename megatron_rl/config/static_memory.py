@@ -100,7 +100,8 @@ def memory_report(cfg: Config, *, gpu_type: Optional[str] = None,
     actor_layout = MegatronLayout(world=world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                                   cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
                                   etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
-                                  last_stage_layers=p.decoder_last_pipeline_num_layers)
+                                  last_stage_layers=p.decoder_last_pipeline_num_layers,
+                                  first_stage_layers=p.decoder_first_pipeline_num_layers)
     second = MegatronLayout(world=world, tp=p.critic_tensor_model_parallel_size or actor_layout.tp,
                             pp=p.critic_pipeline_model_parallel_size or actor_layout.pp, ep=actor_layout.ep,
                             etp=p.expert_tensor_parallel_size)

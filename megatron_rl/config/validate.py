@@ -24,6 +24,7 @@ from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
+from .slime_args import slime_sglang_errors
 from .placement import allocation_errors, model_shape_for_config, plan_errors, world_errors
 
 
@@ -144,6 +145,7 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
                               "must be 1 (use --train-backend megatron for TP/PP/CP/EP)")
         for flag, given in [("--sequence-parallel", p.sequence_parallel),
                             ("--virtual-pipeline-model-parallel-size", p.virtual_pipeline_model_parallel_size),
+                            ("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
                             ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)]:
             if given:
                 errors.append(f"{flag} is a megatron parallelism knob; --train-backend fsdp has no tensor or "
@@ -552,6 +554,9 @@ def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:
                       "reducer; here losses are normalised over the whole step (docs/algorithms.md), so a slime "
                       "loss would not run unchanged. Use the built-in terms or register a Spec "
                       "(megatron_rl.algorithms.spec.register_spec)")
+    if a.loss_type == "sft_loss":
+        errors.append("--loss-type sft_loss: refused. slime's SFT (its sft_rollout, --loss-mask-type, "
+                      "--num-epoch) is not built here: this trains with the policy loss on generated rollouts")
     if a.custom_pg_loss_reducer_function_path is not None:
         errors.append(f"--custom-pg-loss-reducer-function-path {a.custom_pg_loss_reducer_function_path}: refused. "
                       "slime's reducer divides one micro-batch's pg_loss by a count of its own; here the "
@@ -824,9 +829,11 @@ def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
     if layers is not None and layers % pp:
         errors.append(f"--critic-pipeline-model-parallel-size {pp}: the model's {layers} layers do not split "
                       f"evenly into {pp} stages; choose a divisor of {layers}")
-    if pp > 1 and p.decoder_last_pipeline_num_layers is not None:
-        errors.append("--decoder-last-pipeline-num-layers shapes the actor's stages; with a critic of its own "
-                      "pipeline size the critic's would need their own: drop one of them")
+    for flag, edge in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                       ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
+        if pp > 1 and edge is not None:
+            errors.append(f"{flag} shapes the actor's stages; with a critic of its own pipeline size the critic's "
+                          "would need their own: drop one of them")
     ep = p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
     if ep > 1 and cfg.has_training and world % (tp * pp * cp) == 0 and (world // pp) % (ep * etp):
@@ -867,6 +874,7 @@ def _check_megatron_flags(errors: list[str], cfg: Config) -> None:
     (config/megatron_flags.py)."""
     errors.extend(architecture_errors(cfg))
     errors.extend(megatron_flag_errors(cfg))
+    errors.extend(slime_sglang_errors(cfg))
 
 
 def _check_world(errors: list[str], cfg: Config) -> None:

@@ -287,8 +287,8 @@ class Bridge:
             raise BridgeError(f"{self.family} bridge cannot run layout {layout.describe()} exactly: "
                               + "; ".join(problems))
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
-        # uneven stages (--decoder-last-pipeline-num-layers): megatron-core checks that split itself
-        uneven = overrides.get("num_layers_in_last_pipeline_stage") is not None
+        # uneven stages (--decoder-first/last-pipeline-num-layers): megatron-core checks that split itself
+        uneven = any(overrides.get(f"num_layers_in_{edge}_pipeline_stage") is not None for edge in ("first", "last"))
         layout.validate(world, None if uneven else self.num_layers)
         kw: dict[str, Any] = dict(
             num_layers=self.num_layers,

@@ -292,6 +292,7 @@ class MegatronLayout:
     etp: Optional[int] = None  # None: TP (megatron's default)
     vpp: Optional[int] = None
     last_stage_layers: Optional[int] = None  # --decoder-last-pipeline-num-layers
+    first_stage_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
 
     @property
     def expert_tp(self) -> int:
@@ -315,10 +316,18 @@ class MegatronLayout:
 
     def chunk_layers(self, num_layers: int, stage: int, chunk: int) -> range:
         """Global indices of the decoder layers of ``chunk`` on pipeline ``stage``."""
-        if self.last_stage_layers is not None and self.pp > 1 and self.chunks == 1:
-            each = (num_layers - self.last_stage_layers) // (self.pp - 1)
-            start = stage * each
-            return range(start, num_layers if stage == self.pp - 1 else start + each)
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if (first is not None or last is not None) and self.pp > 1 and self.chunks == 1:
+            middle = self.pp - (first is not None) - (last is not None)  # megatron-core's uneven split
+            rest = num_layers - (first or 0) - (last or 0)
+            each = rest // middle if middle else 0
+            sizes = [each] * self.pp
+            if first is not None:
+                sizes[0] = first
+            if last is not None:
+                sizes[-1] = last
+            start = sum(sizes[:stage])
+            return range(start, start + sizes[stage])
         per = num_layers // (self.pp * self.chunks)
         start = (chunk * self.pp + stage) * per
         return range(start, start + per)

@@ -77,11 +77,12 @@ def node_unit(comp: Component) -> int:
 
 def validate_plan(plan: Allocation, cluster: Cluster | None = None, model: ModelShape | None = None,
                   seq_length: int | None = None, vpp: int | None = None, *,
-                  last_stage_layers: int | None = None) -> PlanReport:
+                  last_stage_layers: int | None = None, first_stage_layers: int | None = None) -> PlanReport:
     """Validate ``plan``; cluster/model/seq_length/vpp checks run only when given.
 
     ``vpp`` is megatron's virtual pipeline size (``--virtual-pipeline-model-parallel-size``);
-    ``last_stage_layers`` the layers of an uneven last stage (``--decoder-last-pipeline-num-layers``).
+    ``last_stage_layers`` / ``first_stage_layers`` the layers of an uneven last / first stage
+    (``--decoder-last-pipeline-num-layers`` / ``--decoder-first-pipeline-num-layers``).
     """
     errors: list[str] = []
     warnings: list[str] = []
@@ -93,7 +94,7 @@ def validate_plan(plan: Allocation, cluster: Cluster | None = None, model: Model
     if seq_length is not None:
         _check_seq_length(plan, seq_length, model, errors, warnings)
     if model is not None:
-        _check_model(plan, model, vpp, errors, info, last_stage_layers)
+        _check_model(plan, model, vpp, errors, info, (first_stage_layers, last_stage_layers))
     placement: tuple[tuple[int, int], ...] = ()
     if cluster is not None:
         placement = _check_cluster(plan, cluster, errors, info)
@@ -187,25 +188,39 @@ def _divisors(n: int) -> str:
     return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
 
 
-def _check_pipeline_split(who: str, layers: int, pp: int, vpp, last: int | None, errors) -> None:
-    """Even stages (layers divisible by p*vpp), or megatron's uneven split: ``last`` layers on the
-    last stage and the rest spread evenly over the other p-1 (each divisible by vpp)."""
+def _check_pipeline_split(who: str, layers: int, pp: int, vpp, edges: tuple[int | None, int | None],
+                          errors) -> None:
+    """Even stages (layers divisible by p*vpp), or megatron-core's uneven split: ``edges`` = the layers of the
+    first and of the last stage where given, the rest spread evenly over the other stages (each divisible by
+    vpp; megatron-core's TransformerConfig checks the same)."""
     chunks = vpp if isinstance(vpp, int) and vpp > 1 else 1
-    if last is None:
+    first, last = edges
+    if first is None and last is None:
         if layers % (pp * chunks):
             what = f"p*vpp = {pp}*{vpp}" if chunks != 1 else f"p={pp}"
             errors.append(f"{who}: num_hidden_layers={layers} is not divisible by {what}; "
                           f"each pipeline (virtual) stage needs the same number of layers")
         return
-    rest = layers - last
-    if pp < 2 or rest < pp - 1 or rest % ((pp - 1) * chunks):
-        errors.append(f"{who}: --decoder-last-pipeline-num-layers {last} leaves {rest} of num_hidden_layers="
-                      f"{layers} for the other {pp - 1} pipeline stage(s), which must split them evenly"
+    given = [(f"--decoder-{name}-pipeline-num-layers", n) for name, n in (("first", first), ("last", last))
+             if n is not None]
+    rest = layers - sum(n for _, n in given)
+    middle = pp - len(given)
+    flags = " and ".join(f"{flag} {n}" for flag, n in given)
+    if middle < 1:
+        if rest != 0 and pp >= 2:
+            errors.append(f"{who}: {flags} place {layers - rest} layers on the {pp} pipeline stages, but "
+                          f"num_hidden_layers={layers}; with no other stage they must add up to {layers}")
+        return
+    if rest < middle or rest % (middle * chunks):
+        errors.append(f"{who}: {flags} leave{'s' if len(given) == 1 else ''} {rest} of num_hidden_layers="
+                      f"{layers} for the other {middle} pipeline stage(s), which must split them evenly"
                       + (f" in {chunks} virtual chunks each" if chunks > 1 else "")
-                      + f"; choose a last-stage size L with {layers} - L divisible by {(pp - 1) * chunks}")
+                      + f"; choose sizes that leave a multiple of {middle * chunks} (at least {middle})")
 
 
-def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info, last_stage_layers=None):
+
+def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info,
+                 edge_stages: tuple[int | None, int | None] = (None, None)):
     heads, groups, layers = model.num_attention_heads, model.num_query_groups, model.num_layers
     for c in plan.components:
         who = f"{c.label} ({c.spec()})"
@@ -217,7 +232,7 @@ def _check_model(plan: Allocation, model: ModelShape, vpp, errors, info, last_st
                 errors.append(f"{who}: num_key_value_heads={groups} (megatron num_query_groups) is "
                               f"not divisible by t={c.tp}; choose t from {_divisors(groups)}")
             _check_pipeline_split(who, layers, c.pp, vpp if c.backend == "megatron" else None,
-                                  last_stage_layers if c.backend == "megatron" else None, errors)
+                                  edge_stages if c.backend == "megatron" else (None, None), errors)
             linear = model.linear_num_key_heads
             if linear and linear % c.tp:
                 errors.append(f"{who}: linear_num_key_heads={linear} (the gated delta-net layers) is not divisible "

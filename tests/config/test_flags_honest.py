@@ -54,8 +54,8 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
         "refused in validation",
         _refused(["--balance-data"])),
     "loss_type": (
-        "slime's loss selector: policy_loss is the only loss built (what the Spec computes); custom_loss is refused "
-        "in validation with the reason",
+        "slime's loss selector: policy_loss is the only loss built (what the Spec computes); custom_loss and "
+        "sft_loss are refused in validation with the reason",
         _refused(["--loss-type", "custom_loss"])),
     "custom_loss_function_path": (
         "slime's custom loss hook, refused in validation: its fn(args, batch, logits, sum_of_sample_mean) contract "
@@ -86,6 +86,14 @@ ALLOWED: dict[str, tuple[str, tuple]] = {
         "slime's critic placement: the critic runs on the actor's ranks, so the actor's value says nothing new and "
         "any other is refused in validation",
         _refused(["--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "2"])),
+    "no_position_embedding": (
+        "Megatron-LM's add_position_embedding false: every family a bridge builds encodes positions in attention "
+        "(RoPE / YaRN) and none has a learned position table, so the flag restates the model",
+        ("sets", ["--no-position-embedding"], lambda cfg: cfg.architecture.no_position_embedding)),
+    "make_vocab_size_divisible_by": (
+        "read by the --vocab-size check (config/architecture.py): Megatron-LM's padding multiple for the stated "
+        "vocab; the embedding here is padded to 128 x TP and its padding rows are sliced off before every softmax",
+        _refused(["--vocab-size", "300", "--make-vocab-size-divisible-by", "64"])),
     "allocation": (
         "consumed while parsing: config/placement.apply_allocation turns it into the parallel-size, placement "
         "and rollout-size flags (which the trainer reads) and refuses flags that disagree with it",
@@ -281,6 +289,19 @@ REGISTRY_PROOFS: dict[str, tuple] = {
                                                               "--pipeline-model-parallel-size", "2",
                                                               "--decoder-last-pipeline-num-layers", "1"],
                                          "transformer", "num_layers_in_last_pipeline_stage", 1),
+    "decoder_first_pipeline_num_layers": ("arrives", "qwen2", ["--actor-num-gpus-per-node", "2",
+                                                               "--pipeline-model-parallel-size", "2",
+                                                               "--decoder-first-pipeline-num-layers", "3"],
+                                          "transformer", "num_layers_in_first_pipeline_stage", 3),
+    "no_masked_softmax_fusion": ("arrives", "qwen2", ["--no-masked-softmax-fusion"], "transformer",
+                                 "masked_softmax_fusion", False),
+    "no_check_for_nan_in_loss_and_grad": ("arrives", "qwen2", ["--no-check-for-nan-in-loss-and-grad"], "ddp",
+                                          "check_for_nan_in_grad", False),
+    "max_position_embeddings": ("refused", "qwen2", {}, ["--max-position-embeddings", "1024"]),
+    "no_gradient_accumulation_fusion": ("arrives", "qwen2", ["--no-gradient-accumulation-fusion"], "transformer",
+                                        "gradient_accumulation_fusion", False),
+    "transformer_impl": ("needs", "qwen2", ["--transformer-impl", "transformer_engine"]),
+    "spec": ("refused", "qwen3", {}, ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]),
     "mtp_num_layers": ("arrives", "glm4_moe", ["--mtp-num-layers", "1"], "transformer", "mtp_num_layers", 1),
     "enable_mtp_training": ("refused", "glm4_moe", {}, ["--mtp-num-layers", "1", "--enable-mtp-training",
                                                         "--context-parallel-size", "2"]),

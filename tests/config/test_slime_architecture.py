@@ -44,6 +44,8 @@ def stated_argv(hf: dict) -> list[str]:
         flag = "--" + row.field.replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, tuple):  # --spec MODULE FUNCTION
+            argv += [flag, *value]
         elif value is not False:
             argv += [flag, str(value) if not isinstance(value, list) else str(value)]
     return argv
@@ -225,10 +227,12 @@ def test_bridge_builds_megatron_config_with_the_mapped_flags(tmp_path):
 
     path = hf_dir(tmp_path, "qwen3_moe", router_aux_loss_coef=0.001)
     cfg = parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size",
-                        "2", "--decoder-last-pipeline-num-layers", "1", "--moe-aux-loss-coeff", "0",
+                        "2", "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1",
+                        "--moe-aux-loss-coeff", "0",
                         "--moe-router-dtype", "fp64", "--hidden-dropout", "0.1", "--attention-backend", "local",
                         "--deterministic-mode", "--moe-token-drop-policy", "probs"])
     tc = get_bridge(path).transformer_config(layout_from_config(cfg), **transformer_config_overrides(cfg))
+    assert tc.num_layers_in_first_pipeline_stage == 3
     assert (tc.num_layers_in_last_pipeline_stage, tc.moe_aux_loss_coeff, tc.moe_router_load_balancing_type,
             tc.moe_router_dtype, tc.hidden_dropout, tc.attention_backend, tc.deterministic_mode) == (
         1, 0.0, "none", "fp64", 0.1, AttnBackend.local, True)

@@ -581,5 +581,5 @@ def test_migration_doc_statuses_match_the_parser():
     for flag in all_slime_flags():
         status, text = slime_flag_status(flag)
         assert text.strip(), flag
-        if flag != "--sglang-*":
+        if not flag.startswith("--sglang-") or flag in known:  # (others: SGLang pass-through, refused there)
             assert (flag in known) == (status != "not built yet"), (flag, status)

@@ -187,7 +187,9 @@ class SGLangEngine(RolloutEngine):
         hf = cfg.model.hf_checkpoint
         on_cpu = str(cfg.rollout.sglang_args.get("device", "")).lower() == "cpu"
         routes = RouteLayout.of_checkpoint(hf) if hf and cfg.megatron.use_rollout_routing_replay else None
+        per_engine = cfg.rollout.sglang_server_concurrency  # slime's cap per engine, in flight through a router
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
+                   router_concurrency=per_engine * len(urls) if per_engine else 64,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None, router_url=router,
                    check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes)
