@@ -22,6 +22,7 @@ from megatron_rl.errors import ConfigError
 from .schema import GROUPS, Config, flag_name, iter_fields
 from .placement import apply_allocation
 from .validate import validate_config
+from .verl_keys import translated_tokens
 
 PASS_THROUGH_PREFIX = "--sglang-"
 
@@ -255,6 +256,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
     """
 
     argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    argv = translated_tokens(argv)  # --verl-overrides / --verl-config: their flags first, so the command line wins
     argv, passed = _split_pass_through(argv)
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)  # only to find --config

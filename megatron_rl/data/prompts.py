@@ -11,6 +11,10 @@ as ``tools=`` and the metadata keeps as ``"tools"``; a line without either key
 has none. The whole file is read and
 tokenized up front, so every bad line is reported before the first rollout.
 
+A ``.parquet`` file is read in verl's schema instead (``data.verl_parquet``: chat-message prompts, the label
+from ``reward_model.ground_truth``, ``data_source`` / ``extra_info`` / ``ability`` as metadata); its rows turn
+into the records a JSONL line gives, so every rule below applies to them too (errors name a "row").
+
 Reading is streamed, one line at a time (``read_prompt_records``), and each line may be
 at most ``max_line_bytes`` long: a line over the limit is refused by its number as soon as
 the reader passes the limit, without reading the rest of it (a 50 MB line otherwise costs
@@ -38,6 +42,7 @@ from typing import Any, Iterator, Optional
 
 from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
 from megatron_rl.data.types import ENGINE_METADATA_KEYS, GenerateRequest
+from megatron_rl.data.verl_parquet import is_parquet, read_verl_records
 from megatron_rl.errors import ConfigError
 
 MIB = 1 << 20  # --max-prompt-line-mib counts these
@@ -90,6 +95,32 @@ def read_prompt_records(path: str | os.PathLike, *, input_key: str = "prompt", l
                     f"{path}.utf8) and pass the converted one") from None
             if line.strip():
                 yield line_no, _parse_record(line, where, input_key, label_key, first=line_no == 1)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Where a record keeps its prompt, label, metadata and tools: the flags' keys for JSONL, verl's for parquet."""
+
+    input_key: str
+    label_key: Optional[str]
+    metadata_key: Optional[str]
+    tool_key: Optional[str]
+    unit: str  # how errors name a record's place: "line" (JSONL) or "row" (parquet)
+
+
+def _keys(path: str | os.PathLike, input_key: str, label_key: Optional[str], metadata_key: Optional[str],
+          tool_key: Optional[str]) -> _Keys:
+    if is_parquet(path):  # verl's schema (data/verl_parquet.py): the reader puts label and metadata here
+        return _Keys(input_key, "label", "metadata", None, "row")
+    return _Keys(input_key, label_key or None, metadata_key or None, tool_key or None, "line")
+
+
+def _records(path: str | os.PathLike, keys: _Keys, max_line_bytes: Optional[int],
+             flag: str) -> Iterator[tuple[int, dict]]:
+    if keys.unit == "row":
+        return read_verl_records(path, input_key=keys.input_key, flag=flag)
+    return read_prompt_records(path, input_key=keys.input_key, label_key=keys.label_key,
+                               max_line_bytes=max_line_bytes, flag=flag)
 
 
 def _size(n: int) -> str:
@@ -184,12 +215,12 @@ def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", labe
     Raises ``ConfigError`` at the first bad line (``read_prompt_records``), at a prompt of the wrong type,
     at a token-id prompt that is empty or longer than ``max_prompt_len``, and for a file without prompts."""
     prompts, first_text, first_chat = 0, None, None
-    for line_no, record in read_prompt_records(path, input_key=input_key, label_key=label_key or None,
-                                               max_line_bytes=max_line_bytes, flag=flag):
-        where = f"{flag} {path} line {line_no}"
+    keys = _keys(path, input_key, label_key, metadata_key, tool_key)
+    for line_no, record in _records(path, keys, max_line_bytes, flag):
+        where = f"{flag} {path} {keys.unit} {line_no}"
         value = record[input_key]
         kind = prompt_kind(value, where, input_key)
-        prompt_metadata(record, where, metadata_key, tool_key)
+        prompt_metadata(record, where, keys.metadata_key, keys.tool_key)
         if kind == "ids" or value == "":
             _check_prompt_len(len(value), where, max_prompt_len)
         elif first_text is None:
@@ -249,9 +280,10 @@ class PromptDataset:
         only catches a file that changed since."""
         self.path = str(path)
         self.flag = flag
+        self.keys = _keys(path, input_key, label_key, metadata_key, tool_key)  # a parquet file: verl's schema
         self.input_key = input_key
-        self.label_key = label_key or None
-        self.metadata_key, self.tool_key = metadata_key or None, tool_key or None
+        self.label_key = self.keys.label_key
+        self.metadata_key, self.tool_key = self.keys.metadata_key, self.keys.tool_key
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
         if apply_chat_template:
@@ -263,14 +295,13 @@ class PromptDataset:
                                   f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
                                   "template; drop --apply-chat-template or use an instruct/chat tokenizer")
         self.prompts: list[Prompt] = []
-        for line_no, record in read_prompt_records(self.path, input_key=input_key, label_key=self.label_key,
-                                                   max_line_bytes=max_line_bytes, flag=flag):
+        for line_no, record in _records(self.path, self.keys, max_line_bytes, flag):
             self.prompts.append(self._parse(record, line_no, max_prompt_len))
         if not self.prompts:
             raise ConfigError(_empty_message(flag, self.path))
 
     def _parse(self, record: dict, line_no: int, max_prompt_len: int | None) -> Prompt:
-        where = f"{self.flag} {self.path} line {line_no}"
+        where = f"{self.flag} {self.path} {self.keys.unit} {line_no}"
         label = record[self.label_key] if self.label_key is not None else None
         metadata, tools = prompt_metadata(record, where, self.metadata_key, self.tool_key)
         prompt_ids, prompt_text = self._tokenize(record[self.input_key], where, tools)
