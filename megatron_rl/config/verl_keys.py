@@ -128,6 +128,14 @@ def _gpus(v: Any, _: Values) -> list[str]:
     return ["--actor-num-gpus-per-node", str(int(v)), "--colocate"]
 
 
+def _save_freq(v: Any, values: Values) -> list[str]:
+    tokens = _every(v, values, "--save-interval")
+    if tokens and "trainer.default_local_dir" not in values:  # verl's default: checkpoints/<project>/<experiment>
+        tokens += ["--save", f"checkpoints/{values.get('trainer.project_name', 'verl_examples')}/"
+                             f"{values.get('trainer.experiment_name', 'gsm8k')}"]
+    return tokens
+
+
 def _total_epochs(v: Any, values: Values) -> list[str]:
     if "trainer.total_training_steps" not in values:
         raise _Refused("a run's length here is --num-rollout (rollout steps), and the epochs' step count needs the "
@@ -310,8 +318,8 @@ _ROWS: list[VerlKey] = [
     VerlKey("trainer.total_training_steps", "mapped", "--num-rollout", _flag("--num-rollout", int)),
     VerlKey("trainer.total_epochs", "mapped", "accepted with trainer.total_training_steps (which wins, as in verl); "
             "alone refused: the step count needs the data's size", _total_epochs),
-    VerlKey("trainer.save_freq", "mapped", "--save-interval (-1: none)",
-            lambda v, vals: _every(v, vals, "--save-interval")),
+    VerlKey("trainer.save_freq", "mapped", "--save-interval (-1: none); without trainer.default_local_dir also "
+            "--save checkpoints/PROJECT/EXPERIMENT (verl's default)", _save_freq),
     VerlKey("trainer.test_freq", "mapped", "--eval-interval (-1: none)",
             lambda v, vals: _every(v, vals, "--eval-interval")),
     VerlKey("trainer.default_local_dir", "mapped", "--save", _flag("--save")),
