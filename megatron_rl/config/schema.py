@@ -751,9 +751,10 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompt_data: Optional[str] = flag(None, "JSONL file of prompts, or a .parquet file in verl's schema (chat-message "
-                                      "prompts, reward_model.ground_truth, data_source, extra_info; needs "
-                                      "--apply-chat-template; docs/migrating-from-verl.md).")
+    prompt_data: Any = flag(None, "JSONL file of prompts, or a .parquet file in verl's schema (chat-message prompts, "
+                            "reward_model.ground_truth, data_source, extra_info; needs --apply-chat-template; "
+                            "docs/migrating-from-verl.md). Several files (verl's data.train_files list) are one "
+                            "dataset, in the order given.", type=str, nargs="+", metavar="FILE")
     max_prompt_line_mib: int = flag(16, "Longest line (MiB) a --prompt-data or --eval-prompt-data file may "
                                     "hold; the driver reads each file line by line before the workers start "
                                     "and refuses a longer line by its number.", domain="[1, inf)")
@@ -842,6 +843,17 @@ class DataConfig:
     reward_model_micro_batch_size: int = flag(16, "Samples per forward of --reward-model-path's model on each trainer "
                                               "rank (verl's reward_model.micro_batch_size_per_gpu); right-padded "
                                               "with its pad id (one per forward when it has none).")
+
+    def __post_init__(self):
+        v = self.prompt_data  # one file stays a string (what a YAML or a single flag value gives)
+        if isinstance(v, (list, tuple)):
+            object.__setattr__(self, "prompt_data", v[0] if len(v) == 1 else (list(v) or None))
+
+    @property
+    def prompt_files(self) -> tuple[str, ...]:
+        """``--prompt-data``'s files, in order (one or several; none when unset)."""
+        v = self.prompt_data
+        return () if not v else (v,) if isinstance(v, str) else tuple(v)
 
     @property
     def eval_sets(self) -> tuple[tuple[Optional[str], str], ...]:
@@ -1069,8 +1081,9 @@ class ModeConfig:
         None, "Rollout file pattern with {rollout_id} to train from (implies --debug-train-only).")
     save_debug_rollout_data: Optional[str] = flag(None, "Save each rollout to this pattern with {rollout_id}.")
     dry_run: bool = flag(False, "Validate everything, print the plan and exit without starting work.")
-    verl_overrides: list = flag([], "verl's Hydra overrides (KEY=VALUE ..., one argument or several, as a verl "
-                                "launch script passes them to verl.trainer.main_ppo), translated into this engine's "
+    verl_overrides: list = flag([], "verl's Hydra overrides: one argument per KEY=VALUE (as a verl launch script "
+                                "passes them to verl.trainer.main_ppo), or one argument holding them all (split as "
+                                "a shell splits words), translated into this engine's "
                                 "flags through the table of docs/migrating-from-verl.md; a key the table refuses or "
                                 "does not know is refused by name with the reason. Flags on the command line win "
                                 "over the translation; --dry-run prints it.", type=str, nargs="+",

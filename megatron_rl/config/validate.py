@@ -364,8 +364,9 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
         errors.append("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if cfg.has_rollout_engine and d.custom_rm_path and ":" not in d.custom_rm_path:
         errors.append(f"--custom-rm-path {d.custom_rm_path} must be module:function (e.g. my_rewards:score)")
-    if cfg.has_rollout_engine and d.prompt_data and (why := file_problem(d.prompt_data, PROMPTS_READ_TWICE)):
-        errors.append(f"--prompt-data {d.prompt_data}: {why}")
+    for path in d.prompt_files if cfg.has_rollout_engine else ():
+        if why := file_problem(path, PROMPTS_READ_TWICE):
+            errors.append(f"--prompt-data {path}: {why}")
     _check_verl_data(errors, cfg)
     if a.kl_loss_coef > 0 and not a.use_kl_loss:
         errors.append(f"--kl-loss-coef {a.kl_loss_coef} weights the KL loss term, which only exists with "
@@ -383,7 +384,7 @@ def _check_verl_data(errors: list[str], cfg: Config) -> None:
     the chat template as verl always does, and its label and metadata have fixed places, so the JSONL key flags
     would be ignored: given another value than their default, they are refused."""
     d = cfg.data
-    files = [("--prompt-data", d.prompt_data)] + [("--eval-prompt-data", p) for _, p in d.eval_sets]
+    files = [("--prompt-data", p) for p in d.prompt_files] + [("--eval-prompt-data", p) for _, p in d.eval_sets]
     parquet = [(flag, path) for flag, path in files if path and str(path).endswith(".parquet")]
     if not parquet or not cfg.has_rollout_engine:
         return

@@ -18,6 +18,7 @@ this key") is dropped, ``~KEY`` (delete) is refused.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,14 +71,28 @@ def _only(expected: Any, why: str) -> Convert:
     return convert
 
 
-def _files(flag: str) -> Convert:
-    def convert(v: Any, _: Values) -> list[str]:
-        files = v if isinstance(v, list) else [v]
-        if len(files) != 1:
-            raise _Refused(f"{len(files)} files; {flag} reads one file: concatenate them into one parquet file "
-                           "(pyarrow: pq.write_table(pa.concat_tables([pq.read_table(f) for f in FILES]), OUT))")
-        return [flag, str(files[0])]
-    return convert
+def _as_list(v: Any) -> list[str]:
+    files = v if isinstance(v, list) else [v]
+    if not files or not all(isinstance(f, str) and f for f in files):
+        raise _Refused("expected a file path or a list of them")
+    return [os.path.expanduser(f) for f in files]
+
+
+def _train_files(v: Any, _: Values) -> list[str]:
+    return ["--prompt-data", *_as_list(v)]
+
+
+def _val_files(v: Any, _: Values) -> list[str]:
+    """One file: the unnamed evaluation set; several: named sets, each named by its directory and stem
+    (``gsm8k/test.parquet`` -> ``gsm8k_test``; metrics ``eval/gsm8k_test/...``)."""
+    files = _as_list(v)
+    if len(files) == 1:
+        return ["--eval-prompt-data", files[0]]
+    names = [f"{os.path.basename(os.path.dirname(f))}_{os.path.splitext(os.path.basename(f))[0]}".strip("_")
+             for f in files]
+    if len(set(names)) != len(names):
+        names = [f"{name}_{i}" for i, name in enumerate(names)]
+    return ["--eval-prompt-data", *[t for pair in zip(names, files) for t in pair]]
 
 
 def _mini_batch(v: Any, values: Values) -> list[str]:
@@ -199,9 +214,10 @@ _ROWS: list[VerlKey] = [
     VerlKey("algorithm.norm_adv_by_std_in_grpo", "mapped", "false -> --disable-grpo-std-normalization",
             lambda v, _: [] if _bool(v) else ["--disable-grpo-std-normalization"]),
     # data
-    VerlKey("data.train_files", "mapped", "--prompt-data (one parquet file, verl's schema; a list of one)",
-            _files("--prompt-data")),
-    VerlKey("data.val_files", "mapped", "--eval-prompt-data (one file)", _files("--eval-prompt-data")),
+    VerlKey("data.train_files", "mapped", "--prompt-data FILE ... (parquet files in verl's schema, one dataset in "
+            "order)", _train_files),
+    VerlKey("data.val_files", "mapped", "--eval-prompt-data: one file, or named sets DIR_STEM FILE ... (metrics "
+            "eval/DIR_STEM/...)", _val_files),
     VerlKey("data.prompt_key", "mapped", "--input-key", _flag("--input-key")),
     VerlKey("data.reward_fn_key", "mapped", "data_source only: the reward function gets the data_source column",
             _only("data_source", "the reward's data source is the data_source column here")),
@@ -291,7 +307,8 @@ _ROWS: list[VerlKey] = [
     VerlKey(_R + "top_k", "mapped", "--rollout-top-k", _flag("--rollout-top-k", int)),
     VerlKey(_R + "log_prob_micro_batch_size_per_gpu", "ignored", _MICRO),
     VerlKey(_R + "log_prob_use_dynamic_bsz", "ignored", _MICRO),
-    VerlKey(_R + "enforce_eager", "ignored", "an SGLang setting here: --sglang-disable-cuda-graph"),
+    VerlKey(_R + "enforce_eager", "ignored", "an SGLang setting here: give --sglang-disable-cuda-graph for eager "
+            "generation"),
     VerlKey(_R + "free_cache_engine", "ignored", "with --colocate the engine releases its KV cache during training"),
     # reference
     VerlKey(_REF + "log_prob_micro_batch_size_per_gpu", "ignored", _MICRO),
@@ -339,22 +356,24 @@ VERL_KEYS: dict[str, VerlKey] = {row.key: row for row in _ROWS}
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
-    """``[(key, value)]`` of Hydra-style ``KEY=VALUE`` items (each item may hold several, space-separated)."""
+    """``[(key, value)]`` of Hydra-style ``KEY=VALUE`` overrides: one item per override (as a verl launch script's
+    arguments arrive), or a single item holding them all, split as a shell splits words."""
     import yaml  # lazy: only a run given verl keys reads them
 
-    out = []
-    for item in items:
-        for token in shlex.split(item):
-            if token.startswith("~"):
-                raise ConfigError(f"--verl-overrides {token}: deleting a key (~) has no meaning here; drop it")
-            key, eq, text = token.lstrip("+").partition("=")
-            if not eq or not key:
-                raise ConfigError(f"--verl-overrides {token!r}: expected KEY=VALUE (verl's Hydra overrides)")
-            try:
-                value = yaml.safe_load(text) if text else None
-            except yaml.YAMLError:
-                value = text
-            out.append((key, value))
+    out: list[tuple[str, Any]] = []
+    if not items:
+        return out
+    for token in shlex.split(items[0]) if len(items) == 1 else items:
+        if token.startswith("~"):
+            raise ConfigError(f"--verl-overrides {token}: deleting a key (~) has no meaning here; drop it")
+        key, eq, text = token.lstrip("+").partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--verl-overrides {token!r}: expected KEY=VALUE (verl's Hydra overrides)")
+        try:
+            value = yaml.safe_load(text) if text else None
+        except yaml.YAMLError:
+            value = text
+        out.append((key, value))
     return out
 
 
@@ -366,8 +385,6 @@ def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def read_verl_config(path: str) -> list[tuple[str, Any]]:
     """The (key, value) leaves of a YAML of verl keys."""
-    import os
-
     import yaml
 
     if not os.path.isfile(path):
@@ -477,11 +494,13 @@ def render() -> str:
         "",
         "## The command",
         "",
-        "A verl launch script's overrides go to `--verl-overrides` unchanged; `--dry-run` prints what each became:",
+        "A verl launch script's overrides go to `--verl-overrides` unchanged (one argument each, as the script "
+        "passes them, or all in one quoted argument); `--dry-run` prints what each became:",
         "",
         "```bash",
         "python -m megatron_rl.train --dry-run --verl-overrides \\",
-        "    algorithm.adv_estimator=grpo data.train_files=$HOME/data/gsm8k/train.parquet \\",
+        "    algorithm.adv_estimator=grpo \"data.train_files=['$HOME/data/gsm8k/train.parquet', "
+        "'$HOME/data/math/train.parquet']\" \\",
         "    actor_rollout_ref.model.path=/models/Qwen2-7B-Instruct data.train_batch_size=1024 \\",
         "    actor_rollout_ref.rollout.n=5 actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 \\",
         "    trainer.n_gpus_per_node=8 trainer.total_training_steps=100 \\",
@@ -493,7 +512,8 @@ def render() -> str:
         "",
         "## Data: verl's parquet schema",
         "",
-        "`--prompt-data FILE.parquet` (and `--eval-prompt-data`) read verl's rows as its preprocessing scripts "
+        "`--prompt-data FILE.parquet [FILE ...]` (several files, verl's `data.train_files` list, are one dataset in "
+        "the order given) and `--eval-prompt-data` read verl's rows as its preprocessing scripts "
         "write them (`examples/data_preprocess/gsm8k.py`): `prompt` (the `--input-key` column, verl's "
         "`data.prompt_key`) is a list of chat messages rendered through the tokenizer's chat template "
         "(`--apply-chat-template`, required); `reward_model.ground_truth` is the label; `data_source`, "

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
 from megatron_rl.data.types import ENGINE_METADATA_KEYS, GenerateRequest
@@ -268,22 +268,21 @@ class PromptBatch:
 
 
 class PromptDataset:
-    """All prompts of a JSONL file, tokenized and validated at construction."""
+    """All prompts of a JSONL (or verl parquet) file, or of several files in order, tokenized and validated at
+    construction. ``Prompt.line`` counts within its own file; errors name the file."""
 
-    def __init__(self, path: str | os.PathLike, *, tokenizer: Any = None, input_key: str = "prompt",
-                 label_key: str | None = "label", metadata_key: str | None = "metadata",
+    def __init__(self, path: "str | os.PathLike | Sequence[str | os.PathLike]", *, tokenizer: Any = None,
+                 input_key: str = "prompt", label_key: str | None = "label", metadata_key: str | None = "metadata",
                  tool_key: str | None = "tools", apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, max_line_bytes: int | None = None,
                  flag: str = "--prompt-data"):
         """``max_line_bytes``: the longest line read (None: no limit). A run passes ``--max-prompt-line-mib``
         (``rollout.build``), which ``runner.preflight`` already applied before the workers started: here it
         only catches a file that changed since."""
-        self.path = str(path)
+        self.paths = [str(path)] if isinstance(path, (str, os.PathLike)) else [str(p) for p in path]
+        self.path = " ".join(self.paths)
         self.flag = flag
-        self.keys = _keys(path, input_key, label_key, metadata_key, tool_key)  # a parquet file: verl's schema
         self.input_key = input_key
-        self.label_key = self.keys.label_key
-        self.metadata_key, self.tool_key = self.keys.metadata_key, self.keys.tool_key
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
         if apply_chat_template:
@@ -295,15 +294,18 @@ class PromptDataset:
                                   f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
                                   "template; drop --apply-chat-template or use an instruct/chat tokenizer")
         self.prompts: list[Prompt] = []
-        for line_no, record in _records(self.path, self.keys, max_line_bytes, flag):
-            self.prompts.append(self._parse(record, line_no, max_prompt_len))
-        if not self.prompts:
-            raise ConfigError(_empty_message(flag, self.path))
+        for one in self.paths:
+            keys = _keys(one, input_key, label_key, metadata_key, tool_key)  # a parquet file: verl's schema
+            count = len(self.prompts)
+            for line_no, record in _records(one, keys, max_line_bytes, flag):
+                self.prompts.append(self._parse(record, line_no, max_prompt_len, one, keys))
+            if len(self.prompts) == count:
+                raise ConfigError(_empty_message(flag, one))
 
-    def _parse(self, record: dict, line_no: int, max_prompt_len: int | None) -> Prompt:
-        where = f"{self.flag} {self.path} {self.keys.unit} {line_no}"
-        label = record[self.label_key] if self.label_key is not None else None
-        metadata, tools = prompt_metadata(record, where, self.metadata_key, self.tool_key)
+    def _parse(self, record: dict, line_no: int, max_prompt_len: int | None, path: str, keys: _Keys) -> Prompt:
+        where = f"{self.flag} {path} {keys.unit} {line_no}"
+        label = record[keys.label_key] if keys.label_key is not None else None
+        metadata, tools = prompt_metadata(record, where, keys.metadata_key, keys.tool_key)
         prompt_ids, prompt_text = self._tokenize(record[self.input_key], where, tools)
         _check_prompt_len(len(prompt_ids), where, max_prompt_len)
         return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no, metadata=metadata)

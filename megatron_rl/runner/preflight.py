@@ -48,7 +48,7 @@ def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None
     """Raise the first problem (``ConfigError`` for inputs, ``EngineError`` for servers) or return None."""
     if not cfg.has_rollout_engine:
         return  # rollouts come from a file or stored rollouts: no prompts are read, no engine is asked
-    scans = [_scan(cfg, "--prompt-data", path) for path in ([cfg.data.prompt_data] if cfg.data.prompt_data else [])]
+    scans = [_scan(cfg, "--prompt-data", path) for path in cfg.data.prompt_files]
     scans += [_scan(cfg, f"--eval-prompt-data{' ' + name if name else ''}", path) for name, path in cfg.data.eval_sets]
     for flag, scan in scans:
         check_tokenizer_for(cfg, flag, scan)

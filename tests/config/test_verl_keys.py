@@ -28,12 +28,19 @@ def _parquet(path):
 
 
 def _script_overrides(monkeypatch, tmp_path, model, *extra):
-    """The fixture's override list as bash would pass it: the script's variables set (the data as one parquet file
-    each: a list of two is refused, test below), ``$@`` holding ``extra``."""
-    train, test = _parquet(tmp_path / "train.parquet"), _parquet(tmp_path / "test.parquet")
-    for name, value in (("train_files", f"['{train}']"), ("test_files", f"['{test}']"), ("return_raw_chat", "True"),
-                        ("USE_FUSED_KERNELS", "True"), ("rollout_mode", "async")):
-        monkeypatch.setenv(name, value)
+    """The fixture's override list as bash would pass it: the script's variables set as the script sets them (the
+    data under a temporary $HOME), ``$@`` holding ``extra``."""
+    home = tmp_path / "home"
+    for name in ("gsm8k", "math"):
+        (home / "data" / name).mkdir(parents=True)
+        for split in ("train", "test"):
+            _parquet(home / "data" / name / f"{split}.parquet")
+    monkeypatch.setenv("HOME", str(home))
+    script_vars = {"train_files": "['$HOME/data/gsm8k/train.parquet', '$HOME/data/math/train.parquet']",
+                   "test_files": "['$HOME/data/gsm8k/test.parquet', '$HOME/data/math/test.parquet']",
+                   "return_raw_chat": "True", "USE_FUSED_KERNELS": "True", "rollout_mode": "async"}
+    for name, value in script_vars.items():
+        monkeypatch.setenv(name, os.path.expandvars(value))
     text = "".join(line for line in open(FIXTURE) if not line.startswith("#")).replace("\\\n", " ")
     text = text.replace("Qwen/Qwen2-7B-Instruct", model).replace("$@", " ".join(map(shlex.quote, extra)))
     return shlex.split(os.path.expandvars(text))
@@ -56,7 +63,10 @@ def test_verls_megatron_grpo_example_translates_to_a_valid_plan(monkeypatch, tmp
     assert (cfg.optimizer.lr, cfg.rollout.num_rollout, cfg.checkpoint.save_interval) == (1e-6, 20, 20)
     assert (cfg.rollout.rollout_backend, cfg.memory.colocate, cfg.rollout.rollout_num_gpus_per_engine) == (
         "sglang", True, 2)
-    assert cfg.data.prompt_data == str(tmp_path / "train.parquet")
+    data = tmp_path / "home" / "data"
+    assert cfg.data.prompt_files == (str(data / "gsm8k" / "train.parquet"), str(data / "math" / "train.parquet"))
+    assert cfg.data.eval_sets == (("gsm8k_test", str(data / "gsm8k" / "test.parquet")),
+                                  ("math_test", str(data / "math" / "test.parquet")))
     # a flag on the command line wins over the translation
     assert parse_config([*argv, "--lr", "3e-6"]).optimizer.lr == 3e-6
 
@@ -67,7 +77,6 @@ def test_verls_megatron_grpo_example_translates_to_a_valid_plan(monkeypatch, tmp
     ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=True", r"is refused: the initial weights load from"),
     ("actor_rollout_ref.actor.kl_loss_type=abs", r"kl_loss_type='abs' is refused: 'abs' is not built here"),
     ("algorithm.use_kl_in_reward=True", r"use_kl_in_reward=True is refused: a KL penalty in the reward"),
-    ("data.train_files=['a.parquet','b.parquet']", r"is refused: 2 files; --prompt-data reads one file"),
     ("trainer.no_such_key=1", r"verl key 'trainer.no_such_key' is not in the translation table"),
     ("~trainer.logger", r"deleting a key \(~\) has no meaning here"),
 ])

@@ -89,3 +89,22 @@ def test_parquet_needs_the_chat_template_and_takes_no_jsonl_key_flags(tmp_path, 
     with pytest.raises(ConfigError, match=r"--label-key 'answer' does not apply to --prompt-data .*train.parquet"):
         parse_config([*base, "--apply-chat-template", "--label-key", "answer"])
     assert parse_config([*base, "--apply-chat-template"]).data.prompt_data == path
+
+
+def test_several_files_are_one_dataset_in_order(tmp_path, tokenizer, tiny_hf_models):
+    """verl's data.train_files list: --prompt-data FILE FILE (parquet and JSONL may mix)."""
+    first = write_parquet(tmp_path / "gsm8k.parquet", [gsm8k_row(0), gsm8k_row(1)])
+    second = tmp_path / "more.jsonl"
+    second.write_text('{"prompt": "hi", "label": "x"}\n')
+    ds = PromptDataset([first, str(second)], tokenizer=tokenizer, apply_chat_template=True)
+    assert [(p.label, p.line) for p in ds] == [("1", 1), ("2", 2), ("x", 1)]
+    assert ds[2].metadata == {} and ds[0].metadata["data_source"] == "openai/gsm8k"
+    cfg = parse_config(["--hf-checkpoint", tiny_hf_models("qwen2"), "--prompt-data", first, str(second),
+                        "--apply-chat-template", "--rm-type", "gsm8k"])
+    assert cfg.data.prompt_files == (first, str(second)) and cfg.data.prompt_data == [first, str(second)]
+    assert parse_config(["--hf-checkpoint", tiny_hf_models("qwen2"), "--prompt-data", first, "--apply-chat-template",
+                         "--rm-type", "gsm8k"]).data.prompt_data == first  # one file stays a string
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match=rf"^--prompt-data {empty}: the file has no prompts"):
+        PromptDataset([first, str(empty)], tokenizer=tokenizer, apply_chat_template=True)
