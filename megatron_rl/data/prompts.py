@@ -204,6 +204,7 @@ class PromptFileScan:
     prompts: int
     first_text_line: Optional[int]  # a text or chat prompt (None: token ids only, no tokenizer needed)
     first_chat_line: Optional[int]
+    unit: str = "line"  # how the numbers above count: "line" (JSONL) or "row" (verl parquet)
 
 
 def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", label_key: Optional[str] = "label",
@@ -230,7 +231,7 @@ def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", labe
         prompts += 1
     if not prompts:
         raise ConfigError(_empty_message(flag, str(path)))
-    return PromptFileScan(str(path), prompts, first_text, first_chat)
+    return PromptFileScan(str(path), prompts, first_text, first_chat, keys.unit)
 
 
 def _check_prompt_len(tokens: int, where: str, max_prompt_len: Optional[int]) -> None:

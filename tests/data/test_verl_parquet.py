@@ -108,3 +108,11 @@ def test_several_files_are_one_dataset_in_order(tmp_path, tokenizer, tiny_hf_mod
     empty.write_text("\n")
     with pytest.raises(ConfigError, match=rf"^--prompt-data {empty}: the file has no prompts"):
         PromptDataset([first, str(empty)], tokenizer=tokenizer, apply_chat_template=True)
+
+
+def test_without_pyarrow_the_refusal_names_the_fix(tmp_path, monkeypatch):
+    path = write_parquet(tmp_path / "train.parquet", [gsm8k_row(0)])
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)  # import pyarrow.parquet fails
+    with pytest.raises(ConfigError, match=r"train.parquet: reading parquet needs pyarrow, which is not installed here; "
+                                          r"pip install 'pyarrow>=14'"):
+        scan_prompt_file(path, max_line_bytes=None)
