@@ -438,10 +438,15 @@ def _gather(verl_overrides: list[str], verl_config: Optional[str]) -> list[tuple
     return pairs + parse_overrides(list(verl_overrides or []))
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # noqa: D102 - argparse hook: a ConfigError, never a usage print and exit
+        raise ConfigError(f"{message}: --verl-overrides takes verl's KEY=VALUE overrides (docs/migrating-from-verl.md)")
+
+
 def translated_tokens(argv: list[str]) -> list[str]:
     """``argv`` with the flag tokens of its ``--verl-overrides`` / ``--verl-config`` placed in front (so the
     command line's own flags win); unchanged when neither is given."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre = _Parser(add_help=False, allow_abbrev=False)
     pre.add_argument("--verl-overrides", nargs="+", default=[])
     pre.add_argument("--verl-config", default=None)
     ns, _ = pre.parse_known_args(argv)
@@ -462,8 +467,7 @@ def translation_lines(verl_overrides: list[str], verl_config: Optional[str]) -> 
     lines = [f"verl keys: {len(rows)} translated ({sum(r.status == 'mapped' for r in rows)} mapped, "
              f"{sum(r.status == 'ignored' for r in rows)} ignored); flags on the command line win"]
     for r in rows:
-        shown = " ".join(r.tokens) if r.tokens else ("(nothing: " + r.doc + ")" if r.status == "ignored" else
-                                                      "(nothing: this engine's behaviour already)")
+        shown = " ".join(r.tokens) if r.tokens else f"(nothing: {r.doc})"
         lines.append(f"  {r.key}={r.value!r} -> {shown}")
     return lines
 
@@ -505,6 +509,16 @@ def render() -> str:
         "    actor_rollout_ref.rollout.n=5 actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 \\",
         "    trainer.n_gpus_per_node=8 trainer.total_training_steps=100 \\",
         "  --apply-chat-template --rm-type verl",
+        "```",
+        "",
+        "A verl script runs unchanged when its `python3 -m verl.trainer.main_ppo --config-path=... "
+        "--config-name=...` line reaches this engine instead, e.g. through a shell function defined before "
+        "sourcing it (the first four words are verl's module and config name):",
+        "",
+        "```bash",
+        "python3() { python -m megatron_rl.train --apply-chat-template --rm-type verl --verl-overrides \"${@:5}\"; }",
+        "source examples/grpo_trainer/run_qwen2-7b_math_megatron.sh trainer.total_training_steps=100 "
+        "actor_rollout_ref.model.path=/models/Qwen2-7B-Instruct",
         "```",
         "",
         "Flags given beside `--verl-overrides` win over the translation. `--verl-config FILE.yaml` takes the same "

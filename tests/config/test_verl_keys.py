@@ -3,8 +3,9 @@ the table refuses or does not know are refused by name; the page docs/migrating-
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shlex
+import subprocess
 
 import pytest
 
@@ -13,8 +14,8 @@ from megatron_rl.config import verl_keys
 from megatron_rl.errors import ConfigError
 from megatron_rl.train import main
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures",
-                       "verl_run_qwen2-7b_math_megatron.overrides")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "verl")
+SCRIPT = os.path.join(FIXTURES, "run_qwen2-7b_math_megatron.sh")
 
 
 def _parquet(path):
@@ -27,28 +28,29 @@ def _parquet(path):
     return str(path)
 
 
-def _script_overrides(monkeypatch, tmp_path, model, *extra):
-    """The fixture's override list as bash would pass it: the script's variables set as the script sets them (the
-    data under a temporary $HOME), ``$@`` holding ``extra``."""
+def _script_overrides(tmp_path, *extra):
+    """The overrides verl's script passes to ``python3 -m verl.trainer.main_ppo``, as bash expands them (the script
+    run unchanged, its ``$HOME/data`` under ``tmp_path``, ``extra`` as its ``$@``; a ``python3`` shell function
+    prints its arguments instead of starting verl)."""
+    assert hashlib.sha256(open(SCRIPT, "rb").read()).hexdigest() in open(os.path.join(FIXTURES, "SOURCE")).read()
     home = tmp_path / "home"
     for name in ("gsm8k", "math"):
         (home / "data" / name).mkdir(parents=True)
         for split in ("train", "test"):
             _parquet(home / "data" / name / f"{split}.parquet")
-    monkeypatch.setenv("HOME", str(home))
-    script_vars = {"train_files": "['$HOME/data/gsm8k/train.parquet', '$HOME/data/math/train.parquet']",
-                   "test_files": "['$HOME/data/gsm8k/test.parquet', '$HOME/data/math/test.parquet']",
-                   "return_raw_chat": "True", "USE_FUSED_KERNELS": "True", "rollout_mode": "async"}
-    for name, value in script_vars.items():
-        monkeypatch.setenv(name, os.path.expandvars(value))
-    text = "".join(line for line in open(FIXTURE) if not line.startswith("#")).replace("\\\n", " ")
-    text = text.replace("Qwen/Qwen2-7B-Instruct", model).replace("$@", " ".join(map(shlex.quote, extra)))
-    return shlex.split(os.path.expandvars(text))
+    shim = 'python3() { printf "%s\\0" "$@"; }; source "$0" "$@"'
+    proc = subprocess.run(["bash", "-c", shim, SCRIPT, *extra], env={"HOME": str(home), "PATH": os.environ["PATH"]},
+                          capture_output=True, text=True, timeout=60, check=True)
+    argv = proc.stdout.split("\0")[:-1]
+    assert argv[:2] == ["-m", "verl.trainer.main_ppo"] and argv[3] == "--config-name=ppo_megatron_trainer.yaml"
+    return argv[4:]
 
 
-def test_verls_megatron_grpo_example_translates_to_a_valid_plan(monkeypatch, tmp_path, tiny_hf_models, capsys):
-    model = tiny_hf_models("qwen2")
-    overrides = _script_overrides(monkeypatch, tmp_path, model, "trainer.total_training_steps=20")
+def test_verls_megatron_grpo_example_translates_to_a_valid_plan(tmp_path, tiny_hf_models, capsys):
+    """verl's examples/grpo_trainer/run_qwen2-7b_math_megatron.sh, unchanged (its data: gsm8k and math parquet files,
+    two of each), is a valid plan: TP 2 x PP 2 x DP 2 on 8 GPUs with SGLang engines of TP 2 colocated."""
+    model = tiny_hf_models("qwen2")  # the model path and the run's length as the script's $@ (later keys win)
+    overrides = _script_overrides(tmp_path, "trainer.total_training_steps=20", f"actor_rollout_ref.model.path={model}")
     argv = ["--dry-run", "--apply-chat-template", "--rm-type", "verl", "--verl-overrides", *overrides]
     assert main(argv) == 0, capsys.readouterr()
     out = capsys.readouterr().out
@@ -83,6 +85,12 @@ def test_verls_megatron_grpo_example_translates_to_a_valid_plan(monkeypatch, tmp
 def test_a_refused_or_unknown_verl_key_is_refused_by_name(override, says):
     with pytest.raises(ConfigError, match=r"^--verl-overrides.*" + says):
         parse_config(["--dry-run", "--verl-overrides", override])
+
+
+def test_verl_overrides_without_a_value_is_one_error_line():
+    with pytest.raises(ConfigError, match=r"^argument --verl-overrides: expected at least one argument: --verl-overrides "
+                                          r"takes verl's KEY=VALUE overrides"):
+        parse_config(["--verl-overrides", "--dry-run"])
 
 
 def test_a_verl_yaml_translates_as_the_overrides_and_they_win(tmp_path):
