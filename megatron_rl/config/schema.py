@@ -703,7 +703,8 @@ class RolloutConfig:
                                "error observation and the trajectory goes on.", domain="(0, inf)")
     user_function_timeout: float = flag(
         3600.0, "Seconds one call into your code may take: a --custom-generate-function-path group (its engine "
-        "calls included), a --rollout-function-path batch, a --custom-rm-path batch of rewards, a "
+        "calls included), a --rollout-function-path batch, a --custom-rm-path or --custom-reward-function-path batch of "
+        "rewards, a "
         "--dynamic-sampling-filter-path verdict, a --custom-advantage-function-path step. A call still running then, or one that raises, stops the run "
         "with one error line naming the flag, the function and its line (a hung call's thread is left behind: "
         "Python cannot stop one). Tools have --tool-timeout, a reward server --rm-timeout.", domain="(0, inf)")
