@@ -227,7 +227,11 @@ def math_dapo_score(text: str, ground_truth: Any) -> dict:
 
 
 def math_dapo_reward(sample: Sample) -> dict:
-    result = math_dapo_score(_text(sample, "math_dapo"), _truth(sample, "math_dapo"))
+    truth = _truth(sample, "math_dapo")
+    if not isinstance(truth, str):  # verl's rule normalises it as text and fails on anything else
+        raise ConfigError(f"reward 'math_dapo' needs a text ground truth; the sample's is {type(truth).__name__} "
+                          f"{truth!r}: store reward_model.ground_truth as a string")
+    result = math_dapo_score(_text(sample, "math_dapo"), truth)
     return {"reward": result["score"], "acc": float(result["acc"])}
 
 

@@ -111,3 +111,8 @@ def test_our_own_math_rule_differs_from_verls_where_it_compares_numbers():
     """``--rm-type math`` is this engine's lenient rule; ``verl_math`` is verl's string rule."""
     assert BUILTIN_REWARDS["math"](_sample("\\boxed{1,000}", "1000")) == 1.0
     assert verl_math_score("\\boxed{1,000}", "1000") == 0.0
+
+
+def test_math_dapo_refuses_a_ground_truth_that_is_not_text():
+    with pytest.raises(ConfigError, match=r"reward 'math_dapo' needs a text ground truth; the sample's is int 42"):
+        get_reward_fn("math_dapo")([_sample("Answer: 42", 42)])
