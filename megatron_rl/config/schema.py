@@ -19,7 +19,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -752,10 +752,11 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompt_data: Any = flag(None, "JSONL file of prompts, or a .parquet file in verl's schema (chat-message prompts, "
-                            "reward_model.ground_truth, data_source, extra_info; needs --apply-chat-template; "
-                            "docs/migrating-from-verl.md). Several files (verl's data.train_files list) are one "
-                            "dataset, in the order given.", type=str, nargs="+", metavar="FILE")
+    prompt_data: Optional[Union[str, list]] = flag(
+        None, "JSONL file of prompts, or a .parquet file in verl's schema (chat-message prompts, "
+        "reward_model.ground_truth, data_source, extra_info; needs --apply-chat-template; docs/migrating-from-verl.md). "
+        "Several files (verl's data.train_files list) are one dataset, in the order given.", type=str, nargs="+",
+        metavar="FILE")
     max_prompt_line_mib: int = flag(16, "Longest line (MiB) a --prompt-data or --eval-prompt-data file may "
                                     "hold; the driver reads each file line by line before the workers start "
                                     "and refuses a longer line by its number.", domain="[1, inf)")
