@@ -35,6 +35,7 @@ CORE_DEPS = [
     "pyyaml",
     "einops",
     "httpx",  # the SGLang client (megatron_rl/rollout/sglang/client.py)
+    "pyarrow>=14",  # --prompt-data FILE.parquet: verl's data schema (megatron_rl/data/verl_parquet.py)
 ]
 
 EXTRAS = {

@@ -44,7 +44,8 @@ class RewardModel:
         path = cfg.data.reward_model_path
         self.path, self.weight = path, float(cfg.data.reward_model_weight)
         d = cfg.data
-        self.has_rule = bool(d.rm_type or d.custom_rm_path or d.rm_url)  # a rule reward too: the score adds to it
+        # a rule reward too: the score adds to it
+        self.has_rule = bool(d.rm_type or d.custom_rm_path or d.rm_url or d.custom_reward_function_path)
         self.micro_batch_size = max(1, int(cfg.data.reward_model_micro_batch_size))
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -64,9 +64,9 @@ def render() -> str:
 
 def main(argv=None) -> int:
     """Write docs/flags.md and docs/migrating-from-slime.md (``--check``: exit 1 if either is stale)."""
-    from . import migration  # lazy: only the doc generator needs the slime flag list
+    from . import migration, verl_keys  # lazy: only the doc generator needs the peers' tables
 
-    docs = ((DOC_PATH, render()), (migration.DOC_PATH, migration.render()))
+    docs = ((DOC_PATH, render()), (migration.DOC_PATH, migration.render()), (verl_keys.DOC_PATH, verl_keys.render()))
     if argv and argv[0] == "--check":
         return 0 if all(path.exists() and path.read_text() == text for path, text in docs) else 1
     for path, text in docs:

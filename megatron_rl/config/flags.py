@@ -23,6 +23,7 @@ from .schema import GROUPS, Config, flag_name, iter_fields
 from .placement import apply_allocation
 from .slime_args import not_built_reason
 from .validate import validate_config
+from .verl_keys import translated_tokens
 
 PASS_THROUGH_PREFIX = "--sglang-"
 
@@ -261,6 +262,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, *, validate: bool = True)
     """
 
     argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    argv = translated_tokens(argv)  # --verl-overrides / --verl-config: their flags first, so the command line wins
     parser = build_parser()
     argv, passed = _split_pass_through(argv, frozenset(
         s for a in parser._actions for s in a.option_strings if s.startswith(PASS_THROUGH_PREFIX)))

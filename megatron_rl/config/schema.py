@@ -19,7 +19,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron_rl.plan.sync_estimate import (DEFAULT_BUCKET_LATENCY_MS, DEFAULT_DECODE_MFU, DEFAULT_DISK_LINK,
                                              DEFAULT_INTER_NODE_LINK, DEFAULT_TRAIN_MFU, DISK_LINKS,
@@ -104,7 +104,7 @@ def engine_url(address: str) -> str:
 
 
 # --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
-BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "gsm8k", "verl_math", "math_dapo", "verl")
 
 
 @dataclass(frozen=True)
@@ -747,7 +747,8 @@ class RolloutConfig:
                                "error observation and the trajectory goes on.", domain="(0, inf)")
     user_function_timeout: float = flag(
         3600.0, "Seconds one call into your code may take: a --custom-generate-function-path group (its engine "
-        "calls included), a --rollout-function-path batch, a --custom-rm-path batch of rewards, a "
+        "calls included), a --rollout-function-path batch, a --custom-rm-path or --custom-reward-function-path batch of "
+        "rewards, a "
         "--dynamic-sampling-filter-path verdict, a --custom-advantage-function-path step. A call still running then, or one that raises, stops the run "
         "with one error line naming the flag, the function and its line (a hung call's thread is left behind: "
         "Python cannot stop one). Tools have --tool-timeout, a reward server --rm-timeout.", domain="(0, inf)")
@@ -796,7 +797,11 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompt_data: Optional[str] = flag(None, "JSONL file of prompts.")
+    prompt_data: Optional[Union[str, list]] = flag(
+        None, "JSONL file of prompts, or a .parquet file in verl's schema (chat-message prompts, "
+        "reward_model.ground_truth, data_source, extra_info; needs --apply-chat-template; docs/migrating-from-verl.md). "
+        "Several files (verl's data.train_files list) are one dataset, in the order given.", type=str, nargs="+",
+        metavar="FILE")
     max_prompt_line_mib: int = flag(16, "Longest line (MiB) a --prompt-data or --eval-prompt-data file may "
                                     "hold; the driver reads each file line by line before the workers start "
                                     "and refuses a longer line by its number.", domain="[1, inf)")
@@ -828,9 +833,23 @@ class DataConfig:
     eval_max_response_len: Optional[int] = flag(None, "Maximum new tokens per evaluation response (unset: "
                                                 "--rollout-max-response-len).")
     rm_type: Optional[str] = flag(None, "Built-in reward function (rollout/rewards.py): exact_match, math, "
-                                  "deepscaler (slime's rule); anything else: --custom-rm-path.",
+                                  "deepscaler (slime's rule); verl's rules with verl's scores (rollout/verl_scores.py): "
+                                  "gsm8k, verl_math, math_dapo, and verl (one of them by each sample's data_source, as "
+                                  "verl's default_compute_score); anything else: --custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+    custom_reward_function_path: Optional[str] = flag(
+        None, "verl's reward function (custom_reward_function.path / .name) as file.py:name, module:name, or file.py "
+        "alone for its compute_score: called per sample as compute_score(data_source=, solution_str=, ground_truth=, "
+        "extra_info=, **kwargs) with the keywords its signature takes (so verl's own per-dataset scorers, "
+        "compute_score(solution_str, ground_truth), run too); sync or async; a number, or verl's dict whose 'score' "
+        "is the reward and whose other numeric keys are logged as reward/<key>. Bounded by --user-function-timeout "
+        "per batch. Excludes --rm-type, --custom-rm-path and --rm-url (docs/migrating-from-verl.md).",
+        metavar="FILE.py[:NAME]")
+    custom_reward_function_kwargs: Optional[str] = flag(
+        None, "verl's custom_reward_function.reward_kwargs: a JSON object of keyword arguments added to every "
+        "--custom-reward-function-path call (they win over verl's four), e.g. '{\"method\": \"flexible\"}'.",
+        metavar="JSON")
     reward_key: Optional[str] = flag(None, "slime's --reward-key: the key of a dict reward that trains (its other "
                                      "keys are logged as reward/<key>); unset: 'reward'. A plain-number reward "
                                      "with it set is refused by name.", metavar="KEY")
@@ -871,6 +890,17 @@ class DataConfig:
     reward_model_micro_batch_size: int = flag(16, "Samples per forward of --reward-model-path's model on each trainer "
                                               "rank (verl's reward_model.micro_batch_size_per_gpu); right-padded "
                                               "with its pad id (one per forward when it has none).")
+
+    def __post_init__(self):
+        v = self.prompt_data  # one file stays a string (what a YAML or a single flag value gives)
+        if isinstance(v, (list, tuple)):
+            object.__setattr__(self, "prompt_data", v[0] if len(v) == 1 else (list(v) or None))
+
+    @property
+    def prompt_files(self) -> tuple[str, ...]:
+        """``--prompt-data``'s files, in order (one or several; none when unset)."""
+        v = self.prompt_data
+        return () if not v else (v,) if isinstance(v, str) else tuple(v)
 
     @property
     def eval_sets(self) -> tuple[tuple[Optional[str], str], ...]:
@@ -1133,6 +1163,16 @@ class ModeConfig:
         None, "Rollout file pattern with {rollout_id} to train from (implies --debug-train-only).")
     save_debug_rollout_data: Optional[str] = flag(None, "Save each rollout to this pattern with {rollout_id}.")
     dry_run: bool = flag(False, "Validate everything, print the plan and exit without starting work.")
+    verl_overrides: list = flag([], "verl's Hydra overrides: one argument per KEY=VALUE (as a verl launch script "
+                                "passes them to verl.trainer.main_ppo), or one argument holding them all (split as "
+                                "a shell splits words), translated into this engine's "
+                                "flags through the table of docs/migrating-from-verl.md; a key the table refuses or "
+                                "does not know is refused by name with the reason. Flags on the command line win "
+                                "over the translation; --dry-run prints it.", type=str, nargs="+",
+                                metavar="KEY=VALUE")
+    verl_config: Optional[str] = flag(None, "A YAML of verl config keys (nested as verl's config, e.g. "
+                                      "actor_rollout_ref: {actor: {optim: {lr: 1e-6}}}), translated as "
+                                      "--verl-overrides (which win over it).", metavar="FILE.yaml")
 
     # slime semantics: loading saved rollouts means there is nothing to generate.
     @property

@@ -366,8 +366,10 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
         errors.append("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if cfg.has_rollout_engine and d.custom_rm_path and ":" not in d.custom_rm_path:
         errors.append(f"--custom-rm-path {d.custom_rm_path} must be module:function (e.g. my_rewards:score)")
-    if cfg.has_rollout_engine and d.prompt_data and (why := file_problem(d.prompt_data, PROMPTS_READ_TWICE)):
-        errors.append(f"--prompt-data {d.prompt_data}: {why}")
+    for path in d.prompt_files if cfg.has_rollout_engine else ():
+        if why := file_problem(path, PROMPTS_READ_TWICE):
+            errors.append(f"--prompt-data {path}: {why}")
+    _check_verl_data(errors, cfg)
     if a.kl_loss_coef > 0 and not a.use_kl_loss:
         errors.append(f"--kl-loss-coef {a.kl_loss_coef} weights the KL loss term, which only exists with "
                       "--use-kl-loss; add --use-kl-loss or drop --kl-loss-coef")
@@ -377,6 +379,28 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
     if rt.wall_time_limit is not None and rt.wall_time_reserve >= rt.wall_time_limit:
         errors.append(f"--wall-time-reserve {rt.wall_time_reserve:g}s leaves no time inside "
                       f"--wall-time-limit {rt.wall_time_limit:g}s; lower the reserve or raise the limit")
+
+
+def _check_verl_data(errors: list[str], cfg: Config) -> None:
+    """A .parquet prompt file is verl's schema (data/verl_parquet.py): its prompts are chat messages, rendered through
+    the chat template as verl always does, and its label and metadata have fixed places, so the JSONL key flags
+    would be ignored: given another value than their default, they are refused."""
+    d = cfg.data
+    files = [("--prompt-data", p) for p in d.prompt_files] + [("--eval-prompt-data", p) for _, p in d.eval_sets]
+    parquet = [(flag, path) for flag, path in files if path and str(path).endswith(".parquet")]
+    if not parquet or not cfg.has_rollout_engine:
+        return
+    flag, path = parquet[0]
+    if not d.apply_chat_template:
+        errors.append(f"{flag} {path} is verl's parquet schema, whose prompts are chat messages: pass "
+                      "--apply-chat-template (verl renders every prompt through the tokenizer's chat template)")
+    for key_flag, value, default in (("--label-key", d.label_key, "label"), ("--metadata-key", d.metadata_key,
+                                                                              "metadata"), ("--tool-key", d.tool_key,
+                                                                                            "tools")):
+        if value != default:
+            errors.append(f"{key_flag} {value!r} does not apply to {flag} {path}: in verl's parquet schema the "
+                          "label is reward_model.ground_truth and data_source / extra_info / ability are the "
+                          f"metadata; drop {key_flag}")
 
 
 def _check_reward_model(errors: list[str], cfg: Config) -> None:
@@ -409,7 +433,7 @@ def _check_reward_model(errors: list[str], cfg: Config) -> None:
     labels = config.get("num_labels", len(config.get("id2label") or {}) or None)
     if labels not in (None, 1):
         errors.append(f"{flag}: its head has {labels} labels; a reward model scores with one (num_labels 1)")
-    has_rule = bool(d.rm_type or d.custom_rm_path or d.rm_url)
+    has_rule = bool(d.rm_type or d.custom_rm_path or d.rm_url or d.custom_reward_function_path)
     if not cfg.has_training:
         errors.append(f"{flag} scores on the trainer's ranks, and this run trains nothing (--debug-rollout-only): "
                       "give the rollout a --rm-type/--custom-rm-path/--rm-url reward instead")
@@ -432,8 +456,17 @@ _BUILTIN_STD_FILTERS = ("check_reward_nonzero_std", "check_reward_nonzero_std_wi
 def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
     """One reward source; the reward server's and dynamic sampling's knobs only with the flag they tune."""
     d, r, b = cfg.data, cfg.rollout, cfg.batching
+    if d.custom_reward_function_path:
+        others = [f for f, v in (("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path)) if v]
+        if others:
+            errors.append(f"--custom-reward-function-path {d.custom_reward_function_path} and {' and '.join(others)} "
+                          "each name the reward: pick one")
+    elif d.custom_reward_function_kwargs:
+        errors.append("--custom-reward-function-kwargs are the keyword arguments of --custom-reward-function-path's "
+                      "function: add --custom-reward-function-path or drop them")
     if d.rm_url:
-        given = [f for f, v in (("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path)) if v]
+        given = [f for f, v in (("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path),
+                                ("--custom-reward-function-path", d.custom_reward_function_path)) if v]
         if given:
             errors.append(f"--rm-url {d.rm_url} scores every sample on the reward server, and {' and '.join(given)} "
                           "would score them again: pick one reward (drop --rm-url or "

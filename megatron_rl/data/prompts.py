@@ -11,6 +11,10 @@ as ``tools=`` and the metadata keeps as ``"tools"``; a line without either key
 has none. The whole file is read and
 tokenized up front, so every bad line is reported before the first rollout.
 
+A ``.parquet`` file is read in verl's schema instead (``data.verl_parquet``: chat-message prompts, the label
+from ``reward_model.ground_truth``, ``data_source`` / ``extra_info`` / ``ability`` as metadata); its rows turn
+into the records a JSONL line gives, so every rule below applies to them too (errors name a "row").
+
 Reading is streamed, one line at a time (``read_prompt_records``), and each line may be
 at most ``max_line_bytes`` long: a line over the limit is refused by its number as soon as
 the reader passes the limit, without reading the rest of it (a 50 MB line otherwise costs
@@ -34,10 +38,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
 from megatron_rl.data.types import ENGINE_METADATA_KEYS, GenerateRequest
+from megatron_rl.data.verl_parquet import is_parquet, read_verl_records
 from megatron_rl.errors import ConfigError
 
 MIB = 1 << 20  # --max-prompt-line-mib counts these
@@ -90,6 +95,32 @@ def read_prompt_records(path: str | os.PathLike, *, input_key: str = "prompt", l
                     f"{path}.utf8) and pass the converted one") from None
             if line.strip():
                 yield line_no, _parse_record(line, where, input_key, label_key, first=line_no == 1)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Where a record keeps its prompt, label, metadata and tools: the flags' keys for JSONL, verl's for parquet."""
+
+    input_key: str
+    label_key: Optional[str]
+    metadata_key: Optional[str]
+    tool_key: Optional[str]
+    unit: str  # how errors name a record's place: "line" (JSONL) or "row" (parquet)
+
+
+def _keys(path: str | os.PathLike, input_key: str, label_key: Optional[str], metadata_key: Optional[str],
+          tool_key: Optional[str]) -> _Keys:
+    if is_parquet(path):  # verl's schema (data/verl_parquet.py): the reader puts label and metadata here
+        return _Keys(input_key, "label", "metadata", None, "row")
+    return _Keys(input_key, label_key or None, metadata_key or None, tool_key or None, "line")
+
+
+def _records(path: str | os.PathLike, keys: _Keys, max_line_bytes: Optional[int],
+             flag: str) -> Iterator[tuple[int, dict]]:
+    if keys.unit == "row":
+        return read_verl_records(path, input_key=keys.input_key, flag=flag)
+    return read_prompt_records(path, input_key=keys.input_key, label_key=keys.label_key,
+                               max_line_bytes=max_line_bytes, flag=flag)
 
 
 def _size(n: int) -> str:
@@ -173,6 +204,7 @@ class PromptFileScan:
     prompts: int
     first_text_line: Optional[int]  # a text or chat prompt (None: token ids only, no tokenizer needed)
     first_chat_line: Optional[int]
+    unit: str = "line"  # how the numbers above count: "line" (JSONL) or "row" (verl parquet)
 
 
 def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", label_key: Optional[str] = "label",
@@ -184,12 +216,12 @@ def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", labe
     Raises ``ConfigError`` at the first bad line (``read_prompt_records``), at a prompt of the wrong type,
     at a token-id prompt that is empty or longer than ``max_prompt_len``, and for a file without prompts."""
     prompts, first_text, first_chat = 0, None, None
-    for line_no, record in read_prompt_records(path, input_key=input_key, label_key=label_key or None,
-                                               max_line_bytes=max_line_bytes, flag=flag):
-        where = f"{flag} {path} line {line_no}"
+    keys = _keys(path, input_key, label_key, metadata_key, tool_key)
+    for line_no, record in _records(path, keys, max_line_bytes, flag):
+        where = f"{flag} {path} {keys.unit} {line_no}"
         value = record[input_key]
         kind = prompt_kind(value, where, input_key)
-        prompt_metadata(record, where, metadata_key, tool_key)
+        prompt_metadata(record, where, keys.metadata_key, keys.tool_key)
         if kind == "ids" or value == "":
             _check_prompt_len(len(value), where, max_prompt_len)
         elif first_text is None:
@@ -199,7 +231,7 @@ def scan_prompt_file(path: str | os.PathLike, *, input_key: str = "prompt", labe
         prompts += 1
     if not prompts:
         raise ConfigError(_empty_message(flag, str(path)))
-    return PromptFileScan(str(path), prompts, first_text, first_chat)
+    return PromptFileScan(str(path), prompts, first_text, first_chat, keys.unit)
 
 
 def _check_prompt_len(tokens: int, where: str, max_prompt_len: Optional[int]) -> None:
@@ -237,21 +269,21 @@ class PromptBatch:
 
 
 class PromptDataset:
-    """All prompts of a JSONL file, tokenized and validated at construction."""
+    """All prompts of a JSONL (or verl parquet) file, or of several files in order, tokenized and validated at
+    construction. ``Prompt.line`` counts within its own file; errors name the file."""
 
-    def __init__(self, path: str | os.PathLike, *, tokenizer: Any = None, input_key: str = "prompt",
-                 label_key: str | None = "label", metadata_key: str | None = "metadata",
+    def __init__(self, path: "str | os.PathLike | Sequence[str | os.PathLike]", *, tokenizer: Any = None,
+                 input_key: str = "prompt", label_key: str | None = "label", metadata_key: str | None = "metadata",
                  tool_key: str | None = "tools", apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, max_line_bytes: int | None = None,
                  flag: str = "--prompt-data"):
         """``max_line_bytes``: the longest line read (None: no limit). A run passes ``--max-prompt-line-mib``
         (``rollout.build``), which ``runner.preflight`` already applied before the workers started: here it
         only catches a file that changed since."""
-        self.path = str(path)
+        self.paths = [str(path)] if isinstance(path, (str, os.PathLike)) else [str(p) for p in path]
+        self.path = " ".join(self.paths)
         self.flag = flag
         self.input_key = input_key
-        self.label_key = label_key or None
-        self.metadata_key, self.tool_key = metadata_key or None, tool_key or None
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
         if apply_chat_template:
@@ -263,16 +295,18 @@ class PromptDataset:
                                   f"({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no chat "
                                   "template; drop --apply-chat-template or use an instruct/chat tokenizer")
         self.prompts: list[Prompt] = []
-        for line_no, record in read_prompt_records(self.path, input_key=input_key, label_key=self.label_key,
-                                                   max_line_bytes=max_line_bytes, flag=flag):
-            self.prompts.append(self._parse(record, line_no, max_prompt_len))
-        if not self.prompts:
-            raise ConfigError(_empty_message(flag, self.path))
+        for one in self.paths:
+            keys = _keys(one, input_key, label_key, metadata_key, tool_key)  # a parquet file: verl's schema
+            count = len(self.prompts)
+            for line_no, record in _records(one, keys, max_line_bytes, flag):
+                self.prompts.append(self._parse(record, line_no, max_prompt_len, one, keys))
+            if len(self.prompts) == count:
+                raise ConfigError(_empty_message(flag, one))
 
-    def _parse(self, record: dict, line_no: int, max_prompt_len: int | None) -> Prompt:
-        where = f"{self.flag} {self.path} line {line_no}"
-        label = record[self.label_key] if self.label_key is not None else None
-        metadata, tools = prompt_metadata(record, where, self.metadata_key, self.tool_key)
+    def _parse(self, record: dict, line_no: int, max_prompt_len: int | None, path: str, keys: _Keys) -> Prompt:
+        where = f"{self.flag} {path} {keys.unit} {line_no}"
+        label = record[keys.label_key] if keys.label_key is not None else None
+        metadata, tools = prompt_metadata(record, where, keys.metadata_key, keys.tool_key)
         prompt_ids, prompt_text = self._tokenize(record[self.input_key], where, tools)
         _check_prompt_len(len(prompt_ids), where, max_prompt_len)
         return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no, metadata=metadata)

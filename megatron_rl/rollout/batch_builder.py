@@ -124,7 +124,7 @@ class RolloutBatchBuilder:
     @classmethod
     def from_config(cls, cfg, reward_fn: RewardFn, tokenizer: Any) -> "RolloutBatchBuilder":
         d = cfg.data
-        return cls(reward_fn, tokenizer, source=reward_source(cfg), prompts=f"--prompt-data {d.prompt_data}",
+        return cls(reward_fn, tokenizer, source=reward_source(cfg), prompts=f"--prompt-data {' '.join(d.prompt_files)}",
                    reward_key=d.reward_key, eval_reward_key=d.eval_reward_key,
                    shaping=RewardShaping.from_config(cfg))
 

@@ -33,7 +33,7 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
     """The driver's rollout side: engine (from ``--rollout-backend``; ``placement``: the SGLang engines this
     run launched), prompt iterator, eval prompts, reward."""
     engine_type = ENGINES.get(cfg.rollout.rollout_backend)  # unknown / refused names fail before anything loads
-    prompt_data = cfg.data.prompt_data
+    prompt_data = cfg.data.prompt_files
     if not prompt_data:
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
     reward_fn = reward_fn_from_config(cfg)  # fail fast
@@ -52,7 +52,7 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
     d, b = cfg.data, cfg.batching
     tokenizer = getattr(engine, "tokenizer", None)
 
-    def dataset(path: str) -> PromptDataset:
+    def dataset(path: "str | tuple[str, ...]") -> PromptDataset:
         return PromptDataset(path, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
                              metadata_key=d.metadata_key, tool_key=d.tool_key,
                              apply_chat_template=d.apply_chat_template,

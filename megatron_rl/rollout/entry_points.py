@@ -19,6 +19,7 @@ from megatron_rl.rollout.agent.tools import load_tools
 from megatron_rl.rollout.dynamic_sampling import load_filter
 from megatron_rl.rollout.generate_fn import load_function
 from megatron_rl.rollout.rewards import load_custom_reward
+from megatron_rl.rollout.verl_reward import load_verl_reward
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ USER_CODE: tuple[EntryPoint, ...] = (
     EntryPoint("--custom-rm-path", lambda c: c.data.custom_rm_path, "fn(sample), or fn(samples) when batched",
                "a finite number, or {'reward': number, <metric>: number}, per sample",
                "rollout/rewards.py::BoundedReward", DEFAULT_TIMEOUT_FLAG, load_custom_reward),
+    EntryPoint("--custom-reward-function-path", lambda c: c.data.custom_reward_function_path,
+               "verl's compute_score(data_source=, solution_str=, ground_truth=, extra_info=, **kwargs) per sample, "
+               "the keywords its signature takes", "a finite number, or verl's {'score': number, <metric>: value}, "
+               "per sample", "rollout/verl_reward.py::VerlReward", DEFAULT_TIMEOUT_FLAG, load_verl_reward),
     EntryPoint("--dynamic-sampling-filter-path", lambda c: c.rollout.dynamic_sampling_filter_path,
                "fn(args, samples) per prompt group", "True / False or a DynamicFilterOutput",
                "rollout/dynamic_sampling.py::DynamicSampler.judge", DEFAULT_TIMEOUT_FLAG, load_filter),

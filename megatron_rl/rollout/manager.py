@@ -249,6 +249,8 @@ class RolloutManager:
                 "rollout_stop_token_ids": list(r.rollout_stop_token_ids),
                 # only when set, so rollouts stored before these flags existed still match
                 **{k: v for k, v in (("rm_url", d.rm_url),
+                                     ("custom_reward_function_path", d.custom_reward_function_path),
+                                     ("custom_reward_function_kwargs", d.custom_reward_function_kwargs),
                                      ("dynamic_sampling_filter_path", r.dynamic_sampling_filter_path),
                                      ("over_sampling_batch_size", r.over_sampling_batch_size),
                                      ("dynamic_sampling_max_rounds",

@@ -39,6 +39,8 @@ from megatron_rl.data.types import Sample, describe_prompt
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 from megatron_rl.rollout.remote_reward import RemoteReward
+from megatron_rl.rollout.verl_reward import verl_reward_from_config
+from megatron_rl.rollout.verl_scores import VERL_RULES
 
 RewardFn = Callable[[list[Sample]], list[Any]]  # one float, or {"reward": float, other metrics}, per sample
 REWARD_KEY = "reward"  # the key of a dict reward that trains; the others are metrics (module docstring)
@@ -179,8 +181,9 @@ def deepscaler_reward(sample: Sample) -> float:
 
 # --rm-type -> reward; the names are also config.schema.BUILTIN_REWARD_NAMES (the flag's choices; a test keeps
 # the two equal), so an unknown name is refused while parsing flags, before any worker starts
-BUILTIN_REWARDS: dict[str, Callable[[Sample], float]] = {"exact_match": exact_match, "math": math_reward,
-                                                         "deepscaler": deepscaler_reward}
+BUILTIN_REWARDS: dict[str, Callable[[Sample], Any]] = {"exact_match": exact_match, "math": math_reward,
+                                                       "deepscaler": deepscaler_reward,
+                                                       **VERL_RULES}  # verl's rules: rollout/verl_scores.py
 
 
 # ---------------------------------------------------------------- selection
@@ -258,12 +261,20 @@ def reward_fn_from_config(cfg) -> RewardFn:
     The three are exclusive (validation refuses two at once; this says it again for a caller that
     built its config by hand), so a run's rewards never come from a silently chosen one."""
     d = cfg.data
+    verl_fn = getattr(d, "custom_reward_function_path", None)
+    given = [f for f, v in (("--rm-url", d.rm_url), ("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path),
+                            ("--custom-reward-function-path", verl_fn)) if v]
     if d.rm_url:
-        if d.rm_type or d.custom_rm_path:
-            given = " and ".join(f for f, v in (("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path)) if v)
-            raise ConfigError(f"--rm-url {d.rm_url} scores every sample on the reward server, so {given} would be "
-                              f"ignored: drop one of them")
+        if len(given) > 1:
+            raise ConfigError(f"--rm-url {d.rm_url} scores every sample on the reward server, so "
+                              f"{' and '.join(given[1:])} would be ignored: drop one of them")
         return RemoteReward.from_config(cfg)
+    if verl_fn:
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)} each name the reward; pick one")
+        verl_reward = verl_reward_from_config(cfg)
+        assert verl_reward is not None
+        return verl_reward
     if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
         return _scored_by_the_reward_model  # the RM role on the trainer's ranks sets every reward (runner/step.py)
     return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
@@ -281,6 +292,8 @@ def reward_source(cfg) -> str:
     d = cfg.data
     if d.rm_url:
         return f"--rm-url {d.rm_url}"
+    if getattr(d, "custom_reward_function_path", None):
+        return f"--custom-reward-function-path {d.custom_reward_function_path}"
     if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
         return f"--reward-model-path {d.reward_model_path}"
     return f"--custom-rm-path {d.custom_rm_path}" if d.custom_rm_path else f"--rm-type {d.rm_type}"

@@ -13,12 +13,15 @@ from megatron_rl.config.placement import is_external_sglang, model_shape_for_con
 from megatron_rl.config.static_memory import memory_report
 from megatron_rl.config.step_estimate import estimate_lines
 from megatron_rl.config.validate import real_run_refusals
+from megatron_rl.config.verl_keys import translation_lines
 from megatron_rl.plan import format_table, validate_plan
 from megatron_rl.plan.memory import format_memory
 from megatron_rl.rollout.sglang.launcher import engine_command, placement_for_config
 
 
 def print_plan(cfg: Config) -> int:
+    for line in translation_lines(cfg.mode.verl_overrides, cfg.mode.verl_config):
+        print(line)
     plan = plan_for_config(cfg)
     report = validate_plan(plan)
     external = is_external_sglang(cfg)

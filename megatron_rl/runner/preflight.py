@@ -48,7 +48,7 @@ def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None
     """Raise the first problem (``ConfigError`` for inputs, ``EngineError`` for servers) or return None."""
     if not cfg.has_rollout_engine:
         return  # rollouts come from a file or stored rollouts: no prompts are read, no engine is asked
-    scans = [_scan(cfg, "--prompt-data", path) for path in ([cfg.data.prompt_data] if cfg.data.prompt_data else [])]
+    scans = [_scan(cfg, "--prompt-data", path) for path in cfg.data.prompt_files]
     scans += [_scan(cfg, f"--eval-prompt-data{' ' + name if name else ''}", path) for name, path in cfg.data.eval_sets]
     for flag, scan in scans:
         check_tokenizer_for(cfg, flag, scan)
@@ -83,7 +83,7 @@ def check_tokenizer_for(cfg: Config, flag: str, scan: PromptFileScan) -> None:
     """The prompts of ``scan`` can be tokenized the way the flags ask, as far as files on disk tell."""
     where = f"{flag} {scan.path}"
     if scan.first_chat_line is not None and not cfg.data.apply_chat_template:
-        raise ConfigError(f"{where} line {scan.first_chat_line}: --input-key {cfg.data.input_key!r} holds chat "
+        raise ConfigError(f"{where} {scan.unit} {scan.first_chat_line}: --input-key {cfg.data.input_key!r} holds chat "
                           "messages; pass --apply-chat-template")
     if scan.first_text_line is None:
         if cfg.data.apply_chat_template:
@@ -93,7 +93,7 @@ def check_tokenizer_for(cfg: Config, flag: str, scan: PromptFileScan) -> None:
     hf = cfg.model.hf_checkpoint
     missing = _tokenizer_missing(hf)
     if missing:
-        raise ConfigError(f"{where} line {scan.first_text_line} holds a text prompt, which needs a tokenizer, but "
+        raise ConfigError(f"{where} {scan.unit} {scan.first_text_line} holds a text prompt, which needs a tokenizer, but "
                           f"{missing}; copy the base model's tokenizer files there, or store the prompts as token "
                           "ids")
 

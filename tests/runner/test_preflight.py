@@ -238,6 +238,9 @@ USER_CODE_CASES = [
                                                r"sampling, engine\)"),
     ("--custom-rm-path", "{mod}:two", r": two\(a, b\) cannot be called as fn\(sample\)"),
     ("--custom-rm-path", "{mod}:CONSTANT", r": 'CONSTANT' in '.*user_mod.py' is a int, not a function"),
+    ("--custom-reward-function-path", "{mod}:three", r": parameter 'a' has no default and verl's call does not "
+                                                     r"give it \(it gives data_source, solution_str, ground_truth, "
+                                                     r"extra_info\)"),
     ("--dynamic-sampling-filter-path", "no_such_filters.keep", r": cannot import 'no_such_filters' .*give a file path "
                                                                r"like path/to/no_such_filters.py:keep"),
     ("--dynamic-sampling-filter-path", "{mod}:one", r": one\(a\) cannot be called as fn\(args, samples\)"),

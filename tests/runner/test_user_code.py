@@ -78,6 +78,10 @@ def nan_reward(sample):
     return math.nan
 
 
+def verl_nan(data_source, solution_str, ground_truth, extra_info=None):
+    return {{"score": math.nan, "acc": False}}
+
+
 def undecided(args, samples):
     return "maybe"
 
@@ -108,6 +112,10 @@ MALFORMED = {
     "--custom-rm-path": (MODES, "nan_reward",
                          r" returned nan for sample 0 \(prompt_index \d, line \d of --prompt-data .*prompts.jsonl\); "
                          "rewards must be finite"),
+    # verl's contract (rollout/verl_reward.py): the same scoring call site as --custom-rm-path, walked in one mode
+    "--custom-reward-function-path": (("off",), "verl_nan",
+                                      r" returned nan for sample 0 \(prompt_index \d, line \d of --prompt-data "
+                                      r".*prompts.jsonl\); rewards must be finite"),
     # called by the training step, on the main thread, the same in every mode: walked in one
     "--custom-advantage-function-path": (("off",), "advantages_of_text",
                                          r" left rollout_data\['advantages'\] as <class 'str'>; it must set it to a "
@@ -136,7 +144,7 @@ def user_code(tmp_path, tiny_hf_models, monkeypatch):
               "--n-samples-per-prompt", "2", "--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "run")]
 
     def start(mode, *flags, rollouts=1):
-        rm = [] if "--custom-rm-path" in flags else ["--rm-type", "exact_match"]
+        rm = [] if {"--custom-rm-path", "--custom-reward-function-path"} & set(flags) else ["--rm-type", "exact_match"]
         mode_flags = [] if mode == "off" else ["--async-mode", mode, "--embedded-engine-ranks", "driver"]
         cfg = parse_config([*common, *rm, "--num-rollout", str(rollouts), *mode_flags, *flags],
                            validate=mode == "off")  # async: the double stands as the embedded engine (unplaced)
