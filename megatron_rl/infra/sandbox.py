@@ -91,7 +91,10 @@ class SandboxLimits:
     @classmethod
     def from_config(cls, cfg: Any) -> "SandboxLimits":
         r = cfg.rollout
-        return cls(**{f.name: getattr(r, "sandbox_" + f.name) for f in dataclasses.fields(cls)})
+        return cls(wall_seconds=r.sandbox_wall_seconds, cpu_seconds=r.sandbox_cpu_seconds,
+                   memory_mb=r.sandbox_memory_mb, file_size_mb=r.sandbox_file_size_mb, disk_mb=r.sandbox_disk_mb,
+                   processes=r.sandbox_processes, open_files=r.sandbox_open_files,
+                   output_bytes=r.sandbox_output_bytes, python=r.sandbox_python)
 
     def flag(self, name: str) -> str:
         """``--sandbox-memory-mb 512``: how messages name a limit."""

@@ -118,7 +118,6 @@ class CodeReward:
     batched = True
 
     def __call__(self, samples: list[Sample]) -> list[dict[str, float]]:
-        check_sandbox(self.limits)
         work: list[tuple[int, str, Case]] = []
         counts = []
         for i, sample in enumerate(samples):
@@ -134,6 +133,8 @@ class CodeReward:
             code = extract_code(sample.response_text)
             if code is not None:
                 work += [(i, code, case) for case in cases]
+        if work:
+            check_sandbox(self.limits)  # cached: a machine without the sandbox says so once, by name
         passed = [0] * len(samples)
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="code-reward") as pool:
             for (i, _, _), ok in zip(work, pool.map(lambda w: run_case(w[1], w[2], self.limits), work)):

@@ -1,0 +1,105 @@
+"""The sandbox's users: the ``python`` tool (through ``run_tool``, as the tool loop calls it, and bound to the
+run's ``--sandbox-*`` flags) and ``--rm-type code`` (stdin/stdout and assert tests, an early exit that must not
+pass, labels that are refused). The escapes themselves: tests/infra/test_sandbox.py."""
+
+import pytest
+
+from megatron_rl.config import collect_errors, parse_config
+from megatron_rl.data.types import Sample
+from megatron_rl.errors import ConfigError
+from megatron_rl.infra.sandbox import SandboxLimits, SandboxUnavailable, check_sandbox
+from megatron_rl.rollout.agent import check_tools, settings_from_config
+from megatron_rl.rollout.agent.python_tool import TOOLS, PythonTool, check_sandboxed_tools
+from megatron_rl.rollout.agent.tools import run_tool
+from megatron_rl.rollout.code_reward import CodeReward, extract_code, parse_cases
+from megatron_rl.rollout.rewards import compute_rewards, reward_fn_from_config, reward_metrics
+
+LIMITS = SandboxLimits(wall_seconds=60.0, cpu_seconds=1, memory_mb=128, file_size_mb=1, disk_mb=2, processes=8,
+                       open_files=32, output_bytes=2048)
+AGENT = ["--custom-generate-function-path", "megatron_rl.rollout.agent:generate"]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    try:
+        check_sandbox(LIMITS)
+    except SandboxUnavailable as exc:
+        pytest.skip(f"no sandbox on this machine: {exc}")
+
+
+def flags(*argv):
+    """A config of these flags (not validated as a whole run: no model is needed here)."""
+    return parse_config(list(argv), validate=False)
+
+
+def test_the_python_tool_answers_with_what_the_program_printed(sandbox):
+    tools = {"python": PythonTool(LIMITS)}
+    assert run_tool(tools, "python", {"code": "```python\nprint(6 * 7)\n```"}, 30.0) == ("42", False)
+    text, failed = run_tool(tools, "python", {"code": "print('partial')\n1 / 0"}, 30.0)
+    assert not failed and text.startswith("partial\nTraceback") and text.endswith(
+        "ZeroDivisionError: division by zero\n[sandbox: exit 1]")
+    text, failed = run_tool(tools, "python", {"code": "x = ' ' * (1 << 30)"}, 30.0)
+    assert not failed and text.endswith("[sandbox: exit 1; memory limit (--sandbox-memory-mb 128)]")
+    text, failed = run_tool(tools, "python", {"code": "while True: print('y' * 99)"}, 30.0)
+    assert not failed and len(text) < 2048 + 100 and text.endswith("output limit (--sandbox-output-bytes 2048)]")
+    assert run_tool(tools, "python", {"code": "pass"}, 30.0) == ("(no output)", False)
+    text, failed = run_tool(tools, "python", {"source": "print(1)"}, 30.0)  # a malformed call: a tool error
+    assert failed and 'give {"code"' in text
+
+
+def test_the_run_binds_sandboxed_tools_to_its_flags(sandbox):
+    cfg = flags(*AGENT, "--tools", "megatron_rl.rollout.agent.python_tool:TOOLS", "--sandbox-memory-mb", "128",
+                "--sandbox-output-bytes", "100", "--sandbox-wall-seconds", "4", "--sandbox-processes", "8")
+    tools = settings_from_config(cfg).tools
+    assert tools["python"].limits == SandboxLimits(wall_seconds=4.0, memory_mb=128, output_bytes=100, processes=8)
+    assert tools["calculator"] is TOOLS["calculator"]
+    check_tools(cfg)  # the sandbox starts Python under these limits on this machine
+    assert run_tool(tools, "python", {"code": "print('z' * 500)"}, 30.0)[0].endswith(
+        "(--sandbox-output-bytes 100)]")
+    with pytest.raises(ConfigError, match="--sandbox-wall-seconds 10 must be below --tool-timeout 5"):
+        check_sandboxed_tools(TOOLS, SandboxLimits(), tool_timeout=5.0)
+
+
+def test_sandbox_flags_are_validated():
+    errors = collect_errors(flags("--sandbox-processes", "0", "--sandbox-python", "python3",
+                                  "--sandbox-wall-seconds", "0"))
+    assert "--sandbox-processes 0 must be >= 1" in errors
+    assert any(e.startswith("--sandbox-python python3 must be an absolute path") for e in errors)
+    assert any(e.startswith("--sandbox-wall-seconds 0 is out of range") for e in errors)
+
+
+def sample(response, label):
+    return Sample(group_index=0, prompt_ids=[1], response_ids=[2], response_text=response, label=label)
+
+
+ADD_STDIO = '{"inputs": ["1 2\\n", "40 2\\n", "5 5\\n"], "outputs": ["3\\n", "42", "10\\n\\n"]}'
+
+
+def test_code_reward_scores_the_fraction_of_tests_passed(sandbox):
+    reward = reward_fn_from_config(flags("--rm-type", "code", "--sandbox-memory-mb", "128", "--sandbox-cpu-seconds",
+                                         "1", "--sandbox-wall-seconds", "60"))
+    assert isinstance(reward, CodeReward) and (reward.limits.memory_mb, reward.limits.cpu_seconds) == (128, 1)
+    samples = [
+        sample("Read two numbers:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```", ADD_STDIO),
+        sample("```python\nprint(3)\n```", ADD_STDIO),
+        sample("```python\ndef add(a, b):\n    return a + b\n```", {"asserts": ["assert add(1, 2) == 3",
+                                                                             "assert add(2, 2) == 5"]}),
+        sample("```python\nimport os\ndef add(a, b):\n    return 0\nos._exit(0)\n```",  # exits 0 before the test
+               {"asserts": ["assert add(1, 2) == 3"]}),
+        sample("```python\nwhile True: pass\n```", {"asserts": ["assert True"]}),
+        sample("the answer is 3", ADD_STDIO),
+    ]
+    assert compute_rewards(samples, reward) == [1.0, 1 / 3, 0.5, 0.0, 0.0, 0.0]
+    assert [s.metadata["reward_metrics"]["all_passed"] for s in samples] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert reward_metrics(samples)["reward/all_passed"] == pytest.approx(1 / 6)
+
+
+def test_code_blocks_and_labels():
+    assert extract_code("a\n```python\nx = 1\n```\nb\n```\ny = 2\n```\n```bash\nls\n```") == "y = 2\n"
+    assert extract_code("no code") is None
+    for label, match in [("not json", "is not JSON"), ([1], "is a list"), ({"asserts": []}, "'asserts' that is"),
+                         ({"inputs": ["1"], "outputs": []}, "keys: inputs, outputs")]:
+        with pytest.raises(ConfigError, match=f"--rm-type code: the label of sample 3 .*{match}"):
+            parse_cases(label, "sample 3 (group 0)")
+    with pytest.raises(ConfigError, match="needs a label with the tests"):
+        CodeReward(LIMITS)([sample("x", None)])
