@@ -77,8 +77,8 @@ ADD_STDIO = '{"inputs": ["1 2\\n", "40 2\\n", "5 5\\n"], "outputs": ["3\\n", "42
 
 def test_code_reward_scores_the_fraction_of_tests_passed(sandbox):
     reward = reward_fn_from_config(flags("--rm-type", "code", "--sandbox-memory-mb", "128", "--sandbox-cpu-seconds",
-                                         "1", "--sandbox-wall-seconds", "60"))
-    assert isinstance(reward, CodeReward) and (reward.limits.memory_mb, reward.limits.cpu_seconds) == (128, 1)
+                                         "5", "--sandbox-wall-seconds", "60"))
+    assert isinstance(reward, CodeReward) and (reward.limits.memory_mb, reward.limits.cpu_seconds) == (128, 5)
     samples = [
         sample("Read two numbers:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```", ADD_STDIO),
         sample("```python\nprint(3)\n```", ADD_STDIO),
@@ -86,7 +86,7 @@ def test_code_reward_scores_the_fraction_of_tests_passed(sandbox):
                                                                              "assert add(2, 2) == 5"]}),
         sample("```python\nimport os\ndef add(a, b):\n    return 0\nos._exit(0)\n```",  # exits 0 before the test
                {"asserts": ["assert add(1, 2) == 3"]}),
-        sample("```python\nwhile True: pass\n```", {"asserts": ["assert True"]}),
+        sample("```python\nimport sys\nsys.exit(1)\n```", {"asserts": ["assert True"]}),
         sample("the answer is 3", ADD_STDIO),
     ]
     assert compute_rewards(samples, reward) == [1.0, 1 / 3, 0.5, 0.0, 0.0, 0.0]
@@ -103,3 +103,36 @@ def test_code_blocks_and_labels():
             parse_cases(label, "sample 3 (group 0)")
     with pytest.raises(ConfigError, match="needs a label with the tests"):
         CodeReward(LIMITS)([sample("x", None)])
+
+
+def test_a_fork_bomb_through_the_tool_loop_is_an_observation_and_the_trajectory_goes_on(tmp_path, sandbox):
+    """The tool loop (``run_agent``) with a scripted engine double: the model's turn calls ``python`` with a fork
+    bomb; the loop appends what the sandbox said (loss mask 0) and the next turn answers."""
+    import json
+
+    from _tokenizer import build_char_tokenizer  # tests/ is on sys.path (conftest)
+
+    from megatron_rl.data.types import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.agent import AgentSettings, run_agent
+    from megatron_rl.rollout.generate_fn import EngineHandle
+
+    tok = build_char_tokenizer(tmp_path / "tok")
+    call = {"name": "python", "arguments": {"code": "import os\nwhile True:\n    os.fork()"}}
+    turns = [tok.encode(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False),
+             tok.encode("done", add_special_tokens=False) + [tok.eos_token_id]]
+
+    def engine(requests, sampling):
+        ids = turns.pop(0)
+        return [Sample(group_index=r.group_index, prompt_ids=list(r.prompt_ids), response_ids=ids,
+                       rollout_logprobs=[-1.0] * len(ids), finish_reason="stop", weight_version=0)
+                for r in requests]
+
+    prompt = tok.encode("<|user|>fork<|assistant|>", add_special_tokens=False)
+    request = GenerateRequest(prompt_ids=prompt, group_index=0)
+    (s,) = run_agent(request, SamplingParams(max_new_tokens=2048, n=1), EngineHandle(engine, tokenizer=tok,
+                                                                                      request=request),
+                     AgentSettings(tools={"python": PythonTool(LIMITS)}, max_turns=3, tool_timeout_s=120.0))
+    observation = tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m == 0])
+    assert "BlockingIOError" in observation and "process limit (--sandbox-processes 8)" in observation
+    assert (s.metadata["tool_calls"], s.metadata["tool_errors"], s.metadata["agent_stop"]) == (1, 0, "answer")
+    assert tok.decode(s.response_ids, skip_special_tokens=True).endswith("done")
