@@ -7,7 +7,7 @@ slows down mid-run slows all of them):
 * ``bare``: ``python -I -S -c pass`` as a plain subprocess (the floor: an interpreter's start);
 * ``sandboxed``: ``run_python("pass")``: ``setpriv`` + ``unshare`` (four namespaces) + the sandbox's PID 1
   (an interpreter of its own) + the program's interpreter, the tmpfs mounts and the teardown;
-* the overhead, their difference;
+* the overhead, their difference; and the CPU time of each (less sensitive to a busy machine than wall time);
 
 then ``--rm-type code`` on ``--samples`` samples of 3 stdin/stdout cases each (one sandbox per case, the
 cases of the batch on every core): seconds per batch and milliseconds per case.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,13 @@ SOLUTION = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 LABEL = {"inputs": ["1 2\n", "40 2\n", "5 5\n"], "outputs": ["3", "42", "10"]}
 
 
+def _children_cpu() -> float:
+    """CPU seconds of every waited-for child so far (setpriv, unshare, the sandbox's processes: the kernel adds a
+    process's own children's time to it when it reaps them)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=30)
@@ -42,20 +50,24 @@ def main() -> None:
     args = parser.parse_args()
     limits = SandboxLimits()
     python = check_sandbox(limits)
-    bare, boxed = [], []
+    bare, boxed, bare_cpu, boxed_cpu = [], [], [], []
     for _ in range(args.calls):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), _children_cpu()
         subprocess.run([python, "-I", "-S", "-c", "pass"], check=True)
         bare.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        bare_cpu.append(_children_cpu() - c)
+        t, c = time.perf_counter(), _children_cpu()
         result = run_python("pass", limits)
         boxed.append(time.perf_counter() - t)
+        boxed_cpu.append(_children_cpu() - c)
         assert result.ok, result
     b, s = statistics.median(bare) * 1e3, statistics.median(boxed) * 1e3
     print(f"interpreter {python}, {os.cpu_count()} cores, {args.calls} calls each")
     print(f"bare python start   {b:7.1f} ms (median)")
     print(f"sandboxed call      {s:7.1f} ms (median; p90 {sorted(boxed)[int(0.9 * len(boxed))] * 1e3:.1f} ms)")
     print(f"sandbox overhead    {s - b:7.1f} ms per call")
+    bc, sc = statistics.median(bare_cpu) * 1e3, statistics.median(boxed_cpu) * 1e3
+    print(f"CPU per call        {bc:7.1f} ms bare, {sc:.1f} ms sandboxed (children's user + system, median)")
     samples = [Sample(group_index=i, prompt_ids=[1], response_ids=[2], response_text=SOLUTION, label=LABEL)
                for i in range(args.samples)]
     reward = CodeReward(limits)

@@ -326,7 +326,7 @@ def check_sandbox(limits: SandboxLimits) -> str:
     with _CHECK_LOCK:
         if key in _CHECKED:
             return _CHECKED[key]
-        tried = []
+        tried, started = [], False
         candidates = [limits.python] if limits.python else \
             [sys.executable, shutil.which("python3", path=_PATH) or "/usr/bin/python3"]
         for python in dict.fromkeys(c for c in candidates if c):
@@ -338,10 +338,17 @@ def check_sandbox(limits: SandboxLimits) -> str:
             if result.ok and result.stdout.strip() == "ok":
                 _CHECKED[key] = python
                 return python
+            started = True
             tried.append(f"{python}: {result.status_line(limits)} {result.stderr.strip()[-300:]}")
-        fix = ("give --sandbox-python PATH, an interpreter the sandbox's user can run" if limits.python is None else
-               "check --sandbox-python")
-        raise SandboxUnavailable(f"the sandbox cannot run Python on this machine ({'; '.join(tried)}); {fix}")
+        if started:  # an interpreter ran but could not start under the limits
+            fix = ("raise the limit its error names (" +
+                   ", ".join(limits.flag(f) for f in ("memory_mb", "open_files", "processes", "file_size_mb")) + ")")
+        elif limits.python is None:
+            fix = "give --sandbox-python PATH, an interpreter the sandbox's user can run"
+        else:
+            fix = "give --sandbox-python an interpreter the sandbox's user (nobody, for a root run) can run"
+        where = "under these limits" if started else "on this machine"
+        raise SandboxUnavailable(f"the sandbox cannot run Python {where} ({'; '.join(tried)}); {fix}")
 
 
 def run_python(source: str, limits: SandboxLimits, *, files: Optional[dict[str, str]] = None,

@@ -173,3 +173,9 @@ def test_the_sandbox_refuses_where_it_cannot_isolate(monkeypatch):
     monkeypatch.setattr(sandbox, "_CHECKED", {})
     with pytest.raises(SandboxUnavailable, match="cannot run Python on this machine.*give --sandbox-python"):
         check_sandbox(LIMITS)
+
+
+def test_limits_too_small_for_python_are_named(python):
+    with pytest.raises(SandboxUnavailable, match="cannot run Python under these limits.*raise the limit its error "
+                                                 "names .--sandbox-memory-mb 8"):
+        check_sandbox(SandboxLimits(memory_mb=8, python=python))
