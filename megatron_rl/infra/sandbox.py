@@ -229,8 +229,11 @@ def _run(command: list[str], argv: list[str], limits: SandboxLimits, files: dict
                                      "SIGKILL") from None
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
     if status is None and killed is None:  # PID 1 never reported: the sandbox did not start
-        raise SandboxUnavailable(f"the sandbox did not start (exit {proc.returncode}): "
-                                 f"{stderr.strip()[-600:] or 'no message'}")
+        said = stderr.strip()[-600:] or "no message"
+        fix = "" if "failed to execute" in said else (
+            "; it needs user, PID, mount and network namespaces for an unprivileged user (util-linux unshare, "
+            "sysctl user.max_user_namespaces > 0, no seccomp or LSM policy refusing unshare) and Linux 5.12+")
+        raise SandboxUnavailable(f"the sandbox did not start (exit {proc.returncode}): {said}{fix}")
     if status is not None and "setup_error" in status:
         raise SandboxUnavailable(f"the sandbox could not seal itself: {status['setup_error']}")
     code = None if killed else status["exit"] if status else None
@@ -330,9 +333,12 @@ def check_sandbox(limits: SandboxLimits) -> str:
         candidates = [limits.python] if limits.python else \
             [sys.executable, shutil.which("python3", path=_PATH) or "/usr/bin/python3"]
         for python in dict.fromkeys(c for c in candidates if c):
+            command = _command(python)  # no unshare / setpriv: no candidate helps
             try:
-                result = _run(_command(python), [python, "-I", "-S", "-c", "print('ok')"], limits, {}, b"")
+                result = _run(command, [python, "-I", "-S", "-c", "print('ok')"], limits, {}, b"")
             except SandboxUnavailable as exc:
+                if "failed to execute" not in str(exc):  # the namespaces themselves (unshare said why)
+                    raise
                 tried.append(f"{python}: {exc}")
                 continue
             if result.ok and result.stdout.strip() == "ok":

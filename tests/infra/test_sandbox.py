@@ -166,11 +166,15 @@ def test_the_sandbox_refuses_where_it_cannot_isolate(monkeypatch):
     with pytest.raises(SandboxUnavailable, match="needs util-linux's unshare"):
         run_sandboxed(["/bin/true"], LIMITS, python=sys.executable)
     monkeypatch.undo()
-    monkeypatch.setattr(sandbox, "_command", lambda python: ["/bin/sh", "-c", "echo 'unshare: Operation not "
-                                                             "permitted' >&2; exit 1", "sh"])
+    monkeypatch.setattr(sandbox, "_command", lambda python: ["/bin/sh", "-c", "echo 'unshare: unshare failed: "
+                                                             "Operation not permitted' >&2; exit 1", "sh"])
     with pytest.raises(SandboxUnavailable, match="did not start.*Operation not permitted"):
         run_sandboxed(["/bin/true"], LIMITS, python=sys.executable)
     monkeypatch.setattr(sandbox, "_CHECKED", {})
+    with pytest.raises(SandboxUnavailable, match="^the sandbox did not start .exit 1.: unshare: unshare failed"):
+        check_sandbox(LIMITS)  # user namespaces refused: no interpreter would help, so none is blamed
+    monkeypatch.setattr(sandbox, "_command", lambda python: ["/bin/sh", "-c", f"echo 'unshare: failed to execute "
+                                                             f"{python}: Permission denied' >&2; exit 126", "sh"])
     with pytest.raises(SandboxUnavailable, match="cannot run Python on this machine.*give --sandbox-python"):
         check_sandbox(LIMITS)
 
