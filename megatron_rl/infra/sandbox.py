@@ -186,9 +186,39 @@ def _job(argv: list[str], files: dict[str, str], limits: SandboxLimits) -> bytes
     return json.dumps({"argv": argv, "env": env, "files": files, "limits": fields}).encode()
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _namespace_init(proc: subprocess.Popen) -> Optional[int]:
+    """The host pid of the namespaces' PID 1: ``unshare``'s one child (None before it forked or after it ended)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # setpriv/unshare: the namespace's PID 1 dies with unshare
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End the sandbox and return once nothing of it runs. PID 1 is killed first: the kernel kills every other
+    process of its PID namespace before PID 1 ends, and ``unshare`` exits only after PID 1 ended, so once
+    ``unshare`` is reaped the program and all it forked are gone. Then the whole process group, for a sandbox
+    still starting (``unshare`` kills a PID 1 it forks after that: ``--kill-child``)."""
+    if proc.poll() is not None:
+        return
+    init = _namespace_init(proc)
+    if init is not None:
+        try:
+            pidfd = os.pidfd_open(init)
+        except OSError:  # it ended meanwhile
+            pidfd = None
+        if pidfd is not None:
+            try:  # still unshare's child after the pidfd was taken: the pidfd is PID 1, not a reused pid
+                if _namespace_init(proc) == init:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    proc.wait(timeout=_KILL_WAIT_S)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+            finally:
+                os.close(pidfd)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
@@ -220,7 +250,7 @@ def _run(command: list[str], argv: list[str], limits: SandboxLimits, files: dict
     try:
         out, err, status, killed = _collect(proc, status_r, stdin, limits, start)
     finally:
-        _kill(proc)  # a no-op after a clean exit: the group is gone
+        _kill(proc)  # a no-op after a clean exit
         os.close(status_r)
         try:
             proc.wait(timeout=_KILL_WAIT_S)
