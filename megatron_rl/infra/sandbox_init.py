@@ -20,7 +20,8 @@ What it does with them, in order, and why:
    every other process of the PID namespace (a daemonised grandchild included).
 
 ``RLIMIT_NPROC`` counts the processes of one user in one user namespace, so the limit holds per sandbox
-and for a root caller too (the sandbox's user is not root outside).
+and for a root caller too (the sandbox's user is not root outside); ``unshare`` (which entered the user
+namespace) and this PID 1 count too, so the limit is ``--sandbox-processes`` + 2.
 Arguments: the descriptor of the job (JSON: argv, env, files, limits) and of the status pipe.
 """
 
@@ -98,7 +99,7 @@ def run_program(job: dict) -> None:
                          (resource.RLIMIT_AS, (limits["memory_mb"] * mib,) * 2),
                          (resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mib,) * 2),
                          (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
-                         (resource.RLIMIT_NPROC, (limits["processes"],) * 2),
+                         (resource.RLIMIT_NPROC, (limits["processes"] + 2,) * 2),  # + PID 1, unshare
                          (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(which, value)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as a fresh process has them, not as Python left them

@@ -69,6 +69,12 @@ def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing(python):
     assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0  # this process can still start one
 
 
+def test_the_process_limit_counts_the_program_and_what_it_forks(python):
+    result, stray = marked(python, "import os, time\nn = 1\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                                   "            time.sleep(600)\n        n += 1\nexcept BlockingIOError:\n    print(n)")
+    assert result.stdout == f"{LIMITS.processes}\n" and not stray  # the program itself + 7 children
+
+
 def test_endless_output_is_cut_and_the_program_killed(python):
     result, stray = marked(python, "while True:\n    print('y' * 100)")
     assert result.contained == ("output",) and result.exit_code is None and result.truncated and not stray
