@@ -702,7 +702,7 @@ class RolloutConfig:
     tool_timeout: float = flag(30.0, "The tool loop: seconds one tool call may take; a slower call becomes an "
                                "error observation and the trajectory goes on.", domain="(0, inf)")
     sandbox_wall_seconds: float = flag(
-        10.0, "The sandbox (the python tool megatron_rl.rollout.agent.python_tool:TOOLS, --rm-type code; "
+        10.0, "The sandbox (the python and shell tools of megatron_rl.rollout.agent.sandbox_tools:TOOLS, --rm-type code; "
         "docs/agentic.md): wall-clock seconds one program may run, the sandbox's start included; then its "
         "processes are killed. Below --tool-timeout when the tool loop runs.", domain="(0, 3600]")
     sandbox_cpu_seconds: int = flag(10, "The sandbox: CPU seconds per process of the program (RLIMIT_CPU; "

@@ -102,14 +102,16 @@ class SandboxLimits:
             f"{LIMIT_FLAGS[name]} {getattr(self, name)}"
 
 
-# what a program's stderr says when it ran into a limit: (what it says, the name, the limit's field or None)
+# what a program's stderr says when it ran into a limit: (what it says, the name, the limit's field or None);
+# the C library's strerror texts (Python's OSError and the shell print them alike), Python's MemoryError, and
+# how Python, dash and bash say a fork failed
 _SIGNS = (("MemoryError", "memory", "memory_mb"), ("Cannot allocate memory", "memory", "memory_mb"),
-          ("[Errno 27] File too large", "file_size", "file_size_mb"),
-          ("[Errno 28] No space left on device", "disk", "disk_mb"),
+          ("File too large", "file_size", "file_size_mb"), ("No space left on device", "disk", "disk_mb"),
           ("[Errno 11] Resource temporarily unavailable", "processes", "processes"),
-          ("[Errno 24] Too many open files", "open_files", "open_files"),
-          ("[Errno 101] Network is unreachable", "network", None),
-          ("[Errno 30] Read-only file system", "read_only", None))
+          ("Cannot fork", "processes", "processes"), ("fork: retry", "processes", "processes"),
+          ("fork: Resource temporarily unavailable", "processes", "processes"),
+          ("Too many open files", "open_files", "open_files"), ("Network is unreachable", "network", None),
+          ("Read-only file system", "read_only", None))
 _WHAT = {"wall_time": "wall-clock limit", "cpu_time": "CPU-time limit", "output": "output limit",
          "memory": "memory limit", "file_size": "file-size limit", "disk": "work-directory size limit",
          "processes": "process limit", "open_files": "open-files limit", "network": "no network in the sandbox",

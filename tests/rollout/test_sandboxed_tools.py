@@ -9,7 +9,7 @@ from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.sandbox import SandboxLimits, SandboxUnavailable, check_sandbox
 from megatron_rl.rollout.agent import check_tools, settings_from_config
-from megatron_rl.rollout.agent.python_tool import TOOLS, PythonTool, check_sandboxed_tools
+from megatron_rl.rollout.agent.sandbox_tools import TOOLS, PythonTool, ShellTool, check_sandboxed_tools
 from megatron_rl.rollout.agent.tools import run_tool
 from megatron_rl.rollout.code_reward import CodeReward, extract_code, parse_cases
 from megatron_rl.rollout.rewards import compute_rewards, reward_fn_from_config, reward_metrics
@@ -47,12 +47,25 @@ def test_the_python_tool_answers_with_what_the_program_printed(sandbox):
     assert failed and 'give {"code"' in text
 
 
+def test_the_shell_tool_runs_a_command_line_in_the_same_sandbox(sandbox):
+    tools = {"shell": ShellTool(LIMITS)}
+    assert run_tool(tools, "shell", {"command": "echo hi > f.txt && cat f.txt && pwd"}, 30.0) == ("hi\n/tmp/work",
+                                                                                                  False)
+    text, failed = run_tool(tools, "shell", {"command": "echo x > /tmp/out; exit 3"}, 30.0)
+    assert not failed and text.endswith("[sandbox: exit 3; only the work directory is writable]")
+    text, failed = run_tool(tools, "shell", {"code": "ls"}, 30.0)
+    assert failed and 'give {"command"' in text
+    text, failed = run_tool(tools, "shell", {"command": "f() { f | f & }; f"}, 30.0)  # the shell's fork bomb
+    assert not failed and "Cannot fork" in text and text.endswith(
+        "process limit (--sandbox-processes 8); processes left running were killed]")
+
+
 def test_the_run_binds_sandboxed_tools_to_its_flags(sandbox):
-    cfg = flags(*AGENT, "--tools", "megatron_rl.rollout.agent.python_tool:TOOLS", "--sandbox-memory-mb", "128",
+    cfg = flags(*AGENT, "--tools", "megatron_rl.rollout.agent.sandbox_tools:TOOLS", "--sandbox-memory-mb", "128",
                 "--sandbox-output-bytes", "100", "--sandbox-wall-seconds", "4", "--sandbox-processes", "8")
     tools = settings_from_config(cfg).tools
     assert tools["python"].limits == SandboxLimits(wall_seconds=4.0, memory_mb=128, output_bytes=100, processes=8)
-    assert tools["calculator"] is TOOLS["calculator"]
+    assert tools["shell"].limits == tools["python"].limits and tools["calculator"] is TOOLS["calculator"]
     check_tools(cfg)  # the sandbox starts Python under these limits on this machine
     assert run_tool(tools, "python", {"code": "print('z' * 500)"}, 30.0)[0].endswith(
         "(--sandbox-output-bytes 100)]")

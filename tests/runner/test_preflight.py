@@ -288,7 +288,7 @@ def test_a_sandbox_this_machine_cannot_give_is_refused_before_the_workers_start(
                                           r".*give --sandbox-python an interpreter"):
         preflight(parse_config(base + ["--rm-type", "code", "--sandbox-python", "/nonexistent/python"]))
     agent = ["--custom-generate-function-path", "megatron_rl.rollout.agent:generate", "--tools",
-             "megatron_rl.rollout.agent.python_tool:TOOLS"]
+             "megatron_rl.rollout.agent.sandbox_tools:TOOLS"]
     with pytest.raises(ConfigError, match=r"^--sandbox-wall-seconds 30 must be below --tool-timeout 30"):
         preflight(parse_config(base + agent + ["--sandbox-wall-seconds", "30"]))
 

@@ -5,8 +5,8 @@ contract), so it runs on every engine and through the same checks. Its flags: ``
 (default: the built-in ``calculator``), ``--max-turns``, ``--tool-timeout``, the ``--sandbox-*`` limits of
 sandboxed tools; the response budget of all turns together is ``--rollout-max-response-len``. Modules:
 ``loop`` (the turns), ``parse`` (Qwen/Hermes ``<tool_call>`` blocks), ``framing`` (observation tokens from
-the chat template), ``tools`` (registry, calculator, timeouts), ``python_tool`` (the sandboxed ``python``
-tool); ``calculator_task`` is the CPU agent demo's task (scripts/run_agent_demo_cpu.sh).
+the chat template), ``tools`` (registry, calculator, timeouts), ``sandbox_tools`` (the sandboxed ``python``
+and ``shell`` tools); ``calculator_task`` is the CPU agent demo's task (scripts/run_agent_demo_cpu.sh).
 docs/agentic.md.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.infra.sandbox import SandboxLimits
 from megatron_rl.rollout.agent.loop import AgentSettings, run_agent
-from megatron_rl.rollout.agent.python_tool import check_sandboxed_tools, configure_sandboxed
+from megatron_rl.rollout.agent.sandbox_tools import check_sandboxed_tools, configure_sandboxed
 from megatron_rl.rollout.agent.tools import BUILTIN_TOOLS, calculator, load_tools
 from megatron_rl.rollout.generate_fn import EngineHandle
 
@@ -31,7 +31,7 @@ def settings_from_config(cfg) -> AgentSettings:
 
 def check_tools(cfg) -> None:
     """At the rollout's start: ``--tools`` imported and checked, and, when it holds sandboxed tools, the
-    sandbox checked on this machine under the ``--sandbox-*`` limits (``python_tool.check_sandboxed_tools``)."""
+    sandbox checked on this machine under the ``--sandbox-*`` limits (``sandbox_tools.check_sandboxed_tools``)."""
     check_sandboxed_tools(load_tools(cfg.rollout.tools), SandboxLimits.from_config(cfg), cfg.rollout.tool_timeout)
 
 

@@ -1,17 +1,18 @@
-"""The ``python`` tool: the model's code run in the local sandbox (``infra.sandbox``); what it printed is the
-observation.
+"""Sandboxed tools: ``python`` and ``shell`` run the model's code in the local sandbox (``infra.sandbox``); what
+it printed is the observation.
 
-``--tools megatron_rl.rollout.agent.python_tool:TOOLS`` gives the tool loop ``python`` and ``calculator``; a
-registry of your own may hold ``python_tool.python`` beside your tools. The loop binds every sandboxed tool of
-the registry to the run's ``--sandbox-*`` limits (``configure_sandboxed``), and the rollout's start checks
-once that this machine can give the sandbox (``check_sandboxed_tools``), so a missing ``unshare`` stops the
-run in its first seconds, not at the first call.
+``--tools megatron_rl.rollout.agent.sandbox_tools:TOOLS`` gives the tool loop ``python``, ``shell`` and
+``calculator``; a registry of your own may hold ``sandbox_tools.python`` / ``sandbox_tools.shell`` beside your
+tools. The loop binds every sandboxed tool of the registry to the run's ``--sandbox-*`` limits
+(``configure_sandboxed``), and the run's pre-flight checks once that this machine can give the sandbox
+(``check_sandboxed_tools``), so a missing ``unshare`` stops the run in its first seconds, not at the first call.
 
-A call is ``{"code": "<python source>"}``. The observation is the program's stdout, then its stderr, then one
-status line when it did not simply exit 0: ``[sandbox: exit 1; memory limit (--sandbox-memory-mb 512)]``; at
-most ``--sandbox-output-bytes`` of output plus that line, ``(no output)`` when there was none. A program that
-fails, loops or runs into a limit is an observation like any other (the tool worked: the model reads what
-happened); only a sandbox that cannot start is a tool error.
+A call is ``{"code": "<python source>"}`` (``python``, run by ``python -I -u main.py``) or ``{"command":
+"<shell command line>"}`` (``shell``, run by ``/bin/sh -c``). The observation is the program's stdout, then its
+stderr, then one status line when it did not simply exit 0: ``[sandbox: exit 1; memory limit
+(--sandbox-memory-mb 512)]``; at most ``--sandbox-output-bytes`` of output plus that line, ``(no output)`` when
+there was none. A program that fails, loops or runs into a limit is an observation like any other (the tool
+worked: the model reads what happened); only a malformed call or a sandbox that cannot start is a tool error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.infra.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_python
+from megatron_rl.infra.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_python, run_sandboxed
 from megatron_rl.rollout.agent.tools import Tool, ToolRegistry, calculator
 
 _FENCE = re.compile(r"^\s*```[\w+-]*\s*\n(.*?)\n?\s*```\s*$", re.S)
@@ -54,10 +55,27 @@ class PythonTool:
         return dataclasses.replace(self, limits=limits)
 
 
-python = PythonTool()
+@dataclass(frozen=True)
+class ShellTool:
+    """``shell``: run ``arguments["command"]`` with ``/bin/sh -c`` in a fresh sandbox under ``limits``."""
 
-#: ``--tools megatron_rl.rollout.agent.python_tool:TOOLS``
-TOOLS: dict[str, Tool] = {"python": python, "calculator": calculator}
+    limits: SandboxLimits = SandboxLimits()
+
+    def __call__(self, arguments: dict) -> str:
+        command = arguments.get("command")
+        if not isinstance(command, str):
+            raise ValueError('give {"command": "<shell command line>"}')
+        return observation(run_sandboxed(["/bin/sh", "-c", command], self.limits), self.limits)
+
+    def with_limits(self, limits: SandboxLimits) -> "ShellTool":
+        return dataclasses.replace(self, limits=limits)
+
+
+python = PythonTool()
+shell = ShellTool()
+
+#: ``--tools megatron_rl.rollout.agent.sandbox_tools:TOOLS``
+TOOLS: dict[str, Tool] = {"python": python, "shell": shell, "calculator": calculator}
 
 
 def _sandboxed(tool: Any) -> bool:
@@ -86,4 +104,5 @@ def check_sandboxed_tools(registry: ToolRegistry, limits: SandboxLimits, tool_ti
     check_sandbox(limits)
 
 
-__all__ = ["PythonTool", "TOOLS", "check_sandboxed_tools", "configure_sandboxed", "observation", "python"]
+__all__ = ["PythonTool", "ShellTool", "TOOLS", "check_sandboxed_tools", "configure_sandboxed", "observation",
+           "python", "shell"]
