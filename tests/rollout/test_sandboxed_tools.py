@@ -55,9 +55,6 @@ def test_the_shell_tool_runs_a_command_line_in_the_same_sandbox(sandbox):
     assert not failed and text.endswith("[sandbox: exit 3; only the work directory is writable]")
     text, failed = run_tool(tools, "shell", {"code": "ls"}, 30.0)
     assert failed and 'give {"command"' in text
-    text, failed = run_tool(tools, "shell", {"command": "f() { f | f & }; f"}, 30.0)  # the shell's fork bomb
-    assert not failed and "Cannot fork" in text and text.endswith(
-        "process limit (--sandbox-processes 8); processes left running were killed]")
 
 
 def test_the_run_binds_sandboxed_tools_to_its_flags(sandbox):
