@@ -104,7 +104,7 @@ def engine_url(address: str) -> str:
 
 
 # --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
-BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "gsm8k", "verl_math", "math_dapo", "verl")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "gsm8k", "verl_math", "math_dapo", "verl", "code")
 
 
 @dataclass(frozen=True)
@@ -745,6 +745,26 @@ class RolloutConfig:
                           "tool ends the trajectory (finish_reason length) without running it.")
     tool_timeout: float = flag(30.0, "The tool loop: seconds one tool call may take; a slower call becomes an "
                                "error observation and the trajectory goes on.", domain="(0, inf)")
+    sandbox_wall_seconds: float = flag(
+        10.0, "The sandbox (the python and shell tools of megatron_rl.rollout.agent.sandbox_tools:TOOLS, --rm-type code; "
+        "docs/agentic.md): wall-clock seconds one program may run, the sandbox's start included; then its "
+        "processes are killed. Below --tool-timeout when the tool loop runs.", domain="(0, 3600]")
+    sandbox_cpu_seconds: int = flag(10, "The sandbox: CPU seconds per process of the program (RLIMIT_CPU; "
+                                    "SIGXCPU, then SIGKILL a second later).")
+    sandbox_memory_mb: int = flag(512, "The sandbox: address space per process in MiB (RLIMIT_AS); an allocation "
+                                  "past it fails (Python: MemoryError). The interpreter itself needs some 30.")
+    sandbox_file_size_mb: int = flag(16, "The sandbox: largest file the program may write, MiB (RLIMIT_FSIZE).")
+    sandbox_disk_mb: int = flag(64, "The sandbox: size of the work directory, a tmpfs that vanishes with the "
+                                "program, MiB; the rest of the file system is read-only to it.")
+    sandbox_processes: int = flag(32, "The sandbox: processes (and threads) the program may have at once, itself "
+                                  "included (RLIMIT_NPROC in the sandbox's own user namespace: a fork bomb's "
+                                  "forks fail, also for a root caller).")
+    sandbox_open_files: int = flag(64, "The sandbox: open file descriptors per process (RLIMIT_NOFILE).")
+    sandbox_output_bytes: int = flag(16384, "The sandbox: bytes of stdout + stderr kept; a program printing more "
+                                     "is killed and the first bytes kept (what the model or the reward reads).")
+    sandbox_python: Optional[str] = flag(None, "The sandbox: the Python interpreter programs run with; unset: "
+                                         "this one when the sandbox's user (nobody, for a root caller) can run "
+                                         "it, else python3 on /usr/local/bin:/usr/bin:/bin.", metavar="PATH")
     user_function_timeout: float = flag(
         3600.0, "Seconds one call into your code may take: a --custom-generate-function-path group (its engine "
         "calls included), a --rollout-function-path batch, a --custom-rm-path or --custom-reward-function-path batch of "
@@ -835,7 +855,9 @@ class DataConfig:
     rm_type: Optional[str] = flag(None, "Built-in reward function (rollout/rewards.py): exact_match, math, "
                                   "deepscaler (slime's rule); verl's rules with verl's scores (rollout/verl_scores.py): "
                                   "gsm8k, verl_math, math_dapo, and verl (one of them by each sample's data_source, as "
-                                  "verl's default_compute_score); anything else: --custom-rm-path.",
+                                  "verl's default_compute_score); code (the response's last code block run against "
+                                  "the label's tests in the sandbox, --sandbox-*; docs/agentic.md); anything else: "
+                                  "--custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
     custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
     custom_reward_function_path: Optional[str] = flag(

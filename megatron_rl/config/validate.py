@@ -566,6 +566,20 @@ def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
         errors.append(f"--max-turns {r.max_turns} must be >= 1 (one model turn at least)")
     if r.tools is not None and ":" not in r.tools:
         errors.append(f"--tools {r.tools} must be module:REGISTRY (a dict of tool name -> callable)")
+    _check_sandbox(errors, r)
+
+
+def _check_sandbox(errors: list[str], r) -> None:
+    """The --sandbox-* limits (infra/sandbox.py): whole numbers >= 1 (the wall bound has its domain), an
+    absolute interpreter path. Whether this machine can give the sandbox at all, and start Python under these
+    limits, is checked where the sandbox is used, at start-up (``infra.sandbox.check_sandbox``)."""
+    for name in ("cpu_seconds", "memory_mb", "file_size_mb", "disk_mb", "processes", "open_files", "output_bytes"):
+        value = getattr(r, "sandbox_" + name)
+        if value < 1:
+            errors.append(f"--sandbox-{name.replace('_', '-')} {value} must be >= 1")
+    if r.sandbox_python is not None and not os.path.isabs(r.sandbox_python):
+        errors.append(f"--sandbox-python {r.sandbox_python} must be an absolute path (the sandbox's PATH is "
+                      "/usr/local/bin:/usr/bin:/bin, not yours)")
 
 
 def _check_slime_algorithm_hooks(errors: list[str], cfg: Config) -> None:

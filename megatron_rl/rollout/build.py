@@ -20,7 +20,7 @@ from megatron_rl.rollout.base import ENGINES, RolloutEngine
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.replicas import ReplicaWorker, replicate_on_every_rank, worker_for_this_rank
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler
-from megatron_rl.rollout.agent.tools import load_tools
+from megatron_rl.rollout.agent import check_tools
 from megatron_rl.rollout.generate_fn import RolloutFunctions
 from megatron_rl.rollout.rewards import reward_fn_from_config
 
@@ -39,7 +39,7 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
     reward_fn = reward_fn_from_config(cfg)  # fail fast
     dynamic_sampler = DynamicSampler.from_config(cfg)  # None without --dynamic-sampling-filter-path
     functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path / --rollout-function-path
-    load_tools(cfg.rollout.tools)  # --tools: imported and checked here, not at the first tool call
+    check_tools(cfg)  # --tools imported and checked here (and the sandbox, for sandboxed tools), not at a call
     if cfg.embedded_placement == "process":  # its own process, spoken to as an SGLang server is
         # lazy: a subprocess and an HTTP client, only for runs that serve the embedded engine from a process
         from megatron_rl.rollout.embedded_process import start_embedded_engine

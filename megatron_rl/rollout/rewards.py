@@ -24,7 +24,9 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
   the last ``####``, else the last number) from the response (and from the label
   when it has such a marker), compares numerically (integers, decimals, ``1,000``,
   ``a/b``, ``\\frac{a}{b}``, a trailing ``%``) with relative tolerance 1e-6, and
-  falls back to comparing normalised strings (e.g. ``x+1``).
+  falls back to comparing normalised strings (e.g. ``x+1``);
+* ``code``: the response's last code block run against the label's tests in the local sandbox
+  (``code_reward``: ``{"reward": fraction passed, "all_passed": 0 or 1}``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from megatron_rl.data.types import Sample, describe_prompt
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
+from megatron_rl.rollout.code_reward import code_reward, code_reward_from_config
 from megatron_rl.rollout.remote_reward import RemoteReward
 from megatron_rl.rollout.verl_reward import verl_reward_from_config
 from megatron_rl.rollout.verl_scores import VERL_RULES
@@ -182,8 +185,10 @@ def deepscaler_reward(sample: Sample) -> float:
 # --rm-type -> reward; the names are also config.schema.BUILTIN_REWARD_NAMES (the flag's choices; a test keeps
 # the two equal), so an unknown name is refused while parsing flags, before any worker starts
 BUILTIN_REWARDS: dict[str, Callable[[Sample], Any]] = {"exact_match": exact_match, "math": math_reward,
-                                                       "deepscaler": deepscaler_reward,
+                                                       "deepscaler": deepscaler_reward, "code": code_reward,
                                                        **VERL_RULES}  # verl's rules: rollout/verl_scores.py
+# built-ins the run builds from its flags (their limits), in batched form: --rm-type name -> (cfg) -> RewardFn
+CONFIGURED_REWARDS: dict[str, Callable[[Any], RewardFn]] = {"code": code_reward_from_config}
 
 
 # ---------------------------------------------------------------- selection
@@ -277,6 +282,8 @@ def reward_fn_from_config(cfg) -> RewardFn:
         return verl_reward
     if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
         return _scored_by_the_reward_model  # the RM role on the trainer's ranks sets every reward (runner/step.py)
+    if d.rm_type in CONFIGURED_REWARDS and not d.custom_rm_path:
+        return CONFIGURED_REWARDS[d.rm_type](cfg)
     return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
                          timeout_s=cfg.rollout.user_function_timeout)
 

@@ -24,6 +24,9 @@ What is checked, each named by flag, file, line or URL with the fix:
   missing name, a constant where a function belongs, a function that cannot take the call's arguments);
 * ``--rm-url``: something accepts a connection at its host and port, with the retries a request gets
   (``rollout.remote_reward.probe_reward_server``); nothing is posted.
+* the sandbox, where ``--rm-type code`` or a sandboxed tool of ``--tools`` uses it: a program started once under
+  the ``--sandbox-*`` limits (``infra.sandbox.check_sandbox``: the namespaces this machine allows, an
+  interpreter the sandbox's user can run, limits it starts under), and a wall bound below ``--tool-timeout``.
 
 What needs the tokenizer loaded (a prompt's token count against ``--rollout-max-prompt-len``, the
 tokenizer's chat template) is checked when the rollout is built, after the workers started; such a
@@ -38,6 +41,8 @@ from typing import Optional
 from megatron_rl.config import Config
 from megatron_rl.data.prompts import MIB, PromptFileScan, scan_prompt_file
 from megatron_rl.errors import ConfigError, EngineError
+from megatron_rl.infra.sandbox import SandboxLimits, check_sandbox
+from megatron_rl.rollout.agent import check_tools
 from megatron_rl.rollout.base import TOKENIZER_FILES
 from megatron_rl.rollout.entry_points import load_user_code
 from megatron_rl.rollout.remote_reward import probe_reward_server
@@ -54,6 +59,9 @@ def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None
         check_tokenizer_for(cfg, flag, scan)
     load_user_code(cfg)  # every user-code flag imported and checked, as the rollout will load it
     d = cfg.data
+    check_tools(cfg)  # a sandboxed tool: the sandbox started once (nothing for tools without one)
+    if d.rm_type == "code" and not (d.custom_rm_path or d.rm_url):
+        check_sandbox(SandboxLimits.from_config(cfg))
     if d.rm_url:
         problem = probe_reward_server(d.rm_url, timeout_s=min(engine_timeout_s, d.rm_timeout),
                                       max_retries=d.rm_max_retries)

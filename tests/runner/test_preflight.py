@@ -281,6 +281,21 @@ def test_every_user_code_flag_is_imported_and_checked_before_the_workers_start(t
     assert "\n" not in str(exc.value)
 
 
+def test_a_sandbox_this_machine_cannot_give_is_refused_before_the_workers_start(tmp_path, hf_without_tokenizer):
+    """--rm-type code and the sandboxed python tool start the sandbox once in the pre-flight: an interpreter the
+    sandbox cannot run, or a wall bound the tool loop would not wait for, is one line before any worker."""
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_bytes(_lines(IDS))
+    base = ["--hf-checkpoint", hf_without_tokenizer, "--prompt-data", str(prompts)]
+    with pytest.raises(ConfigError, match=r"^the sandbox cannot run Python on this machine \(/nonexistent/python: "
+                                          r".*give --sandbox-python an interpreter"):
+        preflight(parse_config(base + ["--rm-type", "code", "--sandbox-python", "/nonexistent/python"]))
+    agent = ["--custom-generate-function-path", "megatron_rl.rollout.agent:generate", "--tools",
+             "megatron_rl.rollout.agent.sandbox_tools:TOOLS"]
+    with pytest.raises(ConfigError, match=r"^--sandbox-wall-seconds 30 must be below --tool-timeout 30"):
+        preflight(parse_config(base + agent + ["--sandbox-wall-seconds", "30"]))
+
+
 def test_a_reward_server_url_nothing_listens_at_is_refused_before_the_workers_start(tmp_path, hf_without_tokenizer):
     """--rm-url at a closed port was found after a whole rollout; a listening server passes (nothing is posted)."""
     prompts = tmp_path / "ids.jsonl"
