@@ -104,7 +104,7 @@ def engine_url(address: str) -> str:
 
 
 # --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
-BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "gsm8k", "verl_math", "math_dapo", "verl", "code")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "code", "gsm8k", "verl_math", "math_dapo", "verl")
 
 
 @dataclass(frozen=True)
