@@ -35,6 +35,7 @@ CORE_DEPS = [
     "pyyaml",
     "einops",
     "httpx",  # the SGLang client (megatron_rl/rollout/sglang/client.py)
+    "xxhash>=2.0",  # xxh3-128, the default --update-weight-delta-checksum (post-apply verification; 4.1.0 in CI)
 ]
 
 EXTRAS = {

@@ -263,11 +263,13 @@ def delta_main(args) -> int:
     (the rows above: ``--hidden`` x ``--layers``) at ``--delta-lr`` (default 1e-6, an RL post-training rate).
     Each step is one real optimizer step of the float32 HF model on a next-token loss over random token batches
     (the demo's GRPO loss needs rollouts; what the delta sees is how many weights' bits an Adam step moves).
-    After every step the float32 weights are synced into embedded engines in float32 and in bfloat16: full
-    without and with ``--update-weight-verify checksum``, and delta with it. Reported per row: bytes and
+    After every step the float32 weights are synced into embedded engines in float32 and in bfloat16: by the
+    in-process route (``tensor``) full without and with ``--update-weight-verify checksum`` and delta with it, and
+    by ``disk`` (``v<version>`` written, fsynced, loaded; a delta version holds only the patches) full and delta,
+    both verified. Reported per row: bytes and
     seconds per sync over the steps after the first (the first sync of a delta engine is full), the bytes as a
     fraction of full (in the engine's dtype), and the verification's seconds. At the end each delta engine
-    must hold, bit for bit, what the full engine of its dtype holds.
+    must hold, bit for bit, what the full in-process engine of its dtype holds.
     """
     import statistics
 
@@ -277,6 +279,7 @@ def delta_main(args) -> int:
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
     from megatron_rl.rollout import EmbeddedEngine
     from megatron_rl.weight_sync.delta import EngineUpdates
+    from megatron_rl.weight_sync.disk import DiskSynchronizer
     from megatron_rl.weight_sync.in_process import InProcessSynchronizer
 
     transformers.utils.logging.disable_progress_bar()
@@ -290,7 +293,7 @@ def delta_main(args) -> int:
                   num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab), args.delta_lr)]
     print(f"delta sync: {args.delta_steps} optimizer steps per model, one sync after each (and one before); "
           f"rows average the syncs after the first; one thread")
-    print(f"{'model':<26} {'engine':<9} {'mode':<6} {'verify':<8} {'MB/sync':>9} {'x full':>7} {'s/sync':>8} "
+    print(f"{'model':<26} {'engine':<9} {'route':<6} {'mode':<6} {'verify':<8} {'MB/sync':>9} {'x full':>7} {'s/sync':>8} "
           f"{'verify s':>9} {'changed':>8}")
     try:
         for label, hf, lr in models:
@@ -301,11 +304,16 @@ def delta_main(args) -> int:
             rows = {}
             for dtype in (torch.float32, torch.bfloat16):
                 names = [n for n, _ in EmbeddedEngine(hf, dtype=dtype).named_weights()]
-                for mode, verify in (("full", False), ("full", True), ("delta", True)):
+                for transport, mode, verify in (("tensor", "full", False), ("tensor", "full", True),
+                                                ("tensor", "delta", True), ("disk", "full", True),
+                                                ("disk", "delta", True)):
                     engine = EmbeddedEngine(hf, dtype=dtype)
-                    sync = InProcessSynchronizer(bucket_bytes=args.update_weight_buffer_size,
-                                                 updates=EngineUpdates(mode=mode, verify=verify))
-                    rows[(dtype, mode, verify)] = (engine, sync, [])
+                    updates = EngineUpdates(mode=mode, verify=verify)
+                    sync = InProcessSynchronizer(bucket_bytes=args.update_weight_buffer_size, updates=updates) \
+                        if transport == "tensor" else DiskSynchronizer(
+                            bucket_bytes=args.update_weight_buffer_size, updates=updates, hf_checkpoint=hf,
+                            disk_dir=os.path.join(root, f"w_{label[:4]}_{dtype}_{mode}"))
+                    rows[(dtype, transport, mode, verify)] = (engine, sync, [])
             for step in range(args.delta_steps + 1):
                 if step:
                     batch = torch.randint(0, vocab, (8, 16), generator=g)
@@ -318,22 +326,24 @@ def delta_main(args) -> int:
                 weights = {n: state[n].detach().clone() for n in names if n in state}
                 for engine, sync, out in rows.values():
                     out.append(sync.sync(FakeBackend(weights), engine, version=step))
-            for (dtype, mode, verify), (engine, _sync, out) in rows.items():
+            for (dtype, transport, mode, verify), (engine, _sync, out) in rows.items():
                 later = out[1:]
                 full_bytes = later[0].get("sync/full_bytes", sum(nbytes(t) for _, t in engine.named_weights()))
                 sent = statistics.mean(m["sync/bytes"] if mode == "delta" else full_bytes for m in later)
                 secs = statistics.median(m["sync/time_s"] for m in later)
                 vs = statistics.median(m.get("sync/verify_s", 0.0) for m in later)
                 changed = statistics.mean(m.get("sync/changed_fraction", 1.0) for m in later)
-                print(f"{label:<26} {str(dtype).replace('torch.', ''):<9} {mode:<6} {'checksum' if verify else 'off':<8} "
+                print(f"{label:<26} {str(dtype).replace('torch.', ''):<9} {transport:<6} {mode:<6} "
+                      f"{'checksum' if verify else 'off':<8} "
                       f"{sent / 1e6:>9.3f} {sent / full_bytes:>7.3f} {secs:>8.4f} {vs:>9.4f} {changed:>8.4f}")
             for dtype in (torch.float32, torch.bfloat16):
-                want = dict(rows[(dtype, "full", False)][0].named_weights())
-                got = dict(rows[(dtype, "delta", True)][0].named_weights())
-                if not all(torch.equal(got[n].view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8))
-                           for n in want):
-                    print(f"FAILED: the {dtype} delta engine differs from the full one")
-                    return 1
+                want = dict(rows[(dtype, "tensor", "full", False)][0].named_weights())
+                for transport in ("tensor", "disk"):
+                    got = dict(rows[(dtype, transport, "delta", True)][0].named_weights())
+                    if not all(torch.equal(got[n].view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8))
+                               for n in want):
+                        print(f"FAILED: the {dtype} delta engine of {transport} differs from the full one")
+                        return 1
         print("checked: after the last step every delta engine equals the full engine of its dtype bit for bit")
         return 0
     finally:

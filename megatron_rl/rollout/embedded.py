@@ -400,12 +400,17 @@ class EmbeddedEngine(RolloutEngine):
                 raise DeltaBaseMismatch(f"delta update to version {version} is based on version {base_version}, "
                                         f"but the engine holds {held}; send a full update")
             problems: list[str] = []
+            applied: set[str] = set()
             try:
                 with torch.no_grad():
                     for d in deltas:
                         if d.name not in self.param_map:
                             problems.append(f"{d.name}: no such tensor in this model")
                             continue
+                        canonical = self.param_map.canonical(d.name)
+                        if canonical in applied:  # a tied alias (lm_head of tied embeddings): one storage, patched
+                            continue  # once (an xor patch applied twice would undo itself)
+                        applied.add(canonical)
                         dst = self.param_map.view(d.name)
                         try:
                             d.apply_to(dst)

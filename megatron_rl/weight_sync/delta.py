@@ -70,6 +70,12 @@ class EngineUpdates:
                    checksum=s.update_weight_delta_checksum, verify=cfg.weight_update_verify == "checksum")
 
     @property
+    def carried_checksum(self) -> str:
+        """The checksum each delta tensor carries for the engine to check after patching it: none when the trainer
+        verifies every tensor after the update anyway (--update-weight-verify checksum)."""
+        return "" if self.verify else self.checksum
+
+    @property
     def active(self) -> bool:
         """Whether this does anything beyond handing the export over (delta mode or verification)."""
         return self.mode == "delta" or self.verify
@@ -155,7 +161,8 @@ class EngineUpdates:
             if new is tensor or new.data_ptr() == tensor.data_ptr():
                 new = new.clone()  # the copy must not alias the trainer's (or the export's) buffer
             digest = self._record(exported, name, new)
-            d = encode(name, new, self.snapshot.get(name), self.encoding, self.checksum, digest)
+            # verified after the apply: the engine need not check each patched tensor itself as well
+            d = encode(name, new, self.snapshot.get(name), self.encoding, self.carried_checksum, digest)
             self._elements += new.numel()
             self.snapshot[name] = new
             if d is None:
@@ -173,7 +180,9 @@ class EngineUpdates:
                 self._changed += new.numel()
                 if self.mode == "delta":
                     self.snapshot[name] = new.clone() if new.data_ptr() == tensor.data_ptr() else new
-            yield name, tensor
+                yield name, new  # cast once, here: the engine's copy is then a plain one (the same rounding)
+            else:
+                yield name, tensor
 
     # ------------------------------------------------------------ verification
     def check(self, engine: "RolloutEngine", version: int) -> int:

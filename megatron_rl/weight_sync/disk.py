@@ -175,7 +175,7 @@ class DiskSynchronizer(WeightSynchronizer):
         try:
             return u.send(engine, exported, version, full=lambda items: publish(items, None),
                           delta=lambda deltas, base: publish(deltas, DeltaHeader(base, version, u.encoding,
-                                                                                 u.checksum)))
+                                                                                 u.carried_checksum)))
         except Exception as e:
             if not agreed:  # failed before publishing: the other ranks still wait for the agreement
                 exported.drain()
