@@ -126,6 +126,10 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
                           "keep a host-local checkpoint beside the servers to patch and reload): use "
                           "--update-weight-mode full, or the embedded engine on the driver (--embedded-engine-ranks "
                           "driver or all)")
+        if cfg.memory.colocate and cfg.in_process_engine:
+            errors.append("--update-weight-mode delta with --colocate: the embedded engine gives its weights back "
+                          "during training (no host copy is kept), so every sync would have to send every tensor "
+                          "anyway (as slime, which refuses the same): drop one of them")
         if cfg.lora.lora_sync == "adapter":
             errors.append("--update-weight-mode delta with --lora-sync adapter: the adapter sync already sends only "
                           "the adapters; use one of them")

@@ -1020,7 +1020,8 @@ class SyncConfig:
                                    "gets a full sync (sync/delta_fallbacks counts them). The trainer keeps a host "
                                    "copy of the engine's weights to diff against. The embedded engine in this "
                                    "process only, with --update-weight-transport tensor or disk (SGLang 0.5.23 "
-                                   "cannot patch its weights in place: refused there). docs/sglang.md, \"Delta sync and "
+                                   "cannot patch its weights in place: refused there), not with --colocate (the engine "
+                                   "keeps no weights while the trainer trains). docs/sglang.md, \"Delta sync and "
                                    "post-apply checksums\".",
                                    choices=("full", "delta"))
     update_weight_delta_encoding: str = flag("xor", "slime's: how --update-weight-mode delta encodes a changed "

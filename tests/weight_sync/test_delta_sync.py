@@ -223,5 +223,36 @@ def test_flags_map_and_refuse(tiny_hf_models, tmp_path):
         parse_config(["--hf-checkpoint", hf, "--rollout-backend", "sglang", "--rollout-engine-urls",
                       "http://127.0.0.1:1", "--update-weight-transport", "disk", "--update-weight-disk-dir",
                       str(tmp_path / "w"), "--update-weight-mode", "delta", "--dry-run"])
+    with pytest.raises(ConfigError, match="--update-weight-mode delta with --colocate: the embedded engine gives"):
+        parse_config(["--hf-checkpoint", hf, "--update-weight-mode", "delta", "--colocate"])
     with pytest.raises(ConfigError, match="--update-weight-delta-encoding overwrite is only used by"):
         parse_config(["--hf-checkpoint", hf, "--update-weight-delta-encoding", "overwrite"])
+
+
+class LaggingEngine:
+    """The real engine, but it reports an older version than it holds (what the trainer sees of an engine that
+    moved on between its health report and the update)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def weight_version(self):
+        return self.inner.weight_version - 1
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+def test_a_delta_the_engine_refuses_before_reading_it_becomes_a_full_sync(tiny_hf_models):
+    hf = tiny_hf_models("qwen2")
+    start = checkpoint_tensors(hf)
+    s1, s2 = steps(start, 2, seed=3)
+    inner = EmbeddedEngine(hf)
+    sync = InProcessSynchronizer(bucket_bytes=BUCKET, updates=EngineUpdates(mode="delta", verify=True))
+    engine = LaggingEngine(inner)
+    sync.sync(FakeBackend(start), engine, version=0)
+    InProcessSynchronizer(bucket_bytes=BUCKET).sync(FakeBackend(s1), inner, version=1)  # the engine moves on,
+    m = sync.sync(FakeBackend(s2), engine, version=2)  # but says version 0: the delta goes, and is refused
+    assert m["sync/delta"] == 0.0 and m["sync/delta_fallbacks"] == 1.0 and inner.weight_version == 2
+    assert all(torch.equal(live(inner)[n], s2[n]) for n in s2)
