@@ -1041,7 +1041,8 @@ class SyncConfig:
                                      "on (the embedded engine in this process; SGLang 0.5.23 has no per-tensor "
                                      "checksum route: refused there; nor with --lora-sync adapter, whose engine merges "
                                      "the adapter itself). auto: checksum with the embedded engine in this process "
-                                     "and a whole-model sync, else off. off.",
+                                     "and a whole-model sync (an engine that reports no checksums is not "
+                                     "verified), else off. off.",
                                      choices=("auto", "checksum", "off"))
     update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "
                                                  "by it, refused without it): each sync publishes v<version>/ "

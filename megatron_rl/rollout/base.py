@@ -128,6 +128,10 @@ class RolloutEngine(abc.ABC):
         update). Only engines that patch their weights in place implement it (the embedded one)."""
         raise SyncError(f"{type(self).__name__} cannot apply a weight delta itself: use --update-weight-mode full")
 
+    def reports_weight_checksums(self) -> bool:
+        """Whether ``weight_checksums`` answers (``--update-weight-verify auto`` verifies only such engines)."""
+        return False
+
     def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
         """The checksum (``weight_delta.tensor_checksum``) of each named tensor the engine holds now, for the
         trainer's post-apply check (``--update-weight-verify``); a name the engine lacks is left out."""

@@ -430,6 +430,9 @@ class EmbeddedEngine(RolloutEngine):
                                 + "; ".join(problems[:10]))
             self._weight_version = version
 
+    def reports_weight_checksums(self) -> bool:
+        return True
+
     def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
         """The ``algorithm`` checksum of each named live tensor (``weight_delta.tensor_checksum``)."""
         with self.exclusive():

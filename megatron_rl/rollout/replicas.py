@@ -146,6 +146,9 @@ class ReplicatedEngine(RolloutEngine):
     def update_weights_delta(self, deltas: Iterable[Any], base_version: int, version: int) -> None:
         self.local.update_weights_delta(deltas, base_version, version)
 
+    def reports_weight_checksums(self) -> bool:
+        return self.local.reports_weight_checksums()
+
     def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
         return self.local.weight_checksums(names, algorithm)
 

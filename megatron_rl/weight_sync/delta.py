@@ -52,11 +52,15 @@ class EngineUpdates:
     _FIRST = "the first sync"
 
     def __init__(self, *, mode: str = "full", encoding: str = "xor", checksum: str = "xxh3-128",
-                 verify: bool = False):
+                 verify: bool = False, verify_auto: bool = False):
         self.mode = mode
         self.encoding = encoding
         self.checksum = checksum
         self.verify = verify
+        # --update-weight-verify auto: verify only an engine that reports checksums (the embedded one; not a test
+        # double or an engine of a user's own that does not)
+        self.verify_auto = verify_auto
+        self._verifying = verify  # this sync: verify, with an engine that answers
         self.snapshot: dict[str, torch.Tensor] = {}  # delta mode: the engine's weights as last sent, its dtype
         self.version: Optional[int] = None  # the version ``snapshot`` holds (None: no usable copy)
         self._engine_id: Optional[int] = None  # the engine the copy is of
@@ -67,18 +71,23 @@ class EngineUpdates:
     def from_config(cls, cfg: "Config") -> "EngineUpdates":
         s = cfg.sync
         return cls(mode=s.update_weight_mode, encoding=s.update_weight_delta_encoding,
-                   checksum=s.update_weight_delta_checksum, verify=cfg.weight_update_verify == "checksum")
+                   checksum=s.update_weight_delta_checksum, verify=cfg.weight_update_verify == "checksum",
+                   verify_auto=s.update_weight_verify == "auto")
 
     @property
     def carried_checksum(self) -> str:
         """The checksum each delta tensor carries for the engine to check after patching it: none when the trainer
         verifies every tensor after the update anyway (--update-weight-verify checksum)."""
-        return "" if self.verify else self.checksum
+        return "" if self._verifying else self.checksum
 
     @property
     def active(self) -> bool:
-        """Whether this does anything beyond handing the export over (delta mode or verification)."""
+        """Whether this may do anything beyond handing the export over (delta mode or verification)."""
         return self.mode == "delta" or self.verify
+
+    def _working(self) -> bool:
+        """Whether this sync does more than hand the export over."""
+        return self.mode == "delta" or self._verifying
 
     # ------------------------------------------------------------------ choice
     def delta_base(self, engine: "RolloutEngine") -> tuple[Optional[int], str]:
@@ -101,8 +110,10 @@ class EngineUpdates:
              full: FullApply, delta: DeltaApply) -> dict[str, float]:
         """Push ``exported`` into ``engine`` as ``version`` through ``full`` or ``delta`` (the transport's two
         ways in), verify, and return this part's metrics."""
+        answers = getattr(engine, "reports_weight_checksums", None)
+        self._verifying = self.verify and (not self.verify_auto or (callable(answers) and bool(answers())))
         if not self._dtypes or self._engine_id != id(engine):
-            self._dtypes = {name: t.dtype for name, t in engine.named_weights()} if self.active else {}
+            self._dtypes = {name: t.dtype for name, t in engine.named_weights()} if self._working() else {}
         base, why = self.delta_base(engine)
         self._digests: dict[str, tuple[str, int]] = {}  # name -> (checksum, bucket) of what the engine should hold
         self._sent = self._full_bytes = self._changed = self._elements = 0
@@ -132,7 +143,7 @@ class EngineUpdates:
             if sent_delta:
                 metrics["sync/bytes"] = float(self._sent)
             metrics["sync/delta_fraction"] = (self._sent if sent_delta else self._full_bytes) / max(self._full_bytes, 1)
-        if self.verify:
+        if self._verifying:
             t0 = time.perf_counter()
             try:
                 metrics["sync/verified_tensors"] = float(self.check(engine, version))
@@ -149,7 +160,7 @@ class EngineUpdates:
 
     def _record(self, exported: "ExportStream", name: str, new: torch.Tensor) -> Optional[str]:
         self._full_bytes += new.numel() * new.element_size()
-        digest = tensor_checksum(new, self.checksum) if (self.verify or self.mode == "delta") else None
+        digest = tensor_checksum(new, self.checksum) if self._working() else None
         if digest is not None:
             self._digests[name] = (digest, exported.buckets)
         return digest
@@ -172,8 +183,9 @@ class EngineUpdates:
             yield d
 
     def _full(self, exported: "ExportStream") -> Iterator[tuple[str, Any]]:
+        working = self._working()
         for name, tensor in exported:
-            if self.active:
+            if working:
                 new = self._engine_dtype(name, tensor)
                 self._record(exported, name, new)
                 self._elements += new.numel()

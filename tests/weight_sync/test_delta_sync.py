@@ -27,7 +27,7 @@ from megatron_rl.weight_sync.delta import EngineUpdates
 from megatron_rl.weight_sync.disk import DiskSynchronizer
 from megatron_rl.weight_sync.in_process import InProcessSynchronizer
 
-from test_weight_sync import FakeBackend, checkpoint_tensors  # tests/weight_sync is on sys.path (rootdir)
+from test_weight_sync import FakeBackend, TamperingEngine, checkpoint_tensors  # tests/weight_sync is on sys.path (rootdir)
 
 BUCKET = 64 * 1024
 
@@ -256,3 +256,11 @@ def test_a_delta_the_engine_refuses_before_reading_it_becomes_a_full_sync(tiny_h
     m = sync.sync(FakeBackend(s2), engine, version=2)  # but says version 0: the delta goes, and is refused
     assert m["sync/delta"] == 0.0 and m["sync/delta_fallbacks"] == 1.0 and inner.weight_version == 2
     assert all(torch.equal(live(inner)[n], s2[n]) for n in s2)
+
+
+def test_auto_verification_leaves_out_an_engine_that_reports_no_checksums(tiny_hf_models):
+    hf = tiny_hf_models("qwen2")
+    engine = TamperingEngine(EmbeddedEngine(hf))  # speaks update_weights / named_weights only
+    sync = InProcessSynchronizer(bucket_bytes=BUCKET, updates=EngineUpdates(verify=True, verify_auto=True))
+    assert "sync/verified_tensors" not in sync.sync(FakeBackend(checkpoint_tensors(hf)), engine, version=1)
+    assert EmbeddedEngine(hf).reports_weight_checksums()
