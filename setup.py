@@ -36,6 +36,7 @@ CORE_DEPS = [
     "einops",
     "httpx",  # the SGLang client (megatron_rl/rollout/sglang/client.py)
     "pyarrow>=14",  # --prompt-data FILE.parquet: verl's data schema (megatron_rl/data/verl_parquet.py)
+    "xxhash>=2.0",  # xxh3-128, the default --update-weight-delta-checksum (post-apply verification; 4.1.0 in CI)
 ]
 
 EXTRAS = {

@@ -254,6 +254,103 @@ class RealSGLangRows:
             raise AssertionError(f"the real SGLang server died; log tail:\n{self.server.log_tail()}")
 
 
+
+def delta_main(args) -> int:
+    """``--delta``: bytes and seconds per sync, full vs ``--update-weight-mode delta``, over training steps.
+
+    Two models: the CPU demo's (``data.synthetic.build_demo_model``: qwen2, hidden 64, 2 layers, 0.3 MB in
+    float32) trained at the demo's settings (Adam, lr 1e-3, beta2 0.999, grad clip 1.0), and a real-shaped one
+    (the rows above: ``--hidden`` x ``--layers``) at ``--delta-lr`` (default 1e-6, an RL post-training rate).
+    Each step is one real optimizer step of the float32 HF model on a next-token loss over random token batches
+    (the demo's GRPO loss needs rollouts; what the delta sees is how many weights' bits an Adam step moves).
+    After every step the float32 weights are synced into embedded engines in float32 and in bfloat16: by the
+    in-process route (``tensor``) full without and with ``--update-weight-verify checksum`` and delta with it, and
+    by ``disk`` (``v<version>`` written, fsynced, loaded; a delta version holds only the patches) full and delta,
+    both verified. Reported per row: bytes and
+    seconds per sync over the steps after the first (the first sync of a delta engine is full), the bytes as a
+    fraction of full (in the engine's dtype), and the verification's seconds. At the end each delta engine
+    must hold, bit for bit, what the full in-process engine of its dtype holds.
+    """
+    import statistics
+
+    import transformers
+
+    from megatron_rl.data.synthetic import build_demo_model
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+    from megatron_rl.rollout import EmbeddedEngine
+    from megatron_rl.weight_sync.delta import EngineUpdates
+    from megatron_rl.weight_sync.disk import DiskSynchronizer
+    from megatron_rl.weight_sync.in_process import InProcessSynchronizer
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="weight_sync_delta_", dir=args.dir)
+    heads = max(1, args.hidden // 128)
+    models = [("demo", build_demo_model(os.path.join(root, "demo")), 1e-3),
+              (f"hidden {args.hidden} x {args.layers} layers", build_tiny_hf_model(
+                  "qwen2", os.path.join(root, "hf"), hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  intermediate_size=args.intermediate or args.hidden, num_attention_heads=heads,
+                  num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab), args.delta_lr)]
+    print(f"delta sync: {args.delta_steps} optimizer steps per model, one sync after each (and one before); "
+          f"rows average the syncs after the first; one thread")
+    print(f"{'model':<26} {'engine':<9} {'route':<6} {'mode':<6} {'verify':<8} {'MB/sync':>9} {'x full':>7} {'s/sync':>8} "
+          f"{'verify s':>9} {'changed':>8}")
+    try:
+        for label, hf, lr in models:
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+            opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999))
+            vocab = int(model.config.vocab_size)
+            g = torch.Generator().manual_seed(0)
+            rows = {}
+            for dtype in (torch.float32, torch.bfloat16):
+                names = [n for n, _ in EmbeddedEngine(hf, dtype=dtype).named_weights()]
+                for transport, mode, verify in (("tensor", "full", False), ("tensor", "full", True),
+                                                ("tensor", "delta", True), ("disk", "full", True),
+                                                ("disk", "delta", True)):
+                    engine = EmbeddedEngine(hf, dtype=dtype)
+                    updates = EngineUpdates(mode=mode, verify=verify)
+                    sync = InProcessSynchronizer(bucket_bytes=args.update_weight_buffer_size, updates=updates) \
+                        if transport == "tensor" else DiskSynchronizer(
+                            bucket_bytes=args.update_weight_buffer_size, updates=updates, hf_checkpoint=hf,
+                            disk_dir=os.path.join(root, f"w_{label[:4]}_{dtype}_{mode}"))
+                    rows[(dtype, transport, mode, verify)] = (engine, sync, [])
+            for step in range(args.delta_steps + 1):
+                if step:
+                    batch = torch.randint(0, vocab, (8, 16), generator=g)
+                    loss = model(input_ids=batch, labels=batch).loss
+                    opt.zero_grad()
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                state = model.state_dict()
+                weights = {n: state[n].detach().clone() for n in names if n in state}
+                for engine, sync, out in rows.values():
+                    out.append(sync.sync(FakeBackend(weights), engine, version=step))
+            for (dtype, transport, mode, verify), (engine, _sync, out) in rows.items():
+                later = out[1:]
+                full_bytes = later[0].get("sync/full_bytes", sum(nbytes(t) for _, t in engine.named_weights()))
+                sent = statistics.mean(m["sync/bytes"] if mode == "delta" else full_bytes for m in later)
+                secs = statistics.median(m["sync/time_s"] for m in later)
+                vs = statistics.median(m.get("sync/verify_s", 0.0) for m in later)
+                changed = statistics.mean(m.get("sync/changed_fraction", 1.0) for m in later)
+                print(f"{label:<26} {str(dtype).replace('torch.', ''):<9} {transport:<6} {mode:<6} "
+                      f"{'checksum' if verify else 'off':<8} "
+                      f"{sent / 1e6:>9.3f} {sent / full_bytes:>7.3f} {secs:>8.4f} {vs:>9.4f} {changed:>8.4f}")
+            for dtype in (torch.float32, torch.bfloat16):
+                want = dict(rows[(dtype, "tensor", "full", False)][0].named_weights())
+                for transport in ("tensor", "disk"):
+                    got = dict(rows[(dtype, transport, "delta", True)][0].named_weights())
+                    if not all(torch.equal(got[n].view(-1).view(torch.uint8), want[n].view(-1).view(torch.uint8))
+                               for n in want):
+                        print(f"FAILED: the {dtype} delta engine of {transport} differs from the full one")
+                        return 1
+        print("checked: after the last step every delta engine equals the full engine of its dtype bit for bit")
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -271,7 +368,13 @@ def main(argv=None) -> int:
                          "into a real SGLang server on this CPU (default: none, the stand-in rows only)")
     ap.add_argument("--sglang-timeout-s", type=float, default=600.0,
                     help="how long the real SGLang server may take to answer /health")
+    ap.add_argument("--delta", action="store_true",
+                    help="only the full-vs-delta rows (--update-weight-mode delta) over training steps: see delta_main")
+    ap.add_argument("--delta-steps", type=int, default=6, help="--delta: optimizer steps per model")
+    ap.add_argument("--delta-lr", type=float, default=1e-6, help="--delta: the real-shaped model's Adam lr")
     args = ap.parse_args(argv)
+    if args.delta:
+        return delta_main(args)
     if args.sglang_python and not os.access(args.sglang_python, os.X_OK):
         ap.error(f"--sglang-python {args.sglang_python}: not an executable python; run "
                  "scripts/sglang_cpu_install.sh (it prints the venv) or drop the flag")

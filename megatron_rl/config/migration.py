@@ -89,6 +89,9 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--megatron-config-path"),
     "other slime flags (slime/utils/arguments.py: data keys, external engines, saving, async)": (
         "--metadata-key", "--tool-key", "--rollout-external-engine-addrs", "--save-hf", "--keep-old-actor"),
+    "weight sync (slime/utils/arguments.py)": (
+        "--update-weight-mode", "--update-weight-delta-encoding", "--update-weight-delta-checksum",
+        "--update-weight-disk-dir"),
     "MISC_ARGS": ("--attention-dropout", "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32",
                   "--attention-softmax-in-fp32", "--attention-backend", "--moe-enable-deepep",
                   "--no-masked-softmax-fusion", "--no-check-for-nan-in-loss-and-grad"),
@@ -102,6 +105,16 @@ _SGLANG_LAUNCHED = ("the engines this run launches (python -m sglang.launch_serv
 
 #: (status, text) where the tables alone would not say what a slime user needs to know
 NOTES: dict[str, tuple[str, str]] = {
+    "--update-weight-mode": ("differs", "delta: the same idea (only the changed bits, per tensor, against the "
+                             "version the engine holds; xor or overwrite), applied by the embedded engine in this "
+                             "process, in place, over --update-weight-transport tensor or disk. slime's route into "
+                             "SGLang (each host patches a local checkpoint through its fork's /pull_weights, then "
+                             "reloads) is not built: delta with SGLang servers is refused. Where slime compares in "
+                             "the trainer's HF dtype, this compares in the engine's (a bf16 engine gets only what "
+                             "changes its bf16 values)."),
+    "--update-weight-delta-checksum": ("differs", "xxh3-128 (default) and adler32 as slime's, sha256 where slime has "
+                                       "blake3 (refused). Also the checksum --update-weight-verify compares after "
+                                       "every sync."),
     "--sequence-parallel": ("same", "Shards activations over the TP group. At TP 1 it has no effect, as in "
                             "Megatron-LM (slime's Qwen2.5-0.5B script passes it at TP 1); start-up logs that."),
     "--rollout-num-gpus": ("same", "GPUs of " + _SGLANG_LAUNCHED + "; colocated: the trainer's, separate: the GPUs "

@@ -84,6 +84,7 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         errors.append(f"--update-weight-disk-dir {s.update_weight_disk_dir} is only used by "
                       f"--update-weight-transport disk, not {s.update_weight_transport}: add "
                       "--update-weight-transport disk or drop --update-weight-disk-dir")
+    errors.extend(_weight_update_mode_errors(cfg))
     errors.extend(_async_errors(cfg))
     if r.embedded_engine_ranks != "auto" and r.rollout_backend != "embedded":
         errors.append(f"--embedded-engine-ranks {r.embedded_engine_ranks} places the embedded engine, but "
@@ -105,6 +106,48 @@ def refuse_unimplemented_rollout_and_sync(cfg: Config) -> list[str]:
         errors.extend(_sglang_launch_knob_errors(
             cfg, "the embedded engine runs inside the driver rank on the trainer's devices (--rollout-backend "
             "sglang launches SGLang engines)", "the embedded engine starts none"))
+    return errors
+
+
+def _weight_update_mode_errors(cfg: Config) -> list[str]:
+    """--update-weight-mode delta and --update-weight-verify checksum need an engine in this process (one that
+    patches its weights in place and reports checksums); the delta-only flags need delta."""
+    s, r = cfg.sync, cfg.rollout
+    errors = []
+    where = ("SGLang servers" if r.rollout_backend == "sglang"
+             else "the embedded engine in a process of its own (--embedded-engine-ranks process)")
+    if s.update_weight_mode == "delta":
+        if not cfg.has_rollout_engine:
+            errors.append("--update-weight-mode delta: this run generates nothing (--debug-train-only / "
+                          "--load-debug-rollout-data), so no weights are synced: drop it")
+        elif not cfg.in_process_engine:
+            errors.append(f"--update-weight-mode delta patches the engine's weights in place, which {where} cannot "
+                          "do here (SGLang 0.5.23 has no endpoint that applies a delta, and this version does not "
+                          "keep a host-local checkpoint beside the servers to patch and reload): use "
+                          "--update-weight-mode full, or the embedded engine on the driver (--embedded-engine-ranks "
+                          "driver or all)")
+        if cfg.memory.colocate and cfg.in_process_engine:
+            errors.append("--update-weight-mode delta with --colocate: the embedded engine gives its weights back "
+                          "during training (no host copy is kept), so every sync would have to send every tensor "
+                          "anyway (as slime, which refuses the same): drop one of them")
+        if cfg.lora.lora_sync == "adapter":
+            errors.append("--update-weight-mode delta with --lora-sync adapter: the adapter sync already sends only "
+                          "the adapters; use one of them")
+    elif s.update_weight_delta_encoding != "xor":
+        errors.append(f"--update-weight-delta-encoding {s.update_weight_delta_encoding} is only used by "
+                      "--update-weight-mode delta: add --update-weight-mode delta or drop it")
+    if s.update_weight_verify == "checksum" and cfg.has_rollout_engine and not cfg.in_process_engine:
+        errors.append(f"--update-weight-verify checksum: {where} report no per-tensor checksums (SGLang 0.5.23 has "
+                      "no such route; /weights_checker compares on CUDA only, see --check-weight-update-equal): use "
+                      "--update-weight-verify auto or off")
+    if s.update_weight_verify == "checksum" and cfg.lora.lora_sync == "adapter":
+        errors.append("--update-weight-verify checksum with --lora-sync adapter: the engine merges the adapter into "
+                      "its weights itself (in float32), so its bytes are not the trainer's to compare; use "
+                      "--check-weight-update-equal (compared within a tolerance), or --lora-sync merged")
+    if (s.update_weight_delta_checksum != "xxh3-128" and s.update_weight_mode == "full"
+            and cfg.weight_update_verify == "off"):
+        errors.append(f"--update-weight-delta-checksum {s.update_weight_delta_checksum} is used by "
+                      "--update-weight-mode delta and --update-weight-verify, both off in this run: drop it")
     return errors
 
 

@@ -1110,6 +1110,38 @@ class SyncConfig:
                                         "with the embedded engine or colocated SGLang engines, else distributed.",
                                         choices=("auto", "disk", "tensor", "distributed"))
     update_weight_buffer_size: int = flag(512 * 1024 * 1024, "Bytes per weight-update bucket.")
+    update_weight_mode: str = flag("full", "slime's: what each weight sync sends. full: every tensor. delta: per "
+                                   "tensor only the elements whose bits changed since the version the engine "
+                                   "holds, compared in the engine's dtype (sparse indices + values; a tensor whose "
+                                   "sparse form is not smaller goes whole). Each delta names its base version; an "
+                                   "engine at another version (fresh, restarted, a failed update) refuses it and "
+                                   "gets a full sync (sync/delta_fallbacks counts them). The trainer keeps a host "
+                                   "copy of the engine's weights to diff against. The embedded engine in this "
+                                   "process only, with --update-weight-transport tensor or disk (SGLang 0.5.23 "
+                                   "cannot patch its weights in place: refused there), not with --colocate (the engine "
+                                   "keeps no weights while the trainer trains). docs/sglang.md, \"Delta sync and "
+                                   "post-apply checksums\".",
+                                   choices=("full", "delta"))
+    update_weight_delta_encoding: str = flag("xor", "slime's: how --update-weight-mode delta encodes a changed "
+                                             "element. xor: new ^ old bits (must be applied once, onto exactly the "
+                                             "base version). overwrite: the new bits (idempotent). Same size here "
+                                             "(indices + one value per changed element).",
+                                             choices=("xor", "overwrite"))
+    update_weight_delta_checksum: str = flag("xxh3-128", "slime's: the per-tensor checksum a delta carries (checked "
+                                             "by the engine after it patched the tensor) and the one "
+                                             "--update-weight-verify compares. xxh3-128 (default, xxhash), sha256 "
+                                             "(stdlib), adler32 (32-bit).",
+                                             choices=("xxh3-128", "sha256", "adler32"))
+    update_weight_verify: str = flag("auto", "After each sync the engine reports the checksum "
+                                     "(--update-weight-delta-checksum) of every tensor it now holds and the trainer "
+                                     "compares each with its own of the bytes it sent (in the engine's dtype); a "
+                                     "mismatch stops the run naming the tensor, its bucket and the version. checksum: "
+                                     "on (the embedded engine in this process; SGLang 0.5.23 has no per-tensor "
+                                     "checksum route: refused there; nor with --lora-sync adapter, whose engine merges "
+                                     "the adapter itself). auto: checksum with the embedded engine in this process "
+                                     "and a whole-model sync (an engine that reports no checksums is not "
+                                     "verified), else off. off.",
+                                     choices=("auto", "checksum", "off"))
     update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "
                                                  "by it, refused without it): each sync publishes v<version>/ "
                                                  "there atomically and keeps the newest 2. SGLang servers must "
@@ -1295,6 +1327,21 @@ class Config:
         if r.async_mode != "off" and self.has_training:
             return "process"
         return "all" if self.has_training else "driver"
+
+    @property
+    def in_process_engine(self) -> bool:
+        """Whether the rollout engine lives in the trainer's processes (the embedded engine on the driver or on
+        every rank): the engine weight syncs can patch in place and read checksums from."""
+        return self.rollout.rollout_backend == "embedded" and self.embedded_placement in ("driver", "all")
+
+    @property
+    def weight_update_verify(self) -> str:
+        """--update-weight-verify resolved: "checksum" or "off" (auto: checksum with an in-process engine and a
+        whole-model sync)."""
+        v = self.sync.update_weight_verify
+        if v == "auto":  # --lora-sync adapter: the engine merges the adapter itself, in float32 (not bit-exact)
+            return "checksum" if self.in_process_engine and self.lora.lora_sync != "adapter" else "off"
+        return v
 
     @property
     def actor_world_size(self) -> int:

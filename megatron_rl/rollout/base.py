@@ -121,6 +121,23 @@ class RolloutEngine(abc.ABC):
         An engine in another process reports False: the transport sends the base with its first sync."""
         return False
 
+    def update_weights_delta(self, deltas: Iterable[Any], base_version: int, version: int) -> None:
+        """``--update-weight-mode delta``: apply ``rollout.weight_delta.TensorDelta`` s (only the tensors that
+        changed) onto the weights of ``base_version``, then adopt ``version``. An engine at another version
+        raises ``weight_delta.DeltaBaseMismatch`` before changing anything (the trainer then sends a full
+        update). Only engines that patch their weights in place implement it (the embedded one)."""
+        raise SyncError(f"{type(self).__name__} cannot apply a weight delta itself: use --update-weight-mode full")
+
+    def reports_weight_checksums(self) -> bool:
+        """Whether ``weight_checksums`` answers (``--update-weight-verify auto`` verifies only such engines)."""
+        return False
+
+    def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
+        """The checksum (``weight_delta.tensor_checksum``) of each named tensor the engine holds now, for the
+        trainer's post-apply check (``--update-weight-verify``); a name the engine lacks is left out."""
+        raise EngineError(f"{type(self).__name__} cannot report checksums of its weights: use "
+                          "--update-weight-verify off")
+
     @abc.abstractmethod
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Load the HF safetensors published in the directory ``path`` (``--update-weight-transport disk``),

@@ -90,6 +90,7 @@ from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngin
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.sampling import sample_next_tokens
+from megatron_rl.rollout.weight_delta import DeltaBaseMismatch, TensorDelta, is_delta_dir, read_delta_dir, tensor_checksum
 from megatron_rl.rollout.weight_dir import ADAPTER_BASE_DIR
 
 if TYPE_CHECKING:
@@ -383,6 +384,62 @@ class EmbeddedEngine(RolloutEngine):
         self._weights_loaded = True
         self._weight_version = version
 
+    def update_weights_delta(self, deltas: Iterable[TensorDelta], base_version: int, version: int) -> None:
+        """Patch the live weights with each delta (``TensorDelta.apply_to``: in place), then adopt ``version``.
+
+        Refused with ``DeltaBaseMismatch`` before any change when the engine does not hold complete weights of
+        ``base_version``. Each patched tensor's checksum is compared with the one the delta carries (a patch
+        applied to other bits than its base is named here); any failure leaves the engine refusing to generate
+        until a complete (full) update, as a failed ``update_weights`` does."""
+        with self.exclusive():
+            if self._released:
+                raise EngineError("embedded engine cannot update weights: released: call resume() first")
+            if base_version != self._weight_version or not self._weights_loaded:
+                held = (f"version {self._weight_version}" if self._weights_loaded
+                        else f"incomplete weights (after version {self._weight_version})")
+                raise DeltaBaseMismatch(f"delta update to version {version} is based on version {base_version}, "
+                                        f"but the engine holds {held}; send a full update")
+            problems: list[str] = []
+            applied: set[str] = set()
+            try:
+                with torch.no_grad():
+                    for d in deltas:
+                        if d.name not in self.param_map:
+                            problems.append(f"{d.name}: no such tensor in this model")
+                            continue
+                        canonical = self.param_map.canonical(d.name)
+                        if canonical in applied:  # a tied alias (lm_head of tied embeddings): one storage, patched
+                            continue  # once (an xor patch applied twice would undo itself)
+                        applied.add(canonical)
+                        dst = self.param_map.view(d.name)
+                        try:
+                            d.apply_to(dst)
+                        except SyncError as e:
+                            problems.append(str(e))
+                            continue
+                        if d.checksum_algorithm and tensor_checksum(dst, d.checksum_algorithm) != d.checksum:
+                            problems.append(f"{d.name}: after the {d.kind} patch its {d.checksum_algorithm} is "
+                                            "not the trainer's (the base bits differed)")
+            except BaseException:
+                self._weights_loaded = False
+                raise
+            if problems:
+                self._weights_loaded = False
+                raise SyncError(f"delta update to version {version} (base {base_version}) failed; the engine refuses "
+                                f"to generate until a full update: {len(problems)} problem(s): "
+                                + "; ".join(problems[:10]))
+            self._weight_version = version
+
+    def reports_weight_checksums(self) -> bool:
+        return True
+
+    def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
+        """The ``algorithm`` checksum of each named live tensor (``weight_delta.tensor_checksum``)."""
+        with self.exclusive():
+            if self._released:
+                raise EngineError("embedded engine cannot report checksums: released: call resume()")
+            return {n: tensor_checksum(self.param_map.view(n), algorithm) for n in names if n in self.param_map}
+
     def adapter_base_needed(self) -> bool:
         """Whether the next ``update_adapter`` must bring the base weights: none kept yet, or the live weights
         are gone (``release`` without backup, a failed update)."""
@@ -461,6 +518,13 @@ class EmbeddedEngine(RolloutEngine):
             except (OSError, ValueError, KeyError, CheckpointError) as e:
                 raise SyncError(f"adapter update to version {version}: {path} is not a readable PEFT dir ({e})") from e
             self.update_adapter(adapter, version, base=_safetensors_items(files) if files else None)
+            return
+        if is_delta_dir(str(path)):  # --update-weight-mode delta: patch the weights of the version it names
+            header, deltas = read_delta_dir(str(path))
+            if header.version != version:
+                raise SyncError(f"weight update to version {version}: {path} holds the delta to version "
+                                f"{header.version}; load the directory of version {version}")
+            self.update_weights_delta(deltas, header.base_version, version)
             return
         files = sorted(glob.glob(os.path.join(str(path), "*.safetensors")))
         if not files:

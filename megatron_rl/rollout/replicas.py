@@ -143,6 +143,15 @@ class ReplicatedEngine(RolloutEngine):
     def update_adapter(self, adapter: Any, version: int, base: Optional[Iterable[tuple[str, Any]]] = None) -> None:
         self.local.update_adapter(adapter, version, base)
 
+    def update_weights_delta(self, deltas: Iterable[Any], base_version: int, version: int) -> None:
+        self.local.update_weights_delta(deltas, base_version, version)
+
+    def reports_weight_checksums(self) -> bool:
+        return self.local.reports_weight_checksums()
+
+    def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
+        return self.local.weight_checksums(names, algorithm)
+
     def adapter_base_needed(self) -> bool:
         return self.local.adapter_base_needed()
 

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from megatron_rl.errors import ConfigError, SyncError
 from megatron_rl.infra.atomic import publish_dir
@@ -55,7 +55,8 @@ class VersionedWeightDir:
         return sorted(int(m.group(1)) for m in map(_VERSION.match, os.listdir(self.root)) if m)
 
     def write(self, named_tensors: Iterable[tuple[str, Any]], version: int,
-              shard_bytes: Optional[int] = None, adapter: Any = None) -> str:
+              shard_bytes: Optional[int] = None, adapter: Any = None,
+              extra_files: Optional[Callable[[], dict[str, str]]] = None) -> str:
         """Publish ``v<version>`` (model.safetensors, or shards of ``shard_bytes`` + index, and the config
         files) atomically; return its path.
 
@@ -63,6 +64,8 @@ class VersionedWeightDir:
         ``adapter_model.safetensors`` + ``adapter_config.json``, with ``named_tensors`` (the base weights, sent
         with the first adapter only; may be empty) in its subdir ``base`` (``ADAPTER_BASE_DIR``): SGLang's
         ``/load_lora_adapter`` reads every safetensors file of the dir it is given, and dies on a base weight.
+        ``extra_files``: called once the tensors are written, file name -> text written beside them in the same
+        version (``--update-weight-mode delta``: the delta's ``delta.json``; such a version may hold no tensor).
         Consumes ``named_tensors`` to the end unless it fails; on any error nothing is published.
         """
         import torch  # lazy: importing this module (SGLang's engine does) needs no torch
@@ -99,7 +102,7 @@ class VersionedWeightDir:
                 shard[name] = t
                 shard_size += nbytes
                 total += nbytes
-            if not names and adapter is None:
+            if not names and adapter is None and extra_files is None:
                 raise SyncError(f"weight update to version {version} carries no tensors")
             if shard:
                 flush()
@@ -113,6 +116,9 @@ class VersionedWeightDir:
                 self._name_shards(model_dir, shards, total)
             if adapter is not None:
                 adapter.save(tmp, base_model=self.hf_checkpoint or "")
+            for fname, text in (extra_files() if extra_files is not None else {}).items():
+                with open(os.path.join(tmp, fname), "w") as fh:
+                    fh.write(text)
             if self.hf_checkpoint:
                 for fname in CONFIG_FILES:
                     src = os.path.join(self.hf_checkpoint, fname)

@@ -20,6 +20,10 @@ Invariants every transport keeps (see ``base.WeightSynchronizer``):
   version 0 against their own load of the checkpoint (``/weights_checker``
   snapshot/compare, a GPU-only compare in SGLang 0.5.23); later updates are not
   compared.
+* ``--update-weight-mode delta`` / ``--update-weight-verify checksum`` (``delta.EngineUpdates``, the
+  embedded engine in the trainer's processes, transports ``tensor`` and ``disk``): only the changed bits,
+  against the version the engine holds (a full sync otherwise), and every tensor's checksum compared
+  after the update.
 """
 
 from megatron_rl.weight_sync.base import (

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from megatron_rl.config.schema import Config
     from megatron_rl.rollout.base import RolloutEngine
     from megatron_rl.plan.engines import EnginePlacement
+    from megatron_rl.weight_sync.delta import EngineUpdates
 
 
 class WeightSynchronizer(abc.ABC):
@@ -33,7 +34,9 @@ class WeightSynchronizer(abc.ABC):
     """
 
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
-                 adapter: bool = False):
+                 adapter: bool = False, updates: Optional["EngineUpdates"] = None):
+        from megatron_rl.weight_sync.delta import EngineUpdates  # lazy: torch; the table below loads without it
+
         self.bucket_bytes = bucket_bytes
         self.check_equal = check_equal
         self.driver_rank = driver_rank
@@ -41,13 +44,16 @@ class WeightSynchronizer(abc.ABC):
         # sends the LoRA adapter, the first one (and any after the engine lost its weights) the base model too
         self.adapter = adapter
         self._base_sent = False
+        # --update-weight-mode / --update-weight-verify, for the transports whose engine patches its weights in
+        # this process (in_process, disk with the embedded engine): full or delta, and the checksum check after
+        self.updates = updates if updates is not None else EngineUpdates()
 
     @classmethod
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0,
                     engines: Optional["EnginePlacement"] = None) -> "WeightSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
-                   driver_rank=driver_rank, adapter=cfg.lora.lora_sync == "adapter")
+                   driver_rank=driver_rank, adapter=cfg.lora.lora_sync == "adapter", updates=updates_from_config(cfg))
 
     def on_driver(self) -> bool:
         """Whether this rank holds the engine (the driver): one process, or rank ``driver_rank``."""
@@ -152,6 +158,13 @@ class ExportStream:
     def metrics(self, version: int, seconds: float) -> dict[str, float]:
         return {"sync/time_s": seconds, "sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
                 "sync/weight_version": float(version)}
+
+
+def updates_from_config(cfg: "Config") -> "EngineUpdates":
+    """The run's ``EngineUpdates`` (--update-weight-mode, --update-weight-delta-*, --update-weight-verify)."""
+    from megatron_rl.weight_sync.delta import EngineUpdates  # lazy: torch
+
+    return EngineUpdates.from_config(cfg)
 
 
 def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

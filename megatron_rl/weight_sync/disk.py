@@ -29,13 +29,15 @@ from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir
 from megatron_rl.infra.disk_space import SyncDiskFull, disk_full_problem
 from megatron_rl.infra.dist import all_ranks_ok
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+from megatron_rl.rollout.weight_delta import DELTA_FILE, DeltaHeader, disk_entries
 from megatron_rl.rollout.weight_dir import VersionedWeightDir
-from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, check_engine_equals
+from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, check_engine_equals, updates_from_config
 
 if TYPE_CHECKING:
     from megatron_rl.backends.base import TrainBackend
     from megatron_rl.config.schema import Config
     from megatron_rl.rollout.base import RolloutEngine
+    from megatron_rl.weight_sync.delta import EngineUpdates
 
 KEEP_VERSIONS = 2  # the version the engine loaded and the one before it
 
@@ -45,8 +47,9 @@ class DiskSynchronizer(WeightSynchronizer):
 
     def __init__(self, bucket_bytes: int, check_equal: bool = False, driver_rank: int = 0, *,
                  disk_dir: Optional[str] = None, hf_checkpoint: Optional[str] = None,
-                 keep_versions: int = KEEP_VERSIONS, checkpoint_root: Optional[str] = None, adapter: bool = False):
-        super().__init__(bucket_bytes, check_equal, driver_rank, adapter=adapter)
+                 keep_versions: int = KEEP_VERSIONS, checkpoint_root: Optional[str] = None, adapter: bool = False,
+                 updates: Optional["EngineUpdates"] = None):
+        super().__init__(bucket_bytes, check_equal, driver_rank, adapter=adapter, updates=updates)
         self.weights = VersionedWeightDir(disk_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions)
         self.checkpoint_root = checkpoint_root  # --save: a full disk stops with exit 3 when it holds a checkpoint
 
@@ -55,7 +58,8 @@ class DiskSynchronizer(WeightSynchronizer):
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint,
-                   checkpoint_root=cfg.checkpoint.save, adapter=cfg.lora.lora_sync == "adapter")
+                   checkpoint_root=cfg.checkpoint.save, adapter=cfg.lora.lora_sync == "adapter",
+                   updates=updates_from_config(cfg))
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -73,9 +77,15 @@ class DiskSynchronizer(WeightSynchronizer):
             adapter, exported = self.export_adapter(backend, engine)
         else:
             exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal and not in_engine)
-        write_s = load_s = 0.0
+        timing = {"sync/write_s": 0.0, "sync/load_s": 0.0}
+        updated: dict[str, float] = {}
         error: Optional[BaseException] = None
-        if here:
+        path = ""
+        managed = engine is not None and adapter is None and self.updates.active  # delta / verify: EngineUpdates
+        if here and managed:
+            assert engine is not None and exported is not None, "managed: an engine and a full export"
+            updated = self._send_managed(engine, exported, version, t0, timing)
+        elif here:
             try:
                 # shards of one bucket: the driver holds one at a time, not the whole model (a 30B model in bf16
                 # would otherwise sit in its host memory whole, 60 GB)
@@ -85,6 +95,15 @@ class DiskSynchronizer(WeightSynchronizer):
                 if exported is not None:
                     exported.drain()  # the other ranks are still in the collective export: let them finish it
                 error = self._named(e, version)
+        elif replica and managed:
+            assert engine is not None and exported is not None, "managed: an engine and a full export"
+            try:
+                updated = self.updates.send(
+                    engine, exported, version, full=lambda items: engine.update_weights(items, version),
+                    delta=lambda deltas, base: engine.update_weights_delta(deltas, base, version))
+            except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left alone in a collective
+                exported.drain()
+                error = e
         elif replica:
             assert engine is not None, "a replica is a rank that holds an engine"
             if adapter is not None:
@@ -94,23 +113,25 @@ class DiskSynchronizer(WeightSynchronizer):
                 engine.update_weights(exported, version)
         elif exported is not None:
             exported.drain()
-        try:
-            all_ranks_ok(error, reraise_own=True)  # every rank is past the export: all go on, or all raise
-        except SyncDiskFull as e:  # on every rank: the same message and exit code
-            raise self._with_resume(e) from e
-        if here:
+        if not (here and managed):  # the driver agreed inside _send_managed, between writing and loading
+            try:
+                all_ranks_ok(error, reraise_own=True)  # every rank is past the export: all go on, or all raise
+            except SyncDiskFull as e:  # on every rank: the same message and exit code
+                raise self._with_resume(e) from e
+        if here and not managed:
             t1 = time.perf_counter()
-            write_s = t1 - t0  # export (gathers) + serialising + publishing: they overlap bucket by bucket
+            timing["sync/write_s"] = t1 - t0  # export (gathers) + serialising + publishing: overlap per bucket
             assert engine is not None, "the driver syncs here only when it holds the engine"
             engine.update_weights_from_disk(path, version)
-            load_s = time.perf_counter() - t1
+            timing["sync/load_s"] = time.perf_counter() - t1
             self.weights.prune(version)
         if adapter is not None:
             metrics = self.adapter_metrics(adapter, exported, version, time.perf_counter() - t0)
         else:
             assert exported is not None, "a full sync always exports"
             metrics = exported.metrics(version, time.perf_counter() - t0)
-        metrics.update({"sync/write_s": write_s, "sync/load_s": load_s})
+        metrics.update(timing)
+        metrics.update(updated)
         if adapter is not None:
             if self.check_equal:  # an extra merged export, compared on each rank that holds an in-process engine
                 checked = self.check_merged(backend, engine if (replica or here and not in_engine) else None)
@@ -120,6 +141,46 @@ class DiskSynchronizer(WeightSynchronizer):
             assert engine is not None and exported is not None, "a replica, like the driver here, holds an engine"
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics
+
+    def _send_managed(self, engine: "RolloutEngine", exported: ExportStream, version: int, t0: float,
+                      timing: dict[str, float]) -> dict[str, float]:
+        """The driver's sync through ``EngineUpdates`` (--update-weight-mode delta / --update-weight-verify):
+        ``v<version>`` holds the full tensors or the delta (``rollout.weight_delta``: ``delta.json`` beside the
+        patches), published, agreed by every rank (``all_ranks_ok``, once) and loaded."""
+        agreed = False
+
+        def publish(items: Any, header: Optional[DeltaHeader]) -> None:
+            nonlocal agreed
+            error: Optional[BaseException] = None
+            path = ""
+            try:
+                extra = (lambda: {DELTA_FILE: header.to_json()}) if header is not None else None
+                path = self.weights.write(disk_entries(items, header) if header is not None else items, version,
+                                          shard_bytes=self.bucket_bytes, extra_files=extra)
+            except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError included; agreed below
+                exported.drain()
+                error = self._named(e, version)
+            agreed = True
+            try:
+                all_ranks_ok(error, reraise_own=True)
+            except SyncDiskFull as e:
+                raise self._with_resume(e) from e
+            t1 = time.perf_counter()
+            timing["sync/write_s"] = t1 - t0
+            engine.update_weights_from_disk(path, version)
+            timing["sync/load_s"] = time.perf_counter() - t1
+            self.weights.prune(version)
+
+        u = self.updates
+        try:
+            return u.send(engine, exported, version, full=lambda items: publish(items, None),
+                          delta=lambda deltas, base: publish(deltas, DeltaHeader(base, version, u.encoding,
+                                                                                 u.carried_checksum)))
+        except Exception as e:
+            if not agreed:  # failed before publishing: the other ranks still wait for the agreement
+                exported.drain()
+                all_ranks_ok(e, reraise_own=True)
+            raise
 
     def _named(self, error: Exception, version: int) -> Exception:
         """A full disk under ``--update-weight-disk-dir`` as :class:`SyncDiskFull` (path, room, fix);

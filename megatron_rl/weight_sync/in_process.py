@@ -29,11 +29,20 @@ class InProcessSynchronizer(WeightSynchronizer):
         if self.adapter:
             return self._sync_adapter(backend, engine, version, t0)
         exported = ExportStream(backend, self.bucket_bytes, keep_copies=self.check_equal)
-        if engine is not None:
+        updated: dict[str, float] = {}
+        if engine is not None and self.updates.active:  # delta and/or the checksum check after
+            try:
+                updated = self.updates.send(
+                    engine, exported, version, full=lambda items: engine.update_weights(items, version),
+                    delta=lambda deltas, base: engine.update_weights_delta(deltas, base, version))
+            finally:
+                exported.drain()  # a failed update still lets the other ranks finish the collective export
+        elif engine is not None:
             engine.update_weights(exported, version)
         else:
             exported.drain()  # the export is collective: every rank iterates it to the end
         metrics = exported.metrics(version, time.perf_counter() - t0)
+        metrics.update(updated)
         if self.check_equal and engine is not None:
             metrics["sync/checked_tensors"] = float(check_engine_equals(engine, exported.sent))
         return metrics

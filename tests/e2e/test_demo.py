@@ -112,8 +112,10 @@ def test_fsdp_demo_learns_and_its_checkpoint_exports(tmp_path):
     steps the demo trained on them (~12 s)."""
     out = tmp_path / "demo_fsdp"
     pattern = str(tmp_path / "rollouts" / "r_{rollout_id}.pt")
+    # --update-weight-mode delta: the engine replica on each rank is patched (the demo's Adam steps move every
+    # weight, so every tensor goes dense), checked equal tensor for tensor and verified by checksum every sync
     run_demo(out, 50, "--lr", "3e-3", "--train-backend", "fsdp", "--save-interval", "25", "--eval-interval", "25",
-             "--save-debug-rollout-data", pattern)
+             "--save-debug-rollout-data", pattern, "--update-weight-mode", "delta")
     recs = metrics(out)
     train = [r for r in recs if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, 51))
@@ -121,7 +123,8 @@ def test_fsdp_demo_learns_and_its_checkpoint_exports(tmp_path):
     last = sum(r["rollout/reward_mean"] for r in train[-5:]) / 5
     assert first < 0.2 and last > first + 0.12, (first, last)  # measured 0.053 -> 0.248
     syncs = [r for r in recs if "sync/checked_tensors" in r]
-    assert len(syncs) == 51 and all(r["sync/checked_tensors"] == 26 for r in syncs)
+    assert len(syncs) == 51 and all(r["sync/checked_tensors"] == r["sync/verified_tensors"] == 26 for r in syncs)
+    assert [r["sync/delta"] for r in syncs] == [0.0] + [1.0] * 50 and syncs[-1]["sync/delta_fallbacks"] == 0.0
     assert max(r["train/mismatch_abs_logprob"] for r in train) < 1e-5
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
     _exported_checkpoint_reproduces_the_policy(out, recs, command="fsdp-to-hf")

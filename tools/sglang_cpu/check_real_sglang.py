@@ -99,7 +99,7 @@ SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--samp
 
 # The steps of one run, in order: (name, whether it takes the first generation's log-probs); then the checks that
 # need a second server or the recorded fixture. tests/tools/test_sglang_harness.py collects one test per step.
-SERVER_STEPS = [("generation", False), ("weights_check", False), ("long_prompts", False),
+SERVER_STEPS = [("generation", False), ("weights_check", False), ("delta_routes", False), ("long_prompts", False),
                 ("aborted_rows_retried", False), ("seeded", False), ("disk_updates", True), ("sharded_disk", True),
                 ("router", False), ("control", False), ("abort_flush_pause", False), ("tensor_updates", True),
                 ("tensor_transport", True), ("distributed_updates", True)]
@@ -461,6 +461,27 @@ class Checks:
         self.engine.update_weights(self.original.items(), 0)  # the server back at the checkpoint, version 0
         samples, _ = self.generate()
         r.check("after the weight checks the server generates the checkpoint's tokens again",
+                [s.rollout_logprobs for s in samples] == self.first_logprobs)
+
+    def delta_routes(self) -> None:
+        """Why ``--update-weight-mode delta`` and ``--update-weight-verify checksum`` are refused with SGLang: 0.5.23
+        has no route that applies a weight delta in place or reports per-tensor checksums. Probes the routes peers
+        use for them (slime's SGLang fork: ``/pull_weights``; SGLang's diffusion server: ``/get_weights_checksum``)
+        and ``/weights_checker``'s actions; none may answer with success (a new one means the refusal can go)."""
+        import httpx
+
+        r = self.r
+        for path, body in (("/pull_weights", {"target_version": 1}), ("/get_weights_checksum", {}),
+                           ("/weights_checksum", {})):
+            resp = httpx.post(self.server.url + path, json=body, timeout=30)
+            r.check(f"SGLang has no {path} route (delta sync / per-tensor checksums are refused by name with it)",
+                    resp.status_code in (404, 405), f"{resp.status_code}: {resp.text[:300]}")
+        resp = httpx.post(self.server.url + "/weights_checker", json={"action": "checksum"}, timeout=30)
+        ok = resp.status_code != 200 or not _safe(lambda: resp.json().get("success"))
+        r.check("/weights_checker has no per-tensor checksum action (snapshot / reset_tensors / compare only)", ok,
+                f"{resp.status_code}: {resp.text[:300]}")
+        samples, _ = self.generate()
+        r.check("after the probes the server still generates the checkpoint's tokens",
                 [s.rollout_logprobs for s in samples] == self.first_logprobs)
 
     def long_prompts(self) -> None:
