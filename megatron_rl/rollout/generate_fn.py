@@ -64,6 +64,10 @@ from megatron_rl.data.types import (GenerateRequest, RoutedExperts, Sample, Samp
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.user_function import (call_user_function, check_arity, load_user_function,
                                              load_user_object)
+from megatron_rl.rollout.slime_compat.contract import (check_slime_function, is_slime_function,
+                                                       slime_generate_groups, slime_group_generate,
+                                                       slime_rollout_generate)
+from megatron_rl.rollout.slime_compat.finder import load_needing_slime
 
 #: what the handle calls: ``RolloutEngine.generate``, or a caller's gated / batched stand-in with its contract
 EngineCall = Callable[[list[GenerateRequest], SamplingParams], list[Sample]]
@@ -239,9 +243,12 @@ SIGNATURES = {"--custom-generate-function-path": (3, "fn(request, sampling, engi
 def load_function(path: str, flag: str) -> Callable:
     """The callable named by ``module:attr``, ``path/to/file.py:attr`` or slime's ``module.attr``; ``ConfigError``
     naming ``flag`` and the value otherwise (a module that does not import, no such attribute, not callable, a
-    function that cannot take the flag's arguments)."""
-    fn = load_user_function(path, flag, example="my_rollout:generate", dotted=True)  # slime's dotted form too
-    if flag in SIGNATURES:
+    function that cannot take the flag's arguments). A function whose first parameter is ``args`` follows slime's
+    contract (``slime_compat.contract``) and is checked against it."""
+    fn = load_needing_slime(lambda: load_user_function(path, flag, example="my_rollout:generate", dotted=True))
+    if flag in SIGNATURES and is_slime_function(fn):
+        check_slime_function(fn, flag, path)
+    elif flag in SIGNATURES:
         check_arity(fn, SIGNATURES[flag][0], flag, path, SIGNATURES[flag][1])
     return fn
 
@@ -363,8 +370,17 @@ def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any 
     one group's checked samples, every engine call through ``call`` (``engine.generate``, or a caller's
     stand-in: the asynchronous producer's gated call, ``generate_groups``' batched one). Each call is bounded
     by --user-function-timeout (``infra.user_function.call_user_function``); what ``call`` raises (a
-    ``MegatronRLError``: an engine's failure, the producer's cut by a sync) comes through as it is."""
+    ``MegatronRLError``: an engine's failure, the producer's cut by a sync) comes through as it is. A slime
+    function (``args`` first) is called as slime calls it (``slime_compat.contract.slime_group_generate``)."""
     timeout_s = _timeout_of(cfg)
+    if is_slime_function(fn):
+        slime_group = slime_group_generate(fn, where, cfg=cfg, tokenizer=tokenizer)
+
+        def generate_slime_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
+            return check_samples(slime_group(request, sampling, call), [request], sampling, where, vocab_size)
+
+        generate_slime_group.__name__ = f"generate_group[{where}]"
+        return generate_slime_group
 
     def generate_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
         handle = EngineHandle(call, tokenizer=tokenizer, cfg=cfg, request=request)
@@ -378,8 +394,18 @@ def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any 
 def rollout_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any = None,
                      vocab_size: Optional[int] = None):
     """The ``--rollout-function-path`` function ``fn`` as ``generate(rollout_id, requests, sampling, call)``:
-    the batch's checked samples (the call bounded by --user-function-timeout)."""
+    the batch's checked samples (the call bounded by --user-function-timeout). A slime rollout function (``args``
+    first) is called as slime calls it (``slime_compat.contract.slime_rollout_generate``)."""
     timeout_s = _timeout_of(cfg)
+    if is_slime_function(fn):
+        slime_batch = slime_rollout_generate(fn, where, cfg=cfg, tokenizer=tokenizer)
+
+        def generate_slime(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams,
+                           call: EngineCall) -> list[Sample]:
+            return check_samples(slime_batch(rollout_id, list(requests), sampling, call), requests, sampling, where,
+                                 vocab_size)
+
+        return generate_slime
 
     def generate(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams,
                  call: EngineCall) -> list[Sample]:
@@ -554,6 +580,8 @@ class RolloutFunctions:
             return fn(rollout_id, list(requests), sampling, engine_call)
         group = self.group_generate(tokenizer)
         assert group is not None
+        if is_slime_function(self.group_fn):  # its engine calls come over HTTP, through the gateway
+            return [s for g in slime_generate_groups(group, requests, sampling, engine_call) for s in g]
         return generate_groups(group, requests, sampling, engine_call)
 
 

@@ -42,6 +42,8 @@ from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 from megatron_rl.rollout.code_reward import code_reward, code_reward_from_config
 from megatron_rl.rollout.remote_reward import RemoteReward
+from megatron_rl.rollout.slime_compat.contract import SlimeReward, check_slime_function, is_slime_function
+from megatron_rl.rollout.slime_compat.finder import load_needing_slime
 from megatron_rl.rollout.verl_reward import verl_reward_from_config
 from megatron_rl.rollout.verl_scores import VERL_RULES
 
@@ -235,22 +237,27 @@ class BoundedReward:
         return f"BoundedReward({self.path!r})"
 
 
-def load_custom_reward(custom_rm_path: str, timeout_s: float = 3600.0) -> RewardFn:
+def load_custom_reward(custom_rm_path: str, timeout_s: float = 3600.0, cfg: Any = None) -> RewardFn:
     """Import ``module:function`` (or ``path/to/file.py:function``) and return it in batched form, bounded by
-    ``timeout_s`` (--user-function-timeout) per call."""
-    fn = load_user_function(custom_rm_path, "--custom-rm-path", example="my_rewards:score")
+    ``timeout_s`` (--user-function-timeout) per call. slime's ``reward_func(args, sample, **kwargs)`` (``args``
+    first) is called as slime calls it, with the run's ``args`` (``cfg``)."""
+    fn = load_needing_slime(lambda: load_user_function(custom_rm_path, "--custom-rm-path", example="my_rewards:score",
+                                                       dotted=True))
+    if is_slime_function(fn):
+        check_slime_function(fn, "--custom-rm-path", custom_rm_path)
+        return SlimeReward(fn, custom_rm_path, cfg, timeout_s)
     check_arity(fn, 1, "--custom-rm-path", custom_rm_path, "fn(sample) or a batched fn(samples)")
     return BoundedReward(fn, custom_rm_path, timeout_s)
 
 
 def get_reward_fn(rm_type: str | None = None, custom_rm_path: str | None = None,
-                  timeout_s: float = 3600.0) -> RewardFn:
+                  timeout_s: float = 3600.0, cfg: Any = None) -> RewardFn:
     """The reward selected by ``--rm-type`` or ``--custom-rm-path`` (exactly one), in batched form; a custom one's
     calls bounded by ``timeout_s`` (--user-function-timeout)."""
     if rm_type and custom_rm_path:
         raise ConfigError("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if custom_rm_path:
-        return load_custom_reward(custom_rm_path, timeout_s)
+        return load_custom_reward(custom_rm_path, timeout_s, cfg)
     if not rm_type:
         raise ConfigError(f"no reward function: pass --rm-type ({', '.join(BUILTIN_REWARDS)}), "
                           "--custom-rm-path module:function or --rm-url URL (a reward server)")
@@ -285,7 +292,7 @@ def reward_fn_from_config(cfg) -> RewardFn:
     if d.rm_type in CONFIGURED_REWARDS and not d.custom_rm_path:
         return CONFIGURED_REWARDS[d.rm_type](cfg)
     return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
-                         timeout_s=cfg.rollout.user_function_timeout)
+                         timeout_s=cfg.rollout.user_function_timeout, cfg=cfg)
 
 
 def _scored_by_the_reward_model(samples: list[Sample]) -> list[float]:

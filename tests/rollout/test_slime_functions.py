@@ -1,0 +1,168 @@
+"""slime's function contracts run unchanged (rollout/slime_compat): a generate function that posts to the run's
+SGLang-protocol gateway, a rollout function with a data_source, reward functions; what they return becomes our
+samples token for token; statuses as slime treats them; an installed slime is never shadowed."""
+
+import dataclasses
+import importlib
+import os
+import sys
+
+import pytest
+
+from _tokenizer import build_char_tokenizer
+from megatron_rl.config.flags import parse_config
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.generate_fn import RolloutFunctions, load_function
+from megatron_rl.rollout.rewards import compute_rewards, load_custom_reward
+from megatron_rl.rollout.slime_compat import finder
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "slime_fns")
+
+
+class Engine:
+    """A test double of ``RolloutEngine.generate``: each row's tokens and log-probs a pure function of its prompt
+    and seed, every reply recorded (what the trained samples must equal)."""
+
+    def __init__(self):
+        self.replies = []
+
+    def generate(self, requests, sampling):
+        out = []
+        for r in requests:
+            for j in range(sampling.n):
+                base = (sum(r.prompt_ids) + (sampling.seed or 0) + j) % 50
+                ids = [20 + (base + 3 * i) % 60 for i in range(min(sampling.max_new_tokens, 5))]
+                s = Sample(group_index=r.group_index, prompt_ids=list(r.prompt_ids), response_ids=ids,
+                           rollout_logprobs=[-0.01 * (t % 17) - 0.001 * i for i, t in enumerate(ids)],
+                           finish_reason="length", weight_version=3)
+                self.replies.append((list(r.prompt_ids), ids, list(s.rollout_logprobs)))
+                out.append(s)
+        return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("slime_model")
+    build_char_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    monkeypatch.syspath_prepend(FIXTURES)
+
+
+def _cfg(model_dir, *extra):
+    return parse_config(["--hf-checkpoint", model_dir, "--debug-train-only", "--rollout-max-response-len", "24",
+                         "--n-samples-per-prompt", "2", "--rollout-batch-size", "2", *extra], validate=False)
+
+
+def _requests(tok):
+    return [GenerateRequest(prompt_ids=tok.encode(text), group_index=g, label="yes", prompt_text=text)
+            for g, text in enumerate(["hi there", "what now"])]
+
+
+def _segments(sample, engine):
+    """The sample's loss-mask-1 runs, each with its log-probs, in order."""
+    runs, cur = [], None
+    for i, m in enumerate(sample.loss_mask):
+        if m and cur is None:
+            cur = i
+        if (not m or i == len(sample.loss_mask) - 1) and cur is not None:
+            end = i + 1 if m else i
+            runs.append((sample.response_ids[cur:end], sample.rollout_logprobs[cur:end]))
+            cur = None
+    return runs
+
+
+def test_a_slime_generate_function_trains_exactly_the_engine_tokens(model_dir, on_path):
+    cfg = _cfg(model_dir, "--custom-generate-function-path", "slime_style.two_turns")
+    fns = RolloutFunctions.from_config(cfg)
+    tok = build_char_tokenizer(os.path.join(model_dir, "again"))
+    engine = Engine()
+    sampling = SamplingParams(max_new_tokens=24, n=2, seed=5)
+    samples = fns.generate(0, _requests(tok), sampling, engine.generate, tokenizer=tok)
+    assert [s.group_index for s in samples] == [0, 0, 1, 1]
+    replies = {tuple(p + ids): (ids, lps) for p, ids, lps in engine.replies}
+    obs = tok.encode(" ok ")
+    for s in samples:
+        assert s.finish_reason == "length" and s.weight_version == 3 and s.metadata["slime_status"] == "truncated"
+        # two engine turns with the observation between: the observation is the only loss-mask-0 run
+        first, second = _segments(s, engine)
+        n1 = len(first[0])
+        assert s.response_ids[n1:n1 + len(obs)] == obs and s.loss_mask[n1:n1 + len(obs)] == [0] * len(obs)
+        assert s.rollout_logprobs[n1:n1 + len(obs)] == [0.0] * len(obs)
+        assert replies[tuple(s.prompt_ids + first[0])] == (first[0], first[1])
+        context = s.prompt_ids + first[0] + obs
+        assert replies[tuple(context + second[0])] == (second[0], second[1])
+
+
+def test_slime_statuses_map_as_slime_treats_them(model_dir, on_path):
+    from megatron_rl.rollout.slime_compat.contract import to_ours
+
+    types = finder.slime_module("utils.types")
+    req = GenerateRequest(prompt_ids=[7, 8], group_index=4, label="x")
+
+    def sample(status, **kw):
+        return types.Sample(group_index=4, tokens=[7, 8, 30, 31], response_length=2, loss_mask=[1, 1],
+                            rollout_log_probs=[-0.5, -0.25], status=getattr(types.Sample.Status, status), **kw)
+
+    assert to_ours(sample("ABORTED"), req, "f").finish_reason == "abort"
+    assert to_ours(sample("TRUNCATED"), req, "f").finish_reason == "length"
+    done = to_ours(sample("COMPLETED"), req, "f")
+    assert (done.finish_reason, done.prompt_ids, done.response_ids, done.rollout_logprobs) == \
+        ("stop", [7, 8], [30, 31], [-0.5, -0.25])
+    assert to_ours(sample("FAILED"), req, "f").metadata["slime_status"] == "failed"
+    assert to_ours(sample("COMPLETED", remove_sample=True), req, "f").loss_mask == [0, 0]
+    with pytest.raises(ConfigError, match="rollout_log_probs None"):
+        to_ours(dataclasses.replace(sample("COMPLETED"), rollout_log_probs=None), req, "f")
+
+
+def test_an_aborted_slime_sample_asks_for_the_group_again(model_dir, on_path):
+    cfg = _cfg(model_dir, "--custom-generate-function-path", "slime_style.aborted")
+    fns = RolloutFunctions.from_config(cfg)
+    tok = build_char_tokenizer(os.path.join(model_dir, "again"))
+    samples = fns.generate(0, _requests(tok), SamplingParams(max_new_tokens=24, n=2), Engine().generate)
+    assert [s.finish_reason for s in samples] == ["abort"] * 4
+
+
+def test_a_slime_rollout_function_and_reward_functions(model_dir, on_path):
+    cfg = _cfg(model_dir, "--rollout-function-path", "slime_style.generate_rollout", "--custom-rm-path",
+               "slime_style.reward_func")
+    fns = RolloutFunctions.from_config(cfg)
+    tok = build_char_tokenizer(os.path.join(model_dir, "again"))
+    engine = Engine()
+    samples = fns.generate(0, _requests(tok), SamplingParams(max_new_tokens=24, n=2, seed=1), engine.generate)
+    assert [s.group_index for s in samples] == [0, 0, 1, 1]
+    replies = [(p, ids, lps) for p, ids, lps in engine.replies]
+    assert sorted((s.prompt_ids, s.response_ids, s.rollout_logprobs) for s in samples) == sorted(replies)
+    assert all(s.loss_mask == [1] * len(s.response_ids) for s in samples)
+    reward = load_custom_reward("slime_style.reward_func", cfg=cfg)
+    assert compute_rewards(samples, reward) == [1.5] * 4
+    batched = load_custom_reward("slime_style:batched_reward", cfg=cfg)
+    assert compute_rewards(samples, batched) == [float(len(s.response_ids)) for s in samples]
+
+
+def test_slime_signatures_are_checked_when_loaded(tmp_path, on_path):
+    (tmp_path / "bad_slime.py").write_text("async def generate(args, sample):\n    return sample\n")
+    with pytest.raises(ConfigError, match="cannot be called as slime calls it"):
+        load_function(str(tmp_path / "bad_slime.py") + ":generate", "--custom-generate-function-path")
+    assert load_function("slime_style.two_turns", "--custom-generate-function-path")
+
+
+def test_an_installed_slime_is_never_shadowed(tmp_path, monkeypatch):
+    (tmp_path / "slime").mkdir()
+    (tmp_path / "slime" / "__init__.py").write_text("REAL = True\n")
+    saved = {k: v for k, v in sys.modules.items() if k == "slime" or k.startswith("slime.")}
+    for k in saved:
+        del sys.modules[k]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        finder.install()
+        real = importlib.import_module("slime")
+        assert getattr(real, "REAL", False) and not finder.is_shim(real)
+    finally:
+        for k in [k for k in sys.modules if k == "slime" or k.startswith("slime.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
