@@ -51,6 +51,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def on_path(monkeypatch):
     monkeypatch.syspath_prepend(FIXTURES)
+    yield
+    finder.slime_module("rollout.sglang_rollout").GenerateState.clear_instances()  # one per process (slime's)
 
 
 def _cfg(model_dir, *extra):
@@ -166,3 +168,55 @@ def test_an_installed_slime_is_never_shadowed(tmp_path, monkeypatch):
         for k in [k for k in sys.modules if k == "slime" or k.startswith("slime.")]:
             del sys.modules[k]
         sys.modules.update(saved)
+
+
+def test_a_slime_rollout_function_on_the_embedded_engine_trains_its_replies(tmp_path, tiny_hf_models, on_path,
+                                                                          monkeypatch):
+    """Through the rollout manager, on the real embedded engine behind the gateway: slime's rollout function
+    (groups from ``data_source``, ``generate_and_rm_group``, slime's default token generate) and its reward
+    function; every sample is one gateway reply, tokens and log-probs exactly."""
+    import json
+
+    from megatron_rl.rollout.build import build_rollout
+    from megatron_rl.rollout.slime_compat.contract import ENGINE_REPLIES
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [1, 2, 3 + i], "label": "yes"}) + "\n" for i in range(4)))
+    cfg = parse_config(["--hf-checkpoint", tiny_hf_models("qwen2"), "--prompt-data", str(prompts),
+                        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
+                        "--rollout-function-path", "slime_style.generate_rollout",
+                        "--custom-rm-path", "slime_style.reward_func",
+                        "--save-debug-rollout-data", str(tmp_path / "debug" / "r_{rollout_id}.pt")])
+    manager = build_rollout(cfg)
+    samples, metrics = manager.generate(0)
+    # the reward function's own rule: no response text (this tiny model has no tokenizer), n_samples_per_prompt 2
+    assert [s.group_index for s in samples] == [0, 0, 1, 1] and [s.reward for s in samples] == [0.5] * 4
+    replies = [json.loads(line) for line in (tmp_path / "debug" / ENGINE_REPLIES).read_text().splitlines()]
+    assert sorted((s.prompt_ids, s.response_ids, s.rollout_logprobs) for s in samples) == \
+        sorted((r["input_ids"], r["output_ids"], r["logprobs"]) for r in replies)
+
+
+def test_a_slime_generate_function_under_the_asynchronous_producer(model_dir, on_path):
+    """--async-mode one-step / full: the producer's gated engine call serves the gateway; a weight sync that cuts a
+    call ends the group's attempt (generated again after it), and every trained token is within the bound."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runner"))
+    from test_producer import B, PausingEngine, Prompts, make, train  # the producer's doubles
+
+    cfg = _cfg(model_dir, "--custom-generate-function-path", "slime_style.two_turns")
+    engine, prompts = PausingEngine(seed=5, delay=0.002), Prompts()
+    producer = make(engine, prompts, k=1, partial=False,
+                    generate_group=RolloutFunctions.from_config(cfg).group_generate(None))
+    producer.start()
+    try:
+        trained = train(producer, engine, steps=4, trainer_delay=0.005, seed=5)
+    finally:
+        producer.stop()
+    indices = []
+    for step, groups in trained:
+        for g in groups:
+            indices.append(g.request.metadata["prompt_index"])
+            for s in g.samples:
+                assert s.finish_reason != "abort" and set(s.response_ids) == {7} and s.oldest_version >= step - 1
+    assert indices == list(range(4 * B))

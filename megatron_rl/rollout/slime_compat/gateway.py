@@ -182,6 +182,7 @@ class Gateway:
     def _record(self, prompt: list, ids: list, lps: list, finish: str) -> None:
         line = json.dumps({"input_ids": prompt, "output_ids": ids, "logprobs": lps, "finish_reason": finish}) + "\n"
         assert self.journal is not None
+        os.makedirs(os.path.dirname(self.journal) or ".", exist_ok=True)
         fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, line.encode())  # one write per reply: lines from concurrent replies never interleave
@@ -216,7 +217,10 @@ class _Handler(JsonHandler):
 
     def _serve(self, method: str) -> None:
         body, bad = self.parse_json(self.read_body())
-        status, reply = (400, _error(bad)) if bad else self.gateway.handle(method, urlsplit(self.path).path, body)
+        try:
+            status, reply = (400, _error(bad)) if bad else self.gateway.handle(method, urlsplit(self.path).path, body)
+        except Exception as exc:  # noqa: BLE001 - the client gets the reason (500), never a dropped connection
+            status, reply = 500, _error(f"{type(exc).__name__}: {exc}")
         self.send_reply(status, reply)
 
 

@@ -24,6 +24,7 @@ class SingletonMeta(type):
                 cls._instances[cls] = super().__call__(*args, **kwargs)
             return cls._instances[cls]
 
-    @staticmethod
-    def clear_all_instances():
-        SingletonMeta._instances.clear()
+    def clear_instances(cls):
+        """Forget this class's instance (the next call builds a new one), as slime's does."""
+        with SingletonMeta._lock:
+            SingletonMeta._instances.pop(cls, None)
