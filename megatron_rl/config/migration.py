@@ -319,6 +319,10 @@ def render() -> str:
         "a GPU or transformer-engine are refused for a real run on a machine without them, before any "
         "worker starts; `--dry-run` lists what they need.",
         "",
+        "slime's functions (`--custom-generate-function-path`, `--rollout-function-path`, `--custom-rm-path` written "
+        "as `generate(args, sample, sampling_params)`, `generate_rollout(args, rollout_id, data_source, ...)`, "
+        "`reward_func(args, sample, **kwargs)`) run unchanged: [slime-functions.md](slime-functions.md).",
+        "",
     ]
     for array, flags in SLIME_FLAGS.items():
         lines += [f"## {array}", "", "| flag | status | here |", "|---|---|---|"]

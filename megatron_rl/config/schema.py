@@ -731,12 +731,15 @@ class RolloutConfig:
         "Samples, generating token ids in, token ids + behaviour log-probs + weight versions out through "
         "engine.generate(input_ids, sampling), and may append tokens of its own with loss_mask 0 (tool "
         "observations); def or async def. Runs with every engine, for training and evaluation rollouts. Built-in "
-        "multi-turn tool use: megatron_rl.rollout.agent:generate (--tools, --max-turns, --tool-timeout).")
+        "multi-turn tool use: megatron_rl.rollout.agent:generate (--tools, --max-turns, --tool-timeout). "
+        "slime's async generate(args, sample, sampling_params) -> Sample (first parameter named args) runs "
+        "unchanged: called per sample, posting to this run's SGLang-protocol /generate (docs/slime-functions.md).")
     rollout_function_path: Optional[str] = flag(
         None, "Your generation of a whole rollout batch (slime's name; docs/agentic.md), as module:function: "
         "fn(rollout_id, requests, sampling, engine) returns len(requests) x --n-samples-per-prompt Samples, "
         "request-major; rewards, retries of aborted groups and training as for the engine's own samples. "
-        "Excludes --custom-generate-function-path.")
+        "Excludes --custom-generate-function-path. slime's generate_rollout(args, rollout_id, data_source, "
+        "evaluation=False) runs unchanged (docs/slime-functions.md).")
     tools: Optional[str] = flag(
         None, "The tool loop's tools (megatron_rl.rollout.agent:generate) as module:REGISTRY, a dict of tool name "
         "-> callable(arguments: dict) -> str; default: the built-in calculator (exact integer + - *).",
@@ -859,7 +862,10 @@ class DataConfig:
                                   "the label's tests in the sandbox, --sandbox-*; docs/agentic.md); anything else: "
                                   "--custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
-    custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+    custom_rm_path: Optional[str] = flag(None, "User reward function as module:function (or slime's module.function): "
+                                         "fn(sample) -> float, batched fn(samples), or slime's async "
+                                         "reward_func(args, sample, **kwargs) / (args, samples) unchanged "
+                                         "(docs/slime-functions.md).")
     custom_reward_function_path: Optional[str] = flag(
         None, "verl's reward function (custom_reward_function.path / .name) as file.py:name, module:name, or file.py "
         "alone for its compute_score: called per sample as compute_score(data_source=, solution_str=, ground_truth=, "

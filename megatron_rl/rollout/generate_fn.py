@@ -580,7 +580,7 @@ class RolloutFunctions:
             return fn(rollout_id, list(requests), sampling, engine_call)
         group = self.group_generate(tokenizer)
         assert group is not None
-        if is_slime_function(self.group_fn):  # its engine calls come over HTTP, through the gateway
+        if self.group_fn is not None and is_slime_function(self.group_fn):  # engine calls over HTTP: the gateway
             return [s for g in slime_generate_groups(group, requests, sampling, engine_call) for s in g]
         return generate_groups(group, requests, sampling, engine_call)
 

@@ -23,7 +23,7 @@ def slime_args(cfg: Any, router_ip: str, router_port: int) -> Namespace:
             if dataclasses.is_dataclass(section):
                 for f in dataclasses.fields(section):
                     setattr(ns, f.name, getattr(section, f.name))
-    defaults = {
+    defaults: dict[str, Any] = {
         "rollout_stop": None, "rollout_skip_special_tokens": False, "sglang_server_concurrency": 512,
         "rollout_num_gpus": 1, "rollout_num_gpus_per_engine": 1, "rollout_num_engines": 1, "sglang_dp_size": 1,
         "group_rm": False, "rollout_global_dataset": True, "ci_test": False, "use_distributed_post": False,

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import ConfigError, UserFunctionError
 from megatron_rl.infra.user_function import call_user_function
+from megatron_rl.rollout.base import load_tokenizer
 from megatron_rl.rollout.slime_compat import finder, loop
 from megatron_rl.rollout.slime_compat.args import slime_args
 from megatron_rl.rollout.slime_compat.gateway import Gateway
@@ -82,8 +83,6 @@ def gateway_for(cfg: Any) -> Gateway:
     with _GATEWAY_LOCK:
         gw = _GATEWAYS.get((path, journal, seed))
         if gw is None:
-            from megatron_rl.rollout.base import load_tokenizer  # transformers: loaded when first needed
-
             gw = Gateway(load_tokenizer(path) if path else None, model_path=path, journal=journal, seed=seed).start()
             _GATEWAYS[(path, journal, seed)] = gw
         return gw

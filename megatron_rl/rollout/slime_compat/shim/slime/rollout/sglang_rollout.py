@@ -5,10 +5,11 @@
 import asyncio
 import inspect
 
-from slime.rollout.rm_hub import async_rm, batched_async_rm
-from slime.utils.http_utils import post
-from slime.utils.misc import SingletonMeta, load_function
-from slime.utils.types import Sample
+from megatron_rl.rollout.base import load_tokenizer  # the run's own tokenizer loader
+from .rm_hub import async_rm, batched_async_rm
+from ..utils.http_utils import post
+from ..utils.misc import SingletonMeta, load_function
+from ..utils.types import Sample
 
 __all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "get_model_url"]
 
@@ -25,8 +26,6 @@ class GenerateState(metaclass=SingletonMeta):
     """The process's generation state: the model's tokenizer, the run's sampling parameters, a semaphore."""
 
     def __init__(self, args) -> None:
-        from megatron_rl.rollout.base import load_tokenizer  # the run's own tokenizer loader
-
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.processor = None
@@ -42,7 +41,7 @@ class GenerateState(metaclass=SingletonMeta):
 
     def reset(self) -> None:
         self.remaining_batch_size = 0
-        self.pendings = set()
+        self.pendings: set = set()
         self.aborted = False
 
 

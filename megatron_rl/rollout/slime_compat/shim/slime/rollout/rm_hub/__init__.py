@@ -1,7 +1,11 @@
 """slime's ``async_rm`` / ``batched_async_rm``: ``args.custom_rm_path`` when given (awaited as slime awaits it),
 else the run's built-in ``--rm-type`` rule on the sample's response and label."""
 
-from slime.utils.misc import load_function
+import asyncio
+from types import SimpleNamespace
+
+from megatron_rl.rollout.rewards import BUILTIN_REWARDS
+from ...utils.misc import load_function
 
 __all__ = ["async_rm", "batched_async_rm"]
 
@@ -10,10 +14,6 @@ async def async_rm(args, sample, **kwargs):
     path = getattr(sample, "custom_rm_path", None) or getattr(args, "custom_rm_path", None)
     if path:
         return await load_function(path)(args, sample, **kwargs)
-    from types import SimpleNamespace
-
-    from megatron_rl.rollout.rewards import BUILTIN_REWARDS
-
     rm_type = ((sample.metadata or {}).get("rm_type") or getattr(args, "rm_type", None) or "").strip()
     if rm_type not in BUILTIN_REWARDS:
         raise NotImplementedError(f"Rule-based RM for {rm_type!r} is not implemented here; built-ins: "
@@ -23,8 +23,6 @@ async def async_rm(args, sample, **kwargs):
 
 
 async def batched_async_rm(args, samples, **kwargs):
-    import asyncio
-
     path = getattr(args, "custom_rm_path", None)
     if path:
         return await load_function(path)(args, samples, **kwargs)
