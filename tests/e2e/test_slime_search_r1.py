@@ -69,7 +69,7 @@ def _model(path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(150):
+        for _ in range(100):
             loss = model(input_ids=ids, labels=labels).loss
             opt.zero_grad()
             loss.backward()

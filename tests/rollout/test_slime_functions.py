@@ -25,14 +25,15 @@ class Engine:
     and seed, every reply recorded (what the trained samples must equal)."""
 
     def __init__(self):
-        self.replies = []
+        self.replies, self.calls = [], []
 
     def generate(self, requests, sampling):
+        self.calls.append(len(requests))
         out = []
         for r in requests:
             for j in range(sampling.n):
                 base = (sum(r.prompt_ids) + (sampling.seed or 0) + j) % 50
-                ids = [20 + (base + 3 * i) % 60 for i in range(min(sampling.max_new_tokens, 5))]
+                ids = [20 + (base + 3 * i) % 60 for i in range(min(r.budget(sampling), 5))]
                 s = Sample(group_index=r.group_index, prompt_ids=list(r.prompt_ids), response_ids=ids,
                            rollout_logprobs=[-0.01 * (t % 17) - 0.001 * i for i, t in enumerate(ids)],
                            finish_reason="length", weight_version=3)
@@ -220,3 +221,60 @@ def test_a_slime_generate_function_under_the_asynchronous_producer(model_dir, on
             for s in g.samples:
                 assert s.finish_reason != "abort" and set(s.response_ids) == {7} and s.oldest_version >= step - 1
     assert indices == list(range(4 * B))
+
+
+def test_the_gateway_batches_the_requests_that_wait_and_honours_stop_strings(model_dir):
+    """Requests that arrive while an engine call runs go to the engine in the next call, together, each with its
+    own budget; a stop string cuts the engine's tokens where their text completes it."""
+    import json
+    import threading
+    import time
+    import urllib.request
+
+    from megatron_rl.rollout.slime_compat.gateway import Gateway
+
+    tok = build_char_tokenizer(os.path.join(model_dir, "gw"))
+    entered, release, engine = threading.Event(), threading.Event(), Engine()
+
+    def call(requests, sampling):
+        if not engine.calls:
+            entered.set()
+            release.wait(60)
+        return engine.generate(requests, sampling)
+
+    gw = Gateway(tok).start()
+
+    def post(body):
+        req = urllib.request.Request(gw.url + "/generate", data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    replies = {}
+    try:
+        with gw.lane(call):
+            bodies = {k: {"input_ids": [30 + k, 31], "return_logprob": True,
+                          "sampling_params": {"max_new_tokens": 3 + k, "temperature": 1.0}} for k in range(4)}
+            threads = [threading.Thread(target=lambda k=k: replies.__setitem__(k, post(bodies[k]))) for k in range(4)]
+            threads[0].start()
+            assert entered.wait(60)  # the first request is inside its engine call (held until released)
+            deadline = time.monotonic() + 60
+            for t in threads[1:]:
+                t.start()
+            while len(gw._queue) < 3 and time.monotonic() < deadline:  # state: the other three queued behind it
+                time.sleep(0.01)
+            release.set()
+            for t in threads:
+                t.join(60)
+            params = {"max_new_tokens": 5, "sampling_seed": 7}
+            full = post({"text": "hi", "return_logprob": True, "sampling_params": params})
+            cut = tok.decode(full["output_ids"][1:2])  # the second token's text: the stop string
+            stop = post({"text": "hi", "return_logprob": True, "sampling_params": {**params, "stop": [cut]}})
+    finally:
+        gw.stop()
+    assert engine.calls[:2] == [1, 3]  # the three that waited: one call, each with its own budget
+    for k, reply in replies.items():
+        pairs = reply["meta_info"]["output_token_logprobs"]
+        assert [p[1] for p in pairs] == reply["output_ids"] and len(pairs) == min(3 + k, 5)
+    first = next(k for k in range(1, 6) if cut in tok.decode(full["output_ids"][:k]))
+    assert stop["output_ids"] == full["output_ids"][:first] and stop["meta_info"]["finish_reason"] == \
+        {"type": "stop", "matched": cut}

@@ -190,10 +190,8 @@ def slime_group_generate(fn: Callable, where: str, *, cfg: Any, tokenizer: Any =
         def run_group() -> list:
             async def group() -> list:
                 tasks = []
-                for j, s in enumerate(samples):
-                    sp = _sampling_dict(args, sampling)
-                    if sampling.seed is not None:
-                        sp["sampling_seed"] = sampling.seed + j
+                for s in samples:  # no sampling_seed (slime sets it only for deterministic inference): the
+                    sp = _sampling_dict(args, sampling)  # gateway then batches the samples' rows in one call
                     tasks.append(fn(args, s, sp, evaluation=False) if evaluation else fn(args, s, sp))
                 return list(await asyncio.gather(*tasks))
             return loop.run(group())

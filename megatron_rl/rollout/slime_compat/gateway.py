@@ -7,15 +7,18 @@ server (the embedded engine lives in the driver in a synchronous run). The gatew
 engine call a native generate function gets (``EngineCall``: ``engine.generate`` in a synchronous run, the
 asynchronous producer's gated call in a one-step or fully asynchronous run; with SGLang engines that call goes to
 the SGLang router), so weight syncs, aborts and per-token weight versions keep working as they do for every
-other rollout. The reply carries exactly the engine's tokens and log-probs (``meta_info.output_token_logprobs``):
-a function that builds its sample from them trains on what the engine sampled (no re-tokenisation).
+other rollout. Requests that arrive while an engine call runs are served together by the next one (one call per
+sampling; the engine calls are made one at a time: the driver's embedded engine is not thread-safe), so the
+concurrent samples of a rollout are batched as the engine batches any call. The reply carries exactly the
+engine's tokens and log-probs (``meta_info.output_token_logprobs``): a function that builds its sample from them
+trains on what the engine sampled (no re-tokenisation).
 
 Request fields read: ``input_ids`` (or ``text``, encoded with the model's tokenizer as SGLang encodes it),
 ``sampling_params`` (``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``, ``stop_token_ids``, ``stop``
 strings, ``ignore_eos``, ``sampling_seed``, ``skip_special_tokens``, ``no_stop_trim``), ``return_logprob``. A
 ``stop`` string ends the response at the first token whose text completes it (the tokens are drawn one after the
-other, so the response cut there is the one a stopping engine returns). Calls are served one at a time
-(``serialize``) when the engine call is not thread-safe (the driver's embedded engine).
+other, so the response cut there is the one a stopping engine returns). A request's ``sampling_seed`` is honoured
+(its row then goes to the engine alone); others get the call's seed, successive calls ``SEED_STRIDE`` apart.
 
 Which engine call: the groups running a slime function register theirs (``lane``) for the time of their call;
 a request is served by the newest registered one (they differ only in the group they belong to). An engine
@@ -26,6 +29,7 @@ would a native function's."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -33,8 +37,13 @@ import uuid
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
-from megatron_rl.data.types import GenerateRequest, SamplingParams
+from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
+from megatron_rl.errors import EngineError
 from megatron_rl.rollout.embedded_server import JsonHandler, start_http
+
+
+#: seeds of successive engine calls lie this far apart
+SEED_STRIDE = 1_000_003
 
 
 class Lane:
@@ -43,6 +52,17 @@ class Lane:
     def __init__(self, call: Any):
         self.call = call
         self.errors: list[BaseException] = []
+
+
+class _Row:
+    """One /generate request waiting for its engine call."""
+
+    __slots__ = ("request", "sampling", "lane", "output", "done")
+
+    def __init__(self, request: GenerateRequest, sampling: SamplingParams, lane: Lane):
+        self.request, self.sampling, self.lane = request, sampling, lane
+        self.output: Optional[Sample] = None
+        self.done = False
 
 
 class Gateway:
@@ -58,8 +78,9 @@ class Gateway:
         self._lanes: list[Lane] = []
         self._lock = threading.Lock()
         self._serve_lock = threading.Lock()
-        self.serialize = True
-        self.requests = 0
+        self._queue: list[_Row] = []
+        self.requests = 0  # /generate requests and engine calls made for them: what a test reads to see batching
+        self.calls = 0
         self._httpd: Any = None
         self.port = 0
 
@@ -119,7 +140,6 @@ class Gateway:
             return 400, _error("stop strings need the model's tokenizer (--hf-checkpoint has none): use stop_token_ids")
         with self._lock:
             self.requests += 1
-            k = self.requests
             lanes = list(self._lanes)
         if not lanes:
             return 503, _error("no rollout is running: this gateway serves the run's slime functions while they run")
@@ -131,23 +151,19 @@ class Gateway:
                 top_k=int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1),
                 max_new_tokens=int(sp.get("max_new_tokens", 128)),
                 stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()),
-                seed=int(seed) if seed is not None else self._seed + 1_000_003 * k,
-                ignore_eos=bool(sp.get("ignore_eos", False)))
+                seed=None if seed is None else int(seed), ignore_eos=bool(sp.get("ignore_eos", False)))
         except Exception as exc:  # noqa: BLE001 - a bad field answers 400 with the reason, as SGLang does
             return 400, _error(str(exc))
-        lane = lanes[-1]
-        request = GenerateRequest(prompt_ids=[int(t) for t in ids], group_index=0)
-        try:
-            if self.serialize:
-                with self._serve_lock:
-                    out = list(lane.call([request], sampling))
-            else:
-                out = list(lane.call([request], sampling))
-        except BaseException as exc:  # noqa: BLE001 - each running group re-raises it when its function returns
-            with self._lock:
-                for running in self._lanes:
-                    running.errors.append(exc)
-            out = []
+        row = _Row(GenerateRequest(prompt_ids=[int(t) for t in ids], group_index=0,
+                                   max_new_tokens=sampling.max_new_tokens), sampling, lanes[-1])
+        with self._lock:
+            self._queue.append(row)
+        with self._serve_lock:  # whoever holds it serves every row queued meanwhile, in one call per sampling
+            if not row.done:
+                with self._lock:
+                    batch, self._queue = self._queue, []
+                self._serve(batch)
+        out = [row.output] if row.output is not None else []
         if len(out) != 1:  # the call failed (an engine error, a sync): the row answers "abort", as SGLang's
             return 200, self._reply(body, [], [], "abort", None, "0", str(uuid.uuid4().hex))
         s = out[0]
@@ -163,6 +179,36 @@ class Gateway:
         if self.journal:
             self._record(ids, ids_out, lps, finish)
         return 200, reply
+
+    def _serve(self, rows: list["_Row"]) -> None:
+        """One engine call per lane and sampling (seed and length aside) for ``rows``: each row keeps its own
+        budget (``GenerateRequest.max_new_tokens``); rows that asked for a ``sampling_seed`` go alone. A call
+        that fails leaves its rows without output (they answer "abort") and its error with every running group."""
+        sets: dict[tuple, list[_Row]] = {}
+        for row in rows:
+            alone = id(row) if row.sampling.seed is not None else None
+            key = (id(row.lane), alone, dataclasses.replace(row.sampling, seed=None, max_new_tokens=1))
+            sets.setdefault(key, []).append(row)
+        for group in sets.values():
+            with self._lock:
+                self.calls += 1
+                k = self.calls
+            first = group[0].sampling
+            sampling = dataclasses.replace(first, max_new_tokens=max(r.sampling.max_new_tokens for r in group),
+                                           seed=first.seed if first.seed is not None else self._seed + SEED_STRIDE * k)
+            try:
+                out = list(group[0].lane.call([r.request for r in group], sampling))
+                if len(out) != len(group):
+                    raise EngineError(f"the rollout engine returned {len(out)} samples for {len(group)} requests")
+                for r, sample in zip(group, out):
+                    r.output = sample
+            except BaseException as exc:  # noqa: BLE001 - each running group re-raises it when its function returns
+                with self._lock:
+                    for running in self._lanes:
+                        running.errors.append(exc)
+            finally:
+                for r in group:
+                    r.done = True
 
     def _reply(self, body: dict, ids: list, lps: list, finish: str, matched: Any, version: str, rid: str, *,
                no_stop_trim: bool = True, stops: Optional[list] = None, skip_special: bool = True,
