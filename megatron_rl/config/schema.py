@@ -104,7 +104,8 @@ def engine_url(address: str) -> str:
 
 
 # --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
-BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "code", "gsm8k", "verl_math", "math_dapo", "verl")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "f1", "boxed_exact_match", "boxed_f1", "code",
+                        "gsm8k", "verl_math", "math_dapo", "verl")
 
 
 @dataclass(frozen=True)
@@ -856,7 +857,9 @@ class DataConfig:
     eval_max_response_len: Optional[int] = flag(None, "Maximum new tokens per evaluation response (unset: "
                                                 "--rollout-max-response-len).")
     rm_type: Optional[str] = flag(None, "Built-in reward function (rollout/rewards.py): exact_match, math, "
-                                  "deepscaler (slime's rule); verl's rules with verl's scores (rollout/verl_scores.py): "
+                                  "deepscaler (slime's rule), f1 (slime's word-overlap F1), boxed_exact_match, "
+                                  "boxed_f1 (slime's boxed_ prefix: the rule on the last \\boxed{}); verl's rules with "
+                                  "verl's scores (rollout/verl_scores.py): "
                                   "gsm8k, verl_math, math_dapo, and verl (one of them by each sample's data_source, as "
                                   "verl's default_compute_score); code (the response's last code block run against "
                                   "the label's tests in the sandbox, --sandbox-*; docs/agentic.md); anything else: "

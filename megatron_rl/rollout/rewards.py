@@ -20,6 +20,8 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 * ``exact_match``: 1.0 when the response equals the label after case folding,
   whitespace collapsing and dropping a trailing period;
 * ``deepscaler``: slime's rule: the boxed answer after the last ``</think>``, graded as ``math``;
+* ``f1``: slime's word-overlap F1 of the response and the label (SQuAD's answer F1);
+* ``boxed_exact_match``, ``boxed_f1``: slime's ``boxed_`` prefix: the rule on the last ``\\boxed{}``'s contents;
 * ``math``: extracts the final answer (last ``\\boxed{...}``, else the text after
   the last ``####``, else the last number) from the response (and from the label
   when it has such a marker), compares numerically (integers, decimals, ``1,000``,
@@ -31,9 +33,12 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
+import string
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -184,10 +189,42 @@ def deepscaler_reward(sample: Sample) -> float:
     return float(math_equal(answer.strip(), label))
 
 
+def _squad_words(text: str) -> list[str]:
+    """The words of ``text`` as SQuAD's answer F1 compares them: lower case, no punctuation, no articles."""
+    text = "".join(ch for ch in str(text).lower() if ch not in string.punctuation)
+    return re.sub(r"\b(a|an|the)\b", " ", text).split()
+
+
+def f1_reward(sample: Sample) -> float:
+    """slime's ``f1``: the word-overlap F1 of the response and the label (SQuAD's answer F1); a yes / no /
+    noanswer answer on either side scores 0 unless both are the same."""
+    pred, gold = _squad_words(_response_text(sample, "f1")), _squad_words(_label(sample, "f1"))
+    closed = ("yes", "no", "noanswer")
+    if (" ".join(pred) in closed or " ".join(gold) in closed) and pred != gold:
+        return 0.0
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def boxed(rule: Callable[[Sample], float], name: str) -> Callable[[Sample], float]:
+    """slime's ``boxed_<rule>``: ``rule`` on the contents of the response's last ``\\boxed{}`` ("" without one)."""
+    def reward(sample: Sample) -> float:
+        inner = _boxed_contents(_response_text(sample, name))
+        return rule(dataclasses.replace(sample, response_text=(inner or "").strip()))
+
+    reward.__name__ = name
+    return reward
+
+
 # --rm-type -> reward; the names are also config.schema.BUILTIN_REWARD_NAMES (the flag's choices; a test keeps
 # the two equal), so an unknown name is refused while parsing flags, before any worker starts
 BUILTIN_REWARDS: dict[str, Callable[[Sample], Any]] = {"exact_match": exact_match, "math": math_reward,
-                                                       "deepscaler": deepscaler_reward, "code": code_reward,
+                                                       "deepscaler": deepscaler_reward, "f1": f1_reward,
+                                                       "boxed_exact_match": boxed(exact_match, "boxed_exact_match"),
+                                                       "boxed_f1": boxed(f1_reward, "boxed_f1"), "code": code_reward,
                                                        **VERL_RULES}  # verl's rules: rollout/verl_scores.py
 # built-ins the run builds from its flags (their limits), in batched form: --rm-type name -> (cfg) -> RewardFn
 CONFIGURED_REWARDS: dict[str, Callable[[Any], RewardFn]] = {"code": code_reward_from_config}

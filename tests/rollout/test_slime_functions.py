@@ -278,3 +278,18 @@ def test_the_gateway_batches_the_requests_that_wait_and_honours_stop_strings(mod
     first = next(k for k in range(1, 6) if cut in tok.decode(full["output_ids"][:k]))
     assert stop["output_ids"] == full["output_ids"][:first] and stop["meta_info"]["finish_reason"] == \
         {"type": "stop", "matched": cut}
+
+
+@pytest.mark.parametrize("rm_type, response, label, expected", [
+    ("f1", "The capital is Paris", "Paris", 2 * (1 / 3) * 1 / (1 / 3 + 1)),  # "capital is paris" vs "paris"
+    ("f1", "yes", "no", 0.0),
+    ("f1", "paris, France!", "france paris", 1.0),
+    ("boxed_exact_match", "so \\boxed{Paris}.", "paris", 1.0),
+    ("boxed_exact_match", "Paris", "paris", 0.0),  # no box: ""
+    ("boxed_f1", "x \\boxed{new york city}", "New York", 0.8),
+])
+def test_slimes_rule_rewards(rm_type, response, label, expected):
+    from megatron_rl.rollout.rewards import get_reward_fn
+
+    sample = Sample(group_index=0, prompt_ids=[1], response_ids=[2], response_text=response, label=label)
+    assert get_reward_fn(rm_type=rm_type)([sample]) == [pytest.approx(expected)]

@@ -2,8 +2,8 @@
 else the run's built-in ``--rm-type`` rule on the sample's response and label."""
 
 import asyncio
-from types import SimpleNamespace
 
+from megatron_rl.data.types import Sample as OurSample
 from megatron_rl.rollout.rewards import BUILTIN_REWARDS
 from ...utils.misc import load_function
 
@@ -18,8 +18,8 @@ async def async_rm(args, sample, **kwargs):
     if rm_type not in BUILTIN_REWARDS:
         raise NotImplementedError(f"Rule-based RM for {rm_type!r} is not implemented here; built-ins: "
                                   f"{', '.join(BUILTIN_REWARDS)}")
-    return BUILTIN_REWARDS[rm_type](SimpleNamespace(response_text=sample.response, label=sample.label,
-                                                    group_index=sample.group_index))
+    return BUILTIN_REWARDS[rm_type](OurSample(group_index=sample.group_index or 0, prompt_ids=[], response_ids=[],
+                                              response_text=sample.response, label=sample.label))
 
 
 async def batched_async_rm(args, samples, **kwargs):
