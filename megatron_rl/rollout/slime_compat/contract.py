@@ -88,9 +88,21 @@ def gateway_for(cfg: Any) -> Gateway:
         return gw
 
 
+_HTTP_READY: set[int] = set()
+
+
 def _args(cfg: Any) -> Any:
+    """slime's ``args`` for one call, the router address this run's gateway; slime's HTTP client set up once per
+    process (an installed slime's ``post`` needs ``init_http_client(args)``, as its rollout manager calls it)."""
     gw = gateway_for(cfg)
-    return slime_args(cfg, "127.0.0.1", gw.port)
+    args = slime_args(cfg, "127.0.0.1", gw.port)
+    with _GATEWAY_LOCK:
+        if gw.port not in _HTTP_READY:
+            init = getattr(finder.slime_module("utils.http_utils"), "init_http_client", None)
+            if init is not None:
+                init(args)
+            _HTTP_READY.add(gw.port)
+    return args
 
 
 def _types() -> Any:
@@ -184,7 +196,7 @@ def slime_group_generate(fn: Callable, where: str, *, cfg: Any, tokenizer: Any =
 
     def generate_group(request: GenerateRequest, sampling: SamplingParams, call: Any) -> list[Sample]:
         gw = gateway_for(cfg)
-        args = slime_args(cfg, "127.0.0.1", gw.port)
+        args = _args(cfg)
         samples = [to_slime(request, j, tokenizer) for j in range(sampling.n)]
 
         def run_group() -> list:
@@ -267,7 +279,7 @@ def slime_rollout_generate(fn: Callable, where: str, *, cfg: Any, tokenizer: Any
 
     def generate(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams, call: Any) -> list[Sample]:
         gw = gateway_for(cfg)
-        args = slime_args(cfg, "127.0.0.1", gw.port)
+        args = _args(cfg)
         args.n_samples_per_prompt = sampling.n
         source = DataSource(requests, sampling.n, tokenizer, where)
         by_group = {r.group_index: r for r in requests}

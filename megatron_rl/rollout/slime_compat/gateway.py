@@ -168,7 +168,8 @@ class Gateway:
             return 200, self._reply(body, [], [], "abort", None, "0", str(uuid.uuid4().hex))
         s = out[0]
         ids_out, lps = list(s.response_ids), [float(x) for x in s.rollout_logprobs]
-        finish, matched = s.finish_reason, (s.response_ids[-1] if s.finish_reason == "stop" and s.response_ids else None)
+        finish = s.finish_reason
+        matched: Any = s.response_ids[-1] if finish == "stop" and s.response_ids else None  # SGLang: the id, or the str
         if stops:
             cut = _stop_at(self.tokenizer, ids_out, stops)
             if cut is not None:
