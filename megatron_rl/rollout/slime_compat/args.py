@@ -33,6 +33,8 @@ def slime_args(cfg: Any, router_ip: str, router_port: int) -> Namespace:
         "partial_rollout": False, "rollout_top_k": -1, "rollout_top_p": 1.0, "rollout_temperature": 1.0,
         "rollout_stop_token_ids": [], "custom_generate_function_path": None, "custom_rm_path": None,
         "rm_type": None, "dynamic_sampling_filter_path": None,
+        # slime's context caps (retool, multi_agent read them): None = not capped beyond the response length
+        "rollout_max_context_len": None, "eval_max_context_len": None,
     }
     for name, value in defaults.items():
         if not hasattr(ns, name):
