@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -68,6 +69,8 @@ from megatron_rl.rollout.slime_compat.contract import (check_slime_function, is_
                                                        slime_generate_groups, slime_group_generate,
                                                        slime_rollout_generate)
 from megatron_rl.rollout.slime_compat.finder import load_needing_slime
+
+log = logging.getLogger("megatron_rl")
 
 #: what the handle calls: ``RolloutEngine.generate``, or a caller's gated / batched stand-in with its contract
 EngineCall = Callable[[list[GenerateRequest], SamplingParams], list[Sample]]
@@ -357,6 +360,27 @@ def _check_sample(s: Sample, req: GenerateRequest, sampling: SamplingParams, wha
         raise ConfigError(f"{what} {'; '.join(problems)}")
 
 
+def _within_budget(samples: list[Sample], sampling: SamplingParams, tokenizer: Any, where: str) -> list[Sample]:
+    """A slime function's samples cut to ``sampling.max_new_tokens`` response tokens (``truncate``: a prefix,
+    finish_reason "length", its text decoded again). Why cut rather than refuse: slime trains a response of any
+    length, and its multi-turn examples give every turn the whole budget (search-r1), so a sample may outgrow
+    --rollout-max-response-len, which sizes the trainer's sequences here; a prefix keeps its tokens, loss mask and
+    log-probs exactly. Each cut is logged with the function and the lengths."""
+    out = []
+    for s in samples:
+        n = len(s.response_ids)
+        if n > sampling.max_new_tokens:
+            log.warning("%s returned a response of %d tokens (group %d); trained on its first %d "
+                        "(--rollout-max-response-len), as a truncated sample", where, n, s.group_index,
+                        sampling.max_new_tokens)
+            s = truncate(s, sampling.max_new_tokens)
+            s.metadata["slime_response_length"] = n
+            if tokenizer is not None:
+                s.response_text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        out.append(s)
+    return out
+
+
 # ------------------------------------------------------------------ binding
 def _timeout_of(cfg: Any) -> float:
     """--user-function-timeout of the run's config (its default without one)."""
@@ -377,7 +401,8 @@ def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any 
         slime_group = slime_group_generate(fn, where, cfg=cfg, tokenizer=tokenizer)
 
         def generate_slime_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
-            return check_samples(slime_group(request, sampling, call), [request], sampling, where, vocab_size)
+            return check_samples(_within_budget(slime_group(request, sampling, call), sampling, tokenizer, where),
+                                 [request], sampling, where, vocab_size)
 
         generate_slime_group.__name__ = f"generate_group[{where}]"
         return generate_slime_group
@@ -402,8 +427,8 @@ def rollout_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: An
 
         def generate_slime(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams,
                            call: EngineCall) -> list[Sample]:
-            return check_samples(slime_batch(rollout_id, list(requests), sampling, call), requests, sampling, where,
-                                 vocab_size)
+            return check_samples(_within_budget(slime_batch(rollout_id, list(requests), sampling, call), sampling,
+                                                tokenizer, where), requests, sampling, where, vocab_size)
 
         return generate_slime
 

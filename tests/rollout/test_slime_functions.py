@@ -293,3 +293,15 @@ def test_slimes_rule_rewards(rm_type, response, label, expected):
 
     sample = Sample(group_index=0, prompt_ids=[1], response_ids=[2], response_text=response, label=label)
     assert get_reward_fn(rm_type=rm_type)([sample]) == [pytest.approx(expected)]
+
+
+def test_a_slime_sample_longer_than_the_budget_trains_as_its_prefix(model_dir, on_path):
+    cfg = _cfg(model_dir, "--custom-generate-function-path", "slime_style.whole_budget_each_turn")
+    engine = Engine()
+    samples = RolloutFunctions.from_config(cfg).generate(0, _requests(build_char_tokenizer(
+        os.path.join(model_dir, "again"))), SamplingParams(max_new_tokens=8, n=2, seed=2), engine.generate)
+    for s in samples:  # two turns of 5 tokens for a budget of 8: the first 8, exactly as the engine gave them
+        first = next(r for r in engine.replies if r[0] == s.prompt_ids and r[1] == s.response_ids[:len(r[1])])
+        second = next(r for r in engine.replies if r[0] == s.prompt_ids + first[1])
+        assert s.response_ids == (first[1] + second[1])[:8] and s.rollout_logprobs == (first[2] + second[2])[:8]
+        assert s.finish_reason == "length" and s.metadata["slime_response_length"] == 10
