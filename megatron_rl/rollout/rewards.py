@@ -46,6 +46,7 @@ from megatron_rl.data.types import Sample, describe_prompt
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 from megatron_rl.rollout.code_reward import code_reward, code_reward_from_config
+from megatron_rl.rollout.generate_fn import load_function
 from megatron_rl.rollout.remote_reward import RemoteReward
 from megatron_rl.rollout.slime_compat.contract import SlimeReward, check_slime_function, is_slime_function
 from megatron_rl.rollout.slime_compat.finder import load_needing_slime
@@ -328,8 +329,44 @@ def reward_fn_from_config(cfg) -> RewardFn:
         return _scored_by_the_reward_model  # the RM role on the trainer's ranks sets every reward (runner/step.py)
     if d.rm_type in CONFIGURED_REWARDS and not d.custom_rm_path:
         return CONFIGURED_REWARDS[d.rm_type](cfg)
+    function = _slime_function_flag(cfg)
+    if function and not (d.rm_type or d.custom_rm_path):
+        return SetByFunction(function)  # slime's functions may fill sample.reward themselves (its tau-bench does)
     return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
                          timeout_s=cfg.rollout.user_function_timeout, cfg=cfg)
+
+
+def _slime_function_flag(cfg) -> str:
+    """``--custom-generate-function-path P`` / ``--rollout-function-path P`` when one is given and names a slime
+    function (``slime_compat``; a native one sets no reward of its own), else ""."""
+    r = getattr(cfg, "rollout", None)
+    for flag, value in (("--custom-generate-function-path", getattr(r, "custom_generate_function_path", None)),
+                        ("--rollout-function-path", getattr(r, "rollout_function_path", None))):
+        if value and is_slime_function(load_function(value, flag)):
+            return f"{flag} {value}"
+    return ""
+
+
+class SetByFunction:
+    """No reward flag, and a rollout function: the reward each sample's slime function set (``sample.reward``,
+    kept as ``metadata["slime_reward"]``; slime skips its reward model for such a sample). A sample without one
+    is refused naming the function and the flags that would score it."""
+
+    batched = True
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __call__(self, samples: list[Sample]) -> list[Any]:
+        missing = [i for i, s in enumerate(samples) if s.metadata.get("slime_reward") is None]
+        if missing:
+            raise ConfigError(f"no reward for sample {missing[0]}: {self.where} did not set sample.reward and no "
+                              f"reward flag is given; pass --rm-type ({', '.join(BUILTIN_REWARDS)}), "
+                              "--custom-rm-path module:function or --rm-url URL")
+        return [s.metadata["slime_reward"] for s in samples]
+
+    def __repr__(self) -> str:
+        return f"SetByFunction({self.where!r})"
 
 
 def _scored_by_the_reward_model(samples: list[Sample]) -> list[float]:
@@ -347,6 +384,8 @@ def reward_source(cfg) -> str:
         return f"--custom-reward-function-path {d.custom_reward_function_path}"
     if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
         return f"--reward-model-path {d.reward_model_path}"
+    if not (d.rm_type or d.custom_rm_path) and _slime_function_flag(cfg):
+        return f"the reward {_slime_function_flag(cfg)} set"
     return f"--custom-rm-path {d.custom_rm_path}" if d.custom_rm_path else f"--rm-type {d.rm_type}"
 
 

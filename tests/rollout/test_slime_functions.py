@@ -305,3 +305,16 @@ def test_a_slime_sample_longer_than_the_budget_trains_as_its_prefix(model_dir, o
         second = next(r for r in engine.replies if r[0] == s.prompt_ids + first[1])
         assert s.response_ids == (first[1] + second[1])[:8] and s.rollout_logprobs == (first[2] + second[2])[:8]
         assert s.finish_reason == "length" and s.metadata["slime_response_length"] == 10
+
+
+def test_a_reward_the_slime_function_set_is_the_reward_without_a_reward_flag(model_dir, on_path):
+    from megatron_rl.rollout.rewards import reward_fn_from_config, reward_source
+
+    cfg = _cfg(model_dir, "--custom-generate-function-path", "slime_style.scores_itself")
+    samples = RolloutFunctions.from_config(cfg).generate(0, _requests(build_char_tokenizer(
+        os.path.join(model_dir, "again"))), SamplingParams(max_new_tokens=24, n=2, seed=2), Engine().generate)
+    assert compute_rewards(samples, reward_fn_from_config(cfg)) == [float(len(s.response_ids)) for s in samples]
+    assert reward_source(cfg) == "the reward --custom-generate-function-path slime_style.scores_itself set"
+    unscored = [dataclasses.replace(samples[0], metadata={})]
+    with pytest.raises(ConfigError, match="did not set sample.reward and no reward flag is given; pass --rm-type"):
+        compute_rewards(unscored, reward_fn_from_config(cfg))

@@ -157,6 +157,8 @@ def to_ours(s: Any, request: GenerateRequest, where: str) -> Sample:
     versions = [int(v) for v in (getattr(s, "weight_versions", None) or []) if str(v).lstrip("-").isdigit()]
     metadata = {**request.metadata, **(s.metadata if isinstance(s.metadata, dict) else {})}
     metadata["slime_status"] = status.lower()
+    if getattr(s, "reward", None) is not None:  # the function scored it itself (rewards.SetByFunction reads it)
+        metadata["slime_reward"] = s.reward
     return Sample(group_index=request.group_index, prompt_ids=tokens[:len(tokens) - r], response_ids=response,
                   rollout_logprobs=logprobs, loss_mask=[int(m) for m in mask],
                   finish_reason="length" if status == "TRUNCATED" else "stop",
