@@ -135,9 +135,10 @@ NOTES: dict[str, tuple[str, str]] = {
                                 "--use-distributed-optimizer (Megatron-LM requires it; slime always turns it on). "
                                 "fsdp: FSDP2's CPUOffloadPolicy."),
     "--rm-type": ("same", "Built-in rewards exact_match, math and deepscaler (slime's rule; graded with the "
-                  "numeric / normalised-string subset of slime's mathd + sympy check); slime's other rm_hub names "
-                  "(dapo, f1, gpqa, ...) are refused while parsing flags: use --custom-rm-path; for remote_rm "
-                  "give --rm-url alone."),
+                  "numeric / normalised-string subset of slime's mathd + sympy check), f1 and the boxed_ prefix "
+                  "(boxed_exact_match, boxed_f1) as slime's; slime's other rm_hub names "
+                  "(dapo, gpqa, ifbench, random) are refused while parsing flags: use --custom-rm-path (slime's "
+                  "reward_func runs unchanged); for remote_rm give --rm-url alone."),
     "--rm-url": ("same", "slime's --rm-type remote_rm --rm-url URL is --rm-url URL alone here (it excludes "
                  "--rm-type). slime posts one sample per request and reads the reply as the reward; here a "
                  "request carries a batch, {\"samples\": [{\"prompt\", \"response\", \"label\", ...}]}, "
@@ -318,6 +319,10 @@ def render() -> str:
         "Flags that need "
         "a GPU or transformer-engine are refused for a real run on a machine without them, before any "
         "worker starts; `--dry-run` lists what they need.",
+        "",
+        "slime's functions (`--custom-generate-function-path`, `--rollout-function-path`, `--custom-rm-path` written "
+        "as `generate(args, sample, sampling_params)`, `generate_rollout(args, rollout_id, data_source, ...)`, "
+        "`reward_func(args, sample, **kwargs)`) run unchanged: [slime-functions.md](slime-functions.md).",
         "",
     ]
     for array, flags in SLIME_FLAGS.items():

@@ -104,7 +104,8 @@ def engine_url(address: str) -> str:
 
 
 # --rm-type's choices: the names of rollout.rewards.BUILTIN_REWARDS (tests/rollout/test_rewards.py keeps them equal)
-BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "code", "gsm8k", "verl_math", "math_dapo", "verl")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "deepscaler", "f1", "boxed_exact_match", "boxed_f1", "code",
+                        "gsm8k", "verl_math", "math_dapo", "verl")
 
 
 @dataclass(frozen=True)
@@ -731,12 +732,15 @@ class RolloutConfig:
         "Samples, generating token ids in, token ids + behaviour log-probs + weight versions out through "
         "engine.generate(input_ids, sampling), and may append tokens of its own with loss_mask 0 (tool "
         "observations); def or async def. Runs with every engine, for training and evaluation rollouts. Built-in "
-        "multi-turn tool use: megatron_rl.rollout.agent:generate (--tools, --max-turns, --tool-timeout).")
+        "multi-turn tool use: megatron_rl.rollout.agent:generate (--tools, --max-turns, --tool-timeout). "
+        "slime's async generate(args, sample, sampling_params) -> Sample (first parameter named args) runs "
+        "unchanged: called per sample, posting to this run's SGLang-protocol /generate (docs/slime-functions.md).")
     rollout_function_path: Optional[str] = flag(
         None, "Your generation of a whole rollout batch (slime's name; docs/agentic.md), as module:function: "
         "fn(rollout_id, requests, sampling, engine) returns len(requests) x --n-samples-per-prompt Samples, "
         "request-major; rewards, retries of aborted groups and training as for the engine's own samples. "
-        "Excludes --custom-generate-function-path.")
+        "Excludes --custom-generate-function-path. slime's generate_rollout(args, rollout_id, data_source, "
+        "evaluation=False) runs unchanged (docs/slime-functions.md).")
     tools: Optional[str] = flag(
         None, "The tool loop's tools (megatron_rl.rollout.agent:generate) as module:REGISTRY, a dict of tool name "
         "-> callable(arguments: dict) -> str; default: the built-in calculator (exact integer + - *).",
@@ -853,13 +857,18 @@ class DataConfig:
     eval_max_response_len: Optional[int] = flag(None, "Maximum new tokens per evaluation response (unset: "
                                                 "--rollout-max-response-len).")
     rm_type: Optional[str] = flag(None, "Built-in reward function (rollout/rewards.py): exact_match, math, "
-                                  "deepscaler (slime's rule); verl's rules with verl's scores (rollout/verl_scores.py): "
+                                  "deepscaler (slime's rule), f1 (slime's word-overlap F1), boxed_exact_match, "
+                                  "boxed_f1 (slime's boxed_ prefix: the rule on the last \\boxed{}); verl's rules with "
+                                  "verl's scores (rollout/verl_scores.py): "
                                   "gsm8k, verl_math, math_dapo, and verl (one of them by each sample's data_source, as "
                                   "verl's default_compute_score); code (the response's last code block run against "
                                   "the label's tests in the sandbox, --sandbox-*; docs/agentic.md); anything else: "
                                   "--custom-rm-path.",
                                   choices=BUILTIN_REWARD_NAMES)
-    custom_rm_path: Optional[str] = flag(None, "User reward function as module:function.")
+    custom_rm_path: Optional[str] = flag(None, "User reward function as module:function (or slime's module.function): "
+                                         "fn(sample) -> float, batched fn(samples), or slime's async "
+                                         "reward_func(args, sample, **kwargs) / (args, samples) unchanged "
+                                         "(docs/slime-functions.md).")
     custom_reward_function_path: Optional[str] = flag(
         None, "verl's reward function (custom_reward_function.path / .name) as file.py:name, module:name, or file.py "
         "alone for its compute_score: called per sample as compute_score(data_source=, solution_str=, ground_truth=, "

@@ -364,8 +364,8 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
     _check_eval(errors, cfg)
     if d.rm_type and d.custom_rm_path:
         errors.append("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
-    if cfg.has_rollout_engine and d.custom_rm_path and ":" not in d.custom_rm_path:
-        errors.append(f"--custom-rm-path {d.custom_rm_path} must be module:function (e.g. my_rewards:score)")
+    if cfg.has_rollout_engine and d.custom_rm_path:  # slime's dotted module.reward_func too
+        _function_path_errors(errors, "--custom-rm-path", d.custom_rm_path, "(e.g. my_rewards:score)")
     for path in d.prompt_files if cfg.has_rollout_engine else ():
         if why := file_problem(path, PROMPTS_READ_TWICE):
             errors.append(f"--prompt-data {path}: {why}")

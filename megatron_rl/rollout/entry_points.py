@@ -40,15 +40,18 @@ class EntryPoint:
 
 USER_CODE: tuple[EntryPoint, ...] = (
     EntryPoint("--custom-generate-function-path", lambda c: c.rollout.custom_generate_function_path,
-               "fn(request, sampling, engine)", "the group's --n-samples-per-prompt Samples: token ids in the "
+               "fn(request, sampling, engine), or slime's async generate(args, sample, sampling_params)",
+               "the group's --n-samples-per-prompt Samples: token ids in the "
                "model's vocabulary, one finite log-prob per response token",
                "rollout/generate_fn.py::group_generate", DEFAULT_TIMEOUT_FLAG,
                lambda p: load_function(p, "--custom-generate-function-path")),
     EntryPoint("--rollout-function-path", lambda c: c.rollout.rollout_function_path,
-               "fn(rollout_id, requests, sampling, engine)", "len(requests) x --n-samples-per-prompt Samples, "
+               "fn(rollout_id, requests, sampling, engine), or slime's generate_rollout(args, rollout_id, "
+               "data_source, evaluation=False)", "len(requests) x --n-samples-per-prompt Samples, "
                "request-major, checked as a generate function's", "rollout/generate_fn.py::rollout_generate",
                DEFAULT_TIMEOUT_FLAG, lambda p: load_function(p, "--rollout-function-path")),
-    EntryPoint("--custom-rm-path", lambda c: c.data.custom_rm_path, "fn(sample), or fn(samples) when batched",
+    EntryPoint("--custom-rm-path", lambda c: c.data.custom_rm_path, "fn(sample), or fn(samples) when batched; slime's async "
+               "reward_func(args, sample, **kwargs) or (args, samples)",
                "a finite number, or {'reward': number, <metric>: number}, per sample",
                "rollout/rewards.py::BoundedReward", DEFAULT_TIMEOUT_FLAG, load_custom_reward),
     EntryPoint("--custom-reward-function-path", lambda c: c.data.custom_reward_function_path,

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -64,6 +65,12 @@ from megatron_rl.data.types import (GenerateRequest, RoutedExperts, Sample, Samp
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.user_function import (call_user_function, check_arity, load_user_function,
                                              load_user_object)
+from megatron_rl.rollout.slime_compat.contract import (check_slime_function, is_slime_function,
+                                                       slime_generate_groups, slime_group_generate,
+                                                       slime_rollout_generate)
+from megatron_rl.rollout.slime_compat.finder import load_needing_slime
+
+log = logging.getLogger("megatron_rl")
 
 #: what the handle calls: ``RolloutEngine.generate``, or a caller's gated / batched stand-in with its contract
 EngineCall = Callable[[list[GenerateRequest], SamplingParams], list[Sample]]
@@ -239,9 +246,12 @@ SIGNATURES = {"--custom-generate-function-path": (3, "fn(request, sampling, engi
 def load_function(path: str, flag: str) -> Callable:
     """The callable named by ``module:attr``, ``path/to/file.py:attr`` or slime's ``module.attr``; ``ConfigError``
     naming ``flag`` and the value otherwise (a module that does not import, no such attribute, not callable, a
-    function that cannot take the flag's arguments)."""
-    fn = load_user_function(path, flag, example="my_rollout:generate", dotted=True)  # slime's dotted form too
-    if flag in SIGNATURES:
+    function that cannot take the flag's arguments). A function whose first parameter is ``args`` follows slime's
+    contract (``slime_compat.contract``) and is checked against it."""
+    fn = load_needing_slime(lambda: load_user_function(path, flag, example="my_rollout:generate", dotted=True))
+    if flag in SIGNATURES and is_slime_function(fn):
+        check_slime_function(fn, flag, path)
+    elif flag in SIGNATURES:
         check_arity(fn, SIGNATURES[flag][0], flag, path, SIGNATURES[flag][1])
     return fn
 
@@ -350,6 +360,27 @@ def _check_sample(s: Sample, req: GenerateRequest, sampling: SamplingParams, wha
         raise ConfigError(f"{what} {'; '.join(problems)}")
 
 
+def _within_budget(samples: list[Sample], sampling: SamplingParams, tokenizer: Any, where: str) -> list[Sample]:
+    """A slime function's samples cut to ``sampling.max_new_tokens`` response tokens (``truncate``: a prefix,
+    finish_reason "length", its text decoded again). Why cut rather than refuse: slime trains a response of any
+    length, and its multi-turn examples give every turn the whole budget (search-r1), so a sample may outgrow
+    --rollout-max-response-len, which sizes the trainer's sequences here; a prefix keeps its tokens, loss mask and
+    log-probs exactly. Each cut is logged with the function and the lengths."""
+    out = []
+    for s in samples:
+        n = len(s.response_ids)
+        if n > sampling.max_new_tokens:
+            log.warning("%s returned a response of %d tokens (group %d); trained on its first %d "
+                        "(--rollout-max-response-len), as a truncated sample", where, n, s.group_index,
+                        sampling.max_new_tokens)
+            s = truncate(s, sampling.max_new_tokens)
+            s.metadata["slime_response_length"] = n
+            if tokenizer is not None:
+                s.response_text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        out.append(s)
+    return out
+
+
 # ------------------------------------------------------------------ binding
 def _timeout_of(cfg: Any) -> float:
     """--user-function-timeout of the run's config (its default without one)."""
@@ -363,8 +394,18 @@ def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any 
     one group's checked samples, every engine call through ``call`` (``engine.generate``, or a caller's
     stand-in: the asynchronous producer's gated call, ``generate_groups``' batched one). Each call is bounded
     by --user-function-timeout (``infra.user_function.call_user_function``); what ``call`` raises (a
-    ``MegatronRLError``: an engine's failure, the producer's cut by a sync) comes through as it is."""
+    ``MegatronRLError``: an engine's failure, the producer's cut by a sync) comes through as it is. A slime
+    function (``args`` first) is called as slime calls it (``slime_compat.contract.slime_group_generate``)."""
     timeout_s = _timeout_of(cfg)
+    if is_slime_function(fn):
+        slime_group = slime_group_generate(fn, where, cfg=cfg, tokenizer=tokenizer)
+
+        def generate_slime_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
+            return check_samples(_within_budget(slime_group(request, sampling, call), sampling, tokenizer, where),
+                                 [request], sampling, where, vocab_size)
+
+        generate_slime_group.__name__ = f"generate_group[{where}]"
+        return generate_slime_group
 
     def generate_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
         handle = EngineHandle(call, tokenizer=tokenizer, cfg=cfg, request=request)
@@ -378,8 +419,18 @@ def group_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any 
 def rollout_generate(fn: Callable, where: str, *, tokenizer: Any = None, cfg: Any = None,
                      vocab_size: Optional[int] = None):
     """The ``--rollout-function-path`` function ``fn`` as ``generate(rollout_id, requests, sampling, call)``:
-    the batch's checked samples (the call bounded by --user-function-timeout)."""
+    the batch's checked samples (the call bounded by --user-function-timeout). A slime rollout function (``args``
+    first) is called as slime calls it (``slime_compat.contract.slime_rollout_generate``)."""
     timeout_s = _timeout_of(cfg)
+    if is_slime_function(fn):
+        slime_batch = slime_rollout_generate(fn, where, cfg=cfg, tokenizer=tokenizer)
+
+        def generate_slime(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams,
+                           call: EngineCall) -> list[Sample]:
+            return check_samples(_within_budget(slime_batch(rollout_id, list(requests), sampling, call), sampling,
+                                                tokenizer, where), requests, sampling, where, vocab_size)
+
+        return generate_slime
 
     def generate(rollout_id: int, requests: list[GenerateRequest], sampling: SamplingParams,
                  call: EngineCall) -> list[Sample]:
@@ -554,6 +605,8 @@ class RolloutFunctions:
             return fn(rollout_id, list(requests), sampling, engine_call)
         group = self.group_generate(tokenizer)
         assert group is not None
+        if self.group_fn is not None and is_slime_function(self.group_fn):  # engine calls over HTTP: the gateway
+            return [s for g in slime_generate_groups(group, requests, sampling, engine_call) for s in g]
         return generate_groups(group, requests, sampling, engine_call)
 
 

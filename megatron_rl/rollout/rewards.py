@@ -20,6 +20,8 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 * ``exact_match``: 1.0 when the response equals the label after case folding,
   whitespace collapsing and dropping a trailing period;
 * ``deepscaler``: slime's rule: the boxed answer after the last ``</think>``, graded as ``math``;
+* ``f1``: slime's word-overlap F1 of the response and the label (SQuAD's answer F1);
+* ``boxed_exact_match``, ``boxed_f1``: slime's ``boxed_`` prefix: the rule on the last ``\\boxed{}``'s contents;
 * ``math``: extracts the final answer (last ``\\boxed{...}``, else the text after
   the last ``####``, else the last number) from the response (and from the label
   when it has such a marker), compares numerically (integers, decimals, ``1,000``,
@@ -31,9 +33,12 @@ Built-ins read ``sample.response_text`` (decoded by the engine's tokenizer) and
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
+import string
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -41,7 +46,10 @@ from megatron_rl.data.types import Sample, describe_prompt
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
 from megatron_rl.rollout.code_reward import code_reward, code_reward_from_config
+from megatron_rl.rollout.generate_fn import load_function
 from megatron_rl.rollout.remote_reward import RemoteReward
+from megatron_rl.rollout.slime_compat.contract import SlimeReward, check_slime_function, is_slime_function
+from megatron_rl.rollout.slime_compat.finder import load_needing_slime
 from megatron_rl.rollout.verl_reward import verl_reward_from_config
 from megatron_rl.rollout.verl_scores import VERL_RULES
 
@@ -182,10 +190,42 @@ def deepscaler_reward(sample: Sample) -> float:
     return float(math_equal(answer.strip(), label))
 
 
+def _squad_words(text: str) -> list[str]:
+    """The words of ``text`` as SQuAD's answer F1 compares them: lower case, no punctuation, no articles."""
+    text = "".join(ch for ch in str(text).lower() if ch not in string.punctuation)
+    return re.sub(r"\b(a|an|the)\b", " ", text).split()
+
+
+def f1_reward(sample: Sample) -> float:
+    """slime's ``f1``: the word-overlap F1 of the response and the label (SQuAD's answer F1); a yes / no /
+    noanswer answer on either side scores 0 unless both are the same."""
+    pred, gold = _squad_words(_response_text(sample, "f1")), _squad_words(_label(sample, "f1"))
+    closed = ("yes", "no", "noanswer")
+    if (" ".join(pred) in closed or " ".join(gold) in closed) and pred != gold:
+        return 0.0
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def boxed(rule: Callable[[Sample], float], name: str) -> Callable[[Sample], float]:
+    """slime's ``boxed_<rule>``: ``rule`` on the contents of the response's last ``\\boxed{}`` ("" without one)."""
+    def reward(sample: Sample) -> float:
+        inner = _boxed_contents(_response_text(sample, name))
+        return rule(dataclasses.replace(sample, response_text=(inner or "").strip()))
+
+    reward.__name__ = name
+    return reward
+
+
 # --rm-type -> reward; the names are also config.schema.BUILTIN_REWARD_NAMES (the flag's choices; a test keeps
 # the two equal), so an unknown name is refused while parsing flags, before any worker starts
 BUILTIN_REWARDS: dict[str, Callable[[Sample], Any]] = {"exact_match": exact_match, "math": math_reward,
-                                                       "deepscaler": deepscaler_reward, "code": code_reward,
+                                                       "deepscaler": deepscaler_reward, "f1": f1_reward,
+                                                       "boxed_exact_match": boxed(exact_match, "boxed_exact_match"),
+                                                       "boxed_f1": boxed(f1_reward, "boxed_f1"), "code": code_reward,
                                                        **VERL_RULES}  # verl's rules: rollout/verl_scores.py
 # built-ins the run builds from its flags (their limits), in batched form: --rm-type name -> (cfg) -> RewardFn
 CONFIGURED_REWARDS: dict[str, Callable[[Any], RewardFn]] = {"code": code_reward_from_config}
@@ -235,22 +275,27 @@ class BoundedReward:
         return f"BoundedReward({self.path!r})"
 
 
-def load_custom_reward(custom_rm_path: str, timeout_s: float = 3600.0) -> RewardFn:
+def load_custom_reward(custom_rm_path: str, timeout_s: float = 3600.0, cfg: Any = None) -> RewardFn:
     """Import ``module:function`` (or ``path/to/file.py:function``) and return it in batched form, bounded by
-    ``timeout_s`` (--user-function-timeout) per call."""
-    fn = load_user_function(custom_rm_path, "--custom-rm-path", example="my_rewards:score")
+    ``timeout_s`` (--user-function-timeout) per call. slime's ``reward_func(args, sample, **kwargs)`` (``args``
+    first) is called as slime calls it, with the run's ``args`` (``cfg``)."""
+    fn = load_needing_slime(lambda: load_user_function(custom_rm_path, "--custom-rm-path", example="my_rewards:score",
+                                                       dotted=True))
+    if is_slime_function(fn):
+        check_slime_function(fn, "--custom-rm-path", custom_rm_path)
+        return SlimeReward(fn, custom_rm_path, cfg, timeout_s)
     check_arity(fn, 1, "--custom-rm-path", custom_rm_path, "fn(sample) or a batched fn(samples)")
     return BoundedReward(fn, custom_rm_path, timeout_s)
 
 
 def get_reward_fn(rm_type: str | None = None, custom_rm_path: str | None = None,
-                  timeout_s: float = 3600.0) -> RewardFn:
+                  timeout_s: float = 3600.0, cfg: Any = None) -> RewardFn:
     """The reward selected by ``--rm-type`` or ``--custom-rm-path`` (exactly one), in batched form; a custom one's
     calls bounded by ``timeout_s`` (--user-function-timeout)."""
     if rm_type and custom_rm_path:
         raise ConfigError("--rm-type and --custom-rm-path are mutually exclusive; pick one reward")
     if custom_rm_path:
-        return load_custom_reward(custom_rm_path, timeout_s)
+        return load_custom_reward(custom_rm_path, timeout_s, cfg)
     if not rm_type:
         raise ConfigError(f"no reward function: pass --rm-type ({', '.join(BUILTIN_REWARDS)}), "
                           "--custom-rm-path module:function or --rm-url URL (a reward server)")
@@ -284,8 +329,44 @@ def reward_fn_from_config(cfg) -> RewardFn:
         return _scored_by_the_reward_model  # the RM role on the trainer's ranks sets every reward (runner/step.py)
     if d.rm_type in CONFIGURED_REWARDS and not d.custom_rm_path:
         return CONFIGURED_REWARDS[d.rm_type](cfg)
+    function = _slime_function_flag(cfg)
+    if function and not (d.rm_type or d.custom_rm_path):
+        return SetByFunction(function)  # slime's functions may fill sample.reward themselves (its tau-bench does)
     return get_reward_fn(rm_type=d.rm_type, custom_rm_path=d.custom_rm_path,
-                         timeout_s=cfg.rollout.user_function_timeout)
+                         timeout_s=cfg.rollout.user_function_timeout, cfg=cfg)
+
+
+def _slime_function_flag(cfg) -> str:
+    """``--custom-generate-function-path P`` / ``--rollout-function-path P`` when one is given and names a slime
+    function (``slime_compat``; a native one sets no reward of its own), else ""."""
+    r = getattr(cfg, "rollout", None)
+    for flag, value in (("--custom-generate-function-path", getattr(r, "custom_generate_function_path", None)),
+                        ("--rollout-function-path", getattr(r, "rollout_function_path", None))):
+        if value and is_slime_function(load_function(value, flag)):
+            return f"{flag} {value}"
+    return ""
+
+
+class SetByFunction:
+    """No reward flag, and a rollout function: the reward each sample's slime function set (``sample.reward``,
+    kept as ``metadata["slime_reward"]``; slime skips its reward model for such a sample). A sample without one
+    is refused naming the function and the flags that would score it."""
+
+    batched = True
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __call__(self, samples: list[Sample]) -> list[Any]:
+        missing = [i for i, s in enumerate(samples) if s.metadata.get("slime_reward") is None]
+        if missing:
+            raise ConfigError(f"no reward for sample {missing[0]}: {self.where} did not set sample.reward and no "
+                              f"reward flag is given; pass --rm-type ({', '.join(BUILTIN_REWARDS)}), "
+                              "--custom-rm-path module:function or --rm-url URL")
+        return [s.metadata["slime_reward"] for s in samples]
+
+    def __repr__(self) -> str:
+        return f"SetByFunction({self.where!r})"
 
 
 def _scored_by_the_reward_model(samples: list[Sample]) -> list[float]:
@@ -303,6 +384,8 @@ def reward_source(cfg) -> str:
         return f"--custom-reward-function-path {d.custom_reward_function_path}"
     if d.reward_model_path and not (d.rm_type or d.custom_rm_path):
         return f"--reward-model-path {d.reward_model_path}"
+    if not (d.rm_type or d.custom_rm_path) and _slime_function_flag(cfg):
+        return f"the reward {_slime_function_flag(cfg)} set"
     return f"--custom-rm-path {d.custom_rm_path}" if d.custom_rm_path else f"--rm-type {d.rm_type}"
 
 

@@ -85,8 +85,8 @@ def test_registry_selection_and_errors():
     samples = [sample(r"\boxed{2}", "2"), sample("3", "2")]
     assert compute_rewards(samples, get_reward_fn("math")) == [1.0, 0.0]
     assert [s.reward for s in samples] == [1.0, 0.0]
-    with pytest.raises(ConfigError, match="--rm-type f1 is not a built-in reward; choose one of exact_match, math"):
-        get_reward_fn("f1")
+    with pytest.raises(ConfigError, match="--rm-type gpqa is not a built-in reward; choose one of exact_match, math"):
+        get_reward_fn("gpqa")
     with pytest.raises(ConfigError, match="mutually exclusive"):
         get_reward_fn("math", "m:f")
     with pytest.raises(ConfigError, match="no reward function: pass --rm-type"):
