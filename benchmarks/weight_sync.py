@@ -331,7 +331,7 @@ def delta_main(args) -> int:
                 full_bytes = later[0].get("sync/full_bytes", sum(nbytes(t) for _, t in engine.named_weights()))
                 sent = statistics.mean(m["sync/bytes"] if mode == "delta" else full_bytes for m in later)
                 secs = statistics.median(m["sync/time_s"] for m in later)
-                vs = statistics.median(m.get("sync/verify_s", 0.0) for m in later)
+                vs = statistics.median(m.get("sync/verify_time_s", 0.0) for m in later)
                 changed = statistics.mean(m.get("sync/changed_fraction", 1.0) for m in later)
                 print(f"{label:<26} {str(dtype).replace('torch.', ''):<9} {transport:<6} {mode:<6} "
                       f"{'checksum' if verify else 'off':<8} "

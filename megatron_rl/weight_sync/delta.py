@@ -150,7 +150,7 @@ class EngineUpdates:
             except BaseException:
                 self.version = None  # the engine holds something else than the copy: the next sync is full
                 raise
-            metrics["sync/verify_s"] = time.perf_counter() - t0
+            metrics["sync/verify_time_s"] = time.perf_counter() - t0
         return metrics
 
     def _engine_dtype(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
