@@ -91,8 +91,9 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     all_ranks_ok(CheckpointError(f"model parameters no HF tensor fills: {sorted(unmapped)}; the bridge does "
                                  "not map this config") if unmapped else None)
 
-    def write(tmp: str) -> None:
+    def write(tmp: str) -> dict[str, str]:
         bar = dist_io.progress(len(slots), "hf->torch_dist", show_progress, unit="param")
+        checksums: dict[str, str] = {}  # .distcp file -> CRC-32, computed as written (not read back)
         ckpt = HFCheckpoint(hf_dir)
         refused: list[MegatronRLError] = []
 
@@ -111,7 +112,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
         index = streaming_save.StorageIndex.for_chunks(chunks, materialize)
         try:
             dist_io.dist_checkpointing().save(dist_io.model_sharded_state_dict(chunks), tmp,
-                                              sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes),
+                                              sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes, checksums),
                                               content_metadata={"megatron_rl_format": model_dir.FORMAT})
         except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
             if refused and not isinstance(e, MegatronRLError):
@@ -121,6 +122,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
             ckpt.close()
             bar.close()
         dist_io.free(chunks)
+        return checksums
 
     def check(tmp: str) -> None:
         verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress,

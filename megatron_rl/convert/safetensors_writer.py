@@ -14,7 +14,8 @@ so a half-written output never appears under the final name.
 Shards are serialised by :func:`save_safetensors`, which writes each tensor's
 bytes straight from its storage: ``safetensors.torch.save_file`` first copies
 every tensor into a ``bytes`` object, doubling the shard in memory at flush.
-It hashes the bytes as it writes them (CRC-32, :attr:`ShardedSafetensorsWriter.checksums`),
+It hashes the bytes as it writes them (CRC-32, :attr:`ShardedSafetensorsWriter.checksums`) and moves
+them into the file through a pipe (:class:`~megatron_rl.convert.file_writer.FileWriter`),
 so the output's ``COMPLETE.json`` gets every shard's checksum without reading the
 shards back.
 """
@@ -29,9 +30,9 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.convert.file_writer import FileWriter
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
-from megatron_rl.infra.checkpoint_root import Crc32Writer
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -85,15 +86,13 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        out = Crc32Writer(f)
+    with FileWriter(path) as out:
         out.write(struct.pack("<Q", len(raw)))
         out.write(raw)
         for t in tensors.values():
             if t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's own memoryview
-        f.flush()
-        os.fsync(f.fileno())
+        os.fsync(out.fileno())
     return out.hexdigest
 
 

@@ -35,11 +35,13 @@ not the model; ``benchmarks/convert.py`` measures it. The output is what
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
 
+from megatron_rl.convert.file_writer import FileWriter
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.weights import named_state_tensors
 
@@ -161,16 +163,37 @@ def split_into_buckets(items: list, bucket_bytes: int) -> list[list]:
 
 
 def _bucketed_writer_class():
+    import contextlib
     import queue
 
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _SplicingFileSystem(FileSystem):
+        """torch's local file system whose new ``.distcp`` files are :class:`FileWriter` s (bytes spliced
+        into the page cache, CRC-32 kept: ``checksums``, file name -> hex, for ``COMPLETE.json``)."""
+
+        def __init__(self, checksums: dict[str, str]):
+            super().__init__()
+            self.checksums = checksums
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode != "wb" or not str(path).endswith(".distcp"):
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with FileWriter(str(path)) as stream:
+                yield stream
+            self.checksums[os.path.basename(str(path))] = stream.hexdigest
 
     class _BucketedWriter(FileSystemWriter):
         """``FileSystemWriter`` (one thread, fsync) that opens a new file every ``bucket_bytes``."""
 
-        def __init__(self, path, bucket_bytes: int):
+        def __init__(self, path, bucket_bytes: int, checksums: dict[str, str]):
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
             self.bucket_bytes = bucket_bytes
+            self.fs = _SplicingFileSystem(checksums)
 
         def write_data(self, plan, planner):
             file_queue: queue.Queue = queue.Queue()
@@ -183,9 +206,10 @@ def _bucketed_writer_class():
     return _BucketedWriter
 
 
-def streaming_strategy(index: StorageIndex, bucket_bytes: int = 10**9):
+def streaming_strategy(index: StorageIndex, bucket_bytes: int = 10**9, checksums: Optional[dict[str, str]] = None):
     """A ``SaveShardedStrategy`` writing the torch_dist format (backend ``torch_dist``, version 1)
-    in files of about ``bucket_bytes``."""
+    in files of about ``bucket_bytes``; the CRC-32 of every ``.distcp`` file this rank writes goes into
+    ``checksums`` (file name -> hex) as it is written."""
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
         _replace_state_dict_keys_with_sharded_keys,
@@ -209,7 +233,7 @@ def streaming_strategy(index: StorageIndex, bucket_bytes: int = 10**9):
             # (keep_only_main_replica=True, its default), so keys and chunks are identical.
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
-            writer = writer_cls(checkpoint_dir, bucket_bytes)
+            writer = writer_cls(checkpoint_dir, bucket_bytes, {} if checksums is None else checksums)
             # One planner per save: the DCP planner keeps per-call state.
             planner = planner_cls(index, dedup_replicated_tensors=False, flatten_state_dict=False,
                                   can_run_decentralized_global_plan=False)
