@@ -97,6 +97,11 @@ class StorageIndex:
                 params[storage_key(p)] = (name, p)
         return cls(params, materialize)
 
+    def drop_cached(self) -> None:
+        """Let the last value go now: the save's planner and writer hold this index in reference cycles, which
+        only a (slow) ``gc.collect`` would break, keeping that value, often the largest tensor, alive."""
+        self._cached = None
+
     def resolve(self, view: torch.Tensor) -> torch.Tensor:
         """Values for ``view`` (a meta tensor that views one model parameter)."""
         key = storage_key(view)
