@@ -3,8 +3,8 @@
 Why: torch's ``FileSystemReader`` reads each saved chunk (a ``torch.save`` zip inside a
 ``.distcp`` file) into new memory, deserialises it into a second new tensor, and then copies
 that into the target: three passes over fresh memory for every byte, which is most of what
-``dist-to-hf`` did besides writing. :class:`MappedFileSystemReader` maps the file (private
-copy-on-write pages) and gives torch's own unpickler (``weights_only``) a storage over the
+``dist-to-hf`` did besides writing. :class:`MappedFileSystemReader` maps the chunk's byte range
+(private copy-on-write pages, unmapped once it is copied) and gives torch's own unpickler (``weights_only``) a storage over the
 mapped record, the way ``torch.load(..., mmap=True)`` does for a whole file; the only copy
 left is into the target tensor. Items it cannot read that way (byte items, stream transforms,
 anything the zip reader refuses) are read exactly as torch reads them.
@@ -21,8 +21,7 @@ import contextlib
 import io
 import mmap
 import os
-
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch.futures import Future
@@ -60,13 +59,16 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _mapped_tensor(file, pages: mmap.mmap, offset: int, length: int) -> torch.Tensor:
-    """The tensor ``torch.save`` wrote at ``[offset, offset + length)``, its storage viewing ``pages``."""
+def _mapped_tensor(file, offset: int, length: int) -> torch.Tensor:
+    """The tensor ``torch.save`` wrote at ``[offset, offset + length)`` of ``file``, its storage viewing a
+    private mapping of just that range (unmapped when the tensor goes: a mapped page counts in the RSS)."""
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
+    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+    pages = mmap.mmap(file.fileno(), offset - aligned + length, access=mmap.ACCESS_COPY, offset=aligned)
     reader = torch._C.PyTorchFileReader(_Window(file, offset, length))
-    storage = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=offset).untyped_storage()
+    storage = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=offset - aligned).untyped_storage()
     return _load(reader, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 
@@ -100,9 +102,6 @@ def _reader_class():
             for relative_path, items in per_file.items():
                 path = os.fspath(self.fs.concat_path(self.path, relative_path))
                 with open(path, "rb") as file:
-                    pages: Optional[mmap.mmap] = None
-                    if os.fstat(file.fileno()).st_size:
-                        pages = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
                     for item in items:
                         info = self.storage_data[item.storage_index]
                         if item.type == LoadItemType.BYTE_IO:
@@ -110,9 +109,9 @@ def _reader_class():
                             planner.load_bytes(item, io.BytesIO(file.read(info.length)))
                             continue
                         tensor = None
-                        if pages is not None and not info.transform_descriptors:
+                        if info.length and not info.transform_descriptors:
                             try:
-                                tensor = _mapped_tensor(file, pages, info.offset, info.length)
+                                tensor = _mapped_tensor(file, info.offset, info.length)
                             except Exception:  # noqa: BLE001 - read it torch's way below, which names real damage
                                 tensor = None
                         if tensor is None:
