@@ -21,7 +21,7 @@ import contextlib
 import io
 import mmap
 import os
-from typing import Iterator
+from typing import IO, Iterator, cast
 
 import torch
 from torch.futures import Future
@@ -67,7 +67,7 @@ def _mapped_tensor(file, offset: int, length: int) -> torch.Tensor:
 
     aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
     pages = mmap.mmap(file.fileno(), offset - aligned + length, access=mmap.ACCESS_COPY, offset=aligned)
-    reader = torch._C.PyTorchFileReader(_Window(file, offset, length))
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _Window(file, offset, length)))
     storage = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=offset - aligned).untyped_storage()
     return _load(reader, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
@@ -80,7 +80,7 @@ def _reader_class():
     try:
         from torch.distributed._shard._utils import narrow_tensor_by_index
     except ImportError:  # older layouts of torch
-        from torch.distributed.checkpoint.utils import narrow_tensor_by_index  # type: ignore[no-redef]
+        from torch.distributed.checkpoint.utils import narrow_tensor_by_index
 
     class MappedFileSystemReader(FileSystemReader):
         """``FileSystemReader`` that reads tensor chunks from mapped pages (one copy, into the target)."""
@@ -104,9 +104,14 @@ def _reader_class():
                 with open(path, "rb") as file:
                     for item in items:
                         info = self.storage_data[item.storage_index]
+                        def stream_bytes() -> io.BytesIO:  # torch's own read of the item
+                            stream = self.transforms.transform_load_stream(
+                                item, info.transform_descriptors or (),
+                                cast(IO[bytes], _create_file_view(file, info.offset, info.length)))
+                            return io.BytesIO(stream.read(-1))
+
                         if item.type == LoadItemType.BYTE_IO:
-                            file.seek(info.offset)
-                            planner.load_bytes(item, io.BytesIO(file.read(info.length)))
+                            planner.load_bytes(item, stream_bytes())
                             continue
                         tensor = None
                         if info.length and not info.transform_descriptors:
@@ -115,9 +120,7 @@ def _reader_class():
                             except Exception:  # noqa: BLE001 - read it torch's way below, which names real damage
                                 tensor = None
                         if tensor is None:
-                            stream = self.transforms.transform_load_stream(
-                                item, info.transform_descriptors or (), _create_file_view(file, info.offset, info.length))
-                            tensor = torch.load(io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True)
+                            tensor = torch.load(stream_bytes(), map_location="cpu", weights_only=True)
                         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
                         target = planner.resolve_tensor(item).detach()
                         if target.size() != tensor.size():

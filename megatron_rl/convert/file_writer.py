@@ -58,7 +58,7 @@ class FileWriter(io.RawIOBase):
         self.flush()
         return self._fd
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
         self.crc = zlib.crc32(view, self.crc)

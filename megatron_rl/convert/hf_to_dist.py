@@ -47,7 +47,7 @@ from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.models import dist_io, get_bridge, model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.parallel import ParallelLayout
-from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_value
+from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_row_blocks, local_value
 
 
 def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[torch.dtype] = None,
@@ -98,11 +98,13 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
         ckpt = MappedHFCheckpoint(hf_dir)  # tensors as views of the files' pages: an unchanged one is never copied
         refused: list[MegatronRLError] = []
 
-        def materialize(param: torch.Tensor) -> torch.Tensor:
+        def materialize(param: torch.Tensor) -> list[torch.Tensor]:
             try:
-                value = local_value(bridge, slots[id(param)], ckpt)  # inf/NaN refused as read
+                name = slots[id(param)].canonical_name
+                slot = slots[id(param)]  # inf/NaN refused as read; [gate; up] kept as its two blocks
+                blocks = local_row_blocks(bridge, slot, ckpt) or [local_value(bridge, slot, ckpt)]
                 # the parameter's own dtype: `target`, or float32 for a buffer megatron keeps so (expert_bias)
-                return common.cast_checked(slots[id(param)].canonical_name, value, param.dtype)
+                return [common.cast_checked(name, b, param.dtype) for b in blocks]
             except MegatronRLError as e:
                 refused.append(e)
                 raise

@@ -55,12 +55,16 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor that owns its storage (safetensors refuses shared storage,
-    and exported tensors can be views into one broadcast bucket)."""
+    """A contiguous CPU tensor :func:`save_safetensors` writes from, holding little memory beyond its bytes.
+
+    A contiguous view that covers at least half of its storage (one half of a fused gate/up, a
+    slice of a parameter) is kept as it is: writing from it copies nothing, and what it keeps
+    alive while its shard is pending is at most twice its bytes. A smaller view (e.g. of one
+    broadcast bucket) is copied, so a pending shard never holds whole buckets."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    if not t.is_contiguous() or 2 * t.numel() * t.element_size() < t.untyped_storage().nbytes():
         t = t.contiguous().clone()
     return t
 
@@ -74,7 +78,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
     """Write a safetensors file (the documented format: u64-LE header length, JSON
     header with dtype / shape / data_offsets per tensor and ``__metadata__``, padded
     with spaces to 8 bytes, then the data) without copying the tensors; fsynced.
-    Tensors must be contiguous CPU tensors that own their storage (``_own_storage``).
+    Tensors must be contiguous CPU tensors (``_own_storage``); views are written from their own bytes.
     Returns the file's CRC-32 (hex), computed from the bytes as they were written."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     offset = 0

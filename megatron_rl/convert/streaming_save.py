@@ -45,7 +45,8 @@ from megatron_rl.convert.file_writer import FileWriter
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.weights import named_state_tensors
 
-Materialize = Callable[[torch.Tensor], torch.Tensor]  # a meta parameter or persistent buffer -> its values
+# a meta parameter or persistent buffer -> its values, or the row blocks (dim 0) they concatenate
+Materialize = Callable[[torch.Tensor], "torch.Tensor | list[torch.Tensor]"]
 
 _malloc_trim: Callable[[int], int] | Literal[False] | None = None  # resolved on first use: libc's malloc_trim, or False where there is none
 
@@ -83,7 +84,7 @@ class StorageIndex:
     def __init__(self, params: dict[int, tuple[str, torch.Tensor]], materialize: Materialize):
         self._params = params
         self._materialize = materialize
-        self._cached: Optional[tuple[int, torch.Tensor]] = None
+        self._cached: Optional[tuple[int, list[torch.Tensor]]] = None
         self.materialized = 0  # parameters read (one per cache miss)
 
     @classmethod
@@ -113,13 +114,25 @@ class StorageIndex:
             self._cached = None  # drop the previous value before reading the next
             release_free_memory()
             value = self._materialize(param)
-            if tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
-                raise CheckpointError(f"streaming save: {name} was built as {tuple(value.shape)} {value.dtype}, the "
-                                      f"model parameter is {tuple(param.shape)} {param.dtype}")
-            self._cached = (key, value.contiguous())
+            blocks = [b.contiguous() for b in (value if isinstance(value, list) else [value])]
+            shape = (sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]) if blocks[0].dim() else ()
+            if any(b.shape[1:] != blocks[0].shape[1:] or b.dtype != param.dtype for b in blocks) or \
+                    shape != tuple(param.shape):
+                built = tuple(blocks[0].shape) if len(blocks) == 1 else [tuple(b.shape) for b in blocks]
+                raise CheckpointError(f"streaming save: {name} was built as {built} {blocks[0].dtype}, the model "
+                                      f"parameter is {tuple(param.shape)} {param.dtype}")
+            self._cached = (key, blocks)
             self.materialized += 1
-        value = self._cached[1]
+        blocks = self._cached[1]
         offset = view.storage_offset() - param.storage_offset()
+        start = 0
+        for block in blocks:  # a view that is exactly one block (half of a gated linear_fc1) is that block
+            if len(blocks) > 1 and start == offset and block.numel() == view.numel() and view.is_contiguous():
+                return block.view(view.size())
+            start += block.numel()
+        if len(blocks) > 1:  # any other view of a concatenation: build it once
+            blocks[:] = [torch.cat(blocks)]
+        value = blocks[0]
         return value.as_strided(view.size(), view.stride(), value.storage_offset() + offset)
 
 

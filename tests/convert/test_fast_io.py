@@ -89,3 +89,22 @@ def test_mapped_distcp_reads_equal_torch_reads(tmp_path, monkeypatch):
         assert state["blob"] == {"x": 1}
     assert "metadata" in cache
     assert len(mapped) == 4
+
+
+def test_shard_writer_writes_big_views_as_they_are_and_copies_small_ones(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, _own_storage
+
+    fc1 = torch.arange(24.0).reshape(8, 3)
+    gate, up = torch.chunk(fc1, 2, dim=0)  # what the export yields for a gated linear_fc1
+    row = torch.arange(300.0).reshape(100, 3)[7]  # a small view of a big buffer
+    assert _own_storage(gate).data_ptr() == gate.data_ptr()  # written from the view: no copy
+    assert _own_storage(row).untyped_storage().nbytes() == row.nbytes  # copied: keeps no big buffer alive
+    w = ShardedSafetensorsWriter(str(tmp_path), 10**6)
+    for name, t in (("gate", gate), ("up", up), ("row", row), ("t", fc1.t())):
+        w.add(name, t)
+    w.finish()
+    back = load_file(str(tmp_path / "model-00001-of-00001.safetensors"))
+    for name, t in (("gate", gate), ("up", up), ("row", row), ("t", fc1.t())):
+        assert torch.equal(back[name], t), name
