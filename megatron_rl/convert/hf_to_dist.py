@@ -12,15 +12,16 @@ Steps (every rank, one process or under torchrun):
 3. ``dist_checkpointing.save`` of ``model`` into a hidden temp dir with the
    streaming strategy (:mod:`megatron_rl.convert.streaming_save`): each write item
    is produced from the safetensors when the writer reaches it (each rank reads
-   only its slices), in ``.distcp`` files of ``bucket_bytes``;
+   only its slices, as views of the files' pages: :mod:`megatron_rl.convert.mapped_checkpoint`),
+   in ``.distcp`` files of ``bucket_bytes``;
 4. ``--verify``: reload the temp dir (one process: streamed a bucket at a time by
    :mod:`megatron_rl.convert.streaming_load`; torchrun: into each rank's model
    shard), export it back to HF tensors and compare every one with the source
    (bit-exact; with ``--dtype``, with the source cast to it);
 5. rank 0 copies config/tokenizer files to ``hf_config/``, writes ``COMPLETE.json``
-   (every file with size and CRC-32; the ``.distcp`` files are read back once for it,
-   as torch's writer threads give no clean hook on their bytes) and renames the temp
-   dir into place, so the output exists only when complete.
+   (every file with size and CRC-32; rank 0's ``.distcp`` checksums are computed as its
+   writer writes them, :mod:`megatron_rl.convert.file_writer`, other ranks' files are read
+   back once) and renames the temp dir into place, so the output exists only when complete.
 
 An input written by ``dist-to-hf`` carries its own ``COMPLETE.json``; its sizes and
 checksums are checked first (``model_dir.check_hf_marker``). Every value is checked for
