@@ -10,8 +10,9 @@ fill a kernel copy: 0.08 s, run after run. On hosts where ``write()`` is fast al
 one extra copy through the (cache-hot) pipe, a few percent; where ``splice`` is not available
 (not Linux, or a filesystem without ``splice_write``) the writer falls back to ``write()``.
 
-Every byte also goes into a running CRC-32 (:attr:`FileWriter.hexdigest`), so the output's
-``COMPLETE.json`` lists the file's checksum without reading it back.
+Every byte also goes into a running CRC-32 (:attr:`FileWriter.hexdigest`; for a large write on a
+second thread while the bytes move), so the output's ``COMPLETE.json`` lists the file's checksum
+without reading it back.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from megatron_rl.infra.checkpoint_root import crc32_hex
@@ -61,14 +63,18 @@ class FileWriter(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
-        self.crc = zlib.crc32(view, self.crc)
         if n < SMALL_WRITE:
+            self.crc = zlib.crc32(view, self.crc)
             self._small += view
             if len(self._small) >= PIPE_BYTES:
                 self.flush()
         else:
             self.flush()
-            self._write_out(view)
+            crc = _crc_thread().submit(zlib.crc32, view, self.crc)  # on another core while this one moves the bytes
+            try:
+                self._write_out(view)
+            finally:
+                self.crc = crc.result()  # before returning: the caller may free ``data`` then
         self._pos += n
         return n
 
@@ -125,6 +131,18 @@ class FileWriter(io.RawIOBase):
                 return queued
             left -= moved
         return queued
+
+
+_crc_pool: Optional[ThreadPoolExecutor] = None
+
+
+def _crc_thread() -> ThreadPoolExecutor:
+    """One thread for the CRC-32 of large writes (``zlib.crc32`` releases the GIL, as ``splice`` does), so
+    hashing a buffer overlaps moving it on a host with a spare core."""
+    global _crc_pool
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-writer-crc32")
+    return _crc_pool
 
 
 def _write_all(fd: int, view: memoryview) -> None:
