@@ -4,23 +4,30 @@ Builds a random llama (default hidden 1024, 8 layers, 16 heads / 4 KV heads,
 intermediate 1024, vocab 32000, fp32: ~112M parameters, ~450 MB), then in one
 run measures on the same disk:
 
-* ``copy``: ``shutil.copy`` of the safetensors file(s) (the I/O floor);
+* ``copy``: ``shutil.copy`` + ``fsync`` of the safetensors file(s) into a new dir (the I/O floor),
+  ``--repeat`` times before the first conversion step and after every one (the machine's load
+  drifts; the fastest is the reference);
 * ``hf->dist`` (once per ``--bucket-sizes`` value) and ``dist->hf``:
-  ``tools/convert_ckpt.py`` as fresh processes (``--max-shard-size`` 100MB for
-  the HF output), without ``--verify`` so the figure is the conversion alone;
+  ``tools/convert_ckpt.py`` in a fresh process per step (``--max-shard-size`` 100MB for
+  the HF output), without ``--verify`` so the figure is the conversion alone, run ``--repeat``
+  times one after another in that process (later runs with ``--overwrite``); the time is the
+  tool's own ``seconds`` (from the call of the conversion to the published output: checks,
+  model layout, every byte written and fsynced, ``COMPLETE.json``, the rename), not the imports;
 * peak memory *of the conversion*: each tool run goes through ``--probe``, which
   imports what the tool imports, then resets the kernel's RSS high-water mark
   (``/proc/self/clear_refs`` 5), records ``VmRSS`` (the floor: interpreter +
   torch + megatron, whose import alone peaks higher than a streaming
   conversion does) and, when the tool returns, ``VmHWM``. The figure is
-  ``VmHWM - floor``: what the conversion itself added at its peak. Forked
+  ``VmHWM - floor``: what the conversion itself added at its peak (over all its runs;
+  pages of the input files mapped by the conversion count too). Forked
   helpers of megatron's torch_dist writer (``dist->hf`` loads through it) are
   separate processes and not included.
 
-Ratios: conversion time / copy time, and the conversion's peak RSS / the largest
-tensor and / the model bytes. Page cache is warm for every step alike.
+Ratios: speed = the copy's best time / the step's best time (1.00: as fast as copying the
+bytes), and the conversion's peak RSS / the largest tensor and / the model bytes. Page
+cache is warm for every step alike.
 
-    python benchmarks/convert.py [--hidden 1024 --layers 8 --vocab 32000] [--workdir DIR] [--keep]
+    python benchmarks/convert.py [--hidden 1024 --layers 8 --vocab 32000] [--repeat 3] [--workdir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -59,19 +66,22 @@ def probe(tool_argv: list[str]) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     floor = _status_kb("VmRSS")
-    sys.argv = [TOOL, *tool_argv]
-    try:
-        runpy.run_path(TOOL, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise
+    for i in range(int(os.environ.get("RSS_PROBE_REPEAT", "1"))):  # later runs replace the first one's output
+        sys.argv = [TOOL, *tool_argv, *(["--overwrite"] if i else [])]
+        try:
+            runpy.run_path(TOOL, run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
     with open(os.environ["RSS_PROBE_OUT"], "w") as f:
         json.dump({"floor": floor, "hwm": _status_kb("VmHWM")}, f)
 
 
-def run_rss(tool_argv: list[str]) -> tuple[float, int, int, str]:
-    """Run the tool through ``--probe``: (wall s, floor bytes, conversion peak above the floor, stdout)."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": REPO}
+def run_rss(tool_argv: list[str], repeat: int = 1) -> tuple[float, int, int, list[float]]:
+    """Run the tool ``repeat`` times in one process through ``--probe``: (wall s, floor bytes, conversion
+    peak above the floor, each run's in-tool seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": REPO,
+           "RSS_PROBE_REPEAT": str(repeat)}
     out_f = tempfile.TemporaryFile(mode="w+")
     err_f = tempfile.TemporaryFile(mode="w+")
     fd, probe_out = tempfile.mkstemp(suffix=".json")
@@ -88,7 +98,21 @@ def run_rss(tool_argv: list[str]) -> tuple[float, int, int, str]:
     with open(probe_out) as f:
         r = json.load(f)
     os.remove(probe_out)
-    return wall, r["floor"], r["hwm"] - r["floor"], out_f.read()
+    seconds = [json.loads(line)["seconds"] for line in out_f.read().splitlines() if line.startswith("{")]
+    return wall, r["floor"], r["hwm"] - r["floor"], seconds
+
+
+def copy_seconds(files: list[str], src: str, dst: str) -> float:
+    """``shutil.copy`` of ``files`` from ``src`` into a new ``dst``, each fsynced: the I/O floor."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.makedirs(dst)
+    t0 = time.perf_counter()
+    for f in files:
+        shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    for f in files:
+        with open(os.path.join(dst, f), "rb+") as fh:
+            os.fsync(fh.fileno())
+    return time.perf_counter() - t0
 
 
 def weight_files(d: str) -> list[str]:
@@ -110,6 +134,9 @@ def main() -> None:
     ap.add_argument("--bucket-sizes", default="32MB,1GB",
                     help="hf->torch_dist --bucket-size values to run, comma-separated (one row each)")
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir; same disk for all)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of every step (the conversions one after another in one tool process, the copy next "
+                         "to each); the table shows the fastest (the machine's load drifts)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
@@ -140,32 +167,29 @@ def main() -> None:
 
         files = weight_files(hf)
         copy_dir = os.path.join(work, "copy")
-        os.makedirs(copy_dir)
-        t0 = time.perf_counter()
-        for f in files:
-            shutil.copy(os.path.join(hf, f), os.path.join(copy_dir, f))
-        fd = os.open(copy_dir, os.O_RDONLY)
-        for f in files:
-            with open(os.path.join(copy_dir, f), "rb+") as fh:
-                os.fsync(fh.fileno())
-        os.close(fd)
-        copy_s = time.perf_counter() - t0
+        copies = []  # the copy is timed next to every conversion step: the machine's load drifts
+
+        def copy_now() -> None:
+            copies.extend(copy_seconds(files, hf, copy_dir) for _ in range(args.repeat))
+
+        copy_now()
         copied = sum(os.path.getsize(os.path.join(copy_dir, f)) for f in files)
 
         conv_rows, backs = [], []
         for i, bucket in enumerate(args.bucket_sizes.split(",")):
             d = os.path.join(work, f"dist{i}")
-            h2d_s, floor, h2d_rss, out = run_rss(["hf-to-dist", "--input", hf, "--output", d, "--json",
-                                                  "--no-progress", "--bucket-size", bucket])
-            h2d_in = json.loads(out.strip().splitlines()[-1])["seconds"]
-            conv_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, h2d_in, h2d_rss))
+            h2d_s, floor, h2d_rss, secs = run_rss(["hf-to-dist", "--input", hf, "--output", d, "--json",
+                                                   "--no-progress", "--bucket-size", bucket], args.repeat)
+            conv_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, secs, h2d_rss))
+            copy_now()
             back = os.path.join(work, f"back{i}")
-            d2h_s, _, d2h_rss, out = run_rss(["dist-to-hf", "--input", d, "--output", back, "--json",
-                                              "--no-progress", "--max-shard-size", args.max_shard_size,
-                                              "--bucket-size", bucket])
-            d2h_in = json.loads(out.strip().splitlines()[-1])["seconds"]
-            conv_rows.append((f"torch_dist->hf --bucket {bucket}", d2h_s, d2h_in, d2h_rss))
+            d2h_s, _, d2h_rss, secs = run_rss(["dist-to-hf", "--input", d, "--output", back, "--json",
+                                               "--no-progress", "--max-shard-size", args.max_shard_size,
+                                               "--bucket-size", bucket], args.repeat)
+            conv_rows.append((f"torch_dist->hf --bucket {bucket}", d2h_s, secs, d2h_rss))
+            copy_now()
             backs.append(back)
+        copy_s = min(copies)
 
         # the round trip must be exact for the figures to mean anything
         a = HFCheckpoint(hf)
@@ -178,33 +202,36 @@ def main() -> None:
         a.close()
 
         mb = 1e6
-        rows = [("copy (shutil.copy + fsync)", copy_s, None, None), *conv_rows]
+        rows = [("copy (shutil.copy + fsync)", None, copies, None), *conv_rows]
         result = {"model_bytes": model_bytes, "largest_tensor": largest_name, "largest_bytes": largest,
-                  "copied_bytes": copied, "import_floor_rss": floor, "rows": []}
+                  "copied_bytes": copied, "import_floor_rss": floor, "repeat": args.repeat, "rows": []}
         if not args.json:
             print(f"llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
                   f"intermediate={args.intermediate} fp32: model {model_bytes / mb:.0f} MB, largest tensor "
-                  f"{largest_name} {largest / mb:.0f} MB; RSS after imports (floor): {floor / mb:.0f} MB")
-            print(f"{'step':31s} {'wall s':>7s} {'in-tool s':>9s} {'MB/s':>7s} {'x copy':>7s} "
+                  f"{largest_name} {largest / mb:.0f} MB; RSS after imports (floor): {floor / mb:.0f} MB; "
+                  f"best of {args.repeat}")
+            print(f"{'step':31s} {'wall s':>7s} {'best s':>7s} {'first s':>7s} {'MB/s':>7s} {'speed':>6s} "
                   f"{'peak MB':>8s} {'peak/largest':>12s} {'peak/model':>10s}")
-        for name, wall, inner, rss in rows:
-            row = {"step": name, "wall_s": round(wall, 3), "in_tool_s": inner,
-                   "mb_per_s": round(model_bytes / mb / (inner or wall), 1),
-                   "x_copy": round((inner or wall) / copy_s, 2),
-                   "peak_rss_above_floor": rss,
+        for name, wall, secs, rss in rows:
+            best = min(secs)
+            row = {"step": name, "wall_s": round(wall, 3) if wall is not None else None, "seconds": secs,
+                   "best_s": round(best, 3), "mb_per_s": round(model_bytes / mb / best, 1),
+                   "speed_of_copy": round(copy_s / best, 2), "peak_rss_above_floor": rss,
                    "peak_over_largest": round(rss / largest, 2) if rss is not None else None,
                    "peak_over_model": round(rss / model_bytes, 2) if rss is not None else None}
             result["rows"].append(row)
             if not args.json:
                 f = (lambda v, fmt: format(v, fmt) if v is not None else "-")
-                print(f"{name:31s} {wall:7.2f} {f(inner, '9.2f'):>9s} {row['mb_per_s']:7.1f} {row['x_copy']:7.2f} "
-                      f"{f(rss is not None and rss / mb or None, '8.0f'):>8s} {f(row['peak_over_largest'], '12.2f'):>12s} "
-                      f"{f(row['peak_over_model'], '10.2f'):>10s}")
+                print(f"{name:31s} {f(wall, '7.2f'):>7s} {best:7.2f} {secs[0]:7.2f} {row['mb_per_s']:7.1f} "
+                      f"{row['speed_of_copy']:6.2f} {f(rss is not None and rss / mb or None, '8.0f'):>8s} "
+                      f"{f(row['peak_over_largest'], '12.2f'):>12s} {f(row['peak_over_model'], '10.2f'):>10s}")
         if args.json:
             print(json.dumps(result, indent=2))
         else:
-            print("peak = the conversion's RSS high-water mark above the floor (see --probe); x copy and MB/s use the "
-                  "in-tool time (after imports); wall includes the interpreter and imports.")
+            print("best s / first s: the tool's own seconds (after imports) of its fastest / first run in one process; "
+                  "speed = copy's best s / this step's best s (1.00: as fast as copying the bytes); peak = the "
+                  "conversion's RSS high-water mark above the floor (see --probe), over all runs; wall = the "
+                  "process, imports included.")
     finally:
         if not args.keep and not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

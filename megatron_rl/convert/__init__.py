@@ -11,7 +11,11 @@
   checkpoint (DCP, read offline by :mod:`megatron_rl.convert.dcp_model`) -> HF dir, in
   one process and without megatron-core;
 * :class:`megatron_rl.convert.safetensors_writer.ShardedSafetensorsWriter` -
-  writes HF shards as tensors stream in (one shard in memory at a time).
+  writes HF shards as tensors stream in (one shard in memory at a time);
+* the byte paths both directions share: :mod:`~megatron_rl.convert.file_writer` (output
+  files filled through a pipe, CRC-32 as written), :mod:`~megatron_rl.convert.mapped_checkpoint`
+  (HF tensors as views of the files' pages), :mod:`~megatron_rl.convert.distcp_reader`
+  (torch_dist chunks read from mapped pages).
 
 The torch_dist conversions run in one process or under torchrun with a parallel layout;
 the name/shape maps and the load/export code are the bridges' own

@@ -137,7 +137,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
             error = CheckpointError(f"HF tensors left unfilled by the export: {sorted(set(expected) - seen)}; the "
                                     f"checkpoint {dist_dir} lacks parameters {config_dir}/config.json needs")
         all_ranks_ok(error)
-        dist_io.free(chunks)
+        if chunks is not None:  # None: streamed, nothing held
+            dist_io.free(chunks)
 
         def finish() -> None:
             assert writer is not None, "finish runs on rank 0 only, which holds the writer"
@@ -199,5 +200,6 @@ def verify_hf_against_dist(bridge, hf_dir: str, dist_dir: str, layout, model_dty
     finally:
         if ref is not None:
             ref.close()
-        dist_io.free(chunks)
+        if chunks is not None:  # None: streamed, nothing held
+            dist_io.free(chunks)
     all_ranks_ok(CheckpointError(f"--verify: written {hf_dir} differs from {dist_dir}: {err}") if err else None)

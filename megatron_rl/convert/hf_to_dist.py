@@ -12,15 +12,16 @@ Steps (every rank, one process or under torchrun):
 3. ``dist_checkpointing.save`` of ``model`` into a hidden temp dir with the
    streaming strategy (:mod:`megatron_rl.convert.streaming_save`): each write item
    is produced from the safetensors when the writer reaches it (each rank reads
-   only its slices), in ``.distcp`` files of ``bucket_bytes``;
+   only its slices, as views of the files' pages: :mod:`megatron_rl.convert.mapped_checkpoint`),
+   in ``.distcp`` files of ``bucket_bytes``;
 4. ``--verify``: reload the temp dir (one process: streamed a bucket at a time by
    :mod:`megatron_rl.convert.streaming_load`; torchrun: into each rank's model
    shard), export it back to HF tensors and compare every one with the source
    (bit-exact; with ``--dtype``, with the source cast to it);
 5. rank 0 copies config/tokenizer files to ``hf_config/``, writes ``COMPLETE.json``
-   (every file with size and CRC-32; the ``.distcp`` files are read back once for it,
-   as torch's writer threads give no clean hook on their bytes) and renames the temp
-   dir into place, so the output exists only when complete.
+   (every file with size and CRC-32; rank 0's ``.distcp`` checksums are computed as its
+   writer writes them, :mod:`megatron_rl.convert.file_writer`, other ranks' files are read
+   back once) and renames the temp dir into place, so the output exists only when complete.
 
 An input written by ``dist-to-hf`` carries its own ``COMPLETE.json``; its sizes and
 checksums are checked first (``model_dir.check_hf_marker``). Every value is checked for
@@ -40,13 +41,14 @@ from typing import Optional
 import torch
 
 from megatron_rl.convert import common, streaming_load, streaming_save
+from megatron_rl.convert.mapped_checkpoint import MappedHFCheckpoint
 from megatron_rl.errors import BridgeError, CheckpointError, MegatronRLError
 from megatron_rl.infra.dist import all_ranks_ok, rank
 from megatron_rl.infra.publish import publish_collectively
 from megatron_rl.models import dist_io, get_bridge, model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.parallel import ParallelLayout
-from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_value
+from megatron_rl.models.weights import canonical_parameters, check_checkpoint_names, local_row_blocks, local_value
 
 
 def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[torch.dtype] = None,
@@ -91,16 +93,19 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
     all_ranks_ok(CheckpointError(f"model parameters no HF tensor fills: {sorted(unmapped)}; the bridge does "
                                  "not map this config") if unmapped else None)
 
-    def write(tmp: str) -> None:
+    def write(tmp: str) -> dict[str, str]:
         bar = dist_io.progress(len(slots), "hf->torch_dist", show_progress, unit="param")
-        ckpt = HFCheckpoint(hf_dir)
+        checksums: dict[str, str] = {}  # .distcp file -> CRC-32, computed as written (not read back)
+        ckpt = MappedHFCheckpoint(hf_dir)  # tensors as views of the files' pages: an unchanged one is never copied
         refused: list[MegatronRLError] = []
 
-        def materialize(param: torch.Tensor) -> torch.Tensor:
+        def materialize(param: torch.Tensor) -> list[torch.Tensor]:
             try:
-                value = local_value(bridge, slots[id(param)], ckpt)  # inf/NaN refused as read
+                name = slots[id(param)].canonical_name
+                slot = slots[id(param)]  # inf/NaN refused as read; [gate; up] kept as its two blocks
+                blocks = local_row_blocks(bridge, slot, ckpt) or [local_value(bridge, slot, ckpt)]
                 # the parameter's own dtype: `target`, or float32 for a buffer megatron keeps so (expert_bias)
-                return common.cast_checked(slots[id(param)].canonical_name, value, param.dtype)
+                return [common.cast_checked(name, b, param.dtype) for b in blocks]
             except MegatronRLError as e:
                 refused.append(e)
                 raise
@@ -111,16 +116,18 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, layout=None, dtype: Optional[t
         index = streaming_save.StorageIndex.for_chunks(chunks, materialize)
         try:
             dist_io.dist_checkpointing().save(dist_io.model_sharded_state_dict(chunks), tmp,
-                                              sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes),
+                                              sharded_strategy=streaming_save.streaming_strategy(index, bucket_bytes, checksums),
                                               content_metadata={"megatron_rl_format": model_dir.FORMAT})
         except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
             if refused and not isinstance(e, MegatronRLError):
                 raise refused[0] from e  # torch's writer wraps it in a CheckpointException (a traceback as text)
             raise
         finally:
+            index.drop_cached()
             ckpt.close()
             bar.close()
-        dist_io.free(chunks)
+        chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)
+        return checksums
 
     def check(tmp: str) -> None:
         verify_dist_against_hf(bridge, tmp, hf_dir, layout, target, cast=dtype, show_progress=show_progress,
@@ -155,6 +162,7 @@ def verify_dist_against_hf(bridge, dist_dir: str, hf_dir: str, layout, model_dty
     finally:
         if ref is not None:
             ref.close()
-        dist_io.free(chunks)
+        if chunks is not None:  # None: streamed, nothing held
+            dist_io.free(chunks)
     all_ranks_ok(CheckpointError(f"--verify: torch_dist {dist_dir} reloaded differs from {hf_dir}: {err}")
                  if err else None)

@@ -14,7 +14,8 @@ so a half-written output never appears under the final name.
 Shards are serialised by :func:`save_safetensors`, which writes each tensor's
 bytes straight from its storage: ``safetensors.torch.save_file`` first copies
 every tensor into a ``bytes`` object, doubling the shard in memory at flush.
-It hashes the bytes as it writes them (CRC-32, :attr:`ShardedSafetensorsWriter.checksums`),
+It hashes the bytes as it writes them (CRC-32, :attr:`ShardedSafetensorsWriter.checksums`) and moves
+them into the file through a pipe (:class:`~megatron_rl.convert.file_writer.FileWriter`),
 so the output's ``COMPLETE.json`` gets every shard's checksum without reading the
 shards back.
 """
@@ -29,9 +30,9 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.convert.file_writer import FileWriter
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
-from megatron_rl.infra.checkpoint_root import Crc32Writer
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -54,12 +55,16 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor that owns its storage (safetensors refuses shared storage,
-    and exported tensors can be views into one broadcast bucket)."""
+    """A contiguous CPU tensor :func:`save_safetensors` writes from, holding little memory beyond its bytes.
+
+    A contiguous view that covers at least half of its storage (one half of a fused gate/up, a
+    slice of a parameter) is kept as it is: writing from it copies nothing, and what it keeps
+    alive while its shard is pending is at most twice its bytes. A smaller view (e.g. of one
+    broadcast bucket) is copied, so a pending shard never holds whole buckets."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    if not t.is_contiguous() or 2 * t.numel() * t.element_size() < t.untyped_storage().nbytes():
         t = t.contiguous().clone()
     return t
 
@@ -73,7 +78,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
     """Write a safetensors file (the documented format: u64-LE header length, JSON
     header with dtype / shape / data_offsets per tensor and ``__metadata__``, padded
     with spaces to 8 bytes, then the data) without copying the tensors; fsynced.
-    Tensors must be contiguous CPU tensors that own their storage (``_own_storage``).
+    Tensors must be contiguous CPU tensors (``_own_storage``); views are written from their own bytes.
     Returns the file's CRC-32 (hex), computed from the bytes as they were written."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     offset = 0
@@ -85,15 +90,13 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        out = Crc32Writer(f)
+    with FileWriter(path) as out:
         out.write(struct.pack("<Q", len(raw)))
         out.write(raw)
         for t in tensors.values():
             if t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's own memoryview
-        f.flush()
-        os.fsync(f.fileno())
+        os.fsync(out.fileno())
     return out.hexdigest
 
 

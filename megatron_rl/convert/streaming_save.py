@@ -35,15 +35,18 @@ not the model; ``benchmarks/convert.py`` measures it. The output is what
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
 
+from megatron_rl.convert.file_writer import FileWriter
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.weights import named_state_tensors
 
-Materialize = Callable[[torch.Tensor], torch.Tensor]  # a meta parameter or persistent buffer -> its values
+# a meta parameter or persistent buffer -> its values, or the row blocks (dim 0) they concatenate
+Materialize = Callable[[torch.Tensor], "torch.Tensor | list[torch.Tensor]"]
 
 _malloc_trim: Callable[[int], int] | Literal[False] | None = None  # resolved on first use: libc's malloc_trim, or False where there is none
 
@@ -81,7 +84,7 @@ class StorageIndex:
     def __init__(self, params: dict[int, tuple[str, torch.Tensor]], materialize: Materialize):
         self._params = params
         self._materialize = materialize
-        self._cached: Optional[tuple[int, torch.Tensor]] = None
+        self._cached: Optional[tuple[int, list[torch.Tensor]]] = None
         self.materialized = 0  # parameters read (one per cache miss)
 
     @classmethod
@@ -95,6 +98,11 @@ class StorageIndex:
                 params[storage_key(p)] = (name, p)
         return cls(params, materialize)
 
+    def drop_cached(self) -> None:
+        """Let the last value go now: the save's planner and writer hold this index in reference cycles, which
+        only a (slow) ``gc.collect`` would break, keeping that value, often the largest tensor, alive."""
+        self._cached = None
+
     def resolve(self, view: torch.Tensor) -> torch.Tensor:
         """Values for ``view`` (a meta tensor that views one model parameter)."""
         key = storage_key(view)
@@ -106,13 +114,25 @@ class StorageIndex:
             self._cached = None  # drop the previous value before reading the next
             release_free_memory()
             value = self._materialize(param)
-            if tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
-                raise CheckpointError(f"streaming save: {name} was built as {tuple(value.shape)} {value.dtype}, the "
-                                      f"model parameter is {tuple(param.shape)} {param.dtype}")
-            self._cached = (key, value.contiguous())
+            blocks = [b.contiguous() for b in (value if isinstance(value, list) else [value])]
+            shape = (sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]) if blocks[0].dim() else ()
+            if any(b.shape[1:] != blocks[0].shape[1:] or b.dtype != param.dtype for b in blocks) or \
+                    shape != tuple(param.shape):
+                built = tuple(blocks[0].shape) if len(blocks) == 1 else [tuple(b.shape) for b in blocks]
+                raise CheckpointError(f"streaming save: {name} was built as {built} {blocks[0].dtype}, the model "
+                                      f"parameter is {tuple(param.shape)} {param.dtype}")
+            self._cached = (key, blocks)
             self.materialized += 1
-        value = self._cached[1]
+        blocks = self._cached[1]
         offset = view.storage_offset() - param.storage_offset()
+        start = 0
+        for block in blocks:  # a view that is exactly one block (half of a gated linear_fc1) is that block
+            if len(blocks) > 1 and start == offset and block.numel() == view.numel() and view.is_contiguous():
+                return block.view(view.size())
+            start += block.numel()
+        if len(blocks) > 1:  # any other view of a concatenation: build it once
+            blocks[:] = [torch.cat(blocks)]
+        value = blocks[0]
         return value.as_strided(view.size(), view.stride(), value.storage_offset() + offset)
 
 
@@ -161,16 +181,37 @@ def split_into_buckets(items: list, bucket_bytes: int) -> list[list]:
 
 
 def _bucketed_writer_class():
+    import contextlib
     import queue
 
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _SplicingFileSystem(FileSystem):
+        """torch's local file system whose new ``.distcp`` files are :class:`FileWriter` s (bytes spliced
+        into the page cache, CRC-32 kept: ``checksums``, file name -> hex, for ``COMPLETE.json``)."""
+
+        def __init__(self, checksums: dict[str, str]):
+            super().__init__()
+            self.checksums = checksums
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode != "wb" or not str(path).endswith(".distcp"):
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with FileWriter(str(path)) as stream:
+                yield stream
+            self.checksums[os.path.basename(str(path))] = stream.hexdigest
 
     class _BucketedWriter(FileSystemWriter):
         """``FileSystemWriter`` (one thread, fsync) that opens a new file every ``bucket_bytes``."""
 
-        def __init__(self, path, bucket_bytes: int):
+        def __init__(self, path, bucket_bytes: int, checksums: dict[str, str]):
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
             self.bucket_bytes = bucket_bytes
+            self.fs = _SplicingFileSystem(checksums)
 
         def write_data(self, plan, planner):
             file_queue: queue.Queue = queue.Queue()
@@ -183,9 +224,10 @@ def _bucketed_writer_class():
     return _BucketedWriter
 
 
-def streaming_strategy(index: StorageIndex, bucket_bytes: int = 10**9):
+def streaming_strategy(index: StorageIndex, bucket_bytes: int = 10**9, checksums: Optional[dict[str, str]] = None):
     """A ``SaveShardedStrategy`` writing the torch_dist format (backend ``torch_dist``, version 1)
-    in files of about ``bucket_bytes``."""
+    in files of about ``bucket_bytes``; the CRC-32 of every ``.distcp`` file this rank writes goes into
+    ``checksums`` (file name -> hex) as it is written."""
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
         _replace_state_dict_keys_with_sharded_keys,
@@ -209,7 +251,7 @@ def streaming_strategy(index: StorageIndex, bucket_bytes: int = 10**9):
             # (keep_only_main_replica=True, its default), so keys and chunks are identical.
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
-            writer = writer_cls(checkpoint_dir, bucket_bytes)
+            writer = writer_cls(checkpoint_dir, bucket_bytes, {} if checksums is None else checksums)
             # One planner per save: the DCP planner keeps per-call state.
             planner = planner_cls(index, dedup_replicated_tensors=False, flatten_state_dict=False,
                                   can_run_decentralized_global_plan=False)

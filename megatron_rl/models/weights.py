@@ -168,10 +168,7 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
                 offset += nk * per_group
         return weight_maps.fuse_groups(parts, groups)
     if rule.kind == "gate_up":
-        n = local_shape[0] // 2
-        gate = ckpt.read(rule.hf_names[0], 0, rank * n, (rank + 1) * n)
-        up = ckpt.read(rule.hf_names[1], 0, rank * n, (rank + 1) * n)
-        return weight_maps.fuse_gate_up(gate, up)
+        return weight_maps.fuse_gate_up(*_gate_up_local(rule, slot, ckpt, rank))
     if rule.kind in weight_maps.EXPERT_KINDS:  # one expert's slice of a stacked HF tensor, then this rank's TP shard
         (src,) = rule.hf_names
         full = weight_maps.expert_to_megatron(rule.kind, ckpt.read(src, 0, rule.expert, rule.expert + 1)[0])
@@ -187,6 +184,24 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
         return full.contiguous()
     raise BridgeError(f"unknown rule kind {rule.kind!r} for {slot.canonical_name}")
 
+
+
+def _gate_up_local(rule, slot: ParamSlot, ckpt: HFCheckpoint, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of gate_proj and of up_proj: a gated ``linear_fc1`` is [gate; up] of them."""
+    n = slot.param.shape[0] // 2
+    return (ckpt.read(rule.hf_names[0], 0, rank * n, (rank + 1) * n),
+            ckpt.read(rule.hf_names[1], 0, rank * n, (rank + 1) * n))
+
+
+def local_row_blocks(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> Optional[list[torch.Tensor]]:
+    """:func:`local_value` as the row blocks (dim 0) it concatenates, where it is such a concatenation: a
+    gated ``linear_fc1`` is [gate; up], and megatron saves its halves as two chunks, so a writer can store each
+    block as read without building the fused tensor. None for every other parameter (use ``local_value``)."""
+    rule = bridge.rule_for(slot.canonical_name)
+    if rule.kind != "gate_up":
+        return None
+    rank = _group_rank_size(_tp_group(slot))[0] if slot.tp_partition_dim is not None else 0
+    return list(_gate_up_local(rule, slot, ckpt, rank))
 
 
 def local_value(bridge, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tensor:

@@ -76,6 +76,24 @@ def test_storage_index_resolves_views_and_reads_each_parameter_once():
         bad.resolve(gate)
 
 
+def test_storage_index_writes_row_blocks_as_read():
+    """A value given as row blocks (a gated linear_fc1: [gate; up]): a view that is exactly one block is that
+    block (no fused tensor, no copy); any other view gets the concatenation."""
+    with torch.device("meta"):
+        fc1 = torch.nn.Parameter(torch.empty(8, 3))
+    gate_v, up_v = torch.arange(12.0).reshape(4, 3), torch.arange(12.0, 24.0).reshape(4, 3)
+    index = StorageIndex({fc1.untyped_storage()._cdata: ("fc1", fc1)}, lambda p: [gate_v, up_v])
+    gate, up = torch.chunk(fc1.detach(), 2, dim=0)
+    got_gate, got_up = index.resolve(gate), index.resolve(up.view(1, 4, 3))
+    assert got_gate.data_ptr() == gate_v.data_ptr() and torch.equal(got_gate, gate_v)
+    assert got_up.data_ptr() == up_v.data_ptr() and torch.equal(got_up, up_v.view(1, 4, 3))
+    assert torch.equal(index.resolve(fc1.detach()[2:6]), torch.arange(6.0, 18.0).reshape(4, 3))  # straddles both
+    assert index.materialized == 1
+    bad = StorageIndex({fc1.untyped_storage()._cdata: ("fc1", fc1)}, lambda p: [gate_v, up_v[:3]])
+    with pytest.raises(CheckpointError, match=r"fc1 was built as \[\(4, 3\), \(3, 3\)\]"):
+        bad.resolve(gate)
+
+
 def test_for_chunks_refuses_a_materialised_model():
     with pytest.raises(CheckpointError, match="meta device"):
         StorageIndex.for_chunks([torch.nn.Linear(2, 2)], lambda p: p)

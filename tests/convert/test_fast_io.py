@@ -1,0 +1,110 @@
+"""The converters' byte paths: the splicing file writer, mapped HF reads, mapped torch_dist chunk reads.
+
+Each must give exactly what the plain path gives (the bytes of ``write()``, ``HFCheckpoint.read``,
+torch's ``FileSystemReader``); the whole conversions are proven bit-exact in
+tests/convert/test_convert_roundtrip.py and tests/convert/test_convert.py.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron_rl.convert import distcp_reader, file_writer
+from megatron_rl.convert.file_writer import FileWriter
+from megatron_rl.convert.mapped_checkpoint import MappedHFCheckpoint
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, NonFiniteWeights
+
+
+def _pieces() -> list[bytes]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 256, (3 * file_writer.PIPE_BYTES + 12345,), dtype=torch.uint8, generator=g)
+    return [b"header", bytes(range(200)) * 400, big.numpy().tobytes(), b"", b"tail" * 10]
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "write"])
+def test_file_writer_writes_every_byte_and_its_crc(tmp_path, monkeypatch, splice):
+    if not splice:  # a filesystem without splice_write: the writer drains the pipe and goes on with write()
+        def refuse(*args, **kwargs):
+            raise OSError(22, "Invalid argument")
+        monkeypatch.setattr(os, "splice", refuse)
+    path = tmp_path / "out.bin"
+    pieces = _pieces()
+    with FileWriter(str(path)) as f:
+        for p in pieces:
+            assert f.write(p) == len(p)
+        assert f.tell() == sum(map(len, pieces))
+        os.fsync(f.fileno())
+    data = path.read_bytes()
+    assert data == b"".join(pieces)
+    assert f.hexdigest == f"{zlib.crc32(data):08x}"
+
+
+def _hf_dir(tmp_path) -> str:
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(7, 5, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
+               "c": torch.randn(4, 6, generator=g).half(), "s": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("args", [("a",), ("a", 0, 2, 5), ("a", 0, 0, 0), ("a", 1, 1, 4), ("b",), ("c", 0, 1, None)])
+def test_mapped_reads_equal_copied_reads(tmp_path, args):
+    d = _hf_dir(tmp_path)
+    plain, mapped = HFCheckpoint(d), MappedHFCheckpoint(d)
+    a, b = plain.read(*args), mapped.read(*args)
+    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    b.add_(1)  # copy-on-write: the file is never changed through a view
+    assert torch.equal(MappedHFCheckpoint(d).read(*args), a)
+
+
+def test_mapped_reads_refuse_non_finite_values(tmp_path):
+    save_file({"w": torch.tensor([1.0, float("nan")])}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(NonFiniteWeights, match="'w'"):
+        MappedHFCheckpoint(str(tmp_path)).read("w")
+
+
+def test_mapped_distcp_reads_equal_torch_reads(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    mapped = []  # tensors read from mapped pages (not torch's fallback read)
+    real = distcp_reader._mapped_tensor
+    monkeypatch.setattr(distcp_reader, "_mapped_tensor", lambda *a: mapped.append(real(*a)) or mapped[-1])
+
+    g = torch.Generator().manual_seed(2)
+    saved = {"w": torch.randn(6, 4, generator=g), "h": torch.randn(5, generator=g).to(torch.bfloat16),
+             "blob": {"x": 1}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    reader_cls = distcp_reader._reader_class()
+    cache: dict = {}
+    for _ in range(2):  # the second load reuses the parsed .metadata
+        state = {"w": torch.empty(6, 4), "h": torch.empty(5, dtype=torch.bfloat16), "blob": {"x": 0}}
+        dcp.load(state, storage_reader=reader_cls(str(tmp_path), cache), no_dist=True)
+        assert torch.equal(state["w"], saved["w"]) and torch.equal(state["h"], saved["h"])
+        assert state["blob"] == {"x": 1}
+    assert "metadata" in cache
+    assert len(mapped) == 4
+
+
+def test_shard_writer_writes_big_views_as_they_are_and_copies_small_ones(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, _own_storage
+
+    fc1 = torch.arange(24.0).reshape(8, 3)
+    gate, up = torch.chunk(fc1, 2, dim=0)  # what the export yields for a gated linear_fc1
+    row = torch.arange(300.0).reshape(100, 3)[7]  # a small view of a big buffer
+    assert _own_storage(gate).data_ptr() == gate.data_ptr()  # written from the view: no copy
+    assert _own_storage(row).untyped_storage().nbytes() == row.nbytes  # copied: keeps no big buffer alive
+    w = ShardedSafetensorsWriter(str(tmp_path), 10**6)
+    for name, t in (("gate", gate), ("up", up), ("row", row), ("t", fc1.t())):
+        w.add(name, t)
+    w.finish()
+    back = load_file(str(tmp_path / "model-00001-of-00001.safetensors"))
+    for name, t in (("gate", gate), ("up", up), ("row", row), ("t", fc1.t())):
+        assert torch.equal(back[name], t), name
