@@ -37,6 +37,7 @@ from megatron_rl.errors import PlanError  # noqa: E402
 from megatron_rl.plan.allocation import MAX_SIZE  # noqa: E402
 from megatron_rl.plan.memory import (GPU_MEMORY_GIB, MegatronLayout, ModelArch, TrainingFlags,  # noqa: E402
                                      estimate_for_component, format_memory, report_json)
+from megatron_rl.plan.fit import check_plan_fit, fit_json, format_fit  # noqa: E402
 from megatron_rl.plan.sources import ASCII_INT  # noqa: E402
 from megatron_rl.plan.sync_estimate import (Links, StepPlan, SyncPlan, estimate_json, estimate_step,  # noqa: E402
                                             estimate_sync, format_estimate, moe_topk)
@@ -117,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {int: _ascii_int(2 ** 62), float: float}.get(type(f.default) if f.default is not None else float, str)
             e.add_argument(flag_name(f), dest=f.name, default=f.default, type=kind, choices=f.metadata["choices"],
                            help=f.metadata["help"])
+    a = ap.add_argument_group("activations and the fit verdict (with a model and --max-tokens-per-gpu; docs/planner.md)")
+    a.add_argument("--max-tokens-per-gpu", type=_ascii_int(2 ** 31), help="packed tokens per micro-batch per GPU")
+    a.add_argument("--sequence-parallel", action="store_true")
+    a.add_argument("--recompute-granularity", choices=("full", "selective"))
+    a.add_argument("--recompute-method", choices=("uniform", "block"))
+    a.add_argument("--recompute-num-layers", type=_ascii_int(2 ** 16))
+    a.add_argument("--sglang-mem-fraction-static", type=float, help="the engines' static fraction of the GPU")
+    a.add_argument("--allow-over-memory", action="store_true", help="exit 0 when a GPU does not fit (a warning)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -187,6 +196,13 @@ def memory_reports(ns: argparse.Namespace, plan) -> list:
                           distributed_optimizer=ns.use_distributed_optimizer or ns.optimizer_cpu_offload,
                           cpu_offload=ns.optimizer_cpu_offload, precision_aware=ns.optimizer_cpu_offload,
                           optimizer=ns.optimizer, lora_rank=ns.lora_rank, lora_targets=tuple(ns.lora_target_modules))
+    if ns.max_tokens_per_gpu:  # the whole fit: activations, engines, verdict, ranked fixes (plan/fit.py)
+        gpn = ns.n_gpus_per_node or ns.actor_num_gpus_per_node or 8
+        return [check_plan_fit(plan, actor, arch, flags, tokens=ns.max_tokens_per_gpu, sequence_parallel=ns.sequence_parallel,
+                               recompute=ns.recompute_granularity, mem_fraction=ns.sglang_mem_fraction_static,
+                               gpus_per_node=gpn, vpp=ns.vpp, recompute_method=ns.recompute_method,
+                               recompute_num_layers=ns.recompute_num_layers, gpu_type=ns.gpu_type,
+                               gpu_memory=ns.gpu_memory_gib) for actor in plan.actors]
     return [estimate_for_component(plan, actor, arch, flags, vpp=ns.vpp, gpu_type=ns.gpu_type,
                                    gpu_memory=ns.gpu_memory_gib) for actor in plan.actors]
 
@@ -251,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     report = validate_plan(plan, cluster, model, seq_length=ns.seq_length, vpp=ns.vpp)
     report = dataclasses.replace(report, info=tuple(notes) + report.info)
     try:
-        memory = memory_reports(ns, plan) if report.ok else []
+        fits = memory_reports(ns, plan) if report.ok else []
+        memory = [f[0].memory if isinstance(f, tuple) else f for f in fits]
         for m in memory:
             m.ranks_per_node = cluster.gpus_per_node if cluster is not None else 1
         timed = estimates(ns, plan, cluster) if report.ok else []
@@ -260,15 +277,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.json:
         out = report_dict(plan, report, cluster)
-        out["memory"] = [report_json(m) for m in memory]
+        out["memory"] = [report_json(m) | (fit_json(*f) if isinstance(f, tuple) else {}) for m, f in zip(memory, fits)]
         out["sync"] = [estimate_json(sync, step) for sync, step, _ in timed]
         print(json.dumps(out, indent=2))
     else:
         print(format_table(plan, report, cluster))
-        for m in memory:
-            print("\n".join(format_memory(m)))
+        for m, f in zip(memory, fits):
+            print("\n".join(format_memory(m, fit=isinstance(f, tuple))
+                            + (["  " + line for line in format_fit(*f)] if isinstance(f, tuple) else [])))
         for sync, step, transport in timed:
             print("\n".join(format_estimate(sync, step, transport)))
+    over = [s.describe() for f in fits if isinstance(f, tuple) for s in f[0].shortfalls()]
+    if over and report.ok:
+        print(f"check_plan: {'warning' if ns.allow_over_memory else 'error'}: the plan does not fit the GPU's "
+              "memory:\n  - " + "\n  - ".join(over) + ("" if ns.allow_over_memory else
+                                                      "\n(--allow-over-memory to exit 0 anyway)"), file=sys.stderr)
+        if not ns.allow_over_memory:
+            return 2
     if not report.ok:
         print("check_plan: invalid plan:\n  - " + "\n  - ".join(report.errors), file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""The planner's table in docs/planner.md: static memory per rank, weight-sync bytes and seconds, and the step's
-split, for the shipped GPU scripts' models and three bigger ones, on H100 and H200 plans.
+"""The planner's table in docs/planner.md: static memory per rank, the peak with the activations and the fit
+verdict (the engines' GPUs too), weight-sync bytes and seconds, and the step's split, for the shipped GPU scripts' models and three bigger ones, on H100 and H200 plans.
 
     python tools/planner_table.py                 # print the table (markdown)
     python tools/planner_table.py --update-doc    # rewrite it in docs/planner.md between its markers
@@ -21,6 +21,9 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_rl.plan.activations import ActivationFlags  # noqa: E402
+from megatron_rl.plan.engine_memory import EngineSpec  # noqa: E402
+from megatron_rl.plan.fit import FitReport, Knobs, attach_activations  # noqa: E402
 from megatron_rl.plan.memory import (GIB, GPU_MEMORY_GIB, MegatronLayout, ModelArch, RoleModelSpec,  # noqa: E402
                                      TrainingFlags, estimate_megatron)
 from megatron_rl.plan.sync_estimate import (GB, Links, StepPlan, SyncPlan, estimate_step,  # noqa: E402
@@ -66,6 +69,7 @@ class Case:
     tags: tuple[str, ...] = ()
     source: str = ""
     peer: str = "-"  # a peer's published sync time at this model's scale (docs/planner.md names the sources)
+    tokens: int = 16384  # packed tokens per micro-batch per GPU (--max-tokens-per-gpu), sequence-parallel, full recompute
 
 
 BF16_DO = TrainingFlags(params_dtype="bfloat16", distributed_optimizer=True)
@@ -78,7 +82,7 @@ def _cases() -> list[Case]:
         # scripts/run_qwen3_4b_grpo.sh: TP 2 x DP 4 colocated with 4 SGLang engines of 2 GPUs, a KL reference
         out.append(Case("Qwen3-4B", QWEN3_4B, gpu, MegatronLayout(world=8, tp=2),
                         dataclasses.replace(BF16_DO, cpu_offload=True, precision_aware=True), "tensor", 4, 2, True,
-                        512 * 2 ** 20, (64, 8, 1024, 8192), passes=5, tags=("ref",),
+                        512 * 2 ** 20, (64, 8, 1024, 8192), passes=5, tags=("ref",), tokens=32768,
                         source="scripts/run_qwen3_4b_grpo.sh"))
         # scripts/run_qwen3_30b_a3b_grpo.sh: TP 4 x PP 2 x EP 8 on 32 GPUs, two 8-GPU servers on their own nodes
         out.append(Case("Qwen3-30B-A3B", QWEN3_30B_A3B, gpu, MegatronLayout(world=32, tp=4, pp=2, ep=8, etp=1),
@@ -113,6 +117,14 @@ def row(case: Case) -> dict:
     report = estimate_megatron(RoleModelSpec("actor", arch, case.layout), case.flags, tags=case.tags,
                                tag_location="auto", offload_train=case.colocated, gpu_type=case.gpu)
     rank, dev, host = report.heaviest_rank()
+    lay = case.layout
+    fit = FitReport(report, Knobs(tp=lay.tp, pp=lay.pp, ep=lay.ep, tokens=case.tokens), colocated=case.colocated,
+                    bucket_bytes=float(case.bucket_bytes))
+    attach_activations(fit, RoleModelSpec("actor", arch, lay), ActivationFlags(
+        tokens=case.tokens * lay.cp, sequence_parallel=lay.tp > 1, recompute_granularity="full"))
+    fit.engine = EngineSpec(arch, tp=case.engine_gpus, count=case.engines,
+                            ep=case.engine_gpus if arch.experts else 1, mem_fraction=0.7)
+    short = fit.shortfalls()
     links = Links.resolve(case.gpu)
     sync = estimate_sync(arch, case.layout, case.flags,
                          SyncPlan(case.transport, case.engines, case.engine_gpus, case.colocated,
@@ -125,7 +137,9 @@ def row(case: Case) -> dict:
     return {"model": case.model, "gpu": case.gpu, "gpus": case.layout.world + (0 if case.colocated else engine_gpus),
             "plan": _plan_text(case.layout), "engines": f"{case.engines} x {case.engine_gpus}"
             + (" colocated" if case.colocated else ""), "device_gib": dev / GIB, "host_gib": host / GIB,
-            "left_gib": GPU_MEMORY_GIB[case.gpu] - dev / GIB, "transport": case.transport,
+            "left_gib": GPU_MEMORY_GIB[case.gpu] - dev / GIB, "peak_gib": fit.heaviest()[3] / GIB,
+            "verdict": (f"fits, {fit.headroom() / GIB:.1f} GiB free" if not short else
+                        "short: " + ", ".join(sorted({s.component for s in short}))), "transport": case.transport,
             "sync_gb": sync.payload.total / GB, "sync_s": sync.seconds, "step_s": step.seconds,
             "share": step.sync_share, "source": case.source, "peer": case.peer}
 
@@ -133,12 +147,14 @@ def row(case: Case) -> dict:
 def table(rows: Optional[list[dict]] = None) -> str:
     rows = rows if rows is not None else [row(c) for c in _cases()]
     head = ("| model | GPU | GPUs (train + rollout) | trainer plan | engines | static per rank (device) | host | left "
-            "of the GPU | sync payload | transport | sync (est.) | peers' sync (published) | step (est.) | sync share |")
+            "of the GPU | peak per rank | verdict | sync payload | transport | sync (est.) | peers' sync (published) | "
+            "step (est.) | sync share |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         host = f"{r['host_gib']:.1f} GiB" if r["host_gib"] else "-"
         lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} | {r['plan']} | {r['engines']} | "
-                     f"{r['device_gib']:.1f} GiB | {host} | {r['left_gib']:.1f} GiB | {r['sync_gb']:.1f} GB | "
+                     f"{r['device_gib']:.1f} GiB | {host} | {r['left_gib']:.1f} GiB | {r['peak_gib']:.1f} GiB | "
+                     f"{r['verdict']} | {r['sync_gb']:.1f} GB | "
                      f"{r['transport']} | {r['sync_s']:.1f} s | {r['peer']} | {r['step_s'] / 60:.1f} min | "
                      f"{r['share']:.1%} |")
     return "\n".join(lines)

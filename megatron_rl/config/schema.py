@@ -430,12 +430,17 @@ class MemoryConfig:
         "free once model and optimizer exist (logged), host otherwise and always with --offload-train/"
         "--colocate. On a CPU-only run both are host memory.", choices=("auto", "device", "host"))
     gpu_type: str = flag(
-        "H100-80G", "The training GPU --dry-run compares its static-memory estimate with (parameters, gradient "
-        "buffers, optimizer state per rank; docs/planner.md): its memory is the total nvidia-smi reports, A100-80G "
-        "80 GiB, H100-80G 79.6, H200-141G 140.4, B200-192G 179.1.",
+        "H100-80G", "The training GPU --dry-run compares its memory estimate with (parameters, gradient buffers, "
+        "optimizer state, activations per rank, the engines' GPUs; docs/planner.md): its memory is the total "
+        "nvidia-smi reports, A100-80G 80 GiB, H100-80G 79.6, H200-141G 140.4, B200-192G 179.1. A real run on GPUs "
+        "compares with the card it finds unless --gpu-memory-gib is given.",
         choices=("A100-80G", "H100-80G", "H200-141G", "B200-192G"))
-    gpu_memory_gib: Optional[float] = flag(None, "The training GPU's memory in GiB for --dry-run's static-memory "
-                                           "estimate, instead of --gpu-type's.", domain="(0, inf)")
+    gpu_memory_gib: Optional[float] = flag(None, "The training GPU's memory in GiB for the memory estimate "
+                                           "(--dry-run, and a real run on GPUs), instead of --gpu-type's.",
+                                           domain="(0, inf)")
+    allow_over_memory: bool = flag(False, "Go on when the memory estimate says a GPU does not fit (--dry-run and a "
+                                   "real run on GPUs refuse such a plan with exit 2, naming the component, rank, "
+                                   "shortfall and the ranked fixes); the run then starts with a warning line.")
 
     # slime semantics: --colocate implies both offloads. Derived, never written back.
     @property

@@ -15,6 +15,9 @@ import os
 from typing import Optional
 
 from megatron_rl.errors import PlanError
+from megatron_rl.plan.activations import ActivationFlags
+from megatron_rl.plan.engine_memory import EngineSpec
+from megatron_rl.plan.fit import FitReport, Knobs, attach_activations, candidate_fixes, ranked_fixes
 from megatron_rl.plan.memory import (MegatronLayout, MemoryReport, ModelArch, RoleModelSpec, TrainingFlags,
                                      estimate_fsdp, estimate_megatron)
 
@@ -54,6 +57,7 @@ def arch_from_flags(cfg: Config) -> Optional[ModelArch]:
         mla = (a.q_lora_rank, int(a.kv_lora_rank or 0), int(a.qk_head_dim or 0), int(a.qk_pos_emb_head_dim or 0),
                int(a.v_head_dim or 0))
     return dataclasses.replace(arch, experts=experts, moe_ffn=a.moe_ffn_hidden_size or 0,
+                               topk=(a.moe_router_topk or 1) if experts else 0,
                                moe_layers=moe if experts else (), qkv_bias=a.add_qkv_bias, qk_norm=a.qk_layernorm,
                                shared_expert=a.moe_shared_expert_intermediate_size or 0,
                                shared_expert_gate=a.moe_shared_expert_gate,
@@ -139,3 +143,123 @@ def memory_report(cfg: Config, *, gpu_type: Optional[str] = None,
         report.notes.append("--fp8-param-gather keeps GEMM weights in fp8: parameters are counted at "
                             f"{cfg.precision.params_dtype} here (an over-estimate)")
     return report, source
+
+
+# ---------------------------------------------------------------------------------------------------- the fit
+
+
+def knobs_of(cfg: Config) -> Knobs:
+    p, b = cfg.parallel, cfg.batching
+    tokens = (b.max_tokens_per_gpu if b.use_dynamic_batch_size and b.max_tokens_per_gpu
+              else b.micro_batch_size * cfg.seq_length)
+    return Knobs(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
+                 tokens=int(tokens), recompute=cfg.memory.recompute_granularity,
+                 cpu_offload=cfg.optimizer.optimizer_cpu_offload,
+                 distributed_optimizer=cfg.optimizer.effective_distributed_optimizer,
+                 sequence_parallel=p.sequence_parallel)
+
+
+def with_knobs(cfg: Config, k: Knobs) -> Config:
+    """``cfg`` with a fix's flags applied (what its re-estimate reads)."""
+    m = cfg.memory
+    memory = dataclasses.replace(m, recompute_granularity=k.recompute)
+    if k.recompute == "full" and m.recompute_granularity != "full":
+        memory = dataclasses.replace(memory, recompute_method="uniform", recompute_num_layers=1)
+    b = cfg.batching
+    batching = b
+    if k.tokens != knobs_of(cfg).tokens:
+        batching = dataclasses.replace(b, use_dynamic_batch_size=True, max_tokens_per_gpu=k.tokens)
+    rollout = cfg.rollout
+    if k.engine_tp:
+        args = dict(rollout.sglang_args)
+        if k.engine_ep > 1:
+            args["ep_size"] = str(k.engine_ep)
+        if k.mem_fraction is not None:
+            args["mem_fraction_static"] = str(k.mem_fraction)
+        rollout = dataclasses.replace(rollout, rollout_num_gpus_per_engine=k.engine_tp, sglang_args=args)
+    return dataclasses.replace(
+        cfg, rollout=rollout, parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=k.tp,
+                                          pipeline_model_parallel_size=k.pp, expert_model_parallel_size=k.ep,
+                                          sequence_parallel=k.sequence_parallel),
+        optimizer=dataclasses.replace(cfg.optimizer, optimizer_cpu_offload=k.cpu_offload,
+                                      use_distributed_optimizer=k.distributed_optimizer,
+                                      use_precision_aware_optimizer=cfg.optimizer.use_precision_aware_optimizer
+                                      or k.cpu_offload),
+        memory=memory, batching=batching)
+
+
+def engine_spec(cfg: Config, arch: ModelArch) -> Optional[EngineSpec]:
+    """The SGLang engines this run launches (none: external servers, no engine, another rollout backend)."""
+    r = cfg.rollout
+    if not cfg.has_rollout_engine or r.rollout_backend != "sglang" or r.rollout_engine_urls:
+        return None
+    frac = r.sglang_args.get("mem_fraction_static")
+    gpus = r.rollout_num_gpus or cfg.actor_world_size
+    return EngineSpec(arch, tp=r.rollout_num_gpus_per_engine, count=max(gpus // r.rollout_num_gpus_per_engine, 1),
+                      mem_fraction=float(frac) if frac is not None else None,
+                      ep=int(r.sglang_args.get("ep_size") or 1) if arch.experts else 1,
+                      dtype_bytes=2, sequence_tokens=r.rollout_max_prompt_len + r.rollout_max_response_len)
+
+
+def fit_report(cfg: Config, *, gpu_memory: Optional[float] = None,
+               kernels: str = "te") -> tuple[Optional[FitReport], str]:
+    """``(fit, source)``: the static report with the activations (megatron backend) and the engines attached, or
+    ``(None, why not)``. ``gpu_memory``: GiB, over --gpu-memory-gib / --gpu-type (a real run's measured card)."""
+    report, source = memory_report(cfg, gpu_type=cfg.memory.gpu_type,
+                                   gpu_memory=gpu_memory if gpu_memory is not None else cfg.memory.gpu_memory_gib)
+    if report is None:
+        return None, source
+    arch, _ = actor_arch(cfg)
+    assert arch is not None, "memory_report gave a report, so the model is known"
+    k = knobs_of(cfg)
+    fit = FitReport(report, k, colocated=cfg.memory.colocate, bucket_bytes=float(cfg.sync.update_weight_buffer_size),
+                    response_share=min(1.0, cfg.rollout.rollout_max_response_len / max(cfg.seq_length, 1)))
+    if cfg.precision.train_backend == "megatron":
+        p, m = cfg.parallel, cfg.memory
+        fl = ActivationFlags(tokens=k.tokens * p.context_parallel_size, dtype_bytes=training_flags(cfg).param_bytes,
+                             sequence_parallel=p.sequence_parallel, recompute_granularity=m.recompute_granularity,
+                             recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+                             kernels=kernels, mtp_trained=cfg.megatron.enable_mtp_training,
+                             response_share=fit.response_share)
+        world = cfg.actor_world_size
+        lay = MegatronLayout(world=world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                             cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                             etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
+                             last_stage_layers=p.decoder_last_pipeline_num_layers)
+        attach_activations(fit, RoleModelSpec("actor", arch, lay, mtp_layers=cfg.megatron.mtp_num_layers or 0), fl)
+        if cfg.algorithm.advantage_estimator == "ppo":  # the critic trains after the actor: its own peak, not summed
+            ck = cfg.checkpoint
+            critic = _arch_of(ck.critic_hf_checkpoint or ck.critic_load) or arch
+            clay = MegatronLayout(world=world, tp=p.critic_tensor_model_parallel_size or lay.tp,
+                                  pp=p.critic_pipeline_model_parallel_size or lay.pp, ep=lay.ep,
+                                  etp=p.expert_tensor_parallel_size)
+            attach_activations(fit, RoleModelSpec("critic", critic, clay, head="value"),
+                               dataclasses.replace(fl, tokens=k.tokens, mtp_trained=False))
+    else:
+        report.notes.append("activations of --train-backend fsdp: not estimated (the megatron backend's only)")
+    fit.engine = engine_spec(cfg, arch)
+    if fit.engine:
+        fit.knobs = dataclasses.replace(k, engine_tp=fit.engine.tp, engine_ep=fit.engine.ep,
+                                        mem_fraction=fit.engine.mem_fraction)
+    return fit, source
+
+
+def fit_with_fixes(cfg: Config, **kw) -> tuple[Optional[FitReport], str, list]:
+    """The fit, and when it does not fit the ranked fixes (``plan.fit.ranked_fixes``) re-estimated from ``cfg``."""
+    fit, source = fit_report(cfg, **kw)
+    if fit is None or not fit.shortfalls():
+        return fit, source, []
+    arch, _ = actor_arch(cfg)
+    assert arch is not None
+    cands = candidate_fixes(fit.knobs, layers=arch.layers, heads=arch.heads, groups=arch.groups,
+                            experts=arch.experts, world=cfg.actor_world_size,
+                            gpus_per_node=cfg.placement.actor_num_gpus_per_node)
+    if cfg.precision.train_backend == "fsdp":
+        cands = [c for c in cands if c[0].startswith(("--optimizer-cpu-offload", "--max-tokens-per-gpu"))]
+    from .validate import collect_errors  # lazy: the validator imports this module's neighbours
+
+    def estimate(k: Knobs) -> Optional[FitReport]:
+        changed = with_knobs(cfg, k)
+        return None if collect_errors(changed) else fit_report(changed, **kw)[0]  # a fix validation refuses is none
+
+    return fit, source, ranked_fixes(fit, estimate, cands)

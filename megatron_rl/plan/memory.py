@@ -116,6 +116,7 @@ class ModelArch:
     linear_layers: tuple[int, ...] = ()  # 1 per gated delta-net layer
     gdn: Optional[tuple[int, int, int, int, int]] = None  # (nk, nv, dk, dv, conv kernel)
     mtp_layers_in_checkpoint: int = 0  # num_nextn_predict_layers
+    topk: int = 0  # experts per token (num_experts_per_tok): the MoE dispatch's token copies
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "ModelArch":
@@ -167,7 +168,8 @@ class ModelArch:
             qk_norm=mt in _QK_NORM or (mt == "glm4_moe" and bool(c.get("use_qk_norm"))),
             gated_attention=mt in _GATED_HYBRID, extra_norms=2 if mt == "gemma3_text" else 0,
             mla=mla, linear_layers=linear, gdn=gdn,
-            mtp_layers_in_checkpoint=int(c.get("num_nextn_predict_layers") or 0))
+            mtp_layers_in_checkpoint=int(c.get("num_nextn_predict_layers") or 0),
+            topk=int(c.get("num_experts_per_tok") or c.get("moe_topk") or 0) if experts else 0)
 
     @classmethod
     def from_path(cls, path: str) -> "ModelArch":
@@ -737,20 +739,23 @@ def estimate_fsdp(arch: ModelArch, flags: TrainingFlags, world: int, *, critic: 
 
 
 def estimate_for_component(plan, comp, arch: ModelArch, flags: TrainingFlags, *, vpp: Optional[int] = None,
-                           gpu_type: Optional[str] = None, gpu_memory: Optional[float] = None) -> MemoryReport:
+                           gpu_type: Optional[str] = None, gpu_memory: Optional[float] = None,
+                           layout: Optional[dict] = None) -> MemoryReport:
     """The static memory of an allocation's actor ``comp`` (and a ``critic`` in its ``|`` group, of the same
-    architecture), as ``tools/check_plan.py`` prints it. ``plan``: the :class:`~megatron_rl.plan.allocation.Allocation`."""
+    architecture), as ``tools/check_plan.py`` prints it. ``plan``: the :class:`~megatron_rl.plan.allocation.Allocation`;
+    ``layout``: the actor's TP / PP / EP instead of the component's (``plan/fit.py``'s fixes; same world)."""
     critics = [m for m in plan.colocated_with(comp) if m.role == "critic" and m.is_training]
     if comp.backend == "fsdp":
         return estimate_fsdp(arch, flags, comp.world_size, critic=arch if critics else None, gpu_type=gpu_type,
                              gpu_memory=gpu_memory)
 
-    def layout(c, chunks):
-        return MegatronLayout(world=c.world_size, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep,
-                              etp=c.etp if c.ep > 1 else None, vpp=chunks)
+    def layout_of(c, chunks, changes=None):
+        lay = MegatronLayout(world=c.world_size, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep,
+                             etp=c.etp if c.ep > 1 else None, vpp=chunks)
+        return replace(lay, **changes) if changes else lay
 
-    actor = RoleModelSpec("actor", arch, layout(comp, vpp))
-    critic = RoleModelSpec("critic", arch, layout(critics[0], None), head="value") if critics else None
+    actor = RoleModelSpec("actor", arch, layout_of(comp, vpp, layout))
+    critic = RoleModelSpec("critic", arch, layout_of(critics[0], None), head="value") if critics else None
     report = estimate_megatron(actor, flags, critic=critic, gpu_type=gpu_type, gpu_memory=gpu_memory)
     problem = arch.lora_problem(flags.lora_targets) if flags.lora_rank else None
     if problem:
@@ -769,9 +774,10 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{int(n):,}"
 
 
-def format_memory(report: MemoryReport) -> list[str]:
+def format_memory(report: MemoryReport, fit: bool = False) -> list[str]:
     """The tables (one per component: a row per kind of memory, a column per pipeline stage) and the per-rank
-    verdict, as ``--dry-run`` and ``tools/check_plan.py`` print them."""
+    verdict, as ``--dry-run`` and ``tools/check_plan.py`` print them. ``fit``: the activations and the verdict follow
+    (``plan/fit.format_fit``), so neither the "not estimated" row nor the static-only verdict is printed."""
     lines = ["static memory per training rank (estimate from config.json and the flags: parameters, gradient "
              "buffers, optimizer state)"]
     for comp in report.components:
@@ -797,7 +803,7 @@ def format_memory(report: MemoryReport) -> list[str]:
                 if row.note and row.note not in notes:
                     notes.append(row.note)
             body.append([kind] + cells + [" | ".join(notes)])
-        if comp.name != "tags":  # a model's passes need activations; a tag is a copy, no pass of its own
+        if comp.name != "tags" and not fit:  # a model's passes need activations; a tag is a copy, no pass of its own
             body.append(["activations"] + [NOT_ESTIMATED] * len(labels) + [""])
         if any(s.total("device") for s in comp.stages):
             body.append(["total (device)"] + [_gib(s.total("device")) for s in comp.stages] + [""])
@@ -810,15 +816,16 @@ def format_memory(report: MemoryReport) -> list[str]:
     rank, dev, host = report.heaviest_rank()
     gpu = report.gpu_gib * GIB
     where = "" if report.world == 1 else f" (rank {rank}, the heaviest)"
-    lines.append(f"  per rank{where}: {_gib(dev)} device, {_gib(host)} host memory; activations {NOT_ESTIMATED}")
+    lines.append(f"  per rank{where}: {_gib(dev)} device, {_gib(host)} host memory"
+                 + ("" if fit else f"; activations {NOT_ESTIMATED}"))
     node, node_host = report.heaviest_node_host() if report.ranks_per_node > 1 and host else (0, 0.0)
     if node_host:
         lines.append(f"  host memory per node ({report.ranks_per_node} ranks; node {node}, the heaviest): "
                      f"{_gib(node_host)}")
-    if dev > gpu:
+    if not fit and dev > gpu:
         lines.append(f"  verdict: static memory alone ({_gib(dev)}) exceeds the GPU's memory ({report.gpu_source}): "
                      "it does not fit")
-    else:
+    elif not fit:
         lines.append(f"  verdict: static memory alone leaves {_gib(gpu - dev)} of the GPU's memory "
                      f"({report.gpu_source}) for activations, KV cache and workspace (not estimated yet: no fit "
                      "verdict beyond this)")

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Optional
 
 from megatron_rl.config import Config
 from megatron_rl.config.architecture import dry_run_without_checkpoint
 from megatron_rl.config.megatron_flags import requirements
 from megatron_rl.config.role_models import own_model_dir
 from megatron_rl.config.placement import is_external_sglang, model_shape_for_config, plan_for_config
-from megatron_rl.config.static_memory import memory_report
+from megatron_rl.config.static_memory import fit_with_fixes
 from megatron_rl.config.step_estimate import estimate_lines
 from megatron_rl.config.validate import real_run_refusals
 from megatron_rl.config.verl_keys import translation_lines
 from megatron_rl.plan import format_table, validate_plan
+from megatron_rl.plan.fit import format_fit
 from megatron_rl.plan.memory import format_memory
 from megatron_rl.rollout.sglang.launcher import engine_command, placement_for_config
 
@@ -63,13 +65,21 @@ def print_plan(cfg: Config) -> int:
     if cfg.data.reward_model_path:
         print(f"reward model: a one-label sequence classifier, a whole copy on each trainer rank, scoring every "
               f"batch before training, from --reward-model-path {cfg.data.reward_model_path}")
-    for line in memory_lines(cfg) + estimate_lines(cfg):
+    lines, over = memory_lines(cfg)
+    for line in lines + estimate_lines(cfg):
         print(line)
     for shown, words, missing in requirements(cfg):
         where = f"missing here: {' and '.join(missing)}" if missing else "present here"
         print(f"needs: {shown} takes effect only with {' and '.join(words)} ({where}; a real run refuses "
               f"it where missing)")
     refused = real_run_refusals(cfg)
+    if over and not cfg.memory.allow_over_memory:
+        print(f"error: {over}", file=sys.stderr)
+        print("dry run: the plan does not fit the GPU's memory (above: the component, rank, shortfall and the fixes); "
+              "--allow-over-memory goes on anyway; nothing was started")
+        return 2
+    if over:
+        print(f"warning: {over}; going on: --allow-over-memory")
     if refused:  # the plan is worth seeing, but the verdict (and the exit code) is the real run's
         for why in refused:
             print(f"error: a real run refuses: {why}", file=sys.stderr)
@@ -82,18 +92,23 @@ def print_plan(cfg: Config) -> int:
     return 0
 
 
-def memory_lines(cfg: Config) -> list[str]:
-    """The static memory per training rank (plan/memory.py), against --gpu-type / --gpu-memory-gib; a line saying
-    why not where the model is not known here."""
+def memory_lines(cfg: Config, gpu_memory: Optional[float] = None) -> tuple[list[str], str]:
+    """``(lines, over)``: the memory per training rank (plan/memory.py, plan/activations.py), the engines' GPUs and
+    the verdict against --gpu-type / --gpu-memory-gib (``gpu_memory``: the card a real run found), with the ranked
+    fixes when it does not fit; ``over`` names the shortfalls ("" when it fits or is not estimated)."""
     if not cfg.has_training:
-        return []
+        return [], ""
     try:
-        report, source = memory_report(cfg, gpu_type=cfg.memory.gpu_type, gpu_memory=cfg.memory.gpu_memory_gib)
+        fit, source, fixes = fit_with_fixes(cfg, gpu_memory=gpu_memory)
     except (OSError, ValueError, KeyError) as exc:  # an unreadable config.json: the model line reports it
-        return [f"static memory: not estimated ({type(exc).__name__}: {exc})"]
-    if report is None:
-        return [f"static memory: not estimated ({source})"]
-    return format_memory(report)
+        return [f"static memory: not estimated ({type(exc).__name__}: {exc})"], ""
+    if fit is None:
+        return [f"static memory: not estimated ({source})"], ""
+    short = fit.shortfalls()
+    over = "; ".join(s.describe() for s in short)
+    if over:
+        over = f"the plan does not fit the GPU's memory: {over}" + (f"; fix: {fixes[0][0]}" if fixes else "")
+    return format_memory(fit.memory, fit=True) + ["  " + line for line in format_fit(fit, fixes)], over
 
 
 def weight_route(cfg: Config) -> str:

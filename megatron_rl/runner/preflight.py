@@ -23,10 +23,14 @@ What is checked, each named by flag, file, line or URL with the fix:
   imported and checked by the loader the run uses (a module that does not import or has a syntax error, a
   missing name, a constant where a function belongs, a function that cannot take the call's arguments);
 * ``--rm-url``: something accepts a connection at its host and port, with the retries a request gets
-  (``rollout.remote_reward.probe_reward_server``); nothing is posted.
+  (``rollout.remote_reward.probe_reward_server``); nothing is posted;
 * the sandbox, where ``--rm-type code`` or a sandboxed tool of ``--tools`` uses it: a program started once under
   the ``--sandbox-*`` limits (``infra.sandbox.check_sandbox``: the namespaces this machine allows, an
-  interpreter the sandbox's user can run, limits it starts under), and a wall bound below ``--tool-timeout``.
+  interpreter the sandbox's user can run, limits it starts under), and a wall bound below ``--tool-timeout``;
+* on GPUs only, the memory estimate (``--dry-run``'s: ``plan/memory.py``, ``plan/activations.py``,
+  ``plan/fit.py``) against the card this rank finds (or ``--gpu-memory-gib``): a plan that does not fit is refused
+  naming the component, rank, shortfall and the best fix, unless ``--allow-over-memory`` (then a warning line). A
+  CPU run (host memory is the only memory, the estimate is of GPU memory) is not checked.
 
 What needs the tokenizer loaded (a prompt's token count against ``--rollout-max-prompt-len``, the
 tokenizer's chat template) is checked when the rollout is built, after the workers started; such a
@@ -35,6 +39,7 @@ refusal ends the other ranks quietly too (``train.main``).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -48,9 +53,12 @@ from megatron_rl.rollout.entry_points import load_user_code
 from megatron_rl.rollout.remote_reward import probe_reward_server
 from megatron_rl.rollout.sglang.health import PROBE_TIMEOUT_S, probe_servers
 
+log = logging.getLogger(__name__)
+
 
 def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Raise the first problem (``ConfigError`` for inputs, ``EngineError`` for servers) or return None."""
+    check_memory_fit(cfg)
     if not cfg.has_rollout_engine:
         return  # rollouts come from a file or stored rollouts: no prompts are read, no engine is asked
     scans = [_scan(cfg, "--prompt-data", path) for path in cfg.data.prompt_files]
@@ -77,6 +85,28 @@ def preflight(cfg: Config, *, engine_timeout_s: float = PROBE_TIMEOUT_S) -> None
                               + "\nstart them (python -m sglang.launch_server ...) and wait until GET /health "
                               "answers 200, or fix the URLs; to have this run launch its own engines, drop "
                               "--rollout-engine-urls")
+
+
+def check_memory_fit(cfg: Config, *, device_gib: Optional[float] = None) -> Optional[str]:
+    """On GPUs: raise ``ConfigError`` when the memory estimate says the plan does not fit the card (``device_gib``:
+    its memory in GiB; None: the first visible CUDA device's, or no check where there is none); with
+    ``--allow-over-memory`` log a warning instead. Returns the warning, or None."""
+    if device_gib is None:
+        import torch  # lazy: the run imports it next anyway; only asked whether a CUDA device is there
+
+        if not torch.cuda.is_available():
+            return None  # a CPU run: host memory is the only memory, the estimate is of GPU memory
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    from megatron_rl.runner.dry_run import memory_lines  # lazy: the planner's tables
+
+    _, over = memory_lines(cfg, gpu_memory=cfg.memory.gpu_memory_gib or device_gib)
+    if not over:
+        return None
+    if not cfg.memory.allow_over_memory:
+        raise ConfigError(f"{over} (checked before the workers started; python -m megatron_rl.train ... --dry-run "
+                          "prints the table and every fix; --allow-over-memory goes on anyway)")
+    log.warning("%s; going on: --allow-over-memory", over)
+    return over
 
 
 def _scan(cfg: Config, flag: str, path: str) -> tuple[str, PromptFileScan]:

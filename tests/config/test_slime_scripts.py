@@ -489,6 +489,24 @@ def test_dry_run_main_end_to_end_prints_the_plan(files, capsys):
     assert "dry run: configuration valid" in out and "error" not in err
 
 
+# Kimi-K2 in bf16 (this config.json has no fp8 quantization_config): ~2 TB of weights over an engine of 16 H100s
+OVER_MEMORY = {"kimi-k2-instruct"}
+
+
+def test_over_memory_plan_is_refused_with_fixes(files, capsys):
+    """A plan the memory estimate says does not fit exits 2 naming the component, rank and shortfall (plan/fit.py);
+    --allow-over-memory goes on with a warning line (test_every_script_dry_runs_unchanged)."""
+    from megatron_rl.train import main
+
+    argv = [a for a in runnable(kimi_k2(files)) if a != "--dry-run"]
+    assert main(argv + ["--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert "verdict: does NOT fit H100-80G" in out and "dry run: the plan does not fit" in out
+    assert "engine weights + trainer residual on rank 32's GPU (generate: no room for a KV cache)" in err
+    assert "--sglang-mem-fraction-static 0.7 gives 55.72 GiB" in err
+    assert main(argv + ["--dry-run", "--gpu-memory-gib", "400"]) == 0  # a card that holds it
+
+
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_every_script_dry_runs_unchanged(name, files, capsys):
     """Each slime command, flags as slime wrote them (SGLang is chosen by its SGLang flags, the transport
@@ -498,9 +516,11 @@ def test_every_script_dry_runs_unchanged(name, files, capsys):
     from megatron_rl.train import main
 
     argv = [a for a in runnable(SCRIPTS[name](files)) if a != "--dry-run"]
-    assert main(argv + ["--dry-run"]) == 0
+    over = ["--allow-over-memory"] if name in OVER_MEMORY else []  # test_over_memory_plan_is_refused_with_fixes
+    assert main(argv + over + ["--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "total GPU demand" in out and "dry run: configuration valid" in out, (out, err)
+    assert "verdict: " + ("does NOT fit" if over else "fits") in out and "activation peak" in out
     assert "SGLang engine(s) of" in out and not err, err
     cfg = parse_config(argv, validate=False)
     assert cfg.rollout.rollout_backend == "sglang"

@@ -55,22 +55,31 @@ def _runs(hf, tied):
     return train, shapes
 
 
+def _activation_runs(ctx):
+    """plan/activations.py at TP 2 with sequence parallelism (the local kernels' terms split over TP, the norms'
+    and the linears' inputs over the sequence), a dense and a MoE model."""
+    tp2_sp = dict(tp=2, sequence_parallel=True)
+    return [dict(name="act_dense_tp2_sp", activations=True, hf=ctx.tiny_hf_models("qwen3"), layout=tp2_sp),
+            dict(name="act_moe_tp2_sp", activations=True, hf=ctx.tiny_hf_models("qwen3_moe"), layout=tp2_sp)]
+
+
 def shared_launch(ctx):
     """One phase-1 job of the group's 2-rank launch; the output dir and the runs."""
     hf = ctx.tiny_hf_models("qwen3_moe")
     tied = ctx.tiny_hf_models("qwen3_moe", tie_word_embeddings=True)
     out = ctx.tmp_path_factory.mktemp("memory")
     train, shapes = _runs(hf, tied)
-    yield {2: [(JOB, [out, *(json.dumps(r) for r in train + shapes)])]}
-    return out, [r["name"] for r in train], [r["name"] for r in shapes]
+    acts = _activation_runs(ctx)
+    yield {2: [(JOB, [out, *(json.dumps(r) for r in train + shapes + acts)])]}
+    return out, [r["name"] for r in train], [r["name"] for r in shapes], [r["name"] for r in acts]
 
 
 @pytest.fixture(scope="module")
 def runs(shared_launch_state):
-    out, train, shapes = shared_launch_state
+    out, train, shapes, acts = shared_launch_state
     load = {name: [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(2)]
-            for name in train + shapes}
-    return load, train, shapes
+            for name in train + shapes + acts}
+    return load, train, shapes, acts
 
 
 def _table(load, names):
@@ -89,7 +98,7 @@ def _table(load, names):
 
 
 def test_every_kind_of_static_memory_matches_the_estimate(runs):
-    load, train, _ = runs
+    load, train, _, _ = runs
     _table(load, train)
     for name in train:
         recs = load[name]
@@ -119,7 +128,7 @@ def test_the_layouts_are_what_they_say(runs):
     """The runs really exercised sharding: DP 2 halves the optimizer state but not the gradient buffer, the offload
     run holds its optimizer state in the hybrid optimizer's host copies, the weight tags are two copies (the
     reference and the actor's kept values), PP 2 gives the two ranks different stages."""
-    load, _, _ = runs
+    load, _, _, _ = runs
     dp2 = load["dp2"][0]["measured"]
     # two copies (the reference and the actor's kept values) of the bf16 parameters, unpadded
     assert dp2["tags"]["names"] == ["actor", "ref"] and dp2["tags"]["tags"] == 2 * 2 * dp2["actor"]["param_elements"]
@@ -134,8 +143,18 @@ def test_the_layouts_are_what_they_say(runs):
 def test_parameter_splits_of_other_families(runs):
     """MLA (replicated down projections), gated delta-net, gpt-oss sinks and biases, shared experts and their
     gate, Gemma's extra norms, DeepSeek's MTP layer and its embedding copy on the last stage: exact on each rank."""
-    load, _, shapes = runs
+    load, _, shapes, _ = runs
     _table(load, shapes)
     for name in shapes:
         for rank, rec in enumerate(load[name]):
             assert rec["estimate"]["model"]["param_elements"] == rec["measured"]["model"]["param_elements"], (name, rank)
+
+
+def test_activations_at_tp2_with_sequence_parallelism(runs):
+    """The autograd graph's saved bytes on each TP rank within 10% of plan/activations.py's estimate."""
+    load, _, _, acts = runs
+    for name in acts:
+        for rank, rec in enumerate(load[name]):
+            print(f"{name} rank {rank} ({rec['seconds']:.1f} s): measured {rec['measured']} estimated {rec['estimate']} "
+                  f"{rec['estimate'] / rec['measured'] - 1:+.2%}")
+            assert rec["estimate"] == pytest.approx(rec["measured"], rel=0.10), (name, rank)

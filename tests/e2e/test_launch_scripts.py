@@ -54,6 +54,7 @@ def test_script_dry_run_validates(tmp_path, script, cfg, extra_env, engines):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "total GPU demand" in proc.stdout and "dry run: configuration valid" in proc.stdout
     assert engines in proc.stdout, proc.stdout
+    assert "activation peak" in proc.stdout and "verdict: fits H100-80G: 79.6 GiB, headroom" in proc.stdout
     assert " None" not in proc.stdout, proc.stdout  # an unset flag's value is never printed as a route
     assert not (tmp_path / "save").exists()
 

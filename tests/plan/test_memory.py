@@ -140,7 +140,7 @@ def _model_dir(tmp_path, cfg):
 
 def test_dry_run_prints_the_memory_table(tmp_path, capsys):
     """--dry-run of a ppo run with a KL reference: the actor's and the critic's tables (the critic at its own
-    layout), the reference's weight tag, activations named as not estimated, and the verdict line."""
+    layout), the reference's weight tag, the actor's activations (plan/activations.py) and the fit verdict."""
     from megatron_rl.config import parse_config
     from megatron_rl.runner.dry_run import print_plan
 
@@ -160,8 +160,8 @@ def test_dry_run_prints_the_memory_table(tmp_path, capsys):
     assert "critic: megatron TP 8 x PP 8 x DP 1, trains" in out
     assert "weight tags (ref)" in out and "2 copies of the actor's parameter shards (--ref-weights-location host)" in out
     assert "parameters, trainable (bf16)" in out and "gradient buffers (fp32 main grads)" in out
-    assert "activations" in out and "not estimated yet" in out
-    assert "(H200-141G: 140.4 GiB)" in out and "no fit verdict" in out
+    assert "not estimated yet" not in out and "logits peak (log-prob/entropy)" in out and "activation peak" in out
+    assert "verdict: fits H200-141G: 140.4 GiB, headroom" in out
 
 
 def test_check_plan_prints_the_memory_table(tmp_path, capsys):

@@ -339,3 +339,27 @@ def test_main_refuses_bad_user_code_before_run_with_one_error_line(tmp_path, hf_
     assert len(errors) == 1 and errors[0].startswith(
         f"error: --custom-generate-function-path {broken}:generate: cannot import '{broken}' (SyntaxError: "), err
     assert f"(line 1 of {broken})" in errors[0] and "Traceback" not in err
+
+
+def test_an_over_memory_plan_is_refused_on_gpus_only(tmp_path, caplog):
+    """The memory estimate against the card (plan/fit.py): refused before the workers start on a GPU that is too
+    small, a warning with --allow-over-memory, and nothing checked on a CPU run (no CUDA device here)."""
+    from megatron_rl.runner.preflight import check_memory_fit
+
+    hf = tmp_path / "m"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)))
+    argv = ["--hf-checkpoint", str(hf), "--debug-train-only", "--load-debug-rollout-data", str(tmp_path / "r{rollout_id}.pt"),
+            "--bf16", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--actor-num-gpus-per-node", "2"]
+    cfg = parse_config(argv)
+    assert check_memory_fit(cfg) is None  # CPU: no check, whatever the plan
+    with pytest.raises(ConfigError, match=r"does not fit the GPU's memory: trainer on rank 0's GPU \(train: static "
+                                          r"\+ activation peak\) needs 153.78 GiB, the GPU has 79.60 GiB: 74.18 GiB "
+                                          r"short; fix: --optimizer-cpu-offload --use-precision-aware-optimizer "
+                                          r"\(checked before the workers started"):
+        check_memory_fit(cfg, device_gib=79.6)
+    assert check_memory_fit(cfg, device_gib=400.0) is None
+    warned = check_memory_fit(parse_config(argv + ["--allow-over-memory"]), device_gib=79.6)
+    assert warned and "going on: --allow-over-memory" in caplog.text

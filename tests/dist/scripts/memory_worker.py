@@ -147,6 +147,48 @@ def shapes_run(run: dict, rank: int) -> dict:
             "seconds": 0.0}
 
 
+def activations_run(run: dict, rank: int) -> dict:
+    """One packed micro-batch through a tiny model at ``run["layout"]`` (TP 2 with sequence parallelism): the bytes of
+    the unique non-parameter storages its autograd graph keeps on this rank (``saved_tensors_hooks``) against
+    plan/activations.py's local-kernel estimate (tests/plan/test_activations.py does TP 1 in one process)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl.models import get_bridge
+    from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+    from megatron_rl.plan.activations import ActivationFlags, stage_activations
+    from megatron_rl.plan.memory import MegatronLayout, ModelArch
+
+    layout = ParallelLayout(**run["layout"])
+    initialize_parallel(layout, seed=0)
+    [model] = get_bridge(run["hf"]).build_model(layout, params_dtype=torch.bfloat16)
+    seqs, seq_len = 4, 64
+    n = seqs * seq_len
+    cu = torch.arange(0, n + 1, seq_len, dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                          cu_seqlens_kv_padded=cu, max_seqlen_q=seq_len, max_seqlen_kv=seq_len)
+    torch.manual_seed(0)  # the same tokens on both TP ranks
+    tokens, positions = torch.randint(0, 200, (1, n)), torch.arange(seq_len).repeat(seqs)[None]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(tokens, positions, None, packed_seq_params=psp)
+    out.float().sum().backward()
+    del model, out
+    destroy_parallel()
+    lay = MegatronLayout(world=2, tp=layout.tp)
+    est = stage_activations(ModelArch.from_path(run["hf"]), lay, ActivationFlags(
+        tokens=n, kernels="local", sequence_parallel=layout.sequence_parallel), 0)
+    return {"measured": sum(seen.values()), "estimate": est.per_microbatch, "seconds": 0.0}
+
+
 def main(argv):
     import time
 
@@ -163,8 +205,8 @@ def main(argv):
     world, rank = dist.get_world_size(), dist.get_rank()
     for run in runs:
         t0 = time.perf_counter()
-        if "config" in run:
-            rec = shapes_run(run, rank)
+        if "config" in run or "activations" in run:
+            rec = activations_run(run, rank) if "activations" in run else shapes_run(run, rank)
             rec["seconds"] = time.perf_counter() - t0
             with open(os.path.join(out_dir, f"{run['name']}_rank{rank}.json"), "w") as fh:
                 json.dump(rec, fh, indent=1)
