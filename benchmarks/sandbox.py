@@ -44,7 +44,7 @@ def _children_cpu() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--samples", type=int, default=16)
     args = parser.parse_args()

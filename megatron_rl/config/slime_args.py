@@ -47,11 +47,8 @@ NOT_BUILT: dict[str, str] = {
     "--enable-experimental": "megatron-core's experimental features (slime's GLM-5 DSA spec needs them); no layer "
                              "built here uses one; drop it",
     # weight updates
-    "--update-weight-mode": "every weight update here sends the full weights (delta updates are not built)",
     "--update-weight-disk-keep-files": "the disk transport keeps the newest versions only "
                                        "(rollout/weight_dir.py); not configurable yet",
-    "--update-weight-delta-encoding": "delta weight updates are not built",
-    "--update-weight-delta-checksum": "delta weight updates are not built",
     "--custom-update-weight-post-write-path": "a hook after the disk transport writes is not built; the disk "
                                               "transport writes each version under a temporary name and renames "
                                               "it into place complete",
