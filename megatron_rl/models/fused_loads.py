@@ -20,6 +20,7 @@ Pure Python over names: no torch (the tensors pass through untouched).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, TypeVar
 
@@ -48,13 +49,18 @@ FUSED_LOADS: tuple[FusedLoad, ...] = (
 _MEMBER_OF: dict[str, FusedLoad] = {m: f for f in FUSED_LOADS for m in f.members}
 
 
+_LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
 @dataclass(frozen=True)
 class GroupOf:
-    """The fused group a tensor belongs to: ``key`` names the engine's fused tensor, ``module`` the module
-    that holds every member (a stream that has left it sends no more of them)."""
+    """The fused group a tensor belongs to: ``key`` names the engine's fused tensor, ``scope`` the decoder
+    layer (or, outside the layers, the module) that holds every member: a stream that has left it sends no
+    more of them. The layer, not the module: an export in the HF module's order sends every expert's
+    ``gate_proj`` before the first ``up_proj`` (transformers' conversion back from its stacked experts)."""
 
     key: str
-    module: str
+    scope: str
     member: str
     load: FusedLoad
 
@@ -66,8 +72,9 @@ def group_of(name: str) -> Optional[GroupOf]:
     for i in range(len(parts) - 2, -1, -1):  # the last part is the parameter (weight, bias), never a member
         load = _MEMBER_OF.get(parts[i])
         if load is not None:
-            module = ".".join(parts[:i])
-            return GroupOf(".".join(parts[:i] + [load.fused] + parts[i + 1:]), module, parts[i], load)
+            layer = _LAYER.match(name)
+            scope = layer.group(1) if layer else ".".join(parts[:i])
+            return GroupOf(".".join(parts[:i] + [load.fused] + parts[i + 1:]), scope, parts[i], load)
     return None
 
 
@@ -76,13 +83,13 @@ def load_units(named: Iterable[tuple[str, T]]) -> Iterator[list[tuple[str, T]]]:
     first member of a fused group to its last, which is one unit together with whatever the exporter sends
     between them (MLA: ``q_a_layernorm`` and ``q_b_proj`` come between ``q_a_proj`` and
     ``kv_a_proj_with_mqa``). A group is over once all its members arrived, or once the stream left the
-    group's module (a family without some member: DeepSeek without a q latent sends ``q_proj`` alone), or
-    at the end. A unit is yielded as soon as it is whole: no tensor waits for the next one."""
+    group's decoder layer (a family without some member: DeepSeek without a q latent sends ``q_proj``
+    alone), or at the end. A unit is yielded as soon as it is whole: no tensor waits for the next one."""
     run: list[tuple[str, T]] = []
     open_groups: dict[str, tuple[GroupOf, set[str]]] = {}
     for name, tensor in named:
-        for key in [k for k, (g, _) in open_groups.items() if not name.startswith(g.module + ".")]:
-            del open_groups[key]  # the stream left the module: no more members will come
+        for key in [k for k, (g, _) in open_groups.items() if not name.startswith(g.scope + ".")]:
+            del open_groups[key]  # the stream left the layer: no more members will come
         if run and not open_groups:
             yield run
             run = []
