@@ -238,3 +238,28 @@ def test_every_tensor_the_forward_reads_is_synced_and_equal_after_one_sync(train
     ids = torch.randint(0, bridge.vocab_size, (1, 9), generator=g)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref.eval()(ids).logits)
+
+
+def test_load_units_keep_order_close_a_group_at_its_last_member_or_its_layers_end():
+    """The cases the tiny models leave out: MLA without a q latent (``q_proj`` has no k/v: the group ends with
+    its layer), members with others between them, the checkpoint's alphabetical order, a stream's end."""
+    from megatron_rl.models.fused_loads import load_units
+
+    names = ["model.embed_tokens.weight",
+             "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+             "model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+             "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+             "model.layers.1.mlp.gate_proj.weight", "model.norm.weight", "model.layers.2.mlp.up_proj.weight"]
+    units = [[n.removeprefix("model.").removeprefix("layers.") for n, _ in u] for u in load_units((n, None) for n in names)]
+    assert units == [
+        ["embed_tokens.weight"],
+        ["0.self_attn.q_proj.weight", "0.self_attn.kv_a_proj_with_mqa.weight", "0.self_attn.kv_b_proj.weight",
+         "0.mlp.down_proj.weight"],  # q_proj's group stays open to the layer's end: no k/v comes
+        ["1.self_attn.k_proj.weight", "1.self_attn.o_proj.weight", "1.self_attn.q_proj.weight",
+         "1.self_attn.v_proj.weight"],
+        ["1.mlp.gate_proj.weight"],  # left alone when the layer ended (model.norm is another scope)
+        ["norm.weight"],
+        ["2.mlp.up_proj.weight"],  # the stream's end
+    ]
+    assert [n for u in load_units((n, None) for n in names) for n, _ in u] == names  # the order kept
