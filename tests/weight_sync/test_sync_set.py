@@ -1,4 +1,5 @@
-"""What a weight sync sends, per model family, against the engine's side (issue 56, builds 2 and 3).
+"""What a weight sync sends, per model family, against the engine's side: the sync set, and buckets that
+keep fused loads whole.
 
 Every family's tiny HF model is loaded into a real megatron-core model (one rank), exported by the bridge
 as the megatron backend's ``export_weights`` does (``bridge.export_hf_weights`` through ``bucketed``), and
