@@ -61,6 +61,7 @@ from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBa
 from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError, ConfigError
 from megatron_rl.infra import dist as dist_util
+from megatron_rl.models.fused_loads import load_units
 from megatron_rl.plan.memory import DEVICE_TAG_SHARE, resolve_weights_location  # noqa: F401 - this module's names too
 
 if TYPE_CHECKING:
@@ -265,12 +266,16 @@ class WeightManager:
 def bucketed(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``export_weights``' buckets from one stream of ``(name, tensor)``: a bucket closes once it holds at
     least ``bucket_bytes`` (``--update-weight-buffer-size``), so no tensor is split across buckets (an
-    engine loads whole tensors) and one larger than the budget is a bucket of its own; the rest last."""
+    engine loads whole tensors) and one larger than the budget is a bucket of its own; the rest last.
+
+    Tensors the engine loads together (q/k/v, gate/up, MLA's down-projections: ``models.fused_loads``) are
+    added as one unit, so no bucket boundary falls between them at any budget: SGLang loads each bucket with
+    its own ``load_weights`` call and some loaders keep half a pair only while the call lasts."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in named:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
+    for unit in load_units(named):
+        bucket.extend(unit)
+        size += sum(tensor.numel() * tensor.element_size() for _, tensor in unit)
         if size >= bucket_bytes:
             yield bucket
             bucket, size = [], 0

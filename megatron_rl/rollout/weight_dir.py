@@ -5,7 +5,8 @@
 checkpoint, so an SGLang server can load the dir as a model). With ``shard_bytes`` the tensors
 are written as they arrive, one shard file per ``shard_bytes`` (HF's sharded layout:
 ``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``), so the writer holds one
-shard, not the whole model, in host memory; a single shard keeps the one-file name. A version is written under a
+shard, not the whole model, in host memory; tensors an engine loads together (``models.fused_loads``)
+share a shard; a single shard keeps the one-file name. A version is written under a
 hidden temporary name (``.v<version>.*.tmp``) and renamed into place only when complete
 (``infra.atomic.publish_dir``), so a reader never sees a half-written version; a failure
 while writing removes the temporary dir and publishes nothing. ``prune`` keeps the newest
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from megatron_rl.errors import ConfigError, SyncError
 from megatron_rl.infra.atomic import publish_dir
+from megatron_rl.models.fused_loads import load_units
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 _VERSION = re.compile(r"^v(\d+)$")
@@ -88,18 +90,23 @@ class VersionedWeightDir:
                 shard, shard_size = {}, 0
                 storages.clear()
 
-            for name, tensor in named_tensors:
-                if name in names:
-                    raise SyncError(f"weight update to version {version} sends {name!r} twice; each HF tensor once")
-                names.add(name)
-                t = torch.as_tensor(tensor).detach().to("cpu").contiguous()
-                nbytes = t.numel() * t.element_size()
+            # whole load units (models.fused_loads): a shard file never splits tensors the engine fuses
+            for unit in load_units(named_tensors):
+                cpu = []
+                for name, tensor in unit:
+                    if name in names:
+                        raise SyncError(f"weight update to version {version} sends {name!r} twice; each HF "
+                                        "tensor once")
+                    names.add(name)
+                    cpu.append((name, torch.as_tensor(tensor).detach().to("cpu").contiguous()))
+                nbytes = sum(t.numel() * t.element_size() for _, t in cpu)
                 if shard and shard_bytes and shard_size + nbytes > shard_bytes:
                     flush()
-                if t.untyped_storage().data_ptr() in storages:
-                    t = t.clone()  # tied weights share storage: safetensors refuses shared tensors in one file
-                storages.add(t.untyped_storage().data_ptr())
-                shard[name] = t
+                for name, t in cpu:
+                    if t.untyped_storage().data_ptr() in storages:
+                        t = t.clone()  # tied weights share storage: safetensors refuses shared tensors in one file
+                    storages.add(t.untyped_storage().data_ptr())
+                    shard[name] = t
                 shard_size += nbytes
                 total += nbytes
             if not names and adapter is None and extra_files is None:

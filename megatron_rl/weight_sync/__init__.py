@@ -11,6 +11,9 @@ Invariants every transport keeps (see ``base.WeightSynchronizer``):
 * A sync is collective over the training world (every rank iterates the
   backend's export) and the engine adopts the new ``weight_version`` only after
   every tensor of the update arrived (the engine's own invariant).
+* A bucket (and a disk shard) never splits tensors the engine loads together (q/k/v, gate/up, MLA's
+  down-projections: ``models.fused_loads``, applied by ``backends.base.bucketed``), whatever
+  ``--update-weight-buffer-size``; the export sends parameters and persistent buffers alike.
 * Versions only move forward; ``weight_version`` on each sample says which
   weights produced it.
 * ``check_equal`` (``--check-weight-update-equal``): with the embedded engine,

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.backends.base import bucketed
+from megatron_rl.models.fused_loads import load_units
 from megatron_rl.config import parse_config
 from megatron_rl.errors import ConfigError, SyncError
 from megatron_rl.rollout import ENGINES, EmbeddedEngine, GenerateRequest, SamplingParams, make_engine
@@ -50,12 +51,13 @@ def nbytes(tensor):
 
 
 def check_bucket_rule(buckets, bucket_bytes):
-    """``--update-weight-buffer-size``'s rule (``backends.base.bucketed``): a bucket closes with the tensor that
-    brings it to ``bucket_bytes`` or past, never earlier; only the last may stay below."""
-    sizes = [[nbytes(t) for _, t in bucket] for bucket in buckets]
+    """``--update-weight-buffer-size``'s rule (``backends.base.bucketed``): a bucket closes with the load unit
+    (a tensor, or the tensors the engine fuses: ``models.fused_loads``) that brings it to ``bucket_bytes`` or
+    past, never earlier; only the last may stay below."""
+    sizes = [[sum(nbytes(t) for _, t in unit) for unit in load_units(bucket)] for bucket in buckets]
     assert sizes and all(sizes), "an empty export or an empty bucket"
     for k, bucket in enumerate(sizes):
-        assert sum(bucket) - bucket[-1] < bucket_bytes, f"bucket {k} reached the budget before its last tensor"
+        assert sum(bucket) - bucket[-1] < bucket_bytes, f"bucket {k} reached the budget before its last unit"
         if k < len(sizes) - 1:
             assert sum(bucket) >= bucket_bytes, f"bucket {k} closed below the budget ({sum(bucket)} B)"
 
@@ -152,7 +154,9 @@ def test_the_real_backends_close_a_bucket_only_after_it_passes_the_budget(real_b
     flat = [(n, t) for bucket in buckets for n, t in bucket]
     assert [n for n, _ in flat] == [n for n, _ in whole]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flat, whole))
-    assert [len(b) for b in backend.export_weights(1)] == [1] * len(whole)  # every tensor passes a 1-byte budget
+    one_byte = list(backend.export_weights(1))  # every load unit passes a 1-byte budget: a bucket each
+    assert [len(list(load_units(b))) for b in one_byte] == [1] * len(one_byte)
+    assert sum(len(b) for b in one_byte) == len(whole)
     # through the synchronizer into a real engine: the same buckets, the weights land
     engine = EmbeddedEngine(hf)
     metrics = InProcessSynchronizer(bucket_bytes=budget).sync(backend, engine, version=1)
@@ -176,11 +180,11 @@ def test_sync_streams_every_bucket_into_the_engine(models, bucket_bytes):
     assert metrics["sync/bytes"] == float(total)
     assert metrics["sync/buckets"] == float(len(backend.buckets))
     assert [n for b in backend.buckets for n in b] == list(new)  # every tensor, once, in export order
-    if bucket_bytes == 1:  # every tensor is larger than a bucket: one bucket each
-        assert len(backend.buckets) == len(new)
+    if bucket_bytes == 1:  # every load unit (a tensor, or q/k/v ...: models.fused_loads) passes it: a bucket each
+        assert len(backend.buckets) == len(list(load_units(new.items())))
     elif bucket_bytes == 1 << 40:
         assert len(backend.buckets) == 1
-    else:  # each bucket closes with the tensor that passes the budget
+    else:  # each bucket closes with the load unit that passes the budget
         assert 1 < len(backend.buckets) <= total / bucket_bytes + 1
         check_bucket_rule([[(n, new[n]) for n in names] for names in backend.buckets], bucket_bytes)
     assert metrics["sync/weight_version"] == 1.0 and engine.weight_version == 1
