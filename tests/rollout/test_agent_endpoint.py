@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from _tokenizer import build_char_tokenizer  # tests/ is on sys.path (conftest)
+from _agent_chat import TEMPLATE, TOOLS  # tests/ is on sys.path (conftest)
+from _tokenizer import build_char_tokenizer
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import ConfigError
@@ -20,18 +21,7 @@ from megatron_rl.rollout.endpoint.agent import agent_group_generate, load_agent
 from megatron_rl.rollout.endpoint.trajectory import Completion, NonAppendPrompt, Session, assemble
 from megatron_rl.rollout.rewards import AgentReward
 
-# renders tools (their names), assistant tool calls (Hermes form, as a Qwen model writes them) and ends every
-# assistant turn with <eos>, the token the model stops on: an append-only template
-TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n{% endif %}"
-            "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] %}{{ m['content'] }}{% endif %}"
-            "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}"
-            "\", \"arguments\": {{ c['function']['arguments'] }}}</tool_call>{% endfor %}{% endif %}"
-            "{% if m['role'] == 'assistant' %}<eos>{% endif %}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "integer arithmetic",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"expression": {"type": "string"}}}}}]
 
 
 def openai_agent(base_url, task):

@@ -159,7 +159,7 @@ class Endpoint:
         if budget <= 0:  # the session's response budget is spent: nothing is generated or recorded
             live.truncated = True
             return 200, self._reply("", [], "length", len(prompt), 0)
-        sampling = dataclasses.replace(live.sampling, max_new_tokens=budget, seed=None)
+        sampling = dataclasses.replace(live.sampling, max_new_tokens=budget, seed=None, n=1)  # one per session
         out = self.batcher.submit(prompt, sampling, live.lane)
         if out is None or out.finish_reason == "abort":
             live.aborted = True
