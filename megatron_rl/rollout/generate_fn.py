@@ -627,7 +627,8 @@ class RolloutFunctions:
             return fn(rollout_id, list(requests), sampling, engine_call)
         group = self.group_generate(tokenizer)
         assert group is not None
-        if self.agent or is_slime_function(self.group_fn):  # engine calls over HTTP: the gateway's batcher
+        over_http = self.agent or (self.group_fn is not None and is_slime_function(self.group_fn))
+        if over_http:  # engine calls over HTTP (the agent endpoint, the slime gateway): the gateway's batcher
             return [s for g in slime_generate_groups(group, requests, sampling, engine_call) for s in g]
         return generate_groups(group, requests, sampling, engine_call)
 

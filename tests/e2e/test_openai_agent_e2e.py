@@ -16,11 +16,11 @@ import textwrap
 import pytest
 import torch
 
+from _agent_chat import TEMPLATE, TOOLS  # tests/ is on sys.path (conftest)
+
 pytestmark = pytest.mark.e2e
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from _agent_chat import TEMPLATE, TOOLS  # tests/ is on sys.path (conftest)
 
 QUESTION = "What is 12*34?"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
@@ -35,7 +35,7 @@ def agent(base_url, task):
     client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = [{{"role": "user", "content": task["prompt"]}}]
     answer = None
-    for turn in range(3):
+    for _ in range(3):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=100)
         message = reply.choices[0].message
         if message.tool_calls:

@@ -30,7 +30,7 @@ def openai_agent(base_url, task):
 
     client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = [{"role": "user", "content": task["prompt"]}]
-    for turn in range(3):
+    for _ in range(3):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
         if message.tool_calls:
