@@ -568,21 +568,10 @@ class RolloutFunctions:
     batch_where: str = ""
     cfg: Any = None
     vocab_size: Optional[int] = None
-    agent: bool = False  # group_fn is an --agent-function-path agent (endpoint/agent.py), called per sample
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Optional[RolloutFunctions]":
         r = cfg.rollout
-        agent_path = getattr(r, "agent_function_path", None)
-        if agent_path:
-            if r.custom_generate_function_path or r.rollout_function_path:
-                raise ConfigError(f"--agent-function-path {agent_path} generates every sample through the agent "
-                                  "endpoint, so --custom-generate-function-path / --rollout-function-path would never "
-                                  "be called: keep one")
-            from megatron_rl.rollout.endpoint.agent import load_agent  # its endpoint imports agent/, which imports us
-
-            return cls(load_agent(agent_path), f"--agent-function-path {agent_path}", cfg=cfg,
-                       vocab_size=vocab_size_of(cfg), agent=True)
         if not (r.custom_generate_function_path or r.rollout_function_path):
             return None
         if r.custom_generate_function_path and r.rollout_function_path:
@@ -604,17 +593,6 @@ class RolloutFunctions:
         None with a batch function."""
         if self.group_fn is None:
             return None
-        if self.agent:
-            from megatron_rl.rollout.endpoint.agent import agent_group_generate  # (a cycle through agent/, as above)
-
-            agent_group = agent_group_generate(self.group_fn, self.group_where, cfg=self.cfg, tokenizer=tokenizer)
-            where, vocab = self.group_where, self.vocab_size
-
-            def generate_agent_group(request: GenerateRequest, sampling: SamplingParams,
-                                     call: EngineCall) -> list[Sample]:
-                return check_samples(agent_group(request, sampling, call), [request], sampling, where, vocab)
-
-            return generate_agent_group
         return group_generate(self.group_fn, self.group_where, tokenizer=tokenizer, cfg=self.cfg,
                               vocab_size=self.vocab_size)
 
@@ -627,8 +605,7 @@ class RolloutFunctions:
             return fn(rollout_id, list(requests), sampling, engine_call)
         group = self.group_generate(tokenizer)
         assert group is not None
-        over_http = self.agent or (self.group_fn is not None and is_slime_function(self.group_fn))
-        if over_http:  # engine calls over HTTP (the agent endpoint, the slime gateway): the gateway's batcher
+        if self.group_fn is not None and is_slime_function(self.group_fn):  # engine calls over HTTP: the gateway
             return [s for g in slime_generate_groups(group, requests, sampling, engine_call) for s in g]
         return generate_groups(group, requests, sampling, engine_call)
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import inspect
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams
 from megatron_rl.errors import ConfigError, UserFunctionError
@@ -32,6 +33,8 @@ from megatron_rl.infra.user_function import call_user_function, load_user_functi
 from megatron_rl.rollout.base import load_tokenizer
 from megatron_rl.rollout.endpoint.server import Endpoint, LiveSession, endpoint_for
 from megatron_rl.rollout.endpoint.trajectory import assemble
+from megatron_rl.rollout.generate_fn import EngineCall, RolloutFunctions, check_samples, vocab_size_of
+from megatron_rl.rollout.slime_compat.contract import slime_generate_groups
 
 FLAG = "--agent-function-path"
 SIGNATURE = "agent(base_url, task) -> reward, {'reward': reward, ...} or None"
@@ -140,4 +143,42 @@ def _sample(live: LiveSession, returned: Any, request: GenerateRequest, where: s
     return sample
 
 
-__all__ = ["AGENT_REWARD", "FLAG", "SIGNATURE", "agent_group_generate", "load_agent", "task_of"]
+@dataclass(frozen=True)
+class AgentFunctions(RolloutFunctions):
+    """The run's rollout functions when ``--agent-function-path`` is given: the agent per group
+    (``agent_group_generate``, its samples checked as a generate function's), groups in threads as slime's
+    functions run (their engine calls arrive over HTTP and are batched by the gateway's batcher)."""
+
+    def group_generate(self, tokenizer: Any = None) -> Callable:
+        assert self.group_fn is not None
+        agent_group = agent_group_generate(self.group_fn, self.group_where, cfg=self.cfg, tokenizer=tokenizer)
+        where, vocab = self.group_where, self.vocab_size
+
+        def generate_agent_group(request: GenerateRequest, sampling: SamplingParams, call: EngineCall) -> list[Sample]:
+            return check_samples(agent_group(request, sampling, call), [request], sampling, where, vocab)
+
+        generate_agent_group.__name__ = f"generate_group[{where}]"
+        return generate_agent_group
+
+    def generate(self, rollout_id: int, requests: Sequence[GenerateRequest], sampling: SamplingParams,
+                 engine_call: EngineCall, tokenizer: Any = None) -> list[Sample]:
+        group = self.group_generate(tokenizer)
+        return [s for g in slime_generate_groups(group, requests, sampling, engine_call) for s in g]
+
+
+def rollout_functions_from_config(cfg: Any) -> Optional[RolloutFunctions]:
+    """The run's rollout functions: the agent's (``AgentFunctions``) with ``--agent-function-path``, else
+    ``RolloutFunctions.from_config`` (``--custom-generate-function-path`` / ``--rollout-function-path``), loaded
+    on the driver before the engine loads, so a bad path fails first."""
+    r = cfg.rollout
+    path = getattr(r, "agent_function_path", None)
+    if not path:
+        return RolloutFunctions.from_config(cfg)
+    if r.custom_generate_function_path or r.rollout_function_path:
+        raise ConfigError(f"{FLAG} {path} generates every sample through the agent endpoint, so "
+                          "--custom-generate-function-path / --rollout-function-path would never be called: keep one")
+    return AgentFunctions(load_agent(path), f"{FLAG} {path}", cfg=cfg, vocab_size=vocab_size_of(cfg))
+
+
+__all__ = ["AGENT_REWARD", "AgentFunctions", "FLAG", "SIGNATURE", "agent_group_generate", "load_agent",
+           "rollout_functions_from_config", "task_of"]
