@@ -161,3 +161,26 @@ def test_pre_flight_checks_the_agents_signature(tmp_path):
     with pytest.raises(ConfigError, match=r"--agent-function-path .*agents_mod.py:one: one\(url\) cannot be called "
                                           r"as agent\(base_url, task\)"):
         load_agent(f"{module}:one")
+
+
+def text_agent(base_url, task):
+    """Two ``/v1/completions`` calls through the official client, the second continuing the first's text."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
+    first = client.completions.create(model="policy", prompt=task["prompt"], max_tokens=50)
+    second = client.completions.create(model="policy", prompt=task["prompt"] + first.choices[0].text + "\nok:")
+    return {"reward": float(second.choices[0].text == "7"), "turns": 2.0}
+
+
+def test_text_completions_are_recorded_and_assembled_the_same_way(model_dir):
+    path, tok = model_dir
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    call = ScriptedCall([enc("3+4"), enc("7") + [tok.eos_token_id]])
+    generate = agent_group_generate(text_agent, "--agent-function-path t:text_agent", cfg=_cfg(path))
+    [sample] = generate(GenerateRequest(prompt_ids=[1], group_index=0, prompt_text="sum:"),
+                        SamplingParams(n=1, max_new_tokens=100), call)
+    assert call.contexts == [enc("sum:"), enc("sum:3+4\nok:")]
+    assert sample.response_ids == enc("3+4\nok:7") + [tok.eos_token_id]
+    assert sample.loss_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert sample.metadata["agent_reward"] == {"reward": 1.0, "turns": 2.0}

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible endpoint an ``--agent-function-path`` agent talks to: ``/v1/chat/completions`` per session.
+"""The OpenAI-compatible endpoint an ``--agent-function-path`` agent talks to: ``/v1/chat/completions`` (and
+``/v1/completions``) per session.
 
 One HTTP server per process (``endpoint_for``), bound to 127.0.0.1 on a free port for the life of the process,
 like the SGLang-protocol gateway (``slime_compat/gateway.py``) whose batcher it generates with: the same engine
@@ -18,7 +19,9 @@ ids, log-probs, weight versions) before the reply. The reply's text is the outpu
 tokens; with ``tools`` in the request, Hermes / Qwen ``<tool_call>{json}</tool_call>`` blocks
 (``agent/parse.py``) become ``message.tool_calls`` (``content``: the text before the first block, None when
 empty) and ``finish_reason`` ``tool_calls``. With ``--save-debug-rollout-data DIR/...`` every completion is also
-written as one JSON line to ``DIR/agent_completions.jsonl``. Not served: ``stream``, ``n`` > 1, ``stop`` strings (refused, 400).
+written as one JSON line to ``DIR/agent_completions.jsonl``. ``/v1/completions`` takes ``prompt`` as it is (one
+string, encoded without added special tokens, or one list of token ids; no template) and answers ``text``;
+recorded, budgeted and checked to extend the session's previous completion the same way. Not served: ``stream``, ``n`` > 1, ``stop`` strings (refused, 400).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from megatron_rl.rollout.slime_compat.gateway import Gateway, Lane
 
 _PREFIX = "/sessions/"
 _ROUTE = "/v1/chat/completions"
+_TEXT_ROUTE = "/v1/completions"
 
 
 @dataclasses.dataclass
@@ -56,6 +60,9 @@ class LiveSession:
     aborted: bool = False  # an engine call failed or was cut: the group's attempt ends with the lane's error
     truncated: bool = False  # a request came with no response budget left
     requests: int = 0
+    # one request of a session at a time: each must extend the completion before it, so a second request sent
+    # while one is generating waits for it (and is refused if it does not extend it)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class Endpoint:
@@ -111,25 +118,18 @@ class Endpoint:
             return 404, _error(f"no agent session {sid} is running (a session lives while its agent call runs)")
         if rest.rstrip("/") == "v1/models":
             return 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "megatron_rl"}]}
-        if "/" + rest.rstrip("/") != _ROUTE:
-            return 404, _error(f"Not Found: /{rest}; served: {_ROUTE} and /v1/models under the session's base URL")
+        route = {_ROUTE: self.chat, _TEXT_ROUTE: self.text_completion}.get("/" + rest.rstrip("/"))
+        if route is None:
+            return 404, _error(f"Not Found: /{rest}; served under the session's base URL: {_ROUTE}, {_TEXT_ROUTE} "
+                               "and /v1/models")
         if method != "POST" or not isinstance(body, dict):
-            return 400, _error("POST a JSON object to /v1/chat/completions")
-        return self.chat(live, body)
+            return 400, _error(f"POST a JSON object to /{rest}")
+        with live.lock:
+            return route(live, body)
 
     def chat(self, live: LiveSession, body: dict) -> tuple[int, Any]:
-        if live.error is not None:
-            return 400, _error(str(live.error))
-        if live.aborted:
-            return 503, _error("this session's engine call was cut (a weight sync) or failed: the group is "
-                               "generated again", "aborted")
+        """``/v1/chat/completions``: ``messages`` (and ``tools``) rendered with the chat template, then generated."""
         messages, tools = body.get("messages"), body.get("tools") or None
-        refused = (("stream", "streaming is not served") if body.get("stream") else
-                   ("n", "one choice per request (n = 1)") if body.get("n") not in (None, 1) else
-                   ("stop", "stop strings are not served: the model's end-of-turn token ends a completion")
-                   if body.get("stop") else None)
-        if refused:
-            return 400, _error(f"{refused[0]}: {refused[1]}")
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             return 400, _error("messages must be a non-empty list of message objects")
         if self.tokenizer is None:
@@ -141,6 +141,47 @@ class Endpoint:
                 prompt = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
         except Exception as exc:  # noqa: BLE001 - the agent gets the template's reason (400), not a dropped call
             return 400, _error(f"the model's chat template cannot render these messages: {type(exc).__name__}: {exc}")
+        status, out = self._generate(live, prompt, body)
+        if status != 200:
+            return status, out
+        decoded, finish, n = out
+        return 200, self._reply(decoded, _tool_calls(decoded) if tools else [], finish, len(prompt), n)
+
+    def text_completion(self, live: LiveSession, body: dict) -> tuple[int, Any]:
+        """``/v1/completions``: ``prompt`` (a string, encoded without added special tokens, or token ids) as it
+        is, no template."""
+        raw = body.get("prompt")
+        if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            prompt = [int(t) for t in raw]
+        elif isinstance(raw, str) and raw and self.tokenizer is not None:
+            with self._render_lock:
+                prompt = [int(t) for t in self.tokenizer.encode(raw, add_special_tokens=False)]
+        else:
+            return 400, _error("prompt must be one non-empty string (the model has a tokenizer) or one list of "
+                               "token ids")
+        status, out = self._generate(live, prompt, body)
+        if status != 200:
+            return status, out
+        decoded, finish, n = out
+        return 200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                     "model": self.model, "choices": [{"index": 0, "text": decoded, "logprobs": None,
+                                                       "finish_reason": finish}],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}}
+
+    def _generate(self, live: LiveSession, prompt: list[int], body: dict) -> tuple[int, Any]:
+        """(200, (decoded text, finish_reason, output tokens)) of one recorded completion of ``prompt``, or
+        (status, error body): the session's refusals, the budget, the engine call, the record."""
+        if live.error is not None:
+            return 400, _error(str(live.error))
+        if live.aborted:
+            return 503, _error("this session's engine call was cut (a weight sync) or failed: the group is "
+                               "generated again", "aborted")
+        refused = (("stream", "streaming is not served") if body.get("stream") else
+                   ("n", "one choice per request (n = 1)") if body.get("n") not in (None, 1) else
+                   ("stop", "stop strings are not served: the model's end-of-turn token ends a completion")
+                   if body.get("stop") else None)
+        if refused:
+            return 400, _error(f"{refused[0]}: {refused[1]}")
         s = live.session
         try:
             s.check_extends(prompt)
@@ -158,7 +199,7 @@ class Endpoint:
             budget = min(budget, cap)
         if budget <= 0:  # the session's response budget is spent: nothing is generated or recorded
             live.truncated = True
-            return 200, self._reply("", [], "length", len(prompt), 0)
+            return 200, ("", "length", 0)
         sampling = dataclasses.replace(live.sampling, max_new_tokens=budget, seed=None, n=1)  # one per session
         out = self.batcher.submit(prompt, sampling, live.lane)
         if out is None or out.finish_reason == "abort":
@@ -170,10 +211,11 @@ class Endpoint:
         s.add(completion)
         if self.journal:
             _record(self.journal, s.session_id, completion)
-        with self._render_lock:
-            decoded = self.tokenizer.decode(completion.output_ids, skip_special_tokens=True)
-        return 200, self._reply(decoded, _tool_calls(decoded) if tools else [], completion.finish_reason,
-                                len(prompt), len(completion.output_ids))
+        decoded = ""
+        if self.tokenizer is not None:
+            with self._render_lock:
+                decoded = self.tokenizer.decode(completion.output_ids, skip_special_tokens=True)
+        return 200, (decoded, completion.finish_reason, len(completion.output_ids))
 
     def _reply(self, text: str, calls: list[dict], finish: str, prompt_len: int, n: int) -> dict:
         content: Optional[str] = text
