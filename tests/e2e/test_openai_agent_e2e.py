@@ -66,7 +66,7 @@ def _model(path):
     tok = build_char_tokenizer(path, chat_template=TEMPLATE)
     config.eos_token_id, config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     call = {"id": "c", "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": "12*34"})}}
+            "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}  # as the endpoint renders it
     chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"},
             {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]

@@ -7,6 +7,7 @@ tool calls. Its special tokens make re-tokenisation visible: a model that spells
 token gets a text that encodes to one token, so a trajectory rebuilt from messages would differ from what was drawn.
 """
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -116,7 +117,10 @@ def test_an_openai_client_agent_trains_on_the_recorded_tokens_not_the_re_tokenis
     assert messages[1]["content"] is None and messages[2] == {"role": "tool", "tool_call_id": messages[1]["tool_calls"][0]["id"], "content": "42"}
     assert tok.decode(call.contexts[1][len(call.contexts[0]):], skip_special_tokens=False).startswith(CALL + "<eos>")
     # re-tokenising the conversation gives other ids than the engine drew: the sample is not that
-    rendered = enc(tok.apply_chat_template(messages[:-1], tools=TOOLS, tokenize=False))
+    as_objects = [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                          "arguments": json.loads(c["function"]["arguments"])}}
+                                       for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages[:-1]]
+    rendered = enc(tok.apply_chat_template(as_objects, tools=TOOLS, tokenize=False))
     assert rendered != sample.prompt_ids + sample.response_ids
     assert rendered[:len(call.contexts[2])] == call.contexts[2]
 

@@ -10,7 +10,8 @@ unchanged OpenAI client (``OpenAI(base_url=...)``) carries the session in every 
 
 A request: ``messages`` (and ``tools``) rendered with the model's chat template
 (``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)``, encoded without added
-special tokens, as ``--apply-chat-template`` encodes prompts); the engine samples with the run's sampling flags
+special tokens, as ``--apply-chat-template`` encodes prompts; a tool call's ``arguments`` JSON string passed as
+its object, ``_plain``); the engine samples with the run's sampling flags
 (``--rollout-temperature``, ``--rollout-top-p``, ``--rollout-top-k``: the trainer's log-probs are the run's; a
 request's ``temperature`` / ``top_p`` are not used) for at most what the session's response budget
 (``--rollout-max-response-len``, counted from its first prompt) has left, or ``max_tokens`` /
@@ -232,11 +233,28 @@ class Endpoint:
 
 
 def _plain(message: dict) -> dict:
-    """A message as the chat template reads it: OpenAI content parts joined into one string."""
+    """A message as a chat template reads it: OpenAI content parts joined into one string, and each tool call's
+    ``arguments`` (a JSON string in the OpenAI API) as the object it encodes, as HF templates expect (Qwen2.5's
+    renders ``arguments | tojson``: the string itself would be quoted again, and the history would no longer be
+    what the model wrote)."""
     content = message.get("content")
     if isinstance(content, list):
         message = {**message, "content": "".join(p.get("text", "") for p in content if isinstance(p, dict))}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        message = {**message, "tool_calls": [_call_object(c) for c in calls]}
     return message
+
+
+def _call_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("arguments"), str)):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # not JSON: rendered as the agent sent it
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 def _tool_calls(text: str) -> list[dict]:
