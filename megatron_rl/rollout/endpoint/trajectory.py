@@ -85,8 +85,9 @@ def assemble(session: Session, request: GenerateRequest) -> Sample:
     logprobs: list[float] = []
     versions: list[int] = []
     at = len(first.prompt_ids)
+    before = first.prompt_ids
     for c in session.completions:
-        if len(c.prompt_ids) < at:  # ``Session.add`` refuses it: a session assembled by hand may not have
+        if c.prompt_ids[:at] != before:  # ``Session.add`` refuses it; a session built by hand may hold one
             raise NonAppendPrompt(f"agent session {session.session_id}: a completion's prompt does not extend the "
                                   "one before")
         between = c.prompt_ids[at:]
@@ -95,7 +96,8 @@ def assemble(session: Session, request: GenerateRequest) -> Sample:
         mask += [0] * len(between) + [1] * len(c.output_ids)
         logprobs += [0.0] * len(between) + list(c.logprobs)
         versions += [version] * len(between) + list(c.token_versions)
-        at = len(c.prompt_ids) + len(c.output_ids)
+        before = c.prompt_ids + c.output_ids
+        at = len(before)
     last = session.completions[-1]
     return Sample(group_index=request.group_index, prompt_ids=list(first.prompt_ids), response_ids=response,
                   rollout_logprobs=logprobs, loss_mask=mask, token_versions=versions,
