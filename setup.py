@@ -61,6 +61,9 @@ EXTRAS = {
              "sglang-router==0.3.2",  # tests/rollout/test_sglang_router.py: the real router before stand-ins
              # tests/e2e/test_slime_search_r1.py: slime's search-r1 example, unchanged, calls its retriever with it
              "aiohttp==3.14.5",
+             # tests/rollout/test_agent_endpoint.py, tests/e2e/test_agent_endpoint.py: an agent written with the
+             # official OpenAI client trains through --agent-function-path's endpoint, its calls unchanged
+             "openai==3.51.0",
              "peft==0.21.2",  # tests/models/test_lora.py: our LoRA adapters against HF PEFT's on the HF model
              # tests/tools/test_launch_job.py: the JobSet tools/launch_job.py writes, against the JobSet v1alpha2 +
              # Kubernetes API models this package ships (pure Python over pydantic)

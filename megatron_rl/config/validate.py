@@ -543,6 +543,20 @@ def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
         if not cfg.has_rollout_engine:
             errors.append(f"{flag} {value} generates rollouts, but this run generates nothing (--debug-train-only / "
                           f"--load-debug-rollout-data): drop it")
+    agent = r.agent_function_path
+    if agent is not None:
+        _function_path_errors(errors, "--agent-function-path", agent, "(e.g. my_agent:agent)")
+        if not cfg.has_rollout_engine:
+            errors.append(f"--agent-function-path {agent} generates rollouts, but this run generates nothing "
+                          "(--debug-train-only / --load-debug-rollout-data): drop it")
+        for flag, value in (("--custom-generate-function-path", gen), ("--rollout-function-path", batch)):
+            if value:
+                errors.append(f"--agent-function-path {agent} generates every sample through the agent endpoint, "
+                              f"so {flag} {value} would never be called: keep one")
+        if r.async_mode == "full" and r.partial_rollout:
+            errors.append(f"--agent-function-path {agent} with --async-mode full --partial-rollout: a partial "
+                          "rollout resumes a row cut by a weight sync, which cannot resume an agent's own state "
+                          "between requests: drop --partial-rollout (a cut group is generated again whole)")
     if gen and batch:
         errors.append(f"--rollout-function-path {batch} generates the whole batch, so --custom-generate-function-path "
                       f"{gen} would never be called: keep one (the batch function may call the group function "

@@ -21,7 +21,7 @@ from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.replicas import ReplicaWorker, replicate_on_every_rank, worker_for_this_rank
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler
 from megatron_rl.rollout.agent import check_tools
-from megatron_rl.rollout.generate_fn import RolloutFunctions
+from megatron_rl.rollout.endpoint.agent import rollout_functions_from_config
 from megatron_rl.rollout.rewards import reward_fn_from_config
 
 if TYPE_CHECKING:
@@ -38,7 +38,8 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
         raise ConfigError("a rollout needs prompts: give --prompt-data FILE.jsonl")
     reward_fn = reward_fn_from_config(cfg)  # fail fast
     dynamic_sampler = DynamicSampler.from_config(cfg)  # None without --dynamic-sampling-filter-path
-    functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path / --rollout-function-path
+    functions = rollout_functions_from_config(cfg)  # --custom-generate-function-path / --rollout-function-path /
+    # --agent-function-path
     check_tools(cfg)  # --tools imported and checked here (and the sandbox, for sandboxed tools), not at a call
     if cfg.embedded_placement == "process":  # its own process, spoken to as an SGLang server is
         # lazy: a subprocess and an HTTP client, only for runs that serve the embedded engine from a process

@@ -17,6 +17,7 @@ from megatron_rl.algorithms.spec import CUSTOM_ADVANTAGE_FLAG, load_custom_advan
 from megatron_rl.infra.user_function import DEFAULT_TIMEOUT_FLAG
 from megatron_rl.rollout.agent.tools import load_tools
 from megatron_rl.rollout.dynamic_sampling import load_filter
+from megatron_rl.rollout.endpoint.agent import load_agent
 from megatron_rl.rollout.generate_fn import load_function
 from megatron_rl.rollout.rewards import load_custom_reward
 from megatron_rl.rollout.verl_reward import load_verl_reward
@@ -50,6 +51,10 @@ USER_CODE: tuple[EntryPoint, ...] = (
                "data_source, evaluation=False)", "len(requests) x --n-samples-per-prompt Samples, "
                "request-major, checked as a generate function's", "rollout/generate_fn.py::rollout_generate",
                DEFAULT_TIMEOUT_FLAG, lambda p: load_function(p, "--rollout-function-path")),
+    EntryPoint("--agent-function-path", lambda c: c.rollout.agent_function_path,
+               "agent(base_url, task) per sample (def or async def), talking to base_url's /v1/chat/completions",
+               "the sample's reward (a number or {'reward': number, ...}), or None: the run's reward scores it",
+               "rollout/endpoint/agent.py::agent_group_generate", DEFAULT_TIMEOUT_FLAG, load_agent),
     EntryPoint("--custom-rm-path", lambda c: c.data.custom_rm_path, "fn(sample), or fn(samples) when batched; slime's async "
                "reward_func(args, sample, **kwargs) or (args, samples)",
                "a finite number, or {'reward': number, <metric>: number}, per sample",

@@ -261,6 +261,8 @@ class RolloutManager:
     def _function_fingerprint(self) -> dict:
         """The rollout-function flags, only when a function is set (rollouts stored before them still match)."""
         r = self.cfg.rollout
+        if r.agent_function_path:
+            return {"agent_function_path": r.agent_function_path}
         if not (r.custom_generate_function_path or r.rollout_function_path):
             return {}
         return {"custom_generate_function_path": r.custom_generate_function_path,

@@ -309,7 +309,44 @@ def reward_fn_from_config(cfg) -> RewardFn:
     """The run's reward: a reward server (``--rm-url``), else ``--rm-type`` / ``--custom-rm-path``.
 
     The three are exclusive (validation refuses two at once; this says it again for a caller that
-    built its config by hand), so a run's rewards never come from a silently chosen one."""
+    built its config by hand), so a run's rewards never come from a silently chosen one. With
+    ``--agent-function-path``, the reward an agent returned comes first (``AgentReward``)."""
+    agent = getattr(getattr(cfg, "rollout", None), "agent_function_path", None)
+    if agent:
+        d = cfg.data
+        given = any((d.rm_url, d.rm_type, d.custom_rm_path, getattr(d, "custom_reward_function_path", None),
+                     getattr(d, "reward_model_path", None)))
+        return AgentReward(f"--agent-function-path {agent}", _configured_reward(cfg) if given else None)
+    return _configured_reward(cfg)
+
+
+class AgentReward:
+    """The reward each ``--agent-function-path`` agent returned (``metadata["agent_reward"]``); a sample whose
+    agent returned None is scored by the run's reward flag, and refused naming the agent when none is given."""
+
+    batched = True
+
+    def __init__(self, where: str, fallback: Optional[RewardFn]):
+        self.where, self.fallback = where, fallback
+
+    def __call__(self, samples: list[Sample]) -> list[Any]:
+        out: list[Any] = [s.metadata.get("agent_reward") for s in samples]
+        rest = [i for i, r in enumerate(out) if r is None]
+        if rest and self.fallback is None:
+            raise ConfigError(f"no reward for sample {rest[0]}: {self.where} returned None and no reward flag is "
+                              f"given; return the reward from the agent, or pass --rm-type "
+                              f"({', '.join(BUILTIN_REWARDS)}), --custom-rm-path module:function or --rm-url URL")
+        if rest:
+            assert self.fallback is not None
+            for i, r in zip(rest, self.fallback([samples[i] for i in rest])):
+                out[i] = r
+        return out
+
+    def __repr__(self) -> str:
+        return f"AgentReward({self.where!r}, {self.fallback!r})"
+
+
+def _configured_reward(cfg) -> RewardFn:
     d = cfg.data
     verl_fn = getattr(d, "custom_reward_function_path", None)
     given = [f for f, v in (("--rm-url", d.rm_url), ("--rm-type", d.rm_type), ("--custom-rm-path", d.custom_rm_path),

@@ -29,7 +29,7 @@ from typing import Optional
 from megatron_rl.data.types import GenerateRequest, Sample
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler, StreamFilter
-from megatron_rl.rollout.generate_fn import RolloutFunctions
+from megatron_rl.rollout.endpoint.agent import rollout_functions_from_config
 from megatron_rl.rollout.manager import sampling_params, save_rollout
 from megatron_rl.runner.buffer_file import buffer_path, prune_buffers, read_buffer, write_buffer
 from megatron_rl.runner.loop import StepParts
@@ -58,7 +58,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         log.info("rollout buffer of %s restored: %d finished group(s) to train, %d prompt group(s) generated again",
                  cursor.path, len(restored["buffer"]), len(restored["pending"]))
     tok = getattr(rollout.engine, "tokenizer", None)
-    functions = RolloutFunctions.from_config(cfg)  # --custom-generate-function-path, called per group
+    functions = rollout_functions_from_config(cfg)  # --custom-generate-function-path / --agent-function-path, per group
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size
     sampler = DynamicSampler.from_config(cfg)  # --dynamic-sampling-filter-path: groups judged as they finish

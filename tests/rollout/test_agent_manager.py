@@ -256,6 +256,10 @@ def test_returned_samples_are_checked_against_the_contract():
     (["--custom-generate-function-path", "nocolon"], "must be module:function"),
     (["--custom-generate-function-path", "/nope/x.py:f"], "no such file /nope/x.py"),
     (["--custom-generate-function-path", "a:f", "--rollout-function-path", "a:g"], "would never be called"),
+    (["--agent-function-path", "a:f", "--custom-generate-function-path", "a:g"],
+     "--agent-function-path a:f generates every sample through the agent endpoint, so "
+     "--custom-generate-function-path a:g would never be called"),
+    (["--agent-function-path", "nocolon"], "--agent-function-path nocolon must be module:function"),
     (["--max-turns", "3"], "--max-turns 3 configure the tool loop of a generate function"),
     (["--tools", "m:R"], "add --custom-generate-function-path megatron_rl.rollout.agent:generate"),
     (["--custom-generate-function-path", "a:f", "--max-turns", "0"], "--max-turns 0 must be >= 1"),
@@ -275,6 +279,8 @@ def test_async_refusals_say_why(tool_run):
     args = [a for a in flags(root) if a not in ("--embedded-engine-ranks", "driver")]
     with pytest.raises(ConfigError, match="cannot resume a function's own state"):
         parse_config(args + base + ["--partial-rollout", "--custom-generate-function-path", "a:f"])
+    with pytest.raises(ConfigError, match="cannot resume an agent's own state"):
+        parse_config(args + base + ["--partial-rollout", "--agent-function-path", "a:f"])
     with pytest.raises(ConfigError, match="generates whole batches, but --async-mode full generates"):
         parse_config(args + base + ["--rollout-function-path", "a:f"])
     with pytest.raises(ConfigError, match="generates nothing"):

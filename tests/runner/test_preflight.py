@@ -236,6 +236,7 @@ USER_CODE_CASES = [
     ("--custom-generate-function-path", "{mod}:one", r": one\(a\) cannot be called as fn\(request, sampling, engine\)"),
     ("--rollout-function-path", "{mod}:three", r": three\(a, b, c\) cannot be called as fn\(rollout_id, requests, "
                                                r"sampling, engine\)"),
+    ("--agent-function-path", "{mod}:three", r": three\(a, b, c\) cannot be called as agent\(base_url, task\)"),
     ("--custom-rm-path", "{mod}:two", r": two\(a, b\) cannot be called as fn\(sample\)"),
     ("--custom-rm-path", "{mod}:CONSTANT", r": 'CONSTANT' in '.*user_mod.py' is a int, not a function"),
     ("--custom-reward-function-path", "{mod}:three", r": parameter 'a' has no default and verl's call does not "

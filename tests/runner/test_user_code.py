@@ -90,6 +90,10 @@ def advantages_of_text(args, rollout_data):
     rollout_data["advantages"] = "all good"
 
 
+def agent_says_maybe(base_url, task):
+    return "maybe"
+
+
 def fails_from_the_second_rollout(request, sampling, engine):
     if request.metadata["prompt_index"] >= 2:  # rollout 1 (--rollout-batch-size 2)
         raise ValueError("rollout 1 broke")
@@ -109,6 +113,9 @@ MALFORMED = {
     "--rollout-function-path": (("off", "one-step"), "batch_nan_logprobs",
                                 r": sample 0 \(group 0, prompt_index 0, line 1\) has rollout_logprobs\[1\] = nan; a "
                                 r"behaviour log-prob is a finite number"),
+    # the agent's sessions on the run's endpoint, called per sample as a generate function is (sync and full)
+    "--agent-function-path": (("off", "full"), "agent_says_maybe",
+                              r" returned str; an agent returns its reward \(a number\)"),
     "--custom-rm-path": (MODES, "nan_reward",
                          r" returned nan for sample 0 \(prompt_index \d, line \d of --prompt-data .*prompts.jsonl\); "
                          "rewards must be finite"),

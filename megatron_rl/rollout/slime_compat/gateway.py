@@ -154,16 +154,8 @@ class Gateway:
                 seed=None if seed is None else int(seed), ignore_eos=bool(sp.get("ignore_eos", False)))
         except Exception as exc:  # noqa: BLE001 - a bad field answers 400 with the reason, as SGLang does
             return 400, _error(str(exc))
-        row = _Row(GenerateRequest(prompt_ids=[int(t) for t in ids], group_index=0,
-                                   max_new_tokens=sampling.max_new_tokens), sampling, lanes[-1])
-        with self._lock:
-            self._queue.append(row)
-        with self._serve_lock:  # whoever holds it serves every row queued meanwhile, in one call per sampling
-            if not row.done:
-                with self._lock:
-                    batch, self._queue = self._queue, []
-                self._serve(batch)
-        out = [row.output] if row.output is not None else []
+        output = self.submit([int(t) for t in ids], sampling, lanes[-1])
+        out = [output] if output is not None else []
         if len(out) != 1:  # the call failed (an engine error, a sync): the row answers "abort", as SGLang's
             return 200, self._reply(body, [], [], "abort", None, "0", str(uuid.uuid4().hex))
         s = out[0]
@@ -180,6 +172,21 @@ class Gateway:
         if self.journal:
             self._record(ids, ids_out, lps, finish)
         return 200, reply
+
+    def submit(self, ids: list[int], sampling: SamplingParams, lane: Lane) -> Optional[Sample]:
+        """The engine's sample of the context ``ids`` through ``lane``'s call, batched with the rows queued
+        meanwhile (module docstring); None when the call failed (its error is in ``lane.errors``). What the
+        OpenAI-compatible endpoint (``rollout/agent_endpoint``) generates with too."""
+        row = _Row(GenerateRequest(prompt_ids=list(ids), group_index=0, max_new_tokens=sampling.max_new_tokens),
+                   sampling, lane)
+        with self._lock:
+            self._queue.append(row)
+        with self._serve_lock:  # whoever holds it serves every row queued meanwhile, in one call per sampling
+            if not row.done:
+                with self._lock:
+                    batch, self._queue = self._queue, []
+                self._serve(batch)
+        return row.output
 
     def _serve(self, rows: list["_Row"]) -> None:
         """One engine call per lane and sampling (seed and length aside) for ``rows``: each row keeps its own
