@@ -175,7 +175,7 @@ class Endpoint:
         if live.error is not None:
             return 400, _error(str(live.error))
         if live.aborted:
-            return 503, _error("this session's engine call was cut (a weight sync) or failed: the group is "
+            return 503, _error("the agent session's engine call was cut (a weight sync) or failed: the group is "
                                "generated again", "aborted")
         refused = (("stream", "streaming is not served") if body.get("stream") else
                    ("n", "one choice per request (n = 1)") if body.get("n") not in (None, 1) else
