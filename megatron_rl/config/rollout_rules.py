@@ -137,9 +137,10 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
         errors.append(f"--update-weight-delta-encoding {s.update_weight_delta_encoding} is only used by "
                       "--update-weight-mode delta: add --update-weight-mode delta or drop it")
     if s.update_weight_verify == "checksum" and cfg.has_rollout_engine and not cfg.in_process_engine:
-        errors.append(f"--update-weight-verify checksum: {where} report no per-tensor checksums (SGLang 0.5.23 has "
-                      "no such route; /weights_checker compares on CUDA only, see --check-weight-update-equal): use "
-                      "--update-weight-verify auto or off")
+        errors.append(f"--update-weight-verify checksum: {where} are not checked this way: SGLang 0.5.23's "
+                      "/weights_checker checksum action reports checksums of its own fused tensors (qkv_proj, "
+                      "gate_up_proj), and comparing them with the trainer's is not built: use "
+                      "--update-weight-verify auto or off (--check-weight-update-equal compares on CUDA)")
     if s.update_weight_verify == "checksum" and cfg.lora.lora_sync == "adapter":
         errors.append("--update-weight-verify checksum with --lora-sync adapter: the engine merges the adapter into "
                       "its weights itself (in float32), so its bytes are not the trainer's to compare; use "
