@@ -255,11 +255,27 @@ def test_lora_adapter_sync_colocated(tmp_path):
     assert max(r["train/mismatch_abs_logprob"] for r in syncs[1:]) < 1e-5
 
 
-def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
+@pytest.fixture(scope="module")
+def colocated_runs(tmp_path_factory):
+    """Two --colocate runs of 3 rollouts, the second with --offload-train-groups on; the second also starts fresh
+    (--no-auto-resume --existing-save archive) into a --save that holds an earlier run's checkpoint and pointers
+    (inspected by test_fresh_start_archives_the_earlier_run: one launch less than a run of its own)."""
+    base = tmp_path_factory.mktemp("colocated")
+    out, groups = base / "colo", base / "colo_groups"
+    run_demo(out, 3, "--colocate", "--no-auto-resume")
+    old = groups / "ckpt" / "iter_0000005"
+    old.mkdir(parents=True)
+    (old / "COMPLETE.json").write_text('{"format": "earlier run"}')
+    (groups / "ckpt" / "resume_state.json").write_text('{"rollout_id": 5}')
+    (groups / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5")
+    run_demo(groups, 3, "--colocate", "--no-auto-resume", "--offload-train-groups", "on", "--existing-save", "archive")
+    return out, groups
+
+
+def test_colocated_mode_releases_and_resyncs_engine(colocated_runs):
     """--colocate: the engine drops its weights before every train step and gets a full,
     verified weight update before the next rollout (the GPU choreography, run on CPU)."""
-    out = tmp_path / "colo"
-    proc = run_demo(out, 3, "--colocate", "--no-auto-resume")
+    out, groups = colocated_runs
     recs = metrics(out)
     train = [r for r in recs if "train/pg_loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
@@ -275,14 +291,30 @@ def test_colocated_mode_releases_and_resyncs_engine(tmp_path):
     first = next(r for r in recs if r["step"] == 0)  # start-up phases ride on the initial sync's record
     laps = [v for k, v in first.items() if k.startswith("perf/startup_") and k != "perf/startup_s"]
     assert len(laps) == 8 and all(v >= 0 for v in laps) and sum(laps) <= first["perf/startup_s"] + 1e-6, first
-    del proc
     # the trainer's process groups destroyed for every generation and rebuilt before training
-    # (--offload-train-groups on; the GPU default, over gloo here): the same run, number for number
-    groups = tmp_path / "colo_groups"
-    run_demo(groups, 3, "--colocate", "--no-auto-resume", "--offload-train-groups", "on")
+    # (--offload-train-groups on; the GPU default, over gloo here): the same run, number for number (that run
+    # also archived an earlier run's checkpoints first: a fresh start's numbers do not depend on them)
     again = metrics(groups)
     assert len(again) == len(recs)
     numbers = (lambda r: {k: v for k, v in r.items() if not k.startswith("perf/") and "time" not in k})
     assert [numbers(r) for r in recs] == [numbers(r) for r in again]
     check_mode_keys(again, "off", present=["perf/groups_rebuild_s"])
     assert all(r["perf/groups_rebuild_s"] > 0 for r in again if "train/pg_loss" in r)
+
+
+def test_fresh_start_archives_the_earlier_run(colocated_runs):
+    """``--no-auto-resume --existing-save archive`` under torchrun (2 gloo ranks, the CPU demo script): a fresh start
+    into a --save that held an earlier run's checkpoints overwrote and pruned them silently. Here the root holds an
+    earlier run's iter dir and pointers; the fresh run archives them on rank 0 before it starts (the other rank
+    never reads the root), trains, and saves into the now-clean root. The refusal without --existing-save is
+    unit-tested (tests/config/test_save_paths.py)."""
+    _, out = colocated_runs
+    root = out / "ckpt"
+    archives = [n for n in os.listdir(root) if n.startswith("archive_")]
+    assert len(archives) == 1, os.listdir(root)
+    assert sorted(os.listdir(root / archives[0])) == ["iter_0000005", "latest_checkpointed_iteration.txt",
+                                                      "resume_state.json"]
+    assert (root / archives[0] / "iter_0000005" / "COMPLETE.json").read_text() == '{"format": "earlier run"}'
+    assert sorted(n for n in os.listdir(root) if n not in archives) == [
+        ".megatron_rl.lock", "iter_0000003", "latest_checkpointed_iteration.txt", "resume_state.json"]
+    assert json.loads((root / "resume_state.json").read_text())["rollout_id"] == 3

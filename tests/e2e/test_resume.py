@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -296,12 +297,43 @@ def assert_no_partial_checkpoint_visible(root: str, scratch) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight") / "demo"
-    run_demo(out, 4, "--save-interval", "2")
-    recs = metrics(out)
-    assert train_steps(recs) == [1, 2, 3, 4]
-    return out
+def straight_and_stored(tmp_path_factory):
+    """The uninterrupted run (N=4, a checkpoint every 2 rollouts), and its run dir as it stood while its driver was
+    paused once rollout 2 was stored beside checkpoint 2 (pause point ``rollout_stored:rollout_2``; rank 1 waits
+    in a collective meanwhile, so nothing moves): the files a SIGKILL at that moment leaves, without a launch of
+    its own killed there (the kills themselves: test_sigkill_at_startup_mid_save_and_after_publish). Returns
+    (the finished run's dir, the stopped copy's dir). The copy is put back at the run's own path once the run
+    finished (the finished run moves aside): a stored rollout is used only under the rollout flags it was
+    generated with, --hf-checkpoint and --prompt-data included, which the demo script keeps under $OUT."""
+    base = tmp_path_factory.mktemp("straight")
+    out, paused, finished = base / "demo", base / "paused", base / "finished"
+    point = PausePoint(base / "pause", "rollout_stored:rollout_2")
+    demo = Demo(out, 4, "--save-interval", "2", env=point.env)
+    try:
+        point.wait(demo.proc, output=demo.tail)  # the timeout only bounds a hang
+        # what a SIGKILL here would leave, checked in place: rollout 2 sealed beside the one complete checkpoint
+        root = str(out / "ckpt")
+        path = os.path.join(root, "rollout_ckpts", "rollout_2.pt")
+        assert os.path.exists(path) and open(path, "rb").read().startswith(checksum.BYTES_MAGIC)
+        assert train_steps(metrics(out)) == [1, 2]  # rollout 2 (logged as step 3) was never trained
+        assert assert_no_partial_checkpoint_visible(root, base) == [2]
+        shutil.copytree(out, paused, symlinks=True)  # with the files' times: resume tells its checkpoints by them
+    except BaseException:
+        demo.kill()
+        raise
+    finally:
+        point.release()
+    rc = demo.wait()
+    assert rc == 0, f"exit code {rc}\n{demo.tail()}"
+    assert train_steps(metrics(out)) == [1, 2, 3, 4]
+    os.rename(out, finished)
+    os.rename(paused, out)
+    return finished, out
+
+
+@pytest.fixture(scope="module")
+def straight(straight_and_stored):
+    return straight_and_stored[0]
 
 
 # ---- a. exact resume ---------------------------------------------------------------------------------
@@ -410,19 +442,15 @@ def test_sigkill_at_startup_mid_save_and_after_publish(straight, tmp_path):
     assert by_step(lineage) == ref
 
 
-def test_sigkill_after_rollout_was_generated_resumes_without_regenerating_it(straight, tmp_path):
-    """Killed once rollout 2 was generated (rollout_ckpts/rollout_2.pt, written right after iter_2) and before
-    its training finished: the rerun loads rollout 2 instead of calling the engine, and ends bitwise equal."""
-    out = tmp_path / "demo"
+def test_stopped_after_rollout_was_generated_resumes_without_regenerating_it(straight_and_stored, tmp_path):
+    """Stopped once rollout 2 was generated (rollout_ckpts/rollout_2.pt, written right after iter_2) and before
+    its training finished (the files as they stood at that moment: ``straight_and_stored``): the rerun loads
+    rollout 2 instead of calling the engine, and ends bitwise equal."""
+    straight, out = straight_and_stored
     root = str(out / "ckpt")
     stored = os.path.join(root, "rollout_ckpts", "rollout_2.pt")
-    point = PausePoint(tmp_path / "pause", "rollout_stored:rollout_2")
-    Demo(out, 4, "--save-interval", "2", env=point.env).kill_at(point)
-    assert os.path.exists(stored)
-    assert train_steps(metrics(out)) == [1, 2]  # rollout 2 (logged as step 3) was never trained
-    assert assert_no_partial_checkpoint_visible(root, tmp_path) == [2]
+    assert train_steps(metrics(out)) == [1, 2]
     generated = rollout_ckpt.read_rollout_file(stored)  # checksum checked (the file is sealed)
-    assert open(stored, "rb").read().startswith(checksum.BYTES_MAGIC)
 
     final = run_demo(out, 4, "--save-interval", "2")
     assert f"resumed from {iter_dir(root, 2)} at rollout 2" in final.output
