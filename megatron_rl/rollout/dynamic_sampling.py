@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, describe_prompt
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
+from megatron_rl.rollout.generate_fn import group_slices
 
 __all__ = ["DynamicFilterOutput", "DynamicSampler", "StreamFilter", "SLIME_FILTERS", "check_reward_nonzero_std",
            "check_reward_nonzero_std_with_fallback", "load_filter"]
@@ -162,22 +163,24 @@ class DynamicSampler:
         kept: list[list[Sample]] = []
         generated: list[Sample] = []
         reasons: Counter[str] = Counter()
-        filtered = excess = rounds = 0
+        filtered = excess = rounds = drawn = 0
         while len(kept) < batch_size:
             if rounds == self.max_rounds:
-                raise ConfigError(self._unfilled(len(kept), batch_size, rounds, len(generated) // n, filtered,
+                raise ConfigError(self._unfilled(len(kept), batch_size, rounds, drawn, filtered,
                                                  reasons))
             draws = math.ceil((batch_size - len(kept)) / size)
             requests = [r for _ in range(draws) for r in draw(size)]
             requests = [dataclasses.replace(r, group_index=i) for i, r in enumerate(requests)]
             seed = None if sampling.seed is None else sampling.seed + ROUND_SEED_STRIDE * rounds
             samples = run(requests, dataclasses.replace(sampling, seed=seed))
-            if len(samples) != len(requests) * n:
-                raise ConfigError(f"dynamic sampling: generating {len(requests)} prompt group(s) of {n} gave "
-                                  f"{len(samples)} samples; a rollout returns n samples per prompt, in order")
+            try:  # n samples per prompt (more where an agent session split into branches)
+                slices = group_slices(samples, len(requests), n)
+            except ConfigError as exc:
+                raise ConfigError(f"dynamic sampling: generating {len(requests)} prompt group(s) of {n}: {exc}") from None
             rounds += 1
+            drawn += len(requests)
             generated += samples
-            groups = [samples[g * n:(g + 1) * n] for g in range(len(requests))]
+            groups = [samples[sl] for sl in slices]
             for g, group in enumerate(groups):
                 verdict = self.judge(args, group)
                 undecided = len(kept) + len(groups) - g  # slime's remaining_batch_size: kept + not yet judged
@@ -194,7 +197,7 @@ class DynamicSampler:
             for s in group:
                 s.group_index = index
                 batch.append(s)
-        total = len(generated) // n
+        total = drawn
         metrics = {"rollout/dynamic_sampling_rounds": float(rounds), "rollout/generated_groups": float(total),
                    "rollout/filtered_groups": float(filtered), "rollout/filtered_groups_frac": filtered / total,
                    "rollout/excess_groups": float(excess),
