@@ -243,9 +243,32 @@ class StreamFilter:
         self.reward_sum, self.reward_count = 0.0, 0
 
     def keep(self, group: list[Sample]) -> bool:
-        """Whether the finished, rewarded ``group`` goes to the buffer; raises once ``limit`` groups in a row
-        were dropped (naming the flags, as the in-turn sampler does after its last round)."""
-        verdict = self.sampler.judge(self.args, group)
+        """Whether the finished, rewarded ``group`` goes to the buffer (``judge`` then ``record``)."""
+        return self.record(self.judge(group), group)
+
+    def judge(self, group: list[Sample]) -> DynamicFilterOutput:
+        """The filter's verdict on ``group`` (the user's function, bounded; counts nothing)."""
+        return self.sampler.judge(self.args, group)
+
+    def state(self) -> dict:
+        """The counts a checkpoint keeps (the buffer file): the drops in a row and the step's metrics so far, so
+        a resumed run stops after the same drops and its next step reports what the uninterrupted one would."""
+        with self._lock:
+            return {"in_a_row": self._in_a_row, "generated": self.generated, "filtered": self.filtered,
+                    "reasons": dict(self.reasons), "reward_sum": self.reward_sum, "reward_count": self.reward_count}
+
+    def restore(self, state: dict) -> None:
+        with self._lock:
+            self._in_a_row, self.generated, self.filtered = (int(state["in_a_row"]), int(state["generated"]),
+                                                              int(state["filtered"]))
+            self.reasons = Counter({str(k): int(v) for k, v in state["reasons"].items()})
+            self.reward_sum, self.reward_count = float(state["reward_sum"]), int(state["reward_count"])
+
+    def record(self, verdict: DynamicFilterOutput, group: list[Sample]) -> bool:
+        """Count ``verdict`` on the finished, rewarded ``group`` and say whether it goes to the buffer; raises once
+        ``limit`` groups in a row were dropped (naming the flags, as the in-turn sampler does after its last
+        round). The producer records under its own lock, with the group leaving its in-flight set, so a snapshot
+        never counts a group it also lists to be generated again."""
         with self._lock:
             self.generated += 1
             self.reward_sum += sum(s.reward for s in group)

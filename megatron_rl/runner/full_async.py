@@ -63,6 +63,8 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
     groups = b.rollout_batch_size
     sampler = DynamicSampler.from_config(cfg)  # --dynamic-sampling-filter-path: groups judged as they finish
     group_filter = StreamFilter(sampler, cfg, groups) if sampler is not None else None
+    if group_filter is not None and restored.get("filter"):  # the drops in a row and the step's counts so far
+        group_filter.restore(restored["filter"])
     producer = RolloutProducer(
         rollout.engine, lambda: list(next(rollout.prompts).requests),
         sampling_params(cfg, n=b.n_samples_per_prompt, seed=r.rollout_seed), groups_per_step=groups,

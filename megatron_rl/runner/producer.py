@@ -261,7 +261,8 @@ class RolloutProducer:
             return {"buffer": [{"serial": g.serial, "admitted_at": g.admitted_at, "request": dataclasses.asdict(g.request),
                                 "samples": [dataclasses.asdict(s) for s in g.samples]} for g in self._buffer],
                     "pending": [dataclasses.asdict(r) for r in unfinished + list(self._queue)],
-                    "next_serial": self._serial, "state": self.position()}
+                    "next_serial": self._serial, "state": self.position(),
+                    **({"filter": self.group_filter.state()} if self.group_filter is not None else {})}
 
     # ------------------------------------------------------------------ workers
     def _admissible(self) -> bool:
@@ -311,8 +312,11 @@ class RolloutProducer:
                 self.score(group.samples)
                 group.finished_s = time.perf_counter()
                 group.reward_s = group.finished_s - scoring
-                kept = self.group_filter is None or self.group_filter.keep(group.samples)
+                verdict = self.group_filter.judge(group.samples) if self.group_filter is not None else None
                 with self._cond:
+                    # counted with the group leaving the in-flight set: one instant for a snapshot
+                    kept = verdict is None or self.group_filter is None or self.group_filter.record(verdict,
+                                                                                                     group.samples)
                     del self._inflight[group.serial]
                     if not self._inflight:
                         self._idle_since = time.perf_counter()

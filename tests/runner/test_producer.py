@@ -325,3 +325,66 @@ def test_a_dynamic_sampling_filter_keeps_dropped_groups_out_of_the_buffer_and_th
         assert all(s.staleness(step) <= 1 for g in groups for s in g.samples)
     m = stream.metrics(kept_groups=6 * B)
     assert m["rollout/filtered_groups"] >= 6 * B - 1 and m["rollout/dynamic_filter/drop_odd"] == m["rollout/filtered_groups"]
+
+
+def _even_prompts_filter():
+    from megatron_rl.rollout.dynamic_sampling import DynamicFilterOutput, DynamicSampler, StreamFilter
+
+    def even_prompts(args, samples):
+        keep = samples[0].metadata["prompt_index"] % 2 == 0
+        return DynamicFilterOutput(keep=keep, reason=None if keep else "odd")
+
+    return StreamFilter(DynamicSampler(even_prompts, "even_prompts", over_sampling_batch_size=B, max_rounds=4),
+                        None, batch_size=B)
+
+
+def _restored(snap, engine, draw, step, **kw) -> RolloutProducer:
+    """A producer rebuilt from a buffer file's snapshot, as ``full_async._build_producer`` does on a resume."""
+    return RolloutProducer(
+        engine, draw, SamplingParams(max_new_tokens=MAX_NEW, n=N, seed=3), groups_per_step=B, max_staleness=1,
+        version=engine.version, partial=True, score=lambda samples: None, concurrency=2 * B, next_step=step,
+        next_serial=snap["next_serial"], pending=[GenerateRequest(**r) for r in snap["pending"]],
+        buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"], [Sample(**s) for s in g["samples"]])
+                for g in snap["buffer"]], **kw)
+
+
+def test_dynamic_sampling_in_full_mode_resumes_exactly_after_a_kill(tmp_path):
+    """--dynamic-sampling-filter-path under --async-mode full, killed after checkpoint 3 (the producer dropped with
+    its calls in flight) and resumed from the buffer file: every even prompt drawn is trained exactly once, in
+    admission order per run, no odd one ever, and the filter's counts go on from the file."""
+    from megatron_rl.runner.buffer_file import read_buffer, write_buffer
+
+    stream = _even_prompts_filter()
+    engine, prompts = PausingEngine(seed=7, delay=0.001), Prompts()
+    producer = make(engine, prompts, k=1, partial=True, group_filter=stream, position=lambda: prompts.drawn)
+    producer.start()
+    try:
+        before = train(producer, engine, steps=3, seed=7)
+        producer.close_gate()  # the checkpoint's instant
+        record = write_buffer(str(tmp_path), 3, producer.snapshot())
+        judged = stream.state()["generated"]
+        producer.open_gate(engine.version)
+        train(producer, engine, steps=2, start=3, seed=8)  # trained after the checkpoint: lost with the kill
+    finally:
+        producer.stop()
+    snap = read_buffer(str(tmp_path), 3, record)
+    assert snap["filter"]["generated"] == judged and snap["filter"]["reasons"].get("odd", 0) == snap["filter"]["filtered"]
+
+    resumed_filter = _even_prompts_filter()
+    resumed_filter.restore(snap["filter"])
+    engine2 = PausingEngine(seed=9, delay=0.001)
+    engine2.version = engine.version - 2  # the weights of checkpoint 3
+    prompts2 = Prompts()
+    prompts2.drawn = snap["state"]  # the prompt position the checkpoint records
+    restored = _restored(snap, engine2, prompts2.draw, 3, group_filter=resumed_filter)
+    restored.start()
+    try:
+        after = train(restored, engine2, steps=4, start=3, seed=9)
+    finally:
+        restored.stop()
+    first = [g.request.metadata["prompt_index"] for _, gs in before for g in gs]
+    again = [g.request.metadata["prompt_index"] for _, gs in after for g in gs]
+    assert all(len(gs) == B for _, gs in before + after)
+    assert all(i % 2 == 0 for i in first + again) and len(set(first + again)) == len(first + again)
+    assert sorted(first + again) == list(range(0, 2 * len(first + again), 2))  # no even prompt lost, none twice
+    assert resumed_filter.state()["generated"] >= judged  # counted on from the file
