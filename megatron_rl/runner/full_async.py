@@ -58,7 +58,14 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         log.info("rollout buffer of %s restored: %d finished group(s) to train, %d prompt group(s) generated again",
                  cursor.path, len(restored["buffer"]), len(restored["pending"]))
     tok = getattr(rollout.engine, "tokenizer", None)
-    functions = rollout_functions_from_config(cfg)  # --custom-generate-function-path / --agent-function-path, per group
+    # --custom-generate-function-path / --agent-function-path per group; --rollout-function-path per B groups
+    functions = rollout_functions_from_config(cfg)
+    generate_batch = None
+    if functions is not None and functions.batch_fn is not None:
+        batch_functions = functions
+
+        def generate_batch(rollout_id, requests, sampling, call):
+            return batch_functions.generate(rollout_id, requests, sampling, call, tokenizer=tok)
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size
     sampler = DynamicSampler.from_config(cfg)  # --dynamic-sampling-filter-path: groups judged as they finish
@@ -76,7 +83,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
                       [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])],
         position=rollout.position, generate_group=functions.group_generate(tok) if functions else None,
-        tolerate_faults=r.use_fault_tolerance, group_filter=group_filter)
+        tolerate_faults=r.use_fault_tolerance, group_filter=group_filter, generate_batch=generate_batch)
     return producer
 
 

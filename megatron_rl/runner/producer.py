@@ -51,7 +51,7 @@ from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, mark
 from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.rollout.dynamic_sampling import StreamFilter
-from megatron_rl.rollout.generate_fn import GroupGenerate
+from megatron_rl.rollout.generate_fn import GroupGenerate, group_slices
 
 log = logging.getLogger("megatron_rl")
 
@@ -104,7 +104,7 @@ class RolloutProducer:
                  next_step: int = 0, next_serial: int = 0, pending: Optional[list[GenerateRequest]] = None,
                  buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None,
                  generate_group: Optional[GroupGenerate] = None, tolerate_faults: bool = False,
-                 group_filter: Optional[StreamFilter] = None):
+                 group_filter: Optional[StreamFilter] = None, generate_batch: Optional[BatchGenerate] = None):
         if max_staleness < 1:
             raise ValueError("a producer that overlaps training needs max_staleness >= 1")
         self.engine, self.draw, self.sampling = engine, draw, sampling
@@ -114,6 +114,7 @@ class RolloutProducer:
         self.generate_group = generate_group  # --custom-generate-function-path: the user's function per group
         self.tolerate_faults = tolerate_faults  # --use-fault-tolerance: an engine error parks the producer
         self.group_filter = group_filter  # --dynamic-sampling-filter-path: a group it drops never reaches the buffer
+        self.generate_batch = generate_batch  # --rollout-function-path: the user's function per groups_per_step groups
         self._fault: Optional[str] = None  # the engine error that parked it, until recovered()
         self.concurrency = max(1, concurrency)
         self._cond = threading.Condition()
@@ -265,17 +266,22 @@ class RolloutProducer:
                     **({"filter": self.group_filter.state()} if self.group_filter is not None else {})}
 
     # ------------------------------------------------------------------ workers
-    def _admissible(self) -> bool:
-        """A group starting now is taken in step ``next_step + untrained // B``: admit it if that is at most
-        ``version + K`` steps (the module docstring's bound)."""
-        untrained = len(self._buffer) + len(self._inflight)
+    def _admissible(self, count: int = 1) -> bool:
+        """A group starting now is taken in step ``next_step + untrained // B``: admit ``count`` groups if the last
+        one's step is at most ``version + K`` steps (the module docstring's bound)."""
+        untrained = len(self._buffer) + len(self._inflight) + count - 1
         return self._open and self._next_step + untrained // self.batch <= self._version + self.max_staleness
+
+    @property
+    def _unit(self) -> int:
+        """Groups admitted together: a batch function's call takes ``groups_per_step`` prompts, else one."""
+        return self.batch if self.generate_batch is not None else 1
 
     def _work(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._stopped and not self._admissible():
+                    while not self._stopped and not self._admissible(self._unit):
                         if self._open and not self._bound_reached:  # tests: SIGKILL with the buffer at its bound
                             self._bound_reached = True
                             self._cond.release()
@@ -287,47 +293,62 @@ class RolloutProducer:
                         self._cond.wait()
                     if self._stopped:
                         return
-                    if not self._queue:
+                    while len(self._queue) < self._unit:
                         self._queue.extend(self.draw())
-                    group = Group(self._serial, self._queue.popleft(), admitted_at=self._version,
-                                  started_s=time.perf_counter())
-                    self._serial += 1
+                    groups = [Group(self._serial + k, self._queue.popleft(), admitted_at=self._version,
+                                    started_s=time.perf_counter()) for k in range(self._unit)]
+                    self._serial += len(groups)
                     if not self._inflight and self._idle_since is not None:
                         self.engine_idle_s += time.perf_counter() - self._idle_since
                         self._idle_since = None
-                    self._inflight[group.serial] = group
+                    for group in groups:
+                        self._inflight[group.serial] = group
                 try:
-                    group.samples = self._generate_group(group)
+                    if self.generate_batch is not None:
+                        for group, samples in zip(groups, self._generate_batch_by_function(groups)):
+                            group.samples = samples
+                    else:
+                        groups[0].samples = self._generate_group(groups[0])
                 except EngineError as exc:
                     if not self.tolerate_faults or isinstance(exc, EngineFault):
                         raise
-                    with self._cond:  # the group starts again, whole, once the engines are back
-                        del self._inflight[group.serial]
-                        self._queue.appendleft(group.request)
+                    with self._cond:  # the groups start again, whole, once the engines are back
+                        for group in reversed(groups):
+                            del self._inflight[group.serial]
+                            self._queue.appendleft(group.request)
                     self.park(str(exc))
                     continue
-                for sample in group.samples:  # errors about a sample name its prompt, whatever engine made it
-                    mark_prompt(sample, group.request)
-                scoring = time.perf_counter()
-                self.score(group.samples)
-                group.finished_s = time.perf_counter()
-                group.reward_s = group.finished_s - scoring
-                verdict = self.group_filter.judge(group.samples) if self.group_filter is not None else None
-                with self._cond:
-                    # counted with the group leaving the in-flight set: one instant for a snapshot
-                    kept = verdict is None or self.group_filter is None or self.group_filter.record(verdict,
-                                                                                                     group.samples)
-                    del self._inflight[group.serial]
-                    if not self._inflight:
-                        self._idle_since = time.perf_counter()
-                    if kept and not self._stopped:  # a dropped group's place goes to the next prompt
-                        self._buffer.append(group)
-                    self._cond.notify_all()
+                self._finish(groups)
         except BaseException as exc:  # noqa: BLE001 - the trainer's next take raises it, naming the producer
             with self._cond:
                 if not self._stopped:
                     self._error = exc
                 self._cond.notify_all()
+
+    def _finish(self, groups: list[Group]) -> None:
+        """Score the generated ``groups``, judge each (``--dynamic-sampling-filter-path``) and move them from the
+        in-flight set to the buffer (or drop them) at one instant: a snapshot sees a batch function's call
+        finished whole or not at all."""
+        verdicts = []
+        for group in groups:
+            for sample in group.samples:  # errors about a sample name its prompt, whatever engine made it
+                mark_prompt(sample, group.request)
+            scoring = time.perf_counter()
+            self.score(group.samples)
+            group.finished_s = time.perf_counter()
+            group.reward_s = group.finished_s - scoring
+            verdicts.append(self.group_filter.judge(group.samples) if self.group_filter is not None else None)
+        with self._cond:
+            for group, verdict in zip(groups, verdicts):
+                # counted with the group leaving the in-flight set: one instant for a snapshot
+                kept = verdict is None or self.group_filter is None or self.group_filter.record(verdict,
+                                                                                                 group.samples)
+                del self._inflight[group.serial]
+                if kept and not self._stopped:  # a dropped group's place goes to the next prompt
+                    self._buffer.append(group)
+            if not self._inflight:
+                self._idle_since = time.perf_counter()
+            self._cond.notify_all()
 
     def _call(self, requests: list[GenerateRequest], sampling: SamplingParams) -> tuple[list[Sample], bool]:
         """``engine.generate``, and whether a sync began while it ran (its aborts are the sync's, and an error
@@ -410,15 +431,8 @@ class RolloutProducer:
         while True:
             seed = None if sampling.seed is None else sampling.seed + 7919 * attempt
             attempt += 1
-
-            def call(requests: list[GenerateRequest], sp: SamplingParams) -> list[Sample]:
-                out, by_sync = self._call(requests, sp)
-                if not out or by_sync and any(s.finish_reason == "abort" for s in out):
-                    raise _CutBySync()
-                return out
-
             try:
-                samples = self.generate_group(group.request, dataclasses.replace(sampling, seed=seed), call)
+                samples = self.generate_group(group.request, dataclasses.replace(sampling, seed=seed), self._cut_call)
             except _CutBySync:
                 continue
             aborted = [s for s in samples if s.finish_reason == "abort"]
@@ -430,6 +444,50 @@ class RolloutProducer:
                 raise EngineError(f"rollout producer: the generate function's group for prompt "
                                   f"{group.request.metadata} had aborted samples {failures} times outside any weight "
                                   f"sync (--rollout-abort-retries {self.abort_retries}); the server said: {message}")
+
+
+    def _cut_call(self, requests: list[GenerateRequest], sp: SamplingParams) -> list[Sample]:
+        """A user function's engine call: through the gate, and ``_CutBySync`` when a sync cut it."""
+        out, by_sync = self._call(requests, sp)
+        if not out or by_sync and any(s.finish_reason == "abort" for s in out):
+            raise _CutBySync()
+        return out
+
+    def _generate_batch_by_function(self, groups: list[Group]) -> list[list[Sample]]:
+        """``groups``' samples from the user's rollout function (``--rollout-function-path``), called once on their
+        requests (``group_index`` 0.. in admission order) with ``rollout_id`` = the first group's serial //
+        ``groups_per_step`` (the calls' number, counting on across a resume); every engine call through the gate.
+        A call a sync cut ends the function's attempt and the batch is generated again whole after the sync (its
+        own state between calls cannot be resumed); a batch with an aborted sample outside a sync is generated
+        again, with seeds of its own, at most ``abort_retries`` times."""
+        assert self.generate_batch is not None, "called only with a rollout function"
+        requests = [dataclasses.replace(g.request, group_index=k) for k, g in enumerate(groups)]
+        first = groups[0].serial
+        base = None if self.sampling.seed is None else self.sampling.seed + SEED_STRIDE * first
+        failures = attempt = 0
+        while True:
+            seed = None if base is None else base + 7919 * attempt
+            attempt += 1
+            try:
+                samples = self.generate_batch(first // self.batch, requests,
+                                              dataclasses.replace(self.sampling, seed=seed), self._cut_call)
+            except _CutBySync:
+                continue
+            by_group = [samples[sl] for sl in group_slices(samples, len(requests), self.sampling.n)]
+            aborted = [s for g in by_group for s in g if s.finish_reason == "abort"]
+            if not aborted:
+                return by_group
+            failures += 1
+            if failures > self.abort_retries:
+                message = aborted[0].metadata.get("finish_message") or "no message"
+                raise EngineError(f"rollout producer: the rollout function's batch of prompts "
+                                  f"{[g.request.metadata for g in groups][:4]} had aborted samples {failures} times "
+                                  f"outside any weight sync (--rollout-abort-retries {self.abort_retries}); the server "
+                                  f"said: {message}")
+
+
+#: ``--rollout-function-path`` as the producer calls it: (rollout_id, requests, sampling, engine call) -> samples
+BatchGenerate = Callable[[int, list[GenerateRequest], SamplingParams, Callable], list[Sample]]
 
 
 class _CutBySync(MegatronRLError):
