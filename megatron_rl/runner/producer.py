@@ -31,6 +31,12 @@ the new weights (a re-prefill; nothing of the old weights' KV cache is reused). 
 the row's tokens are dropped and it is generated again from its prompt (slime's default).
 Either way the group trains whole: an aborted sample is never trained on.
 
+**User functions.** A generate function (``--custom-generate-function-path``, ``--agent-function-path``) is
+called per group; a rollout function (``--rollout-function-path``) per ``groups_per_step`` groups, admitted
+together (the last one within the bound) and moved to the buffer together. Either way every engine call goes
+through the gate, and a call a sync cuts ends the function's attempt: the group or batch is generated again
+whole, since the function's own state between its calls cannot be resumed.
+
 Threads: ``concurrency`` workers on the driver, each generating one group at a time through the
 engine (``generate`` of one request; SGLang's servers batch the concurrent requests). The
 trainer's thread calls ``take``, ``close_gate`` / ``open_gate`` around a sync and ``snapshot``
