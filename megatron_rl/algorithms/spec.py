@@ -272,14 +272,24 @@ class PolicyGradientSpec(Spec):
             raise ConfigError("--advantage-estimator ppo needs the critic's values: call "
                               "compute_advantages_and_returns(samples, values=...)")
         elif cfg.advantage_estimator in ("grpo", "rloo", "gpg", "opo"):
+            # a trajectory split into branches (Sample.branch) counts once in its group: the estimator runs over
+            # one reward per trajectory and each branch takes its trajectory's advantage
+            owner = trajectory_owners(samples)
+            heads = sorted(set(owner))
+            t_rewards, t_groups = rewards[heads], [groups[i] for i in heads]
             if cfg.advantage_estimator == "rloo":
-                per_seq = adv.rloo_advantages(rewards, groups)
+                per_traj = adv.rloo_advantages(t_rewards, t_groups)
             elif cfg.advantage_estimator == "gpg":
-                per_seq = adv.gpg_advantages(rewards, groups)
-            elif cfg.advantage_estimator == "opo":  # baseline weighted by each sample's loss-token count
-                per_seq = adv.opo_advantages(rewards, groups, [sum(s.effective_loss_mask()) for s in samples])
+                per_traj = adv.gpg_advantages(t_rewards, t_groups)
+            elif cfg.advantage_estimator == "opo":  # baseline weighted by each trajectory's loss-token count
+                counts = dict.fromkeys(heads, 0)
+                for i, s in enumerate(samples):
+                    counts[owner[i]] += sum(s.effective_loss_mask())
+                per_traj = adv.opo_advantages(t_rewards, t_groups, [counts[h] for h in heads])
             else:
-                per_seq = self._grpo_rewards(rewards, groups)
+                per_traj = self._grpo_rewards(t_rewards, t_groups)
+            at = {h: k for k, h in enumerate(heads)}
+            per_seq = per_traj[torch.tensor([at[o] for o in owner], dtype=torch.long)] if owner else per_traj
             flat = adv.broadcast_to_tokens(per_seq, lengths, mask)
         else:  # reinforce_plus_plus(_baseline)
             kl = None
@@ -397,6 +407,26 @@ def _per_token_output(rollout_data: dict, key: str, lengths: Sequence[int], wher
             raise ConfigError(f"{where}: rollout_data[{key!r}][{i}] holds non-finite values")
         pieces.append(t)
     return pieces
+
+
+def trajectory_owners(samples: Sequence[AnySample]) -> list[int]:
+    """For each sample, the index of its trajectory's first branch (``Sample.branch`` 0; itself when it is one).
+
+    A trajectory's branches are consecutive in the batch, numbered 0, 1, ... (``rollout/endpoint/trajectory.py``):
+    a sample with branch k > 0 must follow branch k-1 of the same group, else the batch was reordered and the
+    trajectories cannot be told apart (``ValueError``)."""
+    owner: list[int] = []
+    for i, s in enumerate(samples):
+        b = int(getattr(s, "branch", 0) or 0)
+        if b == 0:
+            owner.append(i)
+            continue
+        prev = samples[i - 1] if i else None
+        if prev is None or int(getattr(prev, "branch", 0) or 0) != b - 1 or prev.group_index != s.group_index:
+            raise ValueError(f"sample {i} (group {s.group_index}) is branch {b} of a trajectory but does not follow "
+                             f"its branch {b - 1} in the batch: a trajectory's branches must stay consecutive")
+        owner.append(owner[-1])
+    return owner
 
 
 def _check_loss_masks(samples: Sequence[AnySample]) -> None:

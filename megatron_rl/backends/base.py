@@ -57,7 +57,7 @@ from megatron_rl.compat.memo import IdentityMemo
 from megatron_rl.data import sample_codec
 from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
                                       plan_dynamic_micro_batches, plan_fixed_micro_batches,
-                                      plan_loss_denominators, plan_owner_aligned)
+                                      plan_loss_denominators, plan_owner_aligned, step_bounds)
 from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError, ConfigError
 from megatron_rl.infra import dist as dist_util
@@ -325,14 +325,15 @@ class DataParallelShare:
             return plan_dynamic_micro_batches(lengths, dp_size=self.dp_size, max_tokens_per_gpu=_token_budget(b),
                                               cp_size=self.context_parallel_size,
                                               pad_to_multiple=self.pad_to_multiple)
-        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size)
+        plan = plan_fixed_micro_batches(len(samples), dp_size=self.dp_size, micro_batch_size=b.micro_batch_size,
+                                        ragged=any(getattr(s, "branch", 0) for s in samples))
         return MicroBatchPlan(micro_batches=plan.micro_batches, token_budget=None, pad_to_multiple=self.pad_to_multiple)
 
     def plan_rollout(self, samples: Sequence[AnySample], global_batch_size: int) -> RolloutPlan:
         """The training steps' plans (``samples`` cut into steps of ``global_batch_size``) and the
         owner-aligned forward plan over the whole batch (``RolloutPlan``); no communication."""
-        steps = [(start, self.plan_micro_batches(samples[start:start + global_batch_size]))
-                 for start in range(0, len(samples), global_batch_size)]
+        bounds = step_bounds(samples, global_batch_size)
+        steps = [(start, self.plan_micro_batches(samples[start:end])) for start, end in bounds]
         b = self.cfg.batching
         lengths = [s.total_length for s in samples]
 
@@ -343,7 +344,8 @@ class DataParallelShare:
                                                   cp_size=self.context_parallel_size,
                                                   pad_to_multiple=self.pad_to_multiple, rank_parts=parts)
             size = b.micro_batch_size
-            return MicroBatchPlan(micro_batches=tuple(tuple(tuple(p[j:j + size]) for j in range(0, len(p), size))
+            count = max(-(-len(p) // size) for p in parts)  # ragged steps (branches): empty ones even it out
+            return MicroBatchPlan(micro_batches=tuple(tuple(tuple(p[j * size:(j + 1) * size]) for j in range(count))
                                                       for p in parts),
                                   token_budget=None, pad_to_multiple=self.pad_to_multiple)
 

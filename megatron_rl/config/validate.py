@@ -561,15 +561,13 @@ def _check_rollout_functions(errors: list[str], cfg: Config) -> None:
         errors.append(f"--rollout-function-path {batch} generates the whole batch, so --custom-generate-function-path "
                       f"{gen} would never be called: keep one (the batch function may call the group function "
                       "itself)")
-    if r.async_mode == "full" and batch:
-        errors.append(f"--rollout-function-path {batch} generates whole batches, but --async-mode full generates "
-                      "prompt group by prompt group: use --custom-generate-function-path (one group), or "
-                      "--async-mode one-step / off")
-    if r.async_mode == "full" and gen and r.partial_rollout:
-        errors.append(f"--custom-generate-function-path {gen} with --async-mode full --partial-rollout: a partial "
-                      "rollout continues a row cut by a weight sync by resubmitting prompt + its tokens to the "
-                      "engine, which cannot resume a function's own state between turns (its tool calls, the "
-                      "observations it appended): drop --partial-rollout (a cut group is generated again whole)")
+    for flag, value, unit in (("--custom-generate-function-path", gen, "group"),
+                              ("--rollout-function-path", batch, "batch")):
+        if r.async_mode == "full" and value and r.partial_rollout:
+            errors.append(f"{flag} {value} with --async-mode full --partial-rollout: a partial rollout continues a "
+                          "row cut by a weight sync by resubmitting prompt + its tokens to the engine, which cannot "
+                          "resume a function's own state between turns (its tool calls, the observations it "
+                          f"appended): drop --partial-rollout (a cut {unit} is generated again whole)")
     tuned = [f"{flag_name(f)} {getattr(r, f.name)}" for f in dataclasses.fields(r)
              if f.name in ("tools", "max_turns", "tool_timeout") and getattr(r, f.name) != f.default]
     if tuned and not gen:

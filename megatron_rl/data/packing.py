@@ -201,12 +201,18 @@ def plan_fixed_micro_batches(
     dp_size: int,
     micro_batch_size: int,
     global_batch_size: int | None = None,
+    ragged: bool = False,
 ) -> MicroBatchPlan:
     """Plan ``micro_batch_size`` samples per micro-batch (``--micro-batch-size``).
 
     Sharding follows megatron's pretraining sampler: the step is cut into
     chunks of ``micro_batch_size * dp_size`` consecutive samples and DP rank
-    ``r`` takes the ``r``-th slice of each chunk.
+    ``r`` takes the ``r``-th slice of each chunk. ``ragged``: a step whose
+    count is no multiple of that (an agent session split into branches adds
+    samples: rollout/endpoint/trajectory.py) puts its last, short chunk on the
+    ranks in contiguous shares that differ by one at most; a rank whose share
+    is empty gets an empty micro-batch (one all-pad sequence, no loss), so
+    every rank runs the same number.
     """
     _check_positive("dp_size", dp_size, "data-parallel size")
     _check_positive("micro_batch_size", micro_batch_size, "--micro-batch-size")
@@ -216,6 +222,15 @@ def plan_fixed_micro_batches(
             f"{global_batch_size}; set --global-batch-size to the number of samples per step "
             f"(rollout batch size x samples per prompt).")
     per_step = micro_batch_size * dp_size
+    if ragged and num_samples >= 1 and num_samples % per_step:
+        full, left = divmod(num_samples, per_step)
+        base = full * per_step
+        shares = [left // dp_size + (r < left % dp_size) for r in range(dp_size)]
+        starts = [base + sum(shares[:r]) for r in range(dp_size)]
+        return MicroBatchPlan(micro_batches=tuple(
+            tuple(tuple(range(j * per_step + r * micro_batch_size, j * per_step + (r + 1) * micro_batch_size))
+                  for j in range(full)) + (tuple(range(starts[r], starts[r] + shares[r])),)
+            for r in range(dp_size)), token_budget=None, pad_to_multiple=1)
     if num_samples < 1 or num_samples % per_step:
         raise ConfigError(
             f"--global-batch-size {num_samples} is not a positive multiple of --micro-batch-size "
@@ -228,6 +243,19 @@ def plan_fixed_micro_batches(
               for j in range(num_mb))
         for r in range(dp_size))
     return MicroBatchPlan(micro_batches=ranks, token_budget=None, pad_to_multiple=1)
+
+
+def step_bounds(samples: Sequence[AnySample], global_batch_size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each training step of a rollout batch: ``global_batch_size`` samples each, or, when the
+    batch holds trajectories split into branches (``Sample.branch`` > 0), ``global_batch_size`` trajectories
+    each with all their branches (a trajectory is never cut between two optimizer steps, and a rollout takes as
+    many optimizer steps as without the split). A pure function of the samples: the same on every rank."""
+    n = len(samples)
+    heads = [i for i, s in enumerate(samples) if not getattr(s, "branch", 0)]
+    if len(heads) == n:
+        return [(start, min(start + global_batch_size, n)) for start in range(0, n, global_batch_size)]
+    starts = heads[::global_batch_size]
+    return list(zip(starts, starts[1:] + [n]))
 
 
 def plan_owner_aligned(step_plans: Sequence[tuple[int, MicroBatchPlan]], num_samples: int,
@@ -566,6 +594,6 @@ def micro_batch_tokens(plan: MicroBatchPlan, seq_lengths: Sequence[int]) -> list
 
 __all__ = [
     "MicroBatchPlan", "PackedBatch", "LossDenominators", "padded_length", "pad_multiple_for",
-    "plan_dynamic_micro_batches", "plan_fixed_micro_batches", "plan_owner_aligned", "pack_samples", "pack_plan_rank",
+    "plan_dynamic_micro_batches", "plan_fixed_micro_batches", "plan_owner_aligned", "step_bounds", "pack_samples", "pack_plan_rank",
     "compute_loss_denominators", "plan_loss_denominators", "micro_batch_tokens",
 ]

@@ -36,7 +36,7 @@ import torch
 from megatron_rl.data.types import Sample, SampleStub
 
 _FIELDS = tuple(f.name for f in fields(Sample))
-_INT_SCALARS = ("group_index", "weight_version")
+_INT_SCALARS = ("group_index", "weight_version", "branch")
 _FLOAT_SCALARS = ("reward",)
 _INT_LISTS = ("prompt_ids", "response_ids", "loss_mask", "token_versions")
 _FLOAT_LISTS = ("rollout_logprobs",)
@@ -133,7 +133,7 @@ def decode(sizes: torch.Tensor, buffer: torch.Tensor) -> list[Sample]:
 # What every training rank needs of every sample (data.types.SampleStub, less the owner)
 _HEADER_KINDS = {"group_index": "int", "prompt_length": "int", "response_length": "int",
                  "num_rollout_logprobs": "int", "reward": "float", "loss_mask": "int_list",
-                 "reward_baseline": "float"}
+                 "reward_baseline": "float", "branch": "int"}
 
 
 def encode_headers(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +144,8 @@ def encode_headers(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tenso
                "num_rollout_logprobs": [len(s.rollout_logprobs) for s in samples],
                "reward": [s.reward for s in samples],
                "loss_mask": [s.loss_mask for s in samples],  # as stored: empty means all ones
-               "reward_baseline": [s.reward_baseline for s in samples]}  # None (pickled) unless ReMax
+               "reward_baseline": [s.reward_baseline for s in samples],  # None (pickled) unless ReMax
+               "branch": [s.branch for s in samples]}
     return _encode_columns(columns, len(samples), _HEADER_KINDS)
 
 

@@ -215,6 +215,11 @@ class Sample:
     # ReMax (--advantage-estimator remax): the reward of one greedy response to the same prompt, generated and
     # scored by the rollout manager right after the group; the advantage is reward - reward_baseline.
     reward_baseline: Optional[float] = None
+    # Which branch of its trajectory this sample is (0: the first, or the only one). An agent session whose chat
+    # template re-rendered its history splits into branches (rollout/endpoint/trajectory.py), each a sample of its
+    # own; a sample with branch k > 0 follows branch k-1 of the same trajectory in the batch, and the advantage
+    # estimators count the trajectory once in its group (docs/agentic.md, "Branches").
+    branch: int = 0
 
     @property
     def total_length(self) -> int:
@@ -271,6 +276,7 @@ class SampleStub:
     loss_mask: list[int]  # as the sample has it: response-aligned, empty for all ones
     owner: int  # the data-parallel rank that holds the sample
     reward_baseline: Optional[float] = None  # ReMax's greedy-response reward (advantages need it for every sample)
+    branch: int = 0  # Sample.branch: advantages count a trajectory's branches once
 
     @property
     def total_length(self) -> int:

@@ -85,13 +85,28 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     """Multi-turn rollouts (the tool loop, ``rollout/agent``; a user function that records the same metadata):
     ``rollout/turns_mean`` (model turns per sample), ``rollout/tool_calls_mean`` and ``rollout/tool_error_frac``
     (tool calls that became error observations, of all calls). Empty when no sample records ``turns``."""
+    out = session_metrics(samples)
     if not samples or not any("turns" in s.metadata for s in samples):
-        return {}
+        return out
     calls = sum(int(s.metadata.get("tool_calls", 0)) for s in samples)
     errors = sum(int(s.metadata.get("tool_errors", 0)) for s in samples)
-    return {"rollout/turns_mean": sum(int(s.metadata.get("turns", 1)) for s in samples) / len(samples),
+    return {**out, "rollout/turns_mean": sum(int(s.metadata.get("turns", 1)) for s in samples) / len(samples),
             "rollout/tool_calls_mean": calls / len(samples),
             "rollout/tool_error_frac": errors / calls if calls else 0.0}
+
+
+def session_metrics(samples: list[Sample]) -> dict[str, float]:
+    """``--agent-function-path`` sessions (``rollout/endpoint``): ``rollout/agent_branches_mean`` (samples per
+    session: 1 unless the chat template re-rendered its history, e.g. Qwen3 dropping earlier thinking),
+    ``rollout/agent_splits`` (requests that started a new branch, over the batch) and
+    ``rollout/agent_split_sessions_frac`` (sessions that split at least once). Empty without agent sessions."""
+    branches = [int(s.metadata.get("agent_branches", 1)) for s in samples
+                if not s.branch and "agent_session" in s.metadata]
+    if not branches:
+        return {}
+    return {"rollout/agent_branches_mean": sum(branches) / len(branches),
+            "rollout/agent_splits": float(sum(b - 1 for b in branches)),
+            "rollout/agent_split_sessions_frac": sum(b > 1 for b in branches) / len(branches)}
 
 
 def route_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, describe_prompt
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
+from megatron_rl.rollout.generate_fn import group_slices
 
 __all__ = ["DynamicFilterOutput", "DynamicSampler", "StreamFilter", "SLIME_FILTERS", "check_reward_nonzero_std",
            "check_reward_nonzero_std_with_fallback", "load_filter"]
@@ -162,22 +163,24 @@ class DynamicSampler:
         kept: list[list[Sample]] = []
         generated: list[Sample] = []
         reasons: Counter[str] = Counter()
-        filtered = excess = rounds = 0
+        filtered = excess = rounds = drawn = 0
         while len(kept) < batch_size:
             if rounds == self.max_rounds:
-                raise ConfigError(self._unfilled(len(kept), batch_size, rounds, len(generated) // n, filtered,
+                raise ConfigError(self._unfilled(len(kept), batch_size, rounds, drawn, filtered,
                                                  reasons))
             draws = math.ceil((batch_size - len(kept)) / size)
             requests = [r for _ in range(draws) for r in draw(size)]
             requests = [dataclasses.replace(r, group_index=i) for i, r in enumerate(requests)]
             seed = None if sampling.seed is None else sampling.seed + ROUND_SEED_STRIDE * rounds
             samples = run(requests, dataclasses.replace(sampling, seed=seed))
-            if len(samples) != len(requests) * n:
-                raise ConfigError(f"dynamic sampling: generating {len(requests)} prompt group(s) of {n} gave "
-                                  f"{len(samples)} samples; a rollout returns n samples per prompt, in order")
+            try:  # n samples per prompt (more where an agent session split into branches)
+                slices = group_slices(samples, len(requests), n)
+            except ConfigError as exc:
+                raise ConfigError(f"dynamic sampling: generating {len(requests)} prompt group(s) of {n}: {exc}") from None
             rounds += 1
+            drawn += len(requests)
             generated += samples
-            groups = [samples[g * n:(g + 1) * n] for g in range(len(requests))]
+            groups = [samples[sl] for sl in slices]
             for g, group in enumerate(groups):
                 verdict = self.judge(args, group)
                 undecided = len(kept) + len(groups) - g  # slime's remaining_batch_size: kept + not yet judged
@@ -194,7 +197,7 @@ class DynamicSampler:
             for s in group:
                 s.group_index = index
                 batch.append(s)
-        total = len(generated) // n
+        total = drawn
         metrics = {"rollout/dynamic_sampling_rounds": float(rounds), "rollout/generated_groups": float(total),
                    "rollout/filtered_groups": float(filtered), "rollout/filtered_groups_frac": filtered / total,
                    "rollout/excess_groups": float(excess),
@@ -240,9 +243,32 @@ class StreamFilter:
         self.reward_sum, self.reward_count = 0.0, 0
 
     def keep(self, group: list[Sample]) -> bool:
-        """Whether the finished, rewarded ``group`` goes to the buffer; raises once ``limit`` groups in a row
-        were dropped (naming the flags, as the in-turn sampler does after its last round)."""
-        verdict = self.sampler.judge(self.args, group)
+        """Whether the finished, rewarded ``group`` goes to the buffer (``judge`` then ``record``)."""
+        return self.record(self.judge(group), group)
+
+    def judge(self, group: list[Sample]) -> DynamicFilterOutput:
+        """The filter's verdict on ``group`` (the user's function, bounded; counts nothing)."""
+        return self.sampler.judge(self.args, group)
+
+    def state(self) -> dict:
+        """The counts a checkpoint keeps (the buffer file): the drops in a row and the step's metrics so far, so
+        a resumed run stops after the same drops and its next step reports what the uninterrupted one would."""
+        with self._lock:
+            return {"in_a_row": self._in_a_row, "generated": self.generated, "filtered": self.filtered,
+                    "reasons": dict(self.reasons), "reward_sum": self.reward_sum, "reward_count": self.reward_count}
+
+    def restore(self, state: dict) -> None:
+        with self._lock:
+            self._in_a_row, self.generated, self.filtered = (int(state["in_a_row"]), int(state["generated"]),
+                                                              int(state["filtered"]))
+            self.reasons = Counter({str(k): int(v) for k, v in state["reasons"].items()})
+            self.reward_sum, self.reward_count = float(state["reward_sum"]), int(state["reward_count"])
+
+    def record(self, verdict: DynamicFilterOutput, group: list[Sample]) -> bool:
+        """Count ``verdict`` on the finished, rewarded ``group`` and say whether it goes to the buffer; raises once
+        ``limit`` groups in a row were dropped (naming the flags, as the in-turn sampler does after its last
+        round). The producer records under its own lock, with the group leaving its in-flight set, so a snapshot
+        never counts a group it also lists to be generated again."""
         with self._lock:
             self.generated += 1
             self.reward_sum += sum(s.reward for s in group)

@@ -290,13 +290,22 @@ def check_samples(returned: Any, requests: Sequence[GenerateRequest], sampling: 
                           f"{'' if not isinstance(returned, (list, tuple)) else ' with non-Sample items'}; it must "
                           "return megatron_rl.data.types.Sample objects (a list, or one Sample when n is 1)")
     n = sampling.n
-    if len(returned) != len(requests) * n:
+    # a trajectory split into branches (Sample.branch 1, 2, ... right after its branch 0) counts once
+    heads = sum(1 for s in returned if not s.branch)
+    if heads != len(requests) * n:
         what = "one group" if len(requests) == 1 else f"{len(requests)} groups"
-        raise ConfigError(f"{where} returned {len(returned)} samples for {what} of n={n} (--n-samples-per-prompt); "
+        extra = f" ({len(returned) - heads} more branches of them)" if heads != len(returned) else ""
+        raise ConfigError(f"{where} returned {heads} samples{extra} for {what} of n={n} (--n-samples-per-prompt); "
                           f"it must return exactly {len(requests) * n}")
     samples = list(returned)
+    logical = -1
     for k, s in enumerate(samples):
-        req = requests[k // n]
+        if not s.branch:
+            logical += 1
+        elif logical < 0 or samples[k - 1].branch != s.branch - 1:
+            raise ConfigError(f"{where}: sample {k} is branch {s.branch} of a trajectory but does not follow its "
+                              f"branch {s.branch - 1}; return a trajectory's branches consecutively, numbered 0, 1, ...")
+        req = requests[logical // n]
         prompt = describe_prompt(req.metadata)
         _check_sample(s, req, sampling, f"{where}: sample {k} (group {req.group_index}"
                       + (f", {prompt}" if prompt else "") + ")", vocab_size)
@@ -306,6 +315,17 @@ def check_samples(returned: Any, requests: Sequence[GenerateRequest], sampling: 
             s.prompt_text = req.prompt_text
         mark_prompt(s, req)  # reward errors name the prompt by them
     return samples
+
+
+def group_slices(samples: Sequence[Sample], groups: int, n: int) -> list[slice]:
+    """Where each of ``groups`` request-major groups of ``n`` lies in ``samples``: ``n`` samples each, or more when
+    a trajectory split into branches (``Sample.branch`` > 0 follows its branch 0; ``rollout/endpoint``)."""
+    heads = [i for i, s in enumerate(samples) if not s.branch]
+    if len(heads) != groups * n:
+        raise ConfigError(f"{len(heads)} samples for {groups} prompt group(s) of n={n}: a rollout returns n samples "
+                          "per prompt, in request order")
+    starts = heads[::n]
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [len(samples)])]
 
 
 def _bad_token(ids: Sequence[Any], vocab_size: Optional[int]) -> Optional[str]:

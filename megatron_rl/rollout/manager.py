@@ -34,7 +34,7 @@ from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.infra.atomic import atomic_write_bytes
 from megatron_rl.rollout.batch_builder import RolloutBatchBuilder
 from megatron_rl.rollout.dynamic_sampling import DynamicSampler
-from megatron_rl.rollout.generate_fn import RolloutFunctions
+from megatron_rl.rollout.generate_fn import RolloutFunctions, group_slices
 from megatron_rl.rollout.rewards import RewardFn, reward_metrics
 from megatron_rl.rollout.rollout_ckpt import capture_rng_state, restore_rng_state
 
@@ -72,14 +72,14 @@ def load_rollout(path: str) -> list[Sample]:
     return [Sample(**d) for d in data["samples"]]
 
 
-def _still_aborted(requests, samples: list[Sample], groups: list[int], n: int, retries: int) -> str:
+def _still_aborted(requests, by_group: list[list[Sample]], groups: list[int], retries: int) -> str:
     """The error of groups still aborted after ``retries`` retries: which prompts, and what the server said."""
     parts = []
     for g in groups[:4]:
         req = requests[g]
         where = ", ".join(f"{k} {req.metadata[k]}" for k in ("prompt_index", "line") if k in req.metadata)
         messages = sorted({str(s.metadata.get("finish_message") or "no message")
-                           for s in samples[g * n:(g + 1) * n] if s.finish_reason == "abort"})
+                           for s in by_group[g] if s.finish_reason == "abort"})
         parts.append(f"group {req.group_index} ({where or 'no index'}; {len(req.prompt_ids)} prompt tokens): "
                      f"{'; '.join(messages)}")
     more = f" and {len(groups) - 4} more group(s)" if len(groups) > 4 else ""
@@ -132,25 +132,28 @@ class RolloutManager:
         response would score it as if finished, and its reward would move its group's baseline.
         Sets ``last_aborted`` (aborted samples seen, retries included) and ``last_retried_groups``.
         """
-        samples = self._generate_requests(requests, sampling)
         n, retries = sampling.n, self.cfg.rollout.rollout_abort_retries
+        # per request, its group's samples (n, or more where an agent session split into branches)
+        by_group = [samples[sl] for samples in [self._generate_requests(requests, sampling)]
+                    for sl in group_slices(samples, len(requests), n)]
         self.last_aborted = self.last_retried_groups = 0
         for attempt in range(1, retries + 2):
-            aborted = [i for i, s in enumerate(samples) if s.finish_reason == "abort"]
-            if not aborted:
+            aborted = [sum(s.finish_reason == "abort" for s in g) for g in by_group]
+            if not any(aborted):
                 break
-            self.last_aborted += len(aborted)
-            groups = sorted({i // n for i in aborted})
+            self.last_aborted += sum(aborted)
+            groups = [g for g, count in enumerate(aborted) if count]
             if attempt > retries:
-                raise EngineError(_still_aborted(requests, samples, groups, n, retries))
+                raise EngineError(_still_aborted(requests, by_group, groups, retries))
             seed = None if sampling.seed is None else sampling.seed + 1_000_003 * attempt
             again = self._generate_requests([requests[g] for g in groups], dataclasses.replace(sampling, seed=seed))
-            for k, g in enumerate(groups):
-                samples[g * n:(g + 1) * n] = again[k * n:(k + 1) * n]
+            for g, sl in zip(groups, group_slices(again, len(groups), n)):
+                by_group[g] = again[sl]
             self.last_retried_groups += len(groups)
-        for k, sample in enumerate(samples):  # errors about a sample name its prompt, whatever engine made it
-            mark_prompt(sample, requests[k // n])
-        return samples
+        for req, group in zip(requests, by_group):  # errors about a sample name its prompt, whatever engine made it
+            for sample in group:
+                mark_prompt(sample, req)
+        return [s for group in by_group for s in group]
 
     def _run(self, requests, sampling, evaluation: bool = False, prompts: Optional[str] = None) -> list[Sample]:
         """``requests``' rewarded samples; ``prompts``: how errors name their prompt file (default: --prompt-data)."""

@@ -320,6 +320,16 @@ def reward_fn_from_config(cfg) -> RewardFn:
     return _configured_reward(cfg)
 
 
+def trajectory_last(samples: list[Sample]) -> list[int]:
+    """For each sample, the index of its trajectory's last branch (``Sample.branch``: a trajectory's branches are
+    consecutive, numbered 0, 1, ...; a sample of its own is its own last branch)."""
+    last = list(range(len(samples)))
+    for i in range(len(samples) - 2, -1, -1):
+        if samples[i + 1].branch == samples[i].branch + 1 and samples[i + 1].branch > 0:
+            last[i] = last[i + 1]
+    return last
+
+
 class AgentReward:
     """The reward each ``--agent-function-path`` agent returned (``metadata["agent_reward"]``); a sample whose
     agent returned None is scored by the run's reward flag, and refused naming the agent when none is given."""
@@ -338,8 +348,13 @@ class AgentReward:
                               f"({', '.join(BUILTIN_REWARDS)}), --custom-rm-path module:function or --rm-url URL")
         if rest:
             assert self.fallback is not None
-            for i, r in zip(rest, self.fallback([samples[i] for i in rest])):
-                out[i] = r
+            # a session split into branches is scored once, on its last branch (the session's final state); its
+            # other branches get that reward (trajectory_last)
+            last = trajectory_last(samples)
+            scored = sorted({last[i] for i in rest})
+            by_last = dict(zip(scored, self.fallback([samples[i] for i in scored])))
+            for i in rest:
+                out[i] = by_last[last[i]]
         return out
 
     def __repr__(self) -> str:
@@ -542,6 +557,8 @@ def compute_rewards(samples: list[Sample], reward_fn: RewardFn, source: str = "r
         for i, (sample, (value, metrics)) in enumerate(zip(samples, scored)):
             value, extra = shaping.apply(value, sample.response_length)
             scored[i] = value, {**metrics, **extra}
+    last = trajectory_last(samples)  # a trajectory's branches share its reward: its last branch's, shaping included
+    scored = [scored[j] for j in last]
     for sample, (value, metrics) in zip(samples, scored):
         sample.reward = value
         if metrics:

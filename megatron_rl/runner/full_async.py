@@ -58,11 +58,20 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         log.info("rollout buffer of %s restored: %d finished group(s) to train, %d prompt group(s) generated again",
                  cursor.path, len(restored["buffer"]), len(restored["pending"]))
     tok = getattr(rollout.engine, "tokenizer", None)
-    functions = rollout_functions_from_config(cfg)  # --custom-generate-function-path / --agent-function-path, per group
+    # --custom-generate-function-path / --agent-function-path per group; --rollout-function-path per B groups
+    functions = rollout_functions_from_config(cfg)
+    generate_batch = None
+    if functions is not None and functions.batch_fn is not None:
+        batch_functions = functions
+
+        def generate_batch(rollout_id, requests, sampling, call):
+            return batch_functions.generate(rollout_id, requests, sampling, call, tokenizer=tok)
     k = r.max_staleness if r.max_staleness is not None else 1
     groups = b.rollout_batch_size
     sampler = DynamicSampler.from_config(cfg)  # --dynamic-sampling-filter-path: groups judged as they finish
     group_filter = StreamFilter(sampler, cfg, groups) if sampler is not None else None
+    if group_filter is not None and restored.get("filter"):  # the drops in a row and the step's counts so far
+        group_filter.restore(restored["filter"])
     producer = RolloutProducer(
         rollout.engine, lambda: list(next(rollout.prompts).requests),
         sampling_params(cfg, n=b.n_samples_per_prompt, seed=r.rollout_seed), groups_per_step=groups,
@@ -74,7 +83,7 @@ def _build_producer(parts: StepParts, start: int) -> RolloutProducer:
         buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"],
                       [Sample(**s) for s in g["samples"]]) for g in restored.get("buffer", [])],
         position=rollout.position, generate_group=functions.group_generate(tok) if functions else None,
-        tolerate_faults=r.use_fault_tolerance, group_filter=group_filter)
+        tolerate_faults=r.use_fault_tolerance, group_filter=group_filter, generate_batch=generate_batch)
     return producer
 
 

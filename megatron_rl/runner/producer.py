@@ -31,6 +31,12 @@ the new weights (a re-prefill; nothing of the old weights' KV cache is reused). 
 the row's tokens are dropped and it is generated again from its prompt (slime's default).
 Either way the group trains whole: an aborted sample is never trained on.
 
+**User functions.** A generate function (``--custom-generate-function-path``, ``--agent-function-path``) is
+called per group; a rollout function (``--rollout-function-path``) per ``groups_per_step`` groups, admitted
+together (the last one within the bound) and moved to the buffer together. Either way every engine call goes
+through the gate, and a call a sync cuts ends the function's attempt: the group or batch is generated again
+whole, since the function's own state between its calls cannot be resumed.
+
 Threads: ``concurrency`` workers on the driver, each generating one group at a time through the
 engine (``generate`` of one request; SGLang's servers batch the concurrent requests). The
 trainer's thread calls ``take``, ``close_gate`` / ``open_gate`` around a sync and ``snapshot``
@@ -51,7 +57,7 @@ from megatron_rl.data.types import GenerateRequest, Sample, SamplingParams, mark
 from megatron_rl.errors import EngineError, MegatronRLError
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.rollout.dynamic_sampling import StreamFilter
-from megatron_rl.rollout.generate_fn import GroupGenerate
+from megatron_rl.rollout.generate_fn import GroupGenerate, group_slices
 
 log = logging.getLogger("megatron_rl")
 
@@ -104,7 +110,7 @@ class RolloutProducer:
                  next_step: int = 0, next_serial: int = 0, pending: Optional[list[GenerateRequest]] = None,
                  buffer: Optional[list[Group]] = None, position: Callable[[], Any] = lambda: None,
                  generate_group: Optional[GroupGenerate] = None, tolerate_faults: bool = False,
-                 group_filter: Optional[StreamFilter] = None):
+                 group_filter: Optional[StreamFilter] = None, generate_batch: Optional[BatchGenerate] = None):
         if max_staleness < 1:
             raise ValueError("a producer that overlaps training needs max_staleness >= 1")
         self.engine, self.draw, self.sampling = engine, draw, sampling
@@ -114,6 +120,7 @@ class RolloutProducer:
         self.generate_group = generate_group  # --custom-generate-function-path: the user's function per group
         self.tolerate_faults = tolerate_faults  # --use-fault-tolerance: an engine error parks the producer
         self.group_filter = group_filter  # --dynamic-sampling-filter-path: a group it drops never reaches the buffer
+        self.generate_batch = generate_batch  # --rollout-function-path: the user's function per groups_per_step groups
         self._fault: Optional[str] = None  # the engine error that parked it, until recovered()
         self.concurrency = max(1, concurrency)
         self._cond = threading.Condition()
@@ -261,20 +268,26 @@ class RolloutProducer:
             return {"buffer": [{"serial": g.serial, "admitted_at": g.admitted_at, "request": dataclasses.asdict(g.request),
                                 "samples": [dataclasses.asdict(s) for s in g.samples]} for g in self._buffer],
                     "pending": [dataclasses.asdict(r) for r in unfinished + list(self._queue)],
-                    "next_serial": self._serial, "state": self.position()}
+                    "next_serial": self._serial, "state": self.position(),
+                    **({"filter": self.group_filter.state()} if self.group_filter is not None else {})}
 
     # ------------------------------------------------------------------ workers
-    def _admissible(self) -> bool:
-        """A group starting now is taken in step ``next_step + untrained // B``: admit it if that is at most
-        ``version + K`` steps (the module docstring's bound)."""
-        untrained = len(self._buffer) + len(self._inflight)
+    def _admissible(self, count: int = 1) -> bool:
+        """A group starting now is taken in step ``next_step + untrained // B``: admit ``count`` groups if the last
+        one's step is at most ``version + K`` steps (the module docstring's bound)."""
+        untrained = len(self._buffer) + len(self._inflight) + count - 1
         return self._open and self._next_step + untrained // self.batch <= self._version + self.max_staleness
+
+    @property
+    def _unit(self) -> int:
+        """Groups admitted together: a batch function's call takes ``groups_per_step`` prompts, else one."""
+        return self.batch if self.generate_batch is not None else 1
 
     def _work(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not self._stopped and not self._admissible():
+                    while not self._stopped and not self._admissible(self._unit):
                         if self._open and not self._bound_reached:  # tests: SIGKILL with the buffer at its bound
                             self._bound_reached = True
                             self._cond.release()
@@ -286,44 +299,62 @@ class RolloutProducer:
                         self._cond.wait()
                     if self._stopped:
                         return
-                    if not self._queue:
+                    while len(self._queue) < self._unit:
                         self._queue.extend(self.draw())
-                    group = Group(self._serial, self._queue.popleft(), admitted_at=self._version,
-                                  started_s=time.perf_counter())
-                    self._serial += 1
+                    groups = [Group(self._serial + k, self._queue.popleft(), admitted_at=self._version,
+                                    started_s=time.perf_counter()) for k in range(self._unit)]
+                    self._serial += len(groups)
                     if not self._inflight and self._idle_since is not None:
                         self.engine_idle_s += time.perf_counter() - self._idle_since
                         self._idle_since = None
-                    self._inflight[group.serial] = group
+                    for group in groups:
+                        self._inflight[group.serial] = group
                 try:
-                    group.samples = self._generate_group(group)
+                    if self.generate_batch is not None:
+                        for group, samples in zip(groups, self._generate_batch_by_function(groups)):
+                            group.samples = samples
+                    else:
+                        groups[0].samples = self._generate_group(groups[0])
                 except EngineError as exc:
                     if not self.tolerate_faults or isinstance(exc, EngineFault):
                         raise
-                    with self._cond:  # the group starts again, whole, once the engines are back
-                        del self._inflight[group.serial]
-                        self._queue.appendleft(group.request)
+                    with self._cond:  # the groups start again, whole, once the engines are back
+                        for group in reversed(groups):
+                            del self._inflight[group.serial]
+                            self._queue.appendleft(group.request)
                     self.park(str(exc))
                     continue
-                for sample in group.samples:  # errors about a sample name its prompt, whatever engine made it
-                    mark_prompt(sample, group.request)
-                scoring = time.perf_counter()
-                self.score(group.samples)
-                group.finished_s = time.perf_counter()
-                group.reward_s = group.finished_s - scoring
-                kept = self.group_filter is None or self.group_filter.keep(group.samples)
-                with self._cond:
-                    del self._inflight[group.serial]
-                    if not self._inflight:
-                        self._idle_since = time.perf_counter()
-                    if kept and not self._stopped:  # a dropped group's place goes to the next prompt
-                        self._buffer.append(group)
-                    self._cond.notify_all()
+                self._finish(groups)
         except BaseException as exc:  # noqa: BLE001 - the trainer's next take raises it, naming the producer
             with self._cond:
                 if not self._stopped:
                     self._error = exc
                 self._cond.notify_all()
+
+    def _finish(self, groups: list[Group]) -> None:
+        """Score the generated ``groups``, judge each (``--dynamic-sampling-filter-path``) and move them from the
+        in-flight set to the buffer (or drop them) at one instant: a snapshot sees a batch function's call
+        finished whole or not at all."""
+        verdicts = []
+        for group in groups:
+            for sample in group.samples:  # errors about a sample name its prompt, whatever engine made it
+                mark_prompt(sample, group.request)
+            scoring = time.perf_counter()
+            self.score(group.samples)
+            group.finished_s = time.perf_counter()
+            group.reward_s = group.finished_s - scoring
+            verdicts.append(self.group_filter.judge(group.samples) if self.group_filter is not None else None)
+        with self._cond:
+            for group, verdict in zip(groups, verdicts):
+                # counted with the group leaving the in-flight set: one instant for a snapshot
+                kept = verdict is None or self.group_filter is None or self.group_filter.record(verdict,
+                                                                                                 group.samples)
+                del self._inflight[group.serial]
+                if kept and not self._stopped:  # a dropped group's place goes to the next prompt
+                    self._buffer.append(group)
+            if not self._inflight:
+                self._idle_since = time.perf_counter()
+            self._cond.notify_all()
 
     def _call(self, requests: list[GenerateRequest], sampling: SamplingParams) -> tuple[list[Sample], bool]:
         """``engine.generate``, and whether a sync began while it ran (its aborts are the sync's, and an error
@@ -406,15 +437,8 @@ class RolloutProducer:
         while True:
             seed = None if sampling.seed is None else sampling.seed + 7919 * attempt
             attempt += 1
-
-            def call(requests: list[GenerateRequest], sp: SamplingParams) -> list[Sample]:
-                out, by_sync = self._call(requests, sp)
-                if not out or by_sync and any(s.finish_reason == "abort" for s in out):
-                    raise _CutBySync()
-                return out
-
             try:
-                samples = self.generate_group(group.request, dataclasses.replace(sampling, seed=seed), call)
+                samples = self.generate_group(group.request, dataclasses.replace(sampling, seed=seed), self._cut_call)
             except _CutBySync:
                 continue
             aborted = [s for s in samples if s.finish_reason == "abort"]
@@ -426,6 +450,50 @@ class RolloutProducer:
                 raise EngineError(f"rollout producer: the generate function's group for prompt "
                                   f"{group.request.metadata} had aborted samples {failures} times outside any weight "
                                   f"sync (--rollout-abort-retries {self.abort_retries}); the server said: {message}")
+
+
+    def _cut_call(self, requests: list[GenerateRequest], sp: SamplingParams) -> list[Sample]:
+        """A user function's engine call: through the gate, and ``_CutBySync`` when a sync cut it."""
+        out, by_sync = self._call(requests, sp)
+        if not out or by_sync and any(s.finish_reason == "abort" for s in out):
+            raise _CutBySync()
+        return out
+
+    def _generate_batch_by_function(self, groups: list[Group]) -> list[list[Sample]]:
+        """``groups``' samples from the user's rollout function (``--rollout-function-path``), called once on their
+        requests (``group_index`` 0.. in admission order) with ``rollout_id`` = the first group's serial //
+        ``groups_per_step`` (the calls' number, counting on across a resume); every engine call through the gate.
+        A call a sync cut ends the function's attempt and the batch is generated again whole after the sync (its
+        own state between calls cannot be resumed); a batch with an aborted sample outside a sync is generated
+        again, with seeds of its own, at most ``abort_retries`` times."""
+        assert self.generate_batch is not None, "called only with a rollout function"
+        requests = [dataclasses.replace(g.request, group_index=k) for k, g in enumerate(groups)]
+        first = groups[0].serial
+        base = None if self.sampling.seed is None else self.sampling.seed + SEED_STRIDE * first
+        failures = attempt = 0
+        while True:
+            seed = None if base is None else base + 7919 * attempt
+            attempt += 1
+            try:
+                samples = self.generate_batch(first // self.batch, requests,
+                                              dataclasses.replace(self.sampling, seed=seed), self._cut_call)
+            except _CutBySync:
+                continue
+            by_group = [samples[sl] for sl in group_slices(samples, len(requests), self.sampling.n)]
+            aborted = [s for g in by_group for s in g if s.finish_reason == "abort"]
+            if not aborted:
+                return by_group
+            failures += 1
+            if failures > self.abort_retries:
+                message = aborted[0].metadata.get("finish_message") or "no message"
+                raise EngineError(f"rollout producer: the rollout function's batch of prompts "
+                                  f"{[g.request.metadata for g in groups][:4]} had aborted samples {failures} times "
+                                  f"outside any weight sync (--rollout-abort-retries {self.abort_retries}); the server "
+                                  f"said: {message}")
+
+
+#: ``--rollout-function-path`` as the producer calls it: (rollout_id, requests, sampling, engine call) -> samples
+BatchGenerate = Callable[[int, list[GenerateRequest], SamplingParams, Callable], list[Sample]]
 
 
 class _CutBySync(MegatronRLError):

@@ -108,8 +108,9 @@ def train_on_rollout(backend: TrainBackend, spec: Spec, samples: Optional[list[S
         advantages = spec.compute_advantages(batch, old_logprobs=old, ref_logprobs=ref)
     steps: list[dict[str, float]] = []  # the actor's optimizer steps, each with the critic's when it has returns
     for _ in range(cfg.algorithm.num_steps_per_rollout_updates):
-        for start, step_plan in plan.steps:
-            sl = slice(start, start + gbs)
+        ends = [start for start, _ in plan.steps[1:]] + [len(batch)]  # a step holds its trajectories' branches
+        for (start, step_plan), end in zip(plan.steps, ends):
+            sl = slice(start, end)
             pick = (lambda xs: None if xs is None else xs[sl])
             steps.append(backend.train_step(TrainBatch(batch[sl], advantages[sl], pick(old), pick(ref),
                                                        pick(teacher), plan=step_plan, old_values=pick(values),

@@ -279,3 +279,42 @@ def test_owner_aligned_refuses_steps_that_miss_or_repeat_samples():
         plan_owner_aligned(steps, 16, _cut(LENGTHS, 2, 1024))
     with pytest.raises(ValueError, match="rank_parts must split samples 0..3 over 2 DP ranks, each once"):
         plan_dynamic_micro_batches([5, 5, 5, 5], dp_size=2, max_tokens_per_gpu=10, rank_parts=[[0, 1], [1, 2]])
+
+
+def test_branched_rollouts_cut_steps_by_trajectory_and_plan_ragged_steps():
+    """Agent sessions split into branches (Sample.branch): a step holds --global-batch-size trajectories with all
+    their branches, and a step whose count is no multiple of micro-batch x DP gets contiguous shares, an empty
+    micro-batch where a rank has none."""
+    from types import SimpleNamespace
+
+    from megatron_rl.data.packing import step_bounds
+
+    plain = [SimpleNamespace(branch=0)] * 6
+    assert step_bounds(plain, 4) == [(0, 4), (4, 6)]
+    branched = [SimpleNamespace(branch=b) for b in (0, 1, 2, 0, 0, 1, 0)]
+    assert step_bounds(branched, 2) == [(0, 4), (4, 7)]
+    plan = plan_fixed_micro_batches(7, dp_size=2, micro_batch_size=2, ragged=True)
+    assert plan.micro_batches == (((0, 1), (4, 5)), ((2, 3), (6,)))
+    plan = plan_fixed_micro_batches(1, dp_size=2, micro_batch_size=1, ragged=True)
+    assert plan.micro_batches == (((0,),), ((),))
+    with pytest.raises(ConfigError, match="not a positive multiple"):
+        plan_fixed_micro_batches(7, dp_size=2, micro_batch_size=2)
+
+
+def test_a_branched_rollout_plans_every_sample_once_with_equal_micro_batch_counts():
+    from types import SimpleNamespace
+
+    from megatron_rl.backends.base import DataParallelShare
+
+    share = DataParallelShare()
+    share.cfg = SimpleNamespace(batching=SimpleNamespace(use_dynamic_batch_size=False, micro_batch_size=2),
+                                parallel=SimpleNamespace(context_parallel_size=1))
+    share.dp_size, share.dp_rank, share.pad_to_multiple, share.holds_results = 2, 0, 1, True
+    samples = [Sample(group_index=g, prompt_ids=[1], response_ids=[2], branch=b)
+               for g, b in ((0, 0), (0, 1), (0, 2), (0, 0), (1, 0), (1, 1), (1, 0))]
+    plan = share.plan_rollout(samples, 2)
+    assert [start for start, _ in plan.steps] == [0, 4]
+    for _, step in plan.steps:
+        assert len({len(step.rank(d)) for d in range(2)}) == 1
+    forward = [i for d in range(2) for mb in plan.forward.rank(d) for i in mb]
+    assert sorted(forward) == list(range(7)) and len({len(plan.forward.rank(d)) for d in range(2)}) == 1

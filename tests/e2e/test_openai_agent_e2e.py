@@ -3,9 +3,11 @@
 trains the CPU demo model for two rollouts through the run's OpenAI-compatible endpoint (``python -m
 megatron_rl.train`` in one process, the embedded engine behind it). The model is a tiny Qwen2 that memorised the
 conversation as the chat template renders it (tool call in Hermes form, the tool's result, the answer, a
-follow-up), so the agent's three turns run. What trained equals what the engine returned: every saved sample is
-its session's recorded completions (``agent_completions.jsonl``) token for token: prompt, output ids and
-log-probs under loss mask 1, the template's tokens between them under loss mask 0."""
+follow-up), so the agent's three turns run. Before its third request the agent compacts its history (the tool
+exchange dropped), a request that does not extend the session's tokens: the session splits into two branches,
+each trained as a sample of its own (docs/agentic.md, "Branches"). What trained equals what the engine returned:
+every saved sample is its branch's recorded completions (``agent_completions.jsonl``) token for token: prompt,
+output ids and log-probs under loss mask 1, the template's tokens between them under loss mask 0."""
 
 import json
 import os
@@ -35,7 +37,9 @@ def agent(base_url, task):
     client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = [{{"role": "user", "content": task["prompt"]}}]
     answer = None
-    for _ in range(3):
+    for turn in range(3):
+        if turn == 2:  # compaction: the tool exchange dropped from the history
+            messages = [messages[0]] + messages[3:]
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=100)
         message = reply.choices[0].message
         if message.tool_calls:
@@ -121,10 +125,11 @@ def test_an_openai_client_agent_trains_through_the_endpoint_on_exactly_the_recor
     called = rewarded = 0
     for rollout in (0, 1):
         samples = torch.load(tmp_path / "rollouts" / f"r_{rollout}.pt", weights_only=False)["samples"]
-        assert len(samples) == 2
+        assert [s["branch"] for s in samples] == [0, 1, 0, 1]  # two sessions, each split by the compaction
         for s in samples:
-            completions = sessions.pop(s["metadata"]["agent_session"])
-            assert len(completions) == 3  # the agent's three turns, each one engine completion
+            recorded = sessions[s["metadata"]["agent_session"]]
+            assert len(recorded) == 3  # the agent's three turns, each one engine completion
+            completions = recorded[:2] if s["branch"] == 0 else recorded[2:]  # the third starts branch 1
             assert s["prompt_ids"] == completions[0]["prompt_ids"]
             ids, mask, lps = [], [], []
             at = len(completions[0]["prompt_ids"])
@@ -137,5 +142,9 @@ def test_an_openai_client_agent_trains_through_the_endpoint_on_exactly_the_recor
             assert (s["response_ids"], s["loss_mask"], s["rollout_logprobs"]) == (ids, mask, lps)
             called += CALL in s["response_text"]
             rewarded += s["reward"] == 1.0
-    assert not sessions  # every recorded session trained as one sample
+            if s["branch"] == 1:
+                del sessions[s["metadata"]["agent_session"]]
+    assert not sessions  # every recorded session trained, as its two branches
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "rollout/agent_splits" in r]
+    assert [(r["rollout/agent_splits"], r["rollout/agent_branches_mean"]) for r in steps] == [(2.0, 2.0)] * 2
     assert called > 0 and rewarded > 0, [s["response_text"] for s in samples]

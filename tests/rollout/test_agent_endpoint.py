@@ -125,29 +125,46 @@ def test_an_openai_client_agent_trains_on_the_recorded_tokens_not_the_re_tokenis
     assert rendered[:len(call.contexts[2])] == call.contexts[2]
 
 
-def test_a_prompt_that_does_not_extend_the_last_completion_is_refused_by_name(model_dir):
+def test_a_prompt_that_does_not_extend_the_last_completion_starts_a_branch_trained_on_its_own(model_dir):
+    """The history re-rendered differently from what was drawn (``<|user|>`` spelled by the model merges into one
+    token): the second request starts a branch, its own sample with its own prompt, loss on its own completion."""
     path, tok = model_dir
     eos = tok.eos_token_id
-    call = ScriptedCall([_spelled(tok, "Yes <|user|>") + [eos], [eos]])  # its re-rendering merges <|user|>
+    call = ScriptedCall([_spelled(tok, "Yes <|user|>") + [eos], [eos], [eos]])
     generate = agent_group_generate(openai_agent, "--agent-function-path t:openai_agent", cfg=_cfg(path))
     request = GenerateRequest(prompt_ids=[1], group_index=0, prompt_text="Hi")
-    with pytest.raises(ConfigError, match=r"^--agent-function-path t:openai_agent: agent session \w+: request 2's "
-                                          r"rendered prompt \(\d+ tokens\) does not extend completion 1's prompt"):
-        generate(request, SamplingParams(n=1, max_new_tokens=400), call)
-    assert len(call.contexts) == 1  # refused before the engine
+    samples = generate(request, SamplingParams(n=1, max_new_tokens=400), call)
+    assert [s.branch for s in samples] == [0, 1]  # request 2 re-renders the first turn; request 3 extends it
+    assert [s.prompt_ids for s in samples] == call.contexts[:2]
+    (out0, lps0, v0), (out1, lps1, v1), (out2, lps2, v2) = call.outputs
+    assert (samples[0].response_ids, samples[0].loss_mask, samples[0].rollout_logprobs) == (out0, [1] * len(out0),
+                                                                                            lps0)
+    between = call.contexts[2][len(call.contexts[1]) + len(out1):]
+    assert samples[1].response_ids == out1 + between + out2
+    assert samples[1].loss_mask == [1] * len(out1) + [0] * len(between) + [1] * len(out2)
+    assert samples[1].rollout_logprobs == lps1 + [0.0] * len(between) + lps2
+    assert all(s.metadata["agent_branches"] == 2 for s in samples)
+    assert call.contexts[1][:len(call.contexts[0])] == call.contexts[0]  # the split is after the first prompt
+    assert call.contexts[1][:len(call.contexts[0]) + len(out0)] != call.contexts[0] + out0
 
 
-def test_assembly_refuses_a_non_append_session_and_a_budget_is_counted_from_the_first_prompt():
+def test_a_session_places_each_completion_on_the_branch_it_extends():
     s = Session("s")
-    s.add(Completion([1, 2], [3, 4], [-0.5, -0.25], [1, 1], "stop"))
+    assert s.add(Completion([1, 2], [3, 4], [-0.5, -0.25], [1, 1], "stop")) == 0
     assert s.response_length([1, 2, 3, 4, 9, 9]) == 4
-    with pytest.raises(NonAppendPrompt, match="first difference at token 2"):
-        s.add(Completion([1, 2, 4], [5], [-1.0], [2], "stop"))
-    s.add(Completion([1, 2, 3, 4, 9], [7], [-1.0], [2], "length"))
-    sample = assemble(s, GenerateRequest(prompt_ids=[0], group_index=1))
-    assert (sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.rollout_logprobs) == (
+    assert s.add(Completion([1, 2, 4], [5], [-1.0], [2], "stop")) == 1  # not an extension: a new branch
+    assert s.response_length([1, 2, 4, 5, 6]) == 2 and s.response_length([8]) == 0
+    assert s.add(Completion([1, 2, 3, 4, 9], [7], [-1.0], [2], "length")) == 0  # extends branch 0's tip
+    assert s.add(Completion([1, 2, 4, 5, 6], [8], [-2.0], [3], "stop")) == 1
+    first, second = assemble(s, GenerateRequest(prompt_ids=[0], group_index=1))
+    assert (first.prompt_ids, first.response_ids, first.loss_mask, first.rollout_logprobs) == (
         [1, 2], [3, 4, 9, 7], [1, 1, 0, 1], [-0.5, -0.25, 0.0, -1.0])
-    assert sample.token_versions == [1, 1, 2, 2] and sample.finish_reason == "length"
+    assert first.token_versions == [1, 1, 2, 2] and first.finish_reason == "length" and first.branch == 0
+    assert (second.prompt_ids, second.response_ids, second.loss_mask, second.token_versions) == (
+        [1, 2, 4], [5, 6, 8], [1, 0, 1], [2, 3, 3])
+    assert second.branch == 1 and s.splits == 1
+    with pytest.raises(NonAppendPrompt, match="does not extend branch 0's tip"):
+        s.add(Completion([1, 2, 3], [5], [-1.0], [2], "stop"), 0)
 
 
 def test_the_agents_reward_comes_first_then_the_runs_reward_function():
@@ -188,3 +205,117 @@ def test_text_completions_are_recorded_and_assembled_the_same_way(model_dir):
     assert sample.response_ids == enc("3+4\nok:7") + [tok.eos_token_id]
     assert sample.loss_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1]
     assert sample.metadata["agent_reward"] == {"reward": 1.0, "turns": 2.0}
+
+
+# Qwen3's chat template, in the char tokenizer's tokens: an assistant turn's thinking (``<think>...</think>`` in its
+# content) is rendered only after the last user query; once a new user message follows, the earlier turns lose it.
+# Tool results are user turns wrapped in <tool_response> (role "tool", so they are no query). Not append-only.
+_NL = '{{ "\\n" }}'
+QWEN3_STYLE = (
+    "{% set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{% for m in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}"
+    "{% if ns.multi_step_tool and m['role'] == 'user' %}{% set ns.multi_step_tool = false %}"
+    "{% set ns.last_query_index = index %}{% endif %}{% endfor %}"
+    "{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}" + _NL + "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}" + _NL +
+    "{% elif m['role'] == 'assistant' %}{% set content = m['content'] or '' %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|assistant|>{% if loop.index0 > ns.last_query_index and reasoning %}<think>" + _NL +
+    "{{ reasoning.strip('\\n') }}" + _NL + "</think>" + _NL + _NL + "{% endif %}{{ content }}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}{% endif %}<eos>" + _NL +
+    "{% elif m['role'] == 'tool' %}<|user|><tool_response>" + _NL + "{{ m['content'] }}" + _NL + "</tool_response>"
+    + _NL + "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def thinking_agent(base_url, task):
+    """A tool call, the answer, a follow-up question ("Sure?"), another tool call and the answer: four requests."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(4):
+        message = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
+        if message.tool_calls:
+            messages.append({"role": "assistant", "content": message.content, "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": c.function.arguments}}
+                for c in message.tool_calls]})
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in message.tool_calls]
+        else:
+            messages.append({"role": "assistant", "content": message.content})
+            messages.append({"role": "user", "content": "Sure?"})
+    return 1.0
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_tok")
+    return str(path), build_char_tokenizer(path, chat_template=QWEN3_STYLE)
+
+
+def test_qwen3_thinking_drop_splits_the_session_into_branches_each_trained_on_its_own_completions(qwen3_dir):
+    from megatron_rl.rollout.batch_builder import session_metrics
+    from megatron_rl.rollout.generate_fn import check_samples
+
+    path, tok = qwen3_dir
+    eos = tok.eos_token_id
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    turns = ["<think>\nneed the tool\n</think>\n\n" + CALL, "<think>\nit is 42\n</think>\n\nIt is 42.",
+             "<think>\ncheck again\n</think>\n\n" + CALL, "<think>\nsure\n</think>\n\nYes, 42."]
+    call = ScriptedCall([enc(t) + [eos] for t in turns])
+    generate = agent_group_generate(thinking_agent, "--agent-function-path t:thinking_agent", cfg=_cfg(path))
+    request = GenerateRequest(prompt_ids=[1], group_index=2, prompt_text="What is 6*7?")
+    sampling = SamplingParams(n=1, max_new_tokens=400)
+    samples = check_samples(generate(request, sampling, call), [request], sampling, "--agent-function-path t:a", 110)
+
+    contexts, outputs = call.contexts, call.outputs
+    text = [tok.decode(c, skip_special_tokens=False) for c in contexts]
+    # the template kept turn 1's thinking inside the tool chain, and dropped it once "Sure?" followed
+    assert "need the tool" in text[1] and "need the tool" not in text[2] and "it is 42" not in text[2]
+    assert contexts[1][:len(contexts[0]) + len(outputs[0][0])] == contexts[0] + outputs[0][0]  # append: same branch
+    assert contexts[2][:len(contexts[1]) + len(outputs[1][0])] != contexts[1] + outputs[1][0]  # the split
+    assert contexts[3][:len(contexts[2]) + len(outputs[2][0])] == contexts[2] + outputs[2][0]  # append in branch 1
+
+    assert [s.branch for s in samples] == [0, 1] and all(s.group_index == 2 for s in samples)
+    for s, (a, b) in zip(samples, ((0, 1), (2, 3))):  # each branch: its own first prompt, its own completions
+        assert s.prompt_ids == contexts[a]
+        between = contexts[b][len(contexts[a]) + len(outputs[a][0]):]
+        assert s.response_ids == outputs[a][0] + between + outputs[b][0]
+        assert s.loss_mask == [1] * len(outputs[a][0]) + [0] * len(between) + [1] * len(outputs[b][0])
+        assert s.rollout_logprobs == outputs[a][1] + [0.0] * len(between) + outputs[b][1]
+        assert s.token_versions == outputs[a][2] + [outputs[b][2][0]] * len(between) + outputs[b][2]
+        assert s.metadata["agent_reward"] == 1.0 and s.metadata["agent_branches"] == 2
+    # TITO: every drawn token is trained exactly once, as the engine drew it (never the re-rendered text)
+    trained = [[t for t, m in zip(s.response_ids, s.loss_mask) if m] for s in samples]
+    assert trained == [outputs[0][0] + outputs[1][0], outputs[2][0] + outputs[3][0]]
+    assert session_metrics(samples) == {"rollout/agent_branches_mean": 2.0, "rollout/agent_splits": 1.0,
+                                        "rollout/agent_split_sessions_frac": 1.0}
+
+
+def test_a_sessions_branches_share_its_reward_and_count_once_in_its_group():
+    """Two sessions of one prompt: A (reward 1) split in two branches, B (reward 0) whole. The run's reward scores A's
+    last branch once and both branches get it; GRPO's group is the two sessions (mean 0.5), not three samples."""
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.rollout.rewards import compute_rewards
+
+    def sample(branch, text):
+        return Sample(group_index=0, prompt_ids=[1], response_ids=[2, 3], response_text=text, branch=branch)
+
+    batch = [sample(0, "early"), sample(1, "final"), sample(0, "wrong")]
+    seen = []
+
+    def rm(samples):
+        seen.extend(s.response_text for s in samples)
+        return [1.0 if s.response_text == "final" else 0.0 for s in samples]
+
+    compute_rewards(batch, AgentReward("--agent-function-path m:a", rm))
+    assert seen == ["final", "wrong"] and [s.reward for s in batch] == [1.0, 1.0, 0.0]
+    spec = PolicyGradientSpec(PolicyGradientConfig())
+    adv = [a.tolist() for a in spec.compute_advantages(batch)]
+    assert adv[0] == adv[1] and adv[0][0] > 0 > adv[2][0]
+    assert adv[0][0] == pytest.approx(-adv[2][0])  # the two sessions' advantages are symmetric: (1 - 0.5) / std

@@ -281,8 +281,10 @@ def test_async_refusals_say_why(tool_run):
         parse_config(args + base + ["--partial-rollout", "--custom-generate-function-path", "a:f"])
     with pytest.raises(ConfigError, match="cannot resume an agent's own state"):
         parse_config(args + base + ["--partial-rollout", "--agent-function-path", "a:f"])
-    with pytest.raises(ConfigError, match="generates whole batches, but --async-mode full generates"):
-        parse_config(args + base + ["--rollout-function-path", "a:f"])
+    with pytest.raises(ConfigError, match=r"--rollout-function-path a:f with --async-mode full --partial-rollout.*"
+                                          r"a cut batch is generated again whole"):
+        parse_config(args + base + ["--partial-rollout", "--rollout-function-path", "a:f"])
+    assert parse_config(args + base + ["--rollout-function-path", "a:f"]).rollout.rollout_function_path == "a:f"
     with pytest.raises(ConfigError, match="generates nothing"):
         parse_config(["--hf-checkpoint", str(root / "model"), "--debug-train-only", "--custom-generate-function-path",
                       "a:f", "--load-debug-rollout-data", str(root / "r_{rollout_id}.pt")])

@@ -325,3 +325,140 @@ def test_a_dynamic_sampling_filter_keeps_dropped_groups_out_of_the_buffer_and_th
         assert all(s.staleness(step) <= 1 for g in groups for s in g.samples)
     m = stream.metrics(kept_groups=6 * B)
     assert m["rollout/filtered_groups"] >= 6 * B - 1 and m["rollout/dynamic_filter/drop_odd"] == m["rollout/filtered_groups"]
+
+
+def _even_prompts_filter():
+    from megatron_rl.rollout.dynamic_sampling import DynamicFilterOutput, DynamicSampler, StreamFilter
+
+    def even_prompts(args, samples):
+        keep = samples[0].metadata["prompt_index"] % 2 == 0
+        return DynamicFilterOutput(keep=keep, reason=None if keep else "odd")
+
+    return StreamFilter(DynamicSampler(even_prompts, "even_prompts", over_sampling_batch_size=B, max_rounds=4),
+                        None, batch_size=B)
+
+
+def _restored(snap, engine, draw, step, partial=True, **kw) -> RolloutProducer:
+    """A producer rebuilt from a buffer file's snapshot, as ``full_async._build_producer`` does on a resume."""
+    return RolloutProducer(
+        engine, draw, SamplingParams(max_new_tokens=MAX_NEW, n=N, seed=3), groups_per_step=B, max_staleness=1,
+        version=engine.version, partial=partial, score=lambda samples: None, concurrency=2 * B, next_step=step,
+        next_serial=snap["next_serial"], pending=[GenerateRequest(**r) for r in snap["pending"]],
+        buffer=[Group(g["serial"], GenerateRequest(**g["request"]), g["admitted_at"], [Sample(**s) for s in g["samples"]])
+                for g in snap["buffer"]], **kw)
+
+
+def test_dynamic_sampling_in_full_mode_resumes_exactly_after_a_kill(tmp_path):
+    """--dynamic-sampling-filter-path under --async-mode full, killed after checkpoint 3 (the producer dropped with
+    its calls in flight) and resumed from the buffer file: every even prompt drawn is trained exactly once, in
+    admission order per run, no odd one ever, and the filter's counts go on from the file."""
+    from megatron_rl.runner.buffer_file import read_buffer, write_buffer
+
+    stream = _even_prompts_filter()
+    engine, prompts = PausingEngine(seed=7, delay=0.001), Prompts()
+    producer = make(engine, prompts, k=1, partial=True, group_filter=stream, position=lambda: prompts.drawn)
+    producer.start()
+    try:
+        before = train(producer, engine, steps=3, seed=7)
+        producer.close_gate()  # the checkpoint's instant
+        record = write_buffer(str(tmp_path), 3, producer.snapshot())
+        producer.open_gate(engine.version)
+        train(producer, engine, steps=2, start=3, seed=8)  # trained after the checkpoint: lost with the kill
+    finally:
+        producer.stop()
+    snap = read_buffer(str(tmp_path), 3, record)
+    judged = snap["filter"]["generated"]
+    assert judged > 0 and snap["filter"]["reasons"].get("odd", 0) == snap["filter"]["filtered"] > 0
+
+    resumed_filter = _even_prompts_filter()
+    resumed_filter.restore(snap["filter"])
+    engine2 = PausingEngine(seed=9, delay=0.001)
+    engine2.version = engine.version - 2  # the weights of checkpoint 3
+    prompts2 = Prompts()
+    prompts2.drawn = snap["state"]  # the prompt position the checkpoint records
+    restored = _restored(snap, engine2, prompts2.draw, 3, group_filter=resumed_filter)
+    restored.start()
+    try:
+        after = train(restored, engine2, steps=4, start=3, seed=9)
+    finally:
+        restored.stop()
+    first = [g.request.metadata["prompt_index"] for _, gs in before for g in gs]
+    again = [g.request.metadata["prompt_index"] for _, gs in after for g in gs]
+    assert all(len(gs) == B for _, gs in before + after)
+    assert all(i % 2 == 0 for i in first + again) and len(set(first + again)) == len(first + again)
+    assert sorted(first + again) == list(range(0, 2 * len(first + again), 2))  # no even prompt lost, none twice
+    assert resumed_filter.state()["generated"] >= judged  # counted on from the file
+
+
+def test_a_batch_rollout_function_runs_in_full_mode_and_resumes_exactly_after_a_kill(tmp_path):
+    """--rollout-function-path under --async-mode full: the producer calls the user's batch function on B prompts
+    at a time (two engine calls per batch, an observation between), as many calls as the staleness bound admits; a
+    call a sync cuts runs again whole. Killed after checkpoint 3 and resumed from the buffer file: every prompt
+    trained exactly once, every sample one uncut attempt within the bound, rollout ids counting on."""
+    from megatron_rl.rollout.generate_fn import RolloutFunctions
+    from megatron_rl.runner.buffer_file import read_buffer, write_buffer
+
+    calls = []
+
+    def rollout(rollout_id, requests, sampling, engine):
+        calls.append((rollout_id, [r.metadata["prompt_index"] for r in requests]))
+        firsts = engine.generate_batch([r.prompt_ids for r in requests], dataclasses.replace(sampling, max_new_tokens=2))
+        contexts = [list(r.prompt_ids) + g.output_ids + [99] for r, gens in zip(requests, firsts) for g in gens]
+        seconds = engine.generate_batch(contexts, dataclasses.replace(sampling, n=1, max_new_tokens=2))
+        out = []
+        for k, (turn, (second,)) in enumerate(zip([g for gens in firsts for g in gens], seconds)):
+            request = requests[k // sampling.n]
+            out.append(Sample(request.group_index, list(request.prompt_ids), turn.output_ids + [99] + second.output_ids,
+                              rollout_logprobs=turn.logprobs + [0.0] + second.logprobs,
+                              loss_mask=[1] * len(turn.output_ids) + [0] + [1] * len(second.output_ids),
+                              token_versions=turn.token_versions + [turn.token_versions[-1]] + second.token_versions,
+                              weight_version=turn.token_versions[0], finish_reason=second.finish_reason,
+                              metadata=dict(request.metadata)))
+        return out
+
+    functions = RolloutFunctions(batch_fn=rollout, batch_where="--rollout-function-path t:rollout")
+
+    def generate_batch(rollout_id, requests, sampling, call):
+        return functions.generate(rollout_id, requests, sampling, call)
+
+    def check(trained):
+        for step, groups in trained:
+            assert len(groups) == B
+            for g in groups:
+                assert len(g.samples) == N
+                for s in g.samples:
+                    assert s.finish_reason != "abort" and s.loss_mask[s.response_ids.index(99)] == 0
+                    assert min(s.effective_token_versions()) >= step - 1  # --max-staleness 1, every token
+        return [g.request.metadata["prompt_index"] for _, gs in trained for g in gs]
+
+    engine, prompts = PausingEngine(seed=11, delay=0.002), Prompts()
+    producer = make(engine, prompts, k=1, partial=False, generate_batch=generate_batch,
+                    position=lambda: prompts.drawn)
+    producer.start()
+    try:
+        before = train(producer, engine, steps=3, trainer_delay=0.005, seed=11)
+        producer.close_gate()  # the checkpoint's instant
+        record = write_buffer(str(tmp_path), 3, producer.snapshot())
+        producer.open_gate(engine.version)
+        train(producer, engine, steps=2, start=3, seed=12)  # lost with the kill
+    finally:
+        producer.stop()
+    first = check(before)
+    assert first == list(range(3 * B))  # admission order: the batches' prompts in draw order
+    assert all(ids == list(range(rid * B, rid * B + B)) for rid, ids in calls)  # rollout_id numbers the batches
+
+    snap = read_buffer(str(tmp_path), 3, record)
+    assert len(snap["pending"]) % B == 0 and snap["next_serial"] % B == 0
+    engine2 = PausingEngine(seed=13, delay=0.002)
+    engine2.version = engine.version - 2  # the weights of checkpoint 3
+    prompts2 = Prompts()
+    prompts2.drawn = snap["state"]
+    calls.clear()
+    restored = _restored(snap, engine2, prompts2.draw, 3, partial=False, generate_batch=generate_batch)
+    restored.start()
+    try:
+        again = check(train(restored, engine2, steps=4, start=3, trainer_delay=0.005, seed=13))
+    finally:
+        restored.stop()
+    assert sorted(first + again) == list(range(len(first) + len(again)))  # nothing lost, nothing twice
+    assert min(rid for rid, _ in calls) == snap["next_serial"] // B  # the resumed run's calls count on

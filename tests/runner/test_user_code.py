@@ -110,8 +110,8 @@ MALFORMED = {
     "--custom-generate-function-path": (MODES, "group_out_of_vocab",
                                         r": sample 0 \(group \d, prompt_index (\d), line \d\) has response_ids {vocab} at "
                                         r"position 1, outside the model's vocabulary \[0, {vocab}\)"),
-    "--rollout-function-path": (("off", "one-step"), "batch_nan_logprobs",
-                                r": sample 0 \(group 0, prompt_index 0, line 1\) has rollout_logprobs\[1\] = nan; a "
+    "--rollout-function-path": (MODES, "batch_nan_logprobs",
+                                r": sample 0 \(group 0, prompt_index (\d), line \d\) has rollout_logprobs\[1\] = nan; a "
                                 r"behaviour log-prob is a finite number"),
     # the agent's sessions on the run's endpoint, called per sample as a generate function is (sync and full)
     "--agent-function-path": (("off", "full"), "agent_says_maybe",

@@ -114,7 +114,7 @@ def agent_group_generate(fn: Callable, where: str, *, cfg: Any, tokenizer: Any =
             raise failed
         if any(live.aborted for live, _, _ in results):
             return [_aborted(request) for _ in results]
-        return [_sample(live, out, request, where, ep) for live, out, _ in results]
+        return [s for live, out, _ in results for s in _samples(live, out, request, where, ep)]
 
     generate_group.__name__ = f"agent_generate_group[{where}]"
     return generate_group
@@ -126,21 +126,24 @@ def _aborted(request: GenerateRequest) -> Sample:
                   metadata={**request.metadata, "finish_message": "an agent session's engine call was cut"})
 
 
-def _sample(live: LiveSession, returned: Any, request: GenerateRequest, where: str, ep: Endpoint) -> Sample:
+def _samples(live: LiveSession, returned: Any, request: GenerateRequest, where: str, ep: Endpoint) -> list[Sample]:
+    """The session's samples, one per branch (``trajectory.assemble``), each carrying the agent's reward: a
+    session's reward is every one of its branches' (``rewards.AgentReward``; docs/agentic.md, "Branches")."""
     reward = _reward_of(returned, where)
-    if not live.session.completions:
+    if not live.session.branches:
         raise ConfigError(f"{where} returned without a completion from its base_url (group {request.group_index}): "
                           "an agent trains on what it asks the endpoint, so it must call "
                           "client.chat.completions.create at least once")
-    sample = assemble(live.session, request)
-    if live.truncated:
-        sample.finish_reason = "length"
-    sample.prompt_text = request.prompt_text
-    if ep.tokenizer is not None:
-        sample.response_text = ep.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-    if reward is not None:
-        sample.metadata[AGENT_REWARD] = reward
-    return sample
+    samples = assemble(live.session, request)
+    for sample in samples:
+        if sample.branch in live.truncated:
+            sample.finish_reason = "length"
+        sample.prompt_text = request.prompt_text
+        if ep.tokenizer is not None:
+            sample.response_text = ep.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        if reward is not None:
+            sample.metadata[AGENT_REWARD] = reward
+    return samples
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ A request: ``messages`` (and ``tools``) rendered with the model's chat template
 special tokens, as ``--apply-chat-template`` encodes prompts; a tool call's ``arguments`` JSON string passed as
 its object, ``_plain``); the engine samples with the run's sampling flags
 (``--rollout-temperature``, ``--rollout-top-p``, ``--rollout-top-k``: the trainer's log-probs are the run's; a
-request's ``temperature`` / ``top_p`` are not used) for at most what the session's response budget
-(``--rollout-max-response-len``, counted from its first prompt) has left, or ``max_tokens`` /
+request's ``temperature`` / ``top_p`` are not used) for at most what the branch's response budget
+(``--rollout-max-response-len``, counted from the branch's first prompt) has left, or ``max_tokens`` /
 ``max_completion_tokens`` when smaller. The completion is recorded (``trajectory.Completion``: prompt ids, output
 ids, log-probs, weight versions) before the reply. The reply's text is the output decoded without special
 tokens; with ``tools`` in the request, Hermes / Qwen ``<tool_call>{json}</tool_call>`` blocks
@@ -22,7 +22,10 @@ tokens; with ``tools`` in the request, Hermes / Qwen ``<tool_call>{json}</tool_c
 empty) and ``finish_reason`` ``tool_calls``. With ``--save-debug-rollout-data DIR/...`` every completion is also
 written as one JSON line to ``DIR/agent_completions.jsonl``. ``/v1/completions`` takes ``prompt`` as it is (one
 string, encoded without added special tokens, or one list of token ids; no template) and answers ``text``;
-recorded, budgeted and checked to extend the session's previous completion the same way. Not served: ``stream``, ``n`` > 1, ``stop`` strings (refused, 400).
+recorded and budgeted the same way. A request whose prompt extends no branch of the session starts a new branch
+(``trajectory.py``; a template that drops earlier turns' thinking, e.g. Qwen3's): its response budget starts
+afresh (at most ``--rollout-max-response-len``, and its prompt + response within ``--rollout-max-prompt-len`` +
+``--rollout-max-response-len``). Not served: ``stream``, ``n`` > 1, ``stop`` strings (refused, 400).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -38,11 +42,13 @@ from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
 from megatron_rl.data.types import SamplingParams
-from megatron_rl.errors import MegatronRLError
+from megatron_rl.errors import ConfigError, MegatronRLError
 from megatron_rl.rollout.agent.parse import TOOL_CALL_START, parse_tool_calls
 from megatron_rl.rollout.embedded_server import JsonHandler, start_http
-from megatron_rl.rollout.endpoint.trajectory import Completion, NonAppendPrompt, Session
+from megatron_rl.rollout.endpoint.trajectory import Completion, Session
 from megatron_rl.rollout.slime_compat.gateway import Gateway, Lane
+
+log = logging.getLogger("megatron_rl")
 
 _PREFIX = "/sessions/"
 _ROUTE = "/v1/chat/completions"
@@ -57,12 +63,12 @@ class LiveSession:
     lane: Lane
     sampling: SamplingParams
     max_prompt_len: int
-    error: Optional[BaseException] = None  # a refusal (NonAppendPrompt, a prompt too long) the group raises
+    error: Optional[BaseException] = None  # a refusal (a first prompt too long) the group raises
     aborted: bool = False  # an engine call failed or was cut: the group's attempt ends with the lane's error
-    truncated: bool = False  # a request came with no response budget left
+    truncated: set[int] = dataclasses.field(default_factory=set)  # branches a request found with no budget left
     requests: int = 0
-    # one request of a session at a time: each must extend the completion before it, so a second request sent
-    # while one is generating waits for it (and is refused if it does not extend it)
+    # one request of a session at a time: where a request goes (which branch it extends, or a new one) depends on
+    # the completions before it, so a second request sent while one is generating waits for it
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -184,22 +190,27 @@ class Endpoint:
         if refused:
             return 400, _error(f"{refused[0]}: {refused[1]}")
         s = live.session
-        try:
-            s.check_extends(prompt)
-            if not s.completions and len(prompt) > live.max_prompt_len:
-                raise NonAppendPrompt(f"agent session {s.session_id}: the first request's prompt renders to "
-                                      f"{len(prompt)} tokens, more than --rollout-max-prompt-len "
-                                      f"{live.max_prompt_len}: raise the flag or shorten the agent's first messages")
-        except NonAppendPrompt as exc:
-            live.error = exc
-            return 400, _error(str(exc), "non_append_prompt")
+        if not s.branches and len(prompt) > live.max_prompt_len:
+            live.error = ConfigError(f"agent session {s.session_id}: the first request's prompt renders to "
+                                     f"{len(prompt)} tokens, more than --rollout-max-prompt-len {live.max_prompt_len}: "
+                                     "raise the flag or shorten the agent's first messages")
+            return 400, _error(str(live.error), "prompt_too_long")
         live.requests += 1
-        budget = live.sampling.max_new_tokens - s.response_length(prompt)
+        branch = s.place(prompt)
+        max_new = live.sampling.max_new_tokens
+        if branch is None and s.branches:  # a new branch (trajectory.py): its response starts here
+            log.info("agent session %s splits: %s; branch %d starts", s.session_id, s.describe_split(prompt),
+                     len(s.branches))
+        # a branch's response within --rollout-max-response-len, its sequence within what the session's first
+        # branch could reach (--rollout-max-prompt-len + --rollout-max-response-len)
+        held = 0 if branch is None else len(prompt) - len(s.branches[branch][0].prompt_ids)
+        budget = min(max_new - held, live.max_prompt_len + max_new - len(prompt))
         cap = body.get("max_completion_tokens") or body.get("max_tokens")
         if isinstance(cap, int) and cap > 0:
             budget = min(budget, cap)
-        if budget <= 0:  # the session's response budget is spent: nothing is generated or recorded
-            live.truncated = True
+        if budget <= 0:  # the branch's response budget is spent: nothing is generated or recorded
+            if branch is not None:  # a new branch without room is never started
+                live.truncated.add(branch)
             return 200, ("", "length", 0)
         sampling = dataclasses.replace(live.sampling, max_new_tokens=budget, seed=None, n=1)  # one per session
         out = self.batcher.submit(prompt, sampling, live.lane)
@@ -209,7 +220,7 @@ class Endpoint:
                                "generated again", "aborted")
         completion = Completion(prompt, list(out.response_ids), [float(x) for x in out.rollout_logprobs],
                                 [int(v) for v in out.effective_token_versions()], out.finish_reason)
-        s.add(completion)
+        s.add(completion, -1 if branch is None else branch)
         if self.journal:
             _record(self.journal, s.session_id, completion)
         decoded = ""
