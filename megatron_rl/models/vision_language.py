@@ -1,0 +1,83 @@
+"""A vision-language model in megatron-core: megatron's ``GPTModel`` with multimodal RoPE for the language
+model, and the checkpoint's own HF vision tower and merger in front of it.
+
+Why the HF vision module (``transformers``' ``Qwen2_5_VisionTransformerPretrainedModel``) and not
+megatron-core's vision modules: parity with HF is then by construction (the same code computes the image
+features), and the tower is small next to the language model (Qwen2.5-VL-7B: 0.67 B of 8.3 B parameters), so
+it runs replicated on every tensor-parallel rank and data-parallel across DP ranks (docs/parity.md,
+"Vision-language models"). Its parameters carry no tensor-parallel attributes: megatron's DDP reduces their
+gradients over data parallelism like any replicated parameter, and every TP rank computes the same gradient
+(the first layer's column-parallel input all-reduces the gradient of the embeddings the features were
+scattered into).
+
+:class:`VisionLanguageGPTModel` is what :meth:`Qwen2_5_VLBridge.build_model
+<megatron_rl.models.families.Qwen2_5_VLBridge>` builds. Its ``forward`` takes megatron's arguments plus
+``pixel_values`` / ``image_grid_thw``; on the first pipeline stage it embeds the tokens, runs the vision
+tower and scatters the features at the image-pad tokens (:func:`~megatron_rl.models.mrope.scatter_image_features`)
+on the whole sequence, then hands the embeddings to the decoder as ``decoder_input``. Position ids are
+``[3, b, s]`` (:func:`~megatron_rl.models.mrope.mrope_position_ids`); ``[b, s]`` ids (a text-only batch)
+are used for all three sections, which is plain RoPE.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from megatron_rl.models.mrope import check_image_tokens, scatter_image_features
+
+
+def build_vision_tower(vision_config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF vision tower + merger of a Qwen2.5-VL config (``vision_config``), on the current default device
+    (``meta`` under the streaming converters' ``torch.device("meta")``)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf  # lazy: transformers (~seconds)
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    config = Qwen2_5_VLVisionConfig(**{k: v for k, v in vision_config.items() if k != "model_type"})
+    return hf.Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+
+
+class VisionLanguageGPTModel(GPTModel):
+    """``GPTModel`` (``position_embedding_type="mrope"``) with a ``vision`` tower on the first stage, set by
+    :meth:`attach_vision` after construction."""
+
+    image_token_id: int = -1
+    spatial_merge_size: int = 1
+
+    def attach_vision(self, vision: torch.nn.Module, image_token_id: int, spatial_merge_size: int) -> None:
+        self.vision = vision
+        self.image_token_id = int(image_token_id)
+        self.spatial_merge_size = int(spatial_merge_size)
+
+    def image_embeddings(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
+                         image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
+        """Token embeddings ``[s, b, h]`` with the image features at the pad tokens (first stage only)."""
+        embeddings = self.embedding(input_ids=input_ids, position_ids=None)
+        pad_tokens = bool((input_ids == self.image_token_id).any())
+        if pixel_values is None and not pad_tokens:
+            return embeddings
+        if pixel_values is None or image_grid_thw is None:
+            raise_missing_images(input_ids, self.image_token_id)
+        check_image_tokens(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size,
+                           "micro-batch", pixel_rows=int(pixel_values.shape[0]))
+        features = self.vision(pixel_values.to(embeddings.dtype), grid_thw=image_grid_thw).pooler_output
+        return scatter_image_features(embeddings, input_ids, features, self.image_token_id, "micro-batch")
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                decoder_input: Optional[torch.Tensor] = None, *args: Any, pixel_values: Optional[torch.Tensor] = None,
+                image_grid_thw: Optional[torch.Tensor] = None, **kwargs: Any):
+        if position_ids is not None and position_ids.dim() == 2:  # text only: the three sections agree
+            position_ids = position_ids[None].expand(3, -1, -1)
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.image_embeddings(input_ids, pixel_values, image_grid_thw)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+
+
+def raise_missing_images(input_ids: torch.Tensor, image_token_id: int) -> None:
+    from megatron_rl.errors import ConfigError
+
+    n = int((input_ids == image_token_id).sum())
+    raise ConfigError(f"micro-batch: {n} image-pad tokens (id {image_token_id}) but no pixel_values / "
+                      "image_grid_thw; pass the processor's image inputs with the tokens")
