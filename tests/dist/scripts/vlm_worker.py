@@ -1,0 +1,65 @@
+"""Worker: vision-language parity layouts in one launch (tests/dist/test_vlm_layouts.py).
+
+argv: OUT_JSON HF_DIR then layouts ``name:tp``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
+megatron-core (the HF vision tower replicated, the language model TP-sharded), wrapped in megatron's DDP, one
+forward + backward of this DP rank's samples (images of several grids, one sample without images) through
+megatron's schedule; rank 0 writes max |dlogit| vs HF transformers' own model, max |dgrad| vs HF autograd of
+the same loss (mean over DP ranks, each with its own samples), the largest HF gradient, and whether every
+TP rank holds the same vision-tower gradient.
+"""
+
+import json
+
+import torch
+
+from megatron_rl.models import get_bridge, vlm_parity
+from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
+
+# (text tokens, image grids (t, h, w) in patches): windowed and full-attention blocks, two images in a sample,
+# a text-only sample beside them
+SAMPLES = [(9, [(1, 4, 8)]), (5, [(1, 4, 4), (1, 8, 4)]), (12, [])]
+
+
+def main(argv):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    out_path, hf_dir, layouts = argv[0], argv[1], argv[2:]
+    hf = vlm_parity.load_hf_model(hf_dir)
+    results = {}
+    for entry in layouts:
+        name, tp = entry.split(":")
+        layout = ParallelLayout(tp=int(tp))
+        dp = initialize_parallel(layout, seed=0)
+        bridge = get_bridge(hf_dir)
+        chunks = bridge.build_model(layout)
+        bridge.load_hf_weights(chunks, hf_dir)
+        config = chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads
+        model = [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=False), module=chunks[0])]
+        model[0].zero_grad_buffer()
+        per_rank = [vlm_parity.random_samples(bridge, SAMPLES, seed=100 + r) for r in range(dp)]
+        mine = per_rank[ps.get_data_parallel_rank()]
+        logits = vlm_parity.megatron_run(model, mine, bridge.vocab_size, forward_only=False)
+        with torch.no_grad():
+            ref = [vlm_parity.hf_forward(hf, s, bridge.image_token_id) for s in mine]
+        vs_hf = torch.tensor(max((a - b).abs().max().item() for a, b in zip(logits, ref)))
+        torch.distributed.all_reduce(vs_hf, op=torch.distributed.ReduceOp.MAX)
+        hf.zero_grad()
+        vlm_parity.hf_loss(hf, per_rank, bridge.image_token_id).backward()
+        want = vlm_parity.hf_grads(hf)
+        got = vlm_parity.exported_grads(bridge, model)
+        vision = torch.cat([p.main_grad.flatten() for p in chunks[0].vision.parameters()])
+        copies = [torch.empty_like(vision) for _ in range(layout.tp)]
+        torch.distributed.all_gather(copies, vision, group=ps.get_tensor_model_parallel_group())
+        results[name] = {"dp": dp, "tp": layout.tp, "vs_hf": float(vs_hf),
+                         "grad_max_abs_diff": vlm_parity.max_diff(got, want),
+                         "grad_max_abs": max(g.abs().max().item() for g in want.values()),
+                         "vision_grads_equal_across_tp": all(torch.equal(c, copies[0]) for c in copies),
+                         "vision_tensors": sum(n.startswith("visual.") for n in got)}
+        del model, chunks
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump(results, fh)
