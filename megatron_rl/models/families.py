@@ -808,8 +808,8 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
     ``visual.X``). config.json keeps the language model under ``text_config`` (read here as the bridge's own
     config) and the tower under ``vision_config``.
 
-    Proven layouts: one process, DP2, TP2 (docs/vlm.md); context parallelism, pipeline parallelism and sequence
-    parallelism are refused by :meth:`unsupported_layout` until the scatter-before-split path is built for them.
+    Proven layouts (docs/vlm.md): one process, DP2, TP2, TP2 + sequence parallelism, PP2 (the tower on the first
+    stage); context parallelism and virtual pipelines are refused by :meth:`unsupported_layout`.
     """
 
     family = "qwen2_5_vl"
@@ -866,13 +866,9 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
             problems.append(f"context parallelism {layout.cp} with a vision-language model (the image features "
                             "must be scattered before the CP split, which is not built yet; docs/vlm.md); pass "
                             "--context-parallel-size 1")
-        if layout.pp > 1:
-            problems.append(f"pipeline parallelism {layout.pp} with a vision-language model (the vision tower on "
-                            "the first stage is not proven yet; docs/vlm.md); pass --pipeline-model-parallel-size 1")
-        if layout.sequence_parallel:
-            problems.append("sequence parallelism with a vision-language model (the image features must be "
-                            "scattered before the sequence split, which is not built yet; docs/vlm.md); drop "
-                            "--sequence-parallel")
+        if (layout.vpp or 1) > 1:
+            problems.append(f"virtual pipeline parallelism {layout.vpp} with a vision-language model (not proven "
+                            "yet; docs/vlm.md); drop --virtual-pipeline-model-parallel-size")
         return problems
 
     def architecture_config(self) -> dict[str, Any]:
@@ -886,11 +882,11 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
     def finish_model(self, model) -> None:
         """The HF vision tower on the first stage (the stage that embeds the tokens)."""
+        model.set_image_tokens(self.image_token_id, self.spatial_merge_size)
         if model.pre_process:
             from megatron_rl.models.vision_language import build_vision_tower  # lazy: imports transformers
 
-            model.attach_vision(build_vision_tower(self.vision_config, model.config.params_dtype),
-                                self.image_token_id, self.spatial_merge_size)
+            model.attach_vision(build_vision_tower(self.vision_config, model.config.params_dtype))
 
     # -------------------------------------------------------------- name maps
     VISION_PREFIX, HF_VISION_PREFIX = "vision.", "visual."

@@ -41,15 +41,19 @@ def build_vision_tower(vision_config: dict, dtype: torch.dtype) -> torch.nn.Modu
 
 class VisionLanguageGPTModel(GPTModel):
     """``GPTModel`` (``position_embedding_type="mrope"``) with a ``vision`` tower on the first stage, set by
-    :meth:`attach_vision` after construction."""
+    :meth:`attach_vision` after construction, and the image token facts on every stage (:meth:`set_image_tokens`)."""
 
     image_token_id: int = -1
     spatial_merge_size: int = 1
 
-    def attach_vision(self, vision: torch.nn.Module, image_token_id: int, spatial_merge_size: int) -> None:
-        self.vision = vision
+    def set_image_tokens(self, image_token_id: int, spatial_merge_size: int) -> None:
+        """Which token id the processor writes per merged image patch, and the merger's patch side (every stage:
+        the positions are computed from them)."""
         self.image_token_id = int(image_token_id)
         self.spatial_merge_size = int(spatial_merge_size)
+
+    def attach_vision(self, vision: torch.nn.Module) -> None:
+        self.vision = vision
 
     def image_embeddings(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
                          image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
@@ -63,7 +67,18 @@ class VisionLanguageGPTModel(GPTModel):
         check_image_tokens(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size,
                            "micro-batch", pixel_rows=int(pixel_values.shape[0]))
         features = self.vision(pixel_values.to(embeddings.dtype), grid_thw=image_grid_thw).pooler_output
-        return scatter_image_features(embeddings, input_ids, features, self.image_token_id, "micro-batch")
+        if not self.config.sequence_parallel:
+            return scatter_image_features(embeddings, input_ids, features, self.image_token_id, "micro-batch")
+        # sequence parallelism: megatron's embedding reduce-scatters the sequence over TP. The features go into
+        # the whole sequence (gathered; every TP rank then holds the same full embeddings, so the backward of
+        # the gather only splits), which is then scattered again as the decoder expects it
+        from megatron.core import tensor_parallel  # lazy: megatron-core, already imported with GPTModel
+
+        group = self.embedding.tp_group
+        whole = tensor_parallel.gather_from_sequence_parallel_region(embeddings, tensor_parallel_output_grad=False,
+                                                                     group=group)
+        whole = scatter_image_features(whole, input_ids, features, self.image_token_id, "micro-batch")
+        return tensor_parallel.scatter_to_sequence_parallel_region(whole, group=group)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 decoder_input: Optional[torch.Tensor] = None, *args: Any, pixel_values: Optional[torch.Tensor] = None,

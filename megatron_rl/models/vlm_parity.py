@@ -79,12 +79,17 @@ def _weighted_nll(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return -(logp.gather(-1, torch.roll(ids, -1)[:, None])[:, 0] * weights).sum()
 
 
-def hf_loss(hf_model, samples_per_dp_rank: list[list[VLSample]], image_token_id: int) -> torch.Tensor:
-    """The loss whose gradient megatron + DDP produce: mean over DP ranks and micro-batches (one sample each)."""
+def hf_loss(hf_model, samples_per_dp_rank: list[list[VLSample]], image_token_id: int,
+            logits_out: Optional[list] = None) -> torch.Tensor:
+    """The loss whose gradient megatron + DDP produce: mean over DP ranks and micro-batches (one sample each).
+    ``logits_out``: receives each sample's logits (detached), so a caller needs no second forward."""
     total = torch.zeros(())
     for samples in samples_per_dp_rank:
         for s in samples:
-            total = total + _weighted_nll(hf_forward(hf_model, s, image_token_id), s.input_ids, s.weights) / len(samples)
+            logits = hf_forward(hf_model, s, image_token_id)
+            if logits_out is not None:
+                logits_out.append(logits.detach())
+            total = total + _weighted_nll(logits, s.input_ids, s.weights) / len(samples)
     return total / len(samples_per_dp_rank)
 
 
@@ -95,15 +100,19 @@ def megatron_run(model_chunks, samples: list[VLSample], vocab_size: int,
     schedule; per-sample logits ``[s, vocab_size]`` gathered over TP (every rank returns them)."""
     from functools import partial
 
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model = unwrap(model_chunks[0])
+    # sequence parallelism splits the sequence over TP: pad each sample with text tokens of weight 0
+    multiple = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+    padded = [_pad(s, multiple) for s in samples]
     collected: list[torch.Tensor] = []
 
-    def loss_func(sample, output):
+    def loss_func(sample, length, output):
         full = tensor_parallel.gather_from_tensor_model_parallel_region(output.detach().float())
-        collected.append(full[0, :, :vocab_size].contiguous())
+        collected.append(full[0, :length, :vocab_size].contiguous())
         logits = _mask_padded_vocab(output, vocab_size)
         targets = torch.roll(sample.input_ids, -1)[:, None]  # [s, b=1]
         nll = tensor_parallel.vocab_parallel_cross_entropy(
@@ -112,18 +121,35 @@ def megatron_run(model_chunks, samples: list[VLSample], vocab_size: int,
         return loss, {"loss": loss.detach()}
 
     def forward_step(data_iterator, chunk):
-        sample = next(data_iterator)
+        sample, length = next(data_iterator)
         positions = mrope_position_ids(sample.input_ids, sample.image_grid_thw, model.image_token_id,
                                        model.spatial_merge_size)[:, None, :]
         out = chunk(sample.input_ids[None], positions, attention_mask=None, pixel_values=sample.pixel_values,
                     image_grid_thw=sample.image_grid_thw)
-        return out, partial(loss_func, sample)
+        return out, partial(loss_func, sample, length)
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(samples),
+    get_forward_backward_func()(forward_step_func=forward_step,
+                                data_iterator=iter(list(zip(padded, [len(s.input_ids) for s in samples]))),
                                 model=model_chunks[0], num_microbatches=len(samples),
-                                seq_length=max(len(s.input_ids) for s in samples), micro_batch_size=1,
+                                seq_length=max(len(s.input_ids) for s in padded), micro_batch_size=1,
                                 forward_only=forward_only)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # the last stage's logits, to every stage
+        if not ps.is_pipeline_last_stage():
+            collected = [torch.empty(len(s.input_ids), vocab_size) for s in samples]
+        group = ps.get_pipeline_model_parallel_group()
+        src = torch.distributed.get_process_group_ranks(group)[-1]
+        for t in collected:
+            torch.distributed.broadcast(t, src=src, group=group)
     return collected
+
+
+def _pad(sample: VLSample, multiple: int) -> VLSample:
+    extra = -len(sample.input_ids) % multiple
+    if not extra:
+        return sample
+    return VLSample(torch.cat([sample.input_ids, sample.input_ids.new_zeros(extra)]),
+                    torch.cat([sample.weights, sample.weights.new_zeros(extra)]), sample.pixel_values,
+                    sample.image_grid_thw)
 
 
 def _mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Worker: vision-language parity layouts in one launch (tests/dist/test_vlm_layouts.py).
 
-argv: OUT_JSON HF_DIR then layouts ``name:tp``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
+argv: OUT_JSON HF_DIR then layouts ``name:tp,pp,sp``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
 megatron-core (the HF vision tower replicated, the language model TP-sharded), wrapped in megatron's DDP, one
 forward + backward of this DP rank's samples (images of several grids, one sample without images) through
 megatron's schedule; rank 0 writes max |dlogit| vs HF transformers' own model, max |dgrad| vs HF autograd of
@@ -9,6 +9,7 @@ TP rank holds the same vision-tower gradient.
 """
 
 import json
+import time
 
 import torch
 
@@ -29,8 +30,10 @@ def main(argv):
     hf = vlm_parity.load_hf_model(hf_dir)
     results = {}
     for entry in layouts:
-        name, tp = entry.split(":")
-        layout = ParallelLayout(tp=int(tp))
+        t0 = time.time()
+        name, dims = entry.split(":")
+        tp, pp, sp = (int(x) for x in dims.split(","))
+        layout = ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp == 1)
         dp = initialize_parallel(layout, seed=0)
         bridge = get_bridge(hf_dir)
         chunks = bridge.build_model(layout)
@@ -51,14 +54,17 @@ def main(argv):
         vlm_parity.hf_loss(hf, per_rank, bridge.image_token_id).backward()
         want = vlm_parity.hf_grads(hf)
         got = vlm_parity.exported_grads(bridge, model)
-        vision = torch.cat([p.main_grad.flatten() for p in chunks[0].vision.parameters()])
-        copies = [torch.empty_like(vision) for _ in range(layout.tp)]
-        torch.distributed.all_gather(copies, vision, group=ps.get_tensor_model_parallel_group())
-        results[name] = {"dp": dp, "tp": layout.tp, "vs_hf": float(vs_hf),
+        copies = [torch.zeros(1)]
+        if chunks[0].pre_process:  # the tower lives on the first stage
+            vision = torch.cat([p.main_grad.flatten() for p in chunks[0].vision.parameters()])
+            copies = [torch.empty_like(vision) for _ in range(layout.tp)]
+            torch.distributed.all_gather(copies, vision, group=ps.get_tensor_model_parallel_group())
+        results[name] = {"dp": dp, "tp": layout.tp, "pp": layout.pp, "sp": layout.sequence_parallel, "vs_hf": float(vs_hf),
                          "grad_max_abs_diff": vlm_parity.max_diff(got, want),
                          "grad_max_abs": max(g.abs().max().item() for g in want.values()),
                          "vision_grads_equal_across_tp": all(torch.equal(c, copies[0]) for c in copies),
-                         "vision_tensors": sum(n.startswith("visual.") for n in got)}
+                         "vision_tensors": sum(n.startswith("visual.") for n in got),
+                         "seconds": round(time.time() - t0, 1)}
         del model, chunks
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as fh:
