@@ -168,7 +168,7 @@ _VL_VISION: dict[str, dict[str, Any]] = {
                        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, window_size=8,
                        fullatt_block_indexes=[1], tokens_per_second=2),
 }
-VL_TOKENS: dict[str, dict[str, int]] = {
+VL_TOKENS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
 }
 _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")

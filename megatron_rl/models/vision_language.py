@@ -21,7 +21,7 @@ are used for all three sections, which is plain RoPE.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -90,7 +90,7 @@ class VisionLanguageGPTModel(GPTModel):
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 
-def raise_missing_images(input_ids: torch.Tensor, image_token_id: int) -> None:
+def raise_missing_images(input_ids: torch.Tensor, image_token_id: int) -> NoReturn:
     from megatron_rl.errors import ConfigError
 
     n = int((input_ids == image_token_id).sum())

@@ -45,6 +45,21 @@ def test_mrope_positions_are_hf_get_rope_index(vl):
     assert torch.equal(mrope_position_ids(text, None, 240, 2), torch.arange(7).expand(3, 7))
 
 
+def test_megatron_multimodal_rotary_embedding_is_hf_mrope_bit_for_bit(single_rank, vl):
+    """megatron-core 0.16.1's MultimodalRotaryEmbedding (sections doubled over [freqs, freqs]) gives the cos/sin
+    transformers' Qwen2.5-VL rotary embedding recomposes (sections over freqs, then doubled), bitwise."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    _, bridge, hf = vl
+    sample = vlm_parity.random_samples(bridge, SAMPLES[1:2], seed=5)[0]
+    pos = mrope_position_ids(sample.input_ids, sample.image_grid_thw, bridge.image_token_id, 2)[:, None, :] * 37
+    ours = MultimodalRotaryEmbedding(kv_channels=bridge.head_dim, rotary_percent=1.0, rotary_base=bridge.rope_theta)
+    freqs = ours(pos, bridge.mrope_section)[:, 0, 0]  # [s, head_dim]
+    cos, sin = Qwen2_5_VLRotaryEmbedding(hf.config.text_config)(torch.zeros(1), pos)
+    assert torch.equal(torch.cos(freqs), cos[0]) and torch.equal(torch.sin(freqs), sin[0])
+
+
 def test_features_go_to_the_pad_tokens_in_batch_order_as_hf_masked_scatter():
     ids = torch.tensor([[1, 9, 9, 2, 9], [9, 3, 9, 9, 4]])
     emb = torch.randn(5, 2, 3)  # megatron's [s, b, h]
