@@ -10,7 +10,7 @@ Pure torch (no megatron-core, no transformers), shared by the vision-language mo
   ``start + max(h, w) / m``.
 * :func:`check_image_tokens` -- a sample whose image-pad token count disagrees with its images' features
   (``image_grid_thw``) is refused by name, before the vision tower runs: scattering would otherwise put
-  features at the wrong tokens, or fail deep inside the model (slime #1379).
+  features at the wrong tokens, or fail deep inside the model (slime's "image features and tokens do not match").
 * :func:`scatter_image_features` -- the features replace the pad tokens' embeddings, in order. Done on the
   whole sequence, before any sequence-parallel or context-parallel split, so no rank ever holds a pad token
   without its feature.
