@@ -107,8 +107,8 @@ def main(argv=None) -> int:
 
 def _vision_language(args, bridge, layout) -> int:
     """A vision-language checkpoint: one sample per ``--seq-lengths`` entry (text tokens), every other one with a
-    random image of 2x2 merged patches, one sample per micro-batch (``megatron_rl.models.vlm_parity``), against
-    HF's own model given the same ids, pixels and grids."""
+    random image of 2x2 merged patches, packed THD micro-batches (``--padded``: one sample per micro-batch;
+    ``megatron_rl.models.vlm_parity``), against HF's own model given the same ids, pixels and grids."""
     import torch
 
     from megatron_rl.models import vlm_parity
@@ -122,8 +122,15 @@ def _vision_language(args, bridge, layout) -> int:
     lengths = [int(x) for x in args.seq_lengths.split(",")]
     samples = vlm_parity.random_samples(bridge, [(n, [(1, 2 * m, 2 * m)] if i % 2 == 0 else [])
                                                  for i, n in enumerate(lengths)], args.seed)
+    packed = not args.padded
+    if packed:  # --num-microbatches THD batches (default 1)
+        num_mb = args.num_microbatches or 1
+        bounds = [round(i * len(samples) / num_mb) for i in range(num_mb + 1)]
+        microbatches = [samples[a:b] for a, b in zip(bounds, bounds[1:])]
+    else:
+        microbatches = [[s] for s in samples]
     with torch.no_grad():
-        logits = vlm_parity.megatron_run(chunks, samples, bridge.vocab_size, forward_only=True)
+        logits = vlm_parity.megatron_run(chunks, microbatches, bridge.vocab_size, forward_only=True, packed=packed)
     status = 0
     if torch.distributed.get_rank() == 0:
         hf = vlm_parity.load_hf_model(args.hf_checkpoint)
@@ -134,13 +141,14 @@ def _vision_language(args, bridge, layout) -> int:
         result = parity.compare(logits, reference, [s.input_ids for s in samples])
         ok = result["max_abs_logit_diff"] <= args.tolerance
         result.update(layout=layout.describe(), model=os.path.abspath(args.hf_checkpoint), family=bridge.family,
-                      packed=False, images=[0 if s.image_grid_thw is None else len(s.image_grid_thw) for s in samples],
+                      packed=packed, images=[0 if s.image_grid_thw is None else len(s.image_grid_thw) for s in samples],
                       world_size=torch.distributed.get_world_size(), tolerance=args.tolerance, ok=ok)
         if args.json:
             print(json.dumps(result))
         else:
             print(f"model {bridge.family} {args.hf_checkpoint}  layout {layout.describe()}  "
-                  f"world {result['world_size']}  input one sample per micro-batch, images {result['images']}")
+                  f"world {result['world_size']}  input {'packed THD' if packed else 'one sample per micro-batch'}, "
+                  f"images per sample {result['images']}")
             print(f"max |delta logit| {result['max_abs_logit_diff']:.3e}  max |delta logprob| "
                   f"{result['max_abs_logprob_diff']:.3e}  tolerance {args.tolerance:g}  {'OK' if ok else 'FAIL'}")
         status = 0 if ok else 1

@@ -862,10 +862,6 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
     def unsupported_layout(self, layout) -> list[str]:
         problems = super().unsupported_layout(layout)
-        if layout.cp > 1:
-            problems.append(f"context parallelism {layout.cp} with a vision-language model (the image features "
-                            "must be scattered before the CP split, which is not built yet; docs/vlm.md); pass "
-                            "--context-parallel-size 1")
         if (layout.vpp or 1) > 1:
             problems.append(f"virtual pipeline parallelism {layout.vpp} with a vision-language model (not proven "
                             "yet; docs/vlm.md); drop --virtual-pipeline-model-parallel-size")
@@ -883,6 +879,9 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
     def finish_model(self, model) -> None:
         """The HF vision tower on the first stage (the stage that embeds the tokens)."""
         model.set_image_tokens(self.image_token_id, self.spatial_merge_size)
+        # the M-RoPE frequencies of the whole packed batch: megatron's THD RoPE takes each CP rank's chunks of them
+        # (by each sequence's offset); the embedding's own CP slice is for SBHD batches, which CP does not take here
+        model.rotary_pos_emb.cp_group = None
         if model.pre_process:
             from megatron_rl.models.vision_language import build_vision_tower  # lazy: imports transformers
 

@@ -26,6 +26,7 @@ from typing import Any, NoReturn, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from megatron_rl.models import cp_utils
 from megatron_rl.models.mrope import check_image_tokens, scatter_image_features
 
 
@@ -56,38 +57,62 @@ class VisionLanguageGPTModel(GPTModel):
         self.vision = vision
 
     def image_embeddings(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
-                         image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
-        """Token embeddings ``[s, b, h]`` with the image features at the pad tokens (first stage only)."""
+                         image_grid_thw: Optional[torch.Tensor], packed_seq_params=None) -> torch.Tensor:
+        """The decoder's input on the first stage: token embeddings with the image features at the pad tokens,
+        written on the whole sequence, then split as the decoder expects it (this CP rank's chunks of a packed
+        batch, this TP rank's share under sequence parallelism)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
         pad_tokens = bool((input_ids == self.image_token_id).any())
-        if pixel_values is None and not pad_tokens:
+        cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+        if pixel_values is None and not pad_tokens and cp == 1:
             return embeddings
-        if pixel_values is None or image_grid_thw is None:
+        if pad_tokens and (pixel_values is None or image_grid_thw is None):
             raise_missing_images(input_ids, self.image_token_id)
-        check_image_tokens(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size,
-                           "micro-batch", pixel_rows=int(pixel_values.shape[0]))
-        features = self.vision(pixel_values.to(embeddings.dtype), grid_thw=image_grid_thw).pooler_output
-        if not self.config.sequence_parallel:
-            return scatter_image_features(embeddings, input_ids, features, self.image_token_id, "micro-batch")
-        # sequence parallelism: megatron's embedding reduce-scatters the sequence over TP. The features go into
-        # the whole sequence (gathered; every TP rank then holds the same full embeddings, so the backward of
-        # the gather only splits), which is then scattered again as the decoder expects it
         from megatron.core import tensor_parallel  # lazy: megatron-core, already imported with GPTModel
 
         group = self.embedding.tp_group
-        whole = tensor_parallel.gather_from_sequence_parallel_region(embeddings, tensor_parallel_output_grad=False,
-                                                                     group=group)
-        whole = scatter_image_features(whole, input_ids, features, self.image_token_id, "micro-batch")
-        return tensor_parallel.scatter_to_sequence_parallel_region(whole, group=group)
+        if self.config.sequence_parallel:  # megatron's embedding reduce-scattered the sequence over TP: gather it
+            # (every TP rank then holds the same whole embeddings, so the backward of the gather only splits)
+            embeddings = tensor_parallel.gather_from_sequence_parallel_region(
+                embeddings, tensor_parallel_output_grad=False, group=group)
+        if pixel_values is not None and image_grid_thw is not None:
+            check_image_tokens(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size,
+                               "micro-batch", pixel_rows=int(pixel_values.shape[0]))
+            features = self.vision(pixel_values.to(embeddings.dtype), grid_thw=image_grid_thw).pooler_output
+            embeddings = scatter_image_features(embeddings, input_ids, features, self.image_token_id, "micro-batch")
+        if cp > 1:  # this rank's chunks of every sequence, after the features are in place
+            cu = packed_cu_seqlens(packed_seq_params)
+            index = cp_utils.cp_local_index(cu, self.pg_collection.cp.rank(), cp)
+            embeddings = embeddings.index_select(0, index.to(embeddings.device))
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings, group=group)
+        return embeddings
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 decoder_input: Optional[torch.Tensor] = None, *args: Any, pixel_values: Optional[torch.Tensor] = None,
-                image_grid_thw: Optional[torch.Tensor] = None, **kwargs: Any):
+                image_grid_thw: Optional[torch.Tensor] = None, packed_seq_params=None, **kwargs: Any):
+        """megatron's ``GPTModel.forward`` plus the images. Under context parallelism (a packed THD batch only)
+        ``input_ids`` and ``position_ids`` are the WHOLE packed batch, not this rank's share: the features are
+        scattered first, then this rank's chunks taken (:meth:`image_embeddings`), and megatron's THD RoPE picks
+        each chunk's frequencies from the whole batch's positions."""
         if position_ids is not None and position_ids.dim() == 2:  # text only: the three sections agree
             position_ids = position_ids[None].expand(3, -1, -1)
+        cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+        if cp > 1 and (packed_seq_params is None or packed_seq_params.qkv_format != "thd"):
+            from megatron_rl.errors import ConfigError
+
+            raise ConfigError("context parallelism with a vision-language model needs a packed (THD) batch: "
+                              "the image features are written into the whole packed sequence before the CP split")
         if self.pre_process and decoder_input is None:
-            decoder_input = self.image_embeddings(input_ids, pixel_values, image_grid_thw)
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
+            decoder_input = self.image_embeddings(input_ids, pixel_values, image_grid_thw, packed_seq_params)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args,
+                               packed_seq_params=packed_seq_params, **kwargs)
+
+
+def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
+    """The global padded cu_seqlens of a THD batch (what the CP chunks are cut from)."""
+    cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
 
 
 def raise_missing_images(input_ids: torch.Tensor, image_token_id: int) -> NoReturn:

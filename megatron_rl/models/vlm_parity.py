@@ -1,11 +1,13 @@
 """Parity of a vision-language model (:mod:`megatron_rl.models.vision_language`) with HF transformers' own model.
 
 The text-only :mod:`megatron_rl.models.parity` drives token batches; a vision-language sample also carries
-``pixel_values`` and ``image_grid_thw``, and its positions are the three M-RoPE rows. Here each sample is one
-right-sized micro-batch (``[1, s]``, no packing: packing with images is not built yet, docs/vlm.md) through
-megatron's ``get_forward_backward_func``; the reference is HF's ``*ForConditionalGeneration`` given the same
-ids, pixels and grids (HF computes its own positions with ``get_rope_index``). The loss is parity's weighted
-next-token NLL, averaged over micro-batches and DP ranks as megatron + DDP average it.
+``pixel_values`` and ``image_grid_thw``, and its positions are the three M-RoPE rows. Here micro-batches of
+samples go through megatron's ``get_forward_backward_func``, packed THD (every sample padded to the CP x SP
+multiple; under context parallelism the whole packed batch goes to every CP rank, which writes the image
+features in and then keeps its chunks) or one unpacked sample per micro-batch; the reference is HF's
+``*ForConditionalGeneration`` given each sample's ids, pixels and grids (HF computes its own positions with
+``get_rope_index``). The loss is parity's weighted next-token NLL, summed over a micro-batch, averaged over
+micro-batches and DP ranks as megatron + DDP average it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.models import cp_utils
 from megatron_rl.models.mrope import mrope_position_ids
 from megatron_rl.models.weights import unwrap
 
@@ -79,25 +82,75 @@ def _weighted_nll(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return -(logp.gather(-1, torch.roll(ids, -1)[:, None])[:, 0] * weights).sum()
 
 
-def hf_loss(hf_model, samples_per_dp_rank: list[list[VLSample]], image_token_id: int,
+def hf_loss(hf_model, microbatches_per_dp_rank: list[list[list[VLSample]]], image_token_id: int,
             logits_out: Optional[list] = None) -> torch.Tensor:
-    """The loss whose gradient megatron + DDP produce: mean over DP ranks and micro-batches (one sample each).
-    ``logits_out``: receives each sample's logits (detached), so a caller needs no second forward."""
+    """The loss whose gradient megatron + DDP produce: summed over a micro-batch's samples, mean over micro-batches
+    and DP ranks. ``logits_out``: receives each sample's logits (detached), so a caller needs no second forward."""
     total = torch.zeros(())
-    for samples in samples_per_dp_rank:
-        for s in samples:
-            logits = hf_forward(hf_model, s, image_token_id)
-            if logits_out is not None:
-                logits_out.append(logits.detach())
-            total = total + _weighted_nll(logits, s.input_ids, s.weights) / len(samples)
-    return total / len(samples_per_dp_rank)
+    for microbatches in microbatches_per_dp_rank:
+        for mb in microbatches:
+            for s in mb:
+                logits = hf_forward(hf_model, s, image_token_id)
+                if logits_out is not None:
+                    logits_out.append(logits.detach())
+                total = total + _weighted_nll(logits, s.input_ids, s.weights) / len(microbatches)
+    return total / len(microbatches_per_dp_rank)
 
 
 # ------------------------------------------------------------------- megatron
-def megatron_run(model_chunks, samples: list[VLSample], vocab_size: int,
-                 forward_only: bool = True) -> list[torch.Tensor]:
-    """Forward (and backward unless ``forward_only``) of one micro-batch per sample through megatron's
-    schedule; per-sample logits ``[s, vocab_size]`` gathered over TP (every rank returns them)."""
+@dataclass
+class _Prepared:
+    input_ids: torch.Tensor  # [1, T]: the whole (packed) micro-batch, as the model takes it
+    position_ids: torch.Tensor  # [3, 1, T]
+    targets: torch.Tensor  # [1, T_local]: this CP rank's tokens
+    weights: torch.Tensor  # [1, T_local]
+    pixel_values: Optional[torch.Tensor]
+    image_grid_thw: Optional[torch.Tensor]
+    packed_seq_params: object
+    cu_pad: Optional[torch.Tensor]
+    lengths: list[int]
+
+
+def _prepare(mb: list[VLSample], packed: bool, image_token_id: int, merge: int, sp: bool) -> _Prepared:
+    """One micro-batch as the model takes it: packed THD (every sample padded to the CP x SP multiple, the whole
+    batch given to every CP rank, the loss's targets and weights this rank's share), or one unpacked sample
+    (padded to the TP size under sequence parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    multiple = cp_utils.cp_pad_multiple(cp, tp, sp) if packed else (tp if sp else 1)
+    ids, pos, tgt, wts, cu = [], [], [], [], [0]
+    for s in mb:
+        n = len(s.input_ids)
+        extra = -n % multiple
+        p = mrope_position_ids(s.input_ids, s.image_grid_thw, image_token_id, merge)
+        tail = p.max() + 1 + torch.arange(extra)  # padding continues every row
+        ids.append(torch.cat([s.input_ids, s.input_ids.new_zeros(extra)]))
+        pos.append(torch.cat([p, tail.expand(3, extra)], dim=1))
+        tgt.append(torch.cat([torch.roll(s.input_ids, -1), s.input_ids.new_zeros(extra)]))
+        wts.append(torch.cat([s.weights, s.weights.new_zeros(extra)]))
+        cu.append(cu[-1] + n + extra)
+    images = [s for s in mb if s.pixel_values is not None]
+    pixels = torch.cat([s.pixel_values for s in images]) if images else None
+    grids = torch.cat([s.image_grid_thw for s in images]) if images else None
+    lengths = [len(s.input_ids) for s in mb]
+    if not packed:
+        assert len(mb) == 1, "an unpacked micro-batch holds one sample"
+        return _Prepared(ids[0][None], pos[0][:, None], tgt[0][None], wts[0][None], pixels, grids, None, None,
+                         lengths)
+    cu_pad = torch.tensor(cu, dtype=torch.int32)
+    real = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    index = cp_utils.cp_local_index(cu_pad, ps.get_context_parallel_rank(), cp)
+    return _Prepared(torch.cat(ids)[None], torch.cat(pos, dim=1)[:, None], torch.cat(tgt)[index][None],
+                     torch.cat(wts)[index][None], pixels, grids, cp_utils.make_packed_seq_params(cu_pad, real), cu_pad,
+                     lengths)
+
+
+def megatron_run(model_chunks, microbatches: list[list[VLSample]], vocab_size: int, forward_only: bool = True,
+                 packed: bool = True) -> list[torch.Tensor]:
+    """Forward (and backward unless ``forward_only``) of the micro-batches through megatron's schedule; per-sample
+    logits ``[s, vocab_size]`` gathered over TP and CP, on every rank. ``packed``: each micro-batch one THD
+    batch (needed for context parallelism); otherwise every micro-batch must hold one sample."""
     from functools import partial
 
     from megatron.core import parallel_state as ps
@@ -105,51 +158,43 @@ def megatron_run(model_chunks, samples: list[VLSample], vocab_size: int,
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model = unwrap(model_chunks[0])
-    # sequence parallelism splits the sequence over TP: pad each sample with text tokens of weight 0
-    multiple = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
-    padded = [_pad(s, multiple) for s in samples]
+    preps = [_prepare(mb, packed, model.image_token_id, model.spatial_merge_size, bool(model.config.sequence_parallel))
+             for mb in microbatches]
     collected: list[torch.Tensor] = []
 
-    def loss_func(sample, length, output):
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(output.detach().float())
-        collected.append(full[0, :length, :vocab_size].contiguous())
+    def loss_func(prep, output):
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(output.detach().float())[0]
+        if prep.cu_pad is not None:
+            full = cp_utils.gather_packed_from_cp(full, prep.cu_pad)
+            starts = prep.cu_pad.tolist()
+        else:
+            starts = [0]
+        collected.extend(full[a:a + n, :vocab_size].contiguous() for a, n in zip(starts, prep.lengths))
         logits = _mask_padded_vocab(output, vocab_size)
-        targets = torch.roll(sample.input_ids, -1)[:, None]  # [s, b=1]
         nll = tensor_parallel.vocab_parallel_cross_entropy(
-            logits.float().transpose(0, 1).clone(memory_format=torch.contiguous_format), targets)
-        loss = (nll[:, 0] * sample.weights).sum()
+            logits.float().transpose(0, 1).clone(memory_format=torch.contiguous_format), prep.targets.transpose(0, 1))
+        loss = (nll.transpose(0, 1) * prep.weights).sum()
         return loss, {"loss": loss.detach()}
 
     def forward_step(data_iterator, chunk):
-        sample, length = next(data_iterator)
-        positions = mrope_position_ids(sample.input_ids, sample.image_grid_thw, model.image_token_id,
-                                       model.spatial_merge_size)[:, None, :]
-        out = chunk(sample.input_ids[None], positions, attention_mask=None, pixel_values=sample.pixel_values,
-                    image_grid_thw=sample.image_grid_thw)
-        return out, partial(loss_func, sample, length)
+        prep = next(data_iterator)
+        out = chunk(prep.input_ids, prep.position_ids, attention_mask=None, pixel_values=prep.pixel_values,
+                    image_grid_thw=prep.image_grid_thw, packed_seq_params=prep.packed_seq_params)
+        return out, partial(loss_func, prep)
 
-    get_forward_backward_func()(forward_step_func=forward_step,
-                                data_iterator=iter(list(zip(padded, [len(s.input_ids) for s in samples]))),
-                                model=model_chunks[0], num_microbatches=len(samples),
-                                seq_length=max(len(s.input_ids) for s in padded), micro_batch_size=1,
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(preps),
+                                model=model_chunks[0], num_microbatches=len(preps),
+                                seq_length=max(p.input_ids.shape[1] for p in preps), micro_batch_size=1,
                                 forward_only=forward_only)
+    shapes = [(n, vocab_size) for p in preps for n in p.lengths]
     if ps.get_pipeline_model_parallel_world_size() > 1:  # the last stage's logits, to every stage
         if not ps.is_pipeline_last_stage():
-            collected = [torch.empty(len(s.input_ids), vocab_size) for s in samples]
+            collected = [torch.empty(shape) for shape in shapes]
         group = ps.get_pipeline_model_parallel_group()
         src = torch.distributed.get_process_group_ranks(group)[-1]
         for t in collected:
             torch.distributed.broadcast(t, src=src, group=group)
     return collected
-
-
-def _pad(sample: VLSample, multiple: int) -> VLSample:
-    extra = -len(sample.input_ids) % multiple
-    if not extra:
-        return sample
-    return VLSample(torch.cat([sample.input_ids, sample.input_ids.new_zeros(extra)]),
-                    torch.cat([sample.weights, sample.weights.new_zeros(extra)]), sample.pixel_values,
-                    sample.image_grid_thw)
 
 
 def _mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -104,16 +104,22 @@ def test_one_process_logits_and_gradients_equal_hf_and_export_is_bit_exact(vl, m
     chunks = model
     built = {s.canonical_name: tuple(s.param.shape) for s in _slots(chunks)}
     assert built == bridge.megatron_param_shapes()
-    samples = vlm_parity.random_samples(bridge, SAMPLES[1:], seed=1)  # two images (windowed blocks), text only
-    logits = vlm_parity.megatron_run(chunks, samples, bridge.vocab_size, forward_only=False)
+    samples = vlm_parity.random_samples(bridge, SAMPLES, seed=1)
+    microbatches = [samples[1:], samples[:1]]  # packed: two images + text only in one THD batch, then one image
+    for c in chunks:
+        c.zero_grad()
+    logits = vlm_parity.megatron_run(chunks, microbatches, bridge.vocab_size, forward_only=False)
     hf.zero_grad()
     ref: list = []
-    vlm_parity.hf_loss(hf, [samples], bridge.image_token_id, logits_out=ref).backward()
+    vlm_parity.hf_loss(hf, [microbatches], bridge.image_token_id, logits_out=ref).backward()
     assert max((a - b).abs().max().item() for a, b in zip(logits, ref)) <= 1e-5
     want = vlm_parity.hf_grads(hf)
     got = vlm_parity.exported_grads(bridge, chunks)
     assert sum(n.startswith("visual.") for n in got) == 30
     assert vlm_parity.max_diff(got, want) <= 1e-5 * max(g.abs().max().item() for g in want.values())
+    with torch.no_grad():  # one unpacked [1, s] sample per micro-batch: the same logits
+        unpacked = vlm_parity.megatron_run(chunks, [[samples[1]]], bridge.vocab_size, packed=False)
+    assert (unpacked[0] - ref[0]).abs().max().item() <= 1e-5
     exported = dict(bridge.export_hf_weights(chunks))
     original = load_file(os.path.join(path, "model.safetensors"))
     assert set(exported) == set(original) and all(torch.equal(exported[n], t) for n, t in original.items())
@@ -141,7 +147,6 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact_vision_included(single_rank, vl, tm
 
 
 @pytest.mark.parametrize("layout, needle", [
-    (ParallelLayout(cp=2), "context parallelism 2 with a vision-language model"),
     (ParallelLayout(pp=2, vpp=2), "virtual pipeline parallelism 2 with a vision-language model")])
 def test_layouts_not_built_yet_are_refused_by_name(vl, layout, needle):
     _, bridge, _ = vl

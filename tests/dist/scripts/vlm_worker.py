@@ -1,9 +1,9 @@
 """Worker: vision-language parity layouts in one launch (tests/dist/test_vlm_layouts.py).
 
-argv: OUT_JSON HF_DIR then layouts ``name:tp,pp,sp``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
+argv: OUT_JSON HF_DIR then layouts ``name:tp,pp,sp,cp``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
 megatron-core (the HF vision tower replicated, the language model TP-sharded), wrapped in megatron's DDP, one
-forward + backward of this DP rank's samples (images of several grids, one sample without images) through
-megatron's schedule; rank 0 writes max |dlogit| vs HF transformers' own model, max |dgrad| vs HF autograd of
+forward + backward of this DP rank's two packed THD micro-batches (images of several grids, one sample without
+images; under CP the features written into the whole packed batch before the split) through megatron's schedule; rank 0 writes max |dlogit| vs HF transformers' own model, max |dgrad| vs HF autograd of
 the same loss (mean over DP ranks, each with its own samples), the largest HF gradient, and whether every
 TP rank holds the same vision-tower gradient.
 """
@@ -32,8 +32,8 @@ def main(argv):
     for entry in layouts:
         t0 = time.time()
         name, dims = entry.split(":")
-        tp, pp, sp = (int(x) for x in dims.split(","))
-        layout = ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp == 1)
+        tp, pp, sp, cp = (int(x) for x in dims.split(","))
+        layout = ParallelLayout(tp=tp, pp=pp, cp=cp, sequence_parallel=sp == 1)
         dp = initialize_parallel(layout, seed=0)
         bridge = get_bridge(hf_dir)
         chunks = bridge.build_model(layout)
@@ -43,15 +43,18 @@ def main(argv):
         model = [DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
             overlap_grad_reduce=False), module=chunks[0])]
         model[0].zero_grad_buffer()
+        # two packed THD micro-batches per DP rank: two images + text only, then one image
         per_rank = [vlm_parity.random_samples(bridge, SAMPLES, seed=100 + r) for r in range(dp)]
-        mine = per_rank[ps.get_data_parallel_rank()]
-        logits = vlm_parity.megatron_run(model, mine, bridge.vocab_size, forward_only=False)
-        with torch.no_grad():
-            ref = [vlm_parity.hf_forward(hf, s, bridge.image_token_id) for s in mine]
-        vs_hf = torch.tensor(max((a - b).abs().max().item() for a, b in zip(logits, ref)))
-        torch.distributed.all_reduce(vs_hf, op=torch.distributed.ReduceOp.MAX)
+        per_rank = [[samples[1:], samples[:1]] for samples in per_rank]
+        dp_rank = ps.get_data_parallel_rank()
+        logits = vlm_parity.megatron_run(model, per_rank[dp_rank], bridge.vocab_size, forward_only=False)
         hf.zero_grad()
-        vlm_parity.hf_loss(hf, per_rank, bridge.image_token_id).backward()
+        ref: list = []
+        vlm_parity.hf_loss(hf, per_rank, bridge.image_token_id, logits_out=ref).backward()
+        n = sum(len(mb) for mb in per_rank[0])
+        mine = ref[dp_rank * n:(dp_rank + 1) * n]
+        vs_hf = torch.tensor(max((a - b).abs().max().item() for a, b in zip(logits, mine)))
+        torch.distributed.all_reduce(vs_hf, op=torch.distributed.ReduceOp.MAX)
         want = vlm_parity.hf_grads(hf)
         got = vlm_parity.exported_grads(bridge, model)
         copies = [torch.zeros(1)]
@@ -59,7 +62,8 @@ def main(argv):
             vision = torch.cat([p.main_grad.flatten() for p in chunks[0].vision.parameters()])
             copies = [torch.empty_like(vision) for _ in range(layout.tp)]
             torch.distributed.all_gather(copies, vision, group=ps.get_tensor_model_parallel_group())
-        results[name] = {"dp": dp, "tp": layout.tp, "pp": layout.pp, "sp": layout.sequence_parallel, "vs_hf": float(vs_hf),
+        results[name] = {"dp": dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "sp": layout.sequence_parallel,
+                         "vs_hf": float(vs_hf),
                          "grad_max_abs_diff": vlm_parity.max_diff(got, want),
                          "grad_max_abs": max(g.abs().max().item() for g in want.values()),
                          "vision_grads_equal_across_tp": all(torch.equal(c, copies[0]) for c in copies),
