@@ -808,8 +808,9 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
     ``visual.X``). config.json keeps the language model under ``text_config`` (read here as the bridge's own
     config) and the tower under ``vision_config``.
 
-    Proven layouts (docs/vlm.md): one process, DP2, TP2, TP2 + sequence parallelism, PP2 (the tower on the first
-    stage); context parallelism and virtual pipelines are refused by :meth:`unsupported_layout`.
+    Proven layouts (docs/vlm.md), packed THD micro-batches with images: one process, DP2, TP2, TP2 + sequence
+    parallelism, PP2 (the tower on the first stage), CP2 (the features written into the whole packed batch
+    before the CP split); virtual pipelines are refused by :meth:`unsupported_layout`.
     """
 
     family = "qwen2_5_vl"
