@@ -26,6 +26,7 @@ from typing import Any, NoReturn, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from megatron_rl.errors import ConfigError
 from megatron_rl.models import cp_utils
 from megatron_rl.models.mrope import check_image_tokens, scatter_image_features
 
@@ -99,8 +100,6 @@ class VisionLanguageGPTModel(GPTModel):
             position_ids = position_ids[None].expand(3, -1, -1)
         cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
         if cp > 1 and (packed_seq_params is None or packed_seq_params.qkv_format != "thd"):
-            from megatron_rl.errors import ConfigError
-
             raise ConfigError("context parallelism with a vision-language model needs a packed (THD) batch: "
                               "the image features are written into the whole packed sequence before the CP split")
         if self.pre_process and decoder_input is None:
@@ -116,8 +115,6 @@ def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
 
 
 def raise_missing_images(input_ids: torch.Tensor, image_token_id: int) -> NoReturn:
-    from megatron_rl.errors import ConfigError
-
     n = int((input_ids == image_token_id).sum())
     raise ConfigError(f"micro-batch: {n} image-pad tokens (id {image_token_id}) but no pixel_values / "
                       "image_grid_thw; pass the processor's image inputs with the tokens")

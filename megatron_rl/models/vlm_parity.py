@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.models import cp_utils
+from megatron_rl.models import cp_utils, hf_module
 from megatron_rl.models.mrope import mrope_position_ids
 from megatron_rl.models.weights import unwrap
 
@@ -130,9 +130,10 @@ def _prepare(mb: list[VLSample], packed: bool, image_token_id: int, merge: int, 
         tgt.append(torch.cat([torch.roll(s.input_ids, -1), s.input_ids.new_zeros(extra)]))
         wts.append(torch.cat([s.weights, s.weights.new_zeros(extra)]))
         cu.append(cu[-1] + n + extra)
-    images = [s for s in mb if s.pixel_values is not None]
-    pixels = torch.cat([s.pixel_values for s in images]) if images else None
-    grids = torch.cat([s.image_grid_thw for s in images]) if images else None
+    pixel_list = [s.pixel_values for s in mb if s.pixel_values is not None]
+    grid_list = [s.image_grid_thw for s in mb if s.image_grid_thw is not None]
+    pixels = torch.cat(pixel_list) if pixel_list else None
+    grids = torch.cat(grid_list) if grid_list else None
     lengths = [len(s.input_ids) for s in mb]
     if not packed:
         assert len(mb) == 1, "an unpacked micro-batch holds one sample"
@@ -226,8 +227,6 @@ def exported_grads(bridge, model_chunks) -> dict[str, torch.Tensor]:
 
 def hf_grads(hf_model) -> dict[str, torch.Tensor]:
     """HF's parameter gradients under the checkpoint's names (transformers' own reverse conversion)."""
-    from megatron_rl.models import hf_module
-
     named = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
     out: dict[str, torch.Tensor] = {}
     for unit in hf_module.layer_units(named):
