@@ -41,16 +41,28 @@ def _image_runs(input_ids: torch.Tensor, image_token_id: int) -> list[tuple[int,
 
 
 def check_image_tokens(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], image_token_id: int,
-                       spatial_merge_size: int, sample: str = "sample",
-                       pixel_rows: Optional[int] = None) -> list[int]:
+                       spatial_merge_size: int, sample: str = "sample", pixel_rows: Optional[int] = None,
+                       pixel_shape: Optional[tuple[int, ...]] = None, patch_dim: Optional[int] = None) -> list[int]:
     """Refuse (``ConfigError`` naming ``sample``) a sequence whose image-pad tokens do not match its images:
     each run of pad tokens must be exactly one image's ``t * h * w / m^2`` features, in order, and
     ``pixel_rows`` (the rows of ``pixel_values``, when given) must be the grids' ``sum(t * h * w)`` patches.
-    ``input_ids``: ``[s]`` or ``[b, s]`` (the images of row 0 first). Returns the tokens per image."""
+    ``input_ids``: ``[s]`` or ``[b, s]`` (the images of row 0 first). ``pixel_shape`` / ``patch_dim``: the
+    ``pixel_values`` shape must be ``[patches, patch_dim]`` (channels x temporal patch x patch^2 of the tower).
+    Each grid's height and width must be multiples of ``spatial_merge_size`` (the merger joins m x m patches).
+    Returns the tokens per image."""
+    grid = image_grid_thw.reshape(-1, 3).tolist() if image_grid_thw is not None else []
+    odd = [g for g in grid if int(g[1]) % spatial_merge_size or int(g[2]) % spatial_merge_size or min(g) < 1]
+    if odd:
+        raise ConfigError(f"{sample}: image_grid_thw {odd} are not positive grids whose height and width are "
+                          f"multiples of spatial_merge_size {spatial_merge_size}; pass the model's own processor's "
+                          "image_grid_thw")
+    if pixel_shape is not None and patch_dim is not None and (len(pixel_shape) != 2 or pixel_shape[1] != patch_dim):
+        raise ConfigError(f"{sample}: pixel_values has shape {list(pixel_shape)}, the vision tower takes [patches, "
+                          f"{patch_dim}] (channels x temporal patch x patch^2); pass the model's own processor's "
+                          "pixel_values")
     counts = image_token_counts(image_grid_thw, spatial_merge_size) if image_grid_thw is not None else []
     rows = input_ids.reshape(-1, input_ids.shape[-1]) if input_ids.numel() else input_ids.reshape(1, 0)
     runs = [end - start for row in rows for start, end in _image_runs(row, image_token_id)]
-    grid = image_grid_thw.reshape(-1, 3).tolist() if image_grid_thw is not None else []
     if runs != counts:
         raise ConfigError(f"{sample}: its image-pad tokens (id {image_token_id}) come in runs of {runs} but its "
                           f"{len(counts)} image(s) (image_grid_thw {grid}, spatial_merge_size "

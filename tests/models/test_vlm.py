@@ -87,7 +87,13 @@ def test_a_sample_whose_pad_tokens_disagree_with_its_images_is_refused_by_name(v
         check_image_tokens(short, sample.image_grid_thw, bridge.image_token_id, 2, "prompt 7")
     with pytest.raises(ConfigError, match="pixel_values has 31 patch rows but image_grid_thw"):
         check_image_tokens(sample.input_ids, sample.image_grid_thw, bridge.image_token_id, 2, "x", pixel_rows=31)
+    with pytest.raises(ConfigError, match=r"image_grid_thw \[\[1, 3, 8\]\] are not positive grids"):
+        check_image_tokens(sample.input_ids, torch.tensor([[1, 3, 8]]), bridge.image_token_id, 2, "x")
     chunks = model
+    with torch.no_grad(), pytest.raises(ConfigError, match=r"pixel_values has shape \[32, 12\], the vision tower "
+                                                           r"takes \[patches, 24\]"):
+        chunks[0](sample.input_ids[None], torch.arange(len(sample.input_ids))[None], None,
+                  pixel_values=sample.pixel_values[:, :12], image_grid_thw=sample.image_grid_thw)
     two = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     wrong = torch.tensor([[1, 240, 240, 4]])  # 2 pad tokens, the image gives 8 features
     with torch.no_grad(), pytest.raises(ConfigError, match=r"micro-batch: its image-pad tokens.*runs of \[2\]"):
