@@ -886,7 +886,9 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
         if model.pre_process:
             from megatron_rl.models.vision_language import build_vision_tower  # lazy: imports transformers
 
-            model.attach_vision(build_vision_tower(self.vision_config, model.config.params_dtype))
+            patch_dim = (int(self.vcfg("in_channels", 3)) * int(self.vcfg("temporal_patch_size", 2))
+                         * int(self.vcfg("patch_size", 14)) ** 2)
+            model.attach_vision(build_vision_tower(self.vision_config, model.config.params_dtype), patch_dim)
 
     # -------------------------------------------------------------- name maps
     VISION_PREFIX, HF_VISION_PREFIX = "vision.", "visual."

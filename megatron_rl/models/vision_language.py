@@ -54,8 +54,10 @@ class VisionLanguageGPTModel(GPTModel):
         self.image_token_id = int(image_token_id)
         self.spatial_merge_size = int(spatial_merge_size)
 
-    def attach_vision(self, vision: torch.nn.Module) -> None:
+    def attach_vision(self, vision: torch.nn.Module, patch_dim: int) -> None:
+        """The tower, and the width of one pixel patch it takes (channels x temporal patch x patch^2)."""
         self.vision = vision
+        self.patch_dim = int(patch_dim)
 
     def image_embeddings(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
                          image_grid_thw: Optional[torch.Tensor], packed_seq_params=None) -> torch.Tensor:
@@ -77,11 +79,9 @@ class VisionLanguageGPTModel(GPTModel):
             embeddings = tensor_parallel.gather_from_sequence_parallel_region(
                 embeddings, tensor_parallel_output_grad=False, group=group)
         if pixel_values is not None and image_grid_thw is not None:
-            embed = self.vision.patch_embed
             check_image_tokens(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size,
                                "micro-batch", pixel_rows=int(pixel_values.shape[0]),
-                               pixel_shape=tuple(pixel_values.shape),
-                               patch_dim=embed.in_channels * embed.temporal_patch_size * embed.patch_size ** 2)
+                               pixel_shape=tuple(pixel_values.shape), patch_dim=self.patch_dim)
             features = self.vision(pixel_values.to(embeddings.dtype), grid_thw=image_grid_thw).pooler_output
             embeddings = scatter_image_features(embeddings, input_ids, features, self.image_token_id, "micro-batch")
         if cp > 1:  # this rank's chunks of every sequence, after the features are in place
