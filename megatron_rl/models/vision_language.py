@@ -14,7 +14,8 @@ scattered into).
 <megatron_rl.models.families.Qwen2_5_VLBridge>` builds. Its ``forward`` takes megatron's arguments plus
 ``pixel_values`` / ``image_grid_thw``; on the first pipeline stage it embeds the tokens, runs the vision
 tower and scatters the features at the image-pad tokens (:func:`~megatron_rl.models.mrope.scatter_image_features`)
-on the whole sequence, then hands the embeddings to the decoder as ``decoder_input``. Position ids are
+on the whole sequence, then splits it as the decoder takes it (this context-parallel rank's chunks of a packed
+batch, this TP rank's share under sequence parallelism) and hands it to the decoder as ``decoder_input``. Position ids are
 ``[3, b, s]`` (:func:`~megatron_rl.models.mrope.mrope_position_ids`); ``[b, s]`` ids (a text-only batch)
 are used for all three sections, which is plain RoPE.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import Any, NoReturn, Optional
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
 from megatron_rl.errors import ConfigError
@@ -71,8 +73,6 @@ class VisionLanguageGPTModel(GPTModel):
             return embeddings
         if pad_tokens and (pixel_values is None or image_grid_thw is None):
             raise_missing_images(input_ids, self.image_token_id)
-        from megatron.core import tensor_parallel  # lazy: megatron-core, already imported with GPTModel
-
         group = self.embedding.tp_group
         if self.config.sequence_parallel:  # megatron's embedding reduce-scattered the sequence over TP: gather it
             # (every TP rank then holds the same whole embeddings, so the backward of the gather only splits)
