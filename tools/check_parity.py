@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     try:
         bridge = get_bridge(args.hf_checkpoint)
         initialize_parallel(layout, seed=args.seed)
+        if hasattr(bridge, "vision_shapes"):  # a vision-language model: samples with images
+            return _vision_language(args, bridge, layout)
         packed = supports_packed_sequences() and not args.padded
         chunks = bridge.build_model(layout)
         bridge.load_hf_weights(chunks, args.hf_checkpoint)
@@ -95,6 +97,60 @@ def main(argv=None) -> int:
             print(f"max |delta logit| {result['max_abs_logit_diff']:.3e}  max |delta logprob| "
                   f"{result['max_abs_logprob_diff']:.3e}  tolerance {args.tolerance:g}  "
                   f"{'OK' if ok else 'FAIL'}")
+        status = 0 if ok else 1
+    flag = torch.tensor([status])
+    torch.distributed.broadcast(flag, src=0)
+    destroy_parallel()
+    torch.distributed.destroy_process_group()
+    return int(flag.item())
+
+
+def _vision_language(args, bridge, layout) -> int:
+    """A vision-language checkpoint: one sample per ``--seq-lengths`` entry (text tokens), every other one with a
+    random image of 2x2 merged patches, packed THD micro-batches (``--padded``: one sample per micro-batch;
+    ``megatron_rl.models.vlm_parity``), against HF's own model given the same ids, pixels and grids."""
+    import torch
+
+    from megatron_rl.models import vlm_parity
+    from megatron_rl.models.parallel import destroy_parallel
+
+    chunks = bridge.build_model(layout)
+    bridge.load_hf_weights(chunks, args.hf_checkpoint)
+    for c in chunks:
+        c.eval()
+    m = bridge.spatial_merge_size
+    lengths = [int(x) for x in args.seq_lengths.split(",")]
+    samples = vlm_parity.random_samples(bridge, [(n, [(1, 2 * m, 2 * m)] if i % 2 == 0 else [])
+                                                 for i, n in enumerate(lengths)], args.seed)
+    packed = not args.padded
+    if packed:  # --num-microbatches THD batches (default 1)
+        num_mb = args.num_microbatches or 1
+        bounds = [round(i * len(samples) / num_mb) for i in range(num_mb + 1)]
+        microbatches = [samples[a:b] for a, b in zip(bounds, bounds[1:])]
+    else:
+        microbatches = [[s] for s in samples]
+    with torch.no_grad():
+        logits = vlm_parity.megatron_run(chunks, microbatches, bridge.vocab_size, forward_only=True, packed=packed)
+    status = 0
+    if torch.distributed.get_rank() == 0:
+        hf = vlm_parity.load_hf_model(args.hf_checkpoint)
+        with torch.no_grad():
+            reference = [vlm_parity.hf_forward(hf, s, bridge.image_token_id) for s in samples]
+        from megatron_rl.models import parity
+
+        result = parity.compare(logits, reference, [s.input_ids for s in samples])
+        ok = result["max_abs_logit_diff"] <= args.tolerance
+        result.update(layout=layout.describe(), model=os.path.abspath(args.hf_checkpoint), family=bridge.family,
+                      packed=packed, images=[0 if s.image_grid_thw is None else len(s.image_grid_thw) for s in samples],
+                      world_size=torch.distributed.get_world_size(), tolerance=args.tolerance, ok=ok)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"model {bridge.family} {args.hf_checkpoint}  layout {layout.describe()}  "
+                  f"world {result['world_size']}  input {'packed THD' if packed else 'one sample per micro-batch'}, "
+                  f"images per sample {result['images']}")
+            print(f"max |delta logit| {result['max_abs_logit_diff']:.3e}  max |delta logprob| "
+                  f"{result['max_abs_logprob_diff']:.3e}  tolerance {args.tolerance:g}  {'OK' if ok else 'FAIL'}")
         status = 0 if ok else 1
     flag = torch.tensor([status])
     torch.distributed.broadcast(flag, src=0)

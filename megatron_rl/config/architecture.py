@@ -28,7 +28,9 @@ from megatron_rl.plan import ModelShape
 from .schema import Config
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-QKV_BIAS_TYPES = ("qwen2",)  # families whose q/k/v projections carry a bias (models/families.py)
+QKV_BIAS_TYPES = ("qwen2", "qwen2_5_vl_text")  # families whose q/k/v projections carry a bias (models/families.py)
+# multimodal RoPE: megatron's position_embedding_type "mrope" (Qwen2.5-VL's language model, text_config's model_type)
+MROPE_TYPES = ("qwen2_5_vl_text",)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
@@ -66,7 +68,10 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
 BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "mixtral", "qwen2",
-                       "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
+                       "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
+# vision-language model_types a bridge builds (models/families.py): the model, its conversion and its parity with
+# HF exist, the image data pipeline and rollout do not yet, so a run with one is refused (docs/vlm.md)
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
@@ -138,10 +143,10 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
             "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
         "rotary_percent": ("partial_rotary_factor", float(rope.get("partial_rotary_factor", c.get(
             "partial_rotary_factor", DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
-        # every supported family is a RoPE model; gpt-oss's YaRN is megatron's own embedding type
+        # every supported family is a RoPE model; gpt-oss's YaRN and Qwen2.5-VL's M-RoPE are megatron's own types
         "position_embedding_type": ("rope_parameters.rope_type", "yarn") if (
             model_type in YARN_POSITION_TYPES and rope.get("rope_type", rope.get("type")) == "yarn") else (
-            "rope_theta", "rope"),
+            "rope_parameters.mrope_section", "mrope") if model_type in MROPE_TYPES else ("rope_theta", "rope"),
         "disable_bias_linear": ("mlp_bias / attention_bias", not c.get("mlp_bias", False) and not (
             c.get("attention_bias", False) and model_type not in QKV_BIAS_TYPES + QKV_ONLY_ATTENTION_BIAS_TYPES)),
         "add_qkv_bias": ("model_type / attention_bias",
@@ -484,6 +489,12 @@ def model_type_errors(hf: dict, where: str) -> list[str]:
     """config.json's ``model_type`` has a bridge (what ``models.get_bridge`` refuses once the model is built,
     said here, where validation and ``--dry-run`` read the file)."""
     model_type = hf.get("model_type")
+    if model_type in VISION_LANGUAGE_TYPES:
+        return [f"{where}: model_type {model_type!r} is a vision-language model: megatron_rl has its model "
+                "(megatron-core language model with M-RoPE + the HF vision tower), HF <-> torch_dist conversion and "
+                "parity with HF, but no image data pipeline (--multimodal-keys), no rollout with images and no "
+                "training run yet (docs/vlm.md); convert it with tools/convert_ckpt.py and check it against HF with "
+                "tools/check_parity.py, or train a text model"]
     if model_type in BRIDGED_MODEL_TYPES:
         return []
     if model_type in MULTIMODAL_MODEL_TYPES:

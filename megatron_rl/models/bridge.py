@@ -412,6 +412,11 @@ class Bridge:
                               "spec's fused norms have a plain gain, and it has no post-attention / post-MLP "
                               "norms); run without transformer-engine installed")
 
+    def gpt_model_class(self):
+        """The ``GPTModel`` subclass a family builds (a vision-language model: one with its vision tower); None:
+        megatron's ``GPTModel``."""
+        return None
+
     def finish_model(self, model) -> None:
         """Attach what a family computes outside megatron's modules to one built chunk (Gemma: the
         embedding scale and logit soft-capping, as forward hooks)."""
@@ -454,7 +459,7 @@ class Bridge:
                 pre = is_pp_first_stage(pg_collection.pp) and is_vp_first_stage(stage, vpp)
                 post = is_pp_last_stage(pg_collection.pp) and is_vp_last_stage(stage, vpp)
             mtp = self.mtp_block_spec(config) if post and self.mtp_num_layers else None
-            model_class = GPTModel
+            model_class = self.gpt_model_class() or GPTModel
             if mtp is not None:
                 from megatron_rl.models.mtp import MtpGPTModel as model_class  # lazy: imports megatron-core
             model = model_class(

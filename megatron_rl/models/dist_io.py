@@ -26,7 +26,7 @@ from megatron_rl.infra.dist import rank
 from megatron_rl.models.parallel import initialize_parallel
 from megatron_rl.models.finite import non_finite_names
 
-MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
+MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.", "vision.")
 
 
 def setup(layout) -> None:

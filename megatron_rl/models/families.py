@@ -796,9 +796,142 @@ class Qwen3_5MoeTextBridge(Qwen3_5TextBridge):
         return dict(moe_router_pre_softmax=False, moe_router_score_function="softmax")
 
 
+class Qwen2_5_VLBridge(Qwen2Bridge):
+    """Qwen2.5-VL (``qwen2_5_vl``): a Qwen2 language model (q/k/v bias) with multimodal RoPE, and a vision tower
+    plus merger (``visual.*`` in the checkpoint) whose features replace the image-pad tokens' embeddings.
+
+    The language model is megatron's ``GPTModel`` with ``position_embedding_type="mrope"``: megatron-core's
+    ``MultimodalRotaryEmbedding`` takes the rotary frequencies of each channel section from the temporal / height
+    / width position row of ``rope_parameters.mrope_section`` (the sections repeated for the two rotate-half
+    halves), as HF's ``apply_multimodal_rotary_pos_emb``. The vision tower is the HF module itself
+    (:mod:`megatron_rl.models.vision_language`), replicated across TP; its tensors map 1:1 (``vision.X`` <->
+    ``visual.X``). config.json keeps the language model under ``text_config`` (read here as the bridge's own
+    config) and the tower under ``vision_config``.
+
+    Proven layouts (docs/vlm.md), packed THD micro-batches with images: one process, DP2, TP2, TP2 + sequence
+    parallelism, PP2 (the tower on the first stage), CP2 (the features written into the whole packed batch
+    before the CP split); virtual pipelines are refused by :meth:`unsupported_layout`.
+    """
+
+    family = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+    position_embedding_type = "mrope"
+    rope_types = ("default", "mrope")  # older configs spell the multimodal RoPE rope_type "mrope"
+
+    def __init__(self, hf_config: dict, mtp_num_layers: int = 0):
+        full = dict(hf_config)
+        text = dict(full.get("text_config") or {k: v for k, v in full.items() if k != "vision_config"})
+        text["model_type"] = full.get("model_type")
+        if "tie_word_embeddings" in full:  # the wrapper's value is the one transformers ties by
+            text["tie_word_embeddings"] = full["tie_word_embeddings"]
+        self.vl_config = full
+        self.vision_config = dict(full.get("vision_config") or {})
+        super().__init__(text, mtp_num_layers=mtp_num_layers)
+
+    def vcfg(self, key: str, default: Any = None) -> Any:
+        value = self.vision_config.get(key)
+        return default if value is None else value
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.vl_config.get("image_token_id", self.cfg("image_token_id", 151655)))
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return int(self.vcfg("spatial_merge_size", 2))
+
+    @property
+    def mrope_section(self) -> list[int]:
+        return [int(x) for x in (self._rope.get("mrope_section") or [])]
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        section = self.mrope_section
+        if not section:
+            problems.append("rope_parameters without mrope_section (a Qwen2.5-VL language model needs its "
+                            "temporal / height / width RoPE sections)")
+        elif len(section) != 3 or sum(section) != self.head_dim // 2:
+            problems.append(f"mrope_section {section} (three sections summing to head_dim / 2 = {self.head_dim // 2})")
+        if not self.vision_config:
+            problems.append("no vision_config (a qwen2_5_vl checkpoint holds its vision tower)")
+        elif self.vcfg("hidden_act", "silu") != "silu":
+            problems.append(f"vision_config.hidden_act={self.vcfg('hidden_act')!r} (only 'silu')")
+        elif int(self.vcfg("out_hidden_size", self.hidden_size)) != self.hidden_size:
+            problems.append(f"vision_config.out_hidden_size={self.vcfg('out_hidden_size')} != text hidden_size "
+                            f"{self.hidden_size} (the merger's features replace token embeddings)")
+        return problems
+
+    def unsupported_layout(self, layout) -> list[str]:
+        problems = super().unsupported_layout(layout)
+        if (layout.vpp or 1) > 1:
+            problems.append(f"virtual pipeline parallelism {layout.vpp} with a vision-language model (not proven "
+                            "yet; docs/vlm.md); drop --virtual-pipeline-model-parallel-size")
+        return problems
+
+    def architecture_config(self) -> dict[str, Any]:
+        return dict(super().architecture_config(), mrope_section=self.mrope_section)
+
+    # ------------------------------------------------------------------ model
+    def gpt_model_class(self):
+        from megatron_rl.models.vision_language import VisionLanguageGPTModel  # lazy: imports megatron-core
+
+        return VisionLanguageGPTModel
+
+    def finish_model(self, model) -> None:
+        """The HF vision tower on the first stage (the stage that embeds the tokens)."""
+        model.set_image_tokens(self.image_token_id, self.spatial_merge_size)
+        # the M-RoPE frequencies of the whole packed batch: megatron's THD RoPE takes each CP rank's chunks of them
+        # (by each sequence's offset); the embedding's own CP slice is for SBHD batches, which CP does not take here
+        model.rotary_pos_emb.cp_group = None
+        if model.pre_process:
+            from megatron_rl.models.vision_language import build_vision_tower  # lazy: imports transformers
+
+            patch_dim = (int(self.vcfg("in_channels", 3)) * int(self.vcfg("temporal_patch_size", 2))
+                         * int(self.vcfg("patch_size", 14)) ** 2)
+            model.attach_vision(build_vision_tower(self.vision_config, model.config.params_dtype), patch_dim)
+
+    # -------------------------------------------------------------- name maps
+    VISION_PREFIX, HF_VISION_PREFIX = "vision.", "visual."
+
+    def vision_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the vision tower and merger (names relative to it) with its shape."""
+        h, f = int(self.vcfg("hidden_size")), int(self.vcfg("intermediate_size"))
+        m, p, tp = self.spatial_merge_size, int(self.vcfg("patch_size", 14)), int(self.vcfg("temporal_patch_size", 2))
+        merged = h * m * m
+        shapes: dict[str, tuple[int, ...]] = {
+            "patch_embed.proj.weight": (h, int(self.vcfg("in_channels", 3)), tp, p, p),
+            "merger.ln_q.weight": (h,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
+            "merger.mlp.2.weight": (self.hidden_size, merged), "merger.mlp.2.bias": (self.hidden_size,)}
+        for i in range(int(self.vcfg("depth"))):
+            b = f"blocks.{i}."
+            shapes.update({b + "norm1.weight": (h,), b + "norm2.weight": (h,), b + "attn.qkv.weight": (3 * h, h),
+                           b + "attn.qkv.bias": (3 * h,), b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
+                           b + "mlp.gate_proj.weight": (f, h), b + "mlp.gate_proj.bias": (f,),
+                           b + "mlp.up_proj.weight": (f, h), b + "mlp.up_proj.bias": (f,),
+                           b + "mlp.down_proj.weight": (h, f), b + "mlp.down_proj.bias": (h,)})
+        return shapes
+
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_param_shapes()
+        shapes.update({self.HF_VISION_PREFIX + n: s for n, s in self.vision_shapes().items()})
+        return shapes
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        shapes = super().megatron_param_shapes(flavour, tp_size)
+        shapes.update({self.VISION_PREFIX + n: s for n, s in self.vision_shapes().items()})
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        if name.startswith(self.VISION_PREFIX):
+            local = name[len(self.VISION_PREFIX):]
+            if local in self.vision_shapes():
+                return ParamRule("copy", (self.HF_VISION_PREFIX + local,))
+        return super().rule_for(name)
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
                                        Gemma3TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
-                                       Qwen3_5MoeTextBridge)}
+                                       Qwen3_5MoeTextBridge, Qwen2_5_VLBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

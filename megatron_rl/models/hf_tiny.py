@@ -152,6 +152,25 @@ _FAMILY_DEFAULTS["qwen3_5_text"] = dict(_QWEN3_5_HYBRID)
 _FAMILY_DEFAULTS["qwen3_5_moe_text"] = dict(_QWEN3_5_HYBRID, num_experts=4, num_experts_per_tok=2,
                                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                             output_router_logits=False, router_aux_loss_coef=0.0)
+# vision-language families: a config with text_config / vision_config, saved as the hub does (LM under model.*,
+# the vision tower under visual.*); kept apart from FAMILIES, whose text-only tests (weight sync, the memory
+# planner, ...) do not apply to them yet (docs/vlm.md)
+VL_FAMILIES = ("qwen2_5_vl",)
+# every switch on: a Qwen2 language model (q/k/v bias) with M-RoPE sections [2, 3, 3] of head_dim 16; a 2-block
+# vision tower (patch 2, temporal patch 2) with windowed attention in block 0 (window 8 pixels: 2x2 merged
+# patches) and full attention in block 1, a 2x2 merger into the text hidden size; image/video/vision-start/end
+# token ids inside the vocab
+_VL_TEXT: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+}
+_VL_VISION: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, window_size=8,
+                       fullatt_block_indexes=[1], tokens_per_second=2),
+}
+VL_TOKENS: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
+}
 _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
@@ -164,8 +183,10 @@ def tiny_config(family: str, **overrides: Any):
     """Return a ``transformers`` config object for a tiny model of ``family``."""
     import transformers
 
+    if family in VL_FAMILIES:
+        return _vl_config(family, **overrides)
     if family not in FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES + VL_FAMILIES)}")
     cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
@@ -182,6 +203,28 @@ def tiny_config(family: str, **overrides: Any):
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
+
+
+def _vl_config(family: str, **overrides: Any):
+    """A vision-language config: the text model's fields (``_COMMON`` and the family's) under ``text_config``,
+    the tower under ``vision_config``; ``overrides`` go to the text config, ``vision_config=`` to the tower."""
+    import transformers
+
+    vision = {**_VL_VISION[family], **overrides.pop("vision_config", {})}
+    text = {k: v for k, v in {**_COMMON, **_VL_TEXT[family], **overrides}.items() if k != "dtype"}
+    text.update(bos_token_id=None, eos_token_id=None)  # transformers' defaults (151643, ...) lie outside the tiny vocab
+    tie = text.pop("tie_word_embeddings")
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig}[family]
+    return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **VL_TOKENS[family])
+
+
+def _model_class(family: str):
+    """The transformers class a tiny model of ``family`` is built and loaded with."""
+    import transformers
+
+    if family in VL_FAMILIES:
+        return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}[family]
+    return transformers.AutoModelForCausalLM
 
 
 def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp: bool = False,
@@ -204,10 +247,13 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
     depths = int(getattr(config, "num_nextn_predict_layers", 0) or 0) if mtp else 0
     if mtp and not depths:
         raise ValueError(f"mtp=True needs a {family} config with num_nextn_predict_layers > 0")
-    main_layers = config.num_hidden_layers
-    config.num_hidden_layers = main_layers + depths
+    if depths:
+        main_layers = config.num_hidden_layers
+        config.num_hidden_layers = main_layers + depths
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = _model_class(family)
+    build = cls.from_config if cls is transformers.AutoModelForCausalLM else cls._from_config
+    model = build(config, dtype=torch.float32)
     _randomize(model, family)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)

@@ -16,7 +16,7 @@ from megatron_rl.config.architecture import ARCHITECTURE, UNUSED, megatron_view
 from megatron_rl.config.schema import parse_moe_layer_freq
 from megatron_rl.errors import ConfigError
 from megatron_rl.models.families import BRIDGES
-from megatron_rl.models.hf_tiny import tiny_config
+from megatron_rl.models.hf_tiny import VL_FAMILIES, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +105,7 @@ def test_megatron_view_agrees_with_the_bridge(family):
         assert "num_experts" not in view
 
 
-@pytest.mark.parametrize("family", sorted(BRIDGES))
+@pytest.mark.parametrize("family", sorted(set(BRIDGES) - set(VL_FAMILIES)))  # a VL run: refused (test_vlm.py)
 def test_flags_stating_the_config_are_accepted(family, tmp_path):
     hf = tiny_config(family).to_dict()
     cfg = parse_config(["--hf-checkpoint", hf_dir(tmp_path, family), *stated_argv(hf)])

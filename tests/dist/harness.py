@@ -56,6 +56,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "reward_model": ("reward_model_worker", "main"),
     "routing": ("routing_worker", "main"),
     "vocab_parallel": ("vocab_parallel_worker", "main"),
+    "vlm": ("vlm_worker", "main"),
 }
 # threads a rank may hold between jobs: the interpreter, torch's pools at OMP_NUM_THREADS=1, the default
 # gloo group's loops and the odd helper (measured 5-20 after a job); one leaked layout adds 30-50

@@ -1,0 +1,32 @@
+"""Qwen2.5-VL in megatron-core against HF transformers' own model at DP2, TP2, TP2 + sequence parallelism, PP2 (the
+vision tower on the first stage) and CP2 (features written before the split), packed THD micro-batches (real torchrun, gloo, fp32):
+logits and gradients (vision tower included) through megatron's DDP, in the layouts group's 2-rank launch."""
+
+import pytest
+
+from _util import read_json
+
+pytestmark = pytest.mark.dist
+
+LOGIT_TOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def shared_launch(ctx):
+    out = ctx.tmp_path_factory.mktemp("vlm") / "r2.json"
+    yield {2: [("vlm", [out, ctx.tiny_hf_models("qwen2_5_vl"), "vlm_dp2:1,1,0,1", "vlm_tp2:2,1,0,1",
+                      "vlm_tp2_sp:2,1,1,1", "vlm_pp2:1,2,0,1", "vlm_cp2:1,1,0,2"])]}
+    return read_json(out)
+
+
+def test_qwen2_5_vl_dp2_tp2_sp_pp2_cp2_match_hf_with_gradients(shared_launch_state):
+    results = shared_launch_state
+    assert set(results) == {"vlm_dp2", "vlm_tp2", "vlm_tp2_sp", "vlm_pp2", "vlm_cp2"}
+    assert results["vlm_cp2"]["cp"] == 2
+    assert (results["vlm_dp2"]["dp"], results["vlm_tp2"]["tp"], results["vlm_pp2"]["pp"]) == (2, 2, 2)
+    assert results["vlm_tp2_sp"]["sp"]
+    for name, r in results.items():
+        print(name, r)
+        assert r["vs_hf"] <= LOGIT_TOL, (name, r)
+        assert r["grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r["grad_max_abs"]), (name, r)
+        assert r["vision_grads_equal_across_tp"] and r["vision_tensors"] == 30, (name, r)
