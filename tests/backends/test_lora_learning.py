@@ -4,24 +4,24 @@ A LoRA path can be exact (equal to HF PEFT, tests/dist/test_lora_layouts.py) and
 adapter the optimizer does not step, a learning rate or the alpha / r scaling lost on the way, a gradient of the
 wrong sign. Each shows here as a first step much smaller than full fine-tuning's on the same batch, or one that
 does not go uphill on the batch's objective. The recommended settings (docs/lora.md, "Learning rate, alpha
-and rank"): alpha = 2 x rank and a learning rate about 3x full fine-tuning's; the demo's full fine-tuning lr is
-3e-3, LoRA's 1e-2. Measured on the demo model (random init, one Adam step on 32 samples, 2026-12-07): the LoRA
-step's mean |d log-prob| is 0.61x full fine-tuning's on the megatron backend and 0.71x on FSDP. What the band
-below catches (measured the same way): the alpha / r scaling lost (0.36x megatron, 0.47x FSDP), a learning rate
-10x too small (0.08x, 0.11x), rank 1 at alpha 2 (0.10x, 0.21x), an adapter the optimizer does not step (0).
-A first step with 10x the learning rate saturates (0.95x, 0.97x) and passes: it is the sweep in docs/lora.md that
-shows such a run collapsing. About 5 s of CPU for both backends (4 backends built, one step each)."""
+and rank"): alpha = 2 x rank and a learning rate about 1-2x full fine-tuning's; the demo's full fine-tuning lr
+is 3e-3, LoRA's 5e-3. Measured on the demo model (random init, one Adam step on 32 samples, 2026-12-07): the
+LoRA step's mean |d log-prob| is 0.36x full fine-tuning's on the megatron backend and 0.47x on FSDP (0.61x and
+0.71x at 1e-2). What the band below catches (measured the same way): the alpha / r scaling lost (0.19x megatron,
+0.26x FSDP), a learning rate 10x too small (0.04x, 0.05x), an adapter the optimizer does not step (0). A first
+step with a learning rate far too large saturates (0.95x, 0.97x at 1e-1) and may pass: it is the sweep in
+docs/lora.md that shows such a run collapsing. About 5 s of CPU for both backends (4 backends built, one step each)."""
 
 import pytest
 import torch
 
 from megatron_rl.data.synthetic import build_demo_model, score
 
-FULL_LR, LORA_LR = "3e-3", "1e-2"
+FULL_LR, LORA_LR = "3e-3", "5e-3"
 LORA = ["--lora-rank", "8", "--lora-alpha", "16"]
-# LoRA's first-step mean |d log-prob| over full fine-tuning's must lie in this band (measured 0.61x megatron,
-# 0.71x FSDP)
-RATIO_BAND = (0.5, 1.0)
+# LoRA's first-step mean |d log-prob| over full fine-tuning's must lie in this band (measured 0.36x megatron,
+# 0.47x FSDP)
+RATIO_BAND = (0.3, 0.8)
 
 
 def _samples(n_prompts: int = 4, n: int = 8, seed: int = 0):
