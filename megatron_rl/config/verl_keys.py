@@ -534,7 +534,9 @@ def render() -> str:
         "`extra_info` and `ability` go into every sample's metadata. A row with a prompt that is not chat "
         "messages, an empty `data_source`, no ground truth or an `extra_info` that is not a dict is refused naming "
         "the file, the row (counted from 1) and the column; so is a column outside that schema (its values would "
-        "reach no reward function) and a multimodal one (`images`, `videos`). `--label-key`, `--metadata-key` and "
+        "reach no reward function) and `videos`; verl's `images` column is read with `--multimodal-keys "
+        "'{\"image\": \"images\"}'` (docs/vlm.md; runs with images are still refused) and refused without it. "
+        "`--label-key`, `--metadata-key` and "
         "`--tool-key` do not apply to a parquet file (refused when set). Reading needs pyarrow (a dependency of "
         "this package).",
         "",
