@@ -18,7 +18,10 @@ processor's pixel bounds and cuts it into patches: ``pixel_values`` ``[patches, 
 (float32) and ``image_grid_thw`` ``[images, 3]`` (int64), as transformers' Qwen2.5-VL processor gives them.
 
 The prompt holds one image-pad token (the model's ``image_token_id``; the chat template writes it between the
-vision-start and vision-end tokens) per image, in image order. Like transformers' processor, each is expanded
+vision-start and vision-end tokens) per image, in image order. verl's ``<image>`` marker in a text or chat prompt
+(as its geo3k preprocessing writes it) is first replaced by the model's image slot, the tokenizer's text for
+vision-start, image-pad, vision-end (``<|vision_start|><|image_pad|><|vision_end|>``), as verl's dataset and the
+processor's chat template do between them. Like transformers' processor, each is expanded
 to the image's ``t * h * w / merge^2`` pad tokens, the number of features the vision tower's merger gives it,
 so the expanded prompt is what the model checks (``models/mrope.py::check_image_tokens``) and
 ``--rollout-max-prompt-len`` counts the image's tokens. Why on token ids and not the processor's text path: the
@@ -217,6 +220,8 @@ class ImageProcessor:
                               f"processor ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
                               ) from None
         self.image_token_id = int(config["image_token_id"])
+        self.vision_start_id = config.get("vision_start_token_id")
+        self.vision_end_id = config.get("vision_end_token_id")
         self.merge_size = int(getattr(self.processor, "merge_size", config["vision_config"].get(
             "spatial_merge_size", 2)))
 
@@ -229,10 +234,36 @@ class ImageProcessor:
         out = self.processor(images=images, return_tensors="np")
         return VisionInputs(np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64))
 
+    def image_slot(self, tokenizer: Any) -> Optional[str]:
+        """The text of one image's slot as the model's chat template writes it (vision-start, image-pad, vision-end
+        tokens: ``<|vision_start|><|image_pad|><|vision_end|>`` for Qwen2.5-VL), from ``tokenizer``; None when the
+        tokenizer or the config lacks those tokens."""
+        ids = [self.vision_start_id, self.image_token_id, self.vision_end_id]
+        if tokenizer is None or any(i is None for i in ids):
+            return None
+        tokens = tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+        return "".join(tokens) if all(isinstance(t, str) and t for t in tokens) else None
+
     def expand(self, prompt_ids: Sequence[int], vision: Optional[VisionInputs], where: str) -> list[int]:
         """``prompt_ids`` with its k-th image-pad token repeated to the k-th image's feature count; refuses a
         prompt whose pad tokens are not one per image (``where`` names the prompt and column)."""
         return expand_image_tokens(prompt_ids, vision, self.image_token_id, self.merge_size, where)
+
+
+#: verl's image marker in prompt text (its RLHFDataset splits content at it into image and text parts, which the
+#: processor's chat template renders as the model's image slot)
+VERL_IMAGE_MARKER = "<image>"
+
+
+def with_image_slots(prompt: Any, slot: str) -> Any:
+    """``prompt`` (text or chat messages) with each of verl's ``<image>`` markers replaced by ``slot``, the model's
+    image slot text; other prompts as they are."""
+    if isinstance(prompt, str):
+        return prompt.replace(VERL_IMAGE_MARKER, slot)
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return [{**m, "content": m["content"].replace(VERL_IMAGE_MARKER, slot)} if isinstance(m.get("content"), str)
+                else m for m in prompt]
+    return prompt
 
 
 def expand_image_tokens(prompt_ids: Sequence[int], vision: Optional[VisionInputs], image_token_id: int,
@@ -243,8 +274,9 @@ def expand_image_tokens(prompt_ids: Sequence[int], vision: Optional[VisionInputs
     if len(places) != len(counts):
         raise ConfigError(f"{where}: the prompt has {len(places)} image placeholder(s) (image-pad token id "
                           f"{image_token_id}) and the record {len(counts)} image(s); give one placeholder per image "
-                          "(the chat template's image slot, or the model's <|image_pad|> token in the text), in "
-                          "image order")
+                          "(verl's <image> marker in the text, the model's own image slot "
+                          "<|vision_start|><|image_pad|><|vision_end|>, or its pad token id in token-id prompts), "
+                          "in image order")
     out: list[int] = []
     start = 0
     for place, count in zip(places, counts):
@@ -256,4 +288,4 @@ def expand_image_tokens(prompt_ids: Sequence[int], vision: Optional[VisionInputs
 
 
 __all__ = ["FLAG", "MAX_DECODED_PIXELS", "ImageProcessor", "VisionInputs", "decode_image", "expand_image_tokens",
-           "image_bytes", "image_list", "parse_multimodal_keys"]
+           "image_bytes", "image_list", "parse_multimodal_keys", "with_image_slots"]

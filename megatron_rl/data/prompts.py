@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
-from megatron_rl.data.images import ImageProcessor, VisionInputs, image_list
+from megatron_rl.data.images import ImageProcessor, VisionInputs, image_list, with_image_slots
 from megatron_rl.data.types import ENGINE_METADATA_KEYS, GenerateRequest
 from megatron_rl.data.verl_parquet import is_parquet, read_verl_records
 from megatron_rl.errors import ConfigError
@@ -319,7 +319,11 @@ class PromptDataset:
         where = f"{self.flag} {path} {keys.unit} {line_no}"
         label = record[keys.label_key] if keys.label_key is not None else None
         metadata, tools = prompt_metadata(record, where, keys.metadata_key, keys.tool_key)
-        prompt_ids, prompt_text = self._tokenize(record[self.input_key], where, tools)
+        value = record[self.input_key]
+        slot = self.image_processor.image_slot(self.tokenizer) if self.image_key and self.image_processor else None
+        if slot is not None:  # verl's "<image>" markers become the model's image slot before tokenization
+            value = with_image_slots(value, slot)
+        prompt_ids, prompt_text = self._tokenize(value, where, tools)
         vision = None
         if self.image_key and self.image_processor is not None:
             column = f"{where} column {self.image_key!r} (--multimodal-keys)"

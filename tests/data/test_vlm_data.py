@@ -143,6 +143,49 @@ def test_verl_parquet_images_column(tmp_path, processor):
         list(read_verl_records(path))
 
 
+def slot_tokenizer(path):
+    """A real HF fast tokenizer (one token per character, as tests/_tokenizer.py's) that also knows Qwen2.5-VL's
+    vision-start / image-pad / vision-end tokens at the tiny VL model's ids."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests._tokenizer import CHAT_TEMPLATE, SPECIAL
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {t: i for i, t in enumerate(SPECIAL + chars)}
+    slots = {"<|vision_start|>": START, "<|image_pad|>": IMAGE, "<|vision_end|>": END}
+    tok = Tokenizer(models.WordLevel({**vocab, **slots}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                                   additional_special_tokens=SPECIAL[3:] + list(slots))
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def test_verl_geo3k_rows_with_image_markers_become_image_slots(tmp_path, processor):
+    tok = slot_tokenizer(tmp_path / "tok")
+    row = {"data_source": "hiyouga/geometry3k", "ability": "math",
+           "prompt": [{"role": "user", "content": "<image>Find x."}],
+           "reward_model": {"style": "rule", "ground_truth": "3"},
+           "images": [{"bytes": png(8, 8), "path": None}]}
+    path = str(tmp_path / "geo.parquet")
+    pq.write_table(pa.Table.from_pylist([row, dict(row, images=[])]), path)
+    with pytest.raises(ConfigError, match=r"row 2 column 'images' \(--multimodal-keys\): the prompt has 1 image "
+                                          r"placeholder\(s\) .* and the record 0 image\(s\)"):
+        PromptDataset(path, tokenizer=tok, apply_chat_template=True, multimodal_keys=KEYS, image_processor=processor)
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    ds = PromptDataset(path, tokenizer=tok, apply_chat_template=True, multimodal_keys=KEYS, image_processor=processor)
+    n = ds[0].multimodal_inputs.tokens_per_image(2)[0]
+    assert "<|vision_start|><|image_pad|><|vision_end|>Find x." in ds[0].prompt_text
+    at = ds[0].prompt_ids.index(START)
+    assert ds[0].prompt_ids[at:at + n + 2] == [START] + [IMAGE] * n + [END]
+    assert ds[0].prompt_ids.count(IMAGE) == n and (ds[0].label, ds[0].metadata["data_source"]) == ("3", row[
+        "data_source"])
+
+
 def test_vision_inputs_ride_requests_samples_codec_and_pickles_exactly(tmp_path, processor):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1, IMAGE, 5], "images": base64.b64encode(
         png(12, 9)).decode()}, {"prompt": [4]}])
