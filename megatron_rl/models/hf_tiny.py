@@ -280,6 +280,17 @@ def _save_image_processor(family: str, path: str) -> None:
     Qwen2VLImageProcessorPil(**VL_IMAGE_PROCESSOR[family]).save_pretrained(path)
 
 
+def build_tiny_vl_processor_dir(family: str, path: str | os.PathLike) -> str:
+    """A weightless tiny VL directory: ``config.json`` and the image processor's config, all the prompt data path
+    reads (data/images.py); cheaper than ``build_tiny_hf_model`` for tests that never load the model."""
+    if family not in VL_FAMILIES:
+        raise ValueError(f"{family!r} is not a vision-language family; choose one of {', '.join(VL_FAMILIES)}")
+    os.makedirs(path, exist_ok=True)
+    tiny_config(family).save_pretrained(str(path))
+    _save_image_processor(family, str(path))
+    return str(path)
+
+
 def _randomize(model, family: str) -> None:
     """Random weights of a tiny test model, in place. HF initialises with std=initializer_range (0.02): logits are
     then nearly uniform and parity tests would compare near-constants. A wider init makes every layer matter to the

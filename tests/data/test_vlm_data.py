@@ -21,7 +21,7 @@ from megatron_rl.data.images import ImageProcessor, VisionInputs
 from megatron_rl.data.prompts import PromptDataset, PromptIterator
 from megatron_rl.data.types import HeldElsewhereError, Sample, SampleStub, mark_prompt
 from megatron_rl.errors import ConfigError
-from megatron_rl.models.hf_tiny import VL_TOKENS
+from megatron_rl.models.hf_tiny import VL_TOKENS, build_tiny_vl_processor_dir
 from megatron_rl.models.mrope import check_image_tokens
 
 IMAGE = VL_TOKENS["qwen2_5_vl"]["image_token_id"]
@@ -38,8 +38,9 @@ def png(width, height, color=(200, 30, 60)) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tiny_hf_models):
-    return tiny_hf_models("qwen2_5_vl")
+def vl_dir(tmp_path_factory):
+    """config.json and preprocessor_config.json as build_tiny_hf_model writes them (no weights: never loaded)."""
+    return build_tiny_vl_processor_dir("qwen2_5_vl", tmp_path_factory.mktemp("vl"))
 
 
 @pytest.fixture(scope="module")
