@@ -18,6 +18,7 @@ this key") is dropped, ``~KEY`` (delete) is refused.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 from dataclasses import dataclass
@@ -219,6 +220,9 @@ _ROWS: list[VerlKey] = [
     VerlKey("data.val_files", "mapped", "--eval-prompt-data: one file, or named sets DIR_STEM FILE ... (metrics "
             "eval/DIR_STEM/...)", _val_files),
     VerlKey("data.prompt_key", "mapped", "--input-key", _flag("--input-key")),
+    VerlKey("data.image_key", "mapped", "--multimodal-keys '{\"image\": KEY}': the parquet column holding each "
+            "prompt's images (docs/vlm.md; a run with images is still refused at validation)",
+            lambda v, _: ["--multimodal-keys", json.dumps({"image": str(v)})]),
     VerlKey("data.reward_fn_key", "mapped", "data_source only: the reward function gets the data_source column",
             _only("data_source", "the reward's data source is the data_source column here")),
     VerlKey("data.train_batch_size", "mapped", "--rollout-batch-size (prompts per step)",

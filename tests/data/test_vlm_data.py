@@ -227,3 +227,10 @@ def test_a_run_with_multimodal_keys_is_refused_at_validation(tiny_hf_models):
         parse_config(["--hf-checkpoint", hf, "--multimodal-keys", '{"image": "images"}'])
     with pytest.raises(ConfigError, match=r"--multimodal-keys '\{\"video\": \"v\"\}': modality 'video'"):
         parse_config(["--hf-checkpoint", hf, "--multimodal-keys", '{"video": "v"}'])
+
+
+def test_verls_image_key_maps_to_multimodal_keys():
+    from megatron_rl.config.verl_keys import parse_overrides, translate
+
+    [row] = translate(parse_overrides(["data.image_key=pics"]))
+    assert row.tokens == ("--multimodal-keys", '{"image": "pics"}')
