@@ -130,6 +130,11 @@ def _read_file(path: str, base_dir: Optional[str], where: str) -> bytes:
                       "directory or to the prompt file), the image's bytes or base64")
 
 
+def _is_file(path: str, base_dir: Optional[str]) -> bool:
+    return os.path.isfile(path) or bool(base_dir and not os.path.isabs(path)
+                                        and os.path.isfile(os.path.join(base_dir, path)))
+
+
 def _looks_like_path(text: str) -> bool:
     return text.startswith(("file://", "/", "./", "../")) or os.path.splitext(text)[1].lower() in (
         ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
@@ -154,11 +159,13 @@ def image_bytes(value: Any, where: str, base_dir: Optional[str] = None) -> bytes
                 raise ConfigError(f"{where}: a data: URL image must be base64 ('data:image/png;base64,...'), got "
                                   f"{head[:40]!r}")
             value = data
-        elif _looks_like_path(value) or os.path.isfile(value):
+        elif value.startswith("file://") or _is_file(value, base_dir):
             return _read_file(value, base_dir, where)
-        try:
+        try:  # base64 before the path rules: a JPEG's base64 starts with "/9j/", which looks like a path
             return base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError):
+            if _looks_like_path(value):
+                return _read_file(value, base_dir, where)  # raises naming the missing file
             raise ConfigError(f"{where}: {value[:60]!r} is neither an image file nor base64; give a path to an "
                               "image file, its bytes or its base64") from None
     raise ConfigError(f"{where}: an image is a file path, bytes, base64 text or a {{'bytes'|'path'}} dict; got a "

@@ -73,8 +73,9 @@ def test_every_image_form_gives_the_processors_pixels_and_expanded_pad_tokens(tm
     red, blue = png(10, 7), png(20, 12, (0, 0, 255))
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "red.png").write_bytes(red)
+    (tmp_path / "img" / "red").write_bytes(red)  # no extension: found as a file, not read as base64
     b64 = base64.b64encode(red).decode()
-    forms = [str(tmp_path / "img" / "red.png"), "img/red.png", "file://" + str(tmp_path / "img" / "red.png"), b64,
+    forms = [str(tmp_path / "img" / "red.png"), "img/red.png", "img/red", "file://" + str(tmp_path / "img" / "red.png"), b64,
              "data:image/png;base64," + b64, {"bytes": b64, "path": None}, {"path": "img/red.png"}]
     records = [{"prompt": [1, START, IMAGE, END, 5], "images": form} for form in forms]
     records.append({"prompt": [1, START, IMAGE, END, 7, START, IMAGE, END], "images": [b64, base64.b64encode(
@@ -100,6 +101,17 @@ def test_every_image_form_gives_the_processors_pixels_and_expanded_pad_tokens(tm
     # the expanded prompt is what --rollout-max-prompt-len counts
     with pytest.raises(ConfigError, match=rf"line 1: prompt has {n + 4} tokens, more than --rollout-max-prompt-len"):
         dataset(write_jsonl(tmp_path / "q.jsonl", records[:1]), processor, max_prompt_len=n + 3)
+
+
+def test_a_jpegs_base64_is_not_taken_for_a_path(tmp_path, processor):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (9, 9), (10, 200, 10)).save(buf, format="JPEG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    assert b64.startswith("/9j/")
+    ds = dataset(write_jsonl(tmp_path / "j.jsonl", [{"prompt": [1, IMAGE], "images": b64}]), processor)
+    assert ds[0].multimodal_inputs.num_images == 1
 
 
 @pytest.mark.parametrize("record, says", [
