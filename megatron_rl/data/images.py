@@ -29,7 +29,8 @@ prompt is already tokenized (text, chat or token ids alike), and the expansion i
 ``AutoProcessor`` also wants a video processor (torchvision) that image prompts never use.
 
 Refused before any work, by file and line (or row), column and image: an image that cannot be read or decoded,
-one larger than ``MAX_DECODED_PIXELS`` before resizing (a decompression bomb; PIL's own bound, fixed here), and
+one larger than ``MAX_DECODED_PIXELS`` before resizing (read from the image's header, before its pixels are
+decoded: a decompression bomb costs nothing), and
 a prompt whose image-pad tokens are not one per image.
 """
 
@@ -183,6 +184,8 @@ def decode_image(value: Any, where: str, base_dir: Optional[str] = None, max_pix
         data = image_bytes(value, where, base_dir)
         try:
             image = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:  # PIL's own refusal, above twice its MAX_IMAGE_PIXELS
+            raise ConfigError(f"{where}: image too large to decode ({exc}); downscale it in the data") from None
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise ConfigError(f"{where}: not an image PIL can read ({len(data)} bytes starting {data[:8]!r}: "
                               f"{type(exc).__name__}); give PNG, JPEG or another format PIL decodes") from None

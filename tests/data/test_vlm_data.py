@@ -246,3 +246,11 @@ def test_verls_image_key_maps_to_multimodal_keys():
 
     [row] = translate(parse_overrides(["data.image_key=pics"]))
     assert row.tokens == ("--multimodal-keys", '{"image": "pics"}')
+
+
+def test_pils_own_decompression_bomb_refusal_is_one_error_line(monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # PIL refuses above twice this, when it opens the header
+    with pytest.raises(ConfigError, match=r"^row 1 image 0: image too large to decode .*downscale it in the data"):
+        images_mod.decode_image(png(20, 20), "row 1 image 0")
