@@ -88,7 +88,7 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
         "--critic-load", "--critic-save", "--critic-num-nodes", "--critic-num-gpus-per-node",
         "--megatron-config-path"),
     "other slime flags (slime/utils/arguments.py: data keys, external engines, saving, async)": (
-        "--metadata-key", "--tool-key", "--rollout-external-engine-addrs", "--save-hf", "--keep-old-actor"),
+        "--metadata-key", "--tool-key", "--multimodal-keys", "--rollout-external-engine-addrs", "--save-hf", "--keep-old-actor"),
     "weight sync (slime/utils/arguments.py)": (
         "--update-weight-mode", "--update-weight-delta-encoding", "--update-weight-delta-checksum",
         "--update-weight-disk-dir"),
@@ -131,6 +131,9 @@ NOTES: dict[str, tuple[str, str]] = {
                            "--rollout-engine-urls http://IP:PORT, which takes a router (generation through it, "
                            "weights to the workers it lists); --rollout-router on starts one."),
     "--sglang-router-port": ("refused", "As --sglang-router-ip."),
+    "--multimodal-keys": ("refused", "Same JSON map (only \"image\"); its images (paths, bytes, base64) are read "
+                          "and run through the checkpoint's own image processor (docs/vlm.md), but a run with it is "
+                          "refused at validation until training and rollout with images are built."),
     "--optimizer-cpu-offload": ("same", "megatron: megatron-core's hybrid CPU optimizer. Implies "
                                 "--use-distributed-optimizer (Megatron-LM requires it; slime always turns it on). "
                                 "fsdp: FSDP2's CPUOffloadPolicy."),

@@ -858,6 +858,12 @@ class DataConfig:
                                    "definitions, or a JSON string holding one, given to the tokenizer's chat "
                                    "template as tools= with --apply-chat-template and kept in the metadata as "
                                    "'tools'; a line without the key has none. '' turns it off.", metavar="KEY")
+    multimodal_keys: Optional[str] = flag(
+        None, "JSON map from modality to the prompt column holding it (slime's; verl's data.image_key), e.g. "
+        "'{\"image\": \"images\"}': each prompt's images (file paths, bytes, base64, or verl's {bytes|path} "
+        "dicts) are decoded and run once through the --hf-checkpoint's own image processor, and its image-pad "
+        "tokens are expanded to each image's features (docs/vlm.md). Only \"image\" is a modality. Training and "
+        "rollout with images are not built yet: a run with this flag is refused at validation.", metavar="JSON")
     apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = flag(False, "Shuffle prompts each epoch (seeded).")
     eval_prompt_data: list = flag([], "Evaluation prompts: one JSONL file (metrics eval/reward_mean, ...), or "

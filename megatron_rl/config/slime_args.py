@@ -88,7 +88,6 @@ NOT_BUILT: dict[str, str] = {
     "--data-source-path": "a custom data source class is not built; --prompt-data reads JSONL / parquet",
     "--apply-chat-template-kwargs": "extra chat-template arguments are not built; --apply-chat-template uses the "
                                     "tokenizer's template as is",
-    "--multimodal-keys": "multimodal prompts are not built (text models only)",
     "--start-rollout-id": "a run resumes from --load's latest checkpoint at its rollout (--no-auto-resume starts "
                           "over); starting at another id is not built",
     "--balance-by-flops": "the dynamic packer balances token counts (--use-dynamic-batch-size); FLOP-based "

@@ -20,6 +20,7 @@ from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
 from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
+from .multimodal import parse_multimodal_keys
 from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
@@ -381,6 +382,22 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
                       f"--wall-time-limit {rt.wall_time_limit:g}s; lower the reserve or raise the limit")
 
 
+def _check_multimodal_keys(errors: list[str], cfg: Config) -> None:
+    """--multimodal-keys: a valid map is still refused, since no backend forward takes pixels yet (docs/vlm.md,
+    "Not built yet"); the data path it names (data/images.py) is built and tested on its own."""
+    value = cfg.data.multimodal_keys
+    if value is None:
+        return
+    try:
+        parse_multimodal_keys(value)
+    except ConfigError as exc:
+        errors.append(str(exc))
+        return
+    errors.append(f"--multimodal-keys {value!r}: training and rollout with images are not built yet (the prompt "
+                  "images are read and processed, but no backend forward or engine takes pixels: docs/vlm.md); "
+                  "drop --multimodal-keys")
+
+
 def _check_verl_data(errors: list[str], cfg: Config) -> None:
     """A .parquet prompt file is verl's schema (data/verl_parquet.py): its prompts are chat messages, rendered through
     the chat template as verl always does, and its label and metadata have fixed places, so the JSONL key flags
@@ -481,6 +498,7 @@ def _check_rewards_and_dynamic_sampling(errors: list[str], cfg: Config) -> None:
                           f"or drop {', '.join(t.split()[0] for t in tuned)}")
     _check_reward_shaping(errors, cfg)
     _check_reward_model(errors, cfg)
+    _check_multimodal_keys(errors, cfg)
     if not r.dynamic_sampling_filter_path:
         tuned = [f for f, on in (("--over-sampling-batch-size", r.over_sampling_batch_size is not None),
                                  ("--dynamic-sampling-max-rounds", r.dynamic_sampling_max_rounds != 10)) if on]

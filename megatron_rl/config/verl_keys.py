@@ -18,6 +18,7 @@ this key") is dropped, ``~KEY`` (delete) is refused.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 from dataclasses import dataclass
@@ -219,6 +220,9 @@ _ROWS: list[VerlKey] = [
     VerlKey("data.val_files", "mapped", "--eval-prompt-data: one file, or named sets DIR_STEM FILE ... (metrics "
             "eval/DIR_STEM/...)", _val_files),
     VerlKey("data.prompt_key", "mapped", "--input-key", _flag("--input-key")),
+    VerlKey("data.image_key", "mapped", "--multimodal-keys '{\"image\": KEY}': the parquet column holding each "
+            "prompt's images (docs/vlm.md; a run with images is still refused at validation)",
+            lambda v, _: ["--multimodal-keys", json.dumps({"image": str(v)})]),
     VerlKey("data.reward_fn_key", "mapped", "data_source only: the reward function gets the data_source column",
             _only("data_source", "the reward's data source is the data_source column here")),
     VerlKey("data.train_batch_size", "mapped", "--rollout-batch-size (prompts per step)",
@@ -534,7 +538,9 @@ def render() -> str:
         "`extra_info` and `ability` go into every sample's metadata. A row with a prompt that is not chat "
         "messages, an empty `data_source`, no ground truth or an `extra_info` that is not a dict is refused naming "
         "the file, the row (counted from 1) and the column; so is a column outside that schema (its values would "
-        "reach no reward function) and a multimodal one (`images`, `videos`). `--label-key`, `--metadata-key` and "
+        "reach no reward function) and `videos`; verl's `images` column is read with `--multimodal-keys "
+        "'{\"image\": \"images\"}'` (docs/vlm.md; runs with images are still refused) and refused without it. "
+        "`--label-key`, `--metadata-key` and "
         "`--tool-key` do not apply to a parquet file (refused when set). Reading needs pyarrow (a dependency of "
         "this package).",
         "",

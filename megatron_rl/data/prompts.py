@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.config.paths import PROMPTS_READ_TWICE, file_problem
+from megatron_rl.data.images import ImageProcessor, VisionInputs, image_list, with_image_slots
 from megatron_rl.data.types import ENGINE_METADATA_KEYS, GenerateRequest
 from megatron_rl.data.verl_parquet import is_parquet, read_verl_records
 from megatron_rl.errors import ConfigError
@@ -106,19 +107,20 @@ class _Keys:
     metadata_key: Optional[str]
     tool_key: Optional[str]
     unit: str  # how errors name a record's place: "line" (JSONL) or "row" (parquet)
+    image_key: Optional[str] = None  # --multimodal-keys' image column (verl's data.image_key); None: no images
 
 
 def _keys(path: str | os.PathLike, input_key: str, label_key: Optional[str], metadata_key: Optional[str],
-          tool_key: Optional[str]) -> _Keys:
+          tool_key: Optional[str], image_key: Optional[str] = None) -> _Keys:
     if is_parquet(path):  # verl's schema (data/verl_parquet.py): the reader puts label and metadata here
-        return _Keys(input_key, "label", "metadata", None, "row")
-    return _Keys(input_key, label_key or None, metadata_key or None, tool_key or None, "line")
+        return _Keys(input_key, "label", "metadata", None, "row", image_key)
+    return _Keys(input_key, label_key or None, metadata_key or None, tool_key or None, "line", image_key)
 
 
 def _records(path: str | os.PathLike, keys: _Keys, max_line_bytes: Optional[int],
              flag: str) -> Iterator[tuple[int, dict]]:
     if keys.unit == "row":
-        return read_verl_records(path, input_key=keys.input_key, flag=flag)
+        return read_verl_records(path, input_key=keys.input_key, flag=flag, image_column=keys.image_key)
     return read_prompt_records(path, input_key=keys.input_key, label_key=keys.label_key,
                                max_line_bytes=max_line_bytes, flag=flag)
 
@@ -256,6 +258,7 @@ class Prompt:
     label: Any
     line: int
     metadata: dict = field(default_factory=dict)  # --metadata-key's object (+ "tools"), joins the request's
+    multimodal_inputs: Optional[VisionInputs] = None  # its images' pixel patches and grids (--multimodal-keys)
 
 
 @dataclass
@@ -276,16 +279,25 @@ class PromptDataset:
                  input_key: str = "prompt", label_key: str | None = "label", metadata_key: str | None = "metadata",
                  tool_key: str | None = "tools", apply_chat_template: bool = False,
                  max_prompt_len: int | None = None, max_line_bytes: int | None = None,
-                 flag: str = "--prompt-data"):
+                 flag: str = "--prompt-data", multimodal_keys: Optional[dict] = None,
+                 image_processor: Optional[ImageProcessor] = None):
         """``max_line_bytes``: the longest line read (None: no limit). A run passes ``--max-prompt-line-mib``
         (``rollout.build``), which ``runner.preflight`` already applied before the workers started: here it
-        only catches a file that changed since."""
+        only catches a file that changed since. ``multimodal_keys``: ``--multimodal-keys``' map (parsed:
+        ``data.images.parse_multimodal_keys``); its image column's images go through ``image_processor`` (the
+        model's own, data/images.py) into each prompt's ``multimodal_inputs``, and the prompt's image-pad tokens
+        are expanded to each image's feature count before the prompt length is checked."""
         self.paths = [str(path)] if isinstance(path, (str, os.PathLike)) else [str(p) for p in path]
         self.path = " ".join(self.paths)
         self.flag = flag
         self.input_key = input_key
         self.apply_chat_template = apply_chat_template
         self.tokenizer = tokenizer
+        self.image_key = (multimodal_keys or {}).get("image")
+        self.image_processor = image_processor
+        if self.image_key and image_processor is None:
+            raise ConfigError(f"--multimodal-keys names the image column {self.image_key!r} but no image processor "
+                              "was given (a vision-language --hf-checkpoint's preprocessor_config.json)")
         if apply_chat_template:
             if tokenizer is None:
                 raise ConfigError("--apply-chat-template needs a tokenizer; pass an --hf-checkpoint with tokenizer "
@@ -296,7 +308,7 @@ class PromptDataset:
                                   "template; drop --apply-chat-template or use an instruct/chat tokenizer")
         self.prompts: list[Prompt] = []
         for one in self.paths:
-            keys = _keys(one, input_key, label_key, metadata_key, tool_key)  # a parquet file: verl's schema
+            keys = _keys(one, input_key, label_key, metadata_key, tool_key, self.image_key)  # parquet: verl's schema
             count = len(self.prompts)
             for line_no, record in _records(one, keys, max_line_bytes, flag):
                 self.prompts.append(self._parse(record, line_no, max_prompt_len, one, keys))
@@ -307,9 +319,20 @@ class PromptDataset:
         where = f"{self.flag} {path} {keys.unit} {line_no}"
         label = record[keys.label_key] if keys.label_key is not None else None
         metadata, tools = prompt_metadata(record, where, keys.metadata_key, keys.tool_key)
-        prompt_ids, prompt_text = self._tokenize(record[self.input_key], where, tools)
+        value = record[self.input_key]
+        slot = self.image_processor.image_slot(self.tokenizer) if self.image_key and self.image_processor else None
+        if slot is not None:  # verl's "<image>" markers become the model's image slot before tokenization
+            value = with_image_slots(value, slot)
+        prompt_ids, prompt_text = self._tokenize(value, where, tools)
+        vision = None
+        if self.image_key and self.image_processor is not None:
+            column = f"{where} column {self.image_key!r} (--multimodal-keys)"
+            vision = self.image_processor.process(image_list(record.get(self.image_key)), column,
+                                                  os.path.dirname(os.path.abspath(path)))
+            prompt_ids = self.image_processor.expand(prompt_ids, vision, column)
         _check_prompt_len(len(prompt_ids), where, max_prompt_len)
-        return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no, metadata=metadata)
+        return Prompt(prompt_ids=prompt_ids, prompt_text=prompt_text, label=label, line=line_no, metadata=metadata,
+                      multimodal_inputs=vision)
 
     def _tokenize(self, value: Any, where: str, tools: Optional[list] = None) -> tuple[list[int], str | None]:
         kind = prompt_kind(value, where, self.input_key)
@@ -392,7 +415,7 @@ class PromptIterator:
             prompt = self.dataset[index]
             requests.append(GenerateRequest(
                 prompt_ids=list(prompt.prompt_ids), group_index=group_index, label=prompt.label,
-                prompt_text=prompt.prompt_text,
+                prompt_text=prompt.prompt_text, multimodal_inputs=prompt.multimodal_inputs,
                 metadata={**prompt.metadata, "prompt_index": index, "line": prompt.line, "epoch": self.epoch}))
             self.offset += 1
             if self.offset == len(self.dataset):

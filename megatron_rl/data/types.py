@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from megatron_rl.data.images import VisionInputs
 from megatron_rl.errors import ConfigError, MegatronRLError
 
 
@@ -88,10 +89,13 @@ ENGINE_METADATA_KEYS = PROMPT_PLACE_KEYS + (
 
 def mark_prompt(sample: "Sample", request: "GenerateRequest") -> None:
     """Give ``sample`` its request's place keys (``PROMPT_PLACE_KEYS``) where it lacks them, so an error about it
-    (its reward, its group's filter verdict) names its prompt whatever engine or function made it."""
+    (its reward, its group's filter verdict) names its prompt whatever engine or function made it; and its
+    prompt's images (``multimodal_inputs``: one object shared by the group's samples, pickled once per dump)."""
     for key in PROMPT_PLACE_KEYS:
         if key in request.metadata:
             sample.metadata.setdefault(key, request.metadata[key])
+    if sample.multimodal_inputs is None and request.multimodal_inputs is not None:
+        sample.multimodal_inputs = request.multimodal_inputs
 
 
 @dataclass
@@ -107,6 +111,9 @@ class GenerateRequest:
     # rollout's continuation (prompt + the tokens it had) has only the rest of its response's budget, and
     # continuations of different lengths go to the engine in one call. None: the call's.
     max_new_tokens: int | None = None
+    # The prompt's images as the model takes them (pixel patches and grids, made once on the driver by
+    # data/images.py from --multimodal-keys' column); prompt_ids then hold each image's pad tokens. None: text only.
+    multimodal_inputs: Optional[VisionInputs] = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -220,6 +227,9 @@ class Sample:
     # own; a sample with branch k > 0 follows branch k-1 of the same trajectory in the batch, and the advantage
     # estimators count the trajectory once in its group (docs/agentic.md, "Branches").
     branch: int = 0
+    # The prompt's images (GenerateRequest.multimodal_inputs, given by mark_prompt): pixel patches and grids whose
+    # features fill the image-pad tokens of prompt_ids. None: a text-only sample.
+    multimodal_inputs: Optional[VisionInputs] = None
 
     @property
     def total_length(self) -> int:
@@ -253,7 +263,8 @@ class Sample:
 # What a SampleStub does not carry: reading one of these on it is a bug in the caller (it would
 # silently train on the wrong data if it returned anything), so it raises.
 _HELD_ELSEWHERE = ("prompt_ids", "response_ids", "rollout_logprobs", "finish_reason", "weight_version", "label",
-                   "prompt_text", "response_text", "metadata", "token_versions", "routed_experts")
+                   "prompt_text", "response_text", "metadata", "token_versions", "routed_experts",
+                   "multimodal_inputs")
 
 
 @dataclass

@@ -13,8 +13,9 @@ verl's preprocessing scripts (its ``examples/data_preprocess/gsm8k.py`` and kin)
 Each row becomes the record a JSONL line would give (``{input_key: prompt, "label": ground_truth, "metadata":
 {"data_source", "extra_info", "ability"}}``), so everything after the reader (chat template, prompt length,
 metadata in every sample, the reward's ``sample.label``) is the JSONL path's. Rows are counted from 1, as lines
-are. A column verl's reward contract never sees is refused by name (its content would be silently dropped),
-and so are multimodal columns (``images``, ``videos``: no vision model is built here). Why refuse rather than
+are. A column verl's reward contract never sees is refused by name (its content would be silently dropped).
+verl's image column (``images``, its ``data.image_key``) is read when ``--multimodal-keys`` names it (its
+images go to ``data/images.py``, as a JSONL record's do) and refused otherwise; ``videos`` is refused. Why refuse rather than
 skip: a user who put the label in another column would otherwise train on rewards of ``None``.
 
 pyarrow is imported only when a parquet file is read; it is a core dependency (setup.py), and its absence is one
@@ -35,8 +36,9 @@ VERL_COLUMNS = ("data_source", "reward_model", "extra_info", "ability")
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 #: columns refused for what they ask of the run, with the reason
 REFUSED_COLUMNS = {
-    "images": "multimodal prompts (verl's image_key) are not built here: the models are text-only",
-    "videos": "multimodal prompts (verl's video_key) are not built here: the models are text-only",
+    "images": "images (verl's data.image_key) are read only for a vision-language model: pass --multimodal-keys "
+              "'{\"image\": \"images\"}' with a vision-language --hf-checkpoint (docs/vlm.md)",
+    "videos": "video prompts (verl's data.video_key) are not built here (the vision-language models take images)",
 }
 _ROWS_PER_BATCH = 1024  # rows converted to Python at a time: memory stays one batch, not the whole file
 
@@ -55,12 +57,13 @@ def _pyarrow_parquet(flag: str, path: str) -> Any:
     return pq
 
 
-def read_verl_records(path: str | os.PathLike, *, input_key: str = "prompt",
-                      flag: str = "--prompt-data") -> Iterator[tuple[int, dict]]:
+def read_verl_records(path: str | os.PathLike, *, input_key: str = "prompt", flag: str = "--prompt-data",
+                      image_column: str | None = None) -> Iterator[tuple[int, dict]]:
     """``(row number, record)`` per row of a verl-format parquet file, one batch of rows in memory at a time.
 
     The record is ``{input_key: chat messages, "label": reward_model.ground_truth, "metadata": {...}}`` (module
-    docstring). Raises ``ConfigError`` naming ``flag``, the file, and the row and column where one is at fault."""
+    docstring), plus ``{image_column: the row's images}`` when ``image_column`` (--multimodal-keys' image column)
+    is given; the file need not have that column (then no row has images). Raises ``ConfigError`` naming ``flag``, the file, and the row and column where one is at fault."""
     path = str(path)
     why = file_problem(path, PROMPTS_READ_TWICE)
     if why == "no such file":
@@ -76,15 +79,18 @@ def read_verl_records(path: str | os.PathLike, *, input_key: str = "prompt",
                           f"{str(exc).splitlines()[0] if str(exc) else ''}); write it with pandas' to_parquet or "
                           "datasets' to_parquet, as verl's preprocessing scripts do") from None
     columns = list(reader.schema_arrow.names)
-    _check_columns(columns, input_key, flag, path)
+    _check_columns(columns, input_key, flag, path, image_column)
     row = 0
     for batch in reader.iter_batches(batch_size=_ROWS_PER_BATCH):
         for values in batch.to_pylist():
             row += 1
-            yield row, _record(values, input_key, f"{flag} {path} row {row}")
+            record = _record(values, input_key, f"{flag} {path} row {row}")
+            if image_column is not None:
+                record[image_column] = values.get(image_column)
+            yield row, record
 
 
-def _check_columns(columns: list[str], input_key: str, flag: str, path: str) -> None:
+def _check_columns(columns: list[str], input_key: str, flag: str, path: str, image_column: str | None) -> None:
     where = f"{flag} {path}"
     missing = [c for c in (input_key, *REQUIRED_COLUMNS) if c not in columns]
     if missing:
@@ -93,6 +99,8 @@ def _check_columns(columns: list[str], input_key: str, flag: str, path: str) -> 
                           f"{', '.join(map(repr, columns)) or 'none'}. verl's schema: prompt (chat messages), "
                           "data_source, reward_model {ground_truth}, extra_info")
     for column in columns:
+        if column == image_column:
+            continue
         if column in REFUSED_COLUMNS:
             raise ConfigError(f"{where}: column {column!r}: {REFUSED_COLUMNS[column]}; drop the column")
         if column != input_key and column not in VERL_COLUMNS:

@@ -171,6 +171,13 @@ _VL_VISION: dict[str, dict[str, Any]] = {
 VL_TOKENS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
 }
+# the image processor a tiny VL model's directory holds (preprocessor_config.json, as a hub checkpoint's): the
+# tower's patch / temporal patch / merge sizes, and pixel bounds that keep an image between one merged token
+# (4x4 pixels) and 16 (16x16 pixels), so test prompts stay short
+VL_IMAGE_PROCESSOR: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": dict(patch_size=2, temporal_patch_size=2, merge_size=2,
+                       size={"shortest_edge": 4 * 4, "longest_edge": 16 * 16}),
+}
 _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
@@ -257,8 +264,30 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
     _randomize(model, family)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
+    if family in VL_FAMILIES:
+        _save_image_processor(family, str(path))
     if depths:
         _add_mtp_tensors(str(path), main_layers, depths, config.hidden_size)
+    return str(path)
+
+
+def _save_image_processor(family: str, path: str) -> None:
+    """Write the model's own image processor config (``preprocessor_config.json``) beside its weights, as hub VL
+    checkpoints carry it: the data path loads it with ``AutoImageProcessor`` (data/images.py). The PIL backend's
+    class: it needs no torchvision, and saves the same config as the torchvision one."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(**VL_IMAGE_PROCESSOR[family]).save_pretrained(path)
+
+
+def build_tiny_vl_processor_dir(family: str, path: str | os.PathLike) -> str:
+    """A weightless tiny VL directory: ``config.json`` and the image processor's config, all the prompt data path
+    reads (data/images.py); cheaper than ``build_tiny_hf_model`` for tests that never load the model."""
+    if family not in VL_FAMILIES:
+        raise ValueError(f"{family!r} is not a vision-language family; choose one of {', '.join(VL_FAMILIES)}")
+    os.makedirs(path, exist_ok=True)
+    tiny_config(family).save_pretrained(str(path))
+    _save_image_processor(family, str(path))
     return str(path)
 
 

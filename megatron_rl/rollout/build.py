@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from megatron_rl.config.multimodal import parse_multimodal_keys
+from megatron_rl.data.images import ImageProcessor
 from megatron_rl.data.prompts import MIB, PromptDataset, PromptIterator
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.base import ENGINES, RolloutEngine
@@ -52,13 +54,19 @@ def build_rollout(cfg: "Config", placement: "Optional[EnginePlacement]" = None) 
         engine = replicate_on_every_rank(engine)
     d, b = cfg.data, cfg.batching
     tokenizer = getattr(engine, "tokenizer", None)
+    # --multimodal-keys: the prompts' images through the checkpoint's own image processor, once, here on the
+    # driver (validation still refuses such runs until training with images is built: docs/vlm.md)
+    multimodal_keys = parse_multimodal_keys(d.multimodal_keys)
+    image_processor = (ImageProcessor(cfg.model.hf_checkpoint) if multimodal_keys and cfg.model.hf_checkpoint
+                       else None)
 
     def dataset(path: "str | tuple[str, ...]") -> PromptDataset:
         return PromptDataset(path, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
                              metadata_key=d.metadata_key, tool_key=d.tool_key,
                              apply_chat_template=d.apply_chat_template,
                              max_prompt_len=cfg.rollout.rollout_max_prompt_len,
-                             max_line_bytes=d.max_prompt_line_mib * MIB)  # a file changed since the pre-flight
+                             max_line_bytes=d.max_prompt_line_mib * MIB,  # a file changed since the pre-flight
+                             multimodal_keys=multimodal_keys, image_processor=image_processor)
 
     prompts = PromptIterator(dataset(prompt_data), rollout_batch_size=b.rollout_batch_size,
                              n_samples_per_prompt=b.n_samples_per_prompt, shuffle=d.rollout_shuffle,

@@ -61,7 +61,8 @@ def test_a_malformed_row_is_refused_naming_file_row_and_column(tmp_path, tokeniz
 
 @pytest.mark.parametrize("changes, says", [
     ({"answer": "2"}, r"column 'answer' is not one of verl's schema .*move them into extra_info, or drop the column"),
-    ({"images": ["a.png"]}, r"column 'images': multimodal prompts .* are not built here"),
+    ({"images": ["a.png"]}, r"column 'images': images .* are read only for a vision-language model: pass "
+                            r"--multimodal-keys"),
 ])
 def test_an_unknown_or_multimodal_column_is_refused_by_name(tmp_path, changes, says):
     path = write_parquet(tmp_path / "cols.parquet", [gsm8k_row(0, **changes)])
