@@ -990,6 +990,17 @@ class SGLangStandIn:
                      "waiting requests, the operation will not be performed.)\n")
 
 
+def formula_weights(shapes: dict) -> dict:
+    """Weights every machine builds alike (integers over 4096: exact in float32), for ``shapes`` (name -> shape):
+    the weights real SGLang's recorded ``/weights_checker`` checksum reply was taken on
+    (``tests/rollout/fixtures/sglang_0.5.23_weights_checksum.json``)."""
+    out = {}
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        n = math.prod(shape)
+        out[name] = (((torch.arange(n) * 7919 + i * 104729) % 2001 - 1000).float() / 4096).reshape(shape)
+    return out
+
+
 def sglang_held_tensors(params: dict, config: Any, tp_size: int, rank: int) -> dict:
     """What SGLang 0.5.23 holds on TP rank ``rank`` of a Qwen2-family model whose HF tensors are ``params``, in its
     parameter order (read from its ``qwen2.py``, ``linear.py``, ``vocab_parallel_embedding.py``; checked against a

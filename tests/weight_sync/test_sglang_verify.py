@@ -36,22 +36,11 @@ from test_weight_sync import FakeBackend, checkpoint_tensors  # tests/weight_syn
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests", "rollout"))
 
-from sglang_standin import SGLangStandIn, sglang_held_tensors  # noqa: E402 - tests/rollout, put on sys.path above
+from sglang_standin import SGLangStandIn, formula_weights, sglang_held_tensors  # noqa: E402 - on sys.path above
 
 FIXTURE = os.path.join(REPO, "tests", "rollout", "fixtures", "sglang_0.5.23_weights_checksum.json")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
 BUCKET = 64 * 1024
-
-
-def formula_weights(shapes: dict) -> dict:
-    """Weights every machine builds alike (integers over 4096: exact in float32), for the recorded real reply."""
-    out = {}
-    for i, (name, shape) in enumerate(sorted(shapes.items())):
-        n = 1
-        for d in shape:
-            n *= d
-        out[name] = (((torch.arange(n) * 7919 + i * 104729) % 2001 - 1000).float() / 4096).reshape(shape)
-    return out
 
 
 @pytest.fixture(scope="module")
