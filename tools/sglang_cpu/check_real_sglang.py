@@ -40,7 +40,8 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    the committed reply exactly; the disk, distributed and tensor transports each sync verified (every tensor
    SGLang holds equals the trainer's checksum of the same bytes), with the time of syncs with and without; a
    tensor changed inside the server after each transport's load is named (fused name, engine rank, version) and
-   the engine refuses to generate until a verified full sync;
+   the engine refuses to generate until a verified full sync; ``verify_qwen3``: the same on a second server
+   serving a tiny Qwen3 with tied embeddings and ``--dtype auto`` (float16 bytes);
 8. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
    against this server, once through the disk transport and once through the distributed one, and
    on 2 torchrun ranks with 2 pipeline stages through the distributed one (``distributed-pp2``: each
@@ -112,7 +113,8 @@ SERVER_STEPS = [("generation", False), ("weights_check", False), ("delta_routes"
                 ("aborted_rows_retried", False), ("seeded", False), ("disk_updates", True), ("sharded_disk", True),
                 ("router", False), ("control", False), ("abort_flush_pause", False), ("tensor_updates", True),
                 ("tensor_transport", True), ("distributed_updates", True), ("verify_checksums", True)]
-ALL_STEPS = [name for name, _ in SERVER_STEPS] + ["unavailable_503", "standin_fidelity", "fixture_still_holds"]
+ALL_STEPS = [name for name, _ in SERVER_STEPS] + ["unavailable_503", "verify_qwen3", "standin_fidelity",
+                                                  "fixture_still_holds"]
 
 
 class CheckFailed(Exception):
@@ -975,7 +977,8 @@ def verify_checksums(checks: "Checks", first: list[list[float]]) -> None:
         for name, sync in syncs.items():
             timed: dict[str, list[float]] = {"off": [], "on": [], "hash": [], "check": []}
             verified = []
-            for _ in range(2):  # alternating: unverified, verified; the formula weights and the checkpoint in turn
+            rounds = 1 if checks.args.against_double else 2  # the double's timings mean nothing: one round
+            for _ in range(rounds):  # alternating: unverified, verified; the formula weights and the checkpoint in turn
                 for on in (False, True):
                     sync.sglang_verifier = verifier if on else None
                     version += 1
@@ -990,7 +993,7 @@ def verify_checksums(checks: "Checks", first: list[list[float]]) -> None:
             r.log(f"verify, {name}: sync {med['off']:.3f} s unverified, {med['on']:.3f} s verified (the trainer's "
                   f"hashing {med['hash'] * 1e3:.1f} ms, /weights_checker + compare {med['check'] * 1e3:.1f} ms)")
             r.check(f"verify, {name}: every sync's checksums equal SGLang's for all {len(names)} tensors it holds",
-                    verified == [float(len(names) * tp)] * 2, f"{verified}")
+                    verified == [float(len(names) * tp)] * rounds, f"{verified}")
         version += 1
         metrics = syncs["disk"].sync(StateBackend(checks._state()), engine, version)  # the checkpoint, verified
         checks._expect_restored(f"verify v{version}", first, version)
@@ -1185,6 +1188,61 @@ def _shape(body: Any) -> Any:
     if isinstance(body, dict):
         return {k: (_shape(v) if k == "meta_info" else type(v).__name__) for k, v in body.items()}
     return type(body).__name__
+
+
+def verify_qwen3(report: Report, args: argparse.Namespace) -> None:
+    """--update-weight-verify checksum on a second layout: a second server on a tiny Qwen3 with tied embeddings
+    (SGLang holds one embed_tokens, no lm_head; q_norm / k_norm beside qkv_proj) started with ``--dtype auto``
+    (its config says float32, which SGLang serves as float16: the trainer must hash float16 bytes), vocab 100
+    (padded to 128 rows); a perturbed sync verified over disk, then a tensor changed inside the server named."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = report.out / "model_qwen3"
+    if not (model_dir / "config.json").exists():
+        build_tiny_hf_model("qwen3", model_dir, seed=args.seed, num_hidden_layers=2, vocab_size=100,
+                            tie_word_embeddings=True)
+    server = SGLangServer(args.sglang_python, model_dir, report.out / "server_qwen3.log", port=free_port(),
+                          extra_args=["--disable-radix-cache", "--skip-tokenizer-init", "--dtype", "auto"])
+    engine = None
+    sync = DiskSynchronizer(args.sync_bucket_bytes, disk_dir=str(report.out / "verify_qwen3"),
+                            hf_checkpoint=str(model_dir))
+    try:
+        server.start()
+        t = time.monotonic()
+        wait_healthy(server, args.startup_timeout_s, report.log)
+        report.figures["startup_qwen3_server_s"] = round(time.monotonic() - t, 1)
+        engine = SGLangEngine([server.url], timeout_s=60, generate_timeout_s=300, update_timeout_s=300,
+                              connect_retries=0)
+        info = engine.clients[0].server_info()
+        hf_config = read_hf_config(str(model_dir))
+        sync.sglang_verifier = SGLangVerifier(hf_config)
+        weights = {k: v * 1.01 for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+        metrics = sync.sync(StateBackend(list(weights.items())), engine, 1)
+        held = sorted(engine.clients[0].weight_checksums()["ranks"][0]["checksums"])
+        report.check(f"qwen3, tied, --dtype {info.get('dtype')} (float32 config: SGLang holds float16): every one of "
+                     "the tensors SGLang holds equals the trainer's checksum", metrics["sync/verified_tensors"] ==
+                     len(held) == 18 and "lm_head.weight" not in held
+                     and "model.layers.0.self_attn.q_norm.weight" in held,
+                     f"{metrics['sync/verified_tensors']} verified of {len(held)}: {held[:5]} ...")
+        target = "model.embed_tokens.weight"
+        bad = weights[target].clone()
+        bad[-1, 0] += 1.0  # the last real vocab row (rows 100..127 are SGLang's padding)
+        corrupt_dir = report.out / "verify_qwen3_corrupt"
+        corrupt_dir.mkdir(exist_ok=True)
+        save_file({target: bad}, str(corrupt_dir / "model.safetensors"))
+        sync.sglang_verifier = _CorruptingVerifier(hf_config, engine.clients[0], corrupt_dir)
+        try:
+            sync.sync(StateBackend(list(weights.items())), engine, 2)
+            report.check("qwen3: the embedding changed inside SGLang after the load is named", False, "passed")
+        except (SyncError, EngineError) as exc:
+            report.check("qwen3: the embedding changed inside SGLang after the load is named",
+                         "version 2" in str(exc) and "differs: model.embed_tokens.weight" in str(exc)
+                         and "float16" in str(exc), str(exc)[:400])
+    finally:
+        sync.shutdown()
+        if engine is not None:
+            engine.close()
+        server.stop()
 
 
 def standin_fidelity(report: Report, model_dir: Path) -> None:
@@ -1587,6 +1645,12 @@ def main(argv=None) -> int:
                 unavailable_503(report, server.model, args)
         except Exception as exc:  # noqa: BLE001
             report.check("503 check ran without an error", False, f"{type(exc).__name__}: {exc}")
+        report.step = "verify_qwen3"
+        try:
+            if "verify_qwen3" in args.steps:
+                verify_qwen3(report, args)
+        except Exception as exc:  # noqa: BLE001
+            report.check("the qwen3 checksum check ran without an error", False, f"{type(exc).__name__}: {exc}")
         report.step = "standin_fidelity"
         try:
             if "standin_fidelity" in args.steps:
