@@ -9,7 +9,7 @@ name to its synchronizer, and ``ENGINE_TRANSPORTS`` overrides a row for one ``--
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Self, Type, Union
 
 from megatron_rl.errors import SyncError
 from megatron_rl.infra.registry import Refused, Registry
@@ -60,7 +60,7 @@ class WeightSynchronizer(abc.ABC):
                    driver_rank=driver_rank, adapter=cfg.lora.lora_sync == "adapter", updates=updates_from_config(cfg))
         return sync.with_verifier(cfg)
 
-    def with_verifier(self, cfg: "Config") -> "WeightSynchronizer":
+    def with_verifier(self, cfg: "Config") -> Self:
         """This synchronizer with the run's SGLang post-apply check (``--update-weight-verify checksum`` with SGLang
         engines; ``weight_sync.sglang_verify``), or none."""
         from megatron_rl.weight_sync.sglang_verify import SGLangVerifier  # lazy: the table below loads without it

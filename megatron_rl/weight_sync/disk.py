@@ -85,6 +85,7 @@ class DiskSynchronizer(WeightSynchronizer):
         managed = engine is not None and adapter is None and self.updates.active  # delta / verify: EngineUpdates
         verifying = here and adapter is None and self.sglang_verifier is not None  # SGLang: weight_sync.sglang_verify
         if verifying:
+            assert exported is not None, "a whole-model sync (no adapter) always exports"
             try:
                 exported.observe = self.verify_tap(engine)
             except Exception as e:  # noqa: BLE001 - a server that does not answer /server_info; agreed below
@@ -93,6 +94,7 @@ class DiskSynchronizer(WeightSynchronizer):
             assert engine is not None and exported is not None, "managed: an engine and a full export"
             updated = self._send_managed(engine, exported, version, t0, timing)
         elif here and error is not None:
+            assert exported is not None, "set only by verify_tap, on a whole-model sync"
             exported.drain()  # the other ranks are in the collective export: let them finish it
         elif here:
             try:

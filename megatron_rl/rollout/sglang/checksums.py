@@ -40,11 +40,23 @@ _CHUNK_TILES = 256  # tiles hashed per torch pass (bounds the int64 temporaries 
 
 def sglang_cpu_hash(t: torch.Tensor) -> str:
     """SGLang's checksum of a tensor it holds on the CPU: SHA-256 of its bytes, the first 8 as 16 hex digits."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return _cpu_hash_pieces([t])
+
+
+def _cpu_hash_pieces(pieces: list[torch.Tensor]) -> str:
+    """:func:`sglang_cpu_hash` of the dim-0 concatenation of ``pieces`` without making it: SHA-256 takes the
+    pieces' bytes one after another (a fused tensor's parts need no copy)."""
     h = hashlib.sha256()
-    if flat.numel():
-        h.update(flat.view(torch.uint8).numpy())
+    for t in pieces:
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy().data)
     return h.digest()[:8].hex()
+
+
+def _cuda_hash_pieces(pieces: list[torch.Tensor]) -> str:
+    """:func:`sglang_cuda_hash` of the dim-0 concatenation of ``pieces`` (the kernel hashes word positions: made)."""
+    return sglang_cuda_hash(pieces[0] if len(pieces) == 1 else torch.cat([t.reshape(-1) for t in pieces]))
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -117,8 +129,9 @@ def sglang_cuda_hash(t: torch.Tensor) -> str:
     return f"{_splitmix64((total_hi << 32) + total_lo):016x}"
 
 
-# /server_info "device" -> the hash SGLang's /weights_checker uses for tensors there
-HASHES: dict[str, Callable[[torch.Tensor], str]] = {"cpu": sglang_cpu_hash, "cuda": sglang_cuda_hash}
+# /server_info "device" -> the hash SGLang's /weights_checker uses for tensors there, of a tensor given as the pieces
+# of its dim-0 concatenation
+HASHES: dict[str, Callable[[list[torch.Tensor]], str]] = {"cpu": _cpu_hash_pieces, "cuda": _cuda_hash_pieces}
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -201,9 +214,8 @@ class SGLangChecksums:
                     if problem:
                         raise SyncError(f"--update-weight-verify checksum: cannot build SGLang's {name} for tp_size "
                                         f"{layout.tp_size}: {problem}")
-                    pieces.append(_cut(full, layout.piece(name, part or None, tuple(full.shape), rank), server.dtype))
-                held = pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
-                expected.ranks[rank][name] = HASHES[server.device](held)
+                    pieces += _cut(full, layout.piece(name, part or None, tuple(full.shape), rank), server.dtype)
+                expected.ranks[rank][name] = HASHES[server.device](pieces)
 
     def unfinished(self) -> list[str]:
         """Fused tensors some of whose parts never came (named with the parts that did)."""
@@ -248,12 +260,11 @@ class SGLangChecksums:
         return checked
 
 
-def _cut(full: Any, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
-    """Rank's slice of an HF tensor, in the engine's dtype, with the zero rows of vocab padding after it."""
+def _cut(full: Any, piece: Piece, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A rank's slice of an HF tensor in the engine's dtype, then the zero rows of vocab padding: the pieces whose
+    dim-0 concatenation the rank holds (no copy where the slice is rows of a tensor already in that dtype)."""
     t = full.detach()
     if piece.dim is not None:
         t = t.narrow(piece.dim, piece.start, piece.length)
     t = t.to(dtype)
-    if piece.pad:
-        t = torch.cat([t, t.new_zeros((piece.pad, *t.shape[1:]))], 0)
-    return t
+    return [t, t.new_zeros((piece.pad, *t.shape[1:]))] if piece.pad else [t]
