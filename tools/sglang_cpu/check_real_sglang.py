@@ -1202,7 +1202,10 @@ def verify_qwen3(report: Report, args: argparse.Namespace) -> None:
         build_tiny_hf_model("qwen3", model_dir, seed=args.seed, num_hidden_layers=2, vocab_size=100,
                             tie_word_embeddings=True)
     server = SGLangServer(args.sglang_python, model_dir, report.out / "server_qwen3.log", port=free_port(),
-                          extra_args=["--disable-radix-cache", "--skip-tokenizer-init", "--dtype", "auto"])
+                          # --mem-fraction-static: SGLang sizes the KV cache from the host's free memory, which a
+                          # busy host may leave too small under 0.05 for a second server ("Raise ... above 0.068")
+                          extra_args=["--disable-radix-cache", "--skip-tokenizer-init", "--dtype", "auto",
+                                      "--mem-fraction-static", "0.2"])
     engine = None
     sync = DiskSynchronizer(args.sync_bucket_bytes, disk_dir=str(report.out / "verify_qwen3"),
                             hf_checkpoint=str(model_dir))
