@@ -46,7 +46,8 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    against this server, once through the disk transport and once through the distributed one, and
    on 2 torchrun ranks with 2 pipeline stages through the distributed one (``distributed-pp2``: each
    stage's sender makes its own group with the server) (``--e2e-transports``); exit 0, the samples
-   of rollout ``i`` carry weight version ``i``;
+   of rollout ``i`` carry weight version ``i``; the disk and distributed runs with
+   ``--update-weight-verify checksum`` (every sync's tensors in SGLang equal megatron's export);
 9. the CI stand-in against the replies recorded above that need a request in flight or a second server, and its
    ``/weights_checker`` checksum reply on the checkpoint against the real one, every value (``standin_fidelity``), and this server against the committed fixture of ``record_replies.py``
    (``fixture_still_holds``: its fixed requests re-sent, statuses, shapes and messages compared; a
@@ -1376,6 +1377,10 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
                   if transport in ("disk", "multi-turn") or asynchronous
                   else ["--update-weight-transport", transport.split("-")[0]])
+    # the post-apply check on the one-sender runs: every sync's bytes in SGLang equal the megatron export's
+    verified = transport in ("disk", "distributed")
+    if verified:
+        sync_flags += ["--update-weight-verify", "checksum"]
     # async-full: responses long enough that syncs land mid-response, so partial rollouts really continue rows
     # that real SGLang aborted with their tokens; async-one-step: rollout N+1 generated while N trains
     async_flags = {"async-one-step": ["--async-mode", "one-step"],
@@ -1435,6 +1440,13 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     report.check(f"{what}: syncs pushed versions 0..N in order",
                  [rec["sync/weight_version"] for rec in syncs] == [float(v) for v in range(args.num_rollout + 1)],
                  f"{[rec['sync/weight_version'] for rec in syncs]}")
+    if verified:
+        held = len(SGLangClient(server.url).weight_checksums()["ranks"][0]["checksums"])
+        report.check(f"{what}: --update-weight-verify checksum: after every sync every tensor SGLang holds equals "
+                     "the trainer's checksum of megatron's export", len(syncs) == args.num_rollout + 1 and all(
+                         rec.get("sync/verified_tensors") == float(held) for rec in syncs),
+                     f"{[rec.get('sync/verified_tensors') for rec in syncs]} of {held}; verify s "
+                     f"{[round(rec.get('sync/verify_time_s', -1), 3) for rec in syncs]}")
     per_sample = []
     rollouts = [torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)["samples"]
                 for i in range(args.num_rollout)]
