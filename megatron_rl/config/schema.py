@@ -1140,7 +1140,7 @@ class SyncConfig:
                                    "gets a full sync (sync/delta_fallbacks counts them). The trainer keeps a host "
                                    "copy of the engine's weights to diff against. The embedded engine in this "
                                    "process only, with --update-weight-transport tensor or disk (SGLang 0.5.23 "
-                                   "cannot patch its weights in place, and its disk route reloads whole checkpoints: "
+                                   "cannot patch its weights in place, and its disk load takes whole tensors only: "
                                    "refused there), not with --colocate (the engine keeps no weights while the trainer "
                                    "trains). docs/sglang.md, \"Delta sync and post-apply checksums\".",
                                    choices=("full", "delta"))
