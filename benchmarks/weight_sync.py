@@ -351,6 +351,83 @@ def delta_main(args) -> int:
 
 
 
+def verify_main(args) -> int:
+    """``--sglang-verify`` (needs ``--sglang-python``): the cost of ``--update-weight-verify checksum`` with a real
+    SGLang server, per sync, on the real-shaped model of the rows above (``--hidden`` x ``--layers``, float32).
+
+    One real ``sglang.launch_server`` on this CPU (``tools/sglang_cpu``'s route); per transport (disk, distributed
+    per tensor, tensor colocated), ``--repeats`` rounds of one sync without and one with the check (the weights x
+    1.01 and x 1.02 in turn, so every sync changes the engine). Reported per transport: the median sync seconds
+    without and with (with: ``sync/time_s`` + the check after it), the trainer's part (``sync/verify_hash_s``:
+    cutting SGLang's fused / padded tensors from the export and hashing them, inside ``sync/time_s``) and the
+    server's (``sync/verify_time_s``: ``/weights_checker`` checksum of every tensor on the server, the reply and the
+    compare). Every verified sync must compare every tensor SGLang holds.
+    """
+    import statistics
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from check_real_sglang import SGLangServer, free_port  # tools/sglang_cpu/
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+    from megatron_rl.plan.sglang_weights import read_hf_config
+    from megatron_rl.weight_sync.sglang_verify import SGLangVerifier
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    heads = max(1, args.hidden // 128)
+    root = tempfile.mkdtemp(prefix="weight_sync_verify_", dir=args.dir)
+    closers: list = []
+    try:
+        hf = build_tiny_hf_model("qwen2", os.path.join(root, "hf"), hidden_size=args.hidden,
+                                 num_hidden_layers=args.layers, intermediate_size=args.intermediate or args.hidden,
+                                 num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                                 vocab_size=args.vocab)
+        # --mem-fraction-static above the CPU route's 0.05: on a host with less free memory the 201 MB of weights
+        # leave SGLang no KV cache under 0.05 (it refuses to start, naming 0.133)
+        server = SGLangServer(args.sglang_python, Path(hf), Path(root) / "sglang.log", port=free_port(),
+                              extra_args=["--disable-radix-cache", "--skip-tokenizer-init",
+                                          "--mem-fraction-static", "0.3"])
+        server.start()
+        closers.append(server.stop)
+        base = load_file(os.path.join(hf, "model.safetensors"))
+        states = [FakeBackend({k: v * f for k, v in base.items()}) for f in (1.01, 1.02)]
+        total = sum(nbytes(t) for t in base.values())
+        real = RealSGLangRows(server, hf, root, args.update_weight_buffer_size, args.sglang_timeout_s)
+        closers += real.closers()
+        verifier = SGLangVerifier(read_hf_config(hf))
+        print(f"--update-weight-verify checksum into real SGLang {real.version} on CPU (start-up "
+              f"{real.startup_s:.0f} s): qwen2 hidden {args.hidden} x {args.layers} layers, {total / 1e6:.0f} MB "
+              f"float32 in {len(base)} tensors, one bucket of {args.update_weight_buffer_size / 2**20:.0f} MiB; "
+              f"median of {args.repeats}; one thread")
+        print(f"{'transport':<12} {'sync s':>8} {'verified s':>11} {'trainer hash s':>15} {'server check s':>15} "
+              f"{'tensors':>8}")
+        for transport in ("disk", "distributed", "tensor"):
+            sync = real.syncs[transport]
+            rows: dict[str, list[float]] = {"off": [], "on": [], "hash": [], "check": []}
+            checked = set()
+            for i in range(args.repeats):
+                for on in (False, True):
+                    sync.sglang_verifier = verifier if on else None
+                    m = real.sync(transport, states[(2 * i + on) % 2])
+                    rows["on" if on else "off"].append(m["sync/time_s"] + m.get("sync/verify_time_s", 0.0))
+                    if on:
+                        rows["hash"].append(m["sync/verify_hash_s"])
+                        rows["check"].append(m["sync/verify_time_s"])
+                        checked.add(int(m["sync/verified_tensors"]))
+            med = {k: statistics.median(v) for k, v in rows.items()}
+            print(f"{transport:<12} {med['off']:>8.3f} {med['on']:>11.3f} {med['hash']:>15.3f} {med['check']:>15.3f} "
+                  f"{'/'.join(map(str, sorted(checked))):>8}")
+            if len(checked) != 1:
+                print(f"FAILED: {transport}: the verified syncs compared {sorted(checked)} tensors")
+                return 1
+        return 0
+    finally:
+        for close in reversed(closers):
+            close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -372,9 +449,16 @@ def main(argv=None) -> int:
                     help="only the full-vs-delta rows (--update-weight-mode delta) over training steps: see delta_main")
     ap.add_argument("--delta-steps", type=int, default=6, help="--delta: optimizer steps per model")
     ap.add_argument("--delta-lr", type=float, default=1e-6, help="--delta: the real-shaped model's Adam lr")
+    ap.add_argument("--sglang-verify", action="store_true",
+                    help="only --update-weight-verify checksum's cost per sync into real SGLang (needs "
+                         "--sglang-python): see verify_main")
     args = ap.parse_args(argv)
     if args.delta:
         return delta_main(args)
+    if args.sglang_verify:
+        if not args.sglang_python:
+            ap.error("--sglang-verify measures against real SGLang: give --sglang-python")
+        return verify_main(args)
     if args.sglang_python and not os.access(args.sglang_python, os.X_OK):
         ap.error(f"--sglang-python {args.sglang_python}: not an executable python; run "
                  "scripts/sglang_cpu_install.sh (it prints the venv) or drop the flag")

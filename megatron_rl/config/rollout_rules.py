@@ -17,6 +17,7 @@ from typing import Optional
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.plan.engines import plan_engine_placement
+from megatron_rl.plan.sglang_weights import layout_problem, read_hf_config
 
 from .paths import dir_problem
 from .schema import Config
@@ -137,10 +138,7 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
         errors.append(f"--update-weight-delta-encoding {s.update_weight_delta_encoding} is only used by "
                       "--update-weight-mode delta: add --update-weight-mode delta or drop it")
     if s.update_weight_verify == "checksum" and cfg.has_rollout_engine and not cfg.in_process_engine:
-        errors.append(f"--update-weight-verify checksum: {where} are not checked this way: SGLang 0.5.23's "
-                      "/weights_checker checksum action reports checksums of its own fused tensors (qkv_proj, "
-                      "gate_up_proj), and comparing them with the trainer's is not built: use "
-                      "--update-weight-verify auto or off (--check-weight-update-equal compares on CUDA)")
+        errors.extend(_sglang_verify_errors(cfg))
     if s.update_weight_verify == "checksum" and cfg.lora.lora_sync == "adapter":
         errors.append("--update-weight-verify checksum with --lora-sync adapter: the engine merges the adapter into "
                       "its weights itself (in float32), so its bytes are not the trainer's to compare; use "
@@ -149,6 +147,32 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
             and cfg.weight_update_verify == "off"):
         errors.append(f"--update-weight-delta-checksum {s.update_weight_delta_checksum} is used by "
                       "--update-weight-mode delta and --update-weight-verify, both off in this run: drop it")
+    return errors
+
+
+def _sglang_verify_errors(cfg: Config) -> list[str]:
+    """--update-weight-verify checksum with SGLang servers (weight_sync/sglang_verify.py): the driver must see every
+    exported tensor (not the distributed transport's one sender per pipeline stage), and the trainer must know how
+    the model's SGLang class holds its tensors (plan/sglang_weights.py, read from config.json)."""
+    s = cfg.sync
+    if cfg.rollout.rollout_backend != "sglang":
+        return ["--update-weight-verify checksum: the embedded engine in a process of its own (--embedded-engine-ranks "
+                "process) reports no checksums: use --update-weight-verify auto or off, or the embedded engine on the "
+                "driver (--embedded-engine-ranks driver or all)"]
+    errors = []
+    if s.update_weight_transport == "distributed" and cfg.parallel.pipeline_model_parallel_size > 1:
+        errors.append("--update-weight-verify checksum with --update-weight-transport distributed and "
+                      f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: each pipeline stage "
+                      "sends its own tensors to SGLang, which the driver does not see to hash (not built): use "
+                      "--update-weight-transport disk, or --update-weight-verify off")
+    hf = cfg.model.hf_checkpoint
+    hf_config = read_hf_config(str(hf)) if hf else {}
+    if hf_config:  # no config.json to read here: the first sync names the problem instead
+        problem = layout_problem(hf_config)
+        if problem:
+            errors.append(f"--update-weight-verify checksum with SGLang compares SGLang's checksums of its own tensors "
+                          f"(fused, per TP rank) with the trainer's of the same bytes: {problem} "
+                          f"(--hf-checkpoint {hf}): use --update-weight-verify off")
     return errors
 
 

@@ -1150,9 +1150,9 @@ class SyncConfig:
                                    "gets a full sync (sync/delta_fallbacks counts them). The trainer keeps a host "
                                    "copy of the engine's weights to diff against. The embedded engine in this "
                                    "process only, with --update-weight-transport tensor or disk (SGLang 0.5.23 "
-                                   "cannot patch its weights in place: refused there), not with --colocate (the engine "
-                                   "keeps no weights while the trainer trains). docs/sglang.md, \"Delta sync and "
-                                   "post-apply checksums\".",
+                                   "cannot patch its weights in place, and its disk load takes whole tensors only: "
+                                   "refused there), not with --colocate (the engine keeps no weights while the trainer "
+                                   "trains). docs/sglang.md, \"Delta sync and post-apply checksums\".",
                                    choices=("full", "delta"))
     update_weight_delta_encoding: str = flag("xor", "slime's: how --update-weight-mode delta encodes a changed "
                                              "element. xor: new ^ old bits (must be applied once, onto exactly the "
@@ -1168,11 +1168,13 @@ class SyncConfig:
                                      "(--update-weight-delta-checksum) of every tensor it now holds and the trainer "
                                      "compares each with its own of the bytes it sent (in the engine's dtype); a "
                                      "mismatch stops the run naming the tensor, its bucket and the version. checksum: "
-                                     "on (the embedded engine in this process; SGLang 0.5.23 has no per-tensor "
-                                     "checksum route: refused there; nor with --lora-sync adapter, whose engine merges "
-                                     "the adapter itself). auto: checksum with the embedded engine in this process "
-                                     "and a whole-model sync (an engine that reports no checksums is not "
-                                     "verified), else off. off.",
+                                     "on: the embedded engine in this process, or SGLang servers (their "
+                                     "/weights_checker checksum of every tensor on every TP rank, against the "
+                                     "trainer's of the same bytes in SGLang's fused layout; qwen2, qwen3 and llama "
+                                     "models; disk, tensor, or distributed from one pipeline stage); not with "
+                                     "--lora-sync adapter, whose engine merges the adapter itself. auto: checksum with "
+                                     "the embedded engine in this process and a whole-model sync (an engine that "
+                                     "reports no checksums is not verified), else off. off.",
                                      choices=("auto", "checksum", "off"))
     update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "
                                                  "by it, refused without it): each sync publishes v<version>/ "

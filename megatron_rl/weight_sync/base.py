@@ -9,7 +9,7 @@ name to its synchronizer, and ``ENGINE_TRANSPORTS`` overrides a row for one ``--
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Self, Type, Union
 
 from megatron_rl.errors import SyncError
 from megatron_rl.infra.registry import Refused, Registry
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from megatron_rl.rollout.base import RolloutEngine
     from megatron_rl.plan.engines import EnginePlacement
     from megatron_rl.weight_sync.delta import EngineUpdates
+    from megatron_rl.weight_sync.sglang_verify import SGLangVerifier
 
 
 class WeightSynchronizer(abc.ABC):
@@ -47,13 +48,37 @@ class WeightSynchronizer(abc.ABC):
         # --update-weight-mode / --update-weight-verify, for the transports whose engine patches its weights in
         # this process (in_process, disk with the embedded engine): full or delta, and the checksum check after
         self.updates = updates if updates is not None else EngineUpdates()
+        # --update-weight-verify checksum with SGLang engines (set by from_config): the driver taps the export and
+        # compares the servers' /weights_checker checksums after the engine adopted the version
+        self.sglang_verifier: Optional["SGLangVerifier"] = None
 
     @classmethod
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0,
                     engines: Optional["EnginePlacement"] = None) -> "WeightSynchronizer":
         s = cfg.sync
-        return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
+        sync = cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank, adapter=cfg.lora.lora_sync == "adapter", updates=updates_from_config(cfg))
+        return sync.with_verifier(cfg)
+
+    def with_verifier(self, cfg: "Config") -> Self:
+        """This synchronizer with the run's SGLang post-apply check (``--update-weight-verify checksum`` with SGLang
+        engines; ``weight_sync.sglang_verify``), or none."""
+        from megatron_rl.weight_sync.sglang_verify import SGLangVerifier  # lazy: the table below loads without it
+
+        self.sglang_verifier = SGLangVerifier.from_config(cfg)
+        return self
+
+    def verify_tap(self, engine: "RolloutEngine | None") -> Optional[Callable[[str, Any, int], None]]:
+        """On the driver with an SGLang engine to verify: the ``ExportStream.observe`` callback of this sync (it
+        reads every server's /server_info the first time); None elsewhere."""
+        from megatron_rl.rollout.sglang.engine import SGLangEngine  # lazy: the table below loads without it
+
+        if self.sglang_verifier is None or engine is None or not self.on_driver():
+            return None
+        if not isinstance(engine, SGLangEngine):
+            raise SyncError(f"--update-weight-verify checksum compares SGLang servers' checksums, but the engine is "
+                            f"{type(engine).__name__}")
+        return self.sglang_verifier.tap(engine)
 
     def on_driver(self) -> bool:
         """Whether this rank holds the engine (the driver): one process, or rank ``driver_rank``."""
@@ -115,9 +140,13 @@ class ExportStream:
     through a consumer or ``drain()``."""
 
     def __init__(self, backend: "TrainBackend", bucket_bytes: int, *, keep_copies: bool = False,
-                 stage_only: bool = False, merge_adapters: bool = True):
+                 stage_only: bool = False, merge_adapters: bool = True,
+                 observe: Optional[Callable[[str, Any, int], None]] = None):
         self.bytes = self.tensors = self.buckets = 0
         self.sent: dict = {}
+        # observe(name, tensor, bucket): sees every tensor as its bucket is exported, before the transport sends it
+        # (--update-weight-verify checksum with SGLang hashes the engine's tensors from them: SGLangVerifier)
+        self.observe = observe
         self._buckets = self._bucket_stream(backend, bucket_bytes, keep_copies, stage_only, merge_adapters)
         self._items = (item for bucket in self._buckets for item in bucket)
 
@@ -139,6 +168,8 @@ class ExportStream:
                 self.tensors += 1
                 if keep_copies:
                     self.sent[name] = tensor.detach().to("cpu", copy=True)
+                if self.observe is not None:
+                    self.observe(name, tensor, self.buckets)
             yield bucket
 
     def __iter__(self):

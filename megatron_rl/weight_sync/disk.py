@@ -29,6 +29,7 @@ from megatron_rl.infra.checkpoint_root import find_latest_complete, iter_dir
 from megatron_rl.infra.disk_space import SyncDiskFull, disk_full_problem
 from megatron_rl.infra.dist import all_ranks_ok
 from megatron_rl.infra.wall_time import EXIT_WALL_TIME
+from megatron_rl.rollout.sglang.engine import SGLangEngine
 from megatron_rl.rollout.weight_delta import DELTA_FILE, DeltaHeader, disk_entries
 from megatron_rl.rollout.weight_dir import VersionedWeightDir
 from megatron_rl.weight_sync.base import ExportStream, WeightSynchronizer, check_engine_equals, updates_from_config
@@ -59,7 +60,7 @@ class DiskSynchronizer(WeightSynchronizer):
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
                    driver_rank=driver_rank, disk_dir=s.update_weight_disk_dir, hf_checkpoint=cfg.model.hf_checkpoint,
                    checkpoint_root=cfg.checkpoint.save, adapter=cfg.lora.lora_sync == "adapter",
-                   updates=updates_from_config(cfg))
+                   updates=updates_from_config(cfg)).with_verifier(cfg)
 
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -82,9 +83,19 @@ class DiskSynchronizer(WeightSynchronizer):
         error: Optional[BaseException] = None
         path = ""
         managed = engine is not None and adapter is None and self.updates.active  # delta / verify: EngineUpdates
+        verifying = here and adapter is None and self.sglang_verifier is not None  # SGLang: weight_sync.sglang_verify
+        if verifying:
+            assert exported is not None, "a whole-model sync (no adapter) always exports"
+            try:
+                exported.observe = self.verify_tap(engine)
+            except Exception as e:  # noqa: BLE001 - a server that does not answer /server_info; agreed below
+                error = e
         if here and managed:
             assert engine is not None and exported is not None, "managed: an engine and a full export"
             updated = self._send_managed(engine, exported, version, t0, timing)
+        elif here and error is not None:
+            assert exported is not None, "set only by verify_tap, on a whole-model sync"
+            exported.drain()  # the other ranks are in the collective export: let them finish it
         elif here:
             try:
                 # shards of one bucket: the driver holds one at a time, not the whole model (a 30B model in bf16
@@ -125,6 +136,9 @@ class DiskSynchronizer(WeightSynchronizer):
             engine.update_weights_from_disk(path, version)
             timing["sync/load_s"] = time.perf_counter() - t1
             self.weights.prune(version)
+            if verifying:
+                assert self.sglang_verifier is not None and isinstance(engine, SGLangEngine), "verify_tap checked it"
+                updated.update(self.sglang_verifier.check(engine, version))
         if adapter is not None:
             metrics = self.adapter_metrics(adapter, exported, version, time.perf_counter() - t0)
         else:

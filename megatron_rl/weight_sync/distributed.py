@@ -137,7 +137,7 @@ class DistributedSynchronizer(WeightSynchronizer):
     def from_config(cls, cfg: "Config", *, driver_rank: int = 0, engines: Any = None) -> "DistributedSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
-                   driver_rank=driver_rank)
+                   driver_rank=driver_rank).with_verifier(cfg)
 
     @property
     def group_name(self) -> Optional[str]:
@@ -147,6 +147,10 @@ class DistributedSynchronizer(WeightSynchronizer):
     def sync(self, backend: "TrainBackend", engine: "RolloutEngine | None", version: int) -> dict[str, float]:
         scope = backend.export_scope() if hasattr(backend, "export_scope") else None
         if scope is not None and scope.stages > 1:
+            if self.sglang_verifier is not None:  # validation refuses it; every rank raises alike, before the export
+                raise ConfigError("--update-weight-verify checksum with the distributed transport from several "
+                                  "pipeline stages: each stage sends its own tensors, which the driver does not see "
+                                  "to hash (not built); use --update-weight-transport disk")
             return self._sync_stages(backend, engine, version, scope)
         t0 = time.perf_counter()
         exported = ExportStream(backend, self.bucket_bytes)
@@ -157,6 +161,7 @@ class DistributedSynchronizer(WeightSynchronizer):
         may_have_landed = False
         try:
             engine = self._sglang(engine)
+            exported.observe = self.verify_tap(engine)  # --update-weight-verify checksum: hash as the buckets go
             engine.begin_update(version)
         except BaseException:
             exported.drain()
@@ -188,7 +193,10 @@ class DistributedSynchronizer(WeightSynchronizer):
             raise
         finally:
             engine.end_update()  # begin_update paused the servers: continue them on every path (idempotent)
-        return {**exported.metrics(version, time.perf_counter() - t0), **timing}
+        metrics = {**exported.metrics(version, time.perf_counter() - t0), **timing}
+        if self.sglang_verifier is not None:
+            metrics.update(self.sglang_verifier.check(engine, version))
+        return metrics
 
     def _sglang(self, engine: "RolloutEngine | None") -> SGLangEngine:
         if not isinstance(engine, SGLangEngine):

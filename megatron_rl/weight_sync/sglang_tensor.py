@@ -313,7 +313,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
                     engines: Optional["EnginePlacement"] = None) -> "SGLangTensorSynchronizer":
         s = cfg.sync
         return cls(bucket_bytes=s.update_weight_buffer_size, check_equal=s.check_weight_update_equal,
-                   driver_rank=driver_rank, engines=engines)
+                   driver_rank=driver_rank, engines=engines).with_verifier(cfg)
 
     @property
     def leads(self) -> Optional["EngineSlot"]:
@@ -385,6 +385,7 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
         if self.on_driver() and engine is not None:
             try:
                 sglang = self._driver_engine(engine)
+                exported.observe = self.verify_tap(sglang)  # --update-weight-verify checksum: hash as buckets go
                 sglang.begin_update(version)  # pauses generation on every server
                 driver = sglang
             except (ConfigError, EngineError, SyncError) as exc:
@@ -453,6 +454,8 @@ class SGLangTensorSynchronizer(WeightSynchronizer):
             else:
                 try:  # the last request flushed every engine's cache (flush_cache=True)
                     driver.adopt_weight_version(version, how=f"tensor, load_format {self.load_format}", flushed=True)
+                    if self.sglang_verifier is not None:
+                        timing.update(self.sglang_verifier.check(driver, version))
                 except (EngineError, SyncError) as exc:
                     outcome.append(str(exc))
         if not problems:

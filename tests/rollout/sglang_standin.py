@@ -129,6 +129,7 @@ import binascii
 import contextlib
 import datetime
 import glob
+import hashlib
 import io
 import json
 import math
@@ -168,6 +169,9 @@ class Faults:
     die_in_group: Optional[str] = None  # with die_mid_bucket: only an update over a group whose name ends so
     abort_rows: int = 0  # the next this many generate rows come back aborted, as after another client's /abort_request
     unavailable_generates: int = 0  # the next this many /generate requests answer 503, as an abort with a status
+    # an HF tensor name: after every weight load one element of it is changed inside the engine (+1.0 on its first
+    # element), as a faulty apply would leave it; --update-weight-verify checksum must name it
+    corrupt_after_update: Optional[str] = None
 
 
 _DIE = object()  # a handler's reply meaning: the server dies with this request unanswered
@@ -332,6 +336,10 @@ class SGLangStandIn:
         the handler names it (``_name_version``)."""
         self._engine_version += 1
         self._version_names[self._engine_version] = self.weight_version
+        name = self.faults.corrupt_after_update
+        if name is not None:
+            with torch.no_grad():
+                dict(self.engine.model.named_parameters())[name].view(-1)[0] += 1.0
 
     def _name_version(self, weight_version: str) -> None:
         self.weight_version = weight_version
@@ -928,11 +936,16 @@ class SGLangStandIn:
     def weights_checker(self, body: dict) -> tuple[int, Any]:
         """SGLang 0.5.19+'s ``/weights_checker`` (``utils/weight_checker.py``): ``snapshot`` copies the model's
         tensors, ``reset_tensors`` overwrites them with random values, ``compare`` checks the model against the
-        snapshot (400 naming every tensor that differs), ``checksum`` is not played here."""
+        snapshot (400 naming every tensor that differs), ``checksum`` reports every TP rank's checksum of every
+        tensor SGLang would hold (:func:`sglang_held_tensors`), in the reply real SGLang 0.5.23 sends (recorded from
+        a real server: ``ranks`` of ``{checksums, per_gpu_checksum, parallelism_info: [...]}``,
+        ``per_engine_checksum``)."""
         action = body.get("action", "checksum")
         self.weights_checker_actions.append(action)
         with self._model_update():
             params = list(self.engine.model.named_parameters())
+            if action == "checksum":
+                return 200, self._checksum_reply(dict(params))
             if action == "snapshot":
                 self._weights_snapshot = [(n, p.detach().clone()) for n, p in params]
             elif action == "reset_tensors":
@@ -951,11 +964,91 @@ class SGLangStandIn:
                 return 400, {"success": False, "message": f"Unsupported action={action!r}"}
         return 200, {"success": True, "message": "Success."}
 
+    def _checksum_reply(self, params: dict) -> dict:
+        config = self.engine.model.config
+        ranks = []
+        for rank in range(self.tp_size):
+            held = sglang_held_tensors(params, config, self.tp_size, rank)
+            checksums = {name: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).digest()[:8].hex()
+                         for name, t in held.items()}
+            overall = hashlib.sha256()
+            for name in sorted(checksums):
+                overall.update(name.encode())
+                overall.update(checksums[name].encode())
+            ranks.append({"checksums": checksums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [
+                {"role": "target", "tp_rank": rank, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
+                 "pp_rank": 0, "pp_size": 1, "rank": rank, "size": self.tp_size}]})
+        engine = hashlib.sha256()
+        for r in ranks:
+            engine.update(r["per_gpu_checksum"].encode())
+        return {"success": True, "message": "Success.", "ranks": ranks, "per_engine_checksum": engine.hexdigest()}
+
     def flush_cache(self, body: dict) -> tuple[int, Any]:
         if self.pending_count():
             return 400, "Flush cache failed."
         return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                      "waiting requests, the operation will not be performed.)\n")
+
+
+def formula_weights(shapes: dict) -> dict:
+    """Weights every machine builds alike (integers over 4096: exact in float32), for ``shapes`` (name -> shape):
+    the weights real SGLang's recorded ``/weights_checker`` checksum reply was taken on
+    (``tests/rollout/fixtures/sglang_0.5.23_weights_checksum.json``)."""
+    out = {}
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
+        n = math.prod(shape)
+        out[name] = (((torch.arange(n) * 7919 + i * 104729) % 2001 - 1000).float() / 4096).reshape(shape)
+    return out
+
+
+def sglang_held_tensors(params: dict, config: Any, tp_size: int, rank: int) -> dict:
+    """What SGLang 0.5.23 holds on TP rank ``rank`` of a Qwen2-family model whose HF tensors are ``params``, in its
+    parameter order (read from its ``qwen2.py``, ``linear.py``, ``vocab_parallel_embedding.py``; checked against a
+    real server's checksums by ``scripts/test_sglang_real.sh``): q/k/v fused as ``qkv_proj`` and gate/up as
+    ``gate_up_proj`` (each part cut by heads / rows per rank), ``o_proj`` / ``down_proj`` cut along dim 1, the
+    embedding and LM head padded with zero rows to a multiple of 64 and cut by rows, the rest whole; a tied
+    ``lm_head`` is the embedding (held once). Written apart from the trainer's ``plan.sglang_weights`` on
+    purpose: a double that reused it would agree with any mistake there."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def heads_of(w: torch.Tensor, n: int, which: int, count: int) -> torch.Tensor:
+        return w.reshape(n, head_dim, *w.shape[1:])[which * count:(which + 1) * count].reshape(-1, *w.shape[1:])
+
+    def kv_part(w: torch.Tensor) -> torch.Tensor:
+        if tp_size >= kv:
+            return heads_of(w, kv, rank // (tp_size // kv), 1)
+        return heads_of(w, kv, rank, kv // tp_size)
+
+    def vocab_part(w: torch.Tensor) -> torch.Tensor:
+        pad_to = 64 if (-(-w.shape[0] // 64) * 64) % tp_size == 0 else 64 * tp_size
+        padded = torch.zeros(-(-w.shape[0] // pad_to) * pad_to, *w.shape[1:], dtype=w.dtype)
+        padded[:w.shape[0]] = w
+        return padded.chunk(tp_size, 0)[rank]
+
+    held: dict = {}
+    for name, p in params.items():
+        w = p.detach()
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue
+        if ".self_attn.q_proj." in name:
+            prefix, leaf = name.split(".self_attn.q_proj.")
+            k, v = (params[f"{prefix}.self_attn.{x}_proj.{leaf}"].detach() for x in "kv")
+            held[f"{prefix}.self_attn.qkv_proj.{leaf}"] = torch.cat(
+                [heads_of(w, heads, rank, heads // tp_size), kv_part(k), kv_part(v)])
+        elif ".mlp.gate_proj." in name:
+            prefix, leaf = name.split(".mlp.gate_proj.")
+            up = params[f"{prefix}.mlp.up_proj.{leaf}"].detach()
+            held[f"{prefix}.mlp.gate_up_proj.{leaf}"] = torch.cat([w.chunk(tp_size, 0)[rank], up.chunk(tp_size, 0)[rank]])
+        elif any(f".{x}_proj." in name for x in ("k", "v", "up")) and (".self_attn." in name or ".mlp." in name):
+            continue  # held inside the fused tensor above
+        elif name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            held[name] = w.chunk(tp_size, 1)[rank]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            held[name] = vocab_part(w)
+        else:
+            held[name] = w
+    return held
 
 
 class _SafeUnpickler(pickle.Unpickler):

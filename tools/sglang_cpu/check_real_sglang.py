@@ -35,13 +35,21 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    flattened buckets (``load_format="flattened_bucket"``: one uint8 broadcast per bucket, what NCCL
    groups send); then the sync time of the disk and the distributed transports (both ways) on the
    same model, alternating, ``--sync-repeats`` each;
-7. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
+7. ``--update-weight-verify checksum`` (``verify_checksums``, ``weight_sync.sglang_verify``): ``/weights_checker``'s
+   ``checksum`` reply (per TP rank, SGLang's fused names); the formula weights of the CI stand-in's fixture give
+   the committed reply exactly; the disk, distributed and tensor transports each sync verified (every tensor
+   SGLang holds equals the trainer's checksum of the same bytes), with the time of syncs with and without; a
+   tensor changed inside the server after each transport's load is named (fused name, engine rank, version) and
+   the engine refuses to generate until a verified full sync; ``verify_qwen3``: the same on a second server
+   serving a tiny Qwen3 with tied embeddings and ``--dtype auto`` (float16 bytes);
+8. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
    against this server, once through the disk transport and once through the distributed one, and
    on 2 torchrun ranks with 2 pipeline stages through the distributed one (``distributed-pp2``: each
    stage's sender makes its own group with the server) (``--e2e-transports``); exit 0, the samples
-   of rollout ``i`` carry weight version ``i``;
-8. the CI stand-in against the replies recorded above that need a request in flight or a second server
-   (``standin_fidelity``), and this server against the committed fixture of ``record_replies.py``
+   of rollout ``i`` carry weight version ``i``; the disk and distributed runs with
+   ``--update-weight-verify checksum`` (every sync's tensors in SGLang equal megatron's export);
+9. the CI stand-in against the replies recorded above that need a request in flight or a second server, and its
+   ``/weights_checker`` checksum reply on the checkpoint against the real one, every value (``standin_fidelity``), and this server against the committed fixture of ``record_replies.py``
    (``fixture_still_holds``: its fixed requests re-sent, statuses, shapes and messages compared; a
    difference means SGLang changed since the recording: ``--record-replies`` refreshes it).
 
@@ -75,6 +83,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402 - after the repo is on sys.path
 
 from megatron_rl.data import synthetic  # noqa: E402
+from megatron_rl.errors import EngineError, SyncError  # noqa: E402
 from megatron_rl.infra.ports import free_port  # noqa: E402
 from megatron_rl.data.types import GenerateRequest, SamplingParams  # noqa: E402
 from megatron_rl.models.hf_tiny import build_tiny_hf_model  # noqa: E402
@@ -82,6 +91,8 @@ from megatron_rl.rollout.sglang import SGLangClient, SGLangEngine, SGLangSyncErr
 from megatron_rl.rollout.sglang import protocol  # noqa: E402
 from megatron_rl.weight_sync.disk import DiskSynchronizer  # noqa: E402
 from megatron_rl.weight_sync.distributed import DistributedSynchronizer  # noqa: E402
+from megatron_rl.weight_sync.sglang_verify import SGLangVerifier  # noqa: E402
+from megatron_rl.plan.sglang_weights import read_hf_config  # noqa: E402
 from megatron_rl.weight_sync.sglang_tensor import (FLATTENED_BUCKET, SGLangTensorSynchronizer,  # noqa: E402
                                                    _bucket_entries)
 from megatron_rl.plan.engines import EnginePlacement, EngineSlot  # noqa: E402
@@ -102,8 +113,9 @@ SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--samp
 SERVER_STEPS = [("generation", False), ("weights_check", False), ("delta_routes", False), ("long_prompts", False),
                 ("aborted_rows_retried", False), ("seeded", False), ("disk_updates", True), ("sharded_disk", True),
                 ("router", False), ("control", False), ("abort_flush_pause", False), ("tensor_updates", True),
-                ("tensor_transport", True), ("distributed_updates", True)]
-ALL_STEPS = [name for name, _ in SERVER_STEPS] + ["unavailable_503", "standin_fidelity", "fixture_still_holds"]
+                ("tensor_transport", True), ("distributed_updates", True), ("verify_checksums", True)]
+ALL_STEPS = [name for name, _ in SERVER_STEPS] + ["unavailable_503", "verify_qwen3", "standin_fidelity",
+                                                  "fixture_still_holds"]
 
 
 class CheckFailed(Exception):
@@ -464,28 +476,18 @@ class Checks:
                 [s.rollout_logprobs for s in samples] == self.first_logprobs)
 
     def delta_routes(self) -> None:
-        """Why ``--update-weight-mode delta`` and ``--update-weight-verify checksum`` are refused with SGLang: 0.5.23
-        has no route that applies a weight delta in place (slime's SGLang fork: ``/pull_weights``; none may answer
-        with success: a new one means the refusal can go). Per-tensor checksums: ``/weights_checker``'s ``checksum``
-        action reports them over the engine's own (fused) tensors; comparing them with the trainer's is not built."""
+        """Why ``--update-weight-mode delta`` is refused with SGLang: 0.5.23 has no route that applies a weight delta
+        in place (slime's SGLang fork: ``/pull_weights``; none may answer with success: a new one means the refusal
+        can be revisited). Per-tensor checksums come from ``/weights_checker``'s ``checksum`` action instead
+        (step ``verify_checksums``)."""
         import httpx
 
         r = self.r
         for path, body in (("/pull_weights", {"target_version": 1}), ("/get_weights_checksum", {}),
                            ("/weights_checksum", {})):
             resp = httpx.post(self.server.url + path, json=body, timeout=30)
-            r.check(f"SGLang has no {path} route (delta sync / per-tensor checksums are refused by name with it)",
+            r.check(f"SGLang has no {path} route (delta sync is refused by name with it)",
                     resp.status_code in (404, 405), f"{resp.status_code}: {resp.text[:300]}")
-        resp = httpx.post(self.server.url + "/weights_checker", json={"action": "checksum"}, timeout=30)
-        ranks = _safe(lambda: resp.json().get("ranks")) if resp.status_code == 200 else None
-        if ranks:  # real SGLang 0.5.23: {"ranks": [{"checksums": {name: hex}}]}, over its own (fused) tensors
-            ok = all(isinstance(rank.get("checksums"), dict) and rank["checksums"] for rank in ranks)
-            r.check("/weights_checker's checksum action reports a checksum per tensor the engine holds (its own "
-                    "fused names, per rank): what a post-apply check with SGLang would compare (not built: "
-                    "--update-weight-verify checksum is refused with SGLang)", ok, resp.text[:300])
-        else:
-            r.check("/weights_checker answers no per-tensor checksums here (the CI double does not play the action)",
-                    True, f"{resp.status_code}: {resp.text[:200]}")
         samples, _ = self.generate()
         r.check("after the probes the server still generates the checkpoint's tokens",
                 [s.rollout_logprobs for s in samples] == self.first_logprobs)
@@ -912,6 +914,125 @@ def tensor_transport(checks: "Checks", first: list[list[float]]) -> None:
     r.check("server still healthy after the tensor transport", c.health_generate(timeout_s=60))
 
 
+class _CorruptingVerifier(SGLangVerifier):
+    """The post-apply check, but before it one tensor is changed inside the server behind the trainer's back (a
+    one-tensor dir loaded with /update_weights_from_disk, same weight version): what a faulty apply leaves."""
+
+    def __init__(self, hf_config: dict, client: SGLangClient, corrupt_dir: Path):
+        super().__init__(hf_config)
+        self.client, self.corrupt_dir = client, corrupt_dir
+
+    def check(self, engine: Any, version: int) -> dict[str, float]:
+        self.client.update_weights_from_disk(str(self.corrupt_dir), weight_version=str(version), flush_cache=False,
+                                             timeout_s=120)
+        return super().check(engine, version)
+
+
+def verify_checksums(checks: "Checks", first: list[list[float]]) -> None:
+    """--update-weight-verify checksum against the server (weight_sync/sglang_verify.py): /weights_checker's checksum
+    reply (per TP rank, SGLang's fused names), the committed fixture's reply for the formula weights (the CI
+    stand-in is held to it), every transport's sync verified (all of SGLang's tensors equal the trainer's), the
+    cost (syncs with and without), and a tensor changed inside the server after each transport's load: named with
+    its fused name, engine rank and version, the engine then refusing to generate until a verified full sync."""
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))
+    from sglang_standin import formula_weights  # noqa: E402 - test tooling, on sys.path just above
+
+    r, c, engine = checks.r, checks.client, checks.engine
+    reply = c.weight_checksums(timeout_s=120)
+    r.replies["weights_checker_checksum"] = {"status": 200, "body": reply}
+    ranks = reply.get("ranks") or []
+    names = sorted((ranks[0].get("checksums") or {}) if ranks else ())
+    tp = int(c.server_info().get("tp_size") or 1)
+    r.check("/weights_checker checksum: one entry per TP rank, each a checksum per tensor SGLang holds, under its own "
+            "fused names (qkv_proj, gate_up_proj; no q_proj / gate_proj)",
+            len(ranks) == tp and "model.layers.0.self_attn.qkv_proj.weight" in names
+            and "model.layers.0.mlp.gate_up_proj.weight" in names
+            and not any(".q_proj." in n or ".gate_proj." in n for n in names),
+            f"{len(ranks)} rank(s), {len(names)} tensors: {names[:6]} ...")
+    hf_config = read_hf_config(str(checks.model_dir))
+    formula = formula_weights({n: tuple(t.shape) for n, t in checks.original.items()})
+    version = engine.weight_version + 1
+    engine.update_weights(formula.items(), version)
+    fixture = json.loads((REPO / "tests" / "rollout" / "fixtures" / "sglang_0.5.23_weights_checksum.json").read_text())
+    got = c.weight_checksums(timeout_s=120)
+    r.check("the formula weights give the committed fixture's checksum reply exactly (the CI stand-in is held to "
+            "it: tests/weight_sync/test_sglang_verify.py)", got == fixture["reply"],
+            json.dumps(got)[:400] if got != fixture["reply"] else f"{len(names)} checksums and the overall ones")
+    bucket = checks.args.sync_bucket_bytes
+    placement = EnginePlacement((EngineSlot(0, checks.server.url, 0, (), (0,), str(checks.server.log_path)),),
+                                colocated=True)
+
+    def transports() -> dict:
+        return {"disk": DiskSynchronizer(bucket, disk_dir=str(checks.r.out / "verify_disk"),
+                                         hf_checkpoint=str(checks.model_dir)),
+                "distributed": DistributedSynchronizer(bucket_bytes=bucket, group_backend="gloo", timeout_s=120),
+                "tensor": SGLangTensorSynchronizer(bucket_bytes=bucket, engines=placement, timeout_s=120,
+                                                   connect_retries=0)}
+
+    syncs = transports()
+    verifier = SGLangVerifier(hf_config)
+    states = [list(formula.items()), checks._state()]
+    try:
+        for name, sync in syncs.items():
+            timed: dict[str, list[float]] = {"off": [], "on": [], "hash": [], "check": []}
+            verified = []
+            rounds = 1 if checks.args.against_double else 2  # the double's timings mean nothing: one round
+            for _ in range(rounds):  # alternating: unverified, verified; the formula weights and the checkpoint in turn
+                for on in (False, True):
+                    sync.sglang_verifier = verifier if on else None
+                    version += 1
+                    metrics = sync.sync(StateBackend(states[version % 2]), engine, version)
+                    timed["on" if on else "off"].append(metrics["sync/time_s"] + metrics.get("sync/verify_time_s", 0))
+                    if on:
+                        verified.append(metrics["sync/verified_tensors"])
+                        timed["hash"].append(metrics["sync/verify_hash_s"])
+                        timed["check"].append(metrics["sync/verify_time_s"])
+            med = {k: sorted(v)[len(v) // 2] for k, v in timed.items()}
+            r.figures[f"verify_{name}"] = {k: round(v, 4) for k, v in med.items()}
+            r.log(f"verify, {name}: sync {med['off']:.3f} s unverified, {med['on']:.3f} s verified (the trainer's "
+                  f"hashing {med['hash'] * 1e3:.1f} ms, /weights_checker + compare {med['check'] * 1e3:.1f} ms)")
+            r.check(f"verify, {name}: every sync's checksums equal SGLang's for all {len(names)} tensors it holds",
+                    verified == [float(len(names) * tp)] * rounds, f"{verified}")
+        version += 1
+        metrics = syncs["disk"].sync(StateBackend(checks._state()), engine, version)  # the checkpoint, verified
+        checks._expect_restored(f"verify v{version}", first, version)
+        target = "model.layers.1.mlp.up_proj.weight"
+        bad = dict(checks.original)[target].clone()
+        bad.view(-1)[0] += 1.0
+        corrupt_dir = checks.r.out / "verify_corrupt"
+        corrupt_dir.mkdir(exist_ok=True)
+        save_file({target: bad}, str(corrupt_dir / "model.safetensors"))
+        corrupting = _CorruptingVerifier(hf_config, c, corrupt_dir)
+        for name, sync in syncs.items():
+            version += 1
+            sync.sglang_verifier = corrupting
+            try:
+                sync.sync(StateBackend(checks._state()), engine, version)
+                r.check(f"verify, {name}: a tensor changed inside SGLang after the load is named", False, "passed")
+            except (SyncError, EngineError) as exc:
+                text = str(exc)
+                r.check(f"verify, {name}: a tensor changed inside SGLang after the load is named (its fused name, "
+                        "engine rank, version)", f"version {version}" in text and "engine rank 0: 1 tensor(s) "
+                        "differs: model.layers.1.mlp.gate_up_proj.weight (bucket " in text, text[:500])
+            try:
+                engine.generate(checks.requests(checks.prompts[:1]), checks.greedy)
+                r.check(f"verify, {name}: the engine refuses to generate after the mismatch", False, "it generated")
+            except EngineError as exc:
+                r.check(f"verify, {name}: the engine refuses to generate after the mismatch",
+                        "--update-weight-verify found the update" in str(exc), str(exc)[:300])
+        version += 1
+        syncs["disk"].sglang_verifier = verifier
+        metrics = syncs["disk"].sync(StateBackend(checks._state()), engine, version)
+        r.check("verify: a verified full sync after the mismatches passes", metrics["sync/verified_tensors"] ==
+                float(len(names) * tp), str(metrics.get("sync/verified_tensors")))
+        checks._expect_restored(f"verify v{version}", first, version)
+    finally:
+        for sync in syncs.values():
+            sync.shutdown()
+
+
 def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     """The distributed transport against the real server: zero / restore, versions, teardown, timing."""
     r, c, engine = checks.r, checks.client, checks.engine
@@ -1070,6 +1191,64 @@ def _shape(body: Any) -> Any:
     return type(body).__name__
 
 
+def verify_qwen3(report: Report, args: argparse.Namespace) -> None:
+    """--update-weight-verify checksum on a second layout: a second server on a tiny Qwen3 with tied embeddings
+    (SGLang holds one embed_tokens, no lm_head; q_norm / k_norm beside qkv_proj) started with ``--dtype auto``
+    (its config says float32, which SGLang serves as float16: the trainer must hash float16 bytes), vocab 100
+    (padded to 128 rows); a perturbed sync verified over disk, then a tensor changed inside the server named."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = report.out / "model_qwen3"
+    if not (model_dir / "config.json").exists():
+        build_tiny_hf_model("qwen3", model_dir, seed=args.seed, num_hidden_layers=2, vocab_size=100,
+                            tie_word_embeddings=True)
+    server = SGLangServer(args.sglang_python, model_dir, report.out / "server_qwen3.log", port=free_port(),
+                          # --mem-fraction-static: SGLang sizes the KV cache from the host's free memory, which a
+                          # busy host may leave too small under 0.05 for a second server ("Raise ... above 0.068")
+                          extra_args=["--disable-radix-cache", "--skip-tokenizer-init", "--dtype", "auto",
+                                      "--mem-fraction-static", "0.2"])
+    engine = None
+    sync = DiskSynchronizer(args.sync_bucket_bytes, disk_dir=str(report.out / "verify_qwen3"),
+                            hf_checkpoint=str(model_dir))
+    try:
+        server.start()
+        t = time.monotonic()
+        wait_healthy(server, args.startup_timeout_s, report.log)
+        report.figures["startup_qwen3_server_s"] = round(time.monotonic() - t, 1)
+        engine = SGLangEngine([server.url], timeout_s=60, generate_timeout_s=300, update_timeout_s=300,
+                              connect_retries=0)
+        info = engine.clients[0].server_info()
+        hf_config = read_hf_config(str(model_dir))
+        sync.sglang_verifier = SGLangVerifier(hf_config)
+        weights = {k: v * 1.01 for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+        metrics = sync.sync(StateBackend(list(weights.items())), engine, 1)
+        held = sorted(engine.clients[0].weight_checksums()["ranks"][0]["checksums"])
+        report.check(f"qwen3, tied, --dtype {info.get('dtype')} (float32 config: SGLang holds float16): every one of "
+                     "the tensors SGLang holds equals the trainer's checksum", metrics["sync/verified_tensors"] ==
+                     len(held) == 18 and "lm_head.weight" not in held
+                     and "model.layers.0.self_attn.q_norm.weight" in held,
+                     f"{metrics['sync/verified_tensors']} verified of {len(held)}: {held[:5]} ...")
+        target = "model.embed_tokens.weight"
+        bad = weights[target].clone()
+        bad[-1, 0] += 1.0  # the last real vocab row (rows 100..127 are SGLang's padding)
+        corrupt_dir = report.out / "verify_qwen3_corrupt"
+        corrupt_dir.mkdir(exist_ok=True)
+        save_file({target: bad}, str(corrupt_dir / "model.safetensors"))
+        sync.sglang_verifier = _CorruptingVerifier(hf_config, engine.clients[0], corrupt_dir)
+        try:
+            sync.sync(StateBackend(list(weights.items())), engine, 2)
+            report.check("qwen3: the embedding changed inside SGLang after the load is named", False, "passed")
+        except (SyncError, EngineError) as exc:
+            report.check("qwen3: the embedding changed inside SGLang after the load is named",
+                         "version 2" in str(exc) and "differs: model.embed_tokens.weight" in str(exc)
+                         and "float16" in str(exc), str(exc)[:400])
+    finally:
+        sync.shutdown()
+        if engine is not None:
+            engine.close()
+        server.stop()
+
+
 def standin_fidelity(report: Report, model_dir: Path) -> None:
     """The CI stand-in (tests/rollout/sglang_standin.py) against the replies real SGLang gave above:
     same statuses, the stand-in's keys a subset of real SGLang's (real model_info / server_info carry
@@ -1111,6 +1290,8 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
         standin.faults.unavailable_generates = 1
         got["error_503_generate"] = get("POST", "/generate", {"input_ids": [ids, ids], "sampling_params": [
             {"max_new_tokens": 2}] * 2})
+        # the checkpoint's weights, as the real server held them when verify_checksums asked: the same reply
+        got["weights_checker_checksum"] = get("POST", "/weights_checker", {"action": "checksum", "selector": "target"})
         lm_head = dict(standin.engine.named_weights())["lm_head.weight"].clone()
         entries, buffers = _bucket_entries([("lm_head.weight", lm_head)], FLATTENED_BUCKET)
         get("POST", "/begin_weight_update", {})
@@ -1147,6 +1328,9 @@ def standin_fidelity(report: Report, model_dir: Path) -> None:
                     real_body["meta_info"]["finish_reason"].keys():
                 problems.append(f"{name}: finish_reason {body['meta_info']['finish_reason']} vs real "
                                 f"{real_body['meta_info']['finish_reason']}")
+        elif name == "weights_checker_checksum":  # every checksum, per rank, and the overall ones
+            if body != real_body:
+                problems.append(f"{name}: {json.dumps(body)[:300]} vs real {json.dumps(real_body)[:300]}")
         elif isinstance(real_body, dict):
             if set(body) != set(real_body):
                 problems.append(f"{name}: keys {sorted(body)} vs real {sorted(real_body)}")
@@ -1193,6 +1377,10 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
                   if transport in ("disk", "multi-turn") or asynchronous
                   else ["--update-weight-transport", transport.split("-")[0]])
+    # the post-apply check on the one-sender runs: every sync's bytes in SGLang equal the megatron export's
+    verified = transport in ("disk", "distributed")
+    if verified:
+        sync_flags += ["--update-weight-verify", "checksum"]
     # async-full: responses long enough that syncs land mid-response, so partial rollouts really continue rows
     # that real SGLang aborted with their tokens; async-one-step: rollout N+1 generated while N trains
     async_flags = {"async-one-step": ["--async-mode", "one-step"],
@@ -1252,6 +1440,13 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     report.check(f"{what}: syncs pushed versions 0..N in order",
                  [rec["sync/weight_version"] for rec in syncs] == [float(v) for v in range(args.num_rollout + 1)],
                  f"{[rec['sync/weight_version'] for rec in syncs]}")
+    if verified:
+        held = len(SGLangClient(server.url).weight_checksums()["ranks"][0]["checksums"])
+        report.check(f"{what}: --update-weight-verify checksum: after every sync every tensor SGLang holds equals "
+                     "the trainer's checksum of megatron's export", len(syncs) == args.num_rollout + 1 and all(
+                         rec.get("sync/verified_tensors") == float(held) for rec in syncs),
+                     f"{[rec.get('sync/verified_tensors') for rec in syncs]} of {held}; verify s "
+                     f"{[round(rec.get('sync/verify_time_s', -1), 3) for rec in syncs]}")
     per_sample = []
     rollouts = [torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)["samples"]
                 for i in range(args.num_rollout)]
@@ -1446,7 +1641,8 @@ def main(argv=None) -> int:
                 break
             try:
                 step = (lambda f: distributed_updates(checks, f)) if name == "distributed_updates" else \
-                    (lambda f: tensor_transport(checks, f)) if name == "tensor_transport" else getattr(checks, name)
+                    (lambda f: tensor_transport(checks, f)) if name == "tensor_transport" else \
+                    (lambda f: verify_checksums(checks, f)) if name == "verify_checksums" else getattr(checks, name)
                 result = step(first) if needs else step()
                 if name == "generation":
                     first = result
@@ -1464,6 +1660,12 @@ def main(argv=None) -> int:
                 unavailable_503(report, server.model, args)
         except Exception as exc:  # noqa: BLE001
             report.check("503 check ran without an error", False, f"{type(exc).__name__}: {exc}")
+        report.step = "verify_qwen3"
+        try:
+            if "verify_qwen3" in args.steps:
+                verify_qwen3(report, args)
+        except Exception as exc:  # noqa: BLE001
+            report.check("the qwen3 checksum check ran without an error", False, f"{type(exc).__name__}: {exc}")
         report.step = "standin_fidelity"
         try:
             if "standin_fidelity" in args.steps:

@@ -473,6 +473,12 @@ class SGLangClient:
         tensor that differs), inside the server, on every TP rank."""
         return self._weight_call("/weights_checker", {"action": action}, timeout_s)
 
+    def weight_checksums(self, *, timeout_s: Optional[float] = None) -> dict:
+        """``POST /weights_checker`` action ``checksum`` of the served model (``selector`` target: no draft model):
+        ``{"ranks": [{"checksums": {name: 16 hex digits}, "parallelism_info": [{"tp_rank": ...}]}, ...]}``, one
+        entry per TP rank, over SGLang's own tensors (``rollout.sglang.checksums``)."""
+        return self._weight_call("/weights_checker", {"action": "checksum", "selector": "target"}, timeout_s)
+
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> dict:
         """``POST /update_weight_version``; SGLang aborts in-flight requests unless told not to."""
         return self._weight_call("/update_weight_version", {"new_version": str(new_version),

@@ -79,7 +79,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
@@ -240,6 +240,11 @@ class SGLangEngine(RolloutEngine):
         if first_error is not None:
             raise first_error
         return results
+
+    def map_servers(self, fn: Callable[[SGLangClient], Any]) -> list:
+        """``fn(client)`` on every server at once, results in server order; the first error is raised (a transport's
+        or a check's per-server call, e.g. ``--update-weight-verify``'s ``/weights_checker``)."""
+        return self._map(fn, self.clients)
 
     # ------------------------------------------------------------------ state
     @property
