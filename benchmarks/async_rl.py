@@ -28,7 +28,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-MODES = {"off": [], "one-step": ["--async-mode", "one-step"], "full": ["--async-mode", "full", "--partial-rollout"]}
+FULL = ["--async-mode", "full", "--partial-rollout"]
+#: full: rows in flight stay parked on the engine across each sync, with their KV cache (in_place); full-abort: they
+#: are aborted before it and resubmitted after it, prompt + tokens, the cache computed again (--mode-set all)
+MODES = {"off": [], "one-step": ["--async-mode", "one-step"],
+         "full": [*FULL, "--pause-generation-mode", "in_place"],
+         "full-abort": [*FULL, "--pause-generation-mode", "abort"]}
 
 
 def run_mode(mode: str, args, model: str, prompts: str, work: str, k: int) -> dict:
@@ -41,7 +46,7 @@ def run_mode(mode: str, args, model: str, prompts: str, work: str, k: int) -> di
            "--n-samples-per-prompt", str(args.n), "--rollout-max-response-len", str(args.response_len),
            "--num-rollout", str(args.steps), "--lr", "1e-4", "--rollout-backend", "embedded",
            "--embedded-engine-ranks", "process", "--output-dir", out, *MODES[mode],
-           *(["--max-staleness", str(args.max_staleness)] if mode == "full" else [])]
+           *(["--max-staleness", str(args.max_staleness)] if mode.startswith("full") else [])]
     t = time.monotonic()
     with open(out + ".log", "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -73,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-staleness", type=int, default=1, help="full mode's --max-staleness")
     ap.add_argument("--family", default="qwen2")
     ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (off first: "
+                    "the ratios are to it)")
     args = ap.parse_args(argv)
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
@@ -85,9 +92,13 @@ def main(argv=None) -> int:
             fh.write(json.dumps({"prompt": [3, 4, 5 + i % 50], "label": str(i)}) + "\n")
     with open(os.path.join(work, "parity_reward.py"), "w") as fh:
         fh.write("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or modes[:1] != ["off"]:
+        ap.error(f"--modes {args.modes}: start with off, then any of {', '.join(MODES)}")
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     for k in range(args.repeat):
-        for mode in MODES:
+        for mode in modes:
             r = run_mode(mode, args, model, prompts, work, k)
             results[mode].append(r)
             print(f"  {mode:9s} run {k}: {r['samples_per_s']:.2f} samples/s (engine idle {r['engine_idle']:.2f}, "

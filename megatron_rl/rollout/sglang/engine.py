@@ -192,7 +192,8 @@ class SGLangEngine(RolloutEngine):
                    router_concurrency=per_engine * len(urls) if per_engine else 64,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None, router_url=router,
-                   check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes)
+                   check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes,
+                   pause_mode=cfg.rollout.pause_generation_mode)
 
     @property
     def urls(self) -> list[str]:
@@ -709,7 +710,9 @@ class SGLangEngine(RolloutEngine):
         ``flushed`` already, then adopt ``version`` only if each server's ``/model_info`` reports it;
         otherwise ``SyncError`` names the servers and the engine refuses to generate. Ends the update."""
         try:
-            if not flushed:
+            # in_place: the rows parked across the update keep the cache the old weights built (SGLang refuses the
+            # flush while they run); their later tokens record the new version (docs/async.md)
+            if not flushed and self.pause_mode != "in_place":
                 failures = [f for f in self._map(lambda c: self._flush(c, version), self.clients) if f]
                 if failures:
                     self._set_incomplete(f"the update to version {version} ({how}) left a cache unflushed on "
