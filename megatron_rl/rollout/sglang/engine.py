@@ -693,9 +693,8 @@ class SGLangEngine(RolloutEngine):
                 if status != 400 or time.monotonic() + delay > started + self.flush_retry_s:
                     if status != 400:
                         return str(exc)
-                    hint = ("pause_mode in_place keeps running requests, and their KV cache, on the server, so the "
-                            "flush cannot run while any is unfinished: use pause_mode abort or retract"
-                            if self.pause_mode == "in_place" else
+                    hint = ("it has no /pause_generation, so requests kept running through the update: is "
+                            "another client using it?" if client.base_url in self._no_pause else
                             "requests reached it while it was paused for the update: is another client using it?")
                     return (f"{client.label} refused /flush_cache after the update to version {version}: "
                             f"{attempts} attempt(s) over {time.monotonic() - started:.1f} s, the last answered HTTP "
