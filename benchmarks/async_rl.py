@@ -1,5 +1,10 @@
 """Samples per second of ``--async-mode off``, ``one-step`` and ``full`` on the same ranks, model and prompts.
 
+Full mode runs twice: ``full`` with ``--partial-rollout --pause-generation-mode in_place`` (the rows in flight stay
+parked on the engine across each sync, with their KV cache, and the engine generates while the trainer exports
+and writes the weights) and ``full-abort`` with ``--pause-generation-mode abort`` (they are aborted before each
+sync and resubmitted after it, prompt + tokens, the cache computed again).
+
 One trainer (``python -m megatron_rl.train``, megatron-core, one CPU rank, one thread) and one engine in a
 process of its own (one thread): the embedded engine server the run starts with ``--embedded-engine-ranks
 process`` (``rollout.embedded_server``: SGLang's HTTP protocol, rows of concurrent requests batched), synced
@@ -11,6 +16,7 @@ over runs of trained samples over the steps' wall time), the ratio to ``off``, a
 trainer idle fractions the loop logs (``perf/engine_idle_frac``, ``perf/trainer_idle_frac``).
 
     python benchmarks/async_rl.py [--steps 8] [--repeat 2] [--response-len 192] [--max-staleness 1] [--out DIR]
+        [--modes off,one-step,full,full-abort]
 """
 
 from __future__ import annotations
@@ -29,8 +35,6 @@ sys.path.insert(0, REPO)
 
 
 FULL = ["--async-mode", "full", "--partial-rollout"]
-#: full: rows in flight stay parked on the engine across each sync, with their KV cache (in_place); full-abort: they
-#: are aborted before it and resubmitted after it, prompt + tokens, the cache computed again (--mode-set all)
 MODES = {"off": [], "one-step": ["--async-mode", "one-step"],
          "full": [*FULL, "--pause-generation-mode", "in_place"],
          "full-abort": [*FULL, "--pause-generation-mode", "abort"]}
