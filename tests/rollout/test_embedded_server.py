@@ -236,14 +236,15 @@ def test_weights_checker_sees_an_update_that_restores_every_tensor(server, model
 
 def test_the_server_process_starts_serves_and_stops_and_a_bad_model_is_named(models, tmp_path):
     """Also: the server process frozen (SIGSTOP: it accepts connections and never answers, as a hung engine) at
-    each phase of a step it meets (generate, the sync's pause, health): every call returns within its own timeout
-    with an error naming the server, the endpoint and the timeout, and the health poll declares it dead."""
+    each phase of a step it meets (generate, the sync's pause, health, a colocated release): every call returns
+    within its own timeout with an error naming the server, the endpoint and the timeout, and the health poll
+    declares it dead."""
     process = start_server(models[0], str(tmp_path / "engine.log"), timeout_s=BOUND_S)
     try:
         engine = SGLangEngine([process.url], releases_memory=False, health_interval_s=0)
         assert [len(s.response_ids) for s in engine.generate([GenerateRequest([5, 17, 3], 0)], SAMPLING)] == [8, 8]
         engine.close()
-        short = SGLangEngine([process.url], releases_memory=False, health_interval_s=0, timeout_s=0.5,
+        short = SGLangEngine([process.url], releases_memory=True, health_interval_s=0, timeout_s=0.5,
                              generate_timeout_s=0.5, update_timeout_s=0.5, connect_retries=0, health_timeout_s=0.5,
                              health_failures=1)
         os.kill(process.proc.pid, signal.SIGSTOP)
@@ -257,6 +258,8 @@ def test_the_server_process_starts_serves_and_stops_and_a_bad_model_is_named(mod
                     err.value), str(err.value)
             short.poll_health()
             assert process.url in short.dead_servers()
+            with pytest.raises(MegatronRLError, match="did not answer POST /release_memory_occupation within 0.5 s"):
+                InThread(short.release, bound_s=BOUND_S, what="the colocated release").result()
         finally:
             os.kill(process.proc.pid, signal.SIGCONT)
             short.close()

@@ -314,6 +314,36 @@ def test_take_times_out_naming_what_it_waited_for():
         producer.stop()
 
 
+def test_a_sync_whose_abort_is_not_answered_stops_naming_the_calls_in_flight():
+    """The quiesce before an abort-mode sync: an engine that neither returns its calls nor acts on the abort (a
+    frozen server) ends the wait at the bound with an error naming what stayed in flight."""
+    release = threading.Event()
+
+    class Frozen(PausingEngine):
+        def generate(self, requests, sampling):
+            release.wait(60)
+            return []
+
+    producer = make(Frozen(seed=0, delay=0.0), Prompts(), k=1, partial=True)
+    producer.start()
+    aborts = []
+    try:
+        for _ in range(1200):  # until every worker's call is in flight (a state; the count only bounds a hang)
+            if producer.depth()[1] == 2 * B:
+                break
+            with pytest.raises(Exception, match="did not arrive"):
+                producer.take(B, 0, timeout_s=0.05)
+        assert producer.depth()[1] == 2 * B
+        producer.close_gate()
+        with pytest.raises(Exception, match=r"6 generate call\(s\) still in flight 0.3 s after the sync began "
+                                            r"aborting them; the engines do not answer /abort_request"):
+            producer.quiesce(lambda: aborts.append(1), timeout_s=0.3)
+        assert aborts  # it did ask
+    finally:
+        release.set()
+        producer.stop()
+
+
 def test_a_generate_function_cut_by_a_sync_is_run_again_whole():
     """--custom-generate-function-path under --async-mode full: each group comes from the user's function, which
     calls the engine twice (two turns: the second continues the first's tokens, observation tokens between
