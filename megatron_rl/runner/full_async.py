@@ -5,7 +5,10 @@ One step, N = ``rollout_id``: take ``--rollout-batch-size`` groups in the order 
 producer's pacing keeps each within ``--max-staleness``; one beyond it is dropped and counted), train on them (weights -> N+1),
 close the producer's gate (no group starts) and abort the rows in flight until none is (they come
 back with their tokens and are continued after the sync with ``--partial-rollout``), sync, open the
-gate at version N+1, then evaluation, metrics, checkpoint, stop, as in turn.
+gate at version N+1, then evaluation, metrics, checkpoint, stop, as in turn. With
+``--pause-generation-mode retract`` / ``in_place`` the gate stays open and nothing is aborted: the sync's own
+pause parks the rows on the engines while the weights load, and they go on after it in the same call, so
+generation does not stop while the trainer exports and writes the weights.
 
 Exact resume (every prompt trained exactly once across any number of kills): a checkpoint N is
 preceded by ``<save>/async_buffer/buffer_N.pt``, one instant's snapshot of the producer: the finished
