@@ -1,5 +1,10 @@
 """Samples per second of ``--async-mode off``, ``one-step`` and ``full`` on the same ranks, model and prompts.
 
+Full mode runs twice: ``full`` with ``--partial-rollout --pause-generation-mode in_place`` (the rows in flight stay
+parked on the engine across each sync, with their KV cache, and the engine generates while the trainer exports
+and writes the weights) and ``full-abort`` with ``--pause-generation-mode abort`` (they are aborted before each
+sync and resubmitted after it, prompt + tokens, the cache computed again).
+
 One trainer (``python -m megatron_rl.train``, megatron-core, one CPU rank, one thread) and one engine in a
 process of its own (one thread): the embedded engine server the run starts with ``--embedded-engine-ranks
 process`` (``rollout.embedded_server``: SGLang's HTTP protocol, rows of concurrent requests batched), synced
@@ -11,6 +16,7 @@ over runs of trained samples over the steps' wall time), the ratio to ``off``, a
 trainer idle fractions the loop logs (``perf/engine_idle_frac``, ``perf/trainer_idle_frac``).
 
     python benchmarks/async_rl.py [--steps 8] [--repeat 2] [--response-len 192] [--max-staleness 1] [--out DIR]
+        [--modes off,one-step,full,full-abort]
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-MODES = {"off": [], "one-step": ["--async-mode", "one-step"], "full": ["--async-mode", "full", "--partial-rollout"]}
+FULL = ["--async-mode", "full", "--partial-rollout"]
+MODES = {"off": [], "one-step": ["--async-mode", "one-step"],
+         "full": [*FULL, "--pause-generation-mode", "in_place"],
+         "full-abort": [*FULL, "--pause-generation-mode", "abort"]}
 
 
 def run_mode(mode: str, args, model: str, prompts: str, work: str, k: int) -> dict:
@@ -41,7 +50,7 @@ def run_mode(mode: str, args, model: str, prompts: str, work: str, k: int) -> di
            "--n-samples-per-prompt", str(args.n), "--rollout-max-response-len", str(args.response_len),
            "--num-rollout", str(args.steps), "--lr", "1e-4", "--rollout-backend", "embedded",
            "--embedded-engine-ranks", "process", "--output-dir", out, *MODES[mode],
-           *(["--max-staleness", str(args.max_staleness)] if mode == "full" else [])]
+           *(["--max-staleness", str(args.max_staleness)] if mode.startswith("full") else [])]
     t = time.monotonic()
     with open(out + ".log", "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -73,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-staleness", type=int, default=1, help="full mode's --max-staleness")
     ap.add_argument("--family", default="qwen2")
     ap.add_argument("--out", default=None, help="work dir (default: a temp dir)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (off first: "
+                    "the ratios are to it)")
     args = ap.parse_args(argv)
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
@@ -85,9 +96,13 @@ def main(argv=None) -> int:
             fh.write(json.dumps({"prompt": [3, 4, 5 + i % 50], "label": str(i)}) + "\n")
     with open(os.path.join(work, "parity_reward.py"), "w") as fh:
         fh.write("def score(sample):\n    return float(sample.response_ids[-1] % 2)\n")
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or modes[:1] != ["off"]:
+        ap.error(f"--modes {args.modes}: start with off, then any of {', '.join(MODES)}")
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     for k in range(args.repeat):
-        for mode in MODES:
+        for mode in modes:
             r = run_mode(mode, args, model, prompts, work, k)
             results[mode].append(r)
             print(f"  {mode:9s} run {k}: {r['samples_per_s']:.2f} samples/s (engine idle {r['engine_idle']:.2f}, "

@@ -5,7 +5,8 @@
 # Re-running the same command resumes from the newest checkpoint.
 #   NUM_ROLLOUT=300 OUT=runs/demo bash scripts/run_demo_cpu.sh [extra flags]   (both the defaults)
 # A Slurm or Kubernetes job of the same run: JOB=slurm|k8s JOB_ARGS="..." (tools/launch_job.py, docs/launch.md).
-# Asynchronous RL: add --async-mode one-step, or --async-mode full [--partial-rollout]; the embedded
+# Asynchronous RL: add --async-mode one-step, or --async-mode full [--partial-rollout
+# [--pause-generation-mode in_place]]; the embedded
 # engine then runs in a process of its own (--embedded-engine-ranks process) beside the trainer ranks,
 # synced from disk under $OUT/engine_weights (docs/async.md).
 # An MoE policy: DEMO_FAMILY=qwen3_moe (8 experts, top-2) or DEMO_FAMILY=deepseek_v3 (MLA, shared expert,

@@ -190,6 +190,20 @@ def _async_errors(cfg: Config) -> list[str]:
             what = "trains every rollout at staleness 1" if r.async_mode == "one-step" else "generates, then trains"
             errors.append(f"{' and '.join(given)} pace and continue the rollouts of --async-mode full; --async-mode "
                           f"{r.async_mode} {what}: add --async-mode full or drop {' and '.join(given)}")
+    if r.pause_generation_mode != "abort" and not (r.async_mode == "full" and r.partial_rollout):
+        errors.append(f"--pause-generation-mode {r.pause_generation_mode} keeps the rows in flight across a weight "
+                      "sync, which only --async-mode full --partial-rollout has (in the other modes no row spans a "
+                      "sync): add --async-mode full --partial-rollout or drop --pause-generation-mode")
+    elif r.pause_generation_mode != "abort" and r.use_fault_tolerance:
+        errors.append(NotBuilt(f"--pause-generation-mode {r.pause_generation_mode} with --use-fault-tolerance is "
+                               f"{_NOT_YET}: an engine restart relies on the abort before each sync to find a dead "
+                               "engine with no row left on it; use --pause-generation-mode abort with "
+                               "--use-fault-tolerance"))
+    elif r.pause_generation_mode == "in_place" and cfg.sync.update_weight_transport != "disk":
+        errors.append(NotBuilt(f"--pause-generation-mode in_place with --update-weight-transport "
+                               f"{cfg.sync.update_weight_transport} is {_NOT_YET}: that route flushes SGLang's cache "
+                               "with its last bucket, which SGLang refuses while in_place keeps the rows running; "
+                               "use --update-weight-transport disk, or --pause-generation-mode retract"))
     if r.async_mode == "off":
         if r.async_wait_timeout != 3600.0:
             errors.append(f"--async-wait-timeout {r.async_wait_timeout:g} bounds the wait for a batch generated "

@@ -720,6 +720,18 @@ class RolloutConfig:
                                  "version and log-prob of the weights that drew it; the rest generated from prompt "
                                  "+ those tokens, the cache computed afresh); without it the response is drawn "
                                  "again from its prompt.")
+    pause_generation_mode: str = flag("abort", "--async-mode full --partial-rollout: what a weight sync does to "
+                                      "the rows in flight (slime's and SGLang's /pause_generation modes; "
+                                      "docs/async.md). abort: the producer aborts them before the sync (they come "
+                                      "back with their tokens and are resubmitted after it, prompt + tokens, the "
+                                      "cache computed afresh), and generation stops while the weights are exported "
+                                      "and written. retract: they stay on the servers, parked while the new weights "
+                                      "load, then their cache is recomputed by the new weights (no resubmission). "
+                                      "in_place: they stay parked with the KV cache the old weights built and go on "
+                                      "over it (no recomputation); the engines generate while the trainer exports "
+                                      "and writes the weights, pausing only for the load. Every token keeps the "
+                                      "version and log-prob of the weights whose forward drew it either way.",
+                                      choices=("abort", "retract", "in_place"))
     async_wait_timeout: float = flag(3600.0, "--async-mode: seconds the trainer waits for its next batch (one-step: "
                                      "the rollout generated meanwhile; full: enough finished groups); past it the "
                                      "run stops naming what it waited for and the engines.", domain="(0, inf)")

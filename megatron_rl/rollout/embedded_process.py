@@ -105,6 +105,7 @@ def start_embedded_engine(cfg: "Config") -> ServedEmbeddedEngine:
         return ServedEmbeddedEngine(process, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=model,
                                     tokenizer=load_tokenizer(model), releases_memory=False,
                                     check_first_update=cfg.sync.check_weight_update_equal,
+                                    pause_mode=cfg.rollout.pause_generation_mode,
                                     route_layout=RouteLayout.of_checkpoint(model) if routes else None)
     except BaseException:
         process.stop(grace_s=5.0)

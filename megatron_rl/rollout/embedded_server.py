@@ -27,7 +27,8 @@ Endpoints (request and reply shapes as SGLang 0.5.23's, see ``rollout.sglang.pro
 ``in_place``: running rows park at their next step, as ``EmbeddedEngine.pause`` documents; in every
 mode, requests arriving while paused wait for ``/continue_generation``),
 ``/continue_generation``, ``/abort_request`` (``rid`` or ``abort_all``), ``/flush_cache`` (400 while
-rows run or wait: there is no cache kept between batches to flush), ``/model_info``,
+rows run or wait, as SGLang's: waiting rows do not count while paused, nor rows a retract pause parked;
+there is no cache kept between batches to flush), ``/model_info``,
 ``/server_info``, ``/health``, ``/health_generate``, ``/weights_checker`` (snapshot / reset_tensors /
 compare, for ``--check-weight-update-equal``). Started with ``--enable-return-routed-experts`` (as SGLang),
 a ``/generate`` with ``return_routed_experts`` gets each row's routes in ``meta_info.routed_experts``
@@ -422,8 +423,11 @@ class EmbeddedServer:
         return 200, {"success": True, "message": "Success."}
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
+        # SGLang's rule (Scheduler.flush_cache: is_fully_idle(ignore_waiting=paused)): while paused the waiting
+        # rows do not count, and a retract pause has put the running ones among them; an in_place pause keeps
+        # them running (and their cache), so the flush is refused then
         with self._cond:
-            busy = bool(self._queue or self._running)
+            busy = bool(self._queue) and self._paused is None or bool(self._running) and self._paused != "retract"
         return (400, "Flush cache failed.") if busy else (200, "Cache flushed.")
 
 

@@ -5,7 +5,10 @@ One step, N = ``rollout_id``: take ``--rollout-batch-size`` groups in the order 
 producer's pacing keeps each within ``--max-staleness``; one beyond it is dropped and counted), train on them (weights -> N+1),
 close the producer's gate (no group starts) and abort the rows in flight until none is (they come
 back with their tokens and are continued after the sync with ``--partial-rollout``), sync, open the
-gate at version N+1, then evaluation, metrics, checkpoint, stop, as in turn.
+gate at version N+1, then evaluation, metrics, checkpoint, stop, as in turn. With
+``--pause-generation-mode retract`` / ``in_place`` the gate stays open and nothing is aborted: the sync's own
+pause parks the rows on the engines while the weights load, and they go on after it in the same call, so
+generation does not stop while the trainer exports and writes the weights.
 
 Exact resume (every prompt trained exactly once across any number of kills): a checkpoint N is
 preceded by ``<save>/async_buffer/buffer_N.pt``, one instant's snapshot of the producer: the finished
@@ -179,6 +182,9 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
     cfg = parts.ctx.cfg
     producer = _build_producer(parts, start) if parts.rollout is not None else None
     root = cfg.checkpoint.save
+    # --pause-generation-mode retract / in_place: the rows in flight stay on the servers across each sync (its own
+    # /pause_generation parks them), so the producer neither closes its gate nor aborts them before it
+    keeps_rows = cfg.rollout.pause_generation_mode != "abort"
     if producer is not None:
         producer.start()
 
@@ -198,13 +204,15 @@ def run_full(parts: StepParts, start: int) -> Optional[int]:
             samples, metrics = parts.recovery.generate(functools.partial(_batch_or_park, producer, parts, rollout_id),
                                                        None, resync=functools.partial(_resync, producer, parts))
             parts.train(samples, metrics, rollout_id=rollout_id)
-            if producer is not None:  # nothing starts while the weights change, nothing is left on the servers
-                producer.close_gate()
-            _, restarted = parts.recovery.generate(functools.partial(_quiesce, producer, parts), None,
-                                                   resync=functools.partial(_resync, producer, parts, reopen=False))
-            if restarted:  # an engine died since the batch was taken: restarted, synced; the step's sync follows
-                metrics["rollout/engine_restarts"] = metrics.get("rollout/engine_restarts", 0.0) \
-                    + restarted["rollout/engine_restarts"]
+            if not keeps_rows:  # abort: nothing starts while the weights change, nothing is left on the servers
+                if producer is not None:
+                    producer.close_gate()
+                _, restarted = parts.recovery.generate(functools.partial(_quiesce, producer, parts), None,
+                                                       resync=functools.partial(_resync, producer, parts,
+                                                                                reopen=False))
+                if restarted:  # an engine died since the batch was taken: restarted, synced; the step's sync follows
+                    metrics["rollout/engine_restarts"] = metrics.get("rollout/engine_restarts", 0.0) \
+                        + restarted["rollout/engine_restarts"]
             try:
                 parts.push_weights(rollout_id + 1, metrics)
             finally:

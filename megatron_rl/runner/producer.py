@@ -29,7 +29,10 @@ appended; every token keeps the version and the behaviour log-prob of the weight
 generated it (``Sample.token_versions``), and the continuation's cache is computed afresh by
 the new weights (a re-prefill; nothing of the old weights' KV cache is reused). Without them
 the row's tokens are dropped and it is generated again from its prompt (slime's default).
-Either way the group trains whole: an aborted sample is never trained on.
+Either way the group trains whole: an aborted sample is never trained on. With ``--pause-generation-mode
+retract`` / ``in_place`` the driver neither closes the gate nor calls ``quiesce``: the sync's own pause parks
+the rows on the servers and the calls return after it, their later tokens by the new version (``in_place``:
+over the KV cache the old weights built), so nothing is cut and nothing is resubmitted.
 
 **User functions.** A generate function (``--custom-generate-function-path``, ``--agent-function-path``) is
 called per group; a rollout function (``--rollout-function-path``) per ``groups_per_step`` groups, admitted

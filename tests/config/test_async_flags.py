@@ -37,6 +37,26 @@ def test_full_mode_pacing_flags_are_refused_elsewhere(argv):
     assert len(found) == 1 and "use >= 1" in found[0]
 
 
+def test_the_pause_generation_modes_that_keep_rows_need_full_partial_rollouts(argv, tiny_hf_models, tmp_path):
+    """--pause-generation-mode retract / in_place keep rows across a sync: full mode with --partial-rollout only;
+    in_place refuses a route that flushes with its last bucket, and fault tolerance is not built with either."""
+    full = ["--async-mode", "full", "--partial-rollout"]
+    for mode in ("retract", "in_place"):
+        assert errors(argv(*URL, *full, "--pause-generation-mode", mode)) == []
+        for other in (["--async-mode", "full"], ["--async-mode", "one-step"], []):
+            found = [e for e in errors(argv(*URL, *other, "--pause-generation-mode", mode))
+                     if "--pause-generation-mode" in e]
+            assert len(found) == 1 and "add --async-mode full --partial-rollout" in found[0], other
+    found = [e for e in errors(["--hf-checkpoint", tiny_hf_models("qwen2"), *URL, *full, "--pause-generation-mode",
+                                "in_place", "--update-weight-transport", "distributed"])
+             if "--pause-generation-mode" in e]
+    assert len(found) == 1 and is_not_built_yet(found[0]) and "--update-weight-transport disk" in found[0]
+    launched = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--rollout-num-gpus", "1", *full,
+                "--use-fault-tolerance", "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path)]
+    found = [e for e in errors([*launched, "--pause-generation-mode", "retract"]) if "--pause-generation-mode" in e]
+    assert len(found) == 1 and is_not_built_yet(found[0]) and "--pause-generation-mode abort" in found[0]
+
+
 def test_full_mode_with_fault_tolerance_is_accepted(tiny_hf_models, tmp_path):
     argv = ["--hf-checkpoint", tiny_hf_models("qwen2"), "--rollout-num-gpus", "1", "--async-mode", "full",
             "--use-fault-tolerance", "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path)]

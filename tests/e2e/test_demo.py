@@ -199,17 +199,20 @@ def _exported_checkpoint_reproduces_the_policy(out, recs, command="dist-to-hf"):
 
 
 def test_demo_runs_in_full_async_mode_with_its_engine_in_a_process_of_its_own(tmp_path):
-    """--async-mode full --partial-rollout on the demo: the embedded engine runs as a server process of its
-    own (started by the driver, synced from disk, its log under engines/), generation overlaps training
-    within --max-staleness 1 with nothing dropped, and the engine process ends with the run. (That the
-    demo learns in both async modes, 300 rollouts each: docs/async.md.)"""
+    """--async-mode full --partial-rollout --pause-generation-mode in_place on the demo: the embedded engine
+    runs as a server process of its own (started by the driver, synced from disk, its log under engines/),
+    generation overlaps training within --max-staleness 1 with nothing dropped, the rows in flight at a sync go
+    on in the same call (never resubmitted), and the engine process ends with the run. (That the demo learns in
+    both async modes, 300 rollouts each: docs/async.md; the abort mode end to end: tests/e2e/test_async_full.py.)"""
     out = tmp_path / "demo_full"
-    run_demo(out, 12, "--async-mode", "full", "--partial-rollout", "--save-interval", "12", "--eval-interval", "12")
+    run_demo(out, 12, "--async-mode", "full", "--partial-rollout", "--pause-generation-mode", "in_place",
+             "--save-interval", "12", "--eval-interval", "12")
     recs = metrics(out)
     train = [r for r in recs if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     assert max(r["rollout/staleness_max"] for r in train) <= 1 and max(r["rollout/staleness_max"] for r in train[1:]) == 1
     assert sum(r["rollout/dropped_stale"] for r in train) == 0
+    assert sum(r["rollout/partial_continued_samples"] for r in train) == 0  # parked across each sync, not cut
     check_mode_keys(recs, "full")  # the keys docs/metrics.md lists for the mode, rollout/time_s and perf/reward_s too
     log = (out / "engines" / "embedded_engine.log").read_text()
     assert "-m megatron_rl.rollout.embedded_server" in log and "serving" in log

@@ -984,7 +984,9 @@ class SGLangStandIn:
         return {"success": True, "message": "Success.", "ranks": ranks, "per_engine_checksum": engine.hexdigest()}
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:
-        if self.pending_count():
+        # SGLang's is_fully_idle(ignore_waiting=paused): a retract pause puts the running rows back among the
+        # waiting ones, which a paused scheduler ignores, so the flush goes through
+        if self.pending_count() and self.engine.paused != "retract":
             return 400, "Flush cache failed."
         return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                      "waiting requests, the operation will not be performed.)\n")

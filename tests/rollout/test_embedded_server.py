@@ -5,6 +5,8 @@ until the server's ``state()`` shows what the test arranged (rows queued, an upd
 pause or abort is sent from the hook itself, so it lands at exactly that step.
 """
 
+import os
+import signal
 import threading
 
 import pytest
@@ -156,6 +158,39 @@ def test_retract_pause_update_and_continue_give_each_token_its_version(server, c
     assert http.model_info()["weight_version"] == "1"
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_the_engines_own_sync_keeps_a_row_in_flight_across_the_update(server, models, mode):
+    """--pause-generation-mode retract / in_place through the whole client sync (``update_weights_from_disk``:
+    pause in that mode, load, the flush where SGLang allows it, the version check, continue) while a generate is in
+    flight: the row is neither aborted nor resubmitted, its first 3 tokens are version 0's, the rest version 1's."""
+    engine = SGLangEngine([server.url], releases_memory=False, health_interval_s=0, pause_mode=mode)
+    sync = []
+    go_on = server.engine.continue_
+
+    def continue_once_parked():  # the sync's /continue_generation: only once the row is parked (it must be)
+        server.engine.wait_paused(BOUND_S)
+        go_on()
+
+    def sync_at_step_3():  # the update comes from another thread; this (generating) one parks once it paused
+        sync.append(InThread(lambda: engine.update_weights_from_disk(models[1], 1), bound_s=BOUND_S, what="sync"))
+        until(lambda: server.engine.paused == mode, "the sync's pause")
+
+    server.engine.continue_ = continue_once_parked
+    hook_at(server, 3, sync_at_step_3)
+    try:
+        samples = engine.generate([GenerateRequest([5, 17, 3], 0)], SAMPLING)
+        sync[0].result()
+        until(lambda: server.state()["batches"] == 1, "the batch ended")
+        assert engine.weight_version == 1 and server.state()["batched_rows"] == 2  # nothing resubmitted
+    finally:
+        server.engine.continue_ = go_on
+        engine.close()
+    whole = EmbeddedEngine(models[0]).generate([GenerateRequest([5, 17, 3], 0)], SAMPLING)
+    for s, w in zip(samples, whole):
+        assert s.finish_reason == "length" and s.effective_token_versions() == [0] * 3 + [1] * 5
+        assert s.response_ids[:3] == w.response_ids[:3] and s.staleness(1) == 1
+
+
 def test_an_update_without_a_pause_waits_for_the_running_batch(server, models):
     http = SGLangClient(server.url)
     hook_at(server, 2, lambda: until(lambda: server.state()["updating"] == 1, "the update waiting"))
@@ -200,11 +235,34 @@ def test_weights_checker_sees_an_update_that_restores_every_tensor(server, model
 
 
 def test_the_server_process_starts_serves_and_stops_and_a_bad_model_is_named(models, tmp_path):
+    """Also: the server process frozen (SIGSTOP: it accepts connections and never answers, as a hung engine) at
+    each phase of a step it meets (generate, the sync's pause, health, a colocated release): every call returns
+    within its own timeout with an error naming the server, the endpoint and the timeout, and the health poll
+    declares it dead."""
     process = start_server(models[0], str(tmp_path / "engine.log"), timeout_s=BOUND_S)
     try:
         engine = SGLangEngine([process.url], releases_memory=False, health_interval_s=0)
         assert [len(s.response_ids) for s in engine.generate([GenerateRequest([5, 17, 3], 0)], SAMPLING)] == [8, 8]
         engine.close()
+        short = SGLangEngine([process.url], releases_memory=True, health_interval_s=0, timeout_s=0.5,
+                             generate_timeout_s=0.5, update_timeout_s=0.5, connect_retries=0, health_timeout_s=0.5,
+                             health_failures=1)
+        os.kill(process.proc.pid, signal.SIGSTOP)
+        try:
+            calls = {"/generate": lambda: short.generate([GenerateRequest([5, 17, 3], 0)], SAMPLING),
+                     "/pause_generation": lambda: short.update_weights_from_disk(models[1], 1)}
+            for endpoint, call in calls.items():
+                with pytest.raises(MegatronRLError) as err:
+                    InThread(call, bound_s=BOUND_S, what=endpoint).result()
+                assert process.url in str(err.value) and f"did not answer POST {endpoint} within 0.5 s" in str(
+                    err.value), str(err.value)
+            short.poll_health()
+            assert process.url in short.dead_servers()
+            with pytest.raises(MegatronRLError, match="did not answer POST /release_memory_occupation within 0.5 s"):
+                InThread(short.release, bound_s=BOUND_S, what="the colocated release").result()
+        finally:
+            os.kill(process.proc.pid, signal.SIGCONT)
+            short.close()
     finally:
         process.stop(grace_s=10)
     assert not process.alive()

@@ -265,9 +265,10 @@ def test_a_server_without_pause_generation_is_updated_without_it(model, weights,
 
 
 def test_a_flush_refused_while_requests_are_pending_is_retried_then_reported(model, weights, tmp_path):
-    """In-place pausing keeps a running request on the server, so SGLang refuses to flush (400) until it ends."""
-    with RecordingStandIn(model) as server:
-        engine = make_engine(server, tmp_path, pause_mode="in_place", flush_retry_s=0.6)
+    """A server without /pause_generation keeps another client's request running through the update, so SGLang
+    refuses to flush (400) until it ends."""
+    with NoPauseStandIn(model) as server:
+        engine = make_engine(server, tmp_path, flush_retry_s=0.6)
         other = SGLangClient(server.url, connect_retries=0)  # an eval or partial rollout on the same server
         try:
             server.faults.delay_s["/generate:row"] = 30.0
@@ -278,9 +279,9 @@ def test_a_flush_refused_while_requests_are_pending_is_retried_then_reported(mod
                 engine.update_weights(weights.items(), 1)
             message = str(err.value)
             assert server.url in message and NOTE in message and "/flush_cache" in message, message
-            assert "Flush cache failed." in message and "pause_mode in_place" in message
+            assert "Flush cache failed." in message and "no /pause_generation" in message
             assert server.requests["/flush_cache"] >= 3  # retried with backoff
-            assert server.control()[-1] == "/continue_generation"  # the server is not left paused
+            assert server.control().count("/pause_generation") == 1  # its 404 remembered; nothing left paused
             with pytest.raises(EngineError, match="left a cache unflushed"):
                 engine.generate(REQUESTS, GREEDY)
             engine.abort()
@@ -299,6 +300,29 @@ def test_a_flush_refused_while_requests_are_pending_is_retried_then_reported(mod
             server.faults.delay_s.pop("/generate:row")
             assert engine.weight_version == 2
             assert {s.weight_version for s in engine.generate(REQUESTS, GREEDY)} == {2}
+        finally:
+            other.close()
+            engine.close()
+
+
+def test_an_in_place_pause_keeps_a_running_request_and_its_cache_through_the_update(model, weights, tmp_path):
+    """pause_mode in_place (--pause-generation-mode in_place): the request running on the server stays there with
+    its KV cache, which SGLang would refuse to flush while it runs, so the update sends no /flush_cache."""
+    with RecordingStandIn(model) as server:
+        engine = make_engine(server, tmp_path, pause_mode="in_place")
+        other = SGLangClient(server.url, connect_retries=0)  # a row of the producer in flight
+        try:
+            server.faults.delay_s["/generate:row"] = 30.0
+            pending = threading.Thread(target=other.generate, args=([[1, 2, 3]], [{"max_new_tokens": 2}]))
+            pending.start()
+            wait_for(lambda: server.pending_count() == 1, "the request pending")
+            engine.update_weights(weights.items(), 1)
+            assert server.control() == ["/pause_generation", "/update_weights_from_disk", "/model_info",
+                                        "/continue_generation"]
+            assert [b for p, b in server.calls if p == "/pause_generation"] == [{"mode": "in_place"}]
+            assert server.pending_count() == 1 and engine.weight_version == 1  # still running, not aborted
+            engine.abort()
+            pending.join(60)
         finally:
             other.close()
             engine.close()

@@ -2,7 +2,8 @@
 
 The engine is a double that answers like an SGLang server paused in abort mode: it draws tokens one
 at a time, each stamped with the version it holds (and a log-prob that encodes that version), and a
-sync's pause cuts every row in flight, which comes back ``abort`` with the tokens drawn so far. Engine
+sync's pause cuts every row in flight, which comes back ``abort`` with the tokens drawn so far (or, as
+``InPlaceEngine``, paused in_place: the rows go on across the sync, their later tokens by the new version). Engine
 and trainer sleep random short times so groups finish out of order and syncs land mid-response; every
 assertion is on the samples' state (versions, tokens, prompt indices), none on timing.
 """
@@ -77,6 +78,15 @@ class PausingEngine:
             self._pausing = False
 
 
+class InPlaceEngine(PausingEngine):
+    """``sync`` as an in_place pause: the rows in flight park between two tokens while the version changes and go
+    on after it (nothing aborted, nothing resubmitted), their later tokens by the new version."""
+
+    def sync(self, version: int) -> None:
+        with self._lock:  # a row reads the version under this lock before each token: the update lands between two
+            self.version = version
+
+
 class Prompts:
     def __init__(self):
         self.drawn = 0
@@ -95,30 +105,35 @@ def make(engine, prompts, *, k: int, partial: bool, **kw) -> RolloutProducer:
                            score=lambda samples: None, concurrency=(k + 1) * B, **kw)
 
 
-def train(producer, engine, steps, start=0, trainer_delay=0.0, seed=0):
+def train(producer, engine, steps, start=0, trainer_delay=0.0, seed=0, keeps_rows=False):
+    """The full-async driver's order per step; ``keeps_rows`` (--pause-generation-mode retract / in_place): the
+    gate stays open and nothing is aborted before the sync, whose own pause parks the rows in flight."""
     rng, trained = random.Random(seed), []
     for step in range(start, start + steps):
         groups = producer.take(B, step, timeout_s=120)
         trained.append((step, groups))
         time.sleep(rng.random() * trainer_delay)  # the training
-        producer.close_gate()
+        if not keeps_rows:
+            producer.close_gate()
         engine.sync(step + 1)
         producer.open_gate(step + 1)
     return trained
 
 
-@pytest.mark.parametrize("k,partial,engine_delay,trainer_delay", [
-    (1, True, 0.002, 0.0),  # the engine is the slow side
-    (1, True, 0.0, 0.01),  # the trainer is
-    (2, True, 0.001, 0.005),
-    (1, False, 0.001, 0.002),
+@pytest.mark.parametrize("k,partial,engine_delay,trainer_delay,in_place", [
+    (1, True, 0.002, 0.0, False),  # the engine is the slow side
+    (1, True, 0.0, 0.01, False),  # the trainer is
+    (2, True, 0.001, 0.005, False),
+    (1, False, 0.001, 0.002, False),
+    (1, True, 0.002, 0.002, True),  # --pause-generation-mode in_place: rows go on across the sync
 ])
-def test_every_trained_token_is_within_the_bound_and_nothing_is_dropped(k, partial, engine_delay, trainer_delay):
-    engine, prompts = PausingEngine(seed=k, delay=engine_delay), Prompts()
+def test_every_trained_token_is_within_the_bound_and_nothing_is_dropped(k, partial, engine_delay, trainer_delay,
+                                                                        in_place):
+    engine, prompts = (InPlaceEngine if in_place else PausingEngine)(seed=k, delay=engine_delay), Prompts()
     producer = make(engine, prompts, k=k, partial=partial)
     producer.start()
     try:
-        trained = train(producer, engine, steps=12, trainer_delay=trainer_delay, seed=k)
+        trained = train(producer, engine, steps=12, trainer_delay=trainer_delay, seed=k, keeps_rows=in_place)
     finally:
         producer.stop()
     indices = []
@@ -136,7 +151,9 @@ def test_every_trained_token_is_within_the_bound_and_nothing_is_dropped(k, parti
                 assert s.rollout_logprobs == [logprob_of(v) for v in versions]
                 assert versions == sorted(versions)
                 mixed += len(set(versions)) > 1
-                if len(set(versions)) > 1:
+                if in_place:  # a row that spans a sync was never cut: no resubmission
+                    assert "partial_continuations" not in s.metadata
+                elif len(set(versions)) > 1:
                     assert s.metadata["partial_continuations"] >= 1
     # taken in admission order, each prompt once: no group dropped, none trained twice
     assert indices == list(range(12 * B))
@@ -189,6 +206,47 @@ def test_a_response_cut_by_a_sync_continues_on_the_new_weights():
     assert s.token_versions == [0, 0, 1, 1, 1] and s.weight_version == 0 and s.staleness(1) == 1
     assert s.rollout_logprobs == [logprob_of(0)] * 2 + [logprob_of(1)] * 3
     assert s.metadata["partial_continuations"] == 1
+
+
+def test_a_response_parked_in_place_across_a_sync_goes_on_without_a_second_call():
+    """Deterministic, --pause-generation-mode in_place: the row draws 2 tokens by version 0, is parked while the
+    sync changes the weights (the gate stays open, nothing is aborted), then draws 3 by version 1 in the same call."""
+    drawing, calls = threading.Event(), []
+
+    class Parked(InPlaceEngine):
+        def _row(self, req, sampling):
+            calls.append(list(req.prompt_ids))
+            drawing.set()
+            with self._lock:
+                while self.version == 0:
+                    self._lock.wait()
+                version = self.version
+            return Sample(req.group_index, list(req.prompt_ids), [7, 7, 8, 8, 8],
+                          [logprob_of(0)] * 2 + [logprob_of(version)] * 3, finish_reason="stop", weight_version=0,
+                          token_versions=[0, 0] + [version] * 3, metadata=dict(req.metadata))
+
+        def sync(self, version):
+            with self._lock:
+                self.version = version
+                self._lock.notify_all()
+
+    engine = Parked(seed=0, delay=0.0)
+    producer = RolloutProducer(engine, lambda: [GenerateRequest([1, 2], 0, metadata={"prompt_index": 0})],
+                               SamplingParams(max_new_tokens=MAX_NEW, n=1, seed=3), groups_per_step=1,
+                               max_staleness=1, version=0, partial=True, score=lambda samples: None, concurrency=1)
+    producer.start()
+    try:
+        assert drawing.wait(60)
+        engine.sync(1)  # no close_gate, no abort: the sync's own pause parks the row
+        producer.open_gate(1)
+        (group,) = producer.take(1, 0, timeout_s=60)
+    finally:
+        producer.stop()
+    (s,) = group.samples
+    assert calls[:1] == [[1, 2]] and group.admitted_at == 0
+    assert s.response_ids == [7, 7, 8, 8, 8] and s.token_versions == [0, 0, 1, 1, 1] and s.staleness(1) == 1
+    assert s.rollout_logprobs == [logprob_of(0)] * 2 + [logprob_of(1)] * 3
+    assert "partial_continuations" not in s.metadata
 
 
 def test_snapshot_restores_every_untrained_prompt_exactly_once():
@@ -253,6 +311,36 @@ def test_take_times_out_naming_what_it_waited_for():
                                             r"generating, gate open, engines Silent\)"):
             producer.take(B, 0, timeout_s=0.2, describe=lambda: "Silent")
     finally:
+        producer.stop()
+
+
+def test_a_sync_whose_abort_is_not_answered_stops_naming_the_calls_in_flight():
+    """The quiesce before an abort-mode sync: an engine that neither returns its calls nor acts on the abort (a
+    frozen server) ends the wait at the bound with an error naming what stayed in flight."""
+    release = threading.Event()
+
+    class Frozen(PausingEngine):
+        def generate(self, requests, sampling):
+            release.wait(60)
+            return []
+
+    producer = make(Frozen(seed=0, delay=0.0), Prompts(), k=1, partial=True)
+    producer.start()
+    aborts = []
+    try:
+        for _ in range(1200):  # until every worker's call is in flight (a state; the count only bounds a hang)
+            if producer.depth()[1] == 2 * B:
+                break
+            with pytest.raises(Exception, match="did not arrive"):
+                producer.take(B, 0, timeout_s=0.05)
+        assert producer.depth()[1] == 2 * B
+        producer.close_gate()
+        with pytest.raises(Exception, match=r"6 generate call\(s\) still in flight 0.3 s after the sync began "
+                                            r"aborting them; the engines do not answer /abort_request"):
+            producer.quiesce(lambda: aborts.append(1), timeout_s=0.3)
+        assert aborts  # it did ask
+    finally:
+        release.set()
         producer.stop()
 
 

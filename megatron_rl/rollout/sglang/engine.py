@@ -192,7 +192,8 @@ class SGLangEngine(RolloutEngine):
                    router_concurrency=per_engine * len(urls) if per_engine else 64,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None, router_url=router,
-                   check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes)
+                   check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes,
+                   pause_mode=cfg.rollout.pause_generation_mode)
 
     @property
     def urls(self) -> list[str]:
@@ -697,9 +698,8 @@ class SGLangEngine(RolloutEngine):
                 if status != 400 or time.monotonic() + delay > started + self.flush_retry_s:
                     if status != 400:
                         return str(exc)
-                    hint = ("pause_mode in_place keeps running requests, and their KV cache, on the server, so the "
-                            "flush cannot run while any is unfinished: use pause_mode abort or retract"
-                            if self.pause_mode == "in_place" else
+                    hint = ("it has no /pause_generation, so requests kept running through the update: is "
+                            "another client using it?" if client.base_url in self._no_pause else
                             "requests reached it while it was paused for the update: is another client using it?")
                     return (f"{client.label} refused /flush_cache after the update to version {version}: "
                             f"{attempts} attempt(s) over {time.monotonic() - started:.1f} s, the last answered HTTP "
@@ -714,7 +714,9 @@ class SGLangEngine(RolloutEngine):
         ``flushed`` already, then adopt ``version`` only if each server's ``/model_info`` reports it;
         otherwise ``SyncError`` names the servers and the engine refuses to generate. Ends the update."""
         try:
-            if not flushed:
+            # in_place: the rows parked across the update keep the cache the old weights built (SGLang refuses the
+            # flush while they run); their later tokens record the new version (docs/async.md)
+            if not flushed and self.pause_mode != "in_place":
                 failures = [f for f in self._map(lambda c: self._flush(c, version), self.clients) if f]
                 if failures:
                     self._set_incomplete(f"the update to version {version} ({how}) left a cache unflushed on "
