@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import mmap
 import os
 from typing import IO, Iterator, cast
 
 import torch
 from torch.futures import Future
+
+from megatron_rl.convert import file_views
 
 _MISSING = object()
 
@@ -65,10 +66,8 @@ def _mapped_tensor(file, offset: int, length: int) -> torch.Tensor:
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
-    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-    pages = mmap.mmap(file.fileno(), offset - aligned + length, access=mmap.ACCESS_COPY, offset=aligned)
     reader = torch._C.PyTorchFileReader(cast(IO[bytes], _Window(file, offset, length)))
-    storage = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=offset - aligned).untyped_storage()
+    storage = file_views.map_range(file.name, offset, length).untyped_storage()  # known to the output writer
     return _load(reader, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 
