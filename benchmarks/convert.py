@@ -69,7 +69,7 @@ def probe(tool_argv: list[str]) -> None:
         f.write("5")  # reset VmHWM to the current RSS
     floor = _status_kb("VmRSS")
     output = tool_argv[tool_argv.index("--output") + 1]
-    for i in range(int(os.environ.get("RSS_PROBE_REPEAT", "1"))):
+    for _ in range(int(os.environ.get("RSS_PROBE_REPEAT", "1"))):
         # the previous run's output goes before the run, untimed, as the copy's destination does
         shutil.rmtree(output, ignore_errors=True)
         sys.argv = [TOOL, *tool_argv]

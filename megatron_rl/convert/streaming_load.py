@@ -7,17 +7,22 @@ device so its ``sharded_state_dict()`` names every key, chunk and
 for each bucket of consecutive parameters (export order, at most
 ``bucket_bytes``):
 
-1. allocate real tensors for the bucket's parameters only;
-2. ``dist_checkpointing.load`` the chunks of the state-dict entries that view
-   them (the two halves of a gated ``linear_fc1`` included; other layers and
-   keys are not read), with access validation off because the subset is
-   deliberate, as plain (non-prepended) ShardedTensors whose data are views of
-   the real tensors, so the load fills them;
+1. read each parameter straight from the chunks its state-dict entries name
+   (plain, non-prepended ShardedTensors; the two halves of a gated
+   ``linear_fc1`` included) in the ``.metadata`` of the dir
+   (:class:`~megatron_rl.convert.distcp_reader.ChunkFiles`): a parameter that is
+   one saved chunk *is* that chunk's mapped pages, no copy; one of several chunks
+   is assembled from them;
+2. a chunk saved at another layout (the checkpoint was written at TP2, say) is
+   not one of those: that bucket goes through ``dist_checkpointing.load`` of
+   the same entries into real tensors (access validation off, the subset is
+   deliberate), which reshards;
 3. export those parameters to full HF tensors with the bridge's maps
    (``weights.export_slot``) and hand them to the caller; free the bucket.
 
-Memory: one bucket of parameters plus the HF tensors made from them, not the
-model. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
+Memory: one bucket of parameters (mapped pages, or tensors where assembled)
+plus the HF tensors made from them, not the model; an HF tensor that is a
+chunk's bytes is written from the ``.distcp`` file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
 each rank's whole shard (the collective export needs every rank's model).
 """
 

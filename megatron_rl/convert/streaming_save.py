@@ -14,21 +14,21 @@ everything that decides the *layout* and swaps in a lazy source only for the
   ``common.pt`` (with ``content_metadata``) and ``metadata.json``;
 * ``StreamingTorchDistSaveStrategy`` is megatron's torch_dist strategy
   (same backend name and version, same key flattening, same
-  ``MCoreSavePlanner`` planning and dedup), but it writes synchronously through
-  torch's ``FileSystemWriter``, which resolves one write item at a time
-  (megatron's async writer resolves every tensor up front). Torch's writer
-  keeps a reference to the last tensor of every key it wrote into a file until
-  that file is closed, so :class:`_BucketedWriter` starts a new ``.distcp`` file
-  every ``bucket_bytes``: what it holds is bounded by one bucket;
+  ``MCoreSavePlanner`` planning and dedup), but it writes synchronously, one
+  write item at a time, the records and files torch's ``FileSystemWriter`` writes
+  (:class:`_BucketedWriter`: a new ``.distcp`` file every ``bucket_bytes``, each
+  value dropped once written; megatron's async writer resolves every tensor up
+  front). Bytes an item takes unchanged from the HF files are copied from them
+  inside the kernel, and the ``torch.save`` records' CRC-32s come from the pass
+  that hashes the file (:mod:`megatron_rl.convert.file_writer`);
 * :class:`_LazyPlanner.resolve_data` turns the meta tensor of a write item into
   values: it finds the parameter the meta tensor views (by storage), asks
   ``materialize(param)`` for that parameter's full local value, and takes the
   same view (``as_strided``) of it. One materialised parameter is cached, so the
   two halves of a gated ``linear_fc1`` cost one read.
 
-Peak memory is therefore about one local parameter plus one bucket (plus
-torch's copy-ahead of at most ``per_thread_copy_ahead`` bytes on a GPU host),
-not the model; ``benchmarks/convert.py`` measures it. The output is what
+Peak memory is therefore about one local parameter (plus the mapped pages of the
+HF range being written), not the model; ``benchmarks/convert.py`` measures it. The output is what
 ``dist_checkpointing.load`` reads; the tests compare it byte for byte with a
 ``dist_checkpointing.save`` of the loaded model.
 """
