@@ -155,7 +155,7 @@ def _pieces(meta: torch.Tensor, value: torch.Tensor, entries) -> list:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    out = []
+    out: list[tuple[str, Any]] = []
     for top, key, entry in entries:
         if isinstance(entry, ShardedTensor):
             pieces = [dataclasses.replace(entry, data=_same_view(value, meta, entry.data))]
@@ -175,13 +175,14 @@ def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles) -> Op
         meta = slot.param
         pieces = _pieces(meta, meta, entries.get(storage_key(meta), []))
         read = [files.read(p.key, p.global_offset, p.local_shape, meta.dtype) for _, p in pieces]
-        if not pieces or any(t is None for t in read):
+        chunks = [t for t in read if t is not None]
+        if not pieces or len(chunks) != len(pieces):
             return None
         if len(pieces) == 1 and pieces[0][1].data.numel() == meta.numel():
-            values.append(read[0].view(meta.shape))
+            values.append(chunks[0].view(meta.shape))
             continue
         value = torch.empty(meta.shape, dtype=meta.dtype)
-        for (_, p), t in zip(pieces, read):
+        for (_, p), t in zip(pieces, chunks):
             _same_view(value, meta, p.data).copy_(t.view(p.data.shape))
         values.append(value)
     return values
@@ -201,14 +202,15 @@ def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[
             values = _loaded_values(bucket, entries, dc, dist_dir, metadata_cache)
         for (slot, names), value in zip(bucket, values):
             yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
-        del values, bucket
+        del values, bucket, value  # nothing of this bucket is held while the next one is read
         release_free_memory()
     chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)
 
 
 def _loaded_values(bucket, entries: dict, dc, dist_dir: str, metadata_cache: dict) -> list[torch.Tensor]:
     """The bucket's parameters through ``dist_checkpointing.load`` (any saved layout; chunks from mapped pages)."""
-    values, request = [], {}
+    values: list[torch.Tensor] = []
+    request: dict[str, Any] = {}
     for slot, _ in bucket:
         meta = slot.param
         value = torch.empty(meta.shape, dtype=meta.dtype)

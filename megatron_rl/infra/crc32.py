@@ -16,15 +16,16 @@ from __future__ import annotations
 import zlib
 from typing import Callable
 
-try:  # ISA-L: the same polynomial, SIMD
-    from isal.isal_zlib import crc32 as _fast_crc32
-except ImportError:  # pragma: no cover - the package is a dependency; zlib gives the same values
-    _fast_crc32 = None
+def _pick() -> tuple[Callable[..., int], str]:
+    try:  # ISA-L: the same polynomial, SIMD
+        from isal.isal_zlib import crc32 as fast
+    except ImportError:  # pragma: no cover - the package is a dependency; zlib gives the same values
+        return zlib.crc32, "zlib"
+    return fast, "isal"
 
-crc32: Callable[..., int] = _fast_crc32 or zlib.crc32
-"""``crc32(data, value=0)``: zlib's CRC-32 of ``data`` continued from ``value``."""
 
-BACKEND = "isal" if _fast_crc32 is not None else "zlib"
+crc32, BACKEND = _pick()
+"""``crc32(data, value=0)``: zlib's CRC-32 of ``data`` continued from ``value`` (``BACKEND``: which computes it)."""
 
 _POLY = 0xEDB88320  # the reflected CRC-32 polynomial
 

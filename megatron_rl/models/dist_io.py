@@ -154,12 +154,12 @@ def _attributes_only_init() -> Iterator[None]:
     patched = [m for m in (sys.modules.get(n) for n in _AFFINE_INIT_USERS)
                if m is not None and getattr(m, "_initialize_affine_weight_cpu", None) is original]
     for module in patched:
-        module._initialize_affine_weight_cpu = attributes_only
+        setattr(module, "_initialize_affine_weight_cpu", attributes_only)
     try:
         yield
     finally:
         for module in patched:
-            module._initialize_affine_weight_cpu = original
+            setattr(module, "_initialize_affine_weight_cpu", original)
 
 
 def model_sharded_state_dict(chunks) -> dict:
@@ -293,6 +293,7 @@ def read_guard(stream: Iterable, path: str) -> Iterator:
     it = iter(stream)
     while True:
         try:
+            item = None  # the previous item is not held while the next one is read
             item = next(it)
         except StopIteration:
             return
