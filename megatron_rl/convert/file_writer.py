@@ -31,7 +31,7 @@ import contextlib
 import io
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Optional
 
 import torch
@@ -316,6 +316,37 @@ class _ZipCrcs:
 
 
 _crc_pool: Optional[ThreadPoolExecutor] = None
+_sync_pool: Optional[ThreadPoolExecutor] = None
+
+
+def fsync_later(path: str) -> Future:
+    """``fsync`` the written file ``path`` on a background thread; wait with :func:`wait_synced` before the
+    output is published.
+
+    Why: ``fsync`` waits for the disk, not for a core; a converter that syncs each file as it closes it
+    spends that wait idle (~0.3 s of a 447 MB conversion here), while the next file could be produced
+    meanwhile. What is published is the same: every file is synced before the output's rename."""
+    global _sync_pool
+    if _sync_pool is None:
+        _sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-writer-fsync")
+
+    def sync() -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return _sync_pool.submit(sync)
+
+
+def wait_synced(pending: list[Future]) -> None:
+    """Wait for every :func:`fsync_later` of ``pending`` (raising the first error), then empty it."""
+    try:
+        for f in pending:
+            f.result()
+    finally:
+        pending.clear()
 
 
 def _crc_thread() -> ThreadPoolExecutor:

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from megatron_rl.convert import file_views
-from megatron_rl.convert.file_writer import FileWriter
+from megatron_rl.convert.file_writer import FileWriter, fsync_later, wait_synced
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
 from megatron_rl.infra.crc32 import crc32
@@ -93,12 +93,15 @@ class _FileBytes:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None) -> str:
+def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None,
+                     synced: Optional[list] = None) -> str:
     """Write a safetensors file (the documented format: u64-LE header length, JSON
     header with dtype / shape / data_offsets per tensor and ``__metadata__``, padded
     with spaces to 8 bytes, then the data) without copying the tensors; fsynced.
     Tensors must be contiguous CPU tensors (``_own_storage``), written from their own bytes, or
-    :class:`_FileBytes`, copied from their file.
+    :class:`_FileBytes`, copied from their file. ``synced``: a list the file's background fsync is added to
+    (:func:`~megatron_rl.convert.file_writer.fsync_later`; the caller waits before publishing) instead of
+    syncing before returning.
     Returns the file's CRC-32 (hex), computed from the bytes as they were written."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     offset = 0
@@ -118,7 +121,10 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None) 
                 out.copy_range(t.source, t.crc)
             elif t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's own memoryview
-        os.fsync(out.fileno())
+        if synced is None:
+            os.fsync(out.fileno())
+    if synced is not None:  # the caller waits for it (file_writer.wait_synced) before anything is published
+        synced.append(fsync_later(path))
     return out.hexdigest
 
 
@@ -135,6 +141,7 @@ class ShardedSafetensorsWriter:
         self.total_bytes = 0
         self.peak_pending_bytes = 0
         self.checksums: dict[str, str] = {}  # file name (final after finish) -> CRC-32 hex
+        self._synced: list = []  # each written shard's background fsync, waited for in finish()
         os.makedirs(out_dir, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -154,13 +161,14 @@ class ShardedSafetensorsWriter:
             return
         part = f"model-{len(self._parts) + 1:05d}.safetensors.part"
         self.checksums[part] = save_safetensors(self._pending, os.path.join(self.out_dir, part),
-                                                metadata=self.metadata)
+                                                metadata=self.metadata, synced=self._synced)
         self._parts.append((part, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
     def finish(self) -> dict:
-        """Write the last shard, give shards their final names, write the index."""
+        """Write the last shard, wait for every shard's fsync, give shards their final names, write the index."""
         self._flush()
+        wait_synced(self._synced)
         if not self._parts:
             raise CheckpointError("no tensors were exported; nothing to write")
         n = len(self._parts)

@@ -41,7 +41,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from megatron_rl.convert.file_writer import FileWriter
+from megatron_rl.convert.file_writer import FileWriter, fsync_later, wait_synced
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.weights import named_state_tensors
 
@@ -200,6 +200,7 @@ def _bucketed_writer_class():
 
         def write_data(self, plan, planner):
             results = []
+            synced: list = []  # each file's fsync runs in the background while the next file is written
             for i, bucket in enumerate(split_into_buckets(plan.items, self.bucket_bytes)):
                 # the same naming as FileSystemWriter.write_data: __{rank}_{file}.distcp
                 name = f"{plan.storage_data.prefix}{i}.distcp"
@@ -217,8 +218,9 @@ def _bucketed_writer_class():
                             results.append(_write_item(self.transforms, stream, data, item, name,
                                                        self.serialization_format))
                         del data
-                    os.fsync(stream.fileno())
+                synced.append(fsync_later(stream.path))
                 self.checksums[name] = stream.hexdigest
+            wait_synced(synced)  # every .distcp on disk before torch writes .metadata
             done: Future = Future()
             done.set_result(results)
             return done
