@@ -10,7 +10,8 @@ run measures on the same disk:
 * ``hf->dist`` (once per ``--bucket-sizes`` value) and ``dist->hf``:
   ``tools/convert_ckpt.py`` in a fresh process per step (``--max-shard-size`` 100MB for
   the HF output), without ``--verify`` so the figure is the conversion alone, run ``--repeat``
-  times one after another in that process (later runs with ``--overwrite``); the time is the
+  times one after another in that process (the previous output removed before each run, untimed, as the
+  copy's destination is); the time is the
   tool's own ``seconds`` (from the call of the conversion to the published output: checks,
   model layout, every byte written and fsynced, ``COMPLETE.json``, the rename), not the imports;
 * peak memory *of the conversion*: each tool run goes through ``--probe``, which
@@ -24,8 +25,9 @@ run measures on the same disk:
   separate processes and not included.
 
 Ratios: speed = the copy's best time / the step's best time (1.00: as fast as copying the
-bytes), and the conversion's peak RSS / the largest tensor and / the model bytes. Page
-cache is warm for every step alike.
+bytes), and the conversion's peak RSS / (the largest tensor + one ``--bucket-size``), the bound
+the converters keep. Page cache is warm for every step alike. The load average (the machine
+may be shared) is printed before and after.
 
     python benchmarks/convert.py [--hidden 1024 --layers 8 --vocab 32000] [--repeat 3] [--workdir DIR] [--keep]
 """
@@ -66,8 +68,11 @@ def probe(tool_argv: list[str]) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     floor = _status_kb("VmRSS")
-    for i in range(int(os.environ.get("RSS_PROBE_REPEAT", "1"))):  # later runs replace the first one's output
-        sys.argv = [TOOL, *tool_argv, *(["--overwrite"] if i else [])]
+    output = tool_argv[tool_argv.index("--output") + 1]
+    for _ in range(int(os.environ.get("RSS_PROBE_REPEAT", "1"))):
+        # the previous run's output goes before the run, untimed, as the copy's destination does
+        shutil.rmtree(output, ignore_errors=True)
+        sys.argv = [TOOL, *tool_argv]
         try:
             runpy.run_path(TOOL, run_name="__main__")
         except SystemExit as e:
@@ -146,6 +151,9 @@ def main() -> None:
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
+    from megatron_rl.convert.safetensors_writer import parse_size
+
+    load_before = os.getloadavg()
     work = args.workdir or tempfile.mkdtemp(prefix="convert_bench_")
     os.makedirs(work, exist_ok=True)
     try:
@@ -180,13 +188,13 @@ def main() -> None:
             d = os.path.join(work, f"dist{i}")
             h2d_s, floor, h2d_rss, secs = run_rss(["hf-to-dist", "--input", hf, "--output", d, "--json",
                                                    "--no-progress", "--bucket-size", bucket], args.repeat)
-            conv_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, secs, h2d_rss))
+            conv_rows.append((f"hf->torch_dist --bucket {bucket}", h2d_s, secs, h2d_rss, parse_size(bucket)))
             copy_now()
             back = os.path.join(work, f"back{i}")
             d2h_s, _, d2h_rss, secs = run_rss(["dist-to-hf", "--input", d, "--output", back, "--json",
                                                "--no-progress", "--max-shard-size", args.max_shard_size,
                                                "--bucket-size", bucket], args.repeat)
-            conv_rows.append((f"torch_dist->hf --bucket {bucket}", d2h_s, secs, d2h_rss))
+            conv_rows.append((f"torch_dist->hf --bucket {bucket}", d2h_s, secs, d2h_rss, parse_size(bucket)))
             copy_now()
             backs.append(back)
         copy_s = min(copies)
@@ -202,29 +210,32 @@ def main() -> None:
         a.close()
 
         mb = 1e6
-        rows = [("copy (shutil.copy + fsync)", None, copies, None), *conv_rows]
+        rows = [("copy (shutil.copy + fsync)", None, copies, None, None), *conv_rows]
         result = {"model_bytes": model_bytes, "largest_tensor": largest_name, "largest_bytes": largest,
-                  "copied_bytes": copied, "import_floor_rss": floor, "repeat": args.repeat, "rows": []}
+                  "copied_bytes": copied, "import_floor_rss": floor, "repeat": args.repeat,
+                  "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "rows": []}
         if not args.json:
             print(f"llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
                   f"intermediate={args.intermediate} fp32: model {model_bytes / mb:.0f} MB, largest tensor "
                   f"{largest_name} {largest / mb:.0f} MB; RSS after imports (floor): {floor / mb:.0f} MB; "
                   f"best of {args.repeat}")
+            print(f"load average before {' '.join(f'{x:.1f}' for x in load_before)}, after "
+                  f"{' '.join(f'{x:.1f}' for x in result['loadavg_after'])} (1/5/15 min; {os.cpu_count()} cores)")
             print(f"{'step':31s} {'wall s':>7s} {'best s':>7s} {'first s':>7s} {'MB/s':>7s} {'speed':>6s} "
-                  f"{'peak MB':>8s} {'peak/largest':>12s} {'peak/model':>10s}")
-        for name, wall, secs, rss in rows:
+                  f"{'peak MB':>8s} {'peak/(largest+bucket)':>21s}")
+        for name, wall, secs, rss, bucket_bytes in rows:
             best = min(secs)
             row = {"step": name, "wall_s": round(wall, 3) if wall is not None else None, "seconds": secs,
                    "best_s": round(best, 3), "mb_per_s": round(model_bytes / mb / best, 1),
                    "speed_of_copy": round(copy_s / best, 2), "peak_rss_above_floor": rss,
-                   "peak_over_largest": round(rss / largest, 2) if rss is not None else None,
-                   "peak_over_model": round(rss / model_bytes, 2) if rss is not None else None}
+                   "peak_over_largest_plus_bucket": round(rss / (largest + bucket_bytes), 2) if rss is not None
+                   else None}
             result["rows"].append(row)
             if not args.json:
                 f = (lambda v, fmt: format(v, fmt) if v is not None else "-")
                 print(f"{name:31s} {f(wall, '7.2f'):>7s} {best:7.2f} {secs[0]:7.2f} {row['mb_per_s']:7.1f} "
                       f"{row['speed_of_copy']:6.2f} {f(rss is not None and rss / mb or None, '8.0f'):>8s} "
-                      f"{f(row['peak_over_largest'], '12.2f'):>12s} {f(row['peak_over_model'], '10.2f'):>10s}")
+                      f"{f(row['peak_over_largest_plus_bucket'], '21.2f'):>21s}")
         if args.json:
             print(json.dumps(result, indent=2))
         else:

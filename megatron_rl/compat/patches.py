@@ -232,6 +232,9 @@ def patch_rng_tracker() -> None:
     _rebind_everywhere(mrandom._set_cuda_rng_state, _set_rng_state)
 
 
+_JIT_UNWRAPPED: set[str] = set()  # megatron modules whose compiled functions were unwrapped
+
+
 def patch_jit_fuser() -> None:
     """``jit_fuser`` is ``torch.compile``: tens of seconds of dynamo tracing per
     shape on CPU for no gain. Later decorations become no-ops, and functions
@@ -241,6 +244,9 @@ def patch_jit_fuser() -> None:
     _require(jit, "disable_jit_fuser")
     jit.disable_jit_fuser()
     for module in _megatron_modules():
+        if module.__name__ in _JIT_UNWRAPPED:  # scanned already (each apply_cpu_compat re-runs this: ~50 ms a scan)
+            continue
+        _JIT_UNWRAPPED.add(module.__name__)
         for key, value in list(vars(module).items()):
             orig = getattr(value, "_torchdynamo_orig_callable", None)
             if callable(value) and orig is not None:

@@ -132,6 +132,7 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                 bar.update(1)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = e
+            del tensor  # not held while the export reads the next bucket
         bar.close()
         if writer is not None and error is None and set(expected) - seen:
             error = CheckpointError(f"HF tensors left unfilled by the export: {sorted(set(expected) - seen)}; the "

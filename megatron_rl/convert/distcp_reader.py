@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import mmap
+import math
 import os
 from typing import IO, Iterator, cast
 
 import torch
 from torch.futures import Future
+
+from megatron_rl.convert import file_views
 
 _MISSING = object()
 
@@ -65,11 +67,45 @@ def _mapped_tensor(file, offset: int, length: int) -> torch.Tensor:
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
-    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-    pages = mmap.mmap(file.fileno(), offset - aligned + length, access=mmap.ACCESS_COPY, offset=aligned)
     reader = torch._C.PyTorchFileReader(cast(IO[bytes], _Window(file, offset, length)))
-    storage = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=offset - aligned).untyped_storage()
+    storage = file_views.map_range(file.name, offset, length).untyped_storage()  # known to the output writer
     return _load(reader, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
+
+
+class ChunkFiles:
+    """Where each saved chunk of a torch_dist dir is (its ``.metadata``), read as a view of the file's pages.
+
+    Why: the one-process ``dist-to-hf`` needs a parameter's bytes, which a chunk holds as they are saved;
+    reading it through ``dist_checkpointing.load`` plans a load per bucket and copies every chunk into a
+    new tensor. :meth:`read` returns the chunk itself, mapped (:mod:`megatron_rl.convert.file_views`),
+    so an HF tensor that is a whole chunk is written from the ``.distcp`` file inside the kernel."""
+
+    def __init__(self, dist_dir: str, cache: dict):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = cache.get("metadata", _MISSING)
+        if metadata is _MISSING:
+            metadata = cache["metadata"] = FileSystemReader(dist_dir).read_metadata()
+        self._where: dict[tuple, tuple[str, int, int]] = {}
+        for index, info in metadata.storage_data.items():
+            if index.offset is not None and not getattr(info, "transform_descriptors", None):
+                self._where[(index.fqn, tuple(index.offset))] = (os.path.join(dist_dir, info.relative_path),
+                                                                 info.offset, info.length)
+        self._sizes = {(key, tuple(chunk.offsets)): tuple(chunk.sizes)
+                       for key, md in metadata.state_dict_metadata.items() for chunk in getattr(md, "chunks", ())}
+
+    def read(self, key: str, offsets, shape, dtype: torch.dtype) -> "torch.Tensor | None":
+        """The saved chunk of ``key`` at global ``offsets`` as a ``shape`` tensor over mapped pages; None when no
+        chunk is exactly that (another layout's chunks: the caller loads through megatron instead)."""
+        where = (key, tuple(int(o) for o in offsets))
+        if where not in self._where or self._sizes.get(where) != tuple(int(s) for s in shape):
+            return None
+        path, offset, length = self._where[where]
+        with open(path, "rb") as file:
+            tensor = _mapped_tensor(file, offset, length)
+        if tensor.dtype != dtype or tensor.numel() != math.prod(shape) or not tensor.is_contiguous():
+            return None
+        return tensor.view(tuple(shape))
 
 
 def _reader_class():

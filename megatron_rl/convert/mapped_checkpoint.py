@@ -15,13 +15,13 @@ time in the streaming writer, as with copies.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from typing import Optional
 
 import torch
 
+from megatron_rl.convert import file_views
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
 
@@ -80,9 +80,6 @@ class MappedHFCheckpoint(HFCheckpoint):
 
 
 def _map(path: str, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """``count`` values of ``dtype`` at byte ``offset`` of ``path``, over a private mapping of just that range."""
-    item = torch.empty((), dtype=dtype).element_size()
-    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
-        pages = mmap.mmap(f.fileno(), offset - aligned + count * item, access=mmap.ACCESS_COPY, offset=aligned)
-    return torch.frombuffer(pages, dtype=dtype, count=count, offset=offset - aligned)
+    """``count`` values of ``dtype`` at byte ``offset`` of ``path``, over a private mapping of just that range
+    (known to the output writer, which copies such bytes from the file: :mod:`megatron_rl.convert.file_views`)."""
+    return file_views.map_tensor(path, offset, count, dtype)

@@ -23,6 +23,7 @@ shards back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -30,9 +31,11 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert.file_writer import FileWriter
+from megatron_rl.convert import file_views
+from megatron_rl.convert.file_writer import FileWriter, fsync_later, wait_synced
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.atomic import atomic_write_json
+from megatron_rl.infra.crc32 import crc32
 
 INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -74,11 +77,31 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Optional[dict] = None) -> str:
+class _FileBytes:
+    """A tensor whose bytes are a range of an input file (:mod:`~megatron_rl.convert.file_views`), held as that
+    range and its CRC-32 (hashed from the mapped pages when added) instead of the tensor: the shard copies it
+    from the file inside the kernel, and the pending shard keeps none of its pages mapped."""
+
+    def __init__(self, t: torch.Tensor, source: file_views.FileRange):
+        self.dtype, self.shape, self.source = t.dtype, tuple(t.shape), source
+        self.crc = crc32(t.reshape(-1).view(torch.uint8).numpy().data)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None,
+                     synced: Optional[list] = None) -> str:
     """Write a safetensors file (the documented format: u64-LE header length, JSON
     header with dtype / shape / data_offsets per tensor and ``__metadata__``, padded
     with spaces to 8 bytes, then the data) without copying the tensors; fsynced.
-    Tensors must be contiguous CPU tensors (``_own_storage``); views are written from their own bytes.
+    Tensors must be contiguous CPU tensors (``_own_storage``), written from their own bytes, or
+    :class:`_FileBytes`, copied from their file. ``synced``: a list the file's background fsync is added to
+    (:func:`~megatron_rl.convert.file_writer.fsync_later`; the caller waits before publishing) instead of
+    syncing before returning.
     Returns the file's CRC-32 (hex), computed from the bytes as they were written."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}} if metadata else {}
     offset = 0
@@ -94,9 +117,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: Opti
         out.write(struct.pack("<Q", len(raw)))
         out.write(raw)
         for t in tensors.values():
-            if t.numel():
+            if isinstance(t, _FileBytes):
+                out.copy_range(t.source, t.crc)
+            elif t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's own memoryview
-        os.fsync(out.fileno())
+        if synced is None:
+            os.fsync(out.fileno())
+    if synced is not None:  # the caller waits for it (file_writer.wait_synced) before anything is published
+        synced.append(fsync_later(path))
     return out.hexdigest
 
 
@@ -107,12 +135,13 @@ class ShardedSafetensorsWriter:
         self.out_dir = out_dir
         self.max_shard_bytes = int(max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, "torch.Tensor | _FileBytes"] = {}
         self._pending_bytes = 0
         self._parts: list[tuple[str, list[str]]] = []  # (part file, names)
         self.total_bytes = 0
         self.peak_pending_bytes = 0
         self.checksums: dict[str, str] = {}  # file name (final after finish) -> CRC-32 hex
+        self._synced: list = []  # each written shard's background fsync, waited for in finish()
         os.makedirs(out_dir, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -121,7 +150,8 @@ class ShardedSafetensorsWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._pending[name] = _own_storage(tensor)
+        source = file_views.tensor_file_range(tensor)
+        self._pending[name] = _FileBytes(tensor, source) if source is not None else _own_storage(tensor)
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
@@ -131,13 +161,14 @@ class ShardedSafetensorsWriter:
             return
         part = f"model-{len(self._parts) + 1:05d}.safetensors.part"
         self.checksums[part] = save_safetensors(self._pending, os.path.join(self.out_dir, part),
-                                                metadata=self.metadata)
+                                                metadata=self.metadata, synced=self._synced)
         self._parts.append((part, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
     def finish(self) -> dict:
-        """Write the last shard, give shards their final names, write the index."""
+        """Write the last shard, wait for every shard's fsync, give shards their final names, write the index."""
         self._flush()
+        wait_synced(self._synced)
         if not self._parts:
             raise CheckpointError("no tensors were exported; nothing to write")
         n = len(self._parts)

@@ -7,17 +7,22 @@ device so its ``sharded_state_dict()`` names every key, chunk and
 for each bucket of consecutive parameters (export order, at most
 ``bucket_bytes``):
 
-1. allocate real tensors for the bucket's parameters only;
-2. ``dist_checkpointing.load`` the chunks of the state-dict entries that view
-   them (the two halves of a gated ``linear_fc1`` included; other layers and
-   keys are not read), with access validation off because the subset is
-   deliberate, as plain (non-prepended) ShardedTensors whose data are views of
-   the real tensors, so the load fills them;
+1. read each parameter straight from the chunks its state-dict entries name
+   (plain, non-prepended ShardedTensors; the two halves of a gated
+   ``linear_fc1`` included) in the ``.metadata`` of the dir
+   (:class:`~megatron_rl.convert.distcp_reader.ChunkFiles`): a parameter that is
+   one saved chunk *is* that chunk's mapped pages, no copy; one of several chunks
+   is assembled from them;
+2. a chunk saved at another layout (the checkpoint was written at TP2, say) is
+   not one of those: that bucket goes through ``dist_checkpointing.load`` of
+   the same entries into real tensors (access validation off, the subset is
+   deliberate), which reshards;
 3. export those parameters to full HF tensors with the bridge's maps
    (``weights.export_slot``) and hand them to the caller; free the bucket.
 
-Memory: one bucket of parameters plus the HF tensors made from them, not the
-model. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
+Memory: one bucket of parameters (mapped pages, or tensors where assembled)
+plus the HF tensors made from them, not the model; an HF tensor that is a
+chunk's bytes is written from the ``.distcp`` file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
 each rank's whole shard (the collective export needs every rank's model).
 """
 
@@ -144,40 +149,81 @@ def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir:
     return chunks, bridge.export_hf_weights(chunks, bucket_bytes=bucket_bytes)
 
 
-def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _pieces(meta: torch.Tensor, value: torch.Tensor, entries) -> list:
+    """The state-dict entries of one parameter as plain ShardedTensors whose data view ``value`` (a factory,
+    the gated ``linear_fc1``, split by megatron's own ``build``)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    out: list[tuple[str, Any]] = []
+    for top, key, entry in entries:
+        if isinstance(entry, ShardedTensor):
+            pieces = [dataclasses.replace(entry, data=_same_view(value, meta, entry.data))]
+        else:
+            built = dataclasses.replace(entry, data=value).build()
+            pieces = [built] if isinstance(built, ShardedTensor) else list(nested_values(built))
+        out.extend((f"{top}/{key}/{i}", _without_prepended_axes(p)) for i, p in enumerate(pieces))
+    return out
+
+
+def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles) -> Optional[list[torch.Tensor]]:
+    """The bucket's parameters read straight from their saved chunks: a parameter that is one chunk is that
+    chunk's mapped pages (no copy), one of several chunks (a gated ``linear_fc1``) is assembled from them.
+    None when a chunk is not saved as this layout asks (another TP's chunks): megatron's load then reads it."""
+    values = []
+    for slot, _ in bucket:
+        meta = slot.param
+        pieces = _pieces(meta, meta, entries.get(storage_key(meta), []))
+        read = [files.read(p.key, p.global_offset, p.local_shape, meta.dtype) for _, p in pieces]
+        chunks = [t for t in read if t is not None]
+        if not pieces or len(chunks) != len(pieces):
+            return None
+        if len(pieces) == 1 and pieces[0][1].data.numel() == meta.numel():
+            values.append(chunks[0].view(meta.shape))
+            continue
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        for (_, p), t in zip(pieces, chunks):
+            _same_view(value, meta, p.data).copy_(t.view(p.data.shape))
+        values.append(value)
+    return values
+
+
+def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     entries = _entries_by_parameter(dist_io.model_sharded_state_dict(chunks))
     dc = dist_io.dist_checkpointing()
     metadata_cache: dict = {}
+    files = distcp_reader.ChunkFiles(dist_dir, metadata_cache)
     for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):
-        values, request = [], {}
-        for slot, _ in bucket:
-            meta = slot.param
-            value = torch.empty(meta.shape, dtype=meta.dtype)
-            values.append(value)
-            for top, key, entry in entries.get(storage_key(meta), []):
-                if isinstance(entry, ShardedTensor):
-                    pieces = [dataclasses.replace(entry, data=_same_view(value, meta, entry.data))]
-                else:  # a factory (gated linear_fc1): let it split a real tensor into its entries
-                    built = dataclasses.replace(entry, data=value).build()
-                    pieces = [built] if isinstance(built, ShardedTensor) else list(nested_values(built))
-                for i, piece in enumerate(pieces):
-                    request[f"{top}/{key}/{i}"] = _without_prepended_axes(piece)
         try:
-            with distcp_reader.mapped_reads(metadata_cache):  # chunks read from mapped pages, .metadata parsed once
-                loaded = dc.load(request, dist_dir, validate_access_integrity=False)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"loading {[s.canonical_name for s, _ in bucket]} from torch_dist checkpoint "
-                                  f"{dist_dir} failed ({type(e).__name__}: {e}); the files are corrupt or of "
-                                  "another model") from e
-        for name, sh in request.items():
-            if loaded[name].data_ptr() != sh.data.data_ptr():
-                sh.data.copy_(loaded[name])  # every piece views `value`; fill it if the load did not in place
-        del loaded, request
+            values = _direct_values(bucket, entries, files)
+        except Exception:  # noqa: BLE001 - a torn record: megatron's load below names the damage
+            values = None
+        if values is None:
+            values = _loaded_values(bucket, entries, dc, dist_dir, metadata_cache)
         for (slot, names), value in zip(bucket, values):
             yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
-        del values, bucket
+        del values, bucket, value  # nothing of this bucket is held while the next one is read
         release_free_memory()
     chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)
+
+
+def _loaded_values(bucket, entries: dict, dc, dist_dir: str, metadata_cache: dict) -> list[torch.Tensor]:
+    """The bucket's parameters through ``dist_checkpointing.load`` (any saved layout; chunks from mapped pages)."""
+    values: list[torch.Tensor] = []
+    request: dict[str, Any] = {}
+    for slot, _ in bucket:
+        meta = slot.param
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        values.append(value)
+        request.update(_pieces(meta, value, entries.get(storage_key(meta), [])))
+    try:
+        with distcp_reader.mapped_reads(metadata_cache):  # chunks read from mapped pages, .metadata parsed once
+            loaded = dc.load(request, dist_dir, validate_access_integrity=False)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"loading {[s.canonical_name for s, _ in bucket]} from torch_dist checkpoint "
+                              f"{dist_dir} failed ({type(e).__name__}: {e}); the files are corrupt or of "
+                              "another model") from e
+    for name, sh in request.items():
+        if loaded[name].data_ptr() != sh.data.data_ptr():
+            sh.data.copy_(loaded[name])  # every piece views its value; fill it if the load did not in place
+    return values

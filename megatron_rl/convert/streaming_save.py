@@ -14,21 +14,21 @@ everything that decides the *layout* and swaps in a lazy source only for the
   ``common.pt`` (with ``content_metadata``) and ``metadata.json``;
 * ``StreamingTorchDistSaveStrategy`` is megatron's torch_dist strategy
   (same backend name and version, same key flattening, same
-  ``MCoreSavePlanner`` planning and dedup), but it writes synchronously through
-  torch's ``FileSystemWriter``, which resolves one write item at a time
-  (megatron's async writer resolves every tensor up front). Torch's writer
-  keeps a reference to the last tensor of every key it wrote into a file until
-  that file is closed, so :class:`_BucketedWriter` starts a new ``.distcp`` file
-  every ``bucket_bytes``: what it holds is bounded by one bucket;
+  ``MCoreSavePlanner`` planning and dedup), but it writes synchronously, one
+  write item at a time, the records and files torch's ``FileSystemWriter`` writes
+  (:class:`_BucketedWriter`: a new ``.distcp`` file every ``bucket_bytes``, each
+  value dropped once written; megatron's async writer resolves every tensor up
+  front). Bytes an item takes unchanged from the HF files are copied from them
+  inside the kernel, and the ``torch.save`` records' CRC-32s come from the pass
+  that hashes the file (:mod:`megatron_rl.convert.file_writer`);
 * :class:`_LazyPlanner.resolve_data` turns the meta tensor of a write item into
   values: it finds the parameter the meta tensor views (by storage), asks
   ``materialize(param)`` for that parameter's full local value, and takes the
   same view (``as_strided``) of it. One materialised parameter is cached, so the
   two halves of a gated ``linear_fc1`` cost one read.
 
-Peak memory is therefore about one local parameter plus one bucket (plus
-torch's copy-ahead of at most ``per_thread_copy_ahead`` bytes on a GPU host),
-not the model; ``benchmarks/convert.py`` measures it. The output is what
+Peak memory is therefore about one local parameter (plus the mapped pages of the
+HF range being written), not the model; ``benchmarks/convert.py`` measures it. The output is what
 ``dist_checkpointing.load`` reads; the tests compare it byte for byte with a
 ``dist_checkpointing.save`` of the loaded model.
 """
@@ -41,7 +41,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from megatron_rl.convert.file_writer import FileWriter
+from megatron_rl.convert.file_writer import FileWriter, fsync_later, wait_synced
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.weights import named_state_tensors
 
@@ -181,45 +181,49 @@ def split_into_buckets(items: list, bucket_bytes: int) -> list[list]:
 
 
 def _bucketed_writer_class():
-    import contextlib
-    import queue
-
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class _SplicingFileSystem(FileSystem):
-        """torch's local file system whose new ``.distcp`` files are :class:`FileWriter` s (bytes spliced
-        into the page cache, CRC-32 kept: ``checksums``, file name -> hex, for ``COMPLETE.json``)."""
-
-        def __init__(self, checksums: dict[str, str]):
-            super().__init__()
-            self.checksums = checksums
-
-        @contextlib.contextmanager
-        def create_stream(self, path, mode):
-            if mode != "wb" or not str(path).endswith(".distcp"):
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-                return
-            with FileWriter(str(path)) as stream:
-                yield stream
-            self.checksums[os.path.basename(str(path))] = stream.hexdigest
+    from torch.distributed.checkpoint.filesystem import _write_item
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.futures import Future
 
     class _BucketedWriter(FileSystemWriter):
-        """``FileSystemWriter`` (one thread, fsync) that opens a new file every ``bucket_bytes``."""
+        """``FileSystemWriter``'s ``.distcp`` files (same names, same records, same metadata) written one item
+        at a time by this process, a new file every ``bucket_bytes``, through :class:`FileWriter`: bytes
+        that are an input file's moved inside the kernel, each tensor's ``torch.save`` record CRC-32s
+        computed in the pass that hashes the file (``torch_archive``), every file fsynced, its CRC-32
+        into ``checksums``. Each value is dropped once written, so what is held is the item being written."""
 
         def __init__(self, path, bucket_bytes: int, checksums: dict[str, str]):
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
             self.bucket_bytes = bucket_bytes
-            self.fs = _SplicingFileSystem(checksums)
+            self.checksums = checksums
 
         def write_data(self, plan, planner):
-            file_queue: queue.Queue = queue.Queue()
+            results = []
+            synced: list = []  # each file's fsync runs in the background while the next file is written
             for i, bucket in enumerate(split_into_buckets(plan.items, self.bucket_bytes)):
                 # the same naming as FileSystemWriter.write_data: __{rank}_{file}.distcp
                 name = f"{plan.storage_data.prefix}{i}.distcp"
-                file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
-            return self._write_data(planner, file_queue)
+                with FileWriter(os.fspath(self.fs.concat_path(self.path, name))) as stream:
+                    for item in bucket:  # byte items first, as torch writes them (split_into_buckets)
+                        data = planner.resolve_data(item)
+                        if item.type == WriteItemType.BYTE_IO:
+                            results.append(_write_item(self.transforms, stream, data, item, name,
+                                                       self.serialization_format))
+                            continue
+                        data = data.detach()
+                        if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                            data = data.clone()  # torch saves a tensor's whole storage: as torch's writer does
+                        with stream.torch_archive():
+                            results.append(_write_item(self.transforms, stream, data, item, name,
+                                                       self.serialization_format))
+                        del data
+                synced.append(fsync_later(stream.path))
+                self.checksums[name] = stream.hexdigest
+            wait_synced(synced)  # every .distcp on disk before torch writes .metadata
+            done: Future = Future()
+            done.set_result(results)
+            return done
 
     return _BucketedWriter
 

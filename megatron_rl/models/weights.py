@@ -426,6 +426,7 @@ def with_mtp_copies(bridge, stream: Iterator[tuple[str, torch.Tensor]],
         yield name, tensor
         for alias in copies.get(name, ()):
             yield alias, tensor
+        del tensor  # not held while the stream reads the next one (a streaming export's bucket: mapped pages)
 
 
 def export_slot(bridge, slot: ParamSlot, names: list[str], copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -447,6 +448,7 @@ def stack_expert_pieces(bridge, stream: Iterator[tuple[str, torch.Tensor]]) -> I
         piece = weight_maps.split_expert_piece_name(name)
         if piece is None:
             yield name, tensor
+            del tensor  # not held while the stream reads the next one
             continue
         hf_name, expert = piece
         slices = pending.setdefault(hf_name, {})

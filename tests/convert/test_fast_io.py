@@ -108,3 +108,79 @@ def test_shard_writer_writes_big_views_as_they_are_and_copies_small_ones(tmp_pat
     back = load_file(str(tmp_path / "model-00001-of-00001.safetensors"))
     for name, t in (("gate", gate), ("up", up), ("row", row), ("t", fc1.t())):
         assert torch.equal(back[name], t), name
+
+
+def test_crc32_and_its_combination_equal_zlib():
+    from megatron_rl.infra.crc32 import crc32, crc32_combine
+
+    g = torch.Generator().manual_seed(3)
+    for la, lb in ((0, 0), (5, 0), (0, 7), (1000, 3), (12345, 1 << 20)):
+        a = torch.randint(0, 256, (la,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        b = torch.randint(0, 256, (lb,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        assert crc32(a + b) == zlib.crc32(a + b) and crc32(b, crc32(a)) == zlib.crc32(a + b)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+
+
+def test_torch_archives_get_torchs_record_crcs_and_mapped_bytes_are_copied(tmp_path):
+    """torch.save inside ``torch_archive`` (torch's record CRC off): the writer fills in each record's CRC-32,
+    so every archive is what torch writes with its CRC on (zipfile checks them); a tensor over a mapped file
+    range is copied from the file (copy_file_range), and the file's CRC-32 still covers every byte."""
+    import io
+    import zipfile
+
+    from megatron_rl.convert import file_views
+
+    g = torch.Generator().manual_seed(4)
+    src = tmp_path / "src.bin"
+    src.write_bytes(torch.randn(40000, generator=g).numpy().tobytes())
+    mapped = file_views.map_tensor(str(src), 4 * 1000, 30000, torch.float32)  # unaligned: a tensor's range
+    objects = [torch.randn(50000, generator=g), torch.arange(10), torch.empty(0), {"a": 1, "b": torch.zeros(2)},
+               torch.randn(300, generator=g).bfloat16(), mapped]
+    path = tmp_path / "out.distcp"
+    offsets = []
+    with FileWriter(str(path)) as f:
+        for obj in objects:
+            offsets.append(f.tell())
+            with f.torch_archive():
+                torch.save(obj, f)
+        offsets.append(f.tell())
+    assert torch.serialization.get_crc32_options()  # restored
+    data = path.read_bytes()
+    assert f.hexdigest == f"{zlib.crc32(data):08x}"
+    assert f.copied_bytes == mapped.nbytes
+    for obj, start, end in zip(objects, offsets, offsets[1:]):
+        ours = zipfile.ZipFile(io.BytesIO(data[start:end]))
+        assert ours.testzip() is None  # every record's data matches its CRC-32
+        ref = io.BytesIO()
+        torch.save(obj, ref)
+        theirs = zipfile.ZipFile(io.BytesIO(ref.getvalue()))
+        def records(z):
+            return [(i.filename, i.CRC, i.file_size) for i in z.infolist() if "serialization_id" not in i.filename]
+        assert records(ours) == records(theirs) and end - start == len(ref.getvalue())
+        back = torch.load(io.BytesIO(data[start:end]), weights_only=True)
+        if isinstance(obj, torch.Tensor):
+            assert torch.equal(back, obj)
+
+
+def test_shard_writer_copies_mapped_tensors_from_their_file(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_rl.convert import file_views
+    from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter
+    from megatron_rl.infra.checkpoint_root import file_crc32
+
+    g = torch.Generator().manual_seed(5)
+    src = tmp_path / "chunks.bin"
+    src.write_bytes(torch.randn(5000, generator=g).numpy().tobytes())
+    whole = file_views.map_tensor(str(src), 40, 3000, torch.float32).view(300, 10)
+    tensors = {"embed": whole[:200], "norm": torch.ones(10), "head": whole[200:]}
+    out = tmp_path / "out"
+    w = ShardedSafetensorsWriter(str(out), 10**6)
+    for name, t in tensors.items():
+        w.add(name, t)
+    assert not any(isinstance(v, torch.Tensor) for k, v in w._pending.items() if k != "norm")  # held as file ranges
+    w.finish()
+    shard = out / "model-00001-of-00001.safetensors"
+    back = load_file(str(shard))
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    assert w.checksums[shard.name] == file_crc32(str(shard))
