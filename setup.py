@@ -36,10 +36,10 @@ CORE_DEPS = [
     "einops",
     "httpx",  # the SGLang client (megatron_rl/rollout/sglang/client.py)
     "pyarrow>=14",  # --prompt-data FILE.parquet: verl's data schema (megatron_rl/data/verl_parquet.py)
-    "xxhash>=2.0",
+    "xxhash>=2.0",  # xxh3-128, the default --update-weight-delta-checksum (post-apply verification; 4.1.0 in CI)
     # ISA-L's CRC-32 (~11 GB/s vs zlib's ~2 on the 2-core VM): COMPLETE.json's checksums and the converters'
     # record CRCs (megatron_rl/infra/crc32.py falls back to zlib, same values, when it is missing)
-    "isal==1.9.1",  # xxh3-128, the default --update-weight-delta-checksum (post-apply verification; 4.1.0 in CI)
+    "isal==1.9.1",
 ]
 
 EXTRAS = {
