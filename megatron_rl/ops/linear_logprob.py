@@ -13,9 +13,9 @@ an upstream gradient per row, so unlike a fused loss the gradient waits for back
 
 Invariants:
 * Alive at once: one chunk's logits (their dtype) and the log-prob op's two float32
-  ``[chunk, V/tp]`` temporaries, plus in backward one float32 ``[chunk, V/tp]`` copy of
-  the chunk's gradient and, for a bf16/fp16 weight, a float32 ``[V/tp, h]`` accumulator of
-  the weight gradient (the weight's own size, independent of the tokens).
+  ``[chunk, V/tp]`` temporaries, plus in backward the chunk's gradient in the logits' dtype
+  and, for a bf16/fp16 weight, a float32 ``[V/tp, h]`` accumulator of the weight gradient
+  (the weight's own size, independent of the tokens).
 * Forward values are the unfused path's (output layer on the rows, then
   ``ops.logprobs_and_entropy``): each chunk's logits come from the same matmul of the
   same rows (``F.linear``, as megatron's ``ColumnParallelLinear`` and an HF ``lm_head``
@@ -28,9 +28,10 @@ Invariants:
   likewise choose another kernel for another row count: same arithmetic, not
   guaranteed the same bits.
 * Gradients: the hidden rows' is the unfused path's row for row (the logits' gradient in
-  the logits' dtype times the weight); the weight's is the same products summed in
-  float32 over chunks instead of inside one matmul, then rounded once to the weight's
-  dtype (equal within that rounding).
+  the logits' dtype times the weight); the weight's is one matmul per chunk in the logits'
+  dtype (as the output layer's is, over all rows at once), the chunks' results summed in
+  float32 and rounded once to the weight's dtype: each chunk's partial sum is rounded to
+  bf16 where the unfused path rounds only the total (equal within those roundings).
 * TP (megatron's vocab-parallel output layer): ``weight`` is this rank's vocab shard; the
   per-chunk max and sums are all-reduced over ``tp_group`` as in ``ops.logprob``; the
   caller all-reduces the hidden rows' gradient (megatron's
@@ -78,20 +79,25 @@ class _ChunkMath:
             target_local, _ = local_targets(target, self.vocab_start, logits.shape[-1])
             return kernel_grad(self.kernels, self._masked(logits), target_local, lse, entropy, g_lp, g_h,
                                1.0 / self.temperature)
-        out = torch.zeros_like(logits)
-        if self.real_local:
-            out[:, :self.real_local] = chunk_grad(logits, target, lse, entropy, g_lp, g_h,
-                                                  vocab_start=self.vocab_start, temperature=self.temperature,
-                                                  real_local=self.real_local)
+        if self.real_local == 0:
+            return torch.zeros_like(logits)
+        grad = chunk_grad(logits, target, lse, entropy, g_lp, g_h, vocab_start=self.vocab_start,
+                          temperature=self.temperature, real_local=self.real_local)
+        if self.real_local == logits.shape[-1]:
+            return grad.to(logits.dtype)
+        out = torch.empty_like(logits)
+        out[:, self.real_local:] = 0  # megatron's vocab padding: never part of the distribution
+        out[:, :self.real_local] = grad
         return out
 
 
 def _add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``acc += grad_logits.T @ hidden`` with the products of the inputs' dtype summed in ``acc``'s float32."""
+    """``acc += grad_logits.T @ hidden``: one matmul in the inputs' dtype per chunk (a bf16 GEMM, as the output
+    layer's own weight gradient is, float32 accumulation inside it, rounded once), summed over chunks in float32."""
     if grad_logits.dtype == acc.dtype:
         acc.addmm_(grad_logits.t(), hidden)
     else:
-        acc.addmm_(grad_logits.t().to(acc.dtype), hidden.to(acc.dtype))
+        acc.add_(torch.mm(grad_logits.t(), hidden))
 
 
 #: a last chunk smaller than this joins the one before it: no one-row matmul (BLAS takes a matrix-vector

@@ -347,7 +347,8 @@ def test_linear_logprobs_with_the_twins_match_their_unfused_path(cpu_ext, use_ke
         got.append((lp.detach(), ent.detach(), x.grad, w.grad))
     (lp0, e0, gx0, gw0), (lp1, e1, gx1, gw1) = got
     assert torch.equal(lp0, lp1) and torch.equal(e0, e1) and torch.equal(gx0, gx1)
-    assert ((gw0.float() - gw1.float()).abs() <= gw0.float().abs() * 2 ** -7 + 1e-6).all()
+    ref = gw0.float()  # per-chunk partial sums rounded to bf16 (tests/ops/test_linear_logprob.py)
+    assert ((ref - gw1.float()).abs() <= ref.abs() * 2 ** -7 + ref.abs().max() * 2 ** -8).all()
 
 
 @pytest.mark.dist

@@ -34,8 +34,8 @@ def _both(hidden, weight, target, g_lp, g_h, **kw):
 @pytest.mark.parametrize("chunk_size,with_entropy", [(None, True), (37, True), (37, False)])  # 37: ragged tail
 def test_bf16_values_and_hidden_grad_bitwise_weight_grad_within_one_rounding(chunk_size, with_entropy):
     """bf16, the training dtype: log-probs, entropy and the hidden rows' gradient are the unfused path's bit
-    for bit (same matmul per row, same per-chunk arithmetic); the weight's gradient is the same products
-    summed in float32 over chunks, rounded once: within one bf16 rounding of the unfused one."""
+    for bit (same matmul per row, same per-chunk arithmetic); the weight's gradient is one bf16 matmul per
+    chunk summed in float32: bitwise with one chunk, within bf16 roundings of the partial sums with more."""
     n, h, v, real = 150, 32, 1501, 1400  # megatron's vocab padding: columns >= 1400
     hidden, weight, g = _case(n, h, v, torch.bfloat16)
     target = torch.randint(0, real, (n,), generator=g)
@@ -47,8 +47,13 @@ def test_bf16_values_and_hidden_grad_bitwise_weight_grad_within_one_rounding(chu
     assert (v1[1] is None) == (not with_entropy) and (v1[1] is None or torch.equal(v0[1], v1[1]))
     assert torch.equal(gx0, gx1)
     assert not gw1[real:].any()  # padding columns: no gradient
-    err = (gw0.float() - gw1.float()).abs()
-    assert (err <= gw0.float().abs() * 2 ** -7 + 1e-6).all(), err.max()
+    if chunk_size is None:
+        assert torch.equal(gw0, gw1)
+    # each chunk's partial sum rounded to bf16 where the unfused matmul rounds only the total: within a
+    # rounding of each element plus one of the gradient's scale (a partial can be larger than the total)
+    ref = gw0.float()
+    err = (ref - gw1.float()).abs()
+    assert (err <= ref.abs() * 2 ** -7 + ref.abs().max() * 2 ** -8).all(), err.max()
 
 
 def test_fp32_within_float32_rounding_of_the_unfused_path():
