@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.ops.fused import kernel_grad, kernel_stats
+from megatron_rl.ops.fused import kernel_grad, kernel_stats, local_targets
 from megatron_rl.ops.logprob import _auto_chunk, chunk_grad, chunk_stats, flatten_checked, real_columns
 
 
@@ -74,8 +74,6 @@ class _ChunkMath:
     def grad(self, logits, target, lse, entropy, g_lp, g_h) -> torch.Tensor:
         """``dL/dlogits`` ``[c, V/tp]`` in the logits' dtype (0 in the padding columns)."""
         if self.kernels is not None:
-            from megatron_rl.ops.fused import local_targets
-
             target_local, _ = local_targets(target, self.vocab_start, logits.shape[-1])
             return kernel_grad(self.kernels, self._masked(logits), target_local, lse, entropy, g_lp, g_h,
                                1.0 / self.temperature)
