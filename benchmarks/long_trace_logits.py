@@ -1,22 +1,30 @@
-"""Peak memory of a long agentic trace: logits at loss rows only vs at every position.
+"""Peak memory of a long agentic trace: logits at every position vs at the loss rows vs projected by row chunks.
 
 An 8-turn tool-use trajectory is mostly prompt and tool observations; only the
-assistant tokens carry loss. The backends run their output layer on the loss rows
-only (``megatron_rl/backends/loss_rows.py``). The baseline is the full-sequence path
-they replaced: logits at every packed position, then the response rows picked from
-them (kept here, in ``_full_sequence_*``, as the reference to measure against).
+assistant tokens carry loss. Three paths, each a backend's way at some point:
+
+* ``full``: logits at every packed position, then the response rows picked from them
+  (the path before loss rows; kept here, in ``_full_sequence_*``, as the reference);
+* ``loss_rows``: the output layer on the loss rows only, their logits whole
+  (``megatron_rl/backends/loss_rows.py``; still the path of an output layer whose
+  logits are changed after its matmul, e.g. Gemma's soft-capping);
+* ``chunked``: the backends' default, the output projection fused into the log-prob op
+  and run ``--log-probs-chunk-size`` rows at a time, forward and backward
+  (``megatron_rl/ops/linear_logprob.py``).
 
 Each (backend, path) runs in a fresh process: the real backend (megatron-core or
 FSDP2, one process, gloo), a tiny Qwen2 model with Qwen's 151,936-token vocab, bf16.
 After a warm-up step on a short trace the kernel's peak-RSS counter is reset
 (``/proc/self/clear_refs``) and the peak above the resident memory at that point is
 read from ``VmHWM``, once for the no-grad forward (the old log-probs) and once for
-the training step. glibc serves these GiB-sized tensors with mmap, so RSS follows
-them exactly. The trace's log-probs at loss rows are checked equal between the two
-paths (same hidden states, same matmul rows).
+the training step. glibc serves these large tensors with mmap, so RSS follows them.
+The trace's log-probs at the loss rows on the initial weights are compared with the full
+path's (bitwise count and max difference), and the gradient norm of the first training
+step (the warm-up, a one-turn trace of 192 loss rows: two chunks) printed for each.
 
     python benchmarks/long_trace_logits.py [--turns 8] [--prompt 512] [--assistant 192]
                                            [--observation 320] [--vocab 151936] [--backends megatron fsdp]
+                                           [--log-probs-chunk-size N]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import tempfile
 import time
 
 GIB = 1024 ** 3
+PATHS = ("full", "loss_rows", "chunked")
 
 
 def _status_kib(field: str) -> int:
@@ -65,30 +74,51 @@ def _trace(args, seed: int = 0, turns: int | None = None):
     return Sample(group_index=0, prompt_ids=prompt, response_ids=response, reward=1.0, loss_mask=mask)
 
 
-def _full_sequence_megatron(self, mb, rows, output, with_entropy=True):
-    """The megatron backend's path before loss rows (CP 1): logits at every position, then the response rows."""
+def _full_sequence_megatron(self, spec, mb, rows, output, with_entropy=True):
+    """The megatron role's path before loss rows (CP 1): logits at every position, then the response rows."""
     from megatron_rl.algorithms.spec import ModelOutput
 
     logits = output[0] if output.dim() == 3 else output
     picked = mb.gather_response(logits)
-    out = self.spec.extract_model_output(picked, mb.response_target_ids.to(picked.device), vocab_start_index=0,
-                                         vocab_size=self.vocab_size, with_entropy=with_entropy)
+    out = spec.extract_model_output(picked, mb.response_target_ids.to(picked.device), vocab_start_index=0,
+                                    vocab_size=self.vocab_size, with_entropy=with_entropy)
     return ModelOutput(out.logprobs, out.entropy)
 
 
-def _full_sequence_fsdp(self, mb, with_entropy=True):
+def _full_sequence_fsdp(self, model, mb, with_entropy=True):
     """The fsdp backend's path before loss rows: logits of every padded position, then the response rows."""
     from megatron_rl.backends.fsdp.padding import unpack_to_rows
 
     padded = unpack_to_rows(mb, self.pad_token_id).to(self.device)
-    logits = self.model(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False).logits
+    logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False).logits
     picked = logits[padded.response_rows, padded.response_cols].float()
     return self.spec.extract_model_output(picked, mb.response_target_ids.to(self.device), with_entropy=with_entropy)
 
 
-def worker(args) -> dict:
+def _select_path(backend: str, path: str) -> None:
+    """Put the backend on ``path``: ``full`` (logits at every position), ``loss_rows`` (the output layer on the
+    loss rows, their logits whole), ``chunked`` (the backends' default: the projection fused into the log-prob
+    op by row chunks)."""
     import contextlib
 
+    if path == "chunked":
+        return
+    if backend == "megatron":
+        from megatron_rl.backends.megatron import role_model as mod
+
+        mod._fusable = lambda layer: False  # the output layer returns the loss rows' logits
+        if path == "full":
+            mod._output_rows = lambda layer, rows, head=None: contextlib.nullcontext()
+            mod.RoleModel.model_output = _full_sequence_megatron
+    else:
+        from megatron_rl.backends.fsdp import backend as mod
+
+        mod.lm_head_is_plain = lambda model, lm_head: False
+        if path == "full":
+            mod.FSDPBackend._model_output = _full_sequence_fsdp
+
+
+def worker(args) -> dict:
     import torch
 
     from megatron_rl.algorithms import spec_from_config
@@ -97,19 +127,12 @@ def worker(args) -> dict:
     from megatron_rl.config import parse_config
 
     torch.manual_seed(0)
-    cfg = parse_config(["--hf-checkpoint", args.hf, "--train-backend", args.backend, "--bf16",
-                        "--micro-batch-size", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "1",
-                        "--lr", "1e-6"])
-    if args.path == "full":
-        if args.backend == "megatron":
-            from megatron_rl.backends.megatron import backend as mod
-
-            mod._output_rows = lambda layer, rows: contextlib.nullcontext()
-            mod.MegatronBackend._model_output = _full_sequence_megatron
-        else:
-            from megatron_rl.backends.fsdp import backend as mod
-
-            mod.FSDPBackend._model_output = _full_sequence_fsdp
+    argv = ["--hf-checkpoint", args.hf, "--train-backend", args.backend, "--bf16", "--micro-batch-size", "1",
+            "--rollout-batch-size", "1", "--n-samples-per-prompt", "1", "--lr", "1e-6"]
+    if args.log_probs_chunk_size:
+        argv += ["--log-probs-chunk-size", str(args.log_probs_chunk_size)]
+    cfg = parse_config(argv)
+    _select_path(args.backend, args.path)
     spec = spec_from_config(cfg)
     backend = make_backend(args.backend)
     backend.initialize(cfg, spec)
@@ -119,14 +142,18 @@ def worker(args) -> dict:
         adv = [torch.full((sample.response_length,), 0.5)]
         return old, backend.train_step(TrainBatch([sample], adv, old_logprobs=old))
 
-    step(_trace(args, seed=1, turns=1))  # warm-up: optimizer state, kernels, allocator
     sample = _trace(args)
+    # values on the initial weights, the same in every path (a training step's update depends on the path's
+    # gradient bits: Adam's first step is about the sign of each element's gradient)
+    first = backend.forward_only([sample])
+    _, warm = step(_trace(args, seed=1, turns=1))  # warm-up: optimizer state, kernels, allocator
     old, fwd_peak, fwd_s = _peak_above(lambda: backend.forward_only([sample]))
     adv = [torch.full((sample.response_length,), 0.5)]
-    _, train_peak, train_s = _peak_above(lambda: backend.train_step(TrainBatch([sample], adv, old_logprobs=old)))
+    metrics, train_peak, train_s = _peak_above(
+        lambda: backend.train_step(TrainBatch([sample], adv, old_logprobs=old)))
     keep = torch.tensor(sample.loss_mask, dtype=torch.bool)
     return {"forward_peak": fwd_peak, "forward_s": fwd_s, "train_peak": train_peak, "train_s": train_s,
-            "loss_logprobs": old[0][keep].tolist()}
+            "loss_logprobs": first[0][keep].tolist(), "grad_norm": warm.get("train/grad_norm")}
 
 
 def main() -> None:
@@ -137,6 +164,8 @@ def main() -> None:
     ap.add_argument("--observation", type=int, default=320, help="tool-observation tokens per turn (no loss)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--backends", nargs="+", default=["megatron", "fsdp"], choices=["megatron", "fsdp"])
+    ap.add_argument("--log-probs-chunk-size", type=int, default=0,
+                    help="the run's --log-probs-chunk-size (rows per chunk; 0: unset, the ~64 MiB float32 default)")
     ap.add_argument("--worker", nargs=3, metavar=("BACKEND", "PATH", "HF"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -161,26 +190,32 @@ def main() -> None:
                                  intermediate_size=128, num_hidden_layers=2, max_position_embeddings=total + 64)
         for backend in args.backends:
             res = {}
-            for path in ("full", "loss_rows"):
+            for path in PATHS:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", backend, path, hf,
-                       *sum(([f"--{k}", str(getattr(args, k))] for k in ("turns", "prompt", "assistant",
-                                                                         "observation", "vocab")), [])]
+                       *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))]
+                             for k in ("turns", "prompt", "assistant", "observation", "vocab",
+                                       "log_probs_chunk_size")), [])]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
                 if proc.returncode:
                     sys.exit(f"{backend}/{path} worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
                 res[path] = json.loads(proc.stdout.strip().splitlines()[-1])
-            a, b = res["full"]["loss_logprobs"], res["loss_rows"]["loss_logprobs"]
-            diff = max(abs(x - y) for x, y in zip(a, b))
-            rows.append((backend, res, diff))
-    print(f"\n{'backend':9} {'pass':8} | {'full seq':>9} {'loss rows':>9} {'mem ratio':>9} | "
-          f"{'full s':>7} {'rows s':>7} {'time ratio':>10}")
-    for backend, res, diff in rows:
+            rows.append((backend, res))
+    print(f"\n{'backend':9} {'pass':8} | {'full seq':>9} {'loss rows':>9} {'chunked':>9} | {'rows/full':>9} "
+          f"{'chunk/full':>10} | {'full s':>7} {'rows s':>7} {'chunk s':>7}")
+    for backend, res in rows:
+        full, lrows, chunked = (res[p] for p in PATHS)
         for what in ("forward", "train"):
-            f, r = res["full"][f"{what}_peak"], res["loss_rows"][f"{what}_peak"]
-            fs, rs = res["full"][f"{what}_s"], res["loss_rows"][f"{what}_s"]
-            print(f"{backend:9} {what:8} | {f / GIB:8.2f}G {r / GIB:8.2f}G {f / max(r, 1):8.2f}x | "
-                  f"{fs:7.2f} {rs:7.2f} {rs / fs:9.2f}x")
-        print(f"{backend:9} log-probs at the loss rows, max |full - loss rows|: {diff:.3g}")
+            f, r, c = (x[f"{what}_peak"] for x in (full, lrows, chunked))
+            fs, rs, cs = (x[f"{what}_s"] for x in (full, lrows, chunked))
+            print(f"{backend:9} {what:8} | {f / GIB:8.2f}G {r / GIB:8.2f}G {c / GIB:8.2f}G | {r / max(f, 1):8.2f}x "
+                  f"{c / max(f, 1):9.2f}x | {fs:7.2f} {rs:7.2f} {cs:7.2f}")
+        for other in ("loss_rows", "chunked"):
+            a, b = full["loss_logprobs"], res[other]["loss_logprobs"]
+            same = sum(x == y for x, y in zip(a, b))
+            diff = max(abs(x - y) for x, y in zip(a, b))
+            print(f"{backend:9} {other:9} log-probs at the loss rows vs full: {same}/{len(a)} bitwise equal, "
+                  f"max |diff| {diff:.3g}; first step's grad norm {res[other]['grad_norm']:.7g} "
+                  f"(full {full['grad_norm']:.7g})")
 
 
 if __name__ == "__main__":

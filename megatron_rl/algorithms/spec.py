@@ -33,7 +33,7 @@ from megatron_rl.data.packing import LossDenominators
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
 from megatron_rl.infra.user_function import call_user_function, check_arity, load_user_function
-from megatron_rl.ops import logprobs_and_entropy
+from megatron_rl.ops import linear_logprobs_and_entropy, logprobs_and_entropy
 
 
 CUSTOM_ADVANTAGE_FLAG = "--custom-advantage-function-path"
@@ -119,6 +119,19 @@ class Spec(abc.ABC):
         log-probs, so they skip the entropy's extra pass over the vocab (a [tokens, vocab] product
         and sum per chunk: at a 152k vocab as large as the log-prob itself); the log-probs are
         bitwise the same either way."""
+
+    def extract_model_output_from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor,
+                                         target_ids: torch.Tensor, *, tp_group=None,
+                                         vocab_start_index: int | None = None, vocab_size: int | None = None,
+                                         with_entropy: bool = True) -> ModelOutput:
+        """``extract_model_output`` of the logits ``hidden @ weight.T`` (``hidden`` ``[n, h]``, ``weight`` this
+        rank's ``[V/tp, h]`` shard of the output layer): what the backends call where the output layer may
+        be fused into the log-prob op (``backends/loss_rows.py``). This default computes the logits of the
+        ``n`` rows in one matmul, so a spec that reads logits its own way keeps working; an override may
+        project them by chunks instead (``PolicyGradientSpec``), values unchanged."""
+        logits = torch.matmul(hidden, weight.t())
+        return self.extract_model_output(logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index,
+                                         vocab_size=vocab_size, with_entropy=with_entropy)
 
     @abc.abstractmethod
     def compute_loss(self, inputs: LossInputs, denoms: LossDenominators) -> tuple[torch.Tensor, Metrics]:
@@ -383,6 +396,16 @@ class PolicyGradientSpec(Spec):
                                                  vocab_start_index=vocab_start_index, vocab_size=vocab_size,
                                                  temperature=self.cfg.temperature, with_entropy=with_entropy,
                                                  chunk_size=self.cfg.logprob_chunk_size)
+        return ModelOutput(logprobs, entropy)
+
+    def extract_model_output_from_hidden(self, hidden, weight, target_ids, *, tp_group=None, vocab_start_index=None,
+                                         vocab_size=None, with_entropy=True):
+        """The output projection fused into the log-prob op, ``--log-probs-chunk-size`` rows at a time: the
+        logits never exist beyond one chunk (``ops.linear_logprob``); values those of ``extract_model_output``."""
+        logprobs, entropy = linear_logprobs_and_entropy(hidden, weight, target_ids, tp_group=tp_group,
+                                                        vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+                                                        temperature=self.cfg.temperature, with_entropy=with_entropy,
+                                                        chunk_size=self.cfg.logprob_chunk_size)
         return ModelOutput(logprobs, entropy)
 
     def compute_loss(self, inputs, denoms):

@@ -11,6 +11,14 @@ entropy are computed for those rows alone, and the response-aligned results hold
 mismatch metrics). The log-prob of a kept row is bitwise what the full-sequence
 path computes for it: the same hidden state through the same matmul.
 
+The projection itself runs in row chunks (``ops.linear_logprobs_and_entropy``): where
+the output layer's output is its matmul and nothing else (``projects_plainly``), its
+forward is replaced for the pass by one that takes the kept rows and the layer's weight
+and returns per-row ``[log-prob, entropy]`` (``project_rows``), so even the loss rows'
+logits exist one chunk at a time, forward and backward. A layer whose logits are changed
+after its matmul (a forward hook: Gemma's soft-capping; an HF model that scales or caps
+them after ``lm_head``; a LoRA-wrapped head) keeps the loss-rows logits path above.
+
 A micro-batch with no loss rows still sends one row through the output layer (row
 0, whose result is multiplied by zero), so every rank runs the same kernels and
 collectives, forward and backward.
@@ -28,6 +36,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from megatron_rl.algorithms.spec import ModelOutput
 from megatron_rl.data.packing import PackedBatch
 
 
@@ -46,6 +55,7 @@ class LossRows:
     targets: torch.Tensor
     response_index: torch.Tensor
     num_response: int
+    projected: bool = False  # the output layer returned per-row [log-prob(, entropy)], not logits (project_rows)
 
     @property
     def count(self) -> int:
@@ -139,6 +149,43 @@ def keep_rows(layer: torch.nn.Module, select: Callable[[torch.Tensor], torch.Ten
         yield
     finally:
         handle.remove()
+
+
+def pack_output(out: ModelOutput) -> torch.Tensor:
+    """``[n, 1]`` log-probs, or ``[n, 2]`` log-probs and entropy: what a projected output layer returns per row."""
+    if out.entropy is None:
+        return out.logprobs.unsqueeze(-1)
+    return torch.stack([out.logprobs, out.entropy], dim=-1)
+
+
+def unpack_output(packed: torch.Tensor) -> ModelOutput:
+    """``pack_output``'s inverse over the rows of ``[..., n, k]`` (leading dims of size 1 dropped)."""
+    flat = packed.reshape(-1, packed.shape[-1])
+    return ModelOutput(flat[:, 0], flat[:, 1] if flat.shape[1] == 2 else None)
+
+
+def projects_plainly(layer: torch.nn.Module, linear_type: type) -> bool:
+    """Whether ``layer``'s output is exactly ``input @ weight.T`` of ``linear_type`` (megatron's
+    ``ColumnParallelLinear``, or ``nn.Linear`` for an HF ``lm_head``): no bias, no forward hook that changes
+    the logits (Gemma's soft-capping), not a subclass or wrapper (LoRA). Only then may its forward be
+    replaced by the chunked log-prob op: anything applied to the logits after the matmul would be lost."""
+    return (type(layer) is linear_type and getattr(layer, "bias", None) is None
+            and not layer._forward_hooks and not layer._forward_hooks_with_kwargs)
+
+
+@contextlib.contextmanager
+def project_rows(layer: torch.nn.Module, forward: Callable[..., object]) -> Iterator[None]:
+    """While open, ``layer``'s forward is ``forward`` (an instance attribute: ``nn.Module.__call__`` still
+    runs the layer's hooks, FSDP's included). Restored on exit, an exception included."""
+    before = layer.__dict__.get("forward")
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        if before is None:
+            del layer.forward
+        else:
+            layer.forward = before
 
 
 def select_hf_rows(rows: LossRows) -> Callable[[torch.Tensor], torch.Tensor]:

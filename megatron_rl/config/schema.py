@@ -388,7 +388,9 @@ class BatchingConfig:
                               "refused without --use-dynamic-batch-size (fixed micro-batches are split by position, "
                               "as Megatron's sampler does).")
     log_probs_chunk_size: Optional[int] = flag(
-        None, "Tokens per chunk when computing log-probs/entropy from logits (bounds the fp32 working set).")
+        None, "Tokens per chunk when computing log-probs/entropy: the output projection runs this many loss rows "
+              "at a time, forward and backward, so it bounds the logits and the fp32 working set (unset: as many "
+              "rows as fit 64 MiB of fp32 logits of this rank's vocab shard, 110 at a 151,936 vocab).")
 
     @property
     def samples_per_rollout(self) -> int:

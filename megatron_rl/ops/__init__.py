@@ -1,7 +1,9 @@
 """Token-level ops on (vocab-parallel) logits and per-token losses: the single dispatch point.
 
 ``logprobs_and_entropy`` (log-probs of targets + entropy from this rank's logits
-shard; called by ``algorithms.spec``) and ``policy_loss_terms`` (per-token PPO
+shard; called by ``algorithms.spec``), ``linear_logprobs_and_entropy`` (the same from
+hidden states and the output layer's weight shard, projected chunk by chunk: the
+logits never exist beyond one chunk; ``ops.linear_logprob``) and ``policy_loss_terms`` (per-token PPO
 surrogate, KL, TIS weight; called by ``algorithms.losses``) each run one of:
 
 * ``torch``: the reference (``ops.logprob`` chunked TP-aware autograd;
@@ -26,10 +28,11 @@ import torch
 
 from megatron_rl.ops.dispatch import KERNELS, available_backends, select
 from megatron_rl.ops.fused import fused_logprobs, fused_policy_terms
+from megatron_rl.ops.linear_logprob import linear_logprobs
 from megatron_rl.ops.logprob import flatten_checked, naive_logprobs, real_columns, vocab_parallel_logprobs
 from megatron_rl.ops.policy_loss import STRAIGHT_THROUGH_KL, PolicyLossParams, PolicyTerms, torch_policy_terms
 
-__all__ = ["logprobs_and_entropy", "policy_loss_terms", "PolicyLossParams", "PolicyTerms", "vocab_parallel_logprobs",
+__all__ = ["logprobs_and_entropy", "linear_logprobs_and_entropy", "policy_loss_terms", "PolicyLossParams", "PolicyTerms", "vocab_parallel_logprobs",
            "naive_logprobs", "available_backends", "KERNELS"]
 
 
@@ -61,6 +64,21 @@ def logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_g
                                        tp_size=tp_size, vocab_start=vocab_start, temperature=float(temperature),
                                        with_entropy=with_entropy)
     return logprobs.reshape(out_shape), (entropy.reshape(out_shape) if with_entropy else None)
+
+
+def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, *,
+                                tp_group=None, vocab_start_index: int | None = None, temperature: float = 1.0,
+                                chunk_size: int | None = None, with_entropy: bool = False,
+                                vocab_size: int | None = None):
+    """``(logprobs, entropy | None)`` [n] of ``target_ids`` under ``softmax(hidden @ weight.T / temperature)``:
+    :func:`logprobs_and_entropy` of the output layer's logits (``weight``: its ``[V/tp, h]`` shard, no bias),
+    bitwise, without materialising them: ``chunk_size`` rows are projected at a time, forward and backward
+    (:mod:`megatron_rl.ops.linear_logprob`). The implementation (torch or a fused kernel set) is chosen for
+    the logits' device and dtype as :func:`logprobs_and_entropy` chooses it, and runs per chunk."""
+    _, kernels = select(hidden.device, torch.result_type(hidden, weight))
+    return linear_logprobs(hidden, weight, target_ids, kernels=kernels, tp_group=tp_group,
+                           vocab_start_index=vocab_start_index, temperature=temperature, chunk_size=chunk_size,
+                           with_entropy=with_entropy, vocab_size=vocab_size)
 
 
 def policy_loss_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -42,22 +42,47 @@ def combine_partials(m, s, w, tz, owned, tp_group, tp_size):
     return stats[1] - log_s, big_m + log_s, log_s - stats[2] / stats[0]
 
 
+def local_targets(target: torch.Tensor, vocab_start: int, vocab_local: int):
+    """``(target_local, owned)``: each target's column in this rank's shard (-1 where another rank owns it)."""
+    local = target - vocab_start
+    owned = (local >= 0) & (local < vocab_local)
+    return torch.where(owned, local, torch.full_like(local, -1)).contiguous(), owned
+
+
+def kernel_stats(kernels, x: torch.Tensor, target: torch.Tensor, *, tp_group, tp_size: int, vocab_start: int,
+                 inv_t: float):
+    """``(logprobs, lse, entropy, target_local)`` [N] of contiguous 2-D logits ``x``: the kernel's one read of
+    each row, then :func:`combine_partials`' two collectives."""
+    n_tok, vocab_local = x.shape
+    target_local, owned = local_targets(target, vocab_start, vocab_local)
+    m, s, w, tz = (torch.empty(n_tok, dtype=torch.float32, device=x.device) for _ in range(4))
+    if n_tok:
+        kernels.logprob_fwd_partials(x, target_local, inv_t, m, s, w, tz)
+    logprobs, lse, entropy = combine_partials(m, s, w, tz, owned, tp_group, tp_size)
+    return logprobs, lse, entropy, target_local
+
+
+def kernel_grad(kernels, x: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                g_lp: torch.Tensor | None, g_h: torch.Tensor | None, inv_t: float) -> torch.Tensor:
+    """``dL/dx`` in ``x``'s dtype from the saved ``lse`` / ``entropy`` (no collective)."""
+    grad = torch.empty_like(x)
+    g_lp = g_lp.to(torch.float32).contiguous() if g_lp is not None else torch.zeros_like(lse)
+    g_h = g_h.to(torch.float32).contiguous() if g_h is not None else None
+    if x.shape[0]:
+        kernels.logprob_bwd(grad, x, target_local, lse, entropy if g_h is not None else None, g_lp, g_h, inv_t)
+    return grad
+
+
 class FusedLogprob(torch.autograd.Function):
     """``(logprobs, entropy)`` [N] float32 of 2-D ``logits`` with a kernel set; the TP contract of
     ``ops.logprob.vocab_parallel_logprobs``."""
 
     @staticmethod
     def forward(ctx, logits, target, kernels, tp_group, tp_size, vocab_start, temperature):
-        n_tok, vocab_local = logits.shape
         x = logits.contiguous()
-        local = target - vocab_start
-        owned = (local >= 0) & (local < vocab_local)
-        target_local = torch.where(owned, local, torch.full_like(local, -1)).contiguous()
-        m, s, w, tz = (torch.empty(n_tok, dtype=torch.float32, device=x.device) for _ in range(4))
         inv_t = 1.0 / temperature
-        if n_tok:
-            kernels.logprob_fwd_partials(x, target_local, inv_t, m, s, w, tz)
-        logprobs, lse, entropy = combine_partials(m, s, w, tz, owned, tp_group, tp_size)
+        logprobs, lse, entropy, target_local = kernel_stats(kernels, x, target, tp_group=tp_group, tp_size=tp_size,
+                                                            vocab_start=vocab_start, inv_t=inv_t)
         ctx.save_for_backward(x, target_local, lse, entropy)
         ctx.kernels, ctx.inv_t, ctx.in_dtype = kernels, inv_t, logits.dtype
         ctx.set_materialize_grads(False)
@@ -67,15 +92,9 @@ class FusedLogprob(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         x, target_local, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(x)
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None, None
-        g_lp = (grad_logprobs.to(torch.float32).contiguous() if grad_logprobs is not None
-                else torch.zeros_like(lse))
-        g_h = grad_entropy.to(torch.float32).contiguous() if grad_entropy is not None else None
-        if x.shape[0]:
-            ctx.kernels.logprob_bwd(grad, x, target_local, lse, entropy if g_h is not None else None, g_lp, g_h,
-                                    ctx.inv_t)
+        grad = kernel_grad(ctx.kernels, x, target_local, lse, entropy, grad_logprobs, grad_entropy, ctx.inv_t)
         return grad, None, None, None, None, None, None
 
 

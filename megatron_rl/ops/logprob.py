@@ -52,6 +52,69 @@ def _local_target(target: torch.Tensor, vocab_start: int, vocab_local: int):
     return local.clamp(0, vocab_local - 1), owned
 
 
+def chunk_stats(z_logits: torch.Tensor, target: torch.Tensor, *, tp_group, tp_size: int, vocab_start: int,
+                temperature: float, with_entropy: bool, real_local: int):
+    """``(logprobs, lse, entropy | None)`` [c] float32 of one chunk of rows ``[c, V/tp]`` (this rank's shard):
+    the whole per-row arithmetic of the op's forward, two TP collectives of ``O(c)``. Its float32 temporaries
+    are two ``[c, real_local]`` buffers. Shared with ``ops.linear_logprob`` (which feeds it each chunk's
+    logits as it projects them), so both compute every row's log-prob with the same operations."""
+    # only the real (unpadded) columns: [chunk, real_local], at least one column so a shard
+    # of padding alone still takes part in the collectives (its one column is masked below)
+    z = z_logits[:, :max(real_local, 1)].to(torch.float32, copy=True)
+    if real_local == 0:
+        z.fill_(float("-inf"))
+    if temperature != 1.0:
+        z.div_(temperature)
+    m = z.max(dim=-1).values
+    if tp_size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    # A row with no finite logit has no distribution; keep m finite so that row
+    # cannot poison the shared chunk arithmetic.
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    z.sub_(m.unsqueeze(-1)).clamp_(min=_F32_MIN)
+    local_idx, owned = _local_target(target, vocab_start, z.shape[1])
+    picked = z.gather(1, local_idx.unsqueeze(-1)).squeeze(-1) * owned
+    ez = z.exp()
+    sum_exp = ez.sum(dim=-1)
+    stats = [sum_exp, picked]
+    if with_entropy:
+        stats.append(ez.mul_(z).sum(dim=-1))
+    del ez
+    stacked = torch.stack(stats)
+    if tp_size > 1:
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
+    log_s = stacked[0].log()
+    entropy = log_s - stacked[2] / stacked[0] if with_entropy else None
+    return stacked[1] - log_s, m + log_s, entropy
+
+
+def chunk_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
+               g_lp: torch.Tensor, g_h: torch.Tensor | None, *, vocab_start: int, temperature: float,
+               real_local: int) -> torch.Tensor:
+    """float32 ``dL/dlogits`` ``[c, real_local]`` of one chunk of rows from the saved (global) ``lse`` and
+    ``entropy``: ``g_lp * (onehot - p) - g_h * p * (log p + H)``, over ``z = logits / T``. No collective;
+    two float32 ``[c, real_local]`` temporaries (the result is one of them). ``real_local`` >= 1."""
+    logp = logits[:, :real_local].to(torch.float32, copy=True)
+    if temperature != 1.0:
+        logp.div_(temperature)
+    logp.sub_(lse.unsqueeze(-1)).clamp_(min=_F32_MIN)
+    p = logp.exp()
+    g_lp = g_lp.unsqueeze(-1)
+    if g_h is not None:
+        assert entropy is not None
+        # dH/dz = -p * (log p + H); fold into logp's buffer to stay at two temporaries.
+        logp.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-g_h.unsqueeze(-1))
+        grad = p.mul_(-g_lp).add_(logp)
+    else:
+        grad = p.mul_(-g_lp)
+    del logp
+    local_idx, owned = _local_target(target, vocab_start, real_local)
+    grad.scatter_add_(1, local_idx.unsqueeze(-1), (g_lp.squeeze(-1) * owned).unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, tp_size, vocab_start, temperature, chunk_size, with_entropy,
@@ -62,36 +125,12 @@ class _VocabParallelLogprob(torch.autograd.Function):
         entropy = torch.empty_like(logprobs) if with_entropy else None
         for s in range(0, n_tok, chunk_size):
             e = min(s + chunk_size, n_tok)
-            # only the real (unpadded) columns: [chunk, real_local], at least one column so a shard
-            # of padding alone still takes part in the collectives (its one column is masked below)
-            z = logits[s:e, :max(real_local, 1)].to(torch.float32, copy=True)
-            if real_local == 0:
-                z.fill_(float("-inf"))
-            if temperature != 1.0:
-                z.div_(temperature)
-            m = z.max(dim=-1).values
-            if tp_size > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-            # A row with no finite logit has no distribution; keep m finite so that row
-            # cannot poison the shared chunk arithmetic.
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            z.sub_(m.unsqueeze(-1)).clamp_(min=_F32_MIN)
-            local_idx, owned = _local_target(target[s:e], vocab_start, z.shape[1])
-            picked = z.gather(1, local_idx.unsqueeze(-1)).squeeze(-1) * owned
-            ez = z.exp()
-            sum_exp = ez.sum(dim=-1)
-            stats = [sum_exp, picked]
-            if with_entropy:
-                stats.append(ez.mul_(z).sum(dim=-1))
-            del ez
-            stats = torch.stack(stats)
-            if tp_size > 1:
-                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
-            log_s = stats[0].log()
-            logprobs[s:e] = stats[1] - log_s
-            lse[s:e] = m + log_s
-            if with_entropy:
-                entropy[s:e] = log_s - stats[2] / stats[0]
+            lp, lse[s:e], ent = chunk_stats(logits[s:e], target[s:e], tp_group=tp_group, tp_size=tp_size,
+                                            vocab_start=vocab_start, temperature=temperature,
+                                            with_entropy=with_entropy, real_local=real_local)
+            logprobs[s:e] = lp
+            if entropy is not None:
+                entropy[s:e] = ent
         ctx.save_for_backward(logits, target, lse, entropy if with_entropy else lse)
         ctx.cfg = (vocab_start, temperature, chunk_size, with_entropy, real_local)
         if with_entropy:
@@ -112,23 +151,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
         g_h_all = grad_entropy.to(torch.float32) if (with_entropy and grad_entropy is not None) else None
         for s in range(0, n_tok, chunk_size):
             e = min(s + chunk_size, n_tok)
-            logp = logits[s:e, :real_local].to(torch.float32, copy=True)
-            if temperature != 1.0:
-                logp.div_(temperature)
-            logp.sub_(lse[s:e].unsqueeze(-1)).clamp_(min=_F32_MIN)
-            p = logp.exp()
-            g_lp = g_lp_all[s:e].unsqueeze(-1)
-            if g_h_all is not None:
-                # dH/dz = -p * (log p + H); fold into logp's buffer to stay at two temporaries.
-                logp.add_(entropy[s:e].unsqueeze(-1)).mul_(p).mul_(-g_h_all[s:e].unsqueeze(-1))
-                grad = p.mul_(-g_lp).add_(logp)
-            else:
-                grad = p.mul_(-g_lp)
-            del logp
-            local_idx, owned = _local_target(target[s:e], vocab_start, real_local)
-            grad.scatter_add_(1, local_idx.unsqueeze(-1), (g_lp.squeeze(-1) * owned).unsqueeze(-1))
-            if temperature != 1.0:
-                grad.div_(temperature)
+            grad = chunk_grad(logits[s:e], target[s:e], lse[s:e], entropy[s:e], g_lp_all[s:e],
+                              None if g_h_all is None else g_h_all[s:e], vocab_start=vocab_start,
+                              temperature=temperature, real_local=real_local)
             grad_logits[s:e, :real_local].copy_(grad)
         return grad_logits, None, None, None, None, None, None, None, None
 

@@ -104,3 +104,58 @@ def test_keep_rows_feeds_the_layer_the_selected_rows_and_removes_its_hook():
     with pytest.raises(RuntimeError, match="boom"), keep_rows(head, select_hf_rows(rows)):
         raise RuntimeError("boom")
     assert not head._forward_pre_hooks
+
+
+def _hf_rows_output(model, mb, spec, projected: bool):
+    """The FSDP backend's two ways of the loss rows' log-probs + entropy under an HF model (backends/fsdp)."""
+    from megatron_rl.backends.loss_rows import pack_output, project_rows, unpack_output
+
+    padded = unpack_to_rows(mb, pad_token_id=0)
+    rows = padded_loss_rows(mb, padded.response_rows, padded.response_cols, padded.input_ids.shape[1])
+    lm_head, select = model.get_output_embeddings(), select_hf_rows(rows)
+    if projected:
+        def forward(hidden):
+            return pack_output(spec.extract_model_output_from_hidden(select(hidden)[0], lm_head.weight,
+                                                                     rows.targets)).unsqueeze(0)
+
+        with project_rows(lm_head, forward):
+            out = unpack_output(model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits)
+        assert "forward" not in lm_head.__dict__  # restored
+    else:
+        with keep_rows(lm_head, select):
+            logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits
+        out = spec.extract_model_output(logits[0].float(), rows.targets)
+    return rows.to_response(out.logprobs), rows.to_response(out.entropy)
+
+
+def test_projected_lm_head_equals_its_loss_rows_logits(tiny_hf_models):
+    """An HF model's ``lm_head`` replaced by the chunked projection (ops/linear_logprob.py, 3 rows a chunk):
+    log-probs and entropy bitwise the loss-rows logits path's in bf16, gradients within bf16 rounding;
+    ``lm_head_is_plain`` admits a plain head and refuses a hooked one and a soft-capping family."""
+    import transformers
+
+    from megatron_rl.algorithms.config import PolicyGradientConfig
+    from megatron_rl.algorithms.spec import PolicyGradientSpec
+    from megatron_rl.backends.fsdp.backend import lm_head_is_plain
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_models("qwen2"), dtype=torch.bfloat16)
+    spec = PolicyGradientSpec(PolicyGradientConfig(logprob_chunk_size=3))
+    mb = pack_samples(_agentic_samples(), [0, 1, 2])
+    got = []
+    for projected in (False, True):
+        model.zero_grad()
+        lp, ent = _hf_rows_output(model, mb, spec, projected)
+        (lp.sum() + ent.sum()).backward()
+        got.append((lp.detach(), ent.detach(), model.lm_head.weight.grad.float(),
+                    model.model.norm.weight.grad.float()))
+    (lp0, e0, gw0, gn0), (lp1, e1, gw1, gn1) = got
+    assert torch.equal(lp0, lp1) and torch.equal(e0, e1) and lp0.any()
+    assert torch.equal(gn0, gn1)  # the hidden rows' gradient is the logits path's bit for bit
+    assert ((gw0 - gw1).abs() <= gw0.abs() * 2 ** -7 + gw0.abs().max() * 2 ** -8).all()
+
+    assert lm_head_is_plain(model, model.lm_head)
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output * 2)
+    assert not lm_head_is_plain(model, model.lm_head)
+    handle.remove()
+    gemma = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_models("gemma3_text"))
+    assert not lm_head_is_plain(gemma, gemma.lm_head)  # soft-caps its logits after lm_head

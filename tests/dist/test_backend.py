@@ -263,3 +263,5 @@ def test_forward_only_passes_compute_no_entropy(runs):
         if "--pipeline-model-parallel-size=2" in layout:  # rank 0 is the first stage: it computes no log-probs
             continue
         assert rec["entropy_asked"] == {"forward": [False], "train": [True]}, (layout, rec["entropy_asked"])
+        # the output projection fused into the log-prob op by row chunks (ops/linear_logprob.py), every pass
+        assert rec["projected"] == [True], (layout, rec["projected"])

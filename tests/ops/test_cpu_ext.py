@@ -325,10 +325,37 @@ def test_cpu_ext_without_ninja_says_how_to_get_it(monkeypatch):
         _ext.load_cpu_ext()
 
 
+def test_linear_logprobs_with_the_twins_match_their_unfused_path(cpu_ext, use_kernels):
+    """The output projection fused by row chunks (ops.linear_logprob) runs the twins per chunk: values bitwise
+    theirs on the output layer's logits, gradients within one rounding (bf16 logits, padded vocab)."""
+    import torch.nn.functional as F
+
+    use_kernels("cpu_ext")
+    g = torch.Generator().manual_seed(4)
+    n, h, v, real = 90, 16, 1031, 1000
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.3).bfloat16()
+    target = torch.randint(0, real, (n,), generator=g)
+    g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    got = []
+    for fused in (False, True):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        kw = dict(temperature=0.7, with_entropy=True, vocab_size=real)
+        lp, ent = (ops.linear_logprobs_and_entropy(x, w, target, chunk_size=32, **kw) if fused
+                   else logprobs_and_entropy(F.linear(x, w), target, **kw))
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        got.append((lp.detach(), ent.detach(), x.grad, w.grad))
+    (lp0, e0, gx0, gw0), (lp1, e1, gx1, gw1) = got
+    assert torch.equal(lp0, lp1) and torch.equal(e0, e1) and torch.equal(gx0, gx1)
+    ref = gw0.float()  # per-chunk partial sums rounded to bf16 (tests/ops/test_linear_logprob.py)
+    assert ((ref - gw1.float()).abs() <= ref.abs() * 2 ** -7 + ref.abs().max() * 2 ** -8).all()
+
+
 @pytest.mark.dist
 def test_tp2_partials_combined_over_gloo(cpu_ext, cpu_ext_dir, tmp_path):
     """Two ranks, each with its vocab shard: the twins' partials all-reduced over a real gloo group give the
-    single-process float64 reference (values and each shard's gradient), as the torch TP path does."""
+    single-process float64 reference (values and each shard's gradient), as the torch TP path does; and the
+    output projection fused by row chunks equals the unfused path under TP for every implementation."""
     script = REPO / "tests" / "ops" / "scripts" / "cpu_ext_tp_worker.py"
     torchrun(script, 2, [str(tmp_path)], timeout=240, env={"TORCH_EXTENSIONS_DIR": str(cpu_ext_dir)})
     for rank in range(2):
@@ -337,6 +364,12 @@ def test_tp2_partials_combined_over_gloo(cpu_ext, cpu_ext_dir, tmp_path):
         assert len(errors) == impls * 2 * 3, sorted(errors)
         bad = {k: v for k, v in errors.items() if v > (2e-2 if "bf16/grad" in k else 5e-6)}
         assert not bad, bad
+        # the output projection fused by row chunks, each rank on its vocab shard (padding on rank 1)
+        linear = read_json(tmp_path / f"linear_rank{rank}.json")
+        assert len(linear) == impls, linear
+        for impl, check in linear.items():
+            assert check["values_bitwise"] and check["hidden_grad_bitwise"], (impl, check)
+            assert check["weight_grad_rel"] <= 2 ** -7, (impl, check)
 
 
 @pytest.mark.parametrize("kl_type", ["k1+", "k3+", "low_var_kl+"])

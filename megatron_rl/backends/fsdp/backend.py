@@ -69,7 +69,8 @@ from megatron_rl.backends.fsdp.loss_scale import LossScaler
 from megatron_rl.backends.fsdp.optim import MegatronLRSchedule, build_optimizer, param_groups, train_on_micro_batches
 from megatron_rl.backends.fsdp.padding import unpack_to_rows
 from megatron_rl.backends.fsdp.teacher import FSDPFrozenModel
-from megatron_rl.backends.loss_rows import keep_rows, padded_loss_rows, select_hf_rows
+from megatron_rl.backends.loss_rows import (keep_rows, pack_output, padded_loss_rows, project_rows,
+                                            projects_plainly, select_hf_rows, unpack_output)
 from megatron_rl.backends.roles import needs_own_model
 from megatron_rl.backends.sleep_tiers import plan_sleep
 from megatron_rl.config import Config
@@ -131,6 +132,19 @@ def attention_implementation(hf_dir: str) -> str:
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+#: HF causal-LM families whose forward returns ``lm_head``'s output as the logits, untouched (transformers 5:
+#: no soft-capping, scaling or slicing after it; Gemma 2/3 soft-cap, Cohere and Granite scale: not listed)
+PLAIN_LM_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                                       "qwen3_next", "glm4_moe", "deepseek_v3", "olmo2", "phi3"})
+
+
+def lm_head_is_plain(model, lm_head) -> bool:
+    """Whether ``model``'s logits are exactly its ``lm_head``'s matmul (the family returns them untouched and
+    the head is a plain bias-free ``nn.Linear``), so the chunked log-prob op may stand in for it."""
+    return (getattr(model.config, "model_type", None) in PLAIN_LM_HEAD_MODEL_TYPES
+            and projects_plainly(lm_head, torch.nn.Linear))
 
 
 class FSDPBackend(TrainBackend):
@@ -245,17 +259,33 @@ class FSDPBackend(TrainBackend):
         actor, or a frozen role's own model: ``teacher.py``) through the padding fallback.
 
         The ``lm_head`` sees only the loss rows' hidden states (``backends.loss_rows``):
-        prompt, observation and pad positions get no logits; their log-probs read 0.0.
+        prompt, observation and pad positions get no logits; their log-probs read 0.0. Where the
+        model uses its ``lm_head``'s output as its logits unchanged (``lm_head_is_plain``), the head
+        is replaced for the call by the spec's chunked projection into log-probs (and entropy), so
+        the loss rows' logits exist one chunk at a time (``ops.linear_logprob``).
         An empty micro-batch (a DP rank with fewer samples than micro-batches) still runs the
         model, so every rank issues the same FSDP all-gathers and reduce-scatters; its outputs
         are empty and it carries no loss."""
         padded = unpack_to_rows(mb, self.pad_token_id).to(self.device)
         rows = padded_loss_rows(mb, padded.response_rows, padded.response_cols, padded.input_ids.shape[1])
-        with keep_rows(model.get_output_embeddings(), select_hf_rows(rows)):
-            logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
-                           use_cache=False).logits  # [1, rows, V]
-        out = self.spec.extract_model_output(logits[0].float(), rows.targets.to(self.device),
-                                             with_entropy=with_entropy)
+        lm_head = model.get_output_embeddings()
+        select = select_hf_rows(rows)
+        targets = rows.targets.to(self.device)
+        if lm_head_is_plain(model, lm_head):
+            def projected(hidden: torch.Tensor) -> torch.Tensor:  # [1, rows, k]: the rows' log-probs (+ entropy)
+                kept = select(hidden)[0]
+                return pack_output(self.spec.extract_model_output_from_hidden(
+                    kept, lm_head.weight, targets, with_entropy=with_entropy)).unsqueeze(0)
+
+            with project_rows(lm_head, projected):
+                packed = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
+                               use_cache=False).logits
+            out = unpack_output(packed)
+        else:
+            with keep_rows(lm_head, select):
+                logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
+                               use_cache=False).logits  # [1, rows, V]
+            out = self.spec.extract_model_output(logits[0].float(), targets, with_entropy=with_entropy)
         return ModelOutput(rows.to_response(out.logprobs),
                            rows.to_response(out.entropy) if out.entropy is not None else None)
 

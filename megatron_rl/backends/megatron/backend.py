@@ -257,7 +257,7 @@ class MegatronBackend(RoleAttributes, TrainBackend):
 
         self.hooks.mtp_denoms = denoms if self.cfg.megatron.enable_mtp_training else None
         try:
-            step = actor.train_pass(samples, mbs, loss_fn)
+            step = actor.train_pass(samples, mbs, loss_fn, spec=self.spec)
         finally:
             self.hooks.mtp_denoms = None
             if self._mtp_model is not None:

@@ -27,6 +27,7 @@ head's gradient algebra are explained in ``backend.py`` and ``critic.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -37,7 +38,8 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import reduce_metrics
 from megatron_rl.algorithms.spec import ModelOutput
-from megatron_rl.backends.loss_rows import LossRows, keep_rows, packed_loss_rows
+from megatron_rl.backends.loss_rows import (LossRows, keep_rows, pack_output, packed_loss_rows, project_rows,
+                                            projects_plainly, unpack_output)
 from megatron_rl.backends.megatron.settings import (ddp_config_kwargs, optimizer_config_kwargs,
                                                    transformer_config_overrides)
 from megatron_rl.backends.base import DataParallelShare
@@ -221,6 +223,7 @@ class RoleModel:
         self._output_layers = {id(m): c.output_layer for m, c in zip(self.model, self.chunks) if c.post_process}
         self._chunk_index = {id(m): i for i, m in enumerate(self.model)}
         self._post_process = {id(m): bool(c.post_process) for m, c in zip(self.model, self.chunks)}
+        self._pass_head: Optional[tuple] = None  # (spec, with_entropy) of the pass running: see _output_rows
 
     def _put_value_heads(self) -> None:
         for chunk in self.chunks:
@@ -332,7 +335,11 @@ class RoleModel:
         layer = self._output_layers.get(id(model))
         if self.hooks is not None:
             self.hooks.before_forward(model, mb)
-        with _output_rows(layer, rows) if layer is not None else contextlib.nullcontext():
+        head = None
+        if layer is not None and self._pass_head is not None and _fusable(layer):
+            rows = dataclasses.replace(rows, projected=True)
+            head = partial(self._project, *self._pass_head, rows)
+        with _output_rows(layer, rows, head) if layer is not None else contextlib.nullcontext():
             output = model(tokens[None], positions[None], None, packed_seq_params=mb.packed_seq_params())
         if self.hooks is not None:
             self.hooks.after_forward(model, mb)
@@ -349,20 +356,38 @@ class RoleModel:
         values = rows.to_response(per_position.index_select(0, rows.rows.to(device)))
         return output, partial(loss_fn, mb, values)
 
+    def _project(self, spec, with_entropy: bool, rows: LossRows, hidden: torch.Tensor,
+                 weight: torch.Tensor) -> ModelOutput:
+        """The loss rows' log-probs (+ entropy) from their hidden states ``[n, h]`` and the output layer's weight
+        shard, the projection fused into the log-prob op (``Spec.extract_model_output_from_hidden``)."""
+        tp_group = self.pg.tp if self.layout.tp > 1 else None
+        start = self.pg.tp.rank() * weight.shape[0]
+        return spec.extract_model_output_from_hidden(hidden, weight, rows.targets.to(hidden.device),
+                                                     tp_group=tp_group, vocab_start_index=start,
+                                                     vocab_size=self.vocab_size, with_entropy=with_entropy)
+
     def model_output(self, spec, mb: PackedBatch, rows: LossRows, output: torch.Tensor,
                      with_entropy: bool = True) -> ModelOutput:
         """Response-aligned log-probs (+ entropy when ``with_entropy``) of one micro-batch from this rank's
         logits shard, which holds the loss rows only (``_output_rows``); 0.0 at response tokens without loss.
+        When the output layer was projected (``rows.projected``) its output holds the rows' log-probs (and the
+        entropy when the pass asked for it) already, computed chunk by chunk by the pass's spec.
 
         With CP each rank holds 2 chunks of every sequence and computes the loss rows in its shard; a
         differentiable all-gather over the CP group reassembles the full sequence on every CP rank
         (``cp_utils.gather_packed_from_cp``). Megatron pads the vocab to a multiple of 128 x TP; the log-prob op
         is told the real vocab size and leaves those columns out of the softmax."""
-        logits = output[0] if output.dim() == 3 else output  # [rows, V/tp]
-        tp_group = self.pg.tp if self.layout.tp > 1 else None
-        start = self.pg.tp.rank() * logits.shape[-1]
-        out = spec.extract_model_output(logits, rows.targets.to(logits.device), tp_group=tp_group,
-                                        vocab_start_index=start, vocab_size=self.vocab_size, with_entropy=with_entropy)
+        if rows.projected:
+            out = unpack_output(output)
+            if not with_entropy:
+                out = ModelOutput(out.logprobs, None)
+        else:
+            logits = output[0] if output.dim() == 3 else output  # [rows, V/tp]
+            tp_group = self.pg.tp if self.layout.tp > 1 else None
+            start = self.pg.tp.rank() * logits.shape[-1]
+            out = spec.extract_model_output(logits, rows.targets.to(logits.device), tp_group=tp_group,
+                                            vocab_start_index=start, vocab_size=self.vocab_size,
+                                            with_entropy=with_entropy)
         if self.layout.cp == 1:
             return ModelOutput(rows.to_response(out.logprobs),
                                rows.to_response(out.entropy) if out.entropy is not None else None)
@@ -389,6 +414,7 @@ class RoleModel:
         self.set_mode(training=False)
         if self.hooks is not None:
             self.hooks.start_pass(samples, micro_batches, training=False)
+        self._pass_head = (spec, False) if self.head == "logprob" else None
         try:
             with torch.no_grad():
                 store = self.run_schedule(micro_batches, loss_fn, forward_only=True)
@@ -396,6 +422,8 @@ class RoleModel:
             if self.hooks is not None:
                 self.hooks.end_pass(collect=False)
             raise
+        finally:
+            self._pass_head = None
         if self.hooks is not None:
             self.hooks.end_pass(collect=True)
         local: dict[int, torch.Tensor] = {}
@@ -403,10 +431,12 @@ class RoleModel:
             local.update(item["out"])
         return local
 
-    def train_pass(self, samples: Sequence, micro_batches: list[PackedBatch], loss_fn) -> "StepResult":
+    def train_pass(self, samples: Sequence, micro_batches: list[PackedBatch], loss_fn, spec=None) -> "StepResult":
         """One optimizer step over this rank's micro-batches (``StepResult``): the loss metrics reduced over DP on
         the last pipeline stage and given to every rank, and what the hooks report for the pass (the routes'
-        agreement). ``loss_fn(mb, head_out, output)`` returns ``(loss, metrics)``."""
+        agreement). ``loss_fn(mb, head_out, output)`` returns ``(loss, metrics)``. ``spec``: the log-prob head's
+        algorithm, whose ``extract_model_output_from_hidden`` then runs inside the output layer (log-probs and
+        entropy by row chunks, ``_output_rows``); None: the output layer returns the loss rows' logits."""
         assert self.optimizer is not None and self.scheduler is not None, f"the {self.name} role is frozen"
         pg = self.pg
 
@@ -420,12 +450,15 @@ class RoleModel:
         self.optimizer.zero_grad()
         if self.hooks is not None:
             self.hooks.start_pass(samples, micro_batches, training=True)
+        self._pass_head = (spec, True) if spec is not None and self.head == "logprob" else None
         try:
             store = self.run_schedule(micro_batches, schedule_loss, forward_only=False)
         except BaseException:
             if self.hooks is not None:
                 self.hooks.end_pass(collect=False)
             raise
+        finally:
+            self._pass_head = None
         extra = self.hooks.end_pass(collect=True) if self.hooks is not None else {}
         # fp16: the scale this step's loss was multiplied by (the step may back it off)
         loss_scale = float(self.optimizer.get_loss_scale()) if self.cfg.precision.fp16 else None
@@ -510,8 +543,19 @@ class RoleAttributes:
         self.role.optimizer_steps = value
 
 
+def _fusable(layer) -> bool:
+    """Whether the output layer may be replaced by the chunked log-prob op for a pass: megatron's plain
+    ``ColumnParallelLinear`` (``loss_rows.projects_plainly``) with its shard of the logits as output (not gathered
+    over TP) and its weight gradient computed in its backward (no deferred embedding wgrad)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear  # lazy: megatron-core
+
+    return (projects_plainly(layer, ColumnParallelLinear) and not layer.gather_output
+            and not getattr(layer, "explicit_expert_comm", False)
+            and not getattr(layer.config, "defer_embedding_wgrad_compute", False))
+
+
 @contextlib.contextmanager
-def _output_rows(layer, rows: LossRows):
+def _output_rows(layer, rows: LossRows, head: Optional[Callable[[torch.Tensor, torch.Tensor], ModelOutput]] = None):
     """Run megatron's output layer (a ``ColumnParallelLinear``) on the loss rows only (``backends.loss_rows``).
 
     Under sequence parallelism its input is this TP rank's slice of the tokens: the
@@ -520,8 +564,15 @@ def _output_rows(layer, rows: LossRows):
     backward is a split (``tensor_parallel_output_grad=False``) because the layer's
     backward then all-reduces the input gradient over TP (``copy_to_tensor_model_parallel_region``),
     so each rank's partial gradient is summed exactly once.
+
+    ``head`` (``(hidden [n, h], weight shard) -> ModelOutput``): the layer's forward is replaced for the call by
+    one that runs ``head`` on the kept rows and returns their packed ``[n, 1, k]`` log-probs (and entropy)
+    instead of logits (``loss_rows.project_rows``); GPTModel hands it on as ``[1, n, k]``. The rows' gradient is
+    all-reduced over TP as the layer's own backward does (unless the layer disables that reduction), and the
+    weight is the one the model passes (the tied embedding's) or the layer's.
     """
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # lazy: megatron-core
+    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,  # lazy: megatron-core
+                                               gather_from_sequence_parallel_region)
 
     sequence_parallel = layer.sequence_parallel
 
@@ -531,9 +582,16 @@ def _output_rows(layer, rows: LossRows):
                                                           group=layer.tp_group)
         return hidden.index_select(0, rows.rows.to(hidden.device))
 
+    def projected(input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
+        assert head is not None
+        hidden = select(input_)[:, 0]  # [rows, h]
+        if layer.tp_group.size() > 1 and not layer.disable_grad_reduce:
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=layer.tp_group)
+        return pack_output(head(hidden, layer.weight if weight is None else weight)).unsqueeze(1), None
+
     layer.sequence_parallel = False
     try:
-        with keep_rows(layer, select):
+        with keep_rows(layer, select) if head is None else project_rows(layer, projected):
             yield
     finally:
         layer.sequence_parallel = sequence_parallel

@@ -127,13 +127,18 @@ def main(argv):
         backend.snapshot_weights("ref")
         samples = make_samples(backend.vocab_size)
         # which passes ask the log-prob op for entropy (the forward-only ones must not: extra vocab pass)
-        asked, phase, extract = {"forward": set(), "train": set()}, ["forward"], spec.extract_model_output
+        # and whether they come from the output projection fused into the op (ops/linear_logprob.py)
+        asked, phase, projected = {"forward": set(), "train": set()}, ["forward"], set()
 
-        def recording_extract(*args, with_entropy=True, **kwargs):
-            asked[phase[0]].add(with_entropy)
-            return extract(*args, with_entropy=with_entropy, **kwargs)
+        def recording(extract, fused):
+            def recording_extract(*args, with_entropy=True, **kwargs):
+                asked[phase[0]].add(with_entropy)
+                projected.add(fused)
+                return extract(*args, with_entropy=with_entropy, **kwargs)
+            return recording_extract
 
-        spec.extract_model_output = recording_extract
+        spec.extract_model_output = recording(spec.extract_model_output, False)
+        spec.extract_model_output_from_hidden = recording(spec.extract_model_output_from_hidden, True)
         rec = {"logprobs": [t.tolist() for t in backend.forward_only(samples)], "steps": []}
         if cfg.megatron.enable_mtp_training:
             rec["mtp_reference_loss"] = mtp_reference_loss(cfg.model.hf_checkpoint, samples)
@@ -195,6 +200,7 @@ def main(argv):
         if cfg.megatron.mtp_num_layers:
             rec["mtp"] = mtp_after_training(backend, cfg.model.hf_checkpoint, out_dir, layout)
         rec["entropy_asked"] = {k: sorted(v) for k, v in asked.items()}
+        rec["projected"] = sorted(projected)
         results[layout or "base"] = rec
         destroy_parallel()
     if dist.get_rank() == 0:
