@@ -34,12 +34,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_rl.convert import distcp_reader
+from megatron_rl.convert import distcp_reader, file_views
 from megatron_rl.convert.streaming_save import release_free_memory, storage_key
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models import dist_io
 from megatron_rl.models.parallel import ParallelLayout
-from megatron_rl.models.weights import export_items, export_slot, stack_expert_pieces, with_mtp_copies
+from megatron_rl.models.weights import export_items, export_rows, export_slot, stack_expert_pieces, with_mtp_copies
 
 
 def can_stream(layout) -> bool:
@@ -166,11 +166,16 @@ def _pieces(meta: torch.Tensor, value: torch.Tensor, entries) -> list:
     return out
 
 
-def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles) -> Optional[list[torch.Tensor]]:
+RowSource = tuple[int, int, file_views.FileRange]  # (first row of the parameter, rows, where their bytes are)
+
+
+def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles
+                   ) -> Optional[tuple[list[torch.Tensor], list[list[RowSource]]]]:
     """The bucket's parameters read straight from their saved chunks: a parameter that is one chunk is that
     chunk's mapped pages (no copy), one of several chunks (a gated ``linear_fc1``) is assembled from them.
+    With each, the row blocks of it that are a chunk's bytes in a ``.distcp`` file (empty when unknown).
     None when a chunk is not saved as this layout asks (another TP's chunks): megatron's load then reads it."""
-    values = []
+    values, sources = [], []
     for slot, _ in bucket:
         meta = slot.param
         pieces = _pieces(meta, meta, entries.get(storage_key(meta), []))
@@ -179,13 +184,60 @@ def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles) -> Op
         if not pieces or len(chunks) != len(pieces):
             return None
         if len(pieces) == 1 and pieces[0][1].data.numel() == meta.numel():
-            values.append(chunks[0].view(meta.shape))
+            value = chunks[0].view(meta.shape)
+            whole = file_views.tensor_file_range(value)
+            values.append(value)
+            sources.append([(0, meta.shape[0], whole)] if whole is not None and meta.dim() else [])
             continue
         value = torch.empty(meta.shape, dtype=meta.dtype)
+        blocks: Optional[list[RowSource]] = [] if meta.dim() else None
+        row = meta[0].numel() if meta.dim() else 1
         for (_, p), t in zip(pieces, chunks):
-            _same_view(value, meta, p.data).copy_(t.view(p.data.shape))
+            view = _same_view(value, meta, p.data)
+            view.copy_(t.view(p.data.shape))
+            at, where = view.storage_offset() - value.storage_offset(), file_views.tensor_file_range(t)
+            if blocks is not None and where is not None and view.is_contiguous() and not at % row \
+                    and not view.numel() % row:
+                blocks.append((at // row, view.numel() // row, where))
+            else:
+                blocks = None
         values.append(value)
-    return values
+        sources.append(blocks or [])
+    return values, sources
+
+
+def _rows_ranges(rows: list[int], blocks: list[RowSource], row_bytes: int) -> Optional[list[file_views.FileRange]]:
+    """The file ranges holding parameter ``rows`` in that order (runs of consecutive rows, split where their
+    blocks do); None when a row is in no block."""
+    out: list[file_views.FileRange] = []
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j] == rows[j - 1] + 1:
+            j += 1
+        lo, hi = rows[i], rows[i] + (j - i)
+        for first, n, where in blocks:
+            a, b = max(lo, first), min(hi, first + n)
+            if a < b:
+                out.append(file_views.FileRange(where.path, where.offset + (a - first) * row_bytes, (b - a) * row_bytes))
+        i = j
+    return out if sum(r.nbytes for r in out) == len(rows) * row_bytes else None
+
+
+def _noted_export(bridge, slot, value: torch.Tensor, names, blocks: list[RowSource]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``export_slot`` of one parameter; an HF tensor that regroups the parameter's rows (q, k, v of a fused
+    QKV, gate and up of ``linear_fc1``) is noted as the file ranges of those rows
+    (:func:`~megatron_rl.convert.file_views.note_rows`), so the shard writer copies them from the file."""
+    rows = export_rows(bridge, slot.canonical_name, value.shape[0]) if blocks else None
+    row_bytes = value[0].numel() * value.element_size() if blocks else 0
+    for i, (name, tensor) in enumerate(export_slot(bridge, dataclasses.replace(slot, param=value), names,
+                                                   copy=False)):
+        if rows is not None and i < len(rows) and file_views.tensor_file_range(tensor) is None:
+            ranges = _rows_ranges(rows[i].tolist(), blocks, row_bytes)
+            if ranges is not None:
+                file_views.note_rows(tensor, ranges)
+        yield name, tensor
 
 
 def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -195,14 +247,14 @@ def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[
     files = distcp_reader.ChunkFiles(dist_dir, metadata_cache)
     for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):
         try:
-            values = _direct_values(bucket, entries, files)
+            direct = _direct_values(bucket, entries, files)
         except Exception:  # noqa: BLE001 - a torn record: megatron's load below names the damage
-            values = None
-        if values is None:
-            values = _loaded_values(bucket, entries, dc, dist_dir, metadata_cache)
-        for (slot, names), value in zip(bucket, values):
-            yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
-        del values, bucket, value  # nothing of this bucket is held while the next one is read
+            direct = None
+        values, sources = direct if direct is not None else \
+            (_loaded_values(bucket, entries, dc, dist_dir, metadata_cache), [[] for _ in bucket])
+        for (slot, names), value, blocks in zip(bucket, values, sources):
+            yield from _noted_export(bridge, slot, value, names, blocks)
+        del values, sources, direct, bucket, value  # nothing of this bucket is held while the next one is read
         release_free_memory()
     chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)
 
