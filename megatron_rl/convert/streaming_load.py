@@ -50,7 +50,7 @@ def can_stream(layout) -> bool:
     return world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
 
 
-def _one_process_groups_ready() -> bool:
+def one_process_groups_ready() -> bool:
     """megatron's groups are set up already at TP=PP=EP=1 (the caller's ``dist_io.setup``): setting them up
     again would tear down and rebuild every group (~0.3 s) for the same layout."""
     from megatron.core import parallel_state
@@ -121,7 +121,7 @@ def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: in
     model of ``config_dir`` here (refusal names the tensors), before anything is read.
     """
     layout = ParallelLayout()
-    if not _one_process_groups_ready():
+    if not one_process_groups_ready():
         dist_io.setup(layout)
     chunks = dist_io.build_meta_model(bridge, layout, dtype)
     dist_io.check_checkpoint_matches_model(dist_dir, dist_io.checkpoint_model_tensors(dist_dir),
