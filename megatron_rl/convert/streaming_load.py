@@ -12,7 +12,8 @@ for each bucket of consecutive parameters (export order, at most
    ``linear_fc1`` included) in the ``.metadata`` of the dir
    (:class:`~megatron_rl.convert.distcp_reader.ChunkFiles`): a parameter that is
    one saved chunk *is* that chunk's mapped pages, no copy; one of several chunks
-   is assembled from them;
+   is assembled from them, unless each of its HF tensors is one of its chunks
+   (gate and up of a gated ``linear_fc1``): those chunks are then the HF tensors;
 2. a chunk saved at another layout (the checkpoint was written at TP2, say) is
    not one of those: that bucket goes through ``dist_checkpointing.load`` of
    the same entries into real tensors (access validation off, the subset is
@@ -22,7 +23,9 @@ for each bucket of consecutive parameters (export order, at most
 
 Memory: one bucket of parameters (mapped pages, or tensors where assembled)
 plus the HF tensors made from them, not the model; an HF tensor that is a
-chunk's bytes is written from the ``.distcp`` file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
+chunk's bytes, or a copy of known rows of one (q/k/v split from a fused QKV,
+:func:`~megatron_rl.convert.file_views.note_rows`), is written from the ``.distcp``
+file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
 each rank's whole shard (the collective export needs every rank's model).
 """
 
@@ -169,14 +172,19 @@ def _pieces(meta: torch.Tensor, value: torch.Tensor, entries) -> list:
 RowSource = tuple[int, int, file_views.FileRange]  # (first row of the parameter, rows, where their bytes are)
 
 
-def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles
-                   ) -> Optional[tuple[list[torch.Tensor], list[list[RowSource]]]]:
+def _direct_values(bridge, bucket, entries: dict, files: distcp_reader.ChunkFiles
+                   ) -> Optional[tuple[list[Optional[torch.Tensor]], list[list[RowSource]],
+                                       list[Optional[list[torch.Tensor]]]]]:
     """The bucket's parameters read straight from their saved chunks: a parameter that is one chunk is that
     chunk's mapped pages (no copy), one of several chunks (a gated ``linear_fc1``) is assembled from them.
-    With each, the row blocks of it that are a chunk's bytes in a ``.distcp`` file (empty when unknown).
+    With each, the row blocks of it that are a chunk's bytes in a ``.distcp`` file (empty when unknown), and,
+    when each of its HF tensors is exactly one chunk's rows (gate and up of ``linear_fc1``), those chunks:
+    the parameter is then not assembled (its value None), its HF tensors are the chunks' mapped pages.
     None when a chunk is not saved as this layout asks (another TP's chunks): megatron's load then reads it."""
-    values, sources = [], []
-    for slot, _ in bucket:
+    values: list[Optional[torch.Tensor]] = []
+    sources: list[list[RowSource]] = []
+    ready: list[Optional[list[torch.Tensor]]] = []
+    for slot, names in bucket:
         meta = slot.param
         pieces = _pieces(meta, meta, entries.get(storage_key(meta), []))
         read = [files.read(p.key, p.global_offset, p.local_shape, meta.dtype) for _, p in pieces]
@@ -188,22 +196,35 @@ def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles
             whole = file_views.tensor_file_range(value)
             values.append(value)
             sources.append([(0, meta.shape[0], whole)] if whole is not None and meta.dim() else [])
+            ready.append(None)
             continue
-        value = torch.empty(meta.shape, dtype=meta.dtype)
         blocks: Optional[list[RowSource]] = [] if meta.dim() else None
         row = meta[0].numel() if meta.dim() else 1
+        by_rows: dict[tuple[int, int], torch.Tensor] = {}
         for (_, p), t in zip(pieces, chunks):
-            view = _same_view(value, meta, p.data)
-            view.copy_(t.view(p.data.shape))
-            at, where = view.storage_offset() - value.storage_offset(), file_views.tensor_file_range(t)
+            view = _same_view(meta, meta, p.data)
+            at, where = view.storage_offset() - meta.storage_offset(), file_views.tensor_file_range(t)
             if blocks is not None and where is not None and view.is_contiguous() and not at % row \
                     and not view.numel() % row:
                 blocks.append((at // row, view.numel() // row, where))
+                by_rows[(at // row, view.numel() // row)] = t
             else:
                 blocks = None
+        rows = export_rows(bridge, slot.canonical_name, meta.shape[0]) if blocks else None
+        spans = [(int(r[0]), len(r)) for r in rows] if rows is not None and len(rows) == len(names) else []
+        if spans and all(span in by_rows and torch.equal(r, torch.arange(span[0], span[0] + span[1]))
+                         for span, r in zip(spans, rows or [])):
+            values.append(None)  # each HF tensor is one chunk: nothing to assemble
+            sources.append([])
+            ready.append([by_rows[span].view(span[1], *meta.shape[1:]) for span in spans])
+            continue
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        for (_, p), t in zip(pieces, chunks):
+            _same_view(value, meta, p.data).copy_(t.view(p.data.shape))
         values.append(value)
         sources.append(blocks or [])
-    return values, sources
+        ready.append(None)
+    return values, sources, ready
 
 
 def _rows_ranges(rows: list[int], blocks: list[RowSource], row_bytes: int) -> Optional[list[file_views.FileRange]]:
@@ -247,14 +268,18 @@ def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[
     files = distcp_reader.ChunkFiles(dist_dir, metadata_cache)
     for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):
         try:
-            direct = _direct_values(bucket, entries, files)
+            direct = _direct_values(bridge, bucket, entries, files)
         except Exception:  # noqa: BLE001 - a torn record: megatron's load below names the damage
             direct = None
-        values, sources = direct if direct is not None else \
-            (_loaded_values(bucket, entries, dc, dist_dir, metadata_cache), [[] for _ in bucket])
-        for (slot, names), value, blocks in zip(bucket, values, sources):
-            yield from _noted_export(bridge, slot, value, names, blocks)
-        del values, sources, direct, bucket, value  # nothing of this bucket is held while the next one is read
+        values, sources, ready = direct if direct is not None else \
+            (_loaded_values(bucket, entries, dc, dist_dir, metadata_cache), [[] for _ in bucket], [None] * len(bucket))
+        for (slot, names), value, blocks, hf in zip(bucket, values, sources, ready):
+            if hf is not None:  # its HF tensors are chunks as they are saved
+                yield from zip(names, hf)
+            else:
+                assert value is not None, "a parameter is either assembled or its HF tensors are its chunks"
+                yield from _noted_export(bridge, slot, value, names, blocks)
+        del values, sources, ready, direct, bucket, value, hf  # nothing of this bucket is held while the next is read
         release_free_memory()
     chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)
 
