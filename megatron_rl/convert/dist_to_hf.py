@@ -96,7 +96,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                     else int(os.environ.get("WORLD_SIZE", "1")), bridge.num_layers)
 
     streaming = streaming_load.can_stream(layout)
-    dist_io.setup(layout)
+    if not (streaming and streaming_load.one_process_groups_ready()):  # rebuilding the same groups: ~0.25 s
+        dist_io.setup(layout)
     deltas = {} if spec is None else lora_export.merged_deltas(
         lora_export.read_peft_tensors(bridge, dist_dir, spec), spec)  # HF weight -> alpha/r B A
     # one process: read a bucket of parameters at a time; torchrun: every rank loads its shard, the

@@ -12,6 +12,11 @@ tensor viewing them lives, so an address found here is still the file's bytes. T
 write into these tensors (values that change are new tensors), and the output's CRC-32 is computed
 from the mapped pages themselves: a page changed in memory would show as a checksum mismatch of the
 output, never as a silent difference.
+
+A tensor the export had to copy out of mapped pages (megatron's fused q/k/v split into HF's q, k and v,
+a row block per query group) is not one range, but its rows are several: :func:`note_rows` records them
+for as long as the copy lives, and :func:`tensor_file_ranges` gives them to the writer, which then
+copies those ranges from the file and drops the copy instead of holding it in its pending shard.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class FileRange(NamedTuple):
 _lock = threading.Lock()
 _starts: list[int] = []  # sorted base addresses of live mappings
 _maps: dict[int, tuple[weakref.ref, str, int, int]] = {}  # base address -> (mmap, path, file offset, length)
+_noted: dict[int, tuple[weakref.ref, int, tuple[FileRange, ...]]] = {}  # address -> (tensor, nbytes, its ranges)
 
 
 def _forget(start: int) -> None:
@@ -86,6 +92,41 @@ def tensor_file_range(t: torch.Tensor) -> Optional[FileRange]:
     if t.device.type != "cpu" or not t.is_contiguous() or not t.numel():
         return None
     return file_range_of(t.data_ptr(), t.numel() * t.element_size())
+
+
+def note_rows(t: torch.Tensor, ranges: list[FileRange]) -> None:
+    """Record that the contiguous CPU tensor ``t`` (a copy of mapped pages nobody writes into) holds exactly the
+    bytes of ``ranges`` one after another, for as long as ``t`` lives (:func:`tensor_file_ranges`)."""
+    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if not t.is_contiguous() or t.device.type != "cpu" or sum(r.nbytes for r in ranges) != nbytes or not nbytes:
+        return
+    with _lock:
+        _noted[address] = (weakref.ref(t), nbytes, tuple(ranges))
+    weakref.finalize(t, _forget_noted, address)
+
+
+def _forget_noted(address: int) -> None:
+    with _lock:
+        _noted.pop(address, None)
+
+
+def tensor_file_ranges(t: torch.Tensor) -> Optional[list[FileRange]]:
+    """The file ranges whose bytes, one after another, a contiguous CPU tensor holds: its mapped range
+    (:func:`tensor_file_range`) or the rows :func:`note_rows` recorded for it; None when neither."""
+    one = tensor_file_range(t)
+    if one is not None:
+        return [one]
+    if t.device.type != "cpu" or not t.is_contiguous() or not t.numel():
+        return None
+    with _lock:
+        found = _noted.get(t.data_ptr())
+    if found is None:
+        return None
+    ref, nbytes, ranges = found
+    owner = ref()
+    if owner is None or owner.data_ptr() != t.data_ptr() or nbytes != t.numel() * t.element_size():
+        return None
+    return list(ranges)
 
 
 def buffer_address(view: memoryview) -> int:

@@ -78,13 +78,18 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 
 
 class _FileBytes:
-    """A tensor whose bytes are a range of an input file (:mod:`~megatron_rl.convert.file_views`), held as that
-    range and its CRC-32 (hashed from the mapped pages when added) instead of the tensor: the shard copies it
-    from the file inside the kernel, and the pending shard keeps none of its pages mapped."""
+    """A tensor whose bytes are ranges of input files (:mod:`~megatron_rl.convert.file_views`: a mapped range, or
+    the row blocks a copy of mapped pages was made from), held as those ranges and their CRC-32s (hashed from
+    the tensor's bytes when added) instead of the tensor: the shard copies them from the files inside the
+    kernel, and the pending shard keeps none of the tensor's memory."""
 
-    def __init__(self, t: torch.Tensor, source: file_views.FileRange):
-        self.dtype, self.shape, self.source = t.dtype, tuple(t.shape), source
-        self.crc = crc32(t.reshape(-1).view(torch.uint8).numpy().data)
+    def __init__(self, t: torch.Tensor, sources: list[file_views.FileRange]):
+        self.dtype, self.shape, self.sources = t.dtype, tuple(t.shape), sources
+        raw = t.reshape(-1).view(torch.uint8).numpy().data
+        self.crcs, at = [], 0
+        for src in sources:
+            self.crcs.append(crc32(raw[at:at + src.nbytes]))
+            at += src.nbytes
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -118,7 +123,8 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None,
         out.write(raw)
         for t in tensors.values():
             if isinstance(t, _FileBytes):
-                out.copy_range(t.source, t.crc)
+                for src, crc in zip(t.sources, t.crcs):
+                    out.copy_range(src, crc)
             elif t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy().data)  # the array's own memoryview
         if synced is None:
@@ -150,8 +156,8 @@ class ShardedSafetensorsWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        source = file_views.tensor_file_range(tensor)
-        self._pending[name] = _FileBytes(tensor, source) if source is not None else _own_storage(tensor)
+        sources = file_views.tensor_file_ranges(tensor)
+        self._pending[name] = _FileBytes(tensor, sources) if sources is not None else _own_storage(tensor)
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)

@@ -12,7 +12,8 @@ for each bucket of consecutive parameters (export order, at most
    ``linear_fc1`` included) in the ``.metadata`` of the dir
    (:class:`~megatron_rl.convert.distcp_reader.ChunkFiles`): a parameter that is
    one saved chunk *is* that chunk's mapped pages, no copy; one of several chunks
-   is assembled from them;
+   is assembled from them, unless each of its HF tensors is one of its chunks
+   (gate and up of a gated ``linear_fc1``): those chunks are then the HF tensors;
 2. a chunk saved at another layout (the checkpoint was written at TP2, say) is
    not one of those: that bucket goes through ``dist_checkpointing.load`` of
    the same entries into real tensors (access validation off, the subset is
@@ -22,7 +23,9 @@ for each bucket of consecutive parameters (export order, at most
 
 Memory: one bucket of parameters (mapped pages, or tensors where assembled)
 plus the HF tensors made from them, not the model; an HF tensor that is a
-chunk's bytes is written from the ``.distcp`` file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
+chunk's bytes, or a copy of known rows of one (q/k/v split from a fused QKV,
+:func:`~megatron_rl.convert.file_views.note_rows`), is written from the ``.distcp``
+file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
 each rank's whole shard (the collective export needs every rank's model).
 """
 
@@ -34,12 +37,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_rl.convert import distcp_reader
+from megatron_rl.convert import distcp_reader, file_views
 from megatron_rl.convert.streaming_save import release_free_memory, storage_key
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models import dist_io
 from megatron_rl.models.parallel import ParallelLayout
-from megatron_rl.models.weights import export_items, export_slot, stack_expert_pieces, with_mtp_copies
+from megatron_rl.models.weights import export_items, export_rows, export_slot, stack_expert_pieces, with_mtp_copies
 
 
 def can_stream(layout) -> bool:
@@ -50,7 +53,7 @@ def can_stream(layout) -> bool:
     return world == 1 and layout.tp == layout.pp == layout.ep == 1 and layout.vpp is None
 
 
-def _one_process_groups_ready() -> bool:
+def one_process_groups_ready() -> bool:
     """megatron's groups are set up already at TP=PP=EP=1 (the caller's ``dist_io.setup``): setting them up
     again would tear down and rebuild every group (~0.3 s) for the same layout."""
     from megatron.core import parallel_state
@@ -121,7 +124,7 @@ def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: in
     model of ``config_dir`` here (refusal names the tensors), before anything is read.
     """
     layout = ParallelLayout()
-    if not _one_process_groups_ready():
+    if not one_process_groups_ready():
         dist_io.setup(layout)
     chunks = dist_io.build_meta_model(bridge, layout, dtype)
     dist_io.check_checkpoint_matches_model(dist_dir, dist_io.checkpoint_model_tensors(dist_dir),
@@ -166,12 +169,22 @@ def _pieces(meta: torch.Tensor, value: torch.Tensor, entries) -> list:
     return out
 
 
-def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles) -> Optional[list[torch.Tensor]]:
+RowSource = tuple[int, int, file_views.FileRange]  # (first row of the parameter, rows, where their bytes are)
+
+
+def _direct_values(bridge, bucket, entries: dict, files: distcp_reader.ChunkFiles
+                   ) -> Optional[tuple[list[Optional[torch.Tensor]], list[list[RowSource]],
+                                       list[Optional[list[torch.Tensor]]]]]:
     """The bucket's parameters read straight from their saved chunks: a parameter that is one chunk is that
     chunk's mapped pages (no copy), one of several chunks (a gated ``linear_fc1``) is assembled from them.
+    With each, the row blocks of it that are a chunk's bytes in a ``.distcp`` file (empty when unknown), and,
+    when each of its HF tensors is exactly one chunk's rows (gate and up of ``linear_fc1``), those chunks:
+    the parameter is then not assembled (its value None), its HF tensors are the chunks' mapped pages.
     None when a chunk is not saved as this layout asks (another TP's chunks): megatron's load then reads it."""
-    values = []
-    for slot, _ in bucket:
+    values: list[Optional[torch.Tensor]] = []
+    sources: list[list[RowSource]] = []
+    ready: list[Optional[list[torch.Tensor]]] = []
+    for slot, names in bucket:
         meta = slot.param
         pieces = _pieces(meta, meta, entries.get(storage_key(meta), []))
         read = [files.read(p.key, p.global_offset, p.local_shape, meta.dtype) for _, p in pieces]
@@ -179,13 +192,73 @@ def _direct_values(bucket, entries: dict, files: distcp_reader.ChunkFiles) -> Op
         if not pieces or len(chunks) != len(pieces):
             return None
         if len(pieces) == 1 and pieces[0][1].data.numel() == meta.numel():
-            values.append(chunks[0].view(meta.shape))
+            value = chunks[0].view(meta.shape)
+            whole = file_views.tensor_file_range(value)
+            values.append(value)
+            sources.append([(0, meta.shape[0], whole)] if whole is not None and meta.dim() else [])
+            ready.append(None)
+            continue
+        blocks: Optional[list[RowSource]] = [] if meta.dim() else None
+        row = meta[0].numel() if meta.dim() else 1
+        by_rows: dict[tuple[int, int], torch.Tensor] = {}
+        for (_, p), t in zip(pieces, chunks):
+            view = _same_view(meta, meta, p.data)
+            at, where = view.storage_offset() - meta.storage_offset(), file_views.tensor_file_range(t)
+            if blocks is not None and where is not None and view.is_contiguous() and not at % row \
+                    and not view.numel() % row:
+                blocks.append((at // row, view.numel() // row, where))
+                by_rows[(at // row, view.numel() // row)] = t
+            else:
+                blocks = None
+        rows = export_rows(bridge, slot.canonical_name, meta.shape[0]) if blocks else None
+        spans = [(int(r[0]), len(r)) for r in rows] if rows is not None and len(rows) == len(names) else []
+        if spans and all(span in by_rows and torch.equal(r, torch.arange(span[0], span[0] + span[1]))
+                         for span, r in zip(spans, rows or [])):
+            values.append(None)  # each HF tensor is one chunk: nothing to assemble
+            sources.append([])
+            ready.append([by_rows[span].view(span[1], *meta.shape[1:]) for span in spans])
             continue
         value = torch.empty(meta.shape, dtype=meta.dtype)
         for (_, p), t in zip(pieces, chunks):
             _same_view(value, meta, p.data).copy_(t.view(p.data.shape))
         values.append(value)
-    return values
+        sources.append(blocks or [])
+        ready.append(None)
+    return values, sources, ready
+
+
+def _rows_ranges(rows: list[int], blocks: list[RowSource], row_bytes: int) -> Optional[list[file_views.FileRange]]:
+    """The file ranges holding parameter ``rows`` in that order (runs of consecutive rows, split where their
+    blocks do); None when a row is in no block."""
+    out: list[file_views.FileRange] = []
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j] == rows[j - 1] + 1:
+            j += 1
+        lo, hi = rows[i], rows[i] + (j - i)
+        for first, n, where in blocks:
+            a, b = max(lo, first), min(hi, first + n)
+            if a < b:
+                out.append(file_views.FileRange(where.path, where.offset + (a - first) * row_bytes, (b - a) * row_bytes))
+        i = j
+    return out if sum(r.nbytes for r in out) == len(rows) * row_bytes else None
+
+
+def _noted_export(bridge, slot, value: torch.Tensor, names, blocks: list[RowSource]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``export_slot`` of one parameter; an HF tensor that regroups the parameter's rows (q, k, v of a fused
+    QKV, gate and up of ``linear_fc1``) is noted as the file ranges of those rows
+    (:func:`~megatron_rl.convert.file_views.note_rows`), so the shard writer copies them from the file."""
+    rows = export_rows(bridge, slot.canonical_name, value.shape[0]) if blocks else None
+    row_bytes = value[0].numel() * value.element_size() if blocks else 0
+    for i, (name, tensor) in enumerate(export_slot(bridge, dataclasses.replace(slot, param=value), names,
+                                                   copy=False)):
+        if rows is not None and i < len(rows) and file_views.tensor_file_range(tensor) is None:
+            ranges = _rows_ranges(rows[i].tolist(), blocks, row_bytes)
+            if ranges is not None:
+                file_views.note_rows(tensor, ranges)
+        yield name, tensor
 
 
 def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -195,14 +268,18 @@ def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[
     files = distcp_reader.ChunkFiles(dist_dir, metadata_cache)
     for bucket in _buckets(export_items(bridge, chunks), bucket_bytes):
         try:
-            values = _direct_values(bucket, entries, files)
+            direct = _direct_values(bridge, bucket, entries, files)
         except Exception:  # noqa: BLE001 - a torn record: megatron's load below names the damage
-            values = None
-        if values is None:
-            values = _loaded_values(bucket, entries, dc, dist_dir, metadata_cache)
-        for (slot, names), value in zip(bucket, values):
-            yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
-        del values, bucket, value  # nothing of this bucket is held while the next one is read
+            direct = None
+        values, sources, ready = direct if direct is not None else \
+            (_loaded_values(bucket, entries, dc, dist_dir, metadata_cache), [[] for _ in bucket], [None] * len(bucket))
+        for (slot, names), value, blocks, hf in zip(bucket, values, sources, ready):
+            if hf is not None:  # its HF tensors are chunks as they are saved
+                yield from zip(names, hf)
+            else:
+                assert value is not None, "a parameter is either assembled or its HF tensors are its chunks"
+                yield from _noted_export(bridge, slot, value, names, blocks)
+        del values, sources, ready, direct, bucket, value, hf  # nothing of this bucket is held while the next is read
         release_free_memory()
     chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)
 

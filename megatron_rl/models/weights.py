@@ -306,6 +306,20 @@ def _split_shard(bridge, kind: str, shard: torch.Tensor, tp_size: int) -> list[t
     return [shard]
 
 
+ROW_SPLIT_KINDS = ("qkv", "qkv_gated", "gate_up")
+
+
+def export_rows(bridge, canonical_name: str, rows: int) -> Optional[list[torch.Tensor]]:
+    """Which rows of a TP1 parameter (``rows`` of them) each of its HF tensors holds, in order (one index
+    tensor per HF tensor), for the kinds whose export only regroups rows (fused q/k/v, gated ``linear_fc1``);
+    None for any other kind. Why: a caller that knows where each row's bytes are (the one-process
+    ``dist-to-hf``, rows of a ``.distcp`` file) can then write an HF tensor from those bytes."""
+    kind = bridge.rule_for(canonical_name).kind
+    if kind not in ROW_SPLIT_KINDS:
+        return None
+    return _split_shard(bridge, kind, torch.arange(rows), 1)
+
+
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     size = torch.distributed.get_world_size(group)
     out = [torch.empty_like(tensor) for _ in range(size)]

@@ -184,3 +184,37 @@ def test_shard_writer_copies_mapped_tensors_from_their_file(tmp_path):
     back = load_file(str(shard))
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     assert w.checksums[shard.name] == file_crc32(str(shard))
+
+
+def test_shard_writer_copies_split_rows_of_mapped_tensors_from_their_file(tmp_path):
+    """q/k/v split from a fused, mapped QKV are copies; noted as the row blocks they came from, the writer
+    holds them as those file ranges and writes the same bytes (and the shard's CRC-32 still covers them)."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.convert import file_views
+    from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter
+    from megatron_rl.convert.streaming_load import _rows_ranges
+    from megatron_rl.infra.checkpoint_root import file_crc32
+    from megatron_rl.models import weight_maps
+
+    g = torch.Generator().manual_seed(6)
+    src = tmp_path / "qkv.bin"
+    src.write_bytes(torch.randn(4000, generator=g).numpy().tobytes())
+    qkv = file_views.map_tensor(str(src), 64, 24 * 8, torch.float32).view(24, 8)  # 2 groups x (2 q + k + v) x 3
+    blocks = [(0, 24, file_views.tensor_file_range(qkv))]
+    rows = weight_maps.split_qkv(torch.arange(24), 2, 2, 3)
+    tensors = dict(zip("qkv", weight_maps.split_qkv(qkv, 2, 2, 3)))
+    out = tmp_path / "out"
+    w = ShardedSafetensorsWriter(str(out), 10**6)
+    for (name, t), r in zip(tensors.items(), rows):
+        ranges = _rows_ranges(r.tolist(), blocks, 8 * 4)
+        assert ranges is not None and len(ranges) == 2  # one row block per group
+        file_views.note_rows(t, ranges)
+        w.add(name, t)
+    assert not any(isinstance(v, torch.Tensor) for v in w._pending.values())  # held as file ranges
+    assert _rows_ranges([0, 1, 30], blocks, 32) is None  # a row no block holds: not noted
+    w.finish()
+    shard = out / "model-00001-of-00001.safetensors"
+    back = load_file(str(shard))
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    assert w.checksums[shard.name] == file_crc32(str(shard))
