@@ -129,8 +129,9 @@ def run(cfg: Config) -> int:
         if isinstance(exc, SyncError) and not dead:
             raise  # a weight update that failed with its engines alive: the update's own error
         # say why the server stopped answering: the process this node launched is gone (unless the error already
-        # names its log: the rollout's own report of the death)
-        unsaid = [p for p in dead if str(p.log_path) not in str(exc)]
+        # quotes its log: the rollout's own report of the death; a client error that names the engine, its log's
+        # path included, has not said why it died)
+        unsaid = [p for p in dead if f"Last lines of {p.log_path}" not in str(exc)]
         named = EngineError(f"{exc}. " + " ".join(p.death_message("during the run", lines=8) for p in unsaid)) \
             if unsaid else exc
         failure = engine_failure(cfg, named, mid_run=looping, engines_dead=bool(dead))
