@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     # lazy: these import torch (~2 s); --help and argument errors answer without it
     from megatron_rl.errors import MegatronRLError
     from megatron_rl.models import get_bridge, parity
-    from megatron_rl.models.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+    from megatron_rl.models.parallel import ParallelLayout, initialize_parallel
     from megatron_rl.models.spec import supports_packed_sequences
 
     layout = ParallelLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print(f"check_parity: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     rank = torch.distributed.get_rank()
-    status = 0
+    ok = True  # rank 0 decides; the others take its verdict
     if rank == 0:
         reference = parity.hf_logits(parity.load_hf_model(args.hf_checkpoint), mbs)
         seqs = [s for mb in mbs for s in mb.seqs]
@@ -97,8 +97,16 @@ def main(argv=None) -> int:
             print(f"max |delta logit| {result['max_abs_logit_diff']:.3e}  max |delta logprob| "
                   f"{result['max_abs_logprob_diff']:.3e}  tolerance {args.tolerance:g}  "
                   f"{'OK' if ok else 'FAIL'}")
-        status = 0 if ok else 1
-    flag = torch.tensor([status])
+    return _verdict_and_close(ok)
+
+
+def _verdict_and_close(ok: bool) -> int:
+    """Rank 0's verdict (0 or 1) on every rank, then the groups torn down: every rank exits with the same code."""
+    import torch
+
+    from megatron_rl.models.parallel import destroy_parallel
+
+    flag = torch.tensor([0 if ok else 1])
     torch.distributed.broadcast(flag, src=0)
     destroy_parallel()
     torch.distributed.destroy_process_group()
@@ -112,7 +120,6 @@ def _vision_language(args, bridge, layout) -> int:
     import torch
 
     from megatron_rl.models import vlm_parity
-    from megatron_rl.models.parallel import destroy_parallel
 
     chunks = bridge.build_model(layout)
     bridge.load_hf_weights(chunks, args.hf_checkpoint)
@@ -131,7 +138,7 @@ def _vision_language(args, bridge, layout) -> int:
         microbatches = [[s] for s in samples]
     with torch.no_grad():
         logits = vlm_parity.megatron_run(chunks, microbatches, bridge.vocab_size, forward_only=True, packed=packed)
-    status = 0
+    ok = True  # rank 0 decides; the others take its verdict
     if torch.distributed.get_rank() == 0:
         hf = vlm_parity.load_hf_model(args.hf_checkpoint)
         with torch.no_grad():
@@ -151,12 +158,7 @@ def _vision_language(args, bridge, layout) -> int:
                   f"images per sample {result['images']}")
             print(f"max |delta logit| {result['max_abs_logit_diff']:.3e}  max |delta logprob| "
                   f"{result['max_abs_logprob_diff']:.3e}  tolerance {args.tolerance:g}  {'OK' if ok else 'FAIL'}")
-        status = 0 if ok else 1
-    flag = torch.tensor([status])
-    torch.distributed.broadcast(flag, src=0)
-    destroy_parallel()
-    torch.distributed.destroy_process_group()
-    return int(flag.item())
+    return _verdict_and_close(ok)
 
 
 if __name__ == "__main__":
