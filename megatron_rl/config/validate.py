@@ -1140,6 +1140,10 @@ def _lora_sync_errors(cfg: Config) -> list[str]:
             errors.append("--lora-sync adapter with SGLang and --colocate: a colocated SGLang engine gives its "
                           "weights back around each train step, so the base model would travel every step; use "
                           "separate engine GPUs or --lora-sync merged")
+        if cfg.lora.lora_modules_to_save:
+            errors.append(f"--lora-sync adapter with SGLang and --lora-modules-to-save "
+                          f"{' '.join(cfg.lora.lora_modules_to_save)}: SGLang's /load_lora_adapter takes the adapters, "
+                          "not the weights of modules trained in full; use --lora-sync merged")
         if s.check_weight_update_equal:
             errors.append("--lora-sync adapter with SGLang and --check-weight-update-equal: SGLang keeps an adapter "
                           "apart from the model's weights, which /weights_checker compares, so the adapter would go "

@@ -107,7 +107,8 @@ class WeightSynchronizer(abc.ABC):
         (iterate or ``drain`` it on every rank)."""
         with_base = self.base_wanted(engine)
         adapter = backend.export_adapters()
-        unsent = adapter.unsent_modules_to_save(backend.cfg.lora.lora_modules_to_save)
+        lora = getattr(getattr(backend, "cfg", None), "lora", None)  # the run's flags; else what the export declares
+        unsent = adapter.unsent_modules_to_save(getattr(lora, "lora_modules_to_save", None) or adapter.modules_to_save)
         if unsent:  # they train: an engine keeping its old weights of them would serve another policy, silently
             raise SyncError(f"--lora-sync adapter: the adapter export of {type(backend).__name__} holds no weight of "
                             f"the modules to save {unsent} (--lora-modules-to-save); the engine would keep stale "
