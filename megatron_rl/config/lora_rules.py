@@ -64,7 +64,7 @@ def modules_to_save_errors(cfg: Config) -> list[str]:
     hf_dir = cfg.model.hf_checkpoint
     weights = hf_weight_names(hf_dir) if hf_dir else None
     modules = sorted({w.rsplit(".", 1)[0] for w in weights or ()})
-    tied = bool(hf_dir) and _tied(hf_dir)
+    tied = _tied(hf_dir) if hf_dir else False
     if tied and "lm_head" not in modules:
         modules.append("lm_head")  # the tied output layer: a module of the model, its weight the embedding's
     for name in names:
