@@ -124,8 +124,8 @@ class LoraConfig:
                           "engine synced with the adapters merged into the weights (docs/lora.md). Megatron "
                           "backend, local layer spec (CPU, or GPUs without transformer-engine).")
     lora_alpha: float = flag(8.0, "LoRA alpha: the adapter output is scaled by alpha / rank (PEFT's lora_alpha). "
-                             "Recommended: 2 x --lora-rank, with --lr about 1-2x the full fine-tuning one "
-                             "(docs/lora.md, the sweep).", domain="(0, inf)")
+                             "Recommended: 2 x --lora-rank, with --lr about 1-2x the full fine-tuning one and "
+                             "--lora-modules-to-save embed_tokens (docs/lora.md, the sweep).", domain="(0, inf)")
     lora_dropout: float = flag(0.0, "Dropout on the adapters' input (PEFT's lora_dropout).", domain="[0, 1)")
     lora_target_modules: list = flag(["all-linear"], "HF module names to adapt (PEFT's target_modules): any of "
                                      "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (or a dotted suffix), "
