@@ -38,7 +38,9 @@ def lora_record(backend) -> Optional[dict]:
     lo = getattr(cfg, "lora", None)
     if lo is None or not lo.lora_rank:
         return None
-    return {"rank": int(lo.lora_rank), "alpha": float(lo.lora_alpha), "target_modules": list(lo.lora_target_modules)}
+    saved = list(getattr(lo, "lora_modules_to_save", []))  # recorded when given: older records stay equal
+    return {"rank": int(lo.lora_rank), "alpha": float(lo.lora_alpha), "target_modules": list(lo.lora_target_modules),
+            **({"modules_to_save": saved} if saved else {})}
 
 
 def refuse_other_lora(path: str, meta: Mapping, backend) -> None:
@@ -50,7 +52,8 @@ def refuse_other_lora(path: str, meta: Mapping, backend) -> None:
     def said(r):
         return ("no LoRA adapters (full fine-tuning)" if r is None else
                 f"LoRA adapters --lora-rank {r['rank']} --lora-alpha {r['alpha']:g} --lora-target-modules "
-                f"{' '.join(r['target_modules'])}")
+                f"{' '.join(r['target_modules'])}"
+                + (f" --lora-modules-to-save {' '.join(r['modules_to_save'])}" if r.get("modules_to_save") else ""))
     raise CheckpointError(f"checkpoint {path} holds {said(saved)}; this run has {said(now)}: resume with the "
                           "checkpoint's --lora-* flags")
 

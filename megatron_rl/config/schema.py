@@ -124,13 +124,20 @@ class LoraConfig:
                           "engine synced with the adapters merged into the weights (docs/lora.md). Megatron "
                           "backend, local layer spec (CPU, or GPUs without transformer-engine).")
     lora_alpha: float = flag(8.0, "LoRA alpha: the adapter output is scaled by alpha / rank (PEFT's lora_alpha). "
-                             "Recommended: 2 x --lora-rank, with --lr about 1-2x the full fine-tuning one "
-                             "(docs/lora.md, the sweep).", domain="(0, inf)")
+                             "Recommended: 2 x --lora-rank, with --lr about 1-2x the full fine-tuning one and "
+                             "--lora-modules-to-save embed_tokens (docs/lora.md, the sweep).", domain="(0, inf)")
     lora_dropout: float = flag(0.0, "Dropout on the adapters' input (PEFT's lora_dropout).", domain="[0, 1)")
     lora_target_modules: list = flag(["all-linear"], "HF module names to adapt (PEFT's target_modules): any of "
                                      "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (or a dotted suffix), "
                                      "or all-linear. MoE expert linears and multi-latent attention are refused.",
                                      type=str, nargs="+", metavar="NAME")
+    lora_modules_to_save: list = flag([], "HF modules trained in full beside the adapters (PEFT's modules_to_save; "
+                                      "TRL's lora_modules_to_save), by PEFT's rule: a module whose name ends with "
+                                      "NAME, e.g. embed_tokens (the embedding; with tied embeddings the output "
+                                      "layer too), lm_head (an untied output layer), norm (every norm). Their "
+                                      "optimizer state, checkpoint entries and syncs are as the adapters'; the "
+                                      "PEFT export holds their full tensors. Linears are targets, not modules to "
+                                      "save (docs/lora.md).", type=str, nargs="+", metavar="NAME")
     lora_load: Optional[str] = flag(None, "Start the adapters from a HF PEFT dir (adapter_config.json + "
                                     "adapter_model.safetensors, e.g. convert_ckpt.py dist-to-peft's output) instead "
                                     "of PEFT's initialisation; its r, lora_alpha and target modules must equal the "

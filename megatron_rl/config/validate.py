@@ -20,6 +20,7 @@ from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
 from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
+from .lora_rules import modules_to_save_errors
 from .multimodal import parse_multimodal_keys
 from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
@@ -1139,6 +1140,10 @@ def _lora_sync_errors(cfg: Config) -> list[str]:
             errors.append("--lora-sync adapter with SGLang and --colocate: a colocated SGLang engine gives its "
                           "weights back around each train step, so the base model would travel every step; use "
                           "separate engine GPUs or --lora-sync merged")
+        if cfg.lora.lora_modules_to_save:
+            errors.append(f"--lora-sync adapter with SGLang and --lora-modules-to-save "
+                          f"{' '.join(cfg.lora.lora_modules_to_save)}: SGLang's /load_lora_adapter takes the adapters, "
+                          "not the weights of modules trained in full; use --lora-sync merged")
         if s.check_weight_update_equal:
             errors.append("--lora-sync adapter with SGLang and --check-weight-update-equal: SGLang keeps an adapter "
                           "apart from the model's weights, which /weights_checker compares, so the adapter would go "
@@ -1160,7 +1165,8 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
     if lo.lora_rank == 0:
         for flag, given in (("--lora-alpha", lo.lora_alpha != 8.0), ("--lora-dropout", lo.lora_dropout != 0.0),
                             ("--lora-target-modules", list(lo.lora_target_modules) != ["all-linear"]),
-                            ("--lora-load", lo.lora_load is not None)):
+                            ("--lora-load", lo.lora_load is not None),
+                            ("--lora-modules-to-save", bool(lo.lora_modules_to_save))):
             if given:
                 errors.append(f"{flag} shapes LoRA adapters, which are off: add --lora-rank R or drop {flag}")
         if lo.lora_sync != "merged":
@@ -1196,6 +1202,7 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
                           f"the base model, the adapters starting at zero); other weights of the policy's shapes "
                           f"under {flag} are not built (an --opd-teacher-load of other shapes than --hf-checkpoint "
                           "is a model of its own, built beside the adapters)")
+    errors.extend(modules_to_save_errors(cfg))
     if lo.lora_load is not None:
         errors.extend(_lora_load_errors(lo))
     if cfg.precision.train_backend == "megatron" and importlib.util.find_spec("transformer_engine") is not None:

@@ -100,6 +100,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
         dist_io.setup(layout)
     deltas = {} if spec is None else lora_export.merged_deltas(
         lora_export.read_peft_tensors(bridge, dist_dir, spec), spec)  # HF weight -> alpha/r B A
+    # --lora-modules-to-save: an adapter-only checkpoint holds their trained weights, which replace the base's
+    saved = lora_export.read_saved_tensors(bridge, dist_dir, spec) if base_dir is not None and spec else {}
     # one process: read a bucket of parameters at a time; torchrun: every rank loads its shard, the
     # export gathers (collective)
     if base_dir is not None:
@@ -125,6 +127,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                     raise CheckpointError(f"export produced {name} {tuple(tensor.shape)}, which "
                                           f"{config_dir}/config.json does not have with that shape (expects "
                                           f"{expected.get(name)})")
+                if name in saved:  # a module to save: the run's weights, not the base's
+                    tensor = saved[name].to(tensor.dtype)
                 if name in deltas:  # --merge-lora: PEFT's merge_and_unload, in float32
                     tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
                 check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)

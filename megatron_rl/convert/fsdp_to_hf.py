@@ -30,6 +30,7 @@ bfloat16`` gives what the run exported to its rollout engine.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -134,15 +135,25 @@ def convert_fsdp_to_peft(ckpt_dir: str, out_dir: str, overwrite: bool = False) -
     if not record:
         raise CheckpointError(f"fsdp checkpoint {ckpt_dir} holds no LoRA adapters (a full fine-tuning run's): use "
                               "fsdp-to-hf")
-    specs = {n: spec for n, spec in dcp_model.model_tensor_specs(ckpt_dir).items() if ".lora_" in n}
-    if not specs:
+    saved = tuple(record.get("modules_to_save", ()))  # --lora-modules-to-save: trained in full, exported whole
+
+    def wanted(n: str) -> bool:  # PEFT's rules: an adapter tensor, or a weight of a module to save
+        module = n.rsplit(".", 1)[0]
+        return ".lora_" in n or (".base_layer" not in n and any(module.endswith(t) for t in saved))
+
+    specs = {n: spec for n, spec in dcp_model.model_tensor_specs(ckpt_dir).items() if wanted(n)}
+    if not any(".lora_" in n for n in specs):
         raise CheckpointError(f"fsdp checkpoint {ckpt_dir} records --lora-rank {record['rank']} but holds no "
                               "adapter tensors (<module>.lora_A/B.default.weight)")
     tensors = {"base_model.model." + n.replace(".default.weight", ".weight"): t
                for n, t in dcp_model.read_tensors(ckpt_dir, specs).items()}
-    adapter = AdapterExport(tensors, int(record["rank"]), float(record["alpha"]))
-    adapter.modules()  # every module has its A and B of rank r: refused naming the module otherwise
     config_dir = os.path.join(ckpt_dir, model_dir.HF_CONFIG_SUBDIR)
+    tied = False
+    if saved and os.path.isfile(os.path.join(config_dir, "config.json")):
+        with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as fh:
+            tied = bool(json.load(fh).get("tie_word_embeddings", False))
+    adapter = AdapterExport(tensors, int(record["rank"]), float(record["alpha"]), saved, tied)
+    adapter.modules()  # every module has its A and B of rank r: refused naming the module otherwise
     tmp = temp_dir_for(out_dir)
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)  # a killed earlier run's leftovers (never loaded: hidden, unpublished)

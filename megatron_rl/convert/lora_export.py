@@ -31,6 +31,7 @@ from megatron_rl.infra.checkpoint_root import temp_dir_for
 from megatron_rl.models import dist_io, get_bridge, model_dir
 from megatron_rl.models.hf_checkpoint import weights_digest
 from megatron_rl.models.lora import LoraSpec, peft_key
+from megatron_rl.models.peft_adapter import SAVED_PREFIX, with_tied_head
 from megatron_rl.models.parallel import ParallelLayout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -45,7 +46,8 @@ def lora_spec_of(dist_dir: str, meta: dict) -> Optional[LoraSpec]:
             raise CheckpointError(f"torch_dist checkpoint {dist_dir} holds LoRA adapter tensors but its COMPLETE.json "
                                   "has no 'lora' record (rank, alpha, targets): it was written by an older version")
         return None
-    return LoraSpec(int(record["rank"]), float(record["alpha"]), target_modules=tuple(record["target_modules"]))
+    return LoraSpec(int(record["rank"]), float(record["alpha"]), target_modules=tuple(record["target_modules"]),
+                    modules_to_save=tuple(record.get("modules_to_save", ())))
 
 
 def adapter_only_base(dist_dir: str, meta: dict, given: Optional[str] = None) -> Optional[str]:
@@ -135,9 +137,54 @@ def read_peft_tensors(bridge, dist_dir: str, spec: LoraSpec) -> dict[str, torch.
     return out
 
 
+def read_saved_tensors(bridge, dist_dir: str, spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """HF weight name -> full tensor of every weight of the checkpoint's modules to save (``--lora-modules-to-save``:
+    the base parameters an adapter-only checkpoint holds beside the adapters). Which parameter a stored key is, and
+    its layer along a stacked key's first axis, come from a one-rank model on the ``meta`` device (its
+    ``sharded_state_dict``, as the training checkpoint wrote it); each value goes to HF through the bridge's export.
+    Call after ``dist_io.setup`` of a one-rank layout."""
+    if not spec.modules_to_save:
+        return {}
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor  # lazy: megatron
+
+    from megatron_rl.models.weights import ParamSlot, canonical_parameters, export_slot
+
+    stored = dist_io.checkpoint_model_tensors(dist_dir)
+    dc = dist_io.dist_checkpointing()
+    md = dc.load_tensors_metadata(dist_dir)
+    chunks = dist_io.build_meta_model(bridge, ParallelLayout(), md[next(iter(stored))].dtype) if stored else []
+    slots = {id(slot.param): slot for chunk in chunks for slot in canonical_parameters(chunk)}
+    wanted: dict[str, list] = {}  # stored key -> [(slot, index along the stacked axis or None)]
+    for model_sd in dist_io.model_sharded_state_dict(chunks).values():
+        for entry in model_sd.values():
+            if isinstance(entry, ShardedTensor) and entry.key in stored and id(entry.data) in slots:
+                at = entry.global_offset[0] if entry.prepend_axis_num else None
+                wanted.setdefault(entry.key, []).append((slots[id(entry.data)], at))
+    unknown = sorted(set(stored) - set(wanted))
+    if unknown:
+        raise CheckpointError(f"{dist_dir}: stored model tensors {unknown[:5]} are none of the model's parameters")
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(md[k].global_shape), dtype=md[k].dtype),
+                                                  replica_id=0) for k in wanted}
+    try:
+        loaded = dc.load(request, dist_dir, validate_access_integrity=False) if request else {}
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"reading the modules to save of {dist_dir} failed ({type(e).__name__}: {e})") from e
+    out: dict[str, torch.Tensor] = {}
+    for key, places in wanted.items():
+        full = loaded[key]
+        full = full.data if hasattr(full, "data") else full
+        for slot, at in places:
+            value = full[at] if at is not None else full
+            names = list(bridge.exported_names(slot.canonical_name))
+            if names:
+                one = ParamSlot(slot.canonical_name, value, False, None, slot.layer)
+                out.update((n, t.clone()) for n, t in export_slot(bridge, one, names, copy=True))
+    return out
+
+
 def merged_deltas(peft: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
     """HF weight name -> ``alpha / r * B A`` (float32) for every adapted module."""
-    deltas = {}
+    deltas: dict[str, torch.Tensor] = {}
     for key, a in peft.items():
         if not key.endswith(".lora_A.weight"):
             continue
@@ -147,13 +194,17 @@ def merged_deltas(peft: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, to
     return deltas
 
 
-def adapter_config(spec: LoraSpec, peft: dict[str, torch.Tensor], base: str) -> dict:
-    """PEFT's ``adapter_config.json`` for these adapters (plain LoRA: no rsLoRA, DoRA or bias)."""
-    modules = sorted({k[len("base_model.model."):].split(".lora_")[0].rsplit(".", 1)[-1] for k in peft})
+def adapter_config(spec: LoraSpec, peft: dict[str, torch.Tensor], base: str, tied: bool = False) -> dict:
+    """PEFT's ``adapter_config.json`` for these adapters (plain LoRA: no rsLoRA, DoRA or bias); with modules to save,
+    their names (``modules_to_save``) and, on a model whose output layer is its embedding (``tied``), PEFT's
+    ``ensure_weight_tying``, so that PEFT's trained embedding is its output layer too, as in the run."""
+    modules = sorted({k[len("base_model.model."):].split(".lora_")[0].rsplit(".", 1)[-1] for k in peft
+                      if ".lora_" in k})
+    saved = list(spec.modules_to_save) or None
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
-            "base_model_name_or_path": base, "inference_mode": True}
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": saved,
+            "ensure_weight_tying": bool(saved) and tied, "base_model_name_or_path": base, "inference_mode": True}
 
 
 def convert_dist_to_peft(dist_dir: str, out_dir: str, hf_config_dir: Optional[str] = None,
@@ -179,15 +230,20 @@ def convert_dist_to_peft(dist_dir: str, out_dir: str, hf_config_dir: Optional[st
     bridge = get_bridge(config_dir)
     dist_io.setup(ParallelLayout())
     peft = read_peft_tensors(bridge, dist_dir, spec)
+    saved = read_saved_tensors(bridge, dist_dir, spec)  # PEFT saves a module to save whole, under its weight names
+    peft = with_tied_head({**peft, **{SAVED_PREFIX + name: t for name, t in saved.items()}},
+                          bool(bridge.tie_word_embeddings))
     tmp = temp_dir_for(out_dir)
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)  # a killed earlier run's leftovers (never loaded: hidden, unpublished)
     os.makedirs(tmp)
     save_file({k: v.contiguous() for k, v in peft.items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    atomic_write_json(os.path.join(tmp, ADAPTER_CONFIG), adapter_config(spec, peft, base))
+    atomic_write_json(os.path.join(tmp, ADAPTER_CONFIG),
+                      adapter_config(spec, peft, base, tied=bool(bridge.tie_word_embeddings)))
     publish_dir(tmp, out_dir)
     return {"output": out_dir, "format": "peft", "tensors": len(peft),
             "dtype": common.dtype_name(next(iter(peft.values())).dtype), "rank": spec.rank, "alpha": spec.alpha,
             "target_modules": list(spec.target_modules), "base_model_name_or_path": base,
+            **({"modules_to_save": list(spec.modules_to_save)} if spec.modules_to_save else {}),
             "seconds": round(time.time() - t0, 3), **({"note": note} if note else {})}

@@ -51,7 +51,7 @@ import torch
 
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
-from megatron_rl.models.peft_adapter import peft_key
+from megatron_rl.models.peft_adapter import SAVED_PREFIX, peft_key
 from megatron_rl.models.wrappers import unwrap
 
 LORA_ATTR = "lora"  # the attribute of a model chunk that holds its adapters
@@ -78,6 +78,7 @@ class LoraSpec:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     init_seed: int = 0  # A's initialisation (B starts at zero, as PEFT's): the same at every layout
+    modules_to_save: tuple[str, ...] = ()  # PEFT's modules_to_save: HF modules trained in full beside the adapters
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -91,6 +92,11 @@ class LoraSpec:
     def scaling(self) -> float:
         """PEFT's ``lora_alpha / r`` (no rsLoRA)."""
         return self.alpha / self.rank
+
+    def saves(self, hf_module: str) -> bool:
+        """Whether HF module ``hf_module`` is trained in full (PEFT's ``modules_to_save`` rule: its name ends
+        with one of the names, so ``norm`` picks every norm and ``embed_tokens`` the embedding)."""
+        return any(hf_module.endswith(t) for t in self.modules_to_save)
 
     def targets(self, hf_module: str) -> bool:
         """Whether HF module ``hf_module`` (e.g. ``model.layers.0.self_attn.q_proj``) is adapted: PEFT's
@@ -350,12 +356,45 @@ def attach_lora(bridge, model_chunks, spec: LoraSpec) -> list[LoraAdapters]:
             _refuse_targeted_experts(bridge, spec, layer_module, g)
         setattr(model, LORA_ATTR, adapters)
         out.append(adapters)
+    _unfreeze_modules_to_save(bridge, model_chunks, spec)
     unmatched = [t for t in spec.target_modules if t != ALL_LINEAR and t.rsplit(".", 1)[-1] not in matched
                  and not any(m.endswith("." + t) or m == t for m in matched)]
     if unmatched:
         raise BridgeError(f"LoRA target modules {unmatched} match no linear of this {bridge.family} model "
                           f"(adaptable: {', '.join(HF_LINEAR_NAMES)} or all-linear)")
     return out
+
+
+def _unfreeze_modules_to_save(bridge, model_chunks, spec: LoraSpec) -> None:
+    """PEFT's ``modules_to_save``: the base parameters whose HF modules the names pick train in full (gradient,
+    optimizer state, checkpoint entries, weight tags) beside the adapters. A tied output layer is the embedding's
+    copy on the last pipeline stage (``model.embed_tokens`` both): megatron keeps the two equal as in full
+    fine-tuning. Refused by name: a megatron parameter that fuses picked and unpicked HF modules (a linear:
+    target it instead). A name that picks no module of the model is refused in validation (the checkpoint's
+    weight names), where every pipeline stage's modules are known."""
+    if not spec.modules_to_save:
+        return
+    from megatron_rl.models.weights import canonical_parameters  # lazy: weights imports this module
+
+    for chunk in model_chunks:
+        for slot in canonical_parameters(chunk):
+            if not isinstance(slot.param, torch.nn.Parameter) or slot.is_expert:
+                continue
+            modules = [n.rsplit(".", 1)[0] for n in bridge.rule_for(slot.canonical_name).hf_names]
+            hit = [spec.saves(m) for m in modules]
+            if not any(hit):
+                continue
+            if not all(hit):
+                raise BridgeError(f"LoRA modules to save {list(spec.modules_to_save)}: megatron's {slot.canonical_name} "
+                                  f"fuses {', '.join(modules)}, of which only some are picked; a linear is adapted "
+                                  "(--lora-target-modules), not saved")
+            slot.param.requires_grad_(True)
+
+
+def saved_parameter_count(model_chunks) -> int:
+    """Base parameters trained in full beside the adapters (``modules_to_save``) on this rank."""
+    return sum(p.numel() for c in model_chunks for n, p in unwrap(c).named_parameters()
+               if p.requires_grad and not is_adapter_name(n))
 
 
 def _has(module: torch.nn.Module, path: str) -> bool:
@@ -417,11 +456,28 @@ def local_adapter_tensors(adapters: list[LoraAdapters], source=None) -> Iterator
 
 
 @torch.no_grad()
-def full_adapter_tensors(adapters: list[LoraAdapters], *, stage_only: bool = False) -> dict[str, torch.Tensor]:
+def saved_module_tensors(bridge, model_chunks) -> dict[str, torch.Tensor]:
+    """This pipeline stage's weights of the modules to save (the base parameters trained beside the adapters),
+    whole (gathered over TP: collective in each TP group), under PEFT's saved keys
+    (``base_model.model.model.embed_tokens.weight``)."""
+    from megatron_rl.models.weights import export_items, export_slot  # lazy: weights imports this module
+
+    out: dict[str, torch.Tensor] = {}
+    for slot, names in export_items(bridge, model_chunks):
+        if isinstance(slot.param, torch.nn.Parameter) and slot.param.requires_grad:
+            for name, tensor in export_slot(bridge, slot, names):
+                out[SAVED_PREFIX + name] = tensor.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def full_adapter_tensors(adapters: list[LoraAdapters], *, stage_only: bool = False,
+                         saved: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
     """Every adapter tensor of the model, whole, under its PEFT key (``--lora-sync adapter``). Collective: each
     sharded tensor (column B, row A) is all-gathered over its TP group and concatenated along the axis it is
-    sharded on (``chunk(full, size, dim)[rank]`` reversed); with pipeline parallelism each stage's tensors are
-    then all-gathered over the PP group, unless ``stage_only`` (this rank's stage only, as ``export_weights``)."""
+    sharded on (``chunk(full, size, dim)[rank]`` reversed); ``saved``: this stage's weights of the modules to save
+    (:func:`saved_module_tensors`), sent along; with pipeline parallelism each stage's tensors are then
+    all-gathered over the PP group, unless ``stage_only`` (this rank's stage only, as ``export_weights``)."""
     from megatron.core import parallel_state as ps  # lazy: megatron
 
     out: dict[str, torch.Tensor] = {}
@@ -435,6 +491,7 @@ def full_adapter_tensors(adapters: list[LoraAdapters], *, stage_only: bool = Fal
                     out[key] = torch.cat(parts, dim=dim)
                 else:
                     out[key] = local.clone()
+    out.update(saved or {})  # --lora-modules-to-save: this stage's weights of them, whole (saved_module_tensors)
     pp_size = ps.get_pipeline_model_parallel_world_size() if torch.distributed.is_initialized() else 1
     if pp_size > 1 and not stage_only:
         stages: list = [None] * pp_size  # each stage's tensors (small: the adapters), on the host for the gather

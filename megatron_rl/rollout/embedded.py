@@ -239,6 +239,7 @@ class EmbeddedEngine(RolloutEngine):
         # --lora-sync adapter: the base weights of the adapted modules (HF weight name -> tensor), kept from the
         # first adapter update (which brings the base model); each adapter update merges into these
         self._adapter_base: dict[str, torch.Tensor] = {}
+        self._adapter_saved: set[str] = set()  # the weights of --lora-modules-to-save each adapter update sets
         self._kept_on_release = weight_backup  # the last release kept the weights on the host
         # the engine lock: a logical flag under one condition, so waiting updates go first at a step boundary
         # (a plain Lock would let the generating thread take it back at once, step after step)
@@ -448,7 +449,8 @@ class EmbeddedEngine(RolloutEngine):
     def update_adapter(self, adapter: AdapterExport, version: int,
                        base: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> None:
         """``--lora-sync adapter``: set every adapted weight to ``W_base + alpha / r * B @ A`` (float32, then the
-        engine's dtype: ``peft_adapter.merged_weight``), then adopt ``version``.
+        engine's dtype: ``peft_adapter.merged_weight``) and every weight of the modules to save to the adapter's
+        tensor (``--lora-modules-to-save``; one sent before and missing now is refused), then adopt ``version``.
 
         ``base`` (the trainer's unmerged weights, every tensor): loaded first, as ``update_weights``, and the
         adapted modules' base weights kept from it; without it the base kept by an earlier update is used.
@@ -461,8 +463,8 @@ class EmbeddedEngine(RolloutEngine):
             if self._released:
                 raise EngineError("embedded engine cannot update weights: released: call resume() first")
             if base is not None:
-                self._adapter_base = {}
-            modules = self._checked_adapter(adapter, version)
+                self._adapter_base, self._adapter_saved = {}, set()
+            modules, saved = self._checked_adapter(adapter, version)
             if base is not None:
                 self._update_weights(base, version)  # the whole base model, checked as any update
             try:
@@ -473,14 +475,20 @@ class EmbeddedEngine(RolloutEngine):
                             self._adapter_base[name] = dst.detach().clone()
                         dst.copy_(merged_weight(self._adapter_base[name], a.to(dst.device), b.to(dst.device),
                                                 adapter.scaling, dst.dtype))
+                    for name, tensor in saved.items():  # --lora-modules-to-save: the trainer's weights as they are
+                        dst = self.param_map.view(name)
+                        dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))
+                    self._adapter_saved = set(saved)
             except BaseException:
                 self._weights_loaded = False
                 raise
             self._weights_loaded = True
             self._weight_version = version
 
-    def _checked_adapter(self, adapter: AdapterExport, version: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """HF weight name -> ``(A, B)`` of every adapted module, or SyncError naming every problem."""
+    def _checked_adapter(self, adapter: AdapterExport, version: int
+                         ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+        """HF weight name -> ``(A, B)`` of every adapted module, and HF weight name -> tensor of every weight of the
+        modules to save (``--lora-modules-to-save``), or SyncError naming every problem."""
         if version < self._weight_version:
             raise SyncError(f"update_adapter(version={version}) is older than the engine's weight_version "
                             f"{self._weight_version}; versions only move forward")
@@ -501,10 +509,22 @@ class EmbeddedEngine(RolloutEngine):
         if self._adapter_base and set(self._adapter_base) - set(modules):
             problems.append(f"{len(set(self._adapter_base) - set(modules))} module(s) adapted before have no adapter "
                             f"now (first: {sorted(set(self._adapter_base) - set(modules))[0]})")
+        saved = adapter.saved()
+        if adapter.tie_word_embeddings and "lm_head.weight" not in self.param_map:
+            saved.pop("lm_head.weight", None)  # PEFT's copy of the tied output layer: the embedding here
+        for name, tensor in saved.items():
+            if name not in self.param_map:
+                problems.append(f"{name} (a module to save): no such weight in this model")
+            elif tuple(tensor.shape) != tuple(self.param_map.view(name).shape):
+                problems.append(f"{name} (a module to save): shape {tuple(tensor.shape)} vs the weight's "
+                                f"{tuple(self.param_map.view(name).shape)}")
+        if self._adapter_base and self._adapter_saved - set(saved):  # they train: kept, the engine would drift
+            problems.append(f"{len(self._adapter_saved - set(saved))} weight(s) of the modules to save sent before are "
+                            f"not sent now (first: {sorted(self._adapter_saved - set(saved))[0]})")
         if problems:
             raise SyncError(f"adapter update to version {version} refused; the engine stays at version "
                             f"{self._weight_version}: " + "; ".join(problems[:10]))
-        return modules
+        return modules, saved
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Load every ``*.safetensors`` of the directory ``path`` through ``update_weights`` (same name,

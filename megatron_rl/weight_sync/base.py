@@ -107,6 +107,12 @@ class WeightSynchronizer(abc.ABC):
         (iterate or ``drain`` it on every rank)."""
         with_base = self.base_wanted(engine)
         adapter = backend.export_adapters()
+        lora = getattr(getattr(backend, "cfg", None), "lora", None)  # the run's flags; else what the export declares
+        unsent = adapter.unsent_modules_to_save(getattr(lora, "lora_modules_to_save", None) or adapter.modules_to_save)
+        if unsent:  # they train: an engine keeping its old weights of them would serve another policy, silently
+            raise SyncError(f"--lora-sync adapter: the adapter export of {type(backend).__name__} holds no weight of "
+                            f"the modules to save {unsent} (--lora-modules-to-save); the engine would keep stale "
+                            "copies of them. Use --lora-sync merged")
         return adapter, (ExportStream(backend, self.bucket_bytes, merge_adapters=False) if with_base else None)
 
     def adapter_metrics(self, adapter: "AdapterExport", base: Optional["ExportStream"], version: int,

@@ -120,3 +120,29 @@ def test_sglang_launch_serves_the_runs_adapters(argv):
     cfg = parse_config(argv("--lora-rank", "8", "--lora-sync", "adapter"), validate=False)
     assert lora_server_args(cfg)[-2:] == ["--lora-target-modules", "all"]  # all-linear is SGLang's "all"
     assert lora_server_args(parse_config(argv("--lora-rank", "8"), validate=False)) == []  # merged: a plain server
+
+
+def test_modules_to_save_follow_peft_names_and_are_checked_against_the_checkpoint(argv, tiny_hf_models):
+    cfg = parse_config(argv("--lora-rank", "8", "--lora-modules-to-save", "embed_tokens", "norm"), validate=False)
+    assert cfg.lora.lora_modules_to_save == ["embed_tokens", "norm"]
+    assert not [e for e in collect_errors(cfg) if "--lora-modules-to-save" in e]
+    assert parse_config(argv(), validate=False).lora.lora_modules_to_save == []  # off by default
+    found = errors(argv("--lora-modules-to-save", "embed_tokens"))
+    assert any("--lora-modules-to-save shapes LoRA adapters, which are off: add --lora-rank R" in e for e in found)
+    found = errors(argv("--lora-rank", "8", "--lora-modules-to-save", "q_proj", "proj", "wte"))
+    assert any("--lora-modules-to-save q_proj: picks the linear(s) q_proj, which LoRA adapts" in e for e in found)
+    assert any(e.startswith("--lora-modules-to-save proj: picks the linear(s) down_proj, gate_proj, k_proj, o_proj, "
+                            "q_proj, up_proj, v_proj") for e in found), found
+    assert any("--lora-modules-to-save wte: picks no module of" in e for e in found), found
+    assert not [e for e in errors(argv("--lora-rank", "8", "--lora-modules-to-save", "lm_head"))
+                if "--lora-modules-to-save" in e]  # untied: an output layer of its own
+    tied = ["--hf-checkpoint", tiny_hf_models("qwen2", tie_word_embeddings=True), "--lora-rank", "8"]
+    found = errors([*tied, "--lora-modules-to-save", "lm_head"])
+    assert any("--lora-modules-to-save lm_head: this model's output layer is its embedding (tie_word_embeddings); "
+               "name embed_tokens" in e for e in found), found
+    assert not [e for e in errors([*tied, "--lora-modules-to-save", "embed_tokens", "lm_head"])
+                if "--lora-modules-to-save" in e]
+    found = errors(argv("--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
+                        "--rollout-engine-urls", "http://127.0.0.1:1", "--update-weight-transport", "disk",
+                        "--lora-modules-to-save", "embed_tokens"))
+    assert any("--lora-sync adapter with SGLang and --lora-modules-to-save embed_tokens" in e for e in found), found

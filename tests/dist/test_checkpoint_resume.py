@@ -44,6 +44,8 @@ LAYOUTS = {"do": ["--use-distributed-optimizer"], "tp": ["--tensor-model-paralle
            # LoRA adapters (sharded over TP: column B / row A) under the distributed optimizer, base frozen
            "lora": ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--lora-rank", "4",
                     "--lora-alpha", "8"]}
+# the same with PEFT's modules_to_save trained in full beside the adapters (embedding, output layer, every norm)
+LAYOUTS["lora_saved"] = LAYOUTS["lora"] + ["--lora-modules-to-save", "embed_tokens", "lm_head", "norm"]
 VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]
 
 
@@ -154,6 +156,27 @@ def _corruption_roots(out, good):
 def test_resume_is_bitwise_exact(ckpt, layout):
     out, *_ = ckpt
     assert_resume_bitwise(out, layout, nproc=2)
+
+
+def test_lora_modules_to_save_are_checkpointed_beside_the_adapters(ckpt):
+    """--lora-modules-to-save under TP2 + the distributed optimizer: the checkpoint holds the adapters and exactly
+    the trained base parameters (once: a save that dropped them from the model entries failed with "Param id 0
+    does not match any model sharded param"), the resume is bitwise (test_resume_is_bitwise_exact[lora_saved]),
+    and its optimizer state is the adapters' and those modules' (more than the adapters alone)."""
+    out, *_ = ckpt
+    from megatron_rl.models import dist_io
+
+    saved_dir = out / "root_lora_saved" / "iter_0000002"
+    stored = dist_io.checkpoint_model_tensors(str(saved_dir))
+    assert set(stored) == {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
+                           "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                           "decoder.layers.mlp.linear_fc1.layer_norm_weight"}, sorted(stored)
+    assert dist_io.checkpoint_adapter_tensors(str(saved_dir))
+    meta = json.load(open(saved_dir / "COMPLETE.json"))
+    assert meta["lora"]["modules_to_save"] == ["embed_tokens", "lm_head", "norm"] and "lora_base" in meta
+    _, _, with_saved = assert_resume_bitwise(out, "lora_saved", nproc=2)
+    _, _, adapters_only = assert_resume_bitwise(out, "lora", nproc=2)
+    assert all(a > b for a, b in zip(with_saved, adapters_only)), (with_saved, adapters_only)
 
 
 def test_lora_run_keeps_optimizer_state_for_the_adapters_only(ckpt, tiny_hf_models):

@@ -219,3 +219,89 @@ def test_sglang_lora_replies_and_refusals(hf, tmp_path):
         by_dir, by_tensors = (client.generate([[1, 5, 6]], greedy, lora_path=n)[0] for n in ("a", "t"))
         assert by_dir["output_ids"] == by_tensors["output_ids"] and \
             by_dir["meta_info"]["output_token_logprobs"] == by_tensors["meta_info"]["output_token_logprobs"]
+
+
+class SavedModulesTrainer(PeftTrainer):
+    """PEFT with ``modules_to_save=["embed_tokens"]`` on a model whose output layer is its embedding (PEFT's
+    ``ensure_weight_tying``): the export holds the trained embedding beside the adapters, as the backends' do."""
+
+    def __init__(self, hf_dir: str):
+        import transformers
+        from peft import LoraConfig, get_peft_model
+
+        self.names = list(load_file(os.path.join(hf_dir, "model.safetensors")))
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        self.pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
+                                                   modules_to_save=["embed_tokens"], ensure_weight_tying=True))
+        self.step(0)
+
+    def step(self, seed: int) -> None:
+        super().step(seed)
+        with torch.no_grad():
+            emb = self.pm.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+            emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(seed + 100)) * 0.1)
+
+    def export_adapters(self, *, stage_only: bool = False) -> AdapterExport:
+        from peft import get_peft_model_state_dict
+
+        tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.pm).items()}
+        return AdapterExport(tensors, RANK, ALPHA, ("embed_tokens",), True)
+
+    def export_weights(self, bucket_bytes: int, *, stage_only: bool = False, merge_adapters: bool = True):
+        merged = copy.deepcopy(self.pm).merge_and_unload().state_dict()
+        state = self.pm.state_dict()
+        if not merge_adapters:  # the adapted linears' base weights; the embedding as trained (it is no adapter)
+            merged = {n: state.get(f"base_model.model.{n[:-len('.weight')]}.base_layer.weight", t)
+                      for n, t in merged.items()}
+        return bucketed(((n, merged[n].detach().clone()) for n in self.names), bucket_bytes)
+
+
+def test_adapter_sync_carries_the_modules_to_save(tiny_hf_models, tmp_path):
+    """--lora-modules-to-save: each adapter sync sets the engine's embedding to the trainer's (in-process and as
+    a PEFT dir that PEFT itself loads), and an update without them, once sent, is refused, not silently stale."""
+    hf = tiny_hf_models("qwen2", tie_word_embeddings=True)
+    trainer = SavedModulesTrainer(hf)
+    engine, on_disk = EmbeddedEngine(hf), EmbeddedEngine(hf)
+    sync = InProcessSynchronizer(1 << 20, check_equal=True, adapter=True)
+    disk = DiskSynchronizer(1 << 20, check_equal=True, adapter=True, disk_dir=str(tmp_path / "w"), hf_checkpoint=hf)
+    for version in (0, 1):
+        trainer.step(version)
+        m = sync.sync(trainer, engine, version=version)
+        disk.sync(trainer, on_disk, version=version)
+        engine_equals_merged(engine, trainer)
+        engine_equals_merged(on_disk, trainer)
+    assert m["sync/adapter_bytes"] == trainer.export_adapters().nbytes and m["sync/base_bytes"] == 0
+    import json
+
+    import transformers
+    from peft import PeftModel
+
+    v1 = tmp_path / "w" / "v1"
+    config = json.loads((v1 / ADAPTER_CONFIG).read_text())
+    assert config["modules_to_save"] == ["embed_tokens"] and config["ensure_weight_tying"] is True
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= set(
+        load_file(str(v1 / ADAPTER_WEIGHTS)))
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(v1))
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        want = trainer.pm(ids).logits
+        assert torch.allclose(peft_model(ids).logits, want, atol=1e-5, rtol=0)
+    merged = peft_model.merge_and_unload().state_dict()
+    live = dict(engine.named_weights())
+    assert all(torch.equal(live[n], merged[n]) for n in trainer.names if n in merged)
+
+    without = trainer.export_adapters()
+    tensors = {k: t for k, t in without.tensors.items() if ".lora_" in k}
+    with pytest.raises(SyncError, match="weight.s. of the modules to save sent before are not sent now"):
+        engine.update_adapter(AdapterExport(tensors, RANK, ALPHA), 2)
+    assert engine.weight_version == 1
+
+    class Forgetful(SavedModulesTrainer):  # a backend whose export drops the modules it declares
+        def export_adapters(self, *, stage_only: bool = False) -> AdapterExport:
+            return AdapterExport(tensors, RANK, ALPHA, ("embed_tokens",), True)
+
+    forgetful = Forgetful.__new__(Forgetful)
+    forgetful.__dict__.update(trainer.__dict__)
+    with pytest.raises(SyncError, match=r"holds no weight of the modules to save \['embed_tokens'\]"):
+        sync.sync(forgetful, engine, version=2)

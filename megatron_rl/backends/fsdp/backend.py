@@ -352,10 +352,13 @@ class FSDPBackend(TrainBackend):
             return super().export_adapters(stage_only=stage_only)
 
         lo = self.cfg.lora
-        with torch.no_grad():
+        saved = tuple(lo.lora_modules_to_save)
+        with torch.no_grad():  # the adapters and the weights of --lora-modules-to-save (trained in full), whole
             tensors = {fsdp_lora.saved_key(name): (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).float()
-                       for name, p in self.model.named_parameters() if fsdp_lora.is_adapter(name)}
-        return AdapterExport(tensors, lo.lora_rank, float(lo.lora_alpha))
+                       for name, p in self.model.named_parameters()
+                       if fsdp_lora.is_adapter(name) or fsdp_lora.is_saved(name, saved)}
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        return AdapterExport(tensors, lo.lora_rank, float(lo.lora_alpha), saved, tied)
 
     def _full_tensors_by_layer(self, merge_adapters: bool = True) -> Iterator[dict[str, torch.Tensor]]:
         """The gathered parameters (and persistent buffers, ``hf_module.checkpoint_tensors``), one dict per

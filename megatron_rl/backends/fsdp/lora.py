@@ -7,8 +7,8 @@ initialisation, dropout and names a verl or TRL user gets (``...q_proj.base_laye
 no gradient, no optimizer state; FSDP2 shards frozen and trainable parameters alike). What the rest of the
 backend needs from it:
 
-* the weight tags (the KL reference) keep the adapters only: the base never moves, so the initial adapters
-  are the whole difference to the initial policy;
+* the weight tags (the KL reference) keep the adapters only (and ``--lora-modules-to-save``'s modules, trained in
+  full): the base never moves, so the initial adapters are the whole difference to the initial policy;
 * the engine gets merged weights under the plain HF names (``merge_unit``: ``W + alpha / r * B A`` in
   float32, then the run's dtype), as the megatron backend's ``LoraAdapters.merged()``;
 * ``--lora-load DIR`` copies a PEFT adapter dir (``adapter_model.safetensors``, keys as PEFT saves them)
@@ -36,14 +36,24 @@ def attach(model: torch.nn.Module, lo) -> None:
     config = LoraConfig(r=int(lo.lora_rank), lora_alpha=float(lo.lora_alpha),  # type: ignore[arg-type]
                         lora_dropout=float(lo.lora_dropout), target_modules=targets)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)  # in place: the same module comes back
+    saved = tuple(getattr(lo, "lora_modules_to_save", ()))
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(is_adapter(name) or is_saved(name, saved))
     if lo.lora_load:
         load_peft_dir(model, lo.lora_load)
 
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def is_saved(name: str, modules_to_save: tuple[str, ...]) -> bool:
+    """Whether parameter ``name`` belongs to a module trained in full beside the adapters (``--lora-modules-to-save``,
+    PEFT's ``modules_to_save`` rule: the module's name ends with one of the names). A tied output layer is the
+    embedding's parameter itself (``named_parameters`` lists it once, as ``model.embed_tokens.weight``), so it trains
+    with it, as PEFT's ``ensure_weight_tying``."""
+    module = name.rsplit(".", 1)[0]
+    return not is_adapter(name) and ".base_layer" not in name and any(module.endswith(t) for t in modules_to_save)
 
 
 def load_peft_dir(model: torch.nn.Module, path: str) -> None:

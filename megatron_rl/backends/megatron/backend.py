@@ -159,7 +159,9 @@ class MegatronBackend(RoleAttributes, TrainBackend):
         if self.lora and dist.get_rank() == 0:
             from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
 
-            log.info("%s%s", lora.describe(self.lora),
+            saved = lora.saved_parameter_count(self.chunks)
+            log.info("%s%s%s", lora.describe(self.lora),
+                     f", {saved} of modules to save ({' '.join(cfg.lora.lora_modules_to_save)})" if saved else "",
                      f", started from {cfg.lora.lora_load}" if cfg.lora.lora_load else "")
         self.vocab_size = self.bridge.vocab_size
         self.padded_vocab_size = self.bridge.padded_vocab_size(self.layout.tp)
@@ -284,8 +286,10 @@ class MegatronBackend(RoleAttributes, TrainBackend):
         from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
 
         lo = self.cfg.lora
-        return AdapterExport(lora.full_adapter_tensors(self.lora, stage_only=stage_only), lo.lora_rank,
-                             float(lo.lora_alpha))
+        saved = lora.saved_module_tensors(self.bridge, self.chunks) if lo.lora_modules_to_save else None
+        return AdapterExport(lora.full_adapter_tensors(self.lora, stage_only=stage_only, saved=saved), lo.lora_rank,
+                             float(lo.lora_alpha), tuple(lo.lora_modules_to_save),
+                             bool(self.bridge.tie_word_embeddings))
 
     def export_scope(self) -> ExportScope:
         """Each stage's sender: the rank of the stage at data-, tensor- and context-parallel rank 0

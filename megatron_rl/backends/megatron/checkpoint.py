@@ -149,13 +149,18 @@ def _load_critic(backend, loaded: dict, path: str) -> None:
     critic.optimizer_steps = int(loaded["critic_optimizer_steps"])
 
 
-def _adapters_only(model_sd: dict) -> dict:
-    """A LoRA run's model state in its checkpoints: the adapters (``lora.`` keys) and the non-tensor entries. The
-    frozen base is what ``--hf-checkpoint`` gives every start; the checkpoint records its digest (``lora_base``)."""
+def _trained_only(model_sd: dict, trained: set[int]) -> dict:
+    """A LoRA run's model state in its checkpoints: what trains (the adapters, ``lora.`` keys, and the base
+    parameters of ``--lora-modules-to-save``) and the non-tensor entries. The frozen base is what
+    ``--hf-checkpoint`` gives every start; the checkpoint records its digest (``lora_base``). Chosen by the
+    parameter (``trained``: ids of the parameters with gradients), not by key: the distributed optimizer's sharded
+    state maps each of its parameters to the model entry holding that very tensor, and an entry dropped here for
+    a trained parameter fails the save ("Param id ... does not match any model sharded param")."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     return {k: v for k, v in model_sd.items()
-            if not isinstance(v, (ShardedTensor, ShardedTensorFactory)) or v.key.startswith("lora.")}
+            if not isinstance(v, (ShardedTensor, ShardedTensorFactory)) or v.key.startswith("lora.")
+            or id(v.data) in trained}
 
 
 def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool, adapters_only: bool = False) -> dict:
@@ -163,7 +168,8 @@ def _build_sharded_state_dict(backend, is_loading: bool, with_rng: bool, adapter
 
     sd: dict[str, Any] = model_sharded_state_dict(backend.chunks)  # model / model{i}, as megatron writes them
     if adapters_only:
-        sd = {key: _adapters_only(model_sd) for key, model_sd in sd.items()}
+        trained = {id(p) for chunk in backend.chunks for p in chunk.parameters() if p.requires_grad}
+        sd = {key: _trained_only(model_sd, trained) for key, model_sd in sd.items()}
     sd["optimizer"] = backend.optimizer.sharded_state_dict(sd, is_loading=is_loading,
                                                            metadata=dict(SHARDING_METADATA))
     sd["opt_param_scheduler"] = backend.scheduler.state_dict()

@@ -135,7 +135,7 @@ def lora_spec(cfg):
     from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
 
     return lora.LoraSpec(lo.lora_rank, lo.lora_alpha, lo.lora_dropout, tuple(lo.lora_target_modules),
-                         init_seed=cfg.runtime.seed)
+                         init_seed=cfg.runtime.seed, modules_to_save=tuple(lo.lora_modules_to_save))
 
 
 def role_layout(cfg, actor: ParallelLayout, tp: Optional[int] = None, pp: Optional[int] = None) -> ParallelLayout:
