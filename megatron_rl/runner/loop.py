@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from megatron_rl.algorithms.spec import Spec
 from megatron_rl.backends.base import TrainBackend
 from megatron_rl.data.types import Sample
+from megatron_rl.infra.collective_watch import TRAIN_STEP, WEIGHT_SYNC, watched
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.replicas import ReplicaWorker
@@ -64,7 +65,9 @@ class StepParts:
             apply_reward_model(self.reward_model, samples, metrics)
         swapped = backend.swap_seconds
         train_actor = rollout_id >= ctx.cfg.algorithm.num_critic_only_steps  # ppo: the critic warms up first
-        metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics, train_actor=train_actor))
+        with watched(TRAIN_STEP):
+            metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics,
+                                            train_actor=train_actor))
         every = ctx.cfg.algorithm.ref_update_interval
         if every is not None and (rollout_id + 1) % every == 0:
             backend.snapshot_weights("ref")
@@ -76,7 +79,8 @@ class StepParts:
         """The weight sync to ``version`` (the step's count of updates), timed as ``perf/sync_s``."""
         t = time.perf_counter()
         pause_point("sync_started", str(version))  # tests: SIGKILL as a sync begins (async: the producer quiesced)
-        metrics.update(self.sync.sync(self.backend, self.engine, version=version))
+        with watched(WEIGHT_SYNC):
+            metrics.update(self.sync.sync(self.backend, self.engine, version=version))
         self.synced_version = version
         metrics["perf/sync_s"] = time.perf_counter() - t
         self.ctx.colocation.after_sync(self.here)
