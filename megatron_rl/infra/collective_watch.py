@@ -30,6 +30,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections import Counter
 from datetime import timedelta
 from typing import Iterator, Optional
@@ -39,8 +40,13 @@ from megatron_rl.errors import CollectiveTimeout
 FLAG = "--distributed-timeout-minutes"
 DEFAULT_MINUTES = 10.0  # Megatron-LM's default
 _KEY = "mrl/collective_watch"
-# what a collective that ran out of time (or whose peer left it) says: gloo's, the store's, torch's
-_TIMED_OUT = re.compile(r"timed out|timeout|connection closed by peer|connection reset", re.IGNORECASE)
+_POLL_S = 0.02  # the roll call's look at the store
+# what a collective that ran out of time says: gloo's ("Timed out waiting 600ms for recv operation"), the store's
+# ("wait timeout after"). Not a peer that left ("Connection closed by peer"): its process is gone, the launcher
+# names it at once (train.peer_gone_report), and a roll call would only wait one more bound for it. Nor an HTTP
+# or socket timeout (an engine's): only the driver meets it, the other ranks would wait for it at the roll call
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (send|recv) operation|wait timeout after \d+ms|"
+                        r"collective operation timeout")
 
 # the phases a step's collectives are watched in: id (the roll call's key) -> what the error calls it
 TRAIN_STEP, WEIGHT_SYNC, CHECKPOINT_SAVE, RESUME = "train_step", "weight_sync", "checkpoint_save", "resume"
@@ -90,30 +96,51 @@ def _register(rank: int) -> None:
 
 
 def is_collective_timeout(exc: BaseException) -> bool:
-    """A collective (or the store under it) ran out of time, or a peer left it: along the cause chain."""
+    """A collective (or the store under it) ran out of time: along the cause chain."""
     seen: set[int] = set()
     e: Optional[BaseException] = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (RuntimeError, TimeoutError, ConnectionError)) and _TIMED_OUT.search(str(e)):
+        if isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)):
             return True
         e = e.__cause__ or e.__context__
     return False
 
 
+def _answer_key(phase: str, rank: int) -> str:
+    return f"{_KEY}/{phase}/{rank}"
+
+
+def _answer(phase: str, n: int, rank: int) -> None:
+    """Rank ``rank`` got to the end of the n-th call of ``phase`` (done or failed, so it is running): one key per
+    phase and rank, overwritten, so a long run's store holds a handful of them. Best effort: a store that does
+    not answer is the roll call's to name."""
+    try:
+        _store().set(_answer_key(phase, rank), str(n))
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
+def _answered(store, phase: str, n: int, rank: int) -> bool:
+    key = _answer_key(phase, rank)
+    return bool(store.check([key])) and int(store.get(key).decode()) >= n
+
+
 def roll_call(phase: str, n: int, rank: int, world: int) -> tuple[list[int], dict[int, str]]:
-    """The ranks that did not answer the n-th roll call of ``phase`` within one bound, and who each is
-    (host and pid where it registered). A store that does not answer either: every other rank is named."""
-    prefix = f"{_KEY}/{phase}/{n}/"
-    keys = [f"{prefix}{r}" for r in range(world)]
+    """The ranks that did not get to the end of the n-th call of ``phase`` (:func:`_answer`) within one bound,
+    and who each is (host and pid where it registered). The ranks that are alive all answer: those that timed
+    out here, those that failed otherwise (an agreed error) and those that finished the phase. A store that
+    does not answer either: every other rank is named."""
     try:
         store = _store()
-        store.set(keys[rank], "here")
-        try:
-            store.wait(keys, timeout())
-        except Exception:  # noqa: BLE001 - the store's timeout: some rank did not answer; read who below
-            pass
-        missing = [r for r in range(world) if not store.check([keys[r]])]
+        store.set(_answer_key(phase, rank), str(n))
+        deadline = time.monotonic() + _bound_s
+        missing = [r for r in range(world) if r != rank]
+        while True:
+            missing = [r for r in missing if not _answered(store, phase, n, r)]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
         who = {}
         for r in missing:
             if store.check([f"{_KEY}/who/{r}"]):
@@ -152,15 +179,19 @@ def watched(phase: str) -> Iterator[None]:
     _local.depth = depth + 1
     try:
         yield
-    except CollectiveTimeout:
-        raise
     except BaseException as exc:  # noqa: BLE001 - re-raised as it is unless a collective ran out of time
-        if not multi or not is_collective_timeout(exc):
+        if not multi:
             raise
         rank, world = dist.get_rank(), dist.get_world_size()
+        if isinstance(exc, CollectiveTimeout) or not is_collective_timeout(exc):
+            _answer(phase, n, rank)  # running: a rank that timed out in this phase need not wait for this one
+            raise
         missing, who = roll_call(phase, n, rank, world)
         error = CollectiveTimeout(_message(phase, rank, missing, who, exc))
         error.missing_ranks = tuple(missing)
         raise error from exc
+    else:
+        if multi:
+            _answer(phase, n, dist.get_rank())
     finally:
         _local.depth = depth
