@@ -58,6 +58,10 @@ class StepParts:
 
         ``--ref-update-interval N``: once rollout ``rollout_id`` trained and ``rollout_id + 1`` is a multiple of N,
         the reference becomes the actor's current weights (slime's actors do it at the same point)."""
+        with watched(TRAIN_STEP):  # a rank that does not answer a collective of it is named (with the hand-overs)
+            self._train(samples, metrics, rollout_id)
+
+    def _train(self, samples: Optional[list[Sample]], metrics: dict, rollout_id: int) -> None:
         backend, ctx = self.backend, self.ctx
         assert backend is not None, "a run that trains built its backend"
         metrics.update(ctx.colocation.before_train(backend, self.here))
@@ -65,9 +69,7 @@ class StepParts:
             apply_reward_model(self.reward_model, samples, metrics)
         swapped = backend.swap_seconds
         train_actor = rollout_id >= ctx.cfg.algorithm.num_critic_only_steps  # ppo: the critic warms up first
-        with watched(TRAIN_STEP):
-            metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics,
-                                            train_actor=train_actor))
+        metrics.update(train_on_rollout(backend, self.spec, samples, ctx.cfg, perf=metrics, train_actor=train_actor))
         every = ctx.cfg.algorithm.ref_update_interval
         if every is not None and (rollout_id + 1) % every == 0:
             backend.snapshot_weights("ref")
@@ -79,11 +81,11 @@ class StepParts:
         """The weight sync to ``version`` (the step's count of updates), timed as ``perf/sync_s``."""
         t = time.perf_counter()
         pause_point("sync_started", str(version))  # tests: SIGKILL as a sync begins (async: the producer quiesced)
-        with watched(WEIGHT_SYNC):
+        with watched(WEIGHT_SYNC):  # with the colocated hand-over after it
             metrics.update(self.sync.sync(self.backend, self.engine, version=version))
-        self.synced_version = version
-        metrics["perf/sync_s"] = time.perf_counter() - t
-        self.ctx.colocation.after_sync(self.here)
+            self.synced_version = version
+            metrics["perf/sync_s"] = time.perf_counter() - t
+            self.ctx.colocation.after_sync(self.here)
 
     def evaluate_and_log(self, rollout_id: int, metrics: dict, t0: float) -> None:
         """Evaluation when due, the step time since ``t0``, the step's metrics record."""
