@@ -46,3 +46,13 @@ class UserFunctionError(ConfigError):
     def __init__(self, message: str, *, kind: str = "raised", cause: "BaseException | None" = None):
         super().__init__(message)
         self.kind, self.cause = kind, cause
+
+
+class CollectiveTimeout(MegatronRLError):
+    """A training rank did not answer a collective of a step's phase within ``--distributed-timeout-minutes``
+    (``infra.collective_watch``): the message names the phase, the ranks and the bound. ``missing_ranks``: those
+    ranks (empty when every rank answered the roll call after the timeout). Exit code 1: a failure, not a
+    refusal of the flags."""
+
+    exit_code = 1
+    missing_ranks: "tuple[int, ...]" = ()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Optional
 from megatron_rl.config import Config, parse_config
 from megatron_rl.config.placement import launches_sglang_engines, refuse_single_process_world
 from megatron_rl.errors import EngineError, MegatronRLError, SyncError
+from megatron_rl.infra import collective_watch
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.infra.wall_time import (EXIT_WALL_TIME, STATUS_ENV, end_process_on_stop_signals,
                                          restore_signal_handlers, status_exit_code, write_error_status)
@@ -54,6 +55,7 @@ class _PhaseClock:
 
 def run(cfg: Config) -> int:
     clock = _PhaseClock()  # start-up phases, logged with the step-0 record as perf/startup_*_s
+    collective_watch.configure(cfg.parallel.distributed_timeout_minutes)  # before any process group is made
     # lazy: torch, megatron-core glue and the engine load only once the flags parsed (--help, flag errors: ~0.1 s)
     from megatron_rl.algorithms import spec_from_config
     from megatron_rl.backends.factory import make_backend
@@ -104,7 +106,8 @@ def run(cfg: Config) -> int:
         spec.load_state_dict((ctx.checkpoints.cursor.extra or {}).get("algorithm_state") or {})
         clock.lap("resume")
         if backend and cfg.has_rollout_engine:
-            synced = sync.sync(backend, engine, version=start)
+            with collective_watch.watched(collective_watch.WEIGHT_SYNC):
+                synced = sync.sync(backend, engine, version=start)
             clock.lap("sync")
             ctx.log(start, {**synced, **clock.metrics()}, attempt_start=True)
         ctx.clock.stop_at_next_step_on_signal()  # from here a signal means: finish the step, save, exit 3

@@ -40,7 +40,7 @@ LAUNCH_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/dist/test_fsdp_backend.py", "tests/dist/test_fsdp_critic.py", "tests/dist/test_fsdp_teacher.py",
         "tests/dist/test_lora_layouts.py",
         "tests/dist/test_parity_layouts.py", "tests/dist/test_data_movement.py", "tests/dist/test_vocab_parallel.py",
-        "tests/dist/test_publish.py", "tests/dist/test_reloadable_groups.py", "tests/dist/test_engine_replicas.py",
+        "tests/dist/test_publish.py", "tests/dist/test_freeze_ranks.py", "tests/dist/test_reloadable_groups.py", "tests/dist/test_engine_replicas.py",
         "tests/dist/test_reward_model_ranks.py",
         "tests/dist/test_cp_attention.py", "tests/dist/test_convert_layouts.py", "tests/dist/test_vlm_layouts.py",
     ),

@@ -60,7 +60,7 @@ from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBa
                                       plan_loss_denominators, plan_owner_aligned, step_bounds)
 from megatron_rl.data.types import AnySample, Sample
 from megatron_rl.errors import BackendError, ConfigError
-from megatron_rl.infra import dist as dist_util
+from megatron_rl.infra import collective_watch, dist as dist_util
 from megatron_rl.models.fused_loads import load_units
 from megatron_rl.plan.memory import DEVICE_TAG_SHARE, resolve_weights_location  # noqa: F401 - this module's names too
 
@@ -610,7 +610,7 @@ def data_parallel_peers(dp_rank: int, dp_size: int) -> tuple[list[int], object]:
         if not ranks:
             raise BackendError(f"no rank reports data-parallel rank {d} of {dp_size}")
         leaders.append(ranks[0])
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        group = dist.new_group(ranks, timeout=collective_watch.timeout()) if len(ranks) > 1 else None
         if d == dp_rank:
             mine = group
     return leaders, mine

@@ -324,6 +324,12 @@ class ParallelConfig:
     critic_pipeline_model_parallel_size: Optional[int] = flag(
         None, "--advantage-estimator ppo: the critic's own pipeline-parallel size on the actor's ranks; unset: the "
         "actor's.")
+    distributed_timeout_minutes: float = flag(
+        10.0, "Megatron-LM's: minutes a collective of the training ranks waits for a rank (every process group "
+        "they make: the default, megatron's, the weight sync's agreement). A rank that does not answer a step's "
+        "train, weight sync, checkpoint save or resume within it ends the run naming that rank, its host and pid "
+        "(a roll call of at most one more bound; docs/checkpoints.md, 'Every wait is bounded').",
+        domain="(0, inf)")
 
     @property
     def model_parallel_size(self) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from megatron_rl.compat import apply_cpu_compat
-from megatron_rl.infra import reloadable_groups
+from megatron_rl.infra import collective_watch, reloadable_groups
 from megatron_rl.infra.ports import free_port
 from megatron_rl.errors import ConfigError
 
@@ -158,9 +158,10 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
             # leave os.environ alone: subprocesses started later (a converter, a test's torchrun)
             # must not inherit a RANK/MASTER_PORT that points at this process's store.
             torch.distributed.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                                 rank=0, world_size=1)
-        else:
-            torch.distributed.init_process_group(backend=backend, init_method="env://")
+                                                 rank=0, world_size=1, timeout=collective_watch.timeout())
+        else:  # every collective bounded by --distributed-timeout-minutes (infra/collective_watch.py)
+            torch.distributed.init_process_group(backend=backend, init_method="env://",
+                                                 timeout=collective_watch.timeout())
 
     from megatron.core import parallel_state, tensor_parallel
 
@@ -169,7 +170,8 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optio
     # them (destroy_model_parallel alone) leaks each gloo group's threads: the converters and the test
     # workers build a layout per conversion or case, ~1,500 threads per process after two dozen of them
     destroy_parallel()
-    parallel_state.initialize_model_parallel(**layout.megatron_sizes())
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes(),
+                                             distributed_timeout_minutes=collective_watch.bound_s() / 60.0)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

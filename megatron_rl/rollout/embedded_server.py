@@ -473,12 +473,20 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+class _Backlogged(ThreadingHTTPServer):
+    """socketserver's listen backlog is 5: a burst of callers (a producer's workers, a batch's rows) past it, or
+    the callers queued on a busy or stopped server, would each get a connect timeout naming the server as
+    unreachable instead of the read timeout that says it did not answer. uvicorn's (SGLang's) is 2048."""
+
+    request_queue_size = 256
+
+
 def start_http(handler: type[JsonHandler], attrs: dict[str, Any], host: str, port: int, *,
                poll_interval_s: float) -> tuple[ThreadingHTTPServer, threading.Thread]:
     """A threading HTTP server on ``host:port`` (0: a free one) whose handler is a subclass of ``handler`` carrying
     ``attrs`` (the object it serves), serving from a daemon thread: what this server and the stand-in start."""
     bound = type(handler.__name__, (handler,), dict(attrs))
-    httpd = ThreadingHTTPServer((host, port), bound)
+    httpd = _Backlogged((host, port), bound)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": poll_interval_s}, name="http",
                               daemon=True)

@@ -16,6 +16,7 @@ from megatron_rl.backends.base import TrainBackend
 from megatron_rl.config import Config
 from megatron_rl.infra import checkpoint_root as ckpt
 from megatron_rl.infra.disk_space import CheckpointDiskFull
+from megatron_rl.infra.collective_watch import CHECKPOINT_SAVE, watched
 from megatron_rl.infra.dist import rank0_do
 from megatron_rl.infra.publish import named_disk_full
 from megatron_rl.infra.tracking import Tracker
@@ -48,6 +49,12 @@ class CheckpointSaver:
 
     def save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int,
              extra_state: Optional[dict] = None) -> None:
+        """Collective: :meth:`_save`, a rank that does not answer it named (``infra.collective_watch``)."""
+        with watched(CHECKPOINT_SAVE):
+            self._save(backend, rollout, step, extra_state)
+
+    def _save(self, backend: TrainBackend, rollout: Optional[RolloutManager], step: int,
+              extra_state: Optional[dict]) -> None:
         """Collective: the backend writes ``iter_<step>``; the driver then moves the pointers and prunes.
 
         A failure raises on every rank at the same point (the backend's publish and the driver's

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from megatron_rl.algorithms.spec import Spec
 from megatron_rl.backends.base import TrainBackend
 from megatron_rl.data.types import Sample
+from megatron_rl.infra.collective_watch import TRAIN_STEP, WEIGHT_SYNC, watched
 from megatron_rl.infra.pause_points import pause_point
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.replicas import ReplicaWorker
@@ -57,6 +58,10 @@ class StepParts:
 
         ``--ref-update-interval N``: once rollout ``rollout_id`` trained and ``rollout_id + 1`` is a multiple of N,
         the reference becomes the actor's current weights (slime's actors do it at the same point)."""
+        with watched(TRAIN_STEP):  # a rank that does not answer a collective of it is named (with the hand-overs)
+            self._train(samples, metrics, rollout_id)
+
+    def _train(self, samples: Optional[list[Sample]], metrics: dict, rollout_id: int) -> None:
         backend, ctx = self.backend, self.ctx
         assert backend is not None, "a run that trains built its backend"
         metrics.update(ctx.colocation.before_train(backend, self.here))
@@ -76,10 +81,11 @@ class StepParts:
         """The weight sync to ``version`` (the step's count of updates), timed as ``perf/sync_s``."""
         t = time.perf_counter()
         pause_point("sync_started", str(version))  # tests: SIGKILL as a sync begins (async: the producer quiesced)
-        metrics.update(self.sync.sync(self.backend, self.engine, version=version))
-        self.synced_version = version
-        metrics["perf/sync_s"] = time.perf_counter() - t
-        self.ctx.colocation.after_sync(self.here)
+        with watched(WEIGHT_SYNC):  # with the colocated hand-over after it
+            metrics.update(self.sync.sync(self.backend, self.engine, version=version))
+            self.synced_version = version
+            metrics["perf/sync_s"] = time.perf_counter() - t
+            self.ctx.colocation.after_sync(self.here)
 
     def evaluate_and_log(self, rollout_id: int, metrics: dict, t0: float) -> None:
         """Evaluation when due, the step time since ``t0``, the step's metrics record."""

@@ -11,6 +11,7 @@ from megatron_rl.config import Config
 from megatron_rl.errors import CheckpointError, ConfigError
 from megatron_rl.infra import checkpoint_root as ckpt
 from megatron_rl.infra.checkpoint_root import is_model_dir
+from megatron_rl.infra.collective_watch import RESUME, watched
 from megatron_rl.infra.dist import rank0_do
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.rollout_ckpt import rollout_ckpt_path
@@ -26,6 +27,11 @@ class Resumer:
     cursor: CheckpointCursor
 
     def resume_or_init(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> int:
+        """Collective: :meth:`_resume_or_init`, a rank that does not answer it named (``infra.collective_watch``)."""
+        with watched(RESUME):
+            return self._resume_or_init(backend, rollout)
+
+    def _resume_or_init(self, backend: TrainBackend, rollout: Optional[RolloutManager]) -> int:
         """Snapshot the reference policy, then continue from the newest complete checkpoint if any;
         returns the rollout id to start at."""
         cfg = self.cfg

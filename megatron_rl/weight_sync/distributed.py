@@ -43,7 +43,6 @@ a server that refuses, dies or never joins is named at once or at the deadline, 
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
 import itertools
 import logging
@@ -52,6 +51,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_rl.errors import ConfigError, SyncError
+from megatron_rl.infra import collective_watch
 from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.rollout.sglang.client import SGLangClient
@@ -71,7 +71,6 @@ _GRACE_S = 5.0  # after the trainer's side failed: how long the HTTP calls get t
 # server, comes first)
 _CLOSE_JOIN_S = 10.0  # teardown: the trainer's end of a broken group closes in the background past this
 _GROUP_SERIAL = itertools.count(1)  # every group this process makes gets a fresh name (a server may keep a dead one)
-_STAGE_WAIT_S = 1800.0  # one sender per stage: how long the training ranks wait for each other's step
 FLATTENED_SINCE = (0, 5, 19)  # the oldest SGLang read (0.5.19-0.5.23 wheels) whose distributed receive takes it
 
 
@@ -433,17 +432,17 @@ class DistributedSynchronizer(WeightSynchronizer):
 
     def _agree(self, value: Any, what: str) -> list:
         """Every training rank's ``value`` (one all_gather over a gloo group of the training ranks, made once);
-        a rank that failed or did not arrive within ``_STAGE_WAIT_S`` is reported as a SyncError."""
+        a rank that failed or did not arrive within ``--distributed-timeout-minutes`` is reported as a SyncError."""
         import torch.distributed as dist  # lazy: this module's import stays light for the transport table
 
         if self._agree_group is None:
-            self._agree_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_STAGE_WAIT_S))
+            self._agree_group = dist.new_group(backend="gloo", timeout=collective_watch.timeout())
         out: list = [None] * dist.get_world_size()
         try:
             dist.all_gather_object(out, value, group=self._agree_group)
         except Exception as exc:  # noqa: BLE001 - a peer died or hung
             raise SyncError(f"distributed weight sync, {what}: the training ranks did not all answer within "
-                            f"{_STAGE_WAIT_S:g} s or one went away ({type(exc).__name__}: {exc})") from exc
+                            f"{collective_watch.bound_s():g} s ({collective_watch.FLAG}) or one went away ({type(exc).__name__}: {exc})") from exc
         return out
 
     def _stage_connect(self, plan: dict, scope: "ExportScope") -> None:

@@ -42,6 +42,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "cp_attention": ("cp_attention_worker", "main"),
     "critic": ("critic_worker", "main"),
     "data_movement": ("data_movement_worker", "main"),
+    "freeze": ("freeze_worker", "main"),
     "frozen": ("frozen_worker", "main"),
     "fsdp_critic": ("fsdp_critic_worker", "main"),
     "fsdp": ("fsdp_worker", "main"),

@@ -236,9 +236,10 @@ def test_weights_checker_sees_an_update_that_restores_every_tensor(server, model
 
 def test_the_server_process_starts_serves_and_stops_and_a_bad_model_is_named(models, tmp_path):
     """Also: the server process frozen (SIGSTOP: it accepts connections and never answers, as a hung engine) at
-    each phase of a step it meets (generate, the sync's pause, health, a colocated release): every call returns
-    within its own timeout with an error naming the server, the endpoint and the timeout, and the health poll
-    declares it dead."""
+    each phase of a step it meets (generate, the sync's pause, the sync's disk load, a colocated resume, health, a
+    colocated release):
+    every call returns within its own timeout with an error naming the server, the endpoint and the timeout, and
+    the health poll declares it dead."""
     process = start_server(models[0], str(tmp_path / "engine.log"), timeout_s=BOUND_S)
     try:
         engine = SGLangEngine([process.url], releases_memory=False, health_interval_s=0)
@@ -249,8 +250,13 @@ def test_the_server_process_starts_serves_and_stops_and_a_bad_model_is_named(mod
                              health_failures=1)
         os.kill(process.proc.pid, signal.SIGSTOP)
         try:
+            loader = SGLangClient(process.url, timeout_s=0.5, connect_retries=0)  # the sync's load, past its pause
             calls = {"/generate": lambda: short.generate([GenerateRequest([5, 17, 3], 0)], SAMPLING),
-                     "/pause_generation": lambda: short.update_weights_from_disk(models[1], 1)}
+                     "/pause_generation": lambda: short.update_weights_from_disk(models[1], 1),
+                     "/update_weights_from_disk": lambda: loader.update_weights_from_disk(
+                         models[1], weight_version="1", flush_cache=False, timeout_s=0.5),
+                     # the colocated resume's call, as SGLangEngine.resume sends it (update_timeout_s)
+                     "/resume_memory_occupation": lambda: loader.resume_memory_occupation(["weights"], timeout_s=0.5)}
             for endpoint, call in calls.items():
                 with pytest.raises(MegatronRLError) as err:
                     InThread(call, bound_s=BOUND_S, what=endpoint).result()

@@ -10,6 +10,7 @@ from this process.
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,12 +20,12 @@ import pytest
 from safetensors.torch import load_file
 
 from megatron_rl.config import parse_config
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, MegatronRLError
 from megatron_rl.rollout import GenerateRequest, SamplingParams
 from megatron_rl.rollout.sglang import SGLangEngine
 from megatron_rl.rollout.sglang.engine import discover_router
 
-from _util import free_port
+from _util import InThread, free_port
 from sglang_standin import SGLangStandIn  # tests/ is on sys.path (conftest)
 
 REQUESTS = [GenerateRequest([5, 17, 3], 0, label="a"), GenerateRequest([9, 1, 100, 42], 1, label="b"),
@@ -54,7 +55,7 @@ def fleet(tiny_hf_models, tmp_path_factory):
                 assert proc.poll() is None, f"sglang-router exited {proc.returncode}; see {log.name}"
                 assert time.monotonic() < deadline, f"hung: sglang-router not ready in 300 s; see {log.name}"
                 time.sleep(0.2)
-            yield model, url, (a, b)
+            yield model, url, (a, b), proc.pid  # the router's pid: the frozen-router test stops it
         finally:
             proc.terminate()
             proc.wait(timeout=120)  # a hang bound
@@ -62,7 +63,7 @@ def fleet(tiny_hf_models, tmp_path_factory):
 
 
 def test_a_router_url_is_found_and_replaced_by_its_workers(fleet, tmp_path):
-    model, router, (a, b) = fleet
+    model, router, (a, b), _ = fleet
     cfg = parse_config(["--hf-checkpoint", model, "--rollout-backend", "sglang", "--rollout-engine-urls", router,
                         "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "w")])
     engine = SGLangEngine.from_config(cfg)
@@ -76,7 +77,7 @@ def test_a_router_url_is_found_and_replaced_by_its_workers(fleet, tmp_path):
 
 
 def test_generation_through_the_router_equals_the_servers_and_weights_reach_every_worker(fleet, tmp_path):
-    model, router, (a, b) = fleet
+    model, router, (a, b), _ = fleet
     workers, found = discover_router([router])
     via = SGLangEngine(workers, router_url=found, weight_dir=str(tmp_path / "weights"), hf_checkpoint=model,
                        timeout_s=10, connect_retries=1)
@@ -116,12 +117,33 @@ def test_generation_through_the_router_equals_the_servers_and_weights_reach_ever
         direct.close()
 
 
+def test_a_frozen_router_is_named_within_the_generate_timeout_and_the_workers_still_answer(fleet, tmp_path):
+    """The router's process stopped (SIGSTOP: it accepts connections and never answers): generation through it
+    ends within the engine's generate timeout naming the router, the endpoint and the timeout; the engine's
+    health polls and weight-side calls, which go to the workers, are not held by it."""
+    model, router, (a, b), router_pid = fleet
+    workers, found = discover_router([router])
+    via = SGLangEngine(workers, router_url=found, weight_dir=str(tmp_path / "weights"), hf_checkpoint=model,
+                       timeout_s=10, generate_timeout_s=0.5, connect_retries=0)
+    os.kill(router_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(MegatronRLError) as err:
+            InThread(lambda: via.generate(REQUESTS[:1], SAMPLED), bound_s=120, what="generate via the router").result()
+        assert router in str(err.value) and "did not answer POST /generate within 0.5 s" in str(err.value), str(
+            err.value)
+        health = via.health()  # the workers answer (at the version an earlier test left): only generation
+        assert health.weights_loaded and not via.dead_servers(), health  # goes through the router
+    finally:
+        os.kill(router_pid, signal.SIGCONT)
+        via.close()
+
+
 def test_a_503_through_the_router_is_retried_by_it_or_comes_back_as_aborted_rows(fleet, tmp_path):
     """A worker's 503 (SGLang aborted a row with a status, "Retry later."): what sglang-router 0.3.2 does
     with it, and what reaches the rollout: aborted rows carrying the words of whoever answered 503 (the
     rollout generates their groups again, --rollout-abort-retries), never an exception. Last in this
     module: the router's circuit breakers stay open for a while after the refusals."""
-    model, router, (a, b) = fleet
+    model, router, (a, b), _ = fleet
     workers, found = discover_router([router])
     via = SGLangEngine(workers, router_url=found, weight_dir=str(tmp_path / "weights"), hf_checkpoint=model,
                        timeout_s=10, connect_retries=1)

@@ -77,6 +77,7 @@ from megatron_rl.config import Config
 from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import BackendError, CheckpointError, ConfigError
+from megatron_rl.infra import collective_watch
 from megatron_rl.infra.ports import free_port
 from megatron_rl.models import model_dir
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
@@ -107,9 +108,10 @@ def init_process_group(host_collectives: bool = False) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:
-        dist.init_process_group(backend=backend, init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://", timeout=collective_watch.timeout())
         return
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=collective_watch.timeout())
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -10,12 +10,17 @@ import urllib.error
 import urllib.request
 
 
+# seconds one request waits for the gateway's answer (a socket timeout, each connect and read): the run's
+# --user-function-timeout once init_http_client saw its args, which also bounds the function's whole call
+_timeout_s = 3600.0
+
+
 def _request(url, payload, headers, method):
     data = None if method == "GET" else json.dumps(payload or {}).encode()
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy (slime's trust_env)
-    with opener.open(req, timeout=None) as resp:
+    with opener.open(req, timeout=_timeout_s) as resp:
         raw = resp.read()
     try:
         return json.loads(raw)
@@ -67,4 +72,7 @@ def get_rollout_num_engines(args) -> int:
 
 
 def init_http_client(args):
-    """Nothing to set up: each call opens its own connection."""
+    """Each call opens its own connection; what is set up is how long one may wait (``--user-function-timeout``,
+    slime's client waits without a bound)."""
+    global _timeout_s
+    _timeout_s = float(getattr(args, "user_function_timeout", None) or _timeout_s)
