@@ -89,6 +89,7 @@ class Bridge:
     rope_types: tuple[str, ...] = ("default",)  # HF rope_type values the family maps exactly
     sliding_window_layers: bool = False  # layer_types sliding_attention / full_attention map (gpt-oss)
     position_embedding_type: str = "rope"  # megatron GPTModel's (gpt-oss: "yarn")
+    vision_language: bool = False  # a vision tower in front (image_token_id / spatial_merge_size then defined)
 
     def __init__(self, hf_config: dict, mtp_num_layers: int = 0):
         self.hf_config = dict(hf_config)

@@ -48,7 +48,7 @@ from megatron_rl.backends.megatron.settings import check_backend_config, layout_
 from megatron_rl.backends.roles import needs_own_model
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
-from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch, pad_multiple_for
+from megatron_rl.data.packing import ImageTokens, LossDenominators, MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import reloadable_groups
@@ -149,6 +149,8 @@ class MegatronBackend(RoleAttributes, TrainBackend):
         self.bridge = get_bridge(cfg.model.hf_checkpoint, mtp_num_layers=cfg.megatron.mtp_num_layers or 0)
         self.params_dtype = _DTYPES[cfg.precision.params_dtype]
         self.pad_token_id = 0
+        if self.bridge.vision_language:  # micro-batches carry the samples' images and M-RoPE positions
+            self.image_tokens = ImageTokens(self.bridge.image_token_id, self.bridge.spatial_merge_size)
         self.routing: Optional[RoutingReplay] = None  # --use-routing-replay
         self.hooks = ActorHooks(self)
         self.role = RoleModel("actor", cfg, self.bridge, LayoutScope(self.layout, self.layout),
