@@ -114,6 +114,11 @@ class ModelConfig:
                                         "architecture, tokenizer and initial weights come from here.")
     seq_length: Optional[int] = flag(None, "Longest prompt+response the trainer must hold; defaults to "
                                      "--rollout-max-prompt-len + --rollout-max-response-len.")
+    freeze_vision_tower: bool = flag(False, "A vision-language --hf-checkpoint: train the language model only; the "
+                                     "vision tower and merger get no gradient and no optimizer state, and every "
+                                     "weight sync after the first sends the language model alone (the engine keeps "
+                                     "the tower the first one sent). Not with --offload-rollout / --colocate "
+                                     "(a released engine needs every tensor back). docs/vlm.md.")
 
 
 @dataclass(frozen=True)

@@ -714,9 +714,9 @@ class Bridge:
         weights.load_hf_weights(self, model_chunks, hf_dir)
 
     def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None, stage_only: bool = False,
-                          include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                          include_mtp: bool = True, include_vision: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes, stage_only=stage_only,
-                                         include_mtp=include_mtp)
+                                         include_mtp=include_mtp, include_vision=include_vision)
 
 
 def read_hf_config(hf_dir_or_config) -> dict:

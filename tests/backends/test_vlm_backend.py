@@ -89,3 +89,68 @@ def test_train_step_moves_the_vision_tower(vl_backend):
     bad[1].prompt_ids.remove(backend.bridge.image_token_id)  # one pad token short of its first image's features
     with pytest.raises(ConfigError, match="rollout sample 1: its image-pad tokens"):
         backend.forward(bad)
+
+
+def test_embedded_engine_generates_with_images_as_the_trainer_scores_them_and_syncs_the_tower(vl_backend):
+    """The engine's rollout log-probs (HF's Qwen2.5-VL module with a KV cache, pixels given at the prefill, each
+    prompt prefilled once for its group) equal the trainer's at the same tokens; after a training step the sync
+    carries every tensor, the vision tower's included, and the two agree again."""
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.data.types import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    path, backend, spec = vl_backend
+    engine = EmbeddedEngine(path)
+    tower_runs = []
+    engine.model.model.visual.register_forward_hook(lambda *_: tower_runs.append(1))
+    requests = [GenerateRequest(s.prompt_ids, group_index=k, multimodal_inputs=s.multimodal_inputs)
+                for k, s in enumerate(vl_samples(path, seed=4))]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=7, ignore_eos=True)
+
+    def engine_vs_trainer(samples) -> float:
+        trainer = backend.forward(samples)
+        return max((torch.tensor(s.rollout_logprobs) - t).abs().max().item() for s, t in zip(samples, trainer))
+
+    def sync(version: int) -> None:  # the trainer's weights (trained by the tests above) into the engine
+        sent = [item for bucket in backend.export_weights(1 << 20) for item in bucket]
+        assert sum(name.startswith("visual.") for name, _ in sent) == 30
+        engine.update_weights(iter(sent), version=version)
+        live = dict(engine.named_weights())
+        assert sorted(live) == sorted(name for name, _ in sent)
+        assert all(torch.equal(live[name], t) for name, t in sent)
+
+    sync(1)
+    samples = engine.generate(requests, sampling)
+    assert len(tower_runs) == 1  # one prefill of the four prompts: the tower ran once for the 8 samples
+    assert samples[0].multimodal_inputs is requests[0].multimodal_inputs and samples[4].multimodal_inputs is None
+    assert engine_vs_trainer(samples) <= LOGPROB_TOL
+    for k, s in enumerate(samples):
+        s.reward = float(k % 2)
+    old = backend.forward_only(samples)
+    backend.train_step(TrainBatch(samples, spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=None), old))
+    sync(2)
+    assert engine_vs_trainer(engine.generate(requests, sampling)) <= LOGPROB_TOL
+
+
+def test_freeze_vision_tower_trains_and_syncs_the_language_model_only(vl_backend):
+    """--freeze-vision-tower: the tower has no gradient and no optimizer state, a step leaves it unchanged, and
+    the weight sync sends it with the first export only. (Builds a backend of its own: runs last in this file.)"""
+    from megatron_rl.backends.base import TrainBatch
+
+    path, _, _ = vl_backend
+    backend, spec = make_vl_backend(path, "--freeze-vision-tower")
+    vision = backend.chunks[0].vision
+    assert not any(p.requires_grad for p in vision.parameters())
+    in_optimizer = {id(p) for group in backend.optimizer.param_groups for p in group["params"]}
+    assert not in_optimizer & {id(p) for p in vision.parameters()} and in_optimizer
+    before_vision = [p.detach().clone() for p in vision.parameters()]
+    before_lm = backend.chunks[0].decoder.layers[0].mlp.linear_fc1.weight.detach().clone()
+    samples = vl_samples(path, seed=5)
+    old = backend.forward_only(samples)
+    backend.train_step(TrainBatch(samples, spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=None), old))
+    assert all(torch.equal(a, p) for a, p in zip(before_vision, vision.parameters()))
+    assert not torch.equal(before_lm, backend.chunks[0].decoder.layers[0].mlp.linear_fc1.weight)
+    first = [name for bucket in backend.export_weights(1 << 20) for name, _ in bucket]
+    second = [name for bucket in backend.export_weights(1 << 20) for name, _ in bucket]
+    assert sum(n.startswith("visual.") for n in first) == 30 and not any(n.startswith("visual.") for n in second)
+    assert len(second) == len(first) - 30
