@@ -227,6 +227,12 @@ class EmbeddedEngine(RolloutEngine):
         # (image-pad token id, spatial merge size) of a vision-language model; None: text only
         self.image_tokens: Optional[tuple[int, int]] = (
             (int(config.image_token_id), int(vision.spatial_merge_size)) if vision is not None else None)
+        # a vision-language model never samples its vision tokens (sampling.py: the reported log-probs stay the full
+        # distribution's): a response holding an image-pad token would have no image behind it, and the trainer
+        # refuses such a sample
+        self.banned_tokens: tuple[int, ...] = tuple(sorted({int(t) for t in (
+            getattr(config, key, None) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                   "vision_end_token_id")) if t is not None})) if vision is not None else ()
         checkpoint.refuse_non_finite_parameters(self.model)  # inf/NaN: named here, not as NaN logits later
         self.model.requires_grad_(False)
         self.device = torch.device(device)
@@ -876,7 +882,8 @@ class EmbeddedEngine(RolloutEngine):
                         live = [s for s in slots if not s.done]
                         assert [id(s) for s in order] == [id(s) for s in live], "logits follow the live rows"
                         uniforms = torch.tensor([s.uniform() for s in order], dtype=torch.float64)
-                        sampled, sampled_lp = sample_next_tokens(torch.cat(logits), sampling, uniforms.to(self.device))
+                        sampled, sampled_lp = sample_next_tokens(torch.cat(logits), sampling, uniforms.to(self.device),
+                                                                 self.banned_tokens)
                     finally:
                         self._leave_step()
                     last_version = version
@@ -1062,7 +1069,8 @@ class EmbeddedEngine(RolloutEngine):
                         for b, r in enumerate(batch):
                             if not done[r]:
                                 routes[r].append(step_routes[b])
-                tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device))
+                tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device),
+                                                            self.banned_tokens)
             finally:
                 self._leave_step()
             last_version = version
