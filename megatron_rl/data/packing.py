@@ -444,7 +444,7 @@ def _vision_rows(samples: Sequence[AnySample], sample_indices: Sequence[int], pa
         rows = mrope_position_ids(ids, grid, token, merge, what)
         start = int(rows.max()) + 1 if rows.numel() else 0
         positions.append(torch.cat([rows, (start + torch.arange(plen - len(ids))).expand(3, -1)], dim=1))
-        if vision is not None:
+        if vision is not None and grid is not None:
             pixels.append(torch.from_numpy(vision.pixel_values).float())
             grids.append(grid)
     if not positions:  # an empty micro-batch: one all-pad sequence

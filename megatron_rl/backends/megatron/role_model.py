@@ -554,7 +554,7 @@ class RoleAttributes:
 
 def _image_inputs(mb: PackedBatch) -> dict[str, torch.Tensor]:
     """The vision-language model's image keywords of a micro-batch (none for a batch without images)."""
-    if mb.pixel_values is None:
+    if mb.pixel_values is None or mb.image_grid_thw is None:
         return {}
     return {"pixel_values": mb.pixel_values, "image_grid_thw": mb.image_grid_thw}
 
