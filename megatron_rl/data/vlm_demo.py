@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from typing import Any
 
 from megatron_rl.data.synthetic import BOS, EOS, PAD, SEP, VOCAB
 
@@ -42,7 +43,7 @@ def build_tokenizer(path: str, vision_tokens: dict[str, int]):
 
 #: the vision tokens' ids, right after the digit task's words: a 32-token vocabulary (as the text demo's), so a
 #: random policy's answers are digits often enough for GRPO's groups to differ
-VISION_TOKEN_IDS = {"image_token_id": len(VOCAB), "video_token_id": len(VOCAB) + 1,
+VISION_TOKEN_IDS: dict[str, Any] = {"image_token_id": len(VOCAB), "video_token_id": len(VOCAB) + 1,
                     "vision_start_token_id": len(VOCAB) + 2, "vision_end_token_id": len(VOCAB) + 3}
 DEMO_VOCAB_SIZE = 32
 
@@ -53,7 +54,7 @@ def build_vlm_demo_model(path: str, seed: int = 0) -> str:
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
     ids = VISION_TOKEN_IDS
-    build_tiny_hf_model(FAMILY, path, seed=seed, vocab_size=DEMO_VOCAB_SIZE, **ids)
+    build_tiny_hf_model(FAMILY, path, seed=seed, vocab_size=DEMO_VOCAB_SIZE, **ids)  # token ids: to the config
     build_tokenizer(path, {"<|image_pad|>": ids["image_token_id"], "<|video_pad|>": ids["video_token_id"],
                            "<|vision_start|>": ids["vision_start_token_id"],
                            "<|vision_end|>": ids["vision_end_token_id"]})
