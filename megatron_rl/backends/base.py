@@ -55,7 +55,7 @@ import torch
 from megatron_rl.backends.per_sample import find_holder_ranks, gather_per_sample, share_with_peers
 from megatron_rl.compat.memo import IdentityMemo
 from megatron_rl.data import sample_codec
-from megatron_rl.data.packing import (LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
+from megatron_rl.data.packing import (ImageTokens, LossDenominators, MicroBatchPlan, PackedBatch, pack_plan_rank,
                                       plan_dynamic_micro_batches, plan_fixed_micro_batches,
                                       plan_loss_denominators, plan_owner_aligned, step_bounds)
 from megatron_rl.data.types import AnySample, Sample
@@ -308,6 +308,9 @@ class DataParallelShare:
     pad_to_multiple: int  # every packed sequence is padded to this (TP x CP x sequence-parallel needs)
     holds_results: bool  # this rank holds its DP rank's full per-sample results (one rank per DP rank)
     pad_token_id: int = 0
+    # a vision-language model's image-pad token and merge size: micro-batches carry their samples' images and
+    # M-RoPE positions (data.packing.pack_samples); None: a text-only model
+    image_tokens: Optional[ImageTokens] = None
 
     @property
     def context_parallel_size(self) -> int:
@@ -363,14 +366,14 @@ class DataParallelShare:
             # (RoPE rows, attention buckets: compat/memo.py). A batch is not changed between its passes.
             packs = self.__dict__.setdefault("_forward_packs", IdentityMemo())
             micro_batches = packs.get((samples, plan), (self.dp_rank, self.pad_token_id), lambda: pack_plan_rank(
-                samples, plan, self.dp_rank, pad_token_id=self.pad_token_id))
+                samples, plan, self.dp_rank, pad_token_id=self.pad_token_id, image_tokens=self.image_tokens))
             return RankBatch(plan, micro_batches, None)
         _check_owned(batch, plan.rank_samples(self.dp_rank))
         micro_batches = pack_plan_rank(samples, plan, self.dp_rank, pad_token_id=self.pad_token_id,
                                        advantages=batch.advantages, old_logprobs=batch.old_logprobs,
                                        ref_logprobs=batch.ref_logprobs, teacher_logprobs=batch.teacher_logprobs,
                                        old_values=batch.old_values if batch.returns is not None else None,
-                                       returns=batch.returns)
+                                       returns=batch.returns, image_tokens=self.image_tokens)
         return RankBatch(plan, micro_batches, plan_loss_denominators(samples, plan)[self.dp_rank])
 
     def data_parallel_peers(self) -> tuple[list[int], object]:

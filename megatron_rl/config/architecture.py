@@ -69,8 +69,8 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
 BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "mixtral", "qwen2",
                        "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
-# vision-language model_types a bridge builds (models/families.py): the model, its conversion and its parity with
-# HF exist, the image data pipeline and rollout do not yet, so a run with one is refused (docs/vlm.md)
+# vision-language model_types a bridge builds (models/families.py): what a run with one may combine is
+# config/vlm_rules.py's (docs/vlm.md)
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -489,13 +489,7 @@ def model_type_errors(hf: dict, where: str) -> list[str]:
     """config.json's ``model_type`` has a bridge (what ``models.get_bridge`` refuses once the model is built,
     said here, where validation and ``--dry-run`` read the file)."""
     model_type = hf.get("model_type")
-    if model_type in VISION_LANGUAGE_TYPES:
-        return [f"{where}: model_type {model_type!r} is a vision-language model: megatron_rl has its model "
-                "(megatron-core language model with M-RoPE + the HF vision tower), HF <-> torch_dist conversion and "
-                "parity with HF, but no image data pipeline (--multimodal-keys), no rollout with images and no "
-                "training run yet (docs/vlm.md); convert it with tools/convert_ckpt.py and check it against HF with "
-                "tools/check_parity.py, or train a text model"]
-    if model_type in BRIDGED_MODEL_TYPES:
+    if model_type in BRIDGED_MODEL_TYPES:  # a vision-language one's combinations: config/vlm_rules.py
         return []
     if model_type in MULTIMODAL_MODEL_TYPES:
         return [f"{where}: model_type {model_type!r} is a multimodal checkpoint; megatron_rl trains its text model "

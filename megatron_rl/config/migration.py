@@ -131,9 +131,10 @@ NOTES: dict[str, tuple[str, str]] = {
                            "--rollout-engine-urls http://IP:PORT, which takes a router (generation through it, "
                            "weights to the workers it lists); --rollout-router on starts one."),
     "--sglang-router-port": ("refused", "As --sglang-router-ip."),
-    "--multimodal-keys": ("refused", "Same JSON map (only \"image\"); its images (paths, bytes, base64) are read "
-                          "and run through the checkpoint's own image processor (docs/vlm.md), but a run with it is "
-                          "refused at validation until training and rollout with images are built."),
+    "--multimodal-keys": ("same", "Same JSON map (only \"image\"); its images (paths, bytes, base64) are read "
+                          "and run through the checkpoint's own image processor, and train with a Qwen2.5-VL "
+                          "checkpoint on the megatron backend and the embedded engine (docs/vlm.md); SGLang's "
+                          "image_data and the FSDP backend are refused by name."),
     "--optimizer-cpu-offload": ("same", "megatron: megatron-core's hybrid CPU optimizer. Implies "
                                 "--use-distributed-optimizer (Megatron-LM requires it; slime always turns it on). "
                                 "fsdp: FSDP2's CPUOffloadPolicy."),

@@ -114,6 +114,11 @@ class ModelConfig:
                                         "architecture, tokenizer and initial weights come from here.")
     seq_length: Optional[int] = flag(None, "Longest prompt+response the trainer must hold; defaults to "
                                      "--rollout-max-prompt-len + --rollout-max-response-len.")
+    freeze_vision_tower: bool = flag(False, "A vision-language --hf-checkpoint: train the language model only; the "
+                                     "vision tower and merger get no gradient and no optimizer state, and every "
+                                     "weight sync after the first sends the language model alone (the engine keeps "
+                                     "the tower the first one sent). Not with --offload-rollout / --colocate "
+                                     "(a released engine needs every tensor back). docs/vlm.md.")
 
 
 @dataclass(frozen=True)
@@ -889,8 +894,9 @@ class DataConfig:
         None, "JSON map from modality to the prompt column holding it (slime's; verl's data.image_key), e.g. "
         "'{\"image\": \"images\"}': each prompt's images (file paths, bytes, base64, or verl's {bytes|path} "
         "dicts) are decoded and run once through the --hf-checkpoint's own image processor, and its image-pad "
-        "tokens are expanded to each image's features (docs/vlm.md). Only \"image\" is a modality. Training and "
-        "rollout with images are not built yet: a run with this flag is refused at validation.", metavar="JSON")
+        "tokens are expanded to each image's features (docs/vlm.md). Only \"image\" is a modality. Needs a "
+        "vision-language --hf-checkpoint (qwen2_5_vl); trains on the megatron backend with the embedded engine "
+        "(SGLang's image_data and the FSDP backend are refused by name).", metavar="JSON")
     apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = flag(False, "Shuffle prompts each epoch (seeded).")
     eval_prompt_data: list = flag([], "Evaluation prompts: one JSONL file (metrics eval/reward_mean, ...), or "

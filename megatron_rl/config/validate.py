@@ -22,6 +22,7 @@ from .schema import Config, flag_name, iter_fields
 from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
 from .lora_rules import modules_to_save_errors
 from .multimodal import parse_multimodal_keys
+from .vlm_rules import vision_language_errors
 from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
@@ -384,19 +385,16 @@ def _check_checkpoint_and_data(errors: list[str], cfg: Config) -> None:
 
 
 def _check_multimodal_keys(errors: list[str], cfg: Config) -> None:
-    """--multimodal-keys: a valid map is still refused, since no backend forward takes pixels yet (docs/vlm.md,
-    "Not built yet"); the data path it names (data/images.py) is built and tested on its own."""
+    """--multimodal-keys' map, and what a vision-language checkpoint may be combined with (config/vlm_rules.py;
+    a text checkpoint with the flag is refused by the image processor's own check, data/images.py, which
+    names the checkpoint's model_type)."""
     value = cfg.data.multimodal_keys
-    if value is None:
-        return
-    try:
-        parse_multimodal_keys(value)
-    except ConfigError as exc:
-        errors.append(str(exc))
-        return
-    errors.append(f"--multimodal-keys {value!r}: training and rollout with images are not built yet (the prompt "
-                  "images are read and processed, but no backend forward or engine takes pixels: docs/vlm.md); "
-                  "drop --multimodal-keys")
+    if value is not None:
+        try:
+            parse_multimodal_keys(value)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    errors.extend(vision_language_errors(cfg))
 
 
 def _check_verl_data(errors: list[str], cfg: Config) -> None:

@@ -47,6 +47,7 @@ import torch
 from megatron_rl.data.partition import first_fit_decreasing, karmarkar_karp, refine_by_swaps
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import ConfigError
+from megatron_rl.models.mrope import check_image_tokens, mrope_position_ids
 
 # --------------------------------------------------------------------------- planning
 
@@ -307,6 +308,12 @@ class PackedBatch:
     Pad tokens never appear in the response-aligned tensors, so they carry no
     loss. An empty micro-batch (``is_empty``) is one all-pad sequence with
     ``n = 0`` samples: ``cu_seqlens`` then has two entries.
+
+    Packed for a vision-language model (``pack_samples(image_tokens=...)``): ``position_ids`` is ``[3, T]``,
+    each sequence's own M-RoPE rows (``models.mrope.mrope_position_ids``; a pad tail keeps counting on from the
+    sequence's largest position), and ``pixel_values`` ``[patches, width]`` / ``image_grid_thw`` ``[images, 3]``
+    are the images of its samples concatenated in sample order, so the k-th run of image-pad tokens in
+    ``tokens`` is the k-th grid's features (what the model scatters, before any context-parallel split).
     """
 
     tokens: torch.Tensor
@@ -327,6 +334,13 @@ class PackedBatch:
     teacher_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None  # the critic's values before the step (ppo)
     returns: torch.Tensor | None = None  # the critic's regression targets (ppo's GAE returns)
+    pixel_values: torch.Tensor | None = None  # the samples' image patches, in sample order (vision-language)
+    image_grid_thw: torch.Tensor | None = None  # their grids, one row per image
+
+    @property
+    def has_mrope(self) -> bool:
+        """Packed for a vision-language model: three position rows (M-RoPE) per token."""
+        return self.position_ids.dim() == 2
 
     @property
     def num_tokens(self) -> int:
@@ -403,6 +417,42 @@ def _flat_float32(parts: list) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class ImageTokens:
+    """What packing needs of a vision-language model: the image-pad token id its processor writes per merged
+    patch and the merger's patch side (``spatial_merge_size``); from the bridge (``Qwen2_5_VLBridge``)."""
+
+    image_token_id: int
+    spatial_merge_size: int
+
+
+def _vision_rows(samples: Sequence[AnySample], sample_indices: Sequence[int], padded: Sequence[int],
+                 image_tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(position_ids [3, T], pixel_values, image_grid_thw)`` of a micro-batch packed for a vision-language
+    model. Each sample is checked first (``check_image_tokens``): a sample whose image-pad tokens and images
+    disagree is refused naming the rollout sample, before any model runs."""
+    positions, pixels, grids = [], [], []
+    token, merge = image_tokens.image_token_id, image_tokens.spatial_merge_size
+    for idx, plen in zip(sample_indices, padded):
+        s = samples[idx]
+        ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        vision = s.multimodal_inputs
+        grid = torch.from_numpy(vision.image_grid_thw).long() if vision is not None else None
+        what = f"rollout sample {idx}"
+        check_image_tokens(ids, grid, token, merge, what,
+                           pixel_rows=int(vision.pixel_values.shape[0]) if vision is not None else None)
+        rows = mrope_position_ids(ids, grid, token, merge, what)
+        start = int(rows.max()) + 1 if rows.numel() else 0
+        positions.append(torch.cat([rows, (start + torch.arange(plen - len(ids))).expand(3, -1)], dim=1))
+        if vision is not None and grid is not None:
+            pixels.append(torch.from_numpy(vision.pixel_values).float())
+            grids.append(grid)
+    if not positions:  # an empty micro-batch: one all-pad sequence
+        positions.append(torch.arange(sum(padded)).expand(3, -1))
+    return (torch.cat(positions, dim=1), torch.cat(pixels) if pixels else None,
+            torch.cat(grids) if grids else None)
+
+
 def pack_samples(
     samples: Sequence[AnySample],
     sample_indices: Sequence[int],
@@ -415,6 +465,7 @@ def pack_samples(
     teacher_logprobs: Sequence | None = None,
     old_values: Sequence | None = None,
     returns: Sequence | None = None,
+    image_tokens: ImageTokens | None = None,
 ) -> PackedBatch:
     """Lay out ``samples[i] for i in sample_indices`` as one THD ``PackedBatch``.
 
@@ -424,6 +475,10 @@ def pack_samples(
     samples themselves (``rollout_logprobs`` is kept only if every sample has it).
     Each sequence is padded with ``pad_token_id`` up to a multiple of
     ``pad_to_multiple`` (see ``pad_multiple_for``).
+
+    ``image_tokens`` (a vision-language model's): the batch carries its samples' images
+    (``Sample.multimodal_inputs``) and M-RoPE positions (``PackedBatch``); without it a sample with
+    images is refused (a text-only model cannot take them).
 
     Runs once per micro-batch of every forward and training step, so the per-sample
     work is list extends; positions and index tensors are built with tensor ops.
@@ -455,6 +510,10 @@ def pack_samples(
     real: list[int] = []
     for idx, s in zip(sample_indices, chosen):
         p, r = len(s.prompt_ids), len(s.response_ids)
+        if image_tokens is None and getattr(s, "multimodal_inputs", None) is not None:
+            raise ConfigError(f"rollout sample {idx} carries images (--multimodal-keys) but the model is text-only "
+                              "(its --hf-checkpoint has no vision tower); train a vision-language checkpoint or "
+                              "drop the images")
         if p < 1:
             raise ConfigError(f"rollout sample {idx} has an empty prompt; the first response token then has no "
                               f"position that predicts it. Give every prompt at least one token (e.g. a BOS "
@@ -492,8 +551,11 @@ def pack_samples(
     cu_real = torch.zeros(len(real) + 1, dtype=long)
     torch.cumsum(torch.tensor(real, dtype=long), 0, out=cu_real[1:])
     total = int(cu[-1])
-    # position of each token within its (padded) sequence
+    # position of each token within its (padded) sequence (a vision-language model's: its M-RoPE rows)
     positions = torch.arange(total, dtype=long) - torch.repeat_interleave(cu[:-1], seq_lens, output_size=total)
+    pixel_values = image_grid_thw = None
+    if image_tokens is not None:
+        positions, pixel_values, image_grid_thw = _vision_rows(samples, sample_indices, padded, image_tokens)
     p_len, r_len = torch.tensor(prompt_lengths, dtype=long), torch.tensor(response_lengths, dtype=long)
     n_resp = int(r_len.sum())
     # response-aligned rows: the position predicting response token j of a sample is start + p - 1 + j
@@ -512,6 +574,8 @@ def pack_samples(
         response_positions=resp_pos,
         response_target_ids=_long_tensor(targets),
         loss_mask=(torch.ones(n_resp, dtype=f32) if loss_mask is None else torch.tensor(loss_mask, dtype=f32)),
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
         **{name: _flat_float32(vals) for name, vals in flat.items()},
     )
 
@@ -593,7 +657,7 @@ def micro_batch_tokens(plan: MicroBatchPlan, seq_lengths: Sequence[int]) -> list
 
 
 __all__ = [
-    "MicroBatchPlan", "PackedBatch", "LossDenominators", "padded_length", "pad_multiple_for",
+    "MicroBatchPlan", "PackedBatch", "ImageTokens", "LossDenominators", "padded_length", "pad_multiple_for",
     "plan_dynamic_micro_batches", "plan_fixed_micro_batches", "plan_owner_aligned", "step_bounds", "pack_samples", "pack_plan_rank",
     "compute_loss_denominators", "plan_loss_denominators", "micro_batch_tokens",
 ]

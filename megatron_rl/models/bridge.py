@@ -89,6 +89,7 @@ class Bridge:
     rope_types: tuple[str, ...] = ("default",)  # HF rope_type values the family maps exactly
     sliding_window_layers: bool = False  # layer_types sliding_attention / full_attention map (gpt-oss)
     position_embedding_type: str = "rope"  # megatron GPTModel's (gpt-oss: "yarn")
+    vision_language: bool = False  # a vision tower in front (image_token_id / spatial_merge_size then defined)
 
     def __init__(self, hf_config: dict, mtp_num_layers: int = 0):
         self.hf_config = dict(hf_config)
@@ -713,9 +714,9 @@ class Bridge:
         weights.load_hf_weights(self, model_chunks, hf_dir)
 
     def export_hf_weights(self, model_chunks, bucket_bytes: Optional[int] = None, stage_only: bool = False,
-                          include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                          include_mtp: bool = True, include_vision: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return weights.export_hf_weights(self, model_chunks, bucket_bytes=bucket_bytes, stage_only=stage_only,
-                                         include_mtp=include_mtp)
+                                         include_mtp=include_mtp, include_vision=include_vision)
 
 
 def read_hf_config(hf_dir_or_config) -> dict:

@@ -816,6 +816,7 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
     family = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
     position_embedding_type = "mrope"
+    vision_language = True
     rope_types = ("default", "mrope")  # older configs spell the multimodal RoPE rope_type "mrope"
 
     def __init__(self, hf_config: dict, mtp_num_layers: int = 0):

@@ -214,15 +214,17 @@ def tiny_config(family: str, **overrides: Any):
 
 def _vl_config(family: str, **overrides: Any):
     """A vision-language config: the text model's fields (``_COMMON`` and the family's) under ``text_config``,
-    the tower under ``vision_config``; ``overrides`` go to the text config, ``vision_config=`` to the tower."""
+    the tower under ``vision_config``; ``overrides`` go to the text config, ``vision_config=`` to the tower, the
+    vision token ids (``VL_TOKENS``' keys: a smaller vocab needs them lower) to the config itself."""
     import transformers
 
+    tokens = {**VL_TOKENS[family], **{k: overrides.pop(k) for k in list(overrides) if k in VL_TOKENS[family]}}
     vision = {**_VL_VISION[family], **overrides.pop("vision_config", {})}
     text = {k: v for k, v in {**_COMMON, **_VL_TEXT[family], **overrides}.items() if k != "dtype"}
     text.update(bos_token_id=None, eos_token_id=None)  # transformers' defaults (151643, ...) lie outside the tiny vocab
     tie = text.pop("tie_word_embeddings")
     cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig}[family]
-    return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **VL_TOKENS[family])
+    return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **tokens)
 
 
 def _model_class(family: str):

@@ -356,9 +356,9 @@ def _ep_layout():
         ps.get_expert_model_parallel_group()
 
 
-def _stage_items(bridge, model_chunks, include_mtp: bool = True):
+def _stage_items(bridge, model_chunks, include_mtp: bool = True, include_vision: bool = True):
     """[(slot, [hf names in yield order])] for this rank's pipeline stage (without the MTP block's unless
-    ``include_mtp``)."""
+    ``include_mtp``, without a vision-language model's tower unless ``include_vision``)."""
     ep_rank, ep_size, _ = _ep_layout()
     items = []
     for chunk in model_chunks:
@@ -367,7 +367,7 @@ def _stage_items(bridge, model_chunks, include_mtp: bool = True):
             if slot.canonical_name == "embedding.word_embeddings.weight" and not model.pre_process:
                 continue  # the MTP stage's copy of the first stage's embedding (megatron keeps them equal)
             mtp = slot.canonical_name.startswith("mtp.")
-            if mtp and not include_mtp:
+            if (mtp and not include_mtp) or (not include_vision and slot.canonical_name.startswith("vision.")):
                 continue
             if slot.is_expert:
                 layers = model.mtp.layers if mtp else model.decoder.layers
@@ -482,16 +482,18 @@ def export_shape(bridge, shapes: dict, name: str) -> tuple[int, ...]:
 
 
 def export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None, stage_only: bool = False,
-                      include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                      include_mtp: bool = True, include_vision: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """See :func:`_export_hf_weights`; per-expert slices of stacked HF tensors (gpt-oss) leave joined, MTP
     layers' copies of the embedding / head are added (:func:`with_mtp_copies`). ``include_mtp=False``: the
-    MTP block's tensors are left out (the weight sync of frozen MTP layers)."""
+    MTP block's tensors are left out (the weight sync of frozen MTP layers); ``include_vision=False``: a
+    vision-language model's tower (``visual.*``) is (--freeze-vision-tower's sync)."""
     return with_mtp_copies(bridge, stack_expert_pieces(
-        bridge, _export_hf_weights(bridge, model_chunks, bucket_bytes, stage_only, include_mtp)), include_mtp)
+        bridge, _export_hf_weights(bridge, model_chunks, bucket_bytes, stage_only, include_mtp, include_vision)),
+        include_mtp)
 
 
-def _export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
-                       stage_only: bool = False, include_mtp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def _export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None, stage_only: bool = False,
+                       include_mtp: bool = True, include_vision: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model, on every rank (collective: TP/EP gathers, PP broadcasts); with
     ``stage_only``, the tensors of this rank's pipeline stage only (TP/EP gathers, no broadcast).
 
@@ -502,7 +504,7 @@ def _export_hf_weights(bridge, model_chunks, bucket_bytes: Optional[int] = None,
     """
     from megatron.core import parallel_state as ps
 
-    items = _stage_items(bridge, model_chunks, include_mtp)
+    items = _stage_items(bridge, model_chunks, include_mtp, include_vision)
     phases = ([it for it in items if not it[0].is_expert], [it for it in items if it[0].is_expert])
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if pp_size == 1 or stage_only:

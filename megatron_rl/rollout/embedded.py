@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from megatron_rl.data.images import VisionInputs
 from megatron_rl.data.types import RoutedExperts, Sample
 from megatron_rl.errors import CheckpointError, ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
@@ -146,6 +147,7 @@ class EngineRow:
     max_new_tokens: int
     key: Any = None  # rows with one key share one prefill of their (equal) prompt; None: the row's own
     cancel: Optional[threading.Event] = None  # set by another thread: the row ends "abort" after its current step
+    images: Optional[VisionInputs] = None  # the prompt's images (a vision-language model's), None: text only
 
 
 @dataclass
@@ -162,10 +164,12 @@ class RowOutput:
 class _Slot:
     """A row of ``generate_continuous``'s batch: what it generated so far and its own uniforms."""
 
-    __slots__ = ("row", "plen", "limit", "tokens", "logprobs", "versions", "done", "reason", "routes", "_uniforms")
+    __slots__ = ("row", "plen", "start", "limit", "tokens", "logprobs", "versions", "done", "reason", "routes",
+                 "_uniforms")
 
-    def __init__(self, row: EngineRow, limit: int, greedy: bool):
+    def __init__(self, row: EngineRow, limit: int, greedy: bool, start: int):
         self.row, self.plen = row, len(row.prompt_ids)
+        self.start = start  # the position of its first response token (EmbeddedEngine.response_start)
         self.limit = limit
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -189,7 +193,14 @@ class _Slot:
 
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
-    mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss, gemma3_text, qwen3_next).
+    mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss, gemma3_text, qwen3_next), or a vision-language checkpoint's
+    ``AutoModelForImageTextToText`` (qwen2_5_vl).
+
+    Images (a request's ``multimodal_inputs``): the prefill of a prompt gives the model its pixel patches and grids
+    (one prefill per prompt, its cache copied to the group's samples, so the vision tower runs once per prompt) and
+    the prompt's M-RoPE positions (``models.mrope.mrope_position_ids``, as the trainer packs them); every response
+    token is text, at the position after the prompt's largest (``response_start``), as transformers' own
+    ``rope_deltas`` place it.
 
     ``attn_implementation`` None lets transformers choose per model: SDPA where the model supports it,
     eager otherwise (gpt-oss, whose attention sinks SDPA cannot express)."""
@@ -206,10 +217,22 @@ class EmbeddedEngine(RolloutEngine):
             raise ConfigError(f"EmbeddedEngine max_batch_size={max_batch_size}: use a value >= 1 (or None: "
                               f"as many rows as fit {CHUNK_BUDGET_BYTES >> 20} MiB)")
         checkpoint = HFCheckpoint(hf_checkpoint)  # a truncated/missing shard named here, not by transformers
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_checkpoint), config=hf_config(str(hf_checkpoint)), dtype=dtype,
-            attn_implementation=attn_implementation,
+        config = hf_config(str(hf_checkpoint))
+        vision = getattr(config, "vision_config", None)
+        auto = transformers.AutoModelForImageTextToText if vision is not None else transformers.AutoModelForCausalLM
+        self.model = auto.from_pretrained(
+            str(hf_checkpoint), config=config, dtype=dtype, attn_implementation=attn_implementation,
         ).to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
+        self.text_config = self.model.config.get_text_config()  # a vision-language config's language model
+        # (image-pad token id, spatial merge size) of a vision-language model; None: text only
+        self.image_tokens: Optional[tuple[int, int]] = (
+            (int(config.image_token_id), int(vision.spatial_merge_size)) if vision is not None else None)
+        # a vision-language model never samples its vision tokens (sampling.py: the reported log-probs stay the full
+        # distribution's): a response holding an image-pad token would have no image behind it, and the trainer
+        # refuses such a sample
+        self.banned_tokens: tuple[int, ...] = tuple(sorted({int(t) for t in (
+            getattr(config, key, None) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                   "vision_end_token_id")) if t is not None})) if vision is not None else ()
         checkpoint.refuse_non_finite_parameters(self.model)  # inf/NaN: named here, not as NaN logits later
         self.model.requires_grad_(False)
         self.device = torch.device(device)
@@ -224,8 +247,8 @@ class EmbeddedEngine(RolloutEngine):
             _as_id_list(getattr(self.model.generation_config, "eos_token_id", None))
             + _as_id_list(getattr(self.model.config, "eos_token_id", None))
             + _as_id_list(getattr(tokenizer, "eos_token_id", None))))
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(self.text_config.vocab_size)
+        self.context_length = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
         self._warned_cap = False  # a response cut by the context length: warned once (_new_token_limit)
         self.hf_checkpoint = str(hf_checkpoint)
         self.param_map = HFParamMap(self.model)
@@ -677,10 +700,10 @@ class EmbeddedEngine(RolloutEngine):
         if not requests:
             return []
         for req in requests:
-            self._check_prompt(req.prompt_ids, f"prompt of group_index {req.group_index}")
+            self._check_prompt(req.prompt_ids, f"prompt of group_index {req.group_index}", req.multimodal_inputs)
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         rows = [EngineRow(list(requests[i].prompt_ids), row_seed(base_seed, first_request + i, j),
-                          requests[i].budget(sampling), key=i)
+                          requests[i].budget(sampling), key=i, images=requests[i].multimodal_inputs)
                 for i in range(len(requests)) for j in range(sampling.n)]
         outputs = self._run_rows(rows, sampling, pad_to)
         samples = []
@@ -693,7 +716,8 @@ class EmbeddedEngine(RolloutEngine):
                 rollout_logprobs=out.logprobs, finish_reason=out.finish_reason,
                 weight_version=out.versions[0] if out.versions else self._weight_version,
                 label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata),
-                token_versions=list(out.versions) if len(set(out.versions)) > 1 else [], routed_experts=out.routes))
+                token_versions=list(out.versions) if len(set(out.versions)) > 1 else [], routed_experts=out.routes,
+                multimodal_inputs=req.multimodal_inputs))
         return samples
 
     def generate_rows(self, rows: list["EngineRow"], sampling: SamplingParams) -> list["RowOutput"]:
@@ -708,7 +732,7 @@ class EmbeddedEngine(RolloutEngine):
         """
         self._check_ready("generate")
         for k, row in enumerate(rows):
-            self._check_prompt(row.prompt_ids, f"row {k}")
+            self._check_prompt(row.prompt_ids, f"row {k}", row.images)
             if row.max_new_tokens < 1:
                 raise ConfigError(f"row {k}: max_new_tokens {row.max_new_tokens}; use a value >= 1")
         return self._run_rows(rows, sampling, 0) if rows else []
@@ -729,7 +753,15 @@ class EmbeddedEngine(RolloutEngine):
                         self.context_length, self.hf_checkpoint, room)
         return min(row.max_new_tokens, room)
 
-    def _check_prompt(self, prompt_ids: list[int], what: str) -> None:
+    def _check_prompt(self, prompt_ids: list[int], what: str, images: Optional[VisionInputs] = None) -> None:
+        if self.image_tokens is None and images is not None:
+            raise ConfigError(f"{what} carries images but {self.hf_checkpoint} is a text-only model; use a "
+                              "vision-language checkpoint or drop --multimodal-keys")
+        if self.image_tokens is not None:  # its image-pad tokens must be its images' features (named, before work)
+            from megatron_rl.models.mrope import check_image_tokens
+
+            check_image_tokens(torch.tensor(prompt_ids), _grid(images), *self.image_tokens, what,
+                               pixel_rows=int(images.pixel_values.shape[0]) if images is not None else None)
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"{what} has token id {bad[0]} outside the model's vocab [0, {self.vocab_size}); "
@@ -801,8 +833,9 @@ class EmbeddedEngine(RolloutEngine):
                     longest = max((s.plen + s.limit for s in active), default=1)
                     joining = []
                     for row in take(max(0, self.rows_per_chunk(longest) - len(active))):
-                        self._check_prompt(row.prompt_ids, "a joining row")
-                        joining.append(_Slot(row, self._new_token_limit(row), sampling.greedy))
+                        self._check_prompt(row.prompt_ids, "a joining row", row.images)
+                        joining.append(_Slot(row, self._new_token_limit(row), sampling.greedy,
+                                             self.response_start(row.prompt_ids, row.images)))
                     if not active and not joining:
                         return
                     if self.step_boundary_hook is not None:
@@ -820,7 +853,7 @@ class EmbeddedEngine(RolloutEngine):
                         parts, logits = [], []
                         if active and not retract:  # one decode step of the running rows
                             mask = torch.cat([mask, mask.new_ones(len(slots), 1)], dim=1)
-                            positions = torch.tensor([[s.plen + len(s.tokens) - 1] for s in slots], device=self.device)
+                            positions = self._decode_positions([s.start + len(s.tokens) - 1 for s in slots])
                             out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
                                              position_ids=positions, cache=cache, use_cache=True)
                             if self.route_capture is not None:  # each running row's fed token
@@ -844,7 +877,8 @@ class EmbeddedEngine(RolloutEngine):
                             for r, seq in enumerate(seqs):
                                 ids[r, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
                                 pmask[r, width - len(seq):] = 1
-                            new_cache, new_logits = self._prefill(ids, pmask, capacity=width)
+                            new_cache, new_logits = self._prefill(ids, pmask, capacity=width,
+                                                                  images=[s.row.images for s in fresh])
                             if self.route_capture is not None:  # a (re-)prefill gives every route of its rows
                                 prefill_routes = self.route_capture.take(len(seqs), width)
                                 for r, (s, seq) in enumerate(zip(fresh, seqs)):
@@ -868,7 +902,8 @@ class EmbeddedEngine(RolloutEngine):
                         live = [s for s in slots if not s.done]
                         assert [id(s) for s in order] == [id(s) for s in live], "logits follow the live rows"
                         uniforms = torch.tensor([s.uniform() for s in order], dtype=torch.float64)
-                        sampled, sampled_lp = sample_next_tokens(torch.cat(logits), sampling, uniforms.to(self.device))
+                        sampled, sampled_lp = sample_next_tokens(torch.cat(logits), sampling, uniforms.to(self.device),
+                                                                 self.banned_tokens)
                     finally:
                         self._leave_step()
                     last_version = version
@@ -900,7 +935,7 @@ class EmbeddedEngine(RolloutEngine):
         logits and the float64 sampling CDF of one step)."""
         if self.max_batch_size is not None:
             return self.max_batch_size
-        cfg = self.model.config
+        cfg = self.text_config
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -908,16 +943,57 @@ class EmbeddedEngine(RolloutEngine):
         per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * longest * elem + self.vocab_size * (4 + 4 + 8)
         return max(1, CHUNK_BUDGET_BYTES // per_row)
 
-    def _prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, capacity: int):
+    def _prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, capacity: int,
+                 images: Optional[list[Optional[VisionInputs]]] = None):
         """Forward of left-padded sequences into a fresh cache of ``capacity`` positions; ``(cache, logits of
-        each sequence's last position)``. Position ids ``cumsum(mask) - 1``, so padding changes nothing."""
+        each sequence's last position)``. Position ids ``cumsum(mask) - 1``, so padding changes nothing; a
+        vision-language model's: each sequence's M-RoPE rows ``[3, b, s]``, with ``images`` (one entry per
+        sequence) given as their pixel patches and grids, in row order (the order the model scatters them in)."""
         from megatron_rl.rollout.kv_cache import make_kv_cache  # lazy: kv_cache imports transformers at import time
 
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra: dict[str, torch.Tensor] = {}
+        if self.image_tokens is not None:
+            positions, extra = self._vision_prefill(input_ids, mask, images or [None] * len(input_ids))
         cache = make_kv_cache(self.model.config, capacity=capacity)
         out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), cache=cache, use_cache=True, logits_to_keep=1)
+                         position_ids=positions.to(self.device), cache=cache, use_cache=True, logits_to_keep=1,
+                         **{k: v.to(self.device) for k, v in extra.items()})
         return cache, out.logits[:, -1, :]
+
+    def _vision_prefill(self, input_ids: torch.Tensor, mask: torch.Tensor,
+                        images: list[Optional[VisionInputs]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``[3, b, s]`` M-RoPE positions of left-padded sequences (0 on the padding, which the mask hides) and
+        the model's image keywords (their images concatenated in row order)."""
+        from megatron_rl.models.mrope import mrope_position_ids  # lazy: torch only, kept beside its one use
+
+        assert self.image_tokens is not None
+        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long)
+        for r, seq_images in enumerate(images):
+            keep = mask[r].bool()
+            positions[:, r, keep] = mrope_position_ids(input_ids[r, keep], _grid(seq_images), *self.image_tokens)
+        present = [im for im in images if im is not None]
+        if not present:
+            return positions, {}
+        return positions, {"pixel_values": torch.cat([torch.from_numpy(im.pixel_values) for im in present]).to(
+                               next(self.model.parameters()).dtype),
+                           "image_grid_thw": torch.cat([torch.from_numpy(im.image_grid_thw) for im in present]).long()}
+
+    def response_start(self, prompt_ids: list[int], images: Optional[VisionInputs]) -> int:
+        """The position of a prompt's first response token: its length for a text model; for a vision-language
+        model one past the prompt's largest M-RoPE position (an image of ``h x w`` merged patches advances the
+        positions by ``max(h, w)``, not by its token count), as the trainer numbers the same tokens."""
+        if self.image_tokens is None or images is None:
+            return len(prompt_ids)
+        from megatron_rl.models.mrope import mrope_position_ids  # lazy: torch only, kept beside its one use
+
+        return int(mrope_position_ids(torch.tensor(prompt_ids), _grid(images), *self.image_tokens).max()) + 1
+
+    def _decode_positions(self, positions: list[int]) -> torch.Tensor:
+        """One decode step's position ids: ``[b, 1]``, or ``[3, b, 1]`` (every M-RoPE row alike: text) for a
+        vision-language model."""
+        ids = torch.tensor(positions, device=self.device)[:, None]
+        return ids[None].expand(3, -1, -1) if self.image_tokens is not None else ids
 
     def _generate_chunk(self, call: _GenerateCall, chunk: list["EngineRow"], sampling: SamplingParams,
                         stop_ids: set[int], pad_to: int = 0) -> list["RowOutput"]:
@@ -925,6 +1001,7 @@ class EmbeddedEngine(RolloutEngine):
         prompt_order = list(dict.fromkeys(keys))  # rows with one key share one prefill of their prompt
         first_row = {key: r for r, key in reversed(list(enumerate(keys)))}
         prompts = [chunk[first_row[key]].prompt_ids for key in prompt_order]
+        prompt_images = [chunk[first_row[key]].images for key in prompt_order]
         width = max(pad_to, max(len(p) for p in prompts))
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -932,6 +1009,7 @@ class EmbeddedEngine(RolloutEngine):
             input_ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
             prompt_mask[r, width - len(p):] = 1
         prompt_lens = [len(row.prompt_ids) for row in chunk]
+        starts = [self.response_start(row.prompt_ids, row.images) for row in chunk]  # first response positions
         limits = [self._new_token_limit(row) for row in chunk]
         capacity = width + max(limits)
         # each row gets its own copy of its prompt (and, after the prefill, of its cache)
@@ -971,7 +1049,7 @@ class EmbeddedEngine(RolloutEngine):
                     self._check_ready("continue generating")  # an update that failed between two steps
                 version = self._weight_version
                 if step == 0:
-                    cache, logits = self._prefill(input_ids, prompt_mask, capacity)
+                    cache, logits = self._prefill(input_ids, prompt_mask, capacity, images=prompt_images)
                     if capture is not None:
                         prefill_routes = capture.take(len(prompts), width)
                         routes = [[prefill_routes[int(expand[r]), width - prompt_lens[r]:]] for r in range(len(chunk))]
@@ -986,7 +1064,7 @@ class EmbeddedEngine(RolloutEngine):
                     prefix_mask = torch.cat([prompt_mask[expand[batch]],
                                              torch.ones(len(batch), step, dtype=torch.long)], dim=1)
                     cache, logits = self._prefill(torch.cat([input_ids[expand[batch]], generated], dim=1),
-                                                  prefix_mask, capacity)
+                                                  prefix_mask, capacity, images=[chunk[r].images for r in batch])
                     if capture is not None:  # the re-prefill's routes replace every route of its rows
                         prefill_routes = capture.take(len(batch), width + step)
                         for b, r in enumerate(batch):
@@ -1002,8 +1080,7 @@ class EmbeddedEngine(RolloutEngine):
                         batch = [batch[b] for b in keep]
                     mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
                     # a finished row left in the batch keeps its last position (its outputs are ignored)
-                    positions = torch.tensor([[prompt_lens[r] + min(step, len(responses[r])) - 1] for r in batch],
-                                             device=self.device)
+                    positions = self._decode_positions([starts[r] + min(step, len(responses[r])) - 1 for r in batch])
                     out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
                                      cache=cache, use_cache=True)
                     logits = out.logits[:, -1, :]
@@ -1012,7 +1089,8 @@ class EmbeddedEngine(RolloutEngine):
                         for b, r in enumerate(batch):
                             if not done[r]:
                                 routes[r].append(step_routes[b])
-                tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device))
+                tokens, token_logprobs = sample_next_tokens(logits, sampling, uniforms[batch, step].to(self.device),
+                                                            self.banned_tokens)
             finally:
                 self._leave_step()
             last_version = version
@@ -1044,3 +1122,8 @@ class EmbeddedEngine(RolloutEngine):
     def _route_experts(self) -> int:
         """The expert count routes are stored for (0: not recording routes)."""
         return self.route_capture.num_experts if self.route_capture is not None else 0
+
+
+def _grid(images: Optional[VisionInputs]) -> Optional[torch.Tensor]:
+    """The ``image_grid_thw`` of a prompt's images as a tensor (None: no images)."""
+    return torch.from_numpy(images.image_grid_thw).long() if images is not None else None

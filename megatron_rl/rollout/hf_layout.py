@@ -45,6 +45,12 @@ class CheckpointMoeNames:
 CHECKPOINT_MOE_NAMES = {"mixtral": CheckpointMoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
 #: model types whose checkpoint stores each layer's experts stacked, under the in-memory names and layout
 STACKED_EXPERT_CHECKPOINTS = ("gpt_oss",)
+#: model_type -> (in-memory prefix, checkpoint prefix) pairs: transformers >= 5 nests a vision-language model's
+#: language model and vision tower under ``model.`` (``model.language_model.*``, ``model.visual.*``), the hub
+#: checkpoints (and the trainer's export) keep ``model.*`` and ``visual.*`` (transformers' load-time conversion)
+CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+}
 
 
 def _view(live: Callable[[], torch.Tensor], index: int | tuple[int, slice]) -> Callable[[], torch.Tensor]:
@@ -60,6 +66,7 @@ class HFParamMap:
         self._views: dict[str, Callable[[], torch.Tensor]] = {}
         model_type = getattr(model.config, "model_type", "")
         self._moe = CHECKPOINT_MOE_NAMES.get(model_type, CheckpointMoeNames())
+        self._prefixes = CHECKPOINT_PREFIXES.get(model_type, ())
         stacked = model_type in STACKED_EXPERT_CHECKPOINTS
         params = dict(model.named_parameters())
         for name, param in params.items():
@@ -87,6 +94,10 @@ class HFParamMap:
         return lambda: self._model.get_buffer(buffer_name)
 
     def _checkpoint_name(self, name: str) -> str:
+        for memory, checkpoint in self._prefixes:
+            if name.startswith(memory):
+                name = checkpoint + name[len(memory):]
+                break
         return _MOE_BLOCK.sub(f".{self._moe.block}.", name)
 
     def _add_fused_experts(self, prefix: str, kind: str, param_name: str) -> None:

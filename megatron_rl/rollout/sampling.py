@@ -12,6 +12,11 @@ the embedded engine and an SGLang server draw from the same distribution:
 
 Randomness enters only as one uniform number per row per step, supplied by the
 caller; that is what makes sampling reproducible per sequence.
+
+``banned`` token ids are never drawn (a vision-language model's vision tokens: a
+response holding an image-pad token would have no image behind it); like top-k /
+top-p they only narrow the support, and the reported log-probs stay the full
+distribution's (what the trainer computes for the same tokens).
 """
 
 from __future__ import annotations
@@ -39,23 +44,27 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def sample_next_tokens(logits: torch.Tensor, sampling: SamplingParams,
-                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor,
+                       banned: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [B, V]; return (token ids [B], their log-probs [B]).
 
-    ``uniforms`` [B] in [0, 1) is the only randomness (ignored when greedy).
+    ``uniforms`` [B] in [0, 1) is the only randomness (ignored when greedy). ``banned``: ids never drawn.
     """
     logits = logits.float()
     if torch.isnan(logits).any():
         raise EngineError("the model produced NaN logits; the engine's weights are corrupt or were never loaded "
                           "(after release() without backup, send a full update_weights before generate)")
+    ban = torch.tensor(banned, dtype=torch.long, device=logits.device) if banned else None
     if sampling.greedy:
-        tokens = logits.argmax(dim=-1)
+        chooser = logits if ban is None else logits.index_fill(-1, ban, float("-inf"))
+        tokens = chooser.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
         return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
     logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
     probs = logprobs.exp()
+    if ban is not None:
+        probs = probs.index_fill(-1, ban, 0.0)
     if sampling.top_k == -1 and sampling.top_p >= 1.0:
         tokens = inverse_cdf(probs, uniforms)
     else:

@@ -230,12 +230,11 @@ def test_vision_inputs_ride_requests_samples_codec_and_pickles_exactly(tmp_path,
         stub.multimodal_inputs  # noqa: B018
 
 
-def test_a_run_with_multimodal_keys_is_refused_at_validation(tiny_hf_models):
+def test_multimodal_keys_with_a_text_checkpoint_is_refused_at_validation(tiny_hf_models):
     from megatron_rl.config.flags import parse_config
 
     hf = tiny_hf_models("qwen2")
-    with pytest.raises(ConfigError, match=r"--multimodal-keys '\{\"image\": \"images\"\}': training and rollout with "
-                                          r"images are not built yet"):
+    with pytest.raises(ConfigError, match=r"--multimodal-keys: --hf-checkpoint .* is not a vision-language checkpoint"):
         parse_config(["--hf-checkpoint", hf, "--multimodal-keys", '{"image": "images"}'])
     with pytest.raises(ConfigError, match=r"--multimodal-keys '\{\"video\": \"v\"\}': modality 'video'"):
         parse_config(["--hf-checkpoint", hf, "--multimodal-keys", '{"video": "v"}'])

@@ -5,6 +5,7 @@ logits and gradients (vision tower included) through megatron's DDP, in the layo
 import pytest
 
 from _util import read_json
+from _vlm_samples import LOGPROB_TOL
 
 pytestmark = pytest.mark.dist
 
@@ -15,12 +16,13 @@ GRAD_RTOL = 1e-5
 def shared_launch(ctx):
     out = ctx.tmp_path_factory.mktemp("vlm") / "r2.json"
     yield {2: [("vlm", [out, ctx.tiny_hf_models("qwen2_5_vl"), "vlm_dp2:1,1,0,1", "vlm_tp2:2,1,0,1",
-                      "vlm_tp2_sp:2,1,1,1", "vlm_pp2:1,2,0,1", "vlm_cp2:1,1,0,2"])]}
+                      "vlm_tp2_sp:2,1,1,1", "vlm_pp2:1,2,0,1", "vlm_cp2:1,1,0,2",
+                      "vlm_backend_dp2:1,1,0,1", "vlm_backend_cp2:1,1,0,2"])]}
     return read_json(out)
 
 
 def test_qwen2_5_vl_dp2_tp2_sp_pp2_cp2_match_hf_with_gradients(shared_launch_state):
-    results = shared_launch_state
+    results = {k: v for k, v in shared_launch_state.items() if not k.startswith("vlm_backend_")}
     assert set(results) == {"vlm_dp2", "vlm_tp2", "vlm_tp2_sp", "vlm_pp2", "vlm_cp2"}
     assert results["vlm_cp2"]["cp"] == 2
     assert (results["vlm_dp2"]["dp"], results["vlm_tp2"]["tp"], results["vlm_pp2"]["pp"]) == (2, 2, 2)
@@ -30,3 +32,16 @@ def test_qwen2_5_vl_dp2_tp2_sp_pp2_cp2_match_hf_with_gradients(shared_launch_sta
         assert r["vs_hf"] <= LOGIT_TOL, (name, r)
         assert r["grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r["grad_max_abs"]), (name, r)
         assert r["vision_grads_equal_across_tp"] and r["vision_tensors"] == 30, (name, r)
+
+
+def test_backend_with_images_at_dp2_and_cp2_matches_hf_and_trains_alike(shared_launch_state):
+    """The megatron backend's own packing and passes (rollout samples with images, dynamic batch sizes) at DP2 and
+    CP2: log-probs equal HF's (as one process's do: tests/backends/test_vlm_backend.py), and one GRPO step gives the
+    same grad norm and the same log-probs after it in both layouts."""
+    dp2, cp2 = shared_launch_state["vlm_backend_dp2"], shared_launch_state["vlm_backend_cp2"]
+    print(dp2["vs_hf"], cp2["vs_hf"], dp2["grad_norm"], cp2["grad_norm"])
+    assert (dp2["dp"], cp2["dp"], cp2["cp"]) == (2, 1, 2)
+    assert dp2["vs_hf"] <= LOGPROB_TOL and cp2["vs_hf"] <= LOGPROB_TOL, (dp2["vs_hf"], cp2["vs_hf"])
+    assert abs(dp2["grad_norm"] - cp2["grad_norm"]) <= 1e-5 * max(1.0, dp2["grad_norm"])
+    diff = max(abs(a - b) for x, y in zip(dp2["after_step"], cp2["after_step"]) for a, b in zip(x, y))
+    assert diff <= LOGPROB_TOL, diff

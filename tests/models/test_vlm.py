@@ -4,6 +4,7 @@ HF -> torch_dist -> HF bit for bit, and the layouts / runs not built yet refused
 tests/dist/test_vlm_layouts.py."""
 
 import glob
+import re
 import json
 import os
 
@@ -168,11 +169,22 @@ def test_a_config_without_mrope_sections_is_refused(vl):
         get_bridge(config)
 
 
-def test_a_run_with_a_vision_language_checkpoint_is_refused_at_validation(vl, capsys):
-    from megatron_rl.train import main
+def test_what_a_vision_language_run_may_combine_is_decided_at_validation(vl):
+    """A VL checkpoint validates with the megatron backend and the embedded engine (images, --freeze-vision-tower);
+    the combinations not built are refused by name before any worker starts (config/vlm_rules.py)."""
+    from megatron_rl.config.flags import parse_config
 
     path, _, _ = vl
-    assert main(["--hf-checkpoint", path, "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert f"--hf-checkpoint {path}: model_type 'qwen2_5_vl' is a vision-language model" in err
-    assert "no image data pipeline (--multimodal-keys)" in err
+    base = ["--hf-checkpoint", path, "--rollout-backend", "embedded", "--multimodal-keys", '{"image": "images"}']
+    cfg = parse_config(base + ["--freeze-vision-tower"])
+    assert cfg.model.freeze_vision_tower and cfg.data.multimodal_keys
+    for flags, refusal in [
+            (["--train-backend", "fsdp"], "--train-backend fsdp with --hf-checkpoint"),
+            (["--advantage-estimator", "ppo"], "--advantage-estimator ppo with"),
+            (["--lora-rank", "4"], "--lora-rank 4 with"),
+            (["--embedded-engine-ranks", "process"], "--embedded-engine-ranks process with"),
+            (["--freeze-vision-tower", "--offload-rollout"], "--freeze-vision-tower with --offload-rollout")]:
+        with pytest.raises(ConfigError, match=re.escape(refusal)):
+            parse_config(base + flags)
+    with pytest.raises(ConfigError, match=r"--rollout-backend sglang with .*image_data is not built"):
+        parse_config(["--hf-checkpoint", path, "--rollout-backend", "sglang"])

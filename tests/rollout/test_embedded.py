@@ -255,6 +255,22 @@ def test_inverse_cdf_edges():
     assert inverse_cdf(weights, torch.tensor([1.0, 1.0])).tolist() == [3, 1]
 
 
+def test_banned_tokens_are_never_drawn_and_keep_the_full_distributions_logprobs():
+    """A vision-language engine's vision tokens (sampling.py ``banned``): never sampled, greedy or not, while the
+    reported log-probs stay those of the whole distribution (what the trainer computes for the same tokens)."""
+    from megatron_rl.rollout.sampling import sample_next_tokens
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.5], [3.0, 0.0, 2.9, 0.0]])
+    uniforms = torch.linspace(0.0, 0.999, 64, dtype=torch.float64)
+    full = torch.log_softmax(logits / 0.7, dim=-1)
+    for u in uniforms:
+        tokens, logprobs = sample_next_tokens(logits, SamplingParams(temperature=0.7), u.expand(2), banned=(1, 0))
+        assert not set(tokens.tolist()) & {0, 1}
+        assert torch.equal(logprobs, full.gather(-1, tokens[:, None])[:, 0])
+    tokens, _ = sample_next_tokens(logits, SamplingParams(temperature=0.0), torch.zeros(2), banned=(1, 0))
+    assert tokens.tolist() == [2, 2]
+
+
 def test_truncated_shard_is_named_by_the_engine(tmp_path, tiny_hf_models):
     """Rollout-only runs build only this engine: a truncated shard raised a SafetensorError traceback
     from inside transformers (training start-up already named it through the backend)."""

@@ -48,7 +48,7 @@ from megatron_rl.backends.megatron.settings import check_backend_config, layout_
 from megatron_rl.backends.roles import needs_own_model
 from megatron_rl.backends.sleep_tiers import MEMORY_SAVER_NOTE, plan_sleep
 from megatron_rl.config import Config
-from megatron_rl.data.packing import LossDenominators, MicroBatchPlan, PackedBatch, pad_multiple_for
+from megatron_rl.data.packing import ImageTokens, LossDenominators, MicroBatchPlan, PackedBatch, pad_multiple_for
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import reloadable_groups
@@ -149,12 +149,15 @@ class MegatronBackend(RoleAttributes, TrainBackend):
         self.bridge = get_bridge(cfg.model.hf_checkpoint, mtp_num_layers=cfg.megatron.mtp_num_layers or 0)
         self.params_dtype = _DTYPES[cfg.precision.params_dtype]
         self.pad_token_id = 0
+        self._vision_exported = False  # --freeze-vision-tower: whether an export has sent the tower once
+        if self.bridge.vision_language:  # micro-batches carry the samples' images and M-RoPE positions
+            self.image_tokens = ImageTokens(self.bridge.image_token_id, self.bridge.spatial_merge_size)
         self.routing: Optional[RoutingReplay] = None  # --use-routing-replay
         self.hooks = ActorHooks(self)
         self.role = RoleModel("actor", cfg, self.bridge, LayoutScope(self.layout, self.layout),
                                params_dtype=self.params_dtype, head="logprob", load=self._load_initial_weights,
                                optimization=Optimization(cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters),
-                               lora=lora_spec(cfg), lora_load=self._load_lora, prepare=self._freeze_mtp,
+                               lora=lora_spec(cfg), lora_load=self._load_lora, prepare=self._freeze_parts,
                                hooks=self.hooks)
         if self.lora and dist.get_rank() == 0:
             from megatron_rl.models import lora  # lazy: imports megatron-core's parallel layers
@@ -189,13 +192,20 @@ class MegatronBackend(RoleAttributes, TrainBackend):
 
     # ---- helpers -------------------------------------------------------------
 
-    def _freeze_mtp(self, chunks: list) -> None:
-        """An MTP block loaded but not trained (--mtp-num-layers without --enable-mtp-training) is frozen: loaded,
-        checkpointed, exported, never stepped."""
+    def _freeze_parts(self, chunks: list) -> None:
+        """Parts loaded but not trained are frozen (no gradient, no optimizer state; loaded and checkpointed, never
+        stepped): an MTP block without --enable-mtp-training (exported: the engine holds its own copy), and a
+        vision-language model's tower under --freeze-vision-tower (not exported: the engine keeps the one it
+        loaded, which is the trainer's)."""
         if self.bridge.mtp_num_layers and not self.cfg.megatron.enable_mtp_training:
             from megatron_rl.models.mtp import freeze_mtp  # lazy: imports megatron-core's GPTModel
 
             freeze_mtp(chunks)
+        if self.cfg.model.freeze_vision_tower:
+            for chunk in chunks:
+                vision = getattr(chunk, "vision", None)  # the first pipeline stage's
+                if vision is not None:
+                    vision.requires_grad_(False)
 
     def _load_lora(self, adapters: list) -> None:
         """--lora-load: a PEFT adapter dir (validated against the flags before any worker started)."""
@@ -274,10 +284,14 @@ class MegatronBackend(RoleAttributes, TrainBackend):
         with contextlib.ExitStack() as merged:  # LoRA: the engine gets the adapters folded into the weights
             for adapters in self.lora if merge_adapters else ():
                 merged.enter_context(adapters.merged())
-            # the MTP layers are frozen: the engine's own copy (from the same checkpoint) stays current
+            # the MTP layers are frozen: the engine's own copy (from the same checkpoint) stays current.
+            # --freeze-vision-tower: the tower goes with the first export only (the trainer's may come from --load,
+            # not the engine's --hf-checkpoint); it never moves after that, so the engine's copy stays the trainer's
+            with_vision = not (self.cfg.model.freeze_vision_tower and self._vision_exported)
             yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
-                                                              stage_only=stage_only, include_mtp=False),
-                                bucket_bytes)
+                                                              stage_only=stage_only, include_mtp=False,
+                                                              include_vision=with_vision), bucket_bytes)
+            self._vision_exported = True
 
     def export_adapters(self, *, stage_only: bool = False) -> AdapterExport:
         """The adapters gathered over TP (and PP unless ``stage_only``): ``models/lora.full_adapter_tensors``."""

@@ -328,10 +328,6 @@ class RoleModel:
         local_index = cp_utils.cp_local_index(mb.cu_seqlens, cp_rank, cp) if cp > 1 else None
         rows = packed_loss_rows(mb, local_index)  # on the host copy: no device sync
         mb = mb.to(next(model.parameters()).device)
-        tokens, positions = mb.tokens, mb.position_ids
-        if cp > 1:
-            shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, cp_rank, cp)
-            tokens, positions = shard.tensor, shard.position_ids
         layer = self._output_layers.get(id(model))
         if self.hooks is not None:
             self.hooks.before_forward(model, mb)
@@ -340,16 +336,29 @@ class RoleModel:
             rows = dataclasses.replace(rows, projected=True)
             head = partial(self._project, *self._pass_head, rows)
         with _output_rows(layer, rows, head) if layer is not None else contextlib.nullcontext():
-            output = model(tokens[None], positions[None], None, packed_seq_params=mb.packed_seq_params())
+            output = model(*self._model_inputs(mb), None, packed_seq_params=mb.packed_seq_params(),
+                           **_image_inputs(mb))
         if self.hooks is not None:
             self.hooks.after_forward(model, mb)
         return output, partial(loss_fn, mb, rows)
+
+    def _model_inputs(self, mb: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids [1, t], position_ids)`` of a micro-batch as the model takes them: this context-parallel
+        rank's chunks of a text batch (``[1, t]`` positions); a vision-language batch whole on every CP rank, with
+        its ``[3, 1, T]`` M-RoPE rows (the model writes the image features in, then keeps its own chunks:
+        ``models/vision_language.py``)."""
+        if mb.has_mrope:
+            return mb.tokens[None], mb.position_ids[:, None]
+        if self.layout.cp > 1:
+            shard = cp_utils.shard_packed_for_cp(mb.tokens, mb.cu_seqlens, self.pg.cp.rank(), self.layout.cp)
+            return shard.tensor[None], shard.position_ids[None]
+        return mb.tokens[None], mb.position_ids[None]
 
     def _value_step(self, loss_fn, mb: PackedBatch, model):
         rows = packed_loss_rows(mb)
         device = next(model.parameters()).device
         mb = mb.to(device)
-        output = model(mb.tokens[None], mb.position_ids[None], None, packed_seq_params=mb.packed_seq_params())
+        output = model(*self._model_inputs(mb), None, packed_seq_params=mb.packed_seq_params(), **_image_inputs(mb))
         if not self._post_process[id(model)]:  # hidden states for the next stage; the schedule calls no loss here
             return output, partial(loss_fn, mb, None)
         per_position = output.reshape(-1)  # [1, s, 1] -> [s]: one value per packed position
@@ -541,6 +550,13 @@ class RoleAttributes:
     @optimizer_steps.setter
     def optimizer_steps(self, value: int) -> None:
         self.role.optimizer_steps = value
+
+
+def _image_inputs(mb: PackedBatch) -> dict[str, torch.Tensor]:
+    """The vision-language model's image keywords of a micro-batch (none for a batch without images)."""
+    if mb.pixel_values is None or mb.image_grid_thw is None:
+        return {}
+    return {"pixel_values": mb.pixel_values, "image_grid_thw": mb.image_grid_thw}
 
 
 def _fusable(layer) -> bool:

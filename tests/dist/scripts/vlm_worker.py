@@ -6,6 +6,11 @@ forward + backward of this DP rank's two packed THD micro-batches (images of sev
 images; under CP the features written into the whole packed batch before the split) through megatron's schedule; rank 0 writes max |dlogit| vs HF transformers' own model, max |dgrad| vs HF autograd of
 the same loss (mean over DP ranks, each with its own samples), the largest HF gradient, and whether every
 TP rank holds the same vision-tower gradient.
+
+A layout named ``vlm_backend_*`` runs the megatron backend instead (``MegatronBackend`` built from flags on the
+checkpoint): rollout samples with images (tests/_vlm_samples.py) packed by the backend (dynamic batch sizes, each DP
+rank its share, under CP the whole packed batch to every CP rank), their log-probs against HF's, then one GRPO
+training step and the log-probs after it (compared across layouts by the test).
 """
 
 import json
@@ -33,6 +38,10 @@ def main(argv):
         t0 = time.time()
         name, dims = entry.split(":")
         tp, pp, sp, cp = (int(x) for x in dims.split(","))
+        if name.startswith("vlm_backend_"):
+            results[name] = backend_layout(hf, hf_dir, tp, pp, sp, cp)
+            results[name]["seconds"] = round(time.time() - t0, 1)
+            continue
         layout = ParallelLayout(tp=tp, pp=pp, cp=cp, sequence_parallel=sp == 1)
         dp = initialize_parallel(layout, seed=0)
         bridge = get_bridge(hf_dir)
@@ -73,3 +82,24 @@ def main(argv):
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as fh:
             json.dump(results, fh)
+
+
+def backend_layout(hf, hf_dir: str, tp: int, pp: int, sp: int, cp: int) -> dict:
+    """The megatron backend at one layout on 2 ranks: HF's log-probs vs the backend's forward over samples with
+    images, then one training step (the log-probs after it and its grad norm)."""
+    from _vlm_samples import hf_logprobs, make_vl_backend, vl_samples
+    from megatron_rl.backends.base import TrainBatch
+
+    flags = ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", str(tp),
+             "--pipeline-model-parallel-size", str(pp), "--context-parallel-size", str(cp)]
+    backend, spec = make_vl_backend(hf_dir, *flags, *(["--sequence-parallel"] if sp else []))
+    samples = vl_samples(hf_dir, seed=1)
+    old = backend.forward(samples)
+    vs_hf = max((a - hf_logprobs(hf, s, backend.bridge.image_token_id)).abs().max().item()
+                for s, a in zip(samples, old))
+    adv = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=None)
+    metrics = backend.train_step(TrainBatch(samples, adv, old))
+    new = backend.forward(samples)
+    return {"dp": backend.dp_size, "cp": cp, "tp": tp, "vs_hf": vs_hf, "grad_norm": metrics["train/grad_norm"],
+            "after_step": [t.tolist() for t in new],
+            "micro_batches": backend.plan_micro_batches(samples).num_micro_batches}
