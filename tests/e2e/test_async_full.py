@@ -228,7 +228,9 @@ def test_full_async_engine_killed_mid_run_exits_3_and_the_relaunch_resumes_a_bat
     assert "test double: dying on /generate call 6" in proc.stderr and \
         f"{newest} is complete: relaunch the same command once the engines are back" in proc.stderr, proc.stderr[-5000:]
     assert proc.stderr.count("Last lines of") == 1  # the death is told once
-    assert 0 < resumed_at < steps, resumed_at
+    # the call that died was the third batch's (--max-staleness 1 admits it once step 0 took the first): no step
+    # past 2 could be trained, so the relaunch trains at least 4 steps of the function
+    assert 0 < resumed_at <= 2, resumed_at
 
     proc = _run_with_dying_engine(hf, tmp_path, steps, *flags, dies_after=None, partial=False)  # engines back
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
