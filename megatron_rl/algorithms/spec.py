@@ -280,7 +280,13 @@ class PolicyGradientSpec(Spec):
         elif cfg.advantage_estimator == "none":
             return adv.per_sample(torch.zeros_like(mask), lengths)
         elif cfg.advantage_estimator == "remax":  # verl: returns - baseline on the loss tokens (not whitened)
-            flat = adv.broadcast_to_tokens(rewards - _remax_baselines(samples), lengths, mask)
+            # per sample, no statistic: a session's branches share its reward and its prompt's greedy baseline, so
+            # each takes the session's advantage (counted once whatever its branch count); taken from the session's
+            # first branch so that it is the session's by construction
+            owner = trajectory_owners(samples)
+            per_sample = rewards - _remax_baselines(samples)
+            flat = adv.broadcast_to_tokens(per_sample[torch.tensor(owner, dtype=torch.long)] if owner else per_sample,
+                                           lengths, mask)
         elif cfg.advantage_estimator == "ppo":
             raise ConfigError("--advantage-estimator ppo needs the critic's values: call "
                               "compute_advantages_and_returns(samples, values=...)")
@@ -305,16 +311,27 @@ class PolicyGradientSpec(Spec):
             per_seq = per_traj[torch.tensor([at[o] for o in owner], dtype=torch.long)] if owner else per_traj
             flat = adv.broadcast_to_tokens(per_seq, lengths, mask)
         else:  # reinforce_plus_plus(_baseline)
+            # a trajectory split into branches is one episode: its branches (consecutive in the batch, so one
+            # contiguous run of flat tokens) are one response here, in branch order, the reward once on its last
+            # loss token, so every branch's returns carry the reward and the KL penalties after them, and the group
+            # mean counts the trajectory once; the whitening is over tokens, each trained once
+            owner = trajectory_owners(samples)
+            heads = sorted(set(owner))
+            t_lengths = [0] * len(heads)
+            at = {h: k for k, h in enumerate(heads)}
+            for i, n in enumerate(lengths):
+                t_lengths[at[owner[i]]] += n
+            t_rewards, t_groups = rewards[heads], [groups[i] for i in heads]
             kl = None
             beta = self.kl_ctrl.value  # --kl-coef, or where the adaptive controller has moved it
             if cfg.kl_coef > 0:
                 kl = self._reward_kl(old_logprobs, ref_logprobs)
-                current_kl = mean_sequence_kl(kl, mask, lengths)
-                self.kl_ctrl.update(current_kl, n_steps=len(samples))  # verl: after the rewards took beta
+                current_kl = mean_sequence_kl(kl, mask, t_lengths)
+                self.kl_ctrl.update(current_kl, n_steps=len(heads))  # verl: after the rewards took beta
                 self.last_advantage_metrics = {"reward_kl": current_kl, "reward_kl_coef": beta}
-            baseline = (groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline"
+            baseline = (t_groups if cfg.advantage_estimator == "reinforce_plus_plus_baseline"
                         and cfg.rewards_normalization else None)  # slime: no group mean with the flag
-            flat = adv.reinforce_plus_plus_advantages(rewards, lengths, mask, kl=kl, kl_coef=beta,
+            flat = adv.reinforce_plus_plus_advantages(t_rewards, t_lengths, mask, kl=kl, kl_coef=beta,
                                                       gamma=cfg.gamma, group_index=baseline)
         if cfg.normalize_advantages:  # --normalize-advantages: whiten the whole batch after the estimator
             flat = adv.masked_whiten(flat, mask)
@@ -344,7 +361,10 @@ class PolicyGradientSpec(Spec):
 
         ``rollout_data`` holds, per sample (lists in batch order): ``rewards`` (group-normalised as slime's
         ``_post_process_rewards`` does for grpo/gspo, mean-subtracted for reinforce_plus_plus_baseline, raw
-        otherwise and with ``--disable-rewards-normalization``), ``raw_reward``, ``response_lengths``,
+        otherwise and with ``--disable-rewards-normalization``; a trajectory split into branches counts once in
+        its group and each branch holds its trajectory's), ``raw_reward``, ``trajectory_index`` (the number of
+        the sample's trajectory in the batch, 0, 1, ...: a trajectory's branches share one, so a function can
+        count each once; not in slime's contract, where every sample is its own), ``response_lengths``,
         ``total_lengths``, ``loss_masks`` (float tensors), ``log_probs`` (old), ``ref_log_probs`` (None when no
         reference is computed), ``rollout_log_probs`` (None when not read), ``kl`` (the ``--kl-loss-type``
         estimator of old vs ref, zeros with ``--kl-coef 0``), ``values`` (the critic's, float32, with
@@ -356,16 +376,24 @@ class PolicyGradientSpec(Spec):
         where = f"{CUSTOM_ADVANTAGE_FLAG} {cfg.custom_advantage_function_path}"
         lengths = [s.response_length for s in samples]
         masks = adv.per_sample(mask, lengths)
+        # the group statistics count a trajectory split into branches once (its first branch's reward stands for
+        # it), and each branch gets its trajectory's shaped reward
+        owner = trajectory_owners(samples)
+        heads = sorted(set(owner))
+        t_rewards, t_groups = rewards[heads], [groups[i] for i in heads]
         if cfg.advantage_estimator == "grpo" or cfg.use_gspo:
-            shaped = self._grpo_rewards(rewards, groups)
+            t_shaped = self._grpo_rewards(t_rewards, t_groups)
         elif cfg.advantage_estimator == "reinforce_plus_plus_baseline" and cfg.rewards_normalization:
-            _, inverse = torch.unique(torch.as_tensor(groups), return_inverse=True)
-            g_sum = torch.zeros(int(inverse.max()) + 1 if len(rewards) else 0, dtype=torch.float64)
-            g_sum.index_add_(0, inverse, rewards.double())
-            g_cnt = torch.zeros_like(g_sum).index_add_(0, inverse, torch.ones(len(rewards), dtype=torch.float64))
-            shaped = (rewards.double() - (g_sum / g_cnt)[inverse]).float()
+            _, inverse = torch.unique(torch.as_tensor(t_groups), return_inverse=True)
+            g_sum = torch.zeros(int(inverse.max()) + 1 if len(t_rewards) else 0, dtype=torch.float64)
+            g_sum.index_add_(0, inverse, t_rewards.double())
+            g_cnt = torch.zeros_like(g_sum).index_add_(0, inverse, torch.ones(len(t_rewards), dtype=torch.float64))
+            t_shaped = (t_rewards.double() - (g_sum / g_cnt)[inverse]).float()
         else:
-            shaped = rewards
+            t_shaped = t_rewards
+        at = {h: k for k, h in enumerate(heads)}
+        trajectory = [at[o] for o in owner]
+        shaped = t_shaped[torch.tensor(trajectory, dtype=torch.long)] if owner else t_shaped
         old = None if old_logprobs is None else [t.float() for t in old_logprobs]
         ref = None if ref_logprobs is None or any(t is None for t in ref_logprobs) else [t.float() for t in
                                                                                           ref_logprobs]
@@ -374,7 +402,8 @@ class PolicyGradientSpec(Spec):
         else:
             kl = [torch.zeros(n, dtype=torch.float32) for n in lengths]
         rollout_data: dict[str, Any] = {
-            "rewards": shaped.tolist(), "raw_reward": rewards.tolist(), "response_lengths": lengths,
+            "rewards": shaped.tolist(), "raw_reward": rewards.tolist(), "trajectory_index": trajectory,
+            "response_lengths": lengths,
             "total_lengths": [s.total_length for s in samples], "loss_masks": masks,
             "log_probs": old, "ref_log_probs": ref, "kl": kl,
             "values": None if values is None else [v.detach().float().cpu() for v in values],

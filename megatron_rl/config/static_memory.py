@@ -220,7 +220,8 @@ def fit_report(cfg: Config, *, gpu_memory: Optional[float] = None,
                              sequence_parallel=p.sequence_parallel, recompute_granularity=m.recompute_granularity,
                              recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
                              kernels=kernels, mtp_trained=cfg.megatron.enable_mtp_training,
-                             response_share=fit.response_share)
+                             response_share=fit.response_share,
+                             logprob_chunk_rows=cfg.batching.log_probs_chunk_size)
         world = cfg.actor_world_size
         lay = MegatronLayout(world=world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                              cp=p.context_parallel_size, ep=p.expert_model_parallel_size,

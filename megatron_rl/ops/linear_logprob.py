@@ -13,9 +13,11 @@ an upstream gradient per row, so unlike a fused loss the gradient waits for back
 
 Invariants:
 * Alive at once: one chunk's logits (their dtype) and the log-prob op's two float32
-  ``[chunk, V/tp]`` temporaries, plus in backward the chunk's gradient in the logits' dtype
-  and, for a bf16/fp16 weight, a float32 ``[V/tp, h]`` accumulator of the weight gradient
-  (the weight's own size, independent of the tokens).
+  ``[chunk, V/tp]`` temporaries (the chunk's gradient is one of them, then cast to the logits'
+  dtype), plus in backward a float32 ``[V/tp, h]`` accumulator of the weight gradient (the
+  weight's own size, independent of the tokens) and the hidden rows' gradient. The memory
+  planner counts exactly these (``plan/activations.py::chunked_logprob_peak``, checked against
+  this op's allocations in tests/plan/test_logprob_peak.py).
 * Forward values are the unfused path's (output layer on the rows, then
   ``ops.logprobs_and_entropy``): each chunk's logits come from the same matmul of the
   same rows (``F.linear``, as megatron's ``ColumnParallelLinear`` and an HF ``lm_head``
@@ -152,6 +154,7 @@ class _LinearLogprob(torch.autograd.Function):
                 grad_hidden[s:e] = torch.matmul(grad, weight)  # the output layer's input gradient, row for row
             if acc is not None:
                 _add_weight_grad(acc, grad, hidden[s:e])
+            del grad  # before the next chunk's logits: one chunk's working set at a time (plan/activations.py)
         grad_weight = acc.to(weight.dtype) if acc is not None else None
         return grad_hidden, grad_weight, None, None, None, None
 

@@ -35,10 +35,17 @@ widths over TP, expert widths over expert-TP, in the parameters' dtype (``b`` by
   log-sum-exp are dropped (the output projection then keeps its own input);
 * pipeline: the first stage holds ``PP`` micro-batches in flight in the 1F1B schedule (stage ``s``: ``PP - s``),
   interleaved (VPP ``v``) ``PP (1 + (PP - 1) / (PP v))`` as Megatron-LM's theoretical-memory formula counts them;
-* the logits peak of the log-prob / entropy pass (last stage, ``ops/logprob.py``): the output layer runs on the
-  loss rows only (response tokens: ``backends/megatron/role_model._output_rows``; counted here as all ``N``
-  tokens, an upper bound), its ``[rows, V/TP]`` logits are kept for the backward, two fp32 ``[chunk, V/TP]``
-  temporaries of about 64 MiB each bound the chunked softmax, and the backward adds the logits' gradient.
+* the logits peak of the log-prob / entropy pass (last stage): the output layer runs on the loss rows only
+  (response tokens: ``backends/megatron/role_model._output_rows``; counted here as all ``N`` tokens, an upper
+  bound). By default (``logprob_path="chunked"``, a plain output projection) the projection is fused into the
+  log-prob op and runs ``--log-probs-chunk-size`` rows at a time (``ops/linear_logprob.py``): what it holds at
+  once is one chunk's logits in the dtype and two fp32 ``[chunk, V/TP]`` temporaries of the softmax (the
+  backward recomputes the chunk's logits and forms its gradient in the same two), plus in the backward the fp32
+  ``[V/TP, h]`` accumulator of the weight's gradient and the hidden rows' gradient (``chunked_logprob_peak``,
+  checked against the op's own allocations in tests/plan/test_logprob_peak.py). An output layer that is not a
+  plain projection (``logprob_path="loss_rows"``) returns the rows' logits whole (``ops/logprob.py``): its
+  ``[rows, V/TP]`` logits are kept for the backward, two fp32 ``[chunk, V/TP]`` temporaries bound the chunked
+  softmax, and the backward adds the logits' gradient.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ from megatron_rl.plan.memory import GIB, MegatronLayout, ModelArch
 #: ``ops/logprob.py``'s auto chunk: one float32 ``[chunk, V/TP]`` temporary near this many bytes
 LOGPROB_CHUNK_BYTES = 64 * 1024 * 1024
 KERNELS = ("te", "local")
+#: ``ops/linear_logprob.py``'s MIN_TAIL_ROWS: a last chunk shorter than this joins the one before it
+MIN_TAIL_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class ActivationFlags:
     kernels: str = "te"  # "te": the GPU path; "local": the CPU path (megatron's local spec)
     mtp_trained: bool = False
     response_share: float = 1.0  # response tokens / sample tokens of the longest sample: the loss rows' share
+    logprob_path: str = "chunked"  # "chunked": the projection inside the log-prob op; "loss_rows": logits whole
+    logprob_chunk_rows: Optional[int] = None  # --log-probs-chunk-size (None: ~LOGPROB_CHUNK_BYTES of fp32)
     seq_len: Optional[int] = None  # local kernels, MLA: the unfused attention's softmax is [seq_len, seq_len] each
 
 
@@ -234,14 +245,51 @@ def in_flight_microbatches(lay: MegatronLayout, stage: int) -> float:
 
 
 def logits_peak(a: ModelArch, lay: MegatronLayout, fl: ActivationFlags, rows_share: float = 1.0) -> float:
-    """The log-prob / entropy pass's peak on the last stage (``ops/logprob.py``): the kept ``[rows, V/TP]`` logits
-    (dtype), their gradient in the backward (dtype), two fp32 ``[chunk, V/TP]`` temporaries of the chunked softmax
-    (about :data:`LOGPROB_CHUNK_BYTES` each, less for few rows). Rows: every token of the micro-batch (after CP),
-    an upper bound for response-only log-probs (``rows_share``: the loss rows' share of the tokens instead)."""
+    """The log-prob / entropy pass's peak on the last stage. Rows: every token of the micro-batch (after CP), an
+    upper bound for response-only log-probs (``rows_share``: the loss rows' share of the tokens instead).
+
+    ``fl.logprob_path`` "chunked" (the backends' default): ``chunked_logprob_peak``, the projection run a chunk
+    of rows at a time. "loss_rows" (``ops/logprob.py`` on the output layer's logits): the kept ``[rows, V/TP]``
+    logits (dtype), their gradient in the backward (dtype), two fp32 ``[chunk, V/TP]`` temporaries of the chunked
+    softmax (about :data:`LOGPROB_CHUNK_BYTES` each, less for few rows)."""
     rows = fl.tokens / lay.cp * rows_share
     v_local = a.padded_vocab(lay.tp) / lay.tp
+    if fl.logprob_path == "chunked":
+        return chunked_logprob_peak(rows, v_local, a.hidden, fl.dtype_bytes, fl.logprob_chunk_rows)
     chunk = min(LOGPROB_CHUNK_BYTES, rows * v_local * 4)
     return rows * v_local * fl.dtype_bytes * 2 + 2 * chunk
+
+
+def logprob_chunk_rows(v_local: float, chunk_rows: Optional[int] = None) -> int:
+    """Rows per chunk of the log-prob ops: ``--log-probs-chunk-size``, else ``ops/logprob.py``'s auto size (one
+    float32 ``[chunk, V/TP]`` near :data:`LOGPROB_CHUNK_BYTES`)."""
+    return int(chunk_rows) if chunk_rows else max(1, LOGPROB_CHUNK_BYTES // (4 * max(int(v_local), 1)))
+
+
+def chunked_logprob_peak(rows: float, v_local: float, hidden: int, dtype_bytes: int,
+                         chunk_rows: Optional[int] = None) -> float:
+    """Bytes ``ops/linear_logprob.py`` holds at its peak for ``rows`` loss rows, a ``[v_local, hidden]`` weight
+    shard and ``chunk_rows`` rows a chunk, over a training step's forward and backward (its inputs, the hidden
+    rows and the weight, not counted: the output layer's input is a term of its own).
+
+    Per chunk ``c`` (the last may be shorter; never more than ``rows``): the chunk's logits in the dtype plus the
+    two fp32 ``[c, V/TP]`` temporaries of ``chunk_stats`` (forward) or ``chunk_grad`` (backward, over the
+    recomputed logits; the gradient is one of them, then cast to the dtype): ``c V (b + 8)``. Per row: the
+    log-prob, the entropy and the saved log-sum-exp, fp32, and their gradients in the backward. The backward
+    adds the fp32 ``[V/TP, h]`` weight-gradient accumulator, the hidden rows' gradient ``[rows, h]`` (dtype)
+    and, for a weight not in fp32, one ``[V/TP, h]`` product of a chunk and the weight's gradient in its dtype
+    (each alive with one chunk's gradient at most)."""
+    b = dtype_bytes
+    c = min(logprob_chunk_rows(v_local, chunk_rows), max(rows, 1.0))
+    tail = rows % c if rows > c else 0.0
+    if 0 < tail < MIN_TAIL_ROWS:  # ops/linear_logprob.row_chunks: a tail this short joins the chunk before it
+        c += tail
+    per_row = 4 * 3 + 4 * 2  # forward: log-prob, entropy, lse; backward: their upstream gradients
+    forward = c * v_local * (b + 8) + rows * 12
+    cast = b * v_local * hidden if b != 4 else 0.0  # the chunk's weight product / the final weight grad, in dtype
+    backward = (rows * per_row + 4 * v_local * hidden + rows * hidden * b
+                + max(c * v_local * (b + 8), c * v_local * b + cast, cast))
+    return max(forward, backward)
 
 
 def describe_flags(fl: ActivationFlags, lay: MegatronLayout) -> str:

@@ -3,6 +3,7 @@
 estimate of the flags each names; tools/check_plan.py's exit codes. The CPU path's terms are measured against
 megatron-core in tests/plan/test_activations.py."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -33,15 +34,34 @@ def test_llama3_70b_te_layer_by_hand():
     first = stage_activations(arch, lay, fl, 0)
     assert first.per_microbatch == 20 * per_layer + 8192 * 8  # + the token ids
     assert first.in_flight == 4 and first.logits == 0 and first.recompute_working == 0
-    last = stage_activations(arch, lay, fl, 3)
+    # an output layer that is not a plain projection (logprob_path "loss_rows"): its logits whole
+    rows_fl = ActivationFlags(tokens=8192, sequence_parallel=True, logprob_path="loss_rows")
+    last = stage_activations(arch, lay, rows_fl, 3)
     # final norm (SP) + the output layer's gathered input; logits [8192, 129024 / 8] kept and their gradient (bf16),
     # two fp32 chunk temporaries capped at 64 MiB
     assert last.per_microbatch == 20 * per_layer + 16_781_312 + 8192 * 2 * 8192
-    assert last.logits == logits_peak(arch, lay, fl) == 2 * 8192 * 16128 * 2 + 2 * 64 * 2 ** 20
+    assert last.logits == logits_peak(arch, lay, rows_fl) == 2 * 8192 * 16128 * 2 + 2 * 64 * 2 ** 20
     assert last.in_flight == 1 and last.peak == last.per_microbatch + last.logits
     # response-only log-probs: the loss rows at half the tokens halve the kept logits and their gradient
-    half = stage_activations(arch, lay, ActivationFlags(tokens=8192, sequence_parallel=True, response_share=0.5), 3)
+    half = stage_activations(arch, lay, dataclasses.replace(rows_fl, response_share=0.5), 3)
     assert half.logits == last.logits and half.logits_response == 2 * 4096 * 16128 * 2 + 2 * 64 * 2 ** 20
+    # the default: the projection inside the log-prob op, 64 MiB // (4 x 16128) = 1040 rows a chunk. Its backward
+    # holds the most: the fp32 weight-grad accumulator 4 x 16128 x 8192, the hidden rows' gradient 8192 x 8192 x 2,
+    # 20 bytes per row of statistics, and the larger of one chunk's working set (bf16 logits and two fp32
+    # temporaries, 1040 x 16128 x (2 + 8)) and a chunk's bf16 gradient with its bf16 [V/TP, h] weight product
+    # (1040 x 16128 x 2 + 2 x 16128 x 8192): here the product, h being large
+    fixed = 4 * 16128 * 8192 + 8192 * 8192 * 2 + 8192 * 20
+    chunked = stage_activations(arch, lay, fl, 3)
+    assert chunked.per_microbatch == last.per_microbatch
+    assert chunked.logits == fixed + 1040 * 16128 * 2 + 2 * 16128 * 8192  # 0.89 GiB
+    # at 8192 rows the op's [V/TP, h] buffers outweigh the logits it never keeps (0.62 GiB whole); at 65,536 rows
+    # (a long trace) it holds 1.77 GiB where the whole logits take 4.06 GiB
+    assert chunked.logits > last.logits
+    long = ActivationFlags(tokens=65536, sequence_parallel=True)
+    assert logits_peak(arch, lay, long) < logits_peak(arch, lay, dataclasses.replace(long, logprob_path="loss_rows")) / 2
+    # --log-probs-chunk-size 4096: the chunk's working set, 4096 x 16128 x 10, is the larger one
+    big = stage_activations(arch, lay, dataclasses.replace(fl, logprob_chunk_rows=4096), 3)
+    assert big.logits == fixed + 4096 * 16128 * 10
     # full recompute, one layer per unit: each layer keeps its (SP) input, one layer re-materialised in its backward
     full = stage_activations(arch, lay, ActivationFlags(tokens=8192, sequence_parallel=True,
                                                         recompute_granularity="full"), 1)
@@ -83,7 +103,9 @@ def _cfg(tmp_path, *extra):
 
 
 def test_each_fix_is_a_fresh_estimate_of_the_flags_it_names(tmp_path):
-    """Llama-3-8B on 2 H100s at DP 2 without the distributed optimizer: 153.78 GiB at the peak. Every fix listed
+    """Llama-3-8B on 2 H100s at DP 2 without the distributed optimizer: 154.69 GiB at the peak (its logits
+    peak 3.00 GiB: the chunked log-prob op's fp32 [V, h] weight-gradient accumulator and bf16 [V, h] product, 2.94 GiB
+    at TP 1, outweigh the 4,096 rows' logits it never keeps). Every fix listed
     gives the plan's figure when its flags are parsed and estimated from scratch; the list runs from the most
     headroom to the least."""
     from megatron_rl.config.static_memory import fit_report, fit_with_fixes
@@ -91,8 +113,8 @@ def test_each_fix_is_a_fresh_estimate_of_the_flags_it_names(tmp_path):
 
     fit, _, fixes = fit_with_fixes(_cfg(tmp_path))
     assert [s.describe() for s in fit.shortfalls()] == [
-        "trainer on rank 0's GPU (train: static + activation peak) needs 153.78 GiB, the GPU has 79.60 GiB: "
-        "74.18 GiB short"]
+        "trainer on rank 0's GPU (train: static + activation peak) needs 154.69 GiB, the GPU has 79.60 GiB: "
+        "75.09 GiB short"]
     assert [flag for flag, _ in fixes] == ["--optimizer-cpu-offload --use-precision-aware-optimizer",
                                            "--tensor-model-parallel-size 2"]
     heads = [new.headroom() for _, new in fixes]
@@ -102,7 +124,7 @@ def test_each_fix_is_a_fresh_estimate_of_the_flags_it_names(tmp_path):
         assert fresh is not None and fresh.heaviest() == new.heaviest() and not fresh.shortfalls()
     text = "\n".join(format_fit(fit, fixes))
     assert "verdict: does NOT fit H100-80G: 79.6 GiB:" in text
-    assert "2. --tensor-model-parallel-size 2: peak 78.99 GiB (static 67.31 GiB + activations 11.67 GiB)" in text
+    assert "2. --tensor-model-parallel-size 2: peak 79.41 GiB (static 67.31 GiB + activations 12.10 GiB)" in text
 
 
 def run(*args):
