@@ -32,9 +32,10 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_5_vl_text")  # families whose q/k/v projection
 # multimodal RoPE: megatron's position_embedding_type "mrope" (Qwen2.5-VL's language model, text_config's model_type)
 MROPE_TYPES = ("qwen2_5_vl_text",)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
-MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+                 "minimax_m2")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
 # gpt-oss: experts apply a clamped, offset quick-GELU GLU (not Megatron-LM's --swiglu), YaRN is megatron's
 # position_embedding_type "yarn" (MLA models take YaRN inside their attention instead)
@@ -67,8 +68,8 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
-BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "mixtral", "qwen2",
-                       "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
+BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "minimax_m2", "mixtral",
+                       "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
 # vision-language model_types a bridge builds (models/families.py): the model, its conversion and its parity with
 # HF exist, the image data pipeline and rollout do not yet, so a run with one is refused (docs/vlm.md)
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
@@ -111,6 +112,15 @@ def _moe_pattern(c: dict) -> list[int]:
     return [0 if i in dense or (i + 1) % step else 1 for i in range(int(c["num_hidden_layers"]))]
 
 
+def _rotary_dim_share(c: dict) -> Optional[float]:
+    """MiniMax-M2's released config.json states partial RoPE as ``rotary_dim`` (rotated dims of ``head_dim``)."""
+    if c.get("rotary_dim") is None:
+        return None
+    heads = c.get("num_attention_heads")
+    head_dim = c.get("head_dim") or (c["hidden_size"] // heads if heads else None)
+    return float(c["rotary_dim"]) / float(head_dim) if head_dim else None
+
+
 def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
     """``{field: (config.json key it comes from, value in Megatron's terms)}`` for an HF config."""
     c = text_config(hf)
@@ -142,7 +152,7 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get(
             "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
         "rotary_percent": ("partial_rotary_factor", float(rope.get("partial_rotary_factor", c.get(
-            "partial_rotary_factor", DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
+            "partial_rotary_factor", _rotary_dim_share(c) or DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
         # every supported family is a RoPE model; gpt-oss's YaRN and Qwen2.5-VL's M-RoPE are megatron's own types
         "position_embedding_type": ("rope_parameters.rope_type", "yarn") if (
             model_type in YARN_POSITION_TYPES and rope.get("rope_type", rope.get("type")) == "yarn") else (

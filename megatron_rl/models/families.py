@@ -249,6 +249,103 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
                 int(self.cfg("v_head_dim")))
 
 
+class MiniMaxM2Bridge(Bridge):
+    """MiniMax-M2 (``minimax_m2``): every layer MoE with a sigmoid router (experts chosen on sigmoid +
+    ``e_score_correction_bias``, megatron's router ``expert_bias``, kept as the checkpoint says; weights the
+    unbiased sigmoid renormalised over the top-k; no groups, no scaling), experts of ``intermediate_size``; GQA
+    attention with partial RoPE (``partial_rotary_factor``, or released configs' ``rotary_dim``: rotate-half on
+    the first dims, megatron ``rotary_percent``) and q / k RMSNorm over all heads of a token at once
+    (``q_norm.weight`` ``[heads x head_dim]``: :class:`~megatron_rl.models.minimax.AllHeadsRMSNorm` in the
+    ``q_layernorm`` / ``k_layernorm`` slots). The checkpoint keeps the original names: ``block_sparse_moe``,
+    experts ``w1 w3 w2``, ``block_sparse_moe.e_score_correction_bias``."""
+
+    family = "minimax_m2"
+    model_types = ("minimax_m2",)
+    moe = True
+    qk_norm = True
+    partial_rotary = True
+    router_expert_bias = True
+    moe_ffn_key = "intermediate_size"
+    hf_moe_block = "block_sparse_moe"
+    hf_expert_projs = ("w1", "w3", "w2")
+
+    @property
+    def rotary_percent(self) -> float:  # released config.json files state rotary_dim, as transformers reads it
+        rope = self._rope
+        if "partial_rotary_factor" in rope or self.cfg("rotary_dim", None) is None:
+            return super().rotary_percent
+        return float(self.cfg("rotary_dim")) / self.head_dim
+
+    def router_config(self) -> dict[str, Any]:
+        return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=0.0)
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        topk = int(self.cfg("num_experts_per_tok", 1))
+        if topk < 2:  # HF divides the top-k weights by their sum always; megatron's sigmoid router only for k > 1
+            problems.append(f"num_experts_per_tok={topk} (HF renormalises a single expert's weight to 1, "
+                            "megatron's sigmoid router keeps its sigmoid score)")
+        jitter = float(self.cfg("router_jitter_noise", 0.0))
+        if jitter:
+            problems.append(f"router_jitter_noise={jitter} (HF multiplies the MoE input by the noise; megatron "
+                            "jitters only the router input)")
+        # fields of the released config.json that transformers' module ignores but the checkpoint's own code reads
+        if self.cfg("scoring_func", "sigmoid") != "sigmoid":
+            problems.append(f"scoring_func={self.cfg('scoring_func')!r} (transformers' MiniMax-M2 router is sigmoid)")
+        if not self.cfg("use_qk_norm", True) or self.cfg("qk_norm_type", "per_layer") != "per_layer":
+            problems.append(f"use_qk_norm={self.cfg('use_qk_norm', True)} qk_norm_type="
+                            f"{self.cfg('qk_norm_type', 'per_layer')!r} (transformers' MiniMax-M2 normalises q and "
+                            "k over all heads of a layer: per_layer)")
+        if int(self.cfg("shared_intermediate_size", 0)):
+            problems.append(f"shared_intermediate_size={self.cfg('shared_intermediate_size')} (transformers' "
+                            "MiniMax-M2 has no shared expert)")
+        return problems
+
+    def unsupported_layout(self, layout) -> list[str]:
+        if layout.tp > self.num_query_groups:
+            return [f"--tensor-model-parallel-size {layout.tp} > num_key_value_heads={self.num_query_groups} (the "
+                    "key norm over all key heads would count each replicated key head once per copy); pass "
+                    f"--tensor-model-parallel-size <= {self.num_query_groups}"]
+        return []
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
+
+        from megatron_rl.models.minimax import AllHeadsRMSNorm  # lazy: imports megatron-core
+
+        spec = super().layer_spec(config, moe=moe)
+        attn = dataclasses.replace(
+            spec.submodules.self_attention.submodules,
+            q_layernorm=ModuleSpec(module=AllHeadsRMSNorm, params={"heads": self.num_heads}),
+            k_layernorm=ModuleSpec(module=AllHeadsRMSNorm, params={"heads": self.num_query_groups}))
+        self_attention = dataclasses.replace(spec.submodules.self_attention, submodules=attn)
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                        self_attention=self_attention))
+
+    # ---------------------------------------------------------------- name maps
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        return {**super().hf_attention_shapes(attn), attn + "q_norm.weight": (self.num_heads * self.head_dim,),
+                attn + "k_norm.weight": (self.num_query_groups * self.head_dim,)}
+
+    def megatron_attention_shapes(self, names) -> dict[str, tuple[int, ...]]:
+        return {**super().megatron_attention_shapes(names),
+                "self_attention.q_layernorm.weight": (self.num_heads * self.head_dim,),
+                "self_attention.k_layernorm.weight": (self.num_query_groups * self.head_dim,)}
+
+    def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_router_expert_shapes(moe)
+        shapes[moe + "e_score_correction_bias"] = shapes.pop(moe + "gate.e_score_correction_bias")
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2) == "mlp.router.expert_bias":
+            return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self.hf_moe_block}.e_score_correction_bias",))
+        return super().rule_for(name)
+
+
 class GptOssBridge(Bridge):
     """gpt-oss (``gpt_oss``): every layer MoE; attention with q/k/v and o_proj biases, a learned
     sink logit per head (``sinks`` -> megatron ``softmax_type="learnable"``'s
@@ -930,7 +1027,7 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
+                                       Glm4MoeBridge, DeepseekV3Bridge, MiniMaxM2Bridge, GptOssBridge,
                                        Gemma3TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
                                        Qwen3_5MoeTextBridge, Qwen2_5_VLBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text",
-            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax_m2")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -83,6 +83,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         **_SIGMOID_MOE,
         routed_scaling_factor=2.5,
         attention_bias=False,
+    ),
+    # every switch on: every layer MoE (experts of intermediate_size) with a sigmoid router and a random
+    # selection bias, q/k norms over all heads of a token, half-rotary RoPE; token ids inside the vocab
+    "minimax_m2": dict(
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     # every switch on: layers alternating a 4-key sliding window (shorter than the test sequences) and
     # full attention, random per-head sinks, YaRN (factor 4, truncate false: cos/sin and the q/k scale
@@ -207,6 +220,7 @@ def tiny_config(family: str, **overrides: Any):
         "qwen3_next": transformers.Qwen3NextConfig,
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+        "minimax_m2": transformers.MiniMaxM2Config,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)

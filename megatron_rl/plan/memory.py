@@ -61,9 +61,10 @@ NOT_ESTIMATED = "not estimated yet"
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _MLA = ("deepseek_v3", "kimi_k2")
-_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "kimi_k2")  # a selection bias per expert (an fp32 buffer)
+_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # a selection bias per expert (an fp32 buffer)
 _GATED_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # gated attention + gated delta-net layers
-_MOE_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
+_MOE_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}
+_ALL_HEADS_QK_NORM = ("minimax_m2",)  # q/k norm gains per channel of all heads (nh x hd, ng x hd)
 _TIED_BY_DEFAULT = ("gemma3_text",)
 
 
@@ -110,6 +111,7 @@ class ModelArch:
     o_bias: bool = False  # gpt-oss: linear_proj bias
     sinks: bool = False  # gpt-oss: a learnable softmax offset per head
     qk_norm: bool = False
+    qk_norm_all_heads: bool = False  # minimax_m2: the q / k norm gains cover every head's channels
     gated_attention: bool = False  # qwen3_next: linear_qkv also gives a gate per head
     extra_norms: int = 0  # gemma3: post-attention and post-MLP norms
     mla: Optional[tuple[Optional[int], int, int, int, int]] = None  # (q_lora_rank, kv_lora_rank, nope, rope, v)
@@ -166,6 +168,7 @@ class ModelArch:
             qkv_bias=mt in ("qwen2", "gpt_oss") or (mt == "glm4_moe" and bool(c.get("attention_bias"))),
             o_bias=mt == "gpt_oss", sinks=mt == "gpt_oss",
             qk_norm=mt in _QK_NORM or (mt == "glm4_moe" and bool(c.get("use_qk_norm"))),
+            qk_norm_all_heads=mt in _ALL_HEADS_QK_NORM,
             gated_attention=mt in _GATED_HYBRID, extra_norms=2 if mt == "gemma3_text" else 0,
             mla=mla, linear_layers=linear, gdn=gdn,
             mtp_layers_in_checkpoint=int(c.get("num_nextn_predict_layers") or 0),
@@ -254,7 +257,9 @@ def _layer_tensors(a: ModelArch, i: int, tp: int, ep: int, etp: int) -> list[Ten
             out.append(Tensors(h))
         if a.sinks:
             out.append(Tensors(_split(nh, tp)))
-        if a.qk_norm:
+        if a.qk_norm_all_heads:
+            out += [Tensors(_split(nh * d, tp)), Tensors(_split(ng * d, tp))]
+        elif a.qk_norm:
             out.append(Tensors(d, 2))
     out.append(Tensors(h))  # pre-MLP norm
     if a.extra_norms:
