@@ -32,8 +32,9 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_5_vl_text")  # families whose q/k/v projection
 # multimodal RoPE: megatron's position_embedding_type "mrope" (Qwen2.5-VL's language model, text_config's model_type)
 MROPE_TYPES = ("qwen2_5_vl_text",)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
-                 "minimax_m2")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+# (minimax_m2's q/k norms span all heads, which megatron's per-head qk_layernorm is not: the bridge builds them itself)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text",
+                 "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
@@ -44,8 +45,8 @@ YARN_POSITION_TYPES = ("gpt_oss",)
 # Gemma 3: RoPE per layer type (rope_parameters.{full_attention, sliding_attention}; full layers' base is what
 # GPTModel gets, a linear factor is applied by the layer itself, not megatron's --rotary-scaling-factor), and
 # embeddings tied unless config.json says otherwise
-PER_LAYER_ROPE_TYPES = ("gemma3_text",)
-TIED_BY_DEFAULT_TYPES = ("gemma3_text",)
+PER_LAYER_ROPE_TYPES = ("gemma3_text", "gemma4_text")
+TIED_BY_DEFAULT_TYPES = ("gemma3_text", "gemma4_text")
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
 # Qwen3-Next and Qwen3.5's text models: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
@@ -68,7 +69,7 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
-BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "minimax_m2", "mixtral",
+BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gemma4_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "minimax_m2", "mixtral",
                        "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
 # vision-language model_types a bridge builds (models/families.py): the model, its conversion and its parity with
 # HF exist, the image data pipeline and rollout do not yet, so a run with one is refused (docs/vlm.md)

@@ -280,6 +280,12 @@ class MiniMaxM2Bridge(Bridge):
         return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                     moe_router_bias_update_rate=0.0)
 
+    def architecture_config(self) -> dict[str, Any]:
+        # megatron's qk_layernorm off: the norms come from the layer spec, and with it on finalize_model_grads sums
+        # every "q_layernorm" / "k_layernorm" gradient over TP (right for a gain shared by all heads, wrong for these
+        # TP-sharded gains: measured 0.23 max |dgrad| at TP2 x EP2 + SP)
+        return dict(qk_layernorm=False)
+
     def unsupported(self) -> list[str]:
         problems = super().unsupported()
         topk = int(self.cfg("num_experts_per_tok", 1))
@@ -636,6 +642,134 @@ class Gemma3TextBridge(Bridge):
             return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self._NORMS[m.group(2)]}",))
         if m and m.group(2).endswith(".layer_norm_weight"):  # a transformer-engine fused norm
             self._local_spec_only("transformer_engine")
+        return super().rule_for(name)
+
+
+class Gemma4TextBridge(Gemma3TextBridge):
+    """Gemma 4 text (``gemma4_text``): Gemma 3's layout (tied embeddings times ``sqrt(hidden_size)``, four norms
+    per layer, q/k norms, tanh GeGLU, sliding-window / full layers each with its own RoPE, final soft-capping)
+    with plain-gain RMSNorms (:class:`~megatron_rl.models.gemma4.Gemma4RMSNorm`), a gain-free RMSNorm on each
+    value head (``v_norm``), softmax scale 1, ``proportional`` RoPE on the full layers (the first
+    ``partial_rotary_factor`` of the frequencies, exponents over the whole head; the other channel pairs
+    unrotated) and each layer's output times its ``layer_scalar`` buffer.
+
+    Refused by name (:meth:`unsupported`), as megatron-core 0.16.1's block has no place for them: per-layer
+    embeddings (``hidden_size_per_layer_input``), key/value sharing across layers (``num_kv_shared_layers``),
+    keys reused as values (``attention_k_eq_v``), the parallel MoE block (``enable_moe_block``) and full layers
+    whose head size or key-value heads differ from the sliding layers' (``global_head_dim``,
+    ``num_global_key_value_heads``, ``per_layer_config``). Local layer spec only."""
+
+    family = "gemma4_text"
+    model_types = ("gemma4_text",)
+    rope_types = ("default", "proportional")
+
+    @property
+    def rotary_percent(self) -> float:  # megatron's shared table only carries positions: each layer rotates itself
+        return 1.0
+
+    def _rope_of(self, layer_type: str) -> dict[str, Any]:
+        params = self.cfg("rope_parameters", {}) or {}
+        rope = dict(params.get(layer_type) or {"rope_type": "default"})
+        rope.setdefault("rope_theta", 1000000.0 if layer_type == "full_attention" else 10000.0)
+        return rope
+
+    def _layer_rope(self) -> dict[str, tuple[float, Any, Any]]:  # type: ignore[override]
+        out = {}
+        for kind, layer_type in (("sliding", "sliding_attention"), ("full", "full_attention")):
+            rope = self._rope_of(layer_type)
+            proportional = rope.get("rope_type", "default") == "proportional"
+            factor = float(rope.get("factor", 1.0)) if proportional else None
+            out[kind] = (float(rope["rope_theta"]), factor if factor != 1.0 else None,
+                         float(rope.get("partial_rotary_factor", 1.0)) if proportional else None)
+        return out
+
+    def architecture_config(self) -> dict[str, Any]:
+        import torch.nn.functional as F  # lazy: as the base's transformer_config
+
+        kw: dict[str, Any] = dict(activation_func=functools.partial(F.gelu, approximate="tanh"),
+                                  bias_activation_fusion=False, softmax_scale=1.0)
+        sliding = [1 if t == "sliding_attention" else 0 for t in self._layer_types]
+        if any(sliding):
+            kw.update(window_size=(int(self.cfg("sliding_window")) - 1, 0), window_attn_skip_freq=sliding)
+        return kw
+
+    def _full_layer_dims(self) -> list[str]:
+        """Where a full-attention layer's head size / key-value heads differ from the sliding layers'."""
+        odd = []
+        per_layer = self.cfg("per_layer_config", {}) or {}
+        for layer, fields in sorted(per_layer.items(), key=lambda kv: str(kv[0])):
+            for key, mine in (("head_dim", self.head_dim), ("num_key_value_heads", self.num_query_groups)):
+                if key in (fields or {}) and fields[key] is not None and int(fields[key]) != mine:
+                    odd.append(f"per_layer_config[{layer}].{key}={fields[key]} (not {mine})")
+        if not per_layer:  # a config.json with the fields transformers derives per_layer_config from
+            for key, mine in (("global_head_dim", self.head_dim), ("num_global_key_value_heads", self.num_query_groups)):
+                value = self.cfg(key, None)
+                if value is not None and int(value) != mine and "full_attention" in self._layer_types:
+                    odd.append(f"{key}={value} (not {mine})")
+        return odd
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        if int(self.cfg("hidden_size_per_layer_input", 0)):
+            problems.append(f"hidden_size_per_layer_input={self.cfg('hidden_size_per_layer_input')} (per-layer "
+                            "embeddings: a second token embedding feeding every layer, which megatron's block has no "
+                            "input for)")
+        if int(self.cfg("num_kv_shared_layers", 0)):
+            problems.append(f"num_kv_shared_layers={self.cfg('num_kv_shared_layers')} (later layers reuse earlier "
+                            "layers' keys and values; megatron's layers each project their own)")
+        if self.cfg("attention_k_eq_v", False):
+            problems.append("attention_k_eq_v=true (full layers use their keys as values: one projection feeding "
+                            "two of megatron's fused q/k/v rows)")
+        if self.cfg("enable_moe_block", False):
+            problems.append("enable_moe_block=true (a dense MLP and a MoE block side by side, each with its own "
+                            "norms, and a router with its own norm and per-expert scales)")
+        odd = self._full_layer_dims()
+        if odd:
+            problems.append("full-attention layers with their own attention shape: " + ", ".join(odd)
+                            + " (megatron's layers share one kv_channels / num_query_groups)")
+        return problems
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
+
+        from megatron_rl.models import gemma4  # lazy: imports megatron-core
+
+        self._local_spec_only(layer_spec_flavour())
+        spec = local_layer_spec(num_experts=None, qk_layernorm=True)
+        layer = spec.submodules
+        attn = dataclasses.replace(layer.self_attention.submodules, q_layernorm=gemma4.Gemma4RMSNorm,
+                                   k_layernorm=gemma4.Gemma4RMSNorm)
+        self_attention = ModuleSpec(module=gemma4.Gemma4SelfAttention,
+                                    params={**layer.self_attention.params, "rope": self._layer_rope()},
+                                    submodules=attn)
+        norm = dict(config=config, hidden_size=self.hidden_size, eps=float(self.cfg("rms_norm_eps", 1e-6)))
+        layer = dataclasses.replace(
+            layer, input_layernorm=gemma4.Gemma4RMSNorm, pre_mlp_layernorm=gemma4.Gemma4RMSNorm,
+            self_attention=self_attention, self_attn_bda=ModuleSpec(module=gemma4.Gemma4PostNormBda, params=norm),
+            mlp_bda=ModuleSpec(module=gemma4.Gemma4PostNormBda, params={**norm, "scaled": True}))
+        return dataclasses.replace(spec, submodules=layer)
+
+    def final_norm(self):
+        from megatron_rl.models.gemma4 import Gemma4RMSNorm  # lazy: imports megatron-core
+
+        return Gemma4RMSNorm
+
+    # ---------------------------------------------------------------- name maps
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_param_shapes()
+        shapes.update({f"model.layers.{i}.layer_scalar": (1,) for i in range(self.num_layers)})
+        return shapes
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        shapes = super().megatron_param_shapes(flavour, tp_size)
+        shapes.update({f"decoder.layers.{i}.mlp_bda.layer_scalar": (1,) for i in range(self.num_layers)})
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2) == "mlp_bda.layer_scalar":
+            return ParamRule("copy", (f"model.layers.{int(m.group(1))}.layer_scalar",))
         return super().rule_for(name)
 
 
@@ -1028,7 +1162,7 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge, MiniMaxM2Bridge, GptOssBridge,
-                                       Gemma3TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
+                                       Gemma3TextBridge, Gemma4TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
                                        Qwen3_5MoeTextBridge, Qwen2_5_VLBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text",
-            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax_m2")
+            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax_m2",
+            "gemma4_text")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -130,6 +131,27 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
     ),
+    # every switch the bridge maps on: Gemma 3's (alternating 4-key sliding window / full layers, each layer type with
+    # its own RoPE, final soft-capping, tied scaled embeddings, four norms per layer, q/k norms, tanh GeGLU) with
+    # plain-gain norms, the value norm, softmax scale 1, proportional RoPE on the full layers (half the frequencies,
+    # base 500) and random layer scalars; the switches the bridge refuses off (per-layer embeddings, shared
+    # KV, k = v, the MoE block, a wider full-layer head: global_head_dim = head_dim)
+    "gemma4_text": dict(
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 500.0,
+                                            "partial_rotary_factor": 0.5}},
+        final_logit_softcapping=5.0,
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        attention_k_eq_v=False,
+        enable_moe_block=False,
+        tie_word_embeddings=True,
+    ),
     # every switch on: gated delta-net layers (2 key heads of 8 dims, 4 value heads of 12: 2 value heads per
     # key head) then gated full attention with q/k norms and partial RoPE (0.25 of the 16 dims), alternating;
     # a dense first layer, then MoE with a shared expert and its sigmoid gate; zero-centred norms
@@ -221,6 +243,7 @@ def tiny_config(family: str, **overrides: Any):
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
         "minimax_m2": transformers.MiniMaxM2Config,
+        "gemma4_text": transformers.Gemma4TextConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -328,6 +351,8 @@ def _randomize(model, family: str) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a zero selection bias would not test its mapping
                 b.normal_(0.0, 0.05)
+            elif name.endswith("layer_scalar"):  # Gemma 4: each layer's output scale (1 would not test it)
+                b.uniform_(0.5, 1.5)
 
 
 def build_tiny_reward_model(family: str, path: str | os.PathLike, seed: int = 0, pad_token_id: int | None = 0,

@@ -68,8 +68,8 @@ def test_megatron_view_agrees_with_the_bridge(family):
                                     bridge.vocab_size)
     assert view["multi_latent_attention"] == tc.multi_latent_attention
     # MLA: rotary_scaling_factor; a YaRN GQA model (gpt-oss): yarn_rotary_scaling_factor
-    # gemma3_text: its layers apply their own RoPE (a linear factor per layer type); megatron's factor is unread
-    assert view["rotary_scaling_factor"] == (UNUSED if family == "gemma3_text" else getattr(
+    # gemma3_text, gemma4_text: their layers apply their own RoPE (per layer type); megatron's factor is unread
+    assert view["rotary_scaling_factor"] == (UNUSED if family in ("gemma3_text", "gemma4_text") else getattr(
         tc, "rotary_scaling_factor", getattr(tc, "yarn_rotary_scaling_factor", 1.0)))
     assert view["position_embedding_type"] == bridge.position_embedding_type
     if tc.multi_latent_attention:  # megatron's MLA never reads kv_channels: any --kv-channels states nothing
