@@ -219,6 +219,10 @@ _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"
 # the hybrid qwen3_next amplifies fp32 rounding more than the others: at 0.08 HF's own fp32 logits differ from
 # its fp64 ones by ~5e-6 (half the parity tolerance), at 0.05 by ~1.5e-6
 _MATRIX_STD = {"qwen3_next": 0.05, "qwen3_5_text": 0.05, "qwen3_5_moe_text": 0.05}
+# Gemma 4 attends with softmax scale 1 on RMS-normalised q and k: q/k gains around 1 give attention logits up to the
+# head dim, and the sharp softmax makes HF's own fp32 logits differ from its fp64 ones by ~1.1e-5 (above the parity
+# tolerance); gains around 0.5 by ~2e-6
+_QK_GAIN = {"gemma4_text": (0.4, 0.6)}
 
 
 def tiny_config(family: str, **overrides: Any):
@@ -338,6 +342,8 @@ def _randomize(model, family: str) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, _MATRIX_STD.get(family, 0.08))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")) and family in _QK_GAIN:
+                p.uniform_(*_QK_GAIN[family])
             elif "norm" in name and family in _ZERO_CENTRED and not name.endswith("linear_attn.norm.weight"):
                 p.uniform_(-0.2, 0.2)  # zero-centred gains: the norm scales by 1 + w
             elif name.endswith(("A_log", "dt_bias")):  # gated delta-net decay: keep HF's init (exp(g) in (0, 1))
