@@ -49,6 +49,9 @@ PER_LAYER_ROPE_TYPES = ("gemma3_text", "gemma4_text")
 TIED_BY_DEFAULT_TYPES = ("gemma3_text", "gemma4_text")
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
+# q/k norms over all heads of a token (MiniMax-M2): the key norm's sum over TP would count a key head replicated
+# over TP ranks (TP > num_key_value_heads) once per copy
+ALL_HEADS_QK_NORM_TYPES = ("minimax_m2",)
 # Qwen3-Next and Qwen3.5's text models: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
 # partial RoPE 0.25 unless config.json says otherwise; one shared expert of shared_expert_intermediate_size
 LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -524,6 +527,19 @@ def hf_model_type(cfg: Config) -> Optional[str]:
         try:
             return text_config(read_hf_config(path)).get("model_type")
         except (OSError, ValueError):
+            return None
+    return None
+
+
+def hf_num_key_value_heads(cfg: Config) -> Optional[int]:
+    """``num_key_value_heads`` (else ``num_attention_heads``) of --hf-checkpoint's config.json, None when unreadable."""
+    path = cfg.model.hf_checkpoint
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            c = text_config(read_hf_config(path))
+            n = c.get("num_key_value_heads") or c.get("num_attention_heads")
+            return int(n) if n is not None else None
+        except (OSError, ValueError, TypeError):
             return None
     return None
 

@@ -32,14 +32,14 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over ``group`` in the forward and in the backward (each rank's input feeds every rank's output)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         out = x.clone()
         torch.distributed.all_reduce(out, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         grad = grad.clone()
         torch.distributed.all_reduce(grad, group=ctx.group)
         return grad, None

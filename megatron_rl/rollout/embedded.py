@@ -189,7 +189,7 @@ class _Slot:
 
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
-    mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss, gemma3_text, qwen3_next).
+    mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss, gemma3_text, qwen3_next, minimax_m2, gemma4_text).
 
     ``attn_implementation`` None lets transformers choose per model: SDPA where the model supports it,
     eager otherwise (gpt-oss, whose attention sinks SDPA cannot express)."""

@@ -390,3 +390,14 @@ def test_qwen3_next_context_parallelism_is_refused(tmp_path):
     assert parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2"])
     assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
                          "--context-parallel-size", "2"])
+
+
+def test_minimax_m2_tensor_parallelism_beyond_its_key_heads_is_refused(tmp_path):
+    """MiniMax-M2's key norm spans all key heads: a key head replicated over TP ranks would count once per copy."""
+    path = hf_dir(tmp_path, "minimax_m2", num_key_value_heads=1)
+    base = ["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"]
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 > num_key_value_heads=1 with a minimax_m2 "
+                                          r"model: .* pass --tensor-model-parallel-size <= 1"):
+        parse_config(base)
+    assert parse_config([base[0], hf_dir(tmp_path, "minimax_m2"), *base[2:]])  # 2 key heads: TP2 fits
