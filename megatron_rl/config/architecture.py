@@ -32,9 +32,11 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_5_vl_text")  # families whose q/k/v projection
 # multimodal RoPE: megatron's position_embedding_type "mrope" (Qwen2.5-VL's language model, text_config's model_type)
 MROPE_TYPES = ("qwen2_5_vl_text",)
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
-MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")  # sigmoid router score (the other MoE families: softmax)
+# (minimax_m2's q/k norms span all heads, which megatron's per-head qk_layernorm is not: the bridge builds them itself)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text",
+                 "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
 # gpt-oss: experts apply a clamped, offset quick-GELU GLU (not Megatron-LM's --swiglu), YaRN is megatron's
 # position_embedding_type "yarn" (MLA models take YaRN inside their attention instead)
@@ -43,10 +45,13 @@ YARN_POSITION_TYPES = ("gpt_oss",)
 # Gemma 3: RoPE per layer type (rope_parameters.{full_attention, sliding_attention}; full layers' base is what
 # GPTModel gets, a linear factor is applied by the layer itself, not megatron's --rotary-scaling-factor), and
 # embeddings tied unless config.json says otherwise
-PER_LAYER_ROPE_TYPES = ("gemma3_text",)
-TIED_BY_DEFAULT_TYPES = ("gemma3_text",)
+PER_LAYER_ROPE_TYPES = ("gemma3_text", "gemma4_text")
+TIED_BY_DEFAULT_TYPES = ("gemma3_text", "gemma4_text")
 # experts with an fc2 bias: megatron-core 0.16.1 adds it on every expert-TP rank before the partial sums meet
 EXPERT_BIAS_TYPES = ("gpt_oss",)
+# q/k norms over all heads of a token (MiniMax-M2): the key norm's sum over TP would count a key head replicated
+# over TP ranks (TP > num_key_value_heads) once per copy
+ALL_HEADS_QK_NORM_TYPES = ("minimax_m2",)
 # Qwen3-Next and Qwen3.5's text models: gated delta-net (linear attention) layers, whose recurrent state is not handed across CP ranks;
 # partial RoPE 0.25 unless config.json says otherwise; one shared expert of shared_expert_intermediate_size
 LINEAR_ATTENTION_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -67,8 +72,9 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
-BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "mixtral", "qwen2",
-                       "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next")
+BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gemma4_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "minimax_m2",
+                       "mixtral", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
+                       "qwen3_next")
 # vision-language model_types a bridge builds (models/families.py): what a run with one may combine is
 # config/vlm_rules.py's (docs/vlm.md)
 VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
@@ -111,6 +117,15 @@ def _moe_pattern(c: dict) -> list[int]:
     return [0 if i in dense or (i + 1) % step else 1 for i in range(int(c["num_hidden_layers"]))]
 
 
+def _rotary_dim_share(c: dict) -> Optional[float]:
+    """MiniMax-M2's released config.json states partial RoPE as ``rotary_dim`` (rotated dims of ``head_dim``)."""
+    if c.get("rotary_dim") is None:
+        return None
+    heads = c.get("num_attention_heads")
+    head_dim = c.get("head_dim") or (c["hidden_size"] // heads if heads else None)
+    return float(c["rotary_dim"]) / float(head_dim) if head_dim else None
+
+
 def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
     """``{field: (config.json key it comes from, value in Megatron's terms)}`` for an HF config."""
     c = text_config(hf)
@@ -142,7 +157,7 @@ def megatron_view(hf: dict) -> dict[str, tuple[str, Any]]:
         "rotary_base": ("rope_theta", float(c.get("rope_theta", rope.get(
             "rope_theta", 1000000.0 if per_layer_rope else 10000.0)))),
         "rotary_percent": ("partial_rotary_factor", float(rope.get("partial_rotary_factor", c.get(
-            "partial_rotary_factor", DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
+            "partial_rotary_factor", _rotary_dim_share(c) or DEFAULT_ROTARY_PERCENT.get(str(model_type), 1.0))))),
         # every supported family is a RoPE model; gpt-oss's YaRN and Qwen2.5-VL's M-RoPE are megatron's own types
         "position_embedding_type": ("rope_parameters.rope_type", "yarn") if (
             model_type in YARN_POSITION_TYPES and rope.get("rope_type", rope.get("type")) == "yarn") else (
@@ -507,6 +522,19 @@ def hf_model_type(cfg: Config) -> Optional[str]:
         try:
             return text_config(read_hf_config(path)).get("model_type")
         except (OSError, ValueError):
+            return None
+    return None
+
+
+def hf_num_key_value_heads(cfg: Config) -> Optional[int]:
+    """``num_key_value_heads`` (else ``num_attention_heads``) of --hf-checkpoint's config.json, None when unreadable."""
+    path = cfg.model.hf_checkpoint
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            c = text_config(read_hf_config(path))
+            n = c.get("num_key_value_heads") or c.get("num_attention_heads")
+            return int(n) if n is not None else None
+        except (OSError, ValueError, TypeError):
             return None
     return None
 

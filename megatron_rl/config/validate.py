@@ -19,7 +19,8 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
-from .architecture import EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors, dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_layers
+from .architecture import (ALL_HEADS_QK_NORM_TYPES, EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors,
+                           dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_key_value_heads, hf_num_layers)
 from .lora_rules import modules_to_save_errors
 from .multimodal import parse_multimodal_keys
 from .vlm_rules import vision_language_errors
@@ -131,6 +132,12 @@ def _check_parallel(errors: list[str], cfg: Config) -> None:
                       f"a {hf_model_type(cfg)} model: megatron-core 0.16.1 adds each expert's fc2 bias on every "
                       "expert-TP rank before their partial outputs are summed (docs/parity.md); pass "
                       "--expert-tensor-parallel-size 1 (with --expert-model-parallel-size > 1 at TP > 1)")
+    kv_heads = hf_num_key_value_heads(cfg) if hf_model_type(cfg) in ALL_HEADS_QK_NORM_TYPES else None
+    if cfg.has_training and cfg.precision.train_backend == "megatron" and kv_heads is not None and tp > kv_heads:
+        errors.append(f"--tensor-model-parallel-size {tp} > num_key_value_heads={kv_heads} with a "
+                      f"{hf_model_type(cfg)} model: its key norm spans all key heads, and a key head replicated over "
+                      f"TP ranks would count once per copy (docs/parity.md); pass --tensor-model-parallel-size <= "
+                      f"{kv_heads}")
     if (cfg.has_training and cfg.precision.train_backend == "megatron" and p.context_parallel_size > 1
             and hf_model_type(cfg) in LINEAR_ATTENTION_TYPES):
         errors.append(f"--context-parallel-size {p.context_parallel_size} with a {hf_model_type(cfg)} model: its gated "

@@ -249,6 +249,109 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
                 int(self.cfg("v_head_dim")))
 
 
+class MiniMaxM2Bridge(Bridge):
+    """MiniMax-M2 (``minimax_m2``): every layer MoE with a sigmoid router (experts chosen on sigmoid +
+    ``e_score_correction_bias``, megatron's router ``expert_bias``, kept as the checkpoint says; weights the
+    unbiased sigmoid renormalised over the top-k; no groups, no scaling), experts of ``intermediate_size``; GQA
+    attention with partial RoPE (``partial_rotary_factor``, or released configs' ``rotary_dim``: rotate-half on
+    the first dims, megatron ``rotary_percent``) and q / k RMSNorm over all heads of a token at once
+    (``q_norm.weight`` ``[heads x head_dim]``: :class:`~megatron_rl.models.minimax.AllHeadsRMSNorm` in the
+    ``q_layernorm`` / ``k_layernorm`` slots). The checkpoint keeps the original names: ``block_sparse_moe``,
+    experts ``w1 w3 w2``, ``block_sparse_moe.e_score_correction_bias``."""
+
+    family = "minimax_m2"
+    model_types = ("minimax_m2",)
+    moe = True
+    qk_norm = True
+    partial_rotary = True
+    router_expert_bias = True
+    moe_ffn_key = "intermediate_size"
+    hf_moe_block = "block_sparse_moe"
+    hf_expert_projs = ("w1", "w3", "w2")
+
+    @property
+    def rotary_percent(self) -> float:  # released config.json files state rotary_dim, as transformers reads it
+        rope = self._rope
+        if "partial_rotary_factor" in rope or self.cfg("rotary_dim", None) is None:
+            return super().rotary_percent
+        return float(self.cfg("rotary_dim")) / self.head_dim
+
+    def router_config(self) -> dict[str, Any]:
+        return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=0.0)
+
+    def architecture_config(self) -> dict[str, Any]:
+        # megatron's qk_layernorm off: the norms come from the layer spec, and with it on finalize_model_grads sums
+        # every "q_layernorm" / "k_layernorm" gradient over TP (right for a gain shared by all heads, wrong for these
+        # TP-sharded gains: measured 0.23 max |dgrad| at TP2 x EP2 + SP)
+        return dict(qk_layernorm=False)
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        topk = int(self.cfg("num_experts_per_tok", 1))
+        if topk < 2:  # HF divides the top-k weights by their sum always; megatron's sigmoid router only for k > 1
+            problems.append(f"num_experts_per_tok={topk} (HF renormalises a single expert's weight to 1, "
+                            "megatron's sigmoid router keeps its sigmoid score)")
+        jitter = float(self.cfg("router_jitter_noise", 0.0))
+        if jitter:
+            problems.append(f"router_jitter_noise={jitter} (HF multiplies the MoE input by the noise; megatron "
+                            "jitters only the router input)")
+        # fields of the released config.json that transformers' module ignores but the checkpoint's own code reads
+        if self.cfg("scoring_func", "sigmoid") != "sigmoid":
+            problems.append(f"scoring_func={self.cfg('scoring_func')!r} (transformers' MiniMax-M2 router is sigmoid)")
+        if not self.cfg("use_qk_norm", True) or self.cfg("qk_norm_type", "per_layer") != "per_layer":
+            problems.append(f"use_qk_norm={self.cfg('use_qk_norm', True)} qk_norm_type="
+                            f"{self.cfg('qk_norm_type', 'per_layer')!r} (transformers' MiniMax-M2 normalises q and "
+                            "k over all heads of a layer: per_layer)")
+        if int(self.cfg("shared_intermediate_size", 0)):
+            problems.append(f"shared_intermediate_size={self.cfg('shared_intermediate_size')} (transformers' "
+                            "MiniMax-M2 has no shared expert)")
+        return problems
+
+    def unsupported_layout(self, layout) -> list[str]:
+        if layout.tp > self.num_query_groups:
+            return [f"--tensor-model-parallel-size {layout.tp} > num_key_value_heads={self.num_query_groups} (the "
+                    "key norm over all key heads would count each replicated key head once per copy); pass "
+                    f"--tensor-model-parallel-size <= {self.num_query_groups}"]
+        return []
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
+
+        from megatron_rl.models.minimax import AllHeadsRMSNorm  # lazy: imports megatron-core
+
+        spec = super().layer_spec(config, moe=moe)
+        attn = dataclasses.replace(
+            spec.submodules.self_attention.submodules,
+            q_layernorm=ModuleSpec(module=AllHeadsRMSNorm, params={"heads": self.num_heads}),
+            k_layernorm=ModuleSpec(module=AllHeadsRMSNorm, params={"heads": self.num_query_groups}))
+        self_attention = dataclasses.replace(spec.submodules.self_attention, submodules=attn)
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                        self_attention=self_attention))
+
+    # ---------------------------------------------------------------- name maps
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        return {**super().hf_attention_shapes(attn), attn + "q_norm.weight": (self.num_heads * self.head_dim,),
+                attn + "k_norm.weight": (self.num_query_groups * self.head_dim,)}
+
+    def megatron_attention_shapes(self, names) -> dict[str, tuple[int, ...]]:
+        return {**super().megatron_attention_shapes(names),
+                "self_attention.q_layernorm.weight": (self.num_heads * self.head_dim,),
+                "self_attention.k_layernorm.weight": (self.num_query_groups * self.head_dim,)}
+
+    def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_router_expert_shapes(moe)
+        shapes[moe + "e_score_correction_bias"] = shapes.pop(moe + "gate.e_score_correction_bias")
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2) == "mlp.router.expert_bias":
+            return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self.hf_moe_block}.e_score_correction_bias",))
+        return super().rule_for(name)
+
+
 class GptOssBridge(Bridge):
     """gpt-oss (``gpt_oss``): every layer MoE; attention with q/k/v and o_proj biases, a learned
     sink logit per head (``sinks`` -> megatron ``softmax_type="learnable"``'s
@@ -539,6 +642,134 @@ class Gemma3TextBridge(Bridge):
             return ParamRule("copy", (f"model.layers.{int(m.group(1))}.{self._NORMS[m.group(2)]}",))
         if m and m.group(2).endswith(".layer_norm_weight"):  # a transformer-engine fused norm
             self._local_spec_only("transformer_engine")
+        return super().rule_for(name)
+
+
+class Gemma4TextBridge(Gemma3TextBridge):
+    """Gemma 4 text (``gemma4_text``): Gemma 3's layout (tied embeddings times ``sqrt(hidden_size)``, four norms
+    per layer, q/k norms, tanh GeGLU, sliding-window / full layers each with its own RoPE, final soft-capping)
+    with plain-gain RMSNorms (:class:`~megatron_rl.models.gemma4.Gemma4RMSNorm`), a gain-free RMSNorm on each
+    value head (``v_norm``), softmax scale 1, ``proportional`` RoPE on the full layers (the first
+    ``partial_rotary_factor`` of the frequencies, exponents over the whole head; the other channel pairs
+    unrotated) and each layer's output times its ``layer_scalar`` buffer.
+
+    Refused by name (:meth:`unsupported`), as megatron-core 0.16.1's block has no place for them: per-layer
+    embeddings (``hidden_size_per_layer_input``), key/value sharing across layers (``num_kv_shared_layers``),
+    keys reused as values (``attention_k_eq_v``), the parallel MoE block (``enable_moe_block``) and full layers
+    whose head size or key-value heads differ from the sliding layers' (``global_head_dim``,
+    ``num_global_key_value_heads``, ``per_layer_config``). Local layer spec only."""
+
+    family = "gemma4_text"
+    model_types = ("gemma4_text",)
+    rope_types = ("default", "proportional")
+
+    @property
+    def rotary_percent(self) -> float:  # megatron's shared table only carries positions: each layer rotates itself
+        return 1.0
+
+    def _rope_of(self, layer_type: str) -> dict[str, Any]:
+        params = self.cfg("rope_parameters", {}) or {}
+        rope = dict(params.get(layer_type) or {"rope_type": "default"})
+        rope.setdefault("rope_theta", 1000000.0 if layer_type == "full_attention" else 10000.0)
+        return rope
+
+    def _layer_rope(self) -> dict[str, tuple[float, Any, Any]]:  # type: ignore[override]
+        out = {}
+        for kind, layer_type in (("sliding", "sliding_attention"), ("full", "full_attention")):
+            rope = self._rope_of(layer_type)
+            proportional = rope.get("rope_type", "default") == "proportional"
+            factor = float(rope.get("factor", 1.0)) if proportional else None
+            out[kind] = (float(rope["rope_theta"]), factor if factor != 1.0 else None,
+                         float(rope.get("partial_rotary_factor", 1.0)) if proportional else None)
+        return out
+
+    def architecture_config(self) -> dict[str, Any]:
+        import torch.nn.functional as F  # lazy: as the base's transformer_config
+
+        kw: dict[str, Any] = dict(activation_func=functools.partial(F.gelu, approximate="tanh"),
+                                  bias_activation_fusion=False, softmax_scale=1.0)
+        sliding = [1 if t == "sliding_attention" else 0 for t in self._layer_types]
+        if any(sliding):
+            kw.update(window_size=(int(self.cfg("sliding_window")) - 1, 0), window_attn_skip_freq=sliding)
+        return kw
+
+    def _full_layer_dims(self) -> list[str]:
+        """Where a full-attention layer's head size / key-value heads differ from the sliding layers'."""
+        odd = []
+        per_layer = self.cfg("per_layer_config", {}) or {}
+        for layer, fields in sorted(per_layer.items(), key=lambda kv: str(kv[0])):
+            for key, mine in (("head_dim", self.head_dim), ("num_key_value_heads", self.num_query_groups)):
+                if key in (fields or {}) and fields[key] is not None and int(fields[key]) != mine:
+                    odd.append(f"per_layer_config[{layer}].{key}={fields[key]} (not {mine})")
+        if not per_layer:  # a config.json with the fields transformers derives per_layer_config from
+            for key, mine in (("global_head_dim", self.head_dim), ("num_global_key_value_heads", self.num_query_groups)):
+                value = self.cfg(key, None)
+                if value is not None and int(value) != mine and "full_attention" in self._layer_types:
+                    odd.append(f"{key}={value} (not {mine})")
+        return odd
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        if int(self.cfg("hidden_size_per_layer_input", 0)):
+            problems.append(f"hidden_size_per_layer_input={self.cfg('hidden_size_per_layer_input')} (per-layer "
+                            "embeddings: a second token embedding feeding every layer, which megatron's block has no "
+                            "input for)")
+        if int(self.cfg("num_kv_shared_layers", 0)):
+            problems.append(f"num_kv_shared_layers={self.cfg('num_kv_shared_layers')} (later layers reuse earlier "
+                            "layers' keys and values; megatron's layers each project their own)")
+        if self.cfg("attention_k_eq_v", False):
+            problems.append("attention_k_eq_v=true (full layers use their keys as values: one projection feeding "
+                            "two of megatron's fused q/k/v rows)")
+        if self.cfg("enable_moe_block", False):
+            problems.append("enable_moe_block=true (a dense MLP and a MoE block side by side, each with its own "
+                            "norms, and a router with its own norm and per-expert scales)")
+        odd = self._full_layer_dims()
+        if odd:
+            problems.append("full-attention layers with their own attention shape: " + ", ".join(odd)
+                            + " (megatron's layers share one kv_channels / num_query_groups)")
+        return problems
+
+    # -------------------------------------------------------------------- spec
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        from megatron.core.transformer.spec_utils import ModuleSpec  # lazy: megatron-core
+
+        from megatron_rl.models import gemma4  # lazy: imports megatron-core
+
+        self._local_spec_only(layer_spec_flavour())
+        spec = local_layer_spec(num_experts=None, qk_layernorm=True)
+        layer = spec.submodules
+        attn = dataclasses.replace(layer.self_attention.submodules, q_layernorm=gemma4.Gemma4RMSNorm,
+                                   k_layernorm=gemma4.Gemma4RMSNorm)
+        self_attention = ModuleSpec(module=gemma4.Gemma4SelfAttention,
+                                    params={**layer.self_attention.params, "rope": self._layer_rope()},
+                                    submodules=attn)
+        norm = dict(config=config, hidden_size=self.hidden_size, eps=float(self.cfg("rms_norm_eps", 1e-6)))
+        layer = dataclasses.replace(
+            layer, input_layernorm=gemma4.Gemma4RMSNorm, pre_mlp_layernorm=gemma4.Gemma4RMSNorm,
+            self_attention=self_attention, self_attn_bda=ModuleSpec(module=gemma4.Gemma4PostNormBda, params=norm),
+            mlp_bda=ModuleSpec(module=gemma4.Gemma4PostNormBda, params={**norm, "scaled": True}))
+        return dataclasses.replace(spec, submodules=layer)
+
+    def final_norm(self):
+        from megatron_rl.models.gemma4 import Gemma4RMSNorm  # lazy: imports megatron-core
+
+        return Gemma4RMSNorm
+
+    # ---------------------------------------------------------------- name maps
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().hf_param_shapes()
+        shapes.update({f"model.layers.{i}.layer_scalar": (1,) for i in range(self.num_layers)})
+        return shapes
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        shapes = super().megatron_param_shapes(flavour, tp_size)
+        shapes.update({f"decoder.layers.{i}.mlp_bda.layer_scalar": (1,) for i in range(self.num_layers)})
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2) == "mlp_bda.layer_scalar":
+            return ParamRule("copy", (f"model.layers.{int(m.group(1))}.layer_scalar",))
         return super().rule_for(name)
 
 
@@ -931,8 +1162,8 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge, GptOssBridge,
-                                       Gemma3TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
+                                       Glm4MoeBridge, DeepseekV3Bridge, MiniMaxM2Bridge, GptOssBridge,
+                                       Gemma3TextBridge, Gemma4TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
                                        Qwen3_5MoeTextBridge, Qwen2_5_VLBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -58,22 +58,29 @@ class PostNormBiasDropoutAdd(GemmaRMSNorm):
         return post_norm_bda
 
 
-def rope_inv_freq(dim: int, base: float, linear_factor: Optional[float]) -> torch.Tensor:
-    """HF's default (and ``linear``: divided by the factor) RoPE inverse frequencies, float32."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+def rope_inv_freq(dim: int, base: float, linear_factor: Optional[float],
+                  proportion: Optional[float] = None) -> torch.Tensor:
+    """HF's default (and ``linear``: divided by the factor) RoPE inverse frequencies, float32. ``proportion``
+    (HF ``proportional`` RoPE, Gemma 4): only the first ``int(proportion x dim // 2)`` frequencies, with the
+    exponents still over the whole ``dim``; the rest are 0 (those channel pairs are not rotated)."""
+    if proportion is None:
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    else:
+        angles = int(proportion * dim // 2)
+        rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        inv = torch.cat((rotated, torch.zeros(dim // 2 - angles, dtype=torch.float32)))
     return inv / linear_factor if linear_factor else inv
 
 
 class LayerRopeSelfAttention(SelfAttention):
     """``SelfAttention`` whose RoPE frequencies depend on whether the layer is a sliding-window one.
-    ``rope``: ``{"sliding": (base, linear factor or None), "full": (...)}``."""
+    ``rope``: ``{"sliding": (base, linear factor or None[, proportion or None]), "full": (...)}``."""
 
     def __init__(self, config, submodules, layer_number: int, *args, rope: dict, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         kind = ("sliding" if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
                                                         layer_number) else "full")
-        base, factor = rope[kind]
-        self.register_buffer("rope_inv_freq", rope_inv_freq(config.kv_channels, base, factor), persistent=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config.kv_channels, *rope[kind]), persistent=False)
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
         if isinstance(rotary_pos_emb, torch.Tensor):

@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text",
-            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax_m2",
+            "gemma4_text")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -84,6 +85,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         attention_bias=False,
     ),
+    # every switch on: every layer MoE (experts of intermediate_size) with a sigmoid router and a random
+    # selection bias, q/k norms over all heads of a token, half-rotary RoPE; token ids inside the vocab
+    "minimax_m2": dict(
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # every switch on: layers alternating a 4-key sliding window (shorter than the test sequences) and
     # full attention, random per-head sinks, YaRN (factor 4, truncate false: cos/sin and the q/k scale
     # change), q/k/v/o biases, biased router and experts, and a SwiGLU clamp (swiglu_limit) low enough
@@ -115,6 +129,27 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=5.0,
         attn_logit_softcapping=None,
         hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+    # every switch the bridge maps on: Gemma 3's (alternating 4-key sliding window / full layers, each layer type with
+    # its own RoPE, final soft-capping, tied scaled embeddings, four norms per layer, q/k norms, tanh GeGLU) with
+    # plain-gain norms, the value norm, softmax scale 1, proportional RoPE on the full layers (half the frequencies,
+    # base 500) and random layer scalars; the switches the bridge refuses off (per-layer embeddings, shared
+    # KV, k = v, the MoE block, a wider full-layer head: global_head_dim = head_dim)
+    "gemma4_text": dict(
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 500.0,
+                                            "partial_rotary_factor": 0.5}},
+        final_logit_softcapping=5.0,
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        attention_k_eq_v=False,
+        enable_moe_block=False,
         tie_word_embeddings=True,
     ),
     # every switch on: gated delta-net layers (2 key heads of 8 dims, 4 value heads of 12: 2 value heads per
@@ -184,6 +219,10 @@ _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"
 # the hybrid qwen3_next amplifies fp32 rounding more than the others: at 0.08 HF's own fp32 logits differ from
 # its fp64 ones by ~5e-6 (half the parity tolerance), at 0.05 by ~1.5e-6
 _MATRIX_STD = {"qwen3_next": 0.05, "qwen3_5_text": 0.05, "qwen3_5_moe_text": 0.05}
+# Gemma 4 attends with softmax scale 1 on RMS-normalised q and k: q/k gains around 1 give attention logits up to the
+# head dim, and the sharp softmax makes HF's own fp32 logits differ from its fp64 ones by ~1.1e-5 (above the parity
+# tolerance); gains around 0.5 by ~2e-6
+_QK_GAIN = {"gemma4_text": (0.4, 0.6)}
 
 
 def tiny_config(family: str, **overrides: Any):
@@ -207,6 +246,8 @@ def tiny_config(family: str, **overrides: Any):
         "qwen3_next": transformers.Qwen3NextConfig,
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+        "minimax_m2": transformers.MiniMaxM2Config,
+        "gemma4_text": transformers.Gemma4TextConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}
     return cls(**kwargs)
@@ -303,6 +344,8 @@ def _randomize(model, family: str) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, _MATRIX_STD.get(family, 0.08))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")) and family in _QK_GAIN:
+                p.uniform_(*_QK_GAIN[family])
             elif "norm" in name and family in _ZERO_CENTRED and not name.endswith("linear_attn.norm.weight"):
                 p.uniform_(-0.2, 0.2)  # zero-centred gains: the norm scales by 1 + w
             elif name.endswith(("A_log", "dt_bias")):  # gated delta-net decay: keep HF's init (exp(g) in (0, 1))
@@ -316,6 +359,8 @@ def _randomize(model, family: str) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a zero selection bias would not test its mapping
                 b.normal_(0.0, 0.05)
+            elif name.endswith("layer_scalar"):  # Gemma 4: each layer's output scale (1 would not test it)
+                b.uniform_(0.5, 1.5)
 
 
 def build_tiny_reward_model(family: str, path: str | os.PathLike, seed: int = 0, pad_token_id: int | None = 0,

@@ -59,12 +59,13 @@ NOT_ESTIMATED = "not estimated yet"
 
 # config.json families (models/families.py): where their parameters differ from the Llama baseline
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _MLA = ("deepseek_v3", "kimi_k2")
-_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "kimi_k2")  # a selection bias per expert (an fp32 buffer)
+_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # a selection bias per expert (an fp32 buffer)
 _GATED_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # gated attention + gated delta-net layers
-_MOE_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size"}
-_TIED_BY_DEFAULT = ("gemma3_text",)
+_MOE_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}
+_ALL_HEADS_QK_NORM = ("minimax_m2",)  # q/k norm gains per channel of all heads (nh x hd, ng x hd)
+_TIED_BY_DEFAULT = ("gemma3_text", "gemma4_text")
 
 
 def gpu_memory_gib(gpu_type: Optional[str] = None, override: Optional[float] = None) -> tuple[float, str]:
@@ -110,8 +111,10 @@ class ModelArch:
     o_bias: bool = False  # gpt-oss: linear_proj bias
     sinks: bool = False  # gpt-oss: a learnable softmax offset per head
     qk_norm: bool = False
+    qk_norm_all_heads: bool = False  # minimax_m2: the q / k norm gains cover every head's channels
     gated_attention: bool = False  # qwen3_next: linear_qkv also gives a gate per head
     extra_norms: int = 0  # gemma3: post-attention and post-MLP norms
+    layer_scalar: bool = False  # gemma4: a one-element buffer per layer scaling its output
     mla: Optional[tuple[Optional[int], int, int, int, int]] = None  # (q_lora_rank, kv_lora_rank, nope, rope, v)
     linear_layers: tuple[int, ...] = ()  # 1 per gated delta-net layer
     gdn: Optional[tuple[int, int, int, int, int]] = None  # (nk, nv, dk, dv, conv kernel)
@@ -166,7 +169,9 @@ class ModelArch:
             qkv_bias=mt in ("qwen2", "gpt_oss") or (mt == "glm4_moe" and bool(c.get("attention_bias"))),
             o_bias=mt == "gpt_oss", sinks=mt == "gpt_oss",
             qk_norm=mt in _QK_NORM or (mt == "glm4_moe" and bool(c.get("use_qk_norm"))),
-            gated_attention=mt in _GATED_HYBRID, extra_norms=2 if mt == "gemma3_text" else 0,
+            qk_norm_all_heads=mt in _ALL_HEADS_QK_NORM,
+            gated_attention=mt in _GATED_HYBRID, extra_norms=2 if mt in ("gemma3_text", "gemma4_text") else 0,
+            layer_scalar=mt == "gemma4_text",
             mla=mla, linear_layers=linear, gdn=gdn,
             mtp_layers_in_checkpoint=int(c.get("num_nextn_predict_layers") or 0),
             topk=int(c.get("num_experts_per_tok") or c.get("moe_topk") or 0) if experts else 0)
@@ -254,11 +259,15 @@ def _layer_tensors(a: ModelArch, i: int, tp: int, ep: int, etp: int) -> list[Ten
             out.append(Tensors(h))
         if a.sinks:
             out.append(Tensors(_split(nh, tp)))
-        if a.qk_norm:
+        if a.qk_norm_all_heads:
+            out += [Tensors(_split(nh * d, tp)), Tensors(_split(ng * d, tp))]
+        elif a.qk_norm:
             out.append(Tensors(d, 2))
     out.append(Tensors(h))  # pre-MLP norm
     if a.extra_norms:
         out.append(Tensors(h, a.extra_norms))
+    if a.layer_scalar:
+        out.append(Tensors(1, buffer_fp32=True))
     if a.is_moe_layer(i):
         e, f = _split(a.experts, ep), a.moe_ffn
         out.append(Tensors(a.experts * h))  # router

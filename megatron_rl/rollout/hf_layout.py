@@ -7,7 +7,8 @@ in-memory layout: MoE experts are fused into 3-D parameters
 (``mlp.experts.gate_up_proj[e] = cat(gate_proj_e, up_proj_e)``,
 ``mlp.experts.down_proj[e] = down_proj_e``), and some families rename the MoE
 block in memory (Mixtral: checkpoint ``block_sparse_moe.experts.{e}.w1/w3/w2`` and
-``block_sparse_moe.gate``, module ``mlp``; :data:`CHECKPOINT_MOE_NAMES`, after
+``block_sparse_moe.gate``, module ``mlp``; MiniMax-M2 likewise, its ``block_sparse_moe.e_score_correction_bias``
+too; :data:`CHECKPOINT_MOE_NAMES`, after
 transformers' ``conversion_mapping.py``); gpt-oss checkpoints hold the stacked experts
 as memory does (:data:`STACKED_EXPERT_CHECKPOINTS`). Persistent buffers are checkpoint tensors
 too (GLM's router ``e_score_correction_bias``). ``HFParamMap`` resolves every
@@ -28,7 +29,8 @@ from typing import Callable, Iterator
 import torch
 
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_MOE_BLOCK = re.compile(r"\.mlp\.(?=gate\.|experts\.)")  # a layer's router / experts in memory
+# a layer's router / experts / selection bias in memory (MiniMax-M2 keeps its bias on the block itself)
+_MOE_BLOCK = re.compile(r"\.mlp\.(?=gate\.|experts\.|e_score_correction_bias$)")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class CheckpointMoeNames:
 
 
 #: model_type -> its checkpoint's MoE names, where they are not the Qwen-MoE ones
-CHECKPOINT_MOE_NAMES = {"mixtral": CheckpointMoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+_MIXTRAL_NAMES = CheckpointMoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+CHECKPOINT_MOE_NAMES = {"mixtral": _MIXTRAL_NAMES, "minimax_m2": _MIXTRAL_NAMES}
 #: model types whose checkpoint stores each layer's experts stacked, under the in-memory names and layout
 STACKED_EXPERT_CHECKPOINTS = ("gpt_oss",)
 #: model_type -> (in-memory prefix, checkpoint prefix) pairs: transformers >= 5 nests a vision-language model's

@@ -68,8 +68,8 @@ def test_megatron_view_agrees_with_the_bridge(family):
                                     bridge.vocab_size)
     assert view["multi_latent_attention"] == tc.multi_latent_attention
     # MLA: rotary_scaling_factor; a YaRN GQA model (gpt-oss): yarn_rotary_scaling_factor
-    # gemma3_text: its layers apply their own RoPE (a linear factor per layer type); megatron's factor is unread
-    assert view["rotary_scaling_factor"] == (UNUSED if family == "gemma3_text" else getattr(
+    # gemma3_text, gemma4_text: their layers apply their own RoPE (per layer type); megatron's factor is unread
+    assert view["rotary_scaling_factor"] == (UNUSED if family in ("gemma3_text", "gemma4_text") else getattr(
         tc, "rotary_scaling_factor", getattr(tc, "yarn_rotary_scaling_factor", 1.0)))
     assert view["position_embedding_type"] == bridge.position_embedding_type
     if tc.multi_latent_attention:  # megatron's MLA never reads kv_channels: any --kv-channels states nothing
@@ -390,3 +390,14 @@ def test_qwen3_next_context_parallelism_is_refused(tmp_path):
     assert parse_config(["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2"])
     assert parse_config(["--hf-checkpoint", hf_dir(tmp_path, "qwen3"), "--actor-num-gpus-per-node", "2",
                          "--context-parallel-size", "2"])
+
+
+def test_minimax_m2_tensor_parallelism_beyond_its_key_heads_is_refused(tmp_path):
+    """MiniMax-M2's key norm spans all key heads: a key head replicated over TP ranks would count once per copy."""
+    path = hf_dir(tmp_path, "minimax_m2", num_key_value_heads=1)
+    base = ["--hf-checkpoint", path, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"]
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 > num_key_value_heads=1 with a minimax_m2 "
+                                          r"model: .* pass --tensor-model-parallel-size <= 1"):
+        parse_config(base)
+    assert parse_config([base[0], hf_dir(tmp_path, "minimax_m2"), *base[2:]])  # 2 key heads: TP2 fits

@@ -102,6 +102,11 @@ def _two_rank_entries(tiny_hf_models):
         entry("qwen3_5_text_tp2_sp", "qwen3_5_text", qwen3_5, tp=2, sp=1, checks="grads"),
         entry("qwen3_5_text_pp2", "qwen3_5_text", qwen3_5, pp=2),
         *[e for e in family_entries("qwen3_5_moe_text", qwen3_5_moe) if not e.startswith("qwen3_5_moe_text_cp2:")],
+        # MiniMax-M2: sigmoid router with its selection bias and the all-heads q/k norm under EP2 (the TP case is in the
+        # 4-rank launch); Gemma 4: value norm, layer scalars, proportional RoPE, windows and post-norms under TP2 + SP
+        # (the other layouts: tools/check_parity.py, docs/parity.md)
+        entry("minimax_m2_ep2", "minimax_m2", tiny_hf_models("minimax_m2"), ep=2, checks="grads"),
+        entry("gemma4_text_tp2_sp", "gemma4_text", tiny_hf_models("gemma4_text"), tp=2, sp=1, checks="grads"),
     ]
     return entries
 
@@ -131,6 +136,9 @@ def _four_rank_entries(tiny_hf_models):
         entry("qwen3_next_tp2_pp2_ep2_sp", "qwen3_next", qwen3_next, tp=2, pp=2, ep=2, etp=1, sp=1, checks="grads"),
         entry("qwen3_5_moe_text_tp2_pp2_ep2_sp", "qwen3_5_moe_text", tiny_hf_models("qwen3_5_moe_text"), tp=2, pp=2,
               ep=2, etp=1, sp=1, checks="grads"),
+        # the all-heads q/k norm's TP-sharded gains: sum of squares all-reduced over TP, gradients not summed again
+        entry("minimax_m2_tp2_ep2_sp", "minimax_m2", tiny_hf_models("minimax_m2"), tp=2, ep=2, etp=1, sp=1,
+              checks="grads"),
     ]
     return entries
 

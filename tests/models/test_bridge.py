@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
+    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, gemma4_text, glm4_moe, gpt_oss, kimi_k2, llama, minimax_m2, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
         get_bridge({"model_type": "gpt2"})
 
 
@@ -123,6 +123,22 @@ _GEMMA_YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_
     ("gemma3_text", dict(rope_parameters={"sliding_attention": _GEMMA_YARN,
                                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
      "sliding_attention rope_type 'yarn'"),
+    ("minimax_m2", dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
+    ("minimax_m2", dict(router_jitter_noise=0.01), "router_jitter_noise=0.01"),
+    ("minimax_m2", dict(qk_norm_type="per_head"), "qk_norm_type='per_head'"),
+    ("minimax_m2", dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    ("minimax_m2", dict(shared_intermediate_size=64), "shared_intermediate_size=64"),
+    ("minimax_m2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                         "partial_rotary_factor": 0.5}), "rope scaling type 'yarn'"),
+    ("gemma4_text", dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input=8 (per-layer embeddings"),
+    ("gemma4_text", dict(num_kv_shared_layers=2), "num_kv_shared_layers=2"),
+    ("gemma4_text", dict(attention_k_eq_v=True), "attention_k_eq_v=true"),
+    ("gemma4_text", dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+     "enable_moe_block=true"),
+    ("gemma4_text", dict(global_head_dim=32), "per_layer_config[1].head_dim=32 (not 16)"),
+    ("gemma4_text", dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    ("gemma4_text", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "full_attention": _GEMMA_YARN}), "rope scaling type 'yarn'"),
     ("qwen3_next", dict(layer_types=["linear_attention", "sliding_attention"] * 2), "layer_types ['sliding_attention']"),
     ("qwen3_next", dict(attention_bias=True), "attention_bias=true"),
     ("qwen3_next", dict(hidden_act="gelu"), "hidden_act='gelu'"),

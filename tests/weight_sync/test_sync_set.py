@@ -51,6 +51,8 @@ ENGINE_FUSES = {
     "qwen3_next": {"qkv_proj", "gate_up_proj"},
     "qwen3_5_text": {"qkv_proj", "gate_up_proj", "in_proj_qkvz", "in_proj_ba"},
     "qwen3_5_moe_text": {"qkv_proj", "gate_up_proj", "in_proj_qkvz", "in_proj_ba"},
+    "minimax_m2": {"qkv_proj", "w13"},
+    "gemma4_text": {"qkv_proj", "gate_up_proj"},
 }
 
 
