@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, lora_export, streaming_load
+from megatron_rl.convert import common, input_digest, lora_export, streaming_load
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.dist import all_ranks_ok, rank, rank0_do
@@ -63,7 +63,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     common.refuse_other_kind(dist_dir, given_input, "dist-to-hf")  # e.g. an fsdp checkpoint: fsdp-to-hf
     out_dir = os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": given_input, "--hf-config": hf_config_dir}, overwrite, "hf")
-    meta = model_dir.read_marker(dist_dir)
+    digest = input_digest.InputDigest(dist_dir, dist_io.MODEL_KEY_ROOTS)  # the input check also digests the chunks
+    meta = model_dir.read_marker(dist_dir, crc_of=digest.file_crcs)
     config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, model_dir.HF_CONFIG_SUBDIR))
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise CheckpointError(f"no HF config for {dist_dir}: {config_dir}/config.json does not exist; pass "
@@ -111,7 +112,7 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     summary: dict = {}
 
     def write(tmp: str) -> Optional[dict[str, str]]:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank() == 0 else None
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes, range_crc=digest.crc) if rank() == 0 else None
         error: Optional[Exception] = None
         seen: set[str] = set()
         bar = dist_io.progress(len(expected), "torch_dist->hf", show_progress)
@@ -127,7 +128,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                                           f"{expected.get(name)})")
                 if name in deltas:  # --merge-lora: PEFT's merge_and_unload, in float32
                     tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
-                check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
+                if not digest.finite(tensor):  # else: its chunks' values were checked by the input check's pass
+                    check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
                 writer.add(name, common.cast_checked(name, tensor, out_dtype))
                 seen.add(name)
                 bar.update(1)

@@ -27,7 +27,7 @@ import math
 import os
 import re
 import struct
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -83,12 +83,14 @@ class _FileBytes:
     the tensor's bytes when added) instead of the tensor: the shard copies them from the files inside the
     kernel, and the pending shard keeps none of the tensor's memory."""
 
-    def __init__(self, t: torch.Tensor, sources: list[file_views.FileRange]):
+    def __init__(self, t: torch.Tensor, sources: list[file_views.FileRange],
+                 known_crc: Optional[Callable[[file_views.FileRange], Optional[int]]] = None):
         self.dtype, self.shape, self.sources = t.dtype, tuple(t.shape), sources
         raw = t.reshape(-1).view(torch.uint8).numpy().data
         self.crcs, at = [], 0
         for src in sources:
-            self.crcs.append(crc32(raw[at:at + src.nbytes]))
+            crc = known_crc(src) if known_crc is not None else None
+            self.crcs.append(crc if crc is not None else crc32(raw[at:at + src.nbytes]))
             at += src.nbytes
 
     def numel(self) -> int:
@@ -137,8 +139,12 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None,
 class ShardedSafetensorsWriter:
     """``add(name, tensor)`` until done, then ``finish()`` -> the index dict."""
 
-    def __init__(self, out_dir: str, max_shard_bytes: int, metadata: Optional[dict] = None):
+    def __init__(self, out_dir: str, max_shard_bytes: int, metadata: Optional[dict] = None,
+                 range_crc: Optional[Callable[[file_views.FileRange], Optional[int]]] = None):
+        """``range_crc``: the CRC-32 of an input file range when known without reading it (None otherwise:
+        :meth:`~megatron_rl.convert.input_digest.InputDigest.crc`), for tensors written from their files."""
         self.out_dir = out_dir
+        self._range_crc = range_crc
         self.max_shard_bytes = int(max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
         self._pending: dict[str, "torch.Tensor | _FileBytes"] = {}
@@ -157,7 +163,8 @@ class ShardedSafetensorsWriter:
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
         sources = file_views.tensor_file_ranges(tensor)
-        self._pending[name] = _FileBytes(tensor, sources) if sources is not None else _own_storage(tensor)
+        self._pending[name] = _FileBytes(tensor, sources, self._range_crc) if sources is not None \
+            else _own_storage(tensor)
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)

@@ -218,3 +218,49 @@ def test_shard_writer_copies_split_rows_of_mapped_tensors_from_their_file(tmp_pa
     back = load_file(str(shard))
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     assert w.checksums[shard.name] == file_crc32(str(shard))
+
+
+def test_input_digest_hashes_files_as_the_plain_check_does_and_knows_each_model_chunk(tmp_path, monkeypatch):
+    """dist-to-hf's input check (``InputDigest.file_crcs``) gives every file the CRC-32 ``crc32_of_files`` gives,
+    damaged ones too, and learns on the way each model chunk's data CRC-32 and whether it is finite: small
+    windows and blocks here, so a chunk spans several of each and the inf/NaN is in a later block."""
+    import mmap
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.convert import file_views, input_digest
+    from megatron_rl.infra.checkpoint_root import crc32_of_files
+    from megatron_rl.models.dist_io import MODEL_KEY_ROOTS
+
+    monkeypatch.setattr(input_digest, "WINDOW", 2 * mmap.ALLOCATIONGRANULARITY)
+    monkeypatch.setattr(input_digest, "BLOCK", 1024)
+    g = torch.Generator().manual_seed(7)
+    bad = torch.randn(40, 128, generator=g)
+    bad[37, 5] = float("inf")
+    saved = {"decoder.w": torch.randn(64, 96, generator=g), "decoder.h": torch.randn(300, generator=g).bfloat16(),
+             "embedding.bad": bad, "optimizer.m": torch.randn(50, generator=g), "blob": {"x": 1}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
+    digest = input_digest.InputDigest(str(tmp_path), MODEL_KEY_ROOTS)
+    assert digest.file_crcs(paths) == crc32_of_files(paths)
+
+    files = distcp_reader.ChunkFiles(str(tmp_path), {})
+    read = {k: files.read(k, (0,) * v.dim(), tuple(v.shape), v.dtype) for k, v in saved.items()
+            if isinstance(v, torch.Tensor)}
+    for key in ("decoder.w", "decoder.h", "embedding.bad"):
+        t = read[key]
+        assert torch.equal(t, saved[key])
+        assert digest.crc(file_views.tensor_file_range(t)) == zlib.crc32(t.view(torch.uint8).numpy().tobytes())
+    assert digest.finite(read["decoder.w"]) and digest.finite(read["decoder.h"]) and digest.finite(read["decoder.w"][3:9])
+    assert not digest.finite(read["embedding.bad"]) and not digest.finite(read["embedding.bad"][:2])  # checked then
+    assert digest.crc(file_views.tensor_file_range(read["decoder.w"][3:9])) is None  # rows: hashed by the writer
+    assert digest.crc(file_views.tensor_file_range(read["optimizer.m"])) is None  # not a model chunk: not digested
+    assert not digest.finite(read["optimizer.m"]) and not digest.finite(torch.ones(3))
+    assert not digest.finite(read["decoder.w"].view(torch.int32))  # values read as another dtype: unknown
+
+    shard = next(p for p in paths if p.endswith(".distcp"))
+    raw = bytearray(open(shard, "rb").read())
+    raw[len(raw) // 2] ^= 0xFF  # damage: the digest's CRC-32 of the file is still the file's
+    with open(shard, "wb") as f:
+        f.write(raw)
+    assert input_digest.InputDigest(str(tmp_path), MODEL_KEY_ROOTS).file_crcs(paths) == crc32_of_files(paths)
