@@ -117,18 +117,20 @@ def _buckets(items, bucket_bytes: int):
 
 
 def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: int,
-                     config_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+                     config_dir: str, stored: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for the whole model of ``dist_dir`` (one process, TP=PP=EP=1).
 
-    Not lazy in its checks: the stored keys and global shapes are compared with the
+    Not lazy in its checks: the stored keys and global shapes (``stored`` when the caller read them
+    already: :func:`~megatron_rl.models.dist_io.checkpoint_model_tensors`) are compared with the
     model of ``config_dir`` here (refusal names the tensors), before anything is read.
     """
     layout = ParallelLayout()
     if not one_process_groups_ready():
         dist_io.setup(layout)
     chunks = dist_io.build_meta_model(bridge, layout, dtype)
-    dist_io.check_checkpoint_matches_model(dist_dir, dist_io.checkpoint_model_tensors(dist_dir),
-                                           dist_io.model_tensor_shapes(chunks), config_dir)
+    if stored is None:
+        stored = dist_io.checkpoint_model_tensors(dist_dir)
+    dist_io.check_checkpoint_matches_model(dist_dir, stored, dist_io.model_tensor_shapes(chunks), config_dir)
     return with_mtp_copies(bridge, stack_expert_pieces(bridge, _stream(bridge, chunks, dist_dir, bucket_bytes)))
 
 
@@ -143,7 +145,8 @@ def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir:
     (collective, ``bucket_bytes`` per gather); free ``chunks`` when the stream is drained."""
     if streaming:
         assert bucket_bytes is not None, "every streaming caller passes the bucket size it reads at a time"
-        return None, dist_io.read_guard(hf_tensor_stream(bridge, dist_dir, dtype, bucket_bytes, config_dir), dist_dir)
+        return None, dist_io.read_guard(hf_tensor_stream(bridge, dist_dir, dtype, bucket_bytes, config_dir, stored),
+                                        dist_dir)
     chunks = bridge.build_model(layout, params_dtype=dtype)
     if stored is None:
         stored = dist_io.checkpoint_model_tensors(dist_dir)
