@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, input_digest, lora_export, streaming_load
+from megatron_rl.convert import common, file_views, input_digest, lora_export, streaming_load
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.dist import all_ranks_ok, rank, rank0_do
@@ -107,7 +107,7 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
         chunks, exported = None, lora_export.hf_base_tensors(base_dir)
     else:
         chunks, exported = streaming_load.hf_tensors_of(bridge, dist_dir, layout, stored_dtype, config_dir,
-                                                        streaming, bucket_bytes, stored)
+                                                        streaming, bucket_bytes, stored, rows_as_ranges=True)
     expected = bridge.hf_param_shapes()
     summary: dict = {}
 
@@ -127,9 +127,12 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                                           f"{config_dir}/config.json does not have with that shape (expects "
                                           f"{expected.get(name)})")
                 if name in deltas:  # --merge-lora: PEFT's merge_and_unload, in float32
-                    tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
+                    tensor = (values(tensor).float() + deltas[name]).to(tensor.dtype)
                 if not digest.finite(tensor):  # else: its chunks' values were checked by the input check's pass
+                    tensor = values(tensor)
                     check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
+                if tensor.dtype != out_dtype:
+                    tensor = values(tensor)
                 writer.add(name, common.cast_checked(name, tensor, out_dtype))
                 seen.add(name)
                 bar.update(1)
@@ -174,6 +177,12 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                            f"head in it. Convert the HF checkpoint with hf-to-dist --mtp-num-layers "
                            f"{bridge.checkpoint_mtp_layers} (and train with it) to keep them")
     return summary
+
+
+def values(t: "torch.Tensor | file_views.FileRows") -> torch.Tensor:
+    """The tensor itself; a :class:`~megatron_rl.convert.file_views.FileRows` (rows written from their file)
+    built where its values are needed."""
+    return t.build() if isinstance(t, file_views.FileRows) else t
 
 
 def stored_mtp_layers(stored: dict) -> int:

@@ -187,13 +187,14 @@ def test_shard_writer_copies_mapped_tensors_from_their_file(tmp_path):
 
 
 def test_shard_writer_copies_split_rows_of_mapped_tensors_from_their_file(tmp_path):
-    """q/k/v split from a fused, mapped QKV are copies; noted as the row blocks they came from, the writer
-    holds them as those file ranges and writes the same bytes (and the shard's CRC-32 still covers them)."""
+    """q/k/v split from a fused, mapped QKV are handed on as the row blocks they are (``FileRows``: no copy of
+    the rows); the writer holds them as those file ranges and writes the same bytes as the split tensors (and
+    the shard's CRC-32 still covers them); ``build()`` gives the split tensor itself."""
     from safetensors.torch import load_file
 
     from megatron_rl.convert import file_views
     from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter
-    from megatron_rl.convert.streaming_load import _rows_ranges
+    from megatron_rl.convert.streaming_load import _file_rows, _row_pieces
     from megatron_rl.infra.checkpoint_root import file_crc32
     from megatron_rl.models import weight_maps
 
@@ -207,12 +208,14 @@ def test_shard_writer_copies_split_rows_of_mapped_tensors_from_their_file(tmp_pa
     out = tmp_path / "out"
     w = ShardedSafetensorsWriter(str(out), 10**6)
     for (name, t), r in zip(tensors.items(), rows):
-        ranges = _rows_ranges(r.tolist(), blocks, 8 * 4)
-        assert ranges is not None and len(ranges) == 2  # one row block per group
-        file_views.note_rows(t, ranges)
-        w.add(name, t)
+        pieces = _row_pieces(r.tolist(), blocks, 8 * 4)
+        assert pieces is not None and len(pieces) == 2  # one row block per group
+        lazy = _file_rows(qkv, r, pieces)
+        assert lazy.shape == t.shape and lazy.dtype == t.dtype and torch.equal(lazy.build(), t)
+        assert file_views.tensor_file_ranges(lazy) == [p[2] for p in pieces]
+        w.add(name, lazy)
     assert not any(isinstance(v, torch.Tensor) for v in w._pending.values())  # held as file ranges
-    assert _rows_ranges([0, 1, 30], blocks, 32) is None  # a row no block holds: not noted
+    assert _row_pieces([0, 1, 30], blocks, 32) is None  # a row no block holds: built instead
     w.finish()
     shard = out / "model-00001-of-00001.safetensors"
     back = load_file(str(shard))
