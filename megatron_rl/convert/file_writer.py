@@ -44,9 +44,7 @@ from megatron_rl.infra.crc32 import crc32, crc32_combine
 PIPE_BYTES = 1 << 20  # bytes moved per splice: a pipe of this size (the unprivileged maximum by default)
 SMALL_WRITE = 1 << 16  # writes below this are gathered in memory (zip/pickle headers) and written in one go
 _F_SETPIPE_SZ = 1031  # fcntl.h (Linux); not exported by Python's fcntl before 3.10 on every build
-COPY_RANGE_BYTES = 16 << 20  # bytes per copy_file_range call (the writeback of each starts before the next)
-WRITEBACK_BYTES = 16 << 20  # written bytes after which their writeback to disk is started (sync_file_range)
-_SYNC_FILE_RANGE_WRITE = 2  # fcntl.h (Linux): start writeback of the range's dirty pages, do not wait
+COPY_RANGE_BYTES = 1 << 30  # bytes per copy_file_range call
 
 
 class FileWriter(io.RawIOBase):
@@ -64,8 +62,6 @@ class FileWriter(io.RawIOBase):
         self._copy_ok = hasattr(os, "copy_file_range")
         self._small = bytearray()
         self._pos = 0
-        self._on_disk = 0  # bytes handed to the file (self._pos less what self._small still holds)
-        self._unstarted = 0  # of those, bytes whose writeback has not been started
         self.crc = 0
         self.copied_bytes = 0  # moved from input files with copy_file_range
         self._zip: Optional[_ZipCrcs] = None  # inside torch_archive()
@@ -163,23 +159,7 @@ class FileWriter(io.RawIOBase):
         offset, n = 0, view.nbytes
         while offset < n:
             chunk = view[offset:offset + PIPE_BYTES]
-            moved = self._splice(chunk) if self._splice_ok else os.write(self._fd, chunk)
-            offset += moved
-            self._written(moved)
-
-    def _written(self, n: int) -> None:
-        """``n`` more bytes are in the file: every ``WRITEBACK_BYTES`` start writing them to disk.
-
-        Why: the file is fsynced once it is complete (in the background, :func:`fsync_later`), and the
-        fsync then waited for the disk to take all of it; started as the bytes arrive, the disk writes while
-        the rest of the file is produced, and the last fsync waits for the last few MB only (the copy the
-        benchmarks compare with writes everything, then waits). A hint: where the call is missing or
-        refused, the fsync does all of it as before."""
-        self._on_disk += n
-        self._unstarted += n
-        if self._unstarted >= WRITEBACK_BYTES:
-            start_writeback(self._fd, self._on_disk - self._unstarted, self._unstarted)
-            self._unstarted = 0
+            offset += self._splice(chunk) if self._splice_ok else os.write(self._fd, chunk)
 
     def _copy_file(self, src: file_views.FileRange) -> None:
         src_fd = os.open(src.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -193,7 +173,6 @@ class FileWriter(io.RawIOBase):
                         if not moved:
                             raise CheckpointError(f"{src.path} ended before byte {src.offset + src.nbytes}")
                         done += moved
-                        self._written(moved)
                 except OSError:  # across filesystems on old kernels, or unsupported: read and write the rest
                     self._copy_ok = False
             while done < src.nbytes:
@@ -337,25 +316,6 @@ class _ZipCrcs:
 
 
 _crc_pool: Optional[ThreadPoolExecutor] = None
-_sync_file_range: Optional[object] = None  # libc's sync_file_range (ctypes), False where there is none
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing ``nbytes`` at ``offset`` of ``fd`` to disk without waiting (Linux ``sync_file_range`` with
-    ``SYNC_FILE_RANGE_WRITE``); nothing where the call is missing. Durability is still the fsync's."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _sync_file_range = fn
-        except (OSError, AttributeError):  # not Linux / no such symbol
-            _sync_file_range = False
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
 _sync_pool: Optional[ThreadPoolExecutor] = None
 
 
