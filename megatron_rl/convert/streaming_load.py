@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 
@@ -135,8 +135,9 @@ def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: in
     if stored is None:
         stored = dist_io.checkpoint_model_tensors(dist_dir)
     dist_io.check_checkpoint_matches_model(dist_dir, stored, dist_io.model_tensor_shapes(chunks), config_dir)
-    return with_mtp_copies(bridge, stack_expert_pieces(bridge, _stream(bridge, chunks, dist_dir, bucket_bytes,
-                                                                       rows_as_ranges)))
+    # a FileRows (q/k/v) is never an expert piece nor an MTP alias: both pass it on untouched
+    stream = cast(Iterator[tuple[str, torch.Tensor]], _stream(bridge, chunks, dist_dir, bucket_bytes, rows_as_ranges))
+    return with_mtp_copies(bridge, stack_expert_pieces(bridge, stream))
 
 
 def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir: str, streaming: bool,
