@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from megatron_rl.convert import file_views
+from megatron_rl.convert.distcp_reader import record_reader
 from megatron_rl.infra.checkpoint_root import crc32_hex
 from megatron_rl.infra.crc32 import crc32, crc32_combine
 
@@ -164,8 +165,6 @@ def _plan(dist_dir: str, roots: tuple[str, ...]) -> dict[str, list[Chunk]]:
 def _locate(file, offset: int, length: int, dtype: torch.dtype, nbytes: int) -> Optional[Chunk]:
     """Where the tensor data of the ``torch.save`` record at ``[offset, offset + length)`` is (its one storage
     record, of ``nbytes``); None when the record is not that (or torch's zip reader refuses it)."""
-    from megatron_rl.convert.distcp_reader import record_reader
-
     try:
         reader = record_reader(file, offset, length)
         data = [n for n in reader.get_all_records() if n.startswith("data/")]
