@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.convert import common, lora_export, streaming_load
+from megatron_rl.convert import common, file_views, input_digest, lora_export, streaming_load
 from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter, parse_size
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.dist import all_ranks_ok, rank, rank0_do
@@ -63,7 +63,8 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
     common.refuse_other_kind(dist_dir, given_input, "dist-to-hf")  # e.g. an fsdp checkpoint: fsdp-to-hf
     out_dir = os.path.abspath(out_dir)
     common.check_output_dir(out_dir, {"--input": given_input, "--hf-config": hf_config_dir}, overwrite, "hf")
-    meta = model_dir.read_marker(dist_dir)
+    digest = input_digest.InputDigest(dist_dir, dist_io.MODEL_KEY_ROOTS)  # the input check also digests the chunks
+    meta = model_dir.read_marker(dist_dir, crc_of=digest.file_crcs)
     config_dir = os.path.abspath(hf_config_dir or os.path.join(dist_dir, model_dir.HF_CONFIG_SUBDIR))
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise CheckpointError(f"no HF config for {dist_dir}: {config_dir}/config.json does not exist; pass "
@@ -108,12 +109,12 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
         chunks, exported = None, lora_export.hf_base_tensors(base_dir)
     else:
         chunks, exported = streaming_load.hf_tensors_of(bridge, dist_dir, layout, stored_dtype, config_dir,
-                                                        streaming, bucket_bytes, stored)
+                                                        streaming, bucket_bytes, stored, rows_as_ranges=True)
     expected = bridge.hf_param_shapes()
     summary: dict = {}
 
     def write(tmp: str) -> Optional[dict[str, str]]:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes) if rank() == 0 else None
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes, range_crc=digest.crc) if rank() == 0 else None
         error: Optional[Exception] = None
         seen: set[str] = set()
         bar = dist_io.progress(len(expected), "torch_dist->hf", show_progress)
@@ -130,8 +131,12 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                 if name in saved:  # a module to save: the run's weights, not the base's
                     tensor = saved[name].to(tensor.dtype)
                 if name in deltas:  # --merge-lora: PEFT's merge_and_unload, in float32
-                    tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
-                check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
+                    tensor = (values(tensor).float() + deltas[name]).to(tensor.dtype)
+                if not digest.finite(tensor):  # else: its chunks' values were checked by the input check's pass
+                    tensor = values(tensor)
+                    check_finite(name, tensor, f"torch_dist checkpoint {dist_dir}", fix=NON_FINITE_FIX)
+                if tensor.dtype != out_dtype:
+                    tensor = values(tensor)
                 writer.add(name, common.cast_checked(name, tensor, out_dtype))
                 seen.add(name)
                 bar.update(1)
@@ -176,6 +181,12 @@ def convert_dist_to_hf(dist_dir: str, out_dir: str, hf_config_dir: Optional[str]
                            f"head in it. Convert the HF checkpoint with hf-to-dist --mtp-num-layers "
                            f"{bridge.checkpoint_mtp_layers} (and train with it) to keep them")
     return summary
+
+
+def values(t: "torch.Tensor | file_views.FileRows") -> torch.Tensor:
+    """The tensor itself; a :class:`~megatron_rl.convert.file_views.FileRows` (rows written from their file)
+    built where its values are needed."""
+    return t.build() if isinstance(t, file_views.FileRows) else t
 
 
 def stored_mtp_layers(stored: dict) -> int:

@@ -61,13 +61,19 @@ class _Window(io.RawIOBase):
         return got
 
 
+def record_reader(file, offset: int, length: int):
+    """torch's zip reader (``PyTorchFileReader``) over the ``torch.save`` record at ``[offset, offset + length)``
+    of ``file`` (an open binary file)."""
+    return torch._C.PyTorchFileReader(cast(IO[bytes], _Window(file, offset, length)))
+
+
 def _mapped_tensor(file, offset: int, length: int) -> torch.Tensor:
     """The tensor ``torch.save`` wrote at ``[offset, offset + length)`` of ``file``, its storage viewing a
     private mapping of just that range (unmapped when the tensor goes: a mapped page counts in the RSS)."""
     from torch import _weights_only_unpickler
     from torch.serialization import _load
 
-    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _Window(file, offset, length)))
+    reader = record_reader(file, offset, length)
     storage = file_views.map_range(file.name, offset, length).untyped_storage()  # known to the output writer
     return _load(reader, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 

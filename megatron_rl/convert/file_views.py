@@ -13,19 +13,21 @@ write into these tensors (values that change are new tensors), and the output's 
 from the mapped pages themselves: a page changed in memory would show as a checksum mismatch of the
 output, never as a silent difference.
 
-A tensor the export had to copy out of mapped pages (megatron's fused q/k/v split into HF's q, k and v,
-a row block per query group) is not one range, but its rows are several: :func:`note_rows` records them
-for as long as the copy lives, and :func:`tensor_file_ranges` gives them to the writer, which then
-copies those ranges from the file and drops the copy instead of holding it in its pending shard.
+An HF tensor that regroups rows of mapped pages (megatron's fused q/k/v split into HF's q, k and v,
+a row block per query group) is not one range, but its rows are several: the export hands it on as a
+:class:`FileRows` (those ranges, their CRC-32s, its shape and dtype) instead of copying the rows into a
+new tensor, and the writer copies the ranges from the file; ``build()`` makes the tensor where its
+values are needed.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import threading
 import weakref
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -39,7 +41,33 @@ class FileRange(NamedTuple):
 _lock = threading.Lock()
 _starts: list[int] = []  # sorted base addresses of live mappings
 _maps: dict[int, tuple[weakref.ref, str, int, int]] = {}  # base address -> (mmap, path, file offset, length)
-_noted: dict[int, tuple[weakref.ref, int, tuple[FileRange, ...]]] = {}  # address -> (tensor, nbytes, its ranges)
+
+
+class FileRows:
+    """An HF tensor whose bytes are ranges of input files one after another (rows of a mapped parameter: q, k or
+    v of a fused QKV), held as those ranges and their CRC-32s instead of a copy of the rows.
+
+    Why: the copy was made only to be checked and hashed, and the writer then copied the same bytes from
+    the file anyway; the input check covers the values (:meth:`InputDigest.finite
+    <megatron_rl.convert.input_digest.InputDigest.finite>`) and the CRC-32s are taken from the mapped rows.
+    ``shape``/``dtype``/``numel()``/``element_size()`` as a tensor's; :meth:`build` makes the tensor (a
+    ``--dtype`` cast, a LoRA merge or an inf/NaN check need its values)."""
+
+    __slots__ = ("shape", "dtype", "ranges", "crcs", "_build")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, ranges: list[FileRange], crcs: list[int],
+                 build: Callable[[], torch.Tensor]):
+        self.shape, self.dtype, self.ranges, self.crcs, self._build = tuple(shape), dtype, list(ranges), list(crcs), \
+            build
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def build(self) -> torch.Tensor:
+        return self._build()
 
 
 def _forget(start: int) -> None:
@@ -94,39 +122,13 @@ def tensor_file_range(t: torch.Tensor) -> Optional[FileRange]:
     return file_range_of(t.data_ptr(), t.numel() * t.element_size())
 
 
-def note_rows(t: torch.Tensor, ranges: list[FileRange]) -> None:
-    """Record that the contiguous CPU tensor ``t`` (a copy of mapped pages nobody writes into) holds exactly the
-    bytes of ``ranges`` one after another, for as long as ``t`` lives (:func:`tensor_file_ranges`)."""
-    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    if not t.is_contiguous() or t.device.type != "cpu" or sum(r.nbytes for r in ranges) != nbytes or not nbytes:
-        return
-    with _lock:
-        _noted[address] = (weakref.ref(t), nbytes, tuple(ranges))
-    weakref.finalize(t, _forget_noted, address)
-
-
-def _forget_noted(address: int) -> None:
-    with _lock:
-        _noted.pop(address, None)
-
-
-def tensor_file_ranges(t: torch.Tensor) -> Optional[list[FileRange]]:
-    """The file ranges whose bytes, one after another, a contiguous CPU tensor holds: its mapped range
-    (:func:`tensor_file_range`) or the rows :func:`note_rows` recorded for it; None when neither."""
+def tensor_file_ranges(t: "torch.Tensor | FileRows") -> Optional[list[FileRange]]:
+    """The file ranges whose bytes, one after another, ``t`` holds: a :class:`FileRows`' ranges, a contiguous CPU
+    tensor's mapped range (:func:`tensor_file_range`); None when neither."""
+    if isinstance(t, FileRows):
+        return list(t.ranges)
     one = tensor_file_range(t)
-    if one is not None:
-        return [one]
-    if t.device.type != "cpu" or not t.is_contiguous() or not t.numel():
-        return None
-    with _lock:
-        found = _noted.get(t.data_ptr())
-    if found is None:
-        return None
-    ref, nbytes, ranges = found
-    owner = ref()
-    if owner is None or owner.data_ptr() != t.data_ptr() or nbytes != t.numel() * t.element_size():
-        return None
-    return list(ranges)
+    return [one] if one is not None else None
 
 
 def buffer_address(view: memoryview) -> int:

@@ -27,7 +27,7 @@ import math
 import os
 import re
 import struct
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -79,17 +79,26 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 
 class _FileBytes:
     """A tensor whose bytes are ranges of input files (:mod:`~megatron_rl.convert.file_views`: a mapped range, or
-    the row blocks a copy of mapped pages was made from), held as those ranges and their CRC-32s (hashed from
-    the tensor's bytes when added) instead of the tensor: the shard copies them from the files inside the
-    kernel, and the pending shard keeps none of the tensor's memory."""
+    the rows of a :class:`~megatron_rl.convert.file_views.FileRows`), held as those ranges and their CRC-32s
+    instead of the tensor: the shard copies them from the files inside the kernel, and the pending shard keeps
+    none of the tensor's memory."""
 
-    def __init__(self, t: torch.Tensor, sources: list[file_views.FileRange]):
-        self.dtype, self.shape, self.sources = t.dtype, tuple(t.shape), sources
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], sources: list[file_views.FileRange],
+                 crcs: list[int]):
+        self.dtype, self.shape, self.sources, self.crcs = dtype, tuple(shape), sources, crcs
+
+    @classmethod
+    def of(cls, t: torch.Tensor, sources: list[file_views.FileRange],
+           known_crc: Optional[Callable[[file_views.FileRange], Optional[int]]] = None) -> "_FileBytes":
+        """``t``, whose bytes are ``sources``; each source's CRC-32 from ``known_crc`` where it knows it (the
+        input check hashed that range), else hashed from ``t``'s bytes now."""
         raw = t.reshape(-1).view(torch.uint8).numpy().data
-        self.crcs, at = [], 0
+        crcs, at = [], 0
         for src in sources:
-            self.crcs.append(crc32(raw[at:at + src.nbytes]))
+            crc = known_crc(src) if known_crc is not None else None
+            crcs.append(crc if crc is not None else crc32(raw[at:at + src.nbytes]))
             at += src.nbytes
+        return cls(t.dtype, tuple(t.shape), sources, crcs)
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -137,8 +146,12 @@ def save_safetensors(tensors: dict, path: str, metadata: Optional[dict] = None,
 class ShardedSafetensorsWriter:
     """``add(name, tensor)`` until done, then ``finish()`` -> the index dict."""
 
-    def __init__(self, out_dir: str, max_shard_bytes: int, metadata: Optional[dict] = None):
+    def __init__(self, out_dir: str, max_shard_bytes: int, metadata: Optional[dict] = None,
+                 range_crc: Optional[Callable[[file_views.FileRange], Optional[int]]] = None):
+        """``range_crc``: the CRC-32 of an input file range when known without reading it (None otherwise:
+        :meth:`~megatron_rl.convert.input_digest.InputDigest.crc`), for tensors written from their files."""
         self.out_dir = out_dir
+        self._range_crc = range_crc
         self.max_shard_bytes = int(max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
         self._pending: dict[str, "torch.Tensor | _FileBytes"] = {}
@@ -150,14 +163,18 @@ class ShardedSafetensorsWriter:
         self._synced: list = []  # each written shard's background fsync, waited for in finish()
         os.makedirs(out_dir, exist_ok=True)
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: "torch.Tensor | file_views.FileRows") -> None:
         if name in self._pending or any(name in names for _, names in self._parts):
             raise CheckpointError(f"tensor {name!r} was written twice; the export is inconsistent")
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        sources = file_views.tensor_file_ranges(tensor)
-        self._pending[name] = _FileBytes(tensor, sources) if sources is not None else _own_storage(tensor)
+        if isinstance(tensor, file_views.FileRows):
+            self._pending[name] = _FileBytes(tensor.dtype, tensor.shape, tensor.ranges, tensor.crcs)
+        else:
+            source = file_views.tensor_file_range(tensor)
+            self._pending[name] = _FileBytes.of(tensor, [source], self._range_crc) if source is not None \
+                else _own_storage(tensor)
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)

@@ -23,9 +23,9 @@ for each bucket of consecutive parameters (export order, at most
 
 Memory: one bucket of parameters (mapped pages, or tensors where assembled)
 plus the HF tensors made from them, not the model; an HF tensor that is a
-chunk's bytes, or a copy of known rows of one (q/k/v split from a fused QKV,
-:func:`~megatron_rl.convert.file_views.note_rows`), is written from the ``.distcp``
-file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
+chunk's bytes, or known rows of one (q/k/v split from a fused QKV, handed on as
+a :class:`~megatron_rl.convert.file_views.FileRows` without copying them), is
+written from the ``.distcp`` file by the shard writer. Under torchrun with a parallel layout ``dist_to_hf`` keeps loading
 each rank's whole shard (the collective export needs every rank's model).
 """
 
@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 
 from megatron_rl.convert import distcp_reader, file_views
 from megatron_rl.convert.streaming_save import release_free_memory, storage_key
 from megatron_rl.errors import CheckpointError
+from megatron_rl.infra.crc32 import crc32
 from megatron_rl.models import dist_io
 from megatron_rl.models.parallel import ParallelLayout
 from megatron_rl.models.weights import export_items, export_rows, export_slot, stack_expert_pieces, with_mtp_copies
@@ -116,34 +117,44 @@ def _buckets(items, bucket_bytes: int):
         yield bucket
 
 
-def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: int,
-                     config_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for the whole model of ``dist_dir`` (one process, TP=PP=EP=1).
+def hf_tensor_stream(bridge, dist_dir: str, dtype: torch.dtype, bucket_bytes: int, config_dir: str,
+                     stored: Optional[dict] = None, rows_as_ranges: bool = False
+                     ) -> Iterator[tuple[str, "torch.Tensor | file_views.FileRows"]]:
+    """``(hf_name, tensor)`` for the whole model of ``dist_dir`` (one process, TP=PP=EP=1); with
+    ``rows_as_ranges`` q/k/v (rows of the fused QKV's chunk) come as
+    :class:`~megatron_rl.convert.file_views.FileRows`, for a caller that writes them from the file.
 
-    Not lazy in its checks: the stored keys and global shapes are compared with the
+    Not lazy in its checks: the stored keys and global shapes (``stored`` when the caller read them
+    already: :func:`~megatron_rl.models.dist_io.checkpoint_model_tensors`) are compared with the
     model of ``config_dir`` here (refusal names the tensors), before anything is read.
     """
     layout = ParallelLayout()
     if not one_process_groups_ready():
         dist_io.setup(layout)
     chunks = dist_io.build_meta_model(bridge, layout, dtype)
-    dist_io.check_checkpoint_matches_model(dist_dir, dist_io.checkpoint_model_tensors(dist_dir),
-                                           dist_io.model_tensor_shapes(chunks), config_dir)
-    return with_mtp_copies(bridge, stack_expert_pieces(bridge, _stream(bridge, chunks, dist_dir, bucket_bytes)))
+    if stored is None:
+        stored = dist_io.checkpoint_model_tensors(dist_dir)
+    dist_io.check_checkpoint_matches_model(dist_dir, stored, dist_io.model_tensor_shapes(chunks), config_dir)
+    # a FileRows (q/k/v) is never an expert piece nor an MTP alias: both pass it on untouched
+    stream = cast(Iterator[tuple[str, torch.Tensor]], _stream(bridge, chunks, dist_dir, bucket_bytes, rows_as_ranges))
+    return with_mtp_copies(bridge, stack_expert_pieces(bridge, stream))
 
 
 def hf_tensors_of(bridge, dist_dir: str, layout, dtype: torch.dtype, config_dir: str, streaming: bool,
-                  bucket_bytes: Optional[int] = None, stored: Optional[dict] = None) -> tuple[Optional[list], Iterator]:
+                  bucket_bytes: Optional[int] = None, stored: Optional[dict] = None,
+                  rows_as_ranges: bool = False) -> tuple[Optional[list], Iterator]:
     """``(chunks, (hf_name, tensor) stream)``: the model of ``dist_dir`` exported to HF tensors.
 
     ``streaming`` (one process, :func:`can_stream`): a bucket of ``bucket_bytes`` at a time,
     read errors named by :func:`~megatron_rl.models.dist_io.read_guard`; ``chunks`` is None.
     Otherwise every rank loads its shard into a model built at ``layout`` (after the stored keys
     and shapes, ``stored`` when already read, are checked against it) and the export gathers
-    (collective, ``bucket_bytes`` per gather); free ``chunks`` when the stream is drained."""
+    (collective, ``bucket_bytes`` per gather); free ``chunks`` when the stream is drained.
+    ``rows_as_ranges`` (streaming only): q/k/v come as :class:`~megatron_rl.convert.file_views.FileRows`."""
     if streaming:
         assert bucket_bytes is not None, "every streaming caller passes the bucket size it reads at a time"
-        return None, dist_io.read_guard(hf_tensor_stream(bridge, dist_dir, dtype, bucket_bytes, config_dir), dist_dir)
+        return None, dist_io.read_guard(hf_tensor_stream(bridge, dist_dir, dtype, bucket_bytes, config_dir, stored,
+                                                         rows_as_ranges), dist_dir)
     chunks = bridge.build_model(layout, params_dtype=dtype)
     if stored is None:
         stored = dist_io.checkpoint_model_tensors(dist_dir)
@@ -227,10 +238,11 @@ def _direct_values(bridge, bucket, entries: dict, files: distcp_reader.ChunkFile
     return values, sources, ready
 
 
-def _rows_ranges(rows: list[int], blocks: list[RowSource], row_bytes: int) -> Optional[list[file_views.FileRange]]:
-    """The file ranges holding parameter ``rows`` in that order (runs of consecutive rows, split where their
-    blocks do); None when a row is in no block."""
-    out: list[file_views.FileRange] = []
+def _row_pieces(rows: list[int], blocks: list[RowSource], row_bytes: int
+                ) -> Optional[list[tuple[int, int, file_views.FileRange]]]:
+    """``(first parameter row, rows, file range)`` holding parameter ``rows`` in that order (runs of consecutive
+    rows, split where their blocks do); None when a row is in no block."""
+    out: list[tuple[int, int, file_views.FileRange]] = []
     i = 0
     while i < len(rows):
         j = i + 1
@@ -240,28 +252,38 @@ def _rows_ranges(rows: list[int], blocks: list[RowSource], row_bytes: int) -> Op
         for first, n, where in blocks:
             a, b = max(lo, first), min(hi, first + n)
             if a < b:
-                out.append(file_views.FileRange(where.path, where.offset + (a - first) * row_bytes, (b - a) * row_bytes))
+                out.append((a, b - a, file_views.FileRange(where.path, where.offset + (a - first) * row_bytes,
+                                                           (b - a) * row_bytes)))
         i = j
-    return out if sum(r.nbytes for r in out) == len(rows) * row_bytes else None
+    return out if sum(p[1] for p in out) == len(rows) else None
 
 
-def _noted_export(bridge, slot, value: torch.Tensor, names, blocks: list[RowSource]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``export_slot`` of one parameter; an HF tensor that regroups the parameter's rows (q, k, v of a fused
-    QKV, gate and up of ``linear_fc1``) is noted as the file ranges of those rows
-    (:func:`~megatron_rl.convert.file_views.note_rows`), so the shard writer copies them from the file."""
-    rows = export_rows(bridge, slot.canonical_name, value.shape[0]) if blocks else None
-    row_bytes = value[0].numel() * value.element_size() if blocks else 0
-    for i, (name, tensor) in enumerate(export_slot(bridge, dataclasses.replace(slot, param=value), names,
-                                                   copy=False)):
-        if rows is not None and i < len(rows) and file_views.tensor_file_range(tensor) is None:
-            ranges = _rows_ranges(rows[i].tolist(), blocks, row_bytes)
-            if ranges is not None:
-                file_views.note_rows(tensor, ranges)
-        yield name, tensor
+def _file_rows(value: torch.Tensor, rows: torch.Tensor, pieces: list[tuple[int, int, file_views.FileRange]]
+               ) -> file_views.FileRows:
+    """The HF tensor ``value[rows]`` as the file ranges its rows are (CRC-32s hashed from ``value``'s rows)."""
+    crcs = [crc32(value[first:first + n].reshape(-1).view(torch.uint8).numpy()) for first, n, _ in pieces]
+    return file_views.FileRows((len(rows), *value.shape[1:]), value.dtype, [p[2] for p in pieces], crcs,
+                               lambda: value.index_select(0, rows))
 
 
-def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _export(bridge, slot, value: torch.Tensor, names, blocks: list[RowSource], rows_as_ranges: bool
+            ) -> Iterator[tuple[str, "torch.Tensor | file_views.FileRows"]]:
+    """``export_slot`` of one parameter. With ``rows_as_ranges``, an HF tensor that regroups rows of the
+    parameter whose bytes are known rows of a ``.distcp`` file (q, k, v of a fused QKV) is a
+    :class:`~megatron_rl.convert.file_views.FileRows` instead of a copy: the shard writer copies those rows from
+    the file."""
+    rows = export_rows(bridge, slot.canonical_name, value.shape[0]) if blocks and rows_as_ranges else None
+    if rows is None or len(rows) != len(names):
+        yield from export_slot(bridge, dataclasses.replace(slot, param=value), names, copy=False)
+        return
+    row_bytes = value[0].numel() * value.element_size()
+    for name, picked in zip(names, rows):
+        pieces = _row_pieces(picked.tolist(), blocks, row_bytes)
+        yield name, _file_rows(value, picked, pieces) if pieces is not None else value.index_select(0, picked)
+
+
+def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int, rows_as_ranges: bool
+            ) -> Iterator[tuple[str, "torch.Tensor | file_views.FileRows"]]:
     entries = _entries_by_parameter(dist_io.model_sharded_state_dict(chunks))
     dc = dist_io.dist_checkpointing()
     metadata_cache: dict = {}
@@ -278,7 +300,7 @@ def _stream(bridge, chunks, dist_dir: str, bucket_bytes: int) -> Iterator[tuple[
                 yield from zip(names, hf)
             else:
                 assert value is not None, "a parameter is either assembled or its HF tensors are its chunks"
-                yield from _noted_export(bridge, slot, value, names, blocks)
+                yield from _export(bridge, slot, value, names, blocks, rows_as_ranges)
         del values, sources, ready, direct, bucket, value, hf  # nothing of this bucket is held while the next is read
         release_free_memory()
     chunks.clear()  # a meta model: no storage to free, so no gc.collect (~0.2 s with megatron imported)

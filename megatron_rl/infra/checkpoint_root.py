@@ -423,9 +423,12 @@ def has_checksums(meta: dict) -> bool:
     return bool(files) and all(CHECKSUM_KEY in e for e in files)
 
 
-def listed_file_problems(path: str, meta: dict, checksums: bool = True) -> list[str]:
+def listed_file_problems(path: str, meta: dict, checksums: bool = True,
+                         crc_of: Optional[Callable[[list[str]], list[str]]] = None) -> list[str]:
     """Files a completion marker lists (``meta["files"]``: path, bytes, crc32) that are missing,
-    of another size or (``checksums``) of another CRC-32; each names the file."""
+    of another size or (``checksums``) of another CRC-32; each names the file. ``crc_of`` computes the
+    CRC-32s (hex) of a list of files instead of :func:`crc32_of_files` (a reader that learns more of the
+    bytes in the same pass: ``megatron_rl.convert.input_digest``); it must give the same values."""
     bad, to_hash = [], []
     for entry in meta.get("files", []):
         full = os.path.join(path, entry["path"])
@@ -435,7 +438,7 @@ def listed_file_problems(path: str, meta: dict, checksums: bool = True) -> list[
             bad.append(f"{entry['path']} has {os.path.getsize(full)} bytes, {MARKER_NAME} says {entry['bytes']}")
         elif checksums and CHECKSUM_KEY in entry:
             to_hash.append(entry)
-    for entry, got in zip(to_hash, crc32_of_files([os.path.join(path, e["path"]) for e in to_hash])):
+    for entry, got in zip(to_hash, (crc_of or crc32_of_files)([os.path.join(path, e["path"]) for e in to_hash])):
         if got != entry[CHECKSUM_KEY]:
             bad.append(f"{entry['path']} has CRC-32 {got}, {MARKER_NAME} says {entry[CHECKSUM_KEY]} "
                        f"(same size, different bytes: damaged after it was written)")
@@ -443,7 +446,7 @@ def listed_file_problems(path: str, meta: dict, checksums: bool = True) -> list[
 
 
 def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: dict[str, str],
-                         checksums: bool = True) -> dict:
+                         checksums: bool = True, crc_of: Optional[Callable[[list[str]], list[str]]] = None) -> dict:
     """Validate ``path`` as a published dir and return its ``COMPLETE.json``.
 
     The one check both the training loader and the converter run, in the same order:
@@ -454,7 +457,8 @@ def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: 
     (keys: missing, temp, root, unmarked, json, format, files). Failures of the dir's own
     files raise :class:`CorruptCheckpoint`; a marker without checksums (written before
     they were recorded) is accepted with a warning. ``checksums=False`` leaves the CRC-32
-    comparison to the caller (the training loader spreads it over the ranks).
+    comparison to the caller (the training loader spreads it over the ranks); ``crc_of``: as for
+    :func:`listed_file_problems`.
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"{kind} {path} does not exist{fixes.get('missing', '')}")
@@ -477,7 +481,7 @@ def read_complete_marker(path: str, formats: tuple[str, ...], kind: str, fixes: 
     if meta.get("format") not in formats:
         raise CorruptCheckpoint(f"{path} has format {meta.get('format')!r}; {fixes['format']}")
     try:
-        bad = listed_file_problems(path, meta, checksums=checksums)
+        bad = listed_file_problems(path, meta, checksums=checksums, crc_of=crc_of)
     except (KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"{marker} is corrupt (a files entry lacks {e}); {fixes['json']}") from e
     if bad:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -28,6 +29,7 @@ from megatron_rl.models.parallel import initialize_parallel
 from megatron_rl.models.finite import non_finite_names
 
 MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.", "vision.")
+_shimmed_at = -1  # len(sys.modules) when dist_checkpointing() last extended the CPU shim to every loaded module
 
 
 def setup(layout) -> None:
@@ -41,12 +43,18 @@ def dist_checkpointing():
     Why: the CPU compat layer rebinds ``torch`` only in megatron modules already
     imported; the torch_dist writer (``filesystem_async``: ``torch.cuda.synchronize``)
     is imported on first save, after the shim was applied. Re-applying after
-    importing them is a no-op on a CUDA host.
+    importing them is a no-op on a CUDA host. When no module was imported since the
+    last call nothing new can need it (a conversion calls this several times; each
+    application scans every loaded module, ~5 ms).
     """
+    global _shimmed_at
+    from megatron.core import dist_checkpointing as dc
+
+    if _shimmed_at == len(sys.modules):
+        return dc
     import importlib
     import pkgutil
 
-    from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import strategies
 
     for info in pkgutil.iter_modules(strategies.__path__):
@@ -56,6 +64,7 @@ def dist_checkpointing():
             pass
     apply_cpu_compat()
     _in_process_write_results_queue()
+    _shimmed_at = len(sys.modules)
     return dc
 
 

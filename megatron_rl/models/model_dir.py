@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra.checkpoint_root import (MARKER_NAME, MODEL_DIR_FORMAT, is_model_dir, iter_dir,
@@ -99,16 +99,17 @@ def copy_aux_files(src_dir: str, dst_dir: str, config_update: Optional[dict] = N
     return names
 
 
-def read_marker(path: str) -> dict:
+def read_marker(path: str, crc_of: Optional[Callable[[list[str]], list[str]]] = None) -> dict:
     """``COMPLETE.json`` of a torch_dist dir; refuses incomplete / temp / corrupt dirs by name.
 
     Collective when ``torch.distributed`` is initialised: rank 0 checks (it reads every file
-    for the checksums: once, not once per rank) and every rank gets its verdict."""
-    return rank0_do(lambda: _read_marker(path), f"reading {path}")
+    for the checksums: once, not once per rank) and every rank gets its verdict. ``crc_of``
+    (rank 0's): computes the files' CRC-32s (:func:`~megatron_rl.infra.checkpoint_root.listed_file_problems`)."""
+    return rank0_do(lambda: _read_marker(path, crc_of), f"reading {path}")
 
 
-def _read_marker(path: str) -> dict:
-    return read_complete_marker(path, (FORMAT, TRAINING_FORMAT), "torch_dist checkpoint", {
+def _read_marker(path: str, crc_of: Optional[Callable[[list[str]], list[str]]] = None) -> dict:
+    return read_complete_marker(path, (FORMAT, TRAINING_FORMAT), "torch_dist checkpoint", crc_of=crc_of, fixes={
         "temp": "convert a published dir",
         "root": "pass the root itself (its newest complete iter_* is used) or one iter_NNNNNNN dir",
         "unmarked": f"Re-run the conversion/save, or write {MARKER_NAME} by hand if you know the dir is complete",

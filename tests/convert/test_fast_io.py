@@ -187,13 +187,14 @@ def test_shard_writer_copies_mapped_tensors_from_their_file(tmp_path):
 
 
 def test_shard_writer_copies_split_rows_of_mapped_tensors_from_their_file(tmp_path):
-    """q/k/v split from a fused, mapped QKV are copies; noted as the row blocks they came from, the writer
-    holds them as those file ranges and writes the same bytes (and the shard's CRC-32 still covers them)."""
+    """q/k/v split from a fused, mapped QKV are handed on as the row blocks they are (``FileRows``: no copy of
+    the rows); the writer holds them as those file ranges and writes the same bytes as the split tensors (and
+    the shard's CRC-32 still covers them); ``build()`` gives the split tensor itself."""
     from safetensors.torch import load_file
 
     from megatron_rl.convert import file_views
     from megatron_rl.convert.safetensors_writer import ShardedSafetensorsWriter
-    from megatron_rl.convert.streaming_load import _rows_ranges
+    from megatron_rl.convert.streaming_load import _file_rows, _row_pieces
     from megatron_rl.infra.checkpoint_root import file_crc32
     from megatron_rl.models import weight_maps
 
@@ -207,14 +208,62 @@ def test_shard_writer_copies_split_rows_of_mapped_tensors_from_their_file(tmp_pa
     out = tmp_path / "out"
     w = ShardedSafetensorsWriter(str(out), 10**6)
     for (name, t), r in zip(tensors.items(), rows):
-        ranges = _rows_ranges(r.tolist(), blocks, 8 * 4)
-        assert ranges is not None and len(ranges) == 2  # one row block per group
-        file_views.note_rows(t, ranges)
-        w.add(name, t)
+        pieces = _row_pieces(r.tolist(), blocks, 8 * 4)
+        assert pieces is not None and len(pieces) == 2  # one row block per group
+        lazy = _file_rows(qkv, r, pieces)
+        assert lazy.shape == t.shape and lazy.dtype == t.dtype and torch.equal(lazy.build(), t)
+        assert file_views.tensor_file_ranges(lazy) == [p[2] for p in pieces]
+        w.add(name, lazy)
     assert not any(isinstance(v, torch.Tensor) for v in w._pending.values())  # held as file ranges
-    assert _rows_ranges([0, 1, 30], blocks, 32) is None  # a row no block holds: not noted
+    assert _row_pieces([0, 1, 30], blocks, 32) is None  # a row no block holds: built instead
     w.finish()
     shard = out / "model-00001-of-00001.safetensors"
     back = load_file(str(shard))
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     assert w.checksums[shard.name] == file_crc32(str(shard))
+
+
+def test_input_digest_hashes_files_as_the_plain_check_does_and_knows_each_model_chunk(tmp_path, monkeypatch):
+    """dist-to-hf's input check (``InputDigest.file_crcs``) gives every file the CRC-32 ``crc32_of_files`` gives,
+    damaged ones too, and learns on the way each model chunk's data CRC-32 and whether it is finite: small
+    windows and blocks here, so a chunk spans several of each and the inf/NaN is in a later block."""
+    import mmap
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.convert import file_views, input_digest
+    from megatron_rl.infra.checkpoint_root import crc32_of_files
+    from megatron_rl.models.dist_io import MODEL_KEY_ROOTS
+
+    monkeypatch.setattr(input_digest, "WINDOW", 2 * mmap.ALLOCATIONGRANULARITY)
+    monkeypatch.setattr(input_digest, "BLOCK", 1024)
+    g = torch.Generator().manual_seed(7)
+    bad = torch.randn(40, 128, generator=g)
+    bad[37, 5] = float("inf")
+    saved = {"decoder.w": torch.randn(64, 96, generator=g), "decoder.h": torch.randn(300, generator=g).bfloat16(),
+             "embedding.bad": bad, "optimizer.m": torch.randn(50, generator=g), "blob": {"x": 1}}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    paths = sorted(str(p) for p in tmp_path.iterdir() if p.is_file())
+    digest = input_digest.InputDigest(str(tmp_path), MODEL_KEY_ROOTS)
+    assert digest.file_crcs(paths) == crc32_of_files(paths)
+
+    files = distcp_reader.ChunkFiles(str(tmp_path), {})
+    read = {k: files.read(k, (0,) * v.dim(), tuple(v.shape), v.dtype) for k, v in saved.items()
+            if isinstance(v, torch.Tensor)}
+    for key in ("decoder.w", "decoder.h", "embedding.bad"):
+        t = read[key]
+        assert torch.equal(t, saved[key])
+        assert digest.crc(file_views.tensor_file_range(t)) == zlib.crc32(t.view(torch.uint8).numpy().tobytes())
+    assert digest.finite(read["decoder.w"]) and digest.finite(read["decoder.h"]) and digest.finite(read["decoder.w"][3:9])
+    assert not digest.finite(read["embedding.bad"]) and not digest.finite(read["embedding.bad"][:2])  # checked then
+    assert digest.crc(file_views.tensor_file_range(read["decoder.w"][3:9])) is None  # rows: hashed by the writer
+    assert digest.crc(file_views.tensor_file_range(read["optimizer.m"])) is None  # not a model chunk: not digested
+    assert not digest.finite(read["optimizer.m"]) and not digest.finite(torch.ones(3))
+    assert not digest.finite(read["decoder.w"].view(torch.int32))  # values read as another dtype: unknown
+
+    shard = next(p for p in paths if p.endswith(".distcp"))
+    raw = bytearray(open(shard, "rb").read())
+    raw[len(raw) // 2] ^= 0xFF  # damage: the digest's CRC-32 of the file is still the file's
+    with open(shard, "wb") as f:
+        f.write(raw)
+    assert input_digest.InputDigest(str(tmp_path), MODEL_KEY_ROOTS).file_crcs(paths) == crc32_of_files(paths)
