@@ -369,3 +369,21 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
             yield
     finally:
         _STATE.depth -= 1
+
+
+# ------------------------------------------------------------------------------------- token log-probs
+def invariant_token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, *, temperature: float = 1.0,
+                             vocab_size: Optional[int] = None,
+                             with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(log-probs of target_ids, entropy | None)`` under ``softmax(logits / temperature)``, float32, with the
+    same operations as the rollout sampler's (``rollout.sampling``: ``logits.float()``, ``/ T``,
+    ``log_softmax``, gather), so a token's log-prob from the trainer's logits and from the engine's are the same
+    bits when the logits are. ``vocab_size``: megatron's padding columns past it are dropped first."""
+    z = logits if vocab_size is None else logits[..., :vocab_size]
+    z = z.float() / temperature
+    logprobs = invariant_log_softmax(z)
+    picked = logprobs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = -_tree_sum_chunks(torch.exp(logprobs) * logprobs, VOCAB_CHUNK)
+    return picked, entropy
