@@ -86,12 +86,14 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a = F.pad(a, (0, 0, 0, mp - m))
     if np_ != n:
         b = F.pad(b, (0, np_ - n))
-    a = a.expand(*batch, mp, k)
-    b = b.expand(*batch, k, np_)
-    a_tiles = a.reshape(*batch, mp // ROW_TILE, 1, ROW_TILE, k)
-    b_tiles = b.reshape(*batch, k, np_ // COL_TILE, COL_TILE).movedim(-2, -3).unsqueeze(-4)
-    out = torch.matmul(a_tiles, b_tiles)  # [*batch, Mt, Nt, ROW_TILE, COL_TILE]
-    out = out.movedim(-3, -2).reshape(*batch, mp, np_)[..., :m, :n]
+    mt, nt = mp // ROW_TILE, np_ // COL_TILE
+    a_tiles = a.expand(*batch, mp, k).reshape(-1, mt, ROW_TILE, k)  # [B, Mt, T, K]
+    b_tiles = b.expand(*batch, k, np_).reshape(-1, k, nt, COL_TILE).movedim(-2, -3)  # [B, Nt, K, Tn]
+    # one bmm of Mt x Nt identical [T, K] @ [K, Tn] problems per batch entry, contiguous operands
+    lhs = a_tiles.unsqueeze(2).expand(-1, mt, nt, ROW_TILE, k).reshape(-1, ROW_TILE, k)
+    rhs = b_tiles.unsqueeze(1).expand(-1, mt, nt, k, COL_TILE).reshape(-1, k, COL_TILE)
+    out = torch.bmm(lhs, rhs).reshape(-1, mt, nt, ROW_TILE, COL_TILE)
+    out = out.movedim(2, 3).reshape(*batch, mp, np_)[..., :m, :n]
     if squeeze_cols:
         out = out.squeeze(-1)
     if squeeze_rows:
@@ -325,23 +327,21 @@ def _sdpa(orig, args, kwargs):
     return invariant_attention(*args, **kwargs)
 
 
-_HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {}
-for _fn in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.bmm,
-            torch.Tensor.bmm):
-    _HANDLERS[_fn] = _binary(invariant_matmul)
-_HANDLERS[torch.Tensor.__rmatmul__] = _binary(lambda a, b: invariant_matmul(b, a))
-_HANDLERS[F.linear] = _linear
-_HANDLERS[torch.addmm] = _addmm
-_HANDLERS[F.scaled_dot_product_attention] = _sdpa
-for _fn in (torch.softmax, torch.Tensor.softmax, F.softmax):
-    _HANDLERS[_fn] = _wrap_softmax(invariant_softmax)
-for _fn in (torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax):
-    _HANDLERS[_fn] = _wrap_softmax(invariant_log_softmax)
-for _fn in (torch.mean, torch.Tensor.mean):
-    _HANDLERS[_fn] = _mean
-for _fn in (torch.logsumexp, torch.Tensor.logsumexp):
-    _HANDLERS[_fn] = _logsumexp
-_HANDLERS[F.rms_norm] = _rms_norm
+# the torch entry points the mode routes, each to its invariant form (every other op runs as it is)
+_ROUTES: tuple[tuple[tuple[Any, ...], Callable[..., Any]], ...] = (
+    ((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.bmm,
+      torch.Tensor.bmm), _binary(invariant_matmul)),
+    ((torch.Tensor.__rmatmul__,), _binary(lambda a, b: invariant_matmul(b, a))),
+    ((F.linear,), _linear),
+    ((torch.addmm,), _addmm),
+    ((F.scaled_dot_product_attention,), _sdpa),
+    ((torch.softmax, torch.Tensor.softmax, F.softmax), _wrap_softmax(invariant_softmax)),
+    ((torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax), _wrap_softmax(invariant_log_softmax)),
+    ((torch.mean, torch.Tensor.mean), _mean),
+    ((torch.logsumexp, torch.Tensor.logsumexp), _logsumexp),
+    ((F.rms_norm,), _rms_norm),
+)
+_HANDLERS: dict[Any, Callable[..., Any]] = {fn: handler for fns, handler in _ROUTES for fn in fns}
 
 
 class _BatchInvariantMode(TorchFunctionMode):
