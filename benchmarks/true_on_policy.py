@@ -1,12 +1,12 @@
 """--true-on-policy-mode vs the default: the engine-vs-trainer log-prob mismatch and what the mode costs.
 
-For each variant (off, on), in one process (megatron-core, one rank, fp32, tiny random qwen3): one rollout of
-the embedded engine (``--samples`` rows, group size 4, ``--new-tokens`` tokens each), the trainer's old
+For each variant (off, on), in one process (megatron-core, one rank, fp32, a tiny random model of ``--family``):
+one rollout of the embedded engine (``--samples`` rows, group size 4, ``--new-tokens`` tokens each), the trainer's old
 log-probs over it (``forward_only``, micro-batches of 4), then one train step. Reported: how many response
 tokens' rollout and old log-probs differ at all and the largest difference, and the time of each phase, as
 ratios on over off in one run (median over ``--repeat`` interleaved runs).
 
-    python benchmarks/true_on_policy.py [--samples 16] [--new-tokens 32] [--repeat 2]
+    python benchmarks/true_on_policy.py [--family qwen3] [--samples 16] [--new-tokens 32] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def run(hf: str, on: bool, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--family", default="qwen3", help="tiny model family (megatron_rl.models.hf_tiny)")
     ap.add_argument("--samples", type=int, default=16, help="rows of the rollout (a multiple of 4)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2, help="runs of each variant, interleaved (median times)")
@@ -69,12 +70,12 @@ def main() -> None:
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
     with tempfile.TemporaryDirectory(prefix="true_on_policy_") as tmp:
-        hf = build_tiny_hf_model("qwen3", os.path.join(tmp, "hf"))
+        hf = build_tiny_hf_model(args.family, os.path.join(tmp, "hf"))
         results: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(args.repeat):
             for on in (False, True):
                 results[on].append(run(hf, on, args))
-    print(f"tiny qwen3 (4 layers, hidden 64), fp32, 1 process: a rollout of {args.samples} rows x {args.new_tokens} "
+    print(f"tiny {args.family}, fp32, 1 process: a rollout of {args.samples} rows x {args.new_tokens} "
           f"tokens, old log-probs in micro-batches of 4, one train step")
     for on in (False, True):
         r = results[on][0]

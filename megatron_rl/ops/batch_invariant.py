@@ -88,11 +88,12 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         b = F.pad(b, (0, np_ - n))
     mt, nt = mp // ROW_TILE, np_ // COL_TILE
     a_tiles = a.expand(*batch, mp, k).reshape(-1, mt, ROW_TILE, k)  # [B, Mt, T, K]
-    b_tiles = b.expand(*batch, k, np_).reshape(-1, k, nt, COL_TILE).movedim(-2, -3)  # [B, Nt, K, Tn]
-    # one bmm of Mt x Nt identical [T, K] @ [K, Tn] problems per batch entry, contiguous operands
-    lhs = a_tiles.unsqueeze(2).expand(-1, mt, nt, ROW_TILE, k).reshape(-1, ROW_TILE, k)
-    rhs = b_tiles.unsqueeze(1).expand(-1, mt, nt, k, COL_TILE).reshape(-1, k, COL_TILE)
-    out = torch.bmm(lhs, rhs).reshape(-1, mt, nt, ROW_TILE, COL_TILE)
+    # the right operand once in tile layout [B * Nt, K, Tn]; each row tile is one bmm of Nt identical problems
+    # [T, K] @ [K, Tn] per batch entry (no copy of the weight per row tile: a trainer's micro-batch has many)
+    rhs = b.expand(*batch, k, np_).reshape(-1, k, nt, COL_TILE).movedim(-2, -3).reshape(-1, k, COL_TILE)
+    rows = [torch.bmm(a_tiles[:, i].unsqueeze(1).expand(-1, nt, ROW_TILE, k).reshape(-1, ROW_TILE, k), rhs)
+            .reshape(-1, nt, ROW_TILE, COL_TILE) for i in range(mt)]
+    out = torch.stack(rows, dim=1)  # [B, Mt, Nt, T, Tn]
     out = out.movedim(2, 3).reshape(*batch, mp, np_)[..., :m, :n]
     if squeeze_cols:
         out = out.squeeze(-1)
