@@ -27,6 +27,13 @@ same on the CPU with torch's own ops, under one mode:
   query's last visible key adds exact zeros, so a KV-cache decode of position ``t`` computes the
   same bits as row ``t`` of the full-sequence forward.
 
+Why a ``TorchFunctionMode`` rather than a global ``torch.library`` override of aten kernels (what
+``batch_invariant_ops`` and SGLang register): the mode is scoped to a ``with`` block and a thread, so the
+engine's and trainer's forwards run invariant while the rest of the process (a reference model, the
+optimizer, other engines' threads) runs the stock kernels; and it sees ``F.linear`` and
+``F.scaled_dot_product_attention`` whole, above autograd, so the invariant forms are plain differentiable
+compositions instead of aten kernels needing their own backward.
+
 Elementwise ops need nothing: each element is computed alone. Everything here is composed of
 differentiable torch ops, so the trainer's forward under the mode still has gradients (the
 backward is not invariant and need not be).
@@ -51,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 ROW_TILE = 16  # rows of one matmul tile
 COL_TILE = 64  # columns of one matmul tile
 KEY_TILE = 16  # keys of one attention tile (a power of two: tree-summed)
+RHS_COPY_BYTES = 64 << 20  # the right operand's tile copies one bmm may hold
 VOCAB_CHUNK = 256  # entries of one reduction chunk over the last dim (a power of two: tree-summed)
 
 _STATE = threading.local()
@@ -88,12 +96,19 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         b = F.pad(b, (0, np_ - n))
     mt, nt = mp // ROW_TILE, np_ // COL_TILE
     a_tiles = a.expand(*batch, mp, k).reshape(-1, mt, ROW_TILE, k)  # [B, Mt, T, K]
-    # the right operand once in tile layout [B * Nt, K, Tn]; each row tile is one bmm of Nt identical problems
-    # [T, K] @ [K, Tn] per batch entry (no copy of the weight per row tile: a trainer's micro-batch has many)
-    rhs = b.expand(*batch, k, np_).reshape(-1, k, nt, COL_TILE).movedim(-2, -3).reshape(-1, k, COL_TILE)
-    rows = [torch.bmm(a_tiles[:, i].unsqueeze(1).expand(-1, nt, ROW_TILE, k).reshape(-1, ROW_TILE, k), rhs)
-            .reshape(-1, nt, ROW_TILE, COL_TILE) for i in range(mt)]
-    out = torch.stack(rows, dim=1)  # [B, Mt, Nt, T, Tn]
+    # the right operand in tile layout [B, Nt, K, Tn]; row tiles go in groups, each group one bmm of identical
+    # [T, K] @ [K, Tn] problems, the group as large as keeps the right operand's copies (one per row tile of
+    # the group) within RHS_COPY_BYTES: a tiny model's whole micro-batch in one call, a large weight per tile
+    rhs = b.expand(*batch, k, np_).reshape(-1, k, nt, COL_TILE).movedim(-2, -3)
+    group = max(1, RHS_COPY_BYTES // max(1, rhs.numel() * rhs.element_size()))
+    parts = []
+    for start in range(0, mt, group):
+        rows = a_tiles[:, start:start + group]  # [B, g, T, K]
+        g = rows.shape[1]
+        lhs = rows.unsqueeze(2).expand(-1, g, nt, ROW_TILE, k).reshape(-1, ROW_TILE, k)
+        right = rhs.unsqueeze(1).expand(-1, g, nt, k, COL_TILE).reshape(-1, k, COL_TILE)
+        parts.append(torch.bmm(lhs, right).reshape(-1, g, nt, ROW_TILE, COL_TILE))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B, Mt, Nt, T, Tn]
     out = out.movedim(2, 3).reshape(*batch, mp, np_)[..., :m, :n]
     if squeeze_cols:
         out = out.squeeze(-1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.ops import batch_invariant
 from megatron_rl.ops.batch_invariant import batch_invariant_mode, invariant_matmul, is_enabled
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -48,7 +49,7 @@ def test_without_the_mode_mkl_is_not_invariant_and_the_mode_is_scoped():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batched_matmul_is_invariant_to_batch_count(dtype):
+def test_batched_matmul_is_invariant_to_batch_count(dtype, monkeypatch):
     a, b = _rand(6, 4, 21, 16, dtype=dtype), _rand(6, 4, 16, 33, dtype=dtype, seed=1)
     full = invariant_matmul(a, b)
     tol = 1e-5 if dtype == torch.float32 else 5e-2
@@ -57,6 +58,11 @@ def test_batched_matmul_is_invariant_to_batch_count(dtype):
     assert torch.equal(invariant_matmul(a[2:3, 1:2, 5:6], b[2:3, 1:2]), full[2:3, 1:2, 5:6])
     assert torch.equal(invariant_matmul(a[0, 0], b[0, 0]), full[0, 0])
     assert invariant_matmul(a[0, 0, 0], b[0, 0]).shape == (33,)
+    # row tiles grouped by the right operand's copy budget (a large weight: one tile a call) give the same bits
+    x, w = _rand(70, 32, dtype=dtype, seed=2), _rand(32, 150, dtype=dtype, seed=3)
+    whole = invariant_matmul(x, w)
+    monkeypatch.setattr(batch_invariant, "RHS_COPY_BYTES", 2 * w.numel() * w.element_size())
+    assert torch.equal(invariant_matmul(x, w), whole)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
