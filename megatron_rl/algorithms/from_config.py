@@ -47,5 +47,5 @@ def spec_from_config(cfg: Config) -> PolicyGradientSpec:
         use_rollout_logprobs=a.use_rollout_logprobs, opd_coef=a.opd_kl_coef,
         temperature=temperature, logprob_chunk_size=cfg.batching.log_probs_chunk_size,
         custom_advantage_function_path=a.custom_advantage_function_path,
-        rewards_normalization=not a.disable_rewards_normalization, get_mismatch_metrics=a.get_mismatch_metrics),
+        rewards_normalization=not a.disable_rewards_normalization, get_mismatch_metrics=a.get_mismatch_metrics or a.true_on_policy_mode),
         args=flag_namespace(cfg) if a.custom_advantage_function_path else None)

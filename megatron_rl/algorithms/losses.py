@@ -398,10 +398,13 @@ def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
 
 def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> Metrics:
-    """Train-vs-rollout log-prob mismatch: mean |diff| and k3 KL(rollout || train) over loss tokens."""
+    """Train-vs-rollout log-prob mismatch over loss tokens: mean |diff|, k3 KL(rollout || train), the fraction of
+    tokens whose two log-probs differ at all, and the largest |diff| (both 0 under --true-on-policy-mode)."""
     diff = (train_logprobs - rollout_logprobs).detach().double()
     return {"mismatch_abs_logprob": _msum(diff.abs(), loss_mask),
-            "mismatch_k3_kl": _msum(torch.exp(diff) - 1.0 - diff, loss_mask)}
+            "mismatch_k3_kl": _msum(torch.exp(diff) - 1.0 - diff, loss_mask),
+            "mismatch_logprob_diff_frac": _msum((diff != 0).double(), loss_mask),
+            "mismatch_abs_logprob_max": _mmax(diff.abs(), loss_mask)}
 
 
 def compute_policy_loss(inputs: LossInputs, denoms: LossDenominators,

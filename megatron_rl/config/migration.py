@@ -80,7 +80,8 @@ SLIME_FLAGS: dict[str, tuple[str, ...]] = {
     "algorithm hooks (slime/utils/arguments.py, not in the example scripts)": (
         "--custom-advantage-function-path", "--disable-rewards-normalization", "--get-mismatch-metrics",
         "--loss-type", "--custom-loss-function-path", "--custom-pg-loss-reducer-function-path",
-        "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key"),
+        "--custom-tis-function-path", "--ref-update-interval", "--reward-key", "--eval-reward-key",
+        "--true-on-policy-mode"),
     "multi-token prediction (slime/utils/arguments.py, GLM-4.5 / DeepSeek-V3 MTP)": (
         "--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor"),
     "PPO / critic (slime/utils/arguments.py, not in the example scripts)": (
@@ -186,6 +187,10 @@ NOTES: dict[str, tuple[str, str]] = {
     "--get-mismatch-metrics": ("same", "Logs train/mismatch_abs_logprob and train/mismatch_k3_kl (mean |train - "
                                "rollout| log-prob, k3 KL) without correcting; slime pairs it with a "
                                "--custom-tis-function-path, here it stands alone."),
+    "--true-on-policy-mode": ("differs", "slime and miles run their FSDP trainer and SGLang with "
+                              "--sglang-enable-deterministic-inference on GPUs; here the embedded engine and the "
+                              "megatron trainer (TP1, fp32, dense) run under this engine's batch-invariant CPU ops, "
+                              "and the layouts not yet invariant are refused by name (docs/on-policy.md)."),
     "--loss-type": ("refused (custom_loss, sft_loss)", "policy_loss (the default) is the loss here; sft_loss is "
                     "refused (SFT is not built); custom_loss is refused "
                     "with --custom-loss-function-path (below)."),

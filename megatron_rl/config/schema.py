@@ -1133,6 +1133,14 @@ class AlgorithmConfig:
         False, "Read the engine's rollout log-probs and log the train-vs-rollout mismatch "
         "(train/mismatch_abs_logprob, train/mismatch_k3_kl) without correcting for it (--use-tis / --use-rs "
         "correct it and log it too).")
+    true_on_policy_mode: bool = flag(
+        False, "Truly on-policy (miles' and slime's name): the embedded rollout engine and the megatron trainer run "
+        "every forward under the batch-invariant ops (fixed matmul tiles, fixed reduction chunks, attention in key "
+        "tiles from each sequence's first token; the embedded engine's server takes SGLang's "
+        "--enable-deterministic-inference), so a token's rollout log-prob is the trainer's old log-prob bit for bit "
+        "whatever the batch, padding, packing or micro-batch size. Logs train/mismatch_logprob_diff_frac and "
+        "train/mismatch_abs_logprob_max (0 in this mode). Refused where a layout is not invariant yet "
+        "(docs/on-policy.md): TP, CP, PP, EP > 1, MoE models, SGLang, the FSDP backend, bf16/fp16/fp8.")
     loss_type: str = flag("policy_loss", "slime's loss selector. policy_loss: the PPO/GRPO loss (docs/algorithms.md). "
                           "custom_loss (with --custom-loss-function-path) is refused: see that flag. sft_loss "
                           "(slime's SFT scripts) is refused: supervised fine-tuning is not built.",

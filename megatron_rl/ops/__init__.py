@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from megatron_rl.ops import batch_invariant
 from megatron_rl.ops.dispatch import KERNELS, available_backends, select
 from megatron_rl.ops.fused import fused_logprobs, fused_policy_terms
 from megatron_rl.ops.linear_logprob import linear_logprobs
@@ -48,6 +49,8 @@ def logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, *, tp_g
     bounds the torch path's float32 working set; the fused kernels have none (they
     stream each row once), so for them it is validated and has nothing to bound.
     """
+    if batch_invariant.is_enabled():
+        return _invariant_logprobs(logits, target_ids, tp_group, temperature, with_entropy, vocab_size)
     name, kernels = select(logits.device, logits.dtype)
     if kernels is None:
         return vocab_parallel_logprobs(logits, target_ids, tp_group=tp_group, vocab_start_index=vocab_start_index,
@@ -75,10 +78,24 @@ def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targ
     bitwise, without materialising them: ``chunk_size`` rows are projected at a time, forward and backward
     (:mod:`megatron_rl.ops.linear_logprob`). The implementation (torch or a fused kernel set) is chosen for
     the logits' device and dtype as :func:`logprobs_and_entropy` chooses it, and runs per chunk."""
+    if batch_invariant.is_enabled():
+        logits = batch_invariant.invariant_linear(hidden, weight)
+        return _invariant_logprobs(logits, target_ids, tp_group, temperature, with_entropy, vocab_size)
     _, kernels = select(hidden.device, torch.result_type(hidden, weight))
     return linear_logprobs(hidden, weight, target_ids, kernels=kernels, tp_group=tp_group,
                            vocab_start_index=vocab_start_index, temperature=temperature, chunk_size=chunk_size,
                            with_entropy=with_entropy, vocab_size=vocab_size)
+
+
+def _invariant_logprobs(logits, target_ids, tp_group, temperature, with_entropy, vocab_size):
+    """Under ``batch_invariant_mode`` (``--true-on-policy-mode``): the rollout sampler's arithmetic on the whole
+    vocabulary row (``ops.batch_invariant.invariant_token_logprobs``); a TP-sharded vocabulary would need its
+    partial sums reduced in a fixed order, which the mode does not do (the flag refuses TP > 1)."""
+    if tp_group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(tp_group) > 1:
+        raise RuntimeError("batch-invariant log-probs need the whole vocabulary on one rank (TP 1): "
+                           "--true-on-policy-mode refuses --tensor-model-parallel-size > 1")
+    return batch_invariant.invariant_token_logprobs(logits, target_ids, temperature=float(temperature),
+                                                    vocab_size=vocab_size, with_entropy=with_entropy)
 
 
 def policy_loss_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -87,6 +87,7 @@ from megatron_rl.errors import CheckpointError, ConfigError, EngineError, SyncEr
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
 from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merged_weight
+from megatron_rl.ops.batch_invariant import batch_invariant_mode
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, checked_tokenizer, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
@@ -208,7 +209,8 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 attn_implementation: Optional[str] = None, record_routes: bool = False):
+                 attn_implementation: Optional[str] = None, record_routes: bool = False,
+                 batch_invariant: bool = False):
         import transformers
 
         if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):
@@ -237,6 +239,9 @@ class EmbeddedEngine(RolloutEngine):
         checkpoint.refuse_non_finite_parameters(self.model)  # inf/NaN: named here, not as NaN logits later
         self.model.requires_grad_(False)
         self.device = torch.device(device)
+        # --true-on-policy-mode: every forward and sampling step under ops.batch_invariant, so a token's log-prob
+        # is the one the trainer's forward computes under the same mode, whatever the batch (docs/on-policy.md)
+        self.batch_invariant = batch_invariant
         self.max_batch_size = max_batch_size
         self.weight_backup = weight_backup
         if tokenizer is None:
@@ -284,7 +289,8 @@ class EmbeddedEngine(RolloutEngine):
         if cfg.model.hf_checkpoint is None:
             raise ConfigError("--rollout-backend embedded loads the policy from --hf-checkpoint: give "
                               "--hf-checkpoint DIR (an HF model directory)")
-        return cls(cfg.model.hf_checkpoint, record_routes=cfg.megatron.use_rollout_routing_replay)
+        return cls(cfg.model.hf_checkpoint, record_routes=cfg.megatron.use_rollout_routing_replay,
+                   batch_invariant=cfg.algorithm.true_on_policy_mode)
 
     # ------------------------------------------------------------------ state
     @property
@@ -780,7 +786,7 @@ class EmbeddedEngine(RolloutEngine):
         with self._cond:
             self._calls.append(call)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
                 for start in range(0, len(rows), per_chunk):
                     outputs.extend(self._generate_chunk(call, rows[start:start + per_chunk], sampling, stop_ids,
                                                         pad_to))
@@ -828,7 +834,7 @@ class EmbeddedEngine(RolloutEngine):
         with self._cond:
             self._calls.append(call)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
                 while True:
                     active = [s for s in slots if not s.done]
                     longest = max((s.plen + s.limit for s in active), default=1)

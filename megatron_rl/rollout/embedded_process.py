@@ -57,12 +57,15 @@ class ServedEmbeddedEngine(SGLangEngine):
             self.process.stop(grace_s=10.0)
 
 
-def server_command(model: str, port: int, python: str = sys.executable, routes: bool = False) -> list[str]:
-    return [python, "-m", "megatron_rl.rollout.embedded_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port)] + (["--enable-return-routed-experts"] if routes else [])
+def server_command(model: str, port: int, python: str = sys.executable, routes: bool = False,
+                   deterministic: bool = False) -> list[str]:
+    return ([python, "-m", "megatron_rl.rollout.embedded_server", "--model", model, "--host", "127.0.0.1",
+             "--port", str(port)] + (["--enable-return-routed-experts"] if routes else [])
+            + (["--enable-deterministic-inference"] if deterministic else []))
 
 
-def start_server(model: str, log_path: str, timeout_s: float, routes: bool = False) -> EngineProcess:
+def start_server(model: str, log_path: str, timeout_s: float, routes: bool = False,
+                 deterministic: bool = False) -> EngineProcess:
     """Start the server and wait until it answers ``/health``; ``EngineError`` naming its log otherwise."""
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -71,7 +74,8 @@ def start_server(model: str, log_path: str, timeout_s: float, routes: bool = Fal
     for _attempt in range(PORT_ATTEMPTS):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        process: EngineProcess = EngineProcess(ServerSlot(url), server_command(model, port, routes=routes), env,
+        process: EngineProcess = EngineProcess(ServerSlot(url), server_command(model, port, routes=routes,
+                                                                              deterministic=deterministic), env,
                                                log_path)
         process.start()
         deadline = time.monotonic() + timeout_s
@@ -100,7 +104,8 @@ def start_embedded_engine(cfg: "Config") -> ServedEmbeddedEngine:
     assert model is not None, "validation requires --hf-checkpoint with the embedded engine"
     log_path = os.path.join(cfg.runtime.output_dir, "engines", "embedded_engine.log")
     routes = cfg.megatron.use_rollout_routing_replay
-    process = start_server(model, log_path, cfg.rollout.rollout_engine_startup_timeout, routes=routes)
+    process = start_server(model, log_path, cfg.rollout.rollout_engine_startup_timeout, routes=routes,
+                           deterministic=cfg.algorithm.true_on_policy_mode)
     try:
         return ServedEmbeddedEngine(process, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=model,
                                     tokenizer=load_tokenizer(model), releases_memory=False,

@@ -39,7 +39,7 @@ lands at once, between two steps. Anything else answers 404 naming what this ser
 (the tensor and distributed weight routes need SGLang: validation refuses them before start).
 
     python -m megatron_rl.rollout.embedded_server --model HF_DIR [--host 127.0.0.1] [--port 0]
-        [--enable-return-routed-experts]
+        [--enable-return-routed-experts] [--enable-deterministic-inference]
 """
 
 from __future__ import annotations
@@ -519,13 +519,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="record each token's MoE experts and return them to requests with return_routed_experts "
                          "(SGLang's flag; routing replay R3)")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="run every forward and sampling step under the batch-invariant ops (SGLang's flag; "
+                         "--true-on-policy-mode, docs/on-policy.md)")
     args = ap.parse_args(argv)
     import torch  # lazy: only the serving process needs torch's thread setting
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        engine = EmbeddedEngine(args.model, record_routes=args.enable_return_routed_experts)
+        engine = EmbeddedEngine(args.model, record_routes=args.enable_return_routed_experts,
+                                batch_invariant=args.enable_deterministic_inference)
     except ConfigError as exc:
         print(f"error: {exc}", flush=True)
         return 2

@@ -55,6 +55,7 @@ from megatron_rl.infra import reloadable_groups
 from megatron_rl.models import dist_io, get_bridge, model_dir
 from megatron_rl.models.parallel import LayoutScope, initialize_parallel
 from megatron_rl.models.weights import unwrap
+from megatron_rl.ops.batch_invariant import batch_invariant_mode
 
 log = logging.getLogger(__name__)
 
@@ -241,13 +242,16 @@ class MegatronBackend(RoleAttributes, TrainBackend):
     def forward(self, samples: Sequence[AnySample], plan: Optional[MicroBatchPlan] = None,
                 owned_only: bool = False) -> list[Optional[torch.Tensor]]:
         plan, mbs, _ = self.preprocess_rollout_data(samples, plan=plan)
-        return self.gather_per_sample(self.actor.forward_only(samples, mbs, self.spec), samples, plan, owned_only)
+        with batch_invariant_mode(self.cfg.algorithm.true_on_policy_mode):  # the engine's arithmetic per token
+            per_mb = self.actor.forward_only(samples, mbs, self.spec)
+        return self.gather_per_sample(per_mb, samples, plan, owned_only)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         samples = batch.samples
         t0 = time.perf_counter()
         plan, mbs, denoms = self.preprocess_rollout_data(samples, batch)
-        metrics = self._train_actor(samples, plan, mbs, denoms, t0) if batch.train_actor else {}
+        with batch_invariant_mode(self.cfg.algorithm.true_on_policy_mode):  # the first minibatch's ratio exactly 1
+            metrics = self._train_actor(samples, plan, mbs, denoms, t0) if batch.train_actor else {}
         metrics.update(self.critic_step(batch, mbs, denoms))  # ppo: one critic step beside the actor's
         return metrics
 

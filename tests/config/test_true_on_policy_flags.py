@@ -1,0 +1,57 @@
+"""--true-on-policy-mode: accepted where the engine and trainer are checked bitwise (dense llama/qwen2/qwen3,
+TP1, fp32, embedded engine, megatron backend), refused by name everywhere else (docs/on-policy.md)."""
+
+import dataclasses
+import re
+
+import pytest
+
+from megatron_rl.config import parse_config
+from megatron_rl.config.on_policy_rules import true_on_policy_errors
+from megatron_rl.errors import ConfigError
+
+
+def _replace(cfg, group: str, **fields):
+    return dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
+
+
+def test_accepted_on_a_dense_fp32_tp1_run_and_it_reads_the_rollout_logprobs(tiny_hf_models):
+    from megatron_rl.algorithms.from_config import spec_from_config
+
+    cfg = parse_config(["--hf-checkpoint", tiny_hf_models("qwen3"), "--true-on-policy-mode"])
+    assert cfg.algorithm.true_on_policy_mode and true_on_policy_errors(cfg) == []
+    assert spec_from_config(cfg).prepare_batch([]).rollout_logprobs  # the mismatch metrics are logged
+    off = parse_config(["--hf-checkpoint", tiny_hf_models("qwen3")])
+    assert not spec_from_config(off).prepare_batch([]).rollout_logprobs
+
+
+@pytest.mark.parametrize("group, fields, flag", [
+    ("parallel", {"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2"),
+    ("parallel", {"context_parallel_size": 2}, "--context-parallel-size 2"),
+    ("parallel", {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 2"),
+    ("parallel", {"expert_model_parallel_size": 2}, "--expert-model-parallel-size 2"),
+    ("rollout", {"rollout_backend": "sglang"}, "--rollout-backend sglang"),
+    ("precision", {"train_backend": "fsdp"}, "--train-backend fsdp"),
+    ("precision", {"bf16": True}, "--bf16"),
+    ("precision", {"fp8_format": "e4m3"}, "--fp8-format e4m3"),
+    ("lora", {"lora_rank": 8}, "--lora-rank 8"),
+])
+def test_each_layout_not_yet_invariant_is_refused_by_name(tiny_hf_models, group, fields, flag):
+    cfg = parse_config(["--hf-checkpoint", tiny_hf_models("qwen3"), "--true-on-policy-mode"])
+    errors = true_on_policy_errors(_replace(cfg, group, **fields))
+    assert len(errors) == 1 and errors[0].startswith(f"--true-on-policy-mode with {flag}: ")
+    assert true_on_policy_errors(_replace(_replace(cfg, "algorithm", true_on_policy_mode=False), group, **fields)) == []
+
+
+def test_a_model_type_not_checked_bitwise_is_refused_at_validation(tiny_hf_models):
+    path = tiny_hf_models("qwen3_moe")
+    with pytest.raises(ConfigError, match=re.escape(f"--true-on-policy-mode with --hf-checkpoint {path}: model_type "
+                                                    "'qwen3_moe' is not yet checked bitwise")):
+        parse_config(["--hf-checkpoint", path, "--true-on-policy-mode"])
+
+
+def test_tp2_is_refused_before_any_worker_starts(tiny_hf_models):
+    with pytest.raises(ConfigError, match=re.escape("--true-on-policy-mode with --tensor-model-parallel-size 2: a TP "
+                                                    "all-reduce")):
+        parse_config(["--hf-checkpoint", tiny_hf_models("qwen3"), "--true-on-policy-mode",
+                      "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])

@@ -1,0 +1,59 @@
+"""--true-on-policy-mode end to end in one process: the embedded engine's rollout log-probs are the megatron
+trainer's old log-probs bit for bit, every token, with the engine's batch (group size 3, chunks of 4 rows,
+left-padded prompts, KV-cache decode) unlike the trainer's (packed THD micro-batches of 3 for the old
+log-probs, of 4 and 2 for the train step); the first train step's ratio is exactly 1 and its mismatch metrics
+exactly 0 (docs/on-policy.md)."""
+
+import dataclasses
+
+import torch
+
+from megatron_rl.data.packing import plan_fixed_micro_batches
+from megatron_rl.rollout.base import GenerateRequest, SamplingParams
+
+
+def _differing(old, samples) -> tuple[int, float]:
+    diffs = [(o - torch.tensor(s.rollout_logprobs, dtype=torch.float32)).abs() for o, s in zip(old, samples)]
+    return sum(int((d != 0).sum()) for d in diffs), max(float(d.max()) for d in diffs)
+
+
+def test_rollout_logprobs_equal_the_trainers_old_logprobs_bitwise(tmp_path, tiny_hf_models, tp1_world):
+    from megatron_rl.algorithms.from_config import spec_from_config
+    from megatron_rl.backends.base import TrainBatch
+    from megatron_rl.backends.megatron.backend import MegatronBackend
+    from megatron_rl.config import parse_config
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    path = tiny_hf_models("qwen3")
+    cfg = parse_config(["--hf-checkpoint", path, "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
+                        "--micro-batch-size", "3", "--lr", "1e-3", "--true-on-policy-mode",
+                        "--output-dir", str(tmp_path)])
+    spec = spec_from_config(cfg)
+    backend = MegatronBackend()
+    backend.initialize(cfg, spec)
+
+    engine = EmbeddedEngine.from_config(cfg)
+    assert engine.batch_invariant
+    engine.max_batch_size = 4  # two chunks: 4 rows, then 2
+    g = torch.Generator().manual_seed(0)
+    requests = [GenerateRequest(prompt_ids=torch.randint(0, 100, (n,), generator=g).tolist(), group_index=i)
+                for i, n in enumerate((5, 9))]
+    samples = engine.generate(requests, SamplingParams(max_new_tokens=6, temperature=1.0, n=3, seed=1))
+    assert sum(s.response_length for s in samples) == 36
+
+    old = backend.forward_only(samples)
+    assert _differing(old, samples) == (0, 0.0)
+
+    advantages = spec.compute_advantages(samples, old_logprobs=old)
+    train_plan = plan_fixed_micro_batches(6, dp_size=1, micro_batch_size=4, ragged=True)  # not the forward's 3
+    metrics = backend.train_step(TrainBatch(samples, advantages, old_logprobs=old, plan=train_plan))
+    assert metrics["train/mismatch_logprob_diff_frac"] == 0.0
+    assert metrics["train/mismatch_abs_logprob_max"] == 0.0
+    assert metrics["train/mismatch_k3_kl"] == 0.0
+    assert metrics["train/ratio"] == 1.0 and metrics["train/ratio_abs_dev"] == 0.0  # the first minibatch's ratio
+    assert metrics["train/ppo_kl"] == 0.0
+
+    # the same trainer without the mode computes other last bits for most tokens: the check above is not vacuous
+    backend.cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, true_on_policy_mode=False))
+    count, largest = _differing(backend.forward_only(samples), samples)
+    assert count > 0 and 0 < largest < 1e-4
