@@ -13,7 +13,9 @@ responses on a small model), where overlapping generation with training pays. Th
 interleaved (off, one-step, full, off, ...) so a machine that slows down mid-run slows all of them;
 each run's first step (start-up, first compile) is left out. Printed per mode: samples/s (the median
 over runs of trained samples over the steps' wall time), the ratio to ``off``, and the engine and
-trainer idle fractions the loop logs (``perf/engine_idle_frac``, ``perf/trainer_idle_frac``).
+trainer idle fractions the loop logs (``perf/engine_idle_frac``, ``perf/trainer_idle_frac``); per run also the
+generation span of its first and last batch (``rollout/time_s``: a span that grows over a run is an engine that
+slows down as the run goes on).
 
     python benchmarks/async_rl.py [--steps 8] [--repeat 2] [--response-len 192] [--max-staleness 1] [--out DIR]
         [--modes off,one-step,full,full-abort]
@@ -69,7 +71,10 @@ def run_mode(mode: str, args, model: str, prompts: str, work: str, k: int) -> di
             "engine_idle": statistics.mean(r["perf/engine_idle_frac"] for r in steps if "perf/engine_idle_frac" in r),
             "trainer_idle": statistics.mean(r["perf/trainer_idle_frac"] for r in steps
                                             if "perf/trainer_idle_frac" in r),
-            "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps)}
+            "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps),
+            # a batch's generation span (its first group's start to its last group's end): in full mode it grows
+            # from step to step when the engine's batch gets slower as the run goes on
+            "span_first": steps[0]["rollout/time_s"], "span_last": steps[-1]["rollout/time_s"]}
 
 
 def main(argv=None) -> int:
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
             results[mode].append(r)
             print(f"  {mode:9s} run {k}: {r['samples_per_s']:.2f} samples/s (engine idle {r['engine_idle']:.2f}, "
                   f"trainer idle {r['trainer_idle']:.2f}, staleness max {r['staleness_max']:.0f}, "
+                  f"batch span {r['span_first']:.2f} -> {r['span_last']:.2f} s, "
                   f"{r['wall_s']:.0f} s)", flush=True)
     base = statistics.median(r["samples_per_s"] for r in results["off"])
     print(f"\n{args.groups} prompts x {args.n} samples, responses <= {args.response_len} tokens, {args.family} tiny; "

@@ -192,6 +192,12 @@ class _Slot:
         return RowOutput(list(self.tokens), list(self.logprobs), reason, list(self.versions), routes)
 
 
+def _padding_columns(mask: torch.Tensor) -> int:
+    """How many leftmost columns of a left-padded attention ``mask`` are padding in every row: positions no
+    row attends to, which a continuous batch drops when it copies its cache (``kv_cache.compact_kv_cache``)."""
+    return int(mask.shape[1] - mask.sum(dim=1).max()) if mask.shape[0] else 0
+
+
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
     mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss, gemma3_text, qwen3_next, minimax_m2,
@@ -818,7 +824,7 @@ class EmbeddedEngine(RolloutEngine):
         for its prompt, seed and budget (its own uniforms, by its own token index; positions its own), so
         they do not depend on who shares its batch. Pauses, aborts, cancels and weight versions behave as
         in ``generate`` (module docstring): ``retract`` re-prefills every running row, prompt + tokens."""
-        from megatron_rl.rollout.kv_cache import merge_kv_caches  # lazy: kv_cache imports transformers
+        from megatron_rl.rollout.kv_cache import compact_kv_cache, merge_kv_caches  # lazy: imports transformers
 
         if not self.joins_rows:
             raise ConfigError("generate_continuous needs a model whose attention layers are all full attention "
@@ -895,16 +901,21 @@ class EmbeddedEngine(RolloutEngine):
                             order += fresh
                         if len(parts) == 1 and not fresh:
                             if len(order) < len(slots) and len(order) <= COMPACT_AT * len(slots):
-                                cache.batch_select_indices(parts[0][1])  # drop finished rows (a copy: not per row)
-                                mask, tokens = mask[parts[0][1]], tokens[parts[0][1]]
+                                # drop finished rows (a copy: not per row) and the padding columns they leave
+                                _, index, kept = parts[0]
+                                lead = _padding_columns(kept)
+                                compact_kv_cache(cache, index, lead)
+                                mask, tokens = kept[:, lead:], tokens[index]
                                 slots = order
                             # else: the finished rows stay in the batch until the next compaction
                         else:
-                            width = max(m.shape[1] for _, _, m in parts)
+                            leads = [_padding_columns(m) for _, _, m in parts]
+                            width = max(m.shape[1] - lead for (_, _, m), lead in zip(parts, leads))
                             remaining = max(s.limit - len(s.tokens) for s in order)
-                            cache = merge_kv_caches(self.model.config, [(c, i) for c, i, _ in parts], width,
-                                                    width + remaining)
-                            mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for _, _, m in parts])
+                            cache = merge_kv_caches(self.model.config, [(c, i, lead) for (c, i, _), lead
+                                                                        in zip(parts, leads)], width, width + remaining)
+                            mask = torch.cat([torch.nn.functional.pad(m[:, lead:], (width - m.shape[1] + lead, 0))
+                                              for (_, _, m), lead in zip(parts, leads)])
                             slots = order
                         live = [s for s in slots if not s.done]
                         assert [id(s) for s in order] == [id(s) for s in live], "logits follow the live rows"

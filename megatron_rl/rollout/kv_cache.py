@@ -63,6 +63,16 @@ class PreallocatedLayer(DynamicLayer):
             self._k, self._v = k[indices], v[indices]
             self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
 
+    def select(self, indices: torch.Tensor, lead: int = 0) -> None:
+        """Keep the rows ``indices`` names and drop the ``lead`` leftmost positions (padding every kept row has
+        there): one copy of what stays, the capacity left to fill unchanged."""
+        if self.is_initialized:
+            k, v = self._buffers()
+            self._k, self._v = k[indices, :, lead:], v[indices, :, lead:]
+            self.capacity -= lead
+            self.length -= lead
+            self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
             k, _ = self._buffers()
@@ -112,19 +122,34 @@ def joinable(cache: DynamicCache) -> bool:
     return bool(cache.layers) and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
 
 
-def merge_kv_caches(config, parts: list[tuple[DynamicCache, torch.Tensor]], width: int, capacity: int) -> DynamicCache:
-    """One preallocated cache of ``capacity`` positions holding the rows ``parts`` name (each a cache and the
-    indices of its rows to keep, in order), every part's filled positions right-aligned at ``width`` (the
-    positions on the left are zeros, which the attention mask hides: left padding, as a prefill's)."""
+def compact_kv_cache(cache: DynamicCache, rows: torch.Tensor, lead: int = 0) -> None:
+    """Keep the ``rows`` of a ``joinable()`` cache and drop its ``lead`` leftmost positions, padding in every
+    kept row (``PreallocatedLayer.select``).
+
+    Why the columns too: a continuous batch that never drains (rows keep joining before the last ones end,
+    as under asynchronous RL) would otherwise keep every position it ever had, left padding for the rows
+    that joined late, and each decode step attends over all of them: its cost grows with the batch's age
+    instead of with its longest live row."""
+    for layer in cache.layers:
+        assert isinstance(layer, PreallocatedLayer), "compact only joinable() caches"
+        layer.select(rows, lead)
+
+
+def merge_kv_caches(config, parts: list[tuple[DynamicCache, torch.Tensor, int]], width: int,
+                    capacity: int) -> DynamicCache:
+    """One preallocated cache of ``capacity`` positions holding the rows ``parts`` name (each a cache, the
+    indices of its rows to keep, in order, and how many of its leftmost positions to drop: padding in each of
+    those rows), every part's filled positions right-aligned at ``width`` (the positions on the left are
+    zeros, which the attention mask hides: left padding, as a prefill's)."""
     merged = make_kv_cache(config, capacity)
     for li, layer in enumerate(merged.layers):
         assert isinstance(layer, PreallocatedLayer), "merge only joinable() caches"
         keys, values = [], []
-        for cache, rows in parts:
+        for cache, rows, lead in parts:
             src = cache.layers[li]
             assert isinstance(src, PreallocatedLayer) and src.keys is not None and src.values is not None, \
                 "merge only joinable(), filled caches"
-            k, v = src.keys[rows], src.values[rows]
+            k, v = src.keys[rows, :, lead:], src.values[rows, :, lead:]
             pad = width - k.shape[-2]
             if pad:
                 k = torch.nn.functional.pad(k, (0, 0, pad, 0))

@@ -71,6 +71,39 @@ def test_rows_joining_at_any_step_get_the_tokens_they_get_alone(models):
     assert first_done < min(order.index((2, j)) for j in range(2)) or len(ended[(0, 0)].response_ids) < 8
 
 
+def test_a_batch_that_never_drains_attends_over_its_live_rows_only(models):
+    """Rows joining every 4 steps for 32 steps (asynchronous RL's pattern): the batch never empties, yet the
+    positions each step attends over stay within its longest live row (the finished rows' padding columns
+    leave with them); each row still gets ``generate``'s tokens."""
+    engine = EmbeddedEngine(models[0])
+    widths, calls, names = [], [0], {}
+    forward = engine.model.forward
+    engine.model.forward = lambda *a, **kw: widths.append(kw["attention_mask"].shape[1]) or forward(*a, **kw)
+
+    def take(room):
+        k = calls[0]
+        calls[0] += 1
+        if k % 4 or k >= 32:
+            return []
+        i = (k // 4) % len(REQUESTS)
+        rows = [EngineRow(list(REQUESTS[i].prompt_ids), row_seed(SAMPLING.seed, 0, j), 8) for j in range(2)]
+        names.update({id(row): (i, j) for j, row in enumerate(rows)})
+        return rows
+
+    ended = []  # no stop tokens: every row runs its 8 steps, so each wave overlaps the next
+    engine.generate_continuous(SamplingParams(temperature=0.9, ignore_eos=True), take,
+                               lambda row, out: ended.append((names[id(row)], out)))
+    assert len(ended) == 16 and calls[0] > 32  # every row ended; rows joined until the last wave
+    longest = max(len(r.prompt_ids) for r in REQUESTS) + 8
+    assert max(widths) <= 2 * longest, f"the batch's width grew with its age: {max(widths)} positions"
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=8, seed=SAMPLING.seed, n=2, ignore_eos=True)
+    wants = {i: engine.generate([request], sampling) for i, request in enumerate(REQUESTS)}
+    for (i, j), out in ended:
+        want = wants[i][j]
+        assert out.response_ids == want.response_ids and len(out.response_ids) == 8
+        assert max(abs(a - b) for a, b in zip(out.logprobs, want.rollout_logprobs)) < 1e-5
+
+
 def test_a_retract_update_mid_batch_equals_generates_own(models):
     """Both rows pairs joined at step 0 are parked at step 3, version 1 loaded, continued: each token carries its
     version and equals what ``generate`` draws under the same pause."""
