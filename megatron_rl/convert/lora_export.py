@@ -33,6 +33,7 @@ from megatron_rl.models.hf_checkpoint import weights_digest
 from megatron_rl.models.lora import LoraSpec, peft_key
 from megatron_rl.models.peft_adapter import SAVED_PREFIX, with_tied_head
 from megatron_rl.models.parallel import ParallelLayout
+from megatron_rl.models.weights import ParamSlot, canonical_parameters, export_slot
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -146,8 +147,6 @@ def read_saved_tensors(bridge, dist_dir: str, spec: LoraSpec) -> dict[str, torch
     if not spec.modules_to_save:
         return {}
     from megatron.core.dist_checkpointing.mapping import ShardedTensor  # lazy: megatron
-
-    from megatron_rl.models.weights import ParamSlot, canonical_parameters, export_slot
 
     stored = dist_io.checkpoint_model_tensors(dist_dir)
     dc = dist_io.dist_checkpointing()

@@ -19,6 +19,7 @@ import random
 from typing import Any
 
 from megatron_rl.data.synthetic import BOS, EOS, PAD, SEP, VOCAB
+from megatron_rl.models.hf_tiny import build_tiny_hf_model
 
 FAMILY = "qwen2_5_vl"
 SIDE, CELL = 16, 4  # image side and square side, in pixels: a 4 x 4 grid of cells, 16 merged image tokens
@@ -51,8 +52,6 @@ DEMO_VOCAB_SIZE = 32
 def build_vlm_demo_model(path: str, seed: int = 0) -> str:
     """The tiny random Qwen2.5-VL (``hf_tiny``'s, its image processor included) with the task's tokenizer and a
     32-token vocabulary."""
-    from megatron_rl.models.hf_tiny import build_tiny_hf_model
-
     ids = VISION_TOKEN_IDS
     build_tiny_hf_model(FAMILY, path, seed=seed, vocab_size=DEMO_VOCAB_SIZE, **ids)  # token ids: to the config
     build_tokenizer(path, {"<|image_pad|>": ids["image_token_id"], "<|video_pad|>": ids["video_token_id"],

@@ -52,9 +52,9 @@ import torch
 from megatron_rl.errors import BridgeError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.peft_adapter import SAVED_PREFIX, peft_key
+from megatron_rl.models.weights import LORA_ATTR, canonical_parameters, export_items, export_slot, is_adapter_name
 from megatron_rl.models.wrappers import unwrap
 
-LORA_ATTR = "lora"  # the attribute of a model chunk that holds its adapters
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear but the output layer
 
 # megatron layer-relative linear -> its tensor-parallel kind; every other linear is not adapted
@@ -104,11 +104,6 @@ class LoraSpec:
         if ALL_LINEAR in self.target_modules:
             return True
         return any(hf_module == t or hf_module.endswith("." + t) for t in self.target_modules)
-
-
-def is_adapter_name(name: str) -> bool:
-    """Whether a model chunk's parameter/state name belongs to its adapters (not base model state)."""
-    return name == LORA_ATTR or name.startswith(LORA_ATTR + ".")
 
 
 def _tp_rank_size(group) -> tuple[int, int]:
@@ -374,8 +369,6 @@ def _unfreeze_modules_to_save(bridge, model_chunks, spec: LoraSpec) -> None:
     weight names), where every pipeline stage's modules are known."""
     if not spec.modules_to_save:
         return
-    from megatron_rl.models.weights import canonical_parameters  # lazy: weights imports this module
-
     for chunk in model_chunks:
         for slot in canonical_parameters(chunk):
             if not isinstance(slot.param, torch.nn.Parameter) or slot.is_expert:
@@ -460,8 +453,6 @@ def saved_module_tensors(bridge, model_chunks) -> dict[str, torch.Tensor]:
     """This pipeline stage's weights of the modules to save (the base parameters trained beside the adapters),
     whole (gathered over TP: collective in each TP group), under PEFT's saved keys
     (``base_model.model.model.embed_tokens.weight``)."""
-    from megatron_rl.models.weights import export_items, export_slot  # lazy: weights imports this module
-
     out: dict[str, torch.Tensor] = {}
     for slot, names in export_items(bridge, model_chunks):
         if isinstance(slot.param, torch.nn.Parameter) and slot.param.requires_grad:

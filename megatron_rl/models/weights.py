@@ -35,8 +35,16 @@ import torch
 from megatron_rl.errors import BridgeError, CheckpointError
 from megatron_rl.models import weight_maps
 from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_finite
-from megatron_rl.models.lora import is_adapter_name
 from megatron_rl.models.wrappers import unwrap
+
+LORA_ATTR = "lora"  # the attribute of a model chunk that holds its LoRA adapters (models/lora.py)
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a model chunk's parameter/state name belongs to its adapters (not base model state): here, not in
+    ``models/lora.py``, so that the canonical parameter walk needs nothing of the adapters' module."""
+    return name == LORA_ATTR or name.startswith(LORA_ATTR + ".")
+
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.transformer_layer\.(.*)$")

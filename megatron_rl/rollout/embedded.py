@@ -86,6 +86,7 @@ from megatron_rl.data.types import RoutedExperts, Sample
 from megatron_rl.errors import CheckpointError, ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
+from megatron_rl.models.mrope import check_image_tokens, mrope_position_ids
 from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merged_weight
 from megatron_rl.ops.batch_invariant import batch_invariant_mode
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, checked_tokenizer, load_tokenizer
@@ -771,8 +772,6 @@ class EmbeddedEngine(RolloutEngine):
             raise ConfigError(f"{what} carries images but {self.hf_checkpoint} is a text-only model; use a "
                               "vision-language checkpoint or drop --multimodal-keys")
         if self.image_tokens is not None:  # its image-pad tokens must be its images' features (named, before work)
-            from megatron_rl.models.mrope import check_image_tokens
-
             check_image_tokens(torch.tensor(prompt_ids), _grid(images), *self.image_tokens, what,
                                pixel_rows=int(images.pixel_values.shape[0]) if images is not None else None)
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -983,8 +982,6 @@ class EmbeddedEngine(RolloutEngine):
                         images: list[Optional[VisionInputs]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``[3, b, s]`` M-RoPE positions of left-padded sequences (0 on the padding, which the mask hides) and
         the model's image keywords (their images concatenated in row order)."""
-        from megatron_rl.models.mrope import mrope_position_ids  # lazy: torch only, kept beside its one use
-
         assert self.image_tokens is not None
         positions = torch.zeros(3, *input_ids.shape, dtype=torch.long)
         for r, seq_images in enumerate(images):
@@ -1003,8 +1000,6 @@ class EmbeddedEngine(RolloutEngine):
         positions by ``max(h, w)``, not by its token count), as the trainer numbers the same tokens."""
         if self.image_tokens is None or images is None:
             return len(prompt_ids)
-        from megatron_rl.models.mrope import mrope_position_ids  # lazy: torch only, kept beside its one use
-
         return int(mrope_position_ids(torch.tensor(prompt_ids), _grid(images), *self.image_tokens).max()) + 1
 
     def _decode_positions(self, positions: list[int]) -> torch.Tensor:
