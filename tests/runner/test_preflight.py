@@ -357,7 +357,7 @@ def test_an_over_memory_plan_is_refused_on_gpus_only(tmp_path, caplog):
     cfg = parse_config(argv)
     assert check_memory_fit(cfg) is None  # CPU: no check, whatever the plan
     with pytest.raises(ConfigError, match=r"does not fit the GPU's memory: trainer on rank 0's GPU \(train: static "
-                                          r"\+ activation peak\) needs 153.78 GiB, the GPU has 79.60 GiB: 74.18 GiB "
+                                          r"\+ activation peak\) needs 154.69 GiB, the GPU has 79.60 GiB: 75.09 GiB "
                                           r"short; fix: --optimizer-cpu-offload --use-precision-aware-optimizer "
                                           r"\(checked before the workers started"):
         check_memory_fit(cfg, device_gib=79.6)
