@@ -687,6 +687,16 @@ class RolloutConfig:
     rollout_engine_startup_timeout: float = flag(600.0, "Seconds the launched SGLang engines get to answer "
                                                  "/health; an engine not up by then, or whose process exits, "
                                                  "stops the run with its log file named.", domain="(0, inf)")
+    rollout_generate_timeout: float = flag(600.0, "Seconds the driver waits for an SGLang engine's (or the "
+                                           "sglang-router's, or the served embedded engine's) answer to one "
+                                           "/generate call; a call not answered by then stops the run naming the "
+                                           "server (or, with --use-fault-tolerance, the server is restarted).",
+                                           domain="(0, inf)")
+    rollout_update_timeout: float = flag(600.0, "Seconds the driver waits for an SGLang engine's (or the served "
+                                         "embedded engine's) answer to a weight update, a pause, a memory "
+                                         "release or resume, or a LoRA load; also the distributed transport's "
+                                         "bound per bucket. A call not answered by then stops the run naming "
+                                         "the server and the route.", domain="(0, inf)")
     rollout_router: str = flag("off", "on: an sglang-router in front of the SGLang engines this run launches "
                                "(python -m sglang_router.launch_router from the engines' Python, on the driver's "
                                "node; generation goes through it, one request per sample, weights and pauses to "

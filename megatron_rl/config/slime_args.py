@@ -213,8 +213,8 @@ ARGUMENTS_PY_HERE: tuple[str, ...] = (
 
 #: slime's own ``--sglang-KEY`` flags (not SGLang server arguments), refused here: KEY -> why
 SLIME_SGLANG_REFUSED: dict[str, str] = {
-    "router_request_timeout_secs": "slime's timeout of one request through its router; the requests here have "
-                                   "the SGLang client's timeout, which is not a flag yet: drop it",
+    "router_request_timeout_secs": "slime's timeout of one request through its router; here every /generate "
+                                   "call (through a router or not) has --rollout-generate-timeout: use it",
     "config": "slime's YAML of SGLang server groups (prefill / decode workers, per-group overrides); "
               "prefill/decode disaggregation and server groups are not built: give the engines' arguments as "
               "--sglang-KEY flags and drop it",

@@ -927,6 +927,12 @@ def _check_critic_layout(errors: list[str], cfg: Config, ppo: bool) -> None:
 
 def _check_sync_and_rollout(errors: list[str], cfg: Config) -> None:
     r, s = cfg.rollout, cfg.sync
+    served = cfg.has_rollout_engine and (r.rollout_backend == "sglang" or cfg.embedded_placement == "process")
+    for name in ("rollout_generate_timeout", "rollout_update_timeout"):
+        if getattr(r, name) != 600.0 and not served:
+            errors.append(f"--{name.replace('_', '-')} {getattr(r, name):g} bounds the driver's HTTP calls to a "
+                          f"served engine (--rollout-backend sglang, or --embedded-engine-ranks process), and this "
+                          f"run's engine lives in the trainer's processes: drop it")
     if not cfg.has_rollout_engine:
         return
     if (r.rollout_backend == "sglang" and s.update_weight_transport == "tensor" and not cfg.memory.colocate

@@ -111,6 +111,8 @@ def start_embedded_engine(cfg: "Config") -> ServedEmbeddedEngine:
                                     tokenizer=load_tokenizer(model), releases_memory=False,
                                     check_first_update=cfg.sync.check_weight_update_equal,
                                     pause_mode=cfg.rollout.pause_generation_mode,
+                                    generate_timeout_s=cfg.rollout.rollout_generate_timeout,
+                                    update_timeout_s=cfg.rollout.rollout_update_timeout,
                                     route_layout=RouteLayout.of_checkpoint(model) if routes else None)
     except BaseException:
         process.stop(grace_s=5.0)

@@ -217,6 +217,7 @@ def test_timeout_names_the_server_the_endpoint_and_the_wait(standin):
         client.generate([[1, 2]], [{"max_new_tokens": 1}])
     message = str(info.value)
     assert standin.url in message and "POST /generate" in message and "within 0.3 s" in message
+    assert "raise --rollout-generate-timeout" in message  # the flag that sets this bound
     # a read timeout is not retried: the server got it once, and the client has given up (was: 'took < 0.9 s')
     wait_for(lambda: standin.requests["/generate"] >= 1, "the request at the server")
     assert standin.requests["/generate"] == 1
@@ -339,15 +340,21 @@ def test_from_config_and_the_table(engine, standin, model, tmp_path):
     assert ENGINES.get("sglang") is SGLangEngine
     flags = ["--hf-checkpoint", model, "--rollout-backend", "sglang", "--update-weight-transport", "disk",
              "--update-weight-disk-dir", str(tmp_path / "w")]
-    built = SGLangEngine.from_config(parse_config([*flags, "--rollout-engine-urls", standin.url]))
+    built = SGLangEngine.from_config(parse_config([*flags, "--rollout-engine-urls", standin.url,
+                                                   "--rollout-generate-timeout", "45",
+                                                   "--rollout-update-timeout", "90"]))
     try:
         assert built.urls == [standin.url] and built.weights.root == str(tmp_path / "w")
+        assert (built.generate_timeout_s, built.update_timeout_s) == (45.0, 90.0)
         assert built.weights.hf_checkpoint == model and built.tokenizer is None  # the tiny model has none
         assert built.health().ok
     finally:
         built.close()
     with pytest.raises(ConfigError, match="needs servers: the engines this run launches, or --rollout-engine-urls"):
         SGLangEngine.from_config(parse_config(flags, validate=False))
+    # the engine's HTTP bounds are flags; on an engine in the trainer's processes they would bound nothing
+    with pytest.raises(ConfigError, match="--rollout-update-timeout 90 bounds the driver's HTTP calls to a served"):
+        parse_config(["--hf-checkpoint", model, "--rollout-backend", "embedded", "--rollout-update-timeout", "90"])
     with pytest.raises(EngineError, match="get_weights_by_name"):
         engine.named_weights()
     with pytest.raises(ConfigError, match="at least one"):

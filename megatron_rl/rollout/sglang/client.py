@@ -55,12 +55,27 @@ __all__ = ["SGLangClient", "SGLangEngineError", "SGLangSyncError", "normalize_ba
 # Endpoints whose replay is harmless: a dropped connection after sending is retried for these.
 _IDEMPOTENT = frozenset({"/health", "/health_generate", "/model_info", "/generate", "/abort_request",
                          "/flush_cache", "/pause_generation", "/continue_generation"})
+
+
+def _timeout_flag(endpoint: str) -> str:
+    """Where the bound of a timed-out call is set: the run's engine gives /generate
+    --rollout-generate-timeout and its weight, pause and memory calls --rollout-update-timeout."""
+    if endpoint == "/generate":
+        return "raise --rollout-generate-timeout"
+    if endpoint in _WEIGHT_ENDPOINTS or endpoint in _UPDATE_TIMEOUT_ENDPOINTS:
+        return "raise --rollout-update-timeout"
+    return "raise the timeout for this call"
+
+
 # Endpoints that change the weights or their version: failures are SyncError.
 _WEIGHT_ENDPOINTS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor",
                                "/init_weights_update_group", "/update_weights_from_distributed",
                                "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
                                "/update_weight_version", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
                                "/unload_lora_adapter"})
+# Calls the engine bounds by --rollout-update-timeout besides the weight calls above.
+_UPDATE_TIMEOUT_ENDPOINTS = frozenset({"/pause_generation", "/release_memory_occupation",
+                                       "/resume_memory_occupation"})
 
 
 ERROR_KINDS = ("unreachable", "dropped", "timeout", "http", "protocol", "transport")
@@ -189,7 +204,8 @@ class SGLangClient:
             except httpx.TimeoutException as exc:
                 raise self._error(endpoint, f"{where} did not answer {method} {endpoint} within {timeout:g} s "
                                   f"({type(exc).__name__}); the server is overloaded, hung or dead: check its "
-                                  "log, or raise the timeout for this call", kind="timeout") from exc
+                                  f"log, or {_timeout_flag(endpoint)}",
+                                  kind="timeout") from exc
             except httpx.HTTPError as exc:
                 raise self._error(endpoint, f"{method} {endpoint} to {where} failed: "
                                   f"{type(exc).__name__}: {exc}", kind="transport") from exc
@@ -307,11 +323,12 @@ class SGLangClient:
         """``POST /abort_request``: the aborted rows come back with finish_reason type "abort"."""
         self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
-    def pause_generation(self, mode: str = "abort") -> dict:
+    def pause_generation(self, mode: str = "abort", *, timeout_s: Optional[float] = None) -> dict:
         """``POST /pause_generation`` (mode abort | retract | in_place); new requests wait until continue."""
         if mode not in protocol.PAUSE_MODES:
             raise self._error("/pause_generation", f"pause mode {mode!r} is not one of {protocol.PAUSE_MODES}")
-        return self._json(self.request("POST", "/pause_generation", {"mode": mode}), "/pause_generation")
+        return self._json(self.request("POST", "/pause_generation", {"mode": mode}, timeout_s=timeout_s),
+                          "/pause_generation")
 
     def continue_generation(self) -> dict:
         return self._json(self.request("POST", "/continue_generation", {}), "/continue_generation")

@@ -193,7 +193,9 @@ class SGLangEngine(RolloutEngine):
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None, router_url=router,
                    check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes,
-                   pause_mode=cfg.rollout.pause_generation_mode)
+                   pause_mode=cfg.rollout.pause_generation_mode,
+                   generate_timeout_s=cfg.rollout.rollout_generate_timeout,
+                   update_timeout_s=cfg.rollout.rollout_update_timeout)
 
     @property
     def urls(self) -> list[str]:
@@ -626,7 +628,7 @@ class SGLangEngine(RolloutEngine):
         if client.base_url in self._no_pause:
             return None
         try:
-            client.pause_generation(self.pause_mode)
+            client.pause_generation(self.pause_mode, timeout_s=self.update_timeout_s)
         except SGLangEngineError as exc:
             if exc.status == 404:  # an SGLang without the endpoint: nothing to pause
                 self._no_pause.add(client.base_url)
