@@ -29,7 +29,8 @@ _NOT_INVARIANT: tuple[tuple[Callable[[Config], str], Callable[[Config], bool], s
      "pipeline stages are not yet checked bitwise against the engine"),
     (lambda c: f"--expert-model-parallel-size {c.parallel.expert_model_parallel_size}",
      lambda c: c.parallel.expert_model_parallel_size > 1,
-     "MoE layouts are not invariant yet (routing replay R3 and a fixed expert-combine order are not built)"),
+     "experts spread over ranks are not yet checked bitwise (the all-to-all's chunk order decides the expert "
+     "combine's order; the mode's MoE runs every expert on one rank)"),
     (lambda c: "--rollout-backend sglang", lambda c: c.rollout.rollout_backend == "sglang",
      "SGLang's --enable-deterministic-inference kernels are CUDA (batch-invariant Triton); on the CPU route "
      "SGLang has none, and its GPU kernels are not matched by this trainer's CPU ops yet: use "

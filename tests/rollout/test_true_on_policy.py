@@ -6,6 +6,7 @@ exactly 0 (docs/on-policy.md)."""
 
 import dataclasses
 
+import pytest
 import torch
 
 from megatron_rl.data.packing import plan_fixed_micro_batches
@@ -59,18 +60,20 @@ def test_rollout_logprobs_equal_the_trainers_old_logprobs_bitwise(tmp_path, tiny
     assert count > 0 and 0 < largest < 1e-4
 
 
-def test_moe_with_rollout_routing_replay_is_bitwise_over_steps(tmp_path, tiny_hf_models, tp1_world):
-    """A MoE model (qwen3_moe, 6 experts, top-3: a combine of three addends, a renormalised weight sum of three)
-    with the engine's experts replayed in the trainer (R3): two steps, each a rollout, the old log-probs, a train
-    step and the weight sync into the engine; the group size, the engine's chunk rows and the trainer's forward
-    and train micro-batches differ between the steps and from each other. Every token bitwise, every step."""
+@pytest.mark.parametrize("family,experts", [("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3)),
+                                             ("mixtral", dict(num_local_experts=5, num_experts_per_tok=3))])
+def test_moe_with_rollout_routing_replay_is_bitwise_over_steps(tmp_path, tiny_hf_models, tp1_world, family, experts):
+    """A MoE model (top-3: a combine of three addends, a renormalised weight sum of three) with the engine's
+    experts replayed in the trainer (R3): two steps, each a rollout, the old log-probs, a train step and the
+    weight sync into the engine; the group size, the engine's chunk rows and the trainer's forward and train
+    micro-batches differ between the steps and from each other. Every token bitwise, every step."""
     from megatron_rl.algorithms.from_config import spec_from_config
     from megatron_rl.backends.base import TrainBatch
     from megatron_rl.backends.megatron.backend import MegatronBackend
     from megatron_rl.config import parse_config
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
-    path = tiny_hf_models("qwen3_moe", num_experts=6, num_experts_per_tok=3)
+    path = tiny_hf_models(family, **experts)
     cfg = parse_config(["--hf-checkpoint", path, "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
                         "--micro-batch-size", "3", "--lr", "1e-2", "--true-on-policy-mode",
                         "--use-rollout-routing-replay", "--output-dir", str(tmp_path)])
@@ -86,7 +89,7 @@ def test_moe_with_rollout_routing_replay_is_bitwise_over_steps(tmp_path, tiny_hf
         engine.max_batch_size = rows
         requests = [GenerateRequest(prompt_ids=torch.randint(0, 100, (k,), generator=g).tolist(), group_index=i)
                     for i, k in enumerate((4, 11))]
-        samples = engine.generate(requests, SamplingParams(max_new_tokens=5, temperature=1.0, n=n, seed=step))
+        samples = engine.generate(requests, SamplingParams(max_new_tokens=4, temperature=1.0, n=n, seed=step))
         assert all(s.routed_experts is not None for s in samples)
         forward_plan = plan_fixed_micro_batches(len(samples), dp_size=1, micro_batch_size=forward_mbs, ragged=True)
         old = backend.forward_only(samples, forward_plan)
