@@ -20,7 +20,8 @@ from .schema import Config
 _NOT_INVARIANT: tuple[tuple[Callable[[Config], str], Callable[[Config], bool], str], ...] = (
     (lambda c: f"--tensor-model-parallel-size {c.parallel.tensor_model_parallel_size}",
      lambda c: c.parallel.tensor_model_parallel_size > 1,
-     "a TP all-reduce adds each row's partial sums in another order than the engine's one-rank matmul"),
+     "a row-parallel linear splits each dot product over the ranks and the all-reduce adds the partial sums, "
+     "while the engine's one-rank matmul adds every term in one order (docs/on-policy.md)"),
     (lambda c: f"--context-parallel-size {c.parallel.context_parallel_size}",
      lambda c: c.parallel.context_parallel_size > 1,
      "CP splits each sequence's keys over ranks, so the attention's key tiles are not the engine's"),

@@ -67,7 +67,7 @@ def test_a_moe_model_is_accepted_with_rollout_routing_replay_only(tiny_hf_models
 
 
 def test_tp2_is_refused_before_any_worker_starts(tiny_hf_models):
-    with pytest.raises(ConfigError, match=re.escape("--true-on-policy-mode with --tensor-model-parallel-size 2: a TP "
-                                                    "all-reduce")):
+    with pytest.raises(ConfigError, match=re.escape("--true-on-policy-mode with --tensor-model-parallel-size 2: a "
+                                                    "row-parallel linear splits each dot product")):
         parse_config(["--hf-checkpoint", tiny_hf_models("qwen3"), "--true-on-policy-mode",
                       "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
