@@ -87,13 +87,13 @@ def _moe_problem(cfg: Config) -> str:
         return ("a MoE model needs the engine's experts replayed in the trainer (R3): add "
                 "--use-rollout-routing-replay")
     refused = [(f"--moe-token-dispatcher-type {m.moe_token_dispatcher_type}",
-                m.moe_token_dispatcher_type not in (None, "alltoall", "allgather")),
+                m.moe_token_dispatcher_type not in (None, "alltoall")),
                ("--moe-grouped-gemm", m.moe_grouped_gemm), ("--moe-permute-fusion", m.moe_permute_fusion),
                (f"--moe-router-dtype {m.moe_router_dtype}", m.moe_router_dtype not in (None, "fp32"))]
     shown = [flag for flag, given in refused if given]
     if shown:
         return (f"{', '.join(shown)}: fused/grouped MoE kernels are not the batch-invariant ops (the mode runs the "
-                "experts one by one through them); drop it")
+                "experts one by one through them, dispatched by the checked alltoall path); drop it")
     return ""
 
 

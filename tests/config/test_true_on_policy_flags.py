@@ -61,7 +61,8 @@ def test_a_moe_model_is_accepted_with_rollout_routing_replay_only(tiny_hf_models
         parse_config(["--hf-checkpoint", path, "--true-on-policy-mode"])
     for fields, flag in (({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
                          ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
-                         ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex")):
+                         ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
+                         ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type allgather")):
         errors = true_on_policy_errors(_replace(cfg, "megatron", **fields))
         assert len(errors) == 1 and f": {flag}: fused/grouped MoE kernels" in errors[0]
 
