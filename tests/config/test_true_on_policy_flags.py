@@ -50,6 +50,13 @@ def test_a_model_type_not_checked_bitwise_is_refused_at_validation(tiny_hf_model
         parse_config(["--hf-checkpoint", path, "--true-on-policy-mode", "--use-rollout-routing-replay"])
 
 
+def test_a_sliding_window_is_refused(tiny_hf_models):
+    path = tiny_hf_models("mixtral", sliding_window=16)
+    with pytest.raises(ConfigError, match=re.escape(f"--true-on-policy-mode with --hf-checkpoint {path}: "
+                                                    "sliding-window attention")):
+        parse_config(["--hf-checkpoint", path, "--true-on-policy-mode", "--use-rollout-routing-replay"])
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_a_moe_model_is_accepted_with_rollout_routing_replay_only(tiny_hf_models, family):
     path = tiny_hf_models(family)
