@@ -7,6 +7,9 @@ tokens' rollout and old log-probs differ at all and the largest difference, and 
 ratios on over off in one run (median over ``--repeat`` interleaved runs).
 
     python benchmarks/true_on_policy.py [--family qwen3] [--samples 16] [--new-tokens 32] [--repeat 2]
+
+A MoE family (qwen3_moe, mixtral) runs both variants with routing replay from the rollout
+(``--use-rollout-routing-replay``, the mode's requirement), so the ratio is the mode's cost alone.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import os
 import statistics
 import tempfile
 import time
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def run(hf: str, on: bool, args) -> dict:
@@ -30,7 +35,8 @@ def run(hf: str, on: bool, args) -> dict:
     from megatron_rl.rollout import EmbeddedEngine
 
     g = torch.Generator().manual_seed(0)
-    engine = EmbeddedEngine(hf, batch_invariant=on)
+    moe = args.family in MOE_FAMILIES  # both variants replay the engine's routes (R3); only the mode differs
+    engine = EmbeddedEngine(hf, batch_invariant=on, record_routes=moe)
     prompts = [GenerateRequest(torch.randint(0, engine.vocab_size, (int(torch.randint(8, 24, (1,), generator=g)),),
                                              generator=g).tolist(), i) for i in range(args.samples // 4)]
     t0 = time.perf_counter()
@@ -41,6 +47,7 @@ def run(hf: str, on: bool, args) -> dict:
         s.reward = float(torch.rand(1, generator=g))
     argv = ["--hf-checkpoint", hf, "--lr", "1e-4", "--rollout-batch-size", str(args.samples // 4),
             "--n-samples-per-prompt", "4", "--micro-batch-size", "4", "--seed", "7"]
+    argv += ["--use-rollout-routing-replay"] if moe else []
     cfg = parse_config(argv + (["--true-on-policy-mode"] if on else []))
     spec = spec_from_config(cfg)
     backend = MegatronBackend()

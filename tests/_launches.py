@@ -34,7 +34,7 @@ LAUNCH_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/dist/test_backend.py", "tests/dist/test_critic.py", "tests/dist/test_routing_replay.py",
         "tests/dist/test_frozen_weights.py", "tests/dist/test_checkpoint_resume.py",
         "tests/dist/test_checkpoint_resume_layouts.py", "tests/dist/test_optimizer_offload.py",
-        "tests/dist/test_static_memory.py",
+        "tests/dist/test_static_memory.py", "tests/dist/test_true_on_policy_dp2.py",
     ),
     "layouts_and_fsdp": (
         "tests/dist/test_fsdp_backend.py", "tests/dist/test_fsdp_critic.py", "tests/dist/test_fsdp_teacher.py",

@@ -1150,7 +1150,8 @@ class AlgorithmConfig:
         "--enable-deterministic-inference), so a token's rollout log-prob is the trainer's old log-prob bit for bit "
         "whatever the batch, padding, packing or micro-batch size. Logs train/mismatch_logprob_diff_frac and "
         "train/mismatch_abs_logprob_max (0 in this mode). Refused where a layout is not invariant yet "
-        "(docs/on-policy.md): TP, CP, PP, EP > 1, MoE models, SGLang, the FSDP backend, bf16/fp16/fp8.")
+        "(docs/on-policy.md): TP, CP, PP, EP > 1, SGLang, the FSDP backend, bf16/fp16/fp8, LoRA; MoE models "
+        "(qwen3_moe, mixtral) need --use-rollout-routing-replay.")
     loss_type: str = flag("policy_loss", "slime's loss selector. policy_loss: the PPO/GRPO loss (docs/algorithms.md). "
                           "custom_loss (with --custom-loss-function-path) is refused: see that flag. sft_loss "
                           "(slime's SFT scripts) is refused: supervised fine-tuning is not built.",

@@ -230,8 +230,13 @@ class EmbeddedEngine(RolloutEngine):
         config = hf_config(str(hf_checkpoint))
         vision = getattr(config, "vision_config", None)
         auto = transformers.AutoModelForImageTextToText if vision is not None else transformers.AutoModelForCausalLM
+        # --true-on-policy-mode: a MoE model's experts in transformers' eager loop (each expert's rows through
+        # F.linear, the outputs index_add_-ed expert by expert: the batch-invariant ops and the trainer's combine
+        # order, backends/megatron/engine_moe.py), not its default grouped_mm kernel (torch._grouped_mm, a sum over
+        # each token's top-k slots)
+        experts = {"experts_implementation": "eager"} if batch_invariant else {}
         self.model = auto.from_pretrained(
-            str(hf_checkpoint), config=config, dtype=dtype, attn_implementation=attn_implementation,
+            str(hf_checkpoint), config=config, dtype=dtype, attn_implementation=attn_implementation, **experts,
         ).to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         self.text_config = self.model.config.get_text_config()  # a vision-language config's language model
         # (image-pad token id, spatial merge size) of a vision-language model; None: text only

@@ -1,5 +1,5 @@
 """--true-on-policy-mode: accepted where the engine and trainer are checked bitwise (dense llama/qwen2/qwen3,
-TP1, fp32, embedded engine, megatron backend), refused by name everywhere else (docs/on-policy.md)."""
+MoE qwen3_moe/mixtral with routing replay R3, TP1, fp32, embedded engine, megatron backend), refused by name everywhere else (docs/on-policy.md)."""
 
 import dataclasses
 import re
@@ -44,14 +44,38 @@ def test_each_layout_not_yet_invariant_is_refused_by_name(tiny_hf_models, group,
 
 
 def test_a_model_type_not_checked_bitwise_is_refused_at_validation(tiny_hf_models):
-    path = tiny_hf_models("qwen3_moe")
+    path = tiny_hf_models("glm4_moe")  # a sigmoid router with a shared expert: not the checked MoE form
     with pytest.raises(ConfigError, match=re.escape(f"--true-on-policy-mode with --hf-checkpoint {path}: model_type "
-                                                    "'qwen3_moe' is not yet checked bitwise")):
+                                                    "'glm4_moe' is not yet checked bitwise")):
+        parse_config(["--hf-checkpoint", path, "--true-on-policy-mode", "--use-rollout-routing-replay"])
+
+
+def test_a_sliding_window_is_refused(tiny_hf_models):
+    path = tiny_hf_models("mixtral", sliding_window=16)
+    with pytest.raises(ConfigError, match=re.escape(f"--true-on-policy-mode with --hf-checkpoint {path}: "
+                                                    "sliding-window attention")):
+        parse_config(["--hf-checkpoint", path, "--true-on-policy-mode", "--use-rollout-routing-replay"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_model_is_accepted_with_rollout_routing_replay_only(tiny_hf_models, family):
+    path = tiny_hf_models(family)
+    cfg = parse_config(["--hf-checkpoint", path, "--true-on-policy-mode", "--use-rollout-routing-replay"])
+    assert true_on_policy_errors(cfg) == []
+    with pytest.raises(ConfigError, match=re.escape(f"--true-on-policy-mode with the MoE model {path}: a MoE model "
+                                                    "needs the engine's experts replayed in the trainer (R3): add "
+                                                    "--use-rollout-routing-replay")):
         parse_config(["--hf-checkpoint", path, "--true-on-policy-mode"])
+    for fields, flag in (({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
+                         ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
+                         ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
+                         ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type allgather")):
+        errors = true_on_policy_errors(_replace(cfg, "megatron", **fields))
+        assert len(errors) == 1 and f": {flag}: fused/grouped MoE kernels" in errors[0]
 
 
 def test_tp2_is_refused_before_any_worker_starts(tiny_hf_models):
-    with pytest.raises(ConfigError, match=re.escape("--true-on-policy-mode with --tensor-model-parallel-size 2: a TP "
-                                                    "all-reduce")):
+    with pytest.raises(ConfigError, match=re.escape("--true-on-policy-mode with --tensor-model-parallel-size 2: a "
+                                                    "row-parallel linear splits each dot product")):
         parse_config(["--hf-checkpoint", tiny_hf_models("qwen3"), "--true-on-policy-mode",
                       "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])

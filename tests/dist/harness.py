@@ -51,6 +51,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "lora": ("lora_worker", "main"),
     "memory": ("memory_worker", "main"),
     "offload": ("offload_worker", "main"),
+    "on_policy": ("on_policy_worker", "main"),
     "parity": ("parity_layouts", "main"),
     "publish": ("publish_worker", "main"),
     "replicas": ("replicas_worker", "main"),

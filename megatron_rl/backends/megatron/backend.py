@@ -38,6 +38,7 @@ from megatron_rl.algorithms.spec import Spec
 from megatron_rl.models.peft_adapter import AdapterExport
 from megatron_rl.backends.base import (ExportScope, TrainBackend, TrainBatch, WeightManager, bucketed,
                                       finish_step_metrics)
+from megatron_rl.backends.megatron.engine_moe import use_engine_moe
 from megatron_rl.backends.megatron.routing_replay import RoutingReplay, moe_pattern
 from megatron_rl.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.backends.megatron.critic import MegatronCritic
@@ -176,6 +177,8 @@ class MegatronBackend(RoleAttributes, TrainBackend):
             pattern = moe_pattern(self.model_config) if cfg.megatron.use_rollout_routing_replay else None
             self.routing = RoutingReplay.attach(self.chunks, ps, self.layout, int(self.model_config.moe_router_topk),
                                                 moe_pattern=pattern)
+        if cfg.algorithm.true_on_policy_mode and getattr(self.model_config, "num_moe_experts", None):
+            use_engine_moe(self.chunks, self.routing)  # the MoE layers in the engine's arithmetic (R3 experts)
         self.critic = None  # ppo's value model, on these ranks with this layout or its own
         if cfg.algorithm.advantage_estimator == "ppo":
             self.critic = MegatronCritic(self, cfg)
