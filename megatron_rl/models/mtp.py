@@ -179,8 +179,9 @@ def mtp_targets(cu_seqlens: torch.Tensor, response_lengths: torch.Tensor, respon
     starts = cu_seqlens[:-1].long().repeat_interleave(response_lengths.long())
     local = None
     if local_index is not None:
-        local = torch.full((int(cu_seqlens[-1]),), -1, dtype=torch.long)
-        local[local_index.long()] = torch.arange(local_index.numel())
+        device = response_positions.device  # the micro-batch's (the backend moves it to the model's device)
+        local = torch.full((int(cu_seqlens[-1]),), -1, dtype=torch.long, device=device)
+        local[local_index.to(device).long()] = torch.arange(local_index.numel(), device=device)
     rows, ids, weights = [], [], []
     for d in range(depths):
         pos = response_positions.long() - 1 - d

@@ -126,3 +126,25 @@ def test_routing_replay_leaves_the_mtp_layers_router_to_route_on_its_own(single_
         assert mtp_routers[0].router_replay.get_recorded_indices() is None
     finally:
         replay.end_pass()
+
+
+def test_mtp_targets_of_the_context_parallel_ranks_partition_the_one_process_targets():
+    """Under CP each rank keeps the MTP rows of its shard (as positions of its shard): mapped back to packed
+    positions, the ranks' rows are the one-process rows, each once, with the same targets and weights."""
+    from megatron_rl.models import cp_utils, mtp
+
+    cu = torch.tensor([0, 12, 20])  # two sequences, padded to a multiple of 2 x CP
+    lengths = torch.tensor([5, 3])  # response tokens at the end of each sequence (the last real token unused)
+    positions = torch.tensor([5, 6, 7, 8, 9, 15, 16, 17])
+    ids, mask = torch.arange(100, 108), torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    one = mtp.mtp_targets(cu, lengths, positions, ids, mask, 2, 4.0, 50, 0.5)
+    for d in range(2):
+        got = []
+        for rank in range(2):
+            local = cp_utils.cp_local_index(cu, rank, 2)
+            part = mtp.mtp_targets(cu, lengths, positions, ids, mask, 2, 4.0, 50, 0.5, local_index=local,
+                                   cp_group="cp")
+            assert part.cp_size == 2 and part.cp_group == "cp"
+            got += list(zip(local[part.rows[d]].tolist(), part.ids[d].tolist(), part.weights[d].tolist()))
+        assert sorted(got) == sorted(zip(one.rows[d].tolist(), one.ids[d].tolist(), one.weights[d].tolist()))
+        assert len(got) == len(one.rows[d]) > 0
