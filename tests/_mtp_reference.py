@@ -65,7 +65,7 @@ class MtpReference:
 
         self.enorm, self.hnorm = norm(tensors["enorm.weight"]), norm(tensors["hnorm.weight"])
         self.head_norm = norm(tensors["shared_head.norm.weight"])
-        self.eh_proj = tensors["eh_proj.weight"]
+        self.eh_proj = torch.nn.Parameter(tensors["eh_proj.weight"])
         self.head = tensors["shared_head.head.weight"]
         self.embed = tensors["embed_tokens.weight"]
 
@@ -78,3 +78,35 @@ class MtpReference:
         x = torch.nn.functional.linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)
         out = self.body(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).last_hidden_state
         return torch.nn.functional.linear(self.head_norm(out), self.head)[0].float()
+
+    def loss(self, seq: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Depth 0's MTP loss of one sequence, as --enable-mtp-training trains it: position t scores token t + 2
+        with the main loss's weight of that token (``weights[t + 1]``); the main model's hidden states, the
+        embedding and the head are constants, so only the MTP layer's parameters get its gradient."""
+        ids = seq[None]
+        with torch.no_grad():
+            h = self.main.model(ids).last_hidden_state[:, :-1]
+        e = torch.nn.functional.embedding(ids[:, 1:], self.embed)
+        x = torch.nn.functional.linear(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1), self.eh_proj)
+        out = self.body(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).last_hidden_state
+        logp = torch.log_softmax(torch.nn.functional.linear(self.head_norm(out), self.head)[0, :-1].float(), -1)
+        return -(logp.gather(-1, seq[2:, None])[:, 0] * weights[1:-1]).sum()
+
+    def zero_grad(self) -> None:
+        for p in self.parameters().values():
+            p.grad = None
+
+    def parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The MTP layer's trainable tensors under the names of transformers' modules (``model.layers.{N}.*``)."""
+        p = f"model.layers.{self.mtp_layer}."
+        out = {p + "eh_proj.weight": self.eh_proj, p + "enorm.weight": self.enorm.weight,
+               p + "hnorm.weight": self.hnorm.weight, p + "shared_head.norm.weight": self.head_norm.weight}
+        out.update({p + n: t for n, t in self.body.layers[0].named_parameters()})
+        return out
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The gradients of :meth:`parameters` under the checkpoint's names (one tensor per expert)."""
+        from megatron_rl.models.hf_module import hf_checkpoint_names
+
+        return hf_checkpoint_names(self.main, {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                                               for n, p in self.parameters().items()})

@@ -175,20 +175,15 @@ def _mtp_layers_check(value, cfg) -> Optional[str]:
 
 
 def _mtp_training_check(value, cfg) -> Optional[str]:
-    """``--enable-mtp-training``: built for the megatron backend at TP = CP = EP = 1 (any PP and DP)."""
+    """``--enable-mtp-training``: the megatron backend at any TP (+SP), PP, CP, EP and DP; not with LoRA."""
     if not value:
         return None
-    p = cfg.parallel
     refusals = [
         (not cfg.megatron.mtp_num_layers, "needs --mtp-num-layers (the checkpoint's MTP layers); set it"),
         (cfg.precision.train_backend != "megatron", f"is built for --train-backend megatron only, not "
-                                                    f"{cfg.precision.train_backend}; use megatron"),
+                                                    f"{cfg.precision.train_backend} (transformers' models have no "
+                                                    f"MTP layers: they skip them on load); use megatron"),
         (cfg.lora.lora_rank > 0, "is not built with LoRA (--lora-rank): the MTP layers have no adapters; drop one"),
-        (p.context_parallel_size > 1, f"is not built with context parallelism (--context-parallel-size "
-                                      f"{p.context_parallel_size}); use 1"),
-        (p.tensor_model_parallel_size > 1 or p.expert_model_parallel_size > 1,
-         f"is tested only without tensor or expert parallelism (TP {p.tensor_model_parallel_size}, EP "
-         f"{p.expert_model_parallel_size}); use 1 (pipeline and data parallelism are fine)"),
     ]
     return next((why for bad, why in refusals if bad), None)
 
@@ -290,7 +285,7 @@ MEGATRON_FLAGS: tuple[MegatronFlag, ...] = (
                  "built: the actor's train step adds the MTP loss (each depth d's cross-entropy of token t+2+d at "
                  "the loss-masked response tokens, summed, divided by the step's loss-token count, times "
                  "--mtp-loss-scaling-factor / --mtp-num-layers) to the policy loss; as slime, only the MTP "
-                 "layers get its gradient; TP = CP = EP = 1 (PP and DP fine), megatron backend, no LoRA",
+                 "layers get its gradient; any TP (+SP), PP, CP, EP and DP, megatron backend, no LoRA",
                  check=_mtp_training_check),
     MegatronFlag("megatron", "mtp_loss_scaling_factor", lambda value: {},
                  "built: weight of the MTP loss of --enable-mtp-training (divided by --mtp-num-layers, as "

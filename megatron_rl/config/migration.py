@@ -205,8 +205,8 @@ NOTES: dict[str, tuple[str, str]] = {
                                    "icepop_function = --use-tis --tis-mode mask (table below)."),
     "--enable-mtp-training": ("partial", "The MTP loss (token t+2+d at depth d, loss-masked response tokens, "
                               "divided by the step's loss-token count) is added to the policy loss and, as in "
-                              "slime, trains only the MTP layers; megatron backend at TP = CP = EP = 1, any PP "
-                              "and DP (TP, CP, EP, LoRA and fsdp are refused). Metric train/mtp_loss."),
+                              "slime, trains only the MTP layers; megatron backend at any TP (+SP), PP, CP, EP "
+                              "and DP (LoRA and fsdp are refused). Metric train/mtp_loss."),
     "--mtp-loss-scaling-factor": ("same", "Weight of --enable-mtp-training's loss, divided by --mtp-num-layers "
                                   "as megatron does (default 0.2)."),
     "--rollout-external-engine-addrs": ("same", "An alias of --rollout-engine-urls: servers you run, host:port "

@@ -605,7 +605,9 @@ class MegatronConfig:
                                      "response tokens, divided by the step's loss-token count, times "
                                      "--mtp-loss-scaling-factor / --mtp-num-layers, added to the policy loss; only "
                                      "the MTP layers get its gradient (docs/parity.md). Needs --mtp-num-layers; "
-                                     "megatron backend, TP = CP = EP = 1 (PP and DP fine).")
+                                     "megatron backend at any TP (+SP), PP (the MTP block on the last stage), CP, "
+                                     "EP and DP, each equal to one process; an MoE MTP layer routes on its own "
+                                     "under routing replay (the engine reports no MTP routes); not with LoRA.")
     mtp_loss_scaling_factor: float = flag(0.2, "Weight of the MTP loss of --enable-mtp-training (slime's default "
                                           "0.2), divided by --mtp-num-layers as megatron does.", domain="[0, inf)")
 

@@ -23,10 +23,12 @@ With ``--enable-mtp-training`` the backend sets :attr:`MtpGPTModel.mtp_targets` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
 from megatron_rl.models.spec import final_norm_module, layer_spec_flavour
 from megatron_rl.models.weights import unwrap
@@ -36,7 +38,6 @@ def mtp_block_spec(config, layer_specs: list):
     """``MultiTokenPredictionBlockSubmodules`` with one MTP layer per entry of ``layer_specs`` (the
     decoder-layer spec of that depth), norms and ``eh_proj`` of the layer spec's backend."""
     from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
-                                                                  MultiTokenPredictionLayer,
                                                                   MultiTokenPredictionLayerSubmodules)
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -46,9 +47,26 @@ def mtp_block_spec(config, layer_specs: list):
         from megatron.core.tensor_parallel import ColumnParallelLinear as column_linear
     norm = final_norm_module()
     return MultiTokenPredictionBlockSubmodules(layer_specs=[
-        ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        ModuleSpec(module=PaddedRollMtpLayer, submodules=MultiTokenPredictionLayerSubmodules(
             enorm=norm, hnorm=norm, eh_proj=column_linear, transformer_layer=spec, layer_norm=norm))
         for spec in layer_specs])
+
+
+class PaddedRollMtpLayer(MultiTokenPredictionLayer):
+    """megatron-core 0.16.1's ``MultiTokenPredictionLayer`` rolling each depth's input ids within the packed
+    sequences' *padded* boundaries.
+
+    Why: megatron rolls the packed token stream per sequence by ``packed_seq_params.cu_seqlens_q`` (and under
+    context parallelism divides those by the CP size to find each rank's share), but our packing pads every
+    sequence to a multiple of the TP x CP split (``cu_seqlens_q_padded``, ``cp_utils.pad_packed``): with
+    padding its roll reads the next sequence's tokens and, under CP, cuts the shards at the wrong places. The
+    MTP layer's attention keeps the real boundaries; only the roll sees the padded ones."""
+
+    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None):
+        padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+        if padded is not None:
+            packed_seq_params = dataclasses.replace(packed_seq_params, cu_seqlens_q=padded, cu_seqlens_kv=padded)
+        return super()._get_embeddings(input_ids, position_ids, embedding, hidden_states, packed_seq_params)
 
 
 class MtpGPTModel(GPTModel):
@@ -83,9 +101,15 @@ class MtpGPTModel(GPTModel):
         if self.mtp_targets is not None and self.post_process and getattr(self, "mtp_process", False):
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-            loss = self._mtp_train_loss(kwargs, self.mtp_targets)
+            targets = self.mtp_targets
+            loss = self._mtp_train_loss(kwargs, targets)
             self.last_mtp_loss = loss.detach()
-            out = MTPLossAutoScaler.apply(out, loss * (self.mtp_targets.factor / saved))
+            if targets.cp_group is not None:  # this CP rank's rows: the metric is the whole sequences'
+                torch.distributed.all_reduce(self.last_mtp_loss, group=targets.cp_group)
+            # megatron's averaging mode (DDP averages over data x context parallel ranks) scales a CP rank's loss
+            # by the CP size, as its schedule does the main loss; the per-token mode sums the gradients instead
+            cp_scale = 1 if self.config.calculate_per_token_loss else targets.cp_size
+            out = MTPLossAutoScaler.apply(out, loss * (targets.factor * cp_scale / saved))
         return out
 
     def _mtp_train_loss(self, kw: dict, targets: "MtpTargets") -> torch.Tensor:
@@ -114,7 +138,7 @@ class MtpGPTModel(GPTModel):
         start = (layer.tp_group.rank() if tp > 1 else 0) * weight.shape[0]
         total = hidden.new_zeros((), dtype=torch.float32)
         for d, h in enumerate(depths):
-            if layer.sequence_parallel:
+            if self.config.sequence_parallel and tp > 1:  # not the layer's flag: the backend lowers it for its rows
                 h = tensor_parallel.gather_from_sequence_parallel_region(h, group=layer.tp_group)
             elif tp > 1:
                 h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=layer.tp_group)
@@ -128,30 +152,48 @@ class MtpGPTModel(GPTModel):
 
 
 class MtpTargets:
-    """Per MTP depth d: the packed positions ``rows[d]`` whose depth-d output scores a loss-masked response
-    token, that token (``ids[d]``) and its weight (``weights[d]``: loss mask / normaliser)."""
+    """Per MTP depth d: the positions ``rows[d]`` of this rank's token shard whose depth-d output scores a
+    loss-masked response token, that token (``ids[d]``) and its weight (``weights[d]``: loss mask / normaliser).
 
-    def __init__(self, rows: list, ids: list, weights: list, vocab_size: int, factor: float):
+    Under context parallelism (``cp_group``) a rank holds its rows only, and the CP ranks' losses sum to the whole
+    sequences' (the gradients of the MTP layers add up over the CP ranks in DDP's reduction)."""
+
+    def __init__(self, rows: list, ids: list, weights: list, vocab_size: int, factor: float,
+                 cp_group: Any = None, cp_size: int = 1):
         self.rows, self.ids, self.weights, self.vocab_size, self.factor = rows, ids, weights, vocab_size, factor
+        self.cp_group, self.cp_size = cp_group, cp_size
 
 
 def mtp_targets(cu_seqlens: torch.Tensor, response_lengths: torch.Tensor, response_positions: torch.Tensor,
                 response_target_ids: torch.Tensor, loss_mask: torch.Tensor, depths: int, normaliser: float,
-                vocab_size: int, factor: float) -> MtpTargets:
+                vocab_size: int, factor: float, local_index: Optional[torch.Tensor] = None,
+                cp_group: Any = None) -> MtpTargets:
     """The MTP targets of one packed micro-batch: response token j (predicted by the main head at
     ``response_positions[j]``) is depth d's target at position ``response_positions[j] - 1 - d`` (depth d
     predicts token t + 2 + d), where that position lies in the token's own sequence and its loss mask is nonzero;
     weight ``loss_mask / normaliser``; the loss enters the step as ``factor / depths`` times their weighted sum
-    (megatron's ``mtp_loss_scaling_factor / mtp_num_layers``)."""
+    (megatron's ``mtp_loss_scaling_factor / mtp_num_layers``).
+
+    ``local_index`` (context parallelism: ``cp_utils.cp_local_index``, the packed positions this CP rank holds, in
+    its order; ``cp_group`` its group): keep the rows this rank holds, as positions of its shard."""
     starts = cu_seqlens[:-1].long().repeat_interleave(response_lengths.long())
+    local = None
+    if local_index is not None:
+        device = response_positions.device  # the micro-batch's (the backend moves it to the model's device)
+        local = torch.full((int(cu_seqlens[-1]),), -1, dtype=torch.long, device=device)
+        local[local_index.to(device).long()] = torch.arange(local_index.numel(), device=device)
     rows, ids, weights = [], [], []
     for d in range(depths):
         pos = response_positions.long() - 1 - d
         keep = (pos >= starts) & (loss_mask != 0)
+        if local is not None:
+            keep &= local[pos.clamp(min=0)] >= 0
+            pos = local[pos.clamp(min=0)]
         rows.append(pos[keep])
         ids.append(response_target_ids.long()[keep])
         weights.append(loss_mask[keep].float() / normaliser)
-    return MtpTargets(rows, ids, weights, vocab_size, factor)
+    cp_size = 1 if local_index is None else int(cu_seqlens[-1]) // local_index.numel()
+    return MtpTargets(rows, ids, weights, vocab_size, factor, cp_group if cp_size > 1 else None, cp_size)
 
 
 def mtp_parameters(model_chunks) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -140,14 +140,36 @@ def _full_logits(logits: torch.Tensor, prep: dict, mb: Microbatch, packed: bool,
     return [full[i, :len(s), :vocab_size].contiguous() for i, s in enumerate(mb.seqs)]
 
 
+def _mtp_targets(prep: dict, mb: Microbatch, depths: int, vocab_size: int, factor: float):
+    """The MTP loss of the parity loss's tokens (``models/mtp.py``): depth d at position t scores token
+    ``t + 2 + d`` with the weight the main loss gives that token; this CP rank's rows."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models import mtp  # lazy: imports megatron-core's GPTModel
+
+    cu_pad, lengths = prep["cu_pad"], [len(s) for s in mb.seqs]
+    positions = torch.cat([torch.arange(a, a + n - 1) for a, n in zip(cu_pad[:-1].tolist(), lengths)])
+    cp = ps.get_context_parallel_world_size()
+    local = cp_utils.cp_local_index(cu_pad, ps.get_context_parallel_rank(), cp) if cp > 1 else None
+    return mtp.mtp_targets(cu_pad, torch.tensor([n - 1 for n in lengths]), positions,
+                           torch.cat([s[1:] for s in mb.seqs]), torch.cat([w[:-1] for w in mb.weights]), depths, 1.0,
+                           vocab_size, factor, local_index=local,
+                           cp_group=ps.get_context_parallel_group() if cp > 1 else None)
+
+
 def megatron_run(model_chunks, microbatches: list[Microbatch], vocab_size: int, packed: bool,
-                 forward_only: bool = True) -> Optional[list[torch.Tensor]]:
+                 forward_only: bool = True, mtp_loss_factor: Optional[float] = None,
+                 mtp_losses: Optional[list] = None) -> Optional[list[torch.Tensor]]:
     """Forward (and backward unless ``forward_only``) through megatron's schedule.
 
     Returns per-sequence logits ``[L_i, vocab_size]`` on every rank of the last
     pipeline stage and broadcasts them to the whole PP group, so every rank
     returns the same list. With ``forward_only=False`` gradients land where DDP
     puts them (``param.main_grad``) after ``finalize_model_grads``.
+
+    ``mtp_loss_factor`` (a model built with its MTP block, packed input): the loss also holds the MTP block's
+    (``--enable-mtp-training``'s, :func:`_mtp_targets`) times ``mtp_loss_factor / mtp_num_layers``; each
+    micro-batch's unscaled MTP loss is appended to ``mtp_losses`` on the last pipeline stage.
     """
     from functools import partial
 
@@ -158,8 +180,11 @@ def megatron_run(model_chunks, microbatches: list[Microbatch], vocab_size: int, 
     preps = [_prepare(mb, packed, config) for mb in microbatches]
     collected: list = []
 
-    def loss_func(prep, mb, output):
+    def loss_func(prep, mb, model, output):
         from megatron.core import tensor_parallel
+
+        if mtp_losses is not None and getattr(unwrap(model), "mtp_targets", None) is not None:
+            mtp_losses.append(float(unwrap(model).last_mtp_loss))
 
         collected.append(_full_logits(output, prep, mb, packed, vocab_size))
         logits = _mask_padded_vocab(output, vocab_size)
@@ -175,9 +200,11 @@ def megatron_run(model_chunks, microbatches: list[Microbatch], vocab_size: int, 
 
     def forward_step(data_iterator, model):
         prep, mb = next(data_iterator)
+        if mtp_loss_factor is not None and getattr(unwrap(model), "mtp_process", False):
+            unwrap(model).mtp_targets = _mtp_targets(prep, mb, config.mtp_num_layers, vocab_size, mtp_loss_factor)
         out = model(prep["input_ids"], prep["position_ids"], attention_mask=None,
                     packed_seq_params=prep["packed_seq_params"])
-        return out, partial(loss_func, prep, mb)
+        return out, partial(loss_func, prep, mb, model)
 
     iters = [make_iter() for _ in model_chunks]
     get_forward_backward_func()(
@@ -189,6 +216,9 @@ def megatron_run(model_chunks, microbatches: list[Microbatch], vocab_size: int, 
         micro_batch_size=1 if packed else max(len(mb.seqs) for mb in microbatches),
         forward_only=forward_only,
     )
+    for chunk in model_chunks:
+        if getattr(unwrap(chunk), "mtp_process", False):
+            unwrap(chunk).mtp_targets = None
     logits = [t for group in collected for t in group]
     if ps.get_pipeline_model_parallel_world_size() > 1:
         shapes = [(len(s), vocab_size) for mb in microbatches for s in mb.seqs]

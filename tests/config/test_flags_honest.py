@@ -304,7 +304,7 @@ REGISTRY_PROOFS: dict[str, tuple] = {
     "spec": ("refused", "qwen3", {}, ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]),
     "mtp_num_layers": ("arrives", "glm4_moe", ["--mtp-num-layers", "1"], "transformer", "mtp_num_layers", 1),
     "enable_mtp_training": ("refused", "glm4_moe", {}, ["--mtp-num-layers", "1", "--enable-mtp-training",
-                                                        "--context-parallel-size", "2"]),
+                                                        "--lora-rank", "4"]),
     "mtp_loss_scaling_factor": ("refused", "glm4_moe", {}, ["--mtp-loss-scaling-factor", "0.1"]),
     "overlap_cpu_optimizer_d2h_h2d": ("needs", "qwen2", ["--use-distributed-optimizer",
                                                          "--use-precision-aware-optimizer",
@@ -380,13 +380,10 @@ def test_mtp_num_layers_other_than_the_checkpoints_is_refused(family, argv, why,
 
 @pytest.mark.parametrize("argv, why", [
     ([], "needs --mtp-num-layers"),
-    (["--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-     "tested only without tensor or expert parallelism (TP 2"),
     (["--mtp-num-layers", "1", "--lora-rank", "4"], "not built with LoRA"),
-    (["--mtp-num-layers", "1", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-     "context parallelism"),
+    (["--mtp-num-layers", "1", "--train-backend", "fsdp"], "transformers' models have no MTP layers"),
 ])
-def test_enable_mtp_training_refuses_the_layouts_it_is_not_built_for(argv, why, tmp_path, monkeypatch):
+def test_enable_mtp_training_refuses_what_it_is_not_built_for(argv, why, tmp_path, monkeypatch):
     from megatron_rl.config import parse_config
     from megatron_rl.errors import ConfigError
 
@@ -398,3 +395,20 @@ def test_enable_mtp_training_refuses_the_layouts_it_is_not_built_for(argv, why, 
     cfg = parse_config(["--hf-checkpoint", hf, "--mtp-num-layers", "1", "--enable-mtp-training",
                         "--mtp-loss-scaling-factor", "0.5"])
     assert cfg.megatron.enable_mtp_training and cfg.megatron.mtp_loss_scaling_factor == 0.5
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+     "--expert-tensor-parallel-size", "1"],
+    ["--context-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"], ["--expert-model-parallel-size", "2"],
+])
+def test_enable_mtp_training_takes_every_parallel_layout(layout, tmp_path, monkeypatch):
+    """TP (+SP), CP, EP and PP each equal one process (tests/dist/test_parity_layouts.py, glm4_moe_mtp_*)."""
+    from megatron_rl.config import parse_config
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hf = _hf_dir(tmp_path, "glm4_moe", {})
+    cfg = parse_config(["--hf-checkpoint", hf, "--mtp-num-layers", "1", "--enable-mtp-training",
+                        "--actor-num-gpus-per-node", "2", *layout])
+    assert cfg.megatron.enable_mtp_training

@@ -42,6 +42,9 @@ GROUPS_TWINS = {layout + GROUPS: layout for layout in
                 ["--tensor-model-parallel-size=2,--offload-train", "--pipeline-model-parallel-size=2,--offload-train",
                  "--use-distributed-optimizer,--colocate"]}
 SKIP_METRICS = {"train/step_time_s", "train/micro_batches"}
+# --enable-mtp-training vs its one-process run: the MTP block on the last pipeline stage; each CP rank scoring the
+# MTP rows of its shard (TP + SP and EP: tests/dist/test_parity_layouts.py, glm4_moe_mtp_*)
+MTP_LAYOUTS = [",--pipeline-model-parallel-size=2", ",--context-parallel-size=2"]
 
 
 def shared_launch(ctx):
@@ -54,7 +57,7 @@ def shared_launch(ctx):
                   {2: LAYOUTS + BF16_LAYOUTS + list(GROUPS_TWINS.values()) + list(GROUPS_TWINS),
                    4: FOUR_RANK_LAYOUTS}),
         "moe": (ctx.tiny_hf_models("qwen3_moe"), (training,),
-                {2: MOE_LAYOUTS + [mtp_layout(ctx.tiny_hf_models), training + ",--pipeline-model-parallel-size=2"]}),
+                {2: MOE_LAYOUTS + [mtp_layout(ctx.tiny_hf_models)] + [training + layout for layout in MTP_LAYOUTS]}),
     }
     mk = ctx.tmp_path_factory.mktemp
     dirs = {name: (mk(f"{name}_ref"), mk(f"{name}_par")) for name in models}
@@ -111,12 +114,14 @@ def test_mtp_training_loss_matches_the_reference_and_trains_only_with_the_flag(m
     assert mtp["checkpoint_round_trip"] and mtp["names_equal"] and mtp["main_moved"] and mtp["copies_follow_main"], mtp
 
 
-def test_mtp_training_at_pp2_matches_one_process(moe_runs, tiny_hf_models):
-    """--enable-mtp-training with the MTP block on the last of 2 pipeline stages: every step's metrics
-    (train/mtp_loss, grad norm), the synced weights and the trained MTP layer equal the single process's."""
+@pytest.mark.parametrize("layout", MTP_LAYOUTS)
+def test_mtp_training_at_pp2_and_cp2_matches_one_process(moe_runs, tiny_hf_models, layout):
+    """--enable-mtp-training with the MTP block on the last of 2 pipeline stages, or at 2 context-parallel ranks:
+    every step's metrics (train/mtp_loss, grad norm), the synced weights and the trained MTP layer equal the
+    single process's."""
     one = mtp_training_layout(tiny_hf_models)
-    pp2 = one + ",--pipeline-model-parallel-size=2"
-    ref, rec = json.load(open(moe_runs[2] / "results_w1.json"))[one], moe_runs[3][pp2]
+    par = one + layout
+    ref, rec = json.load(open(moe_runs[2] / "results_w1.json"))[one], moe_runs[3][par]
     assert abs(rec["mtp_reference_loss"] - ref["mtp_reference_loss"]) < 1e-9
     for step, (s0, s1) in enumerate(zip(ref["steps"], rec["steps"])):
         m0, m1 = s0["metrics"], s1["metrics"]
@@ -124,11 +129,11 @@ def test_mtp_training_at_pp2_matches_one_process(moe_runs, tiny_hf_models):
         for k in set(m0) - SKIP_METRICS:
             assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-5), (step, k)
         w0 = torch.load(moe_runs[2] / f"{one}_step{step}.pt".replace("/", "_"))
-        w1 = torch.load(moe_runs[4] / f"{pp2}_step{step}.pt".replace("/", "_"))
+        w1 = torch.load(moe_runs[4] / f"{par}_step{step}.pt".replace("/", "_"))
         assert set(w0) == set(w1) and max((w0[n] - w1[n]).abs().max().item() for n in w0) < 2e-5, step
     assert ref["steps"][2]["metrics"]["train/mtp_loss"] < ref["steps"][0]["metrics"]["train/mtp_loss"] - 1.0
     t0 = torch.load(moe_runs[2] / f"{one}_mtp.pt".replace("/", "_"))
-    t1 = torch.load(moe_runs[4] / f"{pp2}_mtp.pt".replace("/", "_"))
+    t1 = torch.load(moe_runs[4] / f"{par}_mtp.pt".replace("/", "_"))
     assert len(t0) > 20 and set(t0) == set(t1) and max((t0[n] - t1[n]).abs().max().item() for n in t0) < 2e-5
 
 

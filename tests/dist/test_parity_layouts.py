@@ -5,7 +5,8 @@ megatron's parallel state (see scripts/parity_layouts.py). Per layout we assert
 max |delta logit| <= 1e-5 against HF and against the launch's first (TP1/PP1, DP-only)
 layout; for training layouts, gradients through megatron DDP + finalize_model_grads
 equal HF autograd of the same loss, and one get_megatron_optimizer step (plain and
-distributed optimizer) equals torch AdamW on HF.
+distributed optimizer) equals torch AdamW on HF. With the MTP block trained (``mtp_train``): the MTP loss
+and its gradients equal the same loss built from transformers' modules (tests/_mtp_reference.py).
 """
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.dist
 LOGIT_TOL = 1e-5
 GRAD_RTOL = 1e-5
 PARAM_TOL = 1e-6
+MTP_LOSS_RTOL = 1e-5
 
 
 def entry(name, family, path, tp=1, pp=1, vpp=0, cp=1, ep=1, etp=0, sp=0, checks="logits"):
@@ -41,6 +43,10 @@ def check(results):
         assert r["vs_reference_layout"] <= LOGIT_TOL, (name, r)
         if "mtp_vs_reference" in r:
             assert r["mtp_vs_reference"] <= LOGIT_TOL and r["mtp_export_bit_exact"], (name, r)
+        if "mtp_loss_rel_diff" in r:  # --enable-mtp-training's loss and gradients, the MTP layer's on their own
+            assert r["mtp_loss_on_last_stage"] and 0.0 <= r["mtp_loss_rel_diff"] <= MTP_LOSS_RTOL, (name, r)
+            for part in ("mtp", "shared"):
+                assert r[f"{part}_grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r[f"{part}_grad_max_abs"]), (name, r)
         if "grad_max_abs_diff" in r and "distopt" not in name:
             assert r["grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r["grad_max_abs"]), (name, r)
         if "param_max_abs_diff_after_step" in r:
@@ -58,6 +64,7 @@ def _two_rank_entries(tiny_hf_models):
     qwen3_next = tiny_hf_models("qwen3_next")
     qwen3_next_dense = tiny_hf_models("qwen3_next", num_experts=0)
     qwen3_5, qwen3_5_moe = tiny_hf_models("qwen3_5_text"), tiny_hf_models("qwen3_5_moe_text")
+    glm_mtp = tiny_hf_models("glm4_moe", mtp=True)
     entries = [
         entry("dense_dp2", "qwen3", dense, checks="grads+optim"),
         entry("dense_tp2", "qwen3", dense, tp=2, checks="grads+optim"),
@@ -86,8 +93,11 @@ def _two_rank_entries(tiny_hf_models):
         *[e for e in family_entries("gemma3_text", gemma, moe=False) if not e.startswith("gemma3_text_cp2:")],
         entry("gemma3_text_cp2", "gemma3_text", gemma, cp=2, checks="grads"),
         entry("gemma3_text_tp2_sp", "gemma3_text", gemma, tp=2, sp=1, checks="grads"),
-        # multi-token prediction: megatron's MTP block on the last stage (PP2), TP-sharded (TP2)
-        entry("glm4_moe_mtp_pp2", "glm4_moe_mtp", tiny_hf_models("glm4_moe", mtp=True), pp=2, checks="mtp"),
+        # multi-token prediction: megatron's MTP block on the last stage (PP2), TP-sharded (TP2); trained
+        # (--enable-mtp-training's loss added to the main one) at PP2 and at TP2+SP with the MoE at EP2 (CP2: through
+        # the backend's train step, tests/dist/test_backend.py)
+        entry("glm4_moe_mtp_pp2", "glm4_moe_mtp", glm_mtp, pp=2, checks="mtp+mtp_train"),
+        entry("glm4_moe_mtp_tp2_ep2_sp", "glm4_moe_mtp", glm_mtp, tp=2, ep=2, etp=1, sp=1, checks="mtp_train"),
         entry("deepseek_v3_mtp_tp2", "deepseek_v3_mtp", tiny_hf_models("deepseek_v3", mtp=True), tp=2, etp=1,
               checks="mtp"),
         # qwen3_next: gated delta-net layers through THD packing (state and conv restart per sequence), TP-sharded

@@ -88,3 +88,63 @@ def test_mtp_refusals_name_the_values(single_rank, tiny_hf_models, tmp_path):
     exported = dict(bridge.export_hf_weights(chunks))
     assert torch.equal(exported["model.layers.4.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     assert torch.equal(exported["model.layers.4.shared_head.head.weight"], tensors["lm_head.weight"])
+
+
+def test_routing_replay_leaves_the_mtp_layers_router_to_route_on_its_own(single_rank, tiny_hf_models):
+    """An MoE MTP layer under routing replay: its router is not among the replayed ones (the engine reports routes
+    of the decoder's MoE layers only), R3 maps the decoder's routers onto the engine's layer axis, and a forward
+    with the MTP loss (--enable-mtp-training) runs while the decoder's routers record, the MTP router routing on
+    its own."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megatron_rl.backends.megatron.routing_replay import RoutingReplay, moe_pattern
+    from megatron_rl.models import parity
+
+    path = tiny_hf_models("glm4_moe", mtp=True)
+    bridge = get_bridge(path, mtp_num_layers=1)
+    chunks = bridge.build_model(single_rank, moe_enable_routing_replay=True)
+    bridge.load_hf_weights(chunks, path)
+    config = chunks[0].config
+    replay = RoutingReplay.attach(chunks, ps, single_rank, int(config.moe_router_topk), moe_pattern=moe_pattern(config))
+    mtp_routers = [m for n, m in chunks[0].named_modules() if n.startswith("mtp.") and hasattr(m, "router_replay")]
+    assert len(mtp_routers) == 1 and mtp_routers[0].router_replay is not None
+    assert all(r.router is not mtp_routers[0] for r in replay.routers)
+    assert replay.rollout_layers == [0, 1, 2]  # the decoder's 3 MoE layers (layer 0 is dense)
+    for r in replay.routers:
+        r.router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, bridge.vocab_size, (n,), generator=gen) for n in (9, 6)]
+    losses: list = []
+    try:
+        with torch.no_grad():
+            parity.megatron_run(chunks, [parity.Microbatch(seqs, [torch.ones(len(s)) for s in seqs])],
+                                bridge.vocab_size, packed=True, mtp_loss_factor=1.0, mtp_losses=losses)
+        assert len(losses) == 1 and losses[0] > 1.0
+        assert all(r.router.router_replay.get_recorded_indices().shape == (15, config.moe_router_topk)
+                   for r in replay.routers)
+        assert mtp_routers[0].router_replay.get_recorded_indices() is None
+    finally:
+        replay.end_pass()
+
+
+def test_mtp_targets_of_the_context_parallel_ranks_partition_the_one_process_targets():
+    """Under CP each rank keeps the MTP rows of its shard (as positions of its shard): mapped back to packed
+    positions, the ranks' rows are the one-process rows, each once, with the same targets and weights."""
+    from megatron_rl.models import cp_utils, mtp
+
+    cu = torch.tensor([0, 12, 20])  # two sequences, padded to a multiple of 2 x CP
+    lengths = torch.tensor([5, 3])  # response tokens at the end of each sequence (the last real token unused)
+    positions = torch.tensor([5, 6, 7, 8, 9, 15, 16, 17])
+    ids, mask = torch.arange(100, 108), torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    one = mtp.mtp_targets(cu, lengths, positions, ids, mask, 2, 4.0, 50, 0.5)
+    for d in range(2):
+        got = []
+        for rank in range(2):
+            local = cp_utils.cp_local_index(cu, rank, 2)
+            part = mtp.mtp_targets(cu, lengths, positions, ids, mask, 2, 4.0, 50, 0.5, local_index=local,
+                                   cp_group="cp")
+            assert part.cp_size == 2 and part.cp_group == "cp"
+            got += list(zip(local[part.rows[d]].tolist(), part.ids[d].tolist(), part.weights[d].tolist()))
+        assert sorted(got) == sorted(zip(one.rows[d].tolist(), one.ids[d].tolist(), one.weights[d].tolist()))
+        assert len(got) == len(one.rows[d]) > 0

@@ -53,7 +53,7 @@ from megatron_rl.data.packing import ImageTokens, LossDenominators, MicroBatchPl
 from megatron_rl.data.types import AnySample
 from megatron_rl.errors import CheckpointError
 from megatron_rl.infra import reloadable_groups
-from megatron_rl.models import dist_io, get_bridge, model_dir
+from megatron_rl.models import cp_utils, dist_io, get_bridge, model_dir
 from megatron_rl.models.parallel import LayoutScope, initialize_parallel
 from megatron_rl.models.weights import unwrap
 from megatron_rl.ops.batch_invariant import batch_invariant_mode
@@ -104,10 +104,14 @@ class ActorHooks:
         if self.mtp_denoms is not None and getattr(unwrap(model), "mtp_process", False):
             from megatron_rl.models.mtp import mtp_targets  # lazy: imports megatron-core's GPTModel
 
+            actor = backend.actor
+            cp = actor.layout.cp  # a context-parallel rank scores the rows of its own shard
+            local = cp_utils.cp_local_index(mb.cu_seqlens.cpu(), actor.pg.cp.rank(), cp) if cp > 1 else None
             unwrap(model).mtp_targets = mtp_targets(
                 mb.cu_seqlens, mb.response_lengths, mb.response_positions, mb.response_target_ids, mb.loss_mask,
                 backend.bridge.mtp_num_layers, max(self.mtp_denoms.global_tokens, 1), backend.vocab_size,
-                backend.cfg.megatron.mtp_loss_scaling_factor)
+                backend.cfg.megatron.mtp_loss_scaling_factor, local_index=local,
+                cp_group=actor.pg.cp if cp > 1 else None)
         if backend.routing is not None:
             backend.routing.before_forward(backend.actor.chunk_index(model), mb, self._pass_samples)
 

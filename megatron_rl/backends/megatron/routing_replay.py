@@ -31,6 +31,9 @@ model's MoE layers, data/types.py), keeps this stage's layers (a router's global
 layer number -> its index among the model's MoE layers) and replays them; nothing
 is recorded. The last token has no route (no engine forward reads it): it replays
 experts ``0..topk-1`` like a pad row, and its output carries no loss.
+
+The routers of the multi-token-prediction block (``--mtp-num-layers``) are not replayed: they route on
+their own in both modes (:func:`is_mtp_module` says why).
 """
 
 from __future__ import annotations
@@ -107,9 +110,9 @@ class RoutingReplay:
         replay the rollout's routes (R3) instead of recording the old-log-prob pass's."""
         routers: list[_Router] = []
         for c, chunk in enumerate(chunks):
-            for module in chunk.modules():
+            for name, module in chunk.named_modules():
                 replay = getattr(module, "router_replay", None)
-                if replay is not None:
+                if replay is not None and not is_mtp_module(name):
                     routers.append(_Router(c, len(routers), module))
         state = cls(routers=routers, tp_group=ps.get_tensor_model_parallel_group(), tp_size=layout.tp,
                     tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -248,6 +251,17 @@ class RoutingReplay:
             packed[cu[i]:cu[i] + rec.shape[0]] = rec
             valid[cu[i]:cu[i] + rec.shape[0]] = True
         return packed, valid
+
+
+def is_mtp_module(name: str) -> bool:
+    """Whether a module of a model chunk belongs to megatron's multi-token-prediction block (``mtp.``).
+
+    Its MoE routers are left out of routing replay and route on their own: the rollout engine reports routes of
+    the decoder's MoE layers only (an MTP layer is the draft of speculative decoding, never the sampled policy),
+    the old-log-prob pass that R2 records does not run the MTP block, and the MTP loss
+    (``--enable-mtp-training``) is a cross-entropy of the data's tokens with no importance ratio for a changed
+    route to break."""
+    return "mtp" in name.split(".")
 
 
 def _replay_topk(state: RoutingReplay, ordinal: int):

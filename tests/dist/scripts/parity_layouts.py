@@ -2,13 +2,14 @@
 groups each time) and record logits / grads / one optimizer step against HF.
 
 argv: OUT_JSON then entries ``name:family:hf_dir:tp,pp,vpp,cp,ep,etp,sp:checks`` where
-checks is a '+'-joined subset of {logits, grads, optim, distopt, mtp}.
+checks is a '+'-joined subset of {logits, grads, optim, distopt, mtp, mtp_train}.
 Per layout (rank 0 writes): max |dlogit| vs HF transformers, vs the first layout of the same
 family (the TP1/PP1 reference), max |dgrad| vs HF autograd of the same loss (mean over DP
 ranks, each with its own batch), and max |dparam| after one Adam step vs torch.optim.Adam on HF.
 ``mtp``: the model is built with the checkpoint's MTP layer (megatron's MTP block, on the last stage):
 max |dlogit| of its logits vs tests/_mtp_reference.py, and whether the export equals the checkpoint
-bit for bit (MTP tensors included).
+bit for bit (MTP tensors included). ``mtp_train``: the main loss plus --enable-mtp-training's MTP loss
+(``check_mtp_training``): the MTP loss value and every gradient vs transformers' modules.
 """
 
 import json
@@ -74,16 +75,23 @@ def hf_buffer_names(hf):
     return set(checkpoint_layout(hf, ((n, t) for n, t in hf.state_dict().items() if n not in params)))
 
 
-def check_mtp(rec, bridge, chunks, hf_dir, seqs):
-    """Megatron's MTP logits vs the reference (collective), and the export vs the checkpoint's tensors."""
+def mtp_reference(hf_dir, cache):
     from _mtp_reference import MtpReference
+
+    if hf_dir not in cache:
+        cache[hf_dir] = MtpReference(hf_dir)
+    return cache[hf_dir]
+
+
+def check_mtp(rec, bridge, chunks, hf_dir, seqs, mtp_refs):
+    """Megatron's MTP logits vs the reference (collective), and the export vs the checkpoint's tensors."""
     from safetensors.torch import load_file
 
     from megatron_rl.models import mtp
 
     with torch.no_grad():
         got = mtp.mtp_logits(chunks, seqs, bridge.vocab_size)
-    ref = MtpReference(hf_dir)
+    ref = mtp_reference(hf_dir, mtp_refs)
     rec["mtp_vs_reference"] = max((g[0][:-1] - ref.logits(s)).abs().max().item() for g, s in zip(got, seqs))
     exported = {n: t.clone() for n, t in bridge.export_hf_weights(chunks)}
     source = load_file(os.path.join(hf_dir, "model.safetensors"))
@@ -91,15 +99,58 @@ def check_mtp(rec, bridge, chunks, hf_dir, seqs):
         torch.equal(exported[n], source[n]) for n in source)
 
 
+MTP_FACTOR = 0.5  # the MTP loss's weight in the "mtp_train" check (--mtp-loss-scaling-factor / --mtp-num-layers)
+
+
+def check_mtp_training(rec, bridge, chunks, hf, hf_dir, all_mbs, dp_rank, mtp_losses, mtp_refs):
+    """``mtp_train``: after megatron's backward of the main + MTP loss (``parity.megatron_run`` with
+    ``mtp_loss_factor``), each micro-batch's MTP loss vs tests/_mtp_reference.py (relative), and every gradient
+    (the MTP layer's, the embedding's and output layer's, with their MTP copies, and the decoder's) vs HF autograd
+    of the same loss. Collective."""
+    ref = mtp_reference(hf_dir, mtp_refs)
+    hf.zero_grad()
+    ref.zero_grad()
+    main = parity.hf_loss(hf, all_mbs)
+    per_mb = [[sum(ref.loss(s, w) for s, w in zip(mb.seqs, mb.weights)) for mb in mbs] for mbs in all_mbs]
+    mtp_total = sum(sum(losses) / len(losses) for losses in per_mb) / len(per_mb)
+    (main + MTP_FACTOR * mtp_total).backward()
+    want = [float(loss) for loss in per_mb[dp_rank]]
+    rel = max((abs(a - b) / abs(b) for a, b in zip(mtp_losses, want)), default=-1.0)  # -1: no MTP stage here
+    worst = torch.tensor([rel, float(len(mtp_losses) == len(want))])
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    rec["mtp_loss_rel_diff"], rec["mtp_loss_on_last_stage"] = float(worst[0]), bool(worst[1])
+    rec["mtp_loss"] = want
+    hf_grads = checkpoint_layout(hf, ((n, p.grad) for n, p in hf.named_parameters()))
+    own = ref.grads()
+    prefix = f"model.layers.{ref.mtp_layer}."
+    shared = {prefix + "embed_tokens.weight": hf_grads["model.embed_tokens.weight"],
+              prefix + "shared_head.head.weight": hf_grads.get("lm_head.weight", hf_grads["model.embed_tokens.weight"])}
+    if bridge.tie_word_embeddings:
+        hf_grads.pop("lm_head.weight", None)
+    want_grads = {**hf_grads, **own, **shared}
+    got = export_of(bridge, chunks, lambda p: p.main_grad)
+    got = {n: t for n, t in got.items() if n in want_grads or not n.endswith("e_score_correction_bias")}
+    assert set(got) == set(want_grads), set(got) ^ set(want_grads)
+
+    def worst_diff(names):
+        return (max((got[n] - want_grads[n]).abs().max().item() for n in names),
+                max(want_grads[n].abs().max().item() for n in names))
+
+    rec["grad_max_abs_diff"], rec["grad_max_abs"] = worst_diff(got)
+    rec["mtp_grad_max_abs_diff"], rec["mtp_grad_max_abs"] = worst_diff(own)
+    rec["shared_grad_max_abs_diff"], rec["shared_grad_max_abs"] = worst_diff(
+        list(shared) + ["model.embed_tokens.weight"] + (["lm_head.weight"] if "lm_head.weight" in got else []))
+
+
 def main(argv):
     out_path, entries = argv[0], argv[1:]
-    results, reference_logits, hf_cache = {}, {}, {}
+    results, reference_logits, hf_cache, mtp_refs = {}, {}, {}, {}
     for entry in entries:
         name, family, hf_dir, layout, checks = parse(entry)
         dp = initialize_parallel(layout, seed=0)
         from megatron.core import parallel_state as ps
 
-        bridge = get_bridge(hf_dir, mtp_num_layers=1 if "mtp" in checks else 0)
+        bridge = get_bridge(hf_dir, mtp_num_layers=1 if checks & {"mtp", "mtp_train"} else 0)
         chunks = bridge.build_model(layout)
         bridge.load_hf_weights(chunks, hf_dir)
         num_mb = layout.pp if (layout.vpp or 1) > 1 else 2
@@ -109,12 +160,15 @@ def main(argv):
             hf_cache[hf_dir] = parity.load_hf_model(hf_dir)
         hf = hf_cache[hf_dir]
         rec = {"layout": layout.describe(), "dp": dp}
-        train = bool(checks & {"grads", "optim", "distopt"})
+        train = bool(checks & {"grads", "optim", "distopt", "mtp_train"})
+        mtp_losses: list = []
         if train:
             model = wrap_ddp(chunks, "distopt" in checks)
             for m in model:
                 m.zero_grad_buffer()
-            logits = parity.megatron_run(model, all_mbs[dp_rank], bridge.vocab_size, packed=True, forward_only=False)
+            logits = parity.megatron_run(model, all_mbs[dp_rank], bridge.vocab_size, packed=True, forward_only=False,
+                                         mtp_loss_factor=MTP_FACTOR if "mtp_train" in checks else None,
+                                         mtp_losses=mtp_losses)
         else:
             for c in chunks:
                 c.eval()
@@ -124,12 +178,14 @@ def main(argv):
         seqs = [s for mb in all_mbs[dp_rank] for s in mb.seqs]
         rec["vs_hf"] = parity.compare(logits, ref, seqs)["max_abs_logit_diff"]
         if "mtp" in checks:
-            check_mtp(rec, bridge, chunks, hf_dir, seqs)
+            check_mtp(rec, bridge, chunks, hf_dir, seqs, mtp_refs)
         key = (family, dp_rank)
         if key not in reference_logits:
             reference_logits[key] = logits
         rec["vs_reference_layout"] = max((a - b).abs().max().item() for a, b in zip(logits, reference_logits[key]))
-        if train:
+        if "mtp_train" in checks:
+            check_mtp_training(rec, bridge, chunks, hf, hf_dir, all_mbs, dp_rank, mtp_losses, mtp_refs)
+        elif train:
             hf.zero_grad()
             parity.hf_loss(hf, all_mbs).backward()
             hf_grads = checkpoint_layout(hf, ((n, p.grad) for n, p in hf.named_parameters()))
