@@ -101,15 +101,17 @@ class EngineUpdates:
             return None, self._FIRST if not self.snapshot else "the last sync failed or was not verified"
         if self._engine_id != id(engine):
             return None, "the engine was replaced since the last sync"
+        if engine.weight_version != self.version:
+            return None, f"the engine holds version {engine.weight_version}, the copy is of version {self.version}"
+        # an engine that says itself whether a delta on this base can land (SGLang: its servers' versions and the
+        # host checkpoint's, without /health, which makes every SGLang server generate a token)
+        refusal = getattr(engine, "delta_refusal", None)
+        if callable(refusal):
+            why = refusal(self.version)
+            return (None, why) if why else (self.version, "")
         health = engine.health()
         if not health.weights_loaded or health.released:
             return None, f"the engine's weights are incomplete ({health.detail})"
-        if engine.weight_version != self.version:
-            return None, f"the engine holds version {engine.weight_version}, the copy is of version {self.version}"
-        refusal = getattr(engine, "delta_refusal", None)  # an engine that patches elsewhere (SGLang's host checkpoint)
-        why = refusal(self.version) if callable(refusal) else ""
-        if why:
-            return None, why
         return self.version, ""
 
     # ---------------------------------------------------------------- the sync

@@ -138,6 +138,12 @@ def test_a_delta_on_another_base_is_refused_and_a_full_sync_follows(served, tmp_
         assert "sending every tensor, not a delta: the servers' host checkpoint" in caplog.text
         assert host.version == v + 1
         assert sync.sync(FakeBackend(states[3]), engine, v + 2)["sync/delta"] == 1.0
+        # a server that restarted unseen reports another version: it gets every tensor, never a patch of a few
+        engine.clients[0].update_weight_version("default", abort_all_requests=False)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megatron_rl.weight_sync.delta"):
+            assert sync.sync(FakeBackend(states[3]), engine, v + 3)["sync/delta"] == 0.0
+        assert "server(s) report weight_version {'%s': 'default'}, not %d" % (server.url, v + 2) in caplog.text
         held = _held(server)
         assert all(_bits_equal(held[n], t) for n, t in states[3].items())
     finally:

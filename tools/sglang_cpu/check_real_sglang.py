@@ -1478,12 +1478,14 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     SGLangClient(server.url).update_weight_version("0", abort_all_requests=False)
     asynchronous = transport.startswith("async-")  # the async drivers, over the disk transport
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
-                  if transport in ("disk", "multi-turn") or asynchronous
+                  if transport in ("disk", "multi-turn", "delta") or asynchronous
                   else ["--update-weight-transport", transport.split("-")[0]])
     # the post-apply check on the one-sender runs: every sync's bytes in SGLang equal the megatron export's
-    verified = transport in ("disk", "distributed")
+    verified = transport in ("disk", "distributed", "delta")
     if verified:
         sync_flags += ["--update-weight-verify", "checksum"]
+    if transport == "delta":  # --update-weight-mode delta: the host checkpoint under the disk dir, patched and reloaded
+        sync_flags += ["--update-weight-mode", "delta"]
     # async-full: responses long enough that syncs land mid-response, so partial rollouts really continue rows
     # that real SGLang aborted with their tokens; async-one-step: rollout N+1 generated while N trains
     async_flags = {"async-one-step": ["--async-mode", "one-step"],
@@ -1550,6 +1552,13 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                          rec.get("sync/verified_tensors") == float(held) for rec in syncs),
                      f"{[rec.get('sync/verified_tensors') for rec in syncs]} of {held}; verify s "
                      f"{[round(rec.get('sync/verify_time_s', -1), 3) for rec in syncs]}")
+    if transport == "delta":
+        report.figures[f"{key}_delta_fraction"] = [round(rec.get("sync/delta_fraction", -1), 4) for rec in syncs]
+        report.check(f"{what}: the first sync full, every later one a delta patched into the host checkpoint and "
+                     "reloaded (verified above)", [rec.get("sync/delta") for rec in syncs] ==
+                     [0.0] + [1.0] * args.num_rollout and os.path.isdir(weights / "host_checkpoint"),
+                     f"sync/delta {[rec.get('sync/delta') for rec in syncs]}, fraction "
+                     f"{report.figures[f'{key}_delta_fraction']}")
     per_sample = []
     rollouts = [torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)["samples"]
                 for i in range(args.num_rollout)]
@@ -1676,8 +1685,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
     ap.add_argument("--e2e-transports", nargs="+",
                     default=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full",
-                             "multi-turn"],
-                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full", "multi-turn"],
+                             "multi-turn", "delta"],
+                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full", "multi-turn",
+                             "delta"],
                     help="the end-to-end run once per weight-sync transport, then the async drivers (disk)")
     ap.add_argument("--async-response-len", type=int, default=160,
                     help="async-full: --rollout-max-response-len, long enough for syncs to land mid-response")

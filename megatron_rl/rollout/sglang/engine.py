@@ -814,6 +814,20 @@ class SGLangEngine(RolloutEngine):
         the servers' host checkpoint, which must hold exactly that version."""
         if self.host_checkpoint is None:
             return "this SGLang engine keeps no host checkpoint to patch (built without --update-weight-mode delta)"
+        if self._released:
+            return "the engine is released"
+        if not self._weights_loaded:
+            return f"the servers' weights are incomplete ({self._incomplete_reason})"
+        dead = self.dead_servers()
+        if dead:
+            return f"server(s) {dead} were declared dead (a restarted one serves its initial weights)"
+        try:  # a server that restarted unseen reports another version: it must not get a patch of a few tensors
+            versions = {c.base_url: c.weight_version() for c in self.clients}
+        except (EngineError, SyncError) as exc:
+            return f"a server's version could not be read ({exc})"
+        other = {u: v for u, v in versions.items() if v != str(base_version)}
+        if other:
+            return f"server(s) report weight_version {other}, not {base_version}"
         held = self.host_checkpoint.version
         if held != base_version:
             return (f"the servers' host checkpoint ({self.host_checkpoint.root}) holds "
