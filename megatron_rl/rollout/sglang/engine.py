@@ -85,6 +85,7 @@ from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.plan.engines import EnginePlacement
+from megatron_rl.plan.sglang_weights import read_hf_config
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.routes import RouteLayout
 from megatron_rl.rollout.sglang import protocol
@@ -797,7 +798,6 @@ class SGLangEngine(RolloutEngine):
         """The torch dtype every server holds the model's floating tensors in (``/server_info`` ``dtype``, ``auto``
         resolved as SGLang does from config.json): what a delta is computed in. Read once."""
         if self._served_dtype is None:
-            from megatron_rl.plan.sglang_weights import read_hf_config
             from megatron_rl.rollout.sglang.checksums import engine_dtype  # lazy: torch
 
             config = read_hf_config(self.hf_checkpoint or "")
