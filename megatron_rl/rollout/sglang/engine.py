@@ -80,6 +80,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from urllib.parse import urlsplit
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
@@ -199,6 +200,11 @@ class SGLangEngine(RolloutEngine):
         host = None
         if cfg.sync.update_weight_mode == "delta":  # validation: servers on this host, the disk transport
             assert cfg.sync.update_weight_disk_dir, "validation: delta with SGLang needs --update-weight-disk-dir"
+            remote = [u for u in urls if (urlsplit(u).hostname or "") not in LOOPBACK_HOSTS]
+            if remote and placement is None:  # workers an sglang-router listed (validation saw the router only)
+                raise ConfigError(f"--update-weight-mode delta: the sglang-router at {router} lists workers on other "
+                                  f"hosts ({', '.join(remote)}); the host checkpoint the driver patches must be on "
+                                  "the servers' host: use servers on this host or --update-weight-mode full")
             host = HostCheckpoint(os.path.join(cfg.sync.update_weight_disk_dir, HOST_CHECKPOINT_DIR), hf_checkpoint=hf,
                                   shard_bytes=cfg.sync.update_weight_buffer_size)
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
@@ -928,6 +934,7 @@ class SGLangEngine(RolloutEngine):
 _FAILED_UPDATE = "the last weight update failed on some server, so the servers' weights differ"
 # the adapter of weight version V on the servers (--lora-sync adapter); requests name it in lora_path
 LORA_NAME_PREFIX = "mrl-lora-v"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # servers on the driver's host (urlsplit's hostname)
 HOST_CHECKPOINT_DIR = "host_checkpoint"  # under --update-weight-disk-dir: the servers' weights patched by deltas
 ADAPTER_CONFIG = "adapter_config.json"  # models.peft_adapter's (imported here without torch)
 
