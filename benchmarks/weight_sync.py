@@ -86,6 +86,7 @@ stand-in's ``http.server`` otherwise waits ~40 ms per reply for the client's del
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import select
@@ -428,6 +429,130 @@ def verify_main(args) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _training_states(hf: str, lr: float, steps: int, names: list[str]):
+    """The float32 weights before and after each of ``steps`` Adam steps (delta_main's loss and settings), the same
+    sequence on every call (one thread, seeded): a pass of full syncs and a pass of delta syncs see equal states."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999))
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    for step in range(steps + 1):
+        if step:
+            batch = torch.randint(0, vocab, (8, 16), generator=g)
+            loss = model(input_ids=batch, labels=batch).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        state = model.state_dict()
+        yield {n: state[n].detach().clone() for n in names}
+
+
+def sglang_delta_main(args) -> int:
+    """``--sglang-delta`` (needs ``--sglang-python``): ``--update-weight-mode delta`` into a REAL SGLang server through
+    the host checkpoint (``rollout/sglang/host_checkpoint.py``), against full syncs, over training steps.
+
+    Per model (the CPU demo's at its lr 1e-3, and the real-shaped ``--hidden`` x ``--layers`` at ``--delta-lr``; the
+    Adam steps of ``--delta``) one ``sglang.launch_server`` on this CPU (``--sglang-dtype``, float32 or bfloat16):
+    a pass of full disk syncs after every step (``v<version>`` of the float32 export, SGLang casts on load), then,
+    from the same weights again, a pass of delta syncs (the first full: the host checkpoint adopts its files; then
+    the diff in the server's dtype, the delta version, the patch into the host checkpoint and SGLang's load of the
+    changed tensors). Reported per pass over the syncs after the first: MB written by the trainer per sync (full:
+    the export; delta: indices + values + dense tensors), its fraction of the model in the server's dtype, the
+    changed elements' fraction, the tensors the server reloads, and seconds per sync (median; write, load).
+    Checked: after both passes every tensor the server holds has the same ``/weights_checker`` checksum.
+    """
+    import statistics
+
+    import transformers
+
+    from check_real_sglang import CheckFailed, SGLangServer, free_port, wait_healthy  # tools/sglang_cpu/
+    from megatron_rl.data.synthetic import build_demo_model
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+    from megatron_rl.rollout import EmbeddedEngine
+    from megatron_rl.rollout.sglang import SGLangEngine
+    from megatron_rl.rollout.sglang.host_checkpoint import PATCH_FILE, HostCheckpoint
+    from megatron_rl.weight_sync.delta import EngineUpdates
+    from megatron_rl.weight_sync.disk import DiskSynchronizer
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="weight_sync_sglang_delta_", dir=args.dir)
+    heads = max(1, args.hidden // 128)
+    bucket = args.update_weight_buffer_size
+    closers: list = []
+    try:
+        models = [("demo", build_demo_model(os.path.join(root, "demo")), 1e-3),
+                  (f"hidden {args.hidden} x {args.layers}", build_tiny_hf_model(
+                      "qwen2", os.path.join(root, "hf"), hidden_size=args.hidden, num_hidden_layers=args.layers,
+                      intermediate_size=args.intermediate or args.hidden, num_attention_heads=heads,
+                      num_key_value_heads=max(1, heads // 4), vocab_size=args.vocab), args.delta_lr)]
+        print(f"--update-weight-mode delta into real SGLang on CPU (--dtype {args.sglang_dtype}), disk transport, "
+              f"{args.delta_steps} Adam steps, one sync after each (and one before); rows: the syncs after the "
+              f"first, median seconds; one thread")
+        print(f"{'model':<20} {'mode':<6} {'MB/sync':>9} {'x model':>8} {'changed':>8} {'reloaded':>9} {'s/sync':>8} "
+              f"{'write s':>8} {'load s':>8}")
+        for label, hf, lr in models:
+            names = [n for n, _ in EmbeddedEngine(hf).named_weights()]
+            server = SGLangServer(args.sglang_python, Path(hf), Path(root) / f"sglang_{label[:4]}.log",
+                                  port=free_port(), extra_args=["--disable-radix-cache", "--skip-tokenizer-init",
+                                                                "--mem-fraction-static", "0.3", "--dtype",
+                                                                args.sglang_dtype])
+            server.start()
+            closers.append(server.stop)
+            try:
+                wait_healthy(server, args.sglang_timeout_s, lambda line: print(line, file=sys.stderr))
+            except CheckFailed as exc:
+                raise SystemExit(f"--sglang-python: {exc}") from None
+            host = HostCheckpoint(os.path.join(root, label[:4], "host"), hf_checkpoint=hf, shard_bytes=bucket)
+            engine = SGLangEngine([server.url], hf_checkpoint=hf, timeout_s=60, update_timeout_s=args.sglang_timeout_s,
+                                  health_interval_s=0, host_checkpoint=host)
+            closers.append(engine.close)
+            passes = {"full": DiskSynchronizer(bucket, disk_dir=os.path.join(root, label[:4], "full"), hf_checkpoint=hf),
+                      "delta": DiskSynchronizer(bucket, disk_dir=os.path.join(root, label[:4], "delta"),
+                                                hf_checkpoint=hf, updates=EngineUpdates(mode="delta"))}
+            checksums = {}
+            served = getattr(torch, args.sglang_dtype)
+            model_bytes = sum(t.numel() * torch.empty((), dtype=served).element_size()
+                              for t in next(iter(_training_states(hf, lr, 0, names))).values())
+            for mode, sync in passes.items():
+                out = []
+                for weights in _training_states(hf, lr, args.delta_steps, names):
+                    out.append(sync.sync(FakeBackend(weights), engine, engine.weight_version + 1))
+                    patch = os.path.join(host.patches.path(engine.weight_version), PATCH_FILE)
+                    if mode == "delta" and len(out) > 1 and os.path.isfile(patch):
+                        with open(patch) as fh:
+                            out[-1]["reloaded"] = len(json.load(fh)["tensors"])  # the tensors SGLang reloads
+                checksums[mode] = engine.clients[0].weight_checksums(timeout_s=args.sglang_timeout_s)
+                later = out[1:]
+                if mode == "delta":
+                    if not all(m.get("sync/delta") == 1.0 for m in later):
+                        print(f"FAILED: {label}: a sync after the first was not a delta: "
+                              f"{[m.get('sync/delta') for m in later]}")
+                        return 1
+                sent = statistics.mean(m["sync/bytes"] for m in later)
+                names_loaded = statistics.mean(m.get("reloaded", 0) for m in later) if mode == "delta" else len(names)
+                print(f"{label:<20} {mode:<6} {sent / 1e6:>9.3f} "
+                      f"{sent / model_bytes:>8.3f} "
+                      f"{statistics.mean(m.get('sync/changed_fraction', 1.0) for m in later):>8.4f} "
+                      f"{names_loaded:>9.1f} {statistics.median(m['sync/time_s'] for m in later):>8.3f} "
+                      f"{statistics.median(m['sync/write_s'] for m in later):>8.3f} "
+                      f"{statistics.median(m['sync/load_s'] for m in later):>8.3f}")
+            if checksums["full"].get("ranks") != checksums["delta"].get("ranks"):
+                print(f"FAILED: {label}: after the delta pass SGLang holds other bytes than after the full pass")
+                return 1
+        print("checked: after each model's delta pass every tensor SGLang holds has the checksum it had after the "
+              "full pass of the same weights (/weights_checker)")
+        return 0
+    finally:
+        for close in reversed(closers):
+            close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -452,7 +577,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-verify", action="store_true",
                     help="only --update-weight-verify checksum's cost per sync into real SGLang (needs "
                          "--sglang-python): see verify_main")
+    ap.add_argument("--sglang-delta", action="store_true",
+                    help="only full vs --update-weight-mode delta into real SGLang through the host checkpoint "
+                         "(needs --sglang-python): see sglang_delta_main")
+    ap.add_argument("--sglang-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                    help="--sglang-delta: the server's --dtype (what the delta is computed in)")
     args = ap.parse_args(argv)
+    if args.sglang_delta:
+        if not args.sglang_python:
+            ap.error("--sglang-delta measures against real SGLang: give --sglang-python")
+        return sglang_delta_main(args)
     if args.delta:
         return delta_main(args)
     if args.sglang_verify:

@@ -108,9 +108,11 @@ _SGLANG_LAUNCHED = ("the engines this run launches (python -m sglang.launch_serv
 NOTES: dict[str, tuple[str, str]] = {
     "--update-weight-mode": ("differs", "delta: the same idea (only the changed bits, per tensor, against the "
                              "version the engine holds; xor or overwrite), applied by the embedded engine in this "
-                             "process, in place, over --update-weight-transport tensor or disk. slime's route into "
-                             "SGLang (each host patches a local checkpoint through its fork's /pull_weights, then "
-                             "reloads) is not built: delta with SGLang servers is refused. Where slime compares in "
+                             "process, in place, over --update-weight-transport tensor or disk; into SGLang servers on "
+                             "the trainer's host over disk as slime does it (a host-local checkpoint patched, the "
+                             "changed tensors reloaded with /update_weights_from_disk; the driver patches it, no "
+                             "SGLang fork needed). A patching process beside servers on other hosts is not built: "
+                             "delta to them is refused. Where slime compares in "
                              "the trainer's HF dtype, this compares in the engine's (a bf16 engine gets only what "
                              "changes its bf16 values)."),
     "--update-weight-delta-checksum": ("differs", "xxh3-128 (default) and adler32 as slime's, sha256 where slime has "

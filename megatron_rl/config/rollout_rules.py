@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from typing import Optional
+from urllib.parse import urlsplit
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.plan.engines import plan_engine_placement
@@ -121,12 +122,13 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
         if not cfg.has_rollout_engine:
             errors.append("--update-weight-mode delta: this run generates nothing (--debug-train-only / "
                           "--load-debug-rollout-data), so no weights are synced: drop it")
+        elif r.rollout_backend == "sglang":
+            errors.extend(_sglang_delta_errors(cfg))
         elif not cfg.in_process_engine:
             errors.append(f"--update-weight-mode delta patches the engine's weights in place, which {where} cannot "
-                          "do here (SGLang 0.5.23 has no endpoint that applies a delta, and this version does not "
-                          "keep a host-local checkpoint beside the servers to patch and reload): use "
-                          "--update-weight-mode full, or the embedded engine on the driver (--embedded-engine-ranks "
-                          "driver or all)")
+                          "do (its process loads whole versions only): use --update-weight-mode full, the embedded "
+                          "engine on the driver (--embedded-engine-ranks driver or all), or SGLang servers on this "
+                          "host")
         if cfg.memory.colocate and cfg.in_process_engine:
             errors.append("--update-weight-mode delta with --colocate: the embedded engine gives its weights back "
                           "during training (no host copy is kept), so every sync would have to send every tensor "
@@ -147,6 +149,39 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
             and cfg.weight_update_verify == "off"):
         errors.append(f"--update-weight-delta-checksum {s.update_weight_delta_checksum} is used by "
                       "--update-weight-mode delta and --update-weight-verify, both off in this run: drop it")
+    return errors
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _sglang_delta_errors(cfg: Config) -> list[str]:
+    """--update-weight-mode delta with SGLang (rollout/sglang/host_checkpoint.py): the trainer's driver patches a
+    checkpoint on the servers' host and has them reload the changed tensors from it, so the servers must be on the
+    driver's host and the delta must arrive as files (the disk transport). What is not built is refused by name."""
+    s, r = cfg.sync, cfg.rollout
+    errors = []
+    if s.update_weight_transport != "disk":
+        errors.append(f"--update-weight-mode delta with SGLang goes through --update-weight-transport disk (the "
+                      f"delta is patched into a checkpoint on the servers' host, which they reload), not "
+                      f"{s.update_weight_transport}: add --update-weight-transport disk --update-weight-disk-dir DIR, "
+                      "or use --update-weight-mode full")
+    remote = [u for u in r.rollout_engine_urls if (urlsplit(str(u)).hostname or "") not in _LOOPBACK]
+    if remote:
+        errors.append(f"--update-weight-mode delta with SGLang servers on other hosts ({', '.join(map(str, remote))}): "
+                      "the patch is applied by the trainer's driver to a checkpoint on the servers' host, and a "
+                      "patching process beside a remote server is not built; use servers on this host (loopback "
+                      "--rollout-engine-urls, or the engines this run launches on one node), or --update-weight-mode "
+                      "full")
+    elif not r.rollout_engine_urls and cfg.placement.actor_num_nodes > 1:
+        errors.append(f"--update-weight-mode delta with SGLang engines launched on {cfg.placement.actor_num_nodes} "
+                      "nodes (--actor-num-nodes): the patch is applied by the driver to a checkpoint on its own host, "
+                      "and a patching process beside the other nodes' engines is not built; use one node or "
+                      "--update-weight-mode full")
+    if cfg.memory.colocate and str(r.sglang_args.get("device", "")).lower() != "cpu":
+        errors.append("--update-weight-mode delta with --colocate and SGLang on GPUs: the servers release their "
+                      "weights while the trainer trains, so every sync would send every tensor (as slime, which "
+                      "refuses the same): drop one of them (SGLang on CPU keeps its weights: allowed there)")
     return errors
 
 

@@ -1203,10 +1203,13 @@ class SyncConfig:
                                    "engine at another version (fresh, restarted, a failed update) refuses it and "
                                    "gets a full sync (sync/delta_fallbacks counts them). The trainer keeps a host "
                                    "copy of the engine's weights to diff against. The embedded engine in this "
-                                   "process only, with --update-weight-transport tensor or disk (SGLang 0.5.23 "
-                                   "cannot patch its weights in place, and its disk load takes whole tensors only: "
-                                   "refused there), not with --colocate (the engine keeps no weights while the trainer "
-                                   "trains). docs/sglang.md, \"Delta sync and post-apply checksums\".",
+                                   "process (--update-weight-transport tensor or disk; not with --colocate: it keeps "
+                                   "no weights while the trainer trains), or SGLang servers on this host with "
+                                   "--update-weight-transport disk: SGLang cannot patch its weights in place, so the "
+                                   "driver patches a checkpoint kept beside them (<--update-weight-disk-dir>/"
+                                   "host_checkpoint) and they reload the changed tensors from it "
+                                   "(/update_weights_from_disk); servers on other hosts are refused. docs/sglang.md, "
+                                   "\"Delta sync and post-apply checksums\".",
                                    choices=("full", "delta"))
     update_weight_delta_encoding: str = flag("xor", "slime's: how --update-weight-mode delta encodes a changed "
                                              "element. xor: new ^ old bits (must be applied once, onto exactly the "

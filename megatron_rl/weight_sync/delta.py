@@ -66,6 +66,7 @@ class EngineUpdates:
         self._engine_id: Optional[int] = None  # the engine the copy is of
         self.fallbacks = 0  # full syncs sent in delta mode after the first (the engine was not at the copy's version)
         self._dtypes: dict[str, torch.dtype] = {}
+        self._served: Optional[torch.dtype] = None  # an engine holding every floating tensor in one dtype (SGLang)
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "EngineUpdates":
@@ -100,11 +101,17 @@ class EngineUpdates:
             return None, self._FIRST if not self.snapshot else "the last sync failed or was not verified"
         if self._engine_id != id(engine):
             return None, "the engine was replaced since the last sync"
+        if engine.weight_version != self.version:
+            return None, f"the engine holds version {engine.weight_version}, the copy is of version {self.version}"
+        # an engine that says itself whether a delta on this base can land (SGLang: its servers' versions and the
+        # host checkpoint's, without /health, which makes every SGLang server generate a token)
+        refusal = getattr(engine, "delta_refusal", None)
+        if callable(refusal):
+            why = refusal(self.version)
+            return (None, why) if why else (self.version, "")
         health = engine.health()
         if not health.weights_loaded or health.released:
             return None, f"the engine's weights are incomplete ({health.detail})"
-        if engine.weight_version != self.version:
-            return None, f"the engine holds version {engine.weight_version}, the copy is of version {self.version}"
         return self.version, ""
 
     # ---------------------------------------------------------------- the sync
@@ -114,7 +121,9 @@ class EngineUpdates:
         ways in), verify, and return this part's metrics."""
         answers = getattr(engine, "reports_weight_checksums", None)
         self._verifying = self.verify and (not self.verify_auto or (callable(answers) and bool(answers())))
-        if not self._dtypes or self._engine_id != id(engine):
+        served = getattr(engine, "served_dtype", None)  # SGLang: one dtype for every floating tensor, no weight list
+        self._served = served() if callable(served) and self._working() else None
+        if self._served is None and (not self._dtypes or self._engine_id != id(engine)):
             self._dtypes = {name: t.dtype for name, t in engine.named_weights()} if self._working() else {}
         base, why = self.delta_base(engine)
         self._digests: dict[str, tuple[str, int]] = {}  # name -> (checksum, bucket) of what the engine should hold
@@ -157,7 +166,8 @@ class EngineUpdates:
 
     def _engine_dtype(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the CPU in the engine's dtype for ``name``, contiguous (no copy when it already is)."""
-        dtype = self._dtypes.get(name, tensor.dtype)
+        dtype = self._dtypes.get(name, tensor.dtype) if self._served is None else \
+            self._served if tensor.is_floating_point() else tensor.dtype
         return tensor.detach().to(device="cpu", dtype=dtype).contiguous()
 
     def _record(self, exported: "ExportStream", name: str, new: torch.Tensor) -> Optional[str]:

@@ -90,9 +90,13 @@ class DiskSynchronizer(WeightSynchronizer):
                 exported.observe = self.verify_tap(engine)
             except Exception as e:  # noqa: BLE001 - a server that does not answer /server_info; agreed below
                 error = e
-        if here and managed:
+        managed_here = here and managed and error is None  # the driver's sync through EngineUpdates
+        if managed_here:
             assert engine is not None and exported is not None, "managed: an engine and a full export"
             updated = self._send_managed(engine, exported, version, t0, timing)
+            if verifying:  # SGLang's post-apply check, after a full or a delta sync alike
+                assert self.sglang_verifier is not None and isinstance(engine, SGLangEngine), "verify_tap checked it"
+                updated.update(self.sglang_verifier.check(engine, version))
         elif here and error is not None:
             assert exported is not None, "set only by verify_tap, on a whole-model sync"
             exported.drain()  # the other ranks are in the collective export: let them finish it
@@ -124,12 +128,12 @@ class DiskSynchronizer(WeightSynchronizer):
                 engine.update_weights(exported, version)
         elif exported is not None:
             exported.drain()
-        if not (here and managed):  # the driver agreed inside _send_managed, between writing and loading
+        if not managed_here:  # the driver agreed inside _send_managed, between writing and loading
             try:
                 all_ranks_ok(error, reraise_own=True)  # every rank is past the export: all go on, or all raise
             except SyncDiskFull as e:  # on every rank: the same message and exit code
                 raise self._with_resume(e) from e
-        if here and not managed:
+        if here and not managed_here:
             t1 = time.perf_counter()
             timing["sync/write_s"] = t1 - t0  # export (gathers) + serialising + publishing: overlap per bucket
             assert engine is not None, "the driver syncs here only when it holds the engine"

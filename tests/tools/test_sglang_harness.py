@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tools" / "sglang_cpu"))
 from check_real_sglang import ALL_STEPS, abort_retry_manager  # noqa: E402 - tools/sglang_cpu, put on sys.path above
 
 DOUBLE_STEPS = ["generation", "delta_routes", "seeded", "disk_updates", "sharded_disk", "control", "tensor_updates",
-                "tensor_transport", "distributed_updates", "verify_checksums", "fixture_still_holds"]
+                "tensor_transport", "distributed_updates", "verify_checksums", "delta_sync", "fixture_still_holds"]
 REAL_PYTHON = os.environ.get("SGLANG_PYTHON", os.path.join(os.environ.get("SGLANG_VENV", "/work/sglang-venv"),
                                                            "bin", "python"))
 

@@ -219,9 +219,10 @@ def test_flags_map_and_refuse(tiny_hf_models, tmp_path):
     assert make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf])).updates.verify  # auto: on here
     off = make_synchronizer_from_config(parse_config(["--hf-checkpoint", hf, "--update-weight-verify", "off"]))
     assert not off.updates.active
-    with pytest.raises(ConfigError, match="--update-weight-mode delta patches the engine's weights in place"):
+    with pytest.raises(ConfigError, match="--update-weight-mode delta with SGLang servers on other hosts "
+                                          r"\(http://10.0.0.7:1\)"):  # loopback servers: tests/.../test_sglang_delta.py
         parse_config(["--hf-checkpoint", hf, "--rollout-backend", "sglang", "--rollout-engine-urls",
-                      "http://127.0.0.1:1", "--update-weight-transport", "disk", "--update-weight-disk-dir",
+                      "http://10.0.0.7:1", "--update-weight-transport", "disk", "--update-weight-disk-dir",
                       str(tmp_path / "w"), "--update-weight-mode", "delta", "--dry-run"])
     with pytest.raises(ConfigError, match="--update-weight-mode delta with --colocate: the embedded engine gives"):
         parse_config(["--hf-checkpoint", hf, "--update-weight-mode", "delta", "--colocate"])

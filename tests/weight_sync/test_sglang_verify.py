@@ -186,8 +186,10 @@ def test_validation_lifts_the_refusal_only_where_it_works(tiny_hf_models, tmp_pa
         assert cfg.weight_update_verify == "checksum" and SGLangVerifier.from_config(cfg) is not None
     with pytest.raises(ConfigError, match="model_type 'qwen3_moe' is not one whose SGLang layout"):
         _cfg(tmp_path, tiny_hf_models("qwen3_moe"), "--update-weight-transport", "disk", "--update-weight-disk-dir", d)
-    with pytest.raises(ConfigError, match="--update-weight-mode delta patches the engine's weights in place"):
-        _cfg(tmp_path, qwen2, "--update-weight-transport", "disk", "--update-weight-disk-dir", d,
-             "--update-weight-mode", "delta")
+    cfg = _cfg(tmp_path, qwen2, "--update-weight-transport", "disk", "--update-weight-disk-dir", d,
+               "--update-weight-mode", "delta")  # servers on this host: the host checkpoint (test_sglang_delta.py)
+    assert cfg.weight_update_verify == "checksum" and SGLangVerifier.from_config(cfg) is not None
+    with pytest.raises(ConfigError, match="--update-weight-mode delta with SGLang goes through --update-weight-"):
+        _cfg(tmp_path, qwen2, "--update-weight-transport", "distributed", "--update-weight-mode", "delta")
     with pytest.raises(ConfigError, match="each pipeline stage sends its own tensors"):
         _cfg(tmp_path, qwen2, "--update-weight-transport", "distributed", "--pipeline-model-parallel-size", "2")

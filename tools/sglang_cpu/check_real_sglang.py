@@ -42,6 +42,9 @@ Checks, all through ``SGLangEngine`` / ``SGLangClient``:
    tensor changed inside the server after each transport's load is named (fused name, engine rank, version) and
    the engine refuses to generate until a verified full sync; ``verify_qwen3``: the same on a second server
    serving a tiny Qwen3 with tied embeddings and ``--dtype auto`` (float16 bytes);
+   ``delta_sync``: ``--update-weight-mode delta`` through the host checkpoint (``rollout/sglang/host_checkpoint.py``):
+   N delta syncs of sparse Adam-like steps, each verified, leave every tensor SGLang holds with the checksum a full
+   sync of the same weights gives; each load carries only the changed tensors; bytes and time, full vs delta;
 8. end to end: ``python -m megatron_rl.train`` on one CPU rank with the real megatron-core backend
    against this server, once through the disk transport and once through the distributed one, and
    on 2 torchrun ranks with 2 pipeline stages through the distributed one (``distributed-pp2``: each
@@ -113,7 +116,8 @@ SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--samp
 SERVER_STEPS = [("generation", False), ("weights_check", False), ("delta_routes", False), ("long_prompts", False),
                 ("aborted_rows_retried", False), ("seeded", False), ("disk_updates", True), ("sharded_disk", True),
                 ("router", False), ("control", False), ("abort_flush_pause", False), ("tensor_updates", True),
-                ("tensor_transport", True), ("distributed_updates", True), ("verify_checksums", True)]
+                ("tensor_transport", True), ("distributed_updates", True), ("verify_checksums", True),
+                ("delta_sync", True)]
 ALL_STEPS = [name for name, _ in SERVER_STEPS] + ["unavailable_503", "verify_qwen3", "standin_fidelity",
                                                   "fixture_still_holds"]
 
@@ -476,17 +480,17 @@ class Checks:
                 [s.rollout_logprobs for s in samples] == self.first_logprobs)
 
     def delta_routes(self) -> None:
-        """Why ``--update-weight-mode delta`` is refused with SGLang: 0.5.23 has no route that applies a weight delta
-        in place (slime's SGLang fork: ``/pull_weights``; none may answer with success: a new one means the refusal
-        can be revisited). Per-tensor checksums come from ``/weights_checker``'s ``checksum`` action instead
-        (step ``verify_checksums``)."""
+        """Why ``--update-weight-mode delta`` reaches SGLang through a host checkpoint (step ``delta_sync``): 0.5.23
+        has no route that applies a weight delta in place (slime's SGLang fork: ``/pull_weights``; none may answer
+        with success: a new one means the route can be revisited). Per-tensor checksums come from
+        ``/weights_checker``'s ``checksum`` action instead (step ``verify_checksums``)."""
         import httpx
 
         r = self.r
         for path, body in (("/pull_weights", {"target_version": 1}), ("/get_weights_checksum", {}),
                            ("/weights_checksum", {})):
             resp = httpx.post(self.server.url + path, json=body, timeout=30)
-            r.check(f"SGLang has no {path} route (delta sync is refused by name with it)",
+            r.check(f"SGLang has no {path} route (a delta is patched into the host checkpoint instead)",
                     resp.status_code in (404, 405), f"{resp.status_code}: {resp.text[:300]}")
         samples, _ = self.generate()
         r.check("after the probes the server still generates the checkpoint's tokens",
@@ -1033,6 +1037,105 @@ def verify_checksums(checks: "Checks", first: list[list[float]]) -> None:
             sync.shutdown()
 
 
+def sparse_steps(original: dict[str, torch.Tensor], n: int, seed: int, frac: float = 0.02
+                 ) -> list[list[tuple[str, torch.Tensor]]]:
+    """``n`` successive weight states from ``original``: each step moves ``frac`` of the elements of four tensors
+    in five (the fifth stays: a tensor with no changed bit is not sent) by a small random amount."""
+    g = torch.Generator().manual_seed(seed)
+    cur, states = {k: v.clone() for k, v in original.items()}, []
+    for step in range(n):
+        cur = {k: v.clone() for k, v in cur.items()}
+        for i, t in enumerate(cur.values()):
+            if (i + step) % 5 == 0:
+                continue
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * frac)),), generator=g)
+            flat[idx] += 1e-3 * torch.randn(idx.numel(), generator=g)
+        states.append(list(cur.items()))
+    return states
+
+
+def delta_sync(checks: "Checks", first: list[list[float]]) -> None:
+    """--update-weight-mode delta into SGLang (rollout/sglang/host_checkpoint.py): the engine gets a host checkpoint;
+    the disk transport's first sync is full (the checkpoint adopts its files), then each delta is patched into the
+    checkpoint and the server loads the changed tensors, whole, with /update_weights_from_disk. Every sync is verified
+    (/weights_checker checksum of every tensor SGLang holds against the trainer's); after the N deltas the server's
+    checksums equal those a plain full sync of the same weights gives, bit for bit. Then the bytes and time per sync,
+    full against delta, on the same states; the checkpoint's weights restored at the end."""
+    from megatron_rl.rollout.sglang.host_checkpoint import HostCheckpoint
+    from megatron_rl.rollout.weight_delta import read_delta_dir
+    from megatron_rl.weight_sync.delta import EngineUpdates
+
+    r, c, engine = checks.r, checks.client, checks.engine
+    bucket, out = checks.args.sync_bucket_bytes, checks.r.out
+    hf_config = read_hf_config(str(checks.model_dir))
+    n = 2 if checks.args.against_double else 4
+    states = sparse_steps(checks.original, n + 1, checks.args.seed)
+    host = HostCheckpoint(str(out / "delta_disk" / "host_checkpoint"), hf_checkpoint=str(checks.model_dir),
+                          shard_bytes=bucket)
+    engine.host_checkpoint = host
+    delta = DiskSynchronizer(bucket, disk_dir=str(out / "delta_disk"), hf_checkpoint=str(checks.model_dir),
+                             updates=EngineUpdates(mode="delta", encoding="xor"))
+    full = DiskSynchronizer(bucket, disk_dir=str(out / "delta_full"), hf_checkpoint=str(checks.model_dir))
+    delta.sglang_verifier = SGLangVerifier(hf_config)
+    figures: dict[str, list] = {"delta_bytes": [], "full_bytes": [], "delta_time_s": [], "full_time_s": [],
+                                "patch_tensors": []}
+    try:
+        version = engine.weight_version
+        for i, state in enumerate(states):
+            version += 1
+            loads_before = c.model_info().get("model_path")
+            m = delta.sync(StateBackend(state), engine, version)
+            sent_delta = m.get("sync/delta") == 1.0
+            r.check(f"delta v{version}: {'a delta' if i else 'the first sync is full'}, verified (every tensor SGLang "
+                    "holds has the trainer's checksum)", sent_delta == (i > 0) and m.get("sync/verified_tensors", 0) > 0
+                    and host.version == version, f"delta={m.get('sync/delta')} verified={m.get('sync/verified_tensors')}"
+                    f" host={host.version} fraction={m.get('sync/delta_fraction'):.4f}")
+            if i:
+                patch = host.patches.path(version)
+                _header, deltas = read_delta_dir(delta.weights.path(version))
+                sent = {d.name for d in deltas}
+                loaded = c.model_info().get("model_path")
+                changed = {name for (name, t), (_, p) in zip(state, states[i - 1]) if not torch.equal(t, p)}
+                r.check(f"delta v{version}: the server loaded the patch dir of the {len(sent)} changed tensor(s) "
+                        f"only (of {len(state)})", loaded == patch and sent == changed and len(sent) < len(state),
+                        f"loaded {loaded} (before {loads_before}); sent {len(sent)}, changed {len(changed)}")
+                figures["delta_bytes"].append(int(m["sync/bytes"]))
+                figures["patch_tensors"].append(len(sent))
+        want = c.weight_checksums(timeout_s=120)
+        version += 1
+        full.sync(StateBackend(states[-1]), engine, version)  # a plain full sync of the same weights
+        got = c.weight_checksums(timeout_s=120)
+        per_tensor = (want.get("ranks") or [{}])[0].get("checksums") or {}
+        r.check(f"after {n} delta syncs every tensor SGLang holds ({len(per_tensor)}) equals a full sync's of the same "
+                "weights, bit for bit (/weights_checker checksum, per TP rank)",
+                bool(per_tensor) and want.get("ranks") == got.get("ranks"),
+                "" if want.get("ranks") == got.get("ranks") else json.dumps([want, got])[:600])
+        # the cost, unverified: the same states synced full, then by delta (its first sync full again: the engine
+        # moved on under the full synchronizer); the double's timings mean nothing
+        delta.sglang_verifier = None
+        for state in states[1:]:
+            version += 1
+            mf = full.sync(StateBackend(state), engine, version)
+            figures["full_time_s"].append(round(mf["sync/time_s"], 4))
+            figures["full_bytes"].append(int(mf["sync/bytes"]))
+        for i, state in enumerate(states):
+            version += 1
+            md = delta.sync(StateBackend(state), engine, version)
+            if i:
+                figures["delta_time_s"].append(round(md["sync/time_s"], 4))
+        r.figures["delta_sync"] = figures
+        r.log(f"delta sync: bytes per sync {figures['delta_bytes']} (full {figures['full_bytes'][:1]}), time "
+              f"{figures['delta_time_s']} s vs full {figures['full_time_s']} s")
+    finally:
+        engine.host_checkpoint = None
+        delta.shutdown()
+        full.shutdown()
+    version = engine.weight_version + 1
+    engine.update_weights(checks._state(), version)
+    checks._expect_restored(f"delta v{version}", first, version)
+
+
 def distributed_updates(checks: "Checks", first: list[list[float]]) -> None:
     """The distributed transport against the real server: zero / restore, versions, teardown, timing."""
     r, c, engine = checks.r, checks.client, checks.engine
@@ -1375,12 +1478,14 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
     SGLangClient(server.url).update_weight_version("0", abort_all_requests=False)
     asynchronous = transport.startswith("async-")  # the async drivers, over the disk transport
     sync_flags = (["--update-weight-transport", "disk", "--update-weight-disk-dir", str(weights)]
-                  if transport in ("disk", "multi-turn") or asynchronous
+                  if transport in ("disk", "multi-turn", "delta") or asynchronous
                   else ["--update-weight-transport", transport.split("-")[0]])
     # the post-apply check on the one-sender runs: every sync's bytes in SGLang equal the megatron export's
-    verified = transport in ("disk", "distributed")
+    verified = transport in ("disk", "distributed", "delta")
     if verified:
         sync_flags += ["--update-weight-verify", "checksum"]
+    if transport == "delta":  # --update-weight-mode delta: the host checkpoint under the disk dir, patched and reloaded
+        sync_flags += ["--update-weight-mode", "delta"]
     # async-full: responses long enough that syncs land mid-response, so partial rollouts really continue rows
     # that real SGLang aborted with their tokens; async-one-step: rollout N+1 generated while N trains
     async_flags = {"async-one-step": ["--async-mode", "one-step"],
@@ -1447,6 +1552,13 @@ def run_e2e(report: Report, server: SGLangServer, model_dir: Path, args: argpars
                          rec.get("sync/verified_tensors") == float(held) for rec in syncs),
                      f"{[rec.get('sync/verified_tensors') for rec in syncs]} of {held}; verify s "
                      f"{[round(rec.get('sync/verify_time_s', -1), 3) for rec in syncs]}")
+    if transport == "delta":
+        report.figures[f"{key}_delta_fraction"] = [round(rec.get("sync/delta_fraction", -1), 4) for rec in syncs]
+        report.check(f"{what}: the first sync full, every later one a delta patched into the host checkpoint and "
+                     "reloaded (verified above)", [rec.get("sync/delta") for rec in syncs] ==
+                     [0.0] + [1.0] * args.num_rollout and os.path.isdir(weights / "host_checkpoint"),
+                     f"sync/delta {[rec.get('sync/delta') for rec in syncs]}, fraction "
+                     f"{report.figures[f'{key}_delta_fraction']}")
     per_sample = []
     rollouts = [torch.load(out / "rollouts" / f"rollout_{i}.pt", weights_only=False)["samples"]
                 for i in range(args.num_rollout)]
@@ -1573,8 +1685,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-e2e", action="store_true", help="only the client/engine checks")
     ap.add_argument("--e2e-transports", nargs="+",
                     default=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full",
-                             "multi-turn"],
-                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full", "multi-turn"],
+                             "multi-turn", "delta"],
+                    choices=["disk", "distributed", "distributed-pp2", "async-one-step", "async-full", "multi-turn",
+                             "delta"],
                     help="the end-to-end run once per weight-sync transport, then the async drivers (disk)")
     ap.add_argument("--async-response-len", type=int, default=160,
                     help="async-full: --rollout-max-response-len, long enough for syncs to land mid-response")
@@ -1642,7 +1755,8 @@ def main(argv=None) -> int:
             try:
                 step = (lambda f: distributed_updates(checks, f)) if name == "distributed_updates" else \
                     (lambda f: tensor_transport(checks, f)) if name == "tensor_transport" else \
-                    (lambda f: verify_checksums(checks, f)) if name == "verify_checksums" else getattr(checks, name)
+                    (lambda f: verify_checksums(checks, f)) if name == "verify_checksums" else \
+                    (lambda f: delta_sync(checks, f)) if name == "delta_sync" else getattr(checks, name)
                 result = step(first) if needs else step()
                 if name == "generation":
                     first = result

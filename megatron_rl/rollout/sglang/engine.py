@@ -80,16 +80,20 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from urllib.parse import urlsplit
 
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.infra.daemon_call import DaemonCall
 from megatron_rl.plan.engines import EnginePlacement
+from megatron_rl.plan.sglang_weights import read_hf_config
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, load_tokenizer
 from megatron_rl.rollout.routes import RouteLayout
 from megatron_rl.rollout.sglang import protocol
 from megatron_rl.rollout.sglang.client import SGLangClient, SGLangEngineError, normalize_base_url
 from megatron_rl.rollout.sglang.health import HealthMonitor
+from megatron_rl.rollout.sglang.host_checkpoint import HostCheckpoint
+from megatron_rl.rollout.weight_delta import DeltaBaseMismatch, is_delta_dir, read_delta_dir
 from megatron_rl.rollout.weight_dir import ADAPTER_BASE_DIR, VersionedWeightDir
 
 if TYPE_CHECKING:
@@ -114,7 +118,8 @@ class SGLangEngine(RolloutEngine):
                  health_interval_s: float = 10.0, health_timeout_s: float = 30.0, health_failures: int = 3,
                  server_notes: Optional[dict[str, str]] = None, pause_mode: str = "abort",
                  flush_retry_s: float = 5.0, router_url: Optional[str] = None, router_concurrency: int = 64,
-                 check_first_update: bool = False, route_layout: Optional[RouteLayout] = None):
+                 check_first_update: bool = False, route_layout: Optional[RouteLayout] = None,
+                 host_checkpoint: Optional[HostCheckpoint] = None):
         urls = [normalize_base_url(u) for u in urls]
         if not urls:
             raise ConfigError("SGLangEngine needs at least one server URL (http://host:port)")
@@ -171,6 +176,10 @@ class SGLangEngine(RolloutEngine):
         self.route_layout = route_layout
         # --lora-sync adapter: the adapter every /generate names (lora_path), loaded on every server; None: the base
         self._lora_name: Optional[str] = None
+        # --update-weight-mode delta: the servers' weights kept on their host, patched with each delta and reloaded
+        self.host_checkpoint = host_checkpoint
+        self.hf_checkpoint = hf_checkpoint
+        self._served_dtype: Any = None
 
     @classmethod
     def from_config(cls, cfg: "Config", placement: Optional[EnginePlacement] = None) -> "SGLangEngine":
@@ -188,12 +197,22 @@ class SGLangEngine(RolloutEngine):
         on_cpu = str(cfg.rollout.sglang_args.get("device", "")).lower() == "cpu"
         routes = RouteLayout.of_checkpoint(hf) if hf and cfg.megatron.use_rollout_routing_replay else None
         per_engine = cfg.rollout.sglang_server_concurrency  # slime's cap per engine, in flight through a router
+        host = None
+        if cfg.sync.update_weight_mode == "delta":  # validation: servers on this host, the disk transport
+            assert cfg.sync.update_weight_disk_dir, "validation: delta with SGLang needs --update-weight-disk-dir"
+            remote = [u for u in urls if (urlsplit(u).hostname or "") not in LOOPBACK_HOSTS]
+            if remote and placement is None:  # workers an sglang-router listed (validation saw the router only)
+                raise ConfigError(f"--update-weight-mode delta: the sglang-router at {router} lists workers on other "
+                                  f"hosts ({', '.join(remote)}); the host checkpoint the driver patches must be on "
+                                  "the servers' host: use servers on this host or --update-weight-mode full")
+            host = HostCheckpoint(os.path.join(cfg.sync.update_weight_disk_dir, HOST_CHECKPOINT_DIR), hf_checkpoint=hf,
+                                  shard_bytes=cfg.sync.update_weight_buffer_size)
         return cls(urls, weight_dir=cfg.sync.update_weight_disk_dir, hf_checkpoint=hf,
                    router_concurrency=per_engine * len(urls) if per_engine else 64,
                    tokenizer=load_tokenizer(hf) if hf else None, releases_memory=not on_cpu,
                    server_notes=placement.notes() if placement is not None else None, router_url=router,
                    check_first_update=cfg.sync.check_weight_update_equal, route_layout=routes,
-                   pause_mode=cfg.rollout.pause_generation_mode,
+                   pause_mode=cfg.rollout.pause_generation_mode, host_checkpoint=host,
                    generate_timeout_s=cfg.rollout.rollout_generate_timeout,
                    update_timeout_s=cfg.rollout.rollout_update_timeout)
 
@@ -766,11 +785,94 @@ class SGLangEngine(RolloutEngine):
         if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
             self._update_adapter_from_disk(path, version)
             return
+        if is_delta_dir(path):
+            self._update_from_delta(path, version)
+            return
         with self.weight_update(version):
             self._load_everywhere(lambda client: client.update_weights_from_disk(
                 path, weight_version=str(version), flush_cache=False, timeout_s=self.update_timeout_s),
                 f"weight update to version {version} from {path}")
             self.adopt_weight_version(version, how=f"disk, {path}")
+        if self.host_checkpoint is not None:
+            try:  # the servers hold this version whole: the host checkpoint the next delta patches
+                self.host_checkpoint.adopt_full(path, version)
+            except Exception as exc:  # noqa: BLE001 - the servers took the update; only the next delta is lost
+                self.host_checkpoint.forget()
+                log.warning("host checkpoint %s could not take version %d (%s): the next sync sends every tensor",
+                            self.host_checkpoint.root, version, exc)
+
+    # ------------------------------------------------- --update-weight-mode delta
+    def served_dtype(self) -> Any:
+        """The torch dtype every server holds the model's floating tensors in (``/server_info`` ``dtype``, ``auto``
+        resolved as SGLang does from config.json): what a delta is computed in. Read once."""
+        if self._served_dtype is None:
+            from megatron_rl.rollout.sglang.checksums import engine_dtype  # lazy: torch
+
+            config = read_hf_config(self.hf_checkpoint or "")
+            dtypes = {c.base_url: engine_dtype(str(c.server_info().get("dtype") or "auto"), config)
+                      for c in self.clients}
+            if len(set(dtypes.values())) != 1:
+                raise SyncError(f"--update-weight-mode delta: the SGLang servers hold the model in different dtypes "
+                                f"({dtypes}); one delta fits one dtype: start them with the same --dtype")
+            self._served_dtype = next(iter(dtypes.values()))
+        return self._served_dtype
+
+    def delta_refusal(self, base_version: int) -> str:
+        """Why a delta based on ``base_version`` cannot be applied here ("" when it can): the patch is applied to
+        the servers' host checkpoint, which must hold exactly that version."""
+        if self.host_checkpoint is None:
+            return "this SGLang engine keeps no host checkpoint to patch (built without --update-weight-mode delta)"
+        if self._released:
+            return "the engine is released"
+        if not self._weights_loaded:
+            return f"the servers' weights are incomplete ({self._incomplete_reason})"
+        dead = self.dead_servers()
+        if dead:
+            return f"server(s) {dead} were declared dead (a restarted one serves its initial weights)"
+        try:  # a server that restarted unseen reports another version: it must not get a patch of a few tensors
+            versions = {c.base_url: c.weight_version() for c in self.clients}
+        except (EngineError, SyncError) as exc:
+            return f"a server's version could not be read ({exc})"
+        other = {u: v for u, v in versions.items() if v != str(base_version)}
+        if other:
+            return f"server(s) report weight_version {other}, not {base_version}"
+        held = self.host_checkpoint.version
+        if held != base_version:
+            return (f"the servers' host checkpoint ({self.host_checkpoint.root}) holds "
+                    f"{'no version' if held is None else f'version {held}'}, the delta would be based on version "
+                    f"{base_version}")
+        return ""
+
+    def _update_from_delta(self, path: str, version: int) -> None:
+        """A delta version (``delta.json``): patched into the host checkpoint, whose changed tensors, whole, every
+        server then loads with ``/update_weights_from_disk`` (SGLang replaces exactly the tensors in the dir it is
+        given); no tensor changed: the servers only move to ``version`` (``/update_weight_version``). A delta on
+        another base than the version the servers and the host checkpoint hold is refused before anything."""
+        header, _ = read_delta_dir(path)
+        if header.version != version:
+            raise SyncError(f"{path} holds the delta to version {header.version}, loaded as version {version}")
+        if not self._weights_loaded or header.base_version != self._weight_version:
+            held = f"version {self._weight_version}" + ("" if self._weights_loaded else " (incomplete)")
+            raise DeltaBaseMismatch(f"the delta to version {version} is based on version {header.base_version}; the "
+                                    f"SGLang servers hold {held}: it needs a full sync")
+        if self.host_checkpoint is None:
+            raise SyncError(f"{path} is a delta version, which SGLang cannot load itself; this engine keeps no host "
+                            "checkpoint to patch (--update-weight-mode delta builds one)")
+        self._check_update(version)
+        self._check_servers(f"update weights to version {version}", for_update=True)  # before patching
+        patch_dir, changed = self.host_checkpoint.patch(path)  # refuses another base before writing anything
+        with self.weight_update(version):
+            if patch_dir:
+                self._load_everywhere(lambda client: client.update_weights_from_disk(
+                    patch_dir, weight_version=str(version), flush_cache=False, timeout_s=self.update_timeout_s),
+                    f"weight update to version {version} from {patch_dir} (the {len(changed)} tensor(s) the delta "
+                    "changed)")
+            else:
+                self._load_everywhere(lambda client: client.update_weight_version(str(version),
+                                                                                  abort_all_requests=False),
+                                      f"weight version {version} (the delta changed no tensor)")
+            self.adopt_weight_version(version, how=f"delta, {patch_dir or 'no tensor changed'}",
+                                      flushed=not patch_dir)
 
     def _load_everywhere(self, load, what: str) -> None:
         """``load(client)`` on every server at once; any failure marks the servers' weights a mix
@@ -834,6 +936,8 @@ class SGLangEngine(RolloutEngine):
 _FAILED_UPDATE = "the last weight update failed on some server, so the servers' weights differ"
 # the adapter of weight version V on the servers (--lora-sync adapter); requests name it in lora_path
 LORA_NAME_PREFIX = "mrl-lora-v"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # servers on the driver's host (urlsplit's hostname)
+HOST_CHECKPOINT_DIR = "host_checkpoint"  # under --update-weight-disk-dir: the servers' weights patched by deltas
 ADAPTER_CONFIG = "adapter_config.json"  # models.peft_adapter's (imported here without torch)
 
 
