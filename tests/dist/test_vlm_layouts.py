@@ -5,7 +5,7 @@ logits and gradients (vision tower included) through megatron's DDP, in the layo
 import pytest
 
 from _util import read_json
-from _vlm_samples import LOGPROB_TOL
+from _vlm_samples import LOGPROB_TOL, ONE_PROCESS_GRAD_NORM
 
 pytestmark = pytest.mark.dist
 
@@ -17,7 +17,8 @@ def shared_launch(ctx):
     out = ctx.tmp_path_factory.mktemp("vlm") / "r2.json"
     yield {2: [("vlm", [out, ctx.tiny_hf_models("qwen2_5_vl"), "vlm_dp2:1,1,0,1", "vlm_tp2:2,1,0,1",
                       "vlm_tp2_sp:2,1,1,1", "vlm_pp2:1,2,0,1", "vlm_cp2:1,1,0,2",
-                      "vlm_backend_dp2:1,1,0,1", "vlm_backend_cp2:1,1,0,2"])]}
+                      "vlm_backend_dp2:1,1,0,1", "vlm_backend_cp2:1,1,0,2", "vlm_backend_pp2:1,2,0,1",
+                      "vlm_backend_tp2_sp:2,1,1,1"])]}
     return read_json(out)
 
 
@@ -34,14 +35,19 @@ def test_qwen2_5_vl_dp2_tp2_sp_pp2_cp2_match_hf_with_gradients(shared_launch_sta
         assert r["vision_grads_equal_across_tp"] and r["vision_tensors"] == 30, (name, r)
 
 
-def test_backend_with_images_at_dp2_and_cp2_matches_hf_and_trains_alike(shared_launch_state):
-    """The megatron backend's own packing and passes (rollout samples with images, dynamic batch sizes) at DP2 and
-    CP2: log-probs equal HF's (as one process's do: tests/backends/test_vlm_backend.py), and one GRPO step gives the
-    same grad norm and the same log-probs after it in both layouts."""
-    dp2, cp2 = shared_launch_state["vlm_backend_dp2"], shared_launch_state["vlm_backend_cp2"]
-    print(dp2["vs_hf"], cp2["vs_hf"], dp2["grad_norm"], cp2["grad_norm"])
-    assert (dp2["dp"], cp2["dp"], cp2["cp"]) == (2, 1, 2)
-    assert dp2["vs_hf"] <= LOGPROB_TOL and cp2["vs_hf"] <= LOGPROB_TOL, (dp2["vs_hf"], cp2["vs_hf"])
-    assert abs(dp2["grad_norm"] - cp2["grad_norm"]) <= 1e-5 * max(1.0, dp2["grad_norm"])
-    diff = max(abs(a - b) for x, y in zip(dp2["after_step"], cp2["after_step"]) for a, b in zip(x, y))
-    assert diff <= LOGPROB_TOL, diff
+def test_backend_with_images_at_dp2_cp2_pp2_tp2_matches_hf_and_trains_alike(shared_launch_state):
+    """The megatron backend's own packing and passes (rollout samples with images, dynamic batch sizes) at DP2, CP2,
+    PP2 (the tower on the first stage, the M-RoPE rows handed to both stages) and TP2 + sequence parallelism: log-probs
+    equal HF's (as one process's do: tests/backends/test_vlm_backend.py), and one GRPO step on the same packed
+    micro-batches gives the one-process grad norm and the same log-probs after it in every layout."""
+    runs = {k[len("vlm_backend_"):]: v for k, v in shared_launch_state.items() if k.startswith("vlm_backend_")}
+    for name, r in runs.items():
+        print(name, r["vs_hf"], r["grad_norm"], r["micro_batches"], r["seconds"])
+    assert sorted(runs) == ["cp2", "dp2", "pp2", "tp2_sp"]
+    assert [(runs[k]["dp"], runs[k]["cp"], runs[k]["pp"], runs[k]["tp"]) for k in ("dp2", "cp2", "pp2", "tp2_sp")] == [
+        (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]
+    for name, r in runs.items():
+        assert r["vs_hf"] <= LOGPROB_TOL, (name, r["vs_hf"])
+        assert abs(r["grad_norm"] - ONE_PROCESS_GRAD_NORM) <= 1e-5 * ONE_PROCESS_GRAD_NORM, (name, r["grad_norm"])
+        diff = max(abs(a - b) for x, y in zip(runs["dp2"]["after_step"], r["after_step"]) for a, b in zip(x, y))
+        assert diff <= LOGPROB_TOL, (name, diff)

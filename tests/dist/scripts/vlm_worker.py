@@ -100,6 +100,6 @@ def backend_layout(hf, hf_dir: str, tp: int, pp: int, sp: int, cp: int) -> dict:
     adv = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=None)
     metrics = backend.train_step(TrainBatch(samples, adv, old))
     new = backend.forward(samples)
-    return {"dp": backend.dp_size, "cp": cp, "tp": tp, "vs_hf": vs_hf, "grad_norm": metrics["train/grad_norm"],
+    return {"dp": backend.dp_size, "cp": cp, "tp": tp, "pp": pp, "vs_hf": vs_hf, "grad_norm": metrics["train/grad_norm"],
             "after_step": [t.tolist() for t in new],
             "micro_batches": backend.plan_micro_batches(samples).num_micro_batches}
