@@ -190,21 +190,30 @@ _FAMILY_DEFAULTS["qwen3_5_moe_text"] = dict(_QWEN3_5_HYBRID, num_experts=4, num_
 # vision-language families: a config with text_config / vision_config, saved as the hub does (LM under model.*,
 # the vision tower under visual.*); kept apart from FAMILIES, whose text-only tests (weight sync, the memory
 # planner, ...) do not apply to them yet (docs/vlm.md)
-VL_FAMILIES = ("qwen2_5_vl",)
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 # every switch on: a Qwen2 language model (q/k/v bias) with M-RoPE sections [2, 3, 3] of head_dim 16; a 2-block
 # vision tower (patch 2, temporal patch 2) with windowed attention in block 0 (window 8 pixels: 2x2 merged
 # patches) and full attention in block 1, a 2x2 merger into the text hidden size; image/video/vision-start/end
 # token ids inside the vocab
 _VL_TEXT: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+    # Qwen3 attention (q/k RMSNorm, no bias), interleaved M-RoPE sections [2, 3, 3] of head_dim 16
+    "qwen3_vl": dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
 }
 _VL_VISION: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
                        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, window_size=8,
                        fullatt_block_indexes=[1], tokens_per_second=2),
+    # 3 blocks, DeepStack features taken after blocks 0 and 1 (added after decoder layers 0 and 1), a 4x4 learned
+    # position grid (bilinearly resampled to each image's grid)
+    "qwen3_vl": dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                     deepstack_visual_indexes=[0, 1]),
 }
 VL_TOKENS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
+    "qwen3_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
 }
 # the image processor a tiny VL model's directory holds (preprocessor_config.json, as a hub checkpoint's): the
 # tower's patch / temporal patch / merge sizes, and pixel bounds that keep an image between one merged token
@@ -212,6 +221,8 @@ VL_TOKENS: dict[str, dict[str, Any]] = {
 VL_IMAGE_PROCESSOR: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(patch_size=2, temporal_patch_size=2, merge_size=2,
                        size={"shortest_edge": 4 * 4, "longest_edge": 16 * 16}),
+    "qwen3_vl": dict(patch_size=2, temporal_patch_size=2, merge_size=2,
+                     size={"shortest_edge": 4 * 4, "longest_edge": 16 * 16}),
 }
 _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -264,7 +275,7 @@ def _vl_config(family: str, **overrides: Any):
     text = {k: v for k, v in {**_COMMON, **_VL_TEXT[family], **overrides}.items() if k != "dtype"}
     text.update(bos_token_id=None, eos_token_id=None)  # transformers' defaults (151643, ...) lie outside the tiny vocab
     tie = text.pop("tie_word_embeddings")
-    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig}[family]
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig, "qwen3_vl": transformers.Qwen3VLConfig}[family]
     return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **tokens)
 
 
@@ -273,7 +284,8 @@ def _model_class(family: str):
     import transformers
 
     if family in VL_FAMILIES:
-        return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}[family]
+        return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+                "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[family]
     return transformers.AutoModelForCausalLM
 
 

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL in megatron-core against HF transformers' own model at DP2, TP2, TP2 + sequence parallelism, PP2 (the
-vision tower on the first stage) and CP2 (features written before the split), packed THD micro-batches (real torchrun, gloo, fp32):
-logits and gradients (vision tower included) through megatron's DDP, in the layouts group's 2-rank launch."""
+"""Qwen2.5-VL and Qwen3-VL in megatron-core against HF transformers' own model at DP2, TP2, TP2 + sequence
+parallelism, PP2 (the vision tower on the first stage) and CP2 (features written before the split), packed THD
+micro-batches (real torchrun, gloo, fp32): logits and gradients (vision tower included) through megatron's DDP, in the
+layouts group's 2-rank launch; the megatron backend with images at DP2, CP2, PP2 and TP2 + SP (Qwen2.5-VL)."""
 
 import pytest
 
@@ -13,26 +14,37 @@ LOGIT_TOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
+# the tower's tensors the export carries (its gradients compared with HF's): Qwen2.5-VL's 2 blocks and merger;
+# Qwen3-VL's 3 blocks, position grid, merger and 2 DeepStack mergers
+VISION_TENSORS = {"vlm": 30, "q3vl": 57}
+
+
 def shared_launch(ctx):
-    out = ctx.tmp_path_factory.mktemp("vlm") / "r2.json"
-    yield {2: [("vlm", [out, ctx.tiny_hf_models("qwen2_5_vl"), "vlm_dp2:1,1,0,1", "vlm_tp2:2,1,0,1",
-                      "vlm_tp2_sp:2,1,1,1", "vlm_pp2:1,2,0,1", "vlm_cp2:1,1,0,2",
-                      "vlm_backend_dp2:1,1,0,1", "vlm_backend_cp2:1,1,0,2", "vlm_backend_pp2:1,2,0,1",
-                      "vlm_backend_tp2_sp:2,1,1,1"])]}
-    return read_json(out)
+    out = ctx.tmp_path_factory.mktemp("vlm")
+    yield {2: [("vlm", [out / "r2.json", ctx.tiny_hf_models("qwen2_5_vl"), "vlm_dp2:1,1,0,1", "vlm_tp2:2,1,0,1",
+                        "vlm_tp2_sp:2,1,1,1", "vlm_pp2:1,2,0,1", "vlm_cp2:1,1,0,2",
+                        "vlm_backend_dp2:1,1,0,1", "vlm_backend_cp2:1,1,0,2", "vlm_backend_pp2:1,2,0,1",
+                        "vlm_backend_tp2_sp:2,1,1,1"]),
+               ("vlm", [out / "q3.json", ctx.tiny_hf_models("qwen3_vl"), "q3vl_dp2:1,1,0,1", "q3vl_tp2:2,1,0,1",
+                        "q3vl_tp2_sp:2,1,1,1", "q3vl_pp2:1,2,0,1", "q3vl_cp2:1,1,0,2"])]}
+    return {**read_json(out / "r2.json"), **read_json(out / "q3.json")}
 
 
-def test_qwen2_5_vl_dp2_tp2_sp_pp2_cp2_match_hf_with_gradients(shared_launch_state):
-    results = {k: v for k, v in shared_launch_state.items() if not k.startswith("vlm_backend_")}
-    assert set(results) == {"vlm_dp2", "vlm_tp2", "vlm_tp2_sp", "vlm_pp2", "vlm_cp2"}
-    assert results["vlm_cp2"]["cp"] == 2
-    assert (results["vlm_dp2"]["dp"], results["vlm_tp2"]["tp"], results["vlm_pp2"]["pp"]) == (2, 2, 2)
-    assert results["vlm_tp2_sp"]["sp"]
+@pytest.mark.parametrize("family", ["vlm", "q3vl"])
+def test_qwen2_5_vl_and_qwen3_vl_dp2_tp2_sp_pp2_cp2_match_hf_with_gradients(shared_launch_state, family):
+    """Qwen2.5-VL (``vlm_*``) and Qwen3-VL (``q3vl_*``: interleaved M-RoPE, DeepStack residuals split as the
+    hidden states are, PP2 with both DeepStack layers on the first stage)."""
+    results = {k[len(family) + 1:]: v for k, v in shared_launch_state.items() if k.startswith(family + "_")
+               and not k.startswith("vlm_backend_")}
+    assert set(results) == {"dp2", "tp2", "tp2_sp", "pp2", "cp2"}
+    assert results["cp2"]["cp"] == 2
+    assert (results["dp2"]["dp"], results["tp2"]["tp"], results["pp2"]["pp"]) == (2, 2, 2)
+    assert results["tp2_sp"]["sp"]
     for name, r in results.items():
-        print(name, r)
+        print(family, name, r)
         assert r["vs_hf"] <= LOGIT_TOL, (name, r)
         assert r["grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r["grad_max_abs"]), (name, r)
-        assert r["vision_grads_equal_across_tp"] and r["vision_tensors"] == 30, (name, r)
+        assert r["vision_grads_equal_across_tp"] and r["vision_tensors"] == VISION_TENSORS[family], (name, r)
 
 
 def test_backend_with_images_at_dp2_cp2_pp2_tp2_matches_hf_and_trains_alike(shared_launch_state):

@@ -76,7 +76,7 @@ def main(argv):
                          "grad_max_abs_diff": vlm_parity.max_diff(got, want),
                          "grad_max_abs": max(g.abs().max().item() for g in want.values()),
                          "vision_grads_equal_across_tp": all(torch.equal(c, copies[0]) for c in copies),
-                         "vision_tensors": sum(n.startswith("visual.") for n in got),
+                         "vision_tensors": sum(n.startswith(bridge.HF_VISION_PREFIX) for n in got),
                          "seconds": round(time.time() - t0, 1)}
         del model, chunks
     if torch.distributed.get_rank() == 0:
