@@ -7,7 +7,7 @@ images; under CP the features written into the whole packed batch before the spl
 the same loss (mean over DP ranks, each with its own samples), the largest HF gradient, and whether every
 TP rank holds the same vision-tower gradient.
 
-A layout named ``vlm_backend_*`` runs the megatron backend instead (``MegatronBackend`` built from flags on the
+A layout named ``*_backend_*`` runs the megatron backend instead (``MegatronBackend`` built from flags on the
 checkpoint): rollout samples with images (tests/_vlm_samples.py) packed by the backend (dynamic batch sizes, each DP
 rank its share, under CP the whole packed batch to every CP rank), their log-probs against HF's, then one GRPO
 training step and the log-probs after it (compared across layouts by the test).
@@ -38,8 +38,8 @@ def main(argv):
         t0 = time.time()
         name, dims = entry.split(":")
         tp, pp, sp, cp = (int(x) for x in dims.split(","))
-        if name.startswith("vlm_backend_"):
-            results[name] = backend_layout(hf, hf_dir, tp, pp, sp, cp)
+        if "_backend_" in name:
+            results[name] = backend_layout(hf, hf_dir, tp, pp, sp, cp, engine=name.startswith("q3vl_") and pp == 1)
             results[name]["seconds"] = round(time.time() - t0, 1)
             continue
         layout = ParallelLayout(tp=tp, pp=pp, cp=cp, sequence_parallel=sp == 1)
@@ -84,9 +84,11 @@ def main(argv):
             json.dump(results, fh)
 
 
-def backend_layout(hf, hf_dir: str, tp: int, pp: int, sp: int, cp: int) -> dict:
+def backend_layout(hf, hf_dir: str, tp: int, pp: int, sp: int, cp: int, engine: bool = False) -> dict:
     """The megatron backend at one layout on 2 ranks: HF's log-probs vs the backend's forward over samples with
-    images, then one training step (the log-probs after it and its grad norm)."""
+    images, then one training step (the log-probs after it and its grad norm). ``engine``: then the trained weights
+    synced into the embedded engine (every rank its own), which generates with the images; its log-probs against
+    the backend's at the same tokens (``engine_vs_trainer``)."""
     from _vlm_samples import hf_logprobs, make_vl_backend, vl_samples
     from megatron_rl.backends.base import TrainBatch
 
@@ -100,6 +102,22 @@ def backend_layout(hf, hf_dir: str, tp: int, pp: int, sp: int, cp: int) -> dict:
     adv = spec.compute_advantages(samples, old_logprobs=old, ref_logprobs=None)
     metrics = backend.train_step(TrainBatch(samples, adv, old))
     new = backend.forward(samples)
-    return {"dp": backend.dp_size, "cp": cp, "tp": tp, "pp": pp, "vs_hf": vs_hf, "grad_norm": metrics["train/grad_norm"],
-            "after_step": [t.tolist() for t in new],
-            "micro_batches": backend.plan_micro_batches(samples).num_micro_batches}
+    out = {"dp": backend.dp_size, "cp": cp, "tp": tp, "pp": pp, "vs_hf": vs_hf, "grad_norm": metrics["train/grad_norm"],
+           "after_step": [t.tolist() for t in new],
+           "micro_batches": backend.plan_micro_batches(samples).num_micro_batches}
+    if engine:
+        from megatron_rl.data.types import GenerateRequest, SamplingParams
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        rollout = EmbeddedEngine(hf_dir)
+        sent = [item for bucket in backend.export_weights(1 << 20) for item in bucket]
+        rollout.update_weights(iter(sent), version=1)
+        requests = [GenerateRequest(s.prompt_ids, group_index=k, multimodal_inputs=s.multimodal_inputs)
+                    for k, s in enumerate(vl_samples(hf_dir, seed=4))]
+        generated = rollout.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=7,
+                                                              ignore_eos=True))
+        trainer = backend.forward(generated)
+        out["engine_vs_trainer"] = max((torch.tensor(s.rollout_logprobs) - t).abs().max().item()
+                                       for s, t in zip(generated, trainer))
+        out["synced_vision_tensors"] = sum(name.startswith(backend.bridge.HF_VISION_PREFIX) for name, _ in sent)
+    return out
