@@ -1,5 +1,7 @@
 """A vision-language model in megatron-core: megatron's ``GPTModel`` with multimodal RoPE for the language
-model, and the checkpoint's own HF vision tower and merger in front of it.
+model, and the checkpoint's own HF vision tower and merger in front of it (Qwen2.5-VL; Qwen3-VL with its
+interleaved M-RoPE, :class:`InterleavedMultimodalRotaryEmbedding`, and its DeepStack features added after the
+first decoder layers, :meth:`VisionLanguageGPTModel.attach_vision`).
 
 Why the HF vision module (``transformers``' ``Qwen2_5_VisionTransformerPretrainedModel``) and not
 megatron-core's vision modules: parity with HF is then by construction (the same code computes the image
