@@ -1269,9 +1269,42 @@ class Qwen3VLBridge(VisionLanguageBridge, Qwen3Bridge):
         return shapes
 
 
+class Qwen3VLMoeBridge(Qwen3VLBridge, Qwen3MoeBridge):
+    """Qwen3-VL-MoE (``qwen3_vl_moe``): Qwen3-VL (interleaved M-RoPE, DeepStack, the same tower) over a Qwen3-MoE
+    language model: every layer a top-k softmax router whose top-k weights are always renormalised (no
+    ``norm_topk_prob`` field), no shared expert. The checkpoint stacks each layer's experts, as the hub's
+    Qwen3-VL-30B-A3B does: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2 * moe_ffn]`` (gate in the first half of
+    the last dim, up in the second) and ``mlp.experts.down_proj`` ``[E, moe_ffn, hidden]``, the transposes of
+    megatron's ``linear_fc1`` / ``linear_fc2`` (transformers transposes them on load)."""
+
+    family = "qwen3_vl_moe"
+    model_types = ("qwen3_vl_moe",)
+
+    def router_config(self) -> dict[str, Any]:
+        return dict(moe_router_pre_softmax=False, moe_router_score_function="softmax")
+
+    def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hidden_size, self.moe_ffn_hidden_size, self.num_experts
+        return {moe + "gate.weight": (n, h), moe + "experts.gate_up_proj": (n, h, 2 * f),
+                moe + "experts.down_proj": (n, f, h)}
+
+    _STACKED_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\."
+                                 r"(linear_fc1|linear_fc2)\.weight$")
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._STACKED_EXPERT.match(name)
+        if not m:
+            return super().rule_for(name)
+        moe = f"{self.HF_TEXT_PREFIX}layers.{int(m.group(1))}.mlp.experts."
+        if m.group(3) == "linear_fc1":
+            return ParamRule("expert_gate_up_cat", (moe + "gate_up_proj",), int(m.group(2)))
+        return ParamRule("expert_down", (moe + "down_proj",), int(m.group(2)))
+
+
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge, MiniMaxM2Bridge, GptOssBridge,
                                        Gemma3TextBridge, Gemma4TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
-                                       Qwen3_5MoeTextBridge, Qwen2_5_VLBridge, Qwen3VLBridge)}
+                                       Qwen3_5MoeTextBridge, Qwen2_5_VLBridge, Qwen3VLBridge,
+                                       Qwen3VLMoeBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

@@ -16,7 +16,7 @@ GRAD_RTOL = 1e-5
 
 # the tower's tensors the export carries (its gradients compared with HF's): Qwen2.5-VL's 2 blocks and merger;
 # Qwen3-VL's 3 blocks, position grid, merger and 2 DeepStack mergers
-VISION_TENSORS = {"vlm": 30, "q3vl": 57}
+VISION_TENSORS = {"vlm": 30, "q3vl": 57, "q3moe": 57}
 
 
 def shared_launch(ctx):
@@ -27,8 +27,9 @@ def shared_launch(ctx):
                         "vlm_backend_tp2_sp:2,1,1,1"]),
                ("vlm", [out / "q3.json", ctx.tiny_hf_models("qwen3_vl"), "q3vl_dp2:1,1,0,1", "q3vl_tp2:2,1,0,1",
                         "q3vl_tp2_sp:2,1,1,1", "q3vl_pp2:1,2,0,1", "q3vl_cp2:1,1,0,2",
-                        "q3vl_backend_cp2:1,1,0,2", "q3vl_backend_pp2:1,2,0,1"])]}
-    return {**read_json(out / "r2.json"), **read_json(out / "q3.json")}
+                        "q3vl_backend_cp2:1,1,0,2", "q3vl_backend_pp2:1,2,0,1"]),
+               ("vlm", [out / "q3moe.json", ctx.tiny_hf_models("qwen3_vl_moe"), "q3moe_ep2:1,1,0,1,2"])]}
+    return {**read_json(out / "r2.json"), **read_json(out / "q3.json"), **read_json(out / "q3moe.json")}
 
 
 @pytest.mark.parametrize("family", ["vlm", "q3vl"])
@@ -77,3 +78,14 @@ def test_backend_with_images_at_dp2_cp2_pp2_tp2_matches_hf_and_trains_alike(shar
     diff = max(abs(a - b) for x, y in zip(q3["cp2"]["after_step"], q3["pp2"]["after_step"]) for a, b in zip(x, y))
     assert diff <= LOGPROB_TOL, diff
     assert q3["cp2"]["engine_vs_trainer"] <= LOGPROB_TOL and q3["cp2"]["synced_vision_tensors"] == 57
+
+
+def test_qwen3_vl_moe_ep2_matches_hf_with_gradients(shared_launch_state):
+    """Qwen3-VL-MoE (4 experts, top-2, the checkpoint's stacked ``[E, hidden, 2f]`` / ``[E, f, hidden]`` experts)
+    at EP2 (each rank 2 experts, DP2 for the rest, DeepStack on both ranks' own samples) vs HF with gradients."""
+    r = shared_launch_state["q3moe_ep2"]
+    print("q3moe ep2", r)
+    assert (r["ep"], r["dp"]) == (2, 2)
+    assert r["vs_hf"] <= LOGIT_TOL, r
+    assert r["grad_max_abs_diff"] <= GRAD_RTOL * max(1.0, r["grad_max_abs"]), r
+    assert r["vision_tensors"] == VISION_TENSORS["q3moe"], r

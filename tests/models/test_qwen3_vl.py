@@ -1,7 +1,8 @@
 """Qwen3-VL in one process: interleaved M-RoPE equal to transformers' bit for bit, positions as HF's
 get_rope_index, DeepStack (vision features added after the first decoder layers), logits and gradients (the tower
-and its DeepStack mergers included) against HF transformers' own model, HF -> torch_dist -> HF bit for bit, and the
-pipeline layouts DeepStack cannot take refused by name. DP2 / TP2 + SP / PP2 / CP2: tests/dist/test_vlm_layouts.py."""
+and its DeepStack mergers included) against HF transformers' own model, HF -> torch_dist -> HF bit for bit (the MoE
+variant's stacked experts too), and the pipeline layouts DeepStack cannot take refused by name. DP2 / TP2 + SP / PP2 /
+CP2, and the MoE variant at EP2: tests/dist/test_vlm_layouts.py."""
 
 import glob
 import json
@@ -92,19 +93,24 @@ def test_one_process_logits_and_gradients_equal_hf_with_deepstack_and_export_is_
     assert set(exported) == set(original) and all(torch.equal(exported[n], t) for n, t in original.items())
 
 
-def test_hf_to_torch_dist_to_hf_is_bit_exact_vision_included(single_rank, vl, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_hf_to_torch_dist_to_hf_is_bit_exact_vision_included(single_rank, tiny_hf_models, tmp_path, family):
+    """Qwen3-VL-MoE too: its stacked experts ([E, hidden, 2f] gate_up_proj, [E, f, hidden] down_proj, as the hub's)
+    become megatron's per-expert linear_fc1 / linear_fc2 and come back bit for bit."""
     from megatron_rl.convert.dist_to_hf import convert_dist_to_hf
     from megatron_rl.convert.hf_to_dist import convert_hf_to_dist
 
-    path, _, _ = vl
+    path = tiny_hf_models(family)
     convert_hf_to_dist(path, str(tmp_path / "dist"), show_progress=False)
     convert_dist_to_hf(str(tmp_path / "dist"), str(tmp_path / "back"), show_progress=False)
     original = load_file(os.path.join(path, "model.safetensors"))
     back = {n: t for f in glob.glob(str(tmp_path / "back" / "*.safetensors")) for n, t in load_file(f).items()}
     assert set(back) == set(original) and sum(n.startswith("model.visual.") for n in back) == VISION_TENSORS
     assert all(torch.equal(back[n], t) for n, t in original.items())
+    if family == "qwen3_vl_moe":
+        assert back["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
     with open(tmp_path / "back" / "config.json") as fh:
-        assert json.load(fh)["model_type"] == "qwen3_vl"
+        assert json.load(fh)["model_type"] == family
 
 
 def test_pipeline_stages_that_split_the_deepstack_layers_are_refused_by_name(vl):
@@ -112,3 +118,13 @@ def test_pipeline_stages_that_split_the_deepstack_layers_are_refused_by_name(vl)
     with pytest.raises(BridgeError, match=r"--pipeline-model-parallel-size 4: the first stage holds 1 decoder "
                                           r"layer\(s\) but the vision tower's DeepStack features go into the first 2"):
         bridge.transformer_config(ParallelLayout(pp=4))
+
+
+def test_qwen3_vl_moe_runs_are_refused_by_name_until_the_engine_sync_is_built(tiny_hf_models):
+    from megatron_rl.config.flags import parse_config
+    from megatron_rl.errors import ConfigError
+
+    path = tiny_hf_models("qwen3_vl_moe")
+    with pytest.raises(ConfigError, match=r"model_type 'qwen3_vl_moe' runs are not built: the embedded engine's "
+                                          r"weight sync of its stacked experts"):
+        parse_config(["--hf-checkpoint", path, "--rollout-backend", "embedded"])

@@ -1,6 +1,6 @@
 """Worker: vision-language parity layouts in one launch (tests/dist/test_vlm_layouts.py).
 
-argv: OUT_JSON HF_DIR then layouts ``name:tp,pp,sp,cp``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
+argv: OUT_JSON HF_DIR then layouts ``name:tp,pp,sp,cp[,ep]``. Per layout, on every rank: the tiny Qwen2.5-VL loaded into
 megatron-core (the HF vision tower replicated, the language model TP-sharded), wrapped in megatron's DDP, one
 forward + backward of this DP rank's two packed THD micro-batches (images of several grids, one sample without
 images; under CP the features written into the whole packed batch before the split) through megatron's schedule; rank 0 writes max |dlogit| vs HF transformers' own model, max |dgrad| vs HF autograd of
@@ -37,12 +37,13 @@ def main(argv):
     for entry in layouts:
         t0 = time.time()
         name, dims = entry.split(":")
-        tp, pp, sp, cp = (int(x) for x in dims.split(","))
+        tp, pp, sp, cp, *more = (int(x) for x in dims.split(","))
+        ep = more[0] if more else 1
         if "_backend_" in name:
             results[name] = backend_layout(hf, hf_dir, tp, pp, sp, cp, engine=name.startswith("q3vl_") and pp == 1)
             results[name]["seconds"] = round(time.time() - t0, 1)
             continue
-        layout = ParallelLayout(tp=tp, pp=pp, cp=cp, sequence_parallel=sp == 1)
+        layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp == 1)
         dp = initialize_parallel(layout, seed=0)
         bridge = get_bridge(hf_dir)
         chunks = bridge.build_model(layout)
@@ -64,14 +65,15 @@ def main(argv):
         mine = ref[dp_rank * n:(dp_rank + 1) * n]
         vs_hf = torch.tensor(max((a - b).abs().max().item() for a, b in zip(logits, mine)))
         torch.distributed.all_reduce(vs_hf, op=torch.distributed.ReduceOp.MAX)
-        want = vlm_parity.hf_grads(hf)
+        want = vlm_parity.hf_grads(hf, bridge.hf_param_shapes())
         got = vlm_parity.exported_grads(bridge, model)
         copies = [torch.zeros(1)]
         if chunks[0].pre_process:  # the tower lives on the first stage
             vision = torch.cat([p.main_grad.flatten() for p in chunks[0].vision.parameters()])
             copies = [torch.empty_like(vision) for _ in range(layout.tp)]
             torch.distributed.all_gather(copies, vision, group=ps.get_tensor_model_parallel_group())
-        results[name] = {"dp": dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "sp": layout.sequence_parallel,
+        results[name] = {"dp": dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "ep": layout.ep,
+                         "sp": layout.sequence_parallel,
                          "vs_hf": float(vs_hf),
                          "grad_max_abs_diff": vlm_parity.max_diff(got, want),
                          "grad_max_abs": max(g.abs().max().item() for g in want.values()),
