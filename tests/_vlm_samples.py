@@ -18,6 +18,9 @@ from megatron_rl.models import vlm_parity
 LAYOUTS = [(3, [(1, 4, 8)], 5), (2, [(1, 4, 4), (1, 8, 4)], 4), (6, [], 3), (4, [(1, 4, 4)], 6)]
 # trainer log-probs vs HF transformers' (fp32): measured <= 2e-6 on one process, DP2 and CP2
 LOGPROB_TOL = 2e-5
+# the grad norm of one GRPO step on vl_samples(seed=1) from the checkpoint (make_vl_backend's flags), one process
+# (tests/backends/test_vlm_backend.py); every 2-rank layout's step equals it (tests/dist/test_vlm_layouts.py)
+ONE_PROCESS_GRAD_NORM = 12.0763
 
 
 def vl_samples(hf_dir: str, layouts=LAYOUTS, seed: int = 0) -> list[Sample]:

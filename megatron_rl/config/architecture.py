@@ -29,12 +29,13 @@ from .schema import Config
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 QKV_BIAS_TYPES = ("qwen2", "qwen2_5_vl_text")  # families whose q/k/v projections carry a bias (models/families.py)
-# multimodal RoPE: megatron's position_embedding_type "mrope" (Qwen2.5-VL's language model, text_config's model_type)
-MROPE_TYPES = ("qwen2_5_vl_text",)
+# multimodal RoPE: megatron's position_embedding_type "mrope" (Qwen2.5-VL's and Qwen3-VL's language models,
+# text_config's model_type)
+MROPE_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
 # (minimax_m2's q/k norms span all heads, which megatron's per-head qk_layernorm is not: the bridge builds them itself)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text",
-                 "qwen3_5_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+                 "qwen3_5_moe_text", "qwen3_vl_text", "qwen3_vl_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # sigmoid router score (the other MoE families: softmax)
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
@@ -73,11 +74,11 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
 BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gemma4_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "minimax_m2",
-                       "mixtral", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
+                       "mixtral", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe",
                        "qwen3_next")
 # vision-language model_types a bridge builds (models/families.py): what a run with one may combine is
 # config/vlm_rules.py's (docs/vlm.md)
-VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
@@ -93,8 +94,11 @@ UNUSED: Any = _Unused()
 
 
 def text_config(hf: dict) -> dict:
-    """The language model's config (multimodal configs keep it under ``text_config``)."""
+    """The language model's config (multimodal configs keep it under ``text_config``; the wrapper's
+    ``tie_word_embeddings`` is the one transformers ties by, as the bridges read it)."""
     if "num_attention_heads" not in hf and isinstance(hf.get("text_config"), dict):
+        if "tie_word_embeddings" in hf:
+            return {**hf["text_config"], "tie_word_embeddings": hf["tie_word_embeddings"]}
         return hf["text_config"]
     return hf
 

@@ -907,7 +907,7 @@ class DataConfig:
         "'{\"image\": \"images\"}': each prompt's images (file paths, bytes, base64, or verl's {bytes|path} "
         "dicts) are decoded and run once through the --hf-checkpoint's own image processor, and its image-pad "
         "tokens are expanded to each image's features (docs/vlm.md). Only \"image\" is a modality. Needs a "
-        "vision-language --hf-checkpoint (qwen2_5_vl); trains on the megatron backend with the embedded engine "
+        "vision-language --hf-checkpoint (qwen2_5_vl, qwen3_vl); trains on the megatron backend with the embedded engine "
         "(SGLang's image_data and the FSDP backend are refused by name).", metavar="JSON")
     apply_chat_template: bool = flag(False, "Wrap prompts with the tokenizer's chat template.")
     rollout_shuffle: bool = flag(False, "Shuffle prompts each epoch (seeded).")

@@ -1027,28 +1027,23 @@ class Qwen3_5MoeTextBridge(Qwen3_5TextBridge):
         return dict(moe_router_pre_softmax=False, moe_router_score_function="softmax")
 
 
-class Qwen2_5_VLBridge(Qwen2Bridge):
-    """Qwen2.5-VL (``qwen2_5_vl``): a Qwen2 language model (q/k/v bias) with multimodal RoPE, and a vision tower
-    plus merger (``visual.*`` in the checkpoint) whose features replace the image-pad tokens' embeddings.
+class VisionLanguageBridge(Bridge):
+    """What the vision-language families share (mixed in before their text family's bridge): config.json keeps the
+    language model under ``text_config`` (read here as the bridge's own config) and the vision tower under
+    ``vision_config``; the language model is megatron's ``GPTModel`` with ``position_embedding_type="mrope"``
+    (:class:`~megatron_rl.models.vision_language.VisionLanguageGPTModel`), the tower the checkpoint's own HF module
+    on the first pipeline stage, replicated across TP (:mod:`megatron_rl.models.vision_language`), its tensors
+    mapped 1:1 (``vision.X`` <-> ``HF_VISION_PREFIX + X``).
 
-    The language model is megatron's ``GPTModel`` with ``position_embedding_type="mrope"``: megatron-core's
-    ``MultimodalRotaryEmbedding`` takes the rotary frequencies of each channel section from the temporal / height
-    / width position row of ``rope_parameters.mrope_section`` (the sections repeated for the two rotate-half
-    halves), as HF's ``apply_multimodal_rotary_pos_emb``. The vision tower is the HF module itself
-    (:mod:`megatron_rl.models.vision_language`), replicated across TP; its tensors map 1:1 (``vision.X`` <->
-    ``visual.X``). config.json keeps the language model under ``text_config`` (read here as the bridge's own
-    config) and the tower under ``vision_config``.
+    A family sets ``HF_VISION_PREFIX``, ``HF_TEXT_PREFIX`` (where its checkpoint keeps the language model's
+    ``model.*`` tensors), :meth:`vision_shapes` and :meth:`vision_classes`. Virtual pipelines are refused by
+    :meth:`unsupported_layout`."""
 
-    Proven layouts (docs/vlm.md), packed THD micro-batches with images: one process, DP2, TP2, TP2 + sequence
-    parallelism, PP2 (the tower on the first stage), CP2 (the features written into the whole packed batch
-    before the CP split); virtual pipelines are refused by :meth:`unsupported_layout`.
-    """
-
-    family = "qwen2_5_vl"
-    model_types = ("qwen2_5_vl",)
     position_embedding_type = "mrope"
     vision_language = True
     rope_types = ("default", "mrope")  # older configs spell the multimodal RoPE rope_type "mrope"
+    VISION_PREFIX, HF_VISION_PREFIX = "vision.", "visual."
+    HF_TEXT_PREFIX = "model."  # the checkpoint's prefix of the language model's ``model.*`` tensors
 
     def __init__(self, hf_config: dict, mtp_num_layers: int = 0):
         full = dict(hf_config)
@@ -1076,18 +1071,27 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
     def mrope_section(self) -> list[int]:
         return [int(x) for x in (self._rope.get("mrope_section") or [])]
 
+    @property
+    def mrope_interleaved(self) -> bool:
+        """Whether the rotary channels take their position row round-robin (t, h, w, t, h, w, ...: Qwen3-VL) rather
+        than in three contiguous sections (Qwen2.5-VL)."""
+        return False
+
+    @property
+    def deepstack_layers(self) -> int:
+        """Decoder layers after which the tower's DeepStack features are added at the image tokens (Qwen3-VL)."""
+        return 0
+
     def unsupported(self) -> list[str]:
         problems = super().unsupported()
         section = self.mrope_section
         if not section:
-            problems.append("rope_parameters without mrope_section (a Qwen2.5-VL language model needs its "
+            problems.append(f"rope_parameters without mrope_section (a {self.family} language model needs its "
                             "temporal / height / width RoPE sections)")
         elif len(section) != 3 or sum(section) != self.head_dim // 2:
             problems.append(f"mrope_section {section} (three sections summing to head_dim / 2 = {self.head_dim // 2})")
         if not self.vision_config:
-            problems.append("no vision_config (a qwen2_5_vl checkpoint holds its vision tower)")
-        elif self.vcfg("hidden_act", "silu") != "silu":
-            problems.append(f"vision_config.hidden_act={self.vcfg('hidden_act')!r} (only 'silu')")
+            problems.append(f"no vision_config (a {self.family} checkpoint holds its vision tower)")
         elif int(self.vcfg("out_hidden_size", self.hidden_size)) != self.hidden_size:
             problems.append(f"vision_config.out_hidden_size={self.vcfg('out_hidden_size')} != text hidden_size "
                             f"{self.hidden_size} (the merger's features replace token embeddings)")
@@ -1098,6 +1102,12 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
         if (layout.vpp or 1) > 1:
             problems.append(f"virtual pipeline parallelism {layout.vpp} with a vision-language model (not proven "
                             "yet; docs/vlm.md); drop --virtual-pipeline-model-parallel-size")
+        first_stage = self.num_layers // max(layout.pp, 1)
+        if self.deepstack_layers > first_stage:
+            problems.append(f"--pipeline-model-parallel-size {layout.pp}: the first stage holds {first_stage} "
+                            f"decoder layer(s) but the vision tower's DeepStack features go into the first "
+                            f"{self.deepstack_layers} (they are computed on the first stage and not sent on); pass "
+                            f"--pipeline-model-parallel-size <= {max(1, self.num_layers // self.deepstack_layers)}")
         return problems
 
     def architecture_config(self) -> dict[str, Any]:
@@ -1109,24 +1119,87 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
         return VisionLanguageGPTModel
 
+    def vision_classes(self) -> tuple[str, str, str]:
+        """(transformers module, vision config class, vision model class) of the family's tower."""
+        raise NotImplementedError
+
     def finish_model(self, model) -> None:
-        """The HF vision tower on the first stage (the stage that embeds the tokens)."""
+        """The HF vision tower on the first stage (the stage that embeds the tokens); the multimodal RoPE's layout."""
+        from megatron_rl.models import vision_language  # lazy: imports megatron-core
+
         model.set_image_tokens(self.image_token_id, self.spatial_merge_size)
         # the M-RoPE frequencies of the whole packed batch: megatron's THD RoPE takes each CP rank's chunks of them
         # (by each sequence's offset); the embedding's own CP slice is for SBHD batches, which CP does not take here
         model.rotary_pos_emb.cp_group = None
+        if self.mrope_interleaved:
+            model.rotary_pos_emb = vision_language.InterleavedMultimodalRotaryEmbedding(model.rotary_pos_emb)
         if model.pre_process:
-            from megatron_rl.models.vision_language import build_vision_tower  # lazy: imports transformers
-
             patch_dim = (int(self.vcfg("in_channels", 3)) * int(self.vcfg("temporal_patch_size", 2))
                          * int(self.vcfg("patch_size", 14)) ** 2)
-            model.attach_vision(build_vision_tower(self.vision_config, model.config.params_dtype), patch_dim)
+            tower = vision_language.build_vision_tower(self.vision_classes(), self.vision_config,
+                                                       model.config.params_dtype)
+            model.attach_vision(tower, patch_dim, self.deepstack_layers)
 
     # -------------------------------------------------------------- name maps
-    VISION_PREFIX, HF_VISION_PREFIX = "vision.", "visual."
+    def vision_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the vision tower and merger(s) (names relative to it) with its shape."""
+        raise NotImplementedError
+
+    def _checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of a language-model tensor the text bridge calls ``name`` (``model.*``)."""
+        if self.HF_TEXT_PREFIX != "model." and name.startswith("model."):
+            return self.HF_TEXT_PREFIX + name[len("model."):]
+        return name
+
+    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {self._checkpoint_name(n): s for n, s in super().hf_param_shapes().items()}
+        shapes.update({self.HF_VISION_PREFIX + n: s for n, s in self.vision_shapes().items()})
+        return shapes
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        shapes = super().megatron_param_shapes(flavour, tp_size)
+        shapes.update({self.VISION_PREFIX + n: s for n, s in self.vision_shapes().items()})
+        return shapes
+
+    def rule_for(self, name: str) -> ParamRule:
+        if name.startswith(self.VISION_PREFIX):
+            local = name[len(self.VISION_PREFIX):]
+            if local in self.vision_shapes():
+                return ParamRule("copy", (self.HF_VISION_PREFIX + local,))
+        rule = super().rule_for(name)
+        if self.HF_TEXT_PREFIX == "model.":
+            return rule
+        return dataclasses.replace(rule, hf_names=tuple(self._checkpoint_name(n) for n in rule.hf_names))
+
+
+class Qwen2_5_VLBridge(VisionLanguageBridge, Qwen2Bridge):
+    """Qwen2.5-VL (``qwen2_5_vl``): a Qwen2 language model (q/k/v bias) with multimodal RoPE, and a vision tower
+    plus merger (``visual.*`` in the checkpoint, the language model under ``model.*``) whose features replace the
+    image-pad tokens' embeddings.
+
+    megatron-core's ``MultimodalRotaryEmbedding`` takes the rotary frequencies of each channel section from the
+    temporal / height / width position row of ``rope_parameters.mrope_section`` (the sections repeated for the two
+    rotate-half halves), as HF's ``apply_multimodal_rotary_pos_emb``.
+
+    Proven layouts (docs/vlm.md), packed THD micro-batches with images: one process, DP2, TP2, TP2 + sequence
+    parallelism, PP2 (the tower on the first stage), CP2 (the features written into the whole packed batch
+    before the CP split).
+    """
+
+    family = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        if self.vision_config and self.vcfg("hidden_act", "silu") != "silu":
+            problems.append(f"vision_config.hidden_act={self.vcfg('hidden_act')!r} (only 'silu')")
+        return problems
+
+    def vision_classes(self) -> tuple[str, str, str]:
+        return ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLVisionConfig",
+                "Qwen2_5_VisionTransformerPretrainedModel")
 
     def vision_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the vision tower and merger (names relative to it) with its shape."""
         h, f = int(self.vcfg("hidden_size")), int(self.vcfg("intermediate_size"))
         m, p, tp = self.spatial_merge_size, int(self.vcfg("patch_size", 14)), int(self.vcfg("temporal_patch_size", 2))
         merged = h * m * m
@@ -1143,27 +1216,95 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
                            b + "mlp.down_proj.weight": (h, f), b + "mlp.down_proj.bias": (h,)})
         return shapes
 
-    def hf_param_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = super().hf_param_shapes()
-        shapes.update({self.HF_VISION_PREFIX + n: s for n, s in self.vision_shapes().items()})
+
+class Qwen3VLBridge(VisionLanguageBridge, Qwen3Bridge):
+    """Qwen3-VL (``qwen3_vl``): a Qwen3 language model (q/k RMSNorm, no bias) with *interleaved* multimodal RoPE
+    (rotary channel ``j`` takes the height row when ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, the width row
+    when ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, the temporal row otherwise: transformers'
+    ``Qwen3VLTextRotaryEmbedding``), a vision tower with a learned position grid, a merger, and DeepStack: the
+    tower's features after blocks ``deepstack_visual_indexes``, each through its own merger, are added to the
+    hidden states at the image tokens after decoder layers ``0 .. len(deepstack_visual_indexes) - 1``
+    (:class:`~megatron_rl.models.vision_language.VisionLanguageGPTModel`, a residual add after those layers on the
+    first stage). The checkpoint keeps the language model under ``model.language_model.*`` and the tower under
+    ``model.visual.*`` (``lm_head.weight`` at the top)."""
+
+    family = "qwen3_vl"
+    model_types = ("qwen3_vl",)
+    HF_VISION_PREFIX = "model.visual."
+    HF_TEXT_PREFIX = "model.language_model."
+
+    @property
+    def mrope_interleaved(self) -> bool:
+        return True  # transformers' Qwen3-VL text rotary embedding is interleaved whatever the config says
+
+    @property
+    def deepstack_layers(self) -> int:
+        return len(self.vcfg("deepstack_visual_indexes", []) or [])
+
+    def vision_classes(self) -> tuple[str, str, str]:
+        return ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel")
+
+    def vision_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, f = int(self.vcfg("hidden_size")), int(self.vcfg("intermediate_size"))
+        m, p, tp = self.spatial_merge_size, int(self.vcfg("patch_size", 16)), int(self.vcfg("temporal_patch_size", 2))
+        merged, out = h * m * m, self.hidden_size
+
+        def merger(prefix: str, norm: int) -> dict[str, tuple[int, ...]]:
+            return {prefix + "norm.weight": (norm,), prefix + "norm.bias": (norm,),
+                    prefix + "linear_fc1.weight": (merged, merged), prefix + "linear_fc1.bias": (merged,),
+                    prefix + "linear_fc2.weight": (out, merged), prefix + "linear_fc2.bias": (out,)}
+
+        shapes: dict[str, tuple[int, ...]] = {
+            "patch_embed.proj.weight": (h, int(self.vcfg("in_channels", 3)), tp, p, p), "patch_embed.proj.bias": (h,),
+            "pos_embed.weight": (int(self.vcfg("num_position_embeddings")), h), **merger("merger.", h)}
+        for k in range(self.deepstack_layers):  # the post-shuffle norm: over the merged width
+            shapes.update(merger(f"deepstack_merger_list.{k}.", merged))
+        for i in range(int(self.vcfg("depth"))):
+            b = f"blocks.{i}."
+            shapes.update({b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,),
+                           b + "norm2.bias": (h,), b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+                           b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
+                           b + "mlp.linear_fc1.weight": (f, h), b + "mlp.linear_fc1.bias": (f,),
+                           b + "mlp.linear_fc2.weight": (h, f), b + "mlp.linear_fc2.bias": (h,)})
         return shapes
 
-    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
-        shapes = super().megatron_param_shapes(flavour, tp_size)
-        shapes.update({self.VISION_PREFIX + n: s for n, s in self.vision_shapes().items()})
-        return shapes
+
+class Qwen3VLMoeBridge(Qwen3VLBridge, Qwen3MoeBridge):
+    """Qwen3-VL-MoE (``qwen3_vl_moe``): Qwen3-VL (interleaved M-RoPE, DeepStack, the same tower) over a Qwen3-MoE
+    language model: every layer a top-k softmax router whose top-k weights are always renormalised (no
+    ``norm_topk_prob`` field), no shared expert. The checkpoint stacks each layer's experts, as the hub's
+    Qwen3-VL-30B-A3B does: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2 * moe_ffn]`` (gate in the first half of
+    the last dim, up in the second) and ``mlp.experts.down_proj`` ``[E, moe_ffn, hidden]``, the transposes of
+    megatron's ``linear_fc1`` / ``linear_fc2`` (transformers transposes them on load)."""
+
+    family = "qwen3_vl_moe"
+    model_types = ("qwen3_vl_moe",)
+
+    def router_config(self) -> dict[str, Any]:
+        return dict(moe_router_pre_softmax=False, moe_router_score_function="softmax")
+
+    def hf_router_expert_shapes(self, moe: str) -> dict[str, tuple[int, ...]]:
+        h, f, n = self.hidden_size, self.moe_ffn_hidden_size, self.num_experts
+        return {moe + "gate.weight": (n, h), moe + "experts.gate_up_proj": (n, h, 2 * f),
+                moe + "experts.down_proj": (n, f, h)}
+
+    _STACKED_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\."
+                                 r"(linear_fc1|linear_fc2)\.weight$")
 
     def rule_for(self, name: str) -> ParamRule:
-        if name.startswith(self.VISION_PREFIX):
-            local = name[len(self.VISION_PREFIX):]
-            if local in self.vision_shapes():
-                return ParamRule("copy", (self.HF_VISION_PREFIX + local,))
-        return super().rule_for(name)
+        m = self._STACKED_EXPERT.match(name)
+        if not m:
+            return super().rule_for(name)
+        moe = f"{self.HF_TEXT_PREFIX}layers.{int(m.group(1))}.mlp.experts."
+        if m.group(3) == "linear_fc1":
+            return ParamRule("expert_gate_up_cat", (moe + "gate_up_proj",), int(m.group(2)))
+        return ParamRule("expert_down", (moe + "down_proj",), int(m.group(2)))
 
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
                                        Glm4MoeBridge, DeepseekV3Bridge, MiniMaxM2Bridge, GptOssBridge,
                                        Gemma3TextBridge, Gemma4TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
-                                       Qwen3_5MoeTextBridge, Qwen2_5_VLBridge)}
+                                       Qwen3_5MoeTextBridge, Qwen2_5_VLBridge, Qwen3VLBridge,
+                                       Qwen3VLMoeBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)
 BRIDGES_BY_MODEL_TYPE = {model_type: cls for cls in BRIDGES.values() for model_type in cls.model_types}

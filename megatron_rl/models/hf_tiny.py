@@ -190,29 +190,47 @@ _FAMILY_DEFAULTS["qwen3_5_moe_text"] = dict(_QWEN3_5_HYBRID, num_experts=4, num_
 # vision-language families: a config with text_config / vision_config, saved as the hub does (LM under model.*,
 # the vision tower under visual.*); kept apart from FAMILIES, whose text-only tests (weight sync, the memory
 # planner, ...) do not apply to them yet (docs/vlm.md)
-VL_FAMILIES = ("qwen2_5_vl",)
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # every switch on: a Qwen2 language model (q/k/v bias) with M-RoPE sections [2, 3, 3] of head_dim 16; a 2-block
 # vision tower (patch 2, temporal patch 2) with windowed attention in block 0 (window 8 pixels: 2x2 merged
 # patches) and full attention in block 1, a 2x2 merger into the text hidden size; image/video/vision-start/end
 # token ids inside the vocab
 _VL_TEXT: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+    # Qwen3 attention (q/k RMSNorm, no bias), interleaved M-RoPE sections [2, 3, 3] of head_dim 16
+    "qwen3_vl": dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
 }
+# Qwen3-VL-MoE: the same with 4 experts (top-2) of width 24 in every layer (2 x 24 != hidden 64, so the checkpoint's
+# stacked expert tensors are not square and their layout is unambiguous)
+_VL_TEXT["qwen3_vl_moe"] = dict(_VL_TEXT["qwen3_vl"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                output_router_logits=False, router_aux_loss_coef=0.0)
 _VL_VISION: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
                        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, window_size=8,
                        fullatt_block_indexes=[1], tokens_per_second=2),
+    # 3 blocks, DeepStack features taken after blocks 0 and 1 (added after decoder layers 0 and 1), a 4x4 learned
+    # position grid (bilinearly resampled to each image's grid)
+    "qwen3_vl": dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=2,
+                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                     deepstack_visual_indexes=[0, 1]),
 }
+_VL_VISION["qwen3_vl_moe"] = dict(_VL_VISION["qwen3_vl"])
 VL_TOKENS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
+    "qwen3_vl": dict(image_token_id=240, video_token_id=241, vision_start_token_id=242, vision_end_token_id=243),
 }
+VL_TOKENS["qwen3_vl_moe"] = dict(VL_TOKENS["qwen3_vl"])
 # the image processor a tiny VL model's directory holds (preprocessor_config.json, as a hub checkpoint's): the
 # tower's patch / temporal patch / merge sizes, and pixel bounds that keep an image between one merged token
 # (4x4 pixels) and 16 (16x16 pixels), so test prompts stay short
 VL_IMAGE_PROCESSOR: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(patch_size=2, temporal_patch_size=2, merge_size=2,
                        size={"shortest_edge": 4 * 4, "longest_edge": 16 * 16}),
+    "qwen3_vl": dict(patch_size=2, temporal_patch_size=2, merge_size=2,
+                     size={"shortest_edge": 4 * 4, "longest_edge": 16 * 16}),
 }
+VL_IMAGE_PROCESSOR["qwen3_vl_moe"] = dict(VL_IMAGE_PROCESSOR["qwen3_vl"])
 _ZERO_CENTRED = ("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
@@ -264,7 +282,8 @@ def _vl_config(family: str, **overrides: Any):
     text = {k: v for k, v in {**_COMMON, **_VL_TEXT[family], **overrides}.items() if k != "dtype"}
     text.update(bos_token_id=None, eos_token_id=None)  # transformers' defaults (151643, ...) lie outside the tiny vocab
     tie = text.pop("tie_word_embeddings")
-    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig}[family]
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig, "qwen3_vl": transformers.Qwen3VLConfig,
+           "qwen3_vl_moe": transformers.Qwen3VLMoeConfig}[family]
     return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **tokens)
 
 
@@ -273,7 +292,9 @@ def _model_class(family: str):
     import transformers
 
     if family in VL_FAMILIES:
-        return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration}[family]
+        return {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+                "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+                "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration}[family]
     return transformers.AutoModelForCausalLM
 
 
@@ -309,9 +330,24 @@ def build_tiny_hf_model(family: str, path: str | os.PathLike, seed: int = 0, mtp
     model.save_pretrained(str(path), safe_serialization=True)
     if family in VL_FAMILIES:
         _save_image_processor(family, str(path))
+    if family == "qwen3_vl_moe":
+        _hub_expert_layout(str(path))
     if depths:
         _add_mtp_tensors(str(path), main_layers, depths, config.hidden_size)
     return str(path)
+
+
+def _hub_expert_layout(path: str) -> None:
+    """Qwen3-VL-MoE's stacked experts as the hub checkpoints hold them: transformers keeps ``gate_up_proj``
+    ``[E, 2f, h]`` and ``down_proj`` ``[E, h, f]`` in memory and saves them so, while the hub's (what it transposes
+    on load) are ``[E, h, 2f]`` and ``[E, f, h]``."""
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
 
 
 def _save_image_processor(family: str, path: str) -> None:

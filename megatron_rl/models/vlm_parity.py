@@ -225,12 +225,19 @@ def exported_grads(bridge, model_chunks) -> dict[str, torch.Tensor]:
             p.data.copy_(s)
 
 
-def hf_grads(hf_model) -> dict[str, torch.Tensor]:
-    """HF's parameter gradients under the checkpoint's names (transformers' own reverse conversion)."""
+def hf_grads(hf_model, shapes: Optional[dict[str, tuple[int, ...]]] = None) -> dict[str, torch.Tensor]:
+    """HF's parameter gradients under the checkpoint's names (transformers' own reverse conversion). ``shapes``
+    (the bridge's ``hf_param_shapes``): a stacked expert tensor the reverse conversion leaves in transformers'
+    in-memory layout (Qwen3-VL-MoE's ``[E, 2f, h]``: its load-time ``Transpose(check_dims=True)`` is not undone)
+    is given the checkpoint's (its last two dims swapped)."""
     named = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
     out: dict[str, torch.Tensor] = {}
     for unit in hf_module.layer_units(named):
         out.update(hf_module.hf_checkpoint_names(hf_model, {n: named[n] for n in unit}))
+    for name, grad in list(out.items()):
+        want = (shapes or {}).get(name)
+        if want is not None and grad.dim() == 3 and tuple(grad.shape) != tuple(want):
+            out[name] = grad.transpose(1, 2)
     return out
 
 

@@ -150,7 +150,9 @@ def deinterleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows[0::2], rows[1::2]], dim=0)
 
 
-EXPERT_KINDS = ("expert_gate_up", "expert_row", "expert_down")
+EXPERT_KINDS = ("expert_gate_up", "expert_gate_up_cat", "expert_row", "expert_down")
+#: the kinds whose megatron parameter is a gated ``linear_fc1`` ``[gate; up]`` (each TP rank owns row blocks of both)
+EXPERT_GATE_UP_KINDS = ("expert_gate_up", "expert_gate_up_cat")
 
 
 def expert_to_megatron(kind: str, expert_slice: torch.Tensor) -> torch.Tensor:
@@ -158,9 +160,12 @@ def expert_to_megatron(kind: str, expert_slice: torch.Tensor) -> torch.Tensor:
 
     ``expert_gate_up``: ``gate_up_proj[e]`` ``[h, 2f]`` (or its bias ``[2f]``), gate / up interleaved
     -> ``linear_fc1`` ``[gate; up]`` ``[2f, h]``; ``expert_down``: ``down_proj[e]`` ``[f, h]`` ->
-    ``linear_fc2`` ``[h, f]``; ``expert_row``: as is (a bias)."""
+    ``linear_fc2`` ``[h, f]``; ``expert_row``: as is (a bias). ``expert_gate_up_cat`` (Qwen3-VL-MoE):
+    ``gate_up_proj[e]`` ``[h, 2f]`` with gate in columns ``[:f]`` and up in ``[f:]`` -> its transpose."""
     if kind == "expert_gate_up":
         return deinterleave_gate_up(expert_slice.t() if expert_slice.dim() == 2 else expert_slice)
+    if kind == "expert_gate_up_cat":
+        return expert_slice.t()
     if kind == "expert_down":
         return expert_slice.t()
     return expert_slice
@@ -171,7 +176,7 @@ def megatron_to_expert(kind: str, full: torch.Tensor) -> torch.Tensor:
     if kind == "expert_gate_up":
         rows = interleave_gate_up(full)
         return rows.t().contiguous() if rows.dim() == 2 else rows
-    if kind == "expert_down":
+    if kind in ("expert_down", "expert_gate_up_cat"):
         return full.t().contiguous()
     return full
 

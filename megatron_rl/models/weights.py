@@ -180,7 +180,7 @@ def _read_local(bridge, rule, slot: ParamSlot, ckpt: HFCheckpoint) -> torch.Tens
     if rule.kind in weight_maps.EXPERT_KINDS:  # one expert's slice of a stacked HF tensor, then this rank's TP shard
         (src,) = rule.hf_names
         full = weight_maps.expert_to_megatron(rule.kind, ckpt.read(src, 0, rule.expert, rule.expert + 1)[0])
-        if rule.kind == "expert_gate_up":
+        if rule.kind in weight_maps.EXPERT_GATE_UP_KINDS:
             if size > 1:  # each TP rank owns matching row blocks of gate and up
                 n = local_shape[0] // 2
                 gate, up = torch.chunk(full, 2, dim=0)
@@ -309,7 +309,7 @@ def _split_shard(bridge, kind: str, shard: torch.Tensor, tp_size: int) -> list[t
         return list(weight_maps.split_gated_qkv(shard, groups, hpg, bridge.head_dim))
     if kind in weight_maps.GDN_KINDS:
         return weight_maps.split_gdn(kind, shard, bridge.gdn_dims[0] // tp_size, bridge.gdn_dims)
-    if kind in ("gate_up", "expert_gate_up"):
+    if kind in ("gate_up", *weight_maps.EXPERT_GATE_UP_KINDS):
         return list(weight_maps.split_gate_up(shard))
     return [shard]
 
