@@ -86,7 +86,7 @@ def lean_decoder(model: torch.nn.Module, device: torch.device) -> Optional[Calla
     qk_norm = LEAN_FAMILIES[config.model_type][4]
     module = __import__(type(inner.layers[0].self_attn).__module__, fromlist=["apply_rotary_pos_emb"])
     apply_rotary: Callable = module.apply_rotary_pos_emb  # the family's own (the kernel hub's wrapper included)
-    fallback = getattr(module, "eager_attention_forward")
+    fallback = module.eager_attention_forward
 
     def step(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
              cache: Any) -> torch.Tensor:
