@@ -35,7 +35,7 @@ LEAN_FAMILIES: dict[str, tuple[str, str, str, str, bool]] = {
 _FORWARDS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm.forward`` (and Qwen2's, Qwen3's), op for op."""
     input_dtype = x.dtype
     x = x.to(torch.float32)
@@ -44,7 +44,7 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * x.to(input_dtype)
 
 
-def _why_not(model: torch.nn.Module, device: torch.device) -> Optional[str]:
+def _why_not(model: Any, device: torch.device) -> Optional[str]:
     config = model.config
     spec = LEAN_FAMILIES.get(getattr(config, "model_type", ""))
     if spec is None or type(model).__name__ not in _FORWARDS:
@@ -72,7 +72,7 @@ def _why_not(model: torch.nn.Module, device: torch.device) -> Optional[str]:
     return None
 
 
-def lean_decoder(model: torch.nn.Module, device: torch.device) -> Optional[Callable[..., torch.Tensor]]:
+def lean_decoder(model: Any, device: torch.device) -> Optional[Callable[..., torch.Tensor]]:
     """The lean decode step for ``model`` (module docstring), or None where it would not be transformers' own
     computation. The step: ``(input_ids [b, 1], attention_mask [b, L], position_ids [b, 1], cache) -> logits
     [b, vocab]`` of the one new position, the cache updated as the model's forward updates it."""
@@ -98,7 +98,7 @@ def lean_decoder(model: torch.nn.Module, device: torch.device) -> Optional[Calla
         cos, sin = inner.rotary_emb(hidden, position_ids)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, fallback)
         shape = hidden.shape[:-1]
-        for index, layer in enumerate(inner.layers):
+        for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             residual = hidden
             x = _rms_norm(layer.input_layernorm, hidden)
