@@ -91,6 +91,7 @@ from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merge
 from megatron_rl.ops.batch_invariant import batch_invariant_mode
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, checked_tokenizer, load_tokenizer
 from megatron_rl.rollout.hf_layout import HFParamMap
+from megatron_rl.rollout.lean_decode import lean_decoder
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.sampling import sample_next_tokens
 from megatron_rl.rollout.weight_delta import DeltaBaseMismatch, TensorDelta, is_delta_dir, read_delta_dir, tensor_checksum
@@ -212,12 +213,14 @@ class EmbeddedEngine(RolloutEngine):
     ``rope_deltas`` place it.
 
     ``attn_implementation`` None lets transformers choose per model: SDPA where the model supports it,
-    eager otherwise (gpt-oss, whose attention sinks SDPA cannot express)."""
+    eager otherwise (gpt-oss, whose attention sinks SDPA cannot express). ``lean_decode`` (on by default): a dense
+    llama / qwen2 / qwen3 model on the CPU decodes through ``rollout.lean_decode``, transformers' logits bit for bit
+    without its module plumbing; False: always the model's forward."""
 
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attn_implementation: Optional[str] = None, record_routes: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, lean_decode: bool = True):
         import transformers
 
         if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):
@@ -272,6 +275,9 @@ class EmbeddedEngine(RolloutEngine):
         self.param_map = HFParamMap(self.model)
         # MoE routing replay from the rollout (R3): every forward's expert choices, filed per token
         self.route_capture: Optional[RouteCapture] = RouteCapture(self.model) if record_routes else None
+        # a dense Llama-family model on the CPU decodes through rollout.lean_decode (transformers' own ops, its
+        # logits bit for bit, without the module plumbing); None: through the model's forward
+        self._lean_decode = lean_decoder(self.model, self.device) if lean_decode else None
         self._weight_version = 0
         self._released = False
         self._weights_loaded = True
@@ -871,8 +877,7 @@ class EmbeddedEngine(RolloutEngine):
                         if active and not retract:  # one decode step of the running rows
                             mask = torch.cat([mask, mask.new_ones(len(slots), 1)], dim=1)
                             positions = self._decode_positions([s.start + len(s.tokens) - 1 for s in slots])
-                            out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask,
-                                             position_ids=positions, cache=cache, use_cache=True)
+                            step_logits = self._decode_step(tokens.unsqueeze(-1), mask, positions, cache)
                             if self.route_capture is not None:  # each running row's fed token
                                 step_routes = self.route_capture.take(len(slots), 1)
                                 for k, s in enumerate(slots):
@@ -881,7 +886,7 @@ class EmbeddedEngine(RolloutEngine):
                             keep = [k for k, s in enumerate(slots) if not s.done]
                             index = torch.tensor(keep, dtype=torch.long, device=self.device)
                             parts.append((cache, index, mask[index]))
-                            logits.append(out.logits[:, -1, :][index])
+                            logits.append(step_logits[index])
                             order = [slots[k] for k in keep]
                         else:
                             order = []
@@ -964,6 +969,14 @@ class EmbeddedEngine(RolloutEngine):
         elem = next(self.model.parameters()).element_size()
         per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * longest * elem + self.vocab_size * (4 + 4 + 8)
         return max(1, CHUNK_BUDGET_BYTES // per_row)
+
+    def _decode_step(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                     cache: Any) -> torch.Tensor:
+        """One decode step of every cache row (``input_ids [b, 1]``): the new position's logits ``[b, vocab]``."""
+        if self._lean_decode is not None:
+            return self._lean_decode(input_ids, mask, positions, cache)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        return out.logits[:, -1, :]
 
     def _prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, capacity: int,
                  images: Optional[list[Optional[VisionInputs]]] = None):
@@ -1099,9 +1112,7 @@ class EmbeddedEngine(RolloutEngine):
                     mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
                     # a finished row left in the batch keeps its last position (its outputs are ignored)
                     positions = self._decode_positions([starts[r] + min(step, len(responses[r])) - 1 for r in batch])
-                    out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
-                                     cache=cache, use_cache=True)
-                    logits = out.logits[:, -1, :]
+                    logits = self._decode_step(tokens.unsqueeze(-1), mask, positions, cache)
                     if capture is not None:  # each live row's fed token (its last sampled one)
                         step_routes = capture.take(len(batch), 1)
                         for b, r in enumerate(batch):
