@@ -139,7 +139,7 @@ def _weight_update_mode_errors(cfg: Config) -> list[str]:
     elif s.update_weight_delta_encoding != "xor":
         errors.append(f"--update-weight-delta-encoding {s.update_weight_delta_encoding} is only used by "
                       "--update-weight-mode delta: add --update-weight-mode delta or drop it")
-    if s.update_weight_verify == "checksum" and cfg.has_rollout_engine and not cfg.in_process_engine:
+    if s.update_weight_verify == "checksum" and cfg.has_rollout_engine and r.rollout_backend == "sglang":
         errors.extend(_sglang_verify_errors(cfg))
     if s.update_weight_verify == "checksum" and cfg.lora.lora_sync == "adapter":
         errors.append("--update-weight-verify checksum with --lora-sync adapter: the engine merges the adapter into "
@@ -190,10 +190,6 @@ def _sglang_verify_errors(cfg: Config) -> list[str]:
     exported tensor (not the distributed transport's one sender per pipeline stage), and the trainer must know how
     the model's SGLang class holds its tensors (plan/sglang_weights.py, read from config.json)."""
     s = cfg.sync
-    if cfg.rollout.rollout_backend != "sglang":
-        return ["--update-weight-verify checksum: the embedded engine in a process of its own (--embedded-engine-ranks "
-                "process) reports no checksums: use --update-weight-verify auto or off, or the embedded engine on the "
-                "driver (--embedded-engine-ranks driver or all)"]
     errors = []
     if s.update_weight_transport == "distributed" and cfg.parallel.pipeline_model_parallel_size > 1:
         errors.append("--update-weight-verify checksum with --update-weight-transport distributed and "

@@ -1225,12 +1225,12 @@ class SyncConfig:
                                      "(--update-weight-delta-checksum) of every tensor it now holds and the trainer "
                                      "compares each with its own of the bytes it sent (in the engine's dtype); a "
                                      "mismatch stops the run naming the tensor, its bucket and the version. checksum: "
-                                     "on: the embedded engine in this process, or SGLang servers (their "
+                                     "on: the embedded engine (in this process, or its own: --embedded-engine-ranks process), or SGLang servers (their "
                                      "/weights_checker checksum of every tensor on every TP rank, against the "
                                      "trainer's of the same bytes in SGLang's fused layout; qwen2, qwen3 and llama "
                                      "models; disk, tensor, or distributed from one pipeline stage); not with "
                                      "--lora-sync adapter, whose engine merges the adapter itself. auto: checksum with "
-                                     "the embedded engine in this process and a whole-model sync (an engine that "
+                                     "the embedded engine (either placement) and a whole-model sync (an engine that "
                                      "reports no checksums is not verified), else off. off.",
                                      choices=("auto", "checksum", "off"))
     update_weight_disk_dir: Optional[str] = flag(None, "Directory for --update-weight-transport disk (needed "
@@ -1427,11 +1427,12 @@ class Config:
 
     @property
     def weight_update_verify(self) -> str:
-        """--update-weight-verify resolved: "checksum" or "off" (auto: checksum with an in-process engine and a
-        whole-model sync)."""
+        """--update-weight-verify resolved: "checksum" or "off" (auto: checksum with the embedded engine, in this
+        process or its own, and a whole-model sync)."""
         v = self.sync.update_weight_verify
         if v == "auto":  # --lora-sync adapter: the engine merges the adapter itself, in float32 (not bit-exact)
-            return "checksum" if self.in_process_engine and self.lora.lora_sync != "adapter" else "off"
+            embedded = self.rollout.rollout_backend == "embedded" and self.embedded_placement is not None
+            return "checksum" if embedded and self.lora.lora_sync != "adapter" else "off"
         return v
 
     @property

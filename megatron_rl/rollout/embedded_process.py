@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import httpx
 
@@ -55,6 +55,22 @@ class ServedEmbeddedEngine(SGLangEngine):
             super().close()
         finally:
             self.process.stop(grace_s=10.0)
+
+    def reports_weight_checksums(self) -> bool:
+        """Our own server answers each tensor's checksum (``/weights_checker`` ``tensor_checksums``), so the
+        trainer's post-apply check (--update-weight-verify) runs against it as against the in-process engine."""
+        return True
+
+    def weight_checksums(self, names: Iterable[str], algorithm: str) -> dict[str, str]:
+        client = self.clients[0]
+        reply = client.request("POST", "/weights_checker", {"action": "tensor_checksums", "names": list(names),
+                                                            "algorithm": algorithm}, timeout_s=self.update_timeout_s,
+                               context="the post-apply check's checksums (--update-weight-verify)").json()
+        checksums = reply.get("checksums") if isinstance(reply, dict) else None
+        if not isinstance(checksums, dict):
+            raise EngineError(f"{client.label} answered /weights_checker tensor_checksums without checksums: "
+                              f"{str(reply)[:200]}")
+        return {str(k): str(v) for k, v in checksums.items()}
 
 
 def server_command(model: str, port: int, python: str = sys.executable, routes: bool = False,

@@ -55,7 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.embedded import EmbeddedEngine, EngineRow, RowOutput
 from megatron_rl.rollout.routes import to_sglang
 from megatron_rl.data.types import SamplingParams
@@ -229,6 +229,7 @@ class EmbeddedServer:
                          "weight_version": self._version_names[self.engine.weight_version]}
         if path in ("/server_info", "/get_server_info"):
             return 200, {"model_path": self.model_path, "tp_size": 1, "dp_size": 1, "device": str(self.engine.device),
+                         "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
                          "enable_deterministic_inference": True, "version": SERVER_VERSION,
                          "weight_version": self._version_names[self.engine.weight_version]}
         routes = {"/generate": self.generate, "/update_weights_from_disk": self.update_weights_from_disk,
@@ -397,10 +398,21 @@ class EmbeddedServer:
     def weights_checker(self, body: dict) -> tuple[int, Any]:
         """SGLang's ``/weights_checker`` (what ``--check-weight-update-equal`` drives): ``snapshot`` copies the
         live weights, ``reset_tensors`` overwrites them with noise (so an update that skipped a tensor shows),
-        ``compare`` checks the live weights against the snapshot bit for bit, naming every tensor that differs."""
+        ``compare`` checks the live weights against the snapshot bit for bit, naming every tensor that differs.
+        ``tensor_checksums`` (ours, not SGLang's: ``--update-weight-verify`` of this engine) answers the
+        ``algorithm`` checksum of each tensor in ``names`` (HF names) as the engine holds it now."""
         import torch  # lazy: the module's request handling needs no torch of its own
 
         action = body.get("action", "checksum")
+        if action == "tensor_checksums":
+            names, algorithm = body.get("names"), body.get("algorithm")
+            if not isinstance(names, list) or not isinstance(algorithm, str):
+                return 400, {"success": False, "message": "tensor_checksums needs names (a list of tensor names) and "
+                                                           "algorithm (a checksum name)"}
+            try:
+                return 200, {"success": True, "checksums": self.engine.weight_checksums(names, algorithm)}
+            except (EngineError, KeyError, ValueError) as exc:
+                return 400, {"success": False, "message": str(exc)}
         with self.engine.exclusive():
             params = list(self.engine.model.named_parameters())
             if action == "snapshot":
@@ -419,7 +431,7 @@ class EmbeddedServer:
                                                                f"differ: {', '.join(bad[:8])}"}
             else:
                 return 400, {"success": False, "message": f"Unsupported action={action!r} (snapshot, "
-                                                           "reset_tensors, compare)"}
+                                                           "reset_tensors, compare, tensor_checksums)"}
         return 200, {"success": True, "message": "Success."}
 
     def flush_cache(self, body: dict) -> tuple[int, Any]:

@@ -73,8 +73,9 @@ class EngineUpdates:
         s = cfg.sync
         return cls(mode=s.update_weight_mode, encoding=s.update_weight_delta_encoding,
                    checksum=s.update_weight_delta_checksum,
-                   # an engine in this process; SGLang engines are checked by weight_sync.sglang_verify instead
-                   verify=cfg.weight_update_verify == "checksum" and cfg.in_process_engine,
+                   # an embedded engine (in this process or its own); SGLang engines are checked by
+                   # weight_sync.sglang_verify instead
+                   verify=cfg.weight_update_verify == "checksum" and cfg.rollout.rollout_backend == "embedded",
                    verify_auto=s.update_weight_verify == "auto")
 
     @property

@@ -265,3 +265,57 @@ def test_auto_verification_leaves_out_an_engine_that_reports_no_checksums(tiny_h
     sync = InProcessSynchronizer(bucket_bytes=BUCKET, updates=EngineUpdates(verify=True, verify_auto=True))
     assert "sync/verified_tensors" not in sync.sync(FakeBackend(checkpoint_tensors(hf)), engine, version=1)
     assert EmbeddedEngine(hf).reports_weight_checksums()
+
+
+class InProcessServer:
+    """The embedded engine server run in this process, as ``ServedEmbeddedEngine`` holds its process: its url and
+    log, and ``stop``. The protocol is the real server's; only the process around it is not started."""
+
+    def __init__(self, server):
+        self.server, self.url, self.log_path = server, server.url, "(in process)"
+
+    def stop(self, grace_s):
+        self.server.stop()
+
+
+def test_the_served_embedded_engine_is_verified_after_each_sync(tiny_hf_models, tmp_path):
+    """--embedded-engine-ranks process (async modes' engine): the server answers each tensor's checksum, so the
+    trainer's post-apply check runs against it (auto: on), and a tensor it holds wrong is named."""
+    from megatron_rl.rollout.embedded_process import ServedEmbeddedEngine
+    from megatron_rl.rollout.embedded_server import EmbeddedServer
+
+    hf = tiny_hf_models("qwen2")
+    cfg = parse_config(["--hf-checkpoint", hf, "--async-mode", "one-step", "--update-weight-transport", "disk",
+                        "--update-weight-disk-dir", str(tmp_path / "w")])
+    assert cfg.embedded_placement == "process" and cfg.weight_update_verify == "checksum"
+    sync = make_synchronizer_from_config(cfg)
+    assert sync.updates.verify
+    inner = EmbeddedEngine(hf)
+    engine = ServedEmbeddedEngine(InProcessServer(EmbeddedServer(inner, model_path=hf).start()),
+                                  weight_dir=str(tmp_path / "w"), hf_checkpoint=hf, releases_memory=False)
+    try:
+        start = checkpoint_tensors(hf)
+        s1, s2 = steps(start, 2, seed=3)
+        metrics = sync.sync(FakeBackend(s1), engine, version=1)
+        assert metrics["sync/verified_tensors"] == len(start)
+        assert all(torch.equal(t, s1[n]) for n, t in live(inner).items())
+        name = "model.layers.1.self_attn.q_proj.weight"
+        with pytest.raises(WeightChecksumMismatch, match=rf"version 2 .* {name} \(bucket \d+\)"):
+            sync.sync(FakeBackend(s2), _PerturbServed(engine, inner, name), version=2)
+    finally:
+        engine.close()
+
+
+class _PerturbServed:
+    """The served engine, but one tensor inside its server comes out of the disk load other than it went in."""
+
+    def __init__(self, engine, inner, name):
+        self.engine, self.inner, self.name = engine, inner, name
+
+    def update_weights_from_disk(self, path, version):
+        self.engine.update_weights_from_disk(path, version)
+        with torch.no_grad():
+            self.inner.param_map.view(self.name).view(-1)[0] += 1.0
+
+    def __getattr__(self, attr):
+        return getattr(self.engine, attr)
