@@ -311,6 +311,16 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
         return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
                                                                         self_attention=self_attention))
 
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        self._local_spec_only(flavour)
+        return super().megatron_param_shapes(flavour, tp_size)
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2).endswith(".layer_norm_weight"):  # a transformer-engine fused norm
+            self._local_spec_only("transformer_engine")
+        return super().rule_for(name)
+
     def _indexer_shapes(self) -> dict[str, tuple[int, ...]]:
         heads, head_dim, _ = self._indexer_dims
         q_rank = int(self._q_lora_rank)

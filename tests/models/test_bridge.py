@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, gemma4_text, glm4_moe, gpt_oss, kimi_k2, llama, minimax_m2, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
+    with pytest.raises(BridgeError, match="deepseek_v3, deepseek_v32, gemma3_text, gemma4_text, glm4_moe, gpt_oss, kimi_k2, llama, minimax_m2, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
         get_bridge({"model_type": "gpt2"})
 
 
