@@ -78,16 +78,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SparseIndexer(DSAIndexer):
     """megatron's ``DSAIndexer`` with HF's scoring (see the module docstring); frozen when its loss is off."""
 
-    def __init__(self, config, submodules: DSAIndexerSubmodules, pg_collection=None):
+    def __init__(self, config, submodules: DSAIndexerSubmodules, pg_collection=None, *, interleaved: bool = False):
         super().__init__(config, submodules, pg_collection=pg_collection)
+        self.interleaved = interleaved  # GLM-5 (glm_moe_dsa): pairs (x0, x1), (x2, x3), ... rotate, as MLA's RoPE
         if not self.config.dsa_indexer_loss_coeff:
             for param in self.parameters():
                 param.requires_grad_(False)
 
     def _rope(self, x: torch.Tensor, emb: torch.Tensor, mscale: float) -> torch.Tensor:
-        """RoPE on the first ``qk_pos_emb_head_dim`` channels, rotate-half, as HF's indexer."""
+        """RoPE on the first ``qk_pos_emb_head_dim`` channels, rotate-half, as HF's indexer (interleaved: the
+        pairs are first gathered into halves, as HF's ``apply_rotary_pos_emb_interleave``; q and k alike, so
+        their dot product is the interleaved rotation's)."""
         r = self.qk_pos_emb_head_dim
         rot, rest = x[..., :r], x[..., r:]
+        if self.interleaved:
+            rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
         cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
         return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
@@ -184,9 +189,10 @@ class SparseAttention(DSAttention):
         return out
 
 
-def sparse_attention_spec() -> ModuleSpec:
-    """The ``core_attention`` spec of a DSA layer on megatron's local MLA spec."""
+def sparse_attention_spec(interleaved: bool = False) -> ModuleSpec:
+    """The ``core_attention`` spec of a DSA layer on megatron's local MLA spec (``interleaved``: the indexer's
+    RoPE rotates interleaved pairs, GLM-5)."""
     return ModuleSpec(module=SparseAttention, submodules=DSAttentionSubmodules(indexer=ModuleSpec(
-        module=SparseIndexer, submodules=DSAIndexerSubmodules(
+        module=SparseIndexer, params={"interleaved": interleaved}, submodules=DSAIndexerSubmodules(
             linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKeyNorm,
             linear_weights_proj=IndexerLinear))))

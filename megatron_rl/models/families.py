@@ -261,6 +261,7 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
     family = "deepseek_v32"
     model_types = ("deepseek_v32",)
     attention_layer_types = ("indexed_attention",)  # every layer DSA
+    indexer_rope_interleaved = False  # DeepSeek-V3.2's indexer: rotate-half (its MLA: interleaved)
     _INDEXER = {"linear_wq_b.weight": "wq_b.weight", "linear_wk.weight": "wk.weight",
                 "k_norm.weight": "k_norm.weight", "k_norm.bias": "k_norm.bias",
                 "linear_weights_proj.weight": "weights_proj.weight"}
@@ -306,7 +307,8 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
         # the TE MLA spec fuses q_a_layernorm into linear_q_up_proj: the indexer would read the un-normed latent
         self._local_spec_only(layer_spec_flavour())
         spec = super().layer_spec(config, moe=moe)
-        attn = dataclasses.replace(spec.submodules.self_attention.submodules, core_attention=sparse_attention_spec())
+        attn = dataclasses.replace(spec.submodules.self_attention.submodules,
+                                   core_attention=sparse_attention_spec(self.indexer_rope_interleaved))
         self_attention = dataclasses.replace(spec.submodules.self_attention, submodules=attn)
         return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
                                                                         self_attention=self_attention))
@@ -340,6 +342,26 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
         return {**super().attention_rules(attn),
                 **{f"self_attention.core_attention.indexer.{m}": ("copy", (f"{attn}indexer.{h}",))
                    for m, h in self._INDEXER.items()}}
+
+
+class GlmMoeDsaBridge(DeepseekV32Bridge):
+    """GLM-5 (``glm_moe_dsa``): DeepSeek-V3.2's layers (MLA, the lightning indexer, the sigmoid-router MoE) with the
+    indexer's RoPE on interleaved pairs, as its MLA's. Its cross-layer top-k sharing (``indexer_types`` "shared":
+    a layer without an indexer reusing the previous full layer's selection) is refused: megatron-core 0.16.1's
+    DSA has no way to hand a layer's top-k to the next (across pipeline stages either)."""
+
+    family = "glm_moe_dsa"
+    model_types = ("glm_moe_dsa",)
+    indexer_rope_interleaved = True
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        types = list(self.cfg("indexer_types", None) or [])
+        shared = [i for i, t in enumerate(types) if t != "full"]
+        if shared:
+            problems.append(f"indexer_types with {len(shared)} 'shared' layers (first: layer {shared[0]}; cross-layer "
+                            "top-k sharing: megatron-core 0.16.1's sparse attention runs an indexer in every layer)")
+        return problems
 
 
 class MiniMaxM2Bridge(Bridge):
@@ -1255,7 +1277,7 @@ class Qwen2_5_VLBridge(Qwen2Bridge):
 
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge, DeepseekV32Bridge, MiniMaxM2Bridge, GptOssBridge,
+                                       Glm4MoeBridge, DeepseekV3Bridge, DeepseekV32Bridge, GlmMoeDsaBridge, MiniMaxM2Bridge, GptOssBridge,
                                        Gemma3TextBridge, Gemma4TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
                                        Qwen3_5MoeTextBridge, Qwen2_5_VLBridge)}
 #: config.json model_type -> bridge (a family may answer to several names)

@@ -60,9 +60,9 @@ NOT_ESTIMATED = "not estimated yet"
 # config.json families (models/families.py): where their parameters differ from the Llama baseline
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-_MLA = ("deepseek_v3", "deepseek_v32", "kimi_k2")
-_DSA = ("deepseek_v32",)  # a lightning indexer per layer (frozen: models/dsa.py)
-_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "deepseek_v32", "kimi_k2", "minimax_m2")  # a selection bias per expert (an fp32 buffer)
+_MLA = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2")
+_DSA = ("deepseek_v32", "glm_moe_dsa")  # a lightning indexer per layer (frozen: models/dsa.py)
+_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "minimax_m2")  # a selection bias per expert (an fp32 buffer)
 _GATED_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # gated attention + gated delta-net layers
 _MOE_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}
 _ALL_HEADS_QK_NORM = ("minimax_m2",)  # q/k norm gains per channel of all heads (nh x hd, ng x hd)
