@@ -161,7 +161,7 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
     """
 
     family = "deepseek_v3"
-    model_types = ("deepseek_v3", "kimi_k2")  # Kimi-K2: DeepSeek-V3's architecture under its own name
+    model_types: tuple[str, ...] = ("deepseek_v3", "kimi_k2")  # Kimi-K2: DeepSeek-V3's architecture under its own name
     mla = True
     qk_norm = True  # MLA's q / kv latent RMSNorms (q_a_layernorm, kv_a_layernorm)
     rope_types = ("default", "yarn")
