@@ -104,6 +104,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         index_n_heads=8,
         index_head_dim=16,
         index_topk=4,
+        bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
+        eos_token_id=None,
     ),
     # GLM-5: DeepSeek-V3.2's switches with default RoPE (GLM-5's) and the indexer's RoPE on interleaved pairs;
     # every layer runs its indexer (cross-layer top-k sharing is refused)
@@ -121,6 +123,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         index_n_heads=8,
         index_head_dim=16,
         index_topk=4,
+        bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
+        eos_token_id=None,
     ),
     # every switch on: every layer MoE (experts of intermediate_size) with a sigmoid router and a random
     # selection bias, q/k norms over all heads of a token, half-rotary RoPE; token ids inside the vocab
