@@ -34,11 +34,15 @@ QKV_BIAS_TYPES = ("qwen2", "qwen2_5_vl_text")  # families whose q/k/v projection
 MROPE_TYPES = ("qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 QKV_ONLY_ATTENTION_BIAS_TYPES = ("glm4_moe",)  # attention_bias means q/k/v bias (o_proj has none)
 # (minimax_m2's q/k norms span all heads, which megatron's per-head qk_layernorm is not: the bridge builds them itself)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text",
-                 "qwen3_5_moe_text", "qwen3_vl_text", "qwen3_vl_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "gemma3_text", "gemma4_text",
+                 "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_vl_text",
+                 "qwen3_vl_moe_text")  # q/k RMSNorm (MLA: its q/kv latent norms; others: use_qk_norm)
 MOE_FFN_KEYS = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}  # expert MLP size key where not moe_intermediate_size
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # sigmoid router score (the other MoE families: softmax)
-MLA_TYPES = ("deepseek_v3", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "minimax_m2")  # sigmoid router score (the other MoE families: softmax)
+MLA_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2")  # multi-latent attention (q/kv latents, decoupled RoPE)
+# DeepSeek Sparse Attention (a lightning indexer per layer picks each query's index_topk keys; models/dsa.py):
+# megatron-core's DSA keeps a sequence's keys on one rank, so context parallelism is refused
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # gpt-oss: experts apply a clamped, offset quick-GELU GLU (not Megatron-LM's --swiglu), YaRN is megatron's
 # position_embedding_type "yarn" (MLA models take YaRN inside their attention instead)
 CLAMPED_GLU_TYPES = ("gpt_oss",)
@@ -73,8 +77,9 @@ SLIME_SPECS: dict[tuple[str, str], tuple[str, ...]] = {
 
 # config.json model_types a bridge builds (models/families.py BRIDGES_BY_MODEL_TYPE), and the multimodal ones
 # whose text model has one (models.MULTIMODAL_WRAPPERS); tests/config/test_slime_architecture.py keeps them equal
-BRIDGED_MODEL_TYPES = ("deepseek_v3", "gemma3_text", "gemma4_text", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "minimax_m2",
-                       "mixtral", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe",
+BRIDGED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "gemma3_text", "gemma4_text", "glm4_moe", "glm_moe_dsa", "gpt_oss",
+                       "kimi_k2", "llama", "minimax_m2", "mixtral", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_5_moe_text",
+                       "qwen3_5_text", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe",
                        "qwen3_next")
 # vision-language model_types a bridge builds (models/families.py): what a run with one may combine is
 # config/vlm_rules.py's (docs/vlm.md)

@@ -19,7 +19,7 @@ import re
 from megatron_rl.errors import ConfigError
 
 from .schema import Config, flag_name, iter_fields
-from .architecture import (ALL_HEADS_QK_NORM_TYPES, EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors,
+from .architecture import (ALL_HEADS_QK_NORM_TYPES, MLA_TYPES, EXPERT_BIAS_TYPES, LINEAR_ATTENTION_TYPES, architecture_errors,
                            dry_run_without_checkpoint, hf_is_moe, hf_model_type, hf_num_key_value_heads, hf_num_layers)
 from .lora_rules import modules_to_save_errors
 from .multimodal import parse_multimodal_keys
@@ -1198,7 +1198,7 @@ def _check_lora(errors: list[str], cfg: Config) -> None:
     if mlp and hf_is_moe(cfg):
         errors.append(f"--lora-target-modules {' '.join(mlp)} on an MoE model: adapters on expert linears are not "
                       "built; target the attention projections (q_proj k_proj v_proj o_proj)")
-    if hf_model_type(cfg) in ("deepseek_v3", "kimi_k2"):
+    if hf_model_type(cfg) in MLA_TYPES:
         errors.append(f"--lora-rank with a {hf_model_type(cfg)} model: adapters on multi-latent attention projections "
                       "are not built")
     if hf_model_type(cfg) in LINEAR_ATTENTION_TYPES:

@@ -88,6 +88,7 @@ class Bridge:
     mla: bool = False  # multi-latent attention (DeepSeek-V3): MLA layer spec, MLATransformerConfig, MLA name maps
     rope_types: tuple[str, ...] = ("default",)  # HF rope_type values the family maps exactly
     sliding_window_layers: bool = False  # layer_types sliding_attention / full_attention map (gpt-oss)
+    attention_layer_types: tuple[str, ...] = ("full_attention",)  # config.json layer_types this family builds
     position_embedding_type: str = "rope"  # megatron GPTModel's (gpt-oss: "yarn")
     vision_language: bool = False  # a vision tower in front (image_token_id / spatial_merge_size then defined)
 
@@ -244,7 +245,7 @@ class Bridge:
             problems.append(f"sliding_window={self.cfg('sliding_window')} (sliding-window attention; megatron "
                             "attention here is full causal)")
         layer_types = self.cfg("layer_types", None) or []
-        mapped = ("full_attention", "sliding_attention") if self.sliding_window_layers else ("full_attention",)
+        mapped = ("full_attention", "sliding_attention") if self.sliding_window_layers else self.attention_layer_types
         odd = sorted({t for t in layer_types if t not in mapped})
         if odd:
             problems.append(f"layer_types {odd} (only {' / '.join(mapped)})")

@@ -161,7 +161,7 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
     """
 
     family = "deepseek_v3"
-    model_types = ("deepseek_v3", "kimi_k2")  # Kimi-K2: DeepSeek-V3's architecture under its own name
+    model_types: tuple[str, ...] = ("deepseek_v3", "kimi_k2")  # Kimi-K2: DeepSeek-V3's architecture under its own name
     mla = True
     qk_norm = True  # MLA's q / kv latent RMSNorms (q_a_layernorm, kv_a_layernorm)
     rope_types = ("default", "yarn")
@@ -247,6 +247,121 @@ class DeepseekV3Bridge(SigmoidRouterMoeBridge):
         return (self.hidden_size, self.num_heads, None if q_rank is None else int(q_rank),
                 int(self.cfg("kv_lora_rank")), int(self.cfg("qk_nope_head_dim")), int(self.cfg("qk_rope_head_dim")),
                 int(self.cfg("v_head_dim")))
+
+
+class DeepseekV32Bridge(DeepseekV3Bridge):
+    """DeepSeek-V3.2 (``deepseek_v32``): DeepSeek-V3 (MLA with a q latent, the sigmoid-router MoE) with
+    DeepSeek Sparse Attention: each layer's lightning indexer (``self_attn.indexer.wq_b / wk / k_norm /
+    weights_proj``) picks the ``index_topk`` keys every query attends to (:mod:`megatron_rl.models.dsa`:
+    megatron-core's ``DSAIndexer`` parameters with HF's scoring, in the MLA ``core_attention`` slot; megatron's
+    ``experimental_attention_variant="dsa"`` hands it ``x`` and the normed q latent). The indexer's rows map
+    1:1 (HF's order: RoPE on the first ``qk_rope_head_dim`` channels). The indexer is frozen (HF computes it
+    under ``no_grad``; ``dsa_indexer_loss_coeff`` 0): see docs/parity.md."""
+
+    family = "deepseek_v32"
+    model_types = ("deepseek_v32",)
+    attention_layer_types = ("indexed_attention",)  # every layer DSA
+    indexer_rope_interleaved = False  # DeepSeek-V3.2's indexer: rotate-half (its MLA: interleaved)
+    _INDEXER = {"linear_wq_b.weight": "wq_b.weight", "linear_wk.weight": "wk.weight",
+                "k_norm.weight": "k_norm.weight", "k_norm.bias": "k_norm.bias",
+                "linear_weights_proj.weight": "weights_proj.weight"}
+
+    @property
+    def _indexer_dims(self) -> tuple[int, int, int]:
+        return int(self.cfg("index_n_heads")), int(self.cfg("index_head_dim")), int(self.cfg("index_topk"))
+
+    def attention_config(self) -> dict[str, Any]:
+        heads, head_dim, topk = self._indexer_dims
+        return {**super().attention_config(), "experimental_attention_variant": "dsa",
+                "dsa_indexer_n_heads": heads, "dsa_indexer_head_dim": head_dim, "dsa_indexer_topk": topk,
+                "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False}
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        if self._q_lora_rank is None:
+            problems.append("q_lora_rank=null (the indexer reads the q latent; transformers' DeepSeek-V3.2 "
+                            "always has one)")
+        _, head_dim, _ = self._indexer_dims
+        if head_dim < int(self.cfg("qk_rope_head_dim")):
+            problems.append(f"index_head_dim={head_dim} < qk_rope_head_dim={self.cfg('qk_rope_head_dim')} "
+                            "(the indexer rotates its first qk_rope_head_dim channels)")
+        dense = int(self.cfg("first_k_dense_replace", 0))
+        pattern = self.cfg("mlp_layer_types", None)
+        if pattern is not None and list(pattern) != ["dense" if i < dense else "sparse"
+                                                     for i in range(self.num_layers)]:
+            problems.append(f"mlp_layer_types={list(pattern)} (the bridge places MoE layers from "
+                            f"first_k_dense_replace={dense})")
+        return problems
+
+    def unsupported_layout(self, layout) -> list[str]:
+        problems = super().unsupported_layout(layout)
+        if layout.cp > 1:
+            problems.append(f"--context-parallel-size {layout.cp} (DeepSeek Sparse Attention's indexer scores "
+                            "every earlier key of a sequence, which megatron-core 0.16.1's DSA keeps on one rank: "
+                            "it refuses context parallelism); pass --context-parallel-size 1")
+        return problems
+
+    def layer_spec(self, config, moe: Optional[bool] = None):
+        from megatron_rl.models.dsa import sparse_attention_spec  # lazy: imports megatron-core
+
+        # the TE MLA spec fuses q_a_layernorm into linear_q_up_proj: the indexer would read the un-normed latent
+        self._local_spec_only(layer_spec_flavour())
+        spec = super().layer_spec(config, moe=moe)
+        attn = dataclasses.replace(spec.submodules.self_attention.submodules,
+                                   core_attention=sparse_attention_spec(self.indexer_rope_interleaved))
+        self_attention = dataclasses.replace(spec.submodules.self_attention, submodules=attn)
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                        self_attention=self_attention))
+
+    def megatron_param_shapes(self, flavour: str = "local", tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        self._local_spec_only(flavour)
+        return super().megatron_param_shapes(flavour, tp_size)
+
+    def rule_for(self, name: str) -> ParamRule:
+        m = self._LAYER.match(name)
+        if m and m.group(2).endswith(".layer_norm_weight"):  # a transformer-engine fused norm
+            self._local_spec_only("transformer_engine")
+        return super().rule_for(name)
+
+    def _indexer_shapes(self) -> dict[str, tuple[int, ...]]:
+        heads, head_dim, _ = self._indexer_dims
+        q_rank = int(self._q_lora_rank)
+        return {"wq_b.weight": (heads * head_dim, q_rank), "wk.weight": (head_dim, self.hidden_size),
+                "k_norm.weight": (head_dim,), "k_norm.bias": (head_dim,), "weights_proj.weight": (heads, self.hidden_size)}
+
+    def hf_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        return {**super().hf_attention_shapes(attn),
+                **{f"{attn}indexer.{k}": v for k, v in self._indexer_shapes().items()}}
+
+    def megatron_attention_shapes(self, names) -> dict[str, tuple[int, ...]]:
+        hf = self._indexer_shapes()
+        return {**super().megatron_attention_shapes(names),
+                **{f"self_attention.core_attention.indexer.{m}": hf[h] for m, h in self._INDEXER.items()}}
+
+    def attention_rules(self, attn: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+        return {**super().attention_rules(attn),
+                **{f"self_attention.core_attention.indexer.{m}": ("copy", (f"{attn}indexer.{h}",))
+                   for m, h in self._INDEXER.items()}}
+
+
+class GlmMoeDsaBridge(DeepseekV32Bridge):
+    """GLM-5 (``glm_moe_dsa``): DeepSeek-V3.2's layers (MLA, the lightning indexer, the sigmoid-router MoE) with the
+    indexer's RoPE on interleaved pairs, as its MLA's. Its cross-layer top-k sharing (``indexer_types`` "shared":
+    a layer without an indexer reusing the previous full layer's selection) is refused: megatron-core 0.16.1's
+    DSA has no way to hand a layer's top-k to the next (across pipeline stages either)."""
+
+    family = "glm_moe_dsa"
+    model_types = ("glm_moe_dsa",)
+    indexer_rope_interleaved = True
+
+    def unsupported(self) -> list[str]:
+        problems = super().unsupported()
+        types = list(self.cfg("indexer_types", None) or [])
+        shared = [i for i, t in enumerate(types) if t != "full"]
+        if shared:
+            problems.append(f"indexer_types with {len(shared)} 'shared' layers (first: layer {shared[0]}; cross-layer "
+                            "top-k sharing: megatron-core 0.16.1's sparse attention runs an indexer in every layer)")
+        return problems
 
 
 class MiniMaxM2Bridge(Bridge):
@@ -1302,7 +1417,7 @@ class Qwen3VLMoeBridge(Qwen3VLBridge, Qwen3MoeBridge):
 
 
 BRIDGES = {cls.family: cls for cls in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge, MixtralBridge,
-                                       Glm4MoeBridge, DeepseekV3Bridge, MiniMaxM2Bridge, GptOssBridge,
+                                       Glm4MoeBridge, DeepseekV3Bridge, DeepseekV32Bridge, GlmMoeDsaBridge, MiniMaxM2Bridge, GptOssBridge,
                                        Gemma3TextBridge, Gemma4TextBridge, Qwen3NextBridge, Qwen3_5TextBridge,
                                        Qwen3_5MoeTextBridge, Qwen2_5_VLBridge, Qwen3VLBridge,
                                        Qwen3VLMoeBridge)}

@@ -4,7 +4,8 @@ SGLang builds fused parameters from several checkpoint tensors (its models' ``st
 q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj`` (dense MLPs, shared experts, and each routed
 expert's slice of the MoE layer's ``w13``), the gated delta-net's split projections (Qwen3.5) into
 ``in_proj_qkvz`` / ``in_proj_ba``, and MLA's two down-projections (DeepSeek-V2/V3, Kimi-K2 with a q latent)
-into ``fused_qkv_a_proj_with_mqa``. A weight update over ``/update_weights_from_tensor`` or the
+into ``fused_qkv_a_proj_with_mqa``, and DeepSeek-V3.2's indexer key and head-weight projections (``wk``,
+``weights_proj``) into ``fused_wk_and_weights_proj``. A weight update over ``/update_weights_from_tensor`` or the
 distributed group calls the model's ``load_weights`` once per bucket, and some loaders only keep a pair
 while that one call lasts (DeepSeek's loader caches ``q_a_proj`` until ``kv_a_proj_with_mqa`` arrives and
 drops it when the call ends): a bucket boundary between members can leave the engine with a stale half.
@@ -44,6 +45,8 @@ FUSED_LOADS: tuple[FusedLoad, ...] = (
     FusedLoad("fused_qkv_a_proj_with_mqa", ("q_a_proj", "kv_a_proj_with_mqa"), "MLA with a q latent (DeepSeek)"),
     FusedLoad("in_proj_qkvz", ("in_proj_qkv", "in_proj_z"), "the gated delta-net of Qwen3.5"),
     FusedLoad("in_proj_ba", ("in_proj_b", "in_proj_a"), "the gated delta-net of Qwen3.5"),
+    FusedLoad("fused_wk_and_weights_proj", ("wk", "weights_proj"),
+              "DeepSeek-V3.2's sparse-attention indexer (SGLang's NSA indexer with fuse_wk_and_weights_proj)"),
 )
 
 _MEMBER_OF: dict[str, FusedLoad] = {m: f for f in FUSED_LOADS for m in f.members}

@@ -18,7 +18,7 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss", "gemma3_text",
             "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "minimax_m2",
-            "gemma4_text")
+            "gemma4_text", "deepseek_v32", "glm_moe_dsa")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=250,
@@ -84,6 +84,47 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         **_SIGMOID_MOE,
         routed_scaling_factor=2.5,
         attention_bias=False,
+    ),
+    # DeepSeek-V3's switches (MLA with a q latent, YaRN with both mscales, the sigmoid-router MoE) plus the
+    # lightning indexer: 8 heads of 16 channels (8 rotated, 8 not), top-4 keys (shorter than the test
+    # sequences, so attention is sparse)
+    "deepseek_v32": dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 0.8},
+        **_SIGMOID_MOE,
+        routed_scaling_factor=2.5,
+        attention_bias=False,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=4,
+        bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
+        eos_token_id=None,
+    ),
+    # GLM-5: DeepSeek-V3.2's switches with default RoPE (GLM-5's) and the indexer's RoPE on interleaved pairs;
+    # every layer runs its indexer (cross-layer top-k sharing is refused)
+    "glm_moe_dsa": dict(
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **_SIGMOID_MOE,
+        routed_scaling_factor=2.5,
+        attention_bias=False,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=4,
+        bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
+        eos_token_id=None,
     ),
     # every switch on: every layer MoE (experts of intermediate_size) with a sigmoid router and a random
     # selection bias, q/k norms over all heads of a token, half-rotary RoPE; token ids inside the vocab
@@ -265,6 +306,8 @@ def tiny_config(family: str, **overrides: Any):
         "qwen3_5_text": transformers.Qwen3_5TextConfig,
         "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
         "minimax_m2": transformers.MiniMaxM2Config,
+        "deepseek_v32": transformers.DeepseekV32Config,
+        "glm_moe_dsa": transformers.GlmMoeDsaConfig,
         "gemma4_text": transformers.Gemma4TextConfig,
     }[family]
     kwargs = {**_COMMON, **_FAMILY_DEFAULTS[family], **overrides}

@@ -60,8 +60,9 @@ NOT_ESTIMATED = "not estimated yet"
 # config.json families (models/families.py): where their parameters differ from the Llama baseline
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-_MLA = ("deepseek_v3", "kimi_k2")
-_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "kimi_k2", "minimax_m2")  # a selection bias per expert (an fp32 buffer)
+_MLA = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2")
+_DSA = ("deepseek_v32", "glm_moe_dsa")  # a lightning indexer per layer (frozen: models/dsa.py)
+_SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_k2", "minimax_m2")  # a selection bias per expert (an fp32 buffer)
 _GATED_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # gated attention + gated delta-net layers
 _MOE_FFN_KEY = {"mixtral": "intermediate_size", "gpt_oss": "intermediate_size", "minimax_m2": "intermediate_size"}
 _ALL_HEADS_QK_NORM = ("minimax_m2",)  # q/k norm gains per channel of all heads (nh x hd, ng x hd)
@@ -116,6 +117,7 @@ class ModelArch:
     extra_norms: int = 0  # gemma3: post-attention and post-MLP norms
     layer_scalar: bool = False  # gemma4: a one-element buffer per layer scaling its output
     mla: Optional[tuple[Optional[int], int, int, int, int]] = None  # (q_lora_rank, kv_lora_rank, nope, rope, v)
+    indexer: Optional[tuple[int, int]] = None  # DSA: (index_n_heads, index_head_dim), replicated over TP, frozen
     linear_layers: tuple[int, ...] = ()  # 1 per gated delta-net layer
     gdn: Optional[tuple[int, int, int, int, int]] = None  # (nk, nv, dk, dv, conv kernel)
     mtp_layers_in_checkpoint: int = 0  # num_nextn_predict_layers
@@ -173,6 +175,7 @@ class ModelArch:
             gated_attention=mt in _GATED_HYBRID, extra_norms=2 if mt in ("gemma3_text", "gemma4_text") else 0,
             layer_scalar=mt == "gemma4_text",
             mla=mla, linear_layers=linear, gdn=gdn,
+            indexer=(int(c["index_n_heads"]), int(c["index_head_dim"])) if mt in _DSA else None,
             mtp_layers_in_checkpoint=int(c.get("num_nextn_predict_layers") or 0),
             topk=int(c.get("num_experts_per_tok") or c.get("moe_topk") or 0) if experts else 0)
 
@@ -250,6 +253,10 @@ def _layer_tensors(a: ModelArch, i: int, tp: int, ep: int, etp: int) -> list[Ten
             out += [Tensors(q_rank * h), Tensors(q_rank), Tensors(_split(nh * (nope + rope), tp) * q_rank)]
         out += [Tensors((kv_rank + rope) * h), Tensors(kv_rank), Tensors(_split(nh * (nope + v), tp) * kv_rank),
                 Tensors(h * _split(nh * v, tp))]
+        if a.indexer and q_rank is not None:  # wq_b, wk, k_norm gain and bias, weights_proj: whole on every rank
+            ih, idim = a.indexer
+            out += [Tensors(ih * idim * q_rank, frozen=True), Tensors(idim * h, frozen=True),
+                    Tensors(idim, 2, frozen=True), Tensors(ih * h, frozen=True)]
     else:
         rows = ((2 * nh if a.gated_attention else nh) + 2 * ng) * d
         out += [Tensors(_split(rows, tp) * h, site="qkv"), Tensors(h * _split(nh * d, tp), site="proj")]

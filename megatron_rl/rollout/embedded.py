@@ -203,7 +203,7 @@ def _padding_columns(mask: torch.Tensor) -> int:
 class EmbeddedEngine(RolloutEngine):
     """Generation with a KV cache over ``transformers.AutoModelForCausalLM`` (llama, qwen2, qwen3, qwen3_moe,
     mixtral, glm4_moe, deepseek_v3 / kimi_k2, gpt_oss, gemma3_text, qwen3_next, minimax_m2,
-    gemma4_text), or a vision-language checkpoint's
+    gemma4_text, deepseek_v32: transformers' indexed cache, batched statically), or a vision-language checkpoint's
     ``AutoModelForImageTextToText`` (qwen2_5_vl, qwen3_vl).
 
     Images (a request's ``multimodal_inputs``): the prefill of a prompt gives the model its pixel patches and grids

@@ -74,10 +74,11 @@ def test_megatron_view_agrees_with_the_bridge(family):
     assert view["position_embedding_type"] == bridge.position_embedding_type
     if tc.multi_latent_attention:  # megatron's MLA never reads kv_channels: any --kv-channels states nothing
         assert view["kv_channels"] is UNUSED
+        # without YaRN (glm_moe_dsa's default RoPE) megatron's MLA scales by mscale(factor 1) = 1: mscale unread
+        mscales = (UNUSED, UNUSED) if tc.rope_type == "rope" else (tc.mscale, tc.mscale_all_dim)
         assert (view["q_lora_rank"], view["kv_lora_rank"], view["qk_head_dim"], view["qk_pos_emb_head_dim"],
                 view["v_head_dim"], view["mscale"], view["mscale_all_dim"]) == (
-            tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, tc.mscale,
-            tc.mscale_all_dim)
+            tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, *mscales)
     else:
         assert view["kv_channels"] == tc.kv_channels
     assert view["ffn_hidden_size"] == tc.ffn_hidden_size and view["norm_epsilon"] == tc.layernorm_epsilon

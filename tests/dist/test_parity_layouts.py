@@ -117,6 +117,13 @@ def _two_rank_entries(tiny_hf_models):
         # (the other layouts: tools/check_parity.py, docs/parity.md)
         entry("minimax_m2_ep2", "minimax_m2", tiny_hf_models("minimax_m2"), ep=2, checks="grads"),
         entry("gemma4_text_tp2_sp", "gemma4_text", tiny_hf_models("gemma4_text"), tp=2, sp=1, checks="grads"),
+        # DeepSeek-V3.2: the sparse-attention indexer (replicated, frozen) under DP2, TP2 + SP (its gradients: the
+        # 4-rank launch, as MoE at TP2 needs EP > 1), its layers split over PP, experts over EP, with gradients (the
+        # frozen indexer has none on either side); CP is refused by name
+        entry("deepseek_v32_dp2", "deepseek_v32", tiny_hf_models("deepseek_v32")),
+        entry("deepseek_v32_tp2_sp", "deepseek_v32", tiny_hf_models("deepseek_v32"), tp=2, etp=1, sp=1),
+        entry("deepseek_v32_pp2", "deepseek_v32", tiny_hf_models("deepseek_v32"), pp=2, checks="grads"),
+        entry("deepseek_v32_ep2", "deepseek_v32", tiny_hf_models("deepseek_v32"), ep=2, checks="grads"),
     ]
     return entries
 
@@ -149,6 +156,9 @@ def _four_rank_entries(tiny_hf_models):
         # the all-heads q/k norm's TP-sharded gains: sum of squares all-reduced over TP, gradients not summed again
         entry("minimax_m2_tp2_ep2_sp", "minimax_m2", tiny_hf_models("minimax_m2"), tp=2, ep=2, etp=1, sp=1,
               checks="grads"),
+        # DeepSeek-V3.2 at TP2 x PP2 x EP2 + SP: the indexer reads the SP-gathered hidden states and q latent
+        entry("deepseek_v32_tp2_pp2_ep2_sp", "deepseek_v32", tiny_hf_models("deepseek_v32"), tp=2, pp=2, ep=2, etp=1,
+              sp=1, checks="grads"),
     ]
     return entries
 

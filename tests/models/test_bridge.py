@@ -74,7 +74,7 @@ def test_unsupported_config_is_refused_with_a_list(tiny_hf_models, overrides, ne
 
 
 def test_unknown_model_type_names_supported_ones():
-    with pytest.raises(BridgeError, match="deepseek_v3, gemma3_text, gemma4_text, glm4_moe, gpt_oss, kimi_k2, llama, minimax_m2, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
+    with pytest.raises(BridgeError, match="deepseek_v3, deepseek_v32, gemma3_text, gemma4_text, glm4_moe, glm_moe_dsa, gpt_oss, kimi_k2, llama, minimax_m2, mixtral, qwen2, qwen2_5_vl, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next"):
         get_bridge({"model_type": "gpt2"})
 
 
@@ -140,6 +140,9 @@ _GEMMA_YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_
     ("gemma4_text", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                           "full_attention": _GEMMA_YARN}), "rope scaling type 'yarn'"),
     ("qwen3_next", dict(layer_types=["linear_attention", "sliding_attention"] * 2), "layer_types ['sliding_attention']"),
+    ("deepseek_v32", dict(index_head_dim=4), "index_head_dim=4 < qk_rope_head_dim=8"),
+    ("deepseek_v32", dict(mlp_layer_types=["sparse", "dense", "sparse", "sparse"]), "mlp_layer_types=['sparse', 'dense'"),
+    ("glm_moe_dsa", dict(index_topk_freq=2), "indexer_types with 1 'shared' layers (first: layer 2"),
     ("qwen3_next", dict(attention_bias=True), "attention_bias=true"),
     ("qwen3_next", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("qwen3_next", dict(linear_num_value_heads=3), "linear_num_value_heads=3 not a multiple of linear_num_key_heads=2"),

@@ -21,7 +21,7 @@ CONFIGS = [(f, {}) for f in FAMILIES] + [("qwen3_moe", {"mlp_only_layers": [1]})
                                          ("qwen2", {"tie_word_embeddings": True}),
                                          ("deepseek_v3", {"q_lora_rank": None})]
 IDS = [f + "".join(f"-{k}" for k in o) for f, o in CONFIGS]
-LOCAL_ONLY = {"gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}  # post-norms, zero-centred gains: megatron's local spec only
+LOCAL_ONLY = {"deepseek_v32", "glm_moe_dsa", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}  # post-norms, zero-centred gains: megatron's local spec only
 MLA = {"deepseek_v3"}  # multi-latent attention: TE keeps input_layernorm, fuses the q/kv latent norms
 GQA_CONFIGS = [c for c in CONFIGS if c[0] not in MLA | LOCAL_ONLY]
 MLA_CONFIGS = [c for c in CONFIGS if c[0] in MLA]

@@ -221,6 +221,16 @@ def test_preallocated_kv_cache_layers(tiny_hf_models, family):
         cache.batch_repeat_interleave(2)
         assert torch.equal(linear.conv_states[0], conv[[2, 2, 2, 2, 0, 0]])
         return
+    if "indexed_attention" in (getattr(config, "layer_types", None) or []):  # deepseek_v32: transformers' own layers
+        assert len(cache.layers) == 4 and not any(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+        assert not joinable(cache)  # batches statically: the indexer's key cache is not preallocated
+        indexed = cache.layers[0]  # the engine's row selection carries the indexer's keys with the latents
+        indexed.update(torch.randn(3, 1, 4, 16), torch.randn(3, 1, 4, 8))
+        keys = torch.randn(3, 4, 16)
+        indexed.update_indexer(keys)
+        cache.batch_select_indices(torch.tensor([2, 2, 0]))
+        assert torch.equal(indexed.indexer_keys, keys[[2, 2, 0]])
+        return
     assert len(cache.layers) == 4 and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
     layer = cache.layers[0]
     k = torch.randn(3, 2, 4, 16)

@@ -46,6 +46,8 @@ ENGINE_FUSES = {
     "mixtral": {"qkv_proj", "w13"},
     "glm4_moe": {"qkv_proj", "gate_up_proj"},
     "deepseek_v3": {"fused_qkv_a_proj_with_mqa", "gate_up_proj"},
+    "deepseek_v32": {"fused_qkv_a_proj_with_mqa", "gate_up_proj", "fused_wk_and_weights_proj"},
+    "glm_moe_dsa": {"fused_qkv_a_proj_with_mqa", "gate_up_proj", "fused_wk_and_weights_proj"},
     "gpt_oss": {"qkv_proj"},
     "gemma3_text": {"qkv_proj", "gate_up_proj"},
     "qwen3_next": {"qkv_proj", "gate_up_proj"},

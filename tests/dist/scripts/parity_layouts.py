@@ -188,11 +188,19 @@ def main(argv):
         elif train:
             hf.zero_grad()
             parity.hf_loss(hf, all_mbs).backward()
-            hf_grads = checkpoint_layout(hf, ((n, p.grad) for n, p in hf.named_parameters()))
+            # frozen on both sides (DeepSeek-V3.2's indexer: HF runs it under no_grad, the bridge freezes it): no
+            # gradient, compared as zeros once the two frozen sets are checked equal
+            hf_frozen = set(checkpoint_layout(hf, ((n, p) for n, p in hf.named_parameters() if p.grad is None)))
+            hf_grads = checkpoint_layout(hf, ((n, torch.zeros_like(p) if p.grad is None else p.grad)
+                                              for n, p in hf.named_parameters()))
             if bridge.tie_word_embeddings:
                 hf_grads.pop("lm_head.weight", None)
-            got = export_of(bridge, chunks, lambda p: p.main_grad)
+            got = export_of(bridge, chunks, lambda p: p.main_grad if p.requires_grad else torch.zeros_like(p))
             buffers = hf_buffer_names(hf) - {"lm_head.weight"}  # tied: in HF's state dict, not a parameter
+            marks = export_of(bridge, chunks, lambda p: torch.full_like(p, float(not p.requires_grad)))
+            frozen = {n for n, t in marks.items() if n not in buffers and bool((t == 1).all())}
+            assert frozen == hf_frozen, frozen ^ hf_frozen
+            rec["frozen"] = len(frozen)
             assert buffers <= set(got), buffers - set(got)
             got = {n: t for n, t in got.items() if n not in buffers}
             assert set(got) == set(hf_grads), set(got) ^ set(hf_grads)
