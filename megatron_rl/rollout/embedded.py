@@ -94,7 +94,8 @@ from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
 from megatron_rl.rollout.mtp_draft import DRAFT_MODULE, MtpDraft
 from megatron_rl.rollout.sampling import sample_next_tokens
-from megatron_rl.rollout.speculative import SPEC_METADATA_KEY, SpeculativeConfig, generate_speculative_chunk
+from megatron_rl.rollout.speculative import (SPEC_METADATA_KEY, SpeculativeConfig, generate_speculative_chunk,
+                                              speculative_config)
 from megatron_rl.rollout.weight_delta import DeltaBaseMismatch, TensorDelta, is_delta_dir, read_delta_dir, tensor_checksum
 from megatron_rl.rollout.weight_dir import ADAPTER_BASE_DIR
 
@@ -350,7 +351,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ConfigError("--rollout-backend embedded loads the policy from --hf-checkpoint: give "
                               "--hf-checkpoint DIR (an HF model directory)")
         return cls(cfg.model.hf_checkpoint, record_routes=cfg.megatron.use_rollout_routing_replay,
-                   batch_invariant=cfg.algorithm.true_on_policy_mode)
+                   batch_invariant=cfg.algorithm.true_on_policy_mode, speculative=speculative_config(cfg.rollout))
 
     # ------------------------------------------------------------------ state
     @property

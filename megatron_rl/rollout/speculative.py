@@ -69,6 +69,31 @@ class SpeculativeConfig:
                               f"use --speculative-num-draft-tokens {self.num_steps + 1} (or leave it unset)")
 
 
+def speculative_config(rollout: Any) -> Optional[SpeculativeConfig]:
+    """The ``--speculative-*`` flags of a ``RolloutConfig`` as a ``SpeculativeConfig``; None without
+    ``--speculative-algorithm``."""
+    if rollout.speculative_algorithm is None:
+        return None
+    return SpeculativeConfig(rollout.speculative_algorithm, rollout.speculative_num_steps,
+                             rollout.speculative_eagle_topk, rollout.speculative_num_draft_tokens)
+
+
+def spec_metrics(samples: list) -> dict[str, float]:
+    """``rollout/spec_accept_rate_d{j}`` (drafts accepted at depth j of those proposed, over the batch, j from 1) and
+    ``rollout/spec_accept_len_mean`` (tokens a verify forward commits: accepted drafts + 1); empty when no sample
+    was drafted for."""
+    stats = [s.metadata[SPEC_METADATA_KEY] for s in samples if SPEC_METADATA_KEY in s.metadata]
+    if not stats:
+        return {}
+    proposed = torch.tensor([p for p, _ in stats], dtype=torch.float64).sum(0)
+    accepted = torch.tensor([a for _, a in stats], dtype=torch.float64).sum(0)
+    rounds = float(proposed[0]) if len(proposed) else 0.0
+    metrics = {f"rollout/spec_accept_rate_d{j + 1}": float(accepted[j] / proposed[j]) if proposed[j] else 0.0
+               for j in range(len(proposed))}
+    metrics["rollout/spec_accept_len_mean"] = float(accepted.sum() / rounds) + 1.0 if rounds else 0.0
+    return metrics
+
+
 def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, accept_u: torch.Tensor,
                   final_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling's accept / reject for a batch: ``(accepted count [B], the next token [B])``.
