@@ -95,8 +95,9 @@ class MtpDraft(torch.nn.Module):
         """One step of the draft over ``[b, s]`` positions: ``(out [b, s, H], logits [b, s, V])``.
 
         ``hidden`` [b, s, H]: ``h_t``; ``next_ids`` [b, s]: ``x_{t+1}``; ``attention_mask`` [b, cached + s]
-        (left padding and holes 0, as the target's); ``target``: the HF model whose embedding, head and RoPE
-        the draft shares."""
+        (left padding and holes 0, as the target's); ``cache``: the draft's KV cache (None: no cache, the
+        positions given are the whole sequence, as when fitting the draft); ``target``: the HF model whose
+        embedding, head and RoPE the draft shares."""
         from transformers.masking_utils import create_causal_mask
 
         layer = self.model.layers[str(self.first)]
@@ -106,7 +107,7 @@ class MtpDraft(torch.nn.Module):
                                   position_ids=position_ids)
         rotary = target.model.rotary_emb(x, position_ids)
         out = layer(x, position_embeddings=rotary, attention_mask=mask, position_ids=position_ids, cache=cache,
-                    use_cache=True)
+                    use_cache=cache is not None)
         out = layer.shared_head.norm(out[0] if isinstance(out, tuple) else out)
         return out, target.get_output_embeddings()(out)
 
