@@ -22,7 +22,8 @@ steadier one. The default is one torch thread: with two threads on a busy
 
 ``--speculative``: instead, the embedded engine with and without its MTP draft (``--speculative-algorithm
 NEXTN``, rollout/speculative.py) on a random-weight DeepSeek-V3-architecture model with one MTP layer. A random
-MTP head accepts almost nothing, so the benchmark first fits it (``fit_mtp_head``: Adam on the MTP loss
+MTP head accepts almost nothing, and a random model's continuations are chaotic, so the benchmark damps the
+target's layers (``--layer-scale``, ``_damp_layers``) and first fits the MTP head (``fit_mtp_head``: Adam on the MTP loss
 megatron's ``--enable-mtp-training`` uses, cross-entropy of token t + 2 from the target's hidden state at t and
 token t + 1, on responses the target generated from other prompts), then times greedy and temperature-1
 generation with and without the draft, checks the greedy outputs are identical, and prints the acceptance rate
@@ -131,6 +132,22 @@ def fit_mtp_head(engine, sequences: torch.Tensor, steps: int, lr: float = 3e-3, 
     return losses
 
 
+def _damp_layers(path: str, layers: int, scale: float) -> None:
+    """Scale every decoder layer's output projections (attention ``o_proj``, MLP and expert ``down_proj``) by
+    ``scale``: each layer then adds less to the residual stream, so the next token depends more on the last few
+    tokens than on the whole prefix. A random-weight model is otherwise chaotic (its continuation of one prefix
+    tells nothing about another's), which no draft predicts; trained language models are far more predictable."""
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    for name in tensors:
+        parts = name.split(".")
+        if name.endswith(("o_proj.weight", "down_proj.weight")) and int(parts[2]) < layers:
+            tensors[name] = tensors[name] * scale
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
 def run_speculative(args) -> None:
     from megatron_rl.models.hf_tiny import build_tiny_hf_model
     from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
@@ -140,13 +157,15 @@ def run_speculative(args) -> None:
                      vocab_size=512)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_hf_model("deepseek_v3", os.path.join(tmp, "dsv3"), mtp=True, **overrides)
+        _damp_layers(path, overrides["num_hidden_layers"], args.layer_scale)
         plain = EmbeddedEngine(path)
         spec = EmbeddedEngine(path, speculative=SpeculativeConfig(num_steps=args.num_steps))
-        print(f"model: deepseek_v3 {overrides} + 1 MTP layer, fp32, CPU, torch threads={args.threads}, "
+        print(f"model: deepseek_v3 {overrides} + 1 MTP layer, layer outputs x{args.layer_scale}, fp32, CPU, "
+              f"torch threads={args.threads}, "
               f"load average at start {os.getloadavg()[0]:.1f}")
         # the draft's training data: the target's own responses (greedy and sampled) to other prompts
         train = [GenerateRequest(prompt_ids=p, group_index=i)
-                 for i, p in enumerate(_prompts(64, overrides["vocab_size"], seed=99))]
+                 for i, p in enumerate(_prompts(args.train_prompts, overrides["vocab_size"], seed=99))]
         seqs = []
         for temperature in (0.0, 1.0):
             out = plain.generate(train, SamplingParams(temperature=temperature, max_new_tokens=64, seed=1,
@@ -187,8 +206,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speculative", action="store_true", help="the MTP draft's benchmark (module docstring)")
-    parser.add_argument("--num-steps", type=int, default=3, help="--speculative: draft tokens per round")
+    parser.add_argument("--num-steps", type=int, default=2, help="--speculative: draft tokens per round")
     parser.add_argument("--fit-steps", type=int, default=300, help="--speculative: Adam steps fitting the MTP head")
+    parser.add_argument("--train-prompts", type=int, default=256,
+                        help="--speculative: prompts whose responses (greedy and T=1) the MTP head is fitted on")
+    parser.add_argument("--layer-scale", type=float, default=0.2,
+                        help="--speculative: the target's layer output projections scaled by this (_damp_layers)")
     parser.add_argument("--batch", type=int, default=1, help="--speculative: prompts generated at once")
     parser.add_argument("--new-tokens", type=int, default=64, help="--speculative: tokens per response")
     args = parser.parse_args()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -45,7 +45,7 @@ def mtp_depths(config) -> int:
 class MtpDraft(torch.nn.Module):
     """The checkpoint's MTP layers as one draft module; :meth:`forward` runs MTP layer 0 (NEXTN)."""
 
-    def __init__(self, target: torch.nn.Module):
+    def __init__(self, target: Any):
         super().__init__()
         cfg = target.config.get_text_config()
         depths = mtp_depths(target.config)
@@ -59,7 +59,7 @@ class MtpDraft(torch.nn.Module):
         layer_cfg.num_hidden_layers = self.first + depths  # layer index N must be a valid decoder layer
         layer_class, norm_class = type(base.layers[-1]), type(base.norm)
         hidden, eps = int(cfg.hidden_size), float(cfg.rms_norm_eps)
-        self.model = torch.nn.Module()
+        self.model: Any = torch.nn.Module()  # ``model.layers.{N}``: the checkpoint's names below the draft
         self.model.layers = torch.nn.ModuleDict()
         for d in range(depths):
             layer = layer_class(layer_cfg, self.first + d)
@@ -91,7 +91,7 @@ class MtpDraft(torch.nn.Module):
         return cache
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor, cache, target: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor, cache: Any, target: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the draft over ``[b, s]`` positions: ``(out [b, s, H], logits [b, s, V])``.
 
         ``hidden`` [b, s, H]: ``h_t``; ``next_ids`` [b, s]: ``x_{t+1}``; ``attention_mask`` [b, cached + s]
@@ -100,7 +100,7 @@ class MtpDraft(torch.nn.Module):
         embedding, head and RoPE the draft shares."""
         from transformers.masking_utils import create_causal_mask
 
-        layer = self.model.layers[str(self.first)]
+        layer: Any = self.model.layers[str(self.first)]
         embedded = target.get_input_embeddings()(next_ids)
         x = layer.eh_proj(torch.cat([layer.enorm(embedded), layer.hnorm(hidden.to(embedded.dtype))], dim=-1))
         mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
@@ -113,7 +113,7 @@ class MtpDraft(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def final_hidden_states(target: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+def final_hidden_states(target: Any) -> Iterator[list[torch.Tensor]]:
     """Collect the target's last hidden state (its final norm's output, ``[b, s, H]``) of each forward inside."""
     got: list[torch.Tensor] = []
     handle = target.model.norm.register_forward_hook(lambda _m, _i, out: got.append(out))

@@ -214,17 +214,17 @@ def generate_speculative_chunk(engine: "EmbeddedEngine", call: "_GenerateCall", 
         cache, draft_cache = state["cache"], state["draft_cache"]
         batch = len(live)
         u = torch.stack([rows[r].uniforms(2 * k + 1, greedy) for r in live]).to(dev)
-        drafts, qs = [], []
-        g, dlogits, prev = state["g"], state["dlogits"], None
+        drafts: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        g, dlogits = state["g"], state["dlogits"]
         for j in range(k):
             if j:  # the chain: the draft's own output, one position on, with the token it drew
                 chain_mask = torch.cat([mask, mask.new_ones(batch, j)], dim=1)
-                g, step_logits = draft(g, prev[:, None], (pos + j - 1)[:, None], chain_mask, draft_cache,
+                g, step_logits = draft(g, drafts[-1][:, None], (pos + j - 1)[:, None], chain_mask, draft_cache,
                                        engine.model)
                 dlogits = step_logits[:, -1]
             q = sampling_distribution(dlogits, sampling, engine.banned_tokens)
-            prev = inverse_cdf(q, u[:, j])
-            drafts.append(prev)
+            drafts.append(inverse_cdf(q, u[:, j]))
             qs.append(q)
         truncate(draft_cache, mask.shape[1])  # the chain's columns: never kept
         drafts_t, q_t = torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
