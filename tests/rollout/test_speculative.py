@@ -146,3 +146,26 @@ def test_refusals_name_the_flag(tiny_hf_models, engines):
     path = engines[0]
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay"):
         EmbeddedEngine(path, speculative=SpeculativeConfig(), record_routes=True)
+
+
+def test_a_weight_update_between_rounds_is_recorded_per_token(engines):
+    """An update landing between two rounds (the engine lock is free there): the rounds after it record the new
+    version on their tokens; the same weights sent give the same greedy tokens."""
+    _, plain, spec = engines
+    reqs = requests([4])
+    sampling = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    want = plain.generate(reqs, sampling)[0]
+    weights = [(n, t.clone()) for n, t in spec.named_weights()]
+
+    def hook(step):
+        if step == 2:
+            spec.update_weights(weights, version=spec.weight_version + 1)
+
+    spec.step_boundary_hook = hook
+    try:
+        got = spec.generate(reqs, sampling)[0]
+    finally:
+        spec.step_boundary_hook = None
+    assert got.response_ids == want.response_ids
+    old, new = got.token_versions[0], got.token_versions[-1]
+    assert new == old + 1 and got.token_versions == sorted(got.token_versions)
