@@ -95,7 +95,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_hf_models):
     path = tiny_hf_models(FAMILY, mtp=True, vocab_size=8)
     engine = EmbeddedEngine(path, speculative=SpeculativeConfig(algorithm="EAGLE", num_steps=2,
                                                                 num_draft_tokens=3))
-    prompt, n = [3, 5, 2], 3000
+    prompt, n = [3, 5, 2], 2000
     sampling = SamplingParams(temperature=1.0, top_p=0.95, top_k=6, max_new_tokens=3, seed=11, n=n, ignore_eos=True)
     samples = engine.generate([GenerateRequest(prompt_ids=prompt, group_index=0)], sampling)
     tokens = torch.tensor([s.response_ids for s in samples])
