@@ -65,7 +65,7 @@ def test_greedy_is_the_plain_engine_token_for_token_with_target_logprobs(engines
     _, plain, spec = engines
     reqs = requests([3, 9, 1])
     stop = (17, 33, 250 - 1)
-    sampling = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=stop, n=2)
+    sampling = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=stop, n=2)
     want, got = plain.generate(reqs, sampling), spec.generate(reqs, sampling)
     for a, b in zip(want, got):
         assert b.response_ids == a.response_ids and b.finish_reason == a.finish_reason
@@ -95,7 +95,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_hf_models):
     path = tiny_hf_models(FAMILY, mtp=True, vocab_size=8)
     engine = EmbeddedEngine(path, speculative=SpeculativeConfig(algorithm="EAGLE", num_steps=2,
                                                                 num_draft_tokens=3))
-    prompt, n = [3, 5, 2], 2000
+    prompt, n = [3, 5, 2], 1500
     sampling = SamplingParams(temperature=1.0, top_p=0.95, top_k=6, max_new_tokens=3, seed=11, n=n, ignore_eos=True)
     samples = engine.generate([GenerateRequest(prompt_ids=prompt, group_index=0)], sampling)
     tokens = torch.tensor([s.response_ids for s in samples])
