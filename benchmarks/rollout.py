@@ -19,6 +19,17 @@ steadier one. The default is one torch thread: with two threads on a busy
 2-core box, OpenMP spin-waits made single runs vary 1.2 s - 8.4 s.
 
     python benchmarks/rollout.py [--threads 1] [--repeats 3]
+
+``--speculative``: instead, the embedded engine with and without its MTP draft (``--speculative-algorithm
+NEXTN``, rollout/speculative.py) on a random-weight DeepSeek-V3-architecture model with one MTP layer. A random
+MTP head accepts almost nothing, and a random model's continuations are chaotic, so the benchmark damps the
+target's layers (``--layer-scale``, ``_damp_layers``) and first fits the MTP head (``fit_mtp_head``: Adam on the MTP loss
+megatron's ``--enable-mtp-training`` uses, cross-entropy of token t + 2 from the target's hidden state at t and
+token t + 1, on responses the target generated from other prompts), then times greedy and temperature-1
+generation with and without the draft, checks the greedy outputs are identical, and prints the acceptance rate
+at each draft depth. Tokens/s are wall and CPU time, best of ``--repeats``, interleaved.
+
+    python benchmarks/rollout.py --speculative [--num-steps 3] [--fit-steps 300]
 """
 
 from __future__ import annotations
@@ -91,12 +102,123 @@ def run_setting(engine, hf_model, prompts: list[list[int]], n: int, new_tokens: 
                 ours_cpu=ours_cpu, hf_cpu=hf_cpu)
 
 
+def fit_mtp_head(engine, sequences: torch.Tensor, steps: int, lr: float = 3e-3, batch: int = 32) -> list[float]:
+    """Fit ``engine``'s MTP draft on ``sequences`` [N, L]: Adam on the cross-entropy of token t + 2 given the
+    target's last hidden state at t and token t + 1 (megatron's MTP loss, depth 0); returns the loss every 50
+    steps. The target model stays frozen."""
+    draft, target = engine.draft, engine.model
+    with torch.no_grad():
+        hidden = target.model(sequences).last_hidden_state[:, :-2]
+    params = [p for p in draft.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    positions = torch.arange(hidden.shape[1])[None]
+    for step in range(steps):
+        rows = torch.randint(0, len(sequences), (batch,), generator=gen)
+        seq = sequences[rows]
+        _, logits = draft(hidden[rows], seq[:, 1:-1], positions.expand(batch, -1),
+                          torch.ones(batch, hidden.shape[1], dtype=torch.long), None, target)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), seq[:, 2:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            losses.append(loss.item())
+    for p in params:
+        p.requires_grad_(False)
+    return losses
+
+
+def _damp_layers(path: str, layers: int, scale: float) -> None:
+    """Scale every decoder layer's output projections (attention ``o_proj``, MLP and expert ``down_proj``) by
+    ``scale``: each layer then adds less to the residual stream, so the next token depends more on the last few
+    tokens than on the whole prefix. A random-weight model is otherwise chaotic (its continuation of one prefix
+    tells nothing about another's), which no draft predicts; trained language models are far more predictable."""
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    for name in tensors:
+        parts = name.split(".")
+        if name.endswith(("o_proj.weight", "down_proj.weight")) and int(parts[2]) < layers:
+            tensors[name] = tensors[name] * scale
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def run_speculative(args) -> None:
+    from megatron_rl.models.hf_tiny import build_tiny_hf_model
+    from megatron_rl.rollout import EmbeddedEngine, GenerateRequest, SamplingParams
+    from megatron_rl.rollout.speculative import SpeculativeConfig, spec_metrics
+
+    overrides = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=8,
+                     vocab_size=512)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_hf_model("deepseek_v3", os.path.join(tmp, "dsv3"), mtp=True, **overrides)
+        _damp_layers(path, overrides["num_hidden_layers"], args.layer_scale)
+        plain = EmbeddedEngine(path)
+        spec = EmbeddedEngine(path, speculative=SpeculativeConfig(num_steps=args.num_steps))
+        print(f"model: deepseek_v3 {overrides} + 1 MTP layer, layer outputs x{args.layer_scale}, fp32, CPU, "
+              f"torch threads={args.threads}, "
+              f"load average at start {os.getloadavg()[0]:.1f}")
+        # the draft's training data: the target's own responses (greedy and sampled) to other prompts
+        train = [GenerateRequest(prompt_ids=p, group_index=i)
+                 for i, p in enumerate(_prompts(args.train_prompts, overrides["vocab_size"], seed=99))]
+        seqs = []
+        for temperature in (0.0, 1.0):
+            out = plain.generate(train, SamplingParams(temperature=temperature, max_new_tokens=64, seed=1,
+                                                       ignore_eos=True))
+            seqs += [s.response_ids for s in out]
+        t0 = time.perf_counter()
+        losses = fit_mtp_head(spec, torch.tensor(seqs), args.fit_steps)
+        print(f"MTP head fitted: {args.fit_steps} Adam steps on {len(seqs)} responses x 64 tokens in "
+              f"{time.perf_counter() - t0:.0f} s; loss every 50 steps: {' '.join(f'{x:.2f}' for x in losses)}")
+        requests = [GenerateRequest(prompt_ids=p, group_index=i)
+                    for i, p in enumerate(_prompts(args.batch, overrides["vocab_size"], seed=7))]
+        print(f"{'setting':>28} {'tokens':>7} {'tok/s plain':>12} {'tok/s draft':>12} {'wall ratio':>11} "
+              f"{'CPU ratio':>10}  acceptance per depth (accepted tokens per verify)")
+        for temperature in (0.0, 1.0):
+            sampling = SamplingParams(temperature=temperature, max_new_tokens=args.new_tokens, seed=3,
+                                      ignore_eos=True)
+            got: dict = {}
+
+            def run(engine, key):
+                def fn() -> int:
+                    got[key] = engine.generate(requests, sampling)
+                    return sum(len(s.response_ids) for s in got[key])
+                return fn
+
+            (pw, pc, tokens), (sw, sc, _) = _timed([run(plain, "plain"), run(spec, "spec")], args.repeats)
+            if temperature == 0.0:
+                same = all(a.response_ids == b.response_ids for a, b in zip(got["plain"], got["spec"]))
+                assert same, "greedy outputs of the speculative engine differ from the plain engine's"
+            m = spec_metrics(got["spec"])
+            rates = " ".join(f"{m[f'rollout/spec_accept_rate_d{j + 1}']:.2f}" for j in range(args.num_steps))
+            name = f"{args.batch} x {args.new_tokens}, T={temperature:g}" + (" (identical)" if not temperature else "")
+            print(f"{name:>28} {tokens:>7} {tokens / pw:>12.0f} {tokens / sw:>12.0f} {pw / sw:>10.2f}x "
+                  f"{pc / sc:>9.2f}x  {rates} ({m['rollout/spec_accept_len_mean']:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--speculative", action="store_true", help="the MTP draft's benchmark (module docstring)")
+    parser.add_argument("--num-steps", type=int, default=2, help="--speculative: draft tokens per round")
+    parser.add_argument("--fit-steps", type=int, default=300, help="--speculative: Adam steps fitting the MTP head")
+    parser.add_argument("--train-prompts", type=int, default=256,
+                        help="--speculative: prompts whose responses (greedy and T=1) the MTP head is fitted on")
+    parser.add_argument("--layer-scale", type=float, default=0.2,
+                        help="--speculative: the target's layer output projections scaled by this (_damp_layers)")
+    parser.add_argument("--batch", type=int, default=1, help="--speculative: prompts generated at once")
+    parser.add_argument("--new-tokens", type=int, default=64, help="--speculative: tokens per response")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.speculative:
+        run_speculative(args)
+        return
 
     import transformers
 

@@ -2,7 +2,7 @@
 # What only a CUDA GPU can check: the fused kernels (CUDA, Triton) and the training paths CPU runs do not
 # reach (bf16 on the device, NCCL, offload, sleep/wake, FP8, torch_memory_saver, PPO critics). One GPU.
 #   bash scripts/gpu_check.sh [--dry-run] [--out DIR (default $TMPDIR/gpu_check)] [--wheels DIR]
-# Five steps, each under its own time limit (at most 19 min in all); each step's status (ok, failed rc=N,
+# Six steps, each under its own time limit (at most 24 min in all); each step's status (ok, failed rc=N,
 # timeout) and seconds in DIR/gpu_check.json with the kernels' and training figures, the whole output in
 # DIR/gpu_check.log; exit 1 if a step failed or timed out.
 #   env      (60 s)  python, torch, CUDA, triton and nvcc versions, the GPU's name
@@ -23,6 +23,10 @@
 #                    same bits after), routing_replay (Qwen3-MoE: route agreement, step time), lora (rank 16 vs
 #                    full), ppo_critic (both backends). A check fails only when it raises (an impossible route
 #                    agreement, LoRA grad norms not finite, ...); the rest are figures to read in the JSON.
+#   speculative (300 s) scripts/spec_gpu_check.py: the embedded engine's MTP draft on the GPU (greedy identical
+#                    to no draft, log-prob gap), and a launched SGLang server with --speculative-algorithm NEXTN on
+#                    a tiny DeepSeek-V3 checkpoint with an MTP layer against one without (greedy identical,
+#                    acceptance); the SGLang part is skipped, with the reason, where sglang does not import
 # --dry-run runs every step on a CPU machine at tiny sizes (about 70 s): kernels on the C++ twins, build only
 # checks that setup.py refuses a CPU torch with a clear error, gpu_steps.py --dry-run (also a CI test,
 # tests/tools/test_gpu_steps.py). Not yet run on a GPU: docs/kernels.md, "GPU check". Without network there:
@@ -39,7 +43,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --out) OUT="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (use --dry-run, --out DIR, --wheels DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -111,6 +115,12 @@ else
     benchmarks/gpu_steps.py --json "$OUT/gpu_steps.json"
 fi
 
+if [ $DRY = 1 ]; then
+  step speculative 300 "$PY" scripts/spec_gpu_check.py --dry-run --json "$OUT/speculative.json"
+else
+  step speculative 300 "$PY" scripts/spec_gpu_check.py --json "$OUT/speculative.json"
+fi
+
 "$PY" - "$STEPS" "$OUT/gpu_check.json" "$DRY" <<'PYEOF'
 import json, os, sys
 steps_tsv, out, dry = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
@@ -121,7 +131,8 @@ for line in open(steps_tsv):
 def read(name):
     path = os.path.join(os.path.dirname(out), name)
     return json.load(open(path)) if os.path.exists(path) else None
-result = {"dry_run": dry, "steps": steps, "kernels": read("kernels.json"), "training": read("gpu_steps.json")}
+result = {"dry_run": dry, "steps": steps, "kernels": read("kernels.json"), "training": read("gpu_steps.json"),
+          "speculative": read("speculative.json")}
 json.dump(result, open(out, "w"), indent=1)
 print("wrote", out, {k: v["status"] for k, v in steps.items()})
 PYEOF

@@ -597,8 +597,9 @@ class MegatronConfig:
                                          "num_nextn_predict_layers) become megatron-core's MTP block on the last "
                                          "pipeline stage: loaded, frozen (no gradient or optimizer state), "
                                          "checkpointed and exported, so an HF export keeps the draft head SGLang's "
-                                         "EAGLE/NextN speculative decoding uses; the weight sync leaves them out "
-                                         "(the engine keeps its own copy). 0 or unset: skipped on load, as "
+                                         "EAGLE/NextN speculative decoding uses; the weight sync sends them to the "
+                                         "embedded engine when it drafts with them (--speculative-algorithm), else "
+                                         "leaves them out. 0 or unset: skipped on load, as "
                                          "transformers does. Only 0 or config.json's count.")
     enable_mtp_training: bool = flag(False, "Train the MTP layers with the MTP language-model loss (slime's "
                                      "flag): each depth d's cross-entropy of token t+2+d at the loss-masked "
@@ -863,6 +864,23 @@ class RolloutConfig:
                                      "buffer kept, and the groups the death cut are generated again. Without it "
                                      "the run stops naming the engine and its log. Only for engines this run "
                                      "launches.")
+    speculative_algorithm: Optional[str] = flag(
+        None, "Speculative decoding in rollout with the model's own MTP head as the draft (SGLang's argument): the "
+        "embedded engine drafts --speculative-num-steps tokens a round with the checkpoint's MTP layer 0 (a chain, "
+        "SGLang's NEXTN; EAGLE runs the same chain here) and verifies them in one target forward; accept/reject as "
+        "the target's sampling law requires, so the tokens follow non-speculative sampling and the reported "
+        "log-probs are the target's (docs/speculative.md). Needs a checkpoint with MTP layers (config.json "
+        "num_nextn_predict_layers) and, with --train-backend megatron, --mtp-num-layers (the weight sync then "
+        "carries the MTP layers, trained with --enable-mtp-training). SGLang engines this run launches get the "
+        "four --speculative-* arguments on their command line. Metrics: rollout/spec_accept_rate_d{j}.",
+        choices=("NEXTN", "EAGLE"))
+    speculative_num_steps: int = flag(3, "Draft tokens per speculative round (SGLang's --speculative-num-steps); "
+                                      "with --speculative-algorithm.")
+    speculative_eagle_topk: int = flag(1, "Draft branches per step (SGLang's --speculative-eagle-topk): 1, a chain "
+                                       "(the embedded engine builds no tree); with --speculative-algorithm.")
+    speculative_num_draft_tokens: Optional[int] = flag(
+        None, "Tokens one verify forward scores (SGLang's --speculative-num-draft-tokens): for a chain "
+        "--speculative-num-steps + 1 (the default); with --speculative-algorithm.")
     sglang_args: dict = flag({}, "Pass-through: every --sglang-KEY VALUE flag lands here as {KEY: VALUE} "
                                 "for SGLang servers; refused with the embedded engine.")
 

@@ -27,6 +27,7 @@ from .vlm_rules import vision_language_errors
 from .role_models import fit_errors, own_model_dir
 from .paths import PROMPTS_READ_TWICE, dir_problem, file_problem, within
 from .on_policy_rules import true_on_policy_errors
+from .speculative_rules import speculative_errors
 from .rollout_rules import NotBuilt, refuse_unimplemented_rollout_and_sync
 from .megatron_flags import MEGATRON_FLAGS, megatron_flag_errors
 from .slime_args import slime_sglang_errors
@@ -1228,11 +1229,16 @@ def _check_true_on_policy(errors: list[str], cfg: Config) -> None:
     errors.extend(true_on_policy_errors(cfg))
 
 
+def _check_speculative(errors: list[str], cfg: Config) -> None:
+    """--speculative-*: the MTP draft's engine, model and weight sync (``speculative_rules``)."""
+    errors.extend(speculative_errors(cfg))
+
+
 CHECKS = (_check_positive, _check_parallel, _check_batching, _check_precision, _check_modes, _check_memory,
           _check_paths,
           _check_checkpoint_and_data, _check_rewards_and_dynamic_sampling, _check_rollout_functions,
           _check_sync_and_rollout, _check_algorithm, _check_critic, _check_megatron_flags,
-          _check_wandb, _check_world, _check_fsdp, _check_lora, _check_true_on_policy)
+          _check_wandb, _check_world, _check_fsdp, _check_lora, _check_true_on_policy, _check_speculative)
 
 
 def collect_errors(cfg: Config) -> list[str]:

@@ -45,6 +45,7 @@ import torch
 
 from megatron_rl.data.types import Sample
 from megatron_rl.rollout.rewards import RewardFn, RewardShaping, compute_rewards, reward_metrics, reward_source
+from megatron_rl.rollout.speculative import spec_metrics
 
 
 def reward_stats(samples: list[Sample]) -> dict[str, float]:
@@ -172,4 +173,5 @@ class RolloutBatchBuilder:
         metrics.update(weight_version_metrics(samples, trained_at))  # kept for training, counted
         metrics.update(agent_metrics(samples))  # rollout/turns_mean, ...: only for multi-turn samples
         metrics.update(route_metrics(samples))  # rollout/route_bytes_per_token: only with engine routes
+        metrics.update(spec_metrics(samples))  # rollout/spec_accept_rate_d{j}: only with a speculative draft
         return metrics

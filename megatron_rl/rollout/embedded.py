@@ -93,7 +93,10 @@ from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngin
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.lean_decode import lean_decoder
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
+from megatron_rl.rollout.mtp_draft import DRAFT_MODULE, MtpDraft
 from megatron_rl.rollout.sampling import sample_next_tokens
+from megatron_rl.rollout.speculative import (SPEC_METADATA_KEY, SpeculativeConfig, generate_speculative_chunk,
+                                              speculative_config)
 from megatron_rl.rollout.weight_delta import DeltaBaseMismatch, TensorDelta, is_delta_dir, read_delta_dir, tensor_checksum
 from megatron_rl.rollout.weight_dir import ADAPTER_BASE_DIR
 
@@ -162,6 +165,8 @@ class RowOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     versions: list[int] = field(default_factory=list)
     routes: Optional[RoutedExperts] = None  # with ``record_routes``: the experts of its tokens (module docstring)
+    # with a speculative draft: (drafts proposed, drafts accepted) at each draft depth (rollout/speculative.py)
+    spec: Optional[tuple[list[int], list[int]]] = None
 
 
 class _Slot:
@@ -220,7 +225,8 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, hf_checkpoint: str, *, tokenizer: Any = None, max_batch_size: Optional[int] = None,
                  weight_backup: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  attn_implementation: Optional[str] = None, record_routes: bool = False,
-                 batch_invariant: bool = False, lean_decode: bool = True):
+                 batch_invariant: bool = False, lean_decode: bool = True,
+                 speculative: Optional[SpeculativeConfig] = None):
         import transformers
 
         if not os.path.isfile(os.path.join(str(hf_checkpoint), "config.json")):
@@ -272,7 +278,18 @@ class EmbeddedEngine(RolloutEngine):
         self.context_length = int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
         self._warned_cap = False  # a response cut by the context length: warned once (_new_token_limit)
         self.hf_checkpoint = str(hf_checkpoint)
+        # --speculative-algorithm: the checkpoint's MTP layers as the draft (rollout/mtp_draft.py), a submodule of the
+        # model so release / resume / update_weights treat its weights as any other (names: the checkpoint's)
+        self.speculative = speculative
+        self.draft: Optional[MtpDraft] = None
+        if speculative is not None:
+            self._refuse_speculative(record_routes, batch_invariant)
+            self.draft = MtpDraft(self.model).to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+            self.model.add_module(DRAFT_MODULE, self.draft)
         self.param_map = HFParamMap(self.model)
+        if self.draft is not None:
+            self.param_map.add_aliases(self.draft.shared_names())
+            self._load_draft(checkpoint)
         # MoE routing replay from the rollout (R3): every forward's expert choices, filed per token
         self.route_capture: Optional[RouteCapture] = RouteCapture(self.model) if record_routes else None
         # a dense Llama-family model on the CPU decodes through rollout.lean_decode (transformers' own ops, its
@@ -300,6 +317,44 @@ class EmbeddedEngine(RolloutEngine):
         # chunk has (0: before the prefill), outside the engine lock: tests pause at a known step with it.
         self.step_boundary_hook: Optional[Callable[[int], None]] = None
 
+    def _refuse_speculative(self, record_routes: bool, batch_invariant: bool) -> None:
+        conflicts = [(record_routes, "--use-rollout-routing-replay (a rejected draft's routes would be recorded)"),
+                     (batch_invariant, "--true-on-policy-mode (a verify forward of several positions is not "
+                                       "bitwise the one-token forward)"),
+                     (self.image_tokens is not None, "a vision-language checkpoint")]
+        for bad, what in conflicts:
+            if bad:
+                raise ConfigError(f"--speculative-algorithm {self.speculative.algorithm if self.speculative else ''} "
+                                  f"with {what}: not supported by the embedded engine; drop one of them")
+
+    def _load_draft(self, checkpoint: HFCheckpoint) -> None:
+        """The draft's weights from the checkpoint's MTP tensors; its copies of the embedding and head must equal
+        the main model's (they alias them here, as the trainer's bridge shares them)."""
+        assert self.draft is not None
+        prefixes = tuple(f"model.layers.{key}." for key in self.draft.model.layers)
+        shared = self.draft.shared_names()
+        wanted = {n for n in self.param_map.names() if n.startswith(prefixes)}
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name in sorted(n for n in checkpoint.names() if n.startswith(prefixes)):
+                tensor = checkpoint.read(name)
+                if name in shared:
+                    main = self.param_map.view(shared[name])
+                    if not torch.equal(tensor.to(main.dtype).to(main.device), main):
+                        raise CheckpointError(f"{name} in {self.hf_checkpoint} differs from {shared[name]}: the "
+                                              "draft shares the main model's embedding and head; a checkpoint whose "
+                                              "MTP copies differ cannot serve --speculative-algorithm")
+                    continue
+                if name not in self.param_map:
+                    raise CheckpointError(f"{name} in {self.hf_checkpoint}: not a tensor of the MTP draft built from "
+                                          "config.json; the checkpoint's MTP layers do not match its config")
+                self.param_map.view(name).copy_(tensor)
+                loaded.add(name)
+        if wanted - loaded:
+            raise CheckpointError(f"{self.hf_checkpoint} lacks {len(wanted - loaded)} MTP tensor(s) of the draft "
+                                  f"(first: {sorted(wanted - loaded)[0]}); --speculative-algorithm needs the "
+                                  "checkpoint's MTP layers (num_nextn_predict_layers)")
+
     @classmethod
     def from_config(cls, cfg: "Config", placement: "Optional[EnginePlacement]" = None) -> "EmbeddedEngine":
         """The loop's engine: ``--hf-checkpoint`` (weights, and the tokenizer found beside them). It runs in
@@ -308,7 +363,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ConfigError("--rollout-backend embedded loads the policy from --hf-checkpoint: give "
                               "--hf-checkpoint DIR (an HF model directory)")
         return cls(cfg.model.hf_checkpoint, record_routes=cfg.megatron.use_rollout_routing_replay,
-                   batch_invariant=cfg.algorithm.true_on_policy_mode)
+                   batch_invariant=cfg.algorithm.true_on_policy_mode, speculative=speculative_config(cfg.rollout))
 
     # ------------------------------------------------------------------ state
     @property
@@ -743,6 +798,8 @@ class EmbeddedEngine(RolloutEngine):
                 label=req.label, prompt_text=req.prompt_text, response_text=text, metadata=dict(req.metadata),
                 token_versions=list(out.versions) if len(set(out.versions)) > 1 else [], routed_experts=out.routes,
                 multimodal_inputs=req.multimodal_inputs))
+            if out.spec is not None:  # drafts proposed / accepted per depth: rollout/spec_accept_rate_d{j}
+                samples[-1].metadata[SPEC_METADATA_KEY] = out.spec
         return samples
 
     def generate_rows(self, rows: list["EngineRow"], sampling: SamplingParams) -> list["RowOutput"]:
@@ -804,8 +861,12 @@ class EmbeddedEngine(RolloutEngine):
         try:
             with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
                 for start in range(0, len(rows), per_chunk):
-                    outputs.extend(self._generate_chunk(call, rows[start:start + per_chunk], sampling, stop_ids,
-                                                        pad_to))
+                    part = rows[start:start + per_chunk]
+                    if self.speculative is not None:
+                        outputs.extend(generate_speculative_chunk(self, call, part, sampling, stop_ids, pad_to,
+                                                                  self.speculative))
+                    else:
+                        outputs.extend(self._generate_chunk(call, part, sampling, stop_ids, pad_to))
         finally:
             with self._cond:
                 self._calls.remove(call)
@@ -816,10 +877,11 @@ class EmbeddedEngine(RolloutEngine):
     def joins_rows(self) -> bool:
         """Whether ``generate_continuous`` can take rows into a running batch: every attention layer full (a
         sliding-window or linear-attention cache cannot be left-padded to merge); else a server batches
-        statically with ``generate_rows``."""
+        statically with ``generate_rows``. A speculative engine batches statically too (its rows' caches hold
+        rejected drafts' holes, which a merge would not carry)."""
         from megatron_rl.rollout.kv_cache import joinable, make_kv_cache  # lazy: kv_cache imports transformers
 
-        return joinable(make_kv_cache(self.model.config, capacity=1))
+        return self.speculative is None and joinable(make_kv_cache(self.model.config, capacity=1))
 
     def generate_continuous(self, sampling: SamplingParams, take: Callable[[int], list["EngineRow"]],
                             finish: Callable[["EngineRow", "RowOutput"], None]) -> None:
@@ -968,6 +1030,9 @@ class EmbeddedEngine(RolloutEngine):
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         elem = next(self.model.parameters()).element_size()
         per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * longest * elem + self.vocab_size * (4 + 4 + 8)
+        if self.speculative is not None:  # k + 1 cache columns per token at worst, k + 1 positions' logits
+            k = self.speculative.num_steps
+            per_row = per_row * (k + 1) + self.vocab_size * (4 + 8 + 8) * (2 * k + 1)
         return max(1, CHUNK_BUDGET_BYTES // per_row)
 
     def _decode_step(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

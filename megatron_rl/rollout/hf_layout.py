@@ -56,6 +56,11 @@ CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+#: where the embedded engine attaches its speculative MTP draft (rollout/mtp_draft.DRAFT_MODULE), names below it
+#: being the checkpoint's
+DRAFT_PREFIX = "mtp_draft."
+
+
 def _view(live: Callable[[], torch.Tensor], index: int | tuple[int, slice]) -> Callable[[], torch.Tensor]:
     """``live()[index]`` on every call, so a swapped storage is followed (``index`` is bound now)."""
     return lambda: live()[index]
@@ -89,6 +94,14 @@ class HFParamMap:
         else:
             self._aliases = {}
 
+    def add_aliases(self, aliases: dict[str, str]) -> None:
+        """Accept each key as another name of the tensor its value names (a speculative draft's MTP copies of the
+        embedding and output head: rollout/mtp_draft.py), where that tensor is in the map."""
+        for alias, target in aliases.items():
+            target = self._aliases.get(target, target)
+            if target in self._views:
+                self._aliases[alias] = target
+
     def _getter(self, param_name: str) -> Callable[[], torch.Tensor]:
         # Resolve on every call: release()/resume() swap the parameter's storage.
         return lambda: self._model.get_parameter(param_name).data
@@ -97,6 +110,8 @@ class HFParamMap:
         return lambda: self._model.get_buffer(buffer_name)
 
     def _checkpoint_name(self, name: str) -> str:
+        if name.startswith(DRAFT_PREFIX):  # the engine's MTP draft holds its layers under the checkpoint's names
+            name = name[len(DRAFT_PREFIX):]
         for memory, checkpoint in self._prefixes:
             if name.startswith(memory):
                 name = checkpoint + name[len(memory):]

@@ -57,6 +57,13 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (a speculative draft's chain steps, rollout/speculative.py)."""
+        if self.is_initialized and length < self.length:
+            k, v = self._buffers()
+            self.length = length
+            self.keys, self.values = k[:, :, :length], v[:, :, :length]
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             k, v = self._buffers()

@@ -75,3 +75,34 @@ def sample_next_tokens(logits: torch.Tensor, sampling: SamplingParams, uniforms:
         j = inverse_cdf(sorted_probs * keep, uniforms)
         tokens = sorted_ids.gather(-1, j.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def reported_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """``[..., V]`` log-probs ``sample_next_tokens`` reports: ``log_softmax(logits / T)`` (greedy: T = 1)."""
+    logits = logits.float()
+    return torch.log_softmax(logits if sampling.greedy else logits / sampling.temperature, dim=-1)
+
+
+def sampling_distribution(logits: torch.Tensor, sampling: SamplingParams, banned: tuple[int, ...] = ()) -> torch.Tensor:
+    """The distribution ``sample_next_tokens`` draws each row of ``logits`` [B, V] from, as float64 probabilities in
+    vocab order: temperature, top-k / top-p on the sorted unfiltered probabilities, ``banned`` removed, the
+    survivors renormalised; greedy: all mass on the (unbanned) argmax.
+
+    Why: speculative decoding (rollout/speculative.py) accepts a draft token with ``min(1, p/q)`` and resamples from
+    ``norm(max(0, p - q))``; for its tokens to follow non-speculative sampling, ``p`` must be exactly this law."""
+    logits = logits.float()
+    ban = torch.tensor(banned, dtype=torch.long, device=logits.device) if banned else None
+    if sampling.greedy:
+        chooser = logits if ban is None else logits.index_fill(-1, ban, float("-inf"))
+        return torch.nn.functional.one_hot(chooser.argmax(dim=-1), logits.shape[-1]).double()
+    probs = torch.log_softmax(logits / sampling.temperature, dim=-1).exp()
+    if ban is not None:
+        probs = probs.index_fill(-1, ban, 0.0)
+    if sampling.top_k != -1 or sampling.top_p < 1.0:
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+        keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) <= sampling.top_p
+        if sampling.top_k != -1:
+            keep[:, sampling.top_k:] = False
+        probs = probs * torch.zeros_like(keep).scatter(-1, sorted_ids, keep)
+    probs = probs.double()
+    return probs / probs.sum(dim=-1, keepdim=True)

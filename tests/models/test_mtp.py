@@ -59,6 +59,16 @@ def test_mtp_logits_match_the_reference_and_export_is_bit_exact(single_rank, tin
     # the weight sync of frozen MTP layers leaves them out (the engine keeps its own)
     synced = {n for n, _ in bridge.export_hf_weights(chunks, include_mtp=False)}
     assert synced == {n for n in source if not n.startswith("model.layers.4.")}
+    # a drafting engine (--speculative-algorithm) takes the export with the MTP layers by the names it holds: every
+    # name the trainer sends is one of its tensors (or an alias of one), and the update covers all of them
+    from megatron_rl.rollout import EmbeddedEngine
+    from megatron_rl.rollout.speculative import SpeculativeConfig
+
+    engine = EmbeddedEngine(path, speculative=SpeculativeConfig(num_steps=1))
+    assert set(engine.param_map.names()) <= set(exported) and all(n in engine.param_map for n in exported)
+    engine._weights_loaded = False  # as after a release without backup: the update must cover every tensor
+    engine.update_weights(list(exported.items()), version=1)
+    assert engine.health().ok
 
 
 def test_mtp_refusals_name_the_values(single_rank, tiny_hf_models, tmp_path):

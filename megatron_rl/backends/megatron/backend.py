@@ -295,14 +295,24 @@ class MegatronBackend(RoleAttributes, TrainBackend):
         with contextlib.ExitStack() as merged:  # LoRA: the engine gets the adapters folded into the weights
             for adapters in self.lora if merge_adapters else ():
                 merged.enter_context(adapters.merged())
-            # the MTP layers are frozen: the engine's own copy (from the same checkpoint) stays current.
+            # the MTP layers go to the engine when it drafts with them (--speculative-algorithm: trained by
+            # --enable-mtp-training, or frozen but needed again after a release); otherwise the engine has none.
             # --freeze-vision-tower: the tower goes with the first export only (the trainer's may come from --load,
             # not the engine's --hf-checkpoint); it never moves after that, so the engine's copy stays the trainer's
             with_vision = not (self.cfg.model.freeze_vision_tower and self._vision_exported)
             yield from bucketed(self.bridge.export_hf_weights(self.chunks, bucket_bytes=bucket_bytes,
-                                                              stage_only=stage_only, include_mtp=False,
+                                                              stage_only=stage_only, include_mtp=self.syncs_mtp,
                                                               include_vision=with_vision), bucket_bytes)
             self._vision_exported = True
+
+    @property
+    def syncs_mtp(self) -> bool:
+        """Whether the weight sync carries the MTP layers: the embedded engine drafts with them
+        (--speculative-algorithm). An SGLang engine's draft worker keeps the checkpoint's MTP layers it loaded at
+        launch (its target model skips MTP names), so they are not sent there."""
+        r = self.cfg.rollout
+        return bool(self.bridge.mtp_num_layers) and r.speculative_algorithm is not None and \
+            r.rollout_backend == "embedded"
 
     def export_adapters(self, *, stage_only: bool = False) -> AdapterExport:
         """The adapters gathered over TP (and PP unless ``stage_only``): ``models/lora.full_adapter_tensors``."""

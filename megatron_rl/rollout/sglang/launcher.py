@@ -101,6 +101,18 @@ def _pass_through_args(sglang_args: dict) -> list[str]:
     return out
 
 
+def sglang_speculative_args(rollout: Any) -> list[str]:
+    """SGLang's command-line arguments for the ``--speculative-*`` flags (empty without them): SGLang's own names,
+    so a launched server drafts with the checkpoint's MTP / NEXTN head."""
+    if rollout.speculative_algorithm is None:
+        return []
+    steps = rollout.speculative_num_steps
+    draft_tokens = rollout.speculative_num_draft_tokens or steps + 1
+    return ["--speculative-algorithm", rollout.speculative_algorithm, "--speculative-num-steps", str(steps),
+            "--speculative-eagle-topk", str(rollout.speculative_eagle_topk),
+            "--speculative-num-draft-tokens", str(draft_tokens)]
+
+
 def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, port: int,
                    nccl_port: int, part: int = 0, dist_init_addr: Optional[str] = None) -> list[str]:
     """The ``sglang.launch_server`` command line of ``slot`` (see the module docstring); for an engine
@@ -120,7 +132,7 @@ def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, p
         cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
     if cfg.megatron.use_rollout_routing_replay and "enable_return_routed_experts" not in r.sglang_args:
         cmd.append("--enable-return-routed-experts")  # R3: requests then ask for each token's experts
-    return cmd + lora_server_args(cfg) + _pass_through_args(r.sglang_args)
+    return cmd + lora_server_args(cfg) + sglang_speculative_args(r) + _pass_through_args(r.sglang_args)
 
 
 def lora_server_args(cfg: "Config") -> list[str]:
