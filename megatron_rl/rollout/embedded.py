@@ -76,13 +76,12 @@ import logging
 import os
 import secrets
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from megatron_rl.data.images import VisionInputs
-from megatron_rl.data.types import RoutedExperts, Sample
+from megatron_rl.data.types import Sample
 from megatron_rl.errors import CheckpointError, ConfigError, EngineError, SyncError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_module import hf_config
@@ -90,6 +89,7 @@ from megatron_rl.models.mrope import check_image_tokens, mrope_position_ids
 from megatron_rl.models.peft_adapter import AdapterExport, is_adapter_dir, merged_weight
 from megatron_rl.ops.batch_invariant import batch_invariant_mode
 from megatron_rl.rollout.base import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, checked_tokenizer, load_tokenizer
+from megatron_rl.rollout.engine_rows import EngineRow, RowOutput
 from megatron_rl.rollout.hf_layout import HFParamMap
 from megatron_rl.rollout.lean_decode import lean_decoder
 from megatron_rl.rollout.routes import RouteCapture, routed_experts
@@ -144,29 +144,6 @@ class _GenerateCall:
         self.aborted = False  # a pause("abort") came while it was in flight: it returns at its next boundary
 
 
-@dataclass
-class EngineRow:
-    """One row for ``EmbeddedEngine.generate_rows``: a prompt with its own generator seed and token budget."""
-
-    prompt_ids: list[int]
-    seed: int  # its generator's seed (``row_seed`` of a call's seed and the row's indices)
-    max_new_tokens: int
-    key: Any = None  # rows with one key share one prefill of their (equal) prompt; None: the row's own
-    cancel: Optional[threading.Event] = None  # set by another thread: the row ends "abort" after its current step
-    images: Optional[VisionInputs] = None  # the prompt's images (a vision-language model's), None: text only
-
-
-@dataclass
-class RowOutput:
-    """What one row generated: tokens, their log-probs, why it ended, and each token's weight version."""
-
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    versions: list[int] = field(default_factory=list)
-    routes: Optional[RoutedExperts] = None  # with ``record_routes``: the experts of its tokens (module docstring)
-    # with a speculative draft: (drafts proposed, drafts accepted) at each draft depth (rollout/speculative.py)
-    spec: Optional[tuple[list[int], list[int]]] = None
 
 
 class _Slot:

@@ -36,10 +36,12 @@ import torch
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.engine_rows import EngineRow, RowOutput
+from megatron_rl.rollout.mtp_draft import final_hidden_states
 from megatron_rl.rollout.sampling import inverse_cdf, reported_logprobs, sampling_distribution
 
 if TYPE_CHECKING:
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EngineRow, RowOutput, _GenerateCall
+    from megatron_rl.rollout.embedded import EmbeddedEngine, _GenerateCall
 
 SPEC_METADATA_KEY = "spec_drafts"  # Sample.metadata: (proposed, accepted) per draft depth
 ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names; both run the checkpoint's MTP head as an EAGLE chain here
@@ -157,8 +159,6 @@ def generate_speculative_chunk(engine: "EmbeddedEngine", call: "_GenerateCall", 
     """``EmbeddedEngine._generate_chunk`` with the MTP draft (module docstring). Pauses, aborts and weight versions
     behave as there: every model use is a step between ``_enter_step`` / ``_leave_step``; ``retract`` after a
     weight update prefills the live rows again, prompt + tokens, into fresh caches of both models."""
-    from megatron_rl.rollout.embedded import RowOutput
-    from megatron_rl.rollout.mtp_draft import final_hidden_states
 
     k, dev, greedy = spec.num_steps, engine.device, sampling.greedy
     draft = engine.draft
