@@ -47,7 +47,7 @@ LAUNCH_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/dist/test_publish.py", "tests/dist/test_freeze_ranks.py", "tests/dist/test_reloadable_groups.py", "tests/dist/test_engine_replicas.py",
         "tests/dist/test_reward_model_ranks.py",
         "tests/dist/test_cp_attention.py", "tests/dist/test_convert_layouts.py", "tests/dist/test_vlm_layouts.py",
-        "tests/convert/test_convert_roundtrip.py",
+        "tests/convert/test_convert_roundtrip.py", "tests/dist/test_packing_dist.py",
     ),
 }
 GROUP_OF: dict[str, str] = {f: g for g, files in LAUNCH_GROUPS.items() for f in files}

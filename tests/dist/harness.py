@@ -53,6 +53,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "memory": ("memory_worker", "main"),
     "offload": ("offload_worker", "main"),
     "on_policy": ("on_policy_worker", "main"),
+    "packing": ("packing_worker", "main"),
     "parity": ("parity_layouts", "main"),
     "publish": ("publish_worker", "main"),
     "replicas": ("replicas_worker", "main"),
