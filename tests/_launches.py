@@ -6,9 +6,12 @@ of their own. Files of one *launch group* (``LAUNCH_GROUPS``) put their jobs int
 one launch per rank count and phase for the whole group, through ``tests/dist/harness.py``.
 
 How a file takes part: it defines ``shared_launch(ctx)``, a generator. Each ``yield {nproc: [(job, argv),
-...]}`` is one *phase*: the group's phase-k jobs of every file run together, one launch per rank count
-(1, 2, 3, 4 ranks in that order), and the generator resumes after all of them finished (so a file can
-damage a checkpoint phase 1 wrote before phase 2 loads it). What the generator returns is what its file's
+...]}`` is one *phase*: the group's phase-k jobs of every file run together, one launch per rank count,
+the most ranks first (4, 3, 2, 1: so a phase's jobs may load what its launches of more ranks wrote, e.g. a
+1-rank reshard of a 2-rank save, without a phase, and so a launch, of their own), and the generator
+resumes after all of them finished (so a file can damage a checkpoint phase 1 wrote before phase 2 loads
+it). Each launch is a fresh set of processes: a resume in a later launch never shares a process with the
+save it loads. What the generator returns is what its file's
 fixture gets from ``shared_launch_state(request)``. ``ctx`` offers ``tmp_path_factory`` and
 ``tiny_hf_models``. A file whose phases run out early simply yields nothing more.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any, Callable
 
 import pytest
@@ -43,6 +47,7 @@ LAUNCH_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/dist/test_publish.py", "tests/dist/test_freeze_ranks.py", "tests/dist/test_reloadable_groups.py", "tests/dist/test_engine_replicas.py",
         "tests/dist/test_reward_model_ranks.py",
         "tests/dist/test_cp_attention.py", "tests/dist/test_convert_layouts.py", "tests/dist/test_vlm_layouts.py",
+        "tests/convert/test_convert_roundtrip.py", "tests/dist/test_packing_dist.py",
     ),
 }
 GROUP_OF: dict[str, str] = {f: g for g, files in LAUNCH_GROUPS.items() for f in files}
@@ -107,10 +112,13 @@ class _GroupRun:
                     continue
                 for nproc, jobs in wanted.items():
                     by_nproc.setdefault(int(nproc), []).extend(jobs)
-            for nproc in sorted(by_nproc):
+            for nproc in sorted(by_nproc, reverse=True):  # most ranks first (the module docstring)
                 print(f"[shared launch] {group} phase {phase}: {len(by_nproc[nproc])} job(s) on {nproc} rank(s)",
                       file=sys.stderr)
+                t0 = time.monotonic()
                 run_jobs(nproc, by_nproc[nproc], timeout=1800)
+                print(f"[shared launch] {group} phase {phase} on {nproc} rank(s): {time.monotonic() - t0:.1f} s",
+                      file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

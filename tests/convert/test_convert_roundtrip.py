@@ -1,9 +1,11 @@
 """HF -> torch_dist -> HF for every family in one process: bit-exact, loadable, same logits.
 
-One worker process (tests/dist/scripts/convert_worker.py --mode roundtrip) does
+One job (tests/dist/scripts/convert_worker.py --mode roundtrip, a world of one) does
 all conversions (with --verify on every leg) so megatron and the torch_dist
-writer start once; this test then checks the outputs independently of the
-converter's own verification.
+writer start once; it runs in the 1-rank launch of its launch group
+(tests/_launches.py), which pays the interpreter's start and megatron-core's import
+for the group's other 1-rank jobs too. This test then checks the outputs
+independently of the converter's own verification.
 """
 
 from __future__ import annotations
@@ -16,18 +18,21 @@ import torch
 
 from megatron_rl.models.hf_tiny import FAMILIES
 
-from _util import run_jobs
 from test_convert import _tensors, assert_same_tensors
 
 pytestmark = pytest.mark.dist
 
-@pytest.fixture(scope="module")
-def roundtrip(tmp_path_factory):
-    """Job ``convert --mode roundtrip`` of tests/dist/harness.py in one plain process (no torchrun)."""
-    out = tmp_path_factory.mktemp("convert_rt")
+def shared_launch(ctx):
+    """Job ``convert --mode roundtrip`` of tests/dist/harness.py in its group's 1-rank launch; the results."""
+    out = ctx.tmp_path_factory.mktemp("convert_rt")
     families = ["llama"] + [f for f in FAMILIES if f != "llama"]  # llama first: also the bf16 case
-    run_jobs(1, [("convert", ["--mode", "roundtrip", "--out", out, "--family", *families])], timeout=900, plain=True)
+    yield {1: [("convert", ["--mode", "roundtrip", "--out", out, "--family", *families])]}
     return json.load(open(out / "results.json"))
+
+
+@pytest.fixture(scope="module")
+def roundtrip(shared_launch_state):
+    return shared_launch_state
 
 
 def _logits(hf_dir):

@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +53,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "memory": ("memory_worker", "main"),
     "offload": ("offload_worker", "main"),
     "on_policy": ("on_policy_worker", "main"),
+    "packing": ("packing_worker", "main"),
     "parity": ("parity_layouts", "main"),
     "publish": ("publish_worker", "main"),
     "replicas": ("replicas_worker", "main"),
@@ -151,6 +153,7 @@ def run(spec_path: str) -> None:
     rank = dist.get_rank()
     peaks = PeakThreads()
     for i, entry in enumerate(spec):
+        t0 = time.monotonic()
         module, func = JOBS[entry["job"]]
         getattr(importlib.import_module(module), func)(list(entry.get("argv", [])))
         release_groups()
@@ -166,7 +169,8 @@ def run(spec_path: str) -> None:
                                f"{n} threads on rank {rank} (bound {THREAD_BOUND}: {thread_names()}): a process "
                                "group, pool or server it started was not released")
         if rank == 0:
-            print(f"[harness] job {i} {entry['job']} done: {n} threads ({peak} at most while it ran)",
+            print(f"[harness] job {i} {entry['job']} done in {time.monotonic() - t0:.1f} s: {n} threads ({peak} at "
+                  f"most while it ran) {' '.join(entry.get('argv', []))[:160]}",
                   file=sys.stderr, flush=True)
         dist.barrier()
     if rank == 0:

@@ -50,9 +50,11 @@ VPP = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel
 
 
 def shared_launch(ctx):
-    """Three phases of the group's launches (tests/_launches.py): the 2-rank straight and saving runs; the
-    2-rank resumes (fresh processes) after the corrupt roots and the PEFT export were made from the saves;
-    the 1-rank reshard after the damaged copies were. (out dir, roots, damaged dirs)."""
+    """Two phases of the group's launches (tests/_launches.py): the 2-rank straight and saving runs; then,
+    after the corrupt roots, the PEFT export and the damaged copies were made from the saves, the 2-rank
+    resumes (fresh processes) and the 1-rank reshard (the phase's 1-rank launch runs after its 2-rank one,
+    which writes the VPP checkpoint it loads). Phase 2's jobs load their checkpoints by iteration dir, so the
+    damaged copies beside the TP2 one change nothing for them. (out dir, roots, damaged dirs)."""
     hf = ctx.tiny_hf_models("qwen2")
     out = ctx.tmp_path_factory.mktemp("ckpt_out")
     roots = {k: out / f"root_{k}" for k in LAYOUTS}
@@ -78,8 +80,6 @@ def shared_launch(ctx):
     jobs.append(_job(tag="corrupt", flags=tp, steps=0, resume=[
         ["--save", fb], ["--load", os.path.join(fb, "iter_0000002")], ["--load", os.path.join(fb, "iter_0000001")],
         ["--save", inf], ["--load", os.path.join(inf, "iter_0000002")]]))
-    yield {2: [(JOB, [hf, out, *jobs])]}
-
     # damaged copies of the TP2 checkpoint, next to it (root_tp) and apart (bad*)
     good = saves["tp"]
     temp = str(roots["tp"] / ".iter_0000004.tmp")
@@ -111,7 +111,8 @@ def shared_launch(ctx):
     bad = {"temp": temp, "unmarked": unmarked, "truncated": truncated, "garbage": garbage, "torn": torn,
            "dist_opt": saves["do"],  # saved with --use-distributed-optimizer, loaded without
            "lora": saves["lora"]}  # a LoRA run's, loaded by a run without adapters
-    yield {1: [(JOB, [hf, out, _job(tag="reshard_tp1", steps=2, load=good, refuse=list(bad.values())),
+    yield {2: [(JOB, [hf, out, *jobs])],
+           1: [(JOB, [hf, out, _job(tag="reshard_tp1", steps=2, load=good, refuse=list(bad.values())),
                       _job(tag="vpp_to_tp1", steps=0, load=vpp_save)])]}
     return out, roots, bad
 

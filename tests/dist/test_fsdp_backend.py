@@ -58,8 +58,8 @@ def _random_peft_dir(hf: str, out) -> str:
 
 
 def shared_launch(ctx):
-    """Two phases of the group's launches (tests/_launches.py): the DP2 and DP4 runs, then one process
-    (which resumes the DP2 checkpoints)."""
+    """One phase of the group's launches (tests/_launches.py): the DP2 and DP4 runs, then one process (its
+    1-rank launch runs after them: it resumes the DP2 checkpoints)."""
     tmp_path_factory, tiny_hf_models = ctx.tmp_path_factory, ctx.tiny_hf_models
     hf, moe = tiny_hf_models("qwen2"), tiny_hf_models("qwen3_moe")
     others = [tiny_hf_models(f) for f in OTHER_FAMILIES]
@@ -74,9 +74,10 @@ def shared_launch(ctx):
                      f"fsdp:{lora},+as=fsdp_lora_saved,+save={lora_ckpt}"])]
     # DP4: uneven shares of the 6 samples (dynamic batching; one sample per micro-batch does not divide)
     four = tmp_path_factory.mktemp("fsdp_w4")
-    yield {2: dp2, 4: [("fsdp", [hf, four, DP4_RUN])]}
-    # one process: FSDP and megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
-    yield {1: [("fsdp", [hf, one, "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
+    # one process (the phase's 1-rank launch, after its 2- and 4-rank ones: tests/_launches.py): FSDP and
+    # megatron (dense and MoE), and the DP2 checkpoints resumed at DP1
+    yield {2: dp2, 4: [("fsdp", [hf, four, DP4_RUN])],
+           1: [("fsdp", [hf, one, "fsdp", "megatron", f"fsdp:+load={ckpt}", f"fsdp:+hf={moe}",
                          f"megatron:+hf={moe}", f"{FP16_OVERFLOW},+load={ckpt16}", f"fsdp:{lora},+as=fsdp_lora",
                          f"megatron:{lora},+as=megatron_lora",
                          *[f"{b}:+hf={d},+as={b}_{f}" for f, d in zip(OTHER_FAMILIES, others)

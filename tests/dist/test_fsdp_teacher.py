@@ -36,8 +36,9 @@ def shared_launch(ctx):
                              num_hidden_layers=student_hidden["num_hidden_layers"] + 1, seed=11)
     same = ctx.tiny_hf_models("qwen2", seed=12)
     out, ckpt = ctx.tmp_path_factory.mktemp("fsdp_teacher"), ctx.tmp_path_factory.mktemp("fsdp_teacher_ckpt")
-    yield {2: [("fsdp_teacher", [hf, big, same, out, ckpt, "save"])]}
-    yield {1: [("fsdp_teacher", [hf, big, same, out, ckpt, "resume"])]}
+    # the resume in the phase's 1-rank launch, which runs after its 2-rank one (tests/_launches.py)
+    yield {2: [("fsdp_teacher", [hf, big, same, out, ckpt, "save"])],
+           1: [("fsdp_teacher", [hf, big, same, out, ckpt, "resume"])]}
     return {"hf": hf, "big": big, "same": same, "dp2": json.load(open(out / "teacher_save_w2.json")),
             "dp1": json.load(open(out / "teacher_resume_w1.json"))}
 

@@ -36,14 +36,16 @@ HYBRID_STATE = {"param", "exp_avg", "exp_avg_sq", "step", "master_param"}
 
 
 def shared_launch(ctx):
-    """Three phases of the group's launches (tests/_launches.py); the output dir."""
+    """Two phases of the group's launches (tests/_launches.py): the 2-rank runs and save, then (the phase's
+    1-rank launch, after its 2-rank one) the DP1 load and resave of that save; the 2-rank resumes of both
+    saves in phase 2. The output dir."""
     hf = ctx.tiny_hf_models("qwen2")
     out = ctx.tmp_path_factory.mktemp("offload")
     save = str(out / "root_off" / "iter_0000002")
     resave = str(out / "root_dp1" / "iter_0000002")
     yield {2: [(JOB, [hf, out, _job(tag="plain", flags=DO, steps=4), _job(tag="straight_off", flags=OFFLOAD, steps=4),
-                      _job(tag="save_off", flags=OFFLOAD, steps=2, save=save)])]}
-    yield {1: [(JOB, [hf, out, _job(tag="dp1", flags=OFFLOAD, steps=2, load=save),
+                      _job(tag="save_off", flags=OFFLOAD, steps=2, save=save)])],
+           1: [(JOB, [hf, out, _job(tag="dp1", flags=OFFLOAD, steps=2, load=save),
                       _job(tag="dp1_resave", flags=OFFLOAD, steps=0, load=save, save=resave)])]}
     yield {2: [(JOB, [hf, out, _job(tag="resume_off", flags=OFFLOAD, steps=2, load=save),
                       _job(tag="via_dp1", flags=OFFLOAD, steps=2, load=resave)])]}
