@@ -3,7 +3,8 @@ any worker starts.
 
 Built: the megatron backend's passes with images (packed THD micro-batches carrying pixels, grids and M-RoPE
 positions, at every layout the model is proven at), the embedded engine generating with images on the driver (or
-its replicas on every rank: requests travel whole), the weight sync of every tensor, the vision tower's included,
+its replicas on every rank: requests travel whole) or served from its own process (``--embedded-engine-ranks
+process``, the asynchronous modes' default: the images go in SGLang's ``image_data``), the weight sync of every tensor, the vision tower's included,
 and ``--freeze-vision-tower``. The rest is refused by name, one row of :data:`NOT_BUILT` each, so a run never
 starts on a path that would drop the images or train them wrongly.
 """
@@ -33,11 +34,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              lambda c: c.has_rollout_engine and c.rollout.rollout_backend == "sglang",
              "SGLang's /generate with image_data is not built (the client sends token ids only); use "
              "--rollout-backend embedded"),
-    NotBuilt(lambda c: "--embedded-engine-ranks process" + (" (auto, for --async-mode)"
-                                                             if c.rollout.embedded_engine_ranks == "auto" else ""),
-             lambda c: c.embedded_placement == "process",
-             "the served embedded engine speaks SGLang's /generate, token ids only; use --embedded-engine-ranks "
-             "driver or all (synchronous rollouts)"),
     NotBuilt(lambda c: "--advantage-estimator ppo", lambda c: c.algorithm.advantage_estimator == "ppo",
              "the critic (a value model with images) is not built; use grpo or another critic-free estimator"),
     NotBuilt(lambda c: f"--lora-rank {c.lora.lora_rank}", lambda c: c.lora.lora_rank > 0,

@@ -413,9 +413,10 @@ class SGLangEngine(RolloutEngine):
             return []
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         call_id = uuid.uuid4().hex[:12]
+        images = request_images(requests)
         if self.router is not None:
             return self._samples(requests, sampling, self._generate_via_router(requests, sampling, base_seed,
-                                                                               call_id))
+                                                                               call_id, images))
         start = self._cursor
         self._cursor = (self._cursor + len(requests)) % len(self.clients)
         per_server: list[list[int]] = [[] for _ in self.clients]
@@ -434,7 +435,8 @@ class SGLangEngine(RolloutEngine):
                     [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
-                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name)
+                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
+                    image_data=None if images is None else [images[i] for i, _ in rows])
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -448,7 +450,8 @@ class SGLangEngine(RolloutEngine):
         return self._samples(requests, sampling, outputs)
 
     def _generate_via_router(self, requests: list[GenerateRequest], sampling: SamplingParams, base_seed: int,
-                             call_id: str) -> dict[tuple[int, int], protocol.GenerateOutput]:
+                             call_id: str, images: Optional[list[list[str]]] = None
+                             ) -> dict[tuple[int, int], protocol.GenerateOutput]:
         """Every row as its own request to the router, ``router_concurrency`` at a time; the first error
         is raised once the rows in flight finished (each has the client's timeout)."""
         router, router_pool = self.router, self._router_pool
@@ -466,7 +469,8 @@ class SGLangEngine(RolloutEngine):
                     protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
-                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name)
+                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
+                    image_data=None if images is None else images[i])
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -512,7 +516,8 @@ class SGLangEngine(RolloutEngine):
                     group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.output_ids,
                     rollout_logprobs=out.logprobs, finish_reason=out.finish_reason, weight_version=out.weight_version,
                     label=req.label, prompt_text=req.prompt_text, response_text=out.text,
-                    metadata=metadata, token_versions=out.token_versions(), routed_experts=routes))
+                    metadata=metadata, token_versions=out.token_versions(), routed_experts=routes,
+                    multimodal_inputs=req.multimodal_inputs))
         return samples
 
     def _run_watched(self, fn, servers: list[int]) -> list:
@@ -833,6 +838,20 @@ _FAILED_UPDATE = "the last weight update failed on some server, so the servers' 
 # the adapter of weight version V on the servers (--lora-sync adapter); requests name it in lora_path
 LORA_NAME_PREFIX = "mrl-lora-v"
 ADAPTER_CONFIG = "adapter_config.json"  # models.peft_adapter's (imported here without torch)
+
+
+def request_images(requests: list[GenerateRequest]) -> Optional[list[list[str]]]:
+    """Each request's images as SGLang's ``image_data`` items (``data:`` URLs of their encoded bytes; ``[]`` for a
+    request without), or None when no request has any (a text rollout sends no ``image_data``)."""
+    if all(req.multimodal_inputs is None for req in requests):
+        return None
+    out = []
+    for req in requests:
+        try:
+            out.append(req.multimodal_inputs.data_urls() if req.multimodal_inputs is not None else [])
+        except ValueError as exc:
+            raise EngineError(f"prompt of group_index {req.group_index}: {exc}") from None
+    return out
 
 
 def discover_router(urls: Sequence[str], *, timeout_s: float = 10.0) -> tuple[list[str], Optional[str]]:
