@@ -15,7 +15,7 @@ from megatron_rl.rollout.embedded import EmbeddedEngine, EngineRow, row_seed
 from megatron_rl.rollout.embedded_server import EmbeddedServer, image_data_rows
 from megatron_rl.rollout.sglang import protocol
 from megatron_rl.rollout.sglang.client import SGLangClient
-from megatron_rl.rollout.sglang.engine import SGLangEngine
+from megatron_rl.rollout.sglang.engine import SGLangEngine, one_pad_per_image
 from sglang_standin import SGLangStandIn
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5, seed=7, n=2, ignore_eos=True)
@@ -62,7 +62,7 @@ def test_the_served_engine_takes_image_data_and_equals_the_driver_side_engine(vl
     assert requests[0].multimodal_inputs.sources is not None and want[0].multimodal_inputs is requests[0].\
         multimodal_inputs
     server = EmbeddedServer(engine, model_path=path).start()
-    client = SGLangEngine([server.url], releases_memory=False, health_interval_s=0)
+    client = SGLangEngine([server.url], releases_memory=False, health_interval_s=0, hf_checkpoint=path)
     try:
         same_rollout(client.generate(requests, SAMPLING), want)
         raw = SGLangClient(server.url)
@@ -90,7 +90,7 @@ def test_the_sglang_client_sends_image_data_as_sglang_reads_it(vl):
     path, engine, requests, _ = vl
     requests = requests[1:]  # two images of different sizes, and a text-only row
     with SGLangStandIn(path) as standin:
-        client = SGLangEngine([standin.url], releases_memory=False, health_interval_s=0)
+        client = SGLangEngine([standin.url], releases_memory=False, health_interval_s=0, hf_checkpoint=path)
         try:
             got = client.generate(requests, dataclasses.replace(SAMPLING, n=1))
         finally:
@@ -128,3 +128,19 @@ def test_images_without_their_bytes_cannot_go_over_http(vl):
 
     with pytest.raises(EngineError, match="prompt of group_index 0: these images carry no encoded bytes"):
         request_images([GenerateRequest(requests[0].prompt_ids, 0, multimodal_inputs=bare)])
+
+
+def test_a_server_that_ran_the_prompt_without_its_images_is_named(vl):
+    """SGLang given images it finds no slot for warns and generates without them; its ``meta_info.prompt_tokens``
+    (the collapsed prompt's count, not the expanded one) gives it away, and the rollout stops naming it."""
+    path, _, requests, _ = vl
+    engine = SGLangEngine(["http://127.0.0.1:9"], releases_memory=False, health_interval_s=0, hf_checkpoint=path)
+    try:
+        sent = one_pad_per_image(requests[0].prompt_ids, PAD)
+        assert sent == [5, 6, START, PAD, END, 11]
+        out = protocol.GenerateOutput(output_ids=[3], logprobs=[-1.0], finish_reason="length", weight_version=0,
+                                      text="", prompt_tokens=len(sent))
+        with pytest.raises(EngineError, match="ran a prompt of 6 tokens, but with its 1 image.* has 21"):
+            engine._samples(requests[:1], dataclasses.replace(SAMPLING, n=1), {(0, 0): out})
+    finally:
+        engine.close()

@@ -81,6 +81,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
+from megatron_rl.config.architecture import read_hf_config
 from megatron_rl.data.types import Sample
 from megatron_rl.errors import ConfigError, EngineError, SyncError
 from megatron_rl.infra.daemon_call import DaemonCall
@@ -134,6 +135,8 @@ class SGLangEngine(RolloutEngine):
         self.weights = VersionedWeightDir(weight_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions) \
             if weight_dir else None  # where update_weights publishes; the disk transport brings its own
         self.tokenizer = tokenizer  # for text prompts and rewards that decode; None: token-id prompts only
+        self.hf_checkpoint = hf_checkpoint  # a vision-language one's image-pad token id: image_pad_id
+        self._image_pad: Optional[int] = None
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
         self.release_tags = protocol.check_tags(release_tags)
@@ -414,9 +417,12 @@ class SGLangEngine(RolloutEngine):
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         call_id = uuid.uuid4().hex[:12]
         images = request_images(requests)
+        prompts = [req.prompt_ids for req in requests] if images is None else \
+            [one_pad_per_image(req.prompt_ids, self.image_pad_id()) if req.multimodal_inputs is not None
+             else req.prompt_ids for req in requests]
         if self.router is not None:
             return self._samples(requests, sampling, self._generate_via_router(requests, sampling, base_seed,
-                                                                               call_id, images))
+                                                                               call_id, prompts, images))
         start = self._cursor
         self._cursor = (self._cursor + len(requests)) % len(self.clients)
         per_server: list[list[int]] = [[] for _ in self.clients]
@@ -431,7 +437,7 @@ class SGLangEngine(RolloutEngine):
             rows = [(i, j) for i in indices for j in range(sampling.n)]
             try:
                 entries = client.generate(
-                    [requests[i].prompt_ids for i, _ in rows],
+                    [prompts[i] for i, _ in rows],
                     [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
@@ -449,8 +455,22 @@ class SGLangEngine(RolloutEngine):
             outputs.update(part)
         return self._samples(requests, sampling, outputs)
 
+    def image_pad_id(self) -> int:
+        """The checkpoint's image-pad token id (``image_token_id`` in its config.json), read once."""
+        if self._image_pad is None:
+            try:
+                config = read_hf_config(self.hf_checkpoint) if self.hf_checkpoint else {}
+            except (OSError, ValueError):
+                config = {}
+            if config.get("image_token_id") is None:
+                raise EngineError(f"SGLang engine: prompts with images need the vision-language checkpoint's "
+                                  f"image_token_id, but hf_checkpoint {self.hf_checkpoint!r} gives none; pass "
+                                  "--hf-checkpoint of the served vision-language model")
+            self._image_pad = int(config["image_token_id"])
+        return self._image_pad
+
     def _generate_via_router(self, requests: list[GenerateRequest], sampling: SamplingParams, base_seed: int,
-                             call_id: str, images: Optional[list[list[str]]] = None
+                             call_id: str, prompts: list[list[int]], images: Optional[list[list[str]]] = None
                              ) -> dict[tuple[int, int], protocol.GenerateOutput]:
         """Every row as its own request to the router, ``router_concurrency`` at a time; the first error
         is raised once the rows in flight finished (each has the client's timeout)."""
@@ -465,7 +485,7 @@ class SGLangEngine(RolloutEngine):
             i, j = row
             try:
                 entry = router.generate_one(
-                    requests[i].prompt_ids,
+                    prompts[i],
                     protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
@@ -503,6 +523,14 @@ class SGLangEngine(RolloutEngine):
         for i, req in enumerate(requests):
             for j in range(sampling.n):
                 out = outputs[(i, j)]
+                if req.multimodal_inputs is not None and out.prompt_tokens is not None \
+                        and out.prompt_tokens != len(req.prompt_ids):
+                    raise EngineError(
+                        f"/generate row {i}/{j} (group_index {req.group_index}): the server ran a prompt of "
+                        f"{out.prompt_tokens} tokens, but with its {req.multimodal_inputs.num_images} image(s) "
+                        f"expanded it has {len(req.prompt_ids)}: the server did not put the images in (SGLang warns "
+                        "'More image data items provided than corresponding tokens found in the prompt' and "
+                        "generates without them). Start SGLang with --mm-preprocess-cache-size-mb > 0 (docs/vlm.md)")
                 metadata = dict(req.metadata)
                 if len(out.weight_version_spans) > 1:  # an update landed while this row was generating
                     metadata["weight_version_spans"] = [list(span) for span in out.weight_version_spans]
@@ -838,6 +866,14 @@ _FAILED_UPDATE = "the last weight update failed on some server, so the servers' 
 # the adapter of weight version V on the servers (--lora-sync adapter); requests name it in lora_path
 LORA_NAME_PREFIX = "mrl-lora-v"
 ADAPTER_CONFIG = "adapter_config.json"  # models.peft_adapter's (imported here without torch)
+
+
+def one_pad_per_image(prompt_ids: list[int], pad: int) -> list[int]:
+    """``prompt_ids`` with each run of image-pad tokens cut to one: what SGLang expands itself. Why: SGLang 0.5.23's
+    Qwen-VL processor builds the prompt from token ids (``build_input_ids``, no detokenizing) only when each image
+    has one pad token; given the expanded runs it decodes the ids to text and tokenizes that again, which finds
+    the images only when the tokenizer's decode gives the image slot's text back exactly."""
+    return [t for k, t in enumerate(prompt_ids) if t != pad or k == 0 or prompt_ids[k - 1] != pad]
 
 
 def request_images(requests: list[GenerateRequest]) -> Optional[list[list[str]]]:

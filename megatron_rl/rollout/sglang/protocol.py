@@ -237,6 +237,7 @@ class GenerateOutput:
     finish_message: Optional[str] = None
     weight_version_spans: tuple[tuple[int, int, int], ...] = ()
     routed_experts: Optional[str] = None  # meta_info.routed_experts as sent (base64), when asked for
+    prompt_tokens: Optional[int] = None  # meta_info.prompt_tokens: the prompt as the server ran it (images expanded)
 
     def token_versions(self) -> list[int]:
         """``Sample.token_versions``: each output token's version when they differ, else ``[]``.
@@ -316,4 +317,5 @@ def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
                           "SGLang sends a base64 string")
     return GenerateOutput(output_ids=output_ids, logprobs=[float(t[0]) for t in token_logprobs], finish_reason=kind,
                           weight_version=version, text=entry.get("text"), finish_message=message,
-                          weight_version_spans=spans, routed_experts=routes)
+                          weight_version_spans=spans, routed_experts=routes,
+                          prompt_tokens=int(meta["prompt_tokens"]) if meta.get("prompt_tokens") is not None else None)
