@@ -60,7 +60,8 @@ class VisionInputs:
     HTTP receives (SGLang's ``image_data``) and processes again with the same processor; None when the pixels
     were made without them (then only the in-process engine can take them).
 
-    A plain class with exact equality (dtype, shape and every value; the sources' bytes) and numpy state, so a
+    A plain class with exact equality of what the model takes (dtype, shape and every value of the pixels and grids;
+    the sources are how they travel, not compared) and numpy state, so a
     ``Sample`` holding one compares and pickles exactly (rollout checkpoints, async buffers and debug dumps pickle
     samples; the sample codec pickles the field in its header) and ``dataclasses.asdict`` keeps it whole."""
 
@@ -101,7 +102,7 @@ class VisionInputs:
         return [f"data:{image_mime(b)};base64,{base64.b64encode(b).decode('ascii')}" for b in self.sources]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, VisionInputs) and self.sources == other.sources and all(
+        return isinstance(other, VisionInputs) and all(
             a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
             for a, b in ((self.pixel_values, other.pixel_values), (self.image_grid_thw, other.image_grid_thw)))
 

@@ -5,6 +5,7 @@ the tokens and log-probs equal the driver-side embedded engine's for the same pr
 
 import dataclasses
 import io
+import pickle
 
 import pytest
 
@@ -121,6 +122,8 @@ def test_image_data_is_read_as_sglangs_generate_req_input_reads_it():
 
 def test_images_without_their_bytes_cannot_go_over_http(vl):
     _, _, requests, _ = vl
+    kept = pickle.loads(pickle.dumps(requests[0].multimodal_inputs))  # rollout checkpoints, async buffers, dumps
+    assert kept.sources == requests[0].multimodal_inputs.sources and kept == requests[0].multimodal_inputs
     bare = VisionInputs(requests[0].multimodal_inputs.pixel_values, requests[0].multimodal_inputs.image_grid_thw)
     with pytest.raises(ValueError, match="carry no encoded bytes"):
         bare.data_urls()

@@ -120,7 +120,16 @@ def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, p
         cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
     if cfg.megatron.use_rollout_routing_replay and "enable_return_routed_experts" not in r.sglang_args:
         cmd.append("--enable-return-routed-experts")  # R3: requests then ask for each token's experts
+    if cfg.data.multimodal_keys is not None and "mm_preprocess_cache_size_mb" not in r.sglang_args:
+        # prompts with images: SGLang's Qwen-VL processor then expands the image-pad tokens of the ids as sent;
+        # without its preprocess cache it decodes the ids and looks for the image slot's text (docs/vlm.md)
+        cmd += ["--mm-preprocess-cache-size-mb", str(MM_PREPROCESS_CACHE_MB)]
     return cmd + lora_server_args(cfg) + _pass_through_args(r.sglang_args)
+
+
+#: what a launched engine serving prompts with images gets for --mm-preprocess-cache-size-mb (processed images kept
+#: for a group's repeated rows)
+MM_PREPROCESS_CACHE_MB = 256
 
 
 def lora_server_args(cfg: "Config") -> list[str]:
