@@ -20,6 +20,11 @@ split_sizes to sum exactly to 64 ... got [16]``). Why ``--mm-preprocess-cache-si
 processor decodes the prompt's token ids to text and finds the images by their slot's text, which the demo's
 word-level tokenizer does not give back; with it the processor expands the pad tokens of the ids as sent.
 
+Why ``SGLANG_VLM_CACHE_SIZE_MB=0`` (what the launcher sets for runs with images): SGLang keeps each image's tower
+output by the image's hash, and neither a weight update nor ``/flush_cache`` clears it; with it on, images seen
+before an update keep the old tower's features (``--keep-vlm-cache`` shows it: the checks of those images fail
+after each update while new images pass).
+
 Run through ``scripts/test_sglang_real.sh --vlm``. Writes figures.json / check.log / server.log under ``--out``;
 exit 0 all passed, 1 a check failed, 2 the server could not be started.
 """
@@ -117,6 +122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-vlm-cache", action="store_true",
+                    help="leave SGLang's image-embedding cache on (SGLANG_VLM_CACHE_SIZE_MB unset): the images seen "
+                         "before a weight update then keep the old tower's features, and the after-update checks of "
+                         "those images fail (shows why the launcher turns it off)")
     args = ap.parse_args(argv)
 
     out = Path(args.out).resolve()
@@ -128,7 +137,9 @@ def main(argv=None) -> int:
     model = build_model(out / "model", args.seed)
     other = build_model(out / "model_v1", args.seed + 1)
     third = build_model(out / "model_v2", args.seed + 2)
-    server = SGLangServer(args.sglang_python, model, out / "server.log", port=free_port(), extra_args=SERVER_EXTRA)
+    env = {} if args.keep_vlm_cache else {"SGLANG_VLM_CACHE_SIZE_MB": "0"}  # what the launcher sets (module doc)
+    server = SGLangServer(args.sglang_python, model, out / "server.log", port=free_port(), extra_args=SERVER_EXTRA,
+                          env=env)
     try:
         if not start_checked(report, server, args.startup_timeout_s, "server starts on a tiny Qwen2.5-VL"):
             return 2
@@ -150,12 +161,18 @@ def main(argv=None) -> int:
         tensors = _tensors(other)
         engine.update_weights(list(tensors.items()), 1)
         reference.update_weights(list(tensors.items()), 1)
+        fresh = requests(model, out / "fresh", args.seed + 13)  # images this server never saw
+        compare(report, "after_full_update_new_images", engine.generate(fresh, greedy),
+                reference.generate(fresh, greedy), args.tol)
         compare(report, "after_full_update", engine.generate(reqs, greedy), reference.generate(reqs, greedy),
                 args.tol)
         language = {k: v for k, v in _tensors(third).items() if not k.startswith("visual.")}
         engine.update_weights(list(language.items()), 2)
         reference.update_weights(list(language.items()), 2)
         report.figures["language_only_tensors"] = len(language)
+        fresh = requests(model, out / "fresh2", args.seed + 17)
+        compare(report, "after_language_model_update_new_images", engine.generate(fresh, greedy),
+                reference.generate(fresh, greedy), args.tol)
         compare(report, "after_language_model_update", engine.generate(reqs, greedy),
                 reference.generate(reqs, greedy), args.tol)
         engine.close()
