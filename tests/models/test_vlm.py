@@ -187,8 +187,11 @@ def test_what_a_vision_language_run_may_combine_is_decided_at_validation(vl):
             (["--freeze-vision-tower", "--offload-rollout"], "--freeze-vision-tower with --offload-rollout")]:
         with pytest.raises(ConfigError, match=re.escape(refusal)):
             parse_config(base + flags)
+    sglang = ["--hf-checkpoint", path, "--rollout-backend", "sglang", "--rollout-engine-urls", "http://127.0.0.1:1"]
     with pytest.raises(ConfigError, match=r"--rollout-backend sglang with --update-weight-transport distributed "
-                                          r"with .*checked with the disk weight transport only"):
-        parse_config(["--hf-checkpoint", path, "--rollout-backend", "sglang"])
-    assert parse_config(["--hf-checkpoint", path, "--rollout-backend", "sglang", "--update-weight-transport", "disk",
-                         "--update-weight-disk-dir", "/tmp/w", "--rollout-engine-urls", "http://127.0.0.1:1"] + base[4:]).rollout.rollout_backend == "sglang"
+                                          r"and a trained vision tower with .*disk weight transport and a frozen"):
+        parse_config(sglang)
+    disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/w"]
+    with pytest.raises(ConfigError, match=r"--update-weight-transport disk and a trained vision tower with"):
+        parse_config(sglang + disk)
+    assert parse_config(sglang + disk + ["--freeze-vision-tower"]).rollout.rollout_backend == "sglang"

@@ -11,6 +11,8 @@ What it provides: ``assign_req_to_token_pool_cpu`` in pure torch, the one kernel
 for a Qwen2 model on a non-AMX CPU (docs/sglang-cpu.md). Every other
 attribute is a function that raises ``NotImplementedError`` naming itself when called, so an
 SGLang code path that needs a real kernel fails loudly instead of computing something wrong.
+``torch.ops.sgl_kernel`` answers the few ops SGLang binds at import time (``IMPORT_TIME_OPS``) with the same
+raising functions, so the modules binding them import (the Qwen-VL processor among them).
 On import it also installs ``_host_memory``: SGLang's page-locked host buffers (the routed-experts
 capture of ``--enable-return-routed-experts``) allocated unpinned when there is no CUDA.
 """
