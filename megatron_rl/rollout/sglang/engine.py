@@ -442,7 +442,7 @@ class SGLangEngine(RolloutEngine):
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
                     return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
-                    image_data=None if images is None else [images[i] for i, _ in rows])
+                    **({} if images is None else {"image_data": [images[i] for i, _ in rows]}))
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -490,7 +490,7 @@ class SGLangEngine(RolloutEngine):
                                                   max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
                     return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
-                    image_data=None if images is None else images[i])
+                    **({} if images is None else {"image_data": images[i]}))
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
