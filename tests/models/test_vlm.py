@@ -189,9 +189,10 @@ def test_what_a_vision_language_run_may_combine_is_decided_at_validation(vl):
             parse_config(base + flags)
     sglang = ["--hf-checkpoint", path, "--rollout-backend", "sglang", "--rollout-engine-urls", "http://127.0.0.1:1"]
     with pytest.raises(ConfigError, match=r"--rollout-backend sglang with --update-weight-transport distributed "
-                                          r"and a trained vision tower with .*disk weight transport and a frozen"):
+                                          r"with .*checked with the disk weight transport only"):
         parse_config(sglang)
     disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/w"]
-    with pytest.raises(ConfigError, match=r"--update-weight-transport disk and a trained vision tower with"):
+    with pytest.raises(ConfigError, match=r"--rollout-engine-urls \(servers started elsewhere\) without "
+                                          r"--freeze-vision-tower with .*SGLANG_VLM_CACHE_SIZE_MB=0"):
         parse_config(sglang + disk)
     assert parse_config(sglang + disk + ["--freeze-vision-tower"]).rollout.rollout_backend == "sglang"
