@@ -435,6 +435,8 @@ class SGLangEngine(RolloutEngine):
             if sampling.seed is not None and sampling.temperature > 0:
                 self._warn_if_seed_ignored(client)
             rows = [(i, j) for i in indices for j in range(sampling.n)]
+            # image_data only in calls with images: a text rollout calls the client as it always did
+            with_images: dict[str, Any] = {} if images is None else {"image_data": [images[i] for i, _ in rows]}
             try:
                 entries = client.generate(
                     [prompts[i] for i, _ in rows],
@@ -442,7 +444,7 @@ class SGLangEngine(RolloutEngine):
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
                     return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
-                    **({} if images is None else {"image_data": [images[i] for i, _ in rows]}))
+                    **with_images)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -483,6 +485,7 @@ class SGLangEngine(RolloutEngine):
 
         def one(row: tuple[int, int]) -> protocol.GenerateOutput:
             i, j = row
+            with_images: dict[str, Any] = {} if images is None else {"image_data": images[i]}
             try:
                 entry = router.generate_one(
                     prompts[i],
@@ -490,7 +493,7 @@ class SGLangEngine(RolloutEngine):
                                                   max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
                     return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
-                    **({} if images is None else {"image_data": images[i]}))
+                    **with_images)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
