@@ -6,6 +6,7 @@
 #   bash scripts/test_sglang_real.sh --record-replies [--out FILE]   (refresh the stand-in's fixture, ~2 min)
 #   bash scripts/test_sglang_real.sh --routes [--out DIR]   (MoE routes of --enable-return-routed-experts, ~2 min)
 #   bash scripts/test_sglang_real.sh --lora [--out DIR]   (--lora-sync adapter: PEFT adapters served by SGLang, ~1 min)
+#   bash scripts/test_sglang_real.sh --vlm [--out DIR]   (a tiny Qwen2.5-VL: /generate with image_data, ~3-7 min)
 # 1. installs SGLang into its own venv (SGLANG_VENV, default /work/sglang-venv; skipped when there);
 # 2. runs tools/sglang_cpu/check_real_sglang.py with the project's .venv: it starts
 #    `sglang.launch_server` from the SGLang venv on 127.0.0.1 (the CPU route of docs/sglang-cpu.md),
@@ -44,6 +45,13 @@ if [ "${1:-}" = "--lora" ]; then
   # launcher's LoRA flags; each version's greedy generations equal HF PEFT's, adapter-only syncs, SGLang's replies
   shift
   exec "$PY" tools/sglang_cpu/check_lora_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
+fi
+if [ "${1:-}" = "--vlm" ]; then
+  # tools/sglang_cpu/check_vlm_real.py: a tiny random Qwen2.5-VL (14-pixel patches) served with image_data in
+  # /generate; greedy generations with images equal the embedded engine's, before and after disk weight updates
+  # of every tensor and of the language model alone (--freeze-vision-tower's later syncs)
+  shift
+  exec "$PY" tools/sglang_cpu/check_vlm_real.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
 fi
 if [ "${1:-}" = "--record-replies" ]; then
   shift

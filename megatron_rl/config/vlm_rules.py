@@ -3,7 +3,9 @@ any worker starts.
 
 Built: the megatron backend's passes with images (packed THD micro-batches carrying pixels, grids and M-RoPE
 positions, at every layout the model is proven at), the embedded engine generating with images on the driver (or
-its replicas on every rank: requests travel whole), the weight sync of every tensor, the vision tower's included,
+its replicas on every rank: requests travel whole) or served from its own process (``--embedded-engine-ranks
+process``, the asynchronous modes' default: the images go in SGLang's ``image_data``), SGLang with the disk weight
+transport (the same ``image_data``), the weight sync of every tensor, the vision tower's included,
 and ``--freeze-vision-tower``. The rest is refused by name, one row of :data:`NOT_BUILT` each, so a run never
 starts on a path that would drop the images or train them wrongly.
 """
@@ -29,15 +31,17 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt(lambda c: "--train-backend fsdp", lambda c: c.has_training and c.precision.train_backend == "fsdp",
              "the FSDP backend has no image path (its HF model would take pixels, but its packing does not carry "
              "them); use --train-backend megatron"),
-    NotBuilt(lambda c: "--rollout-backend sglang",
-             lambda c: c.has_rollout_engine and c.rollout.rollout_backend == "sglang",
-             "SGLang's /generate with image_data is not built (the client sends token ids only); use "
-             "--rollout-backend embedded"),
-    NotBuilt(lambda c: "--embedded-engine-ranks process" + (" (auto, for --async-mode)"
-                                                             if c.rollout.embedded_engine_ranks == "auto" else ""),
-             lambda c: c.embedded_placement == "process",
-             "the served embedded engine speaks SGLang's /generate, token ids only; use --embedded-engine-ranks "
-             "driver or all (synchronous rollouts)"),
+    NotBuilt(lambda c: f"--rollout-backend sglang with --update-weight-transport {c.sync.update_weight_transport}",
+             lambda c: c.has_rollout_engine and c.rollout.rollout_backend == "sglang"
+             and c.sync.update_weight_transport != "disk",
+             "SGLang serving a vision-language model is checked with the disk weight transport only (scripts/"
+             "test_sglang_real.sh --vlm); add --update-weight-transport disk, or use --rollout-backend embedded"),
+    NotBuilt(lambda c: "--rollout-engine-urls (servers started elsewhere) without --freeze-vision-tower",
+             lambda c: c.has_rollout_engine and c.rollout.rollout_backend == "sglang"
+             and bool(c.rollout.rollout_engine_urls) and not c.model.freeze_vision_tower,
+             "SGLang keeps each image's vision-tower output across weight updates unless started with "
+             "SGLANG_VLM_CACHE_SIZE_MB=0, which this run cannot see on a server it did not start; let the run "
+             "launch the engines (it sets it), or add --freeze-vision-tower (docs/vlm.md)"),
     NotBuilt(lambda c: "--advantage-estimator ppo", lambda c: c.algorithm.advantage_estimator == "ppo",
              "the critic (a value model with images) is not built; use grpo or another critic-free estimator"),
     NotBuilt(lambda c: f"--lora-rank {c.lora.lora_rank}", lambda c: c.lora.lora_rank > 0,

@@ -55,15 +55,19 @@ MAX_DECODED_PIXELS = 8192 * 8192
 
 class VisionInputs:
     """A prompt's images as the model takes them: ``pixel_values`` ``[patches, patch_width]`` float32 and
-    ``image_grid_thw`` ``[images, 3]`` int64 (temporal, height, width patches of each image, in prompt order).
+    ``image_grid_thw`` ``[images, 3]`` int64 (temporal, height, width patches of each image, in prompt order), and
+    ``sources``: each image's encoded bytes as the data gave them (PNG, JPEG, ...), what an engine served over
+    HTTP receives (SGLang's ``image_data``) and processes again with the same processor; None when the pixels
+    were made without them (then only the in-process engine can take them).
 
-    A plain class with exact equality (dtype, shape and every value) and numpy state, so a ``Sample`` holding one
-    compares and pickles exactly (rollout checkpoints, async buffers and debug dumps pickle samples; the sample
-    codec pickles the field in its header) and ``dataclasses.asdict`` keeps it whole."""
+    A plain class with exact equality of what the model takes (dtype, shape and every value of the pixels and grids;
+    the sources are how they travel, not compared) and numpy state, so a
+    ``Sample`` holding one compares and pickles exactly (rollout checkpoints, async buffers and debug dumps pickle
+    samples; the sample codec pickles the field in its header) and ``dataclasses.asdict`` keeps it whole."""
 
-    __slots__ = ("pixel_values", "image_grid_thw")
+    __slots__ = ("pixel_values", "image_grid_thw", "sources")
 
-    def __init__(self, pixel_values: Any, image_grid_thw: Any):
+    def __init__(self, pixel_values: Any, image_grid_thw: Any, sources: Optional[Sequence[bytes]] = None):
         pixel_values, image_grid_thw = np.asarray(pixel_values), np.asarray(image_grid_thw)
         if pixel_values.ndim != 2 or pixel_values.dtype.kind != "f":
             raise ValueError(f"pixel_values must be a float array [patches, patch_width], got {pixel_values.dtype} "
@@ -75,8 +79,11 @@ class VisionInputs:
         if patches != pixel_values.shape[0]:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} rows; image_grid_thw {image_grid_thw.tolist()}"
                              f" gives {patches} patches")
+        if sources is not None and len(sources) != image_grid_thw.shape[0]:
+            raise ValueError(f"sources has {len(sources)} image(s); image_grid_thw {image_grid_thw.shape[0]}")
         self.pixel_values = pixel_values
         self.image_grid_thw = image_grid_thw
+        self.sources: Optional[tuple[bytes, ...]] = None if sources is None else tuple(bytes(b) for b in sources)
 
     @property
     def num_images(self) -> int:
@@ -85,6 +92,14 @@ class VisionInputs:
     def tokens_per_image(self, merge_size: int) -> list[int]:
         """The image-pad tokens (merged features) of each image: ``t * h * w / merge_size^2``."""
         return [int(t * h * w) // merge_size ** 2 for t, h, w in self.image_grid_thw.tolist()]
+
+    def data_urls(self) -> list[str]:
+        """Each image as a ``data:`` URL of its encoded bytes: the items of SGLang's ``image_data`` for one
+        request. ``ValueError`` when the images came without their bytes (``sources`` None)."""
+        if self.sources is None:
+            raise ValueError("these images carry no encoded bytes (VisionInputs made from pixels alone), so they "
+                             "cannot be sent to an engine over HTTP; read them through --multimodal-keys")
+        return [f"data:{image_mime(b)};base64,{base64.b64encode(b).decode('ascii')}" for b in self.sources]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, VisionInputs) and all(
@@ -95,13 +110,27 @@ class VisionInputs:
 
     def __repr__(self) -> str:
         return (f"VisionInputs(images={self.num_images}, grids={self.image_grid_thw.tolist()}, "
-                f"pixel_values={self.pixel_values.dtype} {tuple(self.pixel_values.shape)})")
+                f"pixel_values={self.pixel_values.dtype} {tuple(self.pixel_values.shape)}"
+                f"{'' if self.sources is None else ', with their bytes'})")
 
     def __getstate__(self):
-        return self.pixel_values, self.image_grid_thw
+        return self.pixel_values, self.image_grid_thw, self.sources
 
     def __setstate__(self, state) -> None:
-        self.pixel_values, self.image_grid_thw = state
+        self.pixel_values, self.image_grid_thw = state[:2]
+        self.sources = state[2] if len(state) > 2 else None  # pickled before the sources were kept: none
+
+
+#: an encoded image's leading bytes -> its MIME type (what a data: URL names; SGLang and our server read the bytes)
+_MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8", "image/jpeg"), (b"GIF8", "image/gif"), (b"BM", "image/bmp"),
+          (b"II*\x00", "image/tiff"), (b"MM\x00*", "image/tiff"))
+
+
+def image_mime(data: bytes) -> str:
+    """The MIME type of encoded image bytes (``image/webp`` for RIFF/WEBP), ``application/octet-stream`` if unknown."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((mime for magic, mime in _MAGIC if data.startswith(magic)), "application/octet-stream")
 
 
 def image_list(value: Any) -> list:
@@ -173,6 +202,16 @@ def image_bytes(value: Any, where: str, base_dir: Optional[str] = None) -> bytes
                       f"{type(value).__name__}")
 
 
+def encoded_image(value: Any, where: str, base_dir: Optional[str] = None) -> bytes:
+    """``image_bytes`` of a record's image; a ``PIL.Image`` given in memory is encoded as PNG (lossless: the same
+    pixels decode back)."""
+    if type(value).__module__.startswith("PIL."):
+        buf = io.BytesIO()
+        (value if value.mode in ("1", "L", "LA", "I", "P", "RGB", "RGBA") else value.convert("RGB")).save(buf, "PNG")
+        return buf.getvalue()
+    return image_bytes(value, where, base_dir)
+
+
 def decode_image(value: Any, where: str, base_dir: Optional[str] = None, max_pixels: Optional[int] = None):
     """One image of a record as an RGB ``PIL.Image``; ``ConfigError`` naming ``where`` when it cannot be read or
     decoded, or holds more than ``max_pixels`` pixels (checked from its header, before the pixels are decoded)."""
@@ -240,9 +279,11 @@ class ImageProcessor:
         and grids (None for no images). ``where`` names the record and column; errors add the image's index."""
         if not values:
             return None
-        images = [decode_image(v, f"{where} image {k}", base_dir) for k, v in enumerate(values)]
+        sources = [encoded_image(v, f"{where} image {k}", base_dir) for k, v in enumerate(values)]
+        images = [decode_image(b, f"{where} image {k}") for k, b in enumerate(sources)]
         out = self.processor(images=images, return_tensors="np")
-        return VisionInputs(np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64))
+        return VisionInputs(np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64),
+                            sources)
 
     def image_slot(self, tokenizer: Any) -> Optional[str]:
         """The text of one image's slot as the model's chat template writes it (vision-start, image-pad, vision-end
@@ -297,5 +338,5 @@ def expand_image_tokens(prompt_ids: Sequence[int], vision: Optional[VisionInputs
     return out
 
 
-__all__ = ["FLAG", "MAX_DECODED_PIXELS", "ImageProcessor", "VisionInputs", "decode_image", "expand_image_tokens",
-           "image_bytes", "image_list", "parse_multimodal_keys", "with_image_slots"]
+__all__ = ["FLAG", "MAX_DECODED_PIXELS", "ImageProcessor", "VisionInputs", "decode_image", "encoded_image",
+           "expand_image_tokens", "image_bytes", "image_mime", "image_list", "parse_multimodal_keys", "with_image_slots"]

@@ -21,7 +21,10 @@ running ones drain (SGLang's model-update lock). A model with sliding-window or 
 (whose caches cannot be merged) is batched statically: the rows queued when a batch starts.
 
 Endpoints (request and reply shapes as SGLang 0.5.23's, see ``rollout.sglang.protocol``):
-``/generate`` (``input_ids`` only: the trainer never sends text), ``/update_weights_from_disk``
+``/generate`` (``input_ids`` only: the trainer never sends text; with ``image_data`` for a vision-language
+model: each row's images as base64, ``data:`` URLs, file paths or bytes, as SGLang takes them, run through the
+checkpoint's own image processor, ``data/images.py``, and each image's run of pad tokens in ``input_ids`` made its
+feature count, one pad per image or the expanded run alike), ``/update_weights_from_disk``
 (``model_path``, ``weight_version``: an integer string, as the trainer sends), ``/pause_generation``
 (``abort``: running rows end "abort" with their tokens so far, queued ones with none; ``retract`` /
 ``in_place``: running rows park at their next step, as ``EmbeddedEngine.pause`` documents; in every
@@ -55,6 +58,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from megatron_rl.data.images import ImageProcessor, VisionInputs, expand_image_tokens
 from megatron_rl.errors import ConfigError, EngineError
 from megatron_rl.rollout.embedded import EmbeddedEngine, EngineRow, RowOutput
 from megatron_rl.rollout.routes import to_sglang
@@ -67,11 +71,14 @@ SERVER_VERSION = "megatron_rl-embedded"  # what /server_info says this is (no SG
 class _Row:
     """One ``/generate`` row from arrival to reply."""
 
-    __slots__ = ("rid", "prompt_ids", "key", "seed", "max_new_tokens", "cancel", "done", "output", "error", "tic")
+    __slots__ = ("rid", "prompt_ids", "key", "seed", "max_new_tokens", "images", "cancel", "done", "output", "error",
+                 "tic")
 
-    def __init__(self, rid: str, prompt_ids: list[int], key: tuple, seed: int, max_new_tokens: int):
+    def __init__(self, rid: str, prompt_ids: list[int], key: tuple, seed: int, max_new_tokens: int,
+                 images: Optional[VisionInputs] = None):
         self.rid, self.prompt_ids, self.key, self.seed = rid, prompt_ids, key, seed
         self.max_new_tokens = max_new_tokens
+        self.images = images
         self.cancel = threading.Event()  # /abort_request or an abort-mode pause
         self.done = threading.Event()
         self.output: Optional[RowOutput] = None
@@ -130,6 +137,7 @@ class EmbeddedServer:
         self.continuous = engine.joins_rows  # rows join a running batch; else static batches (generate_rows)
         self._httpd: Optional[ThreadingHTTPServer] = None
         self._threads: list[threading.Thread] = []
+        self.images = RequestImages(engine)
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -182,7 +190,8 @@ class EmbeddedServer:
             taken: list[EngineRow] = []
             while self._queue and self._queue[0].key == key and len(taken) < room:
                 row = self._queue.popleft()
-                engine_row = EngineRow(row.prompt_ids, row.seed, row.max_new_tokens, cancel=row.cancel)
+                engine_row = EngineRow(row.prompt_ids, row.seed, row.max_new_tokens, cancel=row.cancel,
+                                       images=row.images)
                 self._running[id(engine_row)] = row
                 taken.append(engine_row)
             self.batched_rows += len(taken)
@@ -262,17 +271,25 @@ class EmbeddedServer:
         routes = bool(body.get("return_routed_experts", False))
         if routes and self.engine.route_capture is None:
             return 400, _error("return_routed_experts needs a server started with --enable-return-routed-experts")
+        row_images, refused = image_data_rows(body.get("image_data"), len(prompts), batch)
+        if refused:
+            return 400, _error(refused)
         rows = []
-        for k, (prompt, sp, rid) in enumerate(zip(prompts, params, rids)):
+        processed: dict[tuple, VisionInputs] = {}  # a group's rows carry the same images: processed once
+        for k, (prompt, sp, rid, items) in enumerate(zip(prompts, params, rids, row_images)):
             refused = check_sampling(sp)
             if refused is None and not (isinstance(prompt, list) and prompt):
                 refused = f"input_ids of row {k} must be a non-empty list of token ids"
             if refused:
                 return 400, _error(refused)
+            try:
+                ids, vision = self.images.prepare([int(t) for t in prompt], items, f"row {k}", processed)
+            except ConfigError as exc:
+                return 400, _error(str(exc))
             seed = sp.get("sampling_seed")
-            rows.append(_Row(str(rid), [int(t) for t in prompt], sampling_key(sp),
+            rows.append(_Row(str(rid), ids, sampling_key(sp),
                              int(seed) if seed is not None else uuid.uuid4().int & ((1 << 63) - 1),
-                             int(sp.get("max_new_tokens", 128))))
+                             int(sp.get("max_new_tokens", 128)), vision))
         with self._cond:  # while paused (any mode) they wait in the queue for continue, as SGLang holds them
             self._queue.extend(rows)
             self._cond.notify_all()
@@ -441,6 +458,74 @@ class EmbeddedServer:
         with self._cond:
             busy = bool(self._queue) and self._paused is None or bool(self._running) and self._paused != "retract"
         return (400, "Flush cache failed.") if busy else (200, "Cache flushed.")
+
+
+class RequestImages:
+    """What a server does with ``/generate``'s ``image_data`` for ``engine``: each row's images decoded and run
+    through the checkpoint's own image processor (as the driver does, ``data/images.py``), and its prompt's runs of
+    image-pad tokens made each image's feature count, as SGLang's processor does (it collapses a run of pad tokens
+    between the vision start and end tokens and expands it again), so a prompt holding one pad token per image and
+    one holding the expanded runs are served alike. Shared with the tests' SGLang stand-in."""
+
+    def __init__(self, engine: EmbeddedEngine):
+        self.engine = engine
+        self._processor: Optional[ImageProcessor] = None  # the checkpoint's, loaded at the first image
+        self._lock = threading.Lock()
+
+    def processor(self) -> ImageProcessor:
+        with self._lock:
+            if self._processor is None:
+                # the checkpoint the engine started from (a server's model_path follows weight updates, whose
+                # directories hold weights only)
+                self._processor = ImageProcessor(self.engine.hf_checkpoint, flag="--model")
+            return self._processor
+
+    def prepare(self, ids: list[int], items: list, what: str,
+                processed: Optional[dict[tuple, VisionInputs]] = None) -> tuple[list[int], Optional[VisionInputs]]:
+        """A row's prompt and images as the engine takes them (``processed``: images already made in this request,
+        by their items). ``ConfigError`` naming the row: images for a text-only model, an image that does not
+        decode, pad tokens that are not one run per image, pad tokens without images."""
+        image_tokens = self.engine.image_tokens
+        if image_tokens is None:
+            if items:
+                raise ConfigError(f"image_data: {what} has {len(items)} image(s) but {self.engine.hf_checkpoint} is a "
+                                  "text-only model")
+            return ids, None
+        pad, merge = image_tokens
+        if not items:
+            if pad in ids:
+                raise ConfigError(f"{what}: input_ids hold image-pad tokens (id {pad}) but the request has no "
+                                  "image_data for it; send its images")
+            return ids, None
+        key = tuple(items) if all(isinstance(v, str) for v in items) else None
+        vision = processed.get(key) if processed is not None and key is not None else None
+        if vision is None:
+            vision = self.processor().process(items, f"image_data: {what}")
+            assert vision is not None, "items is not empty"
+            if processed is not None and key is not None:
+                processed[key] = vision
+        collapsed = [t for k, t in enumerate(ids) if t != pad or k == 0 or ids[k - 1] != pad]
+        return expand_image_tokens(collapsed, vision, pad, merge, f"image_data: {what}"), vision
+
+
+def image_data_rows(data: Any, rows: int, batch: bool) -> tuple[list[list], Optional[str]]:
+    """SGLang's ``image_data`` as each row's list of images (``[]``: none), read as SGLang 0.5.23's
+    ``GenerateReqInput`` reads it; or why it cannot be. One request: one image or a list of its images. A batch:
+    one image (every row gets it), or one entry per row, each a list of that row's images when the first entry
+    is a list (else each entry the row's one image); None or ``[]`` for a row without."""
+    if data is None or data == []:
+        return [[] for _ in range(rows)], None
+    if not batch:
+        return [[v for v in (data if isinstance(data, list) else [data]) if v is not None]], None
+    if not isinstance(data, list):
+        return [[data] for _ in range(rows)], None
+    if len(data) != rows:
+        return [], f"The length of image_data ({len(data)}) should be equal to the batch size ({rows})."
+    if isinstance(data[0], list):
+        if not all(entry is None or isinstance(entry, list) for entry in data):
+            return [], "image_data: a batch's entries must all be lists of a row's images when the first one is"
+        return [[v for v in entry or [] if v is not None] for entry in data], None
+    return [[] if entry is None else [entry] for entry in data], None
 
 
 def _error(message: str) -> dict:

@@ -178,13 +178,21 @@ def test_what_a_vision_language_run_may_combine_is_decided_at_validation(vl):
     base = ["--hf-checkpoint", path, "--rollout-backend", "embedded", "--multimodal-keys", '{"image": "images"}']
     cfg = parse_config(base + ["--freeze-vision-tower"])
     assert cfg.model.freeze_vision_tower and cfg.data.multimodal_keys
+    # the served engine (the asynchronous modes' default) takes the images in /generate's image_data
+    assert parse_config(base + ["--async-mode", "one-step"]).embedded_placement == "process"
     for flags, refusal in [
             (["--train-backend", "fsdp"], "--train-backend fsdp with --hf-checkpoint"),
             (["--advantage-estimator", "ppo"], "--advantage-estimator ppo with"),
             (["--lora-rank", "4"], "--lora-rank 4 with"),
-            (["--embedded-engine-ranks", "process"], "--embedded-engine-ranks process with"),
             (["--freeze-vision-tower", "--offload-rollout"], "--freeze-vision-tower with --offload-rollout")]:
         with pytest.raises(ConfigError, match=re.escape(refusal)):
             parse_config(base + flags)
-    with pytest.raises(ConfigError, match=r"--rollout-backend sglang with .*image_data is not built"):
-        parse_config(["--hf-checkpoint", path, "--rollout-backend", "sglang"])
+    sglang = ["--hf-checkpoint", path, "--rollout-backend", "sglang", "--rollout-engine-urls", "http://127.0.0.1:1"]
+    with pytest.raises(ConfigError, match=r"--rollout-backend sglang with --update-weight-transport distributed "
+                                          r"with .*checked with the disk weight transport only"):
+        parse_config(sglang)
+    disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp/w"]
+    with pytest.raises(ConfigError, match=r"--rollout-engine-urls \(servers started elsewhere\) without "
+                                          r"--freeze-vision-tower with .*SGLANG_VLM_CACHE_SIZE_MB=0"):
+        parse_config(sglang + disk)
+    assert parse_config(sglang + disk + ["--freeze-vision-tower"]).rollout.rollout_backend == "sglang"

@@ -8,7 +8,9 @@ generations. Shapes were taken from SGLang's sources (0.5.19-0.5.23 wheels as re
 ``python/sglang/srt/managers/io_struct.py`` / ``sampling/sampling_params.py``):
 
 * ``POST /generate``: ``input_ids`` (one list, or a list of lists = batch), ``sampling_params``
-  (a dict, or one per row), ``rid``, ``return_logprob``; answers ``{text, output_ids, meta_info}``
+  (a dict, or one per row), ``rid``, ``return_logprob``, ``image_data`` (each row's images, read as
+  ``GenerateReqInput`` reads them, processed as the embedded engine server does: ``RequestImages``; kept per rid
+  in ``generated``); answers ``{text, output_ids, meta_info}``
   (a list for a batch) with ``meta_info`` carrying the keys real SGLang 0.5.23 sends
   (``id, finish_reason, prompt_tokens, weight_version, num_retractions, input_token_logprobs,
   output_token_logprobs=[[logprob, id, None], ...], output_token_logprobs_length,
@@ -150,9 +152,11 @@ from urllib.parse import urlsplit
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.data.images import VisionInputs
+from megatron_rl.errors import ConfigError
 from megatron_rl.rollout import EmbeddedEngine, SamplingParams
 from megatron_rl.rollout.embedded import EngineRow, row_seed
-from megatron_rl.rollout.embedded_server import JsonHandler, start_http
+from megatron_rl.rollout.embedded_server import JsonHandler, RequestImages, image_data_rows, start_http
 
 ALL_TAGS = ("weights", "kv_cache", "cuda_graph")
 SESSION_ENDPOINTS = ("/update_weights_from_tensor", "/update_weights_from_distributed")
@@ -211,6 +215,7 @@ class SGLangStandIn:
                  group_timeout_s: float = 60.0, tp_size: int = 1, version: str = "0.5.23", enable_lora: bool = False,
                  max_lora_rank: int = 64):
         self.engine = EmbeddedEngine(hf_checkpoint, weight_backup=True)
+        self.images = RequestImages(self.engine)  # /generate's image_data (a vision-language checkpoint)
         # --enable-lora: adapters by name (/load_lora_adapter), the paths of every one ever loaded (SGLang reloads an
         # unloaded adapter a request names), the adapter merged into the engine now and the base of its modules
         self.enable_lora, self.max_lora_rank = enable_lora, int(max_lora_rank)
@@ -436,6 +441,19 @@ class SGLangStandIn:
             refused = _verify_sampling(sp)
             if refused:
                 return 400, {"error": {"message": refused}}
+        # image_data as SGLang 0.5.23's GenerateReqInput reads it; each row's images through the checkpoint's own
+        # processor and its pad-token runs made their feature counts, as the embedded engine server does
+        row_images, refused = image_data_rows(body.get("image_data"), len(rows), batch)
+        if refused:
+            return 400, {"error": {"message": refused}}
+        visions = []
+        try:
+            for k, items in enumerate(row_images):
+                prompt, vision = self.images.prepare([int(t) for t in rows[k]], items, f"row {k}")
+                rows[k] = prompt
+                visions.append(vision)
+        except ConfigError as exc:
+            return 400, {"error": {"message": str(exc)}}
         released = sorted(self.released & {"weights", "kv_cache"})
         if released:
             return 400, {"error": {"message": f"stand-in: memory released for {released}; call "
@@ -465,18 +483,20 @@ class SGLangStandIn:
             for p in pending:
                 self._pending[p.rid] = p
         try:
-            out = [self._generate_row(row, sp, p, lora or None) for row, sp, p in zip(rows, params, pending)]
+            out = [self._generate_row(row, sp, p, lora or None, vision)
+                   for row, sp, p, vision in zip(rows, params, pending, visions)]
         except Exception as exc:  # noqa: BLE001 - SGLang answers a failed request with its message
             return 400, {"error": {"message": str(exc)}}
         finally:
             with self._state_lock:
                 for p in pending:
                     self._pending.pop(p.rid, None)
-        for p, sp, row in zip(pending, params, out):
-            self.generated[p.rid] = {"sampling_params": dict(sp), "row": row}
+        for p, sp, row, items in zip(pending, params, out, row_images):
+            self.generated[p.rid] = {"sampling_params": dict(sp), "row": row, "image_data": list(items)}
         return 200, (out if batch else out[0])
 
-    def _generate_row(self, prompt: list, sp: dict, pending: _Pending, lora: Optional[str] = None) -> dict:
+    def _generate_row(self, prompt: list, sp: dict, pending: _Pending, lora: Optional[str] = None,
+                      images: Optional[VisionInputs] = None) -> dict:
         tic = time.time()
         delay = float(self.faults.delay_s.get("/generate:row", 0.0))
         deadline = time.monotonic() + delay
@@ -502,7 +522,8 @@ class SGLangStandIn:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         # the row's own generator seed as the engine's generate gives request 0, sample 0; /abort_request (or an
         # abort-mode pause) sets ``pending.aborted``: the row ends "abort" after its current step, tokens kept
-        row = EngineRow(list(prompt), row_seed(seed, 0, 0), sampling.max_new_tokens, cancel=pending.aborted)
+        row = EngineRow(list(prompt), row_seed(seed, 0, 0), sampling.max_new_tokens, cancel=pending.aborted,
+                        images=images)
         if lora != self._merged_lora:  # a writer: waits for the rows generating, as a weight update does
             with self._model_update():
                 self._merge_lora(lora)

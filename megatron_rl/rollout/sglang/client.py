@@ -280,11 +280,14 @@ class SGLangClient:
     # ----------------------------------------------------------- generation
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
                  return_logprob: bool = True, timeout_s: Optional[float] = None,
-                 return_routed_experts: bool = False, lora_path: Optional[str] = None) -> list[dict]:
+                 return_routed_experts: bool = False, lora_path: Optional[str] = None,
+                 image_data: Optional[list[list[str]]] = None) -> list[dict]:
         """``POST /generate`` as one batch (one entry per row): ``[{text, output_ids, meta_info}, ...]``;
-        ``lora_path``: the name of a loaded LoRA adapter every row is generated with."""
+        ``lora_path``: the name of a loaded LoRA adapter every row is generated with; ``image_data``: each row's
+        images (``protocol.generate_payload``)."""
         payload = protocol.generate_payload(input_ids, sampling_params, rids=rids, return_logprob=return_logprob,
-                                            return_routed_experts=return_routed_experts, lora_path=lora_path)
+                                            return_routed_experts=return_routed_experts, lora_path=lora_path,
+                                            image_data=image_data)
         body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
         if not isinstance(body, list) or len(body) != len(input_ids):
             got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
@@ -294,10 +297,11 @@ class SGLangClient:
 
     def generate_one(self, input_ids: list[int], sampling_params: dict, *, rid: str, return_logprob: bool = True,
                      timeout_s: Optional[float] = None, return_routed_experts: bool = False,
-                     lora_path: Optional[str] = None) -> dict:
+                     lora_path: Optional[str] = None, image_data: Optional[list[str]] = None) -> dict:
         """``POST /generate`` for one row (the form an sglang-router accepts): ``{text, output_ids, meta_info}``."""
         payload = protocol.single_generate_payload(input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
-                                                   return_routed_experts=return_routed_experts, lora_path=lora_path)
+                                                   return_routed_experts=return_routed_experts, lora_path=lora_path,
+                                                   image_data=image_data)
         body = self._json(self.request("POST", "/generate", payload, timeout_s=timeout_s), "/generate")
         if not isinstance(body, dict):
             raise self._error("/generate", f"{self.label} answered one request with {type(body).__name__}; "

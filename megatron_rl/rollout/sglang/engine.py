@@ -139,6 +139,8 @@ class SGLangEngine(RolloutEngine):
         self.weights = VersionedWeightDir(weight_dir, hf_checkpoint=hf_checkpoint, keep_versions=keep_versions) \
             if weight_dir else None  # where update_weights publishes; the disk transport brings its own
         self.tokenizer = tokenizer  # for text prompts and rewards that decode; None: token-id prompts only
+        self.hf_checkpoint = hf_checkpoint  # a vision-language one's image-pad token id: image_pad_id
+        self._image_pad: Optional[int] = None
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
         self.release_tags = protocol.check_tags(release_tags)
@@ -434,9 +436,13 @@ class SGLangEngine(RolloutEngine):
             return []
         base_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         call_id = uuid.uuid4().hex[:12]
+        images = request_images(requests)
+        prompts = [req.prompt_ids for req in requests] if images is None else \
+            [one_pad_per_image(req.prompt_ids, self.image_pad_id()) if req.multimodal_inputs is not None
+             else req.prompt_ids for req in requests]
         if self.router is not None:
             return self._samples(requests, sampling, self._generate_via_router(requests, sampling, base_seed,
-                                                                               call_id))
+                                                                               call_id, prompts, images))
         start = self._cursor
         self._cursor = (self._cursor + len(requests)) % len(self.clients)
         per_server: list[list[int]] = [[] for _ in self.clients]
@@ -449,13 +455,16 @@ class SGLangEngine(RolloutEngine):
             if sampling.seed is not None and sampling.temperature > 0:
                 self._warn_if_seed_ignored(client)
             rows = [(i, j) for i in indices for j in range(sampling.n)]
+            # image_data only in calls with images: a text rollout calls the client as it always did
+            with_images: dict[str, Any] = {} if images is None else {"image_data": [images[i] for i, _ in rows]}
             try:
                 entries = client.generate(
-                    [requests[i].prompt_ids for i, _ in rows],
+                    [prompts[i] for i, _ in rows],
                     [protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)) for i, j in rows],
                     rids=[f"mrl-{call_id}-{i}-{j}" for i, j in rows], timeout_s=self.generate_timeout_s,
-                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name)
+                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
+                    **with_images)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -468,8 +477,23 @@ class SGLangEngine(RolloutEngine):
             outputs.update(part)
         return self._samples(requests, sampling, outputs)
 
+    def image_pad_id(self) -> int:
+        """The checkpoint's image-pad token id (``image_token_id`` in its config.json), read once."""
+        if self._image_pad is None:
+            try:
+                config = read_hf_config(self.hf_checkpoint) if self.hf_checkpoint else {}
+            except (OSError, ValueError):
+                config = {}
+            if config.get("image_token_id") is None:
+                raise EngineError(f"SGLang engine: prompts with images need the vision-language checkpoint's "
+                                  f"image_token_id, but hf_checkpoint {self.hf_checkpoint!r} gives none; pass "
+                                  "--hf-checkpoint of the served vision-language model")
+            self._image_pad = int(config["image_token_id"])
+        return self._image_pad
+
     def _generate_via_router(self, requests: list[GenerateRequest], sampling: SamplingParams, base_seed: int,
-                             call_id: str) -> dict[tuple[int, int], protocol.GenerateOutput]:
+                             call_id: str, prompts: list[list[int]], images: Optional[list[list[str]]] = None
+                             ) -> dict[tuple[int, int], protocol.GenerateOutput]:
         """Every row as its own request to the router, ``router_concurrency`` at a time; the first error
         is raised once the rows in flight finished (each has the client's timeout)."""
         router, router_pool = self.router, self._router_pool
@@ -481,13 +505,15 @@ class SGLangEngine(RolloutEngine):
 
         def one(row: tuple[int, int]) -> protocol.GenerateOutput:
             i, j = row
+            with_images: dict[str, Any] = {} if images is None else {"image_data": images[i]}
             try:
                 entry = router.generate_one(
-                    requests[i].prompt_ids,
+                    prompts[i],
                     protocol.sampling_params_dict(sampling, seed=protocol.row_seed(base_seed, i, j),
                                                   max_new_tokens=requests[i].budget(sampling)),
                     rid=f"mrl-{call_id}-{i}-{j}", timeout_s=self.generate_timeout_s,
-                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name)
+                    return_routed_experts=self.route_layout is not None, lora_path=self._lora_name,
+                    **with_images)
             except SGLangEngineError as exc:
                 if exc.status != UNAVAILABLE:
                     raise
@@ -520,6 +546,14 @@ class SGLangEngine(RolloutEngine):
         for i, req in enumerate(requests):
             for j in range(sampling.n):
                 out = outputs[(i, j)]
+                if req.multimodal_inputs is not None and out.prompt_tokens is not None \
+                        and out.prompt_tokens != len(req.prompt_ids):
+                    raise EngineError(
+                        f"/generate row {i}/{j} (group_index {req.group_index}): the server ran a prompt of "
+                        f"{out.prompt_tokens} tokens, but with its {req.multimodal_inputs.num_images} image(s) "
+                        f"expanded it has {len(req.prompt_ids)}: the server did not put the images in (SGLang warns "
+                        "'More image data items provided than corresponding tokens found in the prompt' and "
+                        "generates without them). Start SGLang with --mm-preprocess-cache-size-mb > 0 (docs/vlm.md)")
                 metadata = dict(req.metadata)
                 if len(out.weight_version_spans) > 1:  # an update landed while this row was generating
                     metadata["weight_version_spans"] = [list(span) for span in out.weight_version_spans]
@@ -533,7 +567,8 @@ class SGLangEngine(RolloutEngine):
                     group_index=req.group_index, prompt_ids=list(req.prompt_ids), response_ids=out.output_ids,
                     rollout_logprobs=out.logprobs, finish_reason=out.finish_reason, weight_version=out.weight_version,
                     label=req.label, prompt_text=req.prompt_text, response_text=out.text,
-                    metadata=metadata, token_versions=out.token_versions(), routed_experts=routes))
+                    metadata=metadata, token_versions=out.token_versions(), routed_experts=routes,
+                    multimodal_inputs=req.multimodal_inputs))
         return samples
 
     def _run_watched(self, fn, servers: list[int]) -> list:
@@ -939,6 +974,28 @@ LORA_NAME_PREFIX = "mrl-lora-v"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # servers on the driver's host (urlsplit's hostname)
 HOST_CHECKPOINT_DIR = "host_checkpoint"  # under --update-weight-disk-dir: the servers' weights patched by deltas
 ADAPTER_CONFIG = "adapter_config.json"  # models.peft_adapter's (imported here without torch)
+
+
+def one_pad_per_image(prompt_ids: list[int], pad: int) -> list[int]:
+    """``prompt_ids`` with each run of image-pad tokens cut to one: what SGLang expands itself. Why: SGLang 0.5.23's
+    Qwen-VL processor builds the prompt from token ids (``build_input_ids``, no detokenizing) only when each image
+    has one pad token; given the expanded runs it decodes the ids to text and tokenizes that again, which finds
+    the images only when the tokenizer's decode gives the image slot's text back exactly."""
+    return [t for k, t in enumerate(prompt_ids) if t != pad or k == 0 or prompt_ids[k - 1] != pad]
+
+
+def request_images(requests: list[GenerateRequest]) -> Optional[list[list[str]]]:
+    """Each request's images as SGLang's ``image_data`` items (``data:`` URLs of their encoded bytes; ``[]`` for a
+    request without), or None when no request has any (a text rollout sends no ``image_data``)."""
+    if all(req.multimodal_inputs is None for req in requests):
+        return None
+    out = []
+    for req in requests:
+        try:
+            out.append(req.multimodal_inputs.data_urls() if req.multimodal_inputs is not None else [])
+        except ValueError as exc:
+            raise EngineError(f"prompt of group_index {req.group_index}: {exc}") from None
+    return out
 
 
 def discover_router(urls: Sequence[str], *, timeout_s: float = 10.0) -> tuple[list[str], Optional[str]]:

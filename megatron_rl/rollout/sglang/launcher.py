@@ -132,7 +132,16 @@ def engine_command(cfg: "Config", slot: EngineSlot, *, python: str, host: str, p
         cmd.append("--enable-memory-saver")  # colocated engines release/resume their memory around training
     if cfg.megatron.use_rollout_routing_replay and "enable_return_routed_experts" not in r.sglang_args:
         cmd.append("--enable-return-routed-experts")  # R3: requests then ask for each token's experts
+    if cfg.data.multimodal_keys is not None and "mm_preprocess_cache_size_mb" not in r.sglang_args:
+        # prompts with images: SGLang's Qwen-VL processor then expands the image-pad tokens of the ids as sent;
+        # without its preprocess cache it decodes the ids and looks for the image slot's text (docs/vlm.md)
+        cmd += ["--mm-preprocess-cache-size-mb", str(MM_PREPROCESS_CACHE_MB)]
     return cmd + lora_server_args(cfg) + sglang_speculative_args(r) + _pass_through_args(r.sglang_args)
+
+
+#: what a launched engine serving prompts with images gets for --mm-preprocess-cache-size-mb (processed images kept
+#: for a group's repeated rows)
+MM_PREPROCESS_CACHE_MB = 256
 
 
 def lora_server_args(cfg: "Config") -> list[str]:
@@ -151,9 +160,14 @@ def lora_server_args(cfg: "Config") -> list[str]:
     return out
 
 
-def _engine_env(slot: EngineSlot, python: str) -> dict[str, str]:
+def _engine_env(slot: EngineSlot, python: str, images: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
     env["PYTHONUNBUFFERED"] = "1"
+    if images:
+        # SGLang 0.5.23 keeps each image's vision-tower output by the image's hash (SGLANG_VLM_CACHE_SIZE_MB, 100 by
+        # default) and no weight update or /flush_cache clears it: after a sync of the tower, an image seen before
+        # would keep the old tower's features (measured: tools/sglang_cpu/check_vlm_real.py). 0 caches nothing.
+        env["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
     if os.path.realpath(python) != os.path.realpath(sys.executable):
         env.pop("VIRTUAL_ENV", None)  # another venv's interpreter: do not claim ours
     if slot.gpu_ids:
@@ -527,7 +541,8 @@ def _start_fleet(cfg: "Config") -> tuple[EngineFleet, list[str]]:
                                   span=slot.span)
                 cmd = engine_command(cfg, slot, python=python, host=bind, port=port, nccl_port=second, part=part,
                                      dist_init_addr=rendezvous.get(slot.index))
-                proc = EngineProcess(slot, cmd, _engine_env(slot, python), os.path.join(log_dir, f"{name}.log"),
+                proc = EngineProcess(slot, cmd, _engine_env(slot, python, cfg.data.multimodal_keys is not None),
+                                     os.path.join(log_dir, f"{name}.log"),
                                      part=part, health_url=f"http://{reach}:{port}")
                 local.append(proc)
                 proc.start()

@@ -92,11 +92,20 @@ def sampling_params_dict(sampling: SamplingParams, *, seed: Optional[int] = None
 
 def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *, rids: Optional[list[str]] = None,
                      return_logprob: bool = True, return_routed_experts: bool = False,
-                     lora_path: Optional[str] = None) -> dict[str, Any]:
+                     lora_path: Optional[str] = None,
+                     image_data: Optional[list[list[str]]] = None) -> dict[str, Any]:
     """A batch ``GenerateReqInput``: one entry per row, per-row sampling params and request ids;
-    ``lora_path`` (a loaded adapter's ``lora_name``; SGLang repeats a string for every row) when given."""
-    if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
-        raise ValueError("generate_payload: input_ids, sampling_params and rids must have one entry per row")
+    ``lora_path`` (a loaded adapter's ``lora_name``; SGLang repeats a string for every row) when given;
+    ``image_data``: each row's images (``data:`` URLs, ``VisionInputs.data_urls``; ``[]`` for a row without),
+    sent when any row has one.
+
+    Why ``[]`` and not None for a row without images: SGLang 0.5.23's ``GenerateReqInput._normalize_image_data``
+    reads a batch's ``image_data`` as one list per row only when its first entry is a list (else as one image per
+    row, each wrapped in a list), and counts an empty list as no images."""
+    if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)) or (
+            image_data is not None and len(image_data) != len(input_ids)):
+        raise ValueError("generate_payload: input_ids, sampling_params, rids and image_data must have one entry per "
+                         "row")
     payload: dict[str, Any] = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                                "sampling_params": list(sampling_params),
                                "return_logprob": bool(return_logprob), "stream": False}
@@ -106,12 +115,15 @@ def generate_payload(input_ids: list[list[int]], sampling_params: list[dict], *,
         payload["return_routed_experts"] = True
     if lora_path is not None:
         payload["lora_path"] = str(lora_path)
+    if image_data is not None and any(image_data):
+        payload["image_data"] = [list(images) for images in image_data]
     return payload
 
 
 def single_generate_payload(input_ids: list[int], sampling_params: dict, *, rid: str,
                             return_logprob: bool = True, return_routed_experts: bool = False,
-                            lora_path: Optional[str] = None) -> dict[str, Any]:
+                            lora_path: Optional[str] = None,
+                            image_data: Optional[list[str]] = None) -> dict[str, Any]:
     """One row's ``GenerateReqInput`` (not a batch). What goes through an sglang-router: its typed
     request schema takes ``sampling_params`` as one map, so per-row params (each row's
     ``sampling_seed``) need one request per row; the router passes ``sampling_seed`` and ``rid``
@@ -122,6 +134,8 @@ def single_generate_payload(input_ids: list[int], sampling_params: dict, *, rid:
         payload["return_routed_experts"] = True
     if lora_path is not None:
         payload["lora_path"] = str(lora_path)
+    if image_data:
+        payload["image_data"] = list(image_data)  # one request: its images
     return payload
 
 
@@ -223,6 +237,7 @@ class GenerateOutput:
     finish_message: Optional[str] = None
     weight_version_spans: tuple[tuple[int, int, int], ...] = ()
     routed_experts: Optional[str] = None  # meta_info.routed_experts as sent (base64), when asked for
+    prompt_tokens: Optional[int] = None  # meta_info.prompt_tokens: the prompt as the server ran it (images expanded)
 
     def token_versions(self) -> list[int]:
         """``Sample.token_versions``: each output token's version when they differ, else ``[]``.
@@ -302,4 +317,5 @@ def parse_generate_output(entry: Any, *, where: str) -> GenerateOutput:
                           "SGLang sends a base64 string")
     return GenerateOutput(output_ids=output_ids, logprobs=[float(t[0]) for t in token_logprobs], finish_reason=kind,
                           weight_version=version, text=entry.get("text"), finish_message=message,
-                          weight_version_spans=spans, routed_experts=routes)
+                          weight_version_spans=spans, routed_experts=routes,
+                          prompt_tokens=int(meta["prompt_tokens"]) if meta.get("prompt_tokens") is not None else None)

@@ -11,6 +11,8 @@ What it provides: ``assign_req_to_token_pool_cpu`` in pure torch, the one kernel
 for a Qwen2 model on a non-AMX CPU (docs/sglang-cpu.md). Every other
 attribute is a function that raises ``NotImplementedError`` naming itself when called, so an
 SGLang code path that needs a real kernel fails loudly instead of computing something wrong.
+``torch.ops.sgl_kernel`` answers the few ops SGLang binds at import time (``IMPORT_TIME_OPS``) with the same
+raising functions, so the modules binding them import (the Qwen-VL processor among them).
 On import it also installs ``_host_memory``: SGLang's page-locked host buffers (the routed-experts
 capture of ``--enable-return-routed-experts``) allocated unpinned when there is no CUDA.
 """
@@ -65,3 +67,37 @@ def __getattr__(name: str):
     if name.startswith("__") and name.endswith("__"):
         raise AttributeError(name)
     return _missing(name)
+
+
+#: the torch ops SGLang 0.5.23 binds at import time on CPU from modules a Qwen2.5-VL server imports
+IMPORT_TIME_OPS = ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu", "fused_qkvzba_split_reshape_cat_contiguous_cpu")
+
+
+def _install_op_namespace() -> None:
+    """``torch.ops.sgl_kernel.NAME`` for the ``IMPORT_TIME_OPS`` no library registered: the raising ``_missing(NAME)``.
+
+    Why: some SGLang modules bind CPU kernels at import time (``sglang/srt/models/qwen3_5.py`` reads
+    ``torch.ops.sgl_kernel.fused_sigmoid_mul_cpu`` under ``_is_cpu``), and the multimodal processors import them
+    (``multimodal/processors/qwen_vl.py`` does, through the Qwen3.5 model module), so without the op the Qwen2.5-VL
+    processor does not register and SGLang refuses the architecture. Registered ops resolve as before; a missing
+    one becomes a function that raises when called, never a silent result."""
+    import torch
+
+    namespace = torch.ops.sgl_kernel  # torch caches this _OpNamespace; every later lookup gets the same object
+    base = type(namespace)
+
+    class StandInOpNamespace(base):  # type: ignore[misc, valid-type]
+        def __getattr__(self, name: str):
+            try:
+                return base.__getattr__(self, name)
+            except AttributeError:
+                if name not in IMPORT_TIME_OPS:  # others must stay absent: SGLang registers fakes only for ops
+                    raise  # that exist (register_fake_if_exists), which a stand-in op would break
+                kernel = _missing(name)
+                setattr(self, name, kernel)
+                return kernel
+
+    namespace.__class__ = StandInOpNamespace
+
+
+_install_op_namespace()
