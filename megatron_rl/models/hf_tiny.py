@@ -38,6 +38,14 @@ _COMMON: dict[str, Any] = dict(
 _SIGMOID_MOE: dict[str, Any] = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1,
                                     norm_topk_prob=True, output_router_logits=False)
+# DeepSeek Sparse Attention's families (deepseek_v32, glm_moe_dsa): MLA with a q latent, the sigmoid-router MoE and
+# the lightning indexer (8 heads of 16 channels, top-4 keys: shorter than the test sequences, so attention is
+# sparse); each adds its own RoPE
+_DSA: dict[str, Any] = dict(
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    **_SIGMOID_MOE, routed_scaling_factor=2.5, attention_bias=False, index_n_heads=8, index_head_dim=16, index_topk=4,
+    bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
+    eos_token_id=None)
 
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(rope_theta=10000.0, attention_bias=False, mlp_bias=False),
@@ -89,43 +97,14 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # lightning indexer: 8 heads of 16 channels (8 rotated, 8 not), top-4 keys (shorter than the test
     # sequences, so attention is sparse)
     "deepseek_v32": dict(
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
+        **_DSA,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
                          "mscale": 1.0, "mscale_all_dim": 0.8},
-        **_SIGMOID_MOE,
-        routed_scaling_factor=2.5,
-        attention_bias=False,
-        index_n_heads=8,
-        index_head_dim=16,
-        index_topk=4,
-        bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
-        eos_token_id=None,
     ),
     # GLM-5: DeepSeek-V3.2's switches with default RoPE (GLM-5's) and the indexer's RoPE on interleaved pairs;
     # every layer runs its indexer (cross-layer top-k sharing is refused)
-    "glm_moe_dsa": dict(
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        **_SIGMOID_MOE,
-        routed_scaling_factor=2.5,
-        attention_bias=False,
-        index_n_heads=8,
-        index_head_dim=16,
-        index_topk=4,
-        bos_token_id=None,  # transformers' defaults (0, 1) lie inside the tiny vocab: HF's generate would stop there
-        eos_token_id=None,
-    ),
+    "glm_moe_dsa": dict(**_DSA, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     # every switch on: every layer MoE (experts of intermediate_size) with a sigmoid router and a random
     # selection bias, q/k norms over all heads of a token, half-rotary RoPE; token ids inside the vocab
     "minimax_m2": dict(
