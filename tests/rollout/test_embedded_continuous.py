@@ -77,8 +77,10 @@ def test_a_batch_that_never_drains_attends_over_its_live_rows_only(models):
     leave with them); each row still gets ``generate``'s tokens."""
     engine = EmbeddedEngine(models[0])
     widths, calls, names = [], [0], {}
-    forward = engine.model.forward
+    forward, decode_step = engine.model.forward, engine._decode_step
     engine.model.forward = lambda *a, **kw: widths.append(kw["attention_mask"].shape[1]) or forward(*a, **kw)
+    # the decode steps (the lean step calls no model forward): the width each one attends over
+    engine._decode_step = lambda ids, mask, *rest: widths.append(mask.shape[1]) or decode_step(ids, mask, *rest)
 
     def take(room):
         k = calls[0]

@@ -154,7 +154,9 @@ def test_abort_mode_ends_the_rows_in_flight_and_holds_later_generates_until_cont
 def test_an_update_while_decoding_waits_for_the_step_then_lands_between_steps(models, references):
     """Not paused: the update waits for the running forward, lands before the next one, and the rows go on
     under the new weights (over their KV cache, as in_place) with their tokens' versions recorded."""
-    engine = EmbeddedEngine(models[0], max_batch_size=4)
+    # the hold is in the model's forward, which the lean decode step (rollout/lean_decode.py) does not call; the
+    # engine's step lock around it is the same either way
+    engine = EmbeddedEngine(models[0], max_batch_size=4, lean_decode=False)
     forward = engine.model.forward
     in_forward, go = threading.Event(), threading.Event()
     calls = []
