@@ -10,7 +10,7 @@ attention function), reading the live parameters; only the Python around them is
 transformers' bit for bit (``tests/rollout/test_lean_decode.py``: every decode step of a generation, float32
 and bfloat16, with left padding, the three families), and a weight update, an adapter merge or
 ``--true-on-policy-mode``'s invariant ops (a ``TorchFunctionMode``, which sees the same calls) change nothing
-about it. On the benchmark's tiny qwen2 it decodes 1.2-1.5x faster (docs/benchmarks.md).
+about it. On the async benchmark's tiny qwen2 it decodes 1.28x faster (benchmarks/lean_decode.py, docs/benchmarks.md).
 
 Where it is not exactly transformers' computation it is not used (``lean_decoder`` returns None and the engine
 calls the model): another family or decoder-layer class, a sliding-window or other non-full attention layer,
